@@ -1,0 +1,136 @@
+"""``loom`` command line: train, prepare, generate.
+
+Every command validates its configuration before importing torch or starting a process, and
+reports a bad field as one line: ``loom: error: <section.key>: <what is allowed>``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from loom import config as C
+
+USAGE = """loom <command> [CONFIG.toml] [--section.key value ...]
+
+commands:
+  train      train a model (local ranks: --nproc N, same as --run.nproc N)
+  prepare    tokenize a corpus into memory-mapped token files
+  generate   sample text from a trained run: --run.dir DIR --prompt TEXT
+"""
+
+
+def _split(argv: list[str]) -> tuple[str | None, list[str], dict[str, str]]:
+    """Config path (first bare arg ending in .toml), section overrides, and plain options."""
+    path: str | None = None
+    overrides: list[str] = []
+    plain: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("--"):
+            if path is None and a.endswith(".toml"):
+                path = a
+                i += 1
+                continue
+            raise C.ConfigError(f"unexpected argument {a!r}; give a config file ending in .toml or --section.key value")
+        key = a[2:].split("=", 1)[0]
+        has_eq = "=" in a
+        value = a.split("=", 1)[1] if has_eq else (argv[i + 1] if i + 1 < len(argv) else None)
+        if value is None:
+            raise C.ConfigError(f"{a}: missing value")
+        step = 1 if has_eq else 2
+        if "." in key:
+            overrides += [f"--{key}", value]
+        else:
+            plain[key.replace("-", "_")] = value
+        i += step
+    return path, overrides, plain
+
+
+def _load(argv: list[str], allowed_plain: tuple[str, ...]) -> tuple[C.LoomConfig, dict[str, str]]:
+    path, overrides, plain = _split(argv)
+    for k in plain:
+        if k not in allowed_plain:
+            opts = ", ".join("--" + p for p in allowed_plain) or "none"
+            raise C.ConfigError(f"--{k}: unknown option; allowed: {opts} and --section.key value")
+    cfg = C.load(path, overrides)
+    if "nproc" in plain:
+        C.apply_overrides(cfg, ["--run.nproc", plain["nproc"]])
+    return cfg, plain
+
+
+def cmd_train(argv: list[str]) -> int:
+    cfg, _ = _load(argv, ("nproc",))
+    from loom.launch import under_external_launcher
+
+    if not under_external_launcher():
+        C.validate(cfg, C.world_size_of(cfg))
+    from loom.launch import main_train
+
+    return main_train(cfg)
+
+
+def cmd_prepare(argv: list[str]) -> int:
+    cfg, _ = _load(argv, ())
+    C.validate(cfg, 1)
+    from loom.data import prepare_data
+
+    prepared = prepare_data(cfg.data, progress=cfg.run.progress)
+    print(f"prepared {prepared.n_train_tokens:,} train + {prepared.n_val_tokens:,} val tokens "
+          f"(vocab {prepared.vocab_size}) in {prepared.dir}")  # fmt: skip
+    return 0
+
+
+def cmd_generate(argv: list[str]) -> int:
+    path, overrides, plain = _split(argv)
+    allowed = ("prompt", "max_new_tokens", "temperature", "top_k", "seed")
+    for k in plain:
+        if k not in allowed:
+            raise C.ConfigError(f"--{k}: unknown option; allowed: {', '.join('--' + a for a in allowed)}")
+    run_dir = None
+    for i in range(0, len(overrides), 2):
+        if overrides[i] == "--run.dir":
+            run_dir = overrides[i + 1]
+    if run_dir is None:
+        raise C.ConfigError("generate: --run.dir DIR is required (a directory written by loom train)")
+    from loom.generate import generate_from_run
+
+    text = generate_from_run(
+        run_dir,
+        prompt=plain.get("prompt", "def "),
+        max_new_tokens=int(plain.get("max_new_tokens", 200)),
+        temperature=float(plain.get("temperature", 0.8)),
+        top_k=int(plain.get("top_k", 50)),
+        seed=int(plain.get("seed", 0)),
+    )
+    print(text)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"loom: error: unknown command {cmd!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    if "-h" in rest or "--help" in rest:
+        print(USAGE)
+        return 0
+    try:
+        return COMMANDS[cmd](rest)
+    except C.ConfigError as e:
+        print(f"loom: error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"loom: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,395 @@
+"""Typed configuration: dataclasses, TOML loading, ``--section.key value`` overrides, validation.
+
+Pure Python (no torch import) so a bad config is rejected in milliseconds, before any
+process starts. Every error is a :class:`ConfigError` whose one-line message names the
+field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a one-line message naming the field."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Llama-style decoder."""
+
+    dim: int = 256  # hidden size h
+    n_layers: int = 4  # transformer blocks L
+    n_heads: int = 8  # query heads a
+    n_kv_heads: int = 4  # key/value heads (grouped-query attention); must divide n_heads
+    ffn_dim: int = 0  # SwiGLU hidden size; 0 = Llama rule round_up(8h/3, multiple_of)
+    multiple_of: int = 64  # rounding for the automatic ffn_dim
+    vocab_size: int = 0  # 0 = take it from the tokenizer of the prepared data
+    max_seq_len: int = 256  # longest sequence RoPE is prepared for
+    rope_theta: float = 10000.0  # RoPE base frequency
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = True  # share the embedding matrix with the output head
+    init_std: float = 0.02  # std of the normal init; output projections use std/sqrt(2L)
+
+    def resolved_ffn_dim(self) -> int:
+        """SwiGLU hidden size: explicit, or ``multiple_of * ceil(8h/3 / multiple_of)``."""
+        if self.ffn_dim > 0:
+            return self.ffn_dim
+        hidden = int(8 * self.dim / 3)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = "stdlib"  # "stdlib" (Python standard library text, offline) or a file/dir/glob of .txt/.jsonl/.parquet
+    prepared_dir: str = ""  # where train.bin/val.bin/tokenizer.json live; "" = a cache dir keyed by source+vocab
+    tokenizer: str = ""  # path to a tokenizer.json to use; "" = train a byte-level BPE on the corpus
+    vocab_size: int = 4096  # BPE vocabulary size when training a tokenizer
+    seq_len: int = 256  # tokens per training sequence T
+    val_fraction: float = 0.02  # share of the corpus held out for eval loss
+    max_corpus_mb: float = 24.0  # cap on corpus text read (stdlib is ~30 MB)
+    text_field: str = "text"  # field holding the text in .jsonl/.parquet records
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. Product of dp * tp * pp * cp must equal the world size."""
+
+    dp: int = -1  # data-parallel degree; -1 = world_size / (tp*pp*cp)
+    dp_shard: int = -1  # ZeRO/FSDP sharding group inside dp; -1 = all of dp
+    tp: int = 1  # tensor-parallel degree
+    pp: int = 1  # pipeline-parallel degree
+    cp: int = 1  # context-parallel degree
+    ep: int = 1  # expert-parallel degree (borrows from dp*cp)
+    zero: int = 0  # ZeRO stage 0 (plain data parallel), 1, 2 or 3
+    bucket_mb: float = 25.0  # gradient bucket size for the all-reduce, in MB
+    reduce_dtype: str = "fp32"  # dtype gradients are reduced in
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and loop."""
+
+    steps: int = 300  # total optimizer steps (a resumed run stops where an uninterrupted one would)
+    global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch: int = 4  # sequences per forward/backward on one rank
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float = 3e-4  # floor of the cosine decay
+    warmup_steps: int = 20  # linear warm-up steps
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (not on norms/biases)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # clip global grad norm to this; 0 = off
+    seed: int = 1234  # seeds init, data order and dropout; independent of the layout
+    eval_every: int = 100  # steps between eval losses; 0 = off
+    eval_batches: int = 4  # micro-batches per eval
+    log_every: int = 10  # steps between step lines / metrics rows
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = only the final one
+    time_limit_s: float = 0.0  # stop early (and save) after this many seconds; 0 = none
+
+
+@dataclass
+class RunConfig:
+    """Where and how the job runs."""
+
+    dir: str = "runs/default"  # output directory: config.toml, metrics.jsonl, tensorboard/, checkpoints/
+    nproc: int = 2  # local ranks started by `loom train` (ignored under torchrun/srun)
+    device: str = "auto"  # auto | cpu | cuda
+    backend: str = "auto"  # auto (nccl on cuda, gloo on cpu) | gloo | nccl
+    timeout_s: float = 300.0  # process-group timeout: a dead rank surfaces as an error after this
+    progress: bool = True  # progress bar on rank 0
+    tensorboard: bool = True  # write TensorBoard events
+    master_addr: str = "127.0.0.1"  # rendezvous address; loopback unless you mean multi-node
+    master_port: int = 0  # rendezvous port; 0 = pick a free one
+    threads: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks
+
+
+@dataclass
+class LoomConfig:
+    """The whole job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(LoomConfig)}  # type: ignore[misc]
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Convert a TOML or CLI value to ``typ``; raise ConfigError naming ``where``."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None:
+            return None
+        typ = args[0]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    raise ConfigError(f"{where}: unsupported field type {typ!r}")  # pragma: no cover
+
+
+def _apply(cfg: LoomConfig, section: str, key: str, value: Any) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown section [{section}]; allowed: {', '.join(SECTIONS)}")
+    sub = getattr(cfg, section)
+    types_ = _field_types(type(sub))
+    if key not in types_:
+        allowed = ", ".join(types_)
+        raise ConfigError(f"{section}.{key}: unknown key; allowed in [{section}]: {allowed}")
+    setattr(sub, key, _coerce(value, types_[key], f"{section}.{key}"))
+
+
+def from_dict(data: dict[str, Any], base: LoomConfig | None = None) -> LoomConfig:
+    """Build a config from nested dicts (as TOML gives), starting from ``base`` or defaults."""
+    cfg = base if base is not None else LoomConfig()
+    for section, table in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section [{section}]; allowed: {', '.join(SECTIONS)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] must be a table, got {table!r}")
+        for key, value in table.items():
+            _apply(cfg, section, key, value)
+    return cfg
+
+
+def load_toml(path: str | Path, base: LoomConfig | None = None) -> LoomConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    return from_dict(data, base)
+
+
+def apply_overrides(cfg: LoomConfig, args: list[str]) -> LoomConfig:
+    """Apply ``--section.key value`` (or ``--section.key=value``) pairs."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key value")
+        name = arg[2:]
+        if "=" in name:
+            name, value = name.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{name}: missing value")
+            value = args[i + 1]
+            i += 2
+        section, _, key = name.partition(".")
+        _apply(cfg, section, key.replace("-", "_"), value)
+    return cfg
+
+
+def to_dict(cfg: LoomConfig) -> dict[str, dict[str, Any]]:
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}
+
+
+def dump_toml(cfg: LoomConfig) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(to_dict(cfg))
+
+
+# ----------------------------------------------------------------------------- validation
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def resolve_layout(cfg: LoomConfig, world_size: int) -> None:
+    """Fill ``parallel.dp``/``dp_shard`` from the world size and check every product.
+
+    world_size = dp * tp * pp * cp;  dp = dp_replicate * dp_shard;  ep | dp * cp.
+    """
+    p = cfg.parallel
+    for name in ("tp", "pp", "cp", "ep"):
+        _require(getattr(p, name) >= 1, f"parallel.{name}: must be >= 1, got {getattr(p, name)}")
+    inner = p.tp * p.pp * p.cp
+    if p.dp == -1:
+        _require(
+            world_size % inner == 0,
+            f"parallel: world size {world_size} is not divisible by tp*pp*cp = {inner}",
+        )
+        p.dp = world_size // inner
+    _require(p.dp >= 1, f"parallel.dp: must be >= 1 or -1 (auto), got {p.dp}")
+    _require(
+        p.dp * inner == world_size,
+        f"parallel: dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {p.dp * inner} "
+        f"must equal the world size {world_size}",
+    )
+    if p.dp_shard == -1:
+        p.dp_shard = p.dp if p.zero > 0 else 1
+    _require(
+        p.dp_shard >= 1 and p.dp % p.dp_shard == 0,
+        f"parallel.dp_shard: must divide dp={p.dp}, got {p.dp_shard}",
+    )
+    _require(
+        (p.dp * p.cp) % p.ep == 0,
+        f"parallel.ep: must divide dp*cp = {p.dp * p.cp}, got {p.ep}",
+    )
+
+
+def world_size_of(cfg: LoomConfig) -> int:
+    """World size a config asks for: explicit dp product, or run.nproc."""
+    p = cfg.parallel
+    if p.dp > 0:
+        return p.dp * p.tp * p.pp * p.cp
+    return cfg.run.nproc
+
+
+def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
+    """Check every field and combination; resolve automatic values in place. Raises ConfigError."""
+    m, d, p, t, r = cfg.model, cfg.data, cfg.parallel, cfg.train, cfg.run
+    _require(world_size >= 1, f"run.nproc: must be >= 1, got {world_size}")
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "multiple_of"):
+        _require(getattr(m, name) >= 1, f"model.{name}: must be >= 1, got {getattr(m, name)}")
+    _require(m.dim % m.n_heads == 0, f"model.dim: {m.dim} must be divisible by model.n_heads={m.n_heads}")
+    _require((m.dim // m.n_heads) % 2 == 0, f"model.dim: head_dim {m.dim // m.n_heads} must be even for RoPE")
+    _require(
+        m.n_heads % m.n_kv_heads == 0,
+        f"model.n_kv_heads: must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}",
+    )
+    _require(m.ffn_dim >= 0, f"model.ffn_dim: must be >= 0 (0 = automatic), got {m.ffn_dim}")
+    _require(m.vocab_size >= 0, f"model.vocab_size: must be >= 0 (0 = from tokenizer), got {m.vocab_size}")
+    _require(m.init_std > 0, f"model.init_std: must be > 0, got {m.init_std}")
+    _require(d.seq_len >= 2, f"data.seq_len: must be >= 2, got {d.seq_len}")
+    _require(
+        d.seq_len <= m.max_seq_len,
+        f"data.seq_len: {d.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
+    )
+    _require(d.vocab_size >= 260, f"data.vocab_size: must be >= 260 (bytes + specials), got {d.vocab_size}")
+    _require(0.0 < d.val_fraction < 0.5, f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")
+    _require(d.max_corpus_mb > 0, f"data.max_corpus_mb: must be > 0, got {d.max_corpus_mb}")
+    _require(t.steps >= 1, f"train.steps: must be >= 1, got {t.steps}")
+    _require(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
+    _require(0 <= t.min_lr <= t.lr, f"train.min_lr: must be in [0, train.lr={t.lr}], got {t.min_lr}")
+    _require(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2: must be in [0, 1)")
+    _require(t.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 = off), got {t.grad_clip}")
+    _require(t.log_every >= 1, f"train.log_every: must be >= 1, got {t.log_every}")
+    _require(t.eval_every >= 0, f"train.eval_every: must be >= 0, got {t.eval_every}")
+    _require(t.checkpoint_every >= 0, f"train.checkpoint_every: must be >= 0, got {t.checkpoint_every}")
+    _require(t.precision in PRECISIONS, f"train.precision: must be one of {PRECISIONS}, got {t.precision!r}")
+    _require(r.device in DEVICES, f"run.device: must be one of {DEVICES}, got {r.device!r}")
+    _require(r.backend in BACKENDS, f"run.backend: must be one of {BACKENDS}, got {r.backend!r}")
+    _require(
+        not (r.device == "cpu" and r.backend == "nccl"),
+        "run.backend: nccl needs run.device = cuda; use gloo on cpu",
+    )
+    _require(r.timeout_s > 0, f"run.timeout_s: must be > 0, got {r.timeout_s}")
+    _require(r.threads >= 0, f"run.threads: must be >= 0 (0 = automatic), got {r.threads}")
+    _require(
+        p.reduce_dtype in REDUCE_DTYPES,
+        f"parallel.reduce_dtype: must be one of {REDUCE_DTYPES}, got {p.reduce_dtype!r}",
+    )
+    _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be > 0, got {p.bucket_mb}")
+    _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
+    resolve_layout(cfg, world_size)
+    _check_implemented(cfg)
+    _require(t.micro_batch >= 1, f"train.micro_batch: must be >= 1, got {t.micro_batch}")
+    _require(
+        t.global_batch % (t.micro_batch * p.dp) == 0,
+        f"train.global_batch: {t.global_batch} must be divisible by micro_batch*dp = "
+        f"{t.micro_batch}*{p.dp} = {t.micro_batch * p.dp}",
+    )
+    return cfg
+
+
+# Features whose fields exist (so the mesh and the planner can name them) but whose runtime
+# has not landed yet: (field, predicate on the config, message). Entries go as features land.
+NOT_YET: list[tuple[str, Any, str]] = [
+    ("parallel.tp", lambda c: c.parallel.tp > 1, "tensor parallelism is not implemented yet; use 1"),
+    ("parallel.pp", lambda c: c.parallel.pp > 1, "pipeline parallelism is not implemented yet; use 1"),
+    ("parallel.cp", lambda c: c.parallel.cp > 1, "context parallelism is not implemented yet; use 1"),
+    ("parallel.ep", lambda c: c.parallel.ep > 1, "expert parallelism is not implemented yet; use 1"),
+    ("parallel.zero", lambda c: c.parallel.zero > 0, "ZeRO stages are not implemented yet; use 0"),
+    ("train.precision", lambda c: c.train.precision != "fp32", "only fp32 is implemented yet"),
+]
+
+
+def _check_implemented(cfg: LoomConfig) -> None:
+    for name, pred, msg in NOT_YET:
+        if pred(cfg):
+            raise ConfigError(f"{name}: {msg}")
+
+
+def effective_vocab(cfg: LoomConfig, tokenizer_vocab: int) -> int:
+    """Model vocabulary: explicit, or the tokenizer's."""
+    return cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_vocab
+
+
+def grad_accum_steps(cfg: LoomConfig) -> int:
+    """Micro-steps per optimizer step: global_batch / (micro_batch * dp)."""
+    return cfg.train.global_batch // (cfg.train.micro_batch * cfg.parallel.dp)
+
+
+def load(path: str | None, overrides: list[str]) -> LoomConfig:
+    """Defaults, then the TOML file (if any), then CLI overrides."""
+    cfg = load_toml(path) if path else LoomConfig()
+    return apply_overrides(cfg, overrides)

@@ -1,0 +1,116 @@
+"""Local multi-rank launch through torch's elastic launcher (the machinery behind ``torchrun``).
+
+``loom train --run.nproc N`` validates the config, prepares the data once, then starts N ranks
+with a c10d rendezvous bound to loopback. If a rank fails, the agent stops every other rank
+and we print one line naming the failed rank(s). Under ``torchrun``/``srun`` (``WORLD_SIZE`` set)
+the launcher is skipped and this process is one rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from typing import Any
+
+from loom import config as C
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def under_external_launcher() -> bool:
+    """True under torchrun/srun-with-env: this process is already one rank."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def _worker(cfg_dict: dict[str, Any]) -> dict[str, float]:
+    from loom.train.trainer import run
+
+    return run(C.from_dict(cfg_dict))
+
+
+def _set_launch_env(master_addr: str) -> None:
+    # A shared rendezvous TCP store made restarts fail on this machine (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if master_addr in LOOPBACK:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ["MASTER_ADDR"] = master_addr
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def launch(cfg: C.LoomConfig, nproc: int, max_restarts: int = 0) -> dict[int, Any]:
+    """Start ``nproc`` local ranks running the trainer; returns each rank's result.
+
+    Raises ``SystemExit`` with a one-line message naming the failed rank(s).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    addr = cfg.run.master_addr
+    _set_launch_env(addr)
+    port = cfg.run.master_port or free_port(addr if addr in LOOPBACK else "0.0.0.0")
+    lc = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"loom-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{addr}:{port}",
+        rdzv_configs={"timeout": int(cfg.run.timeout_s)},
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        local_addr=addr,
+    )
+    try:
+        return elastic_launch(lc, _worker)(C.to_dict(cfg))
+    except ChildFailedError as e:
+        lines = []
+        for local_rank, failure in sorted(e.failures.items()):
+            msg = _failure_message(failure)
+            lines.append(f"rank {failure.rank} (local {local_rank}) failed with exit code {failure.exitcode}: {msg}")
+        raise SystemExit("loom: " + "; ".join(lines)) from None
+    except KeyboardInterrupt:
+        raise SystemExit("loom: interrupted; all ranks stopped") from None
+
+
+def _failure_message(failure) -> str:
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    msg = data.get("message", {})
+    if isinstance(msg, dict):
+        text = msg.get("message", "")
+    else:
+        text = str(msg)
+    text = text.strip().splitlines()[-1] if text.strip() else (failure.message or "see the rank's output above")
+    if failure.signal_name() not in ("", "<N/A>", None) and failure.exitcode < 0:
+        text = f"killed by {failure.signal_name()}"
+    return text
+
+
+def main_train(cfg: C.LoomConfig) -> int:
+    """``loom train``: one rank under an external launcher, else a local elastic launch."""
+    if under_external_launcher():
+        from loom.train.trainer import run
+
+        run(cfg)
+        return 0
+    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp  # validated by the CLI
+    from loom.data import prepare_data
+
+    prepared = prepare_data(cfg.data, progress=cfg.run.progress)
+    cfg.data.prepared_dir = str(prepared.dir)
+    if world == 1:
+        from loom.train.trainer import run
+
+        run(cfg)
+        return 0
+    launch(cfg, world)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,133 @@
+"""ParallelMesh: every parallel dimension, its process groups, and this rank's coordinates.
+
+Mesh dimensions, outermost first: ``pp, dp_replicate, dp_shard, cp, tp``.
+
+    world = pp * dp * cp * tp,   dp = dp_replicate * dp_shard,   ep | dp * cp.
+
+``tp`` is innermost so tensor-parallel peers are neighbouring ranks (same node); ``pp`` is
+outermost so pipeline stages span nodes. Expert parallelism borrows ranks from ``dp * cp``.
+:class:`ParallelDims` is the pure arithmetic (testable for any world size without processes);
+:class:`ParallelMesh` adds the process groups, built once from a ``DeviceMesh``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch.distributed as dist
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of every dimension; validated on construction."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"ParallelDims.{name}: must be a positive integer, got {v!r}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ParallelDims.ep: {self.ep} must divide dp*cp = {self.dp * self.cp}")
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in MESH_DIMS)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of ``rank`` along every mesh dimension (row-major, tp fastest)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+        out: dict[str, int] = {}
+        rem = rank
+        for name, size in zip(reversed(MESH_DIMS), reversed(self.shape)):
+            out[name] = rem % size
+            rem //= size
+        out = {d: out[d] for d in MESH_DIMS}
+        out["dp"] = out["dp_replicate"] * self.dp_shard + out["dp_shard"]
+        return out
+
+    def group_ranks(self, rank: int, dims: tuple[str, ...]) -> list[int]:
+        """Global ranks sharing every coordinate of ``rank`` except those in ``dims``."""
+        c = self.coords(rank)
+        sizes = dict(zip(MESH_DIMS, self.shape))
+        strides: dict[str, int] = {}
+        s = 1
+        for name in reversed(MESH_DIMS):
+            strides[name] = s
+            s *= sizes[name]
+        base = rank - sum(c[d] * strides[d] for d in dims)
+        ranks = [base]
+        for d in dims:
+            ranks = [r + i * strides[d] for r in ranks for i in range(sizes[d])]
+        return sorted(ranks)
+
+    @classmethod
+    def from_config(cls, p) -> ParallelDims:  # p: loom.config.ParallelConfig (resolved)
+        return cls(dp_replicate=p.dp // p.dp_shard, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+
+
+class ParallelMesh:
+    """Process groups for every dimension, created once and passed explicitly.
+
+    ``group(name)`` accepts a mesh dimension or ``"dp"`` (replicate and shard flattened).
+    With a world of one process (no ``torch.distributed``), every group is ``None`` and
+    every size is 1, so single-process code runs through the same paths.
+    """
+
+    def __init__(self, dims: ParallelDims, device_type: str = "cpu") -> None:
+        self.dims = dims
+        self.device_type = device_type
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        world = dist.get_world_size() if self.distributed else 1
+        if world != dims.world_size:
+            raise ValueError(
+                f"mesh {dict(zip(MESH_DIMS, dims.shape))} has {dims.world_size} ranks but the world has {world}"
+            )
+        self.coords = dims.coords(self.rank)
+        self._device_mesh = None
+        self._groups: dict[str, dist.ProcessGroup | None] = {}
+        if self.distributed and world > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
+            for name in MESH_DIMS:
+                self._groups[name] = self._device_mesh.get_group(name)
+            self._groups["dp"] = self._device_mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+
+    @cached_property
+    def device_mesh(self):
+        return self._device_mesh
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        if name not in (*MESH_DIMS, "dp"):
+            raise KeyError(f"unknown mesh dimension {name!r}; known: {', '.join((*MESH_DIMS, 'dp'))}")
+        return self._groups.get(name)
+
+    def size(self, name: str) -> int:
+        return self.dims.dp if name == "dp" else getattr(self.dims, name)
+
+    def local_rank(self, name: str) -> int:
+        return self.coords[name]
+
+    def __repr__(self) -> str:
+        shape = ", ".join(f"{d}={s}" for d, s in zip(MESH_DIMS, self.dims.shape))
+        return f"ParallelMesh({shape}; rank {self.rank} at {self.coords})"

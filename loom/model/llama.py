@@ -1,0 +1,186 @@
+"""A plain single-device Llama-style decoder: the reference every parallel layout is compared to.
+
+RMSNorm, rotary position embeddings, grouped-query attention through
+``F.scaled_dot_product_attention``, SwiGLU MLP, optional tied embeddings. No parallel code
+lives here: strategies are applied from outside (module swap, hooks, wrapping).
+
+Shapes: B batch, T sequence, h = dim, a = n_heads, k = n_kv_heads, d = head_dim = h / a,
+V vocabulary, f = ffn_dim.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_seq_len, head_dim/2): angle(t, i) = t * theta^(-2i/d)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, heads, d) by the angles of positions 0..T-1."""
+    T = x.shape[1]
+    cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, d/2)
+    xf = x.float().unflatten(-1, (-1, 2))  # (B, T, heads, d/2, 2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention: a query heads share k key/value heads (a % k == 0)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # Head counts come from the weights so a tensor-parallel shard (fewer heads) runs unchanged.
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, a, d)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, k, d)
+        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, k, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)  # (B, a, T, d)
+            v = v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, a, T, d)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, a*d)
+        return self.wo(y)  # (B, T, h)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2( silu(w1 x) * w3 x ), hidden size f."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, h)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.resolved_ffn_dim())
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be resolved (> 0) before building the model")
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)  # (B, T, h)
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h))  # (B, T, V)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> None:
+    """Deterministic init from ``seed``: each parameter draws from its own generator keyed by its
+    name, so the values do not depend on how the model is later sharded or placed.
+
+    Linear/embedding ~ N(0, std); output projections (wo, w2) ~ N(0, std / sqrt(2L)); norms = 1.
+    """
+    std = model.cfg.init_std
+    proj_std = std / math.sqrt(2 * model.cfg.n_layers)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            continue
+        g = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
+        s = proj_std if name.endswith(("wo.weight", "w2.weight")) else std
+        p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(s).to(p.device, p.dtype))
+
+
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Transformer:
+    """Construct and deterministically initialise the reference model on ``device``."""
+    model = Transformer(cfg).to(device)
+    init_weights(model, seed)
+    return model
+
+
+def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Unique parameters (tied weights counted once); optionally without the input embedding."""
+    seen: set[int] = set()
+    n = 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if exclude_embedding and name.startswith("tok_embeddings"):
+            continue
+        n += p.numel()
+    return n
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int) -> float:
+    """Training FLOPs per token: 6 N (matmuls fwd+bwd) + 12 L h T (attention scores and values)."""
+    return 6.0 * n_params + 12.0 * cfg.n_layers * cfg.dim * seq_len
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over (B, T); targets < 0 are ignored."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-100)

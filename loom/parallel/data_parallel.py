@@ -1,0 +1,211 @@
+"""Data parallelism: bucketed gradient all-reduce overlapped with backward.
+
+Gradients live in flat bucket buffers (``param.grad`` is a view into its bucket), filled in
+reverse registration order, which is roughly the order backward produces them. When the last
+gradient of a bucket has been accumulated, that bucket's all-reduce is launched asynchronously
+while backward goes on; :meth:`DataParallel.finish_sync` waits for all of them.
+
+Averaging: each bucket is divided by n before the sum-all-reduce, so the result is the mean
+over ranks; with equal micro-batches that equals the gradient of the global-batch mean loss.
+
+Gradient accumulation: during micro-steps that are not the last, :meth:`no_sync` keeps hooks
+from communicating; gradients accumulate in the buffers; the last micro-step communicates once.
+
+Memory: parameters Φ and gradients Φ are replicated (grad buffers add no copy, they *are* the
+gradients). Communication per rank per optimizer step, ring all-reduce over n ranks:
+    bytes = 2 · Φ · b · (n-1)/n,   b = bytes per element of ``reduce_dtype``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from loom import comm
+from loom.comm import CommMeter, Group
+
+
+@dataclass
+class Bucket:
+    """A flat gradient buffer shared by a run of parameters."""
+
+    index: int
+    params: list[nn.Parameter]
+    buffer: torch.Tensor  # grads live here (param.grad are views)
+    comm_buffer: torch.Tensor  # == buffer, or a copy in reduce_dtype
+    offsets: list[tuple[int, int]] = field(default_factory=list)
+    pending: int = 0
+    work: object | None = None
+    launched: bool = False
+
+
+@dataclass
+class LaunchRecord:
+    """For instrumentation: which bucket launched, and how many params were still waiting then."""
+
+    bucket: int
+    params_not_ready: int
+
+
+def _unique_params(module: nn.Module) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+class DataParallel:
+    """Attach bucketed, overlapped gradient all-reduce to ``module`` over ``group``.
+
+    Not an ``nn.Module`` wrapper: the model is called as usual; this object owns the gradient
+    buffers and the communication. Call :meth:`zero_grad` (not ``set_to_none``) between steps.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Group,
+        meter: CommMeter | None = None,
+        bucket_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.module = module
+        self.group = group
+        self.world = comm.group_size(group)
+        self.meter = meter
+        self.params = _unique_params(module)
+        self.reduce_dtype = reduce_dtype
+        self.sync_enabled = True
+        self.launch_log: list[LaunchRecord] = []
+        self._ready_count = 0
+        self.buckets = self._build_buckets(int(bucket_mb * 1024 * 1024))
+        self._slot: dict[int, tuple[Bucket, int, int]] = {}  # id(param) -> (bucket, offset, numel)
+        for b in self.buckets:
+            for p, (off, n) in zip(b.params, b.offsets):
+                self._slot[id(p)] = (b, off, n)
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+
+    # ------------------------------------------------------------------ construction
+    def _build_buckets(self, cap_bytes: int) -> list[Bucket]:
+        groups: list[list[nn.Parameter]] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(self.params):
+            nb = p.numel() * p.element_size()
+            if current and (size + nb > cap_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
+                groups.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nb
+        if current:
+            groups.append(current)
+        buckets = []
+        for i, ps in enumerate(groups):
+            numel = sum(p.numel() for p in ps)
+            buf = torch.zeros(numel, dtype=ps[0].dtype, device=ps[0].device)
+            rd = self.reduce_dtype or buf.dtype
+            cbuf = buf if rd == buf.dtype else torch.zeros(numel, dtype=rd, device=buf.device)
+            b = Bucket(index=i, params=ps, buffer=buf, comm_buffer=cbuf)
+            off = 0
+            for p in ps:
+                b.offsets.append((off, p.numel()))
+                view = buf[off : off + p.numel()].view_as(p)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                off += p.numel()
+            b.pending = len(ps)
+            buckets.append(b)
+        return buckets
+
+    # ------------------------------------------------------------------ hooks
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        b, off, n = self._slot[id(p)]
+        view = b.buffer[off : off + n].view_as(p)
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            # Someone replaced .grad (e.g. set_to_none); fold it back into the bucket.
+            view.add_(p.grad)
+            p.grad = view
+        if not self.sync_enabled:
+            return
+        self._ready_count += 1
+        b.pending -= 1
+        if b.pending == 0:
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        self.launch_log.append(LaunchRecord(b.index, len(self.params) - self._ready_count))
+        if self.world > 1:
+            if b.comm_buffer is not b.buffer:
+                b.comm_buffer.copy_(b.buffer)
+            b.comm_buffer.div_(self.world)
+            b.work = comm.all_reduce(b.comm_buffer, self.group, self.meter, async_op=True)
+        b.launched = True
+
+    # ------------------------------------------------------------------ public API
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; no communication inside this context."""
+        prev = self.sync_enabled
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = prev
+
+    def finish_sync(self) -> None:
+        """Wait for every bucket's all-reduce (launching any bucket left, e.g. unused params)."""
+        if not self.sync_enabled:
+            return
+        for b in self.buckets:
+            if not b.launched:
+                self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+            if b.comm_buffer is not b.buffer:
+                b.buffer.copy_(b.comm_buffer)
+            b.launched = False
+            b.pending = len(b.params)
+        self._ready_count = 0
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.buffer.zero_()
+            for p, (off, n) in zip(b.params, b.offsets):
+                view = b.buffer[off : off + n].view_as(p)
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+        self.launch_log.clear()
+
+    def grad_bytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def broadcast_params(module: nn.Module, group: Group, meter: CommMeter | None = None) -> None:
+    """Make every rank's parameters equal to those of the group's first rank."""
+    for p in _unique_params(module):
+        comm.broadcast(p.data, 0, group, meter)
+
+
+def apply_data_parallel(module: nn.Module, mesh, cfg, meter: CommMeter | None = None) -> DataParallel:
+    """Entry point used by ``parallelize``: data parallelism over the mesh's ``dp`` group."""
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    return DataParallel(
+        module,
+        mesh.group("dp"),
+        meter=meter,
+        bucket_mb=cfg.parallel.bucket_mb,
+        reduce_dtype=dtypes[cfg.parallel.reduce_dtype],
+    )

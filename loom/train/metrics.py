@@ -1,0 +1,67 @@
+"""Metrics: one standard step line, ``metrics.jsonl`` and TensorBoard, written by rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("loom")
+
+
+def setup_logging(rank: int) -> None:
+    """Rank-aware log format; only rank 0 logs INFO, others only warnings and errors."""
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"[rank {rank}] %(message)s", force=True)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}TiB"  # pragma: no cover
+
+
+def step_line(row: dict[str, Any]) -> str:
+    """``step | loss | lr | grad_norm | tok/s | MFU | mem`` (the one standard line)."""
+    return (
+        f"step {row['step']:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+        f"grad_norm {row['grad_norm']:.3f} | tok/s {row['tokens_per_s']:,.0f} | "
+        f"MFU {100 * row['mfu']:.1f}% | mem {human_bytes(row['peak_mem_bytes'])}"
+        f" (state {human_bytes(row['param_bytes'] + row['grad_bytes'] + row['optim_bytes'])})"
+    )
+
+
+class MetricsWriter:
+    """Appends JSON rows to ``metrics.jsonl`` (flushed and fsynced per row) and TensorBoard scalars."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool) -> None:
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._fh = open(self.path, "a", buffering=1) if enabled else None  # noqa: SIM115
+        self._tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._fh.write(json.dumps(row, sort_keys=True) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        if self._tb is not None:
+            step = int(row["step"])
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,105 @@
+"""One optimizer step: micro-batch forward/backward with accumulation, gradient sync, clip, update.
+
+Shared by the trainer and the tests, so what is tested is what trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom import comm
+from loom.comm import Group
+
+
+class GradSync(Protocol):
+    """What a data-parallel strategy offers the step: accumulate, synchronise, reset."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager: ...
+    def finish_sync(self) -> None: ...
+    def zero_grad(self) -> None: ...
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss over the global batch
+    grad_norm: float  # global gradient norm before clipping
+
+
+def grad_norm_sq(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm(grads, 2.0)
+    return torch.stack([n.float() for n in norms]).pow(2).sum()
+
+
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, sum_groups: Sequence[Group] = ()) -> float:
+    """Global L2 norm of the gradients, then scale them by min(1, max_norm / norm) if max_norm > 0.
+
+    norm^2 = sum over ``sum_groups`` of the local sums of squares (for sharded gradients; for
+    replicated ones pass no group so each element counts once).
+    """
+    sq = grad_norm_sq(params)
+    for g in sum_groups:
+        comm.all_reduce(sq, g)
+    norm = sq.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return float(norm)
+
+
+def mean_over(value: torch.Tensor, group: Group) -> torch.Tensor:
+    """Average a scalar over ``group`` (unmetered: bookkeeping, not training traffic)."""
+    n = comm.group_size(group)
+    if n > 1:
+        value = value.clone()
+        dist.all_reduce(value, group=group)
+        value /= n
+    return value
+
+
+def train_step(
+    model: nn.Module,
+    sync: GradSync,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    grad_clip: float,
+    params: Sequence[torch.Tensor],
+    dp_group: Group,
+    norm_groups: Sequence[Group] = (),
+) -> StepResult:
+    """Accumulate over the micro-batches (loss / k each), sync once, clip, step."""
+    sync.zero_grad()
+    k = len(micro_batches)
+    total = None
+    for i, (x, y) in enumerate(micro_batches):
+        ctx = sync.no_sync() if i < k - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = loss_fn(model(x), y) / k
+            loss.backward()
+        total = loss.detach().float() if total is None else total + loss.detach().float()
+    sync.finish_sync()
+    norm = clip_grad_norm(params, grad_clip, norm_groups)
+    optimizer.step()
+    return StepResult(loss=float(mean_over(total, dp_group)), grad_norm=norm)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches, loss_fn, dp_group: Group) -> float:
+    """Mean loss over ``batches`` on this rank, averaged over the data-parallel group."""
+    was_training = model.training
+    model.eval()
+    losses = [loss_fn(model(x), y).float() for x, y in batches]
+    model.train(was_training)
+    return float(mean_over(torch.stack(losses).mean(), dp_group))

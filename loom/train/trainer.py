@@ -1,0 +1,219 @@
+"""The training loop run by every rank: set up, train, evaluate, log, save.
+
+Entry point :func:`run` is called once per rank, by ``loom train`` through the elastic
+launcher, or directly under ``torchrun``/``srun`` (``python -m loom train ...``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loom import config as C
+from loom.comm import CommMeter
+from loom.data import BatchSampler, PreparedData, TokenDataset, eval_batches, prepare_data
+from loom.device import default_threads, peak_flops, peak_memory_bytes, resolve_backend, resolve_device
+from loom.mesh import ParallelDims, ParallelMesh
+from loom.model.llama import build_model, count_params, flops_per_token, loss_fn
+from loom.parallel.data_parallel import apply_data_parallel
+from loom.train.export import save_model, write_json_atomic
+from loom.train.metrics import MetricsWriter, setup_logging, step_line
+from loom.train.optim import build_optimizer, lr_at, optimizer_state_bytes, set_lr
+from loom.train.step import evaluate, train_step
+
+log = logging.getLogger("loom")
+
+
+@dataclass
+class RankEnv:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+
+    @classmethod
+    def from_environ(cls) -> RankEnv:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return cls(
+            rank=int(os.environ.get("RANK", "0")),
+            world=world,
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            local_world=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+        )
+
+
+def init_process_group(cfg: C.LoomConfig, env: RankEnv) -> torch.device:
+    """Device, threads, and (for world > 1) the default process group with a timeout."""
+    device = resolve_device(cfg.run.device, env.local_rank)
+    torch.set_num_threads(cfg.run.threads or default_threads(env.local_world))
+    if env.world > 1 and not dist.is_initialized():
+        backend = resolve_backend(cfg.run.backend, device)
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(seconds=cfg.run.timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device
+
+
+def ensure_data(cfg: C.LoomConfig, env: RankEnv) -> PreparedData:
+    """Prepared tokens; under torchrun rank 0 prepares while the others wait."""
+    if cfg.data.prepared_dir and (Path(cfg.data.prepared_dir) / "meta.json").exists():
+        return PreparedData.load(cfg.data.prepared_dir)
+    if env.rank == 0:
+        prepared = prepare_data(cfg.data, progress=cfg.run.progress)
+    if env.world > 1:
+        dist.barrier()
+    if env.rank != 0:
+        prepared = prepare_data(cfg.data, progress=False)
+    return prepared
+
+
+class Trainer:
+    """Holds the pieces of one run; :meth:`fit` is the loop."""
+
+    def __init__(self, cfg: C.LoomConfig, env: RankEnv) -> None:
+        self.cfg, self.env = cfg, env
+        self.device = init_process_group(cfg, env)
+        C.validate(cfg, env.world)
+        self.mesh = ParallelMesh(ParallelDims.from_config(cfg.parallel), self.device.type)
+        self.run_dir = Path(cfg.run.dir)
+        self.is_main = env.rank == 0
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.data = ensure_data(cfg, env)
+        cfg.model.vocab_size = C.effective_vocab(cfg, self.data.vocab_size)
+        if cfg.model.vocab_size < self.data.vocab_size:
+            raise C.ConfigError(
+                f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's {self.data.vocab_size}"
+            )
+        self.meter = CommMeter()
+        self.model = build_model(cfg.model, cfg.train.seed, self.device)
+        self.sync = apply_data_parallel(self.model, self.mesh, cfg, self.meter)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        dp_rank, dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
+        train_set = TokenDataset(self.data.train_path, cfg.data.seq_len)
+        self.sampler = BatchSampler(
+            train_set, cfg.train.global_batch, cfg.train.micro_batch, dp_rank, dp, cfg.train.seed
+        )
+        val_set = TokenDataset(self.data.val_path, cfg.data.seq_len)
+        self.eval_set = eval_batches(val_set, cfg.train.eval_batches, cfg.train.micro_batch, dp_rank, dp)
+        self.n_params = count_params(self.model)
+        matmul_params = count_params(self.model, exclude_embedding=not cfg.model.tie_embeddings)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, matmul_params)
+        self.peak_flops, self.peak_source = peak_flops(self.device, cfg.train.precision)
+        self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.run.tensorboard)
+        if self.is_main:
+            self._write_run_files()
+
+    def _write_run_files(self) -> None:
+        (self.run_dir / "config.toml").write_text(C.dump_toml(self.cfg))
+        shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
+        c = self.cfg
+        log.info(
+            "model %.2fM params | world %d: %s | global batch %d x %d tokens, micro %d, accum %d",
+            self.n_params / 1e6, self.env.world, self.mesh, c.train.global_batch, c.data.seq_len,
+            c.train.micro_batch, C.grad_accum_steps(c),
+        )  # fmt: skip
+        log.info("MFU peak: %.1f GFLOP/s per rank (%s)", self.peak_flops / 1e9, self.peak_source)
+
+    def _to_device(self, batches):
+        return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in batches]
+
+    def state_bytes(self) -> dict[str, int]:
+        return {
+            "param_bytes": sum(p.numel() * p.element_size() for p in self.params),
+            "grad_bytes": self.sync.grad_bytes(),
+            "optim_bytes": optimizer_state_bytes(self.optimizer),
+        }
+
+    def _time_up(self, start: float) -> bool:
+        limit = self.cfg.train.time_limit_s
+        if limit <= 0:
+            return False
+        flag = torch.tensor([1.0 if time.perf_counter() - start > limit else 0.0], device=self.device)
+        if self.env.world > 1:
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def fit(self) -> dict[str, float]:
+        c = self.cfg.train
+        tokens_per_step = c.global_batch * self.cfg.data.seq_len
+        bar = _progress(c.steps, self.is_main and self.cfg.run.progress)
+        start = time.perf_counter()
+        last: dict[str, float] = {}
+        window_t, window_steps = time.perf_counter(), 0
+        for step in range(c.steps):
+            lr = lr_at(step, c)
+            set_lr(self.optimizer, lr)
+            self.meter.reset()
+            batches = self._to_device(self.sampler.micro_batches(step))
+            res = train_step(
+                self.model, self.sync, self.optimizer, batches, loss_fn, c.grad_clip, self.params,
+                self.mesh.group("dp"),
+            )  # fmt: skip
+            window_steps += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{res.loss:.3f}")
+            if (step + 1) % c.log_every == 0 or step + 1 == c.steps:
+                dt = time.perf_counter() - window_t
+                tps = tokens_per_step * window_steps / dt
+                row = {
+                    "step": step + 1, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
+                    "tokens_per_s": tps, "step_time_s": dt / window_steps,
+                    "mfu": tps / self.env.world * self.flops_per_token / self.peak_flops,
+                    "peak_mem_bytes": peak_memory_bytes(self.device), **self.state_bytes(),
+                    **self.meter.snapshot(),
+                }  # fmt: skip
+                if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
+                    row["eval_loss"] = evaluate(self.model, self._to_device(self.eval_set), loss_fn,
+                                                self.mesh.group("dp"))  # fmt: skip
+                self.metrics.write(row)
+                if self.is_main:
+                    bar.write(step_line(row) + (f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""))
+                last = row
+                window_t, window_steps = time.perf_counter(), 0
+            if self._time_up(start):
+                if self.is_main:
+                    bar.write(f"train.time_limit_s reached after step {step + 1}; stopping")
+                break
+        bar.close()
+        self.save_final(int(last.get("step", 0)), last)
+        self.metrics.close()
+        return last
+
+    def save_final(self, step: int, last: dict[str, float]) -> None:
+        """Rank 0 writes the consolidated model (data-parallel replicas are identical)."""
+        if self.is_main:
+            out = self.run_dir / "checkpoints" / "final"
+            save_model(self.model, out / "model.safetensors", {"step": str(step)})
+            write_json_atomic(out / "meta.json", {"step": step, "loss": last.get("loss")})
+            log.info("saved %s", out / "model.safetensors")
+        if self.env.world > 1:
+            dist.barrier()
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
+
+
+def run(cfg: C.LoomConfig) -> dict[str, float]:
+    """Train on this rank; tears the process group down on the way out."""
+    env = RankEnv.from_environ()
+    setup_logging(env.rank)
+    try:
+        return Trainer(cfg, env).fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,128 @@
+"""Multi-rank test harness: a pool of long-lived gloo ranks shared by every test of a session.
+
+Starting a process that imports torch costs seconds here, so each world size gets one pool of
+processes, started once (``file://`` rendezvous in a temp dir: no ports), that runs test
+functions on every rank and returns their results. A function raising on one rank fails the
+test with that rank's traceback; the pool is then restarted so later tests start clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+PG_TIMEOUT_S = 60
+
+
+def _worker_loop(rank: int, world: int, init_file: str, conn) -> None:
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = os.environ.get("LOOM_TEST_DIST_DEBUG", "OFF")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    sys.path.insert(0, ROOT)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=PG_TIMEOUT_S),
+    )  # fmt: skip
+    conn.send(("ready", None))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        module, name, args, kwargs = msg
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            conn.send(("err", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+class WorkerPool:
+    """``world`` gloo ranks; :meth:`run` calls ``fn(*args)`` on all of them."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory(prefix="loom-pool-")
+        init_file = os.path.join(self._tmp.name, "rdzv")
+        self.procs, self.conns = [], []
+        for r in range(self.world):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_loop, args=(r, self.world, init_file, child), daemon=True)
+            p.start()
+            self.procs.append(p)
+            self.conns.append(parent)
+        for r, c in enumerate(self.conns):
+            if not c.poll(120):
+                raise RuntimeError(f"test rank {r} did not start within 120 s")
+            c.recv()
+
+    def run(self, fn, *args, timeout: float = 300, **kwargs) -> list[Any]:
+        """Run ``fn`` (a module-level function) on every rank; return the per-rank results."""
+        for c in self.conns:
+            c.send((fn.__module__, fn.__name__, args, kwargs))
+        results: list[Any] = [None] * self.world
+        errors: list[str] = []
+        for r, c in enumerate(self.conns):
+            wait = timeout if not errors else 5
+            if not c.poll(wait):
+                errors.append(f"rank {r}: no answer within {wait:.0f} s")
+                continue
+            status, value = c.recv()
+            if status == "ok":
+                results[r] = value
+            else:
+                errors.append(f"rank {r} raised:\n{value}")
+        if errors:
+            self.restart()
+            raise RankFailure("\n".join(errors))
+        return results
+
+    def restart(self) -> None:
+        self.close()
+        self._start()
+
+    def close(self) -> None:
+        for c in self.conns:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                c.send(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._tmp.cleanup()
+
+
+# ------------------------------------------------------------------ helpers used inside ranks
+
+_MESHES: dict[tuple, Any] = {}
+
+
+def get_mesh(**dims: int):
+    """A ``ParallelMesh`` for these degrees, built once per rank process and reused by tests."""
+    from loom.mesh import ParallelDims, ParallelMesh
+
+    key = tuple(sorted(dims.items()))
+    if key not in _MESHES:
+        _MESHES[key] = ParallelMesh(ParallelDims(**dims), "cpu")
+    return _MESHES[key]

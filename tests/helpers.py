@@ -1,0 +1,64 @@
+"""Shared pieces for equality tests: a tiny model config, synthetic global batches, a reference loop."""
+
+from __future__ import annotations
+
+import torch
+
+from loom.config import ModelConfig, TrainConfig
+
+VOCAB, SEQ = 128, 16
+
+
+def tiny_model(**kw) -> ModelConfig:
+    base = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ, multiple_of=16)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def tiny_train(**kw) -> TrainConfig:
+    base = dict(steps=20, lr=3e-3, min_lr=3e-4, warmup_steps=3, grad_clip=1.0, seed=7)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def global_batch(step: int, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 100_003 + step)
+    tokens = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def rank_micro_batches(step: int, batch: int, micro: int, dp_rank: int, dp: int):
+    """This data-parallel rank's rows of the global batch, cut into micro-batches."""
+    x, y = global_batch(step, batch)
+    per = batch // dp
+    x, y = x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
+    return [(x[i : i + micro], y[i : i + micro]) for i in range(0, per, micro)]
+
+
+def train_dp(mesh, model_cfg: ModelConfig, train_cfg: TrainConfig, batch: int, micro: int, bucket_mb: float = 25.0):
+    """Train with Loom data parallelism over ``mesh``'s dp group; return losses, final params, DP object."""
+    from loom.comm import CommMeter
+    from loom.model.llama import build_model, loss_fn
+    from loom.parallel.data_parallel import DataParallel
+    from loom.train.optim import build_optimizer, lr_at, set_lr
+    from loom.train.step import train_step
+
+    model = build_model(model_cfg, train_cfg.seed)
+    meter = CommMeter()
+    group = mesh.group("dp") if mesh is not None else None
+    dp_rank = mesh.local_rank("dp") if mesh is not None else 0
+    dp = mesh.size("dp") if mesh is not None else 1
+    sync = DataParallel(model, group, meter=meter, bucket_mb=bucket_mb)
+    opt = build_optimizer(model, train_cfg)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    losses, comm_bytes = [], []
+    for step in range(train_cfg.steps):
+        set_lr(opt, lr_at(step, train_cfg))
+        meter.reset()
+        res = train_step(model, sync, opt, rank_micro_batches(step, batch, micro, dp_rank, dp), loss_fn,
+                         train_cfg.grad_clip, params, group)  # fmt: skip
+        losses.append(res.loss)
+        comm_bytes.append(meter.total_moved)
+    sync.remove()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "state": state, "comm_bytes": comm_bytes, "sync": sync}

@@ -1,0 +1,107 @@
+"""Config: TOML + overrides, types, validation messages, presets, the mesh arithmetic."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loom import config as C
+from loom.mesh import ParallelDims
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_overrides_and_types():
+    cfg = C.apply_overrides(C.LoomConfig(), ["--model.dim", "128", "--train.lr=1e-3", "--run.progress", "false"])
+    assert cfg.model.dim == 128 and cfg.train.lr == 1e-3 and cfg.run.progress is False
+
+
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        (["--model.nope", "1"], "model.nope"),
+        (["--nosection.x", "1"], "nosection"),
+        (["--model.dim", "abc"], "model.dim"),
+        (["--run.progress", "maybe"], "run.progress"),
+    ],
+)
+def test_bad_override_names_field(args, field):
+    with pytest.raises(C.ConfigError, match=field):
+        C.apply_overrides(C.LoomConfig(), args)
+
+
+@pytest.mark.parametrize(
+    "args,world,field",
+    [
+        (["--model.n_heads", "6"], 1, "model.dim"),
+        (["--model.n_kv_heads", "3"], 1, "model.n_kv_heads"),
+        (["--train.global_batch", "10"], 4, "train.global_batch"),
+        (["--parallel.zero", "4"], 1, "parallel.zero"),
+        (["--parallel.dp", "3"], 4, "parallel"),
+        (["--train.precision", "fp8"], 1, "train.precision"),
+        (["--data.seq_len", "4096"], 1, "data.seq_len"),
+        (["--run.device", "tpu"], 1, "run.device"),
+    ],
+)
+def test_validation_names_field(args, world, field):
+    cfg = C.apply_overrides(C.LoomConfig(), args)
+    with pytest.raises(C.ConfigError, match=field.replace(".", r"\.")) as e:
+        C.validate(cfg, world)
+    assert "\n" not in str(e.value)
+
+
+def test_resolve_layout_fills_dp():
+    cfg = C.validate(C.LoomConfig(), 4)
+    assert cfg.parallel.dp == 4 and C.grad_accum_steps(cfg) == 16 // (4 * 4)
+
+
+@pytest.mark.parametrize("preset", sorted((ROOT / "configs").glob("*.toml")))
+def test_presets_load_and_roundtrip(preset, tmp_path):
+    cfg = C.load_toml(preset)
+    again = tmp_path / "c.toml"
+    again.write_text(C.dump_toml(cfg))
+    assert C.to_dict(C.load_toml(again)) == C.to_dict(cfg)
+
+
+def test_mesh_dims_for_4096_ranks():
+    d = ParallelDims(dp_replicate=4, dp_shard=8, tp=8, pp=16, cp=1, ep=8)
+    assert d.world_size == 4096 and d.dp == 32
+    seen = set()
+    for rank in range(d.world_size):
+        c = d.coords(rank)
+        seen.add(tuple(c[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")))
+    assert len(seen) == 4096
+    tp_peers = d.group_ranks(1234, ("tp",))
+    assert tp_peers == list(range(1232, 1240))  # tp innermost: neighbours
+    dp_peers = d.group_ranks(0, ("dp_replicate", "dp_shard"))
+    assert len(dp_peers) == 32 and dp_peers[1] == 8
+    with pytest.raises(ValueError, match="ep"):
+        ParallelDims(dp_shard=2, ep=3)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--parallel.zero", "7"], "parallel.zero"),
+        (["--model.dim", "100", "--model.n_heads", "3"], "model.dim"),
+        (["--train.global_batch", "7"], "train.global_batch"),
+        (["--bogus", "1"], "--bogus"),
+        (["--model.typo", "1"], "model.typo"),
+    ],
+)
+def test_cli_rejects_before_start(tmp_path, args, needle):
+    run_dir = tmp_path / "run"
+    t0 = time.perf_counter()
+    p = subprocess.run(
+        [sys.executable, "-m", "loom", "train", "--run.dir", str(run_dir), *args],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 2
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("loom: error:")
+    assert not run_dir.exists()  # nothing started, nothing written
+    assert time.perf_counter() - t0 < 30
