@@ -40,7 +40,7 @@ def train_dp(mesh, model_cfg: ModelConfig, train_cfg: TrainConfig, batch: int, m
     from loom.comm import CommMeter
     from loom.model.llama import build_model, loss_fn
     from loom.parallel.data_parallel import DataParallel
-    from loom.train.optim import build_optimizer, lr_at, set_lr
+    from loom.train.optim import build_optimizer, lr_at
     from loom.train.step import train_step
 
     model = build_model(model_cfg, train_cfg.seed)
@@ -49,14 +49,12 @@ def train_dp(mesh, model_cfg: ModelConfig, train_cfg: TrainConfig, batch: int, m
     dp_rank = mesh.local_rank("dp") if mesh is not None else 0
     dp = mesh.size("dp") if mesh is not None else 1
     sync = DataParallel(model, group, meter=meter, bucket_mb=bucket_mb)
-    opt = build_optimizer(model, train_cfg)
-    params = [p for g in opt.param_groups for p in g["params"]]
+    sync.attach_optimizer(build_optimizer(model, train_cfg))
     losses, comm_bytes = [], []
     for step in range(train_cfg.steps):
-        set_lr(opt, lr_at(step, train_cfg))
         meter.reset()
-        res = train_step(model, sync, opt, rank_micro_batches(step, batch, micro, dp_rank, dp), loss_fn,
-                         train_cfg.grad_clip, params, group)  # fmt: skip
+        res = train_step(model, sync, rank_micro_batches(step, batch, micro, dp_rank, dp), loss_fn,
+                         train_cfg.grad_clip, lr_at(step, train_cfg), group)  # fmt: skip
         losses.append(res.loss)
         comm_bytes.append(meter.total_moved)
     sync.remove()

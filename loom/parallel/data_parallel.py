@@ -26,6 +26,8 @@ from torch import nn
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.train.optim import build_optimizer, optimizer_state_bytes, set_lr
+from loom.train.step import clip_grad_norm
 
 
 @dataclass
@@ -82,6 +84,7 @@ class DataParallel:
         self.params = _unique_params(module)
         self.reduce_dtype = reduce_dtype
         self.sync_enabled = True
+        self.optimizer: torch.optim.Optimizer | None = None
         self.launch_log: list[LaunchRecord] = []
         self._ready_count = 0
         self.buckets = self._build_buckets(int(bucket_mb * 1024 * 1024))
@@ -188,6 +191,28 @@ class DataParallel:
     def grad_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
+    # ------------------------------------------------------------------ Strategy: optimizer side
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> DataParallel:
+        """Own the (replicated) optimizer, so this object is a complete training Strategy."""
+        self.optimizer = optimizer
+        return self
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Gradients are replicated after the all-reduce: the local norm is the global norm."""
+        return clip_grad_norm(self.params, max_norm)
+
+    def step(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Replicated state: params Φ·b, grads Φ·b, Adam moments 2·Φ·4 (fp32)."""
+        return {
+            "param_bytes": sum(p.numel() * p.element_size() for p in self.params),
+            "grad_bytes": self.grad_bytes(),
+            "optim_bytes": optimizer_state_bytes(self.optimizer),
+        }
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
@@ -199,13 +224,16 @@ def broadcast_params(module: nn.Module, group: Group, meter: CommMeter | None = 
         comm.broadcast(p.data, 0, group, meter)
 
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def apply_data_parallel(module: nn.Module, mesh, cfg, meter: CommMeter | None = None) -> DataParallel:
-    """Entry point used by ``parallelize``: data parallelism over the mesh's ``dp`` group."""
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    return DataParallel(
+    """Entry point used by ``parallelize``: data parallelism over the mesh's ``dp`` group, with AdamW."""
+    dp = DataParallel(
         module,
         mesh.group("dp"),
         meter=meter,
         bucket_mb=cfg.parallel.bucket_mb,
-        reduce_dtype=dtypes[cfg.parallel.reduce_dtype],
+        reduce_dtype=REDUCE_DTYPES[cfg.parallel.reduce_dtype],
     )
+    return dp.attach_optimizer(build_optimizer(module, cfg.train))

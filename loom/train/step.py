@@ -18,12 +18,25 @@ from loom import comm
 from loom.comm import Group
 
 
-class GradSync(Protocol):
-    """What a data-parallel strategy offers the step: accumulate, synchronise, reset."""
+class Strategy(Protocol):
+    """What a data-parallel / sharding strategy offers the step (DataParallel, ZeRO, FSDP, ...)."""
 
-    def no_sync(self) -> contextlib.AbstractContextManager: ...
-    def finish_sync(self) -> None: ...
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Inside: backward accumulates locally, no communication."""
+
+    def finish_sync(self) -> None:
+        """After the last backward: wait for (or run) the gradient reduction."""
+
     def zero_grad(self) -> None: ...
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global gradient norm over every rank's share, counted once; clip if max_norm > 0."""
+
+    def step(self, lr: float) -> None:
+        """Optimizer update at learning rate ``lr`` (and whatever re-gathering it implies)."""
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds: ``param_bytes``, ``grad_bytes``, ``optim_bytes``."""
 
 
 @dataclass
@@ -70,28 +83,26 @@ def mean_over(value: torch.Tensor, group: Group) -> torch.Tensor:
 
 def train_step(
     model: nn.Module,
-    sync: GradSync,
-    optimizer: torch.optim.Optimizer,
+    strategy: Strategy,
     micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     grad_clip: float,
-    params: Sequence[torch.Tensor],
+    lr: float,
     dp_group: Group,
-    norm_groups: Sequence[Group] = (),
 ) -> StepResult:
     """Accumulate over the micro-batches (loss / k each), sync once, clip, step."""
-    sync.zero_grad()
+    strategy.zero_grad()
     k = len(micro_batches)
     total = None
     for i, (x, y) in enumerate(micro_batches):
-        ctx = sync.no_sync() if i < k - 1 else contextlib.nullcontext()
+        ctx = strategy.no_sync() if i < k - 1 else contextlib.nullcontext()
         with ctx:
             loss = loss_fn(model(x), y) / k
             loss.backward()
         total = loss.detach().float() if total is None else total + loss.detach().float()
-    sync.finish_sync()
-    norm = clip_grad_norm(params, grad_clip, norm_groups)
-    optimizer.step()
+    strategy.finish_sync()
+    norm = strategy.clip_grad_norm(grad_clip)
+    strategy.step(lr)
     return StepResult(loss=float(mean_over(total, dp_group)), grad_norm=norm)
 
 

@@ -23,10 +23,10 @@ from loom.data import BatchSampler, PreparedData, TokenDataset, eval_batches, pr
 from loom.device import default_threads, peak_flops, peak_memory_bytes, resolve_backend, resolve_device
 from loom.mesh import ParallelDims, ParallelMesh
 from loom.model.llama import build_model, count_params, flops_per_token, loss_fn
-from loom.parallel.data_parallel import apply_data_parallel
+from loom.parallel import parallelize
 from loom.train.export import save_model, write_json_atomic
 from loom.train.metrics import MetricsWriter, setup_logging, step_line
-from loom.train.optim import build_optimizer, lr_at, optimizer_state_bytes, set_lr
+from loom.train.optim import lr_at
 from loom.train.step import evaluate, train_step
 
 log = logging.getLogger("loom")
@@ -97,9 +97,7 @@ class Trainer:
             )
         self.meter = CommMeter()
         self.model = build_model(cfg.model, cfg.train.seed, self.device)
-        self.sync = apply_data_parallel(self.model, self.mesh, cfg, self.meter)
-        self.optimizer = build_optimizer(self.model, cfg.train)
-        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.strategy = parallelize(self.model, self.mesh, cfg, self.meter)
         dp_rank, dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
         train_set = TokenDataset(self.data.train_path, cfg.data.seq_len)
         self.sampler = BatchSampler(
@@ -129,13 +127,6 @@ class Trainer:
     def _to_device(self, batches):
         return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in batches]
 
-    def state_bytes(self) -> dict[str, int]:
-        return {
-            "param_bytes": sum(p.numel() * p.element_size() for p in self.params),
-            "grad_bytes": self.sync.grad_bytes(),
-            "optim_bytes": optimizer_state_bytes(self.optimizer),
-        }
-
     def _time_up(self, start: float) -> bool:
         limit = self.cfg.train.time_limit_s
         if limit <= 0:
@@ -154,13 +145,9 @@ class Trainer:
         window_t, window_steps = time.perf_counter(), 0
         for step in range(c.steps):
             lr = lr_at(step, c)
-            set_lr(self.optimizer, lr)
             self.meter.reset()
             batches = self._to_device(self.sampler.micro_batches(step))
-            res = train_step(
-                self.model, self.sync, self.optimizer, batches, loss_fn, c.grad_clip, self.params,
-                self.mesh.group("dp"),
-            )  # fmt: skip
+            res = train_step(self.model, self.strategy, batches, loss_fn, c.grad_clip, lr, self.mesh.group("dp"))
             window_steps += 1
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.3f}")
@@ -171,7 +158,7 @@ class Trainer:
                     "step": step + 1, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
                     "tokens_per_s": tps, "step_time_s": dt / window_steps,
                     "mfu": tps / self.env.world * self.flops_per_token / self.peak_flops,
-                    "peak_mem_bytes": peak_memory_bytes(self.device), **self.state_bytes(),
+                    "peak_mem_bytes": peak_memory_bytes(self.device), **self.strategy.state_bytes(),
                     **self.meter.snapshot(),
                 }  # fmt: skip
                 if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
