@@ -1,0 +1,187 @@
+"""Corpus discovery and reading.
+
+A corpus is a list of documents (strings). ``source = "stdlib"`` is the embedded default: the
+Python standard library sources that ship with the interpreter, so every fresh machine can
+train offline. Otherwise ``source`` is a file, a directory or a glob of ``.txt`` (one file =
+one document), ``.jsonl`` (one record = one document, text under ``text_field``) or
+``.parquet`` (one row = one document, column ``text_field``). Files are read in sorted path
+order until ``max_mb`` megabytes (10^6 bytes of UTF-8) of text, so a corpus is deterministic.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm import tqdm
+
+from loom.config import ConfigError
+
+FORMATS = (".txt", ".jsonl", ".parquet")
+STDLIB = "stdlib"
+# Directories of the standard library that are tests, bundled apps, third-party packages or
+# generated text rather than library code.
+STDLIB_SKIP_DIRS = frozenset(
+    {
+        "test",
+        "tests",
+        "idlelib",
+        "lib2to3",
+        "site-packages",
+        "dist-packages",
+        "__pycache__",
+        "pydoc_data",
+        "ensurepip",
+        "lib-dynload",
+    }
+)
+STDLIB_SKIP_PREFIXES = ("_sysconfigdata",)  # machine-specific build settings
+
+
+def stdlib_root() -> Path:
+    """Directory of the running interpreter's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> list[Path]:
+    """The ``*.py`` files of the standard library (minus tests etc.), in sorted path order."""
+    root = stdlib_root()
+    found: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_SKIP_DIRS]
+        for name in filenames:
+            if name.endswith(".py") and not name.startswith(STDLIB_SKIP_PREFIXES):
+                p = Path(dirpath) / name
+                found.append((p.relative_to(root).as_posix(), p))
+    return [p for _, p in sorted(found)]
+
+
+def find_files(source: str) -> list[Path]:
+    """Files a non-stdlib ``data.source`` names, sorted. Raises ConfigError if none or unsupported."""
+    src = os.path.expanduser(source)
+    if glob.has_magic(src):
+        matches = sorted(Path(p) for p in glob.glob(src, recursive=True) if Path(p).is_file())
+        files = [p for p in matches if p.suffix in FORMATS]
+        if matches and not files:
+            raise ConfigError(
+                f"data.source: {source!r} matches only unsupported files (e.g. {matches[0].name}); "
+                f"use {', '.join(FORMATS)}"
+            )
+    elif os.path.isdir(src):
+        files = sorted(p for p in Path(src).rglob("*") if p.is_file() and p.suffix in FORMATS)
+    elif os.path.isfile(src):
+        p = Path(src)
+        if p.suffix not in FORMATS:
+            raise ConfigError(
+                f"data.source: unsupported format {p.suffix or '(none)'!r} of {source!r}; "
+                f"use {', '.join(FORMATS)} or 'stdlib'"
+            )
+        files = [p]
+    else:
+        raise ConfigError(
+            f"data.source: {source!r} does not exist (want 'stdlib', a file, a directory or a glob)"
+        )
+    if not files:
+        raise ConfigError(f"data.source: no {', '.join(FORMATS)} files found in {source!r}")
+    return files
+
+
+def source_files(source: str) -> list[Path]:
+    """Files of ``data.source``: the stdlib sources or :func:`find_files`."""
+    return stdlib_files() if source == STDLIB else find_files(source)
+
+
+def fingerprint(source: str) -> str:
+    """Short digest identifying the corpus content: interpreter version for the stdlib,
+    (path, size, mtime) of every file otherwise. Changes when the inputs change."""
+    h = hashlib.sha256()
+    if source == STDLIB:
+        h.update(f"{stdlib_root()}|{sys.version}".encode())
+    else:
+        for p in find_files(source):
+            st = p.stat()
+            h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _read_txt(path: Path) -> Iterator[str]:
+    yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"data.source: {path}:{lineno} is not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or text_field not in record:
+                raise ConfigError(
+                    f"data.source: {path}:{lineno} has no field {text_field!r} (set data.text_field)"
+                )
+            text = record[text_field]
+            if text is not None:
+                yield str(text)
+
+
+def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    if text_field not in pf.schema_arrow.names:
+        raise ConfigError(
+            f"data.source: {path} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}; "
+            "set data.text_field)"
+        )
+    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield str(text)
+
+
+def _iter_file(path: Path, text_field: str) -> Iterator[str]:
+    if path.suffix == ".jsonl":
+        return _read_jsonl(path, text_field)
+    if path.suffix == ".parquet":
+        return _read_parquet(path, text_field)
+    return _read_txt(path)  # .txt and the stdlib's .py
+
+
+def read_documents(
+    source: str, text_field: str = "text", max_mb: float = 24.0, progress: bool = False
+) -> list[str]:
+    """Documents of ``source`` in deterministic order, at most ``max_mb`` MB of UTF-8 in total.
+
+    The document that crosses the cap is cut at the cap; empty documents are dropped.
+    """
+    files = source_files(source)
+    budget = int(max_mb * 1e6)
+    docs: list[str] = []
+    bar = tqdm(files, desc="read corpus", unit="file", disable=not progress, leave=False)
+    for path in bar:
+        for text in _iter_file(path, text_field):
+            raw = text.encode("utf-8")
+            if len(raw) >= budget:
+                text = raw[:budget].decode("utf-8", errors="ignore")
+                budget = 0
+            else:
+                budget -= len(raw)
+            if text:
+                docs.append(text)
+            if budget == 0:
+                break
+        bar.set_postfix_str(f"{(int(max_mb * 1e6) - budget) / 1e6:.1f} MB", refresh=False)
+        if budget == 0:
+            break
+    bar.close()
+    if not docs:
+        raise ConfigError(f"data.source: {source!r} holds no text")
+    return docs

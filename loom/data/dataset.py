@@ -1,0 +1,156 @@
+"""Memory-mapped token windows and a stateless, resumable, layout-independent batch sampler.
+
+The global batch of step ``s`` is a pure function of (seed, s): sequence ``g = s*B + j``
+(B = global_batch, j in [0, B)) is window ``perm_e[g mod n]`` of epoch ``e = g // n``
+(n windows, ``perm_e`` a seeded permutation). Data-parallel rank r of d takes rows
+``[r*B/d, (r+1)*B/d)`` of it, so concatenating the ranks in order gives exactly the
+single-process batch, and a run restarted at any step sees the same data.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loom.config import ConfigError
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # x, y: int64 (micro_batch, seq_len), y = x shifted by one
+
+
+class TokenDataset:
+    """Non-overlapping windows of ``seq_len + 1`` tokens over a ``.bin`` token file.
+
+    Window i covers tokens ``[i*seq_len, i*seq_len + seq_len + 1)``; neighbours share one
+    token (the last target of one is the first input of the next).
+    ``n_windows = (n_tokens - 1) // seq_len``.
+    """
+
+    def __init__(self, path: str | Path, seq_len: int, dtype: str | np.dtype | None = None) -> None:
+        self.path = Path(path)
+        if seq_len < 1:
+            raise ConfigError(f"data.seq_len: must be >= 1, got {seq_len}")
+        if not self.path.is_file():
+            raise ConfigError(f"data.prepared_dir: token file {str(self.path)!r} does not exist")
+        if dtype is None:
+            meta = self.path.parent / "meta.json"
+            dtype = json.loads(meta.read_text())["dtype"] if meta.is_file() else np.uint16
+        self.seq_len = seq_len
+        self.tokens = np.memmap(self.path, dtype=np.dtype(dtype), mode="r")
+        self.n_tokens = len(self.tokens)
+        self.n_windows = (self.n_tokens - 1) // seq_len
+        if self.n_windows < 1:
+            raise ConfigError(
+                f"data.seq_len: {self.path.name} has {self.n_tokens} tokens, fewer than "
+                f"seq_len + 1 = {seq_len + 1}; lower data.seq_len or use a larger corpus"
+            )
+
+    def __len__(self) -> int:
+        return self.n_windows
+
+    def window(self, i: int) -> torch.Tensor:
+        """Tokens ``[i*seq_len, (i+1)*seq_len]`` as int64, shape (seq_len + 1,)."""
+        if not 0 <= i < self.n_windows:
+            raise IndexError(f"window {i} out of range [0, {self.n_windows})")
+        start = i * self.seq_len
+        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+
+    __getitem__ = window
+
+    def batch(self, indices: list[int]) -> Batch:
+        """Stack windows into (x, y), each of shape (len(indices), seq_len)."""
+        tokens = torch.stack([self.window(i) for i in indices])  # (b, T+1)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """``torch.randperm(n)`` from a generator seeded by a hash of (seed, epoch)."""
+    state = np.random.SeedSequence([seed, epoch]).generate_state(1, dtype=np.uint64)
+    g = torch.Generator().manual_seed(int(state[0]))
+    return torch.randperm(n, generator=g)
+
+
+class BatchSampler:
+    """This rank's micro-batches of any step, computed from (seed, step) alone (see module doc)."""
+
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+    ) -> None:
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"parallel.dp: rank {dp_rank} is not in [0, dp_size={dp_size})")
+        if micro_batch < 1 or global_batch < 1:
+            raise ValueError(
+                f"train.global_batch/micro_batch: must be >= 1, got {global_batch}/{micro_batch}"
+            )
+        if global_batch % (micro_batch * dp_size):
+            raise ValueError(
+                f"train.global_batch: {global_batch} must be divisible by micro_batch*dp = "
+                f"{micro_batch}*{dp_size} = {micro_batch * dp_size}"
+            )
+        if seed < 0:
+            raise ValueError(f"train.seed: must be >= 0, got {seed}")
+        self.dataset = dataset
+        self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.rows_per_rank = global_batch // dp_size
+        self.n_micro = self.rows_per_rank // micro_batch  # gradient-accumulation steps
+        self._perms: dict[int, torch.Tensor] = {}
+
+    @property
+    def steps_per_epoch(self) -> float:
+        return self.dataset.n_windows / self.global_batch
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:  # a step spans at most two epochs (or many, for tiny sets)
+                self._perms.clear()
+            self._perms[epoch] = epoch_permutation(self.dataset.n_windows, self.seed, epoch)
+        return self._perms[epoch]
+
+    def indices(self, step: int) -> list[int]:
+        """Window indices of this rank's rows of ``step``, in order."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        n = self.dataset.n_windows
+        first = step * self.global_batch + self.dp_rank * self.rows_per_rank
+        return [int(self._perm(g // n)[g % n]) for g in range(first, first + self.rows_per_rank)]
+
+    def micro_batches(self, step: int) -> list[Batch]:
+        """``global_batch / (dp_size * micro_batch)`` pairs (x, y), each int64 (micro_batch, seq_len)."""
+        idx = self.indices(step)
+        mb = self.micro_batch
+        return [self.dataset.batch(idx[i : i + mb]) for i in range(0, len(idx), mb)]
+
+
+def eval_batches(
+    dataset: TokenDataset, n_batches: int, micro_batch: int, dp_rank: int = 0, dp_size: int = 1
+) -> list[Batch]:
+    """Fixed eval micro-batches of this rank: the first windows of ``dataset``, dealt round-robin.
+
+    ``n_batches`` is the global count; it is rounded up to a multiple of ``dp_size`` so every
+    rank runs the same number of forwards (collectives stay matched). Global micro-batch k holds
+    windows ``(k*micro_batch + i) mod n_windows`` (wrapping on a small set) and goes to rank
+    ``k mod dp_size``; whenever dp_size divides n_batches the union over ranks is the dp=1 set.
+    """
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"parallel.dp: rank {dp_rank} is not in [0, dp_size={dp_size})")
+    if n_batches < 1 or micro_batch < 1:
+        raise ValueError(f"train.eval_batches/micro_batch: must be >= 1, got {n_batches}/{micro_batch}")
+    per_rank = -(-n_batches // dp_size)
+    n = dataset.n_windows
+    out = []
+    for i in range(per_rank):
+        k = i * dp_size + dp_rank
+        out.append(dataset.batch([(k * micro_batch + r) % n for r in range(micro_batch)]))
+    return out
