@@ -1,0 +1,1 @@
+"""Pictures: pipeline timelines (and later memory breakdowns), written as PNG or SVG."""
