@@ -1,0 +1,150 @@
+"""``loom plan``: check a training config against a cluster and rank the layouts that fit.
+
+    loom plan --config run.toml [--cluster cpu-local] [--world N] [--top K] [--json] [--section.key value ...]
+    loom plan --model llama3-70b --cluster h100-sxm:128x8 --seq 8192 --global-batch 1024 [--explain 1]
+
+``--cluster`` takes a TOML path, a name in ``configs/clusters`` or ``DEVICE:NODESxPER``;
+``--device NAME`` with ``--world N`` builds nodes of up to 8 such devices. Exit status: 0 when the
+config fits (or some layout fits), 1 when nothing fits, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from loom.config import ConfigError, ModelConfig, load
+from loom.plan.cost import Estimate, PlanError, Workload
+from loom.plan.hardware import DEVICES, ClusterSpec, HardwareError, Profile, known_clusters, resolve_cluster
+from loom.plan.report import check_fit, format_breakdown, format_search, model_of, workload_of
+from loom.plan.search import search
+
+MODELS: dict[str, ModelConfig] = {
+    # Llama 3 shapes (Meta's model cards / params.json): GQA with 8 kv heads, untied, vocab 128256.
+    "llama3-8b": ModelConfig(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        tie_embeddings=False,
+    ),
+    "llama3-70b": ModelConfig(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=28672,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        tie_embeddings=False,
+    ),
+    "llama3-405b": ModelConfig(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim=53248,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        tie_embeddings=False,
+    ),
+    # Loom's default debug model with the default 4096-token BPE vocabulary.
+    "debug": ModelConfig(vocab_size=4096),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loom plan", description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--config", help="a Loom TOML config: check its layout, search its model/batch")
+    p.add_argument("--model", help=f"a model preset: {', '.join(MODELS)} (without --config)")
+    p.add_argument("--cluster", help=f"TOML file, one of {', '.join(known_clusters())}, or DEVICE:NODESxPER")
+    p.add_argument("--device", help=f"build a cluster of this device ({', '.join(DEVICES)}), 8 per node")
+    p.add_argument("--world", "--devices", type=int, dest="world", help="devices to plan for (default: all)")
+    p.add_argument("--seq", type=int, default=8192, help="sequence length (without --config)")
+    p.add_argument("--global-batch", type=int, default=1024, help="sequences per step (without --config)")
+    p.add_argument("--precision", default="bf16", help="fp32 | tf32 | bf16 | fp16 | fp8 (without --config)")
+    p.add_argument("--experts", type=int, default=1, help="MoE experts per layer (1 = dense)")
+    p.add_argument("--top-k", type=int, default=1, help="experts per token (MoE)")
+    p.add_argument("--profile", help="a calibration profile (JSON) that overrides the datasheet numbers")
+    p.add_argument("--top", type=int, default=10, help="rows of the table")
+    p.add_argument("--explain", type=int, default=0, metavar="RANK", help="print the breakdown of this row")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def _cluster(args: argparse.Namespace, default: str) -> ClusterSpec:
+    if args.cluster:
+        return resolve_cluster(args.cluster)
+    if args.device:
+        n = args.world or 8
+        per = min(8, n)
+        if n % per:
+            raise HardwareError(f"--world {n} is not a whole number of {per}-device nodes")
+        return ClusterSpec.single_node(args.device, per, n // per)
+    return resolve_cluster(default)
+
+
+def _json_estimate(e: Estimate | None) -> dict | None:
+    return None if e is None else e.to_dict()
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        profile = Profile.load(args.profile) if args.profile else None
+        check = None
+        if args.config or overrides:
+            cfg = load(args.config, overrides)
+            cluster = _cluster(args, "cpu-local")
+            check = check_fit(cfg, cluster, profile)
+            model, train = model_of(cfg), workload_of(cfg)
+        else:
+            if not args.model:
+                parser.error("give --config FILE or --model NAME")
+            if args.model not in MODELS:
+                raise PlanError(f"unknown model {args.model!r}; known: {', '.join(MODELS)}")
+            cluster = _cluster(args, "h100-8x8")
+            model = MODELS[args.model]
+            train = Workload(args.global_batch, args.seq, precision=args.precision)
+        result = search(
+            model, train, cluster, args.world, profile=profile, n_experts=args.experts, top_k=args.top_k
+        )
+    except (ConfigError, PlanError, HardwareError) as e:
+        print(f"loom plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = {
+            "cluster": cluster.name,
+            "world": result.world,
+            "check": None if check is None else {"fits": check[0], "message": check[1]},
+            "ranked": [e.to_dict() for e in result.ranked[: args.top]],
+            "fitting": len(result.ranked),
+            "rejected": dict(result.rejected),
+            "closest": _json_estimate(result.closest) if not result.ranked else None,
+            "elapsed_s": result.elapsed_s,
+        }
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        print(f"cluster {cluster.name}: {cluster.nodes} x {cluster.devices_per_node} {cluster.device.name}")
+        if check is not None:
+            print(("OK " if check[0] else "NO ") + check[1])
+        if check is not None and not check[0] and not result.ranked:
+            print("\n".join(format_search(result, args.top).split("\n")[1:]))  # the check already explained
+        else:
+            print(format_search(result, args.top))
+        if args.explain:
+            if not 1 <= args.explain <= len(result.ranked):
+                print(f"loom plan: --explain {args.explain}: only {len(result.ranked)} rows", file=sys.stderr)
+                return 2
+            print(format_breakdown(result.ranked[args.explain - 1]))
+    if check is not None:
+        return 0 if check[0] else 1
+    return 0 if result.ranked else 1

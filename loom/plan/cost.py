@@ -1,0 +1,669 @@
+"""Cost model: per-device memory and step time of one parallel layout, from formulas alone.
+
+Notation: L layers, h hidden, a query heads, k kv heads, d = h/a, f SwiGLU hidden, V vocabulary,
+s sequence, b micro-batch, T = b*s/cp tokens a device holds, t = tp, p = pp, v virtual stages,
+m = global_batch / (dp*b) micro-batches per step, Phi parameters. Bytes per element of an
+activation B_a (2 for bf16/fp16/fp8, 4 for fp32).
+
+Parameters (:class:`ParamCounts`), per layer: attention 2h^2 + 2hkd, SwiGLU 3hf (MoE: E*3hf
+plus a router hE), norms 2h; plus embedding Vh, head Vh unless tied, final norm h.
+
+Memory, per device, of the largest stage (first holds the embedding, last the head and logits):
+
+- model states, bytes per parameter (W, G, O) = (2, 2, 12) mixed precision (bf16 weights and
+  grads, fp32 master/momentum/variance), (4, 4, 8) fp32. Over a ZeRO group of N = dp_shard*cp:
+  stage 0: W+G+O; 1: W+G+O/N; 2: W+(G+O)/N; 3: (W+G+O)/N plus a gather buffer of two layers'
+  unsharded weights. ``offload`` moves O to host memory. Layer weights divide by t (and by ep
+  for experts); the vocabulary-parallel embedding and head by t; norms are replicated.
+- activations of one layer for one micro-batch, derived like Korthikanti et al. 2022 for this
+  block (pre-norm, fused RMSNorm saving its input, RoPE, GQA, SwiGLU, no dropout, no biases)::
+
+      norm inputs 2 B_a T h, norm outputs (matmul inputs) 2 B_a T h     -> / t only with sp
+      q B_a T h, k and v 2 B_a T k d                                    -> / t
+      attention output (wo input) B_a T h, log-sum-exp 4 T a            -> / t (gone: selective)
+      scores: softmax output B_a a T s, only without flash attention    -> / t (gone: selective)
+      SwiGLU w1 x, silu(w1 x), w3 x, their product: 4 B_a T f           -> / t
+
+  With B_a = 2 and cp = 1 this is s b h (c1 + c2 a s / h) with c1 = 12 + 4 k/a + 8 f/h
+  (+ 4a/h for the log-sum-exp) and c2 = 2 without flash, 0 with flash/SDPA. Tensor parallel
+  without sp divides all but the 8 s b h of norm inputs/outputs by t; with sp all of it.
+  Selective recomputation drops the attention core's outputs (scores, o, lse); full
+  recomputation keeps only the block input B_a T h (/t with sp) per layer plus one layer's
+  working set. GQA is counted at kv width (a GQA-aware kernel); the reference model's
+  ``repeat_interleave`` before SDPA would store k, v at width h instead.
+- times the layers of activations held at peak on stage i (in micro-batches x layers):
+  GPipe m*L/p; 1F1B min(m, p-i)*L/p; ZB-H1 min(m, p)*L/p (deferred W keeps inputs alive on
+  every stage); interleaved (Megatron's warm-up count)
+  min(m v, 2(p-i-1) + (v-1)p + 1) * L/(p v), which for stage 0 is L (1 + (p-1)/(p v)).
+- logits on the last stage: T V / t (B_a + 8) bytes (logits, fp32 copy, fp32 log-softmax).
+- overhead: the device's runtime constant (context, workspaces, comm buffers) plus
+  FRAGMENTATION (10%) of the dynamic memory (activations, logits, gather buffers).
+
+Time of one step:
+
+- compute: each GEMM of a layer as a roofline max(2MKN / flops, bytes / HBM) with M = T tokens;
+  backward is 2x forward; attention core 4 T s h / t FLOPs forward (the PaLM/Megatron
+  convention 12 L h s per token for fwd+bwd, not halved for causality; a flash backward takes
+  2.5x its forward as it recomputes the scores); elementwise ops
+  (norms, residuals, RoPE, SwiGLU, softmax without flash) as bytes over HBM bandwidth. Full
+  recomputation adds the layers' forward (x4/3 of layer FLOPs), selective the attention core's.
+- tensor parallel: 2 all-reduces per layer per pass of T h B_a bytes (4 (t-1)/t T h B_a bytes
+  per device per pass), 4 per fwd+bwd, 6 with full recomputation; sp replaces each by an
+  all-gather + reduce-scatter of the same volume. Intra-node link, not overlapped.
+- context parallel: ring attention sends (cp-1) k/v chunks per layer forward, twice that
+  backward, hidden behind the attention core where it is shorter; merging the cp partial
+  outputs reads and writes o cp times (elementwise).
+- expert parallel: 4 all-to-alls per MoE layer (dispatch + combine, fwd and bwd; 6 with full
+  recomputation) of T top_k h B_a bytes, (ep-1)/ep of it leaving the device.
+- pipeline: per micro-batch stage time t_mb (slowest stage); bubble (p-1) t_mb for GPipe/1F1B
+  (fraction (p-1)/(m+p-1)), (p-1)/v t_mb interleaved, (p-1)(t_mb - 2 t_W) for ZB-H1 (t_W the
+  weight-gradient half of backward); P2P of T h B_a / t bytes per chunk boundary, 2 m v
+  transfers per step, not overlapped.
+- data parallel over dp*cp ranks (grads in ``reduce_dtype``): ZeRO 0/1 all-reduce 2 Phi (n-1)/n
+  once a step (ZeRO-1 as reduce-scatter + all-gather, same volume); ZeRO-2 reduce-scatter every
+  micro-batch + all-gather once; ZeRO-3 two all-gathers + a reduce-scatter every micro-batch
+  (3 Phi (n-1)/n for m = 1); hybrid sharding adds an all-reduce of the shard across replicas.
+  DP_OVERLAP (80%) of it hides behind the backward (of the last micro-batch for ZeRO 0/1, of
+  all micro-batches for ZeRO 2/3).
+- optimizer: Adam reads and writes 28 bytes per local parameter at HBM speed; offloaded, at
+  HOST_ADAM_BANDWIDTH per node, plus grads down and weights up over the host link.
+
+Outputs: step time, tokens/s, achieved TFLOP/s per device (hardware FLOPs incl. recomputation,
+as Megatron reports), MFU (model FLOPs 6N + 12 L h s per token, no recomputation, over the
+peak of the precision, as PaLM defines it), peak memory per device and its breakdown, and the
+largest time term.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from loom.config import ModelConfig
+from loom.mesh import ParallelDims
+from loom.model.llama import flops_per_token
+from loom.plan.hardware import ClusterSpec, HardwareError, Machine, Profile
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+RECOMPUTE = ("none", "selective", "full")
+FRAGMENTATION = 0.10  # share of dynamic memory lost to allocator fragmentation (assumption)
+DP_OVERLAP = 0.8  # share of data-parallel communication that can hide behind backward (assumption)
+HOST_ADAM_BANDWIDTH = 100e9  # host memory bandwidth for CPU Adam, bytes/s per node (assumption)
+ADAM_BYTES = 28  # bytes read + written per parameter by one Adam step
+FLASH_BWD = 2.5  # flash attention backward / forward time (it recomputes the scores; Dao 2023)
+
+
+class PlanError(ValueError):
+    """A layout or workload the planner cannot evaluate; the message says why."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout: degrees, sharding, schedule, recomputation."""
+
+    dp: int = 1  # data-parallel degree (replicas x shards)
+    dp_shard: int = 1  # ZeRO/FSDP sharding group inside dp (1 = no sharding)
+    tp: int = 1  # tensor-parallel degree (inside a node)
+    pp: int = 1  # pipeline stages
+    cp: int = 1  # context-parallel degree (sequence split, ring attention)
+    ep: int = 1  # expert-parallel degree (borrows from dp*cp)
+    zero: int = 0  # ZeRO stage 0-3, sharded over dp_shard*cp
+    sp: bool = False  # sequence parallelism alongside tensor parallelism
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1
+    v: int = 1  # virtual stages per device (interleaved)
+    micro_batch: int = 1  # sequences per forward/backward on one device
+    recompute: str = "none"  # none | selective | full
+    offload: bool = False  # optimizer state (fp32 master, momentum, variance) on the host
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def dims(self) -> ParallelDims:
+        """The mesh arithmetic of this layout (validates ep | dp*cp)."""
+        return ParallelDims(
+            dp_replicate=self.dp // self.dp_shard,
+            dp_shard=self.dp_shard,
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            ep=self.ep,
+        )
+
+    def short(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        parts += [f"cp{self.cp}"] * (self.cp > 1) + [f"ep{self.ep}"] * (self.ep > 1)
+        if self.zero:
+            n = self.dp_shard * self.cp
+            parts.append(f"z{self.zero}" + (f"/{n}" if self.dp_shard != self.dp else ""))
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: batch, sequence, precision (micro_batch and recompute live on Layout)."""
+
+    global_batch: int  # sequences per optimizer step
+    seq_len: int  # tokens per sequence
+    precision: str = "bf16"  # fp32 | tf32 | bf16 | fp16 | fp8 (fp8: fp8 GEMMs, bf16 states)
+    reduce_dtype: str = "fp32"  # dtype gradients are reduced in (fp32 | bf16 | fp16)
+    flash_attention: bool = True  # attention scores are not stored (flash / SDPA)
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision in ("bf16", "fp16", "fp8")
+
+    @property
+    def act_bytes(self) -> int:
+        return 2 if self.mixed else 4
+
+    def state_bytes(self) -> tuple[int, int, int]:
+        """(weights, grads, optimizer) bytes per parameter: (2, 2, 12) mixed, (4, 4, 8) fp32."""
+        return (2, 2, 12) if self.mixed else (4, 4, 8)
+
+
+@dataclass
+class Estimate:
+    """Prediction for one layout; times in seconds, memory in bytes per device."""
+
+    layout: Layout
+    step_time: float
+    tokens_per_s: float
+    tflops_per_device: float  # achieved hardware TFLOP/s (incl. recomputation), Megatron's measure
+    mfu: float  # model FLOPs utilisation (no recomputation) vs the precision's peak
+    memory: float  # peak bytes on the busiest device
+    capacity: float  # device memory bytes
+    memory_breakdown: dict[str, float] = field(default_factory=dict)
+    time_breakdown: dict[str, float] = field(default_factory=dict)
+    microbatches: int = 1
+    bubble_fraction: float = 0.0
+    peak_stage: str = "only"  # which stage holds the peak: only | first | last
+
+    @property
+    def fits(self) -> bool:
+        return self.memory <= self.capacity
+
+    @property
+    def dominant(self) -> str:
+        """The largest term of the step time."""
+        return max(self.time_breakdown, key=self.time_breakdown.__getitem__)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["fits"], out["dominant"] = self.fits, self.dominant
+        return out
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, w_share: float = 1 / 3) -> float:
+    """Share of the step a device idles in the pipeline bubble.
+
+    GPipe/1F1B (p-1)/(m+p-1); interleaved ((p-1)/v)/(m + (p-1)/v); ZB-H1 (p-1)(1-2w)/(m + (p-1)(1-2w))
+    with w = t_W / t_mb the weight-gradient share of a micro-batch (1/3 when F = B = W).
+    """
+    if p <= 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        idle = p - 1.0
+    elif schedule == "interleaved":
+        idle = (p - 1.0) / v
+    elif schedule == "zb-h1":
+        idle = (p - 1.0) * (1.0 - 2.0 * w_share)
+    else:
+        raise PlanError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
+    return idle / (m + idle)
+
+
+def inflight_layers(schedule: str, p: int, stage: int, m: int, v: int, n_layers: int) -> float:
+    """Layer activations (micro-batches x layers) stage ``stage`` holds at its peak (module doc)."""
+    per_stage = n_layers / p
+    if schedule == "gpipe":
+        return m * per_stage
+    if schedule == "interleaved" and v > 1:
+        chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+        return chunks * per_stage / v
+    if schedule == "zb-h1":  # deferred weight-gradient passes keep p micro-batches alive on every stage
+        return min(m, p) * per_stage
+    return min(m, p - stage) * per_stage
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of the Llama-style model (see module doc); MoE when n_experts > 1."""
+
+    attn: int  # attention matmul weights per layer
+    mlp: int  # MLP weights per layer (all experts)
+    mlp_active: int  # MLP weights one token goes through
+    router: int  # router weights per layer (MoE)
+    norms: int  # norm weights per layer
+    embed: int  # input embedding
+    head: int  # output head (0 when tied)
+    final_norm: int
+    n_layers: int
+
+    @classmethod
+    def of(cls, m: ModelConfig, n_experts: int = 1, top_k: int = 1) -> ParamCounts:
+        h, f, kd = m.dim, m.resolved_ffn_dim(), m.n_kv_heads * m.head_dim
+        moe = n_experts > 1
+        return cls(
+            attn=2 * h * h + 2 * h * kd,
+            mlp=3 * h * f * (n_experts if moe else 1),
+            mlp_active=3 * h * f * (top_k if moe else 1),
+            router=h * n_experts if moe else 0,
+            norms=2 * h,
+            embed=m.vocab_size * h,
+            head=0 if m.tie_embeddings else m.vocab_size * h,
+            final_norm=h,
+            n_layers=m.n_layers,
+        )
+
+    @property
+    def total(self) -> int:
+        per_layer = self.attn + self.mlp + self.router + self.norms
+        return self.n_layers * per_layer + self.embed + self.head + self.final_norm
+
+    @property
+    def matmul_active(self) -> int:
+        """Weights a token multiplies through: layers' matmuls + the head (tied or not)."""
+        return self.n_layers * (self.attn + self.mlp_active + self.router) + self.embed
+
+
+def param_count(model: ModelConfig, n_experts: int = 1) -> int:
+    """Unique parameters (tied embeddings counted once), as ``llama.count_params`` counts them."""
+    return ParamCounts.of(model, n_experts).total
+
+
+class CostModel:
+    """Memory and time of layouts for one model, workload and cluster (see module doc)."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        train: Workload,
+        cluster: ClusterSpec,
+        profile: Profile | None = None,
+        n_experts: int = 1,
+        top_k: int = 1,
+    ) -> None:
+        if model.vocab_size <= 0:
+            raise PlanError("model.vocab_size: must be set (> 0) to plan")
+        if train.global_batch < 1 or train.seq_len < 1:
+            raise PlanError("train: global_batch and seq_len must be >= 1")
+        if train.reduce_dtype not in ("fp32", "bf16", "fp16"):
+            raise PlanError(f"train.reduce_dtype: must be fp32, bf16 or fp16, got {train.reduce_dtype!r}")
+        if n_experts < 1 or not 1 <= top_k <= n_experts:
+            raise PlanError(f"n_experts/top_k: need 1 <= top_k <= n_experts, got {top_k}/{n_experts}")
+        self.model, self.train, self.cluster = model, train, cluster
+        self.n_experts, self.top_k = n_experts, top_k
+        self.moe = n_experts > 1
+        try:
+            self.machine = Machine(cluster, train.precision, profile)
+        except HardwareError as e:
+            raise PlanError(f"train.precision: {e}") from None
+        self.params = ParamCounts.of(model, n_experts, top_k)
+        self.ffn = model.resolved_ffn_dim()
+        self.kd = model.n_kv_heads * model.head_dim
+        self.model_flops = flops_per_token(model, train.seq_len, self.params.matmul_active) * (
+            train.global_batch * train.seq_len
+        )
+        self.act_bytes = train.act_bytes
+        self.W, self.G, self.O = train.state_bytes()
+        self.R = {"fp32": 4, "bf16": 2, "fp16": 2}[train.reduce_dtype]
+        # Memoised pieces: the search evaluates many layouts sharing degrees or micro-batch.
+        self._per_mb = lru_cache(maxsize=None)(self._microbatch_times)
+        self._states = lru_cache(maxsize=None)(self._state_memory)
+        self._act = lru_cache(maxsize=None)(self._layer_activation)
+        self._dp_volume = lru_cache(maxsize=None)(self._dp_comm)
+
+    # ------------------------------------------------------------------ validity
+
+    def check(self, lay: Layout) -> str | None:
+        """Why ``lay`` cannot run this model/workload on this cluster, or None."""
+        m, t = self.model, self.train
+        if min(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.v, lay.micro_batch) < 1:
+            return "every degree must be >= 1"
+        if lay.world_size > self.cluster.world_size:
+            return "more devices than the cluster has"
+        if lay.dp % lay.dp_shard:
+            return "dp_shard must divide dp"
+        if lay.zero not in (0, 1, 2, 3):
+            return "zero must be 0, 1, 2 or 3"
+        if lay.zero > 0 and lay.dp_shard * lay.cp == 1:
+            return "zero > 0 needs a sharding group dp_shard*cp > 1"
+        if lay.schedule not in SCHEDULES:
+            return f"schedule must be one of {', '.join(SCHEDULES)}"
+        if lay.recompute not in RECOMPUTE:
+            return f"recompute must be one of {', '.join(RECOMPUTE)}"
+        if m.n_heads % lay.tp:
+            return "tp must divide n_heads"
+        if m.n_kv_heads % lay.tp:
+            return "tp must divide n_kv_heads"
+        if self.ffn % lay.tp:
+            return "tp must divide ffn_dim"
+        if m.vocab_size % lay.tp:
+            return "tp must divide vocab_size"
+        if lay.tp > self.cluster.devices_per_node or self.cluster.devices_per_node % lay.tp:
+            return "tp must divide devices_per_node (stay inside a node)"
+        if lay.sp and t.seq_len % (lay.tp * lay.cp):
+            return "sp needs seq_len divisible by tp*cp"
+        if lay.cp > 1 and t.seq_len % (2 * lay.cp):
+            return "cp needs seq_len divisible by 2*cp (load-balanced causal chunks)"
+        if lay.cp > 1 and not t.flash_attention:
+            return "cp needs flash attention"
+        if lay.v > 1 and lay.schedule != "interleaved":
+            return "v > 1 only with the interleaved schedule"
+        if lay.schedule == "interleaved" and (lay.v < 2 or lay.pp < 2):
+            return "interleaved needs pp >= 2 and v >= 2"
+        if m.n_layers % (lay.pp * lay.v):
+            return "pp*v must divide n_layers"
+        if t.global_batch % (lay.dp * lay.micro_batch):
+            return "dp*micro_batch must divide global_batch"
+        if lay.schedule == "interleaved" and (t.global_batch // (lay.dp * lay.micro_batch)) % lay.pp:
+            return "interleaved needs micro-batches divisible by pp"
+        if lay.ep > 1 and not self.moe:
+            return "ep > 1 needs experts (n_experts > 1)"
+        if (lay.dp * lay.cp) % lay.ep or self.n_experts % lay.ep:
+            return "ep must divide dp*cp and n_experts"
+        return None
+
+    # ------------------------------------------------------------------ memory
+
+    def _stage_params(self, lay: Layout, first: bool, last: bool) -> tuple[float, float]:
+        """(dense, expert) parameters one device of this stage holds, before ZeRO sharding."""
+        return self._params_on(lay.tp, lay.pp, lay.ep, first, last)
+
+    def _params_on(self, t: int, pp: int, ep: int, first: bool, last: bool) -> tuple[float, float]:
+        pc = self.params
+        layers = self.model.n_layers / pp
+        dense = layers * (pc.attn / t + pc.norms + pc.router + (0 if self.moe else pc.mlp / t))
+        expert = layers * pc.mlp / (t * ep) if self.moe else 0.0
+        if first:
+            dense += pc.embed / t
+        if last:
+            dense += pc.final_norm
+            if pc.head or pp > 1:  # untied head, or a tied copy on the last stage
+                dense += self.model.vocab_size * self.model.dim / t
+        return dense, expert
+
+    def state_memory(self, lay: Layout, first: bool = True, last: bool = True) -> dict[str, float]:
+        """Weights, gradients, optimizer state and ZeRO-3 gather buffer on one device (bytes)."""
+        return dict(
+            self._states(lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last)
+        )
+
+    def _state_memory(
+        self,
+        tp: int,
+        pp: int,
+        cp: int,
+        ep: int,
+        zero: int,
+        dp_shard: int,
+        offload: bool,
+        first: bool,
+        last: bool,
+    ) -> tuple[tuple[str, float], ...]:
+        W, G, O = self.W, self.G, self.O  # noqa: E741 (the module doc's names)
+        dense, expert = self._params_on(tp, pp, ep, first, last)
+        n = dp_shard * cp if zero else 1
+        n_e = max(1, n // ep)
+        shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[zero]
+        shard_e = {0: (1, 1, 1), 1: (1, 1, n_e), 2: (1, n_e, n_e), 3: (n_e, n_e, n_e)}[zero]
+        weights = W * (dense / shard[0] + expert / shard_e[0])
+        buffer = 0.0
+        if zero == 3:
+            pc = self.params
+            layer = (pc.attn + pc.norms + pc.router) / tp + pc.mlp / (tp * ep)
+            # two layers gathered at a time, never more than sharding saved (with its fragmentation)
+            buffer = min(2 * W * layer, (W * (dense + expert) - weights) / (1 + FRAGMENTATION))
+        return (
+            ("weights", weights),
+            ("gradients", G * (dense / shard[1] + expert / shard_e[1])),
+            ("optimizer", 0.0 if offload else O * (dense / shard[2] + expert / shard_e[2])),
+            ("zero3 buffer", buffer),
+        )
+
+    def layer_activation(self, lay: Layout) -> tuple[float, float, float]:
+        """Bytes of one layer, one micro-batch: (no recomputation, selective, block input)."""
+        return self._act(lay.tp, lay.sp, lay.cp, lay.micro_batch)
+
+    def _layer_activation(self, t: int, sp: bool, cp: int, mb: int) -> tuple[float, float, float]:
+        m, tr = self.model, self.train
+        B, h = self.act_bytes, m.dim
+        T = mb * tr.seq_len / cp
+        rep_div = t if sp else 1
+        rep = 4 * B * T * h / rep_div
+        qkv = B * T * (h + 2 * self.kd) / t
+        mlp = 4 * B * T * self.ffn / t * (self.top_k if self.moe else 1)
+        core = (B * T * h + 4 * T * m.n_heads) / t
+        if not tr.flash_attention:
+            core += B * m.n_heads * T * tr.seq_len / t
+        selective = rep + qkv + mlp
+        return selective + core, selective, B * T * h / rep_div
+
+    def _stages(self, pp: int) -> list[tuple[str, bool, bool, int]]:
+        if pp == 1:
+            return [("only", True, True, 0)]
+        return [("first", True, False, 0), ("last", False, True, pp - 1)]
+
+    def peak_states(self, lay: Layout) -> float:
+        """Model-state bytes (no activations) on the busiest stage, plus the runtime constant."""
+        worst = max(
+            sum(
+                v
+                for _, v in self._states(
+                    lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, f, la
+                )
+            )
+            for _, f, la, _ in self._stages(lay.pp)
+        )
+        return worst + self.cluster.device.runtime_overhead_bytes
+
+    def memory(self, lay: Layout) -> tuple[float, dict[str, float], str]:
+        """(peak bytes, breakdown, stage) over the first and last pipeline stage."""
+        m = self.train.global_batch // (lay.dp * lay.micro_batch)
+        full_act, sel_act, block_in = self._act(lay.tp, lay.sp, lay.cp, lay.micro_batch)
+        best: tuple[float, dict[str, float], str] = (-1.0, {}, "")
+        for name, first, last, idx in self._stages(lay.pp):
+            bd = dict(
+                self._states(lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last)
+            )
+            n = inflight_layers(lay.schedule, lay.pp, idx, m, lay.v, self.model.n_layers)
+            if lay.recompute == "none":
+                act = n * full_act
+            elif lay.recompute == "selective":
+                act = n * sel_act
+            else:
+                act = max(n - 1.0, 0.0) * block_in + sel_act
+            logits = 0.0
+            if last:
+                T = lay.micro_batch * self.train.seq_len / lay.cp
+                logits = T * self.model.vocab_size / lay.tp * (self.act_bytes + 8)
+            bd["activations"] = act
+            bd["logits"] = logits
+            bd["overhead"] = self.cluster.device.runtime_overhead_bytes + FRAGMENTATION * (
+                act + logits + bd["zero3 buffer"]
+            )
+            total = sum(bd.values())
+            if total > best[0]:
+                best = (total, bd, name)
+        return best
+
+    # ------------------------------------------------------------------ time
+
+    def _microbatch_times(
+        self, tp: int, sp: bool, cp: int, ep: int, mb: int, recompute: str, pp: int
+    ) -> tuple[float, float, dict[str, float]]:
+        """(t_mb of the slowest stage, its weight-grad time t_W, per-term times) for one micro-batch."""
+        mc, tr, mach = self.model, self.train, self.machine
+        B, h, f, kd, s = self.act_bytes, mc.dim, self.ffn, self.kd, tr.seq_len
+        T = mb * s / cp
+        gemm_b = 1 if tr.precision == "fp8" else B
+        # tokens per expert GEMM: T*top_k routed tokens spread over this device's experts
+        if self.moe:
+            experts_here = self.n_experts / ep
+            Te = T * self.top_k / experts_here
+            mlp_f = experts_here * (2 * mach.gemm(Te, h, f / tp, gemm_b) + mach.gemm(Te, f / tp, h, gemm_b))
+        else:
+            mlp_f = 2 * mach.gemm(T, h, f / tp, gemm_b) + mach.gemm(T, f / tp, h, gemm_b)
+        gemm_f = (
+            mach.gemm(T, h, h / tp, gemm_b)
+            + 2 * mach.gemm(T, h, kd / tp, gemm_b)
+            + mach.gemm(T, h / tp, h, gemm_b)
+            + mlp_f
+        )
+        a_t = mc.n_heads / tp
+        core_bytes = B * T * (2 * h + 2 * kd) / tp
+        if not tr.flash_attention:
+            core_bytes += 4 * B * a_t * T * s  # scores written, softmax read+write, read by AV
+        core_f = max(4.0 * T * s * h / tp / mach.flops, core_bytes / mach.hbm)
+        elt_bytes = (
+            B
+            * T
+            * (10 * h / (tp if sp else 1) + 2 * (h + kd) / tp + 3 * f / tp * (self.top_k if self.moe else 1))
+        )
+        if cp > 1:  # ring attention merges cp partial outputs (rescaled by their lse): cp passes over o
+            elt_bytes += 2 * cp * B * T * h / tp
+        elt_f = elt_bytes / mach.hbm
+        layer_f = gemm_f + core_f + elt_f
+        # backward: GEMMs and elementwise 2x forward; a flash kernel recomputes the scores (2.5x)
+        layer_b = 2 * (gemm_f + elt_f) + (FLASH_BWD if tr.flash_attention else 2.0) * core_f
+        recomp = {"none": 0.0, "selective": core_f, "full": layer_f}[recompute]
+        n_tp = {"none": 4, "selective": 4, "full": 6}[recompute]
+        msg = T * h * B
+        tp_layer = n_tp * mach.collective("all_reduce", tp, msg, tp)
+        cp_layer = 0.0
+        if cp > 1:
+            ring = 3 * (cp - 1) * mach.collective("p2p", 2, B * T * 2 * kd / tp, tp * cp)
+            cp_layer = max(0.0, ring - 3 * core_f)
+        ep_layer = 0.0
+        if self.moe and ep > 1:
+            ep_layer = n_tp * mach.collective("all_to_all", ep, T * self.top_k * h * B / tp, tp * ep)
+        Ls = mc.n_layers / pp
+        # output head GEMM fwd + 2x bwd, and cross entropy reading/writing ~16 bytes per logit
+        head = 3 * mach.gemm(T, h, mc.vocab_size / tp, gemm_b) + 16 * T * mc.vocab_size / tp / mach.hbm
+        edge_ar = mach.collective("all_reduce", tp, msg, tp)  # vocab-parallel embedding / head input grad
+        terms_first = {
+            "compute": Ls * (layer_f + layer_b),
+            "recompute": Ls * recomp,
+            "tp comm": Ls * tp_layer + edge_ar,
+            "cp comm": Ls * cp_layer,
+            "ep comm": Ls * ep_layer,
+        }
+        terms_last = dict(terms_first)
+        terms_last["compute"] += head
+        if pp == 1:
+            terms_first["compute"] += head
+            terms_first["tp comm"] += edge_ar
+            terms_last = terms_first
+        t_first, t_last = sum(terms_first.values()), sum(terms_last.values())
+        terms = terms_last if t_last >= t_first else terms_first
+        t_w = Ls * gemm_f  # weight-gradient GEMMs: half of the backward GEMMs
+        return max(t_first, t_last), t_w, terms
+
+    def _dp_time(self, lay: Layout, m: int, t_bwd: float, t_compute: float) -> float:
+        """Exposed data-parallel / ZeRO communication per step (module doc)."""
+        total = self._dp_volume(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m)
+        window = t_bwd if lay.zero <= 1 else t_compute
+        return total - min(DP_OVERLAP * total, window)
+
+    def _dp_comm(self, dp: int, ds: int, tp: int, pp: int, cp: int, ep_deg: int, zero: int, m: int) -> float:
+        mach, W, R = self.machine, self.W, self.R
+        dense, expert = self._params_on(tp, pp, ep_deg, True, pp == 1)
+        dense_l, expert_l = self._params_on(tp, pp, ep_deg, False, True)
+        total = 0.0
+        tpcp = tp * cp
+        for phi, ep in ((max(dense, dense_l), 1), (max(expert, expert_l), ep_deg)):
+            if phi <= 0:
+                continue
+            if zero == 0:
+                total += mach.collective("all_reduce", dp * cp // ep, phi * R, tpcp * dp)
+                continue
+            ns = max(1, ds * cp // ep)
+            span = tpcp * ds
+            rs = mach.collective("reduce_scatter", ns, phi * R, span)
+            ag = mach.collective("all_gather", ns, phi * W, span)
+            total += {1: rs + ag, 2: m * rs + ag, 3: m * (2 * ag + rs)}[zero]
+            total += mach.collective("all_reduce", dp // ds, phi * R / ns, tpcp * dp)
+        return total
+
+    def estimate(self, lay: Layout) -> Estimate:
+        """Full prediction for ``lay``; raises :class:`PlanError` if the layout is invalid."""
+        why = self.check(lay)
+        if why:
+            raise PlanError(f"layout {lay.short()}: {why}")
+        mem, breakdown, stage = self.memory(lay)
+        return self.timed(lay, mem, breakdown, stage)
+
+    def timed(self, lay: Layout, mem: float, breakdown: dict[str, float], stage: str) -> Estimate:
+        """Add the time prediction to a checked layout whose memory is known."""
+        tr, mach = self.train, self.machine
+        m = tr.global_batch // (lay.dp * lay.micro_batch)
+        p = lay.pp
+        t_mb, t_w, terms = self._per_mb(lay.tp, lay.sp, lay.cp, lay.ep, lay.micro_batch, lay.recompute, p)
+        w_share = t_w / t_mb
+        if p == 1:
+            idle = 0.0
+        elif lay.schedule == "interleaved":
+            idle = (p - 1) / lay.v
+        elif lay.schedule == "zb-h1":
+            idle = (p - 1) * (1 - 2 * w_share)
+        else:
+            idle = p - 1.0
+        time = {k: m * val for k, val in terms.items()}
+        time["pp bubble"] = idle * t_mb
+        time["pp p2p"] = 0.0
+        if p > 1:
+            B = self.act_bytes
+            msg = lay.micro_batch * tr.seq_len / lay.cp * self.model.dim * B / lay.tp
+            span = lay.tp * lay.cp * lay.dp * p
+            time["pp p2p"] = 2 * m * lay.v * mach.collective("p2p", 2, msg, span)
+        t_bwd = terms["compute"] * 2 / 3  # backward share of one micro-batch: the DP overlap window
+        time["dp comm"] = self._dp_time(lay, m, t_bwd, m * t_mb)
+        dense, expert = self._stage_params(lay, True, p == 1)
+        n = lay.dp_shard * lay.cp if lay.zero else 1
+        local = dense / n + expert / max(1, n // lay.ep)
+        if lay.offload:
+            W, G = self.W, self.G
+            host_adam = HOST_ADAM_BANDWIDTH / self.cluster.devices_per_node
+            time["optimizer"] = local * ((W + G) / self.cluster.host_bandwidth + ADAM_BYTES / host_adam)
+        else:
+            time["optimizer"] = local * ADAM_BYTES / mach.hbm
+        step = sum(time.values())
+        tokens = tr.global_batch * tr.seq_len
+        world = lay.world_size
+        rec_tokens = {
+            "none": 0.0,
+            "selective": 4.0 * self.model.n_layers * self.model.dim * tr.seq_len,
+            "full": 2.0 * self.params.n_layers * (self.params.attn + self.params.mlp_active)
+            + 4.0 * self.model.n_layers * self.model.dim * tr.seq_len,
+        }[lay.recompute]
+        hw_flops = self.model_flops + rec_tokens * tokens
+        return Estimate(
+            layout=lay,
+            step_time=step,
+            tokens_per_s=tokens / step,
+            tflops_per_device=hw_flops / step / world / 1e12,
+            mfu=self.model_flops / step / world / mach.peak,
+            memory=mem,
+            capacity=self.cluster.device.memory_bytes,
+            memory_breakdown=breakdown,
+            time_breakdown=time,
+            microbatches=m,
+            bubble_fraction=time["pp bubble"] / (m * t_mb + time["pp bubble"]),
+            peak_stage=stage,
+        )
+
+
+def estimate(
+    model: ModelConfig,
+    layout: Layout,
+    train: Workload,
+    cluster: ClusterSpec,
+    *,
+    profile: Profile | None = None,
+    n_experts: int = 1,
+    top_k: int = 1,
+) -> Estimate:
+    """Predict memory and step time of ``layout`` (see the module doc for every formula)."""
+    return CostModel(model, train, cluster, profile, n_experts, top_k).estimate(layout)

@@ -1,0 +1,500 @@
+"""Hardware the planner reasons about: accelerator specs, clusters (TOML), calibration profiles (JSON).
+
+Units are SI throughout: bytes, FLOP/s, bytes/s, seconds. A :class:`DeviceSpec` holds vendor
+datasheet numbers (dense, i.e. without 2:4 sparsity); a :class:`ClusterSpec` arranges
+``nodes x devices_per_node`` of one device with an intra-node link (NVLink/xGMI/loopback) and an
+inter-node link (per-device NIC share); a :class:`Profile` carries what calibration measured on a
+real machine and, when given, overrides the datasheet numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+GB = 1e9
+GiB = 2**30
+TFLOPS = 1e12
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+class HardwareError(ValueError):
+    """A bad device, cluster or profile description; the message names the field."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator, from its vendor datasheet (dense peak numbers, no sparsity)."""
+
+    name: str
+    memory_bytes: float  # device memory (HBM) capacity
+    fp32_flops: float  # peak dense FP32 FLOP/s (non-tensor-core unless the vendor only quotes matrix)
+    tf32_flops: float  # peak dense TF32 tensor FLOP/s (0 = unsupported)
+    bf16_flops: float  # peak dense BF16 tensor FLOP/s
+    fp16_flops: float  # peak dense FP16 tensor FLOP/s
+    fp8_flops: float  # peak dense FP8 tensor FLOP/s (0 = unsupported)
+    hbm_bandwidth: float  # device memory bandwidth, bytes/s
+    link_bandwidth: float  # intra-node device-to-device bandwidth per direction, bytes/s
+    achievable: float  # typical sustained fraction of peak for transformer-sized GEMMs (assumption)
+    runtime_overhead_bytes: float = 1.0 * GiB  # context + library workspaces + comm buffers (assumption)
+    source: str = ""  # the datasheet the numbers come from
+
+    def peak_flops(self, precision: str) -> float:
+        """Peak dense FLOP/s in ``precision``; a precision the device lacks raises :class:`HardwareError`.
+
+        ``fp32`` means true FP32 math (PyTorch's default matmul precision); ask for ``tf32``
+        to count TF32 tensor cores.
+        """
+        if precision not in PRECISIONS:
+            raise HardwareError(f"precision: must be one of {PRECISIONS}, got {precision!r}")
+        value = getattr(self, f"{precision}_flops")
+        if value <= 0:
+            raise HardwareError(f"device {self.name!r} has no {precision} support")
+        return value
+
+
+_NV_A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 column"
+_NV_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM / H100 PCIe columns"
+_NV_H200 = "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM column"
+_NV_B200 = "NVIDIA DGX/HGX B200 datasheet (2024): 8-GPU totals divided by 8"
+_AMD_MI300X = "AMD Instinct MI300X accelerator datasheet (2023)"
+_CPU = (
+    "this machine: Intel Xeon (Emerald Rapids, KVM), 2 cores, AVX-512 with 2 FMA units/core "
+    "(Intel 64 and IA-32 Optimization Reference Manual): 2.3 GHz * 64 FP32 FLOP/cycle per core; "
+    "AVX512_BF16 doubles that; one rank pinned to one core"
+)
+
+DEVICES: dict[str, DeviceSpec] = {
+    d.name: d
+    for d in (
+        # A100: 19.5 TF FP32, 156 TF TF32, 312 TF BF16/FP16 (dense); NVLink 3 600 GB/s total.
+        DeviceSpec(
+            "a100-40g",
+            40 * GiB,
+            19.5e12,
+            156e12,
+            312e12,
+            312e12,
+            0.0,
+            1555 * GB,
+            300 * GB,
+            0.75,
+            source=_NV_A100,
+        ),
+        DeviceSpec(
+            "a100-80g",
+            80 * GiB,
+            19.5e12,
+            156e12,
+            312e12,
+            312e12,
+            0.0,
+            2039 * GB,
+            300 * GB,
+            0.75,
+            source=_NV_A100,
+        ),
+        # H100 SXM: 67 TF FP32, 494.5 TF32, 989.5 BF16/FP16, 1979 FP8 (dense = half the
+        # sparse figures); HBM3 3.35 TB/s; NVLink 4 900 GB/s total.
+        DeviceSpec(
+            "h100-sxm",
+            80 * GiB,
+            67e12,
+            494.5e12,
+            989.5e12,
+            989.5e12,
+            1979e12,
+            3350 * GB,
+            450 * GB,
+            0.70,
+            source=_NV_H100,
+        ),
+        # H100 PCIe: 51 TF FP32, 378 TF32, 756 BF16/FP16, 1513 FP8; HBM2e 2.0 TB/s; GPUs of a
+        # node talk over PCIe Gen5 x16 (64 GB/s per direction; NVLink bridges only join pairs).
+        DeviceSpec(
+            "h100-pcie",
+            80 * GiB,
+            51e12,
+            378e12,
+            756e12,
+            756e12,
+            1513e12,
+            2000 * GB,
+            64 * GB,
+            0.70,
+            source=_NV_H100,
+        ),
+        # H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 4 900 GB/s total.
+        DeviceSpec(
+            "h200",
+            141 * GB,
+            67e12,
+            494.5e12,
+            989.5e12,
+            989.5e12,
+            1979e12,
+            4800 * GB,
+            450 * GB,
+            0.70,
+            source=_NV_H200,
+        ),
+        # B200 (HGX B200 / 8): 1440 GB -> 180 GB, 64 TB/s -> 8 TB/s, FP32 75 TF, TF32 1.1 PF,
+        # BF16/FP16 2.25 PF, FP8 4.5 PF dense; NVLink 5 1.8 TB/s total.
+        DeviceSpec(
+            "b200",
+            180 * GB,
+            75e12,
+            1100e12,
+            2250e12,
+            2250e12,
+            4500e12,
+            8000 * GB,
+            900 * GB,
+            0.70,
+            source=_NV_B200,
+        ),
+        # MI300X: 192 GB HBM3 at 5.3 TB/s; 163.4 TF FP32 (matrix), 653.7 TF32, 1307.4 BF16/FP16,
+        # 2614.9 FP8 dense; 7 Infinity Fabric links x 64 GB/s per direction = 448 GB/s.
+        DeviceSpec(
+            "mi300x",
+            192 * GB,
+            163.4e12,
+            653.7e12,
+            1307.4e12,
+            1307.4e12,
+            2614.9e12,
+            5300 * GB,
+            448 * GB,
+            0.55,
+            source=_AMD_MI300X,
+        ),
+        # This CPU, per rank (one core): 147 GFLOP/s FP32, 294 BF16 (AVX512_BF16), no TF32/FP8;
+        # memory and "link" (loopback gloo) are set by the cluster file, these are placeholders.
+        DeviceSpec(
+            "cpu",
+            8 * GiB,
+            147e9,
+            0.0,
+            294e9,
+            147e9,
+            0.0,
+            20 * GB,
+            5 * GB,
+            0.50,
+            runtime_overhead_bytes=0.4 * GiB,
+            source=_CPU,
+        ),
+    )
+}
+"""Known accelerators by name. ``achievable`` (sustained GEMM fraction of peak) is an assumption
+from public GEMM benchmarks, not a datasheet number: 0.75 A100, 0.70 Hopper/Blackwell, 0.55 MI300X,
+0.50 CPU; calibration (:class:`Profile`) replaces it with a measurement."""
+
+
+def get_device(name: str) -> DeviceSpec:
+    """Look up a device by name; an unknown name lists the known ones."""
+    try:
+        return DEVICES[name.lower()]
+    except KeyError:
+        raise HardwareError(f"unknown device {name!r}; known: {', '.join(DEVICES)}") from None
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``nodes x devices_per_node`` identical devices; bandwidths per device, per direction."""
+
+    name: str
+    device: DeviceSpec
+    nodes: int
+    devices_per_node: int
+    intra_bandwidth: float  # bytes/s per direction between devices of a node
+    intra_latency: float  # seconds per message hop inside a node
+    inter_bandwidth: float  # bytes/s per direction per device across nodes (its NIC share)
+    inter_latency: float  # seconds per message hop across nodes
+    host_bandwidth: float = 25 * GB  # device <-> host memory (PCIe) per direction, for offload
+    comm_efficiency: float = 0.8  # achievable fraction of link bandwidth for ring collectives
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.device.memory_bytes
+
+    @classmethod
+    def single_node(cls, device: str | DeviceSpec, devices: int, nodes: int = 1, **kw: Any) -> ClusterSpec:
+        """A cluster from a device name with datasheet links and a 400 Gb/s NIC per device."""
+        dev = device if isinstance(device, DeviceSpec) else get_device(device)
+        args: dict[str, Any] = dict(
+            name=f"{dev.name}:{nodes}x{devices}",
+            device=dev,
+            nodes=nodes,
+            devices_per_node=devices,
+            intra_bandwidth=dev.link_bandwidth,
+            intra_latency=5e-6,
+            inter_bandwidth=50 * GB,
+            inter_latency=10e-6,
+        )
+        args.update(kw)
+        spec = cls(**args)
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        for name in ("nodes", "devices_per_node"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise HardwareError(f"cluster.{name}: must be a positive integer, got {v!r}")
+        for name in ("intra_bandwidth", "inter_bandwidth", "host_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise HardwareError(f"cluster.{name}: must be > 0, got {getattr(self, name)!r}")
+        for name in ("intra_latency", "inter_latency"):
+            if not getattr(self, name) >= 0:
+                raise HardwareError(f"cluster.{name}: must be >= 0, got {getattr(self, name)!r}")
+        if not 0 < self.comm_efficiency <= 1:
+            raise HardwareError(f"cluster.comm_efficiency: must be in (0, 1], got {self.comm_efficiency!r}")
+
+
+# TOML keys of [cluster] -> (unit multiplier, ClusterSpec field). Bandwidths are written in GB/s,
+# latencies in microseconds, memory in GiB: the units datasheets and nccl-tests print.
+_TOML_KEYS: dict[str, tuple[float, str]] = {
+    "intra_bandwidth_gbps": (GB, "intra_bandwidth"),
+    "intra_latency_us": (1e-6, "intra_latency"),
+    "inter_bandwidth_gbps": (GB, "inter_bandwidth"),
+    "inter_latency_us": (1e-6, "inter_latency"),
+    "host_bandwidth_gbps": (GB, "host_bandwidth"),
+    "comm_efficiency": (1.0, "comm_efficiency"),
+}
+_DEVICE_OVERRIDES = {"memory_gib": GiB, "achievable": 1.0}
+
+
+def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpec:
+    """Build a :class:`ClusterSpec` from the parsed TOML ``{"cluster": {...}}``.
+
+    Required: ``device`` (a name in :data:`DEVICES`), ``nodes``, ``devices_per_node``. Optional:
+    ``intra_bandwidth_gbps`` (default: the device's link), ``intra_latency_us`` (5),
+    ``inter_bandwidth_gbps`` (50, i.e. one 400 Gb/s NIC per device), ``inter_latency_us`` (10),
+    ``host_bandwidth_gbps`` (25), ``comm_efficiency`` (0.8), ``memory_gib`` and ``achievable``
+    (override the device's). Unknown keys are rejected, naming the key.
+    """
+    if set(data) != {"cluster"} or not isinstance(data["cluster"], dict):
+        extra = sorted(set(data) - {"cluster"})
+        raise HardwareError(f"{name}: expected one [cluster] table" + (f", found {extra}" if extra else ""))
+    table = dict(data["cluster"])
+    allowed = {"name", "device", "nodes", "devices_per_node", *_TOML_KEYS, *_DEVICE_OVERRIDES}
+    for key in table:
+        if key not in allowed:
+            raise HardwareError(f"cluster.{key}: unknown key; allowed: {', '.join(sorted(allowed))}")
+    for key in ("device", "nodes", "devices_per_node"):
+        if key not in table:
+            raise HardwareError(f"cluster.{key}: missing (required: device, nodes, devices_per_node)")
+    if not isinstance(table["device"], str):
+        raise HardwareError(f"cluster.device: expected a device name, got {table['device']!r}")
+    dev = get_device(table["device"])
+    overrides = {}
+    for key, unit in _DEVICE_OVERRIDES.items():
+        if key in table:
+            v = table[key]
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise HardwareError(f"cluster.{key}: must be a positive number, got {v!r}")
+            overrides["memory_bytes" if key == "memory_gib" else key] = float(v) * unit
+    if overrides.get("achievable", 0.5) > 1:
+        raise HardwareError(f"cluster.achievable: must be in (0, 1], got {table['achievable']!r}")
+    if overrides:
+        dev = dataclasses.replace(dev, **overrides)
+    kw: dict[str, Any] = {}
+    for key, (unit, fname) in _TOML_KEYS.items():
+        if key in table:
+            v = table[key]
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise HardwareError(f"cluster.{key}: expected a number, got {v!r}")
+            kw[fname] = float(v) * unit
+    for key in ("nodes", "devices_per_node"):
+        v = table[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise HardwareError(f"cluster.{key}: must be a positive integer, got {v!r}")
+    return ClusterSpec.single_node(
+        dev, table["devices_per_node"], table["nodes"], name=str(table.get("name", name)), **kw
+    )
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    """Read a cluster TOML file (see :func:`cluster_from_dict` for the keys)."""
+    p = Path(path)
+    if not p.is_file():
+        raise HardwareError(f"cluster file {str(p)!r} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise HardwareError(f"cluster file {str(p)!r} is not valid TOML: {e}") from None
+    return cluster_from_dict(data, name=p.stem)
+
+
+CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
+
+
+def known_clusters() -> list[str]:
+    return sorted(p.stem for p in CLUSTER_DIR.glob("*.toml"))
+
+
+def resolve_cluster(spec: str) -> ClusterSpec:
+    """A cluster from a TOML path, a name in ``configs/clusters``, or ``DEVICE:NODESxPER`` (``h100-sxm:8x8``)."""
+    p = Path(spec)
+    if p.suffix == ".toml" or p.is_file():
+        return load_cluster(p)
+    if (CLUSTER_DIR / f"{spec}.toml").is_file():
+        return load_cluster(CLUSTER_DIR / f"{spec}.toml")
+    if ":" in spec:
+        dev, _, shape = spec.partition(":")
+        nodes, sep, per = shape.partition("x")
+        if not (sep and nodes.isdigit() and per.isdigit()):
+            raise HardwareError(f"cluster {spec!r}: expected DEVICE:NODESxPER, e.g. h100-sxm:8x8")
+        return ClusterSpec.single_node(dev, int(per), int(nodes))
+    raise HardwareError(
+        f"unknown cluster {spec!r}; known: {', '.join(known_clusters())}, a .toml path, "
+        f"or DEVICE:NODESxPER with DEVICE in {', '.join(DEVICES)}"
+    )
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """A measured collective: time(bytes) = latency + bytes / bus_bandwidth for this group size."""
+
+    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | p2p
+    scope: str  # intra (inside a node) | inter (across nodes)
+    group_size: int
+    bus_bandwidth: float  # bytes/s of the ring-normalised ("bus") bandwidth, as nccl-tests reports
+    latency: float  # seconds
+
+
+@dataclass
+class Profile:
+    """Calibration of one machine; any field given replaces the datasheet number it measures."""
+
+    device: str  # DeviceSpec name it was measured on
+    gemm_flops: dict[str, float] = field(default_factory=dict)  # precision -> sustained FLOP/s
+    hbm_bandwidth: float = 0.0  # measured copy bandwidth, bytes/s (0 = use the spec)
+    collectives: list[CollectiveFit] = field(default_factory=list)
+
+    def collective(self, op: str, scope: str, group_size: int) -> CollectiveFit | None:
+        """The fit for ``op`` in ``scope`` with the nearest measured group size, if any."""
+        fits = [c for c in self.collectives if c.op == op and c.scope == scope]
+        if not fits:
+            fits = [c for c in self.collectives if c.op == "all_reduce" and c.scope == scope]
+        if not fits:
+            return None
+        return min(fits, key=lambda c: (abs(c.group_size - group_size), -c.group_size))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise HardwareError(f"profile: not valid JSON: {e}") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise HardwareError(f"profile.{key}: unknown key; allowed: {', '.join(sorted(known))}")
+        if "device" not in data:
+            raise HardwareError("profile.device: missing")
+        for prec in data.get("gemm_flops", {}):
+            if prec not in PRECISIONS:
+                raise HardwareError(f"profile.gemm_flops.{prec}: unknown precision; allowed: {PRECISIONS}")
+        try:
+            fits = [CollectiveFit(**c) for c in data.get("collectives", [])]
+        except TypeError as e:
+            raise HardwareError(f"profile.collectives: {e}") from None
+        return cls(
+            device=data["device"],
+            gemm_flops={k: float(v) for k, v in data.get("gemm_flops", {}).items()},
+            hbm_bandwidth=float(data.get("hbm_bandwidth", 0.0)),
+            collectives=fits,
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        p = Path(path)
+        if not p.is_file():
+            raise HardwareError(f"profile file {str(p)!r} does not exist")
+        return cls.from_json(p.read_text())
+
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+class Machine:
+    """Throughputs the cost model uses, from a cluster's specs or, where measured, a :class:`Profile`.
+
+    Compute: ``flops = gemm_flops[precision]`` from the profile, else ``peak * achievable``.
+    Collectives on ``n`` devices of a message of ``S`` bytes (the full, unsharded buffer), with
+    ``B`` the link bandwidth times ``comm_efficiency`` and ``l`` the per-hop latency (ring
+    algorithms, as in the NCCL bus-bandwidth convention)::
+
+        all_reduce      2 (n-1)/n * S / B + 2 (n-1) l
+        all_gather      (n-1)/n * S / B + (n-1) l       (S = gathered size)
+        reduce_scatter  (n-1)/n * S / B + (n-1) l       (S = input size)
+        all_to_all      (n-1)/n * S / B + (n-1) l       (S = bytes one device holds)
+        p2p             S / B + l
+
+    A group whose ranks span more than one node (``span > devices_per_node``) uses the
+    inter-node link; a measured fit replaces ``B`` by its bus bandwidth and the latency term by
+    its latency.
+    """
+
+    def __init__(self, cluster: ClusterSpec, precision: str, profile: Profile | None = None) -> None:
+        self.cluster = cluster
+        self.precision = precision
+        self.profile = profile
+        dev = cluster.device
+        self.peak = dev.peak_flops(precision)
+        measured = profile.gemm_flops.get(precision, 0.0) if profile else 0.0
+        self.flops = measured if measured > 0 else self.peak * dev.achievable
+        self.hbm = profile.hbm_bandwidth if profile and profile.hbm_bandwidth > 0 else dev.hbm_bandwidth
+        eff = cluster.comm_efficiency
+        self._links = {
+            "intra": (cluster.intra_bandwidth * eff, cluster.intra_latency),
+            "inter": (cluster.inter_bandwidth * eff, cluster.inter_latency),
+        }
+
+    def scope(self, span: int) -> str:
+        """``intra`` if a group whose ranks cover ``span`` consecutive ranks stays in one node."""
+        return "intra" if span <= self.cluster.devices_per_node else "inter"
+
+    def collective(self, op: str, n: int, size: float, span: int) -> float:
+        """Seconds for ``op`` over ``n`` devices on a message of ``size`` bytes (see class doc)."""
+        if n <= 1 or size <= 0:
+            return 0.0
+        scope = self.scope(span)
+        bw, lat = self._links[scope]
+        fit = self.profile.collective(op, scope, n) if self.profile else None
+        if op == "all_reduce":
+            volume, hops = 2.0 * (n - 1) / n * size, 2 * (n - 1)
+        elif op in ("all_gather", "reduce_scatter", "all_to_all"):
+            volume, hops = (n - 1) / n * size, n - 1
+        elif op == "p2p":
+            volume, hops = size, 1
+        else:
+            raise HardwareError(f"collective op: must be one of {COLLECTIVE_OPS}, got {op!r}")
+        if fit is not None:
+            return fit.latency + volume / fit.bus_bandwidth
+        return hops * lat + volume / bw
+
+    def gemm(self, m: float, k: float, n: float, elem_bytes: float) -> float:
+        """Roofline time of an (m x k) @ (k x n) product: max(2mkn / flops, bytes moved / HBM)."""
+        return max(2.0 * m * k * n / self.flops, elem_bytes * (m * k + k * n + m * n) / self.hbm)

@@ -1,0 +1,203 @@
+"""Text for people: the ranked layout table, one estimate's breakdown, and the pre-launch fit check."""
+
+from __future__ import annotations
+
+import copy
+
+from loom.config import ConfigError, LoomConfig, ModelConfig, resolve_layout, world_size_of
+from loom.plan.cost import CostModel, Estimate, Layout, PlanError, Workload
+from loom.plan.hardware import ClusterSpec, GiB, Profile
+from loom.plan.search import SearchResult, search
+
+COLUMNS = (
+    "#",
+    "dp",
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "zero",
+    "sp",
+    "schedule",
+    "mb",
+    "recompute",
+    "offload",
+    "mem GiB",
+    "step s",
+    "tok/s",
+    "TFLOP/s",
+    "MFU",
+    "bound by",
+)
+
+
+def _row(i: int, e: Estimate) -> list[str]:
+    lay = e.layout
+    zero = str(lay.zero) + (f"/{lay.dp_shard * lay.cp}" if lay.zero and lay.dp_shard != lay.dp else "")
+    sched = "-" if lay.pp == 1 else lay.schedule + (f"(v{lay.v})" if lay.v > 1 else "")
+    return [
+        str(i),
+        str(lay.dp),
+        str(lay.tp),
+        str(lay.pp),
+        str(lay.cp),
+        str(lay.ep),
+        zero,
+        "y" if lay.sp else "-",
+        sched,
+        str(lay.micro_batch),
+        lay.recompute,
+        "y" if lay.offload else "-",
+        f"{e.memory / GiB:.1f}",
+        f"{e.step_time:.3g}",
+        f"{e.tokens_per_s:,.0f}",
+        f"{e.tflops_per_device:.4g}",
+        f"{100 * e.mfu:.1f}%",
+        e.dominant,
+    ]
+
+
+def format_table(estimates: list[Estimate], top: int = 10) -> str:
+    """The ``top`` estimates as an aligned text table (``zero 3/8``: stage 3 sharded over 8 of dp*cp)."""
+    rows = [list(COLUMNS)] + [_row(i + 1, e) for i, e in enumerate(estimates[:top])]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_search(result: SearchResult, top: int = 10) -> str:
+    """Table of the best layouts, the rejection counts, and (if nothing fits) the closest miss."""
+    out = []
+    if result.ranked:
+        cap = result.ranked[0].capacity / GiB
+        out.append(
+            f"{len(result.ranked)} layouts fit {result.world} devices of {cap:.0f} GiB "
+            f"({result.considered} evaluated in {result.elapsed_s:.2f} s); best {min(top, len(result.ranked))}:"
+        )
+        out.append(format_table(result.ranked, top))
+    else:
+        out.append(explain_no_fit(result))
+    if result.rejected:
+        out.append("dropped: " + "; ".join(f"{n} {why}" for why, n in result.rejected.most_common()))
+    return "\n".join(out)
+
+
+def explain_no_fit(result: SearchResult) -> str:
+    """Why nothing fits: the closest layout, its shortfall and its largest memory terms."""
+    head = f"no layout fits on {result.world} device(s)"
+    c = result.closest
+    if c is None:
+        reasons = ", ".join(why for why, _ in result.rejected.most_common(3)) or "no valid layout"
+        return f"{head}: {reasons}"
+    terms = sorted(c.memory_breakdown.items(), key=lambda kv: -kv[1])[:3]
+    listed = ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in terms)
+    return (
+        f"{head}: the closest, {c.layout.short()} mb{c.layout.micro_batch} recompute={c.layout.recompute}"
+        f"{' offload' if c.layout.offload else ''}, needs {c.memory / GiB:.1f} GiB per device of "
+        f"{c.capacity / GiB:.1f} (short by {(c.memory - c.capacity) / GiB:.1f} GiB); largest: {listed}. "
+        f"More devices, a smaller model or shorter sequences are needed."
+    )
+
+
+def format_breakdown(e: Estimate) -> str:
+    """One estimate: its memory terms (GiB, share) and time terms (s, share)."""
+    lay = e.layout
+    lines = [
+        f"layout {lay.short()} sp={lay.sp} schedule={lay.schedule} v={lay.v} micro_batch={lay.micro_batch} "
+        f"recompute={lay.recompute} offload={lay.offload}",
+        f"memory per device {e.memory / GiB:.2f} GiB of {e.capacity / GiB:.1f} "
+        f"({'fits' if e.fits else 'DOES NOT FIT'}; {e.peak_stage} stage)",
+    ]
+    for k, v in sorted(e.memory_breakdown.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {k:<14}{v / GiB:9.2f} GiB {100 * v / e.memory:6.1f}%")
+    lines.append(
+        f"step {e.step_time:.4g} s, {e.microbatches} micro-batches, bubble {100 * e.bubble_fraction:.1f}%, "
+        f"{e.tokens_per_s:,.0f} tok/s, {e.tflops_per_device:.4g} TFLOP/s per device, MFU {100 * e.mfu:.1f}%"
+    )
+    for k, v in sorted(e.time_breakdown.items(), key=lambda kv: -kv[1]):
+        if v > 0:
+            lines.append(f"  {k:<14}{v:9.4g} s   {100 * v / e.step_time:6.1f}%")
+    lines.append(f"bound by {e.dominant}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ from a training config
+
+
+def model_of(cfg: LoomConfig) -> ModelConfig:
+    """The config's model with its vocabulary resolved (``data.vocab_size`` when the model's is 0)."""
+    m = copy.deepcopy(cfg.model)
+    if m.vocab_size <= 0:
+        m.vocab_size = cfg.data.vocab_size
+    return m
+
+
+def workload_of(cfg: LoomConfig) -> Workload:
+    return Workload(
+        global_batch=cfg.train.global_batch,
+        seq_len=cfg.data.seq_len,
+        precision=cfg.train.precision,
+        reduce_dtype=cfg.parallel.reduce_dtype,
+    )
+
+
+def layout_of(cfg: LoomConfig) -> Layout:
+    """The layout a config asks for; fields the config does not have yet take the plain default."""
+    c = copy.deepcopy(cfg)
+    resolve_layout(c, world_size_of(c))
+    p, t = c.parallel, c.train
+    return Layout(
+        dp=p.dp,
+        dp_shard=p.dp_shard,
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        ep=p.ep,
+        zero=p.zero,
+        sp=bool(getattr(p, "sp", False)),
+        schedule=str(getattr(p, "schedule", "1f1b")),
+        v=int(getattr(p, "virtual_stages", 1)),
+        micro_batch=t.micro_batch,
+        recompute=str(getattr(t, "recompute", "none")),
+        offload=bool(getattr(p, "offload", False)),
+    )
+
+
+def check_fit(cfg: LoomConfig, cluster: ClusterSpec, profile: Profile | None = None) -> tuple[bool, str]:
+    """Before launch: does the config's layout fit the cluster's devices? (fits, one-paragraph message).
+
+    When it does not, the message says by how much, which terms are largest, and names the best
+    layout of the same world size that fits (or the closest miss).
+    """
+    try:
+        lay = layout_of(cfg)
+        cm = CostModel(model_of(cfg), workload_of(cfg), cluster, profile)
+    except (ConfigError, PlanError) as e:
+        return False, f"cannot plan this config: {e}"
+    why = cm.check(lay)
+    if why:
+        return False, f"layout {lay.short()} is not valid here: {why}"
+    est = cm.estimate(lay)
+    summary = (
+        f"{est.memory / GiB:.2f} GiB per device of {est.capacity / GiB:.1f} ({est.peak_stage} stage); "
+        f"predicted step {est.step_time:.3g} s, {est.tokens_per_s:,.0f} tok/s, MFU {100 * est.mfu:.1f}%"
+    )
+    if est.fits:
+        return True, f"fits: {lay.short()}: {summary}"
+    terms = sorted(est.memory_breakdown.items(), key=lambda kv: -kv[1])[:3]
+    msg = (
+        f"does not fit: {lay.short()} needs {summary}; short by {(est.memory - est.capacity) / GiB:.2f} GiB. "
+        f"Largest: {', '.join(f'{k} {v / GiB:.2f} GiB' for k, v in terms)}."
+    )
+    found = search(cm.model, cm.train, cluster, lay.world_size, profile=profile)
+    if found.best is not None:
+        b = found.best.layout
+        msg += (
+            f" Fits instead: {b.short()} sp={b.sp} schedule={b.schedule} micro_batch={b.micro_batch} "
+            f"recompute={b.recompute}{' offload' if b.offload else ''} "
+            f"({found.best.memory / GiB:.2f} GiB, step {found.best.step_time:.3g} s)."
+        )
+    else:
+        msg += " " + explain_no_fit(found)
+    return False, msg

@@ -1,0 +1,221 @@
+"""Layout search: enumerate the valid layouts of a world size, keep those that fit, rank by step time.
+
+Enumeration, outermost first: tp (divides n_heads, n_kv_heads, ffn_dim, vocab, and the node),
+pp (divides n_layers), cp (seq_len divisible by 2 cp), dp = world / (tp pp cp) (divides the
+global batch), ep (MoE only), ZeRO stage with its sharding group, micro-batch, schedule with
+its virtual stages, recomputation, offload. ``sp`` is always on when tp > 1.
+
+Pruning (each rule only drops layouts the cost model can prove no better; counted in
+``SearchResult.rejected``):
+
+- sp dominates no-sp: same communication volume, less memory and elementwise time.
+- ZeRO sharding group: the whole dp group, or the part of it inside one node (hybrid
+  sharding); other group sizes only trade between these two.
+- model states that alone exceed memory skip every activation choice under them.
+- memory never decreases with the micro-batch (activations scale with b min(m, p), logits
+  with b), so micro-batches stop growing at the first that does not fit.
+- recomputation only adds time: the cheapest policy (none, selective, full) that fits is kept.
+- offload only adds time: it is tried only where the same layout without it does not fit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from loom.config import ModelConfig
+from loom.plan.cost import RECOMPUTE, CostModel, Estimate, Layout, PlanError, Workload
+from loom.plan.hardware import ClusterSpec, Profile
+
+
+@dataclass
+class SearchResult:
+    """Ranked layouts that fit, and why the others were dropped."""
+
+    world: int
+    ranked: list[Estimate]  # fitting layouts, fastest first
+    rejected: Counter = field(default_factory=Counter)  # reason -> candidates dropped for it
+    considered: int = 0  # layouts whose memory was evaluated
+    elapsed_s: float = 0.0
+    closest: Estimate | None = None  # least memory of all evaluated layouts (useful when none fit)
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _tp_reason(model: ModelConfig, ffn: int, tp: int, per_node: int) -> str | None:
+    if model.n_heads % tp:
+        return "tp must divide n_heads"
+    if model.n_kv_heads % tp:
+        return "tp must divide n_kv_heads"
+    if ffn % tp:
+        return "tp must divide ffn_dim"
+    if model.vocab_size % tp:
+        return "tp must divide vocab_size"
+    if tp > per_node or per_node % tp:
+        return "tp must divide devices_per_node (stay inside a node)"
+    return None
+
+
+def _schedules(pp: int, layers: int, m_of_mb: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
+    if m_of_mb % pp == 0:
+        out += [("interleaved", v) for v in divisors(layers // pp) if v > 1]
+    return out
+
+
+def search(
+    model: ModelConfig,
+    train: Workload,
+    cluster: ClusterSpec,
+    world: int | None = None,
+    *,
+    profile: Profile | None = None,
+    n_experts: int = 1,
+    top_k: int = 1,
+) -> SearchResult:
+    """Every valid, fitting layout of ``world`` devices (default: the whole cluster), fastest first."""
+    start = time.perf_counter()
+    W = world or cluster.world_size
+    if not 1 <= W <= cluster.world_size:
+        raise PlanError(
+            f"world: {W} devices requested, the cluster {cluster.name!r} has {cluster.world_size}"
+        )
+    cm = CostModel(model, train, cluster, profile, n_experts, top_k)
+    cap = cluster.device.memory_bytes
+    per_node = cluster.devices_per_node
+    gb, seq, L = train.global_batch, train.seq_len, model.n_layers
+    rejected: Counter = Counter()
+    ranked: list[Estimate] = []
+    considered = 0
+    closest: tuple[float, Layout, dict, str] | None = None
+
+    for tp in divisors(W):
+        why = _tp_reason(model, cm.ffn, tp, per_node)
+        if why:
+            rejected[why] += 1
+            continue
+        for pp in divisors(W // tp):
+            if L % pp:
+                rejected["pp must divide n_layers"] += 1
+                continue
+            for cp in divisors(W // (tp * pp)):
+                if cp > 1 and (seq % (2 * cp) or not train.flash_attention):
+                    rejected["cp needs flash attention and seq_len divisible by 2*cp"] += 1
+                    continue
+                if tp > 1 and seq % (tp * cp):
+                    rejected["sp needs seq_len divisible by tp*cp"] += 1
+                    continue
+                dp = W // (tp * pp * cp)
+                if gb % dp:
+                    rejected["dp must divide global_batch (more replicas than the batch feeds)"] += 1
+                    continue
+                eps = [e for e in divisors(dp * cp) if n_experts % e == 0] if n_experts > 1 else [1]
+                node_shard = max(1, per_node // (tp * cp))
+                shards = sorted({dp, node_shard} & set(divisors(dp)))
+                zeros = [(0, 1)] + [(z, ds) for z in (1, 2, 3) for ds in shards if ds * cp > 1]
+                rejected["dominated: dp_shard other than full or node-local"] += 3 * sum(
+                    1 for d in divisors(dp) if d * cp > 1 and d not in shards
+                )
+                mbs = [b for b in divisors(gb // dp)]
+                for ep in eps:
+                    for zero, ds in zeros:
+                        n, c = _search_block(
+                            cm,
+                            cap,
+                            L,
+                            gb,
+                            ranked,
+                            rejected,
+                            Layout(dp=dp, dp_shard=ds, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=tp > 1),
+                            mbs,
+                        )
+                        considered += n
+                        if c is not None and (closest is None or c[0] < closest[0]):
+                            closest = c
+    ranked.sort(key=lambda e: (e.step_time, e.memory))
+    result = SearchResult(world=W, ranked=ranked, rejected=+rejected, considered=considered)  # + drops zeros
+    if closest is not None:
+        mem, lay, bd, stage = closest
+        result.closest = cm.timed(lay, mem, bd, stage)
+    result.elapsed_s = time.perf_counter() - start
+    return result
+
+
+def _search_block(
+    cm: CostModel,
+    cap: float,
+    L: int,
+    gb: int,
+    ranked: list[Estimate],
+    rejected: Counter,
+    base: Layout,
+    mbs: list[int],
+) -> tuple[int, tuple[float, Layout, dict, str] | None]:
+    """Micro-batch x schedule x recompute x offload under one (degrees, ZeRO) choice."""
+    considered = 0
+    closest = None
+    fits_without_offload = False
+    for offload in (False, True):
+        if offload and fits_without_offload:
+            rejected["dominated: offload where it fits without"] += 1
+            continue
+        if cm.peak_states(_with(base, offload=offload)) > cap:
+            rejected["model states alone exceed device memory"] += 1
+            lay = _with(base, offload=offload, recompute="full", micro_batch=mbs[0])
+            if cm.check(lay) is None:
+                mem, bd, stage = cm.memory(lay)
+                closest = _closer(closest, (mem, lay, bd, stage))
+            continue
+        for sched, v in _schedules(base.pp, L, gb // (base.dp * mbs[0])):
+            for mb in mbs:
+                m = gb // (base.dp * mb)
+                if sched == "interleaved" and m % base.pp:
+                    rejected["interleaved needs micro-batches divisible by pp"] += 1
+                    continue
+                fitted = False
+                for rec in RECOMPUTE:
+                    lay = _with(base, schedule=sched, v=v, micro_batch=mb, recompute=rec, offload=offload)
+                    considered += 1
+                    mem, bd, stage = cm.memory(lay)
+                    if mem <= cap:
+                        ranked.append(cm.timed(lay, mem, bd, stage))
+                        fitted = True
+                        fits_without_offload |= not offload
+                        rejected["dominated: more recomputation than needed to fit"] += 2 - RECOMPUTE.index(
+                            rec
+                        )
+                        break
+                    closest = _closer(closest, (mem, lay, bd, stage))
+                if not fitted:
+                    rejected["activations exceed device memory"] += 1
+                    rejected["does not fit: larger micro-batches skipped"] += len(mbs) - 1 - mbs.index(mb)
+                    break
+    return considered, closest
+
+
+def _with(
+    b: Layout,
+    schedule: str = "1f1b",
+    v: int = 1,
+    micro_batch: int = 1,
+    recompute: str = "none",
+    offload: bool = False,
+) -> Layout:
+    """``base`` with the inner choices set (a direct constructor call: this is the hot loop)."""
+    return Layout(
+        b.dp, b.dp_shard, b.tp, b.pp, b.cp, b.ep, b.zero, b.sp, schedule, v, micro_batch, recompute, offload
+    )
+
+
+def _closer(a, b):
+    return b if a is None or b[0] < a[0] else a
