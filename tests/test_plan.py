@@ -39,7 +39,7 @@ from loom.plan.hardware import (
     load_cluster,
     resolve_cluster,
 )
-from loom.plan.report import check_fit, explain_no_fit, format_breakdown, format_search
+from loom.plan.report import check_fit, explain_no_fit, format_breakdown, format_search, layout_of
 from loom.plan.search import search
 
 LLAMA_7B = ModelConfig(
@@ -477,6 +477,9 @@ def test_check_fit_before_launch():
     cfg.run.nproc = 2
     fits, msg = check_fit(cfg, resolve_cluster("cpu-local"))
     assert fits and msg.startswith("fits: dp2")
+    for value, expected in (("none", False), ("cpu", True), (False, False), (True, True)):
+        cfg.parallel.offload = value  # a place name in newer configs, a bool in older ones
+        assert layout_of(cfg).offload is expected
     big = LoomConfig()
     big.model = dataclasses.replace(LLAMA3_8B)
     big.data.seq_len, big.train.global_batch, big.train.micro_batch, big.train.precision = 8192, 8, 1, "bf16"

@@ -143,10 +143,15 @@ def workload_of(cfg: LoomConfig) -> Workload:
 
 
 def layout_of(cfg: LoomConfig) -> Layout:
-    """The layout a config asks for; fields the config does not have yet take the plain default."""
+    """The layout a config asks for; fields the config does not have yet take the plain default.
+
+    ``parallel.offload`` may be a bool or a place (``"none"``, ``"cpu"``, ``"disk"``): any place but
+    none counts as offloaded optimizer state.
+    """
     c = copy.deepcopy(cfg)
     resolve_layout(c, world_size_of(c))
     p, t = c.parallel, c.train
+    offload = getattr(p, "offload", False)
     return Layout(
         dp=p.dp,
         dp_shard=p.dp_shard,
@@ -160,7 +165,7 @@ def layout_of(cfg: LoomConfig) -> Layout:
         v=int(getattr(p, "virtual_stages", 1)),
         micro_batch=t.micro_batch,
         recompute=str(getattr(t, "recompute", "none")),
-        offload=bool(getattr(p, "offload", False)),
+        offload=offload not in (False, None, "", "none"),
     )
 
 
