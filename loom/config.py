@@ -75,6 +75,7 @@ class ParallelConfig:
     dp: int = -1  # data-parallel degree; -1 = world_size / (tp*pp*cp)
     dp_shard: int = -1  # ZeRO/FSDP sharding group inside dp; -1 = all of dp
     tp: int = 1  # tensor-parallel degree
+    sp: bool = False  # sequence parallelism: norms/residual sharded along the sequence over tp
     pp: int = 1  # pipeline-parallel degree
     cp: int = 1  # context-parallel degree
     ep: int = 1  # expert-parallel degree (borrows from dp*cp)
@@ -351,6 +352,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be > 0, got {p.bucket_mb}")
     _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
     resolve_layout(cfg, world_size)
+    check_tensor_parallel(cfg)
     _check_implemented(cfg)
     _require(t.micro_batch >= 1, f"train.micro_batch: must be >= 1, got {t.micro_batch}")
     _require(
@@ -364,13 +366,40 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
 # Features whose fields exist (so the mesh and the planner can name them) but whose runtime
 # has not landed yet: (field, predicate on the config, message). Entries go as features land.
 NOT_YET: list[tuple[str, Any, str]] = [
-    ("parallel.tp", lambda c: c.parallel.tp > 1, "tensor parallelism is not implemented yet; use 1"),
     ("parallel.pp", lambda c: c.parallel.pp > 1, "pipeline parallelism is not implemented yet; use 1"),
     ("parallel.cp", lambda c: c.parallel.cp > 1, "context parallelism is not implemented yet; use 1"),
     ("parallel.ep", lambda c: c.parallel.ep > 1, "expert parallelism is not implemented yet; use 1"),
     ("parallel.zero", lambda c: c.parallel.zero > 0, "ZeRO stages are not implemented yet; use 0"),
     ("train.precision", lambda c: c.train.precision != "fp32", "only fp32 is implemented yet"),
 ]
+
+
+def check_tensor_parallel(cfg: LoomConfig) -> None:
+    """Shapes tensor parallelism splits must divide by tp (no padding rule); kv heads may instead be
+    replicated when n_kv_heads < tp and tp % n_kv_heads == 0. With sp the sequence splits too."""
+    m, tp = cfg.model, cfg.parallel.tp
+    if tp == 1:
+        return
+    _require(m.n_heads % tp == 0, f"model.n_heads: {m.n_heads} must be divisible by parallel.tp={tp}")
+    _require(
+        m.n_kv_heads % tp == 0 or tp % m.n_kv_heads == 0,
+        f"model.n_kv_heads: {m.n_kv_heads} must be divisible by parallel.tp={tp}, or divide it (kv heads replicated)",
+    )
+    # model.dim = n_heads * head_dim, so it is divisible by tp once n_heads is.
+    ffn = m.resolved_ffn_dim()
+    _require(ffn % tp == 0, f"model.ffn_dim: the SwiGLU hidden size {ffn} must be divisible by parallel.tp={tp}")
+    if m.vocab_size > 0:
+        _require(m.vocab_size % tp == 0, f"model.vocab_size: {m.vocab_size} must be divisible by parallel.tp={tp}")
+    elif not cfg.data.tokenizer:
+        _require(
+            cfg.data.vocab_size % tp == 0,
+            f"data.vocab_size: {cfg.data.vocab_size} (the model vocabulary) must be divisible by parallel.tp={tp}",
+        )
+    if cfg.parallel.sp:
+        _require(
+            cfg.data.seq_len % tp == 0,
+            f"data.seq_len: {cfg.data.seq_len} must be divisible by parallel.tp={tp} with parallel.sp",
+        )
 
 
 def _check_implemented(cfg: LoomConfig) -> None:

@@ -76,9 +76,11 @@ class DataParallel:
         meter: CommMeter | None = None,
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
+        tp_group: Group = None,
     ) -> None:
         self.module = module
         self.group = group
+        self.tp_group = tp_group  # tensor-parallel peers: sharded params' squares add over it in the norm
         self.world = comm.group_size(group)
         self.meter = meter
         self.params = _unique_params(module)
@@ -198,8 +200,9 @@ class DataParallel:
         return self
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Gradients are replicated after the all-reduce: the local norm is the global norm."""
-        return clip_grad_norm(self.params, max_norm)
+        """Gradients are replicated over dp after the all-reduce; tensor-parallel shards add their
+        squares over tp, replicated parameters (norms) count once."""
+        return clip_grad_norm(self.params, max_norm, tp_group=self.tp_group)
 
     def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -235,5 +238,6 @@ def apply_data_parallel(module: nn.Module, mesh, cfg, meter: CommMeter | None = 
         meter=meter,
         bucket_mb=cfg.parallel.bucket_mb,
         reduce_dtype=REDUCE_DTYPES[cfg.parallel.reduce_dtype],
+        tp_group=mesh.group("tp"),
     )
     return dp.attach_optimizer(build_optimizer(module, cfg.train))

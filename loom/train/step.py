@@ -53,13 +53,23 @@ def grad_norm_sq(params: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.float() for n in norms]).pow(2).sum()
 
 
-def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, sum_groups: Sequence[Group] = ()) -> float:
+def clip_grad_norm(
+    params: Sequence[torch.Tensor], max_norm: float, sum_groups: Sequence[Group] = (), tp_group: Group = None
+) -> float:
     """Global L2 norm of the gradients, then scale them by min(1, max_norm / norm) if max_norm > 0.
 
     norm^2 = sum over ``sum_groups`` of the local sums of squares (for sharded gradients; for
-    replicated ones pass no group so each element counts once).
+    replicated ones pass no group so each element counts once). With ``tp_group``, tensor-parallel
+    shards (params with ``tp_shard_dim`` set) add their squares over it; the parameters replicated
+    across tp (norm weights) count once.
     """
-    sq = grad_norm_sq(params)
+    if comm.group_size(tp_group) > 1:
+        sharded = [p for p in params if getattr(p, "tp_shard_dim", None) is not None]
+        sq = grad_norm_sq(sharded)
+        comm.all_reduce(sq, tp_group)
+        sq = sq + grad_norm_sq([p for p in params if getattr(p, "tp_shard_dim", None) is None])
+    else:
+        sq = grad_norm_sq(params)
     for g in sum_groups:
         comm.all_reduce(sq, g)
     norm = sq.sqrt()

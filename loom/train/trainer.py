@@ -98,6 +98,7 @@ class Trainer:
         self.meter = CommMeter()
         self.model = build_model(cfg.model, cfg.train.seed, self.device)
         self.strategy = parallelize(self.model, self.mesh, cfg, self.meter)
+        self.loss_fn = getattr(self.model, "loss_fn", loss_fn)  # tensor parallel: loss on sharded logits
         dp_rank, dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
         train_set = TokenDataset(self.data.train_path, cfg.data.seq_len)
         self.sampler = BatchSampler(
@@ -147,7 +148,7 @@ class Trainer:
             lr = lr_at(step, c)
             self.meter.reset()
             batches = self._to_device(self.sampler.micro_batches(step))
-            res = train_step(self.model, self.strategy, batches, loss_fn, c.grad_clip, lr, self.mesh.group("dp"))
+            res = train_step(self.model, self.strategy, batches, self.loss_fn, c.grad_clip, lr, self.mesh.group("dp"))
             window_steps += 1
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.3f}")
@@ -162,7 +163,7 @@ class Trainer:
                     **self.meter.snapshot(),
                 }  # fmt: skip
                 if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
-                    row["eval_loss"] = evaluate(self.model, self._to_device(self.eval_set), loss_fn,
+                    row["eval_loss"] = evaluate(self.model, self._to_device(self.eval_set), self.loss_fn,
                                                 self.mesh.group("dp"))  # fmt: skip
                 self.metrics.write(row)
                 if self.is_main:
@@ -180,9 +181,14 @@ class Trainer:
 
     def save_final(self, step: int, last: dict[str, float]) -> None:
         """Rank 0 writes the consolidated model (data-parallel replicas are identical)."""
+        model = self.model
+        if self.mesh.size("tp") > 1:  # every rank joins the gather of the tensor-parallel shards
+            from loom.parallel.tensor_parallel import consolidated_model
+
+            model = consolidated_model(self.model, self.mesh.group("tp"), self.cfg.model)
         if self.is_main:
             out = self.run_dir / "checkpoints" / "final"
-            save_model(self.model, out / "model.safetensors", {"step": str(step)})
+            save_model(model, out / "model.safetensors", {"step": str(step)})
             write_json_atomic(out / "meta.json", {"step": step, "loss": last.get("loss")})
             log.info("saved %s", out / "model.safetensors")
         if self.env.world > 1:

@@ -1,0 +1,203 @@
+"""Tensor (Megatron) and sequence parallelism, applied to the plain model by module swap.
+
+:func:`apply_tensor_parallel` replaces, in place, every Linear/Embedding of the reference
+:class:`~loom.model.llama.Transformer` by its sharded counterpart (``tp_layers``), sliced from the
+full, deterministically initialised weights, so a tp run starts from exactly the single-device
+parameters. Parameter names are unchanged (``layers.0.attention.wq.weight`` is now a row shard).
+
+Layout over the tp group of n ranks (h = dim, a heads, k kv-heads, f = ffn, V = vocab, L layers):
+
+    embedding   vocab-parallel rows V/n, then g                (sp: reduce-scatter along seq)
+    attention   wq, wk, wv column (a/n, k/n heads), wo row       (k < n, n % k == 0: kv replicated)
+    mlp         w1, w3 column (f/n), w2 row
+    head        column over the vocabulary: local logits (B, T, V/n), never gathered
+    loss        vocab-parallel cross-entropy on the local logits
+
+Bytes moved per rank per micro-batch (ring, ρ = (n-1)/n, S = b·s·h·e, e bytes per element):
+
+    no sp:  2ρ·[(4L + 2)·S + 3·b·s·4 + 2L·k·d·h·e·[k < n]]
+            i.e. 2 all-reduces of S per layer per pass, the embedding's g, the head's f, and the
+            loss's max and (sum-exp, target-logit) all-reduces of b·s fp32 values.
+    sp:     ρ·[(10L + 5)·S + 2·(2L + 1)·h·e + 6·b·s·4 + 4L·k·d·h·e·[k < n]]
+            per layer: forward 2 all-gathers + 2 reduce-scatters (= the 2 all-reduces), backward
+            the same plus 2 re-gathers of the saved shard; the norm weights' gradient all-reduces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Function
+
+from loom import comm
+from loom.comm import CommMeter, Group
+from loom.config import LoomConfig, ModelConfig, check_tensor_parallel
+from loom.parallel.tp_layers import (
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelFeedForward,
+    SequenceParallelRMSNorm,
+    TPContext,
+    VocabParallelEmbedding,
+    sharded_param,
+)
+
+IGNORE_INDEX = -100
+
+
+def apply_tensor_parallel(
+    model: nn.Module, mesh, cfg: LoomConfig, meter: CommMeter | None = None
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Shard ``model`` over ``mesh.group("tp")`` in place; return (and set ``model.loss_fn`` to) the
+    loss that takes the local logits shard. Raises ConfigError for shapes tp cannot split."""
+    n = mesh.size("tp")
+    check_tensor_parallel(cfg)
+    ctx = TPContext(mesh.group("tp"), mesh.local_rank("tp"), n, meter, cfg.parallel.sp)
+    tied = model.output.weight is model.tok_embeddings.weight
+    emb = VocabParallelEmbedding(sharded_param(model.tok_embeddings.weight, 0, ctx), ctx)
+    head_weight = emb.weight if tied else sharded_param(model.output.weight, 0, ctx)
+    model.tok_embeddings = emb
+    model.output = ColumnParallelLinear(head_weight, ctx)
+    for layer in model.layers:
+        parallelize_block(layer, ctx)
+    if ctx.sp:
+        model.norm = SequenceParallelRMSNorm(model.norm, ctx)
+    loss = partial(vocab_parallel_cross_entropy, group=ctx.group, meter=meter)
+    model.loss_fn = loss
+    return loss
+
+
+def parallelize_block(block: nn.Module, ctx: TPContext) -> nn.Module:
+    """Swap one transformer Block's attention and MLP (and, with sp, its norms) in place.
+
+    Input and output of the block: (B, T, h) replicated, or (B, T/n, h) sequence shards with sp.
+    """
+    block.attention = ParallelAttention.from_full(block.attention, ctx)
+    block.feed_forward = ParallelFeedForward.from_full(block.feed_forward, ctx)
+    if ctx.sp:
+        block.attention_norm = SequenceParallelRMSNorm(block.attention_norm, ctx)
+        block.ffn_norm = SequenceParallelRMSNorm(block.ffn_norm, ctx)
+    return block
+
+
+def is_tp_sharded(p: torch.Tensor) -> bool:
+    """True for a tensor-parallel shard (its squares add over tp in the gradient norm)."""
+    return getattr(p, "tp_shard_dim", None) is not None
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+class _VocabParallelCrossEntropy(Function):
+    """Mean cross-entropy over non-ignored tokens from vocabulary-sharded logits.
+
+    With z the logits, m = max_v z (all-reduce max), Z = Σ_v exp(z - m) and z_t the target's
+    logit (one all-reduce of both): loss_i = log Z - (z_t - m). Backward on the local shard:
+    dz = (softmax(z) - onehot(t)) / N_valid. The full (B, T, V) logits never exist on a rank.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, meter, vocab_start: int, ignore_index: int):
+        vl = logits.shape[-1]
+        z = logits.reshape(-1, vl).float()  # (N, V/n)
+        zmax = z.max(dim=-1).values
+        comm.all_reduce_max(zmax, group, meter)
+        e = z - zmax.unsqueeze(1)  # shifted logits, then exp in place
+        t = targets.reshape(-1)
+        valid = t != ignore_index
+        local = t - vocab_start
+        mine = valid & (local >= 0) & (local < vl)
+        idx = local.clamp(0, vl - 1).unsqueeze(1)  # (N, 1)
+        picked = e.gather(1, idx).squeeze(1) * mine  # z_t - m where this rank owns t, else 0
+        e.exp_()
+        stats = torch.stack((e.sum(dim=-1), picked))  # (2, N)
+        comm.all_reduce(stats, group, meter)
+        sumexp, picked = stats
+        count = valid.sum().to(z.dtype)
+        loss = ((sumexp.log() - picked) * valid).sum() / count
+        e.div_(sumexp.unsqueeze(1))  # local softmax shard
+        ctx.save_for_backward(e, idx, mine, valid, count)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, idx, mine, valid, count = ctx.saved_tensors
+        g = softmax.scatter_add(1, idx, -mine.to(softmax.dtype).unsqueeze(1))
+        g.mul_((valid.to(g.dtype) * (grad / count)).unsqueeze(1))
+        return g.view(ctx.shape).to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    local_logits: torch.Tensor,
+    targets: torch.Tensor,
+    group: Group,
+    meter: CommMeter | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Mean next-token cross-entropy from this rank's logits (B, T, V/n) and the full targets (B, T).
+
+    Equals ``F.cross_entropy`` of the gathered logits with ``ignore_index``; rank r of ``group``
+    holds vocabulary rows [r·V/n, (r+1)·V/n).
+    """
+    rank = dist.get_rank(group) if comm.group_size(group) > 1 else 0
+    return _VocabParallelCrossEntropy.apply(
+        local_logits, targets, group, meter, rank * local_logits.shape[-1], ignore_index
+    )
+
+
+# ----------------------------------------------------------------------------- gathering shards
+
+
+def gather_dim(t: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Concatenate every rank's ``t`` along ``dim`` in rank order (unmetered: bookkeeping)."""
+    n = comm.group_size(group)
+    if n == 1:
+        return t.detach().clone()
+    x = t.detach().movedim(dim, 0).contiguous()
+    buf = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(buf.view(-1), x.view(-1), group=group)
+    return buf.flatten(0, 1).movedim(0, dim).contiguous()
+
+
+@torch.no_grad()
+def gather_full_state(model: nn.Module, group: Group) -> dict[str, torch.Tensor]:
+    """The single-device ``state_dict``: shards (``tp_shard_dim``) gathered, replicated ones copied.
+
+    A collective: every rank of ``group`` must call it.
+    """
+    done: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in done:
+            dim = getattr(t, "tp_shard_dim", None)
+            done[id(t)] = t.detach().clone() if dim is None else gather_dim(t, dim, group)
+        out[name] = done[id(t)]
+    return out
+
+
+def consolidated_model(model: nn.Module, group: Group, cfg: ModelConfig) -> nn.Module:
+    """A single-device Transformer on CPU holding the gathered weights (for saving). Collective."""
+    from loom.model.llama import Transformer
+
+    state = gather_full_state(model, group)
+    full = Transformer(cfg)
+    full.load_state_dict({k: v.cpu() for k, v in state.items()})
+    return full
+
+
+def comm_bytes_formula(cfg: ModelConfig, batch: int, seq: int, tp: int, sp: bool, elem: int = 4) -> float:
+    """Bytes one rank moves per micro-batch (forward + backward) under TP; see the module docstring."""
+    if tp == 1:
+        return 0.0
+    rho = (tp - 1) / tp
+    L, h, d, k = cfg.n_layers, cfg.dim, cfg.head_dim, cfg.n_kv_heads
+    S = batch * seq * h * elem
+    kv = L * k * d * h * elem if k < tp else 0
+    if not sp:
+        return 2 * rho * ((4 * L + 2) * S + 3 * batch * seq * 4 + 2 * kv)
+    return rho * ((10 * L + 5) * S + 2 * (2 * L + 1) * h * elem + 6 * batch * seq * 4 + 4 * kv)

@@ -1,0 +1,267 @@
+"""Tensor-parallel layers: column/row-parallel linear, vocab-parallel embedding, attention, SwiGLU.
+
+Megatron layout over a tensor-parallel group of n ranks (rank r):
+
+    column-parallel  Y_i = X W_i^T      W_i = rows [r·o/n, (r+1)·o/n) of the (o, i) weight
+    row-parallel     Y   = Σ_r X_r W_r^T  W_r = columns [r·i/n, (r+1)·i/n); the Σ is g (all-reduce)
+
+A block is column → local math → row, so each of attention and MLP runs one collective in
+forward (g after the row-parallel layer) and one in backward (f before the column-parallel
+ones). With sequence parallelism (``sp``) the residual stream is sharded along the sequence:
+the entry all-gathers the sequence (and reduce-scatters in backward) and the exit
+reduce-scatters it (and all-gathers in backward). The column-parallel entry keeps only the
+sequence *shard* for backward and re-gathers it there (overlapped with the input-gradient
+matmul), so no full-sequence activation outside attention/MLP is kept.
+
+Parameters carry ``tp_shard_dim`` (0: rows, 1: columns) when sharded; replicated parameters
+(norm weights, key/value weights replicated when n_kv_heads < n) have none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from loom import comm
+from loom.comm import CommMeter, Group
+from loom.model.llama import RMSNorm, apply_rope
+from loom.parallel.tp_comm import (
+    all_gather_seq,
+    copy_to_tp,
+    reduce_from_tp,
+    reduce_scatter_seq,
+    scatter_seq,
+)
+
+
+@dataclass
+class TPContext:
+    """What every tensor-parallel layer needs: the group, this rank's place in it, the meter, sp."""
+
+    group: Group
+    rank: int
+    size: int
+    meter: CommMeter | None = None
+    sp: bool = False
+
+
+def sharded_param(full: torch.Tensor, dim: int, ctx: TPContext) -> nn.Parameter:
+    """This rank's contiguous 1/n slice of ``full`` along ``dim``, as a parameter tagged ``tp_shard_dim``."""
+    p = nn.Parameter(full.detach().chunk(ctx.size, dim)[ctx.rank].clone())
+    p.tp_shard_dim = dim  # type: ignore[attr-defined]
+    return p
+
+
+class _ColumnParallelMatmul(Function):
+    """Y_i = X_full W_i^T for several weights sharing one input (q/k/v, or w1/w3).
+
+    Forward: sp=False, X_full = X (f: identity);  sp=True, X_full = all-gather of X along seq.
+    Backward: dX = Σ_i dY_i W_i, then all-reduce (sp=False) or reduce-scatter along seq (sp=True);
+    dW_i = dY_i^T X_full. With sp only the shard X is saved; X_full is re-gathered in backward.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, x: torch.Tensor, group: Group, meter: CommMeter | None, sp: bool, *weights: torch.Tensor
+    ):
+        ctx.group, ctx.meter, ctx.sp = group, meter, sp
+        x_full = all_gather_seq(x, group, meter) if sp else x
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x_full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        group, meter = ctx.group, ctx.meter
+        if ctx.sp:  # start re-gathering the sequence while dX is computed
+            gather_work, gather_finish = all_gather_seq(x, group, meter, async_op=True)
+        dx, work = None, None
+        if ctx.needs_input_grad[0]:
+            for g, w in zip(grads, weights):
+                if g is not None:
+                    lead, g2 = g.shape[:-1], g.reshape(-1, g.shape[-1])
+                    dx = g2 @ w if dx is None else dx.addmm_(g2, w)  # (B·T, in)
+            if dx is not None:
+                dx = dx.view(*lead, dx.shape[-1])  # (B, T, in)
+        if ctx.sp:
+            gather_work.wait()
+            x_full = gather_finish()
+            if dx is not None:
+                work, dx = reduce_scatter_seq(dx, group, meter, async_op=True)
+        else:
+            x_full = x
+            if dx is not None:
+                dx = dx.contiguous()
+                work = comm.all_reduce(dx, group, meter, async_op=True)
+        x2 = x_full.reshape(-1, x_full.shape[-1])
+        dws = [
+            g.reshape(-1, g.shape[-1]).t() @ x2 if g is not None and ctx.needs_input_grad[4 + i] else None
+            for i, g in enumerate(grads)
+        ]
+        if work is not None:
+            work.wait()
+        return (dx, None, None, None, *dws)
+
+
+def column_parallel_matmul(
+    x: torch.Tensor, weights: tuple[torch.Tensor, ...], ctx: TPContext
+) -> tuple[torch.Tensor, ...]:
+    """Fused f (or sequence all-gather) + column-parallel matmuls sharing the input ``x``."""
+    if ctx.size == 1:
+        return tuple(F.linear(x, w) for w in weights)
+    return _ColumnParallelMatmul.apply(x, ctx.group, ctx.meter, ctx.sp, *weights)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W_r^T with W_r this rank's rows: (.., in) -> (.., out/n), no gather of the output.
+
+    ``replicated_rows``: the weight is held whole on every rank (key/value heads replicated when
+    n_kv_heads < n) and this rank uses those rows; its gradient is summed over the group by f.
+    """
+
+    def __init__(self, weight: nn.Parameter, ctx: TPContext, replicated_rows: slice | None = None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.ctx = ctx
+        self.replicated_rows = replicated_rows
+
+    def local_weight(self) -> torch.Tensor:
+        if self.replicated_rows is None:
+            return self.weight
+        return copy_to_tp(self.weight, self.ctx.group, self.ctx.meter)[self.replicated_rows]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return column_parallel_matmul(x, (self.local_weight(),), self.ctx)[0]
+
+    def extra_repr(self) -> str:
+        return f"local={tuple(self.weight.shape)}, tp={self.ctx.size}, sp={self.ctx.sp}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_r x_r W_r^T: (.., in/n) -> (.., out); Σ is g (all-reduce) or, with sp, a reduce-scatter."""
+
+    def __init__(self, weight: nn.Parameter, ctx: TPContext) -> None:
+        super().__init__()
+        self.weight = weight
+        self.ctx = ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # partial sum
+        if self.ctx.sp:
+            return scatter_seq(y, self.ctx.group, self.ctx.meter)  # (B, T/n, out)
+        return reduce_from_tp(y, self.ctx.group, self.ctx.meter)  # (B, T, out)
+
+    def extra_repr(self) -> str:
+        return f"local={tuple(self.weight.shape)}, tp={self.ctx.size}, sp={self.ctx.sp}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [r·V/n, (r+1)·V/n) of the table; tokens outside give 0, then g (or reduce-scatter with sp).
+
+    e(t) = Σ_r [t in rank r's range] E_r[t - r·V/n]: exactly one term is non-zero.
+    """
+
+    def __init__(self, weight: nn.Parameter, ctx: TPContext) -> None:
+        super().__init__()
+        self.weight = weight
+        self.ctx = ctx
+        self.vocab_start = ctx.rank * weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, h)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.ctx.sp:
+            return scatter_seq(out, self.ctx.group, self.ctx.meter)  # (B, T/n, h)
+        return reduce_from_tp(out, self.ctx.group, self.ctx.meter)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """RMSNorm on a sequence shard: its weight gradient is a partial sum, so f sums it over tp."""
+
+    def __init__(self, norm: RMSNorm, ctx: TPContext) -> None:
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.weight = norm.weight
+        self.ctx = ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * copy_to_tp(self.weight, self.ctx.group, self.ctx.meter)
+
+
+class ParallelAttention(nn.Module):
+    """Attention split by heads: rank r keeps query heads [r·a/n, (r+1)·a/n) and their key/value heads.
+
+    k % n == 0: key/value heads are sharded like the queries (rank r: [r·k/n, (r+1)·k/n)).
+    n % k == 0 (k < n): every rank's a/n query heads share one key/value head, r // (n/k), whose
+    weights are replicated (and their gradients summed over tp).
+    wq, wk, wv are column-parallel (one fused entry), wo row-parallel: one collective per pass.
+    """
+
+    def __init__(self, wq, wk, wv, wo, head_dim: int, ctx: TPContext) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+        self.head_dim = head_dim
+        self.ctx = ctx
+
+    @classmethod
+    def from_full(cls, attn: nn.Module, ctx: TPContext) -> ParallelAttention:
+        n, r, d, k = ctx.size, ctx.rank, attn.head_dim, attn.n_kv_heads
+        wq = ColumnParallelLinear(sharded_param(attn.wq.weight, 0, ctx), ctx)
+        if k % n == 0:
+            wk = ColumnParallelLinear(sharded_param(attn.wk.weight, 0, ctx), ctx)
+            wv = ColumnParallelLinear(sharded_param(attn.wv.weight, 0, ctx), ctx)
+        else:
+            head = r // (n // k)
+            rows = slice(head * d, (head + 1) * d)
+            wk = ColumnParallelLinear(nn.Parameter(attn.wk.weight.detach().clone()), ctx, rows)
+            wv = ColumnParallelLinear(nn.Parameter(attn.wv.weight.detach().clone()), ctx, rows)
+        wo = RowParallelLinear(sharded_param(attn.wo.weight, 1, ctx), ctx)
+        return cls(wq, wk, wv, wo, d, ctx)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = column_parallel_matmul(
+            x, (self.wq.weight, self.wk.local_weight(), self.wv.local_weight()), self.ctx
+        )
+        # From here on the same math as loom.model.llama.Attention.forward, on the local heads.
+        B, T, _ = q.shape  # T is the full sequence (gathered with sp): RoPE positions stay global
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, a/n, d)
+        k = k.view(B, T, -1, self.head_dim)  # (B, T, k_local, d)
+        v = v.view(B, T, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, a/n, T, d)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, a/n·d)
+        return self.wo(y)  # (B, T, h), or (B, T/n, h) with sp
+
+
+class ParallelFeedForward(nn.Module):
+    """SwiGLU split along the hidden size f: w1, w3 column-parallel (fused entry), w2 row-parallel."""
+
+    def __init__(self, w1, w3, w2, ctx: TPContext) -> None:
+        super().__init__()
+        self.w1, self.w3, self.w2 = w1, w3, w2
+        self.ctx = ctx
+
+    @classmethod
+    def from_full(cls, ffn: nn.Module, ctx: TPContext) -> ParallelFeedForward:
+        return cls(
+            ColumnParallelLinear(sharded_param(ffn.w1.weight, 0, ctx), ctx),
+            ColumnParallelLinear(sharded_param(ffn.w3.weight, 0, ctx), ctx),
+            RowParallelLinear(sharded_param(ffn.w2.weight, 1, ctx), ctx),
+            ctx,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = column_parallel_matmul(x, (self.w1.weight, self.w3.weight), self.ctx)  # (B, T, f/n)
+        return self.w2(F.silu(a) * b)
