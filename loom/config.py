@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
@@ -82,6 +83,9 @@ class ParallelConfig:
     zero: int = 0  # ZeRO stage 0 (plain data parallel), 1, 2 or 3
     bucket_mb: float = 25.0  # gradient bucket size for the all-reduce, in MB
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in
+    offload: str = "none"  # ZeRO optimizer state: none | cpu (host memory, ZeRO-Offload) | disk (mmap files)
+    offload_dir: str = ""  # directory for parallel.offload = "disk"; "" = <run.dir>/offload
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered params after forward, gather again for backward
 
 
 @dataclass
@@ -256,6 +260,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+OFFLOADS = ("none", "cpu", "disk")
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -351,6 +356,14 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     )
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be > 0, got {p.bucket_mb}")
     _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
+    _require(p.offload in OFFLOADS, f"parallel.offload: must be one of {OFFLOADS}, got {p.offload!r}")
+    _require(
+        p.offload == "none" or p.zero >= 1,
+        f"parallel.offload: {p.offload!r} offloads ZeRO optimizer state; it needs parallel.zero >= 1",
+    )
+    if p.offload == "disk":
+        problem = _unwritable(offload_dir(cfg))
+        _require(problem is None, f"parallel.offload_dir: {problem}")
     resolve_layout(cfg, world_size)
     check_tensor_parallel(cfg)
     _check_implemented(cfg)
@@ -369,7 +382,6 @@ NOT_YET: list[tuple[str, Any, str]] = [
     ("parallel.pp", lambda c: c.parallel.pp > 1, "pipeline parallelism is not implemented yet; use 1"),
     ("parallel.cp", lambda c: c.parallel.cp > 1, "context parallelism is not implemented yet; use 1"),
     ("parallel.ep", lambda c: c.parallel.ep > 1, "expert parallelism is not implemented yet; use 1"),
-    ("parallel.zero", lambda c: c.parallel.zero > 0, "ZeRO stages are not implemented yet; use 0"),
     ("train.precision", lambda c: c.train.precision != "fp32", "only fp32 is implemented yet"),
 ]
 
@@ -400,6 +412,30 @@ def check_tensor_parallel(cfg: LoomConfig) -> None:
             cfg.data.seq_len % tp == 0,
             f"data.seq_len: {cfg.data.seq_len} must be divisible by parallel.tp={tp} with parallel.sp",
         )
+
+
+def offload_dir(cfg: LoomConfig) -> str:
+    """Directory of the memory-mapped optimizer state: ``parallel.offload_dir`` or ``<run.dir>/offload``."""
+    return cfg.parallel.offload_dir or str(Path(cfg.run.dir) / "offload")
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be used as a writable directory (None if it can, creating it if needed).
+
+    Probes by creating a temporary file in ``path`` or, if it does not exist yet, in its nearest
+    existing ancestor (permission bits alone lie for root and for read-only mounts).
+    """
+    probe = Path(path).expanduser()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{path!r} is not a writable directory ({str(probe)!r} is not a directory)"
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        return f"{path!r} is not a writable directory ({e.strerror or e})"
+    return None
 
 
 def _check_implemented(cfg: LoomConfig) -> None:

@@ -20,4 +20,8 @@ def parallelize(model: nn.Module, mesh, cfg, meter: CommMeter | None = None):
         from loom.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh, cfg, meter)
+    if cfg.parallel.zero > 0:
+        from loom.parallel.zero import apply_zero
+
+        return apply_zero(model, mesh, cfg, meter)
     return apply_data_parallel(model, mesh, cfg, meter)

@@ -1,0 +1,158 @@
+"""Pieces every ZeRO stage shares: gradient reduction to shards, the sharded norm, the Strategy shell.
+
+Gradient averaging over the data-parallel group of dp = R·N ranks (R replicas of N-rank
+sharding groups; R = 1 without hybrid sharding): each flat gradient is divided by dp, reduced
+and scattered inside the sharding group (sum), and the resulting shard all-reduced across the
+R replicas. Bytes per rank for a flat gradient of Φ' elements of b bytes:
+
+    reduce-scatter  Φ'·b·(N-1)/N   +   all-reduce across replicas  2·(Φ'/N)·b·(R-1)/R
+
+Gradient norm for clipping: every element of the model's gradient is owned by exactly one
+rank of a sharding group, so norm² = Σ over the group of each rank's Σ shard², one scalar
+all-reduce over the sharding group (replicas hold identical shards and are not added again;
+tensor-parallel shards also add over tp). Scalar all-reduces are bookkeeping and not metered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from loom import comm
+from loom.comm import CommMeter, Group
+from loom.parallel.zero.adam import ShardedAdamW
+from loom.parallel.zero.layout import FlatLayout
+
+MAX_INFLIGHT = 2  # full-size gradient buffers in flight at once (beyond the one being filled)
+
+
+@dataclass
+class _Pending:
+    work: object | None
+    full: torch.Tensor  # kept alive until the collective completes
+    out: torch.Tensor
+    dest: torch.Tensor
+
+
+class GradReducer:
+    """Asynchronous reduce-scatter of flat gradients into shards, at most ``max_inflight`` at once."""
+
+    def __init__(
+        self,
+        shard_group: Group,
+        replicate_group: Group,
+        dp: int,
+        meter: CommMeter | None,
+        reduce_dtype: torch.dtype | None,
+        max_inflight: int = MAX_INFLIGHT,
+    ) -> None:
+        self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.dp, self.meter = dp, meter
+        self.reduce_dtype = reduce_dtype
+        self.max_inflight = max_inflight
+        self.inflight: deque[_Pending] = deque()
+
+    def launch(self, full: torch.Tensor, dest: torch.Tensor) -> None:
+        """Start dest = shard of (Σ over dp of full) / dp. ``full`` may be divided in place."""
+        send = full if self.reduce_dtype in (None, full.dtype) else full.to(self.reduce_dtype)
+        send.div_(self.dp)
+        aliased = dest.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+        out = dest if (dest.dtype == send.dtype and not aliased) else torch.empty_like(dest, dtype=send.dtype)
+        work = comm.reduce_scatter(out, send, self.shard_group, self.meter, async_op=True)
+        self.inflight.append(_Pending(work, send, out, dest))
+        while len(self.inflight) > self.max_inflight:
+            self._complete(self.inflight.popleft())
+
+    def _complete(self, p: _Pending) -> None:
+        if p.work is not None:
+            p.work.wait()
+        comm.all_reduce(p.out, self.replicate_group, self.meter)
+        if p.out is not p.dest:
+            p.dest.copy_(p.out)
+
+    def drain(self) -> None:
+        """Wait for every reduction launched so far."""
+        while self.inflight:
+            self._complete(self.inflight.popleft())
+
+
+def build_adam(
+    layouts: Sequence[FlatLayout], shards: Sequence[torch.Tensor], store, train_cfg
+) -> ShardedAdamW:
+    """AdamW with the hyper-parameters of ``train_cfg``, decay on the ndim >= 2 runs of each shard."""
+    return ShardedAdamW(
+        shards,
+        [lay.local_ranges(lambda s: s.decay) for lay in layouts],
+        store,
+        betas=(train_cfg.beta1, train_cfg.beta2),
+        eps=train_cfg.eps,
+        weight_decay=train_cfg.weight_decay,
+    )
+
+
+class ShardedStrategy:
+    """Strategy shell for the ZeRO stages: sync switch, sharded clipping, the optimizer step.
+
+    Subclasses set ``self.layouts`` (one per flat buffer), ``self.grad_shards`` (this rank's
+    reduced gradient shard of each) and ``self.optim``, and implement the hooks.
+    """
+
+    layouts: list[FlatLayout]
+    grad_shards: list[torch.Tensor]
+    optim: ShardedAdamW
+
+    def __init__(
+        self, shard_group: Group, replicate_group: Group, tp_group: Group, meter: CommMeter | None
+    ) -> None:
+        self.shard_group, self.replicate_group, self.tp_group = shard_group, replicate_group, tp_group
+        self.meter = meter
+        self.sync_enabled = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate full-size gradients locally; no communication inside this context."""
+        prev = self.sync_enabled
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = prev
+
+    def _norm_sq(self) -> torch.Tensor:
+        """Σ of squares of this rank's gradient shards, tp shards summed over tp (global once reduced)."""
+        device = self.grad_shards[0].device if self.grad_shards else torch.device("cpu")
+        tp_views, rep_views = [], []
+        for lay, g in zip(self.layouts, self.grad_shards):
+            if comm.group_size(self.tp_group) > 1:
+                tp_views += [g[lo:hi] for lo, hi in lay.local_ranges(lambda s: s.tp_sharded)]
+                rep_views += [g[lo:hi] for lo, hi in lay.local_ranges(lambda s: not s.tp_sharded)]
+            else:
+                rep_views.append(g)
+        sq = _sum_sq(rep_views, device)
+        if tp_views:
+            tp_sq = _sum_sq(tp_views, device)
+            comm.all_reduce(tp_sq, self.tp_group)
+            sq = sq + tp_sq
+        return sq
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global norm = sqrt(all-reduce over the sharding group of local Σ shard²); scale if > max_norm."""
+        sq = self._norm_sq()
+        comm.all_reduce(sq, self.shard_group)
+        norm = sq.sqrt()
+        if max_norm > 0 and self.grad_shards:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(self.grad_shards, coef.to(self.grad_shards[0].device))
+        return float(norm)
+
+
+def _sum_sq(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([n.float() for n in torch._foreach_norm(tensors, 2.0)]).pow(2).sum()

@@ -1,0 +1,145 @@
+"""Flat, aligned, equally sharded parameter buffers: the storage layout every ZeRO stage shares.
+
+A group of parameters (a stage-1/2 bucket or a stage-3 unit) is laid end to end in one flat
+buffer of Φ_g elements, then padded with zeros to
+
+    Φ_g' = ceil(Φ_g / (N·a)) · N·a,      a = ALIGN_BYTES / bytes per element,
+
+so that it splits into N equal shards of Φ_g'/N elements, each starting on an ALIGN_BYTES
+boundary. Rank r of the sharding group owns elements [r·Φ_g'/N, (r+1)·Φ_g'/N). Padding is at
+most N·a - 1 elements per group; padded elements hold zeros in parameters, gradients and Adam
+state, so they never change and never add to the gradient norm.
+
+Parameters keep their identity (the same ``nn.Parameter`` objects stay registered in the
+module); only their ``.data`` becomes a view into the flat buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from loom.train.optim import param_groups
+
+ALIGN_BYTES = 16  # shard starts on 16-byte boundaries: the vector width of CPU kernels, NCCL's preference
+
+
+def unique_params(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters in registration order, each shared (tied) parameter once."""
+    seen: set[int] = set()
+    out = []
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def decayed_ids(module: nn.Module) -> set[int]:
+    """ids of the parameters AdamW decays: the rule of :func:`loom.train.optim.param_groups`."""
+    return {id(p) for p in param_groups(module, 1.0)[0]["params"]}
+
+
+def is_tp_sharded(p: torch.Tensor) -> bool:
+    """A tensor-parallel shard (its squares add over the tp group in the gradient norm)."""
+    return getattr(p, "tp_shard_dim", None) is not None
+
+
+def padded_numel(numel: int, world: int, element_size: int) -> int:
+    """Φ' = ceil(Φ / (N·a)) · N·a with a = ALIGN_BYTES / element_size (at least 1)."""
+    unit = world * max(1, ALIGN_BYTES // element_size)
+    return -(-numel // unit) * unit
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in the flat buffer."""
+
+    offset: int
+    numel: int
+    decay: bool  # AdamW weight decay applies (ndim >= 2)
+    tp_sharded: bool  # a tensor-parallel shard
+
+
+class FlatLayout:
+    """Offsets of ``params`` in one flat buffer, padded for ``world`` equal shards; ``rank``'s range."""
+
+    def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, decayed: set[int]) -> None:
+        if not params:
+            raise ValueError("FlatLayout needs at least one parameter")
+        self.params = list(params)
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.world, self.rank = world, rank
+        self.slots: list[Slot] = []
+        off = 0
+        for p in self.params:
+            if p.dtype != self.dtype or p.device != self.device:
+                raise ValueError("a flat buffer holds parameters of one dtype and device")
+            self.slots.append(Slot(off, p.numel(), id(p) in decayed, is_tp_sharded(p)))
+            off += p.numel()
+        self.numel = off  # Φ_g
+        self.padded = padded_numel(off, world, params[0].element_size())  # Φ_g'
+        self.shard_numel = self.padded // world
+        self.start = rank * self.shard_numel
+        self.end = self.start + self.shard_numel
+
+    def local_ranges(self, keep: Callable[[Slot], bool]) -> list[tuple[int, int]]:
+        """Shard-local [lo, hi) runs covered by the parameters whose slot satisfies ``keep``, merged."""
+        runs: list[tuple[int, int]] = []
+        for s in self.slots:
+            if not keep(s):
+                continue
+            lo, hi = max(s.offset, self.start), min(s.offset + s.numel, self.end)
+            if lo >= hi:
+                continue
+            lo, hi = lo - self.start, hi - self.start
+            if runs and runs[-1][1] == lo:
+                runs[-1] = (runs[-1][0], hi)
+            else:
+                runs.append((lo, hi))
+        return runs
+
+    def new_flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.zeros(self.padded, dtype=dtype or self.dtype, device=self.device)
+
+    def new_shard(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.zeros(self.shard_numel, dtype=dtype or self.dtype, device=self.device)
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a flat buffer laid out like this one (a view)."""
+        return flat[self.start : self.end]
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's view into ``flat``, in its own shape."""
+        return [flat[s.offset : s.offset + s.numel].view_as(p) for p, s in zip(self.params, self.slots)]
+
+    @torch.no_grad()
+    def bind(self, flat: torch.Tensor) -> None:
+        """Copy the parameters' values into ``flat`` and make each ``p.data`` a view of it."""
+        for p, v in zip(self.params, self.views(flat)):
+            v.copy_(p.data)
+            p.data = v
+
+
+def split_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Runs of parameters in *reverse* registration order (roughly the order backward produces
+    their gradients), each up to ``cap_bytes`` and of one dtype and device (as the DDP buckets)."""
+    groups: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(params):
+        nb = p.numel() * p.element_size()
+        if current and (
+            size + nb > cap_bytes or p.dtype != current[0].dtype or p.device != current[0].device
+        ):
+            groups.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nb
+    if current:
+        groups.append(current)
+    return groups

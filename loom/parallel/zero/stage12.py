@@ -1,0 +1,204 @@
+"""ZeRO stages 1 and 2: optimizer state (stage 1), and gradients too (stage 2), sharded over N ranks.
+
+Parameters stay replicated: every parameter's ``.data`` is a view into a flat bucket (buckets as
+the DDP ones: reverse registration order, ``bucket_mb`` each), padded so it splits into N equal
+aligned shards (:mod:`loom.parallel.zero.layout`). Rank r owns shard r of every bucket: its
+Adam state, its reduced gradient, its update. After the update every bucket is all-gathered
+(in place: each rank's shard is already at its place in the flat buffer).
+
+Stage 1: gradients accumulate in full-size flat buffers (``p.grad`` are views); after the last
+backward, each bucket is reduce-scattered, the shard landing in the owner's slice of that buffer.
+Stage 2: gradients are reduce-scattered bucket by bucket *during* backward, launched from a
+post-accumulate hook when the bucket's last gradient arrives (overlapped, as DDP's all-reduce);
+each parameter's gradient is folded into a bucket buffer allocated on its first gradient and
+freed as soon as its shard is formed, at most ``MAX_INFLIGHT`` buckets being in flight, and only
+the 1/N gradient shard stays. Under :meth:`no_sync` (gradient accumulation) no communication
+happens and the bucket buffers persist until the last micro-batch, as FSDP's ``no_sync``.
+
+Bytes held per rank between steps, Φ' = padded parameter count, N = sharding group size, with
+fp32 parameters (mixed precision: 2-byte parameters and gradients, + a 4-byte fp32 master):
+
+    stage 1:  4Φ' + 4Φ' + 8Φ'/N          (mixed: 2Φ + 2Φ + 12Φ/N)
+    stage 2:  4Φ' + (4Φ' + 8Φ')/N        (mixed: 2Φ + (2Φ + 12Φ)/N)
+
+Bytes moved per rank per step (ring; b = bytes per element, R replicas for hybrid sharding):
+
+    reduce-scatter Φ'·b·(N-1)/N  +  all-gather Φ'·b·(N-1)/N  [+ all-reduce 2·(Φ'/N)·b·(R-1)/R]
+
+the same 2Φ(N-1)/N as the data-parallel all-reduce it replaces (ZeRO paper, §7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom import comm
+from loom.comm import CommMeter, Group
+from loom.memory.offload import StateStore
+from loom.parallel.zero.common import MAX_INFLIGHT, GradReducer, ShardedStrategy, build_adam
+from loom.parallel.zero.layout import FlatLayout, decayed_ids, split_buckets, unique_params
+
+
+@dataclass
+class FlatBucket:
+    """A flat parameter buffer shared by a run of parameters, and its gradient storage."""
+
+    index: int
+    layout: FlatLayout
+    params: torch.Tensor  # Φ_b' elements; the parameters are views of it
+    grads: torch.Tensor | None  # stage 1: full Φ_b' (p.grad are views); stage 2: transient, None at rest
+    grad_shard: torch.Tensor  # this rank's reduced Φ_b'/N gradient shard
+    pending: int = 0
+    launched: bool = False
+
+
+@dataclass
+class LaunchRecord:
+    """For instrumentation: which bucket launched, and how many params were still waiting then."""
+
+    bucket: int
+    params_not_ready: int
+    during_backward: bool  # launched from a gradient hook (overlapped), not from finish_sync
+
+
+class ZeroDataParallel(ShardedStrategy):
+    """ZeRO stage 1 or 2 over ``shard_group``, with hybrid all-reduce across ``replicate_group``."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage: int,
+        shard_group: Group,
+        replicate_group: Group,
+        train_cfg,
+        store: StateStore,
+        meter: CommMeter | None = None,
+        bucket_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
+        tp_group: Group = None,
+        max_inflight: int = MAX_INFLIGHT,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDataParallel runs stage 1 or 2, got {stage}")
+        super().__init__(shard_group, replicate_group, tp_group, meter)
+        self.stage = stage
+        self.module = module
+        self.world = comm.group_size(shard_group)
+        rank = dist.get_rank(shard_group) if self.world > 1 else 0
+        dp = self.world * comm.group_size(replicate_group)
+        self.reducer = GradReducer(shard_group, replicate_group, dp, meter, reduce_dtype, max_inflight)
+        self.params = unique_params(module)
+        decayed = decayed_ids(module)
+        self.buckets: list[FlatBucket] = []
+        self._slot: dict[int, tuple[FlatBucket, int]] = {}
+        for i, ps in enumerate(split_buckets(self.params, int(bucket_mb * 1024 * 1024))):
+            lay = FlatLayout(ps, self.world, rank, decayed)
+            flat = lay.new_flat()
+            lay.bind(flat)
+            if stage == 1:
+                grads = lay.new_flat()
+                grad_shard = lay.shard_of(grads)
+            else:
+                grads, grad_shard = None, lay.new_shard()
+            b = FlatBucket(i, lay, flat, grads, grad_shard, pending=len(ps))
+            for j, p in enumerate(ps):
+                self._slot[id(p)] = (b, j)
+            self.buckets.append(b)
+        self.layouts = [b.layout for b in self.buckets]
+        self.grad_shards = [b.grad_shard for b in self.buckets]
+        self.optim = build_adam(
+            self.layouts, [b.layout.shard_of(b.params) for b in self.buckets], store, train_cfg
+        )
+        self.launch_log: list[LaunchRecord] = []
+        self._ready = 0
+        self._handles = []
+        if stage == 2:
+            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self.zero_grad()
+
+    # ------------------------------------------------------------------ stage 2: backward hooks
+    @torch.no_grad()
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        b, j = self._slot[id(p)]
+        if b.grads is None:
+            b.grads = b.layout.new_flat()
+        s = b.layout.slots[j]
+        b.grads[s.offset : s.offset + s.numel].view_as(p).add_(p.grad)
+        p.grad = None  # the full-size gradient lives on only inside the bucket
+        if not self.sync_enabled:
+            return
+        self._ready += 1
+        b.pending -= 1
+        if b.pending == 0:
+            self._launch(b, during_backward=True)
+
+    def _launch(self, b: FlatBucket, during_backward: bool = False) -> None:
+        self.launch_log.append(LaunchRecord(b.index, len(self.params) - self._ready, during_backward))
+        if b.grads is None:  # no gradient reached this bucket (unused parameters): reduce zeros
+            b.grads = b.layout.new_flat()
+        self.reducer.launch(b.grads, b.grad_shard)
+        if self.stage == 2:
+            b.grads = None  # the reducer holds it until its shard is formed, then it is freed
+        b.launched = True
+
+    # ------------------------------------------------------------------ Strategy
+    def finish_sync(self) -> None:
+        """Reduce-scatter every bucket not launched yet (all of them in stage 1); wait for all."""
+        if not self.sync_enabled:
+            return
+        for b in self.buckets:
+            if not b.launched:
+                self._launch(b)
+        self.reducer.drain()
+        for b in self.buckets:
+            b.launched = False
+            b.pending = len(b.layout.params)
+        self._ready = 0
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            if self.stage == 1:
+                b.grads.zero_()
+                for p, v in zip(b.layout.params, b.layout.views(b.grads)):
+                    p.grad = v
+            else:
+                b.grads = None
+                for p in b.layout.params:
+                    p.grad = None
+        self.launch_log.clear()
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """Update this rank's shards, then all-gather every bucket in place."""
+        self.optim.step(self.grad_shards, lr)
+        works = [
+            comm.all_gather(
+                b.params, b.layout.shard_of(b.params), self.shard_group, self.meter, async_op=True
+            )
+            for b in self.buckets
+        ]
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Held between steps: full params 4Φ', grads 4Φ' (stage 1) or 4Φ'/N (stage 2), Adam 8Φ'/N."""
+        grads = sum(
+            (b.grads if self.stage == 1 else b.grad_shard).numel() * b.grad_shard.element_size()
+            for b in self.buckets
+        )
+        return {
+            "param_bytes": sum(b.params.numel() * b.params.element_size() for b in self.buckets),
+            "grad_bytes": grads,
+            "optim_bytes": self.optim.state_bytes,
+            "optim_offload_bytes": self.optim.store.offloaded_bytes,
+        }
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,343 @@
+"""ZeRO stage 3 / fully sharded data parallelism: parameters, gradients and optimizer state sharded.
+
+The model is cut into *units* (:func:`find_units`): each transformer block, the modules before
+the blocks (embedding) and the modules after them (final norm + output head); units sharing a
+parameter (tied embeddings) are merged into one. Each unit's parameters live in one flat buffer
+(:class:`~loom.parallel.zero.layout.FlatLayout`) of which a rank keeps only its 1/N shard; the
+parameters are views of the buffer, whose *storage* is resized to 0 while the unit is sharded
+and re-allocated, then filled by an all-gather, when it is needed.
+
+Forward: a unit's forward pre-hook all-gathers it (or waits for its prefetch) and starts the
+all-gather of the next unit in the previous forward's order (prefetch, overlapped with this
+unit's compute); its forward hook frees the buffer again (``reshard_after_forward``), except
+for the unit that finishes forward last, which backward needs at once (as FSDP2 does for the
+root), or when ``reshard_after_forward=False`` (one all-gather saved per unit, memory kept).
+
+Backward: the forward hook registers a tensor hook on the unit's outputs; it fires when the
+gradient of an output is ready, i.e. just before the unit's backward runs, and all-gathers the
+unit again, prefetching the unit that backward reaches next (reverse order of last use in
+forward). Autograd saved the parameters themselves (views of the flat buffer), so once the
+buffer is refilled their saved values are valid again: no saved-tensor hooks are needed. When
+every parameter of the unit has accumulated its gradient (``register_post_accumulate_grad_hook``),
+no backward node needs the unit's weights any more: its gradients, folded into a flat buffer,
+are reduce-scattered asynchronously (hybrid: the shard then all-reduced across replicas), the
+full gradient buffer freed once its shard is formed, and the parameters resharded.
+
+Bytes held per rank between steps, fp32 (Φ' = Σ over units of the padded unit size Φ_u'):
+
+    params 4Φ'/N + grads 4Φ'/N + Adam 8Φ'/N = 16Φ'/N      (mixed precision: (2+2+12)Φ/N)
+
+plus, while a step runs, the gathered units (at most the computing one, the prefetched one and
+the last unit) and the gradient buffers in flight.
+
+Bytes moved per rank per step with k micro-batches (b bytes per element, ring all-gather and
+reduce-scatter; Φ_re' = units resharded after forward = all but the last, 0 without resharding):
+
+    k·(Φ' + Φ_re')·b·(N-1)/N  [all-gathers]  +  Φ'·b·(N-1)/N  [reduce-scatter]
+        [+ 2·(Φ'/N)·b·(R-1)/R  all-reduce across R replicas]
+
+i.e. ≈ 3Φ(N-1)/N per step for k = 1, 1.5x data parallelism (ZeRO paper, §7.2.2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom import comm
+from loom.comm import CommMeter, Group
+from loom.memory.offload import StateStore
+from loom.parallel.zero.common import MAX_INFLIGHT, GradReducer, ShardedStrategy, build_adam
+from loom.parallel.zero.layout import FlatLayout, decayed_ids, unique_params
+
+SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
+
+
+def find_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """Wrap units ``(name, modules)``: the children before ``model.layers``, each block, the children
+    after it; units that share a parameter are merged (into the later one). A model without a
+    ``layers`` ModuleList is one unit."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        return [("model", [model])]
+    if any(p.requires_grad for p in model.parameters(recurse=False)):
+        raise ValueError("ZeRO-3: parameters registered directly on the root module are not supported")
+    children = list(model.named_children())
+    at = next(i for i, (_, m) in enumerate(children) if m is layers)
+    name = next(n for n, m in children if m is layers)
+
+    def group(items: list[tuple[str, nn.Module]]) -> list[tuple[str, list[nn.Module]]]:
+        items = [(n, m) for n, m in items if any(p.requires_grad for p in m.parameters())]
+        return [("+".join(n for n, _ in items), [m for _, m in items])] if items else []
+
+    units = (
+        group(children[:at])
+        + [(f"{name}.{i}", [b]) for i, b in enumerate(layers)]
+        + group(children[at + 1 :])
+    )
+    merged: list[tuple[str, list[nn.Module]]] = []
+    for unit in units:
+        ids = {id(p) for m in unit[1] for p in m.parameters()}
+        for i, (n, mods) in enumerate(merged):
+            if ids & {id(p) for m in mods for p in m.parameters()}:
+                merged.pop(i)
+                unit = (f"{n}+{unit[0]}", mods + unit[1])
+                break
+        merged.append(unit)
+    return merged
+
+
+@dataclass(eq=False)
+class Unit:
+    """One wrapped unit: its flat parameter buffer (sharded at rest) and its gradient shard."""
+
+    index: int
+    name: str
+    modules: list[nn.Module]
+    layout: FlatLayout
+    full: torch.Tensor  # Φ_u' elements, storage size 0 while sharded; parameters are views of it
+    shard: torch.Tensor  # this rank's Φ_u'/N parameters: what the optimizer updates
+    grad_shard: torch.Tensor  # this rank's reduced Φ_u'/N gradient
+    reshard_after_forward: bool
+    grad_full: torch.Tensor | None = None
+    state: str = UNSHARDED
+    work: object | None = None
+    pending: int = 0  # parameters whose gradient has not arrived in this backward
+    reduced: bool = False
+    in_backward: bool = False
+
+    @property
+    def full_bytes(self) -> int:
+        return self.layout.padded * self.full.element_size()
+
+
+class FullyShardedZero(ShardedStrategy):
+    """ZeRO-3 over ``shard_group`` (hybrid: all-reduce of gradient shards across ``replicate_group``)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        shard_group: Group,
+        replicate_group: Group,
+        train_cfg,
+        store: StateStore,
+        meter: CommMeter | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        tp_group: Group = None,
+        reshard_after_forward: bool = True,
+        max_inflight: int = MAX_INFLIGHT,
+    ) -> None:
+        super().__init__(shard_group, replicate_group, tp_group, meter)
+        self.module = module
+        self.world = comm.group_size(shard_group)
+        rank = dist.get_rank(shard_group) if self.world > 1 else 0
+        dp = self.world * comm.group_size(replicate_group)
+        self.reducer = GradReducer(shard_group, replicate_group, dp, meter, reduce_dtype, max_inflight)
+        decayed = decayed_ids(module)
+        specs = find_units(module)
+        covered = {id(p) for _, mods in specs for m in mods for p in m.parameters()}
+        if any(id(p) not in covered for p in unique_params(module)):
+            raise ValueError("ZeRO-3: some trainable parameters belong to no unit")
+        self.units: list[Unit] = []
+        self._handles = [module.register_forward_pre_hook(self._root_pre_forward)]
+        for i, (name, mods) in enumerate(specs):
+            reshard = reshard_after_forward and i < len(specs) - 1  # the last unit: backward needs it next
+            self.units.append(self._make_unit(i, name, mods, rank, decayed, reshard))
+        self.layouts = [u.layout for u in self.units]
+        self.grad_shards = [u.grad_shard for u in self.units]
+        self.optim = build_adam(self.layouts, [u.shard for u in self.units], store, train_cfg)
+        self.events: list[tuple[str, int, str]] = []  # (what, unit, how): for tests and timelines
+        self._prev_order: list[Unit] = []  # units by first use in the previous forward
+        self._first: list[Unit] = []  # ... in this forward
+        self._last: list[Unit] = []  # units by last use in this forward (reversed: backward order)
+
+    def _make_unit(
+        self, index: int, name: str, mods: list[nn.Module], rank: int, decayed: set[int], reshard: bool
+    ) -> Unit:
+        """Flatten the unit's parameters, keep this rank's shard, free the rest, attach the hooks."""
+        params = unique_params(nn.ModuleList(mods))
+        lay = FlatLayout(params, self.world, rank, decayed)
+        full = lay.new_flat()
+        lay.bind(full)
+        u = Unit(index, name, mods, lay, full, lay.shard_of(full).clone(), lay.new_shard(), reshard)
+        u.pending = len(params)
+        self._reshard(u)
+        for k, m in enumerate(mods):
+            post = partial(self._post_forward, u, k == len(mods) - 1)
+            self._handles += [
+                m.register_forward_pre_hook(partial(self._pre_forward, u)),
+                m.register_forward_hook(post),
+            ]
+        for j, p in enumerate(params):
+            self._handles.append(p.register_post_accumulate_grad_hook(partial(self._post_accumulate, u, j)))
+        return u
+
+    # ------------------------------------------------------------------ gather / free
+    def _gather(self, u: Unit, how: str) -> None:
+        u.full.untyped_storage().resize_(u.full_bytes)
+        u.work = comm.all_gather(u.full, u.shard, self.shard_group, self.meter, async_op=True)
+        u.state = GATHERING
+        self.events.append(("gather", u.index, how))
+
+    def _unshard(self, u: Unit) -> None:
+        if u.state == SHARDED:
+            self._gather(u, "demand")
+        if u.state == GATHERING:
+            if u.work is not None:
+                u.work.wait()
+            u.work, u.state = None, UNSHARDED
+
+    def _prefetch(self, order: list[Unit], current: Unit) -> None:
+        """Start the all-gather of the unit after ``current`` in ``order`` if it is sharded."""
+        if current in order:
+            i = order.index(current) + 1
+            if i < len(order) and order[i].state == SHARDED:
+                self._gather(order[i], "prefetch")
+
+    def _reshard(self, u: Unit) -> None:
+        if u.state == GATHERING and u.work is not None:
+            u.work.wait()
+        if u.state != SHARDED:
+            u.full.untyped_storage().resize_(0)
+            u.work, u.state = None, SHARDED
+
+    # ------------------------------------------------------------------ hooks
+    def _root_pre_forward(self, module: nn.Module, args) -> None:
+        if self._first:
+            self._prev_order = self._first
+        self._first, self._last = [], []
+        for u in self.units:  # a new forward from the root: any previous backward is over
+            u.pending, u.in_backward = len(u.layout.params), False
+
+    def _pre_forward(self, u: Unit, module: nn.Module, args) -> None:
+        if u.in_backward:  # forward re-run inside backward (activation recomputation)
+            self._unshard(u)
+            return
+        first_use = u not in self._first
+        if first_use:
+            self._first.append(u)
+        if u in self._last:
+            self._last.remove(u)
+        self._last.append(u)
+        self._unshard(u)
+        self.events.append(("forward", u.index, module.__class__.__name__))
+        if first_use:
+            self._prefetch(self._prev_order, u)
+
+    def _post_forward(self, u: Unit, last_module: bool, module: nn.Module, args, output) -> None:
+        if u.in_backward:
+            return
+        grad = torch.is_grad_enabled()
+        if grad:
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(partial(self._pre_backward, u))
+        if last_module and (not grad or u.reshard_after_forward):
+            self._reshard(u)
+
+    def _pre_backward(self, u: Unit, grad: torch.Tensor) -> None:
+        if u.in_backward:  # a later output of a unit already in backward (tied head: the embedding)
+            return
+        u.in_backward = True
+        self._unshard(u)
+        self.events.append(("backward", u.index, ""))
+        self._prefetch(self._last[::-1], u)
+
+    @torch.no_grad()
+    def _post_accumulate(self, u: Unit, j: int, p: torch.Tensor) -> None:
+        if u.grad_full is None:
+            u.grad_full = u.layout.new_flat()
+        s = u.layout.slots[j]
+        u.grad_full[s.offset : s.offset + s.numel].view_as(p).add_(p.grad)
+        p.grad = None
+        u.pending -= 1
+        if u.pending == 0:  # no backward node needs this unit's weights any more
+            self._post_backward(u)
+
+    def _post_backward(self, u: Unit) -> None:
+        u.in_backward = False
+        self._reshard(u)
+        u.pending = len(u.layout.params)
+        if self.sync_enabled:
+            self._reduce(u)
+
+    def _reduce(self, u: Unit) -> None:
+        if u.grad_full is None:  # no gradient reached this unit: reduce zeros, every rank alike
+            u.grad_full = u.layout.new_flat()
+        self.events.append(("reduce", u.index, ""))
+        self.reducer.launch(u.grad_full, u.grad_shard)
+        u.grad_full = None  # freed once the reducer has formed its shard
+        u.reduced = True
+
+    # ------------------------------------------------------------------ Strategy
+    def finish_sync(self) -> None:
+        """Reduce what backward did not (unused parameters), wait for every reduction, reshard all."""
+        if not self.sync_enabled:
+            return
+        for u in self.units:
+            if u.in_backward or u.state != SHARDED:
+                u.in_backward = False
+                self._reshard(u)
+            if not u.reduced:
+                self._reduce(u)
+        self.reducer.drain()
+        for u in self.units:
+            u.reduced = False
+            u.pending = len(u.layout.params)
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.grad_full = None
+            for p in u.layout.params:
+                p.grad = None
+        self.events.clear()
+
+    def step(self, lr: float) -> None:
+        """Update this rank's shards; the next forward gathers them."""
+        self.optim.step(self.grad_shards, lr)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Held between steps: parameter shards 4Φ'/N, gradient shards 4Φ'/N, Adam 8Φ'/N (fp32)."""
+        return {
+            "param_bytes": sum(u.shard.numel() * u.shard.element_size() for u in self.units),
+            "grad_bytes": sum(g.numel() * g.element_size() for g in self.grad_shards),
+            "optim_bytes": self.optim.state_bytes,
+            "optim_offload_bytes": self.optim.store.offloaded_bytes,
+        }
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """All units gathered inside (a collective: every rank of the group must enter), e.g. to
+        read or save the full parameters; resharded on exit."""
+        for u in self.units:
+            self._unshard(u)
+        try:
+            yield self.module
+        finally:
+            for u in self.units:
+                self._reshard(u)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict, cloned (collective)."""
+        with self.gathered():
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for o in output for t in _tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _tensors(o)]
+    return []
