@@ -16,6 +16,11 @@ commands:
   train      train a model (local ranks: --nproc N, same as --run.nproc N)
   prepare    tokenize a corpus into memory-mapped token files
   generate   sample text from a trained run: --run.dir DIR --prompt TEXT
+  checkpoint convert RUN_DIR_OR_CHECKPOINT OUT.safetensors
+             export a consolidated single-file model from a checkpoint of any layout
+
+train options: --max-restarts K restarts all ranks after a failure, resuming from the last
+checkpoint; --train.resume PATH starts from any checkpoint (default: latest in --run.dir).
 """
 
 
@@ -60,14 +65,17 @@ def _load(argv: list[str], allowed_plain: tuple[str, ...]) -> tuple[C.LoomConfig
 
 
 def cmd_train(argv: list[str]) -> int:
-    cfg, _ = _load(argv, ("nproc",))
+    cfg, plain = _load(argv, ("nproc", "max_restarts"))
+    max_restarts = C._coerce(plain.get("max_restarts", "0"), int, "--max-restarts")
+    if max_restarts < 0:
+        raise C.ConfigError(f"--max-restarts: must be >= 0, got {max_restarts}")
     from loom.launch import under_external_launcher
 
     if not under_external_launcher():
         C.validate(cfg, C.world_size_of(cfg))
     from loom.launch import main_train
 
-    return main_train(cfg)
+    return main_train(cfg, max_restarts)
 
 
 def cmd_prepare(argv: list[str]) -> int:
@@ -107,7 +115,18 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate}
+def cmd_checkpoint(argv: list[str]) -> int:
+    from loom.checkpoint.convert import main as convert_main
+    from loom.checkpoint.format import CheckpointError
+
+    try:
+        return convert_main(argv)
+    except CheckpointError as e:
+        print(f"loom: error: {e}", file=sys.stderr)
+        return 2
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "checkpoint": cmd_checkpoint}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,6 +109,9 @@ class TrainConfig:
     log_every: int = 10  # steps between step lines / metrics rows
     precision: str = "fp32"  # fp32 | bf16 | fp16
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only the final one
+    checkpoint_async: bool = True  # periodic saves written by a background thread (final: synchronous)
+    checkpoint_keep: int = 2  # newest checkpoints kept in <run.dir>/checkpoints; 0 = keep all
+    resume: str = ""  # checkpoint to start from (run dir or checkpoint dir); "" = latest in run.dir
     time_limit_s: float = 0.0  # stop early (and save) after this many seconds; 0 = none
 
 
@@ -341,6 +344,11 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(t.log_every >= 1, f"train.log_every: must be >= 1, got {t.log_every}")
     _require(t.eval_every >= 0, f"train.eval_every: must be >= 0, got {t.eval_every}")
     _require(t.checkpoint_every >= 0, f"train.checkpoint_every: must be >= 0, got {t.checkpoint_every}")
+    _require(t.checkpoint_keep >= 0, f"train.checkpoint_keep: must be >= 0 (0 = all), got {t.checkpoint_keep}")
+    _require(
+        not t.resume or Path(t.resume).is_dir(),
+        f"train.resume: {t.resume!r} is not a directory (a run dir, its checkpoints/ or one checkpoint)",
+    )
     _require(t.precision in PRECISIONS, f"train.precision: must be one of {PRECISIONS}, got {t.precision!r}")
     _require(r.device in DEVICES, f"run.device: must be one of {DEVICES}, got {r.device!r}")
     _require(r.backend in BACKENDS, f"run.backend: must be one of {BACKENDS}, got {r.backend!r}")

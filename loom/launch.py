@@ -94,8 +94,12 @@ def _failure_message(failure) -> str:
     return text
 
 
-def main_train(cfg: C.LoomConfig) -> int:
-    """``loom train``: one rank under an external launcher, else a local elastic launch."""
+def main_train(cfg: C.LoomConfig, max_restarts: int = 0) -> int:
+    """``loom train``: one rank under an external launcher, else a local elastic launch.
+
+    With ``max_restarts`` > 0 the launcher restarts every rank after a failure (up to that many
+    times); each restart resumes from the run's latest complete checkpoint.
+    """
     if under_external_launcher():
         from loom.train.trainer import run
 
@@ -106,11 +110,11 @@ def main_train(cfg: C.LoomConfig) -> int:
 
     prepared = prepare_data(cfg.data, progress=cfg.run.progress)
     cfg.data.prepared_dir = str(prepared.dir)
-    if world == 1:
+    if world == 1 and max_restarts == 0:
         from loom.train.trainer import run
 
         run(cfg)
         return 0
-    launch(cfg, world)
+    launch(cfg, world, max_restarts)
     sys.stdout.flush()
     return 0

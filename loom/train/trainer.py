@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from loom import config as C
+from loom.checkpoint.training import TrainCheckpoints, truncate_metrics
 from loom.comm import CommMeter
 from loom.data import BatchSampler, PreparedData, TokenDataset, eval_batches, prepare_data
 from loom.device import default_threads, peak_flops, peak_memory_bytes, resolve_backend, resolve_device
@@ -25,6 +26,7 @@ from loom.mesh import ParallelDims, ParallelMesh
 from loom.model.llama import build_model, count_params, flops_per_token, loss_fn
 from loom.parallel import parallelize
 from loom.train.export import save_model, write_json_atomic
+from loom.train.health import FiniteGuard, Heartbeat, diagnose, is_comm_failure
 from loom.train.metrics import MetricsWriter, setup_logging, step_line
 from loom.train.optim import lr_at
 from loom.train.step import evaluate, train_step
@@ -89,6 +91,7 @@ class Trainer:
         self.is_main = env.rank == 0
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.heartbeat = Heartbeat(self.run_dir, env.rank)
         self.data = ensure_data(cfg, env)
         cfg.model.vocab_size = C.effective_vocab(cfg, self.data.vocab_size)
         if cfg.model.vocab_size < self.data.vocab_size:
@@ -97,7 +100,7 @@ class Trainer:
             )
         self.meter = CommMeter()
         self.model = build_model(cfg.model, cfg.train.seed, self.device)
-        self.strategy = parallelize(self.model, self.mesh, cfg, self.meter)
+        self.strategy = FiniteGuard(parallelize(self.model, self.mesh, cfg, self.meter))
         self.loss_fn = getattr(self.model, "loss_fn", loss_fn)  # tensor parallel: loss on sharded logits
         dp_rank, dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
         train_set = TokenDataset(self.data.train_path, cfg.data.seq_len)
@@ -110,6 +113,11 @@ class Trainer:
         matmul_params = count_params(self.model, exclude_embedding=not cfg.model.tie_embeddings)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, matmul_params)
         self.peak_flops, self.peak_source = peak_flops(self.device, cfg.train.precision)
+        self.heartbeat.set(0, "checkpoint load")
+        self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, self.strategy.inner)
+        self.start_step = self.strategy.step_index = self.ckpts.restore()
+        if self.is_main and self.start_step:
+            truncate_metrics(self.run_dir, self.start_step)
         self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.run.tensorboard)
         if self.is_main:
             self._write_run_files()
@@ -141,10 +149,13 @@ class Trainer:
         c = self.cfg.train
         tokens_per_step = c.global_batch * self.cfg.data.seq_len
         bar = _progress(c.steps, self.is_main and self.cfg.run.progress)
+        bar.update(self.start_step)
         start = time.perf_counter()
         last: dict[str, float] = {}
+        done = self.start_step
         window_t, window_steps = time.perf_counter(), 0
-        for step in range(c.steps):
+        for step in range(self.start_step, c.steps):
+            self.heartbeat.set(step + 1, "train step")
             lr = lr_at(step, c)
             self.meter.reset()
             batches = self._to_device(self.sampler.micro_batches(step))
@@ -170,12 +181,18 @@ class Trainer:
                     bar.write(step_line(row) + (f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""))
                 last = row
                 window_t, window_steps = time.perf_counter(), 0
+            done = step + 1
+            if c.checkpoint_every and done % c.checkpoint_every == 0 and done < c.steps:
+                self.heartbeat.set(done, "checkpoint save")
+                self.ckpts.save(done, blocking=not c.checkpoint_async)
             if self._time_up(start):
                 if self.is_main:
                     bar.write(f"train.time_limit_s reached after step {step + 1}; stopping")
                 break
         bar.close()
-        self.save_final(int(last.get("step", 0)), last)
+        self.heartbeat.set(done, "final save")
+        self.ckpts.finish(done)
+        self.save_final(done, last)
         self.metrics.close()
         return last
 
@@ -205,8 +222,18 @@ def run(cfg: C.LoomConfig) -> dict[str, float]:
     """Train on this rank; tears the process group down on the way out."""
     env = RankEnv.from_environ()
     setup_logging(env.rank)
+    trainer = None
     try:
-        return Trainer(cfg, env).fit()
+        trainer = Trainer(cfg, env)
+        return trainer.fit()
+    except Exception as e:
+        if env.world > 1 and is_comm_failure(e):
+            msg = diagnose(e, Path(cfg.run.dir), env.rank, env.world, cfg.run.timeout_s)
+            log.error("%s", msg)
+            raise RuntimeError(msg) from e
+        raise
     finally:
+        if trainer is not None:
+            trainer.heartbeat.close()
         if dist.is_initialized():
             dist.destroy_process_group()

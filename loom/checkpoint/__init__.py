@@ -1,0 +1,32 @@
+"""Sharded, verified, layout-independent checkpoints.
+
+- :mod:`~loom.checkpoint.protocol`  the resharding contract strategies implement
+- :mod:`~loom.checkpoint.format`    safetensors shards + JSON index/train state (no pickle)
+- :mod:`~loom.checkpoint.integrity` SHA-256 manifest, checked before anything is applied
+- :mod:`~loom.checkpoint.save`      atomic, collective, optionally asynchronous saves
+- :mod:`~loom.checkpoint.load`      find ``latest``, read any region into any layout
+- :mod:`~loom.checkpoint.convert`   consolidated single-file export
+- :mod:`~loom.checkpoint.training`  what the trainer saves and restores (state, RNG, data position)
+"""
+
+from loom.checkpoint.format import CheckpointError
+from loom.checkpoint.load import CheckpointReader, find
+from loom.checkpoint.protocol import Box, Flat, Shardable, ShardedTensor, ShardReader
+from loom.checkpoint.replicated import Placement, ReplicatedState, as_shardable, placement_state
+from loom.checkpoint.save import Checkpointer
+
+__all__ = [
+    "Box",
+    "CheckpointError",
+    "CheckpointReader",
+    "Checkpointer",
+    "Flat",
+    "Placement",
+    "ReplicatedState",
+    "ShardReader",
+    "Shardable",
+    "ShardedTensor",
+    "as_shardable",
+    "find",
+    "placement_state",
+]

@@ -1,0 +1,211 @@
+"""On-disk format: one safetensors shard per rank, a JSON index, JSON training state, a manifest.
+
+A checkpoint is a directory (``<run.dir>/checkpoints/step-00000100``)::
+
+    shard-00000-of-00002.safetensors   rank 0's pieces (safetensors: a JSON header + raw bytes)
+    shard-00001-of-00002.safetensors   rank 1's pieces
+    index.json          for every tensor: global shape, dtype, and the piece each file holds
+    train_state.json    step, data position, every rank's RNG states, config, layout
+    manifest.json       SHA-256 and size of every file above (see integrity.py)
+
+``index.json``::
+
+    {"format": "loom-checkpoint", "version": 1, "tag": "step-00000100", "step": 100,
+     "world_size": 2, "files": ["shard-00000-of-00002.safetensors", ...],
+     "tensors": {"model.norm.weight": {"shape": [64], "dtype": "float32",
+                   "pieces": [{"file": "shard-00000-of-00002.safetensors", "key": "model.norm.weight",
+                               "box": [[0], [32]]},
+                              {"file": "shard-00001-of-00002.safetensors", "key": "model.norm.weight",
+                               "box": [[32], [32]]}]},
+                 "model.layers.0.attention.wq.weight": {..., "pieces": [{..., "flat": [0, 2048]}, ...]}}}
+
+Nothing is pickled: tensors are safetensors (parsed by its own header reader, no code
+execution), everything else is JSON. Shards are written by :func:`write_safetensors`,
+which hashes the bytes as they go out, so the manifest costs no second read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from loom.checkpoint.protocol import Region, check_region, region_from_json
+
+FORMAT = "loom-checkpoint"
+VERSION = 1
+INDEX = "index.json"
+TRAIN_STATE = "train_state.json"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+DTYPES: dict[torch.dtype, tuple[str, str]] = {  # torch dtype -> (index name, safetensors code)
+    torch.float64: ("float64", "F64"),
+    torch.float32: ("float32", "F32"),
+    torch.bfloat16: ("bfloat16", "BF16"),
+    torch.float16: ("float16", "F16"),
+    torch.int64: ("int64", "I64"),
+    torch.int32: ("int32", "I32"),
+    torch.int16: ("int16", "I16"),
+    torch.int8: ("int8", "I8"),
+    torch.uint8: ("uint8", "U8"),
+    torch.bool: ("bool", "BOOL"),
+}
+DTYPE_BY_NAME = {name: dt for dt, (name, _) in DTYPES.items()}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or must not be loaded; the message names the file."""
+
+
+def tag_for(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def shard_name(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    if dt not in DTYPES:
+        raise CheckpointError(
+            f"dtype {dt} cannot be stored; supported: {', '.join(n for n, _ in DTYPES.values())}"
+        )
+    return DTYPES[dt][0]
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> str:
+    """tmp file, fsync, rename, fsync the directory; returns the SHA-256 of ``data``."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return hashlib.sha256(data).hexdigest()
+
+
+def dump_json(obj: object, compact: bool = False) -> bytes:
+    """UTF-8 JSON; ``compact`` for machine-sized files (the index of a many-rank checkpoint)."""
+    text = (
+        json.dumps(obj, sort_keys=True, separators=(",", ":"))
+        if compact
+        else json.dumps(obj, indent=1, sort_keys=True)
+    )
+    return (text + "\n").encode()
+
+
+def write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> tuple[str, int]:
+    """Write CPU tensors as a safetensors file, fsync it; return (sha256, size) of what was written.
+
+    Layout: 8-byte little-endian header length, JSON header padded with spaces to a multiple of
+    8, then each tensor's bytes back to back in header order (what ``safetensors`` reads).
+    """
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    order = sorted(tensors)
+    for key in order:
+        t = tensors[key]
+        nbytes = t.numel() * t.element_size()
+        header[key] = {
+            "dtype": DTYPES[t.dtype][1],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "wb") as fh:
+        for chunk in (struct.pack("<Q", len(head)), head):
+            fh.write(chunk)
+            digest.update(chunk)
+            size += len(chunk)
+        for key in order:
+            t = tensors[key]
+            if t.numel() == 0:
+                continue
+            buf = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            fh.write(buf)
+            digest.update(buf)
+            size += len(buf)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return digest.hexdigest(), size
+
+
+def check_header(path: Path) -> None:
+    """Refuse a file that is not safetensors before any parser touches it (e.g. a pickle)."""
+    with open(path, "rb") as fh:
+        head = fh.read(9)
+    if len(head) < 9 or head[8:9] != b"{":
+        raise CheckpointError(
+            f"{path}: not a safetensors file (only safetensors shards are read, never pickle)"
+        )
+
+
+def validate_index(
+    index: dict, path: Path
+) -> dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[str, str, Region]]]]:
+    """Parse ``index.json`` into {name: (shape, dtype, [(file, key, region)])}, checking every field."""
+    where = path / INDEX
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise CheckpointError(
+            f"{where}: not a {FORMAT} v{VERSION} index (format={index.get('format')!r}, version={index.get('version')!r})"
+        )
+    files = set(index.get("files", []))
+    out = {}
+    for name, entry in index.get("tensors", {}).items():
+        try:
+            shape = tuple(int(s) for s in entry["shape"])
+            dtype = DTYPE_BY_NAME[entry["dtype"]]
+            pieces = []
+            for p in entry["pieces"]:
+                region = region_from_json(p)
+                check_region(region, shape, name)
+                if p["file"] not in files:
+                    raise ValueError(f"piece in {p['file']!r}, which the index does not list")
+                pieces.append((p["file"], p["key"], region))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: bad entry for tensor {name!r}: {e}") from None
+        out[name] = (shape, dtype, pieces)
+    return out
+
+
+def read_json(path: Path) -> dict:
+    """Parse a JSON file of a checkpoint; anything else (a pickle, garbage) is refused."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"{path}: not valid JSON ({e.__class__.__name__}); refusing to read it"
+        ) from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return obj

@@ -1,0 +1,177 @@
+"""Building a strategy's sharded state from per-parameter placements; the DataParallel adapter.
+
+Most strategies only need to say, for each parameter of the reference model, which local
+tensor holds which region of it and how many ranks hold the same piece (a
+:class:`Placement`); :func:`placement_state` then names the parameter and its Adam state
+(``exp_avg``, ``exp_avg_sq`` shaped like the parameter, ``step`` a scalar) for the checkpoint.
+
+Data parallelism (:class:`ReplicatedState`): every parameter and its optimizer state is
+replicated over the ``dp`` group. Replica ``i`` of ``n`` writes rows ``[i·R/n, (i+1)·R/n)``
+of each tensor (R = its first dimension; scalars by replica 0), so the n ranks write 1/n of
+the state each, in parallel, and the checkpoint holds one copy. On load every rank reads all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.checkpoint.format import CheckpointError
+from loom.checkpoint.protocol import Box, Flat, Region, Shardable, ShardedTensor, ShardReader, full_box
+
+
+@dataclass
+class Placement:
+    """Where a local tensor sits in the global parameter: region and replication (i of n)."""
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    region: Region
+    replica: tuple[int, int] = (0, 1)
+
+    @classmethod
+    def replicated(cls, t: torch.Tensor, replica: tuple[int, int] = (0, 1)) -> Placement:
+        return cls(t, tuple(t.shape), full_box(tuple(t.shape)), replica)
+
+    @property
+    def holds_origin(self) -> bool:
+        """True on exactly one holder per replica set: the piece that holds element 0."""
+        r = self.region
+        if isinstance(r, Flat):
+            return r.start == 0 and r.length > 0 and (r.within is None or not any(r.within.offsets))
+        return all(o == 0 for o in r.offsets)
+
+
+def unique_named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters then persistent buffers, each shared tensor once under its first name."""
+    keys = set(module.state_dict().keys())
+    seen: set[int] = set()
+    out = []
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if id(t) in seen or name not in keys:
+            continue
+        seen.add(id(t))
+        out.append((name, t))
+    return out
+
+
+def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam/AdamW state for parameters that have none yet (as the first step would).
+
+    Loading needs the state tensors to exist so they can be filled in place.
+    """
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
+        raise CheckpointError(
+            f"optimizer {type(optimizer).__name__}: only Adam/AdamW state can be created for loading"
+        )
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for group in optimizer.param_groups:
+        on_device = group.get("capturable") or group.get("fused")
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if st:
+                continue
+            st["step"] = torch.zeros((), dtype=scalar, device=p.device if on_device else "cpu")
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def placement_state(
+    placements: dict[str, Placement], optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, ShardedTensor]:
+    """``model.<fqn>`` for every placement, ``optim.<fqn>.<key>`` for its optimizer state."""
+    out: dict[str, ShardedTensor] = {}
+    by_id = {}
+    for fqn, pl in placements.items():
+        out[f"model.{fqn}"] = ShardedTensor(pl.tensor.detach(), pl.global_shape, pl.region, pl.replica)
+        by_id[id(pl.tensor)] = (fqn, pl)
+    if optimizer is None:
+        return out
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in by_id:
+                continue
+            fqn, pl = by_id[id(p)]
+            for key, v in optimizer.state.get(p, {}).items():
+                if not torch.is_tensor(v):
+                    continue
+                if v.dim() == 0:  # a counter shared by every holder: exactly one of them writes it
+                    writer = pl.holds_origin and pl.replica[0] == 0
+                    out[f"optim.{fqn}.{key}"] = ShardedTensor.full(v, (0, 1) if writer else (1, 2))
+                elif tuple(v.shape) == tuple(pl.tensor.shape):
+                    out[f"optim.{fqn}.{key}"] = ShardedTensor(v, pl.global_shape, pl.region, pl.replica)
+                else:
+                    raise CheckpointError(
+                        f"optimizer state {fqn}.{key}: shape {tuple(v.shape)} is not the parameter's"
+                    )
+    return out
+
+
+class ReplicatedState:
+    """:class:`Shardable` for :class:`~loom.parallel.data_parallel.DataParallel` (see module doc).
+
+    With tensor parallelism underneath (``tp_group``), parameters tagged ``tp_shard_dim`` are
+    this rank's contiguous 1/tp slice along that dim (a Box of the global tensor, replicated over
+    dp); untagged ones (norms, replicated key/value heads) are replicated over tp·dp.
+    """
+
+    def __init__(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer | None, group=None, tp_group=None
+    ) -> None:
+        self.module, self.optimizer = module, optimizer
+        self.index, self.count = _rank_size(group)
+        self.tp_rank, self.tp = _rank_size(tp_group)
+
+    def placements(self) -> dict[str, Placement]:
+        out = {}
+        everywhere = (self.tp_rank * self.count + self.index, self.tp * self.count)
+        for name, t in unique_named_tensors(self.module):
+            dim = getattr(t, "tp_shard_dim", None)
+            if dim is None or self.tp == 1:
+                out[name] = Placement.replicated(t, everywhere)
+                continue
+            shape = list(t.shape)
+            offsets = [0] * t.dim()
+            offsets[dim] = self.tp_rank * shape[dim]
+            shape[dim] *= self.tp
+            out[name] = Placement(
+                t, tuple(shape), Box(tuple(offsets), tuple(t.shape)), (self.index, self.count)
+            )
+        return out
+
+    def sharded_state(self) -> dict[str, ShardedTensor]:
+        """Parameters and Adam state (created as zeros if no step ran yet, so every checkpoint has it)."""
+        if self.optimizer is not None:
+            ensure_adam_state(self.optimizer)
+        return placement_state(self.placements(), self.optimizer)
+
+    def load_sharded(self, reader: ShardReader) -> None:
+        reader.fill(self.sharded_state())
+
+
+def _rank_size(group) -> tuple[int, int]:
+    """(rank, size) in ``group``; (0, 1) for None (a one-process dimension)."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def as_shardable(strategy) -> Shardable:
+    """The strategy itself if it implements the protocol, or the adapter for DataParallel."""
+    if isinstance(strategy, Shardable):
+        return strategy
+    from loom.parallel.data_parallel import DataParallel
+
+    if isinstance(strategy, DataParallel):
+        return ReplicatedState(
+            strategy.module, strategy.optimizer, strategy.group, getattr(strategy, "tp_group", None)
+        )
+    raise CheckpointError(
+        f"{type(strategy).__name__} cannot be checkpointed: implement sharded_state()/load_sharded() "
+        "(loom.checkpoint.protocol.Shardable)"
+    )

@@ -1,0 +1,140 @@
+"""What a training run saves and restores: strategy state, RNG of every rank, data position, config.
+
+The data position is the step: the sampler is a pure function of (seed, step), so step ``s``
+means global sequences ``[s·B, ...)`` have been consumed, whatever the data-parallel size.
+Resuming therefore requires the same ``train.global_batch``, ``train.seed`` and
+``data.seq_len``; everything else (layout, world size, ``train.steps``) may change.
+
+Which checkpoint a run starts from (decided by rank 0, broadcast to all):
+
+1. after an elastic restart (``TORCHELASTIC_RESTART_COUNT > 0``): ``latest`` of ``run.dir``;
+2. ``train.resume`` if set (a run dir, a ``checkpoints`` dir or one checkpoint);
+3. ``latest`` of ``run.dir`` if it holds one;
+4. none: a fresh start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from loom import config as C
+from loom.checkpoint.format import CheckpointError, write_bytes_atomic
+from loom.checkpoint.load import CheckpointReader, find
+from loom.checkpoint.replicated import as_shardable
+from loom.checkpoint.rng import capture_rng, restore_rng
+from loom.checkpoint.save import Checkpointer, broadcast_json, new_group
+
+log = logging.getLogger("loom")
+POSITION_FIELDS = (("train", "global_batch"), ("train", "seed"), ("data", "seq_len"))
+
+
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def choose_source(cfg: C.LoomConfig, run_dir: Path) -> str | None:
+    """The checkpoint to resume from (see module doc), or None."""
+    own = find(run_dir) if (run_dir / "checkpoints").is_dir() else None
+    if own is not None and (restart_count() > 0 or not cfg.train.resume):
+        return str(own[0])
+    if cfg.train.resume:
+        found = find(cfg.train.resume)
+        if found is None:
+            raise CheckpointError(f"train.resume: {cfg.train.resume} holds no complete checkpoint")
+        return str(found[0])
+    return None
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics rows past ``step`` (written by an attempt that died before its next checkpoint)."""
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    if len(keep) != len(lines):
+        write_bytes_atomic(path, "".join(ln + "\n" for ln in keep).encode())
+
+
+class TrainCheckpoints:
+    """The trainer's checkpoint duties on one rank: resume, periodic saves, the final save."""
+
+    def __init__(self, cfg: C.LoomConfig, run_dir: Path, rank: int, world: int, strategy) -> None:
+        self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world
+        self.group = new_group(world, cfg.run.timeout_s)
+        self.checkpointer = Checkpointer(
+            run_dir / "checkpoints", rank, world, self.group, cfg.train.checkpoint_keep
+        )
+        self.state = as_shardable(strategy)
+        self.last_saved: tuple[int, Path] | None = None
+
+    def restore(self) -> int:
+        """Load the chosen checkpoint into the strategy and this rank's RNG; return its step (0 if none)."""
+        source = None
+        if self.rank == 0:
+            try:
+                source = {"path": choose_source(self.cfg, self.run_dir)}
+            except CheckpointError as e:
+                source = {"error": str(e)}
+        source = broadcast_json(source, self.rank, self.world, self.group)
+        if "error" in source:
+            raise CheckpointError(source["error"])
+        if source["path"] is None:
+            return 0
+        t0 = time.perf_counter()
+        with CheckpointReader(source["path"], self.rank, self.world, self.group) as reader:
+            ts = reader.train_state
+            self._check_position(ts, reader.dir)
+            self.state.load_sharded(reader)
+            ranks = ts.get("ranks", [])
+            if ts.get("world_size") == self.world and self.rank < len(ranks):
+                restore_rng(ranks[self.rank]["rng"])
+            elif self.rank == 0:
+                log.info(
+                    "world size changed (%s -> %d): RNG streams start fresh", ts.get("world_size"), self.world
+                )
+            step = reader.step
+            ckpt = reader.dir
+        log.info("resumed from %s at step %d (%.2f s)", ckpt, step, time.perf_counter() - t0)
+        self.last_saved = (step, ckpt)
+        return step
+
+    def _check_position(self, ts: dict, ckpt: Path) -> None:
+        saved = ts.get("config", {})
+        for section, key in POSITION_FIELDS:
+            old = saved.get(section, {}).get(key)
+            new = getattr(getattr(self.cfg, section), key)
+            if old is not None and old != new:
+                raise CheckpointError(
+                    f"{section}.{key}: {ckpt} was saved with {old}, this run has {new}; the data position "
+                    "(step -> global sequences) would change. Use the same value to resume."
+                )
+
+    def save(self, step: int, blocking: bool) -> None:
+        """Save step ``step`` (all ranks); asynchronous unless ``blocking``."""
+        meta = {
+            "data": {"step": step, "global_sequences": step * self.cfg.train.global_batch},
+            "config": C.to_dict(self.cfg),
+            "saved_unix_s": time.time(),
+        }
+        rank_state = {"rank": self.rank, "rng": capture_rng()}
+        path = self.checkpointer.save(step, self.state.sharded_state(), rank_state, meta, blocking=blocking)
+        if path is not None:
+            self.last_saved = (step, path)
+        if self.rank == 0:
+            how = "saved" if blocking else "saving (async)"
+            log.info("%s checkpoint step %d (stalled %.3f s)", how, step, self.checkpointer.last_stall_s)
+
+    def finish(self, step: int) -> Path | None:
+        """Wait for saves in flight and save ``step`` unless it is saved already; the final checkpoint."""
+        done = self.checkpointer.wait()
+        if done is not None:
+            self.last_saved = (int(done.name.split("-")[1]), done)
+        if step > 0 and (self.last_saved is None or self.last_saved[0] != step):
+            self.save(step, blocking=True)
+        return self.last_saved[1] if self.last_saved else None

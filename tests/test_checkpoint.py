@@ -1,0 +1,483 @@
+"""Checkpoint format: region geometry, resharding across layouts, integrity, atomicity, no pickle.
+
+Layouts are simulated with *virtual ranks* in one process (each writes its shard exactly as a
+real rank does: :func:`snapshot` + :func:`write_shard`, then rank 0's :func:`commit`), so
+dp × ZeRO-3, tp, pp and pp × tp × dp (8 ranks) cost milliseconds; real multi-rank saves of the
+strategies go through the gloo pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.checkpoint import Box, CheckpointError, CheckpointReader, Checkpointer, ShardedTensor, find
+from loom.checkpoint.protocol import Flat
+from loom.checkpoint.regions import copy_region, flat_to_boxes
+from loom.checkpoint.save import build_index, commit, snapshot, write_shard
+from tests.dist import get_mesh
+from tests.helpers import tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# ----------------------------------------------------------------------------- geometry
+
+
+def test_flat_ranges_cut_into_contiguous_boxes():
+    rng = random.Random(0)
+    for _ in range(500):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 4)))
+        n = int(torch.tensor(shape).prod())
+        a = rng.randint(0, n)
+        b = rng.randint(a, n)
+        g = torch.arange(n).view(shape)
+        boxes = flat_to_boxes(a, b - a, shape)
+        assert sum(bx.numel for _, bx in boxes) == b - a
+        assert len(boxes) <= max(1, 2 * len(shape) - 1)
+        for off, bx in boxes:
+            sl = tuple(slice(o, o + ln) for o, ln in zip(bx.offsets, bx.lengths))
+            assert torch.equal(g[sl].flatten(), g.flatten()[a + off : a + off + bx.numel])
+
+
+def test_copy_between_flat_box_and_flat_within_box():
+    g = torch.arange(4 * 6 * 5).view(4, 6, 5)
+    shape = tuple(g.shape)
+    box = Box((1, 2, 0), (2, 3, 5))
+    sub = g[1:3, 2:5, :]
+    for start, length in [(0, 30), (7, 11), (29, 1)]:
+        within = Flat(start, length, box)
+        dst = torch.full((length,), -1)
+        copy_region(dst, within, g.clone(), Box((0, 0, 0), shape), shape)
+        assert torch.equal(dst, sub.flatten()[start : start + length])
+        back = torch.full(shape, -1)
+        copy_region(back, Box((0, 0, 0), shape), dst, within, shape)
+        assert torch.equal(back[1:3, 2:5, :].flatten()[start : start + length], dst)
+
+
+# ----------------------------------------------------------------------------- simulated layouts
+
+
+def full_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Model parameters of the tiny model plus Adam-like state, by global name."""
+    from loom.checkpoint.replicated import unique_named_tensors
+    from loom.model.llama import build_model
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in unique_named_tensors(build_model(tiny_model(), seed)):
+        out[f"model.{name}"] = p.detach().clone()
+        out[f"optim.{name}.exp_avg"] = torch.randn(p.shape, generator=g)
+        out[f"optim.{name}.exp_avg_sq"] = torch.rand(p.shape, generator=g)
+        out[f"optim.{name}.step"] = torch.tensor(float(seed + 5))
+    return out
+
+
+def _param(name: str) -> str:
+    return name.split(".", 1)[1].rsplit(".", 1)[0] if name.startswith("optim.") else name.split(".", 1)[1]
+
+
+def _tp_dim(name: str) -> int | None:
+    p = _param(name)
+    if p.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "tok_embeddings.weight")):
+        return 0
+    if p.endswith(("wo.weight", "w2.weight")):
+        return 1
+    return None
+
+
+def _stage(name: str, pp: int, n_layers: int) -> int:
+    p = _param(name)
+    if p.startswith("layers."):
+        return int(p.split(".")[1]) * pp // n_layers
+    return 0 if p.startswith("tok_embeddings") else pp - 1
+
+
+def layout(full: dict, pp: int = 1, tp: int = 1, dp: int = 1, zero: bool = False) -> list[dict[str, ShardedTensor]]:
+    """Per-rank states (rank = (pp_i*dp + dp_i)*tp + tp_i) of ``full`` under pp × dp × tp (ZeRO-3 over dp)."""
+    n_layers = tiny_model().n_layers
+    ranks = []
+    for pi in range(pp):
+        for di in range(dp):
+            for ti in range(tp):
+                st: dict[str, ShardedTensor] = {}
+                for name, t in full.items():
+                    if _stage(name, pp, n_layers) != pi:
+                        continue
+                    if t.dim() == 0:  # step counters: written once per tensor
+                        st[name] = ShardedTensor.full(t.clone(), (0, 1) if di == 0 and ti == 0 else (1, 2))
+                        continue
+                    dim = _tp_dim(name) if tp > 1 else None
+                    box = Box(tuple(0 for _ in t.shape), tuple(t.shape))
+                    local, rep_i, rep_n = t, ti * dp + di, tp * dp
+                    if dim is not None:
+                        n = t.shape[dim] // tp
+                        offs = [0] * t.dim()
+                        offs[dim] = ti * n
+                        box = Box(tuple(offs), tuple(n if d == dim else s for d, s in enumerate(t.shape)))
+                        local, rep_i, rep_n = t.narrow(dim, ti * n, n), di, dp
+                    if zero:  # ZeRO-3: a flat 1/dp range of this (tp) piece, not replicated over dp
+                        flat = local.reshape(-1)
+                        a, b = flat.numel() * di // dp, flat.numel() * (di + 1) // dp
+                        within = None if dim is None else box
+                        st[name] = ShardedTensor.flat(flat[a:b].clone(), tuple(t.shape), a, (ti if dim is None else 0,
+                                                      tp if dim is None else 1), within)  # fmt: skip
+                    else:
+                        st[name] = ShardedTensor(local.clone(), tuple(t.shape), box, (rep_i, rep_n))
+                ranks.append(st)
+    return ranks
+
+
+def save_virtual(root: Path, ranks: list[dict[str, ShardedTensor]], step: int = 3, keep: int = 0) -> Path:
+    records = []
+    for r, st in enumerate(ranks):
+        snap = snapshot(step, st, {"rank": r}, {"config": {}, "data": {"step": step}})
+        records.append(write_shard(root / f".tmp-step-{step:08d}", snap, r, len(ranks)))
+    return commit(root, records, len(ranks), keep)
+
+
+LAYOUTS = {
+    "1": dict(),
+    "dp2": dict(dp=2),
+    "dp2xzero3": dict(dp=2, zero=True),
+    "dp4xzero3": dict(dp=4, zero=True),
+    "tp2": dict(tp=2),
+    "pp2": dict(pp=2),
+    "pp2xtp2xdp2": dict(pp=2, tp=2, dp=2),
+    "tp2xzero3dp2": dict(tp=2, dp=2, zero=True),
+}
+
+
+@pytest.mark.parametrize("saved", ["dp2xzero3", "tp2", "pp2", "pp2xtp2xdp2", "tp2xzero3dp2"])
+def test_reshard_any_layout_into_any_other(tmp_path, saved):
+    full = full_state(1)
+    save_virtual(tmp_path, layout(full, **LAYOUTS[saved]))
+    with CheckpointReader(tmp_path) as reader:
+        assert sorted(reader.names()) == sorted(full)
+        for name, t in full.items():  # one process: every tensor whole, bit for bit
+            assert torch.equal(reader.read(name), t), name
+        for target in ("dp2", "dp4xzero3", "tp2", "pp2xtp2xdp2", "tp2xzero3dp2"):
+            want = layout(full, **LAYOUTS[target])
+            for r, st in enumerate(layout({k: torch.zeros_like(v) for k, v in full.items()}, **LAYOUTS[target])):
+                reader.fill(st)
+                for name, piece in st.items():
+                    assert torch.equal(piece.local, want[r][name].local), f"{saved} -> {target} rank {r} {name}"
+
+
+def test_pieces_must_tile_every_tensor(tmp_path):
+    full = {"model.w": torch.arange(12.0).view(3, 4)}
+    w = full["model.w"]
+    twice = [{"model.w": ShardedTensor.full(w)}, {"model.w": ShardedTensor.full(w)}]
+    with pytest.raises(CheckpointError, match="hold 24 elements, the tensor has 12"):
+        save_virtual(tmp_path, twice)
+    overlap = [{"model.w": ShardedTensor.box(w[:2], (3, 4), (0, 0))}, {"model.w": ShardedTensor.flat(w[1], (3, 4), 4)}]
+    with pytest.raises(CheckpointError, match="overlap"):
+        save_virtual(tmp_path, overlap)
+    gap = [{"model.w": ShardedTensor.box(full["model.w"][:2], (3, 4), (0, 0))}]
+    with pytest.raises(CheckpointError, match="hold 8 elements, the tensor has 12"):
+        save_virtual(tmp_path, gap)
+
+
+def test_ranks_disagreeing_on_the_step_are_refused(tmp_path):
+    records = []
+    for r, step in enumerate((10, 11)):
+        snap = snapshot(step, {"model.w": ShardedTensor.full(torch.ones(4), (r, 2))}, {}, {})
+        records.append(write_shard(tmp_path / f".tmp-{snap.tag}", snap, r, 2))
+    with pytest.raises(CheckpointError, match="ranks disagree.*rank 0: step-00000010, rank 1: step-00000011"):
+        build_index(records, 2)
+
+
+# ----------------------------------------------------------------------------- real strategies
+
+
+def _dp_model_and_strategy(seed: int = 7, group=None, steps: int = 2):
+    from loom.model.llama import build_model, loss_fn
+    from loom.parallel.data_parallel import DataParallel
+    from loom.train.optim import build_optimizer, lr_at
+    from loom.train.step import train_step
+    from tests.helpers import rank_micro_batches, tiny_train
+
+    model = build_model(tiny_model(), seed)
+    strategy = DataParallel(model, group).attach_optimizer(build_optimizer(model, tiny_train()))
+    dp_rank = 0 if group is None else torch.distributed.get_rank(group)
+    dp = 1 if group is None else torch.distributed.get_world_size(group)
+    for step in range(steps):
+        train_step(model, strategy, rank_micro_batches(step, 8, 2, dp_rank, dp), loss_fn, 1.0,
+                   lr_at(step, tiny_train()), group)  # fmt: skip
+    return model, strategy
+
+
+def _full_from(model, optimizer) -> dict[str, torch.Tensor]:
+    from loom.checkpoint.replicated import unique_named_tensors
+
+    names = {id(p): n for n, p in unique_named_tensors(model)}
+    out = {f"model.{n}": p.detach().clone() for n, p in unique_named_tensors(model)}
+    for p, st in optimizer.state.items():
+        for k, v in st.items():
+            out[f"optim.{names[id(p)]}.{k}"] = v.detach().clone()
+    return out
+
+
+def _dp_save(root: str, async_save: bool):
+    from loom.checkpoint import as_shardable
+    from loom.checkpoint.save import new_group
+
+    mesh = get_mesh(dp_replicate=2)
+    model, strategy = _dp_model_and_strategy(group=mesh.group("dp"))
+    group = new_group(2, 60)
+    ck = Checkpointer(root, torch.distributed.get_rank(), 2, group)
+    expected = _full_from(model, strategy.optimizer)
+    state = as_shardable(strategy).sharded_state()
+    path = ck.save(2, state, {"rank": torch.distributed.get_rank()}, {}, blocking=not async_save)
+    if async_save:  # training goes on while the shard is written: the checkpoint must not see it
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+            for st in strategy.optimizer.state.values():
+                st["exp_avg"].mul_(3.0)
+        path = ck.wait()
+    bad = None
+    try:  # a save whose ranks disagree on the step is refused on every rank
+        ck.save(5 + torch.distributed.get_rank(), as_shardable(strategy).sharded_state(), {}, {})
+    except CheckpointError as e:
+        bad = str(e)
+    return {k: v for k, v in expected.items()}, str(path), bad
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_dp2_checkpoint_loads_into_one_process(pools, tmp_path, async_save):
+    from loom.checkpoint import as_shardable
+
+    (expected, path, bad), (_, path1, bad1) = pools(2).run(_dp_save, str(tmp_path), async_save)
+    assert path == path1 and Path(path).name == "step-00000002"
+    assert bad and bad1 and "ranks disagree" in bad and "ranks disagree" in bad1
+    assert not list(tmp_path.glob(".tmp-*")), "a refused save leaves no temporary directory"
+    files = sorted(p.name for p in Path(path).iterdir())
+    assert files == ["index.json", "manifest.json", "shard-00000-of-00002.safetensors",
+                     "shard-00001-of-00002.safetensors", "train_state.json"]  # fmt: skip
+    sizes = [(Path(path) / f).stat().st_size for f in files if f.startswith("shard")]
+    assert abs(sizes[0] - sizes[1]) < 0.2 * max(sizes), "each replica writes about half"
+    model, strategy = _dp_model_and_strategy(seed=99, steps=0)
+    with CheckpointReader(tmp_path) as reader:
+        as_shardable(strategy).load_sharded(reader)
+    got = _full_from(model, strategy.optimizer)
+    assert sorted(got) == sorted(expected)
+    for k, v in expected.items():
+        assert torch.equal(got[k], v) and got[k].dtype == v.dtype, k
+
+
+def _tp_save_and_reload(root: str):
+    """tp=2 (real tensor-parallel layers) saves; returns each rank's full expected state."""
+    from loom.checkpoint import as_shardable
+    from loom.checkpoint.save import new_group
+    from loom.config import LoomConfig
+    from loom.model.llama import build_model
+    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.tensor_parallel import apply_tensor_parallel
+    from loom.train.optim import build_optimizer
+    from tests.helpers import tiny_train
+
+    mesh = get_mesh(tp=2)
+    cfg = LoomConfig()
+    cfg.model, cfg.parallel.tp = tiny_model(), 2
+    model = build_model(cfg.model, 3)
+    reference = {f"model.{k}": v.clone() for k, v in model.state_dict().items() if k != "output.weight"}
+    apply_tensor_parallel(model, mesh, cfg)
+    strategy = DataParallel(model, mesh.group("dp"), tp_group=mesh.group("tp"))
+    strategy.attach_optimizer(build_optimizer(model, tiny_train()))
+    ck = Checkpointer(root, torch.distributed.get_rank(), 2, new_group(2, 60))
+    ck.save(1, as_shardable(strategy).sharded_state(), {}, {})
+    # and back into tp=2 from scratch
+    fresh = build_model(cfg.model, 55)
+    apply_tensor_parallel(fresh, mesh, cfg)
+    s2 = DataParallel(fresh, mesh.group("dp"), tp_group=mesh.group("tp"))
+    s2.attach_optimizer(build_optimizer(fresh, tiny_train()))
+    with CheckpointReader(root, torch.distributed.get_rank(), 2, ck.group) as reader:
+        as_shardable(s2).load_sharded(reader)
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    return reference, same
+
+
+def test_tensor_parallel_checkpoint_unshards(pools, tmp_path):
+    pytest.importorskip("loom.parallel.tensor_parallel")
+    (reference, same0), (_, same1) = pools(2).run(_tp_save_and_reload, str(tmp_path))
+    assert same0 and same1
+    with CheckpointReader(tmp_path) as reader:
+        for name, t in reference.items():
+            assert torch.equal(reader.read(name), t), name
+        assert reader.read("optim.layers.0.attention.wq.weight.exp_avg").shape == (32, 32)
+
+
+# ----------------------------------------------------------------------------- integrity, atomicity
+
+
+@pytest.fixture
+def saved(tmp_path):
+    full = full_state(2)
+    path = save_virtual(tmp_path, layout(full, dp=2))
+    return tmp_path, path, full
+
+
+def _load_fails(root: Path, match: str) -> None:
+    target = layout({k: torch.zeros_like(v) for k, v in full_state(2).items()})[0]
+    with pytest.raises(CheckpointError, match=match):
+        with CheckpointReader(root) as reader:
+            reader.fill(target)
+    assert all(not st.local.any() for n, st in target.items() if n.startswith("model.")), "nothing applied"
+
+
+def test_flipped_byte_is_detected(saved):
+    root, path, _ = saved
+    shard = path / "shard-00001-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    _load_fails(root, r"shard-00001-of-00002.safetensors: content altered")
+
+
+def test_truncated_and_missing_files_are_named(saved):
+    root, path, _ = saved
+    shard = path / "shard-00000-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    _load_fails(root, r"shard-00000-of-00002.safetensors: truncated")
+    (path / "shard-00001-of-00002.safetensors").unlink()
+    _load_fails(root, r"shard-00001-of-00002.safetensors: missing")
+    (path / "index.json").unlink()
+    _load_fails(root, r"index.json: missing")
+
+
+def test_tampered_manifest_is_caught_through_latest(saved):
+    root, path, _ = saved
+    m = json.loads((path / "manifest.json").read_text())
+    m["files"]["index.json"]["sha256"] = "0" * 64  # forged, yet the pointer remembers the real manifest
+    (path / "manifest.json").write_text(json.dumps(m))
+    _load_fails(root, "manifest.json: content altered")
+
+
+def test_torn_save_and_bad_pointer_fall_back_to_newest_complete(saved, caplog):
+    root, first, full = saved
+    second = save_virtual(root, layout(full, dp=2), step=6)
+    assert find(root)[0] == second
+    (second / "manifest.json").unlink()  # as if killed before the manifest was written
+    assert find(root)[0] == first
+    (root / "latest").write_text("garbage")
+    assert find(root)[0] == first
+    torn = root / ".tmp-step-00000009"  # a save killed half way: never renamed into place
+    torn.mkdir()
+    (torn / "shard-00000-of-00002.safetensors").write_bytes(b"\0" * 10)
+    Checkpointer(root)  # a new job cleans up what an interrupted save left
+    assert not torn.exists()
+    with CheckpointReader(root) as reader:
+        assert reader.step == 3 and torch.equal(reader.read("model.norm.weight"), full["model.norm.weight"])
+
+
+def test_keep_prunes_old_checkpoints(tmp_path):
+    full = full_state(0)
+    for step in (1, 2, 3, 4):
+        save_virtual(tmp_path, layout(full), step=step, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000003", "step-00000004"]
+    assert json.loads((tmp_path / "latest").read_text())["tag"] == "step-00000004"
+
+
+# ----------------------------------------------------------------------------- no pickle
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_crafted_pickle_checkpoints_are_refused(saved, tmp_path_factory):
+    from loom.checkpoint.integrity import manifest_bytes, sha256_file
+    from loom.config import ConfigError, LoomConfig, validate
+
+    root, path, _ = saved
+    marker = tmp_path_factory.mktemp("m") / "pwned"
+    evil = pickle.dumps(_Payload(marker))
+    # 1) a DCP-style directory (pickled .metadata) and a torch.save file: not Loom checkpoints
+    dcp = tmp_path_factory.mktemp("dcp")
+    (dcp / ".metadata").write_bytes(evil)
+    (dcp / "__0_0.distcp").write_bytes(evil)
+    assert find(dcp) is None
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        CheckpointReader(dcp)
+    pt = dcp / "model.pt"
+    pt.write_bytes(evil)
+    with pytest.raises(CheckpointError, match="never loaded"):
+        CheckpointReader(pt)
+    cfg = LoomConfig()
+    cfg.train.resume = str(pt)
+    with pytest.raises(ConfigError, match="train.resume"):
+        validate(cfg, 1)
+    # 2) pickles inside a Loom checkpoint whose manifest was forged to match
+    for victim, match in (("index.json", "not valid JSON"), ("shard-00000-of-00002.safetensors", "not a safetensors")):
+        original, manifest = (path / victim).read_bytes(), (path / "manifest.json").read_bytes()
+        (path / victim).write_bytes(evil)
+        files = json.loads((path / "manifest.json").read_text())["files"]
+        files[victim] = {"sha256": sha256_file(path / victim), "bytes": len(evil)}
+        (path / "manifest.json").write_bytes(manifest_bytes({k: (v["sha256"], v["bytes"]) for k, v in files.items()}))
+        with pytest.raises(CheckpointError, match=match):
+            with CheckpointReader(path) as reader:
+                reader.read("model.norm.weight")
+                reader.read("model.tok_embeddings.weight")
+        (path / victim).write_bytes(original)
+        (path / "manifest.json").write_bytes(manifest)
+    assert not marker.exists(), "a crafted pickle was executed"
+
+
+def test_loom_has_no_pickle_or_unsafe_torch_load():
+    pattern = re.compile(
+        r"^\s*(import|from)\s+(pickle|cPickle|_pickle|dill|cloudpickle)\b|pickle\.loads?\(|torch\.load\(|weights_only\s*=\s*False"
+    )
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in sorted((ROOT / "loom").rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not hits, "pickle-based loading in loom/:\n" + "\n".join(hits)
+
+
+# ----------------------------------------------------------------------------- export, RNG
+
+
+def test_convert_exports_a_model_loom_generate_reads(saved, tmp_path):
+    from loom.checkpoint.convert import convert
+    from loom.model.llama import Transformer
+    from loom.train.export import load_model, unique_state
+
+    root, _, full = saved
+    out = tmp_path / "model.safetensors"
+    _, step, n = convert(root, out)
+    model = Transformer(tiny_model())
+    load_model(model, out)
+    assert step == 3 and n == len(unique_state(model))
+    for name, t in unique_state(model).items():
+        assert torch.equal(t, full[f"model.{name}"])
+
+
+def test_rng_states_round_trip_through_json():
+    import numpy as np
+
+    from loom.checkpoint.rng import capture_rng, restore_rng
+
+    torch.manual_seed(3)
+    random.seed(4)
+    np.random.seed(5)
+    state = json.loads(json.dumps(capture_rng()))
+    a = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    restore_rng(state)
+    b = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
