@@ -111,9 +111,14 @@ def train_step(
             loss.backward()
         total = loss.detach().float() if total is None else total + loss.detach().float()
     strategy.finish_sync()
+    # The logged loss is averaged over dp while the optimizer runs (unmetered bookkeeping).
+    n = comm.group_size(dp_group)
+    work = dist.all_reduce(total, group=dp_group, async_op=True) if n > 1 else None
     norm = strategy.clip_grad_norm(grad_clip)
     strategy.step(lr)
-    return StepResult(loss=float(mean_over(total, dp_group)), grad_norm=norm)
+    if work is not None:
+        work.wait()
+    return StepResult(loss=float(total) / n, grad_norm=norm)
 
 
 @torch.no_grad()

@@ -1,0 +1,93 @@
+"""End to end through the real CLI and the elastic launcher: train, outputs, generate, a dying rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--data.max_corpus_mb", "0.4", "--data.vocab_size", "384", "--run.progress", "false"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = dict(os.environ)
+    e["LOOM_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    e["PYTHONPATH"] = str(ROOT)
+    return e
+
+
+def _loom(args, env, **kw):
+    return subprocess.run([sys.executable, "-m", "loom", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, **kw)  # fmt: skip
+
+
+def test_train_two_ranks_then_generate(tmp_path, env):
+    run = tmp_path / "run"
+    p = _loom(["train", "configs/debug.toml", "--run.dir", str(run), "--train.steps", "30", *TINY], env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "param_bytes", "grad_bytes", "optim_bytes"):
+        assert all(key in r for r in rows), key
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3  # it learns
+    assert rows[0]["optim_bytes"] == 2 * rows[0]["param_bytes"]  # Adam: two fp32 moments
+    assert rows[0]["comm_bytes"] > 0
+    assert (run / "config.toml").exists() and (run / "tokenizer.json").exists()
+    assert any((run / "tensorboard").iterdir())
+    assert (run / "checkpoints" / "final" / "model.safetensors").exists()
+    g = _loom(["generate", "--run.dir", str(run), "--prompt", "def ", "--max_new_tokens", "20"], env, timeout=120)
+    assert g.returncode == 0, g.stderr[-2000:]
+    assert g.stdout.startswith("def ") and len(g.stdout.strip()) > 10
+
+
+def _worker_pids(parent: int) -> list[int]:
+    """Rank processes: spawned children of the launcher (not its resource tracker)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and "spawn_main" in cmd:
+            out.append(int(d.name))
+    return sorted(out)
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="needs /proc to find the rank processes")
+def test_killed_rank_stops_job_with_its_name(tmp_path, env):
+    run = tmp_path / "run"
+    args = ["train", "configs/debug.toml", "--run.dir", str(run), "--train.steps", "100000", "--train.log_every", "1",
+            *TINY]  # fmt: skip
+    p = subprocess.Popen([sys.executable, "-m", "loom", *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 240
+        metrics = run / "metrics.jsonl"
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            time.sleep(0.5)
+        assert metrics.exists(), "training never started"
+        pids = _worker_pids(p.pid)
+        assert len(pids) == 2, pids
+        os.kill(pids[-1], signal.SIGKILL)
+        _, err = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0
+    last = [ln for ln in err.splitlines() if ln.startswith("loom:")]
+    assert last and "rank" in last[-1] and "SIGKILL" in last[-1], err[-2000:]
+    assert not any(Path(pid_dir).exists() for pid_dir in (f"/proc/{pid}" for pid in pids)), "orphan rank left"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # nothing written is corrupted
+    assert rows and all("loss" in r for r in rows)
