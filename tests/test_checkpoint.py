@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.checkpoint import Box, CheckpointError, CheckpointReader, Checkpointer, ShardedTensor, find
+from loom.checkpoint import Box, Checkpointer, CheckpointError, CheckpointReader, ShardedTensor, find
 from loom.checkpoint.protocol import Flat
 from loom.checkpoint.regions import copy_region, flat_to_boxes
 from loom.checkpoint.save import build_index, commit, snapshot, write_shard
@@ -99,7 +99,9 @@ def _stage(name: str, pp: int, n_layers: int) -> int:
     return 0 if p.startswith("tok_embeddings") else pp - 1
 
 
-def layout(full: dict, pp: int = 1, tp: int = 1, dp: int = 1, zero: bool = False) -> list[dict[str, ShardedTensor]]:
+def layout(
+    full: dict, pp: int = 1, tp: int = 1, dp: int = 1, zero: bool = False
+) -> list[dict[str, ShardedTensor]]:
     """Per-rank states (rank = (pp_i*dp + dp_i)*tp + tp_i) of ``full`` under pp × dp × tp (ZeRO-3 over dp)."""
     n_layers = tiny_model().n_layers
     ranks = []
@@ -164,10 +166,14 @@ def test_reshard_any_layout_into_any_other(tmp_path, saved):
             assert torch.equal(reader.read(name), t), name
         for target in ("dp2", "dp4xzero3", "tp2", "pp2xtp2xdp2", "tp2xzero3dp2"):
             want = layout(full, **LAYOUTS[target])
-            for r, st in enumerate(layout({k: torch.zeros_like(v) for k, v in full.items()}, **LAYOUTS[target])):
+            for r, st in enumerate(
+                layout({k: torch.zeros_like(v) for k, v in full.items()}, **LAYOUTS[target])
+            ):
                 reader.fill(st)
                 for name, piece in st.items():
-                    assert torch.equal(piece.local, want[r][name].local), f"{saved} -> {target} rank {r} {name}"
+                    assert torch.equal(piece.local, want[r][name].local), (
+                        f"{saved} -> {target} rank {r} {name}"
+                    )
 
 
 def test_pieces_must_tile_every_tensor(tmp_path):
@@ -176,7 +182,10 @@ def test_pieces_must_tile_every_tensor(tmp_path):
     twice = [{"model.w": ShardedTensor.full(w)}, {"model.w": ShardedTensor.full(w)}]
     with pytest.raises(CheckpointError, match="hold 24 elements, the tensor has 12"):
         save_virtual(tmp_path, twice)
-    overlap = [{"model.w": ShardedTensor.box(w[:2], (3, 4), (0, 0))}, {"model.w": ShardedTensor.flat(w[1], (3, 4), 4)}]
+    overlap = [
+        {"model.w": ShardedTensor.box(w[:2], (3, 4), (0, 0))},
+        {"model.w": ShardedTensor.flat(w[1], (3, 4), 4)},
+    ]
     with pytest.raises(CheckpointError, match="overlap"):
         save_virtual(tmp_path, overlap)
     gap = [{"model.w": ShardedTensor.box(full["model.w"][:2], (3, 4), (0, 0))}]
@@ -326,9 +335,8 @@ def saved(tmp_path):
 
 def _load_fails(root: Path, match: str) -> None:
     target = layout({k: torch.zeros_like(v) for k, v in full_state(2).items()})[0]
-    with pytest.raises(CheckpointError, match=match):
-        with CheckpointReader(root) as reader:
-            reader.fill(target)
+    with pytest.raises(CheckpointError, match=match), CheckpointReader(root) as reader:
+        reader.fill(target)
     assert all(not st.local.any() for n, st in target.items() if n.startswith("model.")), "nothing applied"
 
 
@@ -419,16 +427,20 @@ def test_crafted_pickle_checkpoints_are_refused(saved, tmp_path_factory):
     with pytest.raises(ConfigError, match="train.resume"):
         validate(cfg, 1)
     # 2) pickles inside a Loom checkpoint whose manifest was forged to match
-    for victim, match in (("index.json", "not valid JSON"), ("shard-00000-of-00002.safetensors", "not a safetensors")):
+    for victim, match in (
+        ("index.json", "not valid JSON"),
+        ("shard-00000-of-00002.safetensors", "not a safetensors"),
+    ):
         original, manifest = (path / victim).read_bytes(), (path / "manifest.json").read_bytes()
         (path / victim).write_bytes(evil)
         files = json.loads((path / "manifest.json").read_text())["files"]
         files[victim] = {"sha256": sha256_file(path / victim), "bytes": len(evil)}
-        (path / "manifest.json").write_bytes(manifest_bytes({k: (v["sha256"], v["bytes"]) for k, v in files.items()}))
-        with pytest.raises(CheckpointError, match=match):
-            with CheckpointReader(path) as reader:
-                reader.read("model.norm.weight")
-                reader.read("model.tok_embeddings.weight")
+        (path / "manifest.json").write_bytes(
+            manifest_bytes({k: (v["sha256"], v["bytes"]) for k, v in files.items()})
+        )
+        with pytest.raises(CheckpointError, match=match), CheckpointReader(path) as reader:
+            reader.read("model.norm.weight")
+            reader.read("model.tok_embeddings.weight")
         (path / victim).write_bytes(original)
         (path / "manifest.json").write_bytes(manifest)
     assert not marker.exists(), "a crafted pickle was executed"
@@ -481,3 +493,72 @@ def test_rng_states_round_trip_through_json():
     restore_rng(state)
     b = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+# ----------------------------------------------------------------------------- ZeRO
+
+
+def _zero_cfg(stage: int):
+    from loom.config import LoomConfig
+    from tests.helpers import tiny_train
+
+    cfg = LoomConfig()
+    cfg.model, cfg.train = tiny_model(), tiny_train()
+    cfg.parallel.zero, cfg.parallel.dp, cfg.parallel.dp_shard = stage, 2, 2
+    return cfg
+
+
+def _train(model, strategy, steps: range, dp_rank: int, dp: int, group) -> list[float]:
+    from loom.model.llama import loss_fn
+    from loom.train.optim import lr_at
+    from loom.train.step import train_step
+    from tests.helpers import rank_micro_batches, tiny_train
+
+    return [train_step(model, strategy, rank_micro_batches(s, 8, 2, dp_rank, dp), loss_fn, 1.0,
+                       lr_at(s, tiny_train()), group).loss for s in steps]  # fmt: skip
+
+
+def _zero_save_and_reshard(root: str, save_stage: int, load_stage: int):
+    """ZeRO-``save_stage`` over dp=2 trains 2 steps and saves; ZeRO-``load_stage`` loads and goes on."""
+    from loom.checkpoint import as_shardable
+    from loom.checkpoint.save import new_group
+    from loom.model.llama import build_model
+    from loom.parallel.zero import apply_zero
+
+    mesh = get_mesh(dp_shard=2)
+    rank, group = mesh.local_rank("dp"), mesh.group("dp")
+    model = build_model(tiny_model(), 7)
+    zero = apply_zero(model, mesh, _zero_cfg(save_stage))
+    _train(model, zero, range(2), rank, 2, group)
+    ck = Checkpointer(root, torch.distributed.get_rank(), 2, new_group(2, 60))
+    ck.save(2, as_shardable(zero).sharded_state(), {}, {})
+    full = zero.full_state_dict() if hasattr(zero, "full_state_dict") else dict(model.state_dict())
+    full = {k: v.detach().clone() for k, v in full.items()}
+    ref = _train(model, zero, range(2, 4), rank, 2, group)
+    other = build_model(tiny_model(), 99)
+    zero2 = apply_zero(other, mesh, _zero_cfg(load_stage))
+    with CheckpointReader(root, torch.distributed.get_rank(), 2, ck.group) as reader:
+        as_shardable(zero2).load_sharded(reader)
+    got = zero2.full_state_dict() if hasattr(zero2, "full_state_dict") else dict(other.state_dict())
+    same = all(torch.equal(got[k], v) for k, v in full.items())
+    return full, ref, _train(other, zero2, range(2, 4), rank, 2, group), same
+
+
+@pytest.mark.parametrize("save_stage,load_stage", [(3, 1), (2, 3)])
+def test_zero_checkpoint_reshards_across_stages_and_into_one_process(pools, tmp_path, save_stage, load_stage):
+    from loom.checkpoint import as_shardable
+
+    pytest.importorskip("loom.parallel.zero")
+    results = pools(2).run(_zero_save_and_reshard, str(tmp_path), save_stage, load_stage)
+    for _, ref, resumed, same in results:
+        assert same, f"ZeRO-{load_stage} did not get ZeRO-{save_stage}'s parameters back exactly"
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    full, ref = results[0][0], results[0][1]
+    model, strategy = _dp_model_and_strategy(seed=5, steps=0)  # one process, plain AdamW
+    with CheckpointReader(tmp_path) as reader:
+        as_shardable(strategy).load_sharded(reader)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, full[k]), k
+    assert all(float(st["step"]) == 2.0 for st in strategy.optimizer.state.values())
+    one = _train(model, strategy, range(2, 4), 0, 1, None)
+    torch.testing.assert_close(torch.tensor(one), torch.tensor(ref), rtol=1e-4, atol=1e-5)

@@ -166,7 +166,12 @@ def as_shardable(strategy) -> Shardable:
     if isinstance(strategy, Shardable):
         return strategy
     from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.zero.common import ShardedStrategy
 
+    if isinstance(strategy, ShardedStrategy):
+        from loom.checkpoint.zero_state import ZeroState
+
+        return ZeroState(strategy)
     if isinstance(strategy, DataParallel):
         return ReplicatedState(
             strategy.module, strategy.optimizer, strategy.group, getattr(strategy, "tp_group", None)

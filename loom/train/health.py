@@ -46,7 +46,12 @@ class Heartbeat:
         self._thread.start()
 
     def set(self, step: int, phase: str) -> None:
+        """Record progress; written at once on a phase change, else by the thread (≤ interval late)."""
+        changed = phase != self.phase
         self.step, self.phase = step, phase
+        if changed:
+            with contextlib.suppress(OSError):
+                self._write()
 
     def _write(self) -> None:
         path = self.dir / f"rank-{self.rank:05d}.json"

@@ -1,0 +1,99 @@
+"""The resharding contract for the ZeRO strategies (:mod:`loom.parallel.zero`), stages 1-3.
+
+Every ZeRO stage keeps, per flat buffer (a stage-1/2 bucket or a stage-3 unit), one
+:class:`~loom.parallel.zero.layout.FlatLayout` and this rank's shard ``[start, end)`` of the
+buffer's fp32 master weights and Adam moments (``strategy.optim``). A parameter at
+``[offset, offset + numel)`` of the buffer therefore contributes, on this rank, the flat range
+``[max(offset, start), min(offset + numel, end)) - offset`` of its own flattening:
+
+    model.<fqn>            that range of the fp32 master (the parameter itself when fp32)
+    optim.<fqn>.exp_avg    that range of m;   optim.<fqn>.exp_avg_sq   that range of v
+    optim.<fqn>.step       the step count, a scalar (written by the holder of element 0)
+
+A tensor-parallel shard (``tp_shard_dim``) is flattened on its own, so its range is a
+:class:`~loom.checkpoint.protocol.Flat` *within* the tp box of the global tensor. Replicas:
+hybrid sharding repeats each shard over ``replicate_group`` (R copies), and parameters that
+tensor parallelism does not shard repeat over tp as well.
+
+Loading fills exactly these ranges; then stage 3 copies masters into the parameter shards
+(when they are distinct tensors) and stages 1-2, whose parameters are whole on every rank,
+read each whole parameter (its tp box) as well.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loom.checkpoint.format import CheckpointError
+from loom.checkpoint.protocol import Box, Flat, ShardedTensor, ShardReader
+from loom.checkpoint.replicated import _rank_size, unique_named_tensors
+
+
+def tp_geometry(p: torch.Tensor, tp_rank: int, tp: int) -> tuple[tuple[int, ...], Box | None]:
+    """(global shape, tp box or None) of a parameter that may be a tensor-parallel shard."""
+    dim = getattr(p, "tp_shard_dim", None)
+    if dim is None or tp == 1:
+        return tuple(p.shape), None
+    shape, offsets = list(p.shape), [0] * p.dim()
+    offsets[dim] = tp_rank * shape[dim]
+    shape[dim] *= tp
+    return tuple(shape), Box(tuple(offsets), tuple(p.shape))
+
+
+class ZeroState:
+    """:class:`~loom.checkpoint.protocol.Shardable` for ``ZeroDataParallel`` and ``FullyShardedZero``."""
+
+    def __init__(self, strategy) -> None:
+        self.s = strategy
+        self.rep_rank, self.rep = _rank_size(strategy.replicate_group)
+        self.tp_rank, self.tp = _rank_size(strategy.tp_group)
+        self.names = {id(t): n for n, t in unique_named_tensors(strategy.module)}
+        self.stage3 = hasattr(strategy, "units")
+        self._steps: list[torch.Tensor] = []
+
+    def sharded_state(self) -> dict[str, ShardedTensor]:
+        opt = self.s.optim
+        out: dict[str, ShardedTensor] = {}
+        self._steps = []
+        for i, lay in enumerate(self.s.layouts):
+            for p, slot in zip(lay.params, lay.slots):
+                lo, hi = max(slot.offset, lay.start), min(slot.offset + slot.numel, lay.end)
+                if lo >= hi:
+                    continue
+                fqn = self.names[id(p)]
+                shape, within = tp_geometry(p, self.tp_rank, self.tp)
+                if within is None:
+                    replica = (self.tp_rank * self.rep + self.rep_rank, self.tp * self.rep)
+                else:
+                    replica = (self.rep_rank, self.rep)
+                start = lo - slot.offset
+                a, b = lo - lay.start, hi - lay.start
+                for key, buf in (
+                    ("model", opt.masters[i]),
+                    ("exp_avg", opt.exp_avgs[i]),
+                    ("exp_avg_sq", opt.exp_avg_sqs[i]),
+                ):
+                    name = f"model.{fqn}" if key == "model" else f"optim.{fqn}.{key}"
+                    out[name] = ShardedTensor(buf[a:b], shape, Flat(start, hi - lo, within), replica)
+                step = torch.tensor(float(opt.step_count))
+                self._steps.append(step)
+                origin = start == 0 and (within is None or not any(within.offsets)) and replica[0] == 0
+                out[f"optim.{fqn}.step"] = ShardedTensor.full(step, (0, 1) if origin else (1, 2))
+        return out
+
+    @torch.no_grad()
+    def load_sharded(self, reader: ShardReader) -> None:
+        opt = self.s.optim
+        reader.fill(self.sharded_state())
+        steps = {int(t.item()) for t in self._steps}
+        if len(steps) > 1:
+            raise CheckpointError(f"optimizer step counts differ between parameters: {sorted(steps)}")
+        opt.step_count = steps.pop() if steps else 0
+        if self.stage3:
+            for p, master in zip(opt.params, opt.masters):
+                if master is not p:
+                    p.copy_(master)
+            return
+        for p in (p for lay in self.s.layouts for p in lay.params):  # stages 1-2: whole parameters
+            shape, within = tp_geometry(p, self.tp_rank, self.tp)
+            p.copy_(reader.read(f"model.{self.names[id(p)]}", within).view_as(p))

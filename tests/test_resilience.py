@@ -1,0 +1,287 @@
+"""Training that survives failures: exact resume, resume under another layout, a rank killed
+under ``--max-restarts``, a stopped rank named by the others, a save killed half way,
+non-finite gradients.
+
+The end-to-end runs go through the real entry points: ``Trainer`` on the gloo pool, and
+``python -m loom train`` (elastic launcher, 2 ranks) as a subprocess. All share one tiny
+config and one prepared corpus, so the launched run and the pool run are the same
+computation and their losses are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom import config as C
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 30
+OVERRIDES = {
+    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
+    "data": {"seq_len": 64, "vocab_size": 512, "max_corpus_mb": 0.3},
+    "train": {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "warmup_steps": 2, "log_every": 1,
+              "eval_every": 0, "checkpoint_every": 5},
+    "run": {"progress": False, "tensorboard": False, "threads": 1, "nproc": 2},
+}  # fmt: skip
+
+
+def _cli_args(cfg: dict) -> list[str]:
+    return [f"--{s}.{k}={v}" for s, table in cfg.items() for k, v in table.items()]
+
+
+@pytest.fixture(scope="module")
+def base_cfg(tmp_path_factory) -> dict:
+    """The shared config, with the corpus prepared once (in a private cache)."""
+    from loom.data import prepare_data
+
+    cfg = C.from_dict(json.loads(json.dumps(OVERRIDES)))
+    os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    prepared = prepare_data(cfg.data, progress=False)
+    out = json.loads(json.dumps(OVERRIDES))
+    out["data"]["prepared_dir"] = str(prepared.dir)
+    return out
+
+
+def _with(cfg: dict, **sections) -> dict:
+    out = json.loads(json.dumps(cfg))
+    for section, table in sections.items():
+        out.setdefault(section, {}).update(table)
+    return out
+
+
+def _metrics(run_dir: str | Path) -> list[dict]:
+    return [
+        json.loads(line)
+        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+
+
+def _trainer(cfg_dict: dict, stop_at: int = 0) -> list[dict]:
+    """Run the Trainer on this rank (pool or main process); ``stop_at``: stop after that step."""
+    import torch.distributed as dist
+
+    from loom.train.trainer import RankEnv, Trainer
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    cfg = C.from_dict(cfg_dict)
+    trainer = Trainer(cfg, RankEnv(rank, world, rank, world))
+    if stop_at:
+        done = iter(range(trainer.start_step + 1, 10**9))
+        trainer._time_up = lambda start: next(done) >= stop_at  # as train.time_limit_s would
+    try:
+        trainer.fit()
+    finally:
+        trainer.heartbeat.close()
+    return _metrics(cfg.run.dir) if rank == 0 else []
+
+
+@pytest.fixture(scope="module")
+def reference(pools, base_cfg, tmp_path_factory) -> list[dict]:
+    """30 uninterrupted steps on 2 ranks (dp=2)."""
+    run = tmp_path_factory.mktemp("straight")
+    return pools(2).run(_trainer, _with(base_cfg, run={"dir": str(run)}))[0]
+
+
+def _losses(rows: list[dict]) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in rows]
+
+
+def test_resume_same_layout_is_bit_identical(pools, base_cfg, reference, tmp_path):
+    cfg = _with(base_cfg, run={"dir": str(tmp_path)})
+    pools(2).run(_trainer, cfg, 15)  # stops after step 15 and saves
+    assert json.loads((tmp_path / "checkpoints" / "latest").read_text())["step"] == 15
+    rows = pools(2).run(_trainer, cfg)[0]  # same run dir: resumes from latest
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert _losses(rows) == _losses(reference)
+
+
+def test_resume_under_another_layout(pools, base_cfg, reference, tmp_path):
+    """dp=2 checkpoint -> 1 process -> back to dp=2: the losses follow the uninterrupted run."""
+    two = tmp_path / "two"
+    pools(2).run(_trainer, _with(base_cfg, run={"dir": str(two)}), 10)
+    one = tmp_path / "one"
+    rows = _trainer(_with(base_cfg, run={"dir": str(one)}, train={"resume": str(two)}), stop_at=20)
+    assert [r["step"] for r in rows] == list(range(11, 21))
+    back = tmp_path / "back"
+    rows += pools(2).run(_trainer, _with(base_cfg, run={"dir": str(back)}, train={"resume": str(one)}))[0]
+    assert [r["step"] for r in rows] == list(range(11, STEPS + 1))
+    got = torch.tensor([r["loss"] for r in rows], dtype=torch.float64)
+    want = torch.tensor([r["loss"] for r in reference[10:]], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- launched jobs
+
+
+class Job:
+    """``python -m loom train`` in a subprocess, its output collected by a thread."""
+
+    def __init__(self, cfg: dict, *extra: str) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "loom", "train", *_cli_args(cfg), *extra]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.run_dir = Path(cfg["run"]["dir"])
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip()))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        path = self.run_dir / "metrics.jsonl"
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"job ended before step {step}:\n{self.output}")
+            if path.exists() and any(
+                json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines()[-3:]
+            ):
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"no step {step} within {timeout} s:\n{self.output}")
+
+    def pid(self, rank: int) -> int:
+        return json.loads((self.run_dir / "heartbeat" / f"rank-{rank:05d}.json").read_text())["pid"]
+
+    def finish(self, timeout: float = 180) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"job did not finish within {timeout} s:\n{self.output}") from None
+        self._reader.join(5)
+        return rc
+
+
+def test_sigkill_of_a_rank_restarts_and_matches_the_uninterrupted_run(base_cfg, reference, tmp_path):
+    job = Job(_with(base_cfg, run={"dir": str(tmp_path)}), "--max-restarts", "1")
+    job.wait_for_step(12)
+    os.kill(job.pid(1), signal.SIGKILL)
+    assert job.finish() == 0, job.output
+    assert "resumed from" in job.output, job.output
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert _losses(rows) == _losses(reference)
+
+
+def test_stopped_rank_is_named_within_the_timeout(base_cfg, tmp_path):
+    timeout_s = 6.0
+    cfg = _with(
+        base_cfg,
+        run={"dir": str(tmp_path), "timeout_s": timeout_s},
+        train={"steps": 100_000, "checkpoint_every": 0},
+    )
+    job = Job(cfg)
+    stopped = None
+    try:
+        job.wait_for_step(3)
+        stopped = job.pid(1)
+        t0 = time.monotonic()
+        os.kill(stopped, signal.SIGSTOP)
+        bound = timeout_s + 10  # collective timeout, plus heartbeat staleness and slack for a busy machine
+        while time.monotonic() - t0 < bound + 20 and not any("unresponsive" in ln for _, ln in job.lines):
+            time.sleep(0.05)
+        hit = [(t, ln) for t, ln in job.lines if "unresponsive" in ln]
+        assert hit, f"no rank reported the stopped one:\n{job.output}"
+        t1, line = hit[0]
+        assert "rank 0: collective failed" in line and "unresponsive: rank 1 (pid" in line, line
+        assert t1 - t0 <= bound, f"reported after {t1 - t0:.1f} s (bound {bound} s)"
+        reporter, end = job.pid(0), time.monotonic() + 20
+        while time.monotonic() < end and Path(f"/proc/{reporter}").exists():  # rank 0 exits with the error
+            time.sleep(0.05)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGKILL)  # else the launcher's SIGTERM waits for a SIGCONT
+    assert job.finish(60) != 0
+    summary = [ln for _, ln in job.lines if ln.startswith("loom: ")]
+    assert summary and "rank 0" in summary[-1] and "unresponsive: rank 1" in summary[-1], job.output
+
+
+_SAVER = """
+import sys, torch
+from loom.checkpoint import Checkpointer, ShardedTensor
+ck = Checkpointer(sys.argv[1])
+w = torch.empty(8_000_000)
+for step in range(1, 10_000):
+    w.fill_(float(step))
+    ck.save(step, {"model.w": ShardedTensor.full(w), "model.b": ShardedTensor.full(w[:10].clone())}, {}, {})
+"""
+
+
+def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
+    from loom.checkpoint import Checkpointer, CheckpointReader
+
+    for attempt in range(2):
+        proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(tmp_path)], cwd=ROOT)
+        try:
+            end = time.monotonic() + 60
+            while time.monotonic() < end:  # a committed checkpoint exists and the next save is under way
+                if (tmp_path / "latest").exists() and list(tmp_path.glob(".tmp-*/shard-*")):
+                    break
+                time.sleep(0.002)
+            time.sleep(0.01 * attempt)
+        finally:
+            proc.kill()
+            proc.wait()
+        with CheckpointReader(tmp_path) as reader:
+            assert torch.equal(reader.read("model.w"), torch.full((8_000_000,), float(reader.step)))
+        Checkpointer(tmp_path)  # the next job's start removes the torn directory
+        assert not list(tmp_path.glob(".tmp-*"))
+
+
+# ----------------------------------------------------------------------------- diagnosis
+
+
+def test_non_finite_gradients_stop_with_parameters_untouched():
+    from loom.model.llama import build_model, loss_fn
+    from loom.parallel.data_parallel import DataParallel
+    from loom.train.health import FiniteGuard, NonFiniteError
+    from loom.train.optim import build_optimizer
+    from loom.train.step import train_step
+    from tests.helpers import rank_micro_batches, tiny_model, tiny_train
+
+    model = build_model(tiny_model(), 0)
+    guard = FiniteGuard(DataParallel(model, None).attach_optimizer(build_optimizer(model, tiny_train())))
+    model.norm.weight.register_hook(lambda g: g * float("nan"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NonFiniteError, match="parameters untouched"):
+        train_step(model, guard, rank_micro_batches(0, 8, 8, 0, 1), loss_fn, 1.0, 1e-3, None)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not guard.inner.optimizer.state, "the optimizer never ran"
+
+
+def test_diagnosis_names_the_silent_rank(tmp_path):
+    from loom.train.health import diagnose
+
+    beats = tmp_path / "heartbeat"
+    beats.mkdir()
+    now = time.time()
+    for rank, age, step in ((0, 0.5, 8), (1, 40.0, 8), (2, 0.2, 8)):
+        body = {"rank": rank, "pid": 100 + rank, "time": now - age, "step": step, "phase": "train step"}
+        (beats / f"rank-{rank:05d}.json").write_text(json.dumps(body))
+    try:
+        raise RuntimeError("Timed out waiting 6000ms for recv operation to complete")
+    except RuntimeError as e:
+        msg = diagnose(e, tmp_path, rank=0, world=4, timeout_s=6, now=now)
+    assert "unresponsive: rank 1 (pid 101, silent for 40.0 s, last at step 8 in train step)" in msg
+    assert "rank 3 (no heartbeat file)" in msg and "rank 2" not in msg
