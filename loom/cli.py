@@ -16,6 +16,8 @@ commands:
   train      train a model (local ranks: --nproc N, same as --run.nproc N)
   prepare    tokenize a corpus into memory-mapped token files
   generate   sample text from a trained run: --run.dir DIR --prompt TEXT
+  schedule   draw a simulated pipeline schedule, no training: --pp 4 --microbatches 8
+             --schedule 1f1b [--v 2] [--out file.png]; prints its bubble beside the formula
   checkpoint convert RUN_DIR_OR_CHECKPOINT OUT.safetensors
              export a consolidated single-file model from a checkpoint of any layout
 
@@ -127,6 +129,37 @@ def cmd_checkpoint(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "checkpoint": cmd_checkpoint}
+
+
+def cmd_schedule(argv: list[str]) -> int:
+    """Simulate one step's pipeline schedule (t_f = 1, t_b = 2, t_w = 1), print it, optionally draw it."""
+    path, overrides, plain = _split(argv)
+    allowed = ("pp", "microbatches", "schedule", "v", "out")
+    for k in [*plain, *overrides[::2]]:
+        if k.lstrip("-") not in allowed:
+            raise C.ConfigError(f"--{k.lstrip('-')}: unknown option; allowed: {', '.join('--' + a for a in allowed)}")
+    if path is not None:
+        raise C.ConfigError(f"schedule: takes no config file, got {path!r}")
+    pp, m, v = (C._coerce(plain.get(k, d), int, f"--{k}") for k, d in (("pp", "4"), ("microbatches", "8"), ("v", "1")))
+    name = plain.get("schedule", "1f1b")
+    from loom.parallel.pipeline.runtime import bubble_formula, step_schedule
+    from loom.parallel.pipeline.simulate import simulate
+
+    try:
+        timeline = simulate(step_schedule(name, pp, m, v), t_f=1.0, t_b=2.0)
+    except ValueError as e:
+        raise C.ConfigError(f"schedule: {e}") from None
+    print(f"{name}: pp={pp} microbatches={m} v={v} | simulated bubble {timeline.bubble:.1%} "
+          f"vs formula {bubble_formula(name, pp, m, v):.1%} | makespan {timeline.makespan:g} (t_f=1, t_b=2) | "
+          f"peak in-flight per rank {timeline.peak_in_flight}")  # fmt: skip
+    if "out" in plain:
+        from loom.viz.timeline import draw_timeline
+
+        print(f"wrote {draw_timeline(timeline, plain['out'], title=f'{name} pp={pp} m={m} v={v}')}")
+    return 0
+
+
+COMMANDS["schedule"] = cmd_schedule
 
 
 def main(argv: list[str] | None = None) -> int:

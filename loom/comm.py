@@ -113,6 +113,24 @@ def all_gather(
     return dist.all_gather_into_tensor(full, shard, group=group, async_op=async_op)
 
 
+def batch_p2p(
+    sends: list[tuple[torch.Tensor, int]],
+    recvs: list[tuple[torch.Tensor, int]],
+    group: Group,
+    meter: CommMeter | None = None,
+) -> list:
+    """Post isend/irecv to/from group-local peers as one ``batch_isend_irecv``; returns the works
+    (sends first, then recvs, in the given order). Messages between two ranks match in post order."""
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
+    if not ops:
+        return []
+    if meter is not None:
+        for t, _ in sends:
+            meter.record("send", nbytes(t), 2)
+    return dist.batch_isend_irecv(ops)
+
+
 def broadcast(t: torch.Tensor, src_local: int, group: Group, meter: CommMeter | None = None) -> None:
     """Broadcast from the ``src_local``-th rank of ``group``."""
     n = group_size(group)

@@ -71,7 +71,11 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout. Product of dp * tp * pp * cp must equal the world size."""
+    """Parallel layout. Product of dp * tp * pp * cp must equal the world size.
+
+    Pipeline micro-batches are the gradient-accumulation micro-batches:
+    m = train.global_batch / (train.micro_batch * dp) per step.
+    """
 
     dp: int = -1  # data-parallel degree; -1 = world_size / (tp*pp*cp)
     dp_shard: int = -1  # ZeRO/FSDP sharding group inside dp; -1 = all of dp
@@ -83,6 +87,10 @@ class ParallelConfig:
     zero: int = 0  # ZeRO stage 0 (plain data parallel), 1, 2 or 3
     bucket_mb: float = 25.0  # gradient bucket size for the all-reduce, in MB
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in
+    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved | zb-h1 | pipedream | 2bw
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule only)
+    pp_layout: str = ""  # manual cut, inclusive block ranges per stage ("0-3,4-7"); "" = profile and partition
+    vertical_sync: bool = False  # pipedream: each stage uses the weight version stage 0 used for the micro-batch
     offload: str = "none"  # ZeRO optimizer state: none | cpu (host memory, ZeRO-Offload) | disk (mmap files)
     offload_dir: str = ""  # directory for parallel.offload = "disk"; "" = <run.dir>/offload
     reshard_after_forward: bool = True  # ZeRO-3: free gathered params after forward, gather again for backward
@@ -381,13 +389,68 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
         f"train.global_batch: {t.global_batch} must be divisible by micro_batch*dp = "
         f"{t.micro_batch}*{p.dp} = {t.micro_batch * p.dp}",
     )
+    check_pipeline(cfg)
     return cfg
+
+
+ASYNC_SCHEDULES = ("pipedream", "2bw")
+
+
+def check_pipeline(cfg: LoomConfig) -> None:
+    """Pipeline fields: a known schedule, at least one block per stage, enough micro-batches,
+    a layout covering every block, and the combinations the runtime cannot run."""
+    from loom.parallel.pipeline.partition import parse_layout
+    from loom.parallel.pipeline.schedules import SCHEDULES
+
+    p, m = cfg.parallel, cfg.model
+    names = tuple(SCHEDULES)
+    _require(p.schedule in names, f"parallel.schedule: must be one of {names}, got {p.schedule!r}")
+    _require(p.virtual_stages >= 1, f"parallel.virtual_stages: must be >= 1, got {p.virtual_stages}")
+    _require(
+        p.virtual_stages == 1 or p.schedule == "interleaved",
+        f"parallel.virtual_stages: {p.virtual_stages} > 1 needs parallel.schedule = 'interleaved', got {p.schedule!r}",
+    )
+    _require(not p.vertical_sync or p.schedule == "pipedream", "parallel.vertical_sync: only for schedule 'pipedream'")
+    if p.pp == 1:
+        _require(not p.pp_layout, "parallel.pp_layout: a stage layout needs parallel.pp > 1")
+        return
+    n = p.pp * p.virtual_stages
+    _require(
+        n <= m.n_layers,
+        f"parallel.pp: pp*virtual_stages = {n} pipeline stages but model.n_layers = {m.n_layers} "
+        "(each stage needs at least one block)",
+    )
+    micro = grad_accum_steps(cfg)
+    _require(
+        p.schedule != "interleaved" or micro % p.pp == 0,
+        f"train.global_batch: the interleaved schedule needs the micro-batch count "
+        f"global_batch/(micro_batch*dp) = {micro} divisible by parallel.pp = {p.pp}",
+    )
+    _require(
+        p.schedule != "2bw" or (micro % 2 == 0 and micro // 2 >= p.pp),
+        f"train.global_batch: 2bw splits a step's {micro} micro-batches into 2 batches of at least "
+        f"parallel.pp = {p.pp}; need global_batch/(micro_batch*dp) even and >= {2 * p.pp}",
+    )
+    if p.pp_layout:
+        try:
+            parse_layout(p.pp_layout, m.n_layers, n)
+        except ValueError as e:
+            raise ConfigError(f"parallel.{e}") from None
+    _require(
+        p.schedule not in ASYNC_SCHEDULES or not m.tie_embeddings,
+        f"model.tie_embeddings: schedule {p.schedule!r} keeps stage-local weight versions, so the embedding "
+        "and head copies cannot stay tied; set it to false or use a synchronous schedule",
+    )
+    _require(
+        p.zero <= 1,
+        f"parallel.zero: ZeRO-{p.zero} with parallel.pp > 1 would reduce-scatter gradients"
+        f"{' and gather weights' if p.zero == 3 else ''} once per micro-batch (m times a step); use 0 or 1",
+    )
 
 
 # Features whose fields exist (so the mesh and the planner can name them) but whose runtime
 # has not landed yet: (field, predicate on the config, message). Entries go as features land.
 NOT_YET: list[tuple[str, Any, str]] = [
-    ("parallel.pp", lambda c: c.parallel.pp > 1, "pipeline parallelism is not implemented yet; use 1"),
     ("parallel.cp", lambda c: c.parallel.cp > 1, "context parallelism is not implemented yet; use 1"),
     ("parallel.ep", lambda c: c.parallel.ep > 1, "expert parallelism is not implemented yet; use 1"),
     ("train.precision", lambda c: c.train.precision != "fp32", "only fp32 is implemented yet"),

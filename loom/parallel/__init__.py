@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
-from loom.comm import CommMeter
+if TYPE_CHECKING:  # torch-free at import time: config validation imports loom.parallel.pipeline
+    from torch import nn
+
+    from loom.comm import CommMeter
 
 
 def parallelize(model: nn.Module, mesh, cfg, meter: CommMeter | None = None):
@@ -12,7 +15,8 @@ def parallelize(model: nn.Module, mesh, cfg, meter: CommMeter | None = None):
 
     Order: tensor/sequence parallel -> expert parallel -> pipeline split -> recomputation ->
     data parallel / ZeRO (last, so it sees the final parameters). With tp > 1 the model then
-    exposes ``model.loss_fn``, the loss on its vocabulary-sharded logits.
+    exposes ``model.loss_fn``, the loss on its vocabulary-sharded logits. With pp > 1 the
+    result is a ``PipelineStrategy`` (train with ``pipeline_train_step``; ``.pipe`` = the stages).
     """
     from loom.parallel.data_parallel import apply_data_parallel
 
@@ -20,8 +24,25 @@ def parallelize(model: nn.Module, mesh, cfg, meter: CommMeter | None = None):
         from loom.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh, cfg, meter)
+    pipe = None
+    if mesh.size("pp") > 1:  # keep this rank's stages; the strategies below see only them
+        import logging
+
+        from loom.model.llama import loss_fn
+        from loom.parallel.pipeline.strategy import apply_pipeline
+
+        info = logging.getLogger("loom").info
+        model = pipe = apply_pipeline(model, mesh, cfg, getattr(model, "loss_fn", loss_fn), info)
     if cfg.parallel.zero > 0:
         from loom.parallel.zero import apply_zero
 
-        return apply_zero(model, mesh, cfg, meter)
-    return apply_data_parallel(model, mesh, cfg, meter)
+        strategy = apply_zero(model, mesh, cfg, meter)
+    else:
+        strategy = apply_data_parallel(model, mesh, cfg, meter)
+    if pipe is not None:
+        from loom.parallel.pipeline.strategy import PipelineStrategy
+
+        p, path = cfg.parallel, f"{cfg.run.dir}/pipeline_timeline.png" if mesh.rank == 0 else None
+        strategy = PipelineStrategy(strategy, pipe, p.schedule, p.virtual_stages, mesh.group("tp"), meter,
+                                    p.vertical_sync, record_step=min(2, cfg.train.steps - 1), timeline_path=path)
+    return strategy

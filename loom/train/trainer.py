@@ -82,6 +82,9 @@ def ensure_data(cfg: C.LoomConfig, env: RankEnv) -> PreparedData:
 class Trainer:
     """Holds the pieces of one run; :meth:`fit` is the loop."""
 
+    _train_step = staticmethod(train_step)  # pipeline parallelism swaps in its own step and eval
+    _evaluate = staticmethod(evaluate)
+
     def __init__(self, cfg: C.LoomConfig, env: RankEnv) -> None:
         self.cfg, self.env = cfg, env
         self.device = init_process_group(cfg, env)
@@ -113,6 +116,11 @@ class Trainer:
         matmul_params = count_params(self.model, exclude_embedding=not cfg.model.tie_embeddings)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, matmul_params)
         self.peak_flops, self.peak_source = peak_flops(self.device, cfg.train.precision)
+        self.pipe = getattr(self.strategy, "pipe", None)  # pp > 1: this rank's pipeline stages
+        if self.pipe is not None:  # train/eval through the pipeline; the rest of the full model is freed
+            from loom.parallel.pipeline.strategy import pipeline_evaluate, pipeline_train_step
+
+            self.model, self._train_step, self._evaluate = self.pipe, pipeline_train_step, pipeline_evaluate
         self.heartbeat.set(0, "checkpoint load")
         self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, self.strategy.inner)
         self.start_step = self.strategy.step_index = self.ckpts.restore()
@@ -159,7 +167,8 @@ class Trainer:
             lr = lr_at(step, c)
             self.meter.reset()
             batches = self._to_device(self.sampler.micro_batches(step))
-            res = train_step(self.model, self.strategy, batches, self.loss_fn, c.grad_clip, lr, self.mesh.group("dp"))
+            res = self._train_step(self.model, self.strategy, batches, self.loss_fn, c.grad_clip, lr,
+                                   self.mesh.group("dp"))  # fmt: skip
             window_steps += 1
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.3f}")
@@ -174,8 +183,8 @@ class Trainer:
                     **self.meter.snapshot(),
                 }  # fmt: skip
                 if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
-                    row["eval_loss"] = evaluate(self.model, self._to_device(self.eval_set), self.loss_fn,
-                                                self.mesh.group("dp"))  # fmt: skip
+                    row["eval_loss"] = self._evaluate(self.model, self._to_device(self.eval_set), self.loss_fn,
+                                                      self.mesh.group("dp"))  # fmt: skip
                 self.metrics.write(row)
                 if self.is_main:
                     bar.write(step_line(row) + (f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""))
@@ -199,7 +208,11 @@ class Trainer:
     def save_final(self, step: int, last: dict[str, float]) -> None:
         """Rank 0 writes the consolidated model (data-parallel replicas are identical)."""
         model = self.model
-        if self.mesh.size("tp") > 1:  # every rank joins the gather of the tensor-parallel shards
+        if self.pipe is not None:  # every pipeline rank sends its stages to pipeline rank 0
+            from loom.parallel.pipeline.strategy import pipeline_full_model
+
+            model = pipeline_full_model(self.pipe)
+        elif self.mesh.size("tp") > 1:  # every rank joins the gather of the tensor-parallel shards
             from loom.parallel.tensor_parallel import consolidated_model
 
             model = consolidated_model(self.model, self.mesh.group("tp"), self.cfg.model)
