@@ -36,6 +36,7 @@ class _Pending:
     full: torch.Tensor  # kept alive until the collective completes
     out: torch.Tensor
     dest: torch.Tensor
+    transient: int  # bytes alive only while this reduction is in flight
 
 
 class GradReducer:
@@ -56,14 +57,17 @@ class GradReducer:
         self.max_inflight = max_inflight
         self.inflight: deque[_Pending] = deque()
 
-    def launch(self, full: torch.Tensor, dest: torch.Tensor) -> None:
-        """Start dest = shard of (Σ over dp of full) / dp. ``full`` may be divided in place."""
+    def launch(self, full: torch.Tensor, dest: torch.Tensor, owned: bool = True) -> None:
+        """Start dest = shard of (Σ over dp of full) / dp. ``full`` may be divided in place; ``owned``:
+        the caller drops it now, so it lives (transiently) until this reduction completes."""
         send = full if self.reduce_dtype in (None, full.dtype) else full.to(self.reduce_dtype)
         send.div_(self.dp)
         aliased = dest.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
         out = dest if (dest.dtype == send.dtype and not aliased) else torch.empty_like(dest, dtype=send.dtype)
+        transient = _nbytes(send) if (owned or send is not full) else 0
+        transient += _nbytes(out) if out is not dest else 0
         work = comm.reduce_scatter(out, send, self.shard_group, self.meter, async_op=True)
-        self.inflight.append(_Pending(work, send, out, dest))
+        self.inflight.append(_Pending(work, send, out, dest, transient))
         while len(self.inflight) > self.max_inflight:
             self._complete(self.inflight.popleft())
 
@@ -74,6 +78,10 @@ class GradReducer:
         if p.out is not p.dest:
             p.dest.copy_(p.out)
 
+    @property
+    def inflight_bytes(self) -> int:
+        return sum(p.transient for p in self.inflight)
+
     def drain(self) -> None:
         """Wait for every reduction launched so far."""
         while self.inflight:
@@ -83,15 +91,11 @@ class GradReducer:
 def build_adam(
     layouts: Sequence[FlatLayout], shards: Sequence[torch.Tensor], store, train_cfg
 ) -> ShardedAdamW:
-    """AdamW with the hyper-parameters of ``train_cfg``, decay on the ndim >= 2 runs of each shard."""
-    return ShardedAdamW(
-        shards,
-        [lay.local_ranges(lambda s: s.decay) for lay in layouts],
-        store,
-        betas=(train_cfg.beta1, train_cfg.beta2),
-        eps=train_cfg.eps,
-        weight_decay=train_cfg.weight_decay,
-    )
+    """``train_cfg.optimizer`` (AdamW by default) with the hyper-parameters of ``train_cfg``, decay on the
+    ndim >= 2 runs of each shard; AdamW is ``ShardedAdamW`` reading gradients times a loss-scale unscale."""
+    from loom.optim.flat import build_flat_optimizer  # AdamW, Adafactor, 8-bit Adam on flat shards
+
+    return build_flat_optimizer(layouts, shards, store, train_cfg)
 
 
 class ShardedStrategy:
@@ -111,6 +115,14 @@ class ShardedStrategy:
         self.shard_group, self.replicate_group, self.tp_group = shard_group, replicate_group, tp_group
         self.meter = meter
         self.sync_enabled = True
+        self.transient_peak = 0  # most bytes held beyond the persistent state during this step
+
+    def _transient_bytes(self) -> int:
+        """Bytes held now beyond the persistent state (gathered parameters, gradient buffers)."""
+        raise NotImplementedError
+
+    def _track(self) -> None:
+        self.transient_peak = max(self.transient_peak, self._transient_bytes())
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -151,8 +163,12 @@ class ShardedStrategy:
         return float(norm)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _sum_sq(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([n.float() for n in torch._foreach_norm(tensors, 2.0)]).pow(2).sum()
+    return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).pow(2).sum()  # fp32 even for half

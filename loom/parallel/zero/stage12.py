@@ -126,6 +126,7 @@ class ZeroDataParallel(ShardedStrategy):
         b, j = self._slot[id(p)]
         if b.grads is None:
             b.grads = b.layout.new_flat()
+            self._track()
         s = b.layout.slots[j]
         b.grads[s.offset : s.offset + s.numel].view_as(p).add_(p.grad)
         p.grad = None  # the full-size gradient lives on only inside the bucket
@@ -140,10 +141,20 @@ class ZeroDataParallel(ShardedStrategy):
         self.launch_log.append(LaunchRecord(b.index, len(self.params) - self._ready, during_backward))
         if b.grads is None:  # no gradient reached this bucket (unused parameters): reduce zeros
             b.grads = b.layout.new_flat()
-        self.reducer.launch(b.grads, b.grad_shard)
+        self.reducer.launch(b.grads, b.grad_shard, owned=self.stage == 2)
         if self.stage == 2:
             b.grads = None  # the reducer holds it until its shard is formed, then it is freed
         b.launched = True
+        self._track()
+
+    def _transient_bytes(self) -> int:
+        """Stage 2: full-size bucket gradients being filled or reduced; both: reduce-scatter outputs."""
+        filling = sum(
+            b.grads.numel() * b.grads.element_size()
+            for b in self.buckets
+            if self.stage == 2 and b.grads is not None
+        )
+        return filling + self.reducer.inflight_bytes
 
     # ------------------------------------------------------------------ Strategy
     def finish_sync(self) -> None:
@@ -170,11 +181,16 @@ class ZeroDataParallel(ShardedStrategy):
                 for p in b.layout.params:
                     p.grad = None
         self.launch_log.clear()
+        self.transient_peak = 0
 
-    @torch.no_grad()
     def step(self, lr: float) -> None:
         """Update this rank's shards, then all-gather every bucket in place."""
         self.optim.step(self.grad_shards, lr)
+        self._gather_params()
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        """All-gather every bucket in place: each rank's shard is already at its place."""
         works = [
             comm.all_gather(
                 b.params, b.layout.shard_of(b.params), self.shard_group, self.meter, async_op=True
@@ -186,7 +202,8 @@ class ZeroDataParallel(ShardedStrategy):
                 w.wait()
 
     def state_bytes(self) -> dict[str, int]:
-        """Held between steps: full params 4Φ', grads 4Φ' (stage 1) or 4Φ'/N (stage 2), Adam 8Φ'/N."""
+        """Held between steps: full params 4Φ', grads 4Φ' (stage 1) or 4Φ'/N (stage 2), Adam 8Φ'/N;
+        and the peak of transient bytes during the last step (gradient buffers in flight)."""
         grads = sum(
             (b.grads if self.stage == 1 else b.grad_shard).numel() * b.grad_shard.element_size()
             for b in self.buckets
@@ -196,6 +213,7 @@ class ZeroDataParallel(ShardedStrategy):
             "grad_bytes": grads,
             "optim_bytes": self.optim.state_bytes,
             "optim_offload_bytes": self.optim.store.offloaded_bytes,
+            "transient_peak_bytes": self.transient_peak,
         }
 
     def remove(self) -> None:

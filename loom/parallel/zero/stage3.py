@@ -183,6 +183,7 @@ class FullyShardedZero(ShardedStrategy):
         u.work = comm.all_gather(u.full, u.shard, self.shard_group, self.meter, async_op=True)
         u.state = GATHERING
         self.events.append(("gather", u.index, how))
+        self._track()
 
     def _unshard(self, u: Unit) -> None:
         if u.state == SHARDED:
@@ -252,6 +253,7 @@ class FullyShardedZero(ShardedStrategy):
     def _post_accumulate(self, u: Unit, j: int, p: torch.Tensor) -> None:
         if u.grad_full is None:
             u.grad_full = u.layout.new_flat()
+            self._track()
         s = u.layout.slots[j]
         u.grad_full[s.offset : s.offset + s.numel].view_as(p).add_(p.grad)
         p.grad = None
@@ -273,6 +275,15 @@ class FullyShardedZero(ShardedStrategy):
         self.reducer.launch(u.grad_full, u.grad_shard)
         u.grad_full = None  # freed once the reducer has formed its shard
         u.reduced = True
+        self._track()
+
+    def _transient_bytes(self) -> int:
+        """Gathered units, full-size unit gradients being filled, reductions in flight."""
+        gathered = sum(u.full_bytes for u in self.units if u.state != SHARDED)
+        filling = sum(
+            u.grad_full.numel() * u.grad_full.element_size() for u in self.units if u.grad_full is not None
+        )
+        return gathered + filling + self.reducer.inflight_bytes
 
     # ------------------------------------------------------------------ Strategy
     def finish_sync(self) -> None:
@@ -296,18 +307,21 @@ class FullyShardedZero(ShardedStrategy):
             for p in u.layout.params:
                 p.grad = None
         self.events.clear()
+        self.transient_peak = 0
 
     def step(self, lr: float) -> None:
         """Update this rank's shards; the next forward gathers them."""
         self.optim.step(self.grad_shards, lr)
 
     def state_bytes(self) -> dict[str, int]:
-        """Held between steps: parameter shards 4Φ'/N, gradient shards 4Φ'/N, Adam 8Φ'/N (fp32)."""
+        """Held between steps: parameter shards 4Φ'/N, gradient shards 4Φ'/N, Adam 8Φ'/N (fp32); and
+        the peak of transient bytes during the last step (gathered units, gradient buffers in flight)."""
         return {
             "param_bytes": sum(u.shard.numel() * u.shard.element_size() for u in self.units),
             "grad_bytes": sum(g.numel() * g.element_size() for g in self.grad_shards),
             "optim_bytes": self.optim.state_bytes,
             "optim_offload_bytes": self.optim.store.offloaded_bytes,
+            "transient_peak_bytes": self.transient_peak,
         }
 
     @contextlib.contextmanager
