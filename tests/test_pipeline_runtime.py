@@ -61,14 +61,30 @@ def _sync_runs(pp: int, dp: int, schedules: list[tuple[str, int]], steps: int) -
     dp_rank = mesh.local_rank("dp")
     out = {}
     for name, v in schedules:
-        out[name] = _train(mesh, tiny_model(n_layers=8), tiny_train(steps=steps), name, v,
+        out[name] = _train(mesh, tiny_model(n_layers=LAYERS[pp]), tiny_train(steps=steps), name, v,
                            lambda s: rank_micro_batches(s, BATCH, MICRO, dp_rank, dp))  # fmt: skip
     return out
 
 
+LAYERS = {2: 4, 4: 8}  # blocks per pipeline size: pp * v stages need at least one block each
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return train_dp(None, tiny_model(n_layers=8), tiny_train(), BATCH, MICRO)
+    """Single-process runs on the same global batches (one micro-batch: accumulation is exact to float)."""
+    cache: dict[int, dict] = {}
+
+    def get(n_layers: int) -> dict:
+        if n_layers not in cache:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # this machine's 2 cores are shared with the rank processes
+            try:
+                cache[n_layers] = train_dp(None, tiny_model(n_layers=n_layers), tiny_train(), BATCH, BATCH)
+            finally:
+                torch.set_num_threads(threads)
+        return cache[n_layers]
+
+    return get
 
 
 def _assert_equal_to_reference(result: dict, reference: dict, what: str) -> None:
@@ -89,7 +105,7 @@ def test_sync_schedules_equal_single_process(pools, reference, pp, tmp_path):
     results = pools(pp).run(_sync_runs, pp, 1, SYNC, 20)
     m = BATCH // MICRO
     for name, v in SYNC:
-        _assert_equal_to_reference(results[0][name], reference, f"{name} pp={pp}")
+        _assert_equal_to_reference(results[0][name], reference(LAYERS[pp]), f"{name} pp={pp}")
         timeline = results[0][name]["timeline"]
         schedule = step_schedule(name, pp, m, v)
         assert timeline.n_ranks == pp
@@ -108,9 +124,56 @@ def test_sync_schedules_equal_single_process(pools, reference, pp, tmp_path):
 def test_pp2_dp2_equals_single_process(pools, reference):
     results = pools(4).run(_sync_runs, 2, 2, [("interleaved", 2)], 20)
     for r in results:  # pipeline rank 0 of each replica gathers the full state: global ranks 0 and 1
-        assert_close(torch.tensor(r["interleaved"]["losses"]), torch.tensor(reference["losses"]), **TOL)
+        assert_close(torch.tensor(r["interleaved"]["losses"]), torch.tensor(reference(LAYERS[2])["losses"]), **TOL)
     for r in results[:2]:
-        _assert_equal_to_reference(r["interleaved"], reference, "interleaved pp2 x dp2")
+        _assert_equal_to_reference(r["interleaved"], reference(LAYERS[2]), "interleaved pp2 x dp2")
+
+
+def _three_d(steps: int) -> dict:
+    """pp2 x tp2 x dp2: tensor parallel blocks inside interleaved pipeline stages, replicated over dp."""
+    from loom.config import LoomConfig
+    from loom.model.llama import build_model
+    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.pipeline.stage import gather_full_state, split_model
+    from loom.parallel.pipeline.strategy import PipelineStrategy, pipeline_train_step
+    from loom.parallel.tensor_parallel import apply_tensor_parallel
+    from loom.train.optim import build_optimizer, lr_at
+
+    mesh = get_mesh(pp=2, dp_replicate=2, tp=2)
+    mcfg, tcfg = tiny_model(n_layers=4), tiny_train(steps=steps)
+    cfg = LoomConfig(model=mcfg, train=tcfg)
+    cfg.parallel.tp, cfg.data.seq_len = 2, SEQ
+    model = build_model(mcfg, tcfg.seed)
+    loss = apply_tensor_parallel(model, mesh, cfg)
+    pipe = split_model(model, mesh.local_rank("pp"), 2, _uniform(4, 4), mesh.group("pp"))
+    pipe.tp_group = mesh.group("tp")
+    inner = DataParallel(pipe, mesh.group("dp"), tp_group=mesh.group("tp"))
+    strategy = PipelineStrategy(inner.attach_optimizer(build_optimizer(pipe, tcfg)), pipe, "interleaved", 2,
+                                tp_group=mesh.group("tp"))  # fmt: skip
+    losses = []
+    for step in range(steps):
+        batches = rank_micro_batches(step, BATCH, MICRO, mesh.local_rank("dp"), 2)
+        losses.append(pipeline_train_step(pipe, strategy, batches, loss, tcfg.grad_clip, lr_at(step, tcfg),
+                                          mesh.group("dp")).loss)  # fmt: skip
+    inner.remove()
+    return {"losses": losses, "state": gather_full_state(pipe)}
+
+
+def test_3d_pp2_tp2_dp2_equals_single_process(pools):
+    """8 ranks (one short run): interleaved pipeline x tensor parallel x data parallel, tied embeddings."""
+    steps = 6
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = train_dp(None, tiny_model(n_layers=4), tiny_train(steps=steps), BATCH, BATCH)
+    finally:
+        torch.set_num_threads(threads)
+    results = pools(8).run(_three_d, steps)
+    for r in results:
+        assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL)
+    for r in results:
+        if r["state"] is not None:  # pipeline rank 0 of each (dp, tp) coordinate
+            _assert_equal_to_reference(r, ref, "pp2 x tp2 x dp2")
 
 
 # ----------------------------------------------------------------------------- torch.distributed.pipelining

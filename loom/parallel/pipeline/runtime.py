@@ -10,8 +10,8 @@ Per action on this rank:
   the RECVs of the run that follows a compute action are posted *before* that compute, so
   messages arrive while it runs. Sends are never waited before the end of the list. Both only
   move communication earlier, so a list the simulator accepts cannot deadlock here.
-  Activations and gradients have the shape (micro_batch, T, h), known from the micro-batch,
-  so no shapes are exchanged.
+  Activations and gradients have the shape (micro_batch, T, h) (T / tp with sequence
+  parallelism), known from the micro-batch, so no shapes are exchanged.
 * ``STEP``: the caller's optimizer step.
 
 Weight stashing (asynchronous lists, whose compute actions carry a weight ``version``): after
@@ -182,7 +182,7 @@ class PipelineRuntime:
                 self.sent.append(t)
             elif a.kind in RECVS and i not in self.posted:
                 rows, seq = self.batches[a.microbatch][0].shape[:2]
-                buf = torch.empty(rows, seq, self.dim, dtype=self.dtype, device=self.device)
+                buf = torch.empty(rows, seq // self.pipe.seq_div, self.dim, dtype=self.dtype, device=self.device)
                 recvs.append((buf, a.peer))
                 keys.append(i)
         works = comm.batch_p2p(sends, recvs, self.group, self.meter)

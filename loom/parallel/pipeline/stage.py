@@ -98,6 +98,8 @@ class PipelineModule(nn.Module):
     def __init__(self, model: Transformer, rank: int, p: int, bounds: list[int], group: Group = None) -> None:
         super().__init__()
         self.group = group  # the pp process group (peers are group-local ranks = pipeline ranks)
+        self.seq_div = 1  # sequence parallelism: activations between stages are (B, T / tp, h)
+        self.tp_group: Group = None  # tensor parallelism underneath: stage weights are tp shards
         n = len(bounds) - 1
         if n % p or not 0 <= rank < p:
             raise ValueError(f"{n} stages cannot be placed on {p} pipeline ranks (rank {rank})")
@@ -155,8 +157,16 @@ def exchange_tied_grad(pipe: PipelineModule, meter: comm.CommMeter | None = None
 
 
 def gather_full_state(pipe: PipelineModule) -> dict[str, torch.Tensor] | None:
-    """The full model's state dict (reference names; both tied copies) on pipeline rank 0, else None."""
-    local = {k: v.detach().cpu() for k, v in pipe.stages.state_dict().items()}
+    """The full model's state dict (reference names; both tied copies) on pipeline rank 0, else None.
+
+    A collective over the pp group (and the tp group, whose shards are gathered first).
+    """
+    if comm.group_size(pipe.tp_group) > 1:
+        from loom.parallel.tensor_parallel import gather_full_state as gather_tp
+
+        local = {k: v.cpu() for k, v in gather_tp(pipe.stages, pipe.tp_group).items()}
+    else:
+        local = {k: v.detach().cpu() for k, v in pipe.stages.state_dict().items()}
     local = {k.split(".", 1)[1]: v for k, v in local.items()}  # drop the "<chunk>." prefix
     if comm.group_size(pipe.group) == 1:
         return local

@@ -67,7 +67,10 @@ def apply_pipeline(model, mesh, cfg, loss_fn, log_fn: Callable[[str], None] | No
     from loom.parallel.pipeline.profile import choose_layout
 
     bounds = choose_layout(model, cfg, grad_accum_steps(cfg), loss_fn, log_fn)
-    return split_model(model, mesh.local_rank("pp"), mesh.size("pp"), bounds, mesh.group("pp"))
+    pipe = split_model(model, mesh.local_rank("pp"), mesh.size("pp"), bounds, mesh.group("pp"))
+    pipe.seq_div = cfg.parallel.tp if cfg.parallel.sp else 1
+    pipe.tp_group = mesh.group("tp")
+    return pipe
 
 
 class PipelineStrategy:
@@ -276,7 +279,7 @@ def pipeline_evaluate(model: PipelineModule, batches: Sequence[Batch],
             if stage.is_first:
                 h = stage(x)
             else:
-                h = torch.empty(*x.shape[:2], dim, dtype=dtype, device=x.device)
+                h = torch.empty(x.shape[0], x.shape[1] // pipe.seq_div, dim, dtype=dtype, device=x.device)
                 for w in comm.batch_p2p([], [(h, (s - 1) % p)], pipe.group):
                     w.wait()
                 h = stage(h)
