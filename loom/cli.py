@@ -18,6 +18,8 @@ commands:
   generate   sample text from a trained run: --run.dir DIR --prompt TEXT
   schedule   draw a simulated pipeline schedule, no training: --pp 4 --microbatches 8
              --schedule 1f1b [--v 2] [--out file.png]; prints its bubble beside the formula
+  config     print the resolved config as TOML (--reference: every field with its doc)
+  plan       predict memory and speed of layouts and pick the best (see loom plan --help)
   checkpoint convert RUN_DIR_OR_CHECKPOINT OUT.safetensors
              export a consolidated single-file model from a checkpoint of any layout
 
@@ -128,7 +130,30 @@ def cmd_checkpoint(argv: list[str]) -> int:
         return 2
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "checkpoint": cmd_checkpoint}
+def cmd_config(argv: list[str]) -> int:
+    if "--reference" in argv:
+        print(C.reference())
+        return 0
+    cfg, _ = _load(argv, ("nproc",))
+    C.validate(cfg, C.world_size_of(cfg))
+    print(C.dump_toml(cfg), end="")
+    return 0
+
+
+def cmd_plan(argv: list[str]) -> int:
+    from loom.plan.cli import main as plan_main
+
+    return plan_main(argv)
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "config": cmd_config,
+    "plan": cmd_plan,
+    "prepare": cmd_prepare,
+    "generate": cmd_generate,
+    "checkpoint": cmd_checkpoint,
+}
 
 
 def cmd_schedule(argv: list[str]) -> int:
@@ -171,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"loom: error: unknown command {cmd!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    if "-h" in rest or "--help" in rest:
+    if ("-h" in rest or "--help" in rest) and cmd not in ("plan",):
         print(USAGE)
         return 0
     try:

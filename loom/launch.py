@@ -9,6 +9,7 @@ the launcher is skipped and this process is one rank.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -31,8 +32,15 @@ def under_external_launcher() -> bool:
 
 
 def _worker(cfg_dict: dict[str, Any]) -> dict[str, float]:
+    """One rank. Exceptions are recorded (``@record``) so the launcher can quote them."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     from loom.train.trainer import run
 
+    return record(_run_rank)(cfg_dict, run)
+
+
+def _run_rank(cfg_dict: dict[str, Any], run) -> dict[str, float]:
     return run(C.from_dict(cfg_dict))
 
 
@@ -50,6 +58,7 @@ def launch(cfg: C.LoomConfig, nproc: int, max_restarts: int = 0) -> dict[int, An
 
     Raises ``SystemExit`` with a one-line message naming the failed rank(s).
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -73,12 +82,16 @@ def launch(cfg: C.LoomConfig, nproc: int, max_restarts: int = 0) -> dict[int, An
         return elastic_launch(lc, _worker)(C.to_dict(cfg))
     except ChildFailedError as e:
         lines = []
-        for local_rank, failure in sorted(e.failures.items()):
+        for global_rank, failure in sorted(e.failures.items()):
             msg = _failure_message(failure)
-            lines.append(f"rank {failure.rank} (local {local_rank}) failed with exit code {failure.exitcode}: {msg}")
+            lines.append(
+                f"rank {global_rank} (local {failure.local_rank}, pid {failure.pid}) failed "
+                f"with exit code {failure.exitcode}: {msg}"
+            )
         raise SystemExit("loom: " + "; ".join(lines)) from None
-    except KeyboardInterrupt:
-        raise SystemExit("loom: interrupted; all ranks stopped") from None
+    except (KeyboardInterrupt, SignalException) as e:
+        sig = signal.Signals(e.sigval).name if isinstance(e, SignalException) else "SIGINT"
+        raise SystemExit(f"loom: interrupted by {sig}; all ranks stopped") from None
 
 
 def _failure_message(failure) -> str:
@@ -110,6 +123,7 @@ def main_train(cfg: C.LoomConfig, max_restarts: int = 0) -> int:
 
     prepared = prepare_data(cfg.data, progress=cfg.run.progress)
     cfg.data.prepared_dir = str(prepared.dir)
+    C.check_vocab(cfg, prepared.vocab_size)  # before any rank starts
     if world == 1 and max_restarts == 0:
         from loom.train.trainer import run
 
