@@ -172,21 +172,6 @@ class PipelineStrategy:
         return norm
 
 
-def _max_norm_for(local: float, coef: float) -> float:
-    """A max_norm M with clamp(M / (local + 1e-6), max=1) == float32(coef) exactly in float32 arithmetic."""
-    d = torch.tensor(local, dtype=torch.float32) + 1e-6
-    want = torch.tensor(coef, dtype=torch.float32)
-    guess = (want.double() * d.double()).float()
-    up, down = guess.clone(), guess.clone()
-    for _ in range(8):  # the product is off by at most a few float32 ulps
-        for cand in (up, down):
-            if torch.clamp(float(cand) / d, max=1.0) == want:
-                return float(cand)
-        up = torch.nextafter(up, torch.tensor(float("inf")))
-        down = torch.nextafter(down, torch.tensor(float("-inf")))
-    return float(guess)
-
-
     # ------------------------------------------------------------------ checkpoints (Shardable)
     def _canonical(self, key: str) -> tuple[str, bool]:
         """Checkpoint name of an inner key ("model.stages.1.layers.5..." -> "model.layers.5...") and
@@ -213,6 +198,21 @@ def _max_norm_for(local: float, coef: float) -> float:
         from loom.checkpoint.replicated import as_shardable
 
         as_shardable(self.inner).load_sharded(_RenamingReader(reader, lambda k: self._canonical(k)[0]))
+
+
+def _max_norm_for(local: float, coef: float) -> float:
+    """A max_norm M with clamp(M / (local + 1e-6), max=1) == float32(coef) exactly in float32 arithmetic."""
+    d = torch.tensor(local, dtype=torch.float32) + 1e-6
+    want = torch.tensor(coef, dtype=torch.float32)
+    guess = (want.double() * d.double()).float()
+    up, down = guess.clone(), guess.clone()
+    for _ in range(8):  # the product is off by at most a few float32 ulps
+        for cand in (up, down):
+            if torch.clamp(float(cand) / d, max=1.0) == want:
+                return float(cand)
+        up = torch.nextafter(up, torch.tensor(float("inf")))
+        down = torch.nextafter(down, torch.tensor(float("-inf")))
+    return float(guess)
 
 
 class _RenamingReader:
