@@ -68,6 +68,9 @@ def train_zero(mesh, stage: int, micro: int, par: dict, model_kw: dict, steps: i
         losses.append(res.loss)
         moved.append(dict(meter.moved))
     events = list(getattr(strategy, "events", []))  # the last step's, before gathering the state
+    pieces = torch.stack([strategy.param_grad_shard(p).pow(2).sum() for p in model.parameters()]).sum()
+    torch.distributed.all_reduce(pieces, group=mesh.group("dp_shard"))
+    norms = (strategy.clip_grad_norm(0.0) ** 2, float(pieces))
     state_bytes = strategy.state_bytes()
     state = (
         strategy.full_state_dict()
@@ -75,7 +78,7 @@ def train_zero(mesh, stage: int, micro: int, par: dict, model_kw: dict, steps: i
         else {k: v.detach().clone() for k, v in model.state_dict().items()}
     )
     out = {"losses": losses, "state": state, "moved": moved, "bytes": state_bytes, "k": BATCH // dp // micro,
-           "groups": [lay.numel for lay in strategy.layouts]}  # fmt: skip
+           "groups": [lay.numel for lay in strategy.layouts], "norms": norms}  # fmt: skip
     if stage == 2:
         out["launches"] = [(r.params_not_ready, r.during_backward) for r in strategy.launch_log]
     if stage == 3:
@@ -205,6 +208,14 @@ def test_bytes_moved_equal_formula(runs, world, name):
     for rr in runs[world]:
         for step in rr[name]["moved"]:
             assert step == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("world,name", ALL)
+def test_param_grad_shards_partition_the_norm(runs, world, name):
+    """Each parameter's owned gradient pieces, squared and summed over the group, give the norm²."""
+    for rr in runs[world]:
+        norm_sq, pieces_sq = rr[name]["norms"]
+        assert pieces_sq == pytest.approx(norm_sq, rel=1e-5)
 
 
 def test_stage2_reduce_scatter_overlaps_backward(runs):

@@ -151,6 +151,17 @@ class ShardedStrategy:
             sq = sq + tp_sq
         return sq
 
+    def param_grad_shard(self, p: torch.Tensor) -> torch.Tensor:
+        """The part of ``p``'s reduced gradient this rank owns (a view of its gradient shard, possibly
+        empty; the elements [lo, hi) of ``p.flatten()`` in shard order). E.g. to take a tied weight's
+        share out of the norm, summing the squares over the sharding group."""
+        for lay, g in zip(self.layouts, self.grad_shards):
+            for q, s in zip(lay.params, lay.slots):
+                if q is p:
+                    lo, hi = max(s.offset, lay.start), min(s.offset + s.numel, lay.end)
+                    return g[lo - lay.start : max(lo, hi) - lay.start]
+        raise KeyError("param_grad_shard: not a parameter of this strategy")
+
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global norm = sqrt(all-reduce over the sharding group of local Σ shard²); scale if > max_norm."""
