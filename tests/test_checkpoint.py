@@ -363,7 +363,7 @@ def test_truncated_and_missing_files_are_named(saved):
 def test_tampered_manifest_is_caught_through_latest(saved):
     root, path, _ = saved
     m = json.loads((path / "manifest.json").read_text())
-    m["files"]["index.json"]["sha256"] = "0" * 64  # forged, yet the pointer remembers the real manifest
+    m["files"]["index.json"]["sha256"] = ["0" * 64]  # forged, yet the pointer remembers the real manifest
     (path / "manifest.json").write_text(json.dumps(m))
     _load_fails(root, "manifest.json: content altered")
 
@@ -405,7 +405,7 @@ class _Payload:
 
 
 def test_crafted_pickle_checkpoints_are_refused(saved, tmp_path_factory):
-    from loom.checkpoint.integrity import manifest_bytes, sha256_file
+    from loom.checkpoint.integrity import hash_bytes, manifest_bytes
     from loom.config import ConfigError, LoomConfig, validate
 
     root, path, _ = saved
@@ -434,7 +434,7 @@ def test_crafted_pickle_checkpoints_are_refused(saved, tmp_path_factory):
         original, manifest = (path / victim).read_bytes(), (path / "manifest.json").read_bytes()
         (path / victim).write_bytes(evil)
         files = json.loads((path / "manifest.json").read_text())["files"]
-        files[victim] = {"sha256": sha256_file(path / victim), "bytes": len(evil)}
+        files[victim] = {"sha256": hash_bytes(evil), "bytes": len(evil)}
         (path / "manifest.json").write_bytes(
             manifest_bytes({k: (v["sha256"], v["bytes"]) for k, v in files.items()})
         )
@@ -562,3 +562,21 @@ def test_zero_checkpoint_reshards_across_stages_and_into_one_process(pools, tmp_
     assert all(float(st["step"]) == 2.0 for st in strategy.optimizer.state.values())
     one = _train(model, strategy, range(2, 4), 0, 1, None)
     torch.testing.assert_close(torch.tensor(one), torch.tensor(ref), rtol=1e-4, atol=1e-5)
+
+
+def test_large_files_are_verified_chunk_by_chunk_in_parallel(tmp_path):
+    from loom.checkpoint.integrity import ChunkHasher, verify
+
+    data = os.urandom(1000)
+    (tmp_path / "f").write_bytes(data)
+    h = ChunkHasher(chunk=64)
+    for i in range(0, len(data), 37):  # fed in parts that straddle chunk boundaries
+        h.update(data[i : i + 37])
+    files = {"f": {"sha256": h.hexdigests(), "bytes": len(data)}}
+    assert len(files["f"]["sha256"]) == 16
+    verify(tmp_path, files, chunk_bytes=64)
+    flipped = bytearray(data)
+    flipped[700] ^= 0x80
+    (tmp_path / "f").write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match="f: content altered"):
+        verify(tmp_path, files, chunk_bytes=64)

@@ -21,12 +21,11 @@ A checkpoint is a directory (``<run.dir>/checkpoints/step-00000100``)::
 
 Nothing is pickled: tensors are safetensors (parsed by its own header reader, no code
 execution), everything else is JSON. Shards are written by :func:`write_safetensors`,
-which hashes the bytes as they go out, so the manifest costs no second read.
+which hands the bytes to the manifest's hasher as they go out (no second read).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -92,8 +91,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> str:
-    """tmp file, fsync, rename, fsync the directory; returns the SHA-256 of ``data``."""
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """tmp file, fsync, rename, fsync the directory."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)
@@ -101,7 +100,6 @@ def write_bytes_atomic(path: Path, data: bytes) -> str:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
-    return hashlib.sha256(data).hexdigest()
 
 
 def dump_json(obj: object, compact: bool = False) -> bytes:
@@ -115,9 +113,10 @@ def dump_json(obj: object, compact: bool = False) -> bytes:
 
 
 def write_safetensors(
-    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
-) -> tuple[str, int]:
-    """Write CPU tensors as a safetensors file, fsync it; return (sha256, size) of what was written.
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], hasher=None
+) -> int:
+    """Write CPU tensors as a safetensors file, fsync it; return its size. ``hasher.update`` sees
+    every byte written (the manifest's hashes cost no second read).
 
     Layout: 8-byte little-endian header length, JSON header padded with spaces to a multiple of
     8, then each tensor's bytes back to back in header order (what ``safetensors`` reads).
@@ -136,12 +135,12 @@ def write_safetensors(
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    digest = hashlib.sha256()
     size = 0
     with open(path, "wb") as fh:
         for chunk in (struct.pack("<Q", len(head)), head):
             fh.write(chunk)
-            digest.update(chunk)
+            if hasher is not None:
+                hasher.update(chunk)
             size += len(chunk)
         for key in order:
             t = tensors[key]
@@ -149,11 +148,12 @@ def write_safetensors(
                 continue
             buf = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
             fh.write(buf)
-            digest.update(buf)
+            if hasher is not None:
+                hasher.update(buf)
             size += len(buf)
         fh.flush()
         os.fsync(fh.fileno())
-    return digest.hexdigest(), size
+    return size
 
 
 def check_header(path: Path) -> None:

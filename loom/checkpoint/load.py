@@ -71,9 +71,9 @@ class CheckpointReader:
         if found is None:
             raise F.CheckpointError(f"{path}: holds no checkpoint")
         self.dir, manifest_sha = found
-        files = read_manifest(self.dir, manifest_sha)
+        files, chunk_bytes = read_manifest(self.dir, manifest_sha)
         if check:
-            verify(self.dir, files, rank, world, group)
+            verify(self.dir, files, rank, world, group, chunk_bytes)
         index = F.read_json(self.dir / F.INDEX)
         self.tensors = F.validate_index(index, self.dir)
         for name in index.get("files", []):

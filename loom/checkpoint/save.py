@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from loom.checkpoint import format as F
-from loom.checkpoint.integrity import manifest_bytes
+from loom.checkpoint.integrity import ChunkHasher, hash_bytes, manifest_bytes, sha256_file
 from loom.checkpoint.protocol import Region, ShardedTensor, region_from_json
 from loom.checkpoint.regions import overlaps, share, take
 
@@ -58,8 +58,14 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def snapshot(step: int, state: dict[str, ShardedTensor], rank_state: dict, meta: dict) -> Snapshot:
-    """Copy this rank's write share of every piece to (pinned, on CUDA) host memory."""
+def snapshot(
+    step: int, state: dict[str, ShardedTensor], rank_state: dict, meta: dict, buffers: dict | None = None
+) -> Snapshot:
+    """Copy this rank's write share of every piece to (pinned, on CUDA) host memory.
+
+    ``buffers`` (name -> host tensor) are reused when shape and dtype match: after the first
+    save, a snapshot is a plain copy into memory that is already mapped (no page faults).
+    """
     snap = Snapshot(step, F.tag_for(step), rank_state=rank_state, meta=meta)
     for name, st in state.items():
         i, n = st.replica
@@ -69,7 +75,11 @@ def snapshot(step: int, state: dict[str, ShardedTensor], rank_state: dict, meta:
         if part is None:
             continue
         src = take(st.local.detach(), st.region, part)
-        host = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+        host = buffers.get(name) if buffers is not None else None
+        if host is None or host.shape != src.shape or host.dtype != src.dtype:
+            host = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+            if buffers is not None:
+                buffers[name] = host
         host.copy_(src)
         snap.tensors[name] = host
         snap.entries[name] = {
@@ -84,10 +94,11 @@ def write_shard(tmp: Path, snap: Snapshot, rank: int, world: int) -> dict:
     """Write this rank's shard into ``tmp``; return its record for the commit."""
     tmp.mkdir(parents=True, exist_ok=True)
     name = F.shard_name(rank, world)
-    sha, size = F.write_safetensors(
-        tmp / name, snap.tensors, {"format": F.FORMAT, "tag": snap.tag, "rank": str(rank)}
+    hasher = ChunkHasher()
+    size = F.write_safetensors(
+        tmp / name, snap.tensors, {"format": F.FORMAT, "tag": snap.tag, "rank": str(rank)}, hasher
     )
-    return {"rank": rank, "tag": snap.tag, "step": snap.step, "file": name, "sha256": sha, "bytes": size,
+    return {"rank": rank, "tag": snap.tag, "step": snap.step, "file": name, "sha256": hasher.hexdigests(), "bytes": size,
             "tensors": snap.entries, "rank_state": snap.rank_state, "meta": snap.meta if rank == 0 else {}}  # fmt: skip
 
 
@@ -145,9 +156,10 @@ def commit(root: Path, records: list[dict], world: int, keep: int = 0) -> Path:
     files = {r["file"]: (r["sha256"], r["bytes"]) for r in records}
     for name, obj, compact in ((F.INDEX, index, True), (F.TRAIN_STATE, train_state, False)):
         data = F.dump_json(obj, compact)
-        files[name] = (F.write_bytes_atomic(tmp / name, data), len(data))
-    manifest = manifest_bytes(files)
-    manifest_sha = F.write_bytes_atomic(tmp / F.MANIFEST, manifest)
+        F.write_bytes_atomic(tmp / name, data)
+        files[name] = (hash_bytes(data), len(data))
+    F.write_bytes_atomic(tmp / F.MANIFEST, manifest_bytes(files))
+    manifest_sha = sha256_file(tmp / F.MANIFEST)
     final = root / tag
     old = root / (OLD_PREFIX + tag)
     if final.exists():  # re-saving a step (e.g. resumed from an older checkpoint): keep it until replaced
@@ -249,7 +261,11 @@ def new_group(world: int, timeout_s: float):
 
 
 class Checkpointer:
-    """Saves under ``root``; one asynchronous save in flight at a time. Every rank makes one."""
+    """Saves under ``root``; one asynchronous save in flight at a time. Every rank makes one.
+
+    Host memory: the snapshot buffers (this rank's write share of the state: 1/n of it for n
+    data-parallel replicas) are kept between saves, trading that memory for a short stall.
+    """
 
     def __init__(self, root: str | Path, rank: int = 0, world: int = 1, group=None, keep: int = 0) -> None:
         self.root = Path(root)
@@ -257,6 +273,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._saved: Path | None = None
+        self._buffers: dict[str, torch.Tensor] = {}  # host snapshot memory, reused by every save
         self.last_stall_s = 0.0
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -270,7 +287,7 @@ class Checkpointer:
         """Save ``state`` as step ``step``; returns the committed path (blocking) or None (async)."""
         t0 = time.perf_counter()
         self.wait()
-        snap = snapshot(step, state, rank_state, meta)
+        snap = snapshot(step, state, rank_state, meta, self._buffers)
         if blocking:
             self._finish(snap)
             self.last_stall_s = time.perf_counter() - t0

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from loom import config as C
+from loom.checkpoint.convert import convert
 from loom.checkpoint.format import CheckpointError, write_bytes_atomic
 from loom.checkpoint.load import CheckpointReader, find
 from loom.checkpoint.replicated import as_shardable
@@ -138,3 +139,9 @@ class TrainCheckpoints:
         if step > 0 and (self.last_saved is None or self.last_saved[0] != step):
             self.save(step, blocking=True)
         return self.last_saved[1] if self.last_saved else None
+
+    def export(self, path: Path) -> None:
+        """Consolidated single-file model of the last checkpoint (for ``loom generate``)."""
+        if self.last_saved is None:
+            raise CheckpointError("no checkpoint to export the final model from")
+        convert(self.last_saved[1], path, check=False)

@@ -14,8 +14,8 @@ Staleness needs ``run.timeout_s`` > ``STALE_AFTER_S``.
 Non-finite values (:class:`FiniteGuard`): the gradient norm is global (every rank computes
 the same value after the gradient reduction), so all ranks agree without another collective.
 If it is not finite, :meth:`FiniteGuard.step` raises before the optimizer runs, parameters
-untouched (fp32/bf16: stop with a message; fp16 loss scaling, once it exists, skips the step
-instead and lowers the scale).
+untouched (fp32/bf16: stop with a message; fp16 loss scaling skips the step instead and lowers
+the scale: :mod:`loom.memory.loss_scale`, whose strategy sets ``skipping``).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class FiniteGuard:
         return self.last_norm
 
     def step(self, lr: float) -> None:
-        if not math.isfinite(self.last_norm):
+        if not math.isfinite(self.last_norm) and not getattr(self.inner, "skipping", False):  # fp16: skipped
             raise NonFiniteError(
                 f"non-finite gradient norm ({self.last_norm}) at step {self.step_index + 1}: update skipped, "
                 "parameters untouched; stopping (lower train.lr, check the data, or resume from a checkpoint)"

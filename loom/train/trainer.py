@@ -25,7 +25,7 @@ from loom.device import default_threads, peak_flops, peak_memory_bytes, resolve_
 from loom.mesh import ParallelDims, ParallelMesh
 from loom.model.llama import build_model, count_params, flops_per_token, loss_fn
 from loom.parallel import parallelize
-from loom.train.export import save_model, write_json_atomic
+from loom.train.export import write_json_atomic
 from loom.train.health import FiniteGuard, Heartbeat, diagnose, is_comm_failure
 from loom.train.metrics import MetricsWriter, setup_logging, step_line
 from loom.train.optim import lr_at
@@ -206,19 +206,11 @@ class Trainer:
         return last
 
     def save_final(self, step: int, last: dict[str, float]) -> None:
-        """Rank 0 writes the consolidated model (data-parallel replicas are identical)."""
-        model = self.model
-        if self.pipe is not None:  # every pipeline rank sends its stages to pipeline rank 0
-            from loom.parallel.pipeline.strategy import pipeline_full_model
-
-            model = pipeline_full_model(self.pipe)
-        elif self.mesh.size("tp") > 1:  # every rank joins the gather of the tensor-parallel shards
-            from loom.parallel.tensor_parallel import consolidated_model
-
-            model = consolidated_model(self.model, self.mesh.group("tp"), self.cfg.model)
+        """Rank 0 exports the consolidated model from the final checkpoint: one path for every
+        layout (ZeRO-3, tensor and pipeline shards are assembled by the checkpoint reader)."""
         if self.is_main:
             out = self.run_dir / "checkpoints" / "final"
-            save_model(model, out / "model.safetensors", {"step": str(step)})
+            self.ckpts.export(out / "model.safetensors")
             write_json_atomic(out / "meta.json", {"step": step, "loss": last.get("loss")})
             log.info("saved %s", out / "model.safetensors")
         if self.env.world > 1:
