@@ -3,6 +3,8 @@ activation accounting and configuration errors."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -192,9 +194,10 @@ def _train_tp(tp: int, dp: int, sp: bool, zero: int = 0, steps: int = 20):
                          mesh.group("dp"))  # fmt: skip
         losses.append(res.loss)
         moved.append(meter.total_moved)
-    if hasattr(strategy, "remove"):
-        strategy.remove()
-    return {"losses": losses, "state": gather_full_state(model, mesh.group("tp")), "moved": moved}
+    with strategy.gathered() if zero == 3 else contextlib.nullcontext():  # ZeRO-3: whole tp shards
+        state = gather_full_state(model, mesh.group("tp"))
+    strategy.remove()
+    return {"losses": losses, "state": state, "moved": moved}
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +224,12 @@ def test_tp_equals_single_process(pools, reference, tp, sp):
     expected = (BATCH // MICRO) * comm_bytes_formula(tiny_model(), MICRO, SEQ, tp, sp)
     for r in results:
         assert r["moved"] == [pytest.approx(expected)] * len(r["moved"])
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_tp2_dp2_equals_single_process(pools, reference, zero):
+    """2D mesh tp=2 x dp=2 with sp: plain data parallel, or ZeRO-1/2/3 sharding over dp only."""
+    _check_equal(pools(4).run(_train_tp, 2, 2, True, zero), reference)
 
 
 # ----------------------------------------------------------------------------- DTensor parity

@@ -180,16 +180,6 @@ def gather_full_state(model: nn.Module, group: Group) -> dict[str, torch.Tensor]
     return out
 
 
-def consolidated_model(model: nn.Module, group: Group, cfg: ModelConfig) -> nn.Module:
-    """A single-device Transformer on CPU holding the gathered weights (for saving). Collective."""
-    from loom.model.llama import Transformer
-
-    state = gather_full_state(model, group)
-    full = Transformer(cfg)
-    full.load_state_dict({k: v.cpu() for k, v in state.items()})
-    return full
-
-
 def comm_bytes_formula(cfg: ModelConfig, batch: int, seq: int, tp: int, sp: bool, elem: int = 4) -> float:
     """Bytes one rank moves per micro-batch (forward + backward) under TP; see the module docstring."""
     if tp == 1:
