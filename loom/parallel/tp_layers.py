@@ -204,7 +204,15 @@ class ParallelAttention(nn.Module):
     wq, wk, wv are column-parallel (one fused entry), wo row-parallel: one collective per pass.
     """
 
-    def __init__(self, wq, wk, wv, wo, head_dim: int, ctx: TPContext) -> None:
+    def __init__(
+        self,
+        wq: ColumnParallelLinear,
+        wk: ColumnParallelLinear,
+        wv: ColumnParallelLinear,
+        wo: RowParallelLinear,
+        head_dim: int,
+        ctx: TPContext,
+    ) -> None:
         super().__init__()
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.head_dim = head_dim
@@ -248,7 +256,9 @@ class ParallelAttention(nn.Module):
 class ParallelFeedForward(nn.Module):
     """SwiGLU split along the hidden size f: w1, w3 column-parallel (fused entry), w2 row-parallel."""
 
-    def __init__(self, w1, w3, w2, ctx: TPContext) -> None:
+    def __init__(
+        self, w1: ColumnParallelLinear, w3: ColumnParallelLinear, w2: RowParallelLinear, ctx: TPContext
+    ) -> None:
         super().__init__()
         self.w1, self.w3, self.w2 = w1, w3, w2
         self.ctx = ctx
