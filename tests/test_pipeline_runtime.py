@@ -21,7 +21,8 @@ def _uniform(n_layers: int, n: int) -> list[int]:
     return [round(i * n_layers / n) for i in range(n + 1)]
 
 
-def _strategy(mesh, mcfg, tcfg, name: str, v: int = 1, group=None, vertical_sync: bool = False):
+def _strategy(mesh, mcfg, tcfg, name: str, v: int = 1, vertical_sync: bool = False, timeout_s: float | None = None,
+              group=None):  # fmt: skip
     from loom.model.llama import build_model
     from loom.parallel.data_parallel import DataParallel
     from loom.parallel.pipeline.stage import split_model
@@ -32,7 +33,8 @@ def _strategy(mesh, mcfg, tcfg, name: str, v: int = 1, group=None, vertical_sync
     model = build_model(mcfg, tcfg.seed)
     pipe = split_model(model, mesh.local_rank("pp"), pp, _uniform(mcfg.n_layers, pp * v), group or mesh.group("pp"))
     inner = DataParallel(pipe, mesh.group("dp")).attach_optimizer(build_optimizer(pipe, tcfg))
-    return pipe, PipelineStrategy(inner, pipe, name, v, vertical_sync=vertical_sync, record_step=tcfg.steps - 1)
+    return pipe, PipelineStrategy(inner, pipe, name, v, vertical_sync=vertical_sync, record_step=tcfg.steps - 1,
+                                  timeout_s=timeout_s)  # fmt: skip
 
 
 def _train(mesh, mcfg, tcfg, name: str, v: int, batches) -> dict:
@@ -383,16 +385,15 @@ def test_pipedream_weight_stashing_and_convergence(pools):
 
 def _dead_peer(timeout_s: float) -> str:
     """Pipeline rank 1 crashes on its second micro-batch; rank 0 must fail naming it within the timeout."""
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     from loom.model.llama import loss_fn
     from loom.parallel.pipeline.strategy import pipeline_train_step
 
-    group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout_s))
     mesh = get_mesh(pp=2)
-    pipe, strategy = _strategy(mesh, tiny_model(n_layers=2), tiny_train(steps=1), "1f1b", group=group)
+    group = dist.new_group([0, 1])  # its own group: the dead run's unmatched messages stay out of other tests
+    pipe, strategy = _strategy(mesh, tiny_model(n_layers=2), tiny_train(steps=1), "1f1b", timeout_s=timeout_s,
+                               group=group)  # fmt: skip
     batches = rank_micro_batches(0, BATCH, MICRO, 0, 1)
 
     class Crashing(list):
@@ -412,7 +413,7 @@ def _dead_peer(timeout_s: float) -> str:
 
 
 def test_dead_rank_surfaces_as_error_naming_it(pools):
-    """Bound: the pp group's timeout (here 3 s; run.timeout_s in training) plus one action."""
+    """Bound: the runtime's receive timeout (here 3 s; run.timeout_s in training) plus one action."""
     out = pools(2).run(_dead_peer, 3.0)
     assert out[1].startswith("SystemError")
     assert out[0].startswith("PipelineError"), out[0]
@@ -421,6 +422,18 @@ def test_dead_rank_surfaces_as_error_naming_it(pools):
 
 
 # ----------------------------------------------------------------------------- setup, config, CLI
+
+
+def test_timeline_report_of_a_simulated_run_matches_the_formula():
+    from loom.parallel.pipeline.runtime import step_schedule
+    from loom.parallel.pipeline.simulate import simulate
+    from loom.parallel.pipeline.strategy import timeline_report
+
+    for name, v in [*SYNC, ("pipedream", 1)]:
+        text = timeline_report(simulate(step_schedule(name, 4, 8, v), 1, 2), name, 8, v)
+        measured, formula, simulated = (float(t.split("%")[0]) for t in text.split("bubble ")[1:2] +
+                                        text.split("formula ")[1:2] + text.split("stage times ")[1:2])  # fmt: skip
+        assert measured == formula == simulated, text
 
 
 def test_profiled_partitioner_prints_cut_time_and_memory():

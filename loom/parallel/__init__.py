@@ -44,5 +44,6 @@ def parallelize(model: nn.Module, mesh, cfg, meter: CommMeter | None = None):
 
         p, path = cfg.parallel, f"{cfg.run.dir}/pipeline_timeline.png" if mesh.rank == 0 else None
         strategy = PipelineStrategy(strategy, pipe, p.schedule, p.virtual_stages, mesh.group("tp"), meter,
-                                    p.vertical_sync, record_step=min(2, cfg.train.steps - 1), timeline_path=path)
+                                    p.vertical_sync, record_step=min(2, cfg.train.steps - 1), timeline_path=path,
+                                    timeout_s=cfg.run.timeout_s)  # fmt: skip
     return strategy

@@ -24,8 +24,10 @@ so the optimizer applies W_{k+1} = W_k - lr * grad(W_version). Versions kept at 
 
 Timing: every action's start/end (``time.perf_counter``, relative to a barrier at the start
 of a recorded run) goes into a :class:`~.simulate.Timeline`, gathered on pipeline rank 0.
-Failure: a RECV that does not complete within the pp group's timeout raises
-:class:`PipelineError` naming the peer rank, after at most that timeout.
+Failure: a RECV that does not complete within ``timeout_s`` (training: ``run.timeout_s``;
+default the pp group's own timeout) raises :class:`PipelineError` naming the peer rank, so a
+rank that hangs or dies mid-pipeline ends the job after at most that bound (a dead process
+usually sooner: its sockets close and the receive fails at once).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -147,8 +150,9 @@ class _Versions:
 class PipelineRuntime:
     """Executes this pipeline rank's action list over ``pipe.group`` (peers are group-local ranks)."""
 
-    def __init__(self, pipe: PipelineModule, meter: CommMeter | None = None) -> None:
+    def __init__(self, pipe: PipelineModule, meter: CommMeter | None = None, timeout_s: float | None = None) -> None:
         self.pipe, self.group, self.meter = pipe, pipe.group, meter
+        self.timeout = timedelta(seconds=timeout_s) if timeout_s else None  # None: the pp group's own
         self.dim = pipe.cfg.dim
         self.dtype = next(pipe.parameters()).dtype
         self.device = next(pipe.parameters()).device
@@ -164,7 +168,7 @@ class PipelineRuntime:
     def _wait(self, work, a: Action) -> None:
         t0 = time.perf_counter()
         try:
-            work.wait()
+            work.wait(self.timeout) if self.timeout is not None else work.wait()
         except RuntimeError as e:
             raise PipelineError(
                 f"pipeline rank {self.pipe.rank}: {a} got no message from {self._peer_name(a.peer)} after "

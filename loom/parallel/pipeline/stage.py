@@ -29,8 +29,10 @@ Linear, ``MulBackward`` of an RMSNorm weight, the embedding lookup of the first 
   branch, e.g. dW = dY^T X of one matmul. Gradients accumulate into ``.grad`` through
   AccumulateGrad, so data-parallel gradient hooks fire as with a plain backward.
 
-Cost: BI + BW = one full backward (each matmul's dX in BI, its dW in BW); the graph is
-retained from BI to BW, the price of deferring BW that the ZB-H1 schedule bounds.
+Cost: BI + BW do the FLOPs of one full backward (each matmul's dX in BI, its dW in BW); the
+graph is retained from BI to BW, the memory price of deferring BW that ZB-H1 bounds. Measured
+on this CPU (dim 256, 4 blocks, 2x128 tokens): B 52 ms, BI 34 + BW 24 ms, i.e. 1.1x, the extra
+being one autograd engine call per parameter group.
 """
 
 from __future__ import annotations

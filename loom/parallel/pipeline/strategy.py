@@ -84,11 +84,11 @@ class PipelineStrategy:
 
     def __init__(self, inner: Strategy, pipe: PipelineModule, schedule: str, v: int = 1, tp_group: Group = None,
                  meter: CommMeter | None = None, vertical_sync: bool = False, record_step: int = -1,
-                 timeline_path: str | Path | None = None) -> None:  # fmt: skip
+                 timeline_path: str | Path | None = None, timeout_s: float | None = None) -> None:  # fmt: skip
         self.inner, self.pipe, self.schedule, self.v = inner, pipe, schedule, v
         self.tp_group, self.meter, self.vertical_sync = tp_group, meter, vertical_sync
         self.record_step, self.timeline_path, self.steps_done = record_step, timeline_path, 0
-        self.runtime = PipelineRuntime(pipe, meter)
+        self.runtime = PipelineRuntime(pipe, meter, timeout_s)
         self.timeline: Timeline | None = None
         self.last_stats: RunStats | None = None
         self._lists: dict[int, list[Action]] = {}
@@ -306,7 +306,9 @@ def pipeline_full_model(pipe: PipelineModule):
 
 
 def timeline_report(timeline: Timeline, schedule: str, m: int, v: int = 1, path: str | Path | None = None) -> str:
-    """Measured bubble beside the formula, and the picture at ``path`` if given.
+    """Measured bubble beside the formula and beside the simulation of the same lists with the
+    measured mean time of every (stage, kind), which accounts for unequal stages and t_b != 2 t_f;
+    draws the picture at ``path`` if given.
 
     Synchronous schedules: the bubble of the F/B/BI/BW phase (the final STEP left out, as in the
     formula); asynchronous ones: of the whole list, STEPs counted as busy.
@@ -315,10 +317,34 @@ def timeline_report(timeline: Timeline, schedule: str, m: int, v: int = 1, path:
     compute = Timeline(p, [e for e in timeline.events if e.action.kind is not Kind.STEP])
     measured = timeline.bubble if schedule in ASYNC else compute.bubble
     text = (f"pipeline {schedule} p={p} m={m} v={v}: measured bubble {measured:.1%} vs formula "
-            f"{bubble_formula(schedule, p, m, v):.1%}, makespan {1e3 * compute.makespan:.1f} ms")  # fmt: skip
+            f"{bubble_formula(schedule, p, m, v):.1%} (simulated with measured stage times "
+            f"{_simulated_bubble(compute, schedule, m, v):.1%}), makespan {1e3 * compute.makespan:.1f} ms")  # fmt: skip
     if path is not None:
         from loom.viz.timeline import draw_timeline
 
         draw_timeline(timeline, path, title=f"{schedule} p={p} m={m} v={v} (measured)")
         text += f"; timeline {path}"
     return text
+
+
+def _simulated_bubble(timeline: Timeline, schedule: str, m: int, v: int) -> float:
+    """Bubble of the simulator run on the same lists with each stage's mean measured F, B (= BI + BW), BW times."""
+    from loom.parallel.pipeline.simulate import simulate
+
+    spans: dict[tuple[Kind, int], list[float]] = {}
+    for e in timeline.events:
+        if e.action.kind in (Kind.F, Kind.B, Kind.BI, Kind.BW):
+            spans.setdefault((e.action.kind, e.action.stage), []).append(e.end - e.start)
+    n = timeline.n_ranks * v
+
+    def mean(kind: Kind, s: int) -> float:
+        xs = spans.get((kind, s), [])
+        return sum(xs) / len(xs) if xs else 0.0
+
+    t_f = [mean(Kind.F, s) for s in range(n)]
+    t_w = [mean(Kind.BW, s) for s in range(n)]
+    t_b = [mean(Kind.B, s) or mean(Kind.BI, s) + t_w[s] for s in range(n)]
+    sim = simulate(step_schedule(schedule, timeline.n_ranks, m, v), t_f, t_b, t_w)
+    if schedule in ASYNC:
+        return sim.bubble
+    return Timeline(sim.n_ranks, [e for e in sim.events if e.action.kind is not Kind.STEP]).bubble
