@@ -157,7 +157,7 @@ COMMANDS = {
 
 
 def cmd_schedule(argv: list[str]) -> int:
-    """Simulate one step's pipeline schedule (t_f = 1, t_b = 2, t_w = 1), print it, optionally draw it."""
+    """Simulate one step's schedule (per stage t_f = 1, t_b = 2, t_w = 1; a chunk 1/v of that), print, draw."""
     path, overrides, plain = _split(argv)
     allowed = ("pp", "microbatches", "schedule", "v", "out")
     for k in [*plain, *overrides[::2]]:
@@ -171,11 +171,11 @@ def cmd_schedule(argv: list[str]) -> int:
     from loom.parallel.pipeline.simulate import simulate
 
     try:
-        timeline = simulate(step_schedule(name, pp, m, v), t_f=1.0, t_b=2.0)
+        timeline = simulate(step_schedule(name, pp, m, v), t_f=1.0 / v, t_b=2.0 / v)  # a chunk is 1/v of a stage
     except ValueError as e:
         raise C.ConfigError(f"schedule: {e}") from None
     print(f"{name}: pp={pp} microbatches={m} v={v} | simulated bubble {timeline.bubble:.1%} "
-          f"vs formula {bubble_formula(name, pp, m, v):.1%} | makespan {timeline.makespan:g} (t_f=1, t_b=2) | "
+          f"vs formula {bubble_formula(name, pp, m, v):.1%} | makespan {timeline.makespan:g} (per stage t_f=1, t_b=2) | "
           f"peak in-flight per rank {timeline.peak_in_flight}")  # fmt: skip
     if "out" in plain:
         from loom.viz.timeline import draw_timeline
