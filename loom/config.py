@@ -42,6 +42,7 @@ class ModelConfig:
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = True  # share the embedding matrix with the output head
     init_std: float = 0.02  # std of the normal init; output projections use std/sqrt(2L)
+    dropout: float = 0.0  # dropout on both residual branches and in the attention core (training only)
 
     def resolved_ffn_dim(self) -> int:
         """SwiGLU hidden size: explicit, or ``multiple_of * ceil(8h/3 / multiple_of)``."""
@@ -115,7 +116,16 @@ class TrainConfig:
     eval_every: int = 100  # steps between eval losses; 0 = off
     eval_batches: int = 4  # micro-batches per eval
     log_every: int = 10  # steps between step lines / metrics rows
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (half weights and activations, fp32 master weights + optimizer state)
+    optimizer: str = "adamw"  # adamw | adafactor (factored second moments) | adam8bit (block-wise 8-bit moments)
+    recompute: str = "none"  # activation recomputation: none | full | selective (attention core) | every:<k>
+    compress: str = "none"  # saved activations stored as none | bf16 | fp8 | int8, or per kind "mlp=fp8,attention=bf16"
+    offload_activations: bool = False  # saved activations to pinned host memory (GPU runs only)
+    loss_scale: float = 0.0  # fp16: static loss scale; 0 = dynamic
+    loss_scale_init: float = 65536.0  # fp16 dynamic scaling: first scale
+    loss_scale_window: int = 1000  # fp16 dynamic scaling: double the scale after this many clean steps
+    loss_scale_hysteresis: int = 2  # fp16 dynamic scaling: overflows tolerated before the scale is halved
+    loss_scale_min: float = 1.0  # fp16 dynamic scaling: floor of the scale
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only the final one
     checkpoint_async: bool = True  # periodic saves written by a background thread (final: synchronous)
     checkpoint_keep: int = 2  # newest checkpoints kept in <run.dir>/checkpoints; 0 = keep all
@@ -335,6 +345,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(m.ffn_dim >= 0, f"model.ffn_dim: must be >= 0 (0 = automatic), got {m.ffn_dim}")
     _require(m.vocab_size >= 0, f"model.vocab_size: must be >= 0 (0 = from tokenizer), got {m.vocab_size}")
     _require(m.init_std > 0, f"model.init_std: must be > 0, got {m.init_std}")
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout: must be in [0, 1), got {m.dropout}")
     _require(d.seq_len >= 2, f"data.seq_len: must be >= 2, got {d.seq_len}")
     _require(
         d.seq_len <= m.max_seq_len,
@@ -383,6 +394,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     resolve_layout(cfg, world_size)
     check_tensor_parallel(cfg)
     _check_implemented(cfg)
+    check_memory(cfg)
     _require(t.micro_batch >= 1, f"train.micro_batch: must be >= 1, got {t.micro_batch}")
     _require(
         t.global_batch % (t.micro_batch * p.dp) == 0,
@@ -453,8 +465,70 @@ def check_pipeline(cfg: LoomConfig) -> None:
 NOT_YET: list[tuple[str, Any, str]] = [
     ("parallel.cp", lambda c: c.parallel.cp > 1, "context parallelism is not implemented yet; use 1"),
     ("parallel.ep", lambda c: c.parallel.ep > 1, "expert parallelism is not implemented yet; use 1"),
-    ("train.precision", lambda c: c.train.precision != "fp32", "only fp32 is implemented yet"),
 ]
+
+
+OPTIMIZERS = ("adamw", "adafactor", "adam8bit")
+RECOMPUTE_HELP = "none, full, selective or every:<k> (k >= 1)"
+COMPRESS_FORMATS = ("none", "bf16", "fp8", "int8")
+COMPRESS_KINDS = ("attention", "mlp", "norm", "other")
+
+
+def parse_recompute(spec: str) -> tuple[str, int]:
+    """``train.recompute`` -> (policy, k): none/full/selective with k = 1, or ("every", k)."""
+    if spec in ("none", "full", "selective"):
+        return spec, 1
+    head, _, k = spec.partition(":")
+    _require(
+        head == "every" and k.isdigit() and int(k) >= 1,
+        f"train.recompute: must be one of {RECOMPUTE_HELP}, got {spec!r}",
+    )
+    return "every", int(k)
+
+
+def parse_compress(spec: str) -> dict[str, str]:
+    """``train.compress`` -> format per saved-tensor kind: "fp8" (every kind) or "mlp=fp8,attention=bf16"
+    (kinds not named: none). Kinds: the module that saved the tensor (attention, mlp, norm, other)."""
+    if "=" not in spec:
+        _require(spec in COMPRESS_FORMATS, f"train.compress: must be one of {COMPRESS_FORMATS} or kind=format pairs "
+                 f"(kinds {COMPRESS_KINDS}), got {spec!r}")  # fmt: skip
+        return dict.fromkeys(COMPRESS_KINDS, spec)
+    out = dict.fromkeys(COMPRESS_KINDS, "none")
+    for item in spec.split(","):
+        kind, _, fmt = item.strip().partition("=")
+        _require(kind in COMPRESS_KINDS, f"train.compress: unknown tensor kind {kind!r}; kinds: {COMPRESS_KINDS}")
+        _require(fmt in COMPRESS_FORMATS, f"train.compress: {kind}={fmt!r}; formats: {COMPRESS_FORMATS}")
+        out[kind] = fmt
+    return out
+
+
+def check_memory(cfg: LoomConfig) -> None:
+    """Memory-technique fields (precision, loss scaling, recomputation, compression, optimizer)."""
+    t, p = cfg.train, cfg.parallel
+    _require(t.optimizer in OPTIMIZERS, f"train.optimizer: must be one of {OPTIMIZERS}, got {t.optimizer!r}")
+    policy, k = parse_recompute(t.recompute)
+    _require(
+        policy != "every" or k <= cfg.model.n_layers,
+        f"train.recompute: every:{k} checkpoints one block in {k}, but model.n_layers = {cfg.model.n_layers}",
+    )
+    parse_compress(t.compress)
+    _require(t.loss_scale >= 0, f"train.loss_scale: must be >= 0 (0 = dynamic), got {t.loss_scale}")
+    _require(t.loss_scale_init >= 1, f"train.loss_scale_init: must be >= 1, got {t.loss_scale_init}")
+    _require(t.loss_scale_window >= 1, f"train.loss_scale_window: must be >= 1, got {t.loss_scale_window}")
+    _require(t.loss_scale_hysteresis >= 1, f"train.loss_scale_hysteresis: must be >= 1, got {t.loss_scale_hysteresis}")
+    _require(0 < t.loss_scale_min <= t.loss_scale_init,
+             f"train.loss_scale_min: must be in (0, train.loss_scale_init], got {t.loss_scale_min}")  # fmt: skip
+    _require(
+        t.precision != "fp16" or p.schedule not in ASYNC_SCHEDULES or p.pp == 1,
+        f"train.precision: fp16 skips a step when any rank overflows, agreed by all ranks at the step; the "
+        f"asynchronous schedule {p.schedule!r} steps each stage's optimizer on its own and cannot unscale and "
+        "skip together; use bf16 or a synchronous schedule",
+    )
+    _require(
+        not t.offload_activations or cfg.run.device != "cpu",
+        "train.offload_activations: moves saved activations from GPU to pinned host memory; with "
+        "run.device = cpu they are in host memory already (set it to false)",
+    )
 
 
 def check_tensor_parallel(cfg: LoomConfig) -> None:

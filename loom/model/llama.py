@@ -51,6 +51,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
+class CoreAttention(nn.Module):
+    """The attention core: softmax(q kᵀ / sqrt(d) + causal mask) v, with attention dropout p while
+    training. GQA key/value heads are repeated here, so the core's inputs are the unrepeated heads.
+
+    (B, a, T, d), (B, k, T, d), (B, k, T, d) -> (B, a, T, d). No parameters: recomputation
+    policies wrap this module alone (``train.recompute = selective``).
+    """
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)  # (B, a, T, d)
+            v = v.repeat_interleave(rep, dim=1)
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, a, T, d)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention: a query heads share k key/value heads (a % k == 0)."""
 
@@ -61,6 +82,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core = CoreAttention(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -70,11 +92,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, k, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)  # (B, a, T, d)
-            v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, a, T, d)
+        y = self.core(q, k, v)  # (B, a, T, d)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, a*d)
         return self.wo(y)  # (B, T, h)
 
@@ -93,7 +111,11 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm transformer block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))).
+
+    Dropout (``cfg.dropout``, training only) on both residual branches and inside the attention
+    core; with p = 0 (the default) no dropout op runs at all.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -101,10 +123,14 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.resolved_ffn_dim())
+        self.dropout = cfg.dropout
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.dropout, training=True) if self.dropout > 0 and self.training else x
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self._drop(self.attention(self.attention_norm(x), cos, sin))
+        return x + self._drop(self.feed_forward(self.ffn_norm(x)))
 
 
 class Transformer(nn.Module):

@@ -14,7 +14,9 @@ def parallelize(model: nn.Module, mesh, cfg, meter: CommMeter | None = None):
     """Apply the strategies in a fixed order and return the training Strategy.
 
     Order: tensor/sequence parallel -> expert parallel -> pipeline split -> recomputation ->
-    data parallel / ZeRO (last, so it sees the final parameters). With tp > 1 the model then
+    precision (half parameters) -> data parallel / ZeRO (last, so it sees the final parameters;
+    fp32 masters and the optimizer live here) -> fp16 loss scaling around the whole Strategy
+    (:mod:`loom.memory`). With tp > 1 the model then
     exposes ``model.loss_fn``, the loss on its vocabulary-sharded logits. With pp > 1 the
     result is a ``PipelineStrategy`` (train with ``pipeline_train_step``; ``.pipe`` = the stages).
     """
@@ -33,10 +35,19 @@ def parallelize(model: nn.Module, mesh, cfg, meter: CommMeter | None = None):
 
         info = logging.getLogger("loom").info
         model = pipe = apply_pipeline(model, mesh, cfg, getattr(model, "loss_fn", loss_fn), info)
+    from loom.memory import precision
+    from loom.memory.loss_scale import apply_loss_scaling
+    from loom.memory.recompute import apply_recompute
+
+    apply_recompute(model, cfg.train.recompute)
+    precision.cast_parameters(model, precision.DTYPES[cfg.train.precision])
     if cfg.parallel.zero > 0:
         from loom.parallel.zero import apply_zero
 
         strategy = apply_zero(model, mesh, cfg, meter)
+        precision.bind_optimizer_groups(strategy)
+    elif precision.needs_master_path(cfg):  # fp32 masters / Loom optimizers without ZeRO: N = 1 shards
+        strategy = precision.apply_replicated_masters(model, mesh, cfg, meter)
     else:
         strategy = apply_data_parallel(model, mesh, cfg, meter)
     if pipe is not None:
@@ -46,4 +57,4 @@ def parallelize(model: nn.Module, mesh, cfg, meter: CommMeter | None = None):
         strategy = PipelineStrategy(strategy, pipe, p.schedule, p.virtual_stages, mesh.group("tp"), meter,
                                     p.vertical_sync, record_step=min(2, cfg.train.steps - 1), timeline_path=path,
                                     timeout_s=cfg.run.timeout_s)  # fmt: skip
-    return strategy
+    return apply_loss_scaling(strategy, cfg)

@@ -28,7 +28,7 @@ from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.model.llama import RMSNorm, apply_rope
+from loom.model.llama import CoreAttention, RMSNorm, apply_rope
 from loom.parallel.tp_comm import (
     all_gather_seq,
     copy_to_tp,
@@ -212,11 +212,13 @@ class ParallelAttention(nn.Module):
         wo: RowParallelLinear,
         head_dim: int,
         ctx: TPContext,
+        core: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.head_dim = head_dim
         self.ctx = ctx
+        self.core = core if core is not None else CoreAttention()  # local heads' softmax(qkᵀ)v
 
     @classmethod
     def from_full(cls, attn: nn.Module, ctx: TPContext) -> ParallelAttention:
@@ -231,7 +233,7 @@ class ParallelAttention(nn.Module):
             wk = ColumnParallelLinear(nn.Parameter(attn.wk.weight.detach().clone()), ctx, rows)
             wv = ColumnParallelLinear(nn.Parameter(attn.wv.weight.detach().clone()), ctx, rows)
         wo = RowParallelLinear(sharded_param(attn.wo.weight, 1, ctx), ctx)
-        return cls(wq, wk, wv, wo, d, ctx)
+        return cls(wq, wk, wv, wo, d, ctx, attn.core)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = column_parallel_matmul(
@@ -244,11 +246,7 @@ class ParallelAttention(nn.Module):
         v = v.view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, a/n, T, d)
+        y = self.core(q, k, v)  # (B, a/n, T, d)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, a/n·d)
         return self.wo(y)  # (B, T, h), or (B, T/n, h) with sp
 

@@ -49,8 +49,8 @@ def grad_norm_sq(params: Sequence[torch.Tensor]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(grads, 2.0)
-    return torch.stack([n.float() for n in norms]).pow(2).sum()
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # fp32 accumulation, also for half grads
+    return torch.stack(norms).pow(2).sum()
 
 
 def clip_grad_norm(

@@ -22,6 +22,9 @@ from loom.checkpoint.training import TrainCheckpoints, truncate_metrics
 from loom.comm import CommMeter
 from loom.data import BatchSampler, PreparedData, TokenDataset, eval_batches, prepare_data
 from loom.device import default_threads, peak_flops, peak_memory_bytes, resolve_backend, resolve_device
+from loom.memory.activation_offload import make_offloader
+from loom.memory.compress import SavedActivations
+from loom.memory.loss_scale import scaler_stats, training_loss_fn
 from loom.mesh import ParallelDims, ParallelMesh
 from loom.model.llama import build_model, count_params, flops_per_token, loss_fn
 from loom.parallel import parallelize
@@ -121,6 +124,11 @@ class Trainer:
             from loom.parallel.pipeline.strategy import pipeline_evaluate, pipeline_train_step
 
             self.model, self._train_step, self._evaluate = self.pipe, pipeline_train_step, pipeline_evaluate
+        # Saved-tensor hooks around each step: activation accounting, compression, offload (loom.memory);
+        # fp16: the training loss's backward is scaled by the loss scale.
+        self.saved_acts = SavedActivations(self.model, cfg.train.compress,
+                                           make_offloader(cfg.train.offload_activations, self.device))  # fmt: skip
+        self.train_loss_fn = training_loss_fn(self.strategy, self.loss_fn)
         self.heartbeat.set(0, "checkpoint load")
         self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, self.strategy.inner)
         self.start_step = self.strategy.step_index = self.ckpts.restore()
@@ -167,8 +175,9 @@ class Trainer:
             lr = lr_at(step, c)
             self.meter.reset()
             batches = self._to_device(self.sampler.micro_batches(step))
-            res = self._train_step(self.model, self.strategy, batches, self.loss_fn, c.grad_clip, lr,
-                                   self.mesh.group("dp"))  # fmt: skip
+            with self.saved_acts:
+                res = self._train_step(self.model, self.strategy, batches, self.train_loss_fn, c.grad_clip, lr,
+                                       self.mesh.group("dp"))  # fmt: skip
             window_steps += 1
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.3f}")
@@ -180,8 +189,9 @@ class Trainer:
                     "tokens_per_s": tps, "step_time_s": dt / window_steps,
                     "mfu": tps / self.env.world * self.flops_per_token / self.peak_flops,
                     "peak_mem_bytes": peak_memory_bytes(self.device), **self.strategy.state_bytes(),
-                    **self.meter.snapshot(),
+                    **self.meter.snapshot(), **self.saved_acts.stats(), **scaler_stats(self.strategy),
                 }  # fmt: skip
+                self.saved_acts.reset_peak()
                 if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
                     row["eval_loss"] = self._evaluate(self.model, self._to_device(self.eval_set), self.loss_fn,
                                                       self.mesh.group("dp"))  # fmt: skip

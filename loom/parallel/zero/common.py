@@ -91,15 +91,11 @@ class GradReducer:
 def build_adam(
     layouts: Sequence[FlatLayout], shards: Sequence[torch.Tensor], store, train_cfg
 ) -> ShardedAdamW:
-    """AdamW with the hyper-parameters of ``train_cfg``, decay on the ndim >= 2 runs of each shard."""
-    return ShardedAdamW(
-        shards,
-        [lay.local_ranges(lambda s: s.decay) for lay in layouts],
-        store,
-        betas=(train_cfg.beta1, train_cfg.beta2),
-        eps=train_cfg.eps,
-        weight_decay=train_cfg.weight_decay,
-    )
+    """``train_cfg.optimizer`` (AdamW by default) with the hyper-parameters of ``train_cfg``, decay on the
+    ndim >= 2 runs of each shard; AdamW is ``ShardedAdamW`` reading gradients times a loss-scale unscale."""
+    from loom.optim.flat import build_flat_optimizer  # AdamW, Adafactor, 8-bit Adam on flat shards
+
+    return build_flat_optimizer(layouts, shards, store, train_cfg)
 
 
 class ShardedStrategy:

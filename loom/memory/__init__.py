@@ -1,0 +1,2 @@
+"""Memory techniques: precision and loss scaling, recomputation, activation compression and offload,
+activation accounting, optimizer-state offload."""

@@ -1,0 +1,205 @@
+"""Adafactor (Shazeer & Stern 2018) on flat parameter shards: ``torch.optim.Adafactor``'s math,
+with the factored statistics made whole across ZeRO shards and tensor-parallel ranks.
+
+For a matrix parameter P (R × C) with gradient G at step t (lr γ, decay λ, β̂ₜ = t^c, c = -0.8,
+ε₁ = fp32 machine epsilon, ε₂ = 10⁻³, clip threshold d = 1), exactly as ``torch.optim.Adafactor``:
+
+    ρₜ = min(γ, 1/√t),   α = max(ε₂, RMS(P)) · ρₜ            (relative step size)
+    P ← P · (1 - γλ)                                          (matrices only, as AdamW's groups)
+    r ← lerp(r, mean_j G²ᵢⱼ, β̂ₜ)   (R)     c ← lerp(c, mean_i G²ᵢⱼ, β̂ₜ)   (C)
+    V̂ = r cᵀ / max(mean(r), ε₁)     U = G / sqrt(max(V̂, ε₁²))
+    P ← P - α / max(1, RMS(U)/d) · U
+
+Vectors keep an unfactored v ← lerp(v, G², β̂ₜ). State: 4·(R + C) bytes per matrix instead of
+Adam's 8·R·C, and 4 bytes per vector element (+ a 4-byte fp32 master per element when the
+parameters are half precision).
+
+Shards. A ZeRO shard cuts a matrix at arbitrary element boundaries, so a rank holds a run of
+whole and partial rows. The statistics are sums, so each rank computes *partial* row sums,
+column sums, Σ P² and (later) Σ U² over the elements it holds, and one all-reduce over the
+sharding group makes them whole; tensor-parallel shards add theirs over tp for the dimension
+tp splits (rows split: column sums, mean(r); columns split: row sums; both: Σ P², Σ U²). Every
+rank holding a piece of a matrix then keeps its full r and c (4·(R + C) bytes, replicated on
+those ranks: the statistics are tiny, the element-wise state is what ZeRO shards). Per step that
+adds an all-reduce of Σ over matrices of (R + C + 1) + one float per vector, and one float per
+parameter for RMS(U), in float64 (so that one rank's sums equal torch's fp32 norms exactly).
+
+    state bytes on a rank = Σ_{matrices it touches} 4(R + C) + 4·(its vector elements)
+                            [+ 4·(shard elements) of fp32 masters for half parameters]
+
+Matrices only (ndim <= 2): torch factors the last two dims of higher-rank tensors; the model has none.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from loom import comm
+from loom.comm import Group
+from loom.memory.offload import StateStore
+from loom.optim.flat import MasterWeights, Piece, pieces_of
+
+BETA2_DECAY, EPS2, CLIP_D = -0.8, 1e-3, 1.0
+
+
+def _factored(p: torch.Tensor) -> bool:
+    if p.dim() > 2:
+        raise ValueError(f"Adafactor: parameters of ndim > 2 are not supported (shape {tuple(p.shape)})")
+    return p.dim() == 2
+
+
+class FlatAdafactor:
+    """Adafactor over flat shards (see module docstring); ``bind_groups`` before the first step
+    when the shards are split over a sharding group or parameters over tp."""
+
+    def __init__(self, layouts: Sequence, shards: Sequence[torch.Tensor], store: StateStore,
+                 weight_decay: float = 0.0) -> None:  # fmt: skip
+        self.master = MasterWeights(shards, store)
+        self.params, self.masters, self.store = self.master.params, self.master.masters, store
+        self.weight_decay = weight_decay
+        self.grad_scale = 1.0
+        self.step_count = 0
+        self.eps1 = torch.finfo(torch.float32).eps
+        self.shard_group: Group = None
+        self.tp_group: Group = None
+        self.pieces, every = pieces_of(layouts)
+        # Offsets of every parameter's statistics in the packed buffer: [row sums, col sums, Σ P²].
+        self._stat_at: dict[tuple[int, int], int] = {}
+        self._tp_dims: list[int | None] = []
+        self._stat_len = 0
+        self._tp_mask: list[tuple[int, int]] = []
+        for i, j in every:
+            p = layouts[i].params[j]
+            self._stat_at[(i, j)] = self._stat_len
+            R, C = (p.shape[0], p.shape[1]) if _factored(p) else (0, 0)
+            dim = getattr(p, "tp_shard_dim", None)
+            if dim is not None:  # entries tp must sum: the unsplit axis' sums, and Σ P²
+                if R:
+                    self._tp_mask.append((self._stat_len + R, self._stat_len + R + C) if dim == 0
+                                         else (self._stat_len, self._stat_len + R))  # fmt: skip
+                self._tp_mask.append((self._stat_len + R + C, self._stat_len + R + C + 1))
+            self._tp_dims.append(dim)
+            self._stat_len += R + C + 1
+        self._param_index = {ij: k for k, ij in enumerate(every)}
+        self.row_var: dict[int, torch.Tensor] = {}
+        self.col_var: dict[int, torch.Tensor] = {}
+        self.variance: dict[int, torch.Tensor] = {}
+        for n, pc in enumerate(self.pieces):
+            if _factored(pc.param):
+                self.row_var[n] = store.zeros(pc.param.shape[0], f"row_var{n}")
+                self.col_var[n] = store.zeros(pc.param.shape[1], f"col_var{n}")
+            else:
+                self.variance[n] = store.zeros(pc.hi - pc.lo, f"variance{n}")
+
+    def bind_groups(self, shard_group: Group, tp_group: Group) -> None:
+        """The groups whose ranks hold other pieces of the same parameters."""
+        self.shard_group, self.tp_group = shard_group, tp_group
+
+    @property
+    def state_bytes(self) -> int:
+        """Row/column statistics, vector variances and fp32 masters, wherever they live."""
+        return self.store.nbytes
+
+    # ------------------------------------------------------------------ collectives
+    def _reduce(self, buf: torch.Tensor, tp_ranges: list[tuple[int, int]]) -> None:
+        """Sum partial statistics over the sharding group, then the ``tp_ranges`` entries over tp."""
+        comm.all_reduce(buf, self.shard_group)
+        if comm.group_size(self.tp_group) > 1 and tp_ranges:
+            idx = torch.cat([torch.arange(a, b) for a, b in tp_ranges]).to(buf.device)
+            part = buf.index_select(0, idx)
+            comm.all_reduce(part, self.tp_group)
+            buf.index_copy_(0, idx, part)
+
+    def _global(self, pc: Piece, n: int) -> int:
+        """The parameter's extent along a tp-split dim ``n`` elements long (n·tp when split)."""
+        return n * comm.group_size(self.tp_group) if pc.tp_dim is not None else n
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, grads: Sequence[torch.Tensor], lr: float) -> None:
+        """One Adafactor update of this rank's pieces from the reduced gradient shards."""
+        g32 = self.master.grads32(grads, self.grad_scale)
+        self.step_count += 1
+        t = float(self.step_count)
+        beta = t**BETA2_DECAY
+        rho = min(lr, 1.0 / t**0.5)
+        dev = self.store.device
+        stats = torch.zeros(self._stat_len, dtype=torch.float64, device=dev)
+        views = []  # (piece index, piece, grad run, master run, padded (rows, C) grad, first row)
+        for n, pc in enumerate(self.pieces):
+            g = g32[pc.shard][pc.a : pc.b]
+            w = self.masters[pc.shard][pc.a : pc.b]
+            at = self._stat_at[(pc.shard, pc.slot)]
+            if _factored(pc.param):
+                R, C = pc.param.shape
+                r0, r1 = pc.lo // C, (pc.hi - 1) // C + 1
+                pad = torch.zeros((r1 - r0) * C, dtype=torch.float32, device=dev)
+                pad[pc.lo - r0 * C : pc.hi - r0 * C] = g
+                pad = pad.view(r1 - r0, C)
+                stats[at + r0 : at + r1] = torch.linalg.vector_norm(pad, dim=1).double().square()
+                stats[at + R : at + R + C] = torch.linalg.vector_norm(pad, dim=0).double().square()
+                stats[at + R + C] = w.norm(2).double().square()
+                views.append((n, pc, g, w, pad, r0))
+            else:
+                stats[at] = w.norm(2).double().square()
+                views.append((n, pc, g, w, None, 0))
+        self._reduce(stats, self._tp_mask)
+        self._update(views, stats, lr, rho, beta)
+        self.master.publish()
+
+    def _row_means(self, views) -> dict[int, float]:
+        """Σ r over the global rows of matrices whose rows tp splits (summed over tp), by piece."""
+        split = [n for n, pc, *_ in views if pc.tp_dim == 0 and n in self.row_var]
+        if not split or comm.group_size(self.tp_group) == 1:
+            return {}
+        sums = torch.stack([self.row_var[n].sum(dtype=torch.float64) for n in split])
+        comm.all_reduce(sums, self.tp_group)
+        return {n: float(s) for n, s in zip(split, sums)}
+
+    def _update(self, views, stats: torch.Tensor, lr: float, rho: float, beta: float) -> None:
+        updates = []
+        for n, pc, _g, _w, pad, _r0 in views:
+            at = self._stat_at[(pc.shard, pc.slot)]
+            if pad is not None:
+                R, C = pc.param.shape
+                row_mean = stats[at : at + R].float().div_(self._global(pc, C) if pc.tp_dim == 1 else C)
+                col_mean = stats[at + R : at + R + C].float().div_(self._global(pc, R) if pc.tp_dim == 0 else R)
+                self.row_var[n].lerp_(row_mean, beta)
+                self.col_var[n].lerp_(col_mean, beta)
+        split_means = self._row_means(views)
+        usq = torch.zeros(len(self._param_index), dtype=torch.float64, device=stats.device)
+        for n, pc, g, w, pad, r0 in views:
+            at = self._stat_at[(pc.shard, pc.slot)]
+            if pad is not None:
+                R, C = pc.param.shape
+                numel = R * C
+                rv, cv = self.row_var[n], self.col_var[n]
+                if n in split_means:
+                    mean = torch.tensor(split_means[n] / self._global(pc, R), dtype=torch.float32)
+                else:
+                    mean = rv.mean()
+                r1 = r0 + pad.shape[0]
+                var = (rv[r0:r1, None] @ cv[None, :]).div_(mean.clamp(min=self.eps1))
+                var = var.view(-1)[pc.lo - r0 * C : pc.hi - r0 * C]
+                psq = float(stats[at + R + C])
+            else:
+                numel = pc.param.numel()
+                self.variance[n].lerp_(g * g, beta)
+                var = self.variance[n].clone()
+                psq = float(stats[at])
+            numel = numel * (comm.group_size(self.tp_group) if pc.tp_dim is not None else 1)
+            alpha = max(EPS2, math.sqrt(psq) / numel**0.5) * rho
+            if self.weight_decay != 0 and pc.decay:
+                w.mul_(1 - lr * self.weight_decay)
+            u = var.clamp_(min=self.eps1 * self.eps1).rsqrt_().mul_(g)
+            k = self._param_index[(pc.shard, pc.slot)]
+            usq[k] = u.norm(2).double().square()
+            updates.append((pc, w, u, alpha, numel, k))
+        tp_idx = [(k, k + 1) for k, dim in enumerate(self._tp_dims) if dim is not None]
+        self._reduce(usq, tp_idx)
+        for _pc, w, u, alpha, numel, k in updates:
+            denom = max(1.0, math.sqrt(float(usq[k])) / (numel**0.5 * CLIP_D))
+            w.add_(u, alpha=-alpha / denom)
