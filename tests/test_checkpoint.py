@@ -580,3 +580,28 @@ def test_large_files_are_verified_chunk_by_chunk_in_parallel(tmp_path):
     (tmp_path / "f").write_bytes(bytes(flipped))
     with pytest.raises(CheckpointError, match="f: content altered"):
         verify(tmp_path, files, chunk_bytes=64)
+
+
+def test_loss_scale_and_rng_come_back_with_the_checkpoint(tmp_path):
+    from loom.checkpoint.training import TrainCheckpoints
+    from loom.config import LoomConfig
+
+    class Scaler:  # the numbers of loom.memory.loss_scale.DynamicLossScaler
+        def __init__(self) -> None:
+            self.scale, self.good_steps, self.tracker, self.skipped, self.static = 1024.0, 3, 2, 1, False
+
+    class LossScaled:  # a wrapper keeping the strategy in .inner, as LossScaledStrategy does
+        def __init__(self, inner) -> None:
+            self.inner, self.loss_scaler = inner, Scaler()
+
+    _, strategy = _dp_model_and_strategy(steps=1)
+    wrapped = LossScaled(strategy)
+    cfg = LoomConfig()
+    cfg.run.dir = str(tmp_path)
+    torch.manual_seed(123)
+    TrainCheckpoints(cfg, tmp_path, 0, 1, wrapped).save(1, blocking=True)
+    expected = torch.rand(3)
+    wrapped.loss_scaler.scale, wrapped.loss_scaler.skipped = 2.0, 9
+    assert TrainCheckpoints(cfg, tmp_path, 0, 1, wrapped).restore() == 1
+    assert vars(wrapped.loss_scaler) == vars(Scaler())
+    assert torch.equal(torch.rand(3), expected)

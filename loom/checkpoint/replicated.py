@@ -162,20 +162,22 @@ def _rank_size(group) -> tuple[int, int]:
 
 
 def as_shardable(strategy) -> Shardable:
-    """The strategy itself if it implements the protocol, or the adapter for DataParallel."""
-    if isinstance(strategy, Shardable):
-        return strategy
+    """The strategy itself if it implements the protocol, an adapter for DataParallel or ZeRO,
+    looking through wrappers that keep the wrapped strategy in ``.inner`` (loss scaling, guards)."""
     from loom.parallel.data_parallel import DataParallel
     from loom.parallel.zero.common import ShardedStrategy
 
-    if isinstance(strategy, ShardedStrategy):
-        from loom.checkpoint.zero_state import ZeroState
+    s = strategy
+    while s is not None:
+        if isinstance(s, Shardable):
+            return s
+        if isinstance(s, ShardedStrategy):
+            from loom.checkpoint.zero_state import ZeroState
 
-        return ZeroState(strategy)
-    if isinstance(strategy, DataParallel):
-        return ReplicatedState(
-            strategy.module, strategy.optimizer, strategy.group, getattr(strategy, "tp_group", None)
-        )
+            return ZeroState(s)
+        if isinstance(s, DataParallel):
+            return ReplicatedState(s.module, s.optimizer, s.group, getattr(s, "tp_group", None))
+        s = getattr(s, "inner", None)
     raise CheckpointError(
         f"{type(strategy).__name__} cannot be checkpointed: implement sharded_state()/load_sharded() "
         "(loom.checkpoint.protocol.Shardable)"

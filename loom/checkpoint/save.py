@@ -59,12 +59,19 @@ class Snapshot:
 
 
 def snapshot(
-    step: int, state: dict[str, ShardedTensor], rank_state: dict, meta: dict, buffers: dict | None = None
+    step: int,
+    state: dict[str, ShardedTensor],
+    rank_state: dict,
+    meta: dict,
+    buffers: dict | None = None,
+    copy: bool = True,
 ) -> Snapshot:
     """Copy this rank's write share of every piece to (pinned, on CUDA) host memory.
 
     ``buffers`` (name -> host tensor) are reused when shape and dtype match: after the first
     save, a snapshot is a plain copy into memory that is already mapped (no page faults).
+    ``copy=False`` (a blocking save: nothing changes the tensors while it writes) keeps CPU
+    tensors as they are and copies only device ones.
     """
     snap = Snapshot(step, F.tag_for(step), rank_state=rank_state, meta=meta)
     for name, st in state.items():
@@ -75,6 +82,14 @@ def snapshot(
         if part is None:
             continue
         src = take(st.local.detach(), st.region, part)
+        if not copy and src.device.type == "cpu":
+            snap.tensors[name] = src.contiguous()
+            snap.entries[name] = {
+                "shape": list(st.global_shape),
+                "dtype": F.dtype_name(src.dtype),
+                **part.to_json(),
+            }
+            continue
         host = buffers.get(name) if buffers is not None else None
         if host is None or host.shape != src.shape or host.dtype != src.dtype:
             host = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
@@ -287,7 +302,7 @@ class Checkpointer:
         """Save ``state`` as step ``step``; returns the committed path (blocking) or None (async)."""
         t0 = time.perf_counter()
         self.wait()
-        snap = snapshot(step, state, rank_state, meta, self._buffers)
+        snap = snapshot(step, state, rank_state, meta, self._buffers, copy=not blocking)
         if blocking:
             self._finish(snap)
             self.last_stall_s = time.perf_counter() - t0

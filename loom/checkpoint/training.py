@@ -1,4 +1,5 @@
-"""What a training run saves and restores: strategy state, RNG of every rank, data position, config.
+"""What a training run saves and restores: strategy state, every rank's RNG, data position,
+fp16 loss scale, config.
 
 The data position is the step: the sampler is a pure function of (seed, step), so step ``s``
 means global sequences ``[s·B, ...)`` have been consumed, whatever the data-parallel size.
@@ -72,6 +73,7 @@ class TrainCheckpoints:
             run_dir / "checkpoints", rank, world, self.group, cfg.train.checkpoint_keep
         )
         self.state = as_shardable(strategy)
+        self.loss_scaler = getattr(strategy, "loss_scaler", None)  # fp16 dynamic loss scaling, if any
         self.last_saved: tuple[int, Path] | None = None
 
     def restore(self) -> int:
@@ -93,6 +95,9 @@ class TrainCheckpoints:
             self._check_position(ts, reader.dir)
             self.state.load_sharded(reader)
             ranks = ts.get("ranks", [])
+            if self.loss_scaler is not None and ts.get("loss_scale"):
+                for key, value in ts["loss_scale"].items():
+                    setattr(self.loss_scaler, key, value)
             if ts.get("world_size") == self.world and self.rank < len(ranks):
                 restore_rng(ranks[self.rank]["rng"])
             elif self.rank == 0:
@@ -116,11 +121,18 @@ class TrainCheckpoints:
                     "(step -> global sequences) would change. Use the same value to resume."
                 )
 
+    def _scaler_state(self) -> dict | None:
+        """The loss scaler's numbers (scale, counters), restored as they were for an exact resume."""
+        if self.loss_scaler is None:
+            return None
+        return {k: v for k, v in vars(self.loss_scaler).items() if isinstance(v, (bool, int, float))}
+
     def save(self, step: int, blocking: bool) -> None:
         """Save step ``step`` (all ranks); asynchronous unless ``blocking``."""
         meta = {
             "data": {"step": step, "global_sequences": step * self.cfg.train.global_batch},
             "config": C.to_dict(self.cfg),
+            "loss_scale": self._scaler_state(),
             "saved_unix_s": time.time(),
         }
         rank_state = {"rank": self.rank, "rng": capture_rng()}
