@@ -132,11 +132,6 @@ class Trainer:
         self.heartbeat.set(0, "checkpoint load")
         self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, self.strategy.inner)
         self.start_step = self.strategy.step_index = self.ckpts.restore()
-        if self.is_main and self.start_step:
-            truncate_metrics(self.run_dir, self.start_step)
-        self.heartbeat.set(0, "checkpoint load")
-        self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, self.strategy.inner)
-        self.start_step = self.strategy.step_index = self.ckpts.restore()
         if self.is_main:  # rows an earlier attempt wrote past the checkpoint it resumes from
             truncate_metrics(self.run_dir, self.start_step)
         self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.run.tensorboard)
