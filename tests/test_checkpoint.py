@@ -605,3 +605,17 @@ def test_loss_scale_and_rng_come_back_with_the_checkpoint(tmp_path):
     assert TrainCheckpoints(cfg, tmp_path, 0, 1, wrapped).restore() == 1
     assert vars(wrapped.loss_scaler) == vars(Scaler())
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_cli_convert(saved, tmp_path, capsys):
+    from loom.cli import main
+
+    root, path, full = saved
+    out = tmp_path / "exported" / "model.safetensors"
+    assert main(["checkpoint", "convert", str(root), str(out)]) == 0
+    assert f"from {path} (step 3)" in capsys.readouterr().out
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(out))["norm.weight"], full["model.norm.weight"])
+    assert main(["checkpoint", "convert", str(tmp_path / "nothing-here"), str(out)]) == 2
+    assert "no such checkpoint directory" in capsys.readouterr().err

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import struct
+import threading
 from pathlib import Path
 
 import torch
@@ -55,6 +57,7 @@ DTYPES: dict[torch.dtype, tuple[str, str]] = {  # torch dtype -> (index name, sa
     torch.bool: ("bool", "BOOL"),
 }
 DTYPE_BY_NAME = {name: dt for dt, (name, _) in DTYPES.items()}
+PIECE = 16 << 20  # bytes per write; the hashing thread follows piece by piece
 
 
 class CheckpointError(RuntimeError):
@@ -135,25 +138,37 @@ def write_safetensors(
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
+    parts = [memoryview(struct.pack("<Q", len(head))), memoryview(head)]
+    for key in order:
+        t = tensors[key]
+        if t.numel():
+            flat = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            parts += [flat[i : i + PIECE] for i in range(0, len(flat), PIECE)]
+    # The hash runs in a second thread, one piece behind the writes (both release the GIL).
+    pending: queue.Queue = queue.Queue(maxsize=4)
+    hashing = threading.Thread(target=_drain, args=(pending, hasher), daemon=True) if hasher else None
+    if hashing:
+        hashing.start()
     size = 0
-    with open(path, "wb") as fh:
-        for chunk in (struct.pack("<Q", len(head)), head):
-            fh.write(chunk)
-            if hasher is not None:
-                hasher.update(chunk)
-            size += len(chunk)
-        for key in order:
-            t = tensors[key]
-            if t.numel() == 0:
-                continue
-            buf = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-            fh.write(buf)
-            if hasher is not None:
-                hasher.update(buf)
-            size += len(buf)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(path, "wb") as fh:
+            for part in parts:
+                fh.write(part)
+                size += len(part)
+                if hashing:
+                    pending.put(part)
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        if hashing:
+            pending.put(None)
+            hashing.join()
     return size
+
+
+def _drain(pending: queue.Queue, hasher) -> None:
+    while (part := pending.get()) is not None:
+        hasher.update(part)
 
 
 def check_header(path: Path) -> None:

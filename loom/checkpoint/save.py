@@ -22,6 +22,7 @@ works unchanged when training runs on NCCL).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import threading
@@ -232,9 +233,7 @@ def _to_bytes(obj: object) -> torch.Tensor:
 
 
 def _from_bytes(t: torch.Tensor, n: int) -> object:
-    import json
-
-    return json.loads(bytes(t[:n].tolist()).decode())
+    return json.loads(t[:n].numpy().tobytes().decode())
 
 
 def gather_json(obj: object, rank: int, world: int, group) -> list | None:

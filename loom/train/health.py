@@ -7,6 +7,9 @@ healthy rank blocked in a collective keeps refreshing it. When a collective fail
 process-group timeout, :func:`diagnose` reads the files and names the ranks whose heartbeat
 went stale, with their last step and phase, and the collective this rank was in.
 
+The files live in ``run.dir``, which a multi-node job must put on a shared file system (as it
+must for checkpoints anyway); without one a rank only sees the heartbeats of its own node.
+
 Bound: a stopped rank is reported ``run.timeout_s`` (the collective timeout) after the
 others enter the collective it never joins, plus the time to read the files (milliseconds).
 Staleness needs ``run.timeout_s`` > ``STALE_AFTER_S``.
