@@ -84,6 +84,16 @@ def single_mesh():
     return ParallelMesh(ParallelDims(), "cpu")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread in this process: the 2 cores are shared with the rank pools and other runs,
+    and oversubscribed threads make these small steps 10-40x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # ----------------------------------------------------------------------------- single process
 
 

@@ -179,27 +179,25 @@ class SavedActivations:
     # ------------------------------------------------------------------ hooks
     def _pack(self, t: torch.Tensor):
         root = t._base if t._base is not None else t
-        if isinstance(root, nn.Parameter) or _storage_key(t) in self.exclude:
+        key = _storage_key(t)
+        if isinstance(root, nn.Parameter) or key in self.exclude:
             return t  # model state, not an activation
-        fmt = self.formats[self.kind]
-        if fmt == "bf16" and t.element_size() <= 2:
-            fmt = "none"
-        if not t.is_floating_point() or getattr(t, HELD_ATTR, False):
-            fmt = "none"
-        if fmt == "none" and self.offloader is None:
-            key = _storage_key(t)
-            c = self._counts.get(key)
-            if c is None:
-                self._counts[key] = [1, _nbytes(t)]
-                self._grow(_nbytes(t))
-            else:
-                c[0] += 1
-            return _Kept(self, t, key)
         view = (tuple(t.shape), t.stride(), t.storage_offset())
         hit = self._cache.get(id(root))
         if hit is not None and hit[0]() is root and hit[1]() is not None:
-            return _View(hit[1](), view)  # storage saved again (another op, another view): one copy
-        flat = _whole_storage(t)
+            return _View(hit[1](), view)  # a packed storage saved again (another op or view): one copy
+        c = self._counts.get(key)
+        if c is not None:  # kept as is already: the first saver decided
+            c[0] += 1
+            return _Kept(self, t, key)
+        fmt = self.formats[self.kind]
+        if not t.is_floating_point() or getattr(t, HELD_ATTR, False) or (fmt == "bf16" and t.element_size() <= 2):
+            fmt = "none"
+        flat = _whole_storage(t) if t.is_floating_point() else t
+        if fmt == "none" and (self.offloader is None or not self.offloader.accepts(flat)):
+            self._counts[key] = [1, _nbytes(t)]
+            self._grow(_nbytes(t))
+            return _Kept(self, t, key)
         payload, scale = (flat, None) if fmt == "none" else encode(flat, fmt)
         nbytes = payload.numel() * payload.element_size() + (4 if scale is not None else 0)
         self.packed += nbytes

@@ -203,3 +203,11 @@ class FlatAdafactor:
         for _pc, w, u, alpha, numel, k in updates:
             denom = max(1.0, math.sqrt(float(usq[k])) / (numel**0.5 * CLIP_D))
             w.add_(u, alpha=-alpha / denom)
+
+
+def factored_state_bytes(layouts: Sequence) -> int:
+    """The module docstring's state bytes on this rank, from the layouts' geometry alone:
+    Σ over the matrices this rank's shards touch of 4(R + C), plus 4 per vector element it holds."""
+    pieces, _ = pieces_of(layouts)
+    return sum(4 * (pc.param.shape[0] + pc.param.shape[1]) if pc.param.dim() == 2 else 4 * (pc.hi - pc.lo)
+               for pc in pieces)  # fmt: skip
