@@ -6,6 +6,7 @@ reports a bad field as one line: ``loom: error: <section.key>: <what is allowed>
 
 from __future__ import annotations
 
+import os
 import sys
 
 from loom import config as C
@@ -75,6 +76,14 @@ def cmd_train(argv: list[str]) -> int:
         raise C.ConfigError(f"--max-restarts: must be >= 0, got {max_restarts}")
     from loom.launch import under_external_launcher
 
+    if cfg.parallel.auto:  # the planner picks the layout for the world size (every rank alike under torchrun)
+        from loom.plan.auto import apply_auto, describe
+
+        world = int(os.environ["WORLD_SIZE"]) if under_external_launcher() else C.world_size_of(cfg)
+        try:
+            print(describe(apply_auto(cfg, world)), flush=True)
+        except ValueError as e:  # PlanError / HardwareError: say it like any bad field
+            raise C.ConfigError(str(e) if str(e).startswith("parallel.auto") else f"parallel.auto: {e}") from None
     if not under_external_launcher():
         C.validate(cfg, C.world_size_of(cfg))
     from loom.launch import main_train

@@ -95,6 +95,7 @@ class ParallelConfig:
     offload: str = "none"  # ZeRO optimizer state: none | cpu (host memory, ZeRO-Offload) | disk (mmap files)
     offload_dir: str = ""  # directory for parallel.offload = "disk"; "" = <run.dir>/offload
     reshard_after_forward: bool = True  # ZeRO-3: free gathered params after forward, gather again for backward
+    auto: bool = False  # let the planner (loom.plan) choose the layout and micro-batch for the world size
 
 
 @dataclass

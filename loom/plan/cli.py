@@ -2,6 +2,8 @@
 
     loom plan --config run.toml [--cluster cpu-local] [--world N] [--top K] [--json] [--section.key value ...]
     loom plan --model llama3-70b --cluster h100-sxm:128x8 --seq 8192 --global-batch 1024 [--explain 1]
+    loom plan calibrate [--out profile.json] [--nproc N] [--config run.toml]   measure this machine
+    loom plan validate [--profile profile.json]   predicted vs measured on local debug-model runs
 
 ``--cluster`` takes a TOML path, a name in ``configs/clusters`` or ``DEVICE:NODESxPER``;
 ``--device NAME`` with ``--world N`` builds nodes of up to 8 such devices. Exit status: 0 when the
@@ -95,7 +97,16 @@ def _json_estimate(e: Estimate | None) -> dict | None:
     return None if e is None else e.to_dict()
 
 
+SUBCOMMANDS = ("calibrate", "validate")
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] in SUBCOMMANDS:  # loom plan calibrate | validate: their own options
+        if argv[0] == "calibrate":
+            from loom.plan.calibrate import main as sub
+        else:
+            from loom.plan.validate import main as sub
+        return sub(argv[1:])
     parser = _parser()
     args, overrides = parser.parse_known_args(argv)
     try:

@@ -195,6 +195,8 @@ class Trainer:
                 if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
                     row["eval_loss"] = self._evaluate(self.model, self._to_device(self.eval_set), self.loss_fn,
                                                       self.mesh.group("dp"))  # fmt: skip
+                if self.is_main and step + 1 == c.steps:  # the planner's prediction beside the measurement
+                    _add_plan(self.cfg, self.env.world, row)
                 self.metrics.write(row)
                 if self.is_main:
                     bar.write(step_line(row) + (f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""))
@@ -225,6 +227,19 @@ class Trainer:
             log.info("saved %s", out / "model.safetensors")
         if self.env.world > 1:
             dist.barrier()
+
+
+def _add_plan(cfg: C.LoomConfig, world: int, row: dict) -> None:
+    """Add ``plan_*`` fields (loom.plan.auto.predicted_fields) to ``row`` and log them; never raises."""
+    try:
+        from loom.plan.auto import predicted_fields
+
+        row.update(predicted_fields(cfg, world))
+        state = sum(row.get(k, 0) for k in ("param_bytes", "grad_bytes", "optim_bytes"))
+        log.info("planner: step %.4g s predicted, %.4g measured | rank-0 state %.3f MiB predicted, %.3f measured",
+                 row["plan_step_time_s"], row["step_time_s"], row["plan_state_bytes"] / 2**20, state / 2**20)  # fmt: skip
+    except Exception as e:  # a planner problem must never break training
+        log.warning("planner prediction unavailable: %s", e)
 
 
 def _progress(total: int, enabled: bool):

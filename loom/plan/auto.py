@@ -1,0 +1,146 @@
+"""``parallel.auto``: let the planner choose the layout of a training run, and compare after it.
+
+:func:`local_cluster` describes the machine a run is on: ``configs/clusters/cpu-local.toml``
+widened to the world size (one node, every rank on it) for CPU runs, ``DEVICE:1xN`` for a
+known GPU. :func:`load_profile` reads ``$LOOM_PROFILE`` or ``./profile.json`` when present
+(written by ``loom plan calibrate``), scaled by :func:`~loom.plan.calibrate.contended` when more
+ranks than cores share the CPU. :func:`apply_auto` searches the layouts of the world size and
+writes the fastest into ``cfg.parallel`` and ``cfg.train.micro_batch``; :func:`prediction`
+gives the estimate of a config's own layout (what the trainer logs beside its measurement).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+from loom.config import ConfigError, LoomConfig, world_size_of
+from loom.plan.calibrate import contended
+from loom.plan.cost import CostModel, Estimate, Layout, PlanError
+from loom.plan.hardware import ClusterSpec, HardwareError, Profile, resolve_cluster
+from loom.plan.report import layout_of, model_of, workload_of
+from loom.plan.search import search
+
+log = logging.getLogger("loom")
+
+# Schedules the planner ranks that the pipeline runtime also runs (it has these and more).
+RUNTIME_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def local_cluster(world: int, device: str = "cpu") -> ClusterSpec:
+    """This machine as a one-node cluster of ``world`` ranks (CPU: cpu-local.toml's links and memory)."""
+    if device == "cpu":
+        base = resolve_cluster("cpu-local")
+        return dataclasses.replace(base, name=f"cpu-local:1x{world}", nodes=1, devices_per_node=world)
+    return resolve_cluster(f"{device}:1x{world}")
+
+
+def load_profile(world: int, path: str | None = None) -> Profile | None:
+    """The calibration profile at ``path``, ``$LOOM_PROFILE`` or ``./profile.json`` (None if absent)."""
+    p = path or os.environ.get("LOOM_PROFILE") or "profile.json"
+    if not Path(p).is_file():
+        if path:
+            raise HardwareError(f"profile file {p!r} does not exist")
+        return None
+    prof = Profile.load(p)
+    return contended(prof, world) if prof.device == "cpu" else prof
+
+
+def _device_of(cfg: LoomConfig) -> str:
+    if cfg.run.device == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""
+        for key in ("h100", "a100", "h200", "b200", "mi300x"):
+            if key in name:
+                return {"h100": "h100-sxm", "a100": "a100-80g"}.get(key, key)
+    return "cpu"
+
+
+def _to_config(cfg: LoomConfig, lay: Layout) -> None:
+    p = cfg.parallel
+    p.dp, p.dp_shard, p.tp, p.pp, p.cp, p.ep = lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep
+    p.zero, p.sp, p.schedule, p.virtual_stages = lay.zero, lay.sp, lay.schedule, lay.v
+    p.offload = "cpu" if lay.offload else "none"
+    cfg.train.micro_batch = lay.micro_batch
+    cfg.train.recompute = lay.recompute
+
+
+def runnable(cfg: LoomConfig, lay: Layout) -> bool:
+    """Whether the runtime accepts ``lay`` for this config (its own validation, on a copy)."""
+    from loom.config import validate
+
+    trial = _copy(cfg)
+    trial.parallel.auto = False
+    _to_config(trial, lay)
+    try:
+        validate(trial, lay.world_size)
+    except ConfigError:
+        return False
+    return True
+
+
+def _copy(cfg: LoomConfig) -> LoomConfig:
+    from loom.config import from_dict, to_dict
+
+    return from_dict(to_dict(cfg))
+
+
+def choose(cfg: LoomConfig, world: int | None = None, profile: Profile | None = None) -> Estimate:
+    """The fastest layout of ``world`` ranks that fits and that the runtime can run."""
+    world = world or world_size_of(cfg)
+    cluster = local_cluster(world, _device_of(cfg))
+    if profile is None:
+        profile = load_profile(world)
+    result = search(model_of(cfg), workload_of(cfg), cluster, world, profile=profile)
+    for est in result.ranked:
+        lay = est.layout
+        if lay.world_size == world and lay.schedule in RUNTIME_SCHEDULES and runnable(cfg, lay):
+            return est
+    raise PlanError(f"parallel.auto: no layout of {world} rank(s) fits and runs; closest: "
+                    f"{result.closest.layout.short() if result.closest else 'none'}")  # fmt: skip
+
+
+def apply_auto(cfg: LoomConfig, world: int | None = None, profile: Profile | None = None) -> Estimate:
+    """Write the planner's best layout into ``cfg`` (parallel.*, train.micro_batch, train.recompute)."""
+    world = world or world_size_of(cfg)
+    est = choose(cfg, world, profile)
+    _to_config(cfg, est.layout)
+    cfg.parallel.auto = False  # chosen: a relaunched rank must not search again
+    log.info("%s", describe(est))
+    return est
+
+
+def describe(est: Estimate) -> str:
+    """One line naming a chosen layout and its prediction."""
+    lay = est.layout
+    return (
+        f"parallel.auto chose {lay.short()} sp={lay.sp} schedule={lay.schedule if lay.pp > 1 else '-'} "
+        f"micro_batch={lay.micro_batch} recompute={lay.recompute}: predicted {est.step_time:.3g} s/step, "
+        f"{est.memory / 2**20:.1f} MiB per rank"
+    )
+
+
+def _cost_model(cfg: LoomConfig, world: int, profile: Profile | None) -> CostModel:
+    cluster = local_cluster(world, _device_of(cfg))
+    return CostModel(model_of(cfg), workload_of(cfg), cluster, profile or load_profile(world))
+
+
+def prediction(cfg: LoomConfig, world: int, profile: Profile | None = None) -> Estimate:
+    """The planner's estimate for the config's own (resolved) layout on this machine."""
+    return _cost_model(cfg, world, profile).estimate(layout_of(cfg))
+
+
+def predicted_fields(cfg: LoomConfig, world: int, profile: Profile | None = None) -> dict[str, float]:
+    """Predicted step time, rank-0 model-state bytes (first stage) and peak bytes of the config's layout."""
+    cm = _cost_model(cfg, world, profile)
+    lay = layout_of(cfg)
+    est = cm.estimate(lay)
+    states = cm.state_memory(lay, first=True, last=lay.pp == 1)
+    return {
+        "plan_step_time_s": est.step_time,
+        "plan_state_bytes": states["weights"] + states["gradients"] + states["optimizer"],
+        "plan_peak_mem_bytes": est.memory,
+    }

@@ -1,0 +1,187 @@
+"""``loom plan validate``: run small layouts through the real trainer and compare with the planner.
+
+Each layout is a ``python -m loom train`` subprocess on the debug model (a few steps, a small
+corpus, no eval/TensorBoard) with its own ``--run.dir``. From its last ``metrics.jsonl`` row
+(rank 0, i.e. the first pipeline stage) we take ``step_time_s`` (the mean over the last
+``log_every`` steps, so the first, warm-up steps are excluded) and the model-state bytes
+``param_bytes + grad_bytes + optim_bytes``; the planner predicts the same two numbers for the
+same config on :func:`~loom.plan.auto.local_cluster` with the calibration profile (scaled by
+:func:`~loom.plan.calibrate.contended` when ranks outnumber cores). Errors are
+``(predicted - measured) / measured``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from loom.config import LoomConfig, load
+from loom.plan.auto import predicted_fields
+from loom.plan.calibrate import contended
+from loom.plan.hardware import Profile
+
+REPO = Path(__file__).resolve().parents[2]
+DEBUG_CONFIG = str(REPO / "configs" / "debug.toml")
+MEMORY_TOLERANCE = 0.05
+TIME_TOLERANCE = 0.20
+
+# (name, ranks, overrides): dp, ZeRO 1/2/3, tensor(+sequence), pipeline, recomputation, mixes.
+LAYOUTS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
+    ("dp1", 1, ()),
+    ("dp1 recompute=full", 1, ("--train.recompute", "full")),
+    ("dp2", 2, ()),
+    ("dp2 zero1", 2, ("--parallel.zero", "1")),
+    ("dp2 zero3", 2, ("--parallel.zero", "3")),
+    ("tp2 sp", 2, ("--parallel.tp", "2", "--parallel.sp", "true")),
+    ("pp2 1f1b", 2, ("--parallel.pp", "2")),
+    ("dp4 zero2", 4, ("--parallel.zero", "2")),
+    ("dp2 tp2 zero1", 4, ("--parallel.tp", "2", "--parallel.sp", "true", "--parallel.zero", "1")),
+    ("dp2 pp2", 4, ("--parallel.pp", "2")),
+)
+
+
+@dataclass
+class Comparison:
+    """One layout: predicted vs measured step time (s) and rank-0 model-state bytes."""
+
+    name: str
+    ranks: int
+    pred_step_s: float
+    meas_step_s: float
+    pred_state_bytes: float
+    meas_state_bytes: float
+
+    @property
+    def time_error(self) -> float:
+        return (self.pred_step_s - self.meas_step_s) / self.meas_step_s
+
+    @property
+    def memory_error(self) -> float:
+        return (self.pred_state_bytes - self.meas_state_bytes) / self.meas_state_bytes
+
+
+def base_overrides(steps: int, corpus_mb: float | None = None) -> list[str]:
+    """Short, quiet runs: ``steps`` steps, one metrics row per half, no eval, no TensorBoard, one
+    thread per rank (as calibrated; more threads than free cores make OpenMP spin)."""
+    return [
+        "--train.steps", str(steps), "--train.log_every", str(max(1, steps // 2)), "--train.eval_every", "0",
+        "--train.warmup_steps", "1", "--run.tensorboard", "false", "--run.progress", "false", "--run.threads", "1",
+    ] + (["--data.max_corpus_mb", str(corpus_mb)] if corpus_mb else [])  # fmt: skip
+
+
+def run_layout(config: str, ranks: int, overrides: list[str], run_dir: str, timeout_s: float = 600) -> dict:
+    """Train one layout in a subprocess; returns the last metrics row (raises with its stderr on failure)."""
+    cmd = [sys.executable, "-m", "loom", "train", config, "--nproc", str(ranks), "--run.dir", run_dir, *overrides]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if proc.returncode != 0 or not metrics.is_file():
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise RuntimeError(f"loom train {' '.join(overrides)} failed ({proc.returncode}):\n{tail}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return rows[-1]
+
+
+def config_of(config: str, ranks: int, overrides: list[str]) -> LoomConfig:
+    return load(config, [*overrides, "--run.nproc", str(ranks)])
+
+
+def compare(
+    name: str, ranks: int, overrides: list[str], config: str, profile: Profile | None, run_dir: str
+) -> Comparison:
+    """Run one layout and predict it; the profile is scaled for contention at ``ranks``."""
+    row = run_layout(config, ranks, overrides, run_dir)
+    prof = contended(profile, ranks) if profile is not None and profile.device == "cpu" else profile
+    pred = predicted_fields(config_of(config, ranks, overrides), ranks, prof)
+    return Comparison(
+        name=name,
+        ranks=ranks,
+        pred_step_s=pred["plan_step_time_s"],
+        meas_step_s=float(row["step_time_s"]),
+        pred_state_bytes=pred["plan_state_bytes"],
+        meas_state_bytes=float(row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]),
+    )
+
+
+def format_comparisons(rows: list[Comparison]) -> str:
+    """Aligned table with the two errors and a summary line."""
+    head = ("layout", "ranks", "step pred s", "step meas s", "err", "state pred B", "state meas B", "err")
+    cells = [head] + [
+        (
+            r.name, str(r.ranks), f"{r.pred_step_s:.4f}", f"{r.meas_step_s:.4f}", f"{100 * r.time_error:+.1f}%",
+            f"{r.pred_state_bytes:,.0f}", f"{r.meas_state_bytes:,.0f}", f"{100 * r.memory_error:+.2f}%",
+        )
+        for r in rows
+    ]  # fmt: skip
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if rows:
+        t_ok = sum(abs(r.time_error) <= TIME_TOLERANCE for r in rows)
+        m_ok = sum(abs(r.memory_error) <= MEMORY_TOLERANCE for r in rows)
+        mean_t = sum(abs(r.time_error) for r in rows) / len(rows)
+        lines.append(
+            f"state memory within {MEMORY_TOLERANCE:.0%}: {m_ok}/{len(rows)}; step time within "
+            f"{TIME_TOLERANCE:.0%}: {t_ok}/{len(rows)} (mean |error| {100 * mean_t:.1f}%)"
+        )
+    return "\n".join(lines)
+
+
+def validate(
+    layouts=LAYOUTS,
+    config: str = DEBUG_CONFIG,
+    profile: Profile | None = None,
+    steps: int = 8,
+    corpus_mb: float = 0.5,
+    workdir: str | None = None,
+    echo=None,
+) -> list[Comparison]:
+    """Run every layout (sequentially) and compare; ``echo`` gets each row as it finishes."""
+    out = []
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        for i, (name, ranks, extra) in enumerate(layouts):
+            ov = [*base_overrides(steps, corpus_mb), *extra]
+            c = compare(name, ranks, ov, config, profile, str(Path(tmp) / f"run{i}"))
+            out.append(c)
+            if echo is not None:
+                echo(c)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """``loom plan validate [--profile p.json] [--config debug.toml] [--steps N] [--only NAME ...] [--json]``."""
+    p = argparse.ArgumentParser(prog="loom plan validate", description="predicted vs measured on local runs")
+    p.add_argument("--profile", help="calibration profile (loom plan calibrate); default: $LOOM_PROFILE or ./profile.json if present")
+    p.add_argument("--config", default=DEBUG_CONFIG, help="base training config (default: configs/debug.toml)")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per run (timing: the last half)")
+    p.add_argument("--corpus-mb", type=float, default=0.5, help="data.max_corpus_mb of the runs")
+    p.add_argument("--only", nargs="*", help=f"layout names: {', '.join(n for n, _, _ in LAYOUTS)}")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = p.parse_args(argv)
+    profile = Profile.load(args.profile) if args.profile else None
+    layouts = [lay for lay in LAYOUTS if not args.only or lay[0] in args.only]
+    if not layouts:
+        print(f"loom plan validate: no layout named {args.only}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+
+    def echo(c: Comparison) -> None:
+        if not args.json:
+            print(f"  {c.name}: step {c.pred_step_s:.4f} vs {c.meas_step_s:.4f} s ({100 * c.time_error:+.1f}%), "
+                  f"state {100 * c.memory_error:+.2f}%", flush=True)  # fmt: skip
+
+    rows = validate(layouts, args.config, profile, args.steps, args.corpus_mb, echo=echo)
+    if args.json:
+        print(json.dumps([asdict(r) | {"time_error": r.time_error, "memory_error": r.memory_error} for r in rows]))
+    else:
+        print(format_comparisons(rows))
+        print(f"profile: {args.profile or 'default ($LOOM_PROFILE, ./profile.json or datasheet)'}; "
+              f"{time.perf_counter() - t0:.0f} s")
+    return 0 if all(abs(r.memory_error) <= MEMORY_TOLERANCE for r in rows) else 1
