@@ -10,6 +10,9 @@ buffer's fp32 master weights and Adam moments (``strategy.optim``). A parameter 
     optim.<fqn>.exp_avg    that range of m;   optim.<fqn>.exp_avg_sq   that range of v
     optim.<fqn>.step       the step count, a scalar (written by the holder of element 0)
 
+(optimizers other than AdamW name their own element-shaped buffers, ``checkpoint_buffers``:
+8-bit Adam its dequantized m and v, Adafactor its second-moment estimate as ``exp_avg_sq``)
+
 A tensor-parallel shard (``tp_shard_dim``) is flattened on its own, so its range is a
 :class:`~loom.checkpoint.protocol.Flat` *within* the tp box of the global tensor. Replicas:
 hybrid sharding repeats each shard over ``replicate_group`` (R copies), and parameters that
@@ -40,6 +43,14 @@ def tp_geometry(p: torch.Tensor, tp_rank: int, tp: int) -> tuple[tuple[int, ...]
     return tuple(shape), Box(tuple(offsets), tuple(p.shape))
 
 
+def _flat_state(opt, i: int) -> list[tuple[str, torch.Tensor]]:
+    """(key, buffer laid out like shard i) pairs checkpointed for flat buffer i: the master weights, then
+    Adam's moments, or what the optimizer names (``checkpoint_buffers``: Adafactor, 8-bit Adam)."""
+    if hasattr(opt, "checkpoint_buffers"):
+        return [("model", opt.masters[i]), *opt.checkpoint_buffers(i)]
+    return [("model", opt.masters[i]), ("exp_avg", opt.exp_avgs[i]), ("exp_avg_sq", opt.exp_avg_sqs[i])]
+
+
 class ZeroState:
     """:class:`~loom.checkpoint.protocol.Shardable` for ``ZeroDataParallel`` and ``FullyShardedZero``."""
 
@@ -68,11 +79,7 @@ class ZeroState:
                     replica = (self.rep_rank, self.rep)
                 start = lo - slot.offset
                 a, b = lo - lay.start, hi - lay.start
-                for key, buf in (
-                    ("model", opt.masters[i]),
-                    ("exp_avg", opt.exp_avgs[i]),
-                    ("exp_avg_sq", opt.exp_avg_sqs[i]),
-                ):
+                for key, buf in _flat_state(opt, i):
                     name = f"model.{fqn}" if key == "model" else f"optim.{fqn}.{key}"
                     out[name] = ShardedTensor(buf[a:b], shape, Flat(start, hi - lo, within), replica)
                 step = torch.tensor(float(opt.step_count))
@@ -89,6 +96,8 @@ class ZeroState:
         if len(steps) > 1:
             raise CheckpointError(f"optimizer step counts differ between parameters: {sorted(steps)}")
         opt.step_count = steps.pop() if steps else 0
+        if hasattr(opt, "checkpoint_loaded"):  # optimizers whose state is derived from what was filled
+            opt.checkpoint_loaded()
         if self.stage3:
             for p, master in zip(opt.params, opt.masters):
                 if master is not p:
