@@ -84,6 +84,8 @@ class FlatAdafactor:
             self._tp_dims.append(dim)
             self._stat_len += R + C + 1
         self._param_index = {ij: k for k, ij in enumerate(every)}
+        self._means: dict[int, torch.Tensor] = {}  # mean(r) of the last step, by piece (for checkpoints)
+        self._ckpt: dict[int, torch.Tensor] = {}  # V̂ buffers handed to a checkpoint, by shard
         self.row_var: dict[int, torch.Tensor] = {}
         self.col_var: dict[int, torch.Tensor] = {}
         self.variance: dict[int, torch.Tensor] = {}
@@ -102,6 +104,61 @@ class FlatAdafactor:
     def state_bytes(self) -> int:
         """Row/column statistics, vector variances and fp32 masters, wherever they live."""
         return self.store.nbytes
+
+    # ------------------------------------------------------------------ checkpoints
+    @torch.no_grad()
+    def checkpoint_buffers(self, i: int) -> list[tuple[str, torch.Tensor]]:
+        """Shard i's second-moment estimate V̂ = r cᵀ / mean(r) (vectors: v), element-shaped, saved as
+        ``exp_avg_sq`` like AdamW's (so checkpoints reshard with the parameters). It determines the
+        factors again: mean(r) = mean(c) (both EMAs of the mean of G²), so r_i = Σ_j V̂_ij / C and
+        c_j = Σ_i V̂_ij / R (:meth:`checkpoint_loaded`). The buffer lives until the next step."""
+        if i in self._ckpt:  # asked once per parameter of the shard: one buffer
+            return [("exp_avg_sq", self._ckpt[i])]
+        buf = torch.zeros(self.masters[i].numel(), dtype=torch.float32, device=self.store.device)
+        for n, pc in enumerate(self.pieces):
+            if pc.shard != i:
+                continue
+            if n in self.variance:
+                buf[pc.a : pc.b] = self.variance[n]
+                continue
+            C = pc.param.shape[1]
+            r0, r1 = pc.lo // C, (pc.hi - 1) // C + 1
+            mean = self._means.get(n)
+            if mean is not None and float(mean) > 0:
+                v = (self.row_var[n][r0:r1, None] @ self.col_var[n][None, :]).div_(mean)
+                buf[pc.a : pc.b] = v.view(-1)[pc.lo - r0 * C : pc.hi - r0 * C]
+        self._ckpt[i] = buf
+        return [("exp_avg_sq", buf)]
+
+    @torch.no_grad()
+    def checkpoint_loaded(self) -> None:
+        """Rebuild r, c and v from the filled V̂ buffers (collective over the sharding group and tp)."""
+        stats = torch.zeros(self._stat_len, dtype=torch.float64, device=self.store.device)
+        for n, pc in enumerate(self.pieces):
+            v = self._ckpt[pc.shard][pc.a : pc.b]
+            if n in self.variance:
+                self.variance[n].copy_(v)
+                continue
+            R, C = pc.param.shape
+            at = self._stat_at[(pc.shard, pc.slot)]
+            r0, r1 = pc.lo // C, (pc.hi - 1) // C + 1
+            pad = torch.zeros((r1 - r0) * C, dtype=torch.float64, device=v.device)
+            pad[pc.lo - r0 * C : pc.hi - r0 * C] = v
+            pad = pad.view(r1 - r0, C)
+            stats[at + r0 : at + r1] = pad.sum(dim=1)
+            stats[at + R : at + R + C] = pad.sum(dim=0)
+        self._reduce(stats, self._tp_mask)
+        for n, pc in enumerate(self.pieces):
+            if n in self.variance:
+                continue
+            R, C = pc.param.shape
+            at = self._stat_at[(pc.shard, pc.slot)]
+            c_global = self._global(pc, C) if pc.tp_dim == 1 else C
+            r_global = self._global(pc, R) if pc.tp_dim == 0 else R
+            self.row_var[n].copy_(stats[at : at + R] / c_global)
+            self.col_var[n].copy_(stats[at + R : at + R + C] / r_global)
+            self._means[n] = (self.col_var[n] if pc.tp_dim == 0 else self.row_var[n]).mean()  # = global mean(r)
+        self._ckpt.clear()
 
     # ------------------------------------------------------------------ collectives
     def _reduce(self, buf: torch.Tensor, tp_ranges: list[tuple[int, int]]) -> None:
@@ -122,6 +179,7 @@ class FlatAdafactor:
     def step(self, grads: Sequence[torch.Tensor], lr: float) -> None:
         """One Adafactor update of this rank's pieces from the reduced gradient shards."""
         g32 = self.master.grads32(grads, self.grad_scale)
+        self._ckpt.clear()
         self.step_count += 1
         t = float(self.step_count)
         beta = t**BETA2_DECAY
@@ -181,6 +239,7 @@ class FlatAdafactor:
                     mean = torch.tensor(split_means[n] / self._global(pc, R), dtype=torch.float32)
                 else:
                     mean = rv.mean()
+                self._means[n] = mean
                 r1 = r0 + pad.shape[0]
                 var = (rv[r0:r1, None] @ cv[None, :]).div_(mean.clamp(min=self.eps1))
                 var = var.view(-1)[pc.lo - r0 * C : pc.hi - r0 * C]

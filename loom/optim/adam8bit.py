@@ -91,6 +91,7 @@ class FlatAdam8bit:
             self.u_absmax.append(store.zeros(nb, f"u_absmax{i}"))
             self.m_codes[-1].fill_(int(torch.bucketize(torch.zeros(()), self.qm.mid.cpu())))  # code of 0.0
         self._decayed = [m[lo:hi] for m, runs in zip(self.masters, decay_ranges) for lo, hi in runs]
+        self._ckpt: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def bind_groups(self, shard_group: Group, tp_group: Group) -> None:
         """Element-wise (per block of this shard): no statistics cross shards."""
@@ -101,8 +102,30 @@ class FlatAdam8bit:
         return self.store.nbytes
 
     @torch.no_grad()
+    def checkpoint_buffers(self, i: int) -> list[tuple[str, torch.Tensor]]:
+        """Shard i's moments dequantized to fp32, saved as AdamW's ``exp_avg`` / ``exp_avg_sq`` (so an
+        8-bit run resumes from an AdamW checkpoint and back, at any layout). Transient: 8 bytes per
+        element until the next step or :meth:`checkpoint_loaded`."""
+        if i in self._ckpt:  # asked once per parameter of the shard: one pair of buffers
+            m, v = self._ckpt[i]
+            return [("exp_avg", m), ("exp_avg_sq", v)]
+        m = self.qm.dequantize(self.m_codes[i], self.m_absmax[i])
+        v = self.qu.dequantize(self.u_codes[i], self.u_absmax[i]).square_()
+        self._ckpt[i] = (m, v)
+        return [("exp_avg", m), ("exp_avg_sq", v)]
+
+    @torch.no_grad()
+    def checkpoint_loaded(self) -> None:
+        """Quantize the filled fp32 moments into the 8-bit state."""
+        for i, (m, v) in self._ckpt.items():
+            self.qm.quantize(m, self.m_codes[i], self.m_absmax[i])
+            self.qu.quantize(v.clamp_(min=0).sqrt_(), self.u_codes[i], self.u_absmax[i])
+        self._ckpt.clear()
+
+    @torch.no_grad()
     def step(self, grads: Sequence[torch.Tensor], lr: float) -> None:
         g32 = self.master.grads32(grads, self.grad_scale)
+        self._ckpt.clear()
         self.step_count += 1
         if self.weight_decay != 0 and self._decayed:
             torch._foreach_mul_(self._decayed, 1 - lr * self.weight_decay)
