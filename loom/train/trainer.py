@@ -229,6 +229,19 @@ class Trainer:
             dist.barrier()
 
 
+def _add_plan(cfg: C.LoomConfig, world: int, row: dict) -> None:
+    """Add ``plan_*`` fields (loom.plan.auto.predicted_fields) to ``row`` and log them; never raises."""
+    try:
+        from loom.plan.auto import predicted_fields
+
+        row.update(predicted_fields(cfg, world))
+        state = sum(row.get(k, 0) for k in ("param_bytes", "grad_bytes", "optim_bytes"))
+        log.info("planner: step %.4g s predicted, %.4g measured | rank-0 state %.3f MiB predicted, %.3f measured",
+                 row["plan_step_time_s"], row["step_time_s"], row["plan_state_bytes"] / 2**20, state / 2**20)  # fmt: skip
+    except Exception as e:  # a planner problem must never break training
+        log.warning("planner prediction unavailable: %s", e)
+
+
 def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
