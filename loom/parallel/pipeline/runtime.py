@@ -19,8 +19,10 @@ STEP k the rank snapshots its parameters as version k if a later action uses it,
 version after its last use. F and B of a micro-batch run through
 ``torch.func.functional_call`` on the *same* snapshot (the version its forward used, while
 newer versions exist); the backward's gradient is then added to the live parameters' ``.grad``,
-so the optimizer applies W_{k+1} = W_k - lr * grad(W_version). Versions kept at once equal
-:func:`~.schedules.stashed_versions` (PipeDream: p - rank).
+so the optimizer applies W_{k+1} = W_k - lr * grad(W_version). Versions kept at once:
+PipeDream p - rank, 2BW 2 (:func:`~.schedules.stashed_versions`); PipeDream with vertical sync
+p on every rank, since the versions between stage 0's and this rank's newest are needed by
+forwards that have not started yet (``stashed_versions`` counts only in-flight ones: p - r + 1).
 
 Timing: every action's start/end (``time.perf_counter``, relative to a barrier at the start
 of a recorded run) goes into a :class:`~.simulate.Timeline`, gathered on pipeline rank 0.
@@ -44,7 +46,16 @@ from torch.func import functional_call
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.parallel.pipeline.schedules import COMPUTE, RECVS, SENDS, Action, Kind, pipedream_2bw
+from loom.parallel.pipeline.schedules import (
+    COMPUTE,
+    RECVS,
+    SENDS,
+    Action,
+    Kind,
+    build_schedule,
+    pipedream_2bw,
+    pipedream_async,
+)
 from loom.parallel.pipeline.simulate import Event, Timeline
 from loom.parallel.pipeline.stage import PipelineModule, backward_input, backward_weight
 
@@ -77,8 +88,6 @@ def step_schedule(name: str, p: int, m: int, v: int = 1, vertical_sync: bool = F
     Synchronous schedules and PipeDream take the m micro-batches as they are (PipeDream: one
     weight update per micro-batch); 2BW splits them into 2 batches of m/2 (one update each).
     """
-    from loom.parallel.pipeline.schedules import build_schedule, pipedream_async
-
     if name == "pipedream":
         return pipedream_async(p, m, vertical_sync)
     if name == "2bw":

@@ -270,9 +270,10 @@ def pipeline_evaluate(model: PipelineModule, batches: Sequence[Batch],
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dp_group: Group) -> float:  # fmt: skip
     """Mean loss over ``batches`` (signature of :func:`loom.train.step.evaluate`): a forward-only
     pipeline, each micro-batch through the stages in order (sends never block, so no deadlock)."""
-    pipe = model
+    pipe, was_training = model, model.training
     p, dim, dtype = pipe.p, pipe.cfg.dim, next(pipe.parameters()).dtype
     losses, works, keep = [], [], []
+    pipe.eval()
     for x, y in batches:
         for s in pipe.stage_ids:
             stage = pipe.stage(s)
@@ -290,6 +291,7 @@ def pipeline_evaluate(model: PipelineModule, batches: Sequence[Batch],
                 keep.append(h)
     for w in works:
         w.wait()
+    pipe.train(was_training)
     return _last_stage_mean(pipe, dp_group, losses)
 
 
