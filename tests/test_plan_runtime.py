@@ -45,6 +45,18 @@ def test_contended_scales_compute_only_when_ranks_outnumber_cores():
     assert shared.collectives == PROFILE.collectives
 
 
+def test_sustained_flops_reproduces_the_measured_one_rank_step():
+    from loom.plan.calibrate import sustained_flops
+    from loom.plan.cost import Layout, estimate
+    from loom.plan.report import model_of, workload_of
+
+    cfg = _cfg(1)
+    flops = sustained_flops(cfg, 50e9, 0.05)
+    prof = Profile(device="cpu", gemm_flops={"fp32": flops}, hbm_bandwidth=50e9)
+    est = estimate(model_of(cfg), Layout(micro_batch=2), workload_of(cfg), local_cluster(1), profile=prof)
+    assert est.step_time == pytest.approx(0.05, rel=1e-6)
+
+
 def test_model_shapes_cover_forward_and_backward():
     m = _cfg(1).model
     m.vocab_size = 512
@@ -114,3 +126,27 @@ def test_state_memory_of_real_runs_matches_prediction(tmp_path):
     assert len(rows) == 3
     for r in rows:
         assert abs(r.memory_error) <= MEMORY_TOLERANCE, r
+
+
+@pytest.mark.slow
+def test_train_with_parallel_auto_runs_and_logs_the_prediction(tmp_path):
+    """``loom train --parallel.auto true`` on 2 ranks: the chosen layout trains, and the last
+    metrics row carries the planner's prediction beside the measurement."""
+    import json
+    import subprocess
+    import sys
+
+    from loom.plan.validate import REPO, base_overrides
+
+    run_dir = tmp_path / "auto"
+    cmd = [sys.executable, "-m", "loom", "train", DEBUG_CONFIG, "--nproc", "2", "--run.dir", str(run_dir),
+           "--parallel.auto", "true", *base_overrides(2, 0.5)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "parallel.auto chose" in proc.stdout
+    row = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    state = row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]
+    assert row["plan_state_bytes"] == pytest.approx(state, rel=MEMORY_TOLERANCE)
+    assert row["plan_step_time_s"] > 0
+    saved = C.load_toml(run_dir / "config.toml")
+    assert saved.parallel.auto is False and saved.parallel.dp * saved.parallel.tp * saved.parallel.pp == 2

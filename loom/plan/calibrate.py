@@ -96,8 +96,8 @@ def measure_bandwidth(elements: list[int], repeats: int = 20) -> float:
     return moved / total_s
 
 
-def measure_trainer_step(config: str, steps: int = 8) -> float:
-    """Mean step time (s) of a one-rank ``loom train config`` over the later half of ``steps`` steps."""
+def measure_trainer_step(config: str, steps: int = 12) -> float:
+    """Step time (s) of a one-rank ``loom train config`` as :func:`loom.plan.validate.run_layout` measures it."""
     from loom.plan.validate import base_overrides, run_layout
 
     with tempfile.TemporaryDirectory() as tmp:
