@@ -619,3 +619,20 @@ def test_cli_convert(saved, tmp_path, capsys):
     assert torch.equal(load_file(str(out))["norm.weight"], full["model.norm.weight"])
     assert main(["checkpoint", "convert", str(tmp_path / "nothing-here"), str(out)]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
+
+
+def test_metrics_past_the_checkpoint_are_dropped_on_restart(tmp_path):
+    from loom.checkpoint.training import truncate_metrics
+
+    rows = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 8))
+    (tmp_path / "metrics.jsonl").write_text(rows + '{"step": 8, "lo')  # killed mid-write
+    truncate_metrics(tmp_path, 5)
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
+    truncate_metrics(tmp_path, 0)  # a restart before the first checkpoint starts the file afresh
+    assert (tmp_path / "metrics.jsonl").read_text() == ""

@@ -52,15 +52,23 @@ def choose_source(cfg: C.LoomConfig, run_dir: Path) -> str | None:
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop metrics rows past ``step`` (written by an attempt that died before its next checkpoint)."""
-    import json
-
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return
     lines = path.read_text().splitlines()
-    keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    keep = [ln for ln in lines if _row_step(ln) <= step]
     if len(keep) != len(lines):
         write_bytes_atomic(path, "".join(ln + "\n" for ln in keep).encode())
+
+
+def _row_step(line: str) -> float:
+    """The step of a metrics row; a torn last line (killed mid-write) counts as past every step."""
+    import json
+
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return float("inf")
 
 
 class TrainCheckpoints:
