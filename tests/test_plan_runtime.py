@@ -150,3 +150,14 @@ def test_train_with_parallel_auto_runs_and_logs_the_prediction(tmp_path):
     assert row["plan_step_time_s"] > 0
     saved = C.load_toml(run_dir / "config.toml")
     assert saved.parallel.auto is False and saved.parallel.dp * saved.parallel.tp * saved.parallel.pp == 2
+
+
+def test_validation_table_and_picture(tmp_path):
+    from loom.plan.validate import Comparison
+    from loom.plan.viz import draw_validation
+
+    rows = [Comparison("dp2", 2, 0.05, 0.04, 1000.0, 1000.0), Comparison("tp2 sp", 2, 0.05, 0.15, 990.0, 1000.0)]
+    table = format_comparisons(rows)
+    assert "+25.0%" in table and "-1.00%" in table and "state memory within 5%: 2/2" in table
+    png = draw_validation(rows, tmp_path / "v.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"

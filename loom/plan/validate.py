@@ -159,7 +159,7 @@ def validate(
 
 
 def main(argv: list[str]) -> int:
-    """``loom plan validate [--profile p.json] [--config debug.toml] [--steps N] [--only NAME ...] [--json]``."""
+    """``loom plan validate [--profile p.json] [--config debug.toml] [--steps N] [--only NAME ...] [--json] [--plot f.png]``."""
     p = argparse.ArgumentParser(prog="loom plan validate", description="predicted vs measured on local runs")
     p.add_argument("--profile", help="calibration profile (loom plan calibrate); default: $LOOM_PROFILE or ./profile.json if present")
     p.add_argument("--config", default=DEBUG_CONFIG, help="base training config (default: configs/debug.toml)")
@@ -167,6 +167,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--corpus-mb", type=float, default=0.5, help="data.max_corpus_mb of the runs")
     p.add_argument("--only", nargs="*", help=f"layout names: {', '.join(n for n, _, _ in LAYOUTS)}")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--plot", help="also draw predicted vs measured bars into this PNG")
     args = p.parse_args(argv)
     profile = Profile.load(args.profile) if args.profile else None
     layouts = [lay for lay in LAYOUTS if not args.only or lay[0] in args.only]
@@ -185,6 +186,10 @@ def main(argv: list[str]) -> int:
         print(json.dumps([asdict(r) | {"time_error": r.time_error, "memory_error": r.memory_error} for r in rows]))
     else:
         print(format_comparisons(rows))
+        if args.plot:
+            from loom.plan.viz import draw_validation
+
+            print(f"wrote {draw_validation(rows, args.plot)}")
         print(f"profile: {args.profile or 'default ($LOOM_PROFILE, ./profile.json or datasheet)'}; "
               f"{time.perf_counter() - t0:.0f} s")
     return 0 if all(abs(r.memory_error) <= MEMORY_TOLERANCE for r in rows) else 1

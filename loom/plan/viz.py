@@ -1,0 +1,43 @@
+"""Picture of ``loom plan validate``: predicted vs measured step time and state bytes per layout.
+
+matplotlib's object API with the Agg canvas (no global backend), like ``loom.viz.timeline``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loom.plan.validate import MEMORY_TOLERANCE, TIME_TOLERANCE, Comparison
+
+
+def draw_validation(rows: list[Comparison], out: str | Path) -> Path:
+    """Two panels of paired bars (predicted, measured): step time (ms) and rank-0 state (KiB)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(6.0, 0.9 * len(rows) + 2), 6.5))
+    FigureCanvasAgg(fig)
+    x = list(range(len(rows)))
+    names = [r.name for r in rows]
+    panels = (
+        ("step time (ms)", [1e3 * r.pred_step_s for r in rows], [1e3 * r.meas_step_s for r in rows],
+         [r.time_error for r in rows], TIME_TOLERANCE),
+        ("rank-0 model state (KiB)", [r.pred_state_bytes / 1024 for r in rows],
+         [r.meas_state_bytes / 1024 for r in rows], [r.memory_error for r in rows], MEMORY_TOLERANCE),
+    )  # fmt: skip
+    for i, (label, pred, meas, errs, tol) in enumerate(panels):
+        ax = fig.add_subplot(2, 1, i + 1)
+        ax.bar([v - 0.2 for v in x], pred, width=0.4, label="predicted", color="#4878d0")
+        ax.bar([v + 0.2 for v in x], meas, width=0.4, label="measured", color="#ee854a")
+        for xi, top, err in zip(x, [max(a, b) for a, b in zip(pred, meas)], errs):
+            ax.text(xi, top, f"{100 * err:+.0f}%", ha="center", va="bottom", fontsize=7,
+                    color="black" if abs(err) <= tol else "#c03d3e")  # fmt: skip
+        ax.set_ylabel(label)
+        ax.set_xticks(x)
+        ax.set_xticklabels(names if i else [""] * len(x), rotation=30, ha="right", fontsize=8)
+        ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle("loom plan validate: predicted vs measured (error above each pair; red = out of tolerance)")
+    fig.tight_layout()
+    path = Path(out)
+    fig.savefig(path, dpi=110)
+    return path
