@@ -132,6 +132,25 @@ def test_fp16_overflowing_scale_backs_off():
     assert out["finite"] and out["losses"][-1] < out["losses"][k] - 0.2
 
 
+def test_loss_scaler_state_is_checkpointed(tmp_path):
+    """fp16: the scale, clean-step count, hysteresis tracker and skip count survive save/load (bitwise
+    weights and masters through the ZeRO adapter underneath)."""
+    from loom.checkpoint.load import CheckpointReader
+    from loom.checkpoint.replicated import as_shardable
+    from loom.checkpoint.save import Checkpointer
+
+    cfg = make_cfg(steps=3, precision="fp16", loss_scale_init=2.0**40)
+    a = train_loop(cfg, single_mesh(), 3)["strategy"].inner  # FiniteGuard -> LossScaledStrategy
+    saved = Checkpointer(tmp_path).save(3, as_shardable(a).sharded_state(), {}, {}, blocking=True)
+    b = train_loop(make_cfg(steps=1, precision="fp16"), single_mesh(), 0)["strategy"].inner
+    with CheckpointReader(saved) as reader:
+        as_shardable(b).load_sharded(reader)
+    sa, sb = a.loss_scaler, b.loss_scaler
+    assert (sb.scale, sb.good_steps, sb.tracker, sb.skipped) == (sa.scale, sa.good_steps, sa.tracker, sa.skipped)
+    assert sa.skipped == 3 and sa.scale == 2.0**38  # hysteresis 2: the first overflow only spends the tracker
+    assert all(torch.equal(x, y) for x, y in zip(a.optim.masters, b.optim.masters))
+
+
 def test_mixed_precision_state_bytes_formula():
     """16 bytes per parameter without ZeRO: 2 (bf16 weights) + 2 (grads) + 12 (fp32 master, m, v)."""
     for opt in ("adamw", "adam8bit"):

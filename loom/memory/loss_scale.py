@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+SCALER_KEY = "train.loss_scaler"  # checkpoint name of the scaler state
+
 
 class DynamicLossScaler:
     """The scale S and its update rule (module docstring, step 4)."""
@@ -163,15 +165,30 @@ class LossScaledStrategy:
     def state_bytes(self) -> dict[str, int]:
         return self.inner.state_bytes()
 
+    # ------------------------------------------------------------------ checkpoints (Shardable)
     def sharded_state(self):
-        from loom.checkpoint.replicated import as_shardable
+        """The inner strategy's state plus ``train.loss_scaler`` = (scale, clean steps, hysteresis
+        tracker, skipped steps), the same on every rank (each writes a share)."""
+        from loom.checkpoint.protocol import ShardedTensor
+        from loom.checkpoint.replicated import _rank_size, as_shardable
 
-        return as_shardable(self.inner).sharded_state()
+        out = as_shardable(self.inner).sharded_state()
+        s = self.loss_scaler
+        self._saved = torch.tensor([s.scale, s.good_steps, s.tracker, s.skipped], dtype=torch.float64)
+        out[SCALER_KEY] = ShardedTensor.full(self._saved, _rank_size(dist.group.WORLD if dist.is_initialized() else None))
+        return out
 
     def load_sharded(self, reader) -> None:
+        """Restore the inner state, and the scaler when the checkpoint has one (an fp32/bf16 run's has not)."""
+        from loom.checkpoint.protocol import ShardedTensor
         from loom.checkpoint.replicated import as_shardable
 
         as_shardable(self.inner).load_sharded(reader)
+        if SCALER_KEY in reader.names():
+            buf = torch.zeros(4, dtype=torch.float64)
+            reader.fill({SCALER_KEY: ShardedTensor.full(buf)})
+            s = self.loss_scaler
+            s.scale, s.good_steps, s.tracker, s.skipped = float(buf[0]), int(buf[1]), int(buf[2]), int(buf[3])
 
 
 def find_scaler(strategy) -> DynamicLossScaler | None:
