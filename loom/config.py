@@ -459,6 +459,11 @@ def check_pipeline(cfg: LoomConfig) -> None:
         f"parallel.zero: ZeRO-{p.zero} with parallel.pp > 1 would reduce-scatter gradients"
         f"{' and gather weights' if p.zero == 3 else ''} once per micro-batch (m times a step); use 0 or 1",
     )
+    _require(
+        p.zero == 0 or not m.tie_embeddings,
+        "model.tie_embeddings: with parallel.pp > 1 the first and last stage's copies are summed on full "
+        "gradients, which ZeRO shards; set it to false or use parallel.zero = 0",
+    )
 
 
 # Features whose fields exist (so the mesh and the planner can name them) but whose runtime

@@ -472,6 +472,7 @@ def test_profiled_partitioner_prints_cut_time_and_memory():
         (["--parallel.schedule", "zerobubble"], "parallel.schedule: must be one of"),
         (["--parallel.pp", "2", "--parallel.virtual_stages", "2"], "needs parallel.schedule = 'interleaved'"),
         (["--parallel.pp", "2", "--parallel.zero", "2"], "parallel.zero: ZeRO-2 with parallel.pp > 1"),
+        (["--parallel.pp", "2", "--parallel.zero", "1"], "model.tie_embeddings: with parallel.pp > 1"),
     ],
 )  # fmt: skip
 def test_bad_pipeline_configs_fail_in_one_line(overrides, message):
