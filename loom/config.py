@@ -460,9 +460,9 @@ def check_pipeline(cfg: LoomConfig) -> None:
         f"{' and gather weights' if p.zero == 3 else ''} once per micro-batch (m times a step); use 0 or 1",
     )
     _require(
-        p.zero == 0 or not m.tie_embeddings,
+        p.zero == 0 or p.dp_shard == 1 or not m.tie_embeddings,
         "model.tie_embeddings: with parallel.pp > 1 the first and last stage's copies are summed on full "
-        "gradients, which ZeRO shards; set it to false or use parallel.zero = 0",
+        "gradients, which ZeRO shards over dp; set it to false or use parallel.zero = 0",
     )
 
 

@@ -472,7 +472,7 @@ def test_profiled_partitioner_prints_cut_time_and_memory():
         (["--parallel.schedule", "zerobubble"], "parallel.schedule: must be one of"),
         (["--parallel.pp", "2", "--parallel.virtual_stages", "2"], "needs parallel.schedule = 'interleaved'"),
         (["--parallel.pp", "2", "--parallel.zero", "2"], "parallel.zero: ZeRO-2 with parallel.pp > 1"),
-        (["--parallel.pp", "2", "--parallel.zero", "1"], "model.tie_embeddings: with parallel.pp > 1"),
+        (["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.zero", "1"], "model.tie_embeddings: with parallel.pp"),
     ],
 )  # fmt: skip
 def test_bad_pipeline_configs_fail_in_one_line(overrides, message):
@@ -480,7 +480,7 @@ def test_bad_pipeline_configs_fail_in_one_line(overrides, message):
 
     cfg = C.apply_overrides(C.LoomConfig(), overrides)
     with pytest.raises(C.ConfigError) as e:
-        C.validate(cfg, cfg.parallel.pp)
+        C.validate(cfg, cfg.parallel.pp * max(1, cfg.parallel.dp))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

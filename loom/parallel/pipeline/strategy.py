@@ -88,9 +88,9 @@ class PipelineStrategy:
         self.inner, self.pipe, self.schedule, self.v = inner, pipe, schedule, v
         self.tp_group, self.meter, self.vertical_sync = tp_group, meter, vertical_sync
         self.record_step, self.timeline_path, self.steps_done = record_step, timeline_path, 0
-        if pipe.tied_weight() is not None and not isinstance(inner, DataParallel):
-            raise ValueError("tied embeddings with pp > 1 need plain data parallelism: their two copies' "
-                             "gradients are summed on full gradients after the reduction")  # fmt: skip
+        if pipe.tied_weight() is not None and comm.group_size(getattr(inner, "shard_group", None)) > 1:
+            raise ValueError("tied embeddings with pp > 1 cannot be sharded (ZeRO over dp > 1): the two "
+                             "copies' gradients are summed on full, reduced gradients")  # fmt: skip
         self.runtime = PipelineRuntime(pipe, meter, timeout_s)
         self.timeline: Timeline | None = None
         self.last_stats: RunStats | None = None
