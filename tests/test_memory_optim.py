@@ -10,6 +10,7 @@ from torch.testing import assert_close
 
 from loom.config import ConfigError, LoomConfig, validate
 from loom.memory.compress import SavedActivations, compressed_bytes
+from loom.memory.precision import state_bytes_formula
 from loom.optim.adafactor import factored_state_bytes
 from tests.helpers import SEQ, rank_micro_batches, tiny_model, tiny_train
 from tests.test_recompute import run_layout
@@ -190,7 +191,7 @@ def sharded_adafactor(steps: int) -> dict:
     for name, (dims, par, train) in SHARDED.items():
         r = run_layout(par, {**AF, **train}, {}, steps, dims)
         out[name] = {"losses": r["losses"], "params": {k: v.float() for k, v in r["params"].items()},
-                     "optim_bytes": r["bytes"]["optim_bytes"], "param_bytes": r["bytes"]["param_bytes"]}  # fmt: skip
+                     "bytes": r["bytes"], "numels": r["numels"]}  # fmt: skip
     return out
 
 
@@ -201,6 +202,9 @@ def test_sharded_adafactor_equals_unsharded(pools):
     for r in results:
         for name, run in r.items():
             want, tol = refs[name], (ADAM_HALF_TOL if "adamw" in name else HALF_TOL if "16" in name else FP32_TOL)
+            if "adamw" in name:  # 2Φ/N + 2Φ/N + (4 + 8)Φ/N, Φ = the padded units
+                formula = state_bytes_formula(run["numels"], "fp16", "adamw", zero=3, n=4)
+                assert {k: run["bytes"][k] for k in formula} == formula
             assert_close(torch.tensor(run["losses"]), torch.tensor(want["losses"]), rtol=0, atol=tol["loss"])
             for k, v in run["params"].items():  # measured: 1.2e-7 (fp32), one ulp (bf16, fp16)
                 w = want["params"][k].float()

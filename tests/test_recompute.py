@@ -63,7 +63,7 @@ def run_layout(par: dict, train_kw: dict, model_kw: dict, steps: int, mesh_dims:
     params = _local_or_full_state(model, strategy, mesh)
     saved.remove()
     return {"losses": losses, "norms": norms, "params": params, "bytes": strategy.state_bytes(),
-            "act_peak": saved.peak}  # fmt: skip
+            "act_peak": saved.peak, "numels": [lay.padded for lay in getattr(strategy, "layouts", [])]}  # fmt: skip
 
 
 def _local_or_full_state(model, strategy, mesh) -> dict[str, torch.Tensor]:
