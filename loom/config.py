@@ -60,13 +60,13 @@ class ModelConfig:
 class DataConfig:
     """Where tokens come from."""
 
-    source: str = "stdlib"  # "stdlib" (Python standard library text, offline) or a file/dir/glob of .txt/.jsonl/.parquet
+    source: str = "stdlib"  # "stdlib" (the Python standard library source, ~10 MB, offline) or a file/dir/glob of .txt/.jsonl/.parquet
     prepared_dir: str = ""  # where train.bin/val.bin/tokenizer.json live; "" = a cache dir keyed by source+vocab
     tokenizer: str = ""  # path to a tokenizer.json to use; "" = train a byte-level BPE on the corpus
     vocab_size: int = 4096  # BPE vocabulary size when training a tokenizer
     seq_len: int = 256  # tokens per training sequence T
     val_fraction: float = 0.02  # share of the corpus held out for eval loss
-    max_corpus_mb: float = 24.0  # cap on corpus text read (stdlib is ~30 MB)
+    max_corpus_mb: float = 24.0  # cap on corpus text read
     text_field: str = "text"  # field holding the text in .jsonl/.parquet records
 
 
@@ -102,7 +102,7 @@ class ParallelConfig:
 class TrainConfig:
     """Optimisation and loop."""
 
-    steps: int = 300  # total optimizer steps (a resumed run stops where an uninterrupted one would)
+    steps: int = 200  # total optimizer steps (a resumed run stops where an uninterrupted one would)
     global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
     micro_batch: int = 4  # sequences per forward/backward on one rank
     lr: float = 3e-3  # peak learning rate
@@ -161,7 +161,7 @@ class LoomConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
 
-SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(LoomConfig)}  # type: ignore[misc]
+SECTIONS: dict[str, type] = dict(typing.get_type_hints(LoomConfig))
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -600,6 +600,14 @@ def effective_vocab(cfg: LoomConfig, tokenizer_vocab: int) -> int:
     return cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_vocab
 
 
+def check_vocab(cfg: LoomConfig, tokenizer_vocab: int) -> None:
+    """An explicit model vocabulary must hold every token id of the tokenizer."""
+    _require(
+        cfg.model.vocab_size == 0 or cfg.model.vocab_size >= tokenizer_vocab,
+        f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab}",
+    )
+
+
 def grad_accum_steps(cfg: LoomConfig) -> int:
     """Micro-steps per optimizer step: global_batch / (micro_batch * dp)."""
     return cfg.train.global_batch // (cfg.train.micro_batch * cfg.parallel.dp)
@@ -609,3 +617,20 @@ def load(path: str | None, overrides: list[str]) -> LoomConfig:
     """Defaults, then the TOML file (if any), then CLI overrides."""
     cfg = load_toml(path) if path else LoomConfig()
     return apply_overrides(cfg, overrides)
+
+
+def reference() -> str:
+    """Every field with its type, default and one-line doc, read from this module's source."""
+    import inspect
+    import re
+
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]  {inspect.getdoc(cls).splitlines()[0]}")
+        for src in inspect.getsource(cls).splitlines():
+            m = re.match(r"\s+(\w+): ([\w| ]+) = (.+?)(?:\s+#\s*(.*))?$", src)
+            if m:
+                name, typ, default, doc = m.groups()
+                lines.append(f"  {section}.{name:<22} {typ:<6} {default:<12} {doc or ''}".rstrip())
+        lines.append("")
+    return "\n".join(lines)

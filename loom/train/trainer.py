@@ -99,11 +99,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.heartbeat = Heartbeat(self.run_dir, env.rank)
         self.data = ensure_data(cfg, env)
+        C.check_vocab(cfg, self.data.vocab_size)
         cfg.model.vocab_size = C.effective_vocab(cfg, self.data.vocab_size)
-        if cfg.model.vocab_size < self.data.vocab_size:
-            raise C.ConfigError(
-                f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's {self.data.vocab_size}"
-            )
         self.meter = CommMeter()
         self.model = build_model(cfg.model, cfg.train.seed, self.device)
         self.strategy = FiniteGuard(parallelize(self.model, self.mesh, cfg, self.meter))
