@@ -12,16 +12,13 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
-import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from common import init_gloo, race, run_ranks  # noqa: E402
 
 from loom.config import ModelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, loss_fn  # noqa: E402
@@ -79,28 +76,9 @@ def ddp_stepper(model_cfg, train_cfg, group):
     return step
 
 
-def race(steppers: dict, steps: int, rank: int, barrier) -> dict[str, list[float]]:
-    """Wall time per step (and this process's CPU time, under ``<name> cpu``), warm-up dropped.
-
-    CPU time is reported beside wall time because this machine is often shared: it is immune
-    to other processes' load, though it misses time spent waiting on communication.
-    """
-    times: dict[str, list[float]] = {}
-    for i in range(steps):
-        for name, step in steppers.items():
-            barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            step(i, rank)
-            barrier()
-            times.setdefault(name, []).append(time.perf_counter() - t0)
-            times.setdefault(f"{name} cpu", []).append(time.process_time() - c0)
-    return {k: v[2:] for k, v in times.items()}
-
 
 def _worker(rank: int, world: int, init: str, args, out) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))  # fmt: skip
+    init_gloo(rank, world, init, threads=None, timeout_s=300)
     m, t = _cfgs(args)
     group = dist.group.WORLD
     times = race({"loom": loom_stepper(m, t, group), "ddp": ddp_stepper(m, t, group)}, args.steps, rank, dist.barrier)
@@ -131,16 +109,7 @@ def main() -> None:
     single = race({"loom": loom_stepper(m, t, None), "plain": ddp_stepper(m, t, None)}, args.steps, 0, lambda: None)
     report(f"single process ({torch.get_num_threads()} threads): Loom vs plain PyTorch loop", single, "plain")
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        init = os.path.join(d, "rdzv")
-        procs = [ctx.Process(target=_worker, args=(r, args.world, init, args, out)) for r in range(args.world)]
-        for p in procs:
-            p.start()
-        times = out.get()
-        for p in procs:
-            p.join()
+    times = run_ranks(args.world, _worker, args)
     report(f"data parallel, {args.world} gloo ranks: Loom DataParallel vs torch DDP", times, "ddp")
 
 

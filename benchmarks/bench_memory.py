@@ -20,19 +20,15 @@ checked by a measured step at L_max.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
-import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from common import init_gloo, race, run_ranks  # noqa: E402
 
 from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainConfig, validate  # noqa: E402
 
@@ -102,18 +98,6 @@ def contender(cfg: LoomConfig, mesh):
     return step, memory
 
 
-def race(steppers: dict, steps: int, rank: int, barrier) -> dict[str, list[float]]:
-    """Wall time per step for each contender, interleaved step by step; the first 2 steps dropped."""
-    times: dict[str, list[float]] = {}
-    for i in range(steps):
-        for name, step in steppers.items():
-            barrier()
-            t0 = time.perf_counter()
-            step(i, rank)
-            barrier()
-            times.setdefault(name, []).append(time.perf_counter() - t0)
-    return {k: v[2:] for k, v in times.items()}
-
 
 def one_step_memory(args, world: int, layers: int, over: dict, mesh, rank: int) -> int:
     step, memory = contender(_cfg(args, world, layers, over), mesh)
@@ -139,12 +123,11 @@ def cap_search(args, world: int, mesh, rank: int) -> dict[str, tuple]:
 def _worker(rank: int, world: int, init: str, args, out) -> None:
     from loom.mesh import ParallelDims, ParallelMesh
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))  # fmt: skip
+    init_gloo(rank, world, init, threads=None, timeout_s=600)
     mesh = ParallelMesh(ParallelDims(dp_replicate=world), "cpu")
     made = {k: contender(_cfg(args, world, args.layers, over), mesh) for k, over in CONTENDERS.items()}
     times = race({k: v[0] for k, v in made.items()}, args.steps, rank, dist.barrier)
+    times = {k: v for k, v in times.items() if not k.endswith(" cpu")}  # this table reports wall time
     mem = {k: v[1]() for k, v in made.items()}
     del made
     caps = cap_search(args, world, mesh, rank) if args.cap_mib > 0 else {}
@@ -183,16 +166,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--cap-mib", type=float, default=256.0, help="memory cap per rank; 0 = skip the search")
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        init = os.path.join(d, "rdzv")
-        procs = [ctx.Process(target=_worker, args=(r, args.world, init, args, out)) for r in range(args.world)]
-        for p in procs:
-            p.start()
-        times, mem, caps = out.get()
-        for p in procs:
-            p.join()
+    times, mem, caps = run_ranks(args.world, _worker, args)
     report(args, times, mem, caps)
 
 

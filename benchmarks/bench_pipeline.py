@@ -13,19 +13,16 @@ no clipping, which torch's schedules do not do across stages.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from common import init_gloo, run_ranks  # noqa: E402
 
 from loom.config import ModelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, loss_fn  # noqa: E402
@@ -95,9 +92,7 @@ def torch_stepper(mcfg, tcfg, cls_name: str, v: int, m: int):
 
 
 def _worker(rank: int, world: int, init: str, args, out) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))  # fmt: skip
+    init_gloo(rank, world, init, threads=1, timeout_s=600)
     mcfg, tcfg = _cfgs(args)
     results = {}
     for name, v, peer in PAIRS:
@@ -135,16 +130,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8, help="micro-batches per step (m)")
     ap.add_argument("--out", default="", help="directory for the measured timeline pictures")
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_worker, args=(r, args.pp, os.path.join(d, "rdzv"), args, out))
-                 for r in range(args.pp)]  # fmt: skip
-        for p in procs:
-            p.start()
-        results = out.get()
-        for p in procs:
-            p.join()
+    results = run_ranks(args.pp, _worker, args)
     print(f"\npp={args.pp} gloo ranks, dim {args.dim}, {args.layers} layers, m={args.micro} micro-batches of "
           f"{ROWS}x{SEQ} tokens, medians over {args.steps - 2} steps")  # fmt: skip
     print(f"{'schedule':<13}{'peer':<32}{'loom s':>9}{'torch s':>9}{'ratio':>7}{'cpu ratio':>10}  bubble (measured vs formula)")

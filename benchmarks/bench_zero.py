@@ -13,19 +13,15 @@ gradients, optimizer state), beside the stage's formula (fp32: 4Φ+4Φ+8Φ/N, 4�
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
-import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from common import init_gloo, race, run_ranks  # noqa: E402
 
 from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, count_params, loss_fn  # noqa: E402
@@ -135,26 +131,11 @@ def zero_redundancy_contender(cfg: LoomConfig, mesh):
     return step, state
 
 
-def race(steppers: dict, steps: int, rank: int, barrier) -> dict[str, list[float]]:
-    """Wall and CPU time per step for each contender, interleaved step by step; warm-up dropped."""
-    times: dict[str, list[float]] = {}
-    for i in range(steps):
-        for name, step in steppers.items():
-            barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            step(i, rank)
-            barrier()
-            times.setdefault(name, []).append(time.perf_counter() - t0)
-            times.setdefault(f"{name} cpu", []).append(time.process_time() - c0)
-    return {k: v[2:] for k, v in times.items()}
-
 
 def _worker(rank: int, world: int, init: str, args, out) -> None:
     from loom.mesh import ParallelDims, ParallelMesh
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))  # fmt: skip
+    init_gloo(rank, world, init, threads=None, timeout_s=300)
     mesh = ParallelMesh(ParallelDims(dp_shard=world), "cpu")
     contenders = {f"loom zero-{z}": loom_contender(_cfg(args, world, z), mesh) for z in range(4)}
     contenders["torch FSDP2"] = fsdp2_contender(_cfg(args, world, 3), mesh)
@@ -195,16 +176,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
     phi = count_params(build_model(_cfg(args, args.world, 0).model, 0))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        init = os.path.join(d, "rdzv")
-        procs = [ctx.Process(target=_worker, args=(r, args.world, init, args, out)) for r in range(args.world)]
-        for p in procs:
-            p.start()
-        times, states = out.get()
-        for p in procs:
-            p.join()
+    times, states = run_ranks(args.world, _worker, args)
     report(times, states, phi, args.world)
 
 

@@ -139,6 +139,14 @@ def test_real_layouts_reshard_into_one_process(pools, base_cfg, reference, tmp_p
 # ----------------------------------------------------------------------------- launched jobs
 
 
+def _step_of(line: str) -> float:
+    """Step of a metrics row; a row torn by a kill (the writer was stopped mid-line) counts as none."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return -1
+
+
 class Job:
     """``python -m loom train`` in a subprocess, its output collected by a thread."""
 
@@ -167,9 +175,7 @@ class Job:
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise AssertionError(f"job ended before step {step}:\n{self.output}")
-            if path.exists() and any(
-                json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines()[-3:]
-            ):
+            if path.exists() and any(_step_of(x) >= step for x in path.read_text().splitlines()[-3:]):
                 return
             time.sleep(0.01)
         raise AssertionError(f"no step {step} within {timeout} s:\n{self.output}")

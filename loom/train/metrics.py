@@ -45,7 +45,7 @@ class MetricsWriter:
     def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool) -> None:
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._fh = open(self.path, "a", buffering=1) if enabled else None  # noqa: SIM115
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if enabled else -1
         self._tb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -55,9 +55,9 @@ class MetricsWriter:
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._fh.write(json.dumps(row, sort_keys=True) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        # One write() per row, so a reader never sees half a row unless the writer is killed mid-call.
+        os.write(self._fd, (json.dumps(row, sort_keys=True) + "\n").encode())
+        os.fsync(self._fd)
         if self._tb is not None:
             step = int(row["step"])
             for k, v in row.items():
@@ -65,7 +65,8 @@ class MetricsWriter:
                     self._tb.add_scalar(k, v, step)
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if self._tb is not None:
             self._tb.close()
