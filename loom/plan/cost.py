@@ -63,8 +63,9 @@ Time of one step:
   once a step (ZeRO-1 as reduce-scatter + all-gather, same volume); ZeRO-2 reduce-scatter every
   micro-batch + all-gather once; ZeRO-3 two all-gathers + a reduce-scatter every micro-batch
   (3 Phi (n-1)/n for m = 1); hybrid sharding adds an all-reduce of the shard across replicas.
-  DP_OVERLAP (80%) of it hides behind the backward (of the last micro-batch for ZeRO 0/1, of
-  all micro-batches for ZeRO 2/3).
+  The device's ``comm_overlap`` share (80% on GPUs, 0 on CPU where gloo shares the compute
+  cores) hides behind the backward (of the last micro-batch for ZeRO 0/1, of all micro-batches
+  for ZeRO 2/3). ZeRO-3 also pays each call's latency per unit (layers + 1) and micro-batch.
 - optimizer: Adam reads and writes 28 bytes per local parameter at HBM speed; offloaded, at
   HOST_ADAM_BANDWIDTH per node, plus grads down and weights up over the host link.
 
@@ -88,7 +89,6 @@ from loom.plan.hardware import ClusterSpec, HardwareError, Machine, Profile
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
 FRAGMENTATION = 0.10  # share of dynamic memory lost to allocator fragmentation (assumption)
-DP_OVERLAP = 0.8  # share of data-parallel communication that can hide behind backward (assumption)
 HOST_ADAM_BANDWIDTH = 100e9  # host memory bandwidth for CPU Adam, bytes/s per node (assumption)
 ADAM_BYTES = 28  # bytes read + written per parameter by one Adam step
 FLASH_BWD = 2.5  # flash attention backward / forward time (it recomputes the scores; Dao 2023)
@@ -565,7 +565,7 @@ class CostModel:
         """Exposed data-parallel / ZeRO communication per step (module doc)."""
         total = self._dp_volume(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m)
         window = t_bwd if lay.zero <= 1 else t_compute
-        return total - min(DP_OVERLAP * total, window)
+        return total - min(self.cluster.device.comm_overlap * total, window)
 
     def _dp_comm(self, dp: int, ds: int, tp: int, pp: int, cp: int, ep_deg: int, zero: int, m: int) -> float:
         mach, W, R = self.machine, self.W, self.R
@@ -584,6 +584,10 @@ class CostModel:
             rs = mach.collective("reduce_scatter", ns, phi * R, span)
             ag = mach.collective("all_gather", ns, phi * W, span)
             total += {1: rs + ag, 2: m * rs + ag, 3: m * (2 * ag + rs)}[zero]
+            if zero == 3:  # one gather (x2) and one reduce-scatter per unit: blocks + embedding + head
+                units = max(1, self.model.n_layers // pp) + 1
+                per_unit = 2 * mach.latency("all_gather", ns, span) + mach.latency("reduce_scatter", ns, span)
+                total += m * units * per_unit
             total += mach.collective("all_reduce", dp // ds, phi * R / ns, tpcp * dp)
         return total
 

@@ -46,6 +46,8 @@ class DeviceSpec:
     link_bandwidth: float  # intra-node device-to-device bandwidth per direction, bytes/s
     achievable: float  # typical sustained fraction of peak for transformer-sized GEMMs (assumption)
     runtime_overhead_bytes: float = 1.0 * GiB  # context + library workspaces + comm buffers (assumption)
+    comm_overlap: float = 0.8  # share of data-parallel traffic that can hide behind backward (assumption;
+    # 0 on CPU: gloo runs on the same cores that compute, so nothing is hidden)
     source: str = ""  # the datasheet the numbers come from
 
     def peak_flops(self, precision: str) -> float:
@@ -191,6 +193,7 @@ DEVICES: dict[str, DeviceSpec] = {
             5 * GB,
             0.50,
             runtime_overhead_bytes=0.4 * GiB,
+            comm_overlap=0.0,
             source=_CPU,
         ),
     )
@@ -494,6 +497,17 @@ class Machine:
         if fit is not None:
             return fit.latency + volume / fit.bus_bandwidth
         return hops * lat + volume / bw
+
+    def latency(self, op: str, n: int, span: int) -> float:
+        """Fixed cost of one call of ``op`` over ``n`` devices (the size-independent part)."""
+        if n <= 1:
+            return 0.0
+        scope = self.scope(span)
+        fit = self.profile.collective(op, scope, n) if self.profile else None
+        if fit is not None:
+            return fit.latency
+        hops = {"all_reduce": 2 * (n - 1), "p2p": 1}.get(op, n - 1)
+        return hops * self._links[scope][1]
 
     def gemm(self, m: float, k: float, n: float, elem_bytes: float) -> float:
         """Roofline time of an (m x k) @ (k x n) product: max(2mkn / flops, bytes moved / HBM)."""
