@@ -562,3 +562,12 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
         == 1
     )
     assert "no layout fits" in capsys.readouterr().out
+
+
+def test_plot_draws_memory_bars_and_throughput(tmp_path):
+    out = tmp_path / "plan.png"
+    rc = main(["--model", "llama3-8b", "--device", "h100-sxm", "--world", "8", "--seq", "4096",
+               "--global-batch", "64", "--top", "5", "--plot", str(out)])  # fmt: skip
+    assert rc == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000

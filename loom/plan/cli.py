@@ -78,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--explain", type=int, default=0, metavar="RANK", help="print the breakdown of this row")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--plot", metavar="FILE", help="write memory bars + throughput vs memory (PNG or SVG)")
     return p
 
 
@@ -156,6 +157,10 @@ def main(argv: list[str]) -> int:
                 print(f"loom plan: --explain {args.explain}: only {len(result.ranked)} rows", file=sys.stderr)
                 return 2
             print(format_breakdown(result.ranked[args.explain - 1]))
+    if args.plot and result.ranked:
+        from loom.plan.viz import draw_search
+
+        print(f"wrote {draw_search(result.ranked, args.plot, args.top)}", file=sys.stderr if args.json else sys.stdout)
     if check is not None:
         return 0 if check[0] else 1
     return 0 if result.ranked else 1

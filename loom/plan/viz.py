@@ -41,3 +41,43 @@ def draw_validation(rows: list[Comparison], out: str | Path) -> Path:
     path = Path(out)
     fig.savefig(path, dpi=110)
     return path
+
+
+def draw_search(ranked: list, out: str | Path, top: int = 10) -> Path:
+    """Left: memory breakdown bars of the ``top`` fastest layouts against the device capacity.
+    Right: predicted tokens/s against peak memory for every fitting layout (the top ones marked)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not ranked:
+        raise ValueError("no fitting layout to draw")
+    best = ranked[:top]
+    fig = Figure(figsize=(13, 5.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 2, 1)
+    kinds = list(dict.fromkeys(k for e in best for k in e.memory_breakdown))
+    x = list(range(len(best)))
+    bottom = [0.0] * len(best)
+    for kind in kinds:
+        vals = [e.memory_breakdown.get(kind, 0.0) / 2**30 for e in best]
+        ax.bar(x, vals, bottom=bottom, label=kind)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(best[0].capacity / 2**30, color="black", linestyle="--", linewidth=1, label="device memory")
+    ax.set_xticks(x)
+    ax.set_xticklabels([e.layout.short() for e in best], rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("GiB per device (busiest stage)")
+    ax.set_title(f"memory of the {len(best)} fastest layouts")
+    ax.legend(fontsize=7)
+    ax2 = fig.add_subplot(1, 2, 2)
+    ax2.scatter([e.memory / 2**30 for e in ranked], [e.tokens_per_s for e in ranked], s=8, alpha=0.4,
+                color="#4878d0", label=f"all {len(ranked)} fitting layouts")  # fmt: skip
+    ax2.scatter([e.memory / 2**30 for e in best], [e.tokens_per_s for e in best], s=30, color="#ee854a",
+                label=f"top {len(best)}")  # fmt: skip
+    ax2.set_xlabel("peak GiB per device")
+    ax2.set_ylabel("predicted tokens/s")
+    ax2.set_title("throughput vs memory")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(out)
+    fig.savefig(path, dpi=110)
+    return path
