@@ -65,8 +65,8 @@ def _worker_pids(parent: int) -> list[int]:
     return sorted(out)
 
 
-@pytest.mark.skipif(not Path("/proc").exists(), reason="needs /proc to find the rank processes")
-def test_killed_rank_stops_job_with_its_name(tmp_path, env):
+def _start_and_signal(tmp_path, env, signal_of) -> tuple[subprocess.Popen, str, list[int], Path]:
+    """Start a long 2-rank run, wait until it logs, send ``signal_of(launcher_pid, rank_pids)``."""
     run = tmp_path / "run"
     args = ["train", "configs/debug.toml", "--run.dir", str(run), "--train.steps", "100000", "--train.log_every", "1",
             *TINY]  # fmt: skip
@@ -80,14 +80,30 @@ def test_killed_rank_stops_job_with_its_name(tmp_path, env):
         assert metrics.exists(), "training never started"
         pids = _worker_pids(p.pid)
         assert len(pids) == 2, pids
-        os.kill(pids[-1], signal.SIGKILL)
+        pid, sig = signal_of(p.pid, pids)
+        os.kill(pid, sig)
         _, err = p.communicate(timeout=90)
     finally:
         if p.poll() is None:
             p.kill()
+    time.sleep(0.5)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "orphan rank left"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # nothing written is corrupted
+    assert rows and all("loss" in r for r in rows)
+    return p, err, pids, run
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="needs /proc to find the rank processes")
+def test_killed_rank_stops_job_with_its_name(tmp_path, env):
+    p, err, _, _ = _start_and_signal(tmp_path, env, lambda launcher, ranks: (ranks[-1], signal.SIGKILL))
     assert p.returncode != 0
     last = [ln for ln in err.splitlines() if ln.startswith("loom:")]
     assert last and "rank" in last[-1] and "SIGKILL" in last[-1], err[-2000:]
-    assert not any(Path(pid_dir).exists() for pid_dir in (f"/proc/{pid}" for pid in pids)), "orphan rank left"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # nothing written is corrupted
-    assert rows and all("loss" in r for r in rows)
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="needs /proc to find the rank processes")
+def test_ctrl_c_stops_every_rank(tmp_path, env):
+    p, err, _, _ = _start_and_signal(tmp_path, env, lambda launcher, ranks: (launcher, signal.SIGINT))
+    assert p.returncode != 0
+    last = [ln for ln in err.splitlines() if ln.startswith("loom:")]
+    assert last and last[-1] == "loom: interrupted by SIGINT; all ranks stopped", err[-2000:]
