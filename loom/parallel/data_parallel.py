@@ -26,6 +26,7 @@ from torch import nn
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.parallel.zero.layout import unique_params
 from loom.train.optim import build_optimizer, optimizer_state_bytes, set_lr
 from loom.train.step import clip_grad_norm
 
@@ -52,16 +53,6 @@ class LaunchRecord:
     params_not_ready: int
 
 
-def _unique_params(module: nn.Module) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    out = []
-    for p in module.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
-
-
 class DataParallel:
     """Attach bucketed, overlapped gradient all-reduce to ``module`` over ``group``.
 
@@ -83,7 +74,7 @@ class DataParallel:
         self.tp_group = tp_group  # tensor-parallel peers: sharded params' squares add over it in the norm
         self.world = comm.group_size(group)
         self.meter = meter
-        self.params = _unique_params(module)
+        self.params = unique_params(module)
         self.reduce_dtype = reduce_dtype
         self.sync_enabled = True
         self.optimizer: torch.optim.Optimizer | None = None
@@ -223,7 +214,7 @@ class DataParallel:
 
 def broadcast_params(module: nn.Module, group: Group, meter: CommMeter | None = None) -> None:
     """Make every rank's parameters equal to those of the group's first rank."""
-    for p in _unique_params(module):
+    for p in unique_params(module):
         comm.broadcast(p.data, 0, group, meter)
 
 
