@@ -12,20 +12,16 @@ ColwiseParallel / RowwiseParallel, SequenceParallel norms with ``--sp``, ``loss_
 from __future__ import annotations
 
 import argparse
-import os
-import queue
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from common import init_gloo, run_ranks  # noqa: E402
 
 from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, loss_fn  # noqa: E402
@@ -140,9 +136,7 @@ def _split_optimizers(model, cfg: LoomConfig) -> list[torch.optim.Optimizer]:
 
 
 def _worker(rank: int, world: int, init: str, args, out) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))  # fmt: skip
+    init_gloo(rank, world, init, timeout_s=300)
     from torch.distributed.tensor.debug import CommDebugMode
 
     from loom.comm import CommMeter
@@ -197,26 +191,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--sp", action="store_true")
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        procs = [
-            ctx.Process(target=_worker, args=(r, args.tp, os.path.join(d, "rdzv"), args, q))
-            for r in range(args.tp)
-        ]
-        for p in procs:
-            p.start()
-        res = None
-        while res is None:  # a rank that dies must not leave the others (and us) waiting forever
-            try:
-                res = q.get(timeout=5)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    for p in procs:
-                        p.kill()
-                    sys.exit("a benchmark rank failed (traceback above)")
-        for p in procs:
-            p.join()
+    res = run_ranks(args.tp, _worker, args)
     med = {k: statistics.median(v) for k, v in res["times"].items()}
     print(f"\ntensor parallel, {args.tp} gloo ranks, sp={args.sp}: dim {args.dim}, {args.layers} layers, "
           f"batch {MICRO} x {SEQ}, vocab {VOCAB}; step = fwd + loss + bwd + AdamW")  # fmt: skip
