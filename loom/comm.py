@@ -55,6 +55,7 @@ class CommMeter:
 
     def snapshot(self) -> dict[str, float]:
         out: dict[str, float] = {f"comm_{k}_bytes": v for k, v in self.moved.items()}
+        out |= {f"comm_{k}_calls": c for k, c in self.calls.items()}
         out["comm_bytes"] = self.total_moved
         return out
 

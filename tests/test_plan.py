@@ -254,11 +254,16 @@ def test_collective_volumes():
     assert mach.collective("all_reduce", 32, S, 32) == pytest.approx(2 * S * 31 / 32 / cl.inter_bandwidth)
     assert mach.collective("reduce_scatter", 4, S, 4) == pytest.approx(S * 3 / 4 / cl.intra_bandwidth)
     assert mach.collective("all_reduce", 1, S, 1) == 0
-    # DP: ZeRO-0 all-reduces 2 Phi (n-1)/n; ZeRO-3 with one micro-batch moves 3 Phi (n-1)/n (bf16 grads)
+    # DP: ZeRO-0 all-reduces 2 Phi (n-1)/n; ZeRO-3 with one micro-batch moves (3 Phi - Phi_last) (n-1)/n
+    # (bf16 grads): the last unit (final norm + head) is not gathered again for backward
     cm = CostModel(LLAMA_7B, Workload(32, 4096, reduce_dtype="bf16"), cl)
     P = param_count(LLAMA_7B)
     assert cm._dp_comm(32, 32, 1, 1, 1, 1, 0, 1) == pytest.approx(2 * 2 * P * 31 / 32 / cl.inter_bandwidth)
-    assert cm._dp_comm(32, 32, 1, 1, 1, 1, 3, 1) == pytest.approx(3 * 2 * P * 31 / 32 / cl.inter_bandwidth)
+    last = LLAMA_7B.dim + LLAMA_7B.vocab_size * LLAMA_7B.dim
+    assert cm.zero3_units(1) == (LLAMA_7B.n_layers + 2, last)  # untied: embedding, blocks, norm + head
+    gb = 2 * 31 / 32 / cl.inter_bandwidth  # seconds per parameter gathered or scattered (bf16)
+    assert cm._dp_comm(32, 32, 1, 1, 1, 1, 3, 1) == pytest.approx((3 * P - last) * gb)
+    assert cm._dp_comm(32, 32, 1, 1, 1, 1, 3, 4) == pytest.approx((3 * P - last) * gb + 3 * (2 * P - last) * gb)
 
 
 def test_tensor_parallel_traffic_per_layer():
@@ -267,9 +272,10 @@ def test_tensor_parallel_traffic_per_layer():
     w = Workload(8, 4096)
     e = estimate(LLAMA3_8B, Layout(tp=8, dp=1, micro_batch=1), w, cl)
     ar = 2 * 7 / 8 * 4096 * 4096 * 2 / cl.intra_bandwidth
-    assert e.time_breakdown["tp comm"] == pytest.approx(8 * (32 * 4 + 2) * ar)  # + embedding and head
+    loss = 2 * 7 / 8 * (4 + 8) * 4096 / cl.intra_bandwidth  # vocab-parallel loss: row max, sum-exp + target
+    assert e.time_breakdown["tp comm"] == pytest.approx(8 * ((32 * 4 + 2) * ar + loss))  # + embedding and head
     e_full = estimate(LLAMA3_8B, Layout(tp=8, dp=1, micro_batch=1, recompute="full"), w, cl)
-    assert e_full.time_breakdown["tp comm"] == pytest.approx(8 * (32 * 6 + 2) * ar)
+    assert e_full.time_breakdown["tp comm"] == pytest.approx(8 * ((32 * 6 + 2) * ar + loss))
 
 
 def test_recomputation_flops_and_mfu_definitions():

@@ -119,11 +119,12 @@ def test_plan_subcommands_dispatch():
 
 @pytest.mark.slow
 def test_state_memory_of_real_runs_matches_prediction(tmp_path):
-    """dp1, ZeRO-3 over 2 ranks and a 2-stage pipeline (rank 0 = first stage): within 5%."""
-    chosen = [lay for lay in LAYOUTS if lay[0] in ("dp1", "dp2 zero3", "pp2 1f1b")]
+    """dp1, ZeRO-3 over 2 ranks, a 2-stage pipeline (rank 0 = first stage) and Adafactor under
+    ZeRO-1: within 5%."""
+    chosen = [lay for lay in LAYOUTS if lay[0] in ("dp1", "dp2 zero3", "pp2 1f1b", "dp2 zero1 adafactor")]
     rows = validate(chosen, profile=PROFILE, steps=2, corpus_mb=0.5, workdir=str(tmp_path))
     print(format_comparisons(rows))
-    assert len(rows) == 3
+    assert len(rows) == 4
     for r in rows:
         assert abs(r.memory_error) <= MEMORY_TOLERANCE, r
 

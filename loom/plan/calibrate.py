@@ -12,10 +12,11 @@ What is measured, per rank (``--threads``, default 1: one rank per core):
   too fast.
 - memory bandwidth: ``c = a + b`` on activation-sized fp32 tensors, 12 bytes per element over
   the time (again including the per-call overhead an elementwise op of that size pays).
-- collectives: ``all_reduce``, ``all_gather``, ``reduce_scatter`` for each group size 2..nproc,
-  run in ``nproc`` spawned processes joined by a ``file://`` rendezvous (gloo on CPU, nccl on
-  GPUs), messages 4 KiB to 4 MiB; a least-squares fit ``t = latency + volume / bus_bandwidth``
-  with the ring volume :class:`~loom.plan.hardware.Machine` uses.
+- collectives: ``all_reduce``, ``all_gather``, ``reduce_scatter`` for every job size 2..nproc
+  and group size dividing it, groups side by side (:func:`measure_collectives`), each call timed
+  between a few of the model's GEMMs as inside a training step, in spawned processes joined by a
+  ``file://`` rendezvous (gloo on CPU, nccl on GPUs), messages 4 KiB to 4 MiB; a least-squares fit
+  ``t = latency + volume / bus_bandwidth`` with the ring volume :class:`~loom.plan.hardware.Machine` uses.
 
 Ranks on this machine share cores: :func:`contended` scales the compute numbers of a profile by
 ``cores / world`` when more ranks than cores run at once.
@@ -67,15 +68,18 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_gemm(shapes: list[tuple[int, int, int]], repeats: int = 20) -> tuple[float, dict[str, float]]:
-    """(total FLOPs / total seconds, FLOP/s per shape) of fp32 ``torch.mm`` over ``shapes``."""
+def measure_gemm(
+    shapes: list[tuple[int, int, int]], repeats: int = 20, dtype: str = "fp32"
+) -> tuple[float, dict[str, float]]:
+    """(total FLOPs / total seconds, FLOP/s per shape) of ``torch.mm`` in ``dtype`` over ``shapes``."""
     import torch
 
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     total_flops = total_s = 0.0
     per: dict[str, float] = {}
     for m, k, n in shapes:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        out = torch.empty(m, n)
+        a, b = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
+        out = torch.empty(m, n, dtype=dt)
         reps = max(3, min(repeats, int(2e9 / (2 * m * k * n + 1))))
         sec = _timed(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), reps)
         total_flops += 2.0 * m * k * n
@@ -96,15 +100,15 @@ def measure_bandwidth(elements: list[int], repeats: int = 20) -> float:
     return moved / total_s
 
 
-def measure_trainer_step(config: str, steps: int = 12, runs: int = 2) -> float:
-    """Step time (s) of a one-rank ``loom train config`` as :func:`loom.plan.validate.run_layout`
-    measures it (the fastest window), the least of ``runs`` runs."""
+def measure_trainer_step(config: str, steps: int = 12, runs: int = 3) -> float:
+    """Step time (s) of a one-rank fp32 ``loom train config`` as :func:`loom.plan.validate.run_layout`
+    measures it (the fastest step), the least of ``runs`` runs (identical runs here differ by up to 1.6x)."""
     from loom.plan.validate import base_overrides, run_layout
 
     best = float("inf")
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(runs):
-            row = run_layout(config, 1, base_overrides(steps), str(Path(tmp) / f"run{i}"))
+            row = run_layout(config, 1, [*base_overrides(steps), "--train.precision", "fp32"], str(Path(tmp) / f"run{i}"))
             best = min(best, float(row["step_time_s"]))
     return best
 
@@ -152,7 +156,10 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return 1.0 / slope, lat
 
 
-def _coll_worker(rank: int, world: int, init: str, backend: str, repeats: int, queue) -> None:
+def _coll_worker(rank: int, world: int, init: str, backend: str, repeats: int, work_shape, queue) -> None:
+    """Every rank of a ``world``-rank job, in groups of ``n`` side by side (each ``n`` dividing
+    ``world``): per op and size, the time of ``(work; op)`` minus that of ``work`` alone, each the
+    mean over a block of ``repeats`` calls (so time slices lost to other ranks count)."""
     import warnings
 
     import torch
@@ -162,11 +169,21 @@ def _coll_worker(rank: int, world: int, init: str, backend: str, repeats: int, q
     torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    results: list[tuple[str, int, int, float]] = []
-    for n in range(2, world + 1):
-        group = dist.new_group(list(range(n)))  # every rank takes part in creating every group
-        if rank >= n:
-            continue
+    work = layer_work(*work_shape, device=device)
+
+    def loop(call) -> float:  # mean over a block of calls (preemption by other ranks included), median of 3
+        def block() -> None:
+            for _ in range(repeats):
+                work()
+                call()
+
+        return _timed(block, 3) / repeats
+
+    dist.barrier()
+    results: list[tuple[str, int, int, float]] = [("work", world, 0, work_rate(work))]  # all ranks at once
+    for n in [g for g in range(2, world + 1) if world % g == 0]:
+        groups = [dist.new_group(list(range(i, i + n))) for i in range(0, world, n)]  # all ranks create all
+        group = groups[rank // n]
         for size in MESSAGE_BYTES:
             numel = size // 4 // n * n
             full = torch.ones(numel, device=device)
@@ -176,43 +193,100 @@ def _coll_worker(rank: int, world: int, init: str, backend: str, repeats: int, q
                 "all_gather": lambda full=full, part=part, g=group: dist.all_gather_into_tensor(full, part, group=g),
                 "reduce_scatter": lambda full=full, part=part, g=group: dist.reduce_scatter_tensor(part, full, group=g),
             }
+            dist.barrier()
+            alone = loop(lambda: None)
             for op in OPS:
-                dist.barrier(group=group)
-                sec = _timed(calls[op], repeats)
-                results.append((op, n, numel * 4, sec))
+                dist.barrier()
+                results.append((op, n, numel * 4, max(loop(calls[op]) - alone, 1e-7)))
     dist.barrier()
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
 
 
-def measure_collectives(nproc: int, backend: str = "gloo", repeats: int = 10) -> list[CollectiveFit]:
-    """Fits for every op in :data:`OPS` and group size 2..``nproc`` (spawned processes, file:// init)."""
-    if nproc < 2:
-        return []
+def layer_work(tokens: int, width: int, device=None):
+    """A callable running what a rank does between two collectives of a layer: a few of the
+    model's GEMMs (``tokens x width @ width x width``) with elementwise ops, forward and backward
+    through autograd, so both the FLOPs and the per-op framework cost are in it."""
+    import torch
+
+    x = torch.randn(tokens, width, device=device)
+    w = (torch.randn(width, width, device=device) / width**0.5).requires_grad_()
+
+    def work() -> None:
+        y = x
+        for _ in range(2):
+            y = torch.nn.functional.silu(y @ w) * 0.5 + y
+        y.sum().backward()
+        w.grad = None
+
+    return work
+
+
+def work_rate(work, calls: int = 200, blocks: int = 5) -> float:
+    """Seconds per ``work()`` call: the median over ``blocks`` blocks of ``calls`` calls, each block
+    long enough (tens of ms) to span the scheduler's time slices."""
+
+    def block() -> None:
+        for _ in range(calls):
+            work()
+
+    return _timed(block, blocks) / calls
+
+
+def _run_world(world: int, backend: str, repeats: int, work_shape) -> list[tuple[str, int, int, float]]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init = str(Path(tmp) / "rdzv")
-        ctx_procs = [
-            ctx.Process(target=_coll_worker, args=(r, nproc, init, backend, repeats, queue)) for r in range(nproc)
-        ]
-        for p in ctx_procs:
+        args = (world, init, backend, repeats, work_shape, queue)
+        procs = [ctx.Process(target=_coll_worker, args=(r, *args)) for r in range(world)]
+        for p in procs:
             p.start()
-        for p in ctx_procs:
+        for p in procs:
             p.join()
-        if any(p.exitcode != 0 for p in ctx_procs):
-            raise RuntimeError(f"calibrate: a collective worker failed (exit codes {[p.exitcode for p in ctx_procs]})")
-        rows = queue.get()
-    fits = []
-    for op in OPS:
-        for n in range(2, nproc + 1):
-            pts = [(_volume(op, n, s), t) for o, g, s, t in rows if o == op and g == n]
-            bw, lat = fit_line(pts)
-            fits.append(CollectiveFit(op=op, scope="intra", group_size=n, bus_bandwidth=bw, latency=lat))
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"calibrate: a collective worker failed (exit codes {[p.exitcode for p in procs]})")
+        return queue.get()
+
+
+def measure_collectives(
+    nproc: int, backend: str = "gloo", repeats: int = 20, work_shape: tuple[int, int] = (128, 64)
+) -> list[CollectiveFit]:
+    """Fits for every op in :data:`OPS`, every job size ``world`` in 2..``nproc`` and every group
+    size ``n`` dividing it (``world / n`` groups running at once, as tp groups inside a dp x tp job).
+
+    Each call is timed *in a loop with compute between calls* (``work_shape`` = tokens x width of
+    the GEMMs): a collective inside a training step pays the wake-up of a peer that was computing
+    and the skew between ranks, which an isolated ping-pong does not see (on this 2-core machine
+    2-4x its latency). One spawned job per ``world`` (file:// rendezvous).
+    """
+    fits, _ = measure_contention(nproc, backend, repeats, work_shape)
     return fits
+
+
+def measure_contention(
+    nproc: int, backend: str = "gloo", repeats: int = 20, work_shape: tuple[int, int] = (128, 64)
+) -> tuple[list[CollectiveFit], dict[str, float]]:
+    """(:func:`measure_collectives`' fits, compute share per job size): the share is the speed of
+    :func:`layer_work` on each of ``world`` ranks running it at once over its speed alone (ranks
+    sharing cores, memory bandwidth and caches; 1 on separate GPUs)."""
+    import torch
+
+    torch.set_num_threads(1)
+    solo = work_rate(layer_work(*work_shape))
+    fits, share = [], {}
+    for world in range(2, nproc + 1):
+        rows = _run_world(world, backend, repeats, work_shape)
+        share[str(world)] = min(1.0, solo / next(t for o, _, _, t in rows if o == "work"))
+        for op in OPS:
+            for n in sorted({g for o, g, _, _ in rows if o == op}):
+                pts = [(_volume(op, n, s), t) for o, g, s, t in rows if o == op and g == n]
+                bw, lat = fit_line(pts)
+                fits.append(CollectiveFit(op, "intra", n, bus_bandwidth=bw, latency=lat, world=world))
+    return fits, share
 
 
 def calibrate(
@@ -236,18 +310,26 @@ def calibrate(
         cfg.model = model_of(cfg)
         tokens = cfg.train.micro_batch * cfg.data.seq_len
     model = cfg.model if cfg is not None else None
-    flops, _ = measure_gemm(model_shapes(model, tokens) if model is not None else list(GENERIC_SHAPES))
+    shapes = model_shapes(model, tokens) if model is not None else list(GENERIC_SHAPES)
+    flops, _ = measure_gemm(shapes)
+    half, _ = measure_gemm(shapes, dtype="bf16")
     width = max(model.dim, model.resolved_ffn_dim()) if model is not None else 256
     hbm = measure_bandwidth([tokens * width, 4 * tokens * width])
+    bare = flops
     if cfg is not None and config is not None:
+        cfg.train.precision = "fp32"
         flops = sustained_flops(cfg, hbm, measure_trainer_step(config))
-    return Profile(device=device, gemm_flops={"fp32": flops}, hbm_bandwidth=hbm,
-                   collectives=measure_collectives(nproc, backend))  # fmt: skip
+    rates = {"fp32": flops, "bf16": flops * half / bare}  # half precision: the bare GEMMs' ratio
+    work_shape = (tokens, model.dim) if model is not None else (128, 64)
+    fits, share = measure_contention(nproc, backend, work_shape=work_shape) if nproc > 1 else ([], {})
+    return Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, compute_share=share,
+                   collectives=fits)  # fmt: skip
 
 
 def contended(profile: Profile, world: int, n_cores: int | None = None) -> Profile:
-    """``profile`` with compute and memory bandwidth scaled by ``cores / world`` when ranks outnumber cores."""
-    share = min(1.0, (n_cores or cores()) / max(1, world))
+    """``profile`` with compute and memory bandwidth scaled by the measured compute share of
+    ``world`` ranks (:func:`measure_contention`), else by ``cores / world`` when ranks outnumber cores."""
+    share = profile.compute_share.get(str(world)) or min(1.0, (n_cores or cores()) / max(1, world))
     return Profile(
         device=profile.device,
         gemm_flops={k: v * share for k, v in profile.gemm_flops.items()},
@@ -273,9 +355,11 @@ def main(argv: list[str]) -> int:
     prof = calibrate(args.nproc, args.config, args.backend, device, args.threads)
     prof.save(args.out)
     kind = "run-sustained" if args.config else "GEMM"
-    print(f"{kind} fp32 {prof.gemm_flops['fp32'] / 1e9:.2f} GFLOP/s per rank, elementwise "
-          f"{prof.hbm_bandwidth / 1e9:.2f} GB/s")  # fmt: skip
+    print(f"{kind} fp32 {prof.gemm_flops['fp32'] / 1e9:.2f} GFLOP/s per rank (bf16 "
+          f"{prof.gemm_flops['bf16'] / 1e9:.2f}), elementwise {prof.hbm_bandwidth / 1e9:.2f} GB/s")  # fmt: skip
+    for world, share in prof.compute_share.items():
+        print(f"compute share with {world} ranks at once: {share:.2f}")
     for c in prof.collectives:
-        print(f"{c.op:<15} n={c.group_size}  bus {c.bus_bandwidth / 1e9:.3f} GB/s  latency {c.latency * 1e6:.0f} us")
+        print(f"{c.op:<15} world={c.world} n={c.group_size}  bus {c.bus_bandwidth / 1e9:.3f} GB/s  latency {c.latency * 1e6:.0f} us")
     print(f"wrote {args.out} ({time.perf_counter() - t0:.1f} s)")
     return 0

@@ -13,7 +13,8 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
 - model states, bytes per parameter (W, G, O) = (2, 2, 12) mixed precision (bf16 weights and
   grads, fp32 master/momentum/variance), (4, 4, 8) fp32. Over a ZeRO group of N = dp_shard*cp:
   stage 0: W+G+O; 1: W+G+O/N; 2: W+(G+O)/N; 3: (W+G+O)/N plus a gather buffer of two layers'
-  unsharded weights. ``offload`` moves O to host memory. Layer weights divide by t (and by ep
+  unsharded weights. Stages 2/3 with gradient accumulation (m > 1) hold full-size gradients
+  between micro-batches (reduced once, after the last, as FSDP's ``no_sync``). ``offload`` moves O to host memory. Layer weights divide by t (and by ep
   for experts); the vocabulary-parallel embedding and head by t; norms are replicated.
 - activations of one layer for one micro-batch, derived like Korthikanti et al. 2022 for this
   block (pre-norm, fused RMSNorm saving its input, RoPE, GQA, SwiGLU, no dropout, no biases)::
@@ -47,9 +48,10 @@ Time of one step:
   2.5x its forward as it recomputes the scores); elementwise ops
   (norms, residuals, RoPE, SwiGLU, softmax without flash) as bytes over HBM bandwidth. Full
   recomputation adds the layers' forward (x4/3 of layer FLOPs), selective the attention core's.
-- tensor parallel: 2 all-reduces per layer per pass of T h B_a bytes (4 (t-1)/t T h B_a bytes
-  per device per pass), 4 per fwd+bwd, 6 with full recomputation; sp replaces each by an
-  all-gather + reduce-scatter of the same volume. Intra-node link, not overlapped.
+- tensor parallel: the calls Loom issues (:meth:`CostModel.tp_calls`): per layer 4 all-reduces
+  of T h B_a bytes fwd+bwd, 6 with full recomputation; with sp 6 all-gathers + 4 reduce-scatters
+  of that size and 2 norm-gradient all-reduces; plus embedding, head and vocab-parallel loss
+  calls. Each call costs latency + volume / bandwidth, on the intra-node link, not overlapped.
 - context parallel: ring attention sends (cp-1) k/v chunks per layer forward, twice that
   backward, hidden behind the attention core where it is shorter; merging the cp partial
   outputs reads and writes o cp times (elementwise).
@@ -59,13 +61,14 @@ Time of one step:
   (fraction (p-1)/(m+p-1)), (p-1)/v t_mb interleaved, (p-1)(t_mb - 2 t_W) for ZB-H1 (t_W the
   weight-gradient half of backward); P2P of T h B_a / t bytes per chunk boundary, 2 m v
   transfers per step, not overlapped.
-- data parallel over dp*cp ranks (grads in ``reduce_dtype``): ZeRO 0/1 all-reduce 2 Phi (n-1)/n
-  once a step (ZeRO-1 as reduce-scatter + all-gather, same volume); ZeRO-2 reduce-scatter every
-  micro-batch + all-gather once; ZeRO-3 two all-gathers + a reduce-scatter every micro-batch
-  (3 Phi (n-1)/n for m = 1); hybrid sharding adds an all-reduce of the shard across replicas.
-  The device's ``comm_overlap`` share (80% on GPUs, 0 on CPU where gloo shares the compute
-  cores) hides behind the backward (of the last micro-batch for ZeRO 0/1, of all micro-batches
-  for ZeRO 2/3). ZeRO-3 also pays each call's latency per unit (layers + 1) and micro-batch.
+- data parallel over dp*cp ranks (grads in ``reduce_dtype``), reduced once per step after the
+  last micro-batch: ZeRO 0 all-reduce 2 Phi (n-1)/n; ZeRO 1/2 reduce-scatter + all-gather (same
+  volume); ZeRO-3 all-gathers Phi forward and Phi - Phi_last backward every micro-batch, one call
+  per unit, and reduce-scatters once (3 Phi - Phi_last for m = 1; :meth:`CostModel._dp_comm`);
+  every bucket or unit call pays the measured latency; hybrid sharding adds an all-reduce of the
+  shard across replicas. The device's ``comm_overlap`` share (80% on GPUs, 0 on CPU where gloo
+  shares the compute cores) hides behind the backward (of the last micro-batch for ZeRO 0/1/2,
+  of all micro-batches for ZeRO 3).
 - optimizer: Adam reads and writes 28 bytes per local parameter at HBM speed; offloaded, at
   HOST_ADAM_BANDWIDTH per node, plus grads down and weights up over the host link.
 
@@ -81,9 +84,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from loom.config import ModelConfig
+from loom.config import OPTIMIZERS, ModelConfig
 from loom.mesh import ParallelDims
 from loom.model.llama import flops_per_token
+from loom.optim.adam8bit import BLOCK as ADAM8BIT_BLOCK
 from loom.plan.hardware import ClusterSpec, HardwareError, Machine, Profile
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -149,6 +153,8 @@ class Workload:
     precision: str = "bf16"  # fp32 | tf32 | bf16 | fp16 | fp8 (fp8: fp8 GEMMs, bf16 states)
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in (fp32 | bf16 | fp16)
     flash_attention: bool = True  # attention scores are not stored (flash / SDPA)
+    bucket_bytes: float = 25 * 2**20  # data-parallel gradient bucket (parallel.bucket_mb)
+    optimizer: str = "adamw"  # adamw | adam8bit | adafactor (train.optimizer)
 
     @property
     def mixed(self) -> bool:
@@ -158,9 +164,16 @@ class Workload:
     def act_bytes(self) -> int:
         return 2 if self.mixed else 4
 
-    def state_bytes(self) -> tuple[int, int, int]:
-        """(weights, grads, optimizer) bytes per parameter: (2, 2, 12) mixed, (4, 4, 8) fp32."""
-        return (2, 2, 12) if self.mixed else (4, 4, 8)
+    def state_bytes(self) -> tuple[float, float, float]:
+        """(weights, grads, optimizer) bytes per parameter: (2, 2, 12) mixed, (4, 4, 8) fp32 for
+        AdamW; 8-bit Adam keeps 2 + 8/256 bytes of moments (+ a 4-byte master when mixed);
+        Adafactor only the master here, its factored moments are counted per matrix
+        (:meth:`CostModel._state_memory`)."""
+        if self.optimizer not in OPTIMIZERS:
+            raise PlanError(f"train.optimizer: must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        master = 4 if self.mixed else 0
+        moments = {"adamw": 8.0, "adam8bit": 2.0 + 8.0 / ADAM8BIT_BLOCK, "adafactor": 0.0}[self.optimizer]
+        return (2, 2, master + moments) if self.mixed else (4, 4, moments)
 
 
 @dataclass
@@ -416,12 +429,28 @@ class CostModel:
             layer = (pc.attn + pc.norms + pc.router) / tp + pc.mlp / (tp * ep)
             # two layers gathered at a time, never more than sharding saved (with its fragmentation)
             buffer = min(2 * W * layer, (W * (dense + expert) - weights) / (1 + FRAGMENTATION))
+        optim = O * (dense / shard[2] + expert / shard_e[2])
+        if self.train.optimizer == "adafactor":  # 4 (R + C) per matrix, 4 per vector element
+            optim += self._factored_bytes(tp, pp, ep, first, last) / shard[2]
         return (
             ("weights", weights),
             ("gradients", G * (dense / shard[1] + expert / shard_e[1])),
-            ("optimizer", 0.0 if offload else O * (dense / shard[2] + expert / shard_e[2])),
+            ("optimizer", 0.0 if offload else optim),
             ("zero3 buffer", buffer),
         )
+
+    def _factored_bytes(self, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
+        """Adafactor's factored second moments on one device before ZeRO: 4 (R + C) bytes per
+        (R x C) weight matrix slice it holds, 4 bytes per norm element."""
+        m, h, f, kd, V = self.model, self.model.dim, self.ffn, self.kd, self.model.vocab_size
+        experts = self.n_experts / ep if self.moe else 1
+        layer = 4 * ((h / tp + h) * 2 + (kd / tp + h) * 2 + experts * 3 * (f / tp + h)) + 4 * 2 * h
+        total = m.n_layers / pp * layer
+        if first:
+            total += 4 * (V / tp + h)
+        if last:
+            total += 4 * h + (4 * (V / tp + h) if self.params.head or pp > 1 else 0)
+        return total
 
     def layer_activation(self, lay: Layout) -> tuple[float, float, float]:
         """Bytes of one layer, one micro-batch: (no recomputation, selective, block input)."""
@@ -481,6 +510,10 @@ class CostModel:
                 logits = T * self.model.vocab_size / lay.tp * (self.act_bytes + 8)
             bd["activations"] = act
             bd["logits"] = logits
+            bd["accumulation"] = 0.0
+            if lay.zero >= 2 and m > 1:  # full-size gradients kept between micro-batches (as FSDP no_sync)
+                dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, first, last)
+                bd["accumulation"] = self.G * (dense + expert) - bd["gradients"]
             bd["overhead"] = self.cluster.device.runtime_overhead_bytes + FRAGMENTATION * (
                 act + logits + bd["zero3 buffer"]
             )
@@ -491,8 +524,42 @@ class CostModel:
 
     # ------------------------------------------------------------------ time
 
+    def tp_calls(
+        self, tp: int, sp: bool, recompute: str, mb: int, part: str, cp: int = 1
+    ) -> dict[tuple[str, float], float]:
+        """Tensor-parallel collectives of one micro-batch, fwd + bwd, as Loom issues them:
+        ``{(op, message bytes): calls}`` for one ``layer``, the ``first`` stage's extras (the
+        vocabulary-parallel embedding) or the ``last`` stage's (final norm, head, loss).
+
+        With S = T h B_a (the full sequence's hidden states; all-gather output = reduce-scatter
+        input = S), per layer: without sp, 4 all-reduces of S (g after attention and MLP forward,
+        f before them backward); with sp, 6 all-gathers (2 forward, 2 re-gathered for the weight
+        gradients, 2 as the reduce-scatters' backward) and 4 reduce-scatters of S, plus the two
+        norms' weight-gradient all-reduces (h fp32 each). Full recomputation repeats the forward's
+        2 (no sp: all-reduce; sp: all-gather + reduce-scatter). First stage: the embedding's
+        all-reduce (sp: reduce-scatter, all-gather backward). Last stage: the head input's
+        backward all-reduce (sp: 2 all-gathers + 1 reduce-scatter, and the final norm's all-reduce)
+        and the vocab-parallel loss's 2 all-reduces (row max: 4T bytes; sum-exp and target logit: 8T).
+        """
+        if tp <= 1:
+            return {}
+        T = mb * self.train.seq_len / cp
+        S = T * self.model.dim * self.act_bytes
+        norm = self.model.dim * 4.0
+        again = 2 if recompute == "full" else 0
+        if part == "layer":
+            if not sp:
+                return {("all_reduce", S): 4 + again}
+            return {("all_gather", S): 6 + again, ("reduce_scatter", S): 4 + again, ("all_reduce", norm): 2}
+        if part == "first":
+            return {("all_reduce", S): 1} if not sp else {("reduce_scatter", S): 1, ("all_gather", S): 1}
+        loss = {("all_reduce", 4.0 * T): 1, ("all_reduce", 8.0 * T): 1}
+        if not sp:
+            return {("all_reduce", S): 1, **loss}
+        return {("all_gather", S): 2, ("reduce_scatter", S): 1, ("all_reduce", norm): 1, **loss}
+
     def _microbatch_times(
-        self, tp: int, sp: bool, cp: int, ep: int, mb: int, recompute: str, pp: int
+        self, tp: int, sp: bool, cp: int, ep: int, mb: int, recompute: str, pp: int, world: int = 0
     ) -> tuple[float, float, dict[str, float]]:
         """(t_mb of the slowest stage, its weight-grad time t_W, per-term times) for one micro-batch."""
         mc, tr, mach = self.model, self.train, self.machine
@@ -530,8 +597,11 @@ class CostModel:
         layer_b = 2 * (gemm_f + elt_f) + (FLASH_BWD if tr.flash_attention else 2.0) * core_f
         recomp = {"none": 0.0, "selective": core_f, "full": layer_f}[recompute]
         n_tp = {"none": 4, "selective": 4, "full": 6}[recompute]
-        msg = T * h * B
-        tp_layer = n_tp * mach.collective("all_reduce", tp, msg, tp)
+
+        def tp_time(calls: dict[tuple[str, float], float]) -> float:
+            return sum(k * mach.collective(op, tp, size, tp, world or None) for (op, size), k in calls.items())
+
+        tp_layer = tp_time(self.tp_calls(tp, sp, recompute, mb, "layer", cp))
         cp_layer = 0.0
         if cp > 1:
             ring = 3 * (cp - 1) * mach.collective("p2p", 2, B * T * 2 * kd / tp, tp * cp)
@@ -542,19 +612,19 @@ class CostModel:
         Ls = mc.n_layers / pp
         # output head GEMM fwd + 2x bwd, and cross entropy reading/writing ~16 bytes per logit
         head = 3 * mach.gemm(T, h, mc.vocab_size / tp, gemm_b) + 16 * T * mc.vocab_size / tp / mach.hbm
-        edge_ar = mach.collective("all_reduce", tp, msg, tp)  # vocab-parallel embedding / head input grad
         terms_first = {
             "compute": Ls * (layer_f + layer_b),
             "recompute": Ls * recomp,
-            "tp comm": Ls * tp_layer + edge_ar,
+            "tp comm": Ls * tp_layer + tp_time(self.tp_calls(tp, sp, recompute, mb, "first", cp)),
             "cp comm": Ls * cp_layer,
             "ep comm": Ls * ep_layer,
         }
         terms_last = dict(terms_first)
         terms_last["compute"] += head
+        terms_last["tp comm"] = Ls * tp_layer + tp_time(self.tp_calls(tp, sp, recompute, mb, "last", cp))
         if pp == 1:
             terms_first["compute"] += head
-            terms_first["tp comm"] += edge_ar
+            terms_first["tp comm"] += terms_last["tp comm"] - Ls * tp_layer
             terms_last = terms_first
         t_first, t_last = sum(terms_first.values()), sum(terms_last.values())
         terms = terms_last if t_last >= t_first else terms_first
@@ -563,12 +633,33 @@ class CostModel:
 
     def _dp_time(self, lay: Layout, m: int, t_bwd: float, t_compute: float) -> float:
         """Exposed data-parallel / ZeRO communication per step (module doc)."""
-        total = self._dp_volume(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m)
-        window = t_bwd if lay.zero <= 1 else t_compute
+        total = self._dp_volume(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m, lay.world_size)
+        window = t_bwd if lay.zero <= 2 else t_compute
         return total - min(self.cluster.device.comm_overlap * total, window)
 
-    def _dp_comm(self, dp: int, ds: int, tp: int, pp: int, cp: int, ep_deg: int, zero: int, m: int) -> float:
+    def zero3_units(self, pp: int, tp: int = 1) -> tuple[int, float]:
+        """(units, parameters of the last unit) of ZeRO-3 as Loom wraps the model: every block, the
+        modules before the blocks and those after them, merged when they share the tied embedding;
+        the last unit (final norm + head) stays gathered from forward to backward."""
+        pc = self.params
+        tied = pc.head == 0
+        units = max(1, self.model.n_layers // pp) + (1 if tied else 2)
+        return units, pc.final_norm + self.model.vocab_size * self.model.dim / tp
+
+    def _dp_comm(
+        self, dp: int, ds: int, tp: int, pp: int, cp: int, ep_deg: int, zero: int, m: int, world: int = 0
+    ) -> float:
+        """Seconds of data-parallel / ZeRO collectives per step, as Loom issues them (with gradient
+        accumulation, reductions happen once, after the last micro-batch):
+
+        - ZeRO 0: an all-reduce of Phi R bytes in ceil(Phi R / bucket) bucket calls;
+        - ZeRO 1/2: a reduce-scatter of Phi R and an all-gather of Phi W, per bucket;
+        - ZeRO 3 (u units): per micro-batch, all-gathers of Phi W forward (u calls) and of
+          (Phi - Phi_last) W backward (u - 1 calls); a reduce-scatter of Phi R per step (u calls);
+        - hybrid sharding: an all-reduce of the shard Phi R / N across the dp / dp_shard replicas.
+        """
         mach, W, R = self.machine, self.W, self.R
+        wd = world or None
         dense, expert = self._params_on(tp, pp, ep_deg, True, pp == 1)
         dense_l, expert_l = self._params_on(tp, pp, ep_deg, False, True)
         total = 0.0
@@ -576,19 +667,25 @@ class CostModel:
         for phi, ep in ((max(dense, dense_l), 1), (max(expert, expert_l), ep_deg)):
             if phi <= 0:
                 continue
+            buckets = max(1, -(-int(phi * R) // int(self.train.bucket_bytes)))
             if zero == 0:
-                total += mach.collective("all_reduce", dp * cp // ep, phi * R, tpcp * dp)
+                n, span = dp * cp // ep, tpcp * dp
+                total += mach.collective("all_reduce", n, phi * R, span, wd)
+                total += (buckets - 1) * mach.latency("all_reduce", n, span, wd)
                 continue
             ns = max(1, ds * cp // ep)
             span = tpcp * ds
-            rs = mach.collective("reduce_scatter", ns, phi * R, span)
-            ag = mach.collective("all_gather", ns, phi * W, span)
-            total += {1: rs + ag, 2: m * rs + ag, 3: m * (2 * ag + rs)}[zero]
-            if zero == 3:  # one gather (x2) and one reduce-scatter per unit: blocks + embedding + head
-                units = max(1, self.model.n_layers // pp) + 1
-                per_unit = 2 * mach.latency("all_gather", ns, span) + mach.latency("reduce_scatter", ns, span)
-                total += m * units * per_unit
-            total += mach.collective("all_reduce", dp // ds, phi * R / ns, tpcp * dp)
+            lat_rs, lat_ag = mach.latency("reduce_scatter", ns, span, wd), mach.latency("all_gather", ns, span, wd)
+            rs = mach.collective("reduce_scatter", ns, phi * R, span, wd)
+            if zero in (1, 2):
+                total += rs + mach.collective("all_gather", ns, phi * W, span, wd) + (buckets - 1) * (lat_rs + lat_ag)
+            else:
+                units, last = self.zero3_units(pp, tp)
+                last = min(last, phi) if ep == 1 else 0.0
+                fwd = mach.collective("all_gather", ns, phi * W, span, wd) + (units - 1) * lat_ag
+                bwd = mach.collective("all_gather", ns, (phi - last) * W, span, wd) + max(0, units - 2) * lat_ag
+                total += m * (fwd + bwd) + rs + (units - 1) * lat_rs
+            total += mach.collective("all_reduce", dp // ds, phi * R / ns, tpcp * dp, wd)
         return total
 
     def estimate(self, lay: Layout) -> Estimate:
@@ -604,7 +701,8 @@ class CostModel:
         tr, mach = self.train, self.machine
         m = tr.global_batch // (lay.dp * lay.micro_batch)
         p = lay.pp
-        t_mb, t_w, terms = self._per_mb(lay.tp, lay.sp, lay.cp, lay.ep, lay.micro_batch, lay.recompute, p)
+        world = lay.world_size
+        t_mb, t_w, terms = self._per_mb(lay.tp, lay.sp, lay.cp, lay.ep, lay.micro_batch, lay.recompute, p, world)
         w_share = t_w / t_mb
         if p == 1:
             idle = 0.0

@@ -378,6 +378,7 @@ class CollectiveFit:
     group_size: int
     bus_bandwidth: float  # bytes/s of the ring-normalised ("bus") bandwidth, as nccl-tests reports
     latency: float  # seconds
+    world: int = 0  # ranks running at once when measured (groups side by side); 0 = group_size
 
 
 @dataclass
@@ -387,16 +388,23 @@ class Profile:
     device: str  # DeviceSpec name it was measured on
     gemm_flops: dict[str, float] = field(default_factory=dict)  # precision -> sustained FLOP/s
     hbm_bandwidth: float = 0.0  # measured copy bandwidth, bytes/s (0 = use the spec)
+    compute_share: dict[str, float] = field(default_factory=dict)  # ranks at once -> speed vs alone
     collectives: list[CollectiveFit] = field(default_factory=list)
 
-    def collective(self, op: str, scope: str, group_size: int) -> CollectiveFit | None:
-        """The fit for ``op`` in ``scope`` with the nearest measured group size, if any."""
+    def collective(self, op: str, scope: str, group_size: int, world: int | None = None) -> CollectiveFit | None:
+        """The fit for ``op`` in ``scope`` with the nearest measured group size, then the nearest
+        job size ``world`` (ranks sharing the machine change a collective's cost on CPUs)."""
         fits = [c for c in self.collectives if c.op == op and c.scope == scope]
         if not fits:
             fits = [c for c in self.collectives if c.op == "all_reduce" and c.scope == scope]
         if not fits:
             return None
-        return min(fits, key=lambda c: (abs(c.group_size - group_size), -c.group_size))
+
+        def distance(c: CollectiveFit) -> tuple[int, int, int, int]:
+            w = c.world or c.group_size
+            return abs(c.group_size - group_size), abs(w - world) if world else 0, -c.group_size, -w
+
+        return min(fits, key=distance)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -424,6 +432,7 @@ class Profile:
             device=data["device"],
             gemm_flops={k: float(v) for k, v in data.get("gemm_flops", {}).items()},
             hbm_bandwidth=float(data.get("hbm_bandwidth", 0.0)),
+            compute_share={str(k): float(v) for k, v in data.get("compute_share", {}).items()},
             collectives=fits,
         )
 
@@ -479,13 +488,14 @@ class Machine:
         """``intra`` if a group whose ranks cover ``span`` consecutive ranks stays in one node."""
         return "intra" if span <= self.cluster.devices_per_node else "inter"
 
-    def collective(self, op: str, n: int, size: float, span: int) -> float:
-        """Seconds for ``op`` over ``n`` devices on a message of ``size`` bytes (see class doc)."""
+    def collective(self, op: str, n: int, size: float, span: int, world: int | None = None) -> float:
+        """Seconds for ``op`` over ``n`` devices on a message of ``size`` bytes (see class doc),
+        in a job of ``world`` ranks (picks the profile's fit measured nearest that job size)."""
         if n <= 1 or size <= 0:
             return 0.0
         scope = self.scope(span)
         bw, lat = self._links[scope]
-        fit = self.profile.collective(op, scope, n) if self.profile else None
+        fit = self.profile.collective(op, scope, n, world) if self.profile else None
         if op == "all_reduce":
             volume, hops = 2.0 * (n - 1) / n * size, 2 * (n - 1)
         elif op in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -498,12 +508,12 @@ class Machine:
             return fit.latency + volume / fit.bus_bandwidth
         return hops * lat + volume / bw
 
-    def latency(self, op: str, n: int, span: int) -> float:
+    def latency(self, op: str, n: int, span: int, world: int | None = None) -> float:
         """Fixed cost of one call of ``op`` over ``n`` devices (the size-independent part)."""
         if n <= 1:
             return 0.0
         scope = self.scope(span)
-        fit = self.profile.collective(op, scope, n) if self.profile else None
+        fit = self.profile.collective(op, scope, n, world) if self.profile else None
         if fit is not None:
             return fit.latency
         hops = {"all_reduce": 2 * (n - 1), "p2p": 1}.get(op, n - 1)

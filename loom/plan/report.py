@@ -139,6 +139,8 @@ def workload_of(cfg: LoomConfig) -> Workload:
         seq_len=cfg.data.seq_len,
         precision=cfg.train.precision,
         reduce_dtype=cfg.parallel.reduce_dtype,
+        bucket_bytes=cfg.parallel.bucket_mb * 2**20,
+        optimizer=cfg.train.optimizer,
     )
 
 

@@ -2,8 +2,8 @@
 
 Each layout is a ``python -m loom train`` subprocess on the debug model (a few steps, a small
 corpus, no eval/TensorBoard) with its own ``--run.dir``. From its last ``metrics.jsonl`` row
-(rank 0, i.e. the first pipeline stage) we take the step time (the fastest 2-step window after
-the first, warm-up, one: see :func:`run_layout`) and the model-state bytes
+(rank 0, i.e. the first pipeline stage) we take the step time (the fastest step after
+the first two, warm-up, ones: see :func:`run_layout`) and the model-state bytes
 ``param_bytes + grad_bytes + optim_bytes``; the planner predicts the same two numbers for the
 same config on :func:`~loom.plan.auto.local_cluster` with the calibration profile (scaled by
 :func:`~loom.plan.calibrate.contended` when ranks outnumber cores). Errors are
@@ -32,7 +32,8 @@ DEBUG_CONFIG = str(REPO / "configs" / "debug.toml")
 MEMORY_TOLERANCE = 0.05
 TIME_TOLERANCE = 0.20
 
-# (name, ranks, overrides): dp, ZeRO 1/2/3, tensor(+sequence), pipeline, recomputation, mixes.
+# (name, ranks, overrides): dp, ZeRO 1/2/3, tensor(+sequence), pipeline, recomputation, mixes,
+# and the memory-saving optimizers.
 LAYOUTS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("dp1", 1, ()),
     ("dp1 recompute=full", 1, ("--train.recompute", "full")),
@@ -44,6 +45,8 @@ LAYOUTS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("dp4 zero2", 4, ("--parallel.zero", "2")),
     ("dp2 tp2 zero1", 4, ("--parallel.tp", "2", "--parallel.sp", "true", "--parallel.zero", "1")),
     ("dp2 pp2", 4, ("--parallel.pp", "2")),
+    ("dp2 zero1 adafactor", 2, ("--parallel.zero", "1", "--train.optimizer", "adafactor")),
+    ("dp1 adam8bit bf16", 1, ("--train.optimizer", "adam8bit", "--train.precision", "bf16")),
 )
 
 
@@ -71,7 +74,7 @@ def base_overrides(steps: int, corpus_mb: float | None = None) -> list[str]:
     """Short, quiet runs: ``steps`` steps, a metrics row every 2, no eval, no TensorBoard, one
     thread per rank (as calibrated; more threads than free cores make OpenMP spin)."""
     return [
-        "--train.steps", str(steps), "--train.log_every", str(min(2, steps)), "--train.eval_every", "0",
+        "--train.steps", str(steps), "--train.log_every", "1", "--train.eval_every", "0",
         "--train.warmup_steps", "1", "--run.tensorboard", "false", "--run.progress", "false", "--run.threads", "1",
     ] + (["--data.max_corpus_mb", str(corpus_mb)] if corpus_mb else [])  # fmt: skip
 
@@ -88,7 +91,7 @@ def run_layout(config: str, ranks: int, overrides: list[str], run_dir: str, time
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise RuntimeError(f"loom train {' '.join(overrides)} failed ({proc.returncode}):\n{tail}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    timed = rows[1:] or rows  # the first window holds the warm-up steps
+    timed = rows[2:] if len(rows) > 3 else rows[1:] or rows  # the first steps warm up (allocator, autograd caches)
     return rows[-1] | {"step_time_s": min(float(r["step_time_s"]) for r in timed)}
 
 
@@ -163,7 +166,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="loom plan validate", description="predicted vs measured on local runs")
     p.add_argument("--profile", help="calibration profile (loom plan calibrate); default: $LOOM_PROFILE or ./profile.json if present")
     p.add_argument("--config", default=DEBUG_CONFIG, help="base training config (default: configs/debug.toml)")
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (timed in 2-step windows)")
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (each timed)")
     p.add_argument("--corpus-mb", type=float, default=0.5, help="data.max_corpus_mb of the runs")
     p.add_argument("--only", nargs="*", help=f"layout names: {', '.join(n for n, _, _ in LAYOUTS)}")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
