@@ -347,15 +347,20 @@ def test_invalid_layouts_are_rejected_with_the_reason():
         estimate(LLAMA3_8B, Layout(dp=8), Workload(64, 4096, reduce_dtype="int8"), cl)
     lay = Layout(dp=4, dp_shard=2, tp=2, pp=1, cp=1)
     assert lay.dims().world_size == lay.world_size == 8 and lay.dims().dp_replicate == 2
+    gqa6 = dataclasses.replace(LLAMA3_8B, dim=1536, n_heads=12, n_kv_heads=6)
+    with pytest.raises(PlanError, match="tp must divide n_kv_heads or be a multiple of it"):
+        estimate(gqa6, Layout(tp=4, dp=2), w, cl)
+    result = search(gqa6, w, cl)
+    assert result.rejected["tp must divide n_kv_heads or be a multiple of it (replicated kv heads)"] == 1  # tp 4
+    assert {e.layout.tp for e in result.ranked} <= {1, 2}
+    # 2 kv heads on tp 4: replicated whole on every rank (as Loom's ParallelAttention), 2 more all-reduces
     gqa2 = dataclasses.replace(LLAMA3_8B, n_kv_heads=2)
-    with pytest.raises(PlanError, match="tp must divide n_kv_heads"):
-        estimate(gqa2, Layout(tp=4, dp=2), w, cl)
-    result = search(gqa2, w, cl)
-    assert result.rejected["tp must divide n_kv_heads"] == 2  # tp 4 and tp 8
-    assert all(e.layout.tp <= 2 for e in result.ranked)
+    cm = CostModel(gqa2, w, cl)
+    h, kd = gqa2.dim, 2 * gqa2.head_dim
+    assert cm._attn_params(4) == 2 * h * h / 4 + 2 * h * kd and cm.kv_width(4) == gqa2.head_dim
+    assert cm.tp_calls(4, False, "none", 1, "layer")[("all_reduce", kd * h * 4.0)] == 2
     wide = search(LLAMA3_8B, w, _cluster(per_node=4, nodes=4))
-    assert wide.rejected["tp must divide devices_per_node (stay inside a node)"] == 1  # tp 8
-    assert wide.rejected["tp must divide n_kv_heads"] == 1  # tp 16
+    assert wide.rejected["tp must divide devices_per_node (stay inside a node)"] == 2  # tp 8 and 16
 
 
 def test_llama3_8b_on_8_h100_picks_a_sensible_layout():

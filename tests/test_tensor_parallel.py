@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from loom.config import ConfigError, LoomConfig, ParallelConfig, validate
+from loom.plan.cost import CostModel, Layout, Workload
+from loom.plan.hardware import ClusterSpec
 from tests.dist import get_mesh
 from tests.helpers import SEQ, VOCAB, rank_micro_batches, tiny_model, tiny_train, train_dp
 
@@ -186,7 +188,7 @@ def _train_tp(tp: int, dp: int, sp: bool, zero: int = 0, steps: int = 20):
     model = build_model(cfg.model, cfg.train.seed)
     meter = CommMeter()
     strategy = parallelize(model, mesh, cfg, meter)
-    losses, moved = [], []
+    losses, moved, calls = [], [], []
     for step in range(steps):
         meter.reset()
         micro = rank_micro_batches(step, BATCH, MICRO // dp, mesh.local_rank("dp"), dp)
@@ -194,10 +196,11 @@ def _train_tp(tp: int, dp: int, sp: bool, zero: int = 0, steps: int = 20):
                          mesh.group("dp"))  # fmt: skip
         losses.append(res.loss)
         moved.append(meter.total_moved)
+        calls.append(dict(meter.calls))
     with strategy.gathered() if zero == 3 else contextlib.nullcontext():  # ZeRO-3: whole tp shards
         state = gather_full_state(model, mesh.group("tp"))
     strategy.remove()
-    return {"losses": losses, "state": state, "moved": moved}
+    return {"losses": losses, "state": state, "moved": moved, "calls": calls}
 
 
 @pytest.fixture(scope="module")
@@ -222,14 +225,24 @@ def test_tp_equals_single_process(pools, reference, tp, sp):
     results = pools(tp).run(_train_tp, tp, 1, sp)
     _check_equal(results, reference)
     expected = (BATCH // MICRO) * comm_bytes_formula(tiny_model(), MICRO, SEQ, tp, sp)
+    # the planner's count of collective calls (what sets the time of small layers) is Loom's
+    planner = CostModel(tiny_model(), Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", tp))
+    calls = planner.collective_calls(Layout(tp=tp, sp=sp, micro_batch=MICRO))
     for r in results:
         assert r["moved"] == [pytest.approx(expected)] * len(r["moved"])
+        assert r["calls"] == [calls] * len(r["calls"])
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_tp2_dp2_equals_single_process(pools, reference, zero):
-    """2D mesh tp=2 x dp=2 with sp: plain data parallel, or ZeRO-1/2/3 sharding over dp only."""
-    _check_equal(pools(4).run(_train_tp, 2, 2, True, zero), reference)
+    """2D mesh tp=2 x dp=2 with sp: plain data parallel, or ZeRO-1/2/3 sharding over dp only; the
+    collective calls per step are the planner's (tp per micro-batch + dp/ZeRO per bucket or unit)."""
+    results = pools(4).run(_train_tp, 2, 2, True, zero)
+    _check_equal(results, reference)
+    planner = CostModel(tiny_model(), Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", 4))
+    lay = Layout(dp=2, dp_shard=2 if zero else 1, tp=2, sp=True, zero=zero, micro_batch=MICRO // 2)
+    for r in results:
+        assert r["calls"] == [planner.collective_calls(lay)] * len(r["calls"])
 
 
 # ----------------------------------------------------------------------------- DTensor parity

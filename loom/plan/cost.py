@@ -98,6 +98,21 @@ ADAM_BYTES = 28  # bytes read + written per parameter by one Adam step
 FLASH_BWD = 2.5  # flash attention backward / forward time (it recomputes the scores; Dao 2023)
 
 
+def tp_reason(model: ModelConfig, ffn: int, tp: int, per_node: int) -> str | None:
+    """Why tensor-parallel degree ``tp`` cannot split ``model`` on nodes of ``per_node`` devices, or None."""
+    if model.n_heads % tp:
+        return "tp must divide n_heads"
+    if model.n_kv_heads % tp and tp % model.n_kv_heads:
+        return "tp must divide n_kv_heads or be a multiple of it (replicated kv heads)"
+    if ffn % tp:
+        return "tp must divide ffn_dim"
+    if model.vocab_size % tp:
+        return "tp must divide vocab_size"
+    if tp > per_node or per_node % tp:
+        return "tp must divide devices_per_node (stay inside a node)"
+    return None
+
+
 class PlanError(ValueError):
     """A layout or workload the planner cannot evaluate; the message says why."""
 
@@ -328,6 +343,17 @@ class CostModel:
         self._act = lru_cache(maxsize=None)(self._layer_activation)
         self._dp_volume = lru_cache(maxsize=None)(self._dp_comm)
 
+    def kv_width(self, tp: int) -> float:
+        """Key/value width one tp rank computes: k d / t when t divides the k kv heads, else one
+        head d (heads replicated: every t / k ranks share one, Loom's ``ParallelAttention``)."""
+        k = self.model.n_kv_heads
+        return self.kd / tp if k % tp == 0 else self.model.head_dim
+
+    def _attn_params(self, tp: int) -> float:
+        """Attention weights one tp rank holds: wq, wo split; wk, wv split or replicated whole."""
+        h = self.model.dim
+        return 2 * h * h / tp + 2 * h * self.kd / (tp if self.model.n_kv_heads % tp == 0 else 1)
+
     # ------------------------------------------------------------------ validity
 
     def check(self, lay: Layout) -> str | None:
@@ -347,16 +373,9 @@ class CostModel:
             return f"schedule must be one of {', '.join(SCHEDULES)}"
         if lay.recompute not in RECOMPUTE:
             return f"recompute must be one of {', '.join(RECOMPUTE)}"
-        if m.n_heads % lay.tp:
-            return "tp must divide n_heads"
-        if m.n_kv_heads % lay.tp:
-            return "tp must divide n_kv_heads"
-        if self.ffn % lay.tp:
-            return "tp must divide ffn_dim"
-        if m.vocab_size % lay.tp:
-            return "tp must divide vocab_size"
-        if lay.tp > self.cluster.devices_per_node or self.cluster.devices_per_node % lay.tp:
-            return "tp must divide devices_per_node (stay inside a node)"
+        why = tp_reason(m, self.ffn, lay.tp, self.cluster.devices_per_node)
+        if why:
+            return why
         if lay.sp and t.seq_len % (lay.tp * lay.cp):
             return "sp needs seq_len divisible by tp*cp"
         if lay.cp > 1 and t.seq_len % (2 * lay.cp):
@@ -388,7 +407,7 @@ class CostModel:
     def _params_on(self, t: int, pp: int, ep: int, first: bool, last: bool) -> tuple[float, float]:
         pc = self.params
         layers = self.model.n_layers / pp
-        dense = layers * (pc.attn / t + pc.norms + pc.router + (0 if self.moe else pc.mlp / t))
+        dense = layers * (self._attn_params(t) + pc.norms + pc.router + (0 if self.moe else pc.mlp / t))
         expert = layers * pc.mlp / (t * ep) if self.moe else 0.0
         if first:
             dense += pc.embed / t
@@ -426,7 +445,7 @@ class CostModel:
         buffer = 0.0
         if zero == 3:
             pc = self.params
-            layer = (pc.attn + pc.norms + pc.router) / tp + pc.mlp / (tp * ep)
+            layer = self._attn_params(tp) + (pc.norms + pc.router) / tp + pc.mlp / (tp * ep)
             # two layers gathered at a time, never more than sharding saved (with its fragmentation)
             buffer = min(2 * W * layer, (W * (dense + expert) - weights) / (1 + FRAGMENTATION))
         optim = O * (dense / shard[2] + expert / shard_e[2])
@@ -444,7 +463,8 @@ class CostModel:
         (R x C) weight matrix slice it holds, 4 bytes per norm element."""
         m, h, f, kd, V = self.model, self.model.dim, self.ffn, self.kd, self.model.vocab_size
         experts = self.n_experts / ep if self.moe else 1
-        layer = 4 * ((h / tp + h) * 2 + (kd / tp + h) * 2 + experts * 3 * (f / tp + h)) + 4 * 2 * h
+        kv_rows = kd / tp if m.n_kv_heads % tp == 0 else kd
+        layer = 4 * ((h / tp + h) * 2 + (kv_rows + h) * 2 + experts * 3 * (f / tp + h)) + 4 * 2 * h
         total = m.n_layers / pp * layer
         if first:
             total += 4 * (V / tp + h)
@@ -462,7 +482,7 @@ class CostModel:
         T = mb * tr.seq_len / cp
         rep_div = t if sp else 1
         rep = 4 * B * T * h / rep_div
-        qkv = B * T * (h + 2 * self.kd) / t
+        qkv = B * T * (h / t + 2 * self.kv_width(t))
         mlp = 4 * B * T * self.ffn / t * (self.top_k if self.moe else 1)
         core = (B * T * h + 4 * T * m.n_heads) / t
         if not tr.flash_attention:
@@ -535,7 +555,8 @@ class CostModel:
         input = S), per layer: without sp, 4 all-reduces of S (g after attention and MLP forward,
         f before them backward); with sp, 6 all-gathers (2 forward, 2 re-gathered for the weight
         gradients, 2 as the reduce-scatters' backward) and 4 reduce-scatters of S, plus the two
-        norms' weight-gradient all-reduces (h fp32 each). Full recomputation repeats the forward's
+        norms' weight-gradient all-reduces (h fp32 each); replicated key/value heads (k < t) add 2
+        all-reduces of their weight gradients. Full recomputation repeats the forward's
         2 (no sp: all-reduce; sp: all-gather + reduce-scatter). First stage: the embedding's
         all-reduce (sp: reduce-scatter, all-gather backward). Last stage: the head input's
         backward all-reduce (sp: 2 all-gathers + 1 reduce-scatter, and the final norm's all-reduce)
@@ -547,23 +568,59 @@ class CostModel:
         S = T * self.model.dim * self.act_bytes
         norm = self.model.dim * 4.0
         again = 2 if recompute == "full" else 0
+        calls: list[tuple[str, float, int]]
         if part == "layer":
-            if not sp:
-                return {("all_reduce", S): 4 + again}
-            return {("all_gather", S): 6 + again, ("reduce_scatter", S): 4 + again, ("all_reduce", norm): 2}
-        if part == "first":
-            return {("all_reduce", S): 1} if not sp else {("reduce_scatter", S): 1, ("all_gather", S): 1}
-        loss = {("all_reduce", 4.0 * T): 1, ("all_reduce", 8.0 * T): 1}
-        if not sp:
-            return {("all_reduce", S): 1, **loss}
-        return {("all_gather", S): 2, ("reduce_scatter", S): 1, ("all_reduce", norm): 1, **loss}
+            calls = [("all_reduce", S, 4 + again)] if not sp else [
+                ("all_gather", S, 6 + again), ("reduce_scatter", S, 4 + again), ("all_reduce", norm, 2)]  # fmt: skip
+            if self.model.n_kv_heads % tp:  # replicated wk, wv: their gradients summed over tp
+                calls.append(("all_reduce", self.kd * self.model.dim * 4.0, 2))
+        elif part == "first":
+            calls = [("all_reduce", S, 1)] if not sp else [("reduce_scatter", S, 1), ("all_gather", S, 1)]
+        else:
+            calls = [("all_reduce", 4.0 * T, 1), ("all_reduce", 8.0 * T, 1)]  # the loss
+            calls += [("all_reduce", S, 1)] if not sp else [
+                ("all_gather", S, 2), ("reduce_scatter", S, 1), ("all_reduce", norm, 1)]  # fmt: skip
+        out: dict[tuple[str, float], float] = {}
+        for op, size, k in calls:
+            out[(op, size)] = out.get((op, size), 0) + k
+        return out
+
+    def collective_calls(self, lay: Layout) -> dict[str, int]:
+        """Tensor-parallel and data-parallel/ZeRO collective calls per step on one device of the
+        first stage, by op (what :class:`loom.comm.CommMeter` counts): :meth:`tp_calls` per
+        micro-batch, one call per bucket (ZeRO 0: all-reduce; 1/2: reduce-scatter + all-gather),
+        ZeRO-3 2u - 1 all-gathers per micro-batch and u reduce-scatters per step."""
+        m = self.train.global_batch // (lay.dp * lay.micro_batch)
+        out: dict[str, int] = {}
+
+        def add(op: str, k: float) -> None:
+            out[op] = out.get(op, 0) + int(k)
+
+        parts = [("layer", self.model.n_layers // lay.pp), ("first", 1)] + [("last", 1)] * (lay.pp == 1)
+        for part, times in parts:
+            for (op, _), k in self.tp_calls(lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp).items():
+                add(op, m * times * k)
+        n = lay.dp_shard * lay.cp if lay.zero else lay.dp * lay.cp
+        if n > 1:
+            dense, _ = self._params_on(lay.tp, lay.pp, 1, True, lay.pp == 1)
+            buckets = max(1, -(-int(dense * self.R) // int(self.train.bucket_bytes)))
+            if lay.zero == 0:
+                add("all_reduce", buckets)
+            elif lay.zero in (1, 2):
+                add("reduce_scatter", buckets)
+                add("all_gather", buckets)
+            else:
+                units, _ = self.zero3_units(lay.pp, lay.tp)
+                add("all_gather", m * (2 * units - 1))
+                add("reduce_scatter", units)
+        return out
 
     def _microbatch_times(
         self, tp: int, sp: bool, cp: int, ep: int, mb: int, recompute: str, pp: int, world: int = 0
     ) -> tuple[float, float, dict[str, float]]:
         """(t_mb of the slowest stage, its weight-grad time t_W, per-term times) for one micro-batch."""
         mc, tr, mach = self.model, self.train, self.machine
-        B, h, f, kd, s = self.act_bytes, mc.dim, self.ffn, self.kd, tr.seq_len
+        B, h, f, s = self.act_bytes, mc.dim, self.ffn, tr.seq_len
         T = mb * s / cp
         gemm_b = 1 if tr.precision == "fp8" else B
         # tokens per expert GEMM: T*top_k routed tokens spread over this device's experts
@@ -575,19 +632,19 @@ class CostModel:
             mlp_f = 2 * mach.gemm(T, h, f / tp, gemm_b) + mach.gemm(T, f / tp, h, gemm_b)
         gemm_f = (
             mach.gemm(T, h, h / tp, gemm_b)
-            + 2 * mach.gemm(T, h, kd / tp, gemm_b)
+            + 2 * mach.gemm(T, h, self.kv_width(tp), gemm_b)
             + mach.gemm(T, h / tp, h, gemm_b)
             + mlp_f
         )
         a_t = mc.n_heads / tp
-        core_bytes = B * T * (2 * h + 2 * kd) / tp
+        core_bytes = B * T * (2 * h / tp + 2 * self.kv_width(tp))
         if not tr.flash_attention:
             core_bytes += 4 * B * a_t * T * s  # scores written, softmax read+write, read by AV
         core_f = max(4.0 * T * s * h / tp / mach.flops, core_bytes / mach.hbm)
         elt_bytes = (
             B
             * T
-            * (10 * h / (tp if sp else 1) + 2 * (h + kd) / tp + 3 * f / tp * (self.top_k if self.moe else 1))
+            * (10 * h / (tp if sp else 1) + 2 * (h / tp + self.kv_width(tp)) + 3 * f / tp * (self.top_k if self.moe else 1))
         )
         if cp > 1:  # ring attention merges cp partial outputs (rescaled by their lse): cp passes over o
             elt_bytes += 2 * cp * B * T * h / tp
@@ -604,7 +661,7 @@ class CostModel:
         tp_layer = tp_time(self.tp_calls(tp, sp, recompute, mb, "layer", cp))
         cp_layer = 0.0
         if cp > 1:
-            ring = 3 * (cp - 1) * mach.collective("p2p", 2, B * T * 2 * kd / tp, tp * cp)
+            ring = 3 * (cp - 1) * mach.collective("p2p", 2, B * T * 2 * self.kv_width(tp), tp * cp)
             cp_layer = max(0.0, ring - 3 * core_f)
         ep_layer = 0.0
         if self.moe and ep > 1:

@@ -1,7 +1,7 @@
 """Layout search: enumerate the valid layouts of a world size, keep those that fit, rank by step time.
 
-Enumeration, outermost first: tp (divides n_heads, n_kv_heads, ffn_dim, vocab, and the node),
-pp (divides n_layers), cp (seq_len divisible by 2 cp), dp = world / (tp pp cp) (divides the
+Enumeration, outermost first: tp (:func:`~loom.plan.cost.tp_reason`: divides n_heads, ffn_dim,
+vocab and the node; divides n_kv_heads or is a multiple of it), pp (divides n_layers), cp (seq_len divisible by 2 cp), dp = world / (tp pp cp) (divides the
 global batch), ep (MoE only), ZeRO stage with its sharding group, micro-batch, schedule with
 its virtual stages, recomputation, offload. ``sp`` is always on when tp > 1.
 
@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from loom.config import ModelConfig
-from loom.plan.cost import RECOMPUTE, CostModel, Estimate, Layout, PlanError, Workload
+from loom.plan.cost import RECOMPUTE, CostModel, Estimate, Layout, PlanError, Workload, tp_reason
 from loom.plan.hardware import ClusterSpec, Profile
 
 
@@ -48,20 +48,6 @@ class SearchResult:
 def divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
-
-
-def _tp_reason(model: ModelConfig, ffn: int, tp: int, per_node: int) -> str | None:
-    if model.n_heads % tp:
-        return "tp must divide n_heads"
-    if model.n_kv_heads % tp:
-        return "tp must divide n_kv_heads"
-    if ffn % tp:
-        return "tp must divide ffn_dim"
-    if model.vocab_size % tp:
-        return "tp must divide vocab_size"
-    if tp > per_node or per_node % tp:
-        return "tp must divide devices_per_node (stay inside a node)"
-    return None
 
 
 def _schedules(pp: int, layers: int, m_of_mb: int) -> list[tuple[str, int]]:
@@ -100,7 +86,7 @@ def search(
     closest: tuple[float, Layout, dict, str] | None = None
 
     for tp in divisors(W):
-        why = _tp_reason(model, cm.ffn, tp, per_node)
+        why = tp_reason(model, cm.ffn, tp, per_node)
         if why:
             rejected[why] += 1
             continue
