@@ -25,6 +25,7 @@ Ranks on this machine share cores: :func:`contended` scales the compute numbers 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -113,7 +114,35 @@ def measure_trainer_step(config: str, steps: int = 12, runs: int = 3) -> float:
     return best
 
 
-def sustained_flops(cfg: LoomConfig, hbm: float, seconds: float) -> float:
+def measure_backward_ratio(model: ModelConfig, micro_batch: int, seq_len: int, repeats: int = 15) -> float:
+    """Backward time / forward time of one micro-batch through the model with its loss (autograd on).
+
+    2 when GEMM FLOPs set the time (backward runs two products per forward one); nearer 1 when
+    the framework's per-op cost does (small layers), which is what full recomputation's extra
+    forward then costs relative to the step.
+    """
+    import torch
+
+    from loom.model.llama import build_model, loss_fn
+
+    net = build_model(model, seed=0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, model.vocab_size, (micro_batch, seq_len), generator=g)
+    y = torch.randint(0, model.vocab_size, (micro_batch, seq_len), generator=g)
+
+    def fwd():
+        return loss_fn(net(x), y)
+
+    def fwd_bwd() -> None:
+        fwd().backward()
+        net.zero_grad(set_to_none=True)
+
+    t_f = _timed(fwd, repeats)
+    t_fb = _timed(fwd_bwd, repeats)
+    return max(0.5, (t_fb - t_f) / t_f)
+
+
+def sustained_flops(cfg: LoomConfig, hbm: float, seconds: float, backward_ratio: float = 0.0) -> float:
     """The FLOP/s at which the planner's one-rank step time of ``cfg`` equals ``seconds``.
 
     One rank's predicted step is ``A / flops + B`` (GEMMs and attention over the FLOP rate;
@@ -129,7 +158,7 @@ def sustained_flops(cfg: LoomConfig, hbm: float, seconds: float) -> float:
     model, work, cluster = model_of(cfg), workload_of(cfg), local_cluster(1)
 
     def step(flops: float) -> float:
-        prof = Profile(device="cpu", gemm_flops={"fp32": flops}, hbm_bandwidth=hbm)
+        prof = Profile(device="cpu", gemm_flops={"fp32": flops}, hbm_bandwidth=hbm, backward_ratio=backward_ratio)
         return estimate(model, lay, work, cluster, profile=prof).step_time
 
     f1, f2 = 1e9, 2e9
@@ -315,23 +344,24 @@ def calibrate(
     half, _ = measure_gemm(shapes, dtype="bf16")
     width = max(model.dim, model.resolved_ffn_dim()) if model is not None else 256
     hbm = measure_bandwidth([tokens * width, 4 * tokens * width])
-    bare = flops
+    bare, ratio = flops, 0.0
     if cfg is not None and config is not None:
         cfg.train.precision = "fp32"
-        flops = sustained_flops(cfg, hbm, measure_trainer_step(config))
+        ratio = measure_backward_ratio(cfg.model, cfg.train.micro_batch, cfg.data.seq_len)
+        flops = sustained_flops(cfg, hbm, measure_trainer_step(config), ratio)
     rates = {"fp32": flops, "bf16": flops * half / bare}  # half precision: the bare GEMMs' ratio
     work_shape = (tokens, model.dim) if model is not None else (128, 64)
     fits, share = measure_contention(nproc, backend, work_shape=work_shape) if nproc > 1 else ([], {})
     return Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, compute_share=share,
-                   collectives=fits)  # fmt: skip
+                   backward_ratio=ratio, collectives=fits)  # fmt: skip
 
 
 def contended(profile: Profile, world: int, n_cores: int | None = None) -> Profile:
     """``profile`` with compute and memory bandwidth scaled by the measured compute share of
     ``world`` ranks (:func:`measure_contention`), else by ``cores / world`` when ranks outnumber cores."""
     share = profile.compute_share.get(str(world)) or min(1.0, (n_cores or cores()) / max(1, world))
-    return Profile(
-        device=profile.device,
+    return dataclasses.replace(
+        profile,
         gemm_flops={k: v * share for k, v in profile.gemm_flops.items()},
         hbm_bandwidth=profile.hbm_bandwidth * share,
         collectives=list(profile.collectives),
@@ -357,6 +387,8 @@ def main(argv: list[str]) -> int:
     kind = "run-sustained" if args.config else "GEMM"
     print(f"{kind} fp32 {prof.gemm_flops['fp32'] / 1e9:.2f} GFLOP/s per rank (bf16 "
           f"{prof.gemm_flops['bf16'] / 1e9:.2f}), elementwise {prof.hbm_bandwidth / 1e9:.2f} GB/s")  # fmt: skip
+    if prof.backward_ratio:
+        print(f"backward / forward time of the model: {prof.backward_ratio:.2f} (2 when FLOPs set it)")
     for world, share in prof.compute_share.items():
         print(f"compute share with {world} ranks at once: {share:.2f}")
     for c in prof.collectives:

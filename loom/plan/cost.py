@@ -43,7 +43,8 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
 Time of one step:
 
 - compute: each GEMM of a layer as a roofline max(2MKN / flops, bytes / HBM) with M = T tokens;
-  backward is 2x forward; attention core 4 T s h / t FLOPs forward (the PaLM/Megatron
+  backward is r = 2x forward (the FLOP ratio; a calibration profile may measure r nearer 1 for
+  small layers where per-op cost sets the time); attention core 4 T s h / t FLOPs forward (the PaLM/Megatron
   convention 12 L h s per token for fwd+bwd, not halved for causality; a flash backward takes
   2.5x its forward as it recomputes the scores); elementwise ops
   (norms, residuals, RoPE, SwiGLU, softmax without flash) as bytes over HBM bandwidth. Full
@@ -69,6 +70,8 @@ Time of one step:
   shard across replicas. The device's ``comm_overlap`` share (80% on GPUs, 0 on CPU where gloo
   shares the compute cores) hides behind the backward (of the last micro-batch for ZeRO 0/1/2,
   of all micro-batches for ZeRO 3).
+- step synchronisation: the scalar collectives of every step (loss averaged over dp, gradient
+  norm summed over tp, the ZeRO group and pp, loss broadcast over pp), one call latency each.
 - optimizer: Adam reads and writes 28 bytes per local parameter at HBM speed; offloaded, at
   HOST_ADAM_BANDWIDTH per node, plus grads down and weights up over the host link.
 
@@ -328,6 +331,7 @@ class CostModel:
             self.machine = Machine(cluster, train.precision, profile)
         except HardwareError as e:
             raise PlanError(f"train.precision: {e}") from None
+        self.bwd_ratio = profile.backward_ratio if profile is not None and profile.backward_ratio > 0 else 2.0
         self.params = ParamCounts.of(model, n_experts, top_k)
         self.ffn = model.resolved_ffn_dim()
         self.kd = model.n_kv_heads * model.head_dim
@@ -651,7 +655,8 @@ class CostModel:
         elt_f = elt_bytes / mach.hbm
         layer_f = gemm_f + core_f + elt_f
         # backward: GEMMs and elementwise 2x forward; a flash kernel recomputes the scores (2.5x)
-        layer_b = 2 * (gemm_f + elt_f) + (FLASH_BWD if tr.flash_attention else 2.0) * core_f
+        r = self.bwd_ratio  # 2 when GEMM FLOPs set the time; measured (profile) when per-op cost does
+        layer_b = r * (gemm_f + elt_f) + (FLASH_BWD if tr.flash_attention else 2.0) * r / 2 * core_f
         recomp = {"none": 0.0, "selective": core_f, "full": layer_f}[recompute]
         n_tp = {"none": 4, "selective": 4, "full": 6}[recompute]
 
@@ -668,7 +673,7 @@ class CostModel:
             ep_layer = n_tp * mach.collective("all_to_all", ep, T * self.top_k * h * B / tp, tp * ep)
         Ls = mc.n_layers / pp
         # output head GEMM fwd + 2x bwd, and cross entropy reading/writing ~16 bytes per logit
-        head = 3 * mach.gemm(T, h, mc.vocab_size / tp, gemm_b) + 16 * T * mc.vocab_size / tp / mach.hbm
+        head = (1 + r) * mach.gemm(T, h, mc.vocab_size / tp, gemm_b) + 16 * T * mc.vocab_size / tp / mach.hbm
         terms_first = {
             "compute": Ls * (layer_f + layer_b),
             "recompute": Ls * recomp,
@@ -685,7 +690,7 @@ class CostModel:
             terms_last = terms_first
         t_first, t_last = sum(terms_first.values()), sum(terms_last.values())
         terms = terms_last if t_last >= t_first else terms_first
-        t_w = Ls * gemm_f  # weight-gradient GEMMs: half of the backward GEMMs
+        t_w = Ls * gemm_f * r / 2  # weight-gradient GEMMs: half of the backward GEMMs
         return max(t_first, t_last), t_w, terms
 
     def _dp_time(self, lay: Layout, m: int, t_bwd: float, t_compute: float) -> float:
@@ -693,6 +698,17 @@ class CostModel:
         total = self._dp_volume(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m, lay.world_size)
         window = t_bwd if lay.zero <= 2 else t_compute
         return total - min(self.cluster.device.comm_overlap * total, window)
+
+    def _sync_time(self, lay: Layout) -> float:
+        """Scalar collectives of every step, one call latency each: the logged loss averaged over
+        dp, the gradient norm summed over tp, over the ZeRO group and over pp, and the loss
+        broadcast over pp."""
+        mach, world = self.machine, lay.world_size
+        calls = [("all_reduce", lay.dp * lay.cp, lay.tp * lay.cp * lay.dp), ("all_reduce", lay.tp, lay.tp),
+                 ("all_reduce", lay.pp, world), ("all_reduce", lay.pp, world)]  # fmt: skip
+        if lay.zero:
+            calls.append(("all_reduce", lay.dp_shard * lay.cp, lay.tp * lay.cp * lay.dp_shard))
+        return sum(mach.latency(op, n, span, world) for op, n, span in calls)
 
     def zero3_units(self, pp: int, tp: int = 1) -> tuple[int, float]:
         """(units, parameters of the last unit) of ZeRO-3 as Loom wraps the model: every block, the
@@ -777,7 +793,8 @@ class CostModel:
             msg = lay.micro_batch * tr.seq_len / lay.cp * self.model.dim * B / lay.tp
             span = lay.tp * lay.cp * lay.dp * p
             time["pp p2p"] = 2 * m * lay.v * mach.collective("p2p", 2, msg, span)
-        t_bwd = terms["compute"] * 2 / 3  # backward share of one micro-batch: the DP overlap window
+        time["step sync"] = self._sync_time(lay)
+        t_bwd = terms["compute"] * self.bwd_ratio / (1 + self.bwd_ratio)  # backward share: the DP overlap window
         time["dp comm"] = self._dp_time(lay, m, t_bwd, m * t_mb)
         dense, expert = self._stage_params(lay, True, p == 1)
         n = lay.dp_shard * lay.cp if lay.zero else 1

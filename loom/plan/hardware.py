@@ -389,6 +389,7 @@ class Profile:
     gemm_flops: dict[str, float] = field(default_factory=dict)  # precision -> sustained FLOP/s
     hbm_bandwidth: float = 0.0  # measured copy bandwidth, bytes/s (0 = use the spec)
     compute_share: dict[str, float] = field(default_factory=dict)  # ranks at once -> speed vs alone
+    backward_ratio: float = 0.0  # measured backward / forward time of the model (0 = 2, the FLOP ratio)
     collectives: list[CollectiveFit] = field(default_factory=list)
 
     def collective(self, op: str, scope: str, group_size: int, world: int | None = None) -> CollectiveFit | None:
@@ -433,6 +434,7 @@ class Profile:
             gemm_flops={k: float(v) for k, v in data.get("gemm_flops", {}).items()},
             hbm_bandwidth=float(data.get("hbm_bandwidth", 0.0)),
             compute_share={str(k): float(v) for k, v in data.get("compute_share", {}).items()},
+            backward_ratio=float(data.get("backward_ratio", 0.0)),
             collectives=fits,
         )
 
