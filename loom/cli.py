@@ -30,7 +30,7 @@ checkpoint; --train.resume PATH starts from any checkpoint (default: latest in -
 
 
 def _split(argv: list[str]) -> tuple[str | None, list[str], dict[str, str]]:
-    """Config path (first bare arg ending in .toml), section overrides, and plain options."""
+    """Config (first bare arg: a path ending in .toml or a preset name), section overrides, and plain options."""
     path: str | None = None
     overrides: list[str] = []
     plain: dict[str, str] = {}
@@ -38,11 +38,12 @@ def _split(argv: list[str]) -> tuple[str | None, list[str], dict[str, str]]:
     while i < len(argv):
         a = argv[i]
         if not a.startswith("--"):
-            if path is None and a.endswith(".toml"):
+            if path is None and (a.endswith(".toml") or a in C.presets()):
                 path = a
                 i += 1
                 continue
-            raise C.ConfigError(f"unexpected argument {a!r}; give a config file ending in .toml or --section.key value")
+            raise C.ConfigError(f"unexpected argument {a!r}; give a config file ending in .toml, a preset "
+                                f"({', '.join(C.presets())}) or --section.key value")  # fmt: skip
         key = a[2:].split("=", 1)[0]
         has_eq = "=" in a
         value = a.split("=", 1)[1] if has_eq else (argv[i + 1] if i + 1 < len(argv) else None)

@@ -234,10 +234,29 @@ def from_dict(data: dict[str, Any], base: LoomConfig | None = None) -> LoomConfi
     return cfg
 
 
-def load_toml(path: str | Path, base: LoomConfig | None = None) -> LoomConfig:
-    p = Path(path)
+PRESET_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def presets() -> list[str]:
+    """Names of the configs shipped with Loom (``loom/configs/*.toml``): ``loom train debug``."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def preset_path(name: str) -> Path:
+    """The shipped config called ``name``; an unknown name lists the known ones."""
+    p = PRESET_DIR / f"{name}.toml"
     if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(presets())}")
+    return p
+
+
+def load_toml(path: str | Path, base: LoomConfig | None = None) -> LoomConfig:
+    """Read a TOML config: a file path, or the name of a shipped preset (``debug``, ``llama3-8b``)."""
+    p = Path(path)
+    if not p.is_file() and p.suffix != ".toml" and (PRESET_DIR / f"{p.name}.toml").is_file():
+        p = PRESET_DIR / f"{p.name}.toml"
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist (or a preset: {', '.join(presets())})")
     try:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:

@@ -65,6 +65,22 @@ def test_presets_load_and_roundtrip(preset, tmp_path):
     again = tmp_path / "c.toml"
     again.write_text(C.dump_toml(cfg))
     assert C.to_dict(C.load_toml(again)) == C.to_dict(cfg)
+    assert C.to_dict(C.load_toml(preset.stem)) == C.to_dict(cfg)  # by name, from the package
+
+
+def test_presets_ship_inside_the_package_and_feed_the_planner():
+    from loom.plan.cli import MODELS
+    from loom.plan.hardware import CLUSTER_DIR
+
+    assert C.PRESET_DIR.parent == Path(C.__file__).resolve().parent  # package data, not the checkout
+    assert CLUSTER_DIR.is_relative_to(C.PRESET_DIR) and any(CLUSTER_DIR.glob("*.toml"))
+    data = C.tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["loom"]
+    assert {"configs/*.toml", "configs/clusters/*.toml"} <= set(data)
+    assert set(MODELS) == set(C.presets()) and MODELS["llama3-70b"].n_layers == 80  # one source of shapes
+    with pytest.raises(C.ConfigError, match="unknown preset 'llama9'; known: debug"):
+        C.preset_path("llama9")
+    with pytest.raises(C.ConfigError, match="does not exist"):
+        C.load_toml("llama9")
 
 
 def test_mesh_dims_for_4096_ranks():
@@ -91,6 +107,7 @@ def test_mesh_dims_for_4096_ranks():
         (["--train.global_batch", "7"], "train.global_batch"),
         (["--bogus", "1"], "--bogus"),
         (["--model.typo", "1"], "model.typo"),
+        (["llama9"], "a preset (debug, gpt-125m"),
     ],
 )
 def test_cli_rejects_before_start(tmp_path, args, needle):

@@ -567,7 +567,7 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
     )
     assert "NO does not fit" in capsys.readouterr().out
     assert main(["--model", "gpt-5"]) == 2
-    assert "known: llama3-8b" in capsys.readouterr().err
+    assert "known: debug, gpt-125m, llama-1b, llama3-405b" in capsys.readouterr().err
     assert (
         main(["--model", "llama3-70b", "--cluster", "a100-40g:1x1", "--seq", "4096", "--global-batch", "8"])
         == 1

@@ -1,6 +1,6 @@
 """``parallel.auto``: let the planner choose the layout of a training run, and compare after it.
 
-:func:`local_cluster` describes the machine a run is on: ``configs/clusters/cpu-local.toml``
+:func:`local_cluster` describes the machine a run is on: ``loom/configs/clusters/cpu-local.toml``
 widened to the world size (one node, every rank on it) for CPU runs, ``DEVICE:1xN`` for a
 known GPU. :func:`load_profile` reads ``$LOOM_PROFILE`` or ``./profile.json`` when present
 (written by ``loom plan calibrate``), scaled by :func:`~loom.plan.calibrate.contended` when more

@@ -5,7 +5,7 @@
     loom plan calibrate [--out profile.json] [--nproc N] [--config run.toml]   measure this machine
     loom plan validate [--profile profile.json]   predicted vs measured on local debug-model runs
 
-``--cluster`` takes a TOML path, a name in ``configs/clusters`` or ``DEVICE:NODESxPER``;
+``--cluster`` takes a TOML path, a name in ``loom/configs/clusters`` or ``DEVICE:NODESxPER``;
 ``--device NAME`` with ``--world N`` builds nodes of up to 8 such devices. Exit status: 0 when the
 config fits (or some layout fits), 1 when nothing fits, 2 on bad input.
 """
@@ -16,50 +16,19 @@ import argparse
 import json
 import sys
 
-from loom.config import ConfigError, ModelConfig, load
+from loom.config import ConfigError, ModelConfig, load, load_toml, preset_path, presets
 from loom.plan.cost import Estimate, PlanError, Workload
 from loom.plan.hardware import DEVICES, ClusterSpec, HardwareError, Profile, known_clusters, resolve_cluster
 from loom.plan.report import check_fit, format_breakdown, format_search, model_of, workload_of
 from loom.plan.search import search
 
-MODELS: dict[str, ModelConfig] = {
-    # Llama 3 shapes (Meta's model cards / params.json): GQA with 8 kv heads, untied, vocab 128256.
-    "llama3-8b": ModelConfig(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=14336,
-        vocab_size=128256,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-        tie_embeddings=False,
-    ),
-    "llama3-70b": ModelConfig(
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        ffn_dim=28672,
-        vocab_size=128256,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-        tie_embeddings=False,
-    ),
-    "llama3-405b": ModelConfig(
-        dim=16384,
-        n_layers=126,
-        n_heads=128,
-        n_kv_heads=8,
-        ffn_dim=53248,
-        vocab_size=128256,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-        tie_embeddings=False,
-    ),
-    # Loom's default debug model with the default 4096-token BPE vocabulary.
-    "debug": ModelConfig(vocab_size=4096),
-}
+
+def _preset_models() -> dict[str, ModelConfig]:
+    """Model shapes of the shipped presets (``loom/configs/*.toml``), vocabulary resolved."""
+    return {name: model_of(load_toml(preset_path(name))) for name in presets()}
+
+
+MODELS: dict[str, ModelConfig] = _preset_models()
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -343,7 +343,7 @@ def load_cluster(path: str | Path) -> ClusterSpec:
     return cluster_from_dict(data, name=p.stem)
 
 
-CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
+CLUSTER_DIR = Path(__file__).resolve().parents[1] / "configs" / "clusters"
 
 
 def known_clusters() -> list[str]:
@@ -351,7 +351,7 @@ def known_clusters() -> list[str]:
 
 
 def resolve_cluster(spec: str) -> ClusterSpec:
-    """A cluster from a TOML path, a name in ``configs/clusters``, or ``DEVICE:NODESxPER`` (``h100-sxm:8x8``)."""
+    """A cluster from a TOML path, a name in ``loom/configs/clusters``, or ``DEVICE:NODESxPER`` (``h100-sxm:8x8``)."""
     p = Path(spec)
     if p.suffix == ".toml" or p.is_file():
         return load_cluster(p)

@@ -22,13 +22,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loom.config import LoomConfig, load
+from loom.config import LoomConfig, load, preset_path
 from loom.plan.auto import predicted_fields
 from loom.plan.calibrate import contended
 from loom.plan.hardware import Profile
 
 REPO = Path(__file__).resolve().parents[2]
-DEBUG_CONFIG = str(REPO / "configs" / "debug.toml")
+DEBUG_CONFIG = str(preset_path("debug"))
 MEMORY_TOLERANCE = 0.05
 TIME_TOLERANCE = 0.20
 
