@@ -100,11 +100,10 @@ def config_of(config: str, ranks: int, overrides: list[str]) -> LoomConfig:
 
 
 def compare(
-    name: str, ranks: int, overrides: list[str], config: str, profile: Profile | None, run_dir: str, repeats: int = 1
+    name: str, ranks: int, overrides: list[str], config: str, profile: Profile | None, runs: list[dict]
 ) -> Comparison:
-    """Run one layout ``repeats`` times (the fastest run counts: identical runs on a shared CPU
-    differ by up to 1.6x) and predict it; the profile is scaled for contention at ``ranks``."""
-    runs = [run_layout(config, ranks, overrides, f"{run_dir}-{i}") for i in range(max(1, repeats))]
+    """Predict one layout and compare it with the fastest of ``runs`` (the last metrics row of
+    each run, :func:`run_layout`); the profile is scaled for contention at ``ranks``."""
     row = min(runs, key=lambda r: float(r["step_time_s"]))
     prof = contended(profile, ranks) if profile is not None and profile.device == "cpu" else profile
     pred = predicted_fields(config_of(config, ranks, overrides), ranks, prof)
@@ -152,15 +151,21 @@ def validate(
     echo=None,
     repeats: int = 1,
 ) -> list[Comparison]:
-    """Run every layout (sequentially) and compare; ``echo`` gets each row as it finishes."""
+    """Run every layout ``repeats`` times, one round of all layouts after another (a slow spell of
+    the machine then hits different layouts, not both runs of one), and compare each with its
+    fastest run; ``echo`` gets each row when its last run finishes."""
     out = []
+    runs: list[list[dict]] = [[] for _ in layouts]
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        for i, (name, ranks, extra) in enumerate(layouts):
-            ov = [*base_overrides(steps, corpus_mb), *extra]
-            c = compare(name, ranks, ov, config, profile, str(Path(tmp) / f"run{i}"), repeats)
-            out.append(c)
-            if echo is not None:
-                echo(c)
+        for r in range(max(1, repeats)):
+            for i, (name, ranks, extra) in enumerate(layouts):
+                ov = [*base_overrides(steps, corpus_mb), *extra]
+                runs[i].append(run_layout(config, ranks, ov, str(Path(tmp) / f"run{i}-{r}")))
+                if r == max(1, repeats) - 1:
+                    c = compare(name, ranks, ov, config, profile, runs[i])
+                    out.append(c)
+                    if echo is not None:
+                        echo(c)
     return out
 
 
