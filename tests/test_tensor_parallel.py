@@ -245,6 +245,54 @@ def test_tp2_dp2_equals_single_process(pools, reference, zero):
         assert r["calls"] == [planner.collective_calls(lay)] * len(r["calls"])
 
 
+# ----------------------------------------------------------------------------- dropout randomness
+
+
+def _rng_streams():
+    from loom.parallel.tp_rng import tp_local_rng
+
+    rank = get_mesh(tp=2).local_rank("tp")
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    with tp_local_rng(rank):
+        inside = torch.rand(64)
+    after = torch.rand(8)
+    torch.set_rng_state(state)  # what recomputation does before replaying a region
+    with tp_local_rng(rank):
+        again = torch.rand(64)
+    return inside, after, again
+
+
+def _replicas_with_dropout(sp: bool):
+    """tp2 forward with dropout 0.3: the block outputs every rank holds (replicated without sp)."""
+    from loom.model.llama import build_model
+    from loom.parallel import parallelize
+
+    mesh = get_mesh(tp=2)
+    cfg = LoomConfig(model=tiny_model(dropout=0.3), parallel=ParallelConfig(tp=2, sp=sp))
+    cfg.data.seq_len = SEQ
+    model = build_model(cfg.model, 0)
+    parallelize(model, mesh, cfg, None)
+    outs = []
+    model.layers[0].register_forward_hook(lambda m, a, y: outs.append(y.detach().clone()))
+    torch.manual_seed(11)  # the same default stream on both ranks, as the trainer seeds it
+    model.train()
+    model(torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB)
+    return outs[0]
+
+
+def test_tp_dropout_masks_are_private_per_rank_and_replayable(pools):
+    """Split activations draw rank-private masks, replayed exactly after restoring the default
+    generator (recomputation); the shared stream advances alike, so replicated activations stay
+    replicated through dropout."""
+    (in0, after0, again0), (in1, after1, again1) = pools(2).run(_rng_streams)
+    assert not torch.equal(in0, in1)
+    assert torch.equal(after0, after1)
+    assert torch.equal(in0, again0) and torch.equal(in1, again1)
+    y0, y1 = pools(2).run(_replicas_with_dropout, False)
+    assert torch.equal(y0, y1)  # hidden states replicated over tp stay bitwise equal
+
+
 # ----------------------------------------------------------------------------- DTensor parity
 
 

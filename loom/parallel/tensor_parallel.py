@@ -30,6 +30,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
@@ -45,6 +46,7 @@ from loom.parallel.tp_layers import (
     VocabParallelEmbedding,
     sharded_param,
 )
+from loom.parallel.tp_rng import tp_local_rng
 
 IGNORE_INDEX = -100
 
@@ -81,7 +83,17 @@ def parallelize_block(block: nn.Module, ctx: TPContext) -> nn.Module:
     if ctx.sp:
         block.attention_norm = SequenceParallelRMSNorm(block.attention_norm, ctx)
         block.ffn_norm = SequenceParallelRMSNorm(block.ffn_norm, ctx)
+        if getattr(block, "dropout", 0.0) > 0:  # residual dropout on this rank's sequence shard
+            block._drop = partial(_shard_dropout, block, ctx.rank)
     return block
+
+
+def _shard_dropout(block: nn.Module, tp_rank: int, x: torch.Tensor) -> torch.Tensor:
+    """A block's residual dropout on a sequence shard: masks drawn per tp rank (:mod:`loom.parallel.tp_rng`)."""
+    if not block.training:
+        return x
+    with tp_local_rng(tp_rank, x.device):
+        return F.dropout(x, block.dropout, training=True)
 
 
 def is_tp_sharded(p: torch.Tensor) -> bool:

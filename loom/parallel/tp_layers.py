@@ -36,6 +36,7 @@ from loom.parallel.tp_comm import (
     reduce_scatter_seq,
     scatter_seq,
 )
+from loom.parallel.tp_rng import tp_local_rng
 
 
 @dataclass
@@ -246,7 +247,9 @@ class ParallelAttention(nn.Module):
         v = v.view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
-        y = self.core(q, k, v)  # (B, a/n, T, d)
+        dropping = self.training and getattr(self.core, "dropout", 0.0) > 0
+        with tp_local_rng(self.ctx.rank, q.device, enabled=dropping):  # masks of this rank's heads
+            y = self.core(q, k, v)  # (B, a/n, T, d)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, a/n·d)
         return self.wo(y)  # (B, T, h), or (B, T/n, h) with sp
 
