@@ -101,9 +101,11 @@ def measure_bandwidth(elements: list[int], repeats: int = 20) -> float:
     return moved / total_s
 
 
-def measure_trainer_step(config: str, steps: int = 12, runs: int = 3) -> float:
+def measure_trainer_step(config: str, steps: int = 12, runs: int = 5) -> float:
     """Step time (s) of a one-rank fp32 ``loom train config`` as :func:`loom.plan.validate.run_layout`
-    measures it (the fastest step), the least of ``runs`` runs (identical runs here differ by up to 1.6x)."""
+    measures it (the fastest step), the least of ``runs`` runs. Identical runs here differ by up
+    to 1.6x: a process lands in a fast or a slow mode and keeps it (~4 vs ~6 ms for the same
+    forward + backward in plain PyTorch), so only the fastest of several is the machine's."""
     from loom.plan.validate import base_overrides, run_layout
 
     best = float("inf")

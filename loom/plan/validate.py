@@ -175,7 +175,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--profile", help="calibration profile (loom plan calibrate); default: $LOOM_PROFILE or ./profile.json if present")
     p.add_argument("--config", default=DEBUG_CONFIG, help="base training config (default: configs/debug.toml)")
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (each timed)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per layout; the fastest counts (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per layout; the fastest counts (default 3)")
     p.add_argument("--corpus-mb", type=float, default=0.5, help="data.max_corpus_mb of the runs")
     p.add_argument("--only", nargs="*", help=f"layout names: {', '.join(n for n, _, _ in LAYOUTS)}")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
