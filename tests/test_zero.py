@@ -15,7 +15,7 @@ from torch.testing import assert_close
 
 from loom import config as C
 from tests.dist import get_mesh
-from tests.helpers import rank_micro_batches, tiny_model, tiny_train, train_dp
+from tests.helpers import SEQ, rank_micro_batches, tiny_model, tiny_train, train_dp
 
 BATCH = 8
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -59,7 +59,7 @@ def train_zero(mesh, stage: int, micro: int, par: dict, model_kw: dict, steps: i
     model = build_model(cfg.model, cfg.train.seed)
     meter = CommMeter()
     strategy = parallelize(model, mesh, cfg, meter)
-    losses, moved = [], []
+    losses, moved, calls = [], [], []
     for step in range(steps):
         meter.reset()
         micro_batches = rank_micro_batches(step, BATCH, micro, dp_rank, dp)
@@ -67,6 +67,7 @@ def train_zero(mesh, stage: int, micro: int, par: dict, model_kw: dict, steps: i
                          mesh.group("dp"))  # fmt: skip
         losses.append(res.loss)
         moved.append(dict(meter.moved))
+        calls.append(dict(meter.calls))
     events = list(getattr(strategy, "events", []))  # the last step's, before gathering the state
     pieces = torch.stack([strategy.param_grad_shard(p).pow(2).sum() for p in model.parameters()]).sum()
     torch.distributed.all_reduce(pieces, group=mesh.group("dp_shard"))
@@ -77,7 +78,7 @@ def train_zero(mesh, stage: int, micro: int, par: dict, model_kw: dict, steps: i
         if stage == 3
         else {k: v.detach().clone() for k, v in model.state_dict().items()}
     )
-    out = {"losses": losses, "state": state, "moved": moved, "bytes": state_bytes, "k": BATCH // dp // micro,
+    out = {"losses": losses, "state": state, "moved": moved, "calls": calls, "bytes": state_bytes, "k": BATCH // dp // micro,
            "groups": [lay.numel for lay in strategy.layouts], "norms": norms}  # fmt: skip
     if stage == 2:
         out["launches"] = [(r.params_not_ready, r.during_backward) for r in strategy.launch_log]
@@ -110,6 +111,21 @@ def references():
 
 
 ALL = [(2, n) for n in WORLD2] + [(4, n) for n in WORLD4]
+WORLDS = {2: WORLD2, 4: WORLD4}
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w, n in ALL if not WORLDS[w][n][4]])
+def test_collective_calls_equal_the_planners(runs, world, name):
+    """Calls per step (gathers per unit and micro-batch, one reduction per bucket or unit, hybrid
+    all-reduces) are what the planner's cost model charges latency for."""
+    from loom.plan.cost import CostModel, Layout, Workload
+    from loom.plan.hardware import ClusterSpec
+
+    stage, rep, shard, micro, _, model_kw = WORLDS[world][name]
+    planner = CostModel(tiny_model(**model_kw), Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", world))
+    expected = planner.collective_calls(Layout(dp=rep * shard, dp_shard=shard, zero=stage, micro_batch=micro))
+    for r in runs[world]:
+        assert r[name]["calls"] == [expected] * len(r[name]["calls"])
 
 
 @pytest.mark.parametrize("world,name", ALL)
@@ -126,7 +142,6 @@ def test_equals_single_process(runs, references, world, name):
             assert torch.equal(r["state"][k], v), f"{name} {k} differs between ranks"
 
 
-WORLDS = {2: WORLD2, 4: WORLD4}
 
 
 def _phi_groups(world: int, name: str) -> list[int]:

@@ -593,7 +593,8 @@ class CostModel:
         """Tensor-parallel and data-parallel/ZeRO collective calls per step on one device of the
         first stage, by op (what :class:`loom.comm.CommMeter` counts): :meth:`tp_calls` per
         micro-batch, one call per bucket (ZeRO 0: all-reduce; 1/2: reduce-scatter + all-gather),
-        ZeRO-3 2u - 1 all-gathers per micro-batch and u reduce-scatters per step."""
+        ZeRO-3 2u - 1 all-gathers per micro-batch and u reduce-scatters per step; hybrid sharding
+        adds an all-reduce over the replicas per bucket (unit)."""
         m = self.train.global_batch // (lay.dp * lay.micro_batch)
         out: dict[str, int] = {}
 
@@ -617,6 +618,8 @@ class CostModel:
                 units, _ = self.zero3_units(lay.pp, lay.tp)
                 add("all_gather", m * (2 * units - 1))
                 add("reduce_scatter", units)
+            if lay.zero and lay.dp > lay.dp_shard:  # hybrid: each reduced shard all-reduced over replicas
+                add("all_reduce", buckets if lay.zero < 3 else self.zero3_units(lay.pp, lay.tp)[0])
         return out
 
     def _microbatch_times(
