@@ -47,6 +47,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loom_stepper(cfg: LoomConfig, mesh, meter):
     from loom.parallel.tensor_parallel import apply_tensor_parallel
+    from loom.parallel.tp_comm import sum_partial_grads
 
     model = build_model(cfg.model, cfg.train.seed)
     loss = apply_tensor_parallel(model, mesh, cfg, meter)
@@ -57,6 +58,7 @@ def loom_stepper(cfg: LoomConfig, mesh, meter):
         x, y = _batch(i)
         out = loss(model(x), y)
         out.backward()
+        sum_partial_grads(model.parameters())  # sp norms' gradient parts, once per step
         opt.step()
         return float(out.detach())
 
@@ -106,7 +108,7 @@ def dtensor_stepper(cfg: LoomConfig, device_mesh):
         with loss_parallel():
             out = loss_fn(model(x), y)
             out.backward()
-        for p in model.parameters():  # sp: norm-weight grads are Partial sums; all-reduce them (Loom: f)
+        for p in model.parameters():  # sp: norm-weight grads are Partial sums; all-reduce them (Loom: sum_partial_grads)
             if isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial():
                 p.grad = p.grad.redistribute(p.grad.device_mesh, [Replicate()])
         for opt in opts:

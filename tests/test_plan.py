@@ -358,7 +358,8 @@ def test_invalid_layouts_are_rejected_with_the_reason():
     cm = CostModel(gqa2, w, cl)
     h, kd = gqa2.dim, 2 * gqa2.head_dim
     assert cm._attn_params(4) == 2 * h * h / 4 + 2 * h * kd and cm.kv_width(4) == gqa2.head_dim
-    assert cm.tp_calls(4, False, "none", 1, "layer")[("all_reduce", kd * h * 4.0)] == 2
+    assert cm.tp_partial_params(4, False, 1) == 2 * gqa2.n_layers * kd * h  # their gradients: summed once a step
+    assert cm.tp_partial_params(4, True, 2, last=False) == 2 * 16 * kd * h + 2 * 16 * h  # + sp norms of 16 layers
     wide = search(LLAMA3_8B, w, _cluster(per_node=4, nodes=4))
     assert wide.rejected["tp must divide devices_per_node (stay inside a node)"] == 2  # tp 8 and 16
 

@@ -15,12 +15,16 @@ Layout over the tp group of n ranks (h = dim, a heads, k kv-heads, f = ffn, V = 
 
 Bytes moved per rank per micro-batch (ring, ρ = (n-1)/n, S = b·s·h·e, e bytes per element):
 
-    no sp:  2ρ·[(4L + 2)·S + 3·b·s·4 + 2L·k·d·h·e·[k < n]]
+    no sp:  2ρ·[(4L + 2)·S + 3·b·s·4]
             i.e. 2 all-reduces of S per layer per pass, the embedding's g, the head's f, and the
             loss's max and (sum-exp, target-logit) all-reduces of b·s fp32 values.
-    sp:     ρ·[(10L + 5)·S + 2·(2L + 1)·h·e + 6·b·s·4 + 4L·k·d·h·e·[k < n]]
+    sp:     ρ·[(10L + 5)·S + 6·b·s·4]
             per layer: forward 2 all-gathers + 2 reduce-scatters (= the 2 all-reduces), backward
-            the same plus 2 re-gathers of the saved shard; the norm weights' gradient all-reduces.
+            the same plus 2 re-gathers of the saved shard.
+
+plus once per step, one all-reduce of the parameters whose gradient each rank holds in part
+(``tp_comm.sum_partial_grads``, as Megatron sums sequence-parallel norm gradients):
+2ρ·e·[(2L + 1)·h·[sp] + 2L·k·d·h·[k < n]] (norm weights; replicated key/value weights).
 """
 
 from __future__ import annotations
@@ -192,14 +196,16 @@ def gather_full_state(model: nn.Module, group: Group) -> dict[str, torch.Tensor]
     return out
 
 
-def comm_bytes_formula(cfg: ModelConfig, batch: int, seq: int, tp: int, sp: bool, elem: int = 4) -> float:
-    """Bytes one rank moves per micro-batch (forward + backward) under TP; see the module docstring."""
+def comm_bytes_formula(
+    cfg: ModelConfig, batch: int, seq: int, tp: int, sp: bool, elem: int = 4, micro_batches: int = 1
+) -> float:
+    """Bytes one rank moves per step of ``micro_batches`` micro-batches (forward + backward) under
+    TP; see the module docstring."""
     if tp == 1:
         return 0.0
     rho = (tp - 1) / tp
     L, h, d, k = cfg.n_layers, cfg.dim, cfg.head_dim, cfg.n_kv_heads
     S = batch * seq * h * elem
-    kv = L * k * d * h * elem if k < tp else 0
-    if not sp:
-        return 2 * rho * ((4 * L + 2) * S + 3 * batch * seq * 4 + 2 * kv)
-    return rho * ((10 * L + 5) * S + 2 * (2 * L + 1) * h * elem + 6 * batch * seq * 4 + 4 * kv)
+    partial = ((2 * L + 1) * h if sp else 0) + (2 * L * k * d * h if k < tp else 0)  # summed once per step
+    per_mb = 2 * rho * ((4 * L + 2) * S + 3 * batch * seq * 4) if not sp else rho * ((10 * L + 5) * S + 6 * batch * seq * 4)
+    return micro_batches * per_mb + 2 * rho * partial * elem

@@ -141,3 +141,48 @@ def gather_seq(x: torch.Tensor, group: Group, meter: CommMeter | None = None) ->
 def scatter_seq(x: torch.Tensor, group: Group, meter: CommMeter | None = None) -> torch.Tensor:
     """(B, T, ...) partial sums -> (B, T/n, ...): reduce-scatter forward, all-gather backward."""
     return x if _size(group) == 1 else _ScatterSeq.apply(x, group, meter)
+
+
+# ----------------------------------------------------------------------------- partial gradients
+
+
+def mark_partial(p: torch.Tensor, group: Group, meter: CommMeter | None = None) -> torch.Tensor:
+    """Mark a parameter replicated over tp whose gradient each rank computes only in part (a
+    sequence-parallel norm's weight sees this rank's sequence shard; a replicated key/value weight
+    the rows of this rank's heads). Instead of f's all-reduce per use and micro-batch, the parts
+    are summed once per step by :func:`sum_partial_grads`. Returns ``p``."""
+    if _size(group) > 1:
+        p.tp_partial = (group, meter)
+    return p
+
+
+def sum_partial_grads(params, strategy=None) -> None:
+    """Sum over tp, in one all-reduce, the gradients of the parameters :func:`mark_partial` marked,
+    after the data-parallel reduction of the step (``strategy.finish_sync``): the whole gradient
+    (replicated data parallelism) or this rank's shard of it (ZeRO: ``param_grad_shard``; tp peers
+    share one shard layout, so their pieces line up). Sums commute, so reducing over dp first and
+    tp second equals Megatron's order."""
+    marked = [p for p in params if getattr(p, "tp_partial", None) is not None]
+    if not marked:
+        return
+    group, meter = marked[0].tp_partial
+    shard = _grad_shard_fn(strategy)
+    pieces = [shard(p) if shard is not None else p.grad for p in marked]
+    pieces = [g for g in pieces if g is not None and g.numel() > 0]
+    if not pieces:
+        return
+    flat = torch.cat([g.reshape(-1) for g in pieces])
+    comm.all_reduce(flat, group, meter)
+    offset = 0
+    for g in pieces:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _grad_shard_fn(strategy):
+    """``param_grad_shard`` of the first strategy in the wrapper chain that shards gradients."""
+    while strategy is not None:
+        if hasattr(type(strategy), "param_grad_shard"):
+            return strategy.param_grad_shard
+        strategy = strategy.__dict__.get("inner")
+    return None

@@ -31,7 +31,7 @@ from loom.comm import CommMeter, Group
 from loom.model.llama import CoreAttention, RMSNorm, apply_rope
 from loom.parallel.tp_comm import (
     all_gather_seq,
-    copy_to_tp,
+    mark_partial,
     reduce_from_tp,
     reduce_scatter_seq,
     scatter_seq,
@@ -121,19 +121,20 @@ class ColumnParallelLinear(nn.Module):
     """y = x W_r^T with W_r this rank's rows: (.., in) -> (.., out/n), no gather of the output.
 
     ``replicated_rows``: the weight is held whole on every rank (key/value heads replicated when
-    n_kv_heads < n) and this rank uses those rows; its gradient is summed over the group by f.
+    n_kv_heads < n) and this rank uses those rows; the parts of its gradient are summed over the
+    group once per step (:func:`~loom.parallel.tp_comm.sum_partial_grads`).
     """
 
     def __init__(self, weight: nn.Parameter, ctx: TPContext, replicated_rows: slice | None = None) -> None:
         super().__init__()
-        self.weight = weight
+        self.weight = weight if replicated_rows is None else mark_partial(weight, ctx.group, ctx.meter)
         self.ctx = ctx
         self.replicated_rows = replicated_rows
 
     def local_weight(self) -> torch.Tensor:
         if self.replicated_rows is None:
             return self.weight
-        return copy_to_tp(self.weight, self.ctx.group, self.ctx.meter)[self.replicated_rows]
+        return self.weight[self.replicated_rows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_matmul(x, (self.local_weight(),), self.ctx)[0]
@@ -187,13 +188,13 @@ class SequenceParallelRMSNorm(RMSNorm):
 
     def __init__(self, norm: RMSNorm, ctx: TPContext) -> None:
         super().__init__(norm.weight.shape[0], norm.eps)
-        self.weight = norm.weight
+        self.weight = mark_partial(norm.weight, ctx.group, ctx.meter)  # summed over tp once per step
         self.ctx = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * copy_to_tp(self.weight, self.ctx.group, self.ctx.meter)
+        return y.type_as(x) * self.weight
 
 
 class ParallelAttention(nn.Module):

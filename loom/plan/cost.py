@@ -51,8 +51,9 @@ Time of one step:
   recomputation adds the layers' forward (x4/3 of layer FLOPs), selective the attention core's.
 - tensor parallel: the calls Loom issues (:meth:`CostModel.tp_calls`): per layer 4 all-reduces
   of T h B_a bytes fwd+bwd, 6 with full recomputation; with sp 6 all-gathers + 4 reduce-scatters
-  of that size and 2 norm-gradient all-reduces; plus embedding, head and vocab-parallel loss
-  calls. Each call costs latency + volume / bandwidth, on the intra-node link, not overlapped.
+  of that size; plus embedding, head and vocab-parallel loss calls, and once per step one
+  all-reduce of the gradients held in part (sp norms, replicated kv heads). Each call costs
+  latency + volume / bandwidth, on the intra-node link, not overlapped.
 - context parallel: ring attention sends (cp-1) k/v chunks per layer forward, twice that
   backward, hidden behind the attention core where it is shorter; merging the cp partial
   outputs reads and writes o cp times (elementwise).
@@ -558,36 +559,41 @@ class CostModel:
         With S = T h B_a (the full sequence's hidden states; all-gather output = reduce-scatter
         input = S), per layer: without sp, 4 all-reduces of S (g after attention and MLP forward,
         f before them backward); with sp, 6 all-gathers (2 forward, 2 re-gathered for the weight
-        gradients, 2 as the reduce-scatters' backward) and 4 reduce-scatters of S, plus the two
-        norms' weight-gradient all-reduces (h fp32 each); replicated key/value heads (k < t) add 2
-        all-reduces of their weight gradients. Full recomputation repeats the forward's
-        2 (no sp: all-reduce; sp: all-gather + reduce-scatter). First stage: the embedding's
-        all-reduce (sp: reduce-scatter, all-gather backward). Last stage: the head input's
-        backward all-reduce (sp: 2 all-gathers + 1 reduce-scatter, and the final norm's all-reduce)
-        and the vocab-parallel loss's 2 all-reduces (row max: 4T bytes; sum-exp and target logit: 8T).
+        gradients, 2 as the reduce-scatters' backward) and 4 reduce-scatters of S. Full
+        recomputation repeats the forward's 2 (no sp: all-reduce; sp: all-gather +
+        reduce-scatter). First stage: the embedding's all-reduce (sp: reduce-scatter, all-gather
+        backward). Last stage: the head input's backward all-reduce (sp: 2 all-gathers + 1
+        reduce-scatter) and the vocab-parallel loss's 2 all-reduces (row max: 4T bytes; sum-exp
+        and target logit: 8T). Gradients held in part per rank are summed once per step
+        (:meth:`tp_partial_params`), not here.
         """
         if tp <= 1:
             return {}
         T = mb * self.train.seq_len / cp
         S = T * self.model.dim * self.act_bytes
-        norm = self.model.dim * 4.0
         again = 2 if recompute == "full" else 0
         calls: list[tuple[str, float, int]]
         if part == "layer":
-            calls = [("all_reduce", S, 4 + again)] if not sp else [
-                ("all_gather", S, 6 + again), ("reduce_scatter", S, 4 + again), ("all_reduce", norm, 2)]  # fmt: skip
-            if self.model.n_kv_heads % tp:  # replicated wk, wv: their gradients summed over tp
-                calls.append(("all_reduce", self.kd * self.model.dim * 4.0, 2))
+            calls = [("all_reduce", S, 4 + again)] if not sp else [("all_gather", S, 6 + again), ("reduce_scatter", S, 4 + again)]
         elif part == "first":
             calls = [("all_reduce", S, 1)] if not sp else [("reduce_scatter", S, 1), ("all_gather", S, 1)]
         else:
             calls = [("all_reduce", 4.0 * T, 1), ("all_reduce", 8.0 * T, 1)]  # the loss
-            calls += [("all_reduce", S, 1)] if not sp else [
-                ("all_gather", S, 2), ("reduce_scatter", S, 1), ("all_reduce", norm, 1)]  # fmt: skip
+            calls += [("all_reduce", S, 1)] if not sp else [("all_gather", S, 2), ("reduce_scatter", S, 1)]
         out: dict[tuple[str, float], float] = {}
         for op, size, k in calls:
             out[(op, size)] = out.get((op, size), 0) + k
         return out
+
+    def tp_partial_params(self, tp: int, sp: bool, pp: int, last: bool = True) -> float:
+        """Parameters whose gradient each tp rank holds in part, summed over tp in one all-reduce
+        per step (``tp_comm.sum_partial_grads``): the sequence-parallel norms' weights (2 per
+        layer + the final norm on the last stage) and replicated key/value weights (k < t)."""
+        if tp <= 1:
+            return 0.0
+        layers, h = self.model.n_layers / pp, self.model.dim
+        norms = (2 * layers + (1 if last else 0)) * h if sp else 0.0
+        return norms + (2 * layers * self.kd * h if self.model.n_kv_heads % tp else 0.0)
 
     def collective_calls(self, lay: Layout) -> dict[str, int]:
         """Tensor-parallel and data-parallel/ZeRO collective calls per step on one device of the
@@ -605,6 +611,8 @@ class CostModel:
         for part, times in parts:
             for (op, _), k in self.tp_calls(lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp).items():
                 add(op, m * times * k)
+        if self.tp_partial_params(lay.tp, lay.sp, lay.pp, lay.pp == 1):
+            add("all_reduce", 1)
         n = lay.dp_shard * lay.cp if lay.zero else lay.dp * lay.cp
         if n > 1:
             dense, _ = self._params_on(lay.tp, lay.pp, 1, True, lay.pp == 1)
@@ -796,6 +804,8 @@ class CostModel:
             msg = lay.micro_batch * tr.seq_len / lay.cp * self.model.dim * B / lay.tp
             span = lay.tp * lay.cp * lay.dp * p
             time["pp p2p"] = 2 * m * lay.v * mach.collective("p2p", 2, msg, span)
+        partial = self.tp_partial_params(lay.tp, lay.sp, p, p == 1) * self.R
+        time["tp comm"] += mach.collective("all_reduce", lay.tp, partial, lay.tp, world)
         time["step sync"] = self._sync_time(lay)
         t_bwd = terms["compute"] * self.bwd_ratio / (1 + self.bwd_ratio)  # backward share: the DP overlap window
         time["dp comm"] = self._dp_time(lay, m, t_bwd, m * t_mb)

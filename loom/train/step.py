@@ -16,6 +16,7 @@ from torch import nn
 
 from loom import comm
 from loom.comm import Group
+from loom.parallel.tp_comm import sum_partial_grads
 
 
 class Strategy(Protocol):
@@ -111,6 +112,7 @@ def train_step(
             loss.backward()
         total = loss.detach().float() if total is None else total + loss.detach().float()
     strategy.finish_sync()
+    sum_partial_grads(model.parameters(), strategy)  # tp-partial gradients (sequence-parallel norms)
     # The logged loss is averaged over dp while the optimizer runs (unmetered bookkeeping).
     n = comm.group_size(dp_group)
     work = dist.all_reduce(total, group=dp_group, async_op=True) if n > 1 else None

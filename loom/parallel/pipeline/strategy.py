@@ -45,6 +45,7 @@ from loom.parallel.pipeline.runtime import (
 from loom.parallel.pipeline.schedules import Action, Kind
 from loom.parallel.pipeline.simulate import Timeline, check
 from loom.parallel.pipeline.stage import PipelineModule, exchange_tied_grad, gather_full_state, split_model
+from loom.parallel.tp_comm import sum_partial_grads
 from loom.train.step import StepResult, Strategy, grad_norm_sq, mean_over
 
 __all__ = [
@@ -243,6 +244,7 @@ def pipeline_train_step(model: PipelineModule, strategy: PipelineStrategy, micro
 
     def on_step(_: Action) -> None:
         strategy.finish_sync()
+        sum_partial_grads(model.parameters(), strategy)
         norms.append(strategy.clip_grad_norm(grad_clip))
         strategy.step(lr)
         if strategy.asynchronous:
