@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loom.config import ModelConfig, TrainConfig
@@ -60,3 +61,32 @@ def train_dp(mesh, model_cfg: ModelConfig, train_cfg: TrainConfig, batch: int, m
     sync.remove()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "state": state, "comm_bytes": comm_bytes, "sync": sync}
+
+
+def metered_steps(model, strategy, meter, mesh, cfg, loss_fn, steps: int, batch: int, micro: int):
+    """``steps`` steps of :func:`loom.train.step.train_step` on this dp rank's rows of each global
+    batch; per step the loss, the meter's bytes moved by kind, and its collective calls by kind."""
+    from loom.train.optim import lr_at
+    from loom.train.step import train_step
+
+    dp = mesh.size("dp")
+    losses, moved, calls = [], [], []
+    for step in range(steps):
+        meter.reset()
+        micro_batches = rank_micro_batches(step, batch, micro, mesh.local_rank("dp"), dp)
+        res = train_step(model, strategy, micro_batches, loss_fn, cfg.train.grad_clip, lr_at(step, cfg.train),
+                         mesh.group("dp"))  # fmt: skip
+        losses.append(res.loss)
+        moved.append(dict(meter.moved))
+        calls.append(dict(meter.calls))
+    return losses, moved, calls
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread in this process: the 2 cores are shared with the rank pools and other runs,
+    and oversubscribed threads make small steps 10-40x slower. Use with ``pytestmark``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -12,7 +12,7 @@ from loom.config import ConfigError, LoomConfig, validate
 from loom.memory.compress import SavedActivations, compressed_bytes
 from loom.memory.precision import state_bytes_formula
 from loom.optim.adafactor import factored_state_bytes
-from tests.helpers import SEQ, rank_micro_batches, tiny_model, tiny_train
+from tests.helpers import SEQ, one_thread, rank_micro_batches, tiny_model, tiny_train  # noqa: F401 (fixture)
 from tests.test_recompute import run_layout
 
 # Stated margins on the final loss after 50 steps of the memorisation task, against uncompressed
@@ -109,14 +109,7 @@ def test_compressed_training_within_margin():
         assert losses != ref  # compression is lossy: the check above is not vacuous
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread in this process: the 2 cores are shared with the rank pools and other runs,
-    and oversubscribed threads make these small steps 10-40x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests.helpers.one_thread: one intra-op thread
 
 
 # ----------------------------------------------------------------------------- Adafactor

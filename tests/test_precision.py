@@ -14,7 +14,7 @@ from loom.memory.loss_scale import DynamicLossScaler, local_grads, scaler_stats,
 from loom.memory.precision import state_bytes_formula
 from loom.train.health import FiniteGuard
 from tests.dist import get_mesh
-from tests.helpers import SEQ, rank_micro_batches, tiny_model, tiny_train
+from tests.helpers import SEQ, one_thread, rank_micro_batches, tiny_model, tiny_train  # noqa: F401 (fixture)
 
 BATCH, MICRO = 8, 4
 # Stated tolerances over 50 steps on the memorisation task below (loss 4.85 -> 3.29; measured gaps
@@ -84,14 +84,7 @@ def single_mesh():
     return ParallelMesh(ParallelDims(), "cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread in this process: the 2 cores are shared with the rank pools and other runs,
-    and oversubscribed threads make these small steps 10-40x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests.helpers.one_thread: one intra-op thread
 
 
 # ----------------------------------------------------------------------------- single process

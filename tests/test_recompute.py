@@ -15,7 +15,7 @@ from loom.memory.activations import activation_bytes_per_layer, measure_layer_by
 from loom.memory.compress import SavedActivations
 from loom.memory.recompute import apply_recompute, saved_bytes_per_layer, selective_savings
 from tests.dist import get_mesh
-from tests.helpers import SEQ, VOCAB, rank_micro_batches, tiny_model, tiny_train
+from tests.helpers import SEQ, VOCAB, one_thread, rank_micro_batches, tiny_model, tiny_train  # noqa: F401 (fixture)
 
 POLICIES = ("none", "full", "selective", "every:2")
 BATCH, MICRO = 8, 4
@@ -96,14 +96,7 @@ def _grads_with(policy: str, dropout: float) -> tuple[float, list[torch.Tensor]]
     return float(loss.detach()), [p.grad for p in model.parameters()]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread in this process: the 2 cores are shared with the rank pools and other runs,
-    and oversubscribed threads make these small steps 10-40x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests.helpers.one_thread: one intra-op thread
 
 
 # ----------------------------------------------------------------------------- single process

@@ -14,7 +14,7 @@ from loom.config import ConfigError, LoomConfig, ParallelConfig, validate
 from loom.plan.cost import CostModel, Layout, Workload
 from loom.plan.hardware import ClusterSpec
 from tests.dist import get_mesh
-from tests.helpers import SEQ, VOCAB, rank_micro_batches, tiny_model, tiny_train, train_dp
+from tests.helpers import SEQ, VOCAB, metered_steps, tiny_model, tiny_train, train_dp
 
 BATCH, MICRO = 8, 4
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -175,8 +175,6 @@ def _train_tp(tp: int, dp: int, sp: bool, zero: int = 0, steps: int = 20):
     from loom.model.llama import build_model
     from loom.parallel import parallelize
     from loom.parallel.tensor_parallel import gather_full_state
-    from loom.train.optim import lr_at
-    from loom.train.step import train_step
 
     mesh = get_mesh(tp=tp, dp_replicate=dp) if zero == 0 else get_mesh(tp=tp, dp_shard=dp)
     cfg = LoomConfig(
@@ -188,15 +186,8 @@ def _train_tp(tp: int, dp: int, sp: bool, zero: int = 0, steps: int = 20):
     model = build_model(cfg.model, cfg.train.seed)
     meter = CommMeter()
     strategy = parallelize(model, mesh, cfg, meter)
-    losses, moved, calls = [], [], []
-    for step in range(steps):
-        meter.reset()
-        micro = rank_micro_batches(step, BATCH, MICRO // dp, mesh.local_rank("dp"), dp)
-        res = train_step(model, strategy, micro, model.loss_fn, cfg.train.grad_clip, lr_at(step, cfg.train),
-                         mesh.group("dp"))  # fmt: skip
-        losses.append(res.loss)
-        moved.append(meter.total_moved)
-        calls.append(dict(meter.calls))
+    losses, moved, calls = metered_steps(model, strategy, meter, mesh, cfg, model.loss_fn, steps, BATCH, MICRO // dp)
+    moved = [sum(m.values()) for m in moved]
     with strategy.gathered() if zero == 3 else contextlib.nullcontext():  # ZeRO-3: whole tp shards
         state = gather_full_state(model, mesh.group("tp"))
     strategy.remove()

@@ -15,7 +15,7 @@ from torch.testing import assert_close
 
 from loom import config as C
 from tests.dist import get_mesh
-from tests.helpers import SEQ, rank_micro_batches, tiny_model, tiny_train, train_dp
+from tests.helpers import SEQ, metered_steps, rank_micro_batches, tiny_model, tiny_train, train_dp
 
 BATCH = 8
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -49,25 +49,15 @@ def train_zero(mesh, stage: int, micro: int, par: dict, model_kw: dict, steps: i
     from loom.comm import CommMeter
     from loom.model.llama import build_model, loss_fn
     from loom.parallel import parallelize
-    from loom.train.optim import lr_at
-    from loom.train.step import train_step
 
-    dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
+    dp = mesh.size("dp")
     cfg = C.LoomConfig(model=tiny_model(**model_kw), train=tiny_train(steps=steps))
     cfg.parallel = replace(cfg.parallel, dp=dp, dp_shard=mesh.size("dp_shard"), zero=stage, **par)
     cfg.run.dir = tmp
     model = build_model(cfg.model, cfg.train.seed)
     meter = CommMeter()
     strategy = parallelize(model, mesh, cfg, meter)
-    losses, moved, calls = [], [], []
-    for step in range(steps):
-        meter.reset()
-        micro_batches = rank_micro_batches(step, BATCH, micro, dp_rank, dp)
-        res = train_step(model, strategy, micro_batches, loss_fn, cfg.train.grad_clip, lr_at(step, cfg.train),
-                         mesh.group("dp"))  # fmt: skip
-        losses.append(res.loss)
-        moved.append(dict(meter.moved))
-        calls.append(dict(meter.calls))
+    losses, moved, calls = metered_steps(model, strategy, meter, mesh, cfg, loss_fn, steps, BATCH, micro)
     events = list(getattr(strategy, "events", []))  # the last step's, before gathering the state
     pieces = torch.stack([strategy.param_grad_shard(p).pow(2).sum() for p in model.parameters()]).sum()
     torch.distributed.all_reduce(pieces, group=mesh.group("dp_shard"))

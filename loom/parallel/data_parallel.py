@@ -18,7 +18,6 @@ gradients). Communication per rank per optimizer step, ring all-reduce over n ra
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +25,7 @@ from torch import nn
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.parallel.sync import SyncSwitch
 from loom.parallel.zero.layout import unique_params
 from loom.train.optim import build_optimizer, optimizer_state_bytes, set_lr
 from loom.train.step import clip_grad_norm
@@ -53,7 +53,7 @@ class LaunchRecord:
     params_not_ready: int
 
 
-class DataParallel:
+class DataParallel(SyncSwitch):
     """Attach bucketed, overlapped gradient all-reduce to ``module`` over ``group``.
 
     Not an ``nn.Module`` wrapper: the model is called as usual; this object owns the gradient
@@ -145,15 +145,6 @@ class DataParallel:
         b.launched = True
 
     # ------------------------------------------------------------------ public API
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally; no communication inside this context."""
-        prev = self.sync_enabled
-        self.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.sync_enabled = prev
 
     def finish_sync(self) -> None:
         """Wait for every bucket's all-reduce (launching any bucket left, e.g. unused params)."""

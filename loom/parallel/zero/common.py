@@ -15,7 +15,6 @@ tensor-parallel shards also add over tp). Scalar all-reduces are bookkeeping and
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.parallel.sync import SyncSwitch
 from loom.parallel.zero.adam import ShardedAdamW
 from loom.parallel.zero.layout import FlatLayout
 
@@ -98,7 +98,7 @@ def build_adam(
     return build_flat_optimizer(layouts, shards, store, train_cfg)
 
 
-class ShardedStrategy:
+class ShardedStrategy(SyncSwitch):
     """Strategy shell for the ZeRO stages: sync switch, sharded clipping, the optimizer step.
 
     Subclasses set ``self.layouts`` (one per flat buffer), ``self.grad_shards`` (this rank's
@@ -124,15 +124,6 @@ class ShardedStrategy:
     def _track(self) -> None:
         self.transient_peak = max(self.transient_peak, self._transient_bytes())
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate full-size gradients locally; no communication inside this context."""
-        prev = self.sync_enabled
-        self.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.sync_enabled = prev
 
     def _norm_sq(self) -> torch.Tensor:
         """Σ of squares of this rank's gradient shards, tp shards summed over tp (global once reduced)."""
