@@ -305,3 +305,16 @@ def test_diagnosis_names_the_silent_rank(tmp_path):
         msg = diagnose(e, tmp_path, rank=0, world=4, timeout_s=6, now=now)
     assert "unresponsive: rank 1 (pid 101, silent for 40.0 s, last at step 8 in train step)" in msg
     assert "rank 3 (no heartbeat file)" in msg and "rank 2" not in msg
+
+
+def test_heartbeat_file_is_whole_while_phases_change(tmp_path):
+    """set() on a phase change and the refresh thread share one temp file: every read parses."""
+    from loom.train.health import Heartbeat, read_heartbeats
+
+    beat = Heartbeat(tmp_path, rank=0, interval=0.0)
+    try:
+        for i in range(2000):
+            beat.set(i, "checkpoint save" if i % 2 else "train step")
+            assert read_heartbeats(tmp_path, 1)[0] is not None, f"torn heartbeat at set {i}"
+    finally:
+        beat.close()

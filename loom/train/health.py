@@ -45,6 +45,7 @@ class Heartbeat:
         self.rank, self.interval = rank, interval
         self.step, self.phase = 0, "setup"
         self._stop = threading.Event()
+        self._write_lock = threading.Lock()  # set() and the thread share one temp file
         self._thread = threading.Thread(target=self._run, name="loom-heartbeat", daemon=True)
         self._thread.start()
 
@@ -66,8 +67,9 @@ class Heartbeat:
             "step": self.step,
             "phase": self.phase,
         }
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, path)
+        with self._write_lock:
+            tmp.write_text(json.dumps(body))
+            os.replace(tmp, path)
 
     def _run(self) -> None:
         while not self._stop.is_set():
