@@ -474,9 +474,9 @@ def check_pipeline(cfg: LoomConfig) -> None:
         "and head copies cannot stay tied; set it to false or use a synchronous schedule",
     )
     _require(
-        p.zero <= 1,
-        f"parallel.zero: ZeRO-{p.zero} with parallel.pp > 1 would reduce-scatter gradients"
-        f"{' and gather weights' if p.zero == 3 else ''} once per micro-batch (m times a step); use 0 or 1",
+        p.zero <= 1 or p.schedule not in ASYNC_SCHEDULES,
+        f"parallel.zero: ZeRO-{p.zero} with schedule {p.schedule!r}: the stashed weight versions need whole "
+        "weights and gradients on every rank; use 0 or 1, or a synchronous schedule",
     )
     _require(
         p.zero == 0 or p.dp_shard == 1 or not m.tie_embeddings,

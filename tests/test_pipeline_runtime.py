@@ -3,6 +3,7 @@ stashing, convergence of PipeDream, measured timelines, failures, bad configurat
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -176,6 +177,95 @@ def test_3d_pp2_tp2_dp2_equals_single_process(pools):
     for r in results:
         if r["state"] is not None:  # pipeline rank 0 of each (dp, tp) coordinate
             _assert_equal_to_reference(r, ref, "pp2 x tp2 x dp2")
+
+
+def _pp_zero_runs(steps: int) -> dict:
+    """pp2 x dp2 (sharded) under ZeRO-2 and ZeRO-3 with full recomputation, every synchronous schedule."""
+    from loom.comm import CommMeter
+    from loom.config import LoomConfig
+    from loom.memory.recompute import apply_recompute
+    from loom.model.llama import build_model, loss_fn
+    from loom.parallel.pipeline.stage import gather_full_state, split_model
+    from loom.parallel.pipeline.strategy import PipelineStrategy, pipeline_train_step
+    from loom.parallel.zero import apply_zero
+    from loom.train.optim import lr_at
+
+    mesh = get_mesh(pp=2, dp_shard=2)
+    mcfg, tcfg = tiny_model(n_layers=4, tie_embeddings=False), tiny_train(steps=steps)
+    out = {}
+    for zero in (2, 3):
+        for name, v in SYNC:
+            cfg = LoomConfig(model=mcfg, train=tcfg)
+            cfg.parallel.zero, cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.pp = zero, 2, 2, 2
+            pipe = split_model(build_model(mcfg, tcfg.seed), mesh.local_rank("pp"), 2, _uniform(4, 2 * v),
+                               mesh.group("pp"))  # fmt: skip
+            if zero == 3:
+                apply_recompute(pipe, "full")
+            meter = CommMeter()
+            inner = apply_zero(pipe, mesh, cfg, meter)
+            strategy = PipelineStrategy(inner, pipe, name, v)
+            losses, calls = [], []
+            for step in range(steps):
+                meter.reset()
+                batches = rank_micro_batches(step, BATCH, MICRO, mesh.local_rank("dp"), 2)
+                losses.append(pipeline_train_step(pipe, strategy, batches, loss_fn, tcfg.grad_clip,
+                                                  lr_at(step, tcfg), mesh.group("dp")).loss)  # fmt: skip
+                calls.append(dict(meter.calls))
+            with inner.gathered() if zero == 3 else contextlib.nullcontext():
+                state = gather_full_state(pipe)
+            units = [u.layout for u in getattr(inner, "units", [])]
+            out[zero, name] = {"losses": losses, "state": state, "calls": calls, "bytes": inner.state_bytes(),
+                               "units": [(lay.numel, lay.padded) for lay in units]}  # fmt: skip
+            inner.remove()
+    return out
+
+
+def test_pp2_zero2_and_zero3_equal_single_process(pools):
+    """ZeRO-2 and ZeRO-3 (+ full recomputation) inside pipeline stages: GPipe, 1F1B, interleaved and
+    ZB-H1 at pp2 x dp2 equal one process; ZeRO-3 keeps 1/N of each stage's state, and its gathers
+    per step are the planner's 2u per micro-batch (ZB-H1 may skip some: a forward between a
+    micro-batch's BI and BW finds the unit still gathered)."""
+    from loom.plan.cost import CostModel, Layout, Workload
+    from loom.plan.hardware import ClusterSpec
+
+    steps, mcfg = 6, tiny_model(n_layers=4, tie_embeddings=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = train_dp(None, mcfg, tiny_train(steps=steps), BATCH, BATCH)
+    finally:
+        torch.set_num_threads(threads)
+    results = pools(4).run(_pp_zero_runs, steps)
+    planner = CostModel(mcfg, Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", 4))
+    for (zero, name), _ in results[0].items():
+        what = f"ZeRO-{zero} {name} pp2 x dp2"
+        for r in results:
+            assert_close(torch.tensor(r[zero, name]["losses"]), torch.tensor(ref["losses"]), **TOL)
+            if r[zero, name]["state"] is not None:  # pipeline rank 0 of each data-parallel rank
+                for k, t in ref["state"].items():
+                    assert_close(r[zero, name]["state"][k], t, **TOL, msg=lambda m, k=k, w=what: f"{w} {k}: {m}")
+        if zero < 3:
+            continue
+        v = dict(SYNC)[name]
+        expected = planner.collective_calls(Layout(dp=2, dp_shard=2, pp=2, zero=3, micro_batch=MICRO,
+                                                   schedule=name, v=v))  # fmt: skip
+        first = results[0][zero, name]  # global rank 0: pipeline rank 0, the planner's first stage
+        assert len(first["units"]) == mcfg.n_layers // 2 + 1  # embedding + its blocks
+        for step_calls in first["calls"]:
+            assert step_calls["reduce_scatter"] == expected["reduce_scatter"] == len(first["units"])
+            if name == "zb-h1":
+                assert len(first["units"]) * BATCH // MICRO // 2 <= step_calls["all_gather"] <= expected["all_gather"]
+            else:
+                assert step_calls["all_gather"] == expected["all_gather"], what
+        for r in results:  # 16 bytes per parameter of the stage, each rank 1/N of every padded unit
+            padded = sum(p for _, p in r[zero, name]["units"])
+            assert r[zero, name]["bytes"]["param_bytes"] * 2 == 4 * padded
+            assert r[zero, name]["bytes"]["optim_bytes"] * 2 == 8 * padded
+    ranks = {0: results[0], 1: results[2]}  # pipeline ranks 0 and 1 of data-parallel rank 0
+    for zero_name in results[0]:
+        if zero_name[0] == 3:
+            assert sum(n for r in ranks.values() for n, _ in r[zero_name]["units"]) == sum(
+                t.numel() for t in ref["state"].values())
 
 
 # ----------------------------------------------------------------------------- torch.distributed.pipelining
@@ -471,7 +561,8 @@ def test_profiled_partitioner_prints_cut_time_and_memory():
         (["--parallel.pp", "2", "--parallel.schedule", "pipedream"], "model.tie_embeddings: schedule 'pipedream'"),
         (["--parallel.schedule", "zerobubble"], "parallel.schedule: must be one of"),
         (["--parallel.pp", "2", "--parallel.virtual_stages", "2"], "needs parallel.schedule = 'interleaved'"),
-        (["--parallel.pp", "2", "--parallel.zero", "2"], "parallel.zero: ZeRO-2 with parallel.pp > 1"),
+        (["--parallel.pp", "2", "--parallel.zero", "2", "--parallel.schedule", "pipedream", "--model.tie_embeddings",
+          "false"], "parallel.zero: ZeRO-2 with schedule 'pipedream'"),
         (["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.zero", "1"], "model.tie_embeddings: with parallel.pp"),
     ],
 )  # fmt: skip

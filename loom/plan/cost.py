@@ -599,7 +599,7 @@ class CostModel:
         """Tensor-parallel and data-parallel/ZeRO collective calls per step on one device of the
         first stage, by op (what :class:`loom.comm.CommMeter` counts): :meth:`tp_calls` per
         micro-batch, one call per bucket (ZeRO 0: all-reduce; 1/2: reduce-scatter + all-gather),
-        ZeRO-3 2u - 1 all-gathers per micro-batch and u reduce-scatters per step; hybrid sharding
+        ZeRO-3 2u - 1 all-gathers per micro-batch (2u in a pipeline) and u reduce-scatters per step; hybrid sharding
         adds an all-reduce over the replicas per bucket (unit)."""
         m = self.train.global_batch // (lay.dp * lay.micro_batch)
         out: dict[str, int] = {}
@@ -623,8 +623,8 @@ class CostModel:
                 add("reduce_scatter", buckets)
                 add("all_gather", buckets)
             else:
-                units, _ = self.zero3_units(lay.pp, lay.tp)
-                add("all_gather", m * (2 * units - 1))
+                units, kept = self.zero3_units(lay.pp, lay.tp)
+                add("all_gather", m * (2 * units - (kept > 0)))
                 add("reduce_scatter", units)
             if lay.zero and lay.dp > lay.dp_shard:  # hybrid: each reduced shard all-reduced over replicas
                 add("all_reduce", buckets if lay.zero < 3 else self.zero3_units(lay.pp, lay.tp)[0])
@@ -722,12 +722,15 @@ class CostModel:
         return sum(mach.latency(op, n, span, world) for op, n, span in calls)
 
     def zero3_units(self, pp: int, tp: int = 1) -> tuple[int, float]:
-        """(units, parameters of the last unit) of ZeRO-3 as Loom wraps the model: every block, the
-        modules before the blocks and those after them, merged when they share the tied embedding;
-        the last unit (final norm + head) stays gathered from forward to backward."""
+        """(units, parameters kept gathered from forward to backward) of ZeRO-3 on the first
+        stage, as Loom wraps it: every block, the modules before the blocks and those after them,
+        merged when they share the tied embedding. Without a pipeline the last unit (final norm +
+        head) stays gathered, as backward needs it next; a pipeline stage keeps none (its next
+        action is often another micro-batch's forward) and holds no head (pp > 1)."""
         pc = self.params
-        tied = pc.head == 0
-        units = max(1, self.model.n_layers // pp) + (1 if tied else 2)
+        if pp > 1:
+            return self.model.n_layers // pp + 1, 0.0
+        units = self.model.n_layers + (1 if pc.head == 0 else 2)
         return units, pc.final_norm + self.model.vocab_size * self.model.dim / tp
 
     def _dp_comm(
@@ -739,7 +742,8 @@ class CostModel:
         - ZeRO 0: an all-reduce of Phi R bytes in ceil(Phi R / bucket) bucket calls;
         - ZeRO 1/2: a reduce-scatter of Phi R and an all-gather of Phi W, per bucket;
         - ZeRO 3 (u units): per micro-batch, all-gathers of Phi W forward (u calls) and of
-          (Phi - Phi_last) W backward (u - 1 calls); a reduce-scatter of Phi R per step (u calls);
+          (Phi - Phi_kept) W backward (u - 1 calls; u in a pipeline, which keeps no unit gathered);
+          a reduce-scatter of Phi R per step (u calls);
         - hybrid sharding: an all-reduce of the shard Phi R / N across the dp / dp_shard replicas.
         """
         mach, W, R = self.machine, self.W, self.R
@@ -767,7 +771,8 @@ class CostModel:
                 units, last = self.zero3_units(pp, tp)
                 last = min(last, phi) if ep == 1 else 0.0
                 fwd = mach.collective("all_gather", ns, phi * W, span, wd) + (units - 1) * lat_ag
-                bwd = mach.collective("all_gather", ns, (phi - last) * W, span, wd) + max(0, units - 2) * lat_ag
+                calls = units - 1 if last > 0 else units  # backward gathers all but the kept unit
+                bwd = mach.collective("all_gather", ns, (phi - last) * W, span, wd) + max(0, calls - 1) * lat_ag
                 total += m * (fwd + bwd) + rs + (units - 1) * lat_rs
             total += mach.collective("all_reduce", dp // ds, phi * R / ns, tpcp * dp, wd)
         return total

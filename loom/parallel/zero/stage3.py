@@ -23,6 +23,14 @@ no backward node needs the unit's weights any more: its gradients, folded into a
 are reduce-scattered asynchronously (hybrid: the shard then all-reduced across replicas), the
 full gradient buffer freed once its shard is formed, and the parameters resharded.
 
+Pipelines: a pipeline rank's chunks (``PipelineModule.stages``) are wrapped one after the other,
+and each chunk's first unit marks the start of its forward. Every unit reshards after forward,
+because the chunk's next action is often another micro-batch's forward. A unit counts its open
+backwards: a pre-backward hook fired but not all of its weight gradients have arrived, as between
+a zero-bubble BI and its deferred BW. Such a unit stays gathered, since a BW under recomputation
+re-runs the forward. A recomputation is told apart from a new forward by autograd's running
+graph task.
+
 Bytes held per rank between steps, fp32 (Φ' = Σ over units of the padded unit size Φ_u'):
 
     params 4Φ'/N + grads 4Φ'/N + Adam 8Φ'/N = 16Φ'/N      (mixed precision: (2+2+12)Φ/N)
@@ -42,7 +50,7 @@ i.e. ≈ 3Φ(N-1)/N per step for k = 1, 1.5x data parallelism (ZeRO paper, §7.2
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -58,12 +66,24 @@ from loom.parallel.zero.layout import FlatLayout, decayed_ids, unique_params
 SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
 
 
+def find_roots(model: nn.Module) -> list[nn.Module]:
+    """The modules whose forward is one pass over a set of units: the model itself, or each chunk
+    (virtual stage) of a pipeline rank (``model.stages``), which the pipeline runs on its own."""
+    stages = getattr(model, "stages", None)
+    if isinstance(stages, nn.ModuleList) and all(hasattr(s, "layers") for s in stages):
+        return list(stages)
+    return [model]
+
+
 def find_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     """Wrap units ``(name, modules)``: the children before ``model.layers``, each block, the children
-    after it; units that share a parameter are merged (into the later one). A model without a
-    ``layers`` ModuleList is one unit."""
+    after it; units that share a parameter are merged (into the later one). A pipeline rank's
+    chunks (:func:`find_roots`) are wrapped one after the other; a model without ``layers`` is one unit."""
+    roots = find_roots(model)
+    if roots != [model]:
+        return [(f"stages.{i}.{n}", mods) for i, r in enumerate(roots) for n, mods in find_units(r)]
     layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
         return [("model", [model])]
     if any(p.requires_grad for p in model.parameters(recurse=False)):
         raise ValueError("ZeRO-3: parameters registered directly on the root module are not supported")
@@ -75,11 +95,8 @@ def find_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
         items = [(n, m) for n, m in items if any(p.requires_grad for p in m.parameters())]
         return [("+".join(n for n, _ in items), [m for _, m in items])] if items else []
 
-    units = (
-        group(children[:at])
-        + [(f"{name}.{i}", [b]) for i, b in enumerate(layers)]
-        + group(children[at + 1 :])
-    )
+    blocks = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
+    units = group(children[:at]) + [(f"{name}.{i}", [b]) for i, b in blocks] + group(children[at + 1 :])
     merged: list[tuple[str, list[nn.Module]]] = []
     for unit in units:
         ids = {id(p) for m in unit[1] for p in m.parameters()}
@@ -92,12 +109,22 @@ def find_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     return merged
 
 
+@dataclass
+class _Order:
+    """Units of one root in the order of the forward under way (for prefetching)."""
+
+    prev: list[Unit] = field(default_factory=list)  # by first use in the previous forward
+    first: list[Unit] = field(default_factory=list)  # ... in this forward
+    last: list[Unit] = field(default_factory=list)  # by last use in this forward (reversed: backward order)
+
+
 @dataclass(eq=False)
 class Unit:
     """One wrapped unit: its flat parameter buffer (sharded at rest) and its gradient shard."""
 
     index: int
     name: str
+    root: int  # which root (pipeline chunk) the unit belongs to
     modules: list[nn.Module]
     layout: FlatLayout
     full: torch.Tensor  # Φ_u' elements, storage size 0 while sharded; parameters are views of it
@@ -109,7 +136,8 @@ class Unit:
     work: object | None = None
     pending: int = 0  # parameters whose gradient has not arrived in this backward
     reduced: bool = False
-    in_backward: bool = False
+    open: int = 0  # backwards begun (pre-backward fired) whose weight gradients are not all in yet
+    token: list[bool] = field(default_factory=lambda: [False])  # set when this forward's backward begins
 
     @property
     def full_bytes(self) -> int:
@@ -143,28 +171,33 @@ class FullyShardedZero(ShardedStrategy):
         covered = {id(p) for _, mods in specs for m in mods for p in m.parameters()}
         if any(id(p) not in covered for p in unique_params(module)):
             raise ValueError("ZeRO-3: some trainable parameters belong to no unit")
+        roots = find_roots(module)
+        self.pipelined = roots != [module]
+        root_of = {id(m): r for r, root in enumerate(roots) for m in root.modules()}
+        self._orders = [_Order() for _ in roots]
         self.units: list[Unit] = []
-        self._handles = [module.register_forward_pre_hook(self._root_pre_forward)]
+        self._handles = [] if self.pipelined else [module.register_forward_pre_hook(partial(self._root_pre_forward, 0))]
         for i, (name, mods) in enumerate(specs):
-            reshard = reshard_after_forward and i < len(specs) - 1  # the last unit: backward needs it next
-            self.units.append(self._make_unit(i, name, mods, rank, decayed, reshard))
+            r = root_of[id(mods[0])]
+            if self.pipelined and (i == 0 or root_of[id(specs[i - 1][1][0])] != r):  # a chunk's first unit
+                self._handles.append(mods[0].register_forward_pre_hook(partial(self._chunk_pre_forward, r)))
+            # the last unit of a whole model: backward needs it next; a pipeline's next action may be a forward
+            reshard = reshard_after_forward and (self.pipelined or i < len(specs) - 1)
+            self.units.append(self._make_unit(i, name, r, mods, rank, decayed, reshard))
         self.layouts = [u.layout for u in self.units]
         self.grad_shards = [u.grad_shard for u in self.units]
         self.optim = build_adam(self.layouts, [u.shard for u in self.units], store, train_cfg)
         self.events: list[tuple[str, int, str]] = []  # (what, unit, how): for tests and timelines
-        self._prev_order: list[Unit] = []  # units by first use in the previous forward
-        self._first: list[Unit] = []  # ... in this forward
-        self._last: list[Unit] = []  # units by last use in this forward (reversed: backward order)
 
     def _make_unit(
-        self, index: int, name: str, mods: list[nn.Module], rank: int, decayed: set[int], reshard: bool
+        self, index: int, name: str, root: int, mods: list[nn.Module], rank: int, decayed: set[int], reshard: bool
     ) -> Unit:
         """Flatten the unit's parameters, keep this rank's shard, free the rest, attach the hooks."""
         params = unique_params(nn.ModuleList(mods))
         lay = FlatLayout(params, self.world, rank, decayed)
         full = lay.new_flat()
         lay.bind(full)
-        u = Unit(index, name, mods, lay, full, lay.shard_of(full).clone(), lay.new_shard(), reshard)
+        u = Unit(index, name, root, mods, lay, full, lay.shard_of(full).clone(), lay.new_shard(), reshard)
         u.pending = len(params)
         self._reshard(u)
         for k, m in enumerate(mods):
@@ -208,46 +241,59 @@ class FullyShardedZero(ShardedStrategy):
             u.work, u.state = None, SHARDED
 
     # ------------------------------------------------------------------ hooks
-    def _root_pre_forward(self, module: nn.Module, args) -> None:
-        if self._first:
-            self._prev_order = self._first
-        self._first, self._last = [], []
-        for u in self.units:  # a new forward from the root: any previous backward is over
-            u.pending, u.in_backward = len(u.layout.params), False
+    def _root_pre_forward(self, root: int, module: nn.Module, args) -> None:
+        """A new forward of ``root``. Of the whole model: any previous backward is over. Of a
+        pipeline chunk: earlier micro-batches' backwards may still be open (BI done, BW not)."""
+        order = self._orders[root]
+        if order.first:
+            order.prev = order.first
+        order.first, order.last = [], []
+        if not self.pipelined:
+            for u in self.units:
+                u.pending, u.open = len(u.layout.params), 0
+
+    def _chunk_pre_forward(self, root: int, module: nn.Module, args) -> None:
+        """A pipeline chunk's first unit starts a forward, unless autograd re-runs it (recomputation)."""
+        if not _in_backward():
+            self._root_pre_forward(root, module, args)
 
     def _pre_forward(self, u: Unit, module: nn.Module, args) -> None:
-        if u.in_backward:  # forward re-run inside backward (activation recomputation)
+        if _in_backward():  # forward re-run inside backward (activation recomputation)
             self._unshard(u)
             return
-        first_use = u not in self._first
+        order = self._orders[u.root]
+        first_use = u not in order.first
         if first_use:
-            self._first.append(u)
-        if u in self._last:
-            self._last.remove(u)
-        self._last.append(u)
+            order.first.append(u)
+            u.token = [False]  # this forward's backward has not begun
+        if u in order.last:
+            order.last.remove(u)
+        order.last.append(u)
         self._unshard(u)
         self.events.append(("forward", u.index, module.__class__.__name__))
         if first_use:
-            self._prefetch(self._prev_order, u)
+            self._prefetch(order.prev, u)
 
     def _post_forward(self, u: Unit, last_module: bool, module: nn.Module, args, output) -> None:
-        if u.in_backward:
+        if _in_backward():
             return
         grad = torch.is_grad_enabled()
         if grad:
             for t in _tensors(output):
                 if t.requires_grad:
-                    t.register_hook(partial(self._pre_backward, u))
-        if last_module and (not grad or u.reshard_after_forward):
+                    t.register_hook(partial(self._pre_backward, u, u.token))
+        # an open backward (pipeline: BI done, BW not) may recompute with these weights: keep them
+        if last_module and (not grad or u.reshard_after_forward) and u.open == 0:
             self._reshard(u)
 
-    def _pre_backward(self, u: Unit, grad: torch.Tensor) -> None:
-        if u.in_backward:  # a later output of a unit already in backward (tied head: the embedding)
+    def _pre_backward(self, u: Unit, token: list[bool], grad: torch.Tensor) -> None:
+        if token[0]:  # a later output of a unit already in backward (tied head: the embedding)
             return
-        u.in_backward = True
+        token[0] = True
+        u.open += 1
         self._unshard(u)
         self.events.append(("backward", u.index, ""))
-        self._prefetch(self._last[::-1], u)
+        self._prefetch(self._orders[u.root].last[::-1], u)
 
     @torch.no_grad()
     def _post_accumulate(self, u: Unit, j: int, p: torch.Tensor) -> None:
@@ -258,13 +304,13 @@ class FullyShardedZero(ShardedStrategy):
         u.grad_full[s.offset : s.offset + s.numel].view_as(p).add_(p.grad)
         p.grad = None
         u.pending -= 1
-        if u.pending == 0:  # no backward node needs this unit's weights any more
+        if u.pending == 0:  # one backward of this unit is complete
             self._post_backward(u)
 
     def _post_backward(self, u: Unit) -> None:
-        u.in_backward = False
-        self._reshard(u)
-        u.pending = len(u.layout.params)
+        u.pending, u.open = len(u.layout.params), max(0, u.open - 1)
+        if u.open == 0:  # no backward node needs this unit's weights any more
+            self._reshard(u)
         if self.sync_enabled:
             self._reduce(u)
 
@@ -291,8 +337,8 @@ class FullyShardedZero(ShardedStrategy):
         if not self.sync_enabled:
             return
         for u in self.units:
-            if u.in_backward or u.state != SHARDED:
-                u.in_backward = False
+            if u.open or u.state != SHARDED:
+                u.open = 0
                 self._reshard(u)
             if not u.reduced:
                 self._reduce(u)
@@ -345,6 +391,11 @@ class FullyShardedZero(ShardedStrategy):
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a recomputed forward runs inside one)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(output) -> list[torch.Tensor]:
