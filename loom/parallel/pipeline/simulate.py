@@ -63,6 +63,22 @@ class Timeline:
             return 0.0
         return 1.0 - sum(self.busy(r) for r in range(self.n_ranks)) / total
 
+    def waiting(self, rank: int) -> float:
+        """Time one rank waits on its peers: inside RECVs, before its first action and after its last."""
+        mine = [e for e in self.events if e.rank == rank]
+        if not mine:
+            return self.makespan
+        lo, hi = min(e.start for e in self.events), max(e.end for e in self.events)
+        recv = sum(e.end - e.start for e in mine if e.action.kind in RECVS)
+        return recv + (min(e.start for e in mine) - lo) + (hi - max(e.end for e in mine))
+
+    @property
+    def waiting_bubble(self) -> float:
+        """Rank-time spent waiting on peers / (ranks x makespan): the schedule's bubble as a run
+        sees it. ``1 - busy - waiting`` is the runtime's own time between actions (0 when simulated)."""
+        total = self.n_ranks * self.makespan
+        return sum(self.waiting(r) for r in range(self.n_ranks)) / total if total > 0 else 0.0
+
     @property
     def peak_in_flight(self) -> list[int]:
         """Per rank: most (micro-batch, stage) activations alive at once (F started, B/BW not ended)."""

@@ -313,19 +313,23 @@ def pipeline_full_model(pipe: PipelineModule):
 
 
 def timeline_report(timeline: Timeline, schedule: str, m: int, v: int = 1, path: str | Path | None = None) -> str:
-    """Measured bubble beside the formula and beside the simulation of the same lists with the
-    measured mean time of every (stage, kind), which accounts for unequal stages and t_b != 2 t_f;
-    draws the picture at ``path`` if given.
+    """Measured bubble (rank-time waiting on peers, :attr:`Timeline.waiting_bubble`) beside the formula
+    and beside the simulation of the same lists with the measured mean time of every (stage, kind),
+    which accounts for unequal stages and t_b != 2 t_f; then the runtime's own time between
+    actions (posting sends and receives, bookkeeping), which the formula does not count; draws
+    the picture at ``path`` if given.
 
     Synchronous schedules: the bubble of the F/B/BI/BW phase (the final STEP left out, as in the
     formula); asynchronous ones: of the whole list, STEPs counted as busy.
     """
     p = timeline.n_ranks
     compute = Timeline(p, [e for e in timeline.events if e.action.kind is not Kind.STEP])
-    measured = timeline.bubble if schedule in ASYNC else compute.bubble
+    judged = timeline if schedule in ASYNC else compute
+    measured = judged.waiting_bubble
     text = (f"pipeline {schedule} p={p} m={m} v={v}: measured bubble {measured:.1%} vs formula "
             f"{bubble_formula(schedule, p, m, v):.1%} (simulated with measured stage times "
-            f"{_simulated_bubble(compute, schedule, m, v):.1%}), makespan {1e3 * compute.makespan:.1f} ms")  # fmt: skip
+            f"{_simulated_bubble(compute, schedule, m, v):.1%}), runtime overhead between actions "
+            f"{judged.bubble - measured:.1%}, makespan {1e3 * compute.makespan:.1f} ms")  # fmt: skip
     if path is not None:
         from loom.viz.timeline import draw_timeline
 
