@@ -478,11 +478,6 @@ def check_pipeline(cfg: LoomConfig) -> None:
         f"parallel.zero: ZeRO-{p.zero} with schedule {p.schedule!r}: the stashed weight versions need whole "
         "weights and gradients on every rank; use 0 or 1, or a synchronous schedule",
     )
-    _require(
-        p.zero == 0 or p.dp_shard == 1 or not m.tie_embeddings,
-        "model.tie_embeddings: with parallel.pp > 1 the first and last stage's copies are summed on full "
-        "gradients, which ZeRO shards over dp; set it to false or use parallel.zero = 0",
-    )
 
 
 # Features whose fields exist (so the mesh and the planner can name them) but whose runtime

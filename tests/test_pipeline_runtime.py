@@ -179,8 +179,12 @@ def test_3d_pp2_tp2_dp2_equals_single_process(pools):
             _assert_equal_to_reference(r, ref, "pp2 x tp2 x dp2")
 
 
+PP_ZERO = [(1, True), (2, True), (3, True), (2, False), (3, False)]  # (stage, tied embeddings)
+
+
 def _pp_zero_runs(steps: int) -> dict:
-    """pp2 x dp2 (sharded) under ZeRO-2 and ZeRO-3 with full recomputation, every synchronous schedule."""
+    """pp2 x dp2 (sharded) under ZeRO 1-3 (ZeRO-3 with full recomputation), tied embeddings or not,
+    every synchronous schedule."""
     from loom.comm import CommMeter
     from loom.config import LoomConfig
     from loom.memory.recompute import apply_recompute
@@ -191,9 +195,9 @@ def _pp_zero_runs(steps: int) -> dict:
     from loom.train.optim import lr_at
 
     mesh = get_mesh(pp=2, dp_shard=2)
-    mcfg, tcfg = tiny_model(n_layers=4, tie_embeddings=False), tiny_train(steps=steps)
     out = {}
-    for zero in (2, 3):
+    for zero, tied in PP_ZERO:
+        mcfg, tcfg = tiny_model(n_layers=4, tie_embeddings=tied), tiny_train(steps=steps)
         for name, v in SYNC:
             cfg = LoomConfig(model=mcfg, train=tcfg)
             cfg.parallel.zero, cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.pp = zero, 2, 2, 2
@@ -214,42 +218,46 @@ def _pp_zero_runs(steps: int) -> dict:
             with inner.gathered() if zero == 3 else contextlib.nullcontext():
                 state = gather_full_state(pipe)
             units = [u.layout for u in getattr(inner, "units", [])]
-            out[zero, name] = {"losses": losses, "state": state, "calls": calls, "bytes": inner.state_bytes(),
-                               "units": [(lay.numel, lay.padded) for lay in units]}  # fmt: skip
+            out[zero, tied, name] = {"losses": losses, "state": state, "calls": calls, "bytes": inner.state_bytes(),
+                                     "units": [(lay.numel, lay.padded) for lay in units]}  # fmt: skip
             inner.remove()
     return out
 
 
-def test_pp2_zero2_and_zero3_equal_single_process(pools):
-    """ZeRO-2 and ZeRO-3 (+ full recomputation) inside pipeline stages: GPipe, 1F1B, interleaved and
-    ZB-H1 at pp2 x dp2 equal one process; ZeRO-3 keeps 1/N of each stage's state, and its gathers
-    per step are the planner's 2u per micro-batch (ZB-H1 may skip some: a forward between a
-    micro-batch's BI and BW finds the unit still gathered)."""
+def test_pp2_zero_1_2_3_equal_single_process(pools):
+    """ZeRO 1-3 (ZeRO-3 with full recomputation) inside pipeline stages, tied embeddings or not:
+    GPipe, 1F1B, interleaved and ZB-H1 at pp2 x dp2 equal one process, the two tied copies stay
+    bitwise equal (their reduced gradient shards are summed element for element); ZeRO-3 keeps
+    1/N of each stage's state, and its gathers per step are the planner's 2u per micro-batch
+    (ZB-H1 may skip some: a forward between a micro-batch's BI and BW finds the unit gathered)."""
     from loom.plan.cost import CostModel, Layout, Workload
     from loom.plan.hardware import ClusterSpec
 
-    steps, mcfg = 6, tiny_model(n_layers=4, tie_embeddings=False)
+    steps = 6
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ref = train_dp(None, mcfg, tiny_train(steps=steps), BATCH, BATCH)
+        refs = {tied: train_dp(None, tiny_model(n_layers=4, tie_embeddings=tied), tiny_train(steps=steps), BATCH,
+                               BATCH) for tied in (True, False)}  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     results = pools(4).run(_pp_zero_runs, steps)
-    planner = CostModel(mcfg, Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", 4))
-    for (zero, name), _ in results[0].items():
-        what = f"ZeRO-{zero} {name} pp2 x dp2"
+    for (zero, tied, name) in results[0]:
+        what, key, ref = f"ZeRO-{zero} tied={tied} {name} pp2 x dp2", (zero, tied, name), refs[tied]
         for r in results:
-            assert_close(torch.tensor(r[zero, name]["losses"]), torch.tensor(ref["losses"]), **TOL)
-            if r[zero, name]["state"] is not None:  # pipeline rank 0 of each data-parallel rank
+            assert_close(torch.tensor(r[key]["losses"]), torch.tensor(ref["losses"]), **TOL, msg=lambda m, w=what: f"{w}: {m}")
+            if r[key]["state"] is not None:  # pipeline rank 0 of each data-parallel rank
                 for k, t in ref["state"].items():
-                    assert_close(r[zero, name]["state"][k], t, **TOL, msg=lambda m, k=k, w=what: f"{w} {k}: {m}")
+                    assert_close(r[key]["state"][k], t, **TOL, msg=lambda m, k=k, w=what: f"{w} {k}: {m}")
+                if tied:
+                    assert torch.equal(r[key]["state"]["output.weight"], r[key]["state"]["tok_embeddings.weight"])
         if zero < 3:
             continue
-        v = dict(SYNC)[name]
-        expected = planner.collective_calls(Layout(dp=2, dp_shard=2, pp=2, zero=3, micro_batch=MICRO,
-                                                   schedule=name, v=v))  # fmt: skip
-        first = results[0][zero, name]  # global rank 0: pipeline rank 0, the planner's first stage
+        mcfg = tiny_model(n_layers=4, tie_embeddings=tied)
+        planner = CostModel(mcfg, Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", 4))
+        expected = planner.collective_calls(Layout(dp=2, dp_shard=2, pp=2, zero=3, micro_batch=MICRO, schedule=name,
+                                                   v=dict(SYNC)[name]))  # fmt: skip
+        first = results[0][key]  # global rank 0: pipeline rank 0, the planner's first stage
         assert len(first["units"]) == mcfg.n_layers // 2 + 1  # embedding + its blocks
         for step_calls in first["calls"]:
             assert step_calls["reduce_scatter"] == expected["reduce_scatter"] == len(first["units"])
@@ -258,14 +266,11 @@ def test_pp2_zero2_and_zero3_equal_single_process(pools):
             else:
                 assert step_calls["all_gather"] == expected["all_gather"], what
         for r in results:  # 16 bytes per parameter of the stage, each rank 1/N of every padded unit
-            padded = sum(p for _, p in r[zero, name]["units"])
-            assert r[zero, name]["bytes"]["param_bytes"] * 2 == 4 * padded
-            assert r[zero, name]["bytes"]["optim_bytes"] * 2 == 8 * padded
-    ranks = {0: results[0], 1: results[2]}  # pipeline ranks 0 and 1 of data-parallel rank 0
-    for zero_name in results[0]:
-        if zero_name[0] == 3:
-            assert sum(n for r in ranks.values() for n, _ in r[zero_name]["units"]) == sum(
-                t.numel() for t in ref["state"].values())
+            padded = sum(p for _, p in r[key]["units"])
+            assert r[key]["bytes"]["param_bytes"] * 2 == 4 * padded
+            assert r[key]["bytes"]["optim_bytes"] * 2 == 8 * padded
+        held = sum(n for r in (results[0], results[2]) for n, _ in r[key]["units"])  # pp ranks 0, 1 of dp rank 0
+        assert held == sum(t.numel() for t in ref["state"].values())  # (a state dict names both tied copies)
 
 
 # ----------------------------------------------------------------------------- torch.distributed.pipelining
@@ -644,7 +649,6 @@ def test_profiled_partitioner_prints_cut_time_and_memory():
         (["--parallel.pp", "2", "--parallel.virtual_stages", "2"], "needs parallel.schedule = 'interleaved'"),
         (["--parallel.pp", "2", "--parallel.zero", "2", "--parallel.schedule", "pipedream", "--model.tie_embeddings",
           "false"], "parallel.zero: ZeRO-2 with schedule 'pipedream'"),
-        (["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.zero", "1"], "model.tie_embeddings: with parallel.pp"),
     ],
 )  # fmt: skip
 def test_bad_pipeline_configs_fail_in_one_line(overrides, message):

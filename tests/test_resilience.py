@@ -136,15 +136,16 @@ def test_real_layouts_reshard_into_one_process(pools, base_cfg, reference, tmp_p
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_pp2_dp2_zero3_checkpoint_reshards_into_one_process(pools, base_cfg, tmp_path):
-    """The Trainer under pp2 x dp2 with ZeRO-3 inside the stages saves at step 6; one process
-    resumes it and follows the uninterrupted single-process run (untied embeddings)."""
-    untied = _with(base_cfg, model={"tie_embeddings": False}, run={"nproc": 1})
-    straight = _trainer(_with(untied, run={"dir": str(tmp_path / "straight")}), stop_at=9)
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_pp2_dp2_zero3_checkpoint_reshards_into_one_process(pools, base_cfg, tmp_path, tied):
+    """The Trainer under pp2 x dp2 with ZeRO-3 inside the stages saves at step 6 (tied: the last
+    stage's copy is not written); one process resumes it and follows the uninterrupted run."""
+    one = _with(base_cfg, model={"tie_embeddings": tied}, run={"nproc": 1})
+    straight = _trainer(_with(one, run={"dir": str(tmp_path / "straight")}), stop_at=9)
     saved = tmp_path / "saved"
     layout = {"pp": 2, "dp": 2, "zero": 3}
-    rows = pools(4).run(_trainer, _with(untied, run={"dir": str(saved), "nproc": 4}, parallel=layout), 6)[0]
-    rows += _trainer(_with(untied, run={"dir": str(tmp_path / "one")}, train={"resume": str(saved)}), stop_at=9)
+    rows = pools(4).run(_trainer, _with(one, run={"dir": str(saved), "nproc": 4}, parallel=layout), 6)[0]
+    rows += _trainer(_with(one, run={"dir": str(tmp_path / "one")}, train={"resume": str(saved)}), stop_at=9)
     assert [r["step"] for r in rows] == list(range(1, 10))
     got = torch.tensor([r["loss"] for r in rows], dtype=torch.float64)
     want = torch.tensor([r["loss"] for r in straight], dtype=torch.float64)

@@ -141,21 +141,26 @@ def split_model(model: Transformer, rank: int, p: int, bounds: list[int], group:
     return PipelineModule(model, rank, p, bounds, group)
 
 
-def exchange_tied_grad(pipe: PipelineModule, meter: comm.CommMeter | None = None) -> None:
+def exchange_tied_grad(
+    pipe: PipelineModule, meter: comm.CommMeter | None = None, grad: torch.Tensor | None = None
+) -> None:
     """Sum the tied embedding/head gradient between the first and the last pipeline rank.
 
-    g <- g_first + g_last on both ranks (one send and one receive of V*h values each);
-    IEEE addition is commutative, so both copies get bitwise the same gradient.
+    g <- g_first + g_last on both ranks (one send and one receive of V*h values each, or of the
+    V*h/N elements of a ZeRO shard: ``grad``, which the two ranks hold alike, see
+    :func:`loom.parallel.zero.layout.tied_copy`); IEEE addition is commutative, so both copies
+    get bitwise the same gradient.
     """
     w = pipe.tied_weight()
-    if w is None or w.grad is None:
+    grad = w.grad if grad is None and w is not None else grad
+    if w is None or grad is None or grad.numel() == 0:
         return
     peer = (pipe.n_stages - 1) % pipe.p if pipe.is_first else 0
-    other = torch.empty_like(w.grad)
-    works = comm.batch_p2p([(w.grad, peer)], [(other, peer)], pipe.group, meter)
+    other = torch.empty_like(grad)
+    works = comm.batch_p2p([(grad, peer)], [(other, peer)], pipe.group, meter)
     for work in works:
         work.wait()
-    w.grad.add_(other)
+    grad.add_(other)
 
 
 def gather_full_state(pipe: PipelineModule) -> dict[str, torch.Tensor] | None:

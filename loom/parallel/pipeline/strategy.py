@@ -89,9 +89,6 @@ class PipelineStrategy:
         self.inner, self.pipe, self.schedule, self.v = inner, pipe, schedule, v
         self.tp_group, self.meter, self.vertical_sync = tp_group, meter, vertical_sync
         self.record_step, self.timeline_path, self.steps_done = record_step, timeline_path, 0
-        if pipe.tied_weight() is not None and comm.group_size(getattr(inner, "shard_group", None)) > 1:
-            raise ValueError("tied embeddings with pp > 1 cannot be sharded (ZeRO over dp > 1): the two "
-                             "copies' gradients are summed on full, reduced gradients")  # fmt: skip
         self.runtime = PipelineRuntime(pipe, meter, timeout_s)
         self.timeline: Timeline | None = None
         self.last_stats: RunStats | None = None
@@ -135,7 +132,15 @@ class PipelineStrategy:
     def finish_sync(self) -> None:
         self.inner.finish_sync()
         if not self.asynchronous:
-            exchange_tied_grad(self.pipe, self.meter)
+            exchange_tied_grad(self.pipe, self.meter, self._tied_grad())
+
+    def _tied_grad(self) -> torch.Tensor | None:
+        """This rank's reduced gradient of its tied copy: whole, or its ZeRO shard (empty if none)."""
+        tied = self.pipe.tied_weight()
+        if tied is None:
+            return None
+        shard_of = getattr(self.inner, "param_grad_shard", None)
+        return shard_of(tied) if shard_of is not None else tied.grad
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()
@@ -160,8 +165,12 @@ class PipelineStrategy:
         local = self.inner.clip_grad_norm(0.0)
         sq = torch.tensor(local * local, dtype=torch.float64)
         tied = self.pipe.tied_weight()
-        if tied is not None and self.pipe.is_last and tied.grad is not None:
-            t = grad_norm_sq([tied])
+        if tied is not None and self.pipe.is_last:  # the tied matrix once: the first rank counts it
+            if hasattr(self.inner, "param_grad_shard"):  # a ZeRO shard: squares summed over the sharding group
+                t = self.inner.param_grad_shard(tied).float().pow(2).sum()
+                comm.all_reduce(t, self.inner.shard_group)
+            else:
+                t = grad_norm_sq([tied])
             if getattr(tied, "tp_shard_dim", None) is not None:
                 comm.all_reduce(t, self.tp_group)
             sq -= t.double().cpu()

@@ -27,6 +27,15 @@ from loom.train.optim import param_groups
 ALIGN_BYTES = 16  # shard starts on 16-byte boundaries: the vector width of CPU kernels, NCCL's preference
 
 
+def tied_copy(module: nn.Module) -> frozenset[int]:
+    """Ids of the parameters that must sit alone in their flat buffer: a pipeline rank's copy of the
+    tied embedding/head matrix (``module.tied_weight()``). The first and the last stage then shard
+    their copies alike, so the pipeline can sum the two copies' reduced gradient shards element
+    for element."""
+    tied = module.tied_weight() if callable(getattr(module, "tied_weight", None)) else None
+    return frozenset() if tied is None else frozenset({id(tied)})
+
+
 def unique_params(module: nn.Module) -> list[nn.Parameter]:
     """Trainable parameters in registration order, each shared (tied) parameter once."""
     seen: set[int] = set()
@@ -125,16 +134,23 @@ class FlatLayout:
             p.data = v
 
 
-def split_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+def split_buckets(
+    params: Sequence[nn.Parameter], cap_bytes: int, alone: frozenset[int] = frozenset()
+) -> list[list[nn.Parameter]]:
     """Runs of parameters in *reverse* registration order (roughly the order backward produces
-    their gradients), each up to ``cap_bytes`` and of one dtype and device (as the DDP buckets)."""
+    their gradients), each up to ``cap_bytes`` and of one dtype and device (as the DDP buckets);
+    parameters whose id is in ``alone`` get a bucket of their own."""
     groups: list[list[nn.Parameter]] = []
     current: list[nn.Parameter] = []
     size = 0
     for p in reversed(params):
         nb = p.numel() * p.element_size()
         if current and (
-            size + nb > cap_bytes or p.dtype != current[0].dtype or p.device != current[0].device
+            size + nb > cap_bytes
+            or p.dtype != current[0].dtype
+            or p.device != current[0].device
+            or id(p) in alone
+            or id(current[0]) in alone
         ):
             groups.append(current)
             current, size = [], 0

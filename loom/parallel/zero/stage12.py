@@ -40,7 +40,7 @@ from loom import comm
 from loom.comm import CommMeter, Group
 from loom.memory.offload import StateStore
 from loom.parallel.zero.common import MAX_INFLIGHT, GradReducer, ShardedStrategy, build_adam
-from loom.parallel.zero.layout import FlatLayout, decayed_ids, split_buckets, unique_params
+from loom.parallel.zero.layout import FlatLayout, decayed_ids, split_buckets, tied_copy, unique_params
 
 
 @dataclass
@@ -95,7 +95,7 @@ class ZeroDataParallel(ShardedStrategy):
         decayed = decayed_ids(module)
         self.buckets: list[FlatBucket] = []
         self._slot: dict[int, tuple[FlatBucket, int]] = {}
-        for i, ps in enumerate(split_buckets(self.params, int(bucket_mb * 1024 * 1024))):
+        for i, ps in enumerate(split_buckets(self.params, int(bucket_mb * 1024 * 1024), tied_copy(module))):
             lay = FlatLayout(ps, self.world, rank, decayed)
             flat = lay.new_flat()
             lay.bind(flat)

@@ -29,7 +29,7 @@ because the chunk's next action is often another micro-batch's forward. A unit c
 backwards: a pre-backward hook fired but not all of its weight gradients have arrived, as between
 a zero-bubble BI and its deferred BW. Such a unit stays gathered, since a BW under recomputation
 re-runs the forward. A recomputation is told apart from a new forward by autograd's running
-graph task.
+graph task. A tied embedding/head copy is a unit of its own (:func:`~loom.parallel.zero.layout.tied_copy`).
 
 Bytes held per rank between steps, fp32 (Φ' = Σ over units of the padded unit size Φ_u'):
 
@@ -61,7 +61,7 @@ from loom import comm
 from loom.comm import CommMeter, Group
 from loom.memory.offload import StateStore
 from loom.parallel.zero.common import MAX_INFLIGHT, GradReducer, ShardedStrategy, build_adam
-from loom.parallel.zero.layout import FlatLayout, decayed_ids, unique_params
+from loom.parallel.zero.layout import FlatLayout, decayed_ids, tied_copy, unique_params
 
 SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
 
@@ -75,13 +75,15 @@ def find_roots(model: nn.Module) -> list[nn.Module]:
     return [model]
 
 
-def find_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+def find_units(model: nn.Module, alone: frozenset[int] = frozenset()) -> list[tuple[str, list[nn.Module]]]:
     """Wrap units ``(name, modules)``: the children before ``model.layers``, each block, the children
-    after it; units that share a parameter are merged (into the later one). A pipeline rank's
-    chunks (:func:`find_roots`) are wrapped one after the other; a model without ``layers`` is one unit."""
+    after it; units that share a parameter are merged (into the later one); a child holding a
+    parameter whose id is in ``alone`` is a unit of its own. A pipeline rank's chunks
+    (:func:`find_roots`) are wrapped one after the other; a model without ``layers`` is one unit."""
     roots = find_roots(model)
     if roots != [model]:
-        return [(f"stages.{i}.{n}", mods) for i, r in enumerate(roots) for n, mods in find_units(r)]
+        alone = alone | tied_copy(model)
+        return [(f"stages.{i}.{n}", mods) for i, r in enumerate(roots) for n, mods in find_units(r, alone)]
     layers = getattr(model, "layers", None)
     if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
         return [("model", [model])]
@@ -93,7 +95,9 @@ def find_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
 
     def group(items: list[tuple[str, nn.Module]]) -> list[tuple[str, list[nn.Module]]]:
         items = [(n, m) for n, m in items if any(p.requires_grad for p in m.parameters())]
-        return [("+".join(n for n, _ in items), [m for _, m in items])] if items else []
+        single = [(n, [m]) for n, m in items if any(id(p) in alone for p in m.parameters())]
+        rest = [(n, m) for n, m in items if not any(id(p) in alone for p in m.parameters())]
+        return ([("+".join(n for n, _ in rest), [m for _, m in rest])] if rest else []) + single
 
     blocks = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
     units = group(children[:at]) + [(f"{name}.{i}", [b]) for i, b in blocks] + group(children[at + 1 :])
