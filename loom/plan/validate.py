@@ -45,6 +45,7 @@ LAYOUTS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("dp4 zero2", 4, ("--parallel.zero", "2")),
     ("dp2 tp2 zero1", 4, ("--parallel.tp", "2", "--parallel.sp", "true", "--parallel.zero", "1")),
     ("dp2 pp2", 4, ("--parallel.pp", "2")),
+    ("dp2 pp2 zero3", 4, ("--parallel.pp", "2", "--parallel.zero", "3")),
     ("dp2 zero1 adafactor", 2, ("--parallel.zero", "1", "--train.optimizer", "adafactor")),
     ("dp1 adam8bit bf16", 1, ("--train.optimizer", "adam8bit", "--train.precision", "bf16")),
 )
