@@ -413,6 +413,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
         _require(problem is None, f"parallel.offload_dir: {problem}")
     resolve_layout(cfg, world_size)
     check_tensor_parallel(cfg)
+    check_context_parallel(cfg)
     _check_implemented(cfg)
     check_memory(cfg)
     _require(t.micro_batch >= 1, f"train.micro_batch: must be >= 1, got {t.micro_batch}")
@@ -483,7 +484,6 @@ def check_pipeline(cfg: LoomConfig) -> None:
 # Features whose fields exist (so the mesh and the planner can name them) but whose runtime
 # has not landed yet: (field, predicate on the config, message). Entries go as features land.
 NOT_YET: list[tuple[str, Any, str]] = [
-    ("parallel.cp", lambda c: c.parallel.cp > 1, "context parallelism is not implemented yet; use 1"),
     ("parallel.ep", lambda c: c.parallel.ep > 1, "expert parallelism is not implemented yet; use 1"),
 ]
 
@@ -572,11 +572,24 @@ def check_tensor_parallel(cfg: LoomConfig) -> None:
             cfg.data.vocab_size % tp == 0,
             f"data.vocab_size: {cfg.data.vocab_size} (the model vocabulary) must be divisible by parallel.tp={tp}",
         )
+    cp = cfg.parallel.cp
     if cfg.parallel.sp:
         _require(
-            cfg.data.seq_len % tp == 0,
-            f"data.seq_len: {cfg.data.seq_len} must be divisible by parallel.tp={tp} with parallel.sp",
+            cfg.data.seq_len % (tp * cp) == 0,
+            f"data.seq_len: {cfg.data.seq_len} must be divisible by parallel.tp*cp={tp * cp} with parallel.sp",
         )
+
+
+def check_context_parallel(cfg: LoomConfig) -> None:
+    """Each cp rank holds two chunks of T/(2cp) tokens; dropout masks would need a cp-private stream."""
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    _require(
+        cfg.data.seq_len % (2 * cp) == 0,
+        f"data.seq_len: {cfg.data.seq_len} must be divisible by 2*parallel.cp={2 * cp} (two chunks per cp rank)",
+    )
+    _require(cfg.model.dropout == 0.0, f"model.dropout: context parallelism (parallel.cp={cp}) needs 0, got {cfg.model.dropout}")
 
 
 def offload_dir(cfg: LoomConfig) -> str:

@@ -18,6 +18,11 @@ from functools import cached_property
 import torch.distributed as dist
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLATTENED = {  # flattened groups: name -> size
+    "dp": lambda d: d.dp,
+    "dp_cp": lambda d: d.dp * d.cp,
+    "dp_shard_cp": lambda d: d.dp_shard * d.cp,
+}
 
 
 @dataclass(frozen=True)
@@ -112,18 +117,27 @@ class ParallelMesh:
             for name in MESH_DIMS:
                 self._groups[name] = self._device_mesh.get_group(name)
             self._groups["dp"] = self._device_mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+            if dims.cp > 1:  # gradients of parameters replicated over cp are reduced with dp's
+                self._groups["dp_cp"] = self._device_mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp").get_group()
+                self._groups["dp_shard_cp"] = self._device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp").get_group()
+            else:
+                self._groups["dp_cp"], self._groups["dp_shard_cp"] = self._groups["dp"], self._groups["dp_shard"]
 
     @cached_property
     def device_mesh(self):
         return self._device_mesh
 
     def group(self, name: str) -> dist.ProcessGroup | None:
-        if name not in (*MESH_DIMS, "dp"):
-            raise KeyError(f"unknown mesh dimension {name!r}; known: {', '.join((*MESH_DIMS, 'dp'))}")
+        """A mesh dimension's group, or a flattened one: ``dp`` (replicate x shard), ``dp_cp`` (dp x cp:
+        where gradients of parameters replicated over cp are reduced), ``dp_shard_cp`` (ZeRO's shards)."""
+        if name not in (*MESH_DIMS, *FLATTENED):
+            raise KeyError(f"unknown mesh dimension {name!r}; known: {', '.join((*MESH_DIMS, *FLATTENED))}")
         return self._groups.get(name)
 
     def size(self, name: str) -> int:
-        return self.dims.dp if name == "dp" else getattr(self.dims, name)
+        if name in FLATTENED:
+            return FLATTENED[name](self.dims)
+        return getattr(self.dims, name)
 
     def local_rank(self, name: str) -> int:
         return self.coords[name]

@@ -107,7 +107,7 @@ def apply_replicated_masters(module: nn.Module, mesh, cfg, meter: CommMeter | No
         module,
         1 if mesh.size("pp") > 1 else 2,
         shard_group=mesh.group("dp_shard"),
-        replicate_group=mesh.group("dp_replicate"),
+        replicate_group=mesh.group("dp_cp"),  # = dp_replicate x cp, as dp_shard is one rank
         train_cfg=cfg.train,
         store=make_store("none", device, offload_dir(cfg), tag=f"rank{mesh.rank}"),
         meter=meter,

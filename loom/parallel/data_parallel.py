@@ -213,10 +213,11 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 
 
 def apply_data_parallel(module: nn.Module, mesh, cfg, meter: CommMeter | None = None) -> DataParallel:
-    """Entry point used by ``parallelize``: data parallelism over the mesh's ``dp`` group, with AdamW."""
+    """Entry point used by ``parallelize``: data parallelism over the mesh's ``dp_cp`` group (dp, and cp
+    whose ranks hold the same parameters too), with AdamW."""
     dp = DataParallel(
         module,
-        mesh.group("dp"),
+        mesh.group("dp_cp"),
         meter=meter,
         bucket_mb=cfg.parallel.bucket_mb,
         reduce_dtype=REDUCE_DTYPES[cfg.parallel.reduce_dtype],

@@ -28,6 +28,7 @@ from loom.memory.loss_scale import scaler_stats, training_loss_fn
 from loom.mesh import ParallelDims, ParallelMesh
 from loom.model.llama import build_model, count_params, flops_per_token, loss_fn
 from loom.parallel import parallelize
+from loom.parallel.context_parallel import shard_sequence
 from loom.train.export import write_json_atomic
 from loom.train.health import FiniteGuard, Heartbeat, diagnose, is_comm_failure
 from loom.train.metrics import MetricsWriter, setup_logging, step_line
@@ -111,7 +112,8 @@ class Trainer:
             train_set, cfg.train.global_batch, cfg.train.micro_batch, dp_rank, dp, cfg.train.seed
         )
         val_set = TokenDataset(self.data.val_path, cfg.data.seq_len)
-        self.eval_set = eval_batches(val_set, cfg.train.eval_batches, cfg.train.micro_batch, dp_rank, dp)
+        self.eval_set = self._my_tokens(eval_batches(val_set, cfg.train.eval_batches, cfg.train.micro_batch, dp_rank, dp))
+        self.loss_group = self.mesh.group("dp_cp")  # losses averaged over every rank of a different batch share
         self.n_params = count_params(self.model)
         matmul_params = count_params(self.model, exclude_embedding=not cfg.model.tie_embeddings)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, matmul_params)
@@ -146,6 +148,10 @@ class Trainer:
         )  # fmt: skip
         log.info("MFU peak: %.1f GFLOP/s per rank (%s)", self.peak_flops / 1e9, self.peak_source)
 
+    def _my_tokens(self, batches):
+        """Context parallelism: this cp rank's tokens of each sequence (all of them when cp = 1)."""
+        return shard_sequence(batches, self.mesh.size("cp"), self.mesh.local_rank("cp"))
+
     def _to_device(self, batches):
         return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in batches]
 
@@ -171,10 +177,10 @@ class Trainer:
             self.heartbeat.set(step + 1, "train step")
             lr = lr_at(step, c)
             self.meter.reset()
-            batches = self._to_device(self.sampler.micro_batches(step))
+            batches = self._to_device(self._my_tokens(self.sampler.micro_batches(step)))
             with self.saved_acts:
                 res = self._train_step(self.model, self.strategy, batches, self.train_loss_fn, c.grad_clip, lr,
-                                       self.mesh.group("dp"))  # fmt: skip
+                                       self.loss_group)  # fmt: skip
             window_steps += 1
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.3f}")
@@ -191,7 +197,7 @@ class Trainer:
                 self.saved_acts.reset_peak()
                 if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
                     row["eval_loss"] = self._evaluate(self.model, self._to_device(self.eval_set), self.loss_fn,
-                                                      self.mesh.group("dp"))  # fmt: skip
+                                                      self.loss_group)  # fmt: skip
                 if self.is_main and step + 1 == c.steps:  # the planner's prediction beside the measurement
                     _add_plan(self.cfg, self.env.world, row)
                 self.metrics.write(row)

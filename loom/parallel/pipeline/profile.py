@@ -80,13 +80,14 @@ def _time(fn: Callable[[], tuple[torch.Tensor, torch.Tensor | None]], device: to
 
 def profile_model(model: nn.Module, micro_batch: int, seq_len: int,
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], repeats: int = 3,
-                  seq_div: int = 1) -> LayerProfile:  # fmt: skip
-    """Time every unit of a Llama ``Transformer`` on its device with a (micro_batch, seq_len) batch
-    (blocks see seq_len / seq_div positions: the sequence shard under sequence parallelism)."""
+                  seq_div: int = 1, cp: int = 1) -> LayerProfile:  # fmt: skip
+    """Time every unit of a Llama ``Transformer`` on its device with a (micro_batch, seq_len / cp)
+    batch (a context-parallel rank's tokens; blocks see seq_len / seq_div positions: that, cut
+    again by tp under sequence parallelism)."""
     p0 = next(model.parameters())
     device, cfg = p0.device, model.cfg
     g = torch.Generator(device="cpu").manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g).to(device)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len // cp), generator=g).to(device)
     h = torch.randn(micro_batch, seq_len // seq_div, cfg.dim, generator=g).to(device, p0.dtype)
     dh = torch.randn(micro_batch, seq_len // seq_div, cfg.dim, generator=g).to(device, p0.dtype)
     params = {p.data_ptr() for p in model.parameters()}
@@ -161,8 +162,8 @@ def choose_layout(model: nn.Module, cfg, m: int, loss_fn, log: Callable[[str], N
     p, v, n_layers = cfg.parallel.pp, cfg.parallel.virtual_stages, cfg.model.n_layers
     if cfg.parallel.pp_layout:
         return parse_layout(cfg.parallel.pp_layout, n_layers, p * v)
-    seq_div = cfg.parallel.tp if cfg.parallel.sp else 1
-    prof = profile_model(model, cfg.train.micro_batch, cfg.data.seq_len, loss_fn, seq_div=seq_div)
+    seq_div = (cfg.parallel.tp if cfg.parallel.sp else 1) * cfg.parallel.cp  # a block's tokens on one rank
+    prof = profile_model(model, cfg.train.micro_batch, cfg.data.seq_len, loss_fn, seq_div=seq_div, cp=cfg.parallel.cp)
     in_flight = _in_flight(cfg, p, v, m)
     t, state, acts = layer_costs(prof)
     limit = _mem_limit(next(model.parameters()).device)

@@ -69,7 +69,7 @@ def apply_pipeline(model, mesh, cfg, loss_fn, log_fn: Callable[[str], None] | No
 
     bounds = choose_layout(model, cfg, grad_accum_steps(cfg), loss_fn, log_fn)
     pipe = split_model(model, mesh.local_rank("pp"), mesh.size("pp"), bounds, mesh.group("pp"))
-    pipe.seq_div = cfg.parallel.tp if cfg.parallel.sp else 1
+    pipe.seq_div = cfg.parallel.tp if cfg.parallel.sp else 1  # (batches arrive cut to this cp rank's tokens)
     pipe.tp_group = mesh.group("tp")
     return pipe
 

@@ -34,14 +34,14 @@ def apply_zero(
     module: nn.Module, mesh, cfg, meter: CommMeter | None = None
 ) -> ZeroDataParallel | FullyShardedZero:
     """Entry point used by ``parallelize``: ZeRO stage ``cfg.parallel.zero`` over the mesh's
-    ``dp_shard`` group, hybrid across ``dp_replicate``, AdamW with ``cfg.train``."""
+    ``dp_shard_cp`` group (dp_shard x cp), hybrid across ``dp_replicate``, AdamW with ``cfg.train``."""
     from loom.parallel.data_parallel import REDUCE_DTYPES
 
     p = cfg.parallel
     device = next(module.parameters()).device
     store = make_store(p.offload, device, offload_dir(cfg), tag=f"rank{mesh.rank}")
     common = dict(
-        shard_group=mesh.group("dp_shard"),
+        shard_group=mesh.group("dp_shard_cp"),  # cp ranks hold the same parameters: they share the shards
         replicate_group=mesh.group("dp_replicate"),
         train_cfg=cfg.train,
         store=store,

@@ -1,0 +1,137 @@
+"""Context parallelism: the load-balanced token split, attention over the gathered sequence, and
+training under cp (alone and with dp, ZeRO-3, tp + sp, pp) equal to one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from tests.dist import get_mesh
+from tests.helpers import SEQ, one_thread, rank_micro_batches, tiny_model, tiny_train, train_dp  # noqa: F401 (fixture)
+
+BATCH, MICRO, STEPS = 8, 4, 8
+TOL = dict(rtol=1e-4, atol=5e-5)  # sums over keys split across ranks round differently over AdamW steps
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_local_positions_pair_an_early_and_a_late_chunk():
+    from loom.parallel.context_parallel import local_positions
+
+    assert local_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert local_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    every = torch.cat([local_positions(24, 3, r) for r in range(3)])
+    assert sorted(every.tolist()) == list(range(24))
+    # causal work (keys at or before each query) is the same on every rank
+    work = [int((local_positions(24, 3, r) + 1).sum()) for r in range(3)]
+    assert len(set(work)) == 1
+    with pytest.raises(ValueError, match="divisible by 2\\*cp"):
+        local_positions(10, 3, 0)
+
+
+def _cp_run(layout: dict, steps: int) -> dict:
+    """Train the tiny model under ``layout`` through ``parallelize`` (the Trainer's path)."""
+    from loom.comm import CommMeter
+    from loom.config import LoomConfig
+    from loom.model.llama import build_model, loss_fn
+    from loom.parallel import parallelize
+    from loom.parallel.context_parallel import shard_sequence
+    from loom.parallel.pipeline.stage import gather_full_state
+    from loom.parallel.pipeline.strategy import pipeline_train_step
+    from loom.train.optim import lr_at
+    from loom.train.step import train_step
+
+    dims = {k: v for k, v in layout.items() if k in ("cp", "tp", "pp", "dp_shard", "dp_replicate")}
+    mesh = get_mesh(**dims)
+    cfg = LoomConfig(model=tiny_model(), train=tiny_train(steps=steps))
+    cfg.data.seq_len = SEQ
+    cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.pp = layout.get("cp", 1), layout.get("tp", 1), layout.get("pp", 1)
+    cfg.parallel.dp = mesh.size("dp")
+    cfg.parallel.dp_shard = layout.get("dp_shard", 1)
+    cfg.parallel.zero, cfg.parallel.sp = layout.get("zero", 0), layout.get("sp", False)
+    cfg.train.global_batch, cfg.train.micro_batch = BATCH, MICRO
+    cfg.train.recompute = layout.get("recompute", "none")
+    cfg.run.dir = "/tmp/loom-test-cp"
+    meter = CommMeter()
+    model = build_model(cfg.model, cfg.train.seed)
+    strategy = parallelize(model, mesh, cfg, meter)
+    pipe = getattr(strategy, "pipe", None)
+    step_fn, net = (pipeline_train_step, pipe) if pipe is not None else (train_step, model)
+    lossf = getattr(model, "loss_fn", loss_fn)
+    dp_rank, dp = mesh.local_rank("dp"), mesh.size("dp")
+    losses, moved = [], []
+    for step in range(steps):
+        meter.reset()
+        batches = shard_sequence(rank_micro_batches(step, BATCH, MICRO, dp_rank, dp), mesh.size("cp"),
+                                 mesh.local_rank("cp"))  # fmt: skip
+        res = step_fn(net, strategy, batches, lossf, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp_cp"))
+        losses.append(res.loss)
+        moved.append(dict(meter.moved))
+    if pipe is not None:
+        state = gather_full_state(pipe)
+    elif hasattr(strategy.inner if hasattr(strategy, "inner") else strategy, "full_state_dict"):
+        state = (strategy.inner if hasattr(strategy, "inner") else strategy).full_state_dict()
+    elif mesh.size("tp") > 1:
+        from loom.parallel.tensor_parallel import gather_full_state as gather_tp
+
+        state = gather_tp(model, mesh.group("tp"))
+    else:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "state": state, "moved": moved}
+
+
+LAYOUTS = {
+    "cp2": (2, {"cp": 2}),
+    "cp2 recompute": (2, {"cp": 2, "recompute": "full"}),
+    "cp2 x dp2": (4, {"cp": 2, "dp_replicate": 2}),
+    "cp2 x dp2 zero3": (4, {"cp": 2, "dp_shard": 2, "zero": 3}),
+    "cp2 x tp2 sp": (4, {"cp": 2, "tp": 2, "sp": True}),
+    "pp2 x cp2": (4, {"cp": 2, "pp": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_dp(None, tiny_model(), tiny_train(steps=STEPS), BATCH, MICRO)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_context_parallel_equals_single_process(pools, reference, name):
+    world, layout = LAYOUTS[name]
+    results = pools(world).run(_cp_run, layout, STEPS)
+    for r in results:
+        assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), **TOL, msg=lambda m: f"{name}: {m}")
+    for r in results:
+        if r["state"] is not None:
+            for k, v in reference["state"].items():
+                assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{name} {k}: {m}")
+
+
+@pytest.mark.parametrize("name", ["cp2", "cp2 recompute"])
+def test_context_parallel_bytes_equal_formula(pools, name):
+    """Per step: all-gathers of K and V forward (and in the recomputed forward), reduce-scatters of
+    dK and dV backward, each B·(T/cp)·kv_width·4·(cp-1) bytes sent per rank, per layer and micro-batch."""
+    from loom.parallel.context_parallel import cp_comm_bytes
+
+    world, layout = LAYOUTS[name]
+    cfg = tiny_model()
+    kv = cfg.n_kv_heads * cfg.head_dim
+    full = layout.get("recompute") == "full"
+    fwd = cp_comm_bytes(MICRO, SEQ, kv, cfg.n_layers, 2, 4, BATCH // MICRO, recompute=full)
+    for r in pools(world).run(_cp_run, layout, 2):
+        for moved in r["moved"]:
+            assert moved["all_gather"] + moved["reduce_scatter"] == fwd
+            assert moved["reduce_scatter"] == fwd // (3 if full else 2)
+
+
+def test_bad_context_parallel_configs_fail_in_one_line():
+    from loom import config as C
+
+    for overrides, message in [
+        (["--parallel.cp", "2", "--data.seq_len", "30", "--model.max_seq_len", "64"], "divisible by 2*parallel.cp=4"),
+        (["--parallel.cp", "2", "--model.dropout", "0.1"], "model.dropout: context parallelism"),
+    ]:
+        cfg = C.apply_overrides(C.LoomConfig(), overrides)
+        with pytest.raises(C.ConfigError) as e:
+            C.validate(cfg, 2)
+        assert message in str(e.value) and "\n" not in str(e.value)
