@@ -59,7 +59,7 @@ def _cp_run(layout: dict, steps: int) -> dict:
     step_fn, net = (pipeline_train_step, pipe) if pipe is not None else (train_step, model)
     lossf = getattr(model, "loss_fn", loss_fn)
     dp_rank, dp = mesh.local_rank("dp"), mesh.size("dp")
-    losses, moved = [], []
+    losses, moved, calls = [], [], []
     for step in range(steps):
         meter.reset()
         batches = shard_sequence(rank_micro_batches(step, BATCH, MICRO, dp_rank, dp), mesh.size("cp"),
@@ -67,6 +67,7 @@ def _cp_run(layout: dict, steps: int) -> dict:
         res = step_fn(net, strategy, batches, lossf, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp_cp"))
         losses.append(res.loss)
         moved.append(dict(meter.moved))
+        calls.append(dict(meter.calls))
     if pipe is not None:
         state = gather_full_state(pipe)
     elif hasattr(strategy.inner if hasattr(strategy, "inner") else strategy, "full_state_dict"):
@@ -77,7 +78,7 @@ def _cp_run(layout: dict, steps: int) -> dict:
         state = gather_tp(model, mesh.group("tp"))
     else:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "state": state, "moved": moved}
+    return {"losses": losses, "state": state, "moved": moved, "calls": calls}
 
 
 LAYOUTS = {
@@ -122,6 +123,45 @@ def test_context_parallel_bytes_equal_formula(pools, name):
         for moved in r["moved"]:
             assert moved["all_gather"] + moved["reduce_scatter"] == fwd
             assert moved["reduce_scatter"] == fwd // (3 if full else 2)
+
+
+@pytest.mark.parametrize("name", ["cp2", "cp2 recompute", "cp2 x dp2", "cp2 x dp2 zero3"])
+def test_collective_calls_equal_the_planners(pools, name):
+    """Per step: 2 K/V all-gathers (4 with full recomputation) and 2 dK/dV reduce-scatters per layer
+    and micro-batch, plus the data-parallel reduction over dp x cp: what the cost model charges."""
+    from loom.plan.cost import CostModel, Layout, Workload
+    from loom.plan.hardware import ClusterSpec
+
+    world, layout = LAYOUTS[name]
+    planner = CostModel(tiny_model(), Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", world))
+    dp = layout.get("dp_replicate", 1) * layout.get("dp_shard", 1)
+    expected = planner.collective_calls(Layout(dp=dp, dp_shard=layout.get("dp_shard", 1), cp=2, zero=layout.get("zero", 0),
+                                               micro_batch=MICRO, recompute=layout.get("recompute", "none")))  # fmt: skip
+    for r in pools(world).run(_cp_run, layout, 2):
+        assert r["calls"] == [expected] * 2
+
+
+def _saved_per_layer(cp: int) -> tuple[dict, int]:
+    from loom.config import LoomConfig
+    from loom.memory.activations import activation_bytes_per_layer, measure_layer_bytes
+    from loom.model.llama import build_model
+    from loom.parallel.context_parallel import apply_context_parallel, shard_sequence
+
+    mesh = get_mesh(cp=cp)
+    cfg = LoomConfig(model=tiny_model())
+    cfg.data.seq_len, cfg.parallel.cp = SEQ, cp
+    model = build_model(cfg.model, 0)
+    apply_context_parallel(model, mesh, cfg)
+    x = torch.randint(0, cfg.model.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    ((local, _),) = shard_sequence([(x, x)], cp, mesh.local_rank("cp"))
+    return measure_layer_bytes(model, local), activation_bytes_per_layer(cfg.model, 2, SEQ, cp=cp)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_saved_activations_per_layer_equal_formula(pools, cp):
+    """Each layer saves its s/cp tokens' activations plus the whole sequence's repeated K and V."""
+    for per_layer, formula in pools(cp).run(_saved_per_layer, cp):
+        assert set(per_layer.values()) == {formula}
 
 
 def test_bad_context_parallel_configs_fail_in_one_line():

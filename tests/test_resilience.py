@@ -122,9 +122,9 @@ def test_resume_under_another_layout(pools, base_cfg, reference, tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2}, {"zero": 3}], ids=["pp2", "tp2", "dp2xzero3"])
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2}, {"zero": 3}, {"cp": 2}], ids=["pp2", "tp2", "dp2xzero3", "cp2"])
 def test_real_layouts_reshard_into_one_process(pools, base_cfg, reference, tmp_path, layout):
-    """Trainer under pp2 / tp2 / ZeRO-3 saves at step 10; one process resumes and trains on."""
+    """Trainer under pp2 / tp2 / ZeRO-3 / cp2 saves at step 10; one process resumes and trains on."""
     saved = tmp_path / "saved"
     rows = pools(2).run(_trainer, _with(base_cfg, run={"dir": str(saved)}, parallel=layout), 10)[0]
     rows += _trainer(

@@ -38,13 +38,16 @@ from loom.config import ModelConfig
 
 
 def activation_bytes_per_layer(
-    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, elem: int = 4
+    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, elem: int = 4, cp: int = 1
 ) -> int:
-    """The formula of the module docstring, in bytes, for one layer on one tensor-parallel rank."""
+    """The formula of the module docstring, in bytes, for one layer on one tensor-parallel rank;
+    with context parallelism (``seq`` the whole sequence) every term counts the rank's s/cp tokens
+    except the repeated keys and values, which attention gathers whole: 2·e·sbh/n."""
     n, t = tp, (tp if sp else 1)
     sb, h, f, a = seq * batch, cfg.dim, cfg.resolved_ffn_dim(), cfg.n_heads
-    elems = 6 * sb * h // t + 4 * sb * h // n + 4 * sb * f // n
-    fp32 = 2 * sb // t + sb * a // n
+    local = sb // cp
+    elems = 6 * local * h // t + 2 * local * h // n + 2 * sb * h // n + 4 * local * f // n
+    fp32 = 2 * local // t + local * a // n
     return elem * elems + 4 * fp32
 
 

@@ -17,8 +17,10 @@ micro-batch, with b bytes per element and k·d = the key/value width (per tp ran
     forward   all-gather of K and V:   2 · B·(T/cp)·k·d·b · (cp-1)  bytes sent per rank
     backward  reduce-scatter of dK, dV: the same
 
-(and again in a recomputed forward). Keys and values are held whole while a layer computes:
-2·B·T·k·d·b per rank, the price of not running a ring.
+(and again in a recomputed forward). The gathered keys and values, repeated to the query heads,
+are what the attention saves for backward: 2·B·T·h·b per layer and rank where a ring would keep
+2·B·(T/cp)·h·b (:func:`loom.memory.activations.activation_bytes_per_layer` with ``cp``); the
+additive causal mask (T/cp, T) is one buffer shared by every layer.
 
 Gradients. Every parameter is replicated over cp, and each rank's loss is the mean over its
 T/cp tokens. The data-parallel reduction therefore runs over dp·cp ranks (ZeRO shards over
@@ -63,12 +65,18 @@ class ContextParallelCore(nn.Module):
     """:class:`~loom.model.llama.CoreAttention` over the whole sequence of the cp group: local
     queries (B, a, T/cp, d), keys and values all-gathered, causal mask by global position."""
 
-    def __init__(self, positions: torch.Tensor, cp: int, group: Group, meter: CommMeter | None = None) -> None:
+    def __init__(self, mask: torch.Tensor, group: Group, meter: CommMeter | None = None) -> None:
         super().__init__()
-        self.group, self.meter, self.cp = group, meter, cp
-        self.register_buffer("q_pos", positions.clone(), persistent=False)
-        self.register_buffer("k_pos", torch.cat([local_positions(len(positions) * cp, cp, r) for r in range(cp)]),
-                             persistent=False)  # fmt: skip
+        self.group, self.meter = group, meter
+        self.register_buffer("mask", mask, persistent=False)  # one tensor shared by every layer
+
+    @staticmethod
+    def causal_mask(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+        """Additive mask (T/cp, T), 0 where query i may see key j (pos(j) <= pos(i)), -inf elsewhere;
+        keys in the order of the all-gather (rank-major)."""
+        q_pos = local_positions(seq_len, cp, rank)
+        k_pos = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
+        return torch.zeros(len(q_pos), seq_len).masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # (B, k, T/cp, d) -> (B, k, T, d): gather along the sequence (dim 2, via the batch-first helper)
@@ -78,7 +86,7 @@ class ContextParallelCore(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        mask = self.k_pos[None, :] <= self.q_pos[:, None]  # (T/cp, T): True = attend
+        mask = self.mask if self.mask.dtype == q.dtype else self.mask.to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, a, T/cp, d)
 
 
@@ -89,10 +97,11 @@ def apply_context_parallel(model: nn.Module, mesh, cfg, meter: CommMeter | None 
     if cp == 1:
         return
     positions = local_positions(cfg.data.seq_len, cp, rank)
+    mask = ContextParallelCore.causal_mask(cfg.data.seq_len, cp, rank).to(model.rope_cos.device)
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, CoreAttention):
-                setattr(module, name, ContextParallelCore(positions, cp, group, meter).to(model.rope_cos.device))
+                setattr(module, name, ContextParallelCore(mask, group, meter))
     model.rope_cos = model.rope_cos[positions.to(model.rope_cos.device)]
     model.rope_sin = model.rope_sin[positions.to(model.rope_sin.device)]
 

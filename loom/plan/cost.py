@@ -54,9 +54,10 @@ Time of one step:
   of that size; plus embedding, head and vocab-parallel loss calls, and once per step one
   all-reduce of the gradients held in part (sp norms, replicated kv heads). Each call costs
   latency + volume / bandwidth, on the intra-node link, not overlapped.
-- context parallel: ring attention sends (cp-1) k/v chunks per layer forward, twice that
-  backward, hidden behind the attention core where it is shorter; merging the cp partial
-  outputs reads and writes o cp times (elementwise).
+- context parallel (all-gather based, :mod:`loom.parallel.context_parallel`): per layer, K and
+  V all-gathered over cp before the core (again under full recomputation) and dK, dV
+  reduce-scattered after it, not overlapped; the gathered keys and values are saved for
+  backward (2 B T (cp-1) h / t more activation bytes per layer).
 - expert parallel: 4 all-to-alls per MoE layer (dispatch + combine, fwd and bwd; 6 with full
   recomputation) of T top_k h B_a bytes, (ep-1)/ep of it leaving the device.
 - pipeline: per micro-batch stage time t_mb (slowest stage); bubble (p-1) t_mb for GPipe/1F1B
@@ -129,7 +130,7 @@ class Layout:
     dp_shard: int = 1  # ZeRO/FSDP sharding group inside dp (1 = no sharding)
     tp: int = 1  # tensor-parallel degree (inside a node)
     pp: int = 1  # pipeline stages
-    cp: int = 1  # context-parallel degree (sequence split, ring attention)
+    cp: int = 1  # context-parallel degree (sequence split, keys and values all-gathered)
     ep: int = 1  # expert-parallel degree (borrows from dp*cp)
     zero: int = 0  # ZeRO stage 0-3, sharded over dp_shard*cp
     sp: bool = False  # sequence parallelism alongside tensor parallelism
@@ -385,8 +386,6 @@ class CostModel:
             return "sp needs seq_len divisible by tp*cp"
         if lay.cp > 1 and t.seq_len % (2 * lay.cp):
             return "cp needs seq_len divisible by 2*cp (load-balanced causal chunks)"
-        if lay.cp > 1 and not t.flash_attention:
-            return "cp needs flash attention"
         if lay.v > 1 and lay.schedule != "interleaved":
             return "v > 1 only with the interleaved schedule"
         if lay.schedule == "interleaved" and (lay.v < 2 or lay.pp < 2):
@@ -490,6 +489,7 @@ class CostModel:
         qkv = B * T * (h / t + 2 * self.kv_width(t))
         mlp = 4 * B * T * self.ffn / t * (self.top_k if self.moe else 1)
         core = (B * T * h + 4 * T * m.n_heads) / t
+        core += 2 * B * T * (cp - 1) * h / t  # context parallel: the other ranks' keys and values, gathered
         if not tr.flash_attention:
             core += B * m.n_heads * T * tr.seq_len / t
         selective = rep + qkv + mlp
@@ -611,6 +611,10 @@ class CostModel:
         for part, times in parts:
             for (op, _), k in self.tp_calls(lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp).items():
                 add(op, m * times * k)
+        if lay.cp > 1:  # per layer: K and V all-gathered (again when recomputed), dK and dV reduce-scattered
+            layers = self.model.n_layers // lay.pp
+            add("all_gather", m * layers * (2 + 2 * (lay.recompute == "full")))
+            add("reduce_scatter", m * layers * 2)
         if self.tp_partial_params(lay.tp, lay.sp, lay.pp, lay.pp == 1):
             add("all_reduce", 1)
         n = lay.dp_shard * lay.cp if lay.zero else lay.dp * lay.cp
@@ -661,8 +665,6 @@ class CostModel:
             * T
             * (10 * h / (tp if sp else 1) + 2 * (h / tp + self.kv_width(tp)) + 3 * f / tp * (self.top_k if self.moe else 1))
         )
-        if cp > 1:  # ring attention merges cp partial outputs (rescaled by their lse): cp passes over o
-            elt_bytes += 2 * cp * B * T * h / tp
         elt_f = elt_bytes / mach.hbm
         layer_f = gemm_f + core_f + elt_f
         # backward: GEMMs and elementwise 2x forward; a flash kernel recomputes the scores (2.5x)
@@ -676,9 +678,11 @@ class CostModel:
 
         tp_layer = tp_time(self.tp_calls(tp, sp, recompute, mb, "layer", cp))
         cp_layer = 0.0
-        if cp > 1:
-            ring = 3 * (cp - 1) * mach.collective("p2p", 2, B * T * 2 * self.kv_width(tp), tp * cp)
-            cp_layer = max(0.0, ring - 3 * core_f)
+        if cp > 1:  # all-gathers of K and V before the core (again when recomputed), reduce-scatters of dK, dV
+            kv_full = B * T * cp * self.kv_width(tp)
+            gathers = 2 + (2 if recompute == "full" else 0)
+            cp_layer = gathers * mach.collective("all_gather", cp, kv_full, tp * cp, world or None)
+            cp_layer += 2 * mach.collective("reduce_scatter", cp, kv_full, tp * cp, world or None)
         ep_layer = 0.0
         if self.moe and ep > 1:
             ep_layer = n_tp * mach.collective("all_to_all", ep, T * self.top_k * h * B / tp, tp * ep)

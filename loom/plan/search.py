@@ -95,8 +95,8 @@ def search(
                 rejected["pp must divide n_layers"] += 1
                 continue
             for cp in divisors(W // (tp * pp)):
-                if cp > 1 and (seq % (2 * cp) or not train.flash_attention):
-                    rejected["cp needs flash attention and seq_len divisible by 2*cp"] += 1
+                if cp > 1 and seq % (2 * cp):
+                    rejected["cp needs seq_len divisible by 2*cp"] += 1
                     continue
                 if tp > 1 and seq % (tp * cp):
                     rejected["sp needs seq_len divisible by tp*cp"] += 1
