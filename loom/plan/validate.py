@@ -42,6 +42,7 @@ LAYOUTS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("dp2 zero3", 2, ("--parallel.zero", "3")),
     ("tp2 sp", 2, ("--parallel.tp", "2", "--parallel.sp", "true")),
     ("pp2 1f1b", 2, ("--parallel.pp", "2")),
+    ("cp2", 2, ("--parallel.cp", "2")),
     ("dp4 zero2", 4, ("--parallel.zero", "2")),
     ("dp2 tp2 zero1", 4, ("--parallel.tp", "2", "--parallel.sp", "true", "--parallel.zero", "1")),
     ("dp2 pp2", 4, ("--parallel.pp", "2")),
