@@ -43,6 +43,12 @@ class ModelConfig:
     tie_embeddings: bool = True  # share the embedding matrix with the output head
     init_std: float = 0.02  # std of the normal init; output projections use std/sqrt(2L)
     dropout: float = 0.0  # dropout on both residual branches and in the attention core (training only)
+    n_experts: int = 1  # > 1: every block's MLP is a mixture of this many SwiGLU experts
+    top_k: int = 2  # experts each token is routed to (mixture of experts only)
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 1
 
     def resolved_ffn_dim(self) -> int:
         """SwiGLU hidden size: explicit, or ``multiple_of * ceil(8h/3 / multiple_of)``."""
@@ -366,6 +372,10 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(m.vocab_size >= 0, f"model.vocab_size: must be >= 0 (0 = from tokenizer), got {m.vocab_size}")
     _require(m.init_std > 0, f"model.init_std: must be > 0, got {m.init_std}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout: must be in [0, 1), got {m.dropout}")
+    _require(m.n_experts >= 1, f"model.n_experts: must be >= 1 (1 = dense MLP), got {m.n_experts}")
+    if m.moe:
+        _require(1 <= m.top_k <= m.n_experts, f"model.top_k: must be in [1, model.n_experts={m.n_experts}], got {m.top_k}")
+        _require(p.tp == 1, f"parallel.tp: tensor parallelism of the experts is not implemented; use 1 with model.n_experts={m.n_experts}")
     _require(d.seq_len >= 2, f"data.seq_len: must be >= 2, got {d.seq_len}")
     _require(
         d.seq_len <= m.max_seq_len,

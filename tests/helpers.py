@@ -82,6 +82,61 @@ def metered_steps(model, strategy, meter, mesh, cfg, loss_fn, steps: int, batch:
     return losses, moved, calls
 
 
+def train_layout(layout: dict, steps: int, batch: int, micro: int, model_kw: dict | None = None) -> dict:
+    """Train the tiny model (``model_kw`` over its defaults) under ``layout`` (mesh degrees, ``zero``,
+    ``sp``, ``recompute``) through ``parallelize``, the Trainer's path, on this rank's share of each
+    global batch; returns losses, the full final state, and per step the meter's bytes and calls."""
+    from loom.comm import CommMeter
+    from loom.config import LoomConfig
+    from loom.model.llama import build_model, loss_fn
+    from loom.parallel import parallelize
+    from loom.parallel.context_parallel import shard_sequence
+    from loom.parallel.pipeline.stage import gather_full_state
+    from loom.parallel.pipeline.strategy import pipeline_train_step
+    from loom.train.optim import lr_at
+    from loom.train.step import train_step
+    from tests.dist import get_mesh
+
+    dims = {k: v for k, v in layout.items() if k in ("cp", "tp", "pp", "dp_shard", "dp_replicate")}
+    mesh = get_mesh(**dims)
+    cfg = LoomConfig(model=tiny_model(**(model_kw or {})), train=tiny_train(steps=steps))
+    cfg.data.seq_len = SEQ
+    cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.pp = layout.get("cp", 1), layout.get("tp", 1), layout.get("pp", 1)
+    cfg.parallel.dp = mesh.size("dp")
+    cfg.parallel.dp_shard = layout.get("dp_shard", 1)
+    cfg.parallel.zero, cfg.parallel.sp = layout.get("zero", 0), layout.get("sp", False)
+    cfg.train.global_batch, cfg.train.micro_batch = batch, micro
+    cfg.train.recompute = layout.get("recompute", "none")
+    cfg.run.dir = "/tmp/loom-test-layout"
+    meter = CommMeter()
+    model = build_model(cfg.model, cfg.train.seed)
+    strategy = parallelize(model, mesh, cfg, meter)
+    pipe = getattr(strategy, "pipe", None)
+    step_fn, net = (pipeline_train_step, pipe) if pipe is not None else (train_step, model)
+    lossf = getattr(model, "loss_fn", loss_fn)
+    dp_rank, dp = mesh.local_rank("dp"), mesh.size("dp")
+    losses, moved, calls = [], [], []
+    for step in range(steps):
+        meter.reset()
+        batches = shard_sequence(rank_micro_batches(step, batch, micro, dp_rank, dp), mesh.size("cp"),
+                                 mesh.local_rank("cp"))  # fmt: skip
+        res = step_fn(net, strategy, batches, lossf, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp_cp"))
+        losses.append(res.loss)
+        moved.append(dict(meter.moved))
+        calls.append(dict(meter.calls))
+    if pipe is not None:
+        state = gather_full_state(pipe)
+    elif hasattr(strategy.inner if hasattr(strategy, "inner") else strategy, "full_state_dict"):
+        state = (strategy.inner if hasattr(strategy, "inner") else strategy).full_state_dict()
+    elif mesh.size("tp") > 1:
+        from loom.parallel.tensor_parallel import gather_full_state as gather_tp
+
+        state = gather_tp(model, mesh.group("tp"))
+    else:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "state": state, "moved": moved, "calls": calls}
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread in this process: the 2 cores are shared with the rank pools and other runs,

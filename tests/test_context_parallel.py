@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 from tests.dist import get_mesh
-from tests.helpers import SEQ, one_thread, rank_micro_batches, tiny_model, tiny_train, train_dp  # noqa: F401 (fixture)
+from tests.helpers import SEQ, one_thread, tiny_model, tiny_train, train_dp, train_layout  # noqa: F401 (fixture)
 
 BATCH, MICRO, STEPS = 8, 4, 8
 TOL = dict(rtol=1e-4, atol=5e-5)  # sums over keys split across ranks round differently over AdamW steps
@@ -29,58 +29,6 @@ def test_local_positions_pair_an_early_and_a_late_chunk():
         local_positions(10, 3, 0)
 
 
-def _cp_run(layout: dict, steps: int) -> dict:
-    """Train the tiny model under ``layout`` through ``parallelize`` (the Trainer's path)."""
-    from loom.comm import CommMeter
-    from loom.config import LoomConfig
-    from loom.model.llama import build_model, loss_fn
-    from loom.parallel import parallelize
-    from loom.parallel.context_parallel import shard_sequence
-    from loom.parallel.pipeline.stage import gather_full_state
-    from loom.parallel.pipeline.strategy import pipeline_train_step
-    from loom.train.optim import lr_at
-    from loom.train.step import train_step
-
-    dims = {k: v for k, v in layout.items() if k in ("cp", "tp", "pp", "dp_shard", "dp_replicate")}
-    mesh = get_mesh(**dims)
-    cfg = LoomConfig(model=tiny_model(), train=tiny_train(steps=steps))
-    cfg.data.seq_len = SEQ
-    cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.pp = layout.get("cp", 1), layout.get("tp", 1), layout.get("pp", 1)
-    cfg.parallel.dp = mesh.size("dp")
-    cfg.parallel.dp_shard = layout.get("dp_shard", 1)
-    cfg.parallel.zero, cfg.parallel.sp = layout.get("zero", 0), layout.get("sp", False)
-    cfg.train.global_batch, cfg.train.micro_batch = BATCH, MICRO
-    cfg.train.recompute = layout.get("recompute", "none")
-    cfg.run.dir = "/tmp/loom-test-cp"
-    meter = CommMeter()
-    model = build_model(cfg.model, cfg.train.seed)
-    strategy = parallelize(model, mesh, cfg, meter)
-    pipe = getattr(strategy, "pipe", None)
-    step_fn, net = (pipeline_train_step, pipe) if pipe is not None else (train_step, model)
-    lossf = getattr(model, "loss_fn", loss_fn)
-    dp_rank, dp = mesh.local_rank("dp"), mesh.size("dp")
-    losses, moved, calls = [], [], []
-    for step in range(steps):
-        meter.reset()
-        batches = shard_sequence(rank_micro_batches(step, BATCH, MICRO, dp_rank, dp), mesh.size("cp"),
-                                 mesh.local_rank("cp"))  # fmt: skip
-        res = step_fn(net, strategy, batches, lossf, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp_cp"))
-        losses.append(res.loss)
-        moved.append(dict(meter.moved))
-        calls.append(dict(meter.calls))
-    if pipe is not None:
-        state = gather_full_state(pipe)
-    elif hasattr(strategy.inner if hasattr(strategy, "inner") else strategy, "full_state_dict"):
-        state = (strategy.inner if hasattr(strategy, "inner") else strategy).full_state_dict()
-    elif mesh.size("tp") > 1:
-        from loom.parallel.tensor_parallel import gather_full_state as gather_tp
-
-        state = gather_tp(model, mesh.group("tp"))
-    else:
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "state": state, "moved": moved, "calls": calls}
-
-
 LAYOUTS = {
     "cp2": (2, {"cp": 2}),
     "cp2 recompute": (2, {"cp": 2, "recompute": "full"}),
@@ -99,7 +47,7 @@ def reference():
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_context_parallel_equals_single_process(pools, reference, name):
     world, layout = LAYOUTS[name]
-    results = pools(world).run(_cp_run, layout, STEPS)
+    results = pools(world).run(train_layout, layout, STEPS, BATCH, MICRO)
     for r in results:
         assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), **TOL, msg=lambda m: f"{name}: {m}")
     for r in results:
@@ -119,7 +67,7 @@ def test_context_parallel_bytes_equal_formula(pools, name):
     kv = cfg.n_kv_heads * cfg.head_dim
     full = layout.get("recompute") == "full"
     fwd = cp_comm_bytes(MICRO, SEQ, kv, cfg.n_layers, 2, 4, BATCH // MICRO, recompute=full)
-    for r in pools(world).run(_cp_run, layout, 2):
+    for r in pools(world).run(train_layout, layout, 2, BATCH, MICRO):
         for moved in r["moved"]:
             assert moved["all_gather"] + moved["reduce_scatter"] == fwd
             assert moved["reduce_scatter"] == fwd // (3 if full else 2)
@@ -137,7 +85,7 @@ def test_collective_calls_equal_the_planners(pools, name):
     dp = layout.get("dp_replicate", 1) * layout.get("dp_shard", 1)
     expected = planner.collective_calls(Layout(dp=dp, dp_shard=layout.get("dp_shard", 1), cp=2, zero=layout.get("zero", 0),
                                                micro_batch=MICRO, recompute=layout.get("recompute", "none")))  # fmt: skip
-    for r in pools(world).run(_cp_run, layout, 2):
+    for r in pools(world).run(train_layout, layout, 2, BATCH, MICRO):
         assert r["calls"] == [expected] * 2
 
 

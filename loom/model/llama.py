@@ -1,7 +1,8 @@
 """A plain single-device Llama-style decoder: the reference every parallel layout is compared to.
 
 RMSNorm, rotary position embeddings, grouped-query attention through
-``F.scaled_dot_product_attention``, SwiGLU MLP, optional tied embeddings. No parallel code
+``F.scaled_dot_product_attention``, SwiGLU MLP or a top-k routed mixture of SwiGLU experts
+(``model.n_experts > 1``), optional tied embeddings. No parallel code
 lives here: strategies are applied from outside (module swap, hooks, wrapping).
 
 Shapes: B batch, T sequence, h = dim, a = n_heads, k = n_kv_heads, d = head_dim = h / a,
@@ -110,6 +111,57 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, h)
 
 
+class ExpertWeights(nn.Module):
+    """One weight matrix per expert, stacked: ``weight`` of shape (E, out, in)."""
+
+    def __init__(self, n_experts: int, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features))
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of tokens x (N, h) over E experts: probabilities p = softmax(x W_rᵀ) in fp32;
+    each token keeps its k most probable experts, weighted by p_e / Σ_topk p. Returns the
+    weights (N, k) in x's dtype and the expert ids (N, k)."""
+    probs = F.softmax(F.linear(x, router).float(), dim=-1)  # (N, E)
+    weights, experts = probs.topk(top_k, dim=-1)  # (N, k)
+    return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), experts
+
+
+def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
+                    w3: torch.Tensor, w2: torch.Tensor, first: int = 0) -> torch.Tensor:  # fmt: skip
+    """Σ over each token's routed experts of weight · SwiGLU_e(x), for the experts ``first ..
+    first + len(w1) - 1`` held in the stacked (E', f, h), (E', f, h), (E', h, f) weights; tokens
+    routed elsewhere get nothing from here. x: (N, h) -> (N, h)."""
+    out = torch.zeros_like(x)
+    for j in range(w1.shape[0]):
+        token, slot = (experts == first + j).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        xe = x.index_select(0, token)
+        y = F.linear(F.silu(F.linear(xe, w1[j])) * F.linear(xe, w3[j]), w2[j])
+        out = out.index_add(0, token, y * weights[token, slot, None])
+    return out
+
+
+class MoEFeedForward(nn.Module):
+    """Mixture of SwiGLU experts (Mixtral-style top-k routing, dropless: every routed token is
+    computed): y = Σ_{e in topk(x)} (p_e / Σ_topk p) · w2_e( silu(w1_e x) * w3_e x )."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.w1 = ExpertWeights(n_experts, hidden, dim)
+        self.w3 = ExpertWeights(n_experts, hidden, dim)
+        self.w2 = ExpertWeights(n_experts, dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (N = B·T, h)
+        weights, experts = route(flat, self.router.weight, self.top_k)
+        return experts_forward(flat, weights, experts, self.w1.weight, self.w3.weight, self.w2.weight).view_as(x)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))).
 
@@ -122,7 +174,10 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.resolved_ffn_dim())
+        if cfg.moe:
+            self.feed_forward = MoEFeedForward(cfg.dim, cfg.resolved_ffn_dim(), cfg.n_experts, cfg.top_k)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.resolved_ffn_dim())
         self.dropout = cfg.dropout
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:

@@ -315,9 +315,13 @@ class CostModel:
         train: Workload,
         cluster: ClusterSpec,
         profile: Profile | None = None,
-        n_experts: int = 1,
-        top_k: int = 1,
+        n_experts: int | None = None,
+        top_k: int | None = None,
     ) -> None:
+        """``n_experts`` / ``top_k``: those of ``model`` unless given (1 = dense)."""
+        if n_experts is None:
+            n_experts, top_k = model.n_experts, (model.top_k if model.moe else 1) if top_k is None else top_k
+        top_k = 1 if top_k is None else top_k
         if model.vocab_size <= 0:
             raise PlanError("model.vocab_size: must be set (> 0) to plan")
         if train.global_batch < 1 or train.seq_len < 1:
@@ -860,8 +864,8 @@ def estimate(
     cluster: ClusterSpec,
     *,
     profile: Profile | None = None,
-    n_experts: int = 1,
-    top_k: int = 1,
+    n_experts: int | None = None,
+    top_k: int | None = None,
 ) -> Estimate:
     """Predict memory and step time of ``layout`` (see the module doc for every formula)."""
     return CostModel(model, train, cluster, profile, n_experts, top_k).estimate(layout)

@@ -66,8 +66,8 @@ def search(
     world: int | None = None,
     *,
     profile: Profile | None = None,
-    n_experts: int = 1,
-    top_k: int = 1,
+    n_experts: int | None = None,
+    top_k: int | None = None,
 ) -> SearchResult:
     """Every valid, fitting layout of ``world`` devices (default: the whole cluster), fastest first."""
     start = time.perf_counter()
@@ -105,7 +105,7 @@ def search(
                 if gb % dp:
                     rejected["dp must divide global_batch (more replicas than the batch feeds)"] += 1
                     continue
-                eps = [e for e in divisors(dp * cp) if n_experts % e == 0] if n_experts > 1 else [1]
+                eps = [e for e in divisors(dp * cp) if cm.n_experts % e == 0] if cm.moe else [1]
                 node_shard = max(1, per_node // (tp * cp))
                 shards = sorted({dp, node_shard} & set(divisors(dp)))
                 zeros = [(0, 1)] + [(z, ds) for z in (1, 2, 3) for ds in shards if ds * cp > 1]

@@ -1,0 +1,94 @@
+"""Mixture of experts: top-k routing against a per-token loop, the planner's parameter count, and
+MoE training under data parallelism, ZeRO-3, pipeline and context parallelism equal to one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from tests.helpers import one_thread, tiny_model, tiny_train, train_dp, train_layout  # noqa: F401 (fixture)
+
+BATCH, MICRO, STEPS = 8, 4, 6
+MOE = dict(n_experts=4, top_k=2)
+TOL = dict(rtol=1e-4, atol=5e-5)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_routing_equals_a_per_token_loop():
+    from loom.model.llama import build_model
+
+    cfg = tiny_model(**MOE)
+    ff = build_model(cfg, 0).layers[0].feed_forward
+    h = torch.randn(7, cfg.dim, generator=torch.Generator().manual_seed(1))
+    got = ff(h[None])[0]
+    probs = torch.softmax(h @ ff.router.weight.T, -1)
+    want = torch.zeros_like(h)
+    for i in range(len(h)):
+        w, e = probs[i].topk(cfg.top_k)
+        for wj, ej in zip(w / w.sum(), e):
+            w1, w3, w2 = ff.w1.weight[ej], ff.w3.weight[ej], ff.w2.weight[ej]
+            want[i] += wj * (w2 @ (F.silu(w1 @ h[i]) * (w3 @ h[i])))
+    assert_close(got, want)
+
+
+def test_equal_experts_reduce_to_the_dense_mlp():
+    """n_experts = 2, top_k = 2 with equal experts: the weights sum to 1, so the output is one SwiGLU."""
+    from loom.model.llama import FeedForward, build_model
+
+    cfg = tiny_model(n_experts=2, top_k=2)
+    ff = build_model(cfg, 0).layers[0].feed_forward
+    dense = FeedForward(cfg.dim, cfg.resolved_ffn_dim())
+    with torch.no_grad():
+        for name in ("w1", "w3", "w2"):
+            getattr(ff, name).weight.copy_(getattr(dense, name).weight.expand_as(getattr(ff, name).weight))
+    x = torch.randn(2, 5, cfg.dim)
+    assert_close(ff(x), dense(x))
+
+
+def test_planner_counts_the_moe_parameters():
+    from loom.model.llama import build_model, count_params
+    from loom.plan.cost import ParamCounts
+
+    for kw in (MOE, dict(n_experts=8, top_k=1), {}):
+        cfg = tiny_model(**kw)
+        assert ParamCounts.of(cfg, cfg.n_experts, cfg.top_k).total == count_params(build_model(cfg, 0))
+
+
+LAYOUTS = {
+    "dp2": (2, {"dp_replicate": 2}),
+    "dp2 zero3": (2, {"dp_shard": 2, "zero": 3}),
+    "pp2": (2, {"pp": 2}),
+    "cp2": (2, {"cp": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_dp(None, tiny_model(**MOE), tiny_train(steps=STEPS), BATCH, MICRO)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_training_equals_single_process(pools, reference, name):
+    world, layout = LAYOUTS[name]
+    results = pools(world).run(train_layout, layout, STEPS, BATCH, MICRO, MOE)
+    for r in results:
+        assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), **TOL, msg=lambda m: f"{name}: {m}")
+        if r["state"] is not None:
+            for k, v in reference["state"].items():
+                assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{name} {k}: {m}")
+
+
+def test_bad_moe_configs_fail_in_one_line():
+    from loom import config as C
+
+    for overrides, world, message in [
+        (["--model.n_experts", "4", "--model.top_k", "5"], 1, "model.top_k: must be in [1, model.n_experts=4]"),
+        (["--model.n_experts", "0"], 1, "model.n_experts: must be >= 1"),
+        (["--model.n_experts", "4", "--parallel.tp", "2"], 2, "parallel.tp: tensor parallelism of the experts"),
+    ]:
+        cfg = C.apply_overrides(C.LoomConfig(), overrides)
+        with pytest.raises(C.ConfigError) as e:
+            C.validate(cfg, world)
+        assert message in str(e.value) and "\n" not in str(e.value)
