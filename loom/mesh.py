@@ -22,6 +22,8 @@ FLATTENED = {  # flattened groups: name -> size
     "dp": lambda d: d.dp,
     "dp_cp": lambda d: d.dp * d.cp,
     "dp_shard_cp": lambda d: d.dp_shard * d.cp,
+    "ep": lambda d: d.ep,  # expert parallel: ranks whose experts together make all of them
+    "edp": lambda d: d.dp * d.cp // d.ep,  # expert data parallel: the ranks holding the same experts
 }
 
 
@@ -108,6 +110,7 @@ class ParallelMesh:
                 f"mesh {dict(zip(MESH_DIMS, dims.shape))} has {dims.world_size} ranks but the world has {world}"
             )
         self.coords = dims.coords(self.rank)
+        self.coords["ep"], self.coords["edp"] = 0, self.coords["dp"] * dims.cp + self.coords["cp"]  # ep = 1
         self._device_mesh = None
         self._groups: dict[str, dist.ProcessGroup | None] = {}
         if self.distributed and world > 1:
@@ -122,6 +125,25 @@ class ParallelMesh:
                 self._groups["dp_shard_cp"] = self._device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp").get_group()
             else:
                 self._groups["dp_cp"], self._groups["dp_shard_cp"] = self._groups["dp"], self._groups["dp_shard"]
+            if dims.ep > 1:
+                self._expert_groups(world)
+            else:
+                self._groups["edp"] = self._groups["dp_cp"]
+
+    def _expert_groups(self, world: int) -> None:
+        """ep borrows from dp x cp: the dp*cp ranks of each (pp, tp) coordinate, in mesh order, form
+        groups of ep consecutive ranks ("ep": their experts together make all of them) and ep
+        strided groups ("edp": the ranks holding the same experts). Every rank creates every group."""
+        ep = self.dims.ep
+        boxes = sorted({tuple(self.dims.group_ranks(r, ("dp_replicate", "dp_shard", "cp"))) for r in range(world)})
+        ep_lists = [box[i : i + ep] for box in boxes for i in range(0, len(box), ep)]
+        edp_lists = [box[j::ep] for box in boxes for j in range(ep)]
+        for name, lists in (("ep", ep_lists), ("edp", edp_lists)):
+            for ranks in lists:
+                group = dist.new_group(list(ranks))
+                if self.rank in ranks:
+                    self._groups[name] = group
+                    self.coords[name] = ranks.index(self.rank)
 
     @cached_property
     def device_mesh(self):

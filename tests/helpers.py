@@ -97,12 +97,12 @@ def train_layout(layout: dict, steps: int, batch: int, micro: int, model_kw: dic
     from loom.train.step import train_step
     from tests.dist import get_mesh
 
-    dims = {k: v for k, v in layout.items() if k in ("cp", "tp", "pp", "dp_shard", "dp_replicate")}
+    dims = {k: v for k, v in layout.items() if k in ("cp", "tp", "pp", "dp_shard", "dp_replicate", "ep")}
     mesh = get_mesh(**dims)
     cfg = LoomConfig(model=tiny_model(**(model_kw or {})), train=tiny_train(steps=steps))
     cfg.data.seq_len = SEQ
     cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.pp = layout.get("cp", 1), layout.get("tp", 1), layout.get("pp", 1)
-    cfg.parallel.dp = mesh.size("dp")
+    cfg.parallel.dp, cfg.parallel.ep = mesh.size("dp"), layout.get("ep", 1)
     cfg.parallel.dp_shard = layout.get("dp_shard", 1)
     cfg.parallel.zero, cfg.parallel.sp = layout.get("zero", 0), layout.get("sp", False)
     cfg.train.global_batch, cfg.train.micro_batch = batch, micro
@@ -133,7 +133,9 @@ def train_layout(layout: dict, steps: int, batch: int, micro: int, model_kw: dic
 
         state = gather_tp(model, mesh.group("tp"))
     else:
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        from loom.parallel.expert_parallel import gather_experts
+
+        state = gather_experts(model)
     return {"losses": losses, "state": state, "moved": moved, "calls": calls}
 
 

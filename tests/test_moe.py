@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from tests.helpers import one_thread, tiny_model, tiny_train, train_dp, train_layout  # noqa: F401 (fixture)
+from tests.helpers import SEQ, one_thread, tiny_model, tiny_train, train_dp, train_layout  # noqa: F401 (fixture)
 
 BATCH, MICRO, STEPS = 8, 4, 6
 MOE = dict(n_experts=4, top_k=2)
@@ -61,6 +61,12 @@ LAYOUTS = {
     "dp2 zero3": (2, {"dp_shard": 2, "zero": 3}),
     "pp2": (2, {"pp": 2}),
     "cp2": (2, {"cp": 2}),
+    "ep2": (2, {"dp_replicate": 2, "ep": 2}),
+    "ep2 recompute": (2, {"dp_replicate": 2, "ep": 2, "recompute": "full"}),
+    "dp4 ep2": (4, {"dp_replicate": 4, "ep": 2}),
+    "dp4 ep4": (4, {"dp_replicate": 4, "ep": 4}),
+    "cp2 ep2": (2, {"cp": 2, "ep": 2}),
+    "pp2 dp2 ep2": (4, {"pp": 2, "dp_replicate": 2, "ep": 2}),
 }
 
 
@@ -92,3 +98,23 @@ def test_bad_moe_configs_fail_in_one_line():
         with pytest.raises(C.ConfigError) as e:
             C.validate(cfg, world)
         assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["ep2", "ep2 recompute", "dp4 ep2", "dp4 ep4"])
+def test_expert_parallel_calls_equal_the_planners(pools, name):
+    """Per MoE layer and micro-batch: 5 all-to-alls (counts, dispatch, combine; dispatch and combine
+    again backward), 8 with full recomputation; dense and expert buckets all-reduced over their groups."""
+    from loom.plan.cost import CostModel, Layout, Workload
+    from loom.plan.hardware import ClusterSpec
+
+    world, layout = LAYOUTS[name]
+    cfg, micro = tiny_model(**MOE), min(MICRO, BATCH // world)
+    planner = CostModel(cfg, Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", world))
+    expected = planner.collective_calls(Layout(dp=world, ep=layout["ep"], micro_batch=micro,
+                                               recompute=layout.get("recompute", "none")))  # fmt: skip
+    assert expected["all_to_all"] > 0
+    for r in pools(world).run(train_layout, layout, 2, BATCH, micro, MOE):
+        assert r["calls"] == [expected] * 2
+        for moved in r["moved"]:  # rows leave for other ranks: at most every routed row, each way
+            rows = BATCH // world * SEQ * cfg.top_k
+            assert 0 < moved["all_to_all"] <= cfg.n_layers * (5 + 3 * ("recompute" in name)) * rows * cfg.dim * 4

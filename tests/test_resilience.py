@@ -152,6 +152,20 @@ def test_pp2_dp2_zero3_checkpoint_reshards_into_one_process(pools, base_cfg, tmp
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_moe_ep2_checkpoint_reshards_into_one_process(pools, base_cfg, tmp_path):
+    """A mixture-of-experts model trained with expert parallelism (each of 2 ranks holds 2 of 4
+    experts) saves at step 6; one process, holding all 4, resumes it and follows the uninterrupted run."""
+    moe = _with(base_cfg, model={"n_experts": 4, "top_k": 2}, run={"nproc": 1})
+    straight = _trainer(_with(moe, run={"dir": str(tmp_path / "straight")}), stop_at=9)
+    saved = tmp_path / "saved"
+    rows = pools(2).run(_trainer, _with(moe, run={"dir": str(saved), "nproc": 2}, parallel={"ep": 2}), 6)[0]
+    rows += _trainer(_with(moe, run={"dir": str(tmp_path / "one")}, train={"resume": str(saved)}), stop_at=9)
+    assert [r["step"] for r in rows] == list(range(1, 10))
+    got = torch.tensor([r["loss"] for r in rows], dtype=torch.float64)
+    want = torch.tensor([r["loss"] for r in straight], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- launched jobs
 
 

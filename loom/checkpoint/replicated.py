@@ -131,6 +131,13 @@ class ReplicatedState:
         out = {}
         everywhere = (self.tp_rank * self.count + self.index, self.tp * self.count)
         for name, t in unique_named_tensors(self.module):
+            ep_shard = getattr(t, "ep_shard", None)
+            if ep_shard is not None:  # this rank's experts (rows along dim 0), repeated over its edp group
+                ep_rank, ep = ep_shard[0], ep_shard[1]
+                shape = (t.shape[0] * ep, *t.shape[1:])
+                box = Box((ep_rank * t.shape[0],) + (0,) * (t.dim() - 1), tuple(t.shape))
+                out[name] = Placement(t, shape, box, _rank_size(ep_shard[3]))
+                continue
             dim = getattr(t, "tp_shard_dim", None)
             if dim is None or self.tp == 1:
                 out[name] = Placement.replicated(t, everywhere)

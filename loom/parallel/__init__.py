@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # torch-free at import time: config validation imports loom.p
 def parallelize(model: nn.Module, mesh, cfg, meter: CommMeter | None = None):
     """Apply the strategies in a fixed order and return the training Strategy.
 
-    Order: tensor/sequence parallel -> context parallel -> pipeline split -> recomputation ->
+    Order: tensor/sequence parallel -> context parallel -> expert parallel -> pipeline split -> recomputation ->
     precision (half parameters) -> data parallel / ZeRO (last, so it sees the final parameters;
     fp32 masters and the optimizer live here) -> fp16 loss scaling around the whole Strategy
     (:mod:`loom.memory`). With tp > 1 the model then
@@ -30,6 +30,10 @@ def parallelize(model: nn.Module, mesh, cfg, meter: CommMeter | None = None):
         from loom.parallel.context_parallel import apply_context_parallel
 
         apply_context_parallel(model, mesh, cfg, meter)
+    if mesh.size("ep") > 1:
+        from loom.parallel.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, mesh, meter)
     pipe = None
     if mesh.size("pp") > 1:  # keep this rank's stages; the strategies below see only them
         import logging

@@ -28,7 +28,7 @@ from loom.comm import CommMeter, Group
 from loom.parallel.sync import SyncSwitch
 from loom.parallel.zero.layout import unique_params
 from loom.train.optim import build_optimizer, optimizer_state_bytes, set_lr
-from loom.train.step import clip_grad_norm
+from loom.train.step import clip_grad_norm, grad_norm_sq
 
 
 @dataclass
@@ -43,6 +43,7 @@ class Bucket:
     pending: int = 0
     work: object | None = None
     launched: bool = False
+    group: Group = None  # where it is summed: the dp group, or an expert's edp group (expert parallelism)
 
 
 @dataclass
@@ -90,24 +91,27 @@ class DataParallel(SyncSwitch):
     # ------------------------------------------------------------------ construction
     def _build_buckets(self, cap_bytes: int) -> list[Bucket]:
         groups: list[list[nn.Parameter]] = []
-        current: list[nn.Parameter] = []
-        size = 0
-        for p in reversed(self.params):
-            nb = p.numel() * p.element_size()
-            if current and (size + nb > cap_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
+        dense = [p for p in self.params if getattr(p, "ep_shard", None) is None]
+        experts = [p for p in self.params if getattr(p, "ep_shard", None) is not None]  # own buckets, own group
+        for params in (dense, experts):
+            current: list[nn.Parameter] = []
+            size = 0
+            for p in reversed(params):
+                nb = p.numel() * p.element_size()
+                if current and (size + nb > cap_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
+                    groups.append(current)
+                    current, size = [], 0
+                current.append(p)
+                size += nb
+            if current:
                 groups.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nb
-        if current:
-            groups.append(current)
         buckets = []
         for i, ps in enumerate(groups):
             numel = sum(p.numel() for p in ps)
             buf = torch.zeros(numel, dtype=ps[0].dtype, device=ps[0].device)
             rd = self.reduce_dtype or buf.dtype
             cbuf = buf if rd == buf.dtype else torch.zeros(numel, dtype=rd, device=buf.device)
-            b = Bucket(index=i, params=ps, buffer=buf, comm_buffer=cbuf)
+            b = Bucket(index=i, params=ps, buffer=buf, comm_buffer=cbuf, group=_reduce_group(ps[0], self.group))
             off = 0
             for p in ps:
                 b.offsets.append((off, p.numel()))
@@ -140,8 +144,8 @@ class DataParallel(SyncSwitch):
         if self.world > 1:
             if b.comm_buffer is not b.buffer:
                 b.comm_buffer.copy_(b.buffer)
-            b.comm_buffer.div_(self.world)
-            b.work = comm.all_reduce(b.comm_buffer, self.group, self.meter, async_op=True)
+            b.comm_buffer.div_(self.world)  # the mean over all dp ranks, also for an expert's edp sum
+            b.work = comm.all_reduce(b.comm_buffer, b.group, self.meter, async_op=True)
         b.launched = True
 
     # ------------------------------------------------------------------ public API
@@ -183,8 +187,19 @@ class DataParallel(SyncSwitch):
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Gradients are replicated over dp after the all-reduce; tensor-parallel shards add their
-        squares over tp, replicated parameters (norms) count once."""
-        return clip_grad_norm(self.params, max_norm, tp_group=self.tp_group)
+        squares over tp, replicated parameters (norms) count once; expert shards add theirs over ep."""
+        experts = [p for p in self.params if getattr(p, "ep_shard", None) is not None]
+        if not experts:
+            return clip_grad_norm(self.params, max_norm, tp_group=self.tp_group)
+        dense = [p for p in self.params if getattr(p, "ep_shard", None) is None]
+        sq = grad_norm_sq(experts)
+        comm.all_reduce(sq, experts[0].ep_shard[2])
+        norm = (sq + grad_norm_sq(dense)).sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            grads = [p.grad for p in self.params if p.grad is not None]
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return float(norm)
 
     def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -201,6 +216,12 @@ class DataParallel(SyncSwitch):
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def _reduce_group(p: torch.Tensor, group: Group) -> Group:
+    """The group ``p``'s gradient is summed over: its experts' edp group, or the data-parallel one."""
+    shard = getattr(p, "ep_shard", None)
+    return group if shard is None else shard[3]
 
 
 def broadcast_params(module: nn.Module, group: Group, meter: CommMeter | None = None) -> None:

@@ -59,7 +59,8 @@ Time of one step:
   reduce-scattered after it, not overlapped; the gathered keys and values are saved for
   backward (2 B T (cp-1) h / t more activation bytes per layer).
 - expert parallel: 4 all-to-alls per MoE layer (dispatch + combine, fwd and bwd; 6 with full
-  recomputation) of T top_k h B_a bytes, (ep-1)/ep of it leaving the device.
+  recomputation) of T top_k h B_a bytes, (ep-1)/ep of it leaving the device, and the small
+  all-to-all of per-expert counts before each dispatch (latency only).
 - pipeline: per micro-batch stage time t_mb (slowest stage); bubble (p-1) t_mb for GPipe/1F1B
   (fraction (p-1)/(m+p-1)), (p-1)/v t_mb interleaved, (p-1)(t_mb - 2 t_W) for ZB-H1 (t_W the
   weight-gradient half of backward); P2P of T h B_a / t bytes per chunk boundary, 2 m v
@@ -615,6 +616,8 @@ class CostModel:
         for part, times in parts:
             for (op, _), k in self.tp_calls(lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp).items():
                 add(op, m * times * k)
+        if lay.ep > 1 and self.moe:  # per MoE layer: counts + dispatch + combine forward (again when recomputed), 2 backward
+            add("all_to_all", m * (self.model.n_layers // lay.pp) * (5 + 3 * (lay.recompute == "full")))
         if lay.cp > 1:  # per layer: K and V all-gathered (again when recomputed), dK and dV reduce-scattered
             layers = self.model.n_layers // lay.pp
             add("all_gather", m * layers * (2 + 2 * (lay.recompute == "full")))
@@ -623,10 +626,13 @@ class CostModel:
             add("all_reduce", 1)
         n = lay.dp_shard * lay.cp if lay.zero else lay.dp * lay.cp
         if n > 1:
-            dense, _ = self._params_on(lay.tp, lay.pp, 1, True, lay.pp == 1)
+            dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1)
+            if lay.ep == 1:  # experts, if any, share the dense buckets
+                dense, expert = dense + expert, 0.0
             buckets = max(1, -(-int(dense * self.R) // int(self.train.bucket_bytes)))
-            if lay.zero == 0:
-                add("all_reduce", buckets)
+            if lay.zero == 0:  # expert shards: buckets of their own, summed over their edp group
+                edp = lay.dp * lay.cp // lay.ep
+                add("all_reduce", buckets + (-(-int(expert * self.R) // int(self.train.bucket_bytes)) if edp > 1 else 0))
             elif lay.zero in (1, 2):
                 add("reduce_scatter", buckets)
                 add("all_gather", buckets)
@@ -690,6 +696,7 @@ class CostModel:
         ep_layer = 0.0
         if self.moe and ep > 1:
             ep_layer = n_tp * mach.collective("all_to_all", ep, T * self.top_k * h * B / tp, tp * ep)
+            ep_layer += (n_tp - 2) // 2 * mach.latency("all_to_all", ep, tp * ep)  # the per-expert counts
         Ls = mc.n_layers / pp
         # output head GEMM fwd + 2x bwd, and cross entropy reading/writing ~16 bytes per logit
         head = (1 + r) * mach.gemm(T, h, mc.vocab_size / tp, gemm_b) + 16 * T * mc.vocab_size / tp / mach.hbm

@@ -166,12 +166,16 @@ def exchange_tied_grad(
 def gather_full_state(pipe: PipelineModule) -> dict[str, torch.Tensor] | None:
     """The full model's state dict (reference names; both tied copies) on pipeline rank 0, else None.
 
-    A collective over the pp group (and the tp group, whose shards are gathered first).
+    A collective over the pp group (and the tp or ep group, whose shards are gathered first).
     """
     if comm.group_size(pipe.tp_group) > 1:
         from loom.parallel.tensor_parallel import gather_full_state as gather_tp
 
         local = {k: v.cpu() for k, v in gather_tp(pipe.stages, pipe.tp_group).items()}
+    elif any(getattr(p, "ep_shard", None) is not None for p in pipe.parameters()):
+        from loom.parallel.expert_parallel import gather_experts
+
+        local = {k: v.cpu() for k, v in gather_experts(pipe.stages).items()}
     else:
         local = {k: v.detach().cpu() for k, v in pipe.stages.state_dict().items()}
     local = {k.split(".", 1)[1]: v for k, v in local.items()}  # drop the "<chunk>." prefix

@@ -1,0 +1,141 @@
+"""Expert parallelism: the experts of every MoE layer split over ``ep`` ranks; tokens travel to them.
+
+Ranks. ep borrows from dp x cp (:meth:`loom.mesh.ParallelMesh._expert_groups`): rank i of an ep
+group holds experts [i·E/ep, (i+1)·E/ep) of every layer, and the ranks holding the same experts
+form its expert-data-parallel group ("edp", dp·cp/ep ranks). The router and every other
+parameter stay replicated.
+
+Forward of one MoE layer, on this rank's N tokens (the plain model's routing, unchanged):
+
+    route       top-k experts and weights per token (router replicated)
+    dispatch    the A = N·k (token, expert) rows, sorted by expert, go to the rank holding the
+                expert (all-to-all; the per-expert counts first, in a small all-to-all)
+    experts     each rank runs its E/ep experts on the rows it received (SwiGLU, no weights)
+    combine     the results return by the reverse all-to-all; each token sums its rows times
+                its routing weights, in expert order as the single-device layer does
+
+Backward runs the two all-to-alls in reverse. Calls per layer and micro-batch: 5 all-to-alls
+(counts, dispatch and combine forward, both again backward), 8 under full recomputation, which
+repeats the forward's 3. Bytes sent: the rows for other ranks, A_off·h·b, in each row all-to-all,
+with A_off ≈ A·(ep-1)/ep under uniform routing, plus 8·E·(ep-1)/ep for the counts.
+
+Gradients. An expert's gradient on its rank already sums the tokens of the whole ep group. The
+data-parallel reduction sums it over the edp group and divides by dp·cp, like every other
+gradient, so all of them are the gradient of the global mean loss
+(:class:`loom.parallel.data_parallel.DataParallel` reduces each bucket over its parameters'
+group). Clipping sums the experts' squares over the ep group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from loom.comm import CommMeter, Group
+from loom.model.llama import ExpertWeights, MoEFeedForward, route
+
+__all__ = ["ExpertParallelMoE", "apply_expert_parallel", "gather_experts"]
+
+
+def _all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: Group,
+                meter: CommMeter | None, me: int) -> torch.Tensor:  # fmt: skip
+    """Rows ``in_rows[j]`` of x (in order) to rank j; returns the rows received, by source rank."""
+    out = x.new_empty(sum(out_rows), *x.shape[1:])
+    if meter is not None:
+        row = x[0].numel() * x.element_size() if x.shape[0] else 0
+        meter.record("all_to_all", row * (sum(in_rows) - in_rows[me]), 2)  # bytes leaving this rank
+    dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=group)
+    return out
+
+
+class _AllToAll(Function):
+    """Forward: :func:`_all_to_all`; backward: the same with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, out_rows, in_rows, group, meter, me):
+        ctx.args = (out_rows, in_rows, group, meter, me)
+        return _all_to_all(x, out_rows, in_rows, group, meter, me)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_rows, in_rows, group, meter, me = ctx.args
+        return _all_to_all(grad, in_rows, out_rows, group, meter, me), None, None, None, None, None
+
+
+class ExpertParallelMoE(nn.Module):
+    """:class:`~loom.model.llama.MoEFeedForward` with this rank's E/ep experts (same parameter names)."""
+
+    def __init__(self, moe: MoEFeedForward, rank: int, ep: int, group: Group, edp_group: Group,
+                 meter: CommMeter | None = None) -> None:  # fmt: skip
+        super().__init__()
+        n_experts = moe.router.weight.shape[0]
+        if n_experts % ep:
+            raise ValueError(f"model.n_experts={n_experts} must be divisible by parallel.ep={ep}")
+        self.top_k, self.rank, self.ep, self.group, self.meter = moe.top_k, rank, ep, group, meter
+        self.n_experts, self.local = n_experts, n_experts // ep
+        self.router = moe.router  # replicated
+        lo, hi = rank * self.local, (rank + 1) * self.local
+        for name in ("w1", "w3", "w2"):
+            full = getattr(moe, name).weight
+            mine = ExpertWeights(self.local, *full.shape[1:])
+            with torch.no_grad():
+                mine.weight.copy_(full[lo:hi])
+            mine.weight.ep_shard = (rank, ep, group, edp_group)  # read by data parallelism and checkpoints
+            setattr(self, name, mine)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (N, h)
+        weights, experts = route(flat, self.router.weight, self.top_k)  # (N, k)
+        k = experts.shape[1]
+        order = torch.argsort(experts.reshape(-1), stable=True)  # assignments sorted by expert
+        token = order // k
+        per_expert = torch.bincount(experts.reshape(-1), minlength=self.n_experts)  # rows for each expert
+        # got[src*local + j]: rows rank src sends for my expert j (a small all-to-all of counts)
+        got = _all_to_all(per_expert, [self.local] * self.ep, [self.local] * self.ep, self.group, self.meter, self.rank)
+        send = per_expert.view(self.ep, self.local).sum(1).tolist()
+        recv_table = got.view(self.ep, self.local)
+        recv = recv_table.sum(1).tolist()
+        rows = _AllToAll.apply(flat.index_select(0, token), recv, send, self.group, self.meter, self.rank)
+        # received rows: by source rank, within it by expert; run each local expert on its rows
+        expert_of_row = torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(
+            recv_table.reshape(-1))  # fmt: skip
+        out_rows = torch.zeros_like(rows)
+        for j in range(self.local):
+            idx = (expert_of_row == j).nonzero(as_tuple=True)[0]
+            if idx.numel() == 0:
+                continue
+            r = rows.index_select(0, idx)
+            y = F.linear(F.silu(F.linear(r, self.w1.weight[j])) * F.linear(r, self.w3.weight[j]), self.w2.weight[j])
+            out_rows = out_rows.index_add(0, idx, y)
+        back = _AllToAll.apply(out_rows, send, recv, self.group, self.meter, self.rank)  # sorted order again
+        w = weights.reshape(-1).index_select(0, order)
+        return torch.zeros_like(flat).index_add(0, token, back * w[:, None]).view_as(x)
+
+
+def apply_expert_parallel(model: nn.Module, mesh, meter: CommMeter | None = None) -> None:
+    """Swap every :class:`MoEFeedForward` for this rank's :class:`ExpertParallelMoE` (in place)."""
+    ep = mesh.size("ep")
+    if ep == 1:
+        return
+    rank, group, edp = mesh.local_rank("ep"), mesh.group("ep"), mesh.group("edp")
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, MoEFeedForward):
+                setattr(module, name, ExpertParallelMoE(child, rank, ep, group, edp, meter))
+
+
+def gather_experts(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict with every expert weight whole (all E experts, gathered over ep);
+    a collective over each ep group."""
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for name, p in module.named_parameters():
+        shard = getattr(p, "ep_shard", None)
+        if shard is None or name not in state:
+            continue
+        parts = [torch.empty_like(p) for _ in range(shard[1])]
+        dist.all_gather(parts, p.detach().contiguous(), group=shard[2])
+        state[name] = torch.cat(parts)
+    return state
