@@ -399,7 +399,8 @@ class FullyShardedZero(ShardedStrategy):
 
 def _in_backward() -> bool:
     """Whether autograd is running a backward on this thread (a recomputed forward runs inside one)."""
-    return torch._C._current_graph_task_id() != -1
+    task_id = getattr(torch._C, "_current_graph_task_id", None)  # private; present since torch 2.0
+    return task_id is not None and task_id() != -1
 
 
 def _tensors(output) -> list[torch.Tensor]:
