@@ -376,14 +376,15 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     if m.moe:
         _require(1 <= m.top_k <= m.n_experts, f"model.top_k: must be in [1, model.n_experts={m.n_experts}], got {m.top_k}")
         _require(p.tp == 1, f"parallel.tp: tensor parallelism of the experts is not implemented; use 1 with model.n_experts={m.n_experts}")
+        _require(
+            t.optimizer != "adafactor",
+            "train.optimizer: adafactor factors 2-D weights; the experts' (E, f, h) weights need adamw or adam8bit",
+        )
     if p.ep > 1:
         _require(m.moe, f"parallel.ep: expert parallelism needs experts (model.n_experts > 1), got ep={p.ep}")
         _require(m.n_experts % p.ep == 0, f"parallel.ep: {p.ep} must divide model.n_experts={m.n_experts}")
         _require(p.zero == 0, f"parallel.zero: ZeRO with expert parallelism is not implemented; use 0 with parallel.ep={p.ep}")
-        _require(
-            t.precision == "fp32" and t.optimizer == "adamw",
-            f"train.precision/optimizer: expert parallelism runs fp32 AdamW for now, got {t.precision}/{t.optimizer}",
-        )
+
     _require(d.seq_len >= 2, f"data.seq_len: must be >= 2, got {d.seq_len}")
     _require(
         d.seq_len <= m.max_seq_len,

@@ -107,6 +107,7 @@ def train_layout(layout: dict, steps: int, batch: int, micro: int, model_kw: dic
     cfg.parallel.zero, cfg.parallel.sp = layout.get("zero", 0), layout.get("sp", False)
     cfg.train.global_batch, cfg.train.micro_batch = batch, micro
     cfg.train.recompute = layout.get("recompute", "none")
+    cfg.train.precision, cfg.train.optimizer = layout.get("precision", "fp32"), layout.get("optimizer", "adamw")
     cfg.run.dir = "/tmp/loom-test-layout"
     meter = CommMeter()
     model = build_model(cfg.model, cfg.train.seed)

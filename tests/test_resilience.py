@@ -152,10 +152,12 @@ def test_pp2_dp2_zero3_checkpoint_reshards_into_one_process(pools, base_cfg, tmp
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_moe_ep2_checkpoint_reshards_into_one_process(pools, base_cfg, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_moe_ep2_checkpoint_reshards_into_one_process(pools, base_cfg, tmp_path, precision):
     """A mixture-of-experts model trained with expert parallelism (each of 2 ranks holds 2 of 4
-    experts) saves at step 6; one process, holding all 4, resumes it and follows the uninterrupted run."""
-    moe = _with(base_cfg, model={"n_experts": 4, "top_k": 2}, run={"nproc": 1})
+    experts; bf16: flat fp32 masters) saves at step 6; one process, holding all 4, resumes it and
+    follows the uninterrupted run."""
+    moe = _with(base_cfg, model={"n_experts": 4, "top_k": 2}, run={"nproc": 1}, train={"precision": precision})
     straight = _trainer(_with(moe, run={"dir": str(tmp_path / "straight")}), stop_at=9)
     saved = tmp_path / "saved"
     rows = pools(2).run(_trainer, _with(moe, run={"dir": str(saved), "nproc": 2}, parallel={"ep": 2}), 6)[0]
@@ -163,7 +165,8 @@ def test_moe_ep2_checkpoint_reshards_into_one_process(pools, base_cfg, tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 10))
     got = torch.tensor([r["loss"] for r in rows], dtype=torch.float64)
     want = torch.tensor([r["loss"] for r in straight], dtype=torch.float64)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    tol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=1e-2, atol=3e-3)
+    torch.testing.assert_close(got, want, **tol)
 
 
 # ----------------------------------------------------------------------------- launched jobs

@@ -43,6 +43,12 @@ def tp_geometry(p: torch.Tensor, tp_rank: int, tp: int) -> tuple[tuple[int, ...]
     return tuple(shape), Box(tuple(offsets), tuple(p.shape))
 
 
+def ep_geometry(p: torch.Tensor) -> tuple[tuple[int, ...], Box]:
+    """(global shape, box) of an expert-parallel shard: rows [rank·E/ep, (rank+1)·E/ep) of all E experts."""
+    rank, ep = p.ep_shard[0], p.ep_shard[1]
+    return (p.shape[0] * ep, *p.shape[1:]), Box((rank * p.shape[0],) + (0,) * (p.dim() - 1), tuple(p.shape))
+
+
 def _flat_state(opt, i: int) -> list[tuple[str, torch.Tensor]]:
     """(key, buffer laid out like shard i) pairs checkpointed for flat buffer i: the master weights, then
     Adam's moments, or what the optimizer names (``checkpoint_buffers``: Adafactor, 8-bit Adam)."""
@@ -73,7 +79,10 @@ class ZeroState:
                     continue
                 fqn = self.names[id(p)]
                 shape, within = tp_geometry(p, self.tp_rank, self.tp)
-                if within is None:
+                if getattr(p, "ep_shard", None) is not None:  # this rank's experts, repeated over their edp group
+                    shape, within = ep_geometry(p)
+                    replica = _rank_size(p.ep_shard[3])
+                elif within is None:
                     replica = (self.tp_rank * self.rep + self.rep_rank, self.tp * self.rep)
                 else:
                     replica = (self.rep_rank, self.rep)
@@ -104,5 +113,5 @@ class ZeroState:
                     p.copy_(master)
             return
         for p in (p for lay in self.s.layouts for p in lay.params):  # stages 1-2: whole parameters
-            shape, within = tp_geometry(p, self.tp_rank, self.tp)
+            shape, within = ep_geometry(p) if getattr(p, "ep_shard", None) is not None else tp_geometry(p, self.tp_rank, self.tp)
             p.copy_(reader.read(f"model.{self.names[id(p)]}", within).view_as(p))

@@ -128,9 +128,12 @@ class ShardedStrategy(SyncSwitch):
     def _norm_sq(self) -> torch.Tensor:
         """Σ of squares of this rank's gradient shards, tp shards summed over tp (global once reduced)."""
         device = self.grad_shards[0].device if self.grad_shards else torch.device("cpu")
-        tp_views, rep_views = [], []
+        tp_views, rep_views, ep_views, ep_group = [], [], [], None
         for lay, g in zip(self.layouts, self.grad_shards):
-            if comm.group_size(self.tp_group) > 1:
+            if lay.params and getattr(lay.params[0], "ep_shard", None) is not None:  # experts: other ranks hold the rest
+                ep_views.append(g)
+                ep_group = lay.params[0].ep_shard[2]
+            elif comm.group_size(self.tp_group) > 1:
                 tp_views += [g[lo:hi] for lo, hi in lay.local_ranges(lambda s: s.tp_sharded)]
                 rep_views += [g[lo:hi] for lo, hi in lay.local_ranges(lambda s: not s.tp_sharded)]
             else:
@@ -140,6 +143,10 @@ class ShardedStrategy(SyncSwitch):
             tp_sq = _sum_sq(tp_views, device)
             comm.all_reduce(tp_sq, self.tp_group)
             sq = sq + tp_sq
+        if ep_views:
+            ep_sq = _sum_sq(ep_views, device)
+            comm.all_reduce(ep_sq, ep_group)
+            sq = sq + ep_sq
         return sq
 
     def param_grad_shard(self, p: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,12 @@ from loom.train.optim import param_groups
 ALIGN_BYTES = 16  # shard starts on 16-byte boundaries: the vector width of CPU kernels, NCCL's preference
 
 
+def expert_group(p: torch.Tensor):
+    """An expert-parallel shard's edp group (the ranks holding the same experts), else None."""
+    shard = getattr(p, "ep_shard", None)
+    return None if shard is None else shard[3]
+
+
 def tied_copy(module: nn.Module) -> frozenset[int]:
     """Ids of the parameters that must sit alone in their flat buffer: a pipeline rank's copy of the
     tied embedding/head matrix (``module.tied_weight()``). The first and the last stage then shard
@@ -151,6 +157,7 @@ def split_buckets(
             or p.device != current[0].device
             or id(p) in alone
             or id(current[0]) in alone
+            or expert_group(p) is not expert_group(current[0])
         ):
             groups.append(current)
             current, size = [], 0

@@ -40,7 +40,14 @@ from loom import comm
 from loom.comm import CommMeter, Group
 from loom.memory.offload import StateStore
 from loom.parallel.zero.common import MAX_INFLIGHT, GradReducer, ShardedStrategy, build_adam
-from loom.parallel.zero.layout import FlatLayout, decayed_ids, split_buckets, tied_copy, unique_params
+from loom.parallel.zero.layout import (
+    FlatLayout,
+    decayed_ids,
+    expert_group,
+    split_buckets,
+    tied_copy,
+    unique_params,
+)
 
 
 @dataclass
@@ -54,6 +61,7 @@ class FlatBucket:
     grad_shard: torch.Tensor  # this rank's reduced Φ_b'/N gradient shard
     pending: int = 0
     launched: bool = False
+    reducer: GradReducer | None = None  # the strategy's, or the expert shards' (summed over their edp group)
 
 
 @dataclass
@@ -91,7 +99,10 @@ class ZeroDataParallel(ShardedStrategy):
         rank = dist.get_rank(shard_group) if self.world > 1 else 0
         dp = self.world * comm.group_size(replicate_group)
         self.reducer = GradReducer(shard_group, replicate_group, dp, meter, reduce_dtype, max_inflight)
+        self._expert_reducers: dict[int, GradReducer] = {}
         self.params = unique_params(module)
+        if self.world > 1 and any(expert_group(p) is not None for p in self.params):
+            raise ValueError("ZeRO sharding of expert-parallel experts is not implemented: use parallel.zero = 0")
         decayed = decayed_ids(module)
         self.buckets: list[FlatBucket] = []
         self._slot: dict[int, tuple[FlatBucket, int]] = {}
@@ -104,7 +115,7 @@ class ZeroDataParallel(ShardedStrategy):
                 grad_shard = lay.shard_of(grads)
             else:
                 grads, grad_shard = None, lay.new_shard()
-            b = FlatBucket(i, lay, flat, grads, grad_shard, pending=len(ps))
+            b = FlatBucket(i, lay, flat, grads, grad_shard, pending=len(ps), reducer=self._reducer_for(ps[0], dp))
             for j, p in enumerate(ps):
                 self._slot[id(p)] = (b, j)
             self.buckets.append(b)
@@ -119,6 +130,20 @@ class ZeroDataParallel(ShardedStrategy):
         if stage == 2:
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self.zero_grad()
+
+    def _reducer_for(self, p: torch.Tensor, dp: int) -> GradReducer:
+        """Expert shards (unsharded here: N = 1) are summed over their edp group, divided by all dp ranks."""
+        group = expert_group(p)
+        if group is None:
+            return self.reducer
+        r = self.reducer
+        if id(group) not in self._expert_reducers:
+            self._expert_reducers[id(group)] = GradReducer(r.shard_group, group, dp, r.meter, r.reduce_dtype, r.max_inflight)
+        return self._expert_reducers[id(group)]
+
+    @property
+    def _reducers(self) -> list[GradReducer]:
+        return [self.reducer, *self._expert_reducers.values()]
 
     # ------------------------------------------------------------------ stage 2: backward hooks
     @torch.no_grad()
@@ -141,7 +166,7 @@ class ZeroDataParallel(ShardedStrategy):
         self.launch_log.append(LaunchRecord(b.index, len(self.params) - self._ready, during_backward))
         if b.grads is None:  # no gradient reached this bucket (unused parameters): reduce zeros
             b.grads = b.layout.new_flat()
-        self.reducer.launch(b.grads, b.grad_shard, owned=self.stage == 2)
+        b.reducer.launch(b.grads, b.grad_shard, owned=self.stage == 2)
         if self.stage == 2:
             b.grads = None  # the reducer holds it until its shard is formed, then it is freed
         b.launched = True
@@ -154,7 +179,7 @@ class ZeroDataParallel(ShardedStrategy):
             for b in self.buckets
             if self.stage == 2 and b.grads is not None
         )
-        return filling + self.reducer.inflight_bytes
+        return filling + sum(r.inflight_bytes for r in self._reducers)
 
     # ------------------------------------------------------------------ Strategy
     def finish_sync(self) -> None:
@@ -164,7 +189,8 @@ class ZeroDataParallel(ShardedStrategy):
         for b in self.buckets:
             if not b.launched:
                 self._launch(b)
-        self.reducer.drain()
+        for r in self._reducers:
+            r.drain()
         for b in self.buckets:
             b.launched = False
             b.pending = len(b.layout.params)
