@@ -128,6 +128,11 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tens
     return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), experts
 
 
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """w2( silu(w1 x) * w3 x ) for one expert's (f, h), (f, h), (h, f) weights; x: (n, h) -> (n, h)."""
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
                     w3: torch.Tensor, w2: torch.Tensor, first: int = 0) -> torch.Tensor:  # fmt: skip
     """Σ over each token's routed experts of weight · SwiGLU_e(x), for the experts ``first ..
@@ -138,8 +143,7 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
         token, slot = (experts == first + j).nonzero(as_tuple=True)
         if token.numel() == 0:
             continue
-        xe = x.index_select(0, token)
-        y = F.linear(F.silu(F.linear(xe, w1[j])) * F.linear(xe, w3[j]), w2[j])
+        y = swiglu(x.index_select(0, token), w1[j], w3[j], w2[j])
         out = out.index_add(0, token, y * weights[token, slot, None])
     return out
 

@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
 from loom.comm import CommMeter, Group
-from loom.model.llama import ExpertWeights, MoEFeedForward, route
+from loom.model.llama import ExpertWeights, MoEFeedForward, route, swiglu
 
 __all__ = ["ExpertParallelMoE", "apply_expert_parallel", "gather_experts"]
 
@@ -107,8 +106,7 @@ class ExpertParallelMoE(nn.Module):
             idx = (expert_of_row == j).nonzero(as_tuple=True)[0]
             if idx.numel() == 0:
                 continue
-            r = rows.index_select(0, idx)
-            y = F.linear(F.silu(F.linear(r, self.w1.weight[j])) * F.linear(r, self.w3.weight[j]), self.w2.weight[j])
+            y = swiglu(rows.index_select(0, idx), self.w1.weight[j], self.w3.weight[j], self.w2.weight[j])
             out_rows = out_rows.index_add(0, idx, y)
         back = _AllToAll.apply(out_rows, send, recv, self.group, self.meter, self.rank)  # sorted order again
         w = weights.reshape(-1).index_select(0, order)
