@@ -54,7 +54,11 @@ def loom_stepper(mcfg, tcfg, name: str, v: int, m: int, record: int):
     from loom.parallel.pipeline.strategy import PipelineStrategy, pipeline_train_step
 
     p, rank = dist.get_world_size(), dist.get_rank()
-    pipe = split_model(build_model(mcfg, tcfg.seed), rank, p, _bounds(mcfg.n_layers, p * v), dist.group.WORLD)
+    from loom.mesh import ParallelDims, ParallelMesh
+
+    mesh = ParallelMesh(ParallelDims(pp=p), "cpu")
+    pipe = split_model(build_model(mcfg, tcfg.seed), rank, p, _bounds(mcfg.n_layers, p * v), mesh.group("pp"),
+                       mesh.pp_links())
     inner = DataParallel(pipe, None).attach_optimizer(build_optimizer(pipe, tcfg))
     strategy = PipelineStrategy(inner, pipe, name, v, record_step=record)
 

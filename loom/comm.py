@@ -9,17 +9,136 @@ for a full tensor of S bytes over n ranks:
     all_gather        S (n-1)/n      (S = the full, gathered output)
     broadcast         S
     send / recv       S
+
+Strict mode (``LOOM_STRICT_COMM=1``; on in the test suite) checks what NCCL requires and gloo
+forgives, so CPU runs fail where a GPU run would: every tensor contiguous, of a dtype NCCL
+moves, on the group's device type (``cuda`` for NCCL, ``cpu`` for gloo; never ``meta``, which
+catches a tensor created on the default device when tests make that the meta device), and
+each group's point-to-point batches executed one after another in issue order, as NCCL's
+one stream per group does (a posting order that would deadlock on NCCL hangs here, and the
+receiver's timeout reports it). Collective order across ranks is checked by PyTorch's
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which the strict launcher and test pool turn on.
 """
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
+STRICT_ENV = "LOOM_STRICT_COMM"
+# dtypes NCCL reduces and moves (bool travels as uint8)
+NCCL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                         torch.int32, torch.int64, torch.bool})  # fmt: skip
+
+
+class StrictCommError(RuntimeError):
+    """A collective that NCCL would reject or hang on (strict mode)."""
+
+
+def strict() -> bool:
+    """Whether ``LOOM_STRICT_COMM`` asks for NCCL's rules on every backend."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+def _device_type(group: Group) -> str | None:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return "cuda"
+    if "gloo" in backend and "nccl" not in backend:
+        return "cpu"
+    return None
+
+
+def check_tensors(op: str, group: Group, *tensors: torch.Tensor) -> None:
+    """Strict mode: raise :class:`StrictCommError` for a tensor NCCL would not take (see module doc)."""
+    if not strict():
+        return
+    want = _device_type(group)
+    for t in tensors:
+        where = f"{op}: tensor of shape {tuple(t.shape)} ({t.dtype}, {t.device})"
+        if t.device.type == "meta" or (want is not None and t.device.type != want):
+            raise StrictCommError(f"{where} is not on the group's device ({want}); create it on the mesh's device")
+        if not t.is_contiguous():
+            raise StrictCommError(f"{where} is not contiguous; NCCL needs contiguous buffers")
+        if t.dtype not in NCCL_DTYPES:
+            raise StrictCommError(f"{where}: NCCL does not move {t.dtype}")
+
+
+class _QueuedWork:
+    """The handle of one operation of an in-order batch (strict mode)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        seconds = None if timeout is None else timeout.total_seconds()
+        if not self.done.wait(seconds):
+            raise RuntimeError(f"point-to-point operation timed out after {seconds:.1f} s (strict in-order stream)")
+        if self.error is not None:
+            raise RuntimeError(str(self.error).splitlines()[0] if str(self.error) else repr(self.error))
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
+class _InOrderStream:
+    """Runs one group's point-to-point batches one after another, in issue order (NCCL's stream)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True, name="loom-p2p-stream").start()
+
+    def submit(self, ops: list) -> list[_QueuedWork]:
+        works = [_QueuedWork() for _ in ops]
+        self.jobs.put((ops, tuple(works)))
+        return works
+
+    def _loop(self) -> None:
+        failed: BaseException | None = None
+        while True:
+            ops, works = self.jobs.get()
+            if failed is None:
+                try:
+                    with _ISSUE_LOCK:  # torch's batch_isend_irecv is not safe to enter from two threads
+                        issued = dist.batch_isend_irecv(ops)
+                    for w in issued:
+                        w.wait()
+                except BaseException as e:  # noqa: BLE001 - handed to every waiter
+                    failed = e
+            for w in works:
+                w.error = failed
+                w.done.set()
+
+
+_ISSUE_LOCK = threading.Lock()
+_STREAMS: dict[int, _InOrderStream] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def _stream(group: Group) -> _InOrderStream:
+    key = id(group)
+    with _STREAMS_LOCK:
+        if key not in _STREAMS:
+            _STREAMS[key] = _InOrderStream()
+        return _STREAMS[key]
+
+
+def wait(work, timeout: timedelta | None = None) -> None:
+    """Wait for ``work``: with ``timeout`` on the CPU (a peer that never answers raises), plainly on
+    an accelerator, where ``wait`` only orders the current stream after the communication."""
+    if timeout is not None and not isinstance(work, _QueuedWork) and torch.accelerator.is_available():
+        timeout = None
+    work.wait(timeout) if timeout is not None else work.wait()
 
 
 def group_size(group: Group) -> int:
@@ -74,6 +193,7 @@ def all_reduce(t: torch.Tensor, group: Group, meter: CommMeter | None = None, as
     n = group_size(group)
     if n == 1:
         return None
+    check_tensors("all_reduce", group, t)
     if meter is not None:
         meter.record("all_reduce", nbytes(t), n)
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -83,6 +203,7 @@ def all_reduce_max(t: torch.Tensor, group: Group, meter: CommMeter | None = None
     n = group_size(group)
     if n == 1:
         return
+    check_tensors("all_reduce_max", group, t)
     if meter is not None:
         meter.record("all_reduce", nbytes(t), n)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -96,6 +217,7 @@ def reduce_scatter(
     if n == 1:
         out.copy_(full)
         return None
+    check_tensors("reduce_scatter", group, out, full)
     if meter is not None:
         meter.record("reduce_scatter", nbytes(full), n)
     return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -109,6 +231,7 @@ def all_gather(
     if n == 1:
         full.copy_(shard)
         return None
+    check_tensors("all_gather", group, full, shard)
     if meter is not None:
         meter.record("all_gather", nbytes(full), n)
     return dist.all_gather_into_tensor(full, shard, group=group, async_op=async_op)
@@ -121,7 +244,9 @@ def batch_p2p(
     meter: CommMeter | None = None,
 ) -> list:
     """Post isend/irecv to/from group-local peers as one ``batch_isend_irecv``; returns the works
-    (sends first, then recvs, in the given order). Messages between two ranks match in post order."""
+    (sends first, then recvs, in the given order). Messages between two ranks match in post order.
+    Strict mode: the batch runs after this rank's earlier batches of ``group`` have completed."""
+    check_tensors("send/recv", group, *(t for t, _ in sends), *(t for t, _ in recvs))
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
     if not ops:
@@ -129,6 +254,8 @@ def batch_p2p(
     if meter is not None:
         for t, _ in sends:
             meter.record("send", nbytes(t), 2)
+    if strict():
+        return _stream(group).submit(ops)
     return dist.batch_isend_irecv(ops)
 
 
@@ -137,6 +264,7 @@ def broadcast(t: torch.Tensor, src_local: int, group: Group, meter: CommMeter | 
     n = group_size(group)
     if n == 1:
         return
+    check_tensors("broadcast", group, t)
     if meter is not None:
         meter.record("broadcast", nbytes(t), n)
     dist.broadcast(t, group_src=src_local, group=group)

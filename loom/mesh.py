@@ -129,6 +129,8 @@ class ParallelMesh:
                 self._expert_groups(world)
             else:
                 self._groups["edp"] = self._groups["dp_cp"]
+            if dims.pp > 1:
+                self._pp_link_groups(world)
 
     def _expert_groups(self, world: int) -> None:
         """ep borrows from dp x cp: the dp*cp ranks of each (pp, tp) coordinate, in mesh order, form
@@ -144,6 +146,23 @@ class ParallelMesh:
                 if self.rank in ranks:
                     self._groups[name] = group
                     self.coords[name] = ranks.index(self.rank)
+
+    def _pp_link_groups(self, world: int) -> None:
+        """A two-rank group per ordered pair of neighbouring pipeline ranks (i -> i±1 mod pp), so each
+        group carries point-to-point messages one way only (why: :mod:`loom.parallel.pipeline.posting`).
+        Every rank creates every group, in the same order."""
+        pp = self.dims.pp
+        self._links: dict[tuple[int, int], dist.ProcessGroup] = {}
+        for ranks in sorted({tuple(self.dims.group_ranks(r, ("pp",))) for r in range(world)}):
+            pairs = dict.fromkeys((i, j) for i in range(pp) for j in ((i + 1) % pp, (i - 1) % pp) if j != i)
+            for src, dst in pairs:
+                group = dist.new_group([ranks[src], ranks[dst]])
+                if self.rank in (ranks[src], ranks[dst]):
+                    self._links[(src, dst)] = group
+
+    def pp_links(self) -> dict[tuple[int, int], dist.ProcessGroup]:
+        """This rank's pipeline link groups, keyed by (sending, receiving) pipeline rank."""
+        return dict(getattr(self, "_links", {}))
 
     @cached_property
     def device_mesh(self):

@@ -24,7 +24,9 @@ PG_TIMEOUT_S = 60
 
 
 def _worker_loop(rank: int, world: int, init_file: str, conn) -> None:
-    os.environ["TORCH_DISTRIBUTED_DEBUG"] = os.environ.get("LOOM_TEST_DIST_DEBUG", "OFF")
+    # NCCL's rules on gloo (loom.comm strict mode) and PyTorch's cross-rank collective checks
+    os.environ.setdefault("LOOM_STRICT_COMM", "1")
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = os.environ.get("LOOM_TEST_DIST_DEBUG", "DETAIL")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     sys.path.insert(0, ROOT)
     import torch

@@ -32,7 +32,13 @@ def _strategy(mesh, mcfg, tcfg, name: str, v: int = 1, vertical_sync: bool = Fal
 
     pp = mesh.size("pp")
     model = build_model(mcfg, tcfg.seed)
-    pipe = split_model(model, mesh.local_rank("pp"), pp, _uniform(mcfg.n_layers, pp * v), group or mesh.group("pp"))
+    links = mesh.pp_links()
+    if group is not None:  # a private pp group (2 ranks) gets private links too
+        import torch.distributed as dist
+
+        links = {(0, 1): dist.new_group([0, 1]), (1, 0): dist.new_group([0, 1])}
+    pipe = split_model(model, mesh.local_rank("pp"), pp, _uniform(mcfg.n_layers, pp * v), group or mesh.group("pp"),
+                       links)
     inner = DataParallel(pipe, mesh.group("dp")).attach_optimizer(build_optimizer(pipe, tcfg))
     return pipe, PipelineStrategy(inner, pipe, name, v, vertical_sync=vertical_sync, record_step=tcfg.steps - 1,
                                   timeout_s=timeout_s)  # fmt: skip
@@ -148,7 +154,7 @@ def _three_d(steps: int) -> dict:
     cfg.parallel.tp, cfg.data.seq_len = 2, SEQ
     model = build_model(mcfg, tcfg.seed)
     loss = apply_tensor_parallel(model, mesh, cfg)
-    pipe = split_model(model, mesh.local_rank("pp"), 2, _uniform(4, 4), mesh.group("pp"))
+    pipe = split_model(model, mesh.local_rank("pp"), 2, _uniform(4, 4), mesh.group("pp"), mesh.pp_links())
     pipe.tp_group = mesh.group("tp")
     inner = DataParallel(pipe, mesh.group("dp"), tp_group=mesh.group("tp"))
     strategy = PipelineStrategy(inner.attach_optimizer(build_optimizer(pipe, tcfg)), pipe, "interleaved", 2,
@@ -202,7 +208,7 @@ def _pp_zero_runs(steps: int) -> dict:
             cfg = LoomConfig(model=mcfg, train=tcfg)
             cfg.parallel.zero, cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.pp = zero, 2, 2, 2
             pipe = split_model(build_model(mcfg, tcfg.seed), mesh.local_rank("pp"), 2, _uniform(4, 2 * v),
-                               mesh.group("pp"))  # fmt: skip
+                               mesh.group("pp"), mesh.pp_links())  # fmt: skip
             if zero == 3:
                 apply_recompute(pipe, "full")
             meter = CommMeter()
@@ -288,7 +294,8 @@ def _loom_vs_torch(steps: int) -> dict:
     m, out = BATCH // MICRO, {}
     for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
         ours = _train(mesh, mcfg, tcfg, name, 1, lambda s: rank_micro_batches(s, BATCH, MICRO, 0, 1))
-        pipe = split_model(build_model(mcfg, tcfg.seed), mesh.local_rank("pp"), 2, _uniform(4, 2), mesh.group("pp"))
+        pipe = split_model(build_model(mcfg, tcfg.seed), mesh.local_rank("pp"), 2, _uniform(4, 2), mesh.group("pp"),
+                           mesh.pp_links())
         stage = pipe.stages[0]
         opt = build_optimizer(stage, tcfg)
         torch_stage = PipelineStage(stage, stage.index, 2, torch.device("cpu"), group=mesh.group("pp"))
@@ -579,7 +586,7 @@ def _timed_bubbles() -> dict:
         model = build_model(mcfg, 0)
         for i in range(4):  # t per stage per micro-batch: 2 blocks of t/2, or v = 2 chunks of one block of t/2
             model.layers[i] = _TimedBlock(mcfg.dim, TIMED_T / 2)
-        pipe = split_model(model, mesh.local_rank("pp"), 2, _uniform(4, 2 * v), mesh.group("pp"))
+        pipe = split_model(model, mesh.local_rank("pp"), 2, _uniform(4, 2 * v), mesh.group("pp"), mesh.pp_links())
         strategy = PipelineStrategy(DataParallel(pipe, None).attach_optimizer(build_optimizer(pipe, tiny_train())),
                                     pipe, name, v, record_step=1)  # fmt: skip
         for _ in range(2):  # the first step warms up; the second is recorded

@@ -6,10 +6,11 @@ Per action on this rank:
   otherwise; the last stage adds the loss, scaled by the schedule's loss scale).
 * ``B``: full backward; ``BI``/``BW``: the split of :mod:`.stage` (input gradient now, weight
   gradient later).
-* A run of consecutive ``SEND``/``RECV`` actions is one ``batch_isend_irecv`` on the pp group;
-  the RECVs of the run that follows a compute action are posted *before* that compute, so
-  messages arrive while it runs. Sends are never waited before the end of the list. Both only
-  move communication earlier, so a list the simulator accepts cannot deadlock here.
+* ``SEND``/``RECV``: issued as :func:`~.posting.posting_plan` says, one ``batch_isend_irecv``
+  per one-way link group (``pipe.links``); the RECVs of the run that follows a compute action
+  are posted *before* that compute, so messages arrive while it runs. Sends are never waited
+  before the end of the list. The plan is proven deadlock-free on NCCL's in-order streams for
+  every list the simulator accepts (:func:`~.posting.nccl_check`).
   Activations and gradients have the shape (micro_batch, T, h) (T / tp with sequence
   parallelism), known from the micro-batch, so no shapes are exchanged.
 * ``STEP``: the caller's optimizer step.
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -46,6 +48,7 @@ from torch.func import functional_call
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.parallel.pipeline.posting import Issue, posting_plan
 from loom.parallel.pipeline.schedules import (
     COMPUTE,
     RECVS,
@@ -61,7 +64,6 @@ from loom.parallel.pipeline.stage import PipelineModule, backward_input, backwar
 
 __all__ = ["PipelineError", "PipelineRuntime", "RunStats", "bubble_formula", "gather_timeline", "step_schedule"]
 
-COMM = SENDS | RECVS
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -177,46 +179,48 @@ class PipelineRuntime:
     def _wait(self, work, a: Action) -> None:
         t0 = time.perf_counter()
         try:
-            work.wait(self.timeout) if self.timeout is not None else work.wait()
+            comm.wait(work, self.timeout)
         except RuntimeError as e:
             raise PipelineError(
                 f"pipeline rank {self.pipe.rank}: {a} got no message from {self._peer_name(a.peer)} after "
                 f"{time.perf_counter() - t0:.1f} s; that rank has died or hung ({str(e).splitlines()[0]})"
             ) from e
 
-    def _post(self, actions: Sequence[Action], lo: int, hi: int, recvs_only: bool) -> None:
-        sends, recvs, keys = [], [], []
-        for i in range(lo, hi):
-            a = actions[i]
-            if a.kind in SENDS and not recvs_only:
+    def _post(self, issue: Issue) -> None:
+        """One batch of one link: sends of results computed already, or receives into new buffers."""
+        sends, recvs = [], []
+        for i in issue.batch:
+            a = self.actions[i]
+            if a.kind in SENDS:
                 store = self.out_act if a.kind is Kind.SEND_F else self.out_grad
                 t = store.pop((a.microbatch, a.stage))
                 sends.append((t, a.peer))
                 self.sent.append(t)
-            elif a.kind in RECVS and i not in self.posted:
+            else:
                 rows, seq = self.batches[a.microbatch][0].shape[:2]
                 buf = torch.empty(rows, seq // self.pipe.seq_div, self.dim, dtype=self.dtype, device=self.device)
-                recvs.append((buf, a.peer))
-                keys.append(i)
-        works = comm.batch_p2p(sends, recvs, self.group, self.meter)
+                recvs.append((i, buf))
+        src, dst = issue.link
+        group, peer = self.pipe.link(src, dst)
+        works = comm.batch_p2p([(t, peer) for t, _ in sends], [(b, peer) for _, b in recvs], group, self.meter)
         self.send_works += works[: len(sends)]
-        for i, w, (buf, _) in zip(keys, works[len(sends):], recvs):
+        for (i, buf), w in zip(recvs, works[len(sends):]):
             self.posted[i] = (w, buf)
 
-    def _comm_run(self, actions: Sequence[Action], lo: int, hi: int) -> None:
-        self._post(actions, lo, hi, recvs_only=False)
-        for i in range(lo, hi):
-            a = actions[i]
-            if a.kind in RECVS:
-                work, buf = self.posted.pop(i)
-                t0 = time.perf_counter()
-                self._wait(work, a)
-                self._event(a, t0)
-                key = (a.microbatch, a.stage)
-                if a.kind is Kind.RECV_F:
-                    self.in_act[key] = buf.requires_grad_()
-                else:
-                    self.in_grad[key] = buf
+    def _receive(self, upto: int) -> None:
+        """Wait, in list order, for every RECV listed before position ``upto``."""
+        while self.pending and self.pending[0] < upto:
+            i = self.pending.popleft()
+            a = self.actions[i]
+            work, buf = self.posted.pop(i)
+            t0 = time.perf_counter()
+            self._wait(work, a)
+            self._event(a, t0)
+            key = (a.microbatch, a.stage)
+            if a.kind is Kind.RECV_F:
+                self.in_act[key] = buf.requires_grad_()
+            else:
+                self.in_grad[key] = buf
 
     # ------------------------------------------------------------------ compute
     def _forward(self, a: Action, index: int) -> None:
@@ -303,23 +307,18 @@ class PipelineRuntime:
             if a.kind in (Kind.B, Kind.BW):
                 last[a.stage] = i
         self.final = set(last.values())
+        self.actions = actions
+        self.pending = deque(i for i, a in enumerate(actions) if a.kind in RECVS)
         if record:
             dist.barrier(group=self.group)
         self.t0 = time.perf_counter()
-        i, n = 0, len(actions)
-        while i < n:
-            a = actions[i]
-            if a.kind in COMM:
-                j = i
-                while j < n and actions[j].kind in COMM:
-                    j += 1
-                self._comm_run(actions, i, j)
-                i = j
+        for issue in posting_plan(self.pipe.rank, actions):
+            if issue.is_batch:
+                self._post(issue)
                 continue
-            k = i + 1  # post the receives that follow this compute, then compute
-            while k < n and actions[k].kind in COMM:
-                k += 1
-            self._post(actions, i + 1, k, recvs_only=True)
+            i = issue.index
+            a = actions[i]
+            self._receive(i)
             t0 = time.perf_counter()
             if a.kind is Kind.F:
                 self._forward(a, i)
@@ -332,7 +331,7 @@ class PipelineRuntime:
             self._event(a, t0)
             if self.versions is not None:
                 self.stats.peak_versions = max(self.stats.peak_versions, self.versions.kept)
-            i += 1
+        self._receive(len(actions))
         for w in self.send_works:
             try:
                 w.wait()

@@ -97,9 +97,11 @@ class StageModule(nn.Module):
 class PipelineModule(nn.Module):
     """This rank's virtual stages: chunk c is stage c*p + rank (v chunks, v = n_stages / p)."""
 
-    def __init__(self, model: Transformer, rank: int, p: int, bounds: list[int], group: Group = None) -> None:
+    def __init__(self, model: Transformer, rank: int, p: int, bounds: list[int], group: Group = None,
+                 links: dict[tuple[int, int], Group] | None = None) -> None:  # fmt: skip
         super().__init__()
         self.group = group  # the pp process group (peers are group-local ranks = pipeline ranks)
+        self.links = dict(links or {})  # (src, dst) pipeline ranks -> their one-way two-rank group
         self.seq_div = 1  # sequence parallelism: activations between stages are (B, T / tp, h)
         self.tp_group: Group = None  # tensor parallelism underneath: stage weights are tp shards
         n = len(bounds) - 1
@@ -111,6 +113,18 @@ class PipelineModule(nn.Module):
         self.cfg = model.cfg
         self.stages = nn.ModuleList(StageModule(model, s, n, bounds[s], bounds[s + 1]) for s in range(rank, n, p))
         self.stage_ids = list(range(rank, n, p))
+
+    def link(self, src: int, dst: int) -> tuple[Group, int]:
+        """The group carrying pipeline rank src -> dst and the peer's rank in it; the pp group when the
+        pipeline was built without links (gloo only: one group can deadlock on NCCL, see ``posting``)."""
+        peer = dst if src == self.rank else src
+        group = self.links.get((src, dst))
+        if group is None:
+            if comm.strict() and self.p > 1:
+                raise RuntimeError(f"pipeline rank {self.rank}: no link group for {src} -> {dst}; build the "
+                                   "pipeline with links=mesh.pp_links() (one pp group deadlocks on NCCL)")
+            return self.group, peer
+        return group, dist.get_group_rank(group, dist.get_global_rank(self.group, peer))
 
     def stage(self, s: int) -> StageModule:
         if s % self.p != self.rank:
@@ -136,9 +150,11 @@ class PipelineModule(nn.Module):
         return None
 
 
-def split_model(model: Transformer, rank: int, p: int, bounds: list[int], group: Group = None) -> PipelineModule:
-    """Keep pipeline rank ``rank``'s stages of ``model`` (cut at ``bounds``); ``group`` = the pp group."""
-    return PipelineModule(model, rank, p, bounds, group)
+def split_model(model: Transformer, rank: int, p: int, bounds: list[int], group: Group = None,
+                links: dict[tuple[int, int], Group] | None = None) -> PipelineModule:  # fmt: skip
+    """Keep pipeline rank ``rank``'s stages of ``model`` (cut at ``bounds``); ``group`` = the pp group,
+    ``links`` = :meth:`loom.mesh.ParallelMesh.pp_links` (the runtime's point-to-point groups)."""
+    return PipelineModule(model, rank, p, bounds, group, links)
 
 
 def exchange_tied_grad(
@@ -157,7 +173,10 @@ def exchange_tied_grad(
         return
     peer = (pipe.n_stages - 1) % pipe.p if pipe.is_first else 0
     other = torch.empty_like(grad)
-    works = comm.batch_p2p([(grad, peer)], [(other, peer)], pipe.group, meter)
+    out_group, out_peer = pipe.link(pipe.rank, peer)
+    in_group, in_peer = pipe.link(peer, pipe.rank)
+    works = comm.batch_p2p([(grad, out_peer)], [], out_group, meter)
+    works += comm.batch_p2p([], [(other, in_peer)], in_group)
     for work in works:
         work.wait()
     grad.add_(other)

@@ -68,7 +68,7 @@ def apply_pipeline(model, mesh, cfg, loss_fn, log_fn: Callable[[str], None] | No
     from loom.parallel.pipeline.profile import choose_layout
 
     bounds = choose_layout(model, cfg, grad_accum_steps(cfg), loss_fn, log_fn)
-    pipe = split_model(model, mesh.local_rank("pp"), mesh.size("pp"), bounds, mesh.group("pp"))
+    pipe = split_model(model, mesh.local_rank("pp"), mesh.size("pp"), bounds, mesh.group("pp"), mesh.pp_links())
     pipe.seq_div = cfg.parallel.tp if cfg.parallel.sp else 1  # (batches arrive cut to this cp rank's tokens)
     pipe.tp_group = mesh.group("tp")
     return pipe
@@ -295,13 +295,15 @@ def pipeline_evaluate(model: PipelineModule, batches: Sequence[Batch],
                 h = stage(x)
             else:
                 h = torch.empty(x.shape[0], x.shape[1] // pipe.seq_div, dim, dtype=dtype, device=x.device)
-                for w in comm.batch_p2p([], [(h, (s - 1) % p)], pipe.group):
+                group, peer = pipe.link((s - 1) % p, pipe.rank)
+                for w in comm.batch_p2p([], [(h, peer)], group):
                     w.wait()
                 h = stage(h)
             if stage.is_last:
                 losses.append(loss_fn(h, y).float())
             else:
-                works += comm.batch_p2p([(h, (s + 1) % p)], [], pipe.group)
+                group, peer = pipe.link(pipe.rank, (s + 1) % p)
+                works += comm.batch_p2p([(h, peer)], [], group)
                 keep.append(h)
     for w in works:
         w.wait()
