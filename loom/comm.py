@@ -16,8 +16,10 @@ moves, on the group's device type (``cuda`` for NCCL, ``cpu`` for gloo; never ``
 catches a tensor created on the default device when tests make that the meta device), and
 each group's point-to-point batches executed one after another in issue order, as NCCL's
 one stream per group does (a posting order that would deadlock on NCCL hangs here, and the
-receiver's timeout reports it). Collective order across ranks is checked by PyTorch's
-``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which the strict launcher and test pool turn on.
+receiver's timeout reports it). Every collective is also logged per group as
+``op(dtype[shape])``; :func:`take_order_log` hands the log over so that the members of each
+group can be compared (the test pool compares them after every call, the strict trainer at
+every step): a rank issuing another collective, or the same ones in another order, is named.
 """
 
 from __future__ import annotations
@@ -57,10 +59,51 @@ def _device_type(group: Group) -> str | None:
     return None
 
 
+_ORDER_LOG: dict[tuple[str, tuple[int, ...]], list[str]] = defaultdict(list)
+
+
+def _group_key(group: Group) -> tuple[str, tuple[int, ...]]:
+    pg = group if group is not None else dist.group.WORLD
+    return pg.group_name, tuple(dist.get_process_group_ranks(pg))
+
+
+def take_order_log() -> dict[tuple[str, tuple[int, ...]], list[str]]:
+    """This rank's collectives since the last call, per group ``(name, global ranks)`` (strict mode)."""
+    out = dict(_ORDER_LOG)
+    _ORDER_LOG.clear()
+    return out
+
+
+def first_order_mismatch(logs: list[dict[tuple[str, tuple[int, ...]], list[str]]]) -> str | None:
+    """Compare per-rank order logs (index = global rank): the first collective on which two members
+    of a group differ, as one line, or None when every group's members agree."""
+    for key in sorted({k for log in logs for k in log}):
+        name, ranks = key
+        seqs = {r: logs[r].get(key, []) for r in ranks if r < len(logs)}
+        ref_rank = ranks[0]
+        for r, seq in seqs.items():
+            ref = seqs[ref_rank]
+            if seq == ref:
+                continue
+            i = next((i for i, (a, b) in enumerate(zip(ref, seq, strict=False)) if a != b), min(len(ref), len(seq)))
+            mine = seq[i] if i < len(seq) else "nothing"
+            theirs = ref[i] if i < len(ref) else "nothing"
+            return (f"collective order differs on group {name} (ranks {list(ranks)}): collective #{i} is "
+                    f"{theirs} on rank {ref_rank} but {mine} on rank {r}")  # fmt: skip
+    return None
+
+
 def check_tensors(op: str, group: Group, *tensors: torch.Tensor) -> None:
-    """Strict mode: raise :class:`StrictCommError` for a tensor NCCL would not take (see module doc)."""
+    """Strict mode: raise :class:`StrictCommError` for a tensor NCCL would not take (see module doc),
+    and log the collective (point-to-point excepted) for the cross-rank order comparison."""
     if not strict():
         return
+    if op != "send/recv":
+        # all-to-all row counts differ by rank by design: only the row width is compared
+        shape = (lambda t: ["*", *t.shape[1:]]) if op == "all_to_all" else (lambda t: list(t.shape))
+        _ORDER_LOG[_group_key(group)].append(
+            f"{op}(" + ", ".join(f"{str(t.dtype).removeprefix('torch.')}{shape(t)}" for t in tensors) + ")"
+        )
     want = _device_type(group)
     for t in tensors:
         where = f"{op}: tensor of shape {tuple(t.shape)} ({t.dtype}, {t.device})"
@@ -197,6 +240,19 @@ def all_reduce(t: torch.Tensor, group: Group, meter: CommMeter | None = None, as
     if meter is not None:
         meter.record("all_reduce", nbytes(t), n)
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce_via(t: torch.Tensor, group: Group, device: torch.device, meter: CommMeter | None = None) -> None:
+    """Sum ``t`` in place over ``group`` through a copy on ``device`` when it lives elsewhere (host
+    memory under offload): NCCL reduces only device memory."""
+    if group_size(group) == 1:
+        return
+    if t.device == torch.device(device):
+        all_reduce(t, group, meter)
+        return
+    on_device = t.to(device)
+    all_reduce(on_device, group, meter)
+    t.copy_(on_device)
 
 
 def all_reduce_max(t: torch.Tensor, group: Group, meter: CommMeter | None = None) -> None:

@@ -9,6 +9,7 @@ test with that rank's traceback; the pool is then restarted so later tests start
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
@@ -24,13 +25,17 @@ PG_TIMEOUT_S = 60
 
 
 def _worker_loop(rank: int, world: int, init_file: str, conn) -> None:
-    # NCCL's rules on gloo (loom.comm strict mode) and PyTorch's cross-rank collective checks
+    # NCCL's rules on gloo (loom.comm strict mode); the collective order of every group is compared
+    # across its ranks after each call (PyTorch's DETAIL checks: LOOM_TEST_DIST_DEBUG=DETAIL)
     os.environ.setdefault("LOOM_STRICT_COMM", "1")
-    os.environ["TORCH_DISTRIBUTED_DEBUG"] = os.environ.get("LOOM_TEST_DIST_DEBUG", "DETAIL")
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = os.environ.get("LOOM_TEST_DIST_DEBUG", "OFF")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    faulthandler.enable()  # a crashing rank prints its Python stack
     sys.path.insert(0, ROOT)
     import torch
     import torch.distributed as dist
+
+    from loom import comm
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -43,9 +48,11 @@ def _worker_loop(rank: int, world: int, init_file: str, conn) -> None:
         if msg is None:
             break
         module, name, args, kwargs = msg
+        comm.take_order_log()
         try:
             fn = getattr(importlib.import_module(module), name)
-            conn.send(("ok", fn(*args, **kwargs)))
+            value = fn(*args, **kwargs)
+            conn.send(("ok", (value, comm.take_order_log())))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             conn.send(("err", traceback.format_exc()))
     dist.destroy_process_group()
@@ -53,6 +60,10 @@ def _worker_loop(rank: int, world: int, init_file: str, conn) -> None:
 
 class RankFailure(AssertionError):
     pass
+
+
+class CollectiveOrderError(AssertionError):
+    """The members of a group issued different collectives (strict mode's cross-rank comparison)."""
 
 
 class WorkerPool:
@@ -80,23 +91,38 @@ class WorkerPool:
 
     def run(self, fn, *args, timeout: float = 300, **kwargs) -> list[Any]:
         """Run ``fn`` (a module-level function) on every rank; return the per-rank results."""
-        for c in self.conns:
-            c.send((fn.__module__, fn.__name__, args, kwargs))
         results: list[Any] = [None] * self.world
+        orders: list[dict] = [{} for _ in range(self.world)]
         errors: list[str] = []
         for r, c in enumerate(self.conns):
+            try:
+                c.send((fn.__module__, fn.__name__, args, kwargs))
+            except OSError:  # the rank died during an earlier call
+                errors.append(f"rank {r} is dead (exit code {self.procs[r].exitcode})")
+        for r, c in enumerate(self.conns):
+            if errors and len(errors) == self.world:
+                break
             wait = timeout if not errors else 5
-            if not c.poll(wait):
-                errors.append(f"rank {r}: no answer within {wait:.0f} s")
+            try:
+                if not c.poll(wait):
+                    errors.append(f"rank {r}: no answer within {wait:.0f} s")
+                    continue
+                status, value = c.recv()
+            except (EOFError, OSError):
+                self.procs[r].join(timeout=5)
+                errors.append(f"rank {r} died (exit code {self.procs[r].exitcode})")
                 continue
-            status, value = c.recv()
             if status == "ok":
-                results[r] = value
+                results[r], orders[r] = value
             else:
                 errors.append(f"rank {r} raised:\n{value}")
         if errors:
             self.restart()
             raise RankFailure("\n".join(errors))
+        from loom.comm import first_order_mismatch
+
+        if (mismatch := first_order_mismatch(orders)) is not None:
+            raise CollectiveOrderError(f"{fn.__name__}: {mismatch}")
         return results
 
     def restart(self) -> None:

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from loom import comm
+
 SCALER_KEY = "train.loss_scaler"  # checkpoint name of the scaler state
 
 
@@ -114,8 +116,8 @@ def world_overflow(grads: list[torch.Tensor]) -> bool:
     if grads:
         amax = torch._foreach_norm(grads, float("inf"))  # exact in the gradient's dtype; NaN propagates
         flag += (~torch.isfinite(torch.stack(amax))).any().float()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if dist.is_available() and dist.is_initialized():
+        comm.all_reduce_max(flag, dist.group.WORLD)
     return bool(flag.item())
 
 

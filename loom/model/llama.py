@@ -114,9 +114,10 @@ class FeedForward(nn.Module):
 class ExpertWeights(nn.Module):
     """One weight matrix per expert, stacked: ``weight`` of shape (E, out, in)."""
 
-    def __init__(self, n_experts: int, out_features: int, in_features: int) -> None:
+    def __init__(self, n_experts: int, out_features: int, in_features: int, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features))
+        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features, device=device, dtype=dtype))
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

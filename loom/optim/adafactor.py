@@ -65,6 +65,8 @@ class FlatAdafactor:
         self.eps1 = torch.finfo(torch.float32).eps
         self.shard_group: Group = None
         self.tp_group: Group = None
+        # statistics may live in host memory (offload); collectives run on the parameters' device
+        self._comm_device = shards[0].device if len(shards) else store.device
         self.pieces, every = pieces_of(layouts)
         # Offsets of every parameter's statistics in the packed buffer: [row sums, col sums, Σ P²].
         self._stat_at: dict[tuple[int, int], int] = {}
@@ -163,11 +165,11 @@ class FlatAdafactor:
     # ------------------------------------------------------------------ collectives
     def _reduce(self, buf: torch.Tensor, tp_ranges: list[tuple[int, int]]) -> None:
         """Sum partial statistics over the sharding group, then the ``tp_ranges`` entries over tp."""
-        comm.all_reduce(buf, self.shard_group)
+        comm.all_reduce_via(buf, self.shard_group, self._comm_device)
         if comm.group_size(self.tp_group) > 1 and tp_ranges:
             idx = torch.cat([torch.arange(a, b) for a, b in tp_ranges]).to(buf.device)
             part = buf.index_select(0, idx)
-            comm.all_reduce(part, self.tp_group)
+            comm.all_reduce_via(part, self.tp_group, self._comm_device)
             buf.index_copy_(0, idx, part)
 
     def _global(self, pc: Piece, n: int) -> int:
@@ -178,6 +180,7 @@ class FlatAdafactor:
     @torch.no_grad()
     def step(self, grads: Sequence[torch.Tensor], lr: float) -> None:
         """One Adafactor update of this rank's pieces from the reduced gradient shards."""
+        self._comm_device = grads[0].device if grads else self.store.device  # collectives run there
         g32 = self.master.grads32(grads, self.grad_scale)
         self._ckpt.clear()
         self.step_count += 1
@@ -214,7 +217,7 @@ class FlatAdafactor:
         if not split or comm.group_size(self.tp_group) == 1:
             return {}
         sums = torch.stack([self.row_var[n].sum(dtype=torch.float64) for n in split])
-        comm.all_reduce(sums, self.tp_group)
+        comm.all_reduce_via(sums, self.tp_group, self._comm_device)
         return {n: float(s) for n, s in zip(split, sums)}
 
     def _update(self, views, stats: torch.Tensor, lr: float, rho: float, beta: float) -> None:
@@ -236,7 +239,7 @@ class FlatAdafactor:
                 numel = R * C
                 rv, cv = self.row_var[n], self.col_var[n]
                 if n in split_means:
-                    mean = torch.tensor(split_means[n] / self._global(pc, R), dtype=torch.float32)
+                    mean = torch.tensor(split_means[n] / self._global(pc, R), dtype=torch.float32, device=rv.device)
                 else:
                     mean = rv.mean()
                 self._means[n] = mean

@@ -8,6 +8,10 @@ while backward goes on; :meth:`DataParallel.finish_sync` waits for all of them.
 Averaging: each bucket is divided by n before the sum-all-reduce, so the result is the mean
 over ranks; with equal micro-batches that equals the gradient of the global-batch mean loss.
 
+Collective order: a bucket launches only after every lower-numbered bucket of its group has, so
+every rank issues each group's all-reduces in the same order (as NCCL requires) even when
+ranks complete buckets in different orders (an expert that received no tokens on one rank).
+
 Gradient accumulation: during micro-steps that are not the last, :meth:`no_sync` keeps hooks
 from communicating; gradients accumulate in the buffers; the last micro-step communicates once.
 
@@ -43,6 +47,7 @@ class Bucket:
     pending: int = 0
     work: object | None = None
     launched: bool = False
+    ready: bool = False  # every gradient of the step accumulated (launches once its predecessors have)
     group: Group = None  # where it is summed: the dp group, or an expert's edp group (expert parallelism)
 
 
@@ -137,7 +142,12 @@ class DataParallel(SyncSwitch):
         self._ready_count += 1
         b.pending -= 1
         if b.pending == 0:
-            self._launch(b)
+            b.ready = True
+            for other in self.buckets:  # this group's buckets in index order, up to the first not ready
+                if other.group is b.group and not other.launched:
+                    if not other.ready:
+                        break
+                    self._launch(other)
 
     def _launch(self, b: Bucket) -> None:
         self.launch_log.append(LaunchRecord(b.index, len(self.params) - self._ready_count))
@@ -163,7 +173,7 @@ class DataParallel(SyncSwitch):
                 b.work = None
             if b.comm_buffer is not b.buffer:
                 b.buffer.copy_(b.comm_buffer)
-            b.launched = False
+            b.launched = b.ready = False
             b.pending = len(b.params)
         self._ready_count = 0
 
@@ -192,9 +202,10 @@ class DataParallel(SyncSwitch):
         if not experts:
             return clip_grad_norm(self.params, max_norm, tp_group=self.tp_group)
         dense = [p for p in self.params if getattr(p, "ep_shard", None) is None]
-        sq = grad_norm_sq(experts)
+        device = experts[0].device
+        sq = grad_norm_sq(experts, device)
         comm.all_reduce(sq, experts[0].ep_shard[2])
-        norm = (sq + grad_norm_sq(dense)).sqrt()
+        norm = (sq + grad_norm_sq(dense, device)).sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             grads = [p.grad for p in self.params if p.grad is not None]

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Function
 
+from loom import comm
 from loom.comm import CommMeter, Group
 from loom.model.llama import ExpertWeights, MoEFeedForward, route, swiglu
 
@@ -46,7 +47,9 @@ def _all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group:
     if meter is not None:
         row = x[0].numel() * x.element_size() if x.shape[0] else 0
         meter.record("all_to_all", row * (sum(in_rows) - in_rows[me]), 2)  # bytes leaving this rank
-    dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=group)
+    x = x.contiguous()
+    comm.check_tensors("all_to_all", group, out, x)
+    dist.all_to_all_single(out, x, out_rows, in_rows, group=group)
     return out
 
 
@@ -79,7 +82,7 @@ class ExpertParallelMoE(nn.Module):
         lo, hi = rank * self.local, (rank + 1) * self.local
         for name in ("w1", "w3", "w2"):
             full = getattr(moe, name).weight
-            mine = ExpertWeights(self.local, *full.shape[1:])
+            mine = ExpertWeights(self.local, *full.shape[1:], device=full.device, dtype=full.dtype)
             with torch.no_grad():
                 mine.weight.copy_(full[lo:hi])
             mine.weight.ep_shard = (rank, ep, group, edp_group)  # read by data parallelism and checkpoints
@@ -134,6 +137,8 @@ def gather_experts(module: nn.Module) -> dict[str, torch.Tensor]:
         if shard is None or name not in state:
             continue
         parts = [torch.empty_like(p) for _ in range(shard[1])]
-        dist.all_gather(parts, p.detach().contiguous(), group=shard[2])
+        mine = p.detach().contiguous()
+        comm.check_tensors("all_gather", shard[2], mine, *parts)
+        dist.all_gather(parts, mine, group=shard[2])
         state[name] = torch.cat(parts)
     return state

@@ -176,7 +176,7 @@ def gather_dim(t: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         return t.detach().clone()
     x = t.detach().movedim(dim, 0).contiguous()
     buf = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(buf.view(-1), x.view(-1), group=group)
+    comm.all_gather(buf.view(-1), x.view(-1), group)
     return buf.flatten(0, 1).movedim(0, dim).contiguous()
 
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from loom import comm
@@ -46,10 +45,13 @@ class StepResult:
     grad_norm: float  # global gradient norm before clipping
 
 
-def grad_norm_sq(params: Sequence[torch.Tensor]) -> torch.Tensor:
+def grad_norm_sq(params: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """Σ g² in fp32 over the parameters' gradients, on their device (``device`` if there are none:
+    a rank with no gradients still joins the collective that sums this, with a device tensor)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros((), dtype=torch.float32)
+        where = device if device is not None else (params[0].device if len(params) else None)
+        return torch.zeros((), dtype=torch.float32, device=where)
     norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # fp32 accumulation, also for half grads
     return torch.stack(norms).pow(2).sum()
 
@@ -64,13 +66,14 @@ def clip_grad_norm(
     shards (params with ``tp_shard_dim`` set) add their squares over it; the parameters replicated
     across tp (norm weights) count once.
     """
+    device = params[0].device if len(params) else None
     if comm.group_size(tp_group) > 1:
         sharded = [p for p in params if getattr(p, "tp_shard_dim", None) is not None]
-        sq = grad_norm_sq(sharded)
+        sq = grad_norm_sq(sharded, device)
         comm.all_reduce(sq, tp_group)
-        sq = sq + grad_norm_sq([p for p in params if getattr(p, "tp_shard_dim", None) is None])
+        sq = sq + grad_norm_sq([p for p in params if getattr(p, "tp_shard_dim", None) is None], device)
     else:
-        sq = grad_norm_sq(params)
+        sq = grad_norm_sq(params, device)
     for g in sum_groups:
         comm.all_reduce(sq, g)
     norm = sq.sqrt()
@@ -87,7 +90,7 @@ def mean_over(value: torch.Tensor, group: Group) -> torch.Tensor:
     n = comm.group_size(group)
     if n > 1:
         value = value.clone()
-        dist.all_reduce(value, group=group)
+        comm.all_reduce(value, group)
         value /= n
     return value
 
@@ -115,7 +118,7 @@ def train_step(
     sum_partial_grads(model.parameters(), strategy)  # tp-partial gradients (sequence-parallel norms)
     # The logged loss is averaged over dp while the optimizer runs (unmetered bookkeeping).
     n = comm.group_size(dp_group)
-    work = dist.all_reduce(total, group=dp_group, async_op=True) if n > 1 else None
+    work = comm.all_reduce(total, dp_group, async_op=True) if n > 1 else None
     norm = strategy.clip_grad_norm(grad_clip)
     strategy.step(lr)
     if work is not None:

@@ -163,7 +163,8 @@ class PipelineStrategy:
         if self.asynchronous:
             return self.inner.clip_grad_norm(max_norm)
         local = self.inner.clip_grad_norm(0.0)
-        sq = torch.tensor(local * local, dtype=torch.float64)
+        device = next(self.pipe.parameters()).device  # collectives take device tensors (NCCL)
+        sq = torch.tensor(local * local, dtype=torch.float64, device=device)
         tied = self.pipe.tied_weight()
         if tied is not None and self.pipe.is_last:  # the tied matrix once: the first rank counts it
             if hasattr(self.inner, "param_grad_shard"):  # a ZeRO shard: squares summed over the sharding group
@@ -173,7 +174,7 @@ class PipelineStrategy:
                 t = grad_norm_sq([tied])
             if getattr(tied, "tp_shard_dim", None) is not None:
                 comm.all_reduce(t, self.tp_group)
-            sq -= t.double().cpu()
+            sq -= t.double().to(device)
         comm.all_reduce(sq, self.pipe.group, self.meter)
         norm = math.sqrt(max(float(sq), 0.0))
         coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
@@ -263,7 +264,8 @@ def pipeline_train_step(model: PipelineModule, strategy: PipelineStrategy, micro
     stats = strategy.run(micro_batches, loss_fn, on_step)
     loss = _last_stage_mean(model, dp_group, list(stats.losses.values()))
     if strategy.asynchronous:  # root-mean-square of this step's per-update stage norms, summed over stages
-        sq = torch.tensor(sum(n * n for n in norms) / max(1, len(norms)), dtype=torch.float64)
+        sq = torch.tensor(sum(n * n for n in norms) / max(1, len(norms)), dtype=torch.float64,
+                          device=next(model.parameters()).device)  # fmt: skip
         comm.all_reduce(sq, model.group)
         return StepResult(loss=loss, grad_norm=math.sqrt(float(sq)))
     return StepResult(loss=loss, grad_norm=norms[-1])

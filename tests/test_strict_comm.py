@@ -1,0 +1,168 @@
+"""NCCL's rules on CPU: the pipeline's posting plan under an NCCL stream model, and each check of
+the strict communication mode (``LOOM_STRICT_COMM``) firing on a deliberately wrong example."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from loom.parallel.pipeline.posting import nccl_check, posting_plan
+from loom.parallel.pipeline.runtime import step_schedule
+from loom.parallel.pipeline.simulate import ScheduleError, check
+from tests.dist import CollectiveOrderError, WorkerPool
+
+
+def _cases() -> list[tuple[str, int, int, int]]:
+    out = []
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw"):
+        for p in (2, 3, 4, 8):
+            for m in sorted({p, 2 * p, 3 * p, 8, 16}):
+                for v in (1, 2, 3, 4) if name == "interleaved" else (1,):
+                    try:
+                        step_schedule(name, p, m, v)
+                    except ValueError:  # a combination the schedule refuses (m not a multiple of p, ...)
+                        continue
+                    out.append((name, p, m, v))
+    return out
+
+
+ALL = _cases()
+
+
+def _one_group(schedule):
+    """The same batches, all on the pp group's one stream (how Loom posted before links)."""
+    return [[replace(it, link="pp") for it in posting_plan(r, actions)] for r, actions in enumerate(schedule)]
+
+
+def test_every_schedule_is_deadlock_free_on_nccl_streams() -> None:
+    """The runtime's plan completes under the NCCL model for every schedule, p, m and v."""
+    assert len(ALL) > 100
+    for name, p, m, v in ALL:
+        schedule = step_schedule(name, p, m, v)
+        check(schedule)
+        nccl_check(schedule)
+
+
+def test_one_pp_group_deadlocks_every_schedule() -> None:
+    """With every batch on one group, as Loom posted before, none of them completes: the model
+    sees what the in-order streams of NCCL would do."""
+    for name, p, m, v in ALL:
+        with pytest.raises(ScheduleError, match="deadlock on NCCL"):
+            nccl_check(step_schedule(name, p, m, v), _one_group(step_schedule(name, p, m, v)))
+
+
+def test_plan_posts_receives_before_the_compute_and_one_link_per_batch() -> None:
+    schedule = step_schedule("1f1b", 2, 4)
+    for r, actions in enumerate(schedule):
+        plan = posting_plan(r, actions)
+        issued = sorted(i for it in plan for i in (it.batch or (it.index,)))
+        assert issued == list(range(len(actions)))  # every action issued exactly once
+        for _k, it in enumerate(plan):
+            if it.is_batch:
+                assert len({(r, actions[i].peer) if actions[i].kind.name.startswith("SEND")
+                             else (actions[i].peer, r) for i in it.batch}) == 1  # fmt: skip
+                assert {it.link} == {(r, actions[i].peer) if actions[i].kind.name.startswith("SEND")
+                                     else (actions[i].peer, r) for i in it.batch}  # fmt: skip
+        # a RECV that follows a compute in the list is issued before that compute
+        pos = {i: k for k, it in enumerate(plan) for i in (it.batch or (it.index,))}
+        for i, a in enumerate(actions):
+            if a.kind.name.startswith("RECV") and i > 0 and not actions[i - 1].kind.name.startswith(("SEND", "RECV")):
+                assert pos[i] < pos[i - 1]
+
+
+# ----------------------------------------------------------------------------- checks inside ranks
+
+
+def _tensor_checks() -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from loom import comm
+
+    world = dist.group.WORLD
+    seen = []
+    for bad in (torch.ones(4, 4).t(), torch.ones(3, dtype=torch.int16), torch.ones(3, device="meta")):
+        try:
+            comm.all_reduce(bad, world)
+        except comm.StrictCommError as e:
+            seen.append(str(e))
+    ok = torch.ones(3)
+    comm.all_reduce(ok, world)  # a good tensor still goes through
+    seen.append(str(float(ok.sum())))
+    return seen
+
+
+def _in_order_deadlock() -> str:
+    """Both ranks post a receive, then a send, on one group: gloo completes it, NCCL's in-order
+    stream cannot (each rank's send waits behind its own receive)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from loom import comm
+
+    group = dist.new_group([0, 1])
+    peer = 1 - dist.get_rank()
+    inbox, outbox = torch.empty(8), torch.ones(8)
+    recv = comm.batch_p2p([], [(inbox, peer)], group)
+    comm.batch_p2p([(outbox, peer)], [], group)
+    try:
+        recv[0].wait(timedelta(seconds=2))
+    except RuntimeError as e:
+        return str(e)
+    return "completed"
+
+
+def _mismatched_collectives() -> float:
+    """Rank 0 sums, rank 1 takes the max: gloo completes both (each rank reduces locally with its
+    own op) and the ranks silently hold different values; the order log names the divergence."""
+    import torch
+    import torch.distributed as dist
+
+    from loom import comm
+
+    t = torch.ones(4)
+    if dist.get_rank() == 0:
+        comm.all_reduce(t, dist.group.WORLD)
+    else:
+        comm.all_reduce_max(t, dist.group.WORLD)
+    return float(t.sum())
+
+
+def test_strict_tensor_checks_fire(pools) -> None:
+    a, b = pools(2).run(_tensor_checks)
+    assert a == b
+    assert "not contiguous" in a[0]
+    assert "NCCL does not move torch.int16" in a[1]
+    assert "not on the group's device" in a[2] and "meta" in a[2]
+    assert a[3] == "6.0"
+
+
+def test_strict_point_to_point_runs_in_issue_order() -> None:
+    pool = WorkerPool(2)  # its own ranks: the deadlocked messages must not reach other tests
+    try:
+        out = pool.run(_in_order_deadlock, timeout=60)
+    finally:
+        pool.close()
+    assert all("timed out" in o for o in out), out
+
+
+def test_collective_order_is_compared_across_ranks(pools) -> None:
+    with pytest.raises(CollectiveOrderError, match=r"collective #0 is all_reduce\(float32\[4\]\) on rank 0 "
+                                                   r"but all_reduce_max\(float32\[4\]\) on rank 1"):  # fmt: skip
+        pools(2).run(_mismatched_collectives)
+
+
+def test_order_mismatch_names_the_first_difference() -> None:
+    from loom.comm import first_order_mismatch
+
+    key = ("7", (0, 1))
+    same = {key: ["all_reduce(float32[8])", "all_gather(bfloat16[4], bfloat16[2])"]}
+    assert first_order_mismatch([same, same]) is None
+    short = {key: same[key][:1]}
+    msg = first_order_mismatch([same, short])
+    assert msg is not None and "collective #1 is all_gather" in msg and "but nothing on rank 1" in msg
+    # groups a rank is not a member of are not compared against it
+    assert first_order_mismatch([same, same, {("9", (2,)): ["all_reduce(float32[1])"]}]) is None
