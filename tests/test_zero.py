@@ -232,6 +232,40 @@ def test_stage2_reduce_scatter_overlaps_backward(runs):
         assert launches[0][0] > 0
 
 
+def _replica_overlap(rep: int, shard: int, stage: int, precision: str) -> list[list[bool]]:
+    """Two steps with small buckets; per reducer, whether each all-reduce across replicas was issued
+    before the end-of-step drain (during backward for stages 2 and 3)."""
+    from loom.comm import CommMeter
+    from loom.model.llama import build_model, loss_fn
+    from loom.parallel import parallelize
+
+    mesh = get_mesh(dp_replicate=rep, dp_shard=shard)
+    cfg = C.LoomConfig(model=tiny_model(), train=replace(tiny_train(steps=2), precision=precision))
+    cfg.parallel = replace(cfg.parallel, dp=rep * shard, dp_shard=shard, zero=stage, bucket_mb=0.01)
+    model = build_model(cfg.model, cfg.train.seed)
+    strategy = parallelize(model, mesh, cfg, CommMeter())
+    metered_steps(model, strategy, CommMeter(), mesh, cfg, loss_fn, 2, BATCH, BATCH // (rep * shard))
+    while not hasattr(strategy, "reducer"):
+        strategy = strategy.inner
+    logs = [r.replica_log for r in getattr(strategy, "_reducers", [strategy.reducer])]
+    strategy.remove()
+    return logs
+
+
+@pytest.mark.parametrize("world,rep,shard,stage,precision", [
+    (2, 2, 1, 0, "bf16"),  # half precision without ZeRO: fp32 masters replicated, gradients all-reduced
+    (4, 2, 2, 2, "fp32"),  # hybrid stage 2
+    (4, 2, 2, 3, "fp32"),  # hybrid stage 3
+])  # fmt: skip
+def test_replica_all_reduce_overlaps_backward(pools, world, rep, shard, stage, precision):
+    """The all-reduce across replicas is issued during backward (as the fp32 data-parallel path's
+    buckets are), never all at the end: every one but the last of each step before the drain."""
+    for logs in pools(world).run(_replica_overlap, rep, shard, stage, precision):
+        log = [flag for reducer in logs for flag in reducer]
+        assert len(log) >= 2 * 3, log  # 2 steps, several buckets or units each
+        assert sum(not flag for flag in log) <= 2, log  # at most the last of each step waits for the drain
+
+
 def test_stage3_prefetches_next_unit(runs):
     """After the first step only the first unit of each forward is gathered on demand; every other
     gather (forward and backward) is a prefetch issued while the previous unit computes, and each

@@ -32,15 +32,25 @@ MAX_INFLIGHT = 2  # full-size gradient buffers in flight at once (beyond the one
 
 @dataclass
 class _Pending:
-    work: object | None
+    work: object | None  # the reduce-scatter over the sharding group
     full: torch.Tensor  # kept alive until the collective completes
     out: torch.Tensor
     dest: torch.Tensor
     transient: int  # bytes alive only while this reduction is in flight
+    replica_work: object | None = None  # the all-reduce of the shard across replicas
+    replicated: bool = False  # that all-reduce has been issued
 
 
 class GradReducer:
-    """Asynchronous reduce-scatter of flat gradients into shards, at most ``max_inflight`` at once."""
+    """Asynchronous reduce-scatter of flat gradients into shards, at most ``max_inflight`` at once.
+
+    Overlap: the all-reduce of a shard across replicas is issued asynchronously as soon as the
+    next gradient is launched (its reduce-scatter is then issued too; waiting for the earlier one
+    only orders the stream on an accelerator), so with R > 1 every reduction but the last is on
+    the wire during backward; with N = 1 (replicated masters) the all-reduce is issued at once.
+    Reductions of one group are issued in launch order on every rank, as NCCL requires.
+    ``replica_log`` records, per all-reduce issued, whether it was issued before :meth:`drain`.
+    """
 
     def __init__(
         self,
@@ -56,6 +66,7 @@ class GradReducer:
         self.reduce_dtype = reduce_dtype
         self.max_inflight = max_inflight
         self.inflight: deque[_Pending] = deque()
+        self.replica_log: list[bool] = []
 
     def launch(self, full: torch.Tensor, dest: torch.Tensor, owned: bool = True) -> None:
         """Start dest = shard of (Σ over dp of full) / dp. ``full`` may be divided in place; ``owned``:
@@ -67,14 +78,29 @@ class GradReducer:
         transient = _nbytes(send) if (owned or send is not full) else 0
         transient += _nbytes(out) if out is not dest else 0
         work = comm.reduce_scatter(out, send, self.shard_group, self.meter, async_op=True)
+        for p in self.inflight:  # the earlier shards go on to their replicas now
+            self._replicate(p, during_backward=True)
         self.inflight.append(_Pending(work, send, out, dest, transient))
+        if work is None:  # nothing to wait for: across replicas at once
+            self._replicate(self.inflight[-1], during_backward=True)
         while len(self.inflight) > self.max_inflight:
             self._complete(self.inflight.popleft())
 
-    def _complete(self, p: _Pending) -> None:
+    def _replicate(self, p: _Pending, during_backward: bool = False) -> None:
+        if p.replicated:
+            return
         if p.work is not None:
-            p.work.wait()
-        comm.all_reduce(p.out, self.replicate_group, self.meter)
+            comm.wait(p.work)
+            p.work = None
+        p.replica_work = comm.all_reduce(p.out, self.replicate_group, self.meter, async_op=True)
+        p.replicated = True
+        if p.replica_work is not None:
+            self.replica_log.append(during_backward)
+
+    def _complete(self, p: _Pending) -> None:
+        self._replicate(p)
+        if p.replica_work is not None:
+            comm.wait(p.replica_work)
         if p.out is not p.dest:
             p.dest.copy_(p.out)
 

@@ -9,7 +9,8 @@ Adam state, its reduced gradient, its update. After the update every bucket is a
 Stage 1: gradients accumulate in full-size flat buffers (``p.grad`` are views); after the last
 backward, each bucket is reduce-scattered, the shard landing in the owner's slice of that buffer.
 Stage 2: gradients are reduce-scattered bucket by bucket *during* backward, launched from a
-post-accumulate hook when the bucket's last gradient arrives (overlapped, as DDP's all-reduce);
+post-accumulate hook when the bucket's last gradient arrives (overlapped, as DDP's all-reduce;
+each reducer's buckets in index order, so every rank issues the same collectives in one order);
 each parameter's gradient is folded into a bucket buffer allocated on its first gradient and
 freed as soon as its shard is formed, at most ``MAX_INFLIGHT`` buckets being in flight, and only
 the 1/N gradient shard stays. Under :meth:`no_sync` (gradient accumulation) no communication
@@ -61,6 +62,7 @@ class FlatBucket:
     grad_shard: torch.Tensor  # this rank's reduced Φ_b'/N gradient shard
     pending: int = 0
     launched: bool = False
+    ready: bool = False  # every gradient of the step accumulated (launches once its predecessors have)
     reducer: GradReducer | None = None  # the strategy's, or the expert shards' (summed over their edp group)
 
 
@@ -160,7 +162,12 @@ class ZeroDataParallel(ShardedStrategy):
         self._ready += 1
         b.pending -= 1
         if b.pending == 0:
-            self._launch(b, during_backward=True)
+            b.ready = True
+            for other in self.buckets:  # one reducer's buckets launch in index order on every rank
+                if other.reducer is b.reducer and not other.launched:
+                    if not other.ready:
+                        break
+                    self._launch(other, during_backward=True)
 
     def _launch(self, b: FlatBucket, during_backward: bool = False) -> None:
         self.launch_log.append(LaunchRecord(b.index, len(self.params) - self._ready, during_backward))
@@ -192,7 +199,7 @@ class ZeroDataParallel(ShardedStrategy):
         for r in self._reducers:
             r.drain()
         for b in self.buckets:
-            b.launched = False
+            b.launched = b.ready = False
             b.pending = len(b.layout.params)
         self._ready = 0
 
