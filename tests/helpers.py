@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -82,10 +84,15 @@ def metered_steps(model, strategy, meter, mesh, cfg, loss_fn, steps: int, batch:
     return losses, moved, calls
 
 
-def train_layout(layout: dict, steps: int, batch: int, micro: int, model_kw: dict | None = None) -> dict:
+def train_layout(
+    layout: dict, steps: int, batch: int, micro: int, model_kw: dict | None = None, sentinel: bool = False
+) -> dict:
     """Train the tiny model (``model_kw`` over its defaults) under ``layout`` (mesh degrees, ``zero``,
     ``sp``, ``recompute``) through ``parallelize``, the Trainer's path, on this rank's share of each
-    global batch; returns losses, the full final state, and per step the meter's bytes and calls."""
+    global batch; returns losses, the full final state, and per step the meter's bytes and calls.
+
+    ``sentinel``: parallelize and every step run with the meta device as torch's default device,
+    so a tensor created without an explicit device (the CPU, by default, on a GPU run) fails."""
     from loom.comm import CommMeter
     from loom.config import LoomConfig
     from loom.model.llama import build_model, loss_fn
@@ -106,12 +113,18 @@ def train_layout(layout: dict, steps: int, batch: int, micro: int, model_kw: dic
     cfg.parallel.dp_shard = layout.get("dp_shard", 1)
     cfg.parallel.zero, cfg.parallel.sp = layout.get("zero", 0), layout.get("sp", False)
     cfg.train.global_batch, cfg.train.micro_batch = batch, micro
+    cfg.parallel.schedule = layout.get("schedule", cfg.parallel.schedule)
+    cfg.parallel.virtual_stages = layout.get("virtual_stages", 1)
+    cfg.parallel.offload = layout.get("offload", "none")
+    cfg.parallel.reduce_dtype = layout.get("reduce_dtype", "fp32")
     cfg.train.recompute = layout.get("recompute", "none")
     cfg.train.precision, cfg.train.optimizer = layout.get("precision", "fp32"), layout.get("optimizer", "adamw")
     cfg.run.dir = "/tmp/loom-test-layout"
     meter = CommMeter()
     model = build_model(cfg.model, cfg.train.seed)
-    strategy = parallelize(model, mesh, cfg, meter)
+    placed = torch.device("meta") if sentinel else contextlib.nullcontext()
+    with placed:
+        strategy = parallelize(model, mesh, cfg, meter)
     pipe = getattr(strategy, "pipe", None)
     step_fn, net = (pipeline_train_step, pipe) if pipe is not None else (train_step, model)
     lossf = getattr(model, "loss_fn", loss_fn)
@@ -121,7 +134,9 @@ def train_layout(layout: dict, steps: int, batch: int, micro: int, model_kw: dic
         meter.reset()
         batches = shard_sequence(rank_micro_batches(step, batch, micro, dp_rank, dp), mesh.size("cp"),
                                  mesh.local_rank("cp"))  # fmt: skip
-        res = step_fn(net, strategy, batches, lossf, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp_cp"))
+        with placed:
+            res = step_fn(net, strategy, batches, lossf, cfg.train.grad_clip, lr_at(step, cfg.train),
+                          mesh.group("dp_cp"))  # fmt: skip
         losses.append(res.loss)
         moved.append(dict(meter.moved))
         calls.append(dict(meter.calls))

@@ -166,3 +166,70 @@ def test_order_mismatch_names_the_first_difference() -> None:
     assert msg is not None and "collective #1 is all_gather" in msg and "but nothing on rank 1" in msg
     # groups a rank is not a member of are not compared against it
     assert first_order_mismatch([same, same, {("9", (2,)): ["all_reduce(float32[1])"]}]) is None
+
+
+# ----------------------------------------------------------------------------- device placement
+
+SENTINEL_LAYOUTS = {
+    2: {
+        "dp2": ({"dp_replicate": 2}, {}),
+        "dp2-fp16": ({"dp_replicate": 2, "precision": "fp16"}, {}),
+        "zero2-offload": ({"dp_shard": 2, "zero": 2, "offload": "cpu"}, {}),
+        "zero3-bf16-adafactor": ({"dp_shard": 2, "zero": 3, "precision": "bf16", "optimizer": "adafactor"}, {}),
+        "zero1-adam8bit": ({"dp_shard": 2, "zero": 1, "optimizer": "adam8bit"}, {}),
+        "tp2-sp": ({"tp": 2, "sp": True}, {}),
+        "pp2-zb": ({"pp": 2, "schedule": "zb-h1"}, {}),
+        "pp2-interleaved": ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2}, {"n_layers": 4}),
+        "pp2-2bw-bf16": ({"pp": 2, "schedule": "2bw", "precision": "bf16"}, {}),
+        "cp2": ({"cp": 2}, {}),
+        "ep2": ({"dp_replicate": 2, "ep": 2}, {"n_experts": 4, "top_k": 2}),
+    },
+    4: {
+        "hybrid-zero3": ({"dp_replicate": 2, "dp_shard": 2, "zero": 3}, {}),
+        "tp2-pp2": ({"tp": 2, "pp": 2, "sp": True}, {}),
+        "cp2-tp2": ({"cp": 2, "tp": 2}, {}),
+        "ep2-dp4-bf16": ({"dp_replicate": 4, "ep": 2, "precision": "bf16"}, {"n_experts": 4, "top_k": 2}),
+    },
+}
+
+
+def _sentinel_layouts(world: int) -> dict[str, str]:
+    from tests.helpers import train_layout
+
+    out = {}
+    for name, (layout, model_kw) in SENTINEL_LAYOUTS[world].items():
+        try:
+            train_layout(layout, 2, 8, 2, model_kw, sentinel=True)
+            out[name] = "ok"
+        except Exception as e:  # noqa: BLE001 - reported per layout
+            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layouts_create_tensors_on_the_mesh_device_only(pools, world) -> None:
+    """Construction and two steps of each layout with the meta device as torch's default device:
+    a tensor made without the mesh's device (on the CPU, by default, in a GPU run) fails there,
+    in a collective (strict mode) or in an op mixing devices."""
+    for per_rank in pools(world).run(_sentinel_layouts, world):
+        assert per_rank == dict.fromkeys(SENTINEL_LAYOUTS[world], "ok")
+
+
+def _default_device_bug() -> str:
+    """A gradient-norm fallback made on the default device, as the pipeline's was."""
+    import torch
+    import torch.distributed as dist
+
+    from loom import comm
+
+    with torch.device("meta"):
+        try:
+            comm.all_reduce(torch.zeros(()), dist.group.WORLD)
+        except comm.StrictCommError as e:
+            return str(e)
+    return "not caught"
+
+
+def test_sentinel_catches_a_default_device_tensor(pools) -> None:
+    for msg in pools(2).run(_default_device_bug):
+        assert "not on the group's device" in msg and "meta" in msg

@@ -35,20 +35,21 @@ BLOCK = 256
 CHUNK_BLOCKS = 4096  # blocks dequantized at once: bounds the fp32 working set to 4 MiB per moment
 
 
-def _signed_map() -> torch.Tensor:
-    mags = torch.logspace(-7, 0, 127, dtype=torch.float64)
-    return torch.cat([-mags.flip(0), torch.zeros(1, dtype=torch.float64), mags]).float()  # 255 sorted
+def _signed_map(device: torch.device) -> torch.Tensor:
+    mags = torch.logspace(-7, 0, 127, dtype=torch.float64, device=device)
+    return torch.cat([-mags.flip(0), mags.new_zeros(1), mags]).float()  # 255 sorted
 
 
-def _unsigned_map() -> torch.Tensor:
-    return torch.cat([torch.zeros(1, dtype=torch.float64), torch.logspace(-7, 0, 255, dtype=torch.float64)]).float()
+def _unsigned_map(device: torch.device) -> torch.Tensor:
+    mags = torch.logspace(-7, 0, 255, dtype=torch.float64, device=device)
+    return torch.cat([mags.new_zeros(1), mags]).float()
 
 
 class BlockQuantizer:
     """Codes (uint8) and per-block absmax for a 1-D fp32 tensor, with a sorted map of ≤ 256 values."""
 
-    def __init__(self, qmap: torch.Tensor, device: torch.device) -> None:
-        self.map = qmap.to(device)
+    def __init__(self, qmap: torch.Tensor) -> None:
+        self.map = qmap
         self.mid = ((self.map[1:] + self.map[:-1]) / 2).contiguous()  # decision boundaries
 
     def quantize(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor) -> None:
@@ -80,8 +81,8 @@ class FlatAdam8bit:
         self.eps, self.weight_decay = eps, weight_decay
         self.grad_scale = 1.0
         self.step_count = 0
-        self.qm = BlockQuantizer(_signed_map(), store.device)
-        self.qu = BlockQuantizer(_unsigned_map(), store.device)
+        self.qm = BlockQuantizer(_signed_map(store.device))
+        self.qu = BlockQuantizer(_unsigned_map(store.device))
         self.m_codes, self.m_absmax, self.u_codes, self.u_absmax = [], [], [], []
         for i, p in enumerate(self.params):
             nb = -(-p.numel() // BLOCK)
@@ -89,7 +90,7 @@ class FlatAdam8bit:
             self.u_codes.append(store.zeros(p.numel(), f"u_codes{i}", torch.uint8))
             self.m_absmax.append(store.zeros(nb, f"m_absmax{i}"))
             self.u_absmax.append(store.zeros(nb, f"u_absmax{i}"))
-            self.m_codes[-1].fill_(int(torch.bucketize(torch.zeros(()), self.qm.mid.cpu())))  # code of 0.0
+            self.m_codes[-1].fill_(int(torch.bucketize(self.qm.mid.new_zeros(()), self.qm.mid)))  # code of 0.0
         self._decayed = [m[lo:hi] for m, runs in zip(self.masters, decay_ranges) for lo, hi in runs]
         self._ckpt: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -42,12 +42,13 @@ from loom.parallel.tp_comm import gather_seq
 __all__ = ["ContextParallelCore", "apply_context_parallel", "cp_comm_bytes", "local_positions", "shard_sequence"]
 
 
-def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+def local_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Global positions of cp rank ``rank``'s tokens: chunks r and 2cp-1-r of 2cp, in order."""
     if seq_len % (2 * cp):
         raise ValueError(f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp}")
     c = seq_len // (2 * cp)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    first, second = (rank * c, (rank + 1) * c), ((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
+    return torch.cat([torch.arange(*first, device=device), torch.arange(*second, device=device)])
 
 
 def shard_sequence(batches, cp: int, rank: int):
@@ -71,12 +72,13 @@ class ContextParallelCore(nn.Module):
         self.register_buffer("mask", mask, persistent=False)  # one tensor shared by every layer
 
     @staticmethod
-    def causal_mask(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    def causal_mask(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Additive mask (T/cp, T), 0 where query i may see key j (pos(j) <= pos(i)), -inf elsewhere;
         keys in the order of the all-gather (rank-major)."""
-        q_pos = local_positions(seq_len, cp, rank)
-        k_pos = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
-        return torch.zeros(len(q_pos), seq_len).masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        q_pos = local_positions(seq_len, cp, rank, device)
+        k_pos = torch.cat([local_positions(seq_len, cp, r, device) for r in range(cp)])
+        mask = torch.zeros(len(q_pos), seq_len, device=device)
+        return mask.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # (B, k, T/cp, d) -> (B, k, T, d): gather along the sequence (dim 2, via the batch-first helper)
@@ -97,7 +99,7 @@ def apply_context_parallel(model: nn.Module, mesh, cfg, meter: CommMeter | None 
     if cp == 1:
         return
     positions = local_positions(cfg.data.seq_len, cp, rank)
-    mask = ContextParallelCore.causal_mask(cfg.data.seq_len, cp, rank).to(model.rope_cos.device)
+    mask = ContextParallelCore.causal_mask(cfg.data.seq_len, cp, rank, model.rope_cos.device)
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, CoreAttention):

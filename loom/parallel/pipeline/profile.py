@@ -87,9 +87,10 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int,
     p0 = next(model.parameters())
     device, cfg = p0.device, model.cfg
     g = torch.Generator(device="cpu").manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len // cp), generator=g).to(device)
-    h = torch.randn(micro_batch, seq_len // seq_div, cfg.dim, generator=g).to(device, p0.dtype)
-    dh = torch.randn(micro_batch, seq_len // seq_div, cfg.dim, generator=g).to(device, p0.dtype)
+    host = torch.device("cpu")  # drawn on the host from a seeded generator: the same inputs on any device
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len // cp), generator=g, device=host).to(device)
+    h = torch.randn(micro_batch, seq_len // seq_div, cfg.dim, generator=g, device=host).to(device, p0.dtype)
+    dh = torch.randn(micro_batch, seq_len // seq_div, cfg.dim, generator=g, device=host).to(device, p0.dtype)
     params = {p.data_ptr() for p in model.parameters()}
     prof = LayerProfile([], [], [], [], [])
 
