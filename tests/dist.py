@@ -22,9 +22,18 @@ from typing import Any
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 PG_TIMEOUT_S = 60
+DEVICE_TYPE = "cpu"  # this rank's device type: "cuda" in an NCCL pool (one GPU per rank)
 
 
-def _worker_loop(rank: int, world: int, init_file: str, conn) -> None:
+def rank_device():
+    """This process's device: ``cuda:<rank>`` in an NCCL pool, else the CPU."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if DEVICE_TYPE == "cuda" else torch.device("cpu")
+
+
+def _worker_loop(rank: int, world: int, init_file: str, conn, backend: str = "gloo") -> None:
+    global DEVICE_TYPE
     # NCCL's rules on gloo (loom.comm strict mode); the collective order of every group is compared
     # across its ranks after each call (PyTorch's DETAIL checks: LOOM_TEST_DIST_DEBUG=DETAIL)
     os.environ.setdefault("LOOM_STRICT_COMM", "1")
@@ -38,9 +47,14 @@ def _worker_loop(rank: int, world: int, init_file: str, conn) -> None:
     from loom import comm
 
     torch.set_num_threads(1)
+    device = None
+    if backend == "nccl":
+        DEVICE_TYPE = "cuda"
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=PG_TIMEOUT_S),
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=PG_TIMEOUT_S), device_id=device,
     )  # fmt: skip
     conn.send(("ready", None))
     while True:
@@ -67,10 +81,11 @@ class CollectiveOrderError(AssertionError):
 
 
 class WorkerPool:
-    """``world`` gloo ranks; :meth:`run` calls ``fn(*args)`` on all of them."""
+    """``world`` ranks (gloo on the CPU, or NCCL with one GPU each); :meth:`run` calls ``fn(*args)``
+    on all of them."""
 
-    def __init__(self, world: int) -> None:
-        self.world = world
+    def __init__(self, world: int, backend: str = "gloo") -> None:
+        self.world, self.backend = world, backend
         self._start()
 
     def _start(self) -> None:
@@ -80,7 +95,8 @@ class WorkerPool:
         self.procs, self.conns = [], []
         for r in range(self.world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_loop, args=(r, self.world, init_file, child), daemon=True)
+            p = ctx.Process(target=_worker_loop, args=(r, self.world, init_file, child, self.backend),
+                            daemon=True)  # fmt: skip
             p.start()
             self.procs.append(p)
             self.conns.append(parent)
@@ -152,5 +168,5 @@ def get_mesh(**dims: int):
 
     key = tuple(sorted(dims.items()))
     if key not in _MESHES:
-        _MESHES[key] = ParallelMesh(ParallelDims(**dims), "cpu")
+        _MESHES[key] = ParallelMesh(ParallelDims(**dims), DEVICE_TYPE)
     return _MESHES[key]

@@ -85,7 +85,8 @@ def metered_steps(model, strategy, meter, mesh, cfg, loss_fn, steps: int, batch:
 
 
 def train_layout(
-    layout: dict, steps: int, batch: int, micro: int, model_kw: dict | None = None, sentinel: bool = False
+    layout: dict, steps: int, batch: int, micro: int, model_kw: dict | None = None, sentinel: bool = False,
+    device: torch.device | None = None,
 ) -> dict:
     """Train the tiny model (``model_kw`` over its defaults) under ``layout`` (mesh degrees, ``zero``,
     ``sp``, ``recompute``) through ``parallelize``, the Trainer's path, on this rank's share of each
@@ -102,7 +103,7 @@ def train_layout(
     from loom.parallel.pipeline.strategy import pipeline_train_step
     from loom.train.optim import lr_at
     from loom.train.step import train_step
-    from tests.dist import get_mesh
+    from tests.dist import get_mesh, rank_device
 
     dims = {k: v for k, v in layout.items() if k in ("cp", "tp", "pp", "dp_shard", "dp_replicate", "ep")}
     mesh = get_mesh(**dims)
@@ -121,7 +122,10 @@ def train_layout(
     cfg.train.precision, cfg.train.optimizer = layout.get("precision", "fp32"), layout.get("optimizer", "adamw")
     cfg.run.dir = "/tmp/loom-test-layout"
     meter = CommMeter()
-    model = build_model(cfg.model, cfg.train.seed)
+    device = device or rank_device()  # the CPU, or this rank's GPU in an NCCL pool
+    if device.type == "cuda":
+        cfg.run.device = "cuda"
+    model = build_model(cfg.model, cfg.train.seed, device)
     placed = torch.device("meta") if sentinel else contextlib.nullcontext()
     with placed:
         strategy = parallelize(model, mesh, cfg, meter)
@@ -134,6 +138,7 @@ def train_layout(
         meter.reset()
         batches = shard_sequence(rank_micro_batches(step, batch, micro, dp_rank, dp), mesh.size("cp"),
                                  mesh.local_rank("cp"))  # fmt: skip
+        batches = [(x.to(device), y.to(device)) for x, y in batches]
         with placed:
             res = step_fn(net, strategy, batches, lossf, cfg.train.grad_clip, lr_at(step, cfg.train),
                           mesh.group("dp_cp"))  # fmt: skip
@@ -152,6 +157,7 @@ def train_layout(
         from loom.parallel.expert_parallel import gather_experts
 
         state = gather_experts(model)
+    state = None if state is None else {k: v.cpu() for k, v in state.items()}
     return {"losses": losses, "state": state, "moved": moved, "calls": calls}
 
 

@@ -1,0 +1,301 @@
+"""On GPUs: what only CUDA + NCCL can show. Marked ``gpu``; skipped where CUDA is absent (as on the
+machines this project is developed on), run by ``benchmarks/gpu_smoke.sh`` or ``pytest -m gpu``.
+
+- every layout equal to one GPU, on 2 GPUs with NCCL (one rank per GPU, strict comm checks on);
+- communication overlapped with backward, measured with the profiler (kernels of the NCCL stream
+  running while compute kernels run), in the fp32, half-precision and hybrid data-parallel paths;
+- SDPA's flash backend selected for the model's attention in bf16;
+- peak memory of a step against the planner's prediction;
+- bf16 faster than fp32;
+- the pipeline's measured bubble on GPUs against the simulation with the measured stage times;
+- a checkpoint saved by 2 NCCL ranks resumes bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from loom import config as C
+from tests.dist import WorkerPool, get_mesh, rank_device
+from tests.helpers import train_layout
+
+N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(N_GPUS == 0, reason="needs a CUDA device")]
+two_gpus = pytest.mark.skipif(N_GPUS < 2, reason=f"needs 2 CUDA devices (found {N_GPUS})")
+four_gpus = pytest.mark.skipif(N_GPUS < 4, reason=f"needs 4 CUDA devices (found {N_GPUS})")
+
+STEPS, BATCH, MICRO = 6, 8, 2
+TOL = dict(rtol=1e-3, atol=1e-4)  # fp32 without TF32; 1 vs 2 ranks differ in summation order only
+TOL_BF16 = dict(rtol=2e-2, atol=5e-3)
+
+
+class _Pools:
+    def __init__(self) -> None:
+        self.pools: dict[int, WorkerPool] = {}
+
+    def __call__(self, world: int) -> WorkerPool:
+        if world not in self.pools:
+            self.pools[world] = WorkerPool(world, backend="nccl")
+        return self.pools[world]
+
+
+@pytest.fixture(scope="module")
+def nccl():
+    """``nccl(n)``: n ranks, rank r on cuda:r, NCCL, started on first use."""
+    pools = _Pools()
+    yield pools
+    for p in pools.pools.values():
+        p.close()
+
+
+def _medium(**kw) -> C.ModelConfig:
+    """Big enough that kernels take longer than their launches (so overlap and speed are visible)."""
+    base = dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=8192, max_seq_len=512, multiple_of=256)
+    return C.ModelConfig(**(base | kw))
+
+
+# ----------------------------------------------------------------------------- equality
+
+LAYOUTS = {
+    "dp2": ({"dp_replicate": 2}, {}),
+    "dp2 bf16": ({"dp_replicate": 2, "precision": "bf16"}, {}),
+    "zero2": ({"dp_shard": 2, "zero": 2}, {}),
+    "zero3": ({"dp_shard": 2, "zero": 3}, {}),
+    "tp2 sp": ({"tp": 2, "sp": True}, {}),
+    "pp2 1f1b": ({"pp": 2}, {}),
+    "pp2 zb-h1": ({"pp": 2, "schedule": "zb-h1"}, {}),
+    "cp2": ({"cp": 2}, {}),
+    "ep2": ({"dp_replicate": 2, "ep": 2}, {"n_experts": 4, "top_k": 2}),
+}
+
+
+@two_gpus
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_on_two_gpus_equals_one_gpu(nccl, name):
+    layout, model_kw = LAYOUTS[name]
+    precision = {"precision": layout["precision"]} if "precision" in layout else {}
+    reference = train_layout(precision, STEPS, BATCH, MICRO, model_kw, device=torch.device("cuda", 0))
+    tol = TOL_BF16 if precision else TOL
+    for r in nccl(2).run(train_layout, layout, STEPS, BATCH, MICRO, model_kw):
+        assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), **tol)
+        if r["state"] is not None:
+            for k, v in reference["state"].items():
+                assert_close(r["state"][k].float(), v.float(), **tol, msg=lambda m, k=k: f"{name} {k}: {m}")
+
+
+@four_gpus
+def test_hybrid_tp_pp_on_four_gpus_equals_one_gpu(nccl):
+    reference = train_layout({}, STEPS, BATCH, MICRO, device=torch.device("cuda", 0))
+    for layout in ({"dp_replicate": 2, "dp_shard": 2, "zero": 3}, {"tp": 2, "pp": 2, "sp": True}):
+        for r in nccl(4).run(train_layout, layout, STEPS, BATCH, MICRO):
+            assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), **TOL)
+
+
+# ----------------------------------------------------------------------------- overlap
+
+def _overlap(layout: dict) -> dict:
+    """One profiled step: the NCCL kernels, and how many of them run at the same time as a compute
+    kernel (intervals on the GPU's clock that intersect)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from loom.comm import CommMeter
+    from loom.model.llama import build_model, loss_fn
+    from loom.parallel import parallelize
+    from loom.train.step import train_step
+
+    dims = {k: v for k, v in layout.items() if k in ("dp_replicate", "dp_shard")}
+    mesh = get_mesh(**dims)
+    cfg = C.LoomConfig(model=_medium(), train=C.TrainConfig(steps=10, warmup_steps=0))
+    cfg.data.seq_len, cfg.run.device = 512, "cuda"
+    cfg.train.precision = layout.get("precision", "fp32")
+    cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.zero = mesh.size("dp"), mesh.size("dp_shard"), layout.get("zero", 0)
+    cfg.parallel.bucket_mb = 8.0
+    device = rank_device()
+    model = build_model(cfg.model, 0, device)
+    strategy = parallelize(model, mesh, cfg, CommMeter())
+    g = torch.Generator().manual_seed(mesh.local_rank("dp"))
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 2, 513), generator=g).to(device)
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    for _ in range(2):
+        train_step(model, strategy, batches, loss_fn, 1.0, 1e-4, mesh.group("dp"))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        train_step(model, strategy, batches, loss_fn, 1.0, 1e-4, mesh.group("dp"))
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    comm = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
+    compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
+    overlapped = sum(any(a < d and c < b for c, d in compute) for a, b in comm)
+    return {"nccl_kernels": len(comm), "overlapped": overlapped}
+
+
+@two_gpus
+@pytest.mark.parametrize("layout", [{"dp_replicate": 2}, {"dp_replicate": 2, "precision": "bf16"},
+                                    {"dp_shard": 2, "zero": 2}])  # fmt: skip
+def test_gradient_reduction_overlaps_backward(nccl, layout):
+    for r in nccl(2).run(_overlap, layout):
+        assert r["nccl_kernels"] >= 2, r
+        assert r["overlapped"] >= 1, r  # at least one reduction ran while backward computed
+
+
+@four_gpus
+def test_hybrid_sharding_overlaps_backward(nccl):
+    for r in nccl(4).run(_overlap, {"dp_replicate": 2, "dp_shard": 2, "zero": 3}):
+        assert r["overlapped"] >= 1, r
+
+
+# ----------------------------------------------------------------------------- one GPU
+
+def _model_and_batch(precision: str, micro: int = 4, seq: int = 512):
+    from loom.model.llama import build_model
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    model = build_model(_medium(max_seq_len=seq), 0, "cuda").to(dtype)
+    tokens = torch.randint(0, 8192, (micro, seq + 1), device="cuda")
+    return model, tokens[:, :-1], tokens[:, 1:]
+
+
+def test_sdpa_flash_backend_runs_the_attention():
+    """With only the flash backend allowed, SDPA raises if it cannot serve the model's call
+    (layout, dtype, mask, head size): forward and backward must run."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from loom.model.llama import loss_fn
+
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("flash attention needs compute capability 8.0+")
+    model, x, y = _model_and_batch("bf16")
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        loss_fn(model(x), y).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def _step_time(precision: str, steps: int = 6) -> float:
+    from loom.model.llama import loss_fn
+
+    model, x, y = _model_and_batch(precision)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss_fn(model(x), y).backward()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+def test_bf16_is_faster_than_fp32():
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 tensor cores need compute capability 8.0+")
+    assert torch.get_float32_matmul_precision() == "highest"  # fp32 measured without TF32
+    fp32, bf16 = _step_time("fp32"), _step_time("bf16")
+    assert fp32 / bf16 > 1.5, f"fp32 {fp32 * 1e3:.1f} ms vs bf16 {bf16 * 1e3:.1f} ms per step"
+
+
+def test_peak_memory_matches_the_planner():
+    """A data-parallel step of the medium model on one GPU: the allocator's peak against the
+    planner's bytes (model states, activations, logits; its runtime constant left out)."""
+    from loom.comm import CommMeter
+    from loom.model.llama import build_model, loss_fn
+    from loom.parallel import parallelize
+    from loom.plan.auto import _cost_model, layout_of
+    from loom.train.step import train_step
+
+    cfg = C.LoomConfig(model=_medium(), train=C.TrainConfig(steps=10, global_batch=4, micro_batch=4))
+    cfg.data.seq_len, cfg.run.device = 512, "cuda"
+    mesh = get_mesh()
+    model = build_model(cfg.model, 0, "cuda")
+    strategy = parallelize(model, mesh, cfg, CommMeter())
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, 513), device="cuda")
+    batches = [(tokens[:, :-1], tokens[:, 1:])]
+    train_step(model, strategy, batches, loss_fn, 1.0, 1e-4, None)  # optimizer state allocated
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    train_step(model, strategy, batches, loss_fn, 1.0, 1e-4, None)
+    measured = torch.cuda.max_memory_allocated()
+    cm = _cost_model(cfg, 1, None)
+    total, parts, _ = cm.memory(layout_of(cfg))
+    predicted = total - cm.cluster.device.runtime_overhead_bytes
+    assert abs(predicted - measured) / measured < 0.25, (predicted, measured, parts)
+
+
+# ----------------------------------------------------------------------------- pipeline, resume
+
+def _gpu_pipeline_timeline(model_kw: dict | None = None) -> str:
+    from loom.model.llama import build_model, loss_fn
+    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.pipeline.stage import split_model
+    from loom.parallel.pipeline.strategy import PipelineStrategy, pipeline_train_step, timeline_report
+    from loom.train.optim import build_optimizer
+
+    mesh, device, m = get_mesh(pp=2), rank_device(), 8
+    mcfg = _medium(tie_embeddings=False, **(model_kw or {}))
+    model = build_model(mcfg, 0, device)
+    pipe = split_model(model, mesh.local_rank("pp"), 2, [0, mcfg.n_layers // 2, mcfg.n_layers], mesh.group("pp"),
+                       mesh.pp_links())  # fmt: skip
+    strategy = PipelineStrategy(DataParallel(pipe, None).attach_optimizer(build_optimizer(pipe, C.TrainConfig())),
+                                pipe, "1f1b", 1, record_step=2)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    seq = mcfg.max_seq_len
+    batches = [tuple(torch.randint(0, mcfg.vocab_size, (2, seq), generator=g).to(device) for _ in range(2))
+               for _ in range(m)]  # fmt: skip
+    for _ in range(3):
+        pipeline_train_step(pipe, strategy, batches, loss_fn, 1.0, 1e-4, None)
+    return timeline_report(strategy.timeline, "1f1b", m) if mesh.local_rank("pp") == 0 else ""
+
+
+@two_gpus
+def test_pipeline_bubble_on_gpus_equals_the_simulation(nccl):
+    """The measured 1F1B bubble on 2 GPUs against the simulator fed the measured stage times: a
+    runtime that serialised transfers or timed without synchronising would miss it."""
+    text = nccl(2).run(_gpu_pipeline_timeline)[0]
+    print(text)
+    measured = float(text.split("measured bubble ")[1].split("%")[0]) / 100
+    simulated = float(text.split("stage times ")[1].split("%")[0]) / 100
+    assert measured == pytest.approx(simulated, abs=0.03), text
+
+
+def _resume(run_dir: str, steps: int, stop_at: int) -> list[tuple[int, float, float]]:
+    """Train ZeRO-3 through the Trainer (checkpoint every 2 steps), stopping after ``stop_at`` if
+    given; rank 0 returns (step, loss, grad norm) of every metrics row."""
+    import torch.distributed as dist
+
+    from loom.train.trainer import RankEnv, Trainer
+
+    cfg = C.from_dict({"model": {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128},
+                       "data": {"seq_len": 128, "vocab_size": 512, "max_corpus_mb": 0.3},
+                       "train": {"steps": steps, "global_batch": 8, "micro_batch": 2, "eval_every": 0,
+                                 "checkpoint_every": 2, "log_every": 1},
+                       "parallel": {"zero": 3},
+                       "run": {"dir": run_dir, "device": rank_device().type, "progress": False,
+                               "tensorboard": False}})  # fmt: skip
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = Trainer(cfg, RankEnv(rank, world, rank, world))
+    if stop_at:
+        done = iter(range(trainer.start_step + 1, 10**9))
+        trainer._time_up = lambda start: next(done) >= stop_at  # as train.time_limit_s would
+    try:
+        trainer.fit()
+    finally:
+        trainer.heartbeat.close()
+    if rank != 0:
+        return []
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in rows]
+
+
+@two_gpus
+def test_checkpoint_resume_on_nccl_is_bit_identical(nccl, tmp_path):
+    straight = nccl(2).run(_resume, str(tmp_path / "a"), 6, 0)[0]
+    first = nccl(2).run(_resume, str(tmp_path / "b"), 6, 4)[0]  # stops after step 4 (checkpoint at 4)
+    resumed = nccl(2).run(_resume, str(tmp_path / "b"), 6, 0)[0]
+    assert [r[0] for r in first] == [1, 2, 3, 4] and [r[0] for r in straight] == [1, 2, 3, 4, 5, 6]
+    assert resumed == straight  # steps 5 and 6 after the resume, bit for bit
