@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import init_gloo, race, run_ranks  # noqa: E402
+from common import backend_name, device, init_gloo, race, run_ranks  # noqa: E402
 
 from loom.config import ModelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, loss_fn  # noqa: E402
@@ -35,6 +35,7 @@ def _cfgs(args) -> tuple[ModelConfig, TrainConfig]:
 def _batches(step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(step * 1000 + rank)
     t = torch.randint(0, VOCAB, (ACCUM, MICRO, SEQ + 1), generator=g)
+    t = t.to(device())
     return [(t[i, :, :-1], t[i, :, 1:]) for i in range(ACCUM)]
 
 
@@ -42,7 +43,7 @@ def loom_stepper(model_cfg, train_cfg, group):
     from loom.parallel.data_parallel import DataParallel
     from loom.train.step import train_step
 
-    model = build_model(model_cfg, train_cfg.seed)
+    model = build_model(model_cfg, train_cfg.seed, device())
     strat = DataParallel(model, group).attach_optimizer(build_optimizer(model, train_cfg))
 
     def step(i: int, rank: int) -> None:
@@ -55,7 +56,7 @@ def ddp_stepper(model_cfg, train_cfg, group):
     """The PyTorch peer: DDP (or, with no group, a plain loop) with the same optimizer and clipping."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = build_model(model_cfg, train_cfg.seed)
+    model = build_model(model_cfg, train_cfg.seed, device())
     wrapped = DDP(model, process_group=group) if group is not None else model
     opt = build_optimizer(model, train_cfg)
 
@@ -110,7 +111,7 @@ def main() -> None:
     report(f"single process ({torch.get_num_threads()} threads): Loom vs plain PyTorch loop", single, "plain")
 
     times = run_ranks(args.world, _worker, args)
-    report(f"data parallel, {args.world} gloo ranks: Loom DataParallel vs torch DDP", times, "ddp")
+    report(f"data parallel, {args.world} {backend_name()} ranks: Loom DataParallel vs torch DDP", times, "ddp")
 
 
 if __name__ == "__main__":

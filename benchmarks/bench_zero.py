@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import init_gloo, race, run_ranks  # noqa: E402
+from common import backend_name, device, init_gloo, race, run_ranks  # noqa: E402
 
 from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, count_params, loss_fn  # noqa: E402
@@ -45,6 +45,7 @@ def _cfg(args, world: int, zero: int) -> LoomConfig:
 def _batches(step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(step * 1000 + rank)
     t = torch.randint(0, VOCAB, (ACCUM, MICRO, SEQ + 1), generator=g)
+    t = t.to(device())
     return [(t[i, :, :-1], t[i, :, 1:]) for i in range(ACCUM)]
 
 
@@ -57,7 +58,7 @@ def loom_contender(cfg: LoomConfig, mesh):
     from loom.parallel import parallelize
     from loom.train.step import train_step
 
-    model = build_model(cfg.model, cfg.train.seed)
+    model = build_model(cfg.model, cfg.train.seed, device())
     strategy = parallelize(model, mesh, cfg, None)
 
     def step(i: int, rank: int) -> None:
@@ -71,7 +72,7 @@ def fsdp2_contender(cfg: LoomConfig, mesh):
     """torch FSDP2: ``fully_shard`` on each block, then on the root; accumulation without sync."""
     from torch.distributed.fsdp import fully_shard
 
-    model = build_model(cfg.model, cfg.train.seed)
+    model = build_model(cfg.model, cfg.train.seed, device())
     for block in model.layers:
         fully_shard(block, mesh=mesh.device_mesh["dp_shard"])
     fully_shard(model, mesh=mesh.device_mesh["dp_shard"])
@@ -102,7 +103,7 @@ def zero_redundancy_contender(cfg: LoomConfig, mesh):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = build_model(cfg.model, cfg.train.seed)
+    model = build_model(cfg.model, cfg.train.seed, device())
     ddp = DDP(model, process_group=mesh.group("dp"))
     t = cfg.train
     opt = ZeroRedundancyOptimizer(param_groups(model, t.weight_decay), optimizer_class=torch.optim.AdamW,
@@ -136,7 +137,7 @@ def _worker(rank: int, world: int, init: str, args, out) -> None:
     from loom.mesh import ParallelDims, ParallelMesh
 
     init_gloo(rank, world, init, threads=None, timeout_s=300)
-    mesh = ParallelMesh(ParallelDims(dp_shard=world), "cpu")
+    mesh = ParallelMesh(ParallelDims(dp_shard=world), device().type)
     contenders = {f"loom zero-{z}": loom_contender(_cfg(args, world, z), mesh) for z in range(4)}
     contenders["torch FSDP2"] = fsdp2_contender(_cfg(args, world, 3), mesh)
     contenders["torch ZeRO-opt"] = zero_redundancy_contender(_cfg(args, world, 1), mesh)
@@ -150,7 +151,7 @@ def _worker(rank: int, world: int, init: str, args, out) -> None:
 def report(times: dict[str, list[float]], states: dict[str, dict[str, int]], phi: int, world: int) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     base = "loom zero-0"
-    print(f"\nZeRO vs PyTorch, {world} gloo ranks, Φ = {phi:,} parameters (fp32), rank 0")
+    print(f"\nZeRO vs PyTorch, {world} {backend_name()} ranks, Φ = {phi:,} parameters (fp32), rank 0")
     head = f"{'contender':<16}{'wall s/step':>12}{'cpu s/step':>11}{'vs peer':>9}{'vs zero-0':>10}"
     print(head + f"{'params MB':>11}{'grads MB':>10}{'optim MB':>10}{'state MB':>10}{'formula MB':>11}{'peak MB':>9}")
     for k in (k for k in med if not k.endswith(" cpu")):
