@@ -93,6 +93,18 @@ def first_order_mismatch(logs: list[dict[tuple[str, tuple[int, ...]], list[str]]
     return None
 
 
+def verify_order() -> None:
+    """Strict mode: gather every rank's order log since the last call and raise
+    :class:`StrictCommError` naming the first collective two members of a group disagree on.
+    Collective itself (over the default group): every rank calls it at the same point (a step end)."""
+    if not strict() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    logs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(logs, take_order_log())
+    if (mismatch := first_order_mismatch(logs)) is not None:
+        raise StrictCommError(mismatch)
+
+
 def check_tensors(op: str, group: Group, *tensors: torch.Tensor) -> None:
     """Strict mode: raise :class:`StrictCommError` for a tensor NCCL would not take (see module doc),
     and log the collective (point-to-point excepted) for the cross-rank order comparison."""

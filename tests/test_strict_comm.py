@@ -155,6 +155,29 @@ def test_collective_order_is_compared_across_ranks(pools) -> None:
         pools(2).run(_mismatched_collectives)
 
 
+def _verify_at_step_end() -> str:
+    """What the strict trainer does at each step end: compare the logs in the ranks themselves."""
+    import torch
+    import torch.distributed as dist
+
+    from loom import comm
+
+    comm.all_reduce(torch.ones(4), dist.group.WORLD)
+    comm.verify_order()  # the same collectives so far: passes
+    t = torch.ones(4)
+    (comm.all_reduce if dist.get_rank() == 0 else comm.all_reduce_max)(t, dist.group.WORLD)
+    try:
+        comm.verify_order()
+    except comm.StrictCommError as e:
+        return str(e)
+    return "not caught"
+
+
+def test_ranks_compare_their_collective_order_at_a_step_end(pools) -> None:
+    for msg in pools(2).run(_verify_at_step_end):
+        assert msg.startswith("collective order differs on group") and "all_reduce_max" in msg
+
+
 def test_order_mismatch_names_the_first_difference() -> None:
     from loom.comm import first_order_mismatch
 
