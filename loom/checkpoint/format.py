@@ -181,32 +181,44 @@ def check_header(path: Path) -> None:
         )
 
 
+def check_index_header(index: dict, path: Path) -> set[str]:
+    """Check ``index.json``'s format and version; return the files it lists."""
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path / INDEX}: not a {FORMAT} v{VERSION} index (format={index.get('format')!r}, version={index.get('version')!r})"
+        )
+    files = index.get("files", [])
+    if not isinstance(files, list) or not isinstance(index.get("tensors", {}), dict):
+        raise CheckpointError(f"{path / INDEX}: 'files' must be a list and 'tensors' an object")
+    return set(files)
+
+
+def parse_entry(
+    name: str, entry: dict, files: set[str], path: Path
+) -> tuple[tuple[int, ...], torch.dtype, list[tuple[str, str, Region]]]:
+    """One tensor's index entry as (shape, dtype, [(file, key, region)]), every field checked."""
+    try:
+        shape = tuple(int(s) for s in entry["shape"])
+        dtype = DTYPE_BY_NAME[entry["dtype"]]
+        pieces = []
+        for p in entry["pieces"]:
+            region = region_from_json(p)
+            check_region(region, shape, name)
+            if p["file"] not in files:
+                raise ValueError(f"piece in {p['file']!r}, which the index does not list")
+            pieces.append((p["file"], p["key"], region))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / INDEX}: bad entry for tensor {name!r}: {e}") from None
+    return shape, dtype, pieces
+
+
 def validate_index(
     index: dict, path: Path
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[str, str, Region]]]]:
-    """Parse ``index.json`` into {name: (shape, dtype, [(file, key, region)])}, checking every field."""
-    where = path / INDEX
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise CheckpointError(
-            f"{where}: not a {FORMAT} v{VERSION} index (format={index.get('format')!r}, version={index.get('version')!r})"
-        )
-    files = set(index.get("files", []))
-    out = {}
-    for name, entry in index.get("tensors", {}).items():
-        try:
-            shape = tuple(int(s) for s in entry["shape"])
-            dtype = DTYPE_BY_NAME[entry["dtype"]]
-            pieces = []
-            for p in entry["pieces"]:
-                region = region_from_json(p)
-                check_region(region, shape, name)
-                if p["file"] not in files:
-                    raise ValueError(f"piece in {p['file']!r}, which the index does not list")
-                pieces.append((p["file"], p["key"], region))
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{where}: bad entry for tensor {name!r}: {e}") from None
-        out[name] = (shape, dtype, pieces)
-    return out
+    """Parse all of ``index.json`` into {name: (shape, dtype, [(file, key, region)])}, checking every field
+    (the reader parses only the entries it is asked for: :func:`parse_entry`)."""
+    files = check_index_header(index, path)
+    return {name: parse_entry(name, e, files, path) for name, e in index.get("tensors", {}).items()}
 
 
 def read_json(path: Path) -> dict:

@@ -11,10 +11,18 @@ file's plain SHA-256, for files up to 64 MiB), so verification runs on every cor
 dealt to the ranks and hashed by a thread pool on each (hashlib releases the GIL).
 
 The manifest's own hash is stored in the ``latest`` pointer, so a checkpoint reached through
-``latest`` is covered end to end. Verification of large shards is spread over the ranks
-(rank r hashes files r, r+n, ...), and the verdicts are combined so that every rank refuses
-with the same message, naming each bad file: missing, truncated (size), or altered (hash).
-This detects corruption and torn writes, not a deliberate forgery (no signature).
+``latest`` is covered end to end.
+
+Verification is split over the ranks, and no rank touches every file: the manifest's chunks
+(in file order) are cut into ``world`` contiguous runs of near-equal bytes (:func:`assign`),
+and a rank stats and hashes only the files of its run. With F files of B bytes in all (each
+file also weighing ``OPEN_COST``), a rank checks about (B + F·OPEN_COST)/world of that weight:
+with one shard per rank, its run lies in 1 to 3 consecutive files, whatever the world. One
+all-reduce (MAX) of a status code per file, over the checkpoint's gloo group (CPU tensors),
+combines the verdicts *before* any rank reads a tensor, so every rank refuses with the same
+one-line message naming each bad file: missing, truncated (size), or altered (hash) — also a
+file that this rank would never have read. This detects corruption and torn writes, not a
+deliberate forgery (no signature).
 """
 
 from __future__ import annotations
@@ -26,12 +34,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from loom import comm
 from loom.checkpoint.format import FORMAT, MANIFEST, VERSION, CheckpointError, dump_json, read_json
 
 CHUNK_BYTES = 64 << 20  # unit of hashing and of parallel verification
 READ = 8 << 20
+OPEN_COST = 1 << 20  # bytes a file open + stat is worth, when spreading the work over ranks
 OK, MISSING, SIZE, HASH = 0, 1, 2, 3
 PROBLEMS = {MISSING: "missing", SIZE: "truncated or resized", HASH: "content altered (SHA-256 mismatch)"}
 
@@ -112,6 +121,33 @@ def read_manifest(ckpt: Path, expect_sha256: str | None = None) -> tuple[dict[st
     return files, int(m.get("chunk_bytes", CHUNK_BYTES))
 
 
+Task = tuple[str, int, int, str]  # (file, offset, length, SHA-256 of those bytes)
+
+
+def chunk_tasks(files: dict[str, dict], chunk_bytes: int = CHUNK_BYTES) -> list[Task]:
+    """Every hashing task of the manifest, in file-name order (from the manifest alone: no stat)."""
+    tasks = []
+    for name in sorted(files):
+        size, hashes = int(files[name]["bytes"]), files[name]["sha256"]
+        chunk = chunk_bytes if len(hashes) > 1 else max(size, 1)
+        tasks += [(name, k * chunk, max(0, min(chunk, size - k * chunk)), h) for k, h in enumerate(hashes)]
+    return tasks
+
+
+def assign(tasks: list[Task], rank: int, world: int) -> list[Task]:
+    """``rank``'s contiguous run of ``tasks``: task i goes to ⌊world · (bytes before its middle) / B⌋.
+
+    Each task also weighs ``OPEN_COST`` bytes, so many small files spread as well as few large ones.
+    """
+    weights = [length + OPEN_COST for _, _, length, _ in tasks]
+    total, before, mine = sum(weights), 0, []
+    for t, w in zip(tasks, weights):
+        if min(world - 1, (2 * before + w) * world // (2 * total)) == rank:
+            mine.append(t)
+        before += w
+    return mine
+
+
 def verify(
     ckpt: Path,
     files: dict[str, dict],
@@ -119,32 +155,32 @@ def verify(
     world: int = 1,
     group=None,
     chunk_bytes: int = CHUNK_BYTES,
-) -> None:
-    """Check every file of the manifest; with ``world > 1`` the chunks are split over ``group``.
+) -> list[str]:
+    """Check this rank's share of the manifest (see module doc), combine the verdicts over ``group``
+    (a gloo group: the codes are CPU tensors); return the files this rank checked.
 
     Raises CheckpointError naming every bad file (same message on every rank).
     """
     names = sorted(files)
+    where = {name: i for i, name in enumerate(names)}
     codes = torch.zeros(len(names), dtype=torch.int64)
-    tasks = []
-    for i, name in enumerate(names):
-        path, entry = ckpt / name, files[name]
+    mine = assign(chunk_tasks(files, chunk_bytes), rank, world)
+    checked = sorted({t[0] for t in mine})
+    for name in checked:
+        path = ckpt / name
         if not path.is_file():
-            codes[i] = MISSING
-        elif path.stat().st_size != int(entry["bytes"]):
-            codes[i] = SIZE
-        else:
-            size, hashes = int(entry["bytes"]), entry["sha256"]
-            chunk = chunk_bytes if len(hashes) > 1 else max(size, 1)
-            tasks += [(i, path, k * chunk, min(chunk, size - k * chunk), h) for k, h in enumerate(hashes)]
-    mine = tasks[rank::world]
-    with ThreadPoolExecutor(max_workers=max(1, min(len(mine), os.cpu_count() or 1))) as pool:
-        results = list(pool.map(lambda t: _hash_range(t[1], t[2], t[3]) == t[4], mine))
-    for (i, *_), ok in zip(mine, results):
+            codes[where[name]] = MISSING
+        elif path.stat().st_size != int(files[name]["bytes"]):
+            codes[where[name]] = SIZE
+    todo = [t for t in mine if codes[where[t[0]]] == OK]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+        results = list(pool.map(lambda t: _hash_range(ckpt / t[0], t[1], t[2]) == t[3], todo))
+    for (name, *_), ok in zip(todo, results):
         if not ok:
-            codes[i] = HASH
+            codes[where[name]] = HASH
     if world > 1:
-        dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=group)
+        comm.all_reduce_max(codes, group)
     bad = [f"{ckpt / names[i]}: {PROBLEMS[int(c)]}" for i, c in enumerate(codes.tolist()) if c != OK]
     if bad:
         raise CheckpointError("checkpoint failed its integrity check, nothing was loaded: " + "; ".join(bad))
+    return checked

@@ -4,9 +4,15 @@
 checkpoint) into one complete checkpoint: through ``latest`` if it points at a complete one,
 else the newest complete ``step-*`` directory (a torn save or a damaged pointer is skipped
 with a warning). :class:`CheckpointReader` verifies the whole checkpoint against its manifest
-*before* anything is read, then serves regions: for each wanted region it opens only the
-files whose pieces overlap it and reads only the overlapping slices (safetensors slices are
-memory-mapped reads; no file is ever unpickled).
+*before* anything is read (the work split over the ranks, one verdict for all: see
+:mod:`~loom.checkpoint.integrity`), then serves regions: for each wanted region it opens only
+the files whose pieces overlap it and reads only the overlapping slices (safetensors slices are
+memory-mapped reads; no file is ever unpickled). Pieces replicated over a ``read_group`` are
+read 1/n per rank and all-gathered (:mod:`~loom.checkpoint.shared_read`).
+
+The index is parsed lazily: a tensor's entry is checked and its pieces' row spans computed the
+first time it is asked for, so a rank pays for the tensors it loads, and finding a region's
+pieces skips those of other rows with one comparison each.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from safetensors import safe_open
 from loom.checkpoint import format as F
 from loom.checkpoint.integrity import read_manifest, verify
 from loom.checkpoint.protocol import Box, Flat, Region, ShardedTensor, full_box
-from loom.checkpoint.regions import intersect, local_slices, region_boxes, view_box
+from loom.checkpoint.regions import intersect, local_slices, region_boxes, row_span, view_box
 from loom.checkpoint.save import list_checkpoints
+from loom.checkpoint.shared_read import fill_shared, group_order
 
 log = logging.getLogger("loom")
 
@@ -62,7 +69,12 @@ def find(path: str | Path) -> tuple[Path, str | None] | None:
 
 
 class CheckpointReader:
-    """Verified, read-only view of one checkpoint; implements :class:`~loom.checkpoint.protocol.ShardReader`."""
+    """Verified, read-only view of one checkpoint; implements :class:`~loom.checkpoint.protocol.ShardReader`.
+
+    ``verified``: the files this rank checked; ``opened``: the shard files it read from;
+    ``bytes_read``: tensor bytes it read from them (the wanted elements, plus, from a flat
+    piece, the rest of the rows that hold them).
+    """
 
     def __init__(
         self, path: str | Path, rank: int = 0, world: int = 1, group=None, check: bool = True
@@ -72,23 +84,25 @@ class CheckpointReader:
             raise F.CheckpointError(f"{path}: holds no checkpoint")
         self.dir, manifest_sha = found
         files, chunk_bytes = read_manifest(self.dir, manifest_sha)
-        if check:
-            verify(self.dir, files, rank, world, group, chunk_bytes)
+        self.verified = verify(self.dir, files, rank, world, group, chunk_bytes) if check else []
         index = F.read_json(self.dir / F.INDEX)
-        self.tensors = F.validate_index(index, self.dir)
-        for name in index.get("files", []):
+        self._files = F.check_index_header(index, self.dir)
+        for name in sorted(self._files):
             if name not in files:
                 raise F.CheckpointError(
                     f"{self.dir / F.INDEX}: names {name}, which the manifest does not cover"
                 )
-        self.index = index
+        self._entries: dict[str, dict] = index.get("tensors", {})
+        self._parsed: dict[str, tuple] = {}
         self.train_state = F.read_json(self.dir / F.TRAIN_STATE)
         self.step = int(self.train_state.get("step", index.get("step", 0)))
         self._handles: dict[str, object] = {}
+        self.opened: set[str] = set()
+        self.bytes_read = 0
 
     # ------------------------------------------------------------------ ShardReader
     def names(self) -> list[str]:
-        return sorted(self.tensors)
+        return sorted(self._entries)
 
     def global_shape(self, name: str) -> tuple[int, ...]:
         return self._meta(name)[0]
@@ -104,26 +118,42 @@ class CheckpointReader:
         return out
 
     def fill(self, state: dict[str, ShardedTensor]) -> None:
-        missing = [n for n in state if n not in self.tensors]
+        missing = [n for n in state if n not in self._entries]
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise F.CheckpointError(f"{self.dir}: has no tensor {', '.join(missing[:5])}{more}")
         for name, st in state.items():
-            shape = self.tensors[name][0]
+            shape = self._meta(name)[0]
             if tuple(shape) != tuple(st.global_shape):
                 raise F.CheckpointError(
                     f"{self.dir}: {name} has global shape {list(shape)}, this run expects {list(st.global_shape)} "
                     "(different model config?)"
                 )
+        shared: dict[tuple, tuple] = {}
         with torch.no_grad():
             for name, st in state.items():
-                self._fill_one(name, st)
+                rg = st.read_group
+                if rg is None or rg.size <= 1:
+                    self._fill_one(name, st)
+                else:
+                    key = (group_order(rg), str(rg.device))
+                    shared.setdefault(key, (rg, []))[1].append((name, st))
+            for key in sorted(shared):  # one global order of groups: no waiting in a cycle
+                rg, entries = shared[key]
+                fill_shared(entries, rg, self._read_into)
 
     # ------------------------------------------------------------------ internals
     def _meta(self, name: str):
-        if name not in self.tensors:
-            raise F.CheckpointError(f"{self.dir}: has no tensor {name}")
-        return self.tensors[name]
+        if name not in self._parsed:
+            if name not in self._entries:
+                raise F.CheckpointError(f"{self.dir}: has no tensor {name}")
+            shape, dtype, pieces = F.parse_entry(name, self._entries[name], self._files, self.dir)
+            spans = [(*row_span(region, shape), file, key, region) for file, key, region in pieces]
+            self._parsed[name] = (shape, dtype, spans)
+        return self._parsed[name]
+
+    def _read_into(self, name: str, region: Region, out: torch.Tensor) -> None:
+        self._fill_one(name, ShardedTensor(out, self._meta(name)[0], region))
 
     def _open(self, file: str):
         if file not in self._handles:
@@ -133,13 +163,17 @@ class CheckpointReader:
                 self._handles[file] = safe_open(str(path), framework="pt", device="cpu")
             except Exception as e:  # safetensors raises its own error types
                 raise F.CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
+            self.opened.add(file)
         return self._handles[file]
 
     def _fill_one(self, name: str, st: ShardedTensor) -> None:
-        shape, _, pieces = self.tensors[name]
+        shape, _, pieces = self._meta(name)
         copied = 0
+        lo, hi = row_span(st.region, shape)
         dst_boxes = region_boxes(st.region, shape)
-        for file, key, region in pieces:
+        for plo, phi, file, key, region in pieces:
+            if phi <= lo or hi <= plo:  # no common row
+                continue
             for soff, sbox in region_boxes(region, shape):
                 for doff, dbox in dst_boxes:
                     common = intersect(dbox, sbox) if shape else dbox
@@ -156,20 +190,32 @@ class CheckpointReader:
     def _read_box(
         self, file: str, key: str, region: Region, soff: int, sbox: Box, common: Box
     ) -> torch.Tensor:
-        """Elements of ``common`` (inside stored box ``sbox`` of piece ``region``) from ``file``."""
+        """Elements of ``common`` (inside stored box ``sbox`` of piece ``region``) from ``file``.
+
+        From a flat piece only the rows of ``sbox`` that hold ``common`` are read: ``sbox`` is
+        contiguous (dims of length 1, one dim k with a range, full trailing dims), so rows of dim k
+        are one contiguous run of the stored range.
+        """
         handle = self._open(file)
         try:
             if not sbox.offsets:
-                return handle.get_tensor(key)
-            part = handle.get_slice(key)
-            if isinstance(region, Flat):
-                seg = part[soff : soff + sbox.numel].view(sbox.lengths)
-                return seg[local_slices(sbox, common)]
-            return part[local_slices(sbox, common)]
+                t = raw = handle.get_tensor(key)
+            elif isinstance(region, Flat):
+                k = next((d for d, n in enumerate(sbox.lengths) if n != 1), len(sbox.lengths) - 1)
+                inner = sbox.numel // sbox.lengths[k] if sbox.lengths[k] else 0
+                a, n = common.offsets[k] - sbox.offsets[k], common.lengths[k]
+                rows = Box(sbox.offsets[:k] + (common.offsets[k],) + sbox.offsets[k + 1 :],
+                           sbox.lengths[:k] + (n,) + sbox.lengths[k + 1 :])  # fmt: skip
+                raw = handle.get_slice(key)[soff + a * inner : soff + (a + n) * inner]
+                t = raw.view(rows.lengths)[local_slices(rows, common)]
+            else:
+                t = raw = handle.get_slice(key)[local_slices(sbox, common)]
         except F.CheckpointError:
             raise
         except Exception as e:
             raise F.CheckpointError(f"{self.dir / file}: cannot read {key} ({e})") from None
+        self.bytes_read += raw.numel() * raw.element_size()
+        return t
 
     def close(self) -> None:
         self._handles.clear()

@@ -26,7 +26,9 @@ Names (canonical, layout independent):
 Replication: a piece held identically by ``n`` ranks (data-parallel replicas) carries
 ``replica=(i, n)``; the saver then writes only share ``i`` of ``n`` of it (cut along its
 first dimension, or its flat range), so replicas write in parallel and nothing is stored
-twice. On load every replica reads the whole piece.
+twice. On load, replicas that name their group (``read_group``, a :class:`ReadGroup`) read
+share ``i`` of ``n`` each and all-gather the rest (:mod:`~loom.checkpoint.shared_read`);
+without one, every replica reads the whole piece.
 
 Example: ZeRO-3 over ``dp`` ranks, one flat fp32 shard per rank, parameter ``p`` (global
 shape ``S``) has elements ``[a, b)`` of its flattening on this rank, stored in
@@ -59,7 +61,7 @@ parameter placements, so most strategies only describe where each parameter live
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -143,18 +145,34 @@ def check_region(region: Region, shape: tuple[int, ...], where: str) -> None:
         raise ValueError(f"{where}: region {region} does not fit global shape {tuple(shape)}")
 
 
+@dataclass(frozen=True)
+class ReadGroup:
+    """The ``size`` ranks of ``group`` (this one is ``rank``) hold the same piece and load it together.
+
+    ``device``: where the group's collectives run (the local tensors' device: ``cuda`` on NCCL).
+    """
+
+    group: Any
+    rank: int
+    size: int
+    device: torch.device
+
+
 @dataclass
 class ShardedTensor:
     """This rank's piece of a global tensor: ``local`` holds the elements of ``region``.
 
     ``local.shape`` is ``region.lengths`` for a :class:`Box` and ``(length,)`` for a
-    :class:`Flat`. ``replica = (i, n)``: the same piece lives on ``n`` ranks, this is copy ``i``.
+    :class:`Flat`. ``replica = (i, n)``: the same piece lives on ``n`` ranks, this is copy ``i``
+    (how the save splits the writing). ``read_group``: ranks holding this same piece that split
+    the reading on load (may differ from the writers' split; None: this rank reads it all).
     """
 
     local: torch.Tensor
     global_shape: tuple[int, ...]
     region: Region
     replica: tuple[int, int] = (0, 1)
+    read_group: ReadGroup | None = None
 
     def __post_init__(self) -> None:
         self.global_shape = tuple(int(s) for s in self.global_shape)

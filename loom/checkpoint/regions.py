@@ -160,3 +160,20 @@ def overlaps(a: Region, b: Region, shape: tuple[int, ...]) -> bool:
     return any(
         intersect(x, y) is not None for _, x in region_boxes(a, shape) for _, y in region_boxes(b, shape)
     )
+
+
+def row_span(region: Region, shape: tuple[int, ...]) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of dim 0 that ``region`` touches ((0, 1) for a scalar): regions with
+    disjoint spans share no element, so one comparison rules a stored piece out."""
+    if not shape:
+        return 0, 1
+    if isinstance(region, Box):
+        return region.offsets[0], region.offsets[0] + region.lengths[0]
+    base = region.within.lengths if region.within is not None else shape
+    first = region.within.offsets[0] if region.within is not None else 0
+    inner = 1
+    for d in base[1:]:
+        inner *= d
+    if region.length == 0 or inner == 0:
+        return first, first
+    return first + region.start // inner, first + (region.start + region.length - 1) // inner + 1

@@ -8,7 +8,11 @@ tensor holds which region of it and how many ranks hold the same piece (a
 Data parallelism (:class:`ReplicatedState`): every parameter and its optimizer state is
 replicated over the ``dp`` group. Replica ``i`` of ``n`` writes rows ``[i·R/n, (i+1)·R/n)``
 of each tensor (R = its first dimension; scalars by replica 0), so the n ranks write 1/n of
-the state each, in parallel, and the checkpoint holds one copy. On load every rank reads all.
+the state each, in parallel, and the checkpoint holds one copy. On load the n ranks of the
+``dp`` group (an expert's: its ``edp`` group) form the piece's read group: each reads the same
+1/n from disk and they all-gather the rest (:mod:`~loom.checkpoint.shared_read`), so a rank
+reads ≈ (P + S_opt)/n bytes of the P parameter and S_opt optimizer bytes it holds (with tensor
+parallelism, of its tp slice), not all of them.
 """
 
 from __future__ import annotations
@@ -20,7 +24,16 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.checkpoint.format import CheckpointError
-from loom.checkpoint.protocol import Box, Flat, Region, Shardable, ShardedTensor, ShardReader, full_box
+from loom.checkpoint.protocol import (
+    Box,
+    Flat,
+    ReadGroup,
+    Region,
+    Shardable,
+    ShardedTensor,
+    ShardReader,
+    full_box,
+)
 
 
 @dataclass
@@ -31,10 +44,13 @@ class Placement:
     global_shape: tuple[int, ...]
     region: Region
     replica: tuple[int, int] = (0, 1)
+    read_group: ReadGroup | None = None  # the holders of this same piece, which load it together
 
     @classmethod
-    def replicated(cls, t: torch.Tensor, replica: tuple[int, int] = (0, 1)) -> Placement:
-        return cls(t, tuple(t.shape), full_box(tuple(t.shape)), replica)
+    def replicated(
+        cls, t: torch.Tensor, replica: tuple[int, int] = (0, 1), read_group: ReadGroup | None = None
+    ) -> Placement:
+        return cls(t, tuple(t.shape), full_box(tuple(t.shape)), replica, read_group)
 
     @property
     def holds_origin(self) -> bool:
@@ -88,7 +104,9 @@ def placement_state(
     out: dict[str, ShardedTensor] = {}
     by_id = {}
     for fqn, pl in placements.items():
-        out[f"model.{fqn}"] = ShardedTensor(pl.tensor.detach(), pl.global_shape, pl.region, pl.replica)
+        out[f"model.{fqn}"] = ShardedTensor(
+            pl.tensor.detach(), pl.global_shape, pl.region, pl.replica, pl.read_group
+        )
         by_id[id(pl.tensor)] = (fqn, pl)
     if optimizer is None:
         return out
@@ -102,9 +120,13 @@ def placement_state(
                     continue
                 if v.dim() == 0:  # a counter shared by every holder: exactly one of them writes it
                     writer = pl.holds_origin and pl.replica[0] == 0
-                    out[f"optim.{fqn}.{key}"] = ShardedTensor.full(v, (0, 1) if writer else (1, 2))
+                    out[f"optim.{fqn}.{key}"] = ShardedTensor(
+                        v, (), full_box(()), (0, 1) if writer else (1, 2), pl.read_group
+                    )
                 elif tuple(v.shape) == tuple(pl.tensor.shape):
-                    out[f"optim.{fqn}.{key}"] = ShardedTensor(v, pl.global_shape, pl.region, pl.replica)
+                    out[f"optim.{fqn}.{key}"] = ShardedTensor(
+                        v, pl.global_shape, pl.region, pl.replica, pl.read_group
+                    )
                 else:
                     raise CheckpointError(
                         f"optimizer state {fqn}.{key}: shape {tuple(v.shape)} is not the parameter's"
@@ -126,6 +148,8 @@ class ReplicatedState:
         self.module, self.optimizer = module, optimizer
         self.index, self.count = _rank_size(group)
         self.tp_rank, self.tp = _rank_size(tp_group)
+        self.device = next(module.parameters(), torch.empty(0)).device
+        self.read_group = read_group(group, self.device)
 
     def placements(self) -> dict[str, Placement]:
         out = {}
@@ -136,18 +160,24 @@ class ReplicatedState:
                 ep_rank, ep = ep_shard[0], ep_shard[1]
                 shape = (t.shape[0] * ep, *t.shape[1:])
                 box = Box((ep_rank * t.shape[0],) + (0,) * (t.dim() - 1), tuple(t.shape))
-                out[name] = Placement(t, shape, box, _rank_size(ep_shard[3]))
+                out[name] = Placement(
+                    t, shape, box, _rank_size(ep_shard[3]), read_group(ep_shard[3], self.device)
+                )
                 continue
             dim = getattr(t, "tp_shard_dim", None)
             if dim is None or self.tp == 1:
-                out[name] = Placement.replicated(t, everywhere)
+                out[name] = Placement.replicated(t, everywhere, self.read_group)
                 continue
             shape = list(t.shape)
             offsets = [0] * t.dim()
             offsets[dim] = self.tp_rank * shape[dim]
             shape[dim] *= self.tp
             out[name] = Placement(
-                t, tuple(shape), Box(tuple(offsets), tuple(t.shape)), (self.index, self.count)
+                t,
+                tuple(shape),
+                Box(tuple(offsets), tuple(t.shape)),
+                (self.index, self.count),
+                self.read_group,
             )
         return out
 
@@ -166,6 +196,12 @@ def _rank_size(group) -> tuple[int, int]:
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def read_group(group, device: torch.device) -> ReadGroup | None:
+    """The ranks of ``group`` as the read group of pieces they all hold; None for one rank."""
+    rank, size = _rank_size(group)
+    return ReadGroup(group, rank, size, torch.device(device)) if size > 1 else None
 
 
 def as_shardable(strategy) -> Shardable:

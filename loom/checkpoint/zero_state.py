@@ -18,18 +18,23 @@ A tensor-parallel shard (``tp_shard_dim``) is flattened on its own, so its range
 hybrid sharding repeats each shard over ``replicate_group`` (R copies), and parameters that
 tensor parallelism does not shard repeat over tp as well.
 
-Loading fills exactly these ranges; then stage 3 copies masters into the parameter shards
-(when they are distinct tensors) and stages 1-2, whose parameters are whole on every rank,
-read each whole parameter (its tp box) as well.
+Loading fills exactly these ranges (the R hybrid replicas of a range read 1/R of it each and
+all-gather over ``replicate_group``: :mod:`~loom.checkpoint.shared_read`); then the masters
+go into the parameter shards (when they are distinct tensors), and stages 1-2, whose
+parameters are whole on every rank, all-gather each flat bucket over the sharding group, as
+after a step, instead of reading every parameter from disk. Read from disk per rank, for Φ
+parameters and k fp32 state buffers (master, moments; k = 3 for AdamW) over N sharding ranks:
+4kΦ/(N·R) bytes, at every stage.
 """
 
 from __future__ import annotations
 
 import torch
 
+from loom import comm
 from loom.checkpoint.format import CheckpointError
 from loom.checkpoint.protocol import Box, Flat, ShardedTensor, ShardReader
-from loom.checkpoint.replicated import _rank_size, unique_named_tensors
+from loom.checkpoint.replicated import _rank_size, read_group, unique_named_tensors
 
 
 def tp_geometry(p: torch.Tensor, tp_rank: int, tp: int) -> tuple[tuple[int, ...], Box | None]:
@@ -79,9 +84,11 @@ class ZeroState:
                     continue
                 fqn = self.names[id(p)]
                 shape, within = tp_geometry(p, self.tp_rank, self.tp)
+                readers = read_group(self.s.replicate_group, lay.device)
                 if getattr(p, "ep_shard", None) is not None:  # this rank's experts, repeated over their edp group
                     shape, within = ep_geometry(p)
                     replica = _rank_size(p.ep_shard[3])
+                    readers = read_group(p.ep_shard[3], lay.device)
                 elif within is None:
                     replica = (self.tp_rank * self.rep + self.rep_rank, self.tp * self.rep)
                 else:
@@ -90,7 +97,7 @@ class ZeroState:
                 a, b = lo - lay.start, hi - lay.start
                 for key, buf in _flat_state(opt, i):
                     name = f"model.{fqn}" if key == "model" else f"optim.{fqn}.{key}"
-                    out[name] = ShardedTensor(buf[a:b], shape, Flat(start, hi - lo, within), replica)
+                    out[name] = ShardedTensor(buf[a:b], shape, Flat(start, hi - lo, within), replica, readers)
                 step = torch.tensor(float(opt.step_count))
                 self._steps.append(step)
                 origin = start == 0 and (within is None or not any(within.offsets)) and replica[0] == 0
@@ -107,11 +114,9 @@ class ZeroState:
         opt.step_count = steps.pop() if steps else 0
         if hasattr(opt, "checkpoint_loaded"):  # optimizers whose state is derived from what was filled
             opt.checkpoint_loaded()
-        if self.stage3:
-            for p, master in zip(opt.params, opt.masters):
-                if master is not p:
-                    p.copy_(master)
-            return
-        for p in (p for lay in self.s.layouts for p in lay.params):  # stages 1-2: whole parameters
-            shape, within = ep_geometry(p) if getattr(p, "ep_shard", None) is not None else tp_geometry(p, self.tp_rank, self.tp)
-            p.copy_(reader.read(f"model.{self.names[id(p)]}", within).view_as(p))
+        for p, master in zip(opt.params, opt.masters):
+            if master is not p:
+                p.copy_(master)
+        if not self.stage3:  # stages 1-2: every rank's shard into every bucket, as after a step
+            for b in self.s.buckets:
+                comm.all_gather(b.params, b.layout.shard_of(b.params), self.s.shard_group)
