@@ -23,6 +23,8 @@ commands:
   plan       predict memory and speed of layouts and pick the best (see loom plan --help)
   checkpoint convert RUN_DIR_OR_CHECKPOINT OUT.safetensors
              export a consolidated single-file model from a checkpoint of any layout
+  export hf  RUN_DIR_OR_CHECKPOINT OUT_DIR [--max-shard-size 5GB]
+             a Hugging Face model directory (config, sharded safetensors, tokenizer) from any layout
 
 train options: --max-restarts K restarts all ranks after a failure, resuming from the last
 checkpoint; --train.resume PATH starts from any checkpoint (default: latest in --run.dir).
@@ -77,6 +79,13 @@ def cmd_train(argv: list[str]) -> int:
         raise C.ConfigError(f"--max-restarts: must be >= 0, got {max_restarts}")
     from loom.launch import under_external_launcher
 
+    if cfg.model.from_hf:  # the model's shape and tokenizer come from the directory
+        from loom.model.hf import HFError, apply_to
+
+        try:
+            apply_to(cfg, cfg.model.from_hf)
+        except (HFError, KeyError, ValueError) as e:
+            raise C.ConfigError(f"model.from_hf: {e}") from None
     if cfg.parallel.auto:  # the planner picks the layout for the world size (every rank alike under torchrun)
         from loom.plan.auto import apply_auto, describe
 
@@ -140,6 +149,18 @@ def cmd_checkpoint(argv: list[str]) -> int:
         return 2
 
 
+def cmd_export(argv: list[str]) -> int:
+    from loom.checkpoint.format import CheckpointError
+    from loom.checkpoint.hf_export import main as export_main
+    from loom.model.hf import HFError
+
+    try:
+        return export_main(argv)
+    except (CheckpointError, HFError) as e:
+        print(f"loom: error: {e}", file=sys.stderr)
+        return 2
+
+
 def cmd_config(argv: list[str]) -> int:
     if "--reference" in argv:
         print(C.reference())
@@ -163,6 +184,7 @@ COMMANDS = {
     "prepare": cmd_prepare,
     "generate": cmd_generate,
     "checkpoint": cmd_checkpoint,
+    "export": cmd_export,
 }
 
 

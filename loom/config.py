@@ -45,6 +45,7 @@ class ModelConfig:
     dropout: float = 0.0  # dropout on both residual branches and in the attention core (training only)
     n_experts: int = 1  # > 1: every block's MLP is a mixture of this many SwiGLU experts
     top_k: int = 2  # experts each token is routed to (mixture of experts only)
+    from_hf: str = ""  # local Hugging Face model directory to start from: its shape, weights and tokenizer
 
     @property
     def moe(self) -> bool:

@@ -1,0 +1,233 @@
+"""Hugging Face checkpoints in and out of Loom's model, without ``transformers`` (JSON + safetensors).
+
+Families: ``LlamaForCausalLM`` and ``MistralForCausalLM`` (the same tensors; Mistral's sliding
+window only when every sequence fits in it). Names map one to one::
+
+    model.embed_tokens.weight                 tok_embeddings.weight
+    model.layers.i.input_layernorm            layers.i.attention_norm
+    model.layers.i.self_attn.{q,k,v,o}_proj   layers.i.attention.w{q,k,v,o}
+    model.layers.i.post_attention_layernorm   layers.i.ffn_norm
+    model.layers.i.mlp.{gate,up,down}_proj    layers.i.feed_forward.w{1,3,2}
+    model.norm.weight, lm_head.weight         norm.weight, output.weight
+
+Rotary layout: Hugging Face rotates the halves (x_j, x_{j+d/2}) of each head, Loom the pairs
+(x_{2i}, x_{2i+1}), with the same frequencies theta^(-2i/d). The q and k projections are the same
+function once each head's output rows are reordered: Loom row 2i+c = HF row i + c·d/2
+(:func:`to_loom_rows`; :func:`to_hf_rows` is its inverse).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loom.config import ModelConfig
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM")
+CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+class HFError(ValueError):
+    """A Hugging Face directory Loom cannot read as given; the message names the file or field."""
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """A local Hugging Face model directory: its architecture, Loom's config for it, its shards."""
+
+    dir: Path
+    architecture: str
+    config: ModelConfig
+    raw: dict  # config.json as read
+    files: dict[str, str]  # HF tensor name -> shard file name
+
+    @property
+    def tokenizer(self) -> Path | None:
+        path = self.dir / "tokenizer.json"
+        return path if path.is_file() else None
+
+
+def _rope_theta(raw: dict) -> float:
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind not in (None, "default"):
+        raise HFError(f"{CONFIG}: rope type {kind!r} is not supported yet (Loom's RoPE is the default one)")
+    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+
+
+def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
+    """Loom's :class:`ModelConfig` for a ``config.json``; a field Loom cannot honour raises naming it.
+    ``max_seq_len``: the longest sequence to prepare RoPE for (0 = ``max_position_embeddings``)."""
+    arch = (raw.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED:
+        raise HFError(f"{CONFIG}: architectures = {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    dim, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    if raw.get("head_dim") not in (None, dim // heads):
+        raise HFError(f"{CONFIG}: head_dim = {raw['head_dim']} differs from hidden_size / num_attention_heads "
+                      f"= {dim // heads}, which Loom's attention assumes")  # fmt: skip
+    for field, allowed in (("hidden_act", ("silu",)), ("attention_bias", (False, None)), ("mlp_bias", (False, None))):
+        if raw.get(field) not in allowed:
+            raise HFError(f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r})")
+    seq = max_seq_len or int(raw.get("max_position_embeddings", 2048))
+    window = raw.get("sliding_window")
+    if window is not None and seq > int(window):
+        raise HFError(f"{CONFIG}: sliding_window = {window} is shorter than the sequences ({seq}); Loom "
+                      "attends to the whole sequence, so it matches only when sequences fit the window")  # fmt: skip
+    return ModelConfig(
+        dim=dim, n_layers=int(raw["num_hidden_layers"]), n_heads=heads,
+        n_kv_heads=int(raw.get("num_key_value_heads") or heads), ffn_dim=int(raw["intermediate_size"]),
+        vocab_size=int(raw["vocab_size"]), max_seq_len=seq, rope_theta=_rope_theta(raw),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )  # fmt: skip
+
+
+def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
+    """Read ``config.json`` and locate every tensor's shard (``model.safetensors.index.json``, else
+    the ``*.safetensors`` files' headers); nothing is loaded."""
+    from safetensors import safe_open
+
+    d = Path(path)
+    if not (d / CONFIG).is_file():
+        raise HFError(f"{d}: no {CONFIG} (expected a local Hugging Face model directory)")
+    raw = json.loads((d / CONFIG).read_text())
+    cfg = model_config(raw, max_seq_len)
+    if (d / INDEX).is_file():
+        files = dict(json.loads((d / INDEX).read_text())["weight_map"])
+    else:
+        shards = sorted(p.name for p in d.glob("*.safetensors"))
+        if not shards:
+            raise HFError(f"{d}: no *.safetensors files")
+        files = {}
+        for name in shards:
+            with safe_open(str(d / name), "pt") as f:
+                files.update(dict.fromkeys(f.keys(), name))
+    for shard in sorted(set(files.values())):
+        if not (d / shard).is_file():
+            raise HFError(f"{d / shard}: missing shard file (named by {INDEX})")
+    return HFModel(d, raw["architectures"][0], cfg, raw, files)
+
+
+def apply_to(cfg, path: str | Path) -> HFModel:
+    """Point a :class:`~loom.config.LoomConfig` at the HF directory ``path``: the model's shape from
+    its ``config.json`` (RoPE prepared for ``data.seq_len``), and its ``tokenizer.json`` as the data
+    tokenizer unless one is set. Returns the opened directory."""
+    model = open_dir(path, cfg.data.seq_len)
+    for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta",
+                  "norm_eps", "tie_embeddings"):  # fmt: skip
+        setattr(cfg.model, field, getattr(model.config, field))
+    if not cfg.data.tokenizer:
+        if model.tokenizer is None:
+            raise HFError(f"{model.dir}: no tokenizer.json; give data.tokenizer")
+        cfg.data.tokenizer = str(model.tokenizer)
+    return model
+
+
+def _names(cfg: ModelConfig) -> Iterator[tuple[str, str]]:
+    """(Loom name, HF name) of every tensor."""
+    yield "tok_embeddings.weight", "model.embed_tokens.weight"
+    for i in range(cfg.n_layers):
+        hf, lm = f"model.layers.{i}.", f"layers.{i}."
+        yield lm + "attention_norm.weight", hf + "input_layernorm.weight"
+        for x in "qkvo":
+            yield lm + f"attention.w{x}.weight", hf + f"self_attn.{x}_proj.weight"
+        yield lm + "ffn_norm.weight", hf + "post_attention_layernorm.weight"
+        for w, proj in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+            yield lm + f"feed_forward.{w}.weight", hf + f"mlp.{proj}_proj.weight"
+    yield "norm.weight", "model.norm.weight"
+    if not cfg.tie_embeddings:
+        yield "output.weight", "lm_head.weight"
+
+
+def to_loom_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF q/k rows -> Loom's: per head, row 2i+c <- row i + c·d/2."""
+    d = w.shape[0] // heads
+    return w.reshape(heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def to_hf_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Loom q/k rows -> HF's (inverse of :func:`to_loom_rows`)."""
+    d = w.shape[0] // heads
+    return w.reshape(heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _heads_of(name: str, cfg: ModelConfig) -> int | None:
+    return cfg.n_heads if name.endswith("attention.wq.weight") else cfg.n_kv_heads if name.endswith(
+        "attention.wk.weight") else None  # fmt: skip
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Loom name -> shape, from the config alone (no model built)."""
+    h, d, f, V = cfg.dim, cfg.head_dim, cfg.resolved_ffn_dim(), cfg.vocab_size
+    shapes = {}
+    for name, _ in _names(cfg):
+        leaf = name.split(".")[-2]
+        shapes[name] = {
+            "tok_embeddings": (V, h), "output": (V, h), "wq": (cfg.n_heads * d, h), "wk": (cfg.n_kv_heads * d, h),
+            "wv": (cfg.n_kv_heads * d, h), "wo": (h, cfg.n_heads * d), "w1": (f, h), "w3": (f, h), "w2": (h, f),
+        }.get(leaf, (h,))  # fmt: skip
+    return shapes
+
+
+def read_state(model: HFModel, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Loom name, tensor) for ``names`` (default: all), one tensor at a time, shard by shard."""
+    from safetensors import safe_open
+
+    shapes = expected_shapes(model.config)
+    wanted = [(lm, hf) for lm, hf in _names(model.config) if names is None or lm in names]
+    for _, hf in wanted:
+        if hf not in model.files:
+            raise HFError(f"{model.dir}: tensor {hf} is missing from the checkpoint")
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for lm, hf in wanted:
+        by_file.setdefault(model.files[hf], []).append((lm, hf))
+    for file, pairs in sorted(by_file.items()):
+        with safe_open(str(model.dir / file), "pt") as f:
+            for lm, hf in pairs:
+                t = f.get_tensor(hf)
+                if tuple(t.shape) != shapes[lm]:
+                    raise HFError(f"{model.dir / file}: {hf} has shape {tuple(t.shape)}, {CONFIG} implies "
+                                  f"{shapes[lm]}")  # fmt: skip
+                heads = _heads_of(lm, model.config)
+                yield lm, (to_loom_rows(t, heads) if heads else t)
+
+
+@torch.no_grad()
+def load_into(module: torch.nn.Module, model: HFModel) -> None:
+    """Copy the checkpoint's weights into a Loom ``Transformer`` built from ``model.config``
+    (converted to each parameter's dtype and device, one tensor at a time)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for name, t in read_state(model, set(params)):
+        params[name].copy_(t)
+
+
+def hf_config(cfg: ModelConfig, architecture: str = "LlamaForCausalLM", dtype: str = "float32",
+              extra: dict | None = None) -> dict:  # fmt: skip
+    """``config.json`` for Loom's ``cfg`` (``extra``: fields carried over, e.g. token ids)."""
+    out = {
+        "architectures": [architecture], "model_type": architecture.removesuffix("ForCausalLM").lower(),
+        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.resolved_ffn_dim(),
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "initializer_range": cfg.init_std, "dtype": dtype,
+    }  # fmt: skip
+    return out | (extra or {})
+
+
+def hf_tensors(cfg: ModelConfig, state: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for a stream of Loom (name, tensor); names outside the mapping raise."""
+    to_hf = dict(_names(cfg))
+    for name, t in state:
+        if name not in to_hf:
+            if cfg.tie_embeddings and name == "output.weight":
+                continue  # the tied head is the embedding
+            raise HFError(f"{name}: no Hugging Face counterpart for this tensor")
+        heads = _heads_of(name, cfg)
+        yield to_hf[name], (to_hf_rows(t, heads) if heads else t).contiguous()
