@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from loom import comm
 from loom import config as C
 from loom.checkpoint.training import TrainCheckpoints, truncate_metrics
 from loom.comm import CommMeter
@@ -104,6 +105,10 @@ class Trainer:
         cfg.model.vocab_size = C.effective_vocab(cfg, self.data.vocab_size)
         self.meter = CommMeter()
         self.model = build_model(cfg.model, cfg.train.seed, self.device)
+        if cfg.model.from_hf:  # pretrained weights (the shape was taken from the directory by the CLI)
+            from loom.model.hf import load_into, open_dir
+
+            load_into(self.model, open_dir(cfg.model.from_hf, cfg.data.seq_len))
         self.strategy = FiniteGuard(parallelize(self.model, self.mesh, cfg, self.meter))
         self.loss_fn = getattr(self.model, "loss_fn", loss_fn)  # tensor parallel: loss on sharded logits
         dp_rank, dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
@@ -181,6 +186,7 @@ class Trainer:
             with self.saved_acts:
                 res = self._train_step(self.model, self.strategy, batches, self.train_loss_fn, c.grad_clip, lr,
                                        self.loss_group)  # fmt: skip
+            comm.verify_order()  # strict mode: every group's members issued the same collectives
             window_steps += 1
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.3f}")

@@ -1,0 +1,232 @@
+"""Hugging Face interop: tiny random-init ``transformers`` models saved locally (nothing downloaded),
+imported into Loom with logits equal to ``transformers``'; Loom checkpoints of any layout exported
+to a directory ``AutoModelForCausalLM`` loads with logits equal to Loom's; one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from loom import config as C
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 64}),
+}
+
+
+def _save_hf(tmp: Path, family: str, tie: bool, **kw) -> tuple[Path, torch.nn.Module]:
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, rope_theta=5e5)
+    cfg = getattr(transformers, cfg_cls)(**(fields | extra | kw))
+    model = getattr(transformers, model_cls)(cfg).eval()
+    out = tmp / f"{family}-{'tied' if tie else 'untied'}"
+    model.save_pretrained(out, max_shard_size="20KB")  # several shards and an index
+    return out, model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("tie", [False, True])
+def test_import_gives_the_logits_of_transformers(tmp_path, family, tie):
+    from loom.model.hf import load_into, open_dir
+    from loom.model.llama import Transformer
+
+    path, ref = _save_hf(tmp_path, family, tie)
+    assert (path / "model.safetensors.index.json").is_file()
+    hf = open_dir(path, max_seq_len=32)
+    model = Transformer(hf.config)
+    load_into(model, hf)
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_close(model(x), ref(x).logits)
+
+
+def test_rope_row_order_round_trips():
+    from loom.model.hf import to_hf_rows, to_loom_rows
+
+    w = torch.randn(4 * 16, 8)
+    assert torch.equal(to_hf_rows(to_loom_rows(w, 4), 4), w)
+    assert not torch.equal(to_loom_rows(w, 4), w)
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        ({"architectures": ["GPTNeoXForCausalLM"]}, r"architectures = 'GPTNeoXForCausalLM' is not supported; supported: Llama"),
+        ({"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported"),
+        ({"attention_bias": True}, r"attention_bias = True is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, r"rope type 'yarn'"),
+        ({"head_dim": 8}, r"head_dim = 8 differs"),
+    ],
+)  # fmt: skip
+def test_unsupported_config_fields_are_named(tmp_path, edit, match):
+    from loom.model.hf import HFError, open_dir
+
+    path, _ = _save_hf(tmp_path, "llama", False)
+    raw = json.loads((path / "config.json").read_text()) | edit
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(HFError, match=match) as e:
+        open_dir(path, 32)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_tensors_and_files_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from loom.model.hf import HFError, load_into, open_dir
+    from loom.model.llama import Transformer
+
+    path, _ = _save_hf(tmp_path, "llama", False)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.layers.0.mlp.up_proj.weight"]
+    tensors = load_file(str(path / shard))
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(95, 64)
+    save_file(tensors, str(path / shard), metadata={"format": "pt"})
+    hf = open_dir(path, 32)
+    with pytest.raises(HFError, match=r"model.layers.0.mlp.up_proj.weight has shape \(95, 64\), config.json implies \(96, 64\)"):
+        load_into(Transformer(hf.config), hf)
+    os.remove(path / shard)
+    with pytest.raises(HFError, match=f"{shard}: missing shard file"):
+        open_dir(path, 32)
+    with pytest.raises(HFError, match="sliding_window = 16 is shorter than the sequences"):
+        open_dir(_save_hf(tmp_path / "m", "mistral", False, sliding_window=16)[0], 32)
+
+
+def test_from_hf_bad_directory_fails_before_any_rank(tmp_path, capsys):
+    from loom.cli import main
+
+    assert main(["train", "--model.from_hf", str(tmp_path / "nope"), "--run.nproc", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("loom: error: model.from_hf:") and "no config.json" in err and "\n" not in err
+
+
+def test_trainer_starts_from_the_hf_weights_and_tokenizer(prepared, tmp_path):
+    """``--model.from_hf``: the CLI takes shape and tokenizer from the directory, every rank loads
+    the weights; before the first step the model is the Hugging Face one, tensor for tensor."""
+    from loom.data.tokenizer import load_tokenizer
+    from loom.model.hf import apply_to, hf_tensors
+    from loom.train.trainer import RankEnv, Trainer
+
+    path, ref = _save_hf(tmp_path, "llama", False, vocab_size=384)
+    tok = load_tokenizer(prepared)  # a 384-token BPE stands in for the model's own tokenizer
+    tok.save(str(path / "tokenizer.json"))
+    cfg = C.from_dict(_config("", tmp_path / "run"))
+    cfg.data.prepared_dir = ""
+    apply_to(cfg, path)
+    cfg.model.from_hf = str(path)
+    assert cfg.data.tokenizer == str(path / "tokenizer.json") and cfg.model.dim == 64
+    trainer = Trainer(cfg, RankEnv(0, 1, 0, 1))
+    try:
+        state = dict(hf_tensors(cfg.model, ((k, v.detach()) for k, v in trainer.model.state_dict().items())))
+        for name, t in ref.state_dict().items():
+            assert torch.equal(state[name], t), name
+        trainer.fit()
+    finally:
+        trainer.heartbeat.close()
+
+
+# ----------------------------------------------------------------------------- export
+
+TRAIN = {
+    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64, "tie_embeddings": False},
+    "data": {"seq_len": 64, "vocab_size": 384, "max_corpus_mb": 0.3},
+    "train": {"steps": 3, "global_batch": 4, "micro_batch": 2, "warmup_steps": 1, "log_every": 1, "eval_every": 0},
+    "run": {"progress": False, "tensorboard": False, "threads": 1},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> str:
+    from loom.data import prepare_data
+
+    os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    return str(prepare_data(C.from_dict(json.loads(json.dumps(TRAIN))).data, progress=False).dir)
+
+
+def _train(cfg_dict: dict) -> None:
+    import torch.distributed as dist
+
+    from loom.train.trainer import RankEnv, Trainer
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trainer = Trainer(C.from_dict(cfg_dict), RankEnv(rank, world, rank, world))
+    try:
+        trainer.fit()
+    finally:
+        trainer.heartbeat.close()
+
+
+def _config(prepared: str, run: Path, **parallel) -> dict:
+    cfg = json.loads(json.dumps(TRAIN))
+    cfg["data"]["prepared_dir"] = prepared
+    cfg["run"]["dir"] = str(run)
+    cfg["parallel"] = parallel
+    return cfg
+
+
+def _loom_logits(run: Path, x: torch.Tensor) -> torch.Tensor:
+    from loom.model.llama import Transformer
+    from loom.train.export import load_model
+
+    cfg = C.load_toml(str(run / "config.toml"))
+    model = Transformer(cfg.model)
+    load_model(model, run / "checkpoints" / "final" / "model.safetensors")
+    with torch.no_grad():
+        return model(x)
+
+
+@pytest.mark.parametrize("layout", ["one process", "dp2 zero3", "tp2"])
+def test_export_loads_in_transformers_with_equal_logits(pools, prepared, tmp_path, layout):
+    from loom.checkpoint.hf_export import export_hf
+
+    run = tmp_path / "run"
+    if layout == "one process":
+        _train(_config(prepared, run))
+    else:
+        par = {"zero": 3} if layout == "dp2 zero3" else {"tp": 2}
+        pools(2).run(_train, _config(prepared, run, **par))
+    done = export_hf(run, tmp_path / "hf", max_shard_bytes=100_000)
+    assert done.shards > 1 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close(hf(x).logits, _loom_logits(run, x))
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok("def f():")["input_ids"]
+
+
+def test_export_never_overwrites(prepared, tmp_path):
+    from loom.checkpoint.format import CheckpointError
+    from loom.checkpoint.hf_export import export_hf
+
+    run = tmp_path / "run"
+    _train(_config(prepared, run))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        export_hf(run, tmp_path / "taken")
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+
+def test_import_then_export_round_trips(tmp_path):
+    """HF -> Loom (load_into) -> HF tensors: bit for bit."""
+    from loom.model.hf import hf_tensors, load_into, open_dir
+    from loom.model.llama import Transformer
+
+    path, ref = _save_hf(tmp_path, "llama", False)
+    hf = open_dir(path, 32)
+    model = Transformer(hf.config)
+    load_into(model, hf)
+    out = dict(hf_tensors(hf.config, ((k, v.detach()) for k, v in model.state_dict().items())))
+    for name, t in ref.state_dict().items():
+        assert torch.equal(out[name], t), name
