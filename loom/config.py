@@ -45,6 +45,9 @@ class ModelConfig:
     dropout: float = 0.0  # dropout on both residual branches and in the attention core (training only)
     n_experts: int = 1  # > 1: every block's MLP is a mixture of this many SwiGLU experts
     top_k: int = 2  # experts each token is routed to (mixture of experts only)
+    qkv_bias: bool = False  # biases on the query/key/value projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
+    attn_head_dim: int = 0  # size of one attention head; 0 = dim / n_heads
     from_hf: str = ""  # local Hugging Face model directory to start from: its shape, weights and tokenizer
 
     @property
@@ -60,7 +63,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
 
 @dataclass

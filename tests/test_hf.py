@@ -19,6 +19,8 @@ transformers = pytest.importorskip("transformers")
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 64}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # q/k norms, head_dim != hidden / heads
 }
 
 
@@ -29,9 +31,16 @@ def _save_hf(tmp: Path, family: str, tie: bool, **kw) -> tuple[Path, torch.nn.Mo
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, rope_theta=5e5)
     cfg = getattr(transformers, cfg_cls)(**(fields | extra | kw))
     model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # every tensor random (biases and norm weights start as constants)
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 and "norm" in _name_of(model, p) else 0.0))
     out = tmp / f"{family}-{'tied' if tie else 'untied'}"
     model.save_pretrained(out, max_shard_size="20KB")  # several shards and an index
     return out, model
+
+
+def _name_of(model: torch.nn.Module, p: torch.Tensor) -> str:
+    return next(n for n, q in model.named_parameters() if q is p)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -185,16 +194,18 @@ def _loom_logits(run: Path, x: torch.Tensor) -> torch.Tensor:
         return model(x)
 
 
-@pytest.mark.parametrize("layout", ["one process", "dp2 zero3", "tp2"])
+@pytest.mark.parametrize("layout", ["one process", "dp2 zero3", "tp2", "qwen2 tp2", "qwen3 dp2"])
 def test_export_loads_in_transformers_with_equal_logits(pools, prepared, tmp_path, layout):
     from loom.checkpoint.hf_export import export_hf
 
     run = tmp_path / "run"
+    cfg = _config(prepared, run, **({"tp": 2} if "tp2" in layout else {"zero": 3} if "zero3" in layout else {}))
+    cfg["model"] |= {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True, "attn_head_dim": 32}}.get(
+        layout.split()[0], {})  # fmt: skip
     if layout == "one process":
-        _train(_config(prepared, run))
+        _train(cfg)
     else:
-        par = {"zero": 3} if layout == "dp2 zero3" else {"tp": 2}
-        pools(2).run(_train, _config(prepared, run, **par))
+        pools(2).run(_train, cfg)
     done = export_hf(run, tmp_path / "hf", max_shard_bytes=100_000)
     assert done.shards > 1 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -218,15 +229,75 @@ def test_export_never_overwrites(prepared, tmp_path):
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
 
 
-def test_import_then_export_round_trips(tmp_path):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_import_then_export_round_trips(tmp_path, family):
     """HF -> Loom (load_into) -> HF tensors: bit for bit."""
     from loom.model.hf import hf_tensors, load_into, open_dir
     from loom.model.llama import Transformer
 
-    path, ref = _save_hf(tmp_path, "llama", False)
+    path, ref = _save_hf(tmp_path, family, False)
     hf = open_dir(path, 32)
     model = Transformer(hf.config)
     load_into(model, hf)
     out = dict(hf_tensors(hf.config, ((k, v.detach()) for k, v in model.state_dict().items())))
     for name, t in ref.state_dict().items():
         assert torch.equal(out[name], t), name
+
+
+# ----------------------------------------------------------------------------- parallel layouts
+
+def _tp2_logits(path: str, x: torch.Tensor) -> torch.Tensor:
+    """The imported model under tensor (and sequence) parallelism: gathered vocabulary-sharded logits."""
+    from loom.model.hf import load_into, open_dir
+    from loom.model.llama import Transformer
+    from loom.parallel.tensor_parallel import apply_tensor_parallel, gather_dim
+    from tests.dist import get_mesh
+
+    hf = open_dir(path, x.shape[1])
+    model = Transformer(hf.config)
+    load_into(model, hf)
+    mesh = get_mesh(tp=2)
+    cfg = C.LoomConfig(model=hf.config)
+    cfg.parallel.tp, cfg.parallel.sp, cfg.data.seq_len = 2, True, x.shape[1]
+    apply_tensor_parallel(model, mesh, cfg)
+    with torch.no_grad():
+        return gather_dim(model(x), -1, mesh.group("tp"))
+
+
+@pytest.mark.parametrize("family,kv", [("llama", 2), ("qwen2", 2), ("qwen2", 1), ("qwen3", 2), ("qwen3", 1)])
+def test_import_under_tp2_gives_the_logits_of_transformers(pools, tmp_path, family, kv):
+    """Biases and q/k norms in the tensor-parallel layers: heads sharded (kv = 2), or key/value
+    heads replicated with their biases (kv = 1 < tp)."""
+    path, ref = _save_hf(tmp_path, family, False, num_key_value_heads=kv)
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(x).logits
+    for logits in pools(2).run(_tp2_logits, str(path), x):
+        assert_close(logits, expected)
+
+
+VARIANTS = {"qkv_bias": True, "qk_norm": True, "attn_head_dim": 16, "n_kv_heads": 1}  # dim 32 / 4 heads = 8
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2, "sp": True}, {"dp_shard": 2, "zero": 3}, {"pp": 2}])
+def test_bias_and_qk_norm_train_equal_to_one_process(pools, layout):
+    """Gradients of the new tensors: q/k/v biases (sharded, or replicated with the key/value heads)
+    and the replicated q/k norm weights, whose parts are summed over tp."""
+    from tests.helpers import train_layout
+
+    ref = train_layout({}, 4, 8, 2, VARIANTS)
+    for r in pools(2).run(train_layout, layout, 4, 8, 2, VARIANTS):
+        assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-5)
+        if r["state"] is not None:
+            for k, v in ref["state"].items():
+                assert_close(r["state"][k], v, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_planner_counts_bias_and_qk_norm_parameters():
+    from loom.model.llama import build_model, count_params
+    from loom.plan.cost import ParamCounts
+    from tests.helpers import tiny_model
+
+    for kw in (VARIANTS, {"qkv_bias": True}, {"qk_norm": True, "attn_head_dim": 16}):
+        cfg = tiny_model(**kw)
+        assert ParamCounts.of(cfg).total == count_params(build_model(cfg, 0)), kw

@@ -70,7 +70,7 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path) -> dict[str, i
 
 
 def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = 5 * 10**9,
-              architecture: str = "LlamaForCausalLM", progress: bool = False) -> Exported:  # fmt: skip
+              progress: bool = False) -> Exported:  # fmt: skip
     """Write the Hugging Face directory ``out`` for the checkpoint ``source`` (see module doc)."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -106,7 +106,7 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = 5 * 10
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         dtype = str(reader.dtype(PREFIX + names[0])).removeprefix("torch.")
         special = _tokenizer_files(reader.dir.parent.parent, cfg, tmp)
-        (tmp / "config.json").write_text(json.dumps(hf_config(cfg.model, architecture, dtype, special), indent=2))
+        (tmp / "config.json").write_text(json.dumps(hf_config(cfg.model, dtype, special), indent=2))
         (tmp / "generation_config.json").write_text(json.dumps({"max_length": cfg.data.seq_len, **special}, indent=2))
         fsync_dir(tmp)
         if out.exists():

@@ -1,19 +1,22 @@
 """Hugging Face checkpoints in and out of Loom's model, without ``transformers`` (JSON + safetensors).
 
-Families: ``LlamaForCausalLM`` and ``MistralForCausalLM`` (the same tensors; Mistral's sliding
-window only when every sequence fits in it). Names map one to one::
+Families: ``LlamaForCausalLM``, ``MistralForCausalLM`` (the same tensors; Mistral's sliding window
+only when every sequence fits in it), ``Qwen2ForCausalLM`` (q/k/v biases: ``model.qkv_bias``) and
+``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``model.qk_norm``; its own ``head_dim``). Names map
+one to one::
 
     model.embed_tokens.weight                 tok_embeddings.weight
     model.layers.i.input_layernorm            layers.i.attention_norm
-    model.layers.i.self_attn.{q,k,v,o}_proj   layers.i.attention.w{q,k,v,o}
+    model.layers.i.self_attn.{q,k,v,o}_proj   layers.i.attention.w{q,k,v,o}   (weight, bias)
+    model.layers.i.self_attn.{q,k}_norm       layers.i.attention.{q,k}_norm
     model.layers.i.post_attention_layernorm   layers.i.ffn_norm
     model.layers.i.mlp.{gate,up,down}_proj    layers.i.feed_forward.w{1,3,2}
     model.norm.weight, lm_head.weight         norm.weight, output.weight
 
 Rotary layout: Hugging Face rotates the halves (x_j, x_{j+d/2}) of each head, Loom the pairs
 (x_{2i}, x_{2i+1}), with the same frequencies theta^(-2i/d). The q and k projections are the same
-function once each head's output rows are reordered: Loom row 2i+c = HF row i + c·d/2
-(:func:`to_loom_rows`; :func:`to_hf_rows` is its inverse).
+function once each head's output rows (and biases, and the q/k norm weights) are reordered:
+Loom row 2i+c = HF row i + c·d/2 (:func:`to_loom_rows`; :func:`to_hf_rows` is its inverse).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from loom.config import ModelConfig
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -68,14 +71,19 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     if arch not in SUPPORTED:
         raise HFError(f"{CONFIG}: architectures = {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")
     dim, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-    if raw.get("head_dim") not in (None, dim // heads):
-        raise HFError(f"{CONFIG}: head_dim = {raw['head_dim']} differs from hidden_size / num_attention_heads "
-                      f"= {dim // heads}, which Loom's attention assumes")  # fmt: skip
-    for field, allowed in (("hidden_act", ("silu",)), ("attention_bias", (False, None)), ("mlp_bias", (False, None))):
+    qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
+    head_dim = int(raw.get("head_dim") or dim // heads)
+    if head_dim != dim // heads and not qwen3:
+        raise HFError(f"{CONFIG}: head_dim = {head_dim} differs from hidden_size / num_attention_heads "
+                      f"= {dim // heads}, which {arch} does not do")  # fmt: skip
+    checks = [("hidden_act", ("silu",)), ("mlp_bias", (False, None))]
+    if not qwen2:  # Qwen2 always has q/k/v biases (and no o bias); the others only without attention_bias
+        checks.append(("attention_bias", (False, None)))
+    for field, allowed in checks:
         if raw.get(field) not in allowed:
             raise HFError(f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r})")
     seq = max_seq_len or int(raw.get("max_position_embeddings", 2048))
-    window = raw.get("sliding_window")
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
     if window is not None and seq > int(window):
         raise HFError(f"{CONFIG}: sliding_window = {window} is shorter than the sequences ({seq}); Loom "
                       "attends to the whole sequence, so it matches only when sequences fit the window")  # fmt: skip
@@ -84,6 +92,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         n_kv_heads=int(raw.get("num_key_value_heads") or heads), ffn_dim=int(raw["intermediate_size"]),
         vocab_size=int(raw["vocab_size"]), max_seq_len=seq, rope_theta=_rope_theta(raw),
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=qwen2, qk_norm=qwen3, attn_head_dim=head_dim if head_dim != dim // heads else 0,
     )  # fmt: skip
 
 
@@ -119,7 +128,7 @@ def apply_to(cfg, path: str | Path) -> HFModel:
     tokenizer unless one is set. Returns the opened directory."""
     model = open_dir(path, cfg.data.seq_len)
     for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta",
-                  "norm_eps", "tie_embeddings"):  # fmt: skip
+                  "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm", "attn_head_dim"):  # fmt: skip
         setattr(cfg.model, field, getattr(model.config, field))
     if not cfg.data.tokenizer:
         if model.tokenizer is None:
@@ -136,6 +145,11 @@ def _names(cfg: ModelConfig) -> Iterator[tuple[str, str]]:
         yield lm + "attention_norm.weight", hf + "input_layernorm.weight"
         for x in "qkvo":
             yield lm + f"attention.w{x}.weight", hf + f"self_attn.{x}_proj.weight"
+            if cfg.qkv_bias and x != "o":
+                yield lm + f"attention.w{x}.bias", hf + f"self_attn.{x}_proj.bias"
+        if cfg.qk_norm:
+            yield lm + "attention.q_norm.weight", hf + "self_attn.q_norm.weight"
+            yield lm + "attention.k_norm.weight", hf + "self_attn.k_norm.weight"
         yield lm + "ffn_norm.weight", hf + "post_attention_layernorm.weight"
         for w, proj in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
             yield lm + f"feed_forward.{w}.weight", hf + f"mlp.{proj}_proj.weight"
@@ -157,20 +171,27 @@ def to_hf_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _heads_of(name: str, cfg: ModelConfig) -> int | None:
-    return cfg.n_heads if name.endswith("attention.wq.weight") else cfg.n_kv_heads if name.endswith(
-        "attention.wk.weight") else None  # fmt: skip
+    """Heads whose rows :func:`to_loom_rows` reorders in this tensor (None: not a rotary tensor)."""
+    if ".attention.wq." in name:
+        return cfg.n_heads
+    if ".attention.wk." in name:
+        return cfg.n_kv_heads
+    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1  # one head's d weights, applied before RoPE
+    return None
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Loom name -> shape, from the config alone (no model built)."""
     h, d, f, V = cfg.dim, cfg.head_dim, cfg.resolved_ffn_dim(), cfg.vocab_size
+    qd, kd = cfg.n_heads * d, cfg.n_kv_heads * d
+    leaves = {"tok_embeddings": (V, h), "output": (V, h), "wq": (qd, h), "wk": (kd, h), "wv": (kd, h), "wo": (h, qd),
+              "w1": (f, h), "w3": (f, h), "w2": (h, f), "q_norm": (d,), "k_norm": (d,)}  # fmt: skip
     shapes = {}
     for name, _ in _names(cfg):
-        leaf = name.split(".")[-2]
-        shapes[name] = {
-            "tok_embeddings": (V, h), "output": (V, h), "wq": (cfg.n_heads * d, h), "wk": (cfg.n_kv_heads * d, h),
-            "wv": (cfg.n_kv_heads * d, h), "wo": (h, cfg.n_heads * d), "w1": (f, h), "w3": (f, h), "w2": (h, f),
-        }.get(leaf, (h,))  # fmt: skip
+        module, kind = name.split(".")[-2:]
+        shape = leaves.get(module, (h,))
+        shapes[name] = shape[:1] if kind == "bias" else shape
     return shapes
 
 
@@ -206,16 +227,27 @@ def load_into(module: torch.nn.Module, model: HFModel) -> None:
         params[name].copy_(t)
 
 
-def hf_config(cfg: ModelConfig, architecture: str = "LlamaForCausalLM", dtype: str = "float32",
-              extra: dict | None = None) -> dict:  # fmt: skip
+def architecture_of(cfg: ModelConfig) -> str:
+    """The Hugging Face family that holds exactly ``cfg``'s tensors."""
+    if cfg.qk_norm and not cfg.qkv_bias:
+        return "Qwen3ForCausalLM"
+    if cfg.qkv_bias and not cfg.qk_norm:
+        return "Qwen2ForCausalLM"
+    if cfg.qkv_bias or cfg.moe:
+        raise HFError("model: no supported Hugging Face family has both q/k/v biases and q/k norms, or experts")
+    return "LlamaForCausalLM"
+
+
+def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = None) -> dict:
     """``config.json`` for Loom's ``cfg`` (``extra``: fields carried over, e.g. token ids)."""
+    architecture = architecture_of(cfg)
     out = {
         "architectures": [architecture], "model_type": architecture.removesuffix("ForCausalLM").lower(),
         "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.resolved_ffn_dim(),
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": cfg.qkv_bias,
         "mlp_bias": False, "initializer_range": cfg.init_std, "dtype": dtype,
     }  # fmt: skip
     return out | (extra or {})

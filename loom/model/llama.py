@@ -1,7 +1,7 @@
 """A plain single-device Llama-style decoder: the reference every parallel layout is compared to.
 
 RMSNorm, rotary position embeddings, grouped-query attention through
-``F.scaled_dot_product_attention``, SwiGLU MLP or a top-k routed mixture of SwiGLU experts
+``F.scaled_dot_product_attention`` (optional q/k/v biases and per-head q/k RMSNorm), SwiGLU MLP or a top-k routed mixture of SwiGLU experts
 (``model.n_experts > 1``), optional tied embeddings. No parallel code
 lives here: strategies are applied from outside (module swap, hooks, wrapping).
 
@@ -79,10 +79,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = CoreAttention(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -91,6 +93,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, a, d)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, k, d)
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, k, d)
+        if self.q_norm is not None:  # per head, over d
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
         y = self.core(q, k, v)  # (B, a, T, d)
@@ -228,13 +232,17 @@ def init_weights(model: Transformer, seed: int) -> None:
     """Deterministic init from ``seed``: each parameter draws from its own generator keyed by its
     name, so the values do not depend on how the model is later sharded or placed.
 
-    Linear/embedding ~ N(0, std); output projections (wo, w2) ~ N(0, std / sqrt(2L)); norms = 1.
+    Linear/embedding ~ N(0, std); output projections (wo, w2) ~ N(0, std / sqrt(2L)); norms = 1;
+    biases = 0.
     """
     std = model.cfg.init_std
     proj_std = std / math.sqrt(2 * model.cfg.n_layers)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
+            continue
+        if name.endswith(".bias"):
+            p.zero_()
             continue
         g = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
         s = proj_std if name.endswith(("wo.weight", "w2.weight")) else std

@@ -125,19 +125,42 @@ class ColumnParallelLinear(nn.Module):
     group once per step (:func:`~loom.parallel.tp_comm.sum_partial_grads`).
     """
 
-    def __init__(self, weight: nn.Parameter, ctx: TPContext, replicated_rows: slice | None = None) -> None:
+    def __init__(self, weight: nn.Parameter, ctx: TPContext, replicated_rows: slice | None = None,
+                 bias: nn.Parameter | None = None) -> None:  # fmt: skip
         super().__init__()
-        self.weight = weight if replicated_rows is None else mark_partial(weight, ctx.group, ctx.meter)
+        partial = (lambda p: p) if replicated_rows is None else (lambda p: mark_partial(p, ctx.group, ctx.meter))
+        self.weight = partial(weight)
+        self.bias = None if bias is None else partial(bias)  # this rank's rows' bias (or all, replicated)
         self.ctx = ctx
         self.replicated_rows = replicated_rows
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, ctx: TPContext, replicated_rows: slice | None = None) -> ColumnParallelLinear:
+        """Rows of ``lin`` (and of its bias) sharded over tp, or held whole when ``replicated_rows``."""
+        if replicated_rows is None:
+            w = sharded_param(lin.weight, 0, ctx)
+            b = None if lin.bias is None else sharded_param(lin.bias, 0, ctx)
+        else:
+            w = nn.Parameter(lin.weight.detach().clone())
+            b = None if lin.bias is None else nn.Parameter(lin.bias.detach().clone())
+        return cls(w, ctx, replicated_rows, b)
 
     def local_weight(self) -> torch.Tensor:
         if self.replicated_rows is None:
             return self.weight
         return self.weight[self.replicated_rows]
 
+    def local_bias(self) -> torch.Tensor | None:
+        if self.bias is None or self.replicated_rows is None:
+            return self.bias
+        return self.bias[self.replicated_rows]
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        b = self.local_bias()
+        return y if b is None else y + b
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel_matmul(x, (self.local_weight(),), self.ctx)[0]
+        return self.add_bias(column_parallel_matmul(x, (self.local_weight(),), self.ctx)[0])
 
     def extra_repr(self) -> str:
         return f"local={tuple(self.weight.shape)}, tp={self.ctx.size}, sp={self.ctx.sp}"
@@ -221,31 +244,35 @@ class ParallelAttention(nn.Module):
         self.head_dim = head_dim
         self.ctx = ctx
         self.core = core if core is not None else CoreAttention()  # local heads' softmax(qkᵀ)v
+        self.q_norm: nn.Module | None = None  # per-head RMSNorm of q and k (replicated weights)
+        self.k_norm: nn.Module | None = None
 
     @classmethod
     def from_full(cls, attn: nn.Module, ctx: TPContext) -> ParallelAttention:
         n, r, d, k = ctx.size, ctx.rank, attn.head_dim, attn.n_kv_heads
-        wq = ColumnParallelLinear(sharded_param(attn.wq.weight, 0, ctx), ctx)
-        if k % n == 0:
-            wk = ColumnParallelLinear(sharded_param(attn.wk.weight, 0, ctx), ctx)
-            wv = ColumnParallelLinear(sharded_param(attn.wv.weight, 0, ctx), ctx)
-        else:
-            head = r // (n // k)
-            rows = slice(head * d, (head + 1) * d)
-            wk = ColumnParallelLinear(nn.Parameter(attn.wk.weight.detach().clone()), ctx, rows)
-            wv = ColumnParallelLinear(nn.Parameter(attn.wv.weight.detach().clone()), ctx, rows)
+        rows = None if k % n == 0 else slice((r // (n // k)) * d, (r // (n // k) + 1) * d)
+        wq = ColumnParallelLinear.from_linear(attn.wq, ctx)
+        wk, wv = (ColumnParallelLinear.from_linear(lin, ctx, rows) for lin in (attn.wk, attn.wv))
         wo = RowParallelLinear(sharded_param(attn.wo.weight, 1, ctx), ctx)
-        return cls(wq, wk, wv, wo, d, ctx, attn.core)
+        out = cls(wq, wk, wv, wo, d, ctx, attn.core)
+        if getattr(attn, "q_norm", None) is not None:  # replicated; each rank's heads give part of the grad
+            out.q_norm, out.k_norm = attn.q_norm, attn.k_norm
+            for norm in (out.q_norm, out.k_norm):
+                mark_partial(norm.weight, ctx.group, ctx.meter)
+        return out
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = column_parallel_matmul(
             x, (self.wq.weight, self.wk.local_weight(), self.wv.local_weight()), self.ctx
         )
+        q, k, v = self.wq.add_bias(q), self.wk.add_bias(k), self.wv.add_bias(v)
         # From here on the same math as loom.model.llama.Attention.forward, on the local heads.
         B, T, _ = q.shape  # T is the full sequence (gathered with sp): RoPE positions stay global
         q = q.view(B, T, -1, self.head_dim)  # (B, T, a/n, d)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, k_local, d)
         v = v.view(B, T, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
         dropping = self.training and getattr(self.core, "dropout", 0.0) > 0

@@ -277,14 +277,14 @@ class ParamCounts:
 
     @classmethod
     def of(cls, m: ModelConfig, n_experts: int = 1, top_k: int = 1) -> ParamCounts:
-        h, f, kd = m.dim, m.resolved_ffn_dim(), m.n_kv_heads * m.head_dim
+        h, f, kd, qd = m.dim, m.resolved_ffn_dim(), m.n_kv_heads * m.head_dim, m.n_heads * m.head_dim
         moe = n_experts > 1
         return cls(
-            attn=2 * h * h + 2 * h * kd,
+            attn=2 * h * qd + 2 * h * kd + ((qd + 2 * kd) if m.qkv_bias else 0),
             mlp=3 * h * f * (n_experts if moe else 1),
             mlp_active=3 * h * f * (top_k if moe else 1),
             router=h * n_experts if moe else 0,
-            norms=2 * h,
+            norms=2 * h + (2 * m.head_dim if m.qk_norm else 0),
             embed=m.vocab_size * h,
             head=0 if m.tie_embeddings else m.vocab_size * h,
             final_norm=h,
