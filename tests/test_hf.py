@@ -21,6 +21,7 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 64}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # q/k norms, head_dim != hidden / heads
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -194,14 +195,15 @@ def _loom_logits(run: Path, x: torch.Tensor) -> torch.Tensor:
         return model(x)
 
 
-@pytest.mark.parametrize("layout", ["one process", "dp2 zero3", "tp2", "qwen2 tp2", "qwen3 dp2"])
+@pytest.mark.parametrize("layout", ["one process", "dp2 zero3", "tp2", "qwen2 tp2", "qwen3 dp2", "mixtral ep2"])
 def test_export_loads_in_transformers_with_equal_logits(pools, prepared, tmp_path, layout):
     from loom.checkpoint.hf_export import export_hf
 
     run = tmp_path / "run"
-    cfg = _config(prepared, run, **({"tp": 2} if "tp2" in layout else {"zero": 3} if "zero3" in layout else {}))
-    cfg["model"] |= {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True, "attn_head_dim": 32}}.get(
-        layout.split()[0], {})  # fmt: skip
+    par = {"tp2": {"tp": 2}, "zero3": {"zero": 3}, "ep2": {"ep": 2}}.get(layout.split()[-1], {})
+    cfg = _config(prepared, run, **par)
+    cfg["model"] |= {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True, "attn_head_dim": 32},
+                     "mixtral": {"n_experts": 4, "top_k": 2}}.get(layout.split()[0], {})  # fmt: skip
     if layout == "one process":
         _train(cfg)
     else:
@@ -240,7 +242,11 @@ def test_import_then_export_round_trips(tmp_path, family):
     model = Transformer(hf.config)
     load_into(model, hf)
     out = dict(hf_tensors(hf.config, ((k, v.detach()) for k, v in model.state_dict().items())))
-    for name, t in ref.state_dict().items():
+    from safetensors.torch import load_file
+
+    on_disk = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert out.keys() == on_disk.keys()
+    for name, t in on_disk.items():
         assert torch.equal(out[name], t), name
 
 
@@ -301,3 +307,28 @@ def test_planner_counts_bias_and_qk_norm_parameters():
     for kw in (VARIANTS, {"qkv_bias": True}, {"qk_norm": True, "attn_head_dim": 16}):
         cfg = tiny_model(**kw)
         assert ParamCounts.of(cfg).total == count_params(build_model(cfg, 0)), kw
+
+
+def _ep2_logits(path: str, x: torch.Tensor) -> torch.Tensor:
+    """The imported Mixtral with its experts split over 2 ranks (tokens travel by all-to-all)."""
+    from loom.model.hf import load_into, open_dir
+    from loom.model.llama import Transformer
+    from loom.parallel.expert_parallel import apply_expert_parallel
+    from tests.dist import get_mesh
+
+    hf = open_dir(path, x.shape[1])
+    model = Transformer(hf.config)
+    load_into(model, hf)
+    mesh = get_mesh(dp_replicate=2, ep=2)
+    apply_expert_parallel(model, mesh)
+    with torch.no_grad():
+        return model(x[mesh.local_rank("dp")][None])  # each rank its own sequence
+
+
+def test_mixtral_under_ep2_gives_the_logits_of_transformers(pools, tmp_path):
+    path, ref = _save_hf(tmp_path, "mixtral", False)
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(x).logits
+    for rank, logits in enumerate(pools(2).run(_ep2_logits, str(path), x)):
+        assert_close(logits[0], expected[rank])

@@ -80,8 +80,6 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = 5 * 10
         if not saved:
             raise CheckpointError(f"{reader.dir}: has no saved config (train_state.json); cannot describe the model")
         cfg = C.from_dict(saved)
-        if cfg.model.moe:
-            raise CheckpointError(f"{reader.dir}: mixture-of-experts models are not exported to Hugging Face yet")
         names = [n[len(PREFIX):] for n in reader.names() if n.startswith(PREFIX)]
         if not names:
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")

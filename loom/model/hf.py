@@ -2,8 +2,9 @@
 
 Families: ``LlamaForCausalLM``, ``MistralForCausalLM`` (the same tensors; Mistral's sliding window
 only when every sequence fits in it), ``Qwen2ForCausalLM`` (q/k/v biases: ``model.qkv_bias``) and
-``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``model.qk_norm``; its own ``head_dim``). Names map
-one to one::
+``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``model.qk_norm``; its own ``head_dim``) and
+``MixtralForCausalLM`` (into Loom's mixture of experts: the router, and each expert's w1/w3/w2
+stacked into the (E, ...) weights). Names map one to one::
 
     model.embed_tokens.weight                 tok_embeddings.weight
     model.layers.i.input_layernorm            layers.i.attention_norm
@@ -30,7 +31,7 @@ import torch
 
 from loom.config import ModelConfig
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM")
 CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -76,7 +77,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     if head_dim != dim // heads and not qwen3:
         raise HFError(f"{CONFIG}: head_dim = {head_dim} differs from hidden_size / num_attention_heads "
                       f"= {dim // heads}, which {arch} does not do")  # fmt: skip
-    checks = [("hidden_act", ("silu",)), ("mlp_bias", (False, None))]
+    checks = [("hidden_act", ("silu",)), ("mlp_bias", (False, None)), ("router_jitter_noise", (0.0, 0, None))]
     if not qwen2:  # Qwen2 always has q/k/v biases (and no o bias); the others only without attention_bias
         checks.append(("attention_bias", (False, None)))
     for field, allowed in checks:
@@ -93,6 +94,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         vocab_size=int(raw["vocab_size"]), max_seq_len=seq, rope_theta=_rope_theta(raw),
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=qwen2, qk_norm=qwen3, attn_head_dim=head_dim if head_dim != dim // heads else 0,
+        n_experts=int(raw.get("num_local_experts", 1)), top_k=int(raw.get("num_experts_per_tok", 2)),
     )  # fmt: skip
 
 
@@ -128,7 +130,7 @@ def apply_to(cfg, path: str | Path) -> HFModel:
     tokenizer unless one is set. Returns the opened directory."""
     model = open_dir(path, cfg.data.seq_len)
     for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta",
-                  "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm", "attn_head_dim"):  # fmt: skip
+                  "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm", "attn_head_dim", "n_experts", "top_k"):  # fmt: skip
         setattr(cfg.model, field, getattr(model.config, field))
     if not cfg.data.tokenizer:
         if model.tokenizer is None:
@@ -137,8 +139,8 @@ def apply_to(cfg, path: str | Path) -> HFModel:
     return model
 
 
-def _names(cfg: ModelConfig) -> Iterator[tuple[str, str]]:
-    """(Loom name, HF name) of every tensor."""
+def _names(cfg: ModelConfig) -> Iterator[tuple[str, str | tuple[str, ...]]]:
+    """(Loom name, HF name) of every tensor; a tuple of HF names for an expert stack."""
     yield "tok_embeddings.weight", "model.embed_tokens.weight"
     for i in range(cfg.n_layers):
         hf, lm = f"model.layers.{i}.", f"layers.{i}."
@@ -151,6 +153,12 @@ def _names(cfg: ModelConfig) -> Iterator[tuple[str, str]]:
             yield lm + "attention.q_norm.weight", hf + "self_attn.q_norm.weight"
             yield lm + "attention.k_norm.weight", hf + "self_attn.k_norm.weight"
         yield lm + "ffn_norm.weight", hf + "post_attention_layernorm.weight"
+        if cfg.moe:  # Mixtral: a router, and each expert's w1/w3/w2 stacked into Loom's (E, ...) weights
+            moe = hf + "block_sparse_moe."
+            yield lm + "feed_forward.router.weight", moe + "gate.weight"
+            for w in ("w1", "w3", "w2"):
+                yield lm + f"feed_forward.{w}.weight", tuple(f"{moe}experts.{e}.{w}.weight" for e in range(cfg.n_experts))
+            continue
         for w, proj in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
             yield lm + f"feed_forward.{w}.weight", hf + f"mlp.{proj}_proj.weight"
     yield "norm.weight", "model.norm.weight"
@@ -187,6 +195,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     qd, kd = cfg.n_heads * d, cfg.n_kv_heads * d
     leaves = {"tok_embeddings": (V, h), "output": (V, h), "wq": (qd, h), "wk": (kd, h), "wv": (kd, h), "wo": (h, qd),
               "w1": (f, h), "w3": (f, h), "w2": (h, f), "q_norm": (d,), "k_norm": (d,)}  # fmt: skip
+    if cfg.moe:
+        E = cfg.n_experts
+        leaves |= {"w1": (E, f, h), "w3": (E, f, h), "w2": (E, h, f), "router": (E, h)}
     shapes = {}
     for name, _ in _names(cfg):
         module, kind = name.split(".")[-2:]
@@ -196,26 +207,41 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def read_state(model: HFModel, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Loom name, tensor) for ``names`` (default: all), one tensor at a time, shard by shard."""
+    """(Loom name, tensor) for ``names`` (default: all), one tensor at a time (an expert stack is read
+    expert by expert); each shard file is opened once."""
+    from contextlib import ExitStack
+
     from safetensors import safe_open
 
     shapes = expected_shapes(model.config)
     wanted = [(lm, hf) for lm, hf in _names(model.config) if names is None or lm in names]
     for _, hf in wanted:
-        if hf not in model.files:
-            raise HFError(f"{model.dir}: tensor {hf} is missing from the checkpoint")
-    by_file: dict[str, list[tuple[str, str]]] = {}
-    for lm, hf in wanted:
-        by_file.setdefault(model.files[hf], []).append((lm, hf))
-    for file, pairs in sorted(by_file.items()):
-        with safe_open(str(model.dir / file), "pt") as f:
-            for lm, hf in pairs:
-                t = f.get_tensor(hf)
-                if tuple(t.shape) != shapes[lm]:
-                    raise HFError(f"{model.dir / file}: {hf} has shape {tuple(t.shape)}, {CONFIG} implies "
-                                  f"{shapes[lm]}")  # fmt: skip
-                heads = _heads_of(lm, model.config)
-                yield lm, (to_loom_rows(t, heads) if heads else t)
+        for name in _parts(hf):
+            if name not in model.files:
+                raise HFError(f"{model.dir}: tensor {name} is missing from the checkpoint")
+    with ExitStack() as files:
+        opened: dict[str, object] = {}
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            file = model.files[name]
+            if file not in opened:
+                opened[file] = files.enter_context(safe_open(str(model.dir / file), "pt"))
+            t = opened[file].get_tensor(name)  # type: ignore[attr-defined]
+            if tuple(t.shape) != shape:
+                raise HFError(f"{model.dir / file}: {name} has shape {tuple(t.shape)}, {CONFIG} implies {shape}")
+            return t
+
+        for lm, hf in wanted:
+            if isinstance(hf, tuple):  # experts stacked along dim 0
+                t = torch.stack([get(name, shapes[lm][1:]) for name in hf])
+            else:
+                t = get(hf, shapes[lm])
+            heads = _heads_of(lm, model.config)
+            yield lm, (to_loom_rows(t, heads) if heads else t)
+
+
+def _parts(hf: str | tuple[str, ...]) -> tuple[str, ...]:
+    return hf if isinstance(hf, tuple) else (hf,)
 
 
 @torch.no_grad()
@@ -233,9 +259,10 @@ def architecture_of(cfg: ModelConfig) -> str:
         return "Qwen3ForCausalLM"
     if cfg.qkv_bias and not cfg.qk_norm:
         return "Qwen2ForCausalLM"
-    if cfg.qkv_bias or cfg.moe:
-        raise HFError("model: no supported Hugging Face family has both q/k/v biases and q/k norms, or experts")
-    return "LlamaForCausalLM"
+    if cfg.qkv_bias or (cfg.moe and cfg.qk_norm):
+        raise HFError("model: no supported Hugging Face family has this combination of q/k/v biases, q/k norms "
+                      "and experts")  # fmt: skip
+    return "MixtralForCausalLM" if cfg.moe else "LlamaForCausalLM"
 
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = None) -> dict:
@@ -250,6 +277,9 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = Non
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": cfg.qkv_bias,
         "mlp_bias": False, "initializer_range": cfg.init_std, "dtype": dtype,
     }  # fmt: skip
+    if cfg.moe:
+        out |= {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k, "router_jitter_noise": 0.0,
+                "output_router_logits": False}  # fmt: skip
     return out | (extra or {})
 
 
@@ -262,4 +292,9 @@ def hf_tensors(cfg: ModelConfig, state: Iterator[tuple[str, torch.Tensor]]) -> I
                 continue  # the tied head is the embedding
             raise HFError(f"{name}: no Hugging Face counterpart for this tensor")
         heads = _heads_of(name, cfg)
-        yield to_hf[name], (to_hf_rows(t, heads) if heads else t).contiguous()
+        t = to_hf_rows(t, heads) if heads else t
+        hf = to_hf[name]
+        if isinstance(hf, tuple):
+            yield from ((n, e.contiguous()) for n, e in zip(hf, t.unbind(0), strict=True))
+        else:
+            yield hf, t.contiguous()
