@@ -141,6 +141,7 @@ class TrainConfig:
     checkpoint_async: bool = True  # periodic saves written by a background thread (final: synchronous)
     checkpoint_keep: int = 2  # newest checkpoints kept in <run.dir>/checkpoints; 0 = keep all
     resume: str = ""  # checkpoint to start from (run dir or checkpoint dir); "" = latest in run.dir
+    init_from: str = ""  # weights only (Loom checkpoint or local HF directory): fresh optimizer, step 0, any layout
     time_limit_s: float = 0.0  # stop early (and save) after this many seconds; 0 = none
 
 
@@ -410,6 +411,10 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(
         not t.resume or Path(t.resume).is_dir(),
         f"train.resume: {t.resume!r} is not a directory (a run dir, its checkpoints/ or one checkpoint)",
+    )
+    _require(
+        not t.init_from or Path(t.init_from).is_dir(),
+        f"train.init_from: {t.init_from!r} is not a directory (a Loom run or checkpoint, or a Hugging Face model)",
     )
     _require(t.precision in PRECISIONS, f"train.precision: must be one of {PRECISIONS}, got {t.precision!r}")
     _require(r.device in DEVICES, f"run.device: must be one of {DEVICES}, got {r.device!r}")

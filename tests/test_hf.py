@@ -332,3 +332,54 @@ def test_mixtral_under_ep2_gives_the_logits_of_transformers(pools, tmp_path):
         expected = ref(x).logits
     for rank, logits in enumerate(pools(2).run(_ep2_logits, str(path), x)):
         assert_close(logits[0], expected[rank])
+
+
+# ----------------------------------------------------------------------------- train.init_from
+
+def _first_losses(cfg_dict: dict) -> list[float]:
+    import torch.distributed as dist
+
+    _train(cfg_dict)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return []
+    rows = (Path(cfg_dict["run"]["dir"]) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(r)["loss"] for r in rows]
+
+
+def test_init_from_takes_weights_only_into_any_layout(pools, prepared, tmp_path):
+    """A dp2 × ZeRO-3 run's weights start a one-process run and a tp2 run at step 0: both begin from
+    the same model (equal first losses) with a fresh optimizer and schedule."""
+    from loom.checkpoint.load import CheckpointReader
+    from loom.train.trainer import RankEnv, Trainer
+
+    source = tmp_path / "source"
+    pools(2).run(_train, _config(prepared, source, zero=3))
+    cfg = _config(prepared, tmp_path / "one")
+    cfg["train"] |= {"init_from": str(source), "lr": 1e-3}
+    trainer = Trainer(C.from_dict(cfg), RankEnv(0, 1, 0, 1))
+    try:
+        assert trainer.start_step == 0
+        with CheckpointReader(source) as reader:
+            for name, p in trainer.model.named_parameters():
+                assert torch.equal(p.detach(), reader.read("model." + name)), name
+    finally:
+        trainer.heartbeat.close()
+    one = _first_losses(cfg)
+    tp = _config(prepared, tmp_path / "tp2", tp=2)
+    tp["train"] |= {"init_from": str(source), "lr": 1e-3}
+    tp2 = pools(2).run(_first_losses, tp)[0]
+    assert_close(torch.tensor(tp2), torch.tensor(one), rtol=1e-4, atol=1e-5)
+    source_losses = [json.loads(r)["loss"] for r in (source / "metrics.jsonl").read_text().splitlines()]
+    assert one[0] < source_losses[0]  # it starts from the trained weights, not from a fresh init
+
+
+def test_init_from_errors_name_the_field(tmp_path, prepared):
+    from loom.model.llama import Transformer
+    from loom.train.init_from import load_initial_weights
+
+    with pytest.raises(C.ConfigError, match="train.init_from: .* is not a directory"):
+        C.validate(C.apply_overrides(C.LoomConfig(), ["--train.init_from", str(tmp_path / "nope")]), 1)
+    path, _ = _save_hf(tmp_path, "llama", False)
+    with pytest.raises(C.ConfigError, match=r"holds tok_embeddings.weight of shape \(128, 64\), this model has"):
+        load_initial_weights(Transformer(C.ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
+                                                       max_seq_len=32, multiple_of=16)), path)  # fmt: skip

@@ -109,6 +109,10 @@ class Trainer:
             from loom.model.hf import load_into, open_dir
 
             load_into(self.model, open_dir(cfg.model.from_hf, cfg.data.seq_len))
+        if cfg.train.init_from:  # weights only; a checkpoint in run.dir (a restart) still wins below
+            from loom.train.init_from import load_initial_weights
+
+            log.info("initial weights from %s", load_initial_weights(self.model, cfg.train.init_from))
         self.strategy = FiniteGuard(parallelize(self.model, self.mesh, cfg, self.meter))
         self.loss_fn = getattr(self.model, "loss_fn", loss_fn)  # tensor parallel: loss on sharded logits
         dp_rank, dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
