@@ -39,6 +39,10 @@ class ModelConfig:
     vocab_size: int = 0  # 0 = take it from the tokenizer of the prepared data
     max_seq_len: int = 256  # longest sequence RoPE is prepared for
     rope_theta: float = 10000.0  # RoPE base frequency
+    rope_scaling: float = 0.0  # Llama 3.1 long-context RoPE: divide low frequencies by this factor (0 = off)
+    rope_low_freq_factor: float = 1.0  # Llama 3.1 RoPE: wavelengths above original_len / this are scaled
+    rope_high_freq_factor: float = 4.0  # Llama 3.1 RoPE: wavelengths below original_len / this are kept
+    rope_original_len: int = 8192  # Llama 3.1 RoPE: the context length pretraining used
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = True  # share the embedding matrix with the output head
     init_std: float = 0.02  # std of the normal init; output projections use std/sqrt(2L)

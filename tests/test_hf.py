@@ -19,6 +19,9 @@ transformers = pytest.importorskip("transformers")
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 64}),
+    "llama3.1": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}}),  # long-context RoPE: every band hit with d = 16
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # q/k norms, head_dim != hidden / heads
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
@@ -74,7 +77,7 @@ def test_rope_row_order_round_trips():
         ({"architectures": ["GPTNeoXForCausalLM"]}, r"architectures = 'GPTNeoXForCausalLM' is not supported; supported: Llama"),
         ({"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported"),
         ({"attention_bias": True}, r"attention_bias = True is not supported"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, r"rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, r"rope type 'yarn' is not"),
         ({"head_dim": 8}, r"head_dim = 8 differs"),
     ],
 )  # fmt: skip

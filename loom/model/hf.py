@@ -56,13 +56,20 @@ class HFModel:
         return path if path.is_file() else None
 
 
-def _rope_theta(raw: dict) -> float:
+def _rope(raw: dict) -> dict:
+    """Loom's RoPE fields for ``config.json``: the base, and Llama 3.1's scaling if present."""
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or {}
-    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if kind not in (None, "default"):
-        raise HFError(f"{CONFIG}: rope type {kind!r} is not supported yet (Loom's RoPE is the default one)")
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    merged = scaling | params  # transformers 5 folds rope_scaling into rope_parameters
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    out = {"rope_theta": float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))}
+    if kind == "llama3":
+        out |= {"rope_scaling": float(merged["factor"]), "rope_low_freq_factor": float(merged["low_freq_factor"]),
+                "rope_high_freq_factor": float(merged["high_freq_factor"]),
+                "rope_original_len": int(merged["original_max_position_embeddings"])}  # fmt: skip
+    elif kind not in (None, "default"):
+        raise HFError(f"{CONFIG}: rope type {kind!r} is not supported (Loom: default, llama3)")
+    return out
 
 
 def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
@@ -91,7 +98,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     return ModelConfig(
         dim=dim, n_layers=int(raw["num_hidden_layers"]), n_heads=heads,
         n_kv_heads=int(raw.get("num_key_value_heads") or heads), ffn_dim=int(raw["intermediate_size"]),
-        vocab_size=int(raw["vocab_size"]), max_seq_len=seq, rope_theta=_rope_theta(raw),
+        vocab_size=int(raw["vocab_size"]), max_seq_len=seq, **_rope(raw),
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=qwen2, qk_norm=qwen3, attn_head_dim=head_dim if head_dim != dim // heads else 0,
         n_experts=int(raw.get("num_local_experts", 1)), top_k=int(raw.get("num_experts_per_tok", 2)),
@@ -130,7 +137,8 @@ def apply_to(cfg, path: str | Path) -> HFModel:
     tokenizer unless one is set. Returns the opened directory."""
     model = open_dir(path, cfg.data.seq_len)
     for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta",
-                  "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm", "attn_head_dim", "n_experts", "top_k"):  # fmt: skip
+                  "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm", "attn_head_dim", "n_experts", "top_k",
+                  "rope_scaling", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_len"):  # fmt: skip
         setattr(cfg.model, field, getattr(model.config, field))
     if not cfg.data.tokenizer:
         if model.tokenizer is None:
@@ -277,6 +285,11 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = Non
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": cfg.qkv_bias,
         "mlp_bias": False, "initializer_range": cfg.init_std, "dtype": dtype,
     }  # fmt: skip
+    if cfg.rope_scaling:
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling,
+                "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_len}  # fmt: skip
+        out |= {"rope_parameters": rope, "rope_scaling": rope}
     if cfg.moe:
         out |= {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k, "router_jitter_noise": 0.0,
                 "output_router_logits": False}  # fmt: skip

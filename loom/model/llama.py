@@ -35,9 +35,20 @@ class RMSNorm(nn.Module):
         return y.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (max_seq_len, head_dim/2): angle(t, i) = t * theta^(-2i/d)."""
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                scaling: tuple[float, float, float, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """cos, sin of shape (max_seq_len, head_dim/2): angle(t, i) = t * ω_i, ω_i = theta^(-2i/d).
+
+    ``scaling`` = (factor s, low α, high β, original length L) is Llama 3.1's long-context rule on
+    the wavelength λ_i = 2π/ω_i: kept if λ < L/β, divided by s if λ > L/α, and in between
+    ω ← (1-γ) ω/s + γ ω with γ = (L/λ - α) / (β - α).
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        s, low, high, length = scaling
+        wavelen = 2 * math.pi / inv_freq
+        gamma = ((length / wavelen - low) / (high - low)).clamp(0.0, 1.0)  # 0 above L/α, 1 below L/β
+        inv_freq = (1 - gamma) * inv_freq / s + gamma * inv_freq
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
@@ -211,7 +222,8 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        scaling = (cfg.rope_scaling, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_len)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling if cfg.rope_scaling else None)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
