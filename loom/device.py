@@ -1,4 +1,4 @@
-"""Device-agnostic helpers: pick the device and backend, measure peak FLOP/s, read memory.
+"""Device-agnostic helpers: pick the device and backend, time a GEMM, read and reset peak memory.
 
 Every ``torch.cuda`` call in Loom goes through here, behind an availability check, so the same
 code runs on CPU + gloo and on CUDA + NCCL.
@@ -12,16 +12,6 @@ import sys
 import time
 
 import torch
-
-# Peak dense bf16 FLOP/s (no sparsity) from vendor datasheets; fp32 uses the TF32 tensor-core rate.
-GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
-    "B200": {"bf16": 2250e12, "fp16": 2250e12, "fp32": 1100e12},
-    "MI300X": {"bf16": 1307e12, "fp16": 1307e12, "fp32": 654e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12},
-}
 
 
 def cuda_available() -> bool:
@@ -52,17 +42,56 @@ def synchronize(device: torch.device) -> None:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated bytes on a GPU; peak resident set size of this process on CPU."""
+    """Peak allocated bytes on a GPU, peak resident set size of this process on the CPU, since the
+    last :func:`reset_peak_memory` (on Linux; elsewhere since the process started)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    hwm = _vm_hwm()
+    if hwm is not None:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def measure_gemm_flops(device: torch.device, n: int = 512, seconds: float = 0.3) -> float:
-    """Achieved FLOP/s of an n x n fp32 matmul on ``device`` (2 n^3 FLOPs each), best of a short run."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak window: the allocator's peak on a GPU; on Linux the process's high-water
+    mark (``/proc/self/clear_refs`` = 5 resets VmHWM to the current RSS)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:  # not Linux, or not allowed: the peak stays process-wide
+        pass
+
+
+def _vm_hwm() -> int | None:
+    """VmHWM (peak RSS, bytes) from /proc/self/status, or None where there is none."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def tf32_enabled() -> bool:
+    """Whether fp32 matmuls may run on TF32 tensor cores (otherwise fp32 MFU uses the FP32 peak)."""
+    cuda_tf32 = torch.cuda.is_available() and torch.backends.cuda.matmul.allow_tf32
+    return bool(cuda_tf32) or torch.get_float32_matmul_precision() != "highest"
+
+
+def measure_gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int | None = None,
+                       seconds: float = 0.3) -> float:  # fmt: skip
+    """Achieved FLOP/s of an n x n matmul in ``dtype`` on ``device`` (2 n^3 FLOPs each), best of a
+    short run; n = 8192 on an accelerator (large enough to reach the tensor cores' rate), 512 on
+    the CPU. Timed between device synchronisations."""
+    n = n or (8192 if device.type != "cpu" else 512)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):
         a @ b
     synchronize(device)
@@ -76,16 +105,6 @@ def measure_gemm_flops(device: torch.device, n: int = 512, seconds: float = 0.3)
         dt = time.perf_counter() - t0
         best = max(best, 4 * 2 * n**3 / dt)
     return best
-
-
-def peak_flops(device: torch.device, precision: str = "fp32") -> tuple[float, str]:
-    """Peak FLOP/s for MFU and where it came from (datasheet for known GPUs, measured otherwise)."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, table in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return table.get(precision, table["fp32"]), f"datasheet {key} {precision}"
-    return measure_gemm_flops(device), f"measured fp32 GEMM on {device.type} ({torch.get_num_threads()} threads)"
 
 
 def default_threads(local_world: int) -> int:

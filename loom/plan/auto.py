@@ -49,13 +49,14 @@ def load_profile(world: int, path: str | None = None) -> Profile | None:
 
 
 def _device_of(cfg: LoomConfig) -> str:
-    if cfg.run.device == "cuda":
+    """The hardware table's key for this machine's accelerator (``cpu`` without one or if unknown)."""
+    if cfg.run.device != "cpu":
         import torch
 
-        name = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""
-        for key in ("h100", "a100", "h200", "b200", "mi300x"):
-            if key in name:
-                return {"h100": "h100-sxm", "a100": "a100-80g"}.get(key, key)
+        if torch.cuda.is_available():
+            from loom.plan.hardware import device_key
+
+            return device_key(torch.cuda.get_device_name(0)) or "cpu"
     return "cpu"
 
 

@@ -32,9 +32,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loom.config import LoomConfig, ModelConfig
 from loom.plan.hardware import CollectiveFit, Profile
+
+if TYPE_CHECKING:
+    import torch
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 MESSAGE_BYTES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
@@ -57,14 +61,21 @@ def model_shapes(model: ModelConfig, tokens: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` after two warm-up calls."""
+def _timed(fn, repeats: int, device: torch.device | None = None) -> float:
+    """Median seconds of ``fn()`` after two warm-up calls; on an accelerator (``device``) each call
+    is timed between synchronisations, so queued kernels and collectives are counted."""
+    from loom.device import synchronize
+
     fn()
     fn()
     times = []
     for _ in range(repeats):
+        if device is not None:
+            synchronize(device)
         t0 = time.perf_counter()
         fn()
+        if device is not None:
+            synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -208,10 +219,10 @@ def _coll_worker(rank: int, world: int, init: str, backend: str, repeats: int, w
                 work()
                 call()
 
-        return _timed(block, 3) / repeats
+        return _timed(block, 3, device) / repeats
 
     dist.barrier()
-    results: list[tuple[str, int, int, float]] = [("work", world, 0, work_rate(work))]  # all ranks at once
+    results: list[tuple[str, int, int, float]] = [("work", world, 0, work_rate(work, device=device))]  # all ranks at once
     for n in [g for g in range(2, world + 1) if world % g == 0]:
         groups = [dist.new_group(list(range(i, i + n))) for i in range(0, world, n)]  # all ranks create all
         group = groups[rank // n]
@@ -254,7 +265,7 @@ def layer_work(tokens: int, width: int, device=None):
     return work
 
 
-def work_rate(work, calls: int = 200, blocks: int = 5) -> float:
+def work_rate(work, calls: int = 200, blocks: int = 5, device: torch.device | None = None) -> float:
     """Seconds per ``work()`` call: the median over ``blocks`` blocks of ``calls`` calls, each block
     long enough (tens of ms) to span the scheduler's time slices."""
 
@@ -262,7 +273,7 @@ def work_rate(work, calls: int = 200, blocks: int = 5) -> float:
         for _ in range(calls):
             work()
 
-    return _timed(block, blocks) / calls
+    return _timed(block, blocks, device) / calls
 
 
 def _run_world(world: int, backend: str, repeats: int, work_shape) -> list[tuple[str, int, int, float]]:

@@ -198,6 +198,31 @@ DEVICES: dict[str, DeviceSpec] = {
         ),
     )
 }
+
+
+# (substrings of torch.cuda.get_device_name, all required, lower case) -> DEVICES key; first match wins
+_NAME_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("h100", "pcie"), "h100-pcie"), (("h100",), "h100-sxm"), (("h200",), "h200"), (("b200",), "b200"),
+    (("a100", "40gb"), "a100-40g"), (("a100",), "a100-80g"), (("mi300x",), "mi300x"),
+)  # fmt: skip
+
+
+def device_key(name: str) -> str | None:
+    """The :data:`DEVICES` key of an accelerator by its reported name (``NVIDIA H100 80GB HBM3``,
+    ``NVIDIA H100 PCIe``, ``NVIDIA A100-SXM4-40GB``, ...), or None for one not in the table."""
+    low = name.lower()
+    return next((key for parts, key in _NAME_RULES if all(p in low for p in parts)), None)
+
+
+def mfu_peak(name: str, precision: str, tf32: bool) -> tuple[float, str] | None:
+    """Datasheet peak FLOP/s for MFU of a run in ``precision`` (fp32 | bf16 | fp16) on the device
+    called ``name``, and its source; fp32 counts TF32 tensor cores only when ``tf32`` is on. None
+    for a device not in the table."""
+    key = device_key(name)
+    if key is None:
+        return None
+    kind = "tf32" if precision == "fp32" and tf32 else precision
+    return DEVICES[key].peak_flops(kind), f"datasheet {key} {kind} ({DEVICES[key].source})"
 """Known accelerators by name. ``achievable`` (sustained GEMM fraction of peak) is an assumption
 from public GEMM benchmarks, not a datasheet number: 0.75 A100, 0.70 Hopper/Blackwell, 0.55 MI300X,
 0.50 CPU; calibration (:class:`Profile`) replaces it with a measurement."""

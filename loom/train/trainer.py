@@ -22,7 +22,14 @@ from loom import config as C
 from loom.checkpoint.training import TrainCheckpoints, truncate_metrics
 from loom.comm import CommMeter
 from loom.data import BatchSampler, PreparedData, TokenDataset, eval_batches, prepare_data
-from loom.device import default_threads, peak_flops, peak_memory_bytes, resolve_backend, resolve_device
+from loom.device import (
+    default_threads,
+    peak_memory_bytes,
+    reset_peak_memory,
+    resolve_backend,
+    resolve_device,
+    synchronize,
+)
 from loom.memory.activation_offload import make_offloader
 from loom.memory.compress import SavedActivations
 from loom.memory.loss_scale import scaler_stats, training_loss_fn
@@ -33,6 +40,7 @@ from loom.parallel.context_parallel import shard_sequence
 from loom.train.export import write_json_atomic
 from loom.train.health import FiniteGuard, Heartbeat, diagnose, is_comm_failure
 from loom.train.metrics import MetricsWriter, setup_logging, step_line
+from loom.train.mfu import mfu_peak
 from loom.train.optim import lr_at
 from loom.train.step import evaluate, train_step
 
@@ -126,7 +134,7 @@ class Trainer:
         self.n_params = count_params(self.model)
         matmul_params = count_params(self.model, exclude_embedding=not cfg.model.tie_embeddings)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, matmul_params)
-        self.peak_flops, self.peak_source = peak_flops(self.device, cfg.train.precision)
+        self.peak_flops, self.peak_source = mfu_peak(self.device, cfg.train.precision)
         self.pipe = getattr(self.strategy, "pipe", None)  # pp > 1: this rank's pipeline stages
         if self.pipe is not None:  # train/eval through the pipeline; the rest of the full model is freed
             from loom.parallel.pipeline.strategy import pipeline_evaluate, pipeline_train_step
@@ -181,6 +189,8 @@ class Trainer:
         start = time.perf_counter()
         last: dict[str, float] = {}
         done = self.start_step
+        synchronize(self.device)
+        reset_peak_memory(self.device)
         window_t, window_steps = time.perf_counter(), 0
         for step in range(self.start_step, c.steps):
             self.heartbeat.set(step + 1, "train step")
@@ -195,6 +205,7 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.3f}")
             if (step + 1) % c.log_every == 0 or step + 1 == c.steps:
+                synchronize(self.device)  # the window's device work is done before the clock is read
                 dt = time.perf_counter() - window_t
                 tps = tokens_per_step * window_steps / dt
                 row = {
@@ -205,6 +216,7 @@ class Trainer:
                     **self.meter.snapshot(), **self.saved_acts.stats(), **scaler_stats(self.strategy),
                 }  # fmt: skip
                 self.saved_acts.reset_peak()
+                reset_peak_memory(self.device)  # peak_mem_bytes is per log window
                 if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
                     row["eval_loss"] = self._evaluate(self.model, self._to_device(self.eval_set), self.loss_fn,
                                                       self.loss_group)  # fmt: skip

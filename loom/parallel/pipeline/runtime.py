@@ -26,7 +26,8 @@ p on every rank, since the versions between stage 0's and this rank's newest are
 forwards that have not started yet (``stashed_versions`` counts only in-flight ones: p - r + 1).
 
 Timing: every action's start/end (``time.perf_counter``, relative to a barrier at the start
-of a recorded run) goes into a :class:`~.simulate.Timeline`, gathered on pipeline rank 0.
+of a recorded run; on an accelerator read after synchronising the device, so an event spans its
+kernels and not their launch) goes into a :class:`~.simulate.Timeline`, gathered on pipeline rank 0.
 Failure: a RECV that does not complete within ``timeout_s`` (training: ``run.timeout_s``;
 default the pp group's own timeout) raises :class:`PipelineError` naming the peer rank, so a
 rank that hangs or dies mid-pipeline ends the job after at most that bound (a dead process
@@ -48,6 +49,7 @@ from torch.func import functional_call
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.device import synchronize
 from loom.parallel.pipeline.posting import Issue, posting_plan
 from loom.parallel.pipeline.schedules import (
     COMPUTE,
@@ -213,7 +215,7 @@ class PipelineRuntime:
             i = self.pending.popleft()
             a = self.actions[i]
             work, buf = self.posted.pop(i)
-            t0 = time.perf_counter()
+            t0 = self._clock()
             self._wait(work, a)
             self._event(a, t0)
             key = (a.microbatch, a.stage)
@@ -276,9 +278,15 @@ class PipelineRuntime:
             return contextlib.nullcontext()
         return self.no_sync()
 
+    def _clock(self) -> float:
+        """Now; on a recorded run after the device's queued work has finished."""
+        if self.record:
+            synchronize(self.device)
+        return time.perf_counter()
+
     def _event(self, a: Action, t0: float) -> None:
         if self.record:
-            self.stats.events.append(Event(self.pipe.rank, a, t0 - self.t0, time.perf_counter() - self.t0))
+            self.stats.events.append(Event(self.pipe.rank, a, t0 - self.t0, self._clock() - self.t0))
 
     # ------------------------------------------------------------------ run
     def run(
@@ -310,6 +318,7 @@ class PipelineRuntime:
         self.actions = actions
         self.pending = deque(i for i, a in enumerate(actions) if a.kind in RECVS)
         if record:
+            synchronize(self.device)
             dist.barrier(group=self.group)
         self.t0 = time.perf_counter()
         for issue in posting_plan(self.pipe.rank, actions):
@@ -319,7 +328,7 @@ class PipelineRuntime:
             i = issue.index
             a = actions[i]
             self._receive(i)
-            t0 = time.perf_counter()
+            t0 = self._clock()
             if a.kind is Kind.F:
                 self._forward(a, i)
             elif a.kind in (Kind.B, Kind.BI, Kind.BW):
