@@ -77,8 +77,9 @@ def cmd_train(argv: list[str]) -> int:
     max_restarts = C._coerce(plain.get("max_restarts", "0"), int, "--max-restarts")
     if max_restarts < 0:
         raise C.ConfigError(f"--max-restarts: must be >= 0, got {max_restarts}")
-    from loom.launch import under_external_launcher
+    from loom.launch import apply_slurm_env, under_external_launcher
 
+    apply_slurm_env()  # srun without torchrun: one rank per task
     if cfg.model.from_hf:  # the model's shape and tokenizer come from the directory
         from loom.model.hf import HFError, apply_to
 

@@ -2,8 +2,9 @@
 
 ``loom train --run.nproc N`` validates the config, prepares the data once, then starts N ranks
 with a c10d rendezvous bound to loopback. If a rank fails, the agent stops every other rank
-and we print one line naming the failed rank(s). Under ``torchrun``/``srun`` (``WORLD_SIZE`` set)
-the launcher is skipped and this process is one rank.
+and we print one line naming the failed rank(s). Under ``torchrun`` (``WORLD_SIZE`` set) or a
+multi-task ``srun`` step (SLURM's variables mapped by :func:`slurm_rank_env`) the launcher is
+skipped and this process is one rank, on GPU ``LOCAL_RANK`` of its node.
 """
 
 from __future__ import annotations
@@ -27,8 +28,60 @@ def free_port(addr: str = "127.0.0.1") -> int:
 
 
 def under_external_launcher() -> bool:
-    """True under torchrun/srun-with-env: this process is already one rank."""
+    """True under torchrun, or srun once :func:`apply_slurm_env` ran: this process is already one rank."""
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def expand_counts(spec: str) -> list[int]:
+    """SLURM's tasks-per-node string -> one count per node: ``"4(x2),3"`` -> ``[4, 4, 3]``."""
+    out: list[int] = []
+    for part in filter(None, spec.split(",")):
+        count, _, times = part.partition("(x")
+        out += [int(count)] * (int(times.rstrip(")")) if times else 1)
+    return out
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``"gpu[07-09,12],login1"`` -> ``"gpu07"``."""
+    head, depth = "", 0
+    for ch in nodelist:  # the first top-level comma ends the first entry
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            break
+        head += ch
+    if "[" not in head:
+        return head
+    prefix, rest = head.split("[", 1)
+    ranges, suffix = rest.split("]", 1)
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+
+
+def slurm_rank_env(environ: dict[str, str]) -> dict[str, str]:
+    """torchrun's variables for one task of a multi-task ``srun`` step (one task per GPU, no
+    torchrun): RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE from SLURM_PROCID, SLURM_NTASKS,
+    SLURM_LOCALID and this node's entry of SLURM_STEP_TASKS_PER_NODE; MASTER_ADDR the step's first
+    node, MASTER_PORT 29500 + job id mod 1000 (unless set). Empty when torchrun's variables are set
+    or there is no multi-task step."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return {}
+    if "SLURM_PROCID" not in environ or int(environ.get("SLURM_NTASKS", "1")) <= 1:
+        return {}
+    per_node = expand_counts(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", ""))
+    node = int(environ.get("SLURM_NODEID", "0"))
+    nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")
+    return {
+        "RANK": environ["SLURM_PROCID"],
+        "WORLD_SIZE": environ["SLURM_NTASKS"],
+        "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": str(per_node[node] if node < len(per_node) else environ["SLURM_NTASKS"]),
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(nodes) or "127.0.0.1",
+        "MASTER_PORT": environ.get("MASTER_PORT") or str(29500 + int(environ.get("SLURM_JOB_ID", "0")) % 1000),
+    }
+
+
+def apply_slurm_env() -> None:
+    """Under a multi-task ``srun`` step, export :func:`slurm_rank_env` so this process runs as one rank."""
+    os.environ.update(slurm_rank_env(dict(os.environ)))
 
 
 def _worker(cfg_dict: dict[str, Any]) -> dict[str, float]:
@@ -51,6 +104,9 @@ def _set_launch_env(master_addr: str) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ["MASTER_ADDR"] = master_addr
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # NCCL: a timed-out collective raises (Loom names the hung rank) instead of killing the process;
+    # the elastic agent would otherwise give every worker 1 (loom.train.health.nccl_watchdog_env)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 def launch(cfg: C.LoomConfig, nproc: int, max_restarts: int = 0) -> dict[int, Any]:

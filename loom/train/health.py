@@ -1,18 +1,31 @@
 """Failure diagnosis: heartbeats that name a hung rank, and a guard against non-finite updates.
 
 Heartbeat: every rank runs a thread that rewrites ``<run.dir>/heartbeat/rank-NNNNN.json``
-(pid, wall time, current step and phase) every ``interval`` seconds. A stopped process
-(SIGSTOP, a debugger, a swapped-out node) or a dead one stops refreshing its file, while a
-healthy rank blocked in a collective keeps refreshing it. When a collective fails on the
-process-group timeout, :func:`diagnose` reads the files and names the ranks whose heartbeat
-went stale, with their last step and phase, and the collective this rank was in.
+(pid, wall time, current step and phase) every ``interval`` = clamp(timeout / 8, 1 s, 60 s)
+seconds (:func:`heartbeat_interval`), and at once on a phase change: at 1,024 ranks and the
+default 600 s timeout that is 14 small writes per second for the whole job, not 1,024. A
+stopped process (SIGSTOP, a debugger, a swapped-out node) or a dead one stops refreshing its
+file, while a healthy rank blocked in a collective keeps refreshing it. When a collective fails
+on the process-group timeout, :func:`diagnose` reads the files and names the ranks whose
+heartbeat is older than ``3 · interval``, with their last step and phase, and the collective
+this rank was in.
 
 The files live in ``run.dir``, which a multi-node job must put on a shared file system (as it
 must for checkpoints anyway); without one a rank only sees the heartbeats of its own node.
 
 Bound: a stopped rank is reported ``run.timeout_s`` (the collective timeout) after the
 others enter the collective it never joins, plus the time to read the files (milliseconds).
-Staleness needs ``run.timeout_s`` > ``STALE_AFTER_S``.
+Staleness needs ``run.timeout_s`` > 3 · interval, which the clamp gives for any timeout above 24 s
+(below that the 1 s floor: timeout > 3 s).
+
+NCCL (:func:`nccl_watchdog_env`): the process group's watchdog would otherwise kill the process
+on a timed-out collective before this diagnosis runs. Loom sets (unless the user has) the
+watchdog to abort the communicators and raise in Python instead (``TORCH_NCCL_ASYNC_ERROR_HANDLING
+= 2``), its heartbeat monitor above Loom's timeout, and the flight recorder to dump each rank's
+last collectives into ``<run.dir>/flight_recorder/`` on a timeout; the diagnosis names the dump.
+The elastic agent gives its workers ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (kill) unless its own
+environment says otherwise, so ``loom train`` sets 2 in the launcher; under ``torchrun``, export
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` yourself.
 
 Non-finite values (:class:`FiniteGuard`): the gradient norm is global (every rank computes
 the same value after the gradient reduction), so all ranks agree without another collective.
@@ -32,8 +45,37 @@ import time
 import traceback
 from pathlib import Path
 
-INTERVAL_S = 1.0
-STALE_AFTER_S = 3.0
+INTERVAL_S = 1.0  # the floor of the refresh interval
+MAX_INTERVAL_S = 60.0
+STALE_INTERVALS = 3  # a heartbeat older than this many intervals is stale
+FLIGHT_RECORDER_DIR = "flight_recorder"
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """Seconds between heartbeat writes: clamp(timeout / 8, 1, 60)."""
+    return min(MAX_INTERVAL_S, max(INTERVAL_S, timeout_s / 8))
+
+
+def nccl_watchdog_env(timeout_s: float, run_dir: Path) -> dict[str, str]:
+    """Environment for NCCL process groups (set before they are created; values the user set win):
+    raise on a timed-out collective instead of killing the process, watchdog monitor above the
+    collective timeout, flight recorder dumped per rank under ``<run_dir>/flight_recorder/``."""
+    prefix = Path(run_dir) / FLIGHT_RECORDER_DIR / "rank_"
+    return {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # abort the communicators, raise in the waiting call
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(timeout_s) + 120),
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",  # the newer name of the flight recorder's size
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(prefix),
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(prefix),  # the older name of the same setting
+    }
+
+
+def apply_nccl_watchdog_env(timeout_s: float, run_dir: Path) -> None:
+    (Path(run_dir) / FLIGHT_RECORDER_DIR).mkdir(parents=True, exist_ok=True)
+    for key, value in nccl_watchdog_env(timeout_s, run_dir).items():
+        os.environ.setdefault(key, value)
 
 
 class Heartbeat:
@@ -117,8 +159,10 @@ def where(exc: BaseException) -> str:
 def diagnose(
     exc: BaseException, run_dir: Path, rank: int, world: int, timeout_s: float, now: float | None = None
 ) -> str:
-    """One line naming the unresponsive ranks, their last step/phase, and this rank's collective."""
+    """One line naming the unresponsive ranks, their last step/phase, and this rank's collective
+    (and where NCCL's flight recorder dumped the last collectives, if it did)."""
     now = time.time() if now is None else now
+    stale_after = STALE_INTERVALS * heartbeat_interval(timeout_s)
     beats = read_heartbeats(run_dir, world)
     mine = beats.get(rank) or {}
     stale = []
@@ -127,14 +171,16 @@ def diagnose(
             continue
         if b is None:
             stale.append(f"rank {r} (no heartbeat file)")
-        elif now - b["time"] > STALE_AFTER_S:
+        elif now - b["time"] > stale_after:
             stale.append(f"rank {r} (pid {b['pid']}, silent for {now - b['time']:.1f} s, "
                          f"last at step {b['step']} in {b['phase']})")  # fmt: skip
     head = (f"rank {rank}: collective failed after up to {timeout_s:.0f} s in {where(exc)} "
             f"at step {mine.get('step', '?')} ({mine.get('phase', '?')})")  # fmt: skip
+    dumps = sorted((Path(run_dir) / FLIGHT_RECORDER_DIR).glob("rank_*"))
+    tail = f"; NCCL flight recorder: {dumps[0].parent}/rank_* ({len(dumps)} dumps)" if dumps else ""
     if stale:
-        return f"{head}; unresponsive: {', '.join(stale)} (stopped, hung or dead)"
-    return f"{head}; every other rank's heartbeat is fresh (slow collective or a rank in a different one?)"
+        return f"{head}; unresponsive: {', '.join(stale)} (stopped, hung or dead){tail}"
+    return f"{head}; every other rank's heartbeat is fresh (slow collective or a rank in a different one?){tail}"
 
 
 class NonFiniteError(FloatingPointError):

@@ -38,7 +38,14 @@ from loom.model.llama import build_model, count_params, flops_per_token, loss_fn
 from loom.parallel import parallelize
 from loom.parallel.context_parallel import shard_sequence
 from loom.train.export import write_json_atomic
-from loom.train.health import FiniteGuard, Heartbeat, diagnose, is_comm_failure
+from loom.train.health import (
+    FiniteGuard,
+    Heartbeat,
+    apply_nccl_watchdog_env,
+    diagnose,
+    heartbeat_interval,
+    is_comm_failure,
+)
 from loom.train.metrics import MetricsWriter, setup_logging, step_line
 from loom.train.mfu import mfu_peak
 from loom.train.optim import lr_at
@@ -71,6 +78,8 @@ def init_process_group(cfg: C.LoomConfig, env: RankEnv) -> torch.device:
     torch.set_num_threads(cfg.run.threads or default_threads(env.local_world))
     if env.world > 1 and not dist.is_initialized():
         backend = resolve_backend(cfg.run.backend, device)
+        if "nccl" in backend:  # before the process group exists: its watchdog reads these
+            apply_nccl_watchdog_env(cfg.run.timeout_s, Path(cfg.run.dir))
         dist.init_process_group(
             backend=backend,
             timeout=timedelta(seconds=cfg.run.timeout_s),
@@ -79,14 +88,25 @@ def init_process_group(cfg: C.LoomConfig, env: RankEnv) -> torch.device:
     return device
 
 
-def ensure_data(cfg: C.LoomConfig, env: RankEnv) -> PreparedData:
-    """Prepared tokens; under torchrun rank 0 prepares while the others wait."""
+CONTROL_TIMEOUT_S = 24 * 3600  # single-rank phases (data preparation, export) may take hours
+
+
+def control_group(env: RankEnv):
+    """A gloo group over every rank with a long timeout, for waiting while one rank works: NCCL's
+    watchdog polices only NCCL groups, so a long wait here does not kill anyone (None alone)."""
+    if env.world == 1 or not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+
+
+def ensure_data(cfg: C.LoomConfig, env: RankEnv, control=None) -> PreparedData:
+    """Prepared tokens; under torchrun rank 0 prepares while the others wait on ``control``."""
     if cfg.data.prepared_dir and (Path(cfg.data.prepared_dir) / "meta.json").exists():
         return PreparedData.load(cfg.data.prepared_dir)
     if env.rank == 0:
         prepared = prepare_data(cfg.data, progress=cfg.run.progress)
     if env.world > 1:
-        dist.barrier()
+        dist.barrier(group=control)
     if env.rank != 0:
         prepared = prepare_data(cfg.data, progress=False)
     return prepared
@@ -107,8 +127,9 @@ class Trainer:
         self.is_main = env.rank == 0
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.heartbeat = Heartbeat(self.run_dir, env.rank)
-        self.data = ensure_data(cfg, env)
+        self.heartbeat = Heartbeat(self.run_dir, env.rank, heartbeat_interval(cfg.run.timeout_s))
+        self.control = control_group(env)
+        self.data = ensure_data(cfg, env, self.control)
         C.check_vocab(cfg, self.data.vocab_size)
         cfg.model.vocab_size = C.effective_vocab(cfg, self.data.vocab_size)
         self.meter = CommMeter()
@@ -251,7 +272,7 @@ class Trainer:
             write_json_atomic(out / "meta.json", {"step": step, "loss": last.get("loss")})
             log.info("saved %s", out / "model.safetensors")
         if self.env.world > 1:
-            dist.barrier()
+            dist.barrier(group=self.control)  # gloo, long timeout: the export may take long
 
 
 def _add_plan(cfg: C.LoomConfig, world: int, row: dict) -> None:

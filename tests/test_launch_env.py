@@ -1,0 +1,121 @@
+"""Running at scale without a GPU here: srun's variables mapped to one rank per task, NCCL's
+watchdog told to raise (and dump its flight recorder) instead of killing, heartbeats written
+rarely, and single-rank phases waited for on a group NCCL's watchdog does not police."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from loom.launch import expand_counts, first_host, slurm_rank_env
+
+SRUN = {"SLURM_PROCID": "13", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5", "SLURM_NODEID": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456"}  # fmt: skip
+
+
+def test_srun_tasks_become_ranks_on_their_local_gpu():
+    env = slurm_rank_env(SRUN)
+    assert env == {"RANK": "13", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8",
+                   "MASTER_ADDR": "gpu07", "MASTER_PORT": str(29500 + 456)}  # fmt: skip
+
+
+def test_torchrun_variables_win_and_single_tasks_are_left_alone():
+    assert slurm_rank_env(SRUN | {"RANK": "0", "WORLD_SIZE": "2"}) == {}  # srun ... torchrun
+    assert slurm_rank_env(SRUN | {"SLURM_NTASKS": "1"}) == {}  # one task: the local launcher starts the ranks
+    assert slurm_rank_env({}) == {}
+    assert slurm_rank_env(SRUN | {"MASTER_ADDR": "head", "MASTER_PORT": "1"})["MASTER_ADDR"] == "head"
+
+
+@pytest.mark.parametrize("spec,counts", [("4(x2),3", [4, 4, 3]), ("8", [8]), ("2,2(x3)", [2, 2, 2, 2])])
+def test_tasks_per_node(spec, counts):
+    assert expand_counts(spec) == counts
+
+
+@pytest.mark.parametrize("nodes,first", [("gpu[07-09,12],login1", "gpu07"), ("node1,node2", "node1"),
+                                         ("a[3]-ib", "a3-ib"), ("solo", "solo")])  # fmt: skip
+def test_first_host_of_a_node_list(nodes, first):
+    assert first_host(nodes) == first
+
+
+def test_srun_sets_the_environment_the_trainer_reads(monkeypatch):
+    from loom.launch import apply_slurm_env, under_external_launcher
+    from loom.train.trainer import RankEnv
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in SRUN.items():
+        monkeypatch.setenv(k, v)
+    apply_slurm_env()
+    assert under_external_launcher()
+    assert RankEnv.from_environ() == RankEnv(rank=13, world=16, local_rank=5, local_world=8)
+
+
+def test_nccl_watchdog_raises_and_dumps_instead_of_killing(monkeypatch, tmp_path):
+    from loom.train.health import apply_nccl_watchdog_env, nccl_watchdog_env
+
+    env = nccl_watchdog_env(1800, tmp_path)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert int(env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]) > 1800  # Loom's diagnosis runs first
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_FR_BUFFER_SIZE"]) > 0
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "flight_recorder" / "rank_")
+    for k in env:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's choice stays
+    apply_nccl_watchdog_env(1800, tmp_path)
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and (tmp_path / "flight_recorder").is_dir()
+
+
+def test_diagnosis_names_the_flight_recorder_dump(tmp_path):
+    from loom.train.health import diagnose
+
+    (tmp_path / "flight_recorder").mkdir()
+    for r in range(2):
+        (tmp_path / "flight_recorder" / f"rank_{r}").write_bytes(b"x")
+    try:
+        raise RuntimeError("Timed out")
+    except RuntimeError as e:
+        msg = diagnose(e, tmp_path, rank=0, world=1, timeout_s=60)
+    assert msg.endswith(f"NCCL flight recorder: {tmp_path / 'flight_recorder'}/rank_* (2 dumps)")
+
+
+def test_heartbeat_interval_scales_with_the_timeout(tmp_path):
+    from loom.train.health import Heartbeat, diagnose, heartbeat_interval
+
+    assert heartbeat_interval(6) == 1.0 and heartbeat_interval(160) == 20.0 and heartbeat_interval(1800) == 60.0
+    writes = []
+    beat = Heartbeat(tmp_path, rank=0, interval=0.25)
+    real = beat._write
+    beat._write = lambda: (writes.append(time.time()), real())
+    try:
+        time.sleep(1.3)
+    finally:
+        beat.close()
+    assert 3 <= len(writes) <= 7, writes  # about one write per interval, not one per second per rank
+    # staleness is judged against the run's interval: 40 s of silence is stale at a 6 s timeout only
+    body = {"rank": 1, "pid": 1, "time": time.time() - 40, "step": 3, "phase": "train step"}
+    (tmp_path / "heartbeat" / "rank-00001.json").write_text(json.dumps(body))
+    try:
+        raise RuntimeError("Timed out")
+    except RuntimeError as e:
+        assert "unresponsive: rank 1" in diagnose(e, tmp_path, rank=0, world=2, timeout_s=6)
+        assert "every other rank's heartbeat is fresh" in diagnose(e, tmp_path, rank=0, world=2, timeout_s=1800)
+
+
+def _control_group_timeout() -> str:
+    import torch
+    import torch.distributed as dist
+
+    from loom.train.trainer import RankEnv, control_group
+
+    group = control_group(RankEnv(dist.get_rank(), 2, dist.get_rank(), 2))
+    return f"{dist.get_backend(group)} {group._get_backend(torch.device('cpu')).options._timeout.total_seconds()}"
+
+
+def test_single_rank_phases_wait_on_a_long_gloo_group(pools):
+    from loom.train.trainer import CONTROL_TIMEOUT_S
+
+    assert pools(2).run(_control_group_timeout) == [f"gloo {float(CONTROL_TIMEOUT_S)}"] * 2
