@@ -44,10 +44,8 @@ def test_srun_sets_the_environment_the_trainer_reads(monkeypatch):
     from loom.launch import apply_slurm_env, under_external_launcher
     from loom.train.trainer import RankEnv
 
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
-    for k, v in SRUN.items():
-        monkeypatch.setenv(k, v)
+    environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    monkeypatch.setattr(os, "environ", environ | SRUN)  # apply_slurm_env writes into it: nothing leaks
     apply_slurm_env()
     assert under_external_launcher()
     assert RankEnv.from_environ() == RankEnv(rank=13, world=16, local_rank=5, local_world=8)
@@ -61,9 +59,8 @@ def test_nccl_watchdog_raises_and_dumps_instead_of_killing(monkeypatch, tmp_path
     assert int(env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]) > 1800  # Loom's diagnosis runs first
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_FR_BUFFER_SIZE"]) > 0
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "flight_recorder" / "rank_")
-    for k in env:
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's choice stays
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in env})
+    os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "50"  # the user's choice stays
     apply_nccl_watchdog_env(1800, tmp_path)
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and (tmp_path / "flight_recorder").is_dir()

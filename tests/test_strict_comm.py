@@ -256,3 +256,65 @@ def _default_device_bug() -> str:
 def test_sentinel_catches_a_default_device_tensor(pools) -> None:
     for msg in pools(2).run(_default_device_bug):
         assert "not on the group's device" in msg and "meta" in msg
+
+
+# ----------------------------------------------------------------------------- findings, each with its test
+
+def _buckets_completed_in_rank_dependent_order(stage: int) -> list[int]:
+    """Every bucket's gradients arrive, in opposite orders on the two ranks (as when an expert gets
+    no tokens on one rank): the reductions must still be issued in one order everywhere, which the
+    pool's order comparison checks after this call."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from loom.parallel.data_parallel import DataParallel
+
+    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
+    for i, m in enumerate(model):  # distinct sizes: a misordered pair of all-reduces is visible
+        m.weight = nn.Parameter(torch.ones(64 + i, 64))
+    if stage == 0:
+        sync = DataParallel(model, dist.group.WORLD, bucket_mb=0.01)
+    else:
+        from loom.config import TrainConfig
+        from loom.memory.offload import StateStore
+        from loom.parallel.zero.stage12 import ZeroDataParallel
+
+        sync = ZeroDataParallel(model, 2, None, dist.group.WORLD, TrainConfig(), StateStore(torch.device("cpu")),
+                                bucket_mb=0.01)  # fmt: skip
+    params = list(model.parameters())
+    order = params if dist.get_rank() == 0 else params[::-1]
+    for p in order:
+        p.grad = torch.full_like(p, 1.0 + dist.get_rank())
+        sync._on_grad_ready(p)
+    sync.finish_sync()
+    launched = [r.bucket for r in sync.launch_log]
+    sync.remove()
+    return launched
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_reductions_issue_in_one_order_when_gradients_arrive_in_another(pools, stage):
+    a, b = pools(2).run(_buckets_completed_in_rank_dependent_order, stage)  # order compared by the pool
+    assert a == b == sorted(a)
+
+
+def test_waits_on_an_accelerator_have_no_cpu_timeout(monkeypatch):
+    """On a GPU ``wait`` only orders the stream; a timeout there would block the CPU instead."""
+    from datetime import timedelta
+
+    import torch
+
+    from loom import comm
+
+    seen = []
+
+    class Work:
+        def wait(self, *args):
+            seen.append(args)
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    comm.wait(Work(), timedelta(seconds=5))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    comm.wait(Work(), timedelta(seconds=5))
+    assert seen == [(), (timedelta(seconds=5),)]
