@@ -386,3 +386,55 @@ def test_init_from_errors_name_the_field(tmp_path, prepared):
     with pytest.raises(C.ConfigError, match=r"holds tok_embeddings.weight of shape \(128, 64\), this model has"):
         load_initial_weights(Transformer(C.ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
                                                        max_seq_len=32, multiple_of=16)), path)  # fmt: skip
+
+
+def _layout_outputs(path: str, x: torch.Tensor, layout: str):
+    """The imported model under ZeRO-3 (full logits), cp2 (this rank's positions' logits) or pp2
+    (the mean loss through the pipeline, returned by every rank)."""
+    from loom.model.hf import load_into, open_dir
+    from loom.model.llama import Transformer, loss_fn
+    from loom.parallel import parallelize
+    from tests.dist import get_mesh
+
+    hf = open_dir(path, x.shape[1] - 1)
+    model = Transformer(hf.config)
+    load_into(model, hf)
+    dims = {"zero3": {"dp_shard": 2}, "cp2": {"cp": 2}, "pp2": {"pp": 2}}[layout]
+    mesh = get_mesh(**dims)
+    cfg = C.LoomConfig(model=hf.config)
+    cfg.data.seq_len, cfg.train.global_batch, cfg.train.micro_batch = x.shape[1] - 1, 2, 1
+    cfg.parallel.dp, cfg.parallel.dp_shard = mesh.size("dp"), mesh.size("dp_shard")
+    cfg.parallel.zero, cfg.parallel.cp, cfg.parallel.pp = (3 if layout == "zero3" else 0), mesh.size("cp"), mesh.size("pp")
+    strategy = parallelize(model, mesh, cfg)
+    tokens, targets = x[:, :-1], x[:, 1:]
+    with torch.no_grad():
+        if layout == "pp2":
+            from loom.parallel.pipeline.strategy import pipeline_evaluate
+
+            return pipeline_evaluate(strategy.pipe, [(tokens[i:i + 1], targets[i:i + 1]) for i in range(2)], loss_fn,
+                                     None)  # fmt: skip
+        if layout == "cp2":
+            from loom.parallel.context_parallel import local_positions
+
+            pos = local_positions(tokens.shape[1], 2, mesh.local_rank("cp"))
+            return pos, model(tokens[:, pos])
+        return model(tokens)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("layout", ["zero3", "cp2", "pp2"])
+def test_import_under_zero3_cp2_pp2_matches_transformers(pools, tmp_path, family, layout):
+    from loom.model.llama import loss_fn
+
+    path, ref = _save_hf(tmp_path, family, False)
+    x = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = ref(x[:, :-1]).logits
+    for out in pools(2).run(_layout_outputs, str(path), x, layout):
+        if layout == "pp2":
+            assert out == pytest.approx(float(loss_fn(expected, x[:, 1:])), rel=1e-5)
+        elif layout == "cp2":
+            pos, logits = out
+            assert_close(logits, expected[:, pos])
+        else:
+            assert_close(out, expected)
