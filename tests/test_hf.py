@@ -438,3 +438,29 @@ def test_import_under_zero3_cp2_pp2_matches_transformers(pools, tmp_path, family
             assert_close(logits, expected[:, pos])
         else:
             assert_close(out, expected)
+
+
+def _state_bytes_tp2(model_kw: dict) -> int:
+    from loom.comm import CommMeter
+    from loom.model.llama import build_model
+    from loom.parallel import parallelize
+    from tests.dist import get_mesh
+    from tests.helpers import tiny_model
+
+    cfg = C.LoomConfig(model=tiny_model(**model_kw))
+    cfg.parallel.tp, cfg.parallel.dp = 2, 1
+    strategy = parallelize(build_model(cfg.model, 0), get_mesh(tp=2), cfg, CommMeter())
+    b = strategy.state_bytes()
+    return b["param_bytes"]
+
+
+@pytest.mark.parametrize("kw", [VARIANTS, {"qkv_bias": True}, {"qk_norm": True, "attn_head_dim": 16}])
+def test_planner_state_of_bias_and_qk_norm_under_tp2_is_exact(pools, kw):
+    from loom.plan.cost import CostModel, Layout, Workload
+    from loom.plan.hardware import ClusterSpec
+    from tests.helpers import SEQ, tiny_model
+
+    cm = CostModel(tiny_model(**kw), Workload(8, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", 2))
+    predicted = cm.state_memory(Layout(dp=1, tp=2))["weights"]
+    for measured in pools(2).run(_state_bytes_tp2, kw):
+        assert predicted == measured, kw

@@ -361,9 +361,13 @@ class CostModel:
         return self.kd / tp if k % tp == 0 else self.model.head_dim
 
     def _attn_params(self, tp: int) -> float:
-        """Attention weights one tp rank holds: wq, wo split; wk, wv split or replicated whole."""
-        h = self.model.dim
-        return 2 * h * h / tp + 2 * h * self.kd / (tp if self.model.n_kv_heads % tp == 0 else 1)
+        """Attention weights one tp rank holds: wq, wo split; wk, wv split or replicated whole (their
+        biases alike). Norm weights (q/k norms included) are in ``ParamCounts.norms``."""
+        m = self.model
+        h, qd = m.dim, m.n_heads * m.head_dim
+        kv_split = tp if m.n_kv_heads % tp == 0 else 1
+        bias = m.qkv_bias
+        return (2 * h * qd + (qd if bias else 0)) / tp + (2 * h * self.kd + (2 * self.kd if bias else 0)) / kv_split
 
     # ------------------------------------------------------------------ validity
 
