@@ -77,9 +77,10 @@ def cmd_train(argv: list[str]) -> int:
     max_restarts = C._coerce(plain.get("max_restarts", "0"), int, "--max-restarts")
     if max_restarts < 0:
         raise C.ConfigError(f"--max-restarts: must be >= 0, got {max_restarts}")
-    from loom.launch import apply_slurm_env, under_external_launcher
+    from loom.launch import apply_slurm_env, check_launcher_env, under_external_launcher
 
     apply_slurm_env()  # srun without torchrun: one rank per task
+    check_launcher_env()  # RANK/WORLD_SIZE left over without a launcher would hang
     if cfg.model.from_hf:  # the model's shape and tokenizer come from the directory
         from loom.model.hf import HFError, apply_to
 
@@ -95,8 +96,17 @@ def cmd_train(argv: list[str]) -> int:
             print(describe(apply_auto(cfg, world)), flush=True)
         except ValueError as e:  # PlanError / HardwareError: say it like any bad field
             raise C.ConfigError(str(e) if str(e).startswith("parallel.auto") else f"parallel.auto: {e}") from None
-    if not under_external_launcher():
-        C.validate(cfg, C.world_size_of(cfg))
+    if under_external_launcher():  # every rank checks before any process group exists
+        C.validate(cfg, int(os.environ["WORLD_SIZE"]))
+    else:
+        world = C.world_size_of(cfg)
+        if cfg.parallel.dp > 0 and world != cfg.run.nproc:
+            p = cfg.parallel
+            raise C.ConfigError(
+                f"run.nproc: {cfg.run.nproc} ranks, but parallel.dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {world}; "
+                f"give --nproc {world}, or leave parallel.dp unset so it follows run.nproc"
+            )
+        C.validate(cfg, world)
     from loom.launch import main_train
 
     return main_train(cfg, max_restarts)

@@ -357,6 +357,45 @@ def resolve_layout(cfg: LoomConfig, world_size: int) -> None:
     )
 
 
+def _check_finite(cfg: LoomConfig) -> None:
+    """Every float field is a finite number (no NaN or infinity slips past a ``>`` bound)."""
+    import math
+
+    for section, cls in SECTIONS.items():
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(cls):
+            v = getattr(obj, f.name)
+            if isinstance(v, float):
+                _require(math.isfinite(v), f"{section}.{f.name}: must be a finite number, got {v}")
+
+
+# (section.field, lowest allowed, inclusive) for numeric fields the rules below do not bound
+_LOWER_BOUNDS: tuple[tuple[str, float, bool], ...] = (
+    ("model.rope_theta", 0.0, False), ("model.norm_eps", 0.0, False), ("model.rope_scaling", 0.0, True),
+    ("model.attn_head_dim", 0.0, True), ("model.top_k", 1.0, True),
+    ("train.global_batch", 1.0, True), ("train.eps", 0.0, False), ("train.weight_decay", 0.0, True),
+    ("train.seed", 0.0, True), ("train.eval_batches", 1.0, True), ("train.time_limit_s", 0.0, True),
+    ("train.loss_scale", 0.0, True), ("train.loss_scale_init", 0.0, False), ("train.loss_scale_window", 1.0, True),
+    ("train.loss_scale_hysteresis", 1.0, True), ("train.loss_scale_min", 0.0, False),
+    ("run.master_port", 0.0, True), ("run.nproc", 1.0, True),
+)  # fmt: skip
+
+
+def _check_bounds(cfg: LoomConfig) -> None:
+    for path, low, inclusive in _LOWER_BOUNDS:
+        section, name = path.split(".")
+        v = getattr(getattr(cfg, section), name)
+        ok = v >= low if inclusive else v > low
+        _require(ok, f"{path}: must be {'>=' if inclusive else '>'} {low:g}, got {v}")
+    _require(cfg.run.master_port <= 65535, f"run.master_port: must be in [0, 65535], got {cfg.run.master_port}")
+    m = cfg.model
+    if m.rope_scaling:
+        _require(m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
+                 f"model.rope_high_freq_factor: must exceed model.rope_low_freq_factor > 0, got "
+                 f"{m.rope_high_freq_factor} and {m.rope_low_freq_factor}")  # fmt: skip
+        _require(m.rope_original_len >= 1, f"model.rope_original_len: must be >= 1, got {m.rope_original_len}")
+
+
 def world_size_of(cfg: LoomConfig) -> int:
     """World size a config asks for: explicit dp product, or run.nproc."""
     p = cfg.parallel
@@ -369,10 +408,13 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     """Check every field and combination; resolve automatic values in place. Raises ConfigError."""
     m, d, p, t, r = cfg.model, cfg.data, cfg.parallel, cfg.train, cfg.run
     _require(world_size >= 1, f"run.nproc: must be >= 1, got {world_size}")
+    _check_finite(cfg)
+    _check_bounds(cfg)
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "multiple_of"):
         _require(getattr(m, name) >= 1, f"model.{name}: must be >= 1, got {getattr(m, name)}")
-    _require(m.dim % m.n_heads == 0, f"model.dim: {m.dim} must be divisible by model.n_heads={m.n_heads}")
-    _require((m.dim // m.n_heads) % 2 == 0, f"model.dim: head_dim {m.dim // m.n_heads} must be even for RoPE")
+    _require(m.attn_head_dim > 0 or m.dim % m.n_heads == 0,
+             f"model.dim: {m.dim} must be divisible by model.n_heads={m.n_heads} (or set model.attn_head_dim)")  # fmt: skip
+    _require(m.head_dim % 2 == 0, f"model.dim: head_dim {m.head_dim} must be even for RoPE")
     _require(
         m.n_heads % m.n_kv_heads == 0,
         f"model.n_kv_heads: must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}",

@@ -32,6 +32,20 @@ def under_external_launcher() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
+def check_launcher_env() -> None:
+    """Refuse ``RANK``/``WORLD_SIZE`` without the rendezvous a launcher sets with them (left over in
+    a shell, they would make this process wait forever for peers that never come)."""
+    if not under_external_launcher():
+        return
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise C.ConfigError(
+            f"environment: RANK={os.environ['RANK']} and WORLD_SIZE={os.environ['WORLD_SIZE']} are set but "
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not, so no launcher started this "
+            "process; unset RANK and WORLD_SIZE for a local run, or start it under torchrun or srun"
+        )
+
+
 def expand_counts(spec: str) -> list[int]:
     """SLURM's tasks-per-node string -> one count per node: ``"4(x2),3"`` -> ``[4, 4, 3]``."""
     out: list[int] = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import time
@@ -122,3 +124,42 @@ def test_cli_rejects_before_start(tmp_path, args, needle):
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("loom: error:")
     assert not run_dir.exists()  # nothing started, nothing written
     assert time.perf_counter() - t0 < 30
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--train.lr", "nan"], "train.lr: must be a finite number"),
+    (["--train.lr", "inf"], "train.lr: must be a finite number"),
+    (["--train.eps", "-1e-8"], "train.eps: must be > 0"),
+    (["--model.rope_theta", "0"], "model.rope_theta: must be > 0"),
+    (["--train.seed", "-3"], "train.seed: must be >= 0"),
+    (["--train.global_batch", "0"], "train.global_batch: must be >= 1"),
+    (["--run.master_port", "70000"], "run.master_port: must be in [0, 65535]"),
+    (["--train.weight_decay", "-0.1"], "train.weight_decay: must be >= 0"),
+    (["--model.norm_eps", "0"], "model.norm_eps: must be > 0"),
+])  # fmt: skip
+def test_numeric_fields_are_bounded_and_finite(args, needle):
+    cfg = C.apply_overrides(C.LoomConfig(), args)
+    with pytest.raises(C.ConfigError, match=re.escape(needle)) as e:
+        C.validate(cfg, 2)
+    assert "\n" not in str(e.value)
+
+
+def test_explicit_degrees_must_agree_with_nproc(capsys, tmp_path):
+    from loom.cli import main
+
+    assert main(["train", "--run.dir", str(tmp_path / "r"), "--nproc", "2", "--parallel.dp", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("loom: error: run.nproc: 2 ranks, but parallel.dp*tp*pp*cp = 3*1*1*1 = 3; give --nproc 3, "
+                   "or leave parallel.dp unset so it follows run.nproc")  # fmt: skip
+    assert not (tmp_path / "r").exists()
+
+
+def test_stale_launcher_variables_are_named(monkeypatch, capsys, tmp_path):
+    from loom.cli import main
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("MASTER_")}
+                        | {"RANK": "0", "WORLD_SIZE": "2"})  # fmt: skip
+    assert main(["train", "--run.dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("loom: error: environment: RANK=0 and WORLD_SIZE=2 are set but MASTER_ADDR and "
+                          "MASTER_PORT are not") and "\n" not in err  # fmt: skip
