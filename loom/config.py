@@ -470,6 +470,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
         "run.backend: nccl needs run.device = cuda; use gloo on cpu",
     )
     _require(r.timeout_s > 0, f"run.timeout_s: must be > 0, got {r.timeout_s}")
+    _require(r.dir.strip() != "", "run.dir: must name a directory (it holds checkpoints and metrics), got ''")
     _require(r.threads >= 0, f"run.threads: must be >= 0 (0 = automatic), got {r.threads}")
     _require(
         p.reduce_dtype in REDUCE_DTYPES,

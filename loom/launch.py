@@ -183,11 +183,22 @@ def main_train(cfg: C.LoomConfig, max_restarts: int = 0) -> int:
     With ``max_restarts`` > 0 the launcher restarts every rank after a failure (up to that many
     times); each restart resumes from the run's latest complete checkpoint.
     """
+    from loom.train.run_lock import RunLock
+
     if under_external_launcher():
         from loom.train.trainer import run
 
-        run(cfg)
+        if int(os.environ["RANK"]) == 0:  # one owner of run.dir for the whole job
+            with RunLock(cfg.run.dir):
+                run(cfg)
+        else:
+            run(cfg)
         return 0
+    with RunLock(cfg.run.dir):  # held by this process while the ranks it starts run
+        return _train_locally(cfg, max_restarts)
+
+
+def _train_locally(cfg: C.LoomConfig, max_restarts: int) -> int:
     world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp  # validated by the CLI
     from loom.data import prepare_data
 

@@ -1,0 +1,81 @@
+"""One owner per run directory: a second ``loom train`` on a running job's directory is refused in
+one line naming the holder, and the first run's checkpoints and metrics stay intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loom import config as C
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_lock_names_its_holder_and_is_released(tmp_path):
+    from loom.train.run_lock import RunLock
+
+    holder = RunLock(tmp_path / "run")
+    with pytest.raises(C.ConfigError, match=rf"run.dir: {tmp_path / 'run'} is in use by pid {os.getpid()} on "):
+        RunLock(tmp_path / "run")
+    holder.release()
+    with RunLock(tmp_path / "run"):  # released on exit
+        pass
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
+    from loom.train.run_lock import RunLock
+
+    code = f"from loom.train.run_lock import RunLock; RunLock({str(tmp_path)!r}); import time; time.sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        deadline = time.time() + 60
+        while f'"pid": {holder.pid}' not in _read(tmp_path / ".loom.lock") and time.time() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(C.ConfigError, match=f"pid {holder.pid}"):
+            RunLock(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    with RunLock(tmp_path):  # the kernel released it with the process
+        pass
+
+
+def test_second_run_on_a_running_directory_is_refused(tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LOOM_CACHE_DIR=str(tmp_path / "cache"))
+    common = ["train", "configs/debug.toml", "--run.dir", str(run), "--run.nproc", "1", "--run.progress", "false",
+              "--data.max_corpus_mb", "0.3", "--data.vocab_size", "300", "--train.checkpoint_every", "10",
+              "--train.log_every", "10", "--train.eval_every", "0", "--run.tensorboard", "false"]  # fmt: skip
+    first = subprocess.Popen([sys.executable, "-m", "loom", *common, "--train.steps", "60", "--train.lr", "3e-3"],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not (run / "metrics.jsonl").exists() and time.time() < deadline and first.poll() is None:
+            time.sleep(0.2)
+        second = subprocess.run([sys.executable, "-m", "loom", *common, "--train.steps", "60", "--train.lr", "1e-3"],
+                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert second.returncode == 2
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"is in use by pid {first.pid}" in lines[0], second.stderr
+        out, err = first.communicate(timeout=300)
+        assert first.returncode == 0, err[-2000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(10, 61, 10))  # the first run's rows, none lost or doubled
+    assert json.loads((run / "checkpoints" / "final" / "meta.json").read_text())["step"] == 60
+    assert C.load_toml(str(run / "config.toml")).train.lr == 3e-3  # not replaced by the refused run
