@@ -141,6 +141,7 @@ class TrainConfig:
     loss_scale_window: int = 1000  # fp16 dynamic scaling: double the scale after this many clean steps
     loss_scale_hysteresis: int = 2  # fp16 dynamic scaling: overflows tolerated before the scale is halved
     loss_scale_min: float = 1.0  # fp16 dynamic scaling: floor of the scale
+    max_skipped_steps: int = 20  # fp16: stop when more steps than this in a row overflow; 0 = never
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only the final one
     checkpoint_async: bool = True  # periodic saves written by a background thread (final: synchronous)
     checkpoint_keep: int = 2  # newest checkpoints kept in <run.dir>/checkpoints; 0 = keep all
@@ -377,6 +378,7 @@ _LOWER_BOUNDS: tuple[tuple[str, float, bool], ...] = (
     ("train.seed", 0.0, True), ("train.eval_batches", 1.0, True), ("train.time_limit_s", 0.0, True),
     ("train.loss_scale", 0.0, True), ("train.loss_scale_init", 0.0, False), ("train.loss_scale_window", 1.0, True),
     ("train.loss_scale_hysteresis", 1.0, True), ("train.loss_scale_min", 0.0, False),
+    ("train.max_skipped_steps", 0.0, True),
     ("run.master_port", 0.0, True), ("run.nproc", 1.0, True),
 )  # fmt: skip
 

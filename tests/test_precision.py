@@ -220,3 +220,21 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(pools):
         assert r["stats"]["skipped_steps"] == 1 and r["finite"]
         assert all(math.isfinite(x) for x in r["losses"])
     assert len({tuple(r["losses"]) for r in results}) == 1  # replicas and tp peers agree on everything
+
+
+def test_diverged_fp16_run_stops_naming_the_loss_scale():
+    """An fp16 run whose every step overflows must not skip its way to a 'finished' model."""
+    from loom.memory.loss_scale import DynamicLossScaler, LossScaleDiverged
+
+    s = DynamicLossScaler(init=2.0**4, hysteresis=1, min_scale=1.0, max_skipped=3)
+    for _ in range(3):
+        s.update(True)
+    s.update(False)  # a clean step resets the count
+    for _ in range(3):
+        s.update(True)
+    with pytest.raises(LossScaleDiverged, match=r"train.max_skipped_steps: 4 fp16 steps in a row overflowed "
+                                                r"\(loss scale now 1, floor train.loss_scale_min = 1\)"):  # fmt: skip
+        s.update(True)
+    unlimited = DynamicLossScaler(max_skipped=0)
+    for _ in range(100):
+        unlimited.update(True)

@@ -36,23 +36,38 @@ from loom import comm
 SCALER_KEY = "train.loss_scaler"  # checkpoint name of the scaler state
 
 
+class LossScaleDiverged(FloatingPointError):
+    """More than ``train.max_skipped_steps`` fp16 steps in a row overflowed: the run diverged."""
+
+
 class DynamicLossScaler:
-    """The scale S and its update rule (module docstring, step 4)."""
+    """The scale S and its update rule (module docstring, step 4). More than ``max_skipped``
+    overflowing steps in a row (0 = no limit) raise :class:`LossScaleDiverged`: a diverged run
+    would otherwise skip every step and still end as if it had trained."""
 
     def __init__(self, init: float = 2.0**16, window: int = 1000, hysteresis: int = 2,
-                 min_scale: float = 1.0, static: float = 0.0) -> None:  # fmt: skip
+                 min_scale: float = 1.0, static: float = 0.0, max_skipped: int = 0) -> None:  # fmt: skip
         self.static = static > 0
         self.scale = static if self.static else init
         self.window, self.hysteresis, self.min_scale = window, hysteresis, min_scale
         self.good_steps = 0
         self.tracker = hysteresis
         self.skipped = 0
+        self.max_skipped, self.in_a_row = max_skipped, 0
 
     @classmethod
     def from_config(cls, t) -> DynamicLossScaler:
-        return cls(t.loss_scale_init, t.loss_scale_window, t.loss_scale_hysteresis, t.loss_scale_min, t.loss_scale)
+        return cls(t.loss_scale_init, t.loss_scale_window, t.loss_scale_hysteresis, t.loss_scale_min, t.loss_scale,
+                   t.max_skipped_steps)  # fmt: skip
 
     def update(self, overflow: bool) -> None:
+        self.in_a_row = self.in_a_row + 1 if overflow else 0
+        if self.max_skipped and self.in_a_row > self.max_skipped:
+            raise LossScaleDiverged(
+                f"train.max_skipped_steps: {self.in_a_row} fp16 steps in a row overflowed (loss scale now "
+                f"{self.scale:g}, floor train.loss_scale_min = {self.min_scale:g}); the run diverged: lower train.lr, "
+                "or train in bf16"
+            )
         if overflow:
             self.skipped += 1
             self.good_steps = 0
