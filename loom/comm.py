@@ -27,12 +27,18 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# torch >= 2.13 names all_gather_into_tensor / reduce_scatter_tensor deprecated in favour of
+# *_single; both run the same collective, and the old names work on every torch this supports.
+warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.\w+_single`",
+                        category=FutureWarning)  # fmt: skip
 
 Group = dist.ProcessGroup | None
 STRICT_ENV = "LOOM_STRICT_COMM"

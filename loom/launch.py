@@ -9,11 +9,13 @@ skipped and this process is one rank, on GPU ``LOCAL_RANK`` of its node.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 from loom import config as C
@@ -148,20 +150,55 @@ def launch(cfg: C.LoomConfig, nproc: int, max_restarts: int = 0) -> dict[int, An
         start_method="spawn",
         local_addr=addr,
     )
+    # the agent logs each failed rank's traceback; Loom reports them in one line (tracebacks to files)
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         return elastic_launch(lc, _worker)(C.to_dict(cfg))
     except ChildFailedError as e:
-        lines = []
-        for global_rank, failure in sorted(e.failures.items()):
-            msg = _failure_message(failure)
-            lines.append(
-                f"rank {global_rank} (local {failure.local_rank}, pid {failure.pid}) failed "
-                f"with exit code {failure.exitcode}: {msg}"
-            )
-        raise SystemExit("loom: " + "; ".join(lines)) from None
+        raise SystemExit(failure_line(e.failures, Path(cfg.run.dir))) from None
     except (KeyboardInterrupt, SignalException) as e:
         sig = signal.Signals(e.sigval).name if isinstance(e, SignalException) else "SIGINT"
         raise SystemExit(f"loom: interrupted by {sig}; all ranks stopped") from None
+
+
+# Loom's own errors: their message already names the field or file, so no class name or traceback
+OWN_ERRORS = ("ConfigError", "CheckpointError", "HFError", "NonFiniteError", "LossScaleDiverged", "PipelineError",
+              "StrictCommError", "HardwareError", "PlanError")  # fmt: skip
+
+
+def failure_line(failures: dict, run_dir: Path) -> str:
+    """One line for the failed ranks: Loom's errors as ``loom: <message> (rank r; traceback in F)``
+    (ranks with the same message together), anything else with its rank, exit code and class. Each
+    rank's traceback goes to ``<run_dir>/logs/rank-<r>-failure.txt``."""
+    groups: dict[str, list[str]] = {}
+    for rank, failure in sorted(failures.items()):
+        text = _failure_message(failure)
+        path = _save_traceback(failure, run_dir, rank)
+        where = f"rank {rank}" if path is None else f"rank {rank}; traceback in {path}"
+        name, _, rest = text.partition(": ")
+        if name.rsplit(".", 1)[-1] in OWN_ERRORS and rest:
+            groups.setdefault(rest, []).append(where)
+        else:
+            groups.setdefault(f"rank {rank} (local {failure.local_rank}, pid {failure.pid}) failed with exit code "
+                              f"{failure.exitcode}: {text}", []).append("" if path is None else f"traceback in {path}")  # fmt: skip
+    parts = [f"{msg} ({'; '.join(w for w in wheres if w)})" if any(wheres) else msg for msg, wheres in groups.items()]
+    return "loom: " + " | ".join(parts)
+
+
+def _save_traceback(failure, run_dir: Path, rank: int) -> Path | None:
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    msg = data.get("message", {})
+    stack = msg.get("extraInfo", {}).get("py_callstack", "") if isinstance(msg, dict) else ""
+    if not stack:
+        return None
+    try:
+        path = Path(run_dir) / "logs" / f"rank-{rank}-failure.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(stack)
+        return path
+    except OSError:
+        return None
 
 
 def _failure_message(failure) -> str:

@@ -79,3 +79,25 @@ def test_second_run_on_a_running_directory_is_refused(tmp_path):
     assert [r["step"] for r in rows] == list(range(10, 61, 10))  # the first run's rows, none lost or doubled
     assert json.loads((run / "checkpoints" / "final" / "meta.json").read_text())["step"] == 60
     assert C.load_toml(str(run / "config.toml")).train.lr == 3e-3  # not replaced by the refused run
+
+
+def test_an_error_inside_the_ranks_reaches_the_user_as_one_line(tmp_path):
+    """A Loom error raised inside the ranks (a resume whose data position would change) is one line
+    naming the field and the rank, with the traceback in a file, not the launcher's traceback."""
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LOOM_CACHE_DIR=str(tmp_path / "cache"))
+    common = ["train", "configs/debug.toml", "--run.dir", str(run), "--run.progress", "false", "--data.max_corpus_mb",
+              "0.3", "--data.vocab_size", "300", "--train.eval_every", "0", "--run.tensorboard", "false"]  # fmt: skip
+    first = subprocess.run([sys.executable, "-m", "loom", *common, "--train.steps", "2"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    metrics = (run / "metrics.jsonl").read_text()
+    p = subprocess.run([sys.executable, "-m", "loom", *common, "--train.steps", "4", "--data.seq_len", "32"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode != 0
+    lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("loom: data.seq_len: ") and "(rank 0; traceback in " in lines[0]
+    trace = Path(lines[0].split("traceback in ")[1].rstrip(")"))
+    assert "CheckpointError" in trace.read_text()
+    assert (run / "metrics.jsonl").read_text() == metrics  # nothing already written was touched
