@@ -77,12 +77,16 @@ class CheckpointReader:
     """
 
     def __init__(
-        self, path: str | Path, rank: int = 0, world: int = 1, group=None, check: bool = True
+        self, path: str | Path, rank: int = 0, world: int = 1, group=None, check: bool = True,
+        manifest_sha: str | None = None,
     ) -> None:
+        """``manifest_sha``: the manifest's SHA-256 the caller expects (what ``latest`` recorded when
+        the checkpoint was chosen through it); a manifest with another hash is refused."""
         found = find(path)
         if found is None:
             raise F.CheckpointError(f"{path}: holds no checkpoint")
-        self.dir, manifest_sha = found
+        self.dir, found_sha = found
+        manifest_sha = manifest_sha or found_sha
         files, chunk_bytes = read_manifest(self.dir, manifest_sha)
         self.verified = verify(self.dir, files, rank, world, group, chunk_bytes) if check else []
         index = F.read_json(self.dir / F.INDEX)

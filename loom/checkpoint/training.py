@@ -23,11 +23,11 @@ from pathlib import Path
 
 from loom import config as C
 from loom.checkpoint.convert import convert
-from loom.checkpoint.format import CheckpointError, write_bytes_atomic
+from loom.checkpoint.format import MANIFEST, CheckpointError, write_bytes_atomic
 from loom.checkpoint.load import CheckpointReader, find
 from loom.checkpoint.replicated import as_shardable
 from loom.checkpoint.rng import capture_rng, restore_rng
-from loom.checkpoint.save import Checkpointer, broadcast_json, new_group
+from loom.checkpoint.save import Checkpointer, broadcast_json, list_checkpoints, new_group
 
 log = logging.getLogger("loom")
 POSITION_FIELDS = (("train", "global_batch"), ("train", "seed"), ("data", "seq_len"))
@@ -37,17 +37,22 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def choose_source(cfg: C.LoomConfig, run_dir: Path) -> str | None:
-    """The checkpoint to resume from (see module doc), or None."""
+def choose_source(cfg: C.LoomConfig, run_dir: Path) -> list[tuple[str, str | None]]:
+    """The checkpoints to try, in order (see module doc), each with the manifest hash ``latest``
+    recorded for it (None when not chosen through ``latest``); empty for a fresh start. Chosen in
+    ``run.dir``: the older complete checkpoints follow as fallbacks. Named by ``train.resume``:
+    that one only (a damaged one is refused, never replaced by another)."""
     own = find(run_dir) if (run_dir / "checkpoints").is_dir() else None
     if own is not None and (restart_count() > 0 or not cfg.train.resume):
-        return str(own[0])
+        older = [(str(p), None) for _, p in reversed(list_checkpoints(run_dir / "checkpoints"))
+                 if p != own[0] and (p / MANIFEST).is_file()]  # fmt: skip
+        return [(str(own[0]), own[1]), *older]
     if cfg.train.resume:
         found = find(cfg.train.resume)
         if found is None:
             raise CheckpointError(f"train.resume: {cfg.train.resume} holds no complete checkpoint")
-        return str(found[0])
-    return None
+        return [(str(found[0]), found[1])]
+    return []
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
@@ -89,16 +94,16 @@ class TrainCheckpoints:
         source = None
         if self.rank == 0:
             try:
-                source = {"path": choose_source(self.cfg, self.run_dir)}
+                source = {"candidates": choose_source(self.cfg, self.run_dir)}
             except CheckpointError as e:
                 source = {"error": str(e)}
         source = broadcast_json(source, self.rank, self.world, self.group)
         if "error" in source:
             raise CheckpointError(source["error"])
-        if source["path"] is None:
+        if not source["candidates"]:
             return 0
         t0 = time.perf_counter()
-        with CheckpointReader(source["path"], self.rank, self.world, self.group) as reader:
+        with self._open(source["candidates"]) as reader:
             ts = reader.train_state
             self._check_position(ts, reader.dir)
             self.state.load_sharded(reader)
@@ -117,6 +122,20 @@ class TrainCheckpoints:
         log.info("resumed from %s at step %d (%.2f s)", ckpt, step, time.perf_counter() - t0)
         self.last_saved = (step, ckpt)
         return step
+
+    def _open(self, candidates: list) -> CheckpointReader:
+        """The first candidate that verifies (every rank sees the same verdict: verification ends in
+        one all-reduce), saying loudly which damaged ones were skipped."""
+        for i, (path, sha) in enumerate(candidates):
+            try:
+                return CheckpointReader(path, self.rank, self.world, self.group, manifest_sha=sha)
+            except CheckpointError as e:
+                if i + 1 == len(candidates):
+                    raise
+                if self.rank == 0:
+                    log.warning("SKIPPING checkpoint %s: %s; resuming from the older %s instead", path, e,
+                                candidates[i + 1][0])  # fmt: skip
+        raise CheckpointError("no checkpoint to resume from")  # pragma: no cover - candidates is never empty
 
     def _check_position(self, ts: dict, ckpt: Path) -> None:
         saved = ts.get("config", {})

@@ -1,0 +1,89 @@
+"""Resume trusts nothing it was handed: the manifest must have the hash ``latest`` recorded, and a
+damaged newest checkpoint is skipped, loudly, for the newest intact one, unless ``train.resume``
+names it (then it is refused)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from loom import config as C
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[dict, Path]:
+    """4 steps, checkpoints at 2 and 4 (one process)."""
+    from loom.data import prepare_data
+    from loom.train.trainer import RankEnv, Trainer
+
+    run = tmp_path_factory.mktemp("run")
+    cfg = {"model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
+           "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
+           "train": {"steps": 4, "global_batch": 2, "micro_batch": 2, "log_every": 1, "eval_every": 0,
+                     "checkpoint_every": 2, "checkpoint_async": False},
+           "run": {"progress": False, "tensorboard": False, "threads": 1, "dir": str(run)}}  # fmt: skip
+    os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    cfg["data"]["prepared_dir"] = str(prepare_data(C.from_dict(cfg).data, progress=False).dir)
+    trainer = Trainer(C.from_dict(cfg), RankEnv(0, 1, 0, 1))
+    try:
+        trainer.fit()
+    finally:
+        trainer.heartbeat.close()
+    return cfg, run
+
+
+def _start_step(cfg: dict, **train) -> int:
+    from loom.train.trainer import RankEnv, Trainer
+
+    c = json.loads(json.dumps(cfg))
+    c["train"] |= {"steps": 6, **train}
+    trainer = Trainer(C.from_dict(c), RankEnv(0, 1, 0, 1))
+    trainer.heartbeat.close()
+    return trainer.start_step
+
+
+def _copy_run(trained, tmp_path) -> tuple[dict, Path]:
+    import shutil
+
+    cfg, run = trained
+    dst = tmp_path / "run"
+    shutil.copytree(run, dst)
+    cfg = json.loads(json.dumps(cfg))
+    cfg["run"]["dir"] = str(dst)
+    return cfg, dst
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_loudly(trained, tmp_path, caplog):
+    cfg, run = _copy_run(trained, tmp_path)
+    newest = run / "checkpoints" / "step-00000004"
+    shard = sorted(newest.glob("shard-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        assert _start_step(cfg) == 2
+    assert any("SKIPPING checkpoint" in r.message and str(newest) in r.message and shard.name in r.message
+               for r in caplog.records)  # fmt: skip
+    with pytest.raises(Exception, match=shard.name):  # named explicitly: refused, not replaced
+        _start_step(cfg, resume=str(newest))
+
+
+def test_a_manifest_rewritten_with_its_shard_is_refused(trained, tmp_path, caplog):
+    """A shard altered together with its manifest entry passes the manifest check; the hash that
+    ``latest`` recorded for the manifest does not."""
+    from loom.checkpoint.integrity import sha256_file
+
+    cfg, run = _copy_run(trained, tmp_path)
+    newest = run / "checkpoints" / "step-00000004"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["note"] = "edited"  # any rewrite changes the manifest's hash
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    assert sha256_file(newest / "manifest.json") != json.loads((run / "checkpoints" / "latest").read_text())[
+        "manifest_sha256"]  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        assert _start_step(cfg) == 2
+    assert any("SHA-256 differs from the one recorded in 'latest'" in r.message for r in caplog.records)
