@@ -4,6 +4,7 @@ bytes kept for backward equal the formula; bad policies are refused with one lin
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import replace
 
 import pytest
@@ -37,6 +38,7 @@ def run_layout(par: dict, train_kw: dict, model_kw: dict, steps: int, mesh_dims:
     mesh = get_mesh(**dims) if dims else _single_mesh()
     cfg = LoomConfig(model=tiny_model(**model_kw), train=tiny_train(steps=steps, **train_kw))
     cfg.data.seq_len = SEQ
+    cfg.run.dir = tempfile.mkdtemp(prefix="loom-recompute-")  # never the checkout's runs/default
     cfg.train.global_batch, cfg.train.micro_batch = BATCH, BATCH // mesh.size("dp") // 2  # 2 micro-batches
     cfg.parallel = replace(cfg.parallel, dp=mesh.size("dp"), dp_shard=mesh.size("dp_shard"), **par)
     validate(cfg, world)

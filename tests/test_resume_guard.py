@@ -87,3 +87,17 @@ def test_a_manifest_rewritten_with_its_shard_is_refused(trained, tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="loom"):
         assert _start_step(cfg) == 2
     assert any("SHA-256 differs from the one recorded in 'latest'" in r.message for r in caplog.records)
+
+
+def test_convert_never_writes_into_its_source(trained, tmp_path):
+    from loom.checkpoint.convert import convert
+    from loom.checkpoint.format import CheckpointError
+
+    _, run = trained
+    ckpt = run / "checkpoints" / "step-00000004"
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    for target in (ckpt / "shard-00000-of-00001.safetensors", ckpt / "model.safetensors"):
+        with pytest.raises(CheckpointError, match="inside the checkpoint it is converted from"):
+            convert(ckpt, target)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    convert(ckpt, tmp_path / "model.safetensors")  # elsewhere: fine
