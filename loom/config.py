@@ -82,6 +82,7 @@ class DataConfig:
     val_fraction: float = 0.02  # share of the corpus held out for eval loss
     max_corpus_mb: float = 24.0  # cap on corpus text read
     text_field: str = "text"  # field holding the text in .jsonl/.parquet records
+    errors: str = "strict"  # invalid UTF-8 in the corpus: strict (refuse, naming the file) | replace (count, report)
 
 
 @dataclass
@@ -446,6 +447,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(d.vocab_size >= 260, f"data.vocab_size: must be >= 260 (bytes + specials), got {d.vocab_size}")
     _require(0.0 < d.val_fraction < 0.5, f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")
     _require(d.max_corpus_mb > 0, f"data.max_corpus_mb: must be > 0, got {d.max_corpus_mb}")
+    _require(d.errors in ("strict", "replace"), f"data.errors: must be strict or replace, got {d.errors!r}")
     _require(t.steps >= 1, f"train.steps: must be >= 1, got {t.steps}")
     _require(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr: must be in [0, train.lr={t.lr}], got {t.min_lr}")

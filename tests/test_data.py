@@ -392,3 +392,29 @@ def test_prepared_data_feeds_sampler(tmp_path, cache):
     assert ds.n_tokens == p.n_train_tokens
     x, y = BatchSampler(ds, 4, 2, seed=0).micro_batches(0)[0]
     assert int(x.max()) < p.vocab_size and int(y.min()) >= 0
+
+
+def test_binary_and_undecodable_input_is_named(tmp_path, caplog):
+    import logging
+
+    from loom.config import ConfigError
+
+    binary = tmp_path / "bin" / "blob.txt"
+    binary.parent.mkdir()
+    binary.write_bytes(b"\x7fELF\x00\x00\x01" + bytes(range(256)))
+    with pytest.raises(ConfigError, match=r"data.source: .*blob.txt looks binary \(NUL bytes\)"):
+        read_documents(str(binary))
+    latin = tmp_path / "latin" / "doc.txt"
+    latin.parent.mkdir()
+    latin.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"doc.txt is not UTF-8 \(byte 3: b'\\xe9'\); fix the file or set "
+                                          r"data.errors = replace"):  # fmt: skip
+        read_documents(str(latin))
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        assert read_documents(str(latin), errors="replace") == ["caf\ufffd cr\ufffdme"]
+    assert any("2 undecodable bytes replaced in 1 file(s)" in r.message for r in caplog.records)
+    jl = tmp_path / "j" / "d.jsonl"
+    jl.parent.mkdir()
+    jl.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    with pytest.raises(ConfigError, match=r"d.jsonl:2 is not UTF-8"):
+        read_documents(str(jl))

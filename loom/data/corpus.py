@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
 import sys
 import sysconfig
@@ -25,6 +26,7 @@ from loom.config import ConfigError
 
 FORMATS = (".txt", ".jsonl", ".parquet")
 STDLIB = "stdlib"
+log = logging.getLogger("loom")
 # Directories of the standard library that are tests, bundled apps, third-party packages or
 # generated text rather than library code.
 STDLIB_SKIP_DIRS = frozenset(
@@ -110,13 +112,38 @@ def fingerprint(source: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _read_txt(path: Path) -> Iterator[str]:
-    yield path.read_text(encoding="utf-8", errors="replace")
+class DecodeStats:
+    """Undecodable bytes replaced under ``data.errors = "replace"`` (reported after reading)."""
+
+    def __init__(self) -> None:
+        self.replaced: dict[str, int] = {}
 
 
-def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
+def _decode(raw: bytes, where: str, errors: str, stats: DecodeStats | None) -> str:
+    """UTF-8 text of ``raw``; binary data (NUL bytes) and, unless ``errors == "replace"``, invalid
+    UTF-8 raise one line naming ``where`` (a file, or file:line)."""
+    if b"\x00" in raw[:8192]:
+        raise ConfigError(f"data.source: {where} looks binary (NUL bytes), not text; remove it from the source")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if errors != "replace":
+            raise ConfigError(f"data.source: {where} is not UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r}); fix "
+                              "the file or set data.errors = replace") from None  # fmt: skip
+    text = raw.decode("utf-8", errors="replace")
+    if stats is not None:
+        stats.replaced[where] = text.count("\ufffd")
+    return text
+
+
+def _read_txt(path: Path, errors: str, stats: DecodeStats | None) -> Iterator[str]:
+    yield _decode(path.read_bytes(), str(path), errors, stats)
+
+
+def _read_jsonl(path: Path, text_field: str, errors: str = "strict", stats: DecodeStats | None = None) -> Iterator[str]:
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _decode(raw, f"{path}:{lineno}", errors, stats)
             if not line.strip():
                 continue
             try:
@@ -147,27 +174,31 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
                 yield str(text)
 
 
-def _iter_file(path: Path, text_field: str) -> Iterator[str]:
+def _iter_file(path: Path, text_field: str, errors: str, stats: DecodeStats) -> Iterator[str]:
     if path.suffix == ".jsonl":
-        return _read_jsonl(path, text_field)
+        return _read_jsonl(path, text_field, errors, stats)
     if path.suffix == ".parquet":
         return _read_parquet(path, text_field)
-    return _read_txt(path)  # .txt and the stdlib's .py
+    return _read_txt(path, errors, stats)  # .txt and the stdlib's .py
 
 
 def read_documents(
-    source: str, text_field: str = "text", max_mb: float = 24.0, progress: bool = False
+    source: str, text_field: str = "text", max_mb: float = 24.0, progress: bool = False, errors: str = "strict"
 ) -> list[str]:
     """Documents of ``source`` in deterministic order, at most ``max_mb`` MB of UTF-8 in total.
 
-    The document that crosses the cap is cut at the cap; empty documents are dropped.
+    The document that crosses the cap is cut at the cap; empty documents are dropped. Binary files
+    are refused; invalid UTF-8 too unless ``errors == "replace"`` (the stdlib corpus always
+    replaces: a few of its files declare other encodings), which logs how many were replaced.
     """
     files = source_files(source)
+    errors = "replace" if source == STDLIB else errors
+    stats = DecodeStats()
     budget = int(max_mb * 1e6)
     docs: list[str] = []
     bar = tqdm(files, desc="read corpus", unit="file", disable=not progress, leave=False)
     for path in bar:
-        for text in _iter_file(path, text_field):
+        for text in _iter_file(path, text_field, errors, stats):
             raw = text.encode("utf-8")
             if len(raw) >= budget:
                 text = raw[:budget].decode("utf-8", errors="ignore")
@@ -182,6 +213,10 @@ def read_documents(
         if budget == 0:
             break
     bar.close()
+    replaced = {k: v for k, v in stats.replaced.items() if v}
+    if replaced and source != STDLIB:
+        log.warning("data.errors = replace: %d undecodable bytes replaced in %d file(s), first %s",
+                    sum(replaced.values()), len(replaced), next(iter(replaced)))  # fmt: skip
     if not docs:
         raise ConfigError(f"data.source: {source!r} holds no text")
     return docs

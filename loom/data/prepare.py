@@ -173,7 +173,7 @@ def _reuse(final: Path, cfg: DataConfig) -> PreparedData:
 def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> None:
     """Read, split, tokenize and write everything into ``out``."""
     t0 = time.perf_counter()
-    docs = read_documents(cfg.source, cfg.text_field, cfg.max_corpus_mb, progress)
+    docs = read_documents(cfg.source, cfg.text_field, cfg.max_corpus_mb, progress, cfg.errors)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
     if cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer)
