@@ -101,3 +101,20 @@ def test_convert_never_writes_into_its_source(trained, tmp_path):
             convert(ckpt, target)
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
     convert(ckpt, tmp_path / "model.safetensors")  # elsewhere: fine
+
+
+def test_resuming_on_other_data_is_refused(trained, tmp_path):
+    """Same vocabulary size, another corpus: the run would continue on data it never started on."""
+    from loom.data import prepare_data
+
+    cfg, run = _copy_run(trained, tmp_path)
+    assert json.loads((run / "data.json").read_text())["tokenizer"]
+    other = json.loads(json.dumps(cfg))
+    other["data"] |= {"max_corpus_mb": 0.12, "prepared_dir": ""}
+    other["data"]["prepared_dir"] = str(prepare_data(C.from_dict(other).data, progress=False).dir)
+    metrics = (run / "metrics.jsonl").read_text()
+    with pytest.raises(C.ConfigError, match=r"data: .* was trained with (tokenizer|train.bin) [0-9a-f]{12}, this "
+                                            r"run's is [0-9a-f]{12}; .* --train.init_from"):  # fmt: skip
+        _start_step(other)
+    assert (run / "metrics.jsonl").read_text() == metrics
+    assert _start_step(cfg) == 4  # the run's own data resumes

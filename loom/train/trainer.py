@@ -169,6 +169,9 @@ class Trainer:
         self.heartbeat.set(0, "checkpoint load")
         self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, self.strategy.inner)
         self.start_step = self.strategy.step_index = self.ckpts.restore()
+        self.data_identity = data_identity(self.data)
+        if self.start_step > 0:  # every rank: the same files, the same verdict, before anything is written
+            check_same_data(self.run_dir, self.data_identity)
         if self.is_main:  # rows an earlier attempt wrote past the checkpoint it resumes from
             truncate_metrics(self.run_dir, self.start_step)
         self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.run.tensorboard)
@@ -178,6 +181,8 @@ class Trainer:
     def _write_run_files(self) -> None:
         (self.run_dir / "config.toml").write_text(C.dump_toml(self.cfg))
         shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
+        if not (self.run_dir / DATA_IDENTITY).is_file():  # a run is bound to the data it started on
+            write_json_atomic(self.run_dir / DATA_IDENTITY, self.data_identity)
         c = self.cfg
         log.info(
             "model %.2fM params | world %d: %s | global batch %d x %d tokens, micro %d, accum %d",
@@ -273,6 +278,38 @@ class Trainer:
             log.info("saved %s", out / "model.safetensors")
         if self.env.world > 1:
             dist.barrier(group=self.control)  # gloo, long timeout: the export may take long
+
+
+DATA_IDENTITY = "data.json"
+
+
+def data_identity(data: PreparedData) -> dict[str, str]:
+    """SHA-256 of the tokenizer and of the prepared token files (recorded when they were written)."""
+    import hashlib
+    import json
+
+    meta = json.loads((Path(data.train_path).parent / "meta.json").read_text())
+    digests = meta.get("sha256", {})
+    return {"tokenizer": hashlib.sha256(Path(data.tokenizer_path).read_bytes()).hexdigest(),
+            "train.bin": str(digests.get("train.bin", "")), "val.bin": str(digests.get("val.bin", ""))}  # fmt: skip
+
+
+def check_same_data(run_dir: Path, identity: dict[str, str]) -> None:
+    """A resumed run continues on the data and tokenizer it started with (``run_dir/data.json``);
+    anything else is refused naming both hashes (``train.init_from`` starts a new run from it)."""
+    import json
+
+    path = run_dir / DATA_IDENTITY
+    if not path.is_file():
+        return  # a run from before runs recorded their data
+    recorded = json.loads(path.read_text())
+    for key, now in identity.items():
+        was = recorded.get(key, "")
+        if was and now and was != now:
+            raise C.ConfigError(
+                f"data: {run_dir} was trained with {key} {was[:12]}, this run's is {now[:12]}; resume with the same "
+                f"data and tokenizer, or start a new run.dir with --train.init_from {run_dir}"
+            )
 
 
 def _add_plan(cfg: C.LoomConfig, world: int, row: dict) -> None:
