@@ -36,6 +36,13 @@ def resolve_backend(kind: str, device: torch.device) -> str:
     return kind
 
 
+def device_name(device: torch.device) -> str:
+    """The accelerator's reported name (``NVIDIA H100 80GB HBM3``), else the device type (``cpu``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -53,10 +53,12 @@ def _device_of(cfg: LoomConfig) -> str:
     if cfg.run.device != "cpu":
         import torch
 
-        if torch.cuda.is_available():
+        from loom.device import cuda_available, device_name
+
+        if cuda_available():
             from loom.plan.hardware import device_key
 
-            return device_key(torch.cuda.get_device_name(0)) or "cpu"
+            return device_key(device_name(torch.device("cuda", 0))) or "cpu"
     return "cpu"
 
 

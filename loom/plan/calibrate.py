@@ -81,33 +81,34 @@ def _timed(fn, repeats: int, device: torch.device | None = None) -> float:
 
 
 def measure_gemm(
-    shapes: list[tuple[int, int, int]], repeats: int = 20, dtype: str = "fp32"
+    shapes: list[tuple[int, int, int]], repeats: int = 20, dtype: str = "fp32", device: torch.device | None = None
 ) -> tuple[float, dict[str, float]]:
-    """(total FLOPs / total seconds, FLOP/s per shape) of ``torch.mm`` in ``dtype`` over ``shapes``."""
+    """(total FLOPs / total seconds, FLOP/s per shape) of ``torch.mm`` in ``dtype`` over ``shapes``
+    (2 m k n FLOPs each) on ``device`` (default the CPU), each call timed between device syncs."""
     import torch
 
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     total_flops = total_s = 0.0
     per: dict[str, float] = {}
     for m, k, n in shapes:
-        a, b = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
-        out = torch.empty(m, n, dtype=dt)
+        a, b = torch.randn(m, k, dtype=dt, device=device), torch.randn(k, n, dtype=dt, device=device)
+        out = torch.empty(m, n, dtype=dt, device=device)
         reps = max(3, min(repeats, int(2e9 / (2 * m * k * n + 1))))
-        sec = _timed(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), reps)
+        sec = _timed(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), reps, device)
         total_flops += 2.0 * m * k * n
         total_s += sec
         per[f"{m}x{k}x{n}"] = 2.0 * m * k * n / sec
     return total_flops / total_s, per
 
 
-def measure_bandwidth(elements: list[int], repeats: int = 20) -> float:
-    """Bytes/s of ``c = a + b`` (12 bytes per fp32 element), total over ``elements`` sizes."""
+def measure_bandwidth(elements: list[int], repeats: int = 20, device: torch.device | None = None) -> float:
+    """Bytes/s of ``c = a + b`` (12 bytes per fp32 element), total over ``elements`` sizes, on ``device``."""
     import torch
 
     moved = total_s = 0.0
     for n in elements:
-        a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
-        total_s += _timed(lambda a=a, b=b, c=c: torch.add(a, b, out=c), repeats)
+        a, b, c = torch.randn(n, device=device), torch.randn(n, device=device), torch.empty(n, device=device)
+        total_s += _timed(lambda a=a, b=b, c=c: torch.add(a, b, out=c), repeats, device)
         moved += 12.0 * n
     return moved / total_s
 
@@ -127,7 +128,8 @@ def measure_trainer_step(config: str, steps: int = 12, runs: int = 5) -> float:
     return best
 
 
-def measure_backward_ratio(model: ModelConfig, micro_batch: int, seq_len: int, repeats: int = 15) -> float:
+def measure_backward_ratio(model: ModelConfig, micro_batch: int, seq_len: int, repeats: int = 15,
+                           device: torch.device | None = None) -> float:  # fmt: skip
     """Backward time / forward time of one micro-batch through the model with its loss (autograd on).
 
     2 when GEMM FLOPs set the time (backward runs two products per forward one); nearer 1 when
@@ -138,10 +140,10 @@ def measure_backward_ratio(model: ModelConfig, micro_batch: int, seq_len: int, r
 
     from loom.model.llama import build_model, loss_fn
 
-    net = build_model(model, seed=0)
+    net = build_model(model, seed=0).to(device)
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, model.vocab_size, (micro_batch, seq_len), generator=g)
-    y = torch.randint(0, model.vocab_size, (micro_batch, seq_len), generator=g)
+    x = torch.randint(0, model.vocab_size, (micro_batch, seq_len), generator=g).to(device)
+    y = torch.randint(0, model.vocab_size, (micro_batch, seq_len), generator=g).to(device)
 
     def fwd():
         return loss_fn(net(x), y)
@@ -150,8 +152,8 @@ def measure_backward_ratio(model: ModelConfig, micro_batch: int, seq_len: int, r
         fwd().backward()
         net.zero_grad(set_to_none=True)
 
-    t_f = _timed(fwd, repeats)
-    t_fb = _timed(fwd_bwd, repeats)
+    t_f = _timed(fwd, repeats, device)
+    t_fb = _timed(fwd_bwd, repeats, device)
     return max(0.5, (t_fb - t_f) / t_f)
 
 
@@ -209,8 +211,12 @@ def _coll_worker(rank: int, world: int, init: str, backend: str, repeats: int, w
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # *_into_tensor renamed in newer torch
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if backend == "nccl":  # one GPU per rank, set before NCCL's communicator binds to one
+        from loom.device import resolve_device
+
+        device = resolve_device("cuda", rank)
     dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     work = layer_work(*work_shape, device=device)
 
     def loop(call) -> float:  # mean over a block of calls (preemption by other ranks included), median of 3
@@ -334,7 +340,8 @@ def measure_contention(
 def calibrate(
     nproc: int = 2, config: str | None = None, backend: str = "gloo", device: str = "cpu", threads: int = 1
 ) -> Profile:
-    """Measure compute and memory bandwidth (one rank, ``threads`` threads) and collectives.
+    """Measure compute and memory bandwidth (one rank, ``threads`` threads, on ``device``: cpu, or
+    cuda = GPU 0, stored under its hardware-table name when known) and collectives.
 
     With a ``config``, the stored FLOP rate is that run's sustained one (:func:`sustained_flops`
     of :func:`measure_trainer_step`), not the bare GEMM rate: at small sizes the framework's
@@ -342,7 +349,14 @@ def calibrate(
     """
     import torch
 
+    from loom.device import device_name, resolve_device
+    from loom.plan.hardware import device_key
+
     torch.set_num_threads(threads)
+    dev = resolve_device(device)  # cuda: GPU 0 (raises without CUDA); the work is timed between its syncs
+    on = dev if dev.type != "cpu" else None
+    if on is not None:
+        device = device_key(device_name(dev)) or device
     cfg, tokens = None, 128
     if config is not None:
         from loom.config import load
@@ -353,14 +367,14 @@ def calibrate(
         tokens = cfg.train.micro_batch * cfg.data.seq_len
     model = cfg.model if cfg is not None else None
     shapes = model_shapes(model, tokens) if model is not None else list(GENERIC_SHAPES)
-    flops, _ = measure_gemm(shapes)
-    half, _ = measure_gemm(shapes, dtype="bf16")
+    flops, _ = measure_gemm(shapes, device=on)
+    half, _ = measure_gemm(shapes, dtype="bf16", device=on)
     width = max(model.dim, model.resolved_ffn_dim()) if model is not None else 256
-    hbm = measure_bandwidth([tokens * width, 4 * tokens * width])
+    hbm = measure_bandwidth([tokens * width, 4 * tokens * width], device=on)
     bare, ratio = flops, 0.0
     if cfg is not None and config is not None:
         cfg.train.precision = "fp32"
-        ratio = measure_backward_ratio(cfg.model, cfg.train.micro_batch, cfg.data.seq_len)
+        ratio = measure_backward_ratio(cfg.model, cfg.train.micro_batch, cfg.data.seq_len, device=on)
         flops = sustained_flops(cfg, hbm, measure_trainer_step(config), ratio)
     rates = {"fp32": flops, "bf16": flops * half / bare}  # half precision: the bare GEMMs' ratio
     work_shape = (tokens, model.dim) if model is not None else (128, 64)

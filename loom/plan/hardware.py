@@ -200,8 +200,11 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 
 
-# (substrings of torch.cuda.get_device_name, all required, lower case) -> DEVICES key; first match wins
-_NAME_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
+# (substrings of torch.cuda.get_device_name, all required, lower case) -> DEVICES key, first match
+# wins; None: a part whose name contains a known one but whose datasheet differs (H100 NVL: 94 GB,
+# other clocks; GH200 / GB200: Grace superchips), so it is measured, not given another part's peak.
+_NAME_RULES: tuple[tuple[tuple[str, ...], str | None], ...] = (
+    (("h100", "nvl"), None), (("gh200",), None), (("gb200",), None),
     (("h100", "pcie"), "h100-pcie"), (("h100",), "h100-sxm"), (("h200",), "h200"), (("b200",), "b200"),
     (("a100", "40gb"), "a100-40g"), (("a100",), "a100-80g"), (("mi300x",), "mi300x"),
 )  # fmt: skip

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from loom.device import measure_gemm_flops, tf32_enabled
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from loom.device import device_name, measure_gemm_flops, tf32_enabled
+from loom.memory.precision import DTYPES
 
 
 def mfu_peak(device: torch.device, precision: str) -> tuple[float, str]:
     """(peak FLOP/s per rank, where it came from) for a run in ``precision`` on ``device``."""
-    name = device.type
+    name = device_name(device)
     if device.type == "cuda":
         from loom.plan.hardware import mfu_peak as from_table
 
-        name = torch.cuda.get_device_name(device)
         found = from_table(name, precision, tf32_enabled())
         if found is not None:
             return found
@@ -30,4 +28,5 @@ def mfu_peak(device: torch.device, precision: str) -> tuple[float, str]:
     if device.type == "cpu" and dtype == torch.float16:
         dtype = torch.float32  # fp16 runs compute in fp32 on the CPU
     flops = measure_gemm_flops(device, dtype)
-    return flops, f"measured {str(dtype).removeprefix('torch.')} GEMM on {name} ({torch.get_num_threads()} threads)"
+    what = f"{torch.get_num_threads()} threads" if device.type == "cpu" else "not in the hardware table"
+    return flops, f"measured {str(dtype).removeprefix('torch.')} GEMM on {name} ({what})"
