@@ -34,7 +34,7 @@ from loom.checkpoint import Checkpointer, CheckpointReader, ReplicatedState  # n
 from loom.checkpoint.replicated import ensure_adam_state  # noqa: E402
 from loom.checkpoint.save import new_group  # noqa: E402
 from loom.model.llama import build_model  # noqa: E402
-from loom.train.optim import build_optimizer  # noqa: E402
+from loom.optim.groups import build_optimizer  # noqa: E402
 
 
 def _dir_bytes(path: Path) -> int:

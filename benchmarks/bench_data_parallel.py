@@ -22,7 +22,8 @@ from common import backend_name, device, init_gloo, race, run_ranks  # noqa: E40
 
 from loom.config import ModelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, loss_fn  # noqa: E402
-from loom.train.optim import build_optimizer, lr_at  # noqa: E402
+from loom.optim.groups import build_optimizer  # noqa: E402
+from loom.train.schedule import lr_at  # noqa: E402
 
 SEQ, MICRO, ACCUM, VOCAB = 256, 4, 2, 4096
 
@@ -41,13 +42,13 @@ def _batches(step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def loom_stepper(model_cfg, train_cfg, group):
     from loom.parallel.data_parallel import DataParallel
-    from loom.train.step import train_step
+    from loom.train.step import plain_run, train_step
 
     model = build_model(model_cfg, train_cfg.seed, device())
     strat = DataParallel(model, group).attach_optimizer(build_optimizer(model, train_cfg))
 
     def step(i: int, rank: int) -> None:
-        train_step(model, strat, _batches(i, rank), loss_fn, train_cfg.grad_clip, lr_at(i, train_cfg), group)
+        train_step(plain_run(model, strat, loss_fn), _batches(i, rank), train_cfg.grad_clip, lr_at(i, train_cfg), group)
 
     return step
 

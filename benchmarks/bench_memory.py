@@ -72,23 +72,21 @@ def _batches(step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def contender(cfg: LoomConfig, mesh):
-    """One training setup through ``parallelize``: a step function and its memory report."""
+    """One training setup through ``build_run``: a step function and its memory report."""
     from loom.memory.compress import SavedActivations
-    from loom.memory.loss_scale import training_loss_fn
-    from loom.model.llama import build_model, loss_fn
-    from loom.parallel import parallelize
-    from loom.train.optim import lr_at
+    from loom.model.llama import build_model
+    from loom.train.build import build_run
+    from loom.train.schedule import lr_at
     from loom.train.step import train_step
 
     model = build_model(cfg.model, cfg.train.seed)
-    strategy = parallelize(model, mesh, cfg, None)
+    run = build_run(cfg, mesh, model)
+    strategy = run.strategy
     saved = SavedActivations(model, cfg.train.compress)
-    lossf = training_loss_fn(strategy, loss_fn)
 
     def step(i: int, rank: int) -> None:
         with saved:
-            train_step(model, strategy, _batches(i, rank), lossf, cfg.train.grad_clip, lr_at(i, cfg.train),
-                       mesh.group("dp"))  # fmt: skip
+            train_step(run, _batches(i, rank), cfg.train.grad_clip, lr_at(i, cfg.train), mesh.group("dp"))
 
     def memory() -> dict[str, int]:
         s = strategy.state_bytes()

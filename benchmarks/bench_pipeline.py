@@ -26,7 +26,8 @@ from common import init_gloo, run_ranks  # noqa: E402
 
 from loom.config import ModelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, loss_fn  # noqa: E402
-from loom.train.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from loom.optim.groups import build_optimizer, set_lr  # noqa: E402
+from loom.train.schedule import lr_at  # noqa: E402
 
 SEQ, ROWS, VOCAB = 128, 2, 2048
 PAIRS = [("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
@@ -51,7 +52,9 @@ def _bounds(n_layers: int, n: int) -> list[int]:
 def loom_stepper(mcfg, tcfg, name: str, v: int, m: int, record: int):
     from loom.parallel.data_parallel import DataParallel
     from loom.parallel.pipeline.stage import split_model
-    from loom.parallel.pipeline.strategy import PipelineStrategy, pipeline_train_step
+    from loom.parallel.pipeline.strategy import PipelineStrategy
+    from loom.train.build import pipeline_run
+    from loom.train.step import train_step
 
     p, rank = dist.get_world_size(), dist.get_rank()
     from loom.mesh import ParallelDims, ParallelMesh
@@ -65,7 +68,7 @@ def loom_stepper(mcfg, tcfg, name: str, v: int, m: int, record: int):
     def step(i: int) -> None:
         x, y = _batch(i, m)
         micro = [(x[k * ROWS:(k + 1) * ROWS], y[k * ROWS:(k + 1) * ROWS]) for k in range(m)]
-        pipeline_train_step(pipe, strategy, micro, loss_fn, 0.0, lr_at(i, tcfg), None)
+        train_step(pipeline_run(pipe, strategy, loss_fn), micro, 0.0, lr_at(i, tcfg), None)
 
     return step, strategy
 
@@ -124,7 +127,7 @@ def _worker(rank: int, world: int, init: str, args, out) -> None:
 
 
 def main() -> None:
-    from loom.parallel.pipeline.strategy import timeline_report
+    from loom.parallel.pipeline.report import timeline_report
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=2)

@@ -25,7 +25,7 @@ from common import init_gloo, run_ranks  # noqa: E402
 
 from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, loss_fn  # noqa: E402
-from loom.train.optim import build_optimizer  # noqa: E402
+from loom.optim.groups import build_optimizer  # noqa: E402
 
 SEQ, MICRO, VOCAB = 256, 4, 4096
 
@@ -58,7 +58,7 @@ def loom_stepper(cfg: LoomConfig, mesh, meter):
         x, y = _batch(i)
         out = loss(model(x), y)
         out.backward()
-        sum_partial_grads(model.parameters())  # sp norms' gradient parts, once per step
+        sum_partial_grads(model.parameters(), lambda p: p.grad)  # sp norms' gradient parts, once per step
         opt.step()
         return float(out.detach())
 

@@ -25,7 +25,8 @@ from common import backend_name, device, init_gloo, race, run_ranks  # noqa: E40
 
 from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, count_params, loss_fn  # noqa: E402
-from loom.train.optim import build_optimizer, lr_at, param_groups, set_lr  # noqa: E402
+from loom.optim.groups import build_optimizer, param_groups, set_lr  # noqa: E402
+from loom.train.schedule import lr_at  # noqa: E402
 
 SEQ, MICRO, ACCUM, VOCAB = 256, 4, 2, 4096
 PEERS = {"loom zero-1": "torch ZeRO-opt", "loom zero-2": "torch FSDP2", "loom zero-3": "torch FSDP2"}
@@ -55,15 +56,14 @@ def _nbytes(tensors) -> int:
 
 def loom_contender(cfg: LoomConfig, mesh):
     """Loom's ``parallelize`` at ``cfg.parallel.zero`` (0 = the data-parallel baseline)."""
-    from loom.parallel import parallelize
-    from loom.train.step import train_step
+    from loom.train.build import parallelize
+    from loom.train.step import plain_run, train_step
 
     model = build_model(cfg.model, cfg.train.seed, device())
-    strategy = parallelize(model, mesh, cfg, None)
+    _, strategy, _ = parallelize(model, mesh, cfg, None)
 
     def step(i: int, rank: int) -> None:
-        train_step(model, strategy, _batches(i, rank), loss_fn, cfg.train.grad_clip, lr_at(i, cfg.train),
-                   mesh.group("dp"))  # fmt: skip
+        train_step(plain_run(model, strategy, loss_fn), _batches(i, rank), cfg.train.grad_clip, lr_at(i, cfg.train), mesh.group("dp"))  # fmt: skip
 
     return step, strategy.state_bytes
 

@@ -221,7 +221,7 @@ def cmd_schedule(argv: list[str]) -> int:
           f"vs formula {bubble_formula(name, pp, m, v):.1%} | makespan {timeline.makespan:g} (per stage t_f=1, t_b=2) | "
           f"peak in-flight per rank {timeline.peak_in_flight}")  # fmt: skip
     if "out" in plain:
-        from loom.viz.timeline import draw_timeline
+        from loom.parallel.pipeline.picture import draw_timeline
 
         print(f"wrote {draw_timeline(timeline, plain['out'], title=f'{name} pp={pp} m={m} v={v}')}")
     return 0

@@ -31,6 +31,7 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.\w+_single`",
                         category=FutureWarning)  # fmt: skip
 
-Group = dist.ProcessGroup | None
+Group: TypeAlias = dist.ProcessGroup | None
 STRICT_ENV = "LOOM_STRICT_COMM"
 # dtypes NCCL reduces and moves (bool travels as uint8)
 NCCL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
@@ -70,6 +71,8 @@ _ORDER_LOG: dict[tuple[str, tuple[int, ...]], list[str]] = defaultdict(list)
 
 def _group_key(group: Group) -> tuple[str, tuple[int, ...]]:
     pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        raise RuntimeError("comm: no process group given and torch.distributed has no default group")
     return pg.group_name, tuple(dist.get_process_group_ranks(pg))
 
 

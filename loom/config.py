@@ -14,7 +14,15 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from loom.rules import (
+    ModelFacts,
+    ScheduleName,
+    layout_problems,
+    sequence_parallel_problem,
+    tensor_parallel_problem,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -24,6 +32,20 @@ else:  # pragma: no cover
 
 class ConfigError(ValueError):
     """A configuration problem, with a one-line message naming the field."""
+
+
+# Closed sets of values: a field of one of these types is checked against it (``typing.get_args``).
+Precision = Literal["fp32", "bf16", "fp16"]
+Optimizer = Literal["adamw", "adafactor", "adam8bit"]
+ReduceDtype = Literal["fp32", "bf16", "fp16"]
+Offload = Literal["none", "cpu", "disk"]
+Device = Literal["auto", "cpu", "cuda"]
+Backend = Literal["auto", "gloo", "nccl"]
+TextErrors = Literal["strict", "replace"]
+# Parts of the pattern fields train.recompute and train.compress.
+RecomputePolicy = Literal["none", "full", "selective"]
+CompressFormat = Literal["none", "bf16", "fp8", "int8"]
+TensorKind = Literal["attention", "mlp", "norm", "other"]  # what a module's ``activation_kind`` may say
 
 
 @dataclass
@@ -82,7 +104,7 @@ class DataConfig:
     val_fraction: float = 0.02  # share of the corpus held out for eval loss
     max_corpus_mb: float = 24.0  # cap on corpus text read
     text_field: str = "text"  # field holding the text in .jsonl/.parquet records
-    errors: str = "strict"  # invalid UTF-8 in the corpus: strict (refuse, naming the file) | replace (count, report)
+    errors: TextErrors = "strict"  # invalid UTF-8 in the corpus: strict refuses, naming the file; replace counts and reports
 
 
 @dataclass
@@ -102,12 +124,12 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel degree (borrows from dp*cp)
     zero: int = 0  # ZeRO stage 0 (plain data parallel), 1, 2 or 3
     bucket_mb: float = 25.0  # gradient bucket size for the all-reduce, in MB
-    reduce_dtype: str = "fp32"  # dtype gradients are reduced in
-    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved | zb-h1 | pipedream | 2bw
+    reduce_dtype: ReduceDtype = "fp32"  # dtype gradients are reduced in
+    schedule: ScheduleName = "1f1b"  # pipeline schedule (pipedream and 2bw are asynchronous)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule only)
     pp_layout: str = ""  # manual cut, inclusive block ranges per stage ("0-3,4-7"); "" = profile and partition
     vertical_sync: bool = False  # pipedream: each stage uses the weight version stage 0 used for the micro-batch
-    offload: str = "none"  # ZeRO optimizer state: none | cpu (host memory, ZeRO-Offload) | disk (mmap files)
+    offload: Offload = "none"  # where ZeRO optimizer state lives: cpu = host memory (ZeRO-Offload), disk = mmap files
     offload_dir: str = ""  # directory for parallel.offload = "disk"; "" = <run.dir>/offload
     reshard_after_forward: bool = True  # ZeRO-3: free gathered params after forward, gather again for backward
     auto: bool = False  # let the planner (loom.plan) choose the layout and micro-batch for the world size
@@ -132,8 +154,8 @@ class TrainConfig:
     eval_every: int = 100  # steps between eval losses; 0 = off
     eval_batches: int = 4  # micro-batches per eval
     log_every: int = 10  # steps between step lines / metrics rows
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (half weights and activations, fp32 master weights + optimizer state)
-    optimizer: str = "adamw"  # adamw | adafactor (factored second moments) | adam8bit (block-wise 8-bit moments)
+    precision: Precision = "fp32"  # compute dtype; bf16/fp16: half weights and activations, fp32 master weights + optimizer state
+    optimizer: Optimizer = "adamw"  # adafactor: factored second moments; adam8bit: block-wise 8-bit moments
     recompute: str = "none"  # activation recomputation: none | full | selective (attention core) | every:<k>
     compress: str = "none"  # saved activations stored as none | bf16 | fp8 | int8, or per kind "mlp=fp8,attention=bf16"
     offload_activations: bool = False  # saved activations to pinned host memory (GPU runs only)
@@ -157,8 +179,8 @@ class RunConfig:
 
     dir: str = "runs/default"  # output directory: config.toml, metrics.jsonl, tensorboard/, checkpoints/
     nproc: int = 2  # local ranks started by `loom train` (ignored under torchrun/srun)
-    device: str = "auto"  # auto | cpu | cuda
-    backend: str = "auto"  # auto (nccl on cuda, gloo on cpu) | gloo | nccl
+    device: Device = "auto"  # where ranks compute
+    backend: Backend = "auto"  # process-group backend; auto = nccl on cuda, gloo on cpu
     timeout_s: float = 300.0  # process-group timeout: a dead rank surfaces as an error after this
     progress: bool = True  # progress bar on rank 0
     tensorboard: bool = True  # write TensorBoard events
@@ -194,6 +216,8 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
         if value is None:
             return None
         typ = args[0]
+    if typing.get_origin(typ) is Literal:  # checked against its values by validate()
+        typ = type(typing.get_args(typ)[0])
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -314,16 +338,31 @@ def dump_toml(cfg: LoomConfig) -> str:
 
 # ----------------------------------------------------------------------------- validation
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "gloo", "nccl")
-REDUCE_DTYPES = ("fp32", "bf16", "fp16")
-OFFLOADS = ("none", "cpu", "disk")
+OPTIMIZERS: tuple[str, ...] = typing.get_args(Optimizer)
 
 
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def _require_none(problem: str | None) -> None:
+    if problem:
+        raise ConfigError(problem)
+
+
+def choices(typ: Any) -> tuple[Any, ...]:
+    """The allowed values of a ``Literal[...]`` field type; () for other types."""
+    return typing.get_args(typ) if typing.get_origin(typ) is Literal else ()
+
+
+def _check_choices(cfg: LoomConfig) -> None:
+    """Every field typed ``Literal[...]`` holds one of its values."""
+    for section, cls in SECTIONS.items():
+        for name, typ in _field_types(cls).items():
+            allowed, value = choices(typ), getattr(getattr(cfg, section), name)
+            _require(not allowed or value in allowed,
+                     f"{section}.{name}: must be one of {' | '.join(map(str, allowed))}, got {value!r}")  # fmt: skip
 
 
 def resolve_layout(cfg: LoomConfig, world_size: int) -> None:
@@ -413,6 +452,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(world_size >= 1, f"run.nproc: must be >= 1, got {world_size}")
     _check_finite(cfg)
     _check_bounds(cfg)
+    _check_choices(cfg)
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "multiple_of"):
         _require(getattr(m, name) >= 1, f"model.{name}: must be >= 1, got {getattr(m, name)}")
     _require(m.attn_head_dim > 0 or m.dim % m.n_heads == 0,
@@ -429,15 +469,6 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(m.n_experts >= 1, f"model.n_experts: must be >= 1 (1 = dense MLP), got {m.n_experts}")
     if m.moe:
         _require(1 <= m.top_k <= m.n_experts, f"model.top_k: must be in [1, model.n_experts={m.n_experts}], got {m.top_k}")
-        _require(p.tp == 1, f"parallel.tp: tensor parallelism of the experts is not implemented; use 1 with model.n_experts={m.n_experts}")
-        _require(
-            t.optimizer != "adafactor",
-            "train.optimizer: adafactor factors 2-D weights; the experts' (E, f, h) weights need adamw or adam8bit",
-        )
-    if p.ep > 1:
-        _require(m.moe, f"parallel.ep: expert parallelism needs experts (model.n_experts > 1), got ep={p.ep}")
-        _require(m.n_experts % p.ep == 0, f"parallel.ep: {p.ep} must divide model.n_experts={m.n_experts}")
-        _require(p.zero == 0, f"parallel.zero: ZeRO with expert parallelism is not implemented; use 0 with parallel.ep={p.ep}")
 
     _require(d.seq_len >= 2, f"data.seq_len: must be >= 2, got {d.seq_len}")
     _require(
@@ -447,7 +478,6 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(d.vocab_size >= 260, f"data.vocab_size: must be >= 260 (bytes + specials), got {d.vocab_size}")
     _require(0.0 < d.val_fraction < 0.5, f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")
     _require(d.max_corpus_mb > 0, f"data.max_corpus_mb: must be > 0, got {d.max_corpus_mb}")
-    _require(d.errors in ("strict", "replace"), f"data.errors: must be strict or replace, got {d.errors!r}")
     _require(t.steps >= 1, f"train.steps: must be >= 1, got {t.steps}")
     _require(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr: must be in [0, train.lr={t.lr}], got {t.min_lr}")
@@ -466,9 +496,6 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
         not t.init_from or Path(t.init_from).is_dir(),
         f"train.init_from: {t.init_from!r} is not a directory (a Loom run or checkpoint, or a Hugging Face model)",
     )
-    _require(t.precision in PRECISIONS, f"train.precision: must be one of {PRECISIONS}, got {t.precision!r}")
-    _require(r.device in DEVICES, f"run.device: must be one of {DEVICES}, got {r.device!r}")
-    _require(r.backend in BACKENDS, f"run.backend: must be one of {BACKENDS}, got {r.backend!r}")
     _require(
         not (r.device == "cpu" and r.backend == "nccl"),
         "run.backend: nccl needs run.device = cuda; use gloo on cpu",
@@ -476,23 +503,9 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(r.timeout_s > 0, f"run.timeout_s: must be > 0, got {r.timeout_s}")
     _require(r.dir.strip() != "", "run.dir: must name a directory (it holds checkpoints and metrics), got ''")
     _require(r.threads >= 0, f"run.threads: must be >= 0 (0 = automatic), got {r.threads}")
-    _require(
-        p.reduce_dtype in REDUCE_DTYPES,
-        f"parallel.reduce_dtype: must be one of {REDUCE_DTYPES}, got {p.reduce_dtype!r}",
-    )
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be > 0, got {p.bucket_mb}")
     _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
-    _require(p.offload in OFFLOADS, f"parallel.offload: must be one of {OFFLOADS}, got {p.offload!r}")
-    _require(
-        p.offload == "none" or p.zero >= 1,
-        f"parallel.offload: {p.offload!r} offloads ZeRO optimizer state; it needs parallel.zero >= 1",
-    )
-    if p.offload == "disk":
-        problem = _unwritable(offload_dir(cfg))
-        _require(problem is None, f"parallel.offload_dir: {problem}")
     resolve_layout(cfg, world_size)
-    check_tensor_parallel(cfg)
-    check_context_parallel(cfg)
     _check_implemented(cfg)
     check_memory(cfg)
     _require(t.micro_batch >= 1, f"train.micro_batch: must be >= 1, got {t.micro_batch}")
@@ -501,63 +514,25 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
         f"train.global_batch: {t.global_batch} must be divisible by micro_batch*dp = "
         f"{t.micro_batch}*{p.dp} = {t.micro_batch * p.dp}",
     )
-    check_pipeline(cfg)
+    problems = layout_problems(
+        model_facts(cfg), seq_len=d.seq_len, precision=t.precision, optimizer=t.optimizer,
+        tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp, schedule=p.schedule,
+        virtual_stages=p.virtual_stages, microbatches=grad_accum_steps(cfg), offload=p.offload,
+        pp_layout=p.pp_layout, vertical_sync=p.vertical_sync,
+    )  # fmt: skip
+    _require_none(problems[0] if problems else None)
+    if p.offload == "disk":
+        problem = _unwritable(offload_dir(cfg))
+        _require(problem is None, f"parallel.offload_dir: {problem}")
     return cfg
 
 
-ASYNC_SCHEDULES = ("pipedream", "2bw")
-
-
-def check_pipeline(cfg: LoomConfig) -> None:
-    """Pipeline fields: a known schedule, at least one block per stage, enough micro-batches,
-    a layout covering every block, and the combinations the runtime cannot run."""
-    from loom.parallel.pipeline.partition import parse_layout
-    from loom.parallel.pipeline.schedules import SCHEDULES
-
-    p, m = cfg.parallel, cfg.model
-    names = tuple(SCHEDULES)
-    _require(p.schedule in names, f"parallel.schedule: must be one of {names}, got {p.schedule!r}")
-    _require(p.virtual_stages >= 1, f"parallel.virtual_stages: must be >= 1, got {p.virtual_stages}")
-    _require(
-        p.virtual_stages == 1 or p.schedule == "interleaved",
-        f"parallel.virtual_stages: {p.virtual_stages} > 1 needs parallel.schedule = 'interleaved', got {p.schedule!r}",
-    )
-    _require(not p.vertical_sync or p.schedule == "pipedream", "parallel.vertical_sync: only for schedule 'pipedream'")
-    if p.pp == 1:
-        _require(not p.pp_layout, "parallel.pp_layout: a stage layout needs parallel.pp > 1")
-        return
-    n = p.pp * p.virtual_stages
-    _require(
-        n <= m.n_layers,
-        f"parallel.pp: pp*virtual_stages = {n} pipeline stages but model.n_layers = {m.n_layers} "
-        "(each stage needs at least one block)",
-    )
-    micro = grad_accum_steps(cfg)
-    _require(
-        p.schedule != "interleaved" or micro % p.pp == 0,
-        f"train.global_batch: the interleaved schedule needs the micro-batch count "
-        f"global_batch/(micro_batch*dp) = {micro} divisible by parallel.pp = {p.pp}",
-    )
-    _require(
-        p.schedule != "2bw" or (micro % 2 == 0 and micro // 2 >= p.pp),
-        f"train.global_batch: 2bw splits a step's {micro} micro-batches into 2 batches of at least "
-        f"parallel.pp = {p.pp}; need global_batch/(micro_batch*dp) even and >= {2 * p.pp}",
-    )
-    if p.pp_layout:
-        try:
-            parse_layout(p.pp_layout, m.n_layers, n)
-        except ValueError as e:
-            raise ConfigError(f"parallel.{e}") from None
-    _require(
-        p.schedule not in ASYNC_SCHEDULES or not m.tie_embeddings,
-        f"model.tie_embeddings: schedule {p.schedule!r} keeps stage-local weight versions, so the embedding "
-        "and head copies cannot stay tied; set it to false or use a synchronous schedule",
-    )
-    _require(
-        p.zero <= 1 or p.schedule not in ASYNC_SCHEDULES,
-        f"parallel.zero: ZeRO-{p.zero} with schedule {p.schedule!r}: the stashed weight versions need whole "
-        "weights and gradients on every rank; use 0 or 1, or a synchronous schedule",
-    )
+def model_facts(cfg: LoomConfig) -> ModelFacts:
+    """What the layout rules need of ``cfg``'s model; its vocabulary, if known, names the field setting it."""
+    m = cfg.model
+    if m.vocab_size == 0 and not cfg.data.tokenizer:  # a tokenizer trained to data.vocab_size
+        return ModelFacts.of(m, vocab_size=cfg.data.vocab_size, vocab_field="data.vocab_size")
+    return ModelFacts.of(m)  # vocab_size 0: taken from a given tokenizer later
 
 
 # Features whose fields exist (so the mesh and the planner can name them) but whose runtime
@@ -566,15 +541,14 @@ NOT_YET: list[tuple[str, Any, str]] = [
 ]
 
 
-OPTIMIZERS = ("adamw", "adafactor", "adam8bit")
-RECOMPUTE_HELP = "none, full, selective or every:<k> (k >= 1)"
-COMPRESS_FORMATS = ("none", "bf16", "fp8", "int8")
-COMPRESS_KINDS = ("attention", "mlp", "norm", "other")
+RECOMPUTE_HELP = f"{', '.join(typing.get_args(RecomputePolicy))} or every:<k> (k >= 1)"
+COMPRESS_FORMATS: tuple[str, ...] = typing.get_args(CompressFormat)
+COMPRESS_KINDS: tuple[str, ...] = typing.get_args(TensorKind)
 
 
 def parse_recompute(spec: str) -> tuple[str, int]:
     """``train.recompute`` -> (policy, k): none/full/selective with k = 1, or ("every", k)."""
-    if spec in ("none", "full", "selective"):
+    if spec in typing.get_args(RecomputePolicy):
         return spec, 1
     head, _, k = spec.partition(":")
     _require(
@@ -601,9 +575,8 @@ def parse_compress(spec: str) -> dict[str, str]:
 
 
 def check_memory(cfg: LoomConfig) -> None:
-    """Memory-technique fields (precision, loss scaling, recomputation, compression, optimizer)."""
-    t, p = cfg.train, cfg.parallel
-    _require(t.optimizer in OPTIMIZERS, f"train.optimizer: must be one of {OPTIMIZERS}, got {t.optimizer!r}")
+    """Memory-technique fields (loss scaling, recomputation, compression, activation offload)."""
+    t = cfg.train
     policy, k = parse_recompute(t.recompute)
     _require(
         policy != "every" or k <= cfg.model.n_layers,
@@ -617,12 +590,6 @@ def check_memory(cfg: LoomConfig) -> None:
     _require(0 < t.loss_scale_min <= t.loss_scale_init,
              f"train.loss_scale_min: must be in (0, train.loss_scale_init], got {t.loss_scale_min}")  # fmt: skip
     _require(
-        t.precision != "fp16" or p.schedule not in ASYNC_SCHEDULES or p.pp == 1,
-        f"train.precision: fp16 skips a step when any rank overflows, agreed by all ranks at the step; the "
-        f"asynchronous schedule {p.schedule!r} steps each stage's optimizer on its own and cannot unscale and "
-        "skip together; use bf16 or a synchronous schedule",
-    )
-    _require(
         not t.offload_activations or cfg.run.device != "cpu",
         "train.offload_activations: moves saved activations from GPU to pinned host memory; with "
         "run.device = cpu they are in host memory already (set it to false)",
@@ -630,44 +597,10 @@ def check_memory(cfg: LoomConfig) -> None:
 
 
 def check_tensor_parallel(cfg: LoomConfig) -> None:
-    """Shapes tensor parallelism splits must divide by tp (no padding rule); kv heads may instead be
-    replicated when n_kv_heads < tp and tp % n_kv_heads == 0. With sp the sequence splits too."""
-    m, tp = cfg.model, cfg.parallel.tp
-    if tp == 1:
-        return
-    _require(m.n_heads % tp == 0, f"model.n_heads: {m.n_heads} must be divisible by parallel.tp={tp}")
-    _require(
-        m.n_kv_heads % tp == 0 or tp % m.n_kv_heads == 0,
-        f"model.n_kv_heads: {m.n_kv_heads} must be divisible by parallel.tp={tp}, or divide it (kv heads replicated)",
-    )
-    # model.dim = n_heads * head_dim, so it is divisible by tp once n_heads is.
-    ffn = m.resolved_ffn_dim()
-    _require(ffn % tp == 0, f"model.ffn_dim: the SwiGLU hidden size {ffn} must be divisible by parallel.tp={tp}")
-    if m.vocab_size > 0:
-        _require(m.vocab_size % tp == 0, f"model.vocab_size: {m.vocab_size} must be divisible by parallel.tp={tp}")
-    elif not cfg.data.tokenizer:
-        _require(
-            cfg.data.vocab_size % tp == 0,
-            f"data.vocab_size: {cfg.data.vocab_size} (the model vocabulary) must be divisible by parallel.tp={tp}",
-        )
-    cp = cfg.parallel.cp
-    if cfg.parallel.sp:
-        _require(
-            cfg.data.seq_len % (tp * cp) == 0,
-            f"data.seq_len: {cfg.data.seq_len} must be divisible by parallel.tp*cp={tp * cp} with parallel.sp",
-        )
-
-
-def check_context_parallel(cfg: LoomConfig) -> None:
-    """Each cp rank holds two chunks of T/(2cp) tokens; dropout masks would need a cp-private stream."""
-    cp = cfg.parallel.cp
-    if cp == 1:
-        return
-    _require(
-        cfg.data.seq_len % (2 * cp) == 0,
-        f"data.seq_len: {cfg.data.seq_len} must be divisible by 2*parallel.cp={2 * cp} (two chunks per cp rank)",
-    )
-    _require(cfg.model.dropout == 0.0, f"model.dropout: context parallelism (parallel.cp={cp}) needs 0, got {cfg.model.dropout}")
+    """The shapes tensor parallelism splits (and, with sp, the sequence) divide by tp (:mod:`loom.rules`)."""
+    p = cfg.parallel
+    _require_none(tensor_parallel_problem(model_facts(cfg), p.tp))
+    _require_none(sequence_parallel_problem(p.tp, p.cp, cfg.data.seq_len) if p.sp else None)
 
 
 def offload_dir(cfg: LoomConfig) -> str:
@@ -725,17 +658,22 @@ def load(path: str | None, overrides: list[str]) -> LoomConfig:
 
 
 def reference() -> str:
-    """Every field with its type, default and one-line doc, read from this module's source."""
+    """Every field with its type, default, one-line doc (read from this module's source) and, for a
+    ``Literal`` field, its allowed values."""
     import inspect
     import re
 
     lines = []
     for section, cls in SECTIONS.items():
-        lines.append(f"[{section}]  {inspect.getdoc(cls).splitlines()[0]}")
+        lines.append(f"[{section}]  {(inspect.getdoc(cls) or '').partition(chr(10))[0]}")
+        types_ = _field_types(cls)
         for src in inspect.getsource(cls).splitlines():
             m = re.match(r"\s+(\w+): ([\w| ]+) = (.+?)(?:\s+#\s*(.*))?$", src)
             if m:
                 name, typ, default, doc = m.groups()
+                allowed = choices(types_[name])
+                if allowed:
+                    typ, doc = type(allowed[0]).__name__, f"{doc or ''}; one of: {' | '.join(map(str, allowed))}".lstrip("; ")
                 lines.append(f"  {section}.{name:<22} {typ:<6} {default:<12} {doc or ''}".rstrip())
         lines.append("")
     return "\n".join(lines)

@@ -100,8 +100,9 @@ def apply_slurm_env() -> None:
     os.environ.update(slurm_rank_env(dict(os.environ)))
 
 
-def _worker(cfg_dict: dict[str, Any]) -> dict[str, float]:
-    """One rank. Exceptions are recorded (``@record``) so the launcher can quote them."""
+def _worker(cfg_dict: dict[str, Any]) -> dict[str, float] | None:
+    """One rank. Exceptions are recorded (``@record``) so the launcher can quote them; None if the
+    rank ended with ``sys.exit(0)`` (``record`` turns that into a return)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from loom.train.trainer import run

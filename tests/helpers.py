@@ -42,9 +42,10 @@ def train_dp(mesh, model_cfg: ModelConfig, train_cfg: TrainConfig, batch: int, m
     """Train with Loom data parallelism over ``mesh``'s dp group; return losses, final params, DP object."""
     from loom.comm import CommMeter
     from loom.model.llama import build_model, loss_fn
+    from loom.optim.groups import build_optimizer
     from loom.parallel.data_parallel import DataParallel
-    from loom.train.optim import build_optimizer, lr_at
-    from loom.train.step import train_step
+    from loom.train.schedule import lr_at
+    from loom.train.step import plain_run, train_step
 
     model = build_model(model_cfg, train_cfg.seed)
     meter = CommMeter()
@@ -56,8 +57,7 @@ def train_dp(mesh, model_cfg: ModelConfig, train_cfg: TrainConfig, batch: int, m
     losses, comm_bytes = [], []
     for step in range(train_cfg.steps):
         meter.reset()
-        res = train_step(model, sync, rank_micro_batches(step, batch, micro, dp_rank, dp), loss_fn,
-                         train_cfg.grad_clip, lr_at(step, train_cfg), group)  # fmt: skip
+        res = train_step(plain_run(model, sync, loss_fn), rank_micro_batches(step, batch, micro, dp_rank, dp), train_cfg.grad_clip, lr_at(step, train_cfg), group)  # fmt: skip
         losses.append(res.loss)
         comm_bytes.append(meter.total_moved)
     sync.remove()
@@ -68,16 +68,15 @@ def train_dp(mesh, model_cfg: ModelConfig, train_cfg: TrainConfig, batch: int, m
 def metered_steps(model, strategy, meter, mesh, cfg, loss_fn, steps: int, batch: int, micro: int):
     """``steps`` steps of :func:`loom.train.step.train_step` on this dp rank's rows of each global
     batch; per step the loss, the meter's bytes moved by kind, and its collective calls by kind."""
-    from loom.train.optim import lr_at
-    from loom.train.step import train_step
+    from loom.train.schedule import lr_at
+    from loom.train.step import plain_run, train_step
 
     dp = mesh.size("dp")
     losses, moved, calls = [], [], []
     for step in range(steps):
         meter.reset()
         micro_batches = rank_micro_batches(step, batch, micro, mesh.local_rank("dp"), dp)
-        res = train_step(model, strategy, micro_batches, loss_fn, cfg.train.grad_clip, lr_at(step, cfg.train),
-                         mesh.group("dp"))  # fmt: skip
+        res = train_step(plain_run(model, strategy, loss_fn), micro_batches, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp"))  # fmt: skip
         losses.append(res.loss)
         moved.append(dict(meter.moved))
         calls.append(dict(meter.calls))
@@ -89,19 +88,17 @@ def train_layout(
     device: torch.device | None = None,
 ) -> dict:
     """Train the tiny model (``model_kw`` over its defaults) under ``layout`` (mesh degrees, ``zero``,
-    ``sp``, ``recompute``) through ``parallelize``, the Trainer's path, on this rank's share of each
+    ``sp``, ``recompute``) through ``build_run``, the Trainer's path, on this rank's share of each
     global batch; returns losses, the full final state, and per step the meter's bytes and calls.
 
-    ``sentinel``: parallelize and every step run with the meta device as torch's default device,
+    ``sentinel``: build_run and every step run with the meta device as torch's default device,
     so a tensor created without an explicit device (the CPU, by default, on a GPU run) fails."""
     from loom.comm import CommMeter
     from loom.config import LoomConfig
-    from loom.model.llama import build_model, loss_fn
-    from loom.parallel import parallelize
+    from loom.model.llama import build_model
     from loom.parallel.context_parallel import shard_sequence
-    from loom.parallel.pipeline.stage import gather_full_state
-    from loom.parallel.pipeline.strategy import pipeline_train_step
-    from loom.train.optim import lr_at
+    from loom.train.build import build_run
+    from loom.train.schedule import lr_at
     from loom.train.step import train_step
     from tests.dist import get_mesh, rank_device
 
@@ -128,10 +125,7 @@ def train_layout(
     model = build_model(cfg.model, cfg.train.seed, device)
     placed = torch.device("meta") if sentinel else contextlib.nullcontext()
     with placed:
-        strategy = parallelize(model, mesh, cfg, meter)
-    pipe = getattr(strategy, "pipe", None)
-    step_fn, net = (pipeline_train_step, pipe) if pipe is not None else (train_step, model)
-    lossf = getattr(model, "loss_fn", loss_fn)
+        run = build_run(cfg, mesh, model, meter)
     dp_rank, dp = mesh.local_rank("dp"), mesh.size("dp")
     losses, moved, calls = [], [], []
     for step in range(steps):
@@ -140,23 +134,11 @@ def train_layout(
                                  mesh.local_rank("cp"))  # fmt: skip
         batches = [(x.to(device), y.to(device)) for x, y in batches]
         with placed:
-            res = step_fn(net, strategy, batches, lossf, cfg.train.grad_clip, lr_at(step, cfg.train),
-                          mesh.group("dp_cp"))  # fmt: skip
+            res = train_step(run, batches, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp_cp"))
         losses.append(res.loss)
         moved.append(dict(meter.moved))
         calls.append(dict(meter.calls))
-    if pipe is not None:
-        state = gather_full_state(pipe)
-    elif hasattr(strategy.inner if hasattr(strategy, "inner") else strategy, "full_state_dict"):
-        state = (strategy.inner if hasattr(strategy, "inner") else strategy).full_state_dict()
-    elif mesh.size("tp") > 1:
-        from loom.parallel.tensor_parallel import gather_full_state as gather_tp
-
-        state = gather_tp(model, mesh.group("tp"))
-    else:
-        from loom.parallel.expert_parallel import gather_experts
-
-        state = gather_experts(model)
+    state = run.strategy.full_state_dict()
     state = None if state is None else {k: v.cpu() for k, v in state.items()}
     return {"losses": losses, "state": state, "moved": moved, "calls": calls}
 

@@ -207,9 +207,10 @@ def test_ranks_disagreeing_on_the_step_are_refused(tmp_path):
 
 def _dp_model_and_strategy(seed: int = 7, group=None, steps: int = 2):
     from loom.model.llama import build_model, loss_fn
+    from loom.optim.groups import build_optimizer
     from loom.parallel.data_parallel import DataParallel
-    from loom.train.optim import build_optimizer, lr_at
-    from loom.train.step import train_step
+    from loom.train.schedule import lr_at
+    from loom.train.step import plain_run, train_step
     from tests.helpers import rank_micro_batches, tiny_train
 
     model = build_model(tiny_model(), seed)
@@ -217,8 +218,7 @@ def _dp_model_and_strategy(seed: int = 7, group=None, steps: int = 2):
     dp_rank = 0 if group is None else torch.distributed.get_rank(group)
     dp = 1 if group is None else torch.distributed.get_world_size(group)
     for step in range(steps):
-        train_step(model, strategy, rank_micro_batches(step, 8, 2, dp_rank, dp), loss_fn, 1.0,
-                   lr_at(step, tiny_train()), group)  # fmt: skip
+        train_step(plain_run(model, strategy, loss_fn), rank_micro_batches(step, 8, 2, dp_rank, dp), 1.0, lr_at(step, tiny_train()), group)  # fmt: skip
     return model, strategy
 
 
@@ -234,7 +234,6 @@ def _full_from(model, optimizer) -> dict[str, torch.Tensor]:
 
 
 def _dp_save(root: str, async_save: bool):
-    from loom.checkpoint import as_shardable
     from loom.checkpoint.save import new_group
 
     mesh = get_mesh(dp_replicate=2)
@@ -242,7 +241,7 @@ def _dp_save(root: str, async_save: bool):
     group = new_group(2, 60)
     ck = Checkpointer(root, torch.distributed.get_rank(), 2, group)
     expected = _full_from(model, strategy.optimizer)
-    state = as_shardable(strategy).sharded_state()
+    state = strategy.sharded_state()
     path = ck.save(2, state, {"rank": torch.distributed.get_rank()}, {}, blocking=not async_save)
     if async_save:  # training goes on while the shard is written: the checkpoint must not see it
         with torch.no_grad():
@@ -253,7 +252,7 @@ def _dp_save(root: str, async_save: bool):
         path = ck.wait()
     bad = None
     try:  # a save whose ranks disagree on the step is refused on every rank
-        ck.save(5 + torch.distributed.get_rank(), as_shardable(strategy).sharded_state(), {}, {})
+        ck.save(5 + torch.distributed.get_rank(), strategy.sharded_state(), {}, {})
     except CheckpointError as e:
         bad = str(e)
     return {k: v for k, v in expected.items()}, str(path), bad
@@ -261,7 +260,6 @@ def _dp_save(root: str, async_save: bool):
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_dp2_checkpoint_loads_into_one_process(pools, tmp_path, async_save):
-    from loom.checkpoint import as_shardable
 
     (expected, path, bad), (_, path1, bad1) = pools(2).run(_dp_save, str(tmp_path), async_save)
     assert path == path1 and Path(path).name == "step-00000002"
@@ -274,7 +272,7 @@ def test_dp2_checkpoint_loads_into_one_process(pools, tmp_path, async_save):
     assert abs(sizes[0] - sizes[1]) < 0.2 * max(sizes), "each replica writes about half"
     model, strategy = _dp_model_and_strategy(seed=99, steps=0)
     with CheckpointReader(tmp_path) as reader:
-        as_shardable(strategy).load_sharded(reader)
+        strategy.load_sharded(reader)
     got = _full_from(model, strategy.optimizer)
     assert sorted(got) == sorted(expected)
     for k, v in expected.items():
@@ -283,13 +281,12 @@ def test_dp2_checkpoint_loads_into_one_process(pools, tmp_path, async_save):
 
 def _tp_save_and_reload(root: str):
     """tp=2 (real tensor-parallel layers) saves; returns each rank's full expected state."""
-    from loom.checkpoint import as_shardable
     from loom.checkpoint.save import new_group
     from loom.config import LoomConfig
     from loom.model.llama import build_model
+    from loom.optim.groups import build_optimizer
     from loom.parallel.data_parallel import DataParallel
     from loom.parallel.tensor_parallel import apply_tensor_parallel
-    from loom.train.optim import build_optimizer
     from tests.helpers import tiny_train
 
     mesh = get_mesh(tp=2)
@@ -301,14 +298,14 @@ def _tp_save_and_reload(root: str):
     strategy = DataParallel(model, mesh.group("dp"), tp_group=mesh.group("tp"))
     strategy.attach_optimizer(build_optimizer(model, tiny_train()))
     ck = Checkpointer(root, torch.distributed.get_rank(), 2, new_group(2, 60))
-    ck.save(1, as_shardable(strategy).sharded_state(), {}, {})
+    ck.save(1, strategy.sharded_state(), {}, {})
     # and back into tp=2 from scratch
     fresh = build_model(cfg.model, 55)
     apply_tensor_parallel(fresh, mesh, cfg)
     s2 = DataParallel(fresh, mesh.group("dp"), tp_group=mesh.group("tp"))
     s2.attach_optimizer(build_optimizer(fresh, tiny_train()))
     with CheckpointReader(root, torch.distributed.get_rank(), 2, ck.group) as reader:
-        as_shardable(s2).load_sharded(reader)
+        s2.load_sharded(reader)
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     return reference, same
 
@@ -510,35 +507,33 @@ def _zero_cfg(stage: int):
 
 def _train(model, strategy, steps: range, dp_rank: int, dp: int, group) -> list[float]:
     from loom.model.llama import loss_fn
-    from loom.train.optim import lr_at
-    from loom.train.step import train_step
+    from loom.train.schedule import lr_at
+    from loom.train.step import plain_run, train_step
     from tests.helpers import rank_micro_batches, tiny_train
 
-    return [train_step(model, strategy, rank_micro_batches(s, 8, 2, dp_rank, dp), loss_fn, 1.0,
-                       lr_at(s, tiny_train()), group).loss for s in steps]  # fmt: skip
+    return [train_step(plain_run(model, strategy, loss_fn), rank_micro_batches(s, 8, 2, dp_rank, dp), 1.0, lr_at(s, tiny_train()), group).loss for s in steps]  # fmt: skip
 
 
 def _zero_save_and_reshard(root: str, save_stage: int, load_stage: int):
     """ZeRO-``save_stage`` over dp=2 trains 2 steps and saves; ZeRO-``load_stage`` loads and goes on."""
-    from loom.checkpoint import as_shardable
     from loom.checkpoint.save import new_group
     from loom.model.llama import build_model
-    from loom.parallel.zero import apply_zero
+    from loom.train.build import data_parallel
 
     mesh = get_mesh(dp_shard=2)
     rank, group = mesh.local_rank("dp"), mesh.group("dp")
     model = build_model(tiny_model(), 7)
-    zero = apply_zero(model, mesh, _zero_cfg(save_stage))
+    zero = data_parallel(model, mesh, _zero_cfg(save_stage))
     _train(model, zero, range(2), rank, 2, group)
     ck = Checkpointer(root, torch.distributed.get_rank(), 2, new_group(2, 60))
-    ck.save(2, as_shardable(zero).sharded_state(), {}, {})
+    ck.save(2, zero.sharded_state(), {}, {})
     full = zero.full_state_dict() if hasattr(zero, "full_state_dict") else dict(model.state_dict())
     full = {k: v.detach().clone() for k, v in full.items()}
     ref = _train(model, zero, range(2, 4), rank, 2, group)
     other = build_model(tiny_model(), 99)
-    zero2 = apply_zero(other, mesh, _zero_cfg(load_stage))
+    zero2 = data_parallel(other, mesh, _zero_cfg(load_stage))
     with CheckpointReader(root, torch.distributed.get_rank(), 2, ck.group) as reader:
-        as_shardable(zero2).load_sharded(reader)
+        zero2.load_sharded(reader)
     got = zero2.full_state_dict() if hasattr(zero2, "full_state_dict") else dict(other.state_dict())
     same = all(torch.equal(got[k], v) for k, v in full.items())
     return full, ref, _train(other, zero2, range(2, 4), rank, 2, group), same
@@ -546,7 +541,6 @@ def _zero_save_and_reshard(root: str, save_stage: int, load_stage: int):
 
 @pytest.mark.parametrize("save_stage,load_stage", [(3, 1), (2, 3)])
 def test_zero_checkpoint_reshards_across_stages_and_into_one_process(pools, tmp_path, save_stage, load_stage):
-    from loom.checkpoint import as_shardable
 
     pytest.importorskip("loom.parallel.zero")
     results = pools(2).run(_zero_save_and_reshard, str(tmp_path), save_stage, load_stage)
@@ -556,7 +550,7 @@ def test_zero_checkpoint_reshards_across_stages_and_into_one_process(pools, tmp_
     full, ref = results[0][0], results[0][1]
     model, strategy = _dp_model_and_strategy(seed=5, steps=0)  # one process, plain AdamW
     with CheckpointReader(tmp_path) as reader:
-        as_shardable(strategy).load_sharded(reader)
+        strategy.load_sharded(reader)
     for k, v in model.state_dict().items():
         assert torch.equal(v, full[k]), k
     assert all(float(st["step"]) == 2.0 for st in strategy.optimizer.state.values())
@@ -590,20 +584,16 @@ def test_loss_scale_and_rng_come_back_with_the_checkpoint(tmp_path):
         def __init__(self) -> None:
             self.scale, self.good_steps, self.tracker, self.skipped, self.static = 1024.0, 3, 2, 1, False
 
-    class LossScaled:  # a wrapper keeping the strategy in .inner, as LossScaledStrategy does
-        def __init__(self, inner) -> None:
-            self.inner, self.loss_scaler = inner, Scaler()
-
     _, strategy = _dp_model_and_strategy(steps=1)
-    wrapped = LossScaled(strategy)
+    scaler = Scaler()
     cfg = LoomConfig()
     cfg.run.dir = str(tmp_path)
     torch.manual_seed(123)
-    TrainCheckpoints(cfg, tmp_path, 0, 1, wrapped).save(1, blocking=True)
+    TrainCheckpoints(cfg, tmp_path, 0, 1, strategy, scaler).save(1, blocking=True)
     expected = torch.rand(3)
-    wrapped.loss_scaler.scale, wrapped.loss_scaler.skipped = 2.0, 9
-    assert TrainCheckpoints(cfg, tmp_path, 0, 1, wrapped).restore() == 1
-    assert vars(wrapped.loss_scaler) == vars(Scaler())
+    scaler.scale, scaler.skipped = 2.0, 9
+    assert TrainCheckpoints(cfg, tmp_path, 0, 1, strategy, scaler).restore() == 1
+    assert vars(scaler) == vars(Scaler())
     assert torch.equal(torch.rand(3), expected)
 
 

@@ -178,7 +178,7 @@ def _dp_strategy(seed: int, steps: int):
 
 def _dp_resume_measured(root: str):
     """dp=2 trains 2 steps and saves; a fresh dp=2 strategy resumes under a FileLog."""
-    from loom.checkpoint import Checkpointer, as_shardable
+    from loom.checkpoint import Checkpointer
     from loom.checkpoint.save import new_group
     from tests.test_checkpoint import _full_from
 
@@ -186,10 +186,10 @@ def _dp_resume_measured(root: str):
     model, strategy = _dp_strategy(7, 2)
     group = new_group(2, 60)
     ck = Checkpointer(root, rank, 2, group)
-    ck.save(2, as_shardable(strategy).sharded_state(), {"rank": rank}, {}, blocking=True)
+    ck.save(2, strategy.sharded_state(), {"rank": rank}, {}, blocking=True)
     expected = _full_from(model, strategy.optimizer)
     fresh, s2 = _dp_strategy(99, 0)
-    state = as_shardable(s2)
+    state = s2
     formula = sum(  # Σ_t |share(t, j, n)| bytes, over the parameters and their Adam state
         (p.numel if (p := share(st.region, st.global_shape, rank, 2)) else 0) * st.local.element_size()
         for st in state.sharded_state().values()
@@ -221,7 +221,6 @@ def test_dp2_resume_reads_half_the_state_per_rank(pools, tmp_path):
 
 def _dp_resume_corrupted(root: str, victim: str):
     """Load a checkpoint whose ``victim`` shard is corrupted; report the error and the model's state."""
-    from loom.checkpoint import as_shardable
     from loom.checkpoint.save import new_group
 
     rank = torch.distributed.get_rank()
@@ -231,7 +230,7 @@ def _dp_resume_corrupted(root: str, victim: str):
     error = None
     try:
         with log.watching(), CheckpointReader(root, rank, 2, new_group(2, 60)) as reader:
-            as_shardable(s2).load_sharded(reader)
+            s2.load_sharded(reader)
     except CheckpointError as e:
         error = str(e)
     untouched = all(torch.equal(a, p) for a, p in zip(before, fresh.parameters()))
@@ -261,24 +260,24 @@ def test_corrupted_shard_that_a_rank_never_reads_still_stops_it(pools, tmp_path)
 
 def _zero2_resume_measured(root: str):
     """ZeRO-2 over dp=2 trains 2 steps and saves; a fresh ZeRO-2 resumes under a FileLog."""
-    from loom.checkpoint import Checkpointer, as_shardable
+    from loom.checkpoint import Checkpointer
     from loom.checkpoint.save import new_group
     from loom.model.llama import build_model
-    from loom.parallel.zero import apply_zero
+    from loom.train.build import data_parallel
     from tests.helpers import tiny_model
     from tests.test_checkpoint import _train, _zero_cfg
 
     mesh = get_mesh(dp_shard=2)
     rank, group = mesh.local_rank("dp"), mesh.group("dp")
     model = build_model(tiny_model(), 7)
-    zero = apply_zero(model, mesh, _zero_cfg(2))
+    zero = data_parallel(model, mesh, _zero_cfg(2))
     _train(model, zero, range(2), rank, 2, group)
     ck = Checkpointer(root, torch.distributed.get_rank(), 2, new_group(2, 60))
-    ck.save(2, as_shardable(zero).sharded_state(), {}, {})
+    ck.save(2, zero.sharded_state(), {}, {})
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     other = build_model(tiny_model(), 99)
-    zero2 = apply_zero(other, mesh, _zero_cfg(2))
-    state = as_shardable(zero2)
+    zero2 = data_parallel(other, mesh, _zero_cfg(2))
+    state = zero2
     formula = sum(st.local.numel() * st.local.element_size() for st in state.sharded_state().values())
     total = 3 * 4 * sum(p.numel() for p in other.parameters())  # fp32 master + exp_avg + exp_avg_sq
     log = FileLog(Path(root))

@@ -91,7 +91,8 @@ def _ddp_vs_loom(world: int, steps: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from loom.model.llama import build_model, loss_fn
-    from loom.train.optim import build_optimizer, lr_at, set_lr
+    from loom.optim.groups import build_optimizer, set_lr
+    from loom.train.schedule import lr_at
 
     mesh = get_mesh(dp_replicate=world)
     tcfg = tiny_train(steps=steps, grad_clip=0.0)

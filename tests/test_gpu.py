@@ -108,8 +108,8 @@ def _overlap(layout: dict) -> dict:
 
     from loom.comm import CommMeter
     from loom.model.llama import build_model, loss_fn
-    from loom.parallel import parallelize
-    from loom.train.step import train_step
+    from loom.train.build import parallelize
+    from loom.train.step import plain_run, train_step
 
     dims = {k: v for k, v in layout.items() if k in ("dp_replicate", "dp_shard")}
     mesh = get_mesh(**dims)
@@ -120,15 +120,15 @@ def _overlap(layout: dict) -> dict:
     cfg.parallel.bucket_mb = 8.0
     device = rank_device()
     model = build_model(cfg.model, 0, device)
-    strategy = parallelize(model, mesh, cfg, CommMeter())
+    _, strategy, _ = parallelize(model, mesh, cfg, CommMeter())
     g = torch.Generator().manual_seed(mesh.local_rank("dp"))
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 2, 513), generator=g).to(device)
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
     for _ in range(2):
-        train_step(model, strategy, batches, loss_fn, 1.0, 1e-4, mesh.group("dp"))
+        train_step(plain_run(model, strategy, loss_fn), batches, 1.0, 1e-4, mesh.group("dp"))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        train_step(model, strategy, batches, loss_fn, 1.0, 1e-4, mesh.group("dp"))
+        train_step(plain_run(model, strategy, loss_fn), batches, 1.0, 1e-4, mesh.group("dp"))
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     comm = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
@@ -205,21 +205,21 @@ def test_peak_memory_matches_the_planner():
     planner's bytes (model states, activations, logits; its runtime constant left out)."""
     from loom.comm import CommMeter
     from loom.model.llama import build_model, loss_fn
-    from loom.parallel import parallelize
     from loom.plan.auto import _cost_model, layout_of
-    from loom.train.step import train_step
+    from loom.train.build import parallelize
+    from loom.train.step import plain_run, train_step
 
     cfg = C.LoomConfig(model=_medium(), train=C.TrainConfig(steps=10, global_batch=4, micro_batch=4))
     cfg.data.seq_len, cfg.run.device = 512, "cuda"
     mesh = get_mesh()
     model = build_model(cfg.model, 0, "cuda")
-    strategy = parallelize(model, mesh, cfg, CommMeter())
+    _, strategy, _ = parallelize(model, mesh, cfg, CommMeter())
     tokens = torch.randint(0, cfg.model.vocab_size, (4, 513), device="cuda")
     batches = [(tokens[:, :-1], tokens[:, 1:])]
-    train_step(model, strategy, batches, loss_fn, 1.0, 1e-4, None)  # optimizer state allocated
+    train_step(plain_run(model, strategy, loss_fn), batches, 1.0, 1e-4, None)  # optimizer state allocated
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    train_step(model, strategy, batches, loss_fn, 1.0, 1e-4, None)
+    train_step(plain_run(model, strategy, loss_fn), batches, 1.0, 1e-4, None)
     measured = torch.cuda.max_memory_allocated()
     cm = _cost_model(cfg, 1, None)
     total, parts, _ = cm.memory(layout_of(cfg))
@@ -231,10 +231,13 @@ def test_peak_memory_matches_the_planner():
 
 def _gpu_pipeline_timeline(model_kw: dict | None = None) -> str:
     from loom.model.llama import build_model, loss_fn
+    from loom.optim.groups import build_optimizer
     from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.pipeline.report import timeline_report
     from loom.parallel.pipeline.stage import split_model
-    from loom.parallel.pipeline.strategy import PipelineStrategy, pipeline_train_step, timeline_report
-    from loom.train.optim import build_optimizer
+    from loom.parallel.pipeline.strategy import PipelineStrategy
+    from loom.train.build import pipeline_run
+    from loom.train.step import train_step
 
     mesh, device, m = get_mesh(pp=2), rank_device(), 8
     mcfg = _medium(tie_embeddings=False, **(model_kw or {}))
@@ -248,7 +251,7 @@ def _gpu_pipeline_timeline(model_kw: dict | None = None) -> str:
     batches = [tuple(torch.randint(0, mcfg.vocab_size, (2, seq), generator=g).to(device) for _ in range(2))
                for _ in range(m)]  # fmt: skip
     for _ in range(3):
-        pipeline_train_step(pipe, strategy, batches, loss_fn, 1.0, 1e-4, None)
+        train_step(pipeline_run(pipe, strategy, loss_fn), batches, 1.0, 1e-4, None)
     return timeline_report(strategy.timeline, "1f1b", m) if mesh.local_rank("pp") == 0 else ""
 
 

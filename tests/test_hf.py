@@ -393,7 +393,7 @@ def _layout_outputs(path: str, x: torch.Tensor, layout: str):
     (the mean loss through the pipeline, returned by every rank)."""
     from loom.model.hf import load_into, open_dir
     from loom.model.llama import Transformer, loss_fn
-    from loom.parallel import parallelize
+    from loom.train.build import build_run
     from tests.dist import get_mesh
 
     hf = open_dir(path, x.shape[1] - 1)
@@ -405,14 +405,11 @@ def _layout_outputs(path: str, x: torch.Tensor, layout: str):
     cfg.data.seq_len, cfg.train.global_batch, cfg.train.micro_batch = x.shape[1] - 1, 2, 1
     cfg.parallel.dp, cfg.parallel.dp_shard = mesh.size("dp"), mesh.size("dp_shard")
     cfg.parallel.zero, cfg.parallel.cp, cfg.parallel.pp = (3 if layout == "zero3" else 0), mesh.size("cp"), mesh.size("pp")
-    strategy = parallelize(model, mesh, cfg)
+    run = build_run(cfg, mesh, model)
     tokens, targets = x[:, :-1], x[:, 1:]
     with torch.no_grad():
         if layout == "pp2":
-            from loom.parallel.pipeline.strategy import pipeline_evaluate
-
-            return pipeline_evaluate(strategy.pipe, [(tokens[i:i + 1], targets[i:i + 1]) for i in range(2)], loss_fn,
-                                     None)  # fmt: skip
+            return run.evaluate([(tokens[i:i + 1], targets[i:i + 1]) for i in range(2)], loss_fn, None)
         if layout == "cp2":
             from loom.parallel.context_parallel import local_positions
 
@@ -443,13 +440,13 @@ def test_import_under_zero3_cp2_pp2_matches_transformers(pools, tmp_path, family
 def _state_bytes_tp2(model_kw: dict) -> int:
     from loom.comm import CommMeter
     from loom.model.llama import build_model
-    from loom.parallel import parallelize
+    from loom.train.build import parallelize
     from tests.dist import get_mesh
     from tests.helpers import tiny_model
 
     cfg = C.LoomConfig(model=tiny_model(**model_kw))
     cfg.parallel.tp, cfg.parallel.dp = 2, 1
-    strategy = parallelize(build_model(cfg.model, 0), get_mesh(tp=2), cfg, CommMeter())
+    _, strategy, _ = parallelize(build_model(cfg.model, 0), get_mesh(tp=2), cfg, CommMeter())
     b = strategy.state_bytes()
     return b["param_bytes"]
 

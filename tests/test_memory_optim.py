@@ -79,7 +79,8 @@ def test_per_kind_compression_only_touches_that_kind():
 
 def _train_compressed(fmt: str, steps: int) -> list[float]:
     from loom.model.llama import build_model, loss_fn
-    from loom.train.optim import build_optimizer, lr_at
+    from loom.optim.groups import build_optimizer
+    from loom.train.schedule import lr_at
 
     tcfg = tiny_train(steps=steps)
     model = build_model(tiny_model(), tcfg.seed)
@@ -119,7 +120,8 @@ def test_adafactor_equals_torch_single_process():
     """Loom's flat-shard Adafactor (through ``parallelize``, ``train.optimizer = adafactor``) takes bitwise
     the steps of ``torch.optim.Adafactor`` with the same parameter groups and learning rates."""
     from loom.model.llama import build_model, loss_fn
-    from loom.train.optim import lr_at, param_groups
+    from loom.optim.groups import param_groups
+    from loom.train.schedule import lr_at
 
     steps, kw = 10, {"optimizer": "adafactor", "lr": 1e-2, "grad_clip": 0.0}
     mine = run_layout({}, kw, {}, steps)
@@ -217,7 +219,7 @@ def test_adafactor_state_bytes_under_zero_match_layout_formula(pools):
 def adafactor_bytes() -> dict:
     """optim_bytes of a freshly built sharded Adafactor vs the factored formula of its layouts."""
     from loom.model.llama import build_model
-    from loom.parallel import parallelize
+    from loom.train.build import parallelize
     from tests.dist import get_mesh
 
     out = {}
@@ -232,7 +234,7 @@ def adafactor_bytes() -> dict:
             setattr(cfg.parallel, k, v)
         cfg.parallel.dp, cfg.parallel.dp_shard = mesh.size("dp"), mesh.size("dp_shard")
         validate(cfg, 4)
-        strategy = parallelize(build_model(cfg.model, 0), mesh, cfg)
+        _, strategy, _ = parallelize(build_model(cfg.model, 0), mesh, cfg)
         masters = sum(4 * s.numel() for s in strategy.optim.params if s.dtype != torch.float32)
         out[name] = (strategy.state_bytes()["optim_bytes"], factored_state_bytes(strategy.layouts) + masters)
         strategy.remove()
@@ -242,19 +244,18 @@ def adafactor_bytes() -> dict:
 def _resumable(optimizer: str):
     from loom.mesh import ParallelDims, ParallelMesh
     from loom.model.llama import build_model, loss_fn
-    from loom.parallel import parallelize
-    from loom.train.optim import lr_at
-    from loom.train.step import train_step
+    from loom.train.build import parallelize
+    from loom.train.schedule import lr_at
+    from loom.train.step import plain_run, train_step
 
     cfg = LoomConfig(model=tiny_model(), train=tiny_train(steps=8, optimizer=optimizer, lr=1e-2))
     cfg.data.seq_len, cfg.train.global_batch, cfg.train.micro_batch = SEQ, 8, 4
     validate(cfg, 1)
     model = build_model(cfg.model, cfg.train.seed)
-    strategy = parallelize(model, ParallelMesh(ParallelDims(), "cpu"), cfg)
+    _, strategy, _ = parallelize(model, ParallelMesh(ParallelDims(), "cpu"), cfg)
 
     def steps(lo: int, hi: int) -> list[float]:
-        return [train_step(model, strategy, rank_micro_batches(s % 2, 8, 4, 0, 1), loss_fn, cfg.train.grad_clip,
-                           lr_at(s, cfg.train), None).loss for s in range(lo, hi)]  # fmt: skip
+        return [train_step(plain_run(model, strategy, loss_fn), rank_micro_batches(s % 2, 8, 4, 0, 1), cfg.train.grad_clip, lr_at(s, cfg.train), None).loss for s in range(lo, hi)]  # fmt: skip
 
     return strategy, steps
 
@@ -264,17 +265,16 @@ def test_optimizer_state_checkpoint_round_trip(tmp_path, optimizer, exact):
     """Saved element-shaped (Adafactor: V̂ as exp_avg_sq, the factors rebuilt from its row/column sums;
     8-bit Adam: dequantized m, v), a resumed run continues as the uninterrupted one."""
     from loom.checkpoint.load import CheckpointReader
-    from loom.checkpoint.replicated import as_shardable
     from loom.checkpoint.save import Checkpointer
 
     a, run_a = _resumable(optimizer)
     run_a(0, 4)
-    saved = Checkpointer(tmp_path).save(4, as_shardable(a).sharded_state(), {}, {}, blocking=True)
+    saved = Checkpointer(tmp_path).save(4, a.sharded_state(), {}, {}, blocking=True)
     want = run_a(4, 8)
     b, run_b = _resumable(optimizer)
     with CheckpointReader(saved) as reader:
         assert "optim.layers.0.attention.wq.weight.exp_avg_sq" in reader.names()
-        as_shardable(b).load_sharded(reader)
+        b.load_sharded(reader)
     got = run_b(4, 8)
     if exact:
         assert got == want

@@ -25,10 +25,10 @@ def _uniform(n_layers: int, n: int) -> list[int]:
 def _strategy(mesh, mcfg, tcfg, name: str, v: int = 1, vertical_sync: bool = False, timeout_s: float | None = None,
               group=None):  # fmt: skip
     from loom.model.llama import build_model
+    from loom.optim.groups import build_optimizer
     from loom.parallel.data_parallel import DataParallel
     from loom.parallel.pipeline.stage import split_model
     from loom.parallel.pipeline.strategy import PipelineStrategy
-    from loom.train.optim import build_optimizer
 
     pp = mesh.size("pp")
     model = build_model(mcfg, tcfg.seed)
@@ -47,17 +47,17 @@ def _strategy(mesh, mcfg, tcfg, name: str, v: int = 1, vertical_sync: bool = Fal
 def _train(mesh, mcfg, tcfg, name: str, v: int, batches) -> dict:
     from loom.model.llama import loss_fn
     from loom.parallel.pipeline.stage import gather_full_state
-    from loom.parallel.pipeline.strategy import pipeline_train_step
-    from loom.train.optim import lr_at
+    from loom.train.build import pipeline_run
+    from loom.train.schedule import lr_at
+    from loom.train.step import train_step
 
     pipe, strategy = _strategy(mesh, mcfg, tcfg, name, v)
     losses, per_mb = [], []
     for step in range(tcfg.steps):
-        res = pipeline_train_step(pipe, strategy, batches(step), loss_fn, tcfg.grad_clip, lr_at(step, tcfg),
-                                  mesh.group("dp"))  # fmt: skip
+        res = train_step(pipeline_run(pipe, strategy, loss_fn), batches(step), tcfg.grad_clip, lr_at(step, tcfg), mesh.group("dp"))  # fmt: skip
         losses.append(res.loss)
         per_mb.append({k: float(t) for k, t in strategy.last_stats.losses.items()})
-    strategy.inner.remove()
+    strategy.remove()
     return {"losses": losses, "per_mb": per_mb, "state": gather_full_state(pipe), "timeline": strategy.timeline,
             "peak_versions": strategy.last_stats.peak_versions, "versions": strategy.last_stats.version_log}  # fmt: skip
 
@@ -107,9 +107,9 @@ def _assert_equal_to_reference(result: dict, reference: dict, what: str) -> None
 def test_sync_schedules_equal_single_process(pools, reference, pp, tmp_path):
     """GPipe, 1F1B, interleaved (v=2), ZB-H1: 20 steps, tied embeddings, grad clipping; and the
     measured timeline of the last step (every action, in list order, bubble beside the formula)."""
+    from loom.parallel.pipeline.report import timeline_report
     from loom.parallel.pipeline.runtime import bubble_formula, step_schedule
     from loom.parallel.pipeline.simulate import peak_in_flight
-    from loom.parallel.pipeline.strategy import timeline_report
 
     results = pools(pp).run(_sync_runs, pp, 1, SYNC, 20)
     m = BATCH // MICRO
@@ -142,11 +142,14 @@ def _three_d(steps: int) -> dict:
     """pp2 x tp2 x dp2: tensor parallel blocks inside interleaved pipeline stages, replicated over dp."""
     from loom.config import LoomConfig
     from loom.model.llama import build_model
+    from loom.optim.groups import build_optimizer
     from loom.parallel.data_parallel import DataParallel
     from loom.parallel.pipeline.stage import gather_full_state, split_model
-    from loom.parallel.pipeline.strategy import PipelineStrategy, pipeline_train_step
+    from loom.parallel.pipeline.strategy import PipelineStrategy
     from loom.parallel.tensor_parallel import apply_tensor_parallel
-    from loom.train.optim import build_optimizer, lr_at
+    from loom.train.build import pipeline_run
+    from loom.train.schedule import lr_at
+    from loom.train.step import train_step
 
     mesh = get_mesh(pp=2, dp_replicate=2, tp=2)
     mcfg, tcfg = tiny_model(n_layers=4), tiny_train(steps=steps)
@@ -162,8 +165,7 @@ def _three_d(steps: int) -> dict:
     losses = []
     for step in range(steps):
         batches = rank_micro_batches(step, BATCH, MICRO, mesh.local_rank("dp"), 2)
-        losses.append(pipeline_train_step(pipe, strategy, batches, loss, tcfg.grad_clip, lr_at(step, tcfg),
-                                          mesh.group("dp")).loss)  # fmt: skip
+        losses.append(train_step(pipeline_run(pipe, strategy, loss), batches, tcfg.grad_clip, lr_at(step, tcfg), mesh.group("dp")).loss)  # fmt: skip
     inner.remove()
     return {"losses": losses, "state": gather_full_state(pipe)}
 
@@ -196,9 +198,10 @@ def _pp_zero_runs(steps: int) -> dict:
     from loom.memory.recompute import apply_recompute
     from loom.model.llama import build_model, loss_fn
     from loom.parallel.pipeline.stage import gather_full_state, split_model
-    from loom.parallel.pipeline.strategy import PipelineStrategy, pipeline_train_step
-    from loom.parallel.zero import apply_zero
-    from loom.train.optim import lr_at
+    from loom.parallel.pipeline.strategy import PipelineStrategy
+    from loom.train.build import data_parallel, pipeline_run
+    from loom.train.schedule import lr_at
+    from loom.train.step import train_step
 
     mesh = get_mesh(pp=2, dp_shard=2)
     out = {}
@@ -212,14 +215,13 @@ def _pp_zero_runs(steps: int) -> dict:
             if zero == 3:
                 apply_recompute(pipe, "full")
             meter = CommMeter()
-            inner = apply_zero(pipe, mesh, cfg, meter)
+            inner = data_parallel(pipe, mesh, cfg, meter)
             strategy = PipelineStrategy(inner, pipe, name, v)
             losses, calls = [], []
             for step in range(steps):
                 meter.reset()
                 batches = rank_micro_batches(step, BATCH, MICRO, mesh.local_rank("dp"), 2)
-                losses.append(pipeline_train_step(pipe, strategy, batches, loss_fn, tcfg.grad_clip,
-                                                  lr_at(step, tcfg), mesh.group("dp")).loss)  # fmt: skip
+                losses.append(train_step(pipeline_run(pipe, strategy, loss_fn), batches, tcfg.grad_clip, lr_at(step, tcfg), mesh.group("dp")).loss)  # fmt: skip
                 calls.append(dict(meter.calls))
             with inner.gathered() if zero == 3 else contextlib.nullcontext():
                 state = gather_full_state(pipe)
@@ -286,8 +288,9 @@ def _loom_vs_torch(steps: int) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from loom.model.llama import build_model, loss_fn
+    from loom.optim.groups import build_optimizer, set_lr
     from loom.parallel.pipeline.stage import split_model
-    from loom.train.optim import build_optimizer, lr_at, set_lr
+    from loom.train.schedule import lr_at
 
     mesh = get_mesh(pp=2)
     mcfg, tcfg = tiny_model(n_layers=4, tie_embeddings=False), tiny_train(steps=steps, grad_clip=0.0)
@@ -353,7 +356,8 @@ def _async_runs() -> dict:
     """One step of each asynchronous list over ASYNC_M micro-batches (traced), and a long PipeDream run."""
     from loom.model.llama import loss_fn
     from loom.parallel.pipeline.stage import gather_full_state
-    from loom.parallel.pipeline.strategy import pipeline_train_step
+    from loom.train.build import pipeline_run
+    from loom.train.step import train_step
 
     mesh = get_mesh(pp=4)
     mcfg = tiny_model(n_layers=4, tie_embeddings=False)
@@ -362,16 +366,16 @@ def _async_runs() -> dict:
         tcfg = tiny_train(steps=1, lr=1e-2)
         pipe, strategy = _strategy(mesh, mcfg, tcfg, name, vertical_sync=vsync)
         strategy.runtime.trace_versions = True
-        pipeline_train_step(pipe, strategy, [_chain_batch(i) for i in range(ASYNC_M)], loss_fn, 1.0, 1e-2, None)
+        train_step(pipeline_run(pipe, strategy, loss_fn), [_chain_batch(i) for i in range(ASYNC_M)], 1.0, 1e-2, None)
         stats = strategy.last_stats
         out[(name, vsync)] = {"losses": {k: float(v) for k, v in stats.losses.items()}, "log": stats.version_log,
                               "peak": stats.peak_versions, "state": gather_full_state(pipe)}  # fmt: skip
-        strategy.inner.remove()
+        strategy.remove()
     tcfg = tiny_train(steps=1)
     pipe, strategy = _strategy(mesh, mcfg, tcfg, "pipedream")
-    pipeline_train_step(pipe, strategy, [_chain_batch(i) for i in range(CONVERGE_M)], loss_fn, 1.0, 3e-3, None)
+    train_step(pipeline_run(pipe, strategy, loss_fn), [_chain_batch(i) for i in range(CONVERGE_M)], 1.0, 3e-3, None)
     out["converge"] = [float(strategy.last_stats.losses[i]) for i in sorted(strategy.last_stats.losses)]
-    strategy.inner.remove()
+    strategy.remove()
     return out
 
 
@@ -380,11 +384,11 @@ def _async_reference(name: str, vsync: bool, p: int, m: int, stash: bool = True)
     weights of version v(r, j) (or, without stashing, the backward with the newest ones); rank r
     steps when its list says so, applying the gradients accumulated since its last step."""
     from loom.model.llama import build_model, loss_fn
+    from loom.optim.groups import build_optimizer, set_lr
+    from loom.parallel.base import grad_norm_sq
     from loom.parallel.pipeline.runtime import loss_scale, step_schedule
     from loom.parallel.pipeline.schedules import Kind, weight_versions
     from loom.parallel.pipeline.stage import split_model
-    from loom.train.optim import build_optimizer, set_lr
-    from loom.train.step import clip_grad_norm
 
     mcfg = tiny_model(n_layers=4, tie_embeddings=False)
     model = build_model(mcfg, 7)
@@ -422,7 +426,8 @@ def _async_reference(name: str, vsync: bool, p: int, m: int, stash: bool = True)
                     t.data.copy_(w)
                     t.grad = a.clone()
                     a.zero_()
-                clip_grad_norm(params[r], 1.0)
+                norm = grad_norm_sq(params[r]).sqrt()  # the stage's own norm, clipped to 1
+                torch._foreach_mul_([t.grad for t in params[r]], torch.clamp(1.0 / (norm + 1e-6), max=1.0))
                 opts[r].step()
                 history[r].append([t.detach().clone() for t in params[r]])
     final = {}
@@ -437,9 +442,9 @@ def test_pipedream_weight_stashing_and_convergence(pools):
     their semantics; a backward sees exactly its forward's weights while newer versions exist;
     versions kept = the schedule's stated count; PipeDream converges close to synchronous SGD."""
     from loom.model.llama import build_model, loss_fn
+    from loom.optim.groups import build_optimizer, set_lr
     from loom.parallel.pipeline.runtime import step_schedule
     from loom.parallel.pipeline.schedules import stashed_versions
-    from loom.train.optim import build_optimizer, set_lr
 
     results = pools(4).run(_async_runs)
     for name, vsync in ASYNC_CASES:
@@ -490,7 +495,8 @@ def _dead_peer(timeout_s: float) -> str:
     import torch.distributed as dist
 
     from loom.model.llama import loss_fn
-    from loom.parallel.pipeline.strategy import pipeline_train_step
+    from loom.train.build import pipeline_run
+    from loom.train.step import train_step
 
     mesh = get_mesh(pp=2)
     group = dist.new_group([0, 1])  # its own group: the dead run's unmatched messages stay out of other tests
@@ -506,11 +512,11 @@ def _dead_peer(timeout_s: float) -> str:
 
     t0 = time.perf_counter()
     try:
-        pipeline_train_step(pipe, strategy, Crashing(batches), loss_fn, 1.0, 1e-3, None)
+        train_step(pipeline_run(pipe, strategy, loss_fn), Crashing(batches), 1.0, 1e-3, None)
     except Exception as e:  # noqa: BLE001 - reported to the test
         return f"{type(e).__name__} after {time.perf_counter() - t0:.1f}s: {e}"
     finally:
-        strategy.inner.remove()
+        strategy.remove()
     return "no error"
 
 
@@ -527,9 +533,9 @@ def test_dead_rank_surfaces_as_error_naming_it(pools):
 
 
 def test_timeline_report_of_a_simulated_run_matches_the_formula():
+    from loom.parallel.pipeline.report import timeline_report
     from loom.parallel.pipeline.runtime import step_schedule
     from loom.parallel.pipeline.simulate import simulate
-    from loom.parallel.pipeline.strategy import timeline_report
 
     for name, v in [*SYNC, ("pipedream", 1)]:
         text = timeline_report(simulate(step_schedule(name, 4, 8, v), 1, 2), name, 8, v)
@@ -572,10 +578,12 @@ TIMED_M, TIMED_T = 8, 0.02  # long enough that p2p latency and wake-up delays st
 def _timed_bubbles() -> dict:
     """The real runtime on blocks of known duration (sleeps: no contention for the 2 cores), pp2."""
     from loom.model.llama import build_model, loss_fn
+    from loom.optim.groups import build_optimizer
     from loom.parallel.data_parallel import DataParallel
     from loom.parallel.pipeline.stage import split_model
-    from loom.parallel.pipeline.strategy import PipelineStrategy, pipeline_train_step
-    from loom.train.optim import build_optimizer
+    from loom.parallel.pipeline.strategy import PipelineStrategy
+    from loom.train.build import pipeline_run
+    from loom.train.step import train_step
 
     mesh = get_mesh(pp=2)
     mcfg = tiny_model(dim=8, n_layers=4, n_heads=2, n_kv_heads=2, tie_embeddings=False)
@@ -590,7 +598,7 @@ def _timed_bubbles() -> dict:
         strategy = PipelineStrategy(DataParallel(pipe, None).attach_optimizer(build_optimizer(pipe, tiny_train())),
                                     pipe, name, v, record_step=1)  # fmt: skip
         for _ in range(2):  # the first step warms up; the second is recorded
-            pipeline_train_step(pipe, strategy, batches, loss_fn, 1.0, 1e-4, None)
+            train_step(pipeline_run(pipe, strategy, loss_fn), batches, 1.0, 1e-4, None)
         out[name] = strategy.timeline
     return out
 
@@ -603,10 +611,10 @@ def test_measured_bubble_equals_the_formula_on_timed_stages(pools):
     points of the formula plus however far the measured stage times drifted from equal (sleeps
     overshoot; the embedding and head lengthen the end stages; a loaded machine wakes ranks
     late). The runtime's own time between actions is reported apart and stays small."""
+    from loom.parallel.pipeline.report import timeline_report
     from loom.parallel.pipeline.runtime import bubble_formula
     from loom.parallel.pipeline.schedules import Kind
     from loom.parallel.pipeline.simulate import Timeline
-    from loom.parallel.pipeline.strategy import timeline_report
 
     def misses(timelines) -> list[str]:
         out = []

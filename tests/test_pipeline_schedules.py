@@ -7,6 +7,7 @@ from collections import defaultdict
 
 import pytest
 
+from loom.parallel.pipeline.picture import draw_timeline
 from loom.parallel.pipeline.schedules import (
     COMPUTE,
     SCHEDULES,
@@ -19,7 +20,6 @@ from loom.parallel.pipeline.schedules import (
     weight_versions,
 )
 from loom.parallel.pipeline.simulate import Event, ScheduleError, Timeline, check, peak_in_flight, simulate
-from loom.viz.timeline import draw_timeline
 
 CASES = [
     (name, p, m, v)

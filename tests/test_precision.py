@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from loom.config import ConfigError, LoomConfig, validate
-from loom.memory.loss_scale import DynamicLossScaler, local_grads, scaler_stats, training_loss_fn
+from loom.memory.loss_scale import DynamicLossScaler
 from loom.memory.precision import state_bytes_formula
-from loom.train.health import FiniteGuard
 from tests.dist import get_mesh
 from tests.helpers import SEQ, one_thread, rank_micro_batches, tiny_model, tiny_train  # noqa: F401 (fixture)
 
@@ -31,51 +30,45 @@ def make_cfg(world: int = 1, **train_kw) -> LoomConfig:
 
 
 def train_loop(cfg: LoomConfig, mesh, steps: int, hook=None, model_hook=None) -> dict:
-    """Train through ``parallelize`` on a two-batch memorisation task (so the loss falls);
+    """Train through ``build_run`` on a two-batch memorisation task (so the loss falls);
     ``hook(step, strategy)`` runs after each step's gradient reduction (test-only injection)."""
-    from loom.model.llama import build_model, loss_fn
-    from loom.parallel import parallelize
-    from loom.train.optim import lr_at
-    from loom.train.step import train_step
+    from loom.model.llama import build_model
+    from loom.train.build import build_run
+    from loom.train.schedule import lr_at
+    from loom.train.step import scaler_stats, train_step
 
     world = mesh.dims.world_size if mesh is not None else 1
     validate(cfg, world)
     model = build_model(cfg.model, cfg.train.seed)
     if model_hook is not None:
         model_hook(model)
-    strategy = FiniteGuard(parallelize(model, mesh, cfg))
-    lossf = training_loss_fn(strategy, getattr(model, "loss_fn", loss_fn))
+    run = build_run(cfg, mesh, model)
+    strategy = run.strategy
     dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
     state = {"step": -1}
     if hook is not None:
-        base = _innermost(strategy)
-        orig = base.finish_sync
+        orig = strategy.finish_sync
 
         def finish_sync():
             orig()
-            hook(state["step"], base)
+            hook(state["step"], strategy)
 
-        base.finish_sync = finish_sync
+        strategy.finish_sync = finish_sync
     losses, norms, scales, snaps = [], [], [], []
     for step in range(steps):
         state["step"] = step
         micro = rank_micro_batches(step % 2, BATCH, cfg.train.micro_batch, dp_rank, dp)
         before = [p.detach().clone() for p in model.parameters()]
-        res = train_step(model, strategy, micro, lossf, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp"))
+        res = train_step(run, micro, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp"))
         losses.append(res.loss)
         norms.append(res.grad_norm)
-        scales.append(scaler_stats(strategy).get("loss_scale", 1.0))
+        scales.append(scaler_stats(run.scaler).get("loss_scale", 1.0))
         snaps.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return {"losses": losses, "norms": norms, "scales": scales, "unchanged": snaps, "finite": finite,
-            "stats": scaler_stats(strategy), "bytes": strategy.state_bytes(), "strategy": strategy,
+            "stats": scaler_stats(run.scaler), "bytes": strategy.state_bytes(), "strategy": strategy,
+            "scaler": run.scaler,
             "dtype": next(model.parameters()).dtype}  # fmt: skip
-
-
-def _innermost(strategy):
-    while "inner" in strategy.__dict__:
-        strategy = strategy.__dict__["inner"]
-    return strategy
 
 
 def single_mesh():
@@ -129,16 +122,18 @@ def test_loss_scaler_state_is_checkpointed(tmp_path):
     """fp16: the scale, clean-step count, hysteresis tracker and skip count survive save/load (bitwise
     weights and masters through the ZeRO adapter underneath)."""
     from loom.checkpoint.load import CheckpointReader
-    from loom.checkpoint.replicated import as_shardable
     from loom.checkpoint.save import Checkpointer
 
     cfg = make_cfg(steps=3, precision="fp16", loss_scale_init=2.0**40)
-    a = train_loop(cfg, single_mesh(), 3)["strategy"].inner  # FiniteGuard -> LossScaledStrategy
-    saved = Checkpointer(tmp_path).save(3, as_shardable(a).sharded_state(), {}, {}, blocking=True)
-    b = train_loop(make_cfg(steps=1, precision="fp16"), single_mesh(), 0)["strategy"].inner
+    from loom.checkpoint.protocol import CombinedState
+
+    ra = train_loop(cfg, single_mesh(), 3)
+    a, sa = ra["strategy"], ra["scaler"]
+    saved = Checkpointer(tmp_path).save(3, CombinedState(a, sa).sharded_state(), {}, {}, blocking=True)
+    rb = train_loop(make_cfg(steps=1, precision="fp16"), single_mesh(), 0)
+    b, sb = rb["strategy"], rb["scaler"]
     with CheckpointReader(saved) as reader:
-        as_shardable(b).load_sharded(reader)
-    sa, sb = a.loss_scaler, b.loss_scaler
+        CombinedState(b, sb).load_sharded(reader)
     assert (sb.scale, sb.good_steps, sb.tracker, sb.skipped) == (sa.scale, sa.good_steps, sa.tracker, sa.skipped)
     assert sa.skipped == 3 and sa.scale == 2.0**38  # hysteresis 2: the first overflow only spends the tracker
     assert all(torch.equal(x, y) for x, y in zip(a.optim.masters, b.optim.masters))
@@ -198,7 +193,7 @@ def _poison(step: int, strategy) -> None:
     import torch.distributed as dist
 
     if step == BAD_STEP and dist.get_rank() == BAD_RANK:
-        local_grads(strategy)[0].mul_(math.inf)
+        strategy.grads()[0].mul_(math.inf)
 
 
 def overflow_run(steps: int) -> dict:
@@ -206,7 +201,7 @@ def overflow_run(steps: int) -> dict:
     cfg = make_cfg(steps=steps, precision="fp16", loss_scale_hysteresis=1, loss_scale_init=2.0**12)
     cfg.parallel = replace(cfg.parallel, tp=2, dp=2)
     out = train_loop(cfg, mesh, steps, hook=_poison)
-    del out["strategy"]
+    del out["strategy"], out["scaler"]
     return out
 
 

@@ -23,12 +23,11 @@ BATCH, MICRO = 8, 4
 
 
 def run_layout(par: dict, train_kw: dict, model_kw: dict, steps: int, mesh_dims: dict | None = None) -> dict:
-    """Train through ``parallelize`` with ``cfg.parallel`` fields ``par`` on this rank's mesh; per-step
+    """Train through ``build_run`` with ``cfg.parallel`` fields ``par`` on this rank's mesh; per-step
     losses and grad norms, and this rank's parameters (ZeRO-3: gathered) and gradients of the last step."""
-    from loom.memory.loss_scale import training_loss_fn
-    from loom.model.llama import build_model, loss_fn
-    from loom.parallel import parallelize
-    from loom.train.optim import lr_at
+    from loom.model.llama import build_model
+    from loom.train.build import build_run
+    from loom.train.schedule import lr_at
     from loom.train.step import train_step
 
     dims = mesh_dims or {}
@@ -44,28 +43,21 @@ def run_layout(par: dict, train_kw: dict, model_kw: dict, steps: int, mesh_dims:
     validate(cfg, world)
     torch.manual_seed(cfg.train.seed)  # dropout masks: the same stream for every policy
     model = build_model(cfg.model, cfg.train.seed)
-    strategy = parallelize(model, mesh, cfg)
-    pipe = getattr(strategy, "pipe", None)
-    step_fn = train_step
-    if pipe is not None:
-        from loom.parallel.pipeline.strategy import pipeline_train_step
-
-        model, step_fn = pipe, pipeline_train_step
-    lossf = training_loss_fn(strategy, getattr(model, "loss_fn", None) or loss_fn)
+    run = build_run(cfg, mesh, model)
+    model, strategy = run.model, run.strategy
     dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
     saved = SavedActivations(model, cfg.train.compress)
     losses, norms = [], []
     for step in range(steps):
         micro = rank_micro_batches(step % 2, BATCH, cfg.train.micro_batch, dp_rank, dp)
         with saved:
-            res = step_fn(model, strategy, micro, lossf, cfg.train.grad_clip, lr_at(step, cfg.train),
-                          mesh.group("dp"))  # fmt: skip
+            res = train_step(run, micro, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp"))
         losses.append(res.loss)
         norms.append(res.grad_norm)
     params = _local_or_full_state(model, strategy, mesh)
     saved.remove()
     return {"losses": losses, "norms": norms, "params": params, "bytes": strategy.state_bytes(),
-            "act_peak": saved.peak, "numels": [lay.padded for lay in getattr(strategy, "layouts", [])]}  # fmt: skip
+            "act_peak": saved.peak, "numels": [lay.padded for lay in getattr(getattr(strategy, "inner", strategy), "layouts", [])]}  # fmt: skip
 
 
 def _local_or_full_state(model, strategy, mesh) -> dict[str, torch.Tensor]:
@@ -74,6 +66,7 @@ def _local_or_full_state(model, strategy, mesh) -> dict[str, torch.Tensor]:
 
     from loom.parallel.tensor_parallel import gather_full_state
 
+    strategy = getattr(strategy, "inner", strategy)  # a pipeline's data-parallel strategy
     with strategy.gathered() if hasattr(strategy, "gathered") else contextlib.nullcontext():
         if mesh.size("tp") > 1:
             return gather_full_state(model, mesh.group("tp"))

@@ -307,20 +307,20 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
 
 def test_non_finite_gradients_stop_with_parameters_untouched():
     from loom.model.llama import build_model, loss_fn
+    from loom.optim.groups import build_optimizer
     from loom.parallel.data_parallel import DataParallel
-    from loom.train.health import FiniteGuard, NonFiniteError
-    from loom.train.optim import build_optimizer
-    from loom.train.step import train_step
+    from loom.train.health import NonFiniteError
+    from loom.train.step import plain_run, train_step
     from tests.helpers import rank_micro_batches, tiny_model, tiny_train
 
     model = build_model(tiny_model(), 0)
-    guard = FiniteGuard(DataParallel(model, None).attach_optimizer(build_optimizer(model, tiny_train())))
+    strategy = DataParallel(model, None, optimizer=build_optimizer(model, tiny_train()))
     model.norm.weight.register_hook(lambda g: g * float("nan"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(NonFiniteError, match="parameters untouched"):
-        train_step(model, guard, rank_micro_batches(0, 8, 8, 0, 1), loss_fn, 1.0, 1e-3, None)
+        train_step(plain_run(model, strategy, loss_fn), rank_micro_batches(0, 8, 8, 0, 1), 1.0, 1e-3, None)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert not guard.inner.optimizer.state, "the optimizer never ran"
+    assert not strategy.optimizer.state, "the optimizer never ran"
 
 
 def test_diagnosis_names_the_silent_rank(tmp_path):

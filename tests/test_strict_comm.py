@@ -276,12 +276,15 @@ def _buckets_completed_in_rank_dependent_order(stage: int) -> list[int]:
     if stage == 0:
         sync = DataParallel(model, dist.group.WORLD, bucket_mb=0.01)
     else:
+        from functools import partial
+
         from loom.config import TrainConfig
-        from loom.memory.offload import StateStore
+        from loom.optim.flat import build_flat_optimizer
+        from loom.optim.store import StateStore
         from loom.parallel.zero.stage12 import ZeroDataParallel
 
-        sync = ZeroDataParallel(model, 2, None, dist.group.WORLD, TrainConfig(), StateStore(torch.device("cpu")),
-                                bucket_mb=0.01)  # fmt: skip
+        make_optimizer = partial(build_flat_optimizer, store=StateStore(torch.device("cpu")), train_cfg=TrainConfig())
+        sync = ZeroDataParallel(model, 2, None, dist.group.WORLD, make_optimizer, bucket_mb=0.01)
     params = list(model.parameters())
     order = params if dist.get_rank() == 0 else params[::-1]
     for p in order:

@@ -173,8 +173,8 @@ def _train_tp(tp: int, dp: int, sp: bool, zero: int = 0, steps: int = 20):
     """Train the tiny model through ``parallelize`` on a tp x dp mesh; gather the final state."""
     from loom.comm import CommMeter
     from loom.model.llama import build_model
-    from loom.parallel import parallelize
     from loom.parallel.tensor_parallel import gather_full_state
+    from loom.train.build import parallelize
 
     mesh = get_mesh(tp=tp, dp_replicate=dp) if zero == 0 else get_mesh(tp=tp, dp_shard=dp)
     cfg = LoomConfig(
@@ -185,7 +185,7 @@ def _train_tp(tp: int, dp: int, sp: bool, zero: int = 0, steps: int = 20):
     validate(cfg, tp * dp)
     model = build_model(cfg.model, cfg.train.seed)
     meter = CommMeter()
-    strategy = parallelize(model, mesh, cfg, meter)
+    _, strategy, _ = parallelize(model, mesh, cfg, meter)
     losses, moved, calls = metered_steps(model, strategy, meter, mesh, cfg, model.loss_fn, steps, BATCH, MICRO // dp)
     moved = [sum(m.values()) for m in moved]
     with strategy.gathered() if zero == 3 else contextlib.nullcontext():  # ZeRO-3: whole tp shards
@@ -257,7 +257,7 @@ def _rng_streams():
 def _replicas_with_dropout(sp: bool):
     """tp2 forward with dropout 0.3: the block outputs every rank holds (replicated without sp)."""
     from loom.model.llama import build_model
-    from loom.parallel import parallelize
+    from loom.train.build import parallelize
 
     mesh = get_mesh(tp=2)
     cfg = LoomConfig(model=tiny_model(dropout=0.3), parallel=ParallelConfig(tp=2, sp=sp))
@@ -332,7 +332,7 @@ def _dtensor_parity(tp: int, sp: bool) -> None:
         y = block(x, cos, sin)
         y.backward(up_full[:, rows] if sp else up_full)
         if block is loom_block:  # the norms' gradient parts, summed once per step as train_step does
-            sum_partial_grads(block.parameters())
+            sum_partial_grads(block.parameters(), lambda p: p.grad)
         outs.append(y.detach())
         grads.append({"x": x.grad, **{n: p.grad for n, p in block.named_parameters()}})
     assert_close(outs[0], outs[1], **TOL)

@@ -48,7 +48,7 @@ def train_zero(mesh, stage: int, micro: int, par: dict, model_kw: dict, steps: i
     """Train the tiny model with ZeRO through ``parallelize``; per-step bytes moved, final full state."""
     from loom.comm import CommMeter
     from loom.model.llama import build_model, loss_fn
-    from loom.parallel import parallelize
+    from loom.train.build import parallelize
 
     dp = mesh.size("dp")
     cfg = C.LoomConfig(model=tiny_model(**model_kw), train=tiny_train(steps=steps))
@@ -56,12 +56,12 @@ def train_zero(mesh, stage: int, micro: int, par: dict, model_kw: dict, steps: i
     cfg.run.dir = tmp
     model = build_model(cfg.model, cfg.train.seed)
     meter = CommMeter()
-    strategy = parallelize(model, mesh, cfg, meter)
+    _, strategy, _ = parallelize(model, mesh, cfg, meter)
     losses, moved, calls = metered_steps(model, strategy, meter, mesh, cfg, loss_fn, steps, BATCH, micro)
     events = list(getattr(strategy, "events", []))  # the last step's, before gathering the state
     pieces = torch.stack([strategy.param_grad_shard(p).pow(2).sum() for p in model.parameters()]).sum()
     torch.distributed.all_reduce(pieces, group=mesh.group("dp_shard"))
-    norms = (strategy.clip_grad_norm(0.0) ** 2, float(pieces))
+    norms = (float(strategy.grad_sq()), float(pieces))
     state_bytes = strategy.state_bytes()
     state = (
         strategy.full_state_dict()
@@ -237,16 +237,14 @@ def _replica_overlap(rep: int, shard: int, stage: int, precision: str) -> list[l
     before the end-of-step drain (during backward for stages 2 and 3)."""
     from loom.comm import CommMeter
     from loom.model.llama import build_model, loss_fn
-    from loom.parallel import parallelize
+    from loom.train.build import parallelize
 
     mesh = get_mesh(dp_replicate=rep, dp_shard=shard)
     cfg = C.LoomConfig(model=tiny_model(), train=replace(tiny_train(steps=2), precision=precision))
     cfg.parallel = replace(cfg.parallel, dp=rep * shard, dp_shard=shard, zero=stage, bucket_mb=0.01)
     model = build_model(cfg.model, cfg.train.seed)
-    strategy = parallelize(model, mesh, cfg, CommMeter())
+    _, strategy, _ = parallelize(model, mesh, cfg, CommMeter())
     metered_steps(model, strategy, CommMeter(), mesh, cfg, loss_fn, 2, BATCH, BATCH // (rep * shard))
-    while not hasattr(strategy, "reducer"):
-        strategy = strategy.inner
     logs = [r.replica_log for r in getattr(strategy, "_reducers", [strategy.reducer])]
     strategy.remove()
     return logs
@@ -286,7 +284,8 @@ def _fsdp2_vs_loom(world: int, steps: int, micro: int):
     from torch.distributed.fsdp import fully_shard
 
     from loom.model.llama import build_model, loss_fn
-    from loom.train.optim import build_optimizer, lr_at, set_lr
+    from loom.optim.groups import build_optimizer, set_lr
+    from loom.train.schedule import lr_at
 
     mesh = get_mesh(dp_replicate=1, dp_shard=world)
     tcfg = tiny_train(steps=steps)
@@ -346,7 +345,7 @@ def test_unwritable_offload_dir_rejected(tmp_path):
 
 def test_full_disk_stops_before_training(tmp_path):
     """State files are reserved in full up front: no space is an error at start, never a later SIGBUS."""
-    from loom.memory.offload import OffloadError, make_store
+    from loom.optim.store import OffloadError, make_store
 
     store = make_store("disk", torch.device("cpu"), tmp_path, "rank0")
     small = store.zeros(1024, "exp_avg")

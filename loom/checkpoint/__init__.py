@@ -13,7 +13,7 @@
 from loom.checkpoint.format import CheckpointError
 from loom.checkpoint.load import CheckpointReader, find
 from loom.checkpoint.protocol import Box, Flat, Shardable, ShardedTensor, ShardReader
-from loom.checkpoint.replicated import Placement, ReplicatedState, as_shardable, placement_state
+from loom.checkpoint.replicated import Placement, placement_state
 from loom.checkpoint.save import Checkpointer
 
 __all__ = [
@@ -23,11 +23,9 @@ __all__ = [
     "Checkpointer",
     "Flat",
     "Placement",
-    "ReplicatedState",
     "ShardReader",
     "Shardable",
     "ShardedTensor",
-    "as_shardable",
     "find",
     "placement_state",
 ]

@@ -49,7 +49,8 @@ class ChunkHasher:
     """SHA-256 of every ``CHUNK_BYTES`` piece of a byte stream, fed in any sized parts."""
 
     def __init__(self, chunk: int = CHUNK_BYTES) -> None:
-        self.chunk, self.done, self.size = chunk, [], 0
+        self.chunk, self.size = chunk, 0
+        self.done: list[str] = []  # hex digests of the completed chunks
         self._h, self._fill = hashlib.sha256(), 0
 
     def update(self, data) -> None:

@@ -243,3 +243,21 @@ class Shardable(Protocol):
 
     def load_sharded(self, reader: ShardReader) -> None:
         """Overwrite this rank's state from ``reader``; create lazily built state first."""
+
+
+class CombinedState:
+    """Several :class:`Shardable` parts as one (a strategy and the loss scaler, say): their names
+    are disjoint; each part loads what it holds."""
+
+    def __init__(self, *parts: Shardable) -> None:
+        self.parts = parts
+
+    def sharded_state(self) -> dict[str, ShardedTensor]:
+        out: dict[str, ShardedTensor] = {}
+        for part in self.parts:
+            out.update(part.sharded_state())
+        return out
+
+    def load_sharded(self, reader: ShardReader) -> None:
+        for part in self.parts:
+            part.load_sharded(reader)

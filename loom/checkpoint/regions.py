@@ -144,9 +144,13 @@ def share(region: Region, shape: tuple[int, ...], index: int, count: int) -> Reg
 def take(local: torch.Tensor, region: Region, part: Region) -> torch.Tensor:
     """The data of ``part`` (a share of ``region``, as returned by :func:`share`) inside ``local``."""
     if isinstance(region, Flat):
+        if not isinstance(part, Flat):
+            raise TypeError(f"take: part {part} of the flat region {region} must be flat too")
         return local.reshape(-1)[part.start - region.start : part.start - region.start + part.length]
     if not region.offsets:
         return local
+    if not isinstance(part, Box):
+        raise TypeError(f"take: part {part} of the box {region} must be a box too")
     a = part.offsets[0] - region.offsets[0]
     return local[a : a + part.lengths[0]]
 

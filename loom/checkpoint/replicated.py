@@ -1,11 +1,11 @@
-"""Building a strategy's sharded state from per-parameter placements; the DataParallel adapter.
+"""Building a strategy's sharded state from per-parameter placements.
 
 Most strategies only need to say, for each parameter of the reference model, which local
 tensor holds which region of it and how many ranks hold the same piece (a
 :class:`Placement`); :func:`placement_state` then names the parameter and its Adam state
 (``exp_avg``, ``exp_avg_sq`` shaped like the parameter, ``step`` a scalar) for the checkpoint.
 
-Data parallelism (:class:`ReplicatedState`): every parameter and its optimizer state is
+Data parallelism (:class:`loom.parallel.data_checkpoint.ReplicatedState`): every parameter and its optimizer state is
 replicated over the ``dp`` group. Replica ``i`` of ``n`` writes rows ``[i·R/n, (i+1)·R/n)``
 of each tensor (R = its first dimension; scalars by replica 0), so the n ranks write 1/n of
 the state each, in parallel, and the checkpoint holds one copy. On load the n ranks of the
@@ -25,13 +25,10 @@ from torch import nn
 
 from loom.checkpoint.format import CheckpointError
 from loom.checkpoint.protocol import (
-    Box,
     Flat,
     ReadGroup,
     Region,
-    Shardable,
     ShardedTensor,
-    ShardReader,
     full_box,
 )
 
@@ -134,63 +131,6 @@ def placement_state(
     return out
 
 
-class ReplicatedState:
-    """:class:`Shardable` for :class:`~loom.parallel.data_parallel.DataParallel` (see module doc).
-
-    With tensor parallelism underneath (``tp_group``), parameters tagged ``tp_shard_dim`` are
-    this rank's contiguous 1/tp slice along that dim (a Box of the global tensor, replicated over
-    dp); untagged ones (norms, replicated key/value heads) are replicated over tp·dp.
-    """
-
-    def __init__(
-        self, module: nn.Module, optimizer: torch.optim.Optimizer | None, group=None, tp_group=None
-    ) -> None:
-        self.module, self.optimizer = module, optimizer
-        self.index, self.count = _rank_size(group)
-        self.tp_rank, self.tp = _rank_size(tp_group)
-        self.device = next(module.parameters(), torch.empty(0)).device
-        self.read_group = read_group(group, self.device)
-
-    def placements(self) -> dict[str, Placement]:
-        out = {}
-        everywhere = (self.tp_rank * self.count + self.index, self.tp * self.count)
-        for name, t in unique_named_tensors(self.module):
-            ep_shard = getattr(t, "ep_shard", None)
-            if ep_shard is not None:  # this rank's experts (rows along dim 0), repeated over its edp group
-                ep_rank, ep = ep_shard[0], ep_shard[1]
-                shape = (t.shape[0] * ep, *t.shape[1:])
-                box = Box((ep_rank * t.shape[0],) + (0,) * (t.dim() - 1), tuple(t.shape))
-                out[name] = Placement(
-                    t, shape, box, _rank_size(ep_shard[3]), read_group(ep_shard[3], self.device)
-                )
-                continue
-            dim = getattr(t, "tp_shard_dim", None)
-            if dim is None or self.tp == 1:
-                out[name] = Placement.replicated(t, everywhere, self.read_group)
-                continue
-            shape = list(t.shape)
-            offsets = [0] * t.dim()
-            offsets[dim] = self.tp_rank * shape[dim]
-            shape[dim] *= self.tp
-            out[name] = Placement(
-                t,
-                tuple(shape),
-                Box(tuple(offsets), tuple(t.shape)),
-                (self.index, self.count),
-                self.read_group,
-            )
-        return out
-
-    def sharded_state(self) -> dict[str, ShardedTensor]:
-        """Parameters and Adam state (created as zeros if no step ran yet, so every checkpoint has it)."""
-        if self.optimizer is not None:
-            ensure_adam_state(self.optimizer)
-        return placement_state(self.placements(), self.optimizer)
-
-    def load_sharded(self, reader: ShardReader) -> None:
-        reader.fill(self.sharded_state())
-
-
 def _rank_size(group) -> tuple[int, int]:
     """(rank, size) in ``group``; (0, 1) for None (a one-process dimension)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
@@ -202,26 +142,3 @@ def read_group(group, device: torch.device) -> ReadGroup | None:
     """The ranks of ``group`` as the read group of pieces they all hold; None for one rank."""
     rank, size = _rank_size(group)
     return ReadGroup(group, rank, size, torch.device(device)) if size > 1 else None
-
-
-def as_shardable(strategy) -> Shardable:
-    """The strategy itself if it implements the protocol, an adapter for DataParallel or ZeRO,
-    looking through wrappers that keep the wrapped strategy in ``.inner`` (loss scaling, guards)."""
-    from loom.parallel.data_parallel import DataParallel
-    from loom.parallel.zero.common import ShardedStrategy
-
-    s = strategy
-    while s is not None:
-        if isinstance(s, Shardable):
-            return s
-        if isinstance(s, ShardedStrategy):
-            from loom.checkpoint.zero_state import ZeroState
-
-            return ZeroState(s)
-        if isinstance(s, DataParallel):
-            return ReplicatedState(s.module, s.optimizer, s.group, getattr(s, "tp_group", None))
-        s = getattr(s, "inner", None)
-    raise CheckpointError(
-        f"{type(strategy).__name__} cannot be checkpointed: implement sharded_state()/load_sharded() "
-        "(loom.checkpoint.protocol.Shardable)"
-    )

@@ -25,7 +25,10 @@ def _unb64(s: str) -> torch.Tensor:
 def capture_rng() -> dict:
     """This process's generator states, JSON-serialisable."""
     version, state, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    np_state = np.random.get_state()
+    if isinstance(np_state, dict):  # only when the global generator is not the legacy MT19937
+        raise TypeError("NumPy's global generator is not MT19937: its state has no legacy tuple form")
+    name, keys, pos, has_gauss, cached = np_state
     out = {
         "torch_cpu": _b64(torch.get_rng_state()),
         "python": {"version": version, "state": list(state), "gauss": gauss},

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -249,7 +250,7 @@ def gather_json(obj: object, rank: int, world: int, group) -> list | None:
     padded[: data.numel()] = data
     bufs = [torch.zeros(cap, dtype=torch.uint8) for _ in range(world)] if rank == 0 else None
     dist.gather(padded, bufs, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    if rank != 0:
+    if bufs is None:  # rank != 0
         return None
     return [_from_bytes(b, int(s)) for b, s in zip(bufs, sizes)]
 
@@ -328,8 +329,10 @@ class Checkpointer:
             records = gather_json(record, self.rank, self.world, self.group)
             status: dict = {}
             if self.rank == 0:
+                if records is None:  # gather_json hands rank 0 every rank's record
+                    raise RuntimeError("checkpoint: rank 0 gathered no shard records")
                 status = self._commit_or_explain(records)
-            status = broadcast_json(status, self.rank, self.world, self.group)
+            status = cast(dict, broadcast_json(status, self.rank, self.world, self.group))  # rank 0's dict
             if status.get("error"):
                 raise F.CheckpointError(status["error"])
             self._saved = self.root / status["tag"]

@@ -20,12 +20,13 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any, cast
 
 from loom import config as C
 from loom.checkpoint.convert import convert
 from loom.checkpoint.format import MANIFEST, CheckpointError, write_bytes_atomic
 from loom.checkpoint.load import CheckpointReader, find
-from loom.checkpoint.replicated import as_shardable
+from loom.checkpoint.protocol import Shardable
 from loom.checkpoint.rng import capture_rng, restore_rng
 from loom.checkpoint.save import Checkpointer, broadcast_json, list_checkpoints, new_group
 
@@ -79,25 +80,26 @@ def _row_step(line: str) -> float:
 class TrainCheckpoints:
     """The trainer's checkpoint duties on one rank: resume, periodic saves, the final save."""
 
-    def __init__(self, cfg: C.LoomConfig, run_dir: Path, rank: int, world: int, strategy) -> None:
+    def __init__(self, cfg: C.LoomConfig, run_dir: Path, rank: int, world: int, state: Shardable,
+                 loss_scaler=None) -> None:  # fmt: skip
         self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world
         self.group = new_group(world, cfg.run.timeout_s)
         self.checkpointer = Checkpointer(
             run_dir / "checkpoints", rank, world, self.group, cfg.train.checkpoint_keep
         )
-        self.state = as_shardable(strategy)
-        self.loss_scaler = getattr(strategy, "loss_scaler", None)  # fp16 dynamic loss scaling, if any
+        self.state = state  # what this rank holds: the strategy's state (and the loss scaler's)
+        self.loss_scaler = loss_scaler  # fp16 dynamic loss scaling, if any
         self.last_saved: tuple[int, Path] | None = None
 
     def restore(self) -> int:
         """Load the chosen checkpoint into the strategy and this rank's RNG; return its step (0 if none)."""
-        source = None
+        chosen: dict[str, object] | None = None  # rank 0's choice; the other ranks receive it
         if self.rank == 0:
             try:
-                source = {"candidates": choose_source(self.cfg, self.run_dir)}
+                chosen = {"candidates": choose_source(self.cfg, self.run_dir)}
             except CheckpointError as e:
-                source = {"error": str(e)}
-        source = broadcast_json(source, self.rank, self.world, self.group)
+                chosen = {"error": str(e)}
+        source = cast(dict[str, Any], broadcast_json(chosen, self.rank, self.world, self.group))
         if "error" in source:
             raise CheckpointError(source["error"])
         if not source["candidates"]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from numpy.typing import DTypeLike
 
 from loom.config import ConfigError
 
@@ -28,7 +29,7 @@ class TokenDataset:
     ``n_windows = (n_tokens - 1) // seq_len``.
     """
 
-    def __init__(self, path: str | Path, seq_len: int, dtype: str | np.dtype | None = None) -> None:
+    def __init__(self, path: str | Path, seq_len: int, dtype: DTypeLike | None = None) -> None:
         self.path = Path(path)
         if seq_len < 1:
             raise ConfigError(f"data.seq_len: must be >= 1, got {seq_len}")

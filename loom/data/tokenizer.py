@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+from numpy.typing import DTypeLike
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
@@ -65,7 +66,7 @@ def encode_documents(
     docs: Sequence[str],
     eot: int,
     chunk_chars: int = 1 << 20,
-    dtype: type = np.int64,
+    dtype: DTypeLike = np.int64,
     progress: bool = False,
     desc: str = "encode",
 ) -> Iterator[np.ndarray]:

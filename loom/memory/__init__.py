@@ -1,2 +1,2 @@
-"""Memory techniques: precision and loss scaling, recomputation, activation compression and offload,
-activation accounting, optimizer-state offload."""
+"""Memory techniques: precision casting, the fp16 loss scaler, recomputation, activation compression and
+host offload, activation accounting. (Optimizer-state offload is :mod:`loom.optim.store`.)"""

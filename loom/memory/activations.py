@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -67,7 +68,7 @@ class SavedTensorMeter:
         meter.per_layer   # {layer index: bytes}
     """
 
-    def __init__(self, model: nn.Module, layers: Sequence[nn.Module] = ()) -> None:
+    def __init__(self, model: nn.Module, layers: Iterable[nn.Module] = ()) -> None:
         self.exclude = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
         self.layers = list(layers)
         self.per_layer: dict[int | None, int] = defaultdict(int)  # None: outside every layer
@@ -113,8 +114,9 @@ class SavedTensorMeter:
 
 def measure_layer_bytes(model: nn.Module, tokens: torch.Tensor) -> dict[int, int]:
     """Bytes saved for backward by each transformer layer in one forward of ``tokens``."""
-    meter = SavedTensorMeter(model, layers=model.layers)
+    layers = cast(nn.ModuleList, model.layers)  # a Transformer's blocks
+    meter = SavedTensorMeter(model, layers=layers)
     with meter:
         out = model(tokens)
     del out
-    return {i: meter.per_layer.get(i, 0) for i in range(len(model.layers))}
+    return {i: meter.per_layer.get(i, 0) for i in range(len(layers))}

@@ -10,8 +10,8 @@
   accumulation one micro-batch's, with a pipeline schedule those of the micro-batches in flight.
   On a GPU the CUDA allocator's peak (``peak_mem_bytes``) also sees the working set;
 - compression (``train.compress``): floating-point activations are stored in a smaller format
-  and expanded in backward, chosen per tensor kind = the module whose forward saved it
-  (``attention``, ``mlp``, ``norm``, ``other``):
+  and expanded in backward, chosen per tensor kind = the ``activation_kind`` class attribute of the
+  innermost module whose forward saved it (``attention``, ``mlp``, ``norm``; ``other`` outside them):
 
       format  stored                                        bytes for n elements
       bf16    x.to(bfloat16)                                2n      (x already 2-byte: as is)
@@ -127,15 +127,12 @@ class SavedActivations:
 
     # ------------------------------------------------------------------ kinds
     def _kind_hooks(self, model: nn.Module) -> Iterator:
-        from loom.model.llama import Attention, FeedForward, RMSNorm
-        from loom.parallel.tp_layers import ParallelAttention, ParallelFeedForward
-
-        kinds = ((Attention, "attention"), (ParallelAttention, "attention"), (FeedForward, "mlp"),
-                 (ParallelFeedForward, "mlp"), (RMSNorm, "norm"))  # fmt: skip
         for m in model.modules():
-            kind = next((k for cls, k in kinds if isinstance(m, cls)), None)
+            kind = getattr(m, "activation_kind", None)  # a class attribute: "attention", "mlp", "norm"
             if kind is None:
                 continue
+            if kind not in self.formats:
+                raise ValueError(f"{type(m).__name__}.activation_kind: {kind!r} is not one of {tuple(self.formats)}")
 
             def pre(_m, _a, kind=kind):
                 self._kinds.append(kind)

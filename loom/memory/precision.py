@@ -28,10 +28,7 @@ up per flat buffer as :mod:`loom.parallel.zero.layout` says.
 
 Without ZeRO (``parallel.zero = 0``) master weights still need an owner: the flat-buffer
 machinery of ZeRO runs with a sharding group of one rank and every data-parallel rank a replica
-(hybrid sharding with N = 1, R = dp): gradients all-reduced over dp during backward (stage 2
-hooks; stage 1 under pipeline parallelism, which reduces once after the last micro-batch),
-fp32 masters and optimizer state replicated. fp32 AdamW without ZeRO keeps the plain
-:class:`~loom.parallel.data_parallel.DataParallel` with ``torch.optim.AdamW``.
+(:func:`loom.train.build.data_parallel`).
 """
 
 from __future__ import annotations
@@ -40,8 +37,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-from loom.comm import CommMeter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,44 +74,6 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
 def needs_master_path(cfg) -> bool:
     """Runs that need Loom's flat-shard optimizers even without ZeRO (half params or non-AdamW)."""
     return cfg.train.precision != "fp32" or cfg.train.optimizer != "adamw"
-
-
-def bind_optimizer_groups(strategy) -> None:
-    """Tell a flat-shard optimizer which groups hold the other pieces of its parameters
-    (Adafactor's statistics are summed over them)."""
-    inner = getattr(strategy, "inner", None)
-    if inner is not None and not hasattr(strategy, "optim"):
-        return bind_optimizer_groups(inner)
-    optim = getattr(strategy, "optim", None)
-    if optim is not None and hasattr(optim, "bind_groups"):
-        optim.bind_groups(strategy.shard_group, strategy.tp_group)
-
-
-def apply_replicated_masters(module: nn.Module, mesh, cfg, meter: CommMeter | None = None):
-    """Data parallelism with fp32 masters and Loom's optimizers: ZeRO's flat buffers with a
-    sharding group of one rank, replicated over dp (see module docstring)."""
-    from loom.config import offload_dir
-    from loom.memory.offload import make_store
-    from loom.parallel.zero.stage12 import ZeroDataParallel
-
-    p = cfg.parallel
-    if mesh.size("dp_shard") != 1:
-        raise ValueError("apply_replicated_masters: parallel.zero = 0 needs a dp_shard group of one rank")
-    device = next(module.parameters()).device
-    strategy = ZeroDataParallel(
-        module,
-        1 if mesh.size("pp") > 1 else 2,
-        shard_group=mesh.group("dp_shard"),
-        replicate_group=mesh.group("dp_cp"),  # = dp_replicate x cp, as dp_shard is one rank
-        train_cfg=cfg.train,
-        store=make_store("none", device, offload_dir(cfg), tag=f"rank{mesh.rank}"),
-        meter=meter,
-        bucket_mb=p.bucket_mb,
-        reduce_dtype=DTYPES[p.reduce_dtype],
-        tp_group=mesh.group("tp"),
-    )
-    bind_optimizer_groups(strategy)
-    return strategy
 
 
 def state_bytes_formula(

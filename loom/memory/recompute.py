@@ -85,7 +85,7 @@ def checkpointed(forward: Callable) -> Callable:
         args = tuple(_hold(a) for a in args)
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
-    run.__wrapped__ = forward  # type: ignore[attr-defined]
+    run.__wrapped__ = forward  # type: ignore[attr-defined]  # a function takes attributes; mypy's type has none
     return run
 
 
@@ -94,7 +94,7 @@ def _blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
     ``stages.0.layers.5`` (a pipeline rank's stages keep the reference names)."""
     from loom.model.llama import Block
 
-    out = []
+    out: list[tuple[int, nn.Module]] = []
     for name, m in model.named_modules():
         if isinstance(m, Block):
             nums = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", name)
@@ -110,7 +110,7 @@ def _cores(model: nn.Module) -> list[nn.Module]:
 
 def _wrap(module: nn.Module) -> None:
     if "forward" in module.__dict__:  # already wrapped: re-wrap the original
-        module.forward = module.forward.__wrapped__
+        module.forward = module.__dict__["forward"].__wrapped__
     module.forward = checkpointed(module.forward)
 
 

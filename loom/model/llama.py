@@ -24,6 +24,8 @@ from loom.config import ModelConfig
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32."""
 
+    activation_kind = "norm"  # what its saved tensors count as for train.compress
+
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
@@ -87,6 +89,8 @@ class CoreAttention(nn.Module):
 class Attention(nn.Module):
     """Causal grouped-query self-attention: a query heads share k key/value heads (a % k == 0)."""
 
+    activation_kind = "attention"  # what its saved tensors count as for train.compress
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -105,7 +109,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, k, d)
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, k, d)
         if self.q_norm is not None:  # per head, over d
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]  # k_norm is set whenever q_norm is
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
         y = self.core(q, k, v)  # (B, a, T, d)
@@ -115,6 +119,8 @@ class Attention(nn.Module):
 
 class FeedForward(nn.Module):
     """SwiGLU: w2( silu(w1 x) * w3 x ), hidden size f."""
+
+    activation_kind = "mlp"  # what its saved tensors count as for train.compress
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -168,6 +174,8 @@ class MoEFeedForward(nn.Module):
     """Mixture of SwiGLU experts (Mixtral-style top-k routing, dropless: every routed token is
     computed): y = Σ_{e in topk(x)} (p_e / Σ_topk p) · w2_e( silu(w1_e x) * w3_e x )."""
 
+    activation_kind = "mlp"  # what its saved tensors (router and experts) count as for train.compress
+
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int) -> None:
         super().__init__()
         self.top_k = top_k
@@ -194,6 +202,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward: nn.Module  # replaced by tensor/expert-parallel modules from outside
         if cfg.moe:
             self.feed_forward = MoEFeedForward(cfg.dim, cfg.resolved_ffn_dim(), cfg.n_experts, cfg.top_k)
         else:

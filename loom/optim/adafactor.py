@@ -39,8 +39,9 @@ import torch
 
 from loom import comm
 from loom.comm import Group
-from loom.memory.offload import StateStore
-from loom.optim.flat import MasterWeights, Piece, pieces_of
+from loom.optim.flat import Piece, pieces_of
+from loom.optim.master import MasterWeights
+from loom.optim.store import StateStore
 
 BETA2_DECAY, EPS2, CLIP_D = -0.8, 1e-3, 1.0
 
@@ -60,7 +61,6 @@ class FlatAdafactor:
         self.master = MasterWeights(shards, store)
         self.params, self.masters, self.store = self.master.params, self.master.masters, store
         self.weight_decay = weight_decay
-        self.grad_scale = 1.0
         self.step_count = 0
         self.eps1 = torch.finfo(torch.float32).eps
         self.shard_group: Group = None
@@ -77,7 +77,7 @@ class FlatAdafactor:
             p = layouts[i].params[j]
             self._stat_at[(i, j)] = self._stat_len
             R, C = (p.shape[0], p.shape[1]) if _factored(p) else (0, 0)
-            dim = getattr(p, "tp_shard_dim", None)
+            dim = layouts[i].slots[j].tp_dim
             if dim is not None:  # entries tp must sum: the unsplit axis' sums, and Σ P²
                 if R:
                     self._tp_mask.append((self._stat_len + R, self._stat_len + R + C) if dim == 0
@@ -178,10 +178,10 @@ class FlatAdafactor:
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, grads: Sequence[torch.Tensor], lr: float) -> None:
+    def step(self, grads: Sequence[torch.Tensor], lr: float, grad_scale: float = 1.0) -> None:
         """One Adafactor update of this rank's pieces from the reduced gradient shards."""
         self._comm_device = grads[0].device if grads else self.store.device  # collectives run there
-        g32 = self.master.grads32(grads, self.grad_scale)
+        g32 = self.master.grads32(grads, grad_scale)
         self._ckpt.clear()
         self.step_count += 1
         t = float(self.step_count)
@@ -206,7 +206,7 @@ class FlatAdafactor:
                 views.append((n, pc, g, w, pad, r0))
             else:
                 stats[at] = w.norm(2).double().square()
-                views.append((n, pc, g, w, None, 0))
+                views.append((n, pc, g, w, None, 0))  # type: ignore[arg-type]  # no padded matrix for a vector
         self._reduce(stats, self._tp_mask)
         self._update(views, stats, lr, rho, beta)
         self.master.publish()

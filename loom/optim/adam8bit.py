@@ -1,6 +1,6 @@
 """8-bit AdamW on flat shards: block-wise quantized moments (after Dettmers et al. 2022).
 
-The update is AdamW's (:mod:`loom.parallel.zero.adam`), run in fp32 on dequantized moments,
+The update is AdamW's (:mod:`loom.optim.adamw`), run in fp32 on dequantized moments,
 chunk by chunk. Between steps each moment is stored as one byte per element plus one fp32
 absmax per block of B = 256 consecutive shard elements:
 
@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from loom.comm import Group
-from loom.memory.offload import StateStore
-from loom.optim.flat import MasterWeights
+from loom.optim.master import MasterWeights
+from loom.optim.store import StateStore
 
 BLOCK = 256
 CHUNK_BLOCKS = 4096  # blocks dequantized at once: bounds the fp32 working set to 4 MiB per moment
@@ -79,7 +79,6 @@ class FlatAdam8bit:
         self.params, self.masters, self.store = self.master.params, self.master.masters, store
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
-        self.grad_scale = 1.0
         self.step_count = 0
         self.qm = BlockQuantizer(_signed_map(store.device))
         self.qu = BlockQuantizer(_unsigned_map(store.device))
@@ -124,8 +123,8 @@ class FlatAdam8bit:
         self._ckpt.clear()
 
     @torch.no_grad()
-    def step(self, grads: Sequence[torch.Tensor], lr: float) -> None:
-        g32 = self.master.grads32(grads, self.grad_scale)
+    def step(self, grads: Sequence[torch.Tensor], lr: float, grad_scale: float = 1.0) -> None:
+        g32 = self.master.grads32(grads, grad_scale)
         self._ckpt.clear()
         self.step_count += 1
         if self.weight_decay != 0 and self._decayed:

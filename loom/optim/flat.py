@@ -1,18 +1,14 @@
-"""Optimizers on flat parameter shards with fp32 master weights: the ZeRO and mixed-precision path.
+"""The factory of optimizers on flat parameter shards (the ZeRO and mixed-precision path), and the
+per-parameter pieces of a shard.
 
-Each optimizer here updates a list of 1-D shards (views of the live parameters, of any dtype,
-laid out by :class:`~loom.parallel.zero.layout.FlatLayout`). Where a shard is not fp32 on the
-state store's device it keeps an fp32 master copy (4 bytes per shard element), runs the update
-on the master and copies the result back into the parameter shard.
-
-Loss scaling is folded into the fp32 conversion of the gradient: the optimizer reads
-g = float32(grad) · ``grad_scale``, so an fp16 gradient holding S·∇ is unscaled in fp32 and no
-small gradient is flushed to zero by a division in half precision (what an in-place unscale of
-fp16 gradients would do below 6·10⁻⁸).
+Each optimizer updates a list of 1-D shards (views of the live parameters, of any dtype, laid
+out by :class:`~loom.parallel.zero.layout.FlatLayout`) through fp32 master weights
+(:mod:`loom.optim.master`), reading g = float32(grad) · ``grad_scale`` (the loss-scale unscale,
+never done in fp16, where it would flush gradients below 6·10⁻⁸ to zero).
 
 Optimizers (``train.optimizer``), with their state bytes per shard element (+ 4 for a master):
 
-    adamw      8                    m, v in fp32 (:class:`~loom.parallel.zero.adam.ShardedAdamW`)
+    adamw      8                    m, v in fp32 (:class:`~loom.optim.adamw.ShardedAdamW`)
     adafactor  4(R + C) per matrix  row/column statistics (:mod:`loom.optim.adafactor`)
                4 per vector elem
     adam8bit   2 + 8/B              m, v as 8-bit codes, an fp32 absmax per block of B
@@ -26,59 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loom.comm import Group
-from loom.memory.offload import StateStore
-from loom.parallel.zero.adam import ShardedAdamW
-
-
-class MasterWeights:
-    """fp32 masters for shards that need one (half precision, or state on another device)."""
-
-    def __init__(self, shards: Sequence[torch.Tensor], store: StateStore) -> None:
-        self.params = list(shards)
-        self.store = store
-        self.masters: list[torch.Tensor] = []
-        for i, p in enumerate(self.params):
-            if p.dtype == torch.float32 and p.device == store.device:
-                self.masters.append(p)  # the fp32 shard is its own master
-            else:
-                m = store.zeros(p.numel(), f"master{i}")
-                m.copy_(p.detach())
-                self.masters.append(m)
-
-    def grads32(self, grads: Sequence[torch.Tensor], scale: float) -> list[torch.Tensor]:
-        """fp32 gradients on the store's device, multiplied by ``scale`` (a copy when scaled or cast)."""
-        dev = self.store.device
-        out = []
-        for g in grads:
-            if g.device == dev and g.dtype == torch.float32 and scale == 1.0:
-                out.append(g)
-            else:
-                g32 = g.to(dev, torch.float32, copy=True)
-                out.append(g32.mul_(scale) if scale != 1.0 else g32)
-        return out
-
-    @torch.no_grad()
-    def publish(self) -> None:
-        """Copy updated masters into the parameter shards."""
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                p.copy_(m, non_blocking=True)
-
-
-class ScaledAdamW(ShardedAdamW):
-    """ZeRO's AdamW, reading its gradients multiplied by ``grad_scale`` (the loss-scale unscale)."""
-
-    grad_scale: float = 1.0
-
-    def step(self, grads: Sequence[torch.Tensor], lr: float) -> None:
-        if self.grad_scale != 1.0:
-            dev = self.store.device
-            grads = [g.to(dev, torch.float32, copy=True).mul_(self.grad_scale) for g in grads]
-        super().step(grads, lr)
-
-    def bind_groups(self, shard_group: Group, tp_group: Group) -> None:
-        """AdamW is element-wise: no statistics cross shards."""
+from loom.optim.adamw import ShardedAdamW
+from loom.optim.store import StateStore
 
 
 @dataclass(frozen=True)
@@ -108,7 +53,7 @@ def pieces_of(layouts: Sequence) -> tuple[list[Piece], list[tuple[int, int]]]:
             every.append((i, j))
             lo, hi = max(s.offset, lay.start), min(s.offset + s.numel, lay.end)
             if lo < hi:
-                tp_dim = getattr(p, "tp_shard_dim", None)
+                tp_dim = s.tp_dim
                 pieces.append(Piece(i, j, p, lo - s.offset, hi - s.offset, lo - lay.start, hi - lay.start,
                                     s.decay, tp_dim))  # fmt: skip
     return pieces, every
@@ -129,5 +74,5 @@ def build_flat_optimizer(layouts: Sequence, shards: Sequence[torch.Tensor], stor
                             train_cfg.weight_decay)  # fmt: skip
     if kind != "adamw":
         raise ValueError(f"train.optimizer: unknown optimizer {kind!r}")
-    return ScaledAdamW(shards, decay, store, (train_cfg.beta1, train_cfg.beta2), train_cfg.eps,
+    return ShardedAdamW(shards, decay, store, (train_cfg.beta1, train_cfg.beta2), train_cfg.eps,
                        train_cfg.weight_decay)  # fmt: skip

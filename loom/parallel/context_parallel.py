@@ -31,6 +31,8 @@ The result equals one process on the whole sequence. Dropout is not supported wi
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,6 +68,8 @@ class ContextParallelCore(nn.Module):
     """:class:`~loom.model.llama.CoreAttention` over the whole sequence of the cp group: local
     queries (B, a, T/cp, d), keys and values all-gathered, causal mask by global position."""
 
+    mask: torch.Tensor  # a registered buffer (non-persistent)
+
     def __init__(self, mask: torch.Tensor, group: Group, meter: CommMeter | None = None) -> None:
         super().__init__()
         self.group, self.meter = group, meter
@@ -99,13 +103,14 @@ def apply_context_parallel(model: nn.Module, mesh, cfg, meter: CommMeter | None 
     if cp == 1:
         return
     positions = local_positions(cfg.data.seq_len, cp, rank)
-    mask = ContextParallelCore.causal_mask(cfg.data.seq_len, cp, rank, model.rope_cos.device)
+    rope_cos, rope_sin = cast(torch.Tensor, model.rope_cos), cast(torch.Tensor, model.rope_sin)  # buffers
+    mask = ContextParallelCore.causal_mask(cfg.data.seq_len, cp, rank, rope_cos.device)
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, CoreAttention):
                 setattr(module, name, ContextParallelCore(mask, group, meter))
-    model.rope_cos = model.rope_cos[positions.to(model.rope_cos.device)]
-    model.rope_sin = model.rope_sin[positions.to(model.rope_sin.device)]
+    model.rope_cos = rope_cos[positions.to(rope_cos.device)]
+    model.rope_sin = rope_sin[positions.to(rope_sin.device)]
 
 
 def cp_comm_bytes(batch: int, seq_len: int, kv_width: int, n_layers: int, cp: int, elem: int,

@@ -8,9 +8,12 @@ while backward goes on; :meth:`DataParallel.finish_sync` waits for all of them.
 Averaging: each bucket is divided by n before the sum-all-reduce, so the result is the mean
 over ranks; with equal micro-batches that equals the gradient of the global-batch mean loss.
 
-Collective order: a bucket launches only after every lower-numbered bucket of its group has, so
-every rank issues each group's all-reduces in the same order (as NCCL requires) even when
-ranks complete buckets in different orders (an expert that received no tokens on one rank).
+Buckets and their launch order are the shared ones of :mod:`loom.parallel.bucket`, the
+reduction the shared :class:`~loom.parallel.reducer.GradReducer` with a sharding group of one
+rank (the whole buffer all-reduced in place): the same engine as ZeRO, without the optimizer
+sharding. Why a separate strategy rather than ZeRO with N = 1: fp32 AdamW keeps
+``torch.optim.AdamW`` on the parameters themselves, with no flat fp32 master copy to hold
+(precision or other optimizers without ZeRO run ZeRO's flat path with N = 1).
 
 Gradient accumulation: during micro-steps that are not the last, :meth:`no_sync` keeps hooks
 from communicating; gradients accumulate in the buffers; the last micro-step communicates once.
@@ -22,33 +25,32 @@ gradients). Communication per rank per optimizer step, ring all-reduce over n ra
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.parallel.sync import SyncSwitch
+from loom.optim.groups import optimizer_state_bytes, set_lr
+from loom.parallel.base import SyncSwitch, grad_norm_sq, scale_all
+from loom.parallel.bucket import BucketQueue, split_buckets
+from loom.parallel.placement import expert_group, expert_shard, is_expert, placement_of
+from loom.parallel.reducer import GradReducer
+from loom.parallel.state import gather_module_state
+from loom.parallel.tp_comm import sum_partial_grads
 from loom.parallel.zero.layout import unique_params
-from loom.train.optim import build_optimizer, optimizer_state_bytes, set_lr
-from loom.train.step import clip_grad_norm, grad_norm_sq
 
 
 @dataclass
 class Bucket:
-    """A flat gradient buffer shared by a run of parameters."""
+    """A flat gradient buffer shared by a run of parameters (``param.grad`` are views of it)."""
 
     index: int
     params: list[nn.Parameter]
-    buffer: torch.Tensor  # grads live here (param.grad are views)
-    comm_buffer: torch.Tensor  # == buffer, or a copy in reduce_dtype
-    offsets: list[tuple[int, int]] = field(default_factory=list)
-    pending: int = 0
-    work: object | None = None
-    launched: bool = False
-    ready: bool = False  # every gradient of the step accumulated (launches once its predecessors have)
-    group: Group = None  # where it is summed: the dp group, or an expert's edp group (expert parallelism)
+    buffer: torch.Tensor
+    offsets: list[tuple[int, int]]
+    group: Group  # where it is summed: the dp group, or an expert's edp group (expert parallelism)
 
 
 @dataclass
@@ -60,10 +62,11 @@ class LaunchRecord:
 
 
 class DataParallel(SyncSwitch):
-    """Attach bucketed, overlapped gradient all-reduce to ``module`` over ``group``.
+    """Bucketed, overlapped gradient all-reduce of ``module`` over ``group``, and its optimizer.
 
     Not an ``nn.Module`` wrapper: the model is called as usual; this object owns the gradient
-    buffers and the communication. Call :meth:`zero_grad` (not ``set_to_none``) between steps.
+    buffers, the communication and the (replicated) optimizer. Call :meth:`zero_grad` (not
+    ``set_to_none``) between steps.
     """
 
     def __init__(
@@ -74,60 +77,45 @@ class DataParallel(SyncSwitch):
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
         tp_group: Group = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
-        self.module = module
-        self.group = group
+        self.module, self.group, self.meter = module, group, meter
         self.tp_group = tp_group  # tensor-parallel peers: sharded params' squares add over it in the norm
         self.world = comm.group_size(group)
-        self.meter = meter
         self.params = unique_params(module)
-        self.reduce_dtype = reduce_dtype
+        self.optimizer = optimizer
         self.sync_enabled = True
-        self.optimizer: torch.optim.Optimizer | None = None
         self.launch_log: list[LaunchRecord] = []
         self._ready_count = 0
-        self.buckets = self._build_buckets(int(bucket_mb * 1024 * 1024))
+        self.buckets: list[Bucket] = []
         self._slot: dict[int, tuple[Bucket, int, int]] = {}  # id(param) -> (bucket, offset, numel)
-        for b in self.buckets:
-            for p, (off, n) in zip(b.params, b.offsets):
-                self._slot[id(p)] = (b, off, n)
+        cap = int(bucket_mb * 1024 * 1024)
+        dense = [p for p in self.params if not is_expert(p)]
+        experts = [p for p in self.params if is_expert(p)]  # after the dense ones: one run per edp group
+        for ps in split_buckets(dense, cap) + split_buckets(experts, cap):
+            self.buckets.append(self._make_bucket(len(self.buckets), ps))
+        self.reducers: dict[int, GradReducer] = {}
+        for b in self.buckets:  # every reduction in flight until finish_sync (in place: no buffer is kept)
+            self.reducers.setdefault(id(b.group), GradReducer(None, b.group, self.world, meter, reduce_dtype,
+                                                              max_inflight=len(self.buckets)))  # fmt: skip
+        self.queue = BucketQueue(self.buckets, [len(b.params) for b in self.buckets], lambda b: id(b.group),
+                                 self._launch)  # fmt: skip
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
-    # ------------------------------------------------------------------ construction
-    def _build_buckets(self, cap_bytes: int) -> list[Bucket]:
-        groups: list[list[nn.Parameter]] = []
-        dense = [p for p in self.params if getattr(p, "ep_shard", None) is None]
-        experts = [p for p in self.params if getattr(p, "ep_shard", None) is not None]  # own buckets, own group
-        for params in (dense, experts):
-            current: list[nn.Parameter] = []
-            size = 0
-            for p in reversed(params):
-                nb = p.numel() * p.element_size()
-                if current and (size + nb > cap_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
-                    groups.append(current)
-                    current, size = [], 0
-                current.append(p)
-                size += nb
-            if current:
-                groups.append(current)
-        buckets = []
-        for i, ps in enumerate(groups):
-            numel = sum(p.numel() for p in ps)
-            buf = torch.zeros(numel, dtype=ps[0].dtype, device=ps[0].device)
-            rd = self.reduce_dtype or buf.dtype
-            cbuf = buf if rd == buf.dtype else torch.zeros(numel, dtype=rd, device=buf.device)
-            b = Bucket(index=i, params=ps, buffer=buf, comm_buffer=cbuf, group=_reduce_group(ps[0], self.group))
-            off = 0
-            for p in ps:
-                b.offsets.append((off, p.numel()))
-                view = buf[off : off + p.numel()].view_as(p)
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
-                off += p.numel()
-            b.pending = len(ps)
-            buckets.append(b)
-        return buckets
+    def _make_bucket(self, index: int, params: list[nn.Parameter]) -> Bucket:
+        buf = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        group = expert_group(params[0]) or self.group
+        b = Bucket(index, params, buf, [], group)
+        off = 0
+        for p in params:
+            view = buf[off : off + p.numel()].view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+            b.offsets.append((off, p.numel()))
+            self._slot[id(p)] = (b, off, p.numel())
+            off += p.numel()
+        return b
 
     # ------------------------------------------------------------------ hooks
     def _on_grad_ready(self, p: torch.Tensor) -> None:
@@ -140,42 +128,30 @@ class DataParallel(SyncSwitch):
         if not self.sync_enabled:
             return
         self._ready_count += 1
-        b.pending -= 1
-        if b.pending == 0:
-            b.ready = True
-            for other in self.buckets:  # this group's buckets in index order, up to the first not ready
-                if other.group is b.group and not other.launched:
-                    if not other.ready:
-                        break
-                    self._launch(other)
+        self.queue.grad_ready(b.index)
 
     def _launch(self, b: Bucket) -> None:
         self.launch_log.append(LaunchRecord(b.index, len(self.params) - self._ready_count))
-        if self.world > 1:
-            if b.comm_buffer is not b.buffer:
-                b.comm_buffer.copy_(b.buffer)
-            b.comm_buffer.div_(self.world)  # the mean over all dp ranks, also for an expert's edp sum
-            b.work = comm.all_reduce(b.comm_buffer, b.group, self.meter, async_op=True)
-        b.launched = True
+        if self.world > 1:  # the mean over all dp ranks, also for an expert's edp sum
+            self.reducers[id(b.group)].launch(b.buffer, b.buffer, owned=False)
 
-    # ------------------------------------------------------------------ public API
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> DataParallel:
+        """Own ``optimizer`` (replicated, over the parameters themselves); returns self."""
+        self.optimizer = optimizer
+        return self
 
+    # ------------------------------------------------------------------ Strategy
     def finish_sync(self) -> None:
-        """Wait for every bucket's all-reduce (launching any bucket left, e.g. unused params)."""
+        """Launch any bucket left (unused parameters), wait for every all-reduce, then sum the
+        tensor-parallel partial gradients over tp."""
         if not self.sync_enabled:
             return
-        for b in self.buckets:
-            if not b.launched:
-                self._launch(b)
-        for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
-                b.work = None
-            if b.comm_buffer is not b.buffer:
-                b.buffer.copy_(b.comm_buffer)
-            b.launched = b.ready = False
-            b.pending = len(b.params)
+        self.queue.launch_rest()
+        for r in self.reducers.values():
+            r.drain()
+        self.queue.reset()
         self._ready_count = 0
+        sum_partial_grads(self.params, lambda p: p.grad)
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -186,53 +162,67 @@ class DataParallel(SyncSwitch):
                     p.grad = view
         self.launch_log.clear()
 
-    def grad_bytes(self) -> int:
-        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+    def grads(self) -> list[torch.Tensor]:
+        return [b.buffer for b in self.buckets]
 
-    # ------------------------------------------------------------------ Strategy: optimizer side
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> DataParallel:
-        """Own the (replicated) optimizer, so this object is a complete training Strategy."""
-        self.optimizer = optimizer
-        return self
+    def grad_sq(self) -> torch.Tensor:
+        """Gradients are replicated over dp after the all-reduce: tensor-parallel shards add their
+        squares over tp, replicated parameters (norms) count once, expert shards add theirs over ep."""
+        dense = [p for p in self.params if not is_expert(p)]
+        experts = [p for p in self.params if is_expert(p)]
+        device = self.params[0].device if self.params else None
+        if comm.group_size(self.tp_group) > 1:
+            sq = grad_norm_sq([p for p in dense if placement_of(p).tp_sharded], device)
+            comm.all_reduce(sq, self.tp_group)
+            sq = sq + grad_norm_sq([p for p in dense if not placement_of(p).tp_sharded], device)
+        else:
+            sq = grad_norm_sq(dense, device)
+        if experts:
+            ep_sq = grad_norm_sq(experts, device)
+            comm.all_reduce(ep_sq, expert_shard(experts[0]).group)
+            sq = ep_sq + sq
+        return sq
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Gradients are replicated over dp after the all-reduce; tensor-parallel shards add their
-        squares over tp, replicated parameters (norms) count once; expert shards add theirs over ep."""
-        experts = [p for p in self.params if getattr(p, "ep_shard", None) is not None]
-        if not experts:
-            return clip_grad_norm(self.params, max_norm, tp_group=self.tp_group)
-        dense = [p for p in self.params if getattr(p, "ep_shard", None) is None]
-        device = experts[0].device
-        sq = grad_norm_sq(experts, device)
-        comm.all_reduce(sq, experts[0].ep_shard[2])
-        norm = (sq + grad_norm_sq(dense, device)).sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            grads = [p.grad for p in self.params if p.grad is not None]
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return float(norm)
+    @torch.no_grad()
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        scale_all(self.grads(), coef)
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("DataParallel.step: no optimizer (pass optimizer=)")
+        if grad_scale != 1.0:
+            raise ValueError("loss-scaled gradients need Loom's master-weight optimizers (ZeRO's flat path)")
         set_lr(self.optimizer, lr)
         self.optimizer.step()
+
+    def grad_bytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
     def state_bytes(self) -> dict[str, int]:
         """Replicated state: params Φ·b, grads Φ·b, Adam moments 2·Φ·4 (fp32)."""
         return {
             "param_bytes": sum(p.numel() * p.element_size() for p in self.params),
             "grad_bytes": self.grad_bytes(),
-            "optim_bytes": optimizer_state_bytes(self.optimizer),
+            "optim_bytes": optimizer_state_bytes(self.optimizer) if self.optimizer is not None else 0,
         }
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return gather_module_state(self.module, self.tp_group)
+
+    # ------------------------------------------------------------------ checkpoints (Shardable)
+    def sharded_state(self):
+        from loom.parallel.data_checkpoint import ReplicatedState
+
+        return ReplicatedState(self.module, self.optimizer, self.group, self.tp_group).sharded_state()
+
+    def load_sharded(self, reader) -> None:
+        from loom.parallel.data_checkpoint import ReplicatedState
+
+        ReplicatedState(self.module, self.optimizer, self.group, self.tp_group).load_sharded(reader)
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
-
-
-def _reduce_group(p: torch.Tensor, group: Group) -> Group:
-    """The group ``p``'s gradient is summed over: its experts' edp group, or the data-parallel one."""
-    shard = getattr(p, "ep_shard", None)
-    return group if shard is None else shard[3]
 
 
 def broadcast_params(module: nn.Module, group: Group, meter: CommMeter | None = None) -> None:
@@ -242,17 +232,3 @@ def broadcast_params(module: nn.Module, group: Group, meter: CommMeter | None = 
 
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def apply_data_parallel(module: nn.Module, mesh, cfg, meter: CommMeter | None = None) -> DataParallel:
-    """Entry point used by ``parallelize``: data parallelism over the mesh's ``dp_cp`` group (dp, and cp
-    whose ranks hold the same parameters too), with AdamW."""
-    dp = DataParallel(
-        module,
-        mesh.group("dp_cp"),
-        meter=meter,
-        bucket_mb=cfg.parallel.bucket_mb,
-        reduce_dtype=REDUCE_DTYPES[cfg.parallel.reduce_dtype],
-        tp_group=mesh.group("tp"),
-    )
-    return dp.attach_optimizer(build_optimizer(module, cfg.train))

@@ -36,6 +36,7 @@ from torch.autograd import Function
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.model.llama import ExpertWeights, MoEFeedForward, route, swiglu
+from loom.parallel.placement import ExpertShard, place, placement_of
 
 __all__ = ["ExpertParallelMoE", "apply_expert_parallel", "gather_experts"]
 
@@ -70,6 +71,8 @@ class _AllToAll(Function):
 class ExpertParallelMoE(nn.Module):
     """:class:`~loom.model.llama.MoEFeedForward` with this rank's E/ep experts (same parameter names)."""
 
+    activation_kind = "mlp"  # what its saved tensors count as for train.compress
+
     def __init__(self, moe: MoEFeedForward, rank: int, ep: int, group: Group, edp_group: Group,
                  meter: CommMeter | None = None) -> None:  # fmt: skip
         super().__init__()
@@ -85,7 +88,7 @@ class ExpertParallelMoE(nn.Module):
             mine = ExpertWeights(self.local, *full.shape[1:], device=full.device, dtype=full.dtype)
             with torch.no_grad():
                 mine.weight.copy_(full[lo:hi])
-            mine.weight.ep_shard = (rank, ep, group, edp_group)  # read by data parallelism and checkpoints
+            place(mine.weight, expert=ExpertShard(rank, ep, group, edp_group))  # read by data parallelism and checkpoints
             setattr(self, name, mine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,12 +136,12 @@ def gather_experts(module: nn.Module) -> dict[str, torch.Tensor]:
     a collective over each ep group."""
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     for name, p in module.named_parameters():
-        shard = getattr(p, "ep_shard", None)
+        shard = placement_of(p).expert
         if shard is None or name not in state:
             continue
-        parts = [torch.empty_like(p) for _ in range(shard[1])]
+        parts = [torch.empty_like(p) for _ in range(shard.ep)]
         mine = p.detach().contiguous()
-        comm.check_tensors("all_gather", shard[2], mine, *parts)
-        dist.all_gather(parts, mine, group=shard[2])
+        comm.check_tensors("all_gather", shard.group, mine, *parts)
+        dist.all_gather(parts, mine, group=shard.group)
         state[name] = torch.cat(parts)
     return state

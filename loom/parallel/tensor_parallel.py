@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,8 @@ from torch.autograd import Function
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.config import LoomConfig, ModelConfig, check_tensor_parallel
+from loom.model.llama import Block, FeedForward, Transformer
+from loom.parallel.placement import placement_of
 from loom.parallel.tp_layers import (
     ColumnParallelLinear,
     ParallelAttention,
@@ -63,17 +66,18 @@ def apply_tensor_parallel(
     n = mesh.size("tp")
     check_tensor_parallel(cfg)
     ctx = TPContext(mesh.group("tp"), mesh.local_rank("tp"), n, meter, cfg.parallel.sp)
-    tied = model.output.weight is model.tok_embeddings.weight
-    emb = VocabParallelEmbedding(sharded_param(model.tok_embeddings.weight, 0, ctx), ctx)
-    head_weight = emb.weight if tied else sharded_param(model.output.weight, 0, ctx)
+    full = cast(Transformer, model)  # the single-device model, before its modules are swapped
+    tied = full.output.weight is full.tok_embeddings.weight
+    emb = VocabParallelEmbedding(sharded_param(full.tok_embeddings.weight, 0, ctx), ctx)
+    head_weight = emb.weight if tied else sharded_param(full.output.weight, 0, ctx)
     model.tok_embeddings = emb
     model.output = ColumnParallelLinear(head_weight, ctx)
-    for layer in model.layers:
+    for layer in full.layers:
         parallelize_block(layer, ctx)
     if ctx.sp:
-        model.norm = SequenceParallelRMSNorm(model.norm, ctx)
+        model.norm = SequenceParallelRMSNorm(full.norm, ctx)
     loss = partial(vocab_parallel_cross_entropy, group=ctx.group, meter=meter)
-    model.loss_fn = loss
+    model.loss_fn = loss  # type: ignore[assignment]  # Module.__setattr__ is typed for Tensor | Module; a plain callable attribute is fine
     return loss
 
 
@@ -82,13 +86,14 @@ def parallelize_block(block: nn.Module, ctx: TPContext) -> nn.Module:
 
     Input and output of the block: (B, T, h) replicated, or (B, T/n, h) sequence shards with sp.
     """
-    block.attention = ParallelAttention.from_full(block.attention, ctx)
-    block.feed_forward = ParallelFeedForward.from_full(block.feed_forward, ctx)
+    full = cast(Block, block)  # the single-device block, before its modules are swapped
+    block.attention = ParallelAttention.from_full(full.attention, ctx)
+    block.feed_forward = ParallelFeedForward.from_full(cast(FeedForward, full.feed_forward), ctx)
     if ctx.sp:
-        block.attention_norm = SequenceParallelRMSNorm(block.attention_norm, ctx)
-        block.ffn_norm = SequenceParallelRMSNorm(block.ffn_norm, ctx)
+        block.attention_norm = SequenceParallelRMSNorm(full.attention_norm, ctx)
+        block.ffn_norm = SequenceParallelRMSNorm(full.ffn_norm, ctx)
         if getattr(block, "dropout", 0.0) > 0:  # residual dropout on this rank's sequence shard
-            block._drop = partial(_shard_dropout, block, ctx.rank)
+            block._drop = partial(_shard_dropout, block, ctx.rank)  # type: ignore[assignment]  # Module.__setattr__ is typed for Tensor | Module; this overrides a method
     return block
 
 
@@ -97,12 +102,7 @@ def _shard_dropout(block: nn.Module, tp_rank: int, x: torch.Tensor) -> torch.Ten
     if not block.training:
         return x
     with tp_local_rng(tp_rank, x.device):
-        return F.dropout(x, block.dropout, training=True)
-
-
-def is_tp_sharded(p: torch.Tensor) -> bool:
-    """True for a tensor-parallel shard (its squares add over tp in the gradient norm)."""
-    return getattr(p, "tp_shard_dim", None) is not None
+        return F.dropout(x, cast(float, block.dropout), training=True)
 
 
 # ----------------------------------------------------------------------------- loss
@@ -182,7 +182,7 @@ def gather_dim(t: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 @torch.no_grad()
 def gather_full_state(model: nn.Module, group: Group) -> dict[str, torch.Tensor]:
-    """The single-device ``state_dict``: shards (``tp_shard_dim``) gathered, replicated ones copied.
+    """The single-device ``state_dict``: shards (``Placement.tp_dim``) gathered, replicated ones copied.
 
     A collective: every rank of ``group`` must call it.
     """
@@ -190,7 +190,7 @@ def gather_full_state(model: nn.Module, group: Group) -> dict[str, torch.Tensor]
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) not in done:
-            dim = getattr(t, "tp_shard_dim", None)
+            dim = placement_of(t).tp_dim
             done[id(t)] = t.detach().clone() if dim is None else gather_dim(t, dim, group)
         out[name] = done[id(t)]
     return out

@@ -17,11 +17,15 @@ S bytes moves 2·S·(n-1)/n per rank, an all-gather or reduce-scatter S·(n-1)/n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import torch
 from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.parallel.placement import PartialSum, place, placement_of
 
 
 def _size(group: Group) -> int:
@@ -152,37 +156,25 @@ def mark_partial(p: torch.Tensor, group: Group, meter: CommMeter | None = None) 
     the rows of this rank's heads). Instead of f's all-reduce per use and micro-batch, the parts
     are summed once per step by :func:`sum_partial_grads`. Returns ``p``."""
     if _size(group) > 1:
-        p.tp_partial = (group, meter)
+        place(p, partial=PartialSum(group, meter))
     return p
 
 
-def sum_partial_grads(params, strategy=None) -> None:
+def sum_partial_grads(params, grad_of: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
     """Sum over tp, in one all-reduce, the gradients of the parameters :func:`mark_partial` marked,
-    after the data-parallel reduction of the step (``strategy.finish_sync``): the whole gradient
-    (replicated data parallelism) or this rank's shard of it (ZeRO: ``param_grad_shard``; tp peers
-    share one shard layout, so their pieces line up). Sums commute, so reducing over dp first and
-    tp second equals Megatron's order."""
-    marked = [p for p in params if getattr(p, "tp_partial", None) is not None]
+    after the data-parallel reduction of the step: ``grad_of(p)`` is the whole gradient (replicated
+    data parallelism) or this rank's shard of it (ZeRO; tp peers share one shard layout, so their
+    pieces line up). Sums commute, so reducing over dp first and tp second equals Megatron's order."""
+    marked = [p for p in params if placement_of(p).partial is not None]
     if not marked:
         return
-    group, meter = marked[0].tp_partial
-    shard = _grad_shard_fn(strategy)
-    pieces = [shard(p) if shard is not None else p.grad for p in marked]
-    pieces = [g for g in pieces if g is not None and g.numel() > 0]
+    partial = cast(PartialSum, placement_of(marked[0]).partial)  # not None: ``marked`` is filtered on it
+    pieces = [g for g in map(grad_of, marked) if g is not None and g.numel() > 0]
     if not pieces:
         return
     flat = torch.cat([g.reshape(-1) for g in pieces])
-    comm.all_reduce(flat, group, meter)
+    comm.all_reduce(flat, partial.group, partial.meter)
     offset = 0
     for g in pieces:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
-
-
-def _grad_shard_fn(strategy):
-    """``param_grad_shard`` of the first strategy in the wrapper chain that shards gradients."""
-    while strategy is not None:
-        if hasattr(type(strategy), "param_grad_shard"):
-            return strategy.param_grad_shard
-        strategy = strategy.__dict__.get("inner")
-    return None

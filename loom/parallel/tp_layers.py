@@ -13,7 +13,7 @@ reduce-scatters it (and all-gathers in backward). The column-parallel entry keep
 sequence *shard* for backward and re-gathers it there (overlapped with the input-gradient
 matmul), so no full-sequence activation outside attention/MLP is kept.
 
-Parameters carry ``tp_shard_dim`` (0: rows, 1: columns) when sharded; replicated parameters
+Sharded parameters are placed with ``tp_dim`` (0: rows, 1: columns, :mod:`loom.parallel.placement`); replicated parameters
 (norm weights, key/value weights replicated when n_kv_heads < n) have none.
 """
 
@@ -28,7 +28,8 @@ from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.model.llama import CoreAttention, RMSNorm, apply_rope
+from loom.model.llama import Attention, CoreAttention, FeedForward, RMSNorm, apply_rope
+from loom.parallel.placement import place
 from loom.parallel.tp_comm import (
     all_gather_seq,
     mark_partial,
@@ -51,9 +52,9 @@ class TPContext:
 
 
 def sharded_param(full: torch.Tensor, dim: int, ctx: TPContext) -> nn.Parameter:
-    """This rank's contiguous 1/n slice of ``full`` along ``dim``, as a parameter tagged ``tp_shard_dim``."""
+    """This rank's contiguous 1/n slice of ``full`` along ``dim``, placed with ``tp_dim``."""
     p = nn.Parameter(full.detach().chunk(ctx.size, dim)[ctx.rank].clone())
-    p.tp_shard_dim = dim  # type: ignore[attr-defined]
+    place(p, tp_dim=dim)
     return p
 
 
@@ -211,7 +212,8 @@ class SequenceParallelRMSNorm(RMSNorm):
 
     def __init__(self, norm: RMSNorm, ctx: TPContext) -> None:
         super().__init__(norm.weight.shape[0], norm.eps)
-        self.weight = mark_partial(norm.weight, ctx.group, ctx.meter)  # summed over tp once per step
+        mark_partial(norm.weight, ctx.group, ctx.meter)  # summed over tp once per step
+        self.weight = norm.weight
         self.ctx = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,6 +230,8 @@ class ParallelAttention(nn.Module):
     weights are replicated (and their gradients summed over tp).
     wq, wk, wv are column-parallel (one fused entry), wo row-parallel: one collective per pass.
     """
+
+    activation_kind = "attention"  # what its saved tensors count as for train.compress
 
     def __init__(
         self,
@@ -248,16 +252,19 @@ class ParallelAttention(nn.Module):
         self.k_norm: nn.Module | None = None
 
     @classmethod
-    def from_full(cls, attn: nn.Module, ctx: TPContext) -> ParallelAttention:
+    def from_full(cls, attn: Attention, ctx: TPContext) -> ParallelAttention:
         n, r, d, k = ctx.size, ctx.rank, attn.head_dim, attn.n_kv_heads
         rows = None if k % n == 0 else slice((r // (n // k)) * d, (r // (n // k) + 1) * d)
         wq = ColumnParallelLinear.from_linear(attn.wq, ctx)
         wk, wv = (ColumnParallelLinear.from_linear(lin, ctx, rows) for lin in (attn.wk, attn.wv))
         wo = RowParallelLinear(sharded_param(attn.wo.weight, 1, ctx), ctx)
         out = cls(wq, wk, wv, wo, d, ctx, attn.core)
-        if getattr(attn, "q_norm", None) is not None:  # replicated; each rank's heads give part of the grad
-            out.q_norm, out.k_norm = attn.q_norm, attn.k_norm
-            for norm in (out.q_norm, out.k_norm):
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is not None:  # replicated; each rank's heads give part of the grad
+            if k_norm is None:
+                raise ValueError("attention has a q_norm but no k_norm: qk-norm needs both")
+            out.q_norm, out.k_norm = q_norm, k_norm
+            for norm in (q_norm, k_norm):
                 mark_partial(norm.weight, ctx.group, ctx.meter)
         return out
 
@@ -285,6 +292,8 @@ class ParallelAttention(nn.Module):
 class ParallelFeedForward(nn.Module):
     """SwiGLU split along the hidden size f: w1, w3 column-parallel (fused entry), w2 row-parallel."""
 
+    activation_kind = "mlp"  # what its saved tensors count as for train.compress
+
     def __init__(
         self, w1: ColumnParallelLinear, w3: ColumnParallelLinear, w2: RowParallelLinear, ctx: TPContext
     ) -> None:
@@ -293,7 +302,7 @@ class ParallelFeedForward(nn.Module):
         self.ctx = ctx
 
     @classmethod
-    def from_full(cls, ffn: nn.Module, ctx: TPContext) -> ParallelFeedForward:
+    def from_full(cls, ffn: FeedForward, ctx: TPContext) -> ParallelFeedForward:
         return cls(
             ColumnParallelLinear(sharded_param(ffn.w1.weight, 0, ctx), ctx),
             ColumnParallelLinear(sharded_param(ffn.w3.weight, 0, ctx), ctx),

@@ -25,9 +25,6 @@ from loom.plan.search import search
 
 log = logging.getLogger("loom")
 
-# Schedules the planner ranks that the pipeline runtime also runs (it has these and more).
-RUNTIME_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-
 
 def local_cluster(world: int, device: str = "cpu") -> ClusterSpec:
     """This machine as a one-node cluster of ``world`` ranks (CPU: cpu-local.toml's links and memory)."""
@@ -71,8 +68,8 @@ def _to_config(cfg: LoomConfig, lay: Layout) -> None:
     cfg.train.recompute = lay.recompute
 
 
-def runnable(cfg: LoomConfig, lay: Layout) -> bool:
-    """Whether the runtime accepts ``lay`` for this config (its own validation, on a copy)."""
+def refusal(cfg: LoomConfig, lay: Layout) -> str | None:
+    """Why the runtime refuses ``lay`` for this config (its own validation, on a copy), or None."""
     from loom.config import validate
 
     trial = _copy(cfg)
@@ -80,9 +77,14 @@ def runnable(cfg: LoomConfig, lay: Layout) -> bool:
     _to_config(trial, lay)
     try:
         validate(trial, lay.world_size)
-    except ConfigError:
-        return False
-    return True
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def runnable(cfg: LoomConfig, lay: Layout) -> bool:
+    """Whether the runtime accepts ``lay`` for this config."""
+    return refusal(cfg, lay) is None
 
 
 def _copy(cfg: LoomConfig) -> LoomConfig:
@@ -100,7 +102,7 @@ def choose(cfg: LoomConfig, world: int | None = None, profile: Profile | None = 
     result = search(model_of(cfg), workload_of(cfg), cluster, world, profile=profile)
     for est in result.ranked:
         lay = est.layout
-        if lay.world_size == world and lay.schedule in RUNTIME_SCHEDULES and runnable(cfg, lay):
+        if lay.world_size == world and runnable(cfg, lay):  # ranked: passes the layout rules; the rest of validate too
             return est
     raise PlanError(f"parallel.auto: no layout of {world} rank(s) fits and runs; closest: "
                     f"{result.closest.layout.short() if result.closest else 'none'}")  # fmt: skip

@@ -200,7 +200,9 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return 1.0 / slope, lat
 
 
-def _coll_worker(rank: int, world: int, init: str, backend: str, repeats: int, work_shape, queue) -> None:
+def _coll_worker(
+    rank: int, world: int, init: str, backend: str, repeats: int, work_shape: tuple[int, int], queue
+) -> None:
     """Every rank of a ``world``-rank job, in groups of ``n`` side by side (each ``n`` dividing
     ``world``): per op and size, the time of ``(work; op)`` minus that of ``work`` alone, each the
     mean over a block of ``repeats`` calls (so time slices lost to other ranks count)."""
@@ -282,7 +284,9 @@ def work_rate(work, calls: int = 200, blocks: int = 5, device: torch.device | No
     return _timed(block, blocks, device) / calls
 
 
-def _run_world(world: int, backend: str, repeats: int, work_shape) -> list[tuple[str, int, int, float]]:
+def _run_world(
+    world: int, backend: str, repeats: int, work_shape: tuple[int, int]
+) -> list[tuple[str, int, int, float]]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

@@ -95,28 +95,30 @@ from loom.mesh import ParallelDims
 from loom.model.llama import flops_per_token
 from loom.optim.adam8bit import BLOCK as ADAM8BIT_BLOCK
 from loom.plan.hardware import ClusterSpec, HardwareError, Machine, Profile
+from loom.rules import (
+    ModelFacts,
+    ScheduleName,
+    context_parallel_problem,
+    layout_problems,
+    sequence_parallel_problem,
+    tensor_parallel_problem,
+)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-RECOMPUTE = ("none", "selective", "full")
+SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")  # those the formulas model
+RECOMPUTE = ("none", "selective", "full")  # the policies of config.RecomputePolicy, cheapest first
 FRAGMENTATION = 0.10  # share of dynamic memory lost to allocator fragmentation (assumption)
 HOST_ADAM_BANDWIDTH = 100e9  # host memory bandwidth for CPU Adam, bytes/s per node (assumption)
 ADAM_BYTES = 28  # bytes read + written per parameter by one Adam step
 FLASH_BWD = 2.5  # flash attention backward / forward time (it recomputes the scores; Dao 2023)
 
 
-def tp_reason(model: ModelConfig, ffn: int, tp: int, per_node: int) -> str | None:
-    """Why tensor-parallel degree ``tp`` cannot split ``model`` on nodes of ``per_node`` devices, or None."""
-    if model.n_heads % tp:
-        return "tp must divide n_heads"
-    if model.n_kv_heads % tp and tp % model.n_kv_heads:
-        return "tp must divide n_kv_heads or be a multiple of it (replicated kv heads)"
-    if ffn % tp:
-        return "tp must divide ffn_dim"
-    if model.vocab_size % tp:
-        return "tp must divide vocab_size"
-    if tp > per_node or per_node % tp:
-        return "tp must divide devices_per_node (stay inside a node)"
-    return None
+def tp_reason(model: ModelFacts, tp: int, per_node: int) -> str | None:
+    """Why tensor-parallel degree ``tp`` cannot split ``model`` (:mod:`loom.rules`) on nodes of
+    ``per_node`` devices, or None."""
+    why = tensor_parallel_problem(model, tp)
+    if why is None and (tp > per_node or per_node % tp):
+        why = "tp must divide devices_per_node (stay inside a node)"
+    return why
 
 
 class PlanError(ValueError):
@@ -135,7 +137,7 @@ class Layout:
     ep: int = 1  # expert-parallel degree (borrows from dp*cp)
     zero: int = 0  # ZeRO stage 0-3, sharded over dp_shard*cp
     sp: bool = False  # sequence parallelism alongside tensor parallelism
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1
+    schedule: ScheduleName = "1f1b"  # one of SCHEDULES (those modelled)
     v: int = 1  # virtual stages per device (interleaved)
     micro_batch: int = 1  # sequences per forward/backward on one device
     recompute: str = "none"  # none | selective | full
@@ -340,6 +342,7 @@ class CostModel:
             raise PlanError(f"train.precision: {e}") from None
         self.bwd_ratio = profile.backward_ratio if profile is not None and profile.backward_ratio > 0 else 2.0
         self.params = ParamCounts.of(model, n_experts, top_k)
+        self.facts = ModelFacts.of(model, n_experts=n_experts)  # what the layout rules read
         self.ffn = model.resolved_ffn_dim()
         self.kd = model.n_kv_heads * model.head_dim
         self.model_flops = flops_per_token(model, train.seq_len, self.params.matmul_active) * (
@@ -388,13 +391,11 @@ class CostModel:
             return f"schedule must be one of {', '.join(SCHEDULES)}"
         if lay.recompute not in RECOMPUTE:
             return f"recompute must be one of {', '.join(RECOMPUTE)}"
-        why = tp_reason(m, self.ffn, lay.tp, self.cluster.devices_per_node)
+        why = tp_reason(self.facts, lay.tp, self.cluster.devices_per_node)
+        why = why or (sequence_parallel_problem(lay.tp, lay.cp, t.seq_len) if lay.sp else None)
+        why = why or context_parallel_problem(lay.cp, t.seq_len)
         if why:
             return why
-        if lay.sp and t.seq_len % (lay.tp * lay.cp):
-            return "sp needs seq_len divisible by tp*cp"
-        if lay.cp > 1 and t.seq_len % (2 * lay.cp):
-            return "cp needs seq_len divisible by 2*cp (load-balanced causal chunks)"
         if lay.v > 1 and lay.schedule != "interleaved":
             return "v > 1 only with the interleaved schedule"
         if lay.schedule == "interleaved" and (lay.v < 2 or lay.pp < 2):
@@ -410,6 +411,17 @@ class CostModel:
         if (lay.dp * lay.cp) % lay.ep or self.n_experts % lay.ep:
             return "ep must divide dp*cp and n_experts"
         return None
+
+    def refused(self, lay: Layout) -> str | None:
+        """Why ``loom train`` refuses ``lay`` for this model and workload (:func:`loom.rules.layout_problems`),
+        or None. :meth:`check` asks only whether the formulas apply; the search ranks neither kind."""
+        t = self.train
+        problems = layout_problems(
+            self.facts, seq_len=t.seq_len, precision=t.precision, optimizer=t.optimizer, tp=lay.tp, pp=lay.pp,
+            cp=lay.cp, ep=lay.ep, zero=lay.zero, sp=lay.sp, schedule=lay.schedule, virtual_stages=lay.v,
+            microbatches=t.global_batch // (lay.dp * lay.micro_batch), offload="cpu" if lay.offload else "none",
+        )  # fmt: skip
+        return problems[0] if problems else None
 
     # ------------------------------------------------------------------ memory
 

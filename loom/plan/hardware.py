@@ -332,7 +332,7 @@ def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpe
     if not isinstance(table["device"], str):
         raise HardwareError(f"cluster.device: expected a device name, got {table['device']!r}")
     dev = get_device(table["device"])
-    overrides = {}
+    overrides: dict[str, Any] = {}  # DeviceSpec fields (all float) -> value
     for key, unit in _DEVICE_OVERRIDES.items():
         if key in table:
             v = table[key]

@@ -163,7 +163,7 @@ def layout_of(cfg: LoomConfig) -> Layout:
         ep=p.ep,
         zero=p.zero,
         sp=bool(getattr(p, "sp", False)),
-        schedule=str(getattr(p, "schedule", "1f1b")),
+        schedule=p.schedule,
         v=int(getattr(p, "virtual_stages", 1)),
         micro_batch=t.micro_batch,
         recompute=str(getattr(t, "recompute", "none")),

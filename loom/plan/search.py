@@ -5,6 +5,9 @@ vocab and the node; divides n_kv_heads or is a multiple of it), pp (divides n_la
 global batch), ep (MoE only), ZeRO stage with its sharding group, micro-batch, schedule with
 its virtual stages, recomputation, offload. ``sp`` is always on when tp > 1.
 
+Validity: a layout ``loom train`` refuses (:func:`loom.rules.layout_problems`, the rules
+``config.validate`` applies) is never ranked; it is counted in ``rejected`` under the rule's message.
+
 Pruning (each rule only drops layouts the cost model can prove no better; counted in
 ``SearchResult.rejected``):
 
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from loom.config import ModelConfig
 from loom.plan.cost import RECOMPUTE, CostModel, Estimate, Layout, PlanError, Workload, tp_reason
 from loom.plan.hardware import ClusterSpec, Profile
+from loom.rules import ScheduleName, context_parallel_problem, sequence_parallel_problem
 
 
 @dataclass
@@ -50,10 +54,10 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _schedules(pp: int, layers: int, m_of_mb: int) -> list[tuple[str, int]]:
+def _schedules(pp: int, layers: int, m_of_mb: int) -> list[tuple[ScheduleName, int]]:
     if pp == 1:
         return [("1f1b", 1)]
-    out = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
+    out: list[tuple[ScheduleName, int]] = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
     if m_of_mb % pp == 0:
         out += [("interleaved", v) for v in divisors(layers // pp) if v > 1]
     return out
@@ -86,7 +90,7 @@ def search(
     closest: tuple[float, Layout, dict, str] | None = None
 
     for tp in divisors(W):
-        why = tp_reason(model, cm.ffn, tp, per_node)
+        why = tp_reason(cm.facts, tp, per_node)
         if why:
             rejected[why] += 1
             continue
@@ -95,11 +99,9 @@ def search(
                 rejected["pp must divide n_layers"] += 1
                 continue
             for cp in divisors(W // (tp * pp)):
-                if cp > 1 and seq % (2 * cp):
-                    rejected["cp needs seq_len divisible by 2*cp"] += 1
-                    continue
-                if tp > 1 and seq % (tp * cp):
-                    rejected["sp needs seq_len divisible by tp*cp"] += 1
+                why = context_parallel_problem(cp, seq) or sequence_parallel_problem(tp, cp, seq)
+                if why:
+                    rejected[why] += 1
                     continue
                 dp = W // (tp * pp * cp)
                 if gb % dp:
@@ -155,6 +157,10 @@ def _search_block(
         if offload and fits_without_offload:
             rejected["dominated: offload where it fits without"] += 1
             continue
+        why = cm.refused(_with(base, offload=offload))  # degrees, ZeRO and offload as loom train sees them
+        if why:
+            rejected[why] += 1
+            continue
         if cm.peak_states(_with(base, offload=offload)) > cap:
             rejected["model states alone exceed device memory"] += 1
             lay = _with(base, offload=offload, recompute="full", micro_batch=mbs[0])
@@ -164,9 +170,9 @@ def _search_block(
             continue
         for sched, v in _schedules(base.pp, L, gb // (base.dp * mbs[0])):
             for mb in mbs:
-                m = gb // (base.dp * mb)
-                if sched == "interleaved" and m % base.pp:
-                    rejected["interleaved needs micro-batches divisible by pp"] += 1
+                why = cm.refused(_with(base, schedule=sched, v=v, micro_batch=mb, offload=offload))
+                if why:
+                    rejected[why] += 1
                     continue
                 fitted = False
                 for rec in RECOMPUTE:
@@ -191,7 +197,7 @@ def _search_block(
 
 def _with(
     b: Layout,
-    schedule: str = "1f1b",
+    schedule: ScheduleName = "1f1b",
     v: int = 1,
     micro_batch: int = 1,
     recompute: str = "none",

@@ -1,6 +1,6 @@
 """Picture of ``loom plan validate``: predicted vs measured step time and state bytes per layout.
 
-matplotlib's object API with the Agg canvas (no global backend), like ``loom.viz.timeline``.
+matplotlib's object API with the Agg canvas (no global backend), like ``loom.parallel.pipeline.picture``.
 """
 
 from __future__ import annotations

@@ -27,18 +27,17 @@ The elastic agent gives its workers ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (kill)
 environment says otherwise, so ``loom train`` sets 2 in the launcher; under ``torchrun``, export
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` yourself.
 
-Non-finite values (:class:`FiniteGuard`): the gradient norm is global (every rank computes
-the same value after the gradient reduction), so all ranks agree without another collective.
-If it is not finite, :meth:`FiniteGuard.step` raises before the optimizer runs, parameters
-untouched (fp32/bf16: stop with a message; fp16 loss scaling skips the step instead and lowers
-the scale: :mod:`loom.memory.loss_scale`, whose strategy sets ``skipping``).
+Non-finite values (:func:`loom.train.step.optimizer_step`): the gradient norm is global (every
+rank computes the same value after the gradient reduction), so all ranks agree without another
+collective. If it is not finite, :class:`NonFiniteError` is raised before the optimizer runs,
+parameters untouched (fp32/bf16: stop with a message; fp16 loss scaling skips the step instead
+and lowers the scale: :mod:`loom.memory.loss_scale`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import threading
 import time
@@ -185,28 +184,3 @@ def diagnose(
 
 class NonFiniteError(FloatingPointError):
     """Loss or gradients became inf/NaN; the update was not applied."""
-
-
-class FiniteGuard:
-    """Wraps a training Strategy; refuses the optimizer step when the global grad norm is not finite."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.last_norm = 0.0
-        self.step_index = 0
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        self.last_norm = self.inner.clip_grad_norm(max_norm)
-        return self.last_norm
-
-    def step(self, lr: float) -> None:
-        if not math.isfinite(self.last_norm) and not getattr(self.inner, "skipping", False):  # fp16: skipped
-            raise NonFiniteError(
-                f"non-finite gradient norm ({self.last_norm}) at step {self.step_index + 1}: update skipped, "
-                "parameters untouched; stopping (lower train.lr, check the data, or resume from a checkpoint)"
-            )
-        self.inner.step(lr)
-        self.step_index += 1
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)

@@ -9,11 +9,12 @@ weights only, so data, layout, optimizer and schedule may all differ. A checkpoi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
 
-from loom.config import ConfigError
+from loom.config import ConfigError, ModelConfig
 
 PREFIX = "model."
 
@@ -26,8 +27,9 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> str:
     if (p / "config.json").is_file():
         from loom.model.hf import expected_shapes, load_into, open_dir
 
-        hf = open_dir(p, model.cfg.max_seq_len)
-        mine = expected_shapes(model.cfg)
+        cfg = cast(ModelConfig, model.cfg)  # a Transformer's
+        hf = open_dir(p, cfg.max_seq_len)
+        mine = expected_shapes(cfg)
         theirs = expected_shapes(hf.config)
         for name, shape in mine.items():
             if theirs.get(name) != shape:

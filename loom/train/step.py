@@ -1,13 +1,20 @@
-"""One optimizer step: micro-batch forward/backward with accumulation, gradient sync, clip, update.
+"""One training step: forward/backward over the micro-batches, then the one optimizer step.
 
-Shared by the trainer and the tests, so what is tested is what trains.
+Shared by the trainer and the tests, so what is tested is what trains. A :class:`Run` says how
+this rank computes forward and backward (the plain loop here, or the pipeline's schedule, which
+replaces only that); every layout then updates through :func:`optimizer_step`:
+
+    finish_sync  ->  (fp16) overflow agreed over the world: skip  ->  clip  ->  non-finite norm:
+    refuse  ->  step(lr, 1/S)  ->  (fp16) scale update
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -15,119 +22,109 @@ from torch import nn
 
 from loom import comm
 from loom.comm import Group
-from loom.parallel.tp_comm import sum_partial_grads
+from loom.parallel.base import LossFn, StepResult, Strategy, Update, any_nonfinite, clip_grad_norm, mean_over
+from loom.train.health import NonFiniteError
+
+__all__ = ["Run", "StepResult", "evaluate", "forward_backward", "optimizer_step", "plain_run", "scaler_stats", "train_step"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-class Strategy(Protocol):
-    """What a data-parallel / sharding strategy offers the step (DataParallel, ZeRO, FSDP, ...)."""
+class LossScaler(Protocol):
+    """The fp16 loss scaler as the step sees it (:class:`loom.memory.loss_scale.DynamicLossScaler`)."""
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        """Inside: backward accumulates locally, no communication."""
+    scale: float
+    skipped: int
 
-    def finish_sync(self) -> None:
-        """After the last backward: wait for (or run) the gradient reduction."""
+    def update(self, overflow: bool) -> None: ...
 
-    def zero_grad(self) -> None: ...
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global gradient norm over every rank's share, counted once; clip if max_norm > 0."""
-
-    def step(self, lr: float) -> None:
-        """Optimizer update at learning rate ``lr`` (and whatever re-gathering it implies)."""
-
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds: ``param_bytes``, ``grad_bytes``, ``optim_bytes``."""
+ForwardBackward = Callable[[Sequence[Batch], LossFn, Update, Group], StepResult]
+Evaluate = Callable[[Sequence[Batch], LossFn, Group], float]
 
 
 @dataclass
-class StepResult:
-    loss: float  # mean loss over the global batch
-    grad_norm: float  # global gradient norm before clipping
+class Run:
+    """What one rank trains: built by :func:`loom.train.build.build_run` (or :func:`plain_run`)."""
+
+    model: nn.Module  # what this rank runs: the whole (possibly tp/ep-sharded) model, or its pipeline stages
+    strategy: Strategy
+    loss_fn: LossFn  # the loss on this model's output (vocabulary-sharded logits under tp)
+    forward_backward: ForwardBackward
+    evaluate: Evaluate
+    scaler: LossScaler | None = None
+    scaled_loss_fn: LossFn | None = None  # fp16: ``loss_fn`` whose backward is multiplied by the loss scale
+
+    @property
+    def train_loss_fn(self) -> LossFn:
+        """The loss the backward runs on: scaled by the loss scale under fp16, else ``loss_fn``."""
+        return self.scaled_loss_fn or self.loss_fn
 
 
-def grad_norm_sq(params: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """Σ g² in fp32 over the parameters' gradients, on their device (``device`` if there are none:
-    a rank with no gradients still joins the collective that sums this, with a device tensor)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        where = device if device is not None else (params[0].device if len(params) else None)
-        return torch.zeros((), dtype=torch.float32, device=where)
-    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # fp32 accumulation, also for half grads
-    return torch.stack(norms).pow(2).sum()
+def scaler_stats(scaler: LossScaler | None) -> dict[str, float]:
+    """``loss_scale`` and ``skipped_steps`` for the metrics row (empty without loss scaling)."""
+    return {} if scaler is None else {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped}
 
 
-def clip_grad_norm(
-    params: Sequence[torch.Tensor], max_norm: float, sum_groups: Sequence[Group] = (), tp_group: Group = None
-) -> float:
-    """Global L2 norm of the gradients, then scale them by min(1, max_norm / norm) if max_norm > 0.
+def plain_run(model: nn.Module, strategy: Strategy, loss_fn: LossFn, scaler: LossScaler | None = None) -> Run:
+    """A run without pipeline parallelism: the micro-batch loop of :func:`forward_backward`."""
+    return Run(model, strategy, loss_fn, partial(forward_backward, model, strategy), partial(evaluate, model), scaler)
 
-    norm^2 = sum over ``sum_groups`` of the local sums of squares (for sharded gradients; for
-    replicated ones pass no group so each element counts once). With ``tp_group``, tensor-parallel
-    shards (params with ``tp_shard_dim`` set) add their squares over it; the parameters replicated
-    across tp (norm weights) count once.
+
+def optimizer_step(strategy: Strategy, lr: float, max_norm: float, scaler: LossScaler | None = None) -> float:
+    """Finish the gradient sync, clip, update; returns the gradient norm before clipping.
+
+    With a loss scaler (fp16): an inf/NaN gradient on any rank skips the update on every rank
+    (returns inf) and lowers the scale. Without one, a non-finite norm raises
+    :class:`NonFiniteError` before the update, parameters untouched.
     """
-    device = params[0].device if len(params) else None
-    if comm.group_size(tp_group) > 1:
-        sharded = [p for p in params if getattr(p, "tp_shard_dim", None) is not None]
-        sq = grad_norm_sq(sharded, device)
-        comm.all_reduce(sq, tp_group)
-        sq = sq + grad_norm_sq([p for p in params if getattr(p, "tp_shard_dim", None) is None], device)
-    else:
-        sq = grad_norm_sq(params, device)
-    for g in sum_groups:
-        comm.all_reduce(sq, g)
-    norm = sq.sqrt()
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-    return float(norm)
+    strategy.finish_sync()
+    unscale = 1.0
+    if scaler is not None:
+        if any_nonfinite(strategy.grads()):
+            scaler.update(True)
+            return math.inf
+        unscale = 1.0 / scaler.scale
+    norm = clip_grad_norm(strategy, max_norm, unscale)
+    if not math.isfinite(norm):
+        raise NonFiniteError(
+            f"non-finite gradient norm ({norm}): update skipped, parameters untouched; stopping "
+            "(lower train.lr, check the data, or resume from a checkpoint)"
+        )
+    strategy.step(lr, unscale)
+    if scaler is not None:
+        scaler.update(False)
+    return norm
 
 
-def mean_over(value: torch.Tensor, group: Group) -> torch.Tensor:
-    """Average a scalar over ``group`` (unmetered: bookkeeping, not training traffic)."""
-    n = comm.group_size(group)
-    if n > 1:
-        value = value.clone()
-        comm.all_reduce(value, group)
-        value /= n
-    return value
-
-
-def train_step(
-    model: nn.Module,
-    strategy: Strategy,
-    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    grad_clip: float,
-    lr: float,
-    dp_group: Group,
-) -> StepResult:
-    """Accumulate over the micro-batches (loss / k each), sync once, clip, step."""
-    strategy.zero_grad()
+def forward_backward(model: nn.Module, strategy: Strategy, micro_batches: Sequence[Batch], loss_fn: LossFn,
+                     update: Update, loss_group: Group) -> StepResult:  # fmt: skip
+    """Accumulate over the micro-batches (loss / k each, no communication before the last), then
+    ``update``, while the logged loss is averaged over ``loss_group`` (unmetered bookkeeping)."""
     k = len(micro_batches)
-    total = None
+    total = torch.zeros(())
     for i, (x, y) in enumerate(micro_batches):
-        ctx = strategy.no_sync() if i < k - 1 else contextlib.nullcontext()
-        with ctx:
+        with strategy.no_sync() if i < k - 1 else contextlib.nullcontext():
             loss = loss_fn(model(x), y) / k
             loss.backward()
-        total = loss.detach().float() if total is None else total + loss.detach().float()
-    strategy.finish_sync()
-    sum_partial_grads(model.parameters(), strategy)  # tp-partial gradients (sequence-parallel norms)
-    # The logged loss is averaged over dp while the optimizer runs (unmetered bookkeeping).
-    n = comm.group_size(dp_group)
-    work = comm.all_reduce(total, dp_group, async_op=True) if n > 1 else None
-    norm = strategy.clip_grad_norm(grad_clip)
-    strategy.step(lr)
+        total = loss.detach().float() if i == 0 else total + loss.detach().float()
+    n = comm.group_size(loss_group)
+    work = comm.all_reduce(total, loss_group, async_op=True) if n > 1 else None
+    norm = update()
     if work is not None:
         work.wait()
     return StepResult(loss=float(total) / n, grad_norm=norm)
 
 
+def train_step(run: Run, micro_batches: Sequence[Batch], grad_clip: float, lr: float, loss_group: Group) -> StepResult:
+    """One optimizer step of ``run`` on this rank's micro-batches of the global batch."""
+    run.strategy.zero_grad()
+    return run.forward_backward(micro_batches, run.train_loss_fn,
+                                lambda: optimizer_step(run.strategy, lr, grad_clip, run.scaler), loss_group)  # fmt: skip
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, loss_fn, dp_group: Group) -> float:
+def evaluate(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn, dp_group: Group) -> float:
     """Mean loss over ``batches`` on this rank, averaged over the data-parallel group."""
     was_training = model.training
     model.eval()

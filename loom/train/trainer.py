@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from loom import comm
 from loom import config as C
+from loom.checkpoint.protocol import CombinedState
 from loom.checkpoint.training import TrainCheckpoints, truncate_metrics
 from loom.comm import CommMeter
 from loom.data import BatchSampler, PreparedData, TokenDataset, eval_batches, prepare_data
@@ -30,17 +31,13 @@ from loom.device import (
     resolve_device,
     synchronize,
 )
-from loom.memory.activation_offload import make_offloader
-from loom.memory.compress import SavedActivations
-from loom.memory.loss_scale import scaler_stats, training_loss_fn
 from loom.mesh import ParallelDims, ParallelMesh
-from loom.model.llama import build_model, count_params, flops_per_token, loss_fn
-from loom.parallel import parallelize
-from loom.parallel.context_parallel import shard_sequence
+from loom.model.llama import build_model, count_params, flops_per_token
+from loom.train.build import build_run, saved_activations
 from loom.train.export import write_json_atomic
 from loom.train.health import (
-    FiniteGuard,
     Heartbeat,
+    NonFiniteError,
     apply_nccl_watchdog_env,
     diagnose,
     heartbeat_interval,
@@ -48,8 +45,8 @@ from loom.train.health import (
 )
 from loom.train.metrics import MetricsWriter, setup_logging, step_line
 from loom.train.mfu import mfu_peak
-from loom.train.optim import lr_at
-from loom.train.step import evaluate, train_step
+from loom.train.schedule import lr_at
+from loom.train.step import scaler_stats, train_step
 
 log = logging.getLogger("loom")
 
@@ -115,9 +112,6 @@ def ensure_data(cfg: C.LoomConfig, env: RankEnv, control=None) -> PreparedData:
 class Trainer:
     """Holds the pieces of one run; :meth:`fit` is the loop."""
 
-    _train_step = staticmethod(train_step)  # pipeline parallelism swaps in its own step and eval
-    _evaluate = staticmethod(evaluate)
-
     def __init__(self, cfg: C.LoomConfig, env: RankEnv) -> None:
         self.cfg, self.env = cfg, env
         self.device = init_process_group(cfg, env)
@@ -133,7 +127,7 @@ class Trainer:
         C.check_vocab(cfg, self.data.vocab_size)
         cfg.model.vocab_size = C.effective_vocab(cfg, self.data.vocab_size)
         self.meter = CommMeter()
-        self.model = build_model(cfg.model, cfg.train.seed, self.device)
+        self.model: torch.nn.Module = build_model(cfg.model, cfg.train.seed, self.device)
         if cfg.model.from_hf:  # pretrained weights (the shape was taken from the directory by the CLI)
             from loom.model.hf import load_into, open_dir
 
@@ -142,8 +136,7 @@ class Trainer:
             from loom.train.init_from import load_initial_weights
 
             log.info("initial weights from %s", load_initial_weights(self.model, cfg.train.init_from))
-        self.strategy = FiniteGuard(parallelize(self.model, self.mesh, cfg, self.meter))
-        self.loss_fn = getattr(self.model, "loss_fn", loss_fn)  # tensor parallel: loss on sharded logits
+        self.run = build_run(cfg, self.mesh, self.model, self.meter)
         dp_rank, dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
         train_set = TokenDataset(self.data.train_path, cfg.data.seq_len)
         self.sampler = BatchSampler(
@@ -156,19 +149,14 @@ class Trainer:
         matmul_params = count_params(self.model, exclude_embedding=not cfg.model.tie_embeddings)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, matmul_params)
         self.peak_flops, self.peak_source = mfu_peak(self.device, cfg.train.precision)
-        self.pipe = getattr(self.strategy, "pipe", None)  # pp > 1: this rank's pipeline stages
-        if self.pipe is not None:  # train/eval through the pipeline; the rest of the full model is freed
-            from loom.parallel.pipeline.strategy import pipeline_evaluate, pipeline_train_step
-
-            self.model, self._train_step, self._evaluate = self.pipe, pipeline_train_step, pipeline_evaluate
-        # Saved-tensor hooks around each step: activation accounting, compression, offload (loom.memory);
-        # fp16: the training loss's backward is scaled by the loss scale.
-        self.saved_acts = SavedActivations(self.model, cfg.train.compress,
-                                           make_offloader(cfg.train.offload_activations, self.device))  # fmt: skip
-        self.train_loss_fn = training_loss_fn(self.strategy, self.loss_fn)
+        self.model = self.run.model  # pp > 1: this rank's stages; the rest of the full model is freed
+        # Saved-tensor hooks around each step: activation accounting, compression, offload (loom.memory).
+        self.saved_acts = saved_activations(cfg, self.model, self.device)
         self.heartbeat.set(0, "checkpoint load")
-        self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, self.strategy.inner)
-        self.start_step = self.strategy.step_index = self.ckpts.restore()
+        scaler = self.run.scaler
+        state = self.run.strategy if scaler is None else CombinedState(self.run.strategy, scaler)  # type: ignore[arg-type]
+        self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, state, scaler)  # type: ignore[arg-type]
+        self.start_step = self.ckpts.restore()
         self.data_identity = data_identity(self.data)
         if self.start_step > 0:  # every rank: the same files, the same verdict, before anything is written
             check_same_data(self.run_dir, self.data_identity)
@@ -193,6 +181,8 @@ class Trainer:
 
     def _my_tokens(self, batches):
         """Context parallelism: this cp rank's tokens of each sequence (all of them when cp = 1)."""
+        from loom.parallel.context_parallel import shard_sequence
+
         return shard_sequence(batches, self.mesh.size("cp"), self.mesh.local_rank("cp"))
 
     def _to_device(self, batches):
@@ -223,9 +213,11 @@ class Trainer:
             lr = lr_at(step, c)
             self.meter.reset()
             batches = self._to_device(self._my_tokens(self.sampler.micro_batches(step)))
-            with self.saved_acts:
-                res = self._train_step(self.model, self.strategy, batches, self.train_loss_fn, c.grad_clip, lr,
-                                       self.loss_group)  # fmt: skip
+            try:
+                with self.saved_acts:
+                    res = train_step(self.run, batches, c.grad_clip, lr, self.loss_group)
+            except NonFiniteError as e:
+                raise NonFiniteError(f"step {step + 1}: {e}") from None
             comm.verify_order()  # strict mode: every group's members issued the same collectives
             window_steps += 1
             bar.update(1)
@@ -238,14 +230,14 @@ class Trainer:
                     "step": step + 1, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
                     "tokens_per_s": tps, "step_time_s": dt / window_steps,
                     "mfu": tps / self.env.world * self.flops_per_token / self.peak_flops,
-                    "peak_mem_bytes": peak_memory_bytes(self.device), **self.strategy.state_bytes(),
-                    **self.meter.snapshot(), **self.saved_acts.stats(), **scaler_stats(self.strategy),
+                    "peak_mem_bytes": peak_memory_bytes(self.device), **self.run.strategy.state_bytes(),
+                    **self.meter.snapshot(), **self.saved_acts.stats(), **scaler_stats(self.run.scaler),
                 }  # fmt: skip
                 self.saved_acts.reset_peak()
                 reset_peak_memory(self.device)  # peak_mem_bytes is per log window
                 if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
-                    row["eval_loss"] = self._evaluate(self.model, self._to_device(self.eval_set), self.loss_fn,
-                                                      self.loss_group)  # fmt: skip
+                    row["eval_loss"] = self.run.evaluate(self._to_device(self.eval_set), self.run.loss_fn,
+                                                         self.loss_group)  # fmt: skip
                 if self.is_main and step + 1 == c.steps:  # the planner's prediction beside the measurement
                     _add_plan(self.cfg, self.env.world, row)
                 self.metrics.write(row)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from loom.rules import parse_layout  # the manual-layout parser is a config rule (ground layer)
+
 __all__ = ["brute_force", "parse_layout", "partition", "stage_sums"]
 
 
@@ -61,7 +63,7 @@ def partition(
     mem_prefix = [0.0, *itertools.accumulate(float(x) for x in mem)] if mem is not None else None
 
     def fits(j: int, i: int) -> bool:
-        return mem_prefix is None or mem_prefix[i] - mem_prefix[j] <= mem_limit
+        return mem_prefix is None or mem_limit is None or mem_prefix[i] - mem_prefix[j] <= mem_limit
 
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
@@ -76,6 +78,8 @@ def partition(
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
     if best[n_stages][n] == inf:
+        if mem is None or mem_limit is None:  # without a memory limit every cut fits
+            raise RuntimeError(f"partition: no cut of {n} layers into {n_stages} stages found")
         raise _infeasible(n, n_stages, mem, mem_limit)
     bounds = [n]
     for k in range(n_stages, 0, -1):
@@ -94,35 +98,9 @@ def brute_force(
     n, best, best_bounds = len(costs), float("inf"), None
     for inner in itertools.combinations(range(1, n), n_stages - 1):
         bounds = [0, *inner, n]
-        if mem is not None and max(stage_sums(mem, bounds)) > mem_limit:
+        if mem is not None and mem_limit is not None and max(stage_sums(mem, bounds)) > mem_limit:
             continue
         slowest = max(stage_sums(costs, bounds))
         if slowest < best:
             best, best_bounds = slowest, bounds
     return best_bounds
-
-
-def parse_layout(text: str, n_layers: int, n_stages: int) -> list[int]:
-    """Parse a manual layout like "0-3,4-7" (inclusive layer ranges, one per stage) into boundaries."""
-    where = f"pp_layout {text!r}"
-    parts = [part.strip() for part in text.split(",")]
-    if len(parts) != n_stages:
-        raise ValueError(f"{where}: {len(parts)} stages given, expected {n_stages}")
-    bounds = [0]
-    for k, part in enumerate(parts):
-        first, sep, last = part.partition("-")
-        try:
-            lo, hi = int(first), int(last if sep else first)
-        except ValueError:
-            raise ValueError(f"{where}: stage {k} {part!r} is not 'a-b' or 'a'") from None
-        if lo != bounds[-1]:
-            raise ValueError(
-                f"{where}: stage {k} starts at layer {lo}, expected {bounds[-1]} "
-                "(stages must be contiguous and cover every layer once)"
-            )
-        if hi < lo:
-            raise ValueError(f"{where}: stage {k} range {part!r} is empty")
-        bounds.append(hi + 1)
-    if bounds[-1] != n_layers:
-        raise ValueError(f"{where}: covers layers 0-{bounds[-1] - 1} but the model has {n_layers} (0-{n_layers - 1})")
-    return bounds

@@ -26,12 +26,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from loom.device import synchronize
+from loom.model.llama import Transformer
 from loom.parallel.pipeline.partition import parse_layout, partition, stage_sums
 from loom.parallel.pipeline.schedules import build_schedule
 from loom.parallel.pipeline.simulate import peak_in_flight
@@ -84,8 +86,9 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int,
     """Time every unit of a Llama ``Transformer`` on its device with a (micro_batch, seq_len / cp)
     batch (a context-parallel rank's tokens; blocks see seq_len / seq_div positions: that, cut
     again by tp under sequence parallelism)."""
+    tf = cast(Transformer, model)  # its modules may be tensor/context-parallel swaps of the originals
     p0 = next(model.parameters())
-    device, cfg = p0.device, model.cfg
+    device, cfg = p0.device, tf.cfg
     g = torch.Generator(device="cpu").manual_seed(0)
     host = torch.device("cpu")  # drawn on the host from a seeded generator: the same inputs on any device
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len // cp), generator=g, device=host).to(device)
@@ -102,14 +105,14 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int,
         prof.act_bytes.append(a)
         prof.param_bytes.append(sum(p.numel() * p.element_size() for p in module_params))
 
-    add("embedding", list(model.tok_embeddings.parameters()), lambda: (model.tok_embeddings(tokens), dh))
-    for i, layer in enumerate(model.layers):
+    add("embedding", list(tf.tok_embeddings.parameters()), lambda: (tf.tok_embeddings(tokens), dh))
+    for i, layer in enumerate(tf.layers):
         x = h.detach().requires_grad_()
         add(f"block {i}", list(layer.parameters()),
-            lambda layer=layer, x=x: (layer(x, model.rope_cos, model.rope_sin), dh))  # fmt: skip
-    head = list(model.norm.parameters()) + list(model.output.parameters())
+            lambda layer=layer, x=x: (layer(x, tf.rope_cos, tf.rope_sin), dh))  # fmt: skip
+    head = list(tf.norm.parameters()) + list(tf.output.parameters())
     x = h.detach().requires_grad_()
-    add("head+loss", head, lambda: (loss_fn(model.output(model.norm(x)), tokens), None))
+    add("head+loss", head, lambda: (loss_fn(tf.output(tf.norm(x)), tokens), None))
     model.zero_grad(set_to_none=True)
     return prof
 

@@ -42,6 +42,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,7 @@ from loom.parallel.pipeline.schedules import (
     pipedream_async,
 )
 from loom.parallel.pipeline.simulate import Event, Timeline
-from loom.parallel.pipeline.stage import PipelineModule, backward_input, backward_weight
+from loom.parallel.pipeline.stage import PipelineModule, WeightGrad, backward_input, backward_weight
 
 __all__ = ["PipelineError", "PipelineRuntime", "RunStats", "bubble_formula", "gather_timeline", "step_schedule"]
 
@@ -71,6 +72,20 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 class PipelineError(RuntimeError):
     """A pipeline peer failed or hung (the message names the rank)."""
+
+
+def _placed(a: Action) -> tuple[int, int]:
+    """(micro-batch, stage) of an action that runs on a stage: every kind but STEP has both."""
+    if a.microbatch is None or a.stage is None:
+        raise ValueError(f"{a}: a {a.kind.value} action needs a micro-batch and a stage")
+    return a.microbatch, a.stage
+
+
+def _peer(a: Action) -> int:
+    """The other pipeline rank of a SEND or RECV."""
+    if a.peer is None:
+        raise ValueError(f"{a}: a {a.kind.value} action needs a peer rank")
+    return a.peer
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
@@ -174,7 +189,8 @@ class PipelineRuntime:
     # ------------------------------------------------------------------ communication
     def _peer_name(self, peer: int) -> str:
         try:
-            return f"rank {dist.get_global_rank(self.group, peer)} (pipeline rank {peer})"
+            group = cast(dist.ProcessGroup, self.group)  # typed ProcessGroup; takes None (default group) too
+            return f"rank {dist.get_global_rank(group, peer)} (pipeline rank {peer})"
         except (RuntimeError, ValueError):
             return f"pipeline rank {peer}"
 
@@ -184,7 +200,7 @@ class PipelineRuntime:
             comm.wait(work, self.timeout)
         except RuntimeError as e:
             raise PipelineError(
-                f"pipeline rank {self.pipe.rank}: {a} got no message from {self._peer_name(a.peer)} after "
+                f"pipeline rank {self.pipe.rank}: {a} got no message from {self._peer_name(_peer(a))} after "
                 f"{time.perf_counter() - t0:.1f} s; that rank has died or hung ({str(e).splitlines()[0]})"
             ) from e
 
@@ -193,16 +209,17 @@ class PipelineRuntime:
         sends, recvs = [], []
         for i in issue.batch:
             a = self.actions[i]
+            mb, s = _placed(a)
             if a.kind in SENDS:
                 store = self.out_act if a.kind is Kind.SEND_F else self.out_grad
-                t = store.pop((a.microbatch, a.stage))
+                t = store.pop((mb, s))
                 sends.append((t, a.peer))
                 self.sent.append(t)
             else:
-                rows, seq = self.batches[a.microbatch][0].shape[:2]
+                rows, seq = self.batches[mb][0].shape[:2]
                 buf = torch.empty(rows, seq // self.pipe.seq_div, self.dim, dtype=self.dtype, device=self.device)
                 recvs.append((i, buf))
-        src, dst = issue.link
+        src, dst = cast(tuple[int, int], issue.link)  # posting.link_of: (src, dst) pipeline ranks
         group, peer = self.pipe.link(src, dst)
         works = comm.batch_p2p([(t, peer) for t, _ in sends], [(b, peer) for _, b in recvs], group, self.meter)
         self.send_works += works[: len(sends)]
@@ -218,7 +235,7 @@ class PipelineRuntime:
             t0 = self._clock()
             self._wait(work, a)
             self._event(a, t0)
-            key = (a.microbatch, a.stage)
+            key = _placed(a)
             if a.kind is Kind.RECV_F:
                 self.in_act[key] = buf.requires_grad_()
             else:
@@ -226,9 +243,9 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ compute
     def _forward(self, a: Action, index: int) -> None:
-        stage = self.pipe.stage(a.stage)
-        x, y = self.batches[a.microbatch]
-        key = (a.microbatch, a.stage)
+        mb, s = key = _placed(a)
+        stage = self.pipe.stage(s)
+        x, y = self.batches[mb]
         inp = None if stage.is_first else self.in_act.pop(key)
         if self.versions is not None:
             weights = self.versions.stash[a.version or 0]
@@ -236,24 +253,25 @@ class PipelineRuntime:
             self.versions.used(index, a.version or 0)
         else:
             inp = stage.embed(x) if stage.is_first else inp
-            out = stage.body(inp)
+            out = stage.body(cast(torch.Tensor, inp))  # received above, or embedded on the first stage
         if stage.is_last:
             loss = self.loss_fn(out, y)
-            self.stats.losses[a.microbatch] = loss.detach()
+            self.stats.losses[mb] = loss.detach()
             out = loss * self.scale
         else:
             self.out_act[key] = out.detach()
         self.saved[key] = (inp, out)
 
     def _backward(self, a: Action, index: int) -> None:
-        stage = self.pipe.stage(a.stage)
-        key = (a.microbatch, a.stage)
+        mb, s = key = _placed(a)
+        stage = self.pipe.stage(s)
         if a.kind is Kind.BW:
             with self._sync(index):
                 backward_weight(self.pending_w.pop(key))
             return
         inp, out = self.saved.pop(key)
         grad = None if stage.is_last else self.in_grad.pop(key)
+        dx: torch.Tensor | None
         if a.kind is Kind.BI:
             dx, self.pending_w[key] = backward_input(out, grad, inp, list(stage.parameters()))
         else:
@@ -261,12 +279,15 @@ class PipelineRuntime:
                 torch.autograd.backward(out, grad)
             dx = None if stage.is_first else inp.grad
         if not stage.is_first:
+            if dx is None:
+                raise RuntimeError(f"pipeline rank {self.pipe.rank}: {a} left no gradient for the input "
+                                   f"of stage {s}")
             self.out_grad[key] = dx
         if self.versions is not None:
             v = a.version or 0
             if self.trace_versions:
                 self.stats.version_log.append({
-                    "mb": a.microbatch, "version": v, "newest": self.versions.newest,
+                    "mb": mb, "version": v, "newest": self.versions.newest,
                     "used": self.versions.fingerprint(v), "live": self.versions.fingerprint(None),
                 })  # fmt: skip
             self.versions.move_grads(v)
@@ -302,10 +323,15 @@ class PipelineRuntime:
         """Execute ``actions``; ``batches[i]`` = (tokens, targets) of micro-batch i (all stages get them)."""
         self.batches, self.loss_fn, self.scale, self.no_sync, self.record = batches, loss_fn, scale, no_sync, record
         self.stats = RunStats()
-        self.saved: dict = {}
-        self.in_act, self.in_grad, self.out_act, self.out_grad, self.pending_w = {}, {}, {}, {}, {}
+        self.saved: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> (input, output) of its forward
+        self.in_act: dict[tuple[int, int], torch.Tensor] = {}
+        self.in_grad: dict[tuple[int, int], torch.Tensor] = {}
+        self.out_act: dict[tuple[int, int], torch.Tensor] = {}
+        self.out_grad: dict[tuple[int, int], torch.Tensor] = {}
+        self.pending_w: dict[tuple[int, int], WeightGrad] = {}
         self.posted: dict[int, tuple] = {}
-        self.sent, self.send_works = [], []
+        self.sent: list[torch.Tensor] = []
+        self.send_works: list = []
         versioned = any(a.version is not None for a in actions)
         if versioned and self.pipe.n_stages != self.pipe.p:
             raise ValueError("weight-versioned (asynchronous) schedules need one stage per rank")
@@ -313,7 +339,7 @@ class PipelineRuntime:
         last: dict[int, int] = {}
         for i, a in enumerate(actions):
             if a.kind in (Kind.B, Kind.BW):
-                last[a.stage] = i
+                last[_placed(a)[1]] = i
         self.final = set(last.values())
         self.actions = actions
         self.pending = deque(i for i, a in enumerate(actions) if a.kind in RECVS)

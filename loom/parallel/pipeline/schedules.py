@@ -44,6 +44,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import cast
+
+from loom.rules import SCHEDULES as SCHEDULE_NAMES
+from loom.rules import ScheduleName
 
 __all__ = [
     "Action",
@@ -140,14 +144,14 @@ def _with_comms(orders: list[Order], p: int, n_stages: int) -> Schedule:
                 send = Action(Kind.SEND_B, mb, s, peer=rank_of[s - 1])
             if send is not None:
                 out.append(send)
-                channel[(r, send.peer)].append(send)
+                channel[(r, cast(int, send.peer))].append(send)  # built with a peer just above
         sent.append(out)
 
     # 2) recvs before the consuming compute, pulling earlier messages of the channel first
     def recv_for(send: Action, src: int) -> Action:
         if send.kind is Kind.SEND_F:
-            return Action(Kind.RECV_F, send.microbatch, send.stage + 1, peer=src)
-        return Action(Kind.RECV_B, send.microbatch, send.stage - 1, peer=src)
+            return Action(Kind.RECV_F, send.microbatch, cast(int, send.stage) + 1, peer=src)
+        return Action(Kind.RECV_B, send.microbatch, cast(int, send.stage) - 1, peer=src)
 
     schedule: Schedule = []
     for r, items in enumerate(sent):
@@ -287,9 +291,9 @@ def _versioned(
         steps = 0
         for a in actions:
             if a.kind in COMPUTE:
-                a = Action(a.kind, a.microbatch, a.stage, version=version_of(r, a.microbatch))
+                a = Action(a.kind, a.microbatch, a.stage, version=version_of(r, cast(int, a.microbatch)))
             tagged.append(a)
-            if a.kind is Kind.B and step_after(a.microbatch):
+            if a.kind is Kind.B and step_after(cast(int, a.microbatch)):  # compute: has a micro-batch
                 steps += 1
                 tagged.append(Action(Kind.STEP, a.microbatch, None, version=steps))
         out.append(tagged)
@@ -353,7 +357,7 @@ def pipedream_2bw(p: int, m: int, batches: int = 2) -> Schedule:
 def weight_versions(schedule: Schedule) -> list[dict[tuple[Kind, int, int], int]]:
     """Per rank: {(kind, microbatch, stage): weight version} of every compute action (0 if unversioned)."""
     return [
-        {(a.kind, a.microbatch, a.stage): a.version or 0 for a in actions if a.kind in COMPUTE}
+        {(a.kind, cast(int, a.microbatch), cast(int, a.stage)): a.version or 0 for a in actions if a.kind in COMPUTE}
         for actions in schedule
     ]
 
@@ -363,7 +367,7 @@ def stashed_versions(schedule: Schedule) -> list[int]:
     peaks = []
     for actions in schedule:
         newest, peak = 0, 1
-        live: dict[tuple[int, int], int] = {}  # (mb, stage) -> version stashed at its forward
+        live: dict[tuple[int | None, int | None], int] = {}  # (mb, stage) -> version stashed at its forward
         for a in actions:
             if a.kind is Kind.STEP:
                 newest = a.version if a.version is not None else newest
@@ -376,7 +380,7 @@ def stashed_versions(schedule: Schedule) -> list[int]:
     return peaks
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
+SCHEDULES: dict[ScheduleName, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
@@ -384,6 +388,8 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "pipedream": pipedream_async,
     "2bw": pipedream_2bw,
 }
+if tuple(SCHEDULES) != SCHEDULE_NAMES:  # the names config validates (loom.rules.ScheduleName)
+    raise ImportError(f"pipeline schedules {tuple(SCHEDULES)} differ from loom.rules.ScheduleName {SCHEDULE_NAMES}")
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:

@@ -105,7 +105,8 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
 
 
 def _n_stages(schedule: Schedule) -> int:
-    stages = [a.stage for actions in schedule for a in actions if a.kind in COMPUTE]
+    # a compute action without a stage is reported by _check_structure
+    stages = [a.stage for actions in schedule for a in actions if a.kind in COMPUTE and a.stage is not None]
     return max(stages) + 1 if stages else 0
 
 
@@ -174,8 +175,17 @@ def _execute(schedule: Schedule, cost: Callable[[Action], float], t_comm: float)
 
     def run(r: int, a: Action) -> float | None:
         """Execute a on rank r; return its end time, or None if blocked in RECV."""
+        if a.kind is Kind.STEP:
+            steps[r] += 1
+            if a.version is not None and a.version != steps[r]:
+                raise fail(r, a, f"is step {steps[r]} of this rank but creates version {a.version}")
+            return clock[r]
         mb, s = a.microbatch, a.stage
+        if mb is None or s is None:  # _check_structure has rejected these
+            raise fail(r, a, "needs a micro-batch and a stage")
         if a.kind in RECVS:
+            if a.peer is None:  # _check_structure has rejected these
+                raise fail(r, a, "needs a peer rank")
             queue = channels[(a.peer, r)]
             if not queue:
                 return None
@@ -190,12 +200,9 @@ def _execute(schedule: Schedule, cost: Callable[[Action], float], t_comm: float)
             producers = (Kind.F,) if a.kind is Kind.SEND_F else (Kind.B, Kind.BI)
             if not any((k, mb, s) in done[r] for k in producers):
                 raise fail(r, a, "sends a result its stage has not computed yet")
+            if a.peer is None:  # _check_structure has rejected these
+                raise fail(r, a, "needs a peer rank")
             channels[(r, a.peer)].append((a, clock[r] + t_comm))
-            return clock[r]
-        if a.kind is Kind.STEP:
-            steps[r] += 1
-            if a.version is not None and a.version != steps[r]:
-                raise fail(r, a, f"is step {steps[r]} of this rank but creates version {a.version}")
             return clock[r]
         # compute
         if a.version is not None and a.version > steps[r]:
@@ -277,12 +284,15 @@ def simulate(
     """
 
     def cost(a: Action) -> float:
+        s = a.stage
+        if s is None:  # _execute costs only compute actions, which _check_structure gave a stage
+            raise ScheduleError(f"{a}: a compute action needs a stage")
         if a.kind is Kind.F:
-            return _per_stage(t_f, a.stage)
-        full = _per_stage(t_b, a.stage)
+            return _per_stage(t_f, s)
+        full = _per_stage(t_b, s)
         if a.kind is Kind.B:
             return full
-        weight = full / 2 if t_w is None else _per_stage(t_w, a.stage)
+        weight = full / 2 if t_w is None else _per_stage(t_w, s)
         if not 0 <= weight <= full:
             raise ValueError(f"t_w={weight} must lie within [0, t_b={full}]")
         return weight if a.kind is Kind.BW else full - weight

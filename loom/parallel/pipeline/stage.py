@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,7 @@ from torch.autograd.graph import GradientEdge, Node
 from loom import comm
 from loom.comm import Group
 from loom.model.llama import Transformer
+from loom.parallel.state import gather_module_state
 
 __all__ = [
     "PipelineModule",
@@ -78,8 +80,8 @@ class StageModule(nn.Module):
         if self.is_last:
             self.norm = model.norm
             self.output = model.output
-        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.register_buffer("rope_cos", cast(torch.Tensor, model.rope_cos), persistent=False)  # buffers
+        self.register_buffer("rope_sin", cast(torch.Tensor, model.rope_sin), persistent=False)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(tokens)  # (B, T, h)
@@ -124,12 +126,15 @@ class PipelineModule(nn.Module):
                 raise RuntimeError(f"pipeline rank {self.rank}: no link group for {src} -> {dst}; build the "
                                    "pipeline with links=mesh.pp_links() (one pp group deadlocks on NCCL)")
             return self.group, peer
+        if self.group is None:
+            raise ValueError(f"pipeline rank {self.rank}: link groups were given but no pp group to map "
+                             f"pipeline rank {peer} to its global rank")
         return group, dist.get_group_rank(group, dist.get_global_rank(self.group, peer))
 
     def stage(self, s: int) -> StageModule:
         if s % self.p != self.rank:
             raise KeyError(f"stage {s} lives on pipeline rank {s % self.p}, not {self.rank}")
-        return self.stages[s // self.p]
+        return cast(StageModule, self.stages[s // self.p])
 
     @property
     def is_first(self) -> bool:
@@ -144,9 +149,9 @@ class PipelineModule(nn.Module):
         if not self.cfg.tie_embeddings or self.p == 1:
             return None
         if self.is_first:
-            return self.stage(0).tok_embeddings.weight
+            return cast(nn.Parameter, self.stage(0).tok_embeddings.weight)
         if self.is_last:
-            return self.stage(self.n_stages - 1).output.weight
+            return cast(nn.Parameter, self.stage(self.n_stages - 1).output.weight)
         return None
 
 
@@ -187,16 +192,7 @@ def gather_full_state(pipe: PipelineModule) -> dict[str, torch.Tensor] | None:
 
     A collective over the pp group (and the tp or ep group, whose shards are gathered first).
     """
-    if comm.group_size(pipe.tp_group) > 1:
-        from loom.parallel.tensor_parallel import gather_full_state as gather_tp
-
-        local = {k: v.cpu() for k, v in gather_tp(pipe.stages, pipe.tp_group).items()}
-    elif any(getattr(p, "ep_shard", None) is not None for p in pipe.parameters()):
-        from loom.parallel.expert_parallel import gather_experts
-
-        local = {k: v.cpu() for k, v in gather_experts(pipe.stages).items()}
-    else:
-        local = {k: v.detach().cpu() for k, v in pipe.stages.state_dict().items()}
+    local = {k: v.cpu() for k, v in gather_module_state(pipe.stages, pipe.tp_group).items()}
     local = {k.split(".", 1)[1]: v for k, v in local.items()}  # drop the "<chunk>." prefix
     if comm.group_size(pipe.group) == 1:
         return local
@@ -224,7 +220,11 @@ def _node(t: torch.Tensor) -> Node:
     """The autograd node producing t: its grad_fn, or for a leaf its AccumulateGrad node."""
     if t.grad_fn is not None:
         return t.grad_fn
-    return t.view_as(t).grad_fn.next_functions[0][0]
+    view = t.view_as(t).grad_fn
+    node = None if view is None else view.next_functions[0][0]
+    if node is None:
+        raise ValueError("a tensor that does not require grad has no autograd node")
+    return node
 
 
 def _consumers(root: Node) -> dict[Node, list[Node]]:
@@ -289,17 +289,18 @@ def backward_input(
             h.remove()
     captured[in_node] = (dx,)  # a join that is the input node itself (the embedding lookup)
     pending = WeightGrad()
-    for ids, joins in groups:
-        if not ids:
+    for members, join_nodes in groups:
+        if not members:
             continue
-        edges, grads = [], []
-        for j in joins:
-            for k, g in enumerate(captured.get(j, ())):
-                if g is not None:
+        edges: list[GradientEdge] = []
+        grads: list[torch.Tensor] = []
+        for j in join_nodes:
+            for k, gk in enumerate(captured.get(j, ())):
+                if gk is not None:
                     edges.append(GradientEdge(j, k))
-                    grads.append(g)
+                    grads.append(gk)
         if edges:
-            pending.groups.append(([params[i] for i in ids], edges, grads))
+            pending.groups.append(([params[i] for i in members], edges, grads))
     return dx, pending
 
 

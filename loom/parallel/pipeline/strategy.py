@@ -1,30 +1,23 @@
-"""Pipeline parallelism as a training Strategy: the split step, the step function, eval, saving.
+"""Pipeline parallelism as a training Strategy: the data-parallel strategy of this rank's stages,
+plus the pipeline-wide norm and the tied embedding/head gradient.
 
-:func:`apply_pipeline` is step 3 of ``parallelize``: it cuts the model (``parallel.pp_layout``
-or the profiled partitioner) and keeps this rank's stages. The data-parallel strategy (step 5)
-then wraps those stages, and :class:`PipelineStrategy` wraps it in turn.
+:func:`apply_pipeline` cuts the model (``parallel.pp_layout`` or the profiled partitioner) and
+keeps this rank's stages; the data-parallel strategy is applied to those stages, and
+:class:`PipelineStrategy` composes it with the runtime. The pipeline replaces only forward and
+backward (:mod:`loom.parallel.pipeline.step`); sync, clipping and the update are the shared
+:func:`loom.train.step.optimizer_step` over this strategy:
 
-Micro-batches: the pipeline's micro-batches are the gradient-accumulation micro-batches,
-m = global_batch / (micro_batch * dp); every pipeline rank of a data-parallel replica reads
-the same ones (the first stage uses the tokens, the last the targets).
-
-One synchronous step (GPipe, 1F1B, interleaved, ZB-H1) on every rank:
-
-    run the action list (loss / m per micro-batch) -> at STEP: finish the dp reduction,
-    sum the tied embedding/head gradient between the first and last rank, clip by
-    ||g|| = sqrt(sum over pp ranks of ||g_rank||^2) (tied matrix once), optimizer step.
-
-It equals the single-process step on the same global batch. Asynchronous lists (PipeDream,
-2BW) step inside the list; each rank clips its own stage's gradient (a pp-wide norm would
-synchronise the stages the schedule decouples), and tied embeddings are rejected.
-The loss is computed on the last stage, averaged over dp, and broadcast over pp.
+    finish_sync   the dp reduction, then the tied embedding/head gradient summed between the
+                  first and the last pipeline rank (synchronous schedules)
+    grad_sq       Σ over pp ranks of each stage's Σ g² (the tied matrix once); asynchronous
+                  schedules (PipeDream, 2BW): the stage's own, as a pp-wide norm would
+                  synchronise the stages the schedule decouples
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -32,31 +25,21 @@ import torch
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.parallel.data_parallel import DataParallel
+from loom.parallel.base import Strategy, grad_norm_sq
 from loom.parallel.pipeline.runtime import (
     Batch,
     PipelineRuntime,
     RunStats,
-    bubble_formula,
     gather_timeline,
     loss_scale,
     step_schedule,
 )
-from loom.parallel.pipeline.schedules import Action, Kind
+from loom.parallel.pipeline.schedules import Action
 from loom.parallel.pipeline.simulate import Timeline, check
 from loom.parallel.pipeline.stage import PipelineModule, exchange_tied_grad, gather_full_state, split_model
-from loom.parallel.tp_comm import sum_partial_grads
-from loom.train.step import StepResult, Strategy, grad_norm_sq, mean_over
+from loom.parallel.placement import placement_of
 
-__all__ = [
-    "ASYNC",
-    "PipelineStrategy",
-    "apply_pipeline",
-    "pipeline_evaluate",
-    "pipeline_full_model",
-    "pipeline_train_step",
-    "timeline_report",
-]
+__all__ = ["ASYNC", "PipelineStrategy", "apply_pipeline"]
 
 ASYNC = ("pipedream", "2bw")
 log = logging.getLogger("loom")
@@ -77,10 +60,8 @@ def apply_pipeline(model, mesh, cfg, loss_fn, log_fn: Callable[[str], None] | No
 class PipelineStrategy:
     """The data-parallel ``inner`` strategy of this rank's stages, plus the pipeline runtime.
 
-    Delegates the Strategy protocol (and any other attribute) to ``inner``, except
-    :meth:`finish_sync` (adds the tied-gradient exchange) and :meth:`clip_grad_norm` (sums the
-    squared norm over the pp group: each rank holds different parameters). The measured
-    timeline of step ``record_step`` is kept in ``timeline`` and drawn to ``timeline_path``.
+    The timeline of step ``record_step`` is measured, kept in ``timeline`` and drawn to
+    ``timeline_path``.
     """
 
     def __init__(self, inner: Strategy, pipe: PipelineModule, schedule: str, v: int = 1, tp_group: Group = None,
@@ -93,11 +74,6 @@ class PipelineStrategy:
         self.timeline: Timeline | None = None
         self.last_stats: RunStats | None = None
         self._lists: dict[int, list[Action]] = {}
-
-    def __getattr__(self, name: str):
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     @property
     def asynchronous(self) -> bool:
@@ -114,6 +90,8 @@ class PipelineStrategy:
     def run(self, micro_batches: Sequence[Batch], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
             on_step: Callable[[Action], None]) -> RunStats:  # fmt: skip
         """Execute this rank's list over the micro-batches (recording the timeline on ``record_step``)."""
+        from loom.parallel.pipeline.report import timeline_report
+
         m = len(micro_batches)
         record = self.steps_done == self.record_step
         stats = self.runtime.run(self.actions(m), micro_batches, loss_fn, loss_scale(self.schedule, m), on_step,
@@ -126,7 +104,8 @@ class PipelineStrategy:
                 log.info("%s", timeline_report(self.timeline, self.schedule, m, self.v, self.timeline_path))
         return stats
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
+    # ------------------------------------------------------------------ Strategy
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.inner.no_sync()
 
     def finish_sync(self) -> None:
@@ -145,46 +124,47 @@ class PipelineStrategy:
     def zero_grad(self) -> None:
         self.inner.zero_grad()
 
-    def step(self, lr: float) -> None:
-        self.inner.step(lr)
+    def grads(self) -> list[torch.Tensor]:
+        return self.inner.grads()
+
+    def grad_sq(self) -> torch.Tensor:
+        """Σ over pp ranks of the stages' Σ g², the tied matrix counted once (by the first rank);
+        the stage's own under an asynchronous schedule."""
+        sq = self.inner.grad_sq()
+        if self.asynchronous:
+            return sq
+        tied = self.pipe.tied_weight()
+        if tied is not None and self.pipe.is_last:
+            shard_of = getattr(self.inner, "param_grad_shard", None)
+            if shard_of is not None:  # a ZeRO shard: squares summed over the sharding group
+                t = shard_of(tied).float().pow(2).sum()
+                comm.all_reduce(t, self.inner.shard_group)  # type: ignore[attr-defined]
+            else:
+                t = grad_norm_sq([tied])
+            if placement_of(tied).tp_sharded:
+                comm.all_reduce(t, self.tp_group)
+            sq = sq - t.to(sq.device)
+        sq = sq.clone()
+        comm.all_reduce(sq, self.pipe.group, self.meter)
+        return sq.clamp(min=0.0)
+
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        self.inner.scale_grads(coef)
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        self.inner.step(lr, grad_scale)
 
     def state_bytes(self) -> dict[str, int]:
         return self.inner.state_bytes()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """||g||^2 = sum over pp ranks of the stage norms^2, the tied matrix counted once; then clip.
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict (reference names) on pipeline rank 0, None elsewhere."""
+        return gather_full_state(self.pipe)
 
-        Scaling by coef = min(1, max_norm / (||g|| + 1e-6)): DataParallel's gradients are
-        ``p.grad``, scaled here by one float32 factor, bitwise the same on every pipeline rank (so
-        the two tied copies stay equal). Other inner strategies (sharded gradients) are asked to
-        clip to max_norm' with min(1, max_norm' / (local + 1e-6)) = coef in their float32 formula
-        (exact up to one float32 ulp of coef). Asynchronous schedules: the stage's own norm.
-        """
-        if self.asynchronous:
-            return self.inner.clip_grad_norm(max_norm)
-        local = self.inner.clip_grad_norm(0.0)
-        device = next(self.pipe.parameters()).device  # collectives take device tensors (NCCL)
-        sq = torch.tensor(local * local, dtype=torch.float64, device=device)
-        tied = self.pipe.tied_weight()
-        if tied is not None and self.pipe.is_last:  # the tied matrix once: the first rank counts it
-            if hasattr(self.inner, "param_grad_shard"):  # a ZeRO shard: squares summed over the sharding group
-                t = self.inner.param_grad_shard(tied).float().pow(2).sum()
-                comm.all_reduce(t, self.inner.shard_group)
-            else:
-                t = grad_norm_sq([tied])
-            if getattr(tied, "tp_shard_dim", None) is not None:
-                comm.all_reduce(t, self.tp_group)
-            sq -= t.double().to(device)
-        comm.all_reduce(sq, self.pipe.group, self.meter)
-        norm = math.sqrt(max(float(sq), 0.0))
-        coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-        if coef < 1.0 and isinstance(self.inner, DataParallel):
-            grads = [p.grad for p in self.inner.params if p.grad is not None]
-            torch._foreach_mul_(grads, torch.tensor(coef, dtype=torch.float32, device=grads[0].device))
-        elif coef < 1.0:
-            self.inner.clip_grad_norm(_max_norm_for(local, coef))
-        return norm
-
+    def remove(self) -> None:
+        remove = getattr(self.inner, "remove", None)
+        if remove is not None:
+            remove()
 
     # ------------------------------------------------------------------ checkpoints (Shardable)
     def _canonical(self, key: str) -> tuple[str, bool]:
@@ -199,34 +179,15 @@ class PipelineStrategy:
         return f"{kind}.{rest}", False
 
     def sharded_state(self) -> dict:
-        from loom.checkpoint.replicated import as_shardable
-
         out = {}
-        for key, piece in as_shardable(self.inner).sharded_state().items():
+        for key, piece in self.inner.sharded_state().items():  # type: ignore[attr-defined]
             name, tied_copy = self._canonical(key)
             if not tied_copy:
                 out[name] = piece
         return out
 
     def load_sharded(self, reader) -> None:
-        from loom.checkpoint.replicated import as_shardable
-
-        as_shardable(self.inner).load_sharded(_RenamingReader(reader, lambda k: self._canonical(k)[0]))
-
-
-def _max_norm_for(local: float, coef: float) -> float:
-    """A max_norm M with clamp(M / (local + 1e-6), max=1) == float32(coef) exactly in float32 arithmetic."""
-    d = torch.tensor(local, dtype=torch.float32) + 1e-6
-    want = torch.tensor(coef, dtype=torch.float32)
-    guess = (want.double() * d.double()).float()
-    up, down = guess.clone(), guess.clone()
-    for _ in range(8):  # the product is off by at most a few float32 ulps
-        for cand in (up, down):
-            if torch.clamp(float(cand) / d, max=1.0) == want:
-                return float(cand)
-        up = torch.nextafter(up, torch.tensor(float("inf")))
-        down = torch.nextafter(down, torch.tensor(float("-inf")))
-    return float(guess)
+        self.inner.load_sharded(_RenamingReader(reader, lambda k: self._canonical(k)[0]))  # type: ignore[attr-defined]
 
 
 class _RenamingReader:
@@ -240,135 +201,3 @@ class _RenamingReader:
 
     def __getattr__(self, name: str):
         return getattr(self.reader, name)
-
-
-def pipeline_train_step(model: PipelineModule, strategy: PipelineStrategy, micro_batches: Sequence[Batch],
-                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], grad_clip: float, lr: float,
-                        dp_group: Group) -> StepResult:  # fmt: skip
-    """One step through the pipeline; the signature and result of :func:`loom.train.step.train_step`.
-
-    ``strategy`` is a :class:`PipelineStrategy`, possibly wrapped (attributes pass through);
-    the optimizer side goes through the Strategy protocol so wrappers see every step.
-    """
-    norms: list[float] = []
-
-    def on_step(_: Action) -> None:
-        strategy.finish_sync()
-        sum_partial_grads(model.parameters(), strategy)
-        norms.append(strategy.clip_grad_norm(grad_clip))
-        strategy.step(lr)
-        if strategy.asynchronous:
-            strategy.zero_grad()
-
-    strategy.zero_grad()
-    stats = strategy.run(micro_batches, loss_fn, on_step)
-    loss = _last_stage_mean(model, dp_group, list(stats.losses.values()))
-    if strategy.asynchronous:  # root-mean-square of this step's per-update stage norms, summed over stages
-        sq = torch.tensor(sum(n * n for n in norms) / max(1, len(norms)), dtype=torch.float64,
-                          device=next(model.parameters()).device)  # fmt: skip
-        comm.all_reduce(sq, model.group)
-        return StepResult(loss=loss, grad_norm=math.sqrt(float(sq)))
-    return StepResult(loss=loss, grad_norm=norms[-1])
-
-
-def _last_stage_mean(pipe: PipelineModule, dp_group: Group, losses: list[torch.Tensor]) -> float:
-    """Mean of the last stage's losses, averaged over dp, known on every pipeline rank."""
-    device = next(pipe.parameters()).device
-    value = torch.zeros((), dtype=torch.float32, device=device)
-    if pipe.is_last:
-        value = mean_over(torch.stack(losses).float().mean(), dp_group)
-    comm.broadcast(value, (pipe.n_stages - 1) % pipe.p, pipe.group)
-    return float(value)
-
-
-@torch.no_grad()
-def pipeline_evaluate(model: PipelineModule, batches: Sequence[Batch],
-                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dp_group: Group) -> float:  # fmt: skip
-    """Mean loss over ``batches`` (signature of :func:`loom.train.step.evaluate`): a forward-only
-    pipeline, each micro-batch through the stages in order (sends never block, so no deadlock)."""
-    pipe, was_training = model, model.training
-    p, dim, dtype = pipe.p, pipe.cfg.dim, next(pipe.parameters()).dtype
-    losses, works, keep = [], [], []
-    pipe.eval()
-    for x, y in batches:
-        for s in pipe.stage_ids:
-            stage = pipe.stage(s)
-            if stage.is_first:
-                h = stage(x)
-            else:
-                h = torch.empty(x.shape[0], x.shape[1] // pipe.seq_div, dim, dtype=dtype, device=x.device)
-                group, peer = pipe.link((s - 1) % p, pipe.rank)
-                for w in comm.batch_p2p([], [(h, peer)], group):
-                    w.wait()
-                h = stage(h)
-            if stage.is_last:
-                losses.append(loss_fn(h, y).float())
-            else:
-                group, peer = pipe.link(pipe.rank, (s + 1) % p)
-                works += comm.batch_p2p([(h, peer)], [], group)
-                keep.append(h)
-    for w in works:
-        w.wait()
-    pipe.train(was_training)
-    return _last_stage_mean(pipe, dp_group, losses)
-
-
-def pipeline_full_model(pipe: PipelineModule):
-    """The whole model (a ``Transformer`` holding every stage's weights) on pipeline rank 0, else None."""
-    from loom.model.llama import Transformer
-
-    state = gather_full_state(pipe)
-    if state is None:
-        return None
-    model = Transformer(pipe.cfg)
-    model.load_state_dict(state)
-    return model
-
-
-def timeline_report(timeline: Timeline, schedule: str, m: int, v: int = 1, path: str | Path | None = None) -> str:
-    """Measured bubble (rank-time waiting on peers, :attr:`Timeline.waiting_bubble`) beside the formula
-    and beside the simulation of the same lists with the measured mean time of every (stage, kind),
-    which accounts for unequal stages and t_b != 2 t_f; then the runtime's own time between
-    actions (posting sends and receives, bookkeeping), which the formula does not count; draws
-    the picture at ``path`` if given.
-
-    Synchronous schedules: the bubble of the F/B/BI/BW phase (the final STEP left out, as in the
-    formula); asynchronous ones: of the whole list, STEPs counted as busy.
-    """
-    p = timeline.n_ranks
-    compute = Timeline(p, [e for e in timeline.events if e.action.kind is not Kind.STEP])
-    judged = timeline if schedule in ASYNC else compute
-    measured = judged.waiting_bubble
-    text = (f"pipeline {schedule} p={p} m={m} v={v}: measured bubble {measured:.1%} vs formula "
-            f"{bubble_formula(schedule, p, m, v):.1%} (simulated with measured stage times "
-            f"{_simulated_bubble(compute, schedule, m, v):.1%}), runtime overhead between actions "
-            f"{judged.bubble - measured:.1%}, makespan {1e3 * compute.makespan:.1f} ms")  # fmt: skip
-    if path is not None:
-        from loom.viz.timeline import draw_timeline
-
-        draw_timeline(timeline, path, title=f"{schedule} p={p} m={m} v={v} (measured)")
-        text += f"; timeline {path}"
-    return text
-
-
-def _simulated_bubble(timeline: Timeline, schedule: str, m: int, v: int) -> float:
-    """Bubble of the simulator run on the same lists with each stage's mean measured F, B (= BI + BW), BW times."""
-    from loom.parallel.pipeline.simulate import simulate
-
-    spans: dict[tuple[Kind, int], list[float]] = {}
-    for e in timeline.events:
-        if e.action.kind in (Kind.F, Kind.B, Kind.BI, Kind.BW):
-            spans.setdefault((e.action.kind, e.action.stage), []).append(e.end - e.start)
-    n = timeline.n_ranks * v
-
-    def mean(kind: Kind, s: int) -> float:
-        xs = spans.get((kind, s), [])
-        return sum(xs) / len(xs) if xs else 0.0
-
-    t_f = [mean(Kind.F, s) for s in range(n)]
-    t_w = [mean(Kind.BW, s) for s in range(n)]
-    t_b = [mean(Kind.B, s) or mean(Kind.BI, s) + t_w[s] for s in range(n)]
-    sim = simulate(step_schedule(schedule, timeline.n_ranks, m, v), t_f, t_b, t_w)
-    if schedule in ASYNC:
-        return sim.bubble
-    return Timeline(sim.n_ranks, [e for e in sim.events if e.action.kind is not Kind.STEP]).bubble

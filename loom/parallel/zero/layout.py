@@ -22,15 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loom.train.optim import param_groups
+from loom.optim.groups import param_groups
+from loom.parallel.placement import placement_of
 
 ALIGN_BYTES = 16  # shard starts on 16-byte boundaries: the vector width of CPU kernels, NCCL's preference
-
-
-def expert_group(p: torch.Tensor):
-    """An expert-parallel shard's edp group (the ranks holding the same experts), else None."""
-    shard = getattr(p, "ep_shard", None)
-    return None if shard is None else shard[3]
 
 
 def tied_copy(module: nn.Module) -> frozenset[int]:
@@ -38,7 +33,8 @@ def tied_copy(module: nn.Module) -> frozenset[int]:
     tied embedding/head matrix (``module.tied_weight()``). The first and the last stage then shard
     their copies alike, so the pipeline can sum the two copies' reduced gradient shards element
     for element."""
-    tied = module.tied_weight() if callable(getattr(module, "tied_weight", None)) else None
+    tied_weight = getattr(module, "tied_weight", None)
+    tied = tied_weight() if callable(tied_weight) else None
     return frozenset() if tied is None else frozenset({id(tied)})
 
 
@@ -54,13 +50,8 @@ def unique_params(module: nn.Module) -> list[nn.Parameter]:
 
 
 def decayed_ids(module: nn.Module) -> set[int]:
-    """ids of the parameters AdamW decays: the rule of :func:`loom.train.optim.param_groups`."""
+    """ids of the parameters AdamW decays: the rule of :func:`loom.optim.groups.param_groups`."""
     return {id(p) for p in param_groups(module, 1.0)[0]["params"]}
-
-
-def is_tp_sharded(p: torch.Tensor) -> bool:
-    """A tensor-parallel shard (its squares add over the tp group in the gradient norm)."""
-    return getattr(p, "tp_shard_dim", None) is not None
 
 
 def padded_numel(numel: int, world: int, element_size: int) -> int:
@@ -76,7 +67,11 @@ class Slot:
     offset: int
     numel: int
     decay: bool  # AdamW weight decay applies (ndim >= 2)
-    tp_sharded: bool  # a tensor-parallel shard
+    tp_dim: int | None  # the tensor-parallel shard dim of the parameter (None: replicated over tp)
+
+    @property
+    def tp_sharded(self) -> bool:
+        return self.tp_dim is not None
 
 
 class FlatLayout:
@@ -94,7 +89,7 @@ class FlatLayout:
         for p in self.params:
             if p.dtype != self.dtype or p.device != self.device:
                 raise ValueError("a flat buffer holds parameters of one dtype and device")
-            self.slots.append(Slot(off, p.numel(), id(p) in decayed, is_tp_sharded(p)))
+            self.slots.append(Slot(off, p.numel(), id(p) in decayed, placement_of(p).tp_dim))
             off += p.numel()
         self.numel = off  # Φ_g
         self.padded = padded_numel(off, world, params[0].element_size())  # Φ_g'
@@ -138,31 +133,3 @@ class FlatLayout:
         for p, v in zip(self.params, self.views(flat)):
             v.copy_(p.data)
             p.data = v
-
-
-def split_buckets(
-    params: Sequence[nn.Parameter], cap_bytes: int, alone: frozenset[int] = frozenset()
-) -> list[list[nn.Parameter]]:
-    """Runs of parameters in *reverse* registration order (roughly the order backward produces
-    their gradients), each up to ``cap_bytes`` and of one dtype and device (as the DDP buckets);
-    parameters whose id is in ``alone`` get a bucket of their own."""
-    groups: list[list[nn.Parameter]] = []
-    current: list[nn.Parameter] = []
-    size = 0
-    for p in reversed(params):
-        nb = p.numel() * p.element_size()
-        if current and (
-            size + nb > cap_bytes
-            or p.dtype != current[0].dtype
-            or p.device != current[0].device
-            or id(p) in alone
-            or id(current[0]) in alone
-            or expert_group(p) is not expert_group(current[0])
-        ):
-            groups.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nb
-    if current:
-        groups.append(current)
-    return groups

@@ -39,13 +39,13 @@ from torch import nn
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.memory.offload import StateStore
-from loom.parallel.zero.common import MAX_INFLIGHT, GradReducer, ShardedStrategy, build_adam
+from loom.parallel.bucket import BucketQueue, split_buckets
+from loom.parallel.placement import expert_group
+from loom.parallel.reducer import MAX_INFLIGHT, GradReducer
+from loom.parallel.zero.common import OptimizerFactory, ShardedStrategy
 from loom.parallel.zero.layout import (
     FlatLayout,
     decayed_ids,
-    expert_group,
-    split_buckets,
     tied_copy,
     unique_params,
 )
@@ -60,10 +60,7 @@ class FlatBucket:
     params: torch.Tensor  # Φ_b' elements; the parameters are views of it
     grads: torch.Tensor | None  # stage 1: full Φ_b' (p.grad are views); stage 2: transient, None at rest
     grad_shard: torch.Tensor  # this rank's reduced Φ_b'/N gradient shard
-    pending: int = 0
-    launched: bool = False
-    ready: bool = False  # every gradient of the step accumulated (launches once its predecessors have)
-    reducer: GradReducer | None = None  # the strategy's, or the expert shards' (summed over their edp group)
+    reducer: GradReducer  # the strategy's, or the expert shards' (summed over their edp group)
 
 
 @dataclass
@@ -84,8 +81,7 @@ class ZeroDataParallel(ShardedStrategy):
         stage: int,
         shard_group: Group,
         replicate_group: Group,
-        train_cfg,
-        store: StateStore,
+        make_optimizer: OptimizerFactory,
         meter: CommMeter | None = None,
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
@@ -117,17 +113,18 @@ class ZeroDataParallel(ShardedStrategy):
                 grad_shard = lay.shard_of(grads)
             else:
                 grads, grad_shard = None, lay.new_shard()
-            b = FlatBucket(i, lay, flat, grads, grad_shard, pending=len(ps), reducer=self._reducer_for(ps[0], dp))
+            b = FlatBucket(i, lay, flat, grads, grad_shard, reducer=self._reducer_for(ps[0], dp))
             for j, p in enumerate(ps):
                 self._slot[id(p)] = (b, j)
             self.buckets.append(b)
+        self.queue = BucketQueue(self.buckets, [len(b.layout.params) for b in self.buckets],
+                                 lambda b: id(b.reducer), self._launch)  # fmt: skip
         self.layouts = [b.layout for b in self.buckets]
         self.grad_shards = [b.grad_shard for b in self.buckets]
-        self.optim = build_adam(
-            self.layouts, [b.layout.shard_of(b.params) for b in self.buckets], store, train_cfg
-        )
+        self._build_optimizer(make_optimizer, [b.layout.shard_of(b.params) for b in self.buckets])
         self.launch_log: list[LaunchRecord] = []
         self._ready = 0
+        self._in_hook = False  # launches from a gradient hook are overlapped with backward
         self._handles = []
         if stage == 2:
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
@@ -155,28 +152,25 @@ class ZeroDataParallel(ShardedStrategy):
             b.grads = b.layout.new_flat()
             self._track()
         s = b.layout.slots[j]
-        b.grads[s.offset : s.offset + s.numel].view_as(p).add_(p.grad)
+        if p.grad is not None:
+            b.grads[s.offset : s.offset + s.numel].view_as(p).add_(p.grad)
         p.grad = None  # the full-size gradient lives on only inside the bucket
         if not self.sync_enabled:
             return
         self._ready += 1
-        b.pending -= 1
-        if b.pending == 0:
-            b.ready = True
-            for other in self.buckets:  # one reducer's buckets launch in index order on every rank
-                if other.reducer is b.reducer and not other.launched:
-                    if not other.ready:
-                        break
-                    self._launch(other, during_backward=True)
+        self._in_hook = True
+        try:
+            self.queue.grad_ready(b.index)
+        finally:
+            self._in_hook = False
 
-    def _launch(self, b: FlatBucket, during_backward: bool = False) -> None:
-        self.launch_log.append(LaunchRecord(b.index, len(self.params) - self._ready, during_backward))
+    def _launch(self, b: FlatBucket) -> None:
+        self.launch_log.append(LaunchRecord(b.index, len(self.params) - self._ready, self._in_hook))
         if b.grads is None:  # no gradient reached this bucket (unused parameters): reduce zeros
             b.grads = b.layout.new_flat()
         b.reducer.launch(b.grads, b.grad_shard, owned=self.stage == 2)
         if self.stage == 2:
             b.grads = None  # the reducer holds it until its shard is formed, then it is freed
-        b.launched = True
         self._track()
 
     def _transient_bytes(self) -> int:
@@ -189,23 +183,18 @@ class ZeroDataParallel(ShardedStrategy):
         return filling + sum(r.inflight_bytes for r in self._reducers)
 
     # ------------------------------------------------------------------ Strategy
-    def finish_sync(self) -> None:
+    def _reduce_all(self) -> None:
         """Reduce-scatter every bucket not launched yet (all of them in stage 1); wait for all."""
-        if not self.sync_enabled:
-            return
-        for b in self.buckets:
-            if not b.launched:
-                self._launch(b)
+        self.queue.launch_rest()
         for r in self._reducers:
             r.drain()
-        for b in self.buckets:
-            b.launched = b.ready = False
-            b.pending = len(b.layout.params)
+        self.queue.reset()
         self._ready = 0
 
     def zero_grad(self) -> None:
         for b in self.buckets:
             if self.stage == 1:
+                assert b.grads is not None  # stage 1 keeps its full-size gradient buffers
                 b.grads.zero_()
                 for p, v in zip(b.layout.params, b.layout.views(b.grads)):
                     p.grad = v
@@ -216,9 +205,9 @@ class ZeroDataParallel(ShardedStrategy):
         self.launch_log.clear()
         self.transient_peak = 0
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """Update this rank's shards, then all-gather every bucket in place."""
-        self.optim.step(self.grad_shards, lr)
+        self.optim.step(self.grad_shards, lr, grad_scale)
         self._gather_params()
 
     @torch.no_grad()
@@ -237,10 +226,8 @@ class ZeroDataParallel(ShardedStrategy):
     def state_bytes(self) -> dict[str, int]:
         """Held between steps: full params 4Φ', grads 4Φ' (stage 1) or 4Φ'/N (stage 2), Adam 8Φ'/N;
         and the peak of transient bytes during the last step (gradient buffers in flight)."""
-        grads = sum(
-            (b.grads if self.stage == 1 else b.grad_shard).numel() * b.grad_shard.element_size()
-            for b in self.buckets
-        )
+        held = [b.grads if self.stage == 1 and b.grads is not None else b.grad_shard for b in self.buckets]
+        grads = sum(g.numel() * g.element_size() for g in held)
         return {
             "param_bytes": sum(b.params.numel() * b.params.element_size() for b in self.buckets),
             "grad_bytes": grads,

@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,8 +60,9 @@ from torch import nn
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.memory.offload import StateStore
-from loom.parallel.zero.common import MAX_INFLIGHT, GradReducer, ShardedStrategy, build_adam
+from loom.parallel.reducer import MAX_INFLIGHT, GradReducer
+from loom.parallel.state import gather_module_state
+from loom.parallel.zero.common import OptimizerFactory, ShardedStrategy
 from loom.parallel.zero.layout import FlatLayout, decayed_ids, tied_copy, unique_params
 
 SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
@@ -137,7 +139,7 @@ class Unit:
     reshard_after_forward: bool
     grad_full: torch.Tensor | None = None
     state: str = UNSHARDED
-    work: object | None = None
+    work: Any = None  # the all-gather in flight (a torch.distributed Work)
     pending: int = 0  # parameters whose gradient has not arrived in this backward
     reduced: bool = False
     open: int = 0  # backwards begun (pre-backward fired) whose weight gradients are not all in yet
@@ -156,8 +158,7 @@ class FullyShardedZero(ShardedStrategy):
         module: nn.Module,
         shard_group: Group,
         replicate_group: Group,
-        train_cfg,
-        store: StateStore,
+        make_optimizer: OptimizerFactory,
         meter: CommMeter | None = None,
         reduce_dtype: torch.dtype | None = None,
         tp_group: Group = None,
@@ -190,7 +191,8 @@ class FullyShardedZero(ShardedStrategy):
             self.units.append(self._make_unit(i, name, r, mods, rank, decayed, reshard))
         self.layouts = [u.layout for u in self.units]
         self.grad_shards = [u.grad_shard for u in self.units]
-        self.optim = build_adam(self.layouts, [u.shard for u in self.units], store, train_cfg)
+        self.params = unique_params(module)
+        self._build_optimizer(make_optimizer, [u.shard for u in self.units])
         self.events: list[tuple[str, int, str]] = []  # (what, unit, how): for tests and timelines
 
     def _make_unit(
@@ -305,7 +307,8 @@ class FullyShardedZero(ShardedStrategy):
             u.grad_full = u.layout.new_flat()
             self._track()
         s = u.layout.slots[j]
-        u.grad_full[s.offset : s.offset + s.numel].view_as(p).add_(p.grad)
+        if p.grad is not None:
+            u.grad_full[s.offset : s.offset + s.numel].view_as(p).add_(p.grad)
         p.grad = None
         u.pending -= 1
         if u.pending == 0:  # one backward of this unit is complete
@@ -336,10 +339,8 @@ class FullyShardedZero(ShardedStrategy):
         return gathered + filling + self.reducer.inflight_bytes
 
     # ------------------------------------------------------------------ Strategy
-    def finish_sync(self) -> None:
+    def _reduce_all(self) -> None:
         """Reduce what backward did not (unused parameters), wait for every reduction, reshard all."""
-        if not self.sync_enabled:
-            return
         for u in self.units:
             if u.open or u.state != SHARDED:
                 u.open = 0
@@ -359,9 +360,9 @@ class FullyShardedZero(ShardedStrategy):
         self.events.clear()
         self.transient_peak = 0
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """Update this rank's shards; the next forward gathers them."""
-        self.optim.step(self.grad_shards, lr)
+        self.optim.step(self.grad_shards, lr, grad_scale)
 
     def state_bytes(self) -> dict[str, int]:
         """Held between steps: parameter shards 4Φ'/N, gradient shards 4Φ'/N, Adam 8Φ'/N (fp32); and
@@ -387,9 +388,9 @@ class FullyShardedZero(ShardedStrategy):
                 self._reshard(u)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's full state dict, cloned (collective)."""
+        """The model's full state dict, cloned (collective; tp and expert shards gathered too)."""
         with self.gathered():
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            return gather_module_state(self.module, self.tp_group)
 
     def remove(self) -> None:
         for h in self._handles:

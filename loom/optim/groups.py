@@ -1,8 +1,6 @@
-"""Optimizer and learning-rate schedule."""
+"""Decay groups and the replicated AdamW (``torch.optim.AdamW``) used without master weights."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -12,7 +10,9 @@ from loom.config import TrainConfig
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices (ndim >= 2), none on norms and biases. Tied weights appear once."""
-    decay, no_decay, seen = [], [], set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
     for p in model.parameters():
         if not p.requires_grad or id(p) in seen:
             continue
@@ -33,19 +33,6 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         eps=cfg.eps,
         foreach=True,
     )
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``steps``.
-
-    lr(s) = lr * (s+1)/W                                   for s < W
-          = min_lr + (lr - min_lr) * (1 + cos(pi * (s-W)/(S-W))) / 2   otherwise
-    """
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -35,7 +35,8 @@ LABELS = {Kind.F: "forward", Kind.B: "backward", Kind.BI: "backward (input grad)
 def _shade(color: str, chunk: int) -> tuple[float, float, float]:
     """Lighter colour for later model chunks: chunk 0 full colour, chunk 1 mixed 45% with white, ..."""
     mix = min(0.45 * chunk, 0.7)
-    return tuple(c + (1.0 - c) * mix for c in to_rgb(color))  # type: ignore[return-value]
+    r, g, b = to_rgb(color)
+    return r + (1.0 - r) * mix, g + (1.0 - g) * mix, b + (1.0 - b) * mix
 
 
 def draw_timeline(timeline: Timeline, path: str | Path, title: str = "pipeline schedule") -> Path:
@@ -68,6 +69,8 @@ def draw_timeline(timeline: Timeline, path: str | Path, title: str = "pipeline s
                 ax.plot([start, start], [e.rank - 0.45, e.rank + 0.45], color=COLORS[Kind.STEP],
                         linewidth=2.5, solid_capstyle="butt", zorder=3)
             continue
+        if a.stage is None:
+            raise ValueError(f"rank {e.rank}: {a} is a compute action without a stage")
         chunk = a.stage // n_ranks
         color = _shade(COLORS[a.kind], chunk)
         ax.broken_barh([(start, dur)], (e.rank - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.6)

@@ -8,7 +8,7 @@ Each rank updates only its shards. For a shard p with gradient g at step t (lr �
     v ← β2 v + (1 - β2) g²
     p ← p - γ/(1-β1^t) · m / (sqrt(v)/sqrt(1-β2^t) + ε)
 
-State per shard element, in the :class:`~loom.memory.offload.StateStore` (device, host or disk):
+State per shard element, in the :class:`~loom.optim.store.StateStore` (device, host or disk):
 m and v, 8 bytes; plus a 4-byte fp32 master copy when the parameters are not fp32 on the
 store's device (mixed precision, or parameters on a GPU with the state offloaded). Without a
 master copy the fp32 parameter shard itself is updated in place.
@@ -20,7 +20,9 @@ from collections.abc import Sequence
 
 import torch
 
-from loom.memory.offload import StateStore
+from loom.comm import Group
+from loom.optim.master import MasterWeights
+from loom.optim.store import StateStore
 
 
 class ShardedAdamW:
@@ -40,20 +42,10 @@ class ShardedAdamW:
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
         self.step_count = 0
-        self.masters: list[torch.Tensor] = []
-        self.exp_avgs: list[torch.Tensor] = []
-        self.exp_avg_sqs: list[torch.Tensor] = []
-        self.master_bytes = 0
-        for i, p in enumerate(self.params):
-            if p.dtype == torch.float32 and p.device == store.device:
-                master = p  # the fp32 shard is its own master
-            else:
-                master = store.zeros(p.numel(), f"master{i}")
-                master.copy_(p.detach())
-                self.master_bytes += master.numel() * master.element_size()
-            self.masters.append(master)
-            self.exp_avgs.append(store.zeros(p.numel(), f"exp_avg{i}"))
-            self.exp_avg_sqs.append(store.zeros(p.numel(), f"exp_avg_sq{i}"))
+        self.master = MasterWeights(shards, store)
+        self.masters = self.master.masters
+        self.exp_avgs = [store.zeros(p.numel(), f"exp_avg{i}") for i, p in enumerate(self.params)]
+        self.exp_avg_sqs = [store.zeros(p.numel(), f"exp_avg_sq{i}") for i, p in enumerate(self.params)]
         self._decayed = [m[lo:hi] for m, runs in zip(self.masters, decay_ranges) for lo, hi in runs]
 
     @property
@@ -62,12 +54,11 @@ class ShardedAdamW:
         return self.store.nbytes
 
     @torch.no_grad()
-    def step(self, grads: Sequence[torch.Tensor], lr: float) -> None:
-        """One AdamW update of every shard from its reduced gradient shard ``grads[i]``."""
+    def step(self, grads: Sequence[torch.Tensor], lr: float, grad_scale: float = 1.0) -> None:
+        """One AdamW update of every shard from ``grad_scale`` · its reduced gradient shard ``grads[i]``."""
         if not self.params:
             return
-        dev = self.store.device
-        g = [x if (x.device == dev and x.dtype == torch.float32) else x.to(dev, torch.float32) for x in grads]
+        g = self.master.grads32(grads, grad_scale)
         self.step_count += 1
         if self.weight_decay != 0 and self._decayed:
             torch._foreach_mul_(self._decayed, 1 - lr * self.weight_decay)
@@ -81,6 +72,7 @@ class ShardedAdamW:
         torch._foreach_div_(denom, bias2_sqrt)
         torch._foreach_add_(denom, self.eps)
         torch._foreach_addcdiv_(self.masters, self.exp_avgs, denom, (lr / bias1) * -1)
-        for p, master in zip(self.params, self.masters):
-            if master is not p:
-                p.copy_(master, non_blocking=True)
+        self.master.publish()
+
+    def bind_groups(self, shard_group: Group, tp_group: Group) -> None:
+        """AdamW is element-wise: no statistics cross shards."""

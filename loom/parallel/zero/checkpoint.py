@@ -13,7 +13,7 @@ buffer's fp32 master weights and Adam moments (``strategy.optim``). A parameter 
 (optimizers other than AdamW name their own element-shaped buffers, ``checkpoint_buffers``:
 8-bit Adam its dequantized m and v, Adafactor its second-moment estimate as ``exp_avg_sq``)
 
-A tensor-parallel shard (``tp_shard_dim``) is flattened on its own, so its range is a
+A tensor-parallel shard (``Placement.tp_dim``) is flattened on its own, so its range is a
 :class:`~loom.checkpoint.protocol.Flat` *within* the tp box of the global tensor. Replicas:
 hybrid sharding repeats each shard over ``replicate_group`` (R copies), and parameters that
 tensor parallelism does not shard repeat over tp as well.
@@ -35,23 +35,7 @@ from loom import comm
 from loom.checkpoint.format import CheckpointError
 from loom.checkpoint.protocol import Box, Flat, ShardedTensor, ShardReader
 from loom.checkpoint.replicated import _rank_size, read_group, unique_named_tensors
-
-
-def tp_geometry(p: torch.Tensor, tp_rank: int, tp: int) -> tuple[tuple[int, ...], Box | None]:
-    """(global shape, tp box or None) of a parameter that may be a tensor-parallel shard."""
-    dim = getattr(p, "tp_shard_dim", None)
-    if dim is None or tp == 1:
-        return tuple(p.shape), None
-    shape, offsets = list(p.shape), [0] * p.dim()
-    offsets[dim] = tp_rank * shape[dim]
-    shape[dim] *= tp
-    return tuple(shape), Box(tuple(offsets), tuple(p.shape))
-
-
-def ep_geometry(p: torch.Tensor) -> tuple[tuple[int, ...], Box]:
-    """(global shape, box) of an expert-parallel shard: rows [rank·E/ep, (rank+1)·E/ep) of all E experts."""
-    rank, ep = p.ep_shard[0], p.ep_shard[1]
-    return (p.shape[0] * ep, *p.shape[1:]), Box((rank * p.shape[0],) + (0,) * (p.dim() - 1), tuple(p.shape))
+from loom.parallel.placement import expert_geometry, placement_of, tp_geometry
 
 
 def _flat_state(opt, i: int) -> list[tuple[str, torch.Tensor]]:
@@ -83,12 +67,15 @@ class ZeroState:
                 if lo >= hi:
                     continue
                 fqn = self.names[id(p)]
-                shape, within = tp_geometry(p, self.tp_rank, self.tp)
+                shape, tp_offsets = tp_geometry(p, self.tp_rank, self.tp)
+                within = None if tp_offsets is None else Box(tp_offsets, tuple(p.shape))
                 readers = read_group(self.s.replicate_group, lay.device)
-                if getattr(p, "ep_shard", None) is not None:  # this rank's experts, repeated over their edp group
-                    shape, within = ep_geometry(p)
-                    replica = _rank_size(p.ep_shard[3])
-                    readers = read_group(p.ep_shard[3], lay.device)
+                expert = placement_of(p).expert
+                if expert is not None:  # this rank's experts, repeated over their edp group
+                    shape, offsets = expert_geometry(p)
+                    within = Box(offsets, tuple(p.shape))
+                    replica = _rank_size(expert.edp)
+                    readers = read_group(expert.edp, lay.device)
                 elif within is None:
                     replica = (self.tp_rank * self.rep + self.rep_rank, self.tp * self.rep)
                 else:

@@ -1,0 +1,152 @@
+"""The Strategy protocol every parallel strategy implements, and the one gradient clipping.
+
+A strategy owns the gradients and the update of the parameters it is applied to: data
+parallelism (:mod:`loom.parallel.data_parallel`), ZeRO 1-3 (:mod:`loom.parallel.zero`), and
+the pipeline around either (:mod:`loom.parallel.pipeline.strategy`). The training step
+(:func:`loom.train.step.optimizer_step`) drives one update through this protocol only:
+
+    finish_sync()  ->  any non-finite in grads()?  ->  clip_grad_norm()  ->  step(lr, grad_scale)
+
+Clipping (one rule for every layout): norm = sqrt(grad_sq()), the global L2 norm with every
+element counted once; coef = min(1, M / (norm + 1e-6)) for M = max_norm (in the units of the
+held gradients: M / u when they hold the loss-scaled 1/u · g), and scale_grads(coef).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from loom import comm
+from loom.comm import Group
+
+
+class Strategy(Protocol):
+    """What the training step needs from a strategy."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Inside: backward accumulates locally, no communication."""
+        ...
+
+    def finish_sync(self) -> None:
+        """After the last backward: finish the gradient reduction, tensor-parallel partial sums included."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+    def grads(self) -> list[torch.Tensor]:
+        """The reduced gradient tensors this rank holds (whole, or its shards)."""
+        ...
+
+    def grad_sq(self) -> torch.Tensor:
+        """Σ g² over the whole model's gradient, every element once: an fp32 scalar, equal on every rank."""
+        ...
+
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        """Multiply the held gradients by ``coef`` (an fp32 scalar tensor)."""
+        ...
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """Update at learning rate ``lr`` with gradients read as ``grad_scale`` · held gradient."""
+        ...
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds: ``param_bytes``, ``grad_bytes``, ``optim_bytes`` (and extras)."""
+        ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The single-device ``state_dict`` of the module this strategy trains (a collective; None on
+        the ranks that do not receive it: pipeline ranks other than the first)."""
+        ...
+
+
+class SyncSwitch:
+    """``sync_enabled`` and :meth:`no_sync`: gradient hooks check the flag; inside ``no_sync``
+    (gradient accumulation) they communicate nothing and gradients accumulate locally."""
+
+    sync_enabled: bool = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; no communication inside this context."""
+        prev = self.sync_enabled
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = prev
+
+
+def sum_sq(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """Σ x² in fp32 over ``tensors`` (fp32 accumulation for half ones too), on their device
+    (``device`` when there are none: a rank without any still joins the collective that sums it)."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).pow(2).sum()
+
+
+def grad_norm_sq(params: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """Σ g² in fp32 over the parameters' ``.grad`` (see :func:`sum_sq`)."""
+    if device is None and len(params):
+        device = params[0].device
+    return sum_sq([p.grad for p in params if p.grad is not None], device)
+
+
+def clip_grad_norm(strategy: Strategy, max_norm: float, unscale: float = 1.0) -> float:
+    """The global gradient norm of ``unscale`` · held gradients; clip them to ``max_norm`` if > 0.
+
+    The held gradients may carry a loss scale S = 1 / ``unscale`` (a power of two): their norm is
+    S·‖g‖ and clipping them to S·M applies the coefficient min(1, M / ‖g‖) to the true gradient.
+    """
+    norm = strategy.grad_sq().sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / unscale / (norm + 1e-6), max=1.0)
+        strategy.scale_grads(coef)
+    return float(norm) * unscale
+
+
+def scale_all(grads: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+    """``grads`` *= coef in place (one fused call)."""
+    grads = [g for g in grads if g.numel()]
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
+def any_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
+    """True on every rank if any rank's ``grads`` hold an inf or NaN: one MAX all-reduce over WORLD,
+    as every dimension (dp, tp, pp, ep) holds different gradient shards and all must agree."""
+    device = grads[0].device if grads else torch.device("cpu")
+    grads = [g for g in grads if g.numel()]
+    flag = torch.zeros(1, device=device)
+    if grads:
+        amax = torch._foreach_norm(grads, float("inf"))  # exact in the gradient's dtype; NaN propagates
+        flag += (~torch.isfinite(torch.stack(amax))).any().float()
+    if dist.is_available() and dist.is_initialized():
+        comm.all_reduce_max(flag, dist.group.WORLD)
+    return bool(flag.item())
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss over the global batch
+    grad_norm: float  # global gradient norm before clipping
+
+
+Update = Callable[[], float]  # finish the sync, clip, step: returns the gradient norm
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def mean_over(value: torch.Tensor, group: Group) -> torch.Tensor:
+    """Average a scalar over ``group`` (unmetered: bookkeeping, not training traffic)."""
+    n = comm.group_size(group)
+    if n > 1:
+        value = value.clone()
+        comm.all_reduce(value, group)
+        value /= n
+    return value

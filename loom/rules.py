@@ -1,0 +1,200 @@
+"""Layout validity: the rules ``loom train`` enforces, shared with the planner's search.
+
+:func:`layout_problems` is the one place that says whether a parallel layout can run a model:
+``config.validate`` raises the first problem it returns, and ``loom.plan.search`` drops every
+candidate with one, so ``loom plan`` never ranks a layout that training refuses. Pure functions
+over plain numbers and strings (standard library only); each problem is one line naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw"]
+AsyncScheduleName = Literal["pipedream", "2bw"]  # stage-local weight versions, optimizer steps per stage
+SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
+ASYNC_SCHEDULES: tuple[str, ...] = get_args(AsyncScheduleName)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the layout rules need to know of a model."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int  # resolved SwiGLU hidden size
+    vocab_size: int = 0  # 0 = not known yet (taken from the tokenizer later)
+    vocab_field: str = "model.vocab_size"  # the config field that sets vocab_size
+    n_experts: int = 1
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+
+    @classmethod
+    def of(cls, model: Any, **overrides: Any) -> ModelFacts:
+        """Facts of a ``loom.config.ModelConfig`` (read by attribute), with ``overrides``."""
+        facts = dict(
+            n_layers=model.n_layers, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
+            ffn_dim=model.resolved_ffn_dim(), vocab_size=max(0, model.vocab_size), n_experts=model.n_experts,
+            dropout=model.dropout, tie_embeddings=model.tie_embeddings,
+        )  # fmt: skip
+        return cls(**(facts | overrides))
+
+
+def tensor_parallel_problem(m: ModelFacts, tp: int) -> str | None:
+    """Shapes tp splits must divide by tp; kv heads may instead be replicated (n_kv_heads < tp, tp % n_kv_heads == 0)."""
+    if tp == 1:
+        return None
+    if m.n_heads % tp:
+        return f"model.n_heads: {m.n_heads} must be divisible by parallel.tp={tp}"
+    if m.n_kv_heads % tp and tp % m.n_kv_heads:
+        return f"model.n_kv_heads: {m.n_kv_heads} must be divisible by parallel.tp={tp}, or divide it (kv heads replicated)"
+    # model.dim = n_heads * head_dim, so it is divisible by tp once n_heads is.
+    if m.ffn_dim % tp:
+        return f"model.ffn_dim: the SwiGLU hidden size {m.ffn_dim} must be divisible by parallel.tp={tp}"
+    if m.vocab_size % tp:
+        what = "" if m.vocab_field == "model.vocab_size" else " (the model vocabulary)"
+        return f"{m.vocab_field}: {m.vocab_size}{what} must be divisible by parallel.tp={tp}"
+    return None
+
+
+def sequence_parallel_problem(tp: int, cp: int, seq_len: int) -> str | None:
+    """With sequence parallelism each rank holds seq_len / (tp*cp) positions of the norms and residual."""
+    if tp > 1 and seq_len % (tp * cp):
+        return f"data.seq_len: {seq_len} must be divisible by parallel.tp*cp={tp * cp} with parallel.sp"
+    return None
+
+
+def context_parallel_problem(cp: int, seq_len: int) -> str | None:
+    """Each cp rank holds two chunks of seq_len / (2 cp) positions (causal load balance)."""
+    if cp > 1 and seq_len % (2 * cp):
+        return f"data.seq_len: {seq_len} must be divisible by 2*parallel.cp={2 * cp} (two chunks per cp rank)"
+    return None
+
+
+def parse_layout(text: str, n_layers: int, n_stages: int) -> list[int]:
+    """Parse a manual layout like "0-3,4-7" (inclusive layer ranges, one per stage) into boundaries."""
+    where = f"pp_layout {text!r}"
+    parts = [part.strip() for part in text.split(",")]
+    if len(parts) != n_stages:
+        raise ValueError(f"{where}: {len(parts)} stages given, expected {n_stages}")
+    bounds = [0]
+    for k, part in enumerate(parts):
+        first, sep, last = part.partition("-")
+        try:
+            lo, hi = int(first), int(last if sep else first)
+        except ValueError:
+            raise ValueError(f"{where}: stage {k} {part!r} is not 'a-b' or 'a'") from None
+        if lo != bounds[-1]:
+            raise ValueError(
+                f"{where}: stage {k} starts at layer {lo}, expected {bounds[-1]} "
+                "(stages must be contiguous and cover every layer once)"
+            )
+        if hi < lo:
+            raise ValueError(f"{where}: stage {k} range {part!r} is empty")
+        bounds.append(hi + 1)
+    if bounds[-1] != n_layers:
+        raise ValueError(f"{where}: covers layers 0-{bounds[-1] - 1} but the model has {n_layers} (0-{n_layers - 1})")
+    return bounds
+
+
+def layout_problems(
+    m: ModelFacts,
+    *,
+    seq_len: int,
+    precision: str,
+    optimizer: str,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    zero: int = 0,
+    sp: bool = False,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    microbatches: int = 1,
+    offload: str = "none",
+    pp_layout: str = "",
+    vertical_sync: bool = False,
+) -> list[str]:
+    """Why this layout cannot train this model (first problem first), or []. Degrees are assumed
+    to multiply to the world size with ep | dp*cp (``config.resolve_layout`` checks that), and
+    ``microbatches`` = global_batch / (micro_batch * dp) to be whole."""
+    out = []
+    if m.n_experts > 1:
+        if tp > 1:
+            out.append(f"parallel.tp: tensor parallelism of the experts is not implemented; use 1 with model.n_experts={m.n_experts}")
+        if optimizer == "adafactor":
+            out.append("train.optimizer: adafactor factors 2-D weights; the experts' (E, f, h) weights need adamw or adam8bit")
+    if ep > 1:
+        if m.n_experts <= 1:
+            out.append(f"parallel.ep: expert parallelism needs experts (model.n_experts > 1), got ep={ep}")
+        elif m.n_experts % ep:
+            out.append(f"parallel.ep: {ep} must divide model.n_experts={m.n_experts}")
+        if zero:
+            out.append(f"parallel.zero: ZeRO with expert parallelism is not implemented; use 0 with parallel.ep={ep}")
+    if offload != "none" and zero < 1:
+        out.append(f"parallel.offload: {offload!r} offloads ZeRO optimizer state; it needs parallel.zero >= 1")
+    sp_problem = sequence_parallel_problem(tp, cp, seq_len) if sp else None
+    out += [why for why in (tensor_parallel_problem(m, tp), sp_problem, context_parallel_problem(cp, seq_len)) if why]
+    if cp > 1 and m.dropout:  # dropout masks would need a cp-private random stream
+        out.append(f"model.dropout: context parallelism (parallel.cp={cp}) needs 0, got {m.dropout}")
+    if precision == "fp16" and schedule in ASYNC_SCHEDULES and pp > 1:
+        out.append(
+            f"train.precision: fp16 skips a step when any rank overflows, agreed by all ranks at the step; the "
+            f"asynchronous schedule {schedule!r} steps each stage's optimizer on its own and cannot unscale and "
+            "skip together; use bf16 or a synchronous schedule"
+        )
+    out += _pipeline_problems(m, schedule, pp, virtual_stages, microbatches, pp_layout, vertical_sync, zero)
+    return out
+
+
+def _pipeline_problems(
+    m: ModelFacts, schedule: str, pp: int, v: int, micro: int, pp_layout: str, vertical_sync: bool, zero: int
+) -> list[str]:
+    """At least one block per stage, enough micro-batches, a layout covering every block, and the
+    combinations the pipeline runtime cannot run."""
+    out = []
+    if v < 1:
+        out.append(f"parallel.virtual_stages: must be >= 1, got {v}")
+    if v > 1 and schedule != "interleaved":
+        out.append(f"parallel.virtual_stages: {v} > 1 needs parallel.schedule = 'interleaved', got {schedule!r}")
+    if vertical_sync and schedule != "pipedream":
+        out.append("parallel.vertical_sync: only for schedule 'pipedream'")
+    if pp == 1:
+        if pp_layout:
+            out.append("parallel.pp_layout: a stage layout needs parallel.pp > 1")
+        return out
+    n = pp * max(v, 1)
+    if n > m.n_layers:
+        out.append(
+            f"parallel.pp: pp*virtual_stages = {n} pipeline stages but model.n_layers = {m.n_layers} "
+            "(each stage needs at least one block)"
+        )
+    if schedule == "interleaved" and micro % pp:
+        out.append(
+            f"train.global_batch: the interleaved schedule needs the micro-batch count "
+            f"global_batch/(micro_batch*dp) = {micro} divisible by parallel.pp = {pp}"
+        )
+    if schedule == "2bw" and (micro % 2 or micro // 2 < pp):
+        out.append(
+            f"train.global_batch: 2bw splits a step's {micro} micro-batches into 2 batches of at least "
+            f"parallel.pp = {pp}; need global_batch/(micro_batch*dp) even and >= {2 * pp}"
+        )
+    if pp_layout:
+        try:
+            parse_layout(pp_layout, m.n_layers, n)
+        except ValueError as e:
+            out.append(f"parallel.{e}")
+    if schedule in ASYNC_SCHEDULES and m.tie_embeddings:
+        out.append(
+            f"model.tie_embeddings: schedule {schedule!r} keeps stage-local weight versions, so the embedding "
+            "and head copies cannot stay tied; set it to false or use a synchronous schedule"
+        )
+    if zero > 1 and schedule in ASYNC_SCHEDULES:
+        out.append(
+            f"parallel.zero: ZeRO-{zero} with schedule {schedule!r}: the stashed weight versions need whole "
+            "weights and gradients on every rank; use 0 or 1, or a synchronous schedule"
+        )
+    return out

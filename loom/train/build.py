@@ -1,0 +1,143 @@
+"""The composition root: the only module that imports both :mod:`loom.parallel` and :mod:`loom.memory`.
+
+:func:`build_run` applies the parallel dimensions to a built model in a fixed order and returns
+the :class:`~loom.train.step.Run` this rank trains:
+
+    tensor/sequence parallel -> context parallel -> expert parallel -> pipeline split (keep this
+    rank's stages) -> recomputation -> precision (half parameters) -> data parallel / ZeRO (last,
+    so it sees the final parameters; fp32 masters and the optimizer live here) -> the pipeline
+    strategy around it -> the fp16 loss scaler (an argument of the step, not a wrapper)
+
+Adding a parallel dimension: its module under ``loom/parallel/``, one line in
+:func:`parallelize`, its rules in :mod:`loom.rules`, its costs in the planner.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from loom.comm import CommMeter
+from loom.config import LoomConfig, offload_dir
+from loom.memory import precision
+from loom.memory.activation_offload import make_offloader
+from loom.memory.compress import SavedActivations
+from loom.memory.loss_scale import scaler_for, training_loss_fn
+from loom.memory.recompute import apply_recompute
+from loom.mesh import ParallelMesh
+from loom.model.llama import loss_fn as plain_loss_fn
+from loom.optim.flat import build_flat_optimizer
+from loom.optim.groups import build_optimizer
+from loom.optim.store import make_store
+from loom.parallel.base import LossFn, Strategy
+from loom.parallel.data_parallel import REDUCE_DTYPES, DataParallel
+from loom.parallel.zero.stage3 import FullyShardedZero
+from loom.parallel.zero.stage12 import ZeroDataParallel
+from loom.train.step import LossScaler, Run, plain_run
+
+if TYPE_CHECKING:
+    from loom.parallel.pipeline.stage import PipelineModule
+    from loom.parallel.pipeline.strategy import PipelineStrategy
+
+log = logging.getLogger("loom")
+
+
+def build_run(cfg: LoomConfig, mesh: ParallelMesh, model: nn.Module, meter: CommMeter | None = None) -> Run:
+    """Parallelize ``model`` (built whole on this rank) under ``cfg`` on ``mesh``; see the module docstring.
+
+    With tp > 1 the loss is the one on vocabulary-sharded logits (``model.loss_fn``); with pp > 1
+    ``Run.model`` is this rank's pipeline stages and the rest of the model is no longer referenced.
+    """
+    scaler = scaler_for(cfg.train)
+    model, strategy, loss_fn = parallelize(model, mesh, cfg, meter)
+    if mesh.size("pp") > 1:
+        run = pipeline_run(model, strategy, loss_fn, scaler)  # type: ignore[arg-type]
+    else:
+        run = plain_run(model, strategy, loss_fn, scaler)
+    if scaler is not None:
+        run.scaled_loss_fn = training_loss_fn(scaler, loss_fn)
+    return run
+
+
+def pipeline_run(pipe: PipelineModule, strategy: PipelineStrategy, loss_fn: LossFn,
+                 scaler: LossScaler | None = None) -> Run:  # fmt: skip
+    """A run whose forward and backward are the pipeline schedule's (:mod:`loom.parallel.pipeline.step`)."""
+    from loom.parallel.pipeline import step as pipeline_step
+
+    return Run(pipe, strategy, loss_fn, partial(pipeline_step.forward_backward, pipe, strategy),
+               partial(pipeline_step.evaluate, pipe), scaler)  # fmt: skip
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig,
+                meter: CommMeter | None = None) -> tuple[nn.Module, Strategy, LossFn]:  # fmt: skip
+    """(what this rank runs, its Strategy, the loss on its output): the dimensions of the module
+    docstring, in order."""
+    if mesh.size("tp") > 1:
+        from loom.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh, cfg, meter)
+    if mesh.size("cp") > 1:
+        from loom.parallel.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, mesh, cfg, meter)
+    if mesh.size("ep") > 1:
+        from loom.parallel.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, mesh, meter)
+    loss_fn: LossFn = getattr(model, "loss_fn", plain_loss_fn)  # tensor parallel: on vocabulary-sharded logits
+    pipe = None
+    if mesh.size("pp") > 1:  # keep this rank's stages; the strategies below see only them
+        from loom.parallel.pipeline.strategy import apply_pipeline
+
+        model = pipe = apply_pipeline(model, mesh, cfg, loss_fn, log.info)
+    apply_recompute(model, cfg.train.recompute)
+    precision.cast_parameters(model, precision.DTYPES[cfg.train.precision])
+    strategy = data_parallel(model, mesh, cfg, meter)
+    if pipe is not None:
+        from loom.parallel.pipeline.strategy import PipelineStrategy
+
+        p, path = cfg.parallel, f"{cfg.run.dir}/pipeline_timeline.png" if mesh.rank == 0 else None
+        strategy = PipelineStrategy(strategy, pipe, p.schedule, p.virtual_stages, mesh.group("tp"), meter,
+                                    p.vertical_sync, record_step=min(2, cfg.train.steps - 1), timeline_path=path,
+                                    timeout_s=cfg.run.timeout_s)  # fmt: skip
+    return model, strategy, loss_fn
+
+
+def data_parallel(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: CommMeter | None = None) -> Strategy:
+    """The data-parallel strategy over ``dp × cp`` (cp ranks hold the same parameters too):
+
+    - ``parallel.zero`` = 1-3: ZeRO over ``dp_shard × cp``, hybrid across ``dp_replicate``;
+    - zero = 0 with half precision or a non-AdamW optimizer: ZeRO's flat path with a sharding group
+      of one rank (fp32 masters and optimizer state replicated; stage 2 hooks, stage 1 under a
+      pipeline, which reduces once after the last micro-batch);
+    - zero = 0, fp32 AdamW: :class:`DataParallel` with ``torch.optim.AdamW``.
+    """
+    p = cfg.parallel
+    reduce_dtype = REDUCE_DTYPES[p.reduce_dtype]
+    if p.zero == 0 and not precision.needs_master_path(cfg):
+        return DataParallel(model, mesh.group("dp_cp"), meter, p.bucket_mb, reduce_dtype, mesh.group("tp"),
+                            optimizer=build_optimizer(model, cfg.train))  # fmt: skip
+    device = next(model.parameters()).device
+    store = make_store(p.offload if p.zero else "none", device, offload_dir(cfg), tag=f"rank{mesh.rank}")
+    make_optimizer = partial(build_flat_optimizer, store=store, train_cfg=cfg.train)
+    if p.zero == 0:
+        if mesh.size("dp_shard") != 1:
+            raise ValueError("parallel.zero = 0 needs a dp_shard group of one rank")
+        return ZeroDataParallel(model, 1 if mesh.size("pp") > 1 else 2, shard_group=mesh.group("dp_shard"),
+                                replicate_group=mesh.group("dp_cp"),  # = dp_replicate x cp, as dp_shard is one rank
+                                make_optimizer=make_optimizer, meter=meter, bucket_mb=p.bucket_mb,
+                                reduce_dtype=reduce_dtype, tp_group=mesh.group("tp"))  # fmt: skip
+    common: dict[str, Any] = dict(shard_group=mesh.group("dp_shard_cp"), replicate_group=mesh.group("dp_replicate"),
+                  make_optimizer=make_optimizer, meter=meter, reduce_dtype=reduce_dtype, tp_group=mesh.group("tp"))  # fmt: skip
+    if p.zero == 3:
+        return FullyShardedZero(model, reshard_after_forward=p.reshard_after_forward, **common)
+    return ZeroDataParallel(model, p.zero, bucket_mb=p.bucket_mb, **common)
+
+
+def saved_activations(cfg: LoomConfig, model: nn.Module, device: torch.device) -> SavedActivations:
+    """The saved-tensor hooks around each step: activation accounting, compression, host offload."""
+    return SavedActivations(model, cfg.train.compress, make_offloader(cfg.train.offload_activations, device))

@@ -1,1 +1,0 @@
-"""Pictures: pipeline timelines (and later memory breakdowns), written as PNG or SVG."""
