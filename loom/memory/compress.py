@@ -120,10 +120,10 @@ class SavedActivations:
         self.packed = 0  # bytes stored by compression since the last reset (accounting tests)
         self.raw = 0  # ... and the bytes of the tensors they replace
         self._counts: dict[tuple[str, int], list[int]] = {}
-        self._cache: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        self._cache: dict[int, tuple[weakref.ref, weakref.ref[_Packed]]] = {}
         self._kinds: list[str] = []
         self._handles = list(self._kind_hooks(model))
-        self._ctx = None
+        self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
 
     # ------------------------------------------------------------------ kinds
     def _kind_hooks(self, model: nn.Module) -> Iterator:
@@ -181,8 +181,9 @@ class SavedActivations:
             return t  # model state, not an activation
         view = (tuple(t.shape), t.stride(), t.storage_offset())
         hit = self._cache.get(id(root))
-        if hit is not None and hit[0]() is root and hit[1]() is not None:
-            return _View(hit[1](), view)  # a packed storage saved again (another op or view): one copy
+        packed = hit[1]() if hit is not None and hit[0]() is root else None
+        if packed is not None:
+            return _View(packed, view)  # a packed storage saved again (another op or view): one copy
         c = self._counts.get(key)
         if c is not None:  # kept as is already: the first saver decided
             c[0] += 1
@@ -226,7 +227,8 @@ class SavedActivations:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._ctx.__exit__(*exc)
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
         self._ctx = None
         self._cache.clear()  # the packed objects live on in the graph; only the dedup index goes
 

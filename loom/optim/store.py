@@ -25,10 +25,13 @@ import mmap
 import os
 import shutil
 from pathlib import Path
+from typing import get_args
 
 import torch
 
-OFFLOAD_KINDS = ("none", "cpu", "disk")
+from loom.config import Offload
+
+OFFLOAD_KINDS: tuple[str, ...] = get_args(Offload)
 
 
 class OffloadError(RuntimeError):

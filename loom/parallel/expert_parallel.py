@@ -28,6 +28,8 @@ group). Clipping sums the experts' squares over the ep group.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -85,7 +87,7 @@ class ExpertParallelMoE(nn.Module):
         lo, hi = rank * self.local, (rank + 1) * self.local
         for name in ("w1", "w3", "w2"):
             full = getattr(moe, name).weight
-            mine = ExpertWeights(self.local, *full.shape[1:], device=full.device, dtype=full.dtype)
+            mine = ExpertWeights(self.local, full.shape[1], full.shape[2], device=full.device, dtype=full.dtype)
             with torch.no_grad():
                 mine.weight.copy_(full[lo:hi])
             place(mine.weight, expert=ExpertShard(rank, ep, group, edp_group))  # read by data parallelism and checkpoints
@@ -108,11 +110,12 @@ class ExpertParallelMoE(nn.Module):
         expert_of_row = torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(
             recv_table.reshape(-1))  # fmt: skip
         out_rows = torch.zeros_like(rows)
+        w1, w3, w2 = (cast(ExpertWeights, getattr(self, n)).weight for n in ("w1", "w3", "w2"))
         for j in range(self.local):
             idx = (expert_of_row == j).nonzero(as_tuple=True)[0]
             if idx.numel() == 0:
                 continue
-            y = swiglu(rows.index_select(0, idx), self.w1.weight[j], self.w3.weight[j], self.w2.weight[j])
+            y = swiglu(rows.index_select(0, idx), w1[j], w3[j], w2[j])
             out_rows = out_rows.index_add(0, idx, y)
         back = _AllToAll.apply(out_rows, send, recv, self.group, self.meter, self.rank)  # sorted order again
         w = weights.reshape(-1).index_select(0, order)

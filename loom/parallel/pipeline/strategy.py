@@ -38,10 +38,11 @@ from loom.parallel.pipeline.schedules import Action
 from loom.parallel.pipeline.simulate import Timeline, check
 from loom.parallel.pipeline.stage import PipelineModule, exchange_tied_grad, gather_full_state, split_model
 from loom.parallel.placement import placement_of
+from loom.rules import ASYNC_SCHEDULES
 
 __all__ = ["ASYNC", "PipelineStrategy", "apply_pipeline"]
 
-ASYNC = ("pipedream", "2bw")
+ASYNC = ASYNC_SCHEDULES  # stage-local weight versions: each stage clips and steps on its own
 log = logging.getLogger("loom")
 
 
