@@ -85,14 +85,15 @@ def metered_steps(model, strategy, meter, mesh, cfg, loss_fn, steps: int, batch:
 
 def train_layout(
     layout: dict, steps: int, batch: int, micro: int, model_kw: dict | None = None, sentinel: bool = False,
-    device: torch.device | None = None,
+    device: torch.device | None = None, meta: bool = False,
 ) -> dict:
     """Train the tiny model (``model_kw`` over its defaults) under ``layout`` (mesh degrees, ``zero``,
     ``sp``, ``recompute``) through ``build_run``, the Trainer's path, on this rank's share of each
     global batch; returns losses, the full final state, and per step the meter's bytes and calls.
 
     ``sentinel``: build_run and every step run with the meta device as torch's default device,
-    so a tensor created without an explicit device (the CPU, by default, on a GPU run) fails."""
+    so a tensor created without an explicit device (the CPU, by default, on a GPU run) fails.
+    ``meta``: the model is built on the meta device and each rank materializes its part (the trainer's path)."""
     from loom.comm import CommMeter
     from loom.config import LoomConfig
     from loom.model.llama import build_model
@@ -122,7 +123,7 @@ def train_layout(
     device = device or rank_device()  # the CPU, or this rank's GPU in an NCCL pool
     if device.type == "cuda":
         cfg.run.device = "cuda"
-    model = build_model(cfg.model, cfg.train.seed, device)
+    model = build_model(cfg.model, cfg.train.seed, device, meta=meta)
     placed = torch.device("meta") if sentinel else contextlib.nullcontext()
     with placed:
         run = build_run(cfg, mesh, model, meter)

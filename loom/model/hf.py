@@ -23,7 +23,7 @@ Loom row 2i+c = HF row i + c·d/2 (:func:`to_loom_rows`; :func:`to_hf_rows` is i
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,6 +250,18 @@ def read_state(model: HFModel, names: set[str] | None = None) -> Iterator[tuple[
 
 def _parts(hf: str | tuple[str, ...]) -> tuple[str, ...]:
     return hf if isinstance(hf, tuple) else (hf,)
+
+
+def source(model: HFModel) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
+    """The whole value of a Loom parameter by name, read from the checkpoint when asked (for
+    materializing a model built on the meta device: each rank reads the parameters it holds a piece of)."""
+
+    def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        for _, t in read_state(model, {name}):
+            return t
+        raise HFError(f"{model.dir}: the checkpoint has no tensor for Loom's {name}")
+
+    return read
 
 
 @torch.no_grad()

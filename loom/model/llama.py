@@ -11,6 +11,7 @@ V vocabulary, f = ffn_dim.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 
@@ -231,10 +232,16 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        scaling = (cfg.rope_scaling, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_len)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling if cfg.rope_scaling else None)
+        cos, sin = self.rope_buffers()
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def rope_buffers(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary (cos, sin) tables of every position up to ``max_seq_len``."""
+        cfg = self.cfg
+        scaling = (cfg.rope_scaling, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_len)
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            return rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling if cfg.rope_scaling else None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)  # (B, T, h)
@@ -248,32 +255,40 @@ def _param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def init_value(cfg: ModelConfig, seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The initial fp32 value (on the CPU) of the whole parameter ``name`` of the reference model.
+
+    Each parameter draws from its own generator keyed by ``seed`` and its name, so the values do not
+    depend on how the model is later sharded or placed. Linear/embedding ~ N(0, std); output
+    projections (wo, w2) ~ N(0, std / sqrt(2L)); norms = 1; biases = 0.
+    """
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    g = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
+    std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else cfg.init_std
+    return torch.randn(shape, generator=g, dtype=torch.float32).mul_(std)
+
+
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int) -> None:
-    """Deterministic init from ``seed``: each parameter draws from its own generator keyed by its
-    name, so the values do not depend on how the model is later sharded or placed.
-
-    Linear/embedding ~ N(0, std); output projections (wo, w2) ~ N(0, std / sqrt(2L)); norms = 1;
-    biases = 0.
-    """
-    std = model.cfg.init_std
-    proj_std = std / math.sqrt(2 * model.cfg.n_layers)
+    """Deterministic, layout-independent init from ``seed`` (:func:`init_value` for every parameter)."""
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-            continue
-        if name.endswith(".bias"):
-            p.zero_()
-            continue
-        g = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
-        s = proj_std if name.endswith(("wo.weight", "w2.weight")) else std
-        p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(s).to(p.device, p.dtype))
+        p.copy_(init_value(model.cfg, seed, name, tuple(p.shape)).to(p.device, p.dtype))
 
 
-def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Transformer:
-    """Construct and deterministically initialise the reference model on ``device``."""
-    model = Transformer(cfg).to(device)
-    init_weights(model, seed)
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", meta: bool = False) -> Transformer:
+    """Construct and deterministically initialise the reference model on ``device``; with ``meta``,
+    parameters stay on the meta device (no memory; :func:`init_value` gives each its value later,
+    per rank, once the parallel dimensions have cut it) and buffers are built on ``device``."""
+    if not meta:
+        model = Transformer(cfg).to(device)
+        init_weights(model, seed)
+        return model
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.rope_cos, model.rope_sin = model.rope_buffers(device)
     return model
 
 

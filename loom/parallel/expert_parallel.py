@@ -38,7 +38,7 @@ from torch.autograd import Function
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.model.llama import ExpertWeights, MoEFeedForward, route, swiglu
-from loom.parallel.placement import ExpertShard, place, placement_of
+from loom.parallel.placement import ExpertShard, place, placement_of, setattr_placement, slice_of
 
 __all__ = ["ExpertParallelMoE", "apply_expert_parallel", "gather_experts"]
 
@@ -84,12 +84,13 @@ class ExpertParallelMoE(nn.Module):
         self.top_k, self.rank, self.ep, self.group, self.meter = moe.top_k, rank, ep, group, meter
         self.n_experts, self.local = n_experts, n_experts // ep
         self.router = moe.router  # replicated
-        lo, hi = rank * self.local, (rank + 1) * self.local
         for name in ("w1", "w3", "w2"):
             full = getattr(moe, name).weight
             mine = ExpertWeights(self.local, full.shape[1], full.shape[2], device=full.device, dtype=full.dtype)
+            part, placement = slice_of(full, 0, rank, ep)
             with torch.no_grad():
-                mine.weight.copy_(full[lo:hi])
+                mine.weight.copy_(part)
+            setattr_placement(mine.weight, placement)
             place(mine.weight, expert=ExpertShard(rank, ep, group, edp_group))  # read by data parallelism and checkpoints
             setattr(self, name, mine)
 

@@ -10,17 +10,22 @@ parameter, as a frozen :class:`Placement`, and read only through :func:`placemen
                 sequence-parallel norm, a replicated key/value head): summed over tp once a step
     expert      rows [rank·E/ep, (rank+1)·E/ep) of all E experts; its gradient is summed over the
                 ``edp`` group (the ranks holding the same experts), its norm over ``ep``
+    origin      the reference model's parameter this tensor is (a box of): its name, global shape
+                and this tensor's [start, stop) per dim, from which a rank materializes only what
+                it holds (:mod:`loom.parallel.materialize`)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 
 from loom.comm import CommMeter, Group
 
 _ATTR = "_loom_placement"
+T = TypeVar("T", bound=torch.Tensor)
 
 
 @dataclass(frozen=True)
@@ -42,10 +47,32 @@ class ExpertShard:
 
 
 @dataclass(frozen=True)
+class Origin:
+    """``name`` of the reference model, of global ``shape``; this tensor holds ``box`` of it
+    ([start, stop) per dim; None: the whole)."""
+
+    name: str
+    shape: tuple[int, ...]
+    box: tuple[tuple[int, int], ...] | None = None
+
+    def narrowed(self, dim: int, start: int, stop: int) -> Origin:
+        """The origin of the [start, stop) slice along ``dim`` of a tensor with this origin."""
+        box = list(self.box or ((0, n) for n in self.shape))
+        lo = box[dim][0]
+        box[dim] = (lo + start, lo + stop)
+        return Origin(self.name, self.shape, tuple(box))
+
+    def index(self) -> tuple[slice, ...]:
+        """Index of this tensor's values in the global one."""
+        return tuple(slice(a, b) for a, b in (self.box or ((0, n) for n in self.shape)))
+
+
+@dataclass(frozen=True)
 class Placement:
     tp_dim: int | None = None
     partial: PartialSum | None = None
     expert: ExpertShard | None = None
+    origin: Origin | None = None
 
     @property
     def tp_sharded(self) -> bool:
@@ -64,6 +91,28 @@ def place(p: torch.Tensor, **facts) -> torch.Tensor:
     """Record ``facts`` (fields of :class:`Placement`) on ``p``, keeping the others; returns ``p``."""
     setattr(p, _ATTR, replace(placement_of(p), **facts))
     return p
+
+
+def slice_of(full: torch.Tensor, dim: int, rank: int, parts: int) -> tuple[torch.Tensor, Placement]:
+    """Part ``rank`` of ``parts`` of ``full`` along ``dim`` (``torch.chunk``'s split), and the placement
+    its parameter inherits from ``full`` with the origin narrowed to it (set ``tp_dim``/``expert`` on top)."""
+    size = -(-full.shape[dim] // parts)
+    start, stop = min(rank * size, full.shape[dim]), min((rank + 1) * size, full.shape[dim])
+    pl = placement_of(full)
+    origin = pl.origin.narrowed(dim, start, stop) if pl.origin is not None else None
+    return full.detach().narrow(dim, start, stop - start), replace(pl, origin=origin)
+
+
+def setattr_placement(p: T, placement: Placement) -> T:
+    """Record ``placement`` on ``p`` (replacing what it had); returns ``p``."""
+    setattr(p, _ATTR, placement)
+    return p
+
+
+def copy_placement(src: torch.Tensor, dst: T) -> T:
+    """``dst`` takes ``src``'s placement (a replicated copy of the same parameter); returns ``dst``."""
+    setattr(dst, _ATTR, placement_of(src))
+    return dst
 
 
 def is_expert(p: torch.Tensor) -> bool:

@@ -29,7 +29,7 @@ from torch.autograd import Function
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.model.llama import Attention, CoreAttention, FeedForward, RMSNorm, apply_rope
-from loom.parallel.placement import place
+from loom.parallel.placement import copy_placement, place, setattr_placement, slice_of
 from loom.parallel.tp_comm import (
     all_gather_seq,
     mark_partial,
@@ -53,7 +53,9 @@ class TPContext:
 
 def sharded_param(full: torch.Tensor, dim: int, ctx: TPContext) -> nn.Parameter:
     """This rank's contiguous 1/n slice of ``full`` along ``dim``, placed with ``tp_dim``."""
-    p = nn.Parameter(full.detach().chunk(ctx.size, dim)[ctx.rank].clone())
+    part, placement = slice_of(full, dim, ctx.rank, ctx.size)
+    p = nn.Parameter(part.clone())
+    setattr_placement(p, placement)
     place(p, tp_dim=dim)
     return p
 
@@ -142,8 +144,8 @@ class ColumnParallelLinear(nn.Module):
             w = sharded_param(lin.weight, 0, ctx)
             b = None if lin.bias is None else sharded_param(lin.bias, 0, ctx)
         else:
-            w = nn.Parameter(lin.weight.detach().clone())
-            b = None if lin.bias is None else nn.Parameter(lin.bias.detach().clone())
+            w = copy_placement(lin.weight, nn.Parameter(lin.weight.detach().clone()))
+            b = None if lin.bias is None else copy_placement(lin.bias, nn.Parameter(lin.bias.detach().clone()))
         return cls(w, ctx, replicated_rows, b)
 
     def local_weight(self) -> torch.Tensor:

@@ -4,9 +4,11 @@
 the :class:`~loom.train.step.Run` this rank trains:
 
     tensor/sequence parallel -> context parallel -> expert parallel -> pipeline split (keep this
-    rank's stages) -> recomputation -> precision (half parameters) -> data parallel / ZeRO (last,
-    so it sees the final parameters; fp32 masters and the optimizer live here) -> the pipeline
-    strategy around it -> the fp16 loss scaler (an argument of the step, not a wrapper)
+    rank's stages) -> recomputation -> precision (half parameters) -> materialization (a model
+    built on the meta device gets only this rank's values: :mod:`loom.parallel.materialize`;
+    ZeRO-3 unit by unit) -> data parallel / ZeRO (last, so it sees the final parameters; fp32
+    masters and the optimizer live here) -> the pipeline strategy around it -> the fp16 loss
+    scaler (an argument of the step, not a wrapper)
 
 Adding a parallel dimension: its module under ``loom/parallel/``, one line in
 :func:`parallelize`, its rules in :mod:`loom.rules`, its costs in the planner.
@@ -29,12 +31,14 @@ from loom.memory.compress import SavedActivations
 from loom.memory.loss_scale import scaler_for, training_loss_fn
 from loom.memory.recompute import apply_recompute
 from loom.mesh import ParallelMesh
+from loom.model.llama import init_value
 from loom.model.llama import loss_fn as plain_loss_fn
 from loom.optim.flat import build_flat_optimizer
 from loom.optim.groups import build_optimizer
 from loom.optim.store import make_store
 from loom.parallel.base import LossFn, Strategy
 from loom.parallel.data_parallel import REDUCE_DTYPES, DataParallel
+from loom.parallel.materialize import Fill, Source, check_materialized, filler, materialize, tag_origins
 from loom.parallel.zero.stage3 import FullyShardedZero
 from loom.parallel.zero.stage12 import ZeroDataParallel
 from loom.train.step import LossScaler, Run, plain_run
@@ -46,14 +50,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("loom")
 
 
-def build_run(cfg: LoomConfig, mesh: ParallelMesh, model: nn.Module, meter: CommMeter | None = None) -> Run:
-    """Parallelize ``model`` (built whole on this rank) under ``cfg`` on ``mesh``; see the module docstring.
+def build_run(cfg: LoomConfig, mesh: ParallelMesh, model: nn.Module, meter: CommMeter | None = None,
+              source: Source | None = None) -> Run:  # fmt: skip
+    """Parallelize ``model`` under ``cfg`` on ``mesh``; see the module docstring. ``model`` may be built
+    whole, or on the meta device (``build_model(..., meta=True)``): then each parameter's values come
+    from ``source(name, shape)`` (default: the layout-independent init of ``cfg.train.seed``).
 
     With tp > 1 the loss is the one on vocabulary-sharded logits (``model.loss_fn``); with pp > 1
     ``Run.model`` is this rank's pipeline stages and the rest of the model is no longer referenced.
     """
     scaler = scaler_for(cfg.train)
-    model, strategy, loss_fn = parallelize(model, mesh, cfg, meter)
+    model, strategy, loss_fn = parallelize(model, mesh, cfg, meter, source)
     if mesh.size("pp") > 1:
         run = pipeline_run(model, strategy, loss_fn, scaler)  # type: ignore[arg-type]
     else:
@@ -72,10 +79,12 @@ def pipeline_run(pipe: PipelineModule, strategy: PipelineStrategy, loss_fn: Loss
                partial(pipeline_step.evaluate, pipe), scaler)  # fmt: skip
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig,
-                meter: CommMeter | None = None) -> tuple[nn.Module, Strategy, LossFn]:  # fmt: skip
+def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: CommMeter | None = None,
+                source: Source | None = None) -> tuple[nn.Module, Strategy, LossFn]:  # fmt: skip
     """(what this rank runs, its Strategy, the loss on its output): the dimensions of the module
     docstring, in order."""
+    device = next(model.buffers()).device  # buffers are built on the run's device, also for a meta model
+    tag_origins(model)
     if mesh.size("tp") > 1:
         from loom.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -96,7 +105,11 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig,
         model = pipe = apply_pipeline(model, mesh, cfg, loss_fn, log.info)
     apply_recompute(model, cfg.train.recompute)
     precision.cast_parameters(model, precision.DTYPES[cfg.train.precision])
-    strategy = data_parallel(model, mesh, cfg, meter)
+    source = source or partial(init_value, cfg.model, cfg.train.seed)
+    if cfg.parallel.zero != 3:  # ZeRO-3 materializes unit by unit as it shards
+        materialize(model, device, source)
+    strategy = data_parallel(model, mesh, cfg, meter, filler(source), device)
+    check_materialized(model)
     if pipe is not None:
         from loom.parallel.pipeline.strategy import PipelineStrategy
 
@@ -107,7 +120,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig,
     return model, strategy, loss_fn
 
 
-def data_parallel(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: CommMeter | None = None) -> Strategy:
+def data_parallel(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: CommMeter | None = None,
+                  fill: Fill | None = None, device: torch.device | None = None) -> Strategy:  # fmt: skip
     """The data-parallel strategy over ``dp × cp`` (cp ranks hold the same parameters too):
 
     - ``parallel.zero`` = 1-3: ZeRO over ``dp_shard × cp``, hybrid across ``dp_replicate``;
@@ -115,13 +129,15 @@ def data_parallel(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: 
       of one rank (fp32 masters and optimizer state replicated; stage 2 hooks, stage 1 under a
       pipeline, which reduces once after the last micro-batch);
     - zero = 0, fp32 AdamW: :class:`DataParallel` with ``torch.optim.AdamW``.
+
+    ``fill``, ``device``: ZeRO-3 materializes parameters still on the meta device there.
     """
     p = cfg.parallel
     reduce_dtype = REDUCE_DTYPES[p.reduce_dtype]
     if p.zero == 0 and not precision.needs_master_path(cfg):
         return DataParallel(model, mesh.group("dp_cp"), meter, p.bucket_mb, reduce_dtype, mesh.group("tp"),
                             optimizer=build_optimizer(model, cfg.train))  # fmt: skip
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     store = make_store(p.offload if p.zero else "none", device, offload_dir(cfg), tag=f"rank{mesh.rank}")
     make_optimizer = partial(build_flat_optimizer, store=store, train_cfg=cfg.train)
     if p.zero == 0:
@@ -134,7 +150,8 @@ def data_parallel(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: 
     common: dict[str, Any] = dict(shard_group=mesh.group("dp_shard_cp"), replicate_group=mesh.group("dp_replicate"),
                   make_optimizer=make_optimizer, meter=meter, reduce_dtype=reduce_dtype, tp_group=mesh.group("tp"))  # fmt: skip
     if p.zero == 3:
-        return FullyShardedZero(model, reshard_after_forward=p.reshard_after_forward, **common)
+        return FullyShardedZero(model, reshard_after_forward=p.reshard_after_forward, fill=fill, device=device,
+                                **common)  # fmt: skip
     return ZeroDataParallel(model, p.zero, bucket_mb=p.bucket_mb, **common)
 
 

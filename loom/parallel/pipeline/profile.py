@@ -22,9 +22,10 @@ All ranks profile at once (tensor-parallel layers then pair their collectives) a
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -80,6 +81,24 @@ def _time(fn: Callable[[], tuple[torch.Tensor, torch.Tensor | None]], device: to
     return statistics.median(fwd), statistics.median(bwd), saved
 
 
+@contextlib.contextmanager
+def _real(params: list[nn.Parameter], device: torch.device) -> Iterator[None]:
+    """Parameters on the meta device hold small random values on ``device`` inside (timing needs shapes,
+    not values), and are back on meta after: one unit's memory at a time."""
+    from loom.parallel.materialize import swap_in
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    meta = [p for p in dict.fromkeys(params) if p.is_meta]
+    for p in meta:
+        swap_in(p, torch.randn(p.shape, generator=g).mul_(0.02).to(device, p.dtype))
+    try:
+        yield
+    finally:
+        for p in meta:
+            p.grad = None
+            swap_in(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+
+
 def profile_model(model: nn.Module, micro_batch: int, seq_len: int,
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], repeats: int = 3,
                   seq_div: int = 1, cp: int = 1) -> LayerProfile:  # fmt: skip
@@ -88,17 +107,18 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int,
     again by tp under sequence parallelism)."""
     tf = cast(Transformer, model)  # its modules may be tensor/context-parallel swaps of the originals
     p0 = next(model.parameters())
-    device, cfg = p0.device, tf.cfg
+    device, cfg = next(model.buffers()).device, tf.cfg  # buffers are real also when parameters are on meta
     g = torch.Generator(device="cpu").manual_seed(0)
     host = torch.device("cpu")  # drawn on the host from a seeded generator: the same inputs on any device
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len // cp), generator=g, device=host).to(device)
     h = torch.randn(micro_batch, seq_len // seq_div, cfg.dim, generator=g, device=host).to(device, p0.dtype)
     dh = torch.randn(micro_batch, seq_len // seq_div, cfg.dim, generator=g, device=host).to(device, p0.dtype)
-    params = {p.data_ptr() for p in model.parameters()}
     prof = LayerProfile([], [], [], [], [])
 
     def add(name: str, module_params: list[nn.Parameter], fn) -> None:
-        f, b, a = _time(fn, device, repeats, params)
+        with _real(module_params, device):  # a model built on meta: this unit's parameters, for its timing only
+            params = {p.data_ptr() for p in model.parameters()}
+            f, b, a = _time(fn, device, repeats, params)
         prof.names.append(name)
         prof.fwd_s.append(f)
         prof.bwd_s.append(b)

@@ -159,8 +159,11 @@ class PipelineStrategy:
         return self.inner.state_bytes()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's state dict (reference names) on pipeline rank 0, None elsewhere."""
-        return gather_full_state(self.pipe)
+        """The whole model's state dict (reference names) on pipeline rank 0, None elsewhere (ZeRO-3
+        units gathered for the while)."""
+        gathered = getattr(self.inner, "gathered", contextlib.nullcontext)
+        with gathered():
+            return gather_full_state(self.pipe)
 
     def remove(self) -> None:
         remove = getattr(self.inner, "remove", None)

@@ -77,17 +77,19 @@ class Slot:
 class FlatLayout:
     """Offsets of ``params`` in one flat buffer, padded for ``world`` equal shards; ``rank``'s range."""
 
-    def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, decayed: set[int]) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, decayed: set[int],
+                 device: torch.device | None = None) -> None:  # fmt: skip
+        """``device``: where the buffer lives, for parameters still on the meta device."""
         if not params:
             raise ValueError("FlatLayout needs at least one parameter")
         self.params = list(params)
         self.dtype = params[0].dtype
-        self.device = params[0].device
+        self.device = device if params[0].is_meta and device is not None else params[0].device
         self.world, self.rank = world, rank
         self.slots: list[Slot] = []
         off = 0
         for p in self.params:
-            if p.dtype != self.dtype or p.device != self.device:
+            if p.dtype != self.dtype or (p.device != self.device and not p.is_meta):
                 raise ValueError("a flat buffer holds parameters of one dtype and device")
             self.slots.append(Slot(off, p.numel(), id(p) in decayed, placement_of(p).tp_dim))
             off += p.numel()
@@ -128,8 +130,18 @@ class FlatLayout:
         return [flat[s.offset : s.offset + s.numel].view_as(p) for p, s in zip(self.params, self.slots)]
 
     @torch.no_grad()
-    def bind(self, flat: torch.Tensor) -> None:
-        """Copy the parameters' values into ``flat`` and make each ``p.data`` a view of it."""
+    def bind(self, flat: torch.Tensor, fill: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Copy the parameters' values into ``flat`` and make each ``p.data`` a view of it; a parameter
+        still on the meta device gets ``fill(p)`` (its values) and becomes a view of ``flat`` in place."""
+        from loom.parallel.materialize import swap_in
+
         for p, v in zip(self.params, self.views(flat)):
-            v.copy_(p.data)
-            p.data = v
+            if p.is_meta:
+                if fill is None:
+                    raise ValueError("a parameter on the meta device and nothing to initialize it with")
+                v.copy_(fill(p))
+                swap_in(p, v.new_empty(0))  # a real parameter first (its own version counter), then the view
+                p.data = v
+            else:
+                v.copy_(p.data)
+                p.data = v

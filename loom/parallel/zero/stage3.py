@@ -50,6 +50,7 @@ i.e. ≈ 3Φ(N-1)/N per step for k = 1, 1.5x data parallelism (ZeRO paper, §7.2
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -164,8 +165,13 @@ class FullyShardedZero(ShardedStrategy):
         tp_group: Group = None,
         reshard_after_forward: bool = True,
         max_inflight: int = MAX_INFLIGHT,
+        fill: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        device: torch.device | None = None,
     ) -> None:
+        """``fill``, ``device``: parameters still on the meta device are materialized unit by unit on
+        ``device`` (``fill(p)``: its values), so a rank never holds more than one whole unit."""
         super().__init__(shard_group, replicate_group, tp_group, meter)
+        self._fill, self._device = fill, device
         self.module = module
         self.world = comm.group_size(shard_group)
         rank = dist.get_rank(shard_group) if self.world > 1 else 0
@@ -200,9 +206,9 @@ class FullyShardedZero(ShardedStrategy):
     ) -> Unit:
         """Flatten the unit's parameters, keep this rank's shard, free the rest, attach the hooks."""
         params = unique_params(nn.ModuleList(mods))
-        lay = FlatLayout(params, self.world, rank, decayed)
+        lay = FlatLayout(params, self.world, rank, decayed, self._device)
         full = lay.new_flat()
-        lay.bind(full)
+        lay.bind(full, self._fill)
         u = Unit(index, name, root, mods, lay, full, lay.shard_of(full).clone(), lay.new_shard(), reshard)
         u.pending = len(params)
         self._reshard(u)

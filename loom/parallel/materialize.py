@@ -1,0 +1,77 @@
+"""Sharded materialization: the model is built on the meta device, cut by every parallel dimension,
+and only then does each rank allocate and initialize what it holds.
+
+Every parameter of the reference model is tagged with its :class:`~loom.parallel.placement.Origin`
+(name and global shape) before any dimension is applied; tensor, expert and pipeline parallelism
+keep the tag and narrow its box as they slice. :func:`materialize` then gives each meta parameter
+its box of the whole parameter's value, ``source(name, shape)`` (the layout-independent init, or
+pretrained weights), one parameter at a time, so the values equal today's layout in every layout
+and the peak memory of construction on a rank is
+
+    its final model state + the largest whole parameter it holds a piece of.
+
+ZeRO-3 materializes unit by unit into each unit's flat buffer and keeps only its shard
+(:meth:`loom.parallel.zero.layout.FlatLayout.bind`), so a rank never holds more than one whole unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from loom.parallel.placement import Origin, place, placement_of
+
+Source = Callable[[str, tuple[int, ...]], torch.Tensor]  # (name, global shape) -> the whole value (any device)
+Fill = Callable[[torch.Tensor], torch.Tensor]  # a meta parameter -> its local values
+
+
+def tag_origins(model: nn.Module) -> None:
+    """Record each parameter's reference name and global shape (tied parameters under their first name)."""
+    for name, p in model.named_parameters():
+        if placement_of(p).origin is None:
+            place(p, origin=Origin(name, tuple(p.shape)))
+
+
+def local_values(p: torch.Tensor, source: Source) -> torch.Tensor:
+    """``p``'s box of its whole value, ``source(name, shape)``."""
+    origin = placement_of(p).origin
+    if origin is None:
+        raise ValueError(f"a meta parameter of shape {tuple(p.shape)} has no origin: cannot initialize it")
+    values = source(origin.name, origin.shape)[origin.index()]
+    if tuple(values.shape) != tuple(p.shape):
+        raise ValueError(f"{origin.name}: box {origin.box} of {origin.shape} is {tuple(values.shape)}, "
+                         f"the parameter is {tuple(p.shape)}")  # fmt: skip
+    return values
+
+
+def filler(source: Source) -> Fill:
+    """The fill function of :meth:`~loom.parallel.zero.layout.FlatLayout.bind` for ``source``."""
+    return lambda p: local_values(p, source)
+
+
+@torch.no_grad()
+def swap_in(p: torch.Tensor, values: torch.Tensor) -> None:
+    """Make the meta parameter ``p`` (the same object, its placement kept) hold ``values``."""
+    q = nn.Parameter(values, requires_grad=p.requires_grad)
+    q.__dict__.update(p.__dict__)
+    torch.utils.swap_tensors(p, q)
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device: torch.device, source: Source) -> None:
+    """Allocate every meta parameter of ``module`` on ``device`` with its values (dtype kept), one at a time."""
+    for p in module.parameters():  # each tied parameter once; it is real after its first swap
+        if p.is_meta:
+            values = torch.empty(p.shape, dtype=p.dtype, device=device)
+            values.copy_(local_values(p, source))  # a copy: the whole value is freed at once
+            swap_in(p, values)
+
+
+def check_materialized(module: nn.Module) -> None:
+    """A parameter or buffer left on the meta device is an error naming it."""
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise RuntimeError(f"{kind} {name} is still on the meta device after materialization")
