@@ -6,8 +6,10 @@ reports a bad field as one line: ``loom: error: <section.key>: <what is allowed>
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from pathlib import Path
 
 from loom import config as C
 
@@ -64,8 +66,8 @@ def _load(argv: list[str], allowed_plain: tuple[str, ...]) -> tuple[C.LoomConfig
     path, overrides, plain = _split(argv)
     for k in plain:
         if k not in allowed_plain:
-            opts = ", ".join("--" + p for p in allowed_plain) or "none"
-            raise C.ConfigError(f"--{k}: unknown option; allowed: {opts} and --section.key value")
+            opts = ", ".join("--" + p.replace("_", "-") for p in allowed_plain) or "none"
+            raise C.ConfigError(f"--{k.replace('_', '-')}: unknown option; allowed: {opts} and --section.key value")
     cfg = C.load(path, overrides)
     if "nproc" in plain:
         C.apply_overrides(cfg, ["--run.nproc", plain["nproc"]])
@@ -107,43 +109,105 @@ def cmd_train(argv: list[str]) -> int:
                 f"give --nproc {world}, or leave parallel.dp unset so it follows run.nproc"
             )
         C.validate(cfg, world)
+    _check_run_dir(cfg)
+    if not under_external_launcher():  # under torchrun/srun every rank checks its data itself
+        _check_data(cfg)
     from loom.launch import main_train
 
-    return main_train(cfg, max_restarts)
+    with _naming(f"run.dir {cfg.run.dir}"):  # a failed write (disk full) in this process names where
+        return main_train(cfg, max_restarts)
+
+
+def _check_run_dir(cfg: C.LoomConfig) -> None:
+    """``run.dir`` is (or can become) a writable directory, and a checkpoint to resume exists."""
+    d = cfg.run.dir
+    if Path(d).expanduser().exists() and not Path(d).expanduser().is_dir():
+        raise C.ConfigError(f"run.dir: {d!r} is a file, not a directory")
+    problem = C._unwritable(d)
+    if problem is not None:
+        raise C.ConfigError(f"run.dir: {problem}")
+    if cfg.train.resume:
+        from loom.checkpoint.load import find
+
+        if find(cfg.train.resume) is None:
+            raise C.ConfigError(f"train.resume: {cfg.train.resume} holds no complete checkpoint")
+
+
+def _check_data(cfg: C.LoomConfig) -> None:
+    """Prepare (or load and verify) the data before any rank starts or anything is written to
+    ``run.dir``; a resumed run must continue on the data it started with."""
+    from loom.data import prepare_data
+
+    prepared = prepare_data(cfg.data, progress=cfg.run.progress)
+    cfg.data.prepared_dir = str(prepared.dir)
+    C.check_vocab(cfg, prepared.vocab_size)
+    run_dir = Path(cfg.run.dir)
+    if not (run_dir / "data.json").is_file():
+        return
+    from loom.checkpoint.load import find
+    from loom.train.trainer import check_data_record, check_same_data, data_identity
+
+    check_data_record(run_dir)
+    resumes = cfg.train.resume or ((run_dir / "checkpoints").is_dir() and find(run_dir) is not None)
+    if resumes:
+        check_same_data(run_dir, data_identity(prepared))
 
 
 def cmd_prepare(argv: list[str]) -> int:
-    cfg, _ = _load(argv, ())
+    verify = "--verify" in argv
+    cfg, _ = _load([a for a in argv if a != "--verify"], ())
     C.validate(cfg, 1)
     from loom.data import prepare_data
+    from loom.data.prepare import META, default_dir, verify_full
 
+    if verify:  # every byte against the SHA-256 recorded at prepare time (loading checks samples)
+        d = Path(cfg.data.prepared_dir).expanduser() if cfg.data.prepared_dir else default_dir(cfg.data)
+        if not (d / META).is_file():
+            raise C.ConfigError(f"data.prepared_dir: {d} is not prepared yet; run loom prepare without --verify")
+        prepared = verify_full(d)
+        print(f"verified {prepared.dir}: train.bin, val.bin and tokenizer.json match the SHA-256 recorded in {META}; "
+              f"every token id is below the vocabulary of {prepared.vocab_size}")  # fmt: skip
+        return 0
     prepared = prepare_data(cfg.data, progress=cfg.run.progress)
     print(f"prepared {prepared.n_train_tokens:,} train + {prepared.n_val_tokens:,} val tokens "
           f"(vocab {prepared.vocab_size}) in {prepared.dir}")  # fmt: skip
     return 0
 
 
+GENERATE_OPTIONS = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "seed": int}
+
+
 def cmd_generate(argv: list[str]) -> int:
     path, overrides, plain = _split(argv)
-    allowed = ("prompt", "max_new_tokens", "temperature", "top_k", "seed")
     for k in plain:
-        if k not in allowed:
-            raise C.ConfigError(f"--{k}: unknown option; allowed: {', '.join('--' + a for a in allowed)}")
+        if k not in GENERATE_OPTIONS:
+            raise C.ConfigError(f"--{k}: unknown option; allowed: {', '.join('--' + a for a in GENERATE_OPTIONS)}")
+    if path is not None:
+        raise C.ConfigError(f"generate: takes no config file ({path!r}); the run's own config.toml is used")
     run_dir = None
     for i in range(0, len(overrides), 2):
-        if overrides[i] == "--run.dir":
-            run_dir = overrides[i + 1]
+        if overrides[i] != "--run.dir":
+            raise C.ConfigError(f"{overrides[i][2:]}: generate reads only --run.dir from the config (the run's "
+                                "config.toml holds the rest)")  # fmt: skip
+        run_dir = overrides[i + 1]
     if run_dir is None:
         raise C.ConfigError("generate: --run.dir DIR is required (a directory written by loom train)")
+    opts = {k: C._coerce(v, GENERATE_OPTIONS[k], f"--{k}") for k, v in plain.items()}
+    for k in ("max_new_tokens", "top_k", "seed"):
+        if opts.get(k, 0) < 0:
+            raise C.ConfigError(f"--{k}: must be >= 0, got {opts[k]}")
+    temperature = opts.get("temperature", 0.8)
+    if not 0 <= temperature < float("inf"):
+        raise C.ConfigError(f"--temperature: must be a finite number >= 0 (0 = greedy), got {temperature}")
     from loom.generate import generate_from_run
 
     text = generate_from_run(
         run_dir,
-        prompt=plain.get("prompt", "def "),
-        max_new_tokens=int(plain.get("max_new_tokens", 200)),
-        temperature=float(plain.get("temperature", 0.8)),
-        top_k=int(plain.get("top_k", 50)),
-        seed=int(plain.get("seed", 0)),
+        prompt=opts.get("prompt", "def "),
+        max_new_tokens=opts.get("max_new_tokens", 200),
+        temperature=temperature,
+        top_k=opts.get("top_k", 50),
+        seed=opts.get("seed", 0),
     )
     print(text)
     return 0
@@ -151,25 +215,52 @@ def cmd_generate(argv: list[str]) -> int:
 
 def cmd_checkpoint(argv: list[str]) -> int:
     from loom.checkpoint.convert import main as convert_main
-    from loom.checkpoint.format import CheckpointError
 
-    try:
+    _no_empty_paths(argv)
+    out = argv[-1] if len(argv) == 3 else None
+    with _output_lock(out), _naming(out or "the output"):
         return convert_main(argv)
-    except CheckpointError as e:
-        print(f"loom: error: {e}", file=sys.stderr)
-        return 2
 
 
 def cmd_export(argv: list[str]) -> int:
-    from loom.checkpoint.format import CheckpointError
     from loom.checkpoint.hf_export import main as export_main
-    from loom.model.hf import HFError
 
-    try:
+    _no_empty_paths(argv)
+    values = {i + 1 for i, a in enumerate(argv) if a == "--max-shard-size"}
+    positional = [a for i, a in enumerate(argv) if not a.startswith("--") and i not in values]
+    out = positional[-1] if len(positional) == 3 else None
+    with _output_lock(out), _naming(out or "the output"):
         return export_main(argv)
-    except (CheckpointError, HFError) as e:
-        print(f"loom: error: {e}", file=sys.stderr)
-        return 2
+
+
+@contextlib.contextmanager
+def _naming(where: str):
+    """An OS error without a file name (a failed ``write``: disk full, quota) says what was being written."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, f"{e.strerror or e} (while writing {where})") from None
+
+
+def _no_empty_paths(argv: list[str]) -> None:
+    if any(not a.strip() for a in argv):
+        raise C.ConfigError("an empty path was given; name a checkpoint or run directory and an output path")
+
+
+def _output_lock(out: str | None):
+    """Hold the lock of the run directory ``out`` lies in (if any) while writing there, so an export
+    into a directory a running job owns is refused naming the job (loom.train.run_lock)."""
+    from loom.train.run_lock import LOCK_NAME, RunLock
+
+    if out is None:
+        return contextlib.nullcontext()
+    p = Path(out).expanduser().absolute()
+    for d in (p, *p.parents):
+        if (d / LOCK_NAME).is_file():
+            return RunLock(d)
+    return contextlib.nullcontext()
 
 
 def cmd_config(argv: list[str]) -> int:
@@ -184,6 +275,12 @@ def cmd_config(argv: list[str]) -> int:
 
 def cmd_plan(argv: list[str]) -> int:
     from loom.plan.cli import main as plan_main
+
+    if argv[:1] == ["verify"]:  # builds and steps one rank for real: the training side (loom.train.verify)
+        from loom.plan.cli import cluster_of
+        from loom.train.verify import main as verify_main
+
+        return verify_main(argv[1:], cluster_of)
 
     return plan_main(argv)
 
@@ -244,12 +341,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return COMMANDS[cmd](rest)
-    except C.ConfigError as e:
-        print(f"loom: error: {e}", file=sys.stderr)
+    except Exception as e:
+        line = error_line(e)
+        if line is None:
+            raise
+        print(f"loom: error: {line}", file=sys.stderr)
         return 2
-    except FileNotFoundError as e:
-        print(f"loom: error: {e}", file=sys.stderr)
-        return 2
+
+
+def error_line(e: BaseException) -> str | None:
+    """The one line for Loom's own errors (their message names the field or file) and for operating
+    system errors (named by their path); None for anything else, which keeps its traceback."""
+    from loom.launch import OWN_ERRORS
+
+    if isinstance(e, C.ConfigError) or type(e).__name__ in OWN_ERRORS:
+        text = str(e)
+    elif isinstance(e, OSError):
+        what = e.strerror or str(e)
+        text = f"{e.filename}: {what}" if e.filename else what
+    else:
+        return None
+    return "; ".join(part.strip() for part in text.strip().splitlines() if part.strip())
 
 
 if __name__ == "__main__":  # pragma: no cover

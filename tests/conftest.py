@@ -1,6 +1,9 @@
-"""Session-wide fixtures: shared multi-rank worker pools (see tests/dist.py)."""
+"""Session-wide fixtures: shared multi-rank worker pools (see tests/dist.py); a guard that the
+suite never writes into the run directories a checkout's user trains into by default."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -27,3 +30,24 @@ def pools():
     p = Pools()
     yield p
     p.close()
+
+
+# run.dir of the defaults and of the debug preset, relative to where loom runs (tests run in the checkout)
+USER_RUN_DIRS = ("runs/default", "runs/debug")
+
+
+def _files(d: Path) -> dict[str, tuple[int, int]] | None:
+    if not d.is_dir():
+        return None
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def user_run_dirs_untouched():
+    """A test that keeps the default ``run.dir`` would write over a user's own run in the checkout."""
+    root = Path(__file__).resolve().parent.parent
+    dirs = sorted({(base / rel).resolve() for base in (root, Path.cwd()) for rel in USER_RUN_DIRS})
+    before = {d: _files(d) for d in dirs}
+    yield
+    changed = [str(d) for d in dirs if _files(d) != before[d]]
+    assert not changed, f"the test suite wrote into {', '.join(changed)}: give every test its own run.dir"

@@ -418,3 +418,99 @@ def test_binary_and_undecodable_input_is_named(tmp_path, caplog):
     jl.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
     with pytest.raises(ConfigError, match=r"d.jsonl:2 is not UTF-8"):
         read_documents(str(jl))
+
+
+# ----------------------------------------------------------------------------- verification on load
+
+
+def _prepared(tmp_path, **kw):
+    return prepare_data(DataConfig(source=str(write_txt_dir(tmp_path / "c")), vocab_size=300, **kw), progress=False)
+
+
+def test_sample_spans_cover_small_files_and_spread_over_large_ones():
+    assert prepare_mod.sample_spans(1000, blocks=4, block=512) == [(0, 1000)]
+    spans = prepare_mod.sample_spans(10_000, blocks=4, block=512)
+    assert len(spans) == 4 and spans[0] == (0, 512) and spans[-1] == (10_000 - 512, 512)
+    assert all(b[0] > a[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_prepare_records_what_load_checks(tmp_path):
+    p = _prepared(tmp_path)
+    meta = p.meta()
+    assert set(meta["sampled_sha256"]) == set(meta["max_id"]) == {"train.bin", "val.bin"}
+    assert meta["sha256"]["tokenizer.json"] == hashlib.sha256(p.tokenizer_path.read_bytes()).hexdigest()
+    ids = np.fromfile(p.train_path, dtype=np.uint16)
+    assert meta["max_id"]["train.bin"] == int(ids.max()) < p.vocab_size
+    assert prepare_mod.verify_full(p.dir).dir == p.dir
+
+
+def test_load_checks_sampled_blocks_and_verify_checks_every_byte(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_mod, "SAMPLE_BLOCKS", 2)
+    monkeypatch.setattr(prepare_mod, "SAMPLE_BYTES", 64)  # spans: the first and the last 64 bytes
+    p = _prepared(tmp_path)
+    ids = np.memmap(p.train_path, dtype=np.uint16, mode="r+")
+    middle = len(ids) // 2
+    ids[middle] = (int(ids[middle]) + 1) % p.vocab_size  # still a valid id, outside the sampled blocks
+    ids.flush()
+    PreparedData.load(p.dir)  # the cheap check does not read it
+    with pytest.raises(ValueError, match=rf"data.prepared_dir: {p.train_path} differs from the SHA-256 recorded"):
+        prepare_mod.verify_full(p.dir)
+    ids[3] = (int(ids[3]) + 1) % p.vocab_size  # inside the first block
+    ids.flush()
+    with pytest.raises(ValueError, match=rf"{p.train_path} differs from the SHA-256 of 2 sampled blocks"):
+        PreparedData.load(p.dir)
+
+
+def test_out_of_vocabulary_ids_are_refused_on_load_and_on_read(tmp_path, monkeypatch):
+    p = _prepared(tmp_path)
+    ids = np.memmap(p.train_path, dtype=np.uint16, mode="r+")
+    ids[77] = p.vocab_size + 5
+    ids.flush()
+    with pytest.raises(ValueError, match=rf"{p.train_path} holds token id {p.vocab_size + 5} at token 77, outside"):
+        PreparedData.load(p.dir)
+    # a file too large to scan on load (pretend): its batches are checked as they are read
+    monkeypatch.setattr(prepare_mod, "SCAN_BYTES", 0)
+    meta = p.meta()
+    del meta["sampled_sha256"], meta["max_id"]
+    (p.dir / "meta.json").write_text(json.dumps(meta))
+    PreparedData.load(p.dir)
+    ds = TokenDataset(p.train_path, seq_len=16)
+    assert ds.vocab_size == p.vocab_size
+    ds.batch([0])  # tokens 0..16: fine
+    with pytest.raises(ValueError, match=rf"{p.train_path} holds token id {p.vocab_size + 5} at token 77"):
+        ds.batch([1, 4])  # window 4 covers tokens 64..80
+
+
+def test_parquet_binary_text_is_decoded_and_bad_rows_named(tmp_path):
+    from loom.config import ConfigError
+
+    good = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"text": pa.array([b"caf\xc3\xa9", None, b"ok"], type=pa.binary())}), good)
+    assert read_documents(str(good)) == ["café", "ok"]
+    bad = tmp_path / "bad" / "b.parquet"
+    bad.parent.mkdir()
+    pq.write_table(pa.table({"text": pa.array([b"fine", b"\xff\xfe"], type=pa.binary())}), bad)
+    with pytest.raises(ConfigError, match=r"b.parquet row 1 is not UTF-8"):
+        read_documents(str(bad))
+    torn = tmp_path / "torn" / "t.parquet"
+    torn.parent.mkdir()
+    pq.write_table(pa.table({"text": ["a" * 1000] * 50}), torn)
+    torn.write_bytes(torn.read_bytes()[:200] + torn.read_bytes()[-300:])
+    with pytest.raises(ConfigError, match=r"data.source: .*t.parquet (is not a readable parquet file|cannot be read "
+                                          r"at row \d+)"):  # fmt: skip
+        read_documents(str(torn))
+
+
+def test_disk_full_while_preparing_names_the_file(tmp_path, cache, monkeypatch):
+    import errno
+
+    from loom.config import ConfigError
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(ConfigError, match=r"data.prepared_dir: cannot write .*/train.bin: No space left on device") as e:
+        _prepared(tmp_path)
+    assert "\n" not in str(e.value)
+    assert list((cache / "data").iterdir()) == []  # nothing half-written kept

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -402,6 +403,7 @@ def _layout_outputs(path: str, x: torch.Tensor, layout: str):
     dims = {"zero3": {"dp_shard": 2}, "cp2": {"cp": 2}, "pp2": {"pp": 2}}[layout]
     mesh = get_mesh(**dims)
     cfg = C.LoomConfig(model=hf.config)
+    cfg.run.dir = tempfile.mkdtemp(prefix="loom-hf-")  # never the checkout's runs/default (pp2 draws a timeline there)
     cfg.data.seq_len, cfg.train.global_batch, cfg.train.micro_batch = x.shape[1] - 1, 2, 1
     cfg.parallel.dp, cfg.parallel.dp_shard = mesh.size("dp"), mesh.size("dp_shard")
     cfg.parallel.zero, cfg.parallel.cp, cfg.parallel.pp = (3 if layout == "zero3" else 0), mesh.size("cp"), mesh.size("pp")

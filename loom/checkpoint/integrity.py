@@ -42,7 +42,11 @@ CHUNK_BYTES = 64 << 20  # unit of hashing and of parallel verification
 READ = 8 << 20
 OPEN_COST = 1 << 20  # bytes a file open + stat is worth, when spreading the work over ranks
 OK, MISSING, SIZE, HASH = 0, 1, 2, 3
-PROBLEMS = {MISSING: "missing", SIZE: "truncated or resized", HASH: "content altered (SHA-256 mismatch)"}
+PROBLEMS = {
+    MISSING: "missing (listed in manifest.json)",
+    SIZE: "truncated or resized (its size differs from manifest.json's entry)",
+    HASH: "content altered (its SHA-256 differs from manifest.json's entry: this file or manifest.json was changed)",
+}
 
 
 class ChunkHasher:

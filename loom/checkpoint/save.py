@@ -192,6 +192,14 @@ def commit(root: Path, records: list[dict], world: int, keep: int = 0) -> Path:
     return final
 
 
+def describe_error(e: BaseException, where: Path) -> str:
+    """One line for a failed write: an OS error (disk full, permissions) names its file, or the
+    directory being written when the error carries none (a failed ``write`` does not)."""
+    if isinstance(e, OSError):
+        return f"{e.filename or where}: {e.strerror or e} ({type(e).__name__} while saving a checkpoint)"
+    return f"{type(e).__name__}: {e}"
+
+
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Committed checkpoint directories under ``root`` (complete or not), by step."""
     out = []
@@ -324,7 +332,7 @@ class Checkpointer:
                     "rank": self.rank,
                     "tag": snap.tag,
                     "step": snap.step,
-                    "error": f"{type(e).__name__}: {e}",
+                    "error": describe_error(e, tmp),
                 }
             records = gather_json(record, self.rank, self.world, self.group)
             status: dict = {}
@@ -349,7 +357,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - every rank must hear about it
             for tag in {r["tag"] for r in records}:
                 shutil.rmtree(self.root / (TMP_PREFIX + tag), ignore_errors=True)
-            return {"error": str(e)}
+            return {"error": str(e) if isinstance(e, F.CheckpointError) else describe_error(e, self.root)}
 
     def wait(self) -> Path | None:
         """Block until the save in flight (if any) is committed; raise its error if it failed."""

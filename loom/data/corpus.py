@@ -149,36 +149,64 @@ def _read_jsonl(path: Path, text_field: str, errors: str = "strict", stats: Deco
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"data.source: {path}:{lineno} is not valid JSON ({e.msg})") from None
+                raise ConfigError(f"data.source: {path}:{lineno} is not valid JSON (column {e.colno}: {e.msg})") from None
             if not isinstance(record, dict) or text_field not in record:
                 raise ConfigError(
                     f"data.source: {path}:{lineno} has no field {text_field!r} (set data.text_field)"
                 )
             text = record[text_field]
-            if text is not None:
-                yield str(text)
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise ConfigError(f"data.source: {path}:{lineno} field {text_field!r} holds a "
+                                  f"{type(text).__name__}, not a string")  # fmt: skip
+            yield text
 
 
-def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+def _read_parquet(path: Path, text_field: str, errors: str = "strict", stats: DecodeStats | None = None) -> Iterator[str]:
+    """Rows of column ``text_field``: strings, or binary decoded as UTF-8 text; a file pyarrow cannot
+    read, a column of another type or a row that cannot be decoded is refused naming the file and row."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"data.source: {path} is not a readable parquet file ({_first_line(e)})") from None
     if text_field not in pf.schema_arrow.names:
         raise ConfigError(
             f"data.source: {path} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}; "
             "set data.text_field)"
         )
-    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+    kind = pf.schema_arrow.field(text_field).type
+    binary = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+    if not (binary or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ConfigError(f"data.source: {path} column {text_field!r} holds {kind}, not text (string or binary)")
+    row = 0
+    batches = pf.iter_batches(columns=[text_field], batch_size=1024)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as e:
+            raise ConfigError(f"data.source: {path} cannot be read at row {row} ({_first_line(e)})") from None
         for text in batch.column(0).to_pylist():
             if text is not None:
-                yield str(text)
+                yield _decode(text, f"{path} row {row}", errors, stats) if binary else text
+            row += 1
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def _iter_file(path: Path, text_field: str, errors: str, stats: DecodeStats) -> Iterator[str]:
     if path.suffix == ".jsonl":
         return _read_jsonl(path, text_field, errors, stats)
     if path.suffix == ".parquet":
-        return _read_parquet(path, text_field)
+        return _read_parquet(path, text_field, errors, stats)
     return _read_txt(path, errors, stats)  # .txt and the stdlib's .py
 
 
@@ -198,17 +226,20 @@ def read_documents(
     docs: list[str] = []
     bar = tqdm(files, desc="read corpus", unit="file", disable=not progress, leave=False)
     for path in bar:
-        for text in _iter_file(path, text_field, errors, stats):
-            raw = text.encode("utf-8")
-            if len(raw) >= budget:
-                text = raw[:budget].decode("utf-8", errors="ignore")
-                budget = 0
-            else:
-                budget -= len(raw)
-            if text:
-                docs.append(text)
-            if budget == 0:
-                break
+        try:
+            for text in _iter_file(path, text_field, errors, stats):
+                raw = text.encode("utf-8")
+                if len(raw) >= budget:
+                    text = raw[:budget].decode("utf-8", errors="ignore")
+                    budget = 0
+                else:
+                    budget -= len(raw)
+                if text:
+                    docs.append(text)
+                if budget == 0:
+                    break
+        except OSError as e:  # unreadable (permissions, a directory named *.txt, I/O error)
+            raise ConfigError(f"data.source: cannot read {e.filename or path}: {e.strerror or e}") from None
         bar.set_postfix_str(f"{(int(max_mb * 1e6) - budget) / 1e6:.1f} MB", refresh=False)
         if budget == 0:
             break

@@ -9,7 +9,6 @@ single-process batch, and a run restarted at any step sees the same data.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 from numpy.typing import DTypeLike
 
 from loom.config import ConfigError
+from loom.data.prepare import read_meta
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # x, y: int64 (micro_batch, seq_len), y = x shifted by one
 
@@ -29,17 +29,29 @@ class TokenDataset:
     ``n_windows = (n_tokens - 1) // seq_len``.
     """
 
-    def __init__(self, path: str | Path, seq_len: int, dtype: DTypeLike | None = None) -> None:
+    def __init__(
+        self, path: str | Path, seq_len: int, dtype: DTypeLike | None = None, vocab_size: int | None = None
+    ) -> None:
+        """``dtype`` and ``vocab_size`` default to what the ``meta.json`` beside the file records (uint16
+        and no id check without one). Every batch read is checked: an id ``>= vocab_size`` is refused
+        naming the file and the token, before it can reach an embedding."""
         self.path = Path(path)
         if seq_len < 1:
             raise ConfigError(f"data.seq_len: must be >= 1, got {seq_len}")
         if not self.path.is_file():
             raise ConfigError(f"data.prepared_dir: token file {str(self.path)!r} does not exist")
-        if dtype is None:
-            meta = self.path.parent / "meta.json"
-            dtype = json.loads(meta.read_text())["dtype"] if meta.is_file() else np.uint16
+        meta = self.path.parent / "meta.json"
+        if (dtype is None or vocab_size is None) and meta.is_file():
+            recorded = read_meta(self.path.parent)
+            dtype = dtype if dtype is not None else recorded.get("dtype", "uint16")
+            if vocab_size is None and isinstance(recorded.get("vocab_size"), int):
+                vocab_size = recorded["vocab_size"]
         self.seq_len = seq_len
-        self.tokens = np.memmap(self.path, dtype=np.dtype(dtype), mode="r")
+        self.vocab_size = vocab_size
+        try:
+            self.tokens = np.memmap(self.path, dtype=np.dtype(dtype if dtype is not None else np.uint16), mode="r")
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"data.prepared_dir: cannot map {self.path} as {dtype} tokens ({e})") from None
         self.n_tokens = len(self.tokens)
         self.n_windows = (self.n_tokens - 1) // seq_len
         if self.n_windows < 1:
@@ -63,6 +75,12 @@ class TokenDataset:
     def batch(self, indices: list[int]) -> Batch:
         """Stack windows into (x, y), each of shape (len(indices), seq_len)."""
         tokens = torch.stack([self.window(i) for i in indices])  # (b, T+1)
+        if self.vocab_size is not None and tokens.numel() and int(tokens.max()) >= self.vocab_size:
+            row, col = torch.nonzero(tokens >= self.vocab_size)[0].tolist()
+            pos = indices[row] * self.seq_len + col
+            raise ConfigError(f"data.prepared_dir: {self.path} holds token id {int(tokens[row, col])} at token {pos}, "
+                              f"outside the tokenizer's vocabulary of {self.vocab_size}; the file was altered: delete "
+                              "its directory and prepare again")  # fmt: skip
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 

@@ -3,6 +3,13 @@
 The directory is built under a temporary name next to its final place and renamed into
 place in one step, so a concurrent or killed prepare never leaves a half-written directory;
 if another process finished first, its directory is kept. Preparing again is a no-op.
+
+Prepared data is checked every time it is loaded, cheaply: each token file's size, the SHA-256
+of ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BYTES`` spread evenly over it (the whole file when it is
+smaller than that, so ~1 MiB is read per file), the tokenizer's SHA-256, and the largest token
+id (every id of files up to ``SCAN_BYTES``; the recorded maximum beyond, where
+:class:`~loom.data.dataset.TokenDataset` checks each batch as it is read) against the
+tokenizer's vocabulary. ``loom prepare --verify`` hashes every byte (:func:`verify_full`).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -26,9 +34,15 @@ from loom.config import ConfigError, DataConfig
 from loom.data.corpus import STDLIB, fingerprint, read_documents
 from loom.data.tokenizer import encode_documents, eot_id, load_tokenizer, train_tokenizer
 
+log = logging.getLogger("loom")
+
 FORMAT_VERSION = 1
 META = "meta.json"
+TOKEN_FILES = ("train.bin", "val.bin")
 _TMP_TAG = ".tmp-"
+SAMPLE_BLOCKS = 16  # blocks hashed when loading (first and last included)
+SAMPLE_BYTES = 1 << 16  # bytes per sampled block
+SCAN_BYTES = 1 << 28  # token files up to this size have every id checked on load
 
 
 @dataclass
@@ -46,24 +60,32 @@ class PreparedData:
     eot_id: int = 0  # id of the end-of-document token
 
     @classmethod
-    def load(cls, dir: str | Path) -> PreparedData:
-        """Read ``meta.json`` of a prepared directory and check its files are all there."""
+    def load(cls, dir: str | Path, verify: bool = True) -> PreparedData:
+        """Read ``meta.json`` of a prepared directory and check its files (see the module doc;
+        ``verify=False``: only that they are there, with the sizes it records)."""
         d = Path(dir).expanduser()
         meta_path = d / META
         if not meta_path.is_file():
             raise ConfigError(f"data.prepared_dir: {str(d)!r} holds no {META}; run `loom prepare` first")
-        meta = json.loads(meta_path.read_text())
-        data = cls(
-            dir=d,
-            train_path=d / "train.bin",
-            val_path=d / "val.bin",
-            tokenizer_path=d / "tokenizer.json",
-            vocab_size=int(meta["vocab_size"]),
-            n_train_tokens=int(meta["n_train_tokens"]),
-            n_val_tokens=int(meta["n_val_tokens"]),
-            dtype=str(meta["dtype"]),
-            eot_id=int(meta["eot_id"]),
-        )
+        meta = read_meta(d)
+        try:
+            data = cls(
+                dir=d,
+                train_path=d / "train.bin",
+                val_path=d / "val.bin",
+                tokenizer_path=d / "tokenizer.json",
+                vocab_size=int(meta["vocab_size"]),
+                n_train_tokens=int(meta["n_train_tokens"]),
+                n_val_tokens=int(meta["n_val_tokens"]),
+                dtype=np.dtype(str(meta["dtype"])).name,
+                eot_id=int(meta["eot_id"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"data.prepared_dir: {meta_path} is not a Loom {META} ({type(e).__name__}: {e}); "
+                              f"delete {str(d)!r} and prepare again") from None  # fmt: skip
+        if data.dtype not in ("uint16", "uint32"):
+            raise ConfigError(f"data.prepared_dir: {meta_path} names dtype {data.dtype!r}; token files are uint16 or "
+                              f"uint32. Delete {str(d)!r} and prepare again")  # fmt: skip
         itemsize = np.dtype(data.dtype).itemsize
         for path, n in ((data.train_path, data.n_train_tokens), (data.val_path, data.n_val_tokens)):
             if not path.is_file():
@@ -77,11 +99,128 @@ class PreparedData:
                 )
         if not data.tokenizer_path.is_file():
             raise ConfigError(f"data.prepared_dir: {str(data.tokenizer_path)!r} is missing")
+        if verify:
+            data.check(meta)
         return data
+
+    def check(self, meta: dict[str, Any], full: bool = False) -> None:
+        """Token files and tokenizer against what ``meta.json`` recorded at prepare time: the sampled
+        blocks' SHA-256 (every byte's with ``full``), the tokenizer's SHA-256, token ids below the
+        vocabulary. Raises ConfigError naming the file."""
+        sha = _table(meta, "sha256")
+        tok_sha = sha.get("tokenizer.json")
+        if tok_sha and _sha256(self.tokenizer_path) != tok_sha:
+            raise self._altered(self.tokenizer_path, "SHA-256")
+        for name in TOKEN_FILES:
+            path = self.dir / name
+            recorded = _table(meta, "max_id").get(name)
+            self.check_ids(path, full, recorded if isinstance(recorded, int) else None)
+            if full:
+                if sha.get(name) and _sha256(path) != sha[name]:
+                    raise self._altered(path, "SHA-256")
+            else:
+                sampled = _table(meta, "sampled_sha256").get(name)
+                spec = _table(meta, "sample")  # the sampling it was recorded with
+                blocks, block = spec.get("blocks"), spec.get("block_bytes")
+                blocks = blocks if isinstance(blocks, int) and blocks > 0 else SAMPLE_BLOCKS
+                block = block if isinstance(block, int) and block > 0 else SAMPLE_BYTES
+                if sampled and sampled_sha256(path, blocks, block) != sampled:
+                    raise self._altered(path, f"SHA-256 of {blocks} sampled blocks")
+
+    def check_ids(self, path: Path, full: bool = False, recorded_max: int | None = None) -> None:
+        """Every token id of ``path`` (files up to ``SCAN_BYTES``, or any with ``full``), else the
+        maximum recorded at prepare time, is below the tokenizer's vocabulary."""
+        if recorded_max is not None and recorded_max >= self.vocab_size:
+            raise ConfigError(f"data.prepared_dir: {path} holds token ids up to {recorded_max} (meta.json), outside the "
+                              f"tokenizer's vocabulary of {self.vocab_size}; prepare the data again")  # fmt: skip
+        if not full and path.stat().st_size > SCAN_BYTES:
+            return
+        bad = first_out_of_vocab(path, np.dtype(self.dtype), self.vocab_size)
+        if bad is not None:
+            pos, value = bad
+            raise ConfigError(f"data.prepared_dir: {path} holds token id {value} at token {pos}, outside the "
+                              f"tokenizer's vocabulary of {self.vocab_size}; the file was altered or prepared with "
+                              "another tokenizer: delete the directory and prepare again")  # fmt: skip
+
+    def _altered(self, path: Path, what: str) -> ConfigError:
+        return ConfigError(f"data.prepared_dir: {path} differs from the {what} recorded in {self.dir / META} at "
+                           f"prepare time (altered or corrupt); delete {str(self.dir)!r} and prepare again")  # fmt: skip
 
     def meta(self) -> dict[str, Any]:
         """The full ``meta.json`` contents."""
-        return json.loads((self.dir / META).read_text())
+        return read_meta(self.dir)
+
+
+def _table(meta: dict[str, Any], key: str) -> dict[str, Any]:
+    """``meta[key]`` if it is a JSON object, else an empty one (older or hand-edited files)."""
+    value = meta.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def read_meta(d: Path) -> dict[str, Any]:
+    """``d/meta.json`` as a dict; anything else is refused in one line naming the file."""
+    path = d / META
+    try:
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"data.prepared_dir: {path} is missing; run `loom prepare` first") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
+        raise ConfigError(f"data.prepared_dir: {path} is not valid JSON{where}; delete {str(d)!r} and prepare "
+                          "again") from None  # fmt: skip
+    if not isinstance(meta, dict):
+        raise ConfigError(f"data.prepared_dir: {path} is not a JSON object; delete {str(d)!r} and prepare again")
+    return meta
+
+
+def sample_spans(size: int, blocks: int | None = None, block: int | None = None) -> list[tuple[int, int]]:
+    """(offset, length) of the blocks hashed on load: the whole file if it is at most ``blocks *
+    block`` bytes (default ``SAMPLE_BLOCKS * SAMPLE_BYTES``), else ``blocks`` blocks evenly spaced
+    from the first byte to the last."""
+    blocks = SAMPLE_BLOCKS if blocks is None else blocks
+    block = SAMPLE_BYTES if block is None else block
+    if size <= blocks * block or blocks < 2:
+        return [(0, size)]
+    step = (size - block) / (blocks - 1)
+    return [(round(i * step), block) for i in range(blocks)]
+
+
+def sampled_sha256(path: Path, blocks: int | None = None, block: int | None = None) -> str:
+    """SHA-256 of the file's size and its :func:`sample_spans` bytes."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        for offset, length in sample_spans(size, blocks, block):
+            f.seek(offset)
+            h.update(f.read(length))
+    return h.hexdigest()
+
+
+def first_out_of_vocab(path: Path, dtype: np.dtype, vocab: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
+    """(position, id) of the first token id ``>= vocab`` in ``path``, or None; reads in chunks."""
+    tokens = np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
+    for start in range(0, len(tokens), chunk):
+        part = tokens[start : start + chunk]
+        if part.size and int(part.max()) >= vocab:
+            i = int(np.argmax(part >= vocab))
+            return start + i, int(part[i])
+    return None
+
+
+def verify_full(dir: str | Path) -> PreparedData:
+    """``loom prepare --verify``: every byte of the token files and the tokenizer against the SHA-256
+    recorded at prepare time, and every token id against the vocabulary."""
+    data = PreparedData.load(dir, verify=False)
+    meta = data.meta()
+    missing = [n for n in (*TOKEN_FILES, "tokenizer.json") if not _table(meta, "sha256").get(n)]
+    data.check(meta, full=True)
+    if missing == ["tokenizer.json"]:
+        log.warning("%s records no SHA-256 of tokenizer.json (prepared by an older Loom); token files verified",
+                    data.dir / META)  # fmt: skip
+    elif missing:
+        raise ConfigError(f"data.prepared_dir: {data.dir / META} records no SHA-256 of {', '.join(missing)}; "
+                          "prepare the data again to verify it")  # fmt: skip
+    return data
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -126,18 +265,25 @@ def default_dir(cfg: DataConfig, key: dict[str, Any] | None = None) -> Path:
 
 
 def prepare_data(cfg: DataConfig, progress: bool = True) -> PreparedData:
-    """Prepare ``cfg.source`` into ``cfg.prepared_dir`` (or the cache dir) unless already done."""
+    """Prepare ``cfg.source`` into ``cfg.prepared_dir`` (or the cache dir) unless already done.
+
+    A file that cannot be written (disk full, permissions) is refused in one line naming it."""
     if cfg.prepared_dir and (Path(cfg.prepared_dir).expanduser() / META).is_file():
         return _reuse(Path(cfg.prepared_dir).expanduser(), cfg)
     key = cache_key(cfg)
     final = Path(cfg.prepared_dir).expanduser() if cfg.prepared_dir else default_dir(cfg, key)
     if (final / META).is_file():
         return PreparedData.load(final)
+    if final.exists() and not final.is_dir():
+        raise ConfigError(f"data.prepared_dir: {str(final)!r} is a file, not a directory")
     if final.is_dir() and any(final.iterdir()):
         raise ConfigError(f"data.prepared_dir: {str(final)!r} is not empty and holds no {META}")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(final)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}{_TMP_TAG}{_owner()}-"))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(final)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}{_TMP_TAG}{_owner()}-"))
+    except OSError as e:
+        raise _unwritable(e, final) from None
     try:
         _build(cfg, key, tmp, progress)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is a shared cache entry
@@ -147,10 +293,20 @@ def prepare_data(cfg: DataConfig, progress: bool = True) -> PreparedData:
             if not (final / META).is_file():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _unwritable(e, final) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return PreparedData.load(final)
+
+
+def _unwritable(e: OSError, final: Path) -> ConfigError:
+    """One line naming the file a prepare could not write (and the directory it was preparing)."""
+    where = e.filename or final
+    return ConfigError(f"data.prepared_dir: cannot write {where}: {e.strerror or e} (preparing {final}); nothing "
+                       "was kept")  # fmt: skip
 
 
 def _reuse(final: Path, cfg: DataConfig) -> PreparedData:
@@ -179,14 +335,17 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
         tok = load_tokenizer(cfg.tokenizer)
     else:
         tok = train_tokenizer(train_docs, cfg.vocab_size, progress)
-    tok.save(str(out / "tokenizer.json"))
+    try:
+        tok.save(str(out / "tokenizer.json"))
+    except Exception as e:  # the Rust side raises a bare Exception (disk full, permissions)
+        raise OSError(None, str(e), str(out / "tokenizer.json")) from None
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
     eot = eot_id(tok)
-    counts, digests = {}, {}
+    counts, digests, max_ids = {}, {}, {}
     for name, part in (("train", train_docs), ("val", val_docs)):
         chunks = encode_documents(tok, part, eot, dtype=dtype, progress=progress, desc=f"encode {name}")
-        counts[name], digests[name] = _write_bin(out / f"{name}.bin", chunks)
+        counts[name], digests[name], max_ids[name] = _write_bin(out / f"{name}.bin", chunks)
     meta = {
         "format": FORMAT_VERSION,
         "source": cfg.source,
@@ -198,7 +357,10 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
         "n_train_docs": len(train_docs),
         "n_val_docs": len(val_docs),
         "corpus_mb": sum(len(d.encode("utf-8")) for d in docs) / 1e6,
-        "sha256": {"train.bin": digests["train"], "val.bin": digests["val"]},
+        "sha256": {"train.bin": digests["train"], "val.bin": digests["val"], "tokenizer.json": _sha256(out / "tokenizer.json")},
+        "sampled_sha256": {n: sampled_sha256(out / n) for n in TOKEN_FILES},
+        "sample": {"blocks": SAMPLE_BLOCKS, "block_bytes": SAMPLE_BYTES},
+        "max_id": {"train.bin": max_ids["train"], "val.bin": max_ids["val"]},
         "prepare_seconds": round(time.perf_counter() - t0, 2),
         "config": asdict(cfg),
         "key": key,
@@ -231,25 +393,32 @@ def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], li
     return train, val
 
 
-def _write_bin(path: Path, chunks: Any) -> tuple[int, str]:
-    """Write token chunks to ``path``; return (token count, sha256 of the bytes)."""
-    h, n = hashlib.sha256(), 0
-    with path.open("wb") as f:
-        for chunk in chunks:
-            raw = chunk.tobytes()
-            f.write(raw)
-            h.update(raw)
-            n += len(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    return n, h.hexdigest()
+def _write_bin(path: Path, chunks: Any) -> tuple[int, str, int]:
+    """Write token chunks to ``path``; return (token count, sha256 of the bytes, largest id)."""
+    h, n, top = hashlib.sha256(), 0, -1
+    try:
+        with path.open("wb") as f:
+            for chunk in chunks:
+                raw = chunk.tobytes()
+                f.write(raw)
+                h.update(raw)
+                n += len(chunk)
+                top = max(top, int(chunk.max())) if len(chunk) else top
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a failed write() carries no file name: add it
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+    return n, h.hexdigest(), top
 
 
 def _write_durable(path: Path, raw: bytes) -> None:
-    with path.open("wb") as f:
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with path.open("wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 def _sha256(path: Path) -> str:

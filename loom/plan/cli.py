@@ -4,6 +4,8 @@
     loom plan --model llama3-70b --cluster h100-sxm:128x8 --seq 8192 --global-batch 1024 [--explain 1]
     loom plan calibrate [--out profile.json] [--nproc N] [--config run.toml]   measure this machine
     loom plan validate [--profile profile.json]   predicted vs measured on local debug-model runs
+    loom plan verify --config C --devices N --device D [--layout best|LINE] [--rank R] [--seq S]
+                                                  one rank of an N-device job, built and stepped here
 
 ``--cluster`` takes a TOML path, a name in ``loom/configs/clusters`` or ``DEVICE:NODESxPER``;
 ``--device NAME`` with ``--world N`` builds nodes of up to 8 such devices. Exit status: 0 when the
@@ -51,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cluster(args: argparse.Namespace, default: str) -> ClusterSpec:
+def cluster_of(args: argparse.Namespace, default: str) -> ClusterSpec:
+    """The cluster of ``--cluster`` or ``--device``/``--world`` (``default`` without either)."""
     if args.cluster:
         return resolve_cluster(args.cluster)
     if args.device:
@@ -84,7 +87,7 @@ def main(argv: list[str]) -> int:
         check = None
         if args.config or overrides:
             cfg = load(args.config, overrides)
-            cluster = _cluster(args, "cpu-local")
+            cluster = cluster_of(args, "cpu-local")
             check = check_fit(cfg, cluster, profile)
             model, train = model_of(cfg), workload_of(cfg)
         else:
@@ -92,7 +95,7 @@ def main(argv: list[str]) -> int:
                 parser.error("give --config FILE or --model NAME")
             if args.model not in MODELS:
                 raise PlanError(f"unknown model {args.model!r}; known: {', '.join(MODELS)}")
-            cluster = _cluster(args, "h100-8x8")
+            cluster = cluster_of(args, "h100-8x8")
             model = MODELS[args.model]
             train = Workload(args.global_batch, args.seq, precision=args.precision)
         result = search(

@@ -158,6 +158,55 @@ class Layout:
             ep=self.ep,
         )
 
+    def spec(self) -> str:
+        """The whole layout in one line, as ``loom plan verify --layout`` takes it (:meth:`parse`):
+        ``dp16 tp8 pp8 cp1 ep1 zero1/16 sp interleaved:v5 mb1 recompute:none [offload]``."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}", f"ep{self.ep}"]
+        parts.append(f"zero{self.zero}/{self.dp_shard}" if self.zero else "zero0")
+        parts += ["sp"] * self.sp + [f"{self.schedule}:v{self.v}", f"mb{self.micro_batch}", f"recompute:{self.recompute}"]
+        return " ".join(parts + ["offload"] * self.offload)
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """The layout of a :meth:`spec` line (``zeroK`` alone shards over all of dp; degrees not named are 1)."""
+        from typing import get_args
+
+        from loom.rules import ScheduleName
+
+        kw: dict = {}
+        for tok in text.split():
+            name, _, arg = tok.partition(":")
+            head = name.rstrip("0123456789/")
+            digits = name[len(head):]
+            try:
+                if head in ("dp", "tp", "pp", "cp", "ep", "mb") and digits.isdigit():
+                    kw["micro_batch" if head == "mb" else head] = int(digits)
+                elif head == "zero" and digits:
+                    stage, _, shard = digits.partition("/")
+                    kw["zero"] = int(stage)
+                    if shard:
+                        kw["dp_shard"] = int(shard)
+                elif tok == "sp":
+                    kw["sp"] = True
+                elif tok == "offload":
+                    kw["offload"] = True
+                elif name == "recompute" and arg in ("none", "selective", "full"):
+                    kw["recompute"] = arg
+                elif name in get_args(ScheduleName):
+                    kw["schedule"] = name
+                    if arg:
+                        if not arg.startswith("v"):
+                            raise ValueError
+                        kw["v"] = int(arg[1:])
+                else:
+                    raise ValueError
+            except ValueError:
+                raise PlanError(f"--layout: cannot read {tok!r} in {text!r}; expected e.g. "
+                                "'dp16 tp8 pp8 cp1 ep1 zero1 sp interleaved:v5 mb1 recompute:none'") from None
+        if kw.get("zero") and "dp_shard" not in kw:
+            kw["dp_shard"] = kw.get("dp", 1)
+        return cls(**kw)
+
     def short(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         parts += [f"cp{self.cp}"] * (self.cp > 1) + [f"ep{self.ep}"] * (self.ep > 1)
@@ -497,6 +546,18 @@ class CostModel:
             total += 4 * h + (4 * (V / tp + h) if self.params.head or pp > 1 else 0)
         return total
 
+    def step_workspace(self, lay: Layout, first: bool = True, last: bool = True) -> float:
+        """Temporaries of Loom's AdamW step on one device: the fp32 denominators sqrt(v) of every
+        element it updates (``torch._foreach_sqrt``), and under mixed precision the fp32 copy of
+        the gradient shard, 4·Φ_opt·(1 + mixed) bytes for the Φ_opt elements whose optimizer state it
+        holds (8-bit Adam works in chunks and Adafactor on factored statistics: not counted)."""
+        if self.train.optimizer != "adamw" or lay.offload:
+            return 0.0
+        dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, first, last)
+        n = lay.dp_shard * lay.cp if lay.zero else 1
+        elements = dense / n + expert / max(1, n // lay.ep)
+        return 4.0 * elements * (2 if self.train.mixed else 1)
+
     def layer_activation(self, lay: Layout) -> tuple[float, float, float]:
         """Bytes of one layer, one micro-batch: (no recomputation, selective, block input)."""
         return self._act(lay.tp, lay.sp, lay.cp, lay.micro_batch)
@@ -536,37 +597,45 @@ class CostModel:
 
     def memory(self, lay: Layout) -> tuple[float, dict[str, float], str]:
         """(peak bytes, breakdown, stage) over the first and last pipeline stage."""
-        m = self.train.global_batch // (lay.dp * lay.micro_batch)
-        full_act, sel_act, block_in = self._act(lay.tp, lay.sp, lay.cp, lay.micro_batch)
         best: tuple[float, dict[str, float], str] = (-1.0, {}, "")
-        for name, first, last, idx in self._stages(lay.pp):
-            bd = dict(
-                self._states(lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last)
-            )
-            n = inflight_layers(lay.schedule, lay.pp, idx, m, lay.v, self.model.n_layers)
-            if lay.recompute == "none":
-                act = n * full_act
-            elif lay.recompute == "selective":
-                act = n * sel_act
-            else:
-                act = max(n - 1.0, 0.0) * block_in + sel_act
-            logits = 0.0
-            if last:
-                T = lay.micro_batch * self.train.seq_len / lay.cp
-                logits = T * self.model.vocab_size / lay.tp * (self.act_bytes + 8)
-            bd["activations"] = act
-            bd["logits"] = logits
-            bd["accumulation"] = 0.0
-            if lay.zero >= 2 and m > 1:  # full-size gradients kept between micro-batches (as FSDP no_sync)
-                dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, first, last)
-                bd["accumulation"] = self.G * (dense + expert) - bd["gradients"]
-            bd["overhead"] = self.cluster.device.runtime_overhead_bytes + FRAGMENTATION * (
-                act + logits + bd["zero3 buffer"]
-            )
+        for name, _, _, idx in self._stages(lay.pp):
+            bd = self.stage_memory(lay, idx)
             total = sum(bd.values())
             if total > best[0]:
                 best = (total, bd, name)
         return best
+
+    def stage_memory(self, lay: Layout, stage: int, microbatches: int | None = None) -> dict[str, float]:
+        """Bytes on a device of pipeline stage ``stage`` at its peak, by kind: model states, saved
+        activations of the layers in flight (``inflight_layers`` of the schedule), logits, full-size
+        gradients kept across micro-batches, overhead; ``microbatches`` default: the workload's."""
+        m = microbatches or self.train.global_batch // (lay.dp * lay.micro_batch)
+        first, last = stage == 0, stage == lay.pp - 1
+        full_act, sel_act, block_in = self._act(lay.tp, lay.sp, lay.cp, lay.micro_batch)
+        bd = dict(self._states(lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last))
+        n = inflight_layers(lay.schedule, lay.pp, stage, m, lay.v, self.model.n_layers)
+        if lay.recompute == "none":
+            act = n * full_act
+        elif lay.recompute == "selective":
+            act = n * sel_act
+        else:
+            act = max(n - 1.0, 0.0) * block_in + sel_act
+        logits = 0.0
+        if last:
+            T = lay.micro_batch * self.train.seq_len / lay.cp
+            logits = T * self.model.vocab_size / lay.tp * (self.act_bytes + 8)
+        bd["activations"] = act
+        bd["logits"] = logits
+        bd["accumulation"] = 0.0
+        if lay.zero >= 2 and m > 1:  # full-size gradients kept between micro-batches (as FSDP no_sync)
+            dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, first, last)
+            bd["accumulation"] = self.G * (dense + expert) - bd["gradients"]
+        # The optimizer step runs after the activations are freed; its temporaries count only beyond them.
+        bd["optimizer step"] = max(0.0, self.step_workspace(lay, first, last) - act - logits)
+        bd["overhead"] = self.cluster.device.runtime_overhead_bytes + FRAGMENTATION * (
+            act + logits + bd["zero3 buffer"]
+        )
+        return bd
 
     # ------------------------------------------------------------------ time
 

@@ -76,6 +76,8 @@ def format_search(result: SearchResult, top: int = 10) -> str:
             f"({result.considered} evaluated in {result.elapsed_s:.2f} s); best {min(top, len(result.ranked))}:"
         )
         out.append(format_table(result.ranked, top))
+        out.append("as --layout for `loom plan verify`:")
+        out += [f"  {i + 1:>2}  {e.layout.spec()}" for i, e in enumerate(result.ranked[:top])]
     else:
         out.append(explain_no_fit(result))
     if result.rejected:

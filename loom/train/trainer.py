@@ -97,16 +97,51 @@ def control_group(env: RankEnv):
 
 
 def ensure_data(cfg: C.LoomConfig, env: RankEnv, control=None) -> PreparedData:
-    """Prepared tokens; under torchrun rank 0 prepares while the others wait on ``control``."""
-    if cfg.data.prepared_dir and (Path(cfg.data.prepared_dir) / "meta.json").exists():
-        return PreparedData.load(cfg.data.prepared_dir)
+    """Prepared tokens, verified (:meth:`PreparedData.load`): rank 0 prepares or checks them while the
+    others wait on ``control``; its verdict reaches every rank, so a refusal is the same one line on
+    all of them (none waits for a rank that has given up)."""
+    from loom.checkpoint.save import broadcast_json
+
+    check_data_record(Path(cfg.run.dir))
+    error = ""
+    failure: Exception | None = None
+    prepared: PreparedData | None = None
     if env.rank == 0:
-        prepared = prepare_data(cfg.data, progress=cfg.run.progress)
+        try:
+            prepared = prepare_data(cfg.data, progress=cfg.run.progress)
+        except Exception as e:
+            if env.world == 1:
+                raise
+            failure = e
+            error = str(e) if isinstance(e, C.ConfigError) else f"data.source: rank 0 failed to prepare it ({e!r})"
     if env.world > 1:
-        dist.barrier(group=control)
-    if env.rank != 0:
-        prepared = prepare_data(cfg.data, progress=False)
+        verdict = broadcast_json({"error": error, "dir": str(prepared.dir) if prepared else ""}, env.rank, env.world,
+                                 control)  # fmt: skip
+        assert isinstance(verdict, dict)
+        if failure is not None:
+            raise failure
+        if verdict["error"]:
+            raise C.ConfigError(verdict["error"])
+        if env.rank != 0:  # rank 0 checked the files; the others read what it prepared
+            prepared = PreparedData.load(verdict["dir"], verify=False)
+    assert prepared is not None
     return prepared
+
+
+def check_data_record(run_dir: Path) -> None:
+    """``run_dir/data.json`` (the data a run is bound to), if present, is a JSON object of hashes."""
+    import json
+
+    path = run_dir / DATA_IDENTITY
+    if not path.is_file():
+        return
+    try:
+        record = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        record = None
+    if not isinstance(record, dict) or not all(isinstance(v, str) for v in record.values()):
+        raise C.ConfigError(f"run.dir: {path} is not the JSON object of data hashes Loom writes; restore it, or start "
+                            "a new run.dir with --train.init_from")  # fmt: skip
 
 
 class Trainer:
@@ -127,16 +162,21 @@ class Trainer:
         C.check_vocab(cfg, self.data.vocab_size)
         cfg.model.vocab_size = C.effective_vocab(cfg, self.data.vocab_size)
         self.meter = CommMeter()
-        self.model: torch.nn.Module = build_model(cfg.model, cfg.train.seed, self.device)
+        # The model is built on the meta device; each rank materializes only what it holds (its values:
+        # the layout-independent init, or the pretrained weights of model.from_hf, read per parameter).
+        meta = not cfg.train.init_from
+        self.model: torch.nn.Module = build_model(cfg.model, cfg.train.seed, self.device, meta=meta)
+        source = None
         if cfg.model.from_hf:  # pretrained weights (the shape was taken from the directory by the CLI)
-            from loom.model.hf import load_into, open_dir
+            from loom.model.hf import open_dir
+            from loom.model.hf import source as hf_source
 
-            load_into(self.model, open_dir(cfg.model.from_hf, cfg.data.seq_len))
+            source = hf_source(open_dir(cfg.model.from_hf, cfg.data.seq_len))
         if cfg.train.init_from:  # weights only; a checkpoint in run.dir (a restart) still wins below
             from loom.train.init_from import load_initial_weights
 
             log.info("initial weights from %s", load_initial_weights(self.model, cfg.train.init_from))
-        self.run = build_run(cfg, self.mesh, self.model, self.meter)
+        self.run = build_run(cfg, self.mesh, self.model, self.meter, source)
         dp_rank, dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
         train_set = TokenDataset(self.data.train_path, cfg.data.seq_len)
         self.sampler = BatchSampler(

@@ -1,0 +1,222 @@
+"""``loom plan verify``: one rank of a huge job, built and stepped for real on this machine.
+
+    loom plan verify --config configs/llama3-70b.toml --devices 1024 --device h100-sxm \\
+        --layout best --rank 0 --seq 256 [--microbatches M]
+
+Rank R of the N-rank job runs alone: PyTorch's fake process group stands in for the other ranks
+(collectives return at once, without peers), the model is built on the meta device and only
+rank R's shard is materialized (:mod:`loom.parallel.materialize`), and one step of its schedule
+runs with just enough micro-batches to reach the schedule's activation peak (``pp``; ``2·pp`` for
+2BW), at the given sequence length. Beside each measurement stands the planner's prediction for
+that same rank, stage, sequence length and micro-batch count
+(:meth:`loom.plan.cost.CostModel.stage_memory`):
+
+    parameters, gradients, optimizer state   strategy.state_bytes() after the step
+    saved activations                        peak bytes held by autograd (saved-tensor hooks)
+    peak                                     peak resident memory of the process over the step,
+                                             against the predicted sum without the device runtime
+
+Exit status 1 if a model-state kind differs by more than 2% or the peak by more than 10%.
+``--layout best`` takes the planner's best layout for the config's own job (its sequence length and
+global batch), verified at ``--seq``; otherwise a line as ``loom plan`` prints them
+(``dp16 tp8 pp8 cp1 ep1 zero1 sp interleaved:v5 mb1 recompute:none``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+
+from loom import config as C
+from loom.plan.cost import CostModel, Layout, PlanError
+from loom.plan.hardware import ClusterSpec, HardwareError
+from loom.plan.report import model_of, workload_of
+
+STATE_TOLERANCE = 0.02
+PEAK_TOLERANCE = 0.10
+MiB = 2**20
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loom plan verify", description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--config", required=True, help="a Loom TOML config or preset (its model and training settings)")
+    p.add_argument("--devices", "--world", type=int, dest="world", required=True, help="devices of the whole job")
+    p.add_argument("--device", help="the device the job runs on (8 per node), e.g. h100-sxm")
+    p.add_argument("--cluster", help="or a cluster: TOML file, a name in loom/configs/clusters, or DEVICE:NODESxPER")
+    p.add_argument("--layout", default="best", help="'best' (the planner's) or a layout line, e.g. "
+                   "'dp16 tp8 pp8 cp1 ep1 zero1 sp interleaved:v5 mb1 recompute:none'")  # fmt: skip
+    p.add_argument("--rank", type=int, default=0, help="the rank to build and step (default 0)")
+    p.add_argument("--seq", type=int, default=256, help="sequence length of the step (default 256)")
+    p.add_argument("--microbatches", type=int, default=0, help="micro-batches of the step (default: the schedule's peak)")
+    return p
+
+
+def default_microbatches(lay: Layout) -> int:
+    """Enough micro-batches for every stage to reach its activation peak (and for the schedule to be valid)."""
+    if lay.pp == 1:
+        return 1
+    return 2 * lay.pp if lay.schedule == "2bw" else lay.pp
+
+
+def job_config(cfg: C.LoomConfig, lay: Layout, seq: int, m: int) -> C.LoomConfig:
+    """``cfg`` with the layout's degrees, ``seq`` tokens per sequence and ``m`` micro-batches per rank."""
+    cfg = copy.deepcopy(cfg)
+    p = cfg.parallel
+    p.dp, p.dp_shard, p.tp, p.pp, p.cp, p.ep = lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep
+    p.zero, p.sp, p.schedule, p.virtual_stages = lay.zero, lay.sp, lay.schedule, lay.v
+    p.offload = "cpu" if lay.offload else "none"
+    cfg.train.micro_batch, cfg.train.global_batch = lay.micro_batch, lay.micro_batch * lay.dp * m
+    cfg.train.recompute = lay.recompute
+    cfg.train.steps = max(cfg.train.steps, 10)  # the pipeline records its timeline at step 3, never here
+    if lay.pp > 1:  # blocks spread evenly over the stages, as the planner assumes (no profiling run)
+        cfg.parallel.pp_layout = uniform_layout(cfg.model.n_layers, lay.pp * lay.v)
+    cfg.data.seq_len = seq
+    cfg.model.vocab_size = model_of(cfg).vocab_size
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq)
+    return cfg
+
+
+def uniform_layout(n_layers: int, stages: int) -> str:
+    """``parallel.pp_layout`` with ``n_layers`` blocks over ``stages`` stages, the first ones one block
+    longer when they do not divide."""
+    bounds, lo = [], 0
+    for s in range(stages):
+        hi = lo + n_layers // stages + (s < n_layers % stages)
+        bounds.append(f"{lo}-{hi - 1}")
+        lo = hi
+    return ",".join(bounds)
+
+
+def constant(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Every parameter 1e-2 (a broadcast view: no memory, no random draw); under the fake group the
+    values are meaningless anyway, only shapes and bytes are measured."""
+    return torch.full((), 1e-2).expand(shape)
+
+
+def measure(cfg: C.LoomConfig, rank: int, world: int) -> dict[str, float]:
+    """Build rank ``rank`` of a ``world``-rank job under the fake process group, step it once, and
+    return its bytes by kind (parameters, gradients, optimizer, saved activations, peak) and timings."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from loom.device import peak_memory_bytes, reset_peak_memory
+    from loom.mesh import ParallelDims, ParallelMesh
+    from loom.model.llama import build_model
+    from loom.train.build import build_run, saved_activations
+
+    cpu = torch.device("cpu")
+    torch.set_num_threads(os.cpu_count() or 1)
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        t0 = time.perf_counter()
+        mesh = ParallelMesh(ParallelDims.from_config(cfg.parallel), "cpu")
+        with torch.device("meta"):  # first use of the meta device and of the matmul kernels: not the model's
+            torch.empty(1)
+        torch.ones(8, 8) @ torch.ones(8, 8)
+        base = _rss()
+        reset_peak_memory(cpu)
+        run = build_run(cfg, mesh, build_model(cfg.model, cfg.train.seed, cpu, meta=True), source=constant)
+        t1 = time.perf_counter()
+        g = torch.Generator().manual_seed(0)
+        m = cfg.train.global_batch // (cfg.train.micro_batch * mesh.size("dp"))
+        seq = cfg.data.seq_len // mesh.size("cp")
+        batches = [(torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, seq), generator=g),
+                    torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, seq), generator=g))
+                   for _ in range(m)]  # fmt: skip
+        saved = saved_activations(cfg, run.model, cpu)
+        strategy = run.strategy
+
+        def update() -> float:  # the values are garbage under the fake group: no clipping, no finite check
+            strategy.finish_sync()
+            strategy.step(1e-5)
+            return 0.0
+
+        strategy.zero_grad()
+        with saved:
+            run.forward_backward(batches, run.loss_fn, update, mesh.group("dp_cp"))
+        peak = peak_memory_bytes(cpu) - base
+        state = strategy.state_bytes()
+        return {
+            "parameters": state["param_bytes"], "gradients": state["grad_bytes"], "optimizer": state["optim_bytes"],
+            "saved activations": saved.peak, "peak": peak, "build_s": t1 - t0, "step_s": time.perf_counter() - t1,
+            "stage": mesh.local_rank("pp"), "microbatches": m, "transient": state.get("transient_peak_bytes", 0),
+        }  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def predict(cfg: C.LoomConfig, cluster: ClusterSpec, lay: Layout, stage: int, m: int) -> dict[str, float]:
+    """The planner's bytes by kind for a device of pipeline stage ``stage`` (``m`` micro-batches)."""
+    cm = CostModel(model_of(cfg), workload_of(cfg), cluster)
+    bd = cm.stage_memory(lay, stage, m)
+    runtime = cluster.device.runtime_overhead_bytes
+    return {
+        "parameters": bd["weights"], "gradients": bd["gradients"] + bd["accumulation"], "optimizer": bd["optimizer"],
+        "saved activations": bd["activations"] + bd["logits"], "peak": sum(bd.values()) - runtime,
+    }  # fmt: skip
+
+
+def table(measured: dict[str, float], predicted: dict[str, float]) -> tuple[str, bool]:
+    """Rows of kind | predicted MiB | measured MiB | ratio | verdict, and whether every gate holds."""
+    rows, ok = [f"{'kind':<18}{'predicted MiB':>15}{'measured MiB':>15}{'ratio':>8}  check"], True
+    for kind, tol in (("parameters", STATE_TOLERANCE), ("gradients", STATE_TOLERANCE),
+                      ("optimizer", STATE_TOLERANCE), ("saved activations", None), ("peak", PEAK_TOLERANCE)):  # fmt: skip
+        p, x = predicted[kind], measured[kind]
+        ratio = x / p if p else (1.0 if x == 0 else float("inf"))
+        verdict = "shown"
+        if tol is not None:
+            good = abs(ratio - 1.0) <= tol
+            ok &= good
+            verdict = f"{'ok' if good else 'FAIL'} (±{tol:.0%})"
+        rows.append(f"{kind:<18}{p / MiB:>15.1f}{x / MiB:>15.1f}{ratio:>8.3f}  {verdict}")
+    return "\n".join(rows), ok
+
+
+def main(argv: list[str], cluster_of) -> int:
+    """``cluster_of(args, default)``: the cluster of ``--cluster`` / ``--device`` (as ``loom plan`` reads them)."""
+    args = _parser().parse_args(argv)
+    try:
+        cfg = C.load(args.config, [])
+        cluster = cluster_of(args, "h100-8x8")
+        if args.layout == "best":
+            from loom.plan.search import search
+
+            probe = job_config(cfg, Layout(), cfg.data.seq_len, 1)  # the real job's layout; verified at --seq
+            probe.train.global_batch = cfg.train.global_batch
+            result = search(model_of(probe), workload_of(probe), cluster, args.world)
+            if not result.ranked:
+                raise PlanError(f"--layout best: no layout of {args.world} devices fits this model")
+            lay = result.ranked[0].layout
+        else:
+            lay = Layout.parse(args.layout)
+        if lay.world_size != args.world:
+            raise PlanError(f"--layout {lay.spec()!r} uses {lay.world_size} devices, --devices is {args.world}")
+        if not 0 <= args.rank < args.world:
+            raise PlanError(f"--rank: must be in [0, {args.world}), got {args.rank}")
+        m = args.microbatches or default_microbatches(lay)
+        cfg = job_config(cfg, lay, args.seq, m)
+        C.validate(cfg, args.world)
+    except (C.ConfigError, PlanError, HardwareError) as e:
+        print(f"loom plan verify: {e}", file=sys.stderr)
+        return 2
+    print(f"verifying rank {args.rank} of {args.world} ({cluster.device.name}): {lay.spec()}, seq {args.seq}, "
+          f"{m} micro-batch{'es' * (m > 1)}", flush=True)  # fmt: skip
+    measured = measure(cfg, args.rank, args.world)
+    predicted = predict(cfg, cluster, lay, int(measured["stage"]), m)
+    text, ok = table(measured, predicted)
+    print(f"pipeline stage {int(measured['stage'])}; built in {measured['build_s']:.1f} s, "
+          f"stepped in {measured['step_s']:.1f} s")  # fmt: skip
+    print(text)
+    print("verified: the planner's model states and peak hold for this rank" if ok else
+          "NOT verified: a measurement is outside its tolerance")  # fmt: skip
+    return 0 if ok else 1
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

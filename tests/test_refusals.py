@@ -1,0 +1,612 @@
+"""A table of concrete bad inputs, each refused the way a user should see it.
+
+Every row is a careless or hostile input (config, data, run directory, checkpoint, environment,
+command line). For each: the exit code, exactly one line on stderr, that the line names the field
+or the file at fault, and that nothing already on disk changed (every file under the shared
+fixtures and the row's own directory is hashed before and after; only the run lock's holder record,
+heartbeats and failure logs may be rewritten, as every start rewrites them).
+
+Rows call ``loom.cli.main`` in this process (milliseconds once torch is imported); two run the real
+``python -m loom`` entry point. Rows that need a trained run share one tiny run made once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loom import config as C
+
+ROOT = Path(__file__).resolve().parent.parent
+BOOKKEEPING = {".loom.lock", "heartbeat", "logs"}  # rewritten by every start, refused or not
+TINY = {
+    "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
+    "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
+    "train": {"steps": 2, "global_batch": 2, "micro_batch": 2, "log_every": 1, "eval_every": 0, "warmup_steps": 1,
+              "checkpoint_every": 1, "checkpoint_async": False},
+    "run": {"nproc": 1, "progress": False, "tensorboard": False, "threads": 1},
+}  # fmt: skip
+
+
+@dataclass
+class World:
+    """Files shared by every row (never changed by one): a config, prepared data, a trained run, corpora."""
+
+    root: Path
+    tiny: Path  # the TINY config as TOML
+    data: Path  # its prepared data
+    other_data: Path  # another corpus of the same vocabulary size, prepared
+    run: Path  # trained 2 steps (checkpoints at 1 and 2, final model)
+    corpus: Path  # good and bad corpus files
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    from loom.data import prepare_data
+    from loom.train.trainer import RankEnv, Trainer
+
+    root = tmp_path_factory.mktemp("world")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LOOM_CACHE_DIR", str(root / "cache"))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+        mp.delenv(k, raising=False)
+    tiny = root / "tiny.toml"
+    tiny.write_text(C.dump_toml(C.from_dict(json.loads(json.dumps(TINY)))))
+    data = prepare_data(C.load_toml(tiny).data, progress=False).dir
+    other = C.load_toml(tiny)
+    other.data.max_corpus_mb = 0.12
+    other_data = prepare_data(other.data, progress=False).dir
+    run = root / "run"
+    cfg = C.load_toml(tiny)
+    cfg.run.dir, cfg.data.prepared_dir = str(run), str(data)
+    trainer = Trainer(cfg, RankEnv(0, 1, 0, 1))
+    try:
+        trainer.fit()
+    finally:
+        trainer.heartbeat.close()
+    corpus = root / "corpus"
+    _write_corpus(corpus)
+    yield World(root, tiny, data, other_data, run, corpus)
+    mp.undo()
+
+
+def _write_corpus(d: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for sub in ("binary", "latin", "badjson", "nofield", "notstring", "pqcorrupt", "pqint", "pqcol", "csv", "empty"):
+        (d / sub).mkdir(parents=True)
+    (d / "binary" / "blob.txt").write_bytes(b"\x7fELF\x02\x01\x01\x00\x00" + bytes(range(256)))
+    (d / "latin" / "doc.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e".encode("latin-1"))
+    (d / "badjson" / "c.jsonl").write_text('{"text": "fine"}\n{"text": "cut\n')
+    (d / "nofield" / "c.jsonl").write_text('{"text": "fine"}\n{"body": "elsewhere"}\n')
+    (d / "notstring" / "c.jsonl").write_text('{"text": "fine"}\n{"text": ["a", "list"]}\n')
+    (d / "pqcorrupt" / "c.parquet").write_bytes(b"PAR1" + os.urandom(64) + b"PAR1")
+    pq.write_table(pa.table({"text": [1, 2, 3]}), d / "pqint" / "c.parquet")
+    pq.write_table(pa.table({"body": ["x", "y"]}), d / "pqcol" / "c.parquet")
+    (d / "csv" / "c.csv").write_text("text\nhello\n")
+
+
+@dataclass
+class Ctx:
+    """One row's view: the shared world, its own directory, and what it must restore afterwards."""
+
+    w: World
+    tmp: Path
+    mp: pytest.MonkeyPatch
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
+
+    def train(self, *args: str, run: Path | None = None) -> list[str]:
+        return ["train", str(self.w.tiny), "--run.dir", str(run or self.tmp / "run"), *args]
+
+    def copy_run(self) -> Path:
+        dst = self.tmp / "run-copy"
+        shutil.copytree(self.w.run, dst)
+        return dst
+
+    def copy_data(self) -> Path:
+        dst = self.tmp / "data-copy"
+        shutil.copytree(self.w.data, dst)
+        return dst
+
+    def hold_lock(self, d: Path) -> None:
+        from loom.train.run_lock import RunLock
+
+        lock = RunLock(d)
+        self.cleanup.append(lock.release)
+
+
+def _flip(path: Path, offset: int = -1) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _set_token(path: Path, index: int, value: int) -> None:
+    tokens = np.memmap(path, dtype=np.uint16, mode="r+")
+    tokens[index] = value
+    tokens.flush()
+    del tokens
+
+
+def _newest(run: Path) -> Path:
+    return sorted((run / "checkpoints").glob("step-*"))[-1]
+
+
+# ----------------------------------------------------------------------------- rows
+# Each row: (id, setup(ctx) -> (argv, [strings the line must contain]), expected exit code).
+
+
+def _cfg(*override: str, names: tuple[str, ...] = ()) -> Callable[[Ctx], tuple[list[str], list[str]]]:
+    """A config row: ``loom train`` on the tiny config with ``override``; the line names the first
+    override's field (or ``names``)."""
+    default = [override[0][2:]] if override and override[0].startswith("--") and "." in override[0] else []
+    return lambda c: (c.train(*override), list(names) or default)
+
+
+def _toml(text: str, *names: str) -> Callable[[Ctx], tuple[list[str], list[str]]]:
+    def setup(c: Ctx):
+        path = c.tmp / "bad.toml"
+        path.write_text(text)
+        return ["train", str(path), "--run.dir", str(c.tmp / "run")], list(names) or [str(path)]
+
+    return setup
+
+
+def _source(sub: str, *names: str) -> Callable[[Ctx], tuple[list[str], list[str]]]:
+    def setup(c: Ctx):
+        return c.train("--data.source", str(c.w.corpus / sub)), ["data.source", *names]
+
+    return setup
+
+
+def _prepared(tamper: Callable[[Path], None], *names: str, verify: bool = False):
+    def setup(c: Ctx):
+        d = c.copy_data()
+        tamper(d)
+        if verify:
+            return ["prepare", str(c.w.tiny), "--data.prepared_dir", str(d), "--verify"], ["data.prepared_dir", *names]
+        return c.train("--data.prepared_dir", str(d)), ["data.prepared_dir", *[str(d / n) for n in names]]
+
+    return setup
+
+
+def _env(env: dict[str, str], *names: str, args: tuple[str, ...] = ()):
+    def setup(c: Ctx):
+        for k, v in env.items():
+            c.mp.setenv(k, v)
+        return c.train(*args), list(names)
+
+    return setup
+
+
+def _resume_damaged(c: Ctx):
+    run = c.copy_run()
+    shard = sorted(_newest(run).glob("shard-*.safetensors"))[0]
+    _flip(shard)
+    return c.train("--train.resume", str(_newest(run)), run=run), [str(shard), "content altered"]
+
+
+def _resume_other_batch(c: Ctx):
+    run = c.copy_run()
+    return c.train("--train.global_batch", "4", "--train.steps", "3", run=run), ["train.global_batch", str(_newest(run))]
+
+
+def _resume_other_seed(c: Ctx):
+    run = c.copy_run()
+    return c.train("--train.seed", "7", "--train.steps", "3", run=run), ["train.seed"]
+
+
+def _resume_other_data(c: Ctx):
+    run = c.copy_run()
+    return c.train("--data.max_corpus_mb", "0.12", "--train.steps", "3", run=run), [str(run), "--train.init_from"]
+
+
+def _resume_corrupt_data_record(c: Ctx):
+    run = c.copy_run()
+    (run / "data.json").write_text("{not json")
+    return c.train("--train.steps", "3", run=run), [str(run / "data.json")]
+
+
+def _resume_not_a_checkpoint(c: Ctx):
+    (c.tmp / "empty").mkdir()
+    return c.train("--train.resume", str(c.tmp / "empty")), ["train.resume", str(c.tmp / "empty")]
+
+
+def _resume_a_file(c: Ctx):
+    (c.tmp / "model.pt").write_bytes(b"\x80\x04not a checkpoint")
+    return c.train("--train.resume", str(c.tmp / "model.pt")), ["train.resume", "model.pt"]
+
+
+def _run_dir_is_a_file(c: Ctx):
+    (c.tmp / "afile").write_text("x")
+    return c.train(run=c.tmp / "afile"), ["run.dir", str(c.tmp / "afile")]
+
+
+def _run_dir_under_a_file(c: Ctx):
+    (c.tmp / "afile").write_text("x")
+    return c.train(run=c.tmp / "afile" / "run"), ["run.dir", str(c.tmp / "afile")]
+
+
+def _run_dir_in_use(c: Ctx):
+    run = c.copy_run()
+    c.hold_lock(run)
+    return c.train("--train.steps", "3", run=run), ["run.dir", str(run), f"in use by pid {os.getpid()}"]
+
+
+def _convert_edited_manifest_via_latest(c: Ctx):
+    run = c.copy_run()
+    manifest = _newest(run) / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["files"]["index.json"]["sha256"] = ["0" * 64]
+    manifest.write_text(json.dumps(m))
+    return ["checkpoint", "convert", str(run), str(c.tmp / "out.safetensors")], [str(manifest)]
+
+
+def _convert_edited_manifest_direct(c: Ctx):
+    run = c.copy_run()
+    ckpt = _newest(run)
+    m = json.loads((ckpt / "manifest.json").read_text())
+    m["files"]["index.json"]["sha256"] = ["0" * 64]
+    (ckpt / "manifest.json").write_text(json.dumps(m))
+    return ["checkpoint", "convert", str(ckpt), str(c.tmp / "out.safetensors")], ["index.json", "manifest.json"]
+
+
+def _convert_into_source(c: Ctx):
+    run = c.copy_run()
+    target = _newest(run) / "model.safetensors"
+    return ["checkpoint", "convert", str(_newest(run)), str(target)], [str(target), "inside the checkpoint"]
+
+
+def _convert_truncated_shard(c: Ctx):
+    run = c.copy_run()
+    shard = sorted(_newest(run).glob("shard-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return ["checkpoint", "convert", str(run), str(c.tmp / "o.safetensors")], [str(shard), "truncated"]
+
+
+def _convert_pickle(c: Ctx):
+    (c.tmp / "model.pt").write_bytes(b"\x80\x04\x95pickled")
+    return ["checkpoint", "convert", str(c.tmp / "model.pt"), str(c.tmp / "o.safetensors")], ["model.pt", "pickle"]
+
+
+def _convert_into_running_run(c: Ctx):
+    run = c.copy_run()
+    c.hold_lock(run)
+    return ["checkpoint", "convert", str(c.w.run), str(run / "x.safetensors")], ["run.dir", str(run), "in use"]
+
+
+def _convert_disk_full(c: Ctx):
+    import errno
+
+    from loom.checkpoint import convert
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    c.mp.setattr(convert, "write_safetensors", full)
+    out = c.tmp / "model.safetensors"
+    return ["checkpoint", "convert", str(c.w.run), str(out)], [str(out), "No space left on device"]
+
+
+def _export_into_running_run(c: Ctx):
+    run = c.copy_run()
+    c.hold_lock(run)
+    return ["export", "hf", str(c.w.run), str(run / "hf")], ["run.dir", str(run), "in use"]
+
+
+def _generate_tampered_final(c: Ctx):
+    run = c.copy_run()
+    weights = run / "checkpoints" / "final" / "model.safetensors"
+    _flip(weights)
+    return ["generate", "--run.dir", str(run), "--max_new_tokens", "2"], [str(weights)]
+
+
+def _generate_final_of_other_weights(c: Ctx):
+    """A final model file swapped for one exported from the older checkpoint."""
+    from loom.checkpoint.convert import convert
+
+    run = c.copy_run()
+    weights = run / "checkpoints" / "final" / "model.safetensors"
+    older = sorted((run / "checkpoints").glob("step-*"))[0]
+    convert(older, c.tmp / "older.safetensors")
+    data = (c.tmp / "older.safetensors").read_bytes().replace(older.name.encode(), _newest(run).name.encode())
+    weights.write_bytes(data)
+    return ["generate", "--run.dir", str(run), "--max_new_tokens", "2"], [str(weights), "differs"]
+
+
+def _generate_bad_config(c: Ctx):
+    run = c.copy_run()
+    (run / "config.toml").write_text("[model\ndim = 3")
+    return ["generate", "--run.dir", str(run)], [str(run / "config.toml")]
+
+
+def _generate_bad_tokenizer(c: Ctx):
+    run = c.copy_run()
+    (run / "tokenizer.json").write_text('{"version": "nope"}')
+    return ["generate", "--run.dir", str(run)], ["data.tokenizer", str(run / "tokenizer.json")]
+
+
+def _generate_missing(c: Ctx):
+    return ["generate", "--run.dir", str(c.tmp / "nothing")], ["run.dir", str(c.tmp / "nothing")]
+
+
+def _verify_flipped(c: Ctx):
+    d = c.copy_data()
+    _set_token(d / "val.bin", 3, (int(np.fromfile(d / "val.bin", np.uint16)[3]) + 1) % 256)
+    return ["prepare", str(c.w.tiny), "--data.prepared_dir", str(d), "--verify"], [str(d / "val.bin"), "SHA-256"]
+
+
+def _verify_unprepared(c: Ctx):
+    return ["prepare", str(c.w.tiny), "--data.prepared_dir", str(c.tmp / "none"), "--verify"], ["data.prepared_dir"]
+
+
+def _tokenizer_garbage(c: Ctx):
+    (c.tmp / "tok.json").write_text("{ this is not a tokenizer")
+    return c.train("--data.tokenizer", str(c.tmp / "tok.json")), ["data.tokenizer", str(c.tmp / "tok.json")]
+
+
+def _prepared_dir_is_a_file(c: Ctx):
+    (c.tmp / "pd").write_text("x")
+    return c.train("--data.prepared_dir", str(c.tmp / "pd")), ["data.prepared_dir", str(c.tmp / "pd")]
+
+
+def _prepared_dir_not_empty(c: Ctx):
+    (c.tmp / "pd").mkdir()
+    (c.tmp / "pd" / "notes.txt").write_text("mine")
+    return c.train("--data.prepared_dir", str(c.tmp / "pd")), ["data.prepared_dir", str(c.tmp / "pd")]
+
+
+def _cache_dir_is_a_file(c: Ctx):
+    (c.tmp / "cachefile").write_text("x")
+    c.mp.setenv("LOOM_CACHE_DIR", str(c.tmp / "cachefile"))
+    return c.train("--data.vocab_size", "301"), ["data.prepared_dir", str(c.tmp / "cachefile")]
+
+
+def _edit_tokenizer(d: Path) -> None:
+    tok = json.loads((d / "tokenizer.json").read_text())
+    tok["added_tokens"][0]["content"] = "<|eot|>"  # still a tokenizer, of the same size
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+
+
+def _flip_token(d: Path) -> None:
+    _set_token(d / "train.bin", 100, (int(np.fromfile(d / "train.bin", np.uint16)[100]) + 1) % 256)
+
+
+ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
+    # config: bounds, finiteness, choices, combinations, types, unknown names
+    ("model.dim zero", _cfg("--model.dim", "0"), 2),
+    ("model.dim not divisible by heads", _cfg("--model.n_heads", "3", names=("model.dim", "model.n_heads")), 2),
+    ("model.n_kv_heads not dividing heads", _cfg("--model.n_kv_heads", "3"), 2),
+    ("model.rope_theta zero", _cfg("--model.rope_theta", "0"), 2),
+    ("model.norm_eps negative", _cfg("--model.norm_eps", "-1e-5"), 2),
+    ("model.dropout one", _cfg("--model.dropout", "1.0"), 2),
+    ("model.init_std nan", _cfg("--model.init_std", "nan"), 2),
+    ("model.top_k above experts", _cfg("--model.n_experts", "2", "--model.top_k", "3", names=("model.top_k",)), 2),
+    ("model.dim not an integer", _cfg("--model.dim", "wide"), 2),
+    ("model unknown key", _cfg("--model.colour", "red"), 2),
+    ("data.seq_len one", _cfg("--data.seq_len", "1"), 2),
+    ("data.seq_len above max_seq_len", _cfg("--data.seq_len", "64"), 2),
+    ("data.vocab_size too small", _cfg("--data.vocab_size", "100"), 2),
+    ("data.val_fraction too large", _cfg("--data.val_fraction", "0.7"), 2),
+    ("data.errors unknown", _cfg("--data.errors", "ignore"), 2),
+    ("data.max_corpus_mb inf", _cfg("--data.max_corpus_mb", "inf"), 2),
+    ("train.lr negative", _cfg("--train.lr", "-3e-3"), 2),
+    ("train.lr infinite", _cfg("--train.lr", "inf"), 2),
+    ("train.lr nan", _cfg("--train.lr", "nan"), 2),
+    ("train.global_batch zero", _cfg("--train.global_batch", "0"), 2),
+    ("train.global_batch not divisible", _cfg("--train.micro_batch", "3", names=("train.global_batch",)), 2),
+    ("train.eps negative", _cfg("--train.eps", "-1e-8"), 2),
+    ("train.seed negative", _cfg("--train.seed", "-1"), 2),
+    ("train.beta2 one", _cfg("--train.beta2", "1.0", names=("train.beta1/beta2",)), 2),
+    ("train.precision unknown", _cfg("--train.precision", "fp8"), 2),
+    ("train.optimizer unknown", _cfg("--train.optimizer", "lion"), 2),
+    ("train.recompute every:0", _cfg("--train.recompute", "every:0"), 2),
+    ("train.compress unknown format", _cfg("--train.compress", "mlp=fp4"), 2),
+    ("train.steps zero", _cfg("--train.steps", "0"), 2),
+    ("train.max_skipped_steps negative", _cfg("--train.max_skipped_steps", "-1"), 2),
+    ("run.master_port out of range", _cfg("--run.master_port", "70000"), 2),
+    ("run.timeout_s zero", _cfg("--run.timeout_s", "0"), 2),
+    ("run.dir empty", _cfg("--run.dir", ""), 2),
+    ("run.nproc zero", _cfg("--run.nproc", "0"), 2),
+    ("run.device unknown", _cfg("--run.device", "tpu"), 2),
+    ("run.progress not a boolean", _cfg("--run.progress", "maybe"), 2),
+    ("parallel.tp zero", _cfg("--parallel.tp", "0"), 2),
+    ("parallel.zero five", _cfg("--parallel.zero", "5"), 2),
+    ("parallel.schedule unknown", _cfg("--parallel.schedule", "zigzag"), 2),
+    ("parallel.dp against nproc", _cfg("--run.nproc", "2", "--parallel.dp", "3", names=("run.nproc",)), 2),
+    ("unknown section", _cfg("--optim.lr", "1", names=("[optim]",)), 2),
+    ("override without value", _cfg("--model.dim", names=("--model.dim",)), 2),
+    ("toml syntax error", _toml("[model\ndim = 64\n"), 2),
+    ("toml unknown section", _toml("[bogus]\nx = 1\n", "[bogus]"), 2),
+    ("toml section not a table", _toml("model = 3\n", "[model]"), 2),
+    ("toml wrong type", _toml("[train]\nlr = 'fast'\n", "train.lr"), 2),
+    ("config file missing", lambda c: (["train", str(c.tmp / "nope.toml")], [str(c.tmp / "nope.toml")]), 2),
+    # data
+    ("data.source missing", lambda c: (c.train("--data.source", str(c.tmp / "gone")), ["data.source", str(c.tmp / "gone")]), 2),  # noqa: E501
+    ("binary corpus", _source("binary", "blob.txt", "binary"), 2),
+    ("non-UTF-8 corpus", _source("latin", "doc.txt", "UTF-8"), 2),
+    ("JSONL parse error", _source("badjson", "c.jsonl:2", "not valid JSON"), 2),
+    ("JSONL record without text_field", _source("nofield", "c.jsonl:2", "'text'"), 2),
+    ("JSONL text not a string", _source("notstring", "c.jsonl:2", "list"), 2),
+    ("parquet unreadable", _source("pqcorrupt", "c.parquet"), 2),
+    ("parquet text column of ints", _source("pqint", "c.parquet", "int64"), 2),
+    ("parquet without text column", _source("pqcol", "c.parquet", "'text'"), 2),
+    ("unsupported file type", _source("csv/c.csv", "c.csv", "unsupported"), 2),
+    ("empty source directory", _source("empty", "no .txt"), 2),
+    ("data.tokenizer missing", lambda c: (c.train("--data.tokenizer", str(c.tmp / "t.json")), ["data.tokenizer"]), 2),
+    ("data.tokenizer not a tokenizer", _tokenizer_garbage, 2),
+    ("train.bin out-of-vocabulary ids", _prepared(lambda d: _set_token(d / "train.bin", 1234, 65000), "train.bin"), 2),
+    ("train.bin altered in vocabulary", _prepared(_flip_token, "train.bin"), 2),
+    ("val.bin truncated", _prepared(lambda d: (d / "val.bin").write_bytes((d / "val.bin").read_bytes()[:-2]), "val.bin"), 2),  # noqa: E501
+    ("val.bin missing", _prepared(lambda d: (d / "val.bin").unlink(), "val.bin"), 2),
+    ("meta.json not JSON", _prepared(lambda d: (d / "meta.json").write_text("{oops"), "meta.json"), 2),
+    ("meta.json without fields", _prepared(lambda d: (d / "meta.json").write_text("{}"), "meta.json"), 2),
+    ("tokenizer.json replaced", _prepared(_edit_tokenizer, "tokenizer.json"), 2),
+    ("prepared_dir is a file", _prepared_dir_is_a_file, 2),
+    ("prepared_dir holds other files", _prepared_dir_not_empty, 2),
+    ("verify: out-of-vocabulary ids", _prepared(lambda d: _set_token(d / "val.bin", 0, 65535), "val.bin", verify=True), 2),
+    ("verify: altered token", _verify_flipped, 2),
+    ("verify: nothing prepared", _verify_unprepared, 2),
+    # run directory
+    ("run.dir is a file", _run_dir_is_a_file, 2),
+    ("run.dir under a file", _run_dir_under_a_file, 2),
+    ("run.dir in use", _run_dir_in_use, 2),
+    ("resume on other data", _resume_other_data, 2),
+    ("resume with other global_batch", _resume_other_batch, 2),
+    ("resume with other seed", _resume_other_seed, 2),
+    ("data.json corrupt", _resume_corrupt_data_record, 2),
+    # checkpoints
+    ("train.resume missing", _cfg("--train.resume", "/nonexistent/ckpt", names=("train.resume", "/nonexistent/ckpt")), 2),
+    ("train.resume holds no checkpoint", _resume_not_a_checkpoint, 2),
+    ("train.resume a pickle file", _resume_a_file, 2),
+    ("train.resume damaged checkpoint", _resume_damaged, 2),
+    ("train.init_from missing", _cfg("--train.init_from", "/nonexistent/w", names=("train.init_from",)), 2),
+    ("convert: manifest edited (latest)", _convert_edited_manifest_via_latest, 2),
+    ("convert: manifest edited (direct)", _convert_edited_manifest_direct, 2),
+    ("convert: into its own checkpoint", _convert_into_source, 2),
+    ("convert: truncated shard", _convert_truncated_shard, 2),
+    ("convert: pickle file", _convert_pickle, 2),
+    ("convert: into a running run", _convert_into_running_run, 2),
+    ("convert: disk full", _convert_disk_full, 2),
+    ("convert: empty path", lambda c: (["checkpoint", "convert", "", str(c.tmp / "o.safetensors")], ["empty path"]), 2),
+    ("convert: usage", lambda c: (["checkpoint", "convert", str(c.w.run)], ["usage"]), 2),
+    ("export: into a running run", _export_into_running_run, 2),
+    ("generate: final model altered", _generate_tampered_final, 2),
+    ("generate: final model of other weights", _generate_final_of_other_weights, 2),
+    ("generate: config.toml broken", _generate_bad_config, 2),
+    ("generate: tokenizer.json broken", _generate_bad_tokenizer, 2),
+    ("generate: no such run", _generate_missing, 2),
+    ("generate: empty run.dir", lambda c: (["generate", "--run.dir", ""], ["run.dir"]), 2),
+    ("generate: option not a number", lambda c: (["generate", "--run.dir", str(c.w.run), "--top_k", "many"], ["--top_k"]), 2),
+    ("generate: negative temperature", lambda c: (["generate", "--run.dir", str(c.w.run), "--temperature", "-1"],
+                                                 ["--temperature"]), 2),  # fmt: skip
+    ("generate: config override ignored", lambda c: (["generate", "--run.dir", str(c.w.run), "--train.lr", "1"],
+                                                    ["train.lr"]), 2),  # fmt: skip
+    # environment
+    ("stale RANK and WORLD_SIZE", _env({"RANK": "0", "WORLD_SIZE": "2"}, "RANK", "WORLD_SIZE", "MASTER_ADDR"), 2),
+    ("stale RANK only port missing", _env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT"), 2),
+    ("launcher world against layout", _env({"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                                            "MASTER_PORT": "1"}, "parallel", "tp*pp*cp", args=("--parallel.tp", "2")), 2),  # fmt: skip
+    ("LOOM_CACHE_DIR is a file", _cache_dir_is_a_file, 2),
+    # command line
+    ("unknown command", lambda c: (["frobnicate"], ["'frobnicate'"]), 2),
+    ("stray positional argument", lambda c: (c.train("extra"), ["'extra'"]), 2),
+    ("unknown plain option", lambda c: (c.train("--fast", "1"), ["--fast"]), 2),
+    ("max-restarts negative", lambda c: (c.train("--max-restarts", "-1"), ["--max-restarts"]), 2),
+    ("max-restarts not a number", lambda c: (c.train("--max-restarts", "x"), ["--max-restarts"]), 2),
+    ("nproc not a number", lambda c: (c.train("--nproc", "two"), ["run.nproc"]), 2),
+    ("schedule: config file given", lambda c: (["schedule", str(c.w.tiny)], ["schedule"]), 2),
+    ("config: bad override", lambda c: (["config", str(c.w.tiny), "--train.lr", "-1"], ["train.lr"]), 2),
+    ("prepare: bad field", lambda c: (["prepare", str(c.w.tiny), "--data.vocab_size", "5"], ["data.vocab_size"]), 2),
+]
+
+
+def _digest(*roots: Path) -> dict[str, str]:
+    """Path -> content hash of everything under ``roots`` (directories listed too), bookkeeping aside."""
+    out = {}
+    for root in roots:
+        for p in root.rglob("*"):
+            rel = p.relative_to(root)
+            if BOOKKEEPING & set(rel.parts):
+                continue
+            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+    return out
+
+
+@pytest.fixture
+def clean_logging():
+    """The trainer reconfigures logging to the stream of the moment; put it back after each row."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_table_has_enough_rows():
+    assert len(ROWS) >= 60 and len({r[0] for r in ROWS}) == len(ROWS)
+
+
+@pytest.mark.parametrize("setup,code", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_refused(world, tmp_path, monkeypatch, capsys, clean_logging, setup, code):
+    from loom.cli import main
+
+    ctx = Ctx(world, tmp_path, monkeypatch)
+    try:
+        argv, names = setup(ctx)
+        before = _digest(world.root, tmp_path)
+        capsys.readouterr()
+        rc = main(argv)
+        err = capsys.readouterr().err
+    finally:
+        for undo in ctx.cleanup:
+            undo()
+    lines = err.strip().splitlines()
+    assert rc == code, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("loom: error: "), lines[0]
+    for name in names:
+        assert name in lines[0], f"{name!r} not named in: {lines[0]}"
+    after = _digest(world.root, tmp_path)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"changed on disk: {changed[:5]}"
+
+
+@pytest.mark.parametrize("argv,env,names", [
+    (["train", "--model.dim", "-4"], {}, ["model.dim"]),
+    (["train", "--run.nproc", "1"], {"RANK": "0", "WORLD_SIZE": "4"}, ["RANK=0", "WORLD_SIZE=4"]),
+], ids=["bad field", "stale launcher variables"])  # fmt: skip
+def test_refused_by_the_real_entry_point(tmp_path, argv, env, names):
+    """``python -m loom``: exit code 2 and one line, before torch is imported (no hang, no traceback)."""
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    e |= {"PYTHONPATH": str(ROOT), "LOOM_CACHE_DIR": str(tmp_path / "cache"), **env}
+    p = subprocess.run([sys.executable, "-m", "loom", *argv, "--run.dir", str(tmp_path / "run")], cwd=tmp_path,
+                       env=e, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(n in lines[0] for n in names), p.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_full_during_a_save_names_the_directory_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """A failed ``write`` carries no file name; the refusal names the checkpoint being written."""
+    import errno
+
+    import torch
+
+    from loom.checkpoint import format as F
+    from loom.checkpoint.format import CheckpointError
+    from loom.checkpoint.load import CheckpointReader
+    from loom.checkpoint.protocol import ShardedTensor, full_box
+    from loom.checkpoint.save import Checkpointer
+
+    def state(v: float) -> dict:
+        return {"w": ShardedTensor(torch.full((4,), v), (4,), full_box((4,)))}
+
+    ck = Checkpointer(tmp_path / "checkpoints")
+    ck.save(1, state(1.0), {}, {}, blocking=True)
+    before = _digest(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(F, "write_safetensors", full)
+    with pytest.raises(CheckpointError) as e:
+        ck.save(2, state(2.0), {}, {}, blocking=True)
+    msg = str(e.value)
+    assert "\n" not in msg and "No space left on device" in msg and str(tmp_path / "checkpoints") in msg, msg
+    assert _digest(tmp_path) == before  # the temporary directory is gone, step 1 and ``latest`` untouched
+    with CheckpointReader(tmp_path) as reader:
+        assert reader.step == 1 and reader.read("w").tolist() == [1.0] * 4
