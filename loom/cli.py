@@ -29,7 +29,9 @@ commands:
              a Hugging Face model directory (config, sharded safetensors, tokenizer) from any layout
 
 train options: --max-restarts K restarts all ranks after a failure, resuming from the last
-checkpoint; --train.resume PATH starts from any checkpoint (default: latest in --run.dir).
+checkpoint; --nnodes N --node-rank R --rdzv-endpoint HOST:PORT runs this node's --nproc ranks of a
+multi-node job (node 0 hosts the rendezvous); --train.resume PATH starts from any checkpoint
+(default: latest in --run.dir).
 """
 
 
@@ -75,11 +77,16 @@ def _load(argv: list[str], allowed_plain: tuple[str, ...]) -> tuple[C.LoomConfig
 
 
 def cmd_train(argv: list[str]) -> int:
-    cfg, plain = _load(argv, ("nproc", "max_restarts"))
-    max_restarts = C._coerce(plain.get("max_restarts", "0"), int, "--max-restarts")
-    if max_restarts < 0:
-        raise C.ConfigError(f"--max-restarts: must be >= 0, got {max_restarts}")
-    from loom.launch import apply_slurm_env, check_launcher_env, under_external_launcher
+    from loom.launch import (
+        TRAIN_OPTIONS,
+        apply_slurm_env,
+        check_launcher_env,
+        launch_options,
+        under_external_launcher,
+    )
+
+    cfg, plain = _load(argv, TRAIN_OPTIONS)
+    opts = launch_options(plain)  # --max-restarts, --nnodes, --node-rank, --rdzv-endpoint (one-line errors)
 
     apply_slurm_env()  # srun without torchrun: one rank per task
     check_launcher_env()  # RANK/WORLD_SIZE left over without a launcher would hang
@@ -93,7 +100,7 @@ def cmd_train(argv: list[str]) -> int:
     if cfg.parallel.auto:  # the planner picks the layout for the world size (every rank alike under torchrun)
         from loom.plan.auto import apply_auto, describe
 
-        world = int(os.environ["WORLD_SIZE"]) if under_external_launcher() else C.world_size_of(cfg)
+        world = int(os.environ["WORLD_SIZE"]) if under_external_launcher() else opts.world(cfg)
         try:
             print(describe(apply_auto(cfg, world)), flush=True)
         except ValueError as e:  # PlanError / HardwareError: say it like any bad field
@@ -101,12 +108,15 @@ def cmd_train(argv: list[str]) -> int:
     if under_external_launcher():  # every rank checks before any process group exists
         C.validate(cfg, int(os.environ["WORLD_SIZE"]))
     else:
-        world = C.world_size_of(cfg)
-        if cfg.parallel.dp > 0 and world != cfg.run.nproc:
+        world = opts.world(cfg)  # run.nproc per node times --nnodes, or the explicit degrees
+        nodes = opts.nodes.nnodes if opts.nodes else 1
+        if cfg.parallel.dp > 0 and world != cfg.run.nproc * nodes:
             p = cfg.parallel
             raise C.ConfigError(
-                f"run.nproc: {cfg.run.nproc} ranks, but parallel.dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {world}; "
-                f"give --nproc {world}, or leave parallel.dp unset so it follows run.nproc"
+                f"run.nproc: {cfg.run.nproc} ranks{f' per node on {nodes} nodes' if nodes > 1 else ''}, but "
+                f"parallel.dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {world}; "
+                + (f"give --nproc {world // nodes}" if world % nodes == 0 else f"{world} ranks do not split over {nodes} nodes")
+                + ", or leave parallel.dp unset so it follows run.nproc"
             )
         C.validate(cfg, world)
     _check_run_dir(cfg)
@@ -115,7 +125,7 @@ def cmd_train(argv: list[str]) -> int:
     from loom.launch import main_train
 
     with _naming(f"run.dir {cfg.run.dir}"):  # a failed write (disk full) in this process names where
-        return main_train(cfg, max_restarts)
+        return main_train(cfg, opts.max_restarts, opts.nodes)
 
 
 def _check_run_dir(cfg: C.LoomConfig) -> None:

@@ -5,28 +5,97 @@ with a c10d rendezvous bound to loopback. If a rank fails, the agent stops every
 and we print one line naming the failed rank(s). Under ``torchrun`` (``WORLD_SIZE`` set) or a
 multi-task ``srun`` step (SLURM's variables mapped by :func:`slurm_rank_env`) the launcher is
 skipped and this process is one rank, on GPU ``LOCAL_RANK`` of its node.
+
+Network: torch's stores listen on every interface. For a local run Loom hosts them itself on a
+socket bound to the loopback address (:func:`host_store`; torch then reuses that server): the
+launcher's rendezvous store, and rank 0's store for the process group. gloo binds to ``lo``.
+Only a multi-node job (``--nnodes``) listens beyond loopback; c10d has no authentication, so
+such a job belongs on a private network.
+
+Multi-node (:class:`Nodes`): ``loom train --nnodes N --node-rank R --rdzv-endpoint HOST:PORT``
+on every node starts ``run.nproc`` ranks per node through the same launcher, node 0 hosting the
+rendezvous store, with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without it restarts after a
+failure hang or fail: pytorch/pytorch#135712). Under bare ``torchrun --max-restarts`` without
+that variable, rank 0 warns once (:func:`torchrun_restart_warning`).
+
+A stopped rank (SIGSTOP, a frozen node) does not delay the end of the job: the elastic agent asks
+its workers to stop with SIGTERM and waits 30 s before SIGKILL, and a stopped process cannot act
+on SIGTERM; Loom's launcher kills a worker that is stopped with a termination signal pending at
+once (:class:`StoppedWorkerReaper`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 import uuid
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from loom import config as C
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback IP (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
+
+
+_HOSTED: list[Any] = []  # store servers this process hosts, alive as long as the process
+
+
+def host_store(addr: str, port: int = 0, timeout_s: float = 300.0) -> int:
+    """Host a c10d TCPStore server listening on ``addr:port`` only (``port`` 0: a free one) for the
+    life of this process; returns the port. torch keeps one server per port and process for
+    multi-tenant stores, so the stores torch itself opens later on that port (the elastic
+    rendezvous, ``init_process_group``'s rank-0 store) reuse this one instead of listening on every
+    interface."""
+    import torch.distributed as dist
+
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(512)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(addr, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                              multi_tenant=True, master_listen_fd=sock.fileno())  # fmt: skip
+    except BaseException:
+        sock.close()
+        raise
+    _HOSTED.append((store, sock))  # the socket object must outlive the server that listens on its fd
+    return port
+
+
+def _host_rank_store() -> None:
+    """In global rank 0 of a loopback job whose ranks host their own store (not the agent's):
+    open that store on loopback before ``init_process_group`` does it on every interface."""
+    env = os.environ
+    if env.get("RANK") != "0" or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return
+    if not is_loopback(env.get("MASTER_ADDR", "")) or not env.get("MASTER_PORT", "").isdigit():
+        return
+    with contextlib.suppress(OSError, RuntimeError):  # taken: init_process_group reports it as usual
+        host_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
 
 
 def under_external_launcher() -> bool:
@@ -107,6 +176,7 @@ def _worker(cfg_dict: dict[str, Any]) -> dict[str, float] | None:
 
     from loom.train.trainer import run
 
+    _host_rank_store()
     return record(_run_rank)(cfg_dict, run)
 
 
@@ -117,7 +187,7 @@ def _run_rank(cfg_dict: dict[str, Any], run) -> dict[str, float]:
 def _set_launch_env(master_addr: str) -> None:
     # A shared rendezvous TCP store made restarts fail on this machine (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if master_addr in LOOPBACK:
+    if is_loopback(master_addr):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ["MASTER_ADDR"] = master_addr
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -126,34 +196,183 @@ def _set_launch_env(master_addr: str) -> None:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
-def launch(cfg: C.LoomConfig, nproc: int, max_restarts: int = 0) -> dict[int, Any]:
-    """Start ``nproc`` local ranks running the trainer; returns each rank's result.
+@dataclass(frozen=True)
+class Nodes:
+    """A multi-node job: ``nnodes`` launchers (one per node) meet at ``endpoint`` (``HOST:PORT``,
+    hosted by node 0)."""
+
+    nnodes: int
+    node_rank: int
+    endpoint: str
+
+    @property
+    def host(self) -> str:
+        return self.endpoint.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.endpoint.rsplit(":", 1)[1])
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """``loom train``'s options beside the config: restarts and the nodes of a multi-node job."""
+
+    max_restarts: int = 0
+    nodes: Nodes | None = None
+
+    def world(self, cfg: C.LoomConfig) -> int:
+        """Ranks of the whole job: the explicit parallel degrees, else ``run.nproc`` per node."""
+        p = cfg.parallel
+        return p.dp * p.tp * p.pp * p.cp if p.dp > 0 else cfg.run.nproc * (self.nodes.nnodes if self.nodes else 1)
+
+
+TRAIN_OPTIONS = ("nproc", "max_restarts", "nnodes", "node_rank", "rdzv_endpoint")
+
+
+def launch_options(plain: dict[str, str]) -> LaunchOptions:
+    """``--max-restarts K --nnodes N --node-rank R --rdzv-endpoint HOST:PORT`` (keys as the CLI
+    parser gives them: dashes to underscores), each checked with a one-line ConfigError."""
+
+    def count(key: str, default: int, low: int) -> int:
+        flag = "--" + key.replace("_", "-")
+        value = C._coerce(plain.get(key, str(default)), int, flag)
+        if value < low:
+            raise C.ConfigError(f"{flag}: must be >= {low}, got {value}")
+        return value
+
+    max_restarts = count("max_restarts", 0, 0)
+    nnodes = count("nnodes", 1, 1)
+    node_rank = count("node_rank", 0, 0)
+    endpoint = plain.get("rdzv_endpoint", "").strip()
+    if node_rank >= nnodes:
+        raise C.ConfigError(f"--node-rank: must be in [0, --nnodes={nnodes}), got {node_rank}")
+    if not endpoint:
+        if nnodes > 1:
+            raise C.ConfigError(f"--rdzv-endpoint: --nnodes {nnodes} needs the rendezvous HOST:PORT that "
+                                "every node reaches (node 0 hosts it)")  # fmt: skip
+        return LaunchOptions(max_restarts)
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise C.ConfigError(f"--rdzv-endpoint: expected HOST:PORT with a port in [1, 65535], got {endpoint!r}")
+    return LaunchOptions(max_restarts, Nodes(nnodes, node_rank, endpoint))
+
+
+def torchrun_restart_warning(environ: dict[str, str]) -> str | None:
+    """The one line rank 0 prints when bare ``torchrun --max-restarts K`` (K > 0) started it without
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: such restarts hang or fail (pytorch/pytorch#135712)."""
+    restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if not restarts.isdigit() or int(restarts) == 0 or environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        return None
+    if environ.get("RANK") != "0" or environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    return (f"loom: warning: torchrun --max-restarts {restarts} without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "in its environment: restarts after a failure usually hang; export it before torchrun, or run "
+            "loom train --nnodes N --node-rank R --rdzv-endpoint HOST:PORT on each node")  # fmt: skip
+
+
+def launch_config(cfg: C.LoomConfig, nproc: int, max_restarts: int, nodes: Nodes | None, port: int):
+    """The elastic launcher's settings: one local node on ``run.master_addr:port``, or this node of a
+    multi-node job (rendezvous at ``nodes.endpoint``, hosted by node 0)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    local_addr: str | None
+    if nodes is None:  # one local node; a fresh run id, so a leftover store never joins
+        addr = cfg.run.master_addr
+        nnodes, run_id, endpoint, is_host = 1, f"loom-{uuid.uuid4().hex[:8]}", f"{addr}:{port}", True
+        local_addr = addr
+    else:  # one job per endpoint: every node names the same run
+        nnodes, run_id, endpoint, is_host = nodes.nnodes, "loom", nodes.endpoint, nodes.node_rank == 0
+        local_addr = nodes.host if is_loopback(nodes.host) else None  # else this node's name, as torchrun
+    return LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"timeout": int(cfg.run.timeout_s), "is_host": is_host},
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        local_addr=local_addr,
+    )
+
+
+_KILL_PENDING = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+
+
+def stopped_with_kill_pending(pid: int) -> bool:
+    """``pid`` is stopped (SIGSTOP, SIGTSTP) while a signal that would end it waits for a SIGCONT."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    except (OSError, ValueError):
+        return False
+    if not fields.get("State", "").strip().startswith("T"):
+        return False
+    pending = int(fields.get("ShdPnd", "0"), 16) | int(fields.get("SigPnd", "0"), 16)
+    return any(pending >> (int(sig) - 1) & 1 for sig in _KILL_PENDING)
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+class StoppedWorkerReaper:
+    """A thread of the launcher: a worker the agent asked to stop but that is stopped (its SIGTERM
+    waits for a SIGCONT) is killed at once, instead of after the agent's 30 s grace."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        self.interval = interval
+        self.killed: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loom-reaper", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        me = os.getpid()
+        while not self._stop.wait(self.interval):
+            for pid in _children(me):
+                if stopped_with_kill_pending(pid):
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                        self.killed.append(pid)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2 * self.interval + 1)
+
+
+def launch(cfg: C.LoomConfig, nproc: int, max_restarts: int = 0, nodes: Nodes | None = None) -> dict[int, Any]:
+    """Start ``nproc`` local ranks running the trainer (of ``nodes``' job, if given); returns each
+    rank's result.
 
     Raises ``SystemExit`` with a one-line message naming the failed rank(s).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    addr = cfg.run.master_addr
+    addr = cfg.run.master_addr if nodes is None else nodes.host
     _set_launch_env(addr)
-    port = cfg.run.master_port or free_port(addr if addr in LOOPBACK else "0.0.0.0")
-    lc = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"loom-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"{addr}:{port}",
-        rdzv_configs={"timeout": int(cfg.run.timeout_s)},
-        max_restarts=max_restarts,
-        monitor_interval=0.1,
-        start_method="spawn",
-        local_addr=addr,
-    )
+    port = cfg.run.master_port if nodes is None else nodes.port
+    if is_loopback(addr) and (nodes is None or nodes.node_rank == 0):  # the rendezvous store on loopback only
+        try:
+            port = host_store(addr, port, cfg.run.timeout_s)
+        except OSError as e:
+            field = "run.master_port" if nodes is None else "--rdzv-endpoint"
+            raise C.ConfigError(f"{field}: cannot listen on {addr}:{port}: {e.strerror or e}") from None
+    elif nodes is None:
+        port = port or free_port("0.0.0.0")
+    lc = launch_config(cfg, nproc, max_restarts, nodes, port)
     # the agent logs each failed rank's traceback; Loom reports them in one line (tracebacks to files)
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    reaper = StoppedWorkerReaper()
     try:
         return elastic_launch(lc, _worker)(C.to_dict(cfg))
     except ChildFailedError as e:
@@ -161,6 +380,8 @@ def launch(cfg: C.LoomConfig, nproc: int, max_restarts: int = 0) -> dict[int, An
     except (KeyboardInterrupt, SignalException) as e:
         sig = signal.Signals(e.sigval).name if isinstance(e, SignalException) else "SIGINT"
         raise SystemExit(f"loom: interrupted by {sig}; all ranks stopped") from None
+    finally:
+        reaper.close()
 
 
 # Loom's own errors: their message already names the field or file, so no class name or traceback
@@ -215,8 +436,9 @@ def _failure_message(failure) -> str:
     return text
 
 
-def main_train(cfg: C.LoomConfig, max_restarts: int = 0) -> int:
-    """``loom train``: one rank under an external launcher, else a local elastic launch.
+def main_train(cfg: C.LoomConfig, max_restarts: int = 0, nodes: Nodes | None = None) -> int:
+    """``loom train``: one rank under an external launcher, else a local elastic launch (this node's
+    ranks of a multi-node job with ``nodes``).
 
     With ``max_restarts`` > 0 the launcher restarts every rank after a failure (up to that many
     times); each restart resumes from the run's latest complete checkpoint.
@@ -226,23 +448,36 @@ def main_train(cfg: C.LoomConfig, max_restarts: int = 0) -> int:
     if under_external_launcher():
         from loom.train.trainer import run
 
+        if (warning := torchrun_restart_warning(dict(os.environ))) is not None:
+            print(warning, file=sys.stderr, flush=True)
+        _host_rank_store()  # a loopback job under torchrun: rank 0's store on loopback too
         if int(os.environ["RANK"]) == 0:  # one owner of run.dir for the whole job
             with RunLock(cfg.run.dir):
                 run(cfg)
         else:
             run(cfg)
         return 0
+    if nodes is not None and nodes.node_rank != 0:  # node 0 owns run.dir for the job
+        return _train_locally(cfg, max_restarts, nodes)
     with RunLock(cfg.run.dir):  # held by this process while the ranks it starts run
-        return _train_locally(cfg, max_restarts)
+        return _train_locally(cfg, max_restarts, nodes)
 
 
-def _train_locally(cfg: C.LoomConfig, max_restarts: int) -> int:
+def _train_locally(cfg: C.LoomConfig, max_restarts: int, nodes: Nodes | None = None) -> int:
     world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp  # validated by the CLI
     from loom.data import prepare_data
 
     prepared = prepare_data(cfg.data, progress=cfg.run.progress)
     cfg.data.prepared_dir = str(prepared.dir)
     C.check_vocab(cfg, prepared.vocab_size)  # before any rank starts
+    if nodes is not None:
+        if world != nodes.nnodes * cfg.run.nproc:
+            raise C.ConfigError(f"run.nproc: {cfg.run.nproc} ranks per node on {nodes.nnodes} nodes, but "
+                                f"parallel.dp*tp*pp*cp = {world}; --nnodes x --nproc must equal it, or leave "
+                                "parallel.dp unset")  # fmt: skip
+        launch(cfg, cfg.run.nproc, max_restarts, nodes)
+        sys.stdout.flush()
+        return 0
     if world == 1 and max_restarts == 0:
         from loom.train.trainer import run
 

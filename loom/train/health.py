@@ -1,14 +1,17 @@
 """Failure diagnosis: heartbeats that name a hung rank, and a guard against non-finite updates.
 
 Heartbeat: every rank runs a thread that rewrites ``<run.dir>/heartbeat/rank-NNNNN.json``
-(pid, wall time, current step and phase) every ``interval`` = clamp(timeout / 8, 1 s, 60 s)
+(host, pid and its start time, wall time, current step and phase) every ``interval`` = clamp(timeout / 8, 1 s, 60 s)
 seconds (:func:`heartbeat_interval`), and at once on a phase change: at 1,024 ranks and the
 default 600 s timeout that is 14 small writes per second for the whole job, not 1,024. A
 stopped process (SIGSTOP, a debugger, a swapped-out node) or a dead one stops refreshing its
 file, while a healthy rank blocked in a collective keeps refreshing it. When a collective fails
 on the process-group timeout, :func:`diagnose` reads the files and names the ranks whose
 heartbeat is older than ``3 · interval``, with their last step and phase, and the collective
-this rank was in.
+this rank was in. A rank that is gone is named as such, not as fresh: its file says it exited
+(written when a rank leaves :func:`loom.train.trainer.run`), or, on this host, its pid no longer
+runs (a SIGKILL leaves a recent heartbeat behind). A peer that closed the connection while every
+heartbeat is recent is reported as that, never as "every other rank's heartbeat is fresh".
 
 The files live in ``run.dir``, which a multi-node job must put on a shared file system (as it
 must for checkpoints anyway); without one a rank only sees the heartbeats of its own node.
@@ -39,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 import traceback
@@ -99,15 +103,22 @@ class Heartbeat:
                 self._write()
 
     def _write(self) -> None:
+        self._put(exited=False)
+
+    def _put(self, exited: bool) -> None:
         path = self.dir / f"rank-{self.rank:05d}.json"
         tmp = path.with_name(path.name + ".tmp")
         body = {
             "rank": self.rank,
+            "host": _HOST,
             "pid": os.getpid(),
+            "start": _start_ticks(os.getpid()),
             "time": time.time(),
             "step": self.step,
             "phase": self.phase,
         }
+        if exited:
+            body["exited"] = True
         with self._write_lock:
             tmp.write_text(json.dumps(body))
             os.replace(tmp, path)
@@ -119,8 +130,45 @@ class Heartbeat:
             self._stop.wait(self.interval)
 
     def close(self) -> None:
+        """Stop refreshing and mark the file as exited (peers then do not take this rank for alive)."""
         self._stop.set()
         self._thread.join(timeout=2 * self.interval)
+        with contextlib.suppress(OSError):
+            self._put(exited=True)
+
+
+_HOST = socket.gethostname()
+_PF_EXITING = 0x4  # the kernel's per-task flag, set as a process starts to exit
+SETTLE_S = 1.0  # after a closed connection, how long to look for the peer's process to be gone
+
+
+def _start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (Linux ``/proc``), to tell a reused pid apart."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_gone(beat: dict) -> bool:
+    """True if the heartbeat's process has certainly ended: it said so, or it ran on this host and
+    its pid is gone, a zombie, or now another process. Unknown (another host, no /proc): False."""
+    if beat.get("exited"):
+        return True
+    if beat.get("host") != _HOST or not isinstance(beat.get("pid"), int):
+        return False
+    pid = beat["pid"]
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        state, flags = fields[0], int(fields[6])
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError, ValueError):
+        return False
+    if state in ("Z", "X") or flags & _PF_EXITING:  # dead, or being torn down (a SIGKILL in progress)
+        return True
+    start = beat.get("start")
+    return start is not None and _start_ticks(pid) not in (None, start)
 
 
 def read_heartbeats(run_dir: Path, world: int) -> dict[int, dict | None]:
@@ -140,8 +188,12 @@ def is_comm_failure(exc: BaseException) -> bool:
         "Timed out",
         "timed out",
         "Timeout",
+        "Application timeout",  # gloo, when an earlier operation's timeout closed the pair
+        "pair closure",
         "Connection closed by peer",
         "Connection reset by peer",
+        "Connection refused",
+        "Broken pipe",
         "NCCL",
     )
     return type(exc).__name__ in ("DistBackendError", "DistNetworkError") or any(m in text for m in markers)
@@ -155,30 +207,59 @@ def where(exc: BaseException) -> str:
     return " <- ".join(f"{f.name} ({Path(f.filename).name}:{f.lineno})" for f in reversed(frames[-2:]))
 
 
+def peer_closed(exc: BaseException) -> bool:
+    """The collective failed because a peer closed its connection (it exited or was killed)."""
+    text = str(exc)
+    return any(m in text for m in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
 def diagnose(
     exc: BaseException, run_dir: Path, rank: int, world: int, timeout_s: float, now: float | None = None
 ) -> str:
-    """One line naming the unresponsive ranks, their last step/phase, and this rank's collective
-    (and where NCCL's flight recorder dumped the last collectives, if it did)."""
+    """One line naming the ranks that are gone or unresponsive, their last step/phase, and this
+    rank's collective (and where NCCL's flight recorder dumped the last collectives, if it did).
+    "every other rank's heartbeat is fresh" only when it is, and no peer closed the connection."""
     now = time.time() if now is None else now
     stale_after = STALE_INTERVALS * heartbeat_interval(timeout_s)
     beats = read_heartbeats(run_dir, world)
     mine = beats.get(rank) or {}
-    stale = []
-    for r, b in beats.items():
-        if r == rank:
-            continue
-        if b is None:
-            stale.append(f"rank {r} (no heartbeat file)")
-        elif now - b["time"] > stale_after:
-            stale.append(f"rank {r} (pid {b['pid']}, silent for {now - b['time']:.1f} s, "
-                         f"last at step {b['step']} in {b['phase']})")  # fmt: skip
+
+    def classify() -> tuple[list[str], list[str]]:
+        gone, stale = [], []
+        for r, b in beats.items():
+            if r == rank:
+                continue
+            if b is None:
+                stale.append(f"rank {r} (no heartbeat file)")
+            elif process_gone(b):
+                how = "exited" if b.get("exited") else "no longer running"
+                gone.append(f"rank {r} (pid {b['pid']} {how}, last at step {b['step']} in {b['phase']})")
+            elif now - b["time"] > stale_after:
+                stale.append(f"rank {r} (pid {b['pid']}, silent for {now - b['time']:.1f} s, "
+                             f"last at step {b['step']} in {b['phase']})")  # fmt: skip
+        return gone, stale
+
+    gone, stale = classify()
+    # a killed peer's sockets can close a moment before its process shows as ending: look again briefly
+    local = any(b is not None and b.get("host") == _HOST for r, b in beats.items() if r != rank)
+    settle = time.monotonic() + SETTLE_S
+    while not gone and local and peer_closed(exc) and time.monotonic() < settle:
+        time.sleep(0.05)
+        gone, stale = classify()
     head = (f"rank {rank}: collective failed after up to {timeout_s:.0f} s in {where(exc)} "
             f"at step {mine.get('step', '?')} ({mine.get('phase', '?')})")  # fmt: skip
     dumps = sorted((Path(run_dir) / FLIGHT_RECORDER_DIR).glob("rank_*"))
     tail = f"; NCCL flight recorder: {dumps[0].parent}/rank_* ({len(dumps)} dumps)" if dumps else ""
+    found = []
+    if gone:
+        found.append(f"gone: {', '.join(gone)}")
     if stale:
-        return f"{head}; unresponsive: {', '.join(stale)} (stopped, hung or dead){tail}"
+        found.append(f"unresponsive: {', '.join(stale)} (stopped, hung or dead)")
+    if found:
+        return f"{head}; {'; '.join(found)}{tail}"
+    if peer_closed(exc):
+        return (f"{head}; a peer closed its connection, but no rank's heartbeat shows it gone yet (a rank on "
+                f"another host that exited, or one killed less than {stale_after:.0f} s ago){tail}")  # fmt: skip
     return f"{head}; every other rank's heartbeat is fresh (slow collective or a rank in a different one?){tail}"
 
 
