@@ -178,9 +178,12 @@ def cmd_prepare(argv: list[str]) -> int:
         print(f"verified {prepared.dir}: train.bin, val.bin and tokenizer.json match the SHA-256 recorded in {META}; "
               f"every token id is below the vocabulary of {prepared.vocab_size}")  # fmt: skip
         return 0
-    prepared = prepare_data(cfg.data, progress=cfg.run.progress)
-    print(f"prepared {prepared.n_train_tokens:,} train + {prepared.n_val_tokens:,} val tokens "
-          f"(vocab {prepared.vocab_size}) in {prepared.dir}")  # fmt: skip
+    from loom.data import prepare_sources
+
+    every = prepare_sources(cfg.data, cfg.run.progress) if cfg.data.sources else [prepare_data(cfg.data, cfg.run.progress)]
+    for prepared in every:  # one line per [[data.sources]] table
+        print(f"prepared {prepared.n_train_tokens:,} train + {prepared.n_val_tokens:,} val tokens "
+              f"(vocab {prepared.vocab_size}) in {prepared.dir}")  # fmt: skip
     return 0
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loom.rules import (
+    CpModeName,
     ModelFacts,
     ScheduleName,
     layout_problems,
@@ -42,10 +43,16 @@ Offload = Literal["none", "cpu", "disk"]
 Device = Literal["auto", "cpu", "cuda"]
 Backend = Literal["auto", "gloo", "nccl"]
 TextErrors = Literal["strict", "replace"]
+DataFormat = Literal["text", "chat", "prompt_completion"]
+Overlong = Literal["truncate", "drop"]
+CpMode = CpModeName  # parallel.cp_mode (loom.rules)
 # Parts of the pattern fields train.recompute and train.compress.
 RecomputePolicy = Literal["none", "full", "selective"]
 CompressFormat = Literal["none", "bf16", "fp8", "int8"]
 TensorKind = Literal["attention", "mlp", "norm", "other"]  # what a module's ``activation_kind`` may say
+NormKind = Literal["rmsnorm", "layernorm"]  # model.norm
+MlpKind = Literal["swiglu", "gelu", "gelu_tanh"]  # model.mlp
+PositionKind = Literal["rope", "learned"]  # model.positions
 
 
 @dataclass
@@ -56,7 +63,7 @@ class ModelConfig:
     n_layers: int = 4  # transformer blocks L
     n_heads: int = 8  # query heads a
     n_kv_heads: int = 4  # key/value heads (grouped-query attention); must divide n_heads
-    ffn_dim: int = 0  # SwiGLU hidden size; 0 = Llama rule round_up(8h/3, multiple_of)
+    ffn_dim: int = 0  # MLP hidden size; 0 = Llama rule round_up(8h/3, multiple_of)
     multiple_of: int = 64  # rounding for the automatic ffn_dim
     vocab_size: int = 0  # 0 = take it from the tokenizer of the prepared data
     max_seq_len: int = 256  # longest sequence RoPE is prepared for
@@ -65,7 +72,7 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # Llama 3.1 RoPE: wavelengths above original_len / this are scaled
     rope_high_freq_factor: float = 4.0  # Llama 3.1 RoPE: wavelengths below original_len / this are kept
     rope_original_len: int = 8192  # Llama 3.1 RoPE: the context length pretraining used
-    norm_eps: float = 1e-5  # RMSNorm epsilon
+    norm_eps: float = 1e-5  # epsilon of the norms (RMSNorm or LayerNorm)
     tie_embeddings: bool = True  # share the embedding matrix with the output head
     init_std: float = 0.02  # std of the normal init; output projections use std/sqrt(2L)
     dropout: float = 0.0  # dropout on both residual branches and in the attention core (training only)
@@ -74,6 +81,10 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the query/key/value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
     attn_head_dim: int = 0  # size of one attention head; 0 = dim / n_heads
+    norm: NormKind = "rmsnorm"  # layernorm: (x - mean) / std * w + b (GPT-2)
+    mlp: MlpKind = "swiglu"  # gelu / gelu_tanh: w2(gelu(w1 x)), exact or tanh-approximated (GPT-2's gelu_new)
+    positions: PositionKind = "rope"  # learned: a (max_seq_len, dim) table added to the token embeddings (GPT-2)
+    bias: bool = False  # biases on every linear layer but the output head and the router (GPT-2)
     from_hf: str = ""  # local Hugging Face model directory to start from: its shape, weights and tokenizer
 
     @property
@@ -93,6 +104,16 @@ class ModelConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One source of a training mixture: a ``[[data.sources]]`` table."""
+
+    path: str = ""  # file, directory or glob of .txt/.jsonl/.jsonl.gz/.parquet/.arrow, or a datasets save_to_disk dir
+    weight: float = 1.0  # share of training sequences drawn from it (weights are normalized over the sources)
+    text_field: str = "text"  # field holding the text in its records
+    format: DataFormat = "text"  # chat / prompt_completion records (labels only on answers, as data.format)
+
+
+@dataclass
 class DataConfig:
     """Where tokens come from."""
 
@@ -102,9 +123,15 @@ class DataConfig:
     vocab_size: int = 4096  # BPE vocabulary size when training a tokenizer
     seq_len: int = 256  # tokens per training sequence T
     val_fraction: float = 0.02  # share of the corpus held out for eval loss
-    max_corpus_mb: float = 24.0  # cap on corpus text read
+    max_corpus_mb: float = 24.0  # cap on corpus text read; 0 = no cap (preparation streams: memory stays flat)
     text_field: str = "text"  # field holding the text in .jsonl/.parquet records
     errors: TextErrors = "strict"  # invalid UTF-8 in the corpus: strict refuses, naming the file; replace counts and reports
+    workers: int = 0  # tokenizing processes for prepare; 0 = one per CPU core (output identical for any count)
+    pack: bool = False  # batches carry positions: RoPE restarts and attention stays inside each document
+    format: DataFormat = "text"  # chat: records with messages; prompt_completion: prompt + completion fields
+    train_on_prompt: bool = False  # chat/prompt_completion: also train on prompt tokens (else labels -100 there)
+    overlong: Overlong = "truncate"  # chat/prompt_completion examples over seq_len + 1 tokens: cut or left out
+    sources: list[SourceConfig] = field(default_factory=list)  # [[data.sources]] mixture (replaces data.source)
 
 
 @dataclass
@@ -121,6 +148,7 @@ class ParallelConfig:
     sp: bool = False  # sequence parallelism: norms/residual sharded along the sequence over tp
     pp: int = 1  # pipeline-parallel degree
     cp: int = 1  # context-parallel degree
+    cp_mode: CpMode = "allgather"  # attention under cp: all-gathered K/V, K/V ring (O(T/cp) memory), or all-to-all over heads (Ulysses)
     ep: int = 1  # expert-parallel degree (borrows from dp*cp)
     zero: int = 0  # ZeRO stage 0 (plain data parallel), 1, 2 or 3
     bucket_mb: float = 25.0  # gradient bucket size for the all-reduce, in MB
@@ -189,6 +217,27 @@ class RunConfig:
     threads: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks
 
 
+MoEScore = Literal["softmax", "sigmoid"]  # moe.score
+DropPolicy = Literal["probability", "position"]  # moe.drop_policy
+ExpertCompute = Literal["grouped", "loop"]  # moe.compute
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts routing and balancing (used when model.n_experts > 1)."""
+
+    score: MoEScore = "softmax"  # router scores: softmax over experts (Mixtral) or per-expert sigmoid (DeepSeek-V3)
+    norm_topk: bool = True  # routing weights of the k chosen experts renormalized to sum to 1
+    n_shared_experts: int = 0  # experts every token goes through (one SwiGLU of this many expert widths)
+    aux_loss_coef: float = 0.0  # Switch/GShard load-balancing loss α·E·Σ_e f_e·P_e (0 = off)
+    z_loss_coef: float = 0.0  # router z-loss β·mean(logsumexp(logits)²) (0 = off)
+    bias_update_rate: float = 0.0  # aux-loss-free balancing: per-expert selection bias += rate·sign(mean load - load)
+    capacity_factor: float = 0.0  # tokens an expert takes per micro-batch: ceil(cf·N·k/E); 0 = dropless
+    drop_policy: DropPolicy = "probability"  # over capacity, keep the highest-weight or the earliest tokens
+    compute: ExpertCompute = "grouped"  # experts as one grouped matmul, or a Python loop (reference)
+    imbalance: float = 1.0  # planner input: max/mean tokens per expert (a run's moe_imbalance metric)
+
+
 @dataclass
 class LoomConfig:
     """The whole job."""
@@ -198,6 +247,7 @@ class LoomConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 SECTIONS: dict[str, type] = dict(typing.get_type_hints(LoomConfig))
@@ -248,6 +298,18 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if typing.get_origin(typ) is list:  # a list of tables: [[section.key]] in TOML
+        (item,) = typing.get_args(typ)
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise ConfigError(f"{where}: expected a list of tables ([[{where}]] in a TOML file), got {value!r}")
+        types_ = _field_types(item)
+        out = []
+        for i, table in enumerate(value):
+            for k in table:
+                if k not in types_:
+                    raise ConfigError(f"{where}[{i}].{k}: unknown key; allowed: {', '.join(types_)}")
+            out.append(item(**{k: _coerce(v, types_[k], f"{where}[{i}].{k}") for k, v in table.items()}))
+        return out
     raise ConfigError(f"{where}: unsupported field type {typ!r}")  # pragma: no cover
 
 
@@ -438,6 +500,17 @@ def _check_bounds(cfg: LoomConfig) -> None:
         _require(m.rope_original_len >= 1, f"model.rope_original_len: must be >= 1, got {m.rope_original_len}")
 
 
+def _check_moe(cfg: LoomConfig) -> None:
+    """The [moe] numbers: coefficients and rates >= 0, capacity factor 0 (dropless) or > 0."""
+    e = cfg.moe
+    for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate", "capacity_factor"):
+        v = getattr(e, name)
+        _require(v >= 0, f"moe.{name}: must be >= 0, got {v}")
+    _require(e.n_shared_experts >= 0, f"moe.n_shared_experts: must be >= 0, got {e.n_shared_experts}")
+    _require(e.imbalance >= 1, f"moe.imbalance: must be >= 1 (max over mean tokens per expert), got {e.imbalance}")
+    # capacity under cp/sp and router losses under asynchronous pipelines: rules.layout_problems
+
+
 def world_size_of(cfg: LoomConfig) -> int:
     """World size a config asks for: explicit dp product, or run.nproc."""
     p = cfg.parallel
@@ -457,7 +530,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
         _require(getattr(m, name) >= 1, f"model.{name}: must be >= 1, got {getattr(m, name)}")
     _require(m.attn_head_dim > 0 or m.dim % m.n_heads == 0,
              f"model.dim: {m.dim} must be divisible by model.n_heads={m.n_heads} (or set model.attn_head_dim)")  # fmt: skip
-    _require(m.head_dim % 2 == 0, f"model.dim: head_dim {m.head_dim} must be even for RoPE")
+    _require(m.positions != "rope" or m.head_dim % 2 == 0, f"model.dim: head_dim {m.head_dim} must be even for RoPE")
     _require(
         m.n_heads % m.n_kv_heads == 0,
         f"model.n_kv_heads: must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}",
@@ -467,6 +540,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(m.init_std > 0, f"model.init_std: must be > 0, got {m.init_std}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout: must be in [0, 1), got {m.dropout}")
     _require(m.n_experts >= 1, f"model.n_experts: must be >= 1 (1 = dense MLP), got {m.n_experts}")
+    _require(not m.moe or m.mlp == "swiglu", f"model.mlp: experts are SwiGLU; {m.mlp!r} needs model.n_experts = 1")
     if m.moe:
         _require(1 <= m.top_k <= m.n_experts, f"model.top_k: must be in [1, model.n_experts={m.n_experts}], got {m.top_k}")
 
@@ -477,7 +551,18 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     )
     _require(d.vocab_size >= 260, f"data.vocab_size: must be >= 260 (bytes + specials), got {d.vocab_size}")
     _require(0.0 < d.val_fraction < 0.5, f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")
-    _require(d.max_corpus_mb > 0, f"data.max_corpus_mb: must be > 0, got {d.max_corpus_mb}")
+    _require(d.max_corpus_mb >= 0, f"data.max_corpus_mb: must be >= 0 (0 = no cap), got {d.max_corpus_mb}")
+    _require(d.workers >= 0, f"data.workers: must be >= 0 (0 = one per CPU core), got {d.workers}")
+    for i, src in enumerate(d.sources):
+        _require(bool(src.path.strip()), f"data.sources[{i}].path: must name a file, directory or glob")
+        _require(src.weight > 0 and src.weight != float("inf"),
+                 f"data.sources[{i}].weight: must be a positive number, got {src.weight}")  # fmt: skip
+        _require(src.format in typing.get_args(DataFormat), f"data.sources[{i}].format: must be one of "
+                 f"{' | '.join(typing.get_args(DataFormat))}, got {src.format!r}")  # fmt: skip
+    _require(not d.sources or d.format == "text",
+             f"data.format: {d.format} is for data.source; give each [[data.sources]] table its own format")  # fmt: skip
+    _require(d.format == "text" or d.source != "stdlib",
+             f"data.format: {d.format} needs a data.source of .jsonl/.parquet records, not the stdlib text")  # fmt: skip
     _require(t.steps >= 1, f"train.steps: must be >= 1, got {t.steps}")
     _require(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr: must be in [0, train.lr={t.lr}], got {t.min_lr}")
@@ -506,6 +591,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be > 0, got {p.bucket_mb}")
     _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
     resolve_layout(cfg, world_size)
+    _check_moe(cfg)
     _check_implemented(cfg)
     check_memory(cfg)
     _require(t.micro_batch >= 1, f"train.micro_batch: must be >= 1, got {t.micro_batch}")
@@ -516,7 +602,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     )
     problems = layout_problems(
         model_facts(cfg), seq_len=d.seq_len, precision=t.precision, optimizer=t.optimizer,
-        tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp, schedule=p.schedule,
+        tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp, schedule=p.schedule, cp_mode=p.cp_mode,
         virtual_stages=p.virtual_stages, microbatches=grad_accum_steps(cfg), offload=p.offload,
         pp_layout=p.pp_layout, vertical_sync=p.vertical_sync,
     )  # fmt: skip
@@ -529,10 +615,11 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
 
 def model_facts(cfg: LoomConfig) -> ModelFacts:
     """What the layout rules need of ``cfg``'s model; its vocabulary, if known, names the field setting it."""
-    m = cfg.model
+    m, e = cfg.model, cfg.moe
+    moe = dict(moe_capacity=e.capacity_factor > 0, moe_router_losses=e.aux_loss_coef > 0 or e.z_loss_coef > 0)
     if m.vocab_size == 0 and not cfg.data.tokenizer:  # a tokenizer trained to data.vocab_size
-        return ModelFacts.of(m, vocab_size=cfg.data.vocab_size, vocab_field="data.vocab_size")
-    return ModelFacts.of(m)  # vocab_size 0: taken from a given tokenizer later
+        return ModelFacts.of(m, vocab_size=cfg.data.vocab_size, vocab_field="data.vocab_size", **moe)
+    return ModelFacts.of(m, **moe)  # vocab_size 0: taken from a given tokenizer later
 
 
 # Features whose fields exist (so the mesh and the planner can name them) but whose runtime
@@ -668,7 +755,7 @@ def reference() -> str:
         lines.append(f"[{section}]  {(inspect.getdoc(cls) or '').partition(chr(10))[0]}")
         types_ = _field_types(cls)
         for src in inspect.getsource(cls).splitlines():
-            m = re.match(r"\s+(\w+): ([\w| ]+) = (.+?)(?:\s+#\s*(.*))?$", src)
+            m = re.match(r"\s+(\w+): ([\w| \[\]]+) = (.+?)(?:\s+#\s*(.*))?$", src)
             if m:
                 name, typ, default, doc = m.groups()
                 allowed = choices(types_[name])

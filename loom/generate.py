@@ -104,7 +104,7 @@ def generate_from_run(
                             "records its vocabulary")  # fmt: skip
     tok = load_tokenizer(d / "tokenizer.json")
     verify_final(d, weights)
-    model = Transformer(cfg.model)
+    model = Transformer(cfg.model, cfg.moe)
     try:
         load_model(model, weights)
     except ValueError as e:  # tensors missing or of another shape: config.toml and the weights disagree

@@ -14,6 +14,8 @@ from typing import Any, Literal, get_args
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw"]
 AsyncScheduleName = Literal["pipedream", "2bw"]  # stage-local weight versions, optimizer steps per stage
 SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
+CpModeName = Literal["allgather", "ring", "alltoall"]  # how attention spans the cp ranks (loom.parallel.context)
+CP_MODES: tuple[str, ...] = get_args(CpModeName)
 ASYNC_SCHEDULES: tuple[str, ...] = get_args(AsyncScheduleName)
 
 
@@ -30,6 +32,8 @@ class ModelFacts:
     n_experts: int = 1
     dropout: float = 0.0
     tie_embeddings: bool = True
+    moe_capacity: bool = False  # moe.capacity_factor > 0: capacity counted over a rank's tokens
+    moe_router_losses: bool = False  # moe.aux_loss_coef or moe.z_loss_coef > 0
 
     @classmethod
     def of(cls, model: Any, **overrides: Any) -> ModelFacts:
@@ -70,6 +74,16 @@ def context_parallel_problem(cp: int, seq_len: int) -> str | None:
     """Each cp rank holds two chunks of seq_len / (2 cp) positions (causal load balance)."""
     if cp > 1 and seq_len % (2 * cp):
         return f"data.seq_len: {seq_len} must be divisible by 2*parallel.cp={2 * cp} (two chunks per cp rank)"
+    return None
+
+
+def context_mode_problem(m: ModelFacts, cp: int, mode: str, tp: int = 1) -> str | None:
+    """A known ``parallel.cp_mode``; all-to-all (Ulysses) gives each cp rank (n_heads/tp)/cp query heads."""
+    if mode not in CP_MODES:
+        return f"parallel.cp_mode: must be one of {CP_MODES}, got {mode!r}"
+    if cp > 1 and mode == "alltoall" and (m.n_heads // tp) % cp:
+        return (f"parallel.cp_mode: alltoall splits the {m.n_heads // tp} query heads per tp rank "
+                f"(model.n_heads={m.n_heads} / parallel.tp={tp}) over parallel.cp={cp}; they must divide")
     return None
 
 
@@ -117,29 +131,34 @@ def layout_problems(
     offload: str = "none",
     pp_layout: str = "",
     vertical_sync: bool = False,
+    cp_mode: str = "allgather",
 ) -> list[str]:
     """Why this layout cannot train this model (first problem first), or []. Degrees are assumed
     to multiply to the world size with ep | dp*cp (``config.resolve_layout`` checks that), and
     ``microbatches`` = global_batch / (micro_batch * dp) to be whole."""
     out = []
-    if m.n_experts > 1:
-        if tp > 1:
-            out.append(f"parallel.tp: tensor parallelism of the experts is not implemented; use 1 with model.n_experts={m.n_experts}")
-        if optimizer == "adafactor":
-            out.append("train.optimizer: adafactor factors 2-D weights; the experts' (E, f, h) weights need adamw or adam8bit")
+    if m.n_experts > 1 and optimizer == "adafactor":
+        out.append("train.optimizer: adafactor factors 2-D weights; the experts' (E, f, h) weights need adamw or adam8bit")
+    if m.n_experts > 1 and m.moe_capacity and (cp > 1 or (tp > 1 and sp)):
+        split = f"parallel.cp = {cp}" if cp > 1 else f"sequence parallelism over parallel.tp = {tp}"
+        out.append(f"moe.capacity_factor: capacity is counted over a rank's tokens, and {split} splits every sequence; "
+                   "use 0 (dropless)")  # fmt: skip
+    if m.n_experts > 1 and m.moe_router_losses and pp > 1 and schedule in ASYNC_SCHEDULES:
+        out.append(f"moe.aux_loss_coef: the router losses need a synchronous pipeline schedule, got parallel.schedule = "
+                   f"{schedule!r}; use 0 for moe.aux_loss_coef and moe.z_loss_coef or another schedule")  # fmt: skip
     if ep > 1:
         if m.n_experts <= 1:
             out.append(f"parallel.ep: expert parallelism needs experts (model.n_experts > 1), got ep={ep}")
         elif m.n_experts % ep:
             out.append(f"parallel.ep: {ep} must divide model.n_experts={m.n_experts}")
-        if zero:
-            out.append(f"parallel.zero: ZeRO with expert parallelism is not implemented; use 0 with parallel.ep={ep}")
+        if zero == 3:
+            out.append(f"parallel.zero: ZeRO-3 with expert parallelism is not implemented; use 0, 1 or 2 with parallel.ep={ep}")
     if offload != "none" and zero < 1:
         out.append(f"parallel.offload: {offload!r} offloads ZeRO optimizer state; it needs parallel.zero >= 1")
     sp_problem = sequence_parallel_problem(tp, cp, seq_len) if sp else None
     out += [why for why in (tensor_parallel_problem(m, tp), sp_problem, context_parallel_problem(cp, seq_len)) if why]
-    if cp > 1 and m.dropout:  # dropout masks would need a cp-private random stream
-        out.append(f"model.dropout: context parallelism (parallel.cp={cp}) needs 0, got {m.dropout}")
+    if (why := context_mode_problem(m, cp, cp_mode, tp)) is not None:
+        out.append(why)
     if precision == "fp16" and schedule in ASYNC_SCHEDULES and pp > 1:
         out.append(
             f"train.precision: fp16 skips a step when any rank overflows, agreed by all ranks at the step; the "

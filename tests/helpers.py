@@ -30,15 +30,29 @@ def global_batch(step: int, batch: int, seed: int = 0) -> tuple[torch.Tensor, to
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def rank_micro_batches(step: int, batch: int, micro: int, dp_rank: int, dp: int):
-    """This data-parallel rank's rows of the global batch, cut into micro-batches."""
-    x, y = global_batch(step, batch)
+def packed_global_batch(step: int, batch: int, seed: int = 0, eot: int = 0) -> tuple[torch.Tensor, ...]:
+    """Packed data (``data.pack``): (tokens, targets, positions), a document ending at each ``eot``,
+    about one token in five (several documents per sequence)."""
+    from loom.data.dataset import packed_positions
+
+    g = torch.Generator().manual_seed(seed * 100_003 + step + 7_919)
+    tokens = torch.randint(1, VOCAB, (batch, SEQ + 1), generator=g)
+    tokens[torch.rand(batch, SEQ + 1, generator=g) < 0.2] = eot
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    return x, y, packed_positions(x, eot)
+
+
+def rank_micro_batches(step: int, batch: int, micro: int, dp_rank: int, dp: int, packed: bool = False):
+    """This data-parallel rank's rows of the global batch, cut into micro-batches (``packed``: of
+    :func:`packed_global_batch`, with positions)."""
+    full = packed_global_batch(step, batch) if packed else global_batch(step, batch)
     per = batch // dp
-    x, y = x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
-    return [(x[i : i + micro], y[i : i + micro]) for i in range(0, per, micro)]
+    rows = [t[dp_rank * per : (dp_rank + 1) * per] for t in full]
+    return [tuple(t[i : i + micro] for t in rows) for i in range(0, per, micro)]
 
 
-def train_dp(mesh, model_cfg: ModelConfig, train_cfg: TrainConfig, batch: int, micro: int, bucket_mb: float = 25.0):
+def train_dp(mesh, model_cfg: ModelConfig, train_cfg: TrainConfig, batch: int, micro: int, bucket_mb: float = 25.0,
+             packed: bool = False):  # fmt: skip
     """Train with Loom data parallelism over ``mesh``'s dp group; return losses, final params, DP object."""
     from loom.comm import CommMeter
     from loom.model.llama import build_model, loss_fn
@@ -57,7 +71,7 @@ def train_dp(mesh, model_cfg: ModelConfig, train_cfg: TrainConfig, batch: int, m
     losses, comm_bytes = [], []
     for step in range(train_cfg.steps):
         meter.reset()
-        res = train_step(plain_run(model, sync, loss_fn), rank_micro_batches(step, batch, micro, dp_rank, dp), train_cfg.grad_clip, lr_at(step, train_cfg), group)  # fmt: skip
+        res = train_step(plain_run(model, sync, loss_fn), rank_micro_batches(step, batch, micro, dp_rank, dp, packed), train_cfg.grad_clip, lr_at(step, train_cfg), group)  # fmt: skip
         losses.append(res.loss)
         comm_bytes.append(meter.total_moved)
     sync.remove()
@@ -85,7 +99,8 @@ def metered_steps(model, strategy, meter, mesh, cfg, loss_fn, steps: int, batch:
 
 def train_layout(
     layout: dict, steps: int, batch: int, micro: int, model_kw: dict | None = None, sentinel: bool = False,
-    device: torch.device | None = None, meta: bool = False,
+    device: torch.device | None = None, meta: bool = False, moe_kw: dict | None = None, packed: bool = False,
+    checkpoint_dir: str = "",
 ) -> dict:
     """Train the tiny model (``model_kw`` over its defaults) under ``layout`` (mesh degrees, ``zero``,
     ``sp``, ``recompute``) through ``build_run``, the Trainer's path, on this rank's share of each
@@ -93,9 +108,11 @@ def train_layout(
 
     ``sentinel``: build_run and every step run with the meta device as torch's default device,
     so a tensor created without an explicit device (the CPU, by default, on a GPU run) fails.
-    ``meta``: the model is built on the meta device and each rank materializes its part (the trainer's path)."""
+    ``meta``: the model is built on the meta device and each rank materializes its part (the trainer's path).
+    ``moe_kw``: the [moe] options (over their defaults). ``checkpoint_dir``: save the final state there. ``packed``: batches of packed documents
+    (:func:`packed_global_batch`: tokens, targets, positions)."""
     from loom.comm import CommMeter
-    from loom.config import LoomConfig
+    from loom.config import LoomConfig, MoEConfig
     from loom.model.llama import build_model
     from loom.parallel.context_parallel import shard_sequence
     from loom.train.build import build_run
@@ -105,10 +122,11 @@ def train_layout(
 
     dims = {k: v for k, v in layout.items() if k in ("cp", "tp", "pp", "dp_shard", "dp_replicate", "ep")}
     mesh = get_mesh(**dims)
-    cfg = LoomConfig(model=tiny_model(**(model_kw or {})), train=tiny_train(steps=steps))
+    cfg = LoomConfig(model=tiny_model(**(model_kw or {})), train=tiny_train(steps=steps), moe=MoEConfig(**(moe_kw or {})))
     cfg.data.seq_len = SEQ
     cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.pp = layout.get("cp", 1), layout.get("tp", 1), layout.get("pp", 1)
     cfg.parallel.dp, cfg.parallel.ep = mesh.size("dp"), layout.get("ep", 1)
+    cfg.parallel.cp_mode = layout.get("cp_mode", cfg.parallel.cp_mode)
     cfg.parallel.dp_shard = layout.get("dp_shard", 1)
     cfg.parallel.zero, cfg.parallel.sp = layout.get("zero", 0), layout.get("sp", False)
     cfg.train.global_batch, cfg.train.micro_batch = batch, micro
@@ -123,7 +141,7 @@ def train_layout(
     device = device or rank_device()  # the CPU, or this rank's GPU in an NCCL pool
     if device.type == "cuda":
         cfg.run.device = "cuda"
-    model = build_model(cfg.model, cfg.train.seed, device, meta=meta)
+    model = build_model(cfg.model, cfg.train.seed, device, meta=meta, moe=cfg.moe)
     placed = torch.device("meta") if sentinel else contextlib.nullcontext()
     with placed:
         run = build_run(cfg, mesh, model, meter)
@@ -131,17 +149,26 @@ def train_layout(
     losses, moved, calls = [], [], []
     for step in range(steps):
         meter.reset()
-        batches = shard_sequence(rank_micro_batches(step, batch, micro, dp_rank, dp), mesh.size("cp"),
+        batches = shard_sequence(rank_micro_batches(step, batch, micro, dp_rank, dp, packed), mesh.size("cp"),
                                  mesh.local_rank("cp"))  # fmt: skip
-        batches = [(x.to(device), y.to(device)) for x, y in batches]
+        batches = [tuple(t.to(device) for t in b) for b in batches]
         with placed:
             res = train_step(run, batches, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp_cp"))
         losses.append(res.loss)
         moved.append(dict(meter.moved))
         calls.append(dict(meter.calls))
+    if checkpoint_dir:
+        import torch.distributed as dist
+
+        from loom.checkpoint import Checkpointer
+        from loom.checkpoint.save import new_group
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        Checkpointer(checkpoint_dir, rank, world, new_group(world, 60)).save(steps, run.strategy.sharded_state(), {}, {})
     state = run.strategy.full_state_dict()
     state = None if state is None else {k: v.cpu() for k, v in state.items()}
-    return {"losses": losses, "state": state, "moved": moved, "calls": calls}
+    return {"losses": losses, "state": state, "moved": moved, "calls": calls, "state_bytes": run.strategy.state_bytes()}
 
 
 @pytest.fixture(scope="module")

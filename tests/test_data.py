@@ -14,12 +14,21 @@ import pytest
 import torch
 
 from loom.config import DataConfig
-from loom.data import BatchSampler, PreparedData, TokenDataset, eval_batches, load_tokenizer, prepare_data
+from loom.data import (
+    BatchSampler,
+    PreparedData,
+    TokenDataset,
+    eval_batches,
+    load_tokenizer,
+    prepare_data,
+    stream,
+)
 from loom.data import prepare as prepare_mod
 from loom.data.corpus import read_documents, stdlib_files, stdlib_root
 from loom.data.dataset import epoch_permutation
 from loom.data.prepare import split_documents, token_dtype
 from loom.data.tokenizer import EOT, encode_documents, eot_id, train_tokenizer
+from tests.helpers import one_thread  # noqa: F401 (fixture)
 
 DOCS = [
     f"def f{i}(x):\n    return x * {i}  # naïve ünïcode → ok\n\n\tprint('doc {i}')\n" * (1 + i % 3)
@@ -242,6 +251,17 @@ def test_prepare_single_document_is_split(tmp_path, cache):
         split_documents(["x"], 0.1)
 
 
+def test_split_plan_reads_lengths_in_blocks():
+    """The plan from lengths read block by block (memory-mapped in preparation) is the same for any block."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(300):
+        lengths = [rng.choice([1, 2, 3, 50, 400]) for _ in range(rng.randint(2, 30))]
+        vf = rng.choice([0.01, 0.1, 0.3, 0.49])
+        assert len({stream.split_plan(lengths, vf, block=b) for b in (1, 2, 3, 7, 1 << 20)}) == 1
+
+
 def test_prepare_killed_midway_leaves_nothing(tmp_path, cache, monkeypatch):
     src = write_txt_dir(tmp_path / "corpus")
     cfg = DataConfig(source=str(src), vocab_size=300)
@@ -250,7 +270,7 @@ def test_prepare_killed_midway_leaves_nothing(tmp_path, cache, monkeypatch):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
-        m.setattr(prepare_mod, "_write_bin", boom)
+        m.setattr(prepare_mod, "encode_stream", boom)
         prepare_data(cfg, progress=False)
     assert list((cache / "data").iterdir()) == []
 
@@ -281,6 +301,84 @@ def test_prepare_race_keeps_existing_dir(tmp_path, cache, monkeypatch):
     p = prepare_data(cfg, progress=False)
     assert p.dir == winner[0].dir and (p.dir / "marker").read_text() == "winner"
     assert [x.name for x in p.dir.parent.iterdir()] == [p.dir.name]
+
+
+def test_prepare_is_identical_for_any_worker_count(tmp_path, cache, monkeypatch, capfd):
+    """Chunks of ~300 characters: many chunks in flight, finished in any order, written in order."""
+    jl = tmp_path / "c.jsonl"
+    jl.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 3))
+    monkeypatch.setattr(stream, "CHUNK_CHARS", 300)
+    base = dict(source=str(jl), vocab_size=300, val_fraction=0.1)
+    ref = prepare_data(DataConfig(**base, prepared_dir=str(tmp_path / "w1"), workers=1), progress=False)
+    for w in (2, 3):
+        p = prepare_data(DataConfig(**base, prepared_dir=str(tmp_path / f"w{w}"), workers=w), progress=w == 3)
+        for name in ("train.bin", "val.bin", "tokenizer.json"):
+            assert (p.dir / name).read_bytes() == (ref.dir / name).read_bytes(), (w, name)
+        assert p.meta()["sha256"] == ref.meta()["sha256"]
+    assert "B/s" in capfd.readouterr().err  # the progress bar shows bytes per second
+    # the streamed prepare equals encoding the documents held in memory
+    tok = load_tokenizer(ref.dir)
+    train, val = split_documents(DOCS * 3, 0.1)
+    enc = [np.concatenate(list(encode_documents(tok, part, eot_id(tok)))) for part in (train, val)]
+    assert np.array_equal(np.fromfile(ref.train_path, ref.dtype), enc[0])
+    assert np.array_equal(np.fromfile(ref.val_path, ref.dtype), enc[1])
+    assert ref.meta()["n_train_docs"] == len(train) and ref.meta()["n_val_docs"] == len(val)
+
+
+MEMORY_CHILD = """
+import json, resource, shutil, sys
+from loom.config import DataConfig
+from loom.data import prepare, stream
+
+def peak():  # peak resident set size of this process so far, bytes
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+
+stream.CHUNK_CHARS = int(sys.argv[4])
+prepare.SCAN_BYTES = 0  # loading would map the token file to check every id: not preparation memory
+small, big, tok, out = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[5]
+run = lambda src, d: prepare.prepare_data(DataConfig(source=src, tokenizer=tok, prepared_dir=d, workers=2,
+                                                     max_corpus_mb=0), progress=False)
+run(small, out + "/warm")  # imports, pool start-up, first allocations: the same for any corpus
+main0, kids0 = peak(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+p = run(big, out + "/big")
+print(json.dumps({"main": peak() - main0, "workers": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+                  - kids0, "tokens": p.n_train_tokens + p.n_val_tokens}))
+"""
+
+
+def _corpus(path, mb, seed=0):
+    """Generated .jsonl of about ``mb`` MB: documents of 50-800 long words from a vocabulary of five
+    (each one token of a tokenizer trained on it: fast to encode)."""
+    import random
+
+    words = ["interdependency", "loomweaverthread", "alphabetagamma", "transformerblock", "tokenization"]
+    rng, n = random.Random(seed), 0
+    with path.open("w") as f:
+        while n < mb * 1e6:
+            line = json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(50, 800)))}) + "\n"
+            f.write(line)
+            n += len(line)
+    return path
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads peak RSS from /proc")
+def test_prepare_memory_is_flat_in_corpus_size(tmp_path, cache):
+    """A 21 MB corpus prepared with 2 workers against a 1 MiB memory cap (20x smaller): the peak RSS of
+    the preparing process, and of its workers, rises by less than the cap over the peak of a warm-up
+    prepare of a 0.2 MB corpus (chunks of 16K characters: at most (2*2+1)*16K characters of text held).
+    Before streaming, a 30 MB corpus peaked at 2.1 GiB."""
+    import subprocess
+    import sys
+
+    cap = 1 << 20
+    small, big = _corpus(tmp_path / "small.jsonl", 0.2, seed=1), _corpus(tmp_path / "big.jsonl", 20 * cap / 1e6)
+    tok = prepare_data(DataConfig(source=str(small), vocab_size=400), progress=False).tokenizer_path
+    out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(small), str(big), str(tok), str(16 * 1024),
+                          str(tmp_path / "out")], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["tokens"] > 20 * cap / 17  # the corpus was tokenized (one token per word and space)
+    assert got["main"] < cap and got["workers"] < cap, got
 
 
 def test_load_reports_missing_files(tmp_path, cache):
@@ -514,3 +612,269 @@ def test_disk_full_while_preparing_names_the_file(tmp_path, cache, monkeypatch):
         _prepared(tmp_path)
     assert "\n" not in str(e.value)
     assert list((cache / "data").iterdir()) == []  # nothing half-written kept
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def test_packed_positions_restart_after_each_document_end():
+    from loom.data.dataset import packed_positions
+
+    x = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 0, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    assert packed_positions(x, 0).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0], [0, 1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_packed_batch_equals_each_document_alone(tmp_path, positions):
+    """Three documents (with their end token) packed into one 16-token window, read through
+    TokenDataset: each document's logits, loss and the gradients of the summed per-document losses
+    equal those of the documents run alone (attention inside documents, positions restarting)."""
+    from loom.model.llama import build_model, loss_fn
+    from tests.helpers import tiny_model
+
+    eot, lengths = 0, [5, 7, 4]
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.cat([torch.randint(1, 128, (n - 1,), generator=g), torch.tensor([eot])]) for n in lengths]
+    stream_ = torch.cat([*docs, torch.tensor([9])])  # + the last window's last target
+    stream_.numpy().astype(np.uint16).tofile(tmp_path / "t.bin")
+    x, y, pos = TokenDataset(tmp_path / "t.bin", seq_len=16, pack_eot=eot).batch([0])
+    assert pos.tolist() == [[*range(5), *range(7), *range(4)]]
+    model = build_model(tiny_model(positions=positions), seed=1)
+    packed = model(x, pos)  # (1, 16, V)
+    bounds = np.cumsum([0, *lengths]).tolist()
+    packed_losses, alone_losses, alone_logits = [], [], []
+    for s, e in zip(bounds, bounds[1:]):
+        alone = model(x[:, s:e])
+        alone_logits.append(alone)
+        target = y[:, s : e - 1]  # the document's own next tokens (the end token's target is the next document)
+        packed_losses.append(loss_fn(packed[:, s : e - 1], target))
+        alone_losses.append(loss_fn(alone[:, :-1], target))
+    torch.testing.assert_close(packed, torch.cat(alone_logits, dim=1))
+    torch.testing.assert_close(torch.stack(packed_losses), torch.stack(alone_losses))
+    grads = []
+    for losses in (packed_losses, alone_losses):
+        model.zero_grad()
+        torch.stack(losses).sum().backward(retain_graph=True)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], msg=lambda m, n=name: f"{n}: {m}")
+    # not vacuous: without positions the later documents see the earlier ones
+    assert not torch.allclose(model(x)[:, 5:12], alone_logits[1], atol=1e-4)
+
+
+PACK_BATCH, PACK_MICRO, PACK_STEPS = 8, 4, 3
+PACKED_LAYOUTS = {"tp2": {"tp": 2}, "tp2 sp": {"tp": 2, "sp": True}, "pp2": {"pp": 2}}
+
+
+@pytest.fixture(scope="module")
+def packed_reference():
+    from tests.helpers import tiny_model, tiny_train, train_dp
+
+    ref = train_dp(None, tiny_model(), tiny_train(steps=PACK_STEPS), PACK_BATCH, PACK_MICRO, packed=True)
+    plain = train_dp(None, tiny_model(), tiny_train(steps=PACK_STEPS), PACK_BATCH, PACK_MICRO)
+    assert ref["losses"] != plain["losses"]  # the positions changed the computation
+    return ref
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", list(PACKED_LAYOUTS))
+def test_packed_training_equals_single_process(pools, packed_reference, name):
+    """Packed batches (several documents per sequence, positions) trained 3 steps under tp2, tp2 with
+    sequence parallelism and pp2: losses and final parameters equal one process's."""
+    from tests.helpers import train_layout
+
+    ref = packed_reference
+    for r in pools(2).run(train_layout, PACKED_LAYOUTS[name], PACK_STEPS, PACK_BATCH, PACK_MICRO, packed=True):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-5)
+        if r["state"] is not None:
+            for k, v in ref["state"].items():
+                torch.testing.assert_close(r["state"][k], v, rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ----------------------------------------------------------------------------- chat and instruction data
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+
+
+def _chats(n: int = 8, long_every: int = 0) -> list[dict]:
+    out = []
+    for i in range(n):
+        reply = f"answer {i}: " + ("la " * 200 if long_every and i % long_every == 1 else f"x = {i * 7}")
+        out.append({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}?"},
+                                 {"role": "assistant", "content": reply}, {"role": "user", "content": "thanks"},
+                                 {"role": "assistant", "content": f"ok {i}"}]})  # fmt: skip
+    return out
+
+
+def _chat_tokenizer(tmp_path):
+    """A tokenizer directory with ChatML special tokens and template (as an HF checkpoint ships)."""
+    d = tmp_path / "tok"
+    d.mkdir()
+    tok = train_tokenizer([json.dumps(c) for c in _chats()] + DOCS, vocab_size=400)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    return d
+
+
+def _trained_text(p: PreparedData, split: str = "train") -> str:
+    tok = load_tokenizer(p.dir)
+    ids = np.fromfile(p.dir / f"{split}.bin", dtype=p.dtype)
+    mask = np.fromfile(p.dir / f"{split}.mask.bin", dtype=np.uint8)
+    return tok.decode(ids[mask == 1].tolist(), skip_special_tokens=False)
+
+
+def test_chat_labels_only_assistant_turns(tmp_path, cache):
+    chats = _chats()
+    jl = tmp_path / "chat.jsonl"
+    jl.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    tok_dir = _chat_tokenizer(tmp_path)
+    cfg = DataConfig(source=str(jl), tokenizer=str(tok_dir), format="chat", seq_len=64, val_fraction=0.25)
+    p = prepare_data(cfg, progress=False)
+    meta = p.meta()
+    assert (meta["n_train_docs"], meta["n_val_docs"]) == (6, 2)
+    # rendered with the template; trained: each assistant message's content and its <|im_end|>\n, then EOT
+    tok = load_tokenizer(p.dir)
+    rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in chats[0]["messages"])
+    assert tok.decode(np.fromfile(p.train_path, p.dtype).tolist(), skip_special_tokens=False).startswith(rendered + EOT)
+    expected = "".join("".join(f"{m['content']}<|im_end|>\n" for m in c["messages"] if m["role"] == "assistant")
+                       + EOT for c in chats[:6])  # fmt: skip
+    assert _trained_text(p) == expected
+    assert meta["trained_tokens"]["train"] == int(np.fromfile(p.dir / "train.mask.bin", np.uint8).sum())
+    # batches: targets are -100 wherever the target token is not trained on
+    ds = TokenDataset(p.train_path, seq_len=16)
+    x, y = ds.batch([0, 1])
+    raw = torch.from_numpy(np.fromfile(p.train_path, p.dtype).astype(np.int64))
+    mask = torch.from_numpy(np.fromfile(p.dir / "train.mask.bin", np.uint8))
+    for row, i in enumerate([0, 1]):
+        t = slice(i * 16 + 1, i * 16 + 17)
+        assert torch.equal(y[row], raw[t].masked_fill(mask[t] == 0, -100))
+    assert (y == -100).any() and (y != -100).any()
+    # train_on_prompt: every token
+    every = prepare_data(DataConfig(**{**asdict_(cfg), "train_on_prompt": True}), progress=False)
+    assert np.fromfile(every.dir / "train.mask.bin", np.uint8).all()
+
+
+def asdict_(cfg: DataConfig) -> dict:
+    from dataclasses import asdict
+
+    return asdict(cfg)
+
+
+def test_prompt_completion_builtin_and_overlong(tmp_path, cache, caplog):
+    recs = [{"prompt": f"Q{i}: add {i} and 1\nA:", "completion": f" {i + 1}"} for i in range(9)]
+    recs[2]["completion"] = " " + "very long " * 80
+    jl = tmp_path / "pc.jsonl"
+    jl.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    base = dict(source=str(jl), format="prompt_completion", vocab_size=300, seq_len=32, val_fraction=0.2)
+    with caplog.at_level("INFO", logger="loom"):
+        cut = prepare_data(DataConfig(**base), progress=False)
+    assert cut.meta()["overlong"] == {"mode": "truncate", "truncated": 1, "dropped": 0}
+    assert "1 truncated, 0 dropped" in caplog.text
+    kept = [r for i, r in enumerate(recs[:7]) if i != 2]
+    dropped = prepare_data(DataConfig(**base, overlong="drop"), progress=False)
+    assert dropped.meta()["overlong"] == {"mode": "drop", "truncated": 0, "dropped": 1}
+    assert dropped.meta()["n_train_docs"] == 6
+    assert _trained_text(dropped) == "".join(r["completion"] + EOT for r in kept)
+    mask = np.fromfile(cut.dir / "train.mask.bin", np.uint8)
+    assert len(mask) == cut.n_train_tokens and cut.n_train_tokens <= 7 * 33
+
+
+def test_chat_and_instruction_records_refused_naming_the_line(tmp_path, cache):
+    from loom.config import ConfigError
+
+    def refused(records, fmt, *words):
+        jl = tmp_path / f"bad{len(list(tmp_path.iterdir()))}.jsonl"
+        jl.write_text("".join(json.dumps(r) + "\n" for r in records))
+        with pytest.raises(ConfigError) as e:
+            prepare_data(DataConfig(source=str(jl), format=fmt, vocab_size=300), progress=False)
+        assert "\n" not in str(e.value) and all(w in str(e.value) for w in (f"{jl}:", *words)), str(e.value)
+        assert not (cache / "data").exists() or not list((cache / "data").iterdir())  # nothing half-written kept
+
+    good = _chats(2)
+    refused([*good, {"messages": [{"role": "user", "content": "hi"}]}], "chat", ":3", "no assistant turn")
+    refused([*good, {"messages": [{"role": "wizard", "content": "hi"}]}], "chat", ":3", "unknown role 'wizard'")
+    refused([{"messages": "hello"}, *good], "chat", ":1", "'messages'")
+    refused([{"prompt": "p"}, {"prompt": "a", "completion": "b"}], "prompt_completion", ":1", "'completion'")
+    with pytest.raises(ValueError, match="data.format: chat needs a data.source"):
+        from loom import config as C
+
+        cfg = C.LoomConfig()
+        cfg.data.format = "chat"
+        C.validate(cfg, 1)
+
+
+# ----------------------------------------------------------------------------- mixtures
+
+
+def test_mixture_sources_cached_and_sampled_by_weight(tmp_path, cache, caplog):
+    """[[data.sources]]: a .jsonl.gz and a `datasets` save_to_disk directory (another text field), weights
+    3:1. Each source is prepared once into its own cache directory with one tokenizer; batches are a pure
+    function of (seed, step), split over dp ranks like BatchSampler's, and the realized mixture is the weights'."""
+    import gzip
+
+    import datasets
+
+    from loom import config as C
+    from loom.config import SourceConfig
+    from loom.data import MixtureSampler, prepare_sources
+
+    gz = tmp_path / "a.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in DOCS)
+    other = [f"second source {i}: " + "lorem ipsum " * (i % 5 + 1) for i in range(30)]
+    datasets.Dataset.from_dict({"body": other}).save_to_disk(str(tmp_path / "saved"))
+    assert read_documents(str(tmp_path / "saved"), text_field="body") == other  # read through `datasets`
+    assert read_documents(str(gz)) == DOCS
+
+    toml = f'[data]\nvocab_size = 300\n[[data.sources]]\npath = "{gz}"\nweight = 3\n[[data.sources]]\npath = "{tmp_path / "saved"}"\nweight = 1\ntext_field = "body"\n'  # noqa: E501
+    (tmp_path / "mix.toml").write_text(toml)
+    cfg = C.load(str(tmp_path / "mix.toml"), [])
+    assert cfg.data.sources == [SourceConfig(str(gz), 3.0), SourceConfig(str(tmp_path / "saved"), 1.0, "body")]
+    assert C.from_dict(C.tomllib.loads(C.dump_toml(cfg))).data.sources == cfg.data.sources  # config.toml round trip
+    with caplog.at_level("INFO", logger="loom"):
+        prepared = prepare_sources(cfg.data, progress=False)
+    assert "data source 1" in caplog.text and "25.0% of sequences" in caplog.text
+    assert len({p.dir for p in prepared}) == 2
+    assert prepared[0].tokenizer_path.read_bytes() == prepared[1].tokenizer_path.read_bytes()
+    tok = load_tokenizer(prepared[1].dir)
+    assert tok.decode(np.fromfile(prepared[1].train_path, prepared[1].dtype).tolist(), skip_special_tokens=False) \
+        .startswith(other[0] + EOT)  # fmt: skip
+    stamps = [(p.dir / "meta.json").stat().st_mtime_ns for p in prepared]
+    assert prepare_sources(cfg.data, progress=False) == prepared  # cached: loaded, not prepared again
+    assert [(p.dir / "meta.json").stat().st_mtime_ns for p in prepared] == stamps
+
+    sets = [TokenDataset(p.train_path, seq_len=16) for p in prepared]
+    one = MixtureSampler(sets, [3, 1], global_batch=8, micro_batch=4, seed=5)
+    shares = one.realized(50)
+    assert abs(shares[0] - 0.75) < 0.01 and abs(shares[1] - 0.25) < 0.01
+    for step in (0, 7):
+        picks = one.picks(step)
+        x = torch.cat([b[0] for b in one.micro_batches(step)])
+        for row, (k, w) in enumerate(picks):
+            assert torch.equal(x[row], sets[k].window(w)[:-1])
+        halves = [MixtureSampler(sets, [3, 1], 8, 2, r, 2, seed=5).micro_batches(step) for r in (0, 1)]
+        assert torch.equal(torch.cat([b[0] for h in halves for b in h]), x)  # dp ranks concatenate to it
+        assert torch.equal(torch.cat([b[0] for b in one.micro_batches(step)]), x)  # a pure function of the step
+    assert {k for s in range(4) for k, _ in one.picks(s)} == {0, 1}
+    with pytest.raises(ValueError, match="data.sources"):
+        MixtureSampler(sets, [1, 0], 8, 4)
+
+    # a chat source beside a text one: its rows carry -100 outside the assistant turns, the text rows none
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps(c) + "\n" for c in _chats(12)))
+    mixed = C.from_dict({"data": {"vocab_size": 300, "seq_len": 64, "sources": [
+        {"path": str(gz)}, {"path": str(chat), "format": "chat", "weight": 1}]}})  # fmt: skip
+    C.validate(mixed, 1)
+    both = prepare_sources(mixed.data, progress=False)
+    assert both[0].tokenizer_path.read_bytes() == prepared[0].tokenizer_path.read_bytes()
+    assert (both[1].dir / "train.mask.bin").is_file()
+    sampler = MixtureSampler([TokenDataset(p.train_path, seq_len=16) for p in both], [1, 1], 8, 8, seed=1)
+    (x, y), picks = sampler.micro_batches(0)[0], sampler.picks(0)
+    for row, (k, _) in enumerate(picks):
+        assert bool((y[row] == -100).any()) == (k == 1)
+    bad = C.from_dict({"data": {"sources": [{"path": str(gz), "weight": -1}]}})
+    with pytest.raises(ValueError, match=r"data.sources\[0\].weight: must be a positive number, got -1.0"):
+        C.validate(bad, 1)

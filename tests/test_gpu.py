@@ -72,6 +72,8 @@ LAYOUTS = {
     "pp2 1f1b": ({"pp": 2}, {}),
     "pp2 zb-h1": ({"pp": 2, "schedule": "zb-h1"}, {}),
     "cp2": ({"cp": 2}, {}),
+    "cp2 ring": ({"cp": 2, "cp_mode": "ring"}, {}),  # NCCL p2p batches in issue order
+    "cp2 alltoall": ({"cp": 2, "cp_mode": "alltoall"}, {}),
     "ep2": ({"dp_replicate": 2, "ep": 2}, {"n_experts": 4, "top_k": 2}),
 }
 

@@ -26,6 +26,7 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # q/k norms, head_dim != hidden / heads
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_inner": 96}),  # LayerNorm, gelu_new, learned positions, biases
 }
 
 
@@ -38,7 +39,8 @@ def _save_hf(tmp: Path, family: str, tie: bool, **kw) -> tuple[Path, torch.nn.Mo
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # every tensor random (biases and norm weights start as constants)
         for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 and "norm" in _name_of(model, p) else 0.0))
+            norm = p.dim() == 1 and any(k in _name_of(model, p) for k in ("norm.", "ln_")) and "bias" not in _name_of(model, p)
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if norm else 0.0))
     out = tmp / f"{family}-{'tied' if tie else 'untied'}"
     model.save_pretrained(out, max_shard_size="20KB")  # several shards and an index
     return out, model
@@ -64,6 +66,29 @@ def test_import_gives_the_logits_of_transformers(tmp_path, family, tie):
         assert_close(model(x), ref(x).logits)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_box_is_read_alone_and_equals_that_box_of_the_whole(tmp_path, family):
+    """``Reader.read(name, box)`` with ``get_slice``: any box (rows cutting through rotary heads,
+    some of Mixtral's experts, part of GPT-2's fused, transposed c_attn) equals the whole tensor's
+    box, and a tp2 rank's half along dim 0 costs exactly half the tensor's bytes."""
+    from loom.model.hf import Reader, open_dir, read_state
+
+    path, _ = _save_hf(tmp_path, family, False)
+    hf = open_dir(path, 32)
+    g = torch.Generator().manual_seed(0)
+    with Reader(hf) as reader:
+        for name, whole in read_state(hf):
+            box = []
+            for n in whole.shape:
+                a = int(torch.randint(0, n, (), generator=g))
+                box.append(slice(a, int(torch.randint(a + 1, n + 1, (), generator=g))))
+            assert torch.equal(reader.read(name, tuple(box)), whole[tuple(box)]), name
+            if whole.shape[0] % 2 == 0 and not name.endswith(("q_norm.weight", "k_norm.weight")):  # one head: whole
+                before, half = reader.bytes_read, whole.shape[0] // 2
+                assert torch.equal(reader.read(name, (slice(half, None),)), whole[half:]), name
+                assert reader.bytes_read - before == whole.numel() * whole.element_size() // 2, name
+
+
 def test_rope_row_order_round_trips():
     from loom.model.hf import to_hf_rows, to_loom_rows
 
@@ -73,19 +98,24 @@ def test_rope_row_order_round_trips():
 
 
 @pytest.mark.parametrize(
-    "edit,match",
+    "family,edit,match",
     [
-        ({"architectures": ["GPTNeoXForCausalLM"]}, r"architectures = 'GPTNeoXForCausalLM' is not supported; supported: Llama"),
-        ({"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported"),
-        ({"attention_bias": True}, r"attention_bias = True is not supported"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, r"rope type 'yarn' is not"),
-        ({"head_dim": 8}, r"head_dim = 8 differs"),
+        ("llama", {"architectures": ["GPTNeoXForCausalLM"]}, r"architectures = 'GPTNeoXForCausalLM' is not supported; supported: Llama"),
+        ("llama", {"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported"),
+        ("llama", {"attention_bias": True}, r"attention_bias = True is not supported"),
+        ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, r"rope type 'yarn' is not"),
+        ("llama", {"head_dim": 8}, r"head_dim = 8 differs"),
+        ("gpt2", {"activation_function": "relu"}, r"activation_function = 'relu' is not supported \(Loom: gelu_new, "),
+        ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, r"scale_attn_by_inverse_layer_idx = True is not supported"),
+        ("gpt2", {"reorder_and_upcast_attn": True}, r"reorder_and_upcast_attn = True is not supported"),
+        ("gpt2", {"scale_attn_weights": False}, r"scale_attn_weights = False is not supported"),
+        ("gpt2", {"n_positions": 16}, r"n_positions = 16 is shorter than the sequences \(32\)"),
     ],
 )  # fmt: skip
-def test_unsupported_config_fields_are_named(tmp_path, edit, match):
+def test_unsupported_config_fields_are_named(tmp_path, family, edit, match):
     from loom.model.hf import HFError, open_dir
 
-    path, _ = _save_hf(tmp_path, "llama", False)
+    path, _ = _save_hf(tmp_path, family, False)
     raw = json.loads((path / "config.json").read_text()) | edit
     (path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(HFError, match=match) as e:
@@ -123,14 +153,16 @@ def test_from_hf_bad_directory_fails_before_any_rank(tmp_path, capsys):
     assert err.startswith("loom: error: model.from_hf:") and "no config.json" in err and "\n" not in err
 
 
-def test_trainer_starts_from_the_hf_weights_and_tokenizer(prepared, tmp_path):
-    """``--model.from_hf``: the CLI takes shape and tokenizer from the directory, every rank loads
-    the weights; before the first step the model is the Hugging Face one, tensor for tensor."""
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_trainer_starts_from_the_hf_weights_and_tokenizer(prepared, tmp_path, family):
+    """``--model.from_hf``: the CLI takes shape (GPT-2's variants and position table included) and
+    tokenizer from the directory, every rank loads the weights; before the first step the model is
+    the Hugging Face one, tensor for tensor."""
     from loom.data.tokenizer import load_tokenizer
     from loom.model.hf import apply_to, hf_tensors
     from loom.train.trainer import RankEnv, Trainer
 
-    path, ref = _save_hf(tmp_path, "llama", False, vocab_size=384)
+    path, ref = _save_hf(tmp_path, family, False, vocab_size=384)
     tok = load_tokenizer(prepared)  # a 384-token BPE stands in for the model's own tokenizer
     tok.save(str(path / "tokenizer.json"))
     cfg = C.from_dict(_config("", tmp_path / "run"))
@@ -199,7 +231,7 @@ def _loom_logits(run: Path, x: torch.Tensor) -> torch.Tensor:
         return model(x)
 
 
-@pytest.mark.parametrize("layout", ["one process", "dp2 zero3", "tp2", "qwen2 tp2", "qwen3 dp2", "mixtral ep2"])
+@pytest.mark.parametrize("layout", ["one process", "dp2 zero3", "tp2", "qwen2 tp2", "qwen3 dp2", "mixtral ep2", "mixtral tp2", "gpt2 tp2"])
 def test_export_loads_in_transformers_with_equal_logits(pools, prepared, tmp_path, layout):
     from loom.checkpoint.hf_export import export_hf
 
@@ -207,7 +239,7 @@ def test_export_loads_in_transformers_with_equal_logits(pools, prepared, tmp_pat
     par = {"tp2": {"tp": 2}, "zero3": {"zero": 3}, "ep2": {"ep": 2}}.get(layout.split()[-1], {})
     cfg = _config(prepared, run, **par)
     cfg["model"] |= {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True, "attn_head_dim": 32},
-                     "mixtral": {"n_experts": 4, "top_k": 2}}.get(layout.split()[0], {})  # fmt: skip
+                     "mixtral": {"n_experts": 4, "top_k": 2}, "gpt2": GPT2 | {"tie_embeddings": True}}.get(layout.split()[0], {})  # fmt: skip
     if layout == "one process":
         _train(cfg)
     else:
@@ -256,47 +288,47 @@ def test_import_then_export_round_trips(tmp_path, family):
 
 # ----------------------------------------------------------------------------- parallel layouts
 
-def _tp2_logits(path: str, x: torch.Tensor) -> torch.Tensor:
-    """The imported model under tensor (and sequence) parallelism: gathered vocabulary-sharded logits."""
-    from loom.model.hf import load_into, open_dir
-    from loom.model.llama import Transformer
-    from loom.parallel.tensor_parallel import apply_tensor_parallel, gather_dim
-    from tests.dist import get_mesh
-
-    hf = open_dir(path, x.shape[1])
-    model = Transformer(hf.config)
-    load_into(model, hf)
-    mesh = get_mesh(tp=2)
-    cfg = C.LoomConfig(model=hf.config)
-    cfg.parallel.tp, cfg.parallel.sp, cfg.data.seq_len = 2, True, x.shape[1]
-    apply_tensor_parallel(model, mesh, cfg)
-    with torch.no_grad():
-        return gather_dim(model(x), -1, mesh.group("tp"))
+TP_FAMILIES = ["llama", "mistral", "llama3.1", "qwen2", "qwen3", "gpt2"]  # experts under tp: not implemented
 
 
-@pytest.mark.parametrize("family,kv", [("llama", 2), ("qwen2", 2), ("qwen2", 1), ("qwen3", 2), ("qwen3", 1)])
-def test_import_under_tp2_gives_the_logits_of_transformers(pools, tmp_path, family, kv):
-    """Biases and q/k norms in the tensor-parallel layers: heads sharded (kv = 2), or key/value
-    heads replicated with their biases (kv = 1 < tp)."""
-    path, ref = _save_hf(tmp_path, family, False, num_key_value_heads=kv)
-    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = ref(x).logits
-    for logits in pools(2).run(_tp2_logits, str(path), x):
-        assert_close(logits, expected)
+@pytest.mark.parametrize("kv", [2, 1])
+def test_import_under_tp2_gives_the_logits_of_transformers(pools, tmp_path, kv):
+    """Every dense family under tp2 with sequence parallelism, built on the meta device and read box by
+    box: biases (sharded with a column-parallel layer's rows, added after the Σ of a row-parallel one),
+    q/k norms, LayerNorm and the learned position table (their gradients partial with sp), the GELU
+    MLP; key/value heads sharded (kv = 2) or replicated with their biases (kv = 1 < tp). Each rank
+    reads exactly the bytes of the parameters it holds (half of every sharded tensor)."""
+    families = TP_FAMILIES if kv == 2 else ["llama", "qwen2", "qwen3"]  # GPT-2 has no grouped heads
+    saved = [_save_hf(tmp_path, f, False, num_key_value_heads=kv) for f in families]
+    x = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
+    results = pools(2).run(_layout_outputs, [str(p) for p, _ in saved], x, "tp2")
+    for i, (family, (_, ref)) in enumerate(zip(families, saved)):
+        with torch.no_grad():
+            expected = ref(x[:, :-1]).logits
+        for rank in results:
+            logits, read, held, whole = rank[i]
+            assert_close(logits, expected, msg=lambda m, f=family: f"{f}: {m}")
+            assert read == held < whole, family  # its boxes only: less than the whole checkpoint
 
 
 VARIANTS = {"qkv_bias": True, "qk_norm": True, "attn_head_dim": 16, "n_kv_heads": 1}  # dim 32 / 4 heads = 8
+GPT2 = {"norm": "layernorm", "mlp": "gelu_tanh", "positions": "learned", "bias": True, "n_kv_heads": 4}
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2, "sp": True}, {"dp_shard": 2, "zero": 3}, {"pp": 2}])
-def test_bias_and_qk_norm_train_equal_to_one_process(pools, layout):
+@pytest.mark.parametrize("variants,layout", [
+    (VARIANTS, {"tp": 2, "sp": True}), (VARIANTS, {"dp_shard": 2, "zero": 3}), (VARIANTS, {"pp": 2}),
+    (GPT2, {"tp": 2, "sp": True}), (GPT2, {"tp": 2}), (GPT2, {"cp": 2}), (GPT2, {"pp": 2}),
+], ids=["qwen tp2 sp", "qwen zero3", "qwen pp2", "gpt2 tp2 sp", "gpt2 tp2", "gpt2 cp2", "gpt2 pp2"])  # fmt: skip
+def test_bias_and_qk_norm_train_equal_to_one_process(pools, variants, layout):
     """Gradients of the new tensors: q/k/v biases (sharded, or replicated with the key/value heads)
-    and the replicated q/k norm weights, whose parts are summed over tp."""
+    and the replicated q/k norm weights, whose parts are summed over tp; GPT-2's row-parallel biases
+    (added after the Σ), LayerNorm weights and biases and learned position rows (partial over tp with
+    sp), its GELU MLP, and its position table at the global positions under cp, on the first stage
+    under pp."""
     from tests.helpers import train_layout
 
-    ref = train_layout({}, 4, 8, 2, VARIANTS)
-    for r in pools(2).run(train_layout, layout, 4, 8, 2, VARIANTS):
+    ref = train_layout({}, 4, 8, 2, variants)
+    for r in pools(2).run(train_layout, layout, 4, 8, 2, variants, meta=True):
         assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-5)
         if r["state"] is not None:
             for k, v in ref["state"].items():
@@ -308,34 +340,42 @@ def test_planner_counts_bias_and_qk_norm_parameters():
     from loom.plan.cost import ParamCounts
     from tests.helpers import tiny_model
 
-    for kw in (VARIANTS, {"qkv_bias": True}, {"qk_norm": True, "attn_head_dim": 16}):
+    for kw in (VARIANTS, {"qkv_bias": True}, {"qk_norm": True, "attn_head_dim": 16}, GPT2,
+               GPT2 | {"tie_embeddings": False, "mlp": "gelu"}):  # fmt: skip
         cfg = tiny_model(**kw)
         assert ParamCounts.of(cfg).total == count_params(build_model(cfg, 0)), kw
 
 
-def _ep2_logits(path: str, x: torch.Tensor) -> torch.Tensor:
-    """The imported Mixtral with its experts split over 2 ranks (tokens travel by all-to-all)."""
-    from loom.model.hf import load_into, open_dir
-    from loom.model.llama import Transformer
-    from loom.parallel.expert_parallel import apply_expert_parallel
+def _ep2_logits(path: str, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """The imported Mixtral with its experts split over 2 ranks (tokens travel by all-to-all), built
+    on the meta device and read box by box: (logits of this rank's sequence, bytes read, bytes held)."""
+    from loom.model.hf import open_dir, source
+    from loom.model.llama import build_model
+    from loom.train.build import build_run
     from tests.dist import get_mesh
 
     hf = open_dir(path, x.shape[1])
-    model = Transformer(hf.config)
-    load_into(model, hf)
     mesh = get_mesh(dp_replicate=2, ep=2)
-    apply_expert_parallel(model, mesh)
+    cfg = C.LoomConfig(model=hf.config)
+    cfg.run.dir = tempfile.mkdtemp(prefix="loom-hf-")
+    cfg.data.seq_len, cfg.train.global_batch, cfg.train.micro_batch = x.shape[1], 2, 1
+    cfg.parallel.dp, cfg.parallel.ep = 2, 2
+    reader = source(hf)
+    run = build_run(cfg, mesh, build_model(cfg.model, 0, meta=True), source=reader)
+    held = sum(p.numel() * p.element_size() for p in run.model.parameters())
     with torch.no_grad():
-        return model(x[mesh.local_rank("dp")][None])  # each rank its own sequence
+        return run.model(x[mesh.local_rank("dp")][None]), reader.bytes_read, held  # each rank its own sequence
 
 
 def test_mixtral_under_ep2_gives_the_logits_of_transformers(pools, tmp_path):
+    """Each rank reads only its experts' rows of the checkpoint (exactly the bytes it holds)."""
     path, ref = _save_hf(tmp_path, "mixtral", False)
     x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(x).logits
-    for rank, logits in enumerate(pools(2).run(_ep2_logits, str(path), x)):
+    for rank, (logits, read, held) in enumerate(pools(2).run(_ep2_logits, str(path), x)):
         assert_close(logits[0], expected[rank])
+        assert read == held
 
 
 # ----------------------------------------------------------------------------- train.init_from
@@ -389,77 +429,108 @@ def test_init_from_errors_name_the_field(tmp_path, prepared):
                                                        max_seq_len=32, multiple_of=16)), path)  # fmt: skip
 
 
-def _layout_outputs(path: str, x: torch.Tensor, layout: str):
-    """The imported model under ZeRO-3 (full logits), cp2 (this rank's positions' logits) or pp2
-    (the mean loss through the pipeline, returned by every rank)."""
-    from loom.model.hf import load_into, open_dir
-    from loom.model.llama import Transformer, loss_fn
+def _layout_outputs(paths: list[str], x: torch.Tensor, layout: str) -> list:
+    """Each imported model built on the meta device and materialized from its directory box by box
+    (``model.from_hf``'s path), under ZeRO-3 (full logits), cp2 (this rank's positions and their
+    logits), pp2 (the mean loss through the pipeline, returned by every rank) or tp2 with sp (the
+    gathered logits, the bytes this rank read, the bytes of its parameters, the checkpoint's bytes)."""
+    from loom.model.hf import open_dir, source
+    from loom.model.llama import build_model, loss_fn
+    from loom.parallel.tensor_parallel import gather_dim
     from loom.train.build import build_run
     from tests.dist import get_mesh
 
-    hf = open_dir(path, x.shape[1] - 1)
-    model = Transformer(hf.config)
-    load_into(model, hf)
-    dims = {"zero3": {"dp_shard": 2}, "cp2": {"cp": 2}, "pp2": {"pp": 2}}[layout]
+    dims = {"zero3": {"dp_shard": 2}, "cp2": {"cp": 2}, "pp2": {"pp": 2}, "tp2": {"tp": 2}}[layout]
     mesh = get_mesh(**dims)
-    cfg = C.LoomConfig(model=hf.config)
-    cfg.run.dir = tempfile.mkdtemp(prefix="loom-hf-")  # never the checkout's runs/default (pp2 draws a timeline there)
-    cfg.data.seq_len, cfg.train.global_batch, cfg.train.micro_batch = x.shape[1] - 1, 2, 1
-    cfg.parallel.dp, cfg.parallel.dp_shard = mesh.size("dp"), mesh.size("dp_shard")
-    cfg.parallel.zero, cfg.parallel.cp, cfg.parallel.pp = (3 if layout == "zero3" else 0), mesh.size("cp"), mesh.size("pp")
-    run = build_run(cfg, mesh, model)
-    tokens, targets = x[:, :-1], x[:, 1:]
-    with torch.no_grad():
-        if layout == "pp2":
-            return run.evaluate([(tokens[i:i + 1], targets[i:i + 1]) for i in range(2)], loss_fn, None)
-        if layout == "cp2":
-            from loom.parallel.context_parallel import local_positions
+    out = []
+    for path in paths:
+        hf = open_dir(path, x.shape[1] - 1)
+        cfg = C.LoomConfig(model=hf.config)
+        cfg.run.dir = tempfile.mkdtemp(prefix="loom-hf-")  # never the checkout's runs/default (pp2 draws a timeline there)
+        cfg.data.seq_len, cfg.train.global_batch, cfg.train.micro_batch = x.shape[1] - 1, 2, 1
+        cfg.parallel.dp, cfg.parallel.dp_shard = mesh.size("dp"), mesh.size("dp_shard")
+        cfg.parallel.zero, cfg.parallel.cp, cfg.parallel.pp = (3 if layout == "zero3" else 0), mesh.size("cp"), mesh.size("pp")
+        cfg.parallel.tp, cfg.parallel.sp = mesh.size("tp"), layout == "tp2"
+        reader = source(hf)
+        run = build_run(cfg, mesh, build_model(cfg.model, 0, meta=True), source=reader)
+        tokens, targets = x[:, :-1], x[:, 1:]
+        with torch.no_grad():
+            if layout == "pp2":
+                out.append(run.evaluate([(tokens[i:i + 1], targets[i:i + 1]) for i in range(2)], loss_fn, None))
+            elif layout == "cp2":
+                from loom.parallel.context_parallel import local_positions
 
-            pos = local_positions(tokens.shape[1], 2, mesh.local_rank("cp"))
-            return pos, model(tokens[:, pos])
-        return model(tokens)
+                pos = local_positions(tokens.shape[1], 2, mesh.local_rank("cp"))
+                out.append((pos, run.model(tokens[:, pos])))
+            elif layout == "tp2":
+                held = sum(p.numel() * p.element_size() for p in run.model.parameters())
+                whole = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+                out.append((gather_dim(run.model(tokens), -1, mesh.group("tp")), reader.bytes_read, held, whole))
+            else:  # ZeRO-3: the logits, and the share of the checkpoint this rank read (its shard's rows)
+                whole = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+                out.append((run.model(tokens), reader.bytes_read / whole))
+    return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("layout", ["zero3", "cp2", "pp2"])
-def test_import_under_zero3_cp2_pp2_matches_transformers(pools, tmp_path, family, layout):
+def test_import_under_zero3_cp2_pp2_matches_transformers(pools, tmp_path, layout):
+    """Every family, in one pool call per layout, built on the meta device from its directory."""
     from loom.model.llama import loss_fn
 
-    path, ref = _save_hf(tmp_path, family, False)
+    saved = [_save_hf(tmp_path, f, False) for f in FAMILIES]
     x = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        expected = ref(x[:, :-1]).logits
-    for out in pools(2).run(_layout_outputs, str(path), x, layout):
-        if layout == "pp2":
-            assert out == pytest.approx(float(loss_fn(expected, x[:, 1:])), rel=1e-5)
-        elif layout == "cp2":
-            pos, logits = out
-            assert_close(logits, expected[:, pos])
-        else:
-            assert_close(out, expected)
+    results = pools(2).run(_layout_outputs, [str(p) for p, _ in saved], x, layout)
+    for i, (family, (_, ref)) in enumerate(zip(FAMILIES, saved)):
+        with torch.no_grad():
+            expected = ref(x[:, :-1]).logits
+        for rank in results:
+            out = rank[i]
+            if layout == "pp2":
+                assert out == pytest.approx(float(loss_fn(expected, x[:, 1:])), rel=1e-5), family
+            elif layout == "cp2":
+                pos, logits = out
+                assert_close(logits, expected[:, pos], msg=lambda m, f=family: f"{f}: {m}")
+            else:  # each ZeRO-3 rank reads the rows of its 1/2 shard of each unit, not the whole model
+                logits, share = out
+                assert_close(logits, expected, msg=lambda m, f=family: f"{f}: {m}")
+                assert 0.4 < share < 0.6, (family, share)
 
 
-def _state_bytes_tp2(model_kw: dict) -> int:
+def _state_bytes_tp2(model_kw: dict, optimizer: str = "adamw") -> tuple[int, int, int]:
+    """(parameter bytes, elements of the parameters marked partial over tp, optimizer bytes) of a tp2 sp rank."""
     from loom.comm import CommMeter
     from loom.model.llama import build_model
+    from loom.parallel.placement import placement_of
     from loom.train.build import parallelize
     from tests.dist import get_mesh
-    from tests.helpers import tiny_model
+    from tests.helpers import SEQ, tiny_model
 
     cfg = C.LoomConfig(model=tiny_model(**model_kw))
-    cfg.parallel.tp, cfg.parallel.dp = 2, 1
-    _, strategy, _ = parallelize(build_model(cfg.model, 0), get_mesh(tp=2), cfg, CommMeter())
+    cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp, cfg.data.seq_len = 2, 1, True, SEQ
+    cfg.train.optimizer = optimizer  # type: ignore[assignment]
+    model, strategy, _ = parallelize(build_model(cfg.model, 0), get_mesh(tp=2), cfg, CommMeter())
     b = strategy.state_bytes()
-    return b["param_bytes"]
+    partial = sum(p.numel() for p in model.parameters() if placement_of(p).partial is not None)
+    return b["param_bytes"], partial, b["optim_bytes"]
 
 
-@pytest.mark.parametrize("kw", [VARIANTS, {"qkv_bias": True}, {"qk_norm": True, "attn_head_dim": 16}])
+@pytest.mark.parametrize("kw", [VARIANTS, {"qkv_bias": True}, {"qk_norm": True, "attn_head_dim": 16}, GPT2],
+                         ids=["qwen", "qkv_bias", "qk_norm", "gpt2"])  # fmt: skip
 def test_planner_state_of_bias_and_qk_norm_under_tp2_is_exact(pools, kw):
+    """Weights and Adafactor's factored state per tp2 rank as predicted (biases of row-parallel
+    layers and the position table whole on every rank), and the gradients summed over tp once per
+    step (sp) as the formula of ``tensor_parallel.partial_numel`` and the planner's count them."""
+    from loom.parallel.tensor_parallel import partial_numel
     from loom.plan.cost import CostModel, Layout, Workload
     from loom.plan.hardware import ClusterSpec
     from tests.helpers import SEQ, tiny_model
 
-    cm = CostModel(tiny_model(**kw), Workload(8, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", 2))
-    predicted = cm.state_memory(Layout(dp=1, tp=2))["weights"]
-    for measured in pools(2).run(_state_bytes_tp2, kw):
+    cfg = tiny_model(**kw)
+    cm = CostModel(cfg, Workload(8, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", 2))
+    predicted = cm.state_memory(Layout(dp=1, tp=2, sp=True))["weights"]
+    for measured, partial, _ in pools(2).run(_state_bytes_tp2, kw):
         assert predicted == measured, kw
+        assert partial == partial_numel(cfg, 2, True) == cm.tp_partial_params(2, True, 1), kw
+    ada = CostModel(cfg, Workload(8, SEQ, precision="fp32", optimizer="adafactor"), ClusterSpec.single_node("cpu", 2))
+    for _, _, optim in pools(2).run(_state_bytes_tp2, kw, "adafactor"):
+        assert optim == ada.state_memory(Layout(dp=1, tp=2, sp=True))["optimizer"], kw

@@ -23,6 +23,8 @@ LAYOUTS = {
     "cp2": (2, {"cp": 2}, {}),
     "ep2": (2, {"dp_replicate": 2, "ep": 2}, {"n_experts": 4, "top_k": 2}),
     "pp2 zero3 tied": (2, {"pp": 2, "zero": 3}, {"tie_embeddings": True}),
+    "tp2 sp gpt2": (2, {"tp": 2, "sp": True}, {"norm": "layernorm", "mlp": "gelu_tanh", "positions": "learned",
+                                                "bias": True, "n_kv_heads": 4}),  # biases, LayerNorm, position table
 }
 
 

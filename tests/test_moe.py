@@ -67,6 +67,14 @@ LAYOUTS = {
     "dp4 ep4": (4, {"dp_replicate": 4, "ep": 4}),
     "cp2 ep2": (2, {"cp": 2, "ep": 2}),
     "pp2 dp2 ep2": (4, {"pp": 2, "dp_replicate": 2, "ep": 2}),
+    "tp2": (2, {"tp": 2}),
+    "tp2 sp": (2, {"tp": 2, "sp": True}),
+    "tp2 ep2": (4, {"tp": 2, "dp_replicate": 2, "ep": 2}),
+    "tp2 sp ep2": (4, {"tp": 2, "sp": True, "dp_replicate": 2, "ep": 2}),
+    "ep2 zero1": (2, {"dp_shard": 2, "ep": 2, "zero": 1}),
+    "ep2 zero2": (2, {"dp_shard": 2, "ep": 2, "zero": 2}),
+    "dp4 ep2 zero2": (4, {"dp_shard": 4, "ep": 2, "zero": 2}),
+    "hybrid dp2x2 ep2 zero1": (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2, "zero": 1}),
 }
 
 
@@ -107,10 +115,16 @@ def test_bad_moe_configs_fail_in_one_line():
     for overrides, world, message in [
         (["--model.n_experts", "4", "--model.top_k", "5"], 1, "model.top_k: must be in [1, model.n_experts=4]"),
         (["--model.n_experts", "0"], 1, "model.n_experts: must be >= 1"),
-        (["--model.n_experts", "4", "--parallel.tp", "2"], 2, "parallel.tp: tensor parallelism of the experts"),
+        (["--model.n_experts", "4", "--moe.capacity_factor", "1", "--parallel.tp", "2", "--parallel.sp", "true"], 2,
+         "moe.capacity_factor: capacity is counted over a rank's tokens, and sequence parallelism over"),
         (["--model.n_experts", "4", "--train.optimizer", "adafactor"], 1, "train.optimizer: adafactor factors 2-D"),
         (["--parallel.ep", "2"], 2, "parallel.ep: expert parallelism needs experts"),
-        (["--model.n_experts", "4", "--parallel.ep", "2", "--parallel.zero", "1"], 2, "parallel.zero: ZeRO with expert"),
+        (["--model.n_experts", "4", "--parallel.ep", "2", "--parallel.zero", "3"], 2, "parallel.zero: ZeRO-3 with expert"),
+        (["--model.n_experts", "4", "--moe.capacity_factor", "-0.5"], 1, "moe.capacity_factor: must be >= 0"),
+        (["--model.n_experts", "4", "--moe.aux_loss_coef", "0.01", "--parallel.pp", "2", "--parallel.schedule",
+          "pipedream", "--model.tie_embeddings", "false"], 2, "moe.aux_loss_coef: the router losses need a synchronous"),
+        (["--model.n_experts", "4", "--moe.capacity_factor", "1.0", "--parallel.cp", "2"], 2,
+         "moe.capacity_factor: capacity is counted over a rank's tokens, and parallel.cp = 2"),
     ]:
         cfg = C.apply_overrides(C.LoomConfig(), overrides)
         with pytest.raises(C.ConfigError) as e:
@@ -136,3 +150,278 @@ def test_expert_parallel_calls_equal_the_planners(pools, name):
         for moved in r["moved"]:  # rows leave for other ranks: at most every routed row, each way
             rows = BATCH // world * SEQ * cfg.top_k
             assert 0 < moved["all_to_all"] <= cfg.n_layers * (5 + 3 * ("recompute" in name)) * rows * cfg.dim * 4
+
+
+# ---- issue 14: grouped compute, balancing, capacity ------------------------------------------------------
+
+
+def _moe_layer(seed: int = 0, **options):
+    from loom.config import MoEConfig
+    from loom.model.llama import build_model
+
+    cfg = tiny_model(**MOE)
+    return build_model(cfg, seed, moe=MoEConfig(**options)).layers[0].feed_forward
+
+
+@pytest.mark.parametrize("compute", ["grouped_mm", "padded", "loop"])
+def test_grouped_expert_compute_equals_the_loop(compute, monkeypatch):
+    """One grouped (or padded batched) matmul per weight, or the per-expert loop: outputs and every
+    gradient equal to the reference loop over nonzero + index_add (an expert without tokens included)."""
+    from loom.model import moe
+    from loom.model.moe import experts_forward, route
+
+    ff = _moe_layer(compute="loop" if compute == "loop" else "grouped")
+    if compute == "padded":
+        monkeypatch.setattr(moe, "grouped_mm_available", lambda x: False)
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(3)).abs()
+    with torch.no_grad():  # starve expert 3: no token routes there
+        ff.router.weight[3] = -1.0
+    flat = x.reshape(-1, 32)
+    assert (route(flat, ff.router.weight, 2).experts == 3).sum() == 0
+    got = ff(x).reshape(-1, 32)
+    ws = [ff.w1.weight, ff.w3.weight, ff.w2.weight, ff.router.weight]
+    g_got = torch.autograd.grad(got.square().sum(), ws)
+    r = route(flat, ff.router.weight, 2)
+    want = experts_forward(flat, r.weights, r.experts, *ws[:3])
+    g_want = torch.autograd.grad(want.square().sum(), ws)
+    assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_got, g_want):
+        assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_aux_and_z_losses_equal_their_formulas_on_a_hand_built_routing():
+    """Router = 3·identity on 4 experts plus offsets (0.3, 0.2, 0.1, 0) from a constant feature and
+    one-hot tokens: token i's logits are 3 on its hot expert plus the offsets, so its top-2 is known:
+    aux = α·E·Σ f_e P_e, z = β·mean(logsumexp²), and their gradients reach the router."""
+    import math
+
+    ff = _moe_layer(aux_loss_coef=0.1, z_loss_coef=0.01)
+    E, k = 4, 2
+    offset = [0.3, 0.2, 0.1, 0.0]
+    with torch.no_grad():
+        ff.router.weight.zero_()
+        ff.router.weight[:, :E] = torch.eye(E) * 3.0
+        ff.router.weight[:, E] = torch.tensor(offset)
+    hot = [0, 0, 0, 1, 2, 0]  # the second choice is expert 0, or 1 for the tokens hot on 0
+    x = torch.zeros(len(hot), 32)
+    x[:, E] = 1.0
+    for i, e in enumerate(hot):
+        x[i, e] = 1.0
+    counts, P, z = [0.0] * E, [0.0] * E, 0.0
+    for e in hot:
+        logits = [offset[j] + 3.0 * (j == e) for j in range(E)]
+        total = sum(math.exp(v) for v in logits)
+        for j in range(E):
+            P[j] += math.exp(logits[j]) / total / len(hot)
+        counts[e] += 1
+        counts[1 if e == 0 else 0] += 1
+        z += math.log(total) ** 2 / len(hot)
+    aux = E * sum(c / (len(hot) * k) * p for c, p in zip(counts, P))
+    f = torch.tensor(counts) / (len(hot) * k)
+    ff.train()
+    out = ff(x[None])
+    stats = ff.stats
+    assert_close(stats[:E], torch.tensor(counts))
+    assert_close(stats[E + 1], torch.tensor(aux))
+    assert_close(stats[E + 2], torch.tensor(z))
+    # the injected gradient: that of 0.1·aux + 0.01·z through the router, added to the output's own
+    (g_router,) = torch.autograd.grad(out.sum(), ff.router.weight)
+    ff.options.aux_loss_coef = ff.options.z_loss_coef = 0.0
+    out2 = ff(x[None])
+    logits = x @ ff.router.weight.T
+    probs = logits.softmax(-1)
+    direct = 0.1 * E * (f * probs.mean(0)).sum() + 0.01 * torch.logsumexp(logits, -1).square().mean()
+    (g_plain,) = torch.autograd.grad(out2.sum() + direct, ff.router.weight)
+    assert_close(g_router, g_plain)
+
+
+@pytest.mark.parametrize("policy", ["probability", "position"])
+def test_capacity_drops_like_a_reference_loop(policy):
+    """Expert e keeps its C = ceil(c·N·k/E) best (or earliest) assignments; the output is the loop's
+    with the dropped assignments' weights zeroed, and the dropped count is recorded."""
+    import math
+
+    from loom.model.moe import experts_forward, route
+
+    ff = _moe_layer(capacity_factor=0.75, drop_policy=policy, n_shared_experts=0)
+    ff.train()
+    x = torch.randn(1, 13, 32, generator=torch.Generator().manual_seed(5))
+    flat = x[0]
+    N, k, E = 13, 2, 4
+    cap = math.ceil(0.75 * N * k / E)
+    r = route(flat, ff.router.weight, k)
+    score = r.scores.gather(-1, r.experts).detach()
+    keep = torch.zeros(N, k, dtype=torch.bool)
+    for e in range(E):
+        mine = [(t, s) for t in range(N) for s in range(k) if r.experts[t, s] == e]
+        if policy == "probability":
+            mine.sort(key=lambda ts: -float(score[ts]))  # stable: ties by position
+        for t, s in mine[:cap]:
+            keep[t, s] = True
+    assert (~keep).sum() > 0
+    want = experts_forward(flat, r.weights * keep, r.experts, ff.w1.weight, ff.w3.weight, ff.w2.weight)
+    assert_close(ff(x)[0], want, rtol=1e-5, atol=1e-6)
+    assert ff.stats[E] == (~keep).sum()
+    ff.eval()  # evaluation is dropless
+    assert_close(ff(x)[0], experts_forward(flat, r.weights, r.experts, ff.w1.weight, ff.w3.weight, ff.w2.weight),
+                 rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+# Aux/z losses: their statistics are per micro-step over dp x cp, as one process running the dp ranks'
+# micro-batches as one sees them (reference micro-batch = micro x dp); the shared expert rides along.
+BALANCED = dict(aux_loss_coef=0.05, z_loss_coef=0.01, n_shared_experts=1)
+# Bias balancing, sigmoid scores and capacity: per rank's micro-batch (reference micro-batch = micro).
+BIASED = dict(score="sigmoid", bias_update_rate=0.01, capacity_factor=1.0, drop_policy="probability")
+BALANCE_LAYOUTS = {  # name: (world, layout, micro per rank, reference micro for BALANCED)
+    "dp2": (2, {"dp_replicate": 2}, 4, 8),
+    "cp2": (2, {"cp": 2}, 4, 4),
+    "ep2": (2, {"dp_replicate": 2, "ep": 2}, 4, 8),
+    "ep2 recompute": (2, {"dp_replicate": 2, "ep": 2, "recompute": "full"}, 4, 8),
+    "pp2": (2, {"pp": 2}, 4, 4),
+    "dp2 zero3": (2, {"dp_shard": 2, "zero": 3}, 4, 8),
+    "tp2": (2, {"tp": 2}, 4, 4),
+    "tp2 sp": (2, {"tp": 2, "sp": True}, 4, 4),
+}
+
+
+@pytest.fixture(scope="module")
+def balance_references():
+    refs = {}
+    for options in ("BALANCED", "BIASED"):
+        for micro in (4, 8):
+            refs[options, micro] = train_layout({}, STEPS, BATCH, micro, MOE, moe_kw=globals()[options])
+    return refs
+
+
+@pytest.mark.parametrize("options", ["BALANCED", "BIASED"])
+@pytest.mark.parametrize("name", list(BALANCE_LAYOUTS))
+def test_balancing_equals_single_process(pools, balance_references, name, options):
+    world, layout, micro, ref_micro = BALANCE_LAYOUTS[name]
+    if options == "BIASED":
+        if "cp" in layout or "sp" in layout:
+            pytest.skip("capacity is per rank's tokens: under cp or sp a rank holds part of each sequence")
+        ref_micro = micro
+    ref = balance_references[options, ref_micro]
+    for r in pools(world).run(train_layout, layout, STEPS, BATCH, micro, MOE, moe_kw=globals()[options]):
+        assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL, msg=lambda m: f"{name}: {m}")
+        if r["state"] is not None:
+            for k, v in ref["state"].items():
+                assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{name} {k}: {m}")
+
+
+def test_trainer_reports_expert_load_and_draws_the_heatmap(tmp_path):
+    """metrics.jsonl gets per-layer load shares (summing to 1), imbalance = max/mean of them, dropped
+    fraction, aux and z; TensorBoard the scalars; the run ends with moe_load.png. A resumed run
+    continues the selection bias from the checkpoint: equal to the uninterrupted run."""
+    import json
+    import os
+
+    from loom import config as C
+    from loom.data import prepare_data
+    from loom.train.trainer import RankEnv, Trainer
+
+    cfg = {"model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32, "n_experts": 4,
+                     "top_k": 2},
+           "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
+           "train": {"steps": 4, "global_batch": 4, "micro_batch": 2, "log_every": 2, "eval_every": 0,
+                     "checkpoint_every": 2, "checkpoint_async": False},
+           "moe": {"aux_loss_coef": 0.01, "z_loss_coef": 0.001, "bias_update_rate": 0.01, "capacity_factor": 1.0},
+           "run": {"progress": False, "tensorboard": True, "threads": 1, "dir": str(tmp_path / "run")}}  # fmt: skip
+    os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    cfg["data"]["prepared_dir"] = str(prepare_data(C.from_dict(cfg).data, progress=False).dir)
+
+    def train(run_dir, steps):
+        c = json.loads(json.dumps(cfg))
+        c["run"]["dir"], c["train"]["steps"] = str(run_dir), steps
+        trainer = Trainer(C.from_dict(c), RankEnv(0, 1, 0, 1))
+        try:
+            trainer.fit()
+        finally:
+            trainer.heartbeat.close()
+        return trainer
+
+    whole = train(tmp_path / "run", 4)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4]
+    for r in rows:
+        for layer in (0, 1):
+            load = torch.tensor(r[f"moe/l{layer}/load"])
+            assert len(load) == 4 and abs(float(load.sum()) - 1) < 1e-9
+            assert abs(r[f"moe/l{layer}/imbalance"] - float(load.max() / load.mean())) < 1e-9
+            assert 0 <= r[f"moe/l{layer}/dropped"] < 1 and r[f"moe/l{layer}/aux"] > 0 and r[f"moe/l{layer}/z"] > 0
+        assert r["moe_imbalance"] == max(r["moe/l0/imbalance"], r["moe/l1/imbalance"])
+    assert (tmp_path / "run" / "moe_load.png").stat().st_size > 0
+    assert list((tmp_path / "run" / "tensorboard").iterdir())
+    bias = [m.expert_bias.clone() for m in whole.moe_report.model.modules() if hasattr(m, "step_load")]
+    assert all(b.abs().sum() > 0 for b in bias)
+    # stop after 2 steps, resume to 4: the biases (checkpointed buffers) continue
+    import shutil
+
+    half = tmp_path / "half"
+    train(half, 2)
+    shutil.rmtree(half / "checkpoints" / "final", ignore_errors=True)
+    resumed = train(half, 4)
+    again = [m.expert_bias for m in resumed.moe_report.model.modules() if hasattr(m, "step_load")]
+    for a, b in zip(again, bias):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2 sp ep2", "ep2 zero1", "dp4 ep2 zero2"])
+def test_planner_state_bytes_of_moe_equal_the_measured(pools, name):
+    """Experts whole on every tp rank (E/ep of them), attention and embeddings split over tp; under
+    ZeRO 1-2 the experts' optimizer state (and stage 2 gradients) sharded over their edp group
+    (dp·cp/ep ranks), the dense ones over dp·cp: the planner's weights + gradients + Adam states
+    (4 + 4 + 8 bytes each, fp32) equal a rank's."""
+    from loom.plan.cost import CostModel, Layout, Workload
+    from loom.plan.hardware import ClusterSpec
+
+    world, layout = LAYOUTS[name]
+    cfg = tiny_model(**MOE)
+    planner = CostModel(cfg, Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", world))
+    tp, zero = layout.get("tp", 1), layout.get("zero", 0)
+    lay = Layout(dp=world // tp, tp=tp, ep=layout.get("ep", 1), sp=layout.get("sp", False), micro_batch=MICRO // 2,
+                 zero=zero, dp_shard=world // tp if zero else 1)  # fmt: skip
+    predicted = sum(planner.state_memory(lay)[k] for k in ("weights", "gradients", "optimizer"))
+    for r in pools(world).run(train_layout, layout, 1, BATCH, MICRO // 2, MOE):
+        measured = sum(r["state_bytes"][k] for k in ("param_bytes", "grad_bytes", "optim_bytes"))
+        assert measured == pytest.approx(predicted, rel=1e-9)
+
+
+def test_planner_ranks_moe_under_tp_and_only_layouts_training_runs():
+    """tp x MoE (experts whole on every tp rank) is ranked; with a capacity factor no layout splits
+    sequences (cp, sp), as training refuses those; a hotter expert load (moe.imbalance) and the
+    capacity that caps it change the expert time and the all-to-all volume as stated."""
+    from loom.plan.cost import CostModel, Layout, Workload
+    from loom.plan.hardware import ClusterSpec
+    from loom.plan.search import search
+
+    cfg = tiny_model(**MOE, max_seq_len=64)
+    cluster = ClusterSpec.single_node("cpu", 8)
+    free = search(cfg, Workload(16, 64, precision="fp32"), cluster, 8)
+    assert any(e.layout.tp > 1 for e in free.ranked) and any(e.layout.cp > 1 for e in free.ranked)
+    capped = search(cfg, Workload(16, 64, precision="fp32", capacity_factor=1.25), cluster, 8)
+    assert capped.ranked and all(e.layout.cp == 1 and not (e.layout.tp > 1 and e.layout.sp) for e in capped.ranked)
+    lay = Layout(dp=8, ep=4, micro_batch=2)
+
+    def ep_comm(**w):
+        return CostModel(cfg, Workload(16, 64, precision="fp32", **w), cluster).estimate(lay).time_breakdown["ep comm"]
+
+    assert ep_comm(moe_imbalance=2.0) > ep_comm() and ep_comm(moe_imbalance=2.0, capacity_factor=1.25) < ep_comm(
+        moe_imbalance=2.0)  # fmt: skip
+    assert Workload(1, 1, moe_imbalance=3.0, capacity_factor=1.5).moe_load == 1.5
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2 ep2", "ep2 zero2", "hybrid dp2x2 ep2 zero1"])
+def test_moe_checkpoint_reads_back_whole(pools, tmp_path, name):
+    """Saved under tp (experts whole on each tp rank; under ep, E/ep per rank) or ZeRO x ep (expert
+    shards spread over their edp group): every tensor of the checkpoint reads back as the
+    single-device state the ranks gather."""
+    from loom.checkpoint import CheckpointReader
+
+    world, layout = LAYOUTS[name]
+    results = pools(world).run(train_layout, layout, 1, BATCH, MICRO, MOE, checkpoint_dir=str(tmp_path))
+    state = next(r["state"] for r in results if r["state"] is not None)
+    with CheckpointReader(tmp_path) as reader:
+        for k, v in state.items():
+            if k != "output.weight":  # tied to the embedding
+                assert torch.equal(reader.read(f"model.{k}"), v), k

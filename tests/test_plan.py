@@ -98,9 +98,10 @@ def test_zero_stage_state_bytes_mixed_precision(zero, expected):
     st = cm.state_memory(lay)
     P = param_count(LLAMA_7B)
     assert st["weights"] + st["gradients"] + st["optimizer"] == pytest.approx(expected(P, 8), rel=1e-12)
-    assert st["zero3 buffer"] == (
-        0 if zero < 3 else pytest.approx(2 * 2 * (2 * 4096**2 + 2 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096))
-    )
+    # ZeRO-3: a block in backward gathered (W u) with its gradient filling (G u) from autograd's
+    # gradient of its widest matrix (G p), and the next block prefetched (W u): W = G = 2 bytes
+    u, p = 2 * 4096**2 + 2 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096, 4096 * 11008
+    assert st["zero3 buffer"] == (0 if zero < 3 else pytest.approx(2 * u + 2 * (u + p) + 2 * u))
 
 
 def test_fp32_states_offload_and_model_parallel_division():
@@ -208,7 +209,10 @@ def test_memory_saving_options_never_raise_predicted_memory():
             cm.memory(dataclasses.replace(base, recompute="full"))[0]
             <= cm.memory(dataclasses.replace(base, recompute="selective"))[0]
         )
-        for z in (1, 2):
+        # ZeRO-3 adds a transient (a gathered unit and its whole gradient) that outweighs its saving
+        # when the sharding group or the stage is small: its monotonicity is asserted from 8 ranks
+        # and 8 blocks per stage on
+        for z in (1, 2) if dp >= 8 and mc.n_layers // pp >= 8 else (1,):
             assert cm.memory(dataclasses.replace(base, zero=z + 1))[0] <= cm.memory(
                 dataclasses.replace(base, zero=z)
             )[0] * (1 + 1e-12)

@@ -85,8 +85,13 @@ def _write_corpus(d: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    for sub in ("binary", "latin", "badjson", "nofield", "notstring", "pqcorrupt", "pqint", "pqcol", "csv", "empty"):
+    for sub in ("binary", "latin", "badjson", "nofield", "notstring", "pqcorrupt", "pqint", "pqcol", "csv", "empty",
+                "chat"):  # fmt: skip
         (d / sub).mkdir(parents=True)
+    turn = '{"role": "user", "content": "hi"}'
+    (d / "chat" / "noassistant.jsonl").write_text(f'{{"messages": [{turn}, {{"role": "assistant", "content": "yo"}}]}}\n'
+                                                  f'{{"messages": [{turn}]}}\n')  # fmt: skip
+    (d / "chat" / "role.jsonl").write_text('{"messages": [{"role": "wizard", "content": "hi"}]}\n')
     (d / "binary" / "blob.txt").write_bytes(b"\x7fELF\x02\x01\x01\x00\x00" + bytes(range(256)))
     (d / "latin" / "doc.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e".encode("latin-1"))
     (d / "badjson" / "c.jsonl").write_text('{"text": "fine"}\n{"text": "cut\n')
@@ -167,6 +172,15 @@ def _toml(text: str, *names: str) -> Callable[[Ctx], tuple[list[str], list[str]]
 def _source(sub: str, *names: str) -> Callable[[Ctx], tuple[list[str], list[str]]]:
     def setup(c: Ctx):
         return c.train("--data.source", str(c.w.corpus / sub)), ["data.source", *names]
+
+    return setup
+
+
+def _chat(where: str, *names: str) -> Callable[[Ctx], tuple[list[str], list[str]]]:
+    """``data.format = chat`` on a file of ``corpus/chat``; the line names ``file:line``."""
+    def setup(c: Ctx):
+        path = c.w.corpus / "chat" / where.split(":")[0]
+        return c.train("--data.source", str(path), "--data.format", "chat"), ["data.source", where, *names]
 
     return setup
 
@@ -394,6 +408,16 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("model.dropout one", _cfg("--model.dropout", "1.0"), 2),
     ("model.init_std nan", _cfg("--model.init_std", "nan"), 2),
     ("model.top_k above experts", _cfg("--model.n_experts", "2", "--model.top_k", "3", names=("model.top_k",)), 2),
+    ("model.mlp gelu with experts", _cfg("--model.n_experts", "2", "--model.mlp", "gelu", names=("model.mlp",)), 2),
+    ("model.norm unknown", _cfg("--model.norm", "batchnorm"), 2),
+    ("model.positions unknown", _cfg("--model.positions", "alibi"), 2),
+    ("moe.capacity_factor negative", _cfg("--moe.capacity_factor", "-1"), 2),
+    ("moe.aux_loss_coef negative", _cfg("--moe.aux_loss_coef", "-0.01"), 2),
+    ("moe.z_loss_coef negative", _cfg("--moe.z_loss_coef", "-1e-3"), 2),
+    ("moe.bias_update_rate negative", _cfg("--moe.bias_update_rate", "-1e-3"), 2),
+    ("moe.score unknown", _cfg("--moe.score", "relu"), 2),
+    ("moe.drop_policy unknown", _cfg("--moe.drop_policy", "random"), 2),
+    ("moe.n_shared_experts negative", _cfg("--moe.n_shared_experts", "-1"), 2),
     ("model.dim not an integer", _cfg("--model.dim", "wide"), 2),
     ("model unknown key", _cfg("--model.colour", "red"), 2),
     ("data.seq_len one", _cfg("--data.seq_len", "1"), 2),
@@ -402,6 +426,10 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("data.val_fraction too large", _cfg("--data.val_fraction", "0.7"), 2),
     ("data.errors unknown", _cfg("--data.errors", "ignore"), 2),
     ("data.max_corpus_mb inf", _cfg("--data.max_corpus_mb", "inf"), 2),
+    ("data.workers negative", _cfg("--data.workers", "-1"), 2),
+    ("data.format unknown", _cfg("--data.format", "html"), 2),
+    ("data.overlong unknown", _cfg("--data.overlong", "wrap"), 2),
+    ("data.format chat on the stdlib text", _cfg("--data.format", "chat"), 2),
     ("train.lr negative", _cfg("--train.lr", "-3e-3"), 2),
     ("train.lr infinite", _cfg("--train.lr", "inf"), 2),
     ("train.lr nan", _cfg("--train.lr", "nan"), 2),
@@ -425,6 +453,11 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("parallel.tp zero", _cfg("--parallel.tp", "0"), 2),
     ("parallel.zero five", _cfg("--parallel.zero", "5"), 2),
     ("parallel.schedule unknown", _cfg("--parallel.schedule", "zigzag"), 2),
+    ("parallel.cp_mode unknown", _cfg("--parallel.cp_mode", "zigzag"), 2),
+    ("parallel.cp_mode alltoall heads not divisible",
+     _cfg("--parallel.cp_mode", "alltoall", "--parallel.cp", "8", "--run.nproc", "8"), 2),  # fmt: skip
+    ("parallel.cp not splitting the sequence in 2*cp chunks",
+     _cfg("--parallel.cp", "3", "--run.nproc", "3", names=("data.seq_len", "2*parallel.cp")), 2),  # fmt: skip
     ("parallel.dp against nproc", _cfg("--run.nproc", "2", "--parallel.dp", "3", names=("run.nproc",)), 2),
     ("unknown section", _cfg("--optim.lr", "1", names=("[optim]",)), 2),
     ("override without value", _cfg("--model.dim", names=("--model.dim",)), 2),
@@ -443,6 +476,8 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("parquet unreadable", _source("pqcorrupt", "c.parquet"), 2),
     ("parquet text column of ints", _source("pqint", "c.parquet", "int64"), 2),
     ("parquet without text column", _source("pqcol", "c.parquet", "'text'"), 2),
+    ("chat record without an assistant turn", _chat("noassistant.jsonl:2", "no assistant turn"), 2),
+    ("chat message of an unknown role", _chat("role.jsonl:1", "'wizard'"), 2),
     ("unsupported file type", _source("csv/c.csv", "c.csv", "unsupported"), 2),
     ("empty source directory", _source("empty", "no .txt"), 2),
     ("data.tokenizer missing", lambda c: (c.train("--data.tokenizer", str(c.tmp / "t.json")), ["data.tokenizer"]), 2),

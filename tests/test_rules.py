@@ -48,12 +48,13 @@ def test_every_ranked_layout_passes_config_validate(preset, overrides, cluster, 
 
 def test_refused_layouts_are_not_ranked_and_say_why():
     cfg, moe = _search("debug", MOE, None, 4)
-    assert not any(e.layout.tp > 1 or (e.layout.ep > 1 and e.layout.zero) for e in moe.ranked)
-    assert any(e.layout.ep > 1 for e in moe.ranked)  # expert parallelism without ZeRO is ranked
+    assert not any(e.layout.ep > 1 and e.layout.zero == 3 for e in moe.ranked)
+    assert any(e.layout.ep > 1 for e in moe.ranked)  # expert parallelism (ZeRO 0-2) is ranked
+    assert any(e.layout.tp > 1 for e in moe.ranked)  # experts whole on every tp rank
     reasons = list(moe.rejected)
-    assert any(r.startswith("parallel.tp: tensor parallelism of the experts") for r in reasons)
-    assert any(r.startswith("parallel.zero: ZeRO with expert parallelism") for r in reasons)
-    assert refusal(cfg, Layout(dp=2, tp=2, sp=True)).startswith("parallel.tp: tensor parallelism of the experts")
+    assert any(r.startswith("parallel.zero: ZeRO-3 with expert parallelism") for r in reasons)
+    capped = C.load("debug", [*MOE, "--moe.capacity_factor", "1.0", "--run.nproc", "2"])
+    assert refusal(capped, Layout(dp=1, tp=2, sp=True)).startswith("moe.capacity_factor: capacity is counted")
 
     _, dense = _search("llama3-8b", [], ("a100-80g", 4), 4)
     assert not any(e.layout.offload and e.layout.zero == 0 for e in dense.ranked)
@@ -64,11 +65,11 @@ def test_refused_layouts_are_not_ranked_and_say_why():
 @pytest.mark.parametrize(
     "kw,field",
     [
-        (dict(tp=2), "parallel.tp"),  # MoE experts are not tensor-parallel
-        (dict(ep=2, zero=1), "parallel.zero"),
+        (dict(tp=2, sp=True, facts=dict(moe_capacity=True)), "moe.capacity_factor"),  # tokens split over tp
+        (dict(ep=2, zero=3), "parallel.zero"),
         (dict(ep=3), "parallel.ep"),
         (dict(offload="cpu"), "parallel.offload"),
-        (dict(cp=2, facts=dict(dropout=0.1)), "model.dropout"),
+        (dict(cp=16, cp_mode="alltoall"), "parallel.cp_mode"),  # 8 heads over 16 ranks
         (dict(cp=3), "data.seq_len"),
         (dict(pp=2, schedule="pipedream"), "model.tie_embeddings"),
         (dict(pp=2, schedule="interleaved", virtual_stages=2, microbatches=3), "train.global_batch"),

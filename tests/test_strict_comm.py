@@ -205,6 +205,8 @@ SENTINEL_LAYOUTS = {
         "pp2-interleaved": ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2}, {"n_layers": 4}),
         "pp2-2bw-bf16": ({"pp": 2, "schedule": "2bw", "precision": "bf16"}, {}),
         "cp2": ({"cp": 2}, {}),
+        "cp2-ring-dropout": ({"cp": 2, "cp_mode": "ring"}, {"dropout": 0.1}),
+        "cp2-alltoall": ({"cp": 2, "cp_mode": "alltoall"}, {}),
         "ep2": ({"dp_replicate": 2, "ep": 2}, {"n_experts": 4, "top_k": 2}),
     },
     4: {

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from loom import config as C
 from loom.checkpoint.format import CheckpointError, fsync_dir
 from loom.checkpoint.load import CheckpointReader
-from loom.model.hf import INDEX, hf_config, hf_tensors
+from loom.model.hf import INDEX, architecture_of, hf_config, hf_tensors, hf_units
 
 PREFIX = "model."
 
@@ -80,11 +80,14 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = 5 * 10
         if not saved:
             raise CheckpointError(f"{reader.dir}: has no saved config (train_state.json); cannot describe the model")
         cfg = C.from_dict(saved)
+        architecture_of(cfg.model)  # a model no Hugging Face family holds fails here, before anything is written
         names = [n[len(PREFIX):] for n in reader.names() if n.startswith(PREFIX)]
         if not names:
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")
-        sizes = [(n, reader.dtype(PREFIX + n).itemsize * _numel(reader.global_shape(PREFIX + n))) for n in names]
-        shards = plan_shards(sizes, max_shard_bytes)
+        size = {n: reader.dtype(PREFIX + n).itemsize * _numel(reader.global_shape(PREFIX + n)) for n in names}
+        units = hf_units(cfg.model, names)  # the Loom tensors of one HF tensor stay in one shard (GPT-2's c_attn)
+        planned = plan_shards([(str(i), sum(size[n] for n in unit)) for i, unit in enumerate(units)], max_shard_bytes)
+        shards = [[n for i in group for n in units[int(i)]] for group in planned]
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -11,6 +11,7 @@ order until ``max_mb`` megabytes (10^6 bytes of UTF-8) of text, so a corpus is d
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
 import json
 import logging
@@ -24,7 +25,12 @@ from tqdm import tqdm
 
 from loom.config import ConfigError
 
-FORMATS = (".txt", ".jsonl", ".parquet")
+FORMATS = (".txt", ".jsonl", ".jsonl.gz", ".parquet", ".arrow")
+
+
+def supported(p: Path) -> bool:
+    """A file of one of :data:`FORMATS` (``.arrow``: also the shards of a ``datasets`` save_to_disk directory)."""
+    return p.name.endswith(FORMATS)
 STDLIB = "stdlib"
 log = logging.getLogger("loom")
 # Directories of the standard library that are tests, bundled apps, third-party packages or
@@ -69,17 +75,17 @@ def find_files(source: str) -> list[Path]:
     src = os.path.expanduser(source)
     if glob.has_magic(src):
         matches = sorted(Path(p) for p in glob.glob(src, recursive=True) if Path(p).is_file())
-        files = [p for p in matches if p.suffix in FORMATS]
+        files = [p for p in matches if supported(p)]
         if matches and not files:
             raise ConfigError(
                 f"data.source: {source!r} matches only unsupported files (e.g. {matches[0].name}); "
                 f"use {', '.join(FORMATS)}"
             )
     elif os.path.isdir(src):
-        files = sorted(p for p in Path(src).rglob("*") if p.is_file() and p.suffix in FORMATS)
+        files = sorted(p for p in Path(src).rglob("*") if p.is_file() and supported(p))
     elif os.path.isfile(src):
         p = Path(src)
-        if p.suffix not in FORMATS:
+        if not supported(p):
             raise ConfigError(
                 f"data.source: unsupported format {p.suffix or '(none)'!r} of {source!r}; "
                 f"use {', '.join(FORMATS)} or 'stdlib'"
@@ -141,7 +147,7 @@ def _read_txt(path: Path, errors: str, stats: DecodeStats | None) -> Iterator[st
 
 
 def _read_jsonl(path: Path, text_field: str, errors: str = "strict", stats: DecodeStats | None = None) -> Iterator[str]:
-    with path.open("rb") as f:
+    with (gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")) as f:
         for lineno, raw in enumerate(f, 1):
             line = _decode(raw, f"{path}:{lineno}", errors, stats)
             if not line.strip():
@@ -202,52 +208,95 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
+def _read_arrow(path: Path, text_field: str) -> Iterator[str]:
+    """Rows of column ``text_field`` of an Arrow file (a ``datasets`` shard), memory-mapped by ``datasets``."""
+    try:
+        from datasets import Dataset
+    except ImportError:
+        raise ConfigError(f"data.source: reading {path} needs the datasets package (pip install datasets)") from None
+    try:
+        ds = Dataset.from_file(str(path))
+    except Exception as e:  # pyarrow and datasets raise many kinds
+        raise ConfigError(f"data.source: {path} is not a readable Arrow file ({_first_line(e)})") from None
+    if text_field not in ds.column_names:
+        raise ConfigError(f"data.source: {path} has no column {text_field!r} (columns: {', '.join(ds.column_names)}; "
+                          "set data.text_field)")  # fmt: skip
+    row = 0
+    for batch in ds.select_columns([text_field]).iter(batch_size=1024):
+        for text in batch[text_field]:
+            if text is not None and not isinstance(text, str):
+                raise ConfigError(f"data.source: {path} row {row} column {text_field!r} holds a "
+                                  f"{type(text).__name__}, not a string")  # fmt: skip
+            if text:
+                yield text
+            row += 1
+
+
 def _iter_file(path: Path, text_field: str, errors: str, stats: DecodeStats) -> Iterator[str]:
-    if path.suffix == ".jsonl":
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
         return _read_jsonl(path, text_field, errors, stats)
+    if path.suffix == ".arrow":
+        return _read_arrow(path, text_field)
     if path.suffix == ".parquet":
         return _read_parquet(path, text_field, errors, stats)
     return _read_txt(path, errors, stats)  # .txt and the stdlib's .py
 
 
-def read_documents(
-    source: str, text_field: str = "text", max_mb: float = 24.0, progress: bool = False, errors: str = "strict"
-) -> list[str]:
-    """Documents of ``source`` in deterministic order, at most ``max_mb`` MB of UTF-8 in total.
+def iter_documents(
+    source: str, text_field: str = "text", max_mb: float = 24.0, errors: str = "strict",
+    stats: DecodeStats | None = None,
+) -> Iterator[str]:
+    """Documents of ``source`` in deterministic order, one at a time, at most ``max_mb`` MB of UTF-8
+    in total (``max_mb <= 0``: no cap). Only the document being read is held (a ``.txt`` file is one
+    document, so memory is bounded by the largest file, not by the corpus).
 
     The document that crosses the cap is cut at the cap; empty documents are dropped. Binary files
     are refused; invalid UTF-8 too unless ``errors == "replace"`` (the stdlib corpus always
-    replaces: a few of its files declare other encodings), which logs how many were replaced.
+    replaces: a few of its files declare other encodings), counted in ``stats``.
     """
     files = source_files(source)
     errors = "replace" if source == STDLIB else errors
-    stats = DecodeStats()
-    budget = int(max_mb * 1e6)
-    docs: list[str] = []
-    bar = tqdm(files, desc="read corpus", unit="file", disable=not progress, leave=False)
-    for path in bar:
+    stats = stats if stats is not None else DecodeStats()
+    budget = int(max_mb * 1e6) if max_mb > 0 else -1
+    for path in files:
         try:
             for text in _iter_file(path, text_field, errors, stats):
-                raw = text.encode("utf-8")
-                if len(raw) >= budget:
-                    text = raw[:budget].decode("utf-8", errors="ignore")
-                    budget = 0
-                else:
-                    budget -= len(raw)
+                if budget >= 0:
+                    raw = text.encode("utf-8")
+                    if len(raw) >= budget:
+                        text = raw[:budget].decode("utf-8", errors="ignore")
+                        budget = 0
+                    else:
+                        budget -= len(raw)
                 if text:
-                    docs.append(text)
+                    yield text
                 if budget == 0:
-                    break
+                    return
         except OSError as e:  # unreadable (permissions, a directory named *.txt, I/O error)
             raise ConfigError(f"data.source: cannot read {e.filename or path}: {e.strerror or e}") from None
-        bar.set_postfix_str(f"{(int(max_mb * 1e6) - budget) / 1e6:.1f} MB", refresh=False)
-        if budget == 0:
-            break
-    bar.close()
+
+
+def warn_replaced(source: str, stats: DecodeStats) -> None:
+    """Log how many undecodable bytes ``data.errors = replace`` replaced (never for the stdlib)."""
     replaced = {k: v for k, v in stats.replaced.items() if v}
     if replaced and source != STDLIB:
         log.warning("data.errors = replace: %d undecodable bytes replaced in %d file(s), first %s",
                     sum(replaced.values()), len(replaced), next(iter(replaced)))  # fmt: skip
+
+
+def read_documents(
+    source: str, text_field: str = "text", max_mb: float = 24.0, progress: bool = False, errors: str = "strict"
+) -> list[str]:
+    """All documents of :func:`iter_documents` in a list (small corpora and tests; preparation
+    streams them instead)."""
+    stats = DecodeStats()
+    bar = tqdm(desc="read corpus", unit="doc", disable=not progress, leave=False)
+    docs: list[str] = []
+    for text in iter_documents(source, text_field, max_mb, errors, stats):
+        docs.append(text)
+        bar.update()
+    bar.close()
+    warn_replaced(source, stats)
     if not docs:
         raise ConfigError(f"data.source: {source!r} holds no text")
     return docs

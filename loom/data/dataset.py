@@ -18,7 +18,22 @@ from numpy.typing import DTypeLike
 from loom.config import ConfigError
 from loom.data.prepare import read_meta
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # x, y: int64 (micro_batch, seq_len), y = x shifted by one
+# x, y: int64 (micro_batch, seq_len), y = x shifted by one; packed: also positions (micro_batch, seq_len)
+Batch = tuple[torch.Tensor, ...]
+
+
+def packed_positions(x: torch.Tensor, eot: int) -> torch.Tensor:
+    """Each token's position in its own document, (B, T) int64: a document starts at the window's
+    first token and after every ``eot`` (the end-of-document token belongs to the document it ends).
+
+    position[t] = t - s(t), s(t) = the last start <= t."""
+    T = x.shape[1]
+    idx = torch.arange(T, device=x.device).expand_as(x)
+    starts = torch.zeros_like(x, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = x[:, :-1] == eot
+    last = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return (idx - last).contiguous()
 
 
 class TokenDataset:
@@ -30,11 +45,14 @@ class TokenDataset:
     """
 
     def __init__(
-        self, path: str | Path, seq_len: int, dtype: DTypeLike | None = None, vocab_size: int | None = None
+        self, path: str | Path, seq_len: int, dtype: DTypeLike | None = None, vocab_size: int | None = None,
+        pack_eot: int | None = None,
     ) -> None:
         """``dtype`` and ``vocab_size`` default to what the ``meta.json`` beside the file records (uint16
         and no id check without one). Every batch read is checked: an id ``>= vocab_size`` is refused
-        naming the file and the token, before it can reach an embedding."""
+        naming the file and the token, before it can reach an embedding. ``pack_eot`` (``data.pack``):
+        batches are (x, y, positions), documents ending at that token (:func:`packed_positions`)."""
+        self.pack_eot = pack_eot
         self.path = Path(path)
         if seq_len < 1:
             raise ConfigError(f"data.seq_len: must be >= 1, got {seq_len}")
@@ -53,6 +71,11 @@ class TokenDataset:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"data.prepared_dir: cannot map {self.path} as {dtype} tokens ({e})") from None
         self.n_tokens = len(self.tokens)
+        mask_path = self.path.with_name(self.path.stem + ".mask.bin")  # chat / prompt_completion labels
+        self.mask = np.memmap(mask_path, dtype=np.uint8, mode="r") if mask_path.is_file() else None
+        if self.mask is not None and len(self.mask) != self.n_tokens:
+            raise ConfigError(f"data.prepared_dir: {mask_path} has {len(self.mask)} bytes for {self.n_tokens} tokens; "
+                              "prepare the data again")  # fmt: skip
         self.n_windows = (self.n_tokens - 1) // seq_len
         if self.n_windows < 1:
             raise ConfigError(
@@ -81,7 +104,11 @@ class TokenDataset:
             raise ConfigError(f"data.prepared_dir: {self.path} holds token id {int(tokens[row, col])} at token {pos}, "
                               f"outside the tokenizer's vocabulary of {self.vocab_size}; the file was altered: delete "
                               "its directory and prepare again")  # fmt: skip
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        if self.mask is not None:  # targets outside assistant turns / completions are not trained on
+            m = np.stack([self.mask[i * self.seq_len + 1 : i * self.seq_len + self.seq_len + 1] for i in indices])
+            y = y.masked_fill(torch.from_numpy(m == 0), -100)
+        return (x, y) if self.pack_eot is None else (x, y, packed_positions(x, self.pack_eot))
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -150,6 +177,62 @@ class BatchSampler:
         idx = self.indices(step)
         mb = self.micro_batch
         return [self.dataset.batch(idx[i : i + mb]) for i in range(0, len(idx), mb)]
+
+
+PHI = (5**0.5 - 1) / 2  # fractional part of the golden ratio
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer on uint64 values: a seeded hash, vectorized (wraps modulo 2^64)."""
+    with np.errstate(over="ignore"):
+        x = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+class MixtureSampler(BatchSampler):
+    """Batches mixing several sources by weight, a pure function of (seed, step) like
+    :class:`BatchSampler` (same rank slicing, so any layout sees the same global batch).
+
+    Sequence g comes from source k with C_k <= u_g < C_{k+1} (C: cumulative normalized weights), where
+    u_g = frac(o + φ·g) (o from the seed, φ the golden ratio's fraction): a low-discrepancy sequence,
+    so over any n consecutive sequences each source's count is within O(log n) of weight·n. Its window
+    is hash(seed, g) mod that source's windows (drawn with replacement).
+    """
+
+    def __init__(self, datasets: list[TokenDataset], weights: list[float], global_batch: int, micro_batch: int,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0) -> None:  # fmt: skip
+        super().__init__(datasets[0], global_batch, micro_batch, dp_rank, dp_size, seed)
+        if len(weights) != len(datasets) or not all(w > 0 for w in weights):
+            raise ValueError(f"data.sources: need one positive weight per source, got {weights}")
+        self.datasets = datasets
+        self.cum = np.cumsum(np.asarray(weights, dtype=np.float64) / sum(weights))
+        self.offset = float(mix64(np.array([seed], dtype=np.uint64))[0] >> np.uint64(11)) / 2**53
+
+    def sources_of(self, g: np.ndarray) -> np.ndarray:
+        """Source index of global sequences ``g``."""
+        u = np.mod(self.offset + PHI * g.astype(np.float64), 1.0)
+        return np.minimum(np.searchsorted(self.cum, u, side="right"), len(self.datasets) - 1)
+
+    def picks(self, step: int) -> list[tuple[int, int]]:
+        """(source, window) of this rank's rows of ``step``."""
+        first = step * self.global_batch + self.dp_rank * self.rows_per_rank
+        g = np.arange(first, first + self.rows_per_rank, dtype=np.int64)
+        src = self.sources_of(g)
+        h = mix64(g.astype(np.uint64) ^ mix64(np.array([self.seed + 1], dtype=np.uint64)))
+        sizes = np.array([d.n_windows for d in self.datasets], dtype=np.uint64)
+        return [(int(k), int(w)) for k, w in zip(src, h % sizes[src])]
+
+    def realized(self, steps: int) -> np.ndarray:
+        """Share of each source among the global sequences of steps [0, steps)."""
+        counts = np.bincount(self.sources_of(np.arange(steps * self.global_batch)), minlength=len(self.datasets))
+        return counts / max(1, counts.sum())
+
+    def micro_batches(self, step: int) -> list[Batch]:
+        picks, mb = self.picks(step), self.micro_batch
+        rows = [self.datasets[k].batch([w]) for k, w in picks]
+        return [tuple(torch.cat(parts) for parts in zip(*rows[i : i + mb])) for i in range(0, len(rows), mb)]
 
 
 def eval_batches(

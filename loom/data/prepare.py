@@ -24,15 +24,28 @@ import socket
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from loom.config import ConfigError, DataConfig
-from loom.data.corpus import STDLIB, fingerprint, read_documents
-from loom.data.tokenizer import encode_documents, eot_id, load_tokenizer, train_tokenizer
+from loom.data.chat import ExampleEncoder, builtin_render, read_records, segments, template_render
+from loom.data.corpus import STDLIB, DecodeStats, fingerprint, iter_documents, source_files, warn_replaced
+from loom.data.stream import (
+    CHUNK_CHARS,
+    LengthLog,
+    Split,
+    TokenWriter,
+    default_workers,
+    encode_stream,
+    split_plan,
+    split_stream,
+)
+from loom.data.tokenizer import eot_id, load_tokenizer, train_tokenizer
 
 log = logging.getLogger("loom")
 
@@ -97,6 +110,11 @@ class PreparedData:
                     f"data.prepared_dir: {str(path)!r} has {path.stat().st_size} bytes, meta.json says "
                     f"{n} tokens of {data.dtype}; delete {str(d)!r} and prepare again"
                 )
+        masks = _table(meta, "mask_sha256")  # chat / prompt_completion: one trained-or-not byte per token
+        for name, n in (("train.mask.bin", data.n_train_tokens), ("val.mask.bin", data.n_val_tokens)):
+            if name in masks and (not (d / name).is_file() or (d / name).stat().st_size != n):
+                raise ConfigError(f"data.prepared_dir: {d / name} is missing or not {n} bytes (one per token); "
+                                  f"delete {str(d)!r} and prepare again")  # fmt: skip
         if not data.tokenizer_path.is_file():
             raise ConfigError(f"data.prepared_dir: {str(data.tokenizer_path)!r} is missing")
         if verify:
@@ -246,7 +264,11 @@ def cache_key(cfg: DataConfig) -> dict[str, Any]:
         "tokenizer": tok,
         "text_field": cfg.text_field,
         "val_fraction": cfg.val_fraction,
-    }
+        **({} if cfg.format == "text" else {  # examples: labels and lengths depend on these too
+            "data_format": cfg.format, "train_on_prompt": cfg.train_on_prompt, "overlong": cfg.overlong,
+            "seq_len": cfg.seq_len,
+        }),
+    }  # fmt: skip
 
 
 def cache_root() -> Path:
@@ -264,10 +286,32 @@ def default_dir(cfg: DataConfig, key: dict[str, Any] | None = None) -> Path:
     return cache_root() / "data" / f"{stem}-{cfg.vocab_size}-{digest}"
 
 
+def prepare_sources(cfg: DataConfig, progress: bool = True) -> list[PreparedData]:
+    """Each ``[[data.sources]]`` prepared once into its own cache directory (keyed, like any source, by
+    its files, the tokenizer and the settings), all with one tokenizer: ``data.tokenizer``, or the one
+    trained on the first source. Logs each source's token count and its share of the weights."""
+    out: list[PreparedData] = []
+    total = sum(src.weight for src in cfg.sources)
+    for i, src in enumerate(cfg.sources):
+        tok = cfg.tokenizer or (str(out[0].tokenizer_path) if out else "")
+        sub = replace(cfg, source=src.path, text_field=src.text_field, format=src.format, tokenizer=tok,
+                      prepared_dir="", sources=[])  # fmt: skip
+        try:
+            out.append(prepare_data(sub, progress))
+        except ConfigError as e:
+            raise ConfigError(f"data.sources[{i}] ({src.path}): {e}") from None
+        log.info("data source %d: %s, weight %.3g (%.1f%% of sequences), %s train tokens, %s", i, src.path,
+                 src.weight, 100 * src.weight / total, f"{out[-1].n_train_tokens:,}", out[-1].dir)  # fmt: skip
+    return out
+
+
 def prepare_data(cfg: DataConfig, progress: bool = True) -> PreparedData:
-    """Prepare ``cfg.source`` into ``cfg.prepared_dir`` (or the cache dir) unless already done.
+    """Prepare ``cfg.source`` into ``cfg.prepared_dir`` (or the cache dir) unless already done; with
+    ``data.sources``, every source (:func:`prepare_sources`), returning the first.
 
     A file that cannot be written (disk full, permissions) is refused in one line naming it."""
+    if cfg.sources:  # data.prepared_dir is not used: each source has its own cache directory
+        return prepare_sources(cfg, progress)[0]
     if cfg.prepared_dir and (Path(cfg.prepared_dir).expanduser() / META).is_file():
         return _reuse(Path(cfg.prepared_dir).expanduser(), cfg)
     key = cache_key(cfg)
@@ -327,14 +371,37 @@ def _reuse(final: Path, cfg: DataConfig) -> PreparedData:
 
 
 def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> None:
-    """Read, split, tokenize and write everything into ``out``."""
+    """Read, split, tokenize and write everything into ``out``, streaming (see :mod:`loom.data.stream`):
+    one pass measures the documents, one trains the tokenizer (unless given), one encodes."""
+    if cfg.format != "text":
+        return _build_examples(cfg, key, out, progress)
     t0 = time.perf_counter()
-    docs = read_documents(cfg.source, cfg.text_field, cfg.max_corpus_mb, progress, cfg.errors)
-    train_docs, val_docs = split_documents(docs, cfg.val_fraction)
+
+    def docs() -> Iterator[str]:
+        return iter_documents(cfg.source, cfg.text_field, cfg.max_corpus_mb, cfg.errors, stats)
+
+    stats = DecodeStats()
+    log_, n_bytes = LengthLog(out / ".lengths"), 0  # characters of each document, on disk
+    bar = tqdm(desc="measure", unit="B", unit_scale=True, disable=not progress, leave=False)
+    for text in docs():
+        log_.append(len(text))
+        size = len(text.encode("utf-8"))
+        n_bytes += size
+        bar.update(size)
+    bar.close()
+    lengths = log_.close()
+    warn_replaced(cfg.source, stats)
+    if not len(lengths):
+        raise ConfigError(f"data.source: {cfg.source!r} holds no text")
+    plan = split_plan(lengths, cfg.val_fraction)
+    del lengths
+    os.remove(out / ".lengths")
+    stats = DecodeStats()  # counted once above
     if cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer)
     else:
-        tok = train_tokenizer(train_docs, cfg.vocab_size, progress)
+        train_docs = (text for split, text in split_stream(docs(), plan) if split == "train")
+        tok = train_tokenizer(train_docs, cfg.vocab_size, progress, length=plan.k + (plan.pos > 0))
     try:
         tok.save(str(out / "tokenizer.json"))
     except Exception as e:  # the Rust side raises a bare Exception (disk full, permissions)
@@ -342,25 +409,105 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
     eot = eot_id(tok)
-    counts, digests, max_ids = {}, {}, {}
-    for name, part in (("train", train_docs), ("val", val_docs)):
-        chunks = encode_documents(tok, part, eot, dtype=dtype, progress=progress, desc=f"encode {name}")
-        counts[name], digests[name], max_ids[name] = _write_bin(out / f"{name}.bin", chunks)
+    writers: dict[Split, TokenWriter] = {}
+    try:
+        writers = {name: TokenWriter(out / f"{name}.bin") for name in ("train", "val")}
+        encode_stream(tok, split_stream(docs(), plan), writers, eot, dtype, cfg.workers or default_workers(),
+                      total_bytes=n_bytes, progress=progress)  # fmt: skip
+        digests = {name: w.close() for name, w in writers.items()}
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    train, val = writers["train"], writers["val"]
     meta = {
         "format": FORMAT_VERSION,
         "source": cfg.source,
         "vocab_size": vocab,
         "dtype": dtype.name,
         "eot_id": eot,
-        "n_train_tokens": counts["train"],
-        "n_val_tokens": counts["val"],
-        "n_train_docs": len(train_docs),
-        "n_val_docs": len(val_docs),
-        "corpus_mb": sum(len(d.encode("utf-8")) for d in docs) / 1e6,
+        "n_train_tokens": train.n_tokens,
+        "n_val_tokens": val.n_tokens,
+        "n_train_docs": train.n_docs,
+        "n_val_docs": val.n_docs,
+        "corpus_mb": n_bytes / 1e6,
         "sha256": {"train.bin": digests["train"], "val.bin": digests["val"], "tokenizer.json": _sha256(out / "tokenizer.json")},
         "sampled_sha256": {n: sampled_sha256(out / n) for n in TOKEN_FILES},
         "sample": {"blocks": SAMPLE_BLOCKS, "block_bytes": SAMPLE_BYTES},
-        "max_id": {"train.bin": max_ids["train"], "val.bin": max_ids["val"]},
+        "max_id": {"train.bin": train.max_id, "val.bin": val.max_id},
+        "prepare_seconds": round(time.perf_counter() - t0, 2),
+        "config": asdict(cfg),
+        "key": key,
+    }
+    _write_durable(out / META, json.dumps(meta, indent=2).encode())
+
+
+def _build_examples(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> None:
+    """Chat / prompt_completion records (:mod:`loom.data.chat`): tokens and a trained-or-not mask per
+    token; the last ``val_fraction`` of the examples (at least one) are validation."""
+    t0 = time.perf_counter()
+    files = source_files(cfg.source)
+    render = (template_render(cfg.tokenizer) if cfg.tokenizer else None) or builtin_render
+
+    def examples() -> Iterator[tuple[str, list[tuple[int, int]]]]:
+        return (segments(rec, where, cfg.format, render) for where, rec in read_records(files))
+
+    n = sum(1 for _ in examples())
+    if n < 2:
+        raise ConfigError(f"data.source: {cfg.source!r} holds {n} example(s); at least 2 are needed (train and val)")
+    k = n - min(max(1, round(n * cfg.val_fraction)), n - 1)
+    if cfg.tokenizer:
+        tok = load_tokenizer(cfg.tokenizer)
+    else:
+        tok = train_tokenizer((text for i, (text, _) in enumerate(examples()) if i < k), cfg.vocab_size, progress, k)
+    tok.save(str(out / "tokenizer.json"))
+    vocab, eot = tok.get_vocab_size(), eot_id(tok)
+    dtype = token_dtype(vocab)
+    enc = ExampleEncoder(tok, eot, dtype, cfg.seq_len + 1, cfg.overlong, cfg.train_on_prompt)
+    names = ("train", "val", "train.mask", "val.mask")
+    writers: dict[str, TokenWriter] = {}
+    try:
+        writers = {name: TokenWriter(out / f"{name}.bin") for name in names}
+        group: list[tuple[str, list[tuple[int, int]]]] = []
+        for i, example in enumerate(examples()):
+            group.append(example)
+            if i == k - 1 or i == n - 1 or sum(len(t) for t, _ in group) >= CHUNK_CHARS:
+                ids, mask, kept = enc(group)
+                split = "train" if i < k else "val"
+                writers[split].write(ids, kept)
+                writers[f"{split}.mask"].write(mask, kept)
+                group = []
+        digests = {name: w.close() for name, w in writers.items()}
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    for split in ("train", "val"):
+        if not writers[split].n_tokens:
+            why = "over" if cfg.overlong == "drop" else "cut before any trained token at"
+            raise ConfigError(f"data.overlong: no {split} examples left in {cfg.source!r}: {enc.dropped} dropped ({why} "
+                              f"data.seq_len + 1 = {cfg.seq_len + 1} tokens); raise data.seq_len")  # fmt: skip
+    log.info("%s: %d examples (%d train, %d val); over %d tokens: %d truncated, %d dropped", cfg.format, n, k, n - k,
+             cfg.seq_len + 1, enc.truncated, enc.dropped)  # fmt: skip
+    train, val = writers["train"], writers["val"]
+    meta = {
+        "format": FORMAT_VERSION,
+        "source": cfg.source,
+        "data_format": cfg.format,
+        "vocab_size": vocab,
+        "dtype": dtype.name,
+        "eot_id": eot,
+        "n_train_tokens": train.n_tokens,
+        "n_val_tokens": val.n_tokens,
+        "n_train_docs": train.n_docs,
+        "n_val_docs": val.n_docs,
+        "overlong": {"mode": cfg.overlong, "truncated": enc.truncated, "dropped": enc.dropped},
+        "trained_tokens": {"train": int(writers["train.mask"].sum), "val": int(writers["val.mask"].sum)},
+        "sha256": {"train.bin": digests["train"], "val.bin": digests["val"], "tokenizer.json": _sha256(out / "tokenizer.json")},
+        "mask_sha256": {"train.mask.bin": digests["train.mask"], "val.mask.bin": digests["val.mask"]},
+        "sampled_sha256": {n: sampled_sha256(out / n) for n in TOKEN_FILES},
+        "sample": {"blocks": SAMPLE_BLOCKS, "block_bytes": SAMPLE_BYTES},
+        "max_id": {"train.bin": train.max_id, "val.bin": val.max_id},
         "prepare_seconds": round(time.perf_counter() - t0, 2),
         "config": asdict(cfg),
         "key": key,
@@ -369,46 +516,12 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
 
 
 def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
-    """(train, val): the last ``val_fraction`` of the documents (at least one) are validation.
-
-    When that would put more than twice ``val_fraction`` of the text into validation (one
-    document, or a few of very uneven size), the corpus is instead cut at ``1 - val_fraction``
-    of its characters, at a line break inside the document that straddles that point.
-    """
-    total = sum(len(d) for d in docs)
-    n_val = min(max(1, round(len(docs) * val_fraction)), len(docs) - 1)
-    if n_val >= 1 and sum(len(d) for d in docs[-n_val:]) <= 2 * val_fraction * total:
-        return docs[:-n_val], docs[-n_val:]
-    pos, k = int(total * (1.0 - val_fraction)), 0
-    while pos >= len(docs[k]):  # find the document holding character ``pos``
-        pos -= len(docs[k])
-        k += 1
-    nl = docs[k].rfind("\n", 0, pos)
-    cut = nl + 1 if nl >= 0 else pos
-    head, tail = docs[k][:cut], docs[k][cut:]
-    train = docs[:k] + ([head] if head else [])
-    val = [tail, *docs[k + 1 :]]
-    if not train:
-        raise ConfigError("data.source: the corpus is too small to hold out a validation split")
-    return train, val
-
-
-def _write_bin(path: Path, chunks: Any) -> tuple[int, str, int]:
-    """Write token chunks to ``path``; return (token count, sha256 of the bytes, largest id)."""
-    h, n, top = hashlib.sha256(), 0, -1
-    try:
-        with path.open("wb") as f:
-            for chunk in chunks:
-                raw = chunk.tobytes()
-                f.write(raw)
-                h.update(raw)
-                n += len(chunk)
-                top = max(top, int(chunk.max())) if len(chunk) else top
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:  # a failed write() carries no file name: add it
-        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
-    return n, h.hexdigest(), top
+    """(train, val) of a list of documents by :func:`~loom.data.stream.split_plan` (the streaming
+    preparation applies the same plan without holding the documents)."""
+    parts: dict[Split, list[str]] = {"train": [], "val": []}
+    for split, text in split_stream(docs, split_plan([len(d) for d in docs], val_fraction)):
+        parts[split].append(text)
+    return parts["train"], parts["val"]
 
 
 def _write_durable(path: Path, raw: bytes) -> None:

@@ -6,7 +6,7 @@ Byte-level means every string round-trips exactly: ``decode(encode(text)) == tex
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +21,11 @@ EOT = "<|endoftext|>"
 EOT_CANDIDATES = (EOT, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 
 
-def train_tokenizer(docs: Sequence[str], vocab_size: int, progress: bool = False) -> Tokenizer:
-    """Train a byte-level BPE of at most ``vocab_size`` tokens (256 bytes + EOT + merges)."""
+def train_tokenizer(
+    docs: Iterable[str], vocab_size: int, progress: bool = False, length: int | None = None
+) -> Tokenizer:
+    """Train a byte-level BPE of at most ``vocab_size`` tokens (256 bytes + EOT + merges) on ``docs``
+    (any iterable: documents stream through; ``length`` = their number, for the progress bar)."""
     if vocab_size < 257:
         raise ConfigError(f"data.vocab_size: must be >= 257 (256 bytes + {EOT}), got {vocab_size}")
     tok = Tokenizer(models.BPE())
@@ -35,7 +38,9 @@ def train_tokenizer(docs: Sequence[str], vocab_size: int, progress: bool = False
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=progress,
     )
-    tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
+    if length is None and isinstance(docs, Sequence):
+        length = len(docs)
+    tok.train_from_iterator(docs, trainer=trainer, length=length)
     return tok
 
 

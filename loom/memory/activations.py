@@ -28,6 +28,7 @@ saved, and residual adds save nothing.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import cast
@@ -39,15 +40,28 @@ from loom.config import ModelConfig
 
 
 def activation_bytes_per_layer(
-    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, elem: int = 4, cp: int = 1
+    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, elem: int = 4, cp: int = 1,
+    cp_mode: str = "allgather",
 ) -> int:
-    """The formula of the module docstring, in bytes, for one layer on one tensor-parallel rank;
-    with context parallelism (``seq`` the whole sequence) every term counts the rank's s/cp tokens
-    except the repeated keys and values, which attention gathers whole: 2·e·sbh/n."""
+    """The formula of the module docstring, in bytes, for one layer on one tensor-parallel rank.
+
+    With context parallelism (``seq`` the whole sequence) every term counts the rank's s/cp tokens;
+    the keys and values, unrepeated (k·d = n_kv_heads·head_dim wide, /n), are those of
+    ``cp_mode``'s core: allgather keeps the whole sequence's, 2·e·sb·kd/n; ring the local ones,
+    2·e·(sb/cp)·kd/n; alltoall the whole sequence's for 1/cp of the heads repeated by
+    f = cp/gcd(k, cp), 2·e·(sb/cp)·kd·f/n, and its head-sharded output is a tensor of its own
+    beside the output projection's input (returned by an all-to-all): e·(sb/cp)·h/n more."""
     n, t = tp, (tp if sp else 1)
     sb, h, f, a = seq * batch, cfg.dim, cfg.resolved_ffn_dim(), cfg.n_heads
     local = sb // cp
-    elems = 6 * local * h // t + 2 * local * h // n + 2 * sb * h // n + 4 * local * f // n
+    if cp == 1:
+        kv = 2 * sb * h // n  # the repeated keys and values
+    else:
+        kd = cfg.n_kv_heads * cfg.head_dim
+        rep = cp // math.gcd(cfg.n_kv_heads, cp) if cp_mode == "alltoall" else 1
+        kv = 2 * (sb if cp_mode == "allgather" else local) * kd * rep // n
+        kv += local * h // n if cp_mode == "alltoall" else 0  # the core's head-sharded output beside wo's input
+    elems = 6 * local * h // t + 2 * local * h // n + kv + 4 * local * f // n
     fp32 = 2 * local // t + local * a // n
     return elem * elems + 4 * fp32
 

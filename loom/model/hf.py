@@ -4,7 +4,8 @@ Families: ``LlamaForCausalLM``, ``MistralForCausalLM`` (the same tensors; Mistra
 only when every sequence fits in it), ``Qwen2ForCausalLM`` (q/k/v biases: ``model.qkv_bias``) and
 ``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``model.qk_norm``; its own ``head_dim``) and
 ``MixtralForCausalLM`` (into Loom's mixture of experts: the router, and each expert's w1/w3/w2
-stacked into the (E, ...) weights). Names map one to one::
+stacked into the (E, ...) weights) and ``GPT2LMHeadModel`` (``norm = layernorm``, ``mlp =
+gelu_tanh``, ``positions = learned``, ``bias``). Names map one to one::
 
     model.embed_tokens.weight                 tok_embeddings.weight
     model.layers.i.input_layernorm            layers.i.attention_norm
@@ -18,20 +19,37 @@ Rotary layout: Hugging Face rotates the halves (x_j, x_{j+d/2}) of each head, Lo
 (x_{2i}, x_{2i+1}), with the same frequencies theta^(-2i/d). The q and k projections are the same
 function once each head's output rows (and biases, and the q/k norm weights) are reordered:
 Loom row 2i+c = HF row i + c·d/2 (:func:`to_loom_rows`; :func:`to_hf_rows` is its inverse).
+
+GPT-2 (names under ``transformer.``, or none in the original checkpoints)::
+
+    wte.weight, wpe.weight                    tok_embeddings.weight, pos_embeddings.weight
+    h.i.ln_1, h.i.ln_2, ln_f                  layers.i.attention_norm, layers.i.ffn_norm, norm   (weight, bias)
+    h.i.attn.c_attn   (h, 3h)                 layers.i.attention.w{q,k,v}: columns [j·h, (j+1)·h), transposed
+    h.i.attn.c_proj, h.i.mlp.c_fc, c_proj     layers.i.attention.wo, layers.i.feed_forward.w{1,2}   (transposed)
+
+GPT-2's ``Conv1D`` stores a weight as (in, out), the transpose of a Linear's (out, in).
+
+Every read is of a box (:meth:`Reader.read`): a rank reads with ``safetensors``' ``get_slice`` only
+the rows and columns (and experts) its parameters hold, never a whole tensor it has a piece of.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from loom.config import ModelConfig
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
+             "GPT2LMHeadModel")  # fmt: skip
+GPT2 = "GPT2LMHeadModel"
+GELU = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # HF activation -> model.mlp
 CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -49,6 +67,7 @@ class HFModel:
     config: ModelConfig
     raw: dict  # config.json as read
     files: dict[str, str]  # HF tensor name -> shard file name
+    prefix: str = ""  # GPT-2: "transformer." before every name but lm_head's, or "" (original checkpoints)
 
     @property
     def tokenizer(self) -> Path | None:
@@ -78,6 +97,8 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     arch = (raw.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED:
         raise HFError(f"{CONFIG}: architectures = {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    if arch == GPT2:
+        return _gpt2_config(raw, max_seq_len)
     dim, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
     head_dim = int(raw.get("head_dim") or dim // heads)
@@ -105,6 +126,28 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     )  # fmt: skip
 
 
+def _gpt2_config(raw: dict, max_seq_len: int) -> ModelConfig:
+    """Loom's config for GPT-2: LayerNorm, GELU MLP, learned positions (the whole ``n_positions``
+    table), biases everywhere, one key/value head per query head."""
+    act = raw.get("activation_function", "gelu_new")
+    if act not in GELU:
+        raise HFError(f"{CONFIG}: activation_function = {act!r} is not supported (Loom: {', '.join(GELU)})")
+    for field, allowed in (("scale_attn_weights", (True, None)), ("scale_attn_by_inverse_layer_idx", (False, None)),
+                           ("reorder_and_upcast_attn", (False, None)), ("add_cross_attention", (False, None))):  # fmt: skip
+        if raw.get(field) not in allowed:
+            raise HFError(f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r})")
+    dim, heads, n_pos = int(raw["n_embd"]), int(raw["n_head"]), int(raw["n_positions"])
+    if max_seq_len > n_pos:
+        raise HFError(f"{CONFIG}: n_positions = {n_pos} is shorter than the sequences ({max_seq_len}); the learned "
+                      "position table has no rows beyond it")  # fmt: skip
+    return ModelConfig(
+        dim=dim, n_layers=int(raw["n_layer"]), n_heads=heads, n_kv_heads=heads, ffn_dim=int(raw.get("n_inner") or 4 * dim),
+        vocab_size=int(raw["vocab_size"]), max_seq_len=n_pos, norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", True)), norm="layernorm", mlp=GELU[act],  # type: ignore[arg-type]
+        positions="learned", bias=True,
+    )  # fmt: skip
+
+
 def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
     """Read ``config.json`` and locate every tensor's shard (``model.safetensors.index.json``, else
     the ``*.safetensors`` files' headers); nothing is loaded."""
@@ -128,7 +171,8 @@ def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
     for shard in sorted(set(files.values())):
         if not (d / shard).is_file():
             raise HFError(f"{d / shard}: missing shard file (named by {INDEX})")
-    return HFModel(d, raw["architectures"][0], cfg, raw, files)
+    prefix = "transformer." if cfg.positions == "learned" and "transformer.wte.weight" in files else ""
+    return HFModel(d, raw["architectures"][0], cfg, raw, files, prefix)
 
 
 def apply_to(cfg, path: str | Path) -> HFModel:
@@ -138,7 +182,8 @@ def apply_to(cfg, path: str | Path) -> HFModel:
     model = open_dir(path, cfg.data.seq_len)
     for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta",
                   "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm", "attn_head_dim", "n_experts", "top_k",
-                  "rope_scaling", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_len"):  # fmt: skip
+                  "rope_scaling", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_len", "norm", "mlp",
+                  "positions", "bias"):  # fmt: skip
         setattr(cfg.model, field, getattr(model.config, field))
     if not cfg.data.tokenizer:
         if model.tokenizer is None:
@@ -147,31 +192,78 @@ def apply_to(cfg, path: str | Path) -> HFModel:
     return model
 
 
-def _names(cfg: ModelConfig) -> Iterator[tuple[str, str | tuple[str, ...]]]:
-    """(Loom name, HF name) of every tensor; a tuple of HF names for an expert stack."""
-    yield "tok_embeddings.weight", "model.embed_tokens.weight"
+@dataclass(frozen=True)
+class Mapping:
+    """Where one Loom tensor lives in the checkpoint: ``hf`` (an expert stack: one name per expert,
+    stacked along dim 0), with ``heads`` whose rows :func:`to_loom_rows` reorders, ``conv1d``: stored
+    transposed (in, out), and ``part`` = (j, n): rows [j·o, (j+1)·o) of an HF tensor fusing n of them."""
+
+    hf: str | tuple[str, ...]
+    heads: int | None = None
+    conv1d: bool = False
+    part: tuple[int, int] = (0, 1)
+
+    def names(self) -> tuple[str, ...]:
+        return self.hf if isinstance(self.hf, tuple) else (self.hf,)
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored shape of one HF tensor (one expert's) for the Loom shape ``shape``."""
+        if isinstance(self.hf, tuple):
+            shape = shape[1:]
+        rows = shape[0] * self.part[1]
+        return (shape[1], rows) if self.conv1d else (rows, *shape[1:])
+
+
+def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[str, Mapping]]:
+    """(Loom name, :class:`Mapping`) of every tensor; ``prefix``: GPT-2's name prefix."""
+    if cfg.positions == "learned":
+        yield from _gpt2_mappings(cfg, prefix)
+        return
+    yield "tok_embeddings.weight", Mapping("model.embed_tokens.weight")
     for i in range(cfg.n_layers):
         hf, lm = f"model.layers.{i}.", f"layers.{i}."
-        yield lm + "attention_norm.weight", hf + "input_layernorm.weight"
+        yield lm + "attention_norm.weight", Mapping(hf + "input_layernorm.weight")
         for x in "qkvo":
-            yield lm + f"attention.w{x}.weight", hf + f"self_attn.{x}_proj.weight"
+            heads = {"q": cfg.n_heads, "k": cfg.n_kv_heads}.get(x)
+            yield lm + f"attention.w{x}.weight", Mapping(hf + f"self_attn.{x}_proj.weight", heads)
             if cfg.qkv_bias and x != "o":
-                yield lm + f"attention.w{x}.bias", hf + f"self_attn.{x}_proj.bias"
-        if cfg.qk_norm:
-            yield lm + "attention.q_norm.weight", hf + "self_attn.q_norm.weight"
-            yield lm + "attention.k_norm.weight", hf + "self_attn.k_norm.weight"
-        yield lm + "ffn_norm.weight", hf + "post_attention_layernorm.weight"
+                yield lm + f"attention.w{x}.bias", Mapping(hf + f"self_attn.{x}_proj.bias", heads)
+        if cfg.qk_norm:  # one head's d weights, applied before RoPE
+            yield lm + "attention.q_norm.weight", Mapping(hf + "self_attn.q_norm.weight", 1)
+            yield lm + "attention.k_norm.weight", Mapping(hf + "self_attn.k_norm.weight", 1)
+        yield lm + "ffn_norm.weight", Mapping(hf + "post_attention_layernorm.weight")
         if cfg.moe:  # Mixtral: a router, and each expert's w1/w3/w2 stacked into Loom's (E, ...) weights
             moe = hf + "block_sparse_moe."
-            yield lm + "feed_forward.router.weight", moe + "gate.weight"
+            yield lm + "feed_forward.router.weight", Mapping(moe + "gate.weight")
             for w in ("w1", "w3", "w2"):
-                yield lm + f"feed_forward.{w}.weight", tuple(f"{moe}experts.{e}.{w}.weight" for e in range(cfg.n_experts))
+                experts = tuple(f"{moe}experts.{e}.{w}.weight" for e in range(cfg.n_experts))
+                yield lm + f"feed_forward.{w}.weight", Mapping(experts)
             continue
         for w, proj in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
-            yield lm + f"feed_forward.{w}.weight", hf + f"mlp.{proj}_proj.weight"
-    yield "norm.weight", "model.norm.weight"
+            yield lm + f"feed_forward.{w}.weight", Mapping(hf + f"mlp.{proj}_proj.weight")
+    yield "norm.weight", Mapping("model.norm.weight")
     if not cfg.tie_embeddings:
-        yield "output.weight", "lm_head.weight"
+        yield "output.weight", Mapping("lm_head.weight")
+
+
+def _gpt2_mappings(cfg: ModelConfig, p: str) -> Iterator[tuple[str, Mapping]]:
+    yield "tok_embeddings.weight", Mapping(p + "wte.weight")
+    yield "pos_embeddings.weight", Mapping(p + "wpe.weight")
+    for i in range(cfg.n_layers):
+        hf, lm = f"{p}h.{i}.", f"layers.{i}."
+        for kind in ("weight", "bias"):
+            conv = kind == "weight"
+            yield lm + f"attention_norm.{kind}", Mapping(hf + f"ln_1.{kind}")
+            for j, x in enumerate("qkv"):
+                yield lm + f"attention.w{x}.{kind}", Mapping(hf + f"attn.c_attn.{kind}", conv1d=conv, part=(j, 3))
+            yield lm + f"attention.wo.{kind}", Mapping(hf + f"attn.c_proj.{kind}", conv1d=conv)
+            yield lm + f"ffn_norm.{kind}", Mapping(hf + f"ln_2.{kind}")
+            yield lm + f"feed_forward.w1.{kind}", Mapping(hf + f"mlp.c_fc.{kind}", conv1d=conv)
+            yield lm + f"feed_forward.w2.{kind}", Mapping(hf + f"mlp.c_proj.{kind}", conv1d=conv)
+    yield "norm.weight", Mapping(p + "ln_f.weight")
+    yield "norm.bias", Mapping(p + "ln_f.bias")
+    if not cfg.tie_embeddings:
+        yield "output.weight", Mapping("lm_head.weight")
 
 
 def to_loom_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -186,82 +278,122 @@ def to_hf_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _heads_of(name: str, cfg: ModelConfig) -> int | None:
-    """Heads whose rows :func:`to_loom_rows` reorders in this tensor (None: not a rotary tensor)."""
-    if ".attention.wq." in name:
-        return cfg.n_heads
-    if ".attention.wk." in name:
-        return cfg.n_kv_heads
-    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
-        return 1  # one head's d weights, applied before RoPE
-    return None
-
-
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Loom name -> shape, from the config alone (no model built)."""
     h, d, f, V = cfg.dim, cfg.head_dim, cfg.resolved_ffn_dim(), cfg.vocab_size
     qd, kd = cfg.n_heads * d, cfg.n_kv_heads * d
     leaves = {"tok_embeddings": (V, h), "output": (V, h), "wq": (qd, h), "wk": (kd, h), "wv": (kd, h), "wo": (h, qd),
-              "w1": (f, h), "w3": (f, h), "w2": (h, f), "q_norm": (d,), "k_norm": (d,)}  # fmt: skip
+              "w1": (f, h), "w3": (f, h), "w2": (h, f), "q_norm": (d,), "k_norm": (d,),
+              "pos_embeddings": (cfg.max_seq_len, h)}  # fmt: skip
     if cfg.moe:
         E = cfg.n_experts
         leaves |= {"w1": (E, f, h), "w3": (E, f, h), "w2": (E, h, f), "router": (E, h)}
     shapes = {}
-    for name, _ in _names(cfg):
+    for name, _ in _mappings(cfg):
         module, kind = name.split(".")[-2:]
         shape = leaves.get(module, (h,))
         shapes[name] = shape[:1] if kind == "bias" else shape
     return shapes
 
 
+class Reader:
+    """Boxes of Loom tensors read from a checkpoint's shards (each file opened once, closed with the
+    reader); ``bytes_read`` counts the bytes ``get_slice`` returned."""
+
+    def __init__(self, model: HFModel) -> None:
+        self.model = model
+        self.maps = dict(_mappings(model.config, model.prefix))
+        self.shapes = expected_shapes(model.config)
+        self.opened: dict[str, object] = {}
+        self.files = ExitStack()
+        self.bytes_read = 0
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.files.close()
+
+    def check(self, names: Iterable[str]) -> None:
+        """Every HF tensor of the Loom tensors ``names`` is in the checkpoint, else an error naming it."""
+        for lm in names:
+            for name in self.maps[lm].names():
+                if name not in self.model.files:
+                    raise HFError(f"{self.model.dir}: tensor {name} is missing from the checkpoint")
+
+    def _slice(self, name: str, shape: tuple[int, ...]):
+        file = self.model.files[name]
+        if file not in self.opened:
+            from safetensors import safe_open
+
+            self.opened[file] = self.files.enter_context(safe_open(str(self.model.dir / file), "pt"))
+        sl = self.opened[file].get_slice(name)  # type: ignore[attr-defined]
+        if tuple(sl.get_shape()) != shape:
+            raise HFError(f"{self.model.dir / file}: {name} has shape {tuple(sl.get_shape())}, {CONFIG} implies {shape}")
+        return sl
+
+    def read(self, lm: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The box ``index`` (slices with steps of 1; None: all) of Loom's tensor ``lm``."""
+        if lm not in self.maps:
+            raise HFError(f"{self.model.dir}: the checkpoint has no tensor for Loom's {lm}")
+        shape = self.shapes[lm]
+        box = tuple(s.indices(n)[:2] for s, n in zip(index or (), shape)) + tuple((0, n) for n in shape[len(index or ()):])
+        return self._box(self.maps[lm], shape, box)
+
+    def _box(self, m: Mapping, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        if isinstance(m.hf, tuple):  # an expert stack: only the experts in the box, each its own box
+            (e0, e1), rest = box[0], box[1:]
+            parts = [self._box(Mapping(m.hf[e], m.heads, m.conv1d, m.part), shape[1:], rest) for e in range(e0, e1)]
+            return torch.stack(parts) if parts else torch.empty(0, *(b - a for a, b in rest))
+        if m.heads is None:
+            return self._plain(m, shape, box)
+        (r0, r1), d = box[0], shape[0] // m.heads  # whole heads are reordered: widen to them, then cut
+        lo, hi = r0 // d * d, -(-r1 // d) * d
+        t = to_loom_rows(self._plain(m, shape, ((lo, hi), *box[1:])), (hi - lo) // d)
+        return t[r0 - lo : r1 - lo]
+
+    def _plain(self, m: Mapping, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        off = m.part[0] * shape[0]  # a fused tensor's rows of this part
+        rows = slice(off + box[0][0], off + box[0][1])
+        sl = self._slice(cast(str, m.hf), m.hf_shape(shape))
+        if m.conv1d:  # stored (in, out): read the transposed box
+            t = sl[slice(*box[1]), rows].t()
+        else:
+            t = sl[(rows, *(slice(a, b) for a, b in box[1:]))]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
 def read_state(model: HFModel, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Loom name, tensor) for ``names`` (default: all), one tensor at a time (an expert stack is read
-    expert by expert); each shard file is opened once."""
-    from contextlib import ExitStack
+    """(Loom name, whole tensor) for ``names`` (default: all), one tensor at a time (an expert stack
+    is read expert by expert); each shard file is opened once."""
+    with Reader(model) as reader:
+        wanted = [lm for lm in reader.maps if names is None or lm in names]
+        reader.check(wanted)
+        for lm in wanted:
+            yield lm, reader.read(lm)
 
-    from safetensors import safe_open
 
-    shapes = expected_shapes(model.config)
-    wanted = [(lm, hf) for lm, hf in _names(model.config) if names is None or lm in names]
-    for _, hf in wanted:
-        for name in _parts(hf):
-            if name not in model.files:
-                raise HFError(f"{model.dir}: tensor {name} is missing from the checkpoint")
-    with ExitStack() as files:
-        opened: dict[str, object] = {}
+class HFSource:
+    """The :data:`~loom.parallel.materialize.Source` of a checkpoint: ``(name, shape, index)`` -> that
+    box of Loom's parameter ``name``, read with ``get_slice`` (for materializing a model built on the
+    meta device: a rank reads only what it holds). ``bytes_read`` sums over calls."""
 
-        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            file = model.files[name]
-            if file not in opened:
-                opened[file] = files.enter_context(safe_open(str(model.dir / file), "pt"))
-            t = opened[file].get_tensor(name)  # type: ignore[attr-defined]
-            if tuple(t.shape) != shape:
-                raise HFError(f"{model.dir / file}: {name} has shape {tuple(t.shape)}, {CONFIG} implies {shape}")
+    def __init__(self, model: HFModel) -> None:
+        self.model = model
+        self.bytes_read = 0
+
+    def __call__(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
+        with Reader(self.model) as reader:
+            reader.check([name] if name in reader.maps else [])
+            t = reader.read(name, index)
+            self.bytes_read += reader.bytes_read
             return t
 
-        for lm, hf in wanted:
-            if isinstance(hf, tuple):  # experts stacked along dim 0
-                t = torch.stack([get(name, shapes[lm][1:]) for name in hf])
-            else:
-                t = get(hf, shapes[lm])
-            heads = _heads_of(lm, model.config)
-            yield lm, (to_loom_rows(t, heads) if heads else t)
 
-
-def _parts(hf: str | tuple[str, ...]) -> tuple[str, ...]:
-    return hf if isinstance(hf, tuple) else (hf,)
-
-
-def source(model: HFModel) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
-    """The whole value of a Loom parameter by name, read from the checkpoint when asked (for
-    materializing a model built on the meta device: each rank reads the parameters it holds a piece of)."""
-
-    def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        for _, t in read_state(model, {name}):
-            return t
-        raise HFError(f"{model.dir}: the checkpoint has no tensor for Loom's {name}")
-
-    return read
+def source(model: HFModel) -> HFSource:
+    """The box reader of ``model``'s weights (:class:`HFSource`)."""
+    return HFSource(model)
 
 
 @torch.no_grad()
@@ -273,8 +405,21 @@ def load_into(module: torch.nn.Module, model: HFModel) -> None:
         params[name].copy_(t)
 
 
+def _is_gpt2(cfg: ModelConfig) -> bool:
+    """GPT-2's tensors exactly: every GPT-2 field set, and nothing GPT-2 lacks."""
+    fields = (cfg.positions == "learned", cfg.norm == "layernorm", cfg.mlp != "swiglu", cfg.bias)
+    if not any(fields):
+        return False
+    if not all(fields) or cfg.qkv_bias or cfg.qk_norm or cfg.moe or cfg.n_kv_heads != cfg.n_heads:
+        raise HFError("model: GPT2LMHeadModel needs positions = learned, norm = layernorm, mlp = gelu or gelu_tanh, "
+                      "bias = true, n_kv_heads = n_heads, and no q/k/v biases, q/k norms or experts")  # fmt: skip
+    return True
+
+
 def architecture_of(cfg: ModelConfig) -> str:
     """The Hugging Face family that holds exactly ``cfg``'s tensors."""
+    if _is_gpt2(cfg):
+        return GPT2
     if cfg.qk_norm and not cfg.qkv_bias:
         return "Qwen3ForCausalLM"
     if cfg.qkv_bias and not cfg.qk_norm:
@@ -285,9 +430,22 @@ def architecture_of(cfg: ModelConfig) -> str:
     return "MixtralForCausalLM" if cfg.moe else "LlamaForCausalLM"
 
 
+def _gpt2_hf_config(cfg: ModelConfig, dtype: str) -> dict:
+    return {
+        "architectures": [GPT2], "model_type": "gpt2", "n_embd": cfg.dim, "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads, "n_inner": cfg.resolved_ffn_dim(), "n_positions": cfg.max_seq_len,
+        "vocab_size": cfg.vocab_size, "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "activation_function": "gelu_new" if cfg.mlp == "gelu_tanh" else "gelu", "initializer_range": cfg.init_std,
+        "resid_pdrop": cfg.dropout, "embd_pdrop": 0.0, "attn_pdrop": cfg.dropout, "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "dtype": dtype,
+    }  # fmt: skip
+
+
 def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = None) -> dict:
     """``config.json`` for Loom's ``cfg`` (``extra``: fields carried over, e.g. token ids)."""
     architecture = architecture_of(cfg)
+    if architecture == GPT2:
+        return _gpt2_hf_config(cfg, dtype) | (extra or {})
     out = {
         "architectures": [architecture], "model_type": architecture.removesuffix("ForCausalLM").lower(),
         "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -308,18 +466,39 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = Non
     return out | (extra or {})
 
 
+def hf_units(cfg: ModelConfig, names: list[str]) -> list[list[str]]:
+    """``names`` grouped (in order) into the Loom tensors of one HF tensor each: GPT-2's q, k, v go
+    together into ``c_attn``; every other tensor alone."""
+    maps = dict(_mappings(cfg))
+    units: dict[str, list[str]] = {}
+    for name in names:
+        units.setdefault(maps[name].names()[0] if name in maps else name, []).append(name)
+    return list(units.values())
+
+
 def hf_tensors(cfg: ModelConfig, state: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for a stream of Loom (name, tensor); names outside the mapping raise."""
-    to_hf = dict(_names(cfg))
+    """(HF name, tensor) for a stream of Loom (name, tensor); names outside the mapping raise. The
+    parts of a fused tensor (GPT-2's c_attn) are held until the last one arrives."""
+    maps = dict(_mappings(cfg))
+    pending: dict[str, dict[int, torch.Tensor]] = {}
     for name, t in state:
-        if name not in to_hf:
+        if name not in maps:
             if cfg.tie_embeddings and name == "output.weight":
                 continue  # the tied head is the embedding
             raise HFError(f"{name}: no Hugging Face counterpart for this tensor")
-        heads = _heads_of(name, cfg)
-        t = to_hf_rows(t, heads) if heads else t
-        hf = to_hf[name]
-        if isinstance(hf, tuple):
-            yield from ((n, e.contiguous()) for n, e in zip(hf, t.unbind(0), strict=True))
-        else:
-            yield hf, t.contiguous()
+        m = maps[name]
+        t = to_hf_rows(t, m.heads) if m.heads else t
+        if isinstance(m.hf, tuple):
+            yield from ((n, e.contiguous()) for n, e in zip(m.hf, t.unbind(0), strict=True))
+            continue
+        j, n = m.part
+        if n > 1:
+            parts = pending.setdefault(m.hf, {})
+            parts[j] = t
+            if len(parts) < n:
+                continue
+            del pending[m.hf]
+            t = torch.cat([parts[i] for i in range(n)])
+        yield m.hf, (t.t() if m.conv1d else t).contiguous()
+    if pending:
+        raise HFError(f"{next(iter(pending))}: only some of its fused parts were given")

@@ -2,7 +2,9 @@
 
 RMSNorm, rotary position embeddings, grouped-query attention through
 ``F.scaled_dot_product_attention`` (optional q/k/v biases and per-head q/k RMSNorm), SwiGLU MLP or a top-k routed mixture of SwiGLU experts
-(``model.n_experts > 1``), optional tied embeddings. No parallel code
+(``model.n_experts > 1``), optional tied embeddings. The GPT-2 variants are fields of the config,
+not other classes: ``norm`` (LayerNorm with a bias), ``mlp`` (GELU, non-gated), ``positions``
+(a learned table instead of RoPE), ``bias`` (biases on every linear but the head). No parallel code
 lives here: strategies are applied from outside (module swap, hooks, wrapping).
 
 Shapes: B batch, T sequence, h = dim, a = n_heads, k = n_kv_heads, d = head_dim = h / a,
@@ -14,12 +16,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.config import ModelConfig
+from loom.config import ModelConfig, MoEConfig
+from loom.model.moe import ExpertWeights, MoEFeedForward, experts_forward, real_buffers, route, swiglu  # noqa: F401 (re-exported)
 
 
 class RMSNorm(nn.Module):
@@ -36,6 +40,27 @@ class RMSNorm(nn.Module):
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return y.type_as(x) * self.weight
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean(x)) / sqrt(var(x) + eps) * w + b, normalized in fp32 (``model.norm = layernorm``)."""
+
+    activation_kind = "norm"  # what its saved tensors count as for train.compress
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps)
+        return y.type_as(x) * self.weight + self.bias
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    """The norm ``cfg.norm`` names, over ``dim`` features."""
+    return LayerNorm(dim, cfg.norm_eps) if cfg.norm == "layernorm" else RMSNorm(dim, cfg.norm_eps)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float,
@@ -57,9 +82,13 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, heads, d) by the angles of positions 0..T-1."""
+    """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, heads, d) by the angles of positions 0..T-1 (tables
+    of shape (≥T, d/2)), or of each token's own position (per-token rows (B, T, d/2), packed data)."""
     T = x.shape[1]
-    cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, d/2)
+    if cos.dim() == 3:  # per-token rows
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, d/2)
+    else:
+        cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, d/2)
     xf = x.float().unflatten(-1, (-1, 2))  # (B, T, heads, d/2, 2)
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
@@ -78,13 +107,31 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """``docs`` (B, T) int64, packed data: the document of each token; key j is then visible to
+        query i iff j <= i and docs[j] == docs[i] (:func:`document_mask`)."""
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)  # (B, a, T, d)
             v = v.repeat_interleave(rep, dim=1)
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, a, T, d)
+        if docs is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, a, T, d)
+        mask = document_mask(docs, docs)[:, None]  # (B, 1, T, T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, a, T, d)
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """Document index of every token of a packed sequence: cumsum(positions == 0) along T, (B, T)."""
+    return (positions == 0).cumsum(dim=1)
+
+
+def document_mask(docs_q: torch.Tensor, docs_k: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Boolean (B, Tq, Tk) mask, True where query i (global index ``offset + i``) may see key j:
+    j <= offset + i and docs_k[j] == docs_q[i]. A query always sees itself, so no row is empty."""
+    i = torch.arange(docs_q.shape[1], device=docs_q.device)[:, None] + offset
+    j = torch.arange(docs_k.shape[1], device=docs_k.device)[None, :]
+    return (j <= i)[None] & (docs_q[:, :, None] == docs_k[:, None, :])
 
 
 class Attention(nn.Module):
@@ -95,15 +142,17 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        qkv_bias = cfg.qkv_bias or cfg.bias
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.bias)
+        self.rope = cfg.positions == "rope"  # learned positions are added to the embeddings instead
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = CoreAttention(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts come from the weights so a tensor-parallel shard (fewer heads) runs unchanged.
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, a, d)
@@ -111,84 +160,38 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, k, d)
         if self.q_norm is not None:  # per head, over d
             q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]  # k_norm is set whenever q_norm is
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
-        y = self.core(q, k, v)  # (B, a, T, d)
+        y = self.core(q, k, v) if docs is None else self.core(q, k, v, docs)  # (B, a, T, d)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, a*d)
         return self.wo(y)  # (B, T, h)
 
 
+def mlp_activation(kind: str, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The MLP's hidden activation: silu(a) * b (SwiGLU), gelu(a) exact, or gelu(a) with the tanh
+    approximation 0.5 a (1 + tanh(sqrt(2/π) (a + 0.044715 a³))) (GPT-2's gelu_new)."""
+    if kind == "swiglu":
+        assert b is not None  # the gate's partner w3 x
+        return F.silu(a) * b
+    return F.gelu(a, approximate="tanh" if kind == "gelu_tanh" else "none")
+
+
 class FeedForward(nn.Module):
-    """SwiGLU: w2( silu(w1 x) * w3 x ), hidden size f."""
+    """SwiGLU w2( silu(w1 x) * w3 x ), or (``kind`` gelu, gelu_tanh) w2( gelu(w1 x) ) without w3;
+    hidden size f, biases on w1 and w2 with ``bias``."""
 
     activation_kind = "mlp"  # what its saved tensors count as for train.compress
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, kind: str = "swiglu", bias: bool = False) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.kind = kind
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        self.w3 = nn.Linear(dim, hidden, bias=False) if kind == "swiglu" else None
+        self.w2 = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, h)
-
-
-class ExpertWeights(nn.Module):
-    """One weight matrix per expert, stacked: ``weight`` of shape (E, out, in)."""
-
-    def __init__(self, n_experts: int, out_features: int, in_features: int, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features, device=device, dtype=dtype))
-
-
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing of tokens x (N, h) over E experts: probabilities p = softmax(x W_rᵀ) in fp32;
-    each token keeps its k most probable experts, weighted by p_e / Σ_topk p. Returns the
-    weights (N, k) in x's dtype and the expert ids (N, k)."""
-    probs = F.softmax(F.linear(x, router).float(), dim=-1)  # (N, E)
-    weights, experts = probs.topk(top_k, dim=-1)  # (N, k)
-    return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), experts
-
-
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """w2( silu(w1 x) * w3 x ) for one expert's (f, h), (f, h), (h, f) weights; x: (n, h) -> (n, h)."""
-    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
-
-
-def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
-                    w3: torch.Tensor, w2: torch.Tensor, first: int = 0) -> torch.Tensor:  # fmt: skip
-    """Σ over each token's routed experts of weight · SwiGLU_e(x), for the experts ``first ..
-    first + len(w1) - 1`` held in the stacked (E', f, h), (E', f, h), (E', h, f) weights; tokens
-    routed elsewhere get nothing from here. x: (N, h) -> (N, h)."""
-    out = torch.zeros_like(x)
-    for j in range(w1.shape[0]):
-        token, slot = (experts == first + j).nonzero(as_tuple=True)
-        if token.numel() == 0:
-            continue
-        y = swiglu(x.index_select(0, token), w1[j], w3[j], w2[j])
-        out = out.index_add(0, token, y * weights[token, slot, None])
-    return out
-
-
-class MoEFeedForward(nn.Module):
-    """Mixture of SwiGLU experts (Mixtral-style top-k routing, dropless: every routed token is
-    computed): y = Σ_{e in topk(x)} (p_e / Σ_topk p) · w2_e( silu(w1_e x) * w3_e x )."""
-
-    activation_kind = "mlp"  # what its saved tensors (router and experts) count as for train.compress
-
-    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int) -> None:
-        super().__init__()
-        self.top_k = top_k
-        self.router = nn.Linear(dim, n_experts, bias=False)
-        self.w1 = ExpertWeights(n_experts, hidden, dim)
-        self.w3 = ExpertWeights(n_experts, hidden, dim)
-        self.w2 = ExpertWeights(n_experts, dim, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # (N = B·T, h)
-        weights, experts = route(flat, self.router.weight, self.top_k)
-        return experts_forward(flat, weights, experts, self.w1.weight, self.w3.weight, self.w2.weight).view_as(x)
+        return self.w2(mlp_activation(self.kind, self.w1(x), None if self.w3 is None else self.w3(x)))  # (B, T, h)
 
 
 class Block(nn.Module):
@@ -198,37 +201,57 @@ class Block(nn.Module):
     core; with p = 0 (the default) no dropout op runs at all.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = make_norm(cfg, cfg.dim)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = make_norm(cfg, cfg.dim)
         self.feed_forward: nn.Module  # replaced by tensor/expert-parallel modules from outside
         if cfg.moe:
-            self.feed_forward = MoEFeedForward(cfg.dim, cfg.resolved_ffn_dim(), cfg.n_experts, cfg.top_k)
+            self.feed_forward = MoEFeedForward(cfg.dim, cfg.resolved_ffn_dim(), cfg.n_experts, cfg.top_k, moe)
         else:
-            self.feed_forward = FeedForward(cfg.dim, cfg.resolved_ffn_dim())
+            self.feed_forward = FeedForward(cfg.dim, cfg.resolved_ffn_dim(), cfg.mlp, cfg.bias)
         self.dropout = cfg.dropout
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.dropout, training=True) if self.dropout > 0 and self.training else x
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self._drop(self.attention(self.attention_norm(x), cos, sin))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """``docs``: packed data's document ids (B, T), passed to the attention (see CoreAttention)."""
+        attn = self.attention(self.attention_norm(x), cos, sin, *(() if docs is None else (docs,)))
+        x = x + self._drop(attn)
         return x + self._drop(self.feed_forward(self.ffn_norm(x)))
+
+
+def embed(tok: nn.Module, pos: nn.Module | None, pos_ids: torch.Tensor | None, tokens: torch.Tensor,
+          positions: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Token embeddings (B, T, h), plus with learned positions the table's rows at each token's
+    position: ``positions`` (B, T) when given, else the first T of ``pos_ids``."""
+    h = tok(tokens)
+    if pos is None:
+        return h
+    return h + pos(positions if positions is not None else cast(torch.Tensor, pos_ids)[: tokens.shape[1]])
 
 
 class Transformer(nn.Module):
     """Token ids (B, T) -> logits (B, T, V)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be resolved (> 0) before building the model")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # Learned absolute positions (GPT-2): row p of the table is added at position p; pos_ids holds
+        # the positions of the tokens this model sees (context parallelism swaps in its ranks' own).
+        learned = cfg.positions == "learned"
+        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim) if learned else None
+        self.register_buffer("pos_ids", torch.arange(cfg.max_seq_len) if learned else None, persistent=False)
+        self.layers = nn.ModuleList(Block(cfg, moe) for _ in range(cfg.n_layers))
+        for i, block in enumerate(self.layers):  # MoE metrics name their layer
+            if isinstance(block.feed_forward, MoEFeedForward):
+                block.feed_forward.layer_id = i
+        self.norm = make_norm(cfg, cfg.dim)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -243,11 +266,23 @@ class Transformer(nn.Module):
         with torch.device(device) if device is not None else contextlib.nullcontext():
             return rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling if cfg.rope_scaling else None)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)  # (B, T, h)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` (B, T) int64, packed data: each token's position in its own document (0 at
+        every document start); RoPE then uses those positions and attention stays inside documents."""
+        h = embed(self.tok_embeddings, self.pos_embeddings, cast(torch.Tensor | None, self.pos_ids), tokens,
+                  positions)  # (B, T, h)  # fmt: skip
+        args = layer_args(cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin), positions)
         for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, *args)
         return self.output(self.norm(h))  # (B, T, V)
+
+
+def layer_args(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """What every block takes after h: the RoPE tables (cos, sin), or with packed ``positions`` each
+    token's rows (B, T, d/2) and the document ids (B, T) (:func:`document_ids`)."""
+    if positions is None:
+        return cos, sin
+    return cos[positions], sin[positions], document_ids(positions)
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -278,29 +313,35 @@ def init_weights(model: Transformer, seed: int) -> None:
         p.copy_(init_value(model.cfg, seed, name, tuple(p.shape)).to(p.device, p.dtype))
 
 
-def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", meta: bool = False) -> Transformer:
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", meta: bool = False,
+                moe: MoEConfig | None = None) -> Transformer:  # fmt: skip
     """Construct and deterministically initialise the reference model on ``device``; with ``meta``,
     parameters stay on the meta device (no memory; :func:`init_value` gives each its value later,
-    per rank, once the parallel dimensions have cut it) and buffers are built on ``device``."""
+    per rank, once the parallel dimensions have cut it) and buffers are built on ``device``. ``moe``:
+    the [moe] options of MoE layers (shared experts, selection bias, routing; defaults when None)."""
     if not meta:
-        model = Transformer(cfg).to(device)
+        model = Transformer(cfg, moe).to(device)
         init_weights(model, seed)
         return model
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, moe)
     model.rope_cos, model.rope_sin = model.rope_buffers(device)
+    real_buffers(model, device)
+    if model.pos_ids is not None:
+        model.pos_ids = torch.arange(cfg.max_seq_len, device=device)
     return model
 
 
 def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    """Unique parameters (tied weights counted once); optionally without the input embedding."""
+    """Unique parameters (tied weights counted once); optionally without the input embeddings (the
+    token table, and the learned position table: lookups, not matmuls)."""
     seen: set[int] = set()
     n = 0
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        if exclude_embedding and name.startswith("tok_embeddings"):
+        if exclude_embedding and name.startswith(("tok_embeddings", "pos_embeddings")):
             continue
         n += p.numel()
     return n

@@ -8,40 +8,50 @@ and loss are token-local and run on the T/cp local tokens unchanged. Rotary embe
 global positions: the model's ``rope_cos``/``rope_sin`` tables are replaced by their rows at
 the local positions, so ``apply_rope``'s ``cos[:T/cp]`` reads exactly those.
 
-Attention, all-gather based (as Llama 3 trains long context, Dubey et al. 2024, §3.3.2): each
-attention core all-gathers the keys and values (B, k, T/cp, d) of the cp group before it runs
-(rank-major order, which softmax does not care about), and masks by global position:
-query i sees key j iff pos(j) <= pos(i). Backward reduce-scatters dK and dV. Per layer and
-micro-batch, with b bytes per element and k·d = the key/value width (per tp rank):
+Attention (``parallel.cp_mode``), each core in :mod:`loom.parallel.context`:
 
-    forward   all-gather of K and V:   2 · B·(T/cp)·k·d·b · (cp-1)  bytes sent per rank
-    backward  reduce-scatter of dK, dV: the same
+- ``allgather``: K and V all-gathered before the core, dK and dV reduce-scattered after
+  (:mod:`~loom.parallel.context.allgather`); saves the whole sequence's K and V.
+- ``ring``: K/V blocks circulate by point-to-point sends overlapped with the blocks' attention,
+  dK/dV accumulators circulate in backward (:mod:`~loom.parallel.context.ring`); saves O(T/cp).
+- ``alltoall``: q, k, v exchanged from sequence- to head-sharded and the output back
+  (:mod:`~loom.parallel.context.alltoall`, Ulysses); saves O(T/cp); needs heads divisible by cp.
 
-(and again in a recomputed forward). The gathered keys and values, repeated to the query heads,
-are what the attention saves for backward: 2·B·T·h·b per layer and rank where a ring would keep
-2·B·(T/cp)·h·b (:func:`loom.memory.activations.activation_bytes_per_layer` with ``cp``); the
-additive causal mask (T/cp, T) is one buffer shared by every layer.
+No mode builds a dense mask: causal attention of the load-balanced chunks is one causal block and
+cp − 1 unmasked half blocks (:mod:`~loom.parallel.context.blocks`), merged by log-sum-exp.
+Bytes sent per rank per step: :func:`cp_comm_bytes`; saved activations per layer:
+:func:`loom.memory.activations.activation_bytes_per_layer` with ``cp`` and ``cp_mode``.
 
 Gradients. Every parameter is replicated over cp, and each rank's loss is the mean over its
 T/cp tokens. The data-parallel reduction therefore runs over dp·cp ranks (ZeRO shards over
 dp_shard·cp), and its average is the mean over all tokens, because every rank holds as many.
-The result equals one process on the whole sequence. Dropout is not supported with cp > 1
-(config validation): its masks would need a cp-private stream.
+The result equals one process on the whole sequence.
+
+Dropout. Each block runs on a generator private to its cp rank (seeded from one draw of the
+default generator plus the rank, as tensor parallelism's :func:`~loom.parallel.tp_rng.tp_local_rng`;
+tp's own regions nest inside it): the residual-branch masks of the rank's tokens differ from every
+other rank's, and recomputation, which restores the default generator before replaying a block,
+draws them again identically. Attention dropout: ring and allgather drop each block's
+probabilities with a mask drawn from the block's seed (one draw per core call, plus query and key
+ranks; :func:`~loom.parallel.context.blocks.block_seed`), drawn again in backward, so the two modes
+drop the same elements; alltoall drops inside the flash call on its heads. One process draws its
+masks from one stream over the whole sequence, which no split can reproduce: with dropout the
+tests assert what holds instead (recomputed = stored, ring = allgather, masks private per rank).
 """
 
 from __future__ import annotations
 
-from typing import cast
+import contextlib
+from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loom.comm import CommMeter, Group
 from loom.model.llama import CoreAttention
-from loom.parallel.tp_comm import gather_seq
+from loom.parallel.tp_rng import tp_local_rng
 
-__all__ = ["ContextParallelCore", "apply_context_parallel", "cp_comm_bytes", "local_positions", "shard_sequence"]
+__all__ = ["apply_context_parallel", "context_core", "cp_comm_bytes", "local_positions", "shard_sequence"]
 
 
 def local_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -54,70 +64,116 @@ def local_positions(seq_len: int, cp: int, rank: int, device: torch.device | str
 
 
 def shard_sequence(batches, cp: int, rank: int):
-    """This cp rank's tokens of each (tokens, targets) micro-batch: columns at :func:`local_positions`."""
+    """This cp rank's columns (:func:`local_positions`) of each micro-batch: (tokens, targets), or with
+    packed documents (tokens, targets, positions), every tensor (B, T) cut alike."""
     if cp == 1:
         return batches
     out = []
-    for x, y in batches:
-        idx = local_positions(x.shape[1], cp, rank).to(x.device)
-        out.append((x.index_select(1, idx), y.index_select(1, idx)))
+    for batch in batches:
+        idx = local_positions(batch[0].shape[1], cp, rank).to(batch[0].device)
+        out.append(tuple(t.index_select(1, idx) for t in batch))
     return out
 
 
-class ContextParallelCore(nn.Module):
-    """:class:`~loom.model.llama.CoreAttention` over the whole sequence of the cp group: local
-    queries (B, a, T/cp, d), keys and values all-gathered, causal mask by global position."""
+def _cores() -> dict[str, type[nn.Module]]:
+    from loom.parallel.context.allgather import AllGatherCore
+    from loom.parallel.context.alltoall import AllToAllCore
+    from loom.parallel.context.ring import RingCore
 
-    mask: torch.Tensor  # a registered buffer (non-persistent)
+    return {"allgather": AllGatherCore, "ring": RingCore, "alltoall": AllToAllCore}
 
-    def __init__(self, mask: torch.Tensor, group: Group, meter: CommMeter | None = None) -> None:
-        super().__init__()
-        self.group, self.meter = group, meter
-        self.register_buffer("mask", mask, persistent=False)  # one tensor shared by every layer
 
-    @staticmethod
-    def causal_mask(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Additive mask (T/cp, T), 0 where query i may see key j (pos(j) <= pos(i)), -inf elsewhere;
-        keys in the order of the all-gather (rank-major)."""
-        q_pos = local_positions(seq_len, cp, rank, device)
-        k_pos = torch.cat([local_positions(seq_len, cp, r, device) for r in range(cp)])
-        mask = torch.zeros(len(q_pos), seq_len, device=device)
-        return mask.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+def context_core(mode: str, group: Group, rank: int, cp: int, meter: CommMeter | None = None,
+                 dropout: float = 0.0) -> nn.Module:  # fmt: skip
+    """The attention core of ``mode`` for cp rank ``rank`` of ``group`` (attention dropout ``dropout``)."""
+    return _cores()[mode](group, rank, cp, meter, dropout)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # (B, k, T/cp, d) -> (B, k, T, d): gather along the sequence (dim 2, via the batch-first helper)
-        k = gather_seq(k.transpose(1, 2), self.group, self.meter).transpose(1, 2)
-        v = gather_seq(v.transpose(1, 2), self.group, self.meter).transpose(1, 2)
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        mask = self.mask if self.mask.dtype == q.dtype else self.mask.to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, a, T/cp, d)
+
+class CpPrivateRng:
+    """Forward hooks running a module on a generator private to cp rank ``rank``
+    (:func:`loom.parallel.tp_rng.tp_local_rng`): entered before its forward, left after (also when it
+    raises). A checkpoint inside the forward stashes the private generator's state and replays it."""
+
+    def __init__(self, rank: int, device: torch.device) -> None:
+        self.rank, self.device = rank, device
+        self.open: list[contextlib.AbstractContextManager] = []
+
+    def attach(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self.enter)
+        module.register_forward_hook(self.leave, always_call=True)
+
+    def enter(self, _module: nn.Module, _args: Any) -> None:
+        ctx = tp_local_rng(self.rank, self.device)
+        ctx.__enter__()
+        self.open.append(ctx)
+
+    def leave(self, _module: nn.Module, _args: Any, _out: Any) -> None:
+        if self.open:  # (empty when entering itself failed)
+            self.open.pop().__exit__(None, None, None)
 
 
 def apply_context_parallel(model: nn.Module, mesh, cfg, meter: CommMeter | None = None) -> None:
-    """Swap every attention core for :class:`ContextParallelCore` and the rotary tables for the rows
+    """Swap every attention core for the core of ``parallel.cp_mode`` and the rotary tables for the rows
     of this rank's positions (in place; before the pipeline split, so stages share them)."""
     cp, rank, group = mesh.size("cp"), mesh.local_rank("cp"), mesh.group("cp")
     if cp == 1:
         return
     positions = local_positions(cfg.data.seq_len, cp, rank)
     rope_cos, rope_sin = cast(torch.Tensor, model.rope_cos), cast(torch.Tensor, model.rope_sin)  # buffers
-    mask = ContextParallelCore.causal_mask(cfg.data.seq_len, cp, rank, rope_cos.device)
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, CoreAttention):
-                setattr(module, name, ContextParallelCore(mask, group, meter))
-    model.rope_cos = rope_cos[positions.to(rope_cos.device)]
-    model.rope_sin = rope_sin[positions.to(rope_sin.device)]
+                setattr(module, name, context_core(cfg.parallel.cp_mode, group, rank, cp, meter, child.dropout))
+    if cfg.model.dropout > 0:  # each cp rank's tokens (and heads) draw their own masks, replayable
+        private = CpPrivateRng(rank, rope_cos.device)
+        for block in cast(nn.ModuleList, model.layers):
+            private.attach(block)
+    full = (rope_cos, rope_sin)
+    local = (rope_cos[positions.to(rope_cos.device)], rope_sin[positions.to(rope_sin.device)])
+    model.rope_cos, model.rope_sin = local
+
+    def tables(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Packed documents index the whole tables by each token's position; otherwise the model
+        reads the first T/cp rows: this rank's positions."""
+        packed = (args[1] if len(args) > 1 else kwargs.get("positions")) is not None
+        module.rope_cos, module.rope_sin = full if packed else local
+
+    model.register_forward_pre_hook(tables, with_kwargs=True)
+    pos_ids = getattr(model, "pos_ids", None)
+    if pos_ids is not None:  # learned positions: the table's rows at this rank's global positions
+        model.pos_ids = positions.to(pos_ids.device)
+
+
+def cp_layer_bytes(batch: int, seq_len: int, kv_width: int, cp: int, elem: int, mode: str = "allgather",
+                   q_width: int = 0, head_dim: int = 1) -> tuple[int, int]:  # fmt: skip
+    """(forward, backward) bytes one rank sends per layer and micro-batch under ``mode``, with
+    kv = B·(T/cp)·kv_width elements of local keys (kv_width = k·d per tp rank), e = ``elem``:
+
+        allgather  forward 2·kv·e·(cp-1)            backward the same (reduce-scatter of dK, dV)
+        ring       forward 2·kv·e·(cp-1)            backward 2·kv·e·(cp-1) + 2·kv·4·cp (fp32 dK, dV)
+        alltoall   forward (2·q + 2·kv')·e·(cp-1)/cp  backward the same; q = B·(T/cp)·q_width,
+                   kv' = kv·f with f = cp/gcd(k, cp) (key/value heads repeated, k = kv_width/head_dim)
+
+    Packed documents add per core call an all-gather of B·2 int64 document-start counts and the
+    keys' document ids (int64, B·(T/cp) per K/V message or gathered); not counted here.
+    """
+    if cp == 1:
+        return 0, 0
+    kv = batch * (seq_len // cp) * kv_width
+    if mode == "alltoall":
+        from loom.parallel.context.alltoall import kv_repeat
+
+        q = batch * (seq_len // cp) * q_width
+        moved = (2 * q + 2 * kv * kv_repeat(kv_width // head_dim, cp)) * elem * (cp - 1) // cp
+        return moved, moved
+    fwd = 2 * kv * elem * (cp - 1)
+    return fwd, fwd + (2 * kv * 4 * cp if mode == "ring" else 0)
 
 
 def cp_comm_bytes(batch: int, seq_len: int, kv_width: int, n_layers: int, cp: int, elem: int,
-                  micro_batches: int = 1, recompute: bool = False) -> int:  # fmt: skip
-    """Bytes one rank sends per step for context parallelism (module formula): per layer and
-    micro-batch, all-gathers of K and V forward and reduce-scatters of dK and dV backward, each
-    B·(T/cp)·kv_width·b·(cp-1); the forward's again under full recomputation."""
-    per = 2 * batch * (seq_len // cp) * kv_width * elem * (cp - 1)
-    passes = 3 if recompute else 2
-    return per * passes * n_layers * micro_batches
+                  micro_batches: int = 1, recompute: bool = False, mode: str = "allgather", q_width: int = 0,
+                  head_dim: int = 1) -> int:  # fmt: skip
+    """Bytes one rank sends per step for context parallelism: :func:`cp_layer_bytes` per layer and
+    micro-batch, the forward's again under full recomputation."""
+    fwd, bwd = cp_layer_bytes(batch, seq_len, kv_width, cp, elem, mode, q_width, head_dim)
+    return (fwd * (2 if recompute else 1) + bwd) * n_layers * micro_batches

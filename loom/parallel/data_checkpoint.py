@@ -40,10 +40,11 @@ class ReplicatedState:
         everywhere = (self.tp_rank * self.count + self.index, self.tp * self.count)
         for name, t in unique_named_tensors(self.module):
             expert = placement_of(t).expert
-            if expert is not None:  # this rank's experts (rows along dim 0), repeated over its edp group
+            if expert is not None:  # this rank's experts (rows along dim 0), repeated over its edp group (x tp)
                 shape, offsets = expert_geometry(t)
-                out[name] = Placement(t, shape, Box(offsets, tuple(t.shape)), _rank_size(expert.edp),
-                                      read_group(expert.edp, self.device))  # fmt: skip
+                e_rank, e_size = _rank_size(expert.edp)
+                out[name] = Placement(t, shape, Box(offsets, tuple(t.shape)), (self.tp_rank * e_size + e_rank,
+                                      self.tp * e_size), read_group(expert.edp, self.device))  # fmt: skip
                 continue
             shape, tp_offsets = tp_geometry(t, self.tp_rank, self.tp)
             if tp_offsets is None:

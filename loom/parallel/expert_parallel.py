@@ -10,9 +10,14 @@ Forward of one MoE layer, on this rank's N tokens (the plain model's routing, un
     route       top-k experts and weights per token (router replicated)
     dispatch    the A = N·k (token, expert) rows, sorted by expert, go to the rank holding the
                 expert (all-to-all; the per-expert counts first, in a small all-to-all)
-    experts     each rank runs its E/ep experts on the rows it received (SwiGLU, no weights)
+    experts     each rank runs its E/ep experts on the rows it received, regrouped by expert, as
+                one grouped matmul per weight (SwiGLU, no weights)
     combine     the results return by the reverse all-to-all; each token sums its rows times
                 its routing weights, in expert order as the single-device layer does
+
+Routing, capacity, shared experts and the balancing losses are the plain layer's
+(:mod:`loom.model.moe`) on this rank's tokens; with ``moe.aux_loss_coef`` > 0 its counts add one
+all-reduce of E + 1 numbers per layer and micro-batch over dp x cp (not metered, not counted below).
 
 Backward runs the two all-to-alls in reverse. Calls per layer and micro-batch: 5 all-to-alls
 (counts, dispatch and combine forward, both again backward), 8 under full recomputation, which
@@ -23,7 +28,8 @@ Gradients. An expert's gradient on its rank already sums the tokens of the whole
 data-parallel reduction sums it over the edp group and divides by dp·cp, like every other
 gradient, so all of them are the gradient of the global mean loss
 (:class:`loom.parallel.data_parallel.DataParallel` reduces each bucket over its parameters'
-group). Clipping sums the experts' squares over the ep group.
+group). Clipping sums the experts' squares over the ep group. Under ZeRO 1-2 the experts' buckets
+are sharded over their edp group instead of dp x cp (:mod:`loom.parallel.zero.stage12`).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.model.llama import ExpertWeights, MoEFeedForward, route, swiglu
+from loom.model.moe import ExpertWeights, MoEFeedForward, grouped_swiglu
 from loom.parallel.placement import ExpertShard, place, placement_of, setattr_placement, slice_of
 
 __all__ = ["ExpertParallelMoE", "apply_expert_parallel", "gather_experts"]
@@ -70,20 +76,24 @@ class _AllToAll(Function):
         return _all_to_all(grad, in_rows, out_rows, group, meter, me), None, None, None, None, None
 
 
-class ExpertParallelMoE(nn.Module):
-    """:class:`~loom.model.llama.MoEFeedForward` with this rank's E/ep experts (same parameter names)."""
-
-    activation_kind = "mlp"  # what its saved tensors count as for train.compress
+class ExpertParallelMoE(MoEFeedForward):
+    """:class:`~loom.model.moe.MoEFeedForward` with this rank's E/ep experts (same parameter names);
+    routing, capacity, shared experts and balancing are the plain layer's, on this rank's tokens."""
 
     def __init__(self, moe: MoEFeedForward, rank: int, ep: int, group: Group, edp_group: Group,
                  meter: CommMeter | None = None) -> None:  # fmt: skip
-        super().__init__()
+        nn.Module.__init__(self)
         n_experts = moe.router.weight.shape[0]
         if n_experts % ep:
             raise ValueError(f"model.n_experts={n_experts} must be divisible by parallel.ep={ep}")
-        self.top_k, self.rank, self.ep, self.group, self.meter = moe.top_k, rank, ep, group, meter
-        self.n_experts, self.local = n_experts, n_experts // ep
+        self.top_k, self.n_experts, self.options = moe.top_k, n_experts, moe.options
+        self.rank, self.ep, self.group, self.meter = rank, ep, group, meter
+        self.local = n_experts // ep
         self.router = moe.router  # replicated
+        self.shared = moe.shared  # replicated
+        self.register_buffer("expert_bias", moe.expert_bias)
+        self._init_state()
+        self.layer_id, self.stats_groups, self.loss_share = moe.layer_id, moe.stats_groups, moe.loss_share
         for name in ("w1", "w3", "w2"):
             full = getattr(moe, name).weight
             mine = ExpertWeights(self.local, full.shape[1], full.shape[2], device=full.device, dtype=full.dtype)
@@ -94,33 +104,25 @@ class ExpertParallelMoE(nn.Module):
             place(mine.weight, expert=ExpertShard(rank, ep, group, edp_group))  # read by data parallelism and checkpoints
             setattr(self, name, mine)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # (N, h)
-        weights, experts = route(flat, self.router.weight, self.top_k)  # (N, k)
-        k = experts.shape[1]
-        order = torch.argsort(experts.reshape(-1), stable=True)  # assignments sorted by expert
-        token = order // k
-        per_expert = torch.bincount(experts.reshape(-1), minlength=self.n_experts)  # rows for each expert
+    def expert_outputs(self, flat: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
+                       weight: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Dispatch the rows (sorted by expert) to their experts' ranks, compute, combine."""
+        per_expert = torch.bincount(expert, minlength=self.n_experts)  # rows for each expert
         # got[src*local + j]: rows rank src sends for my expert j (a small all-to-all of counts)
         got = _all_to_all(per_expert, [self.local] * self.ep, [self.local] * self.ep, self.group, self.meter, self.rank)
         send = per_expert.view(self.ep, self.local).sum(1).tolist()
         recv_table = got.view(self.ep, self.local)
         recv = recv_table.sum(1).tolist()
         rows = _AllToAll.apply(flat.index_select(0, token), recv, send, self.group, self.meter, self.rank)
-        # received rows: by source rank, within it by expert; run each local expert on its rows
-        expert_of_row = torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(
-            recv_table.reshape(-1))  # fmt: skip
-        out_rows = torch.zeros_like(rows)
+        # received rows: by source rank, within it by expert; regroup them by local expert
+        expert_of_row = torch.arange(self.local, device=flat.device).repeat(self.ep).repeat_interleave(
+            recv_table.reshape(-1), output_size=rows.shape[0])  # fmt: skip
+        by_expert = torch.argsort(expert_of_row, stable=True)
         w1, w3, w2 = (cast(ExpertWeights, getattr(self, n)).weight for n in ("w1", "w3", "w2"))
-        for j in range(self.local):
-            idx = (expert_of_row == j).nonzero(as_tuple=True)[0]
-            if idx.numel() == 0:
-                continue
-            y = swiglu(rows.index_select(0, idx), w1[j], w3[j], w2[j])
-            out_rows = out_rows.index_add(0, idx, y)
+        y = grouped_swiglu(rows.index_select(0, by_expert), recv_table.sum(0), w1, w3, w2, self.options.compute)
+        out_rows = torch.empty_like(y).index_copy(0, by_expert, y)  # back to the received order
         back = _AllToAll.apply(out_rows, send, recv, self.group, self.meter, self.rank)  # sorted order again
-        w = weights.reshape(-1).index_select(0, order)
-        return torch.zeros_like(flat).index_add(0, token, back * w[:, None]).view_as(x)
+        return torch.zeros_like(flat).index_add(0, token, back * weight[:, None])
 
 
 def apply_expert_parallel(model: nn.Module, mesh, meter: CommMeter | None = None) -> None:
@@ -131,14 +133,15 @@ def apply_expert_parallel(model: nn.Module, mesh, meter: CommMeter | None = None
     rank, group, edp = mesh.local_rank("ep"), mesh.group("ep"), mesh.group("edp")
     for module in list(model.modules()):
         for name, child in module.named_children():
-            if isinstance(child, MoEFeedForward):
+            if isinstance(child, MoEFeedForward) and not isinstance(child, ExpertParallelMoE):
                 setattr(module, name, ExpertParallelMoE(child, rank, ep, group, edp, meter))
 
 
-def gather_experts(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s state dict with every expert weight whole (all E experts, gathered over ep);
-    a collective over each ep group."""
-    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+def gather_experts(module: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """``module``'s state dict (or ``state``, its tp-gathered one) with every expert weight whole
+    (all E experts, gathered over ep); a collective over each ep group."""
+    if state is None:
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     for name, p in module.named_parameters():
         shard = placement_of(p).expert
         if shard is None or name not in state:

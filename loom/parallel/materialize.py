@@ -4,9 +4,10 @@ and only then does each rank allocate and initialize what it holds.
 Every parameter of the reference model is tagged with its :class:`~loom.parallel.placement.Origin`
 (name and global shape) before any dimension is applied; tensor, expert and pipeline parallelism
 keep the tag and narrow its box as they slice. :func:`materialize` then gives each meta parameter
-its box of the whole parameter's value, ``source(name, shape)`` (the layout-independent init, or
-pretrained weights), one parameter at a time, so the values equal today's layout in every layout
-and the peak memory of construction on a rank is
+its box of the whole parameter's value, ``source(name, shape, index)`` (the layout-independent init,
+which generates the whole value and slices it, or pretrained weights, of which only the box is
+read), one parameter at a time, so the values equal today's layout in every layout and the peak
+memory of construction on a rank is
 
     its final model state + the largest whole parameter it holds a piece of.
 
@@ -21,10 +22,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from loom.config import ModelConfig
+from loom.model.llama import init_value
 from loom.parallel.placement import Origin, place, placement_of
 
-Source = Callable[[str, tuple[int, ...]], torch.Tensor]  # (name, global shape) -> the whole value (any device)
-Fill = Callable[[torch.Tensor], torch.Tensor]  # a meta parameter -> its local values
+Source = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]  # (name, global shape, box) -> the box's values
+
+Fill = Callable[[torch.Tensor, tuple[int, int]], torch.Tensor]  # (meta parameter, its rows [r0, r1)) -> their values
 
 
 def tag_origins(model: nn.Module) -> None:
@@ -34,21 +38,32 @@ def tag_origins(model: nn.Module) -> None:
             place(p, origin=Origin(name, tuple(p.shape)))
 
 
-def local_values(p: torch.Tensor, source: Source) -> torch.Tensor:
-    """``p``'s box of its whole value, ``source(name, shape)``."""
+def init_source(cfg: ModelConfig, seed: int) -> Source:
+    """The layout-independent init (:func:`~loom.model.llama.init_value`) as a source: the whole value
+    is generated (its RNG stream does not depend on the layout) and the box cut from it."""
+    return lambda name, shape, index: init_value(cfg, seed, name, shape)[index]
+
+
+def local_values(p: torch.Tensor, source: Source, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """``p``'s box of its whole value, ``source(name, shape, box)``; with ``rows``, only its rows
+    [r0, r1) along dim 0 (what a ZeRO-3 shard holds of it)."""
     origin = placement_of(p).origin
     if origin is None:
         raise ValueError(f"a meta parameter of shape {tuple(p.shape)} has no origin: cannot initialize it")
-    values = source(origin.name, origin.shape)[origin.index()]
-    if tuple(values.shape) != tuple(p.shape):
+    shape = tuple(p.shape)
+    if rows is not None:
+        origin = origin.narrowed(0, *rows)
+        shape = (rows[1] - rows[0], *shape[1:])
+    values = source(origin.name, origin.shape, origin.index())
+    if tuple(values.shape) != shape:
         raise ValueError(f"{origin.name}: box {origin.box} of {origin.shape} is {tuple(values.shape)}, "
-                         f"the parameter is {tuple(p.shape)}")  # fmt: skip
+                         f"the parameter is {shape}")  # fmt: skip
     return values
 
 
 def filler(source: Source) -> Fill:
     """The fill function of :meth:`~loom.parallel.zero.layout.FlatLayout.bind` for ``source``."""
-    return lambda p: local_values(p, source)
+    return lambda p, rows: local_values(p, source, rows)
 
 
 @torch.no_grad()

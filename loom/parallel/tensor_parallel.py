@@ -8,8 +8,11 @@ parameters. Parameter names are unchanged (``layers.0.attention.wq.weight`` is n
 Layout over the tp group of n ranks (h = dim, a heads, k kv-heads, f = ffn, V = vocab, L layers):
 
     embedding   vocab-parallel rows V/n, then g                (sp: reduce-scatter along seq)
+    positions   learned table replicated, added after g        (sp: the shard's rows, gradient partial)
     attention   wq, wk, wv column (a/n, k/n heads), wo row       (k < n, n % k == 0: kv replicated)
-    mlp         w1, w3 column (f/n), w2 row
+    mlp         w1 (, w3) column (f/n), w2 row                   (biases: column's sharded, row's whole)
+    moe         router and experts replicated: without sp every rank computes every token (the same
+                gradients); with sp each routes its sequence shard (gradients partial, summed over tp)
     head        column over the vocabulary: local logits (B, T, V/n), never gathered
     loss        vocab-parallel cross-entropy on the local logits
 
@@ -24,7 +27,9 @@ Bytes moved per rank per micro-batch (ring, ρ = (n-1)/n, S = b·s·h·e, e byte
 
 plus once per step, one all-reduce of the parameters whose gradient each rank holds in part
 (``tp_comm.sum_partial_grads``, as Megatron sums sequence-parallel norm gradients):
-2ρ·e·[(2L + 1)·h·[sp] + 2L·k·d·h·[k < n]] (norm weights; replicated key/value weights).
+2ρ·e·P, P = :func:`partial_numel`: with sp the norms' (2L + 1)·h weights (and as many LayerNorm
+biases), the 2L row-parallel biases of h and the learned position table S·h; replicated key/value
+weights 2L·k·d·h (and their biases 2L·k·d) when k < n; the q/k norm weights 2L·d.
 """
 
 from __future__ import annotations
@@ -43,14 +48,17 @@ from loom import comm
 from loom.comm import CommMeter, Group
 from loom.config import LoomConfig, ModelConfig, check_tensor_parallel
 from loom.model.llama import Block, FeedForward, Transformer
+from loom.model.moe import MoEFeedForward
 from loom.parallel.placement import placement_of
+from loom.parallel.tp_comm import mark_partial
 from loom.parallel.tp_layers import (
     ColumnParallelLinear,
     ParallelAttention,
     ParallelFeedForward,
-    SequenceParallelRMSNorm,
+    SequenceParallelPositions,
     TPContext,
     VocabParallelEmbedding,
+    sequence_parallel_norm,
     sharded_param,
 )
 from loom.parallel.tp_rng import tp_local_rng
@@ -75,7 +83,9 @@ def apply_tensor_parallel(
     for layer in full.layers:
         parallelize_block(layer, ctx)
     if ctx.sp:
-        model.norm = SequenceParallelRMSNorm(full.norm, ctx)
+        model.norm = sequence_parallel_norm(full.norm, ctx)
+        if full.pos_embeddings is not None:  # learned positions: this rank's sequence shard's rows
+            model.pos_embeddings = SequenceParallelPositions(full.pos_embeddings, ctx)
     loss = partial(vocab_parallel_cross_entropy, group=ctx.group, meter=meter)
     model.loss_fn = loss  # type: ignore[assignment]  # Module.__setattr__ is typed for Tensor | Module; a plain callable attribute is fine
     return loss
@@ -88,10 +98,15 @@ def parallelize_block(block: nn.Module, ctx: TPContext) -> nn.Module:
     """
     full = cast(Block, block)  # the single-device block, before its modules are swapped
     block.attention = ParallelAttention.from_full(full.attention, ctx)
-    block.feed_forward = ParallelFeedForward.from_full(cast(FeedForward, full.feed_forward), ctx)
+    if isinstance(full.feed_forward, MoEFeedForward):  # experts replicated over tp, each rank routes its tokens
+        if ctx.sp:  # this rank's sequence shard: its part of every MoE gradient, summed over tp once a step
+            for p in full.feed_forward.parameters():
+                mark_partial(p, ctx.group, ctx.meter)
+    else:
+        block.feed_forward = ParallelFeedForward.from_full(cast(FeedForward, full.feed_forward), ctx)
     if ctx.sp:
-        block.attention_norm = SequenceParallelRMSNorm(full.attention_norm, ctx)
-        block.ffn_norm = SequenceParallelRMSNorm(full.ffn_norm, ctx)
+        block.attention_norm = sequence_parallel_norm(full.attention_norm, ctx)
+        block.ffn_norm = sequence_parallel_norm(full.ffn_norm, ctx)
         if getattr(block, "dropout", 0.0) > 0:  # residual dropout on this rank's sequence shard
             block._drop = partial(_shard_dropout, block, ctx.rank)  # type: ignore[assignment]  # Module.__setattr__ is typed for Tensor | Module; this overrides a method
     return block
@@ -196,6 +211,15 @@ def gather_full_state(model: nn.Module, group: Group) -> dict[str, torch.Tensor]
     return out
 
 
+def partial_numel(cfg: ModelConfig, tp: int, sp: bool) -> int:
+    """Elements of the parameters whose gradient each tp rank holds in part (module docstring)."""
+    L, h, d, k = cfg.n_layers, cfg.dim, cfg.head_dim, cfg.n_kv_heads
+    norms = (2 * L + 1) * h * (2 if cfg.norm == "layernorm" else 1)
+    seq_sharded = norms + 2 * L * h * cfg.bias + cfg.max_seq_len * h * (cfg.positions == "learned")
+    replicated_kv = 2 * L * k * d * (h + (cfg.qkv_bias or cfg.bias)) if k < tp else 0
+    return (seq_sharded if sp else 0) + replicated_kv + 2 * L * d * cfg.qk_norm
+
+
 def comm_bytes_formula(
     cfg: ModelConfig, batch: int, seq: int, tp: int, sp: bool, elem: int = 4, micro_batches: int = 1
 ) -> float:
@@ -204,8 +228,8 @@ def comm_bytes_formula(
     if tp == 1:
         return 0.0
     rho = (tp - 1) / tp
-    L, h, d, k = cfg.n_layers, cfg.dim, cfg.head_dim, cfg.n_kv_heads
+    L, h = cfg.n_layers, cfg.dim
     S = batch * seq * h * elem
-    partial = ((2 * L + 1) * h if sp else 0) + (2 * L * k * d * h if k < tp else 0)  # summed once per step
+    partial = partial_numel(cfg, tp, sp)  # summed once per step
     per_mb = 2 * rho * ((4 * L + 2) * S + 3 * batch * seq * 4) if not sp else rho * ((10 * L + 5) * S + 6 * batch * seq * 4)
     return micro_batches * per_mb + 2 * rho * partial * elem

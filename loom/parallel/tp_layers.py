@@ -1,4 +1,4 @@
-"""Tensor-parallel layers: column/row-parallel linear, vocab-parallel embedding, attention, SwiGLU.
+"""Tensor-parallel layers: column/row-parallel linear, vocab-parallel embedding, attention, MLP.
 
 Megatron layout over a tensor-parallel group of n ranks (rank r):
 
@@ -13,6 +13,11 @@ reduce-scatters it (and all-gathers in backward). The column-parallel entry keep
 sequence *shard* for backward and re-gathers it there (overlapped with the input-gradient
 matmul), so no full-sequence activation outside attention/MLP is kept.
 
+Biases: a column-parallel layer's bias is sharded with its rows; a row-parallel layer's bias is whole
+on every rank and added once, after the Σ (with sp: to this rank's sequence shard, so its gradient is
+a partial sum over tp, like a sequence-parallel norm's weight and bias and the learned position
+table's rows).
+
 Sharded parameters are placed with ``tp_dim`` (0: rows, 1: columns, :mod:`loom.parallel.placement`); replicated parameters
 (norm weights, key/value weights replicated when n_kv_heads < n) have none.
 """
@@ -20,6 +25,7 @@ Sharded parameters are placed with ``tp_dim`` (0: rows, 1: columns, :mod:`loom.p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +34,15 @@ from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.model.llama import Attention, CoreAttention, FeedForward, RMSNorm, apply_rope
+from loom.model.llama import (
+    Attention,
+    CoreAttention,
+    FeedForward,
+    LayerNorm,
+    RMSNorm,
+    apply_rope,
+    mlp_activation,
+)
 from loom.parallel.placement import copy_placement, place, setattr_placement, slice_of
 from loom.parallel.tp_comm import (
     all_gather_seq,
@@ -170,18 +184,27 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = Σ_r x_r W_r^T: (.., in/n) -> (.., out); Σ is g (all-reduce) or, with sp, a reduce-scatter."""
+    """y = Σ_r x_r W_r^T + b: (.., in/n) -> (.., out); Σ is g (all-reduce) or, with sp, a
+    reduce-scatter; the whole bias b is added once, after the Σ (its gradient partial with sp)."""
 
-    def __init__(self, weight: nn.Parameter, ctx: TPContext) -> None:
+    def __init__(self, weight: nn.Parameter, ctx: TPContext, bias: nn.Parameter | None = None) -> None:
         super().__init__()
         self.weight = weight
+        self.bias = bias if bias is None or not ctx.sp else mark_partial(bias, ctx.group, ctx.meter)
         self.ctx = ctx
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, ctx: TPContext) -> RowParallelLinear:
+        """Columns of ``lin``'s weight sharded over tp; its bias whole on every rank."""
+        return cls(sharded_param(lin.weight, 1, ctx), ctx, lin.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)  # partial sum
         if self.ctx.sp:
-            return scatter_seq(y, self.ctx.group, self.ctx.meter)  # (B, T/n, out)
-        return reduce_from_tp(y, self.ctx.group, self.ctx.meter)  # (B, T, out)
+            y = scatter_seq(y, self.ctx.group, self.ctx.meter)  # (B, T/n, out)
+        else:
+            y = reduce_from_tp(y, self.ctx.group, self.ctx.meter)  # (B, T, out)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"local={tuple(self.weight.shape)}, tp={self.ctx.size}, sp={self.ctx.sp}"
@@ -207,6 +230,38 @@ class VocabParallelEmbedding(nn.Module):
         if self.ctx.sp:
             return scatter_seq(out, self.ctx.group, self.ctx.meter)  # (B, T/n, h)
         return reduce_from_tp(out, self.ctx.group, self.ctx.meter)
+
+
+class SequenceParallelLayerNorm(LayerNorm):
+    """LayerNorm on a sequence shard: its weight and bias gradients are partial sums over tp."""
+
+    def __init__(self, norm: LayerNorm, ctx: TPContext) -> None:
+        super().__init__(norm.weight.shape[0], norm.eps)
+        for p in (norm.weight, norm.bias):
+            mark_partial(p, ctx.group, ctx.meter)  # summed over tp once per step
+        self.weight, self.bias = norm.weight, norm.bias
+        self.ctx = ctx
+
+
+def sequence_parallel_norm(norm: nn.Module, ctx: TPContext) -> nn.Module:
+    """The sequence-parallel counterpart of an RMSNorm or a LayerNorm (same parameters, now partial)."""
+    if isinstance(norm, LayerNorm):
+        return SequenceParallelLayerNorm(norm, ctx)
+    return SequenceParallelRMSNorm(cast(RMSNorm, norm), ctx)
+
+
+class SequenceParallelPositions(nn.Module):
+    """The learned position table under sp: this rank's sequence shard's rows (positions cut along
+    the last dim like :func:`~loom.parallel.tp_comm.scatter_seq` cuts the sequence); the table's
+    gradient is a partial sum over tp. Without sp the table is used as it is (replicated)."""
+
+    def __init__(self, table: nn.Embedding, ctx: TPContext) -> None:
+        super().__init__()
+        self.weight = mark_partial(table.weight, ctx.group, ctx.meter)
+        self.ctx = ctx
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions.chunk(self.ctx.size, dim=-1)[self.ctx.rank], self.weight)
 
 
 class SequenceParallelRMSNorm(RMSNorm):
@@ -252,6 +307,7 @@ class ParallelAttention(nn.Module):
         self.core = core if core is not None else CoreAttention()  # local heads' softmax(qkᵀ)v
         self.q_norm: nn.Module | None = None  # per-head RMSNorm of q and k (replicated weights)
         self.k_norm: nn.Module | None = None
+        self.rope = True  # False with learned positions
 
     @classmethod
     def from_full(cls, attn: Attention, ctx: TPContext) -> ParallelAttention:
@@ -259,8 +315,9 @@ class ParallelAttention(nn.Module):
         rows = None if k % n == 0 else slice((r // (n // k)) * d, (r // (n // k) + 1) * d)
         wq = ColumnParallelLinear.from_linear(attn.wq, ctx)
         wk, wv = (ColumnParallelLinear.from_linear(lin, ctx, rows) for lin in (attn.wk, attn.wv))
-        wo = RowParallelLinear(sharded_param(attn.wo.weight, 1, ctx), ctx)
+        wo = RowParallelLinear.from_linear(attn.wo, ctx)
         out = cls(wq, wk, wv, wo, d, ctx, attn.core)
+        out.rope = getattr(attn, "rope", True)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         if q_norm is not None:  # replicated; each rank's heads give part of the grad
             if k_norm is None:
@@ -270,7 +327,8 @@ class ParallelAttention(nn.Module):
                 mark_partial(norm.weight, ctx.group, ctx.meter)
         return out
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """``docs``: packed data's document ids (B, T) of the full sequence (see CoreAttention)."""
         q, k, v = column_parallel_matmul(
             x, (self.wq.weight, self.wk.local_weight(), self.wv.local_weight()), self.ctx
         )
@@ -282,36 +340,36 @@ class ParallelAttention(nn.Module):
         v = v.view(B, T, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
         dropping = self.training and getattr(self.core, "dropout", 0.0) > 0
         with tp_local_rng(self.ctx.rank, q.device, enabled=dropping):  # masks of this rank's heads
-            y = self.core(q, k, v)  # (B, a/n, T, d)
+            y = self.core(q, k, v) if docs is None else self.core(q, k, v, docs)  # (B, a/n, T, d)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, a/n·d)
         return self.wo(y)  # (B, T, h), or (B, T/n, h) with sp
 
 
 class ParallelFeedForward(nn.Module):
-    """SwiGLU split along the hidden size f: w1, w3 column-parallel (fused entry), w2 row-parallel."""
+    """The MLP split along the hidden size f: w1 (and SwiGLU's w3) column-parallel (fused entry, w1's
+    bias sharded with its rows), w2 row-parallel (its bias added after the Σ)."""
 
     activation_kind = "mlp"  # what its saved tensors count as for train.compress
 
-    def __init__(
-        self, w1: ColumnParallelLinear, w3: ColumnParallelLinear, w2: RowParallelLinear, ctx: TPContext
-    ) -> None:
+    def __init__(self, w1: ColumnParallelLinear, w3: ColumnParallelLinear | None, w2: RowParallelLinear,
+                 ctx: TPContext, kind: str = "swiglu") -> None:  # fmt: skip
         super().__init__()
         self.w1, self.w3, self.w2 = w1, w3, w2
         self.ctx = ctx
+        self.kind = kind
 
     @classmethod
     def from_full(cls, ffn: FeedForward, ctx: TPContext) -> ParallelFeedForward:
-        return cls(
-            ColumnParallelLinear(sharded_param(ffn.w1.weight, 0, ctx), ctx),
-            ColumnParallelLinear(sharded_param(ffn.w3.weight, 0, ctx), ctx),
-            RowParallelLinear(sharded_param(ffn.w2.weight, 1, ctx), ctx),
-            ctx,
-        )
+        w3 = None if ffn.w3 is None else ColumnParallelLinear.from_linear(ffn.w3, ctx)
+        return cls(ColumnParallelLinear.from_linear(ffn.w1, ctx), w3, RowParallelLinear.from_linear(ffn.w2, ctx), ctx,
+                   getattr(ffn, "kind", "swiglu"))  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, b = column_parallel_matmul(x, (self.w1.weight, self.w3.weight), self.ctx)  # (B, T, f/n)
-        return self.w2(F.silu(a) * b)
+        weights = (self.w1.weight,) if self.w3 is None else (self.w1.weight, self.w3.weight)
+        a, *b = column_parallel_matmul(x, weights, self.ctx)  # (B, T, f/n)
+        return self.w2(mlp_activation(self.kind, self.w1.add_bias(a), b[0] if b else None))

@@ -62,6 +62,7 @@ def _device_of(cfg: LoomConfig) -> str:
 def _to_config(cfg: LoomConfig, lay: Layout) -> None:
     p = cfg.parallel
     p.dp, p.dp_shard, p.tp, p.pp, p.cp, p.ep = lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep
+    p.cp_mode = lay.cp_mode  # type: ignore[assignment]  # one of CP_MODES (the search enumerates only those)
     p.zero, p.sp, p.schedule, p.virtual_stages = lay.zero, lay.sp, lay.schedule, lay.v
     p.offload = "cpu" if lay.offload else "none"
     cfg.train.micro_batch = lay.micro_batch

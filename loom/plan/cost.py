@@ -6,16 +6,18 @@ m = global_batch / (dp*b) micro-batches per step, Phi parameters. Bytes per elem
 activation B_a (2 for bf16/fp16/fp8, 4 for fp32).
 
 Parameters (:class:`ParamCounts`), per layer: attention 2h^2 + 2hkd, SwiGLU 3hf (MoE: E*3hf
-plus a router hE), norms 2h; plus embedding Vh, head Vh unless tied, final norm h.
+plus a router hE), norms 2h; plus embedding Vh, head Vh unless tied, final norm h. GPT-2's
+variants: the GELU MLP 2hf, biases (q/k/v h + 2kd, wo h, w1 f, w2 h; the row-parallel wo and w2
+biases whole on every tp rank), LayerNorm biases (norms 4h, final 2h), a position table sh.
 
 Memory, per device, of the largest stage (first holds the embedding, last the head and logits):
 
 - model states, bytes per parameter (W, G, O) = (2, 2, 12) mixed precision (bf16 weights and
   grads, fp32 master/momentum/variance), (4, 4, 8) fp32. Over a ZeRO group of N = dp_shard*cp:
-  stage 0: W+G+O; 1: W+G+O/N; 2: W+(G+O)/N; 3: (W+G+O)/N plus a gather buffer of two layers'
-  unsharded weights. Stages 2/3 with gradient accumulation (m > 1) hold full-size gradients
-  between micro-batches (reduced once, after the last, as FSDP's ``no_sync``). ``offload`` moves O to host memory. Layer weights divide by t (and by ep
-  for experts); the vocabulary-parallel embedding and head by t; norms are replicated.
+  stage 0: W+G+O; 1: W+G+O/N; 2: W+(G+O)/N; 3: (W+G+O)/N plus the transient of a unit in
+  backward: gathered, its gradient filling, the next block prefetched (``_zero3_transient``). Stages 2/3 with gradient accumulation (m > 1) hold full-size gradients
+  between micro-batches (reduced once, after the last, as FSDP's ``no_sync``). ``offload`` moves O to host memory. Layer weights divide by t, experts
+  by ep only (whole on every tp rank); the vocabulary-parallel embedding and head by t; norms are replicated.
 - activations of one layer for one micro-batch, derived like Korthikanti et al. 2022 for this
   block (pre-norm, fused RMSNorm saving its input, RoPE, GQA, SwiGLU, no dropout, no biases)::
 
@@ -54,10 +56,13 @@ Time of one step:
   of that size; plus embedding, head and vocab-parallel loss calls, and once per step one
   all-reduce of the gradients held in part (sp norms, replicated kv heads). Each call costs
   latency + volume / bandwidth, on the intra-node link, not overlapped.
-- context parallel (all-gather based, :mod:`loom.parallel.context_parallel`): per layer, K and
-  V all-gathered over cp before the core (again under full recomputation) and dK, dV
-  reduce-scattered after it, not overlapped; the gathered keys and values are saved for
-  backward (2 B T (cp-1) h / t more activation bytes per layer).
+- context parallel (:mod:`loom.parallel.context_parallel`, :meth:`CostModel._cp_layer_time`), by
+  ``Layout.cp_mode``: allgather all-gathers K and V over cp before the core (again under full
+  recomputation) and reduce-scatters dK, dV, not overlapped, and saves the other ranks' keys and
+  values (2 B T (cp-1) kd / t more activation bytes per layer); ring sends K/V blocks (and fp32
+  dK/dV backward) point to point, each hop overlapped with one block's attention, and saves only
+  the local ones; alltoall exchanges q, k, v and the output over cp, not overlapped, and saves its
+  repeated kv heads (f = cp / gcd(k, cp)) and its own output (B T h / t) more.
 - expert parallel: 4 all-to-alls per MoE layer (dispatch + combine, fwd and bwd; 6 with full
   recomputation) of T top_k h B_a bytes, (ep-1)/ep of it leaving the device, and the small
   all-to-all of per-expert counts before each dispatch (latency only).
@@ -87,6 +92,7 @@ largest time term.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -96,6 +102,7 @@ from loom.model.llama import flops_per_token
 from loom.optim.adam8bit import BLOCK as ADAM8BIT_BLOCK
 from loom.plan.hardware import ClusterSpec, HardwareError, Machine, Profile
 from loom.rules import (
+    CP_MODES,
     ModelFacts,
     ScheduleName,
     context_parallel_problem,
@@ -133,7 +140,7 @@ class Layout:
     dp_shard: int = 1  # ZeRO/FSDP sharding group inside dp (1 = no sharding)
     tp: int = 1  # tensor-parallel degree (inside a node)
     pp: int = 1  # pipeline stages
-    cp: int = 1  # context-parallel degree (sequence split, keys and values all-gathered)
+    cp: int = 1  # context-parallel degree (sequence split)
     ep: int = 1  # expert-parallel degree (borrows from dp*cp)
     zero: int = 0  # ZeRO stage 0-3, sharded over dp_shard*cp
     sp: bool = False  # sequence parallelism alongside tensor parallelism
@@ -142,6 +149,7 @@ class Layout:
     micro_batch: int = 1  # sequences per forward/backward on one device
     recompute: str = "none"  # none | selective | full
     offload: bool = False  # optimizer state (fp32 master, momentum, variance) on the host
+    cp_mode: str = "allgather"  # how attention spans cp: allgather | ring | alltoall (loom.rules.CP_MODES)
 
     @property
     def world_size(self) -> int:
@@ -161,7 +169,7 @@ class Layout:
     def spec(self) -> str:
         """The whole layout in one line, as ``loom plan verify --layout`` takes it (:meth:`parse`):
         ``dp16 tp8 pp8 cp1 ep1 zero1/16 sp interleaved:v5 mb1 recompute:none [offload]``."""
-        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}", f"ep{self.ep}"]
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}{self._mode()}", f"ep{self.ep}"]
         parts.append(f"zero{self.zero}/{self.dp_shard}" if self.zero else "zero0")
         parts += ["sp"] * self.sp + [f"{self.schedule}:v{self.v}", f"mb{self.micro_batch}", f"recompute:{self.recompute}"]
         return " ".join(parts + ["offload"] * self.offload)
@@ -179,7 +187,10 @@ class Layout:
             head = name.rstrip("0123456789/")
             digits = name[len(head):]
             try:
-                if head in ("dp", "tp", "pp", "cp", "ep", "mb") and digits.isdigit():
+                if head == "cp" and digits.isdigit() and arg in ("", *CP_MODES):
+                    kw["cp"] = int(digits)
+                    kw["cp_mode"] = arg or "allgather"
+                elif head in ("dp", "tp", "pp", "ep", "mb") and digits.isdigit() and not arg:
                     kw["micro_batch" if head == "mb" else head] = int(digits)
                 elif head == "zero" and digits:
                     stage, _, shard = digits.partition("/")
@@ -207,9 +218,12 @@ class Layout:
             kw["dp_shard"] = kw.get("dp", 1)
         return cls(**kw)
 
+    def _mode(self) -> str:
+        return f":{self.cp_mode}" if self.cp > 1 and self.cp_mode != "allgather" else ""
+
     def short(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
-        parts += [f"cp{self.cp}"] * (self.cp > 1) + [f"ep{self.ep}"] * (self.ep > 1)
+        parts += [f"cp{self.cp}{self._mode()}"] * (self.cp > 1) + [f"ep{self.ep}"] * (self.ep > 1)
         if self.zero:
             n = self.dp_shard * self.cp
             parts.append(f"z{self.zero}" + (f"/{n}" if self.dp_shard != self.dp else ""))
@@ -227,6 +241,14 @@ class Workload:
     flash_attention: bool = True  # attention scores are not stored (flash / SDPA)
     bucket_bytes: float = 25 * 2**20  # data-parallel gradient bucket (parallel.bucket_mb)
     optimizer: str = "adamw"  # adamw | adam8bit | adafactor (train.optimizer)
+    moe_imbalance: float = 1.0  # MoE: max/mean tokens per expert (moe.imbalance; a run's moe_imbalance metric)
+    capacity_factor: float = 0.0  # MoE: moe.capacity_factor (0 = dropless): caps an expert's load at cf x mean
+    moe_router_losses: bool = False  # MoE: aux or z loss on (a synchronous pipeline schedule is needed)
+
+    @property
+    def moe_load(self) -> float:
+        """The busiest expert's tokens over the mean: the imbalance, capped by the capacity factor."""
+        return min(self.moe_imbalance, self.capacity_factor) if self.capacity_factor > 0 else self.moe_imbalance
 
     @property
     def mixed(self) -> bool:
@@ -325,27 +347,40 @@ class ParamCounts:
     head: int  # output head (0 when tied)
     final_norm: int
     n_layers: int
+    positions: int = 0  # learned position table (replicated over tp, on the first stage)
+    mlp_whole: int = 0  # of ``mlp``: the row-parallel bias, whole on every tp rank
+    attn_whole: int = 0  # of ``attn``: the row-parallel wo bias, whole on every tp rank
 
     @classmethod
     def of(cls, m: ModelConfig, n_experts: int = 1, top_k: int = 1) -> ParamCounts:
         h, f, kd, qd = m.dim, m.resolved_ffn_dim(), m.n_kv_heads * m.head_dim, m.n_heads * m.head_dim
         moe = n_experts > 1
+        mats = 3 if m.mlp == "swiglu" else 2  # SwiGLU's w1, w3, w2, or GELU's w1, w2
+        mlp_bias = (f + h) if m.bias and not moe else 0  # experts have no biases
+        norm = 2 if m.norm == "layernorm" else 1  # LayerNorm: weight and bias
         return cls(
-            attn=2 * h * qd + 2 * h * kd + ((qd + 2 * kd) if m.qkv_bias else 0),
-            mlp=3 * h * f * (n_experts if moe else 1),
-            mlp_active=3 * h * f * (top_k if moe else 1),
+            attn=2 * h * qd + 2 * h * kd + ((qd + 2 * kd) if m.qkv_bias or m.bias else 0) + (h if m.bias else 0),
+            mlp=mats * h * f * (n_experts if moe else 1) + mlp_bias,
+            mlp_active=mats * h * f * (top_k if moe else 1) + mlp_bias,
             router=h * n_experts if moe else 0,
-            norms=2 * h + (2 * m.head_dim if m.qk_norm else 0),
+            norms=2 * h * norm + (2 * m.head_dim if m.qk_norm else 0),
             embed=m.vocab_size * h,
             head=0 if m.tie_embeddings else m.vocab_size * h,
-            final_norm=h,
+            final_norm=h * norm,
             n_layers=m.n_layers,
+            positions=m.max_seq_len * h if m.positions == "learned" else 0,
+            mlp_whole=h if mlp_bias else 0,
+            attn_whole=h if m.bias else 0,
         )
+
+    def mlp_on(self, tp: int, ep: int = 1) -> float:
+        """MLP parameters one rank holds: split over tp (experts over ep too) but the whole w2 bias."""
+        return (self.mlp - self.mlp_whole) / (tp * ep) + self.mlp_whole
 
     @property
     def total(self) -> int:
         per_layer = self.attn + self.mlp + self.router + self.norms
-        return self.n_layers * per_layer + self.embed + self.head + self.final_norm
+        return self.n_layers * per_layer + self.embed + self.head + self.final_norm + self.positions
 
     @property
     def matmul_active(self) -> int:
@@ -391,7 +426,8 @@ class CostModel:
             raise PlanError(f"train.precision: {e}") from None
         self.bwd_ratio = profile.backward_ratio if profile is not None and profile.backward_ratio > 0 else 2.0
         self.params = ParamCounts.of(model, n_experts, top_k)
-        self.facts = ModelFacts.of(model, n_experts=n_experts)  # what the layout rules read
+        self.facts = ModelFacts.of(model, n_experts=n_experts, moe_capacity=train.capacity_factor > 0,
+                                    moe_router_losses=train.moe_router_losses)  # what the layout rules read
         self.ffn = model.resolved_ffn_dim()
         self.kd = model.n_kv_heads * model.head_dim
         self.model_flops = flops_per_token(model, train.seq_len, self.params.matmul_active) * (
@@ -418,8 +454,9 @@ class CostModel:
         m = self.model
         h, qd = m.dim, m.n_heads * m.head_dim
         kv_split = tp if m.n_kv_heads % tp == 0 else 1
-        bias = m.qkv_bias
-        return (2 * h * qd + (qd if bias else 0)) / tp + (2 * h * self.kd + (2 * self.kd if bias else 0)) / kv_split
+        bias = m.qkv_bias or m.bias
+        split = (2 * h * qd + (qd if bias else 0)) / tp + (2 * h * self.kd + (2 * self.kd if bias else 0)) / kv_split
+        return split + self.params.attn_whole
 
     # ------------------------------------------------------------------ validity
 
@@ -467,7 +504,7 @@ class CostModel:
         t = self.train
         problems = layout_problems(
             self.facts, seq_len=t.seq_len, precision=t.precision, optimizer=t.optimizer, tp=lay.tp, pp=lay.pp,
-            cp=lay.cp, ep=lay.ep, zero=lay.zero, sp=lay.sp, schedule=lay.schedule, virtual_stages=lay.v,
+            cp=lay.cp, ep=lay.ep, zero=lay.zero, sp=lay.sp, schedule=lay.schedule, virtual_stages=lay.v, cp_mode=lay.cp_mode,
             microbatches=t.global_batch // (lay.dp * lay.micro_batch), offload="cpu" if lay.offload else "none",
         )  # fmt: skip
         return problems[0] if problems else None
@@ -481,10 +518,10 @@ class CostModel:
     def _params_on(self, t: int, pp: int, ep: int, first: bool, last: bool) -> tuple[float, float]:
         pc = self.params
         layers = self.model.n_layers / pp
-        dense = layers * (self._attn_params(t) + pc.norms + pc.router + (0 if self.moe else pc.mlp / t))
-        expert = layers * pc.mlp / (t * ep) if self.moe else 0.0
+        dense = layers * (self._attn_params(t) + pc.norms + pc.router + (0 if self.moe else pc.mlp_on(t)))
+        expert = layers * pc.mlp / ep if self.moe else 0.0  # experts are replicated over tp
         if first:
-            dense += pc.embed / t
+            dense += pc.embed / t + pc.positions
         if last:
             dense += pc.final_norm
             if pc.head or pp > 1:  # untied head, or a tied copy on the last stage
@@ -518,10 +555,7 @@ class CostModel:
         weights = W * (dense / shard[0] + expert / shard_e[0])
         buffer = 0.0
         if zero == 3:
-            pc = self.params
-            layer = self._attn_params(tp) + (pc.norms + pc.router) / tp + pc.mlp / (tp * ep)
-            # two layers gathered at a time, never more than sharding saved (with its fragmentation)
-            buffer = min(2 * W * layer, (W * (dense + expert) - weights) / (1 + FRAGMENTATION))
+            buffer = self._zero3_transient(tp, pp, ep, first, last)
         optim = O * (dense / shard[2] + expert / shard_e[2])
         if self.train.optimizer == "adafactor":  # 4 (R + C) per matrix, 4 per vector element
             optim += self._factored_bytes(tp, pp, ep, first, last) / shard[2]
@@ -532,18 +566,44 @@ class CostModel:
             ("zero3 buffer", buffer),
         )
 
+    def _zero3_transient(self, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
+        """ZeRO-3's gathered units and gradients at the step's peak (bytes), as Loom runs them:
+
+            max over units u of  W·u + G·u + G·p(u) [+ 2G·p(u), tied]  +  W·u_layer
+
+        A unit in backward is gathered (W·u), its whole gradient buffer is filling (G·u) from
+        autograd's gradient of its largest parameter p(u) (G·p), and the next block is prefetched
+        (W·u_layer). Units: a block; the embedding on the first stage; final norm + head on the
+        last; without a pipeline a tied embedding and head are one unit, whose head gradient autograd
+        holds until the embedding's arrives and then sums into a third tensor (2G·p more)."""
+        W, G, pc, m, t = self.W, self.G, self.params, self.model, tp
+        layer = self._attn_params(t) + pc.norms + pc.router + (pc.mlp / ep if self.moe else pc.mlp_on(t))
+        experts = self.n_experts / ep if self.moe else 1
+        widest = max(m.n_heads * m.head_dim * m.dim / t, self.ffn * m.dim * (experts if self.moe else 1 / t))  # wq/wo or w1/w2/w3
+        table = m.vocab_size * m.dim / t
+        units = [(layer, widest, 0.0)]  # (elements, largest parameter, gradients held beyond it)
+        if pp == 1 and not pc.head:
+            units.append((table + pc.final_norm, table, 2 * table))
+        else:
+            units += [(table, table, 0.0)] if first else []
+            units += [(table + pc.final_norm, table, 0.0)] if last and (pc.head or pp > 1) else []
+        return max(W * u + G * (u + p + extra) for u, p, extra in units) + W * layer
+
     def _factored_bytes(self, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
         """Adafactor's factored second moments on one device before ZeRO: 4 (R + C) bytes per
-        (R x C) weight matrix slice it holds, 4 bytes per norm element."""
-        m, h, f, kd, V = self.model, self.model.dim, self.ffn, self.kd, self.model.vocab_size
+        (R x C) weight matrix slice it holds, 4 bytes per vector element (norms, biases)."""
+        m, h, f, kd, V, pc = self.model, self.model.dim, self.ffn, self.kd, self.model.vocab_size, self.params
         experts = self.n_experts / ep if self.moe else 1
         kv_rows = kd / tp if m.n_kv_heads % tp == 0 else kd
-        layer = 4 * ((h / tp + h) * 2 + (kv_rows + h) * 2 + experts * 3 * (f / tp + h)) + 4 * 2 * h
+        qd, mats = m.n_heads * m.head_dim, (3 if m.mlp == "swiglu" else 2)
+        biases = (qd / tp + 2 * kv_rows if m.qkv_bias or m.bias else 0) + pc.attn_whole
+        biases += (f / tp if pc.mlp_whole else 0) + pc.mlp_whole  # w1's rows, w2's whole bias
+        layer = 4 * ((qd / tp + h) * 2 + (kv_rows + h) * 2 + experts * mats * (f / tp + h)) + 4 * (pc.norms + biases)
         total = m.n_layers / pp * layer
         if first:
-            total += 4 * (V / tp + h)
+            total += 4 * (V / tp + h) + (4 * (m.max_seq_len + h) if pc.positions else 0)
         if last:
-            total += 4 * h + (4 * (V / tp + h) if self.params.head or pp > 1 else 0)
+            total += 4 * pc.final_norm + (4 * (V / tp + h) if pc.head or pp > 1 else 0)
         return total
 
     def step_workspace(self, lay: Layout, first: bool = True, last: bool = True) -> float:
@@ -560,18 +620,24 @@ class CostModel:
 
     def layer_activation(self, lay: Layout) -> tuple[float, float, float]:
         """Bytes of one layer, one micro-batch: (no recomputation, selective, block input)."""
-        return self._act(lay.tp, lay.sp, lay.cp, lay.micro_batch)
+        return self._act(lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode)
 
-    def _layer_activation(self, t: int, sp: bool, cp: int, mb: int) -> tuple[float, float, float]:
+    def _layer_activation(self, t: int, sp: bool, cp: int, mb: int, cp_mode: str = "allgather") -> tuple[float, float, float]:
         m, tr = self.model, self.train
         B, h = self.act_bytes, m.dim
         T = mb * tr.seq_len / cp
         rep_div = t if sp else 1
         rep = 4 * B * T * h / rep_div
         qkv = B * T * (h / t + 2 * self.kv_width(t))
-        mlp = 4 * B * T * self.ffn / t * (self.top_k if self.moe else 1)
+        if self.moe:  # experts whole on every tp rank, on its tokens (T/t with sp), the busiest's load
+            mlp = 4 * B * T / rep_div * self.ffn * self.top_k * tr.moe_load
+        else:
+            mlp = 4 * B * T * self.ffn / t
         core = (B * T * h + 4 * T * m.n_heads) / t
-        core += 2 * B * T * (cp - 1) * h / t  # context parallel: the other ranks' keys and values, gathered
+        if cp > 1 and cp_mode == "allgather":  # the other ranks' keys and values, gathered
+            core += 2 * B * T * (cp - 1) * self.kv_width(t)
+        elif cp > 1 and cp_mode == "alltoall":  # kv heads repeated to whole groups per rank; the core's own output
+            core += 2 * B * T * (self._kv_repeat(t, cp) - 1) * self.kv_width(t) + B * T * h / t
         if not tr.flash_attention:
             core += B * m.n_heads * T * tr.seq_len / t
         selective = rep + qkv + mlp
@@ -611,7 +677,7 @@ class CostModel:
         gradients kept across micro-batches, overhead; ``microbatches`` default: the workload's."""
         m = microbatches or self.train.global_batch // (lay.dp * lay.micro_batch)
         first, last = stage == 0, stage == lay.pp - 1
-        full_act, sel_act, block_in = self._act(lay.tp, lay.sp, lay.cp, lay.micro_batch)
+        full_act, sel_act, block_in = self._act(lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode)
         bd = dict(self._states(lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last))
         n = inflight_layers(lay.schedule, lay.pp, stage, m, lay.v, self.model.n_layers)
         if lay.recompute == "none":
@@ -675,15 +741,23 @@ class CostModel:
             out[(op, size)] = out.get((op, size), 0) + k
         return out
 
-    def tp_partial_params(self, tp: int, sp: bool, pp: int, last: bool = True) -> float:
+    def tp_partial_params(self, tp: int, sp: bool, pp: int, last: bool = True, ep: int = 1) -> float:
         """Parameters whose gradient each tp rank holds in part, summed over tp in one all-reduce
-        per step (``tp_comm.sum_partial_grads``): the sequence-parallel norms' weights (2 per
-        layer + the final norm on the last stage) and replicated key/value weights (k < t)."""
+        per step (``tp_comm.sum_partial_grads``, ``tensor_parallel.partial_numel``): with sp the norms'
+        weights and LayerNorm biases (2 per layer + the final norm on the last stage), the
+        row-parallel biases and the position table (on the first stage); replicated key/value
+        weights and biases (k < t); q/k norm weights; with sp, the router and this rank's E/ep
+        experts (replicated over tp, each rank routing its sequence shard)."""
         if tp <= 1:
             return 0.0
-        layers, h = self.model.n_layers / pp, self.model.dim
-        norms = (2 * layers + (1 if last else 0)) * h if sp else 0.0
-        return norms + (2 * layers * self.kd * h if self.model.n_kv_heads % tp else 0.0)
+        m, pc = self.model, self.params
+        layers, h, first = m.n_layers / pp, m.dim, pp == 1 or not last  # pp > 1: the largest stage is the first
+        qk_norms = 2 * m.head_dim if m.qk_norm else 0  # per layer, of pc.norms
+        seq = layers * (pc.norms - qk_norms + pc.attn_whole + pc.mlp_whole) + (pc.final_norm if last else 0)
+        seq += pc.positions if first else 0
+        kv = 2 * layers * self.kd * (h + (1 if m.qkv_bias or m.bias else 0)) if m.n_kv_heads % tp else 0.0
+        moe = layers * (pc.router + pc.mlp / ep) if self.moe else 0.0
+        return (seq + moe if sp else 0.0) + kv + layers * qk_norms
 
     def collective_calls(self, lay: Layout) -> dict[str, int]:
         """Tensor-parallel and data-parallel/ZeRO collective calls per step on one device of the
@@ -703,11 +777,16 @@ class CostModel:
                 add(op, m * times * k)
         if lay.ep > 1 and self.moe:  # per MoE layer: counts + dispatch + combine forward (again when recomputed), 2 backward
             add("all_to_all", m * (self.model.n_layers // lay.pp) * (5 + 3 * (lay.recompute == "full")))
-        if lay.cp > 1:  # per layer: K and V all-gathered (again when recomputed), dK and dV reduce-scattered
-            layers = self.model.n_layers // lay.pp
-            add("all_gather", m * layers * (2 + 2 * (lay.recompute == "full")))
-            add("reduce_scatter", m * layers * 2)
-        if self.tp_partial_params(lay.tp, lay.sp, lay.pp, lay.pp == 1):
+        if lay.cp > 1:  # per layer and micro-batch, forward again when recomputed (_cp_layer_time)
+            layers, passes = self.model.n_layers // lay.pp, 1 + (lay.recompute == "full")
+            if lay.cp_mode == "ring":  # one send per K/V hop (cp - 1 a pass), cp dK/dV hops
+                add("send", m * layers * ((lay.cp - 1) * (passes + 1) + lay.cp))
+            elif lay.cp_mode == "alltoall":  # q, k, v, output; their gradients
+                add("all_to_all", m * layers * 4 * (passes + 1))
+            else:  # K and V all-gathered, dK and dV reduce-scattered
+                add("all_gather", m * layers * 2 * passes)
+                add("reduce_scatter", m * layers * 2)
+        if self.tp_partial_params(lay.tp, lay.sp, lay.pp, lay.pp == 1, lay.ep):
             add("all_reduce", 1)
         n = lay.dp_shard * lay.cp if lay.zero else lay.dp * lay.cp
         if n > 1:
@@ -729,19 +808,56 @@ class CostModel:
                 add("all_reduce", buckets if lay.zero < 3 else self.zero3_units(lay.pp, lay.tp)[0])
         return out
 
+    def _kv_repeat(self, tp: int, cp: int) -> int:
+        """All-to-all cp: key/value heads per tp rank repeated by cp / gcd(k, cp) (loom.parallel.context.alltoall)."""
+        k = max(1, self.model.n_kv_heads // tp)
+        return cp // math.gcd(k, cp)
+
+    def _cp_layer_time(self, tp: int, cp: int, T: float, recompute: str, mode: str, core_f: float, world: int) -> float:
+        """Exposed context-parallel communication of one layer and micro-batch (forward, backward and,
+        under full recomputation, the forward again), T = tokens per device:
+
+        - allgather: all-gathers of K and V before the core, reduce-scatters of dK, dV; not overlapped.
+        - ring: cp − 1 K/V messages of 2 T kd B_a forward and again backward, plus cp fp32 dK/dV
+          messages of 2 T kd 4 backward, each overlapped with one block's attention (the core's
+          time / cp): exposed max(0, message − block) per hop.
+        - alltoall: q, k, v and the output exchanged forward (their gradients backward), not
+          overlapped; kv heads repeated by cp / gcd(k, cp).
+        """
+        mach, B, kv, h = self.machine, self.act_bytes, self.kv_width(tp), self.model.dim
+        span, w = tp * cp, world or None
+        passes = 2 if recompute == "full" else 1  # forwards per step
+        if mode == "ring":
+            block = core_f / cp
+            kv_hop = max(0.0, mach.collective("p2p", 2, 2 * T * kv * B, span, w) - block)
+            dkv_hop = max(0.0, mach.collective("p2p", 2, 2 * T * kv * 4, span, w) - self.bwd_ratio * block)
+            return (cp - 1) * kv_hop * (passes + 1) + cp * dkv_hop
+        if mode == "alltoall":
+            f = self._kv_repeat(tp, cp)
+            one = 2 * mach.collective("all_to_all", cp, T * h / tp * B, span, w)  # q and the output
+            one += 2 * mach.collective("all_to_all", cp, T * kv * f * B, span, w)  # k and v
+            return one * (passes + 1)
+        kv_full = B * T * cp * kv
+        gathers = 2 * passes
+        return gathers * mach.collective("all_gather", cp, kv_full, span, w) + 2 * mach.collective(
+            "reduce_scatter", cp, kv_full, span, w)
+
     def _microbatch_times(
-        self, tp: int, sp: bool, cp: int, ep: int, mb: int, recompute: str, pp: int, world: int = 0
+        self, tp: int, sp: bool, cp: int, ep: int, mb: int, recompute: str, pp: int, world: int = 0,
+        cp_mode: str = "allgather",
     ) -> tuple[float, float, dict[str, float]]:
         """(t_mb of the slowest stage, its weight-grad time t_W, per-term times) for one micro-batch."""
         mc, tr, mach = self.model, self.train, self.machine
         B, h, f, s = self.act_bytes, mc.dim, self.ffn, tr.seq_len
         T = mb * s / cp
         gemm_b = 1 if tr.precision == "fp8" else B
-        # tokens per expert GEMM: T*top_k routed tokens spread over this device's experts
+        # tokens per expert GEMM: T_r*top_k routed tokens (T_r = T/tp with sp, else T: experts are whole on
+        # every tp rank) spread over this device's experts, the busiest ``moe_load`` times the mean
+        T_moe = T / tp if sp else T
         if self.moe:
             experts_here = self.n_experts / ep
-            Te = T * self.top_k / experts_here
-            mlp_f = experts_here * (2 * mach.gemm(Te, h, f / tp, gemm_b) + mach.gemm(Te, f / tp, h, gemm_b))
+            Te = T_moe * self.top_k / experts_here * tr.moe_load
+            mlp_f = experts_here * (2 * mach.gemm(Te, h, f, gemm_b) + mach.gemm(Te, f, h, gemm_b))
         else:
             mlp_f = 2 * mach.gemm(T, h, f / tp, gemm_b) + mach.gemm(T, f / tp, h, gemm_b)
         gemm_f = (
@@ -758,7 +874,8 @@ class CostModel:
         elt_bytes = (
             B
             * T
-            * (10 * h / (tp if sp else 1) + 2 * (h / tp + self.kv_width(tp)) + 3 * f / tp * (self.top_k if self.moe else 1))
+            * (10 * h / (tp if sp else 1) + 2 * (h / tp + self.kv_width(tp))
+               + (3 * f * self.top_k * tr.moe_load / (tp if sp else 1) if self.moe else 3 * f / tp))
         )
         elt_f = elt_bytes / mach.hbm
         layer_f = gemm_f + core_f + elt_f
@@ -772,15 +889,11 @@ class CostModel:
             return sum(k * mach.collective(op, tp, size, tp, world or None) for (op, size), k in calls.items())
 
         tp_layer = tp_time(self.tp_calls(tp, sp, recompute, mb, "layer", cp))
-        cp_layer = 0.0
-        if cp > 1:  # all-gathers of K and V before the core (again when recomputed), reduce-scatters of dK, dV
-            kv_full = B * T * cp * self.kv_width(tp)
-            gathers = 2 + (2 if recompute == "full" else 0)
-            cp_layer = gathers * mach.collective("all_gather", cp, kv_full, tp * cp, world or None)
-            cp_layer += 2 * mach.collective("reduce_scatter", cp, kv_full, tp * cp, world or None)
+        cp_layer = self._cp_layer_time(tp, cp, T, recompute, cp_mode, core_f, world) if cp > 1 else 0.0
         ep_layer = 0.0
         if self.moe and ep > 1:
-            ep_layer = n_tp * mach.collective("all_to_all", ep, T * self.top_k * h * B / tp, tp * ep)
+            # rows of this rank's tokens (T_moe·k, at most the capacity's), the busiest rank receiving ``moe_load`` x
+            ep_layer = n_tp * mach.collective("all_to_all", ep, T_moe * self.top_k * h * B * tr.moe_load, tp * ep)
             ep_layer += (n_tp - 2) // 2 * mach.latency("all_to_all", ep, tp * ep)  # the per-expert counts
         Ls = mc.n_layers / pp
         # output head GEMM fwd + 2x bwd, and cross entropy reading/writing ~16 bytes per logit
@@ -891,7 +1004,7 @@ class CostModel:
         m = tr.global_batch // (lay.dp * lay.micro_batch)
         p = lay.pp
         world = lay.world_size
-        t_mb, t_w, terms = self._per_mb(lay.tp, lay.sp, lay.cp, lay.ep, lay.micro_batch, lay.recompute, p, world)
+        t_mb, t_w, terms = self._per_mb(lay.tp, lay.sp, lay.cp, lay.ep, lay.micro_batch, lay.recompute, p, world, lay.cp_mode)
         w_share = t_w / t_mb
         if p == 1:
             idle = 0.0
@@ -909,7 +1022,7 @@ class CostModel:
             msg = lay.micro_batch * tr.seq_len / lay.cp * self.model.dim * B / lay.tp
             span = lay.tp * lay.cp * lay.dp * p
             time["pp p2p"] = 2 * m * lay.v * mach.collective("p2p", 2, msg, span)
-        partial = self.tp_partial_params(lay.tp, lay.sp, p, p == 1) * self.R
+        partial = self.tp_partial_params(lay.tp, lay.sp, p, p == 1, lay.ep) * self.R
         time["tp comm"] += mach.collective("all_reduce", lay.tp, partial, lay.tp, world)
         time["step sync"] = self._sync_time(lay)
         t_bwd = terms["compute"] * self.bwd_ratio / (1 + self.bwd_ratio)  # backward share: the DP overlap window

@@ -40,7 +40,7 @@ def _row(i: int, e: Estimate) -> list[str]:
         str(lay.dp),
         str(lay.tp),
         str(lay.pp),
-        str(lay.cp),
+        str(lay.cp) + (f" {lay.cp_mode}" if lay.cp > 1 else ""),  # allgather | ring | alltoall
         str(lay.ep),
         zero,
         "y" if lay.sp else "-",
@@ -143,6 +143,9 @@ def workload_of(cfg: LoomConfig) -> Workload:
         reduce_dtype=cfg.parallel.reduce_dtype,
         bucket_bytes=cfg.parallel.bucket_mb * 2**20,
         optimizer=cfg.train.optimizer,
+        moe_imbalance=cfg.moe.imbalance,
+        capacity_factor=cfg.moe.capacity_factor,
+        moe_router_losses=cfg.moe.aux_loss_coef > 0 or cfg.moe.z_loss_coef > 0,
     )
 
 
@@ -162,6 +165,7 @@ def layout_of(cfg: LoomConfig) -> Layout:
         tp=p.tp,
         pp=p.pp,
         cp=p.cp,
+        cp_mode=str(getattr(p, "cp_mode", "allgather")),
         ep=p.ep,
         zero=p.zero,
         sp=bool(getattr(p, "sp", False)),

@@ -1,7 +1,8 @@
 """Layout search: enumerate the valid layouts of a world size, keep those that fit, rank by step time.
 
 Enumeration, outermost first: tp (:func:`~loom.plan.cost.tp_reason`: divides n_heads, ffn_dim,
-vocab and the node; divides n_kv_heads or is a multiple of it), pp (divides n_layers), cp (seq_len divisible by 2 cp), dp = world / (tp pp cp) (divides the
+vocab and the node; divides n_kv_heads or is a multiple of it), pp (divides n_layers), cp (seq_len divisible by 2 cp) with each of its modes
+(``allgather``, ``ring``, ``alltoall`` when the query heads per tp rank divide by cp), dp = world / (tp pp cp) (divides the
 global batch), ep (MoE only), ZeRO stage with its sharding group, micro-batch, schedule with
 its virtual stages, recomputation, offload. ``sp`` is always on when tp > 1.
 
@@ -23,6 +24,7 @@ Pruning (each rule only drops layouts the cost model can prove no better; counte
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,7 +32,13 @@ from dataclasses import dataclass, field
 from loom.config import ModelConfig
 from loom.plan.cost import RECOMPUTE, CostModel, Estimate, Layout, PlanError, Workload, tp_reason
 from loom.plan.hardware import ClusterSpec, Profile
-from loom.rules import ScheduleName, context_parallel_problem, sequence_parallel_problem
+from loom.rules import (
+    CP_MODES,
+    ScheduleName,
+    context_mode_problem,
+    context_parallel_problem,
+    sequence_parallel_problem,
+)
 
 
 @dataclass
@@ -115,21 +123,22 @@ def search(
                     1 for d in divisors(dp) if d * cp > 1 and d not in shards
                 )
                 mbs = [b for b in divisors(gb // dp)]
-                for ep in eps:
-                    for zero, ds in zeros:
-                        n, c = _search_block(
-                            cm,
-                            cap,
-                            L,
-                            gb,
-                            ranked,
-                            rejected,
-                            Layout(dp=dp, dp_shard=ds, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=tp > 1),
-                            mbs,
-                        )
-                        considered += n
-                        if c is not None and (closest is None or c[0] < closest[0]):
-                            closest = c
+                modes = [m for m in CP_MODES if context_mode_problem(cm.facts, cp, m, tp) is None] if cp > 1 else ["allgather"]
+                rejected["cp_mode alltoall: query heads per tp rank not divisible by cp"] += len(CP_MODES) - len(modes) if cp > 1 else 0
+                for ep, (zero, ds), mode in itertools.product(eps, zeros, modes):
+                    n, c = _search_block(
+                        cm,
+                        cap,
+                        L,
+                        gb,
+                        ranked,
+                        rejected,
+                        Layout(dp=dp, dp_shard=ds, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=tp > 1, cp_mode=mode),
+                        mbs,
+                    )
+                    considered += n
+                    if c is not None and (closest is None or c[0] < closest[0]):
+                        closest = c
     ranked.sort(key=lambda e: (e.step_time, e.memory))
     result = SearchResult(world=W, ranked=ranked, rejected=+rejected, considered=considered)  # + drops zeros
     if closest is not None:
@@ -205,7 +214,7 @@ def _with(
 ) -> Layout:
     """``base`` with the inner choices set (a direct constructor call: this is the hot loop)."""
     return Layout(
-        b.dp, b.dp_shard, b.tp, b.pp, b.cp, b.ep, b.zero, b.sp, schedule, v, micro_batch, recompute, offload
+        b.dp, b.dp_shard, b.tp, b.pp, b.cp, b.ep, b.zero, b.sp, schedule, v, micro_batch, recompute, offload, b.cp_mode
     )
 
 

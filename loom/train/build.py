@@ -31,14 +31,22 @@ from loom.memory.compress import SavedActivations
 from loom.memory.loss_scale import scaler_for, training_loss_fn
 from loom.memory.recompute import apply_recompute
 from loom.mesh import ParallelMesh
-from loom.model.llama import init_value
 from loom.model.llama import loss_fn as plain_loss_fn
+from loom.model.moe import configure_moe
 from loom.optim.flat import build_flat_optimizer
 from loom.optim.groups import build_optimizer
 from loom.optim.store import make_store
 from loom.parallel.base import LossFn, Strategy
 from loom.parallel.data_parallel import REDUCE_DTYPES, DataParallel
-from loom.parallel.materialize import Fill, Source, check_materialized, filler, materialize, tag_origins
+from loom.parallel.materialize import (
+    Fill,
+    Source,
+    check_materialized,
+    filler,
+    init_source,
+    materialize,
+    tag_origins,
+)
 from loom.parallel.zero.stage3 import FullyShardedZero
 from loom.parallel.zero.stage12 import ZeroDataParallel
 from loom.train.step import LossScaler, Run, plain_run
@@ -97,6 +105,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: Co
         from loom.parallel.expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, mesh, meter)
+    split = mesh.size("tp") > 1 and cfg.parallel.sp  # sequence parallelism: tp ranks route different tokens
+    configure_moe(model, (mesh.group("dp_cp"), mesh.group("tp")) if split else (mesh.group("dp_cp"),),
+                  1.0 / mesh.size("tp") if split else 1.0)  # MoE balancing statistics: over a micro-step's ranks  # fmt: skip
     loss_fn: LossFn = getattr(model, "loss_fn", plain_loss_fn)  # tensor parallel: on vocabulary-sharded logits
     pipe = None
     if mesh.size("pp") > 1:  # keep this rank's stages; the strategies below see only them
@@ -105,7 +116,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: Co
         model = pipe = apply_pipeline(model, mesh, cfg, loss_fn, log.info)
     apply_recompute(model, cfg.train.recompute)
     precision.cast_parameters(model, precision.DTYPES[cfg.train.precision])
-    source = source or partial(init_value, cfg.model, cfg.train.seed)
+    source = source or init_source(cfg.model, cfg.train.seed)
     if cfg.parallel.zero != 3:  # ZeRO-3 materializes unit by unit as it shards
         materialize(model, device, source)
     strategy = data_parallel(model, mesh, cfg, meter, filler(source), device)

@@ -22,12 +22,13 @@ from torch import nn
 
 from loom import comm
 from loom.comm import Group
+from loom.model import moe
 from loom.parallel.base import LossFn, StepResult, Strategy, Update, any_nonfinite, clip_grad_norm, mean_over
 from loom.train.health import NonFiniteError
 
 __all__ = ["Run", "StepResult", "evaluate", "forward_backward", "optimizer_step", "plain_run", "scaler_stats", "train_step"]
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (tokens, targets), or with data.pack (tokens, targets, positions)
 
 
 class LossScaler(Protocol):
@@ -103,9 +104,9 @@ def forward_backward(model: nn.Module, strategy: Strategy, micro_batches: Sequen
     ``update``, while the logged loss is averaged over ``loss_group`` (unmetered bookkeeping)."""
     k = len(micro_batches)
     total = torch.zeros(())
-    for i, (x, y) in enumerate(micro_batches):
+    for i, (x, y, *packed) in enumerate(micro_batches):  # packed data: (x, y, positions)
         with strategy.no_sync() if i < k - 1 else contextlib.nullcontext():
-            loss = loss_fn(model(x), y) / k
+            loss = loss_fn(model(x, *packed), y) / k
             loss.backward()
         total = loss.detach().float() if i == 0 else total + loss.detach().float()
     n = comm.group_size(loss_group)
@@ -119,8 +120,12 @@ def forward_backward(model: nn.Module, strategy: Strategy, micro_batches: Sequen
 def train_step(run: Run, micro_batches: Sequence[Batch], grad_clip: float, lr: float, loss_group: Group) -> StepResult:
     """One optimizer step of ``run`` on this rank's micro-batches of the global batch."""
     run.strategy.zero_grad()
-    return run.forward_backward(micro_batches, run.train_loss_fn,
-                                lambda: optimizer_step(run.strategy, lr, grad_clip, run.scaler), loss_group)  # fmt: skip
+    # MoE aux losses get each micro-batch loss's backward factor; bias balancing updates after the step
+    moe.begin_step(run.model, (run.scaler.scale if run.scaler is not None else 1.0) / max(1, len(micro_batches)))
+    res = run.forward_backward(micro_batches, run.train_loss_fn,
+                               lambda: optimizer_step(run.strategy, lr, grad_clip, run.scaler), loss_group)  # fmt: skip
+    moe.end_step(run.model)
+    return res
 
 
 @torch.no_grad()
@@ -128,6 +133,6 @@ def evaluate(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn, dp_gro
     """Mean loss over ``batches`` on this rank, averaged over the data-parallel group."""
     was_training = model.training
     model.eval()
-    losses = [loss_fn(model(x), y).float() for x, y in batches]
+    losses = [loss_fn(model(x, *packed), y).float() for x, y, *packed in batches]
     model.train(was_training)
     return float(mean_over(torch.stack(losses).mean(), dp_group))

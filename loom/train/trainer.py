@@ -22,7 +22,7 @@ from loom import config as C
 from loom.checkpoint.protocol import CombinedState
 from loom.checkpoint.training import TrainCheckpoints, truncate_metrics
 from loom.comm import CommMeter
-from loom.data import BatchSampler, PreparedData, TokenDataset, eval_batches, prepare_data
+from loom.data import BatchSampler, PreparedData, TokenDataset, eval_batches, mixture_sampler, prepare_data
 from loom.device import (
     default_threads,
     peak_memory_bytes,
@@ -45,6 +45,7 @@ from loom.train.health import (
 )
 from loom.train.metrics import MetricsWriter, setup_logging, step_line
 from loom.train.mfu import mfu_peak
+from loom.train.moe_report import MoEReport
 from loom.train.schedule import lr_at
 from loom.train.step import scaler_stats, train_step
 
@@ -165,7 +166,7 @@ class Trainer:
         # The model is built on the meta device; each rank materializes only what it holds (its values:
         # the layout-independent init, or the pretrained weights of model.from_hf, read per parameter).
         meta = not cfg.train.init_from
-        self.model: torch.nn.Module = build_model(cfg.model, cfg.train.seed, self.device, meta=meta)
+        self.model: torch.nn.Module = build_model(cfg.model, cfg.train.seed, self.device, meta=meta, moe=cfg.moe)
         source = None
         if cfg.model.from_hf:  # pretrained weights (the shape was taken from the directory by the CLI)
             from loom.model.hf import open_dir
@@ -178,11 +179,14 @@ class Trainer:
             log.info("initial weights from %s", load_initial_weights(self.model, cfg.train.init_from))
         self.run = build_run(cfg, self.mesh, self.model, self.meter, source)
         dp_rank, dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
-        train_set = TokenDataset(self.data.train_path, cfg.data.seq_len)
+        pack_eot = self.data.eot_id if cfg.data.pack else None  # packed: batches carry document positions
+        train_set = TokenDataset(self.data.train_path, cfg.data.seq_len, pack_eot=pack_eot)
         self.sampler = BatchSampler(
             train_set, cfg.train.global_batch, cfg.train.micro_batch, dp_rank, dp, cfg.train.seed
         )
-        val_set = TokenDataset(self.data.val_path, cfg.data.seq_len)
+        if cfg.data.sources:  # a weighted mixture (all sources prepared by rank 0 already: this only loads)
+            self.sampler = mixture_sampler(cfg, dp_rank, dp, pack_eot)
+        val_set = TokenDataset(self.data.val_path, cfg.data.seq_len, pack_eot=pack_eot)
         self.eval_set = self._my_tokens(eval_batches(val_set, cfg.train.eval_batches, cfg.train.micro_batch, dp_rank, dp))
         self.loss_group = self.mesh.group("dp_cp")  # losses averaged over every rank of a different batch share
         self.n_params = count_params(self.model)
@@ -190,6 +194,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, matmul_params)
         self.peak_flops, self.peak_source = mfu_peak(self.device, cfg.train.precision)
         self.model = self.run.model  # pp > 1: this rank's stages; the rest of the full model is freed
+        m = cfg.model  # MoE: per-layer expert load in the metrics rows, a heatmap at the end
+        self.moe_report = MoEReport(self.model, m.n_layers, m.n_experts, self.device) if m.moe else None
         # Saved-tensor hooks around each step: activation accounting, compression, offload (loom.memory).
         self.saved_acts = saved_activations(cfg, self.model, self.device)
         self.heartbeat.set(0, "checkpoint load")
@@ -226,7 +232,7 @@ class Trainer:
         return shard_sequence(batches, self.mesh.size("cp"), self.mesh.local_rank("cp"))
 
     def _to_device(self, batches):
-        return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in batches]
+        return [tuple(t.to(self.device, non_blocking=True) for t in batch) for batch in batches]
 
     def _time_up(self, start: float) -> bool:
         limit = self.cfg.train.time_limit_s
@@ -272,6 +278,7 @@ class Trainer:
                     "mfu": tps / self.env.world * self.flops_per_token / self.peak_flops,
                     "peak_mem_bytes": peak_memory_bytes(self.device), **self.run.strategy.state_bytes(),
                     **self.meter.snapshot(), **self.saved_acts.stats(), **scaler_stats(self.run.scaler),
+                    **(self.moe_report.row() if self.moe_report is not None else {}),
                 }  # fmt: skip
                 self.saved_acts.reset_peak()
                 reset_peak_memory(self.device)  # peak_mem_bytes is per log window
@@ -294,6 +301,8 @@ class Trainer:
                     bar.write(f"train.time_limit_s reached after step {step + 1}; stopping")
                 break
         bar.close()
+        if self.moe_report is not None and self.is_main:
+            self.moe_report.heatmap(self.run_dir / "moe_load.png")
         self.heartbeat.set(done, "final save")
         self.ckpts.finish(done)
         self.save_final(done, last)

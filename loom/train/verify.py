@@ -68,6 +68,7 @@ def job_config(cfg: C.LoomConfig, lay: Layout, seq: int, m: int) -> C.LoomConfig
     cfg = copy.deepcopy(cfg)
     p = cfg.parallel
     p.dp, p.dp_shard, p.tp, p.pp, p.cp, p.ep = lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep
+    p.cp_mode = lay.cp_mode  # type: ignore[assignment]  # one of CP_MODES (the search enumerates only those)
     p.zero, p.sp, p.schedule, p.virtual_stages = lay.zero, lay.sp, lay.schedule, lay.v
     p.offload = "cpu" if lay.offload else "none"
     cfg.train.micro_batch, cfg.train.global_batch = lay.micro_batch, lay.micro_batch * lay.dp * m
@@ -92,10 +93,10 @@ def uniform_layout(n_layers: int, stages: int) -> str:
     return ",".join(bounds)
 
 
-def constant(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def constant(name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
     """Every parameter 1e-2 (a broadcast view: no memory, no random draw); under the fake group the
     values are meaningless anyway, only shapes and bytes are measured."""
-    return torch.full((), 1e-2).expand(shape)
+    return torch.full((), 1e-2).expand(shape)[index]
 
 
 def measure(cfg: C.LoomConfig, rank: int, world: int) -> dict[str, float]:
@@ -120,7 +121,7 @@ def measure(cfg: C.LoomConfig, rank: int, world: int) -> dict[str, float]:
         torch.ones(8, 8) @ torch.ones(8, 8)
         base = _rss()
         reset_peak_memory(cpu)
-        run = build_run(cfg, mesh, build_model(cfg.model, cfg.train.seed, cpu, meta=True), source=constant)
+        run = build_run(cfg, mesh, build_model(cfg.model, cfg.train.seed, cpu, meta=True, moe=cfg.moe), source=constant)
         t1 = time.perf_counter()
         g = torch.Generator().manual_seed(0)
         m = cfg.train.global_batch // (cfg.train.micro_batch * mesh.size("dp"))

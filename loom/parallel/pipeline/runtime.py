@@ -67,7 +67,7 @@ from loom.parallel.pipeline.stage import PipelineModule, WeightGrad, backward_in
 
 __all__ = ["PipelineError", "PipelineRuntime", "RunStats", "bubble_formula", "gather_timeline", "step_schedule"]
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (tokens, targets), or with data.pack (tokens, targets, positions)
 
 
 class PipelineError(RuntimeError):
@@ -245,15 +245,15 @@ class PipelineRuntime:
     def _forward(self, a: Action, index: int) -> None:
         mb, s = key = _placed(a)
         stage = self.pipe.stage(s)
-        x, y = self.batches[mb]
+        x, y, *packed = self.batches[mb]  # packed data: (x, y, positions), given to every stage
         inp = None if stage.is_first else self.in_act.pop(key)
         if self.versions is not None:
             weights = self.versions.stash[a.version or 0]
-            out = functional_call(stage, weights, (x if stage.is_first else inp,))
+            out = functional_call(stage, weights, (x if stage.is_first else inp, *packed))
             self.versions.used(index, a.version or 0)
         else:
-            inp = stage.embed(x) if stage.is_first else inp
-            out = stage.body(cast(torch.Tensor, inp))  # received above, or embedded on the first stage
+            inp = stage.embed(x, *packed) if stage.is_first else inp
+            out = stage.body(cast(torch.Tensor, inp), *packed)  # received above, or embedded on the first stage
         if stage.is_last:
             loss = self.loss_fn(out, y)
             self.stats.losses[mb] = loss.detach()

@@ -48,7 +48,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from loom import comm
 from loom.comm import Group
-from loom.model.llama import Transformer
+from loom.model.llama import Transformer, embed, layer_args
 from loom.parallel.state import gather_module_state
 
 __all__ = [
@@ -76,6 +76,8 @@ class StageModule(nn.Module):
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         if self.is_first:
             self.tok_embeddings = model.tok_embeddings
+            self.pos_embeddings = model.pos_embeddings  # learned positions (None with RoPE)
+            self.register_buffer("pos_ids", cast(torch.Tensor | None, model.pos_ids), persistent=False)
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(lo, hi)})
         if self.is_last:
             self.norm = model.norm
@@ -83,17 +85,20 @@ class StageModule(nn.Module):
         self.register_buffer("rope_cos", cast(torch.Tensor, model.rope_cos), persistent=False)  # buffers
         self.register_buffer("rope_sin", cast(torch.Tensor, model.rope_sin), persistent=False)
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.tok_embeddings(tokens)  # (B, T, h)
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return embed(self.tok_embeddings, self.pos_embeddings, cast(torch.Tensor | None, self.pos_ids), tokens,
+                     positions)  # (B, T, h)  # fmt: skip
 
-    def body(self, h: torch.Tensor) -> torch.Tensor:
-        """Blocks (and the head on the last stage) applied to activations h: (B, T, h)."""
+    def body(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks (and the head on the last stage) applied to activations h: (B, T, h); packed data's
+        ``positions`` (B, T) give every stage its RoPE rows and document mask (each rank has the batch)."""
+        args = layer_args(cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin), positions)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, *args)
         return self.output(self.norm(h)) if self.is_last else h
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(self.embed(x) if self.is_first else x)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.body(self.embed(x, positions) if self.is_first else x, positions)
 
 
 class PipelineModule(nn.Module):

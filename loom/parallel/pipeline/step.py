@@ -65,17 +65,17 @@ def evaluate(pipe: PipelineModule, batches: Sequence[Batch], loss_fn: LossFn, dp
     p, dim, dtype = pipe.p, pipe.cfg.dim, next(pipe.parameters()).dtype
     losses, works, keep = [], [], []
     pipe.eval()
-    for x, y in batches:
+    for x, y, *packed in batches:  # packed data: (x, y, positions)
         for s in pipe.stage_ids:
             stage = pipe.stage(s)
             if stage.is_first:
-                h = stage(x)
+                h = stage(x, *packed)
             else:
                 h = torch.empty(x.shape[0], x.shape[1] // pipe.seq_div, dim, dtype=dtype, device=x.device)
                 group, peer = pipe.link((s - 1) % p, pipe.rank)
                 for w in comm.batch_p2p([], [(h, peer)], group):
                     w.wait()
-                h = stage(h)
+                h = stage(h, *packed)
             if stage.is_last:
                 losses.append(loss_fn(h, y).float())
             else:
@@ -91,11 +91,13 @@ def evaluate(pipe: PipelineModule, batches: Sequence[Batch], loss_fn: LossFn, dp
 def pipeline_full_model(pipe: PipelineModule):
     """The whole model (a ``Transformer`` holding every stage's weights) on pipeline rank 0, else None."""
     from loom.model.llama import Transformer
+    from loom.model.moe import moe_layers
     from loom.parallel.pipeline.stage import gather_full_state
 
     state = gather_full_state(pipe)
     if state is None:
         return None
-    model = Transformer(pipe.cfg)
+    moe = moe_layers(pipe)  # the [moe] options the stages were built with (shared experts, selection bias)
+    model = Transformer(pipe.cfg, moe[0].options if moe else None)
     model.load_state_dict(state)
     return model

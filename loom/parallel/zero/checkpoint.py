@@ -74,8 +74,12 @@ class ZeroState:
                 if expert is not None:  # this rank's experts, repeated over their edp group
                     shape, offsets = expert_geometry(p)
                     within = Box(offsets, tuple(p.shape))
-                    replica = _rank_size(expert.edp)
-                    readers = read_group(expert.edp, lay.device)
+                    if lay.world > 1:  # sharded over the edp group: every piece distinct but for tp peers
+                        replica, readers = (self.tp_rank, self.tp), None
+                    else:
+                        e_rank, e_size = _rank_size(expert.edp)
+                        replica = (self.tp_rank * e_size + e_rank, self.tp * e_size)  # experts are whole over tp
+                        readers = read_group(expert.edp, lay.device)
                 elif within is None:
                     replica = (self.tp_rank * self.rep + self.rep_rank, self.tp * self.rep)
                 else:
@@ -106,4 +110,4 @@ class ZeroState:
                 p.copy_(master)
         if not self.stage3:  # stages 1-2: every rank's shard into every bucket, as after a step
             for b in self.s.buckets:
-                comm.all_gather(b.params, b.layout.shard_of(b.params), self.s.shard_group)
+                comm.all_gather(b.params, b.layout.shard_of(b.params), b.group)

@@ -77,15 +77,15 @@ class ShardedStrategy(SyncSwitch):
         return list(self.grad_shards)
 
     def grad_sq(self) -> torch.Tensor:
-        """Σ of squares of this rank's gradient shards (tp shards summed over tp, expert shards over
-        ep), summed over the sharding group."""
+        """Σ of squares of this rank's gradient shards (tp shards summed over tp), summed over the
+        sharding group; expert shards summed over their edp group (when sharded there) and ep."""
         device = self.grad_shards[0].device if self.grad_shards else torch.device("cpu")
-        tp_views, rep_views, ep_views, ep_group = [], [], [], None
+        tp_views, rep_views, ep_views, expert = [], [], [], None
         for lay, g in zip(self.layouts, self.grad_shards):
-            expert = placement_of(lay.params[0]).expert if lay.params else None
-            if expert is not None:  # experts: other ranks hold the rest
+            pl = placement_of(lay.params[0]).expert if lay.params else None
+            if pl is not None:  # experts: other ranks hold the rest (their edp peers other shards)
                 ep_views.append(g)
-                ep_group = expert.group
+                expert, ep_sharded = pl, lay.world > 1
             elif comm.group_size(self.tp_group) > 1:
                 tp_views += [g[lo:hi] for lo, hi in lay.local_ranges(lambda s: s.tp_sharded)]
                 rep_views += [g[lo:hi] for lo, hi in lay.local_ranges(lambda s: not s.tp_sharded)]
@@ -96,11 +96,13 @@ class ShardedStrategy(SyncSwitch):
             tp_sq = sum_sq(tp_views, device)
             comm.all_reduce(tp_sq, self.tp_group)
             sq = sq + tp_sq
-        if ep_views:
-            ep_sq = sum_sq(ep_views, device)
-            comm.all_reduce(ep_sq, ep_group)
-            sq = sq + ep_sq
         comm.all_reduce(sq, self.shard_group)
+        if expert is not None:
+            ep_sq = sum_sq(ep_views, device)
+            if ep_sharded:
+                comm.all_reduce(ep_sq, expert.edp)
+            comm.all_reduce(ep_sq, expert.group)
+            sq = sq + ep_sq
         return sq
 
     @torch.no_grad()

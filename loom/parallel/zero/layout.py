@@ -130,16 +130,25 @@ class FlatLayout:
         return [flat[s.offset : s.offset + s.numel].view_as(p) for p, s in zip(self.params, self.slots)]
 
     @torch.no_grad()
-    def bind(self, flat: torch.Tensor, fill: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def bind(self, flat: torch.Tensor, fill: Callable[[torch.Tensor, tuple[int, int]], torch.Tensor] | None = None) -> None:
         """Copy the parameters' values into ``flat`` and make each ``p.data`` a view of it; a parameter
-        still on the meta device gets ``fill(p)`` (its values) and becomes a view of ``flat`` in place."""
+        still on the meta device becomes a view of ``flat`` in place, and only the rows of it that
+        reach this rank's shard are filled, ``fill(p, (r0, r1))`` (the rest of ``flat`` is the other
+        ranks' and stays zero: from a checkpoint a rank reads about 1/N of each unit; the init draws
+        each parameter its shard touches whole, as its random stream is the whole parameter's)."""
         from loom.parallel.materialize import swap_in
 
-        for p, v in zip(self.params, self.views(flat)):
+        for p, v, s in zip(self.params, self.views(flat), self.slots):
             if p.is_meta:
                 if fill is None:
                     raise ValueError("a parameter on the meta device and nothing to initialize it with")
-                v.copy_(fill(p))
+                lo, hi = max(s.offset, self.start) - s.offset, min(s.offset + s.numel, self.end) - s.offset
+                if lo < hi:
+                    if p.dim() == 0:
+                        raise ValueError("ZeRO-3: a 0-dimensional parameter cannot be filled by rows")
+                    row = s.numel // p.shape[0]  # elements per row along dim 0
+                    r0, r1 = lo // row, -(-hi // row)
+                    v[r0:r1].copy_(fill(p, (r0, r1)))
                 swap_in(p, v.new_empty(0))  # a real parameter first (its own version counter), then the view
                 p.data = v
             else:

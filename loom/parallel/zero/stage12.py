@@ -27,6 +27,9 @@ Bytes moved per rank per step (ring; b = bytes per element, R replicas for hybri
     reduce-scatter Φ'·b·(N-1)/N  +  all-gather Φ'·b·(N-1)/N  [+ all-reduce 2·(Φ'/N)·b·(R-1)/R]
 
 the same 2Φ(N-1)/N as the data-parallel all-reduce it replaces (ZeRO paper, §7).
+
+Expert parallelism: the experts' buckets are sharded over their edp group (N_e = dp·cp/ep ranks
+holding the same experts) instead, with Φ_e their parameters on this rank in the formulas above.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class FlatBucket:
     grads: torch.Tensor | None  # stage 1: full Φ_b' (p.grad are views); stage 2: transient, None at rest
     grad_shard: torch.Tensor  # this rank's reduced Φ_b'/N gradient shard
     reducer: GradReducer  # the strategy's, or the expert shards' (summed over their edp group)
+    group: Group = None  # the group its shards are spread over: the sharding group, or an expert's edp group
 
 
 @dataclass
@@ -94,18 +98,17 @@ class ZeroDataParallel(ShardedStrategy):
         self.stage = stage
         self.module = module
         self.world = comm.group_size(shard_group)
-        rank = dist.get_rank(shard_group) if self.world > 1 else 0
         dp = self.world * comm.group_size(replicate_group)
         self.reducer = GradReducer(shard_group, replicate_group, dp, meter, reduce_dtype, max_inflight)
         self._expert_reducers: dict[int, GradReducer] = {}
         self.params = unique_params(module)
-        if self.world > 1 and any(expert_group(p) is not None for p in self.params):
-            raise ValueError("ZeRO sharding of expert-parallel experts is not implemented: use parallel.zero = 0")
         decayed = decayed_ids(module)
         self.buckets: list[FlatBucket] = []
         self._slot: dict[int, tuple[FlatBucket, int]] = {}
         for i, ps in enumerate(split_buckets(self.params, int(bucket_mb * 1024 * 1024), tied_copy(module))):
-            lay = FlatLayout(ps, self.world, rank, decayed)
+            group = self._group_for(ps[0])
+            n = comm.group_size(group)
+            lay = FlatLayout(ps, n, dist.get_rank(group) if n > 1 else 0, decayed)
             flat = lay.new_flat()
             lay.bind(flat)
             if stage == 1:
@@ -113,7 +116,7 @@ class ZeroDataParallel(ShardedStrategy):
                 grad_shard = lay.shard_of(grads)
             else:
                 grads, grad_shard = None, lay.new_shard()
-            b = FlatBucket(i, lay, flat, grads, grad_shard, reducer=self._reducer_for(ps[0], dp))
+            b = FlatBucket(i, lay, flat, grads, grad_shard, reducer=self._reducer_for(ps[0], dp), group=group)
             for j, p in enumerate(ps):
                 self._slot[id(p)] = (b, j)
             self.buckets.append(b)
@@ -130,14 +133,22 @@ class ZeroDataParallel(ShardedStrategy):
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self.zero_grad()
 
+    def _group_for(self, p: torch.Tensor) -> Group:
+        """The group a bucket of ``p`` is sharded over: experts over their edp group (the ranks
+        holding the same experts) when the strategy shards, else the sharding group."""
+        edp = expert_group(p)
+        return edp if edp is not None and self.world > 1 else self.shard_group
+
     def _reducer_for(self, p: torch.Tensor, dp: int) -> GradReducer:
-        """Expert shards (unsharded here: N = 1) are summed over their edp group, divided by all dp ranks."""
+        """Expert shards are summed over their edp group and divided by all dp ranks: reduce-scattered
+        over it when the strategy shards (ZeRO 1-2), else all-reduced (N = 1)."""
         group = expert_group(p)
         if group is None:
             return self.reducer
         r = self.reducer
         if id(group) not in self._expert_reducers:
-            self._expert_reducers[id(group)] = GradReducer(r.shard_group, group, dp, r.meter, r.reduce_dtype, r.max_inflight)
+            shard, replicas = (group, None) if self.world > 1 else (r.shard_group, group)
+            self._expert_reducers[id(group)] = GradReducer(shard, replicas, dp, r.meter, r.reduce_dtype, r.max_inflight)
         return self._expert_reducers[id(group)]
 
     @property
@@ -214,9 +225,7 @@ class ZeroDataParallel(ShardedStrategy):
     def _gather_params(self) -> None:
         """All-gather every bucket in place: each rank's shard is already at its place."""
         works = [
-            comm.all_gather(
-                b.params, b.layout.shard_of(b.params), self.shard_group, self.meter, async_op=True
-            )
+            comm.all_gather(b.params, b.layout.shard_of(b.params), b.group, self.meter, async_op=True)
             for b in self.buckets
         ]
         for w in works:

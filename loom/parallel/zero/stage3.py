@@ -165,11 +165,12 @@ class FullyShardedZero(ShardedStrategy):
         tp_group: Group = None,
         reshard_after_forward: bool = True,
         max_inflight: int = MAX_INFLIGHT,
-        fill: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        fill: Callable[[torch.Tensor, tuple[int, int]], torch.Tensor] | None = None,
         device: torch.device | None = None,
     ) -> None:
         """``fill``, ``device``: parameters still on the meta device are materialized unit by unit on
-        ``device`` (``fill(p)``: its values), so a rank never holds more than one whole unit."""
+        ``device`` (``fill(p, rows)``: the values of its rows [r0, r1) this rank's shard reaches), so a
+        rank never holds more than one whole unit."""
         super().__init__(shard_group, replicate_group, tp_group, meter)
         self._fill, self._device = fill, device
         self.module = module

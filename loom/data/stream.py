@@ -1,0 +1,272 @@
+"""Streaming tokenization: documents in, token files out, memory bounded by a few chunks.
+
+Documents are grouped into chunks of about ``chunk_chars`` characters (a document is never cut),
+encoded by ``workers`` processes, and the token ids are appended to the ``.bin`` file in document
+order, whatever order the workers finish in; so the bytes do not depend on the worker count. At
+most ``2 * workers`` chunks are in flight, so the text held is at most
+``(2 * workers + 1) * chunk_chars`` characters (plus the largest document), independent of the
+corpus size. One worker encodes in this process (the tokenizer's own Rust threads).
+
+The split into train and validation needs two numbers of every document, its length in characters;
+:func:`split_plan` computes the split from those lengths alone (first pass), and
+:func:`split_stream` applies it while the documents stream by (second pass).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.pool import AsyncResult, Pool
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from loom.config import ConfigError
+
+Split = Literal["train", "val"]
+CHUNK_CHARS = 1 << 20  # characters of text per encoding task
+
+
+def default_workers() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Documents ``[0, k)`` are train, ``(k, n)`` validation; document k is cut at the last line
+    break before character ``pos`` (at ``pos`` if it has none): its head is train, its tail
+    validation (``pos = 0``: all of it validation)."""
+
+    k: int
+    pos: int
+
+
+def split_plan(lengths: Sequence[int] | np.ndarray, val_fraction: float, block: int = 1 << 20) -> SplitPlan:
+    """The last ``val_fraction`` of the documents (at least one) are validation.
+
+    When that would put more than twice ``val_fraction`` of the text into validation (one
+    document, or a few of very uneven size), the corpus is instead cut at ``1 - val_fraction``
+    of its characters, inside the document that straddles that point. ``lengths`` may be a
+    memory-mapped array (:class:`LengthLog`): it is read in blocks.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64) if not isinstance(lengths, np.ndarray) else lengths
+    n = len(lengths)
+    total = sum(int(lengths[i : i + block].sum()) for i in range(0, n, block))
+    n_val = min(max(1, round(n * val_fraction)), n - 1)
+    if n_val >= 1 and sum(int(lengths[i : i + block].sum()) for i in range(n - n_val, n, block)) <= 2 * val_fraction * total:
+        return SplitPlan(n - n_val, 0)
+    pos = int(total * (1.0 - val_fraction))
+    for start in range(0, n, block):  # find the document holding character ``pos``
+        ends = np.cumsum(lengths[start : start + block])
+        if pos < int(ends[-1]):
+            j = int(np.searchsorted(ends, pos, side="right"))
+            return SplitPlan(start + j, pos - (int(ends[j - 1]) if j else 0))
+        pos -= int(ends[-1])
+    raise AssertionError("pos lies inside the corpus")  # pragma: no cover
+
+
+class LengthLog:
+    """Each document's length in characters, appended to a file (8 bytes a document on disk, a
+    bounded buffer in memory) and read back memory-mapped."""
+
+    def __init__(self, path: Path, buffer: int = 1 << 16) -> None:
+        self.path, self.buffer = path, buffer
+        self._f = path.open("wb")
+        self._pending: list[int] = []
+        self.n = 0
+
+    def append(self, length: int) -> None:
+        self._pending.append(length)
+        self.n += 1
+        if len(self._pending) >= self.buffer:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._f.write(np.asarray(self._pending, dtype=np.int64).tobytes())
+        self._pending.clear()
+
+    def close(self) -> np.ndarray:
+        self._flush()
+        self._f.close()
+        return np.memmap(self.path, dtype=np.int64, mode="r") if self.n else np.zeros(0, np.int64)
+
+
+def split_stream(docs: Iterable[str], plan: SplitPlan) -> Iterator[tuple[Split, str]]:
+    """(split, text) of every document, cut by ``plan``; refuses a split that leaves no train text."""
+    n_train = 0
+    for i, doc in enumerate(docs):
+        if i < plan.k:
+            n_train += 1
+            yield "train", doc
+        elif i > plan.k:
+            yield "val", doc
+        else:
+            nl = doc.rfind("\n", 0, plan.pos)
+            cut = nl + 1 if nl >= 0 else plan.pos
+            if cut:
+                n_train += 1
+                yield "train", doc[:cut]
+            if not n_train:
+                raise ConfigError("data.source: the corpus is too small to hold out a validation split")
+            yield "val", doc[cut:]
+
+
+class TokenWriter:
+    """Appends token chunks to a ``.bin`` file: counts them, hashes the bytes, tracks the largest id."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.n_tokens = self.n_docs = 0
+        self.max_id = -1
+        self.sum = 0  # sum of the values written (trained tokens, for a mask file)
+        self._sha = hashlib.sha256()
+        try:
+            self._f = path.open("wb")
+        except OSError as e:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+
+    def write(self, ids: np.ndarray, n_docs: int) -> None:
+        raw = ids.tobytes()
+        try:
+            self._f.write(raw)
+        except OSError as e:  # a failed write() carries no file name: add it
+            raise OSError(e.errno, e.strerror or str(e), str(self.path)) from None
+        self._sha.update(raw)
+        self.n_tokens += len(ids)
+        self.n_docs += n_docs
+        if len(ids):
+            self.max_id = max(self.max_id, int(ids.max()))
+            if ids.dtype == np.uint8:
+                self.sum += int(ids.sum())
+
+    def close(self) -> str:
+        """Flush, fsync and close; returns the SHA-256 of the bytes written."""
+        try:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        except OSError as e:
+            raise OSError(e.errno, e.strerror or str(e), str(self.path)) from None
+        finally:
+            self._f.close()
+        return self._sha.hexdigest()
+
+    def abort(self) -> None:
+        self._f.close()
+
+
+# ----------------------------------------------------------------------------- encoding
+
+_WORKER: dict[str, object] = {}
+
+
+def encode_chunk(tok: Tokenizer, docs: list[str], eot: int, dtype: np.dtype) -> np.ndarray:
+    """Token ids of ``docs``, each followed by ``eot``, as one array of ``dtype``."""
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    pieces: list[np.ndarray] = []
+    tail = np.array([eot], dtype=dtype)
+    for enc in encode(docs, add_special_tokens=False):
+        pieces.append(np.asarray(enc.ids, dtype=dtype))
+        pieces.append(tail)
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+
+
+def _init_worker(tok_json: str, eot: int, dtype: str) -> None:
+    _WORKER.update(tok=Tokenizer.from_str(tok_json), eot=eot, dtype=np.dtype(dtype))
+
+
+def _worker_encode(docs: list[str]) -> np.ndarray:
+    tok = _WORKER["tok"]
+    assert isinstance(tok, Tokenizer)
+    return encode_chunk(tok, docs, int(_WORKER["eot"]), _WORKER["dtype"])  # type: ignore[call-overload, arg-type]
+
+
+def _chunks(docs: Iterable[tuple[Split, str]], chunk_chars: int) -> Iterator[tuple[Split, list[str], int]]:
+    """(split, documents, UTF-8 bytes) groups of about ``chunk_chars`` characters, never mixing splits."""
+    split: Split | None = None
+    group: list[str] = []
+    size = nbytes = 0
+    for s, doc in docs:
+        if group and (s != split or size + len(doc) > chunk_chars):
+            assert split is not None
+            yield split, group, nbytes
+            group, size, nbytes = [], 0, 0
+        split = s
+        group.append(doc)
+        size += len(doc)
+        nbytes += len(doc.encode("utf-8"))
+    if group:
+        assert split is not None
+        yield split, group, nbytes
+
+
+def _pool(tok: Tokenizer, eot: int, dtype: np.dtype, workers: int) -> Pool:
+    """``workers`` processes holding the tokenizer, each encoding on one thread (no Rust thread pool
+    per worker; a forked child of a process that used it would also warn)."""
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # inherited by the workers only
+    try:
+        return ctx.Pool(workers, _init_worker, (tok.to_str(), eot, dtype.name))
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def encode_stream(
+    tok: Tokenizer,
+    docs: Iterable[tuple[Split, str]],
+    writers: dict[Split, TokenWriter],
+    eot: int,
+    dtype: np.dtype,
+    workers: int = 1,
+    chunk_chars: int | None = None,
+    total_bytes: int | None = None,
+    progress: bool = False,
+) -> None:
+    """Encode (split, text) documents into ``writers[split]`` in order (see the module doc), in chunks
+    of ``chunk_chars`` (default :data:`CHUNK_CHARS`); a progress bar counts UTF-8 bytes, with their
+    rate and the time left."""
+    bar = tqdm(total=total_bytes, desc="tokenize", unit="B", unit_scale=True, disable=not progress, leave=False)
+    chunks = _chunks(docs, chunk_chars or CHUNK_CHARS)
+    try:
+        if workers <= 1:
+            for split, group, nbytes in chunks:
+                writers[split].write(encode_chunk(tok, group, eot, dtype), len(group))
+                bar.update(nbytes)
+            return
+        pool = _pool(tok, eot, dtype, workers)
+        try:
+            pending: deque[tuple[Split, int, int, AsyncResult[np.ndarray]]] = deque()
+            for split, group, nbytes in chunks:
+                if len(pending) >= 2 * workers:
+                    _drain_one(pending, writers, bar)
+                pending.append((split, len(group), nbytes, pool.apply_async(_worker_encode, (group,))))
+                del group
+            while pending:
+                _drain_one(pending, writers, bar)
+            pool.close()
+            pool.join()
+        finally:
+            pool.terminate()
+    finally:
+        bar.close()
+
+
+def _drain_one(pending: deque[tuple[Split, int, int, AsyncResult[np.ndarray]]],
+               writers: dict[Split, TokenWriter], bar: tqdm) -> None:  # fmt: skip
+    split, n_docs, nbytes, result = pending.popleft()
+    writers[split].write(result.get(), n_docs)
+    bar.update(nbytes)

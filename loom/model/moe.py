@@ -1,0 +1,338 @@
+"""Mixture of experts: routing, capacity, balancing losses and grouped compute of one MoE layer.
+
+Shapes: N tokens, h = dim, f = expert hidden size, E experts, k = top_k, A = N·k assignments.
+
+Routing (``moe.score``): logits z = x W_rᵀ in fp32; scores s = softmax(z) (Mixtral) or sigmoid(z)
+(DeepSeek-V3). Each token takes the k experts of highest s + b (b: the aux-loss-free selection
+bias, 0 unless ``moe.bias_update_rate`` > 0) and weights them by s, divided by Σ_topk s when
+``moe.norm_topk``. Shared experts (``moe.n_shared_experts`` = S) are one SwiGLU of width S·f that
+every token goes through, added to the routed output.
+
+Capacity (``moe.capacity_factor`` c > 0, training only): expert e keeps at most
+C = ceil(c·N·k/E) of its assignments in a micro-batch, the highest-score ones
+(``drop_policy = probability``) or the earliest tokens (``position``); a dropped assignment
+contributes nothing, so a token dropped by all its experts passes through the residual alone.
+
+Balancing, added to the objective of every micro-batch like its loss (scaled by 1/micro-batches
+and the fp16 loss scale: :class:`_InjectAux` passes the activations through and feeds the aux
+loss its gradient in backward, so it reaches the router under every schedule, pipeline stages
+included):
+
+    aux    α·E·Σ_e f_e·P_e        f_e = assignments to e / (N·k), before dropping,
+                                   P_e = mean over tokens of s_e / Σ_e' s_e'
+    z      β·mean_t (logsumexp_e z_t,e)²
+    bias   after each step  b_e += γ·sign(mean_e' load_e' − load_e), load over the step's tokens
+
+f_e and the loads are global: their counts are summed over the dp × cp ranks of the micro-step
+(one all-reduce of E + 1 numbers per layer and micro-batch, one of L·E per step for the bias),
+so they are those of one process running the dp ranks' micro-batches as one. P_e and the z-loss
+are local means; the data-parallel gradient average makes them global.
+
+Compute: the assignments sorted by expert run as one grouped matmul per weight
+(``torch._grouped_mm`` where this build and device have it, else a zero-padded (E, max_e n_e, h)
+batched matmul); ``moe.compute = loop`` runs the experts one by one (the reference).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from loom import comm
+from loom.comm import Group
+from loom.config import MoEConfig
+
+
+class ExpertWeights(nn.Module):
+    """One weight matrix per expert, stacked: ``weight`` of shape (E, out, in)."""
+
+    def __init__(self, n_experts: int, out_features: int, in_features: int, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features, device=device, dtype=dtype))
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor  # (N, k) in x's dtype
+    experts: torch.Tensor  # (N, k) int64
+    scores: torch.Tensor  # (N, E) fp32
+    logits: torch.Tensor  # (N, E) fp32
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, score: str = "softmax", norm_topk: bool = True,
+          bias: torch.Tensor | None = None) -> Routing:  # fmt: skip
+    """Top-k routing of tokens x (N, h) over E experts (module doc): the k experts of highest
+    score (+ selection bias), weighted by their scores (renormalized when ``norm_topk``)."""
+    logits = F.linear(x, router).float()  # (N, E)
+    scores = torch.sigmoid(logits) if score == "sigmoid" else F.softmax(logits, dim=-1)
+    chosen = scores if bias is None else scores + bias
+    experts = chosen.topk(top_k, dim=-1).indices  # (N, k)
+    weights = scores.gather(-1, experts)
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return Routing(weights.to(x.dtype), experts, scores, logits)
+
+
+def capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int:
+    """Assignments one expert takes: ceil(factor·N·k/E)."""
+    return math.ceil(factor * n_tokens * top_k / n_experts)
+
+
+def keep_mask(priority: torch.Tensor, experts: torch.Tensor, n_experts: int, cap: int, policy: str) -> torch.Tensor:
+    """(N, k) bool: per expert, its ``cap`` first assignments in order of decreasing ``priority``
+    (N, k) (``probability``) or of token position (``position``), ties by position."""
+    flat = experts.reshape(-1)
+    n = flat.numel()
+    if policy == "probability":
+        order = torch.argsort(-priority.reshape(-1).float(), stable=True)
+    else:
+        order = torch.arange(n, device=flat.device)
+    by_expert = torch.argsort(flat[order], stable=True)  # priority order kept within each expert
+    ranked = order[by_expert]  # assignments grouped by expert, best first
+    counts = torch.bincount(flat, minlength=n_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(n, device=flat.device) - starts[flat[ranked]]  # rank inside its expert
+    keep = torch.zeros(n, dtype=torch.bool, device=flat.device)
+    keep[ranked] = position < cap
+    return keep.view_as(experts)
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """w2( silu(w1 x) * w3 x ) for one expert's (f, h), (f, h), (h, f) weights; x: (n, h) -> (n, h)."""
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
+                    w3: torch.Tensor, w2: torch.Tensor, first: int = 0) -> torch.Tensor:  # fmt: skip
+    """The reference loop: Σ over each token's routed experts of weight · SwiGLU_e(x), for the experts
+    ``first .. first + len(w1) - 1`` held in the stacked (E', f, h), (E', f, h), (E', h, f) weights;
+    tokens routed elsewhere get nothing from here. x: (N, h) -> (N, h)."""
+    out = torch.zeros_like(x)
+    for j in range(w1.shape[0]):
+        token, slot = (experts == first + j).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        y = swiglu(x.index_select(0, token), w1[j], w3[j], w2[j])
+        out = out.index_add(0, token, y * weights[token, slot, None])
+    return out
+
+
+class _ContiguousGrad(Function):
+    """Identity whose backward makes the incoming gradient contiguous (``_grouped_mm`` needs it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs here for x's dtype: CPU fp32/bf16, or bf16 on a CUDA
+    device of compute capability >= 9.0."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16)
+    if x.device.type == "cuda" and x.dtype == torch.bfloat16:
+        return torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return False
+
+
+def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows x[offs[e-1]:offs[e]] times w[e]ᵀ for every e: x (A, in), w (E, out, in) -> (A, out)."""
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                   compute: str = "grouped") -> torch.Tensor:  # fmt: skip
+    """SwiGLU_e on rows x (A, h) sorted by expert, ``counts[e]`` rows for expert e of the stacked
+    weights; -> (A, h). ``grouped``: one grouped (or padded batched) matmul per weight; ``loop``: per expert."""
+    if compute == "loop":
+        out, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            out.append(swiglu(x[start : start + n], w1[e], w3[e], w2[e]))
+            start += n
+        return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
+    if grouped_mm_available(x) and x.shape[0] > 0:
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return _gmm(F.silu(_gmm(x, w1, offs)) * _gmm(x, w3, offs), w2, offs)
+    # padded: expert e's rows at (e, 0 .. n_e - 1) of an (E, max n_e, h) batch
+    n_experts, rows = counts.shape[0], x.shape[0]
+    starts = torch.cumsum(counts, 0) - counts
+    expert = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts, output_size=rows)
+    slot = torch.arange(rows, device=x.device) - starts[expert]
+    batch = x.new_zeros(n_experts, int(counts.max()) if rows else 0, x.shape[1]).index_put((expert, slot), x)
+    hidden = F.silu(torch.bmm(batch, w1.transpose(1, 2))) * torch.bmm(batch, w3.transpose(1, 2))
+    return torch.bmm(hidden, w2.transpose(1, 2))[expert, slot]
+
+
+class _InjectAux(Function):
+    """Forward: ``out`` unchanged; backward: ``out``'s gradient, and ``layer.grad_scale`` as the
+    gradient of the scalar aux loss (what the main loss of the micro-batch gets)."""
+
+    @staticmethod
+    def forward(ctx, out, aux, layer):
+        ctx.layer = layer
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.layer.grad_scale, dtype=torch.float32, device=grad.device), None
+
+
+def _recomputing() -> bool:
+    """True inside a backward pass (a checkpointed forward running again): statistics are not recounted."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+class SharedExperts(nn.Module):
+    """The shared experts as one SwiGLU of hidden size S·f: w2( silu(w1 x) * w3 x )."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+N_STATS = 4  # after the E loads: dropped assignments, aux sum, z sum, forwards
+
+
+class MoEFeedForward(nn.Module):
+    """Mixture of SwiGLU experts (module doc): y = Σ_{e kept} w_e · w2_e( silu(w1_e x) * w3_e x )
+    (+ shared experts). Dropless by default (every routed token is computed)."""
+
+    activation_kind = "mlp"  # what its saved tensors (router and experts) count as for train.compress
+    expert_bias: torch.Tensor | None  # (E,) fp32 selection bias (a buffer) with bias balancing, else None
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, options: MoEConfig | None = None) -> None:
+        super().__init__()
+        self.top_k, self.n_experts = top_k, n_experts
+        self.options = options or MoEConfig()
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.w1 = ExpertWeights(n_experts, hidden, dim)
+        self.w3 = ExpertWeights(n_experts, hidden, dim)
+        self.w2 = ExpertWeights(n_experts, dim, hidden)
+        s = self.options.n_shared_experts
+        self.shared = SharedExperts(dim, s * hidden) if s else None
+        rate = self.options.bias_update_rate
+        self.register_buffer("expert_bias", torch.zeros(n_experts) if rate > 0 else None)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self.layer_id = -1  # the block's index (metrics)
+        self.stats_groups: tuple[Group, ...] = ()  # where f_e and the loads are summed (set by configure_moe)
+        self.loss_share = 1.0  # this rank's share of the aux/z loss terms: 1/tp when sp splits tokens over tp
+        self.grad_scale = 1.0  # the main loss's backward factor for this micro-batch (set by begin_step)
+        self.step_load: torch.Tensor | None = None  # assignments per expert this step (bias update)
+        self.stats: torch.Tensor | None = None  # (E + N_STATS,) since the last metrics row
+
+    def expert_outputs(self, flat: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
+                       weight: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Σ_a weight_a · SwiGLU_{expert_a}(flat[token_a]) into each token's row, for the
+        assignments a sorted by expert: (N, h)."""
+        counts = torch.bincount(expert, minlength=self.n_experts)
+        rows = grouped_swiglu(flat.index_select(0, token), counts, self.w1.weight, self.w3.weight, self.w2.weight,
+                              self.options.compute)  # fmt: skip
+        return torch.zeros_like(flat).index_add(0, token, rows * weight[:, None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        opt, k = self.options, self.top_k
+        flat = x.reshape(-1, x.shape[-1])  # (N = B·T, h)
+        r = route(flat, self.router.weight, k, opt.score, opt.norm_topk, self.expert_bias)
+        keep = None
+        if opt.capacity_factor > 0 and self.training:
+            cap = capacity(flat.shape[0], k, self.n_experts, opt.capacity_factor)
+            keep = keep_mask(r.scores.gather(-1, r.experts), r.experts, self.n_experts, cap, opt.drop_policy)
+        order = torch.argsort(r.experts.reshape(-1), stable=True)  # assignments sorted by expert
+        if keep is not None:
+            order = order[keep.reshape(-1)[order]]
+        out = self.expert_outputs(flat, order // k, r.experts.reshape(-1)[order], r.weights.reshape(-1)[order])
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return self._balance(out, r, keep).view_as(x)
+
+    def _balance(self, out: torch.Tensor, r: Routing, keep: torch.Tensor | None) -> torch.Tensor:
+        """Attach the aux and z losses to ``out`` (training with gradients) and count the statistics."""
+        opt, n_tokens = self.options, r.experts.shape[0]
+        load = torch.bincount(r.experts.reshape(-1), minlength=self.n_experts).float()  # before dropping
+        aux = z = torch.zeros((), device=out.device)
+        losses = self.training and torch.is_grad_enabled() and (opt.aux_loss_coef > 0 or opt.z_loss_coef > 0)
+        if losses:
+            total = torch.zeros((), device=out.device)
+            if opt.aux_loss_coef > 0:
+                counts = torch.cat([load, load.new_full((1,), n_tokens)])
+                for group in self.stats_groups:  # f_e over the ranks of this micro-step (dp x cp [x tp])
+                    comm.all_reduce(counts, group)
+                f = counts[:-1] / (counts[-1] * self.top_k)
+                s = r.scores if opt.score == "softmax" else r.scores / r.scores.sum(-1, keepdim=True)
+                aux = self.n_experts * (f * s.mean(0)).sum()
+                total = total + opt.aux_loss_coef * aux
+            if opt.z_loss_coef > 0:
+                z = torch.logsumexp(r.logits, -1).square().mean()
+                total = total + opt.z_loss_coef * z
+            out = _InjectAux.apply(out, total * self.loss_share, self)
+        if self.training and not _recomputing():
+            dropped = load.new_zeros(()) if keep is None else (~keep).sum().float()
+            row = torch.cat([load, torch.stack([dropped, aux.detach().float(), z.detach().float(), load.new_ones(())])])
+            self.stats = row if self.stats is None else self.stats + row
+            if self.expert_bias is not None:
+                self.step_load = load if self.step_load is None else self.step_load + load
+        return out
+
+
+def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
+    """The MoE layers of ``model`` (a whole model, or a pipeline rank's stages), in module order."""
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def configure_moe(model: nn.Module, stats_groups: tuple[Group, ...], loss_share: float = 1.0) -> None:
+    """The groups whose ranks hold the other tokens of a micro-step, over which the layers' counts are
+    summed (dp x cp; and tp when sequence parallelism splits the tokens: then each tp rank's aux and
+    z terms are 1/tp of the loss, ``loss_share``, as its tokens are)."""
+    for m in moe_layers(model):
+        m.stats_groups, m.loss_share = tuple(stats_groups), loss_share
+
+
+def begin_step(model: nn.Module, grad_scale: float) -> None:
+    """Before a step's forwards: the aux losses' backward factor, that of each micro-batch's loss
+    (1/micro-batches, times the fp16 loss scale); the step's loads start from zero."""
+    for m in moe_layers(model):
+        m.grad_scale = grad_scale
+        m.step_load = None  # only this step's forwards count (not, e.g., a pipeline's profiling runs)
+
+
+@torch.no_grad()
+def end_step(model: nn.Module) -> None:
+    """After a step: b_e += γ·sign(mean load − load_e) with the step's loads summed over the layers'
+    statistics groups (one all-reduce of L·E numbers per group, none without bias balancing)."""
+    layers = [m for m in moe_layers(model) if m.expert_bias is not None and m.step_load is not None]
+    if not layers:
+        return
+    loads = torch.stack([m.step_load for m in layers if m.step_load is not None])  # (L, E)
+    for group in layers[0].stats_groups:
+        comm.all_reduce(loads, group)
+    for m, load in zip(layers, loads):
+        bias = m.expert_bias
+        assert bias is not None
+        bias += m.options.bias_update_rate * torch.sign(load.mean() - load)
+        m.step_load = None
+
+
+def real_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """Selection biases of a model built on the meta device, as zeros on ``device``."""
+    for m in moe_layers(model):
+        if m.expert_bias is not None and m.expert_bias.is_meta:
+            m.expert_bias = torch.zeros(m.n_experts, device=device)

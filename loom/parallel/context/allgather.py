@@ -1,0 +1,108 @@
+"""All-gather context parallelism (as Llama 3 trains long context, Dubey et al. 2024, §3.3.2).
+
+Each attention core all-gathers the keys and values (B, k, T/cp, d) of the cp group (rank-major
+order: rank j's two chunks at rows 2cj .. 2c(j+1)), then computes the local queries' blocks
+against each rank's keys (:func:`~loom.parallel.context.blocks.chunk_blocks`: one causal block,
+cp − 1 unmasked half blocks) merged by log-sum-exp. No dense mask: every block is a plain or
+causal flash call (packed documents: an additive mask of the block only). Backward computes
+each block's dK, dV into the gathered gradient, which the gather's backward reduce-scatters.
+
+Saved for backward per layer: q, out and lse of the T/cp local tokens, and the gathered keys
+and values of the whole sequence, unrepeated: 2·B·T·k·d·e (k·d per tp rank). Bytes sent per
+rank, per layer and micro-batch, kv = B·(T/cp)·k·d:
+
+    forward    all-gather of K and V        2·kv·e·(cp − 1)
+    backward   reduce-scatter of dK and dV  2·kv·e·(cp − 1)
+
+plus, with packed documents, the all-gather of the document ids, B·(T/cp)·8·(cp − 1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.autograd import Function
+
+from loom import comm
+from loom.comm import CommMeter, Group
+from loom.parallel.context.blocks import (
+    attend,
+    attend_backward,
+    block_seed,
+    chunk_blocks,
+    doc_mask,
+    draw_seed,
+    global_docs,
+    merge,
+)
+from loom.parallel.tp_comm import gather_seq
+
+
+def _blocks(rank: int, cp: int, c: int, drop_p: float, base: int | None):
+    """(query rows, gathered key rows, causal, dropout) of every block, rank's own (causal) first;
+    the dropout seeds are the ring's (:func:`~loom.parallel.context.blocks.block_seed`)."""
+    for src in [rank] + [j for j in range(cp) if j != rank]:
+        drop = None if base is None else (drop_p, block_seed(base, rank, src))
+        for qs, ks, causal in chunk_blocks(rank, src, c):
+            yield qs, slice(2 * c * src + ks.start, 2 * c * src + ks.stop), causal, drop
+
+
+class _GatheredAttention(Function):
+    """Local queries against the gathered keys, block by block (module doc)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, docs, kdocs, rank, cp, drop_p, base):  # type: ignore[override]
+        B, a, T, d = q.shape
+        acc_dtype = torch.promote_types(q.dtype, torch.float32)
+        # (B, T, a, d) in memory, as the flash kernel lays its output out, so the projection's input
+        # y.transpose(1, 2).reshape(B, T, a·d) is a view of the saved output, not a copy
+        acc = torch.zeros(B, T, a, d, dtype=acc_dtype, device=q.device).transpose(1, 2)
+        lse = torch.full((B, a, T), float("-inf"), dtype=acc.dtype, device=q.device)
+        for qs, ks, causal, drop in _blocks(rank, cp, T // 2, drop_p, base):
+            mask = None if docs is None else doc_mask(docs[:, qs], kdocs[:, ks], causal, q.dtype)
+            o, m = attend(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal and mask is None, mask, drop)
+            merge(acc[:, :, qs], lse[:, :, qs], o, m)
+        out = acc.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, docs, kdocs)
+        ctx.where = (rank, cp, drop_p, base)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse, docs, kdocs = ctx.saved_tensors
+        rank, cp, drop_p, base = ctx.where
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        dk = torch.zeros(k.shape, dtype=dq.dtype, device=k.device)
+        dv = torch.zeros(v.shape, dtype=dq.dtype, device=v.device)
+        for qs, ks, causal, drop in _blocks(rank, cp, q.shape[2] // 2, drop_p, base):
+            mask = None if docs is None else doc_mask(docs[:, qs], kdocs[:, ks], causal, q.dtype)
+            gq, gk, gv = attend_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
+                                         lse[:, :, qs], causal and mask is None, mask, drop)  # fmt: skip
+            dq[:, :, qs] += gq
+            dk[:, :, ks] += gk
+            dv[:, :, ks] += gv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+class AllGatherCore(nn.Module):
+    """:class:`~loom.model.llama.CoreAttention` over the cp group's whole sequence, K/V all-gathered:
+    local queries (B, a, T/cp, d), local keys and values (B, k, T/cp, d), optional local document ids
+    (B, T/cp) -> (B, a, T/cp, d)."""
+
+    def __init__(self, group: Group, rank: int, cp: int, meter: CommMeter | None = None, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.group, self.rank, self.cp, self.meter, self.dropout = group, rank, cp, meter, dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        # (B, k, T/cp, d) -> (B, k, T, d): gather along the sequence (dim 2, via the batch-first helper)
+        k = gather_seq(k.transpose(1, 2), self.group, self.meter).transpose(1, 2).contiguous()
+        v = gather_seq(v.transpose(1, 2), self.group, self.meter).transpose(1, 2).contiguous()
+        kdocs = None
+        if docs is not None:
+            docs = global_docs(docs.contiguous(), self.group, self.rank, self.cp, self.meter)
+            kdocs = torch.empty((self.cp, *docs.shape), dtype=docs.dtype, device=docs.device)
+            comm.all_gather(kdocs.view(-1), docs.view(-1), self.group, self.meter)
+            kdocs = kdocs.transpose(0, 1).reshape(docs.shape[0], -1)  # (B, T) rank-major like the keys
+        base = draw_seed() if self.training and self.dropout > 0 else None
+        return _GatheredAttention.apply(q.contiguous(), k, v, docs, kdocs, self.rank, self.cp, self.dropout, base)
