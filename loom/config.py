@@ -8,6 +8,7 @@ field and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import tempfile
 import types
@@ -254,6 +255,12 @@ SECTIONS: dict[str, type] = dict(typing.get_type_hints(LoomConfig))
 
 
 def _field_types(cls: type) -> dict[str, Any]:
+    return dict(_field_types_of(cls))
+
+
+@functools.cache
+def _field_types_of(cls: type) -> dict[str, Any]:
+    """Resolved once per class: ``typing.get_type_hints`` compiles every string annotation."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 

@@ -5,8 +5,9 @@ Tokens. A sequence of T tokens is cut into 2·cp chunks of T/(2cp); cp rank r ke
 few keys and a late one to many; pairing them gives every rank the same attention work (the
 load-balanced layout of Megatron-LM's context parallelism). Embedding, norms, MLP, output head
 and loss are token-local and run on the T/cp local tokens unchanged. Rotary embeddings need the
-global positions: the model's ``rope_cos``/``rope_sin`` tables are replaced by their rows at
-the local positions, so ``apply_rope``'s ``cos[:T/cp]`` reads exactly those.
+global positions: a pre-hook hands every block the tables' rows at the local positions instead of
+the whole tables, so ``apply_rope``'s ``cos[:T/cp]`` reads exactly those (packed documents pass
+each token's rows, by its position in its document, and are left alone).
 
 Attention (``parallel.cp_mode``), each core in :mod:`loom.parallel.context`:
 
@@ -113,8 +114,9 @@ class CpPrivateRng:
 
 
 def apply_context_parallel(model: nn.Module, mesh, cfg, meter: CommMeter | None = None) -> None:
-    """Swap every attention core for the core of ``parallel.cp_mode`` and the rotary tables for the rows
-    of this rank's positions (in place; before the pipeline split, so stages share them)."""
+    """Swap every attention core for the core of ``parallel.cp_mode``, give every block the rotary rows
+    of this rank's positions (a forward pre-hook) and, with dropout, a cp-private generator (in place;
+    before the pipeline split, so stages share the blocks)."""
     cp, rank, group = mesh.size("cp"), mesh.local_rank("cp"), mesh.group("cp")
     if cp == 1:
         return
@@ -128,17 +130,20 @@ def apply_context_parallel(model: nn.Module, mesh, cfg, meter: CommMeter | None 
         private = CpPrivateRng(rank, rope_cos.device)
         for block in cast(nn.ModuleList, model.layers):
             private.attach(block)
-    full = (rope_cos, rope_sin)
     local = (rope_cos[positions.to(rope_cos.device)], rope_sin[positions.to(rope_sin.device)])
-    model.rope_cos, model.rope_sin = local
+    model.register_buffer("cp_rope_cos", local[0], persistent=False)  # buffers: constants, not activations
+    model.register_buffer("cp_rope_sin", local[1], persistent=False)
 
-    def tables(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Packed documents index the whole tables by each token's position; otherwise the model
-        reads the first T/cp rows: this rank's positions."""
-        packed = (args[1] if len(args) > 1 else kwargs.get("positions")) is not None
-        module.rope_cos, module.rope_sin = full if packed else local
+    def local_rows(_block: nn.Module, args: tuple) -> tuple | None:
+        """A block gets the whole rotary tables (T_max, d/2) and reads their first T/cp rows: give it
+        this rank's positions' rows instead. Packed documents pass each token's rows (B, T/cp, d/2),
+        gathered by its position in its document: left as they are."""
+        if len(args) >= 3 and args[1].dim() == 2:  # read from the model: buffers follow .to(device)
+            return (args[0], model.cp_rope_cos, model.cp_rope_sin, *args[3:])
+        return None
 
-    model.register_forward_pre_hook(tables, with_kwargs=True)
+    for block in cast(nn.ModuleList, model.layers):  # the blocks, shared by pipeline stages made later
+        block.register_forward_pre_hook(local_rows)
     pos_ids = getattr(model, "pos_ids", None)
     if pos_ids is not None:  # learned positions: the table's rows at this rank's global positions
         model.pos_ids = positions.to(pos_ids.device)

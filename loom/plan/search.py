@@ -20,10 +20,14 @@ Pruning (each rule only drops layouts the cost model can prove no better; counte
   with b), so micro-batches stop growing at the first that does not fit.
 - recomputation only adds time: the cheapest policy (none, selective, full) that fits is kept.
 - offload only adds time: it is tried only where the same layout without it does not fit.
+- context-parallel modes (a heuristic, not a proof): each layout is searched in one mode, the one
+  whose estimate at micro-batch 1 without recomputation is fastest among those that fit (the
+  smallest if none fits); the others are counted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import Counter
@@ -125,17 +129,12 @@ def search(
                 mbs = [b for b in divisors(gb // dp)]
                 modes = [m for m in CP_MODES if context_mode_problem(cm.facts, cp, m, tp) is None] if cp > 1 else ["allgather"]
                 rejected["cp_mode alltoall: query heads per tp rank not divisible by cp"] += len(CP_MODES) - len(modes) if cp > 1 else 0
-                for ep, (zero, ds), mode in itertools.product(eps, zeros, modes):
-                    n, c = _search_block(
-                        cm,
-                        cap,
-                        L,
-                        gb,
-                        ranked,
-                        rejected,
-                        Layout(dp=dp, dp_shard=ds, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=tp > 1, cp_mode=mode),
-                        mbs,
-                    )
+                for ep, (zero, ds) in itertools.product(eps, zeros):
+                    base = Layout(dp=dp, dp_shard=ds, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=tp > 1)
+                    if len(modes) > 1:
+                        base = _pick_cp_mode(cm, base, modes)
+                        rejected["cp_mode: another mode of the layout is faster (micro-batch 1)"] += len(modes) - 1
+                    n, c = _search_block(cm, cap, L, gb, ranked, rejected, base, mbs)
                     considered += n
                     if c is not None and (closest is None or c[0] < closest[0]):
                         closest = c
@@ -216,6 +215,18 @@ def _with(
     return Layout(
         b.dp, b.dp_shard, b.tp, b.pp, b.cp, b.ep, b.zero, b.sp, schedule, v, micro_batch, recompute, offload, b.cp_mode
     )
+
+
+def _pick_cp_mode(cm: CostModel, base: Layout, modes: list[str]) -> Layout:
+    """``base`` with the context-parallel mode of its micro-batch-1 estimate without recomputation
+    (module doc): the fastest mode that fits, else the smallest."""
+    estimates = []
+    for mode in modes:
+        lay = dataclasses.replace(base, cp_mode=mode)
+        if cm.check(lay) is None:
+            e = cm.estimate(lay)
+            estimates.append((not e.fits, e.step_time if e.fits else e.memory, mode))
+    return dataclasses.replace(base, cp_mode=min(estimates)[2]) if estimates else base
 
 
 def _closer(a, b):
