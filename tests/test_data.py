@@ -878,3 +878,25 @@ def test_mixture_sources_cached_and_sampled_by_weight(tmp_path, cache, caplog):
     bad = C.from_dict({"data": {"sources": [{"path": str(gz), "weight": -1}]}})
     with pytest.raises(ValueError, match=r"data.sources\[0\].weight: must be a positive number, got -1.0"):
         C.validate(bad, 1)
+
+
+def test_a_micro_batch_with_no_trained_token_has_loss_zero_not_nan():
+    """Chat data can leave a micro-batch without one trained target: its loss (plain and
+    vocabulary-parallel) is 0 with zero gradients, and otherwise equals the mean cross entropy."""
+    import torch.nn.functional as F
+
+    from loom.model.llama import loss_fn
+    from loom.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 8, 50, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 8), generator=g)
+    targets[0, :3] = -100
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), ignore_index=-100)
+    assert torch.equal(loss_fn(logits, targets), expected)
+    torch.testing.assert_close(vocab_parallel_cross_entropy(logits, targets, None), expected)
+    none = torch.full_like(targets, -100)
+    for fn in (loss_fn, lambda z, t: vocab_parallel_cross_entropy(z, t, None)):
+        loss = fn(logits, none)
+        (grad,) = torch.autograd.grad(loss, logits)
+        assert loss.item() == 0.0 and not grad.any()

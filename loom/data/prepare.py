@@ -24,7 +24,7 @@ import socket
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -419,26 +419,25 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
         for w in writers.values():
             w.abort()
         raise
+    _write_meta(out, cfg, key, t0, (vocab, dtype, eot), writers, digests, {"corpus_mb": n_bytes / 1e6})
+
+
+def _write_meta(out: Path, cfg: DataConfig, key: dict[str, Any], t0: float, vocab_dtype_eot: tuple[int, Any, int],
+                writers: Mapping[Any, Any], digests: Mapping[Any, str], extra: dict[str, Any]) -> None:  # fmt: skip
+    """``meta.json`` of a prepared directory (written last: its presence means the data is whole):
+    counts, SHA-256 of every file and of sampled blocks, max token ids, the config and cache key."""
+    vocab, dtype, eot = vocab_dtype_eot
     train, val = writers["train"], writers["val"]
     meta = {
-        "format": FORMAT_VERSION,
-        "source": cfg.source,
-        "vocab_size": vocab,
-        "dtype": dtype.name,
-        "eot_id": eot,
-        "n_train_tokens": train.n_tokens,
-        "n_val_tokens": val.n_tokens,
-        "n_train_docs": train.n_docs,
-        "n_val_docs": val.n_docs,
-        "corpus_mb": n_bytes / 1e6,
+        "format": FORMAT_VERSION, "source": cfg.source, "vocab_size": vocab, "dtype": dtype.name, "eot_id": eot,
+        "n_train_tokens": train.n_tokens, "n_val_tokens": val.n_tokens, "n_train_docs": train.n_docs,
+        "n_val_docs": val.n_docs, **extra,
         "sha256": {"train.bin": digests["train"], "val.bin": digests["val"], "tokenizer.json": _sha256(out / "tokenizer.json")},
         "sampled_sha256": {n: sampled_sha256(out / n) for n in TOKEN_FILES},
         "sample": {"blocks": SAMPLE_BLOCKS, "block_bytes": SAMPLE_BYTES},
         "max_id": {"train.bin": train.max_id, "val.bin": val.max_id},
-        "prepare_seconds": round(time.perf_counter() - t0, 2),
-        "config": asdict(cfg),
-        "key": key,
-    }
+        "prepare_seconds": round(time.perf_counter() - t0, 2), "config": asdict(cfg), "key": key,
+    }  # fmt: skip
     _write_durable(out / META, json.dumps(meta, indent=2).encode())
 
 
@@ -489,30 +488,12 @@ def _build_examples(cfg: DataConfig, key: dict[str, Any], out: Path, progress: b
                               f"data.seq_len + 1 = {cfg.seq_len + 1} tokens); raise data.seq_len")  # fmt: skip
     log.info("%s: %d examples (%d train, %d val); over %d tokens: %d truncated, %d dropped", cfg.format, n, k, n - k,
              cfg.seq_len + 1, enc.truncated, enc.dropped)  # fmt: skip
-    train, val = writers["train"], writers["val"]
-    meta = {
-        "format": FORMAT_VERSION,
-        "source": cfg.source,
+    _write_meta(out, cfg, key, t0, (vocab, dtype, eot), writers, digests, {
         "data_format": cfg.format,
-        "vocab_size": vocab,
-        "dtype": dtype.name,
-        "eot_id": eot,
-        "n_train_tokens": train.n_tokens,
-        "n_val_tokens": val.n_tokens,
-        "n_train_docs": train.n_docs,
-        "n_val_docs": val.n_docs,
         "overlong": {"mode": cfg.overlong, "truncated": enc.truncated, "dropped": enc.dropped},
         "trained_tokens": {"train": int(writers["train.mask"].sum), "val": int(writers["val.mask"].sum)},
-        "sha256": {"train.bin": digests["train"], "val.bin": digests["val"], "tokenizer.json": _sha256(out / "tokenizer.json")},
         "mask_sha256": {"train.mask.bin": digests["train.mask"], "val.mask.bin": digests["val.mask"]},
-        "sampled_sha256": {n: sampled_sha256(out / n) for n in TOKEN_FILES},
-        "sample": {"blocks": SAMPLE_BLOCKS, "block_bytes": SAMPLE_BYTES},
-        "max_id": {"train.bin": train.max_id, "val.bin": val.max_id},
-        "prepare_seconds": round(time.perf_counter() - t0, 2),
-        "config": asdict(cfg),
-        "key": key,
-    }
-    _write_durable(out / META, json.dumps(meta, indent=2).encode())
+    })  # fmt: skip
 
 
 def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:

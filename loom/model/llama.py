@@ -353,5 +353,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int) -> float:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over (B, T); targets < 0 are ignored."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-100)
+    """Mean next-token cross entropy over the trained targets of (B, T) (-100 ignored): the sum over
+    them / max(1, their count), so a micro-batch with none trained (chat data) gives 0, not NaN."""
+    total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-100, reduction="sum")
+    return total / (targets != -100).sum().clamp(min=1)

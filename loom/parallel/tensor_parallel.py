@@ -148,7 +148,7 @@ class _VocabParallelCrossEntropy(Function):
         stats = torch.stack((e.sum(dim=-1), picked))  # (2, N)
         comm.all_reduce(stats, group, meter)
         sumexp, picked = stats
-        count = valid.sum().to(z.dtype)
+        count = valid.sum().to(z.dtype).clamp(min=1)  # none trained (chat data): loss 0, not NaN
         loss = ((sumexp.log() - picked) * valid).sum() / count
         e.div_(sumexp.unsqueeze(1))  # local softmax shard
         ctx.save_for_backward(e, idx, mine, valid, count)

@@ -20,12 +20,11 @@ plus, with packed documents, the all-gather of the document ids, B·(T/cp)·8·(
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.autograd import Function
 
 from loom import comm
-from loom.comm import CommMeter, Group
 from loom.parallel.context.blocks import (
+    CpCore,
     attend,
     attend_backward,
     block_seed,
@@ -85,14 +84,10 @@ class _GatheredAttention(Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
-class AllGatherCore(nn.Module):
+class AllGatherCore(CpCore):
     """:class:`~loom.model.llama.CoreAttention` over the cp group's whole sequence, K/V all-gathered:
     local queries (B, a, T/cp, d), local keys and values (B, k, T/cp, d), optional local document ids
     (B, T/cp) -> (B, a, T/cp, d)."""
-
-    def __init__(self, group: Group, rank: int, cp: int, meter: CommMeter | None = None, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.group, self.rank, self.cp, self.meter, self.dropout = group, rank, cp, meter, dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         # (B, k, T/cp, d) -> (B, k, T, d): gather along the sequence (dim 2, via the batch-first helper)

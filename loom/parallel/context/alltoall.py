@@ -30,12 +30,11 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.parallel.context.blocks import doc_mask, global_docs
+from loom.parallel.context.blocks import CpCore, doc_mask, global_docs
 
 
 def kv_repeat(kv_heads: int, cp: int) -> int:
@@ -105,14 +104,13 @@ class _HeadsToSeq(Function):
         return seq_to_heads(grad.contiguous(), cp, order, group, meter), None, None, None, None, None
 
 
-class AllToAllCore(nn.Module):
+class AllToAllCore(CpCore):
     """:class:`~loom.model.llama.CoreAttention` over the cp group's whole sequence by head exchange:
     local queries (B, a, T/cp, d), local keys and values (B, k, T/cp, d), optional local document ids
     (B, T/cp) -> (B, a, T/cp, d). Needs a % cp == 0 (config validation)."""
 
     def __init__(self, group: Group, rank: int, cp: int, meter: CommMeter | None = None, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.group, self.rank, self.cp, self.meter, self.dropout = group, rank, cp, meter, dropout
+        super().__init__(group, rank, cp, meter, dropout)
         self._orders: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _order(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,11 +41,22 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 Block = tuple[slice, slice, bool]  # query rows, key rows, causal
 Dropout = tuple[float, int]  # attention dropout p, the block's seed
 BLOCK_SEED = 0x9E3779B97F4A7C15  # odd 64-bit constant: block seeds far apart
 
+
+
+class CpCore(nn.Module):
+    """What every context-parallel attention core holds: the cp group, this rank's place in it, the
+    meter of its traffic and the attention dropout p. Subclasses take local queries (B, a, T/cp, d),
+    keys and values (B, k, T/cp, d) and optional local document ids (B, T/cp) -> (B, a, T/cp, d)."""
+
+    def __init__(self, group, rank: int, cp: int, meter=None, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.group, self.rank, self.cp, self.meter, self.dropout = group, rank, cp, meter, dropout
 
 def draw_seed() -> int:
     """One 62-bit draw from the default generator: the base of a core call's block seeds (replayed

@@ -24,12 +24,12 @@ plus, with packed documents, B·(T/cp)·8 bytes of key document ids with every K
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.parallel.context.blocks import (
+    CpCore,
     attend,
     attend_backward,
     block_seed,
@@ -121,14 +121,10 @@ class _RingAttention(Function):
         return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None, None, None, None
 
 
-class RingCore(nn.Module):
+class RingCore(CpCore):
     """:class:`~loom.model.llama.CoreAttention` over the cp group's whole sequence by ring attention:
     local queries (B, a, T/cp, d), local keys and values (B, k, T/cp, d), optional local document ids
     (B, T/cp) -> (B, a, T/cp, d)."""
-
-    def __init__(self, group: Group, rank: int, cp: int, meter: CommMeter | None = None, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.group, self.rank, self.cp, self.meter, self.dropout = group, rank, cp, meter, dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
