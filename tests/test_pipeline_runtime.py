@@ -572,7 +572,7 @@ class _TimedBlock(torch.nn.Module):
         return _Sleep.apply(h, self.t, self.t) * _Sleep.apply(self.weight, 0.0, self.t)
 
 
-TIMED_M, TIMED_T = 8, 0.02  # long enough that p2p latency and wake-up delays stay below a point
+TIMED_M, TIMED_T = 8, 0.05  # long enough that p2p latency and late wake-ups on a loaded machine stay below a point
 
 
 def _timed_bubbles() -> dict:
@@ -616,9 +616,11 @@ def test_measured_bubble_equals_the_formula_on_timed_stages(pools):
     from loom.parallel.pipeline.schedules import Kind
     from loom.parallel.pipeline.simulate import Timeline
 
-    def misses(timelines) -> list[str]:
-        out = []
+    def misses(timelines, names) -> dict[str, str]:
+        out = {}
         for name, v in SYNC:
+            if name not in names:
+                continue
             compute = Timeline(2, [e for e in timelines[name].events if e.action.kind is not Kind.STEP])
             formula = bubble_formula(name, 2, TIMED_M, v)
             text = timeline_report(timelines[name], name, TIMED_M, v)
@@ -627,15 +629,18 @@ def test_measured_bubble_equals_the_formula_on_timed_stages(pools):
             skew = abs(simulated - formula)  # stage times that drifted from equal (a loaded machine delays wake-ups)
             if (abs(compute.waiting_bubble - simulated) > 0.015 or abs(compute.waiting_bubble - formula) > 0.025 + skew
                     or compute.bubble - compute.waiting_bubble >= 0.05):  # fmt: skip
-                out.append(text)
+                out[name] = text
         return out
 
-    # Sleeps on 2 shared cores: a burst of load from another process can delay one wake-up by
-    # several ms. One re-measurement tells that apart from a runtime that adds waiting.
-    missed = misses(pools(2).run(_timed_bubbles)[0])
-    if missed:
-        missed = misses(pools(2).run(_timed_bubbles)[0])
-    assert not missed, "\n".join(missed)
+    # Sleeps on 2 shared cores: a burst of load from another process (the rest of the suite runs
+    # beside this test) can delay wake-ups by several ms. A runtime that adds waiting misses in
+    # every measurement; a burst of load misses in one. So a schedule passes when one of three
+    # measurements holds.
+    missed = misses(pools(2).run(_timed_bubbles)[0], {name for name, _ in SYNC})
+    for _ in range(2):
+        if missed:
+            missed = misses(pools(2).run(_timed_bubbles)[0], set(missed))
+    assert not missed, "\n".join(missed.values())
 
 
 def test_profiled_partitioner_prints_cut_time_and_memory():
