@@ -18,15 +18,21 @@ USAGE = """loom <command> [CONFIG.toml] [--section.key value ...]
 commands:
   train      train a model (local ranks: --nproc N, same as --run.nproc N)
   prepare    tokenize a corpus into memory-mapped token files
-  generate   sample text from a trained run: --run.dir DIR --prompt TEXT
+  generate   sample text with a KV cache from a trained run (--run.dir DIR) or a Hugging Face model
+             directory (--model.from_hf DIR): --prompt TEXT | --prompts FILE (lines, or .jsonl with
+             prompt or messages) [--chat] [--max-new-tokens N] [--temperature T (0 = greedy)]
+             [--top-k K] [--top-p P] [--seed S] [--stop STR ...] [--batch-size N] [--no-cache]
   schedule   draw a simulated pipeline schedule, no training: --pp 4 --microbatches 8
              --schedule 1f1b [--v 2] [--out file.png]; prints its bubble beside the formula
   config     print the resolved config as TOML (--reference: every field with its doc)
   plan       predict memory and speed of layouts and pick the best (see loom plan --help)
   checkpoint convert RUN_DIR_OR_CHECKPOINT OUT.safetensors
              export a consolidated single-file model from a checkpoint of any layout
-  export hf  RUN_DIR_OR_CHECKPOINT OUT_DIR [--max-shard-size 5GB]
+  export hf  RUN_DIR_OR_CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--merge-lora]
              a Hugging Face model directory (config, sharded safetensors, tokenizer) from any layout
+             (a LoRA run: --merge-lora writes the base with W + (alpha/r)·B A on every target)
+  export peft RUN_DIR_OR_CHECKPOINT OUT_DIR
+             a LoRA run's adapters for peft.PeftModel.from_pretrained (adapter_config.json + safetensors)
 
 train options: --max-restarts K restarts all ranks after a failure, resuming from the last
 checkpoint; --nnodes N --node-rank R --rdzv-endpoint HOST:PORT runs this node's --nproc ranks of a
@@ -187,43 +193,61 @@ def cmd_prepare(argv: list[str]) -> int:
     return 0
 
 
-GENERATE_OPTIONS = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "seed": int}
+GENERATE_OPTIONS = {"prompt": str, "prompts": str, "max_new_tokens": int, "temperature": float, "top_k": int,
+                    "top_p": float, "seed": int, "batch_size": int}  # fmt: skip
+GENERATE_FLAGS = ("--chat", "--no-cache")  # options without a value
+GENERATE_SOURCES = ("--run.dir", "--model.from_hf")
 
 
 def cmd_generate(argv: list[str]) -> int:
-    path, overrides, plain = _split(argv)
+    flags = {a for a in argv if a in GENERATE_FLAGS}
+    rest, stop = [], []
+    it = iter(a for a in argv if a not in GENERATE_FLAGS)
+    for a in it:
+        if a == "--stop" or a.startswith("--stop="):
+            value = a.split("=", 1)[1] if "=" in a else next(it, None)
+            if value is None:
+                raise C.ConfigError("--stop: missing value")
+            stop.append(value)
+        else:
+            rest.append(a)
+    path, overrides, plain = _split(rest)
+    allowed = ", ".join([*GENERATE_SOURCES, *("--" + a.replace("_", "-") for a in GENERATE_OPTIONS), "--stop",
+                         *GENERATE_FLAGS])  # fmt: skip
     for k in plain:
         if k not in GENERATE_OPTIONS:
-            raise C.ConfigError(f"--{k}: unknown option; allowed: {', '.join('--' + a for a in GENERATE_OPTIONS)}")
+            raise C.ConfigError(f"--{k.replace('_', '-')}: unknown option; allowed: {allowed}")
     if path is not None:
         raise C.ConfigError(f"generate: takes no config file ({path!r}); the run's own config.toml is used")
-    run_dir = None
-    for i in range(0, len(overrides), 2):
-        if overrides[i] != "--run.dir":
-            raise C.ConfigError(f"{overrides[i][2:]}: generate reads only --run.dir from the config (the run's "
-                                "config.toml holds the rest)")  # fmt: skip
-        run_dir = overrides[i + 1]
-    if run_dir is None:
-        raise C.ConfigError("generate: --run.dir DIR is required (a directory written by loom train)")
-    opts = {k: C._coerce(v, GENERATE_OPTIONS[k], f"--{k}") for k, v in plain.items()}
-    for k in ("max_new_tokens", "top_k", "seed"):
-        if opts.get(k, 0) < 0:
-            raise C.ConfigError(f"--{k}: must be >= 0, got {opts[k]}")
-    temperature = opts.get("temperature", 0.8)
-    if not 0 <= temperature < float("inf"):
-        raise C.ConfigError(f"--temperature: must be a finite number >= 0 (0 = greedy), got {temperature}")
-    from loom.generate import generate_from_run
+    sources = dict(zip(overrides[::2], overrides[1::2], strict=True))
+    for k in sources:
+        if k not in GENERATE_SOURCES:
+            raise C.ConfigError(f"{k[2:]}: generate reads only --run.dir (a Loom run) or --model.from_hf (a Hugging "
+                                "Face model directory) from the config")  # fmt: skip
+    if len(sources) != 1:
+        raise C.ConfigError("generate: give one model: --run.dir DIR (a directory written by loom train) or "
+                            "--model.from_hf DIR (a Hugging Face model directory)")  # fmt: skip
+    spelled = {a[2:].split("=", 1)[0].replace("-", "_"): a.split("=", 1)[0] for a in rest if a.startswith("--")}
+    opts = {k: C._coerce(v, GENERATE_OPTIONS[k], spelled.get(k, f"--{k}")) for k, v in plain.items()}
+    from loom.generate.options import SamplingOptions, read_prompts
 
-    text = generate_from_run(
-        run_dir,
-        prompt=opts.get("prompt", "def "),
-        max_new_tokens=opts.get("max_new_tokens", 200),
-        temperature=temperature,
-        top_k=opts.get("top_k", 50),
-        seed=opts.get("seed", 0),
-    )
-    print(text)
-    return 0
+    sampling = SamplingOptions(**{k: opts[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+                                  if k in opts}, stop=tuple(stop)).check()  # fmt: skip
+    batch_size = opts.get("batch_size", 8)
+    if batch_size < 1:
+        raise C.ConfigError(f"--batch-size: must be >= 1, got {batch_size}")
+    if "prompt" in opts and "prompts" in opts:
+        raise C.ConfigError("--prompts: give --prompt TEXT or --prompts FILE, not both")
+    chat = "--chat" in flags
+    prompts = read_prompts(opts["prompts"], chat) if "prompts" in opts else [opts.get("prompt", "def ")]
+    ((key, where),) = sources.items()
+    if key == "--model.from_hf" and not Path(where).is_dir():
+        raise C.ConfigError(f"model.from_hf: {where!r} is not a directory (a Hugging Face model directory)")
+    from loom.generate.run import main as generate_main
+    from loom.generate.source import load_hf, load_run
+
+    src = load_run(where) if key == "--run.dir" else load_hf(where)
+    return generate_main(src, prompts, sampling, chat, batch_size, "--no-cache" not in flags, "prompts" in opts)
 
 
 def cmd_checkpoint(argv: list[str]) -> int:
@@ -239,6 +263,10 @@ def cmd_export(argv: list[str]) -> int:
     from loom.checkpoint.hf_export import main as export_main
 
     _no_empty_paths(argv)
+    if argv[:1] == ["peft"] or "--merge-lora" in argv:  # a LoRA run: its adapters (PEFT), or merged weights
+        from loom.finetune.export import main as lora_main
+
+        export_main = lora_main
     values = {i + 1 for i, a in enumerate(argv) if a == "--max-shard-size"}
     positional = [a for i, a in enumerate(argv) if not a.startswith("--") and i not in values]
     out = positional[-1] if len(positional) == 3 else None

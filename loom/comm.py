@@ -232,6 +232,13 @@ class CommMeter:
         self.payload[op] += tensor_bytes
         self.moved[op] += ring_bytes(op, tensor_bytes, n)
 
+    def record_sent(self, op: str, tensor_bytes: int, sent_bytes: int) -> None:
+        """One ``op`` whose bytes sent by this rank were counted, not derived from the ring volumes
+        (the point-to-point all-reduces of :mod:`loom.parallel.allreduce`)."""
+        self.calls[op] += 1
+        self.payload[op] += tensor_bytes
+        self.moved[op] += sent_bytes
+
     @property
     def total_moved(self) -> float:
         return float(sum(self.moved.values()))

@@ -18,10 +18,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loom.rules import (
+    AllReduceName,
     CpModeName,
+    DpModeName,
     ModelFacts,
     ScheduleName,
     layout_problems,
+    param_server_problem,
     sequence_parallel_problem,
     tensor_parallel_problem,
 )
@@ -47,6 +50,8 @@ TextErrors = Literal["strict", "replace"]
 DataFormat = Literal["text", "chat", "prompt_completion"]
 Overlong = Literal["truncate", "drop"]
 CpMode = CpModeName  # parallel.cp_mode (loom.rules)
+AllReduce = AllReduceName  # parallel.allreduce (loom.rules); butterfly refuses non-power-of-two groups
+DpMode = DpModeName  # parallel.dp_mode (loom.rules)
 # Parts of the pattern fields train.recompute and train.compress.
 RecomputePolicy = Literal["none", "full", "selective"]
 CompressFormat = Literal["none", "bf16", "fp8", "int8"]
@@ -54,6 +59,9 @@ TensorKind = Literal["attention", "mlp", "norm", "other"]  # what a module's ``a
 NormKind = Literal["rmsnorm", "layernorm"]  # model.norm
 MlpKind = Literal["swiglu", "gelu", "gelu_tanh"]  # model.mlp
 PositionKind = Literal["rope", "learned"]  # model.positions
+FinetuneMethod = Literal["full", "lora", "qlora"]  # finetune.method
+LORA_TARGETS = ("q", "k", "v", "o", "w1", "w2", "w3")  # finetune.lora_targets: the block's linear layers
+NF4_BLOCK = 64  # QLoRA: elements per NF4 absmax block (a quantized base weight's numel must be a multiple)
 
 
 @dataclass
@@ -154,6 +162,11 @@ class ParallelConfig:
     zero: int = 0  # ZeRO stage 0 (plain data parallel), 1, 2 or 3
     bucket_mb: float = 25.0  # gradient bucket size for the all-reduce, in MB
     reduce_dtype: ReduceDtype = "fp32"  # dtype gradients are reduced in
+    allreduce: AllReduce = "native"  # gradient all-reduce: the backend's own, or ring | tree | butterfly on point-to-point
+    dp_mode: DpMode = "allreduce"  # data-parallel gradients: all-reduced, or through a parameter server (ps)
+    ps_shards: int = 1  # dp_mode = ps: K servers, each holding 1/K of the parameters and their AdamW state
+    ps_colocate: bool = True  # dp_mode = ps: server k lives in worker rank k (else K dedicated server ranks)
+    ps_sync: str = "bsp"  # dp_mode = ps: bsp (synchronous) | asp (asynchronous) | ssp:S (at most S steps stale)
     schedule: ScheduleName = "1f1b"  # pipeline schedule (pipedream and 2bw are asynchronous)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule only)
     pp_layout: str = ""  # manual cut, inclusive block ranges per stage ("0-3,4-7"); "" = profile and partition
@@ -161,6 +174,11 @@ class ParallelConfig:
     offload: Offload = "none"  # where ZeRO optimizer state lives: cpu = host memory (ZeRO-Offload), disk = mmap files
     offload_dir: str = ""  # directory for parallel.offload = "disk"; "" = <run.dir>/offload
     reshard_after_forward: bool = True  # ZeRO-3: free gathered params after forward, gather again for backward
+    offload_params: Offload = "none"  # ZeRO-3 (ZeRO-Infinity): parameter and gradient shards on cpu = host memory, disk = mmap files
+    zeropp_qwz: bool = False  # ZeRO++ qwZ (ZeRO-3): weights all-gathered as block-wise int8 + absmax scales
+    zeropp_hpz: bool = False  # ZeRO++ hpZ (ZeRO-3): a secondary weight partition per node group; backward gathers inside it
+    zeropp_qgz: bool = False  # ZeRO++ qgZ (ZeRO-3): gradients reduce-scattered as block-wise int8 through an all-to-all
+    hpz_group: int = 0  # ZeRO++ hpZ: ranks per secondary partition (one node); 0 = the launcher's LOCAL_WORLD_SIZE
     auto: bool = False  # let the planner (loom.plan) choose the layout and micro-batch for the world size
 
 
@@ -237,6 +255,19 @@ class MoEConfig:
     drop_policy: DropPolicy = "probability"  # over capacity, keep the highest-weight or the earliest tokens
     compute: ExpertCompute = "grouped"  # experts as one grouped matmul, or a Python loop (reference)
     imbalance: float = 1.0  # planner input: max/mean tokens per expert (a run's moe_imbalance metric)
+    rebalance_every: int = 0  # expert parallelism: every this many steps, replicate the hottest experts on every ep rank (0 = off)
+    hot_experts: int = 1  # experts per layer replicated at each rebalance (the most loaded since the last one)
+
+
+@dataclass
+class FinetuneConfig:
+    """Parameter-efficient fine-tuning: LoRA adapters on a frozen base (QLoRA: the base stored in NF4)."""
+
+    method: FinetuneMethod = "full"  # full: train every weight; lora: frozen base + adapters; qlora: lora on a 4-bit NF4 base
+    lora_rank: int = 16  # r: each target W (d_out, d_in) gets A (r, d_in) and B (d_out, r), r·(d_in + d_out) trained
+    lora_alpha: float = 32.0  # the adapter's output is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the adapter's input (training only)
+    lora_targets: str = "all-linear"  # comma list of q,k,v,o,w1,w2,w3 (attention and MLP linears), or all-linear
 
 
 @dataclass
@@ -249,6 +280,7 @@ class LoomConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 
 SECTIONS: dict[str, type] = dict(typing.get_type_hints(LoomConfig))
@@ -515,7 +547,69 @@ def _check_moe(cfg: LoomConfig) -> None:
         _require(v >= 0, f"moe.{name}: must be >= 0, got {v}")
     _require(e.n_shared_experts >= 0, f"moe.n_shared_experts: must be >= 0, got {e.n_shared_experts}")
     _require(e.imbalance >= 1, f"moe.imbalance: must be >= 1 (max over mean tokens per expert), got {e.imbalance}")
+    _require(e.rebalance_every >= 0, f"moe.rebalance_every: must be >= 0 (0 = off), got {e.rebalance_every}")
+    if e.rebalance_every:
+        _require(cfg.parallel.ep > 1, "moe.rebalance_every: replicates hot experts over expert-parallel ranks; it needs "
+                                      f"parallel.ep > 1, got {cfg.parallel.ep}")  # fmt: skip
+        n = cfg.model.n_experts
+        _require(1 <= e.hot_experts < n, f"moe.hot_experts: must be in [1, model.n_experts) = [1, {n}), got {e.hot_experts}")
     # capacity under cp/sp and router losses under asynchronous pipelines: rules.layout_problems
+
+
+def model_linears(m: ModelConfig) -> tuple[str, ...]:
+    """The LoRA targets this model has: q, k, v, o, and the dense MLP's w1, w2 (and SwiGLU's w3);
+    a mixture of experts' MLP weights are not linear layers LoRA wraps."""
+    mlp = () if m.moe else ("w1", "w2", "w3") if m.mlp == "swiglu" else ("w1", "w2")
+    return ("q", "k", "v", "o", *mlp)
+
+
+def lora_targets(cfg: LoomConfig) -> tuple[str, ...]:
+    """``finetune.lora_targets`` resolved for ``cfg.model`` (in :data:`LORA_TARGETS` order); raises
+    ConfigError for an unknown name or one this model lacks, and when nothing is left to target."""
+    spec, have = cfg.finetune.lora_targets.replace(" ", ""), model_linears(cfg.model)
+    names = have if spec == "all-linear" else tuple(t for t in spec.split(",") if t)
+    for t in names:
+        _require(t in LORA_TARGETS, f"finetune.lora_targets: unknown target {t!r}; valid: "
+                 f"{', '.join(LORA_TARGETS)} or all-linear")  # fmt: skip
+    missing = [t for t in names if t not in have]
+    why = "its MLP is a mixture of experts" if cfg.model.moe else f"model.mlp = {cfg.model.mlp}"
+    _require(bool(names) and len(missing) < len(names), f"finetune.lora_targets: nothing to target in this model "
+             f"({cfg.finetune.lora_targets!r}; it has {', '.join(have)}: {why})")  # fmt: skip
+    _require(not missing, f"finetune.lora_targets: this model has no {', '.join(missing)} linear layer ({why}); "
+             f"its targets: {', '.join(have)}")  # fmt: skip
+    return tuple(t for t in LORA_TARGETS if t in names)
+
+
+def target_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(d_out, d_in) of each LoRA target's weight."""
+    qd, kd, f = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.resolved_ffn_dim()
+    return {"q": (qd, m.dim), "k": (kd, m.dim), "v": (kd, m.dim), "o": (m.dim, qd), "w1": (f, m.dim),
+            "w3": (f, m.dim), "w2": (m.dim, f)}  # fmt: skip
+
+
+TARGET_NAMES = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
+                "w1": "feed_forward.w1", "w2": "feed_forward.w2", "w3": "feed_forward.w3"}  # fmt: skip
+
+
+def check_finetune(cfg: LoomConfig) -> None:
+    """[finetune]: rank >= 1, alpha > 0, dropout in [0, 1), targets this model has; QLoRA's base
+    weights split into 64-element NF4 blocks, and no tensor parallelism (each rank would quantize a slice)."""
+    f, p = cfg.finetune, cfg.parallel
+    if f.method == "full":
+        return
+    _require(f.lora_rank >= 1, f"finetune.lora_rank: must be >= 1, got {f.lora_rank}")
+    _require(f.lora_alpha > 0, f"finetune.lora_alpha: must be > 0, got {f.lora_alpha}")
+    _require(0.0 <= f.lora_dropout < 1.0, f"finetune.lora_dropout: must be in [0, 1), got {f.lora_dropout}")
+    targets = lora_targets(cfg)
+    if f.method != "qlora":
+        return
+    for t in targets:
+        out, inp = target_shapes(cfg.model)[t]
+        _require(out * inp % NF4_BLOCK == 0, f"finetune.method: qlora cannot quantize layers.*.{TARGET_NAMES[t]}.weight "
+                 f"({out} x {inp} = {out * inp} elements, not a multiple of the {NF4_BLOCK}-element NF4 block); "
+                 f"use method = lora or drop {t} from finetune.lora_targets")  # fmt: skip
+    _require(p.tp == 1, f"finetune.method: qlora with parallel.tp = {p.tp} is not supported (each rank would "
+             "quantize its own slice); use method = lora, or tp = 1")  # fmt: skip
 
 
 def world_size_of(cfg: LoomConfig) -> int:
@@ -599,7 +693,9 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
     resolve_layout(cfg, world_size)
     _check_moe(cfg)
+    check_finetune(cfg)
     _check_implemented(cfg)
+    check_param_server(cfg)
     check_memory(cfg)
     _require(t.micro_batch >= 1, f"train.micro_batch: must be >= 1, got {t.micro_batch}")
     _require(
@@ -611,7 +707,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
         model_facts(cfg), seq_len=d.seq_len, precision=t.precision, optimizer=t.optimizer,
         tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp, schedule=p.schedule, cp_mode=p.cp_mode,
         virtual_stages=p.virtual_stages, microbatches=grad_accum_steps(cfg), offload=p.offload,
-        pp_layout=p.pp_layout, vertical_sync=p.vertical_sync,
+        pp_layout=p.pp_layout, vertical_sync=p.vertical_sync, allreduce=p.allreduce, dp=p.dp, dp_shard=p.dp_shard,
     )  # fmt: skip
     _require_none(problems[0] if problems else None)
     if p.offload == "disk":
@@ -690,6 +786,22 @@ def check_memory(cfg: LoomConfig) -> None:
     )
 
 
+def check_param_server(cfg: LoomConfig) -> None:
+    """``parallel.dp_mode = "ps"``: the parameter server's fields and the layouts it refuses (:mod:`loom.rules`).
+    The parameter count is a lower bound: the layers' attention and two MLP matrices, and the embedding."""
+    p, m = cfg.parallel, cfg.model
+    if p.dp_mode != "ps":
+        return
+    vocab = m.vocab_size or (cfg.data.vocab_size if not cfg.data.tokenizer else 0)
+    hd = m.head_dim
+    n_params = m.n_layers * m.dim * (hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 2 * m.resolved_ffn_dim()) + vocab * m.dim
+    _require_none(param_server_problem(shards=p.ps_shards, colocate=p.ps_colocate, sync=p.ps_sync, n_params=n_params,
+                                       workers=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero,
+                                       precision=cfg.train.precision, optimizer=cfg.train.optimizer))  # fmt: skip
+    _require(p.ps_colocate, "parallel.ps_colocate: dedicated server ranks run under loom.parallel.ps_server (tests, "
+             "benchmarks/bench_param_server.py); loom train starts co-located servers only: set it to true")  # fmt: skip
+
+
 def check_tensor_parallel(cfg: LoomConfig) -> None:
     """The shapes tensor parallelism splits (and, with sp, the sequence) divide by tp (:mod:`loom.rules`)."""
     p = cfg.parallel
@@ -721,7 +833,23 @@ def _unwritable(path: str) -> str | None:
     return None
 
 
+def _check_zero3_options(p: ParallelConfig) -> None:
+    """ZeRO-Infinity parameter offload and the ZeRO++ options are options of ZeRO-3."""
+    zpp = [f for f in ("zeropp_qwz", "zeropp_hpz", "zeropp_qgz") if getattr(p, f)]
+    _require(p.offload_params == "none" or p.zero == 3,
+             f"parallel.offload_params: {p.offload_params!r} offloads ZeRO-3's parameter shards; it needs parallel.zero = 3")
+    for f in zpp:
+        _require(p.zero == 3, f"parallel.{f}: a ZeRO++ option of ZeRO-3; it needs parallel.zero = 3")
+    _require(not (zpp and p.offload_params != "none"),
+             f"parallel.offload_params: not combined with ZeRO++ ({', '.join(zpp)}) yet")
+    _require(p.hpz_group >= 0, f"parallel.hpz_group: must be >= 0, got {p.hpz_group}")
+    n = p.dp_shard * p.cp
+    _require(not (p.zeropp_hpz and p.hpz_group > 0 and n > 0 and n % p.hpz_group != 0),
+             f"parallel.hpz_group: {p.hpz_group} must divide the sharding group (dp_shard*cp = {n})")
+
+
 def _check_implemented(cfg: LoomConfig) -> None:
+    _check_zero3_options(cfg.parallel)
     for name, pred, msg in NOT_YET:
         if pred(cfg):
             raise ConfigError(f"{name}: {msg}")

@@ -17,6 +17,7 @@ SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
 CpModeName = Literal["allgather", "ring", "alltoall"]  # how attention spans the cp ranks (loom.parallel.context)
 CP_MODES: tuple[str, ...] = get_args(CpModeName)
 ASYNC_SCHEDULES: tuple[str, ...] = get_args(AsyncScheduleName)
+AllReduceName = Literal["native", "ring", "tree", "butterfly"]  # gradient all-reduce (loom.parallel.allreduce)
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,9 @@ def layout_problems(
     pp_layout: str = "",
     vertical_sync: bool = False,
     cp_mode: str = "allgather",
+    allreduce: str = "native",
+    dp: int = 1,
+    dp_shard: int = 1,
 ) -> list[str]:
     """Why this layout cannot train this model (first problem first), or []. Degrees are assumed
     to multiply to the world size with ep | dp*cp (``config.resolve_layout`` checks that), and
@@ -151,8 +155,8 @@ def layout_problems(
             out.append(f"parallel.ep: expert parallelism needs experts (model.n_experts > 1), got ep={ep}")
         elif m.n_experts % ep:
             out.append(f"parallel.ep: {ep} must divide model.n_experts={m.n_experts}")
-        if zero == 3:
-            out.append(f"parallel.zero: ZeRO-3 with expert parallelism is not implemented; use 0, 1 or 2 with parallel.ep={ep}")
+    if (why := allreduce_problem(allreduce, dp=dp, dp_shard=dp_shard, cp=cp, ep=ep, zero=zero)) is not None:
+        out.append(why)
     if offload != "none" and zero < 1:
         out.append(f"parallel.offload: {offload!r} offloads ZeRO optimizer state; it needs parallel.zero >= 1")
     sp_problem = sequence_parallel_problem(tp, cp, seq_len) if sp else None
@@ -167,6 +171,27 @@ def layout_problems(
         )
     out += _pipeline_problems(m, schedule, pp, virtual_stages, microbatches, pp_layout, vertical_sync, zero)
     return out
+
+
+def gradient_allreduce_groups(*, dp: int, dp_shard: int, cp: int, ep: int, zero: int) -> dict[str, int]:
+    """The groups gradients are all-reduced over (name -> ranks): dp*cp without ZeRO, the replicas
+    dp/dp_shard with it; experts' edp group dp*cp/ep where their shards are not reduce-scattered."""
+    groups = {"dp*cp": dp * cp} if zero == 0 else {"dp/dp_shard": dp // max(dp_shard, 1)}
+    if ep > 1 and (zero == 0 or dp_shard * cp == 1):
+        groups["dp*cp/ep"] = dp * cp // ep
+    return groups
+
+
+def allreduce_problem(algorithm: str, *, dp: int, dp_shard: int, cp: int, ep: int, zero: int) -> str | None:
+    """Butterfly (recursive halving-doubling) pairs rank r with r XOR 2^k: it refuses (no fallback)
+    any gradient all-reduce group whose size is not a power of two."""
+    if algorithm != "butterfly":
+        return None
+    for name, n in gradient_allreduce_groups(dp=dp, dp_shard=dp_shard, cp=cp, ep=ep, zero=zero).items():
+        if n > 1 and n & (n - 1):
+            return (f"parallel.allreduce: butterfly (recursive halving-doubling) needs a power-of-two group, but "
+                    f"gradients are all-reduced over {name} = {n} ranks; use ring or tree")  # fmt: skip
+    return None
 
 
 def _pipeline_problems(
@@ -217,3 +242,55 @@ def _pipeline_problems(
             "weights and gradients on every rank; use 0 or 1, or a synchronous schedule"
         )
     return out
+
+
+DpModeName = Literal["allreduce", "ps"]  # parallel.dp_mode: how data-parallel gradients meet (loom.parallel.param_server)
+PS_ALIGN = 4  # a parameter server's shard is a whole number of 16-byte blocks of fp32 (loom.parallel.zero.layout)
+
+
+def parse_ps_sync(spec: str) -> int | None:
+    """``parallel.ps_sync`` -> the staleness bound S: bsp -> 0 (synchronous rounds), ssp:S -> S, asp -> None
+    (unbounded). Raises ValueError (one line naming the field) for anything else or S < 0."""
+    if spec == "bsp":
+        return 0
+    if spec == "asp":
+        return None
+    head, sep, bound = spec.partition(":")
+    if head != "ssp" or not sep or not bound.lstrip("-").isdigit():
+        raise ValueError(f"parallel.ps_sync: must be bsp | asp | ssp:S (S >= 0 steps), got {spec!r}")
+    if int(bound) < 0:
+        raise ValueError(f"parallel.ps_sync: the staleness bound S of ssp:S must be >= 0, got {bound}")
+    return int(bound)
+
+
+def param_server_problem(*, shards: int, colocate: bool, sync: str, n_params: int, workers: int, tp: int = 1,
+                         pp: int = 1, cp: int = 1, ep: int = 1, zero: int = 0, precision: str = "fp32",
+                         optimizer: str = "adamw") -> str | None:  # fmt: skip
+    """Why ``parallel.dp_mode = "ps"`` cannot run this layout, or None. ``n_params``: the model's parameter
+    count (a lower bound will do); each of the K servers must own at least one aligned block of it:
+    K · PS_ALIGN <= Φ. Co-located servers live in workers 0..K-1 (K <= workers) and are serviced at the
+    step boundary, so they run bsp only; asp and ssp:S need dedicated server ranks."""
+    try:
+        parse_ps_sync(sync)
+    except ValueError as e:
+        return str(e)
+    if shards < 1:
+        return f"parallel.ps_shards: must be >= 1, got {shards}"
+    if shards * PS_ALIGN > n_params:
+        return (f"parallel.ps_shards: {shards} servers need {PS_ALIGN} parameters each (one 16-byte block), but the "
+                f"model has at least {n_params}; use at most {max(1, n_params // PS_ALIGN)}")  # fmt: skip
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("zero", zero)):
+        if value != (0 if name == "zero" else 1):
+            return (f"parallel.{name}: the parameter server (parallel.dp_mode = 'ps') shards whole-model data "
+                    f"parallelism only; got {name} = {value} (use dp_mode = 'allreduce')")  # fmt: skip
+    if precision != "fp32":
+        return f"train.precision: the parameter server updates fp32 parameters; got {precision!r}"
+    if optimizer != "adamw":
+        return f"train.optimizer: the parameter server's shards run adamw; got {optimizer!r}"
+    if colocate and shards > workers:
+        return (f"parallel.ps_shards: {shards} co-located servers live in workers 0..{shards - 1}, but there are "
+                f"{workers} workers; use at most {workers}, or parallel.ps_colocate = false")  # fmt: skip
+    if colocate and sync != "bsp":
+        return (f"parallel.ps_sync: {sync!r} needs dedicated server ranks (parallel.ps_colocate = false); co-located "
+                "servers are serviced at the step boundary and run bsp")  # fmt: skip
+    return None

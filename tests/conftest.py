@@ -19,6 +19,13 @@ class Pools:
             self._pools[world] = WorkerPool(world)
         return self._pools[world]
 
+    def release_groups(self) -> None:
+        """Every started pool destroys its process groups but the default one (tests/dist.py)."""
+        from tests.dist import release_groups
+
+        for p in self._pools.values():
+            p.run(release_groups)
+
     def close(self) -> None:
         for p in self._pools.values():
             p.close()
@@ -30,6 +37,13 @@ def pools():
     p = Pools()
     yield p
     p.close()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_process_groups(pools):
+    """After each test module, the pools drop the process groups its tests made (see tests/dist.py)."""
+    yield
+    pools.release_groups()
 
 
 # run.dir of the defaults and of the debug preset, relative to where loom runs (tests run in the checkout)

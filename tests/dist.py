@@ -159,14 +159,51 @@ class WorkerPool:
 
 # ------------------------------------------------------------------ helpers used inside ranks
 
-_MESHES: dict[tuple, Any] = {}
+_MESHES: dict[tuple, Any] = {}  # by degrees, least recently used first
+MAX_MESHES = 4  # each mesh holds ~10 gloo groups; see release_groups
 
 
 def get_mesh(**dims: int):
-    """A ``ParallelMesh`` for these degrees, built once per rank process and reused by tests."""
+    """A ``ParallelMesh`` for these degrees, built once per rank process and reused by tests (the
+    ``MAX_MESHES`` most recently used are kept; an older one's groups are destroyed)."""
     from loom.mesh import ParallelDims, ParallelMesh
 
     key = tuple(sorted(dims.items()))
-    if key not in _MESHES:
-        _MESHES[key] = ParallelMesh(ParallelDims(**dims), DEVICE_TYPE)
+    if key in _MESHES:
+        _MESHES[key] = _MESHES.pop(key)  # most recently used last
+        return _MESHES[key]
+    while len(_MESHES) >= MAX_MESHES:
+        _destroy_groups(_mesh_groups(_MESHES.pop(next(iter(_MESHES)))))
+    _MESHES[key] = ParallelMesh(ParallelDims(**dims), DEVICE_TYPE)
     return _MESHES[key]
+
+
+def _mesh_groups(mesh) -> list:
+    groups = [mesh.group(n) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_cp", "dp_shard_cp",
+                                      "ep", "edp")]  # fmt: skip
+    return [*groups, *mesh.pp_links().values()]
+
+
+def _destroy_groups(groups) -> int:
+    """Destroy these process groups (each once; never the default group)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    default, done = c10d._get_default_group(), set()
+    for g in groups:
+        if g is None or g is default or id(g) in done or g not in c10d._world.pg_map:
+            continue
+        done.add(id(g))
+        dist.destroy_process_group(g)
+    return len(done)
+
+
+def release_groups() -> int:
+    """Destroy every process group of this rank but the default one (cached meshes too); returns how
+    many. Each gloo group keeps a thread that wakes every 10 ms: idle pools holding ~130 groups per
+    rank (one per mesh dimension of every layout a session tested, and groups tests made) kept
+    both cores of this machine busy and slowed the whole suite severalfold."""
+    from torch.distributed import distributed_c10d as c10d
+
+    _MESHES.clear()
+    return _destroy_groups(list(c10d._world.pg_map))

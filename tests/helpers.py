@@ -133,7 +133,13 @@ def train_layout(
     cfg.parallel.schedule = layout.get("schedule", cfg.parallel.schedule)
     cfg.parallel.virtual_stages = layout.get("virtual_stages", 1)
     cfg.parallel.offload = layout.get("offload", "none")
+    cfg.parallel.offload_params = layout.get("offload_params", "none")
+    for key in ("zeropp_qwz", "zeropp_hpz", "zeropp_qgz", "hpz_group", "offload_dir"):  # ZeRO-3 options
+        if key in layout:
+            setattr(cfg.parallel, key, layout[key])
     cfg.parallel.reduce_dtype = layout.get("reduce_dtype", "fp32")
+    cfg.parallel.allreduce = layout.get("allreduce", "native")
+    cfg.parallel.dp_mode, cfg.parallel.ps_shards = layout.get("dp_mode", "allreduce"), layout.get("ps_shards", 1)
     cfg.train.recompute = layout.get("recompute", "none")
     cfg.train.precision, cfg.train.optimizer = layout.get("precision", "fp32"), layout.get("optimizer", "adamw")
     cfg.run.dir = "/tmp/loom-test-layout"
@@ -146,7 +152,7 @@ def train_layout(
     with placed:
         run = build_run(cfg, mesh, model, meter)
     dp_rank, dp = mesh.local_rank("dp"), mesh.size("dp")
-    losses, moved, calls = [], [], []
+    losses, moved, calls, expert_rows = [], [], [], []
     for step in range(steps):
         meter.reset()
         batches = shard_sequence(rank_micro_batches(step, batch, micro, dp_rank, dp, packed), mesh.size("cp"),
@@ -155,6 +161,7 @@ def train_layout(
         with placed:
             res = train_step(run, batches, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp_cp"))
         losses.append(res.loss)
+        expert_rows.append(sum(_take_rows(m) for m in run.model.modules()))  # rows this rank's experts computed
         moved.append(dict(meter.moved))
         calls.append(dict(meter.calls))
     if checkpoint_dir:
@@ -166,9 +173,19 @@ def train_layout(
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         Checkpointer(checkpoint_dir, rank, world, new_group(world, 60)).save(steps, run.strategy.sharded_state(), {}, {})
+    events = list(getattr(run.strategy, "events", []))  # the last step's (ZeRO-3), before the state is gathered
     state = run.strategy.full_state_dict()
     state = None if state is None else {k: v.cpu() for k, v in state.items()}
-    return {"losses": losses, "state": state, "moved": moved, "calls": calls, "state_bytes": run.strategy.state_bytes()}
+    return {"losses": losses, "state": state, "moved": moved, "calls": calls, "state_bytes": run.strategy.state_bytes(),
+            "expert_rows": expert_rows, "events": events}
+
+
+def _take_rows(module) -> int:
+    """An expert-parallel MoE layer's rows computed since the last call (0 for other modules)."""
+    rows = getattr(module, "rows_computed", 0)
+    if rows:
+        module.rows_computed = 0
+    return rows
 
 
 @pytest.fixture(scope="module")

@@ -75,6 +75,9 @@ LAYOUTS = {
     "ep2 zero2": (2, {"dp_shard": 2, "ep": 2, "zero": 2}),
     "dp4 ep2 zero2": (4, {"dp_shard": 4, "ep": 2, "zero": 2}),
     "hybrid dp2x2 ep2 zero1": (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2, "zero": 1}),
+    "ep2 zero3": (2, {"dp_shard": 2, "ep": 2, "zero": 3}),
+    "dp4 ep2 zero3": (4, {"dp_shard": 4, "ep": 2, "zero": 3}),
+    "hybrid dp2x2 ep2 zero3": (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2, "zero": 3}),
 }
 
 
@@ -119,7 +122,7 @@ def test_bad_moe_configs_fail_in_one_line():
          "moe.capacity_factor: capacity is counted over a rank's tokens, and sequence parallelism over"),
         (["--model.n_experts", "4", "--train.optimizer", "adafactor"], 1, "train.optimizer: adafactor factors 2-D"),
         (["--parallel.ep", "2"], 2, "parallel.ep: expert parallelism needs experts"),
-        (["--model.n_experts", "4", "--parallel.ep", "2", "--parallel.zero", "3"], 2, "parallel.zero: ZeRO-3 with expert"),
+        (["--model.n_experts", "6", "--parallel.ep", "4"], 4, "parallel.ep: 4 must divide model.n_experts=6"),
         (["--model.n_experts", "4", "--moe.capacity_factor", "-0.5"], 1, "moe.capacity_factor: must be >= 0"),
         (["--model.n_experts", "4", "--moe.aux_loss_coef", "0.01", "--parallel.pp", "2", "--parallel.schedule",
           "pipedream", "--model.tie_embeddings", "false"], 2, "moe.aux_loss_coef: the router losses need a synchronous"),
@@ -366,7 +369,7 @@ def test_trainer_reports_expert_load_and_draws_the_heatmap(tmp_path):
         assert_close(a, b)
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2 sp ep2", "ep2 zero1", "dp4 ep2 zero2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2 sp ep2", "ep2 zero1", "dp4 ep2 zero2", "dp4 ep2 zero3"])
 def test_planner_state_bytes_of_moe_equal_the_measured(pools, name):
     """Experts whole on every tp rank (E/ep of them), attention and embeddings split over tp; under
     ZeRO 1-2 the experts' optimizer state (and stage 2 gradients) sharded over their edp group
@@ -411,7 +414,55 @@ def test_planner_ranks_moe_under_tp_and_only_layouts_training_runs():
     assert Workload(1, 1, moe_imbalance=3.0, capacity_factor=1.5).moe_load == 1.5
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2 ep2", "ep2 zero2", "hybrid dp2x2 ep2 zero1"])
+SKEWED = dict(MOE, n_experts=4, top_k=1)  # top-1 of 4: routing of a fresh router is uneven enough to show
+
+
+@pytest.mark.parametrize("world, layout", [(2, {"dp_replicate": 2, "ep": 2}), (4, {"dp_shard": 4, "ep": 2, "zero": 3})])
+def test_hot_expert_replication_equals_single_process_and_cuts_the_busiest_rank(pools, world, layout):
+    """moe.rebalance_every = 1: after each step the most loaded expert of each layer is replicated on
+    every ep rank. Losses and weights equal one process; the busiest rank computes fewer rows than
+    without replication (rows of the same batches, steps 2 on, where a hot set exists)."""
+    steps = 4
+    ref = train_layout({}, steps, BATCH, MICRO, SKEWED)
+    plain = pools(world).run(train_layout, layout, steps, BATCH, MICRO, SKEWED)
+    hot = pools(world).run(train_layout, layout, steps, BATCH, MICRO, SKEWED, moe_kw=dict(rebalance_every=1))
+    for r in hot:
+        assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL)
+        if r["state"] is not None:
+            for k, v in ref["state"].items():
+                assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{k}: {m}")
+    busiest_plain = [max(r["expert_rows"][s] for r in plain) for s in range(1, steps)]
+    busiest_hot = [max(r["expert_rows"][s] for r in hot) for s in range(1, steps)]
+    print(f"busiest rank's expert rows per step, steps 2-{steps}: {busiest_plain} without, {busiest_hot} with replication")
+    assert sum(busiest_hot) < sum(busiest_plain)
+    assert sum(sum(r["expert_rows"]) for r in hot) == sum(sum(r["expert_rows"]) for r in plain)  # every row computed once
+
+
+def test_hot_experts_are_chosen_to_unload_the_busiest_rank():
+    from loom.parallel.expert_parallel import choose_hot, rank_loads
+
+    load = [100.0, 10.0, 60.0, 50.0]  # ep2: rank 0 holds experts 0-1 (110 rows), rank 1 experts 2-3 (110)
+    assert rank_loads(load, 2, [0]) == [60.0, 160.0]  # the hottest alone would overload rank 1
+    assert choose_hot(load, 2, 1) == [] and choose_hot([100.0, 10.0, 20.0, 30.0], 2, 1) == [0]
+    assert rank_loads([100.0, 10.0, 20.0, 30.0], 2, [0]) == [60.0, 100.0]
+    assert choose_hot([100.0, 10.0, 20.0, 30.0], 2, 2) == [0, 3]  # then [75, 85]: the busiest rank lower again
+
+
+def test_bad_rebalance_configs_fail_in_one_line():
+    from loom import config as C
+
+    for overrides, message in [
+        (["--model.n_experts", "4", "--moe.rebalance_every", "1"], "moe.rebalance_every: replicates hot experts"),
+        (["--model.n_experts", "4", "--parallel.ep", "2", "--moe.rebalance_every", "1", "--moe.hot_experts", "4"],
+         "moe.hot_experts: must be in [1, model.n_experts) = [1, 4), got 4"),
+        (["--model.n_experts", "4", "--moe.rebalance_every", "-1"], "moe.rebalance_every: must be >= 0"),
+    ]:
+        with pytest.raises(C.ConfigError) as e:
+            C.validate(C.apply_overrides(C.LoomConfig(), overrides), 2)
+        assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2 ep2", "ep2 zero2", "hybrid dp2x2 ep2 zero1", "dp4 ep2 zero3"])
 def test_moe_checkpoint_reads_back_whole(pools, tmp_path, name):
     """Saved under tp (experts whole on each tp rank; under ep, E/ep per rank) or ZeRO x ep (expert
     shards spread over their edp group): every tensor of the checkpoint reads back as the

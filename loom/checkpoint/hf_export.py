@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import save_file
 
@@ -70,16 +72,22 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path) -> dict[str, i
 
 
 def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = 5 * 10**9,
-              progress: bool = False) -> Exported:  # fmt: skip
-    """Write the Hugging Face directory ``out`` for the checkpoint ``source`` (see module doc)."""
+              progress: bool = False, wrap: Callable[[CheckpointReader], Any] | None = None) -> Exported:  # fmt: skip
+    """Write the Hugging Face directory ``out`` for the checkpoint ``source`` (see module doc).
+    ``wrap``: what to read the tensors through instead of the checkpoint reader itself (a LoRA run's
+    merged weights: :class:`loom.finetune.export.MergedReader`)."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: exists and is not empty; choose a new directory (nothing was written)")
-    with CheckpointReader(source) as reader:
-        saved = reader.train_state.get("config")
+    with CheckpointReader(source) as opened:
+        saved = opened.train_state.get("config")
         if not saved:
-            raise CheckpointError(f"{reader.dir}: has no saved config (train_state.json); cannot describe the model")
+            raise CheckpointError(f"{opened.dir}: has no saved config (train_state.json); cannot describe the model")
         cfg = C.from_dict(saved)
+        if cfg.finetune.method != "full" and wrap is None:
+            raise CheckpointError(f"{opened.dir}: holds LoRA adapters only (finetune.method = {cfg.finetune.method}); "
+                                  "export merged weights with --merge-lora, or the adapters with `loom export peft`")  # fmt: skip
+        reader = opened if wrap is None else wrap(opened)
         architecture_of(cfg.model)  # a model no Hugging Face family holds fails here, before anything is written
         names = [n[len(PREFIX):] for n in reader.names() if n.startswith(PREFIX)]
         if not names:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -81,7 +82,9 @@ class TrainCheckpoints:
     """The trainer's checkpoint duties on one rank: resume, periodic saves, the final save."""
 
     def __init__(self, cfg: C.LoomConfig, run_dir: Path, rank: int, world: int, state: Shardable,
-                 loss_scaler=None) -> None:  # fmt: skip
+                 loss_scaler=None, base: Callable[[], dict | None] | None = None) -> None:  # fmt: skip
+        """``base``: the identity (path, SHA-256) of the frozen base a LoRA run fine-tunes, computed by
+        rank 0 (:func:`loom.finetune.base.base_identity`); its checkpoints are bound to it."""
         self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world
         self.group = new_group(world, cfg.run.timeout_s)
         self.checkpointer = Checkpointer(
@@ -90,6 +93,9 @@ class TrainCheckpoints:
         self.state = state  # what this rank holds: the strategy's state (and the loss scaler's)
         self.loss_scaler = loss_scaler  # fp16 dynamic loss scaling, if any
         self.last_saved: tuple[int, Path] | None = None
+        self.base: dict | None = None
+        if base is not None:
+            self.base = cast(dict | None, broadcast_json(base() if rank == 0 else None, rank, world, self.group))
 
     def restore(self) -> int:
         """Load the chosen checkpoint into the strategy and this rank's RNG; return its step (0 if none)."""
@@ -108,6 +114,7 @@ class TrainCheckpoints:
         with self._open(source["candidates"]) as reader:
             ts = reader.train_state
             self._check_position(ts, reader.dir)
+            self._check_base(ts, reader.dir)
             self.state.load_sharded(reader)
             ranks = ts.get("ranks", [])
             if self.loss_scaler is not None and ts.get("loss_scale"):
@@ -150,6 +157,22 @@ class TrainCheckpoints:
                     "(step -> global sequences) would change. Use the same value to resume."
                 )
 
+    def _check_base(self, ts: dict, ckpt: Path) -> None:
+        """A LoRA checkpoint resumes only on the base it was trained on (same SHA-256)."""
+        was, now = ts.get("finetune_base"), self.base
+        if was is None and now is None:
+            return
+        if was is None or now is None:
+            kind = "holds every weight (a full fine-tune)" if was is None else "holds LoRA adapters only"
+            raise C.ConfigError(f"finetune.method: {ckpt} {kind}; this run has finetune.method = "
+                                f"{self.cfg.finetune.method}; resume with the method it was saved with")  # fmt: skip
+        if was.get("sha256") != now.get("sha256"):
+            raise C.ConfigError(
+                f"finetune: {ckpt} holds LoRA adapters trained on the base {was.get('path')} (sha256 "
+                f"{was.get('sha256')}), this run's base is {now.get('path')} (sha256 {now.get('sha256')}); resume on "
+                "the same base, or start a new run.dir"
+            )
+
     def _scaler_state(self) -> dict | None:
         """The loss scaler's numbers (scale, counters), restored as they were for an exact resume."""
         if self.loss_scaler is None:
@@ -162,6 +185,7 @@ class TrainCheckpoints:
             "data": {"step": step, "global_sequences": step * self.cfg.train.global_batch},
             "config": C.to_dict(self.cfg),
             "loss_scale": self._scaler_state(),
+            "finetune_base": self.base,  # a LoRA run: the base its adapters apply to (path, sha256)
             "saved_unix_s": time.time(),
         }
         rank_state = {"rank": self.rank, "rng": capture_rng()}

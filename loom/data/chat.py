@@ -38,9 +38,10 @@ def builtin_render(messages: list[dict[str, str]]) -> str:
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
 
 
-def template_render(tokenizer_path: str) -> Render | None:
+def template_render(tokenizer_path: str, generation_prompt: bool = False) -> Render | None:
     """The chat template of the tokenizer directory's ``tokenizer_config.json`` as a render function,
-    or None when the directory has no template."""
+    or None when the directory has no template; ``generation_prompt``: end with the template's
+    opening of an assistant turn (``add_generation_prompt``, for generation)."""
     p = Path(tokenizer_path).expanduser()
     cfg_path = (p if p.is_dir() else p.parent) / "tokenizer_config.json"
     if not cfg_path.is_file():
@@ -73,7 +74,7 @@ def template_render(tokenizer_path: str) -> Render | None:
     special = {k: _token_text(tcfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
 
     def render(messages: list[dict[str, str]]) -> str:
-        return compiled.render(messages=messages, add_generation_prompt=False, **special)
+        return compiled.render(messages=messages, add_generation_prompt=generation_prompt, **special)
 
     return render
 

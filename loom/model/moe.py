@@ -188,7 +188,7 @@ class _InjectAux(Function):
         return grad, torch.full((), ctx.layer.grad_scale, dtype=torch.float32, device=grad.device), None
 
 
-def _recomputing() -> bool:
+def recomputing() -> bool:
     """True inside a backward pass (a checkpointed forward running again): statistics are not recounted."""
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
@@ -284,7 +284,7 @@ class MoEFeedForward(nn.Module):
                 z = torch.logsumexp(r.logits, -1).square().mean()
                 total = total + opt.z_loss_coef * z
             out = _InjectAux.apply(out, total * self.loss_share, self)
-        if self.training and not _recomputing():
+        if self.training and not recomputing():
             dropped = load.new_zeros(()) if keep is None else (~keep).sum().float()
             row = torch.cat([load, torch.stack([dropped, aux.detach().float(), z.detach().float(), load.new_ones(())])])
             self.stats = row if self.stats is None else self.stats + row

@@ -39,6 +39,8 @@ class ReplicatedState:
         out = {}
         everywhere = (self.tp_rank * self.count + self.index, self.tp * self.count)
         for name, t in unique_named_tensors(self.module):
+            if isinstance(t, nn.Parameter) and not t.requires_grad:
+                continue  # frozen (LoRA's base): rebuilt from the base the run references, not saved
             expert = placement_of(t).expert
             if expert is not None:  # this rank's experts (rows along dim 0), repeated over its edp group (x tp)
                 shape, offsets = expert_geometry(t)

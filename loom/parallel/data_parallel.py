@@ -78,7 +78,9 @@ class DataParallel(SyncSwitch):
         reduce_dtype: torch.dtype | None = None,
         tp_group: Group = None,
         optimizer: torch.optim.Optimizer | None = None,
+        allreduce: str = "native",
     ) -> None:
+        """``allreduce``: the algorithm of the bucket all-reduce (``parallel.allreduce``)."""
         self.module, self.group, self.meter = module, group, meter
         self.tp_group = tp_group  # tensor-parallel peers: sharded params' squares add over it in the norm
         self.world = comm.group_size(group)
@@ -97,7 +99,7 @@ class DataParallel(SyncSwitch):
         self.reducers: dict[int, GradReducer] = {}
         for b in self.buckets:  # every reduction in flight until finish_sync (in place: no buffer is kept)
             self.reducers.setdefault(id(b.group), GradReducer(None, b.group, self.world, meter, reduce_dtype,
-                                                              max_inflight=len(self.buckets)))  # fmt: skip
+                                                              max_inflight=len(self.buckets), algorithm=allreduce))  # fmt: skip
         self.queue = BucketQueue(self.buckets, [len(b.params) for b in self.buckets], lambda b: id(b.group),
                                  self._launch)  # fmt: skip
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]

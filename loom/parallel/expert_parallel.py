@@ -30,6 +30,16 @@ gradient, so all of them are the gradient of the global mean loss
 (:class:`loom.parallel.data_parallel.DataParallel` reduces each bucket over its parameters'
 group). Clipping sums the experts' squares over the ep group. Under ZeRO 1-2 the experts' buckets
 are sharded over their edp group instead of dp x cp (:mod:`loom.parallel.zero.stage12`).
+
+Hot experts (``moe.rebalance_every`` = s > 0). Every s steps up to ``moe.hot_experts`` experts of
+each layer are replicated on every ep rank, chosen on the loads since the last rebalance
+(assignments summed over the world: the same on every rank) to lower the busiest rank's rows
+(:func:`choose_hot`). A rank then computes its own tokens' rows for a hot
+expert itself, with a replica of its weights, instead of sending them to the owner: the owner's
+load of it, up to A_e rows, becomes A_e/ep on each rank. The replicas come from their owners in
+one all-reduce per weight and micro-batch (the owner's rows, zeros elsewhere: 3·H·f·h elements for
+H hot experts), and backward sums the replicas' gradients into the owner's rows the same way, so
+the numerics are those of the plain layer (up to the order of the sums).
 """
 
 from __future__ import annotations
@@ -43,10 +53,10 @@ from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.model.moe import ExpertWeights, MoEFeedForward, grouped_swiglu
+from loom.model.moe import ExpertWeights, MoEFeedForward, grouped_swiglu, recomputing
 from loom.parallel.placement import ExpertShard, place, placement_of, setattr_placement, slice_of
 
-__all__ = ["ExpertParallelMoE", "apply_expert_parallel", "gather_experts"]
+__all__ = ["ExpertParallelMoE", "apply_expert_parallel", "choose_hot", "gather_experts", "rebalance_experts"]
 
 
 def _all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: Group,
@@ -76,6 +86,34 @@ class _AllToAll(Function):
         return _all_to_all(grad, in_rows, out_rows, group, meter, me), None, None, None, None, None
 
 
+class _HotReplicas(Function):
+    """Forward: rows ``owned`` (local index, or -1 where another rank owns the expert) of this rank's
+    expert weight ``w`` stacked for the hot experts and summed over ``group`` (each hot expert's owner
+    contributes it, the others zeros: a broadcast in one call). Backward: the replicas' gradients
+    summed over ``group``, into the owner's rows."""
+
+    @staticmethod
+    def forward(ctx, w, owned, group, meter):
+        ctx.args = (owned, group, meter, w.shape)
+        buf = w.new_zeros(len(owned), *w.shape[1:])
+        for i, j in enumerate(owned):
+            if j >= 0:
+                buf[i] = w[j]
+        comm.all_reduce(buf, group, meter)
+        return buf
+
+    @staticmethod
+    def backward(ctx, grad):
+        owned, group, meter, shape = ctx.args
+        total = grad.contiguous().clone()
+        comm.all_reduce(total, group, meter)
+        out = total.new_zeros(shape)
+        for i, j in enumerate(owned):
+            if j >= 0:
+                out[j] = total[i]
+        return out, None, None, None
+
+
 class ExpertParallelMoE(MoEFeedForward):
     """:class:`~loom.model.moe.MoEFeedForward` with this rank's E/ep experts (same parameter names);
     routing, capacity, shared experts and balancing are the plain layer's, on this rank's tokens."""
@@ -89,6 +127,10 @@ class ExpertParallelMoE(MoEFeedForward):
         self.top_k, self.n_experts, self.options = moe.top_k, n_experts, moe.options
         self.rank, self.ep, self.group, self.meter = rank, ep, group, meter
         self.local = n_experts // ep
+        self.hot: list[int] = []  # experts replicated on every ep rank (module doc: hot experts)
+        self.window_load: torch.Tensor | None = None  # assignments per expert since the last rebalance
+        self.steps_seen = 0
+        self.rows_computed = 0  # rows this rank's experts (and replicas) computed, since reset by a reader
         self.router = moe.router  # replicated
         self.shared = moe.shared  # replicated
         self.register_buffer("expert_bias", moe.expert_bias)
@@ -100,13 +142,21 @@ class ExpertParallelMoE(MoEFeedForward):
             part, placement = slice_of(full, 0, rank, ep)
             with torch.no_grad():
                 mine.weight.copy_(part)
+            mine.weight.requires_grad_(full.requires_grad)  # frozen under LoRA
             setattr_placement(mine.weight, placement)
             place(mine.weight, expert=ExpertShard(rank, ep, group, edp_group))  # read by data parallelism and checkpoints
             setattr(self, name, mine)
 
     def expert_outputs(self, flat: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
                        weight: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """Dispatch the rows (sorted by expert) to their experts' ranks, compute, combine."""
+        """Dispatch the rows (sorted by expert) to their experts' ranks, compute, combine; rows of a
+        hot expert are computed here, on its replica."""
+        if self.options.rebalance_every and self.training and not recomputing():
+            load = torch.bincount(expert, minlength=self.n_experts).float()
+            self.window_load = load if self.window_load is None else self.window_load + load
+        out = torch.zeros_like(flat)
+        if self.hot:
+            out, token, expert, weight = self._hot_outputs(out, flat, token, expert, weight)
         per_expert = torch.bincount(expert, minlength=self.n_experts)  # rows for each expert
         # got[src*local + j]: rows rank src sends for my expert j (a small all-to-all of counts)
         got = _all_to_all(per_expert, [self.local] * self.ep, [self.local] * self.ep, self.group, self.meter, self.rank)
@@ -122,7 +172,26 @@ class ExpertParallelMoE(MoEFeedForward):
         y = grouped_swiglu(rows.index_select(0, by_expert), recv_table.sum(0), w1, w3, w2, self.options.compute)
         out_rows = torch.empty_like(y).index_copy(0, by_expert, y)  # back to the received order
         back = _AllToAll.apply(out_rows, send, recv, self.group, self.meter, self.rank)  # sorted order again
-        return torch.zeros_like(flat).index_add(0, token, back * weight[:, None])
+        if not recomputing():
+            self.rows_computed += rows.shape[0]
+        return out.index_add(0, token, back * weight[:, None])
+
+    def _hot_outputs(self, out: torch.Tensor, flat: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
+                     weight: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """The hot experts' rows computed on their replicas into ``out``; returns it and the other rows."""
+        hot = torch.tensor(self.hot, device=flat.device)
+        is_hot = torch.isin(expert, hot)
+        owned = [e - self.rank * self.local if e // self.local == self.rank else -1 for e in self.hot]
+        w1, w3, w2 = (_HotReplicas.apply(cast(ExpertWeights, getattr(self, n)).weight, owned, self.group, self.meter)
+                      for n in ("w1", "w3", "w2"))  # fmt: skip
+        h_token = token[is_hot]
+        counts = torch.bincount(torch.searchsorted(hot, expert[is_hot]), minlength=len(self.hot))
+        y = grouped_swiglu(flat.index_select(0, h_token), counts, w1, w3, w2, self.options.compute)
+        if not recomputing():
+            self.rows_computed += y.shape[0]
+        out = out.index_add(0, h_token, y * weight[is_hot][:, None])
+        rest = ~is_hot
+        return out, token[rest], expert[rest], weight[rest]
 
 
 def apply_expert_parallel(model: nn.Module, mesh, meter: CommMeter | None = None) -> None:
@@ -135,6 +204,49 @@ def apply_expert_parallel(model: nn.Module, mesh, meter: CommMeter | None = None
         for name, child in module.named_children():
             if isinstance(child, MoEFeedForward) and not isinstance(child, ExpertParallelMoE):
                 setattr(module, name, ExpertParallelMoE(child, rank, ep, group, edp, meter))
+
+
+@torch.no_grad()
+def rebalance_experts(model: nn.Module) -> None:
+    """After a step: every ``moe.rebalance_every`` steps, each layer's ``moe.hot_experts`` most loaded
+    experts since the last rebalance become its hot set (loads summed over the layers' statistics
+    groups in one all-reduce of L·E numbers, so every rank picks the same)."""
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE) and m.options.rebalance_every > 0]
+    if not layers:
+        return
+    for m in layers:
+        m.steps_seen += 1
+    if layers[0].steps_seen % layers[0].options.rebalance_every:
+        return
+    zeros = torch.zeros(layers[0].n_experts, device=layers[0].router.weight.device)
+    loads = torch.stack([m.window_load if m.window_load is not None else zeros for m in layers])
+    for group in layers[0].stats_groups:
+        comm.all_reduce(loads, group)
+    for m, load in zip(layers, loads):
+        m.hot = choose_hot(load.tolist(), m.ep, m.options.hot_experts)
+        m.window_load = None
+
+
+def rank_loads(load: list[float], ep: int, hot: list[int]) -> list[float]:
+    """Rows each ep rank computes for per-expert loads ``load`` when ``hot`` is replicated: its own
+    experts' loads, plus 1/ep of each hot expert's (every rank computes its own tokens' rows)."""
+    local = len(load) // ep
+    shared = sum(load[e] for e in hot) / ep
+    return [sum(load[e] for e in range(r * local, (r + 1) * local) if e not in hot) + shared for r in range(ep)]
+
+
+def choose_hot(load: list[float], ep: int, most: int) -> list[int]:
+    """Up to ``most`` experts to replicate, chosen greedily: each time the one whose replication lowers
+    the busiest rank's rows (:func:`rank_loads`) the most, while it lowers them (ties: lower index)."""
+    hot: list[int] = []
+    best = max(rank_loads(load, ep, hot))
+    for _ in range(most):
+        options = [(max(rank_loads(load, ep, [*hot, e])), e) for e in range(len(load)) if e not in hot]
+        if not options or min(options)[0] >= best:
+            break
+        best, e = min(options)
+        hot.append(e)
+    return sorted(hot)
 
 
 def gather_experts(module: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

@@ -6,6 +6,10 @@ across the R replicas (the whole buffer when N = 1: replicated data parallelism,
 reduce-scatter is skipped and the buffer reduced in place). Bytes per rank:
 
     reduce-scatter  Φ'·b·(N-1)/N   +   all-reduce across replicas  2·(Φ'/N)·b·(R-1)/R
+
+The all-reduce across replicas is the one place gradients are all-reduced: the backend's own, or
+ring, tree or butterfly on point-to-point (``parallel.allreduce``, :mod:`loom.parallel.allreduce`;
+the all-reduce term above is then the algorithm's own: the tree sends (1 + children)·Φ'/N·b).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.parallel import allreduce
 
 MAX_INFLIGHT = 2  # full-size gradient buffers in flight at once (beyond the one being filled)
 
@@ -51,8 +56,10 @@ class GradReducer:
         meter: CommMeter | None,
         reduce_dtype: torch.dtype | None,
         max_inflight: int = MAX_INFLIGHT,
+        algorithm: str = "native",
     ) -> None:
         self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.algorithm = algorithm  # the all-reduce across replicas (parallel.allreduce)
         self.dp, self.meter = dp, meter
         self.reduce_dtype = reduce_dtype
         self.max_inflight = max_inflight
@@ -68,7 +75,8 @@ class GradReducer:
             out, work = send, None  # the whole buffer is the shard: reduce it in place across replicas
         else:
             aliased = dest.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
-            out = dest if (dest.dtype == send.dtype and not aliased) else torch.empty_like(dest, dtype=send.dtype)
+            same = dest.dtype == send.dtype and dest.device == send.device and not aliased  # (host dest: offload)
+            out = dest if same else torch.empty_like(dest, dtype=send.dtype, device=send.device)
             work = comm.reduce_scatter(out, send, self.shard_group, self.meter, async_op=True)
         transient = _nbytes(send) if (owned or send is not full) else 0
         transient += _nbytes(out) if (out is not dest and out is not send) else 0
@@ -86,7 +94,7 @@ class GradReducer:
         if p.work is not None:
             comm.wait(p.work)
             p.work = None
-        p.replica_work = comm.all_reduce(p.out, self.replicate_group, self.meter, async_op=True)
+        p.replica_work = allreduce.all_reduce(p.out, self.replicate_group, self.algorithm, self.meter, async_op=True)
         p.replicated = True
         if p.replica_work is not None:
             self.replica_log.append(during_backward)

@@ -51,6 +51,7 @@ from loom.parallel.tp_comm import (
     reduce_scatter_seq,
     scatter_seq,
 )
+from loom.parallel.tp_lora import column_deltas, row_delta, shard_column_adapters, shard_row_adapters
 from loom.parallel.tp_rng import tp_local_rng
 
 
@@ -68,7 +69,8 @@ class TPContext:
 def sharded_param(full: torch.Tensor, dim: int, ctx: TPContext) -> nn.Parameter:
     """This rank's contiguous 1/n slice of ``full`` along ``dim``, placed with ``tp_dim``."""
     part, placement = slice_of(full, dim, ctx.rank, ctx.size)
-    p = nn.Parameter(part.clone())
+    frozen = isinstance(full, nn.Parameter) and not full.requires_grad  # LoRA's base stays frozen
+    p = nn.Parameter(part.clone(), requires_grad=not frozen)
     setattr_placement(p, placement)
     place(p, tp_dim=dim)
     return p
@@ -158,9 +160,12 @@ class ColumnParallelLinear(nn.Module):
             w = sharded_param(lin.weight, 0, ctx)
             b = None if lin.bias is None else sharded_param(lin.bias, 0, ctx)
         else:
-            w = copy_placement(lin.weight, nn.Parameter(lin.weight.detach().clone()))
-            b = None if lin.bias is None else copy_placement(lin.bias, nn.Parameter(lin.bias.detach().clone()))
-        return cls(w, ctx, replicated_rows, b)
+            w = copy_placement(lin.weight, nn.Parameter(lin.weight.detach().clone(), lin.weight.requires_grad))
+            b = None if lin.bias is None else copy_placement(lin.bias, nn.Parameter(lin.bias.detach().clone(),
+                                                                                    lin.bias.requires_grad))  # fmt: skip
+        out = cls(w, ctx, replicated_rows, b)
+        shard_column_adapters(lin, out, ctx, replicated_rows)  # LoRA: B's rows with the weight's
+        return out
 
     def local_weight(self) -> torch.Tensor:
         if self.replicated_rows is None:
@@ -177,7 +182,9 @@ class ColumnParallelLinear(nn.Module):
         return y if b is None else y + b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.add_bias(column_parallel_matmul(x, (self.local_weight(),), self.ctx)[0])
+        y = self.add_bias(column_parallel_matmul(x, (self.local_weight(),), self.ctx)[0])
+        delta = column_deltas(x, (self,), self.ctx)[0]
+        return y if delta is None else y + delta
 
     def extra_repr(self) -> str:
         return f"local={tuple(self.weight.shape)}, tp={self.ctx.size}, sp={self.ctx.sp}"
@@ -196,10 +203,14 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, lin: nn.Linear, ctx: TPContext) -> RowParallelLinear:
         """Columns of ``lin``'s weight sharded over tp; its bias whole on every rank."""
-        return cls(sharded_param(lin.weight, 1, ctx), ctx, lin.bias)
+        out = cls(sharded_param(lin.weight, 1, ctx), ctx, lin.bias)
+        shard_row_adapters(lin, out, ctx)  # LoRA: A's columns with the weight's
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)  # partial sum
+        delta = row_delta(self, x)  # LoRA: this rank's part of (α/r)·B A x, summed with the layer's
+        y = y if delta is None else y + delta
         if self.ctx.sp:
             y = scatter_seq(y, self.ctx.group, self.ctx.meter)  # (B, T/n, out)
         else:
@@ -333,6 +344,8 @@ class ParallelAttention(nn.Module):
             x, (self.wq.weight, self.wk.local_weight(), self.wv.local_weight()), self.ctx
         )
         q, k, v = self.wq.add_bias(q), self.wk.add_bias(k), self.wv.add_bias(v)
+        deltas = column_deltas(x, (self.wq, self.wk, self.wv), self.ctx)  # LoRA adapters, if any
+        q, k, v = (t if d is None else t + d for t, d in zip((q, k, v), deltas))
         # From here on the same math as loom.model.llama.Attention.forward, on the local heads.
         B, T, _ = q.shape  # T is the full sequence (gathered with sp): RoPE positions stay global
         q = q.view(B, T, -1, self.head_dim)  # (B, T, a/n, d)
@@ -372,4 +385,7 @@ class ParallelFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = (self.w1.weight,) if self.w3 is None else (self.w1.weight, self.w3.weight)
         a, *b = column_parallel_matmul(x, weights, self.ctx)  # (B, T, f/n)
+        mods = (self.w1,) if self.w3 is None else (self.w1, self.w3)
+        deltas = column_deltas(x, mods, self.ctx)  # LoRA adapters, if any
+        a, *b = (t if d is None else t + d for t, d in zip((a, *b), deltas))
         return self.w2(mlp_activation(self.kind, self.w1.add_bias(a), b[0] if b else None))

@@ -44,18 +44,27 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
 
 Time of one step:
 
-- compute: each GEMM of a layer as a roofline max(2MKN / flops, bytes / HBM) with M = T tokens;
-  backward is r = 2x forward (the FLOP ratio; a calibration profile may measure r nearer 1 for
-  small layers where per-op cost sets the time); attention core 4 T s h / t FLOPs forward (the PaLM/Megatron
-  convention 12 L h s per token for fwd+bwd, not halved for causality; a flash backward takes
-  2.5x its forward as it recomputes the scores); elementwise ops
-  (norms, residuals, RoPE, SwiGLU, softmax without flash) as bytes over HBM bandwidth. Full
-  recomputation adds the layers' forward (x4/3 of layer FLOPs), selective the attention core's.
+- compute: each GEMM of a layer by :meth:`Machine.gemm` with M = T tokens: on a GPU from the
+  datasheet, tile and wave quantization over its SMs plus a per-tile fixed cost (K0), against its
+  HBM traffic (the roofline); on a CPU or with a calibrated rate, 2MKN / flops. Backward is r = 2x
+  forward (the FLOP ratio; a calibration profile may measure r nearer 1 for small layers where
+  per-op cost sets the time). Attention core per kernel (:meth:`CostModel._attention_core`): a
+  causal flash kernel runs half of the 4 T s h / t FLOPs (the PaLM/Megatron convention 12 L h s
+  per token that the FLOP counts keep) at the device's flash share of peak, backward 2.5x those
+  FLOPs; unfused (no flash) two batched GEMMs per head and 4 B a s^2 bytes of scores. Elementwise
+  ops (norms, residuals, RoPE, SwiGLU/GeLU, loss) as bytes over HBM bandwidth, times the stack's
+  ``other`` (:class:`Stack`: how many passes its kernels make, fitted on published runs). Full
+  recomputation adds the layers' forward (x4/3 of layer FLOPs), selective the attention core's
+  (plus ``Stack.selective_gemms`` of the GEMMs). Pipeline stages hold L / p blocks, or with p not
+  dividing L the spare blocks on middle stages first (:meth:`CostModel.stage_layers`); the
+  slowest of first, middle and last sets t_mb.
 - tensor parallel: the calls Loom issues (:meth:`CostModel.tp_calls`): per layer 4 all-reduces
   of T h B_a bytes fwd+bwd, 6 with full recomputation; with sp 6 all-gathers + 4 reduce-scatters
   of that size; plus embedding, head and vocab-parallel loss calls, and once per step one
   all-reduce of the gradients held in part (sp norms, replicated kv heads). Each call costs
-  latency + volume / bandwidth, on the intra-node link, not overlapped.
+  latency + volume / bandwidth, on the intra-node link; not overlapped, or with
+  ``Layout.tp_overlap`` cut in t chunks pipelined with the layer's GEMMs:
+  comm / t + max(0, comm (t-1)/t - GEMMs fwd+bwd) per layer.
 - context parallel (:mod:`loom.parallel.context_parallel`, :meth:`CostModel._cp_layer_time`), by
   ``Layout.cp_mode``: allgather all-gathers K and V over cp before the core (again under full
   recomputation) and reduce-scatters dK, dV, not overlapped, and saves the other ranks' keys and
@@ -75,9 +84,12 @@ Time of one step:
   volume); ZeRO-3 all-gathers Phi forward and Phi - Phi_last backward every micro-batch, one call
   per unit, and reduce-scatters once (3 Phi - Phi_last for m = 1; :meth:`CostModel._dp_comm`);
   every bucket or unit call pays the measured latency; hybrid sharding adds an all-reduce of the
-  shard across replicas. The device's ``comm_overlap`` share (80% on GPUs, 0 on CPU where gloo
-  shares the compute cores) hides behind the backward (of the last micro-batch for ZeRO 0/1/2,
-  of all micro-batches for ZeRO 3).
+  shard across replicas. Across nodes a ring's bus bandwidth is the NIC share of the group's
+  members on a node (:meth:`Machine.inter_bandwidth`). With ``Layout.dp_overlap`` (default) it
+  hides bucket by bucket behind the last micro-batch's backward (ZeRO 1/2 also the next
+  forward, ZeRO 3 all micro-batches), but the last call; what runs beside compute slows it by
+  1 - ``comm_overlap`` (0.8 hidden on GPUs; 0 on CPU, where gloo shares the compute cores:
+  nothing hides) (:meth:`CostModel._dp_time`).
 - step synchronisation: the scalar collectives of every step (loss averaged over dp, gradient
   norm summed over tp, the ZeRO group and pp, loss broadcast over pp), one call latency each.
 - optimizer: Adam reads and writes 28 bytes per local parameter at HBM speed; offloaded, at
@@ -101,6 +113,7 @@ from loom.mesh import ParallelDims
 from loom.model.llama import flops_per_token
 from loom.optim.adam8bit import BLOCK as ADAM8BIT_BLOCK
 from loom.plan.hardware import ClusterSpec, HardwareError, Machine, Profile
+from loom.plan.zero_options import zero3_memory, zeropp_time
 from loom.rules import (
     CP_MODES,
     ModelFacts,
@@ -117,6 +130,65 @@ FRAGMENTATION = 0.10  # share of dynamic memory lost to allocator fragmentation 
 HOST_ADAM_BANDWIDTH = 100e9  # host memory bandwidth for CPU Adam, bytes/s per node (assumption)
 ADAM_BYTES = 28  # bytes read + written per parameter by one Adam step
 FLASH_BWD = 2.5  # flash attention backward / forward time (it recomputes the scores; Dao 2023)
+
+
+def default_split(n_layers: int, pp: int) -> tuple[int, ...]:
+    """Blocks per stage when none are given: ``L = q pp + r``, the r spare blocks on middle stages
+    first, then the last, then the first (those two also hold the embedding and the head):
+    70 on 12 -> 5, 6 x 10, 5 (BLOOM's split); 30 on 4 -> 7, 8, 8, 7."""
+    q, rem = divmod(n_layers, pp)
+    counts = [q] * pp
+    order = list(range(1, pp - 1)) + [pp - 1, 0]
+    for i in order[:rem]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+def split_layout(counts: tuple[int, ...]) -> str:
+    """``parallel.pp_layout`` of per-stage block counts: (1, 3) -> "0-0,1-3"."""
+    bounds, lo = [], 0
+    for c in counts:
+        bounds.append(f"{lo}-{lo + c - 1}")
+        lo += c
+    return ",".join(bounds)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Training software whose kernels and overlap a prediction assumes (published runs name theirs).
+
+    ``other`` scales the time of everything but GEMMs and attention kernels (elementwise, norms,
+    softmax, loss: the memory-bound work) for a stack that fuses less than one pass over each
+    tensor (fitted on the published runs, 1.75-2.8: eager or partly fused norms, bias/GeLU,
+    softmax and loss read and write each tensor about twice what Loom's one-pass count says).
+    ``selective_gemms``: what "selective" recomputation means there beyond the attention core
+    (Korthikanti et al.'s policy, Loom's and Megatron's: 0); torchtitan's op-level policy saves
+    every other matmul output and recomputes the rest (0.5). ``microbatch_reduce``: Composer's
+    FSDP reduce-scatters the gradients of every micro-batch (Loom and torchtitan keep them whole
+    until the last: ``no_sync``); ``logit_bytes``: llm-foundry's fused cross entropy works on the
+    bf16 logits in place (2 + 2 bytes, the logits and their gradient).
+    """
+
+    name: str
+    other: float = 1.0
+    selective_gemms: float = 0.0  # share of a layer's GEMMs that "selective" recomputation runs again
+    microbatch_reduce: bool = False  # ZeRO-2/3 reduce-scatter every micro-batch (FSDP without no_sync): no full-size grads
+    logit_bytes: float = 0.0  # bytes per logit at the loss's peak (0: B_a + 8, logits + fp32 copy + log-softmax)
+    note: str = ""
+
+
+STACKS: dict[str, Stack] = {
+    s.name: s
+    for s in (
+        Stack("", other=1.8, note="Loom: eager PyTorch norms/activations and SDPA flash attention, as torchtitan's"),
+        Stack("megatron-core", other=1.3, note="Megatron-Core + Transformer Engine (fused norm-GEMM, bias-GeLU): an "
+              "assumption between one pass and Megatron-LM's fitted 1.85, not fitted (no public bf16 row outside the held-out set)"),
+        Stack("megatron-lm-2021", other=1.85, note="Megatron-LM (2021): fused softmax/bias-GeLU kernels, no flash attention"),
+        Stack("megatron-deepspeed", other=2.8, note="Megatron-DeepSpeed (BLOOM, MT-NLG): Megatron kernels, DeepSpeed pipeline and ZeRO-1"),
+        Stack("pytorch-fsdp", other=1.8, selective_gemms=0.5, note="torchtitan: PyTorch FSDP2 eager, SDPA flash attention"),
+        Stack("composer-fsdp", other=1.75, microbatch_reduce=True, logit_bytes=4.0, note="MosaicML Composer + FSDP1, Triton flash attention"),
+    )
+}
 
 
 def tp_reason(model: ModelFacts, tp: int, per_node: int) -> str | None:
@@ -150,6 +222,13 @@ class Layout:
     recompute: str = "none"  # none | selective | full
     offload: bool = False  # optimizer state (fp32 master, momentum, variance) on the host
     cp_mode: str = "allgather"  # how attention spans cp: allgather | ring | alltoall (loom.rules.CP_MODES)
+    offload_params: bool = False  # ZeRO-3 parameter + gradient shards (and the state) on the host: ZeRO-Infinity
+    qwz: bool = False  # ZeRO++ int8 weight gathers (zero 3; loom.plan.zero_options)
+    hpz: int = 0  # ZeRO++ secondary partition over this many ranks (a node; 0 = off)
+    qgz: bool = False  # ZeRO++ int8 gradient all-to-all
+    tp_overlap: bool = False  # tensor-parallel collectives pipelined with their GEMMs (Megatron-Core --tp-comm-overlap)
+    dp_overlap: bool = True  # data-parallel / ZeRO traffic overlapped bucket by bucket (False: after backward)
+    split: tuple[int, ...] = ()  # blocks per pipeline stage (parallel.pp_layout); () = CostModel.stage_layers' rule
 
     @property
     def world_size(self) -> int:
@@ -172,6 +251,8 @@ class Layout:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}{self._mode()}", f"ep{self.ep}"]
         parts.append(f"zero{self.zero}/{self.dp_shard}" if self.zero else "zero0")
         parts += ["sp"] * self.sp + [f"{self.schedule}:v{self.v}", f"mb{self.micro_batch}", f"recompute:{self.recompute}"]
+        parts += ["tp-overlap"] * self.tp_overlap + ["dp-after-backward"] * (not self.dp_overlap)
+        parts += [f"split:{','.join(map(str, self.split))}"] * bool(self.split)
         return " ".join(parts + ["offload"] * self.offload)
 
     @classmethod
@@ -201,6 +282,12 @@ class Layout:
                     kw["sp"] = True
                 elif tok == "offload":
                     kw["offload"] = True
+                elif tok == "tp-overlap":
+                    kw["tp_overlap"] = True
+                elif tok == "dp-after-backward":
+                    kw["dp_overlap"] = False
+                elif name == "split" and arg:
+                    kw["split"] = tuple(int(x) for x in arg.split(","))
                 elif name == "recompute" and arg in ("none", "selective", "full"):
                     kw["recompute"] = arg
                 elif name in get_args(ScheduleName):
@@ -404,8 +491,10 @@ class CostModel:
         profile: Profile | None = None,
         n_experts: int | None = None,
         top_k: int | None = None,
+        stack: str = "",
     ) -> None:
-        """``n_experts`` / ``top_k``: those of ``model`` unless given (1 = dense)."""
+        """``n_experts`` / ``top_k``: those of ``model`` unless given (1 = dense); ``stack``: the
+        training software whose kernels run the step (:data:`STACKS`; "" = Loom's own)."""
         if n_experts is None:
             n_experts, top_k = model.n_experts, (model.top_k if model.moe else 1) if top_k is None else top_k
         top_k = 1 if top_k is None else top_k
@@ -424,6 +513,11 @@ class CostModel:
             self.machine = Machine(cluster, train.precision, profile)
         except HardwareError as e:
             raise PlanError(f"train.precision: {e}") from None
+        if stack not in STACKS:
+            raise PlanError(f"stack: must be one of {', '.join(STACKS)}, got {stack!r}")
+        self.stack = STACKS[stack]
+        # per-kernel compute model: a GPU from its datasheet (a measured GEMM rate is used flat, as measured)
+        self.kernels = cluster.device.sms > 0 and not self.machine.measured_gemm
         self.bwd_ratio = profile.backward_ratio if profile is not None and profile.backward_ratio > 0 else 2.0
         self.params = ParamCounts.of(model, n_experts, top_k)
         self.facts = ModelFacts.of(model, n_experts=n_experts, moe_capacity=train.capacity_factor > 0,
@@ -441,6 +535,43 @@ class CostModel:
         self._states = lru_cache(maxsize=None)(self._state_memory)
         self._act = lru_cache(maxsize=None)(self._layer_activation)
         self._dp_volume = lru_cache(maxsize=None)(self._dp_comm)
+
+    def stage_layers(self, pp: int, first: bool, last: bool, split: tuple[int, ...] = ()) -> float:
+        """Blocks on one device of the first stage, the last, or the fullest middle stage (neither;
+        0 when pp < 3). ``L / pp`` when pp divides L; otherwise ``L = q pp + r`` is split with the
+        r extra blocks on middle stages first, then the last, then the first (they also hold the
+        embedding and the head, as :func:`~loom.parallel.pipeline.partition.partition` balances).
+        An explicit ``split`` (blocks per stage, ``Layout.split``) gives its own counts."""
+        L = self.model.n_layers
+        if pp == 1:
+            return float(L)
+        split = split or default_split(L, pp)
+        return float(split[0] if first else split[-1] if last else max(split[1:-1], default=0))
+
+    def _attention_core(self, tp: int, cp: int, mb: int) -> tuple[float, float]:
+        """(forward, backward) seconds of the attention core of one layer and micro-batch, per kernel:
+
+        - flash (``Workload.flash_attention``): a causal kernel computes half the 4 T s h / t FLOPs
+          of the square score matrix (masked blocks skipped): forward ``2 T s h / t`` at the
+          device's ``flash_fwd`` share of peak, backward 2.5x those FLOPs (it recomputes the scores)
+          at ``flash_bwd``;
+        - unfused (Megatron 2021): per (sequence, head) two batched GEMMs, Q K^T (s x d x s) and
+          A V (s x s x d), each through :meth:`Machine.gemm` (tiles over the whole batch), the
+          full square; the scores are written, read and written by the softmax and read by A V,
+          4 B a s^2 bytes; backward twice the GEMMs and the traffic again.
+        """
+        mc, tr, mach, B = self.model, self.train, self.machine, self.act_bytes
+        s, h = tr.seq_len, mc.dim
+        T = mb * s / cp
+        io = B * T * (2 * h / tp + 2 * self.kv_width(tp)) / mach.hbm  # q, k, v in; o out
+        if tr.flash_attention:
+            flops = 2.0 * T * s * h / tp
+            return max(mach.attention(flops, False), io), mach.attention(2.5 * flops, True) + 2 * io
+        heads = mb * mc.n_heads / tp
+        d = mc.head_dim
+        gemms = mach.gemm(s, d, s, B, batch=heads) + mach.gemm(s, s, d, B, batch=heads)
+        scores = (self.stack.other if self.kernels else 1.0) * 4 * B * heads * s * s / mach.hbm
+        return gemms + scores + io, 2 * (gemms + scores + io)
 
     def kv_width(self, tp: int) -> float:
         """Key/value width one tp rank computes: k d / t when t divides the k kv heads, else one
@@ -486,8 +617,10 @@ class CostModel:
             return "v > 1 only with the interleaved schedule"
         if lay.schedule == "interleaved" and (lay.v < 2 or lay.pp < 2):
             return "interleaved needs pp >= 2 and v >= 2"
-        if m.n_layers % (lay.pp * lay.v):
-            return "pp*v must divide n_layers"
+        if m.n_layers < lay.pp * lay.v:
+            return "pp*v must not exceed n_layers (every pipeline chunk holds a block)"
+        if lay.split and (len(lay.split) != lay.pp or sum(lay.split) != m.n_layers or min(lay.split) < lay.v):
+            return f"split must give each of the pp={lay.pp} stages at least v={lay.v} blocks, {m.n_layers} in all"
         if t.global_batch % (lay.dp * lay.micro_batch):
             return "dp*micro_batch must divide global_batch"
         if lay.schedule == "interleaved" and (t.global_batch // (lay.dp * lay.micro_batch)) % lay.pp:
@@ -513,11 +646,11 @@ class CostModel:
 
     def _stage_params(self, lay: Layout, first: bool, last: bool) -> tuple[float, float]:
         """(dense, expert) parameters one device of this stage holds, before ZeRO sharding."""
-        return self._params_on(lay.tp, lay.pp, lay.ep, first, last)
+        return self._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
 
-    def _params_on(self, t: int, pp: int, ep: int, first: bool, last: bool) -> tuple[float, float]:
+    def _params_on(self, t: int, pp: int, ep: int, first: bool, last: bool, split: tuple[int, ...] = ()) -> tuple[float, float]:
         pc = self.params
-        layers = self.model.n_layers / pp
+        layers = self.stage_layers(pp, first, last, split)
         dense = layers * (self._attn_params(t) + pc.norms + pc.router + (0 if self.moe else pc.mlp_on(t)))
         expert = layers * pc.mlp / ep if self.moe else 0.0  # experts are replicated over tp
         if first:
@@ -531,7 +664,7 @@ class CostModel:
     def state_memory(self, lay: Layout, first: bool = True, last: bool = True) -> dict[str, float]:
         """Weights, gradients, optimizer state and ZeRO-3 gather buffer on one device (bytes)."""
         return dict(
-            self._states(lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last)
+            self._states(lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last, lay.split)
         )
 
     def _state_memory(
@@ -545,9 +678,10 @@ class CostModel:
         offload: bool,
         first: bool,
         last: bool,
+        split: tuple[int, ...] = (),
     ) -> tuple[tuple[str, float], ...]:
         W, G, O = self.W, self.G, self.O  # noqa: E741 (the module doc's names)
-        dense, expert = self._params_on(tp, pp, ep, first, last)
+        dense, expert = self._params_on(tp, pp, ep, first, last, split)
         n = dp_shard * cp if zero else 1
         n_e = max(1, n // ep)
         shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[zero]
@@ -599,7 +733,7 @@ class CostModel:
         biases = (qd / tp + 2 * kv_rows if m.qkv_bias or m.bias else 0) + pc.attn_whole
         biases += (f / tp if pc.mlp_whole else 0) + pc.mlp_whole  # w1's rows, w2's whole bias
         layer = 4 * ((qd / tp + h) * 2 + (kv_rows + h) * 2 + experts * mats * (f / tp + h)) + 4 * (pc.norms + biases)
-        total = m.n_layers / pp * layer
+        total = self.stage_layers(pp, first, last) * layer
         if first:
             total += 4 * (V / tp + h) + (4 * (m.max_seq_len + h) if pc.positions else 0)
         if last:
@@ -613,7 +747,7 @@ class CostModel:
         holds (8-bit Adam works in chunks and Adafactor on factored statistics: not counted)."""
         if self.train.optimizer != "adamw" or lay.offload:
             return 0.0
-        dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, first, last)
+        dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
         n = lay.dp_shard * lay.cp if lay.zero else 1
         elements = dense / n + expert / max(1, n // lay.ep)
         return 4.0 * elements * (2 if self.train.mixed else 1)
@@ -632,7 +766,7 @@ class CostModel:
         if self.moe:  # experts whole on every tp rank, on its tokens (T/t with sp), the busiest's load
             mlp = 4 * B * T / rep_div * self.ffn * self.top_k * tr.moe_load
         else:
-            mlp = 4 * B * T * self.ffn / t
+            mlp = (4 if m.mlp == "swiglu" else 2) * B * T * self.ffn / t  # w1 x, silu, w3 x, product | w1 x, gelu
         core = (B * T * h + 4 * T * m.n_heads) / t
         if cp > 1 and cp_mode == "allgather":  # the other ranks' keys and values, gathered
             core += 2 * B * T * (cp - 1) * self.kv_width(t)
@@ -646,7 +780,8 @@ class CostModel:
     def _stages(self, pp: int) -> list[tuple[str, bool, bool, int]]:
         if pp == 1:
             return [("only", True, True, 0)]
-        return [("first", True, False, 0), ("last", False, True, pp - 1)]
+        middle = [("middle", False, False, 1)] if pp > 2 else []
+        return [("first", True, False, 0), *middle, ("last", False, True, pp - 1)]
 
     def peak_states(self, lay: Layout) -> float:
         """Model-state bytes (no activations) on the busiest stage, plus the runtime constant."""
@@ -654,7 +789,7 @@ class CostModel:
             sum(
                 v
                 for _, v in self._states(
-                    lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, f, la
+                    lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, f, la, lay.split
                 )
             )
             for _, f, la, _ in self._stages(lay.pp)
@@ -678,8 +813,10 @@ class CostModel:
         m = microbatches or self.train.global_batch // (lay.dp * lay.micro_batch)
         first, last = stage == 0, stage == lay.pp - 1
         full_act, sel_act, block_in = self._act(lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode)
-        bd = dict(self._states(lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last))
+        bd = dict(self._states(lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last, lay.split))
         n = inflight_layers(lay.schedule, lay.pp, stage, m, lay.v, self.model.n_layers)
+        if lay.pp > 1 and (self.model.n_layers % lay.pp or lay.split):  # uneven: this stage's blocks, not L / pp
+            n *= self.stage_layers(lay.pp, first, last, lay.split) * lay.pp / self.model.n_layers
         if lay.recompute == "none":
             act = n * full_act
         elif lay.recompute == "selective":
@@ -689,19 +826,19 @@ class CostModel:
         logits = 0.0
         if last:
             T = lay.micro_batch * self.train.seq_len / lay.cp
-            logits = T * self.model.vocab_size / lay.tp * (self.act_bytes + 8)
+            logits = T * self.model.vocab_size / lay.tp * (self.stack.logit_bytes or self.act_bytes + 8)
         bd["activations"] = act
         bd["logits"] = logits
         bd["accumulation"] = 0.0
-        if lay.zero >= 2 and m > 1:  # full-size gradients kept between micro-batches (as FSDP no_sync)
-            dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, first, last)
+        if lay.zero >= 2 and m > 1 and not self.stack.microbatch_reduce:  # full-size gradients kept (FSDP no_sync)
+            dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
             bd["accumulation"] = self.G * (dense + expert) - bd["gradients"]
         # The optimizer step runs after the activations are freed; its temporaries count only beyond them.
         bd["optimizer step"] = max(0.0, self.step_workspace(lay, first, last) - act - logits)
         bd["overhead"] = self.cluster.device.runtime_overhead_bytes + FRAGMENTATION * (
             act + logits + bd["zero3 buffer"]
         )
-        return bd
+        return zero3_memory(self, lay, bd, first, last) if lay.offload_params or lay.hpz else bd
 
     # ------------------------------------------------------------------ time
 
@@ -844,7 +981,7 @@ class CostModel:
 
     def _microbatch_times(
         self, tp: int, sp: bool, cp: int, ep: int, mb: int, recompute: str, pp: int, world: int = 0,
-        cp_mode: str = "allgather",
+        cp_mode: str = "allgather", tp_overlap: bool = False, split: tuple[int, ...] = (),
     ) -> tuple[float, float, dict[str, float]]:
         """(t_mb of the slowest stage, its weight-grad time t_W, per-term times) for one micro-batch."""
         mc, tr, mach = self.model, self.train, self.machine
@@ -854,12 +991,13 @@ class CostModel:
         # tokens per expert GEMM: T_r*top_k routed tokens (T_r = T/tp with sp, else T: experts are whole on
         # every tp rank) spread over this device's experts, the busiest ``moe_load`` times the mean
         T_moe = T / tp if sp else T
+        ups = 2 if mc.mlp == "swiglu" else 1  # SwiGLU's w1 and w3, or GELU's w1
         if self.moe:
             experts_here = self.n_experts / ep
             Te = T_moe * self.top_k / experts_here * tr.moe_load
-            mlp_f = experts_here * (2 * mach.gemm(Te, h, f, gemm_b) + mach.gemm(Te, f, h, gemm_b))
+            mlp_f = experts_here * (ups * mach.gemm(Te, h, f, gemm_b) + mach.gemm(Te, f, h, gemm_b))
         else:
-            mlp_f = 2 * mach.gemm(T, h, f / tp, gemm_b) + mach.gemm(T, f / tp, h, gemm_b)
+            mlp_f = ups * mach.gemm(T, h, f / tp, gemm_b) + mach.gemm(T, f / tp, h, gemm_b)
         gemm_f = (
             mach.gemm(T, h, h / tp, gemm_b)
             + 2 * mach.gemm(T, h, self.kv_width(tp), gemm_b)
@@ -870,58 +1008,86 @@ class CostModel:
         core_bytes = B * T * (2 * h / tp + 2 * self.kv_width(tp))
         if not tr.flash_attention:
             core_bytes += 4 * B * a_t * T * s  # scores written, softmax read+write, read by AV
-        core_f = max(4.0 * T * s * h / tp / mach.flops, core_bytes / mach.hbm)
-        elt_bytes = (
-            B
-            * T
-            * (10 * h / (tp if sp else 1) + 2 * (h / tp + self.kv_width(tp))
-               + (3 * f * self.top_k * tr.moe_load / (tp if sp else 1) if self.moe else 3 * f / tp))
-        )
-        elt_f = elt_bytes / mach.hbm
+        mlp_elt = 3 * f * self.top_k * tr.moe_load / (tp if sp else 1) if self.moe else (3 if mc.mlp == "swiglu" else 2) * f / tp
+        elt_bytes = B * T * (10 * h / (tp if sp else 1) + 2 * (h / tp + self.kv_width(tp)) + mlp_elt)
+        other = self.stack.other if self.kernels else 1.0  # a calibrated profile measured its own kernels
+        elt_f = other * elt_bytes / mach.hbm
+        r = self.bwd_ratio  # 2 when GEMM FLOPs set the time; measured (profile) when per-op cost does
+        if self.kernels:  # per-kernel model (a GPU from the datasheet): flash kernels, batched GEMMs
+            core_f, core_b = self._attention_core(tp, cp, mb)
+        else:
+            core_f = max(4.0 * T * s * h / tp / mach.flops, core_bytes / mach.hbm)
+            core_b = (FLASH_BWD if tr.flash_attention else 2.0) * r / 2 * core_f
         layer_f = gemm_f + core_f + elt_f
         # backward: GEMMs and elementwise 2x forward; a flash kernel recomputes the scores (2.5x)
-        r = self.bwd_ratio  # 2 when GEMM FLOPs set the time; measured (profile) when per-op cost does
-        layer_b = r * (gemm_f + elt_f) + (FLASH_BWD if tr.flash_attention else 2.0) * r / 2 * core_f
-        recomp = {"none": 0.0, "selective": core_f, "full": layer_f}[recompute]
+        layer_b = r * (gemm_f + elt_f) + core_b
+        recomp = {"none": 0.0, "selective": core_f + self.stack.selective_gemms * gemm_f, "full": layer_f}[recompute]
         n_tp = {"none": 4, "selective": 4, "full": 6}[recompute]
 
         def tp_time(calls: dict[tuple[str, float], float]) -> float:
             return sum(k * mach.collective(op, tp, size, tp, world or None) for (op, size), k in calls.items())
 
         tp_layer = tp_time(self.tp_calls(tp, sp, recompute, mb, "layer", cp))
+        if tp_overlap and tp > 1:  # each collective cut in tp chunks, pipelined with its GEMM: the first chunk shows
+            gemms = gemm_f * (1 + r) + (gemm_f if recompute == "full" else 0.0)
+            tp_layer = tp_layer / tp + max(0.0, tp_layer * (tp - 1) / tp - gemms)
         cp_layer = self._cp_layer_time(tp, cp, T, recompute, cp_mode, core_f, world) if cp > 1 else 0.0
         ep_layer = 0.0
         if self.moe and ep > 1:
             # rows of this rank's tokens (T_moe·k, at most the capacity's), the busiest rank receiving ``moe_load`` x
             ep_layer = n_tp * mach.collective("all_to_all", ep, T_moe * self.top_k * h * B * tr.moe_load, tp * ep)
             ep_layer += (n_tp - 2) // 2 * mach.latency("all_to_all", ep, tp * ep)  # the per-expert counts
-        Ls = mc.n_layers / pp
-        # output head GEMM fwd + 2x bwd, and cross entropy reading/writing ~16 bytes per logit
-        head = (1 + r) * mach.gemm(T, h, mc.vocab_size / tp, gemm_b) + 16 * T * mc.vocab_size / tp / mach.hbm
-        terms_first = {
-            "compute": Ls * (layer_f + layer_b),
-            "recompute": Ls * recomp,
-            "tp comm": Ls * tp_layer + tp_time(self.tp_calls(tp, sp, recompute, mb, "first", cp)),
-            "cp comm": Ls * cp_layer,
-            "ep comm": Ls * ep_layer,
-        }
-        terms_last = dict(terms_first)
-        terms_last["compute"] += head
-        terms_last["tp comm"] = Ls * tp_layer + tp_time(self.tp_calls(tp, sp, recompute, mb, "last", cp))
-        if pp == 1:
-            terms_first["compute"] += head
-            terms_first["tp comm"] += terms_last["tp comm"] - Ls * tp_layer
-            terms_last = terms_first
-        t_first, t_last = sum(terms_first.values()), sum(terms_last.values())
-        terms = terms_last if t_last >= t_first else terms_first
-        t_w = Ls * gemm_f * r / 2  # weight-gradient GEMMs: half of the backward GEMMs
-        return max(t_first, t_last), t_w, terms
+        head = (1 + r) * mach.gemm(T, h, mc.vocab_size / tp, gemm_b)
+        head += other * 16 * T * mc.vocab_size / tp / mach.hbm
+        per_layer = {"compute": layer_f + layer_b, "recompute": recomp, "tp comm": tp_layer, "cp comm": cp_layer,
+                     "ep comm": ep_layer}  # fmt: skip
+        first_tp = tp_time(self.tp_calls(tp, sp, recompute, mb, "first", cp))
+        last_tp = tp_time(self.tp_calls(tp, sp, recompute, mb, "last", cp))
 
-    def _dp_time(self, lay: Layout, m: int, t_bwd: float, t_compute: float) -> float:
-        """Exposed data-parallel / ZeRO communication per step (module doc)."""
+        def stage(layers: float, first: bool, last: bool) -> dict[str, float]:
+            terms = {k: layers * v for k, v in per_layer.items()}
+            terms["compute"] += head if last else 0.0
+            terms["tp comm"] += (first_tp if first else 0.0) + (last_tp if last else 0.0)
+            return terms
+
+        kinds = [(True, True)] if pp == 1 else [(True, False), (False, True)] + [(False, False)] * (pp > 2)
+        Ls, terms = max(((self.stage_layers(pp, f, la, split), stage(self.stage_layers(pp, f, la, split), f, la)) for f, la in kinds),
+                        key=lambda st: sum(st[1].values()))  # fmt: skip
+        t_w = Ls * gemm_f * r / 2  # weight-gradient GEMMs: half of the backward GEMMs
+        return sum(terms.values()), t_w, terms
+
+    def _dp_time(self, lay: Layout, m: int, t_mb: float, t_compute: float) -> float:
+        """Exposed data-parallel / ZeRO communication per step, of ``total`` seconds in ``calls`` calls.
+
+        Without overlap (``Layout.dp_overlap`` off, or a device whose ``comm_overlap`` is 0: gloo on
+        the CPU cores that compute) all of it. With it, bucket by bucket: ZeRO 0 reduces each bucket
+        while the last micro-batch's backward ``t_b`` goes on, ZeRO 1/2 also gather the updated
+        parameters under the next forward ``t_f``, ZeRO-3 prefetches every unit under all ``m``
+        micro-batches; what does not fit the window shows, and at least the last call (nothing
+        left to hide it behind)::
+
+            exposed = max(total - window, total / calls) + (1 - comm_overlap) min(total, window)
+
+        window = t_b | t_b + t_f | m t_mb; the last term: collectives running beside compute slow it
+        (NCCL's channels take SMs and HBM bandwidth), the device's ``comm_overlap`` share (0.8) hidden.
+        """
         total = self._dp_volume(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m, lay.world_size)
-        window = t_bwd if lay.zero <= 2 else t_compute
-        return total - min(self.cluster.device.comm_overlap * total, window)
+        if lay.zero == 3 and (lay.qwz or lay.hpz or lay.qgz):
+            total = zeropp_time(self, lay, m)
+        share = self.cluster.device.comm_overlap
+        if total <= 0 or not lay.dp_overlap or share <= 0:
+            return total
+        r = self.bwd_ratio
+        t_b, t_f = t_mb * r / (1 + r), t_mb / (1 + r)
+        window = {0: t_b, 1: t_b + t_f, 2: t_b + t_f}.get(lay.zero, t_compute)
+        if lay.zero == 3:
+            units = self.zero3_units(lay.pp, lay.tp)[0]
+            calls = m * (2 * units - 1) + units
+        else:
+            dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1)
+            calls = max(1, -(-int((dense + expert) * self.R) // int(self.train.bucket_bytes))) * (2 if lay.zero else 1)
+        hidden = min(total, window)
+        return max(total - window, total / calls) + (1 - share) * hidden
 
     def _sync_time(self, lay: Layout) -> float:
         """Scalar collectives of every step, one call latency each: the logged loss averaged over
@@ -986,7 +1152,8 @@ class CostModel:
                 fwd = mach.collective("all_gather", ns, phi * W, span, wd) + (units - 1) * lat_ag
                 calls = units - 1 if last > 0 else units  # backward gathers all but the kept unit
                 bwd = mach.collective("all_gather", ns, (phi - last) * W, span, wd) + max(0, calls - 1) * lat_ag
-                total += m * (fwd + bwd) + rs + (units - 1) * lat_rs
+                reduces = m if self.stack.microbatch_reduce else 1
+                total += m * (fwd + bwd) + reduces * (rs + (units - 1) * lat_rs)
             total += mach.collective("all_reduce", dp // ds, phi * R / ns, tpcp * dp, wd)
         return total
 
@@ -1004,7 +1171,8 @@ class CostModel:
         m = tr.global_batch // (lay.dp * lay.micro_batch)
         p = lay.pp
         world = lay.world_size
-        t_mb, t_w, terms = self._per_mb(lay.tp, lay.sp, lay.cp, lay.ep, lay.micro_batch, lay.recompute, p, world, lay.cp_mode)
+        t_mb, t_w, terms = self._per_mb(lay.tp, lay.sp, lay.cp, lay.ep, lay.micro_batch, lay.recompute, p, world,
+                                        lay.cp_mode, lay.tp_overlap, lay.split)
         w_share = t_w / t_mb
         if p == 1:
             idle = 0.0
@@ -1025,8 +1193,7 @@ class CostModel:
         partial = self.tp_partial_params(lay.tp, lay.sp, p, p == 1, lay.ep) * self.R
         time["tp comm"] += mach.collective("all_reduce", lay.tp, partial, lay.tp, world)
         time["step sync"] = self._sync_time(lay)
-        t_bwd = terms["compute"] * self.bwd_ratio / (1 + self.bwd_ratio)  # backward share: the DP overlap window
-        time["dp comm"] = self._dp_time(lay, m, t_bwd, m * t_mb)
+        time["dp comm"] = self._dp_time(lay, m, terms["compute"], m * t_mb)
         dense, expert = self._stage_params(lay, True, p == 1)
         n = lay.dp_shard * lay.cp if lay.zero else 1
         local = dense / n + expert / max(1, n // lay.ep)

@@ -1,6 +1,9 @@
 """Hardware the planner reasons about: accelerator specs, clusters (TOML), calibration profiles (JSON).
 
-Units are SI throughout: bytes, FLOP/s, bytes/s, seconds. A :class:`DeviceSpec` holds vendor
+Units are SI throughout: bytes, FLOP/s, bytes/s, seconds. Memory capacities are written in GiB
+because that is what vendors' HBM "GB" mean (an "A100 80GB" reports 81920 MiB, an "H100 80GB"
+81559 MiB usable; H200 141, B200 180 and MI300X 192 likewise binary); bandwidths and FLOP rates
+are decimal (GB/s, TFLOP/s) as datasheets print them. A :class:`DeviceSpec` holds vendor
 datasheet numbers (dense, i.e. without 2:4 sparsity); a :class:`ClusterSpec` arranges
 ``nodes x devices_per_node`` of one device with an intra-node link (NVLink/xGMI/loopback) and an
 inter-node link (per-device NIC share); a :class:`Profile` carries what calibration measured on a
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+GEMM_K0 = 256  # reduction steps a GEMM tile's prologue + epilogue cost (pipeline fill and drain; fitted, see achievable)
 GB = 1e9
 GiB = 2**30
 TFLOPS = 1e12
@@ -46,6 +51,12 @@ class DeviceSpec:
     link_bandwidth: float  # intra-node device-to-device bandwidth per direction, bytes/s
     achievable: float  # typical sustained fraction of peak for transformer-sized GEMMs (assumption)
     runtime_overhead_bytes: float = 1.0 * GiB  # context + library workspaces + comm buffers (assumption)
+    sms: int = 0  # streaming multiprocessors (compute units) that GEMM tiles spread over; 0 = no wave model
+    tile: tuple[int, int] = (128, 256)  # output tile (rows, cols) of one GEMM thread block (cuBLAS/CUTLASS bf16)
+    flash_fwd: float = 0.0  # sustained fraction of peak of a flash-attention forward kernel (0 = achievable)
+    flash_bwd: float = 0.0  # same, backward (counted as 2.5x the forward's FLOPs)
+    nic_bandwidth: float = 50 * GB  # inter-node bandwidth per device per direction of its reference node
+    # (DGX A100: one 200 Gb/s HDR HCA per GPU = 25 GB/s; DGX H100/H200/B200: one 400 Gb/s NDR = 50 GB/s)
     comm_overlap: float = 0.8  # share of data-parallel traffic that can hide behind backward (assumption;
     # 0 on CPU: gloo runs on the same cores that compute, so nothing is hidden)
     source: str = ""  # the datasheet the numbers come from
@@ -89,7 +100,9 @@ DEVICES: dict[str, DeviceSpec] = {
             0.0,
             1555 * GB,
             300 * GB,
-            0.75,
+            0.73,
+            sms=108, flash_fwd=0.65, flash_bwd=0.50,
+            nic_bandwidth=25 * GB,
             source=_NV_A100,
         ),
         DeviceSpec(
@@ -102,7 +115,9 @@ DEVICES: dict[str, DeviceSpec] = {
             0.0,
             2039 * GB,
             300 * GB,
-            0.75,
+            0.73,
+            sms=108, flash_fwd=0.65, flash_bwd=0.50,
+            nic_bandwidth=25 * GB,
             source=_NV_A100,
         ),
         # H100 SXM: 67 TF FP32, 494.5 TF32, 989.5 BF16/FP16, 1979 FP8 (dense = half the
@@ -117,7 +132,8 @@ DEVICES: dict[str, DeviceSpec] = {
             1979e12,
             3350 * GB,
             450 * GB,
-            0.70,
+            0.58,
+            sms=132, flash_fwd=0.37, flash_bwd=0.30,
             source=_NV_H100,
         ),
         # H100 PCIe: 51 TF FP32, 378 TF32, 756 BF16/FP16, 1513 FP8; HBM2e 2.0 TB/s; GPUs of a
@@ -132,13 +148,14 @@ DEVICES: dict[str, DeviceSpec] = {
             1513e12,
             2000 * GB,
             64 * GB,
-            0.70,
+            0.58,
+            sms=114, flash_fwd=0.37, flash_bwd=0.30,
             source=_NV_H100,
         ),
         # H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 4 900 GB/s total.
         DeviceSpec(
             "h200",
-            141 * GB,
+            141 * GiB,
             67e12,
             494.5e12,
             989.5e12,
@@ -146,14 +163,15 @@ DEVICES: dict[str, DeviceSpec] = {
             1979e12,
             4800 * GB,
             450 * GB,
-            0.70,
+            0.58,
+            sms=132, flash_fwd=0.37, flash_bwd=0.30,
             source=_NV_H200,
         ),
         # B200 (HGX B200 / 8): 1440 GB -> 180 GB, 64 TB/s -> 8 TB/s, FP32 75 TF, TF32 1.1 PF,
         # BF16/FP16 2.25 PF, FP8 4.5 PF dense; NVLink 5 1.8 TB/s total.
         DeviceSpec(
             "b200",
-            180 * GB,
+            180 * GiB,
             75e12,
             1100e12,
             2250e12,
@@ -162,13 +180,14 @@ DEVICES: dict[str, DeviceSpec] = {
             8000 * GB,
             900 * GB,
             0.70,
+            sms=148,
             source=_NV_B200,
         ),
         # MI300X: 192 GB HBM3 at 5.3 TB/s; 163.4 TF FP32 (matrix), 653.7 TF32, 1307.4 BF16/FP16,
         # 2614.9 FP8 dense; 7 Infinity Fabric links x 64 GB/s per direction = 448 GB/s.
         DeviceSpec(
             "mi300x",
-            192 * GB,
+            192 * GiB,
             163.4e12,
             653.7e12,
             1307.4e12,
@@ -177,6 +196,7 @@ DEVICES: dict[str, DeviceSpec] = {
             5300 * GB,
             448 * GB,
             0.55,
+            sms=304,
             source=_AMD_MI300X,
         ),
         # This CPU, per rank (one core): 147 GFLOP/s FP32, 294 BF16 (AVX512_BF16), no TF32/FP8;
@@ -264,7 +284,8 @@ class ClusterSpec:
 
     @classmethod
     def single_node(cls, device: str | DeviceSpec, devices: int, nodes: int = 1, **kw: Any) -> ClusterSpec:
-        """A cluster from a device name with datasheet links and a 400 Gb/s NIC per device."""
+        """A cluster from a device name with datasheet links and the device's reference NIC share
+        (``nic_bandwidth``: 25 GB/s per A100 of a DGX A100, 50 GB/s per Hopper/Blackwell GPU)."""
         dev = device if isinstance(device, DeviceSpec) else get_device(device)
         args: dict[str, Any] = dict(
             name=f"{dev.name}:{nodes}x{devices}",
@@ -273,7 +294,7 @@ class ClusterSpec:
             devices_per_node=devices,
             intra_bandwidth=dev.link_bandwidth,
             intra_latency=5e-6,
-            inter_bandwidth=50 * GB,
+            inter_bandwidth=dev.nic_bandwidth,
             inter_latency=10e-6,
         )
         args.update(kw)
@@ -314,7 +335,7 @@ def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpe
 
     Required: ``device`` (a name in :data:`DEVICES`), ``nodes``, ``devices_per_node``. Optional:
     ``intra_bandwidth_gbps`` (default: the device's link), ``intra_latency_us`` (5),
-    ``inter_bandwidth_gbps`` (50, i.e. one 400 Gb/s NIC per device), ``inter_latency_us`` (10),
+    ``inter_bandwidth_gbps`` (the device's ``nic_bandwidth``: 25 A100, 50 others), ``inter_latency_us`` (10),
     ``host_bandwidth_gbps`` (25), ``comm_efficiency`` (0.8), ``memory_gib`` and ``achievable``
     (override the device's). Unknown keys are rejected, naming the key.
     """
@@ -507,12 +528,25 @@ class Machine:
         self.peak = dev.peak_flops(precision)
         measured = profile.gemm_flops.get(precision, 0.0) if profile else 0.0
         self.flops = measured if measured > 0 else self.peak * dev.achievable
+        self.measured_gemm = measured > 0
         self.hbm = profile.hbm_bandwidth if profile and profile.hbm_bandwidth > 0 else dev.hbm_bandwidth
         eff = cluster.comm_efficiency
         self._links = {
             "intra": (cluster.intra_bandwidth * eff, cluster.intra_latency),
             "inter": (cluster.inter_bandwidth * eff, cluster.inter_latency),
         }
+
+    def inter_bandwidth(self, n: int, span: int) -> float:
+        """Bus bandwidth of a ring collective over ``n`` ranks spread evenly over the nodes that
+        ``span`` consecutive ranks cover: NCCL runs one ring per NIC, each crossing every node
+        boundary once, so the k = n / nodes members of a node share their k NICs and the bus
+        bandwidth is k times one device's NIC share (nccl-tests: ~8 x 25 GB/s on 8 x HDR DGX A100
+        nodes), never above the intra-node link (times comm_efficiency, as every link here)."""
+        per = self.cluster.devices_per_node
+        nodes = max(1, -(-span // per))
+        k = max(1.0, min(per, n / nodes))
+        intra, _ = self._links["intra"]
+        return min(intra, k * self._links["inter"][0])
 
     def scope(self, span: int) -> str:
         """``intra`` if a group whose ranks cover ``span`` consecutive ranks stays in one node."""
@@ -525,6 +559,8 @@ class Machine:
             return 0.0
         scope = self.scope(span)
         bw, lat = self._links[scope]
+        if scope == "inter":
+            bw = self.inter_bandwidth(n, span)
         fit = self.profile.collective(op, scope, n, world) if self.profile else None
         if op == "all_reduce":
             volume, hops = 2.0 * (n - 1) / n * size, 2 * (n - 1)
@@ -549,6 +585,37 @@ class Machine:
         hops = {"all_reduce": 2 * (n - 1), "p2p": 1}.get(op, n - 1)
         return hops * self._links[scope][1]
 
-    def gemm(self, m: float, k: float, n: float, elem_bytes: float) -> float:
-        """Roofline time of an (m x k) @ (k x n) product: max(2mkn / flops, bytes moved / HBM)."""
-        return max(2.0 * m * k * n / self.flops, elem_bytes * (m * k + k * n + m * n) / self.hbm)
+    def gemm(self, m: float, k: float, n: float, elem_bytes: float, batch: float = 1) -> float:
+        """Time of an (m x k) @ (k x n) product: the larger of its compute and its HBM traffic
+        ``elem_bytes (mk + kn + mn) / HBM`` (the roofline).
+
+        Compute, on a device with ``sms`` > 0 and no measured GEMM rate: the output is cut into
+        ``tiles = ceil(m / tm) ceil(n / tn)`` blocks of the device's tile (tm, tn) — shrunk to the
+        power of two (>= 16) covering m or n when that is smaller, as a library picks a smaller
+        tile for a skinny product; they run in
+        ``waves = ceil(tiles / sms)`` rounds, each round one tile per SM at the sustained rate
+        ``peak * achievable / sms``, over ``k + GEMM_K0`` steps (the main loop plus its prologue
+        and epilogue)::
+
+            t = waves * 2 tm tn (k + GEMM_K0) / (peak * achievable / sms)
+
+        (``batch`` independent products share the waves), which is ``2mkn / (peak * achievable)`` times the tile quantization (padded edges), the
+        wave quantization (a last, partly idle round) and ``(k + K0) / k``: thin tensor-parallel
+        slices and small hidden sizes run below large square products. Otherwise (CPU, or a
+        calibrated rate) ``2mkn / flops``.
+        """
+        memory = batch * elem_bytes * (m * k + k * n + m * n) / self.hbm
+        sms = self.cluster.device.sms
+        if sms <= 0 or self.measured_gemm:
+            return max(2.0 * batch * m * k * n / self.flops, memory)
+        tm, tn = (min(t, max(16, 2 ** math.ceil(math.log2(max(d, 1))))) for t, d in zip(self.cluster.device.tile, (m, n)))
+        tiles = math.ceil(batch - 1e-9) * math.ceil(m / tm - 1e-9) * math.ceil(n / tn - 1e-9)
+        waves = math.ceil(tiles / sms - 1e-9)
+        return max(waves * 2.0 * tm * tn * (k + GEMM_K0) * sms / self.flops, memory)
+
+    def attention(self, flops: float, backward: bool) -> float:
+        """Seconds of a flash-attention kernel of ``flops`` at the device's flash efficiency (its
+        ``flash_fwd`` / ``flash_bwd`` share of peak; the GEMM rate when not given or measured)."""
+        dev = self.cluster.device
+        share = dev.flash_bwd if backward else dev.flash_fwd
+        return flops / (self.peak * share if share > 0 and not self.measured_gemm else self.flops)

@@ -174,7 +174,19 @@ def layout_of(cfg: LoomConfig) -> Layout:
         micro_batch=t.micro_batch,
         recompute=str(getattr(t, "recompute", "none")),
         offload=offload not in (False, None, "", "none"),
+        split=_split_of(str(getattr(p, "pp_layout", "") or ""), cfg.model.n_layers, p.pp, int(getattr(p, "virtual_stages", 1))),
     )
+
+
+def _split_of(pp_layout: str, n_layers: int, pp: int, v: int) -> tuple[int, ...]:
+    """Blocks per device of a manual ``parallel.pp_layout`` (chunk k on device k mod pp), or ()."""
+    if not pp_layout or pp < 2:
+        return ()
+    from loom.rules import parse_layout
+
+    bounds = parse_layout(pp_layout, n_layers, pp * max(v, 1))
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    return tuple(sum(sizes[d::pp]) for d in range(pp))
 
 
 def check_fit(cfg: LoomConfig, cluster: ClusterSpec, profile: Profile | None = None) -> tuple[bool, str]:

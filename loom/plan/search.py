@@ -1,7 +1,8 @@
 """Layout search: enumerate the valid layouts of a world size, keep those that fit, rank by step time.
 
 Enumeration, outermost first: tp (:func:`~loom.plan.cost.tp_reason`: divides n_heads, ffn_dim,
-vocab and the node; divides n_kv_heads or is a multiple of it), pp (divides n_layers), cp (seq_len divisible by 2 cp) with each of its modes
+vocab and the node; divides n_kv_heads or is a multiple of it), pp (at most n_layers; an uneven split puts the spare blocks on middle stages, and an even one is
+also tried with lighter first and last stages, :func:`lighter_ends`), cp (seq_len divisible by 2 cp) with each of its modes
 (``allgather``, ``ring``, ``alltoall`` when the query heads per tp rank divide by cp), dp = world / (tp pp cp) (divides the
 global batch), ep (MoE only), ZeRO stage with its sharding group, micro-batch, schedule with
 its virtual stages, recomputation, offload. ``sp`` is always on when tp > 1.
@@ -107,8 +108,8 @@ def search(
             rejected[why] += 1
             continue
         for pp in divisors(W // tp):
-            if L % pp:
-                rejected["pp must divide n_layers"] += 1
+            if pp > L:
+                rejected["pp exceeds n_layers (a stage needs a block)"] += 1
                 continue
             for cp in divisors(W // (tp * pp)):
                 why = context_parallel_problem(cp, seq) or sequence_parallel_problem(tp, cp, seq)
@@ -134,10 +135,12 @@ def search(
                     if len(modes) > 1:
                         base = _pick_cp_mode(cm, base, modes)
                         rejected["cp_mode: another mode of the layout is faster (micro-batch 1)"] += len(modes) - 1
-                    n, c = _search_block(cm, cap, L, gb, ranked, rejected, base, mbs)
-                    considered += n
-                    if c is not None and (closest is None or c[0] < closest[0]):
-                        closest = c
+                    splits = [()] + [sp_ for sp_ in [lighter_ends(L, pp)] if sp_]  # even, and lighter first/last
+                    for split in splits:
+                        n, c = _search_block(cm, cap, L, gb, ranked, rejected, dataclasses.replace(base, split=split), mbs)
+                        considered += n
+                        if c is not None and (closest is None or c[0] < closest[0]):
+                            closest = c
     ranked.sort(key=lambda e: (e.step_time, e.memory))
     result = SearchResult(world=W, ranked=ranked, rejected=+rejected, considered=considered)  # + drops zeros
     if closest is not None:
@@ -211,10 +214,20 @@ def _with(
     recompute: str = "none",
     offload: bool = False,
 ) -> Layout:
-    """``base`` with the inner choices set (a direct constructor call: this is the hot loop)."""
-    return Layout(
-        b.dp, b.dp_shard, b.tp, b.pp, b.cp, b.ep, b.zero, b.sp, schedule, v, micro_batch, recompute, offload, b.cp_mode
-    )
+    """``base`` with the inner choices set (every other field, ZeRO++ and overlap options included, kept)."""
+    return dataclasses.replace(b, schedule=schedule, v=v, micro_batch=micro_batch, recompute=recompute, offload=offload)
+
+
+def lighter_ends(n_layers: int, pp: int) -> tuple[int, ...]:
+    """An even split with one block moved off the first and the last stage (which also hold the
+    embedding and the head) onto middle ones: 32 on 4 -> 7, 9, 9, 7; () where it cannot apply."""
+    q, rem = divmod(n_layers, pp)
+    if pp < 3 or rem or q < 2:
+        return ()
+    split = [q - 1] + [q] * (pp - 2) + [q - 1]
+    split[1] += 1
+    split[-2] += 1
+    return tuple(split)
 
 
 def _pick_cp_mode(cm: CostModel, base: Layout, modes: list[str]) -> Layout:

@@ -33,7 +33,7 @@ MEMORY_TOLERANCE = 0.05
 TIME_TOLERANCE = 0.20
 
 # (name, ranks, overrides): dp, ZeRO 1/2/3, tensor(+sequence), pipeline, recomputation, mixes,
-# and the memory-saving optimizers.
+# the memory-saving optimizers, an uneven pipeline split and expert parallelism.
 LAYOUTS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("dp1", 1, ()),
     ("dp1 recompute=full", 1, ("--train.recompute", "full")),
@@ -49,6 +49,8 @@ LAYOUTS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("dp2 pp2 zero3", 4, ("--parallel.pp", "2", "--parallel.zero", "3")),
     ("dp2 zero1 adafactor", 2, ("--parallel.zero", "1", "--train.optimizer", "adafactor")),
     ("dp1 adam8bit bf16", 1, ("--train.optimizer", "adam8bit", "--train.precision", "bf16")),
+    ("pp2 uneven 2+3", 2, ("--model.n_layers", "5", "--parallel.pp", "2", "--parallel.pp_layout", "0-1,2-4")),
+    ("dp2 moe ep2", 2, ("--model.n_experts", "4", "--parallel.ep", "2")),
 )
 
 
@@ -172,7 +174,8 @@ def validate(
 
 
 def main(argv: list[str]) -> int:
-    """``loom plan validate [--profile p.json] [--config debug.toml] [--steps N] [--only NAME ...] [--json] [--plot f.png]``."""
+    """``loom plan validate [--profile p.json] [--config debug.toml] [--steps N] [--only NAME ...] [--json] [--plot f.png]``,
+    or ``loom plan validate --published [--sources] [--json]`` (no runs: the published-run table)."""
     p = argparse.ArgumentParser(prog="loom plan validate", description="predicted vs measured on local runs")
     p.add_argument("--profile", help="calibration profile (loom plan calibrate); default: $LOOM_PROFILE or ./profile.json if present")
     p.add_argument("--config", default=DEBUG_CONFIG, help="base training config (default: configs/debug.toml)")
@@ -182,7 +185,31 @@ def main(argv: list[str]) -> int:
     p.add_argument("--only", nargs="*", help=f"layout names: {', '.join(n for n, _, _ in LAYOUTS)}")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--plot", help="also draw predicted vs measured bars into this PNG")
+    p.add_argument("--published", action="store_true",
+                   help="instead: predicted vs published TFLOP/s per GPU of the runs in loom/plan/validation/*.toml")
+    p.add_argument("--sources", action="store_true", help="with --published: also list each run's source")
     args = p.parse_args(argv)
+    if args.published:
+        from loom.plan.published import (
+            MAX_TOLERANCE,
+            MEAN_TOLERANCE,
+            compare_published,
+            format_published,
+            sources,
+            summary,
+        )
+
+        published = compare_published()
+        if args.json:
+            print(json.dumps([{"name": r.run.name, "gpus": r.run.gpus, "layout": r.run.layout.spec(), "stack": r.run.stack,
+                               "predicted_tflops": r.estimate.tflops_per_device, "published_tflops": r.published_tflops,
+                               "error": r.error, "source": r.run.source} for r in published]))  # fmt: skip
+        else:
+            print(format_published(published))
+            if args.sources:
+                print(sources([r.run for r in published]))
+        mean, worst = summary(published)
+        return 0 if mean <= MEAN_TOLERANCE and worst <= MAX_TOLERANCE else 1
     profile = Profile.load(args.profile) if args.profile else None
     layouts = [lay for lay in LAYOUTS if not args.only or lay[0] in args.only]
     if not layouts:

@@ -3,10 +3,10 @@
 :func:`build_run` applies the parallel dimensions to a built model in a fixed order and returns
 the :class:`~loom.train.step.Run` this rank trains:
 
-    tensor/sequence parallel -> context parallel -> expert parallel -> pipeline split (keep this
+    LoRA adapters (``finetune.method``; base frozen) -> tensor/sequence parallel -> context parallel -> expert parallel -> pipeline split (keep this
     rank's stages) -> recomputation -> precision (half parameters) -> materialization (a model
     built on the meta device gets only this rank's values: :mod:`loom.parallel.materialize`;
-    ZeRO-3 unit by unit) -> data parallel / ZeRO (last, so it sees the final parameters; fp32
+    ZeRO-3 unit by unit; QLoRA: the targets' base weights to NF4) -> data parallel / ZeRO (last, so it sees the final parameters; fp32
     masters and the optimizer live here) -> the pipeline strategy around it -> the fp16 loss
     scaler (an argument of the step, not a wrapper)
 
@@ -47,7 +47,7 @@ from loom.parallel.materialize import (
     materialize,
     tag_origins,
 )
-from loom.parallel.zero.stage3 import FullyShardedZero
+from loom.parallel.zero.options import optimizer_offload, stage3_strategy
 from loom.parallel.zero.stage12 import ZeroDataParallel
 from loom.train.step import LossScaler, Run, plain_run
 
@@ -93,6 +93,12 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: Co
     docstring, in order."""
     device = next(model.buffers()).device  # buffers are built on the run's device, also for a meta model
     tag_origins(model)
+    finetune = cfg.finetune.method != "full"
+    if finetune:  # LoRA adapters on the frozen base, before any dimension cuts it (tp splits them with W)
+        from loom.finetune.lora import apply_lora
+
+        apply_lora(model, cfg)
+        tag_origins(model)
     if mesh.size("tp") > 1:
         from loom.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -117,8 +123,16 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: Co
     apply_recompute(model, cfg.train.recompute)
     precision.cast_parameters(model, precision.DTYPES[cfg.train.precision])
     source = source or init_source(cfg.model, cfg.train.seed)
+    if finetune:  # adapters: their own layout-independent init (A uniform, B zero)
+        from loom.finetune.lora import lora_source
+
+        source = lora_source(source, cfg.train.seed)
     if cfg.parallel.zero != 3:  # ZeRO-3 materializes unit by unit as it shards
         materialize(model, device, source)
+    if cfg.finetune.method == "qlora":  # the targets' frozen base weights into NF4 (ZeRO-3: materialized one by one)
+        from loom.finetune.nf4 import quantize_base
+
+        quantize_base(model, partial(materialize, device=device, source=source))
     strategy = data_parallel(model, mesh, cfg, meter, filler(source), device)
     check_materialized(model)
     if pipe is not None:
@@ -139,17 +153,22 @@ def data_parallel(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: 
     - zero = 0 with half precision or a non-AdamW optimizer: ZeRO's flat path with a sharding group
       of one rank (fp32 masters and optimizer state replicated; stage 2 hooks, stage 1 under a
       pipeline, which reduces once after the last micro-batch);
-    - zero = 0, fp32 AdamW: :class:`DataParallel` with ``torch.optim.AdamW``.
+    - zero = 0, fp32 AdamW: :class:`DataParallel` with ``torch.optim.AdamW``;
+    - ``parallel.dp_mode = "ps"``: co-located parameter servers (:mod:`loom.parallel.param_server`).
 
     ``fill``, ``device``: ZeRO-3 materializes parameters still on the meta device there.
     """
     p = cfg.parallel
     reduce_dtype = REDUCE_DTYPES[p.reduce_dtype]
+    if p.dp_mode == "ps":  # co-located parameter servers (config refuses the layouts they cannot run)
+        from loom.parallel.param_server import ColocatedParamServer
+
+        return ColocatedParamServer(model, mesh.group("dp_cp"), p.ps_shards, cfg.train, meter, cfg.run.timeout_s)
     if p.zero == 0 and not precision.needs_master_path(cfg):
         return DataParallel(model, mesh.group("dp_cp"), meter, p.bucket_mb, reduce_dtype, mesh.group("tp"),
-                            optimizer=build_optimizer(model, cfg.train))  # fmt: skip
+                            optimizer=build_optimizer(model, cfg.train), allreduce=p.allreduce)  # fmt: skip
     device = device or next(model.parameters()).device
-    store = make_store(p.offload if p.zero else "none", device, offload_dir(cfg), tag=f"rank{mesh.rank}")
+    store = make_store(optimizer_offload(p), device, offload_dir(cfg), tag=f"rank{mesh.rank}")
     make_optimizer = partial(build_flat_optimizer, store=store, train_cfg=cfg.train)
     if p.zero == 0:
         if mesh.size("dp_shard") != 1:
@@ -157,12 +176,13 @@ def data_parallel(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: 
         return ZeroDataParallel(model, 1 if mesh.size("pp") > 1 else 2, shard_group=mesh.group("dp_shard"),
                                 replicate_group=mesh.group("dp_cp"),  # = dp_replicate x cp, as dp_shard is one rank
                                 make_optimizer=make_optimizer, meter=meter, bucket_mb=p.bucket_mb,
-                                reduce_dtype=reduce_dtype, tp_group=mesh.group("tp"))  # fmt: skip
+                                reduce_dtype=reduce_dtype, tp_group=mesh.group("tp"), allreduce=p.allreduce)  # fmt: skip
     common: dict[str, Any] = dict(shard_group=mesh.group("dp_shard_cp"), replicate_group=mesh.group("dp_replicate"),
-                  make_optimizer=make_optimizer, meter=meter, reduce_dtype=reduce_dtype, tp_group=mesh.group("tp"))  # fmt: skip
+                  make_optimizer=make_optimizer, meter=meter, reduce_dtype=reduce_dtype, tp_group=mesh.group("tp"),
+                  allreduce=p.allreduce)  # fmt: skip
     if p.zero == 3:
-        return FullyShardedZero(model, reshard_after_forward=p.reshard_after_forward, fill=fill, device=device,
-                                **common)  # fmt: skip
+        return stage3_strategy(model, p, offload_dir(cfg), f"rank{mesh.rank}",  # offload_params, ZeRO++
+                               reshard_after_forward=p.reshard_after_forward, fill=fill, device=device, **common)
     return ZeroDataParallel(model, p.zero, bucket_mb=p.bucket_mb, **common)
 
 

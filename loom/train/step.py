@@ -24,6 +24,7 @@ from loom import comm
 from loom.comm import Group
 from loom.model import moe
 from loom.parallel.base import LossFn, StepResult, Strategy, Update, any_nonfinite, clip_grad_norm, mean_over
+from loom.parallel.expert_parallel import rebalance_experts
 from loom.train.health import NonFiniteError
 
 __all__ = ["Run", "StepResult", "evaluate", "forward_backward", "optimizer_step", "plain_run", "scaler_stats", "train_step"]
@@ -125,6 +126,7 @@ def train_step(run: Run, micro_batches: Sequence[Batch], grad_clip: float, lr: f
     res = run.forward_backward(micro_batches, run.train_loss_fn,
                                lambda: optimizer_step(run.strategy, lr, grad_clip, run.scaler), loss_group)  # fmt: skip
     moe.end_step(run.model)
+    rebalance_experts(run.model)  # expert parallelism: replicate the hot experts (moe.rebalance_every)
     return res
 
 

@@ -12,6 +12,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -201,7 +202,12 @@ class Trainer:
         self.heartbeat.set(0, "checkpoint load")
         scaler = self.run.scaler
         state = self.run.strategy if scaler is None else CombinedState(self.run.strategy, scaler)  # type: ignore[arg-type]
-        self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, state, scaler)  # type: ignore[arg-type]
+        base = None
+        if cfg.finetune.method != "full":  # a LoRA run's checkpoints are bound to the base (path, sha256)
+            from loom.finetune.base import base_identity
+
+            base = partial(base_identity, cfg)
+        self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, state, scaler, base)  # type: ignore[arg-type]
         self.start_step = self.ckpts.restore()
         self.data_identity = data_identity(self.data)
         if self.start_step > 0:  # every rank: the same files, the same verdict, before anything is written
@@ -314,7 +320,12 @@ class Trainer:
         layout (ZeRO-3, tensor and pipeline shards are assembled by the checkpoint reader)."""
         if self.is_main:
             out = self.run_dir / "checkpoints" / "final"
-            self.ckpts.export(out / "model.safetensors")
+            if self.cfg.finetune.method != "full" and self.ckpts.last_saved is not None:  # LoRA: the merged model
+                from loom.finetune.export import save_merged
+
+                save_merged(self.ckpts.last_saved[1], out / "model.safetensors")
+            else:
+                self.ckpts.export(out / "model.safetensors")
             write_json_atomic(out / "meta.json", {"step": step, "loss": last.get("loss")})
             log.info("saved %s", out / "model.safetensors")
         if self.env.world > 1:

@@ -33,7 +33,7 @@ import time
 import torch
 
 from loom import config as C
-from loom.plan.cost import CostModel, Layout, PlanError
+from loom.plan.cost import CostModel, Layout, PlanError, default_split, split_layout
 from loom.plan.hardware import ClusterSpec, HardwareError
 from loom.plan.report import model_of, workload_of
 
@@ -74,8 +74,9 @@ def job_config(cfg: C.LoomConfig, lay: Layout, seq: int, m: int) -> C.LoomConfig
     cfg.train.micro_batch, cfg.train.global_batch = lay.micro_batch, lay.micro_batch * lay.dp * m
     cfg.train.recompute = lay.recompute
     cfg.train.steps = max(cfg.train.steps, 10)  # the pipeline records its timeline at step 3, never here
-    if lay.pp > 1:  # blocks spread evenly over the stages, as the planner assumes (no profiling run)
-        cfg.parallel.pp_layout = uniform_layout(cfg.model.n_layers, lay.pp * lay.v)
+    if lay.pp > 1:  # the planner's blocks per stage (its split, or its default rule; no profiling run)
+        counts = lay.split or (default_split(cfg.model.n_layers, lay.pp) if lay.v == 1 else ())
+        cfg.parallel.pp_layout = split_layout(counts) if counts else uniform_layout(cfg.model.n_layers, lay.pp * lay.v)
     cfg.data.seq_len = seq
     cfg.model.vocab_size = model_of(cfg).vocab_size
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq)

@@ -71,7 +71,8 @@ def _time(fn: Callable[[], tuple[torch.Tensor, torch.Tensor | None]], device: to
             out, grad = fn()
         synchronize(device)
         t1 = time.perf_counter()
-        out.backward(grad)
+        if out.requires_grad:  # a frozen part (LoRA's embedding) has no backward
+            out.backward(grad)
         synchronize(device)
         t2 = time.perf_counter()
         if i > 0:  # the first run warms up allocators and kernels

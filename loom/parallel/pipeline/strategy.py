@@ -117,7 +117,7 @@ class PipelineStrategy:
     def _tied_grad(self) -> torch.Tensor | None:
         """This rank's reduced gradient of its tied copy: whole, or its ZeRO shard (empty if none)."""
         tied = self.pipe.tied_weight()
-        if tied is None:
+        if tied is None or not tied.requires_grad:  # frozen (LoRA): no gradient to exchange
             return None
         shard_of = getattr(self.inner, "param_grad_shard", None)
         return shard_of(tied) if shard_of is not None else tied.grad
@@ -135,7 +135,7 @@ class PipelineStrategy:
         if self.asynchronous:
             return sq
         tied = self.pipe.tied_weight()
-        if tied is not None and self.pipe.is_last:
+        if tied is not None and tied.requires_grad and self.pipe.is_last:
             shard_of = getattr(self.inner, "param_grad_shard", None)
             if shard_of is not None:  # a ZeRO shard: squares summed over the sharding group
                 t = shard_of(tied).float().pow(2).sum()

@@ -17,7 +17,8 @@ import torch
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.parallel.base import SyncSwitch, scale_all, sum_sq
-from loom.parallel.placement import placement_of
+from loom.parallel.placement import expert_group, placement_of
+from loom.parallel.reducer import GradReducer
 from loom.parallel.state import gather_module_state
 from loom.parallel.tp_comm import sum_partial_grads
 from loom.parallel.zero.layout import FlatLayout
@@ -47,6 +48,34 @@ class ShardedStrategy(SyncSwitch):
         self.meter = meter
         self.sync_enabled = True
         self.transient_peak = 0  # most bytes held beyond the persistent state during this step
+        self._expert_reducers: dict[int, GradReducer] = {}  # by edp group (see _reducer_for)
+
+    # subclasses set these two before building their buffers
+    reducer: GradReducer  # sums the dense gradients (reduce-scatter over the sharding group, replicas)
+    world: int  # ranks of the sharding group
+
+    def _expert_group(self, p: torch.Tensor) -> Group:
+        """The group ``p``'s flat buffer is sharded over: an expert shard's edp group (the ranks holding
+        the same experts) when the strategy shards, else the sharding group."""
+        edp = expert_group(p)
+        return edp if edp is not None and self.world > 1 else self.shard_group
+
+    def _reducer_for(self, p: torch.Tensor) -> GradReducer:
+        """Dense parameters: the strategy's reducer. Expert shards: summed over their edp group and
+        divided by all dp ranks, reduce-scattered over it when the strategy shards, else all-reduced."""
+        edp = expert_group(p)
+        if edp is None:
+            return self.reducer
+        r = self.reducer
+        if id(edp) not in self._expert_reducers:
+            shard, replicas = (edp, None) if self.world > 1 else (r.shard_group, edp)
+            self._expert_reducers[id(edp)] = GradReducer(shard, replicas, r.dp, r.meter, r.reduce_dtype, r.max_inflight,
+                                                         r.algorithm)  # fmt: skip
+        return self._expert_reducers[id(edp)]
+
+    @property
+    def _reducers(self) -> list[GradReducer]:
+        return [self.reducer, *self._expert_reducers.values()]
 
     def _build_optimizer(self, make_optimizer: OptimizerFactory, shards: Sequence[torch.Tensor]) -> None:
         """The optimizer of this rank's shards, told which groups hold the other pieces (Adafactor's

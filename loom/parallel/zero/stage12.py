@@ -43,7 +43,6 @@ from torch import nn
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.parallel.bucket import BucketQueue, split_buckets
-from loom.parallel.placement import expert_group
 from loom.parallel.reducer import MAX_INFLIGHT, GradReducer
 from loom.parallel.zero.common import OptimizerFactory, ShardedStrategy
 from loom.parallel.zero.layout import (
@@ -91,7 +90,9 @@ class ZeroDataParallel(ShardedStrategy):
         reduce_dtype: torch.dtype | None = None,
         tp_group: Group = None,
         max_inflight: int = MAX_INFLIGHT,
+        allreduce: str = "native",
     ) -> None:
+        """``allreduce``: the algorithm of the all-reduce across replicas (``parallel.allreduce``)."""
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel runs stage 1 or 2, got {stage}")
         super().__init__(shard_group, replicate_group, tp_group, meter)
@@ -99,14 +100,13 @@ class ZeroDataParallel(ShardedStrategy):
         self.module = module
         self.world = comm.group_size(shard_group)
         dp = self.world * comm.group_size(replicate_group)
-        self.reducer = GradReducer(shard_group, replicate_group, dp, meter, reduce_dtype, max_inflight)
-        self._expert_reducers: dict[int, GradReducer] = {}
+        self.reducer = GradReducer(shard_group, replicate_group, dp, meter, reduce_dtype, max_inflight, allreduce)
         self.params = unique_params(module)
         decayed = decayed_ids(module)
         self.buckets: list[FlatBucket] = []
         self._slot: dict[int, tuple[FlatBucket, int]] = {}
         for i, ps in enumerate(split_buckets(self.params, int(bucket_mb * 1024 * 1024), tied_copy(module))):
-            group = self._group_for(ps[0])
+            group = self._expert_group(ps[0])
             n = comm.group_size(group)
             lay = FlatLayout(ps, n, dist.get_rank(group) if n > 1 else 0, decayed)
             flat = lay.new_flat()
@@ -116,7 +116,7 @@ class ZeroDataParallel(ShardedStrategy):
                 grad_shard = lay.shard_of(grads)
             else:
                 grads, grad_shard = None, lay.new_shard()
-            b = FlatBucket(i, lay, flat, grads, grad_shard, reducer=self._reducer_for(ps[0], dp), group=group)
+            b = FlatBucket(i, lay, flat, grads, grad_shard, reducer=self._reducer_for(ps[0]), group=group)
             for j, p in enumerate(ps):
                 self._slot[id(p)] = (b, j)
             self.buckets.append(b)
@@ -132,28 +132,6 @@ class ZeroDataParallel(ShardedStrategy):
         if stage == 2:
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self.zero_grad()
-
-    def _group_for(self, p: torch.Tensor) -> Group:
-        """The group a bucket of ``p`` is sharded over: experts over their edp group (the ranks
-        holding the same experts) when the strategy shards, else the sharding group."""
-        edp = expert_group(p)
-        return edp if edp is not None and self.world > 1 else self.shard_group
-
-    def _reducer_for(self, p: torch.Tensor, dp: int) -> GradReducer:
-        """Expert shards are summed over their edp group and divided by all dp ranks: reduce-scattered
-        over it when the strategy shards (ZeRO 1-2), else all-reduced (N = 1)."""
-        group = expert_group(p)
-        if group is None:
-            return self.reducer
-        r = self.reducer
-        if id(group) not in self._expert_reducers:
-            shard, replicas = (group, None) if self.world > 1 else (r.shard_group, group)
-            self._expert_reducers[id(group)] = GradReducer(shard, replicas, dp, r.meter, r.reduce_dtype, r.max_inflight)
-        return self._expert_reducers[id(group)]
-
-    @property
-    def _reducers(self) -> list[GradReducer]:
-        return [self.reducer, *self._expert_reducers.values()]
 
     # ------------------------------------------------------------------ stage 2: backward hooks
     @torch.no_grad()

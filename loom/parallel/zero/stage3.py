@@ -31,6 +31,11 @@ a zero-bubble BI and its deferred BW. Such a unit stays gathered, since a BW und
 re-runs the forward. A recomputation is told apart from a new forward by autograd's running
 graph task. A tied embedding/head copy is a unit of its own (:func:`~loom.parallel.zero.layout.tied_copy`).
 
+Expert parallelism: a MoE layer's expert weights (this rank's E/ep experts) are a unit of their own,
+gathered around the layer's forward and backward and sharded over their edp group (the N_e = dp·cp/ep
+ranks holding the same experts) instead of the sharding group; the rest of the block is its unit.
+Per rank: 16·(Φ_dense'/N + Φ_experts'/N_e) bytes (fp32 Adam).
+
 Bytes held per rank between steps, fp32 (Φ' = Σ over units of the padded unit size Φ_u'):
 
     params 4Φ'/N + grads 4Φ'/N + Adam 8Φ'/N = 16Φ'/N      (mixed precision: (2+2+12)Φ/N)
@@ -61,6 +66,7 @@ from torch import nn
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.parallel.placement import is_expert
 from loom.parallel.reducer import MAX_INFLIGHT, GradReducer
 from loom.parallel.state import gather_module_state
 from loom.parallel.zero.common import OptimizerFactory, ShardedStrategy
@@ -90,14 +96,14 @@ def find_units(model: nn.Module, alone: frozenset[int] = frozenset()) -> list[tu
     layers = getattr(model, "layers", None)
     if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
         return [("model", [model])]
-    if any(p.requires_grad for p in model.parameters(recurse=False)):
+    if any(True for _ in model.parameters(recurse=False)):
         raise ValueError("ZeRO-3: parameters registered directly on the root module are not supported")
     children = list(model.named_children())
     at = next(i for i, (_, m) in enumerate(children) if m is layers)
     name = next(n for n, m in children if m is layers)
 
     def group(items: list[tuple[str, nn.Module]]) -> list[tuple[str, list[nn.Module]]]:
-        items = [(n, m) for n, m in items if any(p.requires_grad for p in m.parameters())]
+        items = [(n, m) for n, m in items if any(True for _ in m.parameters())]  # frozen ones too (LoRA's base)
         single = [(n, [m]) for n, m in items if any(id(p) in alone for p in m.parameters())]
         rest = [(n, m) for n, m in items if not any(id(p) in alone for p in m.parameters())]
         return ([("+".join(n for n, _ in rest), [m for _, m in rest])] if rest else []) + single
@@ -116,6 +122,17 @@ def find_units(model: nn.Module, alone: frozenset[int] = frozenset()) -> list[tu
     return merged
 
 
+def expert_layers(mods: list[nn.Module]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """(layer, its expert-parallel weights) for each module under ``mods`` whose children hold expert
+    shards: the MoE layer, whose forward reads them (they get a unit of their own, over edp)."""
+    out = []
+    for m in nn.ModuleList(mods).modules():
+        ps = [p for c in m.children() for p in c.parameters(recurse=False) if p.requires_grad and is_expert(p)]
+        if ps:
+            out.append((m, ps))
+    return out
+
+
 @dataclass
 class _Order:
     """Units of one root in the order of the forward under way (for prefetching)."""
@@ -123,6 +140,15 @@ class _Order:
     prev: list[Unit] = field(default_factory=list)  # by first use in the previous forward
     first: list[Unit] = field(default_factory=list)  # ... in this forward
     last: list[Unit] = field(default_factory=list)  # by last use in this forward (reversed: backward order)
+
+
+@dataclass(eq=False)
+class Frozen:
+    """A unit's frozen parameters (LoRA's base): sharded and gathered with it, never reduced or updated."""
+
+    layout: FlatLayout
+    full: torch.Tensor  # storage size 0 while sharded; the frozen parameters are views of it
+    shard: torch.Tensor  # this rank's part
 
 
 @dataclass(eq=False)
@@ -138,6 +164,10 @@ class Unit:
     shard: torch.Tensor  # this rank's Φ_u'/N parameters: what the optimizer updates
     grad_shard: torch.Tensor  # this rank's reduced Φ_u'/N gradient
     reshard_after_forward: bool
+    frozen: list[Frozen] = field(default_factory=list)  # its frozen parameters (LoRA's base), one buffer per dtype
+    trained: bool = True  # False: only frozen parameters (``layout`` is then an empty stand-in, never reduced)
+    group: Group = None  # the group its shards are spread over: the sharding group, or an expert layer's edp group
+    reducer: GradReducer | None = None  # sums its gradient over ``group`` (and the replicas)
     grad_full: torch.Tensor | None = None
     state: str = UNSHARDED
     work: Any = None  # the all-gather in flight (a torch.distributed Work)
@@ -148,7 +178,16 @@ class Unit:
 
     @property
     def full_bytes(self) -> int:
-        return self.layout.padded * self.full.element_size()
+        return self.layout.padded * self.full.element_size() * self.trained
+
+    def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(full buffer, this rank's shard) of its trainable and of its frozen parameters."""
+        out = [(self.full, self.shard)] if self.trained else []
+        return out + [(f.full, f.shard) for f in self.frozen]
+
+    @property
+    def gathered_bytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f, _ in self.buffers())
 
 
 class FullyShardedZero(ShardedStrategy):
@@ -167,17 +206,18 @@ class FullyShardedZero(ShardedStrategy):
         max_inflight: int = MAX_INFLIGHT,
         fill: Callable[[torch.Tensor, tuple[int, int]], torch.Tensor] | None = None,
         device: torch.device | None = None,
+        allreduce: str = "native",
     ) -> None:
         """``fill``, ``device``: parameters still on the meta device are materialized unit by unit on
         ``device`` (``fill(p, rows)``: the values of its rows [r0, r1) this rank's shard reaches), so a
-        rank never holds more than one whole unit."""
+        rank never holds more than one whole unit. ``allreduce``: the algorithm of the all-reduce of
+        gradient shards across replicas (``parallel.allreduce``)."""
         super().__init__(shard_group, replicate_group, tp_group, meter)
         self._fill, self._device = fill, device
         self.module = module
         self.world = comm.group_size(shard_group)
-        rank = dist.get_rank(shard_group) if self.world > 1 else 0
         dp = self.world * comm.group_size(replicate_group)
-        self.reducer = GradReducer(shard_group, replicate_group, dp, meter, reduce_dtype, max_inflight)
+        self.reducer = GradReducer(shard_group, replicate_group, dp, meter, reduce_dtype, max_inflight, allreduce)
         decayed = decayed_ids(module)
         specs = find_units(module)
         covered = {id(p) for _, mods in specs for m in mods for p in m.parameters()}
@@ -195,28 +235,50 @@ class FullyShardedZero(ShardedStrategy):
                 self._handles.append(mods[0].register_forward_pre_hook(partial(self._chunk_pre_forward, r)))
             # the last unit of a whole model: backward needs it next; a pipeline's next action may be a forward
             reshard = reshard_after_forward and (self.pipelined or i < len(specs) - 1)
-            self.units.append(self._make_unit(i, name, r, mods, rank, decayed, reshard))
-        self.layouts = [u.layout for u in self.units]
-        self.grad_shards = [u.grad_shard for u in self.units]
+            experts = expert_layers(mods)
+            claimed = {id(p) for _, ps in experts for p in ps}
+            params = [p for p in unique_params(nn.ModuleList(mods)) if id(p) not in claimed]
+            frozen = [p for p in dict.fromkeys(nn.ModuleList(mods).parameters()) if not p.requires_grad]
+            self.units.append(self._make_unit(len(self.units), name, r, mods, params, decayed, reshard, frozen=frozen))
+            for k, (layer, ps) in enumerate(experts):  # sharded over their edp group, gathered around the layer
+                self.units.append(self._make_unit(len(self.units), f"{name}.experts{k}", r, [layer], ps, decayed,
+                                                  reshard, self._expert_group(ps[0])))  # fmt: skip
+        trained = [u for u in self.units if u.trained]  # units of frozen parameters only: no gradient, no state
+        self.layouts = [u.layout for u in trained]
+        self.grad_shards = [u.grad_shard for u in trained]
         self.params = unique_params(module)
-        self._build_optimizer(make_optimizer, [u.shard for u in self.units])
+        self._build_optimizer(make_optimizer, [u.shard for u in trained])
         self.events: list[tuple[str, int, str]] = []  # (what, unit, how): for tests and timelines
 
     def _make_unit(
-        self, index: int, name: str, root: int, mods: list[nn.Module], rank: int, decayed: set[int], reshard: bool
-    ) -> Unit:
-        """Flatten the unit's parameters, keep this rank's shard, free the rest, attach the hooks."""
-        params = unique_params(nn.ModuleList(mods))
-        lay = FlatLayout(params, self.world, rank, decayed, self._device)
-        full = lay.new_flat()
-        lay.bind(full, self._fill)
-        u = Unit(index, name, root, mods, lay, full, lay.shard_of(full).clone(), lay.new_shard(), reshard)
+        self, index: int, name: str, root: int, mods: list[nn.Module], params: list[nn.Parameter], decayed: set[int],
+        reshard: bool, group: Group | None = None, frozen: list[nn.Parameter] | None = None,
+    ) -> Unit:  # fmt: skip
+        """Flatten ``params`` (the modules' own, or an expert layer's weights), keep this rank's shard of
+        ``group`` (default: the sharding group), free the rest, attach the hooks to ``mods``. ``frozen``
+        parameters get a flat buffer of their own, gathered and freed with the unit's, never reduced."""
+        group = self.shard_group if group is None else group
+        world = comm.group_size(group)
+        rank = dist.get_rank(group) if world > 1 else 0
+        parts = []
+        for dtype in dict.fromkeys(p.dtype for p in frozen or []):  # QLoRA's NF4 codes are uint8: a buffer per dtype
+            flay = FlatLayout([p for p in frozen or [] if p.dtype == dtype], world, rank, set(), self._device)
+            ffull = flay.new_flat()
+            flay.bind(ffull, self._fill)
+            parts.append(Frozen(flay, ffull, flay.shard_of(ffull).clone()))
+        trained = bool(params)
+        lay = FlatLayout(params or (frozen or [])[:1], world, rank, decayed, self._device)  # frozen only: a stand-in
+        full = lay.new_flat() if trained else lay.new_flat()[:0]
+        if trained:
+            lay.bind(full, self._fill)
+        u = Unit(index, name, root, mods, lay, full, lay.shard_of(full).clone(), lay.new_shard() if trained else full,
+                 reshard, parts, trained, group, self._reducer_for(params[0]) if params else self.reducer)  # fmt: skip
         u.pending = len(params)
         self._reshard(u)
         for k, m in enumerate(mods):
             post = partial(self._post_forward, u, k == len(mods) - 1)
             self._handles += [
-                m.register_forward_pre_hook(partial(self._pre_forward, u)),
+                m.register_forward_pre_hook(partial(self._pre_forward, u, k == 0)),
                 m.register_forward_hook(post),
             ]
         for j, p in enumerate(params):
@@ -225,8 +287,11 @@ class FullyShardedZero(ShardedStrategy):
 
     # ------------------------------------------------------------------ gather / free
     def _gather(self, u: Unit, how: str) -> None:
-        u.full.untyped_storage().resize_(u.full_bytes)
-        u.work = comm.all_gather(u.full, u.shard, self.shard_group, self.meter, async_op=True)
+        works = []
+        for full, shard in u.buffers():  # the trainable parameters' buffer, and the frozen ones'
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            works.append(comm.all_gather(full, shard, u.group, self.meter, async_op=True))
+        u.work = works
         u.state = GATHERING
         self.events.append(("gather", u.index, how))
         self._track()
@@ -235,8 +300,7 @@ class FullyShardedZero(ShardedStrategy):
         if u.state == SHARDED:
             self._gather(u, "demand")
         if u.state == GATHERING:
-            if u.work is not None:
-                u.work.wait()
+            _wait(u.work)
             u.work, u.state = None, UNSHARDED
 
     def _prefetch(self, order: list[Unit], current: Unit) -> None:
@@ -247,10 +311,11 @@ class FullyShardedZero(ShardedStrategy):
                 self._gather(order[i], "prefetch")
 
     def _reshard(self, u: Unit) -> None:
-        if u.state == GATHERING and u.work is not None:
-            u.work.wait()
+        if u.state == GATHERING:
+            _wait(u.work)
         if u.state != SHARDED:
-            u.full.untyped_storage().resize_(0)
+            for full, _ in u.buffers():
+                full.untyped_storage().resize_(0)
             u.work, u.state = None, SHARDED
 
     # ------------------------------------------------------------------ hooks
@@ -270,10 +335,16 @@ class FullyShardedZero(ShardedStrategy):
         if not _in_backward():
             self._root_pre_forward(root, module, args)
 
-    def _pre_forward(self, u: Unit, module: nn.Module, args) -> None:
+    def _pre_forward(self, u: Unit, first_module: bool, module: nn.Module, args) -> None:
         if _in_backward():  # forward re-run inside backward (activation recomputation)
             self._unshard(u)
             return
+        if u.frozen and first_module and torch.is_grad_enabled():
+            # frozen weights serve backward until the gradient of the unit's input is formed (dx = dy W),
+            # which comes after its trainable parameters' gradients: only then is its backward over
+            for t in _tensors(args):
+                if t.requires_grad:
+                    t.register_hook(partial(self._input_grad, u))
         order = self._orders[u.root]
         first_use = u not in order.first
         if first_use:
@@ -322,28 +393,40 @@ class FullyShardedZero(ShardedStrategy):
             self._post_backward(u)
 
     def _post_backward(self, u: Unit) -> None:
-        u.pending, u.open = len(u.layout.params), max(0, u.open - 1)
-        if u.open == 0:  # no backward node needs this unit's weights any more
-            self._reshard(u)
+        u.pending = len(u.layout.params)
+        if not u.frozen:  # with frozen weights, the input's gradient ends the unit's backward
+            self._end_backward(u)
         if self.sync_enabled:
             self._reduce(u)
 
+    def _end_backward(self, u: Unit, grad: torch.Tensor | None = None) -> None:
+        u.open = max(0, u.open - 1)
+        if u.open == 0:  # no backward node needs this unit's weights any more
+            self._reshard(u)
+
+    def _input_grad(self, u: Unit, grad: torch.Tensor) -> None:
+        """The gradient of the input of a unit with frozen weights is formed: its backward is over."""
+        self._end_backward(u)
+
     def _reduce(self, u: Unit) -> None:
+        if not u.trained:
+            return
         if u.grad_full is None:  # no gradient reached this unit: reduce zeros, every rank alike
             u.grad_full = u.layout.new_flat()
         self.events.append(("reduce", u.index, ""))
-        self.reducer.launch(u.grad_full, u.grad_shard)
+        assert u.reducer is not None
+        u.reducer.launch(u.grad_full, u.grad_shard)
         u.grad_full = None  # freed once the reducer has formed its shard
         u.reduced = True
         self._track()
 
     def _transient_bytes(self) -> int:
         """Gathered units, full-size unit gradients being filled, reductions in flight."""
-        gathered = sum(u.full_bytes for u in self.units if u.state != SHARDED)
+        gathered = sum(u.gathered_bytes for u in self.units if u.state != SHARDED)
         filling = sum(
             u.grad_full.numel() * u.grad_full.element_size() for u in self.units if u.grad_full is not None
         )
-        return gathered + filling + self.reducer.inflight_bytes
+        return gathered + filling + sum(r.inflight_bytes for r in self._reducers)
 
     # ------------------------------------------------------------------ Strategy
     def _reduce_all(self) -> None:
@@ -354,7 +437,8 @@ class FullyShardedZero(ShardedStrategy):
                 self._reshard(u)
             if not u.reduced:
                 self._reduce(u)
-        self.reducer.drain()
+        for r in self._reducers:
+            r.drain()
         for u in self.units:
             u.reduced = False
             u.pending = len(u.layout.params)
@@ -373,14 +457,19 @@ class FullyShardedZero(ShardedStrategy):
 
     def state_bytes(self) -> dict[str, int]:
         """Held between steps: parameter shards 4Φ'/N, gradient shards 4Φ'/N, Adam 8Φ'/N (fp32); and
-        the peak of transient bytes during the last step (gathered units, gradient buffers in flight)."""
-        return {
+        the peak of transient bytes during the last step (gathered units, gradient buffers in flight);
+        with frozen parameters (LoRA's base), their shards' bytes."""
+        out = {
             "param_bytes": sum(u.shard.numel() * u.shard.element_size() for u in self.units),
             "grad_bytes": sum(g.numel() * g.element_size() for g in self.grad_shards),
             "optim_bytes": self.optim.state_bytes,
             "optim_offload_bytes": self.optim.store.offloaded_bytes,
             "transient_peak_bytes": self.transient_peak,
         }
+        frozen = [f.shard for u in self.units for f in u.frozen]
+        if frozen:
+            out["frozen_bytes"] = sum(f.numel() * f.element_size() for f in frozen)
+        return out
 
     @contextlib.contextmanager
     def gathered(self):
@@ -403,6 +492,12 @@ class FullyShardedZero(ShardedStrategy):
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _wait(works) -> None:
+    for w in works or ():
+        if w is not None:
+            w.wait()
 
 
 def _in_backward() -> bool:

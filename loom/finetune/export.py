@@ -1,0 +1,234 @@
+"""A LoRA run out of Loom: PEFT adapters, merged Hugging Face weights, or a merged Loom model.
+
+``loom export peft RUN_OR_CHECKPOINT OUT_DIR`` writes what ``peft.PeftModel.from_pretrained`` loads
+onto the Hugging Face export of the base (``adapter_config.json`` + ``adapter_model.safetensors``),
+under PEFT's names::
+
+    layers.i.attention.w{q,k,v,o}.lora_{A,B}.weight    base_model.model.model.layers.i.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight
+    layers.i.feed_forward.w{1,3,2}.lora_{A,B}.weight   base_model.model.model.layers.i.mlp.{gate,up,down}_proj.lora_{A,B}.weight
+
+q and k's B rows are reordered as their weights' (Hugging Face rotates head halves, Loom pairs:
+:func:`loom.model.hf.to_hf_rows`); A is unchanged. GPT-2 fuses q, k, v into one ``c_attn``: its
+adapter is A = [A_q; A_k; A_v] (rank 3r) and B = diag(B_q, B_k, B_v) ((3h, 3r), zero blocks for a
+part not targeted), with ``rank_pattern``/``alpha_pattern`` 3r and 3α so its scale stays α/r: the
+same function. GPT-2's Conv1D layers need ``fan_in_fan_out``.
+
+``loom export hf RUN OUT_DIR --merge-lora``: the base's tensors (from ``model.from_hf``,
+``train.init_from`` or the seeded init, read one at a time) with W + (α/r)·B A on every target,
+written as :mod:`loom.checkpoint.hf_export` writes any checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from loom import config as C
+from loom.checkpoint.format import CheckpointError, fsync_dir
+from loom.checkpoint.load import CheckpointReader
+from loom.finetune.lora import LORA_SUFFIXES, merged_weight
+from loom.model.hf import _mappings, architecture_of, to_hf_rows
+
+PREFIX = "model."
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def lora_config_of(reader: CheckpointReader, what: str) -> C.LoomConfig:
+    """The config a checkpoint was saved with; a full fine-tune's is a one-line error naming ``what``."""
+    saved = reader.train_state.get("config")
+    if not saved:
+        raise CheckpointError(f"{reader.dir}: has no saved config (train_state.json); cannot describe the model")
+    cfg = C.from_dict(saved)
+    if cfg.finetune.method == "full":
+        raise CheckpointError(f"{what}: {reader.dir} is not a LoRA run (finetune.method = full: it holds every "
+                              "weight); export it with `loom export hf`")  # fmt: skip
+    return cfg
+
+
+def adapters(reader: CheckpointReader) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Base weight name -> (A, B) of every adapter in the checkpoint."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name in reader.names():
+        if name.startswith(PREFIX) and name.endswith(LORA_SUFFIXES[0]):
+            module = name[len(PREFIX) : -len(LORA_SUFFIXES[0])]
+            out[module + ".weight"] = (reader.read(name), reader.read(PREFIX + module + LORA_SUFFIXES[1]))
+    return out
+
+
+def peft_state(cfg: C.LoomConfig, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, dict]:
+    """(PEFT tensors by name, adapter_config.json) of Loom's adapters (module docstring)."""
+    maps = dict(_mappings(cfg.model))
+    f = cfg.finetune
+    tensors: dict[str, torch.Tensor] = {}
+    fused: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    targets: set[str] = set()
+    for name, (a, b) in pairs.items():
+        m = maps[name]
+        module = str(m.hf).removesuffix(".weight")
+        targets.add(_suffix(module))
+        if m.heads:
+            b = to_hf_rows(b, m.heads)
+        if m.part[1] > 1:  # GPT-2's c_attn: q, k, v into one adapter
+            fused.setdefault(module, {})[m.part[0]] = (a, b)
+            continue
+        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b.contiguous()
+    rank_pattern, alpha_pattern = {}, {}
+    for module, parts in fused.items():
+        r, h = f.lora_rank, next(iter(parts.values()))[1].shape[0]
+        a_cat = torch.zeros(3 * r, next(iter(parts.values()))[0].shape[1])
+        b_cat = torch.zeros(3 * h, 3 * r)
+        for j, (a, b) in parts.items():
+            a_cat[j * r : (j + 1) * r] = a
+            b_cat[j * h : (j + 1) * h, j * r : (j + 1) * r] = b
+        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a_cat
+        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b_cat
+        rank_pattern[_suffix(module)], alpha_pattern[_suffix(module)] = 3 * r, 3 * f.lora_alpha
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": f.lora_rank, "lora_alpha": f.lora_alpha,
+        "lora_dropout": f.lora_dropout, "target_modules": sorted(targets), "bias": "none",
+        "fan_in_fan_out": architecture_of(cfg.model) == "GPT2LMHeadModel", "use_rslora": False,
+        "init_lora_weights": True, "inference_mode": True, "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern, "modules_to_save": None, "base_model_name_or_path": cfg.model.from_hf or None,
+    }  # fmt: skip
+    return tensors, config
+
+
+def _suffix(module: str) -> str:
+    """The module's name below its block (``self_attn.q_proj``, ``attn.c_attn``): a PEFT target."""
+    parts = module.split(".")
+    i = next(k for k, p in enumerate(parts) if p.isdigit())
+    return ".".join(parts[i + 1 :])
+
+
+def export_peft(source: str | Path, out: str | Path) -> Path:
+    """Write the PEFT adapter directory ``out`` for the LoRA checkpoint ``source``."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out}: exists and is not empty; choose a new directory (nothing was written)")
+    with CheckpointReader(source) as reader:
+        cfg = lora_config_of(reader, "export peft")
+        tensors, config = peft_state(cfg, adapters(reader))
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    fsync_dir(tmp)
+    if out.exists():
+        out.rmdir()
+    tmp.replace(out)
+    return out
+
+
+def base_tensors(cfg: C.LoomConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Loom name, whole tensor) of the base a LoRA run fine-tuned, one at a time (each tied tensor once):
+    from ``train.init_from`` or ``model.from_hf``, else the seeded init."""
+    from loom.model.llama import build_model, init_value
+
+    meta = build_model(cfg.model, cfg.train.seed, meta=True, moe=cfg.moe)
+    seen: set[int] = set()
+    names = []
+    for name, p in meta.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            names.append((name, tuple(p.shape)))
+    src = cfg.train.init_from or cfg.model.from_hf
+    if src and (Path(src) / "config.json").is_file():
+        from loom.model.hf import open_dir, read_state
+
+        yield from read_state(open_dir(src, cfg.model.max_seq_len), {n for n, _ in names})
+        return
+    if src:
+        with CheckpointReader(src) as reader:
+            for name, _ in names:
+                yield name, reader.read(PREFIX + name)
+        return
+    for name, shape in names:
+        yield name, init_value(cfg.model, cfg.train.seed, name, shape)
+
+
+class MergedReader:
+    """A checkpoint reader's interface (names, dtype, global_shape, read) over the merged model of a
+    LoRA checkpoint: W + (α/r)·B A for every target, the base's other tensors as they are."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+        self.cfg = lora_config_of(reader, "export hf --merge-lora")
+        self.pairs = adapters(reader)
+        self.scale = self.cfg.finetune.lora_alpha / self.cfg.finetune.lora_rank
+        self.base = {n: t for n, t in base_tensors(self.cfg)}  # noqa: C416 - read once, in order
+        self.dir, self.step, self.train_state = reader.dir, reader.step, reader.train_state
+
+    def names(self) -> list[str]:
+        return [PREFIX + n for n in self.base]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.base[name[len(PREFIX) :]].dtype
+
+    def global_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.base[name[len(PREFIX) :]].shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        name = name[len(PREFIX) :]
+        w = self.base[name]
+        if name in self.pairs:
+            a, b = self.pairs[name]
+            return merged_weight(w, a, b, self.scale)
+        return w
+
+
+def merged_state(source: str | Path) -> tuple[C.LoomConfig, dict[str, torch.Tensor]]:
+    """(the run's config with method = full, Loom name -> merged tensor) of a LoRA checkpoint: what
+    ``loom generate`` loads into a plain :class:`~loom.model.llama.Transformer`."""
+    with CheckpointReader(source) as reader:
+        merged = MergedReader(reader)
+        state = {n[len(PREFIX) :]: merged.read(n) for n in merged.names()}
+        cfg = merged.cfg
+    cfg.finetune = C.FinetuneConfig()
+    return cfg, state
+
+
+def main(argv: list[str]) -> int:
+    """``loom export peft RUN OUT`` and ``loom export hf RUN OUT --merge-lora [--max-shard-size 5GB]``."""
+    from loom.checkpoint.hf_export import export_hf, parse_size
+
+    args = [a for a in argv if a != "--merge-lora"]
+    size = 5 * 10**9
+    if "--max-shard-size" in args:
+        i = args.index("--max-shard-size")
+        if i + 1 >= len(args):
+            raise CheckpointError("--max-shard-size: missing value")
+        size = parse_size(args[i + 1])
+        del args[i : i + 2]
+    if len(args) != 3 or args[0] not in ("hf", "peft") or (args[0] == "peft") == ("--merge-lora" in argv):
+        raise CheckpointError("usage: loom export peft RUN_DIR_OR_CHECKPOINT OUT_DIR | loom export hf RUN_DIR_OR_CHECKPOINT "
+                              "OUT_DIR --merge-lora [--max-shard-size 5GB]")  # fmt: skip
+    if args[0] == "peft":
+        out = export_peft(args[1], args[2])
+        print(f"wrote {out}: {ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}")
+        return 0
+    done = export_hf(args[1], args[2], size, progress=True, wrap=MergedReader)
+    print(f"wrote {done.out}: {done.tensors} tensors (LoRA merged) in {done.shards} shard(s), "
+          f"{done.total_bytes / 1e6:.1f} MB, from {done.checkpoint} (step {done.step})")
+    return 0
+
+
+def save_merged(source: str | Path, path: str | Path) -> None:
+    """The merged model of a LoRA checkpoint as one safetensors file of Loom names (what a full run's
+    ``checkpoints/final/model.safetensors`` holds, for ``loom generate``); written atomically."""
+    import os
+
+    from safetensors.torch import save_file
+
+    _, state = merged_state(source)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"lora": "merged"})
+    os.replace(tmp, path)

@@ -1,0 +1,178 @@
+"""LoRA: a frozen base linear layer plus a trained low-rank update (Hu et al. 2021).
+
+For a target W (d_out, d_in) with bias b, rank r, alpha α and dropout p:
+
+    y = x Wᵀ + b + (α/r) · B(A(dropout_p(x)))        A: (r, d_in), B: (d_out, r)
+
+W and b are frozen (``requires_grad`` False: no gradient, no optimizer state, no gradient buffer
+in any data-parallel strategy); A and B train, r·(d_in + d_out) parameters per target. Init as
+PEFT's: A ~ U(-1/sqrt(d_in), 1/sqrt(d_in)) (kaiming-uniform with a = sqrt(5)), B = 0, so the
+adapted model starts equal to the base. A's values come from a generator keyed by the seed and
+the parameter's name (:func:`lora_init_value`), like the base init of :mod:`loom.model.llama`, so
+they do not depend on the layout; each rank materializes only its box of them.
+
+Targets (``finetune.lora_targets``): ``q, k, v, o`` (attention.w{q,k,v,o}), ``w1, w2, w3``
+(feed_forward.w*), or ``all-linear`` (every one the model has; never the output head or the
+embeddings, as PEFT's all-linear). Names: the adapters of ``layers.0.attention.wq`` are
+``layers.0.attention.wq.lora_A.weight`` and ``...lora_B.weight`` (PEFT's names, less its
+adapter name); the base keeps its own names.
+
+Tensor parallelism (:mod:`loom.parallel.tp_lora`) splits the adapters as the layer it wraps:
+column-parallel (q, k, v, w1, w3): B along d_out with W's rows, A whole; row-parallel (o, w2): A
+along d_in with W's columns, B whole. Each adds one collective of (B, T, r) values per pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.config import TARGET_NAMES, FinetuneConfig, LoomConfig, lora_targets
+from loom.model.llama import _param_seed
+
+LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+Source = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the parameter ``name`` is a LoRA adapter (A or B)."""
+    return name.endswith(LORA_SUFFIXES)
+
+
+def lora_init_value(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The initial fp32 value of the whole adapter ``name``: A ~ U(-1/sqrt(d_in), 1/sqrt(d_in)) from
+    its own generator (seed, name); B = 0."""
+    if name.endswith(".lora_B.weight"):
+        return torch.zeros(shape)
+    g = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
+    bound = 1.0 / math.sqrt(shape[1])
+    return torch.rand(shape, generator=g, dtype=torch.float32).mul_(2 * bound).sub_(bound)
+
+
+def lora_source(base: Source, seed: int) -> Source:
+    """``base`` for the base weights, :func:`lora_init_value` (cut to the box) for the adapters."""
+
+    def source(name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
+        if is_adapter(name):
+            return lora_init_value(seed, name, shape)[index]
+        return base(name, shape, index)
+
+    return source
+
+
+def add_adapters(module: nn.Module, d_in: int, d_out: int, cfg: FinetuneConfig) -> None:
+    """Register ``lora_A`` (r, d_in) and ``lora_B`` (d_out, r) on ``module`` (on the meta device: they
+    are materialized with the rest of the model), its scale α/r and dropout."""
+    a = nn.Linear(d_in, cfg.lora_rank, bias=False, device="meta")
+    b = nn.Linear(cfg.lora_rank, d_out, bias=False, device="meta")
+    set_adapters(module, a.weight, b.weight, cfg.lora_alpha / cfg.lora_rank, cfg.lora_dropout)
+
+
+def set_adapters(module: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float, dropout: float) -> None:
+    """``module.lora_A.weight = a``, ``module.lora_B.weight = b`` (PEFT's names), its scale and dropout."""
+    for name, w in (("lora_A", a), ("lora_B", b)):
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        lin.weight = cast(nn.Parameter, w)
+        setattr(module, name, lin)
+    setattr(module, "lora_scale", scale)  # noqa: B010 - plain attributes on a Module (typed for tensors)
+    setattr(module, "lora_dropout", dropout)  # noqa: B010
+
+
+def adapter_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """(A, B, α/r, dropout) of a module with adapters."""
+    a, b = cast(nn.Linear, module.lora_A), cast(nn.Linear, module.lora_B)
+    return a.weight, b.weight, float(getattr(module, "lora_scale")), float(getattr(module, "lora_dropout", 0.0))  # noqa: B009
+
+
+def lora_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A(dropout(x)): (.., d_in) -> (.., r)."""
+    a, _, _, p = adapter_weights(module)
+    if p > 0 and module.training:
+        x = F.dropout(x, p, training=True)
+    return F.linear(x, a)
+
+
+def lora_output(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """(α/r) · B h: (.., r) -> (.., d_out)."""
+    _, b, scale, _ = adapter_weights(module)
+    return F.linear(h, b) * scale
+
+
+def has_adapters(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "lora_A", None), nn.Linear)
+
+
+class LoRALinear(nn.Linear):
+    """A frozen ``nn.Linear`` (the same weight and bias Parameters, names unchanged) with adapters:
+    y = x Wᵀ + b + (α/r)·B(A(dropout(x))). With QLoRA the weight is an NF4 buffer instead
+    (:mod:`loom.finetune.nf4`), dequantized per use."""
+
+    def __init__(self, base: nn.Linear, cfg: FinetuneConfig) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = cast(nn.Parameter, base.weight.requires_grad_(False))
+        self.bias = None if base.bias is None else cast(nn.Parameter, base.bias.requires_grad_(False))
+        self.nf4: nn.Module | None = None  # QLoRA: the quantized weight (then ``weight`` is gone)
+        add_adapters(self, base.in_features, base.out_features, cfg)
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.nf4 is not None:
+            return self.nf4(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_forward(x) + lora_output(self, lora_input(self, x))
+
+
+def target_modules(model: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple[str, nn.Module, str]]:
+    """(module name, module, target) of every linear the targets name, block by block."""
+    layers = getattr(model, "layers", ())
+    blocks = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
+    for i, block in blocks:
+        for t in targets:
+            path = TARGET_NAMES[t]
+            mod = block.get_submodule(path) if _has(block, path) else None
+            if isinstance(mod, nn.Linear):
+                yield f"layers.{i}.{path}", mod, t
+
+
+def _has(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def apply_lora(model: nn.Module, cfg: LoomConfig) -> list[str]:
+    """Freeze every parameter of ``model`` and wrap each target linear in a :class:`LoRALinear`
+    (before any parallel dimension cuts the model); returns the wrapped modules' names. A model
+    with nothing to target is a ConfigError (:func:`loom.config.lora_targets`)."""
+    targets = lora_targets(cfg)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    done = []
+    for name, mod, _ in list(target_modules(model, targets)):
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, LoRALinear(mod, cfg.finetune))  # type: ignore[arg-type]
+        done.append(name)
+    return done
+
+
+def adapter_numel(cfg: LoomConfig) -> int:
+    """Trained parameters: Σ over targets r·(d_in + d_out), over all layers."""
+    from loom.config import target_shapes
+
+    shapes = target_shapes(cfg.model)
+    per_layer = sum(cfg.finetune.lora_rank * sum(shapes[t]) for t in lora_targets(cfg))
+    return cfg.model.n_layers * per_layer
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + (α/r)·B A, in fp32 then cast back to W's dtype."""
+    return (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)

@@ -1,0 +1,218 @@
+"""Where ``loom generate`` takes its model, tokenizer, end tokens and chat template from.
+
+A Loom run directory (config.toml + tokenizer.json + the final weights, verified before use:
+``checkpoints/final/model.safetensors`` must have the SHA-256 ``final/meta.json`` records, if it
+records one; else, as an export of the run's last checkpoint (its header names it), that
+checkpoint is verified against its manifest (and the hash ``latest`` recorded) and every tensor of
+the file must equal it), or a local Hugging Face model directory (loom.model.hf).
+
+Chat prompts are rendered as the chat data was (loom.data.chat): the template of the tokenizer's
+``tokenizer_config.json`` with its generation prompt, or the built-in ``<|role|>\\ncontent\\n``
+turns followed by ``<|assistant|>\\n``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+
+from loom import config as C
+from loom.checkpoint.format import LATEST, TRAIN_STATE, CheckpointError, check_header, read_json
+from loom.data.chat import builtin_render, template_render
+from loom.data.tokenizer import EOT_CANDIDATES, load_tokenizer
+from loom.generate.options import Prompt
+from loom.model.llama import Transformer
+from loom.train.export import load_model
+
+PREFIX = "model."  # names of the model's tensors in a checkpoint (loom.checkpoint.convert)
+ASSISTANT = "<|assistant|>\n"  # the built-in template's opening of an assistant turn
+
+
+@dataclass
+class Source:
+    """A model ready to generate, its tokenizer, end-of-text ids and chat template directory."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    eos: frozenset[int]
+    template: str | None  # a tokenizer path whose directory may hold a chat template; None: built-in
+    what: str  # for messages: "run DIR" or "Hugging Face model DIR"
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """The chat prompt: the conversation so far and the opening of the assistant's turn."""
+        render = template_render(self.template, generation_prompt=True) if self.template else None
+        return render(messages) if render is not None else builtin_render(messages) + ASSISTANT
+
+    def encode(self, prompt: Prompt, chat: bool, where: str = "--prompt") -> list[int]:
+        """Token ids of a prompt: chat messages (or a text as one user turn, with ``chat``) rendered
+        and encoded as chat data is (no added special tokens), or a text as the tokenizer encodes it."""
+        if chat:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            ids = self.tokenizer.encode(self.render(messages), add_special_tokens=False).ids
+        else:
+            assert isinstance(prompt, str)  # read_prompts refuses messages without --chat
+            ids = self.tokenizer.encode(prompt).ids
+        ids = ids or sorted(self.eos)[:1] or [0]  # an empty prompt starts a document
+        vocab = self.model.cfg.vocab_size
+        if max(ids) >= vocab:
+            raise C.ConfigError(f"{where}: the tokenizer of {self.what} gives ids up to {max(ids)}, beyond the model's "
+                                f"vocabulary of {vocab}; its tokenizer.json was replaced")  # fmt: skip
+        return ids
+
+
+def end_ids(tok: Tokenizer, configured: object = None) -> frozenset[int]:
+    """End-of-text ids: ``configured`` (an HF config's ``eos_token_id``: an id or a list) if given,
+    else the tokenizer's end-of-document token (loom.data.tokenizer), if it has one."""
+    if isinstance(configured, int):
+        return frozenset([configured])
+    if isinstance(configured, list) and configured:
+        return frozenset(int(i) for i in configured)
+    found = (tok.token_to_id(name) for name in EOT_CANDIDATES)
+    return frozenset(next(([i] for i in found if i is not None), []))
+
+
+def load_run(run_dir: str) -> Source:
+    """The final model of a run written by ``loom train``, verified (module doc)."""
+    if not run_dir.strip():
+        raise C.ConfigError("run.dir: must name a directory written by loom train, got ''")
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise C.ConfigError(f"run.dir: {d} is not a directory; train first with loom train --run.dir {run_dir}")
+    weights = d / "checkpoints" / "final" / "model.safetensors"
+    for f in (d / "config.toml", d / "tokenizer.json", weights):
+        if not f.exists():
+            raise C.ConfigError(f"run.dir: {f} not found; train first with loom train --run.dir {run_dir}")
+    cfg = C.load_toml(d / "config.toml")
+    if cfg.model.vocab_size < 1:
+        raise C.ConfigError(f"model.vocab_size: {d / 'config.toml'} records {cfg.model.vocab_size}; a trained run "
+                            "records its vocabulary")  # fmt: skip
+    tok = load_tokenizer(d / "tokenizer.json")
+    verify_final(d, weights)
+    if cfg.finetune.method != "full":
+        model = load_lora(cfg, d, weights)
+    else:
+        model = Transformer(cfg.model, cfg.moe)
+        try:
+            load_model(model, weights)
+        except ValueError as e:  # tensors missing or of another shape: config.toml and the weights disagree
+            raise CheckpointError(f"{e} (does {d / 'config.toml'} belong to this run?)") from None
+    template = cfg.data.tokenizer or None  # the chat data's template came from there (loom.data.prepare)
+    return Source(model.eval(), tok, end_ids(tok), template, f"run {d}")
+
+
+@torch.no_grad()
+def load_lora(cfg: C.LoomConfig, run_dir: Path, weights: Path) -> Transformer:
+    """A LoRA run's model: its base (``model.from_hf`` / ``train.init_from`` / the seeded init, which
+    must have the SHA-256 the run's checkpoint recorded) wrapped in the adapters of ``weights`` (the
+    verified final export: the adapters, and any base tensor it holds); QLoRA's base in NF4 again,
+    as it was trained. Generation then runs the adapters as training did, unmerged."""
+    from safetensors.torch import load_file
+
+    from loom.finetune.base import base_identity
+    from loom.finetune.export import base_tensors
+    from loom.finetune.lora import LoRALinear, apply_lora, is_adapter
+    from loom.finetune.nf4 import quantize_base
+
+    recorded = _recorded_base(run_dir, weights)
+    now = base_identity(cfg) or {}
+    if recorded is not None and recorded.get("sha256") != now.get("sha256"):
+        raise C.ConfigError(f"finetune: {run_dir} holds LoRA adapters trained on the base {recorded.get('path')} "
+                            f"(sha256 {recorded.get('sha256')}), but that base is now {now.get('path')} (sha256 "
+                            f"{now.get('sha256')}); generate from the base it was trained on")  # fmt: skip
+    model = Transformer(cfg.model, cfg.moe)
+    apply_lora(model, cfg)
+    for mod in model.modules():
+        if isinstance(mod, LoRALinear):  # adapters are built on the meta device
+            for part in (mod.lora_A, mod.lora_B):
+                cast(nn.Module, part).to_empty(device="cpu")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, t in base_tensors(cfg):
+        params[name].copy_(t)
+    state = load_file(str(weights))
+    missing = sorted(n for n in params if is_adapter(n) and n not in state)
+    unknown = sorted(n for n in state if n not in params)
+    if missing or unknown:
+        raise CheckpointError(f"{weights}: adapters missing {missing[:3]}, unknown tensors {unknown[:3]} (does "
+                              f"{run_dir / 'config.toml'} belong to this run?)")  # fmt: skip
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise CheckpointError(f"{weights}: {name} has shape {tuple(t.shape)}, the model {tuple(params[name].shape)}")
+        params[name].copy_(t)
+    if cfg.finetune.method == "qlora":
+        quantize_base(model)
+    return model
+
+
+def _recorded_base(run_dir: Path, weights: Path) -> dict | None:
+    """The base identity the checkpoint ``weights`` was exported from records (None: not found)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        source = (f.metadata() or {}).get("source", "")
+    ckpt = run_dir / "checkpoints" / source
+    if not source or not (ckpt / TRAIN_STATE).is_file():
+        return None
+    return read_json(ckpt / TRAIN_STATE).get("finetune_base")
+
+
+def load_hf(path: str) -> Source:
+    """A local Hugging Face model directory: its weights, ``tokenizer.json``, ``eos_token_id`` and
+    chat template."""
+    from loom.model.hf import load_into, open_dir
+
+    hf = open_dir(path)
+    if hf.tokenizer is None:
+        raise C.ConfigError(f"model.from_hf: {hf.dir} has no tokenizer.json; generation needs its tokenizer")
+    tok = load_tokenizer(hf.tokenizer)
+    model = Transformer(hf.config)
+    load_into(model, hf)
+    return Source(model.eval(), tok, end_ids(tok, hf.raw.get("eos_token_id")), str(hf.dir), f"Hugging Face model {hf.dir}")
+
+
+def verify_final(run_dir: Path, weights: Path) -> None:
+    """Refuse ``weights`` unless it has the SHA-256 its ``meta.json`` records, or (when none is
+    recorded) equals the model tensors of the verified checkpoint it was exported from (named in
+    its safetensors header, under ``run_dir/checkpoints``)."""
+    from safetensors import safe_open
+
+    from loom.checkpoint.integrity import sha256_file
+    from loom.checkpoint.load import CheckpointReader
+
+    check_header(weights)
+    meta = weights.parent / "meta.json"
+    recorded = read_json(meta).get("sha256") if meta.is_file() else None
+    if recorded:
+        if sha256_file(weights) != recorded:
+            raise CheckpointError(f"{weights}: content altered (its SHA-256 differs from the one recorded in {meta})")
+        return
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            source = (f.metadata() or {}).get("source", "")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+    except Exception as e:  # safetensors raises its own error type for a damaged header or body
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({e})") from None
+    root = run_dir / "checkpoints"
+    ckpt = root / source
+    if not source or "/" in source or "\\" in source or source.startswith(".") or not ckpt.is_dir():
+        raise CheckpointError(f"{weights}: cannot be verified: the checkpoint it was exported from ({source or '?'}) is "
+                              f"not in {root}; export a model with loom checkpoint convert and load that")  # fmt: skip
+    expect = None
+    if (root / LATEST).is_file():
+        latest = read_json(root / LATEST)
+        if latest.get("tag") == source:
+            expect = str(latest.get("manifest_sha256") or "") or None
+    with CheckpointReader(ckpt, manifest_sha=expect) as reader:
+        names = {n[len(PREFIX) :] for n in reader.names() if n.startswith(PREFIX)}
+        if names != set(tensors):
+            extra, missing = sorted(set(tensors) - names)[:3], sorted(names - set(tensors))[:3]
+            raise CheckpointError(f"{weights}: its tensors differ from {ckpt}'s (extra {extra}, missing {missing}); "
+                                  "the file was altered")  # fmt: skip
+        for name, t in tensors.items():
+            if not torch.equal(t, reader.read(PREFIX + name)):
+                raise CheckpointError(f"{weights}: tensor {name} differs from {ckpt}, which it was exported from "
+                                      "(the file was altered)")  # fmt: skip

@@ -1,0 +1,124 @@
+"""Incremental decoding with a key/value cache for the plain :class:`~loom.model.llama.Transformer`.
+
+The training forward is not touched: :func:`forward_cached` calls the model's own submodules
+(embeddings, norms, q/k/v/o projections, q/k norms, MLP or MoE, head) in the order of
+``Attention.forward`` and ``Block.forward`` and differs only in where keys and values come from.
+A step of T new tokens at cache offset s computes, per layer,
+
+    q, k, v = wq x, wk x, wv x              (B, T, heads, d), RoPE at positions s - pad .. s+T-1 - pad
+    K[:, :, s:s+T], V[:, :, s:s+T] = k, v   the cache: (B, k_heads, S, d) per layer, S slots
+    y = softmax(q K[:s+T]ᵀ / sqrt(d) + mask) V[:s+T]
+
+so decoding n tokens after a prompt of P costs O(n (P + n)) attention work instead of the
+O(n (P + n)²) of recomputing the whole context per token. Cache bytes = 2 · L · B · k_heads · S · d
+· element size.
+
+Batches of prompts of different lengths are left-padded: row b starts with ``pad[b]`` filler
+tokens that no query attends to, and its real tokens take positions 0, 1, ... as if alone (RoPE
+angles and learned position rows), so each row computes what it would compute alone. Without
+padding a prompt's prefill is the training forward's causal attention (``is_causal``) and a
+one-token step attends to every cached key with no mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+
+from loom.model.llama import Attention, Block, Transformer, apply_rope
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer, (B, k_heads, S, d) each; ``length`` slots filled; ``pad`` (B,)
+    the left padding of each row (its first real token's slot)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    pad: torch.Tensor
+    length: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        """2 · L · B · k_heads · S · d · element size."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+def new_cache(model: Transformer, batch: int, slots: int, pad: torch.Tensor | None = None) -> KVCache:
+    """An empty cache of ``slots`` positions for ``batch`` rows of ``model`` (its dtype and device)."""
+    ref = model.tok_embeddings.weight
+    keys, values = [], []
+    for block in model.layers:
+        attn = cast(Attention, block.attention)
+        shape = (batch, attn.n_kv_heads, slots, attn.head_dim)
+        keys.append(torch.zeros(shape, dtype=ref.dtype, device=ref.device))
+        values.append(torch.zeros(shape, dtype=ref.dtype, device=ref.device))
+    if pad is None:
+        pad = torch.zeros(batch, dtype=torch.long, device=ref.device)
+    return KVCache(keys, values, pad.to(ref.device))
+
+
+def _mask(cache: KVCache, T: int) -> torch.Tensor | None:
+    """Boolean (B, 1, T, s+T) mask, True where query i (slot s + i) sees key j: pad[b] <= j <= s + i,
+    and a filler query sees itself (so its row is finite; no real query sees it); None when no row
+    is padded and no query needs hiding (one new token, or a prefill, which uses the causal flag)."""
+    s = cache.length
+    if not bool((cache.pad > 0).any()) and (T == 1 or s == 0):
+        return None
+    j = torch.arange(s + T, device=cache.pad.device)
+    i = torch.arange(T, device=cache.pad.device)[:, None] + s
+    real = (j[None, None, :] >= cache.pad[:, None, None]) | (j[None, :] == i)[None]  # (B, T, s+T)
+    visible = (j[None, :] <= i)[None] & real
+    return visible[:, None]
+
+
+def _attend(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+            mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """``Attention.forward`` for T new tokens x (B, T, h) against the cache's keys and values."""
+    B, T, _ = x.shape
+    q = attn.wq(x).view(B, T, -1, attn.head_dim)  # (B, T, a, d)
+    k = attn.wk(x).view(B, T, -1, attn.head_dim)  # (B, T, k, d)
+    v = attn.wv(x).view(B, T, -1, attn.head_dim)  # (B, T, k, d)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)  # type: ignore[misc]  # k_norm is set whenever q_norm is
+    if attn.rope:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
+    s = cache.length
+    cache.keys[layer][:, :, s : s + T] = k
+    cache.values[layer][:, :, s : s + T] = v
+    k, v = cache.keys[layer][:, :, : s + T], cache.values[layer][:, :, : s + T]  # (B, k, s+T, d)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, a, s+T, d)
+    causal = mask is None and T > 1  # a prefill of unpadded rows: the training forward's attention
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, a, T, d)
+    return attn.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, h)
+
+
+@torch.no_grad()
+def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits (B, T, V) of ``tokens`` (B, T) following the ``cache.length`` tokens already cached;
+    their keys and values are appended to the cache."""
+    B, T = tokens.shape
+    if cache.length + T > cache.capacity:
+        raise ValueError(f"KV cache of {cache.capacity} slots cannot take {T} more after {cache.length}")
+    pos = (torch.arange(cache.length, cache.length + T, device=tokens.device)[None] - cache.pad[:, None]).clamp(min=0)
+    h = model.tok_embeddings(tokens)  # (B, T, h)
+    if model.pos_embeddings is not None:
+        h = h + model.pos_embeddings(pos)
+    cos, sin = cast(torch.Tensor, model.rope_cos)[pos], cast(torch.Tensor, model.rope_sin)[pos]  # (B, T, d/2)
+    mask = _mask(cache, T)
+    for i, layer in enumerate(model.layers):
+        block = cast(Block, layer)
+        h = h + _attend(cast(Attention, block.attention), block.attention_norm(h), cos, sin, cache, i, mask)
+        h = h + block.feed_forward(block.ffn_norm(h))
+    cache.length += T
+    return model.output(model.norm(h))  # (B, T, V)

@@ -1,0 +1,189 @@
+"""A dedicated parameter-server rank: the loop that owns shard k (see :mod:`loom.parallel.param_server`).
+
+Per link, in this order (both sides issue the same operations in the same order, NCCL-safe):
+
+    bsp, per round     push: header, gradient shard; (server 0 only) pull: Σ_k‖ḡ_k‖²;
+                       push: control (lr, grad_scale, clip coefficient); pull: header, shard
+    asp/ssp, per push  push: header (with lr, grad_scale), gradient shard; pull: header, shard
+    the end            push: a DONE header
+
+BSP: the server receives all W gradients, averages them in worker order, all-reduces the squared
+norm over the servers and sends it to the workers (server 0), applies the workers' clip
+coefficient and learning rate, steps once, and sends its shard to every worker.
+
+ASP and SSP (bound S; asp: none): a push is applied as it arrives, as one AdamW step with that
+gradient. Clocks: c_w = pushes applied from worker w; the server's version v = min_w c_w (the
+clocks every worker has completed: the parameters hold every worker's first v gradients). A
+worker pulling at clock c_w gets parameters v behind its own clock: its next gradient is
+``staleness`` = c_w − v steps stale. SSP holds the pull of a worker with c_w − v > S until the
+slowest catches up, so staleness ≤ S for every update (the test asserts it on what is recorded);
+ASP never holds a pull. Also recorded: ``missed``, the updates applied between a worker's pull and
+its push (other workers' gradients it did not see): at most (W−1)(2S+1) under ssp:S (each other
+worker is at most S below and S+1 above c_w), W−1 under bsp-like ssp:0 rounds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from loom import comm
+from loom.comm import CommMeter
+from loom.parallel.base import sum_sq
+from loom.parallel.param_server import FlatModel
+from loom.parallel.ps_links import DONE, PULL_HEADER, PUSH_HEADER, PSLinks, ServerLost, recv, send, wait_for
+
+POLL_S = 0.0002  # asp/ssp: sleep between polls of the workers' links when none has a message
+
+
+@dataclass
+class ServerReport:
+    """What one server saw: per applied update, the pushing worker and its staleness; bytes in and out."""
+
+    index: int
+    staleness: list[int] = field(default_factory=list)
+    missed: list[int] = field(default_factory=list)  # updates applied between the pusher's pull and its push
+    pushers: list[int] = field(default_factory=list)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    rounds: int = 0  # bsp rounds, or the final version (complete clocks) under asp/ssp
+    waits: int = 0  # pulls held back by the ssp bound
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # the final parameter shard ("shard")
+
+
+class ParameterServer:
+    """Shard k of ``module``'s parameters (values taken from it: every rank builds the same init) and its
+    AdamW state; :meth:`serve` runs until every worker has sent DONE."""
+
+    def __init__(self, module: nn.Module, links: PSLinks, bound: int | str | None, train_cfg,
+                 meter: CommMeter | None = None, timeout_s: float = 300.0) -> None:  # fmt: skip
+        if not links.is_server:
+            raise ValueError(f"rank {links.rank} is a worker, not a parameter server")
+        self.links, self.bound, self.meter, self.timeout_s = links, bound, meter, timeout_s
+        self.k, self.W = links.server_index, links.workers
+        model = FlatModel(module, links.shards, self.k)
+        self.shard = model.seg(model.flat, self.k).clone()
+        self.optimizer = model.new_optimizer(self.shard, train_cfg)
+        self.inbox = [torch.zeros_like(self.shard) for _ in range(self.W)]
+        self.grad = torch.zeros_like(self.shard)
+        self.headers = [torch.zeros(PUSH_HEADER, dtype=torch.float64) for _ in range(self.W)]
+        self.reply = torch.zeros(PULL_HEADER, dtype=torch.float64)
+        self.report = ServerReport(self.k)
+        del model  # the workers' copy of the whole model is not a server's business
+
+    def _link(self, table: dict, w: int):
+        g = table[(w, self.k)]
+        return g, self.links.peer(g, w)
+
+    def _wait(self, work, w: int) -> None:
+        wait_for(work, self.timeout_s, f"worker {w}")
+
+    def _recv_push(self, w: int) -> None:
+        g, peer = self._link(self.links.push, w)
+        self._wait(recv(self.inbox[w], g, peer), w)
+        self.report.bytes_in += comm.nbytes(self.inbox[w])
+
+    def _send_pull(self, w: int, version: int, updates: int) -> None:
+        g, peer = self._link(self.links.pull, w)
+        self.reply.copy_(torch.tensor([version, updates], dtype=torch.float64))
+        self._wait(send(self.reply, g, peer), w)
+        self._wait(send(self.shard, g, peer, self.meter), w)
+        self.report.bytes_out += comm.nbytes(self.shard)
+
+    def serve(self) -> ServerReport:
+        """Serve until every worker is done; returns the report (with the final shard)."""
+        if self.bound == "bsp":
+            self._serve_bsp()
+        else:
+            self._serve_async()
+        self.report.state = {"shard": self.shard.clone()}
+        return self.report
+
+    # ------------------------------------------------------------------ bsp
+    def _serve_bsp(self) -> None:
+        while True:
+            kinds = []
+            for w in range(self.W):
+                g, peer = self._link(self.links.push, w)
+                self._wait(recv(self.headers[w], g, peer), w)
+                kinds.append(float(self.headers[w][0]))
+            if all(kind == DONE for kind in kinds):
+                return
+            if any(kind == DONE for kind in kinds):
+                raise RuntimeError(f"parameter server {self.k}: under bsp every worker pushes every round; workers "
+                                   f"{[w for w, kd in enumerate(kinds) if kd == DONE]} stopped early")  # fmt: skip
+            for w in range(self.W):
+                self._recv_push(w)
+            self.grad.copy_(self.inbox[0])
+            for w in range(1, self.W):
+                self.grad.add_(self.inbox[w])
+            self.grad.div_(self.W)
+            sq = sum_sq([self.grad]).double().reshape(1)
+            comm.all_reduce(sq, self.links.server_group)
+            if self.k == 0:
+                for w in range(self.W):
+                    g, peer = self._link(self.links.pull, w)
+                    self._wait(send(sq, g, peer), w)
+            for w in range(self.W):  # the control message: lr, grad_scale, clip coefficient
+                g, peer = self._link(self.links.push, w)
+                self._wait(recv(self.headers[w], g, peer), w)
+            lr, grad_scale, coef = (float(x) for x in self.headers[0][:3])
+            if coef != 1.0:
+                self.grad.mul_(coef)
+            self.optimizer.step([self.grad], lr, grad_scale)
+            self.report.rounds += 1
+            self.report.staleness += [0] * self.W
+            self.report.missed += [0] * self.W
+            self.report.pushers += list(range(self.W))
+            for w in range(self.W):
+                self._send_pull(w, self.report.rounds, self.report.rounds)
+
+    # ------------------------------------------------------------------ asp / ssp
+    def _serve_async(self) -> None:
+        W, bound = self.W, self.bound
+        assert bound is None or isinstance(bound, int)
+        clock, lag, seen = [0] * W, [0] * W, [0] * W  # pushes applied; c_w - v and updates at w's last pull
+        done: set[int] = set()
+        held: list[int] = []  # workers whose pull waits (their push is applied)
+        posted = {w: recv(self.headers[w], *self._link(self.links.push, w)) for w in range(W)}
+        updates, last = 0, time.monotonic()
+        while len(done) < W or held:
+            progressed, arrived = False, []
+            for w in list(posted):
+                if not posted[w].is_completed():
+                    continue
+                self._wait(posted.pop(w), w)  # surfaces a failed receive
+                progressed = True
+                kind, lr, grad_scale = float(self.headers[w][0]), float(self.headers[w][3]), float(self.headers[w][4])
+                if kind == DONE:
+                    done.add(w)
+                    continue
+                self._recv_push(w)
+                self.report.staleness.append(lag[w])
+                self.report.missed.append(updates - seen[w])
+                self.report.pushers.append(w)
+                self.optimizer.step([self.inbox[w]], lr, grad_scale)
+                updates += 1
+                clock[w] += 1
+                held.append(w)
+                arrived.append(w)
+                posted[w] = recv(self.headers[w], *self._link(self.links.push, w))
+            version = min(clock)
+            for w in list(held):
+                if bound is None or clock[w] - version <= bound:
+                    held.remove(w)
+                    self._send_pull(w, version, updates)
+                    lag[w], seen[w] = clock[w] - version, updates
+                    progressed = True
+            self.report.waits += len(set(arrived) & set(held))
+            if progressed:
+                last = time.monotonic()
+            elif time.monotonic() - last > self.timeout_s:
+                silent = sorted(set(range(W)) - done)
+                raise ServerLost(f"parameter server {self.k}: workers {silent} sent nothing for {self.timeout_s:.0f} s")
+            else:
+                time.sleep(POLL_S)
+        self.report.rounds = min(clock)

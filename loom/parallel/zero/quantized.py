@@ -1,0 +1,117 @@
+"""Block-wise int8 quantization for ZeRO++'s collectives, and the quantized gradient reducer (qgZ).
+
+A flat fp tensor is cut into blocks of B = 256 elements (the last padded with zeros); each block
+is stored as int8 codes q = round(x / s) in [-127, 127] with one fp32 scale s = absmax / 127.
+A block of B elements travels as B + 4 bytes instead of B·b (b = 4 in fp32: 3.94x fewer bytes;
+b = 2 in bf16: 1.97x). The error of one element is at most s/2 = absmax/254 of its block.
+
+qgZ (:class:`QuantizedReducer`): instead of a reduce-scatter of the fp gradient, each rank
+quantizes the N destination chunks of its gradient (Φ_u'/N elements each, blocked separately),
+sends chunk j to rank j with one all-to-all (codes and scales), and sums the N dequantized chunks
+it receives in fp32, in rank order. Bytes sent per rank for a unit of Φ_u' elements:
+
+    all_to_all  N·ceil(Φ_u'/(N·B))·(B + 4)·(N-1)/N          (reduce-scatter: Φ_u'·b·(N-1)/N)
+
+(ZeRO++ runs it hierarchically, intra-node then inter-node, in int4; here one hop, int8.) The
+replicas' all-reduce of the shard (hybrid sharding) is unchanged, in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from loom import comm
+from loom.comm import CommMeter, Group
+from loom.parallel.reducer import GradReducer, _Pending
+
+BLOCK = 256  # elements per quantization block
+SCALE_BYTES = 4  # one fp32 absmax scale per block
+
+
+def blocks(numel: int) -> int:
+    """Blocks of BLOCK elements covering ``numel`` elements."""
+    return -(-numel // BLOCK)
+
+
+def quantized_bytes(numel: int) -> int:
+    """Bytes of ``numel`` elements as int8 codes and fp32 scales, padded to whole blocks."""
+    return blocks(numel) * (BLOCK + SCALE_BYTES)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes, fp32 scales) of ``x`` (1-D, a multiple of BLOCK elements)."""
+    v = x.float().view(-1, BLOCK)
+    scale = v.abs().amax(dim=1) / 127.0
+    q = torch.round(v / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp_(-127, 127)
+    return q.to(torch.int8).view(-1), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of int8 ``q`` with one ``scale`` per block."""
+    return (q.view(-1, BLOCK).float() * scale[:, None]).view(-1)
+
+
+def padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` cut into ``rows`` equal rows, each zero-padded to whole blocks, flattened (fp32)."""
+    per = x.numel() // rows
+    out = torch.zeros(rows, blocks(per) * BLOCK, dtype=torch.float32, device=x.device)
+    out[:, :per] = x.view(rows, per)
+    return out.view(-1)
+
+
+class Then:
+    """Collectives in flight, and what to do once they are done: waiting runs ``finish`` once."""
+
+    def __init__(self, works: list, finish: list, keep: tuple = ()) -> None:
+        self.works, self.finish = works, finish
+        self.keep = keep  # buffers the collectives read or write, alive until they are done
+
+    def wait(self, timeout=None) -> bool:
+        for w in self.works:
+            if w is not None:
+                w.wait()
+        self.works, self.keep = [], ()
+        finish, self.finish = self.finish, []
+        for f in finish:
+            f()
+        return True
+
+
+def all_to_all(out: torch.Tensor, x: torch.Tensor, group: Group, meter: CommMeter | None):
+    """Asynchronous equal-split all-to-all of flat ``x`` into ``out``; metered as the (N-1)/N sent."""
+    n = comm.group_size(group)
+    comm.check_tensors("all_to_all", group, out, x)
+    if meter is not None:
+        meter.record_sent("all_to_all", comm.nbytes(x), comm.nbytes(x) * (n - 1) // n)  # whole blocks: exact
+    return dist.all_to_all_single(out, x, group=group, async_op=True)
+
+
+class QuantizedReducer(GradReducer):
+    """:class:`GradReducer` whose reduce-scatter is int8 codes through an all-to-all (qgZ)."""
+
+    def launch(self, full: torch.Tensor, dest: torch.Tensor, owned: bool = True) -> None:
+        n = comm.group_size(self.shard_group)
+        if n == 1:
+            super().launch(full, dest, owned)
+            return
+        per = full.numel() // n
+        send = padded(full, n).div_(self.dp)
+        q, scale = quantize(send)
+        q_in, s_in = torch.empty_like(q), torch.empty_like(scale)
+        works = [all_to_all(q_in, q, self.shard_group, self.meter), all_to_all(s_in, scale, self.shard_group, self.meter)]
+        out = torch.empty(per, dtype=torch.float32, device=full.device)
+
+        def finish() -> None:  # Σ over the N senders of their dequantized chunk for this rank, fp32
+            out.copy_(dequantize(q_in, s_in).view(n, -1)[:, :per].sum(dim=0))
+
+        transient = sum(comm.nbytes(t) for t in (send, q, scale, q_in, s_in, out))
+        for p in self.inflight:  # the earlier shards go on to their replicas now
+            self._replicate(p, during_backward=True)
+        self.inflight.append(_Pending(Then(works, [finish], (q, scale)), send, out, dest, transient))
+        while len(self.inflight) > self.max_inflight:
+            self._complete(self.inflight.popleft())
+
+    @classmethod
+    def like(cls, r: GradReducer) -> QuantizedReducer:
+        return cls(r.shard_group, r.replicate_group, r.dp, r.meter, r.reduce_dtype, r.max_inflight, r.algorithm)

@@ -1,0 +1,373 @@
+"""``loom generate``: the KV-cache path equals the cache-free reference (greedy and seeded sampling,
+every model family, batches equal one-by-one, contexts past max_seq_len); greedy tokens from an
+HF directory equal ``transformers``' ``generate``; top-k / top-p equal ``transformers``' warpers;
+the CLI's sources, chat template, prompt files, stop strings and one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from loom import config as C
+from loom.generate.decode import generate_cached, generate_uncached, generators, next_token
+from loom.generate.options import SamplingOptions
+from loom.model.kv_cache import forward_cached, new_cache
+from loom.model.llama import build_model
+
+FAMILIES = {
+    "llama": {},
+    "qk_norm": {"qk_norm": True, "qkv_bias": True},
+    "gpt2": {"norm": "layernorm", "mlp": "gelu_tanh", "positions": "learned", "bias": True, "n_kv_heads": 4},
+    "moe": {"n_experts": 4, "top_k": 2},
+    "llama3.1": {"rope_scaling": 8.0, "rope_original_len": 8},
+}
+GREEDY = SamplingOptions(max_new_tokens=30, temperature=0)
+SAMPLED = SamplingOptions(max_new_tokens=30, temperature=1.0, top_k=40, top_p=0.9, seed=3)
+
+
+def _model(family: str, seq: int = 32):
+    fields = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=seq, multiple_of=16,
+                  init_std=0.2) | FAMILIES[family]  # fmt: skip
+    return build_model(C.ModelConfig(**fields), seed=1).eval()  # type: ignore[arg-type]
+
+
+def _prompts(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cached_logits_equal_the_training_forward(family):
+    """Prefill is the training forward bit for bit; each one-token step's logits equal the full
+    forward's at that position; the model's forward is the same before and after."""
+    model = _model(family)
+    ids = torch.tensor(_prompts(20))
+    with torch.no_grad():
+        full = model(ids)
+        cache = new_cache(model, 1, 20)
+        pre = forward_cached(model, ids[:, :12], cache)
+        assert torch.equal(pre, model(ids[:, :12]))
+        for t in range(12, 20):
+            assert_close(forward_cached(model, ids[:, t : t + 1], cache), full[:, t : t + 1])
+        assert torch.equal(model(ids), full)
+    assert cache.length == 20 and cache.nbytes == 2 * 2 * 1 * model.cfg.n_kv_heads * 20 * model.cfg.head_dim * 4
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("opts", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_cached_batch_equals_the_cache_free_path_one_by_one(family, opts):
+    """Left-padded batches with a KV cache give each prompt the tokens the cache-free reference
+    gives it alone, also past max_seq_len (5 + 30 > 32: the window slides)."""
+    model = _model(family)
+    prompts = _prompts(5, 9, 1, 9)
+    ref = generate_uncached(model, prompts, opts)
+    batched = generate_cached(model, prompts, opts)
+    assert batched.tokens == ref.tokens
+    assert [generate_cached(model, [p], opts).tokens[0] for p in prompts] == ref.tokens
+    assert all(len(t) == 30 for t in ref.tokens) and len({t for row in ref.tokens for t in row}) > 10
+    assert ref.tokens[1] != ref.tokens[3] or prompts[1] == prompts[3]
+
+
+def test_eos_and_stop_end_each_prompt_alone():
+    model = _model("llama")
+    prompts = _prompts(4, 7, 3)
+    free = generate_uncached(model, prompts, GREEDY).tokens
+    eos = frozenset([free[1][5]])
+    want = [row[: row.index(next(iter(eos))) + 1] if next(iter(eos)) in row else row for row in free]
+    assert generate_cached(model, prompts, GREEDY, eos).tokens == want
+    assert generate_uncached(model, prompts, GREEDY, eos).tokens == want
+    stop = lambda row, toks: len(toks) >= 4 + row  # noqa: E731 - row-dependent: rows end at different steps
+    assert [len(t) for t in generate_cached(model, prompts, GREEDY, stop=stop).tokens] == [4, 5, 6]
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.7), (5, 1.0), (8, 0.5), (1, 0.3), (0, 1.0)])
+def test_top_k_top_p_keep_what_transformers_keeps(top_k, top_p):
+    """The tokens left for the draw are those ``transformers``' TopK/TopP warpers leave, and every
+    draw is one of them."""
+    transformers = pytest.importorskip("transformers")
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(top_k))
+    opts = SamplingOptions(temperature=0.7, top_k=top_k, top_p=top_p)
+    warped = logits / 0.7
+    if top_k:
+        warped = transformers.TopKLogitsWarper(top_k)(None, warped)
+    if top_p < 1:
+        warped = transformers.TopPLogitsWarper(top_p)(None, warped)
+    allowed = torch.isfinite(warped)
+    gens = generators(4, 0)
+    seen = torch.zeros_like(allowed)
+    for _ in range(300):
+        tok = next_token(logits, opts, gens)
+        seen[torch.arange(4), tok] = True
+    assert not (seen & ~allowed).any()
+    if allowed.sum(-1).max() <= 6:  # few enough to see each of them in 300 draws
+        assert torch.equal(seen, allowed)
+    greedy = SamplingOptions(temperature=0)
+    assert torch.equal(next_token(logits, greedy, gens), logits.argmax(-1))
+
+
+# ----------------------------------------------------------------------------- Hugging Face parity
+
+HF = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 2}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"num_key_value_heads": 2, "head_dim": 32}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_inner": 96}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_key_value_heads": 2, "num_local_experts": 4,
+                                                        "num_experts_per_tok": 2}),
+}
+
+
+def _save_hf(tmp: Path, family: str, vocab: int = 128) -> tuple[Path, torch.nn.Module]:
+    transformers = pytest.importorskip("transformers")
+    cfg_cls, model_cls, extra = HF[family]
+    torch.manual_seed(0)
+    fields = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64, tie_word_embeddings=False, rope_theta=1e4)  # fmt: skip
+    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**(fields | extra))).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 and p.abs().sum() == p.numel() else 0.0))
+    out = tmp / family
+    model.save_pretrained(out)
+    return out, model
+
+
+@pytest.mark.parametrize("family", list(HF))
+def test_greedy_tokens_from_an_hf_directory_equal_transformers_generate(tmp_path, family):
+    from loom.model.hf import load_into, open_dir
+    from loom.model.llama import Transformer
+
+    path, ref = _save_hf(tmp_path, family)
+    hf = open_dir(path)
+    model = Transformer(hf.config).eval()
+    load_into(model, hf)
+    prompts = _prompts(6, 11)
+    opts = SamplingOptions(max_new_tokens=24, temperature=0)
+    ours = generate_cached(model, prompts, opts).tokens
+    for prompt, mine in zip(prompts, ours, strict=True):
+        x = torch.tensor([prompt])
+        theirs = ref.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24,
+                              min_new_tokens=24, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        assert mine == theirs[0, len(prompt) :].tolist()
+    assert len({t for row in ours for t in row}) > 8
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def _tokenizer(path: Path):
+    from loom.data.tokenizer import train_tokenizer
+
+    text = "the cat sat on a mat and the dog ran to it while birds sang over green hills"
+    docs = [text[i:] + " " + text[:i] for i in range(0, len(text), 5)] * 4
+    tok = train_tokenizer(docs, 300)
+    tok.save(str(path / "tokenizer.json"))
+    return tok
+
+
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    path, _ = _save_hf(tmp_path_factory.mktemp("hf"), "llama", vocab=300)
+    _tokenizer(path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    return path
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    from loom.cli import main
+
+    rc = main(["generate", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_on_an_hf_directory_prints_the_completion_and_its_speed(hf_dir, capsys):
+    from loom.generate.source import load_hf
+
+    rc, out, err = _run(capsys, "--model.from_hf", str(hf_dir), "--prompt", "the cat", "--max-new-tokens", "12",
+                        "--temperature", "0")  # fmt: skip
+    assert rc == 0 and out.startswith("the cat")
+    assert "generated 12 tokens for 1 prompt(s)" in err and "tokens/s (KV cache" in err
+    src = load_hf(str(hf_dir))
+    ids = src.tokenizer.encode("the cat").ids
+    want = generate_uncached(src.model, [ids], SamplingOptions(max_new_tokens=12, temperature=0)).tokens[0]
+    assert out == "the cat" + src.tokenizer.decode(want) + "\n"
+    rc, out2, err = _run(capsys, "--model.from_hf", str(hf_dir), "--prompt", "the cat", "--max-new-tokens", "12",
+                         "--temperature", "0", "--no-cache")  # fmt: skip
+    assert rc == 0 and out2 == out and "no cache" in err
+
+
+def test_chat_applies_the_tokenizers_template_with_its_generation_prompt(hf_dir, capsys):
+    from loom.generate.source import load_hf
+
+    src = load_hf(str(hf_dir))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the dog"}]
+    assert src.render(messages) == "[system] be brief\n[user] the dog\n[assistant] "
+    ids = src.encode(messages, chat=True)
+    assert ids == src.tokenizer.encode("[system] be brief\n[user] the dog\n[assistant] ", add_special_tokens=False).ids
+    rc, out, _ = _run(capsys, "--model.from_hf", str(hf_dir), "--prompt", "the dog", "--chat", "--max-new-tokens", "8",
+                      "--temperature", "0")  # fmt: skip
+    want = generate_cached(src.model, [src.encode("the dog", chat=True)], SamplingOptions(max_new_tokens=8, temperature=0))
+    assert rc == 0 and out == src.tokenizer.decode(want.tokens[0]) + "\n"
+
+
+def test_prompt_files_in_batches_equal_one_by_one_and_stop_strings_cut(hf_dir, tmp_path, capsys):
+    lines = ["the cat", "a dog ran over green hills and", "birds", "on a mat"]
+    (tmp_path / "p.txt").write_text("\n".join(lines) + "\n\n")
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in lines[:2]) + "\n" +
+                                      "\n".join(json.dumps(p) for p in lines[2:]))  # fmt: skip
+    common = ["--model.from_hf", str(hf_dir), "--max-new-tokens", "10", "--temperature", "0.9", "--top-p", "0.9",
+              "--seed", "5"]  # fmt: skip
+    singles = []
+    for p in lines:
+        rc, out, _ = _run(capsys, *common, "--prompt", p)
+        assert rc == 0
+        singles.append(out[len(p) : -1])
+    for name in ("p.txt", "p.jsonl"):
+        rc, out, err = _run(capsys, *common, "--prompts", str(tmp_path / name), "--batch-size", "3")
+        rows = [json.loads(line) for line in out.splitlines()]
+        assert rc == 0 and [r["prompt"] for r in rows] == lines and [r["completion"] for r in rows] == singles
+        assert "for 4 prompt(s)" in err
+    stop = next(c for c in singles[0] if c.strip())  # a character the first completion contains
+    rc, out, _ = _run(capsys, *common, "--prompts", str(tmp_path / "p.txt"), "--stop", stop, "--stop", "zzz")
+    got = [json.loads(line)["completion"] for line in out.splitlines()]
+    assert rc == 0 and got == [s[: s.find(stop)] if stop in s else s for s in singles] and got[0] != singles[0]
+
+
+def _run_dir(tmp: Path) -> Path:
+    """A run directory as ``loom train`` leaves it: config.toml, tokenizer.json, final weights + SHA-256."""
+    from loom.checkpoint.integrity import sha256_file
+    from loom.train.export import save_model
+
+    run = tmp / "run"
+    (run / "checkpoints" / "final").mkdir(parents=True)
+    tok = _tokenizer(run)
+    cfg = C.LoomConfig()
+    cfg.model = C.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=tok.get_vocab_size(),
+                              max_seq_len=32, multiple_of=16, init_std=0.2)  # fmt: skip
+    (run / "config.toml").write_text(C.dump_toml(cfg))
+    weights = run / "checkpoints" / "final" / "model.safetensors"
+    save_model(build_model(cfg.model, seed=2), weights)
+    (weights.parent / "meta.json").write_text(json.dumps({"sha256": sha256_file(weights)}))
+    return run
+
+
+def test_run_directory_with_the_builtin_chat_template(tmp_path, capsys):
+    from loom.generate.source import load_run
+
+    run = _run_dir(tmp_path)
+    src = load_run(str(run))
+    assert src.render([{"role": "user", "content": "hi"}]) == "<|user|>\nhi\n<|assistant|>\n"
+    rc, out, err = _run(capsys, "--run.dir", str(run), "--prompt", "the", "--chat", "--max-new-tokens", "6",
+                        "--temperature", "0")  # fmt: skip
+    want = generate_uncached(src.model, [src.encode("the", chat=True)], SamplingOptions(max_new_tokens=6, temperature=0))
+    assert rc == 0 and out == src.tokenizer.decode(want.tokens[0]) + "\n" and "tokens/s" in err
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--top-p", "0"], r"--top-p: must be in \(0, 1\]"),
+        (["--top-p", "1.5"], r"--top-p: must be in \(0, 1\]"),
+        (["--temperature", "-1"], r"--temperature: must be a finite number >= 0"),
+        (["--temperature", "nan"], r"--temperature: must be a finite number >= 0"),
+        (["--top-k", "-2"], r"--top-k: must be >= 0, got -2"),
+        (["--max-new-tokens", "x"], r"--max-new-tokens: expected an integer"),
+        (["--batch-size", "0"], r"--batch-size: must be >= 1"),
+        (["--prompts", "/nonexistent/p.txt"], r"--prompts: /nonexistent/p.txt is not a file"),
+        (["--prompts", "EMPTY"], r"--prompts: .* holds no prompt"),
+        (["--prompts", "MSGS"], r"--prompts: .*:1 holds chat messages; add --chat"),
+        (["--prompts", "BADJSON"], r"--prompts: .*:1 is not valid JSON"),
+        (["--prompt", "a", "--prompts", "MSGS"], r"--prompts: give --prompt TEXT or --prompts FILE, not both"),
+        (["--stop", ""], r"--stop: an empty stop string"),
+        (["--stop"], r"--stop: missing value"),
+        (["--tmperature", "1"], r"--tmperature: unknown option; allowed: --run.dir, --model.from_hf, "),
+        (["--train.steps", "1"], r"train.steps: generate reads only --run.dir"),
+        (["--run.dir", "R"], r"generate: give one model"),
+        (["NOSOURCE"], r"generate: give one model"),
+        (["NOHF"], r"model.from_hf: '/nonexistent/hf' is not a directory"),
+    ],
+)  # fmt: skip
+def test_bad_options_are_one_line_before_any_model_loads(tmp_path, capsys, argv, match, hf_dir):
+    import re
+
+    files = {"EMPTY": "e.txt", "MSGS": "m.jsonl", "BADJSON": "b.jsonl"}
+    (tmp_path / "e.txt").write_text("\n \n")
+    (tmp_path / "m.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    (tmp_path / "b.jsonl").write_text("{nope\n")
+    argv = [str(tmp_path / files[a]) if a in files else a for a in argv]
+    source = ["--model.from_hf", str(hf_dir)]
+    if argv == ["NOSOURCE"]:
+        argv, source = [], []
+    elif argv == ["NOHF"]:
+        argv, source = [], ["--model.from_hf", "/nonexistent/hf"]
+    rc, _, err = _run(capsys, *source, *argv)
+    assert rc == 2 and err.count("\n") == 1 and re.search(match, err), err
+
+
+def _lora_run(tmp: Path, method: str, source: str = "") -> tuple[Path, dict[str, torch.Tensor]]:
+    """A LoRA run directory: config.toml (finetune.method, the seeded base), tokenizer.json, and a
+    final export holding the adapters (B nonzero, as after training)."""
+    from safetensors.torch import save_file
+
+    from loom.checkpoint.integrity import sha256_file
+    from loom.finetune.lora import apply_lora, is_adapter
+
+    run = _run_dir(tmp)
+    cfg = C.load_toml(run / "config.toml")
+    cfg.finetune.method = method  # type: ignore[assignment]
+    cfg.finetune.lora_rank = 4
+    (run / "config.toml").write_text(C.dump_toml(cfg))
+    model = build_model(cfg.model, seed=cfg.train.seed, meta=True)
+    apply_lora(model, cfg)
+    g = torch.Generator().manual_seed(5)
+    adapters = {n: torch.randn(tuple(p.shape), generator=g) * 0.3 for n, p in model.named_parameters() if is_adapter(n)}
+    weights = run / "checkpoints" / "final" / "model.safetensors"
+    save_file(adapters, str(weights), metadata={"source": source} if source else None)
+    (weights.parent / "meta.json").write_text(json.dumps({"sha256": sha256_file(weights)}))
+    return run, adapters
+
+
+def test_a_lora_run_generates_with_its_adapters_on_the_base(tmp_path):
+    """The LoRA source equals the merged model W + (α/r)·B A (loom.finetune.lora.merged_weight) on
+    the seeded base: greedy tokens equal, logits close; QLoRA's base is NF4 again and its cached
+    path equals its cache-free one."""
+    from loom.finetune.lora import LoRALinear, merged_weight
+    from loom.generate.source import load_run
+    from loom.model.llama import Transformer, init_weights
+
+    run, adapters = _lora_run(tmp_path, "lora")
+    src = load_run(str(run))
+    cfg = C.load_toml(run / "config.toml")
+    merged = Transformer(cfg.model)
+    init_weights(merged, cfg.train.seed)
+    scale = cfg.finetune.lora_alpha / cfg.finetune.lora_rank
+    with torch.no_grad():
+        for name, p in merged.named_parameters():
+            a = adapters.get(name.removesuffix(".weight") + ".lora_A.weight")
+            if a is not None:
+                p.copy_(merged_weight(p, a, adapters[name.removesuffix(".weight") + ".lora_B.weight"], scale))
+    ids = torch.tensor(_prompts(12))
+    with torch.no_grad():
+        assert_close(src.model(ids), merged(ids), rtol=1e-4, atol=1e-4)
+    prompts = [src.encode("the cat", False), src.encode("a dog", False)]
+    opts = SamplingOptions(max_new_tokens=12, temperature=0)
+    assert generate_cached(src.model, prompts, opts).tokens == generate_uncached(merged.eval(), prompts, opts).tokens
+    q = load_run(str(_lora_run(tmp_path / "q", "qlora")[0])).model
+    assert all(m.nf4 is not None for m in q.modules() if isinstance(m, LoRALinear))
+    assert generate_cached(q, prompts, SAMPLED).tokens == generate_uncached(q, prompts, SAMPLED).tokens
+
+
+def test_a_lora_run_on_another_base_is_refused_naming_both_hashes(tmp_path, capsys):
+    run, _ = _lora_run(tmp_path, "lora", source="step-00000004")
+    ckpt = run / "checkpoints" / "step-00000004"
+    ckpt.mkdir()
+    (ckpt / "train_state.json").write_text(json.dumps({"finetune_base": {"path": "/old/base", "sha256": "ab" * 32}}))
+    rc, _, err = _run(capsys, "--run.dir", str(run), "--max-new-tokens", "2")
+    assert rc == 2 and err.count("\n") == 1 and "ab" * 32 in err and "/old/base" in err and "seeded init" in err

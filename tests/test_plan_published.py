@@ -1,0 +1,256 @@
+"""The planner against published large-scale runs (loom/plan/validation/*.toml), and the cost terms
+that the comparison rests on, each against a hand computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from loom.config import ModelConfig
+from loom.plan.cost import STACKS, CostModel, Layout, PlanError, Workload
+from loom.plan.hardware import GEMM_K0, ClusterSpec, Machine, get_device
+from loom.plan.published import (
+    MAX_TOLERANCE,
+    compare_published,
+    format_published,
+    load_runs,
+    megatron_flops_per_token,
+    summary,
+)
+
+# What the public set reaches today (loom plan validate --published); the issue's goal is 5% / 12%.
+REACHED_MEAN, REACHED_MAX = 0.065, 0.13
+
+
+@pytest.fixture(scope="module")
+def table():
+    return compare_published()
+
+
+def test_public_set_has_15_cited_runs_and_no_held_out_row():
+    runs = load_runs()
+    assert len(runs) >= 15
+    assert len({r.name for r in runs}) == len(runs)
+    for r in runs:
+        assert r.stack in STACKS and r.tokens_per_s_per_gpu > 0
+        assert len(r.source) > 40 and any(k in r.source for k in ("arXiv", "http", "commit", "README")), r.name
+        # held out: Narayanan et al. 2021 Table 1 beyond its 145.6B row, the Megatron-LM README's
+        # H100 weak-scaling table, the Llama 3 paper's 405B table, Korthikanti et al. 2022 Table 5
+        assert "Korthikanti" not in r.source and "weak-scaling" not in r.source and "Llama 3 paper" not in r.source
+        if "Narayanan" in r.source and "Table 1" in r.source:
+            assert "145.6B" in r.source
+    assert {r.cluster.device.name for r in runs} >= {"a100-80g", "h100-sxm"}
+
+
+def test_published_table_within_the_reached_tolerance(table):
+    mean, worst = summary(table)
+    text = format_published(table)
+    assert mean <= REACHED_MEAN and worst <= REACHED_MAX, text
+    assert f"{len(table)} published runs" in text
+    # the comparison is on tokens/s, so the printed TFLOP/s share one FLOP count
+    for r in table:
+        assert r.published_tflops == pytest.approx(r.estimate.tflops_per_device / (1 + r.error))
+
+
+def test_published_runs_that_ran_fit_in_memory(table):
+    """The runs fit the 80 GB they ran on (distributed optimizer, recomputation and stage splits as
+    published), but one: MPT-30b on 8 A100, where Loom's AdamW step temporaries (8 bytes per local
+    element) are counted and Composer's are not known."""
+    misses = [r.run.name for r in table if not r.estimate.fits]
+    assert misses == ["MPT-30b, 8 A100, seq 2048, act. ckpt"], misses
+
+
+def test_megatron_flop_count_and_tflops_rows():
+    m = ModelConfig(dim=12288, n_layers=80, n_heads=96, vocab_size=51200)
+    s = 2048
+    assert megatron_flops_per_token(m, s) == pytest.approx(96 * 80 * 12288**2 * (1 + s / (6 * 12288) + 51200 / (16 * 80 * 12288)))
+    row = next(r for r in load_runs() if "145.6B" in r.name)
+    assert row.tokens_per_s_per_gpu == pytest.approx(148e12 / megatron_flops_per_token(row.model, 2048))
+    mt = next(r for r in load_runs() if r.name == "MT-NLG 530B, 280 nodes")
+    assert mt.tokens_per_s_per_gpu == pytest.approx(1920 * 2048 / 60.1 / 2240)
+
+
+def test_gemm_tile_and_wave_quantization_by_hand():
+    """t = ceil(ceil(m/tm) ceil(n/tn) / SMs) * 2 tm tn (k + K0) / (peak * achievable / SMs)."""
+    cl = ClusterSpec.single_node("a100-80g", 8)
+    mach = Machine(cl, "bf16")
+    dev = get_device("a100-80g")
+    per_sm = 312e12 * dev.achievable / 108
+    one_wave = 2 * 128 * 256 * (4096 + GEMM_K0) / per_sm
+    assert mach.gemm(8192, 4096, 4096, 2) == pytest.approx(10 * one_wave)  # 1024 tiles: 10 waves of 108
+    assert mach.gemm(8192, 4096, 4096, 2) > 2 * 8192 * 4096 * 4096 / mach.flops  # quantized, not flat
+    assert mach.gemm(100, 4096, 200, 2) == pytest.approx(one_wave)  # one padded tile: one wave
+    # 12 batched 2048 x 128 x 2048 products: 12 * 16 * 8 = 1536 tiles, 15 waves, k + K0 = 256 steps
+    assert mach.gemm(2048, 128, 2048, 2, batch=12) == pytest.approx(15 * 2 * 128 * 256 * (128 + GEMM_K0) / per_sm)
+    # memory bound: a skinny product moves more bytes than its FLOPs take
+    assert mach.gemm(1, 8192, 8192, 2) == pytest.approx(2 * (8192 + 8192 * 8192 + 8192) / dev.hbm_bandwidth)
+    # the CPU (no SMs) keeps the flat rate
+    cpu = Machine(ClusterSpec.single_node("cpu", 2), "fp32")
+    assert cpu.gemm(64, 64, 64, 4) == pytest.approx(max(2 * 64**3 / cpu.flops, 4 * 3 * 64 * 64 / cpu.hbm))
+
+
+def test_flash_and_unfused_attention_per_kernel():
+    """Flash: causal half of 4 T s h / t forward at flash_fwd, 2.5x backward at flash_bwd (+ q, k, v, o
+    traffic); unfused: two batched GEMMs and 4 B a s^2 score bytes, backward twice."""
+    m = ModelConfig(dim=4096, n_layers=2, n_heads=32, n_kv_heads=32, vocab_size=1000)
+    cl = ClusterSpec.single_node("a100-80g", 8)
+    cm = CostModel(m, Workload(8, 4096), cl)
+    dev = cl.device
+    T, s, h = 4096, 4096, 4096
+    io = 2 * T * (2 * h / 2 + 2 * h / 2) / dev.hbm_bandwidth
+    flops = 2 * T * s * h / 2
+    fwd, bwd = cm._attention_core(2, 1, 1)
+    assert fwd == pytest.approx(max(flops / (312e12 * dev.flash_fwd), io))
+    assert bwd == pytest.approx(2.5 * flops / (312e12 * dev.flash_bwd) + 2 * io)
+    un = CostModel(m, Workload(8, 4096, flash_attention=False), cl)
+    mach, heads = un.machine, 16
+    gemms = mach.gemm(s, 128, s, 2, batch=heads) + mach.gemm(s, s, 128, 2, batch=heads)
+    scores = STACKS[""].other * 4 * 2 * heads * s * s / dev.hbm_bandwidth  # memory-bound: x the stack's passes
+    f2, b2 = un._attention_core(2, 1, 1)
+    assert f2 == pytest.approx(gemms + scores + io) and b2 == pytest.approx(2 * f2)
+
+
+def test_uneven_pipeline_stages_lighter_first_and_last():
+    """L = q p + r: the r extra blocks go to middle stages, then the last, then the first."""
+    m = ModelConfig(dim=1024, n_layers=70, n_heads=8, n_kv_heads=8, vocab_size=1000)
+    cm = CostModel(m, Workload(96, 1024), ClusterSpec.single_node("a100-80g", 8, 2))
+    assert [cm.stage_layers(12, True, False), cm.stage_layers(12, False, False), cm.stage_layers(12, False, True)] == [5, 6, 5]
+    m32 = ModelConfig(dim=1024, n_layers=32, n_heads=8, n_kv_heads=8, vocab_size=1000)
+    c32 = CostModel(m32, Workload(96, 1024), ClusterSpec.single_node("a100-80g", 8, 2))
+    assert [c32.stage_layers(3, True, False), c32.stage_layers(3, False, False), c32.stage_layers(3, False, True)] == [10, 11, 11]
+    assert c32.stage_layers(4, True, False) == c32.stage_layers(4, False, True) == 8
+    assert [c32.stage_layers(5, f, la) for f, la in ((True, False), (False, False), (False, True))] == [6, 7, 6]
+    e = c32.estimate(Layout(dp=1, pp=3, micro_batch=1))  # pp 3 on 32 layers: expressible now
+    layer = c32.estimate(Layout(dp=1, pp=4, micro_batch=1))
+    assert e.step_time > layer.step_time  # 11 blocks on the slowest stage vs 8
+    assert math.isfinite(e.memory)
+
+
+def test_stack_scales_only_memory_bound_work():
+    m = ModelConfig(dim=2048, n_layers=4, n_heads=16, n_kv_heads=16, vocab_size=32000)
+    cl = ClusterSpec.single_node("h100-sxm", 8)
+    w = Workload(8, 2048)
+    base = CostModel(m, w, cl, stack="composer-fsdp")._microbatch_times(1, False, 1, 1, 1, "none", 1)[0]
+    mds = CostModel(m, w, cl, stack="megatron-deepspeed")._microbatch_times(1, False, 1, 1, 1, "none", 1)[0]
+    T, h, f, V, B = 2048, 2048, m.resolved_ffn_dim(), 32000, 2
+    elt = B * T * (10 * h + 2 * (h + h) + 3 * f) / cl.device.hbm_bandwidth  # per layer forward
+    d_other = STACKS["megatron-deepspeed"].other - STACKS["composer-fsdp"].other
+    # 4 layers, each its elementwise bytes forward and twice backward, plus the loss's 16 bytes per logit
+    assert mds - base == pytest.approx(d_other * (4 * 3 * elt + 16 * T * V / cl.device.hbm_bandwidth))
+    with pytest.raises(PlanError, match="stack: must be one of"):
+        CostModel(m, w, cl, stack="jax")
+
+
+def test_cli_published_table(capsys):
+    from loom.plan.validate import main
+
+    code = main(["--published"])
+    out = capsys.readouterr().out
+    assert "published runs: mean |error|" in out and "BLOOM-176B" in out
+    _, worst = summary(compare_published())
+    assert code == (0 if worst <= MAX_TOLERANCE else 1)
+
+
+def _small_llama() -> ModelConfig:
+    return ModelConfig(dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000)
+
+
+def test_tp_overlap_hides_collectives_behind_their_gemms():
+    """Overlapped: per layer tp_comm / t (the first chunk) + max(0, tp_comm (t-1)/t - GEMMs fwd+bwd)."""
+    m = _small_llama()
+    cl = ClusterSpec.single_node("h100-sxm", 8)
+    cm = CostModel(m, Workload(8, 4096), cl)
+    mach, t, T, h, f = cm.machine, 8, 4096, 4096, 14336
+    layer_comm = sum(k * mach.collective(op, t, size, t) for (op, size), k in cm.tp_calls(t, True, "none", 1, "layer").items())
+    gemm_f = (mach.gemm(T, h, h / t, 2) + 2 * mach.gemm(T, h, cm.kv_width(t), 2) + mach.gemm(T, h / t, h, 2)
+              + 2 * mach.gemm(T, h, f / t, 2) + mach.gemm(T, f / t, h, 2))  # fmt: skip
+    hidden = layer_comm / t + max(0.0, layer_comm * (t - 1) / t - 3 * gemm_f)
+    off = cm._microbatch_times(t, True, 1, 1, 1, "none", 1, 8, "allgather", False)[2]["tp comm"]
+    on = cm._microbatch_times(t, True, 1, 1, 1, "none", 1, 8, "allgather", True)[2]["tp comm"]
+    assert off - on == pytest.approx(8 * (layer_comm - hidden))
+    assert on < off
+    lay = Layout.parse("dp1 tp8 pp1 sp mb1 recompute:none tp-overlap")
+    assert lay.tp_overlap and Layout.parse(lay.spec()) == lay
+
+
+def test_dp_overlap_bucket_by_bucket():
+    """ZeRO-0: exposed = max(total - t_b, total / buckets) + (1 - comm_overlap) min(total, t_b); off: total."""
+    m = _small_llama()
+    cl = ClusterSpec.single_node("a100-80g", 8, 2)
+    w = Workload(64, 4096, bucket_bytes=100 * 2**20)
+    cm = CostModel(m, w, cl)
+    lay = Layout(dp=16, micro_batch=1)
+    total = cm._dp_comm(16, 1, 1, 1, 1, 1, 0, 4, 16)
+    buckets = -(-int(cm._params_on(1, 1, 1, True, True)[0] * 4) // (100 * 2**20))
+    for t_mb in (0.01, 1.0):
+        t_b = t_mb * 2 / 3
+        share = cl.device.comm_overlap
+        want = max(total - t_b, total / buckets) + (1 - share) * min(total, t_b)
+        assert cm._dp_time(lay, 4, t_mb, 4 * t_mb) == pytest.approx(want)
+    assert cm._dp_time(Layout(dp=16, micro_batch=1, dp_overlap=False), 4, 1.0, 4.0) == pytest.approx(total)
+    z3 = Layout(dp=16, dp_shard=16, zero=3, micro_batch=1)  # prefetch under all 4 micro-batches
+    total3 = cm._dp_comm(16, 16, 1, 1, 1, 1, 3, 4, 16)
+    units = cm.zero3_units(1)[0]
+    assert cm._dp_time(z3, 4, 1.0, 4.0) == pytest.approx(max(total3 - 4.0, total3 / (4 * (2 * units - 1) + units))
+                                                         + (1 - share) * min(total3, 4.0))  # fmt: skip
+    # the CPU (gloo on the compute cores) hides nothing
+    cpu = CostModel(m, w, ClusterSpec.single_node("cpu", 2))
+    assert cpu._dp_time(Layout(dp=2), 4, 1.0, 4.0) == pytest.approx(cpu._dp_comm(2, 1, 1, 1, 1, 1, 0, 4, 2))
+
+
+def test_search_ranks_uneven_pipelines_and_counts_the_fullest_stage():
+    """30 blocks on 4 stages: 7, 8, 8, 7 (spare blocks in the middle); memory checks the middle stage too."""
+    from loom.plan.search import search
+
+    m = ModelConfig(dim=2048, n_layers=30, n_heads=16, n_kv_heads=16, vocab_size=32000)
+    cl = ClusterSpec.single_node("a100-80g", 8)
+    result = search(m, Workload(64, 2048), cl)
+    assert any(e.layout.pp == 4 for e in result.ranked)
+    assert "pp must divide n_layers" not in result.rejected
+    cm = CostModel(m, Workload(64, 2048), cl)
+    lay = Layout(dp=2, pp=4, micro_batch=1)
+    assert [stage for stage, *_ in cm._stages(4)] == ["first", "middle", "last"]
+    middle, first = cm.stage_memory(lay, 1), cm.stage_memory(lay, 0)
+    # the middle stage holds 8 blocks against the first's 7 (and no embedding)
+    per_block = cm._params_on(1, 4, 1, False, False)[0] / 8
+    assert cm._params_on(1, 4, 1, True, False)[0] == pytest.approx(7 * per_block + 32000 * 2048)
+    assert first["activations"] / (4 * 7) == pytest.approx(middle["activations"] / (3 * 8))  # 1F1B: p - i in flight
+
+
+def test_lighter_end_splits_are_expressed_searched_and_read_from_pp_layout():
+    """An explicit split (Layout.split, from parallel.pp_layout) sets each stage's blocks; the search
+    also tries even splits with one block moved off the first and last stage."""
+    from loom.config import load, preset_path
+    from loom.plan.report import layout_of
+    from loom.plan.search import lighter_ends, search
+
+    assert lighter_ends(32, 4) == (7, 9, 9, 7) and lighter_ends(30, 3) == (9, 12, 9) and lighter_ends(30, 4) == ()
+    m = ModelConfig(dim=2048, n_layers=32, n_heads=16, n_kv_heads=16, vocab_size=128000)
+    cl = ClusterSpec.single_node("a100-80g", 8)
+    cm = CostModel(m, Workload(64, 2048), cl)
+    even, light = Layout(dp=2, pp=4, micro_batch=1), Layout(dp=2, pp=4, micro_batch=1, split=(7, 9, 9, 7))
+    assert cm.stage_layers(4, True, False, light.split) == 7 and cm.stage_layers(4, False, False, light.split) == 9
+    # the first stage's parameters: 7 blocks and the 128k embedding instead of 8 blocks
+    per_block = cm._params_on(1, 4, 1, False, False)[0] / 8
+    assert cm.state_memory(light, True, False)["weights"] == pytest.approx(2 * (7 * per_block + 128000 * 2048))
+    assert cm.estimate(light).step_time != cm.estimate(even).step_time
+    assert Layout.parse(light.spec()) == light
+    assert "split must give" in (cm.check(Layout(dp=2, pp=4, split=(8, 8, 8))) or "")
+    result = search(m, Workload(64, 2048), cl)
+    assert any(e.layout.split == (7, 9, 9, 7) for e in result.ranked)
+    cfg = load(str(preset_path("debug")), ["--model.n_layers", "4", "--parallel.pp", "2", "--parallel.pp_layout", "0-0,1-3",
+                                           "--run.nproc", "2"])  # fmt: skip
+    assert layout_of(cfg).split == (1, 3)
+
+
+def test_verify_builds_the_planners_stage_split():
+    """``loom plan verify`` runs the blocks per stage the planner priced: its split, or its default rule."""
+    from loom.config import load, preset_path
+    from loom.plan.cost import default_split, split_layout
+    from loom.train.verify import job_config
+
+    assert default_split(70, 12) == (5,) + (6,) * 10 + (5,) and split_layout((1, 3)) == "0-0,1-3"
+    cfg = load(str(preset_path("debug")), ["--model.n_layers", "6"])
+    assert job_config(cfg, Layout(pp=4), 16, 4).parallel.pp_layout == "0-0,1-2,3-4,5-5"  # 1, 2, 2, 1
+    assert job_config(cfg, Layout(pp=2, split=(2, 4)), 16, 2).parallel.pp_layout == "0-1,2-5"
