@@ -1,14 +1,15 @@
 """Parameter server vs ring all-reduce data parallelism, and ASP/SSP convergence vs BSP.
 
-Part 1, scaling: W = 2, 4, 8 worker ranks (gloo) train the same model on the same data with
+Part 1, scaling: W = 2, 4, 8 worker ranks (gloo), 2 sequences each (weak scaling), train the same
+model on the same data with
   - ring all-reduce data parallelism (``DataParallel``, ``parallel.allreduce = ring``),
   - a parameter server with one shard (K = 1, co-located in rank 0: the central server),
   - a parameter server sharded over every worker (K = W, co-located),
 rounds alternating (ABC...). Per step: median wall time, and bytes through the busiest node's
 links, counted (ps: ``ColocatedParamServer.server_bytes``; ring: sent + received per rank).
 Part 2, convergence: W = 4 workers + 1 dedicated server rank, bsp / ssp:1 / ssp:4 / asp, worker 0
-sleeping 20 ms per step (a straggler); loss per worker step on a learnable stream (8 batches
-cycled), and the largest staleness each server recorded.
+sleeping 20 ms per step (a straggler), 16 sequences per step over the workers; loss per worker step
+on a learnable stream (arithmetic progressions), and the largest staleness the server recorded.
 
     python benchmarks/bench_param_server.py [--workers 2,4,8] [--steps 10] [--conv-steps 40]
 
@@ -37,7 +38,8 @@ from loom.optim.groups import build_optimizer  # noqa: E402
 from loom.train.schedule import lr_at  # noqa: E402
 from loom.train.step import plain_run, train_step  # noqa: E402
 
-SEQ, MICRO, VOCAB, GLOBAL = 64, 2, 1024, 16
+SEQ, MICRO, VOCAB, ROWS = 32, 2, 4096, 2  # scaling: ROWS sequences per worker (weak scaling)
+CONV_GLOBAL = 16  # convergence: sequences per step over all workers
 OUT = Path(__file__).resolve().parent.parent / "docs" / "ps"
 
 
@@ -46,11 +48,15 @@ def _cfgs() -> tuple[ModelConfig, TrainConfig]:
     return m, TrainConfig(steps=10_000, lr=3e-3, warmup_steps=5, grad_clip=1.0)
 
 
-def _rows(step: int, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's rows of the global batch of ``step`` (8 distinct batches, cycled: learnable)."""
-    g = torch.Generator().manual_seed(step % 8)
-    t = torch.randint(0, VOCAB // 8, (GLOBAL, SEQ + 1), generator=g)
-    t = t[rank * GLOBAL // world : (rank + 1) * GLOBAL // world]
+def _rows(step: int, rank: int, world: int, total: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's rows of the ``total`` sequences of ``step``: arithmetic progressions mod 128 with a
+    random start and stride 1-3 (learnable: the next token follows from the context)."""
+    g = torch.Generator().manual_seed(step)
+    start, stride = (
+        torch.randint(0, 128, (total, 1), generator=g),
+        torch.randint(1, 4, (total, 1), generator=g),
+    )
+    t = ((start + stride * torch.arange(SEQ + 1)) % 128)[rank * total // world : (rank + 1) * total // world]
     return [(t[i : i + MICRO, :-1], t[i : i + MICRO, 1:]) for i in range(0, len(t), MICRO)]
 
 
@@ -77,7 +83,13 @@ def _scaling_worker(rank: int, world: int, init: str, steps: int, out) -> None:
 
         def step(i: int, r: int) -> None:
             meters[name].reset()
-            train_step(plain_run(s.module, s, loss_fn), _rows(i, r, world), t.grad_clip, lr_at(i, t), group)  # type: ignore[attr-defined]
+            train_step(
+                plain_run(s.module, s, loss_fn),
+                _rows(i, r, world, ROWS * world),
+                t.grad_clip,
+                lr_at(i, t),
+                group,
+            )  # type: ignore[attr-defined]
             if name == "ring":  # sent + received by a rank (every rank alike)
                 busiest[name].append(2 * meters[name].total_moved)
             else:
@@ -123,7 +135,15 @@ def _convergence_worker(rank: int, world: int, init: str, steps: int, out) -> No
                 if w == 0:
                     time.sleep(0.02)  # the straggler
                 group = links.worker_group if mode == "bsp" else None
-                losses.append(train_step(plain_run(model, ps, loss_fn), _rows(i, w, workers), t.grad_clip, lr_at(i, t), group).loss)
+                losses.append(
+                    train_step(
+                        plain_run(model, ps, loss_fn),
+                        _rows(i, w, workers, CONV_GLOBAL),
+                        t.grad_clip,
+                        lr_at(i, t),
+                        group,
+                    ).loss
+                )
             ps.close()
             result[mode] = {"losses": losses}
         result[mode]["seconds"] = time.perf_counter() - t0
@@ -160,8 +180,18 @@ def _plot_scaling(rows: dict[int, dict]) -> None:
         b.plot(ws, [rows[w]["busiest"][name] / 2**20 for w in ws], style, label=name)
     phi_mb = rows[ws[0]]["phi"] * 4 / 2**20
     b.plot(ws, [2 * (w - 1) * phi_mb for w in ws], "k:", label="2(W-1)Φb (K=1 formula)")
-    a.set(xlabel="workers W", ylabel="step time, ms (median)", title="step time (gloo, 2 shared cores)", xticks=ws)
-    b.set(xlabel="workers W", ylabel="MB per step through the busiest node", title="bytes per server link", xticks=ws)
+    a.set(
+        xlabel="workers W",
+        ylabel="step time, ms (median)",
+        title="step time (gloo, 2 shared cores)",
+        xticks=ws,
+    )
+    b.set(
+        xlabel="workers W",
+        ylabel="MB per step through the busiest node",
+        title="bytes per server link",
+        xticks=ws,
+    )
     a.legend()
     b.legend()
     fig.tight_layout()
@@ -177,7 +207,9 @@ def _plot_convergence(gathered: list, steps: int) -> None:
     workers = len(gathered) - 1
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for mode in MODES:
-        mean = [statistics.fmean(gathered[w][mode]["losses"][i] for w in range(workers)) for i in range(steps)]
+        mean = [
+            statistics.fmean(gathered[w][mode]["losses"][i] for w in range(workers)) for i in range(steps)
+        ]
         srv = gathered[-1][mode]
         ax.plot(range(1, steps + 1), mean, label=f"{mode} (max staleness {srv['staleness']})")
     ax.set(xlabel="worker step", ylabel="training loss (mean over workers)",
@@ -201,7 +233,9 @@ def main() -> None:
     _plot_scaling(rows)
     phi = rows[min(rows)]["phi"]
     print(f"\nΦ = {phi} parameters ({phi * 4 / 2**20:.2f} MB fp32)")
-    print(f"{'W':>3} {'ring ms':>9} {'ps K=1 ms':>10} {'ps K=W ms':>10} {'ring MB':>9} {'K=1 MB':>8} {'K=W MB':>8}")
+    print(
+        f"{'W':>3} {'ring ms':>9} {'ps K=1 ms':>10} {'ps K=W ms':>10} {'ring MB':>9} {'K=1 MB':>8} {'K=W MB':>8}"
+    )
     for w, r in sorted(rows.items()):
         med, busy = r["med"], r["busiest"]
         print(f"{w:>3} {med['ring'] * 1e3:>9.1f} {med['ps K=1'] * 1e3:>10.1f} {med['ps K=W'] * 1e3:>10.1f} "

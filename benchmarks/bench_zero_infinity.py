@@ -9,14 +9,16 @@ beside ZeRO-3 alone: from the planner's memory model, and one point checked by a
    per rank trains under ``offload_params = cpu`` and ``disk`` inside it: measured device bytes per
    rank = state outside the store (``state_bytes()['device_bytes']``) + the step's transient peak.
 
-    python benchmarks/bench_zero_infinity.py [--nodes 1] [--device h100-sxm] [--steps 3]
+    python benchmarks/bench_zero_infinity.py [--nodes 1] [--device h100-sxm] [--steps 6]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -73,14 +75,19 @@ def _rank(rank: int, world: int, init: str, steps: int, kind: str, tmp: str, out
     model = build_model(cfg.model, cfg.train.seed)
     _, strategy, _ = parallelize(model, mesh, cfg, CommMeter())
     g = torch.Generator().manual_seed(rank)
+    times = []
     for step in range(steps):
         tokens = torch.randint(0, 4096, (2, 65), generator=g)
+        dist.barrier()
+        t0 = time.perf_counter()
         res = train_step(plain_run(model, strategy, loss_fn), [(tokens[:, :-1], tokens[:, 1:])], 1.0,
                          lr_at(step, cfg.train), mesh.group("dp"))  # fmt: skip
+        times.append(time.perf_counter() - t0)
     sb = strategy.state_bytes()
     persistent = sb.get("device_bytes", sb["param_bytes"] + sb["grad_bytes"] + sb["optim_bytes"])
     if rank == 0:
         out.put({"persistent": persistent, "transient": sb["transient_peak_bytes"], "loss": res.loss,
+                 "ms": 1000 * statistics.median(times[1:] or times),
                  "store": sb.get("param_offload_bytes", 0) + sb.get("grad_offload_bytes", 0) + sb["optim_offload_bytes"]})
     dist.destroy_process_group()
 
@@ -89,7 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="h100-sxm")
     ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
     from loom.plan.hardware import get_device
 
@@ -102,13 +109,14 @@ def main() -> None:
         host = 16 * phi / (8 * args.nodes) / GB if off else 0.0
         print(f"| {name} | {dim} | {dim // 128} | {phi / 1e9:.1f} B | {peak / GB:.1f} | {host:.0f} |")
     print("\n## One point run here (CPU, 2 ranks, fp32, dim 256 x 8 layers)\n")
-    print("| | device bytes between steps | transient peak | device total | in the store |")
-    print("|---|---|---|---|---|")
+    print("| | device bytes between steps | transient peak | device total | in the store | loss | ms/step |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("none", "cpu", "disk"):
             r = run_ranks(2, _rank, args.steps, kind, tmp)
             total = r["persistent"] + r["transient"]
-            print(f"| offload_params={kind} | {r['persistent']:,} | {r['transient']:,} | {total:,} | {r['store']:,} |")
+            print(f"| offload_params={kind} | {r['persistent']:,} | {r['transient']:,} | {total:,} | {r['store']:,} "
+                  f"| {r['loss']:.6f} | {r['ms']:.0f} |")
 
 
 if __name__ == "__main__":

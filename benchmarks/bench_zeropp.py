@@ -31,6 +31,7 @@ CONTENDERS = {
     "qwZ": {"zeropp_qwz": True},
     "hpZ": {"zeropp_hpz": True},
     "qgZ": {"zeropp_qgz": True},
+    "qgZ int4": {"zeropp_qgz": True, "zeropp_qgz_bits": 4},
     "qwZ+hpZ+qgZ": {"zeropp_qwz": True, "zeropp_hpz": True, "zeropp_qgz": True},
 }
 

@@ -178,7 +178,8 @@ class ParallelConfig:
     zeropp_qwz: bool = False  # ZeRO++ qwZ (ZeRO-3): weights all-gathered as block-wise int8 + absmax scales
     zeropp_hpz: bool = False  # ZeRO++ hpZ (ZeRO-3): a secondary weight partition per node group; backward gathers inside it
     zeropp_qgz: bool = False  # ZeRO++ qgZ (ZeRO-3): gradients reduce-scattered as block-wise int8 through an all-to-all
-    hpz_group: int = 0  # ZeRO++ hpZ: ranks per secondary partition (one node); 0 = the launcher's LOCAL_WORLD_SIZE
+    zeropp_qgz_bits: int = 8  # ZeRO++ qgZ: 8 (int8) or 4 (int4, two codes a byte) bits per gradient element
+    hpz_group: int = 0  # ZeRO++ hpZ: ranks per secondary partition (one node); 0 = the launcher's LOCAL_WORLD_SIZE / tp
     auto: bool = False  # let the planner (loom.plan) choose the layout and micro-batch for the world size
 
 
@@ -254,7 +255,7 @@ class MoEConfig:
     capacity_factor: float = 0.0  # tokens an expert takes per micro-batch: ceil(cf·N·k/E); 0 = dropless
     drop_policy: DropPolicy = "probability"  # over capacity, keep the highest-weight or the earliest tokens
     compute: ExpertCompute = "grouped"  # experts as one grouped matmul, or a Python loop (reference)
-    imbalance: float = 1.0  # planner input: max/mean tokens per expert (a run's moe_imbalance metric)
+    imbalance: float = 0.0  # planner input: max/mean tokens per expert (a run's moe_imbalance metric); 0 = measured by `loom plan calibrate --config`, else 1
     rebalance_every: int = 0  # expert parallelism: every this many steps, replicate the hottest experts on every ep rank (0 = off)
     hot_experts: int = 1  # experts per layer replicated at each rebalance (the most loaded since the last one)
 
@@ -546,7 +547,8 @@ def _check_moe(cfg: LoomConfig) -> None:
         v = getattr(e, name)
         _require(v >= 0, f"moe.{name}: must be >= 0, got {v}")
     _require(e.n_shared_experts >= 0, f"moe.n_shared_experts: must be >= 0, got {e.n_shared_experts}")
-    _require(e.imbalance >= 1, f"moe.imbalance: must be >= 1 (max over mean tokens per expert), got {e.imbalance}")
+    _require(e.imbalance == 0 or e.imbalance >= 1,
+             f"moe.imbalance: must be >= 1 (max over mean tokens per expert), or 0 (the calibration's), got {e.imbalance}")
     _require(e.rebalance_every >= 0, f"moe.rebalance_every: must be >= 0 (0 = off), got {e.rebalance_every}")
     if e.rebalance_every:
         _require(cfg.parallel.ep > 1, "moe.rebalance_every: replicates hot experts over expert-parallel ranks; it needs "
@@ -843,6 +845,7 @@ def _check_zero3_options(p: ParallelConfig) -> None:
     _require(not (zpp and p.offload_params != "none"),
              f"parallel.offload_params: not combined with ZeRO++ ({', '.join(zpp)}) yet")
     _require(p.hpz_group >= 0, f"parallel.hpz_group: must be >= 0, got {p.hpz_group}")
+    _require(p.zeropp_qgz_bits in (4, 8), f"parallel.zeropp_qgz_bits: must be 4 or 8, got {p.zeropp_qgz_bits}")
     n = p.dp_shard * p.cp
     _require(not (p.zeropp_hpz and p.hpz_group > 0 and n > 0 and n % p.hpz_group != 0),
              f"parallel.hpz_group: {p.hpz_group} must divide the sharding group (dp_shard*cp = {n})")

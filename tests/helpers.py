@@ -134,7 +134,7 @@ def train_layout(
     cfg.parallel.virtual_stages = layout.get("virtual_stages", 1)
     cfg.parallel.offload = layout.get("offload", "none")
     cfg.parallel.offload_params = layout.get("offload_params", "none")
-    for key in ("zeropp_qwz", "zeropp_hpz", "zeropp_qgz", "hpz_group", "offload_dir"):  # ZeRO-3 options
+    for key in ("zeropp_qwz", "zeropp_hpz", "zeropp_qgz", "zeropp_qgz_bits", "hpz_group", "offload_dir"):  # ZeRO-3 options
         if key in layout:
             setattr(cfg.parallel, key, layout[key])
     cfg.parallel.reduce_dtype = layout.get("reduce_dtype", "fp32")

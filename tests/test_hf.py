@@ -534,3 +534,24 @@ def test_planner_state_of_bias_and_qk_norm_under_tp2_is_exact(pools, kw):
     ada = CostModel(cfg, Workload(8, SEQ, precision="fp32", optimizer="adafactor"), ClusterSpec.single_node("cpu", 2))
     for _, _, optim in pools(2).run(_state_bytes_tp2, kw, "adafactor"):
         assert optim == ada.state_memory(Layout(dp=1, tp=2, sp=True))["optimizer"], kw
+
+
+def test_export_refuses_moe_routing_mixtral_cannot_hold(prepared, tmp_path):
+    """A MoE run with sigmoid scores (or shared experts, a selection bias, unnormalized top-k) would load
+    in transformers as a Mixtral with other routing: refused in one line, nothing written."""
+    from loom.checkpoint.format import CheckpointError
+    from loom.checkpoint.hf_export import export_hf
+    from loom.model.hf import moe_export_problem
+
+    run = tmp_path / "run"
+    cfg = _config(prepared, run)
+    cfg["model"] |= {"n_experts": 4, "top_k": 2}
+    cfg["moe"] = {"score": "sigmoid"}
+    _train(cfg)
+    with pytest.raises(CheckpointError, match=r"cannot be exported to Hugging Face: moe.score = 'sigmoid'") as e:
+        export_hf(run, tmp_path / "hf")
+    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+    for field, value, message in [("norm_topk", False, "moe.norm_topk = false"), ("n_shared_experts", 1, "shared"),
+                                  ("bias_update_rate", 0.01, "selection bias")]:  # fmt: skip
+        assert message in (moe_export_problem(C.MoEConfig(**{field: value})) or "")
+    assert moe_export_problem(C.MoEConfig()) is None

@@ -414,6 +414,32 @@ def test_planner_ranks_moe_under_tp_and_only_layouts_training_runs():
     assert Workload(1, 1, moe_imbalance=3.0, capacity_factor=1.5).moe_load == 1.5
 
 
+def test_unset_imbalance_takes_the_calibration_runs_measurement(tmp_path, monkeypatch):
+    """moe.imbalance = 0 (the default): the planner takes the profile's imbalance, measured by `loom plan
+    calibrate --config` from its one-rank run's moe_imbalance metric, else 1 (balanced)."""
+    from loom import config as C
+    from loom.plan.calibrate import measure_trainer_step
+    from loom.plan.cost import CostModel, Workload
+    from loom.plan.hardware import ClusterSpec, Profile
+    from loom.plan.report import workload_of
+
+    cfg = tiny_model(**MOE, max_seq_len=64)
+    cluster = ClusterSpec.single_node("cpu", 8)
+    work = workload_of(C.LoomConfig())
+    assert work.moe_imbalance == 0
+    assert CostModel(cfg, work, cluster).train.moe_imbalance == 1.0
+    measured = Profile(device="cpu", moe_imbalance=2.5)
+    assert CostModel(cfg, work, cluster, measured).train.moe_imbalance == 2.5
+    assert CostModel(cfg, Workload(16, 64, moe_imbalance=1.5), cluster, measured).train.moe_imbalance == 1.5  # given wins
+    config = tmp_path / "moe.toml"
+    config.write_text('[model]\ndim = 64\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\nn_experts = 4\ntop_k = 1\n'
+                      '[data]\nmax_corpus_mb = 0.3\nvocab_size = 300\nseq_len = 32\n'
+                      '[train]\nglobal_batch = 4\nmicro_batch = 4\n')  # fmt: skip
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))  # the run's prepared data
+    seconds, imbalance = measure_trainer_step(str(config), steps=4, runs=1)
+    assert seconds > 0 and 1.0 < imbalance <= 4.0  # top-1 of 4 experts: between balanced and all on one
+
+
 SKEWED = dict(MOE, n_experts=4, top_k=1)  # top-1 of 4: routing of a fresh router is uneven enough to show
 
 

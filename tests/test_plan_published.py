@@ -254,3 +254,18 @@ def test_verify_builds_the_planners_stage_split():
     cfg = load(str(preset_path("debug")), ["--model.n_layers", "6"])
     assert job_config(cfg, Layout(pp=4), 16, 4).parallel.pp_layout == "0-0,1-2,3-4,5-5"  # 1, 2, 2, 1
     assert job_config(cfg, Layout(pp=2, split=(2, 4)), 16, 2).parallel.pp_layout == "0-1,2-5"
+
+
+def test_refit_restores_the_tables_and_never_worsens_the_objective():
+    import loom.plan.hardware as hw
+    from loom.plan.fit import constants, current, errors, fit, objective
+
+    runs = [r for r in load_runs() if r.name.startswith(("BLOOM", "torchtitan Llama 3 8B"))]
+    now = current(runs)
+    assert set(now) == {"achievable:a100-80g", "k0", "other:megatron-deepspeed", "other:pytorch-fsdp"}
+    with constants(dict(now, **{"achievable:a100-80g": 0.5, "k0": 64.0})):
+        assert hw.DEVICES["a100-80g"].achievable == 0.5 and hw.GEMM_K0 == 64.0
+    assert hw.DEVICES["a100-80g"].achievable == now["achievable:a100-80g"] and now["k0"] == hw.GEMM_K0
+    assert objective(errors(runs, now)) == pytest.approx(objective([r.error for r in compare_published(runs)]))
+    start = dict(now, **{"other:pytorch-fsdp": 4.0})
+    assert objective(errors(runs, fit(runs, start, sweeps=1))) <= objective(errors(runs, start))

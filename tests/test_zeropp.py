@@ -14,13 +14,14 @@ from tests.helpers import tiny_model, train_layout
 
 STEPS, BATCH, MICRO, N, G = 6, 8, 2, 4, 2  # k = 1 micro-batch per rank
 ELEM = 4
-# after 6 steps of the tiny model (lr 3e-3) int8 blocks of 256 move the loss by < 1e-3 (measured ~5e-4)
+# after 6 steps of the tiny model (lr 3e-3) int8 blocks of 256 move the loss by at most 1.1e-3 (measured)
 LOSS_TOL = dict(rtol=0, atol=2e-3)
 LAYOUTS = {
     "z3": {},
     "qwz": {"zeropp_qwz": True},
     "hpz": {"zeropp_hpz": True, "hpz_group": G},
     "qgz": {"zeropp_qgz": True},
+    "qgz4": {"zeropp_qgz": True, "zeropp_qgz_bits": 4},
     "all": {"zeropp_qwz": True, "zeropp_hpz": True, "hpz_group": G, "zeropp_qgz": True},
 }
 
@@ -76,7 +77,8 @@ def _expected(name: str) -> dict[str, float]:
     from loom.plan.zero_options import zero3_bytes
 
     o = LAYOUTS[name]
-    return zero3_bytes(_units(), N, ELEM, 1, o.get("zeropp_qwz", False), o.get("hpz_group", 0), o.get("zeropp_qgz", False))
+    return zero3_bytes(_units(), N, ELEM, 1, o.get("zeropp_qwz", False), o.get("hpz_group", 0), o.get("zeropp_qgz", False),
+                       o.get("zeropp_qgz_bits", 8))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -109,21 +111,23 @@ def test_hpz_equals_zero3(runs):
             assert torch.equal(r["hpz"]["state"][k], v), k
 
 
-@pytest.mark.parametrize("name", ["qwz", "qgz", "all"])
+@pytest.mark.parametrize("name", ["qwz", "qgz", "qgz4", "all"])
 def test_quantized_within_tolerance_of_zero3(runs, name):
-    """Losses within 2e-3 of ZeRO-3's. Weights: Adam moves an element by about lr per step whatever the
+    """Losses within 2e-3 of ZeRO-3's (measured 2e-4 to 1.1e-3). Weights: Adam moves an element by about lr per step whatever the
     gradient's size, so a quantization flipping a tiny gradient's sign may move it by up to 2·Σ lr
-    (the bound, per element); on average the weights differ by under 2% of that."""
+    (the bound, per element); on average the weights differ by under 2% of that (int8; measured
+    0.6-1.3%), 10% with int4 gradients (measured 4.9%, its loss 1.9e-3 away: allowed 5e-3)."""
     from loom.train.schedule import lr_at
     from tests.helpers import tiny_train
 
     bound = 2 * sum(lr_at(t, tiny_train(steps=STEPS)) for t in range(STEPS))
     for r in runs:
-        assert_close(torch.tensor(r[name]["losses"]), torch.tensor(r["z3"]["losses"]), **LOSS_TOL)
+        tol = dict(rtol=0, atol=5e-3) if name == "qgz4" else LOSS_TOL
+        assert_close(torch.tensor(r[name]["losses"]), torch.tensor(r["z3"]["losses"]), **tol)
         assert r[name]["losses"] != r["z3"]["losses"]  # quantization did change something
         diffs = torch.cat([(r[name]["state"][k] - v).abs().flatten() for k, v in r["z3"]["state"].items()])
         assert diffs.max() <= bound
-        assert diffs.mean() <= 0.02 * bound, float(diffs.mean() / bound)
+        assert diffs.mean() <= (0.1 if name == "qgz4" else 0.02) * bound, float(diffs.mean() / bound)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -145,23 +149,28 @@ def test_hpz_backward_gathers_from_the_secondary(runs):
 
 
 def test_quantization_error_bound():
+    """Per block, |error| <= absmax/254 in int8 (absmax/14 in int4, two codes a byte); zeros stay zero."""
     from loom.parallel.zero.quantized import BLOCK, dequantize, quantize, quantized_bytes
 
     x = torch.randn(10 * BLOCK, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 10).repeat_interleave(BLOCK)
     x[BLOCK : 2 * BLOCK] = 0  # an all-zero block stays zero
-    q, s = quantize(x)
-    assert q.dtype == torch.int8 and s.shape == (10,)
-    err = (dequantize(q, s) - x).abs().view(10, BLOCK).amax(1)
-    bound = x.abs().view(10, BLOCK).amax(1) / 254
-    assert (err <= bound * (1 + 1e-6)).all()
-    assert dequantize(q, s)[BLOCK : 2 * BLOCK].eq(0).all()
+    for bits, levels, dtype in ((8, 127, torch.int8), (4, 7, torch.uint8)):
+        q, s = quantize(x, bits)
+        assert q.dtype == dtype and q.numel() == x.numel() * bits // 8 and s.shape == (10,)
+        err = (dequantize(q, s, bits) - x).abs().view(10, BLOCK).amax(1)
+        bound = x.abs().view(10, BLOCK).amax(1) / (2 * levels)
+        assert (err <= bound * (1 + 1e-6)).all()
+        assert dequantize(q, s, bits)[BLOCK : 2 * BLOCK].eq(0).all()
     assert quantized_bytes(BLOCK + 1) == 2 * (BLOCK + 4)
+    assert quantized_bytes(BLOCK + 1, bits=4) == 2 * (BLOCK // 2 + 4)
 
 
 @pytest.mark.parametrize("args,field", [
     (["--parallel.zero", "2", "--parallel.zeropp_qwz", "true"], "parallel.zeropp_qwz"),
     (["--parallel.zero", "1", "--parallel.zeropp_qgz", "true"], "parallel.zeropp_qgz"),
     (["--parallel.zero", "3", "--parallel.zeropp_hpz", "true", "--parallel.hpz_group", "3"], "parallel.hpz_group"),
+    (["--parallel.zero", "3", "--parallel.zeropp_qgz", "true", "--parallel.zeropp_qgz_bits", "2"],
+     "parallel.zeropp_qgz_bits"),
     (["--parallel.zero", "3", "--parallel.zeropp_hpz", "true", "--parallel.offload_params", "cpu"],
      "parallel.offload_params"),
 ])  # fmt: skip
@@ -186,15 +195,23 @@ def test_planner_models_each_option():
     cm = CostModel(model, Workload(32, 2048), ClusterSpec.single_node("h100-sxm", 8, nodes=4))  # m = 1
     base = Layout(dp=32, dp_shard=32, zero=3, dp_overlap=False)
     t = {k: cm._dp_time(replace(base, **kw), 2, 0.0, 0.0) for k, kw in {
-        "z3": {}, "qwz": {"qwz": True}, "hpz": {"hpz": 8}, "qgz": {"qgz": True},
-        "all": {"qwz": True, "hpz": 8, "qgz": True}}.items()}  # fmt: skip
+        "z3": {}, "qwz": {"qwz": True}, "hpz": {"hpz": 8}, "qgz": {"qgz": 8}, "qgz4": {"qgz": 4},
+        "all": {"qwz": True, "hpz": 8, "qgz": 8}}.items()}  # fmt: skip
     assert max(t["qwz"], t["hpz"], t["qgz"]) < t["z3"]
     assert t["all"] < min(t["qwz"], t["hpz"], t["qgz"])
+    assert t["qgz4"] < t["qgz"]
     z3 = cm.stage_memory(base, 0)
     off = cm.stage_memory(replace(base, offload_params=True), 0)
     assert off["weights"] == off["gradients"] == off["optimizer"] == 0 < z3["weights"]
     assert sum(z3.values()) - sum(off.values()) == pytest.approx(z3["weights"] + z3["gradients"] + z3["optimizer"]
                                                                  + z3["optimizer step"])  # fmt: skip
+    cfg = C.apply_overrides(C.LoomConfig(), ["--parallel.dp", "4", "--parallel.zero", "3", "--parallel.zeropp_qwz", "true",
+                                             "--parallel.zeropp_hpz", "true", "--parallel.hpz_group", "2",
+                                             "--parallel.zeropp_qgz", "true", "--parallel.zeropp_qgz_bits", "4"])  # fmt: skip
+    from loom.plan.report import layout_of
+
+    lay = layout_of(cfg)  # what `loom plan` estimates for a config
+    assert (lay.qwz, lay.hpz, lay.qgz, lay.offload_params) == (True, 2, 4, False)
     hpz = cm.stage_memory(replace(base, hpz=8), 0)
     resharded = cm._params_on(1, 1, 1, True, True)[0] - cm.zero3_units(1, 1)[1]
     assert hpz["zero3 buffer"] - z3["zero3 buffer"] == pytest.approx(cm.W * resharded / 8)

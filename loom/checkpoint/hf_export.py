@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from loom import config as C
 from loom.checkpoint.format import CheckpointError, fsync_dir
 from loom.checkpoint.load import CheckpointReader
-from loom.model.hf import INDEX, architecture_of, hf_config, hf_tensors, hf_units
+from loom.model.hf import INDEX, architecture_of, hf_config, hf_tensors, hf_units, moe_export_problem
 
 PREFIX = "model."
 
@@ -89,6 +89,8 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = 5 * 10
                                   "export merged weights with --merge-lora, or the adapters with `loom export peft`")  # fmt: skip
         reader = opened if wrap is None else wrap(opened)
         architecture_of(cfg.model)  # a model no Hugging Face family holds fails here, before anything is written
+        if cfg.model.moe and (why := moe_export_problem(cfg.moe)) is not None:
+            raise CheckpointError(f"{opened.dir}: cannot be exported to Hugging Face: {why} (nothing was written)")
         names = [n[len(PREFIX):] for n in reader.names() if n.startswith(PREFIX)]
         if not names:
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")

@@ -44,7 +44,7 @@ from typing import cast
 
 import torch
 
-from loom.config import ModelConfig
+from loom.config import ModelConfig, MoEConfig
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
              "GPT2LMHeadModel")  # fmt: skip
@@ -414,6 +414,20 @@ def _is_gpt2(cfg: ModelConfig) -> bool:
         raise HFError("model: GPT2LMHeadModel needs positions = learned, norm = layernorm, mlp = gelu or gelu_tanh, "
                       "bias = true, n_kv_heads = n_heads, and no q/k/v biases, q/k norms or experts")  # fmt: skip
     return True
+
+
+def moe_export_problem(moe: MoEConfig) -> str | None:
+    """Why a MoE model trained with these routing options is not a ``MixtralForCausalLM`` (softmax over
+    the experts, top-k renormalized, no shared experts, no selection bias), or None."""
+    if moe.score != "softmax":
+        return f"moe.score = {moe.score!r}: MixtralForCausalLM routes by a softmax over the experts"
+    if not moe.norm_topk:
+        return "moe.norm_topk = false: MixtralForCausalLM renormalizes the top-k routing weights"
+    if moe.n_shared_experts:
+        return f"moe.n_shared_experts = {moe.n_shared_experts}: MixtralForCausalLM has no shared experts"
+    if moe.bias_update_rate > 0:
+        return "moe.bias_update_rate > 0: MixtralForCausalLM has no expert selection bias"
+    return None
 
 
 def architecture_of(cfg: ModelConfig) -> str:

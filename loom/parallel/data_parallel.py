@@ -39,7 +39,7 @@ from loom.parallel.placement import expert_group, expert_shard, is_expert, place
 from loom.parallel.reducer import GradReducer
 from loom.parallel.state import gather_module_state
 from loom.parallel.tp_comm import sum_partial_grads
-from loom.parallel.zero.layout import unique_params
+from loom.parallel.zero.layout import frozen_state, unique_params
 
 
 @dataclass
@@ -201,12 +201,13 @@ class DataParallel(SyncSwitch):
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
     def state_bytes(self) -> dict[str, int]:
-        """Replicated state: params Φ·b, grads Φ·b, Adam moments 2·Φ·4 (fp32)."""
+        """Replicated state: params Φ·b, grads Φ·b, Adam moments 2·Φ·4 (fp32), of the trained parameters;
+        frozen ones (LoRA's base) apart, as ``frozen_bytes``."""
         return {
             "param_bytes": sum(p.numel() * p.element_size() for p in self.params),
             "grad_bytes": self.grad_bytes(),
             "optim_bytes": optimizer_state_bytes(self.optimizer) if self.optimizer is not None else 0,
-        }
+        } | frozen_state(self.module)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return gather_module_state(self.module, self.tp_group)

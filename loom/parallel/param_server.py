@@ -109,7 +109,9 @@ class ColocatedParamServer(SyncSwitch):
         self.world = comm.group_size(group)
         self.rank = dist.get_rank(group) if self.world > 1 else 0
         if not 1 <= shards <= self.world:
-            raise ValueError(f"parallel.ps_shards: {shards} co-located servers need as many workers, got {self.world}")
+            raise ValueError(
+                f"parallel.ps_shards: {shards} co-located servers need as many workers, got {self.world}"
+            )
         self.sync_enabled = True
         self.server = self.rank if self.rank < shards else None
         self.model = FlatModel(module, shards, self.server or 0)

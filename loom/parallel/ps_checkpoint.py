@@ -53,7 +53,9 @@ class ColocatedPSState:
                 continue
             fqn, a, b = names[id(p)], lo - lay.start, hi - lay.start
             for key, buf in (("exp_avg", opt.exp_avgs[0]), ("exp_avg_sq", opt.exp_avg_sqs[0])):
-                out[f"optim.{fqn}.{key}"] = ShardedTensor(buf[a:b], tuple(p.shape), Flat(lo - slot.offset, hi - lo))
+                out[f"optim.{fqn}.{key}"] = ShardedTensor(
+                    buf[a:b], tuple(p.shape), Flat(lo - slot.offset, hi - lo)
+                )
             step = torch.tensor(float(opt.step_count))
             self._steps.append(step)
             out[f"optim.{fqn}.step"] = ShardedTensor.full(step, (0, 1) if lo == slot.offset else (1, 2))

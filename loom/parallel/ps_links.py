@@ -3,8 +3,10 @@
 World = W workers (ranks 0..W-1) + K servers (ranks W..W+K-1). Every (worker w, server k) pair
 gets two two-rank groups, each carrying messages one way only:
 
-    push[w][k]: w -> server k   header (5 × fp64), then its gradient shard (Φ_k elements)
-    pull[w][k]: server k -> w   header (2 × fp64), then the server's parameter shard (Φ_k)
+    push[w][k]: w -> server k   header (5 × fp64), then its gradient shard (Φ_k elements);
+                                under bsp also a control message (lr, grad_scale, clip coefficient)
+    pull[w][k]: server k -> w   header (2 × fp64), then the server's parameter shard (Φ_k);
+                                under bsp, server 0 first sends the global Σ‖ḡ‖²
 
 Why one group per direction and pair: NCCL runs each communicator's operations in issue order on
 one stream, so a server that has posted the receive of a worker's *next* push must still be able
@@ -16,6 +18,7 @@ global gradient norm under BSP). Every rank creates every group, in the same ord
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -82,12 +85,22 @@ def make_links(workers: int, shards: int) -> PSLinks:
     return links
 
 
+_ISSUE = (
+    threading.Lock()
+)  # a server's listener threads and its main loop post operations (loom.parallel.ps_server)
+
+
 def send(t: torch.Tensor, group: Group, peer: int, meter: CommMeter | None = None):
-    return comm.batch_p2p([(t, peer)], [], group, meter)[0]
+    """Post the send of ``t`` to link-local ``peer``; returns the work (issuing is serialized across threads:
+    torch's batch_isend_irecv must not be entered from two at once)."""
+    with _ISSUE:
+        return comm.batch_p2p([(t, peer)], [], group, meter)[0]
 
 
 def recv(t: torch.Tensor, group: Group, peer: int):
-    return comm.batch_p2p([], [(t, peer)], group)[0]
+    """Post the receive of ``t`` from link-local ``peer``; returns the work."""
+    with _ISSUE:
+        return comm.batch_p2p([], [(t, peer)], group)[0]
 
 
 def wait_for(work, timeout_s: float, who: str) -> None:
@@ -95,4 +108,6 @@ def wait_for(work, timeout_s: float, who: str) -> None:
     try:
         comm.wait(work, timedelta(seconds=timeout_s))
     except Exception as e:  # a timeout, or the peer's process is gone (connection closed)
-        raise ServerLost(f"{who} did not answer within {timeout_s:.0f} s ({str(e).splitlines()[0][:160]})") from e
+        raise ServerLost(
+            f"{who} did not answer within {timeout_s:.0f} s ({str(e).splitlines()[0][:160]})"
+        ) from e

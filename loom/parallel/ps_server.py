@@ -24,7 +24,8 @@ worker is at most S below and S+1 above c_w), W−1 under bsp-like ssp:0 rounds.
 
 from __future__ import annotations
 
-import time
+import queue
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -35,8 +36,6 @@ from loom.comm import CommMeter
 from loom.parallel.base import sum_sq
 from loom.parallel.param_server import FlatModel
 from loom.parallel.ps_links import DONE, PULL_HEADER, PUSH_HEADER, PSLinks, ServerLost, recv, send, wait_for
-
-POLL_S = 0.0002  # asp/ssp: sleep between polls of the workers' links when none has a message
 
 
 @dataclass
@@ -143,25 +142,33 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ asp / ssp
     def _serve_async(self) -> None:
+        """One listener thread per worker blocks on that worker's push link (a receive cannot be polled on
+        every backend: gloo completes it only in ``wait``) and queues each arrival; this loop applies
+        them in arrival order and answers the pulls the bound allows."""
         W, bound = self.W, self.bound
         assert bound is None or isinstance(bound, int)
         clock, lag, seen = [0] * W, [0] * W, [0] * W  # pushes applied; c_w - v and updates at w's last pull
+        arrivals: queue.SimpleQueue = queue.SimpleQueue()
+        listeners = [threading.Thread(target=self._listen, args=(w, arrivals), daemon=True, name=f"loom-ps-listen-{w}")
+                     for w in range(W)]  # fmt: skip
+        for th in listeners:
+            th.start()
         done: set[int] = set()
-        held: list[int] = []  # workers whose pull waits (their push is applied)
-        posted = {w: recv(self.headers[w], *self._link(self.links.push, w)) for w in range(W)}
-        updates, last = 0, time.monotonic()
+        held: list[int] = []  # workers whose push is applied and whose pull waits
+        updates = 0
         while len(done) < W or held:
-            progressed, arrived = False, []
-            for w in list(posted):
-                if not posted[w].is_completed():
-                    continue
-                self._wait(posted.pop(w), w)  # surfaces a failed receive
-                progressed = True
-                kind, lr, grad_scale = float(self.headers[w][0]), float(self.headers[w][3]), float(self.headers[w][4])
-                if kind == DONE:
-                    done.add(w)
-                    continue
-                self._recv_push(w)
+            try:
+                w, kind, lr, grad_scale = arrivals.get(timeout=self.timeout_s)
+            except queue.Empty:
+                silent = sorted(set(range(W)) - done)
+                raise ServerLost(
+                    f"parameter server {self.k}: workers {silent} sent nothing for {self.timeout_s:.0f} s"
+                ) from None
+            if isinstance(kind, BaseException):
+                raise kind
+            if kind == DONE:
+                done.add(w)
+            else:
                 self.report.staleness.append(lag[w])
                 self.report.missed.append(updates - seen[w])
                 self.report.pushers.append(w)
@@ -169,21 +176,29 @@ class ParameterServer:
                 updates += 1
                 clock[w] += 1
                 held.append(w)
-                arrived.append(w)
-                posted[w] = recv(self.headers[w], *self._link(self.links.push, w))
             version = min(clock)
-            for w in list(held):
-                if bound is None or clock[w] - version <= bound:
-                    held.remove(w)
-                    self._send_pull(w, version, updates)
-                    lag[w], seen[w] = clock[w] - version, updates
-                    progressed = True
-            self.report.waits += len(set(arrived) & set(held))
-            if progressed:
-                last = time.monotonic()
-            elif time.monotonic() - last > self.timeout_s:
-                silent = sorted(set(range(W)) - done)
-                raise ServerLost(f"parameter server {self.k}: workers {silent} sent nothing for {self.timeout_s:.0f} s")
-            else:
-                time.sleep(POLL_S)
+            for u in list(held):
+                if bound is None or clock[u] - version <= bound:
+                    held.remove(u)
+                    self._send_pull(u, version, updates)
+                    lag[u], seen[u] = clock[u] - version, updates
+            self.report.waits += int(kind != DONE and w in held)
+        for th in listeners:
+            th.join()
         self.report.rounds = min(clock)
+
+    def _listen(self, w: int, arrivals: queue.SimpleQueue) -> None:
+        """Worker w's pushes, in order: (w, kind, lr, grad_scale) per header; the gradient is in ``inbox[w]``
+        (w sends its next push only after this server answered its pull, so the buffer is free again)."""
+        g, peer = self._link(self.links.push, w)
+        try:
+            while True:
+                self._wait(recv(self.headers[w], g, peer), w)
+                kind, lr, grad_scale = (float(self.headers[w][i]) for i in (0, 3, 4))
+                if kind != DONE:
+                    self._recv_push(w)
+                arrivals.put((w, kind, lr, grad_scale))
+                if kind == DONE:
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the serving loop
+            arrivals.put((w, e, 0.0, 0.0))

@@ -4,6 +4,7 @@ hardware  DeviceSpec, ClusterSpec (TOML), Profile (JSON calibration), Machine (t
 cost      Layout, Workload, Estimate, estimate(), CostModel: the formulas
 search    search(): every valid layout of a world size that fits, fastest first
 report    tables and breakdowns as text, check_fit() before launch
+published ``loom plan validate --published``: the model against published runs (validation/*.toml)
 cli       ``loom plan``
 """
 

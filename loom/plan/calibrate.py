@@ -113,19 +113,22 @@ def measure_bandwidth(elements: list[int], repeats: int = 20, device: torch.devi
     return moved / total_s
 
 
-def measure_trainer_step(config: str, steps: int = 12, runs: int = 5) -> float:
-    """Step time (s) of a one-rank fp32 ``loom train config`` as :func:`loom.plan.validate.run_layout`
-    measures it (the fastest step), the least of ``runs`` runs. Identical runs here differ by up
-    to 1.6x: a process lands in a fast or a slow mode and keeps it (~4 vs ~6 ms for the same
-    forward + backward in plain PyTorch), so only the fastest of several is the machine's."""
+def measure_trainer_step(config: str, steps: int = 12, runs: int = 5) -> tuple[float, float]:
+    """(step time in s, MoE imbalance) of a one-rank fp32 ``loom train config``. The step time as
+    :func:`loom.plan.validate.run_layout` measures it (the fastest step), the least of ``runs`` runs:
+    identical runs here differ by up to 1.6x, a process lands in a fast or a slow mode and keeps it
+    (~4 vs ~6 ms for the same forward + backward in plain PyTorch), so only the fastest of several is
+    the machine's. The imbalance: the last metrics row's ``moe_imbalance`` (max/mean tokens per
+    expert of the worst layer), the median over the runs; 0 for a dense model."""
     from loom.plan.validate import base_overrides, run_layout
 
-    best = float("inf")
+    best, imbalance = float("inf"), []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(runs):
             row = run_layout(config, 1, [*base_overrides(steps), "--train.precision", "fp32"], str(Path(tmp) / f"run{i}"))
             best = min(best, float(row["step_time_s"]))
-    return best
+            imbalance.append(float(row.get("moe_imbalance", 0.0)))
+    return best, statistics.median(imbalance)
 
 
 def measure_backward_ratio(model: ModelConfig, micro_batch: int, seq_len: int, repeats: int = 15,
@@ -375,16 +378,17 @@ def calibrate(
     half, _ = measure_gemm(shapes, dtype="bf16", device=on)
     width = max(model.dim, model.resolved_ffn_dim()) if model is not None else 256
     hbm = measure_bandwidth([tokens * width, 4 * tokens * width], device=on)
-    bare, ratio = flops, 0.0
+    bare, ratio, imbalance = flops, 0.0, 0.0
     if cfg is not None and config is not None:
         cfg.train.precision = "fp32"
         ratio = measure_backward_ratio(cfg.model, cfg.train.micro_batch, cfg.data.seq_len, device=on)
-        flops = sustained_flops(cfg, hbm, measure_trainer_step(config), ratio)
+        seconds, imbalance = measure_trainer_step(config)
+        flops = sustained_flops(cfg, hbm, seconds, ratio)
     rates = {"fp32": flops, "bf16": flops * half / bare}  # half precision: the bare GEMMs' ratio
     work_shape = (tokens, model.dim) if model is not None else (128, 64)
     fits, share = measure_contention(nproc, backend, work_shape=work_shape) if nproc > 1 else ([], {})
     return Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, compute_share=share,
-                   backward_ratio=ratio, collectives=fits)  # fmt: skip
+                   backward_ratio=ratio, collectives=fits, moe_imbalance=imbalance)  # fmt: skip
 
 
 def contended(profile: Profile, world: int, n_cores: int | None = None) -> Profile:
@@ -420,6 +424,8 @@ def main(argv: list[str]) -> int:
           f"{prof.gemm_flops['bf16'] / 1e9:.2f}), elementwise {prof.hbm_bandwidth / 1e9:.2f} GB/s")  # fmt: skip
     if prof.backward_ratio:
         print(f"backward / forward time of the model: {prof.backward_ratio:.2f} (2 when FLOPs set it)")
+    if prof.moe_imbalance:
+        print(f"expert load of the run: max/mean {prof.moe_imbalance:.2f} (the planner's moe.imbalance when unset)")
     for world, share in prof.compute_share.items():
         print(f"compute share with {world} ranks at once: {share:.2f}")
     for c in prof.collectives:

@@ -225,7 +225,7 @@ class Layout:
     offload_params: bool = False  # ZeRO-3 parameter + gradient shards (and the state) on the host: ZeRO-Infinity
     qwz: bool = False  # ZeRO++ int8 weight gathers (zero 3; loom.plan.zero_options)
     hpz: int = 0  # ZeRO++ secondary partition over this many ranks (a node; 0 = off)
-    qgz: bool = False  # ZeRO++ int8 gradient all-to-all
+    qgz: int = 0  # ZeRO++ gradient all-to-all in this many bits (8 or 4; 0 = off)
     tp_overlap: bool = False  # tensor-parallel collectives pipelined with their GEMMs (Megatron-Core --tp-comm-overlap)
     dp_overlap: bool = True  # data-parallel / ZeRO traffic overlapped bucket by bucket (False: after backward)
     split: tuple[int, ...] = ()  # blocks per pipeline stage (parallel.pp_layout); () = CostModel.stage_layers' rule
@@ -328,7 +328,7 @@ class Workload:
     flash_attention: bool = True  # attention scores are not stored (flash / SDPA)
     bucket_bytes: float = 25 * 2**20  # data-parallel gradient bucket (parallel.bucket_mb)
     optimizer: str = "adamw"  # adamw | adam8bit | adafactor (train.optimizer)
-    moe_imbalance: float = 1.0  # MoE: max/mean tokens per expert (moe.imbalance; a run's moe_imbalance metric)
+    moe_imbalance: float = 1.0  # MoE: max/mean tokens per expert (moe.imbalance; a run's moe_imbalance metric; 0 = the profile's)
     capacity_factor: float = 0.0  # MoE: moe.capacity_factor (0 = dropless): caps an expert's load at cf x mean
     moe_router_losses: bool = False  # MoE: aux or z loss on (a synchronous pipeline schedule is needed)
 
@@ -506,6 +506,9 @@ class CostModel:
             raise PlanError(f"train.reduce_dtype: must be fp32, bf16 or fp16, got {train.reduce_dtype!r}")
         if n_experts < 1 or not 1 <= top_k <= n_experts:
             raise PlanError(f"n_experts/top_k: need 1 <= top_k <= n_experts, got {top_k}/{n_experts}")
+        if train.moe_imbalance <= 0:  # moe.imbalance unset: a calibration run's measurement, else balanced
+            measured = profile.moe_imbalance if profile is not None else 0.0
+            train = dataclasses.replace(train, moe_imbalance=measured if measured >= 1 else 1.0)
         self.model, self.train, self.cluster = model, train, cluster
         self.n_experts, self.top_k = n_experts, top_k
         self.moe = n_experts > 1

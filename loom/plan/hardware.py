@@ -25,7 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-GEMM_K0 = 256  # reduction steps a GEMM tile's prologue + epilogue cost (pipeline fill and drain; fitted, see achievable)
+GEMM_K0: float = 256  # reduction steps a GEMM tile's prologue + epilogue cost (pipeline fill and drain; fitted, see achievable)
 GB = 1e9
 GiB = 2**30
 TFLOPS = 1e12
@@ -49,7 +49,7 @@ class DeviceSpec:
     fp8_flops: float  # peak dense FP8 tensor FLOP/s (0 = unsupported)
     hbm_bandwidth: float  # device memory bandwidth, bytes/s
     link_bandwidth: float  # intra-node device-to-device bandwidth per direction, bytes/s
-    achievable: float  # typical sustained fraction of peak for transformer-sized GEMMs (assumption)
+    achievable: float  # sustained fraction of peak of a large GEMM in training (fitted on published runs; module doc)
     runtime_overhead_bytes: float = 1.0 * GiB  # context + library workspaces + comm buffers (assumption)
     sms: int = 0  # streaming multiprocessors (compute units) that GEMM tiles spread over; 0 = no wave model
     tile: tuple[int, int] = (128, 256)  # output tile (rows, cols) of one GEMM thread block (cuBLAS/CUTLASS bf16)
@@ -57,7 +57,7 @@ class DeviceSpec:
     flash_bwd: float = 0.0  # same, backward (counted as 2.5x the forward's FLOPs)
     nic_bandwidth: float = 50 * GB  # inter-node bandwidth per device per direction of its reference node
     # (DGX A100: one 200 Gb/s HDR HCA per GPU = 25 GB/s; DGX H100/H200/B200: one 400 Gb/s NDR = 50 GB/s)
-    comm_overlap: float = 0.8  # share of data-parallel traffic that can hide behind backward (assumption;
+    comm_overlap: float = 0.8  # share of overlapped data-parallel traffic truly hidden: the rest slows compute (assumption;
     # 0 on CPU: gloo runs on the same cores that compute, so nothing is hidden)
     source: str = ""  # the datasheet the numbers come from
 
@@ -246,9 +246,14 @@ def mfu_peak(name: str, precision: str, tf32: bool) -> tuple[float, str] | None:
         return None
     kind = "tf32" if precision == "fp32" and tf32 else precision
     return DEVICES[key].peak_flops(kind), f"datasheet {key} {kind} ({DEVICES[key].source})"
-"""Known accelerators by name. ``achievable`` (sustained GEMM fraction of peak) is an assumption
-from public GEMM benchmarks, not a datasheet number: 0.75 A100, 0.70 Hopper/Blackwell, 0.55 MI300X,
-0.50 CPU; calibration (:class:`Profile`) replaces it with a measurement."""
+"""Known accelerators by name. ``achievable`` (sustained fraction of peak of a large GEMM inside a
+training step, before tile/wave quantization) is not a datasheet number: A100 0.73 and H100 0.58
+are fitted on the published runs (``loom plan validate --published --fit``; the H100 value on
+llm-foundry's rows only), H200 follows H100, B200 0.70 and MI300X 0.55 are unvalidated
+assumptions, CPU 0.50; calibration (:class:`Profile`) replaces it with a measurement. ``sms``
+(datasheet SM / CU counts) and ``flash_fwd`` / ``flash_bwd`` (FlashAttention-2 paper: ~65% / 50%
+of peak on A100, ~37% / 30% on H100) feed the per-kernel model of :meth:`Machine.gemm` and
+:meth:`Machine.attention`."""
 
 
 def get_device(name: str) -> DeviceSpec:
@@ -439,6 +444,7 @@ class Profile:
     hbm_bandwidth: float = 0.0  # measured copy bandwidth, bytes/s (0 = use the spec)
     compute_share: dict[str, float] = field(default_factory=dict)  # ranks at once -> speed vs alone
     backward_ratio: float = 0.0  # measured backward / forward time of the model (0 = 2, the FLOP ratio)
+    moe_imbalance: float = 0.0  # a MoE config's calibration run: its moe_imbalance metric (0 = not measured)
     collectives: list[CollectiveFit] = field(default_factory=list)
 
     def collective(self, op: str, scope: str, group_size: int, world: int | None = None) -> CollectiveFit | None:

@@ -8,6 +8,7 @@ from loom.config import ConfigError, LoomConfig, ModelConfig, resolve_layout, wo
 from loom.plan.cost import CostModel, Estimate, Layout, PlanError, Workload
 from loom.plan.hardware import ClusterSpec, GiB, Profile
 from loom.plan.search import SearchResult, search
+from loom.plan.zero_options import zero3_options
 
 COLUMNS = (
     "#",
@@ -175,6 +176,7 @@ def layout_of(cfg: LoomConfig) -> Layout:
         recompute=str(getattr(t, "recompute", "none")),
         offload=offload not in (False, None, "", "none"),
         split=_split_of(str(getattr(p, "pp_layout", "") or ""), cfg.model.n_layers, p.pp, int(getattr(p, "virtual_stages", 1))),
+        **zero3_options(p),  # parameter offload, ZeRO++ (loom.plan.zero_options)
     )
 
 

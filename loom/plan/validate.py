@@ -188,6 +188,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--published", action="store_true",
                    help="instead: predicted vs published TFLOP/s per GPU of the runs in loom/plan/validation/*.toml")
     p.add_argument("--sources", action="store_true", help="with --published: also list each run's source")
+    p.add_argument("--fit", action="store_true",
+                   help="with --published: refit the fitted constants, and predict each file's runs from the others")
     args = p.parse_args(argv)
     if args.published:
         from loom.plan.published import (
@@ -208,6 +210,20 @@ def main(argv: list[str]) -> int:
             print(format_published(published))
             if args.sources:
                 print(sources([r.run for r in published]))
+            if args.fit:
+                from loom.plan.fit import current, errors, fit, leave_one_file_out
+
+                runs = [r.run for r in published]
+                now = current(runs)
+                refit = fit(runs, now)
+                errs = [abs(e) for e in errors(runs, refit)]
+                print("constants now:  " + ", ".join(f"{k}={v:.3g}" for k, v in now.items()))
+                print("refit:          " + ", ".join(f"{k}={v:.3g}" for k, v in refit.items())
+                      + f"  (mean {100 * sum(errs) / len(errs):.1f}%, max {100 * max(errs):.1f}%)")
+                neutral = {k: 0.7 if k.startswith("achievable") else 128.0 if k == "k0" else 1.5 for k in now}
+                held = [abs(e) for _, e in leave_one_file_out(runs, neutral, sweeps=2)]
+                print(f"each file predicted from constants fitted on the others (from neutral starts): "
+                      f"mean {100 * sum(held) / len(held):.1f}%, max {100 * max(held):.1f}%")
         mean, worst = summary(published)
         return 0 if mean <= MEAN_TOLERANCE and worst <= MAX_TOLERANCE else 1
     profile = Profile.load(args.profile) if args.profile else None

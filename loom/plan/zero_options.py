@@ -7,7 +7,8 @@ hpZ group, q(x) = N·ceil(x/(N·B))·(B + 4) with B = 256)::
 
     all_gather        k·Σ_u g(Φ_u')·(N-1)/N  [+ k·Σ_re g(Φ_u')·(N-1)/N without hpZ]   g = q with qwZ, else b·x
     all_gather_hpz    k·Σ_re b·Φ_u'·(G-1)/G                                               (hpZ, inside a node)
-    reduce_scatter    Σ_u b·Φ_u'·(N-1)/N      or   all_to_all  Σ_u q(Φ_u')·(N-1)/N          (qgZ)
+    reduce_scatter    Σ_u b·Φ_u'·(N-1)/N      or   all_to_all  Σ_u q(Φ_u')·(N-1)/N          (qgZ; int4: B/2 + 4
+                                                                                       bytes per block)
 
 Device memory (:func:`zero3_memory`): with parameter offload the weights, the gradient shards and
 the optimizer state leave the device (the full gradients kept across micro-batches do not); hpZ
@@ -21,13 +22,13 @@ from typing import Any
 from loom.parallel.zero.quantized import BLOCK, SCALE_BYTES
 
 
-def quantized(numel: float, n: int) -> float:
-    """q(x): bytes of a unit of ``numel`` elements sharded over ``n`` ranks, as int8 blocks + scales."""
-    return n * -(-int(numel // n) // BLOCK) * (BLOCK + SCALE_BYTES)
+def quantized(numel: float, n: int, bits: int = 8) -> float:
+    """q(x): bytes of a unit of ``numel`` elements sharded over ``n`` ranks, as ``bits``-bit blocks + scales."""
+    return n * -(-int(numel // n) // BLOCK) * (BLOCK * bits // 8 + SCALE_BYTES)
 
 
 def zero3_bytes(units: list[int], n: int, b: int, k: int = 1, qwz: bool = False, hpz_group: int = 0,
-                qgz: bool = False) -> dict[str, float]:  # fmt: skip
+                qgz: bool = False, qgz_bits: int = 8) -> dict[str, float]:  # fmt: skip
     """Bytes per collective kind one rank sends per step (module formula); ``units`` in forward
     order, the last one kept gathered for backward."""
     frac, resharded = (n - 1) / n, units[:-1]
@@ -38,10 +39,21 @@ def zero3_bytes(units: list[int], n: int, b: int, k: int = 1, qwz: bool = False,
     else:
         out["all_gather"] += k * frac * sum(gather(u) for u in resharded)
     if qgz:
-        out["all_to_all"] = frac * sum(quantized(u, n) for u in units)
+        out["all_to_all"] = frac * sum(quantized(u, n, qgz_bits) for u in units)
     else:
         out["reduce_scatter"] = frac * b * sum(units)
     return {key: v for key, v in out.items() if v}
+
+
+def zero3_options(p: Any) -> dict[str, Any]:
+    """The :class:`~loom.plan.cost.Layout` fields of a ``[parallel]`` section's ZeRO-3 options."""
+    if getattr(p, "zero", 0) != 3:
+        return {}
+    from loom.parallel.zero.options import hpz_size
+
+    return dict(offload_params=getattr(p, "offload_params", "none") != "none", qwz=bool(getattr(p, "zeropp_qwz", False)),
+                hpz=hpz_size(p) if getattr(p, "zeropp_hpz", False) else 0,
+                qgz=int(getattr(p, "zeropp_qgz_bits", 8)) if getattr(p, "zeropp_qgz", False) else 0)  # fmt: skip
 
 
 def zero3_memory(cm: Any, lay: Any, bd: dict[str, float], first: bool, last: bool) -> dict[str, float]:
@@ -75,7 +87,8 @@ def zeropp_time(cm: Any, lay: Any, m: int) -> float:
     else:
         bwd = mach.collective("all_gather", ns, (dense - kept) * w, span, wd)
     bwd += (units - 2) * lat
-    grads = mach.collective("all_to_all" if lay.qgz else "reduce_scatter", ns, dense * (q if lay.qgz else R), span, wd)
+    qg = (BLOCK * lay.qgz / 8 + SCALE_BYTES) / BLOCK  # bytes per gradient element, quantized
+    grads = mach.collective("all_to_all" if lay.qgz else "reduce_scatter", ns, dense * (qg if lay.qgz else R), span, wd)
     rep = lay.dp // max(1, lay.dp_shard)
     replicas = mach.collective("all_reduce", rep, dense * R / ns, lay.tp * lay.cp * lay.dp, wd) if rep > 1 else 0.0
     return m * (fwd + bwd) + grads + (units - 1) * mach.latency("reduce_scatter", ns, span, wd) + replicas

@@ -13,8 +13,11 @@ with Φ rounded up per flat buffer to a multiple of N·16 bytes (:mod:`.layout`)
 rank per step: 2Φ·b·(N-1)/N for stages 1-2 (reduce-scatter + all-gather), about 3Φ·b·(N-1)/N
 for stage 3 (two all-gathers + reduce-scatter), plus 2(Φ/N)·b·(R-1)/R across replicas.
 Each stage module states its exact formula. ``parallel.offload`` moves the optimizer state to
-host memory or to memory-mapped files (:mod:`loom.optim.store`). The strategies are built by
-:func:`loom.train.build.data_parallel`.
+host memory or to memory-mapped files (:mod:`loom.optim.store`). ZeRO-3's options
+(:mod:`.options`): ``parallel.offload_params`` puts the parameter and gradient shards there too
+(ZeRO-Infinity, :mod:`.param_offload`: 0 bytes of model state on the device between steps), and
+``parallel.zeropp_*`` quantize and localise its collectives (ZeRO++, :mod:`.zeropp`). The
+strategies are built by :func:`loom.train.build.data_parallel`.
 """
 
 from __future__ import annotations

@@ -49,6 +49,14 @@ def unique_params(module: nn.Module) -> list[nn.Parameter]:
     return out
 
 
+def frozen_state(module: nn.Module) -> dict[str, int]:
+    """``{"frozen_bytes": b}``: the bytes of the frozen parameters (LoRA's base, QLoRA's NF4 tensors),
+    each shared one once; empty when there are none (a state_bytes entry only fine-tuning has)."""
+    frozen = {id(p): p for p in module.parameters() if not p.requires_grad}
+    total = sum(p.numel() * p.element_size() for p in frozen.values())
+    return {"frozen_bytes": total} if total else {}
+
+
 def decayed_ids(module: nn.Module) -> set[int]:
     """ids of the parameters AdamW decays: the rule of :func:`loom.optim.groups.param_groups`."""
     return {id(p) for p in param_groups(module, 1.0)[0]["params"]}

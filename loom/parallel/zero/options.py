@@ -36,17 +36,18 @@ def stage3_strategy(module: nn.Module, p: Any, directory: str | Path, tag: str, 
         from loom.parallel.zero.zeropp import ZeroPlusPlus
 
         return ZeroPlusPlus(module, qwz=p.zeropp_qwz, hpz_group=hpz_size(p) if p.zeropp_hpz else 0,
-                            qgz=p.zeropp_qgz, **kwargs)  # fmt: skip
+                            qgz=p.zeropp_qgz, qgz_bits=p.zeropp_qgz_bits, **kwargs)  # fmt: skip
     return FullyShardedZero(module, **kwargs)
 
 
 def hpz_size(p: Any) -> int:
-    """Ranks per hpZ secondary partition: ``hpz_group``, or the ranks of one node (the launcher's
-    ``LOCAL_WORLD_SIZE``), never more than the sharding group."""
+    """Ranks per hpZ secondary partition: ``hpz_group``, or the sharding group's ranks on one node
+    (the launcher's ``LOCAL_WORLD_SIZE`` / tp: tp is the innermost mesh dimension, the sharding group
+    dp_shard x cp the next), never more than the sharding group."""
     import os
 
     n = max(1, p.dp_shard * p.cp)
-    g = p.hpz_group or int(os.environ.get("LOCAL_WORLD_SIZE", n))
+    g = p.hpz_group or max(1, int(os.environ.get("LOCAL_WORLD_SIZE", n * p.tp)) // p.tp)
     if n % g and g < n:
         raise ValueError(f"parallel.hpz_group: {g} ranks per node do not divide the sharding group of {n}")
     return min(g, n)

@@ -36,22 +36,8 @@ import torch
 
 from loom import comm
 from loom.optim.store import StateStore
+from loom.parallel.zero.quantized import Then
 from loom.parallel.zero.stage3 import GATHERING, SHARDED, FullyShardedZero, Unit
-
-
-class _Fetched:
-    """The all-gathers of a unit fed from staging buffers: waiting for them releases the buffers."""
-
-    def __init__(self, works: list, release) -> None:
-        self.works, self.release = works, release
-
-    def wait(self, timeout=None) -> bool:
-        for w in self.works:
-            if w is not None:
-                w.wait()
-        self.works = []
-        self.release()
-        return True
 
 
 class OffloadedZero(FullyShardedZero):
@@ -109,7 +95,7 @@ class OffloadedZero(FullyShardedZero):
             full.untyped_storage().resize_(full.numel() * full.element_size())
             works.append(comm.all_gather(full, stage, u.group, self.meter, async_op=True))
         nbytes = sum(comm.nbytes(s) for s in stages)
-        u.work = [_Fetched(works, lambda: self._release(nbytes, stages))]
+        u.work = [Then(works, [lambda: self._release(nbytes, stages)])]  # waiting frees the staging buffers
         u.state = GATHERING
         self.events.append(("gather", u.index, how))
         self._track()

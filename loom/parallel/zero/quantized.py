@@ -3,16 +3,18 @@
 A flat fp tensor is cut into blocks of B = 256 elements (the last padded with zeros); each block
 is stored as int8 codes q = round(x / s) in [-127, 127] with one fp32 scale s = absmax / 127.
 A block of B elements travels as B + 4 bytes instead of B·b (b = 4 in fp32: 3.94x fewer bytes;
-b = 2 in bf16: 1.97x). The error of one element is at most s/2 = absmax/254 of its block.
+b = 2 in bf16: 1.97x). The error of one element is at most s/2 = absmax/254 of its block. In int4
+(qgZ's option, ``parallel.zeropp_qgz_bits = 4``) codes are in [-7, 7], two to a byte: B/2 + 4 bytes
+per block, an error of at most absmax/14.
 
 qgZ (:class:`QuantizedReducer`): instead of a reduce-scatter of the fp gradient, each rank
 quantizes the N destination chunks of its gradient (Φ_u'/N elements each, blocked separately),
 sends chunk j to rank j with one all-to-all (codes and scales), and sums the N dequantized chunks
 it receives in fp32, in rank order. Bytes sent per rank for a unit of Φ_u' elements:
 
-    all_to_all  N·ceil(Φ_u'/(N·B))·(B + 4)·(N-1)/N          (reduce-scatter: Φ_u'·b·(N-1)/N)
+    all_to_all  N·ceil(Φ_u'/(N·B))·(B·bits/8 + 4)·(N-1)/N   (reduce-scatter: Φ_u'·b·(N-1)/N)
 
-(ZeRO++ runs it hierarchically, intra-node then inter-node, in int4; here one hop, int8.) The
+(ZeRO++ runs it hierarchically, intra-node then inter-node, in int4; here one hop, int8 or int4.) The
 replicas' all-reduce of the shard (hybrid sharding) is unchanged, in fp32.
 """
 
@@ -34,21 +36,28 @@ def blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
-def quantized_bytes(numel: int) -> int:
-    """Bytes of ``numel`` elements as int8 codes and fp32 scales, padded to whole blocks."""
-    return blocks(numel) * (BLOCK + SCALE_BYTES)
+def quantized_bytes(numel: int, bits: int = 8) -> int:
+    """Bytes of ``numel`` elements as ``bits``-bit codes and fp32 scales, padded to whole blocks."""
+    return blocks(numel) * (BLOCK * bits // 8 + SCALE_BYTES)
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes, fp32 scales) of ``x`` (1-D, a multiple of BLOCK elements)."""
+def quantize(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, fp32 scales) of ``x`` (1-D, a multiple of BLOCK elements): int8 codes in [-127, 127]
+    with s = absmax/127, or (``bits`` = 4) codes in [-7, 7] with s = absmax/7, two to a uint8."""
+    levels = 127.0 if bits == 8 else 7.0
     v = x.float().view(-1, BLOCK)
-    scale = v.abs().amax(dim=1) / 127.0
-    q = torch.round(v / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp_(-127, 127)
-    return q.to(torch.int8).view(-1), scale
+    scale = v.abs().amax(dim=1) / levels
+    q = torch.round(v / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp_(-levels, levels)
+    if bits == 8:
+        return q.to(torch.int8).view(-1), scale
+    pairs = (q + 8).to(torch.uint8).view(-1, 2)  # 1..15
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).contiguous(), scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 values of int8 ``q`` with one ``scale`` per block."""
+def dequantize(q: torch.Tensor, scale: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """fp32 values of ``bits``-bit codes ``q`` with one ``scale`` per block."""
+    if bits == 4:
+        q = torch.stack([q & 15, q >> 4], dim=1).view(-1).to(torch.int8) - 8
     return (q.view(-1, BLOCK).float() * scale[:, None]).view(-1)
 
 
@@ -88,7 +97,9 @@ def all_to_all(out: torch.Tensor, x: torch.Tensor, group: Group, meter: CommMete
 
 
 class QuantizedReducer(GradReducer):
-    """:class:`GradReducer` whose reduce-scatter is int8 codes through an all-to-all (qgZ)."""
+    """:class:`GradReducer` whose reduce-scatter is int8 (or int4, ``bits``) codes through an all-to-all (qgZ)."""
+
+    bits = 8
 
     def launch(self, full: torch.Tensor, dest: torch.Tensor, owned: bool = True) -> None:
         n = comm.group_size(self.shard_group)
@@ -97,13 +108,13 @@ class QuantizedReducer(GradReducer):
             return
         per = full.numel() // n
         send = padded(full, n).div_(self.dp)
-        q, scale = quantize(send)
+        q, scale = quantize(send, self.bits)
         q_in, s_in = torch.empty_like(q), torch.empty_like(scale)
         works = [all_to_all(q_in, q, self.shard_group, self.meter), all_to_all(s_in, scale, self.shard_group, self.meter)]
         out = torch.empty(per, dtype=torch.float32, device=full.device)
 
         def finish() -> None:  # Σ over the N senders of their dequantized chunk for this rank, fp32
-            out.copy_(dequantize(q_in, s_in).view(n, -1)[:, :per].sum(dim=0))
+            out.copy_(dequantize(q_in, s_in, self.bits).view(n, -1)[:, :per].sum(dim=0))
 
         transient = sum(comm.nbytes(t) for t in (send, q, scale, q_in, s_in, out))
         for p in self.inflight:  # the earlier shards go on to their replicas now
@@ -113,5 +124,7 @@ class QuantizedReducer(GradReducer):
             self._complete(self.inflight.popleft())
 
     @classmethod
-    def like(cls, r: GradReducer) -> QuantizedReducer:
-        return cls(r.shard_group, r.replicate_group, r.dp, r.meter, r.reduce_dtype, r.max_inflight, r.algorithm)
+    def like(cls, r: GradReducer, bits: int = 8) -> QuantizedReducer:
+        out = cls(r.shard_group, r.replicate_group, r.dp, r.meter, r.reduce_dtype, r.max_inflight, r.algorithm)
+        out.bits = bits
+        return out

@@ -48,6 +48,7 @@ from loom.parallel.zero.common import OptimizerFactory, ShardedStrategy
 from loom.parallel.zero.layout import (
     FlatLayout,
     decayed_ids,
+    frozen_state,
     tied_copy,
     unique_params,
 )
@@ -221,7 +222,7 @@ class ZeroDataParallel(ShardedStrategy):
             "optim_bytes": self.optim.state_bytes,
             "optim_offload_bytes": self.optim.store.offloaded_bytes,
             "transient_peak_bytes": self.transient_peak,
-        }
+        } | frozen_state(self.module)  # LoRA's frozen base: replicated, outside the flat buffers
 
     def remove(self) -> None:
         for h in self._handles:

@@ -36,6 +36,12 @@ gathered around the layer's forward and backward and sharded over their edp grou
 ranks holding the same experts) instead of the sharding group; the rest of the block is its unit.
 Per rank: 16·(Φ_dense'/N + Φ_experts'/N_e) bytes (fp32 Adam).
 
+Frozen parameters (LoRA's base, QLoRA's NF4 codes and scales) get flat buffers of their own per
+unit (one per dtype), sharded, gathered and freed with the unit's, never reduced nor updated: a
+rank holds Φ_f'·b/N of them, and a unit holding some stays gathered in backward until the gradient
+of its input is formed (dx = dy·W needs W after the adapters' gradients have arrived); a unit of
+frozen parameters only has no gradient and no optimizer state.
+
 Bytes held per rank between steps, fp32 (Φ' = Σ over units of the padded unit size Φ_u'):
 
     params 4Φ'/N + grads 4Φ'/N + Adam 8Φ'/N = 16Φ'/N      (mixed precision: (2+2+12)Φ/N)
@@ -127,7 +133,7 @@ def expert_layers(mods: list[nn.Module]) -> list[tuple[nn.Module, list[nn.Parame
     shards: the MoE layer, whose forward reads them (they get a unit of their own, over edp)."""
     out = []
     for m in nn.ModuleList(mods).modules():
-        ps = [p for c in m.children() for p in c.parameters(recurse=False) if p.requires_grad and is_expert(p)]
+        ps = [p for c in m.children() for p in c.parameters(recurse=False) if is_expert(p)]  # frozen ones too (LoRA)
         if ps:
             out.append((m, ps))
     return out
@@ -238,11 +244,13 @@ class FullyShardedZero(ShardedStrategy):
             experts = expert_layers(mods)
             claimed = {id(p) for _, ps in experts for p in ps}
             params = [p for p in unique_params(nn.ModuleList(mods)) if id(p) not in claimed]
-            frozen = [p for p in dict.fromkeys(nn.ModuleList(mods).parameters()) if not p.requires_grad]
+            frozen = [p for p in dict.fromkeys(nn.ModuleList(mods).parameters()) if not p.requires_grad
+                      and id(p) not in claimed]  # fmt: skip
             self.units.append(self._make_unit(len(self.units), name, r, mods, params, decayed, reshard, frozen=frozen))
             for k, (layer, ps) in enumerate(experts):  # sharded over their edp group, gathered around the layer
-                self.units.append(self._make_unit(len(self.units), f"{name}.experts{k}", r, [layer], ps, decayed,
-                                                  reshard, self._expert_group(ps[0])))  # fmt: skip
+                self.units.append(self._make_unit(len(self.units), f"{name}.experts{k}", r, [layer],
+                                                  [p for p in ps if p.requires_grad], decayed, reshard,
+                                                  self._expert_group(ps[0]), [p for p in ps if not p.requires_grad]))  # fmt: skip
         trained = [u for u in self.units if u.trained]  # units of frozen parameters only: no gradient, no state
         self.layouts = [u.layout for u in trained]
         self.grad_shards = [u.grad_shard for u in trained]

@@ -19,6 +19,7 @@ Bytes moved per rank per step, k micro-batches, N ranks sharding, units of Φ_u'
     backward all-gathers    k·Σ_re Φ_u'·b·(N-1)/N         hpZ: k·Φ_re'·b·(G-1)/G  (``all_gather_hpz``,
                                                            inside a node)   qwZ alone: k·Σ_re q(Φ_u')·(N-1)/N
     gradients               Φ'·b·(N-1)/N reduce-scatter   qgZ: Σ_u q(Φ_u')·(N-1)/N all-to-all
+                                                           (int4: B/2 + 4 bytes per block in q)
 
 In fp32 qwZ and qgZ move (B + 4)/(4B) = 25.4% of the bytes they replace (bf16: 50.8%); with hpZ
 nothing of the backward crosses a node. Memory: hpZ holds b·Φ_u'/G per resharded unit between its
@@ -71,11 +72,12 @@ def node_groups(shard_group: Group, size: int) -> Group:
 
 
 class ZeroPlusPlus(FullyShardedZero):
-    """ZeRO-3 with the ZeRO++ options: ``qwz``, ``hpz_group`` (G ranks; 0 = no hpZ), ``qgz``."""
+    """ZeRO-3 with the ZeRO++ options: ``qwz``, ``hpz_group`` (G ranks; 0 = no hpZ), ``qgz`` (in
+    ``qgz_bits`` = 8 or 4 bits)."""
 
     def __init__(self, module: torch.nn.Module, *, qwz: bool = False, hpz_group: int = 0, qgz: bool = False,
-                 **kwargs: Any) -> None:  # fmt: skip
-        self.qwz, self.qgz = qwz, qgz
+                 qgz_bits: int = 8, **kwargs: Any) -> None:  # fmt: skip
+        self.qwz, self.qgz, self.qgz_bits = qwz, qgz, qgz_bits
         self._exact = False  # gather the exact shards (saving, full_state_dict)
         self._secondary: dict[int, list[torch.Tensor]] = {}  # unit index -> its hpZ slices
         self._extra_bytes = 0  # secondary slices and quantized buffers alive
@@ -91,7 +93,7 @@ class ZeroPlusPlus(FullyShardedZero):
 
     def _reducer_for(self, p: torch.Tensor) -> GradReducer:
         if self.qgz and not isinstance(self.reducer, QuantizedReducer):
-            self.reducer = QuantizedReducer.like(self.reducer)
+            self.reducer = QuantizedReducer.like(self.reducer, self.qgz_bits)
         return super()._reducer_for(p)
 
     # ------------------------------------------------------------------ gathers
@@ -109,7 +111,7 @@ class ZeroPlusPlus(FullyShardedZero):
             full.untyped_storage().resize_(full.numel() * full.element_size())
             if secondary is not None:
                 works.append(comm.all_gather(full, secondary[i], self.hpz, self._hpz_meter, async_op=True))
-            elif self.qwz:
+            elif self.qwz and comm.group_size(u.group) > 1 and full.is_floating_point():  # not codes (NF4), not alone
                 works += self._quantized_gather(full, shard, u.group, finish, keep)
             else:
                 works.append(comm.all_gather(full, shard, u.group, self.meter, async_op=True))
