@@ -31,6 +31,7 @@ def lora_cfg(layout: dict | None = None, model_kw: dict | None = None, steps: in
     p.dp_shard, p.cp, p.ep = layout.get("dp_shard", -1), layout.get("cp", 1), layout.get("ep", 1)
     p.reshard_after_forward = layout.get("reshard_after_forward", True)
     cfg.train.recompute = layout.get("recompute", "none")
+    cfg.train.precision = layout.get("precision", "fp32")
     cfg.run.dir = "/tmp/loom-test-finetune"
     return cfg
 
@@ -676,6 +677,30 @@ def test_peft_export_of_a_full_run_is_one_line(prepared, hf_base, tmp_path):
         export_peft(run, tmp_path / "adapter")
     assert "is not a LoRA run (finetune.method = full" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "adapter").exists()
+    from loom.train.trainer import RankEnv, Trainer  # LoRA resuming a full run's checkpoint: refused
+
+    with pytest.raises(C.ConfigError, match="holds every weight .a full fine-tune.; this run has finetune.method = lora"):
+        Trainer(hf_lora_config(prepared, hf_base, tmp_path / "lora", train={"resume": str(run)}), RankEnv(0, 1, 0, 1))
+
+
+def test_base_identity_of_the_seeded_init_and_of_a_checkpoint(lora_run):
+    """No from_hf / init_from: the base is the seeded init, hashed from the model fields and the seed;
+    a Loom checkpoint as init_from: the SHA-256 of its manifest."""
+    import hashlib
+
+    from loom.finetune.base import base_identity
+
+    a, b = lora_cfg(), lora_cfg()
+    assert base_identity(a) == base_identity(b) and base_identity(a)["kind"] == "init"
+    b.train.seed += 1
+    assert base_identity(a)["sha256"] != base_identity(b)["sha256"]
+    run, _ = lora_run
+    a.train.init_from = str(run)
+    got = base_identity(a)
+    ckpt = run / "checkpoints" / "step-00000004"
+    assert got == {"kind": "checkpoint", "path": str(ckpt.resolve()),
+                   "sha256": hashlib.sha256((ckpt / "manifest.json").read_bytes()).hexdigest()}  # fmt: skip
+    assert base_identity(C.LoomConfig()) is None  # a full fine-tune is bound to no base
 
 
 def _zero3_peak() -> tuple[int, list[int]]:
@@ -700,3 +725,41 @@ def test_zero3_frees_frozen_blocks_during_backward(pools):
     last), never all six (what keeping them until the end of backward would cost)."""
     for peak, blocks in pools(2).run(_zero3_peak):
         assert peak < 4 * max(blocks) < sum(blocks)
+
+
+@pytest.mark.parametrize("method,precision,zero", [("lora", "fp32", 0), ("lora", "bf16", 2), ("qlora", "bf16", 3)])
+def test_state_bytes_formula_of_a_finetune(pools, method, precision, zero):
+    """Per rank between steps, measured = :func:`loom.finetune.lora.state_bytes_formula` (what a
+    benchmark or planner can predict), up to the flat buffers' padding (< 1%)."""
+    from loom.finetune.lora import state_bytes_formula
+
+    layout = {"dp_replicate": 2} if zero == 0 else {"dp_shard": 2, "zero": zero}
+    cfg = lora_cfg(layout, method=method)
+    cfg.train.precision = precision
+    C.validate(cfg, 2)
+    want = state_bytes_formula(cfg, 2)
+    for r in pools(2).run(train_lora, {**layout, "precision": precision}, None, 2, method=method):
+        got = {k: r["bytes"][k] for k in want}
+        assert got == {k: pytest.approx(v, rel=0.01) for k, v in want.items()}
+
+
+@pytest.mark.parametrize("method,precision,zero", [("lora", "fp32", 0), ("lora", "bf16", 2), ("qlora", "bf16", 3),
+                                                   ("lora", "fp32", 3)])  # fmt: skip
+def test_planner_state_of_a_finetune_equals_the_formula(method, precision, zero):
+    """The planner's weights, gradients and optimizer state of a LoRA/QLoRA rank (frozen base W bytes
+    a parameter, or NF4 on the targets; adapters trained) equal :func:`state_bytes_formula`, which the
+    test above checks against a run's measured bytes."""
+    from loom.finetune.lora import state_bytes_formula
+    from loom.plan.auto import local_cluster
+    from loom.plan.cost import CostModel, Layout
+    from loom.plan.report import model_of, workload_of
+
+    layout = {"dp_replicate": 2} if zero == 0 else {"dp_shard": 2, "zero": zero}
+    cfg = lora_cfg(layout, method=method)
+    cfg.train.precision, cfg.model.vocab_size = precision, 384
+    want = state_bytes_formula(cfg, 2)
+    lay = Layout(dp=2, dp_shard=2 if zero else 1, zero=zero, micro_batch=MICRO)
+    got = CostModel(model_of(cfg), workload_of(cfg), local_cluster(2)).state_memory(lay)
+    assert got["weights"] == pytest.approx(want["param_bytes"] + want["frozen_bytes"], rel=1e-9)
+    assert got["gradients"] == pytest.approx(want["grad_bytes"], rel=1e-9)
+    assert got["optimizer"] == pytest.approx(want["optim_bytes"], rel=1e-9)

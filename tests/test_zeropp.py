@@ -229,3 +229,33 @@ def test_hybrid_sharding(runs):
         for step in r["h_all"]["moved"]:
             assert step["all_reduce"] == pytest.approx(replicas) == r["h_z3"]["moved"][0]["all_reduce"]
             assert set(step) == {"all_gather", "all_gather_hpz", "all_to_all", "all_reduce"}
+
+
+def _finetune(method: str, opts: dict) -> list[float]:
+    """3 steps of LoRA or QLoRA fine-tuning of the tiny model under ZeRO-3 over 2 ranks with ``opts``."""
+    from dataclasses import replace
+
+    from loom.comm import CommMeter
+    from loom.model.llama import build_model, loss_fn
+    from loom.train.build import parallelize
+    from tests.dist import get_mesh
+    from tests.helpers import metered_steps, tiny_train
+
+    mesh = get_mesh(dp_shard=2)
+    cfg = C.LoomConfig(model=tiny_model(), train=tiny_train(steps=3))
+    cfg.parallel = replace(cfg.parallel, zero=3, dp=2, dp_shard=2, **opts)
+    cfg.finetune.method = method
+    model = build_model(cfg.model, cfg.train.seed)
+    meter = CommMeter()
+    _, strategy, _ = parallelize(model, mesh, cfg, meter)
+    return metered_steps(model, strategy, meter, mesh, cfg, loss_fn, 3, BATCH, MICRO)[0]
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_finetuning_base_under_qwz(pools, method):
+    """A LoRA base is quantized with the adapters; QLoRA's NF4 codes and the scales beside them travel
+    exactly (quantizing its fp32 scale factors with its per-tensor mean would wreck the weights)."""
+    ref = pools(2).run(_finetune, method, {})
+    got = pools(2).run(_finetune, method, {"zeropp_qwz": True})
+    for a, b in zip(ref, got):
+        assert_close(torch.tensor(b), torch.tensor(a), **LOSS_TOL)

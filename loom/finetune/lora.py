@@ -134,19 +134,11 @@ def target_modules(model: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple
     layers = getattr(model, "layers", ())
     blocks = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
     for i, block in blocks:
+        modules = dict(block.named_modules())
         for t in targets:
-            path = TARGET_NAMES[t]
-            mod = block.get_submodule(path) if _has(block, path) else None
-            if isinstance(mod, nn.Linear):
-                yield f"layers.{i}.{path}", mod, t
-
-
-def _has(block: nn.Module, path: str) -> bool:
-    try:
-        block.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
+            mod = modules.get(TARGET_NAMES[t])
+            if isinstance(mod, nn.Linear):  # a MoE layer's w1/w2/w3 are expert stacks, not linears
+                yield f"layers.{i}.{TARGET_NAMES[t]}", mod, t
 
 
 def apply_lora(model: nn.Module, cfg: LoomConfig) -> list[str]:
@@ -176,3 +168,34 @@ def adapter_numel(cfg: LoomConfig) -> int:
 def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W + (α/r)·B A, in fp32 then cast back to W's dtype."""
     return (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
+
+
+def state_bytes_formula(cfg: LoomConfig, n: int = 1) -> dict[str, float]:
+    """Bytes one rank holds between steps in a LoRA/QLoRA run with AdamW, no tp/pp, over a sharding
+    group of ``n`` ranks (ZeRO ``parallel.zero``; n = 1 without), before the flat buffers' padding:
+
+        Φ_A adapters, e bytes per element (2 in bf16/fp16, 4 in fp32), Φ_B the frozen base
+        param_bytes   e·Φ_A            (ZeRO-3: /n)
+        grad_bytes    e·Φ_A            (ZeRO-2, 3: /n)
+        optim_bytes   (8 + 4·mixed)·Φ_A  (ZeRO-1, 2, 3: /n)   moments, and fp32 masters when mixed
+        frozen_bytes  e·Φ_B            (ZeRO-3: /n); QLoRA: each target's e·n_t replaced by its NF4 bytes
+
+    The rest of a full fine-tune's 16 bytes per parameter (mixed) is gone: the base costs e·Φ_B."""
+    from loom.config import target_shapes
+    from loom.finetune.nf4 import nf4_bytes
+    from loom.model.llama import build_model, count_params
+
+    zero, mixed = cfg.parallel.zero, cfg.train.precision != "fp32"
+    e = 2 if mixed else 4
+    adapters = adapter_numel(cfg)
+    base = count_params(build_model(cfg.model, cfg.train.seed, meta=True, moe=cfg.moe))
+    frozen = e * base
+    if cfg.finetune.method == "qlora":
+        shapes = target_shapes(cfg.model)
+        for t in lora_targets(cfg):
+            numel = shapes[t][0] * shapes[t][1]
+            frozen += cfg.model.n_layers * (nf4_bytes(numel) - e * numel)
+    return {"param_bytes": e * adapters / (n if zero == 3 else 1),
+            "grad_bytes": e * adapters / (n if zero >= 2 else 1),
+            "optim_bytes": (8 + 4 * mixed) * adapters / (n if zero >= 1 else 1),
+            "frozen_bytes": frozen / (n if zero == 3 else 1)}  # fmt: skip

@@ -118,15 +118,16 @@ def scale_all(grads: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
 
 
-def any_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
+def any_nonfinite(grads: Sequence[torch.Tensor], device: torch.device | None = None) -> bool:
     """True on every rank if any rank's ``grads`` hold an inf or NaN: one MAX all-reduce over WORLD,
-    as every dimension (dp, tp, pp, ep) holds different gradient shards and all must agree."""
-    device = grads[0].device if grads else torch.device("cpu")
+    as every dimension (dp, tp, pp, ep) holds different gradient shards and all must agree.
+    ``device``: where the flag crosses ranks (default: the gradients'; host shards under offload)."""
+    device = device or (grads[0].device if grads else torch.device("cpu"))
     grads = [g for g in grads if g.numel()]
     flag = torch.zeros(1, device=device)
     if grads:
         amax = torch._foreach_norm(grads, float("inf"))  # exact in the gradient's dtype; NaN propagates
-        flag += (~torch.isfinite(torch.stack(amax))).any().float()
+        flag += (~torch.isfinite(torch.stack(amax))).any().float().to(device)
     if dist.is_available() and dist.is_initialized():
         comm.all_reduce_max(flag, dist.group.WORLD)
     return bool(flag.item())

@@ -160,11 +160,13 @@ def mark_partial(p: torch.Tensor, group: Group, meter: CommMeter | None = None) 
     return p
 
 
-def sum_partial_grads(params, grad_of: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+def sum_partial_grads(params, grad_of: Callable[[torch.Tensor], torch.Tensor | None],
+                      device: torch.device | None = None) -> None:  # fmt: skip
     """Sum over tp, in one all-reduce, the gradients of the parameters :func:`mark_partial` marked,
     after the data-parallel reduction of the step: ``grad_of(p)`` is the whole gradient (replicated
     data parallelism) or this rank's shard of it (ZeRO; tp peers share one shard layout, so their
-    pieces line up). Sums commute, so reducing over dp first and tp second equals Megatron's order."""
+    pieces line up). Sums commute, so reducing over dp first and tp second equals Megatron's order.
+    ``device``: where the sum crosses ranks when the gradients live elsewhere (host shards under offload)."""
     marked = [p for p in params if placement_of(p).partial is not None]
     if not marked:
         return
@@ -173,7 +175,7 @@ def sum_partial_grads(params, grad_of: Callable[[torch.Tensor], torch.Tensor | N
     if not pieces:
         return
     flat = torch.cat([g.reshape(-1) for g in pieces])
-    comm.all_reduce(flat, partial.group, partial.meter)
+    comm.all_reduce_via(flat, partial.group, device or flat.device, partial.meter)
     offset = 0
     for g in pieces:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

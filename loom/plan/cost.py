@@ -108,7 +108,8 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from loom.config import OPTIMIZERS, ModelConfig
+from loom.config import OPTIMIZERS, ModelConfig, target_shapes
+from loom.finetune.nf4 import nf4_bytes
 from loom.mesh import ParallelDims
 from loom.model.llama import flops_per_token
 from loom.optim.adam8bit import BLOCK as ADAM8BIT_BLOCK
@@ -331,6 +332,9 @@ class Workload:
     moe_imbalance: float = 1.0  # MoE: max/mean tokens per expert (moe.imbalance; a run's moe_imbalance metric; 0 = the profile's)
     capacity_factor: float = 0.0  # MoE: moe.capacity_factor (0 = dropless): caps an expert's load at cf x mean
     moe_router_losses: bool = False  # MoE: aux or z loss on (a synchronous pipeline schedule is needed)
+    lora_rank: int = 0  # finetune.lora_rank of a LoRA/QLoRA run (0 = every parameter trains)
+    lora_targets: tuple[str, ...] = ()  # its resolved targets (q, k, v, o, w1, w2, w3)
+    qlora: bool = False  # the targets' frozen base weights stored in NF4
 
     @property
     def moe_load(self) -> float:
@@ -670,6 +674,35 @@ class CostModel:
             self._states(lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last, lay.split)
         )
 
+    def _adapters_on(self, t: int, pp: int, first: bool, last: bool, split: tuple[int, ...] = ()) -> tuple[float, float]:
+        """(LoRA adapter parameters, target base elements) on one device of a stage: per block and
+        target of shape (d_out, d_in), r·(d_in + d_out/t) for a column-parallel target (q, k, v, w1, w3:
+        B split with W's rows), r·(d_in/t + d_out) for a row-parallel one (o, w2: A split with W's
+        columns); the base weight d_out·d_in/t."""
+        r, layers = self.train.lora_rank, self.stage_layers(pp, first, last, split)
+        shapes = target_shapes(self.model)
+        adapters = base = 0.0
+        for name in self.train.lora_targets:
+            d_out, d_in = shapes[name]
+            adapters += r * ((d_in / t + d_out) if name in ("o", "w2") else (d_in + d_out / t))
+            base += d_out * d_in / t
+        return layers * adapters, layers * base
+
+    def _lora_state(self, tp: int, pp: int, first: bool, last: bool, split: tuple[int, ...],
+                    dense: float, expert: float, shard: tuple[int, ...], shard_e: tuple[int, ...]) -> dict[str, float]:  # fmt: skip
+        """A LoRA/QLoRA rank's states: the frozen base at W bytes per element (no gradient, no optimizer
+        state; QLoRA's targets in NF4: n/2 + n/64 + 4·ceil(n/16384) + 4 bytes), sharded like the weights;
+        the adapters' weights, gradients and optimizer state as any trained parameter's."""
+        W, G, O = self.W, self.G, self.O  # noqa: E741 (the module doc's names)
+        adapters, targets = self._adapters_on(tp, pp, first, last, split)
+        frozen = W * (dense / shard[0] + expert / shard_e[0])
+        if self.train.qlora:  # each target's weight is quantized on its own (QLoRA refuses tp > 1)
+            shapes, layers = target_shapes(self.model), self.stage_layers(pp, first, last, split)
+            nf4 = layers * sum(nf4_bytes(shapes[n][0] * shapes[n][1]) for n in self.train.lora_targets)
+            frozen += (nf4 - W * targets) / shard[0]
+        return {"weights": frozen + W * adapters / shard[0], "gradients": G * adapters / shard[1],
+                "optimizer": O * adapters / shard[2]}  # fmt: skip
+
     def _state_memory(
         self,
         tp: int,
@@ -696,9 +729,13 @@ class CostModel:
         optim = O * (dense / shard[2] + expert / shard_e[2])
         if self.train.optimizer == "adafactor":  # 4 (R + C) per matrix, 4 per vector element
             optim += self._factored_bytes(tp, pp, ep, first, last) / shard[2]
+        grads = G * (dense / shard[1] + expert / shard_e[1])
+        if self.train.lora_rank:
+            lora = self._lora_state(tp, pp, first, last, split, dense, expert, shard, shard_e)
+            weights, grads, optim = lora["weights"], lora["gradients"], lora["optimizer"]
         return (
             ("weights", weights),
-            ("gradients", G * (dense / shard[1] + expert / shard_e[1])),
+            ("gradients", grads),
             ("optimizer", 0.0 if offload else optim),
             ("zero3 buffer", buffer),
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from loom.config import ConfigError, LoomConfig, ModelConfig, resolve_layout, world_size_of
+from loom.config import ConfigError, LoomConfig, ModelConfig, lora_targets, resolve_layout, world_size_of
 from loom.plan.cost import CostModel, Estimate, Layout, PlanError, Workload
 from loom.plan.hardware import ClusterSpec, GiB, Profile
 from loom.plan.search import SearchResult, search
@@ -147,6 +147,9 @@ def workload_of(cfg: LoomConfig) -> Workload:
         moe_imbalance=cfg.moe.imbalance,
         capacity_factor=cfg.moe.capacity_factor,
         moe_router_losses=cfg.moe.aux_loss_coef > 0 or cfg.moe.z_loss_coef > 0,
+        lora_rank=cfg.finetune.lora_rank if cfg.finetune.method != "full" else 0,
+        lora_targets=lora_targets(cfg) if cfg.finetune.method != "full" else (),
+        qlora=cfg.finetune.method == "qlora",
     )
 
 

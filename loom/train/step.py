@@ -83,7 +83,7 @@ def optimizer_step(strategy: Strategy, lr: float, max_norm: float, scaler: LossS
     strategy.finish_sync()
     unscale = 1.0
     if scaler is not None:
-        if any_nonfinite(strategy.grads()):
+        if any_nonfinite(strategy.grads(), getattr(strategy, "comm_device", None)):
             scaler.update(True)
             return math.inf
         unscale = 1.0 / scaler.scale

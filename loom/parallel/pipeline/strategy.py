@@ -106,6 +106,11 @@ class PipelineStrategy:
         return stats
 
     # ------------------------------------------------------------------ Strategy
+    @property
+    def comm_device(self):
+        """The inner strategy's device for scalar collectives (its host shards' under offload), or None."""
+        return getattr(self.inner, "comm_device", None)
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.inner.no_sync()
 

@@ -40,6 +40,7 @@ class ShardedStrategy(SyncSwitch):
     params: list[torch.nn.Parameter]
     module: torch.nn.Module
     optim: FlatOptimizer
+    comm_device: torch.device | None = None  # scalar collectives' device when the shards live elsewhere (offload)
 
     def __init__(
         self, shard_group: Group, replicate_group: Group, tp_group: Group, meter: CommMeter | None
@@ -100,7 +101,7 @@ class ShardedStrategy(SyncSwitch):
         if not self.sync_enabled:
             return
         self._reduce_all()
-        sum_partial_grads(self.params, self.param_grad_shard)
+        sum_partial_grads(self.params, self.param_grad_shard, self.comm_device)
 
     def grads(self) -> list[torch.Tensor]:
         return list(self.grad_shards)
@@ -108,7 +109,7 @@ class ShardedStrategy(SyncSwitch):
     def grad_sq(self) -> torch.Tensor:
         """Σ of squares of this rank's gradient shards (tp shards summed over tp), summed over the
         sharding group; expert shards summed over their edp group (when sharded there) and ep."""
-        device = self.grad_shards[0].device if self.grad_shards else torch.device("cpu")
+        device = self.comm_device or (self.grad_shards[0].device if self.grad_shards else torch.device("cpu"))
         tp_views, rep_views, ep_views, expert = [], [], [], None
         for lay, g in zip(self.layouts, self.grad_shards):
             pl = placement_of(lay.params[0]).expert if lay.params else None
@@ -120,14 +121,14 @@ class ShardedStrategy(SyncSwitch):
                 rep_views += [g[lo:hi] for lo, hi in lay.local_ranges(lambda s: not s.tp_sharded)]
             else:
                 rep_views.append(g)
-        sq = sum_sq(rep_views, device)
+        sq = sum_sq(rep_views, device).to(device)  # (shards on the host: the sums go to the device)
         if tp_views:
-            tp_sq = sum_sq(tp_views, device)
+            tp_sq = sum_sq(tp_views, device).to(device)
             comm.all_reduce(tp_sq, self.tp_group)
             sq = sq + tp_sq
         comm.all_reduce(sq, self.shard_group)
         if expert is not None:
-            ep_sq = sum_sq(ep_views, device)
+            ep_sq = sum_sq(ep_views, device).to(device)
             if ep_sharded:
                 comm.all_reduce(ep_sq, expert.edp)
             comm.all_reduce(ep_sq, expert.group)

@@ -50,6 +50,7 @@ class OffloadedZero(FullyShardedZero):
         self._staged_bytes = 0  # staging buffers alive (reading, or feeding an all-gather)
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-param-fetch")
         super().__init__(module, **kwargs)
+        self.comm_device = kwargs.get("device")  # the norm's sums of host gradient shards cross ranks there
 
     # ------------------------------------------------------------------ placement
     def _to_store(self, t: torch.Tensor, name: str) -> torch.Tensor:

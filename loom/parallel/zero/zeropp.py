@@ -4,7 +4,9 @@
 - qwZ: a unit's all-gather sends this rank's shard as block-wise int8 codes with fp32 absmax scales
   (:mod:`.quantized`, blocks of B = 256 per shard) and dequantizes every rank's part into the full
   buffer, so every rank computes with the same (quantized) weights; the optimizer still updates the
-  exact fp32 (or master) shards. Saving and ``full_state_dict`` gather exactly.
+  exact fp32 (or master) shards. Saving and ``full_state_dict`` gather exactly. A LoRA base (frozen
+  weights) is quantized too; QLoRA's NF4 buffers (codes and the scales beside them, compressed
+  already) travel exactly.
 - hpZ: when a unit's *forward* gather completes, each rank keeps the 1/G slice of the full unit
   that is its part in its group of G ranks (``parallel.hpz_group``: one node), a secondary
   partition; the unit's *backward* gathers (and recomputations) all-gather that slice inside the
@@ -107,11 +109,13 @@ class ZeroPlusPlus(FullyShardedZero):
         works: list = []
         finish: list = []
         keep: list = []
+        nf4 = any(not f.full.is_floating_point() for f in u.frozen)  # QLoRA: codes + scales, compressed already
         for i, (full, shard) in enumerate(u.buffers()):
             full.untyped_storage().resize_(full.numel() * full.element_size())
+            exact = not full.is_floating_point() or (nf4 and full is not u.full) or comm.group_size(u.group) == 1
             if secondary is not None:
                 works.append(comm.all_gather(full, secondary[i], self.hpz, self._hpz_meter, async_op=True))
-            elif self.qwz and comm.group_size(u.group) > 1 and full.is_floating_point():  # not codes (NF4), not alone
+            elif self.qwz and not exact:
                 works += self._quantized_gather(full, shard, u.group, finish, keep)
             else:
                 works.append(comm.all_gather(full, shard, u.group, self.meter, async_op=True))
