@@ -1059,8 +1059,13 @@ class CostModel:
             core_f = max(4.0 * T * s * h / tp / mach.flops, core_bytes / mach.hbm)
             core_b = (FLASH_BWD if tr.flash_attention else 2.0) * r / 2 * core_f
         layer_f = gemm_f + core_f + elt_f
+        lora_wgrad = 0.0  # LoRA: a frozen target computes no weight gradient (its adapters' rank-r GEMMs are left out)
+        if tr.lora_rank:
+            target_gemm = {"q": (h, h / tp), "k": (h, self.kv_width(tp)), "v": (h, self.kv_width(tp)), "o": (h / tp, h),
+                           "w1": (h, f / tp), "w3": (h, f / tp), "w2": (f / tp, h)}  # fmt: skip
+            lora_wgrad = r / 2 * sum(mach.gemm(T, *target_gemm[n], gemm_b) for n in tr.lora_targets)
         # backward: GEMMs and elementwise 2x forward; a flash kernel recomputes the scores (2.5x)
-        layer_b = r * (gemm_f + elt_f) + core_b
+        layer_b = r * (gemm_f + elt_f) + core_b - lora_wgrad
         recomp = {"none": 0.0, "selective": core_f + self.stack.selective_gemms * gemm_f, "full": layer_f}[recompute]
         n_tp = {"none": 4, "selective": 4, "full": 6}[recompute]
 
@@ -1093,7 +1098,7 @@ class CostModel:
         kinds = [(True, True)] if pp == 1 else [(True, False), (False, True)] + [(False, False)] * (pp > 2)
         Ls, terms = max(((self.stage_layers(pp, f, la, split), stage(self.stage_layers(pp, f, la, split), f, la)) for f, la in kinds),
                         key=lambda st: sum(st[1].values()))  # fmt: skip
-        t_w = Ls * gemm_f * r / 2  # weight-gradient GEMMs: half of the backward GEMMs
+        t_w = Ls * (gemm_f * r / 2 - lora_wgrad)  # weight-gradient GEMMs: half of the backward GEMMs (trained ones)
         return sum(terms.values()), t_w, terms
 
     def _dp_time(self, lay: Layout, m: int, t_mb: float, t_compute: float) -> float:
