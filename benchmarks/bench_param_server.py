@@ -2,7 +2,8 @@
 
 Part 1, scaling: W = 2, 4, 8 worker ranks (gloo), 2 sequences each (weak scaling), train the same
 model on the same data with
-  - ring all-reduce data parallelism (``DataParallel``, ``parallel.allreduce = ring``),
+  - ring all-reduce data parallelism (``DataParallel``, ``parallel.allreduce = ring``; and gloo's
+    own all-reduce, ``native``, for reference),
   - a parameter server with one shard (K = 1, co-located in rank 0: the central server),
   - a parameter server sharded over every worker (K = W, co-located),
 rounds alternating (ABC...). Per step: median wall time, and bytes through the busiest node's
@@ -61,6 +62,9 @@ def _rows(step: int, rank: int, world: int, total: int) -> list[tuple[torch.Tens
 
 
 # ------------------------------------------------------------------ part 1: scaling
+CONTENDERS = ("ring", "gloo", "ps K=1", "ps K=W")
+
+
 def _scaling_worker(rank: int, world: int, init: str, steps: int, out) -> None:
     from loom.parallel.data_parallel import DataParallel
     from loom.parallel.param_server import ColocatedParamServer
@@ -68,14 +72,16 @@ def _scaling_worker(rank: int, world: int, init: str, steps: int, out) -> None:
     init_gloo(rank, world, init, threads=1, timeout_s=300)
     m, t = _cfgs()
     group = dist.group.WORLD
-    meters = {name: CommMeter() for name in ("ring", "ps K=1", "ps K=W")}
+    meters = {name: CommMeter() for name in CONTENDERS}
     strategies = {
         "ring": DataParallel(build_model(m, t.seed), group, meters["ring"], allreduce="ring"),
+        "gloo": DataParallel(build_model(m, t.seed), group, meters["gloo"]),
         "ps K=1": ColocatedParamServer(build_model(m, t.seed), group, 1, t, meters["ps K=1"]),
         "ps K=W": ColocatedParamServer(build_model(m, t.seed), group, world, t, meters["ps K=W"]),
     }
-    ring = strategies["ring"]
-    ring.attach_optimizer(build_optimizer(ring.module, t))  # type: ignore[attr-defined]
+    for name in ("ring", "gloo"):
+        dp = strategies[name]
+        dp.attach_optimizer(build_optimizer(dp.module, t))  # type: ignore[attr-defined]
     busiest: dict[str, list[float]] = {k: [] for k in strategies}
 
     def stepper(name: str):
@@ -90,7 +96,10 @@ def _scaling_worker(rank: int, world: int, init: str, steps: int, out) -> None:
                 lr_at(i, t),
                 group,
             )  # type: ignore[attr-defined]
-            if name == "ring":  # sent + received by a rank (every rank alike)
+            if name in (
+                "ring",
+                "gloo",
+            ):  # sent + received by a rank (every rank alike; gloo: the ring volume)
                 busiest[name].append(2 * meters[name].total_moved)
             else:
                 busiest[name].append(float(s.server_bytes))  # type: ignore[attr-defined]
@@ -175,7 +184,7 @@ def _plot_scaling(rows: dict[int, dict]) -> None:
 
     ws = sorted(rows)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, style in (("ring", "o-"), ("ps K=1", "s-"), ("ps K=W", "^-")):
+    for name, style in (("ring", "o-"), ("gloo", "o--"), ("ps K=1", "s-"), ("ps K=W", "^-")):
         a.plot(ws, [rows[w]["med"][name] * 1e3 for w in ws], style, label=name)
         b.plot(ws, [rows[w]["busiest"][name] / 2**20 for w in ws], style, label=name)
     phi_mb = rows[ws[0]]["phi"] * 4 / 2**20
@@ -234,12 +243,16 @@ def main() -> None:
     phi = rows[min(rows)]["phi"]
     print(f"\nΦ = {phi} parameters ({phi * 4 / 2**20:.2f} MB fp32)")
     print(
-        f"{'W':>3} {'ring ms':>9} {'ps K=1 ms':>10} {'ps K=W ms':>10} {'ring MB':>9} {'K=1 MB':>8} {'K=W MB':>8}"
+        "| W | "
+        + " | ".join(f"{k} ms/step" for k in CONTENDERS)
+        + " | "
+        + " | ".join(f"{k} MB" for k in CONTENDERS)
+        + " |"
     )
     for w, r in sorted(rows.items()):
         med, busy = r["med"], r["busiest"]
-        print(f"{w:>3} {med['ring'] * 1e3:>9.1f} {med['ps K=1'] * 1e3:>10.1f} {med['ps K=W'] * 1e3:>10.1f} "
-              f"{busy['ring'] / 2**20:>9.2f} {busy['ps K=1'] / 2**20:>8.2f} {busy['ps K=W'] / 2**20:>8.2f}")  # fmt: skip
+        cells = [f"{med[k] * 1e3:.1f}" for k in CONTENDERS] + [f"{busy[k] / 2**20:.2f}" for k in CONTENDERS]
+        print(f"| {w} | " + " | ".join(cells) + " |")
     gathered = run_ranks(args.conv_workers + 1, _convergence_worker, args.conv_steps)
     _plot_convergence(gathered, args.conv_steps)
     print(f"\nconvergence, {args.conv_workers} workers + 1 server, {args.conv_steps} steps:")

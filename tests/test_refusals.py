@@ -455,6 +455,8 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("parallel.offload_params without ZeRO-3", _cfg("--parallel.offload_params", "cpu", "--parallel.zero", "2"), 2),
     ("parallel.zeropp_qwz without ZeRO-3", _cfg("--parallel.zeropp_qwz", "true"), 2),
     ("parallel.zeropp_qgz_bits three", _cfg("--parallel.zeropp_qgz_bits", "3", "--parallel.zero", "3"), 2),
+    ("parallel.allreduce butterfly on 3 ranks", _cfg("--parallel.allreduce", "butterfly", "--run.nproc", "3",
+     "--train.global_batch", "6", "--train.micro_batch", "2", names=("parallel.allreduce", "dp*cp = 3")), 2),  # fmt: skip
     ("parallel.schedule unknown", _cfg("--parallel.schedule", "zigzag"), 2),
     ("parallel.cp_mode unknown", _cfg("--parallel.cp_mode", "zigzag"), 2),
     ("parallel.cp_mode alltoall heads not divisible",

@@ -233,8 +233,9 @@ class PSWorker(SyncSwitch):
         self.pulled = [0] * links.shards  # version of each shard last pulled
         self.versions: list[list[int]] = []  # per step: the version pulled from each server
         self.coef = 1.0
-        self._header = torch.zeros(PUSH_HEADER, dtype=torch.float64)
-        self._reply = [torch.zeros(PULL_HEADER, dtype=torch.float64) for _ in range(links.shards)]
+        dev = self.model.flat.device  # messages live where the model does (NCCL moves device memory only)
+        self._header = torch.zeros(PUSH_HEADER, dtype=torch.float64, device=dev)
+        self._reply = [torch.zeros(PULL_HEADER, dtype=torch.float64, device=dev) for _ in range(links.shards)]
         self._pending: list = []
 
     @property
@@ -289,7 +290,7 @@ class PSWorker(SyncSwitch):
         if not self.bsp:
             return sum_sq([self.model.grad])
         lk = self.links
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.model.flat.device)
         g = lk.pull[(lk.rank, 0)]
         wait_for(recv(sq, g, lk.peer(g, lk.server_rank(0))), self.timeout_s, self._name(0))
         return sq[0].float()

@@ -68,8 +68,9 @@ class ParameterServer:
         self.optimizer = model.new_optimizer(self.shard, train_cfg)
         self.inbox = [torch.zeros_like(self.shard) for _ in range(self.W)]
         self.grad = torch.zeros_like(self.shard)
-        self.headers = [torch.zeros(PUSH_HEADER, dtype=torch.float64) for _ in range(self.W)]
-        self.reply = torch.zeros(PULL_HEADER, dtype=torch.float64)
+        dev = self.shard.device  # messages live where the shard does (NCCL moves device memory only)
+        self.headers = [torch.zeros(PUSH_HEADER, dtype=torch.float64, device=dev) for _ in range(self.W)]
+        self.reply = torch.zeros(PULL_HEADER, dtype=torch.float64, device=dev)
         self.report = ServerReport(self.k)
         del model  # the workers' copy of the whole model is not a server's business
 

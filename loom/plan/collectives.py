@@ -82,11 +82,12 @@ def time(algorithm: str, size: float, n: int, alpha: float, beta: float) -> floa
 
 @dataclass(frozen=True)
 class AlphaBeta:
-    """A fitted model: α (s per round), β (s per byte), and the fit's worst relative error."""
+    """A fitted model: α (s per round), β (s per byte), the fit's worst and median relative errors."""
 
     alpha: float
     beta: float
     max_rel_error: float
+    median_rel_error: float = 0.0
 
     @property
     def bandwidth(self) -> float:
@@ -115,5 +116,5 @@ def fit(algorithm: str, points: Sequence[tuple[int, float, float]]) -> AlphaBeta
     alpha, beta = ((b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det) if det > 0 else (-1.0, -1.0)
     if alpha < 0 or beta < 0:
         alpha, beta = (0.0, one(1)) if alpha < 0 else (one(0), 0.0)
-    err = max(abs(alpha * r + beta * v - t) / t for r, v, t in rows)
-    return AlphaBeta(alpha, beta, err)
+    errs = sorted(abs(alpha * r + beta * v - t) / t for r, v, t in rows)
+    return AlphaBeta(alpha, beta, errs[-1], errs[len(errs) // 2])
