@@ -29,6 +29,7 @@ CASES = [
     ("debug", ["--model.dropout", "0.1"], None, 4),
     ("llama3-8b", ["--model.n_experts", "8", "--model.n_layers", "8"], ("h100-sxm", 8), 8),
     ("llama3-8b", [], ("a100-80g", 4), 4),
+    ("gpt-125m", ["--parallel.allreduce", "butterfly", "--train.global_batch", "12"], ("a100-80g", 6), 6),  # no 3- or 6-rank all-reduce group
 ]
 
 
@@ -52,6 +53,10 @@ def test_refused_layouts_are_not_ranked_and_say_why():
     assert any(e.layout.tp > 1 for e in moe.ranked)  # experts whole on every tp rank
     capped = C.load("debug", [*MOE, "--moe.capacity_factor", "1.0", "--run.nproc", "2"])
     assert refusal(capped, Layout(dp=1, tp=2, sp=True)).startswith("moe.capacity_factor: capacity is counted")
+
+    _, butterfly = _search("gpt-125m", ["--parallel.allreduce", "butterfly", "--train.global_batch", "12"], ("a100-80g", 6), 6)
+    assert butterfly.ranked and not any(e.layout.dp * e.layout.cp in (3, 6) and e.layout.zero == 0 for e in butterfly.ranked)
+    assert any(r.startswith("parallel.allreduce: butterfly") for r in butterfly.rejected)
 
     _, dense = _search("llama3-8b", [], ("a100-80g", 4), 4)
     assert not any(e.layout.offload and e.layout.zero == 0 for e in dense.ranked)

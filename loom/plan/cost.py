@@ -332,6 +332,7 @@ class Workload:
     moe_imbalance: float = 1.0  # MoE: max/mean tokens per expert (moe.imbalance; a run's moe_imbalance metric; 0 = the profile's)
     capacity_factor: float = 0.0  # MoE: moe.capacity_factor (0 = dropless): caps an expert's load at cf x mean
     moe_router_losses: bool = False  # MoE: aux or z loss on (a synchronous pipeline schedule is needed)
+    allreduce: str = "native"  # parallel.allreduce: the gradient all-reduce's algorithm (butterfly needs 2^k ranks)
     lora_rank: int = 0  # finetune.lora_rank of a LoRA/QLoRA run (0 = every parameter trains)
     lora_targets: tuple[str, ...] = ()  # its resolved targets (q, k, v, o, w1, w2, w3)
     qlora: bool = False  # the targets' frozen base weights stored in NF4
@@ -646,6 +647,7 @@ class CostModel:
             self.facts, seq_len=t.seq_len, precision=t.precision, optimizer=t.optimizer, tp=lay.tp, pp=lay.pp,
             cp=lay.cp, ep=lay.ep, zero=lay.zero, sp=lay.sp, schedule=lay.schedule, virtual_stages=lay.v, cp_mode=lay.cp_mode,
             microbatches=t.global_batch // (lay.dp * lay.micro_batch), offload="cpu" if lay.offload else "none",
+            allreduce=t.allreduce, dp=lay.dp, dp_shard=lay.dp_shard,
         )  # fmt: skip
         return problems[0] if problems else None
 

@@ -150,6 +150,7 @@ def workload_of(cfg: LoomConfig) -> Workload:
         lora_rank=cfg.finetune.lora_rank if cfg.finetune.method != "full" else 0,
         lora_targets=lora_targets(cfg) if cfg.finetune.method != "full" else (),
         qlora=cfg.finetune.method == "qlora",
+        allreduce=cfg.parallel.allreduce,
     )
 
 
