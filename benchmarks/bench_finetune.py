@@ -14,13 +14,15 @@ micro-batch per step (global batch = 2b), every setup in fresh rank processes:
     LoRA / QLoRA (DDP)      frozen base 4Φ (QLoRA: ~0.516 bytes per target weight, NF4) + 16 bytes
                             per adapter parameter (r = 16 on every linear layer)
 
-Per setup: the measured peak per rank of one step at micro-batches b = 1 and 4 gives the affine
-m(b) = m0 + c·b; b_max = the largest b with m(b) <= budget, then measured by a step at b_max (one
-down while over); step time is a second step at b_max. Memory per rank = peak resident set size of
-the step minus the process's before the model was built (loom.device.peak_memory_bytes), minus the
-optimizer state held in host memory with offload = "cpu" (on a CPU machine host is the device; on a
-GPU that state is not in device memory); "held between steps" = resident after the first step
-(weights, gradients, optimizer state; on the same terms). The planner's b_max: the largest b whose predicted peak
+Per setup: one step at micro-batch b = 1, then at 4; the affine m(b) = m0 + c·b through them
+guesses b_max, then steps bisect between the largest b that fitted and the smallest that did not;
+step time is a second step at b_max. Memory of the first step = peak resident set size (Linux
+VmHWM) minus the process's after a warm-up (the same setup on a one-layer model: libraries and
+kernels loaded) and before the model was built; "held between steps" = resident after that step;
+a later step's = held + its own rise above the resident set just before it (so caches a step of
+another b left behind, e.g. oneDNN's bf16 primitives, are not charged to it). With offload =
+"cpu" the optimizer state in host memory is left out (on a CPU machine host is the device; on a
+GPU that state is not in device memory). The planner's b_max: the largest b whose predicted peak
 (:meth:`loom.plan.cost.CostModel.stage_memory`, less the device runtime constant) fits; LoRA rows
 use the planner's activations with the LoRA states' formula above (the planner has no LoRA).
 
@@ -153,35 +155,46 @@ def _worker(rank: int, world: int, init: str, model: dict, setup: str, args, out
     base = _rss()
     run = build_run(cfg, mesh, build_model(cfg.model, cfg.train.seed, cpu, meta=True))
 
+    held = 0
+
     def step(b: int) -> tuple[float, float]:
-        """(peak bytes, seconds) of one step at micro-batch b: the largest over the ranks."""
+        """(peak bytes, seconds) of one step at micro-batch b, the largest over the ranks: held state +
+        the step's own rise above the resident set before it (caches other shapes left are not counted)."""
         t = torch.randint(0, VOCAB, (b, args.seq + 1), generator=g)
         gc.collect()
+        before = _rss()
         reset_peak_memory(cpu)
         t0 = time.perf_counter()
         train_step(run, [(t[:, :-1], t[:, 1:])], cfg.train.grad_clip, 1e-4, mesh.group("dp"))
         dt = time.perf_counter() - t0
         host = run.strategy.state_bytes().get("optim_offload_bytes", 0)
-        res = torch.tensor([peak_memory_bytes(cpu) - base - host, dt], dtype=torch.float64)
+        rise = peak_memory_bytes(cpu) - (before if held else base + host)
+        res = torch.tensor([held + rise, dt], dtype=torch.float64)
         dist.all_reduce(res, op=dist.ReduceOp.MAX)
         return float(res[0]), float(res[1])
 
     budget = args.budget_mib * MiB
     m1, t1 = step(1)
     gc.collect()  # held between steps: resident after a step (optimizer state allocated), host state apart
-    states = _rss() - base - run.strategy.state_bytes().get("optim_offload_bytes", 0)
-    result = {"states": states, "m1": m1, "t1": t1, "bmax": 0, "peak": m1, "time": t1}
+    held = _rss() - base - run.strategy.state_bytes().get("optim_offload_bytes", 0)
+    held = int(max(held, 1))
+    result = {"states": held, "m1": m1, "t1": t1, "bmax": 0, "peak": m1, "time": t1}
     if m1 <= budget:
+        fits, over = {1: m1}, {}
         mp, _ = step(PROBE)
+        (fits if mp <= budget else over)[PROBE] = mp
         slope = max((mp - m1) / (PROBE - 1), 1.0)
-        b = max(1, min(args.cap, 1 + int((budget - m1) // slope)))
-        peak, _ = step(b)
-        while peak > budget and b > 1:
-            b -= 1
+        guess = max(1, min(args.cap, 1 + int((budget - m1) // slope)))
+        while True:  # bisect between the largest b that fit and the smallest that did not
+            lo, hi = max(fits), min(over, default=args.cap + 1)
+            if hi - lo <= 1:
+                break
+            b = guess if lo < guess < hi else (lo + hi) // 2
             peak, _ = step(b)
-        if peak <= budget:
-            _, dt = step(b)
-            result |= {"bmax": b, "peak": peak, "time": dt, "slope": slope}
+            (fits if peak <= budget else over)[b] = peak
+        b = max(fits)
+        _, dt = step(b)
+        result |= {"bmax": b, "peak": fits[b], "time": dt, "slope": slope}
     if rank == 0:
         out.put(result)
     dist.destroy_process_group()

@@ -157,16 +157,22 @@ def parse_size(text: str) -> int:
     raise CheckpointError(f"--max-shard-size: {text!r} is not a size (e.g. 5GB, 500MB, 2GiB)")
 
 
+def pop_shard_size(args: list[str]) -> int:
+    """``--max-shard-size SIZE`` taken out of ``args`` (in place): its bytes, default 5 GB."""
+    if "--max-shard-size" not in args:
+        return 5 * 10**9
+    i = args.index("--max-shard-size")
+    if i + 1 >= len(args):
+        raise CheckpointError("--max-shard-size: missing value")
+    size = parse_size(args[i + 1])
+    del args[i : i + 2]
+    return size
+
+
 def main(argv: list[str]) -> int:
     """``loom export hf RUN_OR_CHECKPOINT OUT_DIR [--max-shard-size 5GB]``."""
     args = list(argv)
-    size = 5 * 10**9
-    if "--max-shard-size" in args:
-        i = args.index("--max-shard-size")
-        if i + 1 >= len(args):
-            raise CheckpointError("--max-shard-size: missing value")
-        size = parse_size(args[i + 1])
-        del args[i : i + 2]
+    size = pop_shard_size(args)
     if len(args) != 3 or args[0] != "hf":
         raise CheckpointError("usage: loom export hf RUN_DIR_OR_CHECKPOINT OUT_DIR [--max-shard-size 5GB]")
     done = export_hf(args[1], args[2], size, progress=True)

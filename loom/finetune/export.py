@@ -196,16 +196,10 @@ def merged_state(source: str | Path) -> tuple[C.LoomConfig, dict[str, torch.Tens
 
 def main(argv: list[str]) -> int:
     """``loom export peft RUN OUT`` and ``loom export hf RUN OUT --merge-lora [--max-shard-size 5GB]``."""
-    from loom.checkpoint.hf_export import export_hf, parse_size
+    from loom.checkpoint.hf_export import export_hf, pop_shard_size
 
     args = [a for a in argv if a != "--merge-lora"]
-    size = 5 * 10**9
-    if "--max-shard-size" in args:
-        i = args.index("--max-shard-size")
-        if i + 1 >= len(args):
-            raise CheckpointError("--max-shard-size: missing value")
-        size = parse_size(args[i + 1])
-        del args[i : i + 2]
+    size = pop_shard_size(args)
     if len(args) != 3 or args[0] not in ("hf", "peft") or (args[0] == "peft") == ("--merge-lora" in argv):
         raise CheckpointError("usage: loom export peft RUN_DIR_OR_CHECKPOINT OUT_DIR | loom export hf RUN_DIR_OR_CHECKPOINT "
                               "OUT_DIR --merge-lora [--max-shard-size 5GB]")  # fmt: skip
