@@ -15,7 +15,7 @@ held gradients: M / u when they hold the loss-scaled 1/u · g), and scale_grads(
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,6 +63,15 @@ class Strategy(Protocol):
         """The single-device ``state_dict`` of the module this strategy trains (a collective; None on
         the ranks that do not receive it: pipeline ranks other than the first)."""
         ...
+
+
+def held_state_bytes(state: Mapping[str, float]) -> float:
+    """Model-state bytes a rank keeps on its device between steps, from :meth:`Strategy.state_bytes`:
+    parameters + gradients + optimizer state + a frozen base (LoRA), less what an offload store holds
+    (``optim_offload_bytes``; parameter offload reports its shards apart already). What the planner's
+    model-state prediction counts."""
+    held = sum(state.get(k, 0) for k in ("param_bytes", "grad_bytes", "optim_bytes", "frozen_bytes"))
+    return held - state.get("optim_offload_bytes", 0)
 
 
 class SyncSwitch:

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from loom.config import LoomConfig, load, preset_path
+from loom.parallel.base import held_state_bytes
 from loom.plan.auto import predicted_fields
 from loom.plan.calibrate import contended
 from loom.plan.hardware import Profile
@@ -117,7 +118,7 @@ def compare(
         pred_step_s=pred["plan_step_time_s"],
         meas_step_s=float(row["step_time_s"]),
         pred_state_bytes=pred["plan_state_bytes"],
-        meas_state_bytes=float(row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]),
+        meas_state_bytes=float(held_state_bytes(row)),
     )
 
 

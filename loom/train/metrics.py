@@ -28,11 +28,13 @@ def human_bytes(n: float) -> str:
 def step_line(row: dict[str, Any]) -> str:
     """``step | loss | lr | grad_norm | tok/s | MFU | mem`` (the one standard line); mem adds the peak
     saved-activation bytes, and fp16 runs end with the loss scale and the count of skipped steps."""
+    from loom.parallel.base import held_state_bytes
+
     return (
         f"step {row['step']:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
         f"grad_norm {row['grad_norm']:.3f} | tok/s {row['tokens_per_s']:,.0f} | "
         f"MFU {100 * row['mfu']:.1f}% | mem {human_bytes(row['peak_mem_bytes'])}"
-        f" (state {human_bytes(row['param_bytes'] + row['grad_bytes'] + row['optim_bytes'])}"
+        f" (state {human_bytes(held_state_bytes(row))}"
         + (f", act {human_bytes(row['act_saved_peak_bytes'])}" if "act_saved_peak_bytes" in row else "")
         + ")"
         + (f" | scale {row['loss_scale']:g} skipped {row['skipped_steps']}" if "loss_scale" in row else "")

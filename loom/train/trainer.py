@@ -34,6 +34,7 @@ from loom.device import (
 )
 from loom.mesh import ParallelDims, ParallelMesh
 from loom.model.llama import build_model, count_params, flops_per_token
+from loom.parallel.base import held_state_bytes
 from loom.train.build import build_run, saved_activations
 from loom.train.export import write_json_atomic
 from loom.train.health import (
@@ -370,7 +371,7 @@ def _add_plan(cfg: C.LoomConfig, world: int, row: dict) -> None:
         from loom.plan.auto import predicted_fields
 
         row.update(predicted_fields(cfg, world))
-        state = sum(row.get(k, 0) for k in ("param_bytes", "grad_bytes", "optim_bytes"))
+        state = held_state_bytes(row)
         log.info("planner: step %.4g s predicted, %.4g measured | rank-0 state %.3f MiB predicted, %.3f measured",
                  row["plan_step_time_s"], row["step_time_s"], row["plan_state_bytes"] / 2**20, state / 2**20)  # fmt: skip
     except Exception as e:  # a planner problem must never break training
