@@ -208,12 +208,20 @@ SENTINEL_LAYOUTS = {
         "cp2-ring-dropout": ({"cp": 2, "cp_mode": "ring"}, {"dropout": 0.1}),
         "cp2-alltoall": ({"cp": 2, "cp_mode": "alltoall"}, {}),
         "ep2": ({"dp_replicate": 2, "ep": 2}, {"n_experts": 4, "top_k": 2}),
+        "ep2-zero3-hot": ({"dp_shard": 2, "ep": 2, "zero": 3}, {"n_experts": 4, "top_k": 1}, {"rebalance_every": 1}),
+        "dp2-ring": ({"dp_replicate": 2, "allreduce": "ring"}, {}),
+        "dp2-butterfly-hybrid-zero1": ({"dp_replicate": 2, "zero": 1, "allreduce": "butterfly"}, {}),
+        "zero3-offload-params": ({"dp_shard": 2, "zero": 3, "offload_params": "cpu"}, {}),
+        "ps-colocated": ({"dp_replicate": 2, "dp_mode": "ps", "ps_shards": 2}, {}),
     },
     4: {
         "hybrid-zero3": ({"dp_replicate": 2, "dp_shard": 2, "zero": 3}, {}),
         "tp2-pp2": ({"tp": 2, "pp": 2, "sp": True}, {}),
         "cp2-tp2": ({"cp": 2, "tp": 2}, {}),
         "ep2-dp4-bf16": ({"dp_replicate": 4, "ep": 2, "precision": "bf16"}, {"n_experts": 4, "top_k": 2}),
+        "zero3-zeropp": ({"dp_shard": 4, "zero": 3, "zeropp_qwz": True, "zeropp_hpz": True, "zeropp_qgz": True,
+                          "hpz_group": 2}, {}),
+        "hybrid-zero3-tree": ({"dp_replicate": 2, "dp_shard": 2, "zero": 3, "allreduce": "tree"}, {}),
     },
 }
 
@@ -222,9 +230,9 @@ def _sentinel_layouts(world: int) -> dict[str, str]:
     from tests.helpers import train_layout
 
     out = {}
-    for name, (layout, model_kw) in SENTINEL_LAYOUTS[world].items():
+    for name, (layout, model_kw, *moe_kw) in SENTINEL_LAYOUTS[world].items():
         try:
-            train_layout(layout, 2, 8, 2, model_kw, sentinel=True)
+            train_layout(layout, 2, 8, 2, model_kw, sentinel=True, moe_kw=moe_kw[0] if moe_kw else None)
             out[name] = "ok"
         except Exception as e:  # noqa: BLE001 - reported per layout
             out[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
