@@ -10,6 +10,7 @@ import dataclasses
 import json
 import random
 import re
+import time
 
 import pytest
 
@@ -399,9 +400,10 @@ def test_70b_on_one_a100_40g_finds_nothing_and_says_why():
 
 
 def test_search_of_16384_devices_for_405b_is_fast():
+    cpu = time.process_time()
     result = search(LLAMA3_405B, Workload(2048, 8192), load_cluster(CLUSTER_DIR / "h100-16k.toml"))
     assert result.world == 16384
-    assert result.elapsed_s < 10.0
+    assert time.process_time() - cpu < 10.0  # CPU seconds: a loaded machine stretches the wall time, not this
     best = result.best
     assert best is not None and best.fits and best.layout.world_size == 16384
     assert 0.2 < best.mfu < 0.6
