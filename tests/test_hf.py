@@ -555,3 +555,22 @@ def test_export_refuses_moe_routing_mixtral_cannot_hold(prepared, tmp_path):
                                   ("bias_update_rate", 0.01, "selection bias")]:  # fmt: skip
         assert message in (moe_export_problem(C.MoEConfig(**{field: value})) or "")
     assert moe_export_problem(C.MoEConfig()) is None
+
+
+def _trainer_counts(cfg_dict: dict) -> tuple[int, float]:
+    import torch.distributed as dist
+
+    from loom.train.trainer import RankEnv, Trainer
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trainer = Trainer(C.from_dict(cfg_dict), RankEnv(rank, world, rank, world))
+    trainer.heartbeat.close()
+    return trainer.n_params, trainer.flops_per_token
+
+
+def test_mfu_counts_the_whole_model_under_tensor_parallelism(pools, prepared, tmp_path):
+    """The parameter count behind the logged size and the MFU is the whole model's in every layout (a tp
+    rank's slices once made the MFU of tp2 half of what it is)."""
+    one = _trainer_counts(_config(prepared, tmp_path / "one"))
+    assert pools(2).run(_trainer_counts, _config(prepared, tmp_path / "tp2", tp=2)) == [one, one]

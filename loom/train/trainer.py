@@ -191,8 +191,10 @@ class Trainer:
         val_set = TokenDataset(self.data.val_path, cfg.data.seq_len, pack_eot=pack_eot)
         self.eval_set = self._my_tokens(eval_batches(val_set, cfg.train.eval_batches, cfg.train.micro_batch, dp_rank, dp))
         self.loss_group = self.mesh.group("dp_cp")  # losses averaged over every rank of a different batch share
-        self.n_params = count_params(self.model)
-        matmul_params = count_params(self.model, exclude_embedding=not cfg.model.tie_embeddings)
+        # the whole model's parameters (a meta build: no memory), not this rank's slices of them
+        whole = build_model(cfg.model, cfg.train.seed, meta=True, moe=cfg.moe)
+        self.n_params = count_params(whole)
+        matmul_params = count_params(whole, exclude_embedding=not cfg.model.tie_embeddings)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, matmul_params)
         self.peak_flops, self.peak_source = mfu_peak(self.device, cfg.train.precision)
         self.model = self.run.model  # pp > 1: this rank's stages; the rest of the full model is freed
