@@ -227,3 +227,32 @@ def _train_pair(layout: dict, algorithm: str):
                                 if op.startswith("all_reduce")})  # fmt: skip
         out.append(run)
     return tuple(out)
+
+
+def test_planner_times_the_gradient_all_reduce_by_its_algorithm():
+    """The planner's data-parallel all-reduce follows parallel.allreduce: ring costs what the backend's
+    (modelled as a ring) does; tree and butterfly their α-β times with the link's latency and bandwidth,
+    every bucket call paying its rounds' latency."""
+    from dataclasses import replace
+
+    from loom.plan import collectives
+    from loom.plan.cost import CostModel, Workload
+    from loom.plan.hardware import ClusterSpec
+    from tests.helpers import tiny_model
+
+    model = tiny_model(vocab_size=512)
+    cluster = ClusterSpec.single_node("a100-80g", 8)
+    work = Workload(64, 64, precision="fp32", bucket_bytes=2**16)
+
+    def dp_time(algorithm: str) -> float:
+        cm = CostModel(model, replace(work, allreduce=algorithm), cluster)
+        return cm._dp_volume(8, 1, 1, 1, 1, 1, 0, 1, 8)
+
+    cm = CostModel(model, work, cluster)
+    size = cm._params_on(1, 1, 1, True, True)[0] * cm.R
+    calls = -(-int(size) // int(work.bucket_bytes))
+    alpha, beta = cm.machine.alpha_beta(8, 8)
+    assert dp_time("ring") == pytest.approx(dp_time("native"), rel=1e-12)
+    for algorithm in ("tree", "butterfly"):
+        want = collectives.time(algorithm, size, 8, alpha, beta) + (calls - 1) * collectives.rounds(algorithm, 8) * alpha
+        assert dp_time(algorithm) == pytest.approx(want, rel=1e-12)

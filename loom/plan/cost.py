@@ -113,6 +113,7 @@ from loom.finetune.nf4 import nf4_bytes
 from loom.mesh import ParallelDims
 from loom.model.llama import flops_per_token
 from loom.optim.adam8bit import BLOCK as ADAM8BIT_BLOCK
+from loom.plan import collectives
 from loom.plan.hardware import ClusterSpec, HardwareError, Machine, Profile
 from loom.plan.zero_options import zero3_memory, zeropp_time
 from loom.rules import (
@@ -1184,8 +1185,7 @@ class CostModel:
             buckets = max(1, -(-int(phi * R) // int(self.train.bucket_bytes)))
             if zero == 0:
                 n, span = dp * cp // ep, tpcp * dp
-                total += mach.collective("all_reduce", n, phi * R, span, wd)
-                total += (buckets - 1) * mach.latency("all_reduce", n, span, wd)
+                total += self._grad_all_reduce(n, phi * R, span, wd, buckets)
                 continue
             ns = max(1, ds * cp // ep)
             span = tpcp * ds
@@ -1201,8 +1201,23 @@ class CostModel:
                 bwd = mach.collective("all_gather", ns, (phi - last) * W, span, wd) + max(0, calls - 1) * lat_ag
                 reduces = m if self.stack.microbatch_reduce else 1
                 total += m * (fwd + bwd) + reduces * (rs + (units - 1) * lat_rs)
-            total += mach.collective("all_reduce", dp // ds, phi * R / ns, tpcp * dp, wd)
+            total += self._grad_all_reduce(dp // ds, phi * R / ns, tpcp * dp, wd)
         return total
+
+    def _grad_all_reduce(self, n: int, size: float, span: int, world: int | None, calls: int = 1) -> float:
+        """Seconds of the gradient all-reduce of ``size`` bytes over ``n`` ranks in ``calls`` bucket
+        calls, by ``Workload.allreduce``: the backend's (``native``: the machine's ring, or the profile's
+        fit), else the algorithm's α-β time (:mod:`loom.plan.collectives`: rounds·α + volume·β, the
+        link's latency and bandwidth), every further call paying its rounds' α again."""
+        mach, algorithm = self.machine, self.train.allreduce
+        if n <= 1 or size <= 0:
+            return 0.0
+        if algorithm == "native":
+            return mach.collective("all_reduce", n, size, span, world) + (calls - 1) * mach.latency("all_reduce", n, span, world)
+        if algorithm == "butterfly" and n & (n - 1):  # refused by the rules; timed as a ring meanwhile
+            algorithm = "ring"
+        alpha, beta = mach.alpha_beta(n, span)
+        return collectives.time(algorithm, size, n, alpha, beta) + (calls - 1) * collectives.rounds(algorithm, n) * alpha
 
     def estimate(self, lay: Layout) -> Estimate:
         """Full prediction for ``lay``; raises :class:`PlanError` if the layout is invalid."""

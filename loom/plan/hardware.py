@@ -554,6 +554,15 @@ class Machine:
         intra, _ = self._links["intra"]
         return min(intra, k * self._links["inter"][0])
 
+    def alpha_beta(self, n: int, span: int) -> tuple[float, float]:
+        """(α seconds per round, β seconds per byte) of one link of a group of ``n`` ranks covering
+        ``span`` consecutive ranks: the latency and bandwidth :meth:`collective` uses without a profile."""
+        scope = self.scope(span)
+        bw, lat = self._links[scope]
+        if scope == "inter":
+            bw = self.inter_bandwidth(n, span)
+        return lat, 1.0 / bw
+
     def scope(self, span: int) -> str:
         """``intra`` if a group whose ranks cover ``span`` consecutive ranks stays in one node."""
         return "intra" if span <= self.cluster.devices_per_node else "inter"
