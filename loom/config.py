@@ -165,7 +165,7 @@ class ParallelConfig:
     allreduce: AllReduce = "native"  # gradient all-reduce: the backend's own, or ring | tree | butterfly on point-to-point
     dp_mode: DpMode = "allreduce"  # data-parallel gradients: all-reduced, or through a parameter server (ps)
     ps_shards: int = 1  # dp_mode = ps: K servers, each holding 1/K of the parameters and their AdamW state
-    ps_colocate: bool = True  # dp_mode = ps: server k lives in worker rank k (else K dedicated server ranks)
+    ps_colocate: bool = True  # dp_mode = ps: server k lives in worker rank k (else K dedicated server ranks: run.nproc = dp + K)
     ps_sync: str = "bsp"  # dp_mode = ps: bsp (synchronous) | asp (asynchronous) | ssp:S (at most S steps stale)
     schedule: ScheduleName = "1f1b"  # pipeline schedule (pipedream and 2bw are asynchronous)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule only)
@@ -615,11 +615,19 @@ def check_finetune(cfg: LoomConfig) -> None:
 
 
 def world_size_of(cfg: LoomConfig) -> int:
-    """World size a config asks for: explicit dp product, or run.nproc."""
+    """World size a config asks for: explicit dp product (and dedicated server ranks), or run.nproc."""
     p = cfg.parallel
     if p.dp > 0:
-        return p.dp * p.tp * p.pp * p.cp
+        return p.dp * p.tp * p.pp * p.cp + ps_servers(cfg)
     return cfg.run.nproc
+
+
+def ps_servers(cfg: LoomConfig) -> int:
+    """Dedicated parameter-server ranks (``parallel.dp_mode = "ps"``, ``ps_colocate = false``): K =
+    ``parallel.ps_shards``, else 0. Rank-count rule: run.nproc = W + K, ranks 0..W-1 the workers
+    (``parallel.dp`` = W: data is sharded over them), ranks W..W+K-1 the servers (:mod:`loom.train.ps_run`)."""
+    p = cfg.parallel
+    return p.ps_shards if p.dp_mode == "ps" and not p.ps_colocate else 0
 
 
 def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
@@ -693,7 +701,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(r.threads >= 0, f"run.threads: must be >= 0 (0 = automatic), got {r.threads}")
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be > 0, got {p.bucket_mb}")
     _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
-    resolve_layout(cfg, world_size)
+    resolve_layout(cfg, world_size - _check_ps_ranks(cfg, world_size))
     _check_moe(cfg)
     check_finetune(cfg)
     _check_implemented(cfg)
@@ -800,8 +808,26 @@ def check_param_server(cfg: LoomConfig) -> None:
     _require_none(param_server_problem(shards=p.ps_shards, colocate=p.ps_colocate, sync=p.ps_sync, n_params=n_params,
                                        workers=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero,
                                        precision=cfg.train.precision, optimizer=cfg.train.optimizer))  # fmt: skip
-    _require(p.ps_colocate, "parallel.ps_colocate: dedicated server ranks run under loom.parallel.ps_server (tests, "
-             "benchmarks/bench_param_server.py); loom train starts co-located servers only: set it to true")  # fmt: skip
+    if not p.ps_colocate:  # what the dedicated-server run (loom.train.ps_run) does not do
+        _require(cfg.train.time_limit_s == 0, "train.time_limit_s: dedicated parameter servers (parallel.ps_colocate = "
+                 "false) stop after the workers' last step; use train.steps (or co-located servers)")  # fmt: skip
+        _require(cfg.finetune.method == "full", f"finetune.method: {cfg.finetune.method} with dedicated parameter "
+                 "servers (parallel.ps_colocate = false) is not supported; use co-located servers or dp_mode = allreduce")
+
+
+def _check_ps_ranks(cfg: LoomConfig, world_size: int) -> int:
+    """The rank-count rule of dedicated parameter servers (:func:`ps_servers`): world = parallel.dp workers +
+    parallel.ps_shards servers; returns the number of server ranks (0 without them)."""
+    p, k = cfg.parallel, ps_servers(cfg)
+    if not k:
+        return 0
+    _require(k >= 1, f"parallel.ps_shards: must be >= 1, got {k}")
+    _require(world_size > k, f"run.nproc: {world_size} ranks cannot hold parallel.ps_shards = {k} dedicated servers "
+             f"and a worker (run.nproc = workers + ps_shards); give at least --nproc {k + 1}")  # fmt: skip
+    _require(p.dp in (-1, world_size - k), f"run.nproc: {world_size} ranks, but parallel.dp + parallel.ps_shards = "
+             f"{p.dp} workers + {k} dedicated servers = {p.dp + k}; give --nproc {p.dp + k}, or leave parallel.dp "
+             "unset (= run.nproc - ps_shards)")  # fmt: skip
+    return k
 
 
 def check_tensor_parallel(cfg: LoomConfig) -> None:

@@ -222,9 +222,11 @@ class LaunchOptions:
     nodes: Nodes | None = None
 
     def world(self, cfg: C.LoomConfig) -> int:
-        """Ranks of the whole job: the explicit parallel degrees, else ``run.nproc`` per node."""
+        """Ranks of the whole job: the explicit parallel degrees, else ``run.nproc`` per node (always with
+        dedicated parameter servers: ``config.validate`` checks run.nproc = parallel.dp + ps_shards)."""
         p = cfg.parallel
-        return p.dp * p.tp * p.pp * p.cp if p.dp > 0 else cfg.run.nproc * (self.nodes.nnodes if self.nodes else 1)
+        explicit = p.dp > 0 and not C.ps_servers(cfg)
+        return p.dp * p.tp * p.pp * p.cp if explicit else cfg.run.nproc * (self.nodes.nnodes if self.nodes else 1)
 
 
 TRAIN_OPTIONS = ("nproc", "max_restarts", "nnodes", "node_rank", "rdzv_endpoint")
@@ -464,7 +466,7 @@ def main_train(cfg: C.LoomConfig, max_restarts: int = 0, nodes: Nodes | None = N
 
 
 def _train_locally(cfg: C.LoomConfig, max_restarts: int, nodes: Nodes | None = None) -> int:
-    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp  # validated by the CLI
+    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp + C.ps_servers(cfg)  # validated by the CLI
     from loom.data import prepare_data
 
     prepared = prepare_data(cfg.data, progress=cfg.run.progress)

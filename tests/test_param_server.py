@@ -4,12 +4,15 @@ through each server equal to the formula, a dead server named, bad fields refuse
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 from torch.testing import assert_close
 
 from loom import config as C
-from tests.dist import RankFailure, get_mesh
+from tests.dist import ROOT, RankFailure, get_mesh
 from tests.helpers import (
     global_batch,
     one_thread,  # noqa: F401 (fixture)
@@ -287,10 +290,136 @@ def test_dead_server_is_named(pools):
     (["--parallel.tp", "2"], "parallel.tp: the parameter server"),
     (["--train.precision", "bf16"], "train.precision: the parameter server"),
     (["--parallel.ps_sync", "asp"], "parallel.ps_sync: 'asp' needs dedicated server ranks"),
-    (["--parallel.ps_colocate", "false"], "parallel.ps_colocate: dedicated server ranks"),
 ])  # fmt: skip
 def test_bad_fields_refused_in_one_line(overrides, field):
     cfg = C.load(None, ["--parallel.dp_mode", "ps", *overrides])
     with pytest.raises(C.ConfigError) as e:
         C.validate(cfg, 2)
     assert str(e.value).startswith(field) and "\n" not in str(e.value)
+
+
+DEBUG_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "debug.toml")
+DEDICATED = ["--parallel.dp_mode", "ps", "--parallel.ps_colocate", "false"]
+
+
+@pytest.mark.parametrize("nproc,overrides,field", [
+    (2, ["--parallel.ps_shards", "2"], "run.nproc: 2 ranks cannot hold parallel.ps_shards = 2 dedicated servers"),
+    (4, ["--parallel.dp", "2"], "run.nproc: 4 ranks, but parallel.dp + parallel.ps_shards = 2 workers + 1"),
+    (3, ["--parallel.dp", "3", "--parallel.ps_shards", "2"], "run.nproc: 3 ranks, but parallel.dp + parallel.ps_shards"),
+    (3, ["--train.time_limit_s", "60"], "train.time_limit_s: dedicated parameter servers"),
+    (3, ["--finetune.method", "lora"], "finetune.method: lora with dedicated parameter servers"),
+    (3, ["--parallel.tp", "2"], "parallel.tp: the parameter server"),
+])  # fmt: skip
+def test_dedicated_rank_count_refused_in_one_line(nproc, overrides, field):
+    """run.nproc = parallel.dp workers + parallel.ps_shards servers, checked before any process starts."""
+    from loom.launch import LaunchOptions
+
+    cfg = C.load(DEBUG_CONFIG, [*DEDICATED, "--run.nproc", str(nproc), *overrides])
+    assert LaunchOptions().world(cfg) == nproc  # the CLI validates the world run.nproc asks for
+    with pytest.raises(C.ConfigError) as e:
+        C.validate(cfg, nproc)
+    assert str(e.value).startswith(field) and "\n" not in str(e.value)
+
+
+def test_dedicated_rank_count_rule():
+    """3 ranks, 1 server: dp follows as 2 workers (data sharded over them), and the world is 3."""
+    cfg = C.validate(C.load(DEBUG_CONFIG, [*DEDICATED, "--run.nproc", "3"]), 3)
+    assert (cfg.parallel.dp, C.ps_servers(cfg), C.world_size_of(cfg)) == (2, 1, 3)
+
+
+# ------------------------------------------------------------------ dedicated servers under loom train
+CLI_STEPS = ["--train.steps", "4", "--train.log_every", "1", "--train.eval_every", "2", "--data.max_corpus_mb", "0.3"]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> str:
+    """The debug corpus, prepared once (in a private cache) for every run of this section."""
+    import os
+
+    from loom.data import prepare_data
+
+    os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    return str(prepare_data(C.load(DEBUG_CONFIG, CLI_STEPS).data, progress=False).dir)
+
+
+def _train_rank(overrides: list[str], slow_s: float = 0.0) -> list[dict]:
+    """``loom train``'s rank in a pool: a dedicated server rank serves, the others run the Trainer; rank 0's
+    metrics rows. ``slow_s``: rank 0 sleeps so long before each update (a straggler)."""
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    from loom import comm
+    from loom.train.ps_run import serve
+    from loom.train.trainer import RankEnv, Trainer
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cfg, env = C.load(DEBUG_CONFIG, overrides), RankEnv(rank, world, rank, world)
+    try:
+        if rank >= world - C.ps_servers(cfg):
+            serve(cfg, env)
+        else:
+            trainer = Trainer(cfg, env)
+            if rank == 0 and slow_s:
+                update = trainer.run.strategy.step
+                trainer.run.strategy.step = lambda lr, scale=1.0: (time.sleep(slow_s), update(lr, scale))[1]  # type: ignore[method-assign]
+            try:
+                trainer.fit()
+            finally:
+                trainer.heartbeat.close()
+    finally:
+        comm.take_order_log()  # strict mode: servers and workers do not compare orders at step ends
+    return [json.loads(x) for x in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()] if rank == 0 else []
+
+
+def _checkpoint(run_dir: Path) -> dict[str, torch.Tensor]:
+    from loom.checkpoint import CheckpointReader
+
+    with CheckpointReader(run_dir / "checkpoints" / "step-00000004") as r:
+        return {n: r.read(n) for n in r.names()}
+
+
+def test_train_cli_dedicated_bsp_equals_allreduce(pools, prepared, tmp_path):
+    """``loom train`` with 2 workers + 1 dedicated server (bsp) logs the losses of all-reduce dp=2, and
+    its final checkpoint is dp's, name for name (parameters and AdamW moments): it resumes under any layout."""
+    import json
+    import subprocess
+    import sys
+
+    common = [*CLI_STEPS, "--data.prepared_dir", prepared]
+    run = tmp_path / "ps"
+    cmd = [sys.executable, "-m", "loom", "train", DEBUG_CONFIG, "--nproc", "3", *DEDICATED, "--run.dir", str(run),
+           *common]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    dp = pools(2).run(_train_rank, [*common, "--run.dir", str(tmp_path / "dp")])[0]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        assert_close(torch.tensor([r.get(key, 0.0) for r in rows]), torch.tensor([r.get(key, 0.0) for r in dp]), **TOL)
+    assert [r["ps_staleness_max"] for r in rows] == [0] * 4
+    ps, ref = _checkpoint(run), _checkpoint(tmp_path / "dp")
+    assert sorted(ps) == sorted(ref) and any(n.endswith(".exp_avg_sq") for n in ps)
+    for name, v in ref.items():
+        assert_close(ps[name], v, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    report = json.loads((run / "ps_server0.json").read_text())
+    assert (report["rounds"], report["pushes"], report["max_staleness"]) == (4, 8, 0)
+
+
+def test_train_dedicated_ssp_reports_staleness_within_bound(pools, prepared, tmp_path):
+    """2 workers + 2 servers under ssp:1 train through the Trainer (a periodic checkpoint pauses the servers),
+    rank 0 a straggler (+0.3 s per step), so rank 1 runs ahead until held: every server's recorded staleness
+    reaches the bound and stays within it, and rank 0's metrics rows say so."""
+    import json
+
+    run = tmp_path / "ssp"
+    rows = pools(4).run(_train_rank, [*CLI_STEPS, *DEDICATED, "--parallel.ps_shards", "2", "--parallel.ps_sync",
+                                      "ssp:1", "--train.checkpoint_every", "2", "--data.prepared_dir", prepared,
+                                      "--run.dir", str(run)], 0.3)[0]  # fmt: skip
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in rows)
+    assert all(0 <= r["ps_staleness_max"] <= 1 for r in rows) and rows[-1]["ps_staleness_max"] == 1
+    for k in range(2):
+        report = json.loads((run / f"ps_server{k}.json").read_text())
+        assert (report["sync"], report["rounds"], report["pushes"]) == ("ssp:1", 4, 8)  # 2 workers x 4 steps
+        assert report["max_staleness"] == 1 and report["pulls_held"] > 0
+    assert json.loads((run / "checkpoints" / "latest").read_text())["step"] == 4

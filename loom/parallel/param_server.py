@@ -232,6 +232,7 @@ class PSWorker(SyncSwitch):
         self.clock = 0  # pushes made
         self.pulled = [0] * links.shards  # version of each shard last pulled
         self.versions: list[list[int]] = []  # per step: the version pulled from each server
+        self.seen: dict[str, int] = {}  # the servers' figures as of the last pull (:meth:`row`)
         self.coef = 1.0
         dev = self.model.flat.device  # messages live where the model does (NCCL moves device memory only)
         self._header = torch.zeros(PUSH_HEADER, dtype=torch.float64, device=dev)
@@ -269,6 +270,8 @@ class PSWorker(SyncSwitch):
             wait_for(w, self.timeout_s, self._name(k))
         self.pulled = [int(r[0]) for r in self._reply]
         self.versions.append(list(self.pulled))
+        self.seen = {"ps_staleness_max": max(int(r[2]) for r in self._reply),  # over the servers, so far
+                     "ps_pulls_held": max(int(r[3]) for r in self._reply)}  # fmt: skip
 
     # ------------------------------------------------------------------ Strategy
     def finish_sync(self) -> None:
@@ -311,8 +314,13 @@ class PSWorker(SyncSwitch):
         self._pull()
 
     def close(self) -> None:
-        """Tell every server that this worker is done."""
+        """Tell every server that this worker is done (until its next push: the servers serve again)."""
         self._push([DONE, self.clock, 0.0, 0.0, 0.0], grads=False)
+
+    def row(self) -> dict[str, int]:
+        """For the metrics row: the largest staleness any server has recorded (over every worker's
+        updates) and the most pulls a server has held back for the ssp bound, as of this worker's last pull."""
+        return dict(self.seen)
 
     def state_bytes(self) -> dict[str, int]:
         m = self.model
@@ -320,3 +328,17 @@ class PSWorker(SyncSwitch):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return gather_module_state(self.module)
+
+    # ------------------------------------------------------------------ checkpoints (Shardable)
+    def sharded_state(self):
+        """A checkpoint pauses the servers: this worker sends DONE first, so they join the save with their
+        shards (:class:`~loom.parallel.ps_checkpoint.WorkerState`)."""
+        from loom.parallel.ps_checkpoint import WorkerState
+
+        self.close()
+        return WorkerState(self).sharded_state()
+
+    def load_sharded(self, reader) -> None:
+        from loom.parallel.ps_checkpoint import WorkerState
+
+        WorkerState(self).load_sharded(reader)

@@ -5,7 +5,7 @@ gets two two-rank groups, each carrying messages one way only:
 
     push[w][k]: w -> server k   header (5 × fp64), then its gradient shard (Φ_k elements);
                                 under bsp also a control message (lr, grad_scale, clip coefficient)
-    pull[w][k]: server k -> w   header (2 × fp64), then the server's parameter shard (Φ_k);
+    pull[w][k]: server k -> w   header (4 × fp64), then the server's parameter shard (Φ_k);
                                 under bsp, server 0 first sends the global Σ‖ḡ‖²
 
 Why one group per direction and pair: NCCL runs each communicator's operations in issue order on
@@ -30,7 +30,7 @@ from loom.comm import CommMeter, Group
 
 PUSH, DONE = 1.0, 0.0  # header kinds
 PUSH_HEADER = 5  # kind, worker clock, 0, lr, grad_scale (bsp: lr and grad_scale follow in a control message)
-PULL_HEADER = 2  # server version (complete clocks), updates applied
+PULL_HEADER = 4  # server version (complete clocks), updates applied, max staleness so far, pulls held so far
 
 
 class ServerLost(RuntimeError):

@@ -7,6 +7,11 @@ Per link, in this order (both sides issue the same operations in the same order,
     asp/ssp, per push  push: header (with lr, grad_scale), gradient shard; pull: header, shard
     the end            push: a DONE header
 
+A pull's header carries (version, updates applied, the largest staleness recorded so far, pulls
+held so far): the workers see the bound hold (``PSWorker.row``, rank 0's metrics). :meth:`serve`
+returns once every worker has sent DONE and may be called again (the workers' next pushes): a
+checkpoint is such a pause (:mod:`loom.train.ps_run`); versions and counts run on across calls.
+
 BSP: the server receives all W gradients, averages them in worker order, all-reduces the squared
 norm over the servers and sends it to the workers (server 0), applies the workers' clip
 coefficient and learning rate, steps once, and sends its shard to every worker.
@@ -35,6 +40,7 @@ from loom import comm
 from loom.comm import CommMeter
 from loom.parallel.base import sum_sq
 from loom.parallel.param_server import FlatModel
+from loom.parallel.ps_checkpoint import ServerState, shard_pieces
 from loom.parallel.ps_links import DONE, PULL_HEADER, PUSH_HEADER, PSLinks, ServerLost, recv, send, wait_for
 
 
@@ -50,6 +56,7 @@ class ServerReport:
     bytes_out: int = 0
     rounds: int = 0  # bsp rounds, or the final version (complete clocks) under asp/ssp
     waits: int = 0  # pulls held back by the ssp bound
+    max_staleness: int = 0  # max(staleness), kept as updates arrive (sent with every pull)
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # the final parameter shard ("shard")
 
 
@@ -72,7 +79,15 @@ class ParameterServer:
         self.headers = [torch.zeros(PUSH_HEADER, dtype=torch.float64, device=dev) for _ in range(self.W)]
         self.reply = torch.zeros(PULL_HEADER, dtype=torch.float64, device=dev)
         self.report = ServerReport(self.k)
+        self.pieces, self.start = shard_pieces(module, model.layout), model.layout.start  # what it checkpoints
         del model  # the workers' copy of the whole model is not a server's business
+
+    def sharded_state(self):
+        """Its shard of the parameters and their moments, by global name (:class:`ServerState`)."""
+        return ServerState(self).sharded_state()
+
+    def load_sharded(self, reader) -> None:
+        ServerState(self).load_sharded(reader)
 
     def _link(self, table: dict, w: int):
         g = table[(w, self.k)]
@@ -88,7 +103,8 @@ class ParameterServer:
 
     def _send_pull(self, w: int, version: int, updates: int) -> None:
         g, peer = self._link(self.links.pull, w)
-        self.reply.copy_(torch.tensor([version, updates], dtype=torch.float64))
+        r = self.report
+        self.reply.copy_(torch.tensor([version, updates, r.max_staleness, r.waits], dtype=torch.float64))
         self._wait(send(self.reply, g, peer), w)
         self._wait(send(self.shard, g, peer, self.meter), w)
         self.report.bytes_out += comm.nbytes(self.shard)
@@ -148,7 +164,8 @@ class ParameterServer:
         them in arrival order and answers the pulls the bound allows."""
         W, bound = self.W, self.bound
         assert bound is None or isinstance(bound, int)
-        clock, lag, seen = [0] * W, [0] * W, [0] * W  # pushes applied; c_w - v and updates at w's last pull
+        v0, applied = self.report.rounds, len(self.report.pushers)  # where an earlier serve() left off
+        clock, lag, seen = [v0] * W, [0] * W, [applied] * W  # pushes applied; c_w - v and updates at w's last pull
         arrivals: queue.SimpleQueue = queue.SimpleQueue()
         listeners = [threading.Thread(target=self._listen, args=(w, arrivals), daemon=True, name=f"loom-ps-listen-{w}")
                      for w in range(W)]  # fmt: skip
@@ -156,7 +173,7 @@ class ParameterServer:
             th.start()
         done: set[int] = set()
         held: list[int] = []  # workers whose push is applied and whose pull waits
-        updates = 0
+        updates = applied
         while len(done) < W or held:
             try:
                 w, kind, lr, grad_scale = arrivals.get(timeout=self.timeout_s)
@@ -171,6 +188,7 @@ class ParameterServer:
                 done.add(w)
             else:
                 self.report.staleness.append(lag[w])
+                self.report.max_staleness = max(self.report.max_staleness, lag[w])
                 self.report.missed.append(updates - seen[w])
                 self.report.pushers.append(w)
                 self.optimizer.step([self.inbox[w]], lr, grad_scale)

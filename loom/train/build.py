@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 from loom.comm import CommMeter
-from loom.config import LoomConfig, offload_dir
+from loom.config import LoomConfig, offload_dir, ps_servers
 from loom.memory import precision
 from loom.memory.activation_offload import make_offloader
 from loom.memory.compress import SavedActivations
 from loom.memory.loss_scale import scaler_for, training_loss_fn
 from loom.memory.recompute import apply_recompute
-from loom.mesh import ParallelMesh
+from loom.mesh import ParallelDims, ParallelMesh
 from loom.model.llama import loss_fn as plain_loss_fn
 from loom.model.moe import configure_moe
 from loom.optim.flat import build_flat_optimizer
@@ -56,6 +56,16 @@ if TYPE_CHECKING:
     from loom.parallel.pipeline.strategy import PipelineStrategy
 
 log = logging.getLogger("loom")
+
+
+def build_mesh(cfg: LoomConfig, device_type: str) -> ParallelMesh:
+    """The mesh of the ranks that train: every rank, or with dedicated parameter-server ranks the
+    workers only (:func:`loom.train.ps_run.worker_mesh`; a collective over every rank)."""
+    if ps_servers(cfg):
+        from loom.train.ps_run import worker_mesh
+
+        return worker_mesh(cfg, device_type)
+    return ParallelMesh(ParallelDims.from_config(cfg.parallel), device_type)
 
 
 def build_run(cfg: LoomConfig, mesh: ParallelMesh, model: nn.Module, meter: CommMeter | None = None,
@@ -154,12 +164,17 @@ def data_parallel(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: 
       of one rank (fp32 masters and optimizer state replicated; stage 2 hooks, stage 1 under a
       pipeline, which reduces once after the last micro-batch);
     - zero = 0, fp32 AdamW: :class:`DataParallel` with ``torch.optim.AdamW``;
-    - ``parallel.dp_mode = "ps"``: co-located parameter servers (:mod:`loom.parallel.param_server`).
+    - ``parallel.dp_mode = "ps"``: co-located parameter servers (:mod:`loom.parallel.param_server`), or a
+      worker of dedicated server ranks (``ps_colocate = false``: :func:`loom.train.ps_run.ps_worker`).
 
     ``fill``, ``device``: ZeRO-3 materializes parameters still on the meta device there.
     """
     p = cfg.parallel
     reduce_dtype = REDUCE_DTYPES[p.reduce_dtype]
+    if p.dp_mode == "ps" and not p.ps_colocate:  # a worker of dedicated server ranks
+        from loom.train.ps_run import ps_worker
+
+        return ps_worker(model, mesh, cfg, meter)
     if p.dp_mode == "ps":  # co-located parameter servers (config refuses the layouts they cannot run)
         from loom.parallel.param_server import ColocatedParamServer
 

@@ -32,10 +32,10 @@ from loom.device import (
     resolve_device,
     synchronize,
 )
-from loom.mesh import ParallelDims, ParallelMesh
 from loom.model.llama import build_model, count_params, flops_per_token
 from loom.parallel.base import held_state_bytes
-from loom.train.build import build_run, saved_activations
+from loom.parallel.materialize import Source
+from loom.train.build import build_mesh, build_run, saved_activations
 from loom.train.export import write_json_atomic
 from loom.train.health import (
     Heartbeat,
@@ -147,6 +147,25 @@ def check_data_record(run_dir: Path) -> None:
                             "a new run.dir with --train.init_from")  # fmt: skip
 
 
+def initial_model(cfg: C.LoomConfig, device: torch.device) -> tuple[torch.nn.Module, Source | None]:
+    """The model before parallelization, and the source of its values (None: the layout-independent init):
+    built on the meta device (each rank materializes only what it holds: the init, or the pretrained
+    weights of model.from_hf, read per parameter), or whole with the weights of train.init_from."""
+    meta = not cfg.train.init_from
+    model: torch.nn.Module = build_model(cfg.model, cfg.train.seed, device, meta=meta, moe=cfg.moe)
+    source = None
+    if cfg.model.from_hf:  # pretrained weights (the shape was taken from the directory by the CLI)
+        from loom.model.hf import open_dir
+        from loom.model.hf import source as hf_source
+
+        source = hf_source(open_dir(cfg.model.from_hf, cfg.data.seq_len))
+    if cfg.train.init_from:  # weights only; a checkpoint in run.dir (a restart) still wins below
+        from loom.train.init_from import load_initial_weights
+
+        log.info("initial weights from %s", load_initial_weights(model, cfg.train.init_from))
+    return model, source
+
+
 class Trainer:
     """Holds the pieces of one run; :meth:`fit` is the loop."""
 
@@ -154,7 +173,7 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.device = init_process_group(cfg, env)
         C.validate(cfg, env.world)
-        self.mesh = ParallelMesh(ParallelDims.from_config(cfg.parallel), self.device.type)
+        self.mesh = build_mesh(cfg, self.device.type)  # dedicated parameter servers: the workers' (loom.train.ps_run)
         self.run_dir = Path(cfg.run.dir)
         self.is_main = env.rank == 0
         if self.is_main:
@@ -165,20 +184,7 @@ class Trainer:
         C.check_vocab(cfg, self.data.vocab_size)
         cfg.model.vocab_size = C.effective_vocab(cfg, self.data.vocab_size)
         self.meter = CommMeter()
-        # The model is built on the meta device; each rank materializes only what it holds (its values:
-        # the layout-independent init, or the pretrained weights of model.from_hf, read per parameter).
-        meta = not cfg.train.init_from
-        self.model: torch.nn.Module = build_model(cfg.model, cfg.train.seed, self.device, meta=meta, moe=cfg.moe)
-        source = None
-        if cfg.model.from_hf:  # pretrained weights (the shape was taken from the directory by the CLI)
-            from loom.model.hf import open_dir
-            from loom.model.hf import source as hf_source
-
-            source = hf_source(open_dir(cfg.model.from_hf, cfg.data.seq_len))
-        if cfg.train.init_from:  # weights only; a checkpoint in run.dir (a restart) still wins below
-            from loom.train.init_from import load_initial_weights
-
-            log.info("initial weights from %s", load_initial_weights(self.model, cfg.train.init_from))
+        self.model, source = initial_model(cfg, self.device)
         self.run = build_run(cfg, self.mesh, self.model, self.meter, source)
         dp_rank, dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
         pack_eot = self.data.eot_id if cfg.data.pack else None  # packed: batches carry document positions
@@ -273,7 +279,8 @@ class Trainer:
                     res = train_step(self.run, batches, c.grad_clip, lr, self.loss_group)
             except NonFiniteError as e:
                 raise NonFiniteError(f"step {step + 1}: {e}") from None
-            comm.verify_order()  # strict mode: every group's members issued the same collectives
+            if not C.ps_servers(self.cfg):  # (dedicated parameter servers do not reach the workers' step ends)
+                comm.verify_order()  # strict mode: every group's members issued the same collectives
             window_steps += 1
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.3f}")
@@ -288,6 +295,7 @@ class Trainer:
                     "peak_mem_bytes": peak_memory_bytes(self.device), **self.run.strategy.state_bytes(),
                     **self.meter.snapshot(), **self.saved_acts.stats(), **scaler_stats(self.run.scaler),
                     **(self.moe_report.row() if self.moe_report is not None else {}),
+                    **getattr(self.run.strategy, "row", dict)(),  # a strategy's own figures (parameter servers: staleness)
                 }  # fmt: skip
                 self.saved_acts.reset_peak()
                 reset_peak_memory(self.device)  # peak_mem_bytes is per log window
@@ -392,6 +400,10 @@ def run(cfg: C.LoomConfig) -> dict[str, float]:
     setup_logging(env.rank)
     trainer = None
     try:
+        if env.rank >= env.world - C.ps_servers(cfg):  # a dedicated parameter-server rank: the last ps_shards
+            from loom.train.ps_run import serve
+
+            return serve(cfg, env)
         trainer = Trainer(cfg, env)
         return trainer.fit()
     except Exception as e:
