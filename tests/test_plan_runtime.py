@@ -70,21 +70,66 @@ def test_backward_ratio_and_layer_work_run():
     assert 0 < work_rate(layer_work(64, 32), calls=5, blocks=2) < 1
 
 
-@pytest.mark.parametrize("ratio", [0.0, 1.3])
-def test_sustained_flops_reproduces_the_measured_one_rank_step(ratio):
-    from loom.plan.calibrate import sustained_flops
+def test_microbatch_overhead_reproduces_the_measured_one_rank_step():
+    import dataclasses
+
+    from loom.plan.calibrate import microbatch_overhead
     from loom.plan.cost import Layout, estimate
     from loom.plan.report import model_of, workload_of
 
     cfg = _cfg(1)
-    flops = sustained_flops(cfg, 50e9, 0.05, ratio)
-    prof = Profile(device="cpu", gemm_flops={"fp32": flops}, hbm_bandwidth=50e9, backward_ratio=ratio)
-    est = estimate(model_of(cfg), Layout(micro_batch=2), workload_of(cfg), local_cluster(1), profile=prof)
-    assert est.step_time == pytest.approx(0.05, rel=1e-6)
-    full = estimate(model_of(cfg), Layout(micro_batch=2, recompute="full"), workload_of(cfg), local_cluster(1),
-                    profile=prof)  # fmt: skip
-    r = ratio or 2.0  # the extra forward is a larger share of the step when backward is cheaper than 2x
-    assert full.time_breakdown["recompute"] / est.step_time > 1 / (2 + r)
+    prof = dataclasses.replace(PROFILE, op_overhead={"fp32": 2e-6})
+    per_mb = microbatch_overhead(cfg, prof, 0.05)
+    measured = dataclasses.replace(prof, microbatch_overhead=per_mb)
+    est = estimate(model_of(cfg), Layout(micro_batch=2), workload_of(cfg), local_cluster(1), profile=measured)
+    assert est.step_time == pytest.approx(0.05, rel=1e-9)
+    assert per_mb == pytest.approx(est.time_breakdown["framework"] / est.microbatches
+                                   - 2e-6 * (cfg.model.n_layers * est_ops(cfg).layer_fb + est_ops(cfg).fixed_fb))  # fmt: skip
+
+
+def est_ops(cfg):
+    from loom.plan.opcount import op_counts
+    from loom.plan.report import model_of
+
+    return op_counts(model_of(cfg), None, cfg.train.optimizer)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_framework_term_is_ops_times_cost_per_op(recompute):
+    """framework = m · (c_op · (L · ops_layer + ops_head) + t_mb); full recomputation adds
+    m · c_op · L · ops_layer_fwd; the optimizer's operators count once per step."""
+    import dataclasses
+
+    from loom.plan.cost import Layout, estimate
+    from loom.plan.report import model_of, workload_of
+
+    cfg = _cfg(1)
+    c_op, t_mb = 3e-6, 1e-4
+    prof = dataclasses.replace(PROFILE, op_overhead={"fp32": c_op}, microbatch_overhead=t_mb)
+    est = estimate(model_of(cfg), Layout(micro_batch=2, recompute=recompute), workload_of(cfg), local_cluster(1),
+                   profile=prof)  # fmt: skip
+    ops, L, m = est_ops(cfg), cfg.model.n_layers, est.microbatches
+    assert est.time_breakdown["framework"] == pytest.approx(m * (c_op * (L * ops.layer_fb + ops.fixed_fb) + t_mb))
+    half = estimate(model_of(cfg), Layout(micro_batch=2, recompute=recompute), workload_of(cfg), local_cluster(1),
+                    profile=dataclasses.replace(prof, op_overhead={"fp32": c_op / 2}))  # fmt: skip
+    again = m * c_op / 2 * L * ops.layer_fwd if recompute == "full" else 0.0
+    assert est.time_breakdown["recompute"] - half.time_breakdown["recompute"] == pytest.approx(again)
+    assert est.time_breakdown["optimizer"] - half.time_breakdown["optimizer"] == pytest.approx(c_op / 2 * ops.optimizer(L))
+
+
+def test_op_counts_are_linear_in_layers():
+    """ops(L) = fixed + L · per_layer: a 3-layer tiny model's count is predicted from the 1- and 2-layer ones."""
+    from loom.plan.opcount import _model_counts, op_counts, tiny_config
+
+    for extra in ((), ("--model.n_experts", "4"), ("--train.optimizer", "adafactor")):
+        cfg = _cfg(1, *extra)
+        cfg.model.vocab_size = 512
+        ops = op_counts(cfg.model, None, cfg.train.optimizer)
+        fb, fwd, opt = _model_counts(tiny_config(cfg.model, 3), None, cfg.train.optimizer, 1)
+        assert fb == ops.microbatch(3)
+        assert fwd - ops.layer_fwd == _model_counts(tiny_config(cfg.model, 2), None, cfg.train.optimizer, 1)[1]
+        assert opt == ops.optimizer(3)
+        assert ops.layer_fb > ops.layer_fwd > 0 and ops.fixed_fb > 0
 
 
 def test_model_shapes_cover_forward_and_backward():

@@ -17,9 +17,9 @@ import os
 from pathlib import Path
 
 from loom.config import ConfigError, LoomConfig, world_size_of
-from loom.plan.calibrate import contended
+from loom.plan.calibrate import contended, cores, datasheet_profile
 from loom.plan.cost import CostModel, Estimate, Layout, PlanError
-from loom.plan.hardware import ClusterSpec, HardwareError, Profile, resolve_cluster
+from loom.plan.hardware import DEVICES, ClusterSpec, HardwareError, Profile, resolve_cluster
 from loom.plan.report import layout_of, model_of, workload_of
 from loom.plan.search import search
 
@@ -34,13 +34,15 @@ def local_cluster(world: int, device: str = "cpu") -> ClusterSpec:
     return resolve_cluster(f"{device}:1x{world}")
 
 
-def load_profile(world: int, path: str | None = None) -> Profile | None:
-    """The calibration profile at ``path``, ``$LOOM_PROFILE`` or ``./profile.json`` (None if absent)."""
+def load_profile(world: int, path: str | None = None, device: str = "cpu") -> Profile | None:
+    """The calibration profile at ``path``, ``$LOOM_PROFILE`` or ``./profile.json``; if absent, None
+    (the datasheet), or on a CPU whose cores the ranks outnumber, the datasheet scaled by :func:`contended`."""
     p = path or os.environ.get("LOOM_PROFILE") or "profile.json"
     if not Path(p).is_file():
         if path:
             raise HardwareError(f"profile file {p!r} does not exist")
-        return None
+        # nothing measured: the CPU's datasheet numbers, shared by the ranks when they outnumber the cores
+        return contended(datasheet_profile(DEVICES["cpu"]), world) if device == "cpu" and world > cores() else None
     prof = Profile.load(p)
     return contended(prof, world) if prof.device == "cpu" else prof
 
@@ -99,7 +101,7 @@ def choose(cfg: LoomConfig, world: int | None = None, profile: Profile | None = 
     world = world or world_size_of(cfg)
     cluster = local_cluster(world, _device_of(cfg))
     if profile is None:
-        profile = load_profile(world)
+        profile = load_profile(world, device=_device_of(cfg))
     result = search(model_of(cfg), workload_of(cfg), cluster, world, profile=profile)
     for est in result.ranked:
         lay = est.layout
@@ -131,7 +133,7 @@ def describe(est: Estimate) -> str:
 
 def _cost_model(cfg: LoomConfig, world: int, profile: Profile | None) -> CostModel:
     cluster = local_cluster(world, _device_of(cfg))
-    return CostModel(model_of(cfg), workload_of(cfg), cluster, profile or load_profile(world))
+    return CostModel(model_of(cfg), workload_of(cfg), cluster, profile or load_profile(world, device=_device_of(cfg)))
 
 
 def prediction(cfg: LoomConfig, world: int, profile: Profile | None = None) -> Estimate:

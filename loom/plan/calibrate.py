@@ -2,21 +2,23 @@
 
 What is measured, per rank (``--threads``, default 1: one rank per core):
 
-- GEMM throughput: fp32 ``torch.mm`` on a few shapes (total FLOPs / total time). Given
-  ``--config``, the shapes are that model's (q/k/v/o, SwiGLU and head GEMMs at ``micro_batch *
-  seq_len`` tokens, forward and both backward products), and the rate stored is the run's
-  sustained one: a one-rank ``loom train`` of the config is timed and converted to the FLOP/s at
-  which the planner's one-rank step time matches it (:func:`sustained_flops`). Small models spend
-  their time in per-op framework cost, which a bare GEMM rate does not see; this folds it into
-  the compute rate, so layouts that split the FLOPs (tp, pp) but not the op count are predicted
-  too fast.
+- GEMM throughput: ``torch.mm`` in fp32 and bf16 on a few shapes (total FLOPs / total time);
+  given ``--config``, that model's shapes (q/k/v/o, MLP and head GEMMs at ``micro_batch *
+  seq_len`` tokens, forward and both backward products).
 - memory bandwidth: ``c = a + b`` on activation-sized fp32 tensors, 12 bytes per element over
-  the time (again including the per-call overhead an elementwise op of that size pays).
-- collectives: ``all_reduce``, ``all_gather``, ``reduce_scatter`` for every job size 2..nproc
-  and group size dividing it, groups side by side (:func:`measure_collectives`), each call timed
-  between a few of the model's GEMMs as inside a training step, in spawned processes joined by a
-  ``file://`` rendezvous (gloo on CPU, nccl on GPUs), messages 4 KiB to 4 MiB; a least-squares fit
-  ``t = latency + volume / bus_bandwidth`` with the ring volume :class:`~loom.plan.hardware.Machine` uses.
+  the time.
+- per-operator cost (``op_overhead``, fp32 and bf16): forward + backward of the model's structure
+  at counting size (:mod:`loom.plan.opcount`: nearly no FLOPs) over its ATen operator count.
+  Small models spend most of a step there, and tp, cp and pp split the FLOPs but not the ops.
+- the trainer's per-micro-batch cost beyond that (``microbatch_overhead``: gradient hooks and
+  views, data, bookkeeping): a one-rank ``loom train`` of the config, timed, minus the planner's
+  one-rank prediction, over its micro-batches (:func:`microbatch_overhead`).
+- collectives: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all`` and (groups of
+  2) ``p2p`` send/recv for every job size 2..nproc and group size dividing it, groups side by side
+  (:func:`measure_collectives`), each call timed between a few of the model's GEMMs as inside a
+  training step, in spawned processes joined by a ``file://`` rendezvous (gloo on CPU, nccl on
+  GPUs), messages 4 KiB to 4 MiB; a relative-error least-squares fit ``t = latency + volume /
+  bus_bandwidth`` with the volumes :class:`~loom.plan.hardware.Machine` uses (:func:`fit_line`).
 
 Ranks on this machine share cores: :func:`contended` scales the compute numbers of a profile by
 ``cores / world`` when more ranks than cores run at once.
@@ -35,12 +37,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loom.config import LoomConfig, ModelConfig
-from loom.plan.hardware import CollectiveFit, Profile
+from loom.plan.hardware import PRECISIONS, CollectiveFit, DeviceSpec, Profile
 
 if TYPE_CHECKING:
     import torch
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")  # p2p: groups of 2
 MESSAGE_BYTES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
 GENERIC_SHAPES = ((128, 64, 192), (512, 256, 256), (1024, 1024, 1024))
 
@@ -160,45 +162,88 @@ def measure_backward_ratio(model: ModelConfig, micro_batch: int, seq_len: int, r
     return max(0.5, (t_fb - t_f) / t_f)
 
 
-def sustained_flops(cfg: LoomConfig, hbm: float, seconds: float, backward_ratio: float = 0.0) -> float:
-    """The FLOP/s at which the planner's one-rank step time of ``cfg`` equals ``seconds``.
-
-    One rank's predicted step is ``A / flops + B`` (GEMMs and attention over the FLOP rate;
-    elementwise ops and the optimizer over ``hbm``); two evaluations give A and B. Falls back to
-    the A-only rate when B >= ``seconds``.
-    """
+def microbatch_overhead(cfg: LoomConfig, profile: Profile, seconds: float) -> float:
+    """The trainer's per-micro-batch cost the planner's terms leave out (hooks, gradient views,
+    data): ``seconds`` (a one-rank step of ``cfg``) minus its one-rank prediction with ``profile``,
+    over the step's micro-batches, at least 0."""
     from loom.plan.auto import local_cluster
     from loom.plan.cost import RECOMPUTE, Layout, estimate
     from loom.plan.report import model_of, workload_of
 
     rec = cfg.train.recompute if cfg.train.recompute in RECOMPUTE else "none"
     lay = Layout(micro_batch=cfg.train.micro_batch, recompute=rec)
-    model, work, cluster = model_of(cfg), workload_of(cfg), local_cluster(1)
+    cluster = local_cluster(1)
+    est = estimate(model_of(cfg), lay, workload_of(cfg), cluster, profile=profile)  # with the device's default
+    return max(0.0, (seconds - est.step_time) / est.microbatches + cluster.device.microbatch_overhead)
 
-    def step(flops: float) -> float:
-        prof = Profile(device="cpu", gemm_flops={"fp32": flops}, hbm_bandwidth=hbm, backward_ratio=backward_ratio)
-        return estimate(model, lay, work, cluster, profile=prof).step_time
 
-    f1, f2 = 1e9, 2e9
-    t1, t2 = step(f1), step(f2)
-    a = (t1 - t2) / (1 / f1 - 1 / f2)
-    b = t1 - a / f1
-    return a / (seconds - b) if seconds > b else a / seconds
+def measure_op_overhead(model: ModelConfig, precision: str = "fp32", repeats: int = 30,
+                        device: torch.device | None = None) -> float:  # fmt: skip
+    """Seconds per ATen operator: forward + backward of ``model``'s structure at counting size
+    (:func:`loom.plan.opcount.tiny_config`, 16 tokens: nearly no FLOPs) over its operator count."""
+    import torch
+
+    from loom.model.llama import build_model, loss_fn
+    from loom.plan.opcount import TOKENS, _count, tiny_config
+
+    tiny = tiny_config(model, model.n_layers)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    net = build_model(tiny, seed=0).to(device=device, dtype=dt)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, tiny.vocab_size, (1, TOKENS), generator=g).to(device)
+
+    def fwd_bwd() -> None:
+        loss_fn(net(x), x).backward()
+        net.zero_grad(set_to_none=True)
+
+    n = _count(fwd_bwd)
+    return _timed(fwd_bwd, repeats, device) / n
+
+
+def measure_optimizer_rate(kind: str, op_seconds: float, numel: int = 1 << 20, repeats: int = 5,
+                           device: torch.device | None = None) -> float:  # fmt: skip
+    """Shard elements per second of one ``kind`` step (:func:`~loom.optim.flat.build_flat_optimizer`)
+    on a ``numel``-element matrix, its operators' cost (``op_seconds`` each) taken out."""
+    import torch
+    from torch import nn
+
+    from loom.config import TrainConfig
+    from loom.optim.flat import build_flat_optimizer
+    from loom.optim.store import StateStore
+    from loom.parallel.zero.layout import FlatLayout
+    from loom.plan.opcount import _count
+
+    p = nn.Parameter(torch.randn(1024, numel // 1024, device=device) * 0.02)
+    lay = FlatLayout([p], 1, 0, {id(p)})
+    flat = lay.new_flat()
+    lay.bind(flat)
+    opt = build_flat_optimizer([lay], [lay.shard_of(flat)], StateStore(flat.device), TrainConfig(optimizer=kind))  # type: ignore[arg-type]
+    grads = [torch.randn(lay.shard_numel, device=device) * 1e-3]
+    opt.step(grads, 1e-3)
+    ops = _count(lambda: opt.step(grads, 1e-3))
+    seconds = _timed(lambda: opt.step(grads, 1e-3), repeats, device)
+    return numel / max(seconds - ops * op_seconds, 1e-9)
 
 
 def _volume(op: str, n: int, size: float) -> float:
-    return (2.0 if op == "all_reduce" else 1.0) * (n - 1) / n * size
+    """Bytes per rank of ``op`` (ring volumes; a point-to-point message whole), as :class:`Machine` counts them."""
+    return size if op == "p2p" else (2.0 if op == "all_reduce" else 1.0) * (n - 1) / n * size
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares ``t = latency + volume / bandwidth`` -> (bandwidth, latency), both kept positive."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx > 0 else 0.0
+    """Least squares of the *relative* error of ``t = latency + volume / bandwidth`` -> (bandwidth,
+    latency), both kept positive. Relative: a 4 KiB call (latency-bound) weighs as much as a 4 MiB
+    one, so the intercept is the small calls' cost a step's scalar and per-layer collectives pay,
+    not an extrapolation from the large ones (weights 1/t^2 on the absolute residuals)."""
+    ws = [1.0 / max(t, 1e-12) ** 2 for _, t in points]
+    sw = sum(ws)
+    mx = sum(w * x for w, (x, _) in zip(ws, points)) / sw
+    my = sum(w * y for w, (_, y) in zip(ws, points)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, (x, _) in zip(ws, points))
+    slope = sum(w * (x - mx) * (y - my) for w, (x, y) in zip(ws, points)) / sxx if sxx > 0 else 0.0
     if slope <= 0:  # flat (latency-bound) measurements: the largest message sets the bandwidth
         x, y = max(points)
-        return x / max(y, 1e-9), min(ys)
+        return x / max(y, 1e-9), min(t for _, t in points)
     lat = max(0.0, my - slope * mx)
     return 1.0 / slope, lat
 
@@ -246,9 +291,15 @@ def _coll_worker(
                 "all_gather": lambda full=full, part=part, g=group: dist.all_gather_into_tensor(full, part, group=g),
                 "reduce_scatter": lambda full=full, part=part, g=group: dist.reduce_scatter_tensor(part, full, group=g),
             }
+            out = torch.empty_like(full)
+            calls["all_to_all"] = lambda full=full, out=out, g=group: dist.all_to_all_single(out, full, group=g)
+            if n == 2:  # a pipeline hand-off: the group's first rank sends, the second receives
+                first = rank - rank % 2
+                calls["p2p"] = ((lambda full=full, peer=first + 1: dist.send(full, peer)) if rank == first
+                                else (lambda full=full, peer=first: dist.recv(full, peer)))  # fmt: skip
             dist.barrier()
             alone = loop(lambda: None)
-            for op in OPS:
+            for op in [o for o in OPS if o in calls]:
                 dist.barrier()
                 results.append((op, n, numel * 4, max(loop(calls[op]) - alone, 1e-7)))
     dist.barrier()
@@ -350,9 +401,8 @@ def calibrate(
     """Measure compute and memory bandwidth (one rank, ``threads`` threads, on ``device``: cpu, or
     cuda = GPU 0, stored under its hardware-table name when known) and collectives.
 
-    With a ``config``, the stored FLOP rate is that run's sustained one (:func:`sustained_flops`
-    of :func:`measure_trainer_step`), not the bare GEMM rate: at small sizes the framework's
-    per-op cost (autograd, hooks, the optimizer's loops), not the FLOPs, sets the time.
+    With a ``config``: that model's GEMM shapes and per-operator cost, and the trainer's
+    per-micro-batch cost (:func:`microbatch_overhead` of :func:`measure_trainer_step`).
     """
     import torch
 
@@ -378,17 +428,19 @@ def calibrate(
     half, _ = measure_gemm(shapes, dtype="bf16", device=on)
     width = max(model.dim, model.resolved_ffn_dim()) if model is not None else 256
     hbm = measure_bandwidth([tokens * width, 4 * tokens * width], device=on)
-    bare, ratio, imbalance = flops, 0.0, 0.0
+    ops, rates, overhead, imbalance = {}, {"fp32": flops, "bf16": half}, 0.0, 0.0
+    if model is not None:
+        ops = {p: measure_op_overhead(model, p, device=on) for p in ("fp32", "bf16")}
+    optimizers = {k: measure_optimizer_rate(k, ops.get("fp32", 0.0), device=on) for k in ("adamw", "adam8bit", "adafactor")}
     if cfg is not None and config is not None:
         cfg.train.precision = "fp32"
-        ratio = measure_backward_ratio(cfg.model, cfg.train.micro_batch, cfg.data.seq_len, device=on)
         seconds, imbalance = measure_trainer_step(config)
-        flops = sustained_flops(cfg, hbm, seconds, ratio)
-    rates = {"fp32": flops, "bf16": flops * half / bare}  # half precision: the bare GEMMs' ratio
+        measured = Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, op_overhead=ops, optimizer_rate=optimizers)
+        overhead = microbatch_overhead(cfg, measured, seconds)
     work_shape = (tokens, model.dim) if model is not None else (128, 64)
     fits, share = measure_contention(nproc, backend, work_shape=work_shape) if nproc > 1 else ([], {})
-    return Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, compute_share=share,
-                   backward_ratio=ratio, collectives=fits, moe_imbalance=imbalance)  # fmt: skip
+    return Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, compute_share=share, op_overhead=ops,
+                   optimizer_rate=optimizers, microbatch_overhead=overhead, collectives=fits, moe_imbalance=imbalance)  # fmt: skip
 
 
 def contended(profile: Profile, world: int, n_cores: int | None = None) -> Profile:
@@ -399,8 +451,20 @@ def contended(profile: Profile, world: int, n_cores: int | None = None) -> Profi
         profile,
         gemm_flops={k: v * share for k, v in profile.gemm_flops.items()},
         hbm_bandwidth=profile.hbm_bandwidth * share,
+        op_overhead={k: v / share for k, v in profile.op_overhead.items()},
+        optimizer_rate={k: v * share for k, v in profile.optimizer_rate.items()},
+        microbatch_overhead=profile.microbatch_overhead / share,
         collectives=list(profile.collectives),
     )
+
+
+def datasheet_profile(spec: DeviceSpec) -> Profile:
+    """``spec``'s own numbers (peak x achievable, memory bandwidth, per-op cost) as a profile, so
+    :func:`contended` can scale them for ranks sharing cores when nothing was measured."""
+    rates = {p: getattr(spec, f"{p}_flops") * spec.achievable for p in PRECISIONS if getattr(spec, f"{p}_flops", 0) > 0}
+    return Profile(device=spec.name, gemm_flops=rates, hbm_bandwidth=spec.hbm_bandwidth,
+                   op_overhead=dict.fromkeys(rates, spec.op_overhead) if spec.op_overhead > 0 else {},
+                   optimizer_rate=dict(spec.optimizer_rates))  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
@@ -419,11 +483,13 @@ def main(argv: list[str]) -> int:
     device = "cuda" if args.backend == "nccl" else "cpu"
     prof = calibrate(args.nproc, args.config, args.backend, device, args.threads)
     prof.save(args.out)
-    kind = "run-sustained" if args.config else "GEMM"
-    print(f"{kind} fp32 {prof.gemm_flops['fp32'] / 1e9:.2f} GFLOP/s per rank (bf16 "
+    print(f"GEMM fp32 {prof.gemm_flops['fp32'] / 1e9:.2f} GFLOP/s per rank (bf16 "
           f"{prof.gemm_flops['bf16'] / 1e9:.2f}), elementwise {prof.hbm_bandwidth / 1e9:.2f} GB/s")  # fmt: skip
-    if prof.backward_ratio:
-        print(f"backward / forward time of the model: {prof.backward_ratio:.2f} (2 when FLOPs set it)")
+    if prof.op_overhead:
+        print("per ATen operator: " + ", ".join(f"{p} {v * 1e6:.2f} us" for p, v in prof.op_overhead.items())
+              + (f"; the trainer's further cost per micro-batch: {prof.microbatch_overhead * 1e3:.2f} ms" if args.config else ""))
+    if prof.optimizer_rate:
+        print("optimizer step: " + ", ".join(f"{k} {v / 1e6:.1f} M elements/s" for k, v in prof.optimizer_rate.items()))
     if prof.moe_imbalance:
         print(f"expert load of the run: max/mean {prof.moe_imbalance:.2f} (the planner's moe.imbalance when unset)")
     for world, share in prof.compute_share.items():

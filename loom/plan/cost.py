@@ -115,6 +115,7 @@ from loom.model.llama import flops_per_token
 from loom.optim.adam8bit import BLOCK as ADAM8BIT_BLOCK
 from loom.plan import collectives
 from loom.plan.hardware import ClusterSpec, HardwareError, Machine, Profile
+from loom.plan.opcount import op_counts
 from loom.plan.zero_options import zero3_memory, zeropp_time
 from loom.rules import (
     CP_MODES,
@@ -527,7 +528,10 @@ class CostModel:
         self.stack = STACKS[stack]
         # per-kernel compute model: a GPU from its datasheet (a measured GEMM rate is used flat, as measured)
         self.kernels = cluster.device.sms > 0 and not self.machine.measured_gemm
-        self.bwd_ratio = profile.backward_ratio if profile is not None and profile.backward_ratio > 0 else 2.0
+        # per-operator framework cost (CPUs): ops counted on a tiny model of this structure (loom.plan.opcount)
+        self.ops = op_counts(model, None, train.optimizer) if self.machine.op_time > 0 else None
+        measured_r = profile.backward_ratio if profile is not None and self.ops is None else 0.0
+        self.bwd_ratio = measured_r if measured_r > 0 else 2.0  # FLOP ratio; a measured one folds per-op cost in
         self.params = ParamCounts.of(model, n_experts, top_k)
         self.facts = ModelFacts.of(model, n_experts=n_experts, moe_capacity=train.capacity_factor > 0,
                                     moe_router_losses=train.moe_router_losses)  # what the layout rules read
@@ -1070,6 +1074,9 @@ class CostModel:
         # backward: GEMMs and elementwise 2x forward; a flash kernel recomputes the scores (2.5x)
         layer_b = r * (gemm_f + elt_f) + core_b - lora_wgrad
         recomp = {"none": 0.0, "selective": core_f + self.stack.selective_gemms * gemm_f, "full": layer_f}[recompute]
+        ops, c_op = self.ops, mach.op_time
+        if ops is not None:  # the framework's per-operator cost: tp/cp/pp split FLOPs, not the op count
+            recomp += c_op * (ops.microbatch(1, recompute) - ops.microbatch(1))
         n_tp = {"none": 4, "selective": 4, "full": 6}[recompute]
 
         def tp_time(calls: dict[tuple[str, float], float]) -> float:
@@ -1088,13 +1095,14 @@ class CostModel:
         head = (1 + r) * mach.gemm(T, h, mc.vocab_size / tp, gemm_b)
         head += other * 16 * T * mc.vocab_size / tp / mach.hbm
         per_layer = {"compute": layer_f + layer_b, "recompute": recomp, "tp comm": tp_layer, "cp comm": cp_layer,
-                     "ep comm": ep_layer}  # fmt: skip
+                     "ep comm": ep_layer, "framework": c_op * ops.layer_fb if ops else 0.0}  # fmt: skip
         first_tp = tp_time(self.tp_calls(tp, sp, recompute, mb, "first", cp))
         last_tp = tp_time(self.tp_calls(tp, sp, recompute, mb, "last", cp))
 
         def stage(layers: float, first: bool, last: bool) -> dict[str, float]:
             terms = {k: layers * v for k, v in per_layer.items()}
             terms["compute"] += head if last else 0.0
+            terms["framework"] += (c_op * ops.fixed_fb if ops and last else 0.0) + (mach.microbatch_overhead if ops else 0.0)
             terms["tp comm"] += (first_tp if first else 0.0) + (last_tp if last else 0.0)
             return terms
 
@@ -1263,8 +1271,11 @@ class CostModel:
             W, G = self.W, self.G
             host_adam = HOST_ADAM_BANDWIDTH / self.cluster.devices_per_node
             time["optimizer"] = local * ((W + G) / self.cluster.host_bandwidth + ADAM_BYTES / host_adam)
-        else:
-            time["optimizer"] = local * ADAM_BYTES / mach.hbm
+        else:  # its bytes over the memory bandwidth, or its arithmetic where that is slower (8-bit Adam on a CPU)
+            rate = mach.optimizer_rates.get(tr.optimizer, 0.0)
+            time["optimizer"] = max(local * ADAM_BYTES / mach.hbm, local / rate if rate > 0 else 0.0)
+        if self.ops is not None:  # the optimizer's operators (foreach calls, or per-parameter ones: adafactor)
+            time["optimizer"] += mach.op_time * self.ops.optimizer(self.stage_layers(p, True, p == 1, lay.split))
         step = sum(time.values())
         tokens = tr.global_batch * tr.seq_len
         world = lay.world_size

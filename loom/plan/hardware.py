@@ -57,6 +57,12 @@ class DeviceSpec:
     flash_bwd: float = 0.0  # same, backward (counted as 2.5x the forward's FLOPs)
     nic_bandwidth: float = 50 * GB  # inter-node bandwidth per device per direction of its reference node
     # (DGX A100: one 200 Gb/s HDR HCA per GPU = 25 GB/s; DGX H100/H200/B200: one 400 Gb/s NDR = 50 GB/s)
+    op_overhead: float = 0.0  # framework cost per executed operator (Python, dispatch, autograd), s; charged on
+    # top of FLOPs and bytes where the host waits for each op (CPUs); 0 = hidden behind queued kernels (GPUs)
+    microbatch_overhead: float = 0.0  # the trainer's per-micro-batch cost beyond the model's operators (hooks,
+    # gradient views, data), s; a profile measures it (loom plan calibrate --config)
+    optimizer_rates: tuple[tuple[str, float], ...] = ()  # (train.optimizer, shard elements/s of one step) where
+    # its arithmetic, not its bytes, sets the time (CPUs; absent: bytes / memory bandwidth)
     comm_overlap: float = 0.8  # share of overlapped data-parallel traffic truly hidden: the rest slows compute (assumption;
     # 0 on CPU: gloo runs on the same cores that compute, so nothing is hidden)
     source: str = ""  # the datasheet the numbers come from
@@ -213,6 +219,9 @@ DEVICES: dict[str, DeviceSpec] = {
             5 * GB,
             0.50,
             runtime_overhead_bytes=0.4 * GiB,
+            op_overhead=2.2e-6,  # a tiny Llama block's forward + backward on this machine: 2.2 us per ATen op (fp32)
+            # one step over a 2^20-element shard here: AdamW 1.2 ms, 8-bit Adam 73 ms, Adafactor 6.3 ms
+            optimizer_rates=(("adamw", 0.86e9), ("adam8bit", 14.4e6), ("adafactor", 166e6)),
             comm_overlap=0.0,
             source=_CPU,
         ),
@@ -445,6 +454,9 @@ class Profile:
     compute_share: dict[str, float] = field(default_factory=dict)  # ranks at once -> speed vs alone
     backward_ratio: float = 0.0  # measured backward / forward time of the model (0 = 2, the FLOP ratio)
     moe_imbalance: float = 0.0  # a MoE config's calibration run: its moe_imbalance metric (0 = not measured)
+    op_overhead: dict[str, float] = field(default_factory=dict)  # precision -> seconds per ATen operator
+    microbatch_overhead: float = 0.0  # the trainer's per-micro-batch cost outside the counted operators, s
+    optimizer_rate: dict[str, float] = field(default_factory=dict)  # train.optimizer -> shard elements/s of a step
     collectives: list[CollectiveFit] = field(default_factory=list)
 
     def collective(self, op: str, scope: str, group_size: int, world: int | None = None) -> CollectiveFit | None:
@@ -490,6 +502,10 @@ class Profile:
             hbm_bandwidth=float(data.get("hbm_bandwidth", 0.0)),
             compute_share={str(k): float(v) for k, v in data.get("compute_share", {}).items()},
             backward_ratio=float(data.get("backward_ratio", 0.0)),
+            moe_imbalance=float(data.get("moe_imbalance", 0.0)),
+            op_overhead={k: float(v) for k, v in data.get("op_overhead", {}).items()},
+            microbatch_overhead=float(data.get("microbatch_overhead", 0.0)),
+            optimizer_rate={k: float(v) for k, v in data.get("optimizer_rate", {}).items()},
             collectives=fits,
         )
 
@@ -536,6 +552,10 @@ class Machine:
         self.flops = measured if measured > 0 else self.peak * dev.achievable
         self.measured_gemm = measured > 0
         self.hbm = profile.hbm_bandwidth if profile and profile.hbm_bandwidth > 0 else dev.hbm_bandwidth
+        measured_op = profile.op_overhead.get(precision, 0.0) if profile else 0.0
+        self.op_time = measured_op if measured_op > 0 else dev.op_overhead  # s per ATen operator
+        self.microbatch_overhead = profile.microbatch_overhead if profile and profile.microbatch_overhead else dev.microbatch_overhead
+        self.optimizer_rates = dict(dev.optimizer_rates) | (profile.optimizer_rate if profile else {})
         eff = cluster.comm_efficiency
         self._links = {
             "intra": (cluster.intra_bandwidth * eff, cluster.intra_latency),

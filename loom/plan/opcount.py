@@ -1,0 +1,126 @@
+"""Operators a training step executes, counted by running a tiny model of the same structure.
+
+Small models on a CPU (or tiny layers on a GPU) spend their time in the framework's per-operator
+cost (Python, dispatcher, autograd), which does not shrink when tensor, context or pipeline
+parallelism splits the FLOPs. The cost model charges ``ops · c_op`` beside the FLOP and byte
+terms, where ``c_op`` is the device's per-operator cost (:class:`~loom.plan.hardware.DeviceSpec`
+``op_overhead``, measured by ``loom plan calibrate``).
+
+The counts do not depend on widths, so they are taken on a model with the same structure (norms,
+MLP kind, positions, biases, heads, experts) but 8-wide heads, 32-wide MLPs, a 64-token vocabulary
+and 16-token sequences, on the CPU, under a :class:`~torch.utils._python_dispatch.TorchDispatchMode`
+that counts every ATen call. One and two layers give the per-layer and the fixed counts
+(``ops(L) = fixed + L · per_layer``); the optimizer step is counted on the same two models'
+flat parameter shards (:func:`~loom.optim.flat.build_flat_optimizer`, one shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from loom.config import ModelConfig, MoEConfig
+
+TOKENS = 16  # sequence length of the counting runs
+HEAD_DIM = 8
+
+
+@dataclass(frozen=True)
+class OpCounts:
+    """ATen operators per micro-batch (forward + backward) and per optimizer step."""
+
+    layer_fb: float  # one block, forward + backward
+    layer_fwd: float  # one block, forward only (what full recomputation runs again)
+    fixed_fb: float  # embedding, final norm, head and loss, forward + backward
+    optimizer_layer: float  # optimizer step: per block's parameters
+    optimizer_fixed: float  # optimizer step: the rest (embedding, final norm, the fused calls)
+
+    def microbatch(self, layers: float, recompute: str = "none", head: bool = True) -> float:
+        """Operators of one micro-batch through ``layers`` blocks (and the head and loss if ``head``)."""
+        again = {"none": 0.0, "selective": 0.25, "full": 1.0}.get(recompute, 0.0) * self.layer_fwd
+        return layers * (self.layer_fb + again) + (self.fixed_fb if head else 0.0)
+
+    def optimizer(self, layers: float) -> float:
+        return self.optimizer_fixed + layers * self.optimizer_layer
+
+
+def tiny_config(model: ModelConfig, n_layers: int) -> ModelConfig:
+    """``model``'s structure at counting size: same heads, norms, MLP, positions, biases and experts."""
+    return dataclasses.replace(
+        model, n_layers=n_layers, attn_head_dim=HEAD_DIM, dim=HEAD_DIM * model.n_heads, ffn_dim=32,
+        multiple_of=8, vocab_size=64, max_seq_len=TOKENS, from_hf="", rope_scaling=0.0,
+    )  # fmt: skip
+
+
+def _count(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        fn()
+    return Counter.n
+
+
+def _model_counts(model: ModelConfig, moe: MoEConfig | None, optimizer: str, batch: int) -> tuple[int, int, int]:
+    """(forward + backward, forward, optimizer step) operators of the tiny model ``model``."""
+    import torch
+
+    from loom.config import TrainConfig
+    from loom.model.llama import build_model, loss_fn
+    from loom.optim.flat import build_flat_optimizer
+    from loom.optim.store import StateStore
+    from loom.parallel.zero.layout import FlatLayout, decayed_ids
+
+    net = build_model(model, seed=0, moe=moe)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, model.vocab_size, (batch, TOKENS), generator=g)
+    y = torch.randint(0, model.vocab_size, (batch, TOKENS), generator=g)
+    loss_fn(net(x), y).backward()  # warm-up: lazy buffers and caches are not per-step work
+    net.zero_grad(set_to_none=True)
+    fb = _count(lambda: loss_fn(net(x), y).backward())
+    fwd = _count(lambda: loss_fn(net(x), y))
+    params = [p for p in net.parameters() if p.requires_grad]
+    lay = FlatLayout(params, 1, 0, decayed_ids(net))
+    flat = lay.new_flat()
+    lay.bind(flat)
+    opt = build_flat_optimizer([lay], [lay.shard_of(flat)], StateStore(flat.device),
+                               TrainConfig(optimizer=optimizer))  # type: ignore[arg-type]  # fmt: skip
+    grads = [torch.randn_like(lay.shard_of(flat))]
+    opt.step(grads, 1e-3)  # the first step builds the state
+    return fb, fwd, _count(lambda: opt.step(grads, 1e-3))
+
+
+def op_counts(model: ModelConfig, moe: MoEConfig | None = None, optimizer: str = "adamw") -> OpCounts:
+    """Per-layer and fixed operator counts of ``model`` (cached per structure; ~0.1 s the first time)."""
+    key = repr((tiny_config(model, 1), moe, optimizer))
+    if key not in _CACHE:
+        _CACHE[key] = _measure(model, moe, optimizer)
+    return _CACHE[key]
+
+
+_CACHE: dict[str, OpCounts] = {}
+
+
+def _measure(model: ModelConfig, moe: MoEConfig | None, optimizer: str) -> OpCounts:
+    import torch
+
+    threads = torch.get_num_threads()
+    batch = max(1, -(-4 * max(1, model.n_experts) // TOKENS))  # MoE: ~4 tokens per expert, every expert busy
+    try:
+        torch.set_num_threads(1)
+        with torch.random.fork_rng(devices=[]):
+            one = _model_counts(tiny_config(model, 1), moe, optimizer, batch)
+            two = _model_counts(tiny_config(model, 2), moe, optimizer, batch)
+    finally:
+        torch.set_num_threads(threads)
+    (fb1, fw1, op1), (fb2, fw2, op2) = one, two
+    return OpCounts(
+        layer_fb=fb2 - fb1, layer_fwd=fw2 - fw1, fixed_fb=2 * fb1 - fb2,
+        optimizer_layer=op2 - op1, optimizer_fixed=2 * op1 - op2,
+    )  # fmt: skip
