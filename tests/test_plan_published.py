@@ -175,7 +175,8 @@ def test_tp_overlap_hides_collectives_behind_their_gemms():
 
 
 def test_dp_overlap_bucket_by_bucket():
-    """ZeRO-0: exposed = max(total - t_b, total / buckets) + (1 - comm_overlap) min(total, t_b); off: total."""
+    """ZeRO-0: exposed = last + max(0, rest - t_b) + (1 - comm_overlap) min(rest, t_b) (last = total / buckets,
+    rest = total - last); off: total."""
     m = _small_llama()
     cl = ClusterSpec.single_node("a100-80g", 8, 2)
     w = Workload(64, 4096, bucket_bytes=100 * 2**20)
@@ -186,14 +187,16 @@ def test_dp_overlap_bucket_by_bucket():
     for t_mb in (0.01, 1.0):
         t_b = t_mb * 2 / 3
         share = cl.device.comm_overlap
-        want = max(total - t_b, total / buckets) + (1 - share) * min(total, t_b)
+        last, rest = total / buckets, total - total / buckets  # the last call shows; the rest hides in t_b
+        want = last + max(0.0, rest - t_b) + (1 - share) * min(rest, t_b)
         assert cm._dp_time(lay, 4, t_mb, 4 * t_mb) == pytest.approx(want)
     assert cm._dp_time(Layout(dp=16, micro_batch=1, dp_overlap=False), 4, 1.0, 4.0) == pytest.approx(total)
     z3 = Layout(dp=16, dp_shard=16, zero=3, micro_batch=1)  # prefetch under all 4 micro-batches
     total3 = cm._dp_comm(16, 16, 1, 1, 1, 1, 3, 4, 16)
     units = cm.zero3_units(1)[0]
-    assert cm._dp_time(z3, 4, 1.0, 4.0) == pytest.approx(max(total3 - 4.0, total3 / (4 * (2 * units - 1) + units))
-                                                         + (1 - share) * min(total3, 4.0))  # fmt: skip
+    last3 = total3 / (4 * (2 * units - 1) + units)
+    assert cm._dp_time(z3, 4, 1.0, 4.0) == pytest.approx(last3 + max(0.0, total3 - last3 - 4.0)
+                                                         + (1 - share) * min(total3 - last3, 4.0))  # fmt: skip
     # the CPU (gloo on the compute cores) hides nothing
     cpu = CostModel(m, w, ClusterSpec.single_node("cpu", 2))
     assert cpu._dp_time(Layout(dp=2), 4, 1.0, 4.0) == pytest.approx(cpu._dp_comm(2, 1, 1, 1, 1, 1, 0, 4, 2))

@@ -83,8 +83,9 @@ def test_microbatch_overhead_reproduces_the_measured_one_rank_step():
     measured = dataclasses.replace(prof, microbatch_overhead=per_mb)
     est = estimate(model_of(cfg), Layout(micro_batch=2), workload_of(cfg), local_cluster(1), profile=measured)
     assert est.step_time == pytest.approx(0.05, rel=1e-9)
-    assert per_mb == pytest.approx(est.time_breakdown["framework"] / est.microbatches
-                                   - 2e-6 * (cfg.model.n_layers * est_ops(cfg).layer_fb + est_ops(cfg).fixed_fb))  # fmt: skip
+    L = cfg.model.n_layers
+    assert per_mb * (L + 1) == pytest.approx(est.time_breakdown["framework"] / est.microbatches
+                                             - 2e-6 * (L * est_ops(cfg).layer_fb + est_ops(cfg).fixed_fb))  # fmt: skip
 
 
 def est_ops(cfg):
@@ -96,8 +97,8 @@ def est_ops(cfg):
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_framework_term_is_ops_times_cost_per_op(recompute):
-    """framework = m · (c_op · (L · ops_layer + ops_head) + t_mb); full recomputation adds
-    m · c_op · L · ops_layer_fwd; the optimizer's operators count once per step."""
+    """framework = m · (c_op · (L · ops_layer + ops_head) + (L + 1) · t_block); full recomputation adds
+    m · c_op · L · (ops_layer_full - ops_layer); the optimizer's operators count once per step."""
     import dataclasses
 
     from loom.plan.cost import Layout, estimate
@@ -109,10 +110,10 @@ def test_framework_term_is_ops_times_cost_per_op(recompute):
     est = estimate(model_of(cfg), Layout(micro_batch=2, recompute=recompute), workload_of(cfg), local_cluster(1),
                    profile=prof)  # fmt: skip
     ops, L, m = est_ops(cfg), cfg.model.n_layers, est.microbatches
-    assert est.time_breakdown["framework"] == pytest.approx(m * (c_op * (L * ops.layer_fb + ops.fixed_fb) + t_mb))
+    assert est.time_breakdown["framework"] == pytest.approx(m * (c_op * (L * ops.layer_fb + ops.fixed_fb) + (L + 1) * t_mb))
     half = estimate(model_of(cfg), Layout(micro_batch=2, recompute=recompute), workload_of(cfg), local_cluster(1),
                     profile=dataclasses.replace(prof, op_overhead={"fp32": c_op / 2}))  # fmt: skip
-    again = m * c_op / 2 * L * ops.layer_fwd if recompute == "full" else 0.0
+    again = m * c_op / 2 * L * (ops.layer_full - ops.layer_fb) if recompute == "full" else 0.0
     assert est.time_breakdown["recompute"] - half.time_breakdown["recompute"] == pytest.approx(again)
     assert est.time_breakdown["optimizer"] - half.time_breakdown["optimizer"] == pytest.approx(c_op / 2 * ops.optimizer(L))
 
@@ -125,11 +126,10 @@ def test_op_counts_are_linear_in_layers():
         cfg = _cfg(1, *extra)
         cfg.model.vocab_size = 512
         ops = op_counts(cfg.model, None, cfg.train.optimizer)
-        fb, fwd, opt = _model_counts(tiny_config(cfg.model, 3), None, cfg.train.optimizer, 1)
-        assert fb == ops.microbatch(3)
-        assert fwd - ops.layer_fwd == _model_counts(tiny_config(cfg.model, 2), None, cfg.train.optimizer, 1)[1]
+        fb, sel, full, opt = _model_counts(tiny_config(cfg.model, 3), None, cfg.train.optimizer, 1)
+        assert (fb, sel, full) == (ops.microbatch(3), ops.microbatch(3, "selective"), ops.microbatch(3, "full"))
         assert opt == ops.optimizer(3)
-        assert ops.layer_fb > ops.layer_fwd > 0 and ops.fixed_fb > 0
+        assert ops.layer_full > ops.layer_selective > ops.layer_fb > 0 and ops.fixed_fb > 0
 
 
 def test_model_shapes_cover_forward_and_backward():

@@ -63,9 +63,9 @@ def model_shapes(model: ModelConfig, tokens: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _timed(fn, repeats: int, device: torch.device | None = None) -> float:
-    """Median seconds of ``fn()`` after two warm-up calls; on an accelerator (``device``) each call
-    is timed between synchronisations, so queued kernels and collectives are counted."""
+def _timed(fn, repeats: int, device: torch.device | None = None, best: bool = False) -> float:
+    """Median (``best``: least) seconds of ``fn()`` after two warm-up calls; on an accelerator
+    (``device``) each call is timed between synchronisations, so queued kernels and collectives are counted."""
     from loom.device import synchronize
 
     fn()
@@ -79,7 +79,7 @@ def _timed(fn, repeats: int, device: torch.device | None = None) -> float:
         if device is not None:
             synchronize(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times) if best else statistics.median(times)
 
 
 def measure_gemm(
@@ -163,9 +163,9 @@ def measure_backward_ratio(model: ModelConfig, micro_batch: int, seq_len: int, r
 
 
 def microbatch_overhead(cfg: LoomConfig, profile: Profile, seconds: float) -> float:
-    """The trainer's per-micro-batch cost the planner's terms leave out (hooks, gradient views,
-    data): ``seconds`` (a one-rank step of ``cfg``) minus its one-rank prediction with ``profile``,
-    over the step's micro-batches, at least 0."""
+    """The trainer's cost per block and micro-batch that the planner's terms leave out (saved-tensor
+    and gradient hooks, views; once more for embedding, head and data): ``seconds`` (a one-rank step
+    of ``cfg``) minus its one-rank prediction with ``profile``, over micro-batches x (L + 1), at least 0."""
     from loom.plan.auto import local_cluster
     from loom.plan.cost import RECOMPUTE, Layout, estimate
     from loom.plan.report import model_of, workload_of
@@ -174,7 +174,8 @@ def microbatch_overhead(cfg: LoomConfig, profile: Profile, seconds: float) -> fl
     lay = Layout(micro_batch=cfg.train.micro_batch, recompute=rec)
     cluster = local_cluster(1)
     est = estimate(model_of(cfg), lay, workload_of(cfg), cluster, profile=profile)  # with the device's default
-    return max(0.0, (seconds - est.step_time) / est.microbatches + cluster.device.microbatch_overhead)
+    units = est.microbatches * (cfg.model.n_layers + 1)
+    return max(0.0, (seconds - est.step_time) / units + cluster.device.microbatch_overhead)
 
 
 def measure_op_overhead(model: ModelConfig, precision: str = "fp32", repeats: int = 30,
@@ -269,13 +270,13 @@ def _coll_worker(
     dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
     work = layer_work(*work_shape, device=device)
 
-    def loop(call) -> float:  # mean over a block of calls (preemption by other ranks included), median of 3
-        def block() -> None:
+    def loop(call) -> float:  # mean over a block of calls (preemption by other ranks included); the least
+        def block() -> None:  # disturbed of 5 blocks, as validate counts the fastest run of a layout
             for _ in range(repeats):
                 work()
                 call()
 
-        return _timed(block, 3, device) / repeats
+        return _timed(block, 5, device, best=True) / repeats
 
     dist.barrier()
     results: list[tuple[str, int, int, float]] = [("work", world, 0, work_rate(work, device=device))]  # all ranks at once
@@ -302,10 +303,47 @@ def _coll_worker(
             for op in [o for o in OPS if o in calls]:
                 dist.barrier()
                 results.append((op, n, numel * 4, max(loop(calls[op]) - alone, 1e-7)))
+            # synced: back to back, the ranks already in step (step-end scalars; a pipeline receiver waiting)
+            synced = {}
+            if n == 2:
+                first = rank - rank % 2
+                peer = first + 1 if rank == first else first
+                synced["p2p"] = ((lambda full=full, peer=peer: (dist.send(full, peer), dist.recv(full, peer)))
+                                 if rank == first else (lambda full=full, peer=peer: (dist.recv(full, peer), dist.send(full, peer))))  # fmt: skip
+            for op, call in synced.items():
+                dist.barrier()
+                t = _timed(lambda call=call: [call() for _ in range(repeats)], 3, device) / repeats
+                results.append((f"{op}:synced", n, numel * 4, t / (2 if op == "p2p" else 1)))  # p2p: half a round trip
+        # overlap: an all-gather issued before the work and waited after it (ZeRO-3's prefetch, a bucket
+        # reduced during backward), against the same in sequence; share hidden = 1 - extra / sequential extra
+        full = torch.ones((64 << 10) // 4 // n * n, device=device)
+        part = torch.ones(full.numel() // n, device=device)
+
+        def overlapped(full=full, part=part, g=group) -> None:
+            handle = dist.all_gather_into_tensor(full, part, group=g, async_op=True)
+            work()
+            handle.wait()
+
+        dist.barrier()
+        alone = loop(lambda: None)
+        dist.barrier()
+        seq = loop(lambda: dist.all_gather_into_tensor(full, part, group=group)) - alone
+        dist.barrier()
+        ovl = _timed(lambda: [overlapped() for _ in range(repeats)], 3, device) / repeats - work_alone(work, repeats, device)
+        results.append(("overlap", n, 0, min(1.0, max(0.0, 1.0 - ovl / seq)) if seq > 0 else 0.0))
+        scalar = torch.ones(1, device=device)  # the step-end scalars (loss, gradient norm), back to back
+        dist.barrier()
+        t = _timed(lambda s=scalar, g=group: [dist.all_reduce(s, group=g) for _ in range(repeats)], 3, device)
+        results.append(("all_reduce:synced", n, 4, t / repeats))
     dist.barrier()
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
+
+
+def work_alone(work, repeats: int, device=None) -> float:
+    """Seconds of one ``work()`` call, the mean over a block of ``repeats`` (as :func:`_coll_worker` times)."""
+    return _timed(lambda: [work() for _ in range(repeats)], 3, device) / repeats
 
 
 def layer_work(tokens: int, width: int, device=None):
@@ -369,30 +407,37 @@ def measure_collectives(
     and the skew between ranks, which an isolated ping-pong does not see (on this 2-core machine
     2-4x its latency). One spawned job per ``world`` (file:// rendezvous).
     """
-    fits, _ = measure_contention(nproc, backend, repeats, work_shape)
+    fits, _, _ = measure_contention(nproc, backend, repeats, work_shape)
     return fits
 
 
 def measure_contention(
     nproc: int, backend: str = "gloo", repeats: int = 20, work_shape: tuple[int, int] = (128, 64)
-) -> tuple[list[CollectiveFit], dict[str, float]]:
-    """(:func:`measure_collectives`' fits, compute share per job size): the share is the speed of
-    :func:`layer_work` on each of ``world`` ranks running it at once over its speed alone (ranks
-    sharing cores, memory bandwidth and caches; 1 on separate GPUs)."""
+) -> tuple[list[CollectiveFit], dict[str, float], dict[str, float]]:
+    """(:func:`measure_collectives`' fits, compute share per job size, overlap per job size): the
+    share is the speed of :func:`layer_work` on each of ``world`` ranks running it at once over its
+    speed alone (ranks sharing cores, memory bandwidth and caches; 1 on separate GPUs); the overlap,
+    the share of an asynchronous all-gather's time hidden behind that work (the mean over group sizes)."""
     import torch
 
     torch.set_num_threads(1)
     solo = work_rate(layer_work(*work_shape))
-    fits, share = [], {}
+    fits, share, overlap = [], {}, {}
     for world in range(2, nproc + 1):
         rows = _run_world(world, backend, repeats, work_shape)
         share[str(world)] = min(1.0, solo / next(t for o, _, _, t in rows if o == "work"))
-        for op in OPS:
-            for n in sorted({g for o, g, _, _ in rows if o == op}):
-                pts = [(_volume(op, n, s), t) for o, g, s, t in rows if o == op and g == n]
+        for op, scope in [(o, "intra") for o in OPS] + [("p2p", "synced")]:
+            key = op if scope == "intra" else f"{op}:synced"
+            for n in sorted({g for o, g, _, _ in rows if o == key}):
+                pts = [(_volume(op, n, s), t) for o, g, s, t in rows if o == key and g == n]
                 bw, lat = fit_line(pts)
-                fits.append(CollectiveFit(op, "intra", n, bus_bandwidth=bw, latency=lat, world=world))
-    return fits, share
+                fits.append(CollectiveFit(op, scope, n, bus_bandwidth=bw, latency=lat, world=world))
+        hidden = [t for o, _, _, t in rows if o == "overlap"]
+        overlap[str(world)] = statistics.fmean(hidden) if hidden else 0.0
+        for _, n, _, t in [r for r in rows if r[0] == "all_reduce:synced"]:  # a scalar: its time is the latency
+            bw = next(f.bus_bandwidth for f in fits if (f.op, f.scope, f.group_size, f.world) == ("all_reduce", "intra", n, world))
+            fits.append(CollectiveFit("all_reduce", "synced", n, bus_bandwidth=bw, latency=t, world=world))
+    return fits, share, overlap
 
 
 def calibrate(
@@ -438,8 +483,8 @@ def calibrate(
         measured = Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, op_overhead=ops, optimizer_rate=optimizers)
         overhead = microbatch_overhead(cfg, measured, seconds)
     work_shape = (tokens, model.dim) if model is not None else (128, 64)
-    fits, share = measure_contention(nproc, backend, work_shape=work_shape) if nproc > 1 else ([], {})
-    return Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, compute_share=share, op_overhead=ops,
+    fits, share, overlap = measure_contention(nproc, backend, work_shape=work_shape) if nproc > 1 else ([], {}, {})
+    return Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, compute_share=share, comm_overlap=overlap, op_overhead=ops,
                    optimizer_rate=optimizers, microbatch_overhead=overhead, collectives=fits, moe_imbalance=imbalance)  # fmt: skip
 
 
@@ -487,14 +532,15 @@ def main(argv: list[str]) -> int:
           f"{prof.gemm_flops['bf16'] / 1e9:.2f}), elementwise {prof.hbm_bandwidth / 1e9:.2f} GB/s")  # fmt: skip
     if prof.op_overhead:
         print("per ATen operator: " + ", ".join(f"{p} {v * 1e6:.2f} us" for p, v in prof.op_overhead.items())
-              + (f"; the trainer's further cost per micro-batch: {prof.microbatch_overhead * 1e3:.2f} ms" if args.config else ""))
+              + (f"; the trainer's further cost per block and micro-batch: {prof.microbatch_overhead * 1e3:.2f} ms" if args.config else ""))
     if prof.optimizer_rate:
         print("optimizer step: " + ", ".join(f"{k} {v / 1e6:.1f} M elements/s" for k, v in prof.optimizer_rate.items()))
     if prof.moe_imbalance:
         print(f"expert load of the run: max/mean {prof.moe_imbalance:.2f} (the planner's moe.imbalance when unset)")
     for world, share in prof.compute_share.items():
-        print(f"compute share with {world} ranks at once: {share:.2f}")
+        print(f"compute share with {world} ranks at once: {share:.2f}; asynchronous collective hidden behind "
+              f"compute: {prof.comm_overlap.get(world, 0.0):.2f}")
     for c in prof.collectives:
-        print(f"{c.op:<15} world={c.world} n={c.group_size}  bus {c.bus_bandwidth / 1e9:.3f} GB/s  latency {c.latency * 1e6:.0f} us")
+        print(f"{c.op:<15} {c.scope:<6} world={c.world} n={c.group_size}  bus {c.bus_bandwidth / 1e9:.3f} GB/s  latency {c.latency * 1e6:.0f} us")
     print(f"wrote {args.out} ({time.perf_counter() - t0:.1f} s)")
     return 0

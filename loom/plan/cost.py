@@ -88,8 +88,9 @@ Time of one step:
   members on a node (:meth:`Machine.inter_bandwidth`). With ``Layout.dp_overlap`` (default) it
   hides bucket by bucket behind the last micro-batch's backward (ZeRO 1/2 also the next
   forward, ZeRO 3 all micro-batches), but the last call; what runs beside compute slows it by
-  1 - ``comm_overlap`` (0.8 hidden on GPUs; 0 on CPU, where gloo shares the compute cores:
-  nothing hides) (:meth:`CostModel._dp_time`).
+  1 - ``comm_overlap`` (0.8 hidden on GPUs; on a CPU the share ``loom plan calibrate`` measures,
+  an async all-gather beside compute: gloo's thread mostly waits, but shares the cores; 0 without
+  a profile) (:meth:`CostModel._dp_time`).
 - step synchronisation: the scalar collectives of every step (loss averaged over dp, gradient
   norm summed over tp, the ZeRO group and pp, loss broadcast over pp), one call latency each.
 - optimizer: Adam reads and writes 28 bytes per local parameter at HBM speed; offloaded, at
@@ -1102,7 +1103,9 @@ class CostModel:
         def stage(layers: float, first: bool, last: bool) -> dict[str, float]:
             terms = {k: layers * v for k, v in per_layer.items()}
             terms["compute"] += head if last else 0.0
-            terms["framework"] += (c_op * ops.fixed_fb if ops and last else 0.0) + (mach.microbatch_overhead if ops else 0.0)
+            if ops:  # the head's operators; the trainer's per-micro-batch cost per block (saved-tensor and
+                # gradient hooks), and once more for the rest (embedding, head, loss, data)
+                terms["framework"] += (c_op * ops.fixed_fb if last else 0.0) + (layers + 1) * mach.microbatch_overhead
             terms["tp comm"] += (first_tp if first else 0.0) + (last_tp if last else 0.0)
             return terms
 
@@ -1122,15 +1125,18 @@ class CostModel:
         micro-batches; what does not fit the window shows, and at least the last call (nothing
         left to hide it behind)::
 
-            exposed = max(total - window, total / calls) + (1 - comm_overlap) min(total, window)
+            exposed = last + max(0, rest - window) + (1 - comm_overlap) min(rest, window)
+            (last = total / calls, rest = total - last)
 
         window = t_b | t_b + t_f | m t_mb; the last term: collectives running beside compute slow it
-        (NCCL's channels take SMs and HBM bandwidth), the device's ``comm_overlap`` share (0.8) hidden.
+        (NCCL's channels take SMs and HBM bandwidth), the device's ``comm_overlap`` share (0.8) hidden;
+        on a CPU the profile's measured share (gloo's thread waits beside the compute, but its copies
+        and reductions take the same cores).
         """
         total = self._dp_volume(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m, lay.world_size)
         if lay.zero == 3 and (lay.qwz or lay.hpz or lay.qgz):
             total = zeropp_time(self, lay, m)
-        share = self.cluster.device.comm_overlap
+        share = self.machine.comm_overlap(lay.world_size)
         if total <= 0 or not lay.dp_overlap or share <= 0:
             return total
         r = self.bwd_ratio
@@ -1142,8 +1148,9 @@ class CostModel:
         else:
             dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1)
             calls = max(1, -(-int((dense + expert) * self.R) // int(self.train.bucket_bytes))) * (2 if lay.zero else 1)
-        hidden = min(total, window)
-        return max(total - window, total / calls) + (1 - share) * hidden
+        last = total / calls
+        rest = total - last
+        return last + max(0.0, rest - window) + (1 - share) * min(rest, window)
 
     def _sync_time(self, lay: Layout) -> float:
         """Scalar collectives of every step, one call latency each: the logged loss averaged over
@@ -1154,7 +1161,7 @@ class CostModel:
                  ("all_reduce", lay.pp, world), ("all_reduce", lay.pp, world)]  # fmt: skip
         if lay.zero:
             calls.append(("all_reduce", lay.dp_shard * lay.cp, lay.tp * lay.cp * lay.dp_shard))
-        return sum(mach.latency(op, n, span, world) for op, n, span in calls)
+        return sum(mach.latency(op, n, span, world, synced=True) for op, n, span in calls)
 
     def zero3_units(self, pp: int, tp: int = 1) -> tuple[int, float]:
         """(units, parameters kept gathered from forward to backward) of ZeRO-3 on the first
@@ -1259,7 +1266,7 @@ class CostModel:
             B = self.act_bytes
             msg = lay.micro_batch * tr.seq_len / lay.cp * self.model.dim * B / lay.tp
             span = lay.tp * lay.cp * lay.dp * p
-            time["pp p2p"] = 2 * m * lay.v * mach.collective("p2p", 2, msg, span)
+            time["pp p2p"] = 2 * m * lay.v * mach.collective("p2p", 2, msg, span, synced=True)  # the receiver waits
         partial = self.tp_partial_params(lay.tp, lay.sp, p, p == 1, lay.ep) * self.R
         time["tp comm"] += mach.collective("all_reduce", lay.tp, partial, lay.tp, world)
         time["step sync"] = self._sync_time(lay)

@@ -59,8 +59,8 @@ class DeviceSpec:
     # (DGX A100: one 200 Gb/s HDR HCA per GPU = 25 GB/s; DGX H100/H200/B200: one 400 Gb/s NDR = 50 GB/s)
     op_overhead: float = 0.0  # framework cost per executed operator (Python, dispatch, autograd), s; charged on
     # top of FLOPs and bytes where the host waits for each op (CPUs); 0 = hidden behind queued kernels (GPUs)
-    microbatch_overhead: float = 0.0  # the trainer's per-micro-batch cost beyond the model's operators (hooks,
-    # gradient views, data), s; a profile measures it (loom plan calibrate --config)
+    microbatch_overhead: float = 0.0  # the trainer's cost per block and micro-batch beyond the model's operators
+    # (saved-tensor and gradient hooks, views), once more per micro-batch for the rest, s (loom plan calibrate --config)
     optimizer_rates: tuple[tuple[str, float], ...] = ()  # (train.optimizer, shard elements/s of one step) where
     # its arithmetic, not its bytes, sets the time (CPUs; absent: bytes / memory bandwidth)
     comm_overlap: float = 0.8  # share of overlapped data-parallel traffic truly hidden: the rest slows compute (assumption;
@@ -222,6 +222,7 @@ DEVICES: dict[str, DeviceSpec] = {
             op_overhead=2.2e-6,  # a tiny Llama block's forward + backward on this machine: 2.2 us per ATen op (fp32)
             # one step over a 2^20-element shard here: AdamW 1.2 ms, 8-bit Adam 73 ms, Adafactor 6.3 ms
             optimizer_rates=(("adamw", 0.86e9), ("adam8bit", 14.4e6), ("adafactor", 166e6)),
+            microbatch_overhead=0.5e-3,  # calibrate --config debug.toml here: 1.4-1.7 ms per micro-batch over 2 + 1
             comm_overlap=0.0,
             source=_CPU,
         ),
@@ -437,7 +438,8 @@ class CollectiveFit:
     """A measured collective: time(bytes) = latency + bytes / bus_bandwidth for this group size."""
 
     op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | p2p
-    scope: str  # intra (inside a node) | inter (across nodes)
+    scope: str  # intra (inside a node, between compute) | inter (across nodes) | synced (intra, back to back:
+    # the ranks already in step, as at the step-end scalars or a pipeline receiver waiting for its input)
     group_size: int
     bus_bandwidth: float  # bytes/s of the ring-normalised ("bus") bandwidth, as nccl-tests reports
     latency: float  # seconds
@@ -452,10 +454,11 @@ class Profile:
     gemm_flops: dict[str, float] = field(default_factory=dict)  # precision -> sustained FLOP/s
     hbm_bandwidth: float = 0.0  # measured copy bandwidth, bytes/s (0 = use the spec)
     compute_share: dict[str, float] = field(default_factory=dict)  # ranks at once -> speed vs alone
+    comm_overlap: dict[str, float] = field(default_factory=dict)  # ranks at once -> share of an async collective hidden
     backward_ratio: float = 0.0  # measured backward / forward time of the model (0 = 2, the FLOP ratio)
     moe_imbalance: float = 0.0  # a MoE config's calibration run: its moe_imbalance metric (0 = not measured)
     op_overhead: dict[str, float] = field(default_factory=dict)  # precision -> seconds per ATen operator
-    microbatch_overhead: float = 0.0  # the trainer's per-micro-batch cost outside the counted operators, s
+    microbatch_overhead: float = 0.0  # the trainer's cost per block and micro-batch outside the counted operators, s
     optimizer_rate: dict[str, float] = field(default_factory=dict)  # train.optimizer -> shard elements/s of a step
     collectives: list[CollectiveFit] = field(default_factory=list)
 
@@ -501,6 +504,7 @@ class Profile:
             gemm_flops={k: float(v) for k, v in data.get("gemm_flops", {}).items()},
             hbm_bandwidth=float(data.get("hbm_bandwidth", 0.0)),
             compute_share={str(k): float(v) for k, v in data.get("compute_share", {}).items()},
+            comm_overlap={str(k): float(v) for k, v in data.get("comm_overlap", {}).items()},
             backward_ratio=float(data.get("backward_ratio", 0.0)),
             moe_imbalance=float(data.get("moe_imbalance", 0.0)),
             op_overhead={k: float(v) for k, v in data.get("op_overhead", {}).items()},
@@ -556,11 +560,19 @@ class Machine:
         self.op_time = measured_op if measured_op > 0 else dev.op_overhead  # s per ATen operator
         self.microbatch_overhead = profile.microbatch_overhead if profile and profile.microbatch_overhead else dev.microbatch_overhead
         self.optimizer_rates = dict(dev.optimizer_rates) | (profile.optimizer_rate if profile else {})
+        self._overlap = profile.comm_overlap if profile else {}
+
         eff = cluster.comm_efficiency
         self._links = {
             "intra": (cluster.intra_bandwidth * eff, cluster.intra_latency),
             "inter": (cluster.inter_bandwidth * eff, cluster.inter_latency),
         }
+
+    def comm_overlap(self, world: int) -> float:
+        """Share of a collective's time hidden when it runs beside compute: measured at the nearest job size, else the device's."""
+        if not self._overlap:
+            return self.cluster.device.comm_overlap
+        return self._overlap[min(self._overlap, key=lambda w: (abs(int(w) - world), -int(w)))]
 
     def inter_bandwidth(self, n: int, span: int) -> float:
         """Bus bandwidth of a ring collective over ``n`` ranks spread evenly over the nodes that
@@ -587,16 +599,17 @@ class Machine:
         """``intra`` if a group whose ranks cover ``span`` consecutive ranks stays in one node."""
         return "intra" if span <= self.cluster.devices_per_node else "inter"
 
-    def collective(self, op: str, n: int, size: float, span: int, world: int | None = None) -> float:
+    def collective(self, op: str, n: int, size: float, span: int, world: int | None = None, synced: bool = False) -> float:
         """Seconds for ``op`` over ``n`` devices on a message of ``size`` bytes (see class doc),
-        in a job of ``world`` ranks (picks the profile's fit measured nearest that job size)."""
+        in a job of ``world`` ranks (picks the profile's fit measured nearest that job size);
+        ``synced``: a call between ranks already in step (the profile's back-to-back fit, if any)."""
         if n <= 1 or size <= 0:
             return 0.0
         scope = self.scope(span)
         bw, lat = self._links[scope]
         if scope == "inter":
             bw = self.inter_bandwidth(n, span)
-        fit = self.profile.collective(op, scope, n, world) if self.profile else None
+        fit = self._fit(op, scope, n, world, synced)
         if op == "all_reduce":
             volume, hops = 2.0 * (n - 1) / n * size, 2 * (n - 1)
         elif op in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -609,12 +622,22 @@ class Machine:
             return fit.latency + volume / fit.bus_bandwidth
         return hops * lat + volume / bw
 
-    def latency(self, op: str, n: int, span: int, world: int | None = None) -> float:
+    def _fit(self, op: str, scope: str, n: int, world: int | None, synced: bool) -> CollectiveFit | None:
+        """The profile's fit; ``synced`` (ranks already in step) prefers a back-to-back measurement."""
+        if self.profile is None:
+            return None
+        if synced and scope == "intra":
+            fit = self.profile.collective(op, "synced", n, world)
+            if fit is not None and fit.op == op:
+                return fit
+        return self.profile.collective(op, scope, n, world)
+
+    def latency(self, op: str, n: int, span: int, world: int | None = None, synced: bool = False) -> float:
         """Fixed cost of one call of ``op`` over ``n`` devices (the size-independent part)."""
         if n <= 1:
             return 0.0
         scope = self.scope(span)
-        fit = self.profile.collective(op, scope, n, world) if self.profile else None
+        fit = self._fit(op, scope, n, world, synced)
         if fit is not None:
             return fit.latency
         hops = {"all_reduce": 2 * (n - 1), "p2p": 1}.get(op, n - 1)

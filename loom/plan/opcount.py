@@ -9,9 +9,11 @@ terms, where ``c_op`` is the device's per-operator cost (:class:`~loom.plan.hard
 The counts do not depend on widths, so they are taken on a model with the same structure (norms,
 MLP kind, positions, biases, heads, experts) but 8-wide heads, 32-wide MLPs, a 64-token vocabulary
 and 16-token sequences, on the CPU, under a :class:`~torch.utils._python_dispatch.TorchDispatchMode`
-that counts every ATen call. One and two layers give the per-layer and the fixed counts
-(``ops(L) = fixed + L · per_layer``); the optimizer step is counted on the same two models'
-flat parameter shards (:func:`~loom.optim.flat.build_flat_optimizer`, one shard).
+that counts every ATen call, under each recomputation policy (:func:`~loom.memory.recompute.apply_recompute`:
+the checkpointed forward runs again in backward, with the checkpoint's own calls). One and two
+layers give the per-layer and the fixed counts (``ops(L) = fixed + L · per_layer``); the optimizer
+step is counted on the same two models' flat parameter shards
+(:func:`~loom.optim.flat.build_flat_optimizer`, one shard).
 """
 
 from __future__ import annotations
@@ -30,15 +32,16 @@ class OpCounts:
     """ATen operators per micro-batch (forward + backward) and per optimizer step."""
 
     layer_fb: float  # one block, forward + backward
-    layer_fwd: float  # one block, forward only (what full recomputation runs again)
+    layer_selective: float  # the same with the attention core recomputed (train.recompute = selective)
+    layer_full: float  # the same with the block recomputed (full: checkpointing adds the forward again)
     fixed_fb: float  # embedding, final norm, head and loss, forward + backward
     optimizer_layer: float  # optimizer step: per block's parameters
     optimizer_fixed: float  # optimizer step: the rest (embedding, final norm, the fused calls)
 
     def microbatch(self, layers: float, recompute: str = "none", head: bool = True) -> float:
         """Operators of one micro-batch through ``layers`` blocks (and the head and loss if ``head``)."""
-        again = {"none": 0.0, "selective": 0.25, "full": 1.0}.get(recompute, 0.0) * self.layer_fwd
-        return layers * (self.layer_fb + again) + (self.fixed_fb if head else 0.0)
+        per = {"selective": self.layer_selective, "full": self.layer_full}.get(recompute, self.layer_fb)
+        return layers * per + (self.fixed_fb if head else 0.0)
 
     def optimizer(self, layers: float) -> float:
         return self.optimizer_fixed + layers * self.optimizer_layer
@@ -67,11 +70,12 @@ def _count(fn) -> int:
     return Counter.n
 
 
-def _model_counts(model: ModelConfig, moe: MoEConfig | None, optimizer: str, batch: int) -> tuple[int, int, int]:
-    """(forward + backward, forward, optimizer step) operators of the tiny model ``model``."""
+def _model_counts(model: ModelConfig, moe: MoEConfig | None, optimizer: str, batch: int) -> tuple[int, int, int, int]:
+    """(forward + backward under recompute none, selective, full; optimizer step) operators of the tiny model ``model``."""
     import torch
 
     from loom.config import TrainConfig
+    from loom.memory.recompute import apply_recompute
     from loom.model.llama import build_model, loss_fn
     from loom.optim.flat import build_flat_optimizer
     from loom.optim.store import StateStore
@@ -81,10 +85,13 @@ def _model_counts(model: ModelConfig, moe: MoEConfig | None, optimizer: str, bat
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, model.vocab_size, (batch, TOKENS), generator=g)
     y = torch.randint(0, model.vocab_size, (batch, TOKENS), generator=g)
-    loss_fn(net(x), y).backward()  # warm-up: lazy buffers and caches are not per-step work
+    fb = []
+    for mode in ("none", "selective", "full"):
+        apply_recompute(net, mode)
+        loss_fn(net(x), y).backward()  # warm-up: lazy buffers and caches are not per-step work
+        fb.append(_count(lambda: loss_fn(net(x), y).backward()))
+    apply_recompute(net, "none")
     net.zero_grad(set_to_none=True)
-    fb = _count(lambda: loss_fn(net(x), y).backward())
-    fwd = _count(lambda: loss_fn(net(x), y))
     params = [p for p in net.parameters() if p.requires_grad]
     lay = FlatLayout(params, 1, 0, decayed_ids(net))
     flat = lay.new_flat()
@@ -93,7 +100,7 @@ def _model_counts(model: ModelConfig, moe: MoEConfig | None, optimizer: str, bat
                                TrainConfig(optimizer=optimizer))  # type: ignore[arg-type]  # fmt: skip
     grads = [torch.randn_like(lay.shard_of(flat))]
     opt.step(grads, 1e-3)  # the first step builds the state
-    return fb, fwd, _count(lambda: opt.step(grads, 1e-3))
+    return fb[0], fb[1], fb[2], _count(lambda: opt.step(grads, 1e-3))
 
 
 def op_counts(model: ModelConfig, moe: MoEConfig | None = None, optimizer: str = "adamw") -> OpCounts:
@@ -119,8 +126,8 @@ def _measure(model: ModelConfig, moe: MoEConfig | None, optimizer: str) -> OpCou
             two = _model_counts(tiny_config(model, 2), moe, optimizer, batch)
     finally:
         torch.set_num_threads(threads)
-    (fb1, fw1, op1), (fb2, fw2, op2) = one, two
+    (fb1, sel1, full1, op1), (fb2, sel2, full2, op2) = one, two
     return OpCounts(
-        layer_fb=fb2 - fb1, layer_fwd=fw2 - fw1, fixed_fb=2 * fb1 - fb2,
+        layer_fb=fb2 - fb1, layer_selective=sel2 - sel1, layer_full=full2 - full1, fixed_fb=2 * fb1 - fb2,
         optimizer_layer=op2 - op1, optimizer_fixed=2 * op1 - op2,
     )  # fmt: skip

@@ -110,8 +110,9 @@ def compare(
     """Predict one layout and compare it with the fastest of ``runs`` (the last metrics row of
     each run, :func:`run_layout`); the profile is scaled for contention at ``ranks``."""
     row = min(runs, key=lambda r: float(r["step_time_s"]))
+    cfg = config_of(config, ranks, overrides)
     prof = contended(profile, ranks) if profile is not None and profile.device == "cpu" else profile
-    pred = predicted_fields(config_of(config, ranks, overrides), ranks, prof)
+    pred = predicted_fields(cfg, ranks, prof)
     return Comparison(
         name=name,
         ranks=ranks,
