@@ -70,6 +70,19 @@ def test_backward_ratio_and_layer_work_run():
     assert 0 < work_rate(layer_work(64, 32), calls=5, blocks=2) < 1
 
 
+def test_op_overhead_and_optimizer_rates_measure():
+    """Seconds per operator (a tiny model: nearly no FLOPs) and optimizer elements/s: positive, and
+    8-bit Adam's arithmetic (quantize, dequantize per block) slower per element than AdamW's."""
+    from loom.plan.calibrate import measure_op_overhead, measure_optimizer_rate
+
+    m = _cfg(1).model
+    m.vocab_size = 512
+    c_op = measure_op_overhead(m, "fp32", repeats=3)
+    assert 1e-8 < c_op < 1e-3
+    rates = {k: measure_optimizer_rate(k, c_op, numel=1 << 16, repeats=2) for k in ("adamw", "adam8bit")}
+    assert 0 < rates["adam8bit"] < rates["adamw"]
+
+
 def test_microbatch_overhead_reproduces_the_measured_one_rank_step():
     import dataclasses
 
@@ -237,3 +250,26 @@ def test_validation_table_and_picture(tmp_path):
     assert "+25.0%" in table and "-1.00%" in table and "state memory within 5%: 2/2" in table
     png = draw_validation(rows, tmp_path / "v.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+def test_parameter_server_terms(colocate):
+    """dp_mode = ps: no all-reduce; push + pull = 2 p2p messages of W' Φ 4 / K bytes through the busiest
+    server (W' = W - 1 co-located); the moments only on server ranks (worker 0 = server 0 if co-located)."""
+    from loom.plan.auto import _cost_model
+    from loom.plan.report import layout_of
+
+    extra = ["--parallel.dp_mode", "ps", "--parallel.ps_shards", "2", "--train.precision", "fp32"]
+    world = 4 if colocate else 6
+    cfg = _cfg(world, *extra, "--parallel.ps_colocate", str(colocate).lower())
+    cfg.model.vocab_size = 512
+    cm = _cost_model(cfg, world, PROFILE)
+    lay = layout_of(cfg)
+    assert (lay.dp, lay.world_size) == (4, 4)
+    phi = cm._params_on(1, 1, 1, True, True)[0]
+    through = 3 if colocate else 4
+    assert cm._dp_comm(4, 1, 1, 1, 1, 1, 0, 1, world) == pytest.approx(
+        2 * cm.machine.collective("p2p", 2, through * phi * 4 / 2, 4, world))
+    states = cm.state_memory(lay)
+    assert states["optimizer"] == (8 * phi / 2 if colocate else 0.0)
+    assert states["weights"] == states["gradients"] == 4 * phi

@@ -304,7 +304,7 @@ def _coll_worker(
                 dist.barrier()
                 results.append((op, n, numel * 4, max(loop(calls[op]) - alone, 1e-7)))
             # synced: back to back, the ranks already in step (step-end scalars; a pipeline receiver waiting)
-            synced = {}
+            synced = {"all_gather": calls["all_gather"]}  # ZeRO-1/2's gather of the updated shards
             if n == 2:
                 first = rank - rank % 2
                 peer = first + 1 if rank == first else first
@@ -312,7 +312,7 @@ def _coll_worker(
                                  if rank == first else (lambda full=full, peer=peer: (dist.recv(full, peer), dist.send(full, peer))))  # fmt: skip
             for op, call in synced.items():
                 dist.barrier()
-                t = _timed(lambda call=call: [call() for _ in range(repeats)], 3, device) / repeats
+                t = _timed(lambda call=call: [call() for _ in range(repeats)], 5, device, best=True) / repeats
                 results.append((f"{op}:synced", n, numel * 4, t / (2 if op == "p2p" else 1)))  # p2p: half a round trip
         # overlap: an all-gather issued before the work and waited after it (ZeRO-3's prefetch, a bucket
         # reduced during backward), against the same in sequence; share hidden = 1 - extra / sequential extra
@@ -320,16 +320,17 @@ def _coll_worker(
         part = torch.ones(full.numel() // n, device=device)
 
         def overlapped(full=full, part=part, g=group) -> None:
-            handle = dist.all_gather_into_tensor(full, part, group=g, async_op=True)
-            work()
-            handle.wait()
+            for _ in range(repeats):
+                handle = dist.all_gather_into_tensor(full, part, group=g, async_op=True)
+                work()
+                handle.wait()
 
         dist.barrier()
         alone = loop(lambda: None)
         dist.barrier()
-        seq = loop(lambda: dist.all_gather_into_tensor(full, part, group=group)) - alone
+        seq = loop(lambda full=full, part=part, g=group: dist.all_gather_into_tensor(full, part, group=g)) - alone
         dist.barrier()
-        ovl = _timed(lambda: [overlapped() for _ in range(repeats)], 3, device) / repeats - work_alone(work, repeats, device)
+        ovl = _timed(overlapped, 5, device, best=True) / repeats - alone
         results.append(("overlap", n, 0, min(1.0, max(0.0, 1.0 - ovl / seq)) if seq > 0 else 0.0))
         scalar = torch.ones(1, device=device)  # the step-end scalars (loss, gradient norm), back to back
         dist.barrier()
@@ -339,11 +340,6 @@ def _coll_worker(
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
-
-
-def work_alone(work, repeats: int, device=None) -> float:
-    """Seconds of one ``work()`` call, the mean over a block of ``repeats`` (as :func:`_coll_worker` times)."""
-    return _timed(lambda: [work() for _ in range(repeats)], 3, device) / repeats
 
 
 def layer_work(tokens: int, width: int, device=None):
@@ -426,7 +422,7 @@ def measure_contention(
     for world in range(2, nproc + 1):
         rows = _run_world(world, backend, repeats, work_shape)
         share[str(world)] = min(1.0, solo / next(t for o, _, _, t in rows if o == "work"))
-        for op, scope in [(o, "intra") for o in OPS] + [("p2p", "synced")]:
+        for op, scope in [(o, "intra") for o in OPS] + [("all_gather", "synced"), ("p2p", "synced")]:
             key = op if scope == "intra" else f"{op}:synced"
             for n in sorted({g for o, g, _, _ in rows if o == key}):
                 pts = [(_volume(op, n, s), t) for o, g, s, t in rows if o == key and g == n]

@@ -336,6 +336,8 @@ class Workload:
     capacity_factor: float = 0.0  # MoE: moe.capacity_factor (0 = dropless): caps an expert's load at cf x mean
     moe_router_losses: bool = False  # MoE: aux or z loss on (a synchronous pipeline schedule is needed)
     allreduce: str = "native"  # parallel.allreduce: the gradient all-reduce's algorithm (butterfly needs 2^k ranks)
+    ps_shards: int = 0  # parallel.dp_mode = "ps": K parameter-server shards instead of the all-reduce (0 = none)
+    ps_colocate: bool = True  # servers in workers 0..K-1 (else K dedicated ranks besides the dp workers)
     lora_rank: int = 0  # finetune.lora_rank of a LoRA/QLoRA run (0 = every parameter trains)
     lora_targets: tuple[str, ...] = ()  # its resolved targets (q, k, v, o, w1, w2, w3)
     qlora: bool = False  # the targets' frozen base weights stored in NF4
@@ -735,6 +737,8 @@ class CostModel:
         if zero == 3:
             buffer = self._zero3_transient(tp, pp, ep, first, last)
         optim = O * (dense / shard[2] + expert / shard_e[2])
+        if self.train.ps_shards:  # the moments live on the servers: worker 0 holds server 0's shard if co-located
+            optim = O * dense / self.train.ps_shards if self.train.ps_colocate else 0.0
         if self.train.optimizer == "adafactor":  # 4 (R + C) per matrix, 4 per vector element
             optim += self._factored_bytes(tp, pp, ep, first, last) / shard[2]
         grads = G * (dense / shard[1] + expert / shard_e[1])
@@ -1182,11 +1186,14 @@ class CostModel:
         accumulation, reductions happen once, after the last micro-batch):
 
         - ZeRO 0: an all-reduce of Phi R bytes in ceil(Phi R / bucket) bucket calls;
-        - ZeRO 1/2: a reduce-scatter of Phi R and an all-gather of Phi W, per bucket;
+        - ZeRO 1/2: a reduce-scatter of Phi R and an all-gather of Phi W, per bucket (the gather after
+          the optimizer, the ranks in step: the profile's back-to-back fit);
         - ZeRO 3 (u units): per micro-batch, all-gathers of Phi W forward (u calls) and of
           (Phi - Phi_kept) W backward (u - 1 calls; u in a pipeline, which keeps no unit gathered);
           a reduce-scatter of Phi R per step (u calls);
-        - hybrid sharding: an all-reduce of the shard Phi R / N across the dp / dp_shard replicas.
+        - hybrid sharding: an all-reduce of the shard Phi R / N across the dp / dp_shard replicas;
+        - a parameter server (K shards): a push and a pull phase, the busiest server's link carrying
+          W' Phi 4 / K bytes in each (point-to-point; W' = W workers, W - 1 co-located).
         """
         mach, W, R = self.machine, self.W, self.R
         wd = world or None
@@ -1194,6 +1201,10 @@ class CostModel:
         dense_l, expert_l = self._params_on(tp, pp, ep_deg, False, True)
         total = 0.0
         tpcp = tp * cp
+        if self.train.ps_shards:  # push then pull, each one message per (worker, server): the server's link carries
+            # W' Φ b / K per phase (W' = W, or W - 1 when server k lives in worker k), b = 4 (fp32)
+            k, through = self.train.ps_shards, dp - (1 if self.train.ps_colocate else 0)
+            return 2 * mach.collective("p2p", 2, through * dense * 4 / k, tpcp * dp, wd) if through > 0 else 0.0
         for phi, ep in ((max(dense, dense_l), 1), (max(expert, expert_l), ep_deg)):
             if phi <= 0:
                 continue
@@ -1206,8 +1217,10 @@ class CostModel:
             span = tpcp * ds
             lat_rs, lat_ag = mach.latency("reduce_scatter", ns, span, wd), mach.latency("all_gather", ns, span, wd)
             rs = mach.collective("reduce_scatter", ns, phi * R, span, wd)
-            if zero in (1, 2):
-                total += rs + mach.collective("all_gather", ns, phi * W, span, wd) + (buckets - 1) * (lat_rs + lat_ag)
+            if zero in (1, 2):  # the gather of the updated shards follows the optimizer, every rank in step
+                lat_ag = mach.latency("all_gather", ns, span, wd, synced=True)
+                ag = mach.collective("all_gather", ns, phi * W, span, wd, synced=True)
+                total += rs + ag + (buckets - 1) * (lat_rs + lat_ag)
             else:
                 units, last = self.zero3_units(pp, tp)
                 last = min(last, phi) if ep == 1 else 0.0
@@ -1274,6 +1287,8 @@ class CostModel:
         dense, expert = self._stage_params(lay, True, p == 1)
         n = lay.dp_shard * lay.cp if lay.zero else 1
         local = dense / n + expert / max(1, n // lay.ep)
+        if tr.ps_shards:  # each server steps its shard; the workers wait for it (bsp)
+            local = dense / tr.ps_shards
         if lay.offload:
             W, G = self.W, self.G
             host_adam = HOST_ADAM_BANDWIDTH / self.cluster.devices_per_node

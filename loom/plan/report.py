@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import copy
 
-from loom.config import ConfigError, LoomConfig, ModelConfig, lora_targets, resolve_layout, world_size_of
+from loom.config import (
+    ConfigError,
+    LoomConfig,
+    ModelConfig,
+    lora_targets,
+    ps_servers,
+    resolve_layout,
+    world_size_of,
+)
 from loom.plan.cost import CostModel, Estimate, Layout, PlanError, Workload
 from loom.plan.hardware import ClusterSpec, GiB, Profile
 from loom.plan.search import SearchResult, search
@@ -151,6 +159,8 @@ def workload_of(cfg: LoomConfig) -> Workload:
         lora_targets=lora_targets(cfg) if cfg.finetune.method != "full" else (),
         qlora=cfg.finetune.method == "qlora",
         allreduce=cfg.parallel.allreduce,
+        ps_shards=cfg.parallel.ps_shards if cfg.parallel.dp_mode == "ps" else 0,
+        ps_colocate=cfg.parallel.ps_colocate,
     )
 
 
@@ -161,7 +171,7 @@ def layout_of(cfg: LoomConfig) -> Layout:
     none counts as offloaded optimizer state.
     """
     c = copy.deepcopy(cfg)
-    resolve_layout(c, world_size_of(c))
+    resolve_layout(c, world_size_of(c) - ps_servers(c))  # the layout of the workers (dedicated servers aside)
     p, t = c.parallel, c.train
     offload = getattr(p, "offload", False)
     return Layout(
