@@ -423,3 +423,7 @@ def test_train_dedicated_ssp_reports_staleness_within_bound(pools, prepared, tmp
         assert (report["sync"], report["rounds"], report["pushes"]) == ("ssp:1", 4, 8)  # 2 workers x 4 steps
         assert report["max_staleness"] == 1 and report["pulls_held"] > 0
     assert json.loads((run / "checkpoints" / "latest").read_text())["step"] == 4
+    # the ssp checkpoint resumes under another mode: plain all-reduce dp=2 continues from step 4
+    resumed = pools(2).run(_train_rank, [*CLI_STEPS, "--train.steps", "6", "--data.prepared_dir", prepared,
+                                         "--run.dir", str(run)])[0]  # fmt: skip
+    assert [r["step"] for r in resumed][-2:] == [5, 6] and all(math.isfinite(r["loss"]) for r in resumed)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -139,10 +140,12 @@ def format_comparisons(rows: list[Comparison]) -> str:
     if rows:
         t_ok = sum(abs(r.time_error) <= TIME_TOLERANCE for r in rows)
         m_ok = sum(abs(r.memory_error) <= MEMORY_TOLERANCE for r in rows)
-        mean_t = sum(abs(r.time_error) for r in rows) / len(rows)
+        errs = sorted(abs(r.time_error) for r in rows)
+        mean_t, median_t = sum(errs) / len(errs), statistics.median(errs)
         lines.append(
             f"state memory within {MEMORY_TOLERANCE:.0%}: {m_ok}/{len(rows)}; step time within "
-            f"{TIME_TOLERANCE:.0%}: {t_ok}/{len(rows)} (mean |error| {100 * mean_t:.1f}%)"
+            f"{TIME_TOLERANCE:.0%}: {t_ok}/{len(rows)} (|error| median {100 * median_t:.1f}%, mean "
+            f"{100 * mean_t:.1f}%, worst {100 * errs[-1]:.1f}%)"
         )
     return "\n".join(lines)
 
