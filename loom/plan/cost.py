@@ -58,6 +58,10 @@ Time of one step:
   (plus ``Stack.selective_gemms`` of the GEMMs). Pipeline stages hold L / p blocks, or with p not
   dividing L the spare blocks on middle stages first (:meth:`CostModel.stage_layers`); the
   slowest of first, middle and last sets t_mb.
+- framework (a device with a per-operator cost, ``op_overhead``: CPUs): per micro-batch
+  c_op · (L_s · ops_block(recompute) + ops_head) + (L_s + 1) · t_block, the operators counted on a
+  tiny model of the same structure (:mod:`loom.plan.opcount`), t_block the trainer's hooks per block;
+  the optimizer adds c_op · ops_optimizer and takes max(bytes / HBM, elements / its arithmetic rate).
 - tensor parallel: the calls Loom issues (:meth:`CostModel.tp_calls`): per layer 4 all-reduces
   of T h B_a bytes fwd+bwd, 6 with full recomputation; with sp 6 all-gathers + 4 reduce-scatters
   of that size; plus embedding, head and vocab-parallel loss calls, and once per step one
@@ -762,18 +766,24 @@ class CostModel:
         (W·u_layer). Units: a block; the embedding on the first stage; final norm + head on the
         last; without a pipeline a tied embedding and head are one unit, whose head gradient autograd
         holds until the embedding's arrives and then sums into a third tensor (2G·p more)."""
-        W, G, pc, m, t = self.W, self.G, self.params, self.model, tp
+        W, G = self.W, self.G
+        units = self.zero3_unit_sizes(tp, pp, ep, first, last)
+        return max(W * u + G * (u + p + extra) for u, p, extra in units) + W * units[0][0]
+
+    def zero3_unit_sizes(self, tp: int, pp: int, ep: int, first: bool, last: bool) -> list[tuple[float, float, float]]:
+        """ZeRO-3's units on a stage, a block's first: (elements, largest parameter, gradients held beyond it)."""
+        pc, m, t = self.params, self.model, tp
         layer = self._attn_params(t) + pc.norms + pc.router + (pc.mlp / ep if self.moe else pc.mlp_on(t))
         experts = self.n_experts / ep if self.moe else 1
         widest = max(m.n_heads * m.head_dim * m.dim / t, self.ffn * m.dim * (experts if self.moe else 1 / t))  # wq/wo or w1/w2/w3
         table = m.vocab_size * m.dim / t
-        units = [(layer, widest, 0.0)]  # (elements, largest parameter, gradients held beyond it)
+        units = [(layer, widest, 0.0)]
         if pp == 1 and not pc.head:
             units.append((table + pc.final_norm, table, 2 * table))
         else:
             units += [(table, table, 0.0)] if first else []
             units += [(table + pc.final_norm, table, 0.0)] if last and (pc.head or pp > 1) else []
-        return max(W * u + G * (u + p + extra) for u, p, extra in units) + W * layer
+        return units
 
     def _factored_bytes(self, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
         """Adafactor's factored second moments on one device before ZeRO: 4 (R + C) bytes per

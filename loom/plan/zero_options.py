@@ -11,8 +11,9 @@ hpZ group, q(x) = N·ceil(x/(N·B))·(B + 4) with B = 256)::
                                                                                        bytes per block)
 
 Device memory (:func:`zero3_memory`): with parameter offload the weights, the gradient shards and
-the optimizer state leave the device (the full gradients kept across micro-batches do not); hpZ
-adds the secondary partition, b·Φ_re/G (the units resharded after forward).
+the optimizer state leave the device (the full gradients kept across micro-batches do not), and
+its staging buffers come in: at most 2 shards of the largest unit, 2·b·max_u Φ_u'/N (one gathering,
+one read ahead); hpZ adds the secondary partition, b·Φ_re/G (the units resharded after forward).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def zero3_memory(cm: Any, lay: Any, bd: dict[str, float], first: bool, last: boo
         if bd["accumulation"] > 0:  # full gradients kept across micro-batches stay on the device
             bd["accumulation"] += bd["gradients"]
         bd["weights"] = bd["gradients"] = bd["optimizer"] = bd["optimizer step"] = 0.0  # the step runs on the host
+        largest = max(u for u, _, _ in cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last))
+        bd["zero3 buffer"] += 2 * cm.W * largest / max(1, lay.dp_shard * lay.cp)  # staging: one gathering, one read ahead
     if getattr(lay, "hpz", 0):
         dense, _ = cm._params_on(lay.tp, lay.pp, lay.ep, first, last)
         kept = cm.zero3_units(lay.pp, lay.tp)[1] if last else 0.0  # the unit kept gathered: no secondary
