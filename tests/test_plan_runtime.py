@@ -126,9 +126,13 @@ def test_framework_term_is_ops_times_cost_per_op(recompute):
     assert est.time_breakdown["framework"] == pytest.approx(m * (c_op * (L * ops.layer_fb + ops.fixed_fb) + (L + 1) * t_mb))
     half = estimate(model_of(cfg), Layout(micro_batch=2, recompute=recompute), workload_of(cfg), local_cluster(1),
                     profile=dataclasses.replace(prof, op_overhead={"fp32": c_op / 2}))  # fmt: skip
-    again = m * c_op / 2 * L * (ops.layer_full - ops.layer_fb) if recompute == "full" else 0.0
+    again = m * c_op / 2 * L * (ops.layer_full - ops.layer_fb) if recompute == "full" else 0.0  # t_mb equal in both
     assert est.time_breakdown["recompute"] - half.time_breakdown["recompute"] == pytest.approx(again)
     assert est.time_breakdown["optimizer"] - half.time_breakdown["optimizer"] == pytest.approx(c_op / 2 * ops.optimizer(L))
+    hooks = estimate(model_of(cfg), Layout(micro_batch=2, recompute=recompute), workload_of(cfg), local_cluster(1),
+                     profile=dataclasses.replace(prof, microbatch_overhead=2 * t_mb))  # fmt: skip
+    rehooked = m * t_mb * L * (ops.layer_full - ops.layer_fb) / ops.layer_fb if recompute == "full" else 0.0
+    assert hooks.time_breakdown["recompute"] - est.time_breakdown["recompute"] == pytest.approx(rehooked)
 
 
 def test_op_counts_are_linear_in_layers():

@@ -60,7 +60,8 @@ Time of one step:
   slowest of first, middle and last sets t_mb.
 - framework (a device with a per-operator cost, ``op_overhead``: CPUs): per micro-batch
   c_op · (L_s · ops_block(recompute) + ops_head) + (L_s + 1) · t_block, the operators counted on a
-  tiny model of the same structure (:mod:`loom.plan.opcount`), t_block the trainer's hooks per block;
+  tiny model of the same structure (:mod:`loom.plan.opcount`), t_block the trainer's hooks per block
+  (recomputation: t_block again in proportion to the operators it repeats);
   the optimizer adds c_op · ops_optimizer and takes max(bytes / HBM, elements / its arithmetic rate).
 - tensor parallel: the calls Loom issues (:meth:`CostModel.tp_calls`): per layer 4 all-reduces
   of T h B_a bytes fwd+bwd, 6 with full recomputation; with sp 6 all-gathers + 4 reduce-scatters
@@ -109,6 +110,7 @@ largest time term.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -536,7 +538,12 @@ class CostModel:
         # per-kernel compute model: a GPU from its datasheet (a measured GEMM rate is used flat, as measured)
         self.kernels = cluster.device.sms > 0 and not self.machine.measured_gemm
         # per-operator framework cost (CPUs): ops counted on a tiny model of this structure (loom.plan.opcount)
-        self.ops = op_counts(model, None, train.optimizer) if self.machine.op_time > 0 else None
+        self.ops = None
+        if self.machine.op_time > 0:
+            try:
+                self.ops = op_counts(model, None, train.optimizer)
+            except Exception as e:  # a structure the tiny model cannot run: plan without the term, and say so
+                logging.getLogger("loom").warning("planner: operators not counted (%s); per-operator cost left out", e)
         measured_r = profile.backward_ratio if profile is not None and self.ops is None else 0.0
         self.bwd_ratio = measured_r if measured_r > 0 else 2.0  # FLOP ratio; a measured one folds per-op cost in
         self.params = ParamCounts.of(model, n_experts, top_k)
@@ -1090,8 +1097,10 @@ class CostModel:
         layer_b = r * (gemm_f + elt_f) + core_b - lora_wgrad
         recomp = {"none": 0.0, "selective": core_f + self.stack.selective_gemms * gemm_f, "full": layer_f}[recompute]
         ops, c_op = self.ops, mach.op_time
-        if ops is not None:  # the framework's per-operator cost: tp/cp/pp split FLOPs, not the op count
-            recomp += c_op * (ops.microbatch(1, recompute) - ops.microbatch(1))
+        if ops is not None:  # the framework's per-operator cost: tp/cp/pp split FLOPs, not the op count; the
+            # trainer's per-block hooks fire again in the recomputed forward (in proportion to its operators)
+            again = ops.microbatch(1, recompute) - ops.microbatch(1)
+            recomp += c_op * again + mach.microbatch_overhead * again / max(1.0, ops.layer_fb)
         n_tp = {"none": 4, "selective": 4, "full": 6}[recompute]
 
         def tp_time(calls: dict[tuple[str, float], float]) -> float:
