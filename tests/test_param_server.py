@@ -427,3 +427,20 @@ def test_train_dedicated_ssp_reports_staleness_within_bound(pools, prepared, tmp
     resumed = pools(2).run(_train_rank, [*CLI_STEPS, "--train.steps", "6", "--data.prepared_dir", prepared,
                                          "--run.dir", str(run)])[0]  # fmt: skip
     assert [r["step"] for r in resumed][-2:] == [5, 6] and all(math.isfinite(r["loss"]) for r in resumed)
+
+
+def test_allreduce_checkpoint_resumes_under_dedicated_servers(pools, prepared, tmp_path):
+    """A dp=2 run's step-4 checkpoint, resumed for 2 more steps by 2 workers + 1 dedicated server (bsp),
+    gives the losses the same checkpoint gives resumed under dp=2: the servers read their shards
+    (parameters and moments) from the all-reduce layout."""
+    import shutil
+
+    first = [*CLI_STEPS, "--data.prepared_dir", prepared]
+    more = [*first, "--train.steps", "6"]
+    pools(2).run(_train_rank, [*first, "--run.dir", str(tmp_path / "dp")])
+    shutil.copytree(tmp_path / "dp", tmp_path / "ps")
+    dp = pools(2).run(_train_rank, [*more, "--run.dir", str(tmp_path / "dp")])[0]
+    ps = pools(3).run(_train_rank, [*more, *DEDICATED, "--run.dir", str(tmp_path / "ps")])[0]
+    assert [r["step"] for r in ps][-2:] == [r["step"] for r in dp][-2:] == [5, 6]
+    for key in ("loss", "grad_norm"):
+        assert_close(torch.tensor([r[key] for r in ps][-2:]), torch.tensor([r[key] for r in dp][-2:]), **TOL)
