@@ -500,6 +500,10 @@ def test_device_precisions_and_profile_round_trip(tmp_path):
     assert Profile.load(path) == prof
     with pytest.raises(HardwareError, match="profile.gpu: unknown key"):
         Profile.from_json(json.dumps({"device": "cpu", "gpu": 1}))
+    for bad, field in (({"op_overhead": {"fp32": "x"}}, "op_overhead.fp32"), ({"hbm_bandwidth": -1}, "hbm_bandwidth"),
+                       ({"optimizer_rate": 3}, "optimizer_rate"), ({"microbatch_overhead": float("inf")}, "microbatch_overhead")):
+        with pytest.raises(HardwareError, match=rf"profile\.{field}: must be"):
+            Profile.from_json(json.dumps({"device": "cpu", **bad}))
 
 
 # ----------------------------------------------------------------------------- fit check and CLI

@@ -499,17 +499,35 @@ class Profile:
             fits = [CollectiveFit(**c) for c in data.get("collectives", [])]
         except TypeError as e:
             raise HardwareError(f"profile.collectives: {e}") from None
+
+        def number(key: str) -> float:
+            value = data.get(key, 0.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise HardwareError(f"profile.{key}: must be a finite number >= 0, got {value!r}")
+            return float(value)
+
+        def numbers(key: str) -> dict[str, float]:
+            table = data.get(key, {})
+            if not isinstance(table, dict):
+                raise HardwareError(f"profile.{key}: must be a table of numbers, got {table!r}")
+            out = {}
+            for k, v in table.items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise HardwareError(f"profile.{key}.{k}: must be a finite number >= 0, got {v!r}")
+                out[str(k)] = float(v)
+            return out
+
         return cls(
             device=data["device"],
-            gemm_flops={k: float(v) for k, v in data.get("gemm_flops", {}).items()},
-            hbm_bandwidth=float(data.get("hbm_bandwidth", 0.0)),
-            compute_share={str(k): float(v) for k, v in data.get("compute_share", {}).items()},
-            comm_overlap={str(k): float(v) for k, v in data.get("comm_overlap", {}).items()},
-            backward_ratio=float(data.get("backward_ratio", 0.0)),
-            moe_imbalance=float(data.get("moe_imbalance", 0.0)),
-            op_overhead={k: float(v) for k, v in data.get("op_overhead", {}).items()},
-            microbatch_overhead=float(data.get("microbatch_overhead", 0.0)),
-            optimizer_rate={k: float(v) for k, v in data.get("optimizer_rate", {}).items()},
+            gemm_flops=numbers("gemm_flops"),
+            hbm_bandwidth=number("hbm_bandwidth"),
+            compute_share=numbers("compute_share"),
+            comm_overlap=numbers("comm_overlap"),
+            backward_ratio=number("backward_ratio"),
+            moe_imbalance=number("moe_imbalance"),
+            op_overhead=numbers("op_overhead"),
+            microbatch_overhead=number("microbatch_overhead"),
+            optimizer_rate=numbers("optimizer_rate"),
             collectives=fits,
         )
 
