@@ -7,10 +7,11 @@ What is measured, per rank (``--threads``, default 1: one rank per core):
   seq_len`` tokens, forward and both backward products).
 - memory bandwidth: ``c = a + b`` on activation-sized fp32 tensors, 12 bytes per element over
   the time.
-- per-operator cost (``op_overhead``, fp32 and bf16): forward + backward of the model's structure
+- on a CPU, per-operator cost (``op_overhead``, fp32 and bf16): forward + backward of the model's structure
   at counting size (:mod:`loom.plan.opcount`: nearly no FLOPs) over its ATen operator count.
   Small models spend most of a step there, and tp, cp and pp split the FLOPs but not the ops.
-- the trainer's per-micro-batch cost beyond that (``microbatch_overhead``: gradient hooks and
+- on a CPU, optimizer arithmetic rates (elements/s of one step, :func:`measure_optimizer_rate`), and
+  the trainer's per-micro-batch cost beyond the operators (``microbatch_overhead``: gradient hooks and
   views, data, bookkeeping): a one-rank ``loom train`` of the config, timed, minus the planner's
   one-rank prediction, over its micro-batches (:func:`microbatch_overhead`).
 - collectives: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all`` and (groups of
@@ -469,19 +470,24 @@ def calibrate(
     half, _ = measure_gemm(shapes, dtype="bf16", device=on)
     width = max(model.dim, model.resolved_ffn_dim()) if model is not None else 256
     hbm = measure_bandwidth([tokens * width, 4 * tokens * width], device=on)
-    ops, rates, overhead, imbalance = {}, {"fp32": flops, "bf16": half}, 0.0, 0.0
-    if model is not None:
-        ops = {p: measure_op_overhead(model, p, device=on) for p in ("fp32", "bf16")}
-    optimizers = {k: measure_optimizer_rate(k, ops.get("fp32", 0.0), device=on) for k in ("adamw", "adam8bit", "adafactor")}
+    rates, ops, optimizers = {"fp32": flops, "bf16": half}, {}, {}
+    overhead, imbalance, ratio = 0.0, 0.0, 0.0
+    if model is not None and on is None:  # a CPU waits for each operator; a GPU's queued kernels hide it
+        ops = {p: measure_op_overhead(model, p) for p in ("fp32", "bf16")}
+        optimizers = {k: measure_optimizer_rate(k, ops["fp32"]) for k in ("adamw", "adam8bit", "adafactor")}
     if cfg is not None and config is not None:
         cfg.train.precision = "fp32"
         seconds, imbalance = measure_trainer_step(config)
-        measured = Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, op_overhead=ops, optimizer_rate=optimizers)
-        overhead = microbatch_overhead(cfg, measured, seconds)
+        if on is None:
+            measured = Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, op_overhead=ops, optimizer_rate=optimizers)
+            overhead = microbatch_overhead(cfg, measured, seconds)
+        else:  # no per-operator term on a GPU: the measured backward / forward ratio of the model instead
+            ratio = measure_backward_ratio(cfg.model, cfg.train.micro_batch, cfg.data.seq_len, device=on)
     work_shape = (tokens, model.dim) if model is not None else (128, 64)
     fits, share, overlap = measure_contention(nproc, backend, work_shape=work_shape) if nproc > 1 else ([], {}, {})
     return Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, compute_share=share, comm_overlap=overlap, op_overhead=ops,
-                   optimizer_rate=optimizers, microbatch_overhead=overhead, collectives=fits, moe_imbalance=imbalance)  # fmt: skip
+                   optimizer_rate=optimizers, microbatch_overhead=overhead, backward_ratio=ratio, collectives=fits,
+                   moe_imbalance=imbalance)  # fmt: skip
 
 
 def contended(profile: Profile, world: int, n_cores: int | None = None) -> Profile:
@@ -529,6 +535,8 @@ def main(argv: list[str]) -> int:
     if prof.op_overhead:
         print("per ATen operator: " + ", ".join(f"{p} {v * 1e6:.2f} us" for p, v in prof.op_overhead.items())
               + (f"; the trainer's further cost per block and micro-batch: {prof.microbatch_overhead * 1e3:.2f} ms" if args.config else ""))
+    if prof.backward_ratio:
+        print(f"backward / forward time of the model: {prof.backward_ratio:.2f} (2 when FLOPs set it)")
     if prof.optimizer_rate:
         print("optimizer step: " + ", ".join(f"{k} {v / 1e6:.1f} M elements/s" for k, v in prof.optimizer_rate.items()))
     if prof.moe_imbalance:
