@@ -249,9 +249,11 @@ def test_validation_table_and_picture(tmp_path):
     from loom.plan.validate import Comparison
     from loom.plan.viz import draw_validation
 
-    rows = [Comparison("dp2", 2, 0.05, 0.04, 1000.0, 1000.0), Comparison("tp2 sp", 2, 0.05, 0.15, 990.0, 1000.0)]
+    rows = [Comparison("dp2", 2, 0.05, 0.04, 1000.0, 1000.0, meas_median_s=0.0625),
+            Comparison("tp2 sp", 2, 0.05, 0.15, 990.0, 1000.0)]  # fmt: skip
     table = format_comparisons(rows)
     assert "+25.0%" in table and "-1.00%" in table and "state memory within 5%: 2/2" in table
+    assert "median s" in table and "0.0625" in table  # the typical step beside the fastest
     png = draw_validation(rows, tmp_path / "v.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
 

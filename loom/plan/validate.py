@@ -66,6 +66,7 @@ class Comparison:
     meas_step_s: float
     pred_state_bytes: float
     meas_state_bytes: float
+    meas_median_s: float = 0.0  # the median step over all runs: how far a typical step is from the fastest
 
     @property
     def time_error(self) -> float:
@@ -87,8 +88,9 @@ def base_overrides(steps: int, corpus_mb: float | None = None) -> list[str]:
 
 def run_layout(config: str, ranks: int, overrides: list[str], run_dir: str, timeout_s: float = 600) -> dict:
     """Train one layout in a subprocess; returns its last metrics row with ``step_time_s`` replaced by
-    the fastest window after the first (others' jobs on a shared machine only ever slow a window
-    down; the minimum is the least disturbed). Raises with the run's stderr on failure."""
+    the fastest step after the first two (others' jobs on a shared machine only ever slow a step
+    down; the minimum is the least disturbed) and ``step_times``, all of them. Raises with the run's
+    stderr on failure."""
     cmd = [sys.executable, "-m", "loom", "train", config, "--nproc", str(ranks), "--run.dir", run_dir, *overrides]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -98,7 +100,8 @@ def run_layout(config: str, ranks: int, overrides: list[str], run_dir: str, time
         raise RuntimeError(f"loom train {' '.join(overrides)} failed ({proc.returncode}):\n{tail}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     timed = rows[2:] if len(rows) > 3 else rows[1:] or rows  # the first steps warm up (allocator, autograd caches)
-    return rows[-1] | {"step_time_s": min(float(r["step_time_s"]) for r in timed)}
+    times = [float(r["step_time_s"]) for r in timed]
+    return rows[-1] | {"step_time_s": min(times), "step_times": times}
 
 
 def config_of(config: str, ranks: int, overrides: list[str]) -> LoomConfig:
@@ -121,15 +124,17 @@ def compare(
         meas_step_s=float(row["step_time_s"]),
         pred_state_bytes=pred["plan_state_bytes"],
         meas_state_bytes=float(held_state_bytes(row)),
+        meas_median_s=statistics.median(t for r in runs for t in r.get("step_times", [r["step_time_s"]])),
     )
 
 
 def format_comparisons(rows: list[Comparison]) -> str:
     """Aligned table with the two errors and a summary line."""
-    head = ("layout", "ranks", "step pred s", "step meas s", "err", "state pred B", "state meas B", "err")
+    head = ("layout", "ranks", "step pred s", "step meas s", "err", "median s", "state pred B", "state meas B", "err")
     cells = [head] + [
         (
             r.name, str(r.ranks), f"{r.pred_step_s:.4f}", f"{r.meas_step_s:.4f}", f"{100 * r.time_error:+.1f}%",
+            f"{r.meas_median_s:.4f}" if r.meas_median_s else "-",
             f"{r.pred_state_bytes:,.0f}", f"{r.meas_state_bytes:,.0f}", f"{100 * r.memory_error:+.2f}%",
         )
         for r in rows
@@ -240,7 +245,8 @@ def main(argv: list[str]) -> int:
 
     def echo(c: Comparison) -> None:
         if not args.json:
-            print(f"  {c.name}: step {c.pred_step_s:.4f} vs {c.meas_step_s:.4f} s ({100 * c.time_error:+.1f}%), "
+            print(f"  {c.name}: step {c.pred_step_s:.4f} vs {c.meas_step_s:.4f} s ({100 * c.time_error:+.1f}%; "
+                  f"median step {c.meas_median_s:.4f} s), "
                   f"state {100 * c.memory_error:+.2f}%", flush=True)  # fmt: skip
 
     rows = validate(layouts, args.config, profile, args.steps, args.corpus_mb, echo=echo, repeats=args.repeats)

@@ -28,7 +28,10 @@ def draw_validation(rows: list[Comparison], out: str | Path) -> Path:
     for i, (label, pred, meas, errs, tol) in enumerate(panels):
         ax = fig.add_subplot(2, 1, i + 1)
         ax.bar([v - 0.2 for v in x], pred, width=0.4, label="predicted", color="#4878d0")
-        ax.bar([v + 0.2 for v in x], meas, width=0.4, label="measured", color="#ee854a")
+        ax.bar([v + 0.2 for v in x], meas, width=0.4, label="measured (fastest step)" if i == 0 else "measured", color="#ee854a")
+        if i == 0 and any(r.meas_median_s for r in rows):  # the typical step: how noisy the machine is
+            ax.scatter([v + 0.2 for v in x], [1e3 * r.meas_median_s for r in rows], marker="_", s=120,
+                       color="black", label="measured median step", zorder=3)  # fmt: skip
         for xi, top, err in zip(x, [max(a, b) for a, b in zip(pred, meas)], errs):
             ax.text(xi, top, f"{100 * err:+.0f}%", ha="center", va="bottom", fontsize=7,
                     color="black" if abs(err) <= tol else "#c03d3e")  # fmt: skip
