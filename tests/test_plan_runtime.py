@@ -258,6 +258,18 @@ def test_validation_table_and_picture(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_validation_compares_the_fastest_run_and_pools_steps_for_the_median():
+    """The fastest run's row sets the measured step and state; the median is over every step of every run."""
+    from loom.plan.validate import DEBUG_CONFIG, base_overrides, compare
+
+    state = {"param_bytes": 400.0, "grad_bytes": 400.0, "optim_bytes": 800.0}
+    runs = [state | {"step_time_s": 0.02, "step_times": [0.03, 0.02, 0.05]},
+            state | {"step_time_s": 0.01, "step_times": [0.01, 0.04]}]  # fmt: skip
+    c = compare("dp1", 1, base_overrides(4), DEBUG_CONFIG, None, runs)
+    assert c.meas_step_s == 0.01 and c.meas_median_s == 0.03 and c.meas_state_bytes == 1600.0
+    assert c.pred_step_s > 0
+
+
 @pytest.mark.parametrize("colocate", [True, False])
 def test_parameter_server_terms(colocate):
     """dp_mode = ps: no all-reduce; push + pull = 2 p2p messages of W' Φ 4 / K bytes through the busiest

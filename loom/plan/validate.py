@@ -112,7 +112,8 @@ def compare(
     name: str, ranks: int, overrides: list[str], config: str, profile: Profile | None, runs: list[dict]
 ) -> Comparison:
     """Predict one layout and compare it with the fastest of ``runs`` (the last metrics row of
-    each run, :func:`run_layout`); the profile is scaled for contention at ``ranks``."""
+    each run, :func:`run_layout`), the median of all their steps beside it; the profile is scaled
+    for contention at ``ranks``."""
     row = min(runs, key=lambda r: float(r["step_time_s"]))
     cfg = config_of(config, ranks, overrides)
     prof = contended(profile, ranks) if profile is not None and profile.device == "cpu" else profile
@@ -124,7 +125,7 @@ def compare(
         meas_step_s=float(row["step_time_s"]),
         pred_state_bytes=pred["plan_state_bytes"],
         meas_state_bytes=float(held_state_bytes(row)),
-        meas_median_s=statistics.median(t for r in runs for t in r.get("step_times", [r["step_time_s"]])),
+        meas_median_s=statistics.median(t for r in runs for t in r["step_times"]),
     )
 
 
