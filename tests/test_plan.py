@@ -25,6 +25,7 @@ from loom.plan.cost import (
     Workload,
     bubble_fraction,
     estimate,
+    exposed,
     inflight_layers,
     param_count,
 )
@@ -275,6 +276,29 @@ def test_collective_volumes():
     gb = 2 * 31 / 32 / node_bw  # seconds per parameter gathered or scattered (bf16)
     assert cm._dp_comm(32, 32, 1, 1, 1, 1, 3, 1) == pytest.approx((3 * P - last) * gb)
     assert cm._dp_comm(32, 32, 1, 1, 1, 1, 3, 4) == pytest.approx((3 * P - last) * gb + 3 * (2 * P - last) * gb)
+
+
+def test_zero3_in_a_pipeline_gathers_inside_each_micro_batch_on_the_busier_end_stage():
+    """A pipeline stage keeps no unit gathered; the first holds its blocks + the embedding, the last
+    its blocks + final norm and head (a tied head's copy a unit of its own). Each micro-batch's
+    gathers (2 Φ_s W (n-1)/n on the busier end stage s) run inside its stage time, so they count m
+    times in the step and once more per bubble slot; the reduce-scatter of Φ_s R once per step."""
+    cl = _cluster(per_node=16, intra_latency=0.0, comm_efficiency=1.0)
+    L = LLAMA_7B.n_layers
+    tied = dataclasses.replace(LLAMA_7B, tie_embeddings=True)
+    for mc, after in ((LLAMA_7B, 1), (tied, 2)):
+        cm = CostModel(mc, Workload(16, 4096, reduce_dtype="bf16"), cl)
+        assert cm.zero3_units(2) == (L // 2 + 1, 0.0)
+        assert cm.zero3_units(2, last=True) == (L // 2 + after, 0.0)
+        base = Layout(dp=8, dp_shard=8, pp=2, micro_batch=1, dp_overlap=False)
+        e0, e3 = cm.estimate(base), cm.estimate(dataclasses.replace(base, zero=3))
+        phi = max(cm._params_on(1, 2, 1, True, False)[0], cm._params_on(1, 2, 1, False, True)[0])
+        g = 2 * phi * cm.W * 7 / 8 / cl.intra_bandwidth  # forward + backward gathers of one micro-batch
+        m = e3.microbatches
+        assert e3.time_breakdown["pp bubble"] - e0.time_breakdown["pp bubble"] == pytest.approx(1 * g)
+        assert e3.time_breakdown["dp comm"] == pytest.approx(m * g + phi * cm.R * 7 / 8 / cl.intra_bandwidth)
+        assert exposed(g, 4, 0.0, 0.5) == pytest.approx(g)  # no window: all shows
+        assert exposed(g, 4, 10 * g, 0.5) == pytest.approx(g / 4 + 0.5 * 3 * g / 4)  # the last call + half the rest
 
 
 def test_tensor_parallel_traffic_per_layer():

@@ -8,6 +8,8 @@ asserted here.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from loom import config as C
@@ -68,6 +70,27 @@ def test_backward_ratio_and_layer_work_run():
     m.vocab_size = 512
     assert 0.5 <= measure_backward_ratio(m, 2, 64, repeats=3) < 10
     assert 0 < work_rate(layer_work(64, 32), calls=5, blocks=2) < 1
+
+
+def test_hidden_share_is_the_ratio_of_summed_extra_times():
+    """1 - (Σ overlapped - Σ alone) / (Σ sequential - Σ alone): 1 ms of work, 2 ms more in
+    sequence, 1 ms more overlapped -> half hidden, none more -> all hidden."""
+    from loom.plan.calibrate import hidden_share
+
+    def nap(ms: float):
+        return lambda: time.sleep(ms / 1e3)
+
+    assert hidden_share(nap(1), nap(3), nap(2), calls=2, trials=5) == pytest.approx(0.5, abs=0.1)
+    assert hidden_share(nap(1), nap(3), nap(1), calls=2, trials=3) == pytest.approx(1.0, abs=0.1)
+
+
+def test_overlap_only_job_measures_the_hidden_share_per_group_size():
+    """A 2-rank job of :func:`_coll_worker` with ``overlap_only``: one ("overlap", 2, 0, share) row."""
+    from loom.plan.calibrate import _run_world
+
+    rows = _run_world(2, "gloo", 2, (16, 8), overlap_only=True)
+    assert [r[:3] for r in rows] == [("overlap", 2, 0)]
+    assert 0.0 <= rows[0][3] <= 1.0
 
 
 def test_op_overhead_and_optimizer_rates_measure():

@@ -88,6 +88,10 @@ Time of one step:
   last micro-batch: ZeRO 0 all-reduce 2 Phi (n-1)/n; ZeRO 1/2 reduce-scatter + all-gather (same
   volume); ZeRO-3 all-gathers Phi forward and Phi - Phi_last backward every micro-batch, one call
   per unit, and reduce-scatters once (3 Phi - Phi_last for m = 1; :meth:`CostModel._dp_comm`);
+  in a pipeline a stage keeps no unit gathered and its gathers run inside each micro-batch's
+  stage time: 2 Phi_s of the busier end stage (the last: + final norm and head, a tied head's
+  copy a unit of its own) m times in the step and once more per bubble slot
+  (:meth:`CostModel.zero3_stage_gathers`, hidden behind t_mb as below);
   every bucket or unit call pays the measured latency; hybrid sharding adds an all-reduce of the
   shard across replicas. Across nodes a ring's bus bandwidth is the NIC share of the group's
   members on a node (:meth:`Machine.inter_bandwidth`). With ``Layout.dp_overlap`` (default) it
@@ -1166,14 +1170,12 @@ class CostModel:
         t_b, t_f = t_mb * r / (1 + r), t_mb / (1 + r)
         window = {0: t_b, 1: t_b + t_f, 2: t_b + t_f}.get(lay.zero, t_compute)
         if lay.zero == 3:
-            units = self.zero3_units(lay.pp, lay.tp)[0]
-            calls = m * (2 * units - 1) + units
+            units = max(self.zero3_units(lay.pp, lay.tp, s, lay.split)[0] for s in (False, True))
+            calls = units + (m * (2 * units - 1) if lay.pp == 1 else 0)  # a pipeline's gathers: zero3_stage_gathers
         else:
             dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1)
             calls = max(1, -(-int((dense + expert) * self.R) // int(self.train.bucket_bytes))) * (2 if lay.zero else 1)
-        last = total / calls
-        rest = total - last
-        return last + max(0.0, rest - window) + (1 - share) * min(rest, window)
+        return exposed(total, calls, window, share)
 
     def _sync_time(self, lay: Layout) -> float:
         """Scalar collectives of every step, one call latency each: the logged loss averaged over
@@ -1186,15 +1188,18 @@ class CostModel:
             calls.append(("all_reduce", lay.dp_shard * lay.cp, lay.tp * lay.cp * lay.dp_shard))
         return sum(mach.latency(op, n, span, world, synced=True) for op, n, span in calls)
 
-    def zero3_units(self, pp: int, tp: int = 1) -> tuple[int, float]:
+    def zero3_units(self, pp: int, tp: int = 1, last: bool = False, split: tuple[int, ...] = ()) -> tuple[int, float]:
         """(units, parameters kept gathered from forward to backward) of ZeRO-3 on the first
-        stage, as Loom wraps it: every block, the modules before the blocks and those after them,
-        merged when they share the tied embedding. Without a pipeline the last unit (final norm +
-        head) stays gathered, as backward needs it next; a pipeline stage keeps none (its next
-        action is often another micro-batch's forward) and holds no head (pp > 1)."""
+        stage (``last``: the last), as Loom wraps it: every block, the modules before the blocks and
+        those after them, merged when they share the tied embedding. Without a pipeline the last
+        unit (final norm + head) stays gathered, as backward needs it next; a pipeline stage keeps
+        none (its next action is often another micro-batch's forward). In a pipeline the first stage
+        adds the embedding, the last the final norm + head, a tied head's copy of the embedding
+        being a unit of its own (:func:`~loom.parallel.zero.layout.tied_copy`): 2 units."""
         pc = self.params
         if pp > 1:
-            return self.model.n_layers // pp + 1, 0.0
+            blocks = int(self.stage_layers(pp, not last, last, split))
+            return blocks + (1 + (pc.head == 0) if last else 1), 0.0
         units = self.model.n_layers + (1 if pc.head == 0 else 2)
         return units, pc.final_norm + self.model.vocab_size * self.model.dim / tp
 
@@ -1240,16 +1245,44 @@ class CostModel:
                 lat_ag = mach.latency("all_gather", ns, span, wd, synced=True)
                 ag = mach.collective("all_gather", ns, phi * W, span, wd, synced=True)
                 total += rs + ag + (buckets - 1) * (lat_rs + lat_ag)
-            else:
-                units, last = self.zero3_units(pp, tp)
-                last = min(last, phi) if ep == 1 else 0.0
-                fwd = mach.collective("all_gather", ns, phi * W, span, wd) + (units - 1) * lat_ag
-                calls = units - 1 if last > 0 else units  # backward gathers all but the kept unit
-                bwd = mach.collective("all_gather", ns, (phi - last) * W, span, wd) + max(0, calls - 1) * lat_ag
+            else:  # a pipeline's gathers are in its stage time (zero3_stage_gathers), its busiest end stage's reduces here
+                units = max(self.zero3_units(pp, tp, s)[0] for s in (False, True))
                 reduces = m if self.stack.microbatch_reduce else 1
-                total += m * (fwd + bwd) + reduces * (rs + (units - 1) * lat_rs)
+                total += reduces * (rs + (units - 1) * lat_rs)
+                if pp == 1:
+                    total += m * self._zero3_gathers(phi, ep, ns, span, wd, tp)
             total += self._grad_all_reduce(dp // ds, phi * R / ns, tpcp * dp, wd)
         return total
+
+    def _zero3_gathers(self, phi: float, ep: int, ns: int, span: int, world: int | None, tp: int, pp: int = 1,
+                       last_stage: bool = False, split: tuple[int, ...] = ()) -> float:  # fmt: skip
+        """ZeRO-3 all-gathers of one micro-batch over ``ns`` ranks: forward, the stage's ``u`` units of
+        Φ W bytes in all, ``u`` latencies; backward again, but for the kept unit (none in a pipeline)."""
+        mach = self.machine
+        units, kept = self.zero3_units(pp, tp, last_stage, split)
+        kept = min(kept, phi) if ep == 1 else 0.0
+        lat = mach.latency("all_gather", ns, span, world)
+        fwd = mach.collective("all_gather", ns, phi * self.W, span, world) + (units - 1) * lat
+        calls = units - 1 if kept > 0 else units  # backward gathers all but the kept unit
+        bwd = mach.collective("all_gather", ns, (phi - kept) * self.W, span, world) + max(0, calls - 1) * lat
+        return fwd + bwd
+
+    def zero3_stage_gathers(self, lay: Layout) -> tuple[float, int]:
+        """(seconds, calls) of ZeRO-3's all-gathers per micro-batch on the busier end stage of a
+        pipeline (:meth:`_zero3_gathers` of its dense and expert parameters); they run inside each
+        micro-batch's stage time, so the bubble stretches with them."""
+        wd, out = lay.world_size, (0.0, 0)
+        ns_dense = max(1, lay.dp_shard * lay.cp)
+        for first, last in ((True, False), (False, True)):
+            dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
+            t = 0.0
+            for phi, ep in ((dense, 1), (expert, lay.ep)):
+                if phi > 0:
+                    ns = max(1, ns_dense // ep)
+                    t += self._zero3_gathers(phi, ep, ns, lay.tp * lay.cp * lay.dp_shard, wd, lay.tp, lay.pp, last, lay.split)
+            calls = 2 * self.zero3_units(lay.pp, lay.tp, last, lay.split)[0]
+            out = max(out, (t, calls))
+        return out
 
     def _grad_all_reduce(self, n: int, size: float, span: int, world: int | None, calls: int = 1) -> float:
         """Seconds of the gradient all-reduce of ``size`` bytes over ``n`` ranks in ``calls`` bucket
@@ -1292,7 +1325,11 @@ class CostModel:
         else:
             idle = p - 1.0
         time = {k: m * val for k, val in terms.items()}
-        time["pp bubble"] = idle * t_mb
+        gathers = 0.0  # ZeRO-3 in a pipeline: each micro-batch's gathers, prefetched under its stage compute
+        if p > 1 and lay.zero == 3:
+            g, calls = self.zero3_stage_gathers(lay)
+            gathers = exposed(g, calls, t_mb, mach.comm_overlap(world) if lay.dp_overlap else 0.0)
+        time["pp bubble"] = idle * (t_mb + gathers)
         time["pp p2p"] = 0.0
         if p > 1:
             B = self.act_bytes
@@ -1302,7 +1339,7 @@ class CostModel:
         partial = self.tp_partial_params(lay.tp, lay.sp, p, p == 1, lay.ep) * self.R
         time["tp comm"] += mach.collective("all_reduce", lay.tp, partial, lay.tp, world)
         time["step sync"] = self._sync_time(lay)
-        time["dp comm"] = self._dp_time(lay, m, terms["compute"], m * t_mb)
+        time["dp comm"] = self._dp_time(lay, m, terms["compute"], m * t_mb) + m * gathers
         dense, expert = self._stage_params(lay, True, p == 1)
         n = lay.dp_shard * lay.cp if lay.zero else 1
         local = dense / n + expert / max(1, n // lay.ep)
@@ -1341,6 +1378,20 @@ class CostModel:
             bubble_fraction=time["pp bubble"] / (m * t_mb + time["pp bubble"]),
             peak_stage=stage,
         )
+
+
+def exposed(total: float, calls: int, window: float, share: float) -> float:
+    """Seconds of ``total`` communication in ``calls`` calls left showing beside ``window`` seconds of
+    compute when a ``share`` of overlapped traffic is truly hidden: the last call always (nothing
+    left to hide it behind), what does not fit the window, and the unhidden part of what does::
+
+        last + max(0, rest - window) + (1 - share) min(rest, window),  last = total / calls, rest = total - last
+    """
+    if total <= 0 or share <= 0 or calls <= 0:
+        return max(0.0, total)
+    last = total / calls
+    rest = total - last
+    return last + max(0.0, rest - window) + (1 - share) * min(rest, window)
 
 
 def estimate(
