@@ -281,6 +281,20 @@ def test_validation_table_and_picture(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_validate_json_and_plot_together(tmp_path, monkeypatch, capsys):
+    """``--json --plot f.png``: stdout is the JSON rows alone, the picture is drawn too."""
+    import json
+
+    from loom.plan import validate as V
+
+    rows = [V.Comparison("dp2", 2, 0.05, 0.04, 1000.0, 1000.0, meas_median_s=0.0625)]
+    monkeypatch.setattr(V, "validate", lambda *a, **k: rows)
+    assert V.main(["--only", "dp2", "--json", "--plot", str(tmp_path / "v.png")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out[0]["name"] == "dp2" and out[0]["time_error"] == pytest.approx(0.25)
+    assert (tmp_path / "v.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_validation_compares_the_fastest_run_and_pools_steps_for_the_median():
     """The fastest run's row sets the measured step and state; the median is over every step of every run."""
     from loom.plan.validate import DEBUG_CONFIG, base_overrides, compare

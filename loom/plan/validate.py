@@ -255,10 +255,11 @@ def main(argv: list[str]) -> int:
         print(json.dumps([asdict(r) | {"time_error": r.time_error, "memory_error": r.memory_error} for r in rows]))
     else:
         print(format_comparisons(rows))
-        if args.plot:
-            from loom.plan.viz import draw_validation
+    if args.plot:  # with --json the note goes to stderr, stdout stays JSON
+        from loom.plan.viz import draw_validation
 
-            print(f"wrote {draw_validation(rows, args.plot)}")
+        print(f"wrote {draw_validation(rows, args.plot)}", file=sys.stderr if args.json else sys.stdout)
+    if not args.json:
         print(f"profile: {args.profile or 'default ($LOOM_PROFILE, ./profile.json or datasheet)'}; "
               f"{time.perf_counter() - t0:.0f} s")
     return 0 if all(abs(r.memory_error) <= MEMORY_TOLERANCE for r in rows) else 1
