@@ -1326,7 +1326,7 @@ class CostModel:
             idle = p - 1.0
         time = {k: m * val for k, val in terms.items()}
         gathers = 0.0  # ZeRO-3 in a pipeline: each micro-batch's gathers, prefetched under its stage compute
-        if p > 1 and lay.zero == 3:
+        if p > 1 and lay.zero == 3 and not (lay.qwz or lay.hpz or lay.qgz):  # ZeRO++: zeropp_time counts its own
             g, calls = self.zero3_stage_gathers(lay)
             gathers = exposed(g, calls, t_mb, mach.comm_overlap(world) if lay.dp_overlap else 0.0)
         time["pp bubble"] = idle * (t_mb + gathers)
