@@ -72,6 +72,24 @@ def test_backward_ratio_and_layer_work_run():
     assert 0 < work_rate(layer_work(64, 32), calls=5, blocks=2) < 1
 
 
+@pytest.mark.parametrize("tie", ["true", "false"])
+def test_zero3_units_per_pipeline_stage_are_the_runtimes(tie):
+    """The planner's ZeRO-3 units of a pipeline's first and last stage equal the units the runtime
+    wraps (``find_units`` on each rank's stages): tied, the last stage's head copy is a unit alone."""
+    from loom.model.llama import build_model
+    from loom.parallel.pipeline.stage import PipelineModule
+    from loom.parallel.zero.stage3 import find_units
+    from loom.plan.auto import _cost_model
+
+    over = ["--parallel.pp", "2", "--parallel.zero", "3", "--model.n_layers", "4", "--model.tie_embeddings", tie,
+            "--model.vocab_size", "256"]  # fmt: skip
+    cfg = _cfg(2, *over)
+    model, cm = build_model(cfg.model, seed=0), _cost_model(cfg, 2, None)
+    for rank in (0, 1):
+        units = find_units(PipelineModule(model, rank, 2, [0, 2, 4]))
+        assert cm.zero3_units(2, last=rank == 1) == (len(units), 0.0)
+
+
 def test_hidden_share_is_the_ratio_of_summed_extra_times():
     """1 - (Σ overlapped - Σ alone) / (Σ sequential - Σ alone): 1 ms of work, 2 ms more in
     sequence, 1 ms more overlapped -> half hidden, none more -> all hidden."""

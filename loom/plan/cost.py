@@ -1160,7 +1160,7 @@ class CostModel:
         on a CPU the profile's measured share (gloo's thread waits beside the compute, but its copies
         and reductions take the same cores).
         """
-        total = self._dp_volume(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m, lay.world_size)
+        total = self._dp_volume(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m, lay.world_size, lay.split)
         if lay.zero == 3 and (lay.qwz or lay.hpz or lay.qgz):
             total = zeropp_time(self, lay, m)
         share = self.machine.comm_overlap(lay.world_size)
@@ -1204,7 +1204,8 @@ class CostModel:
         return units, pc.final_norm + self.model.vocab_size * self.model.dim / tp
 
     def _dp_comm(
-        self, dp: int, ds: int, tp: int, pp: int, cp: int, ep_deg: int, zero: int, m: int, world: int = 0
+        self, dp: int, ds: int, tp: int, pp: int, cp: int, ep_deg: int, zero: int, m: int, world: int = 0,
+        split: tuple[int, ...] = (),
     ) -> float:
         """Seconds of data-parallel / ZeRO collectives per step, as Loom issues them (with gradient
         accumulation, reductions happen once, after the last micro-batch):
@@ -1246,7 +1247,7 @@ class CostModel:
                 ag = mach.collective("all_gather", ns, phi * W, span, wd, synced=True)
                 total += rs + ag + (buckets - 1) * (lat_rs + lat_ag)
             else:  # a pipeline's gathers are in its stage time (zero3_stage_gathers), its busiest end stage's reduces here
-                units = max(self.zero3_units(pp, tp, s)[0] for s in (False, True))
+                units = max(self.zero3_units(pp, tp, s, split)[0] for s in (False, True))
                 reduces = m if self.stack.microbatch_reduce else 1
                 total += reduces * (rs + (units - 1) * lat_rs)
                 if pp == 1:
