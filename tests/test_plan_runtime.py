@@ -48,6 +48,63 @@ def test_contended_scales_compute_only_when_ranks_outnumber_cores():
     assert shared.collectives == PROFILE.collectives
 
 
+def test_contended_scales_the_collectives_cpu_seconds_as_compute():
+    """A collective's CPU seconds (scope cpu) take the shared cores as compute does: / share."""
+    import dataclasses
+
+    cpu = [CollectiveFit("all_gather", "cpu", 2, 1e9, 400e-6), CollectiveFit("all_gather", "cpu synced", 2, 2e9, 100e-6)]
+    prof = dataclasses.replace(PROFILE, collectives=[*PROFILE.collectives, *cpu], compute_share={"4": 0.4})
+    shared = contended(prof, 4, n_cores=2)
+    assert [(c.latency, c.bus_bandwidth) for c in shared.collectives if c.scope.startswith("cpu")] == [
+        pytest.approx((1e-3, 0.4e9)), pytest.approx((250e-6, 0.8e9))]  # fmt: skip
+    assert [c for c in shared.collectives if not c.scope.startswith("cpu")] == PROFILE.collectives
+    twin = shared.cpu_twin()
+    assert twin is not None and twin.comm_overlap == {"1": 0.0}
+    assert [(c.scope, c.latency) for c in twin.collectives] == [("intra", pytest.approx(1e-3)), ("synced", pytest.approx(250e-6))]
+    assert PROFILE.cpu_twin() is None  # no CPU seconds measured: no bound
+
+
+def test_cpu_bound_is_the_ranks_cpu_demand_beyond_the_critical_path():
+    """Collectives whose CPU seconds exceed their wall time by d each: with nothing hidden (tp2, no
+    dp, no bubble) the CPU demand is the critical path + d per call, so the bound adds exactly
+    calls x d; CPU seconds below the wall time add nothing."""
+    import dataclasses
+
+    from loom.plan.auto import _cost_model, layout_of
+
+    ops = ("all_reduce", "all_gather", "reduce_scatter")
+    wall = [CollectiveFit(op, scope, 2, 0.5e9, 200e-6) for op in ops for scope in ("intra", "synced")]
+
+    def with_cpu(latency: float) -> Profile:
+        cpu = [CollectiveFit(op, scope, 2, 0.5e9, latency) for op in ops for scope in ("cpu", "cpu synced")]
+        return dataclasses.replace(PROFILE, collectives=wall + cpu, comm_overlap={"2": 0.0})
+
+    cfg = _cfg(2, "--parallel.tp", "2", "--parallel.dp", "1", "--parallel.sp", "true")
+    lay = layout_of(cfg)
+    plain = _cost_model(cfg, 2, dataclasses.replace(PROFILE, collectives=wall, comm_overlap={"2": 0.0})).estimate(lay)
+    for d in (0.5e-3, -0.1e-3):
+        cm = _cost_model(cfg, 2, with_cpu(200e-6 + d))
+        est = cm.estimate(lay)
+        calls = sum(cm.collective_calls(lay).values()) + 1  # + the step-end loss all-reduce (a scalar)
+        assert est.time_breakdown["cpu bound"] == pytest.approx(max(0.0, calls * d))
+        assert est.step_time == pytest.approx(plain.step_time + max(0.0, calls * d))
+
+
+def test_a_collectives_job_measures_wall_and_cpu_seconds_per_call():
+    """One 2-rank job of :func:`_coll_worker`: per op and size the wall time and the CPU time of a
+    call between compute, back to back (synced) both too, all positive."""
+    from loom.plan.calibrate import MESSAGE_BYTES, OPS, _run_world
+
+    rows = _run_world(2, "gloo", 2, (16, 8))
+    keys = {(o, g, s) for o, g, s, _ in rows}
+    for op in OPS:
+        assert {(op, 2, b) for b in MESSAGE_BYTES} <= keys and {(f"{op}:cpu", 2, b) for b in MESSAGE_BYTES} <= keys
+    for op in ("all_gather", "p2p"):
+        assert {(f"{op}:synced", 2, b) for b in MESSAGE_BYTES} <= keys and {(f"{op}:cpu synced", 2, b) for b in MESSAGE_BYTES} <= keys
+    assert {("all_reduce:synced", 2, 4), ("all_reduce:cpu synced", 2, 4)} <= keys
+    assert all(t > 0 for *_, t in rows)
+
+
 def test_measured_compute_share_and_profile_fields_round_trip(tmp_path):
     import dataclasses
 

@@ -274,13 +274,22 @@ def _coll_worker(
     dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
     work = layer_work(*work_shape, device=device)
 
-    def loop(call) -> float:  # mean over a block of calls (preemption by other ranks included); the least
-        def block() -> None:  # disturbed of 5 blocks, as validate counts the fastest run of a layout
-            for _ in range(repeats):
-                work()
-                call()
+    def timed(body) -> tuple[float, float]:
+        """(wall, CPU) seconds of ``body()``: the wall time the least disturbed of 5 runs, as validate counts
+        the fastest run of a layout; the CPU time this process spent (all its threads: gloo's, the
+        kernel's socket copies), the median run's."""
+        cpu: list[float] = []
 
-        return _timed(block, 5, device, best=True) / repeats
+        def run() -> None:
+            c0 = time.process_time()
+            body()
+            cpu.append(time.process_time() - c0)
+
+        return _timed(run, 5, device, best=True), statistics.median(cpu)
+
+    def loop(call) -> tuple[float, float]:  # per (work; call), the mean over a block of calls (preemption by other ranks included)
+        wall, cpu = timed(lambda: [(work(), call()) for _ in range(repeats)])
+        return wall / repeats, cpu / repeats
 
     dist.barrier()
     results: list[tuple[str, int, int, float]] = [] if overlap_only else [("work", world, 0, work_rate(work, device=device))]  # all ranks at once
@@ -303,10 +312,12 @@ def _coll_worker(
                 calls["p2p"] = ((lambda full=full, peer=first + 1: dist.send(full, peer)) if rank == first
                                 else (lambda full=full, peer=first: dist.recv(full, peer)))  # fmt: skip
             dist.barrier()
-            alone = loop(lambda: None)
+            alone, alone_cpu = loop(lambda: None)
             for op in [o for o in OPS if o in calls]:
                 dist.barrier()
-                results.append((op, n, numel * 4, max(loop(calls[op]) - alone, 1e-7)))
+                wall, cpu = loop(calls[op])
+                results.append((op, n, numel * 4, max(wall - alone, 1e-7)))
+                results.append((f"{op}:cpu", n, numel * 4, max(cpu - alone_cpu, 1e-7)))
             # synced: back to back, the ranks already in step (step-end scalars; a pipeline receiver waiting)
             synced = {"all_gather": calls["all_gather"]}  # ZeRO-1/2's gather of the updated shards
             if n == 2:
@@ -316,8 +327,9 @@ def _coll_worker(
                                  if rank == first else (lambda full=full, peer=peer: (dist.recv(full, peer), dist.send(full, peer))))  # fmt: skip
             for op, call in synced.items():
                 dist.barrier()
-                t = _timed(lambda call=call: [call() for _ in range(repeats)], 5, device, best=True) / repeats
-                results.append((f"{op}:synced", n, numel * 4, t / (2 if op == "p2p" else 1)))  # p2p: half a round trip
+                wall, cpu = timed(lambda call=call: [call() for _ in range(repeats)])
+                half = 2 * repeats if op == "p2p" else repeats  # p2p: half a round trip
+                results += [(f"{op}:synced", n, numel * 4, wall / half), (f"{op}:cpu synced", n, numel * 4, cpu / half)]
         # overlap: an all-gather issued before the work and waited after it (ZeRO-3's prefetch, a bucket
         # reduced during backward), against the same in sequence; share hidden = 1 - extra / sequential extra
         full = torch.ones((64 << 10) // 4 // n * n, device=device)
@@ -339,7 +351,8 @@ def _coll_worker(
         scalar = torch.ones(1, device=device)  # the step-end scalars (loss, gradient norm), back to back
         dist.barrier()
         t = _timed(lambda s=scalar, g=group: [dist.all_reduce(s, group=g) for _ in range(repeats)], 3, device)
-        results.append(("all_reduce:synced", n, 4, t / repeats))
+        _, cpu = timed(lambda s=scalar, g=group: [dist.all_reduce(s, group=g) for _ in range(repeats)])
+        results += [("all_reduce:synced", n, 4, t / repeats), ("all_reduce:cpu synced", n, 4, cpu / repeats)]
     dist.barrier()
     if rank == 0:
         queue.put(results)
@@ -452,8 +465,10 @@ def measure_contention(
     for world in range(2, nproc + 1):
         rows = _run_world(world, backend, repeats, work_shape)
         share[str(world)] = min(1.0, solo / next(t for o, _, _, t in rows if o == "work"))
-        for op, scope in [(o, "intra") for o in OPS] + [("all_gather", "synced"), ("p2p", "synced")]:
-            key = op if scope == "intra" else f"{op}:synced"
+        cpu = ("cpu",) if backend == "gloo" else ()  # CPU seconds matter where ranks share the CPU's cores
+        for op, scope in [(o, s) for s in ("intra", *cpu) for o in OPS] + [(o, s) for s in ("synced", *(f"{c} synced" for c in cpu))
+                                                                           for o in ("all_gather", "p2p")]:  # fmt: skip
+            key = op if scope == "intra" else f"{op}:{scope}"
             for n in sorted({g for o, g, _, _ in rows if o == key}):
                 pts = [(_volume(op, n, s), t) for o, g, s, t in rows if o == key and g == n]
                 bw, lat = fit_line(pts)
@@ -461,9 +476,10 @@ def measure_contention(
         hidden = [statistics.fmean(t for o, _, _, t in r if o == "overlap") for r in
                   [rows] + [_run_world(world, backend, repeats, work_shape, True) for _ in range(OVERLAP_JOBS - 1)]]  # fmt: skip
         overlap[str(world)] = statistics.fmean(hidden)
-        for _, n, _, t in [r for r in rows if r[0] == "all_reduce:synced"]:  # a scalar: its time is the latency
-            bw = next(f.bus_bandwidth for f in fits if (f.op, f.scope, f.group_size, f.world) == ("all_reduce", "intra", n, world))
-            fits.append(CollectiveFit("all_reduce", "synced", n, bus_bandwidth=bw, latency=t, world=world))
+        for key, synced, scope in [("all_reduce:synced", "synced", "intra")] + [(f"all_reduce:{c} synced", f"{c} synced", c) for c in cpu]:
+            for _, n, _, t in [r for r in rows if r[0] == key]:  # a scalar: its time is the latency
+                bw = next(f.bus_bandwidth for f in fits if (f.op, f.scope, f.group_size, f.world) == ("all_reduce", scope, n, world))
+                fits.append(CollectiveFit("all_reduce", synced, n, bus_bandwidth=bw, latency=t, world=world))
     return fits, share, overlap
 
 
@@ -531,7 +547,9 @@ def contended(profile: Profile, world: int, n_cores: int | None = None) -> Profi
         op_overhead={k: v / share for k, v in profile.op_overhead.items()},
         optimizer_rate={k: v * share for k, v in profile.optimizer_rate.items()},
         microbatch_overhead=profile.microbatch_overhead / share,
-        collectives=list(profile.collectives),
+        # a collective's CPU work takes the same shared cores as compute
+        collectives=[dataclasses.replace(c, latency=c.latency / share, bus_bandwidth=c.bus_bandwidth * share)
+                     if c.scope.startswith("cpu") else c for c in profile.collectives],  # fmt: skip
     )
 
 

@@ -104,6 +104,13 @@ Time of one step:
   norm summed over tp, the ZeRO group and pp, loss broadcast over pp), one call latency each.
 - optimizer: Adam reads and writes 28 bytes per local parameter at HBM speed; offloaded, at
   HOST_ADAM_BANDWIDTH per node, plus grads down and weights up over the host link.
+- cpu bound (a CPU profile with the collectives' CPU seconds, scope ``cpu``): ranks sharing cores
+  cannot finish a step before the cores have run every rank's CPU work. The same model on those
+  seconds (nothing hidden, no bubble: a waiting rank spends nothing) sums a rank's CPU demand D,
+  each collective's CPU scaled by the compute share as compute is (``contended``):
+  step = max(critical path, D), the excess shown as ``cpu bound``. With a core per rank D stays
+  below the path; with two ranks per core the collectives' own CPU (gloo's threads, the kernel's
+  socket copies: 0.3-0.6 ms a call here) competes with the other ranks' compute.
 
 Outputs: step time, tokens/s, achieved TFLOP/s per device (hardware FLOPs incl. recomputation,
 as Megatron reports), MFU (model FLOPs 6N + 12 L h s per token, no recomputation, over the
@@ -561,6 +568,9 @@ class CostModel:
         self.act_bytes = train.act_bytes
         self.W, self.G, self.O = train.state_bytes()
         self.R = {"fp32": 4, "bf16": 2, "fp16": 2}[train.reduce_dtype]
+        # ranks sharing CPU cores: the same model on the collectives' CPU seconds sums each rank's CPU demand
+        twin = profile.cpu_twin() if profile is not None else None
+        self.cpu_model = CostModel(model, train, cluster, twin, n_experts, top_k, stack) if twin is not None else None
         # Memoised pieces: the search evaluates many layouts sharing degrees or micro-batch.
         self._per_mb = lru_cache(maxsize=None)(self._microbatch_times)
         self._states = lru_cache(maxsize=None)(self._state_memory)
@@ -1355,6 +1365,9 @@ class CostModel:
             time["optimizer"] = max(local * ADAM_BYTES / mach.hbm, local / rate if rate > 0 else 0.0)
         if self.ops is not None:  # the optimizer's operators (foreach calls, or per-parameter ones: adafactor)
             time["optimizer"] += mach.op_time * self.ops.optimizer(self.stage_layers(p, True, p == 1, lay.split))
+        time["cpu bound"] = 0.0
+        if self.cpu_model is not None:  # the cores cannot run more than their share of every rank's CPU work
+            time["cpu bound"] = max(0.0, self.cpu_model.cpu_demand(lay, mem, breakdown, stage) - sum(time.values()))
         step = sum(time.values())
         tokens = tr.global_batch * tr.seq_len
         world = lay.world_size
@@ -1379,6 +1392,12 @@ class CostModel:
             bubble_fraction=time["pp bubble"] / (m * t_mb + time["pp bubble"]),
             peak_stage=stage,
         )
+
+
+    def cpu_demand(self, lay: Layout, mem: float, breakdown: dict[str, float], stage: str) -> float:
+        """Seconds of one rank's work in a step, without the pipeline bubble (a waiting rank spends
+        nothing): on a CPU twin (:meth:`Profile.cpu_twin`) the rank's CPU demand."""
+        return sum(v for k, v in self.timed(lay, mem, breakdown, stage).time_breakdown.items() if k != "pp bubble")
 
 
 def exposed(total: float, calls: int, window: float, share: float) -> float:

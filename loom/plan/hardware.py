@@ -439,7 +439,8 @@ class CollectiveFit:
 
     op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | p2p
     scope: str  # intra (inside a node, between compute) | inter (across nodes) | synced (intra, back to back:
-    # the ranks already in step, as at the step-end scalars or a pipeline receiver waiting for its input)
+    # the ranks already in step, as at the step-end scalars or a pipeline receiver waiting for its input) |
+    # cpu, cpu synced (intra and synced: the CPU seconds the calling process spends rather than the wall time)
     group_size: int
     bus_bandwidth: float  # bytes/s of the ring-normalised ("bus") bandwidth, as nccl-tests reports
     latency: float  # seconds
@@ -476,6 +477,16 @@ class Profile:
             return abs(c.group_size - group_size), abs(w - world) if world else 0, -c.group_size, -w
 
         return min(fits, key=distance)
+
+    def cpu_twin(self) -> Profile | None:
+        """This profile with each collective's *CPU* time (scope ``cpu``: the seconds its process spends,
+        gloo's threads and the kernel's socket copies) in place of its wall time, nothing hidden, so a
+        cost model on it sums a rank's CPU demand; None without ``cpu`` fits (GPUs, older profiles)."""
+        cpu = [c for c in self.collectives if c.scope in ("cpu", "cpu synced")]
+        if not cpu:
+            return None
+        fits = [dataclasses.replace(c, scope="intra" if c.scope == "cpu" else "synced") for c in cpu]
+        return dataclasses.replace(self, collectives=fits, comm_overlap={"1": 0.0})  # hidden or not, it spends its CPU
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
