@@ -292,7 +292,11 @@ def _coll_worker(
         return wall / repeats, cpu / repeats
 
     dist.barrier()
-    results: list[tuple[str, int, int, float]] = [] if overlap_only else [("work", world, 0, work_rate(work, device=device))]  # all ranks at once
+    results: list[tuple[str, int, int, float]] = []
+    if not overlap_only:  # all ranks at once; the mean over ranks: one rank may run undisturbed while others wait
+        seconds = torch.tensor([work_rate(work, device=device)], dtype=torch.float64, device=device)
+        dist.all_reduce(seconds)
+        results.append(("work", world, 0, seconds.item() / world))
     for n in [g for g in range(2, world + 1) if world % g == 0]:
         groups = [dist.new_group(list(range(i, i + n))) for i in range(0, world, n)]  # all ranks create all
         group = groups[rank // n]
