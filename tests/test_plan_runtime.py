@@ -159,6 +159,13 @@ def test_hidden_share_is_the_ratio_of_summed_extra_times():
     assert hidden_share(nap(1), nap(3), nap(1), calls=2, trials=3) == pytest.approx(1.0, abs=0.1)
 
 
+def test_busy_calls_count_the_calls_finished_in_the_wall_time():
+    """10 ms calls for 0.1 s: about 10 (the first, a warm-up, not counted; the last may overrun)."""
+    from loom.plan.calibrate import busy_calls
+
+    assert 7 <= busy_calls(lambda: time.sleep(0.01), 0.1) <= 11
+
+
 def test_overlap_only_job_measures_the_hidden_share_per_group_size():
     """A 2-rank job of :func:`_coll_worker` with ``overlap_only``: one ("overlap", 2, 0, share) row."""
     from loom.plan.calibrate import _run_world

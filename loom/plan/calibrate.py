@@ -20,9 +20,13 @@ What is measured, per rank (``--threads``, default 1: one rank per core):
   training step, in spawned processes joined by a ``file://`` rendezvous (gloo on CPU, nccl on
   GPUs), messages 4 KiB to 4 MiB; a relative-error least-squares fit ``t = latency + volume /
   bus_bandwidth`` with the volumes :class:`~loom.plan.hardware.Machine` uses (:func:`fit_line`).
+  With gloo also each call's CPU seconds (the process's, all its threads; scopes ``cpu`` and
+  ``cpu synced``): ranks outnumbering cores pay them out of the cores' time
+  (:meth:`~loom.plan.hardware.Profile.cpu_twin`, the cost model's ``cpu bound``).
 
-Ranks on this machine share cores: :func:`contended` scales the compute numbers of a profile by
-``cores / world`` when more ranks than cores run at once.
+Ranks on this machine share cores: :func:`contended` scales the compute numbers of a profile (and
+the collectives' CPU seconds) by the measured compute share of ``world`` ranks at once, the mean
+over the ranks, else by ``cores / world`` when more ranks than cores run at once.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")  # p2p: groups of 2
 MESSAGE_BYTES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
+SHARE_SECONDS = 0.5  # wall time every rank of a job computes at once to measure the compute share
 OVERLAP_JOBS = 4  # fresh jobs whose hidden share is averaged: each lands in a scheduling mode and keeps it (0-0.4 here)
 GENERIC_SHAPES = ((128, 64, 192), (512, 256, 256), (1024, 1024, 1024))
 
@@ -293,10 +298,10 @@ def _coll_worker(
 
     dist.barrier()
     results: list[tuple[str, int, int, float]] = []
-    if not overlap_only:  # all ranks at once; the mean over ranks: one rank may run undisturbed while others wait
-        seconds = torch.tensor([work_rate(work, device=device)], dtype=torch.float64, device=device)
-        dist.all_reduce(seconds)
-        results.append(("work", world, 0, seconds.item() / world))
+    if not overlap_only:  # all ranks at once, each for the same wall time: the cores' throughput shared
+        calls = torch.tensor([busy_calls(work, SHARE_SECONDS, device)], dtype=torch.float64, device=device)
+        dist.all_reduce(calls)
+        results.append(("work", world, 0, SHARE_SECONDS * world / calls.item()))  # seconds per call, ranks' mean rate
     for n in [g for g in range(2, world + 1) if world % g == 0]:
         groups = [dist.new_group(list(range(i, i + n))) for i in range(0, world, n)]  # all ranks create all
         group = groups[rank // n]
@@ -405,6 +410,22 @@ def layer_work(tokens: int, width: int, device=None):
         w.grad = None
 
     return work
+
+
+def busy_calls(work, seconds: float, device: torch.device | None = None) -> int:
+    """How many ``work()`` calls finish in ``seconds`` of wall time. Ranks started together each run
+    for the same time, so none runs alone after the others finish (a fixed number of calls would
+    let the late ranks do)."""
+    from loom.device import synchronize
+
+    work()
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        work()
+        n += 1
+    if device is not None:
+        synchronize(device)
+    return n
 
 
 def work_rate(work, calls: int = 200, blocks: int = 5, device: torch.device | None = None) -> float:
@@ -597,6 +618,6 @@ def main(argv: list[str]) -> int:
         print(f"compute share with {world} ranks at once: {share:.2f}; asynchronous collective hidden behind "
               f"compute: {prof.comm_overlap.get(world, 0.0):.2f}")
     for c in prof.collectives:
-        print(f"{c.op:<15} {c.scope:<6} world={c.world} n={c.group_size}  bus {c.bus_bandwidth / 1e9:.3f} GB/s  latency {c.latency * 1e6:.0f} us")
+        print(f"{c.op:<15} {c.scope:<10} world={c.world} n={c.group_size}  bus {c.bus_bandwidth / 1e9:.3f} GB/s  latency {c.latency * 1e6:.0f} us")
     print(f"wrote {args.out} ({time.perf_counter() - t0:.1f} s)")
     return 0
