@@ -299,9 +299,9 @@ def _coll_worker(
     dist.barrier()
     results: list[tuple[str, int, int, float]] = []
     if not overlap_only:  # all ranks at once, each for the same wall time: the cores' throughput shared
-        calls = torch.tensor([busy_calls(work, SHARE_SECONDS, device)], dtype=torch.float64, device=device)
-        dist.all_reduce(calls)
-        results.append(("work", world, 0, SHARE_SECONDS * world / calls.item()))  # seconds per call, ranks' mean rate
+        done = torch.tensor([busy_calls(work, SHARE_SECONDS, device)], dtype=torch.float64, device=device)
+        dist.all_reduce(done)
+        results.append(("work", world, 0, SHARE_SECONDS * world / done.item()))  # seconds per call, ranks' mean rate
     for n in [g for g in range(2, world + 1) if world % g == 0]:
         groups = [dist.new_group(list(range(i, i + n))) for i in range(0, world, n)]  # all ranks create all
         group = groups[rank // n]
