@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")  # p2p: groups of 2
 MESSAGE_BYTES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
 SHARE_SECONDS = 0.5  # wall time every rank of a job computes at once to measure the compute share
+COLLECTIVE_JOBS = 3  # fresh jobs per job size whose collective times are taken at their median
 OVERLAP_JOBS = 4  # fresh jobs whose hidden share is averaged: each lands in a scheduling mode and keeps it (0-0.4 here)
 GENERIC_SHAPES = ((128, 64, 192), (512, 256, 256), (1024, 1024, 1024))
 
@@ -280,9 +281,9 @@ def _coll_worker(
     work = layer_work(*work_shape, device=device)
 
     def timed(body) -> tuple[float, float]:
-        """(wall, CPU) seconds of ``body()``: the wall time the least disturbed of 5 runs, as validate counts
-        the fastest run of a layout; the CPU time this process spent (all its threads: gloo's, the
-        kernel's socket copies), the median run's."""
+        """(wall, CPU) seconds of ``body()``, each the least of 5 runs (the least disturbed, as validate
+        counts the fastest run of a layout); the CPU time is this process's (all its threads: gloo's,
+        the kernel's socket copies)."""
         cpu: list[float] = []
 
         def run() -> None:
@@ -290,7 +291,7 @@ def _coll_worker(
             body()
             cpu.append(time.process_time() - c0)
 
-        return _timed(run, 5, device, best=True), statistics.median(cpu)
+        return _timed(run, 5, device, best=True), min(cpu[2:])  # after _timed's two warm-up runs
 
     def loop(call) -> tuple[float, float]:  # per (work; call), the mean over a block of calls (preemption by other ranks included)
         wall, cpu = timed(lambda: [(work(), call()) for _ in range(repeats)])
@@ -474,6 +475,16 @@ def measure_collectives(
     return fits
 
 
+def median_rows(jobs: list[list[tuple[str, int, int, float]]]) -> list[tuple[str, int, int, float]]:
+    """One row per (what, group size, bytes): the median of its value over the fresh ``jobs`` (a job
+    keeps the scheduling mode it lands in: one job's latencies move 20-30% from the next's)."""
+    values: dict[tuple[str, int, int], list[float]] = {}
+    for rows in jobs:
+        for o, g, s, t in rows:
+            values.setdefault((o, g, s), []).append(t)
+    return [(o, g, s, statistics.median(ts)) for (o, g, s), ts in values.items()]
+
+
 def measure_contention(
     nproc: int, backend: str = "gloo", repeats: int = 20, work_shape: tuple[int, int] = (128, 64)
 ) -> tuple[list[CollectiveFit], dict[str, float], dict[str, float]]:
@@ -481,14 +492,16 @@ def measure_contention(
     share is the speed of :func:`layer_work` on each of ``world`` ranks running it at once over its
     speed alone (ranks sharing cores, memory bandwidth and caches; 1 on separate GPUs); the overlap,
     the share of an asynchronous all-gather's time hidden behind that work (:func:`hidden_share`; the
-    mean over group sizes and over :data:`OVERLAP_JOBS` fresh jobs)."""
+    mean over group sizes and over :data:`OVERLAP_JOBS` fresh jobs); every time the median of
+    :data:`COLLECTIVE_JOBS` fresh jobs (:func:`median_rows`)."""
     import torch
 
     torch.set_num_threads(1)
     solo = work_rate(layer_work(*work_shape))
     fits, share, overlap = [], {}, {}
     for world in range(2, nproc + 1):
-        rows = _run_world(world, backend, repeats, work_shape)
+        jobs = [_run_world(world, backend, repeats, work_shape) for _ in range(COLLECTIVE_JOBS)]
+        rows = median_rows(jobs)
         share[str(world)] = min(1.0, solo / next(t for o, _, _, t in rows if o == "work"))
         cpu = ("cpu",) if backend == "gloo" else ()  # CPU seconds matter where ranks share the CPU's cores
         for op, scope in [(o, s) for s in ("intra", *cpu) for o in OPS] + [(o, s) for s in ("synced", *(f"{c} synced" for c in cpu))
@@ -499,7 +512,7 @@ def measure_contention(
                 bw, lat = fit_line(pts)
                 fits.append(CollectiveFit(op, scope, n, bus_bandwidth=bw, latency=lat, world=world))
         hidden = [statistics.fmean(t for o, _, _, t in r if o == "overlap") for r in
-                  [rows] + [_run_world(world, backend, repeats, work_shape, True) for _ in range(OVERLAP_JOBS - 1)]]  # fmt: skip
+                  jobs + [_run_world(world, backend, repeats, work_shape, True) for _ in range(OVERLAP_JOBS - len(jobs))]]  # fmt: skip
         overlap[str(world)] = statistics.fmean(hidden)
         for key, synced, scope in [("all_reduce:synced", "synced", "intra")] + [(f"all_reduce:{c} synced", f"{c} synced", c) for c in cpu]:
             for _, n, _, t in [r for r in rows if r[0] == key]:  # a scalar: its time is the latency

@@ -1128,8 +1128,8 @@ class CostModel:
         ep_layer = 0.0
         if self.moe and ep > 1:
             # rows of this rank's tokens (T_moe·k, at most the capacity's), the busiest rank receiving ``moe_load`` x
-            ep_layer = n_tp * mach.collective("all_to_all", ep, T_moe * self.top_k * h * B * tr.moe_load, tp * ep)
-            ep_layer += (n_tp - 2) // 2 * mach.latency("all_to_all", ep, tp * ep)  # the per-expert counts
+            ep_layer = n_tp * mach.collective("all_to_all", ep, T_moe * self.top_k * h * B * tr.moe_load, tp * ep, world or None)
+            ep_layer += (n_tp - 2) // 2 * mach.latency("all_to_all", ep, tp * ep, world or None)  # the per-expert counts
         head = (1 + r) * mach.gemm(T, h, mc.vocab_size / tp, gemm_b)
         head += other * 16 * T * mc.vocab_size / tp / mach.hbm
         per_layer = {"compute": layer_f + layer_b, "recompute": recomp, "tp comm": tp_layer, "cp comm": cp_layer,
