@@ -167,6 +167,13 @@ def test_busy_calls_count_the_calls_finished_in_the_wall_time():
     assert 7 <= busy_calls(lambda: time.sleep(0.01), 0.1) <= 11
 
 
+def test_median_rows_take_each_measurement_at_its_median_over_jobs():
+    from loom.plan.calibrate import median_rows
+
+    jobs = [[("all_gather", 2, 4096, t), ("work", 2, 0, w)] for t, w in ((1.0, 5.0), (3.0, 4.0), (2.0, 9.0))]
+    assert sorted(median_rows(jobs)) == [("all_gather", 2, 4096, 2.0), ("work", 2, 0, 5.0)]
+
+
 def test_overlap_only_job_measures_the_hidden_share_per_group_size():
     """A 2-rank job of :func:`_coll_worker` with ``overlap_only``: one ("overlap", 2, 0, share) row."""
     from loom.plan.calibrate import _run_world

@@ -416,16 +416,16 @@ def layer_work(tokens: int, width: int, device=None):
 def busy_calls(work, seconds: float, device: torch.device | None = None) -> int:
     """How many ``work()`` calls finish in ``seconds`` of wall time. Ranks started together each run
     for the same time, so none runs alone after the others finish (a fixed number of calls would
-    let the late ranks do)."""
+    let the late ranks do); on an accelerator each call is waited for, not only queued."""
     from loom.device import synchronize
 
     work()
     n, end = 0, time.perf_counter() + seconds
     while time.perf_counter() < end:
         work()
+        if device is not None:
+            synchronize(device)
         n += 1
-    if device is not None:
-        synchronize(device)
     return n
 
 

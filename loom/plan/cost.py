@@ -1393,7 +1393,6 @@ class CostModel:
             peak_stage=stage,
         )
 
-
     def cpu_demand(self, lay: Layout, mem: float, breakdown: dict[str, float], stage: str) -> float:
         """Seconds of one rank's work in a step, without the pipeline bubble (a waiting rank spends
         nothing): on a CPU twin (:meth:`Profile.cpu_twin`) the rank's CPU demand."""
