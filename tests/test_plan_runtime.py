@@ -103,6 +103,7 @@ def test_a_collectives_job_measures_wall_and_cpu_seconds_per_call():
     for op in ("all_gather", "p2p"):
         assert {(f"{op}:synced", 2, b) for b in MESSAGE_BYTES} <= keys and {(f"{op}:cpu synced", 2, b) for b in MESSAGE_BYTES} <= keys
     assert {("all_reduce:synced", 2, 4), ("all_reduce:cpu synced", 2, 4), ("work", 2, 0)} <= keys  # work: the ranks' mean
+    assert {("tp_layer:cpu", 2, 16 * 8 * 4), ("ep_layer", 2, 16 * 8 * 4), ("ep_layer:cpu", 2, 16 * 8 * 4)} <= keys  # through Loom's layers
     assert all(t > 0 for o, *_, t in rows if o != "overlap") and all(0 <= t <= 1 for o, *_, t in rows if o == "overlap")
 
 
@@ -418,3 +419,68 @@ def test_parameter_server_terms(colocate):
     states = cm.state_memory(lay)
     assert states["optimizer"] == (8 * phi / 2 if colocate else 0.0)
     assert states["weights"] == states["gradients"] == 4 * phi
+
+
+def test_layer_call_excess_is_the_layer_measurement_minus_its_bare_calls():
+    """Per call: the layer's time minus the mean fit of the calls it issued, each moving S/2 (tp: 3
+    all-gathers + 2 reduce-scatters of S; ep: 4 all-to-alls of the top-2 rows, 2 S, and one of the
+    4 experts' int64 counts), never below 0, and 0 when the layer was not measured."""
+    from loom.plan.calibrate import EP_EXPERTS, EP_TOP_K, layer_call_excess
+
+    S = 8192
+    fits = [CollectiveFit("all_gather", "cpu", 2, 1e9, 100e-6, world=2), CollectiveFit("reduce_scatter", "cpu", 2, 1e9, 200e-6, world=2),
+            CollectiveFit("all_to_all", "intra", 2, 2e9, 50e-6, world=2),
+            CollectiveFit("all_gather", "cpu", 2, 1e9, 900e-6, world=4)]  # another job size: not the 2-rank layer's  # fmt: skip
+    rows = [("tp_layer:cpu", 2, S, 1e-3), ("ep_layer", 2, S, 0.5e-3)]
+    tp_bare = (3 * (100e-6 + S / 2 / 1e9) + 2 * (200e-6 + S / 2 / 1e9)) / 5
+    assert layer_call_excess("tp", rows, fits, "cpu") == pytest.approx(1e-3 - tp_bare)
+    ep_bare = (4 * (50e-6 + S * EP_TOP_K / 2 / 2e9) + (50e-6 + 8 * EP_EXPERTS / 2 / 2e9)) / 5
+    assert layer_call_excess("ep", rows, fits, "intra") == pytest.approx(0.5e-3 - ep_bare)
+    assert layer_call_excess("tp", [("tp_layer:cpu", 2, S, 1e-5)], fits, "cpu") == 0.0  # cheaper than the fits: nothing added
+    assert layer_call_excess("ep", rows, fits, "cpu") == 0.0  # not measured
+
+
+def test_layer_call_overhead_is_added_to_each_tp_and_ep_call_and_its_cpu_in_the_twin(tmp_path):
+    """``call_overhead[kind]`` adds d to each call of that kind on the critical path (tp2 sp: every
+    tp call but the once-per-step all-reduce of partial gradients; ep2: the 5 all-to-alls per MoE
+    layer and micro-batch); ``call_overhead_cpu`` adds it to the CPU twin's calls instead, so with
+    CPU seconds equal to the wall ones the bound is exactly calls x d. The fields survive a save and
+    load, and contention scales them as compute (/ share)."""
+    import dataclasses
+
+    from loom.plan.auto import _cost_model, layout_of
+
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+    wall = [CollectiveFit(op, scope, 2, 0.5e9, 200e-6) for op in ops for scope in ("intra", "synced")]
+    cpu = [CollectiveFit(op, scope, 2, 0.5e9, 200e-6) for op in ops for scope in ("cpu", "cpu synced")]
+    base = dataclasses.replace(PROFILE, collectives=wall + cpu, comm_overlap={"2": 0.0})
+    d = 1e-3
+    for kind, extra in (("tp", ("--parallel.tp", "2", "--parallel.dp", "1", "--parallel.sp", "true")),
+                        ("ep", ("--model.n_experts", "4", "--parallel.ep", "2"))):  # fmt: skip
+        cfg = _cfg(2, *extra)
+        lay = layout_of(cfg)
+        plain = _cost_model(cfg, 2, base)
+        counted = plain.collective_calls(lay)
+        calls = sum(counted.values()) - 1 if kind == "tp" else counted["all_to_all"]
+        t0 = plain.estimate(lay).step_time
+        on_wall = _cost_model(cfg, 2, dataclasses.replace(base, call_overhead={kind: d})).estimate(lay)
+        assert on_wall.step_time - t0 == pytest.approx(calls * d)
+        on_cpu = _cost_model(cfg, 2, dataclasses.replace(base, call_overhead_cpu={kind: d})).estimate(lay)
+        assert on_cpu.time_breakdown["cpu bound"] == pytest.approx(calls * d) and on_cpu.step_time == pytest.approx(t0 + calls * d)
+    prof = dataclasses.replace(base, call_overhead={"ep": 2e-4}, call_overhead_cpu={"tp": 3e-4}, compute_share={"4": 0.5})
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == prof
+    shared = contended(prof, 4, n_cores=2)
+    assert shared.call_overhead == {"ep": pytest.approx(4e-4)} and shared.call_overhead_cpu == {"tp": pytest.approx(6e-4)}
+
+
+def test_validate_predicts_a_mixture_of_experts_with_the_runs_expert_load():
+    """moe.imbalance unset: the comparison plans with the run's measured moe_imbalance, as if given."""
+    from loom.plan.validate import compare
+
+    over = ["--model.n_experts", "4", "--parallel.ep", "2"]
+    row = {"step_time_s": 0.02, "step_times": [0.02], "moe_imbalance": 2.0, "param_bytes": 1.0, "grad_bytes": 1.0, "optim_bytes": 1.0}
+    got = compare("moe", 2, over, DEBUG_CONFIG, PROFILE, [row])
+    given = predicted_fields(_cfg(2, *over, "--moe.imbalance", "2.0"), 2, contended(PROFILE, 2))
+    balanced = predicted_fields(_cfg(2, *over, "--moe.imbalance", "1.0"), 2, contended(PROFILE, 2))
+    assert got.pred_step_s == pytest.approx(given["plan_step_time_s"]) and got.pred_step_s > balanced["plan_step_time_s"]

@@ -23,6 +23,12 @@ What is measured, per rank (``--threads``, default 1: one rank per core):
   With gloo also each call's CPU seconds (the process's, all its threads; scopes ``cpu`` and
   ``cpu synced``): ranks outnumbering cores pay them out of the cores' time
   (:meth:`~loom.plan.hardware.Profile.cpu_twin`, the cost model's ``cpu bound``).
+- calls as Loom's layers issue them (gloo, 2 ranks): a step pays a collective inside its layer,
+  with the layer's autograd functions, buffers and waits around it. A sequence-parallel column ->
+  row pair of the tensor-parallel layers (:func:`tp_layer_pair`) and a mixture of experts through
+  the expert-parallel layer (:func:`ep_layer_pair`), each between the same compute, minus the same
+  math without the layers, per call; what exceeds the bare fits (:func:`layer_call_excess`) is the
+  profile's ``call_overhead`` (wall: ep) and ``call_overhead_cpu`` (tp, ep).
 
 Ranks on this machine share cores: :func:`contended` scales the compute numbers of a profile (and
 the collectives' CPU seconds) by the measured compute share of ``world`` ranks at once, the mean
@@ -340,6 +346,18 @@ def _coll_worker(
                 wall, cpu = timed(lambda call=call: [call() for _ in range(repeats)])
                 half = 2 * repeats if op == "p2p" else repeats  # p2p: half a round trip
                 results += [(f"{op}:synced", n, numel * 4, wall / half), (f"{op}:cpu synced", n, numel * 4, cpu / half)]
+        if n == world == 2 and backend == "gloo" and not overlap_only:  # the group alone, as cpu_twin counts a call's CPU
+            # a call as Loom's layers issue it, between the same compute (per call, the layers minus the same math alone)
+            for kind, (layers, alone) in (("tp", tp_layer_pair(*work_shape, group, rank % n, n, device)),
+                                          ("ep", ep_layer_pair(*work_shape, group, rank % n, n, device))):  # fmt: skip
+                dist.barrier()
+                wall, cpu = loop(layers)
+                dist.barrier()
+                wall_alone, cpu_alone = loop(alone)
+                size = work_shape[0] * work_shape[1] * 4  # the full activation, bytes
+                if kind in WALL_KINDS:
+                    results.append((f"{kind}_layer", n, size, max((wall - wall_alone) / LAYER_CALLS[kind], 1e-7)))
+                results.append((f"{kind}_layer:cpu", n, size, max((cpu - cpu_alone) / LAYER_CALLS[kind], 1e-7)))
         # overlap: an all-gather issued before the work and waited after it (ZeRO-3's prefetch, a bucket
         # reduced during backward), against the same in sequence; share hidden = 1 - extra / sequential extra
         full = torch.ones((64 << 10) // 4 // n * n, device=device)
@@ -413,6 +431,98 @@ def layer_work(tokens: int, width: int, device=None):
     return work
 
 
+def tp_layer_pair(tokens: int, width: int, group, rank: int, size: int, device=None):
+    """(through the layers, the GEMMs alone): a sequence-parallel column -> row pair of Loom's
+    tensor-parallel layers (``width`` -> ``2 width`` -> ``width``, as a block's attention or MLP)
+    forward + backward over ``group`` of ``size`` ranks, issuing :data:`LAYER_CALLS` ``["tp"]``
+    collectives (forward: the sequence's all-gather and the reduce-scatter; backward: the row
+    layer's all-gather, the column layer's re-gather and reduce-scatter behind its GEMMs); and the
+    same GEMMs on the whole sequence without the layers."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from loom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, TPContext
+
+    g = torch.Generator().manual_seed(0)
+    w_in = nn.Parameter((torch.randn(2 * width // size, width, generator=g) / width**0.5).to(device))
+    w_out = nn.Parameter((torch.randn(width, 2 * width // size, generator=g) / width**0.5).to(device))
+    ctx = TPContext(group=group, rank=rank, size=size, sp=True)
+    col, row = ColumnParallelLinear(w_in, ctx), RowParallelLinear(w_out, ctx)
+    shard = torch.randn(1, tokens // size, width, generator=g).to(device).requires_grad_()
+    whole = torch.randn(1, tokens, width, generator=g).to(device).requires_grad_()
+
+    def through_layers() -> None:
+        row(F.silu(col(shard))).sum().backward()
+        shard.grad = w_in.grad = w_out.grad = None
+
+    def gemms_alone() -> None:
+        F.linear(F.silu(F.linear(whole, w_in)), w_out).sum().backward()
+        whole.grad = w_in.grad = w_out.grad = None
+
+    return through_layers, gemms_alone
+
+
+def ep_layer_pair(tokens: int, width: int, group, rank: int, size: int, device=None):
+    """(through the layer, on one rank): a mixture of :data:`EP_EXPERTS` SwiGLU experts (top
+    :data:`EP_TOP_K`, hidden ``2 width``) forward + backward on ``tokens`` tokens, as Loom's
+    :class:`~loom.parallel.expert_parallel.ExpertParallelMoE` over ``group`` of ``size`` ranks runs
+    it (:data:`LAYER_CALLS` ``["ep"]`` all-to-alls: the counts, dispatch and combine, both again in
+    backward), and the plain layer with every expert on this rank (the same rows computed)."""
+    import copy
+
+    import torch
+
+    from loom.model.moe import MoEFeedForward
+    from loom.parallel.expert_parallel import ExpertParallelMoE
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        plain = MoEFeedForward(width, 2 * width, EP_EXPERTS, EP_TOP_K).to(device)
+        spread = ExpertParallelMoE(copy.deepcopy(plain), rank, size, group, group)
+        x = torch.randn(1, tokens, width, generator=torch.Generator().manual_seed(1 + rank)).to(device).requires_grad_()
+
+    def run(layer) -> None:
+        layer(x).sum().backward()
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+
+    return (lambda: run(spread)), (lambda: run(plain))
+
+
+EP_EXPERTS, EP_TOP_K = 4, 2
+LAYER_CALLS = {"tp": 5, "ep": 5}  # collectives one tp_layer_pair / ep_layer_pair issues
+# kinds whose wall time through the layer is what a step pays: ep's all-to-alls are synchronous (the
+# counts must arrive before the rows), while tp's backward calls are asynchronous behind the GEMMs, and
+# how much of them a step's other work hides is not the loop's (the trainer measured its tp calls at
+# their bare fits, and its all-to-alls near twice theirs); the CPU of both counts in full
+WALL_KINDS = ("ep",)
+
+
+def layer_call_excess(kind: str, rows: list[tuple[str, int, int, float]], fits: list[CollectiveFit],
+                      scope: str) -> float:  # fmt: skip
+    """What a ``kind`` call through Loom's layers costs beyond the collective fits in ``scope``
+    (``intra``: wall, ``cpu``: CPU), per call, at least 0: the layer measurement (``rows``:
+    ``kind_layer[:cpu]``, at its full activation bytes S over 2 ranks) minus the mean fit of the
+    calls it issued, each moving S/2 (tp: 3 all-gathers and 2 reduce-scatters of the sequence;
+    ep: 4 all-to-alls of the top-k rows and one of the per-expert counts)."""
+    key = f"{kind}_layer" + ("" if scope == "intra" else f":{scope}")
+    measured = next(((t, s) for o, _, s, t in rows if o == key), None)
+    fit = {c.op: c for c in fits if c.scope == scope and c.group_size == 2 and c.world == 2}
+    if measured is None:
+        return 0.0
+    t, size = measured
+
+    def call(op: str, nbytes: float) -> float:
+        return fit[op].latency + nbytes / 2 / fit[op].bus_bandwidth if op in fit else 0.0
+
+    if kind == "tp":
+        bare = 3 * call("all_gather", size) + 2 * call("reduce_scatter", size)
+    else:
+        bare = 4 * call("all_to_all", size * EP_TOP_K) + call("all_to_all", 8 * EP_EXPERTS)
+    return max(0.0, t - bare / LAYER_CALLS[kind])
+
+
 def busy_calls(work, seconds: float, device: torch.device | None = None) -> int:
     """How many ``work()`` calls finish in ``seconds`` of wall time. Ranks started together each run
     for the same time, so none runs alone after the others finish (a fixed number of calls would
@@ -471,7 +581,7 @@ def measure_collectives(
     and the skew between ranks, which an isolated ping-pong does not see (on this 2-core machine
     2-4x its latency). One spawned job per ``world`` (file:// rendezvous).
     """
-    fits, _, _ = measure_contention(nproc, backend, repeats, work_shape)
+    fits, _, _, _ = measure_contention(nproc, backend, repeats, work_shape)
     return fits
 
 
@@ -487,18 +597,21 @@ def median_rows(jobs: list[list[tuple[str, int, int, float]]]) -> list[tuple[str
 
 def measure_contention(
     nproc: int, backend: str = "gloo", repeats: int = 20, work_shape: tuple[int, int] = (128, 64)
-) -> tuple[list[CollectiveFit], dict[str, float], dict[str, float]]:
-    """(:func:`measure_collectives`' fits, compute share per job size, overlap per job size): the
-    share is the speed of :func:`layer_work` on each of ``world`` ranks running it at once over its
-    speed alone (ranks sharing cores, memory bandwidth and caches; 1 on separate GPUs); the overlap,
-    the share of an asynchronous all-gather's time hidden behind that work (:func:`hidden_share`; the
-    mean over group sizes and over :data:`OVERLAP_JOBS` fresh jobs); every time the median of
-    :data:`COLLECTIVE_JOBS` fresh jobs (:func:`median_rows`)."""
+) -> tuple[list[CollectiveFit], dict[str, float], dict[str, float], dict[str, dict[str, float]]]:
+    """(:func:`measure_collectives`' fits, compute share per job size, overlap per job size, CPU
+    seconds a tensor-parallel call adds): the share is the speed of :func:`layer_work` on each of
+    ``world`` ranks running it at once over its speed alone (ranks sharing cores, memory bandwidth
+    and caches; 1 on separate GPUs); the overlap, the share of an asynchronous all-gather's time
+    hidden behind that work (:func:`hidden_share`; the mean over group sizes and over
+    :data:`OVERLAP_JOBS` fresh jobs); what a tp or ep call costs through Loom's layers beyond its
+    collective fits, wall (``intra``) and CPU (``cpu``), per kind (gloo, the 2-rank job:
+    :func:`layer_call_excess`); every time the median of :data:`COLLECTIVE_JOBS` fresh jobs
+    (:func:`median_rows`)."""
     import torch
 
     torch.set_num_threads(1)
     solo = work_rate(layer_work(*work_shape))
-    fits, share, overlap = [], {}, {}
+    fits, share, overlap, calls = [], {}, {}, {}
     for world in range(2, nproc + 1):
         jobs = [_run_world(world, backend, repeats, work_shape) for _ in range(COLLECTIVE_JOBS)]
         rows = median_rows(jobs)
@@ -511,6 +624,9 @@ def measure_contention(
                 pts = [(_volume(op, n, s), t) for o, g, s, t in rows if o == key and g == n]
                 bw, lat = fit_line(pts)
                 fits.append(CollectiveFit(op, scope, n, bus_bandwidth=bw, latency=lat, world=world))
+        if world == 2 and any(o.endswith("_layer") for o, _, _, _ in rows):
+            calls = {"intra": {kind: layer_call_excess(kind, rows, fits, "intra") for kind in WALL_KINDS},
+                     "cpu": {kind: layer_call_excess(kind, rows, fits, "cpu") for kind in LAYER_CALLS}}
         hidden = [statistics.fmean(t for o, _, _, t in r if o == "overlap") for r in
                   jobs + [_run_world(world, backend, repeats, work_shape, True) for _ in range(OVERLAP_JOBS - len(jobs))]]  # fmt: skip
         overlap[str(world)] = statistics.fmean(hidden)
@@ -518,7 +634,7 @@ def measure_contention(
             for _, n, _, t in [r for r in rows if r[0] == key]:  # a scalar: its time is the latency
                 bw = next(f.bus_bandwidth for f in fits if (f.op, f.scope, f.group_size, f.world) == ("all_reduce", scope, n, world))
                 fits.append(CollectiveFit("all_reduce", synced, n, bus_bandwidth=bw, latency=t, world=world))
-    return fits, share, overlap
+    return fits, share, overlap, calls
 
 
 def calibrate(
@@ -568,10 +684,10 @@ def calibrate(
         else:  # no per-operator term on a GPU: the measured backward / forward ratio of the model instead
             ratio = measure_backward_ratio(cfg.model, cfg.train.micro_batch, cfg.data.seq_len, device=on)
     work_shape = (tokens, model.dim) if model is not None else (128, 64)
-    fits, share, overlap = measure_contention(nproc, backend, work_shape=work_shape) if nproc > 1 else ([], {}, {})
+    fits, share, overlap, calls = measure_contention(nproc, backend, work_shape=work_shape) if nproc > 1 else ([], {}, {}, {})
     return Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, compute_share=share, comm_overlap=overlap, op_overhead=ops,
                    optimizer_rate=optimizers, microbatch_overhead=overhead, backward_ratio=ratio, collectives=fits,
-                   moe_imbalance=imbalance)  # fmt: skip
+                   moe_imbalance=imbalance, call_overhead=calls.get("intra", {}), call_overhead_cpu=calls.get("cpu", {}))  # fmt: skip
 
 
 def contended(profile: Profile, world: int, n_cores: int | None = None) -> Profile:
@@ -585,6 +701,8 @@ def contended(profile: Profile, world: int, n_cores: int | None = None) -> Profi
         op_overhead={k: v / share for k, v in profile.op_overhead.items()},
         optimizer_rate={k: v * share for k, v in profile.optimizer_rate.items()},
         microbatch_overhead=profile.microbatch_overhead / share,
+        call_overhead={k: v / share for k, v in profile.call_overhead.items()},  # the layers' own work, on shared cores
+        call_overhead_cpu={k: v / share for k, v in profile.call_overhead_cpu.items()},
         # a collective's CPU work takes the same shared cores as compute
         collectives=[dataclasses.replace(c, latency=c.latency / share, bus_bandwidth=c.bus_bandwidth * share)
                      if c.scope.startswith("cpu") else c for c in profile.collectives],  # fmt: skip
@@ -630,6 +748,9 @@ def main(argv: list[str]) -> int:
     for world, share in prof.compute_share.items():
         print(f"compute share with {world} ranks at once: {share:.2f}; asynchronous collective hidden behind "
               f"compute: {prof.comm_overlap.get(world, 0.0):.2f}")
+    for kind in sorted(set(prof.call_overhead) | set(prof.call_overhead_cpu)):
+        print(f"a {kind} call through Loom's layers, beyond its collective: {prof.call_overhead.get(kind, 0.0) * 1e6:.0f} us "
+              f"wall, {prof.call_overhead_cpu.get(kind, 0.0) * 1e6:.0f} us CPU (2 ranks)")
     for c in prof.collectives:
         print(f"{c.op:<15} {c.scope:<10} world={c.world} n={c.group_size}  bus {c.bus_bandwidth / 1e9:.3f} GB/s  latency {c.latency * 1e6:.0f} us")
     print(f"wrote {args.out} ({time.perf_counter() - t0:.1f} s)")

@@ -67,7 +67,9 @@ Time of one step:
   of T h B_a bytes fwd+bwd, 6 with full recomputation; with sp 6 all-gathers + 4 reduce-scatters
   of that size; plus embedding, head and vocab-parallel loss calls, and once per step one
   all-reduce of the gradients held in part (sp norms, replicated kv heads). Each call costs
-  latency + volume / bandwidth, on the intra-node link; not overlapped, or with
+  latency + volume / bandwidth, on the intra-node link, + the profile's ``call_overhead["tp"]``
+  (what a call costs in Loom's layers beyond the collective; on a CPU the twin below charges
+  ``call_overhead_cpu["tp"]``); not overlapped, or with
   ``Layout.tp_overlap`` cut in t chunks pipelined with the layer's GEMMs:
   comm / t + max(0, comm (t-1)/t - GEMMs fwd+bwd) per layer.
 - context parallel (:mod:`loom.parallel.context_parallel`, :meth:`CostModel._cp_layer_time`), by
@@ -79,7 +81,9 @@ Time of one step:
   repeated kv heads (f = cp / gcd(k, cp)) and its own output (B T h / t) more.
 - expert parallel: 4 all-to-alls per MoE layer (dispatch + combine, fwd and bwd; 6 with full
   recomputation) of T top_k h B_a bytes, (ep-1)/ep of it leaving the device, and the small
-  all-to-all of per-expert counts before each dispatch (latency only).
+  all-to-all of per-expert counts before each dispatch (latency only); each of these calls also
+  ``call_overhead["ep"]`` (measured through Loom's expert-parallel layer: the counts' host round
+  trip, the splits, the waits of synchronous all-to-alls), its CPU ``call_overhead_cpu["ep"]``.
 - pipeline: per micro-batch stage time t_mb (slowest stage); bubble (p-1) t_mb for GPipe/1F1B
   (fraction (p-1)/(m+p-1)), (p-1)/v t_mb interleaved, (p-1)(t_mb - 2 t_W) for ZB-H1 (t_W the
   weight-gradient half of backward); P2P of T h B_a / t bytes per chunk boundary, 2 m v
@@ -110,7 +114,9 @@ Time of one step:
   each collective's CPU scaled by the compute share as compute is (``contended``):
   step = max(critical path, D), the excess shown as ``cpu bound``. With a core per rank D stays
   below the path; with two ranks per core the collectives' own CPU (gloo's threads, the kernel's
-  socket copies: 0.3-0.6 ms a call here) competes with the other ranks' compute.
+  socket copies: 0.3-0.6 ms a call here) competes with the other ranks' compute. A tp or ep call
+  adds its layer's CPU (``call_overhead_cpu``: a tp call through Loom's layers spends 0.5-0.8 ms
+  here, the bare collective between compute 0.25-0.5 ms).
 
 Outputs: step time, tokens/s, achieved TFLOP/s per device (hardware FLOPs incl. recomputation,
 as Megatron reports), MFU (model FLOPs 6N + 12 L h s per token, no recomputation, over the
@@ -1117,8 +1123,9 @@ class CostModel:
             recomp += c_op * again + mach.microbatch_overhead * again / max(1.0, ops.layer_fb)
         n_tp = {"none": 4, "selective": 4, "full": 6}[recompute]
 
-        def tp_time(calls: dict[tuple[str, float], float]) -> float:
-            return sum(k * mach.collective(op, tp, size, tp, world or None) for (op, size), k in calls.items())
+        def tp_time(calls: dict[tuple[str, float], float]) -> float:  # each call: its collective + the layer's own cost
+            extra = mach.call_overhead.get("tp", 0.0)
+            return sum(k * (mach.collective(op, tp, size, tp, world or None) + extra) for (op, size), k in calls.items())
 
         tp_layer = tp_time(self.tp_calls(tp, sp, recompute, mb, "layer", cp))
         if tp_overlap and tp > 1:  # each collective cut in tp chunks, pipelined with its GEMM: the first chunk shows
@@ -1130,6 +1137,7 @@ class CostModel:
             # rows of this rank's tokens (T_moe·k, at most the capacity's), the busiest rank receiving ``moe_load`` x
             ep_layer = n_tp * mach.collective("all_to_all", ep, T_moe * self.top_k * h * B * tr.moe_load, tp * ep, world or None)
             ep_layer += (n_tp - 2) // 2 * mach.latency("all_to_all", ep, tp * ep, world or None)  # the per-expert counts
+            ep_layer += (n_tp + (n_tp - 2) // 2) * mach.call_overhead.get("ep", 0.0)  # each call's cost in the layer
         head = (1 + r) * mach.gemm(T, h, mc.vocab_size / tp, gemm_b)
         head += other * 16 * T * mc.vocab_size / tp / mach.hbm
         per_layer = {"compute": layer_f + layer_b, "recompute": recomp, "tp comm": tp_layer, "cp comm": cp_layer,

@@ -462,6 +462,10 @@ class Profile:
     microbatch_overhead: float = 0.0  # the trainer's cost per block and micro-batch outside the counted operators, s
     optimizer_rate: dict[str, float] = field(default_factory=dict)  # train.optimizer -> shard elements/s of a step
     collectives: list[CollectiveFit] = field(default_factory=list)
+    # seconds a tp or ep call costs through Loom's layers beyond its collective fit (autograd functions, buffers,
+    # the counts' round trip, waits), wall and CPU, by kind ("tp", "ep"): loom.plan.calibrate.layer_call_excess
+    call_overhead: dict[str, float] = field(default_factory=dict)
+    call_overhead_cpu: dict[str, float] = field(default_factory=dict)
 
     def collective(self, op: str, scope: str, group_size: int, world: int | None = None) -> CollectiveFit | None:
         """The fit for ``op`` in ``scope`` with the nearest measured group size, then the nearest
@@ -493,7 +497,8 @@ class Profile:
         if not alone:
             return None
         fits = [dataclasses.replace(c, scope="intra" if c.scope == "cpu" else "synced") for c in alone.values()]
-        return dataclasses.replace(self, collectives=fits, comm_overlap={"1": 0.0})  # hidden or not, it spends its CPU
+        # hidden or not, a call spends its CPU, and in its layer the layer's CPU
+        return dataclasses.replace(self, collectives=fits, comm_overlap={"1": 0.0}, call_overhead=dict(self.call_overhead_cpu))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -547,6 +552,8 @@ class Profile:
             microbatch_overhead=number("microbatch_overhead"),
             optimizer_rate=numbers("optimizer_rate"),
             collectives=fits,
+            call_overhead=numbers("call_overhead"),
+            call_overhead_cpu=numbers("call_overhead_cpu"),
         )
 
     def save(self, path: str | Path) -> None:
@@ -592,6 +599,7 @@ class Machine:
         self.flops = measured if measured > 0 else self.peak * dev.achievable
         self.measured_gemm = measured > 0
         self.hbm = profile.hbm_bandwidth if profile and profile.hbm_bandwidth > 0 else dev.hbm_bandwidth
+        self.call_overhead = dict(profile.call_overhead) if profile else {}  # kind (tp, ep) -> s added to each call
         measured_op = profile.op_overhead.get(precision, 0.0) if profile else 0.0
         self.op_time = measured_op if measured_op > 0 else dev.op_overhead  # s per ATen operator
         self.microbatch_overhead = profile.microbatch_overhead if profile and profile.microbatch_overhead else dev.microbatch_overhead

@@ -113,9 +113,13 @@ def compare(
 ) -> Comparison:
     """Predict one layout and compare it with the fastest of ``runs`` (the last metrics row of
     each run, :func:`run_layout`), the median of all their steps beside it; the profile is scaled
-    for contention at ``ranks``."""
+    for contention at ``ranks``. A mixture of experts with ``moe.imbalance`` unset is predicted with
+    that run's measured expert load (its ``moe_imbalance`` metric): how the router spreads tokens is
+    the workload's, an input of the plan as the batch is, not a cost the planner could measure."""
     row = min(runs, key=lambda r: float(r["step_time_s"]))
     cfg = config_of(config, ranks, overrides)
+    if cfg.model.n_experts > 1 and not cfg.moe.imbalance and float(row.get("moe_imbalance", 0.0)) >= 1:
+        cfg.moe.imbalance = float(row["moe_imbalance"])
     prof = contended(profile, ranks) if profile is not None and profile.device == "cpu" else profile
     pred = predicted_fields(cfg, ranks, prof)
     return Comparison(
