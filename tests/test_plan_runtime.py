@@ -472,6 +472,12 @@ def test_layer_call_overhead_is_added_to_each_tp_and_ep_call_and_its_cpu_in_the_
     assert Profile.load(tmp_path / "p.json") == prof
     shared = contended(prof, 4, n_cores=2)
     assert shared.call_overhead == {"ep": pytest.approx(4e-4)} and shared.call_overhead_cpu == {"tp": pytest.approx(6e-4)}
+    from loom.plan.hardware import HardwareError
+
+    for bad, says in (('{"xp": 1e-4}', "profile.call_overhead.xp: unknown kind; allowed: tp, ep"),
+                      ('{"tp": -1e-4}', "profile.call_overhead.tp: must be a finite number >= 0")):  # fmt: skip
+        with pytest.raises(HardwareError, match=says.replace(".", r"\.")):
+            Profile.from_json('{"device": "cpu", "call_overhead": ' + bad + "}")
 
 
 def test_validate_predicts_a_mixture_of_experts_with_the_runs_expert_load():

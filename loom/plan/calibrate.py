@@ -602,8 +602,8 @@ def median_rows(jobs: list[list[tuple[str, int, int, float]]]) -> list[tuple[str
 def measure_contention(
     nproc: int, backend: str = "gloo", repeats: int = 20, work_shape: tuple[int, int] = (128, 64)
 ) -> tuple[list[CollectiveFit], dict[str, float], dict[str, float], dict[str, dict[str, float]]]:
-    """(:func:`measure_collectives`' fits, compute share per job size, overlap per job size, CPU
-    seconds a tensor-parallel call adds): the share is the speed of :func:`layer_work` on each of
+    """(:func:`measure_collectives`' fits, compute share per job size, overlap per job size, what a
+    call costs through Loom's layers by scope and kind): the share is the speed of :func:`layer_work` on each of
     ``world`` ranks running it at once over its speed alone (ranks sharing cores, memory bandwidth
     and caches; 1 on separate GPUs); the overlap, the share of an asynchronous all-gather's time
     hidden behind that work (:func:`hidden_share`; the mean over group sizes and over

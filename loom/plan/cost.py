@@ -115,8 +115,8 @@ Time of one step:
   step = max(critical path, D), the excess shown as ``cpu bound``. With a core per rank D stays
   below the path; with two ranks per core the collectives' own CPU (gloo's threads, the kernel's
   socket copies: 0.3-0.6 ms a call here) competes with the other ranks' compute. A tp or ep call
-  adds its layer's CPU (``call_overhead_cpu``: a tp call through Loom's layers spends 0.5-0.8 ms
-  here, the bare collective between compute 0.25-0.5 ms).
+  adds its layer's CPU (``call_overhead_cpu``: a tp call through Loom's layers spends 0.47-0.64 ms
+  here, the bare collective between compute 0.26-0.51 ms).
 
 Outputs: step time, tokens/s, achieved TFLOP/s per device (hardware FLOPs incl. recomputation,
 as Megatron reports), MFU (model FLOPs 6N + 12 L h s per token, no recomputation, over the

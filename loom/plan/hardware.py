@@ -433,6 +433,9 @@ def resolve_cluster(spec: str) -> ClusterSpec:
     )
 
 
+CALL_KINDS = ("tp", "ep")  # the calls Profile.call_overhead prices: tensor- and expert-parallel layers
+
+
 @dataclass(frozen=True)
 class CollectiveFit:
     """A measured collective: time(bytes) = latency + bytes / bus_bandwidth for this group size."""
@@ -540,6 +543,10 @@ class Profile:
                 out[str(k)] = float(v)
             return out
 
+        for key in ("call_overhead", "call_overhead_cpu"):
+            for kind in data.get(key, {}) if isinstance(data.get(key), dict) else ():
+                if kind not in CALL_KINDS:
+                    raise HardwareError(f"profile.{key}.{kind}: unknown kind; allowed: {', '.join(CALL_KINDS)}")
         return cls(
             device=data["device"],
             gemm_flops=numbers("gemm_flops"),
