@@ -112,8 +112,10 @@ def main() -> None:
         if len(points) < 2:
             continue
         ab = collectives.fit(algo, points)
-        print(f"| {algo} | {ab.alpha * 1e6:.1f} | {ab.bandwidth / 2**20:.0f} | {ab.median_rel_error:.0%} "
-              f"| {ab.max_rel_error:.0%} |")
+        print(
+            f"| {algo} | {ab.alpha * 1e6:.1f} | {ab.bandwidth / 2**20:.0f} | {ab.median_rel_error:.0%} "
+            f"| {ab.max_rel_error:.0%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,15 @@ VOCAB, DIM, LAYERS, HEADS = 512, 64, 2, 4
 
 
 def _cfg(seq: int, cp: int, mode: str, kv_heads: int) -> LoomConfig:
-    m = ModelConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=kv_heads, vocab_size=VOCAB,
-                    max_seq_len=seq, multiple_of=16)  # fmt: skip
+    m = ModelConfig(
+        dim=DIM,
+        n_layers=LAYERS,
+        n_heads=HEADS,
+        n_kv_heads=kv_heads,
+        vocab_size=VOCAB,
+        max_seq_len=seq,
+        multiple_of=16,
+    )
     cfg = LoomConfig(model=m)
     cfg.data.seq_len, cfg.parallel.cp, cfg.parallel.cp_mode = seq, cp, mode
     return cfg
@@ -84,10 +91,25 @@ def _loom(rank: int, world: int, args, mode: str) -> dict:
         times.append(time.perf_counter() - t0)
     m = cfg.model
     sent = sum(v for k, v in meter.moved.items())
-    formula = cp_comm_bytes(1, args.seq, m.n_kv_heads * m.head_dim, m.n_layers, world, 4, mode=mode,
-                            q_width=m.n_heads * m.head_dim, head_dim=m.head_dim)  # fmt: skip
+    formula = cp_comm_bytes(
+        1,
+        args.seq,
+        m.n_kv_heads * m.head_dim,
+        m.n_layers,
+        world,
+        4,
+        mode=mode,
+        q_width=m.n_heads * m.head_dim,
+        head_dim=m.head_dim,
+    )
     layer = activation_bytes_per_layer(m, 1, args.seq, cp=world, cp_mode=mode)
-    return dict(saved=saved, layer_formula=layer, time=statistics.median(times[1:] or times), sent=sent, formula=formula)
+    return dict(
+        saved=saved,
+        layer_formula=layer,
+        time=statistics.median(times[1:] or times),
+        sent=sent,
+        formula=formula,
+    )
 
 
 def _torch_cp(rank: int, world: int, args) -> dict:
@@ -141,10 +163,14 @@ def main() -> None:
     ap.add_argument("--no-torch", dest="torch", action="store_false")
     args = ap.parse_args()
     args.modes = args.modes.split(",")
-    print(f"context parallel, gloo on CPU: dim {DIM}, {LAYERS} layers, {HEADS} heads ({args.kv_heads} kv), vocab {VOCAB}, "
-          f"one sequence of T = {args.seq}; step = forward + loss + backward; fp32")  # fmt: skip
-    print(f"{'cp':>3} {'mode':<24} {'saved/rank MiB':>15} {'x cp=1':>7} {'layer formula MiB':>18} "
-          f"{'sent/rank MiB':>14} {'formula MiB':>12} {'step s':>8}")  # fmt: skip
+    print(
+        f"context parallel, gloo on CPU: dim {DIM}, {LAYERS} layers, {HEADS} heads ({args.kv_heads} kv), vocab {VOCAB}, "
+        f"one sequence of T = {args.seq}; step = forward + loss + backward; fp32"
+    )
+    print(
+        f"{'cp':>3} {'mode':<24} {'saved/rank MiB':>15} {'x cp=1':>7} {'layer formula MiB':>18} "
+        f"{'sent/rank MiB':>14} {'formula MiB':>12} {'step s':>8}"
+    )
     base = None
     for cp in [int(c) for c in args.cps.split(",")]:
         ranks = run_ranks(cp, _worker, args)
@@ -154,15 +180,19 @@ def main() -> None:
                 print(f"{cp:>3} {mode:<24} does not run here: {per[0]['error']}")
                 continue
             if per[0]["saved"] is None:
-                print(f"{cp:>3} {mode:<24} {'n/a':>15} {'':>7} {'':>18} {'':>14} {'':>12} {max(p['time'] for p in per):8.2f}")
+                print(
+                    f"{cp:>3} {mode:<24} {'n/a':>15} {'':>7} {'':>18} {'':>14} {'':>12} {max(p['time'] for p in per):8.2f}"
+                )
                 continue
             saved = max(p["saved"] for p in per)
             base = base or saved
             sent = max(p.get("sent", 0) for p in per) / 2**20
             formula = f"{per[0]['formula'] / 2**20:12.2f}" if "formula" in per[0] else f"{'':>12}"
             layer = f"{per[0]['layer_formula'] / 2**20:18.2f}" if "layer_formula" in per[0] else f"{'':>18}"
-            print(f"{cp:>3} {mode:<24} {saved / 2**20:15.2f} {saved / base * cp:7.2f} {layer} {sent:14.2f} "
-                  f"{formula} {max(p['time'] for p in per):8.2f}")  # fmt: skip
+            print(
+                f"{cp:>3} {mode:<24} {saved / 2**20:15.2f} {saved / base * cp:7.2f} {layer} {sent:14.2f} "
+                f"{formula} {max(p['time'] for p in per):8.2f}"
+            )
     print("x cp=1: saved bytes per rank times cp over cp = 1's (1.00 = memory shrinks as 1/cp)")
 
 

@@ -29,7 +29,9 @@ SEQ, MICRO, ACCUM, VOCAB = 256, 4, 2, 4096
 
 
 def _cfgs(args) -> tuple[ModelConfig, TrainConfig]:
-    m = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, vocab_size=VOCAB, max_seq_len=SEQ)
+    m = ModelConfig(
+        dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, vocab_size=VOCAB, max_seq_len=SEQ
+    )
     return m, TrainConfig(steps=10_000, grad_clip=1.0, warmup_steps=0)
 
 
@@ -48,7 +50,13 @@ def loom_stepper(model_cfg, train_cfg, group):
     strat = DataParallel(model, group).attach_optimizer(build_optimizer(model, train_cfg))
 
     def step(i: int, rank: int) -> None:
-        train_step(plain_run(model, strat, loss_fn), _batches(i, rank), train_cfg.grad_clip, lr_at(i, train_cfg), group)
+        train_step(
+            plain_run(model, strat, loss_fn),
+            _batches(i, rank),
+            train_cfg.grad_clip,
+            lr_at(i, train_cfg),
+            group,
+        )
 
     return step
 
@@ -78,12 +86,13 @@ def ddp_stepper(model_cfg, train_cfg, group):
     return step
 
 
-
 def _worker(rank: int, world: int, init: str, args, out) -> None:
     init_gloo(rank, world, init, threads=None, timeout_s=300)
     m, t = _cfgs(args)
     group = dist.group.WORLD
-    times = race({"loom": loom_stepper(m, t, group), "ddp": ddp_stepper(m, t, group)}, args.steps, rank, dist.barrier)
+    times = race(
+        {"loom": loom_stepper(m, t, group), "ddp": ddp_stepper(m, t, group)}, args.steps, rank, dist.barrier
+    )
     if rank == 0:
         out.put(times)
     dist.destroy_process_group()
@@ -108,11 +117,15 @@ def main() -> None:
 
     m, t = _cfgs(args)
     torch.set_num_threads(os.cpu_count() or 1)
-    single = race({"loom": loom_stepper(m, t, None), "plain": ddp_stepper(m, t, None)}, args.steps, 0, lambda: None)
+    single = race(
+        {"loom": loom_stepper(m, t, None), "plain": ddp_stepper(m, t, None)}, args.steps, 0, lambda: None
+    )
     report(f"single process ({torch.get_num_threads()} threads): Loom vs plain PyTorch loop", single, "plain")
 
     times = run_ranks(args.world, _worker, args)
-    report(f"data parallel, {args.world} {backend_name()} ranks: Loom DataParallel vs torch DDP", times, "ddp")
+    report(
+        f"data parallel, {args.world} {backend_name()} ranks: Loom DataParallel vs torch DDP", times, "ddp"
+    )
 
 
 if __name__ == "__main__":

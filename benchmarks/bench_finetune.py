@@ -50,9 +50,21 @@ WORLD, VOCAB, PROBE = 2, 8192, 4
 MiB = 2**20
 MODELS = {  # name: (course counterpart, model fields)
     "llama": ("~400M chat model", dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4)),
-    "gpt2": ("GPT-2 1.5B", dict(dim=1024, n_layers=10, n_heads=16, n_kv_heads=16, norm="layernorm", mlp="gelu_tanh",
-                                positions="learned", bias=True, tie_embeddings=True)),
-}  # fmt: skip
+    "gpt2": (
+        "GPT-2 1.5B",
+        dict(
+            dim=1024,
+            n_layers=10,
+            n_heads=16,
+            n_kv_heads=16,
+            norm="layernorm",
+            mlp="gelu_tanh",
+            positions="learned",
+            bias=True,
+            tie_embeddings=True,
+        ),
+    ),
+}
 SETUPS = {  # name: (parallel fields, train fields, finetune method)
     "DDP (fp32)": ({"zero": 0}, {}, "full"),
     "ZeRO-2 + bf16": ({"zero": 2}, {"precision": "bf16"}, "full"),
@@ -70,8 +82,9 @@ def make_config(model: str | dict, setup: str, b: int, seq: int) -> C.LoomConfig
     fields = MODELS[model][1] if isinstance(model, str) else model
     cfg.model = C.ModelConfig(vocab_size=VOCAB, max_seq_len=seq, **fields)  # type: ignore[arg-type]
     cfg.data.seq_len = seq
-    cfg.train = C.TrainConfig(steps=10_000, warmup_steps=0, grad_clip=1.0, micro_batch=b, global_batch=b * WORLD,
-                              **train)  # fmt: skip
+    cfg.train = C.TrainConfig(
+        steps=10_000, warmup_steps=0, grad_clip=1.0, micro_batch=b, global_batch=b * WORLD, **train
+    )
     sharded = par["zero"] > 0
     cfg.parallel = C.ParallelConfig(dp=WORLD, dp_shard=WORLD if sharded else 1, **par)
     if method != "full":
@@ -91,10 +104,20 @@ def lora_state_bytes(cfg: C.LoomConfig) -> float:
 
     model = build_model(cfg.model, 0, meta=True)
     apply_lora(model, cfg)
-    quantized = {id(m.weight) for m in model.modules() if isinstance(m, LoRALinear)} if cfg.finetune.method == "qlora" else set()
+    quantized = (
+        {id(m.weight) for m in model.modules() if isinstance(m, LoRALinear)}
+        if cfg.finetune.method == "qlora"
+        else set()
+    )
     total = 0.0
     for name, p in model.named_parameters():
-        total += 16 * p.numel() if is_adapter(name) else nf4_bytes(p.numel()) if id(p) in quantized else 4 * p.numel()
+        total += (
+            16 * p.numel()
+            if is_adapter(name)
+            else nf4_bytes(p.numel())
+            if id(p) in quantized
+            else 4 * p.numel()
+        )
     return total
 
 
@@ -213,7 +236,9 @@ def main() -> None:
         for _, fields in MODELS.values():
             fields |= {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4 if fields.get("bias") else 2}
         args.seq, args.budget_mib, args.cap = 32, 48.0, 8
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors go back to the OS: peaks per step
+    os.environ.setdefault(
+        "MALLOC_MMAP_THRESHOLD_", "65536"
+    )  # freed tensors go back to the OS: peaks per step
     budget = args.budget_mib * MiB
     rows = []
     t_start = time.perf_counter()
@@ -236,21 +261,29 @@ def main() -> None:
 
 
 def report(args, rows, total_s: float) -> None:
-    print(f"\nFine-tuning memory, {WORLD} gloo ranks (1 core each), budget {args.budget_mib:.0f} MiB per rank, "
-          f"seq {args.seq}, vocabulary {VOCAB}, one micro-batch of b sequences per rank per step "
-          f"(total {total_s / 60:.1f} min)\n")  # fmt: skip
-    print("| model | setup | held between steps MiB/rank | b_max planner | b_max measured | peak at b_max MiB (planner / measured) "
-          "| step s | tokens/s |")  # fmt: skip
+    print(
+        f"\nFine-tuning memory, {WORLD} gloo ranks (1 core each), budget {args.budget_mib:.0f} MiB per rank, "
+        f"seq {args.seq}, vocabulary {VOCAB}, one micro-batch of b sequences per rank per step "
+        f"(total {total_s / 60:.1f} min)\n"
+    )
+    print(
+        "| model | setup | held between steps MiB/rank | b_max planner | b_max measured | peak at b_max MiB (planner / measured) "
+        "| step s | tokens/s |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for model, phi, setup, planned, pred, r, _ in rows:
         name = f"{model} {phi / 1e6:.0f}M ({MODELS[model][0]})"
         if r["bmax"] == 0:
-            print(f"| {name} | {setup} | {r['states'] / MiB:.0f} | {planned} | 0 (b=1: {r['m1'] / MiB:.0f} MiB) | - | "
-                  f"{r['t1']:.2f} (b=1) | - |")  # fmt: skip
+            print(
+                f"| {name} | {setup} | {r['states'] / MiB:.0f} | {planned} | 0 (b=1: {r['m1'] / MiB:.0f} MiB) | - | "
+                f"{r['t1']:.2f} (b=1) | - |"
+            )
             continue
         tps = r["bmax"] * args.seq * WORLD / r["time"]
-        print(f"| {name} | {setup} | {r['states'] / MiB:.0f} | {planned} | {r['bmax']} | "
-              f"{pred / MiB:.0f} (b={max(planned, 1)}) / {r['peak'] / MiB:.0f} | {r['time']:.2f} | {tps:,.0f} |")  # fmt: skip
+        print(
+            f"| {name} | {setup} | {r['states'] / MiB:.0f} | {planned} | {r['bmax']} | "
+            f"{pred / MiB:.0f} (b={max(planned, 1)}) / {r['peak'] / MiB:.0f} | {r['time']:.2f} | {tps:,.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -52,11 +52,27 @@ MiB = 2**20
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=256)
 # Llama-3.2-1B's body (hidden 2048, 16 layers, 32 heads / 8 kv, ffn 8192, tied embeddings); with Llama 2's
 # 32,000-token vocabulary it has 1.04 B parameters (1.24 B with Llama 3's 128,256: --hf-vocab)
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=True, max_position_embeddings=2048,
-                rope_theta=500000.0, rms_norm_eps=1e-5)  # fmt: skip
-LLAMA_TINY = dict(LLAMA_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256)  # fmt: skip
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+)
+LLAMA_TINY = dict(
+    LLAMA_1B,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -105,7 +121,9 @@ def _measured(build, libc) -> dict:
 def _loom_cfg(model_kw: dict, layout: dict, world: int, run_dir: str):
     from loom.config import LoomConfig, ModelConfig, TrainConfig
 
-    cfg = LoomConfig(model=ModelConfig(**model_kw, max_seq_len=256, multiple_of=256), train=TrainConfig(steps=1))
+    cfg = LoomConfig(
+        model=ModelConfig(**model_kw, max_seq_len=256, multiple_of=256), train=TrainConfig(steps=1)
+    )
     cfg.data.seq_len = 256
     for k, v in layout.items():
         setattr(cfg.parallel, k, v)
@@ -206,8 +224,9 @@ def _build(case: str, model_kw: dict, layout: dict, world: int, run_dir: str, hf
     }[case]
 
 
-def _worker(rank: int, world: int, init: str, case: str, model_kw: dict, layout: dict, hf: tuple[str, str],
-            out) -> None:  # fmt: skip
+def _worker(
+    rank: int, world: int, init: str, case: str, model_kw: dict, layout: dict, hf: tuple[str, str], out
+) -> None:
     warnings.filterwarnings("ignore", "DTensor random operators may not have complete support on cpu")
     init_gloo(rank, world, init, threads=1, timeout_s=1800)
     libc = _libc()
@@ -293,11 +312,15 @@ def _params(cfg) -> int:
 
 def table(title: str, rows: dict[str, dict], whole: int) -> None:
     print(f"\n{title}")
-    print(f"{'layout':<12}{'contender':<20}{'time s':>8}{'cpu s':>7}{'peak MiB':>10}{'kept MiB':>10}{'state MiB':>11}"
-          f"{'peak-kept':>11}{'peak/whole':>12}")  # fmt: skip
+    print(
+        f"{'layout':<12}{'contender':<20}{'time s':>8}{'cpu s':>7}{'peak MiB':>10}{'kept MiB':>10}{'state MiB':>11}"
+        f"{'peak-kept':>11}{'peak/whole':>12}"
+    )
     for (layout, name), r in rows.items():
-        print(f"{layout:<12}{name:<20}{r['s']:>8.2f}{r['cpu']:>7.2f}{r['peak'] / MiB:>10.0f}{r['kept'] / MiB:>10.0f}"
-              f"{r['state'] / MiB:>11.0f}{(r['peak'] - r['kept']) / MiB:>11.0f}{r['peak'] / whole:>12.2f}")  # fmt: skip
+        print(
+            f"{layout:<12}{name:<20}{r['s']:>8.2f}{r['cpu']:>7.2f}{r['peak'] / MiB:>10.0f}{r['kept'] / MiB:>10.0f}"
+            f"{r['state'] / MiB:>11.0f}{(r['peak'] - r['kept']) / MiB:>11.0f}{r['peak'] / whole:>12.2f}"
+        )
 
 
 def main() -> None:
@@ -305,7 +328,9 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--hf-layers", type=int, default=16, help="at most this many layers (fewer if they do not fit)")
+    ap.add_argument(
+        "--hf-layers", type=int, default=16, help="at most this many layers (fewer if they do not fit)"
+    )
     ap.add_argument("--hf-vocab", type=int, default=32000)
     ap.add_argument("--hf-dir", default="/tmp/loom-bench-llama")
     ap.add_argument("--wide", type=int, default=8, help="also ZeRO-3 over this many ranks (0: not)")
@@ -314,8 +339,13 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded (the ranks inherit it)
 
-    model_kw = dict(dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64, n_kv_heads=args.dim // 64,
-                    vocab_size=args.vocab)  # fmt: skip
+    model_kw = dict(
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.dim // 64,
+        n_kv_heads=args.dim // 64,
+        vocab_size=args.vocab,
+    )
     from loom.config import ModelConfig
     from loom.model.hf import model_config
 
@@ -330,31 +360,46 @@ def main() -> None:
             rows[layout_name, case] = measure(case, world, model_kw, layout)
             print(f"  {layout_name:<10} {case:<18} done", flush=True)
     if not args.only_hf:
-        table(f"Construction per rank, gloo ranks: dim {args.dim}, {args.layers} layers, vocab {args.vocab}, "
-              f"Φ = {phi / 1e6:.1f} M (whole model {4 * phi / MiB:.0f} MiB fp32)", rows, 4 * phi)  # fmt: skip
+        table(
+            f"Construction per rank, gloo ranks: dim {args.dim}, {args.layers} layers, vocab {args.vocab}, "
+            f"Φ = {phi / 1e6:.1f} M (whole model {4 * phi / MiB:.0f} MiB fp32)",
+            rows,
+            4 * phi,
+        )
     if args.skip_hf:
         return
 
     asked = dict(LLAMA_1B, num_hidden_layers=args.hf_layers, vocab_size=args.hf_vocab)
     config = _fitting(asked, 4)
     if config != asked:
-        print(f"{args.hf_layers} layers at 4 ranks would need about {_hf_need(asked, 4) / 2**30:.1f} GiB of host "
-              f"memory, {_available() / 2**30:.1f} GiB is available (6 GiB of it left to others): measuring "
-              f"{config['num_hidden_layers']} layers")  # fmt: skip
+        print(
+            f"{args.hf_layers} layers at 4 ranks would need about {_hf_need(asked, 4) / 2**30:.1f} GiB of host "
+            f"memory, {_available() / 2**30:.1f} GiB is available (6 GiB of it left to others): measuring "
+            f"{config['num_hidden_layers']} layers"
+        )
     big = hf_dir(args.hf_dir, config)
     tiny = hf_dir(args.hf_dir + "-tiny", LLAMA_TINY)
     hf_phi = _params(model_config(json.loads((Path(big) / "config.json").read_text()), 256))
     rows = {}
-    for layout_name, layout, world in (("1 process", {}, 1), ("zero3 x4", {"dp": 4, "zero": 3}, 4),
-                                       ("tp2 x dp2", {"tp": 2, "dp": 2}, 4)):  # fmt: skip
+    for layout_name, layout, world in (
+        ("1 process", {}, 1),
+        ("zero3 x4", {"dp": 4, "zero": 3}, 4),
+        ("tp2 x dp2", {"tp": 2, "dp": 2}, 4),
+    ):
         case = "transformers" if world == 1 else "loom from_hf"
         rows[layout_name, case] = measure(case, world, {}, layout, (tiny, big))
         print(f"  {layout_name:<10} {case:<18} done", flush=True)
-    table(f"Hugging Face import: {big}, Llama-3.2-1B body with {config['num_hidden_layers']} layers, vocab {args.hf_vocab}, Φ = {hf_phi / 1e9:.2f} B "
-          f"(whole model {4 * hf_phi / MiB:.0f} MiB fp32)", rows, 4 * hf_phi)  # fmt: skip
-    print("peak, kept: resident set growth per rank during and after construction (largest rank); state: the "
-          "model state held (Loom: parameters, gradients, optimizer state, buffers; torch: parameters); "
-          "time, cpu s: wall and CPU seconds of the slowest rank (ranks share 2 cores).")  # fmt: skip
+    table(
+        f"Hugging Face import: {big}, Llama-3.2-1B body with {config['num_hidden_layers']} layers, vocab {args.hf_vocab}, Φ = {hf_phi / 1e9:.2f} B "
+        f"(whole model {4 * hf_phi / MiB:.0f} MiB fp32)",
+        rows,
+        4 * hf_phi,
+    )
+    print(
+        "peak, kept: resident set growth per rank during and after construction (largest rank); state: the "
+        "model state held (Loom: parameters, gradients, optimizer state, buffers; torch: parameters); "
+        "time, cpu s: wall and CPU seconds of the slowest rank (ranks share 2 cores)."
+    )
 
 
 if __name__ == "__main__":

@@ -52,14 +52,25 @@ CAP = {  # name: overrides, for the largest model under the memory cap
     "baseline (fp32, AdamW)": {},
     "full recompute": {"recompute": "full"},
     "selective + fp8 act": {"recompute": "selective", "compress": "fp8"},
-    "bf16 + full + adafactor": {"precision": "bf16", "recompute": "full", "optimizer": "adafactor", "lr": 1e-2},
+    "bf16 + full + adafactor": {
+        "precision": "bf16",
+        "recompute": "full",
+        "optimizer": "adafactor",
+        "lr": 1e-2,
+    },
 }
 
 
 def _cfg(args, world: int, layers: int, over: dict) -> LoomConfig:
     m = ModelConfig(dim=args.dim, n_layers=layers, n_heads=8, n_kv_heads=4, vocab_size=VOCAB, max_seq_len=SEQ)
-    t = TrainConfig(steps=10_000, grad_clip=1.0, warmup_steps=0, global_batch=MICRO * ACCUM * world,
-                    micro_batch=MICRO, **over)  # fmt: skip
+    t = TrainConfig(
+        steps=10_000,
+        grad_clip=1.0,
+        warmup_steps=0,
+        global_batch=MICRO * ACCUM * world,
+        micro_batch=MICRO,
+        **over,
+    )
     cfg = LoomConfig(model=m, train=t, parallel=ParallelConfig(dp=world))
     cfg.data.seq_len = SEQ
     return validate(cfg, world)
@@ -94,7 +105,6 @@ def contender(cfg: LoomConfig, mesh):
         return {"state": state, "act": saved.peak, "total": state + saved.peak}
 
     return step, memory
-
 
 
 def one_step_memory(args, world: int, layers: int, over: dict, mesh, rank: int) -> int:
@@ -140,16 +150,22 @@ def mib(n: float) -> str:
 
 def report(args, times: dict[str, list[float]], mem: dict[str, dict], caps: dict) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"\nMemory techniques, {args.world} gloo ranks (data parallel), dim {args.dim}, {args.layers} layers, "
-          f"seq {SEQ}, micro-batch {MICRO} x {ACCUM}, rank 0\n")  # fmt: skip
+    print(
+        f"\nMemory techniques, {args.world} gloo ranks (data parallel), dim {args.dim}, {args.layers} layers, "
+        f"seq {SEQ}, micro-batch {MICRO} x {ACCUM}, rank 0\n"
+    )
     print("| setup | state MiB | saved act. MiB | peak MiB | vs none | step s | vs none |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for k, m in mem.items():
-        print(f"| {k} | {mib(m['state'])} | {mib(m['act'])} | {mib(m['total'])} | "
-              f"{m['total'] / mem[BASE]['total']:.2f} | {med[k]:.3f} | {med[k] / med[BASE]:.2f} |")  # fmt: skip
+        print(
+            f"| {k} | {mib(m['state'])} | {mib(m['act'])} | {mib(m['total'])} | "
+            f"{m['total'] / mem[BASE]['total']:.2f} | {med[k]:.3f} | {med[k] / med[BASE]:.2f} |"
+        )
     if caps:
-        print(f"\nLargest model under {args.cap_mib} MiB per rank (dim {args.dim}; m(L) = a + b·L fitted at "
-              "L = 2, 4; measured at L_max)\n")  # fmt: skip
+        print(
+            f"\nLargest model under {args.cap_mib} MiB per rank (dim {args.dim}; m(L) = a + b·L fitted at "
+            "L = 2, 4; measured at L_max)\n"
+        )
         print("| setup | a MiB | b MiB/layer | L_max | measured at L_max MiB |")
         print("|---|---:|---:|---:|---:|")
         for k, (a, b, lmax, measured) in caps.items():

@@ -39,8 +39,17 @@ SEQ, MICRO, ACCUM, VOCAB = 256, 4, 2, 4096
 
 def _cfg(args, world: int, experts: int, ep: int, compute: str) -> LoomConfig:
     f = args.ffn * (args.top_k if experts == 1 else 1)  # dense: the k active experts' width in one MLP
-    m = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, vocab_size=VOCAB, max_seq_len=SEQ,
-                    ffn_dim=f, n_experts=experts, top_k=args.top_k)  # fmt: skip
+    m = ModelConfig(
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=VOCAB,
+        max_seq_len=SEQ,
+        ffn_dim=f,
+        n_experts=experts,
+        top_k=args.top_k,
+    )
     cfg = LoomConfig(model=m, train=TrainConfig(steps=10_000, warmup_steps=0), moe=MoEConfig(compute=compute))  # type: ignore[arg-type]
     cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.ep = world, 1, ep
     cfg.train.micro_batch, cfg.train.global_batch = MICRO, MICRO * ACCUM * world
@@ -74,8 +83,12 @@ def _contender(cfg: LoomConfig, meter: CommMeter):
 def _worker(rank: int, world: int, init: str, args, out) -> None:
     init_gloo(rank, world, init, threads=None, timeout_s=300)
     E = args.experts
-    names = {"dense": (1, 1, "grouped"), "moe grouped": (E, 1, "grouped"), "moe loop": (E, 1, "loop"),
-             f"moe ep{world}": (E, world, "grouped")}  # fmt: skip
+    names = {
+        "dense": (1, 1, "grouped"),
+        "moe grouped": (E, 1, "grouped"),
+        "moe loop": (E, 1, "loop"),
+        f"moe ep{world}": (E, world, "grouped"),
+    }
     meters = {name: CommMeter() for name in names}
     contenders, params = {}, {}
     for name, (experts, ep, compute) in names.items():
@@ -87,7 +100,10 @@ def _worker(rank: int, world: int, init: str, args, out) -> None:
     for m in meters.values():
         m.reset()
     times = race(contenders, args.steps, rank, dist.barrier)
-    a2a = {name: m.moved.get("all_to_all", 0) / max(1, m.calls.get("all_to_all", 1)) for name, m in meters.items()}
+    a2a = {
+        name: m.moved.get("all_to_all", 0) / max(1, m.calls.get("all_to_all", 1))
+        for name, m in meters.items()
+    }
     if rank == 0:
         out.put((times, params, a2a))
 
@@ -104,14 +120,18 @@ def main() -> None:
     args = ap.parse_args()
     times, params, a2a = run_ranks(args.world, _worker, args)
     x = torch.zeros(1, 1)
-    print(f"MoE E={args.experts} top-{args.top_k}, h={args.dim} f={args.ffn}, {args.layers} layers, seq {SEQ}, "
-          f"micro {MICRO} x {ACCUM} per rank, {args.world} {backend_name()} ranks; expert GEMMs: "
-          f"{'torch._grouped_mm' if grouped_mm_available(x) else 'padded batched matmul'}")  # fmt: skip
+    print(
+        f"MoE E={args.experts} top-{args.top_k}, h={args.dim} f={args.ffn}, {args.layers} layers, seq {SEQ}, "
+        f"micro {MICRO} x {ACCUM} per rank, {args.world} {backend_name()} ranks; expert GEMMs: "
+        f"{'torch._grouped_mm' if grouped_mm_available(x) else 'padded batched matmul'}"
+    )
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{'contender':<14} {'params':>10} {'step ms':>9} {'cpu ms':>9} {'a2a B/call':>11}")
     for name in params:
-        print(f"{name:<14} {params[name]:>10,} {1e3 * med[name]:>9.1f} {1e3 * med[name + ' cpu']:>9.1f} "
-              f"{a2a[name]:>11,.0f}")  # fmt: skip
+        print(
+            f"{name:<14} {params[name]:>10,} {1e3 * med[name]:>9.1f} {1e3 * med[name + ' cpu']:>9.1f} "
+            f"{a2a[name]:>11,.0f}"
+        )
     ep = f"moe ep{args.world}"
     print(f"grouped : loop  = {med['moe grouped'] / med['moe loop']:.2f}")
     print(f"moe : dense     = {med['moe grouped'] / med['dense']:.2f}")

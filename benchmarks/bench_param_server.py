@@ -170,9 +170,13 @@ def _scaling(worlds: list[int], steps: int) -> dict[int, dict]:
         res = run_ranks(w, _scaling_worker, steps)
         med = {k: statistics.median(v) for k, v in res["times"].items() if not k.endswith(" cpu")}
         rows[w] = {"med": med, "busiest": res["busiest"], "phi": res["phi"]}
-        print(f"W={w}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items())
-              + " | busiest node MB/step: " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in res["busiest"].items()),
-              flush=True)  # fmt: skip
+        print(
+            f"W={w}: "
+            + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items())
+            + " | busiest node MB/step: "
+            + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in res["busiest"].items()),
+            flush=True,
+        )
     return rows
 
 
@@ -221,8 +225,11 @@ def _plot_convergence(gathered: list, steps: int) -> None:
         ]
         srv = gathered[-1][mode]
         ax.plot(range(1, steps + 1), mean, label=f"{mode} (max staleness {srv['staleness']})")
-    ax.set(xlabel="worker step", ylabel="training loss (mean over workers)",
-           title=f"{workers} workers + 1 server, worker 0 a straggler (+20 ms/step)")  # fmt: skip
+    ax.set(
+        xlabel="worker step",
+        ylabel="training loss (mean over workers)",
+        title=f"{workers} workers + 1 server, worker 0 a straggler (+20 ms/step)",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(OUT / "convergence.png", dpi=110)
@@ -259,8 +266,10 @@ def main() -> None:
     for mode in MODES:
         last = statistics.fmean(gathered[w][mode]["losses"][-1] for w in range(args.conv_workers))
         srv = gathered[-1][mode]
-        print(f"  {mode:<6} final loss {last:.3f} | max staleness {srv['staleness']} | max updates missed "
-              f"{srv['missed']} | pulls held {srv['waits']} | {srv['seconds']:.1f} s")  # fmt: skip
+        print(
+            f"  {mode:<6} final loss {last:.3f} | max staleness {srv['staleness']} | max updates missed "
+            f"{srv['missed']} | pulls held {srv['waits']} | {srv['seconds']:.1f} s"
+        )
     print(f"\ntotal {time.perf_counter() - t0:.0f} s; figures in {OUT}")
 
 

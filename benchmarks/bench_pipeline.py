@@ -30,13 +30,24 @@ from loom.optim.groups import build_optimizer, set_lr  # noqa: E402
 from loom.train.schedule import lr_at  # noqa: E402
 
 SEQ, ROWS, VOCAB = 128, 2, 2048
-PAIRS = [("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
-         ("interleaved", 2, "ScheduleInterleaved1F1B"), ("zb-h1", 1, "ScheduleInterleavedZeroBubble")]  # fmt: skip
+PAIRS = [
+    ("gpipe", 1, "ScheduleGPipe"),
+    ("1f1b", 1, "Schedule1F1B"),
+    ("interleaved", 2, "ScheduleInterleaved1F1B"),
+    ("zb-h1", 1, "ScheduleInterleavedZeroBubble"),
+]
 
 
 def _cfgs(args) -> tuple[ModelConfig, TrainConfig]:
-    m = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, vocab_size=VOCAB,
-                    max_seq_len=SEQ, tie_embeddings=False)  # fmt: skip
+    m = ModelConfig(
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=VOCAB,
+        max_seq_len=SEQ,
+        tie_embeddings=False,
+    )
     return m, TrainConfig(steps=10_000, grad_clip=0.0, warmup_steps=0)
 
 
@@ -60,14 +71,20 @@ def loom_stepper(mcfg, tcfg, name: str, v: int, m: int, record: int):
     from loom.mesh import ParallelDims, ParallelMesh
 
     mesh = ParallelMesh(ParallelDims(pp=p), "cpu")
-    pipe = split_model(build_model(mcfg, tcfg.seed), rank, p, _bounds(mcfg.n_layers, p * v), mesh.group("pp"),
-                       mesh.pp_links())
+    pipe = split_model(
+        build_model(mcfg, tcfg.seed),
+        rank,
+        p,
+        _bounds(mcfg.n_layers, p * v),
+        mesh.group("pp"),
+        mesh.pp_links(),
+    )
     inner = DataParallel(pipe, None).attach_optimizer(build_optimizer(pipe, tcfg))
     strategy = PipelineStrategy(inner, pipe, name, v, record_step=record)
 
     def step(i: int) -> None:
         x, y = _batch(i, m)
-        micro = [(x[k * ROWS:(k + 1) * ROWS], y[k * ROWS:(k + 1) * ROWS]) for k in range(m)]
+        micro = [(x[k * ROWS : (k + 1) * ROWS], y[k * ROWS : (k + 1) * ROWS]) for k in range(m)]
         train_step(pipeline_run(pipe, strategy, loss_fn), micro, 0.0, lr_at(i, tcfg), None)
 
     return step, strategy
@@ -80,10 +97,15 @@ def torch_stepper(mcfg, tcfg, cls_name: str, v: int, m: int):
 
     p, rank = dist.get_world_size(), dist.get_rank()
     pipe = split_model(build_model(mcfg, tcfg.seed), rank, p, _bounds(mcfg.n_layers, p * v))
-    stages = [tp.PipelineStage(s, s.index, p * v, torch.device("cpu"), group=dist.group.WORLD) for s in pipe.stages]
+    stages = [
+        tp.PipelineStage(s, s.index, p * v, torch.device("cpu"), group=dist.group.WORLD) for s in pipe.stages
+    ]
     cls = getattr(tp, cls_name)
-    schedule = cls(stages if v > 1 or cls_name.startswith("ScheduleInterleaved") else stages[0], n_microbatches=m,
-                   loss_fn=loss_fn)  # fmt: skip
+    schedule = cls(
+        stages if v > 1 or cls_name.startswith("ScheduleInterleaved") else stages[0],
+        n_microbatches=m,
+        loss_fn=loss_fn,
+    )
     opt = build_optimizer(pipe, tcfg)
     first, last = pipe.stages[0].is_first, any(s.is_last for s in pipe.stages)
 
@@ -119,8 +141,12 @@ def _worker(rank: int, world: int, init: str, args, out) -> None:
                 dist.barrier()
                 times.setdefault(who, []).append(time.perf_counter() - t0)
                 times.setdefault(f"{who} cpu", []).append(time.process_time() - c0)
-        results[name] = {"v": v, "peer": peer, "times": {k: t[2:] for k, t in times.items()},
-                         "timeline": strategy.timeline}  # fmt: skip
+        results[name] = {
+            "v": v,
+            "peer": peer,
+            "times": {k: t[2:] for k, t in times.items()},
+            "timeline": strategy.timeline,
+        }
     if rank == 0:
         out.put(results)
     dist.destroy_process_group()
@@ -138,13 +164,21 @@ def main() -> None:
     ap.add_argument("--out", default="", help="directory for the measured timeline pictures")
     args = ap.parse_args()
     results = run_ranks(args.pp, _worker, args)
-    print(f"\npp={args.pp} gloo ranks, dim {args.dim}, {args.layers} layers, m={args.micro} micro-batches of "
-          f"{ROWS}x{SEQ} tokens, medians over {args.steps - 2} steps")  # fmt: skip
-    print(f"{'schedule':<13}{'peer':<32}{'loom s':>9}{'torch s':>9}{'ratio':>7}{'cpu ratio':>10}  bubble (measured vs formula)")
+    print(
+        f"\npp={args.pp} gloo ranks, dim {args.dim}, {args.layers} layers, m={args.micro} micro-batches of "
+        f"{ROWS}x{SEQ} tokens, medians over {args.steps - 2} steps"
+    )
+    print(
+        f"{'schedule':<13}{'peer':<32}{'loom s':>9}{'torch s':>9}{'ratio':>7}{'cpu ratio':>10}  bubble (measured vs formula)"
+    )
     for name, r in results.items():
         med = {k: statistics.median(t) for k, t in r["times"].items()}
         ours, theirs = med["loom"], med.get("torch")
-        ratio = f"{ours / theirs:>7.3f}{med['loom cpu'] / med['torch cpu']:>10.3f}" if theirs else f"{'-':>7}{'-':>10}"
+        ratio = (
+            f"{ours / theirs:>7.3f}{med['loom cpu'] / med['torch cpu']:>10.3f}"
+            if theirs
+            else f"{'-':>7}{'-':>10}"
+        )
         path = Path(args.out) / f"{name}.png" if args.out else None
         bubble = timeline_report(r["timeline"], name, args.micro, r["v"], path).split(": ", 1)[1]
         print(f"{name:<13}{r['peer']:<32}{ours:>9.4f}{theirs or float('nan'):>9.4f}{ratio}  {bubble}")

@@ -76,8 +76,14 @@ def make_corpus(path: Path, mb: float, seed: int = 0) -> None:
     import keyword
     import string
 
-    vocab = sorted({w for w in (Path(string.__file__).read_text() + Path(random.__file__).read_text()).split()
-                    if w.isascii() and len(w) < 14} | set(keyword.kwlist))  # fmt: skip
+    vocab = sorted(
+        {
+            w
+            for w in (Path(string.__file__).read_text() + Path(random.__file__).read_text()).split()
+            if w.isascii() and len(w) < 14
+        }
+        | set(keyword.kwlist)
+    )
     rng, n = random.Random(seed), 0
     with path.open("w") as f:
         while n < mb * 1e6:
@@ -130,27 +136,42 @@ def main() -> None:
         from loom.config import DataConfig
         from loom.data import prepare_data
 
-        tok = prepare_data(DataConfig(source=str(small), vocab_size=4096, prepared_dir=str(root / "tok")),
-                           progress=False).tokenizer_path  # fmt: skip
-        print(f"corpus {args.mb:.0f} MB (.jsonl), tokenizer BPE 4096, {os.cpu_count()} cores; load "
-              f"{os.getloadavg()[0]:.1f}")  # fmt: skip
-        print(f"{'pipeline':<24} {'workers':>7} {'wall s':>8} {'cpu s':>8} {'Mtok/s':>8} {'MB/s':>7} "
-              f"{'peak MiB':>9} {'worker MiB':>10}")  # fmt: skip
+        tok = prepare_data(
+            DataConfig(source=str(small), vocab_size=4096, prepared_dir=str(root / "tok")), progress=False
+        ).tokenizer_path
+        print(
+            f"corpus {args.mb:.0f} MB (.jsonl), tokenizer BPE 4096, {os.cpu_count()} cores; load "
+            f"{os.getloadavg()[0]:.1f}"
+        )
+        print(
+            f"{'pipeline':<24} {'workers':>7} {'wall s':>8} {'cpu s':>8} {'Mtok/s':>8} {'MB/s':>7} "
+            f"{'peak MiB':>9} {'worker MiB':>10}"
+        )
         outputs = {}
         for w in args.workers:
             for name, script in (("loom prepare", LOOM), ("datasets.map+tokenizers", DATASETS)):
                 out = root / f"{name.split()[0]}-{w}"
                 out.mkdir()
-                r = run(script, str(corpus), str(tok), str(out / "data" if name == "loom prepare" else out), str(w))
+                r = run(
+                    script,
+                    str(corpus),
+                    str(tok),
+                    str(out / "data" if name == "loom prepare" else out),
+                    str(w),
+                )
                 outputs[(name, w)] = b"".join(Path(f).read_bytes() for f in r["files"])
-                print(f"{name:<24} {w:>7} {r['wall']:>8.1f} {r['cpu']:>8.1f} {r['tokens'] / r['wall'] / 1e6:>8.2f} "
-                      f"{args.mb / r['wall']:>7.2f} {r['peak'] / 2**20:>9.0f} {r['workers_peak'] / 2**20:>10.0f}")  # fmt: skip
+                print(
+                    f"{name:<24} {w:>7} {r['wall']:>8.1f} {r['cpu']:>8.1f} {r['tokens'] / r['wall'] / 1e6:>8.2f} "
+                    f"{args.mb / r['wall']:>7.2f} {r['peak'] / 2**20:>9.0f} {r['workers_peak'] / 2**20:>10.0f}"
+                )
         same = len({v for v in outputs.values()}) == 1
         print(f"same token bytes from every pipeline and worker count: {same}")
     for pack in (False, True):
         t_data, t_step = loading_share(pack)
-        print(f"data loading, pack={str(pack).lower():<5}: {t_data * 1e3:.2f} ms of a {t_step * 1e3:.1f} ms step "
-              f"({100 * t_data / t_step:.2f}%)")  # fmt: skip
+        print(
+            f"data loading, pack={str(pack).lower():<5}: {t_data * 1e3:.2f} ms of a {t_step * 1e3:.1f} ms step "
+            f"({100 * t_data / t_step:.2f}%)"
+        )
 
 
 if __name__ == "__main__":

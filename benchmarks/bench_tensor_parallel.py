@@ -31,8 +31,15 @@ SEQ, MICRO, VOCAB = 256, 4, 4096
 
 
 def _cfg(args) -> LoomConfig:
-    m = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, vocab_size=VOCAB,
-                    max_seq_len=SEQ, tie_embeddings=False)  # fmt: skip
+    m = ModelConfig(
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=VOCAB,
+        max_seq_len=SEQ,
+        tie_embeddings=False,
+    )
     cfg = LoomConfig(
         model=m, train=TrainConfig(warmup_steps=0), parallel=ParallelConfig(tp=args.tp, sp=args.sp)
     )
@@ -79,25 +86,36 @@ def dtensor_stepper(cfg: LoomConfig, device_mesh):
     sp = cfg.parallel.sp
     model = build_model(cfg.model, cfg.train.seed)
     seq = Shard(1) if sp else Replicate()
-    parallelize_module(model, device_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
-        **({"norm": SequenceParallel()} if sp else {}),
-    })  # fmt: skip
+    parallelize_module(
+        model,
+        device_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+            **({"norm": SequenceParallel()} if sp else {}),
+        },
+    )
     for block in model.layers:
         plan = {
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-        }  # fmt: skip
+        }
         if sp:
             plan |= {
-                "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                desired_input_layouts=(Replicate(), None, None)),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            }  # fmt: skip
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+            }
         parallelize_module(block, device_mesh, plan)
     opts = _split_optimizers(model, cfg)
 
@@ -108,7 +126,9 @@ def dtensor_stepper(cfg: LoomConfig, device_mesh):
         with loss_parallel():
             out = loss_fn(model(x), y)
             out.backward()
-        for p in model.parameters():  # sp: norm-weight grads are Partial sums; all-reduce them (Loom: sum_partial_grads)
+        for p in (
+            model.parameters()
+        ):  # sp: norm-weight grads are Partial sums; all-reduce them (Loom: sum_partial_grads)
             if isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial():
                 p.grad = p.grad.redistribute(p.grad.device_mesh, [Replicate()])
         for opt in opts:
@@ -129,8 +149,10 @@ def _split_optimizers(model, cfg: LoomConfig) -> list[torch.optim.Optimizer]:
     opts = []
     for want in (True, False):
         ps = [p for p in model.parameters() if isinstance(p, DTensor) == want]
-        groups = [{"params": [p for p in ps if p.ndim >= 2], "weight_decay": t.weight_decay},
-                  {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}]  # fmt: skip
+        groups = [
+            {"params": [p for p in ps if p.ndim >= 2], "weight_decay": t.weight_decay},
+            {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0},
+        ]
         groups = [g for g in groups if g["params"]]
         if groups:
             opts.append(torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=True))
@@ -174,14 +196,19 @@ def _worker(rank: int, world: int, init: str, args, out) -> None:
     x, _ = _batch(0)
     measured = measure_layer_bytes(steppers["loom"][1], x)[0]
     if rank == 0:
-        out.put({
-            "times": {k: v[2:] for k, v in times.items()}, "losses": losses,
-            "moved": moved, "calls": calls,
-            "formula": comm_bytes_formula(cfg.model, MICRO, SEQ, world, cfg.parallel.sp),
-            "dtensor_calls": {str(k): v for k, v in debug.get_comm_counts().items()},
-            "act": measured, "act_formula": activation_bytes_per_layer(cfg.model, MICRO, SEQ, world, cfg.parallel.sp),
-            "act_tp1": activation_bytes_per_layer(cfg.model, MICRO, SEQ),
-        })  # fmt: skip
+        out.put(
+            {
+                "times": {k: v[2:] for k, v in times.items()},
+                "losses": losses,
+                "moved": moved,
+                "calls": calls,
+                "formula": comm_bytes_formula(cfg.model, MICRO, SEQ, world, cfg.parallel.sp),
+                "dtensor_calls": {str(k): v for k, v in debug.get_comm_counts().items()},
+                "act": measured,
+                "act_formula": activation_bytes_per_layer(cfg.model, MICRO, SEQ, world, cfg.parallel.sp),
+                "act_tp1": activation_bytes_per_layer(cfg.model, MICRO, SEQ),
+            }
+        )
     dist.destroy_process_group()
 
 
@@ -195,8 +222,10 @@ def main() -> None:
     args = ap.parse_args()
     res = run_ranks(args.tp, _worker, args)
     med = {k: statistics.median(v) for k, v in res["times"].items()}
-    print(f"\ntensor parallel, {args.tp} gloo ranks, sp={args.sp}: dim {args.dim}, {args.layers} layers, "
-          f"batch {MICRO} x {SEQ}, vocab {VOCAB}; step = fwd + loss + bwd + AdamW")  # fmt: skip
+    print(
+        f"\ntensor parallel, {args.tp} gloo ranks, sp={args.sp}: dim {args.dim}, {args.layers} layers, "
+        f"batch {MICRO} x {SEQ}, vocab {VOCAB}; step = fwd + loss + bwd + AdamW"
+    )
     print(f"first-step loss: loom {res['losses']['loom']:.6f}  dtensor {res['losses']['dtensor']:.6f}")
     print(f"{'contender':<10}{'wall s/step':>13}{'ratio':>8}{'cpu s/step':>13}{'ratio':>8}")
     for k in ("loom", "dtensor"):
@@ -206,8 +235,10 @@ def main() -> None:
         f"loom bytes moved/step per rank: {res['moved']:,.0f} (formula {res['formula']:,.0f}); calls {res['calls']}"
     )
     print(f"dtensor collectives/step: {res['dtensor_calls']}")
-    print(f"activations saved per layer per rank: {res['act']:,} B (formula {res['act_formula']:,}; tp=1: "
-          f"{res['act_tp1']:,})")  # fmt: skip
+    print(
+        f"activations saved per layer per rank: {res['act']:,} B (formula {res['act_formula']:,}; tp=1: "
+        f"{res['act_tp1']:,})"
+    )
 
 
 if __name__ == "__main__":

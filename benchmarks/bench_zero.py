@@ -38,7 +38,9 @@ def formula_bytes(stage: int, phi: int, n: int) -> float:
 
 
 def _cfg(args, world: int, zero: int) -> LoomConfig:
-    m = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, vocab_size=VOCAB, max_seq_len=SEQ)
+    m = ModelConfig(
+        dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, vocab_size=VOCAB, max_seq_len=SEQ
+    )
     t = TrainConfig(steps=10_000, grad_clip=1.0, warmup_steps=0)
     return LoomConfig(model=m, train=t, parallel=ParallelConfig(dp=world, dp_shard=world, zero=zero))
 
@@ -63,7 +65,13 @@ def loom_contender(cfg: LoomConfig, mesh):
     _, strategy, _ = parallelize(model, mesh, cfg, None)
 
     def step(i: int, rank: int) -> None:
-        train_step(plain_run(model, strategy, loss_fn), _batches(i, rank), cfg.train.grad_clip, lr_at(i, cfg.train), mesh.group("dp"))  # fmt: skip
+        train_step(
+            plain_run(model, strategy, loss_fn),
+            _batches(i, rank),
+            cfg.train.grad_clip,
+            lr_at(i, cfg.train),
+            mesh.group("dp"),
+        )
 
     return step, strategy.state_bytes
 
@@ -90,10 +98,14 @@ def fsdp2_contender(cfg: LoomConfig, mesh):
 
     def state() -> dict[str, int]:
         params = list(model.parameters())
-        optim = [v.to_local() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-        return {"param_bytes": _nbytes(p.to_local() for p in params),
-                "grad_bytes": _nbytes(p.grad.to_local() for p in params if p.grad is not None),
-                "optim_bytes": _nbytes(optim)}  # fmt: skip
+        optim = [
+            v.to_local() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+        ]
+        return {
+            "param_bytes": _nbytes(p.to_local() for p in params),
+            "grad_bytes": _nbytes(p.grad.to_local() for p in params if p.grad is not None),
+            "optim_bytes": _nbytes(optim),
+        }
 
     return step, state
 
@@ -106,9 +118,15 @@ def zero_redundancy_contender(cfg: LoomConfig, mesh):
     model = build_model(cfg.model, cfg.train.seed, device())
     ddp = DDP(model, process_group=mesh.group("dp"))
     t = cfg.train
-    opt = ZeroRedundancyOptimizer(param_groups(model, t.weight_decay), optimizer_class=torch.optim.AdamW,
-                                  process_group=mesh.group("dp"), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                                  foreach=True)  # fmt: skip
+    opt = ZeroRedundancyOptimizer(
+        param_groups(model, t.weight_decay),
+        optimizer_class=torch.optim.AdamW,
+        process_group=mesh.group("dp"),
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        foreach=True,
+    )
 
     def step(i: int, rank: int) -> None:
         set_lr(opt, lr_at(i, t))
@@ -125,12 +143,13 @@ def zero_redundancy_contender(cfg: LoomConfig, mesh):
 
     def state() -> dict[str, int]:
         optim = [v for s in opt.optim.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-        return {"param_bytes": _nbytes(model.parameters()),
-                "grad_bytes": _nbytes(p.grad for p in model.parameters() if p.grad is not None),
-                "optim_bytes": _nbytes(optim)}  # fmt: skip
+        return {
+            "param_bytes": _nbytes(model.parameters()),
+            "grad_bytes": _nbytes(p.grad for p in model.parameters() if p.grad is not None),
+            "optim_bytes": _nbytes(optim),
+        }
 
     return step, state
-
 
 
 def _worker(rank: int, world: int, init: str, args, out) -> None:
@@ -153,7 +172,10 @@ def report(times: dict[str, list[float]], states: dict[str, dict[str, int]], phi
     base = "loom zero-0"
     print(f"\nZeRO vs PyTorch, {world} {backend_name()} ranks, Φ = {phi:,} parameters (fp32), rank 0")
     head = f"{'contender':<16}{'wall s/step':>12}{'cpu s/step':>11}{'vs peer':>9}{'vs zero-0':>10}"
-    print(head + f"{'params MB':>11}{'grads MB':>10}{'optim MB':>10}{'state MB':>10}{'formula MB':>11}{'peak MB':>9}")
+    print(
+        head
+        + f"{'params MB':>11}{'grads MB':>10}{'optim MB':>10}{'state MB':>10}{'formula MB':>11}{'peak MB':>9}"
+    )
     for k in (k for k in med if not k.endswith(" cpu")):
         peer = PEERS.get(k)
         vs_peer = f"{med[k] / med[peer]:.3f}" if peer else "-"
@@ -161,12 +183,16 @@ def report(times: dict[str, list[float]], states: dict[str, dict[str, int]], phi
         total = s["param_bytes"] + s["grad_bytes"] + s["optim_bytes"]
         formula = f"{formula_bytes(int(k[-1]), phi, world) / 1e6:.2f}" if k.startswith("loom") else "-"
         peak = f"{(total + s['transient_peak_bytes']) / 1e6:.2f}" if "transient_peak_bytes" in s else "-"
-        print(f"{k:<16}{med[k]:>12.4f}{med[k + ' cpu']:>11.4f}{vs_peer:>9}{med[k] / med[base]:>10.3f}"
-              f"{s['param_bytes'] / 1e6:>11.2f}{s['grad_bytes'] / 1e6:>10.2f}{s['optim_bytes'] / 1e6:>10.2f}"
-              f"{total / 1e6:>10.2f}{formula:>11}{peak:>9}")  # fmt: skip
-    print("vs peer: zero-1 / ZeroRedundancyOptimizer, zero-2 and zero-3 / FSDP2 (wall time). state: held "
-          "between steps; formula: the same with unpadded Φ (Loom pads each flat buffer to N·16 bytes); peak: "
-          "state + the most gathered parameters and gradient buffers alive at once during the last step.")  # fmt: skip
+        print(
+            f"{k:<16}{med[k]:>12.4f}{med[k + ' cpu']:>11.4f}{vs_peer:>9}{med[k] / med[base]:>10.3f}"
+            f"{s['param_bytes'] / 1e6:>11.2f}{s['grad_bytes'] / 1e6:>10.2f}{s['optim_bytes'] / 1e6:>10.2f}"
+            f"{total / 1e6:>10.2f}{formula:>11}{peak:>9}"
+        )
+    print(
+        "vs peer: zero-1 / ZeroRedundancyOptimizer, zero-2 and zero-3 / FSDP2 (wall time). state: held "
+        "between steps; formula: the same with unpadded Φ (Loom pads each flat buffer to N·16 bytes); peak: "
+        "state + the most gathered parameters and gradient buffers alive at once during the last step."
+    )
 
 
 def main() -> None:

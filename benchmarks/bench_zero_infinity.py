@@ -33,8 +33,15 @@ GB = 1e9
 
 
 def llama(dim: int) -> ModelConfig:
-    return ModelConfig(dim=dim, n_layers=dim // 128, n_heads=dim // 128, n_kv_heads=max(1, dim // 1024),
-                       vocab_size=32000, max_seq_len=4096, multiple_of=256)  # fmt: skip
+    return ModelConfig(
+        dim=dim,
+        n_layers=dim // 128,
+        n_heads=dim // 128,
+        n_kv_heads=max(1, dim // 1024),
+        vocab_size=32000,
+        max_seq_len=4096,
+        multiple_of=256,
+    )
 
 
 def largest(device: str, nodes: int, offload: bool) -> tuple[int, float, float]:
@@ -68,8 +75,10 @@ def _rank(rank: int, world: int, init: str, steps: int, kind: str, tmp: str, out
 
     init_gloo(rank, world, init, threads=1)
     mesh = ParallelMesh(ParallelDims(dp_shard=world), "cpu")
-    cfg = LoomConfig(model=ModelConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=4096, max_seq_len=64),
-                     train=TrainConfig(steps=steps, warmup_steps=0))  # fmt: skip
+    cfg = LoomConfig(
+        model=ModelConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=4096, max_seq_len=64),
+        train=TrainConfig(steps=steps, warmup_steps=0),
+    )
     cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.zero = world, world, 3
     cfg.parallel.offload_params, cfg.run.dir = kind, tmp
     model = build_model(cfg.model, cfg.train.seed)
@@ -80,15 +89,28 @@ def _rank(rank: int, world: int, init: str, steps: int, kind: str, tmp: str, out
         tokens = torch.randint(0, 4096, (2, 65), generator=g)
         dist.barrier()
         t0 = time.perf_counter()
-        res = train_step(plain_run(model, strategy, loss_fn), [(tokens[:, :-1], tokens[:, 1:])], 1.0,
-                         lr_at(step, cfg.train), mesh.group("dp"))  # fmt: skip
+        res = train_step(
+            plain_run(model, strategy, loss_fn),
+            [(tokens[:, :-1], tokens[:, 1:])],
+            1.0,
+            lr_at(step, cfg.train),
+            mesh.group("dp"),
+        )
         times.append(time.perf_counter() - t0)
     sb = strategy.state_bytes()
     persistent = sb.get("device_bytes", sb["param_bytes"] + sb["grad_bytes"] + sb["optim_bytes"])
     if rank == 0:
-        out.put({"persistent": persistent, "transient": sb["transient_peak_bytes"], "loss": res.loss,
-                 "ms": 1000 * statistics.median(times[1:] or times),
-                 "store": sb.get("param_offload_bytes", 0) + sb.get("grad_offload_bytes", 0) + sb["optim_offload_bytes"]})
+        out.put(
+            {
+                "persistent": persistent,
+                "transient": sb["transient_peak_bytes"],
+                "loss": res.loss,
+                "ms": 1000 * statistics.median(times[1:] or times),
+                "store": sb.get("param_offload_bytes", 0)
+                + sb.get("grad_offload_bytes", 0)
+                + sb["optim_offload_bytes"],
+            }
+        )
     dist.destroy_process_group()
 
 
@@ -101,7 +123,9 @@ def main() -> None:
     from loom.plan.hardware import get_device
 
     mem = get_device(args.device).memory_bytes
-    print(f"## Largest model in {mem / GB:.0f} GB per {args.device}, {8 * args.nodes} ranks, bf16, 4k tokens/rank, full recompute\n")
+    print(
+        f"## Largest model in {mem / GB:.0f} GB per {args.device}, {8 * args.nodes} ranks, bf16, 4k tokens/rank, full recompute\n"
+    )
     print("| | width | layers | parameters | device peak (GB) | host or disk per rank (GB) |")
     print("|---|---|---|---|---|---|")
     for name, off in (("ZeRO-3", False), ("ZeRO-Infinity (offload_params)", True)):
@@ -115,8 +139,10 @@ def main() -> None:
         for kind in ("none", "cpu", "disk"):
             r = run_ranks(2, _rank, args.steps, kind, tmp)
             total = r["persistent"] + r["transient"]
-            print(f"| offload_params={kind} | {r['persistent']:,} | {r['transient']:,} | {total:,} | {r['store']:,} "
-                  f"| {r['loss']:.6f} | {r['ms']:.0f} |")
+            print(
+                f"| offload_params={kind} | {r['persistent']:,} | {r['transient']:,} | {total:,} | {r['store']:,} "
+                f"| {r['loss']:.6f} | {r['ms']:.0f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -62,10 +62,18 @@ def _rank(rank: int, world: int, init: str, steps: int, hpz: int, out) -> None:
     mesh = ParallelMesh(ParallelDims(dp_shard=world), "cpu")
     results = {}
     for name, opts in CONTENDERS.items():
-        cfg = LoomConfig(model=ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
-                                           max_seq_len=SEQ),
-                         train=TrainConfig(steps=steps, lr=3e-3, warmup_steps=10, global_batch=BATCH, micro_batch=MICRO))  # fmt: skip
-        cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.zero, cfg.parallel.hpz_group = world, world, 3, hpz
+        cfg = LoomConfig(
+            model=ModelConfig(
+                dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ
+            ),
+            train=TrainConfig(steps=steps, lr=3e-3, warmup_steps=10, global_batch=BATCH, micro_batch=MICRO),
+        )
+        cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.zero, cfg.parallel.hpz_group = (
+            world,
+            world,
+            3,
+            hpz,
+        )
         for k, v in opts.items():
             setattr(cfg.parallel, k, v)
         model = build_model(cfg.model, cfg.train.seed)
@@ -78,7 +86,9 @@ def _rank(rank: int, world: int, init: str, steps: int, hpz: int, out) -> None:
             micro = [(x[i : i + MICRO], y[i : i + MICRO]) for i in range(0, len(x), MICRO)]
             dist.barrier()
             t0 = time.perf_counter()
-            res = train_step(plain_run(model, strategy, loss_fn), micro, 1.0, lr_at(step, cfg.train), mesh.group("dp"))
+            res = train_step(
+                plain_run(model, strategy, loss_fn), micro, 1.0, lr_at(step, cfg.train), mesh.group("dp")
+            )
             times.append(time.perf_counter() - t0)
             losses.append(res.loss)
             moved = dict(meter.moved)
@@ -98,20 +108,30 @@ def main() -> None:
     res = run_ranks(args.world, _rank, args.steps, args.hpz_group)
     ref = res["zero-3"]
     base_bytes = sum(ref["moved"].values())
-    print(f"ZeRO-3 over {args.world} ranks, hpZ groups of {args.hpz_group}; {args.steps} steps; bytes one rank sends per step\n")
-    print("| | all-gather | all-gather in group (hpZ) | reduce-scatter | all-to-all | crossing groups | vs ZeRO-3 "
-          "| loss (last 10) | max abs loss gap | step (ms) |")
+    print(
+        f"ZeRO-3 over {args.world} ranks, hpZ groups of {args.hpz_group}; {args.steps} steps; bytes one rank sends per step\n"
+    )
+    print(
+        "| | all-gather | all-gather in group (hpZ) | reduce-scatter | all-to-all | crossing groups | vs ZeRO-3 "
+        "| loss (last 10) | max abs loss gap | step (ms) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
         m = r["moved"]
         cross = sum(v for k, v in m.items() if k != "all_gather_hpz")
         last = statistics.mean(r["losses"][-10:])
         gap = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
-        cells = [f"{m.get(k, 0):,.0f}" for k in ("all_gather", "all_gather_hpz", "reduce_scatter", "all_to_all")]
-        print(f"| {name} | " + " | ".join(cells) + f" | {cross:,.0f} | {cross / base_bytes:.1%} | {last:.4f} | "
-              f"{gap:.4f} | {1000 * r['time']:.1f} |")
-    print(f"\nloss at step 0: {ref['losses'][0]:.4f} (ln V = {torch.log(torch.tensor(float(VOCAB))):.4f}), "
-          f"ln 4 = {torch.log(torch.tensor(4.0)):.4f}")
+        cells = [
+            f"{m.get(k, 0):,.0f}" for k in ("all_gather", "all_gather_hpz", "reduce_scatter", "all_to_all")
+        ]
+        print(
+            f"| {name} | " + " | ".join(cells) + f" | {cross:,.0f} | {cross / base_bytes:.1%} | {last:.4f} | "
+            f"{gap:.4f} | {1000 * r['time']:.1f} |"
+        )
+    print(
+        f"\nloss at step 0: {ref['losses'][0]:.4f} (ln V = {torch.log(torch.tensor(float(VOCAB))):.4f}), "
+        f"ln 4 = {torch.log(torch.tensor(4.0)):.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -51,12 +51,19 @@ def init_gloo(rank: int, world: int, init: str, threads: int | None = None, time
     if on_gpu():
         torch.cuda.set_device(rank)
         backend, dev = "nccl", torch.device("cuda", rank)
-    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s), device_id=dev)  # fmt: skip
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=dev,
+    )
 
 
-def race(steppers: dict[str, Callable[[int, int], Any]], steps: int, rank: int, barrier,
-         warmup: int = 2) -> dict[str, list[float]]:  # fmt: skip
+def race(
+    steppers: dict[str, Callable[[int, int], Any]], steps: int, rank: int, barrier, warmup: int = 2
+) -> dict[str, list[float]]:
     """Per-step wall time of each contender, and its CPU time under ``"<name> cpu"``; warm-up dropped."""
     times: dict[str, list[float]] = {}
     for i in range(steps):

@@ -54,8 +54,10 @@ def _split(argv: list[str]) -> tuple[str | None, list[str], dict[str, str]]:
                 path = a
                 i += 1
                 continue
-            raise C.ConfigError(f"unexpected argument {a!r}; give a config file ending in .toml, a preset "
-                                f"({', '.join(C.presets())}) or --section.key value")  # fmt: skip
+            raise C.ConfigError(
+                f"unexpected argument {a!r}; give a config file ending in .toml, a preset "
+                f"({', '.join(C.presets())}) or --section.key value"
+            )
         key = a[2:].split("=", 1)[0]
         has_eq = "=" in a
         value = a.split("=", 1)[1] if has_eq else (argv[i + 1] if i + 1 < len(argv) else None)
@@ -75,7 +77,9 @@ def _load(argv: list[str], allowed_plain: tuple[str, ...]) -> tuple[C.LoomConfig
     for k in plain:
         if k not in allowed_plain:
             opts = ", ".join("--" + p.replace("_", "-") for p in allowed_plain) or "none"
-            raise C.ConfigError(f"--{k.replace('_', '-')}: unknown option; allowed: {opts} and --section.key value")
+            raise C.ConfigError(
+                f"--{k.replace('_', '-')}: unknown option; allowed: {opts} and --section.key value"
+            )
     cfg = C.load(path, overrides)
     if "nproc" in plain:
         C.apply_overrides(cfg, ["--run.nproc", plain["nproc"]])
@@ -110,7 +114,9 @@ def cmd_train(argv: list[str]) -> int:
         try:
             print(describe(apply_auto(cfg, world)), flush=True)
         except ValueError as e:  # PlanError / HardwareError: say it like any bad field
-            raise C.ConfigError(str(e) if str(e).startswith("parallel.auto") else f"parallel.auto: {e}") from None
+            raise C.ConfigError(
+                str(e) if str(e).startswith("parallel.auto") else f"parallel.auto: {e}"
+            ) from None
     if under_external_launcher():  # every rank checks before any process group exists
         C.validate(cfg, int(os.environ["WORLD_SIZE"]))
     else:
@@ -121,7 +127,11 @@ def cmd_train(argv: list[str]) -> int:
             raise C.ConfigError(
                 f"run.nproc: {cfg.run.nproc} ranks{f' per node on {nodes} nodes' if nodes > 1 else ''}, but "
                 f"parallel.dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {world}; "
-                + (f"give --nproc {world // nodes}" if world % nodes == 0 else f"{world} ranks do not split over {nodes} nodes")
+                + (
+                    f"give --nproc {world // nodes}"
+                    if world % nodes == 0
+                    else f"{world} ranks do not split over {nodes} nodes"
+                )
                 + ", or leave parallel.dp unset so it follows run.nproc"
             )
         C.validate(cfg, world)
@@ -179,22 +189,40 @@ def cmd_prepare(argv: list[str]) -> int:
     if verify:  # every byte against the SHA-256 recorded at prepare time (loading checks samples)
         d = Path(cfg.data.prepared_dir).expanduser() if cfg.data.prepared_dir else default_dir(cfg.data)
         if not (d / META).is_file():
-            raise C.ConfigError(f"data.prepared_dir: {d} is not prepared yet; run loom prepare without --verify")
+            raise C.ConfigError(
+                f"data.prepared_dir: {d} is not prepared yet; run loom prepare without --verify"
+            )
         prepared = verify_full(d)
-        print(f"verified {prepared.dir}: train.bin, val.bin and tokenizer.json match the SHA-256 recorded in {META}; "
-              f"every token id is below the vocabulary of {prepared.vocab_size}")  # fmt: skip
+        print(
+            f"verified {prepared.dir}: train.bin, val.bin and tokenizer.json match the SHA-256 recorded in {META}; "
+            f"every token id is below the vocabulary of {prepared.vocab_size}"
+        )
         return 0
     from loom.data import prepare_sources
 
-    every = prepare_sources(cfg.data, cfg.run.progress) if cfg.data.sources else [prepare_data(cfg.data, cfg.run.progress)]
+    every = (
+        prepare_sources(cfg.data, cfg.run.progress)
+        if cfg.data.sources
+        else [prepare_data(cfg.data, cfg.run.progress)]
+    )
     for prepared in every:  # one line per [[data.sources]] table
-        print(f"prepared {prepared.n_train_tokens:,} train + {prepared.n_val_tokens:,} val tokens "
-              f"(vocab {prepared.vocab_size}) in {prepared.dir}")  # fmt: skip
+        print(
+            f"prepared {prepared.n_train_tokens:,} train + {prepared.n_val_tokens:,} val tokens "
+            f"(vocab {prepared.vocab_size}) in {prepared.dir}"
+        )
     return 0
 
 
-GENERATE_OPTIONS = {"prompt": str, "prompts": str, "max_new_tokens": int, "temperature": float, "top_k": int,
-                    "top_p": float, "seed": int, "batch_size": int}  # fmt: skip
+GENERATE_OPTIONS = {
+    "prompt": str,
+    "prompts": str,
+    "max_new_tokens": int,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "seed": int,
+    "batch_size": int,
+}
 GENERATE_FLAGS = ("--chat", "--no-cache")  # options without a value
 GENERATE_SOURCES = ("--run.dir", "--model.from_hf")
 
@@ -212,8 +240,14 @@ def cmd_generate(argv: list[str]) -> int:
         else:
             rest.append(a)
     path, overrides, plain = _split(rest)
-    allowed = ", ".join([*GENERATE_SOURCES, *("--" + a.replace("_", "-") for a in GENERATE_OPTIONS), "--stop",
-                         *GENERATE_FLAGS])  # fmt: skip
+    allowed = ", ".join(
+        [
+            *GENERATE_SOURCES,
+            *("--" + a.replace("_", "-") for a in GENERATE_OPTIONS),
+            "--stop",
+            *GENERATE_FLAGS,
+        ]
+    )
     for k in plain:
         if k not in GENERATE_OPTIONS:
             raise C.ConfigError(f"--{k.replace('_', '-')}: unknown option; allowed: {allowed}")
@@ -222,17 +256,25 @@ def cmd_generate(argv: list[str]) -> int:
     sources = dict(zip(overrides[::2], overrides[1::2], strict=True))
     for k in sources:
         if k not in GENERATE_SOURCES:
-            raise C.ConfigError(f"{k[2:]}: generate reads only --run.dir (a Loom run) or --model.from_hf (a Hugging "
-                                "Face model directory) from the config")  # fmt: skip
+            raise C.ConfigError(
+                f"{k[2:]}: generate reads only --run.dir (a Loom run) or --model.from_hf (a Hugging "
+                "Face model directory) from the config"
+            )
     if len(sources) != 1:
-        raise C.ConfigError("generate: give one model: --run.dir DIR (a directory written by loom train) or "
-                            "--model.from_hf DIR (a Hugging Face model directory)")  # fmt: skip
-    spelled = {a[2:].split("=", 1)[0].replace("-", "_"): a.split("=", 1)[0] for a in rest if a.startswith("--")}
+        raise C.ConfigError(
+            "generate: give one model: --run.dir DIR (a directory written by loom train) or "
+            "--model.from_hf DIR (a Hugging Face model directory)"
+        )
+    spelled = {
+        a[2:].split("=", 1)[0].replace("-", "_"): a.split("=", 1)[0] for a in rest if a.startswith("--")
+    }
     opts = {k: C._coerce(v, GENERATE_OPTIONS[k], spelled.get(k, f"--{k}")) for k, v in plain.items()}
     from loom.generate.options import SamplingOptions, read_prompts
 
-    sampling = SamplingOptions(**{k: opts[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
-                                  if k in opts}, stop=tuple(stop)).check()  # fmt: skip
+    sampling = SamplingOptions(
+        **{k: opts[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed") if k in opts},
+        stop=tuple(stop),
+    ).check()
     batch_size = opts.get("batch_size", 8)
     if batch_size < 1:
         raise C.ConfigError(f"--batch-size: must be >= 1, got {batch_size}")
@@ -247,7 +289,9 @@ def cmd_generate(argv: list[str]) -> int:
     from loom.generate.source import load_hf, load_run
 
     src = load_run(where) if key == "--run.dir" else load_hf(where)
-    return generate_main(src, prompts, sampling, chat, batch_size, "--no-cache" not in flags, "prompts" in opts)
+    return generate_main(
+        src, prompts, sampling, chat, batch_size, "--no-cache" not in flags, "prompts" in opts
+    )
 
 
 def cmd_checkpoint(argv: list[str]) -> int:
@@ -343,21 +387,29 @@ def cmd_schedule(argv: list[str]) -> int:
     allowed = ("pp", "microbatches", "schedule", "v", "out")
     for k in [*plain, *overrides[::2]]:
         if k.lstrip("-") not in allowed:
-            raise C.ConfigError(f"--{k.lstrip('-')}: unknown option; allowed: {', '.join('--' + a for a in allowed)}")
+            raise C.ConfigError(
+                f"--{k.lstrip('-')}: unknown option; allowed: {', '.join('--' + a for a in allowed)}"
+            )
     if path is not None:
         raise C.ConfigError(f"schedule: takes no config file, got {path!r}")
-    pp, m, v = (C._coerce(plain.get(k, d), int, f"--{k}") for k, d in (("pp", "4"), ("microbatches", "8"), ("v", "1")))
+    pp, m, v = (
+        C._coerce(plain.get(k, d), int, f"--{k}") for k, d in (("pp", "4"), ("microbatches", "8"), ("v", "1"))
+    )
     name = plain.get("schedule", "1f1b")
     from loom.parallel.pipeline.runtime import bubble_formula, step_schedule
     from loom.parallel.pipeline.simulate import simulate
 
     try:
-        timeline = simulate(step_schedule(name, pp, m, v), t_f=1.0 / v, t_b=2.0 / v)  # a chunk is 1/v of a stage
+        timeline = simulate(
+            step_schedule(name, pp, m, v), t_f=1.0 / v, t_b=2.0 / v
+        )  # a chunk is 1/v of a stage
     except ValueError as e:
         raise C.ConfigError(f"schedule: {e}") from None
-    print(f"{name}: pp={pp} microbatches={m} v={v} | simulated bubble {timeline.bubble:.1%} "
-          f"vs formula {bubble_formula(name, pp, m, v):.1%} | makespan {timeline.makespan:g} (per stage t_f=1, t_b=2) | "
-          f"peak in-flight per rank {timeline.peak_in_flight}")  # fmt: skip
+    print(
+        f"{name}: pp={pp} microbatches={m} v={v} | simulated bubble {timeline.bubble:.1%} "
+        f"vs formula {bubble_formula(name, pp, m, v):.1%} | makespan {timeline.makespan:g} (per stage t_f=1, t_b=2) | "
+        f"peak in-flight per rank {timeline.peak_in_flight}"
+    )
     if "out" in plain:
         from loom.parallel.pipeline.picture import draw_timeline
 

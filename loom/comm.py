@@ -38,14 +38,26 @@ import torch.distributed as dist
 
 # torch >= 2.13 names all_gather_into_tensor / reduce_scatter_tensor deprecated in favour of
 # *_single; both run the same collective, and the old names work on every torch this supports.
-warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.\w+_single`",
-                        category=FutureWarning)  # fmt: skip
+warnings.filterwarnings(
+    "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.\w+_single`", category=FutureWarning
+)
 
 Group: TypeAlias = dist.ProcessGroup | None
 STRICT_ENV = "LOOM_STRICT_COMM"
 # dtypes NCCL reduces and moves (bool travels as uint8)
-NCCL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-                         torch.int32, torch.int64, torch.bool})  # fmt: skip
+NCCL_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
 
 
 class StrictCommError(RuntimeError):
@@ -94,11 +106,15 @@ def first_order_mismatch(logs: list[dict[tuple[str, tuple[int, ...]], list[str]]
             ref = seqs[ref_rank]
             if seq == ref:
                 continue
-            i = next((i for i, (a, b) in enumerate(zip(ref, seq, strict=False)) if a != b), min(len(ref), len(seq)))
+            i = next(
+                (i for i, (a, b) in enumerate(zip(ref, seq, strict=False)) if a != b), min(len(ref), len(seq))
+            )
             mine = seq[i] if i < len(seq) else "nothing"
             theirs = ref[i] if i < len(ref) else "nothing"
-            return (f"collective order differs on group {name} (ranks {list(ranks)}): collective #{i} is "
-                    f"{theirs} on rank {ref_rank} but {mine} on rank {r}")  # fmt: skip
+            return (
+                f"collective order differs on group {name} (ranks {list(ranks)}): collective #{i} is "
+                f"{theirs} on rank {ref_rank} but {mine} on rank {r}"
+            )
     return None
 
 
@@ -129,7 +145,9 @@ def check_tensors(op: str, group: Group, *tensors: torch.Tensor) -> None:
     for t in tensors:
         where = f"{op}: tensor of shape {tuple(t.shape)} ({t.dtype}, {t.device})"
         if t.device.type == "meta" or (want is not None and t.device.type != want):
-            raise StrictCommError(f"{where} is not on the group's device ({want}); create it on the mesh's device")
+            raise StrictCommError(
+                f"{where} is not on the group's device ({want}); create it on the mesh's device"
+            )
         if not t.is_contiguous():
             raise StrictCommError(f"{where} is not contiguous; NCCL needs contiguous buffers")
         if t.dtype not in NCCL_DTYPES:
@@ -146,7 +164,9 @@ class _QueuedWork:
     def wait(self, timeout: timedelta | None = None) -> bool:
         seconds = None if timeout is None else timeout.total_seconds()
         if not self.done.wait(seconds):
-            raise RuntimeError(f"point-to-point operation timed out after {seconds:.1f} s (strict in-order stream)")
+            raise RuntimeError(
+                f"point-to-point operation timed out after {seconds:.1f} s (strict in-order stream)"
+            )
         if self.error is not None:
             raise RuntimeError(str(self.error).splitlines()[0] if str(self.error) else repr(self.error))
         return True
@@ -270,7 +290,9 @@ def all_reduce(t: torch.Tensor, group: Group, meter: CommMeter | None = None, as
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def all_reduce_via(t: torch.Tensor, group: Group, device: torch.device, meter: CommMeter | None = None) -> None:
+def all_reduce_via(
+    t: torch.Tensor, group: Group, device: torch.device, meter: CommMeter | None = None
+) -> None:
     """Sum ``t`` in place over ``group`` through a copy on ``device`` when it lives elsewhere (host
     memory under offload): NCCL reduces only device memory."""
     if group_size(group) == 1:
@@ -294,7 +316,11 @@ def all_reduce_max(t: torch.Tensor, group: Group, meter: CommMeter | None = None
 
 
 def reduce_scatter(
-    out: torch.Tensor, full: torch.Tensor, group: Group, meter: CommMeter | None = None, async_op: bool = False
+    out: torch.Tensor,
+    full: torch.Tensor,
+    group: Group,
+    meter: CommMeter | None = None,
+    async_op: bool = False,
 ):
     """``out`` = this rank's 1/n slice of the sum of ``full`` over ``group`` (flat, equal slices)."""
     n = group_size(group)
@@ -308,7 +334,11 @@ def reduce_scatter(
 
 
 def all_gather(
-    full: torch.Tensor, shard: torch.Tensor, group: Group, meter: CommMeter | None = None, async_op: bool = False
+    full: torch.Tensor,
+    shard: torch.Tensor,
+    group: Group,
+    meter: CommMeter | None = None,
+    async_op: bool = False,
 ):
     """``full`` = concatenation over ``group`` of every rank's ``shard`` (flat, equal slices)."""
     n = group_size(group)

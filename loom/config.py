@@ -92,7 +92,9 @@ class ModelConfig:
     attn_head_dim: int = 0  # size of one attention head; 0 = dim / n_heads
     norm: NormKind = "rmsnorm"  # layernorm: (x - mean) / std * w + b (GPT-2)
     mlp: MlpKind = "swiglu"  # gelu / gelu_tanh: w2(gelu(w1 x)), exact or tanh-approximated (GPT-2's gelu_new)
-    positions: PositionKind = "rope"  # learned: a (max_seq_len, dim) table added to the token embeddings (GPT-2)
+    positions: PositionKind = (
+        "rope"  # learned: a (max_seq_len, dim) table added to the token embeddings (GPT-2)
+    )
     bias: bool = False  # biases on every linear layer but the output head and the router (GPT-2)
     from_hf: str = ""  # local Hugging Face model directory to start from: its shape, weights and tokenizer
 
@@ -116,7 +118,9 @@ class ModelConfig:
 class SourceConfig:
     """One source of a training mixture: a ``[[data.sources]]`` table."""
 
-    path: str = ""  # file, directory or glob of .txt/.jsonl/.jsonl.gz/.parquet/.arrow, or a datasets save_to_disk dir
+    path: str = (
+        ""  # file, directory or glob of .txt/.jsonl/.jsonl.gz/.parquet/.arrow, or a datasets save_to_disk dir
+    )
     weight: float = 1.0  # share of training sequences drawn from it (weights are normalized over the sources)
     text_field: str = "text"  # field holding the text in its records
     format: DataFormat = "text"  # chat / prompt_completion records (labels only on answers, as data.format)
@@ -127,20 +131,34 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = "stdlib"  # "stdlib" (the Python standard library source, ~10 MB, offline) or a file/dir/glob of .txt/.jsonl/.parquet
-    prepared_dir: str = ""  # where train.bin/val.bin/tokenizer.json live; "" = a cache dir keyed by source+vocab
+    prepared_dir: str = (
+        ""  # where train.bin/val.bin/tokenizer.json live; "" = a cache dir keyed by source+vocab
+    )
     tokenizer: str = ""  # path to a tokenizer.json to use; "" = train a byte-level BPE on the corpus
     vocab_size: int = 4096  # BPE vocabulary size when training a tokenizer
     seq_len: int = 256  # tokens per training sequence T
     val_fraction: float = 0.02  # share of the corpus held out for eval loss
-    max_corpus_mb: float = 24.0  # cap on corpus text read; 0 = no cap (preparation streams: memory stays flat)
+    max_corpus_mb: float = (
+        24.0  # cap on corpus text read; 0 = no cap (preparation streams: memory stays flat)
+    )
     text_field: str = "text"  # field holding the text in .jsonl/.parquet records
-    errors: TextErrors = "strict"  # invalid UTF-8 in the corpus: strict refuses, naming the file; replace counts and reports
-    workers: int = 0  # tokenizing processes for prepare; 0 = one per CPU core (output identical for any count)
+    errors: TextErrors = (
+        "strict"  # invalid UTF-8 in the corpus: strict refuses, naming the file; replace counts and reports
+    )
+    workers: int = (
+        0  # tokenizing processes for prepare; 0 = one per CPU core (output identical for any count)
+    )
     pack: bool = False  # batches carry positions: RoPE restarts and attention stays inside each document
     format: DataFormat = "text"  # chat: records with messages; prompt_completion: prompt + completion fields
-    train_on_prompt: bool = False  # chat/prompt_completion: also train on prompt tokens (else labels -100 there)
-    overlong: Overlong = "truncate"  # chat/prompt_completion examples over seq_len + 1 tokens: cut or left out
-    sources: list[SourceConfig] = field(default_factory=list)  # [[data.sources]] mixture (replaces data.source)
+    train_on_prompt: bool = (
+        False  # chat/prompt_completion: also train on prompt tokens (else labels -100 there)
+    )
+    overlong: Overlong = (
+        "truncate"  # chat/prompt_completion examples over seq_len + 1 tokens: cut or left out
+    )
+    sources: list[SourceConfig] = field(
+        default_factory=list
+    )  # [[data.sources]] mixture (replaces data.source)
 
 
 @dataclass
@@ -162,24 +180,42 @@ class ParallelConfig:
     zero: int = 0  # ZeRO stage 0 (plain data parallel), 1, 2 or 3
     bucket_mb: float = 25.0  # gradient bucket size for the all-reduce, in MB
     reduce_dtype: ReduceDtype = "fp32"  # dtype gradients are reduced in
-    allreduce: AllReduce = "native"  # gradient all-reduce: the backend's own, or ring | tree | butterfly on point-to-point
+    allreduce: AllReduce = (
+        "native"  # gradient all-reduce: the backend's own, or ring | tree | butterfly on point-to-point
+    )
     dp_mode: DpMode = "allreduce"  # data-parallel gradients: all-reduced, or through a parameter server (ps)
     ps_shards: int = 1  # dp_mode = ps: K servers, each holding 1/K of the parameters and their AdamW state
     ps_colocate: bool = True  # dp_mode = ps: server k lives in worker rank k (else K dedicated server ranks: run.nproc = dp + K)
-    ps_sync: str = "bsp"  # dp_mode = ps: bsp (synchronous) | asp (asynchronous) | ssp:S (at most S steps stale)
+    ps_sync: str = (
+        "bsp"  # dp_mode = ps: bsp (synchronous) | asp (asynchronous) | ssp:S (at most S steps stale)
+    )
     schedule: ScheduleName = "1f1b"  # pipeline schedule (pipedream and 2bw are asynchronous)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule only)
-    pp_layout: str = ""  # manual cut, inclusive block ranges per stage ("0-3,4-7"); "" = profile and partition
-    vertical_sync: bool = False  # pipedream: each stage uses the weight version stage 0 used for the micro-batch
-    offload: Offload = "none"  # where ZeRO optimizer state lives: cpu = host memory (ZeRO-Offload), disk = mmap files
+    pp_layout: str = (
+        ""  # manual cut, inclusive block ranges per stage ("0-3,4-7"); "" = profile and partition
+    )
+    vertical_sync: bool = (
+        False  # pipedream: each stage uses the weight version stage 0 used for the micro-batch
+    )
+    offload: Offload = (
+        "none"  # where ZeRO optimizer state lives: cpu = host memory (ZeRO-Offload), disk = mmap files
+    )
     offload_dir: str = ""  # directory for parallel.offload = "disk"; "" = <run.dir>/offload
-    reshard_after_forward: bool = True  # ZeRO-3: free gathered params after forward, gather again for backward
+    reshard_after_forward: bool = (
+        True  # ZeRO-3: free gathered params after forward, gather again for backward
+    )
     offload_params: Offload = "none"  # ZeRO-3 (ZeRO-Infinity): parameter and gradient shards on cpu = host memory, disk = mmap files
     zeropp_qwz: bool = False  # ZeRO++ qwZ (ZeRO-3): weights all-gathered as block-wise int8 + absmax scales
-    zeropp_hpz: bool = False  # ZeRO++ hpZ (ZeRO-3): a secondary weight partition per node group; backward gathers inside it
-    zeropp_qgz: bool = False  # ZeRO++ qgZ (ZeRO-3): gradients reduce-scattered as block-wise int8 through an all-to-all
+    zeropp_hpz: bool = (
+        False  # ZeRO++ hpZ (ZeRO-3): a secondary weight partition per node group; backward gathers inside it
+    )
+    zeropp_qgz: bool = (
+        False  # ZeRO++ qgZ (ZeRO-3): gradients reduce-scattered as block-wise int8 through an all-to-all
+    )
     zeropp_qgz_bits: int = 8  # ZeRO++ qgZ: 8 (int8) or 4 (int4, two codes a byte) bits per gradient element
-    hpz_group: int = 0  # ZeRO++ hpZ: ranks per secondary partition (one node); 0 = the launcher's LOCAL_WORLD_SIZE / tp
+    hpz_group: int = (
+        0  # ZeRO++ hpZ: ranks per secondary partition (one node); 0 = the launcher's LOCAL_WORLD_SIZE / tp
+    )
     auto: bool = False  # let the planner (loom.plan) choose the layout and micro-batch for the world size
 
 
@@ -205,7 +241,9 @@ class TrainConfig:
     precision: Precision = "fp32"  # compute dtype; bf16/fp16: half weights and activations, fp32 master weights + optimizer state
     optimizer: Optimizer = "adamw"  # adafactor: factored second moments; adam8bit: block-wise 8-bit moments
     recompute: str = "none"  # activation recomputation: none | full | selective (attention core) | every:<k>
-    compress: str = "none"  # saved activations stored as none | bf16 | fp8 | int8, or per kind "mlp=fp8,attention=bf16"
+    compress: str = (
+        "none"  # saved activations stored as none | bf16 | fp8 | int8, or per kind "mlp=fp8,attention=bf16"
+    )
     offload_activations: bool = False  # saved activations to pinned host memory (GPU runs only)
     loss_scale: float = 0.0  # fp16: static loss scale; 0 = dynamic
     loss_scale_init: float = 65536.0  # fp16 dynamic scaling: first scale
@@ -217,7 +255,9 @@ class TrainConfig:
     checkpoint_async: bool = True  # periodic saves written by a background thread (final: synchronous)
     checkpoint_keep: int = 2  # newest checkpoints kept in <run.dir>/checkpoints; 0 = keep all
     resume: str = ""  # checkpoint to start from (run dir or checkpoint dir); "" = latest in run.dir
-    init_from: str = ""  # weights only (Loom checkpoint or local HF directory): fresh optimizer, step 0, any layout
+    init_from: str = (
+        ""  # weights only (Loom checkpoint or local HF directory): fresh optimizer, step 0, any layout
+    )
     time_limit_s: float = 0.0  # stop early (and save) after this many seconds; 0 = none
 
 
@@ -246,29 +286,41 @@ ExpertCompute = Literal["grouped", "loop"]  # moe.compute
 class MoEConfig:
     """Mixture-of-experts routing and balancing (used when model.n_experts > 1)."""
 
-    score: MoEScore = "softmax"  # router scores: softmax over experts (Mixtral) or per-expert sigmoid (DeepSeek-V3)
+    score: MoEScore = (
+        "softmax"  # router scores: softmax over experts (Mixtral) or per-expert sigmoid (DeepSeek-V3)
+    )
     norm_topk: bool = True  # routing weights of the k chosen experts renormalized to sum to 1
     n_shared_experts: int = 0  # experts every token goes through (one SwiGLU of this many expert widths)
     aux_loss_coef: float = 0.0  # Switch/GShard load-balancing loss α·E·Σ_e f_e·P_e (0 = off)
     z_loss_coef: float = 0.0  # router z-loss β·mean(logsumexp(logits)²) (0 = off)
-    bias_update_rate: float = 0.0  # aux-loss-free balancing: per-expert selection bias += rate·sign(mean load - load)
+    bias_update_rate: float = (
+        0.0  # aux-loss-free balancing: per-expert selection bias += rate·sign(mean load - load)
+    )
     capacity_factor: float = 0.0  # tokens an expert takes per micro-batch: ceil(cf·N·k/E); 0 = dropless
     drop_policy: DropPolicy = "probability"  # over capacity, keep the highest-weight or the earliest tokens
     compute: ExpertCompute = "grouped"  # experts as one grouped matmul, or a Python loop (reference)
     imbalance: float = 0.0  # planner input: max/mean tokens per expert (a run's moe_imbalance metric); 0 = measured by `loom plan calibrate --config`, else 1
     rebalance_every: int = 0  # expert parallelism: every this many steps, replicate the hottest experts on every ep rank (0 = off)
-    hot_experts: int = 1  # experts per layer replicated at each rebalance (the most loaded since the last one)
+    hot_experts: int = (
+        1  # experts per layer replicated at each rebalance (the most loaded since the last one)
+    )
 
 
 @dataclass
 class FinetuneConfig:
     """Parameter-efficient fine-tuning: LoRA adapters on a frozen base (QLoRA: the base stored in NF4)."""
 
-    method: FinetuneMethod = "full"  # full: train every weight; lora: frozen base + adapters; qlora: lora on a 4-bit NF4 base
-    lora_rank: int = 16  # r: each target W (d_out, d_in) gets A (r, d_in) and B (d_out, r), r·(d_in + d_out) trained
+    method: FinetuneMethod = (
+        "full"  # full: train every weight; lora: frozen base + adapters; qlora: lora on a 4-bit NF4 base
+    )
+    lora_rank: int = (
+        16  # r: each target W (d_out, d_in) gets A (r, d_in) and B (d_out, r), r·(d_in + d_out) trained
+    )
     lora_alpha: float = 32.0  # the adapter's output is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the adapter's input (training only)
-    lora_targets: str = "all-linear"  # comma list of q,k,v,o,w1,w2,w3 (attention and MLP linears), or all-linear
+    lora_targets: str = (
+        "all-linear"  # comma list of q,k,v,o,w1,w2,w3 (attention and MLP linears), or all-linear
+    )
 
 
 @dataclass
@@ -341,7 +393,9 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
     if typing.get_origin(typ) is list:  # a list of tables: [[section.key]] in TOML
         (item,) = typing.get_args(typ)
         if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-            raise ConfigError(f"{where}: expected a list of tables ([[{where}]] in a TOML file), got {value!r}")
+            raise ConfigError(
+                f"{where}: expected a list of tables ([[{where}]] in a TOML file), got {value!r}"
+            )
         types_ = _field_types(item)
         out = []
         for i, table in enumerate(value):
@@ -463,8 +517,10 @@ def _check_choices(cfg: LoomConfig) -> None:
     for section, cls in SECTIONS.items():
         for name, typ in _field_types(cls).items():
             allowed, value = choices(typ), getattr(getattr(cfg, section), name)
-            _require(not allowed or value in allowed,
-                     f"{section}.{name}: must be one of {' | '.join(map(str, allowed))}, got {value!r}")  # fmt: skip
+            _require(
+                not allowed or value in allowed,
+                f"{section}.{name}: must be one of {' | '.join(map(str, allowed))}, got {value!r}",
+            )
 
 
 def resolve_layout(cfg: LoomConfig, world_size: int) -> None:
@@ -514,15 +570,26 @@ def _check_finite(cfg: LoomConfig) -> None:
 
 # (section.field, lowest allowed, inclusive) for numeric fields the rules below do not bound
 _LOWER_BOUNDS: tuple[tuple[str, float, bool], ...] = (
-    ("model.rope_theta", 0.0, False), ("model.norm_eps", 0.0, False), ("model.rope_scaling", 0.0, True),
-    ("model.attn_head_dim", 0.0, True), ("model.top_k", 1.0, True),
-    ("train.global_batch", 1.0, True), ("train.eps", 0.0, False), ("train.weight_decay", 0.0, True),
-    ("train.seed", 0.0, True), ("train.eval_batches", 1.0, True), ("train.time_limit_s", 0.0, True),
-    ("train.loss_scale", 0.0, True), ("train.loss_scale_init", 0.0, False), ("train.loss_scale_window", 1.0, True),
-    ("train.loss_scale_hysteresis", 1.0, True), ("train.loss_scale_min", 0.0, False),
+    ("model.rope_theta", 0.0, False),
+    ("model.norm_eps", 0.0, False),
+    ("model.rope_scaling", 0.0, True),
+    ("model.attn_head_dim", 0.0, True),
+    ("model.top_k", 1.0, True),
+    ("train.global_batch", 1.0, True),
+    ("train.eps", 0.0, False),
+    ("train.weight_decay", 0.0, True),
+    ("train.seed", 0.0, True),
+    ("train.eval_batches", 1.0, True),
+    ("train.time_limit_s", 0.0, True),
+    ("train.loss_scale", 0.0, True),
+    ("train.loss_scale_init", 0.0, False),
+    ("train.loss_scale_window", 1.0, True),
+    ("train.loss_scale_hysteresis", 1.0, True),
+    ("train.loss_scale_min", 0.0, False),
     ("train.max_skipped_steps", 0.0, True),
-    ("run.master_port", 0.0, True), ("run.nproc", 1.0, True),
-)  # fmt: skip
+    ("run.master_port", 0.0, True),
+    ("run.nproc", 1.0, True),
+)
 
 
 def _check_bounds(cfg: LoomConfig) -> None:
@@ -531,13 +598,19 @@ def _check_bounds(cfg: LoomConfig) -> None:
         v = getattr(getattr(cfg, section), name)
         ok = v >= low if inclusive else v > low
         _require(ok, f"{path}: must be {'>=' if inclusive else '>'} {low:g}, got {v}")
-    _require(cfg.run.master_port <= 65535, f"run.master_port: must be in [0, 65535], got {cfg.run.master_port}")
+    _require(
+        cfg.run.master_port <= 65535, f"run.master_port: must be in [0, 65535], got {cfg.run.master_port}"
+    )
     m = cfg.model
     if m.rope_scaling:
-        _require(m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
-                 f"model.rope_high_freq_factor: must exceed model.rope_low_freq_factor > 0, got "
-                 f"{m.rope_high_freq_factor} and {m.rope_low_freq_factor}")  # fmt: skip
-        _require(m.rope_original_len >= 1, f"model.rope_original_len: must be >= 1, got {m.rope_original_len}")
+        _require(
+            m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
+            f"model.rope_high_freq_factor: must exceed model.rope_low_freq_factor > 0, got "
+            f"{m.rope_high_freq_factor} and {m.rope_low_freq_factor}",
+        )
+        _require(
+            m.rope_original_len >= 1, f"model.rope_original_len: must be >= 1, got {m.rope_original_len}"
+        )
 
 
 def _check_moe(cfg: LoomConfig) -> None:
@@ -547,14 +620,22 @@ def _check_moe(cfg: LoomConfig) -> None:
         v = getattr(e, name)
         _require(v >= 0, f"moe.{name}: must be >= 0, got {v}")
     _require(e.n_shared_experts >= 0, f"moe.n_shared_experts: must be >= 0, got {e.n_shared_experts}")
-    _require(e.imbalance == 0 or e.imbalance >= 1,
-             f"moe.imbalance: must be >= 1 (max over mean tokens per expert), or 0 (the calibration's), got {e.imbalance}")
+    _require(
+        e.imbalance == 0 or e.imbalance >= 1,
+        f"moe.imbalance: must be >= 1 (max over mean tokens per expert), or 0 (the calibration's), got {e.imbalance}",
+    )
     _require(e.rebalance_every >= 0, f"moe.rebalance_every: must be >= 0 (0 = off), got {e.rebalance_every}")
     if e.rebalance_every:
-        _require(cfg.parallel.ep > 1, "moe.rebalance_every: replicates hot experts over expert-parallel ranks; it needs "
-                                      f"parallel.ep > 1, got {cfg.parallel.ep}")  # fmt: skip
+        _require(
+            cfg.parallel.ep > 1,
+            "moe.rebalance_every: replicates hot experts over expert-parallel ranks; it needs "
+            f"parallel.ep > 1, got {cfg.parallel.ep}",
+        )
         n = cfg.model.n_experts
-        _require(1 <= e.hot_experts < n, f"moe.hot_experts: must be in [1, model.n_experts) = [1, {n}), got {e.hot_experts}")
+        _require(
+            1 <= e.hot_experts < n,
+            f"moe.hot_experts: must be in [1, model.n_experts) = [1, {n}), got {e.hot_experts}",
+        )
     # capacity under cp/sp and router losses under asynchronous pipelines: rules.layout_problems
 
 
@@ -571,26 +652,48 @@ def lora_targets(cfg: LoomConfig) -> tuple[str, ...]:
     spec, have = cfg.finetune.lora_targets.replace(" ", ""), model_linears(cfg.model)
     names = have if spec == "all-linear" else tuple(t for t in spec.split(",") if t)
     for t in names:
-        _require(t in LORA_TARGETS, f"finetune.lora_targets: unknown target {t!r}; valid: "
-                 f"{', '.join(LORA_TARGETS)} or all-linear")  # fmt: skip
+        _require(
+            t in LORA_TARGETS,
+            f"finetune.lora_targets: unknown target {t!r}; valid: {', '.join(LORA_TARGETS)} or all-linear",
+        )
     missing = [t for t in names if t not in have]
     why = "its MLP is a mixture of experts" if cfg.model.moe else f"model.mlp = {cfg.model.mlp}"
-    _require(bool(names) and len(missing) < len(names), f"finetune.lora_targets: nothing to target in this model "
-             f"({cfg.finetune.lora_targets!r}; it has {', '.join(have)}: {why})")  # fmt: skip
-    _require(not missing, f"finetune.lora_targets: this model has no {', '.join(missing)} linear layer ({why}); "
-             f"its targets: {', '.join(have)}")  # fmt: skip
+    _require(
+        bool(names) and len(missing) < len(names),
+        f"finetune.lora_targets: nothing to target in this model "
+        f"({cfg.finetune.lora_targets!r}; it has {', '.join(have)}: {why})",
+    )
+    _require(
+        not missing,
+        f"finetune.lora_targets: this model has no {', '.join(missing)} linear layer ({why}); "
+        f"its targets: {', '.join(have)}",
+    )
     return tuple(t for t in LORA_TARGETS if t in names)
 
 
 def target_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
     """(d_out, d_in) of each LoRA target's weight."""
     qd, kd, f = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.resolved_ffn_dim()
-    return {"q": (qd, m.dim), "k": (kd, m.dim), "v": (kd, m.dim), "o": (m.dim, qd), "w1": (f, m.dim),
-            "w3": (f, m.dim), "w2": (m.dim, f)}  # fmt: skip
+    return {
+        "q": (qd, m.dim),
+        "k": (kd, m.dim),
+        "v": (kd, m.dim),
+        "o": (m.dim, qd),
+        "w1": (f, m.dim),
+        "w3": (f, m.dim),
+        "w2": (m.dim, f),
+    }
 
 
-TARGET_NAMES = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
-                "w1": "feed_forward.w1", "w2": "feed_forward.w2", "w3": "feed_forward.w3"}  # fmt: skip
+TARGET_NAMES = {
+    "q": "attention.wq",
+    "k": "attention.wk",
+    "v": "attention.wv",
+    "o": "attention.wo",
+    "w1": "feed_forward.w1",
+    "w2": "feed_forward.w2",
+    "w3": "feed_forward.w3",
+}
 
 
 def check_finetune(cfg: LoomConfig) -> None:
@@ -607,11 +710,17 @@ def check_finetune(cfg: LoomConfig) -> None:
         return
     for t in targets:
         out, inp = target_shapes(cfg.model)[t]
-        _require(out * inp % NF4_BLOCK == 0, f"finetune.method: qlora cannot quantize layers.*.{TARGET_NAMES[t]}.weight "
-                 f"({out} x {inp} = {out * inp} elements, not a multiple of the {NF4_BLOCK}-element NF4 block); "
-                 f"use method = lora or drop {t} from finetune.lora_targets")  # fmt: skip
-    _require(p.tp == 1, f"finetune.method: qlora with parallel.tp = {p.tp} is not supported (each rank would "
-             "quantize its own slice); use method = lora, or tp = 1")  # fmt: skip
+        _require(
+            out * inp % NF4_BLOCK == 0,
+            f"finetune.method: qlora cannot quantize layers.*.{TARGET_NAMES[t]}.weight "
+            f"({out} x {inp} = {out * inp} elements, not a multiple of the {NF4_BLOCK}-element NF4 block); "
+            f"use method = lora or drop {t} from finetune.lora_targets",
+        )
+    _require(
+        p.tp == 1,
+        f"finetune.method: qlora with parallel.tp = {p.tp} is not supported (each rank would "
+        "quantize its own slice); use method = lora, or tp = 1",
+    )
 
 
 def world_size_of(cfg: LoomConfig) -> int:
@@ -639,9 +748,14 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _check_choices(cfg)
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "multiple_of"):
         _require(getattr(m, name) >= 1, f"model.{name}: must be >= 1, got {getattr(m, name)}")
-    _require(m.attn_head_dim > 0 or m.dim % m.n_heads == 0,
-             f"model.dim: {m.dim} must be divisible by model.n_heads={m.n_heads} (or set model.attn_head_dim)")  # fmt: skip
-    _require(m.positions != "rope" or m.head_dim % 2 == 0, f"model.dim: head_dim {m.head_dim} must be even for RoPE")
+    _require(
+        m.attn_head_dim > 0 or m.dim % m.n_heads == 0,
+        f"model.dim: {m.dim} must be divisible by model.n_heads={m.n_heads} (or set model.attn_head_dim)",
+    )
+    _require(
+        m.positions != "rope" or m.head_dim % 2 == 0,
+        f"model.dim: head_dim {m.head_dim} must be even for RoPE",
+    )
     _require(
         m.n_heads % m.n_kv_heads == 0,
         f"model.n_kv_heads: must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}",
@@ -651,9 +765,14 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(m.init_std > 0, f"model.init_std: must be > 0, got {m.init_std}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout: must be in [0, 1), got {m.dropout}")
     _require(m.n_experts >= 1, f"model.n_experts: must be >= 1 (1 = dense MLP), got {m.n_experts}")
-    _require(not m.moe or m.mlp == "swiglu", f"model.mlp: experts are SwiGLU; {m.mlp!r} needs model.n_experts = 1")
+    _require(
+        not m.moe or m.mlp == "swiglu", f"model.mlp: experts are SwiGLU; {m.mlp!r} needs model.n_experts = 1"
+    )
     if m.moe:
-        _require(1 <= m.top_k <= m.n_experts, f"model.top_k: must be in [1, model.n_experts={m.n_experts}], got {m.top_k}")
+        _require(
+            1 <= m.top_k <= m.n_experts,
+            f"model.top_k: must be in [1, model.n_experts={m.n_experts}], got {m.top_k}",
+        )
 
     _require(d.seq_len >= 2, f"data.seq_len: must be >= 2, got {d.seq_len}")
     _require(
@@ -666,14 +785,23 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(d.workers >= 0, f"data.workers: must be >= 0 (0 = one per CPU core), got {d.workers}")
     for i, src in enumerate(d.sources):
         _require(bool(src.path.strip()), f"data.sources[{i}].path: must name a file, directory or glob")
-        _require(src.weight > 0 and src.weight != float("inf"),
-                 f"data.sources[{i}].weight: must be a positive number, got {src.weight}")  # fmt: skip
-        _require(src.format in typing.get_args(DataFormat), f"data.sources[{i}].format: must be one of "
-                 f"{' | '.join(typing.get_args(DataFormat))}, got {src.format!r}")  # fmt: skip
-    _require(not d.sources or d.format == "text",
-             f"data.format: {d.format} is for data.source; give each [[data.sources]] table its own format")  # fmt: skip
-    _require(d.format == "text" or d.source != "stdlib",
-             f"data.format: {d.format} needs a data.source of .jsonl/.parquet records, not the stdlib text")  # fmt: skip
+        _require(
+            src.weight > 0 and src.weight != float("inf"),
+            f"data.sources[{i}].weight: must be a positive number, got {src.weight}",
+        )
+        _require(
+            src.format in typing.get_args(DataFormat),
+            f"data.sources[{i}].format: must be one of "
+            f"{' | '.join(typing.get_args(DataFormat))}, got {src.format!r}",
+        )
+    _require(
+        not d.sources or d.format == "text",
+        f"data.format: {d.format} is for data.source; give each [[data.sources]] table its own format",
+    )
+    _require(
+        d.format == "text" or d.source != "stdlib",
+        f"data.format: {d.format} needs a data.source of .jsonl/.parquet records, not the stdlib text",
+    )
     _require(t.steps >= 1, f"train.steps: must be >= 1, got {t.steps}")
     _require(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr: must be in [0, train.lr={t.lr}], got {t.min_lr}")
@@ -683,7 +811,9 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _require(t.log_every >= 1, f"train.log_every: must be >= 1, got {t.log_every}")
     _require(t.eval_every >= 0, f"train.eval_every: must be >= 0, got {t.eval_every}")
     _require(t.checkpoint_every >= 0, f"train.checkpoint_every: must be >= 0, got {t.checkpoint_every}")
-    _require(t.checkpoint_keep >= 0, f"train.checkpoint_keep: must be >= 0 (0 = all), got {t.checkpoint_keep}")
+    _require(
+        t.checkpoint_keep >= 0, f"train.checkpoint_keep: must be >= 0 (0 = all), got {t.checkpoint_keep}"
+    )
     _require(
         not t.resume or Path(t.resume).is_dir(),
         f"train.resume: {t.resume!r} is not a directory (a run dir, its checkpoints/ or one checkpoint)",
@@ -714,11 +844,27 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
         f"{t.micro_batch}*{p.dp} = {t.micro_batch * p.dp}",
     )
     problems = layout_problems(
-        model_facts(cfg), seq_len=d.seq_len, precision=t.precision, optimizer=t.optimizer,
-        tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp, schedule=p.schedule, cp_mode=p.cp_mode,
-        virtual_stages=p.virtual_stages, microbatches=grad_accum_steps(cfg), offload=p.offload,
-        pp_layout=p.pp_layout, vertical_sync=p.vertical_sync, allreduce=p.allreduce, dp=p.dp, dp_shard=p.dp_shard,
-    )  # fmt: skip
+        model_facts(cfg),
+        seq_len=d.seq_len,
+        precision=t.precision,
+        optimizer=t.optimizer,
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        ep=p.ep,
+        zero=p.zero,
+        sp=p.sp,
+        schedule=p.schedule,
+        cp_mode=p.cp_mode,
+        virtual_stages=p.virtual_stages,
+        microbatches=grad_accum_steps(cfg),
+        offload=p.offload,
+        pp_layout=p.pp_layout,
+        vertical_sync=p.vertical_sync,
+        allreduce=p.allreduce,
+        dp=p.dp,
+        dp_shard=p.dp_shard,
+    )
     _require_none(problems[0] if problems else None)
     if p.offload == "disk":
         problem = _unwritable(offload_dir(cfg))
@@ -737,8 +883,7 @@ def model_facts(cfg: LoomConfig) -> ModelFacts:
 
 # Features whose fields exist (so the mesh and the planner can name them) but whose runtime
 # has not landed yet: (field, predicate on the config, message). Entries go as features land.
-NOT_YET: list[tuple[str, Any, str]] = [
-]
+NOT_YET: list[tuple[str, Any, str]] = []
 
 
 RECOMPUTE_HELP = f"{', '.join(typing.get_args(RecomputePolicy))} or every:<k> (k >= 1)"
@@ -762,13 +907,18 @@ def parse_compress(spec: str) -> dict[str, str]:
     """``train.compress`` -> format per saved-tensor kind: "fp8" (every kind) or "mlp=fp8,attention=bf16"
     (kinds not named: none). Kinds: the module that saved the tensor (attention, mlp, norm, other)."""
     if "=" not in spec:
-        _require(spec in COMPRESS_FORMATS, f"train.compress: must be one of {COMPRESS_FORMATS} or kind=format pairs "
-                 f"(kinds {COMPRESS_KINDS}), got {spec!r}")  # fmt: skip
+        _require(
+            spec in COMPRESS_FORMATS,
+            f"train.compress: must be one of {COMPRESS_FORMATS} or kind=format pairs "
+            f"(kinds {COMPRESS_KINDS}), got {spec!r}",
+        )
         return dict.fromkeys(COMPRESS_KINDS, spec)
     out = dict.fromkeys(COMPRESS_KINDS, "none")
     for item in spec.split(","):
         kind, _, fmt = item.strip().partition("=")
-        _require(kind in COMPRESS_KINDS, f"train.compress: unknown tensor kind {kind!r}; kinds: {COMPRESS_KINDS}")
+        _require(
+            kind in COMPRESS_KINDS, f"train.compress: unknown tensor kind {kind!r}; kinds: {COMPRESS_KINDS}"
+        )
         _require(fmt in COMPRESS_FORMATS, f"train.compress: {kind}={fmt!r}; formats: {COMPRESS_FORMATS}")
         out[kind] = fmt
     return out
@@ -786,9 +936,14 @@ def check_memory(cfg: LoomConfig) -> None:
     _require(t.loss_scale >= 0, f"train.loss_scale: must be >= 0 (0 = dynamic), got {t.loss_scale}")
     _require(t.loss_scale_init >= 1, f"train.loss_scale_init: must be >= 1, got {t.loss_scale_init}")
     _require(t.loss_scale_window >= 1, f"train.loss_scale_window: must be >= 1, got {t.loss_scale_window}")
-    _require(t.loss_scale_hysteresis >= 1, f"train.loss_scale_hysteresis: must be >= 1, got {t.loss_scale_hysteresis}")
-    _require(0 < t.loss_scale_min <= t.loss_scale_init,
-             f"train.loss_scale_min: must be in (0, train.loss_scale_init], got {t.loss_scale_min}")  # fmt: skip
+    _require(
+        t.loss_scale_hysteresis >= 1,
+        f"train.loss_scale_hysteresis: must be >= 1, got {t.loss_scale_hysteresis}",
+    )
+    _require(
+        0 < t.loss_scale_min <= t.loss_scale_init,
+        f"train.loss_scale_min: must be in (0, train.loss_scale_init], got {t.loss_scale_min}",
+    )
     _require(
         not t.offload_activations or cfg.run.device != "cpu",
         "train.offload_activations: moves saved activations from GPU to pinned host memory; with "
@@ -804,15 +959,37 @@ def check_param_server(cfg: LoomConfig) -> None:
         return
     vocab = m.vocab_size or (cfg.data.vocab_size if not cfg.data.tokenizer else 0)
     hd = m.head_dim
-    n_params = m.n_layers * m.dim * (hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 2 * m.resolved_ffn_dim()) + vocab * m.dim
-    _require_none(param_server_problem(shards=p.ps_shards, colocate=p.ps_colocate, sync=p.ps_sync, n_params=n_params,
-                                       workers=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero,
-                                       precision=cfg.train.precision, optimizer=cfg.train.optimizer))  # fmt: skip
+    n_params = (
+        m.n_layers * m.dim * (hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 2 * m.resolved_ffn_dim())
+        + vocab * m.dim
+    )
+    _require_none(
+        param_server_problem(
+            shards=p.ps_shards,
+            colocate=p.ps_colocate,
+            sync=p.ps_sync,
+            n_params=n_params,
+            workers=p.dp,
+            tp=p.tp,
+            pp=p.pp,
+            cp=p.cp,
+            ep=p.ep,
+            zero=p.zero,
+            precision=cfg.train.precision,
+            optimizer=cfg.train.optimizer,
+        )
+    )
     if not p.ps_colocate:  # what the dedicated-server run (loom.train.ps_run) does not do
-        _require(cfg.train.time_limit_s == 0, "train.time_limit_s: dedicated parameter servers (parallel.ps_colocate = "
-                 "false) stop after the workers' last step; use train.steps (or co-located servers)")  # fmt: skip
-        _require(cfg.finetune.method == "full", f"finetune.method: {cfg.finetune.method} with dedicated parameter "
-                 "servers (parallel.ps_colocate = false) is not supported; use co-located servers or dp_mode = allreduce")
+        _require(
+            cfg.train.time_limit_s == 0,
+            "train.time_limit_s: dedicated parameter servers (parallel.ps_colocate = "
+            "false) stop after the workers' last step; use train.steps (or co-located servers)",
+        )
+        _require(
+            cfg.finetune.method == "full",
+            f"finetune.method: {cfg.finetune.method} with dedicated parameter "
+            "servers (parallel.ps_colocate = false) is not supported; use co-located servers or dp_mode = allreduce",
+        )
 
 
 def _check_ps_ranks(cfg: LoomConfig, world_size: int) -> int:
@@ -822,11 +999,17 @@ def _check_ps_ranks(cfg: LoomConfig, world_size: int) -> int:
     if not k:
         return 0
     _require(k >= 1, f"parallel.ps_shards: must be >= 1, got {k}")
-    _require(world_size > k, f"run.nproc: {world_size} ranks cannot hold parallel.ps_shards = {k} dedicated servers "
-             f"and a worker (run.nproc = workers + ps_shards); give at least --nproc {k + 1}")  # fmt: skip
-    _require(p.dp in (-1, world_size - k), f"run.nproc: {world_size} ranks, but parallel.dp + parallel.ps_shards = "
-             f"{p.dp} workers + {k} dedicated servers = {p.dp + k}; give --nproc {p.dp + k}, or leave parallel.dp "
-             "unset (= run.nproc - ps_shards)")  # fmt: skip
+    _require(
+        world_size > k,
+        f"run.nproc: {world_size} ranks cannot hold parallel.ps_shards = {k} dedicated servers "
+        f"and a worker (run.nproc = workers + ps_shards); give at least --nproc {k + 1}",
+    )
+    _require(
+        p.dp in (-1, world_size - k),
+        f"run.nproc: {world_size} ranks, but parallel.dp + parallel.ps_shards = "
+        f"{p.dp} workers + {k} dedicated servers = {p.dp + k}; give --nproc {p.dp + k}, or leave parallel.dp "
+        "unset (= run.nproc - ps_shards)",
+    )
     return k
 
 
@@ -864,17 +1047,25 @@ def _unwritable(path: str) -> str | None:
 def _check_zero3_options(p: ParallelConfig) -> None:
     """ZeRO-Infinity parameter offload and the ZeRO++ options are options of ZeRO-3."""
     zpp = [f for f in ("zeropp_qwz", "zeropp_hpz", "zeropp_qgz") if getattr(p, f)]
-    _require(p.offload_params == "none" or p.zero == 3,
-             f"parallel.offload_params: {p.offload_params!r} offloads ZeRO-3's parameter shards; it needs parallel.zero = 3")
+    _require(
+        p.offload_params == "none" or p.zero == 3,
+        f"parallel.offload_params: {p.offload_params!r} offloads ZeRO-3's parameter shards; it needs parallel.zero = 3",
+    )
     for f in zpp:
         _require(p.zero == 3, f"parallel.{f}: a ZeRO++ option of ZeRO-3; it needs parallel.zero = 3")
-    _require(not (zpp and p.offload_params != "none"),
-             f"parallel.offload_params: not combined with ZeRO++ ({', '.join(zpp)}) yet")
+    _require(
+        not (zpp and p.offload_params != "none"),
+        f"parallel.offload_params: not combined with ZeRO++ ({', '.join(zpp)}) yet",
+    )
     _require(p.hpz_group >= 0, f"parallel.hpz_group: must be >= 0, got {p.hpz_group}")
-    _require(p.zeropp_qgz_bits in (4, 8), f"parallel.zeropp_qgz_bits: must be 4 or 8, got {p.zeropp_qgz_bits}")
+    _require(
+        p.zeropp_qgz_bits in (4, 8), f"parallel.zeropp_qgz_bits: must be 4 or 8, got {p.zeropp_qgz_bits}"
+    )
     n = p.dp_shard * p.cp
-    _require(not (p.zeropp_hpz and p.hpz_group > 0 and n > 0 and n % p.hpz_group != 0),
-             f"parallel.hpz_group: {p.hpz_group} must divide the sharding group (dp_shard*cp = {n})")
+    _require(
+        not (p.zeropp_hpz and p.hpz_group > 0 and n > 0 and n % p.hpz_group != 0),
+        f"parallel.hpz_group: {p.hpz_group} must divide the sharding group (dp_shard*cp = {n})",
+    )
 
 
 def _check_implemented(cfg: LoomConfig) -> None:
@@ -924,7 +1115,10 @@ def reference() -> str:
                 name, typ, default, doc = m.groups()
                 allowed = choices(types_[name])
                 if allowed:
-                    typ, doc = type(allowed[0]).__name__, f"{doc or ''}; one of: {' | '.join(map(str, allowed))}".lstrip("; ")
+                    typ, doc = (
+                        type(allowed[0]).__name__,
+                        f"{doc or ''}; one of: {' | '.join(map(str, allowed))}".lstrip("; "),
+                    )
                 lines.append(f"  {section}.{name:<22} {typ:<6} {default:<12} {doc or ''}".rstrip())
         lines.append("")
     return "\n".join(lines)

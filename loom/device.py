@@ -91,8 +91,9 @@ def tf32_enabled() -> bool:
     return bool(cuda_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
-def measure_gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int | None = None,
-                       seconds: float = 0.3) -> float:  # fmt: skip
+def measure_gemm_flops(
+    device: torch.device, dtype: torch.dtype = torch.float32, n: int | None = None, seconds: float = 0.3
+) -> float:
     """Achieved FLOP/s of an n x n matmul in ``dtype`` on ``device`` (2 n^3 FLOPs each), best of a
     short run; n = 8192 on an accelerator (large enough to reach the tensor cores' rate), 512 on
     the CPU. Timed between device synchronisations."""

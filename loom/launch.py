@@ -77,8 +77,16 @@ def host_store(addr: str, port: int = 0, timeout_s: float = 300.0) -> int:
         sock.bind(sockaddr)
         sock.listen(512)
         port = sock.getsockname()[1]
-        store = dist.TCPStore(addr, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
-                              multi_tenant=True, master_listen_fd=sock.fileno())  # fmt: skip
+        store = dist.TCPStore(
+            addr,
+            port,
+            None,
+            True,
+            timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=sock.fileno(),
+        )
     except BaseException:
         sock.close()
         raise
@@ -151,16 +159,23 @@ def slurm_rank_env(environ: dict[str, str]) -> dict[str, str]:
         return {}
     if "SLURM_PROCID" not in environ or int(environ.get("SLURM_NTASKS", "1")) <= 1:
         return {}
-    per_node = expand_counts(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", ""))
+    per_node = expand_counts(
+        environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "")
+    )
     node = int(environ.get("SLURM_NODEID", "0"))
-    nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")
+    nodes = (
+        environ.get("SLURM_STEP_NODELIST")
+        or environ.get("SLURM_JOB_NODELIST")
+        or environ.get("SLURM_NODELIST", "")
+    )
     return {
         "RANK": environ["SLURM_PROCID"],
         "WORLD_SIZE": environ["SLURM_NTASKS"],
         "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
         "LOCAL_WORLD_SIZE": str(per_node[node] if node < len(per_node) else environ["SLURM_NTASKS"]),
         "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(nodes) or "127.0.0.1",
-        "MASTER_PORT": environ.get("MASTER_PORT") or str(29500 + int(environ.get("SLURM_JOB_ID", "0")) % 1000),
+        "MASTER_PORT": environ.get("MASTER_PORT")
+        or str(29500 + int(environ.get("SLURM_JOB_ID", "0")) % 1000),
     }
 
 
@@ -226,7 +241,11 @@ class LaunchOptions:
         dedicated parameter servers: ``config.validate`` checks run.nproc = parallel.dp + ps_shards)."""
         p = cfg.parallel
         explicit = p.dp > 0 and not C.ps_servers(cfg)
-        return p.dp * p.tp * p.pp * p.cp if explicit else cfg.run.nproc * (self.nodes.nnodes if self.nodes else 1)
+        return (
+            p.dp * p.tp * p.pp * p.cp
+            if explicit
+            else cfg.run.nproc * (self.nodes.nnodes if self.nodes else 1)
+        )
 
 
 TRAIN_OPTIONS = ("nproc", "max_restarts", "nnodes", "node_rank", "rdzv_endpoint")
@@ -251,12 +270,16 @@ def launch_options(plain: dict[str, str]) -> LaunchOptions:
         raise C.ConfigError(f"--node-rank: must be in [0, --nnodes={nnodes}), got {node_rank}")
     if not endpoint:
         if nnodes > 1:
-            raise C.ConfigError(f"--rdzv-endpoint: --nnodes {nnodes} needs the rendezvous HOST:PORT that "
-                                "every node reaches (node 0 hosts it)")  # fmt: skip
+            raise C.ConfigError(
+                f"--rdzv-endpoint: --nnodes {nnodes} needs the rendezvous HOST:PORT that "
+                "every node reaches (node 0 hosts it)"
+            )
         return LaunchOptions(max_restarts)
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise C.ConfigError(f"--rdzv-endpoint: expected HOST:PORT with a port in [1, 65535], got {endpoint!r}")
+        raise C.ConfigError(
+            f"--rdzv-endpoint: expected HOST:PORT with a port in [1, 65535], got {endpoint!r}"
+        )
     return LaunchOptions(max_restarts, Nodes(nnodes, node_rank, endpoint))
 
 
@@ -264,13 +287,19 @@ def torchrun_restart_warning(environ: dict[str, str]) -> str | None:
     """The one line rank 0 prints when bare ``torchrun --max-restarts K`` (K > 0) started it without
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: such restarts hang or fail (pytorch/pytorch#135712)."""
     restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
-    if not restarts.isdigit() or int(restarts) == 0 or environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+    if (
+        not restarts.isdigit()
+        or int(restarts) == 0
+        or environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
+    ):
         return None
     if environ.get("RANK") != "0" or environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return None
-    return (f"loom: warning: torchrun --max-restarts {restarts} without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-            "in its environment: restarts after a failure usually hang; export it before torchrun, or run "
-            "loom train --nnodes N --node-rank R --rdzv-endpoint HOST:PORT on each node")  # fmt: skip
+    return (
+        f"loom: warning: torchrun --max-restarts {restarts} without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+        "in its environment: restarts after a failure usually hang; export it before torchrun, or run "
+        "loom train --nnodes N --node-rank R --rdzv-endpoint HOST:PORT on each node"
+    )
 
 
 def launch_config(cfg: C.LoomConfig, nproc: int, max_restarts: int, nodes: Nodes | None, port: int):
@@ -349,7 +378,9 @@ class StoppedWorkerReaper:
         self._thread.join(2 * self.interval + 1)
 
 
-def launch(cfg: C.LoomConfig, nproc: int, max_restarts: int = 0, nodes: Nodes | None = None) -> dict[int, Any]:
+def launch(
+    cfg: C.LoomConfig, nproc: int, max_restarts: int = 0, nodes: Nodes | None = None
+) -> dict[int, Any]:
     """Start ``nproc`` local ranks running the trainer (of ``nodes``' job, if given); returns each
     rank's result.
 
@@ -387,8 +418,17 @@ def launch(cfg: C.LoomConfig, nproc: int, max_restarts: int = 0, nodes: Nodes | 
 
 
 # Loom's own errors: their message already names the field or file, so no class name or traceback
-OWN_ERRORS = ("ConfigError", "CheckpointError", "HFError", "NonFiniteError", "LossScaleDiverged", "PipelineError",
-              "StrictCommError", "HardwareError", "PlanError")  # fmt: skip
+OWN_ERRORS = (
+    "ConfigError",
+    "CheckpointError",
+    "HFError",
+    "NonFiniteError",
+    "LossScaleDiverged",
+    "PipelineError",
+    "StrictCommError",
+    "HardwareError",
+    "PlanError",
+)
 
 
 def failure_line(failures: dict, run_dir: Path) -> str:
@@ -404,9 +444,15 @@ def failure_line(failures: dict, run_dir: Path) -> str:
         if name.rsplit(".", 1)[-1] in OWN_ERRORS and rest:
             groups.setdefault(rest, []).append(where)
         else:
-            groups.setdefault(f"rank {rank} (local {failure.local_rank}, pid {failure.pid}) failed with exit code "
-                              f"{failure.exitcode}: {text}", []).append("" if path is None else f"traceback in {path}")  # fmt: skip
-    parts = [f"{msg} ({'; '.join(w for w in wheres if w)})" if any(wheres) else msg for msg, wheres in groups.items()]
+            groups.setdefault(
+                f"rank {rank} (local {failure.local_rank}, pid {failure.pid}) failed with exit code "
+                f"{failure.exitcode}: {text}",
+                [],
+            ).append("" if path is None else f"traceback in {path}")
+    parts = [
+        f"{msg} ({'; '.join(w for w in wheres if w)})" if any(wheres) else msg
+        for msg, wheres in groups.items()
+    ]
     return "loom: " + " | ".join(parts)
 
 
@@ -432,7 +478,9 @@ def _failure_message(failure) -> str:
         text = msg.get("message", "")
     else:
         text = str(msg)
-    text = text.strip().splitlines()[-1] if text.strip() else (failure.message or "see the rank's output above")
+    text = (
+        text.strip().splitlines()[-1] if text.strip() else (failure.message or "see the rank's output above")
+    )
     if failure.signal_name() not in ("", "<N/A>", None) and failure.exitcode < 0:
         text = f"killed by {failure.signal_name()}"
     return text
@@ -466,7 +514,9 @@ def main_train(cfg: C.LoomConfig, max_restarts: int = 0, nodes: Nodes | None = N
 
 
 def _train_locally(cfg: C.LoomConfig, max_restarts: int, nodes: Nodes | None = None) -> int:
-    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp + C.ps_servers(cfg)  # validated by the CLI
+    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp + C.ps_servers(
+        cfg
+    )  # validated by the CLI
     from loom.data import prepare_data
 
     prepared = prepare_data(cfg.data, progress=cfg.run.progress)
@@ -474,9 +524,11 @@ def _train_locally(cfg: C.LoomConfig, max_restarts: int, nodes: Nodes | None = N
     C.check_vocab(cfg, prepared.vocab_size)  # before any rank starts
     if nodes is not None:
         if world != nodes.nnodes * cfg.run.nproc:
-            raise C.ConfigError(f"run.nproc: {cfg.run.nproc} ranks per node on {nodes.nnodes} nodes, but "
-                                f"parallel.dp*tp*pp*cp = {world}; --nnodes x --nproc must equal it, or leave "
-                                "parallel.dp unset")  # fmt: skip
+            raise C.ConfigError(
+                f"run.nproc: {cfg.run.nproc} ranks per node on {nodes.nnodes} nodes, but "
+                f"parallel.dp*tp*pp*cp = {world}; --nnodes x --nproc must equal it, or leave "
+                "parallel.dp unset"
+            )
         launch(cfg, cfg.run.nproc, max_restarts, nodes)
         sys.stdout.flush()
         return 0

@@ -121,10 +121,17 @@ class ParallelMesh:
                 self._groups[name] = self._device_mesh.get_group(name)
             self._groups["dp"] = self._device_mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
             if dims.cp > 1:  # gradients of parameters replicated over cp are reduced with dp's
-                self._groups["dp_cp"] = self._device_mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp").get_group()
-                self._groups["dp_shard_cp"] = self._device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp").get_group()
+                self._groups["dp_cp"] = (
+                    self._device_mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp").get_group()
+                )
+                self._groups["dp_shard_cp"] = (
+                    self._device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp").get_group()
+                )
             else:
-                self._groups["dp_cp"], self._groups["dp_shard_cp"] = self._groups["dp"], self._groups["dp_shard"]
+                self._groups["dp_cp"], self._groups["dp_shard_cp"] = (
+                    self._groups["dp"],
+                    self._groups["dp_shard"],
+                )
             if dims.ep > 1:
                 self._expert_groups(world)
             else:
@@ -137,7 +144,9 @@ class ParallelMesh:
         groups of ep consecutive ranks ("ep": their experts together make all of them) and ep
         strided groups ("edp": the ranks holding the same experts). Every rank creates every group."""
         ep = self.dims.ep
-        boxes = sorted({tuple(self.dims.group_ranks(r, ("dp_replicate", "dp_shard", "cp"))) for r in range(world)})
+        boxes = sorted(
+            {tuple(self.dims.group_ranks(r, ("dp_replicate", "dp_shard", "cp"))) for r in range(world)}
+        )
         ep_lists = [box[i : i + ep] for box in boxes for i in range(0, len(box), ep)]
         edp_lists = [box[j::ep] for box in boxes for j in range(ep)]
         for name, lists in (("ep", ep_lists), ("edp", edp_lists)):

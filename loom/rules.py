@@ -14,10 +14,14 @@ from typing import Any, Literal, get_args
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw"]
 AsyncScheduleName = Literal["pipedream", "2bw"]  # stage-local weight versions, optimizer steps per stage
 SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
-CpModeName = Literal["allgather", "ring", "alltoall"]  # how attention spans the cp ranks (loom.parallel.context)
+CpModeName = Literal[
+    "allgather", "ring", "alltoall"
+]  # how attention spans the cp ranks (loom.parallel.context)
 CP_MODES: tuple[str, ...] = get_args(CpModeName)
 ASYNC_SCHEDULES: tuple[str, ...] = get_args(AsyncScheduleName)
-AllReduceName = Literal["native", "ring", "tree", "butterfly"]  # gradient all-reduce (loom.parallel.allreduce)
+AllReduceName = Literal[
+    "native", "ring", "tree", "butterfly"
+]  # gradient all-reduce (loom.parallel.allreduce)
 
 
 @dataclass(frozen=True)
@@ -40,10 +44,15 @@ class ModelFacts:
     def of(cls, model: Any, **overrides: Any) -> ModelFacts:
         """Facts of a ``loom.config.ModelConfig`` (read by attribute), with ``overrides``."""
         facts = dict(
-            n_layers=model.n_layers, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
-            ffn_dim=model.resolved_ffn_dim(), vocab_size=max(0, model.vocab_size), n_experts=model.n_experts,
-            dropout=model.dropout, tie_embeddings=model.tie_embeddings,
-        )  # fmt: skip
+            n_layers=model.n_layers,
+            n_heads=model.n_heads,
+            n_kv_heads=model.n_kv_heads,
+            ffn_dim=model.resolved_ffn_dim(),
+            vocab_size=max(0, model.vocab_size),
+            n_experts=model.n_experts,
+            dropout=model.dropout,
+            tie_embeddings=model.tie_embeddings,
+        )
         return cls(**(facts | overrides))
 
 
@@ -83,8 +92,10 @@ def context_mode_problem(m: ModelFacts, cp: int, mode: str, tp: int = 1) -> str 
     if mode not in CP_MODES:
         return f"parallel.cp_mode: must be one of {CP_MODES}, got {mode!r}"
     if cp > 1 and mode == "alltoall" and (m.n_heads // tp) % cp:
-        return (f"parallel.cp_mode: alltoall splits the {m.n_heads // tp} query heads per tp rank "
-                f"(model.n_heads={m.n_heads} / parallel.tp={tp}) over parallel.cp={cp}; they must divide")
+        return (
+            f"parallel.cp_mode: alltoall splits the {m.n_heads // tp} query heads per tp rank "
+            f"(model.n_heads={m.n_heads} / parallel.tp={tp}) over parallel.cp={cp}; they must divide"
+        )
     return None
 
 
@@ -110,7 +121,9 @@ def parse_layout(text: str, n_layers: int, n_stages: int) -> list[int]:
             raise ValueError(f"{where}: stage {k} range {part!r} is empty")
         bounds.append(hi + 1)
     if bounds[-1] != n_layers:
-        raise ValueError(f"{where}: covers layers 0-{bounds[-1] - 1} but the model has {n_layers} (0-{n_layers - 1})")
+        raise ValueError(
+            f"{where}: covers layers 0-{bounds[-1] - 1} but the model has {n_layers} (0-{n_layers - 1})"
+        )
     return bounds
 
 
@@ -142,14 +155,20 @@ def layout_problems(
     ``microbatches`` = global_batch / (micro_batch * dp) to be whole."""
     out = []
     if m.n_experts > 1 and optimizer == "adafactor":
-        out.append("train.optimizer: adafactor factors 2-D weights; the experts' (E, f, h) weights need adamw or adam8bit")
+        out.append(
+            "train.optimizer: adafactor factors 2-D weights; the experts' (E, f, h) weights need adamw or adam8bit"
+        )
     if m.n_experts > 1 and m.moe_capacity and (cp > 1 or (tp > 1 and sp)):
         split = f"parallel.cp = {cp}" if cp > 1 else f"sequence parallelism over parallel.tp = {tp}"
-        out.append(f"moe.capacity_factor: capacity is counted over a rank's tokens, and {split} splits every sequence; "
-                   "use 0 (dropless)")  # fmt: skip
+        out.append(
+            f"moe.capacity_factor: capacity is counted over a rank's tokens, and {split} splits every sequence; "
+            "use 0 (dropless)"
+        )
     if m.n_experts > 1 and m.moe_router_losses and pp > 1 and schedule in ASYNC_SCHEDULES:
-        out.append(f"moe.aux_loss_coef: the router losses need a synchronous pipeline schedule, got parallel.schedule = "
-                   f"{schedule!r}; use 0 for moe.aux_loss_coef and moe.z_loss_coef or another schedule")  # fmt: skip
+        out.append(
+            f"moe.aux_loss_coef: the router losses need a synchronous pipeline schedule, got parallel.schedule = "
+            f"{schedule!r}; use 0 for moe.aux_loss_coef and moe.z_loss_coef or another schedule"
+        )
     if ep > 1:
         if m.n_experts <= 1:
             out.append(f"parallel.ep: expert parallelism needs experts (model.n_experts > 1), got ep={ep}")
@@ -158,9 +177,15 @@ def layout_problems(
     if (why := allreduce_problem(allreduce, dp=dp, dp_shard=dp_shard, cp=cp, ep=ep, zero=zero)) is not None:
         out.append(why)
     if offload != "none" and zero < 1:
-        out.append(f"parallel.offload: {offload!r} offloads ZeRO optimizer state; it needs parallel.zero >= 1")
+        out.append(
+            f"parallel.offload: {offload!r} offloads ZeRO optimizer state; it needs parallel.zero >= 1"
+        )
     sp_problem = sequence_parallel_problem(tp, cp, seq_len) if sp else None
-    out += [why for why in (tensor_parallel_problem(m, tp), sp_problem, context_parallel_problem(cp, seq_len)) if why]
+    out += [
+        why
+        for why in (tensor_parallel_problem(m, tp), sp_problem, context_parallel_problem(cp, seq_len))
+        if why
+    ]
     if (why := context_mode_problem(m, cp, cp_mode, tp)) is not None:
         out.append(why)
     if precision == "fp16" and schedule in ASYNC_SCHEDULES and pp > 1:
@@ -189,8 +214,10 @@ def allreduce_problem(algorithm: str, *, dp: int, dp_shard: int, cp: int, ep: in
         return None
     for name, n in gradient_allreduce_groups(dp=dp, dp_shard=dp_shard, cp=cp, ep=ep, zero=zero).items():
         if n > 1 and n & (n - 1):
-            return (f"parallel.allreduce: butterfly (recursive halving-doubling) needs a power-of-two group, but "
-                    f"gradients are all-reduced over {name} = {n} ranks; use ring or tree")  # fmt: skip
+            return (
+                f"parallel.allreduce: butterfly (recursive halving-doubling) needs a power-of-two group, but "
+                f"gradients are all-reduced over {name} = {n} ranks; use ring or tree"
+            )
     return None
 
 
@@ -203,7 +230,9 @@ def _pipeline_problems(
     if v < 1:
         out.append(f"parallel.virtual_stages: must be >= 1, got {v}")
     if v > 1 and schedule != "interleaved":
-        out.append(f"parallel.virtual_stages: {v} > 1 needs parallel.schedule = 'interleaved', got {schedule!r}")
+        out.append(
+            f"parallel.virtual_stages: {v} > 1 needs parallel.schedule = 'interleaved', got {schedule!r}"
+        )
     if vertical_sync and schedule != "pipedream":
         out.append("parallel.vertical_sync: only for schedule 'pipedream'")
     if pp == 1:
@@ -244,8 +273,12 @@ def _pipeline_problems(
     return out
 
 
-DpModeName = Literal["allreduce", "ps"]  # parallel.dp_mode: how data-parallel gradients meet (loom.parallel.param_server)
-PS_ALIGN = 4  # a parameter server's shard is a whole number of 16-byte blocks of fp32 (loom.parallel.zero.layout)
+DpModeName = Literal[
+    "allreduce", "ps"
+]  # parallel.dp_mode: how data-parallel gradients meet (loom.parallel.param_server)
+PS_ALIGN = (
+    4  # a parameter server's shard is a whole number of 16-byte blocks of fp32 (loom.parallel.zero.layout)
+)
 
 
 def parse_ps_sync(spec: str) -> int | None:
@@ -263,9 +296,21 @@ def parse_ps_sync(spec: str) -> int | None:
     return int(bound)
 
 
-def param_server_problem(*, shards: int, colocate: bool, sync: str, n_params: int, workers: int, tp: int = 1,
-                         pp: int = 1, cp: int = 1, ep: int = 1, zero: int = 0, precision: str = "fp32",
-                         optimizer: str = "adamw") -> str | None:  # fmt: skip
+def param_server_problem(
+    *,
+    shards: int,
+    colocate: bool,
+    sync: str,
+    n_params: int,
+    workers: int,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    zero: int = 0,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+) -> str | None:
     """Why ``parallel.dp_mode = "ps"`` cannot run this layout, or None. ``n_params``: the model's parameter
     count (a lower bound will do); each of the K servers must own at least one aligned block of it:
     K · PS_ALIGN <= Φ. Co-located servers live in workers 0..K-1 (K <= workers) and are serviced at the
@@ -277,20 +322,28 @@ def param_server_problem(*, shards: int, colocate: bool, sync: str, n_params: in
     if shards < 1:
         return f"parallel.ps_shards: must be >= 1, got {shards}"
     if shards * PS_ALIGN > n_params:
-        return (f"parallel.ps_shards: {shards} servers need {PS_ALIGN} parameters each (one 16-byte block), but the "
-                f"model has at least {n_params}; use at most {max(1, n_params // PS_ALIGN)}")  # fmt: skip
+        return (
+            f"parallel.ps_shards: {shards} servers need {PS_ALIGN} parameters each (one 16-byte block), but the "
+            f"model has at least {n_params}; use at most {max(1, n_params // PS_ALIGN)}"
+        )
     for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("zero", zero)):
         if value != (0 if name == "zero" else 1):
-            return (f"parallel.{name}: the parameter server (parallel.dp_mode = 'ps') shards whole-model data "
-                    f"parallelism only; got {name} = {value} (use dp_mode = 'allreduce')")  # fmt: skip
+            return (
+                f"parallel.{name}: the parameter server (parallel.dp_mode = 'ps') shards whole-model data "
+                f"parallelism only; got {name} = {value} (use dp_mode = 'allreduce')"
+            )
     if precision != "fp32":
         return f"train.precision: the parameter server updates fp32 parameters; got {precision!r}"
     if optimizer != "adamw":
         return f"train.optimizer: the parameter server's shards run adamw; got {optimizer!r}"
     if colocate and shards > workers:
-        return (f"parallel.ps_shards: {shards} co-located servers live in workers 0..{shards - 1}, but there are "
-                f"{workers} workers; use at most {workers}, or parallel.ps_colocate = false")  # fmt: skip
+        return (
+            f"parallel.ps_shards: {shards} co-located servers live in workers 0..{shards - 1}, but there are "
+            f"{workers} workers; use at most {workers}, or parallel.ps_colocate = false"
+        )
     if colocate and sync != "bsp":
-        return (f"parallel.ps_sync: {sync!r} needs dedicated server ranks (parallel.ps_colocate = false); co-located "
-                "servers are serviced at the step boundary and run bsp")  # fmt: skip
+        return (
+            f"parallel.ps_sync: {sync!r} needs dedicated server ranks (parallel.ps_colocate = false); co-located "
+            "servers are serviced at the step boundary and run bsp"
+        )
     return None

@@ -53,7 +53,9 @@ USER_RUN_DIRS = ("runs/default", "runs/debug")
 def _files(d: Path) -> dict[str, tuple[int, int]] | None:
     if not d.is_dir():
         return None
-    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()
+    }
 
 
 @pytest.fixture(scope="session", autouse=True)

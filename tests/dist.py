@@ -53,9 +53,13 @@ def _worker_loop(rank: int, world: int, init_file: str, conn, backend: str = "gl
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     dist.init_process_group(
-        backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=PG_TIMEOUT_S), device_id=device,
-    )  # fmt: skip
+        backend,
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=PG_TIMEOUT_S),
+        device_id=device,
+    )
     conn.send(("ready", None))
     while True:
         msg = conn.recv()
@@ -95,8 +99,9 @@ class WorkerPool:
         self.procs, self.conns = [], []
         for r in range(self.world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_loop, args=(r, self.world, init_file, child, self.backend),
-                            daemon=True)  # fmt: skip
+            p = ctx.Process(
+                target=_worker_loop, args=(r, self.world, init_file, child, self.backend), daemon=True
+            )
             p.start()
             self.procs.append(p)
             self.conns.append(parent)
@@ -179,8 +184,10 @@ def get_mesh(**dims: int):
 
 
 def _mesh_groups(mesh) -> list:
-    groups = [mesh.group(n) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_cp", "dp_shard_cp",
-                                      "ep", "edp")]  # fmt: skip
+    groups = [
+        mesh.group(n)
+        for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_cp", "dp_shard_cp", "ep", "edp")
+    ]
     return [*groups, *mesh.pp_links().values()]
 
 

@@ -13,7 +13,9 @@ VOCAB, SEQ = 128, 16
 
 
 def tiny_model(**kw) -> ModelConfig:
-    base = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ, multiple_of=16)
+    base = dict(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ, multiple_of=16
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -51,8 +53,15 @@ def rank_micro_batches(step: int, batch: int, micro: int, dp_rank: int, dp: int,
     return [tuple(t[i : i + micro] for t in rows) for i in range(0, per, micro)]
 
 
-def train_dp(mesh, model_cfg: ModelConfig, train_cfg: TrainConfig, batch: int, micro: int, bucket_mb: float = 25.0,
-             packed: bool = False):  # fmt: skip
+def train_dp(
+    mesh,
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    batch: int,
+    micro: int,
+    bucket_mb: float = 25.0,
+    packed: bool = False,
+):
     """Train with Loom data parallelism over ``mesh``'s dp group; return losses, final params, DP object."""
     from loom.comm import CommMeter
     from loom.model.llama import build_model, loss_fn
@@ -71,7 +80,13 @@ def train_dp(mesh, model_cfg: ModelConfig, train_cfg: TrainConfig, batch: int, m
     losses, comm_bytes = [], []
     for step in range(train_cfg.steps):
         meter.reset()
-        res = train_step(plain_run(model, sync, loss_fn), rank_micro_batches(step, batch, micro, dp_rank, dp, packed), train_cfg.grad_clip, lr_at(step, train_cfg), group)  # fmt: skip
+        res = train_step(
+            plain_run(model, sync, loss_fn),
+            rank_micro_batches(step, batch, micro, dp_rank, dp, packed),
+            train_cfg.grad_clip,
+            lr_at(step, train_cfg),
+            group,
+        )
         losses.append(res.loss)
         comm_bytes.append(meter.total_moved)
     sync.remove()
@@ -90,7 +105,13 @@ def metered_steps(model, strategy, meter, mesh, cfg, loss_fn, steps: int, batch:
     for step in range(steps):
         meter.reset()
         micro_batches = rank_micro_batches(step, batch, micro, mesh.local_rank("dp"), dp)
-        res = train_step(plain_run(model, strategy, loss_fn), micro_batches, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp"))  # fmt: skip
+        res = train_step(
+            plain_run(model, strategy, loss_fn),
+            micro_batches,
+            cfg.train.grad_clip,
+            lr_at(step, cfg.train),
+            mesh.group("dp"),
+        )
         losses.append(res.loss)
         moved.append(dict(meter.moved))
         calls.append(dict(meter.calls))
@@ -98,8 +119,16 @@ def metered_steps(model, strategy, meter, mesh, cfg, loss_fn, steps: int, batch:
 
 
 def train_layout(
-    layout: dict, steps: int, batch: int, micro: int, model_kw: dict | None = None, sentinel: bool = False,
-    device: torch.device | None = None, meta: bool = False, moe_kw: dict | None = None, packed: bool = False,
+    layout: dict,
+    steps: int,
+    batch: int,
+    micro: int,
+    model_kw: dict | None = None,
+    sentinel: bool = False,
+    device: torch.device | None = None,
+    meta: bool = False,
+    moe_kw: dict | None = None,
+    packed: bool = False,
     checkpoint_dir: str = "",
 ) -> dict:
     """Train the tiny model (``model_kw`` over its defaults) under ``layout`` (mesh degrees, ``zero``,
@@ -122,9 +151,15 @@ def train_layout(
 
     dims = {k: v for k, v in layout.items() if k in ("cp", "tp", "pp", "dp_shard", "dp_replicate", "ep")}
     mesh = get_mesh(**dims)
-    cfg = LoomConfig(model=tiny_model(**(model_kw or {})), train=tiny_train(steps=steps), moe=MoEConfig(**(moe_kw or {})))
+    cfg = LoomConfig(
+        model=tiny_model(**(model_kw or {})), train=tiny_train(steps=steps), moe=MoEConfig(**(moe_kw or {}))
+    )
     cfg.data.seq_len = SEQ
-    cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.pp = layout.get("cp", 1), layout.get("tp", 1), layout.get("pp", 1)
+    cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.pp = (
+        layout.get("cp", 1),
+        layout.get("tp", 1),
+        layout.get("pp", 1),
+    )
     cfg.parallel.dp, cfg.parallel.ep = mesh.size("dp"), layout.get("ep", 1)
     cfg.parallel.cp_mode = layout.get("cp_mode", cfg.parallel.cp_mode)
     cfg.parallel.dp_shard = layout.get("dp_shard", 1)
@@ -134,14 +169,27 @@ def train_layout(
     cfg.parallel.virtual_stages = layout.get("virtual_stages", 1)
     cfg.parallel.offload = layout.get("offload", "none")
     cfg.parallel.offload_params = layout.get("offload_params", "none")
-    for key in ("zeropp_qwz", "zeropp_hpz", "zeropp_qgz", "zeropp_qgz_bits", "hpz_group", "offload_dir"):  # ZeRO-3 options
+    for key in (
+        "zeropp_qwz",
+        "zeropp_hpz",
+        "zeropp_qgz",
+        "zeropp_qgz_bits",
+        "hpz_group",
+        "offload_dir",
+    ):  # ZeRO-3 options
         if key in layout:
             setattr(cfg.parallel, key, layout[key])
     cfg.parallel.reduce_dtype = layout.get("reduce_dtype", "fp32")
     cfg.parallel.allreduce = layout.get("allreduce", "native")
-    cfg.parallel.dp_mode, cfg.parallel.ps_shards = layout.get("dp_mode", "allreduce"), layout.get("ps_shards", 1)
+    cfg.parallel.dp_mode, cfg.parallel.ps_shards = (
+        layout.get("dp_mode", "allreduce"),
+        layout.get("ps_shards", 1),
+    )
     cfg.train.recompute = layout.get("recompute", "none")
-    cfg.train.precision, cfg.train.optimizer = layout.get("precision", "fp32"), layout.get("optimizer", "adamw")
+    cfg.train.precision, cfg.train.optimizer = (
+        layout.get("precision", "fp32"),
+        layout.get("optimizer", "adamw"),
+    )
     cfg.run.dir = "/tmp/loom-test-layout"
     meter = CommMeter()
     device = device or rank_device()  # the CPU, or this rank's GPU in an NCCL pool
@@ -155,13 +203,18 @@ def train_layout(
     losses, moved, calls, expert_rows = [], [], [], []
     for step in range(steps):
         meter.reset()
-        batches = shard_sequence(rank_micro_batches(step, batch, micro, dp_rank, dp, packed), mesh.size("cp"),
-                                 mesh.local_rank("cp"))  # fmt: skip
+        batches = shard_sequence(
+            rank_micro_batches(step, batch, micro, dp_rank, dp, packed),
+            mesh.size("cp"),
+            mesh.local_rank("cp"),
+        )
         batches = [tuple(t.to(device) for t in b) for b in batches]
         with placed:
             res = train_step(run, batches, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp_cp"))
         losses.append(res.loss)
-        expert_rows.append(sum(_take_rows(m) for m in run.model.modules()))  # rows this rank's experts computed
+        expert_rows.append(
+            sum(_take_rows(m) for m in run.model.modules())
+        )  # rows this rank's experts computed
         moved.append(dict(meter.moved))
         calls.append(dict(meter.calls))
     if checkpoint_dir:
@@ -172,12 +225,23 @@ def train_layout(
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        Checkpointer(checkpoint_dir, rank, world, new_group(world, 60)).save(steps, run.strategy.sharded_state(), {}, {})
-    events = list(getattr(run.strategy, "events", []))  # the last step's (ZeRO-3), before the state is gathered
+        Checkpointer(checkpoint_dir, rank, world, new_group(world, 60)).save(
+            steps, run.strategy.sharded_state(), {}, {}
+        )
+    events = list(
+        getattr(run.strategy, "events", [])
+    )  # the last step's (ZeRO-3), before the state is gathered
     state = run.strategy.full_state_dict()
     state = None if state is None else {k: v.cpu() for k, v in state.items()}
-    return {"losses": losses, "state": state, "moved": moved, "calls": calls, "state_bytes": run.strategy.state_bytes(),
-            "expert_rows": expert_rows, "events": events}
+    return {
+        "losses": losses,
+        "state": state,
+        "moved": moved,
+        "calls": calls,
+        "state_bytes": run.strategy.state_bytes(),
+        "expert_rows": expert_rows,
+        "events": events,
+    }
 
 
 def _take_rows(module) -> int:

@@ -13,8 +13,16 @@ from tests.dist import get_mesh
 from tests.helpers import train_layout
 
 SIZES = (4096, 1001)  # divisible by 2, 4 and 8 (the formulas), and not (uneven chunks)
-CASES = [("ring", 2), ("ring", 3), ("ring", 4), ("tree", 2), ("tree", 3), ("tree", 4), ("butterfly", 2),
-         ("butterfly", 4)]  # fmt: skip
+CASES = [
+    ("ring", 2),
+    ("ring", 3),
+    ("ring", 4),
+    ("tree", 2),
+    ("tree", 3),
+    ("tree", 4),
+    ("butterfly", 2),
+    ("butterfly", 4),
+]
 
 
 def _inputs(world: int, numel: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
@@ -75,9 +83,19 @@ def _run(algorithm: str, world: int):
         ours_int, native_int = ints[rank].clone(), ints[rank].clone()
         all_reduce(ours_int, group, algorithm)
         dist.all_reduce(native_int, group=group)
-        out.append(dict(numel=numel, ours=ours, native=native, ordered=ordered_sum(algorithm, xs), rounds=trace.rounds,
-                        sent=trace.sent, received=trace.received, metered=meter.moved["all_reduce"],
-                        ints_equal=torch.equal(ours_int, native_int)))  # fmt: skip
+        out.append(
+            dict(
+                numel=numel,
+                ours=ours,
+                native=native,
+                ordered=ordered_sum(algorithm, xs),
+                rounds=trace.rounds,
+                sent=trace.sent,
+                received=trace.received,
+                metered=meter.moved["all_reduce"],
+                ints_equal=torch.equal(ours_int, native_int),
+            )
+        )
     return out
 
 
@@ -142,8 +160,10 @@ def test_butterfly_refuses_other_group_sizes():
     cfg.train.global_batch, cfg.train.micro_batch = 24, 1
     with pytest.raises(ConfigError) as e:
         validate(cfg, 3)
-    assert str(e.value).startswith("parallel.allreduce: butterfly (recursive halving-doubling) needs a power-of-two "
-                                   "group, but gradients are all-reduced over dp*cp = 3 ranks")  # fmt: skip
+    assert str(e.value).startswith(
+        "parallel.allreduce: butterfly (recursive halving-doubling) needs a power-of-two "
+        "group, but gradients are all-reduced over dp*cp = 3 ranks"
+    )
     assert "\n" not in str(e.value)
     for world, zero, dp_shard in ((4, 0, 1), (6, 1, 3), (3, 1, 3)):  # groups of 4, 2 and 1 ranks
         cfg = LoomConfig()
@@ -209,7 +229,10 @@ def test_zero_hybrid_replicas_use_the_algorithm(pools, zero, algorithm):
     equal to native, bit for bit (two replicas: order-free)."""
     layout = dict(dp_replicate=2, dp_shard=2, zero=zero)
     for native, ours in pools(4).run(_train_pair, layout, algorithm):
-        assert f"all_reduce[{algorithm}]" in ours["issued"] and f"all_reduce[{algorithm}]" not in native["issued"]
+        assert (
+            f"all_reduce[{algorithm}]" in ours["issued"]
+            and f"all_reduce[{algorithm}]" not in native["issued"]
+        )
         assert_close(torch.tensor(ours["losses"]), torch.tensor(native["losses"]), rtol=0, atol=0)
         for k, v in native["state"].items():
             assert torch.equal(ours["state"][k], v), k
@@ -223,8 +246,14 @@ def _train_pair(layout: dict, algorithm: str):
     for name in ("native", algorithm):
         comm.take_order_log()
         run = train_layout(layout | dict(allreduce=name), steps=3, batch=8, micro=2)
-        run["issued"] = sorted({op.split("(")[0] for ops in comm.take_order_log().values() for op in ops
-                                if op.startswith("all_reduce")})  # fmt: skip
+        run["issued"] = sorted(
+            {
+                op.split("(")[0]
+                for ops in comm.take_order_log().values()
+                for op in ops
+                if op.startswith("all_reduce")
+            }
+        )
         out.append(run)
     return tuple(out)
 
@@ -254,5 +283,8 @@ def test_planner_times_the_gradient_all_reduce_by_its_algorithm():
     alpha, beta = cm.machine.alpha_beta(8, 8)
     assert dp_time("ring") == pytest.approx(dp_time("native"), rel=1e-12)
     for algorithm in ("tree", "butterfly"):
-        want = collectives.time(algorithm, size, 8, alpha, beta) + (calls - 1) * collectives.rounds(algorithm, 8) * alpha
+        want = (
+            collectives.time(algorithm, size, 8, alpha, beta)
+            + (calls - 1) * collectives.rounds(algorithm, 8) * alpha
+        )
         assert dp_time(algorithm) == pytest.approx(want, rel=1e-12)

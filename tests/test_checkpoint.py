@@ -128,8 +128,13 @@ def layout(
                         flat = local.reshape(-1)
                         a, b = flat.numel() * di // dp, flat.numel() * (di + 1) // dp
                         within = None if dim is None else box
-                        st[name] = ShardedTensor.flat(flat[a:b].clone(), tuple(t.shape), a, (ti if dim is None else 0,
-                                                      tp if dim is None else 1), within)  # fmt: skip
+                        st[name] = ShardedTensor.flat(
+                            flat[a:b].clone(),
+                            tuple(t.shape),
+                            a,
+                            (ti if dim is None else 0, tp if dim is None else 1),
+                            within,
+                        )
                     else:
                         st[name] = ShardedTensor(local.clone(), tuple(t.shape), box, (rep_i, rep_n))
                 ranks.append(st)
@@ -218,7 +223,13 @@ def _dp_model_and_strategy(seed: int = 7, group=None, steps: int = 2):
     dp_rank = 0 if group is None else torch.distributed.get_rank(group)
     dp = 1 if group is None else torch.distributed.get_world_size(group)
     for step in range(steps):
-        train_step(plain_run(model, strategy, loss_fn), rank_micro_batches(step, 8, 2, dp_rank, dp), 1.0, lr_at(step, tiny_train()), group)  # fmt: skip
+        train_step(
+            plain_run(model, strategy, loss_fn),
+            rank_micro_batches(step, 8, 2, dp_rank, dp),
+            1.0,
+            lr_at(step, tiny_train()),
+            group,
+        )
     return model, strategy
 
 
@@ -266,8 +277,13 @@ def test_dp2_checkpoint_loads_into_one_process(pools, tmp_path, async_save):
     assert bad and bad1 and "ranks disagree" in bad and "ranks disagree" in bad1
     assert not list(tmp_path.glob(".tmp-*")), "a refused save leaves no temporary directory"
     files = sorted(p.name for p in Path(path).iterdir())
-    assert files == ["index.json", "manifest.json", "shard-00000-of-00002.safetensors",
-                     "shard-00001-of-00002.safetensors", "train_state.json"]  # fmt: skip
+    assert files == [
+        "index.json",
+        "manifest.json",
+        "shard-00000-of-00002.safetensors",
+        "shard-00001-of-00002.safetensors",
+        "train_state.json",
+    ]
     sizes = [(Path(path) / f).stat().st_size for f in files if f.startswith("shard")]
     assert abs(sizes[0] - sizes[1]) < 0.2 * max(sizes), "each replica writes about half"
     model, strategy = _dp_model_and_strategy(seed=99, steps=0)
@@ -511,7 +527,16 @@ def _train(model, strategy, steps: range, dp_rank: int, dp: int, group) -> list[
     from loom.train.step import plain_run, train_step
     from tests.helpers import rank_micro_batches, tiny_train
 
-    return [train_step(plain_run(model, strategy, loss_fn), rank_micro_batches(s, 8, 2, dp_rank, dp), 1.0, lr_at(s, tiny_train()), group).loss for s in steps]  # fmt: skip
+    return [
+        train_step(
+            plain_run(model, strategy, loss_fn),
+            rank_micro_batches(s, 8, 2, dp_rank, dp),
+            1.0,
+            lr_at(s, tiny_train()),
+            group,
+        ).loss
+        for s in steps
+    ]
 
 
 def _zero_save_and_reshard(root: str, save_stage: int, load_stage: int):

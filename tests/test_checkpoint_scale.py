@@ -202,8 +202,15 @@ def _dp_resume_measured(root: str):
     same = sorted(got) == sorted(expected) and all(
         torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in expected.items()
     )
-    return {"same": same, "bytes": log.bytes_read, "formula": formula, "total": total,
-            "touched": sorted(log.touched), "safetensors": sorted(log.safetensors), "verified": reader.verified}  # fmt: skip
+    return {
+        "same": same,
+        "bytes": log.bytes_read,
+        "formula": formula,
+        "total": total,
+        "touched": sorted(log.touched),
+        "safetensors": sorted(log.safetensors),
+        "verified": reader.verified,
+    }
 
 
 def test_dp2_resume_reads_half_the_state_per_rank(pools, tmp_path):

@@ -29,8 +29,14 @@ def test_mlp_compression_reaches_the_experts():
         return t
 
     moes = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
-    hooks = [h for m in moes for h in (m.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
-                                       m.register_forward_hook(lambda *_: inside.__setitem__(0, False)))]  # fmt: skip
+    hooks = [
+        h
+        for m in moes
+        for h in (
+            m.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
+            m.register_forward_hook(lambda *_: inside.__setitem__(0, False)),
+        )
+    ]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss_fn(model(x), y)
     for h in hooks:
@@ -38,7 +44,10 @@ def test_mlp_compression_reaches_the_experts():
     expert_bytes = [n for moe, n in first.values() if moe]
     tokens_routed = x.numel() * cfg.top_k
     # not vacuous: w1 x, silu(w1 x), w3 x and their product, for every routed token of every layer
-    assert len(moes) == cfg.n_layers and sum(expert_bytes) > cfg.n_layers * tokens_routed * 4 * cfg.resolved_ffn_dim() * 4
+    assert (
+        len(moes) == cfg.n_layers
+        and sum(expert_bytes) > cfg.n_layers * tokens_routed * 4 * cfg.resolved_ffn_dim() * 4
+    )
 
     saved = SavedActivations(model, "mlp=fp8")
     with saved:
@@ -55,8 +64,15 @@ def test_replacement_modules_keep_the_kind_of_what_they_replace():
     from loom.parallel.expert_parallel import ExpertParallelMoE
     from loom.parallel.tp_layers import ParallelAttention, ParallelFeedForward, SequenceParallelRMSNorm
 
-    pairs = [(Attention, ParallelAttention), (FeedForward, ParallelFeedForward), (FeedForward, MoEFeedForward),
-             (MoEFeedForward, ExpertParallelMoE), (RMSNorm, SequenceParallelRMSNorm)]  # fmt: skip
+    pairs = [
+        (Attention, ParallelAttention),
+        (FeedForward, ParallelFeedForward),
+        (FeedForward, MoEFeedForward),
+        (MoEFeedForward, ExpertParallelMoE),
+        (RMSNorm, SequenceParallelRMSNorm),
+    ]
     for plain, swapped in pairs:
         assert swapped.activation_kind == plain.activation_kind, swapped.__name__
-    assert {Attention.activation_kind, FeedForward.activation_kind, RMSNorm.activation_kind} < set(COMPRESS_KINDS)
+    assert {Attention.activation_kind, FeedForward.activation_kind, RMSNorm.activation_kind} < set(
+        COMPRESS_KINDS
+    )

@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_overrides_and_types():
-    cfg = C.apply_overrides(C.LoomConfig(), ["--model.dim", "128", "--train.lr=1e-3", "--run.progress", "false"])
+    cfg = C.apply_overrides(
+        C.LoomConfig(), ["--model.dim", "128", "--train.lr=1e-3", "--run.progress", "false"]
+    )
     assert cfg.model.dim == 128 and cfg.train.lr == 1e-3 and cfg.run.progress is False
 
 
@@ -76,7 +78,9 @@ def test_presets_ship_inside_the_package_and_feed_the_planner():
 
     assert C.PRESET_DIR.parent == Path(C.__file__).resolve().parent  # package data, not the checkout
     assert CLUSTER_DIR.is_relative_to(C.PRESET_DIR) and any(CLUSTER_DIR.glob("*.toml"))
-    data = C.tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["loom"]
+    data = C.tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "loom"
+    ]
     assert {"configs/*.toml", "configs/clusters/*.toml"} <= set(data)
     assert set(MODELS) == set(C.presets()) and MODELS["llama3-70b"].n_layers == 80  # one source of shapes
     with pytest.raises(C.ConfigError, match="unknown preset 'llama9'; known: debug"):
@@ -117,8 +121,11 @@ def test_cli_rejects_before_start(tmp_path, args, needle):
     t0 = time.perf_counter()
     p = subprocess.run(
         [sys.executable, "-m", "loom", "train", "--run.dir", str(run_dir), *args],
-        capture_output=True, text=True, cwd=ROOT, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert p.returncode == 2
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("loom: error:")
@@ -126,17 +133,20 @@ def test_cli_rejects_before_start(tmp_path, args, needle):
     assert time.perf_counter() - t0 < 30
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--train.lr", "nan"], "train.lr: must be a finite number"),
-    (["--train.lr", "inf"], "train.lr: must be a finite number"),
-    (["--train.eps", "-1e-8"], "train.eps: must be > 0"),
-    (["--model.rope_theta", "0"], "model.rope_theta: must be > 0"),
-    (["--train.seed", "-3"], "train.seed: must be >= 0"),
-    (["--train.global_batch", "0"], "train.global_batch: must be >= 1"),
-    (["--run.master_port", "70000"], "run.master_port: must be in [0, 65535]"),
-    (["--train.weight_decay", "-0.1"], "train.weight_decay: must be >= 0"),
-    (["--model.norm_eps", "0"], "model.norm_eps: must be > 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--train.lr", "nan"], "train.lr: must be a finite number"),
+        (["--train.lr", "inf"], "train.lr: must be a finite number"),
+        (["--train.eps", "-1e-8"], "train.eps: must be > 0"),
+        (["--model.rope_theta", "0"], "model.rope_theta: must be > 0"),
+        (["--train.seed", "-3"], "train.seed: must be >= 0"),
+        (["--train.global_batch", "0"], "train.global_batch: must be >= 1"),
+        (["--run.master_port", "70000"], "run.master_port: must be in [0, 65535]"),
+        (["--train.weight_decay", "-0.1"], "train.weight_decay: must be >= 0"),
+        (["--model.norm_eps", "0"], "model.norm_eps: must be > 0"),
+    ],
+)
 def test_numeric_fields_are_bounded_and_finite(args, needle):
     cfg = C.apply_overrides(C.LoomConfig(), args)
     with pytest.raises(C.ConfigError, match=re.escape(needle)) as e:
@@ -149,17 +159,28 @@ def test_explicit_degrees_must_agree_with_nproc(capsys, tmp_path):
 
     assert main(["train", "--run.dir", str(tmp_path / "r"), "--nproc", "2", "--parallel.dp", "3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("loom: error: run.nproc: 2 ranks, but parallel.dp*tp*pp*cp = 3*1*1*1 = 3; give --nproc 3, "
-                   "or leave parallel.dp unset so it follows run.nproc")  # fmt: skip
+    assert err == (
+        "loom: error: run.nproc: 2 ranks, but parallel.dp*tp*pp*cp = 3*1*1*1 = 3; give --nproc 3, "
+        "or leave parallel.dp unset so it follows run.nproc"
+    )
     assert not (tmp_path / "r").exists()
 
 
 def test_stale_launcher_variables_are_named(monkeypatch, capsys, tmp_path):
     from loom.cli import main
 
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("MASTER_")}
-                        | {"RANK": "0", "WORLD_SIZE": "2"})  # fmt: skip
+    monkeypatch.setattr(
+        os,
+        "environ",
+        {k: v for k, v in os.environ.items() if not k.startswith("MASTER_")}
+        | {"RANK": "0", "WORLD_SIZE": "2"},
+    )
     assert main(["train", "--run.dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("loom: error: environment: RANK=0 and WORLD_SIZE=2 are set but MASTER_ADDR and "
-                          "MASTER_PORT are not") and "\n" not in err  # fmt: skip
+    assert (
+        err.startswith(
+            "loom: error: environment: RANK=0 and WORLD_SIZE=2 are set but MASTER_ADDR and "
+            "MASTER_PORT are not"
+        )
+        and "\n" not in err
+    )

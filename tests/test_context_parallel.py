@@ -45,8 +45,14 @@ LAYOUTS = {
 # (the ring's p2p beside pp's p2p and ZeRO-3's gathers; alltoall's heads split again by tp), every
 # mode runs cp2, cp4 and recomputation.
 CASES = [(n, m) for n in ("cp2", "cp2 recompute", "cp4") for m in MODES] + [
-    ("cp2 x dp2", "ring"), ("cp2 x dp2 zero3", "ring"), ("cp2 x dp2 zero3", "alltoall"), ("cp2 x tp2 sp", "alltoall"),
-    ("cp2 x tp2 sp", "ring"), ("pp2 x cp2", "ring"), ("pp2 x cp2", "allgather"), ("cp2 x dp2", "allgather"),
+    ("cp2 x dp2", "ring"),
+    ("cp2 x dp2 zero3", "ring"),
+    ("cp2 x dp2 zero3", "alltoall"),
+    ("cp2 x tp2 sp", "alltoall"),
+    ("cp2 x tp2 sp", "ring"),
+    ("pp2 x cp2", "ring"),
+    ("pp2 x cp2", "allgather"),
+    ("cp2 x dp2", "allgather"),
 ]
 
 
@@ -60,14 +66,20 @@ def test_context_parallel_equals_single_process(pools, reference, name, mode):
     world, layout = LAYOUTS[name]
     results = pools(world).run(train_layout, layout | {"cp_mode": mode}, STEPS, BATCH, MICRO)
     for r in results:
-        assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), **TOL, msg=lambda m: f"{name}: {m}")
+        assert_close(
+            torch.tensor(r["losses"]), torch.tensor(reference["losses"]), **TOL, msg=lambda m: f"{name}: {m}"
+        )
     for r in results:
         if r["state"] is not None:
             for k, v in reference["state"].items():
                 assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{name} {k}: {m}")
 
 
-BYTES_CASES = [("cp2", m) for m in MODES] + [("cp2 recompute", m) for m in MODES] + [("cp4", "ring"), ("cp4", "alltoall")]
+BYTES_CASES = (
+    [("cp2", m) for m in MODES]
+    + [("cp2 recompute", m) for m in MODES]
+    + [("cp4", "ring"), ("cp4", "alltoall")]
+)
 
 
 @pytest.mark.parametrize("name,mode", BYTES_CASES, ids=[f"{n}-{m}" for n, m in BYTES_CASES])
@@ -84,7 +96,9 @@ def test_context_parallel_bytes_equal_formula(pools, name, mode):
     total = cp_comm_bytes(MICRO, SEQ, kv, cfg.n_layers, cp, 4, BATCH // MICRO, full, mode, q, cfg.head_dim)
     fwd, bwd = cp_layer_bytes(MICRO, SEQ, kv, cp, 4, mode, q, cfg.head_dim)
     assert total == (fwd * (1 + full) + bwd) * cfg.n_layers * BATCH // MICRO > 0
-    kinds = {"allgather": ("all_gather", "reduce_scatter"), "ring": ("send",), "alltoall": ("all_to_all",)}[mode]
+    kinds = {"allgather": ("all_gather", "reduce_scatter"), "ring": ("send",), "alltoall": ("all_to_all",)}[
+        mode
+    ]
     for r in pools(world).run(train_layout, layout | {"cp_mode": mode}, 2, BATCH, MICRO):
         for moved in r["moved"]:
             assert sum(moved.get(k, 0) for k in kinds) == total
@@ -92,9 +106,16 @@ def test_context_parallel_bytes_equal_formula(pools, name, mode):
                 assert moved["reduce_scatter"] == total // (3 if full else 2)
 
 
-CALL_CASES = [("cp2", "allgather"), ("cp2 recompute", "allgather"), ("cp2 x dp2", "allgather"),
-              ("cp2 x dp2 zero3", "allgather"), ("cp2 recompute", "ring"), ("cp4", "ring"),
-              ("cp2 recompute", "alltoall"), ("cp2 x dp2 zero3", "alltoall")]  # fmt: skip
+CALL_CASES = [
+    ("cp2", "allgather"),
+    ("cp2 recompute", "allgather"),
+    ("cp2 x dp2", "allgather"),
+    ("cp2 x dp2 zero3", "allgather"),
+    ("cp2 recompute", "ring"),
+    ("cp4", "ring"),
+    ("cp2 recompute", "alltoall"),
+    ("cp2 x dp2 zero3", "alltoall"),
+]
 
 
 @pytest.mark.parametrize("name,mode", CALL_CASES, ids=[f"{n}-{m}" for n, m in CALL_CASES])
@@ -107,11 +128,21 @@ def test_collective_calls_equal_the_planners(pools, name, mode):
     from loom.plan.hardware import ClusterSpec
 
     world, layout = LAYOUTS[name]
-    planner = CostModel(tiny_model(), Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", world))
+    planner = CostModel(
+        tiny_model(), Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", world)
+    )
     dp = layout.get("dp_replicate", 1) * layout.get("dp_shard", 1)
-    expected = planner.collective_calls(Layout(dp=dp, dp_shard=layout.get("dp_shard", 1), cp=layout["cp"],
-                                               zero=layout.get("zero", 0), micro_batch=MICRO, cp_mode=mode,
-                                               recompute=layout.get("recompute", "none")))  # fmt: skip
+    expected = planner.collective_calls(
+        Layout(
+            dp=dp,
+            dp_shard=layout.get("dp_shard", 1),
+            cp=layout["cp"],
+            zero=layout.get("zero", 0),
+            micro_batch=MICRO,
+            cp_mode=mode,
+            recompute=layout.get("recompute", "none"),
+        )
+    )
     for r in pools(world).run(train_layout, layout | {"cp_mode": mode}, 2, BATCH, MICRO):
         assert r["calls"] == [expected] * 2
 
@@ -128,8 +159,9 @@ def test_planner_models_each_mode_and_picks_per_layout():
     from loom.plan.hardware import ClusterSpec
     from loom.plan.search import search
 
-    mc = ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
-                     max_seq_len=131072)  # fmt: skip
+    mc = ModelConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, max_seq_len=131072
+    )
     s, cp, B = 131072, 8, 2
     cm = CostModel(mc, Workload(8, s, precision="bf16"), ClusterSpec.single_node("h100-sxm", 8, 8))
     acts = {m: cm.layer_activation(Layout(cp=cp, cp_mode=m))[0] for m in ("allgather", "ring", "alltoall")}
@@ -162,7 +194,9 @@ def _saved_per_layer(cp: int, mode: str) -> tuple[dict, int]:
     apply_context_parallel(model, mesh, cfg)
     x = torch.randint(0, cfg.model.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
     ((local, _),) = shard_sequence([(x, x)], cp, mesh.local_rank("cp"))
-    return measure_layer_bytes(model, local), activation_bytes_per_layer(cfg.model, 2, SEQ, cp=cp, cp_mode=mode)
+    return measure_layer_bytes(model, local), activation_bytes_per_layer(
+        cfg.model, 2, SEQ, cp=cp, cp_mode=mode
+    )
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -178,9 +212,25 @@ def test_bad_context_parallel_configs_fail_in_one_line():
     from loom import config as C
 
     for overrides, message in [
-        (["--parallel.cp", "2", "--data.seq_len", "30", "--model.max_seq_len", "64"], "divisible by 2*parallel.cp=4"),
-        (["--parallel.cp", "2", "--parallel.cp_mode", "alltoall", "--model.n_heads", "3", "--model.n_kv_heads", "3",
-          "--model.dim", "48"], "parallel.cp_mode: alltoall splits the 3 query heads"),
+        (
+            ["--parallel.cp", "2", "--data.seq_len", "30", "--model.max_seq_len", "64"],
+            "divisible by 2*parallel.cp=4",
+        ),
+        (
+            [
+                "--parallel.cp",
+                "2",
+                "--parallel.cp_mode",
+                "alltoall",
+                "--model.n_heads",
+                "3",
+                "--model.n_kv_heads",
+                "3",
+                "--model.dim",
+                "48",
+            ],
+            "parallel.cp_mode: alltoall splits the 3 query heads",
+        ),
     ]:
         cfg = C.apply_overrides(C.LoomConfig(), overrides)
         with pytest.raises(C.ConfigError) as e:
@@ -188,7 +238,11 @@ def test_bad_context_parallel_configs_fail_in_one_line():
         assert message in str(e.value) and "\n" not in str(e.value)
 
 
-PACKED_CASES = [("cp2", m) for m in MODES] + [("cp2 recompute", "ring"), ("cp4", "ring"), ("cp4", "allgather")]
+PACKED_CASES = [("cp2", m) for m in MODES] + [
+    ("cp2 recompute", "ring"),
+    ("cp4", "ring"),
+    ("cp4", "allgather"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -269,8 +323,11 @@ def dropout_ring(pools):
     return pools(2).run(_seeded_train, {"cp": 2, "cp_mode": "ring"}, 4)
 
 
-@pytest.mark.parametrize("layout", [{"cp_mode": "allgather"}, {"cp_mode": "ring", "recompute": "full"}],
-                         ids=["allgather", "ring recompute"])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout",
+    [{"cp_mode": "allgather"}, {"cp_mode": "ring", "recompute": "full"}],
+    ids=["allgather", "ring recompute"],
+)
 def test_dropout_under_cp_replays_the_same_masks(pools, dropout_ring, reference, layout):
     """With attention and residual dropout (p = 0.1): allgather draws each block's mask from the same
     seed as ring, and recomputation replays every mask, so both equal the ring run; dropout is on
@@ -285,7 +342,10 @@ def test_dropout_under_cp_replays_the_same_masks(pools, dropout_ring, reference,
 
 def test_dropout_alltoall_recompute_replays(pools):
     """alltoall drops on its heads in the flash call; recomputation replays those masks too."""
-    runs = [pools(2).run(_seeded_train, {"cp": 2, "cp_mode": "alltoall"} | extra, 3) for extra in ({}, {"recompute": "full"})]
+    runs = [
+        pools(2).run(_seeded_train, {"cp": 2, "cp_mode": "alltoall"} | extra, 3)
+        for extra in ({}, {"recompute": "full"})
+    ]
     for r, ref in zip(*runs, strict=True):
         assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL)
         for k, v in ref["state"].items():
@@ -328,16 +388,32 @@ def test_blocks_merged_by_log_sum_exp_equal_sdpa(monkeypatch, fused, packed):
     ref = F.scaled_dot_product_attention(*ref_in, attn_mask=mask, is_causal=not packed, enable_gqa=True)
     grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
     ref.backward(grad)
-    parts = [(slice(0, 4), slice(0, 4), True), (slice(4, 8), slice(4, 8), True), (slice(4, 8), slice(0, 4), False)]
+    parts = [
+        (slice(0, 4), slice(0, 4), True),
+        (slice(4, 8), slice(4, 8), True),
+        (slice(4, 8), slice(0, 4), False),
+    ]
     out, lse = torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=q.dtype)
     masks = [blocks.doc_mask(docs[:, qs], docs[:, ks], c, q.dtype) if packed else None for qs, ks, c in parts]
     for (qs, ks, c), m in zip(parts, masks, strict=True):
-        blocks.merge(out[:, :, qs], lse[:, :, qs], *blocks.attend(q[:, :, qs], k[:, :, ks], v[:, :, ks], c and m is None, m))
+        blocks.merge(
+            out[:, :, qs],
+            lse[:, :, qs],
+            *blocks.attend(q[:, :, qs], k[:, :, ks], v[:, :, ks], c and m is None, m),
+        )
     assert_close(out, ref.detach())
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for (qs, ks, c), m in zip(parts, masks, strict=True):
-        gq, gk, gv = blocks.attend_backward(grad[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
-                                            lse[:, :, qs], c and m is None, m)  # fmt: skip
+        gq, gk, gv = blocks.attend_backward(
+            grad[:, :, qs],
+            q[:, :, qs],
+            k[:, :, ks],
+            v[:, :, ks],
+            out[:, :, qs],
+            lse[:, :, qs],
+            c and m is None,
+            m,
+        )
         dq[:, :, qs] += gq
         dk[:, :, ks] += gk
         dv[:, :, ks] += gv

@@ -355,7 +355,9 @@ def _corpus(path, mb, seed=0):
     rng, n = random.Random(seed), 0
     with path.open("w") as f:
         while n < mb * 1e6:
-            line = json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(50, 800)))}) + "\n"
+            line = (
+                json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(50, 800)))}) + "\n"
+            )
             f.write(line)
             n += len(line)
     return path
@@ -371,10 +373,26 @@ def test_prepare_memory_is_flat_in_corpus_size(tmp_path, cache):
     import sys
 
     cap = 1 << 20
-    small, big = _corpus(tmp_path / "small.jsonl", 0.2, seed=1), _corpus(tmp_path / "big.jsonl", 20 * cap / 1e6)
+    small, big = (
+        _corpus(tmp_path / "small.jsonl", 0.2, seed=1),
+        _corpus(tmp_path / "big.jsonl", 20 * cap / 1e6),
+    )
     tok = prepare_data(DataConfig(source=str(small), vocab_size=400), progress=False).tokenizer_path
-    out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(small), str(big), str(tok), str(16 * 1024),
-                          str(tmp_path / "out")], capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            MEMORY_CHILD,
+            str(small),
+            str(big),
+            str(tok),
+            str(16 * 1024),
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["tokens"] > 20 * cap / 17  # the corpus was tokenized (one token per word and space)
@@ -505,8 +523,11 @@ def test_binary_and_undecodable_input_is_named(tmp_path, caplog):
     latin = tmp_path / "latin" / "doc.txt"
     latin.parent.mkdir()
     latin.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
-    with pytest.raises(ConfigError, match=r"doc.txt is not UTF-8 \(byte 3: b'\\xe9'\); fix the file or set "
-                                          r"data.errors = replace"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"doc.txt is not UTF-8 \(byte 3: b'\\xe9'\); fix the file or set "
+        r"data.errors = replace",
+    ):
         read_documents(str(latin))
     with caplog.at_level(logging.WARNING, logger="loom"):
         assert read_documents(str(latin), errors="replace") == ["caf\ufffd cr\ufffdme"]
@@ -522,7 +543,9 @@ def test_binary_and_undecodable_input_is_named(tmp_path, caplog):
 
 
 def _prepared(tmp_path, **kw):
-    return prepare_data(DataConfig(source=str(write_txt_dir(tmp_path / "c")), vocab_size=300, **kw), progress=False)
+    return prepare_data(
+        DataConfig(source=str(write_txt_dir(tmp_path / "c")), vocab_size=300, **kw), progress=False
+    )
 
 
 def test_sample_spans_cover_small_files_and_spread_over_large_ones():
@@ -551,7 +574,9 @@ def test_load_checks_sampled_blocks_and_verify_checks_every_byte(tmp_path, monke
     ids[middle] = (int(ids[middle]) + 1) % p.vocab_size  # still a valid id, outside the sampled blocks
     ids.flush()
     PreparedData.load(p.dir)  # the cheap check does not read it
-    with pytest.raises(ValueError, match=rf"data.prepared_dir: {p.train_path} differs from the SHA-256 recorded"):
+    with pytest.raises(
+        ValueError, match=rf"data.prepared_dir: {p.train_path} differs from the SHA-256 recorded"
+    ):
         prepare_mod.verify_full(p.dir)
     ids[3] = (int(ids[3]) + 1) % p.vocab_size  # inside the first block
     ids.flush()
@@ -564,7 +589,9 @@ def test_out_of_vocabulary_ids_are_refused_on_load_and_on_read(tmp_path, monkeyp
     ids = np.memmap(p.train_path, dtype=np.uint16, mode="r+")
     ids[77] = p.vocab_size + 5
     ids.flush()
-    with pytest.raises(ValueError, match=rf"{p.train_path} holds token id {p.vocab_size + 5} at token 77, outside"):
+    with pytest.raises(
+        ValueError, match=rf"{p.train_path} holds token id {p.vocab_size + 5} at token 77, outside"
+    ):
         PreparedData.load(p.dir)
     # a file too large to scan on load (pretend): its batches are checked as they are read
     monkeypatch.setattr(prepare_mod, "SCAN_BYTES", 0)
@@ -594,8 +621,11 @@ def test_parquet_binary_text_is_decoded_and_bad_rows_named(tmp_path):
     torn.parent.mkdir()
     pq.write_table(pa.table({"text": ["a" * 1000] * 50}), torn)
     torn.write_bytes(torn.read_bytes()[:200] + torn.read_bytes()[-300:])
-    with pytest.raises(ConfigError, match=r"data.source: .*t.parquet (is not a readable parquet file|cannot be read "
-                                          r"at row \d+)"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"data.source: .*t.parquet (is not a readable parquet file|cannot be read "
+        r"at row \d+)",
+    ):
         read_documents(str(torn))
 
 
@@ -608,7 +638,9 @@ def test_disk_full_while_preparing_names_the_file(tmp_path, cache, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(ConfigError, match=r"data.prepared_dir: cannot write .*/train.bin: No space left on device") as e:
+    with pytest.raises(
+        ConfigError, match=r"data.prepared_dir: cannot write .*/train.bin: No space left on device"
+    ) as e:
         _prepared(tmp_path)
     assert "\n" not in str(e.value)
     assert list((cache / "data").iterdir()) == []  # nothing half-written kept
@@ -647,7 +679,9 @@ def test_packed_batch_equals_each_document_alone(tmp_path, positions):
     for s, e in zip(bounds, bounds[1:]):
         alone = model(x[:, s:e])
         alone_logits.append(alone)
-        target = y[:, s : e - 1]  # the document's own next tokens (the end token's target is the next document)
+        target = y[
+            :, s : e - 1
+        ]  # the document's own next tokens (the end token's target is the next document)
         packed_losses.append(loss_fn(packed[:, s : e - 1], target))
         alone_losses.append(loss_fn(alone[:, :-1], target))
     torch.testing.assert_close(packed, torch.cat(alone_logits, dim=1))
@@ -685,26 +719,42 @@ def test_packed_training_equals_single_process(pools, packed_reference, name):
     from tests.helpers import train_layout
 
     ref = packed_reference
-    for r in pools(2).run(train_layout, PACKED_LAYOUTS[name], PACK_STEPS, PACK_BATCH, PACK_MICRO, packed=True):
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-5)
+    for r in pools(2).run(
+        train_layout, PACKED_LAYOUTS[name], PACK_STEPS, PACK_BATCH, PACK_MICRO, packed=True
+    ):
+        torch.testing.assert_close(
+            torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-5
+        )
         if r["state"] is not None:
             for k, v in ref["state"].items():
-                torch.testing.assert_close(r["state"][k], v, rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
+                torch.testing.assert_close(
+                    r["state"][k], v, rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}"
+                )
 
 
 # ----------------------------------------------------------------------------- chat and instruction data
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _chats(n: int = 8, long_every: int = 0) -> list[dict]:
     out = []
     for i in range(n):
         reply = f"answer {i}: " + ("la " * 200 if long_every and i % long_every == 1 else f"x = {i * 7}")
-        out.append({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}?"},
-                                 {"role": "assistant", "content": reply}, {"role": "user", "content": "thanks"},
-                                 {"role": "assistant", "content": f"ok {i}"}]})  # fmt: skip
+        out.append(
+            {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": f"q{i}?"},
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "thanks"},
+                    {"role": "assistant", "content": f"ok {i}"},
+                ]
+            }
+        )
     return out
 
 
@@ -738,9 +788,13 @@ def test_chat_labels_only_assistant_turns(tmp_path, cache):
     # rendered with the template; trained: each assistant message's content and its <|im_end|>\n, then EOT
     tok = load_tokenizer(p.dir)
     rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in chats[0]["messages"])
-    assert tok.decode(np.fromfile(p.train_path, p.dtype).tolist(), skip_special_tokens=False).startswith(rendered + EOT)
-    expected = "".join("".join(f"{m['content']}<|im_end|>\n" for m in c["messages"] if m["role"] == "assistant")
-                       + EOT for c in chats[:6])  # fmt: skip
+    assert tok.decode(np.fromfile(p.train_path, p.dtype).tolist(), skip_special_tokens=False).startswith(
+        rendered + EOT
+    )
+    expected = "".join(
+        "".join(f"{m['content']}<|im_end|>\n" for m in c["messages"] if m["role"] == "assistant") + EOT
+        for c in chats[:6]
+    )
     assert _trained_text(p) == expected
     assert meta["trained_tokens"]["train"] == int(np.fromfile(p.dir / "train.mask.bin", np.uint8).sum())
     # batches: targets are -100 wherever the target token is not trained on
@@ -791,11 +845,15 @@ def test_chat_and_instruction_records_refused_naming_the_line(tmp_path, cache):
         with pytest.raises(ConfigError) as e:
             prepare_data(DataConfig(source=str(jl), format=fmt, vocab_size=300), progress=False)
         assert "\n" not in str(e.value) and all(w in str(e.value) for w in (f"{jl}:", *words)), str(e.value)
-        assert not (cache / "data").exists() or not list((cache / "data").iterdir())  # nothing half-written kept
+        assert not (cache / "data").exists() or not list(
+            (cache / "data").iterdir()
+        )  # nothing half-written kept
 
     good = _chats(2)
     refused([*good, {"messages": [{"role": "user", "content": "hi"}]}], "chat", ":3", "no assistant turn")
-    refused([*good, {"messages": [{"role": "wizard", "content": "hi"}]}], "chat", ":3", "unknown role 'wizard'")
+    refused(
+        [*good, {"messages": [{"role": "wizard", "content": "hi"}]}], "chat", ":3", "unknown role 'wizard'"
+    )
     refused([{"messages": "hello"}, *good], "chat", ":1", "'messages'")
     refused([{"prompt": "p"}, {"prompt": "a", "completion": "b"}], "prompt_completion", ":1", "'completion'")
     with pytest.raises(ValueError, match="data.format: chat needs a data.source"):
@@ -829,19 +887,25 @@ def test_mixture_sources_cached_and_sampled_by_weight(tmp_path, cache, caplog):
     assert read_documents(str(tmp_path / "saved"), text_field="body") == other  # read through `datasets`
     assert read_documents(str(gz)) == DOCS
 
-    toml = f'[data]\nvocab_size = 300\n[[data.sources]]\npath = "{gz}"\nweight = 3\n[[data.sources]]\npath = "{tmp_path / "saved"}"\nweight = 1\ntext_field = "body"\n'  # noqa: E501
+    toml = f'[data]\nvocab_size = 300\n[[data.sources]]\npath = "{gz}"\nweight = 3\n[[data.sources]]\npath = "{tmp_path / "saved"}"\nweight = 1\ntext_field = "body"\n'
     (tmp_path / "mix.toml").write_text(toml)
     cfg = C.load(str(tmp_path / "mix.toml"), [])
-    assert cfg.data.sources == [SourceConfig(str(gz), 3.0), SourceConfig(str(tmp_path / "saved"), 1.0, "body")]
-    assert C.from_dict(C.tomllib.loads(C.dump_toml(cfg))).data.sources == cfg.data.sources  # config.toml round trip
+    assert cfg.data.sources == [
+        SourceConfig(str(gz), 3.0),
+        SourceConfig(str(tmp_path / "saved"), 1.0, "body"),
+    ]
+    assert (
+        C.from_dict(C.tomllib.loads(C.dump_toml(cfg))).data.sources == cfg.data.sources
+    )  # config.toml round trip
     with caplog.at_level("INFO", logger="loom"):
         prepared = prepare_sources(cfg.data, progress=False)
     assert "data source 1" in caplog.text and "25.0% of sequences" in caplog.text
     assert len({p.dir for p in prepared}) == 2
     assert prepared[0].tokenizer_path.read_bytes() == prepared[1].tokenizer_path.read_bytes()
     tok = load_tokenizer(prepared[1].dir)
-    assert tok.decode(np.fromfile(prepared[1].train_path, prepared[1].dtype).tolist(), skip_special_tokens=False) \
-        .startswith(other[0] + EOT)  # fmt: skip
+    assert tok.decode(
+        np.fromfile(prepared[1].train_path, prepared[1].dtype).tolist(), skip_special_tokens=False
+    ).startswith(other[0] + EOT)
     stamps = [(p.dir / "meta.json").stat().st_mtime_ns for p in prepared]
     assert prepare_sources(cfg.data, progress=False) == prepared  # cached: loaded, not prepared again
     assert [(p.dir / "meta.json").stat().st_mtime_ns for p in prepared] == stamps
@@ -857,7 +921,9 @@ def test_mixture_sources_cached_and_sampled_by_weight(tmp_path, cache, caplog):
             assert torch.equal(x[row], sets[k].window(w)[:-1])
         halves = [MixtureSampler(sets, [3, 1], 8, 2, r, 2, seed=5).micro_batches(step) for r in (0, 1)]
         assert torch.equal(torch.cat([b[0] for h in halves for b in h]), x)  # dp ranks concatenate to it
-        assert torch.equal(torch.cat([b[0] for b in one.micro_batches(step)]), x)  # a pure function of the step
+        assert torch.equal(
+            torch.cat([b[0] for b in one.micro_batches(step)]), x
+        )  # a pure function of the step
     assert {k for s in range(4) for k, _ in one.picks(s)} == {0, 1}
     with pytest.raises(ValueError, match="data.sources"):
         MixtureSampler(sets, [1, 0], 8, 4)
@@ -865,8 +931,15 @@ def test_mixture_sources_cached_and_sampled_by_weight(tmp_path, cache, caplog):
     # a chat source beside a text one: its rows carry -100 outside the assistant turns, the text rows none
     chat = tmp_path / "chat.jsonl"
     chat.write_text("".join(json.dumps(c) + "\n" for c in _chats(12)))
-    mixed = C.from_dict({"data": {"vocab_size": 300, "seq_len": 64, "sources": [
-        {"path": str(gz)}, {"path": str(chat), "format": "chat", "weight": 1}]}})  # fmt: skip
+    mixed = C.from_dict(
+        {
+            "data": {
+                "vocab_size": 300,
+                "seq_len": 64,
+                "sources": [{"path": str(gz)}, {"path": str(chat), "format": "chat", "weight": 1}],
+            }
+        }
+    )
     C.validate(mixed, 1)
     both = prepare_sources(mixed.data, progress=False)
     assert both[0].tokenizer_path.read_bytes() == prepared[0].tokenizer_path.read_bytes()

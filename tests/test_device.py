@@ -12,15 +12,18 @@ import torch
 from loom import config as C
 
 
-@pytest.mark.parametrize("name,precision,tf32,key,flops", [
-    ("NVIDIA H100 80GB HBM3", "bf16", False, "h100-sxm", 989.5e12),
-    ("NVIDIA H100 80GB HBM3", "fp32", False, "h100-sxm", 67e12),  # true FP32: TF32 is off by default
-    ("NVIDIA H100 80GB HBM3", "fp32", True, "h100-sxm", 494.5e12),
-    ("NVIDIA H100 PCIe", "fp16", False, "h100-pcie", 756e12),
-    ("NVIDIA A100-SXM4-40GB", "fp32", False, "a100-40g", 19.5e12),
-    ("NVIDIA A100-SXM4-80GB", "bf16", False, "a100-80g", 312e12),
-    ("AMD Instinct MI300X", "bf16", False, "mi300x", 1307.4e12),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,precision,tf32,key,flops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", False, "h100-sxm", 989.5e12),
+        ("NVIDIA H100 80GB HBM3", "fp32", False, "h100-sxm", 67e12),  # true FP32: TF32 is off by default
+        ("NVIDIA H100 80GB HBM3", "fp32", True, "h100-sxm", 494.5e12),
+        ("NVIDIA H100 PCIe", "fp16", False, "h100-pcie", 756e12),
+        ("NVIDIA A100-SXM4-40GB", "fp32", False, "a100-40g", 19.5e12),
+        ("NVIDIA A100-SXM4-80GB", "bf16", False, "a100-80g", 312e12),
+        ("AMD Instinct MI300X", "bf16", False, "mi300x", 1307.4e12),
+    ],
+)
 def test_mfu_peak_comes_from_the_hardware_table(name, precision, tf32, key, flops):
     from loom.plan.hardware import DEVICES, device_key, mfu_peak
 
@@ -37,13 +40,24 @@ def test_unknown_devices_are_measured_in_the_run_dtype(monkeypatch):
     assert table("NVIDIA GeForce RTX 4090", "bf16", False) is None
     seen = []
     monkeypatch.setattr(mfu, "measure_gemm_flops", lambda device, dtype: seen.append(dtype) or 1e12)
-    assert mfu.mfu_peak(torch.device("cpu"), "bf16") == (1e12, "measured bfloat16 GEMM on cpu "
-                                                                 f"({torch.get_num_threads()} threads)")  # fmt: skip
+    assert mfu.mfu_peak(torch.device("cpu"), "bf16") == (
+        1e12,
+        f"measured bfloat16 GEMM on cpu ({torch.get_num_threads()} threads)",
+    )
     assert seen == [torch.bfloat16]
 
 
-@pytest.mark.parametrize("name", ["NVIDIA H100 NVL", "NVIDIA GH200 480GB", "NVIDIA GB200",
-                                  "NVIDIA GeForce RTX 4090", "NVIDIA H800", "AMD Instinct MI250X"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "NVIDIA H100 NVL",
+        "NVIDIA GH200 480GB",
+        "NVIDIA GB200",
+        "NVIDIA GeForce RTX 4090",
+        "NVIDIA H800",
+        "AMD Instinct MI250X",
+    ],
+)
 def test_parts_with_other_datasheets_are_not_given_a_known_peak(name):
     """A name containing a known part (H100 in H100 NVL, H200 in GH200, B200 in GB200) is not that part."""
     from loom.plan.hardware import device_key
@@ -51,17 +65,25 @@ def test_parts_with_other_datasheets_are_not_given_a_known_peak(name):
     assert device_key(name) is None
 
 
-@pytest.mark.parametrize("matmul_precision,precision,flops", [
-    ("highest", "fp32", 67e12), ("high", "fp32", 494.5e12), ("highest", "bf16", 989.5e12),
-    ("high", "bf16", 989.5e12), ("highest", "fp16", 989.5e12),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "matmul_precision,precision,flops",
+    [
+        ("highest", "fp32", 67e12),
+        ("high", "fp32", 494.5e12),
+        ("highest", "bf16", 989.5e12),
+        ("high", "bf16", 989.5e12),
+        ("highest", "fp16", 989.5e12),
+    ],
+)
 def test_trainer_peak_of_a_cuda_device_by_its_name(monkeypatch, matmul_precision, precision, flops):
     """The trainer's path: torch.cuda.get_device_name -> table row -> the run's dtype; fp32 counts
     TF32 tensor cores only when torch's matmul precision lets fp32 matmuls use them."""
     from loom.train import mfu
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(mfu, "measure_gemm_flops", lambda device, dtype: pytest.fail("a known GPU is not timed"))
+    monkeypatch.setattr(
+        mfu, "measure_gemm_flops", lambda device, dtype: pytest.fail("a known GPU is not timed")
+    )
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision(matmul_precision)
@@ -72,7 +94,9 @@ def test_trainer_peak_of_a_cuda_device_by_its_name(monkeypatch, matmul_precision
     assert source.startswith("datasheet h100-sxm")
 
 
-@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
+@pytest.mark.parametrize(
+    "precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]
+)
 def test_unknown_cuda_devices_time_a_gemm_in_the_run_dtype(monkeypatch, precision, dtype):
     from loom.train import mfu
 
@@ -170,11 +194,19 @@ def test_trainer_reads_the_clock_after_a_device_sync(monkeypatch, tmp_path_facto
     from loom.data import prepare_data
     from loom.train import trainer as T
 
-    cfg = C.from_dict({"model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
-                       "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
-                       "train": {"steps": 2, "global_batch": 2, "micro_batch": 2, "log_every": 1, "eval_every": 0},
-                       "run": {"progress": False, "tensorboard": False, "threads": 1,
-                               "dir": str(tmp_path_factory.mktemp("run"))}})  # fmt: skip
+    cfg = C.from_dict(
+        {
+            "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
+            "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
+            "train": {"steps": 2, "global_batch": 2, "micro_batch": 2, "log_every": 1, "eval_every": 0},
+            "run": {
+                "progress": False,
+                "tensorboard": False,
+                "threads": 1,
+                "dir": str(tmp_path_factory.mktemp("run")),
+            },
+        }
+    )
     os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     cfg.data.prepared_dir = str(prepare_data(cfg.data, progress=False).dir)
     events = []

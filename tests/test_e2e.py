@@ -25,13 +25,16 @@ def env(tmp_path_factory):
 
 
 def _loom(args, env, **kw):
-    return subprocess.run([sys.executable, "-m", "loom", *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, **kw)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "loom", *args], env=env, cwd=ROOT, capture_output=True, text=True, **kw
+    )
 
 
 def test_train_two_ranks_then_generate(tmp_path, env):
     run = tmp_path / "run"
-    p = _loom(["train", "configs/debug.toml", "--run.dir", str(run), "--train.steps", "30", *TINY], env, timeout=300)
+    p = _loom(
+        ["train", "configs/debug.toml", "--run.dir", str(run), "--train.steps", "30", *TINY], env, timeout=300
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
@@ -43,7 +46,9 @@ def test_train_two_ranks_then_generate(tmp_path, env):
     assert (run / "config.toml").exists() and (run / "tokenizer.json").exists()
     assert any((run / "tensorboard").iterdir())
     assert (run / "checkpoints" / "final" / "model.safetensors").exists()
-    g = _loom(["generate", "--run.dir", str(run), "--prompt", "def ", "--max_new_tokens", "20"], env, timeout=120)
+    g = _loom(
+        ["generate", "--run.dir", str(run), "--prompt", "def ", "--max_new_tokens", "20"], env, timeout=120
+    )
     assert g.returncode == 0, g.stderr[-2000:]
     assert g.stdout.startswith("def ") and len(g.stdout.strip()) > 10
 
@@ -68,10 +73,25 @@ def _worker_pids(parent: int) -> list[int]:
 def _start_and_signal(tmp_path, env, signal_of) -> tuple[subprocess.Popen, str, list[int], Path]:
     """Start a long 2-rank run, wait until it logs, send ``signal_of(launcher_pid, rank_pids)``."""
     run = tmp_path / "run"
-    args = ["train", "configs/debug.toml", "--run.dir", str(run), "--train.steps", "100000", "--train.log_every", "1",
-            *TINY]  # fmt: skip
-    p = subprocess.Popen([sys.executable, "-m", "loom", *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    args = [
+        "train",
+        "configs/debug.toml",
+        "--run.dir",
+        str(run),
+        "--train.steps",
+        "100000",
+        "--train.log_every",
+        "1",
+        *TINY,
+    ]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "loom", *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 240
         metrics = run / "metrics.jsonl"

@@ -19,7 +19,9 @@ TRAIN_TOL = dict(rtol=1e-4, atol=5e-5)  # weights after 8 Adam steps (as tests/t
 LORA = dict(method="lora", lora_rank=4, lora_alpha=8.0, lora_targets="all-linear")
 
 
-def lora_cfg(layout: dict | None = None, model_kw: dict | None = None, steps: int = STEPS, **ft) -> C.LoomConfig:
+def lora_cfg(
+    layout: dict | None = None, model_kw: dict | None = None, steps: int = STEPS, **ft
+) -> C.LoomConfig:
     """The tiny model with LoRA (``ft`` over :data:`LORA`) under ``layout`` (mesh degrees, zero, sp)."""
     layout = layout or {}
     cfg = C.LoomConfig(model=tiny_model(**(model_kw or {})), train=tiny_train(steps=steps))
@@ -27,7 +29,12 @@ def lora_cfg(layout: dict | None = None, model_kw: dict | None = None, steps: in
     cfg.data.seq_len = SEQ
     cfg.train.global_batch, cfg.train.micro_batch = BATCH, layout.get("micro", MICRO)
     p = cfg.parallel
-    p.tp, p.pp, p.sp, p.zero = layout.get("tp", 1), layout.get("pp", 1), layout.get("sp", False), layout.get("zero", 0)
+    p.tp, p.pp, p.sp, p.zero = (
+        layout.get("tp", 1),
+        layout.get("pp", 1),
+        layout.get("sp", False),
+        layout.get("zero", 0),
+    )
     p.dp_shard, p.cp, p.ep = layout.get("dp_shard", -1), layout.get("cp", 1), layout.get("ep", 1)
     p.reshard_after_forward = layout.get("reshard_after_forward", True)
     cfg.train.recompute = layout.get("recompute", "none")
@@ -63,18 +70,29 @@ def train_lora(layout: dict | None = None, model_kw: dict | None = None, steps: 
         meter.reset()
         batches = rank_micro_batches(step, BATCH, cfg.train.micro_batch, dp_rank, dp)
         batches = shard_sequence(batches, mesh.size("cp"), mesh.local_rank("cp"))
-        losses.append(train_step(run, batches, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp_cp")).loss)
+        losses.append(
+            train_step(run, batches, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp_cp")).loss
+        )
         moved.append(meter.total_moved)
     state = run.strategy.full_state_dict()
     adapters = None if state is None else {k: v.clone() for k, v in state.items() if ".lora_" in k}
     base = None if state is None else {k: v.clone() for k, v in state.items() if ".lora_" not in k}
     layouts = getattr(run.strategy, "layouts", getattr(getattr(run.strategy, "inner", None), "layouts", []))
-    return {"losses": losses, "moved": moved, "adapters": adapters, "base": base, "bytes": run.strategy.state_bytes(),
-            "flat": [(lay.numel, lay.padded, lay.world) for lay in layouts],
-            "trainable": sum(p.numel() for p in run.model.parameters() if p.requires_grad),
-            "frozen": sum(p.numel() for p in dict.fromkeys(run.model.parameters()) if not p.requires_grad),
-            "frozen_flat": [(f.layout.numel, f.layout.padded * f.full.element_size())
-                            for u in getattr(run.strategy, "units", []) for f in u.frozen]}  # fmt: skip
+    return {
+        "losses": losses,
+        "moved": moved,
+        "adapters": adapters,
+        "base": base,
+        "bytes": run.strategy.state_bytes(),
+        "flat": [(lay.numel, lay.padded, lay.world) for lay in layouts],
+        "trainable": sum(p.numel() for p in run.model.parameters() if p.requires_grad),
+        "frozen": sum(p.numel() for p in dict.fromkeys(run.model.parameters()) if not p.requires_grad),
+        "frozen_flat": [
+            (f.layout.numel, f.layout.padded * f.full.element_size())
+            for u in getattr(run.strategy, "units", [])
+            for f in u.frozen
+        ],
+    }
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -108,7 +126,9 @@ def test_lora_dropout_only_while_training():
 
     torch.manual_seed(0)
     base = torch.nn.Linear(6, 4)
-    lin = LoRALinear(base, C.FinetuneConfig(**(LORA | {"lora_rank": 2, "lora_alpha": 2.0, "lora_dropout": 0.5})))
+    lin = LoRALinear(
+        base, C.FinetuneConfig(**(LORA | {"lora_rank": 2, "lora_alpha": 2.0, "lora_dropout": 0.5}))
+    )
     a, b = torch.randn(2, 6), torch.randn(4, 2)
     lin.lora_A.weight, lin.lora_B.weight = torch.nn.Parameter(a), torch.nn.Parameter(b)
     x = torch.randn(50, 6)
@@ -193,7 +213,12 @@ def test_lora_layout_equals_single_process(pools, reference, name):
     n = adapter_numel(lora_cfg())
     for r in results:
         b, flat = r["bytes"], r["flat"]
-        if name in ("dp2", "tp2_sp", "pp2", "cp2"):  # replicated optimizer (tp / pp: this rank's share of the adapters)
+        if name in (
+            "dp2",
+            "tp2_sp",
+            "pp2",
+            "cp2",
+        ):  # replicated optimizer (tp / pp: this rank's share of the adapters)
             assert b["grad_bytes"] == 4 * r["trainable"] and b["optim_bytes"] == 8 * r["trainable"]
             assert b["frozen_bytes"] == 4 * r["frozen"]  # the base, whole (or this rank's tp / pp share)
             if name in ("dp2", "cp2"):
@@ -205,14 +230,23 @@ def test_lora_layout_equals_single_process(pools, reference, name):
             assert b["grad_bytes"] == 4 * (padded if name == "zero1" else padded // 2)
             if not name.startswith("zero3"):
                 assert b["frozen_bytes"] == 4 * r["frozen"]  # ZeRO-1/2: the base replicated
-        if name.startswith("zero3"):  # the frozen base is sharded too: 4 bytes per element over N, unit by unit
+        if name.startswith(
+            "zero3"
+        ):  # the frozen base is sharded too: 4 bytes per element over N, unit by unit
             assert b["param_bytes"] == 4 * padded // 2
             assert sum(numel for numel, _ in r["frozen_flat"]) == r["frozen"] == reference["frozen"]
             assert b["frozen_bytes"] == sum(p for _, p in r["frozen_flat"]) // 2
 
 
-@pytest.mark.parametrize("layout", [{"pp": 2, "dp_shard": 2, "zero": 3}, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3},
-                                    {"pp": 2, "dp_shard": 2, "zero": 1}], ids=["pp2_zero3", "tp2_sp_zero3", "pp2_zero1"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"pp": 2, "dp_shard": 2, "zero": 3},
+        {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3},
+        {"pp": 2, "dp_shard": 2, "zero": 1},
+    ],
+    ids=["pp2_zero3", "tp2_sp_zero3", "pp2_zero1"],
+)
 def test_lora_4_ranks_equals_single_process(pools, reference, layout):
     """Two dimensions at once: the frozen base sharded by ZeRO-3 under a pipeline or under tp + sp."""
     _check_same(pools(4).run(train_lora, layout), reference)
@@ -232,21 +266,35 @@ def _check_tp_bytes(results: list[dict], cfg: C.LoomConfig) -> None:
 
     tp, sp, k = cfg.parallel.tp, cfg.parallel.sp, BATCH // MICRO
     for r in results:
-        assert r["moved"] == [pytest.approx(lora_comm_bytes(cfg, MICRO, SEQ, tp, sp, micro_batches=k))] * STEPS
+        assert (
+            r["moved"] == [pytest.approx(lora_comm_bytes(cfg, MICRO, SEQ, tp, sp, micro_batches=k))] * STEPS
+        )
 
 
-@pytest.mark.parametrize("ft,model_kw,field,says", [
-    ({"lora_targets": "q,gate"}, {}, "finetune.lora_targets", "unknown target 'gate'; valid: q, k, v, o, w1, w2, w3"),
-    ({"lora_rank": 0}, {}, "finetune.lora_rank", "must be >= 1, got 0"),
-    ({"lora_alpha": -1.0}, {}, "finetune.lora_alpha", "must be > 0"),
-    ({"lora_dropout": 1.0}, {}, "finetune.lora_dropout", "must be in [0, 1)"),
-    ({"lora_targets": "w3"}, {"mlp": "gelu"}, "finetune.lora_targets", "nothing to target"),
-    ({"lora_targets": "w1"}, {"n_experts": 4}, "finetune.lora_targets", "mixture of experts"),
-    ({"lora_targets": ","}, {}, "finetune.lora_targets", "nothing to target"),
-    ({"method": "qlora"}, {"dim": 36, "n_heads": 3, "n_kv_heads": 3, "ffn_dim": 40}, "finetune.method",
-     "layers.*.attention.wq.weight (36 x 36 = 1296 elements, not a multiple of the 64-element NF4 block)"),
-    ({"method": "qlora"}, {}, "finetune.method", "qlora with parallel.tp = 2 is not supported"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "ft,model_kw,field,says",
+    [
+        (
+            {"lora_targets": "q,gate"},
+            {},
+            "finetune.lora_targets",
+            "unknown target 'gate'; valid: q, k, v, o, w1, w2, w3",
+        ),
+        ({"lora_rank": 0}, {}, "finetune.lora_rank", "must be >= 1, got 0"),
+        ({"lora_alpha": -1.0}, {}, "finetune.lora_alpha", "must be > 0"),
+        ({"lora_dropout": 1.0}, {}, "finetune.lora_dropout", "must be in [0, 1)"),
+        ({"lora_targets": "w3"}, {"mlp": "gelu"}, "finetune.lora_targets", "nothing to target"),
+        ({"lora_targets": "w1"}, {"n_experts": 4}, "finetune.lora_targets", "mixture of experts"),
+        ({"lora_targets": ","}, {}, "finetune.lora_targets", "nothing to target"),
+        (
+            {"method": "qlora"},
+            {"dim": 36, "n_heads": 3, "n_kv_heads": 3, "ffn_dim": 40},
+            "finetune.method",
+            "layers.*.attention.wq.weight (36 x 36 = 1296 elements, not a multiple of the 64-element NF4 block)",
+        ),
+        ({"method": "qlora"}, {}, "finetune.method", "qlora with parallel.tp = 2 is not supported"),
+    ],
+)
 def test_bad_finetune_input_is_one_line(ft, model_kw, field, says):
     cfg = lora_cfg({"tp": 2} if "tp = 2" in says else {}, model_kw=model_kw, **ft)
     with pytest.raises(C.ConfigError) as e:
@@ -259,11 +307,21 @@ def test_bad_finetune_input_is_one_line(ft, model_kw, field, says):
 
 TRAIN = {
     "data": {"seq_len": 32, "vocab_size": 384, "max_corpus_mb": 0.3},
-    "train": {"steps": 4, "global_batch": 4, "micro_batch": 2, "warmup_steps": 1, "log_every": 1, "eval_every": 0,
-              "checkpoint_every": 2, "checkpoint_async": False, "checkpoint_keep": 0, "lr": 1e-2},
+    "train": {
+        "steps": 4,
+        "global_batch": 4,
+        "micro_batch": 2,
+        "warmup_steps": 1,
+        "log_every": 1,
+        "eval_every": 0,
+        "checkpoint_every": 2,
+        "checkpoint_async": False,
+        "checkpoint_keep": 0,
+        "lr": 1e-2,
+    },
     "run": {"progress": False, "tensorboard": False, "threads": 1},
     "finetune": {"method": "lora", "lora_rank": 4, "lora_alpha": 8.0},
-}  # fmt: skip
+}
 
 
 def save_tiny_hf(path, family: str = "llama", vocab: int = 384, seed: int = 0):
@@ -271,13 +329,24 @@ def save_tiny_hf(path, family: str = "llama", vocab: int = 384, seed: int = 0):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     if family == "gpt2":
-        hf_cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=64)
+        hf_cfg = transformers.GPT2Config(
+            vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=64
+        )
         model = transformers.GPT2LMHeadModel(hf_cfg)
     else:
-        cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[family]
-        hf_cfg = getattr(transformers, cls[0])(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                               tie_word_embeddings=False)  # fmt: skip
+        cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[
+            family
+        ]
+        hf_cfg = getattr(transformers, cls[0])(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
         model = getattr(transformers, cls[1])(hf_cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -373,10 +442,15 @@ def test_lora_resume_is_exact(lora_run, prepared, hf_base, tmp_path):
     run, losses = lora_run
     resumed = tmp_path / "run"
     shutil.copytree(run / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
-    cfg = hf_lora_config(prepared, hf_base, resumed, train={"resume": str(resumed / "checkpoints" / "step-00000002")})
+    cfg = hf_lora_config(
+        prepared, hf_base, resumed, train={"resume": str(resumed / "checkpoints" / "step-00000002")}
+    )
     again = trainer_fit(cfg)
     assert again == losses[2:]
-    with CheckpointReader(run / "checkpoints" / "step-00000004") as a, CheckpointReader(resumed / "checkpoints" / "step-00000004") as b:
+    with (
+        CheckpointReader(run / "checkpoints" / "step-00000004") as a,
+        CheckpointReader(resumed / "checkpoints" / "step-00000004") as b,
+    ):
         for name in a.names():
             assert torch.equal(a.read(name), b.read(name)), name
 
@@ -418,12 +492,18 @@ def _loom_lora_model(path, targets: str = "all-linear", seed: int = 3):
     with torch.no_grad():
         for mod in model.modules():
             if hasattr(mod, "lora_A"):
-                mod.lora_A.weight = torch.nn.Parameter(torch.randn(mod.lora_A.weight.shape, generator=g) * 0.2)
-                mod.lora_B.weight = torch.nn.Parameter(torch.randn(mod.lora_B.weight.shape, generator=g) * 0.2)
+                mod.lora_A.weight = torch.nn.Parameter(
+                    torch.randn(mod.lora_A.weight.shape, generator=g) * 0.2
+                )
+                mod.lora_B.weight = torch.nn.Parameter(
+                    torch.randn(mod.lora_B.weight.shape, generator=g) * 0.2
+                )
     return cfg, model.eval()
 
 
-@pytest.mark.parametrize("family,targets", [("gpt2", "all-linear"), ("gpt2", "q,v,w2"), ("qwen2", "q,k,o,w3")])
+@pytest.mark.parametrize(
+    "family,targets", [("gpt2", "all-linear"), ("gpt2", "q,v,w2"), ("qwen2", "q,k,o,w3")]
+)
 def test_peft_export_loads_with_equal_logits(tmp_path, family, targets):
     """Adapters under PEFT's names (the names PEFT itself saves) and its config: PeftModel.from_pretrained
     on the Hugging Face base gives Loom's LoRA logits; GPT-2's q, k, v as one block-diagonal c_attn."""
@@ -436,17 +516,33 @@ def test_peft_export_loads_with_equal_logits(tmp_path, family, targets):
 
     base = save_tiny_hf(tmp_path / "base", family, vocab=128)
     cfg, model = _loom_lora_model(tmp_path / "base", targets)
-    pairs = {f"{name}.weight": (m.lora_A.weight.detach(), m.lora_B.weight.detach())
-             for name, m in model.named_modules() if hasattr(m, "lora_A")}  # fmt: skip
+    pairs = {
+        f"{name}.weight": (m.lora_A.weight.detach(), m.lora_B.weight.detach())
+        for name, m in model.named_modules()
+        if hasattr(m, "lora_A")
+    }
     tensors, config = peft_state(cfg, pairs)
     out = tmp_path / "adapter"
     out.mkdir()
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps(config))
     theirs = peft.PeftModel.from_pretrained(base, str(out)).eval()
-    ref = peft.get_peft_model(save_tiny_hf(tmp_path / "b2", family, vocab=128),
-                              peft.LoraConfig(**{k: config[k] for k in ("r", "lora_alpha", "target_modules",
-                                                                        "fan_in_fan_out", "rank_pattern", "alpha_pattern")}))  # fmt: skip
+    ref = peft.get_peft_model(
+        save_tiny_hf(tmp_path / "b2", family, vocab=128),
+        peft.LoraConfig(
+            **{
+                k: config[k]
+                for k in (
+                    "r",
+                    "lora_alpha",
+                    "target_modules",
+                    "fan_in_fan_out",
+                    "rank_pattern",
+                    "alpha_pattern",
+                )
+            }
+        ),
+    )
     ref.save_pretrained(tmp_path / "ref")
     from safetensors import safe_open
 
@@ -475,7 +571,9 @@ def test_peft_export_and_merged_export_of_a_run(lora_run, hf_base, tmp_path):
     loom = Transformer(cfg.model)
     loom.load_state_dict(state, strict=False)
     x = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0))
-    theirs = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_base), str(tmp_path / "adapter"))
+    theirs = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(hf_base), str(tmp_path / "adapter")
+    )
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     with torch.no_grad():
         want = loom.eval()(x)
@@ -487,7 +585,9 @@ def test_peft_export_and_merged_export_of_a_run(lora_run, hf_base, tmp_path):
         export_hf(run, tmp_path / "plain")
     from loom.train.export import load_model
 
-    final = Transformer(cfg.model)  # the run's final model.safetensors: merged, as a full run's (loom generate)
+    final = Transformer(
+        cfg.model
+    )  # the run's final model.safetensors: merged, as a full run's (loom generate)
     load_model(final, run / "checkpoints" / "final" / "model.safetensors")
     with torch.no_grad():
         assert_close(final.eval()(x), want)
@@ -515,10 +615,20 @@ def test_training_equals_transformers_plus_peft(hf_base):
     run = build_run(cfg, ParallelMesh(ParallelDims(), "cpu"), model, source=source(hf))
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 384, (4, 17), generator=g) for _ in range(6)]
-    ours = [train_step(run, [(b[:, :-1], b[:, 1:])], 1.0, lr_at(s, cfg.train), None).loss for s, b in enumerate(batches)]
+    ours = [
+        train_step(run, [(b[:, :-1], b[:, 1:])], 1.0, lr_at(s, cfg.train), None).loss
+        for s, b in enumerate(batches)
+    ]
 
-    names = {"q_proj": "attention.wq", "k_proj": "attention.wk", "v_proj": "attention.wv", "o_proj": "attention.wo",
-             "gate_proj": "feed_forward.w1", "up_proj": "feed_forward.w3", "down_proj": "feed_forward.w2"}  # fmt: skip
+    names = {
+        "q_proj": "attention.wq",
+        "k_proj": "attention.wk",
+        "v_proj": "attention.wv",
+        "o_proj": "attention.wo",
+        "gate_proj": "feed_forward.w1",
+        "up_proj": "feed_forward.w3",
+        "down_proj": "feed_forward.w2",
+    }
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_base)
     lcfg = peft.LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules=list(names))
     theirs_model = peft.get_peft_model(hf_model, lcfg)
@@ -528,11 +638,18 @@ def test_training_equals_transformers_plus_peft(hf_base):
                 i, leaf = name.split("layers.")[1].split(".")[0], name.rsplit(".", 1)[1]
                 loom_name = f"layers.{i}.{names[leaf]}.lora_A.weight"
                 a = mod.lora_A["default"].weight
-                a.copy_(lora_init_value(cfg.train.seed, loom_name, tuple(a.shape)))  # A acts on inputs: no row order
+                a.copy_(
+                    lora_init_value(cfg.train.seed, loom_name, tuple(a.shape))
+                )  # A acts on inputs: no row order
                 assert not mod.lora_B["default"].weight.any()
     params = [p for p in theirs_model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
-                            weight_decay=cfg.train.weight_decay)  # fmt: skip
+    opt = torch.optim.AdamW(
+        params,
+        lr=cfg.train.lr,
+        betas=(cfg.train.beta1, cfg.train.beta2),
+        eps=cfg.train.eps,
+        weight_decay=cfg.train.weight_decay,
+    )
     theirs = []
     for s, b in enumerate(batches):
         logits = theirs_model(input_ids=b[:, :-1]).logits
@@ -600,7 +717,9 @@ def test_qlora_base_bytes_and_loss_near_lora(reference):
     q = train_lora(method="qlora")
     fb = ("frozen_bytes",)
     assert q["trainable"] == reference["trainable"]
-    assert {k: v for k, v in q["bytes"].items() if k not in fb} == {k: v for k, v in reference["bytes"].items() if k not in fb}
+    assert {k: v for k, v in q["bytes"].items() if k not in fb} == {
+        k: v for k, v in reference["bytes"].items() if k not in fb
+    }
     assert max(abs(a - b) for a, b in zip(q["losses"], reference["losses"])) < 0.005  # measured 6e-4
     cfg = lora_cfg(method="qlora")
     C.validate(cfg, 1)
@@ -614,12 +733,17 @@ def test_qlora_base_bytes_and_loss_near_lora(reference):
     assert 0.5 < measured / n < 0.5 + 1 / 64 + 8 / 512 + 1e-9
     # the rank's frozen bytes: LoRA's base with the targets' 4n bytes replaced by their NF4 bytes
     assert q["bytes"]["frozen_bytes"] == reference["bytes"]["frozen_bytes"] - 4 * n + measured
-    assert not any(n.rsplit(".", 1)[-1] == "weight" and "lora" not in n and ("attention.w" in n or "feed_forward" in n)
-                   for n, _ in model.named_parameters())  # fmt: skip
+    assert not any(
+        n.rsplit(".", 1)[-1] == "weight" and "lora" not in n and ("attention.w" in n or "feed_forward" in n)
+        for n, _ in model.named_parameters()
+    )
 
 
-@pytest.mark.parametrize("layout", [{"dp_shard": 2, "zero": 2}, {"dp_shard": 2, "zero": 3}, {"pp": 2}],
-                         ids=["zero2", "zero3", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [{"dp_shard": 2, "zero": 2}, {"dp_shard": 2, "zero": 3}, {"pp": 2}],
+    ids=["zero2", "zero3", "pp2"],
+)
 def test_qlora_sharded_equals_single_process_qlora(pools, layout):
     """QLoRA under ZeRO-2 (each rank quantizes the same whole weights alike) and ZeRO-3, where the NF4
     codes, absmaxes and factors of each block are flat buffers of their unit (one per dtype), sharded
@@ -640,8 +764,9 @@ def test_qlora_sharded_equals_single_process_qlora(pools, layout):
             assert r["bytes"]["frozen_bytes"] < (nf4 + 4 * (r["frozen"] - nf4)) // 2 + 2 * 16 * 3 * 8
 
 
-@pytest.mark.parametrize("layout", [{"ep": 2, "dp_replicate": 2}, {"ep": 2, "dp_shard": 2, "zero": 3}],
-                         ids=["ep2", "ep2_zero3"])
+@pytest.mark.parametrize(
+    "layout", [{"ep": 2, "dp_replicate": 2}, {"ep": 2, "dp_shard": 2, "zero": 3}], ids=["ep2", "ep2_zero3"]
+)
 def test_lora_on_moe_under_ep2_equals_single_process(pools, layout):
     """A mixture-of-experts model: attention adapters trained, experts and router frozen, under ep2
     (with ZeRO-3 the frozen experts are sharded over their edp group, the rest over dp)."""
@@ -659,7 +784,10 @@ def test_export_commands(lora_run, tmp_path, capsys):
 
     run, _ = lora_run
     assert main(["export", "peft", str(run), str(tmp_path / "a")]) == 0
-    assert {p.name for p in (tmp_path / "a").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    assert {p.name for p in (tmp_path / "a").iterdir()} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
     assert main(["export", "hf", str(run), str(tmp_path / "m"), "--merge-lora"]) == 0
     assert (tmp_path / "m" / "config.json").is_file() and (tmp_path / "m" / "tokenizer.json").is_file()
     assert main(["export", "hf", str(run), str(tmp_path / "p")]) != 0
@@ -679,8 +807,13 @@ def test_peft_export_of_a_full_run_is_one_line(prepared, hf_base, tmp_path):
     assert not (tmp_path / "adapter").exists()
     from loom.train.trainer import RankEnv, Trainer  # LoRA resuming a full run's checkpoint: refused
 
-    with pytest.raises(C.ConfigError, match="holds every weight .a full fine-tune.; this run has finetune.method = lora"):
-        Trainer(hf_lora_config(prepared, hf_base, tmp_path / "lora", train={"resume": str(run)}), RankEnv(0, 1, 0, 1))
+    with pytest.raises(
+        C.ConfigError, match="holds every weight .a full fine-tune.; this run has finetune.method = lora"
+    ):
+        Trainer(
+            hf_lora_config(prepared, hf_base, tmp_path / "lora", train={"resume": str(run)}),
+            RankEnv(0, 1, 0, 1),
+        )
 
 
 def test_base_identity_of_the_seeded_init_and_of_a_checkpoint(lora_run):
@@ -698,8 +831,11 @@ def test_base_identity_of_the_seeded_init_and_of_a_checkpoint(lora_run):
     a.train.init_from = str(run)
     got = base_identity(a)
     ckpt = run / "checkpoints" / "step-00000004"
-    assert got == {"kind": "checkpoint", "path": str(ckpt.resolve()),
-                   "sha256": hashlib.sha256((ckpt / "manifest.json").read_bytes()).hexdigest()}  # fmt: skip
+    assert got == {
+        "kind": "checkpoint",
+        "path": str(ckpt.resolve()),
+        "sha256": hashlib.sha256((ckpt / "manifest.json").read_bytes()).hexdigest(),
+    }
     assert base_identity(C.LoomConfig()) is None  # a full fine-tune is bound to no base
 
 
@@ -727,7 +863,9 @@ def test_zero3_frees_frozen_blocks_during_backward(pools):
         assert peak < 4 * max(blocks) < sum(blocks)
 
 
-@pytest.mark.parametrize("method,precision,zero", [("lora", "fp32", 0), ("lora", "bf16", 2), ("qlora", "bf16", 3)])
+@pytest.mark.parametrize(
+    "method,precision,zero", [("lora", "fp32", 0), ("lora", "bf16", 2), ("qlora", "bf16", 3)]
+)
 def test_state_bytes_formula_of_a_finetune(pools, method, precision, zero):
     """Per rank between steps, measured = :func:`loom.finetune.lora.state_bytes_formula` (what a
     benchmark or planner can predict), up to the flat buffers' padding (< 1%)."""
@@ -743,8 +881,10 @@ def test_state_bytes_formula_of_a_finetune(pools, method, precision, zero):
         assert got == {k: pytest.approx(v, rel=0.01) for k, v in want.items()}
 
 
-@pytest.mark.parametrize("method,precision,zero", [("lora", "fp32", 0), ("lora", "bf16", 2), ("qlora", "bf16", 3),
-                                                   ("lora", "fp32", 3)])  # fmt: skip
+@pytest.mark.parametrize(
+    "method,precision,zero",
+    [("lora", "fp32", 0), ("lora", "bf16", 2), ("qlora", "bf16", 3), ("lora", "fp32", 3)],
+)
 def test_planner_state_of_a_finetune_equals_the_formula(method, precision, zero):
     """The planner's weights, gradients and optimizer state of a LoRA/QLoRA rank (frozen base W bytes
     a parameter, or NF4 on the targets; adapters trained) equal :func:`state_bytes_formula`, which the

@@ -28,7 +28,9 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from loom import config as C
 
 FIELDS: dict[str, typing.Any] = {
-    f"{section}.{name}": typ for section, cls in C.SECTIONS.items() for name, typ in C._field_types(cls).items()
+    f"{section}.{name}": typ
+    for section, cls in C.SECTIONS.items()
+    for name, typ in C._field_types(cls).items()
 }
 DEFAULTS = C.to_dict(C.LoomConfig())
 NAMES = "|".join(re.escape(f) for f in sorted(FIELDS, key=len, reverse=True))
@@ -37,8 +39,16 @@ NAMES_A_FIELD = re.compile(rf"(?<![\w.])({NAMES})(?![a-z_])|^--[a-z_-]+:")
 # Whole-layout products, which name the degrees they multiply rather than one field.
 LAYOUT = re.compile(r"^parallel: (world size \d+ is not divisible by tp\*pp\*cp|dp\*tp\*pp\*cp = )")
 # Fields whose value is a path: odd strings there would read (or write) wherever they point.
-PATHS = {"data.source", "data.prepared_dir", "data.tokenizer", "model.from_hf", "train.resume", "train.init_from",
-         "run.dir", "parallel.offload_dir"}  # fmt: skip
+PATHS = {
+    "data.source",
+    "data.prepared_dir",
+    "data.tokenizer",
+    "model.from_hf",
+    "train.resume",
+    "train.init_from",
+    "run.dir",
+    "parallel.offload_dir",
+}
 # New draws on every local run (a failure prints its blob); under CI the draws are fixed, so a
 # submission never fails on a draw nobody saw before: explore locally, gate reproducibly.
 SETTINGS = {"database": None, "deadline": None, "print_blob": True, "derandomize": bool(os.environ.get("CI"))}
@@ -59,16 +69,31 @@ def values(name: str) -> st.SearchStrategy:
     if typ is bool:
         return st.one_of(st.booleans(), st.sampled_from(["yes", "off", "maybe", "", 2, 0.5]), wrong)
     if typ is int:
-        near = st.sampled_from(sorted({default, default - 1, default + 1, -1, 0, 1, 2, 3, 4, 8, 64, 2**31, -(2**63)}))
-        return st.one_of(near, st.integers(-(10**6), 10**6), st.sampled_from(["7", "1_000", "1e3", "x", 1.5, True]), wrong)
+        near = st.sampled_from(
+            sorted({default, default - 1, default + 1, -1, 0, 1, 2, 3, 4, 8, 64, 2**31, -(2**63)})
+        )
+        return st.one_of(
+            near, st.integers(-(10**6), 10**6), st.sampled_from(["7", "1_000", "1e3", "x", 1.5, True]), wrong
+        )
     if typ is float:
-        special = st.sampled_from([0.0, -0.0, 1.0, -1.0, 1e-12, 1e308, math.inf, -math.inf, math.nan, default])
-        return st.one_of(special, st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5),
-                         st.sampled_from(["1e-3", "nan", "-inf", "fast", False]), wrong)  # fmt: skip
+        special = st.sampled_from(
+            [0.0, -0.0, 1.0, -1.0, 1e-12, 1e308, math.inf, -math.inf, math.nan, default]
+        )
+        return st.one_of(
+            special,
+            st.floats(allow_nan=True, allow_infinity=True),
+            st.integers(-5, 5),
+            st.sampled_from(["1e-3", "nan", "-inf", "fast", False]),
+            wrong,
+        )
     if name in PATHS:
         return st.one_of(st.sampled_from(["", " ", "/nonexistent/x", "/dev/null", default]), wrong)
-    return st.one_of(st.text(max_size=12), st.sampled_from(["", " ", "none", "every:2", "mlp=fp8", "0-0", default]),
-                     st.integers(-3, 3), wrong)  # fmt: skip
+    return st.one_of(
+        st.text(max_size=12),
+        st.sampled_from(["", " ", "none", "every:2", "mlp=fp8", "0-0", default]),
+        st.integers(-3, 3),
+        wrong,
+    )
 
 
 @st.composite
@@ -184,9 +209,26 @@ TRAINABLE: dict[str, st.SearchStrategy] = {
     "parallel.bucket_mb": st.floats(0.01, 50.0),
     "parallel.reduce_dtype": st.sampled_from(["fp32", "bf16"]),
 }
-DEBUG = ["--data.max_corpus_mb", "0.1", "--data.vocab_size", "300", "--run.nproc", "1", "--train.steps", "1",
-         "--train.eval_every", "0", "--train.log_every", "1", "--run.progress", "false", "--run.tensorboard", "false",
-         "--run.threads", "1"]  # fmt: skip
+DEBUG = [
+    "--data.max_corpus_mb",
+    "0.1",
+    "--data.vocab_size",
+    "300",
+    "--run.nproc",
+    "1",
+    "--train.steps",
+    "1",
+    "--train.eval_every",
+    "0",
+    "--train.log_every",
+    "1",
+    "--run.progress",
+    "false",
+    "--run.tensorboard",
+    "false",
+    "--run.threads",
+    "1",
+]
 
 
 @st.composite

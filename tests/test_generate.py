@@ -30,8 +30,19 @@ SAMPLED = SamplingOptions(max_new_tokens=30, temperature=1.0, top_k=40, top_p=0.
 
 
 def _model(family: str, seq: int = 32):
-    fields = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=seq, multiple_of=16,
-                  init_std=0.2) | FAMILIES[family]  # fmt: skip
+    fields = (
+        dict(
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            vocab_size=128,
+            max_seq_len=seq,
+            multiple_of=16,
+            init_std=0.2,
+        )
+        | FAMILIES[family]
+    )
     return build_model(C.ModelConfig(**fields), seed=1).eval()  # type: ignore[arg-type]
 
 
@@ -54,7 +65,9 @@ def test_cached_logits_equal_the_training_forward(family):
         for t in range(12, 20):
             assert_close(forward_cached(model, ids[:, t : t + 1], cache), full[:, t : t + 1])
         assert torch.equal(model(ids), full)
-    assert cache.length == 20 and cache.nbytes == 2 * 2 * 1 * model.cfg.n_kv_heads * 20 * model.cfg.head_dim * 4
+    assert (
+        cache.length == 20 and cache.nbytes == 2 * 2 * 1 * model.cfg.n_kv_heads * 20 * model.cfg.head_dim * 4
+    )
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -115,8 +128,11 @@ HF = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 2}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"num_key_value_heads": 2, "head_dim": 32}),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_inner": 96}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_key_value_heads": 2, "num_local_experts": 4,
-                                                        "num_experts_per_tok": 2}),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
 }
 
 
@@ -124,8 +140,16 @@ def _save_hf(tmp: Path, family: str, vocab: int = 128) -> tuple[Path, torch.nn.M
     transformers = pytest.importorskip("transformers")
     cfg_cls, model_cls, extra = HF[family]
     torch.manual_seed(0)
-    fields = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=64, tie_word_embeddings=False, rope_theta=1e4)  # fmt: skip
+    fields = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        rope_theta=1e4,
+    )
     model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**(fields | extra))).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -149,8 +173,15 @@ def test_greedy_tokens_from_an_hf_directory_equal_transformers_generate(tmp_path
     ours = generate_cached(model, prompts, opts).tokens
     for prompt, mine in zip(prompts, ours, strict=True):
         x = torch.tensor([prompt])
-        theirs = ref.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24,
-                              min_new_tokens=24, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        theirs = ref.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=24,
+            min_new_tokens=24,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         assert mine == theirs[0, len(prompt) :].tolist()
     assert len({t for row in ours for t in row}) > 8
 
@@ -190,16 +221,35 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_cli_on_an_hf_directory_prints_the_completion_and_its_speed(hf_dir, capsys):
     from loom.generate.source import load_hf
 
-    rc, out, err = _run(capsys, "--model.from_hf", str(hf_dir), "--prompt", "the cat", "--max-new-tokens", "12",
-                        "--temperature", "0")  # fmt: skip
+    rc, out, err = _run(
+        capsys,
+        "--model.from_hf",
+        str(hf_dir),
+        "--prompt",
+        "the cat",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0",
+    )
     assert rc == 0 and out.startswith("the cat")
     assert "generated 12 tokens for 1 prompt(s)" in err and "tokens/s (KV cache" in err
     src = load_hf(str(hf_dir))
     ids = src.tokenizer.encode("the cat").ids
     want = generate_uncached(src.model, [ids], SamplingOptions(max_new_tokens=12, temperature=0)).tokens[0]
     assert out == "the cat" + src.tokenizer.decode(want) + "\n"
-    rc, out2, err = _run(capsys, "--model.from_hf", str(hf_dir), "--prompt", "the cat", "--max-new-tokens", "12",
-                         "--temperature", "0", "--no-cache")  # fmt: skip
+    rc, out2, err = _run(
+        capsys,
+        "--model.from_hf",
+        str(hf_dir),
+        "--prompt",
+        "the cat",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--no-cache",
+    )
     assert rc == 0 and out2 == out and "no cache" in err
 
 
@@ -210,20 +260,50 @@ def test_chat_applies_the_tokenizers_template_with_its_generation_prompt(hf_dir,
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the dog"}]
     assert src.render(messages) == "[system] be brief\n[user] the dog\n[assistant] "
     ids = src.encode(messages, chat=True)
-    assert ids == src.tokenizer.encode("[system] be brief\n[user] the dog\n[assistant] ", add_special_tokens=False).ids
-    rc, out, _ = _run(capsys, "--model.from_hf", str(hf_dir), "--prompt", "the dog", "--chat", "--max-new-tokens", "8",
-                      "--temperature", "0")  # fmt: skip
-    want = generate_cached(src.model, [src.encode("the dog", chat=True)], SamplingOptions(max_new_tokens=8, temperature=0))
+    assert (
+        ids
+        == src.tokenizer.encode(
+            "[system] be brief\n[user] the dog\n[assistant] ", add_special_tokens=False
+        ).ids
+    )
+    rc, out, _ = _run(
+        capsys,
+        "--model.from_hf",
+        str(hf_dir),
+        "--prompt",
+        "the dog",
+        "--chat",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+    )
+    want = generate_cached(
+        src.model, [src.encode("the dog", chat=True)], SamplingOptions(max_new_tokens=8, temperature=0)
+    )
     assert rc == 0 and out == src.tokenizer.decode(want.tokens[0]) + "\n"
 
 
 def test_prompt_files_in_batches_equal_one_by_one_and_stop_strings_cut(hf_dir, tmp_path, capsys):
     lines = ["the cat", "a dog ran over green hills and", "birds", "on a mat"]
     (tmp_path / "p.txt").write_text("\n".join(lines) + "\n\n")
-    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in lines[:2]) + "\n" +
-                                      "\n".join(json.dumps(p) for p in lines[2:]))  # fmt: skip
-    common = ["--model.from_hf", str(hf_dir), "--max-new-tokens", "10", "--temperature", "0.9", "--top-p", "0.9",
-              "--seed", "5"]  # fmt: skip
+    (tmp_path / "p.jsonl").write_text(
+        "\n".join(json.dumps({"prompt": p}) for p in lines[:2])
+        + "\n"
+        + "\n".join(json.dumps(p) for p in lines[2:])
+    )
+    common = [
+        "--model.from_hf",
+        str(hf_dir),
+        "--max-new-tokens",
+        "10",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "5",
+    ]
     singles = []
     for p in lines:
         rc, out, _ = _run(capsys, *common, "--prompt", p)
@@ -237,7 +317,9 @@ def test_prompt_files_in_batches_equal_one_by_one_and_stop_strings_cut(hf_dir, t
     stop = next(c for c in singles[0] if c.strip())  # a character the first completion contains
     rc, out, _ = _run(capsys, *common, "--prompts", str(tmp_path / "p.txt"), "--stop", stop, "--stop", "zzz")
     got = [json.loads(line)["completion"] for line in out.splitlines()]
-    assert rc == 0 and got == [s[: s.find(stop)] if stop in s else s for s in singles] and got[0] != singles[0]
+    assert (
+        rc == 0 and got == [s[: s.find(stop)] if stop in s else s for s in singles] and got[0] != singles[0]
+    )
 
 
 def _run_dir(tmp: Path) -> Path:
@@ -249,8 +331,16 @@ def _run_dir(tmp: Path) -> Path:
     (run / "checkpoints" / "final").mkdir(parents=True)
     tok = _tokenizer(run)
     cfg = C.LoomConfig()
-    cfg.model = C.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=tok.get_vocab_size(),
-                              max_seq_len=32, multiple_of=16, init_std=0.2)  # fmt: skip
+    cfg.model = C.ModelConfig(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=tok.get_vocab_size(),
+        max_seq_len=32,
+        multiple_of=16,
+        init_std=0.2,
+    )
     (run / "config.toml").write_text(C.dump_toml(cfg))
     weights = run / "checkpoints" / "final" / "model.safetensors"
     save_model(build_model(cfg.model, seed=2), weights)
@@ -264,9 +354,21 @@ def test_run_directory_with_the_builtin_chat_template(tmp_path, capsys):
     run = _run_dir(tmp_path)
     src = load_run(str(run))
     assert src.render([{"role": "user", "content": "hi"}]) == "<|user|>\nhi\n<|assistant|>\n"
-    rc, out, err = _run(capsys, "--run.dir", str(run), "--prompt", "the", "--chat", "--max-new-tokens", "6",
-                        "--temperature", "0")  # fmt: skip
-    want = generate_uncached(src.model, [src.encode("the", chat=True)], SamplingOptions(max_new_tokens=6, temperature=0))
+    rc, out, err = _run(
+        capsys,
+        "--run.dir",
+        str(run),
+        "--prompt",
+        "the",
+        "--chat",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0",
+    )
+    want = generate_uncached(
+        src.model, [src.encode("the", chat=True)], SamplingOptions(max_new_tokens=6, temperature=0)
+    )
     assert rc == 0 and out == src.tokenizer.decode(want.tokens[0]) + "\n" and "tokens/s" in err
 
 
@@ -284,7 +386,10 @@ def test_run_directory_with_the_builtin_chat_template(tmp_path, capsys):
         (["--prompts", "EMPTY"], r"--prompts: .* holds no prompt"),
         (["--prompts", "MSGS"], r"--prompts: .*:1 holds chat messages; add --chat"),
         (["--prompts", "BADJSON"], r"--prompts: .*:1 is not valid JSON"),
-        (["--prompt", "a", "--prompts", "MSGS"], r"--prompts: give --prompt TEXT or --prompts FILE, not both"),
+        (
+            ["--prompt", "a", "--prompts", "MSGS"],
+            r"--prompts: give --prompt TEXT or --prompts FILE, not both",
+        ),
         (["--stop", ""], r"--stop: an empty stop string"),
         (["--stop"], r"--stop: missing value"),
         (["--tmperature", "1"], r"--tmperature: unknown option; allowed: --run.dir, --model.from_hf, "),
@@ -293,7 +398,7 @@ def test_run_directory_with_the_builtin_chat_template(tmp_path, capsys):
         (["NOSOURCE"], r"generate: give one model"),
         (["NOHF"], r"model.from_hf: '/nonexistent/hf' is not a directory"),
     ],
-)  # fmt: skip
+)
 def test_bad_options_are_one_line_before_any_model_loads(tmp_path, capsys, argv, match, hf_dir):
     import re
 
@@ -327,7 +432,11 @@ def _lora_run(tmp: Path, method: str, source: str = "") -> tuple[Path, dict[str,
     model = build_model(cfg.model, seed=cfg.train.seed, meta=True)
     apply_lora(model, cfg)
     g = torch.Generator().manual_seed(5)
-    adapters = {n: torch.randn(tuple(p.shape), generator=g) * 0.3 for n, p in model.named_parameters() if is_adapter(n)}
+    adapters = {
+        n: torch.randn(tuple(p.shape), generator=g) * 0.3
+        for n, p in model.named_parameters()
+        if is_adapter(n)
+    }
     weights = run / "checkpoints" / "final" / "model.safetensors"
     save_file(adapters, str(weights), metadata={"source": source} if source else None)
     (weights.parent / "meta.json").write_text(json.dumps({"sha256": sha256_file(weights)}))
@@ -358,7 +467,10 @@ def test_a_lora_run_generates_with_its_adapters_on_the_base(tmp_path):
         assert_close(src.model(ids), merged(ids), rtol=1e-4, atol=1e-4)
     prompts = [src.encode("the cat", False), src.encode("a dog", False)]
     opts = SamplingOptions(max_new_tokens=12, temperature=0)
-    assert generate_cached(src.model, prompts, opts).tokens == generate_uncached(merged.eval(), prompts, opts).tokens
+    assert (
+        generate_cached(src.model, prompts, opts).tokens
+        == generate_uncached(merged.eval(), prompts, opts).tokens
+    )
     q = load_run(str(_lora_run(tmp_path / "q", "qlora")[0])).model
     assert all(m.nf4 is not None for m in q.modules() if isinstance(m, LoRALinear))
     assert generate_cached(q, prompts, SAMPLED).tokens == generate_uncached(q, prompts, SAMPLED).tokens
@@ -368,6 +480,10 @@ def test_a_lora_run_on_another_base_is_refused_naming_both_hashes(tmp_path, caps
     run, _ = _lora_run(tmp_path, "lora", source="step-00000004")
     ckpt = run / "checkpoints" / "step-00000004"
     ckpt.mkdir()
-    (ckpt / "train_state.json").write_text(json.dumps({"finetune_base": {"path": "/old/base", "sha256": "ab" * 32}}))
+    (ckpt / "train_state.json").write_text(
+        json.dumps({"finetune_base": {"path": "/old/base", "sha256": "ab" * 32}})
+    )
     rc, _, err = _run(capsys, "--run.dir", str(run), "--max-new-tokens", "2")
-    assert rc == 2 and err.count("\n") == 1 and "ab" * 32 in err and "/old/base" in err and "seeded init" in err
+    assert (
+        rc == 2 and err.count("\n") == 1 and "ab" * 32 in err and "/old/base" in err and "seeded init" in err
+    )

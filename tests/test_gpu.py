@@ -57,7 +57,9 @@ def nccl():
 
 def _medium(**kw) -> C.ModelConfig:
     """Big enough that kernels take longer than their launches (so overlap and speed are visible)."""
-    base = dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=8192, max_seq_len=512, multiple_of=256)
+    base = dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=8192, max_seq_len=512, multiple_of=256
+    )
     return C.ModelConfig(**(base | kw))
 
 
@@ -102,6 +104,7 @@ def test_hybrid_tp_pp_on_four_gpus_equals_one_gpu(nccl):
 
 # ----------------------------------------------------------------------------- overlap
 
+
 def _overlap(layout: dict) -> dict:
     """One profiled step: the NCCL kernels, and how many of them run at the same time as a compute
     kernel (intervals on the GPU's clock that intersect)."""
@@ -118,7 +121,11 @@ def _overlap(layout: dict) -> dict:
     cfg = C.LoomConfig(model=_medium(), train=C.TrainConfig(steps=10, warmup_steps=0))
     cfg.data.seq_len, cfg.run.device = 512, "cuda"
     cfg.train.precision = layout.get("precision", "fp32")
-    cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.zero = mesh.size("dp"), mesh.size("dp_shard"), layout.get("zero", 0)
+    cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.zero = (
+        mesh.size("dp"),
+        mesh.size("dp_shard"),
+        layout.get("zero", 0),
+    )
     cfg.parallel.bucket_mb = 8.0
     device = rank_device()
     model = build_model(cfg.model, 0, device)
@@ -140,8 +147,9 @@ def _overlap(layout: dict) -> dict:
 
 
 @two_gpus
-@pytest.mark.parametrize("layout", [{"dp_replicate": 2}, {"dp_replicate": 2, "precision": "bf16"},
-                                    {"dp_shard": 2, "zero": 2}])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout", [{"dp_replicate": 2}, {"dp_replicate": 2, "precision": "bf16"}, {"dp_shard": 2, "zero": 2}]
+)
 def test_gradient_reduction_overlaps_backward(nccl, layout):
     for r in nccl(2).run(_overlap, layout):
         assert r["nccl_kernels"] >= 2, r
@@ -155,6 +163,7 @@ def test_hybrid_sharding_overlaps_backward(nccl):
 
 
 # ----------------------------------------------------------------------------- one GPU
+
 
 def _model_and_batch(precision: str, micro: int = 4, seq: int = 512):
     from loom.model.llama import build_model
@@ -231,6 +240,7 @@ def test_peak_memory_matches_the_planner():
 
 # ----------------------------------------------------------------------------- pipeline, resume
 
+
 def _gpu_pipeline_timeline(model_kw: dict | None = None) -> str:
     from loom.model.llama import build_model, loss_fn
     from loom.optim.groups import build_optimizer
@@ -244,14 +254,27 @@ def _gpu_pipeline_timeline(model_kw: dict | None = None) -> str:
     mesh, device, m = get_mesh(pp=2), rank_device(), 8
     mcfg = _medium(tie_embeddings=False, **(model_kw or {}))
     model = build_model(mcfg, 0, device)
-    pipe = split_model(model, mesh.local_rank("pp"), 2, [0, mcfg.n_layers // 2, mcfg.n_layers], mesh.group("pp"),
-                       mesh.pp_links())  # fmt: skip
-    strategy = PipelineStrategy(DataParallel(pipe, None).attach_optimizer(build_optimizer(pipe, C.TrainConfig())),
-                                pipe, "1f1b", 1, record_step=2)  # fmt: skip
+    pipe = split_model(
+        model,
+        mesh.local_rank("pp"),
+        2,
+        [0, mcfg.n_layers // 2, mcfg.n_layers],
+        mesh.group("pp"),
+        mesh.pp_links(),
+    )
+    strategy = PipelineStrategy(
+        DataParallel(pipe, None).attach_optimizer(build_optimizer(pipe, C.TrainConfig())),
+        pipe,
+        "1f1b",
+        1,
+        record_step=2,
+    )
     g = torch.Generator().manual_seed(0)
     seq = mcfg.max_seq_len
-    batches = [tuple(torch.randint(0, mcfg.vocab_size, (2, seq), generator=g).to(device) for _ in range(2))
-               for _ in range(m)]  # fmt: skip
+    batches = [
+        tuple(torch.randint(0, mcfg.vocab_size, (2, seq), generator=g).to(device) for _ in range(2))
+        for _ in range(m)
+    ]
     for _ in range(3):
         train_step(pipeline_run(pipe, strategy, loss_fn), batches, 1.0, 1e-4, None)
     return timeline_report(strategy.timeline, "1f1b", m) if mesh.local_rank("pp") == 0 else ""
@@ -275,13 +298,22 @@ def _resume(run_dir: str, steps: int, stop_at: int) -> list[tuple[int, float, fl
 
     from loom.train.trainer import RankEnv, Trainer
 
-    cfg = C.from_dict({"model": {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128},
-                       "data": {"seq_len": 128, "vocab_size": 512, "max_corpus_mb": 0.3},
-                       "train": {"steps": steps, "global_batch": 8, "micro_batch": 2, "eval_every": 0,
-                                 "checkpoint_every": 2, "log_every": 1},
-                       "parallel": {"zero": 3},
-                       "run": {"dir": run_dir, "device": rank_device().type, "progress": False,
-                               "tensorboard": False}})  # fmt: skip
+    cfg = C.from_dict(
+        {
+            "model": {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128},
+            "data": {"seq_len": 128, "vocab_size": 512, "max_corpus_mb": 0.3},
+            "train": {
+                "steps": steps,
+                "global_batch": 8,
+                "micro_batch": 2,
+                "eval_every": 0,
+                "checkpoint_every": 2,
+                "log_every": 1,
+            },
+            "parallel": {"zero": 3},
+            "run": {"dir": run_dir, "device": rank_device().type, "progress": False, "tensorboard": False},
+        }
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer(cfg, RankEnv(rank, world, rank, world))
     if stop_at:

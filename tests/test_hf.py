@@ -20,26 +20,53 @@ transformers = pytest.importorskip("transformers")
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 64}),
-    "llama3.1": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16}}),  # long-context RoPE: every band hit with d = 16
+    "llama3.1": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+    ),  # long-context RoPE: every band hit with d = 16
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # q/k norms, head_dim != hidden / heads
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_inner": 96}),  # LayerNorm, gelu_new, learned positions, biases
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"n_inner": 96},
+    ),  # LayerNorm, gelu_new, learned positions, biases
 }
 
 
 def _save_hf(tmp: Path, family: str, tie: bool, **kw) -> tuple[Path, torch.nn.Module]:
     cfg_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
-    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, rope_theta=5e5)
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        rope_theta=5e5,
+    )
     cfg = getattr(transformers, cfg_cls)(**(fields | extra | kw))
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # every tensor random (biases and norm weights start as constants)
         for p in model.parameters():
-            norm = p.dim() == 1 and any(k in _name_of(model, p) for k in ("norm.", "ln_")) and "bias" not in _name_of(model, p)
+            norm = (
+                p.dim() == 1
+                and any(k in _name_of(model, p) for k in ("norm.", "ln_"))
+                and "bias" not in _name_of(model, p)
+            )
             p.copy_(torch.randn_like(p) * 0.1 + (1.0 if norm else 0.0))
     out = tmp / f"{family}-{'tied' if tie else 'untied'}"
     model.save_pretrained(out, max_shard_size="20KB")  # several shards and an index
@@ -83,7 +110,9 @@ def test_a_box_is_read_alone_and_equals_that_box_of_the_whole(tmp_path, family):
                 a = int(torch.randint(0, n, (), generator=g))
                 box.append(slice(a, int(torch.randint(a + 1, n + 1, (), generator=g))))
             assert torch.equal(reader.read(name, tuple(box)), whole[tuple(box)]), name
-            if whole.shape[0] % 2 == 0 and not name.endswith(("q_norm.weight", "k_norm.weight")):  # one head: whole
+            if whole.shape[0] % 2 == 0 and not name.endswith(
+                ("q_norm.weight", "k_norm.weight")
+            ):  # one head: whole
                 before, half = reader.bytes_read, whole.shape[0] // 2
                 assert torch.equal(reader.read(name, (slice(half, None),)), whole[half:]), name
                 assert reader.bytes_read - before == whole.numel() * whole.element_size() // 2, name
@@ -100,18 +129,34 @@ def test_rope_row_order_round_trips():
 @pytest.mark.parametrize(
     "family,edit,match",
     [
-        ("llama", {"architectures": ["GPTNeoXForCausalLM"]}, r"architectures = 'GPTNeoXForCausalLM' is not supported; supported: Llama"),
+        (
+            "llama",
+            {"architectures": ["GPTNeoXForCausalLM"]},
+            r"architectures = 'GPTNeoXForCausalLM' is not supported; supported: Llama",
+        ),
         ("llama", {"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported"),
         ("llama", {"attention_bias": True}, r"attention_bias = True is not supported"),
-        ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, r"rope type 'yarn' is not"),
+        (
+            "llama",
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None},
+            r"rope type 'yarn' is not",
+        ),
         ("llama", {"head_dim": 8}, r"head_dim = 8 differs"),
-        ("gpt2", {"activation_function": "relu"}, r"activation_function = 'relu' is not supported \(Loom: gelu_new, "),
-        ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, r"scale_attn_by_inverse_layer_idx = True is not supported"),
+        (
+            "gpt2",
+            {"activation_function": "relu"},
+            r"activation_function = 'relu' is not supported \(Loom: gelu_new, ",
+        ),
+        (
+            "gpt2",
+            {"scale_attn_by_inverse_layer_idx": True},
+            r"scale_attn_by_inverse_layer_idx = True is not supported",
+        ),
         ("gpt2", {"reorder_and_upcast_attn": True}, r"reorder_and_upcast_attn = True is not supported"),
         ("gpt2", {"scale_attn_weights": False}, r"scale_attn_weights = False is not supported"),
         ("gpt2", {"n_positions": 16}, r"n_positions = 16 is shorter than the sequences \(32\)"),
     ],
-)  # fmt: skip
+)
 def test_unsupported_config_fields_are_named(tmp_path, family, edit, match):
     from loom.model.hf import HFError, open_dir
 
@@ -136,7 +181,10 @@ def test_bad_tensors_and_files_are_named(tmp_path):
     tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(95, 64)
     save_file(tensors, str(path / shard), metadata={"format": "pt"})
     hf = open_dir(path, 32)
-    with pytest.raises(HFError, match=r"model.layers.0.mlp.up_proj.weight has shape \(95, 64\), config.json implies \(96, 64\)"):
+    with pytest.raises(
+        HFError,
+        match=r"model.layers.0.mlp.up_proj.weight has shape \(95, 64\), config.json implies \(96, 64\)",
+    ):
         load_into(Transformer(hf.config), hf)
     os.remove(path / shard)
     with pytest.raises(HFError, match=f"{shard}: missing shard file"):
@@ -183,11 +231,25 @@ def test_trainer_starts_from_the_hf_weights_and_tokenizer(prepared, tmp_path, fa
 # ----------------------------------------------------------------------------- export
 
 TRAIN = {
-    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64, "tie_embeddings": False},
+    "model": {
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "max_seq_len": 64,
+        "tie_embeddings": False,
+    },
     "data": {"seq_len": 64, "vocab_size": 384, "max_corpus_mb": 0.3},
-    "train": {"steps": 3, "global_batch": 4, "micro_batch": 2, "warmup_steps": 1, "log_every": 1, "eval_every": 0},
+    "train": {
+        "steps": 3,
+        "global_batch": 4,
+        "micro_batch": 2,
+        "warmup_steps": 1,
+        "log_every": 1,
+        "eval_every": 0,
+    },
     "run": {"progress": False, "tensorboard": False, "threads": 1},
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -231,15 +293,22 @@ def _loom_logits(run: Path, x: torch.Tensor) -> torch.Tensor:
         return model(x)
 
 
-@pytest.mark.parametrize("layout", ["one process", "dp2 zero3", "tp2", "qwen2 tp2", "qwen3 dp2", "mixtral ep2", "mixtral tp2", "gpt2 tp2"])
+@pytest.mark.parametrize(
+    "layout",
+    ["one process", "dp2 zero3", "tp2", "qwen2 tp2", "qwen3 dp2", "mixtral ep2", "mixtral tp2", "gpt2 tp2"],
+)
 def test_export_loads_in_transformers_with_equal_logits(pools, prepared, tmp_path, layout):
     from loom.checkpoint.hf_export import export_hf
 
     run = tmp_path / "run"
     par = {"tp2": {"tp": 2}, "zero3": {"zero": 3}, "ep2": {"ep": 2}}.get(layout.split()[-1], {})
     cfg = _config(prepared, run, **par)
-    cfg["model"] |= {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True, "attn_head_dim": 32},
-                     "mixtral": {"n_experts": 4, "top_k": 2}, "gpt2": GPT2 | {"tie_embeddings": True}}.get(layout.split()[0], {})  # fmt: skip
+    cfg["model"] |= {
+        "qwen2": {"qkv_bias": True},
+        "qwen3": {"qk_norm": True, "attn_head_dim": 32},
+        "mixtral": {"n_experts": 4, "top_k": 2},
+        "gpt2": GPT2 | {"tie_embeddings": True},
+    }.get(layout.split()[0], {})
     if layout == "one process":
         _train(cfg)
     else:
@@ -315,10 +384,19 @@ VARIANTS = {"qkv_bias": True, "qk_norm": True, "attn_head_dim": 16, "n_kv_heads"
 GPT2 = {"norm": "layernorm", "mlp": "gelu_tanh", "positions": "learned", "bias": True, "n_kv_heads": 4}
 
 
-@pytest.mark.parametrize("variants,layout", [
-    (VARIANTS, {"tp": 2, "sp": True}), (VARIANTS, {"dp_shard": 2, "zero": 3}), (VARIANTS, {"pp": 2}),
-    (GPT2, {"tp": 2, "sp": True}), (GPT2, {"tp": 2}), (GPT2, {"cp": 2}), (GPT2, {"pp": 2}),
-], ids=["qwen tp2 sp", "qwen zero3", "qwen pp2", "gpt2 tp2 sp", "gpt2 tp2", "gpt2 cp2", "gpt2 pp2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "variants,layout",
+    [
+        (VARIANTS, {"tp": 2, "sp": True}),
+        (VARIANTS, {"dp_shard": 2, "zero": 3}),
+        (VARIANTS, {"pp": 2}),
+        (GPT2, {"tp": 2, "sp": True}),
+        (GPT2, {"tp": 2}),
+        (GPT2, {"cp": 2}),
+        (GPT2, {"pp": 2}),
+    ],
+    ids=["qwen tp2 sp", "qwen zero3", "qwen pp2", "gpt2 tp2 sp", "gpt2 tp2", "gpt2 cp2", "gpt2 pp2"],
+)
 def test_bias_and_qk_norm_train_equal_to_one_process(pools, variants, layout):
     """Gradients of the new tensors: q/k/v biases (sharded, or replicated with the key/value heads)
     and the replicated q/k norm weights, whose parts are summed over tp; GPT-2's row-parallel biases
@@ -340,8 +418,13 @@ def test_planner_counts_bias_and_qk_norm_parameters():
     from loom.plan.cost import ParamCounts
     from tests.helpers import tiny_model
 
-    for kw in (VARIANTS, {"qkv_bias": True}, {"qk_norm": True, "attn_head_dim": 16}, GPT2,
-               GPT2 | {"tie_embeddings": False, "mlp": "gelu"}):  # fmt: skip
+    for kw in (
+        VARIANTS,
+        {"qkv_bias": True},
+        {"qk_norm": True, "attn_head_dim": 16},
+        GPT2,
+        GPT2 | {"tie_embeddings": False, "mlp": "gelu"},
+    ):
         cfg = tiny_model(**kw)
         assert ParamCounts.of(cfg).total == count_params(build_model(cfg, 0)), kw
 
@@ -364,7 +447,11 @@ def _ep2_logits(path: str, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     run = build_run(cfg, mesh, build_model(cfg.model, 0, meta=True), source=reader)
     held = sum(p.numel() * p.element_size() for p in run.model.parameters())
     with torch.no_grad():
-        return run.model(x[mesh.local_rank("dp")][None]), reader.bytes_read, held  # each rank its own sequence
+        return (
+            run.model(x[mesh.local_rank("dp")][None]),
+            reader.bytes_read,
+            held,
+        )  # each rank its own sequence
 
 
 def test_mixtral_under_ep2_gives_the_logits_of_transformers(pools, tmp_path):
@@ -379,6 +466,7 @@ def test_mixtral_under_ep2_gives_the_logits_of_transformers(pools, tmp_path):
 
 
 # ----------------------------------------------------------------------------- train.init_from
+
 
 def _first_losses(cfg_dict: dict) -> list[float]:
     import torch.distributed as dist
@@ -424,9 +512,23 @@ def test_init_from_errors_name_the_field(tmp_path, prepared):
     with pytest.raises(C.ConfigError, match="train.init_from: .* is not a directory"):
         C.validate(C.apply_overrides(C.LoomConfig(), ["--train.init_from", str(tmp_path / "nope")]), 1)
     path, _ = _save_hf(tmp_path, "llama", False)
-    with pytest.raises(C.ConfigError, match=r"holds tok_embeddings.weight of shape \(128, 64\), this model has"):
-        load_initial_weights(Transformer(C.ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
-                                                       max_seq_len=32, multiple_of=16)), path)  # fmt: skip
+    with pytest.raises(
+        C.ConfigError, match=r"holds tok_embeddings.weight of shape \(128, 64\), this model has"
+    ):
+        load_initial_weights(
+            Transformer(
+                C.ModelConfig(
+                    dim=32,
+                    n_layers=2,
+                    n_heads=4,
+                    n_kv_heads=2,
+                    vocab_size=128,
+                    max_seq_len=32,
+                    multiple_of=16,
+                )
+            ),
+            path,
+        )
 
 
 def _layout_outputs(paths: list[str], x: torch.Tensor, layout: str) -> list:
@@ -446,17 +548,25 @@ def _layout_outputs(paths: list[str], x: torch.Tensor, layout: str) -> list:
     for path in paths:
         hf = open_dir(path, x.shape[1] - 1)
         cfg = C.LoomConfig(model=hf.config)
-        cfg.run.dir = tempfile.mkdtemp(prefix="loom-hf-")  # never the checkout's runs/default (pp2 draws a timeline there)
+        cfg.run.dir = tempfile.mkdtemp(
+            prefix="loom-hf-"
+        )  # never the checkout's runs/default (pp2 draws a timeline there)
         cfg.data.seq_len, cfg.train.global_batch, cfg.train.micro_batch = x.shape[1] - 1, 2, 1
         cfg.parallel.dp, cfg.parallel.dp_shard = mesh.size("dp"), mesh.size("dp_shard")
-        cfg.parallel.zero, cfg.parallel.cp, cfg.parallel.pp = (3 if layout == "zero3" else 0), mesh.size("cp"), mesh.size("pp")
+        cfg.parallel.zero, cfg.parallel.cp, cfg.parallel.pp = (
+            (3 if layout == "zero3" else 0),
+            mesh.size("cp"),
+            mesh.size("pp"),
+        )
         cfg.parallel.tp, cfg.parallel.sp = mesh.size("tp"), layout == "tp2"
         reader = source(hf)
         run = build_run(cfg, mesh, build_model(cfg.model, 0, meta=True), source=reader)
         tokens, targets = x[:, :-1], x[:, 1:]
         with torch.no_grad():
             if layout == "pp2":
-                out.append(run.evaluate([(tokens[i:i + 1], targets[i:i + 1]) for i in range(2)], loss_fn, None))
+                out.append(
+                    run.evaluate([(tokens[i : i + 1], targets[i : i + 1]) for i in range(2)], loss_fn, None)
+                )
             elif layout == "cp2":
                 from loom.parallel.context_parallel import local_positions
 
@@ -465,7 +575,9 @@ def _layout_outputs(paths: list[str], x: torch.Tensor, layout: str) -> list:
             elif layout == "tp2":
                 held = sum(p.numel() * p.element_size() for p in run.model.parameters())
                 whole = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
-                out.append((gather_dim(run.model(tokens), -1, mesh.group("tp")), reader.bytes_read, held, whole))
+                out.append(
+                    (gather_dim(run.model(tokens), -1, mesh.group("tp")), reader.bytes_read, held, whole)
+                )
             else:  # ZeRO-3: the logits, and the share of the checkpoint this rank read (its shard's rows)
                 whole = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
                 out.append((run.model(tokens), reader.bytes_read / whole))
@@ -514,8 +626,11 @@ def _state_bytes_tp2(model_kw: dict, optimizer: str = "adamw") -> tuple[int, int
     return b["param_bytes"], partial, b["optim_bytes"]
 
 
-@pytest.mark.parametrize("kw", [VARIANTS, {"qkv_bias": True}, {"qk_norm": True, "attn_head_dim": 16}, GPT2],
-                         ids=["qwen", "qkv_bias", "qk_norm", "gpt2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw",
+    [VARIANTS, {"qkv_bias": True}, {"qk_norm": True, "attn_head_dim": 16}, GPT2],
+    ids=["qwen", "qkv_bias", "qk_norm", "gpt2"],
+)
 def test_planner_state_of_bias_and_qk_norm_under_tp2_is_exact(pools, kw):
     """Weights and Adafactor's factored state per tp2 rank as predicted (biases of row-parallel
     layers and the position table whole on every rank), and the gradients summed over tp once per
@@ -531,7 +646,9 @@ def test_planner_state_of_bias_and_qk_norm_under_tp2_is_exact(pools, kw):
     for measured, partial, _ in pools(2).run(_state_bytes_tp2, kw):
         assert predicted == measured, kw
         assert partial == partial_numel(cfg, 2, True) == cm.tp_partial_params(2, True, 1), kw
-    ada = CostModel(cfg, Workload(8, SEQ, precision="fp32", optimizer="adafactor"), ClusterSpec.single_node("cpu", 2))
+    ada = CostModel(
+        cfg, Workload(8, SEQ, precision="fp32", optimizer="adafactor"), ClusterSpec.single_node("cpu", 2)
+    )
     for _, _, optim in pools(2).run(_state_bytes_tp2, kw, "adafactor"):
         assert optim == ada.state_memory(Layout(dp=1, tp=2, sp=True))["optimizer"], kw
 
@@ -548,11 +665,16 @@ def test_export_refuses_moe_routing_mixtral_cannot_hold(prepared, tmp_path):
     cfg["model"] |= {"n_experts": 4, "top_k": 2}
     cfg["moe"] = {"score": "sigmoid"}
     _train(cfg)
-    with pytest.raises(CheckpointError, match=r"cannot be exported to Hugging Face: moe.score = 'sigmoid'") as e:
+    with pytest.raises(
+        CheckpointError, match=r"cannot be exported to Hugging Face: moe.score = 'sigmoid'"
+    ) as e:
         export_hf(run, tmp_path / "hf")
     assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
-    for field, value, message in [("norm_topk", False, "moe.norm_topk = false"), ("n_shared_experts", 1, "shared"),
-                                  ("bias_update_rate", 0.01, "selection bias")]:  # fmt: skip
+    for field, value, message in [
+        ("norm_topk", False, "moe.norm_topk = false"),
+        ("n_shared_experts", 1, "shared"),
+        ("bias_update_rate", 0.01, "selection bias"),
+    ]:
         assert message in (moe_export_problem(C.MoEConfig(**{field: value})) or "")
     assert moe_export_problem(C.MoEConfig()) is None
 

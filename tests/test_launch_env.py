@@ -12,14 +12,27 @@ import pytest
 
 from loom.launch import expand_counts, first_host, slurm_rank_env
 
-SRUN = {"SLURM_PROCID": "13", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5", "SLURM_NODEID": "1",
-        "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456"}  # fmt: skip
+SRUN = {
+    "SLURM_PROCID": "13",
+    "SLURM_NTASKS": "16",
+    "SLURM_LOCALID": "5",
+    "SLURM_NODEID": "1",
+    "SLURM_STEP_TASKS_PER_NODE": "8(x2)",
+    "SLURM_STEP_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_ID": "123456",
+}
 
 
 def test_srun_tasks_become_ranks_on_their_local_gpu():
     env = slurm_rank_env(SRUN)
-    assert env == {"RANK": "13", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8",
-                   "MASTER_ADDR": "gpu07", "MASTER_PORT": str(29500 + 456)}  # fmt: skip
+    assert env == {
+        "RANK": "13",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "5",
+        "LOCAL_WORLD_SIZE": "8",
+        "MASTER_ADDR": "gpu07",
+        "MASTER_PORT": str(29500 + 456),
+    }
 
 
 def test_torchrun_variables_win_and_single_tasks_are_left_alone():
@@ -34,8 +47,10 @@ def test_tasks_per_node(spec, counts):
     assert expand_counts(spec) == counts
 
 
-@pytest.mark.parametrize("nodes,first", [("gpu[07-09,12],login1", "gpu07"), ("node1,node2", "node1"),
-                                         ("a[3]-ib", "a3-ib"), ("solo", "solo")])  # fmt: skip
+@pytest.mark.parametrize(
+    "nodes,first",
+    [("gpu[07-09,12],login1", "gpu07"), ("node1,node2", "node1"), ("a[3]-ib", "a3-ib"), ("solo", "solo")],
+)
 def test_first_host_of_a_node_list(nodes, first):
     assert first_host(nodes) == first
 
@@ -44,7 +59,9 @@ def test_srun_sets_the_environment_the_trainer_reads(monkeypatch):
     from loom.launch import apply_slurm_env, under_external_launcher
     from loom.train.trainer import RankEnv
 
-    environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    environ = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     monkeypatch.setattr(os, "environ", environ | SRUN)  # apply_slurm_env writes into it: nothing leaks
     apply_slurm_env()
     assert under_external_launcher()
@@ -82,7 +99,9 @@ def test_diagnosis_names_the_flight_recorder_dump(tmp_path):
 def test_heartbeat_interval_scales_with_the_timeout(tmp_path):
     from loom.train.health import Heartbeat, diagnose, heartbeat_interval
 
-    assert heartbeat_interval(6) == 1.0 and heartbeat_interval(160) == 20.0 and heartbeat_interval(1800) == 60.0
+    assert (
+        heartbeat_interval(6) == 1.0 and heartbeat_interval(160) == 20.0 and heartbeat_interval(1800) == 60.0
+    )
     writes = []
     beat = Heartbeat(tmp_path, rank=0, interval=0.25)
     real = beat._write
@@ -99,7 +118,9 @@ def test_heartbeat_interval_scales_with_the_timeout(tmp_path):
         raise RuntimeError("Timed out")
     except RuntimeError as e:
         assert "unresponsive: rank 1" in diagnose(e, tmp_path, rank=0, world=2, timeout_s=6)
-        assert "every other rank's heartbeat is fresh" in diagnose(e, tmp_path, rank=0, world=2, timeout_s=1800)
+        assert "every other rank's heartbeat is fresh" in diagnose(
+            e, tmp_path, rank=0, world=2, timeout_s=1800
+        )
 
 
 def _control_group_timeout() -> str:

@@ -123,10 +123,31 @@ def test_local_run_listens_only_on_loopback(tmp_path):
     env = dict(os.environ, LOOM_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
     for key in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "RANK", "WORLD_SIZE"):
         env.pop(key, None)
-    args = ["train", "debug", "--run.dir", str(run), "--train.steps", "100000", "--train.log_every", "1",
-            "--train.eval_every", "0", "--train.checkpoint_every", "0", "--run.tensorboard", "false", *TINY]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "loom", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    args = [
+        "train",
+        "debug",
+        "--run.dir",
+        str(run),
+        "--train.steps",
+        "100000",
+        "--train.log_every",
+        "1",
+        "--train.eval_every",
+        "0",
+        "--train.checkpoint_every",
+        "0",
+        "--run.tensorboard",
+        "false",
+        *TINY,
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loom", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         metrics, end = run / "metrics.jsonl", time.monotonic() + 180
         while time.monotonic() < end and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -161,7 +182,9 @@ def test_launch_options_parse_and_refuse_in_one_line():
     from loom.launch import LaunchOptions, Nodes, launch_options
 
     assert launch_options({}) == LaunchOptions(0, None)
-    opts = launch_options({"nnodes": "4", "node_rank": "3", "rdzv_endpoint": "head:29400", "max_restarts": "2"})
+    opts = launch_options(
+        {"nnodes": "4", "node_rank": "3", "rdzv_endpoint": "head:29400", "max_restarts": "2"}
+    )
     assert opts == LaunchOptions(2, Nodes(4, 3, "head:29400"))
     assert opts.nodes is not None and (opts.nodes.host, opts.nodes.port) == ("head", 29400)
     assert launch_options({"nnodes": "2", "rdzv_endpoint": "[::1]:5"}).nodes == Nodes(2, 0, "[::1]:5")
@@ -188,8 +211,15 @@ def test_multi_node_launch_config_and_environment(monkeypatch):
     and the launcher's environment has what makes restarts work."""
     from loom.launch import Nodes, _set_launch_env, launch_config
 
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
-                                        if k not in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME")})  # fmt: skip
+    monkeypatch.setattr(
+        os,
+        "environ",
+        {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME")
+        },
+    )
     cfg = _cfg()
     configs = [launch_config(cfg, 4, 3, Nodes(2, r, "10.1.2.3:29400"), 29400) for r in range(2)]
     for r, lc in enumerate(configs):

@@ -23,8 +23,11 @@ LAYOUTS = {
     "cp2": (2, {"cp": 2}, {}),
     "ep2": (2, {"dp_replicate": 2, "ep": 2}, {"n_experts": 4, "top_k": 2}),
     "pp2 zero3 tied": (2, {"pp": 2, "zero": 3}, {"tie_embeddings": True}),
-    "tp2 sp gpt2": (2, {"tp": 2, "sp": True}, {"norm": "layernorm", "mlp": "gelu_tanh", "positions": "learned",
-                                                "bias": True, "n_kv_heads": 4}),  # biases, LayerNorm, position table
+    "tp2 sp gpt2": (
+        2,
+        {"tp": 2, "sp": True},
+        {"norm": "layernorm", "mlp": "gelu_tanh", "positions": "learned", "bias": True, "n_kv_heads": 4},
+    ),  # biases, LayerNorm, position table
 }
 
 
@@ -92,7 +95,11 @@ def _measure(kw: dict, layout: dict, meta: bool, libc) -> dict:
     cfg = LoomConfig(model=ModelConfig(**kw), train=tiny_train(steps=1))
     cfg.data.seq_len = 64
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep = mesh.size("tp"), mesh.size("pp"), mesh.size("ep")
-    cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.zero = mesh.size("dp"), mesh.size("dp_shard"), layout.get("zero", 0)
+    cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.zero = (
+        mesh.size("dp"),
+        mesh.size("dp_shard"),
+        layout.get("zero", 0),
+    )
     cfg.train.global_batch, cfg.train.micro_batch = 4 * mesh.size("dp"), 1
     cfg.run.dir = "/tmp/loom-test-materialize"
     gc.collect()
@@ -115,5 +122,9 @@ def test_construction_peak_is_final_state_plus_largest_parameter(pools, name):
     layout = BOUND_LAYOUTS[name]
     for r in pools(2).run(_construction, layout, True):
         bound = 1.1 * (r["final"] + r["largest"])
-        assert r["whole"] + r["final"] > bound, "the model must be large enough that building it whole breaks the bound"
-        assert r["peak"] <= bound, f"{name}: construction peaked at {r['peak'] / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB"
+        assert r["whole"] + r["final"] > bound, (
+            "the model must be large enough that building it whole breaks the bound"
+        )
+        assert r["peak"] <= bound, (
+            f"{name}: construction peaked at {r['peak'] / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB"
+        )

@@ -152,7 +152,9 @@ def test_adafactor_state_bytes_equal_factored_formula(precision):
 
     out = run_layout({}, {"optimizer": "adafactor", "precision": precision}, {}, 1)
     model = build_model(tiny_model(), 0)
-    factored = sum(4 * (p.shape[0] + p.shape[1]) if p.dim() == 2 else 4 * p.numel() for p in model.parameters())
+    factored = sum(
+        4 * (p.shape[0] + p.shape[1]) if p.dim() == 2 else 4 * p.numel() for p in model.parameters()
+    )
     masters = 2 * out["bytes"]["param_bytes"] if precision == "bf16" else 0  # 4 bytes per 2-byte weight
     assert out["bytes"]["optim_bytes"] == factored + masters
     adam = sum(8 * p.numel() for p in model.parameters())
@@ -185,8 +187,12 @@ def sharded_adafactor(steps: int) -> dict:
     out = {}
     for name, (dims, par, train) in SHARDED.items():
         r = run_layout(par, {**AF, **train}, {}, steps, dims)
-        out[name] = {"losses": r["losses"], "params": {k: v.float() for k, v in r["params"].items()},
-                     "bytes": r["bytes"], "numels": r["numels"]}  # fmt: skip
+        out[name] = {
+            "losses": r["losses"],
+            "params": {k: v.float() for k, v in r["params"].items()},
+            "bytes": r["bytes"],
+            "numels": r["numels"],
+        }
     return out
 
 
@@ -196,7 +202,10 @@ def test_sharded_adafactor_equals_unsharded(pools):
     results = pools(4).run(sharded_adafactor, steps)
     for r in results:
         for name, run in r.items():
-            want, tol = refs[name], (ADAM_HALF_TOL if "adamw" in name else HALF_TOL if "16" in name else FP32_TOL)
+            want, tol = (
+                refs[name],
+                (ADAM_HALF_TOL if "adamw" in name else HALF_TOL if "16" in name else FP32_TOL),
+            )
             if "adamw" in name:  # 2Φ/N + 2Φ/N + (4 + 8)Φ/N, Φ = the padded units
                 formula = state_bytes_formula(run["numels"], "fp16", "adamw", zero=3, n=4)
                 assert {k: run["bytes"][k] for k in formula} == formula
@@ -255,7 +264,16 @@ def _resumable(optimizer: str):
     _, strategy, _ = parallelize(model, ParallelMesh(ParallelDims(), "cpu"), cfg)
 
     def steps(lo: int, hi: int) -> list[float]:
-        return [train_step(plain_run(model, strategy, loss_fn), rank_micro_batches(s % 2, 8, 4, 0, 1), cfg.train.grad_clip, lr_at(s, cfg.train), None).loss for s in range(lo, hi)]  # fmt: skip
+        return [
+            train_step(
+                plain_run(model, strategy, loss_fn),
+                rank_micro_batches(s % 2, 8, 4, 0, 1),
+                cfg.train.grad_clip,
+                lr_at(s, cfg.train),
+                None,
+            ).loss
+            for s in range(lo, hi)
+        ]
 
     return strategy, steps
 
@@ -299,9 +317,12 @@ def test_activation_offload_refused_on_cpu():
 
 @pytest.mark.parametrize(
     "spec, pattern",
-    [("fp4", r"^train\.compress: must be one of"), ("mlp=fp4", r"^train\.compress: mlp='fp4'; formats"),
-     ("ffn=int8", r"^train\.compress: unknown tensor kind 'ffn'")],
-)  # fmt: skip
+    [
+        ("fp4", r"^train\.compress: must be one of"),
+        ("mlp=fp4", r"^train\.compress: mlp='fp4'; formats"),
+        ("ffn=int8", r"^train\.compress: unknown tensor kind 'ffn'"),
+    ],
+)
 def test_compress_config_errors(spec, pattern):
     cfg = LoomConfig(model=tiny_model(), train=tiny_train(compress=spec))
     cfg.data.seq_len = SEQ

@@ -91,7 +91,9 @@ def test_moe_training_equals_single_process(pools, reference, name):
     world, layout = LAYOUTS[name]
     results = pools(world).run(train_layout, layout, STEPS, BATCH, MICRO, MOE)
     for r in results:
-        assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), **TOL, msg=lambda m: f"{name}: {m}")
+        assert_close(
+            torch.tensor(r["losses"]), torch.tensor(reference["losses"]), **TOL, msg=lambda m: f"{name}: {m}"
+        )
         if r["state"] is not None:
             for k, v in reference["state"].items():
                 assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{name} {k}: {m}")
@@ -116,18 +118,55 @@ def test_bad_moe_configs_fail_in_one_line():
     from loom import config as C
 
     for overrides, world, message in [
-        (["--model.n_experts", "4", "--model.top_k", "5"], 1, "model.top_k: must be in [1, model.n_experts=4]"),
+        (
+            ["--model.n_experts", "4", "--model.top_k", "5"],
+            1,
+            "model.top_k: must be in [1, model.n_experts=4]",
+        ),
         (["--model.n_experts", "0"], 1, "model.n_experts: must be >= 1"),
-        (["--model.n_experts", "4", "--moe.capacity_factor", "1", "--parallel.tp", "2", "--parallel.sp", "true"], 2,
-         "moe.capacity_factor: capacity is counted over a rank's tokens, and sequence parallelism over"),
-        (["--model.n_experts", "4", "--train.optimizer", "adafactor"], 1, "train.optimizer: adafactor factors 2-D"),
+        (
+            [
+                "--model.n_experts",
+                "4",
+                "--moe.capacity_factor",
+                "1",
+                "--parallel.tp",
+                "2",
+                "--parallel.sp",
+                "true",
+            ],
+            2,
+            "moe.capacity_factor: capacity is counted over a rank's tokens, and sequence parallelism over",
+        ),
+        (
+            ["--model.n_experts", "4", "--train.optimizer", "adafactor"],
+            1,
+            "train.optimizer: adafactor factors 2-D",
+        ),
         (["--parallel.ep", "2"], 2, "parallel.ep: expert parallelism needs experts"),
         (["--model.n_experts", "6", "--parallel.ep", "4"], 4, "parallel.ep: 4 must divide model.n_experts=6"),
         (["--model.n_experts", "4", "--moe.capacity_factor", "-0.5"], 1, "moe.capacity_factor: must be >= 0"),
-        (["--model.n_experts", "4", "--moe.aux_loss_coef", "0.01", "--parallel.pp", "2", "--parallel.schedule",
-          "pipedream", "--model.tie_embeddings", "false"], 2, "moe.aux_loss_coef: the router losses need a synchronous"),
-        (["--model.n_experts", "4", "--moe.capacity_factor", "1.0", "--parallel.cp", "2"], 2,
-         "moe.capacity_factor: capacity is counted over a rank's tokens, and parallel.cp = 2"),
+        (
+            [
+                "--model.n_experts",
+                "4",
+                "--moe.aux_loss_coef",
+                "0.01",
+                "--parallel.pp",
+                "2",
+                "--parallel.schedule",
+                "pipedream",
+                "--model.tie_embeddings",
+                "false",
+            ],
+            2,
+            "moe.aux_loss_coef: the router losses need a synchronous",
+        ),
+        (
+            ["--model.n_experts", "4", "--moe.capacity_factor", "1.0", "--parallel.cp", "2"],
+            2,
+            "moe.capacity_factor: capacity is counted over a rank's tokens, and parallel.cp = 2",
+        ),
     ]:
         cfg = C.apply_overrides(C.LoomConfig(), overrides)
         with pytest.raises(C.ConfigError) as e:
@@ -145,14 +184,17 @@ def test_expert_parallel_calls_equal_the_planners(pools, name):
     world, layout = LAYOUTS[name]
     cfg, micro = tiny_model(**MOE), min(MICRO, BATCH // world)
     planner = CostModel(cfg, Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", world))
-    expected = planner.collective_calls(Layout(dp=world, ep=layout["ep"], micro_batch=micro,
-                                               recompute=layout.get("recompute", "none")))  # fmt: skip
+    expected = planner.collective_calls(
+        Layout(dp=world, ep=layout["ep"], micro_batch=micro, recompute=layout.get("recompute", "none"))
+    )
     assert expected["all_to_all"] > 0
     for r in pools(world).run(train_layout, layout, 2, BATCH, micro, MOE):
         assert r["calls"] == [expected] * 2
         for moved in r["moved"]:  # rows leave for other ranks: at most every routed row, each way
             rows = BATCH // world * SEQ * cfg.top_k
-            assert 0 < moved["all_to_all"] <= cfg.n_layers * (5 + 3 * ("recompute" in name)) * rows * cfg.dim * 4
+            assert (
+                0 < moved["all_to_all"] <= cfg.n_layers * (5 + 3 * ("recompute" in name)) * rows * cfg.dim * 4
+            )
 
 
 # ---- issue 14: grouped compute, balancing, capacity ------------------------------------------------------
@@ -266,8 +308,12 @@ def test_capacity_drops_like_a_reference_loop(policy):
     assert_close(ff(x)[0], want, rtol=1e-5, atol=1e-6)
     assert ff.stats[E] == (~keep).sum()
     ff.eval()  # evaluation is dropless
-    assert_close(ff(x)[0], experts_forward(flat, r.weights, r.experts, ff.w1.weight, ff.w3.weight, ff.w2.weight),
-                 rtol=1e-5, atol=1e-6)  # fmt: skip
+    assert_close(
+        ff(x)[0],
+        experts_forward(flat, r.weights, r.experts, ff.w1.weight, ff.w3.weight, ff.w2.weight),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 # Aux/z losses: their statistics are per micro-step over dp x cp, as one process running the dp ranks'
@@ -306,7 +352,9 @@ def test_balancing_equals_single_process(pools, balance_references, name, option
         ref_micro = micro
     ref = balance_references[options, ref_micro]
     for r in pools(world).run(train_layout, layout, STEPS, BATCH, micro, MOE, moe_kw=globals()[options]):
-        assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL, msg=lambda m: f"{name}: {m}")
+        assert_close(
+            torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL, msg=lambda m: f"{name}: {m}"
+        )
         if r["state"] is not None:
             for k, v in ref["state"].items():
                 assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{name} {k}: {m}")
@@ -323,13 +371,34 @@ def test_trainer_reports_expert_load_and_draws_the_heatmap(tmp_path):
     from loom.data import prepare_data
     from loom.train.trainer import RankEnv, Trainer
 
-    cfg = {"model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32, "n_experts": 4,
-                     "top_k": 2},
-           "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
-           "train": {"steps": 4, "global_batch": 4, "micro_batch": 2, "log_every": 2, "eval_every": 0,
-                     "checkpoint_every": 2, "checkpoint_async": False},
-           "moe": {"aux_loss_coef": 0.01, "z_loss_coef": 0.001, "bias_update_rate": 0.01, "capacity_factor": 1.0},
-           "run": {"progress": False, "tensorboard": True, "threads": 1, "dir": str(tmp_path / "run")}}  # fmt: skip
+    cfg = {
+        "model": {
+            "dim": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "max_seq_len": 32,
+            "n_experts": 4,
+            "top_k": 2,
+        },
+        "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
+        "train": {
+            "steps": 4,
+            "global_batch": 4,
+            "micro_batch": 2,
+            "log_every": 2,
+            "eval_every": 0,
+            "checkpoint_every": 2,
+            "checkpoint_async": False,
+        },
+        "moe": {
+            "aux_loss_coef": 0.01,
+            "z_loss_coef": 0.001,
+            "bias_update_rate": 0.01,
+            "capacity_factor": 1.0,
+        },
+        "run": {"progress": False, "tensorboard": True, "threads": 1, "dir": str(tmp_path / "run")},
+    }
     os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path / "cache"))
     cfg["data"]["prepared_dir"] = str(prepare_data(C.from_dict(cfg).data, progress=False).dir)
 
@@ -351,7 +420,11 @@ def test_trainer_reports_expert_load_and_draws_the_heatmap(tmp_path):
             load = torch.tensor(r[f"moe/l{layer}/load"])
             assert len(load) == 4 and abs(float(load.sum()) - 1) < 1e-9
             assert abs(r[f"moe/l{layer}/imbalance"] - float(load.max() / load.mean())) < 1e-9
-            assert 0 <= r[f"moe/l{layer}/dropped"] < 1 and r[f"moe/l{layer}/aux"] > 0 and r[f"moe/l{layer}/z"] > 0
+            assert (
+                0 <= r[f"moe/l{layer}/dropped"] < 1
+                and r[f"moe/l{layer}/aux"] > 0
+                and r[f"moe/l{layer}/z"] > 0
+            )
         assert r["moe_imbalance"] == max(r["moe/l0/imbalance"], r["moe/l1/imbalance"])
     assert (tmp_path / "run" / "moe_load.png").stat().st_size > 0
     assert list((tmp_path / "run" / "tensorboard").iterdir())
@@ -382,8 +455,15 @@ def test_planner_state_bytes_of_moe_equal_the_measured(pools, name):
     cfg = tiny_model(**MOE)
     planner = CostModel(cfg, Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", world))
     tp, zero = layout.get("tp", 1), layout.get("zero", 0)
-    lay = Layout(dp=world // tp, tp=tp, ep=layout.get("ep", 1), sp=layout.get("sp", False), micro_batch=MICRO // 2,
-                 zero=zero, dp_shard=world // tp if zero else 1)  # fmt: skip
+    lay = Layout(
+        dp=world // tp,
+        tp=tp,
+        ep=layout.get("ep", 1),
+        sp=layout.get("sp", False),
+        micro_batch=MICRO // 2,
+        zero=zero,
+        dp_shard=world // tp if zero else 1,
+    )
     predicted = sum(planner.state_memory(lay)[k] for k in ("weights", "gradients", "optimizer"))
     for r in pools(world).run(train_layout, layout, 1, BATCH, MICRO // 2, MOE):
         measured = sum(r["state_bytes"][k] for k in ("param_bytes", "grad_bytes", "optim_bytes"))
@@ -403,14 +483,21 @@ def test_planner_ranks_moe_under_tp_and_only_layouts_training_runs():
     free = search(cfg, Workload(16, 64, precision="fp32"), cluster, 8)
     assert any(e.layout.tp > 1 for e in free.ranked) and any(e.layout.cp > 1 for e in free.ranked)
     capped = search(cfg, Workload(16, 64, precision="fp32", capacity_factor=1.25), cluster, 8)
-    assert capped.ranked and all(e.layout.cp == 1 and not (e.layout.tp > 1 and e.layout.sp) for e in capped.ranked)
+    assert capped.ranked and all(
+        e.layout.cp == 1 and not (e.layout.tp > 1 and e.layout.sp) for e in capped.ranked
+    )
     lay = Layout(dp=8, ep=4, micro_batch=2)
 
     def ep_comm(**w):
-        return CostModel(cfg, Workload(16, 64, precision="fp32", **w), cluster).estimate(lay).time_breakdown["ep comm"]
+        return (
+            CostModel(cfg, Workload(16, 64, precision="fp32", **w), cluster)
+            .estimate(lay)
+            .time_breakdown["ep comm"]
+        )
 
-    assert ep_comm(moe_imbalance=2.0) > ep_comm() and ep_comm(moe_imbalance=2.0, capacity_factor=1.25) < ep_comm(
-        moe_imbalance=2.0)  # fmt: skip
+    assert ep_comm(moe_imbalance=2.0) > ep_comm() and ep_comm(
+        moe_imbalance=2.0, capacity_factor=1.25
+    ) < ep_comm(moe_imbalance=2.0)
     assert Workload(1, 1, moe_imbalance=3.0, capacity_factor=1.5).moe_load == 1.5
 
 
@@ -430,11 +517,15 @@ def test_unset_imbalance_takes_the_calibration_runs_measurement(tmp_path, monkey
     assert CostModel(cfg, work, cluster).train.moe_imbalance == 1.0
     measured = Profile(device="cpu", moe_imbalance=2.5)
     assert CostModel(cfg, work, cluster, measured).train.moe_imbalance == 2.5
-    assert CostModel(cfg, Workload(16, 64, moe_imbalance=1.5), cluster, measured).train.moe_imbalance == 1.5  # given wins
+    assert (
+        CostModel(cfg, Workload(16, 64, moe_imbalance=1.5), cluster, measured).train.moe_imbalance == 1.5
+    )  # given wins
     config = tmp_path / "moe.toml"
-    config.write_text('[model]\ndim = 64\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\nn_experts = 4\ntop_k = 1\n'
-                      '[data]\nmax_corpus_mb = 0.3\nvocab_size = 300\nseq_len = 32\n'
-                      '[train]\nglobal_batch = 4\nmicro_batch = 4\n')  # fmt: skip
+    config.write_text(
+        "[model]\ndim = 64\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\nn_experts = 4\ntop_k = 1\n"
+        "[data]\nmax_corpus_mb = 0.3\nvocab_size = 300\nseq_len = 32\n"
+        "[train]\nglobal_batch = 4\nmicro_batch = 4\n"
+    )
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))  # the run's prepared data
     seconds, imbalance = measure_trainer_step(str(config), steps=4, runs=1)
     assert seconds > 0 and 1.0 < imbalance <= 4.0  # top-1 of 4 experts: between balanced and all on one
@@ -443,7 +534,9 @@ def test_unset_imbalance_takes_the_calibration_runs_measurement(tmp_path, monkey
 SKEWED = dict(MOE, n_experts=4, top_k=1)  # top-1 of 4: routing of a fresh router is uneven enough to show
 
 
-@pytest.mark.parametrize("world, layout", [(2, {"dp_replicate": 2, "ep": 2}), (4, {"dp_shard": 4, "ep": 2, "zero": 3})])
+@pytest.mark.parametrize(
+    "world, layout", [(2, {"dp_replicate": 2, "ep": 2}), (4, {"dp_shard": 4, "ep": 2, "zero": 3})]
+)
 def test_hot_expert_replication_equals_single_process_and_cuts_the_busiest_rank(pools, world, layout):
     """moe.rebalance_every = 1: after each step the most loaded expert of each layer is replicated on
     every ep rank. Losses and weights equal one process; the busiest rank computes fewer rows than
@@ -459,9 +552,13 @@ def test_hot_expert_replication_equals_single_process_and_cuts_the_busiest_rank(
                 assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{k}: {m}")
     busiest_plain = [max(r["expert_rows"][s] for r in plain) for s in range(1, steps)]
     busiest_hot = [max(r["expert_rows"][s] for r in hot) for s in range(1, steps)]
-    print(f"busiest rank's expert rows per step, steps 2-{steps}: {busiest_plain} without, {busiest_hot} with replication")
+    print(
+        f"busiest rank's expert rows per step, steps 2-{steps}: {busiest_plain} without, {busiest_hot} with replication"
+    )
     assert sum(busiest_hot) < sum(busiest_plain)
-    assert sum(sum(r["expert_rows"]) for r in hot) == sum(sum(r["expert_rows"]) for r in plain)  # every row computed once
+    assert sum(sum(r["expert_rows"]) for r in hot) == sum(
+        sum(r["expert_rows"]) for r in plain
+    )  # every row computed once
 
 
 def test_hot_experts_are_chosen_to_unload_the_busiest_rank():
@@ -471,16 +568,33 @@ def test_hot_experts_are_chosen_to_unload_the_busiest_rank():
     assert rank_loads(load, 2, [0]) == [60.0, 160.0]  # the hottest alone would overload rank 1
     assert choose_hot(load, 2, 1) == [] and choose_hot([100.0, 10.0, 20.0, 30.0], 2, 1) == [0]
     assert rank_loads([100.0, 10.0, 20.0, 30.0], 2, [0]) == [60.0, 100.0]
-    assert choose_hot([100.0, 10.0, 20.0, 30.0], 2, 2) == [0, 3]  # then [75, 85]: the busiest rank lower again
+    assert choose_hot([100.0, 10.0, 20.0, 30.0], 2, 2) == [
+        0,
+        3,
+    ]  # then [75, 85]: the busiest rank lower again
 
 
 def test_bad_rebalance_configs_fail_in_one_line():
     from loom import config as C
 
     for overrides, message in [
-        (["--model.n_experts", "4", "--moe.rebalance_every", "1"], "moe.rebalance_every: replicates hot experts"),
-        (["--model.n_experts", "4", "--parallel.ep", "2", "--moe.rebalance_every", "1", "--moe.hot_experts", "4"],
-         "moe.hot_experts: must be in [1, model.n_experts) = [1, 4), got 4"),
+        (
+            ["--model.n_experts", "4", "--moe.rebalance_every", "1"],
+            "moe.rebalance_every: replicates hot experts",
+        ),
+        (
+            [
+                "--model.n_experts",
+                "4",
+                "--parallel.ep",
+                "2",
+                "--moe.rebalance_every",
+                "1",
+                "--moe.hot_experts",
+                "4",
+            ],
+            "moe.hot_experts: must be in [1, model.n_experts) = [1, 4), got 4",
+        ),
         (["--model.n_experts", "4", "--moe.rebalance_every", "-1"], "moe.rebalance_every: must be >= 0"),
     ]:
         with pytest.raises(C.ConfigError) as e:

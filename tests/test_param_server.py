@@ -112,8 +112,11 @@ def _load_into_ps(path: str, shards: int):
     with CheckpointReader(path) as reader:
         ps.load_sharded(reader)
     opt = ps.optimizer
-    return {"state": ps.full_state_dict(), "moments": None if opt is None else (opt.exp_avgs[0].clone(), opt.step_count),
-            "range": (ps.model.layout.start, ps.model.layout.end)}  # fmt: skip
+    return {
+        "state": ps.full_state_dict(),
+        "moments": None if opt is None else (opt.exp_avgs[0].clone(), opt.step_count),
+        "range": (ps.model.layout.start, ps.model.layout.end),
+    }
 
 
 def test_checkpoint_is_layout_independent(pools, tmp_path):
@@ -124,8 +127,14 @@ def test_checkpoint_is_layout_independent(pools, tmp_path):
     from loom.parallel.param_server import FlatModel
 
     ps_dir, dp_dir = tmp_path / "ps", tmp_path / "dp"
-    pools(2).run(train_layout, {"dp_replicate": 2, "dp_mode": "ps", "ps_shards": 2}, 3, BATCH, 2,
-                 checkpoint_dir=str(ps_dir))  # fmt: skip
+    pools(2).run(
+        train_layout,
+        {"dp_replicate": 2, "dp_mode": "ps", "ps_shards": 2},
+        3,
+        BATCH,
+        2,
+        checkpoint_dir=str(ps_dir),
+    )
     pools(2).run(train_layout, {"dp_replicate": 2}, 3, BATCH, 2, checkpoint_dir=str(dp_dir))
     with CheckpointReader(ps_dir) as ps, CheckpointReader(dp_dir) as dp:
         assert ps.names() == dp.names() and any(n.endswith(".exp_avg_sq") for n in ps.names())
@@ -133,8 +142,11 @@ def test_checkpoint_is_layout_independent(pools, tmp_path):
             assert_close(ps.read(name), dp.read(name), **TOL, msg=lambda m, n=name: f"{n}: {m}")
         expected = {n.removeprefix("model."): dp.read(n) for n in dp.names() if n.startswith("model.")}
         flat = FlatModel(build_model(tiny_model(), 0), 2)  # the flat exp_avg the servers should hold
-        moments = {n.removeprefix("optim.").removesuffix(".exp_avg"): dp.read(n) for n in dp.names()
-                   if n.endswith(".exp_avg")}  # fmt: skip
+        moments = {
+            n.removeprefix("optim.").removesuffix(".exp_avg"): dp.read(n)
+            for n in dp.names()
+            if n.endswith(".exp_avg")
+        }
         names = {id(p): n for n, p in flat.module.named_parameters()}
         want = torch.cat([moments[names[id(p)]].flatten() for p in flat.params])
     for r in pools(2).run(_load_into_ps, str(dp_dir), 2):
@@ -157,8 +169,16 @@ def _links(workers: int, shards: int):
     return _LINKS[(workers, shards)]
 
 
-def _dedicated(workers: int, shards: int, sync: str, steps: int, slow_s: float = 0.0, timeout_s: float = 60.0,
-               die: int = -1, fixed: bool = False):  # fmt: skip
+def _dedicated(
+    workers: int,
+    shards: int,
+    sync: str,
+    steps: int,
+    slow_s: float = 0.0,
+    timeout_s: float = 60.0,
+    die: int = -1,
+    fixed: bool = False,
+):
     """Ranks < W train (worker w: rows w of W of each global batch); ranks >= W serve. ``slow_s``: worker 0
     sleeps so long per step (the others run ahead). ``die``: that server exits at once (a dead server).
     ``fixed``: every step trains on the global batch of step 0 (a task the model can learn)."""
@@ -182,9 +202,17 @@ def _dedicated(workers: int, shards: int, sync: str, steps: int, slow_s: float =
         if links.server_index == die:
             os._exit(3)
         report = ParameterServer(model, links, bound, cfg, meter, timeout_s).serve()
-        return {"server": report.index, "staleness": report.staleness, "missed": report.missed, "bytes_in": report.bytes_in,
-                "bytes_out": report.bytes_out, "rounds": report.rounds, "waits": report.waits,
-                "shard": report.state["shard"], "meter": dict(meter.moved)}  # fmt: skip
+        return {
+            "server": report.index,
+            "staleness": report.staleness,
+            "missed": report.missed,
+            "bytes_in": report.bytes_in,
+            "bytes_out": report.bytes_out,
+            "rounds": report.rounds,
+            "waits": report.waits,
+            "shard": report.state["shard"],
+            "meter": dict(meter.moved),
+        }
     w = links.rank
     worker = PSWorker(model, links, bound, meter, timeout_s)
     losses, sent = [], []
@@ -199,8 +227,13 @@ def _dedicated(workers: int, shards: int, sync: str, steps: int, slow_s: float =
         )
         sent.append(meter.moved.get("send", 0))
     worker.close()
-    return {"worker": w, "losses": losses, "state": worker.full_state_dict(), "sent": sent,
-            "versions": worker.versions}  # fmt: skip
+    return {
+        "worker": w,
+        "losses": losses,
+        "state": worker.full_state_dict(),
+        "sent": sent,
+        "versions": worker.versions,
+    }
 
 
 def _assemble(results: list, workers: int) -> dict[str, torch.Tensor]:
@@ -281,16 +314,19 @@ def test_dead_server_is_named(pools):
 
 
 # ------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("overrides,field", [
-    (["--parallel.ps_sync", "ssp:-1"], "parallel.ps_sync: the staleness bound"),
-    (["--parallel.ps_sync", "ssp"], "parallel.ps_sync: must be"),
-    (["--parallel.ps_shards", "3"], "parallel.ps_shards: 3 co-located servers"),
-    (["--parallel.ps_shards", "10000000"], "parallel.ps_shards: 10000000 servers need 4 parameters"),
-    (["--parallel.zero", "1"], "parallel.zero: the parameter server"),
-    (["--parallel.tp", "2"], "parallel.tp: the parameter server"),
-    (["--train.precision", "bf16"], "train.precision: the parameter server"),
-    (["--parallel.ps_sync", "asp"], "parallel.ps_sync: 'asp' needs dedicated server ranks"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["--parallel.ps_sync", "ssp:-1"], "parallel.ps_sync: the staleness bound"),
+        (["--parallel.ps_sync", "ssp"], "parallel.ps_sync: must be"),
+        (["--parallel.ps_shards", "3"], "parallel.ps_shards: 3 co-located servers"),
+        (["--parallel.ps_shards", "10000000"], "parallel.ps_shards: 10000000 servers need 4 parameters"),
+        (["--parallel.zero", "1"], "parallel.zero: the parameter server"),
+        (["--parallel.tp", "2"], "parallel.tp: the parameter server"),
+        (["--train.precision", "bf16"], "train.precision: the parameter server"),
+        (["--parallel.ps_sync", "asp"], "parallel.ps_sync: 'asp' needs dedicated server ranks"),
+    ],
+)
 def test_bad_fields_refused_in_one_line(overrides, field):
     cfg = C.load(None, ["--parallel.dp_mode", "ps", *overrides])
     with pytest.raises(C.ConfigError) as e:
@@ -302,14 +338,29 @@ DEBUG_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "debug.t
 DEDICATED = ["--parallel.dp_mode", "ps", "--parallel.ps_colocate", "false"]
 
 
-@pytest.mark.parametrize("nproc,overrides,field", [
-    (2, ["--parallel.ps_shards", "2"], "run.nproc: 2 ranks cannot hold parallel.ps_shards = 2 dedicated servers"),
-    (4, ["--parallel.dp", "2"], "run.nproc: 4 ranks, but parallel.dp + parallel.ps_shards = 2 workers + 1"),
-    (3, ["--parallel.dp", "3", "--parallel.ps_shards", "2"], "run.nproc: 3 ranks, but parallel.dp + parallel.ps_shards"),
-    (3, ["--train.time_limit_s", "60"], "train.time_limit_s: dedicated parameter servers"),
-    (3, ["--finetune.method", "lora"], "finetune.method: lora with dedicated parameter servers"),
-    (3, ["--parallel.tp", "2"], "parallel.tp: the parameter server"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "nproc,overrides,field",
+    [
+        (
+            2,
+            ["--parallel.ps_shards", "2"],
+            "run.nproc: 2 ranks cannot hold parallel.ps_shards = 2 dedicated servers",
+        ),
+        (
+            4,
+            ["--parallel.dp", "2"],
+            "run.nproc: 4 ranks, but parallel.dp + parallel.ps_shards = 2 workers + 1",
+        ),
+        (
+            3,
+            ["--parallel.dp", "3", "--parallel.ps_shards", "2"],
+            "run.nproc: 3 ranks, but parallel.dp + parallel.ps_shards",
+        ),
+        (3, ["--train.time_limit_s", "60"], "train.time_limit_s: dedicated parameter servers"),
+        (3, ["--finetune.method", "lora"], "finetune.method: lora with dedicated parameter servers"),
+        (3, ["--parallel.tp", "2"], "parallel.tp: the parameter server"),
+    ],
+)
 def test_dedicated_rank_count_refused_in_one_line(nproc, overrides, field):
     """run.nproc = parallel.dp workers + parallel.ps_shards servers, checked before any process starts."""
     from loom.launch import LaunchOptions
@@ -328,7 +379,16 @@ def test_dedicated_rank_count_rule():
 
 
 # ------------------------------------------------------------------ dedicated servers under loom train
-CLI_STEPS = ["--train.steps", "4", "--train.log_every", "1", "--train.eval_every", "2", "--data.max_corpus_mb", "0.3"]
+CLI_STEPS = [
+    "--train.steps",
+    "4",
+    "--train.log_every",
+    "1",
+    "--train.eval_every",
+    "2",
+    "--data.max_corpus_mb",
+    "0.3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +430,11 @@ def _train_rank(overrides: list[str], slow_s: float = 0.0) -> list[dict]:
                 trainer.heartbeat.close()
     finally:
         comm.take_order_log()  # strict mode: servers and workers do not compare orders at step ends
-    return [json.loads(x) for x in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()] if rank == 0 else []
+    return (
+        [json.loads(x) for x in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+        if rank == 0
+        else []
+    )
 
 
 def _checkpoint(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -389,14 +453,27 @@ def test_train_cli_dedicated_bsp_equals_allreduce(pools, prepared, tmp_path):
 
     common = [*CLI_STEPS, "--data.prepared_dir", prepared]
     run = tmp_path / "ps"
-    cmd = [sys.executable, "-m", "loom", "train", DEBUG_CONFIG, "--nproc", "3", *DEDICATED, "--run.dir", str(run),
-           *common]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "loom",
+        "train",
+        DEBUG_CONFIG,
+        "--nproc",
+        "3",
+        *DEDICATED,
+        "--run.dir",
+        str(run),
+        *common,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     dp = pools(2).run(_train_rank, [*common, "--run.dir", str(tmp_path / "dp")])[0]
     for key in ("loss", "grad_norm", "eval_loss"):
-        assert_close(torch.tensor([r.get(key, 0.0) for r in rows]), torch.tensor([r.get(key, 0.0) for r in dp]), **TOL)
+        assert_close(
+            torch.tensor([r.get(key, 0.0) for r in rows]), torch.tensor([r.get(key, 0.0) for r in dp]), **TOL
+        )
     assert [r["ps_staleness_max"] for r in rows] == [0] * 4
     ps, ref = _checkpoint(run), _checkpoint(tmp_path / "dp")
     assert sorted(ps) == sorted(ref) and any(n.endswith(".exp_avg_sq") for n in ps)
@@ -413,9 +490,24 @@ def test_train_dedicated_ssp_reports_staleness_within_bound(pools, prepared, tmp
     import json
 
     run = tmp_path / "ssp"
-    rows = pools(4).run(_train_rank, [*CLI_STEPS, *DEDICATED, "--parallel.ps_shards", "2", "--parallel.ps_sync",
-                                      "ssp:1", "--train.checkpoint_every", "2", "--data.prepared_dir", prepared,
-                                      "--run.dir", str(run)], 0.3)[0]  # fmt: skip
+    rows = pools(4).run(
+        _train_rank,
+        [
+            *CLI_STEPS,
+            *DEDICATED,
+            "--parallel.ps_shards",
+            "2",
+            "--parallel.ps_sync",
+            "ssp:1",
+            "--train.checkpoint_every",
+            "2",
+            "--data.prepared_dir",
+            prepared,
+            "--run.dir",
+            str(run),
+        ],
+        0.3,
+    )[0]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in rows)
     assert all(0 <= r["ps_staleness_max"] <= 1 for r in rows) and rows[-1]["ps_staleness_max"] == 1
     for k in range(2):
@@ -424,8 +516,10 @@ def test_train_dedicated_ssp_reports_staleness_within_bound(pools, prepared, tmp
         assert report["max_staleness"] == 1 and report["pulls_held"] > 0
     assert json.loads((run / "checkpoints" / "latest").read_text())["step"] == 4
     # the ssp checkpoint resumes under another mode: plain all-reduce dp=2 continues from step 4
-    resumed = pools(2).run(_train_rank, [*CLI_STEPS, "--train.steps", "6", "--data.prepared_dir", prepared,
-                                         "--run.dir", str(run)])[0]  # fmt: skip
+    resumed = pools(2).run(
+        _train_rank,
+        [*CLI_STEPS, "--train.steps", "6", "--data.prepared_dir", prepared, "--run.dir", str(run)],
+    )[0]
     assert [r["step"] for r in resumed][-2:] == [5, 6] and all(math.isfinite(r["loss"]) for r in resumed)
 
 

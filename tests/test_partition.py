@@ -82,7 +82,9 @@ def test_infeasible_errors_are_one_line() -> None:
     with pytest.raises(ValueError, match=r"layer 2 alone needs 9 bytes > mem_limit 8") as info:
         partition([1, 1, 1], 2, mem=[1, 1, 9], mem_limit=8)
     assert "\n" not in str(info.value)
-    with pytest.raises(ValueError, match=r"4 layers do not fit in 2 stages under mem_limit 5: the best cut needs 6"):
+    with pytest.raises(
+        ValueError, match=r"4 layers do not fit in 2 stages under mem_limit 5: the best cut needs 6"
+    ):
         partition([1, 1, 1, 1], 2, mem=[3, 3, 3, 3], mem_limit=5)
 
 

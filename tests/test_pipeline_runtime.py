@@ -22,8 +22,16 @@ def _uniform(n_layers: int, n: int) -> list[int]:
     return [round(i * n_layers / n) for i in range(n + 1)]
 
 
-def _strategy(mesh, mcfg, tcfg, name: str, v: int = 1, vertical_sync: bool = False, timeout_s: float | None = None,
-              group=None):  # fmt: skip
+def _strategy(
+    mesh,
+    mcfg,
+    tcfg,
+    name: str,
+    v: int = 1,
+    vertical_sync: bool = False,
+    timeout_s: float | None = None,
+    group=None,
+):
     from loom.model.llama import build_model
     from loom.optim.groups import build_optimizer
     from loom.parallel.data_parallel import DataParallel
@@ -37,11 +45,13 @@ def _strategy(mesh, mcfg, tcfg, name: str, v: int = 1, vertical_sync: bool = Fal
         import torch.distributed as dist
 
         links = {(0, 1): dist.new_group([0, 1]), (1, 0): dist.new_group([0, 1])}
-    pipe = split_model(model, mesh.local_rank("pp"), pp, _uniform(mcfg.n_layers, pp * v), group or mesh.group("pp"),
-                       links)
+    pipe = split_model(
+        model, mesh.local_rank("pp"), pp, _uniform(mcfg.n_layers, pp * v), group or mesh.group("pp"), links
+    )
     inner = DataParallel(pipe, mesh.group("dp")).attach_optimizer(build_optimizer(pipe, tcfg))
-    return pipe, PipelineStrategy(inner, pipe, name, v, vertical_sync=vertical_sync, record_step=tcfg.steps - 1,
-                                  timeout_s=timeout_s)  # fmt: skip
+    return pipe, PipelineStrategy(
+        inner, pipe, name, v, vertical_sync=vertical_sync, record_step=tcfg.steps - 1, timeout_s=timeout_s
+    )
 
 
 def _train(mesh, mcfg, tcfg, name: str, v: int, batches) -> dict:
@@ -54,12 +64,24 @@ def _train(mesh, mcfg, tcfg, name: str, v: int, batches) -> dict:
     pipe, strategy = _strategy(mesh, mcfg, tcfg, name, v)
     losses, per_mb = [], []
     for step in range(tcfg.steps):
-        res = train_step(pipeline_run(pipe, strategy, loss_fn), batches(step), tcfg.grad_clip, lr_at(step, tcfg), mesh.group("dp"))  # fmt: skip
+        res = train_step(
+            pipeline_run(pipe, strategy, loss_fn),
+            batches(step),
+            tcfg.grad_clip,
+            lr_at(step, tcfg),
+            mesh.group("dp"),
+        )
         losses.append(res.loss)
         per_mb.append({k: float(t) for k, t in strategy.last_stats.losses.items()})
     strategy.remove()
-    return {"losses": losses, "per_mb": per_mb, "state": gather_full_state(pipe), "timeline": strategy.timeline,
-            "peak_versions": strategy.last_stats.peak_versions, "versions": strategy.last_stats.version_log}  # fmt: skip
+    return {
+        "losses": losses,
+        "per_mb": per_mb,
+        "state": gather_full_state(pipe),
+        "timeline": strategy.timeline,
+        "peak_versions": strategy.last_stats.peak_versions,
+        "versions": strategy.last_stats.version_log,
+    }
 
 
 # ----------------------------------------------------------------------------- synchronous equality
@@ -70,8 +92,14 @@ def _sync_runs(pp: int, dp: int, schedules: list[tuple[str, int]], steps: int) -
     dp_rank = mesh.local_rank("dp")
     out = {}
     for name, v in schedules:
-        out[name] = _train(mesh, tiny_model(n_layers=LAYERS[pp]), tiny_train(steps=steps), name, v,
-                           lambda s: rank_micro_batches(s, BATCH, MICRO, dp_rank, dp))  # fmt: skip
+        out[name] = _train(
+            mesh,
+            tiny_model(n_layers=LAYERS[pp]),
+            tiny_train(steps=steps),
+            name,
+            v,
+            lambda s: rank_micro_batches(s, BATCH, MICRO, dp_rank, dp),
+        )
     return out
 
 
@@ -97,10 +125,14 @@ def reference():
 
 
 def _assert_equal_to_reference(result: dict, reference: dict, what: str) -> None:
-    assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), **TOL, msg=lambda m: f"{what}: {m}")
+    assert_close(
+        torch.tensor(result["losses"]), torch.tensor(reference["losses"]), **TOL, msg=lambda m: f"{what}: {m}"
+    )
     for k, v in reference["state"].items():
         assert_close(result["state"][k], v, **TOL, msg=lambda m, k=k, w=what: f"{w} {k}: {m}")
-    assert torch.equal(result["state"]["output.weight"], result["state"]["tok_embeddings.weight"])  # tied copies
+    assert torch.equal(
+        result["state"]["output.weight"], result["state"]["tok_embeddings.weight"]
+    )  # tied copies
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -121,7 +153,8 @@ def test_sync_schedules_equal_single_process(pools, reference, pp, tmp_path):
         for r in range(pp):
             measured = [e.action for e in sorted(timeline.events, key=lambda e: e.start) if e.rank == r]
             assert [a for a in measured if a.kind.value not in ("SEND_F", "SEND_B")] == [
-                a for a in schedule[r] if a.kind.value not in ("SEND_F", "SEND_B")]
+                a for a in schedule[r] if a.kind.value not in ("SEND_F", "SEND_B")
+            ]
         assert timeline.peak_in_flight == peak_in_flight(schedule)
         assert 0.0 < timeline.bubble < 1.0
         text = timeline_report(timeline, name, m, v, tmp_path / f"{name}.png")
@@ -133,7 +166,9 @@ def test_sync_schedules_equal_single_process(pools, reference, pp, tmp_path):
 def test_pp2_dp2_equals_single_process(pools, reference):
     results = pools(4).run(_sync_runs, 2, 2, [("interleaved", 2)], 20)
     for r in results:  # pipeline rank 0 of each replica gathers the full state: global ranks 0 and 1
-        assert_close(torch.tensor(r["interleaved"]["losses"]), torch.tensor(reference(LAYERS[2])["losses"]), **TOL)
+        assert_close(
+            torch.tensor(r["interleaved"]["losses"]), torch.tensor(reference(LAYERS[2])["losses"]), **TOL
+        )
     for r in results[:2]:
         _assert_equal_to_reference(r["interleaved"], reference(LAYERS[2]), "interleaved pp2 x dp2")
 
@@ -160,12 +195,21 @@ def _three_d(steps: int) -> dict:
     pipe = split_model(model, mesh.local_rank("pp"), 2, _uniform(4, 4), mesh.group("pp"), mesh.pp_links())
     pipe.tp_group = mesh.group("tp")
     inner = DataParallel(pipe, mesh.group("dp"), tp_group=mesh.group("tp"))
-    strategy = PipelineStrategy(inner.attach_optimizer(build_optimizer(pipe, tcfg)), pipe, "interleaved", 2,
-                                tp_group=mesh.group("tp"))  # fmt: skip
+    strategy = PipelineStrategy(
+        inner.attach_optimizer(build_optimizer(pipe, tcfg)), pipe, "interleaved", 2, tp_group=mesh.group("tp")
+    )
     losses = []
     for step in range(steps):
         batches = rank_micro_batches(step, BATCH, MICRO, mesh.local_rank("dp"), 2)
-        losses.append(train_step(pipeline_run(pipe, strategy, loss), batches, tcfg.grad_clip, lr_at(step, tcfg), mesh.group("dp")).loss)  # fmt: skip
+        losses.append(
+            train_step(
+                pipeline_run(pipe, strategy, loss),
+                batches,
+                tcfg.grad_clip,
+                lr_at(step, tcfg),
+                mesh.group("dp"),
+            ).loss
+        )
     inner.remove()
     return {"losses": losses, "state": gather_full_state(pipe)}
 
@@ -210,8 +254,14 @@ def _pp_zero_runs(steps: int) -> dict:
         for name, v in SYNC:
             cfg = LoomConfig(model=mcfg, train=tcfg)
             cfg.parallel.zero, cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.pp = zero, 2, 2, 2
-            pipe = split_model(build_model(mcfg, tcfg.seed), mesh.local_rank("pp"), 2, _uniform(4, 2 * v),
-                               mesh.group("pp"), mesh.pp_links())  # fmt: skip
+            pipe = split_model(
+                build_model(mcfg, tcfg.seed),
+                mesh.local_rank("pp"),
+                2,
+                _uniform(4, 2 * v),
+                mesh.group("pp"),
+                mesh.pp_links(),
+            )
             if zero == 3:
                 apply_recompute(pipe, "full")
             meter = CommMeter()
@@ -221,13 +271,26 @@ def _pp_zero_runs(steps: int) -> dict:
             for step in range(steps):
                 meter.reset()
                 batches = rank_micro_batches(step, BATCH, MICRO, mesh.local_rank("dp"), 2)
-                losses.append(train_step(pipeline_run(pipe, strategy, loss_fn), batches, tcfg.grad_clip, lr_at(step, tcfg), mesh.group("dp")).loss)  # fmt: skip
+                losses.append(
+                    train_step(
+                        pipeline_run(pipe, strategy, loss_fn),
+                        batches,
+                        tcfg.grad_clip,
+                        lr_at(step, tcfg),
+                        mesh.group("dp"),
+                    ).loss
+                )
                 calls.append(dict(meter.calls))
             with inner.gathered() if zero == 3 else contextlib.nullcontext():
                 state = gather_full_state(pipe)
             units = [u.layout for u in getattr(inner, "units", [])]
-            out[zero, tied, name] = {"losses": losses, "state": state, "calls": calls, "bytes": inner.state_bytes(),
-                                     "units": [(lay.numel, lay.padded) for lay in units]}  # fmt: skip
+            out[zero, tied, name] = {
+                "losses": losses,
+                "state": state,
+                "calls": calls,
+                "bytes": inner.state_bytes(),
+                "units": [(lay.numel, lay.padded) for lay in units],
+            }
             inner.remove()
     return out
 
@@ -245,39 +308,57 @@ def test_pp2_zero_1_2_3_equal_single_process(pools):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        refs = {tied: train_dp(None, tiny_model(n_layers=4, tie_embeddings=tied), tiny_train(steps=steps), BATCH,
-                               BATCH) for tied in (True, False)}  # fmt: skip
+        refs = {
+            tied: train_dp(
+                None, tiny_model(n_layers=4, tie_embeddings=tied), tiny_train(steps=steps), BATCH, BATCH
+            )
+            for tied in (True, False)
+        }
     finally:
         torch.set_num_threads(threads)
     results = pools(4).run(_pp_zero_runs, steps)
-    for (zero, tied, name) in results[0]:
+    for zero, tied, name in results[0]:
         what, key, ref = f"ZeRO-{zero} tied={tied} {name} pp2 x dp2", (zero, tied, name), refs[tied]
         for r in results:
-            assert_close(torch.tensor(r[key]["losses"]), torch.tensor(ref["losses"]), **TOL, msg=lambda m, w=what: f"{w}: {m}")
+            assert_close(
+                torch.tensor(r[key]["losses"]),
+                torch.tensor(ref["losses"]),
+                **TOL,
+                msg=lambda m, w=what: f"{w}: {m}",
+            )
             if r[key]["state"] is not None:  # pipeline rank 0 of each data-parallel rank
                 for k, t in ref["state"].items():
                     assert_close(r[key]["state"][k], t, **TOL, msg=lambda m, k=k, w=what: f"{w} {k}: {m}")
                 if tied:
-                    assert torch.equal(r[key]["state"]["output.weight"], r[key]["state"]["tok_embeddings.weight"])
+                    assert torch.equal(
+                        r[key]["state"]["output.weight"], r[key]["state"]["tok_embeddings.weight"]
+                    )
         if zero < 3:
             continue
         mcfg = tiny_model(n_layers=4, tie_embeddings=tied)
         planner = CostModel(mcfg, Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", 4))
-        expected = planner.collective_calls(Layout(dp=2, dp_shard=2, pp=2, zero=3, micro_batch=MICRO, schedule=name,
-                                                   v=dict(SYNC)[name]))  # fmt: skip
+        expected = planner.collective_calls(
+            Layout(dp=2, dp_shard=2, pp=2, zero=3, micro_batch=MICRO, schedule=name, v=dict(SYNC)[name])
+        )
         first = results[0][key]  # global rank 0: pipeline rank 0, the planner's first stage
         assert len(first["units"]) == mcfg.n_layers // 2 + 1  # embedding + its blocks
         for step_calls in first["calls"]:
             assert step_calls["reduce_scatter"] == expected["reduce_scatter"] == len(first["units"])
             if name == "zb-h1":
-                assert len(first["units"]) * BATCH // MICRO // 2 <= step_calls["all_gather"] <= expected["all_gather"]
+                assert (
+                    len(first["units"]) * BATCH // MICRO // 2
+                    <= step_calls["all_gather"]
+                    <= expected["all_gather"]
+                )
             else:
                 assert step_calls["all_gather"] == expected["all_gather"], what
         for r in results:  # 16 bytes per parameter of the stage, each rank 1/N of every padded unit
             padded = sum(p for _, p in r[key]["units"])
             assert r[key]["bytes"]["param_bytes"] * 2 == 4 * padded
             assert r[key]["bytes"]["optim_bytes"] * 2 == 8 * padded
-        held = sum(n for r in (results[0], results[2]) for n, _ in r[key]["units"])  # pp ranks 0, 1 of dp rank 0
+        held = sum(
+            n for r in (results[0], results[2]) for n, _ in r[key]["units"]
+        )  # pp ranks 0, 1 of dp rank 0
         assert held == sum(t.numel() for t in ref["state"].values())  # (a state dict names both tied copies)
 
 
@@ -297,8 +378,14 @@ def _loom_vs_torch(steps: int) -> dict:
     m, out = BATCH // MICRO, {}
     for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
         ours = _train(mesh, mcfg, tcfg, name, 1, lambda s: rank_micro_batches(s, BATCH, MICRO, 0, 1))
-        pipe = split_model(build_model(mcfg, tcfg.seed), mesh.local_rank("pp"), 2, _uniform(4, 2), mesh.group("pp"),
-                           mesh.pp_links())
+        pipe = split_model(
+            build_model(mcfg, tcfg.seed),
+            mesh.local_rank("pp"),
+            2,
+            _uniform(4, 2),
+            mesh.group("pp"),
+            mesh.pp_links(),
+        )
         stage = pipe.stages[0]
         opt = build_optimizer(stage, tcfg)
         torch_stage = PipelineStage(stage, stage.index, 2, torch.device("cpu"), group=mesh.group("pp"))
@@ -315,9 +402,13 @@ def _loom_vs_torch(steps: int) -> dict:
                 schedule.step(target=y, losses=losses)
                 theirs.append([float(t.detach()) for t in losses])
             opt.step()
-        out[name] = {"ours": ours["per_mb"], "theirs": theirs, "is_last": stage.is_last,
-                     "ours_state": {k: v for k, v in (ours["state"] or {}).items()},
-                     "theirs_state": {k: v.detach().clone() for k, v in stage.state_dict().items()}}  # fmt: skip
+        out[name] = {
+            "ours": ours["per_mb"],
+            "theirs": theirs,
+            "is_last": stage.is_last,
+            "ours_state": {k: v for k, v in (ours["state"] or {}).items()},
+            "theirs_state": {k: v.detach().clone() for k, v in stage.state_dict().items()},
+        }
     return out
 
 
@@ -366,14 +457,22 @@ def _async_runs() -> dict:
         tcfg = tiny_train(steps=1, lr=1e-2)
         pipe, strategy = _strategy(mesh, mcfg, tcfg, name, vertical_sync=vsync)
         strategy.runtime.trace_versions = True
-        train_step(pipeline_run(pipe, strategy, loss_fn), [_chain_batch(i) for i in range(ASYNC_M)], 1.0, 1e-2, None)
+        train_step(
+            pipeline_run(pipe, strategy, loss_fn), [_chain_batch(i) for i in range(ASYNC_M)], 1.0, 1e-2, None
+        )
         stats = strategy.last_stats
-        out[(name, vsync)] = {"losses": {k: float(v) for k, v in stats.losses.items()}, "log": stats.version_log,
-                              "peak": stats.peak_versions, "state": gather_full_state(pipe)}  # fmt: skip
+        out[(name, vsync)] = {
+            "losses": {k: float(v) for k, v in stats.losses.items()},
+            "log": stats.version_log,
+            "peak": stats.peak_versions,
+            "state": gather_full_state(pipe),
+        }
         strategy.remove()
     tcfg = tiny_train(steps=1)
     pipe, strategy = _strategy(mesh, mcfg, tcfg, "pipedream")
-    train_step(pipeline_run(pipe, strategy, loss_fn), [_chain_batch(i) for i in range(CONVERGE_M)], 1.0, 3e-3, None)
+    train_step(
+        pipeline_run(pipe, strategy, loss_fn), [_chain_batch(i) for i in range(CONVERGE_M)], 1.0, 3e-3, None
+    )
     out["converge"] = [float(strategy.last_stats.losses[i]) for i in sorted(strategy.last_stats.losses)]
     strategy.remove()
     return out
@@ -418,7 +517,7 @@ def _async_reference(name: str, vsync: bool, p: int, m: int, stash: bool = True)
         grads = torch.autograd.grad(loss * loss_scale(name, m), [t for ps in params for t in ps])
         k = 0
         for r in range(p):
-            for a, g in zip(acc[r], grads[k:k + len(params[r])]):
+            for a, g in zip(acc[r], grads[k : k + len(params[r])]):
                 a.add_(g)
             k += len(params[r])
             if j in steps_after[r]:
@@ -451,10 +550,16 @@ def test_pipedream_weight_stashing_and_convergence(pools):
         what = f"{name}{' vertical sync' if vsync else ''}"
         losses, final = _async_reference(name, vsync, 4, ASYNC_M)
         last = results[3][(name, vsync)]
-        assert_close(torch.tensor([last["losses"][j] for j in sorted(losses)]),
-                     torch.tensor([losses[j] for j in sorted(losses)]), **TOL, msg=lambda m, w=what: f"{w}: {m}")  # fmt: skip
+        assert_close(
+            torch.tensor([last["losses"][j] for j in sorted(losses)]),
+            torch.tensor([losses[j] for j in sorted(losses)]),
+            **TOL,
+            msg=lambda m, w=what: f"{w}: {m}",
+        )
         for k, v in final.items():
-            assert_close(results[0][(name, vsync)]["state"][k], v, **TOL, msg=lambda m, k=k, w=what: f"{w} {k}: {m}")
+            assert_close(
+                results[0][(name, vsync)]["state"][k], v, **TOL, msg=lambda m, k=k, w=what: f"{w} {k}: {m}"
+            )
         peaks = stashed_versions(step_schedule(name, 4, ASYNC_M, 1, vsync))
         if vsync:  # stashed_versions counts in-flight versions + the newest (p - r + 1); a rank must also
             peaks = [4] * 4  # keep the versions between stage 0's and its own that later forwards use: p
@@ -465,8 +570,11 @@ def test_pipedream_weight_stashing_and_convergence(pools):
             assert e["used"] != e["live"]  # the live weights moved on; the backward used the stash
     # without stashing the same run gives other weights: the test above can tell the difference
     _, unstashed = _async_reference("pipedream", False, 4, ASYNC_M, stash=False)
-    assert any(not torch.allclose(unstashed[k], v, **TOL) for k, v in results[0][("pipedream", False)]["state"].items()
-               if k in unstashed)  # fmt: skip
+    assert any(
+        not torch.allclose(unstashed[k], v, **TOL)
+        for k, v in results[0][("pipedream", False)]["state"].items()
+        if k in unstashed
+    )
     # convergence: PipeDream (staleness up to 3 updates) vs synchronous per-micro-batch training
     model = build_model(tiny_model(n_layers=4, tie_embeddings=False), 7)
     opt = build_optimizer(model, tiny_train())
@@ -500,8 +608,9 @@ def _dead_peer(timeout_s: float) -> str:
 
     mesh = get_mesh(pp=2)
     group = dist.new_group([0, 1])  # its own group: the dead run's unmatched messages stay out of other tests
-    pipe, strategy = _strategy(mesh, tiny_model(n_layers=2), tiny_train(steps=1), "1f1b", timeout_s=timeout_s,
-                               group=group)  # fmt: skip
+    pipe, strategy = _strategy(
+        mesh, tiny_model(n_layers=2), tiny_train(steps=1), "1f1b", timeout_s=timeout_s, group=group
+    )
     batches = rank_micro_batches(0, BATCH, MICRO, 0, 1)
 
     class Crashing(list):
@@ -539,8 +648,12 @@ def test_timeline_report_of_a_simulated_run_matches_the_formula():
 
     for name, v in [*SYNC, ("pipedream", 1)]:
         text = timeline_report(simulate(step_schedule(name, 4, 8, v), 1, 2), name, 8, v)
-        measured, formula, simulated = (float(t.split("%")[0]) for t in text.split("bubble ")[1:2] +
-                                        text.split("formula ")[1:2] + text.split("stage times ")[1:2])  # fmt: skip
+        measured, formula, simulated = (
+            float(t.split("%")[0])
+            for t in text.split("bubble ")[1:2]
+            + text.split("formula ")[1:2]
+            + text.split("stage times ")[1:2]
+        )
         assert measured == formula == simulated, text
         assert "runtime overhead between actions 0.0%" in text, text
 
@@ -572,7 +685,10 @@ class _TimedBlock(torch.nn.Module):
         return _Sleep.apply(h, self.t, self.t) * _Sleep.apply(self.weight, 0.0, self.t)
 
 
-TIMED_M, TIMED_T = 8, 0.05  # long enough that p2p latency and late wake-ups on a loaded machine stay below a point
+TIMED_M, TIMED_T = (
+    8,
+    0.05,
+)  # long enough that p2p latency and late wake-ups on a loaded machine stay below a point
 
 
 def _timed_bubbles() -> dict:
@@ -588,15 +704,26 @@ def _timed_bubbles() -> dict:
     mesh = get_mesh(pp=2)
     mcfg = tiny_model(dim=8, n_layers=4, n_heads=2, n_kv_heads=2, tie_embeddings=False)
     g = torch.Generator().manual_seed(0)
-    batches = [tuple(torch.randint(0, VOCAB, (1, SEQ), generator=g) for _ in range(2)) for _ in range(TIMED_M)]
+    batches = [
+        tuple(torch.randint(0, VOCAB, (1, SEQ), generator=g) for _ in range(2)) for _ in range(TIMED_M)
+    ]
     out = {}
     for name, v in SYNC:
         model = build_model(mcfg, 0)
-        for i in range(4):  # t per stage per micro-batch: 2 blocks of t/2, or v = 2 chunks of one block of t/2
+        for i in range(
+            4
+        ):  # t per stage per micro-batch: 2 blocks of t/2, or v = 2 chunks of one block of t/2
             model.layers[i] = _TimedBlock(mcfg.dim, TIMED_T / 2)
-        pipe = split_model(model, mesh.local_rank("pp"), 2, _uniform(4, 2 * v), mesh.group("pp"), mesh.pp_links())
-        strategy = PipelineStrategy(DataParallel(pipe, None).attach_optimizer(build_optimizer(pipe, tiny_train())),
-                                    pipe, name, v, record_step=1)  # fmt: skip
+        pipe = split_model(
+            model, mesh.local_rank("pp"), 2, _uniform(4, 2 * v), mesh.group("pp"), mesh.pp_links()
+        )
+        strategy = PipelineStrategy(
+            DataParallel(pipe, None).attach_optimizer(build_optimizer(pipe, tiny_train())),
+            pipe,
+            name,
+            v,
+            record_step=1,
+        )
         for _ in range(2):  # the first step warms up; the second is recorded
             train_step(pipeline_run(pipe, strategy, loss_fn), batches, 1.0, 1e-4, None)
         out[name] = strategy.timeline
@@ -626,9 +753,14 @@ def test_measured_bubble_equals_the_formula_on_timed_stages(pools):
             text = timeline_report(timelines[name], name, TIMED_M, v)
             print(text)
             simulated = float(text.split("stage times ")[1].split("%")[0]) / 100
-            skew = abs(simulated - formula)  # stage times that drifted from equal (a loaded machine delays wake-ups)
-            if (abs(compute.waiting_bubble - simulated) > 0.015 or abs(compute.waiting_bubble - formula) > 0.025 + skew
-                    or compute.bubble - compute.waiting_bubble >= 0.05):  # fmt: skip
+            skew = abs(
+                simulated - formula
+            )  # stage times that drifted from equal (a loaded machine delays wake-ups)
+            if (
+                abs(compute.waiting_bubble - simulated) > 0.015
+                or abs(compute.waiting_bubble - formula) > 0.025 + skew
+                or compute.bubble - compute.waiting_bubble >= 0.05
+            ):
                 out[name] = text
         return out
 
@@ -669,19 +801,51 @@ def test_profiled_partitioner_prints_cut_time_and_memory():
     ("overrides", "message"),
     [
         (["--parallel.pp", "8"], "parallel.pp: pp*virtual_stages = 8 pipeline stages but model.n_layers = 4"),
-        (["--parallel.pp", "2", "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2",
-          "--train.global_batch", "6", "--train.micro_batch", "2"], "divisible by parallel.pp = 2"),
-        (["--parallel.pp", "4", "--parallel.schedule", "2bw", "--model.tie_embeddings", "false"],
-         "2bw splits a step's 4 micro-batches"),
-        (["--parallel.pp", "2", "--parallel.pp_layout", "0-1,3-3"], "parallel.pp_layout '0-1,3-3': stage 1 starts"),
+        (
+            [
+                "--parallel.pp",
+                "2",
+                "--parallel.schedule",
+                "interleaved",
+                "--parallel.virtual_stages",
+                "2",
+                "--train.global_batch",
+                "6",
+                "--train.micro_batch",
+                "2",
+            ],
+            "divisible by parallel.pp = 2",
+        ),
+        (
+            ["--parallel.pp", "4", "--parallel.schedule", "2bw", "--model.tie_embeddings", "false"],
+            "2bw splits a step's 4 micro-batches",
+        ),
+        (
+            ["--parallel.pp", "2", "--parallel.pp_layout", "0-1,3-3"],
+            "parallel.pp_layout '0-1,3-3': stage 1 starts",
+        ),
         (["--parallel.pp", "2", "--parallel.pp_layout", "0-1,2-2"], "covers layers 0-2 but the model has 4"),
-        (["--parallel.pp", "2", "--parallel.schedule", "pipedream"], "model.tie_embeddings: schedule 'pipedream'"),
+        (
+            ["--parallel.pp", "2", "--parallel.schedule", "pipedream"],
+            "model.tie_embeddings: schedule 'pipedream'",
+        ),
         (["--parallel.schedule", "zerobubble"], "parallel.schedule: must be one of"),
         (["--parallel.pp", "2", "--parallel.virtual_stages", "2"], "needs parallel.schedule = 'interleaved'"),
-        (["--parallel.pp", "2", "--parallel.zero", "2", "--parallel.schedule", "pipedream", "--model.tie_embeddings",
-          "false"], "parallel.zero: ZeRO-2 with schedule 'pipedream'"),
+        (
+            [
+                "--parallel.pp",
+                "2",
+                "--parallel.zero",
+                "2",
+                "--parallel.schedule",
+                "pipedream",
+                "--model.tie_embeddings",
+                "false",
+            ],
+            "parallel.zero: ZeRO-2 with schedule 'pipedream'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_pipeline_configs_fail_in_one_line(overrides, message):
     from loom import config as C
 
@@ -695,8 +859,12 @@ def test_loom_schedule_command(tmp_path, capsys):
     from loom.cli import main
 
     out = tmp_path / "s.svg"
-    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--out", str(out)]) == 0
+    assert (
+        main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--out", str(out)]) == 0
+    )
     text = capsys.readouterr().out
     assert "simulated bubble 27.3% vs formula 27.3%" in text and out.read_text().startswith("<?xml")
-    assert main(["schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved", "--v", "2"]) == 2
+    assert (
+        main(["schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved", "--v", "2"]) == 2
+    )
     assert "divisible" in capsys.readouterr().err

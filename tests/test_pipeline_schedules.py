@@ -256,7 +256,7 @@ def _edit(schedule: list[list[Action]], rank: int, fn) -> list[list[Action]]:
 def _move_first(kind: Kind):
     def fn(actions: list[Action]) -> list[Action]:
         i = next(i for i, a in enumerate(actions) if a.kind is kind)
-        return [actions[i], *actions[:i], *actions[i + 1:]]
+        return [actions[i], *actions[:i], *actions[i + 1 :]]
 
     return fn
 
@@ -273,7 +273,7 @@ def _swap_first_two(kind: Kind):
 def _drop_first(kind: Kind):
     def fn(actions: list[Action]) -> list[Action]:
         i = next(i for i, a in enumerate(actions) if a.kind is kind)
-        return actions[:i] + actions[i + 1:]
+        return actions[:i] + actions[i + 1 :]
 
     return fn
 
@@ -281,12 +281,27 @@ def _drop_first(kind: Kind):
 @pytest.mark.parametrize(
     ("name", "rank", "edit", "message"),
     [
-        ("1f1b", 0, _move_first(Kind.RECV_B), r"deadlock: rank 0 waits in RECV_B0@s0<->r1; rank 1 waits in RECV_F0"),
+        (
+            "1f1b",
+            0,
+            _move_first(Kind.RECV_B),
+            r"deadlock: rank 0 waits in RECV_B0@s0<->r1; rank 1 waits in RECV_F0",
+        ),
         ("gpipe", 1, _swap_first_two(Kind.RECV_F), r"not in the same order"),
-        ("gpipe", 1, _drop_first(Kind.RECV_F), r"activation of micro-batch 0 for stage 1 has not been received"),
+        (
+            "gpipe",
+            1,
+            _drop_first(Kind.RECV_F),
+            r"activation of micro-batch 0 for stage 1 has not been received",
+        ),
         ("gpipe", 0, _drop_first(Kind.SEND_F), r"next message from rank 0 is SEND_F1@s0<->r1"),
         ("gpipe", 1, _move_first(Kind.B), r"backward before the forward of micro-batch 0 on stage 1"),
-        ("zb-h1", 1, _drop_first(Kind.BW), r"micro-batch 0 on stage 1: need one F and one B \(or one BI and one BW\)"),
+        (
+            "zb-h1",
+            1,
+            _drop_first(Kind.BW),
+            r"micro-batch 0 on stage 1: need one F and one B \(or one BI and one BW\)",
+        ),
         ("zb-h1", 0, _move_first(Kind.BW), r"backward before the forward"),
         ("gpipe", 0, _move_first(Kind.STEP), r"compute after STEP in a synchronous schedule"),
     ],

@@ -275,7 +275,9 @@ def test_collective_volumes():
     assert cm.zero3_units(1) == (LLAMA_7B.n_layers + 2, last)  # untied: embedding, blocks, norm + head
     gb = 2 * 31 / 32 / node_bw  # seconds per parameter gathered or scattered (bf16)
     assert cm._dp_comm(32, 32, 1, 1, 1, 1, 3, 1) == pytest.approx((3 * P - last) * gb)
-    assert cm._dp_comm(32, 32, 1, 1, 1, 1, 3, 4) == pytest.approx((3 * P - last) * gb + 3 * (2 * P - last) * gb)
+    assert cm._dp_comm(32, 32, 1, 1, 1, 1, 3, 4) == pytest.approx(
+        (3 * P - last) * gb + 3 * (2 * P - last) * gb
+    )
 
 
 def test_zero3_in_a_pipeline_gathers_inside_each_micro_batch_on_the_busier_end_stage():
@@ -298,7 +300,9 @@ def test_zero3_in_a_pipeline_gathers_inside_each_micro_batch_on_the_busier_end_s
         assert e3.time_breakdown["pp bubble"] - e0.time_breakdown["pp bubble"] == pytest.approx(1 * g)
         assert e3.time_breakdown["dp comm"] == pytest.approx(m * g + phi * cm.R * 7 / 8 / cl.intra_bandwidth)
         assert exposed(g, 4, 0.0, 0.5) == pytest.approx(g)  # no window: all shows
-        assert exposed(g, 4, 10 * g, 0.5) == pytest.approx(g / 4 + 0.5 * 3 * g / 4)  # the last call + half the rest
+        assert exposed(g, 4, 10 * g, 0.5) == pytest.approx(
+            g / 4 + 0.5 * 3 * g / 4
+        )  # the last call + half the rest
 
 
 def test_tensor_parallel_traffic_per_layer():
@@ -308,7 +312,9 @@ def test_tensor_parallel_traffic_per_layer():
     e = estimate(LLAMA3_8B, Layout(tp=8, dp=1, micro_batch=1), w, cl)
     ar = 2 * 7 / 8 * 4096 * 4096 * 2 / cl.intra_bandwidth
     loss = 2 * 7 / 8 * (4 + 8) * 4096 / cl.intra_bandwidth  # vocab-parallel loss: row max, sum-exp + target
-    assert e.time_breakdown["tp comm"] == pytest.approx(8 * ((32 * 4 + 2) * ar + loss))  # + embedding and head
+    assert e.time_breakdown["tp comm"] == pytest.approx(
+        8 * ((32 * 4 + 2) * ar + loss)
+    )  # + embedding and head
     e_full = estimate(LLAMA3_8B, Layout(tp=8, dp=1, micro_batch=1, recompute="full"), w, cl)
     assert e_full.time_breakdown["tp comm"] == pytest.approx(8 * ((32 * 6 + 2) * ar + loss))
 
@@ -396,8 +402,12 @@ def test_invalid_layouts_are_rejected_with_the_reason():
     cm = CostModel(gqa2, w, cl)
     h, kd = gqa2.dim, 2 * gqa2.head_dim
     assert cm._attn_params(4) == 2 * h * h / 4 + 2 * h * kd and cm.kv_width(4) == gqa2.head_dim
-    assert cm.tp_partial_params(4, False, 1) == 2 * gqa2.n_layers * kd * h  # their gradients: summed once a step
-    assert cm.tp_partial_params(4, True, 2, last=False) == 2 * 16 * kd * h + 2 * 16 * h  # + sp norms of 16 layers
+    assert (
+        cm.tp_partial_params(4, False, 1) == 2 * gqa2.n_layers * kd * h
+    )  # their gradients: summed once a step
+    assert (
+        cm.tp_partial_params(4, True, 2, last=False) == 2 * 16 * kd * h + 2 * 16 * h
+    )  # + sp norms of 16 layers
     wide = search(LLAMA3_8B, w, _cluster(per_node=4, nodes=4))
     assert wide.rejected["tp must divide devices_per_node (stay inside a node)"] == 2  # tp 8 and 16
 
@@ -486,7 +496,13 @@ def test_cluster_files_load_and_bad_ones_name_the_field(tmp_path):
     # per-device NIC share by default: a DGX A100 has one 200 Gb/s HCA per GPU
     assert cluster_from_dict({"cluster": dict(good, device="a100-80g")}).inter_bandwidth == 25e9
     # one unit for capacities: vendors' HBM "GB" are binary (an A100 80GB reports 81920 MiB)
-    assert [DEVICES[d].memory_bytes / GiB for d in ("a100-80g", "h100-sxm", "h200", "b200", "mi300x")] == [80, 80, 141, 180, 192]
+    assert [DEVICES[d].memory_bytes / GiB for d in ("a100-80g", "h100-sxm", "h200", "b200", "mi300x")] == [
+        80,
+        80,
+        141,
+        180,
+        192,
+    ]
     bad = [
         ({"device": "h100-sxm", "nodes": 2}, "cluster.devices_per_node: missing"),
         ({**good, "nodes": 0}, "cluster.nodes: must be a positive integer"),
@@ -524,8 +540,12 @@ def test_device_precisions_and_profile_round_trip(tmp_path):
     assert Profile.load(path) == prof
     with pytest.raises(HardwareError, match="profile.gpu: unknown key"):
         Profile.from_json(json.dumps({"device": "cpu", "gpu": 1}))
-    for bad, field in (({"op_overhead": {"fp32": "x"}}, "op_overhead.fp32"), ({"hbm_bandwidth": -1}, "hbm_bandwidth"),
-                       ({"optimizer_rate": 3}, "optimizer_rate"), ({"microbatch_overhead": float("inf")}, "microbatch_overhead")):
+    for bad, field in (
+        ({"op_overhead": {"fp32": "x"}}, "op_overhead.fp32"),
+        ({"hbm_bandwidth": -1}, "hbm_bandwidth"),
+        ({"optimizer_rate": 3}, "optimizer_rate"),
+        ({"microbatch_overhead": float("inf")}, "microbatch_overhead"),
+    ):
         with pytest.raises(HardwareError, match=rf"profile\.{field}: must be"):
             Profile.from_json(json.dumps({"device": "cpu", **bad}))
 
@@ -627,8 +647,24 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
 
 def test_plot_draws_memory_bars_and_throughput(tmp_path):
     out = tmp_path / "plan.png"
-    rc = main(["--model", "llama3-8b", "--device", "h100-sxm", "--world", "8", "--seq", "4096",
-               "--global-batch", "64", "--top", "5", "--plot", str(out)])  # fmt: skip
+    rc = main(
+        [
+            "--model",
+            "llama3-8b",
+            "--device",
+            "h100-sxm",
+            "--world",
+            "8",
+            "--seq",
+            "4096",
+            "--global-batch",
+            "64",
+            "--top",
+            "5",
+            "--plot",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000

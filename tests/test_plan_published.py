@@ -34,10 +34,16 @@ def test_public_set_has_15_cited_runs_and_no_held_out_row():
     assert len({r.name for r in runs}) == len(runs)
     for r in runs:
         assert r.stack in STACKS and r.tokens_per_s_per_gpu > 0
-        assert len(r.source) > 40 and any(k in r.source for k in ("arXiv", "http", "commit", "README")), r.name
+        assert len(r.source) > 40 and any(k in r.source for k in ("arXiv", "http", "commit", "README")), (
+            r.name
+        )
         # held out: Narayanan et al. 2021 Table 1 beyond its 145.6B row, the Megatron-LM README's
         # H100 weak-scaling table, the Llama 3 paper's 405B table, Korthikanti et al. 2022 Table 5
-        assert "Korthikanti" not in r.source and "weak-scaling" not in r.source and "Llama 3 paper" not in r.source
+        assert (
+            "Korthikanti" not in r.source
+            and "weak-scaling" not in r.source
+            and "Llama 3 paper" not in r.source
+        )
         if "Narayanan" in r.source and "Table 1" in r.source:
             assert "145.6B" in r.source
     assert {r.cluster.device.name for r in runs} >= {"a100-80g", "h100-sxm"}
@@ -64,7 +70,9 @@ def test_published_runs_that_ran_fit_in_memory(table):
 def test_megatron_flop_count_and_tflops_rows():
     m = ModelConfig(dim=12288, n_layers=80, n_heads=96, vocab_size=51200)
     s = 2048
-    assert megatron_flops_per_token(m, s) == pytest.approx(96 * 80 * 12288**2 * (1 + s / (6 * 12288) + 51200 / (16 * 80 * 12288)))
+    assert megatron_flops_per_token(m, s) == pytest.approx(
+        96 * 80 * 12288**2 * (1 + s / (6 * 12288) + 51200 / (16 * 80 * 12288))
+    )
     row = next(r for r in load_runs() if "145.6B" in r.name)
     assert row.tokens_per_s_per_gpu == pytest.approx(148e12 / megatron_flops_per_token(row.model, 2048))
     mt = next(r for r in load_runs() if r.name == "MT-NLG 530B, 280 nodes")
@@ -82,7 +90,9 @@ def test_gemm_tile_and_wave_quantization_by_hand():
     assert mach.gemm(8192, 4096, 4096, 2) > 2 * 8192 * 4096 * 4096 / mach.flops  # quantized, not flat
     assert mach.gemm(100, 4096, 200, 2) == pytest.approx(one_wave)  # one padded tile: one wave
     # 12 batched 2048 x 128 x 2048 products: 12 * 16 * 8 = 1536 tiles, 15 waves, k + K0 = 256 steps
-    assert mach.gemm(2048, 128, 2048, 2, batch=12) == pytest.approx(15 * 2 * 128 * 256 * (128 + GEMM_K0) / per_sm)
+    assert mach.gemm(2048, 128, 2048, 2, batch=12) == pytest.approx(
+        15 * 2 * 128 * 256 * (128 + GEMM_K0) / per_sm
+    )
     # memory bound: a skinny product moves more bytes than its FLOPs take
     assert mach.gemm(1, 8192, 8192, 2) == pytest.approx(2 * (8192 + 8192 * 8192 + 8192) / dev.hbm_bandwidth)
     # the CPU (no SMs) keeps the flat rate
@@ -106,7 +116,9 @@ def test_flash_and_unfused_attention_per_kernel():
     un = CostModel(m, Workload(8, 4096, flash_attention=False), cl)
     mach, heads = un.machine, 16
     gemms = mach.gemm(s, 128, s, 2, batch=heads) + mach.gemm(s, s, 128, 2, batch=heads)
-    scores = STACKS[""].other * 4 * 2 * heads * s * s / dev.hbm_bandwidth  # memory-bound: x the stack's passes
+    scores = (
+        STACKS[""].other * 4 * 2 * heads * s * s / dev.hbm_bandwidth
+    )  # memory-bound: x the stack's passes
     f2, b2 = un._attention_core(2, 1, 1)
     assert f2 == pytest.approx(gemms + scores + io) and b2 == pytest.approx(2 * f2)
 
@@ -115,12 +127,24 @@ def test_uneven_pipeline_stages_lighter_first_and_last():
     """L = q p + r: the r extra blocks go to middle stages, then the last, then the first."""
     m = ModelConfig(dim=1024, n_layers=70, n_heads=8, n_kv_heads=8, vocab_size=1000)
     cm = CostModel(m, Workload(96, 1024), ClusterSpec.single_node("a100-80g", 8, 2))
-    assert [cm.stage_layers(12, True, False), cm.stage_layers(12, False, False), cm.stage_layers(12, False, True)] == [5, 6, 5]
+    assert [
+        cm.stage_layers(12, True, False),
+        cm.stage_layers(12, False, False),
+        cm.stage_layers(12, False, True),
+    ] == [5, 6, 5]
     m32 = ModelConfig(dim=1024, n_layers=32, n_heads=8, n_kv_heads=8, vocab_size=1000)
     c32 = CostModel(m32, Workload(96, 1024), ClusterSpec.single_node("a100-80g", 8, 2))
-    assert [c32.stage_layers(3, True, False), c32.stage_layers(3, False, False), c32.stage_layers(3, False, True)] == [10, 11, 11]
+    assert [
+        c32.stage_layers(3, True, False),
+        c32.stage_layers(3, False, False),
+        c32.stage_layers(3, False, True),
+    ] == [10, 11, 11]
     assert c32.stage_layers(4, True, False) == c32.stage_layers(4, False, True) == 8
-    assert [c32.stage_layers(5, f, la) for f, la in ((True, False), (False, False), (False, True))] == [6, 7, 6]
+    assert [c32.stage_layers(5, f, la) for f, la in ((True, False), (False, False), (False, True))] == [
+        6,
+        7,
+        6,
+    ]
     e = c32.estimate(Layout(dp=1, pp=3, micro_batch=1))  # pp 3 on 32 layers: expressible now
     layer = c32.estimate(Layout(dp=1, pp=4, micro_batch=1))
     assert e.step_time > layer.step_time  # 11 blocks on the slowest stage vs 8
@@ -162,9 +186,17 @@ def test_tp_overlap_hides_collectives_behind_their_gemms():
     cl = ClusterSpec.single_node("h100-sxm", 8)
     cm = CostModel(m, Workload(8, 4096), cl)
     mach, t, T, h, f = cm.machine, 8, 4096, 4096, 14336
-    layer_comm = sum(k * mach.collective(op, t, size, t) for (op, size), k in cm.tp_calls(t, True, "none", 1, "layer").items())
-    gemm_f = (mach.gemm(T, h, h / t, 2) + 2 * mach.gemm(T, h, cm.kv_width(t), 2) + mach.gemm(T, h / t, h, 2)
-              + 2 * mach.gemm(T, h, f / t, 2) + mach.gemm(T, f / t, h, 2))  # fmt: skip
+    layer_comm = sum(
+        k * mach.collective(op, t, size, t)
+        for (op, size), k in cm.tp_calls(t, True, "none", 1, "layer").items()
+    )
+    gemm_f = (
+        mach.gemm(T, h, h / t, 2)
+        + 2 * mach.gemm(T, h, cm.kv_width(t), 2)
+        + mach.gemm(T, h / t, h, 2)
+        + 2 * mach.gemm(T, h, f / t, 2)
+        + mach.gemm(T, f / t, h, 2)
+    )
     hidden = layer_comm / t + max(0.0, layer_comm * (t - 1) / t - 3 * gemm_f)
     off = cm._microbatch_times(t, True, 1, 1, 1, "none", 1, 8, "allgather", False)[2]["tp comm"]
     on = cm._microbatch_times(t, True, 1, 1, 1, "none", 1, 8, "allgather", True)[2]["tp comm"]
@@ -195,8 +227,9 @@ def test_dp_overlap_bucket_by_bucket():
     total3 = cm._dp_comm(16, 16, 1, 1, 1, 1, 3, 4, 16)
     units = cm.zero3_units(1)[0]
     last3 = total3 / (4 * (2 * units - 1) + units)
-    assert cm._dp_time(z3, 4, 1.0, 4.0) == pytest.approx(last3 + max(0.0, total3 - last3 - 4.0)
-                                                         + (1 - share) * min(total3 - last3, 4.0))  # fmt: skip
+    assert cm._dp_time(z3, 4, 1.0, 4.0) == pytest.approx(
+        last3 + max(0.0, total3 - last3 - 4.0) + (1 - share) * min(total3 - last3, 4.0)
+    )
     # the CPU (gloo on the compute cores) hides nothing
     cpu = CostModel(m, w, ClusterSpec.single_node("cpu", 2))
     assert cpu._dp_time(Layout(dp=2), 4, 1.0, 4.0) == pytest.approx(cpu._dp_comm(2, 1, 1, 1, 1, 1, 0, 4, 2))
@@ -218,7 +251,9 @@ def test_search_ranks_uneven_pipelines_and_counts_the_fullest_stage():
     # the middle stage holds 8 blocks against the first's 7 (and no embedding)
     per_block = cm._params_on(1, 4, 1, False, False)[0] / 8
     assert cm._params_on(1, 4, 1, True, False)[0] == pytest.approx(7 * per_block + 32000 * 2048)
-    assert first["activations"] / (4 * 7) == pytest.approx(middle["activations"] / (3 * 8))  # 1F1B: p - i in flight
+    assert first["activations"] / (4 * 7) == pytest.approx(
+        middle["activations"] / (3 * 8)
+    )  # 1F1B: p - i in flight
 
 
 def test_lighter_end_splits_are_expressed_searched_and_read_from_pp_layout():
@@ -228,22 +263,42 @@ def test_lighter_end_splits_are_expressed_searched_and_read_from_pp_layout():
     from loom.plan.report import layout_of
     from loom.plan.search import lighter_ends, search
 
-    assert lighter_ends(32, 4) == (7, 9, 9, 7) and lighter_ends(30, 3) == (9, 12, 9) and lighter_ends(30, 4) == ()
+    assert (
+        lighter_ends(32, 4) == (7, 9, 9, 7)
+        and lighter_ends(30, 3) == (9, 12, 9)
+        and lighter_ends(30, 4) == ()
+    )
     m = ModelConfig(dim=2048, n_layers=32, n_heads=16, n_kv_heads=16, vocab_size=128000)
     cl = ClusterSpec.single_node("a100-80g", 8)
     cm = CostModel(m, Workload(64, 2048), cl)
     even, light = Layout(dp=2, pp=4, micro_batch=1), Layout(dp=2, pp=4, micro_batch=1, split=(7, 9, 9, 7))
-    assert cm.stage_layers(4, True, False, light.split) == 7 and cm.stage_layers(4, False, False, light.split) == 9
+    assert (
+        cm.stage_layers(4, True, False, light.split) == 7
+        and cm.stage_layers(4, False, False, light.split) == 9
+    )
     # the first stage's parameters: 7 blocks and the 128k embedding instead of 8 blocks
     per_block = cm._params_on(1, 4, 1, False, False)[0] / 8
-    assert cm.state_memory(light, True, False)["weights"] == pytest.approx(2 * (7 * per_block + 128000 * 2048))
+    assert cm.state_memory(light, True, False)["weights"] == pytest.approx(
+        2 * (7 * per_block + 128000 * 2048)
+    )
     assert cm.estimate(light).step_time != cm.estimate(even).step_time
     assert Layout.parse(light.spec()) == light
     assert "split must give" in (cm.check(Layout(dp=2, pp=4, split=(8, 8, 8))) or "")
     result = search(m, Workload(64, 2048), cl)
     assert any(e.layout.split == (7, 9, 9, 7) for e in result.ranked)
-    cfg = load(str(preset_path("debug")), ["--model.n_layers", "4", "--parallel.pp", "2", "--parallel.pp_layout", "0-0,1-3",
-                                           "--run.nproc", "2"])  # fmt: skip
+    cfg = load(
+        str(preset_path("debug")),
+        [
+            "--model.n_layers",
+            "4",
+            "--parallel.pp",
+            "2",
+            "--parallel.pp_layout",
+            "0-0,1-3",
+            "--run.nproc",
+            "2",
+        ],
+    )
     assert layout_of(cfg).split == (1, 3)
 
 
@@ -269,6 +324,8 @@ def test_refit_restores_the_tables_and_never_worsens_the_objective():
     with constants(dict(now, **{"achievable:a100-80g": 0.5, "k0": 64.0})):
         assert hw.DEVICES["a100-80g"].achievable == 0.5 and hw.GEMM_K0 == 64.0
     assert hw.DEVICES["a100-80g"].achievable == now["achievable:a100-80g"] and now["k0"] == hw.GEMM_K0
-    assert objective(errors(runs, now)) == pytest.approx(objective([r.error for r in compare_published(runs)]))
+    assert objective(errors(runs, now)) == pytest.approx(
+        objective([r.error for r in compare_published(runs)])
+    )
     start = dict(now, **{"other:pytorch-fsdp": 4.0})
     assert objective(errors(runs, fit(runs, start, sweeps=1))) <= objective(errors(runs, start))

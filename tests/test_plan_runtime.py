@@ -23,8 +23,11 @@ PROFILE = Profile(
     device="cpu",
     gemm_flops={"fp32": 20e9},
     hbm_bandwidth=50e9,
-    collectives=[CollectiveFit(op, "intra", n, 0.5e9, 200e-6) for op in ("all_reduce", "all_gather", "reduce_scatter")
-                 for n in (2, 3, 4)],  # fmt: skip
+    collectives=[
+        CollectiveFit(op, "intra", n, 0.5e9, 200e-6)
+        for op in ("all_reduce", "all_gather", "reduce_scatter")
+        for n in (2, 3, 4)
+    ],
 )
 
 
@@ -52,16 +55,27 @@ def test_contended_scales_the_collectives_cpu_seconds_as_compute():
     """A collective's CPU seconds (scope cpu) take the shared cores as compute does: / share."""
     import dataclasses
 
-    cpu = [CollectiveFit("all_gather", "cpu", 2, 1e9, 400e-6, world=2), CollectiveFit("all_gather", "cpu synced", 2, 2e9, 100e-6),
-           CollectiveFit("all_gather", "cpu", 2, 1e9, 300e-6, world=4)]  # fmt: skip
+    cpu = [
+        CollectiveFit("all_gather", "cpu", 2, 1e9, 400e-6, world=2),
+        CollectiveFit("all_gather", "cpu synced", 2, 2e9, 100e-6),
+        CollectiveFit("all_gather", "cpu", 2, 1e9, 300e-6, world=4),
+    ]
     prof = dataclasses.replace(PROFILE, collectives=[*PROFILE.collectives, *cpu], compute_share={"4": 0.4})
     shared = contended(prof, 4, n_cores=2)
     assert [(c.latency, c.bus_bandwidth) for c in shared.collectives if c.scope.startswith("cpu")] == [
-        pytest.approx((1e-3, 0.4e9)), pytest.approx((250e-6, 0.8e9)), pytest.approx((750e-6, 0.4e9))]  # fmt: skip
+        pytest.approx((1e-3, 0.4e9)),
+        pytest.approx((250e-6, 0.8e9)),
+        pytest.approx((750e-6, 0.4e9)),
+    ]
     assert [c for c in shared.collectives if not c.scope.startswith("cpu")] == PROFILE.collectives
-    twin = shared.cpu_twin()  # the call's CPU measured with its group alone (world 2), not side by side (world 4)
+    twin = (
+        shared.cpu_twin()
+    )  # the call's CPU measured with its group alone (world 2), not side by side (world 4)
     assert twin is not None and twin.comm_overlap == {"1": 0.0}
-    assert sorted((c.scope, c.latency) for c in twin.collectives) == [("intra", pytest.approx(1e-3)), ("synced", pytest.approx(250e-6))]
+    assert sorted((c.scope, c.latency) for c in twin.collectives) == [
+        ("intra", pytest.approx(1e-3)),
+        ("synced", pytest.approx(250e-6)),
+    ]
     assert PROFILE.cpu_twin() is None  # no CPU seconds measured: no bound
 
 
@@ -82,7 +96,9 @@ def test_cpu_bound_is_the_ranks_cpu_demand_beyond_the_critical_path():
 
     cfg = _cfg(2, "--parallel.tp", "2", "--parallel.dp", "1", "--parallel.sp", "true")
     lay = layout_of(cfg)
-    plain = _cost_model(cfg, 2, dataclasses.replace(PROFILE, collectives=wall, comm_overlap={"2": 0.0})).estimate(lay)
+    plain = _cost_model(
+        cfg, 2, dataclasses.replace(PROFILE, collectives=wall, comm_overlap={"2": 0.0})
+    ).estimate(lay)
     for d in (0.5e-3, -0.1e-3):
         cm = _cost_model(cfg, 2, with_cpu(200e-6 + d))
         est = cm.estimate(lay)
@@ -99,24 +115,43 @@ def test_a_collectives_job_measures_wall_and_cpu_seconds_per_call():
     rows = _run_world(2, "gloo", 2, (16, 8))
     keys = {(o, g, s) for o, g, s, _ in rows}
     for op in OPS:
-        assert {(op, 2, b) for b in MESSAGE_BYTES} <= keys and {(f"{op}:cpu", 2, b) for b in MESSAGE_BYTES} <= keys
+        assert {(op, 2, b) for b in MESSAGE_BYTES} <= keys and {
+            (f"{op}:cpu", 2, b) for b in MESSAGE_BYTES
+        } <= keys
     for op in ("all_gather", "p2p"):
-        assert {(f"{op}:synced", 2, b) for b in MESSAGE_BYTES} <= keys and {(f"{op}:cpu synced", 2, b) for b in MESSAGE_BYTES} <= keys
-    assert {("all_reduce:synced", 2, 4), ("all_reduce:cpu synced", 2, 4), ("work", 2, 0)} <= keys  # work: the ranks' mean
-    assert {("tp_layer:cpu", 2, 16 * 8 * 4), ("ep_layer", 2, 16 * 8 * 4), ("ep_layer:cpu", 2, 16 * 8 * 4)} <= keys  # through Loom's layers
-    assert all(t > 0 for o, *_, t in rows if o != "overlap") and all(0 <= t <= 1 for o, *_, t in rows if o == "overlap")
+        assert {(f"{op}:synced", 2, b) for b in MESSAGE_BYTES} <= keys and {
+            (f"{op}:cpu synced", 2, b) for b in MESSAGE_BYTES
+        } <= keys
+    assert {
+        ("all_reduce:synced", 2, 4),
+        ("all_reduce:cpu synced", 2, 4),
+        ("work", 2, 0),
+    } <= keys  # work: the ranks' mean
+    assert {
+        ("tp_layer:cpu", 2, 16 * 8 * 4),
+        ("ep_layer", 2, 16 * 8 * 4),
+        ("ep_layer:cpu", 2, 16 * 8 * 4),
+    } <= keys  # through Loom's layers
+    assert all(t > 0 for o, *_, t in rows if o != "overlap") and all(
+        0 <= t <= 1 for o, *_, t in rows if o == "overlap"
+    )
 
 
 def test_measured_compute_share_and_profile_fields_round_trip(tmp_path):
     import dataclasses
 
     prof = dataclasses.replace(PROFILE, compute_share={"2": 0.8}, backward_ratio=1.5)
-    assert contended(prof, 2, n_cores=2).gemm_flops["fp32"] == pytest.approx(16e9)  # measured, not cores/world
+    assert contended(prof, 2, n_cores=2).gemm_flops["fp32"] == pytest.approx(
+        16e9
+    )  # measured, not cores/world
     assert contended(prof, 4, n_cores=2).gemm_flops["fp32"] == 10e9  # unmeasured: cores / world
     assert contended(prof, 2, n_cores=2).backward_ratio == 1.5
     prof.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == prof
-    fits = [CollectiveFit("all_reduce", "intra", 2, 1e9, 1e-3, world=2), CollectiveFit("all_reduce", "intra", 2, 1e9, 5e-3, world=4)]
+    fits = [
+        CollectiveFit("all_reduce", "intra", 2, 1e9, 1e-3, world=2),
+        CollectiveFit("all_reduce", "intra", 2, 1e9, 5e-3, world=4),
+    ]
     by_world = Profile("cpu", collectives=fits)
     assert by_world.collective("all_reduce", "intra", 2, world=4).latency == 5e-3  # tp2 inside a 4-rank job
     assert by_world.collective("all_reduce", "intra", 2, world=2).latency == 1e-3
@@ -140,8 +175,18 @@ def test_zero3_units_per_pipeline_stage_are_the_runtimes(tie):
     from loom.parallel.zero.stage3 import find_units
     from loom.plan.auto import _cost_model
 
-    over = ["--parallel.pp", "2", "--parallel.zero", "3", "--model.n_layers", "4", "--model.tie_embeddings", tie,
-            "--model.vocab_size", "256"]  # fmt: skip
+    over = [
+        "--parallel.pp",
+        "2",
+        "--parallel.zero",
+        "3",
+        "--model.n_layers",
+        "4",
+        "--model.tie_embeddings",
+        tie,
+        "--model.vocab_size",
+        "256",
+    ]
     cfg = _cfg(2, *over)
     model, cm = build_model(cfg.model, seed=0), _cost_model(cfg, 2, None)
     for rank in (0, 1):
@@ -211,8 +256,10 @@ def test_microbatch_overhead_reproduces_the_measured_one_rank_step():
     est = estimate(model_of(cfg), Layout(micro_batch=2), workload_of(cfg), local_cluster(1), profile=measured)
     assert est.step_time == pytest.approx(0.05, rel=1e-9)
     L = cfg.model.n_layers
-    assert per_mb * (L + 1) == pytest.approx(est.time_breakdown["framework"] / est.microbatches
-                                             - 2e-6 * (L * est_ops(cfg).layer_fb + est_ops(cfg).fixed_fb))  # fmt: skip
+    assert per_mb * (L + 1) == pytest.approx(
+        est.time_breakdown["framework"] / est.microbatches
+        - 2e-6 * (L * est_ops(cfg).layer_fb + est_ops(cfg).fixed_fb)
+    )
 
 
 def est_ops(cfg):
@@ -234,17 +281,38 @@ def test_framework_term_is_ops_times_cost_per_op(recompute):
     cfg = _cfg(1)
     c_op, t_mb = 3e-6, 1e-4
     prof = dataclasses.replace(PROFILE, op_overhead={"fp32": c_op}, microbatch_overhead=t_mb)
-    est = estimate(model_of(cfg), Layout(micro_batch=2, recompute=recompute), workload_of(cfg), local_cluster(1),
-                   profile=prof)  # fmt: skip
+    est = estimate(
+        model_of(cfg),
+        Layout(micro_batch=2, recompute=recompute),
+        workload_of(cfg),
+        local_cluster(1),
+        profile=prof,
+    )
     ops, L, m = est_ops(cfg), cfg.model.n_layers, est.microbatches
-    assert est.time_breakdown["framework"] == pytest.approx(m * (c_op * (L * ops.layer_fb + ops.fixed_fb) + (L + 1) * t_mb))
-    half = estimate(model_of(cfg), Layout(micro_batch=2, recompute=recompute), workload_of(cfg), local_cluster(1),
-                    profile=dataclasses.replace(prof, op_overhead={"fp32": c_op / 2}))  # fmt: skip
-    again = m * c_op / 2 * L * (ops.layer_full - ops.layer_fb) if recompute == "full" else 0.0  # t_mb equal in both
+    assert est.time_breakdown["framework"] == pytest.approx(
+        m * (c_op * (L * ops.layer_fb + ops.fixed_fb) + (L + 1) * t_mb)
+    )
+    half = estimate(
+        model_of(cfg),
+        Layout(micro_batch=2, recompute=recompute),
+        workload_of(cfg),
+        local_cluster(1),
+        profile=dataclasses.replace(prof, op_overhead={"fp32": c_op / 2}),
+    )
+    again = (
+        m * c_op / 2 * L * (ops.layer_full - ops.layer_fb) if recompute == "full" else 0.0
+    )  # t_mb equal in both
     assert est.time_breakdown["recompute"] - half.time_breakdown["recompute"] == pytest.approx(again)
-    assert est.time_breakdown["optimizer"] - half.time_breakdown["optimizer"] == pytest.approx(c_op / 2 * ops.optimizer(L))
-    hooks = estimate(model_of(cfg), Layout(micro_batch=2, recompute=recompute), workload_of(cfg), local_cluster(1),
-                     profile=dataclasses.replace(prof, microbatch_overhead=2 * t_mb))  # fmt: skip
+    assert est.time_breakdown["optimizer"] - half.time_breakdown["optimizer"] == pytest.approx(
+        c_op / 2 * ops.optimizer(L)
+    )
+    hooks = estimate(
+        model_of(cfg),
+        Layout(micro_batch=2, recompute=recompute),
+        workload_of(cfg),
+        local_cluster(1),
+        profile=dataclasses.replace(prof, microbatch_overhead=2 * t_mb),
+    )
     rehooked = m * t_mb * L * (ops.layer_full - ops.layer_fb) / ops.layer_fb if recompute == "full" else 0.0
     assert hooks.time_breakdown["recompute"] - est.time_breakdown["recompute"] == pytest.approx(rehooked)
 
@@ -258,7 +326,11 @@ def test_op_counts_are_linear_in_layers():
         cfg.model.vocab_size = 512
         ops = op_counts(cfg.model, None, cfg.train.optimizer)
         fb, sel, full, opt = _model_counts(tiny_config(cfg.model, 3), None, cfg.train.optimizer, 1)
-        assert (fb, sel, full) == (ops.microbatch(3), ops.microbatch(3, "selective"), ops.microbatch(3, "full"))
+        assert (fb, sel, full) == (
+            ops.microbatch(3),
+            ops.microbatch(3, "selective"),
+            ops.microbatch(3, "full"),
+        )
         assert opt == ops.optimizer(3)
         assert ops.layer_full > ops.layer_selective > ops.layer_fb > 0 and ops.fixed_fb > 0
 
@@ -346,8 +418,20 @@ def test_train_with_parallel_auto_runs_and_logs_the_prediction(tmp_path):
     from loom.plan.validate import REPO, base_overrides
 
     run_dir = tmp_path / "auto"
-    cmd = [sys.executable, "-m", "loom", "train", DEBUG_CONFIG, "--nproc", "2", "--run.dir", str(run_dir),
-           "--parallel.auto", "true", *base_overrides(2, 0.5)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "loom",
+        "train",
+        DEBUG_CONFIG,
+        "--nproc",
+        "2",
+        "--run.dir",
+        str(run_dir),
+        "--parallel.auto",
+        "true",
+        *base_overrides(2, 0.5),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "parallel.auto chose" in proc.stdout
@@ -363,8 +447,10 @@ def test_validation_table_and_picture(tmp_path):
     from loom.plan.validate import Comparison
     from loom.plan.viz import draw_validation
 
-    rows = [Comparison("dp2", 2, 0.05, 0.04, 1000.0, 1000.0, meas_median_s=0.0625),
-            Comparison("tp2 sp", 2, 0.05, 0.15, 990.0, 1000.0)]  # fmt: skip
+    rows = [
+        Comparison("dp2", 2, 0.05, 0.04, 1000.0, 1000.0, meas_median_s=0.0625),
+        Comparison("tp2 sp", 2, 0.05, 0.15, 990.0, 1000.0),
+    ]
     table = format_comparisons(rows)
     assert "+25.0%" in table and "-1.00%" in table and "state memory within 5%: 2/2" in table
     assert "median s" in table and "0.0625" in table  # the typical step beside the fastest
@@ -391,8 +477,10 @@ def test_validation_compares_the_fastest_run_and_pools_steps_for_the_median():
     from loom.plan.validate import DEBUG_CONFIG, base_overrides, compare
 
     state = {"param_bytes": 400.0, "grad_bytes": 400.0, "optim_bytes": 800.0}
-    runs = [state | {"step_time_s": 0.02, "step_times": [0.03, 0.02, 0.05]},
-            state | {"step_time_s": 0.01, "step_times": [0.01, 0.04]}]  # fmt: skip
+    runs = [
+        state | {"step_time_s": 0.02, "step_times": [0.03, 0.02, 0.05]},
+        state | {"step_time_s": 0.01, "step_times": [0.01, 0.04]},
+    ]
     c = compare("dp1", 1, base_overrides(4), DEBUG_CONFIG, None, runs)
     assert c.meas_step_s == 0.01 and c.meas_median_s == 0.03 and c.meas_state_bytes == 1600.0
     assert c.pred_step_s > 0
@@ -415,7 +503,8 @@ def test_parameter_server_terms(colocate):
     phi = cm._params_on(1, 1, 1, True, True)[0]
     through = 3 if colocate else 4
     assert cm._dp_comm(4, 1, 1, 1, 1, 1, 0, 1, world) == pytest.approx(
-        2 * cm.machine.collective("p2p", 2, through * phi * 4 / 2, 4, world))
+        2 * cm.machine.collective("p2p", 2, through * phi * 4 / 2, 4, world)
+    )
     states = cm.state_memory(lay)
     assert states["optimizer"] == (8 * phi / 2 if colocate else 0.0)
     assert states["weights"] == states["gradients"] == 4 * phi
@@ -428,15 +517,20 @@ def test_layer_call_excess_is_the_layer_measurement_minus_its_bare_calls():
     from loom.plan.calibrate import EP_EXPERTS, EP_TOP_K, layer_call_excess
 
     S = 8192
-    fits = [CollectiveFit("all_gather", "cpu", 2, 1e9, 100e-6, world=2), CollectiveFit("reduce_scatter", "cpu", 2, 1e9, 200e-6, world=2),
-            CollectiveFit("all_to_all", "intra", 2, 2e9, 50e-6, world=2),
-            CollectiveFit("all_gather", "cpu", 2, 1e9, 900e-6, world=4)]  # another job size: not the 2-rank layer's  # fmt: skip
+    fits = [
+        CollectiveFit("all_gather", "cpu", 2, 1e9, 100e-6, world=2),
+        CollectiveFit("reduce_scatter", "cpu", 2, 1e9, 200e-6, world=2),
+        CollectiveFit("all_to_all", "intra", 2, 2e9, 50e-6, world=2),
+        CollectiveFit("all_gather", "cpu", 2, 1e9, 900e-6, world=4),
+    ]  # another job size: not the 2-rank layer's
     rows = [("tp_layer:cpu", 2, S, 1e-3), ("ep_layer", 2, S, 0.5e-3)]
     tp_bare = (3 * (100e-6 + S / 2 / 1e9) + 2 * (200e-6 + S / 2 / 1e9)) / 5
     assert layer_call_excess("tp", rows, fits, "cpu") == pytest.approx(1e-3 - tp_bare)
     ep_bare = (4 * (50e-6 + S * EP_TOP_K / 2 / 2e9) + (50e-6 + 8 * EP_EXPERTS / 2 / 2e9)) / 5
     assert layer_call_excess("ep", rows, fits, "intra") == pytest.approx(0.5e-3 - ep_bare)
-    assert layer_call_excess("tp", [("tp_layer:cpu", 2, S, 1e-5)], fits, "cpu") == 0.0  # cheaper than the fits: nothing added
+    assert (
+        layer_call_excess("tp", [("tp_layer:cpu", 2, S, 1e-5)], fits, "cpu") == 0.0
+    )  # cheaper than the fits: nothing added
     assert layer_call_excess("ep", rows, fits, "cpu") == 0.0  # not measured
 
 
@@ -455,8 +549,10 @@ def test_layer_call_overhead_is_added_to_each_tp_and_ep_call_and_its_cpu_in_the_
     cpu = [CollectiveFit(op, scope, 2, 0.5e9, 200e-6) for op in ops for scope in ("cpu", "cpu synced")]
     base = dataclasses.replace(PROFILE, collectives=wall + cpu, comm_overlap={"2": 0.0})
     d = 1e-3
-    for kind, extra in (("tp", ("--parallel.tp", "2", "--parallel.dp", "1", "--parallel.sp", "true")),
-                        ("ep", ("--model.n_experts", "4", "--parallel.ep", "2"))):  # fmt: skip
+    for kind, extra in (
+        ("tp", ("--parallel.tp", "2", "--parallel.dp", "1", "--parallel.sp", "true")),
+        ("ep", ("--model.n_experts", "4", "--parallel.ep", "2")),
+    ):
         cfg = _cfg(2, *extra)
         lay = layout_of(cfg)
         plain = _cost_model(cfg, 2, base)
@@ -466,16 +562,24 @@ def test_layer_call_overhead_is_added_to_each_tp_and_ep_call_and_its_cpu_in_the_
         on_wall = _cost_model(cfg, 2, dataclasses.replace(base, call_overhead={kind: d})).estimate(lay)
         assert on_wall.step_time - t0 == pytest.approx(calls * d)
         on_cpu = _cost_model(cfg, 2, dataclasses.replace(base, call_overhead_cpu={kind: d})).estimate(lay)
-        assert on_cpu.time_breakdown["cpu bound"] == pytest.approx(calls * d) and on_cpu.step_time == pytest.approx(t0 + calls * d)
-    prof = dataclasses.replace(base, call_overhead={"ep": 2e-4}, call_overhead_cpu={"tp": 3e-4}, compute_share={"4": 0.5})
+        assert on_cpu.time_breakdown["cpu bound"] == pytest.approx(
+            calls * d
+        ) and on_cpu.step_time == pytest.approx(t0 + calls * d)
+    prof = dataclasses.replace(
+        base, call_overhead={"ep": 2e-4}, call_overhead_cpu={"tp": 3e-4}, compute_share={"4": 0.5}
+    )
     prof.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == prof
     shared = contended(prof, 4, n_cores=2)
-    assert shared.call_overhead == {"ep": pytest.approx(4e-4)} and shared.call_overhead_cpu == {"tp": pytest.approx(6e-4)}
+    assert shared.call_overhead == {"ep": pytest.approx(4e-4)} and shared.call_overhead_cpu == {
+        "tp": pytest.approx(6e-4)
+    }
     from loom.plan.hardware import HardwareError
 
-    for bad, says in (('{"xp": 1e-4}', "profile.call_overhead.xp: unknown kind; allowed: tp, ep"),
-                      ('{"tp": -1e-4}', "profile.call_overhead.tp: must be a finite number >= 0")):  # fmt: skip
+    for bad, says in (
+        ('{"xp": 1e-4}', "profile.call_overhead.xp: unknown kind; allowed: tp, ep"),
+        ('{"tp": -1e-4}', "profile.call_overhead.tp: must be a finite number >= 0"),
+    ):
         with pytest.raises(HardwareError, match=says.replace(".", r"\.")):
             Profile.from_json('{"device": "cpu", "call_overhead": ' + bad + "}")
 
@@ -485,8 +589,18 @@ def test_validate_predicts_a_mixture_of_experts_with_the_runs_expert_load():
     from loom.plan.validate import compare
 
     over = ["--model.n_experts", "4", "--parallel.ep", "2"]
-    row = {"step_time_s": 0.02, "step_times": [0.02], "moe_imbalance": 2.0, "param_bytes": 1.0, "grad_bytes": 1.0, "optim_bytes": 1.0}
+    row = {
+        "step_time_s": 0.02,
+        "step_times": [0.02],
+        "moe_imbalance": 2.0,
+        "param_bytes": 1.0,
+        "grad_bytes": 1.0,
+        "optim_bytes": 1.0,
+    }
     got = compare("moe", 2, over, DEBUG_CONFIG, PROFILE, [row])
     given = predicted_fields(_cfg(2, *over, "--moe.imbalance", "2.0"), 2, contended(PROFILE, 2))
     balanced = predicted_fields(_cfg(2, *over, "--moe.imbalance", "1.0"), 2, contended(PROFILE, 2))
-    assert got.pred_step_s == pytest.approx(given["plan_step_time_s"]) and got.pred_step_s > balanced["plan_step_time_s"]
+    assert (
+        got.pred_step_s == pytest.approx(given["plan_step_time_s"])
+        and got.pred_step_s > balanced["plan_step_time_s"]
+    )

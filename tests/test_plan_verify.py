@@ -16,8 +16,20 @@ def _verify(*args: str) -> subprocess.CompletedProcess:
 
 def test_rank_0_of_llama3_8b_on_32_devices_matches_the_planner():
     """tp8 pp4, 1F1B with 4 micro-batches: every model-state kind within 2%, the peak within 10%."""
-    out = _verify("--config", "llama3-8b", "--devices", "32", "--device", "h100-sxm", "--rank", "0", "--seq", "16",
-                  "--layout", "dp1 tp8 pp4 cp1 ep1 zero0 1f1b:v1 mb1 recompute:none")  # fmt: skip
+    out = _verify(
+        "--config",
+        "llama3-8b",
+        "--devices",
+        "32",
+        "--device",
+        "h100-sxm",
+        "--rank",
+        "0",
+        "--seq",
+        "16",
+        "--layout",
+        "dp1 tp8 pp4 cp1 ep1 zero0 1f1b:v1 mb1 recompute:none",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     rows = _rows(out.stdout)
     for kind in ("parameters", "gradients", "optimizer", "peak"):
@@ -28,8 +40,20 @@ def test_rank_0_of_a_1b_model_under_zero3_on_64_devices_holds_the_state_formula(
     """ZeRO-3 over 64: parameters, gradients and optimizer state are 1/64 each, as the planner says
     (within 2%), and the peak holds the planner's ZeRO-3 transient (the tied embedding/head unit
     gathered with its gradients in backward) within 10%."""
-    out = _verify("--config", "llama-1b", "--devices", "64", "--device", "h100-sxm", "--rank", "0", "--seq", "16",
-                  "--layout", "dp64 tp1 pp1 cp1 ep1 zero3 mb1 recompute:none")  # fmt: skip
+    out = _verify(
+        "--config",
+        "llama-1b",
+        "--devices",
+        "64",
+        "--device",
+        "h100-sxm",
+        "--rank",
+        "0",
+        "--seq",
+        "16",
+        "--layout",
+        "dp64 tp1 pp1 cp1 ep1 zero3 mb1 recompute:none",
+    )
     rows = _rows(out.stdout)
     for kind in ("parameters", "gradients", "optimizer", "peak"):
         assert " ok " in rows[kind] + " ", rows[kind]
@@ -43,8 +67,16 @@ def _rows(stdout: str) -> dict[str, str]:
 
 def test_layout_lines_round_trip_and_bad_ones_are_one_line():
     lay = Layout.parse("dp16 tp8 pp8 cp1 ep1 zero1 sp interleaved:v5 mb1 recompute:none")
-    assert (lay.dp, lay.tp, lay.pp, lay.zero, lay.dp_shard, lay.sp, lay.schedule, lay.v) == (16, 8, 8, 1, 16, True,
-                                                                                           "interleaved", 5)  # fmt: skip
+    assert (lay.dp, lay.tp, lay.pp, lay.zero, lay.dp_shard, lay.sp, lay.schedule, lay.v) == (
+        16,
+        8,
+        8,
+        1,
+        16,
+        True,
+        "interleaved",
+        5,
+    )
     assert Layout.parse(lay.spec()) == lay
     out = _verify("--config", "llama3-8b", "--devices", "32", "--layout", "dp1 tp8 pp4 warp9")
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "'warp9'" in out.stderr

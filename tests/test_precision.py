@@ -65,10 +65,18 @@ def train_loop(cfg: LoomConfig, mesh, steps: int, hook=None, model_hook=None) ->
         scales.append(scaler_stats(run.scaler).get("loss_scale", 1.0))
         snaps.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    return {"losses": losses, "norms": norms, "scales": scales, "unchanged": snaps, "finite": finite,
-            "stats": scaler_stats(run.scaler), "bytes": strategy.state_bytes(), "strategy": strategy,
-            "scaler": run.scaler,
-            "dtype": next(model.parameters()).dtype}  # fmt: skip
+    return {
+        "losses": losses,
+        "norms": norms,
+        "scales": scales,
+        "unchanged": snaps,
+        "finite": finite,
+        "stats": scaler_stats(run.scaler),
+        "bytes": strategy.state_bytes(),
+        "strategy": strategy,
+        "scaler": run.scaler,
+        "dtype": next(model.parameters()).dtype,
+    }
 
 
 def single_mesh():
@@ -134,7 +142,12 @@ def test_loss_scaler_state_is_checkpointed(tmp_path):
     b, sb = rb["strategy"], rb["scaler"]
     with CheckpointReader(saved) as reader:
         CombinedState(b, sb).load_sharded(reader)
-    assert (sb.scale, sb.good_steps, sb.tracker, sb.skipped) == (sa.scale, sa.good_steps, sa.tracker, sa.skipped)
+    assert (sb.scale, sb.good_steps, sb.tracker, sb.skipped) == (
+        sa.scale,
+        sa.good_steps,
+        sa.tracker,
+        sa.skipped,
+    )
     assert sa.skipped == 3 and sa.scale == 2.0**38  # hysteresis 2: the first overflow only spends the tracker
     assert all(torch.equal(x, y) for x, y in zip(a.optim.masters, b.optim.masters))
 
@@ -175,9 +188,11 @@ def test_precision_config_errors():
     cfg.model.tie_embeddings = False
     with pytest.raises(ConfigError, match=r"^train\.precision: fp16 .*pipedream"):
         validate(cfg, 2)
-    for field, value, pattern in (("precision", "fp8", r"^train\.precision: must be one of"),
-                                  ("optimizer", "lion", r"^train\.optimizer: must be one of"),
-                                  ("loss_scale_window", 0, r"^train\.loss_scale_window: must be >= 1")):  # fmt: skip
+    for field, value, pattern in (
+        ("precision", "fp8", r"^train\.precision: must be one of"),
+        ("optimizer", "lion", r"^train\.optimizer: must be one of"),
+        ("loss_scale_window", 0, r"^train\.loss_scale_window: must be >= 1"),
+    ):
         with pytest.raises(ConfigError, match=pattern) as e:
             validate(make_cfg(**{field: value}), 1)
         assert "\n" not in str(e.value)
@@ -209,7 +224,9 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(pools):
     results = pools(4).run(overflow_run, 6)
     for r in results:
         skipped = [i for i, same in enumerate(r["unchanged"]) if same]
-        assert skipped == [BAD_STEP], skipped  # every rank skipped exactly the poisoned step, weights untouched
+        assert skipped == [BAD_STEP], (
+            skipped
+        )  # every rank skipped exactly the poisoned step, weights untouched
         assert r["norms"][BAD_STEP] == math.inf
         assert r["scales"][BAD_STEP] == r["scales"][BAD_STEP - 1] / 2  # halved (hysteresis 1)
         assert r["stats"]["skipped_steps"] == 1 and r["finite"]
@@ -227,8 +244,11 @@ def test_diverged_fp16_run_stops_naming_the_loss_scale():
     s.update(False)  # a clean step resets the count
     for _ in range(3):
         s.update(True)
-    with pytest.raises(LossScaleDiverged, match=r"train.max_skipped_steps: 4 fp16 steps in a row overflowed "
-                                                r"\(loss scale now 1, floor train.loss_scale_min = 1\)"):  # fmt: skip
+    with pytest.raises(
+        LossScaleDiverged,
+        match=r"train.max_skipped_steps: 4 fp16 steps in a row overflowed "
+        r"\(loss scale now 1, floor train.loss_scale_min = 1\)",
+    ):
         s.update(True)
     unlimited = DynamicLossScaler(max_skipped=0)
     for _ in range(100):

@@ -56,8 +56,14 @@ def run_layout(par: dict, train_kw: dict, model_kw: dict, steps: int, mesh_dims:
         norms.append(res.grad_norm)
     params = _local_or_full_state(model, strategy, mesh)
     saved.remove()
-    return {"losses": losses, "norms": norms, "params": params, "bytes": strategy.state_bytes(),
-            "act_peak": saved.peak, "numels": [lay.padded for lay in getattr(getattr(strategy, "inner", strategy), "layouts", [])]}  # fmt: skip
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": params,
+        "bytes": strategy.state_bytes(),
+        "act_peak": saved.peak,
+        "numels": [lay.padded for lay in getattr(getattr(strategy, "inner", strategy), "layouts", [])],
+    }
 
 
 def _local_or_full_state(model, strategy, mesh) -> dict[str, torch.Tensor]:
@@ -130,14 +136,18 @@ def test_saved_bytes_equal_formula(kv_heads):
         assert measured == want, policy
     full_layer = activation_bytes_per_layer(cfg, 2, SEQ)
     assert saved_bytes_per_layer(cfg, "full", 0, 2, SEQ) == 4 * 2 * SEQ * cfg.dim < full_layer / 20
-    assert selective_savings(cfg, 2, SEQ) == 4 * 2 * SEQ * cfg.n_heads + (8 * 2 * SEQ * 8 * 2 if kv_heads == 2 else 0)
+    assert selective_savings(cfg, 2, SEQ) == 4 * 2 * SEQ * cfg.n_heads + (
+        8 * 2 * SEQ * 8 * 2 if kv_heads == 2 else 0
+    )
 
 
 def test_recompute_config_errors():
     for spec in ("sometimes", "every:0", "every:x", "every"):
         cfg = LoomConfig(model=tiny_model(), train=tiny_train(recompute=spec))
         cfg.data.seq_len = SEQ
-        with pytest.raises(ConfigError, match=r"^train\.recompute: must be one of none, full, selective") as e:
+        with pytest.raises(
+            ConfigError, match=r"^train\.recompute: must be one of none, full, selective"
+        ) as e:
             validate(cfg, 1)
         assert "\n" not in str(e.value)
     cfg = LoomConfig(model=tiny_model(n_layers=2), train=tiny_train(recompute="every:3"))
@@ -145,7 +155,9 @@ def test_recompute_config_errors():
     with pytest.raises(ConfigError, match=r"^train\.recompute: every:3 .* model\.n_layers = 2$"):
         validate(cfg, 1)
     mlp_only = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-    with pytest.raises(ConfigError, match=r"^train\.recompute: 'selective' recomputes the attention core") as e:
+    with pytest.raises(
+        ConfigError, match=r"^train\.recompute: 'selective' recomputes the attention core"
+    ) as e:
         apply_recompute(mlp_only, "selective")
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"^train\.recompute: 'full' checkpoints transformer blocks"):

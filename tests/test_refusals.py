@@ -33,10 +33,18 @@ BOOKKEEPING = {".loom.lock", "heartbeat", "logs"}  # rewritten by every start, r
 TINY = {
     "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
     "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
-    "train": {"steps": 2, "global_batch": 2, "micro_batch": 2, "log_every": 1, "eval_every": 0, "warmup_steps": 1,
-              "checkpoint_every": 1, "checkpoint_async": False},
+    "train": {
+        "steps": 2,
+        "global_batch": 2,
+        "micro_batch": 2,
+        "log_every": 1,
+        "eval_every": 0,
+        "warmup_steps": 1,
+        "checkpoint_every": 1,
+        "checkpoint_async": False,
+    },
     "run": {"nproc": 1, "progress": False, "tensorboard": False, "threads": 1},
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -85,12 +93,24 @@ def _write_corpus(d: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    for sub in ("binary", "latin", "badjson", "nofield", "notstring", "pqcorrupt", "pqint", "pqcol", "csv", "empty",
-                "chat"):  # fmt: skip
+    for sub in (
+        "binary",
+        "latin",
+        "badjson",
+        "nofield",
+        "notstring",
+        "pqcorrupt",
+        "pqint",
+        "pqcol",
+        "csv",
+        "empty",
+        "chat",
+    ):
         (d / sub).mkdir(parents=True)
     turn = '{"role": "user", "content": "hi"}'
-    (d / "chat" / "noassistant.jsonl").write_text(f'{{"messages": [{turn}, {{"role": "assistant", "content": "yo"}}]}}\n'
-                                                  f'{{"messages": [{turn}]}}\n')  # fmt: skip
+    (d / "chat" / "noassistant.jsonl").write_text(
+        f'{{"messages": [{turn}, {{"role": "assistant", "content": "yo"}}]}}\n{{"messages": [{turn}]}}\n'
+    )
     (d / "chat" / "role.jsonl").write_text('{"messages": [{"role": "wizard", "content": "hi"}]}\n')
     (d / "binary" / "blob.txt").write_bytes(b"\x7fELF\x02\x01\x01\x00\x00" + bytes(range(256)))
     (d / "latin" / "doc.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e".encode("latin-1"))
@@ -178,6 +198,7 @@ def _source(sub: str, *names: str) -> Callable[[Ctx], tuple[list[str], list[str]
 
 def _chat(where: str, *names: str) -> Callable[[Ctx], tuple[list[str], list[str]]]:
     """``data.format = chat`` on a file of ``corpus/chat``; the line names ``file:line``."""
+
     def setup(c: Ctx):
         path = c.w.corpus / "chat" / where.split(":")[0]
         return c.train("--data.source", str(path), "--data.format", "chat"), ["data.source", where, *names]
@@ -190,7 +211,10 @@ def _prepared(tamper: Callable[[Path], None], *names: str, verify: bool = False)
         d = c.copy_data()
         tamper(d)
         if verify:
-            return ["prepare", str(c.w.tiny), "--data.prepared_dir", str(d), "--verify"], ["data.prepared_dir", *names]
+            return ["prepare", str(c.w.tiny), "--data.prepared_dir", str(d), "--verify"], [
+                "data.prepared_dir",
+                *names,
+            ]
         return c.train("--data.prepared_dir", str(d)), ["data.prepared_dir", *[str(d / n) for n in names]]
 
     return setup
@@ -214,7 +238,10 @@ def _resume_damaged(c: Ctx):
 
 def _resume_other_batch(c: Ctx):
     run = c.copy_run()
-    return c.train("--train.global_batch", "4", "--train.steps", "3", run=run), ["train.global_batch", str(_newest(run))]
+    return c.train("--train.global_batch", "4", "--train.steps", "3", run=run), [
+        "train.global_batch",
+        str(_newest(run)),
+    ]
 
 
 def _resume_other_seed(c: Ctx):
@@ -224,7 +251,10 @@ def _resume_other_seed(c: Ctx):
 
 def _resume_other_data(c: Ctx):
     run = c.copy_run()
-    return c.train("--data.max_corpus_mb", "0.12", "--train.steps", "3", run=run), [str(run), "--train.init_from"]
+    return c.train("--data.max_corpus_mb", "0.12", "--train.steps", "3", run=run), [
+        str(run),
+        "--train.init_from",
+    ]
 
 
 def _resume_corrupt_data_record(c: Ctx):
@@ -274,7 +304,10 @@ def _convert_edited_manifest_direct(c: Ctx):
     m = json.loads((ckpt / "manifest.json").read_text())
     m["files"]["index.json"]["sha256"] = ["0" * 64]
     (ckpt / "manifest.json").write_text(json.dumps(m))
-    return ["checkpoint", "convert", str(ckpt), str(c.tmp / "out.safetensors")], ["index.json", "manifest.json"]
+    return ["checkpoint", "convert", str(ckpt), str(c.tmp / "out.safetensors")], [
+        "index.json",
+        "manifest.json",
+    ]
 
 
 def _convert_into_source(c: Ctx):
@@ -292,13 +325,20 @@ def _convert_truncated_shard(c: Ctx):
 
 def _convert_pickle(c: Ctx):
     (c.tmp / "model.pt").write_bytes(b"\x80\x04\x95pickled")
-    return ["checkpoint", "convert", str(c.tmp / "model.pt"), str(c.tmp / "o.safetensors")], ["model.pt", "pickle"]
+    return ["checkpoint", "convert", str(c.tmp / "model.pt"), str(c.tmp / "o.safetensors")], [
+        "model.pt",
+        "pickle",
+    ]
 
 
 def _convert_into_running_run(c: Ctx):
     run = c.copy_run()
     c.hold_lock(run)
-    return ["checkpoint", "convert", str(c.w.run), str(run / "x.safetensors")], ["run.dir", str(run), "in use"]
+    return ["checkpoint", "convert", str(c.w.run), str(run / "x.safetensors")], [
+        "run.dir",
+        str(run),
+        "in use",
+    ]
 
 
 def _convert_disk_full(c: Ctx):
@@ -359,11 +399,16 @@ def _generate_missing(c: Ctx):
 def _verify_flipped(c: Ctx):
     d = c.copy_data()
     _set_token(d / "val.bin", 3, (int(np.fromfile(d / "val.bin", np.uint16)[3]) + 1) % 256)
-    return ["prepare", str(c.w.tiny), "--data.prepared_dir", str(d), "--verify"], [str(d / "val.bin"), "SHA-256"]
+    return ["prepare", str(c.w.tiny), "--data.prepared_dir", str(d), "--verify"], [
+        str(d / "val.bin"),
+        "SHA-256",
+    ]
 
 
 def _verify_unprepared(c: Ctx):
-    return ["prepare", str(c.w.tiny), "--data.prepared_dir", str(c.tmp / "none"), "--verify"], ["data.prepared_dir"]
+    return ["prepare", str(c.w.tiny), "--data.prepared_dir", str(c.tmp / "none"), "--verify"], [
+        "data.prepared_dir"
+    ]
 
 
 def _tokenizer_garbage(c: Ctx):
@@ -401,14 +446,26 @@ def _flip_token(d: Path) -> None:
 ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     # config: bounds, finiteness, choices, combinations, types, unknown names
     ("model.dim zero", _cfg("--model.dim", "0"), 2),
-    ("model.dim not divisible by heads", _cfg("--model.n_heads", "3", names=("model.dim", "model.n_heads")), 2),
+    (
+        "model.dim not divisible by heads",
+        _cfg("--model.n_heads", "3", names=("model.dim", "model.n_heads")),
+        2,
+    ),
     ("model.n_kv_heads not dividing heads", _cfg("--model.n_kv_heads", "3"), 2),
     ("model.rope_theta zero", _cfg("--model.rope_theta", "0"), 2),
     ("model.norm_eps negative", _cfg("--model.norm_eps", "-1e-5"), 2),
     ("model.dropout one", _cfg("--model.dropout", "1.0"), 2),
     ("model.init_std nan", _cfg("--model.init_std", "nan"), 2),
-    ("model.top_k above experts", _cfg("--model.n_experts", "2", "--model.top_k", "3", names=("model.top_k",)), 2),
-    ("model.mlp gelu with experts", _cfg("--model.n_experts", "2", "--model.mlp", "gelu", names=("model.mlp",)), 2),
+    (
+        "model.top_k above experts",
+        _cfg("--model.n_experts", "2", "--model.top_k", "3", names=("model.top_k",)),
+        2,
+    ),
+    (
+        "model.mlp gelu with experts",
+        _cfg("--model.n_experts", "2", "--model.mlp", "gelu", names=("model.mlp",)),
+        2,
+    ),
     ("model.norm unknown", _cfg("--model.norm", "batchnorm"), 2),
     ("model.positions unknown", _cfg("--model.positions", "alibi"), 2),
     ("moe.capacity_factor negative", _cfg("--moe.capacity_factor", "-1"), 2),
@@ -452,17 +509,40 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("run.progress not a boolean", _cfg("--run.progress", "maybe"), 2),
     ("parallel.tp zero", _cfg("--parallel.tp", "0"), 2),
     ("parallel.zero five", _cfg("--parallel.zero", "5"), 2),
-    ("parallel.offload_params without ZeRO-3", _cfg("--parallel.offload_params", "cpu", "--parallel.zero", "2"), 2),
+    (
+        "parallel.offload_params without ZeRO-3",
+        _cfg("--parallel.offload_params", "cpu", "--parallel.zero", "2"),
+        2,
+    ),
     ("parallel.zeropp_qwz without ZeRO-3", _cfg("--parallel.zeropp_qwz", "true"), 2),
     ("parallel.zeropp_qgz_bits three", _cfg("--parallel.zeropp_qgz_bits", "3", "--parallel.zero", "3"), 2),
-    ("parallel.allreduce butterfly on 3 ranks", _cfg("--parallel.allreduce", "butterfly", "--run.nproc", "3",
-     "--train.global_batch", "6", "--train.micro_batch", "2", names=("parallel.allreduce", "dp*cp = 3")), 2),  # fmt: skip
+    (
+        "parallel.allreduce butterfly on 3 ranks",
+        _cfg(
+            "--parallel.allreduce",
+            "butterfly",
+            "--run.nproc",
+            "3",
+            "--train.global_batch",
+            "6",
+            "--train.micro_batch",
+            "2",
+            names=("parallel.allreduce", "dp*cp = 3"),
+        ),
+        2,
+    ),
     ("parallel.schedule unknown", _cfg("--parallel.schedule", "zigzag"), 2),
     ("parallel.cp_mode unknown", _cfg("--parallel.cp_mode", "zigzag"), 2),
-    ("parallel.cp_mode alltoall heads not divisible",
-     _cfg("--parallel.cp_mode", "alltoall", "--parallel.cp", "8", "--run.nproc", "8"), 2),  # fmt: skip
-    ("parallel.cp not splitting the sequence in 2*cp chunks",
-     _cfg("--parallel.cp", "3", "--run.nproc", "3", names=("data.seq_len", "2*parallel.cp")), 2),  # fmt: skip
+    (
+        "parallel.cp_mode alltoall heads not divisible",
+        _cfg("--parallel.cp_mode", "alltoall", "--parallel.cp", "8", "--run.nproc", "8"),
+        2,
+    ),
+    (
+        "parallel.cp not splitting the sequence in 2*cp chunks",
+        _cfg("--parallel.cp", "3", "--run.nproc", "3", names=("data.seq_len", "2*parallel.cp")),
+        2,
+    ),
     ("parallel.dp against nproc", _cfg("--run.nproc", "2", "--parallel.dp", "3", names=("run.nproc",)), 2),
     ("unknown section", _cfg("--optim.lr", "1", names=("[optim]",)), 2),
     ("override without value", _cfg("--model.dim", names=("--model.dim",)), 2),
@@ -472,7 +552,11 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("toml wrong type", _toml("[train]\nlr = 'fast'\n", "train.lr"), 2),
     ("config file missing", lambda c: (["train", str(c.tmp / "nope.toml")], [str(c.tmp / "nope.toml")]), 2),
     # data
-    ("data.source missing", lambda c: (c.train("--data.source", str(c.tmp / "gone")), ["data.source", str(c.tmp / "gone")]), 2),  # noqa: E501
+    (
+        "data.source missing",
+        lambda c: (c.train("--data.source", str(c.tmp / "gone")), ["data.source", str(c.tmp / "gone")]),
+        2,
+    ),
     ("binary corpus", _source("binary", "blob.txt", "binary"), 2),
     ("non-UTF-8 corpus", _source("latin", "doc.txt", "UTF-8"), 2),
     ("JSONL parse error", _source("badjson", "c.jsonl:2", "not valid JSON"), 2),
@@ -485,18 +569,34 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("chat message of an unknown role", _chat("role.jsonl:1", "'wizard'"), 2),
     ("unsupported file type", _source("csv/c.csv", "c.csv", "unsupported"), 2),
     ("empty source directory", _source("empty", "no .txt"), 2),
-    ("data.tokenizer missing", lambda c: (c.train("--data.tokenizer", str(c.tmp / "t.json")), ["data.tokenizer"]), 2),
+    (
+        "data.tokenizer missing",
+        lambda c: (c.train("--data.tokenizer", str(c.tmp / "t.json")), ["data.tokenizer"]),
+        2,
+    ),
     ("data.tokenizer not a tokenizer", _tokenizer_garbage, 2),
-    ("train.bin out-of-vocabulary ids", _prepared(lambda d: _set_token(d / "train.bin", 1234, 65000), "train.bin"), 2),
+    (
+        "train.bin out-of-vocabulary ids",
+        _prepared(lambda d: _set_token(d / "train.bin", 1234, 65000), "train.bin"),
+        2,
+    ),
     ("train.bin altered in vocabulary", _prepared(_flip_token, "train.bin"), 2),
-    ("val.bin truncated", _prepared(lambda d: (d / "val.bin").write_bytes((d / "val.bin").read_bytes()[:-2]), "val.bin"), 2),  # noqa: E501
+    (
+        "val.bin truncated",
+        _prepared(lambda d: (d / "val.bin").write_bytes((d / "val.bin").read_bytes()[:-2]), "val.bin"),
+        2,
+    ),
     ("val.bin missing", _prepared(lambda d: (d / "val.bin").unlink(), "val.bin"), 2),
     ("meta.json not JSON", _prepared(lambda d: (d / "meta.json").write_text("{oops"), "meta.json"), 2),
     ("meta.json without fields", _prepared(lambda d: (d / "meta.json").write_text("{}"), "meta.json"), 2),
     ("tokenizer.json replaced", _prepared(_edit_tokenizer, "tokenizer.json"), 2),
     ("prepared_dir is a file", _prepared_dir_is_a_file, 2),
     ("prepared_dir holds other files", _prepared_dir_not_empty, 2),
-    ("verify: out-of-vocabulary ids", _prepared(lambda d: _set_token(d / "val.bin", 0, 65535), "val.bin", verify=True), 2),
+    (
+        "verify: out-of-vocabulary ids",
+        _prepared(lambda d: _set_token(d / "val.bin", 0, 65535), "val.bin", verify=True),
+        2,
+    ),
     ("verify: altered token", _verify_flipped, 2),
     ("verify: nothing prepared", _verify_unprepared, 2),
     # run directory
@@ -508,7 +608,11 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("resume with other seed", _resume_other_seed, 2),
     ("data.json corrupt", _resume_corrupt_data_record, 2),
     # checkpoints
-    ("train.resume missing", _cfg("--train.resume", "/nonexistent/ckpt", names=("train.resume", "/nonexistent/ckpt")), 2),
+    (
+        "train.resume missing",
+        _cfg("--train.resume", "/nonexistent/ckpt", names=("train.resume", "/nonexistent/ckpt")),
+        2,
+    ),
     ("train.resume holds no checkpoint", _resume_not_a_checkpoint, 2),
     ("train.resume a pickle file", _resume_a_file, 2),
     ("train.resume damaged checkpoint", _resume_damaged, 2),
@@ -520,7 +624,11 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("convert: pickle file", _convert_pickle, 2),
     ("convert: into a running run", _convert_into_running_run, 2),
     ("convert: disk full", _convert_disk_full, 2),
-    ("convert: empty path", lambda c: (["checkpoint", "convert", "", str(c.tmp / "o.safetensors")], ["empty path"]), 2),
+    (
+        "convert: empty path",
+        lambda c: (["checkpoint", "convert", "", str(c.tmp / "o.safetensors")], ["empty path"]),
+        2,
+    ),
     ("convert: usage", lambda c: (["checkpoint", "convert", str(c.w.run)], ["usage"]), 2),
     ("export: into a running run", _export_into_running_run, 2),
     ("generate: final model altered", _generate_tampered_final, 2),
@@ -529,16 +637,42 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("generate: tokenizer.json broken", _generate_bad_tokenizer, 2),
     ("generate: no such run", _generate_missing, 2),
     ("generate: empty run.dir", lambda c: (["generate", "--run.dir", ""], ["run.dir"]), 2),
-    ("generate: option not a number", lambda c: (["generate", "--run.dir", str(c.w.run), "--top_k", "many"], ["--top_k"]), 2),
-    ("generate: negative temperature", lambda c: (["generate", "--run.dir", str(c.w.run), "--temperature", "-1"],
-                                                 ["--temperature"]), 2),  # fmt: skip
-    ("generate: config override ignored", lambda c: (["generate", "--run.dir", str(c.w.run), "--train.lr", "1"],
-                                                    ["train.lr"]), 2),  # fmt: skip
+    (
+        "generate: option not a number",
+        lambda c: (["generate", "--run.dir", str(c.w.run), "--top_k", "many"], ["--top_k"]),
+        2,
+    ),
+    (
+        "generate: negative temperature",
+        lambda c: (["generate", "--run.dir", str(c.w.run), "--temperature", "-1"], ["--temperature"]),
+        2,
+    ),
+    (
+        "generate: config override ignored",
+        lambda c: (["generate", "--run.dir", str(c.w.run), "--train.lr", "1"], ["train.lr"]),
+        2,
+    ),
     # environment
-    ("stale RANK and WORLD_SIZE", _env({"RANK": "0", "WORLD_SIZE": "2"}, "RANK", "WORLD_SIZE", "MASTER_ADDR"), 2),
-    ("stale RANK only port missing", _env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT"), 2),
-    ("launcher world against layout", _env({"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
-                                            "MASTER_PORT": "1"}, "parallel", "tp*pp*cp", args=("--parallel.tp", "2")), 2),  # fmt: skip
+    (
+        "stale RANK and WORLD_SIZE",
+        _env({"RANK": "0", "WORLD_SIZE": "2"}, "RANK", "WORLD_SIZE", "MASTER_ADDR"),
+        2,
+    ),
+    (
+        "stale RANK only port missing",
+        _env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT"),
+        2,
+    ),
+    (
+        "launcher world against layout",
+        _env(
+            {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+            "parallel",
+            "tp*pp*cp",
+            args=("--parallel.tp", "2"),
+        ),
+        2,
+    ),
     ("LOOM_CACHE_DIR is a file", _cache_dir_is_a_file, 2),
     # command line
     ("unknown command", lambda c: (["frobnicate"], ["'frobnicate'"]), 2),
@@ -549,7 +683,11 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("nproc not a number", lambda c: (c.train("--nproc", "two"), ["run.nproc"]), 2),
     ("schedule: config file given", lambda c: (["schedule", str(c.w.tiny)], ["schedule"]), 2),
     ("config: bad override", lambda c: (["config", str(c.w.tiny), "--train.lr", "-1"], ["train.lr"]), 2),
-    ("prepare: bad field", lambda c: (["prepare", str(c.w.tiny), "--data.vocab_size", "5"], ["data.vocab_size"]), 2),
+    (
+        "prepare: bad field",
+        lambda c: (["prepare", str(c.w.tiny), "--data.vocab_size", "5"], ["data.vocab_size"]),
+        2,
+    ),
 ]
 
 
@@ -604,16 +742,26 @@ def test_refused(world, tmp_path, monkeypatch, capsys, clean_logging, setup, cod
     assert not changed, f"changed on disk: {changed[:5]}"
 
 
-@pytest.mark.parametrize("argv,env,names", [
-    (["train", "--model.dim", "-4"], {}, ["model.dim"]),
-    (["train", "--run.nproc", "1"], {"RANK": "0", "WORLD_SIZE": "4"}, ["RANK=0", "WORLD_SIZE=4"]),
-], ids=["bad field", "stale launcher variables"])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,env,names",
+    [
+        (["train", "--model.dim", "-4"], {}, ["model.dim"]),
+        (["train", "--run.nproc", "1"], {"RANK": "0", "WORLD_SIZE": "4"}, ["RANK=0", "WORLD_SIZE=4"]),
+    ],
+    ids=["bad field", "stale launcher variables"],
+)
 def test_refused_by_the_real_entry_point(tmp_path, argv, env, names):
     """``python -m loom``: exit code 2 and one line, before torch is imported (no hang, no traceback)."""
     e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     e |= {"PYTHONPATH": str(ROOT), "LOOM_CACHE_DIR": str(tmp_path / "cache"), **env}
-    p = subprocess.run([sys.executable, "-m", "loom", *argv, "--run.dir", str(tmp_path / "run")], cwd=tmp_path,
-                       env=e, capture_output=True, text=True, timeout=60)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "loom", *argv, "--run.dir", str(tmp_path / "run")],
+        cwd=tmp_path,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and all(n in lines[0] for n in names), p.stderr

@@ -29,10 +29,17 @@ STEPS = 30
 OVERRIDES = {
     "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
     "data": {"seq_len": 64, "vocab_size": 512, "max_corpus_mb": 0.3},
-    "train": {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "warmup_steps": 2, "log_every": 1,
-              "eval_every": 0, "checkpoint_every": 5},
+    "train": {
+        "steps": STEPS,
+        "global_batch": 8,
+        "micro_batch": 2,
+        "warmup_steps": 2,
+        "log_every": 1,
+        "eval_every": 0,
+        "checkpoint_every": 5,
+    },
     "run": {"progress": False, "tensorboard": False, "threads": 1, "nproc": 2},
-}  # fmt: skip
+}
 
 
 def _cli_args(cfg: dict) -> list[str]:
@@ -122,7 +129,9 @@ def test_resume_under_another_layout(pools, base_cfg, reference, tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2}, {"zero": 3}, {"cp": 2}], ids=["pp2", "tp2", "dp2xzero3", "cp2"])
+@pytest.mark.parametrize(
+    "layout", [{"pp": 2}, {"tp": 2}, {"zero": 3}, {"cp": 2}], ids=["pp2", "tp2", "dp2xzero3", "cp2"]
+)
 def test_real_layouts_reshard_into_one_process(pools, base_cfg, reference, tmp_path, layout):
     """Trainer under pp2 / tp2 / ZeRO-3 / cp2 saves at step 10; one process resumes and trains on."""
     saved = tmp_path / "saved"
@@ -157,7 +166,9 @@ def test_moe_ep2_checkpoint_reshards_into_one_process(pools, base_cfg, tmp_path,
     """A mixture-of-experts model trained with expert parallelism (each of 2 ranks holds 2 of 4
     experts; bf16: flat fp32 masters) saves at step 6; one process, holding all 4, resumes it and
     follows the uninterrupted run."""
-    moe = _with(base_cfg, model={"n_experts": 4, "top_k": 2}, run={"nproc": 1}, train={"precision": precision})
+    moe = _with(
+        base_cfg, model={"n_experts": 4, "top_k": 2}, run={"nproc": 1}, train={"precision": precision}
+    )
     straight = _trainer(_with(moe, run={"dir": str(tmp_path / "straight")}), stop_at=9)
     saved = tmp_path / "saved"
     rows = pools(2).run(_trainer, _with(moe, run={"dir": str(saved), "nproc": 2}, parallel={"ep": 2}), 6)[0]
@@ -260,8 +271,17 @@ def test_two_nodes_recover_from_a_killed_worker(base_cfg, reference, tmp_path):
 
     cfg = _with(base_cfg, run={"dir": str(tmp_path), "nproc": 1})
     endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [Job(cfg, "--nnodes=2", f"--node-rank={r}", f"--rdzv-endpoint={endpoint}", "--max-restarts=3",
-                 entry=[sys.executable, "-c", _NODE]) for r in range(2)]  # fmt: skip
+    nodes = [
+        Job(
+            cfg,
+            "--nnodes=2",
+            f"--node-rank={r}",
+            f"--rdzv-endpoint={endpoint}",
+            "--max-restarts=3",
+            entry=[sys.executable, "-c", _NODE],
+        )
+        for r in range(2)
+    ]
     try:
         nodes[0].wait_for_step(12)
         os.kill(nodes[0].pid(1), signal.SIGKILL)
@@ -315,7 +335,9 @@ def test_stopped_rank_is_named_within_the_timeout(base_cfg, tmp_path):
     assert "rank 0: collective failed" in line and "unresponsive: rank 1 (pid" in line, line
     assert t1 - t0 <= bound, f"reported after {t1 - t0:.1f} s (bound {bound} s)"
     # without the launcher's reaper the agent waited 30 s more for the stopped rank (measured: 38.9 s in all)
-    assert rc != 0 and t_end - t1 <= 10, f"job ended {t_end:.1f} s after the SIGSTOP, {t_end - t1:.1f} s after the report"
+    assert rc != 0 and t_end - t1 <= 10, (
+        f"job ended {t_end:.1f} s after the SIGSTOP, {t_end - t1:.1f} s after the report"
+    )
     summary = [ln for _, ln in job.lines if ln.startswith("loom: ")]
     assert summary and "rank 0" in summary[-1] and "unresponsive: rank 1" in summary[-1], job.output
 
@@ -399,8 +421,15 @@ def test_diagnosis_names_a_killed_rank_gone_not_fresh(tmp_path):
     (tmp_path / "heartbeat").mkdir()
 
     def beat(pid: int, host: str = _HOST, start: int | None = None) -> None:
-        body = {"rank": 1, "host": host, "pid": pid, "start": _start_ticks(pid) if start is None else start,
-                "time": time.time(), "step": 8, "phase": "train step"}  # fmt: skip
+        body = {
+            "rank": 1,
+            "host": host,
+            "pid": pid,
+            "start": _start_ticks(pid) if start is None else start,
+            "time": time.time(),
+            "step": 8,
+            "phase": "train step",
+        }
         (tmp_path / "heartbeat" / "rank-00001.json").write_text(json.dumps(body))
 
     def message(text: str) -> str:
@@ -413,7 +442,9 @@ def test_diagnosis_names_a_killed_rank_gone_not_fresh(tmp_path):
     child = subprocess.Popen(["sleep", "60"])
     try:
         beat(child.pid)
-        assert "every other rank's heartbeat is fresh" in message("Timed out waiting 60000ms")  # alive and fresh
+        assert "every other rank's heartbeat is fresh" in message(
+            "Timed out waiting 60000ms"
+        )  # alive and fresh
         child.kill()
         end = time.monotonic() + 5  # not reaped yet: a zombie
         while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
@@ -421,7 +452,9 @@ def test_diagnosis_names_a_killed_rank_gone_not_fresh(tmp_path):
             time.sleep(0.01)
         for _ in range(2):  # a zombie, then reaped
             msg = message(closed)
-            assert f"gone: rank 1 (pid {child.pid} no longer running, last at step 8 in train step)" in msg, msg
+            assert f"gone: rank 1 (pid {child.pid} no longer running, last at step 8 in train step)" in msg, (
+                msg
+            )
             assert "fresh" not in msg
             child.wait()
     finally:

@@ -21,11 +21,20 @@ def trained(tmp_path_factory) -> tuple[dict, Path]:
     from loom.train.trainer import RankEnv, Trainer
 
     run = tmp_path_factory.mktemp("run")
-    cfg = {"model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
-           "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
-           "train": {"steps": 4, "global_batch": 2, "micro_batch": 2, "log_every": 1, "eval_every": 0,
-                     "checkpoint_every": 2, "checkpoint_async": False},
-           "run": {"progress": False, "tensorboard": False, "threads": 1, "dir": str(run)}}  # fmt: skip
+    cfg = {
+        "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
+        "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
+        "train": {
+            "steps": 4,
+            "global_batch": 2,
+            "micro_batch": 2,
+            "log_every": 1,
+            "eval_every": 0,
+            "checkpoint_every": 2,
+            "checkpoint_async": False,
+        },
+        "run": {"progress": False, "tensorboard": False, "threads": 1, "dir": str(run)},
+    }
     os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     cfg["data"]["prepared_dir"] = str(prepare_data(C.from_dict(cfg).data, progress=False).dir)
     trainer = Trainer(C.from_dict(cfg), RankEnv(0, 1, 0, 1))
@@ -66,8 +75,10 @@ def test_a_damaged_newest_checkpoint_is_skipped_loudly(trained, tmp_path, caplog
     shard.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="loom"):
         assert _start_step(cfg) == 2
-    assert any("SKIPPING checkpoint" in r.message and str(newest) in r.message and shard.name in r.message
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        "SKIPPING checkpoint" in r.message and str(newest) in r.message and shard.name in r.message
+        for r in caplog.records
+    )
     with pytest.raises(Exception, match=shard.name):  # named explicitly: refused, not replaced
         _start_step(cfg, resume=str(newest))
 
@@ -82,8 +93,10 @@ def test_a_manifest_rewritten_with_its_shard_is_refused(trained, tmp_path, caplo
     manifest = json.loads((newest / "manifest.json").read_text())
     manifest["note"] = "edited"  # any rewrite changes the manifest's hash
     (newest / "manifest.json").write_text(json.dumps(manifest))
-    assert sha256_file(newest / "manifest.json") != json.loads((run / "checkpoints" / "latest").read_text())[
-        "manifest_sha256"]  # fmt: skip
+    assert (
+        sha256_file(newest / "manifest.json")
+        != json.loads((run / "checkpoints" / "latest").read_text())["manifest_sha256"]
+    )
     with caplog.at_level(logging.WARNING, logger="loom"):
         assert _start_step(cfg) == 2
     assert any("SHA-256 differs from the one recorded in 'latest'" in r.message for r in caplog.records)
@@ -113,8 +126,11 @@ def test_resuming_on_other_data_is_refused(trained, tmp_path):
     other["data"] |= {"max_corpus_mb": 0.12, "prepared_dir": ""}
     other["data"]["prepared_dir"] = str(prepare_data(C.from_dict(other).data, progress=False).dir)
     metrics = (run / "metrics.jsonl").read_text()
-    with pytest.raises(C.ConfigError, match=r"data: .* was trained with (tokenizer|train.bin) [0-9a-f]{12}, this "
-                                            r"run's is [0-9a-f]{12}; .* --train.init_from"):  # fmt: skip
+    with pytest.raises(
+        C.ConfigError,
+        match=r"data: .* was trained with (tokenizer|train.bin) [0-9a-f]{12}, this "
+        r"run's is [0-9a-f]{12}; .* --train.init_from",
+    ):
         _start_step(other)
     assert (run / "metrics.jsonl").read_text() == metrics
     assert _start_step(cfg) == 4  # the run's own data resumes

@@ -29,7 +29,12 @@ CASES = [
     ("debug", ["--model.dropout", "0.1"], None, 4),
     ("llama3-8b", ["--model.n_experts", "8", "--model.n_layers", "8"], ("h100-sxm", 8), 8),
     ("llama3-8b", [], ("a100-80g", 4), 4),
-    ("gpt-125m", ["--parallel.allreduce", "butterfly", "--train.global_batch", "12"], ("a100-80g", 6), 6),  # no 3- or 6-rank all-reduce group
+    (
+        "gpt-125m",
+        ["--parallel.allreduce", "butterfly", "--train.global_batch", "12"],
+        ("a100-80g", 6),
+        6,
+    ),  # no 3- or 6-rank all-reduce group
 ]
 
 
@@ -54,8 +59,12 @@ def test_refused_layouts_are_not_ranked_and_say_why():
     capped = C.load("debug", [*MOE, "--moe.capacity_factor", "1.0", "--run.nproc", "2"])
     assert refusal(capped, Layout(dp=1, tp=2, sp=True)).startswith("moe.capacity_factor: capacity is counted")
 
-    _, butterfly = _search("gpt-125m", ["--parallel.allreduce", "butterfly", "--train.global_batch", "12"], ("a100-80g", 6), 6)
-    assert butterfly.ranked and not any(e.layout.dp * e.layout.cp in (3, 6) and e.layout.zero == 0 for e in butterfly.ranked)
+    _, butterfly = _search(
+        "gpt-125m", ["--parallel.allreduce", "butterfly", "--train.global_batch", "12"], ("a100-80g", 6), 6
+    )
+    assert butterfly.ranked and not any(
+        e.layout.dp * e.layout.cp in (3, 6) and e.layout.zero == 0 for e in butterfly.ranked
+    )
     assert any(r.startswith("parallel.allreduce: butterfly") for r in butterfly.rejected)
 
     _, dense = _search("llama3-8b", [], ("a100-80g", 4), 4)
@@ -80,8 +89,9 @@ def test_refused_layouts_are_not_ranked_and_say_why():
 )
 def test_layout_problems_name_the_field(kw, field):
     kw = dict(kw)
-    facts = rules.ModelFacts(n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=512, vocab_size=512, n_experts=4,
-                             **kw.pop("facts", {}))  # fmt: skip
+    facts = rules.ModelFacts(
+        n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=512, vocab_size=512, n_experts=4, **kw.pop("facts", {})
+    )
     base = dict(seq_len=64, precision="bf16", optimizer="adamw", microbatches=8)
     problems = rules.layout_problems(facts, **(base | kw))
     assert problems and problems[0].split(":")[0].split(" ")[0] == field and "\n" not in problems[0]
@@ -105,10 +115,20 @@ def test_schedule_names_live_in_the_ground_layer():
 
 def test_literal_fields_are_checked_and_documented():
     ref = C.reference()
-    literal = [(s, name, C.choices(t)) for s, cls in C.SECTIONS.items() for name, t in C._field_types(cls).items()
-               if C.choices(t)]  # fmt: skip
-    assert {f"{s}.{n}" for s, n, _ in literal} >= {"train.precision", "train.optimizer", "parallel.schedule",
-                                                   "parallel.offload", "parallel.reduce_dtype", "run.device"}  # fmt: skip
+    literal = [
+        (s, name, C.choices(t))
+        for s, cls in C.SECTIONS.items()
+        for name, t in C._field_types(cls).items()
+        if C.choices(t)
+    ]
+    assert {f"{s}.{n}" for s, n, _ in literal} >= {
+        "train.precision",
+        "train.optimizer",
+        "parallel.schedule",
+        "parallel.offload",
+        "parallel.reduce_dtype",
+        "run.device",
+    }
     for section, name, allowed in literal:
         line = next(ln for ln in ref.splitlines() if ln.strip().startswith(f"{section}.{name} "))
         assert line.endswith("one of: " + " | ".join(map(str, allowed)))
@@ -116,4 +136,6 @@ def test_literal_fields_are_checked_and_documented():
         setattr(getattr(cfg, section), name, "bogus")
         with pytest.raises(C.ConfigError) as e:
             C.validate(cfg, 2)
-        assert str(e.value) == f"{section}.{name}: must be one of {' | '.join(map(str, allowed))}, got 'bogus'"
+        assert (
+            str(e.value) == f"{section}.{name}: must be one of {' | '.join(map(str, allowed))}, got 'bogus'"
+        )

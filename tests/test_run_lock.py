@@ -22,7 +22,9 @@ def test_lock_names_its_holder_and_is_released(tmp_path):
     from loom.train.run_lock import RunLock
 
     holder = RunLock(tmp_path / "run")
-    with pytest.raises(C.ConfigError, match=rf"run.dir: {tmp_path / 'run'} is in use by pid {os.getpid()} on "):
+    with pytest.raises(
+        C.ConfigError, match=rf"run.dir: {tmp_path / 'run'} is in use by pid {os.getpid()} on "
+    ):
         RunLock(tmp_path / "run")
     holder.release()
     with RunLock(tmp_path / "run"):  # released on exit
@@ -40,7 +42,9 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     from loom.train.run_lock import RunLock
 
     code = f"from loom.train.run_lock import RunLock; RunLock({str(tmp_path)!r}); import time; time.sleep(60)"
-    holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT))
+    )
     try:
         deadline = time.time() + 60
         while f'"pid": {holder.pid}' not in _read(tmp_path / ".loom.lock") and time.time() < deadline:
@@ -57,17 +61,48 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
 def test_second_run_on_a_running_directory_is_refused(tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT), LOOM_CACHE_DIR=str(tmp_path / "cache"))
-    common = ["train", "configs/debug.toml", "--run.dir", str(run), "--run.nproc", "1", "--run.progress", "false",
-              "--data.max_corpus_mb", "0.3", "--data.vocab_size", "300", "--train.checkpoint_every", "10",
-              "--train.log_every", "10", "--train.eval_every", "0", "--run.tensorboard", "false"]  # fmt: skip
-    first = subprocess.Popen([sys.executable, "-m", "loom", *common, "--train.steps", "60", "--train.lr", "3e-3"],
-                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    common = [
+        "train",
+        "configs/debug.toml",
+        "--run.dir",
+        str(run),
+        "--run.nproc",
+        "1",
+        "--run.progress",
+        "false",
+        "--data.max_corpus_mb",
+        "0.3",
+        "--data.vocab_size",
+        "300",
+        "--train.checkpoint_every",
+        "10",
+        "--train.log_every",
+        "10",
+        "--train.eval_every",
+        "0",
+        "--run.tensorboard",
+        "false",
+    ]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "loom", *common, "--train.steps", "60", "--train.lr", "3e-3"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         while not (run / "metrics.jsonl").exists() and time.time() < deadline and first.poll() is None:
             time.sleep(0.2)
-        second = subprocess.run([sys.executable, "-m", "loom", *common, "--train.steps", "60", "--train.lr", "1e-3"],
-                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        second = subprocess.run(
+            [sys.executable, "-m", "loom", *common, "--train.steps", "60", "--train.lr", "1e-3"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 2
         lines = second.stderr.strip().splitlines()
         assert len(lines) == 1 and f"is in use by pid {first.pid}" in lines[0], second.stderr
@@ -87,14 +122,40 @@ def test_an_error_inside_the_ranks_reaches_the_user_as_one_line(tmp_path):
     naming the field and the rank, with the traceback in a file, not the launcher's traceback."""
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT), LOOM_CACHE_DIR=str(tmp_path / "cache"))
-    common = ["train", "configs/debug.toml", "--run.dir", str(run), "--run.progress", "false", "--data.max_corpus_mb",
-              "0.3", "--data.vocab_size", "300", "--train.eval_every", "0", "--run.tensorboard", "false"]  # fmt: skip
-    first = subprocess.run([sys.executable, "-m", "loom", *common, "--train.steps", "2"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    common = [
+        "train",
+        "configs/debug.toml",
+        "--run.dir",
+        str(run),
+        "--run.progress",
+        "false",
+        "--data.max_corpus_mb",
+        "0.3",
+        "--data.vocab_size",
+        "300",
+        "--train.eval_every",
+        "0",
+        "--run.tensorboard",
+        "false",
+    ]
+    first = subprocess.run(
+        [sys.executable, "-m", "loom", *common, "--train.steps", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert first.returncode == 0, first.stderr[-2000:]
     metrics = (run / "metrics.jsonl").read_text()
-    p = subprocess.run([sys.executable, "-m", "loom", *common, "--train.steps", "4", "--data.seq_len", "32"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "loom", *common, "--train.steps", "4", "--data.seq_len", "32"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode != 0
     lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
     assert len(lines) == 1, lines

@@ -60,14 +60,29 @@ def test_plan_posts_receives_before_the_compute_and_one_link_per_batch() -> None
         assert issued == list(range(len(actions)))  # every action issued exactly once
         for _k, it in enumerate(plan):
             if it.is_batch:
-                assert len({(r, actions[i].peer) if actions[i].kind.name.startswith("SEND")
-                             else (actions[i].peer, r) for i in it.batch}) == 1  # fmt: skip
-                assert {it.link} == {(r, actions[i].peer) if actions[i].kind.name.startswith("SEND")
-                                     else (actions[i].peer, r) for i in it.batch}  # fmt: skip
+                assert (
+                    len(
+                        {
+                            (r, actions[i].peer)
+                            if actions[i].kind.name.startswith("SEND")
+                            else (actions[i].peer, r)
+                            for i in it.batch
+                        }
+                    )
+                    == 1
+                )
+                assert {it.link} == {
+                    (r, actions[i].peer) if actions[i].kind.name.startswith("SEND") else (actions[i].peer, r)
+                    for i in it.batch
+                }
         # a RECV that follows a compute in the list is issued before that compute
         pos = {i: k for k, it in enumerate(plan) for i in (it.batch or (it.index,))}
         for i, a in enumerate(actions):
-            if a.kind.name.startswith("RECV") and i > 0 and not actions[i - 1].kind.name.startswith(("SEND", "RECV")):
+            if (
+                a.kind.name.startswith("RECV")
+                and i > 0
+                and not actions[i - 1].kind.name.startswith(("SEND", "RECV"))
+            ):
                 assert pos[i] < pos[i - 1]
 
 
@@ -150,8 +165,11 @@ def test_strict_point_to_point_runs_in_issue_order() -> None:
 
 
 def test_collective_order_is_compared_across_ranks(pools) -> None:
-    with pytest.raises(CollectiveOrderError, match=r"collective #0 is all_reduce\(float32\[4\]\) on rank 0 "
-                                                   r"but all_reduce_max\(float32\[4\]\) on rank 1"):  # fmt: skip
+    with pytest.raises(
+        CollectiveOrderError,
+        match=r"collective #0 is all_reduce\(float32\[4\]\) on rank 0 "
+        r"but all_reduce_max\(float32\[4\]\) on rank 1",
+    ):
         pools(2).run(_mismatched_collectives)
 
 
@@ -198,7 +216,10 @@ SENTINEL_LAYOUTS = {
         "dp2": ({"dp_replicate": 2}, {}),
         "dp2-fp16": ({"dp_replicate": 2, "precision": "fp16"}, {}),
         "zero2-offload": ({"dp_shard": 2, "zero": 2, "offload": "cpu"}, {}),
-        "zero3-bf16-adafactor": ({"dp_shard": 2, "zero": 3, "precision": "bf16", "optimizer": "adafactor"}, {}),
+        "zero3-bf16-adafactor": (
+            {"dp_shard": 2, "zero": 3, "precision": "bf16", "optimizer": "adafactor"},
+            {},
+        ),
         "zero1-adam8bit": ({"dp_shard": 2, "zero": 1, "optimizer": "adam8bit"}, {}),
         "tp2-sp": ({"tp": 2, "sp": True}, {}),
         "pp2-zb": ({"pp": 2, "schedule": "zb-h1"}, {}),
@@ -208,7 +229,11 @@ SENTINEL_LAYOUTS = {
         "cp2-ring-dropout": ({"cp": 2, "cp_mode": "ring"}, {"dropout": 0.1}),
         "cp2-alltoall": ({"cp": 2, "cp_mode": "alltoall"}, {}),
         "ep2": ({"dp_replicate": 2, "ep": 2}, {"n_experts": 4, "top_k": 2}),
-        "ep2-zero3-hot": ({"dp_shard": 2, "ep": 2, "zero": 3}, {"n_experts": 4, "top_k": 1}, {"rebalance_every": 1}),
+        "ep2-zero3-hot": (
+            {"dp_shard": 2, "ep": 2, "zero": 3},
+            {"n_experts": 4, "top_k": 1},
+            {"rebalance_every": 1},
+        ),
         "dp2-ring": ({"dp_replicate": 2, "allreduce": "ring"}, {}),
         "dp2-butterfly-hybrid-zero1": ({"dp_replicate": 2, "zero": 1, "allreduce": "butterfly"}, {}),
         "zero3-offload-params": ({"dp_shard": 2, "zero": 3, "offload_params": "cpu"}, {}),
@@ -219,8 +244,17 @@ SENTINEL_LAYOUTS = {
         "tp2-pp2": ({"tp": 2, "pp": 2, "sp": True}, {}),
         "cp2-tp2": ({"cp": 2, "tp": 2}, {}),
         "ep2-dp4-bf16": ({"dp_replicate": 4, "ep": 2, "precision": "bf16"}, {"n_experts": 4, "top_k": 2}),
-        "zero3-zeropp": ({"dp_shard": 4, "zero": 3, "zeropp_qwz": True, "zeropp_hpz": True, "zeropp_qgz": True,
-                          "hpz_group": 2}, {}),
+        "zero3-zeropp": (
+            {
+                "dp_shard": 4,
+                "zero": 3,
+                "zeropp_qwz": True,
+                "zeropp_hpz": True,
+                "zeropp_qgz": True,
+                "hpz_group": 2,
+            },
+            {},
+        ),
         "hybrid-zero3-tree": ({"dp_replicate": 2, "dp_shard": 2, "zero": 3, "allreduce": "tree"}, {}),
     },
 }
@@ -270,6 +304,7 @@ def test_sentinel_catches_a_default_device_tensor(pools) -> None:
 
 # ----------------------------------------------------------------------------- findings, each with its test
 
+
 def _buckets_completed_in_rank_dependent_order(stage: int) -> list[int]:
     """Every bucket's gradients arrive, in opposite orders on the two ranks (as when an expert gets
     no tokens on one rank): the reductions must still be issued in one order everywhere, which the
@@ -293,7 +328,9 @@ def _buckets_completed_in_rank_dependent_order(stage: int) -> list[int]:
         from loom.optim.store import StateStore
         from loom.parallel.zero.stage12 import ZeroDataParallel
 
-        make_optimizer = partial(build_flat_optimizer, store=StateStore(torch.device("cpu")), train_cfg=TrainConfig())
+        make_optimizer = partial(
+            build_flat_optimizer, store=StateStore(torch.device("cpu")), train_cfg=TrainConfig()
+        )
         sync = ZeroDataParallel(model, 2, None, dist.group.WORLD, make_optimizer, bucket_mb=0.01)
     params = list(model.parameters())
     order = params if dist.get_rank() == 0 else params[::-1]

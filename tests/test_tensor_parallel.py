@@ -186,7 +186,9 @@ def _train_tp(tp: int, dp: int, sp: bool, zero: int = 0, steps: int = 20):
     model = build_model(cfg.model, cfg.train.seed)
     meter = CommMeter()
     _, strategy, _ = parallelize(model, mesh, cfg, meter)
-    losses, moved, calls = metered_steps(model, strategy, meter, mesh, cfg, model.loss_fn, steps, BATCH, MICRO // dp)
+    losses, moved, calls = metered_steps(
+        model, strategy, meter, mesh, cfg, model.loss_fn, steps, BATCH, MICRO // dp
+    )
     moved = [sum(m.values()) for m in moved]
     with strategy.gathered() if zero == 3 else contextlib.nullcontext():  # ZeRO-3: whole tp shards
         state = gather_full_state(model, mesh.group("tp"))
@@ -217,7 +219,9 @@ def test_tp_equals_single_process(pools, reference, tp, sp):
     _check_equal(results, reference)
     expected = comm_bytes_formula(tiny_model(), MICRO, SEQ, tp, sp, micro_batches=BATCH // MICRO)
     # the planner's count of collective calls (what sets the time of small layers) is Loom's
-    planner = CostModel(tiny_model(), Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", tp))
+    planner = CostModel(
+        tiny_model(), Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", tp)
+    )
     calls = planner.collective_calls(Layout(tp=tp, sp=sp, micro_batch=MICRO))
     for r in results:
         assert r["moved"] == [pytest.approx(expected)] * len(r["moved"])
@@ -230,7 +234,9 @@ def test_tp2_dp2_equals_single_process(pools, reference, zero):
     collective calls per step are the planner's (tp per micro-batch + dp/ZeRO per bucket or unit)."""
     results = pools(4).run(_train_tp, 2, 2, True, zero)
     _check_equal(results, reference)
-    planner = CostModel(tiny_model(), Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", 4))
+    planner = CostModel(
+        tiny_model(), Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", 4)
+    )
     lay = Layout(dp=2, dp_shard=2 if zero else 1, tp=2, sp=True, zero=zero, micro_batch=MICRO // 2)
     for r in results:
         assert r["calls"] == [planner.collective_calls(lay)] * len(r["calls"])
@@ -309,19 +315,27 @@ def _dtensor_parity(tp: int, sp: bool) -> None:
     parallelize_block(loom_block, _ctx(tp, sp))
     out_layout = Shard(1) if sp else Replicate()
     plan = {
-        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=out_layout),
-        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=out_layout),
-    }  # fmt: skip
+    }
     if sp:
         plan |= {
-            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None), use_local_output=True),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                               use_local_output=True),
-        }  # fmt: skip
+            "attention_norm": SequenceParallel(),
+            "ffn_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True,
+            ),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+        }
     parallelize_module(torch_block, mesh.device_mesh["tp"], plan)
     x_full, up_full = _same_everywhere(2, SEQ, 32), _same_everywhere(2, SEQ, 32, seed=1)
     rows = slice(mesh.local_rank("tp") * SEQ // tp, (mesh.local_rank("tp") + 1) * SEQ // tp)

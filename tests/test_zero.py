@@ -68,8 +68,16 @@ def train_zero(mesh, stage: int, micro: int, par: dict, model_kw: dict, steps: i
         if stage == 3
         else {k: v.detach().clone() for k, v in model.state_dict().items()}
     )
-    out = {"losses": losses, "state": state, "moved": moved, "calls": calls, "bytes": state_bytes, "k": BATCH // dp // micro,
-           "groups": [lay.numel for lay in strategy.layouts], "norms": norms}  # fmt: skip
+    out = {
+        "losses": losses,
+        "state": state,
+        "moved": moved,
+        "calls": calls,
+        "bytes": state_bytes,
+        "k": BATCH // dp // micro,
+        "groups": [lay.numel for lay in strategy.layouts],
+        "norms": norms,
+    }
     if stage == 2:
         out["launches"] = [(r.params_not_ready, r.during_backward) for r in strategy.launch_log]
     if stage == 3:
@@ -96,8 +104,10 @@ def runs(pools, tmp_path_factory):
 @pytest.fixture(scope="module")
 def references():
     torch.set_num_threads(1)
-    return {tied: train_dp(None, tiny_model(tie_embeddings=tied), tiny_train(), BATCH, micro=BATCH)
-            for tied in (True, False)}  # fmt: skip
+    return {
+        tied: train_dp(None, tiny_model(tie_embeddings=tied), tiny_train(), BATCH, micro=BATCH)
+        for tied in (True, False)
+    }
 
 
 ALL = [(2, n) for n in WORLD2] + [(4, n) for n in WORLD4]
@@ -112,7 +122,9 @@ def test_collective_calls_equal_the_planners(runs, world, name):
     from loom.plan.hardware import ClusterSpec
 
     stage, rep, shard, micro, _, model_kw = WORLDS[world][name]
-    planner = CostModel(tiny_model(**model_kw), Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", world))
+    planner = CostModel(
+        tiny_model(**model_kw), Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", world)
+    )
     expected = planner.collective_calls(Layout(dp=rep * shard, dp_shard=shard, zero=stage, micro_batch=micro))
     for r in runs[world]:
         assert r[name]["calls"] == [expected] * len(r[name]["calls"])
@@ -130,8 +142,6 @@ def test_equals_single_process(runs, references, world, name):
     for r in per_rank[1:]:  # every rank (and every replica) holds the same model, bit for bit
         for k, v in per_rank[0]["state"].items():
             assert torch.equal(r["state"][k], v), f"{name} {k} differs between ranks"
-
-
 
 
 def _phi_groups(world: int, name: str) -> list[int]:
@@ -250,11 +260,14 @@ def _replica_overlap(rep: int, shard: int, stage: int, precision: str) -> list[l
     return logs
 
 
-@pytest.mark.parametrize("world,rep,shard,stage,precision", [
-    (2, 2, 1, 0, "bf16"),  # half precision without ZeRO: fp32 masters replicated, gradients all-reduced
-    (4, 2, 2, 2, "fp32"),  # hybrid stage 2
-    (4, 2, 2, 3, "fp32"),  # hybrid stage 3
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "world,rep,shard,stage,precision",
+    [
+        (2, 2, 1, 0, "bf16"),  # half precision without ZeRO: fp32 masters replicated, gradients all-reduced
+        (4, 2, 2, 2, "fp32"),  # hybrid stage 2
+        (4, 2, 2, 3, "fp32"),  # hybrid stage 3
+    ],
+)
 def test_replica_all_reduce_overlaps_backward(pools, world, rep, shard, stage, precision):
     """The all-reduce across replicas is issued during backward (as the fp32 data-parallel path's
     buckets are), never all at the end: every one but the last of each step before the drain."""
@@ -333,13 +346,31 @@ def test_bad_input_one_line_error(args, world, field):
 def test_unwritable_offload_dir_rejected(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    cfg = C.apply_overrides(C.LoomConfig(), ["--parallel.zero", "1", "--parallel.offload", "disk",
-                                             "--parallel.offload_dir", str(blocker / "state")])  # fmt: skip
+    cfg = C.apply_overrides(
+        C.LoomConfig(),
+        [
+            "--parallel.zero",
+            "1",
+            "--parallel.offload",
+            "disk",
+            "--parallel.offload_dir",
+            str(blocker / "state"),
+        ],
+    )
     with pytest.raises(C.ConfigError, match=r"parallel\.offload_dir: .* is not a writable directory") as e:
         C.validate(cfg, 2)
     assert "\n" not in str(e.value)
-    ok = C.apply_overrides(C.LoomConfig(), ["--parallel.zero", "1", "--parallel.offload", "disk",
-                                            "--parallel.offload_dir", str(tmp_path / "new" / "dir")])  # fmt: skip
+    ok = C.apply_overrides(
+        C.LoomConfig(),
+        [
+            "--parallel.zero",
+            "1",
+            "--parallel.offload",
+            "disk",
+            "--parallel.offload_dir",
+            str(tmp_path / "new" / "dir"),
+        ],
+    )
     C.validate(ok, 2)
 
 

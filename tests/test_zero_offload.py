@@ -44,8 +44,10 @@ def runs(pools, tmp_path_factory):
     return pools(2).run(_run_all, str(tmp_path_factory.mktemp("offload")))
 
 
-@pytest.mark.parametrize("name,ref", [("cpu", "z3"), ("disk", "z3"), ("cpu_bf16", "z3_bf16"), ("pp_cpu", "pp_z3"),
-                                      ("ep_cpu", "ep_z3")])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,ref",
+    [("cpu", "z3"), ("disk", "z3"), ("cpu_bf16", "z3_bf16"), ("pp_cpu", "pp_z3"), ("ep_cpu", "ep_z3")],
+)
 def test_equals_zero3_without_offload(runs, name, ref):
     """Same shards, same update, on the host: losses and weights equal ZeRO-3's (bit for bit here)."""
     for r in runs:
@@ -55,7 +57,9 @@ def test_equals_zero3_without_offload(runs, name, ref):
             assert_close(r[name]["state"][k], v, rtol=0, atol=0, msg=lambda m, k=k: f"{name} {k}: {m}")
 
 
-@pytest.mark.parametrize("name,ref", [("cpu", "z3"), ("disk", "z3"), ("cpu_bf16", "z3_bf16"), ("ep_cpu", "ep_z3")])
+@pytest.mark.parametrize(
+    "name,ref", [("cpu", "z3"), ("disk", "z3"), ("cpu_bf16", "z3_bf16"), ("ep_cpu", "ep_z3")]
+)
 def test_device_bytes_equal_formula(runs, name, ref):
     """Between steps the device holds nothing (ZeRO-3 alone: 16Φ'/N fp32, (2+2+12)Φ'/N bf16); the store
     holds ZeRO-3's parameter and gradient shards (b·Φ'/N each) and the optimizer state (8Φ'/N, plus
@@ -68,8 +72,13 @@ def test_device_bytes_equal_formula(runs, name, ref):
         assert got["optim_offload_bytes"] == got["optim_bytes"] == z3["optim_bytes"]
         phi_n = z3["param_bytes"] // (2 if "bf16" in name else ELEM)  # Φ'/N
         assert z3["param_bytes"] + z3["grad_bytes"] + z3["optim_bytes"] == 16 * phi_n
-        assert got["device_bytes"] + got["param_offload_bytes"] + got["grad_offload_bytes"] + \
-            got["optim_offload_bytes"] == 16 * phi_n
+        assert (
+            got["device_bytes"]
+            + got["param_offload_bytes"]
+            + got["grad_offload_bytes"]
+            + got["optim_offload_bytes"]
+            == 16 * phi_n
+        )
 
 
 @pytest.mark.parametrize("name", ["cpu", "disk"])
@@ -80,10 +89,15 @@ def test_transient_bytes_add_only_staging(runs, name):
     from tests.helpers import tiny_model
 
     model = build_model(tiny_model(), 0)
-    widest = max([count_params(b) for b in model.layers] + [count_params(model) - sum(count_params(b) for b in model.layers)])
+    widest = max(
+        [count_params(b) for b in model.layers]
+        + [count_params(model) - sum(count_params(b) for b in model.layers)]
+    )
     shard = ELEM * -(-widest // 8) * 8 // 2  # the largest unit's shard (16-byte aligned, N = 2)
     for r in runs:
-        extra = r[name]["state_bytes"]["transient_peak_bytes"] - r["z3"]["state_bytes"]["transient_peak_bytes"]
+        extra = (
+            r[name]["state_bytes"]["transient_peak_bytes"] - r["z3"]["state_bytes"]["transient_peak_bytes"]
+        )
         assert 0 < extra <= 3 * shard
 
 
@@ -162,15 +176,30 @@ def _steps(model, strategy, mesh, cfg, steps: tuple[int, ...]) -> list[float]:
     from loom.train.step import plain_run, train_step
     from tests.helpers import rank_micro_batches
 
-    return [train_step(plain_run(model, strategy, loss_fn), rank_micro_batches(t, BATCH, MICRO, mesh.local_rank("dp"), 2),
-                       cfg.train.grad_clip, lr_at(t, cfg.train), mesh.group("dp")).loss for t in steps]  # fmt: skip
+    return [
+        train_step(
+            plain_run(model, strategy, loss_fn),
+            rank_micro_batches(t, BATCH, MICRO, mesh.local_rank("dp"), 2),
+            cfg.train.grad_clip,
+            lr_at(t, cfg.train),
+            mesh.group("dp"),
+        ).loss
+        for t in steps
+    ]
 
 
-@pytest.mark.parametrize("save,load,tol", [
-    ({"offload_params": "disk"}, {}, 0.0),  # offloaded to plain ZeRO-3
-    ({}, {"offload_params": "cpu"}, 0.0),  # and back
-    ({"zeropp_qwz": True, "zeropp_hpz": True, "hpz_group": 2, "zeropp_qgz": True}, {"offload_params": "cpu"}, 2e-3),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "save,load,tol",
+    [
+        ({"offload_params": "disk"}, {}, 0.0),  # offloaded to plain ZeRO-3
+        ({}, {"offload_params": "cpu"}, 0.0),  # and back
+        (
+            {"zeropp_qwz": True, "zeropp_hpz": True, "hpz_group": 2, "zeropp_qgz": True},
+            {"offload_params": "cpu"},
+            2e-3,
+        ),
+    ],
+)
 def test_checkpoint_saved_in_one_mode_resumes_in_another(pools, tmp_path, save, load, tol):
     """The exact parameter shards and optimizer state come back (ZeRO++ saves its exact shards too);
     the resumed run equals the first run going on (ZeRO++ to offload: within the ZeRO++ tolerance)."""

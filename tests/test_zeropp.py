@@ -34,7 +34,10 @@ HYBRID = {  # 2 replicas x 2 shards: ZeRO-3, ZeRO++ (hpZ group = the sharding gr
 
 
 def _run_all() -> dict:
-    out = {name: train_layout({"dp_shard": N, "zero": 3, **opts}, STEPS, BATCH, MICRO) for name, opts in LAYOUTS.items()}
+    out = {
+        name: train_layout({"dp_shard": N, "zero": 3, **opts}, STEPS, BATCH, MICRO)
+        for name, opts in LAYOUTS.items()
+    }
     for name, opts in HYBRID.items():
         out[name] = train_layout({"dp_replicate": 2, "dp_shard": 2, "zero": 3, **opts}, STEPS, BATCH, MICRO)
     return out
@@ -77,8 +80,16 @@ def _expected(name: str) -> dict[str, float]:
     from loom.plan.zero_options import zero3_bytes
 
     o = LAYOUTS[name]
-    return zero3_bytes(_units(), N, ELEM, 1, o.get("zeropp_qwz", False), o.get("hpz_group", 0), o.get("zeropp_qgz", False),
-                       o.get("zeropp_qgz_bits", 8))
+    return zero3_bytes(
+        _units(),
+        N,
+        ELEM,
+        1,
+        o.get("zeropp_qwz", False),
+        o.get("hpz_group", 0),
+        o.get("zeropp_qgz", False),
+        o.get("zeropp_qgz_bits", 8),
+    )
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -86,8 +97,12 @@ def test_bytes_moved_equal_formula(runs, name):
     """Measured by the meter, every step, every rank; the formula written out once by hand for ZeRO-3:
     k(Φ' + Φ_re')·b·(N-1)/N gathered, Φ'·b·(N-1)/N reduce-scattered."""
     units = _units()
-    assert _expected("z3") == pytest.approx({"all_gather": ELEM * (sum(units) + sum(units[:-1])) * 3 / 4,
-                                             "reduce_scatter": ELEM * sum(units) * 3 / 4})  # fmt: skip
+    assert _expected("z3") == pytest.approx(
+        {
+            "all_gather": ELEM * (sum(units) + sum(units[:-1])) * 3 / 4,
+            "reduce_scatter": ELEM * sum(units) * 3 / 4,
+        }
+    )
     for r in runs:
         for step in r[name]["moved"]:
             assert step == pytest.approx(_expected(name))
@@ -144,7 +159,9 @@ def test_hpz_backward_gathers_from_the_secondary(runs):
     for r in runs:
         events = r["hpz"]["events"]
         assert sorted(i for what, i, _ in events if what == "secondary") == list(range(len(units) - 1))
-        extra = r["hpz"]["state_bytes"]["transient_peak_bytes"] - r["z3"]["state_bytes"]["transient_peak_bytes"]
+        extra = (
+            r["hpz"]["state_bytes"]["transient_peak_bytes"] - r["z3"]["state_bytes"]["transient_peak_bytes"]
+        )
         assert 0 < extra <= ELEM * sum(units[:-1]) // G
 
 
@@ -152,7 +169,9 @@ def test_quantization_error_bound():
     """Per block, |error| <= absmax/254 in int8 (absmax/14 in int4, two codes a byte); zeros stay zero."""
     from loom.parallel.zero.quantized import BLOCK, dequantize, quantize, quantized_bytes
 
-    x = torch.randn(10 * BLOCK, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 10).repeat_interleave(BLOCK)
+    x = torch.randn(10 * BLOCK, generator=torch.Generator().manual_seed(0)) * torch.logspace(
+        -3, 2, 10
+    ).repeat_interleave(BLOCK)
     x[BLOCK : 2 * BLOCK] = 0  # an all-zero block stays zero
     for bits, levels, dtype in ((8, 127, torch.int8), (4, 7, torch.uint8)):
         q, s = quantize(x, bits)
@@ -165,15 +184,25 @@ def test_quantization_error_bound():
     assert quantized_bytes(BLOCK + 1, bits=4) == 2 * (BLOCK // 2 + 4)
 
 
-@pytest.mark.parametrize("args,field", [
-    (["--parallel.zero", "2", "--parallel.zeropp_qwz", "true"], "parallel.zeropp_qwz"),
-    (["--parallel.zero", "1", "--parallel.zeropp_qgz", "true"], "parallel.zeropp_qgz"),
-    (["--parallel.zero", "3", "--parallel.zeropp_hpz", "true", "--parallel.hpz_group", "3"], "parallel.hpz_group"),
-    (["--parallel.zero", "3", "--parallel.zeropp_qgz", "true", "--parallel.zeropp_qgz_bits", "2"],
-     "parallel.zeropp_qgz_bits"),
-    (["--parallel.zero", "3", "--parallel.zeropp_hpz", "true", "--parallel.offload_params", "cpu"],
-     "parallel.offload_params"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        (["--parallel.zero", "2", "--parallel.zeropp_qwz", "true"], "parallel.zeropp_qwz"),
+        (["--parallel.zero", "1", "--parallel.zeropp_qgz", "true"], "parallel.zeropp_qgz"),
+        (
+            ["--parallel.zero", "3", "--parallel.zeropp_hpz", "true", "--parallel.hpz_group", "3"],
+            "parallel.hpz_group",
+        ),
+        (
+            ["--parallel.zero", "3", "--parallel.zeropp_qgz", "true", "--parallel.zeropp_qgz_bits", "2"],
+            "parallel.zeropp_qgz_bits",
+        ),
+        (
+            ["--parallel.zero", "3", "--parallel.zeropp_hpz", "true", "--parallel.offload_params", "cpu"],
+            "parallel.offload_params",
+        ),
+    ],
+)
 def test_bad_input_one_line_error(args, field):
     cfg = C.apply_overrides(C.LoomConfig(), ["--parallel.dp", "4", *args])
     with pytest.raises(C.ConfigError, match="^" + field.replace(".", r"\.")) as e:
@@ -194,22 +223,49 @@ def test_planner_models_each_option():
     model = ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, vocab_size=32000, max_seq_len=2048)
     cm = CostModel(model, Workload(32, 2048), ClusterSpec.single_node("h100-sxm", 8, nodes=4))  # m = 1
     base = Layout(dp=32, dp_shard=32, zero=3, dp_overlap=False)
-    t = {k: cm._dp_time(replace(base, **kw), 2, 0.0, 0.0) for k, kw in {
-        "z3": {}, "qwz": {"qwz": True}, "hpz": {"hpz": 8}, "qgz": {"qgz": 8}, "qgz4": {"qgz": 4},
-        "all": {"qwz": True, "hpz": 8, "qgz": 8}}.items()}  # fmt: skip
+    t = {
+        k: cm._dp_time(replace(base, **kw), 2, 0.0, 0.0)
+        for k, kw in {
+            "z3": {},
+            "qwz": {"qwz": True},
+            "hpz": {"hpz": 8},
+            "qgz": {"qgz": 8},
+            "qgz4": {"qgz": 4},
+            "all": {"qwz": True, "hpz": 8, "qgz": 8},
+        }.items()
+    }
     assert max(t["qwz"], t["hpz"], t["qgz"]) < t["z3"]
     assert t["all"] < min(t["qwz"], t["hpz"], t["qgz"])
     assert t["qgz4"] < t["qgz"]
     z3 = cm.stage_memory(base, 0)
     off = cm.stage_memory(replace(base, offload_params=True), 0)
     assert off["weights"] == off["gradients"] == off["optimizer"] == 0 < z3["weights"]
-    largest = max(u for u, _, _ in cm.zero3_unit_sizes(1, 1, 1, True, True))  # staging: 2 shards of the largest unit
+    largest = max(
+        u for u, _, _ in cm.zero3_unit_sizes(1, 1, 1, True, True)
+    )  # staging: 2 shards of the largest unit
     assert off["zero3 buffer"] - z3["zero3 buffer"] == pytest.approx(2 * cm.W * largest / 32)
-    assert sum(z3.values()) - sum(off.values()) == pytest.approx(z3["weights"] + z3["gradients"] + z3["optimizer"]
-                                                                 + z3["optimizer step"] - 2 * cm.W * largest / 32)  # fmt: skip
-    cfg = C.apply_overrides(C.LoomConfig(), ["--parallel.dp", "4", "--parallel.zero", "3", "--parallel.zeropp_qwz", "true",
-                                             "--parallel.zeropp_hpz", "true", "--parallel.hpz_group", "2",
-                                             "--parallel.zeropp_qgz", "true", "--parallel.zeropp_qgz_bits", "4"])  # fmt: skip
+    assert sum(z3.values()) - sum(off.values()) == pytest.approx(
+        z3["weights"] + z3["gradients"] + z3["optimizer"] + z3["optimizer step"] - 2 * cm.W * largest / 32
+    )
+    cfg = C.apply_overrides(
+        C.LoomConfig(),
+        [
+            "--parallel.dp",
+            "4",
+            "--parallel.zero",
+            "3",
+            "--parallel.zeropp_qwz",
+            "true",
+            "--parallel.zeropp_hpz",
+            "true",
+            "--parallel.hpz_group",
+            "2",
+            "--parallel.zeropp_qgz",
+            "true",
+            "--parallel.zeropp_qgz_bits",
+            "4",
+        ],
+    )
     from loom.plan.report import layout_of
 
     lay = layout_of(cfg)  # what `loom plan` estimates for a config

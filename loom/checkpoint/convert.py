@@ -25,8 +25,10 @@ def convert(source: str | Path, out: str | Path, check: bool = True) -> tuple[Pa
     out = Path(out)
     with CheckpointReader(source, check=check) as reader:
         if reader.dir.resolve() in out.resolve().parents:
-            raise CheckpointError(f"{out}: inside the checkpoint it is converted from ({reader.dir}); write it "
-                                  "elsewhere (a checkpoint's files are never replaced)")  # fmt: skip
+            raise CheckpointError(
+                f"{out}: inside the checkpoint it is converted from ({reader.dir}); write it "
+                "elsewhere (a checkpoint's files are never replaced)"
+            )
         names = [n for n in reader.names() if n.startswith(PREFIX)]
         if not names:
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")

@@ -142,7 +142,9 @@ def write_safetensors(
     for key in order:
         t = tensors[key]
         if t.numel():
-            flat = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data  # a memoryview of the bytes
+            flat = (
+                t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
+            )  # a memoryview of the bytes
             parts += [flat[i : i + PIECE] for i in range(0, len(flat), PIECE)]
     # The hash runs in a second thread, one piece behind the writes (both release the GIL).
     pending: queue.Queue = queue.Queue(maxsize=4)

@@ -57,22 +57,45 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path) -> dict[str, i
     """Copy the run's ``tokenizer.json`` and describe it for ``AutoTokenizer``; returns its special ids."""
     from loom.data.tokenizer import eot_id, load_tokenizer
 
-    src = next((p for p in (run_dir / "tokenizer.json", Path(cfg.data.tokenizer or "-"),
-                            Path(cfg.data.prepared_dir or "-") / "tokenizer.json") if p.is_file()), None)  # fmt: skip
+    src = next(
+        (
+            p
+            for p in (
+                run_dir / "tokenizer.json",
+                Path(cfg.data.tokenizer or "-"),
+                Path(cfg.data.prepared_dir or "-") / "tokenizer.json",
+            )
+            if p.is_file()
+        ),
+        None,
+    )
     if src is None:
         return {}
     shutil.copyfile(src, tmp / "tokenizer.json")
     tok = load_tokenizer(src)
     eot = eot_id(tok)
     name = tok.id_to_token(eot)
-    (tmp / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name, "eos_token": name,
-        "model_max_length": cfg.data.seq_len}, indent=2))  # fmt: skip
+    (tmp / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": name,
+                "eos_token": name,
+                "model_max_length": cfg.data.seq_len,
+            },
+            indent=2,
+        )
+    )
     return {"bos_token_id": eot, "eos_token_id": eot}
 
 
-def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = 5 * 10**9,
-              progress: bool = False, wrap: Callable[[CheckpointReader], Any] | None = None) -> Exported:  # fmt: skip
+def export_hf(
+    source: str | Path,
+    out: str | Path,
+    max_shard_bytes: int = 5 * 10**9,
+    progress: bool = False,
+    wrap: Callable[[CheckpointReader], Any] | None = None,
+) -> Exported:
     """Write the Hugging Face directory ``out`` for the checkpoint ``source`` (see module doc).
     ``wrap``: what to read the tensors through instead of the checkpoint reader itself (a LoRA run's
     merged weights: :class:`loom.finetune.export.MergedReader`)."""
@@ -82,21 +105,33 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = 5 * 10
     with CheckpointReader(source) as opened:
         saved = opened.train_state.get("config")
         if not saved:
-            raise CheckpointError(f"{opened.dir}: has no saved config (train_state.json); cannot describe the model")
+            raise CheckpointError(
+                f"{opened.dir}: has no saved config (train_state.json); cannot describe the model"
+            )
         cfg = C.from_dict(saved)
         if cfg.finetune.method != "full" and wrap is None:
-            raise CheckpointError(f"{opened.dir}: holds LoRA adapters only (finetune.method = {cfg.finetune.method}); "
-                                  "export merged weights with --merge-lora, or the adapters with `loom export peft`")  # fmt: skip
+            raise CheckpointError(
+                f"{opened.dir}: holds LoRA adapters only (finetune.method = {cfg.finetune.method}); "
+                "export merged weights with --merge-lora, or the adapters with `loom export peft`"
+            )
         reader = opened if wrap is None else wrap(opened)
-        architecture_of(cfg.model)  # a model no Hugging Face family holds fails here, before anything is written
+        architecture_of(
+            cfg.model
+        )  # a model no Hugging Face family holds fails here, before anything is written
         if cfg.model.moe and (why := moe_export_problem(cfg.moe)) is not None:
-            raise CheckpointError(f"{opened.dir}: cannot be exported to Hugging Face: {why} (nothing was written)")
-        names = [n[len(PREFIX):] for n in reader.names() if n.startswith(PREFIX)]
+            raise CheckpointError(
+                f"{opened.dir}: cannot be exported to Hugging Face: {why} (nothing was written)"
+            )
+        names = [n[len(PREFIX) :] for n in reader.names() if n.startswith(PREFIX)]
         if not names:
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")
         size = {n: reader.dtype(PREFIX + n).itemsize * _numel(reader.global_shape(PREFIX + n)) for n in names}
-        units = hf_units(cfg.model, names)  # the Loom tensors of one HF tensor stay in one shard (GPT-2's c_attn)
-        planned = plan_shards([(str(i), sum(size[n] for n in unit)) for i, unit in enumerate(units)], max_shard_bytes)
+        units = hf_units(
+            cfg.model, names
+        )  # the Loom tensors of one HF tensor stay in one shard (GPT-2's c_attn)
+        planned = plan_shards(
+            [(str(i), sum(size[n] for n in unit)) for i, unit in enumerate(units)], max_shard_bytes
+        )
         shards = [[n for i in group for n in units[int(i)]] for group in planned]
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -114,11 +149,15 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = 5 * 10
             bar.update(len(group))
             del tensors
         bar.close()
-        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (tmp / INDEX).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
         dtype = str(reader.dtype(PREFIX + names[0])).removeprefix("torch.")
         special = _tokenizer_files(reader.dir.parent.parent, cfg, tmp)
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg.model, dtype, special), indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps({"max_length": cfg.data.seq_len, **special}, indent=2))
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"max_length": cfg.data.seq_len, **special}, indent=2)
+        )
         fsync_dir(tmp)
         if out.exists():
             out.rmdir()  # empty, checked above
@@ -176,7 +215,8 @@ def main(argv: list[str]) -> int:
     if len(args) != 3 or args[0] != "hf":
         raise CheckpointError("usage: loom export hf RUN_DIR_OR_CHECKPOINT OUT_DIR [--max-shard-size 5GB]")
     done = export_hf(args[1], args[2], size, progress=True)
-    print(f"wrote {done.out}: {done.tensors} tensors in {done.shards} shard(s), {done.total_bytes / 1e6:.1f} MB, "
-          f"from {done.checkpoint} (step {done.step})")
+    print(
+        f"wrote {done.out}: {done.tensors} tensors in {done.shards} shard(s), {done.total_bytes / 1e6:.1f} MB, "
+        f"from {done.checkpoint} (step {done.step})"
+    )
     return 0
-

@@ -77,7 +77,12 @@ class CheckpointReader:
     """
 
     def __init__(
-        self, path: str | Path, rank: int = 0, world: int = 1, group=None, check: bool = True,
+        self,
+        path: str | Path,
+        rank: int = 0,
+        world: int = 1,
+        group=None,
+        check: bool = True,
         manifest_sha: str | None = None,
     ) -> None:
         """``manifest_sha``: the manifest's SHA-256 the caller expects (what ``latest`` recorded when
@@ -208,8 +213,10 @@ class CheckpointReader:
                 k = next((d for d, n in enumerate(sbox.lengths) if n != 1), len(sbox.lengths) - 1)
                 inner = sbox.numel // sbox.lengths[k] if sbox.lengths[k] else 0
                 a, n = common.offsets[k] - sbox.offsets[k], common.lengths[k]
-                rows = Box(sbox.offsets[:k] + (common.offsets[k],) + sbox.offsets[k + 1 :],
-                           sbox.lengths[:k] + (n,) + sbox.lengths[k + 1 :])  # fmt: skip
+                rows = Box(
+                    sbox.offsets[:k] + (common.offsets[k],) + sbox.offsets[k + 1 :],
+                    sbox.lengths[:k] + (n,) + sbox.lengths[k + 1 :],
+                )
                 raw = handle.get_slice(key)[soff + a * inner : soff + (a + n) * inner]
                 t = raw.view(rows.lengths)[local_slices(rows, common)]
             else:

@@ -32,9 +32,14 @@ def capture_rng() -> dict:
     out = {
         "torch_cpu": _b64(torch.get_rng_state()),
         "python": {"version": version, "state": list(state), "gauss": gauss},
-        "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
-    }  # fmt: skip
+        "numpy": {
+            "name": name,
+            "keys": keys.tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return out

@@ -115,8 +115,17 @@ def write_shard(tmp: Path, snap: Snapshot, rank: int, world: int) -> dict:
     size = F.write_safetensors(
         tmp / name, snap.tensors, {"format": F.FORMAT, "tag": snap.tag, "rank": str(rank)}, hasher
     )
-    return {"rank": rank, "tag": snap.tag, "step": snap.step, "file": name, "sha256": hasher.hexdigests(), "bytes": size,
-            "tensors": snap.entries, "rank_state": snap.rank_state, "meta": snap.meta if rank == 0 else {}}  # fmt: skip
+    return {
+        "rank": rank,
+        "tag": snap.tag,
+        "step": snap.step,
+        "file": name,
+        "sha256": hasher.hexdigests(),
+        "bytes": size,
+        "tensors": snap.entries,
+        "rank_state": snap.rank_state,
+        "meta": snap.meta if rank == 0 else {},
+    }
 
 
 def _tiles(name: str, shape: tuple[int, ...], regions: list[Region]) -> str | None:
@@ -158,8 +167,15 @@ def build_index(records: list[dict], world: int) -> dict:
         problem = _tiles(name, tuple(t["shape"]), [region_from_json(p) for p in t["pieces"]])
         if problem:
             raise F.CheckpointError(f"pieces do not tile the tensor, save refused: {problem}")
-    return {"format": F.FORMAT, "version": F.VERSION, "tag": tag, "step": step, "world_size": world,
-            "files": [r["file"] for r in sorted(records, key=lambda r: r["rank"])], "tensors": tensors}  # fmt: skip
+    return {
+        "format": F.FORMAT,
+        "version": F.VERSION,
+        "tag": tag,
+        "step": step,
+        "world_size": world,
+        "files": [r["file"] for r in sorted(records, key=lambda r: r["rank"])],
+        "tensors": tensors,
+    }
 
 
 def commit(root: Path, records: list[dict], world: int, keep: int = 0) -> Path:
@@ -168,8 +184,15 @@ def commit(root: Path, records: list[dict], world: int, keep: int = 0) -> Path:
     tag = index["tag"]
     tmp = root / (TMP_PREFIX + tag)
     meta = next(r["meta"] for r in records if r["rank"] == 0)
-    train_state = {"format": F.FORMAT, "version": F.VERSION, "tag": tag, "step": index["step"], "world_size": world,
-                   **meta, "ranks": [r["rank_state"] for r in sorted(records, key=lambda r: r["rank"])]}  # fmt: skip
+    train_state = {
+        "format": F.FORMAT,
+        "version": F.VERSION,
+        "tag": tag,
+        "step": index["step"],
+        "world_size": world,
+        **meta,
+        "ranks": [r["rank_state"] for r in sorted(records, key=lambda r: r["rank"])],
+    }
     files = {r["file"]: (r["sha256"], r["bytes"]) for r in records}
     for name, obj, compact in ((F.INDEX, index, True), (F.TRAIN_STATE, train_state, False)):
         data = F.dump_json(obj, compact)

@@ -46,8 +46,11 @@ def choose_source(cfg: C.LoomConfig, run_dir: Path) -> list[tuple[str, str | Non
     that one only (a damaged one is refused, never replaced by another)."""
     own = find(run_dir) if (run_dir / "checkpoints").is_dir() else None
     if own is not None and (restart_count() > 0 or not cfg.train.resume):
-        older = [(str(p), None) for _, p in reversed(list_checkpoints(run_dir / "checkpoints"))
-                 if p != own[0] and (p / MANIFEST).is_file()]  # fmt: skip
+        older = [
+            (str(p), None)
+            for _, p in reversed(list_checkpoints(run_dir / "checkpoints"))
+            if p != own[0] and (p / MANIFEST).is_file()
+        ]
         return [(str(own[0]), own[1]), *older]
     if cfg.train.resume:
         found = find(cfg.train.resume)
@@ -81,8 +84,16 @@ def _row_step(line: str) -> float:
 class TrainCheckpoints:
     """The trainer's checkpoint duties on one rank: resume, periodic saves, the final save."""
 
-    def __init__(self, cfg: C.LoomConfig, run_dir: Path, rank: int, world: int, state: Shardable,
-                 loss_scaler=None, base: Callable[[], dict | None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: C.LoomConfig,
+        run_dir: Path,
+        rank: int,
+        world: int,
+        state: Shardable,
+        loss_scaler=None,
+        base: Callable[[], dict | None] | None = None,
+    ) -> None:
         """``base``: the identity (path, SHA-256) of the frozen base a LoRA run fine-tunes, computed by
         rank 0 (:func:`loom.finetune.base.base_identity`); its checkpoints are bound to it."""
         self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world
@@ -95,7 +106,9 @@ class TrainCheckpoints:
         self.last_saved: tuple[int, Path] | None = None
         self.base: dict | None = None
         if base is not None:
-            self.base = cast(dict | None, broadcast_json(base() if rank == 0 else None, rank, world, self.group))
+            self.base = cast(
+                dict | None, broadcast_json(base() if rank == 0 else None, rank, world, self.group)
+            )
 
     def restore(self) -> int:
         """Load the chosen checkpoint into the strategy and this rank's RNG; return its step (0 if none)."""
@@ -142,8 +155,12 @@ class TrainCheckpoints:
                 if i + 1 == len(candidates):
                     raise
                 if self.rank == 0:
-                    log.warning("SKIPPING checkpoint %s: %s; resuming from the older %s instead", path, e,
-                                candidates[i + 1][0])  # fmt: skip
+                    log.warning(
+                        "SKIPPING checkpoint %s: %s; resuming from the older %s instead",
+                        path,
+                        e,
+                        candidates[i + 1][0],
+                    )
         raise CheckpointError("no checkpoint to resume from")  # pragma: no cover - candidates is never empty
 
     def _check_position(self, ts: dict, ckpt: Path) -> None:
@@ -164,8 +181,10 @@ class TrainCheckpoints:
             return
         if was is None or now is None:
             kind = "holds every weight (a full fine-tune)" if was is None else "holds LoRA adapters only"
-            raise C.ConfigError(f"finetune.method: {ckpt} {kind}; this run has finetune.method = "
-                                f"{self.cfg.finetune.method}; resume with the method it was saved with")  # fmt: skip
+            raise C.ConfigError(
+                f"finetune.method: {ckpt} {kind}; this run has finetune.method = "
+                f"{self.cfg.finetune.method}; resume with the method it was saved with"
+            )
         if was.get("sha256") != now.get("sha256"):
             raise C.ConfigError(
                 f"finetune: {ckpt} holds LoRA adapters trained on the base {was.get('path')} (sha256 "

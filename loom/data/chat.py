@@ -52,15 +52,18 @@ def template_render(tokenizer_path: str, generation_prompt: bool = False) -> Ren
         raise ConfigError(f"data.tokenizer: {cfg_path} is not valid JSON ({e})") from None
     template = tcfg.get("chat_template") if isinstance(tcfg, dict) else None
     if isinstance(template, list):  # named templates: the default one
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+        template = next(
+            (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
+        )
     if not isinstance(template, str):
         return None
     try:
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
-        raise ConfigError(f"data.tokenizer: {cfg_path} has a chat template; rendering it needs jinja2 "
-                          "(pip install jinja2)") from None  # fmt: skip
+        raise ConfigError(
+            f"data.tokenizer: {cfg_path} has a chat template; rendering it needs jinja2 (pip install jinja2)"
+        ) from None
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
@@ -100,7 +103,9 @@ def read_records(files: list[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
                     except (UnicodeDecodeError, json.JSONDecodeError) as e:
                         raise ConfigError(f"data.source: {where} is not valid JSON ({e})") from None
                     if not isinstance(record, dict):
-                        raise ConfigError(f"data.source: {where} is a JSON {type(record).__name__}, not an object")
+                        raise ConfigError(
+                            f"data.source: {where} is a JSON {type(record).__name__}, not an object"
+                        )
                     yield where, record
         elif path.suffix == ".parquet":
             import pyarrow.parquet as pq
@@ -111,15 +116,21 @@ def read_records(files: list[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
                     yield f"{path} row {row}", record
                     row += 1
         else:
-            raise ConfigError(f"data.format: chat and prompt_completion read .jsonl or .parquet records, not {path}")
+            raise ConfigError(
+                f"data.format: chat and prompt_completion read .jsonl or .parquet records, not {path}"
+            )
 
 
-def segments(record: dict[str, Any], where: str, fmt: str, render: Render) -> tuple[str, list[tuple[int, int]]]:
+def segments(
+    record: dict[str, Any], where: str, fmt: str, render: Render
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered example and the character spans trained on (assistant turns or the completion)."""
     if fmt == "prompt_completion":
         for key in ("prompt", "completion"):
             if not isinstance(record.get(key), str):
-                raise ConfigError(f"data.source: {where} has no string field {key!r} (data.format = prompt_completion)")
+                raise ConfigError(
+                    f"data.source: {where} has no string field {key!r} (data.format = prompt_completion)"
+                )
         text = record["prompt"] + record["completion"]
         return text, [(len(record["prompt"]), len(text))]
     messages = record.get("messages")
@@ -129,16 +140,20 @@ def segments(record: dict[str, Any], where: str, fmt: str, render: Render) -> tu
         if not isinstance(m, dict) or not isinstance(m.get("content"), str):
             raise ConfigError(f"data.source: {where} has a message without string 'content'")
         if m.get("role") not in ROLES:
-            raise ConfigError(f"data.source: {where} has a message of unknown role {m.get('role')!r} "
-                              f"(allowed: {', '.join(ROLES)})")  # fmt: skip
+            raise ConfigError(
+                f"data.source: {where} has a message of unknown role {m.get('role')!r} "
+                f"(allowed: {', '.join(ROLES)})"
+            )
     if not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"data.source: {where} has no assistant turn: nothing to train on")
     spans, prev = [], ""
     for i, m in enumerate(messages):
         cur = render(messages[: i + 1])
         if not cur.startswith(prev):
-            raise ConfigError(f"data.tokenizer: the chat template does not render {where} turn by turn (turn {i} "
-                              "changes the text before it); use a template that extends the conversation")  # fmt: skip
+            raise ConfigError(
+                f"data.tokenizer: the chat template does not render {where} turn by turn (turn {i} "
+                "changes the text before it); use a template that extends the conversation"
+            )
         if m["role"] == "assistant":
             at = cur.find(m["content"], len(prev)) if m["content"] else -1
             spans.append((at if at >= 0 else len(prev), len(cur)))
@@ -146,8 +161,9 @@ def segments(record: dict[str, Any], where: str, fmt: str, render: Render) -> tu
     return prev, spans
 
 
-def encode_example(tok: Tokenizer, text: str, spans: list[tuple[int, int]], eot: int, train_on_prompt: bool
-                   ) -> tuple[list[int], list[int]]:  # fmt: skip
+def encode_example(
+    tok: Tokenizer, text: str, spans: list[tuple[int, int]], eot: int, train_on_prompt: bool
+) -> tuple[list[int], list[int]]:
     """Token ids of ``text`` + the end token, and the mask (1 = trained: a token starting inside a span)."""
     enc = tok.encode(text, add_special_tokens=False)
     ids = [*enc.ids, eot]
@@ -160,13 +176,16 @@ def encode_example(tok: Tokenizer, text: str, spans: list[tuple[int, int]], eot:
 class ExampleEncoder:
     """Encodes examples into (ids, mask) chunks, counting those cut or dropped for length."""
 
-    def __init__(self, tok: Tokenizer, eot: int, dtype: np.dtype, max_tokens: int, overlong: str,
-                 train_on_prompt: bool) -> None:  # fmt: skip
+    def __init__(
+        self, tok: Tokenizer, eot: int, dtype: np.dtype, max_tokens: int, overlong: str, train_on_prompt: bool
+    ) -> None:
         self.tok, self.eot, self.dtype = tok, eot, dtype
         self.max_tokens, self.overlong, self.train_on_prompt = max_tokens, overlong, train_on_prompt
         self.truncated = self.dropped = 0
 
-    def __call__(self, examples: list[tuple[str, list[tuple[int, int]]]]) -> tuple[np.ndarray, np.ndarray, int]:
+    def __call__(
+        self, examples: list[tuple[str, list[tuple[int, int]]]]
+    ) -> tuple[np.ndarray, np.ndarray, int]:
         """(ids, mask, examples kept) of a chunk of (text, spans)."""
         ids: list[int] = []
         mask: list[int] = []

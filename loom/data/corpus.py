@@ -31,6 +31,8 @@ FORMATS = (".txt", ".jsonl", ".jsonl.gz", ".parquet", ".arrow")
 def supported(p: Path) -> bool:
     """A file of one of :data:`FORMATS` (``.arrow``: also the shards of a ``datasets`` save_to_disk directory)."""
     return p.name.endswith(FORMATS)
+
+
 STDLIB = "stdlib"
 log = logging.getLogger("loom")
 # Directories of the standard library that are tests, bundled apps, third-party packages or
@@ -129,13 +131,17 @@ def _decode(raw: bytes, where: str, errors: str, stats: DecodeStats | None) -> s
     """UTF-8 text of ``raw``; binary data (NUL bytes) and, unless ``errors == "replace"``, invalid
     UTF-8 raise one line naming ``where`` (a file, or file:line)."""
     if b"\x00" in raw[:8192]:
-        raise ConfigError(f"data.source: {where} looks binary (NUL bytes), not text; remove it from the source")
+        raise ConfigError(
+            f"data.source: {where} looks binary (NUL bytes), not text; remove it from the source"
+        )
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         if errors != "replace":
-            raise ConfigError(f"data.source: {where} is not UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r}); fix "
-                              "the file or set data.errors = replace") from None  # fmt: skip
+            raise ConfigError(
+                f"data.source: {where} is not UTF-8 (byte {e.start}: {raw[e.start : e.start + 1]!r}); fix "
+                "the file or set data.errors = replace"
+            ) from None
     text = raw.decode("utf-8", errors="replace")
     if stats is not None:
         stats.replaced[where] = text.count("\ufffd")
@@ -146,8 +152,10 @@ def _read_txt(path: Path, errors: str, stats: DecodeStats | None) -> Iterator[st
     yield _decode(path.read_bytes(), str(path), errors, stats)
 
 
-def _read_jsonl(path: Path, text_field: str, errors: str = "strict", stats: DecodeStats | None = None) -> Iterator[str]:
-    with (gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")) as f:
+def _read_jsonl(
+    path: Path, text_field: str, errors: str = "strict", stats: DecodeStats | None = None
+) -> Iterator[str]:
+    with gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             line = _decode(raw, f"{path}:{lineno}", errors, stats)
             if not line.strip():
@@ -155,7 +163,9 @@ def _read_jsonl(path: Path, text_field: str, errors: str = "strict", stats: Deco
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"data.source: {path}:{lineno} is not valid JSON (column {e.colno}: {e.msg})") from None
+                raise ConfigError(
+                    f"data.source: {path}:{lineno} is not valid JSON (column {e.colno}: {e.msg})"
+                ) from None
             if not isinstance(record, dict) or text_field not in record:
                 raise ConfigError(
                     f"data.source: {path}:{lineno} has no field {text_field!r} (set data.text_field)"
@@ -164,12 +174,16 @@ def _read_jsonl(path: Path, text_field: str, errors: str = "strict", stats: Deco
             if text is None:
                 continue
             if not isinstance(text, str):
-                raise ConfigError(f"data.source: {path}:{lineno} field {text_field!r} holds a "
-                                  f"{type(text).__name__}, not a string")  # fmt: skip
+                raise ConfigError(
+                    f"data.source: {path}:{lineno} field {text_field!r} holds a "
+                    f"{type(text).__name__}, not a string"
+                )
             yield text
 
 
-def _read_parquet(path: Path, text_field: str, errors: str = "strict", stats: DecodeStats | None = None) -> Iterator[str]:
+def _read_parquet(
+    path: Path, text_field: str, errors: str = "strict", stats: DecodeStats | None = None
+) -> Iterator[str]:
     """Rows of column ``text_field``: strings, or binary decoded as UTF-8 text; a file pyarrow cannot
     read, a column of another type or a row that cannot be decoded is refused naming the file and row."""
     import pyarrow as pa
@@ -187,7 +201,9 @@ def _read_parquet(path: Path, text_field: str, errors: str = "strict", stats: De
     kind = pf.schema_arrow.field(text_field).type
     binary = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
     if not (binary or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ConfigError(f"data.source: {path} column {text_field!r} holds {kind}, not text (string or binary)")
+        raise ConfigError(
+            f"data.source: {path} column {text_field!r} holds {kind}, not text (string or binary)"
+        )
     row = 0
     batches = pf.iter_batches(columns=[text_field], batch_size=1024)
     while True:
@@ -213,20 +229,26 @@ def _read_arrow(path: Path, text_field: str) -> Iterator[str]:
     try:
         from datasets import Dataset
     except ImportError:
-        raise ConfigError(f"data.source: reading {path} needs the datasets package (pip install datasets)") from None
+        raise ConfigError(
+            f"data.source: reading {path} needs the datasets package (pip install datasets)"
+        ) from None
     try:
         ds = Dataset.from_file(str(path))
     except Exception as e:  # pyarrow and datasets raise many kinds
         raise ConfigError(f"data.source: {path} is not a readable Arrow file ({_first_line(e)})") from None
     if text_field not in ds.column_names:
-        raise ConfigError(f"data.source: {path} has no column {text_field!r} (columns: {', '.join(ds.column_names)}; "
-                          "set data.text_field)")  # fmt: skip
+        raise ConfigError(
+            f"data.source: {path} has no column {text_field!r} (columns: {', '.join(ds.column_names)}; "
+            "set data.text_field)"
+        )
     row = 0
     for batch in ds.select_columns([text_field]).iter(batch_size=1024):
         for text in batch[text_field]:
             if text is not None and not isinstance(text, str):
-                raise ConfigError(f"data.source: {path} row {row} column {text_field!r} holds a "
-                                  f"{type(text).__name__}, not a string")  # fmt: skip
+                raise ConfigError(
+                    f"data.source: {path} row {row} column {text_field!r} holds a "
+                    f"{type(text).__name__}, not a string"
+                )
             if text:
                 yield text
             row += 1
@@ -243,7 +265,10 @@ def _iter_file(path: Path, text_field: str, errors: str, stats: DecodeStats) -> 
 
 
 def iter_documents(
-    source: str, text_field: str = "text", max_mb: float = 24.0, errors: str = "strict",
+    source: str,
+    text_field: str = "text",
+    max_mb: float = 24.0,
+    errors: str = "strict",
     stats: DecodeStats | None = None,
 ) -> Iterator[str]:
     """Documents of ``source`` in deterministic order, one at a time, at most ``max_mb`` MB of UTF-8
@@ -280,12 +305,20 @@ def warn_replaced(source: str, stats: DecodeStats) -> None:
     """Log how many undecodable bytes ``data.errors = replace`` replaced (never for the stdlib)."""
     replaced = {k: v for k, v in stats.replaced.items() if v}
     if replaced and source != STDLIB:
-        log.warning("data.errors = replace: %d undecodable bytes replaced in %d file(s), first %s",
-                    sum(replaced.values()), len(replaced), next(iter(replaced)))  # fmt: skip
+        log.warning(
+            "data.errors = replace: %d undecodable bytes replaced in %d file(s), first %s",
+            sum(replaced.values()),
+            len(replaced),
+            next(iter(replaced)),
+        )
 
 
 def read_documents(
-    source: str, text_field: str = "text", max_mb: float = 24.0, progress: bool = False, errors: str = "strict"
+    source: str,
+    text_field: str = "text",
+    max_mb: float = 24.0,
+    progress: bool = False,
+    errors: str = "strict",
 ) -> list[str]:
     """All documents of :func:`iter_documents` in a list (small corpora and tests; preparation
     streams them instead)."""

@@ -45,7 +45,11 @@ class TokenDataset:
     """
 
     def __init__(
-        self, path: str | Path, seq_len: int, dtype: DTypeLike | None = None, vocab_size: int | None = None,
+        self,
+        path: str | Path,
+        seq_len: int,
+        dtype: DTypeLike | None = None,
+        vocab_size: int | None = None,
         pack_eot: int | None = None,
     ) -> None:
         """``dtype`` and ``vocab_size`` default to what the ``meta.json`` beside the file records (uint16
@@ -67,15 +71,19 @@ class TokenDataset:
         self.seq_len = seq_len
         self.vocab_size = vocab_size
         try:
-            self.tokens = np.memmap(self.path, dtype=np.dtype(dtype if dtype is not None else np.uint16), mode="r")
+            self.tokens = np.memmap(
+                self.path, dtype=np.dtype(dtype if dtype is not None else np.uint16), mode="r"
+            )
         except (TypeError, ValueError) as e:
             raise ConfigError(f"data.prepared_dir: cannot map {self.path} as {dtype} tokens ({e})") from None
         self.n_tokens = len(self.tokens)
         mask_path = self.path.with_name(self.path.stem + ".mask.bin")  # chat / prompt_completion labels
         self.mask = np.memmap(mask_path, dtype=np.uint8, mode="r") if mask_path.is_file() else None
         if self.mask is not None and len(self.mask) != self.n_tokens:
-            raise ConfigError(f"data.prepared_dir: {mask_path} has {len(self.mask)} bytes for {self.n_tokens} tokens; "
-                              "prepare the data again")  # fmt: skip
+            raise ConfigError(
+                f"data.prepared_dir: {mask_path} has {len(self.mask)} bytes for {self.n_tokens} tokens; "
+                "prepare the data again"
+            )
         self.n_windows = (self.n_tokens - 1) // seq_len
         if self.n_windows < 1:
             raise ConfigError(
@@ -101,12 +109,16 @@ class TokenDataset:
         if self.vocab_size is not None and tokens.numel() and int(tokens.max()) >= self.vocab_size:
             row, col = torch.nonzero(tokens >= self.vocab_size)[0].tolist()
             pos = indices[row] * self.seq_len + col
-            raise ConfigError(f"data.prepared_dir: {self.path} holds token id {int(tokens[row, col])} at token {pos}, "
-                              f"outside the tokenizer's vocabulary of {self.vocab_size}; the file was altered: delete "
-                              "its directory and prepare again")  # fmt: skip
+            raise ConfigError(
+                f"data.prepared_dir: {self.path} holds token id {int(tokens[row, col])} at token {pos}, "
+                f"outside the tokenizer's vocabulary of {self.vocab_size}; the file was altered: delete "
+                "its directory and prepare again"
+            )
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         if self.mask is not None:  # targets outside assistant turns / completions are not trained on
-            m = np.stack([self.mask[i * self.seq_len + 1 : i * self.seq_len + self.seq_len + 1] for i in indices])
+            m = np.stack(
+                [self.mask[i * self.seq_len + 1 : i * self.seq_len + self.seq_len + 1] for i in indices]
+            )
             y = y.masked_fill(torch.from_numpy(m == 0), -100)
         return (x, y) if self.pack_eot is None else (x, y, packed_positions(x, self.pack_eot))
 
@@ -201,8 +213,16 @@ class MixtureSampler(BatchSampler):
     is hash(seed, g) mod that source's windows (drawn with replacement).
     """
 
-    def __init__(self, datasets: list[TokenDataset], weights: list[float], global_batch: int, micro_batch: int,
-                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        datasets: list[TokenDataset],
+        weights: list[float],
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+    ) -> None:
         super().__init__(datasets[0], global_batch, micro_batch, dp_rank, dp_size, seed)
         if len(weights) != len(datasets) or not all(w > 0 for w in weights):
             raise ValueError(f"data.sources: need one positive weight per source, got {weights}")
@@ -226,7 +246,9 @@ class MixtureSampler(BatchSampler):
 
     def realized(self, steps: int) -> np.ndarray:
         """Share of each source among the global sequences of steps [0, steps)."""
-        counts = np.bincount(self.sources_of(np.arange(steps * self.global_batch)), minlength=len(self.datasets))
+        counts = np.bincount(
+            self.sources_of(np.arange(steps * self.global_batch)), minlength=len(self.datasets)
+        )
         return counts / max(1, counts.sum())
 
     def micro_batches(self, step: int) -> list[Batch]:

@@ -17,9 +17,18 @@ def mixture_sampler(cfg: LoomConfig, dp_rank: int, dp: int, pack_eot: int | None
     prepared = prepare_sources(cfg.data, progress=False)
     sets = [TokenDataset(p.train_path, cfg.data.seq_len, pack_eot=pack_eot) for p in prepared]
     weights = [s.weight for s in cfg.data.sources]
-    sampler = MixtureSampler(sets, weights, cfg.train.global_batch, cfg.train.micro_batch, dp_rank, dp, cfg.train.seed)
+    sampler = MixtureSampler(
+        sets, weights, cfg.train.global_batch, cfg.train.micro_batch, dp_rank, dp, cfg.train.seed
+    )
     realized = sampler.realized(cfg.train.steps)
     for i, (src, p, share) in enumerate(zip(cfg.data.sources, prepared, realized)):
-        log.info("mixture source %d %s: %s train tokens, weight %.3f, realized %.4f of %d sequences", i, src.path,
-                 f"{p.n_train_tokens:,}", src.weight / sum(weights), share, cfg.train.steps * cfg.train.global_batch)  # fmt: skip
+        log.info(
+            "mixture source %d %s: %s train tokens, weight %.3f, realized %.4f of %d sequences",
+            i,
+            src.path,
+            f"{p.n_train_tokens:,}",
+            src.weight / sum(weights),
+            share,
+            cfg.train.steps * cfg.train.global_batch,
+        )
     return sampler

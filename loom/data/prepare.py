@@ -94,11 +94,15 @@ class PreparedData:
                 eot_id=int(meta["eot_id"]),
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"data.prepared_dir: {meta_path} is not a Loom {META} ({type(e).__name__}: {e}); "
-                              f"delete {str(d)!r} and prepare again") from None  # fmt: skip
+            raise ConfigError(
+                f"data.prepared_dir: {meta_path} is not a Loom {META} ({type(e).__name__}: {e}); "
+                f"delete {str(d)!r} and prepare again"
+            ) from None
         if data.dtype not in ("uint16", "uint32"):
-            raise ConfigError(f"data.prepared_dir: {meta_path} names dtype {data.dtype!r}; token files are uint16 or "
-                              f"uint32. Delete {str(d)!r} and prepare again")  # fmt: skip
+            raise ConfigError(
+                f"data.prepared_dir: {meta_path} names dtype {data.dtype!r}; token files are uint16 or "
+                f"uint32. Delete {str(d)!r} and prepare again"
+            )
         itemsize = np.dtype(data.dtype).itemsize
         for path, n in ((data.train_path, data.n_train_tokens), (data.val_path, data.n_val_tokens)):
             if not path.is_file():
@@ -113,8 +117,10 @@ class PreparedData:
         masks = _table(meta, "mask_sha256")  # chat / prompt_completion: one trained-or-not byte per token
         for name, n in (("train.mask.bin", data.n_train_tokens), ("val.mask.bin", data.n_val_tokens)):
             if name in masks and (not (d / name).is_file() or (d / name).stat().st_size != n):
-                raise ConfigError(f"data.prepared_dir: {d / name} is missing or not {n} bytes (one per token); "
-                                  f"delete {str(d)!r} and prepare again")  # fmt: skip
+                raise ConfigError(
+                    f"data.prepared_dir: {d / name} is missing or not {n} bytes (one per token); "
+                    f"delete {str(d)!r} and prepare again"
+                )
         if not data.tokenizer_path.is_file():
             raise ConfigError(f"data.prepared_dir: {str(data.tokenizer_path)!r} is missing")
         if verify:
@@ -149,20 +155,26 @@ class PreparedData:
         """Every token id of ``path`` (files up to ``SCAN_BYTES``, or any with ``full``), else the
         maximum recorded at prepare time, is below the tokenizer's vocabulary."""
         if recorded_max is not None and recorded_max >= self.vocab_size:
-            raise ConfigError(f"data.prepared_dir: {path} holds token ids up to {recorded_max} (meta.json), outside the "
-                              f"tokenizer's vocabulary of {self.vocab_size}; prepare the data again")  # fmt: skip
+            raise ConfigError(
+                f"data.prepared_dir: {path} holds token ids up to {recorded_max} (meta.json), outside the "
+                f"tokenizer's vocabulary of {self.vocab_size}; prepare the data again"
+            )
         if not full and path.stat().st_size > SCAN_BYTES:
             return
         bad = first_out_of_vocab(path, np.dtype(self.dtype), self.vocab_size)
         if bad is not None:
             pos, value = bad
-            raise ConfigError(f"data.prepared_dir: {path} holds token id {value} at token {pos}, outside the "
-                              f"tokenizer's vocabulary of {self.vocab_size}; the file was altered or prepared with "
-                              "another tokenizer: delete the directory and prepare again")  # fmt: skip
+            raise ConfigError(
+                f"data.prepared_dir: {path} holds token id {value} at token {pos}, outside the "
+                f"tokenizer's vocabulary of {self.vocab_size}; the file was altered or prepared with "
+                "another tokenizer: delete the directory and prepare again"
+            )
 
     def _altered(self, path: Path, what: str) -> ConfigError:
-        return ConfigError(f"data.prepared_dir: {path} differs from the {what} recorded in {self.dir / META} at "
-                           f"prepare time (altered or corrupt); delete {str(self.dir)!r} and prepare again")  # fmt: skip
+        return ConfigError(
+            f"data.prepared_dir: {path} differs from the {what} recorded in {self.dir / META} at "
+            f"prepare time (altered or corrupt); delete {str(self.dir)!r} and prepare again"
+        )
 
     def meta(self) -> dict[str, Any]:
         """The full ``meta.json`` contents."""
@@ -183,11 +195,16 @@ def read_meta(d: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(f"data.prepared_dir: {path} is missing; run `loom prepare` first") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
-        raise ConfigError(f"data.prepared_dir: {path} is not valid JSON{where}; delete {str(d)!r} and prepare "
-                          "again") from None  # fmt: skip
+        where = (
+            f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
+        )
+        raise ConfigError(
+            f"data.prepared_dir: {path} is not valid JSON{where}; delete {str(d)!r} and prepare again"
+        ) from None
     if not isinstance(meta, dict):
-        raise ConfigError(f"data.prepared_dir: {path} is not a JSON object; delete {str(d)!r} and prepare again")
+        raise ConfigError(
+            f"data.prepared_dir: {path} is not a JSON object; delete {str(d)!r} and prepare again"
+        )
     return meta
 
 
@@ -214,7 +231,9 @@ def sampled_sha256(path: Path, blocks: int | None = None, block: int | None = No
     return h.hexdigest()
 
 
-def first_out_of_vocab(path: Path, dtype: np.dtype, vocab: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
+def first_out_of_vocab(
+    path: Path, dtype: np.dtype, vocab: int, chunk: int = 1 << 24
+) -> tuple[int, int] | None:
     """(position, id) of the first token id ``>= vocab`` in ``path``, or None; reads in chunks."""
     tokens = np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
     for start in range(0, len(tokens), chunk):
@@ -233,11 +252,15 @@ def verify_full(dir: str | Path) -> PreparedData:
     missing = [n for n in (*TOKEN_FILES, "tokenizer.json") if not _table(meta, "sha256").get(n)]
     data.check(meta, full=True)
     if missing == ["tokenizer.json"]:
-        log.warning("%s records no SHA-256 of tokenizer.json (prepared by an older Loom); token files verified",
-                    data.dir / META)  # fmt: skip
+        log.warning(
+            "%s records no SHA-256 of tokenizer.json (prepared by an older Loom); token files verified",
+            data.dir / META,
+        )
     elif missing:
-        raise ConfigError(f"data.prepared_dir: {data.dir / META} records no SHA-256 of {', '.join(missing)}; "
-                          "prepare the data again to verify it")  # fmt: skip
+        raise ConfigError(
+            f"data.prepared_dir: {data.dir / META} records no SHA-256 of {', '.join(missing)}; "
+            "prepare the data again to verify it"
+        )
     return data
 
 
@@ -264,11 +287,17 @@ def cache_key(cfg: DataConfig) -> dict[str, Any]:
         "tokenizer": tok,
         "text_field": cfg.text_field,
         "val_fraction": cfg.val_fraction,
-        **({} if cfg.format == "text" else {  # examples: labels and lengths depend on these too
-            "data_format": cfg.format, "train_on_prompt": cfg.train_on_prompt, "overlong": cfg.overlong,
-            "seq_len": cfg.seq_len,
-        }),
-    }  # fmt: skip
+        **(
+            {}
+            if cfg.format == "text"
+            else {  # examples: labels and lengths depend on these too
+                "data_format": cfg.format,
+                "train_on_prompt": cfg.train_on_prompt,
+                "overlong": cfg.overlong,
+                "seq_len": cfg.seq_len,
+            }
+        ),
+    }
 
 
 def cache_root() -> Path:
@@ -294,14 +323,28 @@ def prepare_sources(cfg: DataConfig, progress: bool = True) -> list[PreparedData
     total = sum(src.weight for src in cfg.sources)
     for i, src in enumerate(cfg.sources):
         tok = cfg.tokenizer or (str(out[0].tokenizer_path) if out else "")
-        sub = replace(cfg, source=src.path, text_field=src.text_field, format=src.format, tokenizer=tok,
-                      prepared_dir="", sources=[])  # fmt: skip
+        sub = replace(
+            cfg,
+            source=src.path,
+            text_field=src.text_field,
+            format=src.format,
+            tokenizer=tok,
+            prepared_dir="",
+            sources=[],
+        )
         try:
             out.append(prepare_data(sub, progress))
         except ConfigError as e:
             raise ConfigError(f"data.sources[{i}] ({src.path}): {e}") from None
-        log.info("data source %d: %s, weight %.3g (%.1f%% of sequences), %s train tokens, %s", i, src.path,
-                 src.weight, 100 * src.weight / total, f"{out[-1].n_train_tokens:,}", out[-1].dir)  # fmt: skip
+        log.info(
+            "data source %d: %s, weight %.3g (%.1f%% of sequences), %s train tokens, %s",
+            i,
+            src.path,
+            src.weight,
+            100 * src.weight / total,
+            f"{out[-1].n_train_tokens:,}",
+            out[-1].dir,
+        )
     return out
 
 
@@ -349,8 +392,9 @@ def prepare_data(cfg: DataConfig, progress: bool = True) -> PreparedData:
 def _unwritable(e: OSError, final: Path) -> ConfigError:
     """One line naming the file a prepare could not write (and the directory it was preparing)."""
     where = e.filename or final
-    return ConfigError(f"data.prepared_dir: cannot write {where}: {e.strerror or e} (preparing {final}); nothing "
-                       "was kept")  # fmt: skip
+    return ConfigError(
+        f"data.prepared_dir: cannot write {where}: {e.strerror or e} (preparing {final}); nothing was kept"
+    )
 
 
 def _reuse(final: Path, cfg: DataConfig) -> PreparedData:
@@ -412,8 +456,16 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
     writers: dict[Split, TokenWriter] = {}
     try:
         writers = {name: TokenWriter(out / f"{name}.bin") for name in ("train", "val")}
-        encode_stream(tok, split_stream(docs(), plan), writers, eot, dtype, cfg.workers or default_workers(),
-                      total_bytes=n_bytes, progress=progress)  # fmt: skip
+        encode_stream(
+            tok,
+            split_stream(docs(), plan),
+            writers,
+            eot,
+            dtype,
+            cfg.workers or default_workers(),
+            total_bytes=n_bytes,
+            progress=progress,
+        )
         digests = {name: w.close() for name, w in writers.items()}
     except BaseException:
         for w in writers.values():
@@ -422,22 +474,43 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
     _write_meta(out, cfg, key, t0, (vocab, dtype, eot), writers, digests, {"corpus_mb": n_bytes / 1e6})
 
 
-def _write_meta(out: Path, cfg: DataConfig, key: dict[str, Any], t0: float, vocab_dtype_eot: tuple[int, Any, int],
-                writers: Mapping[Any, Any], digests: Mapping[Any, str], extra: dict[str, Any]) -> None:  # fmt: skip
+def _write_meta(
+    out: Path,
+    cfg: DataConfig,
+    key: dict[str, Any],
+    t0: float,
+    vocab_dtype_eot: tuple[int, Any, int],
+    writers: Mapping[Any, Any],
+    digests: Mapping[Any, str],
+    extra: dict[str, Any],
+) -> None:
     """``meta.json`` of a prepared directory (written last: its presence means the data is whole):
     counts, SHA-256 of every file and of sampled blocks, max token ids, the config and cache key."""
     vocab, dtype, eot = vocab_dtype_eot
     train, val = writers["train"], writers["val"]
     meta = {
-        "format": FORMAT_VERSION, "source": cfg.source, "vocab_size": vocab, "dtype": dtype.name, "eot_id": eot,
-        "n_train_tokens": train.n_tokens, "n_val_tokens": val.n_tokens, "n_train_docs": train.n_docs,
-        "n_val_docs": val.n_docs, **extra,
-        "sha256": {"train.bin": digests["train"], "val.bin": digests["val"], "tokenizer.json": _sha256(out / "tokenizer.json")},
+        "format": FORMAT_VERSION,
+        "source": cfg.source,
+        "vocab_size": vocab,
+        "dtype": dtype.name,
+        "eot_id": eot,
+        "n_train_tokens": train.n_tokens,
+        "n_val_tokens": val.n_tokens,
+        "n_train_docs": train.n_docs,
+        "n_val_docs": val.n_docs,
+        **extra,
+        "sha256": {
+            "train.bin": digests["train"],
+            "val.bin": digests["val"],
+            "tokenizer.json": _sha256(out / "tokenizer.json"),
+        },
         "sampled_sha256": {n: sampled_sha256(out / n) for n in TOKEN_FILES},
         "sample": {"blocks": SAMPLE_BLOCKS, "block_bytes": SAMPLE_BYTES},
         "max_id": {"train.bin": train.max_id, "val.bin": val.max_id},
-        "prepare_seconds": round(time.perf_counter() - t0, 2), "config": asdict(cfg), "key": key,
-    }  # fmt: skip
+        "prepare_seconds": round(time.perf_counter() - t0, 2),
+        "config": asdict(cfg),
+        "key": key,
+    }
     _write_durable(out / META, json.dumps(meta, indent=2).encode())
 
 
@@ -453,12 +526,16 @@ def _build_examples(cfg: DataConfig, key: dict[str, Any], out: Path, progress: b
 
     n = sum(1 for _ in examples())
     if n < 2:
-        raise ConfigError(f"data.source: {cfg.source!r} holds {n} example(s); at least 2 are needed (train and val)")
+        raise ConfigError(
+            f"data.source: {cfg.source!r} holds {n} example(s); at least 2 are needed (train and val)"
+        )
     k = n - min(max(1, round(n * cfg.val_fraction)), n - 1)
     if cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer)
     else:
-        tok = train_tokenizer((text for i, (text, _) in enumerate(examples()) if i < k), cfg.vocab_size, progress, k)
+        tok = train_tokenizer(
+            (text for i, (text, _) in enumerate(examples()) if i < k), cfg.vocab_size, progress, k
+        )
     tok.save(str(out / "tokenizer.json"))
     vocab, eot = tok.get_vocab_size(), eot_id(tok)
     dtype = token_dtype(vocab)
@@ -484,16 +561,35 @@ def _build_examples(cfg: DataConfig, key: dict[str, Any], out: Path, progress: b
     for split in ("train", "val"):
         if not writers[split].n_tokens:
             why = "over" if cfg.overlong == "drop" else "cut before any trained token at"
-            raise ConfigError(f"data.overlong: no {split} examples left in {cfg.source!r}: {enc.dropped} dropped ({why} "
-                              f"data.seq_len + 1 = {cfg.seq_len + 1} tokens); raise data.seq_len")  # fmt: skip
-    log.info("%s: %d examples (%d train, %d val); over %d tokens: %d truncated, %d dropped", cfg.format, n, k, n - k,
-             cfg.seq_len + 1, enc.truncated, enc.dropped)  # fmt: skip
-    _write_meta(out, cfg, key, t0, (vocab, dtype, eot), writers, digests, {
-        "data_format": cfg.format,
-        "overlong": {"mode": cfg.overlong, "truncated": enc.truncated, "dropped": enc.dropped},
-        "trained_tokens": {"train": int(writers["train.mask"].sum), "val": int(writers["val.mask"].sum)},
-        "mask_sha256": {"train.mask.bin": digests["train.mask"], "val.mask.bin": digests["val.mask"]},
-    })  # fmt: skip
+            raise ConfigError(
+                f"data.overlong: no {split} examples left in {cfg.source!r}: {enc.dropped} dropped ({why} "
+                f"data.seq_len + 1 = {cfg.seq_len + 1} tokens); raise data.seq_len"
+            )
+    log.info(
+        "%s: %d examples (%d train, %d val); over %d tokens: %d truncated, %d dropped",
+        cfg.format,
+        n,
+        k,
+        n - k,
+        cfg.seq_len + 1,
+        enc.truncated,
+        enc.dropped,
+    )
+    _write_meta(
+        out,
+        cfg,
+        key,
+        t0,
+        (vocab, dtype, eot),
+        writers,
+        digests,
+        {
+            "data_format": cfg.format,
+            "overlong": {"mode": cfg.overlong, "truncated": enc.truncated, "dropped": enc.dropped},
+            "trained_tokens": {"train": int(writers["train.mask"].sum), "val": int(writers["val.mask"].sum)},
+            "mask_sha256": {"train.mask.bin": digests["train.mask"], "val.mask.bin": digests["val.mask"]},
+        },
+    )
 
 
 def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:

@@ -64,7 +64,11 @@ def split_plan(lengths: Sequence[int] | np.ndarray, val_fraction: float, block: 
     n = len(lengths)
     total = sum(int(lengths[i : i + block].sum()) for i in range(0, n, block))
     n_val = min(max(1, round(n * val_fraction)), n - 1)
-    if n_val >= 1 and sum(int(lengths[i : i + block].sum()) for i in range(n - n_val, n, block)) <= 2 * val_fraction * total:
+    if (
+        n_val >= 1
+        and sum(int(lengths[i : i + block].sum()) for i in range(n - n_val, n, block))
+        <= 2 * val_fraction * total
+    ):
         return SplitPlan(n - n_val, 0)
     pos = int(total * (1.0 - val_fraction))
     for start in range(0, n, block):  # find the document holding character ``pos``
@@ -239,7 +243,9 @@ def encode_stream(
     """Encode (split, text) documents into ``writers[split]`` in order (see the module doc), in chunks
     of ``chunk_chars`` (default :data:`CHUNK_CHARS`); a progress bar counts UTF-8 bytes, with their
     rate and the time left."""
-    bar = tqdm(total=total_bytes, desc="tokenize", unit="B", unit_scale=True, disable=not progress, leave=False)
+    bar = tqdm(
+        total=total_bytes, desc="tokenize", unit="B", unit_scale=True, disable=not progress, leave=False
+    )
     chunks = _chunks(docs, chunk_chars or CHUNK_CHARS)
     try:
         if workers <= 1:
@@ -265,8 +271,11 @@ def encode_stream(
         bar.close()
 
 
-def _drain_one(pending: deque[tuple[Split, int, int, AsyncResult[np.ndarray]]],
-               writers: dict[Split, TokenWriter], bar: tqdm) -> None:  # fmt: skip
+def _drain_one(
+    pending: deque[tuple[Split, int, int, AsyncResult[np.ndarray]]],
+    writers: dict[Split, TokenWriter],
+    bar: tqdm,
+) -> None:
     split, n_docs, nbytes, result = pending.popleft()
     writers[split].write(result.get(), n_docs)
     bar.update(nbytes)

@@ -54,8 +54,14 @@ def base_identity(cfg: LoomConfig) -> dict[str, str] | None:
 
         found = find(src)
         ckpt = Path(found[0]) if found else Path(src)
-        return {"kind": "checkpoint", "path": str(ckpt.resolve()),
-                "sha256": hashlib.sha256((ckpt / MANIFEST).read_bytes()).hexdigest()}  # fmt: skip
+        return {
+            "kind": "checkpoint",
+            "path": str(ckpt.resolve()),
+            "sha256": hashlib.sha256((ckpt / MANIFEST).read_bytes()).hexdigest(),
+        }
     record = json.dumps({"model": asdict(cfg.model), "seed": cfg.train.seed}, sort_keys=True)
-    return {"kind": "init", "path": f"seeded init (train.seed = {cfg.train.seed})",
-            "sha256": hashlib.sha256(record.encode()).hexdigest()}
+    return {
+        "kind": "init",
+        "path": f"seeded init (train.seed = {cfg.train.seed})",
+        "sha256": hashlib.sha256(record.encode()).hexdigest(),
+    }

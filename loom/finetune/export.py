@@ -41,11 +41,15 @@ def lora_config_of(reader: CheckpointReader, what: str) -> C.LoomConfig:
     """The config a checkpoint was saved with; a full fine-tune's is a one-line error naming ``what``."""
     saved = reader.train_state.get("config")
     if not saved:
-        raise CheckpointError(f"{reader.dir}: has no saved config (train_state.json); cannot describe the model")
+        raise CheckpointError(
+            f"{reader.dir}: has no saved config (train_state.json); cannot describe the model"
+        )
     cfg = C.from_dict(saved)
     if cfg.finetune.method == "full":
-        raise CheckpointError(f"{what}: {reader.dir} is not a LoRA run (finetune.method = full: it holds every "
-                              "weight); export it with `loom export hf`")  # fmt: skip
+        raise CheckpointError(
+            f"{what}: {reader.dir} is not a LoRA run (finetune.method = full: it holds every "
+            "weight); export it with `loom export hf`"
+        )
     return cfg
 
 
@@ -89,12 +93,22 @@ def peft_state(cfg: C.LoomConfig, pairs: dict[str, tuple[torch.Tensor, torch.Ten
         tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b_cat
         rank_pattern[_suffix(module)], alpha_pattern[_suffix(module)] = 3 * r, 3 * f.lora_alpha
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": f.lora_rank, "lora_alpha": f.lora_alpha,
-        "lora_dropout": f.lora_dropout, "target_modules": sorted(targets), "bias": "none",
-        "fan_in_fan_out": architecture_of(cfg.model) == "GPT2LMHeadModel", "use_rslora": False,
-        "init_lora_weights": True, "inference_mode": True, "rank_pattern": rank_pattern,
-        "alpha_pattern": alpha_pattern, "modules_to_save": None, "base_model_name_or_path": cfg.model.from_hf or None,
-    }  # fmt: skip
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": f.lora_rank,
+        "lora_alpha": f.lora_alpha,
+        "lora_dropout": f.lora_dropout,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": architecture_of(cfg.model) == "GPT2LMHeadModel",
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+        "modules_to_save": None,
+        "base_model_name_or_path": cfg.model.from_hf or None,
+    }
     return tensors, config
 
 
@@ -201,15 +215,19 @@ def main(argv: list[str]) -> int:
     args = [a for a in argv if a != "--merge-lora"]
     size = pop_shard_size(args)
     if len(args) != 3 or args[0] not in ("hf", "peft") or (args[0] == "peft") == ("--merge-lora" in argv):
-        raise CheckpointError("usage: loom export peft RUN_DIR_OR_CHECKPOINT OUT_DIR | loom export hf RUN_DIR_OR_CHECKPOINT "
-                              "OUT_DIR --merge-lora [--max-shard-size 5GB]")  # fmt: skip
+        raise CheckpointError(
+            "usage: loom export peft RUN_DIR_OR_CHECKPOINT OUT_DIR | loom export hf RUN_DIR_OR_CHECKPOINT "
+            "OUT_DIR --merge-lora [--max-shard-size 5GB]"
+        )
     if args[0] == "peft":
         out = export_peft(args[1], args[2])
         print(f"wrote {out}: {ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}")
         return 0
     done = export_hf(args[1], args[2], size, progress=True, wrap=MergedReader)
-    print(f"wrote {done.out}: {done.tensors} tensors (LoRA merged) in {done.shards} shard(s), "
-          f"{done.total_bytes / 1e6:.1f} MB, from {done.checkpoint} (step {done.step})")
+    print(
+        f"wrote {done.out}: {done.tensors} tensors (LoRA merged) in {done.shards} shard(s), "
+        f"{done.total_bytes / 1e6:.1f} MB, from {done.checkpoint} (step {done.step})"
+    )
     return 0
 
 

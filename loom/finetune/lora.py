@@ -86,7 +86,12 @@ def set_adapters(module: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: flo
 def adapter_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """(A, B, α/r, dropout) of a module with adapters."""
     a, b = cast(nn.Linear, module.lora_A), cast(nn.Linear, module.lora_B)
-    return a.weight, b.weight, float(getattr(module, "lora_scale")), float(getattr(module, "lora_dropout", 0.0))  # noqa: B009
+    return (
+        a.weight,
+        b.weight,
+        float(cast(float, module.lora_scale)),
+        float(getattr(module, "lora_dropout", 0.0)),
+    )
 
 
 def lora_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +200,9 @@ def state_bytes_formula(cfg: LoomConfig, n: int = 1) -> dict[str, float]:
         for t in lora_targets(cfg):
             numel = shapes[t][0] * shapes[t][1]
             frozen += cfg.model.n_layers * (nf4_bytes(numel) - e * numel)
-    return {"param_bytes": e * adapters / (n if zero == 3 else 1),
-            "grad_bytes": e * adapters / (n if zero >= 2 else 1),
-            "optim_bytes": (8 + 4 * mixed) * adapters / (n if zero >= 1 else 1),
-            "frozen_bytes": frozen / (n if zero == 3 else 1)}  # fmt: skip
+    return {
+        "param_bytes": e * adapters / (n if zero == 3 else 1),
+        "grad_bytes": e * adapters / (n if zero >= 2 else 1),
+        "optim_bytes": (8 + 4 * mixed) * adapters / (n if zero >= 1 else 1),
+        "frozen_bytes": frozen / (n if zero == 3 else 1),
+    }

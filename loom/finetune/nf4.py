@@ -34,8 +34,24 @@ from torch.autograd import Function
 from loom.config import NF4_BLOCK
 
 GROUP = 256  # absmaxes per double-quantization group
-LEVELS = (-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609, 0.2461, 0.3379,
-          0.4407, 0.5626, 0.7230, 1.0)  # fmt: skip  # the NF4 levels (QLoRA, as torchao and bitsandbytes)
+LEVELS = (
+    -1.0,
+    -0.6962,
+    -0.5251,
+    -0.3949,
+    -0.2844,
+    -0.1848,
+    -0.0911,
+    0.0,
+    0.0796,
+    0.1609,
+    0.2461,
+    0.3379,
+    0.4407,
+    0.5626,
+    0.7230,
+    1.0,
+)  # the NF4 levels (QLoRA, as torchao and bitsandbytes)
 
 
 def nf4_bytes(numel: int) -> int:
@@ -67,8 +83,14 @@ def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"codes": codes[::2] << 4 | codes[1::2], "absmax": q, "factor": factor, "mean": mean.reshape(1)}
 
 
-def dequantize(codes: torch.Tensor, absmax: torch.Tensor, factor: torch.Tensor, mean: torch.Tensor,
-               shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+def dequantize(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    factor: torch.Tensor,
+    mean: torch.Tensor,
+    shape: torch.Size | tuple[int, ...],
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """The weight of ``shape`` back from its NF4 buffers, in ``dtype``."""
     levels = torch.tensor(LEVELS, dtype=torch.float32, device=codes.device)
     idx = torch.stack(((codes >> 4), (codes & 0xF)), dim=1).flatten().long()  # (n,)
@@ -126,8 +148,10 @@ def quantize_base(model: nn.Module, materialize: Callable[[nn.Module], None] | N
             if materialize is not None:
                 materialize(mod)
             if mod.weight.numel() % NF4_BLOCK:
-                raise ValueError(f"finetune.method: qlora cannot quantize {name}.weight ({mod.weight.numel()} "
-                                 f"elements, not a multiple of {NF4_BLOCK})")  # fmt: skip
+                raise ValueError(
+                    f"finetune.method: qlora cannot quantize {name}.weight ({mod.weight.numel()} "
+                    f"elements, not a multiple of {NF4_BLOCK})"
+                )
             nf4 = NF4Weight(mod.weight)
             del mod.weight
             mod.nf4 = nf4

@@ -61,7 +61,9 @@ def next_token(logits: torch.Tensor, opts: SamplingOptions, gens: Sequence[torch
     if opts.top_p < 1:
         probs, order = torch.softmax(logits, -1).sort(-1, descending=True)
         before = probs.cumsum(-1) - probs  # mass of the tokens more likely than each
-        drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= opts.top_p)  # vocabulary order
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter(
+            -1, order, before >= opts.top_p
+        )  # vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))  # the most likely token always stays (before = 0)
     probs = torch.softmax(logits, -1)
     return torch.cat([torch.multinomial(probs[b : b + 1], 1, generator=g)[0] for b, g in enumerate(gens)])
@@ -72,8 +74,14 @@ def _finished(row: int, tok: int, out: list[int], eos: frozenset[int], stop: Sto
 
 
 @torch.no_grad()
-def generate_cached(model: Transformer, prompts: list[list[int]], opts: SamplingOptions,
-                    eos: frozenset[int] = frozenset(), stop: Stop | None = None, pad_id: int = 0) -> Generation:  # fmt: skip
+def generate_cached(
+    model: Transformer,
+    prompts: list[list[int]],
+    opts: SamplingOptions,
+    eos: frozenset[int] = frozenset(),
+    stop: Stop | None = None,
+    pad_id: int = 0,
+) -> Generation:
     """Generate for a batch of prompts at once: left-padded to the longest, with a KV cache."""
     model.eval()
     L = model.cfg.max_seq_len
@@ -111,7 +119,9 @@ def generate_cached(model: Transformer, prompts: list[list[int]], opts: Sampling
     return res
 
 
-def _prefill(model: Transformer, ids: torch.Tensor, pad: torch.Tensor, slots: int) -> tuple[KVCache, torch.Tensor]:
+def _prefill(
+    model: Transformer, ids: torch.Tensor, pad: torch.Tensor, slots: int
+) -> tuple[KVCache, torch.Tensor]:
     """A cache of ``slots`` filled with the last min(T, max_seq_len) columns of ``ids`` (B, T), and
     the logits (B, V) of the next token."""
     cut = max(0, ids.shape[1] - model.cfg.max_seq_len)
@@ -121,8 +131,13 @@ def _prefill(model: Transformer, ids: torch.Tensor, pad: torch.Tensor, slots: in
 
 
 @torch.no_grad()
-def generate_uncached(model: Transformer, prompts: list[list[int]], opts: SamplingOptions,
-                      eos: frozenset[int] = frozenset(), stop: Stop | None = None) -> Generation:  # fmt: skip
+def generate_uncached(
+    model: Transformer,
+    prompts: list[list[int]],
+    opts: SamplingOptions,
+    eos: frozenset[int] = frozenset(),
+    stop: Stop | None = None,
+) -> Generation:
     """The reference: each prompt alone, the model's training forward over the whole (cropped)
     context for every new token."""
     model.eval()

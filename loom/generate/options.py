@@ -35,7 +35,9 @@ class SamplingOptions:
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)}: must be >= 0, got {getattr(self, name)}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ConfigError(f"--temperature: must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+            raise ConfigError(
+                f"--temperature: must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+            )
         if not (0 < self.top_p <= 1):
             raise ConfigError(f"--top-p: must be in (0, 1] (1 = no nucleus cut), got {self.top_p}")
         if any(not s for s in self.stop):
@@ -80,11 +82,23 @@ def _record(rec: Any, where: str, chat: bool) -> Prompt:
         return rec["prompt"]
     if isinstance(rec, dict) and "messages" in rec:
         msgs = rec["messages"]
-        ok = isinstance(msgs, list) and msgs and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)  # fmt: skip
+        ok = (
+            isinstance(msgs, list)
+            and msgs
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        )
         if not ok:
-            raise ConfigError(f"--prompts: {where}: 'messages' must be a non-empty list of {{role, content}} strings")
+            raise ConfigError(
+                f"--prompts: {where}: 'messages' must be a non-empty list of {{role, content}} strings"
+            )
         if not chat:
-            raise ConfigError(f"--prompts: {where} holds chat messages; add --chat to render them with the chat template")
+            raise ConfigError(
+                f"--prompts: {where} holds chat messages; add --chat to render them with the chat template"
+            )
         return [{"role": m["role"], "content": m["content"]} for m in msgs]
-    raise ConfigError(f"--prompts: {where} is neither a JSON string nor an object with 'prompt' (text) or 'messages'")
+    raise ConfigError(
+        f"--prompts: {where} is neither a JSON string nor an object with 'prompt' (text) or 'messages'"
+    )

@@ -34,11 +34,16 @@ class Completions:
     def summary(self, cache: bool) -> str:
         """One line: tokens, seconds, tokens/s, prefill time, KV cache size."""
         tps = self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-        how = (f"KV cache, prefill of {sum(r.prompt_tokens for r in self.runs)} prompt tokens "
-               f"{sum(r.prefill_seconds for r in self.runs):.3f} s, cache {max(r.cache_bytes for r in self.runs) / 2**20:.2f} MiB"
-               if cache else "no cache: whole context recomputed per token")  # fmt: skip
-        return (f"generated {self.new_tokens} tokens for {len(self.texts)} prompt(s) in {self.seconds:.3f} s: "
-                f"{tps:.1f} tokens/s ({how})")  # fmt: skip
+        how = (
+            f"KV cache, prefill of {sum(r.prompt_tokens for r in self.runs)} prompt tokens "
+            f"{sum(r.prefill_seconds for r in self.runs):.3f} s, cache {max(r.cache_bytes for r in self.runs) / 2**20:.2f} MiB"
+            if cache
+            else "no cache: whole context recomputed per token"
+        )
+        return (
+            f"generated {self.new_tokens} tokens for {len(self.texts)} prompt(s) in {self.seconds:.3f} s: "
+            f"{tps:.1f} tokens/s ({how})"
+        )
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
@@ -47,10 +52,19 @@ def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     return text[:at]
 
 
-def complete(src: Source, prompts: list[Prompt], opts: SamplingOptions, chat: bool = False, batch_size: int = 8,
-             cache: bool = True) -> Completions:  # fmt: skip
+def complete(
+    src: Source,
+    prompts: list[Prompt],
+    opts: SamplingOptions,
+    chat: bool = False,
+    batch_size: int = 8,
+    cache: bool = True,
+) -> Completions:
     """Completions of ``prompts`` (module doc)."""
-    ids = [src.encode(p, chat, f"--prompts (prompt {i + 1})" if len(prompts) > 1 else "--prompt") for i, p in enumerate(prompts)]
+    ids = [
+        src.encode(p, chat, f"--prompts (prompt {i + 1})" if len(prompts) > 1 else "--prompt")
+        for i, p in enumerate(prompts)
+    ]
     dec = src.tokenizer.decode
 
     def stop(_row: int, toks: list[int]) -> bool:
@@ -61,16 +75,26 @@ def complete(src: Source, prompts: list[Prompt], opts: SamplingOptions, chat: bo
     tokens: list[list[int]] = []
     for i in range(0, len(ids), batch_size if cache else len(ids)):
         chunk = ids[i : i + batch_size] if cache else ids
-        run = (generate_cached(src.model, chunk, opts, src.eos, when) if cache
-               else generate_uncached(src.model, chunk, opts, src.eos, when))  # fmt: skip
+        run = (
+            generate_cached(src.model, chunk, opts, src.eos, when)
+            if cache
+            else generate_uncached(src.model, chunk, opts, src.eos, when)
+        )
         runs.append(run)
         tokens += run.tokens
     texts = [cut_at_stop(dec(t), opts.stop) for t in tokens]
     return Completions(texts, tokens, ids, runs)
 
 
-def main(src: Source, prompts: list[Prompt], opts: SamplingOptions, chat: bool, batch_size: int, cache: bool,
-         as_records: bool) -> int:  # fmt: skip
+def main(
+    src: Source,
+    prompts: list[Prompt],
+    opts: SamplingOptions,
+    chat: bool,
+    batch_size: int,
+    cache: bool,
+    as_records: bool,
+) -> int:
     """Print the completions (with ``as_records`` one JSON line per prompt, else the prompt's text
     followed by its completion, or the completion alone for a chat prompt) and the speed on stderr."""
     import json

@@ -60,8 +60,10 @@ class Source:
         ids = ids or sorted(self.eos)[:1] or [0]  # an empty prompt starts a document
         vocab = self.model.cfg.vocab_size
         if max(ids) >= vocab:
-            raise C.ConfigError(f"{where}: the tokenizer of {self.what} gives ids up to {max(ids)}, beyond the model's "
-                                f"vocabulary of {vocab}; its tokenizer.json was replaced")  # fmt: skip
+            raise C.ConfigError(
+                f"{where}: the tokenizer of {self.what} gives ids up to {max(ids)}, beyond the model's "
+                f"vocabulary of {vocab}; its tokenizer.json was replaced"
+            )
         return ids
 
 
@@ -82,15 +84,19 @@ def load_run(run_dir: str) -> Source:
         raise C.ConfigError("run.dir: must name a directory written by loom train, got ''")
     d = Path(run_dir)
     if not d.is_dir():
-        raise C.ConfigError(f"run.dir: {d} is not a directory; train first with loom train --run.dir {run_dir}")
+        raise C.ConfigError(
+            f"run.dir: {d} is not a directory; train first with loom train --run.dir {run_dir}"
+        )
     weights = d / "checkpoints" / "final" / "model.safetensors"
     for f in (d / "config.toml", d / "tokenizer.json", weights):
         if not f.exists():
             raise C.ConfigError(f"run.dir: {f} not found; train first with loom train --run.dir {run_dir}")
     cfg = C.load_toml(d / "config.toml")
     if cfg.model.vocab_size < 1:
-        raise C.ConfigError(f"model.vocab_size: {d / 'config.toml'} records {cfg.model.vocab_size}; a trained run "
-                            "records its vocabulary")  # fmt: skip
+        raise C.ConfigError(
+            f"model.vocab_size: {d / 'config.toml'} records {cfg.model.vocab_size}; a trained run "
+            "records its vocabulary"
+        )
     tok = load_tokenizer(d / "tokenizer.json")
     verify_final(d, weights)
     if cfg.finetune.method != "full":
@@ -121,9 +127,11 @@ def load_lora(cfg: C.LoomConfig, run_dir: Path, weights: Path) -> Transformer:
     recorded = _recorded_base(run_dir, weights)
     now = base_identity(cfg) or {}
     if recorded is not None and recorded.get("sha256") != now.get("sha256"):
-        raise C.ConfigError(f"finetune: {run_dir} holds LoRA adapters trained on the base {recorded.get('path')} "
-                            f"(sha256 {recorded.get('sha256')}), but that base is now {now.get('path')} (sha256 "
-                            f"{now.get('sha256')}); generate from the base it was trained on")  # fmt: skip
+        raise C.ConfigError(
+            f"finetune: {run_dir} holds LoRA adapters trained on the base {recorded.get('path')} "
+            f"(sha256 {recorded.get('sha256')}), but that base is now {now.get('path')} (sha256 "
+            f"{now.get('sha256')}); generate from the base it was trained on"
+        )
     model = Transformer(cfg.model, cfg.moe)
     apply_lora(model, cfg)
     for mod in model.modules():
@@ -137,11 +145,15 @@ def load_lora(cfg: C.LoomConfig, run_dir: Path, weights: Path) -> Transformer:
     missing = sorted(n for n in params if is_adapter(n) and n not in state)
     unknown = sorted(n for n in state if n not in params)
     if missing or unknown:
-        raise CheckpointError(f"{weights}: adapters missing {missing[:3]}, unknown tensors {unknown[:3]} (does "
-                              f"{run_dir / 'config.toml'} belong to this run?)")  # fmt: skip
+        raise CheckpointError(
+            f"{weights}: adapters missing {missing[:3]}, unknown tensors {unknown[:3]} (does "
+            f"{run_dir / 'config.toml'} belong to this run?)"
+        )
     for name, t in state.items():
         if tuple(t.shape) != tuple(params[name].shape):
-            raise CheckpointError(f"{weights}: {name} has shape {tuple(t.shape)}, the model {tuple(params[name].shape)}")
+            raise CheckpointError(
+                f"{weights}: {name} has shape {tuple(t.shape)}, the model {tuple(params[name].shape)}"
+            )
         params[name].copy_(t)
     if cfg.finetune.method == "qlora":
         quantize_base(model)
@@ -171,7 +183,13 @@ def load_hf(path: str) -> Source:
     tok = load_tokenizer(hf.tokenizer)
     model = Transformer(hf.config)
     load_into(model, hf)
-    return Source(model.eval(), tok, end_ids(tok, hf.raw.get("eos_token_id")), str(hf.dir), f"Hugging Face model {hf.dir}")
+    return Source(
+        model.eval(),
+        tok,
+        end_ids(tok, hf.raw.get("eos_token_id")),
+        str(hf.dir),
+        f"Hugging Face model {hf.dir}",
+    )
 
 
 def verify_final(run_dir: Path, weights: Path) -> None:
@@ -188,7 +206,9 @@ def verify_final(run_dir: Path, weights: Path) -> None:
     recorded = read_json(meta).get("sha256") if meta.is_file() else None
     if recorded:
         if sha256_file(weights) != recorded:
-            raise CheckpointError(f"{weights}: content altered (its SHA-256 differs from the one recorded in {meta})")
+            raise CheckpointError(
+                f"{weights}: content altered (its SHA-256 differs from the one recorded in {meta})"
+            )
         return
     try:
         with safe_open(str(weights), framework="pt") as f:
@@ -199,8 +219,10 @@ def verify_final(run_dir: Path, weights: Path) -> None:
     root = run_dir / "checkpoints"
     ckpt = root / source
     if not source or "/" in source or "\\" in source or source.startswith(".") or not ckpt.is_dir():
-        raise CheckpointError(f"{weights}: cannot be verified: the checkpoint it was exported from ({source or '?'}) is "
-                              f"not in {root}; export a model with loom checkpoint convert and load that")  # fmt: skip
+        raise CheckpointError(
+            f"{weights}: cannot be verified: the checkpoint it was exported from ({source or '?'}) is "
+            f"not in {root}; export a model with loom checkpoint convert and load that"
+        )
     expect = None
     if (root / LATEST).is_file():
         latest = read_json(root / LATEST)
@@ -210,9 +232,13 @@ def verify_final(run_dir: Path, weights: Path) -> None:
         names = {n[len(PREFIX) :] for n in reader.names() if n.startswith(PREFIX)}
         if names != set(tensors):
             extra, missing = sorted(set(tensors) - names)[:3], sorted(names - set(tensors))[:3]
-            raise CheckpointError(f"{weights}: its tensors differ from {ckpt}'s (extra {extra}, missing {missing}); "
-                                  "the file was altered")  # fmt: skip
+            raise CheckpointError(
+                f"{weights}: its tensors differ from {ckpt}'s (extra {extra}, missing {missing}); "
+                "the file was altered"
+            )
         for name, t in tensors.items():
             if not torch.equal(t, reader.read(PREFIX + name)):
-                raise CheckpointError(f"{weights}: tensor {name} differs from {ckpt}, which it was exported from "
-                                      "(the file was altered)")  # fmt: skip
+                raise CheckpointError(
+                    f"{weights}: tensor {name} differs from {ckpt}, which it was exported from "
+                    "(the file was altered)"
+                )

@@ -40,7 +40,13 @@ from loom.config import ModelConfig
 
 
 def activation_bytes_per_layer(
-    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, elem: int = 4, cp: int = 1,
+    cfg: ModelConfig,
+    batch: int,
+    seq: int,
+    tp: int = 1,
+    sp: bool = False,
+    elem: int = 4,
+    cp: int = 1,
     cp_mode: str = "allgather",
 ) -> int:
     """The formula of the module docstring, in bytes, for one layer on one tensor-parallel rank.
@@ -60,7 +66,9 @@ def activation_bytes_per_layer(
         kd = cfg.n_kv_heads * cfg.head_dim
         rep = cp // math.gcd(cfg.n_kv_heads, cp) if cp_mode == "alltoall" else 1
         kv = 2 * (sb if cp_mode == "allgather" else local) * kd * rep // n
-        kv += local * h // n if cp_mode == "alltoall" else 0  # the core's head-sharded output beside wo's input
+        kv += (
+            local * h // n if cp_mode == "alltoall" else 0
+        )  # the core's head-sharded output beside wo's input
     elems = 6 * local * h // t + 2 * local * h // n + kv + 4 * local * f // n
     fp32 = 2 * local // t + local * a // n
     return elem * elems + 4 * fp32

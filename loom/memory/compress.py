@@ -84,8 +84,13 @@ class _Packed:
 
     def __init__(self, owner, payload, scale, dtype, nbytes: int, host: bool) -> None:
         self.owner, self.payload, self.scale, self.dtype, self.nbytes, self.host = (
-            owner, payload, scale, dtype, nbytes, host
-        )  # fmt: skip
+            owner,
+            payload,
+            scale,
+            dtype,
+            nbytes,
+            host,
+        )
 
     def __del__(self) -> None:
         self.owner._free(self.nbytes, self.host)
@@ -132,7 +137,9 @@ class SavedActivations:
             if kind is None:
                 continue
             if kind not in self.formats:
-                raise ValueError(f"{type(m).__name__}.activation_kind: {kind!r} is not one of {tuple(self.formats)}")
+                raise ValueError(
+                    f"{type(m).__name__}.activation_kind: {kind!r} is not one of {tuple(self.formats)}"
+                )
 
             def pre(_m, _a, kind=kind):
                 self._kinds.append(kind)
@@ -189,7 +196,11 @@ class SavedActivations:
             c[0] += 1
             return _Kept(self, t, key)
         fmt = self.formats[self.kind]
-        if not t.is_floating_point() or getattr(t, HELD_ATTR, False) or (fmt == "bf16" and t.element_size() <= 2):
+        if (
+            not t.is_floating_point()
+            or getattr(t, HELD_ATTR, False)
+            or (fmt == "bf16" and t.element_size() <= 2)
+        ):
             fmt = "none"
         flat = _whole_storage(t) if t.is_floating_point() else t
         if fmt == "none" and (self.offloader is None or not self.offloader.accepts(flat)):

@@ -44,8 +44,15 @@ class DynamicLossScaler:
     overflowing steps in a row (0 = no limit) raise :class:`LossScaleDiverged`: a diverged run
     would otherwise skip every step and still end as if it had trained."""
 
-    def __init__(self, init: float = 2.0**16, window: int = 1000, hysteresis: int = 2,
-                 min_scale: float = 1.0, static: float = 0.0, max_skipped: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        init: float = 2.0**16,
+        window: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+        static: float = 0.0,
+        max_skipped: int = 0,
+    ) -> None:
         self.static = static > 0
         self.scale = static if self.static else init
         self.window, self.hysteresis, self.min_scale = window, hysteresis, min_scale
@@ -56,14 +63,22 @@ class DynamicLossScaler:
 
     @classmethod
     def from_config(cls, t) -> DynamicLossScaler:
-        return cls(t.loss_scale_init, t.loss_scale_window, t.loss_scale_hysteresis, t.loss_scale_min, t.loss_scale,
-                   t.max_skipped_steps)  # fmt: skip
+        return cls(
+            t.loss_scale_init,
+            t.loss_scale_window,
+            t.loss_scale_hysteresis,
+            t.loss_scale_min,
+            t.loss_scale,
+            t.max_skipped_steps,
+        )
 
     # ------------------------------------------------------------------ checkpoints (Shardable)
     def sharded_state(self) -> dict[str, ShardedTensor]:
         """``train.loss_scaler`` = (scale, clean steps, hysteresis tracker, skipped steps), the same on
         every rank (each writes a share)."""
-        self._saved = torch.tensor([self.scale, self.good_steps, self.tracker, self.skipped], dtype=torch.float64)
+        self._saved = torch.tensor(
+            [self.scale, self.good_steps, self.tracker, self.skipped], dtype=torch.float64
+        )
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank() if world > 1 else 0
         return {SCALER_KEY: ShardedTensor.full(self._saved, (rank, world))}
@@ -74,7 +89,12 @@ class DynamicLossScaler:
             return
         buf = torch.zeros(4, dtype=torch.float64)
         reader.fill({SCALER_KEY: ShardedTensor.full(buf)})
-        self.scale, self.good_steps, self.tracker, self.skipped = float(buf[0]), int(buf[1]), int(buf[2]), int(buf[3])
+        self.scale, self.good_steps, self.tracker, self.skipped = (
+            float(buf[0]),
+            int(buf[1]),
+            int(buf[2]),
+            int(buf[3]),
+        )
 
     def update(self, overflow: bool) -> None:
         self.in_a_row = self.in_a_row + 1 if overflow else 0

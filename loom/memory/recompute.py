@@ -173,7 +173,14 @@ def selective_savings(cfg: ModelConfig, batch: int, seq: int, tp: int = 1, elem:
 
 
 def saved_bytes_per_layer(
-    cfg: ModelConfig, spec: str, index: int, batch: int, seq: int, tp: int = 1, sp: bool = False, elem: int = 4
+    cfg: ModelConfig,
+    spec: str,
+    index: int,
+    batch: int,
+    seq: int,
+    tp: int = 1,
+    sp: bool = False,
+    elem: int = 4,
 ) -> int:
     """Bytes layer ``index`` keeps for backward under policy ``spec`` (no dropout): the module
     docstring's table, with A from :func:`loom.memory.activations.activation_bytes_per_layer`."""

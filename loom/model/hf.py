@@ -46,10 +46,20 @@ import torch
 
 from loom.config import ModelConfig, MoEConfig
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
-             "GPT2LMHeadModel")  # fmt: skip
+SUPPORTED = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "GPT2LMHeadModel",
+)
 GPT2 = "GPT2LMHeadModel"
-GELU = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # HF activation -> model.mlp
+GELU = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu": "gelu",
+}  # HF activation -> model.mlp
 CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -83,9 +93,12 @@ def _rope(raw: dict) -> dict:
     kind = merged.get("rope_type", merged.get("type", "default"))
     out = {"rope_theta": float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))}
     if kind == "llama3":
-        out |= {"rope_scaling": float(merged["factor"]), "rope_low_freq_factor": float(merged["low_freq_factor"]),
-                "rope_high_freq_factor": float(merged["high_freq_factor"]),
-                "rope_original_len": int(merged["original_max_position_embeddings"])}  # fmt: skip
+        out |= {
+            "rope_scaling": float(merged["factor"]),
+            "rope_low_freq_factor": float(merged["low_freq_factor"]),
+            "rope_high_freq_factor": float(merged["high_freq_factor"]),
+            "rope_original_len": int(merged["original_max_position_embeddings"]),
+        }
     elif kind not in (None, "default"):
         raise HFError(f"{CONFIG}: rope type {kind!r} is not supported (Loom: default, llama3)")
     return out
@@ -96,15 +109,19 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     ``max_seq_len``: the longest sequence to prepare RoPE for (0 = ``max_position_embeddings``)."""
     arch = (raw.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED:
-        raise HFError(f"{CONFIG}: architectures = {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")
+        raise HFError(
+            f"{CONFIG}: architectures = {arch!r} is not supported; supported: {', '.join(SUPPORTED)}"
+        )
     if arch == GPT2:
         return _gpt2_config(raw, max_seq_len)
     dim, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
     head_dim = int(raw.get("head_dim") or dim // heads)
     if head_dim != dim // heads and not qwen3:
-        raise HFError(f"{CONFIG}: head_dim = {head_dim} differs from hidden_size / num_attention_heads "
-                      f"= {dim // heads}, which {arch} does not do")  # fmt: skip
+        raise HFError(
+            f"{CONFIG}: head_dim = {head_dim} differs from hidden_size / num_attention_heads "
+            f"= {dim // heads}, which {arch} does not do"
+        )
     checks = [("hidden_act", ("silu",)), ("mlp_bias", (False, None)), ("router_jitter_noise", (0.0, 0, None))]
     if not qwen2:  # Qwen2 always has q/k/v biases (and no o bias); the others only without attention_bias
         checks.append(("attention_bias", (False, None)))
@@ -114,16 +131,27 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     seq = max_seq_len or int(raw.get("max_position_embeddings", 2048))
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
     if window is not None and seq > int(window):
-        raise HFError(f"{CONFIG}: sliding_window = {window} is shorter than the sequences ({seq}); Loom "
-                      "attends to the whole sequence, so it matches only when sequences fit the window")  # fmt: skip
+        raise HFError(
+            f"{CONFIG}: sliding_window = {window} is shorter than the sequences ({seq}); Loom "
+            "attends to the whole sequence, so it matches only when sequences fit the window"
+        )
     return ModelConfig(
-        dim=dim, n_layers=int(raw["num_hidden_layers"]), n_heads=heads,
-        n_kv_heads=int(raw.get("num_key_value_heads") or heads), ffn_dim=int(raw["intermediate_size"]),
-        vocab_size=int(raw["vocab_size"]), max_seq_len=seq, **_rope(raw),
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=qwen2, qk_norm=qwen3, attn_head_dim=head_dim if head_dim != dim // heads else 0,
-        n_experts=int(raw.get("num_local_experts", 1)), top_k=int(raw.get("num_experts_per_tok", 2)),
-    )  # fmt: skip
+        dim=dim,
+        n_layers=int(raw["num_hidden_layers"]),
+        n_heads=heads,
+        n_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        ffn_dim=int(raw["intermediate_size"]),
+        vocab_size=int(raw["vocab_size"]),
+        max_seq_len=seq,
+        **_rope(raw),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=qwen2,
+        qk_norm=qwen3,
+        attn_head_dim=head_dim if head_dim != dim // heads else 0,
+        n_experts=int(raw.get("num_local_experts", 1)),
+        top_k=int(raw.get("num_experts_per_tok", 2)),
+    )
 
 
 def _gpt2_config(raw: dict, max_seq_len: int) -> ModelConfig:
@@ -132,20 +160,35 @@ def _gpt2_config(raw: dict, max_seq_len: int) -> ModelConfig:
     act = raw.get("activation_function", "gelu_new")
     if act not in GELU:
         raise HFError(f"{CONFIG}: activation_function = {act!r} is not supported (Loom: {', '.join(GELU)})")
-    for field, allowed in (("scale_attn_weights", (True, None)), ("scale_attn_by_inverse_layer_idx", (False, None)),
-                           ("reorder_and_upcast_attn", (False, None)), ("add_cross_attention", (False, None))):  # fmt: skip
+    for field, allowed in (
+        ("scale_attn_weights", (True, None)),
+        ("scale_attn_by_inverse_layer_idx", (False, None)),
+        ("reorder_and_upcast_attn", (False, None)),
+        ("add_cross_attention", (False, None)),
+    ):
         if raw.get(field) not in allowed:
             raise HFError(f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r})")
     dim, heads, n_pos = int(raw["n_embd"]), int(raw["n_head"]), int(raw["n_positions"])
     if max_seq_len > n_pos:
-        raise HFError(f"{CONFIG}: n_positions = {n_pos} is shorter than the sequences ({max_seq_len}); the learned "
-                      "position table has no rows beyond it")  # fmt: skip
+        raise HFError(
+            f"{CONFIG}: n_positions = {n_pos} is shorter than the sequences ({max_seq_len}); the learned "
+            "position table has no rows beyond it"
+        )
     return ModelConfig(
-        dim=dim, n_layers=int(raw["n_layer"]), n_heads=heads, n_kv_heads=heads, ffn_dim=int(raw.get("n_inner") or 4 * dim),
-        vocab_size=int(raw["vocab_size"]), max_seq_len=n_pos, norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", True)), norm="layernorm", mlp=GELU[act],  # type: ignore[arg-type]
-        positions="learned", bias=True,
-    )  # fmt: skip
+        dim=dim,
+        n_layers=int(raw["n_layer"]),
+        n_heads=heads,
+        n_kv_heads=heads,
+        ffn_dim=int(raw.get("n_inner") or 4 * dim),
+        vocab_size=int(raw["vocab_size"]),
+        max_seq_len=n_pos,
+        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        norm="layernorm",
+        mlp=GELU[act],  # type: ignore[arg-type]
+        positions="learned",
+        bias=True,
+    )
 
 
 def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
@@ -180,10 +223,31 @@ def apply_to(cfg, path: str | Path) -> HFModel:
     its ``config.json`` (RoPE prepared for ``data.seq_len``), and its ``tokenizer.json`` as the data
     tokenizer unless one is set. Returns the opened directory."""
     model = open_dir(path, cfg.data.seq_len)
-    for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta",
-                  "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm", "attn_head_dim", "n_experts", "top_k",
-                  "rope_scaling", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_len", "norm", "mlp",
-                  "positions", "bias"):  # fmt: skip
+    for field in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "ffn_dim",
+        "vocab_size",
+        "max_seq_len",
+        "rope_theta",
+        "norm_eps",
+        "tie_embeddings",
+        "qkv_bias",
+        "qk_norm",
+        "attn_head_dim",
+        "n_experts",
+        "top_k",
+        "rope_scaling",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+        "rope_original_len",
+        "norm",
+        "mlp",
+        "positions",
+        "bias",
+    ):
         setattr(cfg.model, field, getattr(model.config, field))
     if not cfg.data.tokenizer:
         if model.tokenizer is None:
@@ -255,7 +319,10 @@ def _gpt2_mappings(cfg: ModelConfig, p: str) -> Iterator[tuple[str, Mapping]]:
             conv = kind == "weight"
             yield lm + f"attention_norm.{kind}", Mapping(hf + f"ln_1.{kind}")
             for j, x in enumerate("qkv"):
-                yield lm + f"attention.w{x}.{kind}", Mapping(hf + f"attn.c_attn.{kind}", conv1d=conv, part=(j, 3))
+                yield (
+                    lm + f"attention.w{x}.{kind}",
+                    Mapping(hf + f"attn.c_attn.{kind}", conv1d=conv, part=(j, 3)),
+                )
             yield lm + f"attention.wo.{kind}", Mapping(hf + f"attn.c_proj.{kind}", conv1d=conv)
             yield lm + f"ffn_norm.{kind}", Mapping(hf + f"ln_2.{kind}")
             yield lm + f"feed_forward.w1.{kind}", Mapping(hf + f"mlp.c_fc.{kind}", conv1d=conv)
@@ -282,9 +349,20 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Loom name -> shape, from the config alone (no model built)."""
     h, d, f, V = cfg.dim, cfg.head_dim, cfg.resolved_ffn_dim(), cfg.vocab_size
     qd, kd = cfg.n_heads * d, cfg.n_kv_heads * d
-    leaves = {"tok_embeddings": (V, h), "output": (V, h), "wq": (qd, h), "wk": (kd, h), "wv": (kd, h), "wo": (h, qd),
-              "w1": (f, h), "w3": (f, h), "w2": (h, f), "q_norm": (d,), "k_norm": (d,),
-              "pos_embeddings": (cfg.max_seq_len, h)}  # fmt: skip
+    leaves = {
+        "tok_embeddings": (V, h),
+        "output": (V, h),
+        "wq": (qd, h),
+        "wk": (kd, h),
+        "wv": (kd, h),
+        "wo": (h, qd),
+        "w1": (f, h),
+        "w3": (f, h),
+        "w2": (h, f),
+        "q_norm": (d,),
+        "k_norm": (d,),
+        "pos_embeddings": (cfg.max_seq_len, h),
+    }
     if cfg.moe:
         E = cfg.n_experts
         leaves |= {"w1": (E, f, h), "w3": (E, f, h), "w2": (E, h, f), "router": (E, h)}
@@ -329,7 +407,9 @@ class Reader:
             self.opened[file] = self.files.enter_context(safe_open(str(self.model.dir / file), "pt"))
         sl = self.opened[file].get_slice(name)  # type: ignore[attr-defined]
         if tuple(sl.get_shape()) != shape:
-            raise HFError(f"{self.model.dir / file}: {name} has shape {tuple(sl.get_shape())}, {CONFIG} implies {shape}")
+            raise HFError(
+                f"{self.model.dir / file}: {name} has shape {tuple(sl.get_shape())}, {CONFIG} implies {shape}"
+            )
         return sl
 
     def read(self, lm: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
@@ -337,13 +417,17 @@ class Reader:
         if lm not in self.maps:
             raise HFError(f"{self.model.dir}: the checkpoint has no tensor for Loom's {lm}")
         shape = self.shapes[lm]
-        box = tuple(s.indices(n)[:2] for s, n in zip(index or (), shape)) + tuple((0, n) for n in shape[len(index or ()):])
+        box = tuple(s.indices(n)[:2] for s, n in zip(index or (), shape)) + tuple(
+            (0, n) for n in shape[len(index or ()) :]
+        )
         return self._box(self.maps[lm], shape, box)
 
     def _box(self, m: Mapping, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor:
         if isinstance(m.hf, tuple):  # an expert stack: only the experts in the box, each its own box
             (e0, e1), rest = box[0], box[1:]
-            parts = [self._box(Mapping(m.hf[e], m.heads, m.conv1d, m.part), shape[1:], rest) for e in range(e0, e1)]
+            parts = [
+                self._box(Mapping(m.hf[e], m.heads, m.conv1d, m.part), shape[1:], rest) for e in range(e0, e1)
+            ]
             return torch.stack(parts) if parts else torch.empty(0, *(b - a for a, b in rest))
         if m.heads is None:
             return self._plain(m, shape, box)
@@ -411,8 +495,10 @@ def _is_gpt2(cfg: ModelConfig) -> bool:
     if not any(fields):
         return False
     if not all(fields) or cfg.qkv_bias or cfg.qk_norm or cfg.moe or cfg.n_kv_heads != cfg.n_heads:
-        raise HFError("model: GPT2LMHeadModel needs positions = learned, norm = layernorm, mlp = gelu or gelu_tanh, "
-                      "bias = true, n_kv_heads = n_heads, and no q/k/v biases, q/k norms or experts")  # fmt: skip
+        raise HFError(
+            "model: GPT2LMHeadModel needs positions = learned, norm = layernorm, mlp = gelu or gelu_tanh, "
+            "bias = true, n_kv_heads = n_heads, and no q/k/v biases, q/k norms or experts"
+        )
     return True
 
 
@@ -439,20 +525,35 @@ def architecture_of(cfg: ModelConfig) -> str:
     if cfg.qkv_bias and not cfg.qk_norm:
         return "Qwen2ForCausalLM"
     if cfg.qkv_bias or (cfg.moe and cfg.qk_norm):
-        raise HFError("model: no supported Hugging Face family has this combination of q/k/v biases, q/k norms "
-                      "and experts")  # fmt: skip
+        raise HFError(
+            "model: no supported Hugging Face family has this combination of q/k/v biases, q/k norms "
+            "and experts"
+        )
     return "MixtralForCausalLM" if cfg.moe else "LlamaForCausalLM"
 
 
 def _gpt2_hf_config(cfg: ModelConfig, dtype: str) -> dict:
     return {
-        "architectures": [GPT2], "model_type": "gpt2", "n_embd": cfg.dim, "n_layer": cfg.n_layers,
-        "n_head": cfg.n_heads, "n_inner": cfg.resolved_ffn_dim(), "n_positions": cfg.max_seq_len,
-        "vocab_size": cfg.vocab_size, "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "activation_function": "gelu_new" if cfg.mlp == "gelu_tanh" else "gelu", "initializer_range": cfg.init_std,
-        "resid_pdrop": cfg.dropout, "embd_pdrop": 0.0, "attn_pdrop": cfg.dropout, "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "dtype": dtype,
-    }  # fmt: skip
+        "architectures": [GPT2],
+        "model_type": "gpt2",
+        "n_embd": cfg.dim,
+        "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads,
+        "n_inner": cfg.resolved_ffn_dim(),
+        "n_positions": cfg.max_seq_len,
+        "vocab_size": cfg.vocab_size,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "activation_function": "gelu_new" if cfg.mlp == "gelu_tanh" else "gelu",
+        "initializer_range": cfg.init_std,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": cfg.dropout,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "dtype": dtype,
+    }
 
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = None) -> dict:
@@ -461,22 +562,43 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = Non
     if architecture == GPT2:
         return _gpt2_hf_config(cfg, dtype) | (extra or {})
     out = {
-        "architectures": [architecture], "model_type": architecture.removesuffix("ForCausalLM").lower(),
-        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.resolved_ffn_dim(),
-        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": cfg.qkv_bias,
-        "mlp_bias": False, "initializer_range": cfg.init_std, "dtype": dtype,
-    }  # fmt: skip
+        "architectures": [architecture],
+        "model_type": architecture.removesuffix("ForCausalLM").lower(),
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.resolved_ffn_dim(),
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": cfg.qkv_bias,
+        "mlp_bias": False,
+        "initializer_range": cfg.init_std,
+        "dtype": dtype,
+    }
     if cfg.rope_scaling:
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling,
-                "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
-                "original_max_position_embeddings": cfg.rope_original_len}  # fmt: skip
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": cfg.rope_theta,
+            "factor": cfg.rope_scaling,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_len,
+        }
         out |= {"rope_parameters": rope, "rope_scaling": rope}
     if cfg.moe:
-        out |= {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k, "router_jitter_noise": 0.0,
-                "output_router_logits": False}  # fmt: skip
+        out |= {
+            "num_local_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.top_k,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+        }
     return out | (extra or {})
 
 
@@ -490,7 +612,9 @@ def hf_units(cfg: ModelConfig, names: list[str]) -> list[list[str]]:
     return list(units.values())
 
 
-def hf_tensors(cfg: ModelConfig, state: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensors(
+    cfg: ModelConfig, state: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for a stream of Loom (name, tensor); names outside the mapping raise. The
     parts of a fused tensor (GPT-2's c_attn) are held until the last one arrives."""
     maps = dict(_mappings(cfg))

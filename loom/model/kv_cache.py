@@ -79,8 +79,15 @@ def _mask(cache: KVCache, T: int) -> torch.Tensor | None:
     return visible[:, None]
 
 
-def _attend(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-            mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def _attend(
+    attn: Attention,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
     """``Attention.forward`` for T new tokens x (B, T, h) against the cache's keys and values."""
     B, T, _ = x.shape
     q = attn.wq(x).view(B, T, -1, attn.head_dim)  # (B, T, a, d)
@@ -110,7 +117,9 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     B, T = tokens.shape
     if cache.length + T > cache.capacity:
         raise ValueError(f"KV cache of {cache.capacity} slots cannot take {T} more after {cache.length}")
-    pos = (torch.arange(cache.length, cache.length + T, device=tokens.device)[None] - cache.pad[:, None]).clamp(min=0)
+    pos = (
+        torch.arange(cache.length, cache.length + T, device=tokens.device)[None] - cache.pad[:, None]
+    ).clamp(min=0)
     h = model.tok_embeddings(tokens)  # (B, T, h)
     if model.pos_embeddings is not None:
         h = h + model.pos_embeddings(pos)

@@ -63,8 +63,9 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return LayerNorm(dim, cfg.norm_eps) if cfg.norm == "layernorm" else RMSNorm(dim, cfg.norm_eps)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float,
-                scaling: tuple[float, float, float, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, scaling: tuple[float, float, float, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (max_seq_len, head_dim/2): angle(t, i) = t * ω_i, ω_i = theta^(-2i/d).
 
     ``scaling`` = (factor s, low α, high β, original length L) is Llama 3.1's long-context rule on
@@ -107,7 +108,9 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``docs`` (B, T) int64, packed data: the document of each token; key j is then visible to
         query i iff j <= i and docs[j] == docs[i] (:func:`document_mask`)."""
         rep = q.shape[1] // k.shape[1]
@@ -152,7 +155,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = CoreAttention(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts come from the weights so a tensor-parallel shard (fewer heads) runs unchanged.
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, a, d)
@@ -191,7 +196,9 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(mlp_activation(self.kind, self.w1(x), None if self.w3 is None else self.w3(x)))  # (B, T, h)
+        return self.w2(
+            mlp_activation(self.kind, self.w1(x), None if self.w3 is None else self.w3(x))
+        )  # (B, T, h)
 
 
 class Block(nn.Module):
@@ -216,15 +223,22 @@ class Block(nn.Module):
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.dropout, training=True) if self.dropout > 0 and self.training else x
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``docs``: packed data's document ids (B, T), passed to the attention (see CoreAttention)."""
         attn = self.attention(self.attention_norm(x), cos, sin, *(() if docs is None else (docs,)))
         x = x + self._drop(attn)
         return x + self._drop(self.feed_forward(self.ffn_norm(x)))
 
 
-def embed(tok: nn.Module, pos: nn.Module | None, pos_ids: torch.Tensor | None, tokens: torch.Tensor,
-          positions: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def embed(
+    tok: nn.Module,
+    pos: nn.Module | None,
+    pos_ids: torch.Tensor | None,
+    tokens: torch.Tensor,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Token embeddings (B, T, h), plus with learned positions the table's rows at each token's
     position: ``positions`` (B, T) when given, else the first T of ``pos_ids``."""
     h = tok(tokens)
@@ -262,22 +276,36 @@ class Transformer(nn.Module):
     def rope_buffers(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary (cos, sin) tables of every position up to ``max_seq_len``."""
         cfg = self.cfg
-        scaling = (cfg.rope_scaling, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_len)
+        scaling = (
+            cfg.rope_scaling,
+            cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor,
+            cfg.rope_original_len,
+        )
         with torch.device(device) if device is not None else contextlib.nullcontext():
-            return rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling if cfg.rope_scaling else None)
+            return rope_tables(
+                cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling if cfg.rope_scaling else None
+            )
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``positions`` (B, T) int64, packed data: each token's position in its own document (0 at
         every document start); RoPE then uses those positions and attention stays inside documents."""
-        h = embed(self.tok_embeddings, self.pos_embeddings, cast(torch.Tensor | None, self.pos_ids), tokens,
-                  positions)  # (B, T, h)  # fmt: skip
+        h = embed(
+            self.tok_embeddings,
+            self.pos_embeddings,
+            cast(torch.Tensor | None, self.pos_ids),
+            tokens,
+            positions,
+        )  # (B, T, h)
         args = layer_args(cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin), positions)
         for layer in self.layers:
             h = layer(h, *args)
         return self.output(self.norm(h))  # (B, T, V)
 
 
-def layer_args(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def layer_args(
+    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
     """What every block takes after h: the RoPE tables (cos, sin), or with packed ``positions`` each
     token's rows (B, T, d/2) and the document ids (B, T) (:func:`document_ids`)."""
     if positions is None:
@@ -302,7 +330,11 @@ def init_value(cfg: ModelConfig, seed: int, name: str, shape: tuple[int, ...]) -
     if name.endswith(".bias"):
         return torch.zeros(shape)
     g = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
-    std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else cfg.init_std
+    std = (
+        cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        if name.endswith(("wo.weight", "w2.weight"))
+        else cfg.init_std
+    )
     return torch.randn(shape, generator=g, dtype=torch.float32).mul_(std)
 
 
@@ -313,8 +345,13 @@ def init_weights(model: Transformer, seed: int) -> None:
         p.copy_(init_value(model.cfg, seed, name, tuple(p.shape)).to(p.device, p.dtype))
 
 
-def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", meta: bool = False,
-                moe: MoEConfig | None = None) -> Transformer:  # fmt: skip
+def build_model(
+    cfg: ModelConfig,
+    seed: int,
+    device: torch.device | str = "cpu",
+    meta: bool = False,
+    moe: MoEConfig | None = None,
+) -> Transformer:
     """Construct and deterministically initialise the reference model on ``device``; with ``meta``,
     parameters stay on the meta device (no memory; :func:`init_value` gives each its value later,
     per rank, once the parallel dimensions have cut it) and buffers are built on ``device``. ``moe``:
@@ -355,5 +392,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int) -> float:
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy over the trained targets of (B, T) (-100 ignored): the sum over
     them / max(1, their count), so a micro-batch with none trained (chat data) gives 0, not NaN."""
-    total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-100, reduction="sum")
+    total = F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-100, reduction="sum"
+    )
     return total / (targets != -100).sum().clamp(min=1)

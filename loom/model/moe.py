@@ -51,10 +51,18 @@ from loom.config import MoEConfig
 class ExpertWeights(nn.Module):
     """One weight matrix per expert, stacked: ``weight`` of shape (E, out, in)."""
 
-    def __init__(self, n_experts: int, out_features: int, in_features: int, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n_experts: int,
+        out_features: int,
+        in_features: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features, device=device, dtype=dtype))
+        self.weight = nn.Parameter(
+            torch.empty(n_experts, out_features, in_features, device=device, dtype=dtype)
+        )
 
 
 class Routing(NamedTuple):
@@ -64,8 +72,14 @@ class Routing(NamedTuple):
     logits: torch.Tensor  # (N, E) fp32
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, score: str = "softmax", norm_topk: bool = True,
-          bias: torch.Tensor | None = None) -> Routing:  # fmt: skip
+def route(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    top_k: int,
+    score: str = "softmax",
+    norm_topk: bool = True,
+    bias: torch.Tensor | None = None,
+) -> Routing:
     """Top-k routing of tokens x (N, h) over E experts (module doc): the k experts of highest
     score (+ selection bias), weighted by their scores (renormalized when ``norm_topk``)."""
     logits = F.linear(x, router).float()  # (N, E)
@@ -83,7 +97,9 @@ def capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int:
     return math.ceil(factor * n_tokens * top_k / n_experts)
 
 
-def keep_mask(priority: torch.Tensor, experts: torch.Tensor, n_experts: int, cap: int, policy: str) -> torch.Tensor:
+def keep_mask(
+    priority: torch.Tensor, experts: torch.Tensor, n_experts: int, cap: int, policy: str
+) -> torch.Tensor:
     """(N, k) bool: per expert, its ``cap`` first assignments in order of decreasing ``priority``
     (N, k) (``probability``) or of token position (``position``), ties by position."""
     flat = experts.reshape(-1)
@@ -107,8 +123,15 @@ def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
-def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
-                    w3: torch.Tensor, w2: torch.Tensor, first: int = 0) -> torch.Tensor:  # fmt: skip
+def experts_forward(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    first: int = 0,
+) -> torch.Tensor:
     """The reference loop: Σ over each token's routed experts of weight · SwiGLU_e(x), for the experts
     ``first .. first + len(w1) - 1`` held in the stacked (E', f, h), (E', f, h), (E', h, f) weights;
     tokens routed elsewhere get nothing from here. x: (N, h) -> (N, h)."""
@@ -151,8 +174,14 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
 
 
-def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                   compute: str = "grouped") -> torch.Tensor:  # fmt: skip
+def grouped_swiglu(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    compute: str = "grouped",
+) -> torch.Tensor:
     """SwiGLU_e on rows x (A, h) sorted by expert, ``counts[e]`` rows for expert e of the stacked
     weights; -> (A, h). ``grouped``: one grouped (or padded batched) matmul per weight; ``loop``: per expert."""
     if compute == "loop":
@@ -217,7 +246,9 @@ class MoEFeedForward(nn.Module):
     activation_kind = "mlp"  # what its saved tensors (router and experts) count as for train.compress
     expert_bias: torch.Tensor | None  # (E,) fp32 selection bias (a buffer) with bias balancing, else None
 
-    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, options: MoEConfig | None = None) -> None:
+    def __init__(
+        self, dim: int, hidden: int, n_experts: int, top_k: int, options: MoEConfig | None = None
+    ) -> None:
         super().__init__()
         self.top_k, self.n_experts = top_k, n_experts
         self.options = options or MoEConfig()
@@ -239,13 +270,20 @@ class MoEFeedForward(nn.Module):
         self.step_load: torch.Tensor | None = None  # assignments per expert this step (bias update)
         self.stats: torch.Tensor | None = None  # (E + N_STATS,) since the last metrics row
 
-    def expert_outputs(self, flat: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
-                       weight: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def expert_outputs(
+        self, flat: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
         """Σ_a weight_a · SwiGLU_{expert_a}(flat[token_a]) into each token's row, for the
         assignments a sorted by expert: (N, h)."""
         counts = torch.bincount(expert, minlength=self.n_experts)
-        rows = grouped_swiglu(flat.index_select(0, token), counts, self.w1.weight, self.w3.weight, self.w2.weight,
-                              self.options.compute)  # fmt: skip
+        rows = grouped_swiglu(
+            flat.index_select(0, token),
+            counts,
+            self.w1.weight,
+            self.w3.weight,
+            self.w2.weight,
+            self.options.compute,
+        )
         return torch.zeros_like(flat).index_add(0, token, rows * weight[:, None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -259,7 +297,9 @@ class MoEFeedForward(nn.Module):
         order = torch.argsort(r.experts.reshape(-1), stable=True)  # assignments sorted by expert
         if keep is not None:
             order = order[keep.reshape(-1)[order]]
-        out = self.expert_outputs(flat, order // k, r.experts.reshape(-1)[order], r.weights.reshape(-1)[order])
+        out = self.expert_outputs(
+            flat, order // k, r.experts.reshape(-1)[order], r.weights.reshape(-1)[order]
+        )
         if self.shared is not None:
             out = out + self.shared(flat)
         return self._balance(out, r, keep).view_as(x)
@@ -286,7 +326,9 @@ class MoEFeedForward(nn.Module):
             out = _InjectAux.apply(out, total * self.loss_share, self)
         if self.training and not recomputing():
             dropped = load.new_zeros(()) if keep is None else (~keep).sum().float()
-            row = torch.cat([load, torch.stack([dropped, aux.detach().float(), z.detach().float(), load.new_ones(())])])
+            row = torch.cat(
+                [load, torch.stack([dropped, aux.detach().float(), z.detach().float(), load.new_ones(())])]
+            )
             self.stats = row if self.stats is None else self.stats + row
             if self.expert_bias is not None:
                 self.step_load = load if self.step_load is None else self.step_load + load

@@ -56,8 +56,9 @@ class FlatAdafactor:
     """Adafactor over flat shards (see module docstring); ``bind_groups`` before the first step
     when the shards are split over a sharding group or parameters over tp."""
 
-    def __init__(self, layouts: Sequence, shards: Sequence[torch.Tensor], store: StateStore,
-                 weight_decay: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self, layouts: Sequence, shards: Sequence[torch.Tensor], store: StateStore, weight_decay: float = 0.0
+    ) -> None:
         self.master = MasterWeights(shards, store)
         self.params, self.masters, self.store = self.master.params, self.master.masters, store
         self.weight_decay = weight_decay
@@ -80,8 +81,11 @@ class FlatAdafactor:
             dim = layouts[i].slots[j].tp_dim
             if dim is not None:  # entries tp must sum: the unsplit axis' sums, and Σ P²
                 if R:
-                    self._tp_mask.append((self._stat_len + R, self._stat_len + R + C) if dim == 0
-                                         else (self._stat_len, self._stat_len + R))  # fmt: skip
+                    self._tp_mask.append(
+                        (self._stat_len + R, self._stat_len + R + C)
+                        if dim == 0
+                        else (self._stat_len, self._stat_len + R)
+                    )
                 self._tp_mask.append((self._stat_len + R + C, self._stat_len + R + C + 1))
             self._tp_dims.append(dim)
             self._stat_len += R + C + 1
@@ -159,7 +163,9 @@ class FlatAdafactor:
             r_global = self._global(pc, R) if pc.tp_dim == 0 else R
             self.row_var[n].copy_(stats[at : at + R] / c_global)
             self.col_var[n].copy_(stats[at + R : at + R + C] / r_global)
-            self._means[n] = (self.col_var[n] if pc.tp_dim == 0 else self.row_var[n]).mean()  # = global mean(r)
+            self._means[n] = (
+                self.col_var[n] if pc.tp_dim == 0 else self.row_var[n]
+            ).mean()  # = global mean(r)
         self._ckpt.clear()
 
     # ------------------------------------------------------------------ collectives
@@ -227,7 +233,9 @@ class FlatAdafactor:
             if pad is not None:
                 R, C = pc.param.shape
                 row_mean = stats[at : at + R].float().div_(self._global(pc, C) if pc.tp_dim == 1 else C)
-                col_mean = stats[at + R : at + R + C].float().div_(self._global(pc, R) if pc.tp_dim == 0 else R)
+                col_mean = (
+                    stats[at + R : at + R + C].float().div_(self._global(pc, R) if pc.tp_dim == 0 else R)
+                )
                 self.row_var[n].lerp_(row_mean, beta)
                 self.col_var[n].lerp_(col_mean, beta)
         split_means = self._row_means(views)
@@ -239,7 +247,9 @@ class FlatAdafactor:
                 numel = R * C
                 rv, cv = self.row_var[n], self.col_var[n]
                 if n in split_means:
-                    mean = torch.tensor(split_means[n] / self._global(pc, R), dtype=torch.float32, device=rv.device)
+                    mean = torch.tensor(
+                        split_means[n] / self._global(pc, R), dtype=torch.float32, device=rv.device
+                    )
                 else:
                     mean = rv.mean()
                 self._means[n] = mean
@@ -271,5 +281,7 @@ def factored_state_bytes(layouts: Sequence) -> int:
     """The module docstring's state bytes on this rank, from the layouts' geometry alone:
     Σ over the matrices this rank's shards touch of 4(R + C), plus 4 per vector element it holds."""
     pieces, _ = pieces_of(layouts)
-    return sum(4 * (pc.param.shape[0] + pc.param.shape[1]) if pc.param.dim() == 2 else 4 * (pc.hi - pc.lo)
-               for pc in pieces)  # fmt: skip
+    return sum(
+        4 * (pc.param.shape[0] + pc.param.shape[1]) if pc.param.dim() == 2 else 4 * (pc.hi - pc.lo)
+        for pc in pieces
+    )

@@ -73,8 +73,15 @@ class BlockQuantizer:
 class FlatAdam8bit:
     """AdamW with 8-bit block-quantized moments over flat shards (masters fp32 where needed)."""
 
-    def __init__(self, shards: Sequence[torch.Tensor], decay_ranges: Sequence[list[tuple[int, int]]],
-                 store: StateStore, betas: tuple[float, float], eps: float, weight_decay: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        shards: Sequence[torch.Tensor],
+        decay_ranges: Sequence[list[tuple[int, int]]],
+        store: StateStore,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+    ) -> None:
         self.master = MasterWeights(shards, store)
         self.params, self.masters, self.store = self.master.params, self.master.masters, store
         self.beta1, self.beta2 = betas
@@ -89,7 +96,9 @@ class FlatAdam8bit:
             self.u_codes.append(store.zeros(p.numel(), f"u_codes{i}", torch.uint8))
             self.m_absmax.append(store.zeros(nb, f"m_absmax{i}"))
             self.u_absmax.append(store.zeros(nb, f"u_absmax{i}"))
-            self.m_codes[-1].fill_(int(torch.bucketize(self.qm.mid.new_zeros(()), self.qm.mid)))  # code of 0.0
+            self.m_codes[-1].fill_(
+                int(torch.bucketize(self.qm.mid.new_zeros(()), self.qm.mid))
+            )  # code of 0.0
         self._decayed = [m[lo:hi] for m, runs in zip(self.masters, decay_ranges) for lo, hi in runs]
         self._ckpt: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

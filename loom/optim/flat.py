@@ -54,8 +54,11 @@ def pieces_of(layouts: Sequence) -> tuple[list[Piece], list[tuple[int, int]]]:
             lo, hi = max(s.offset, lay.start), min(s.offset + s.numel, lay.end)
             if lo < hi:
                 tp_dim = s.tp_dim
-                pieces.append(Piece(i, j, p, lo - s.offset, hi - s.offset, lo - lay.start, hi - lay.start,
-                                    s.decay, tp_dim))  # fmt: skip
+                pieces.append(
+                    Piece(
+                        i, j, p, lo - s.offset, hi - s.offset, lo - lay.start, hi - lay.start, s.decay, tp_dim
+                    )
+                )
     return pieces, every
 
 
@@ -70,9 +73,11 @@ def build_flat_optimizer(layouts: Sequence, shards: Sequence[torch.Tensor], stor
     if kind == "adam8bit":
         from loom.optim.adam8bit import FlatAdam8bit
 
-        return FlatAdam8bit(shards, decay, store, (train_cfg.beta1, train_cfg.beta2), train_cfg.eps,
-                            train_cfg.weight_decay)  # fmt: skip
+        return FlatAdam8bit(
+            shards, decay, store, (train_cfg.beta1, train_cfg.beta2), train_cfg.eps, train_cfg.weight_decay
+        )
     if kind != "adamw":
         raise ValueError(f"train.optimizer: unknown optimizer {kind!r}")
-    return ShardedAdamW(shards, decay, store, (train_cfg.beta1, train_cfg.beta2), train_cfg.eps,
-                       train_cfg.weight_decay)  # fmt: skip
+    return ShardedAdamW(
+        shards, decay, store, (train_cfg.beta1, train_cfg.beta2), train_cfg.eps, train_cfg.weight_decay
+    )

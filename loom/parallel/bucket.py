@@ -51,8 +51,13 @@ def split_buckets(
 class BucketQueue(Generic[B]):
     """Launch order of ``buckets``: per reduction group (``group_of``), in index order once ready."""
 
-    def __init__(self, buckets: Sequence[B], sizes: Sequence[int], group_of: Callable[[B], Hashable],
-                 launch: Callable[[B], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        buckets: Sequence[B],
+        sizes: Sequence[int],
+        group_of: Callable[[B], Hashable],
+        launch: Callable[[B], None],
+    ) -> None:
         self.buckets, self.sizes, self.launch = list(buckets), list(sizes), launch
         self.groups = [group_of(b) for b in self.buckets]
         self.reset()

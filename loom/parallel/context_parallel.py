@@ -84,8 +84,9 @@ def _cores() -> dict[str, type[nn.Module]]:
     return {"allgather": AllGatherCore, "ring": RingCore, "alltoall": AllToAllCore}
 
 
-def context_core(mode: str, group: Group, rank: int, cp: int, meter: CommMeter | None = None,
-                 dropout: float = 0.0) -> nn.Module:  # fmt: skip
+def context_core(
+    mode: str, group: Group, rank: int, cp: int, meter: CommMeter | None = None, dropout: float = 0.0
+) -> nn.Module:
     """The attention core of ``mode`` for cp rank ``rank`` of ``group`` (attention dropout ``dropout``)."""
     return _cores()[mode](group, rank, cp, meter, dropout)
 
@@ -125,7 +126,9 @@ def apply_context_parallel(model: nn.Module, mesh, cfg, meter: CommMeter | None 
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, CoreAttention):
-                setattr(module, name, context_core(cfg.parallel.cp_mode, group, rank, cp, meter, child.dropout))
+                setattr(
+                    module, name, context_core(cfg.parallel.cp_mode, group, rank, cp, meter, child.dropout)
+                )
     if cfg.model.dropout > 0:  # each cp rank's tokens (and heads) draw their own masks, replayable
         private = CpPrivateRng(rank, rope_cos.device)
         for block in cast(nn.ModuleList, model.layers):
@@ -149,8 +152,16 @@ def apply_context_parallel(model: nn.Module, mesh, cfg, meter: CommMeter | None 
         model.pos_ids = positions.to(pos_ids.device)
 
 
-def cp_layer_bytes(batch: int, seq_len: int, kv_width: int, cp: int, elem: int, mode: str = "allgather",
-                   q_width: int = 0, head_dim: int = 1) -> tuple[int, int]:  # fmt: skip
+def cp_layer_bytes(
+    batch: int,
+    seq_len: int,
+    kv_width: int,
+    cp: int,
+    elem: int,
+    mode: str = "allgather",
+    q_width: int = 0,
+    head_dim: int = 1,
+) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends per layer and micro-batch under ``mode``, with
     kv = B·(T/cp)·kv_width elements of local keys (kv_width = k·d per tp rank), e = ``elem``:
 
@@ -175,9 +186,19 @@ def cp_layer_bytes(batch: int, seq_len: int, kv_width: int, cp: int, elem: int, 
     return fwd, fwd + (2 * kv * 4 * cp if mode == "ring" else 0)
 
 
-def cp_comm_bytes(batch: int, seq_len: int, kv_width: int, n_layers: int, cp: int, elem: int,
-                  micro_batches: int = 1, recompute: bool = False, mode: str = "allgather", q_width: int = 0,
-                  head_dim: int = 1) -> int:  # fmt: skip
+def cp_comm_bytes(
+    batch: int,
+    seq_len: int,
+    kv_width: int,
+    n_layers: int,
+    cp: int,
+    elem: int,
+    micro_batches: int = 1,
+    recompute: bool = False,
+    mode: str = "allgather",
+    q_width: int = 0,
+    head_dim: int = 1,
+) -> int:
     """Bytes one rank sends per step for context parallelism: :func:`cp_layer_bytes` per layer and
     micro-batch, the forward's again under full recomputation."""
     fwd, bwd = cp_layer_bytes(batch, seq_len, kv_width, cp, elem, mode, q_width, head_dim)

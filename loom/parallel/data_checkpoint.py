@@ -42,17 +42,26 @@ class ReplicatedState:
             if isinstance(t, nn.Parameter) and not t.requires_grad:
                 continue  # frozen (LoRA's base): rebuilt from the base the run references, not saved
             expert = placement_of(t).expert
-            if expert is not None:  # this rank's experts (rows along dim 0), repeated over its edp group (x tp)
+            if (
+                expert is not None
+            ):  # this rank's experts (rows along dim 0), repeated over its edp group (x tp)
                 shape, offsets = expert_geometry(t)
                 e_rank, e_size = _rank_size(expert.edp)
-                out[name] = Placement(t, shape, Box(offsets, tuple(t.shape)), (self.tp_rank * e_size + e_rank,
-                                      self.tp * e_size), read_group(expert.edp, self.device))  # fmt: skip
+                out[name] = Placement(
+                    t,
+                    shape,
+                    Box(offsets, tuple(t.shape)),
+                    (self.tp_rank * e_size + e_rank, self.tp * e_size),
+                    read_group(expert.edp, self.device),
+                )
                 continue
             shape, tp_offsets = tp_geometry(t, self.tp_rank, self.tp)
             if tp_offsets is None:
                 out[name] = Placement.replicated(t, everywhere, self.read_group)
                 continue
-            out[name] = Placement(t, shape, Box(tp_offsets, tuple(t.shape)), (self.index, self.count), self.read_group)
+            out[name] = Placement(
+                t, shape, Box(tp_offsets, tuple(t.shape)), (self.index, self.count), self.read_group
+            )
         return out
 
     def sharded_state(self) -> dict[str, ShardedTensor]:

@@ -98,10 +98,21 @@ class DataParallel(SyncSwitch):
             self.buckets.append(self._make_bucket(len(self.buckets), ps))
         self.reducers: dict[int, GradReducer] = {}
         for b in self.buckets:  # every reduction in flight until finish_sync (in place: no buffer is kept)
-            self.reducers.setdefault(id(b.group), GradReducer(None, b.group, self.world, meter, reduce_dtype,
-                                                              max_inflight=len(self.buckets), algorithm=allreduce))  # fmt: skip
-        self.queue = BucketQueue(self.buckets, [len(b.params) for b in self.buckets], lambda b: id(b.group),
-                                 self._launch)  # fmt: skip
+            self.reducers.setdefault(
+                id(b.group),
+                GradReducer(
+                    None,
+                    b.group,
+                    self.world,
+                    meter,
+                    reduce_dtype,
+                    max_inflight=len(self.buckets),
+                    algorithm=allreduce,
+                ),
+            )
+        self.queue = BucketQueue(
+            self.buckets, [len(b.params) for b in self.buckets], lambda b: id(b.group), self._launch
+        )
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     def _make_bucket(self, index: int, params: list[nn.Parameter]) -> Bucket:

@@ -59,8 +59,9 @@ from loom.parallel.placement import ExpertShard, place, placement_of, setattr_pl
 __all__ = ["ExpertParallelMoE", "apply_expert_parallel", "choose_hot", "gather_experts", "rebalance_experts"]
 
 
-def _all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: Group,
-                meter: CommMeter | None, me: int) -> torch.Tensor:  # fmt: skip
+def _all_to_all(
+    x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: Group, meter: CommMeter | None, me: int
+) -> torch.Tensor:
     """Rows ``in_rows[j]`` of x (in order) to rank j; returns the rows received, by source rank."""
     out = x.new_empty(sum(out_rows), *x.shape[1:])
     if meter is not None:
@@ -118,8 +119,15 @@ class ExpertParallelMoE(MoEFeedForward):
     """:class:`~loom.model.moe.MoEFeedForward` with this rank's E/ep experts (same parameter names);
     routing, capacity, shared experts and balancing are the plain layer's, on this rank's tokens."""
 
-    def __init__(self, moe: MoEFeedForward, rank: int, ep: int, group: Group, edp_group: Group,
-                 meter: CommMeter | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        moe: MoEFeedForward,
+        rank: int,
+        ep: int,
+        group: Group,
+        edp_group: Group,
+        meter: CommMeter | None = None,
+    ) -> None:
         nn.Module.__init__(self)
         n_experts = moe.router.weight.shape[0]
         if n_experts % ep:
@@ -138,17 +146,22 @@ class ExpertParallelMoE(MoEFeedForward):
         self.layer_id, self.stats_groups, self.loss_share = moe.layer_id, moe.stats_groups, moe.loss_share
         for name in ("w1", "w3", "w2"):
             full = getattr(moe, name).weight
-            mine = ExpertWeights(self.local, full.shape[1], full.shape[2], device=full.device, dtype=full.dtype)
+            mine = ExpertWeights(
+                self.local, full.shape[1], full.shape[2], device=full.device, dtype=full.dtype
+            )
             part, placement = slice_of(full, 0, rank, ep)
             with torch.no_grad():
                 mine.weight.copy_(part)
             mine.weight.requires_grad_(full.requires_grad)  # frozen under LoRA
             setattr_placement(mine.weight, placement)
-            place(mine.weight, expert=ExpertShard(rank, ep, group, edp_group))  # read by data parallelism and checkpoints
+            place(
+                mine.weight, expert=ExpertShard(rank, ep, group, edp_group)
+            )  # read by data parallelism and checkpoints
             setattr(self, name, mine)
 
-    def expert_outputs(self, flat: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
-                       weight: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def expert_outputs(
+        self, flat: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
         """Dispatch the rows (sorted by expert) to their experts' ranks, compute, combine; rows of a
         hot expert are computed here, on its replica."""
         if self.options.rebalance_every and self.training and not recomputing():
@@ -159,31 +172,46 @@ class ExpertParallelMoE(MoEFeedForward):
             out, token, expert, weight = self._hot_outputs(out, flat, token, expert, weight)
         per_expert = torch.bincount(expert, minlength=self.n_experts)  # rows for each expert
         # got[src*local + j]: rows rank src sends for my expert j (a small all-to-all of counts)
-        got = _all_to_all(per_expert, [self.local] * self.ep, [self.local] * self.ep, self.group, self.meter, self.rank)
+        got = _all_to_all(
+            per_expert, [self.local] * self.ep, [self.local] * self.ep, self.group, self.meter, self.rank
+        )
         send = per_expert.view(self.ep, self.local).sum(1).tolist()
         recv_table = got.view(self.ep, self.local)
         recv = recv_table.sum(1).tolist()
         rows = _AllToAll.apply(flat.index_select(0, token), recv, send, self.group, self.meter, self.rank)
         # received rows: by source rank, within it by expert; regroup them by local expert
-        expert_of_row = torch.arange(self.local, device=flat.device).repeat(self.ep).repeat_interleave(
-            recv_table.reshape(-1), output_size=rows.shape[0])  # fmt: skip
+        expert_of_row = (
+            torch.arange(self.local, device=flat.device)
+            .repeat(self.ep)
+            .repeat_interleave(recv_table.reshape(-1), output_size=rows.shape[0])
+        )
         by_expert = torch.argsort(expert_of_row, stable=True)
         w1, w3, w2 = (cast(ExpertWeights, getattr(self, n)).weight for n in ("w1", "w3", "w2"))
-        y = grouped_swiglu(rows.index_select(0, by_expert), recv_table.sum(0), w1, w3, w2, self.options.compute)
+        y = grouped_swiglu(
+            rows.index_select(0, by_expert), recv_table.sum(0), w1, w3, w2, self.options.compute
+        )
         out_rows = torch.empty_like(y).index_copy(0, by_expert, y)  # back to the received order
         back = _AllToAll.apply(out_rows, send, recv, self.group, self.meter, self.rank)  # sorted order again
         if not recomputing():
             self.rows_computed += rows.shape[0]
         return out.index_add(0, token, back * weight[:, None])
 
-    def _hot_outputs(self, out: torch.Tensor, flat: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
-                     weight: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def _hot_outputs(
+        self,
+        out: torch.Tensor,
+        flat: torch.Tensor,
+        token: torch.Tensor,
+        expert: torch.Tensor,
+        weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         """The hot experts' rows computed on their replicas into ``out``; returns it and the other rows."""
         hot = torch.tensor(self.hot, device=flat.device)
         is_hot = torch.isin(expert, hot)
         owned = [e - self.rank * self.local if e // self.local == self.rank else -1 for e in self.hot]
-        w1, w3, w2 = (_HotReplicas.apply(cast(ExpertWeights, getattr(self, n)).weight, owned, self.group, self.meter)
-                      for n in ("w1", "w3", "w2"))  # fmt: skip
+        w1, w3, w2 = (
+            _HotReplicas.apply(cast(ExpertWeights, getattr(self, n)).weight, owned, self.group, self.meter)
+            for n in ("w1", "w3", "w2")
+        )
         h_token = token[is_hot]
         counts = torch.bincount(torch.searchsorted(hot, expert[is_hot]), minlength=len(self.hot))
         y = grouped_swiglu(flat.index_select(0, h_token), counts, w1, w3, w2, self.options.compute)
@@ -211,7 +239,9 @@ def rebalance_experts(model: nn.Module) -> None:
     """After a step: every ``moe.rebalance_every`` steps, each layer's ``moe.hot_experts`` most loaded
     experts since the last rebalance become its hot set (loads summed over the layers' statistics
     groups in one all-reduce of L·E numbers, so every rank picks the same)."""
-    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE) and m.options.rebalance_every > 0]
+    layers = [
+        m for m in model.modules() if isinstance(m, ExpertParallelMoE) and m.options.rebalance_every > 0
+    ]
     if not layers:
         return
     for m in layers:
@@ -232,7 +262,9 @@ def rank_loads(load: list[float], ep: int, hot: list[int]) -> list[float]:
     experts' loads, plus 1/ep of each hot expert's (every rank computes its own tokens' rows)."""
     local = len(load) // ep
     shared = sum(load[e] for e in hot) / ep
-    return [sum(load[e] for e in range(r * local, (r + 1) * local) if e not in hot) + shared for r in range(ep)]
+    return [
+        sum(load[e] for e in range(r * local, (r + 1) * local) if e not in hot) + shared for r in range(ep)
+    ]
 
 
 def choose_hot(load: list[float], ep: int, most: int) -> list[int]:
@@ -249,7 +281,9 @@ def choose_hot(load: list[float], ep: int, most: int) -> list[int]:
     return sorted(hot)
 
 
-def gather_experts(module: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def gather_experts(
+    module: nn.Module, state: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """``module``'s state dict (or ``state``, its tp-gathered one) with every expert weight whole
     (all E experts, gathered over ep); a collective over each ep group."""
     if state is None:

@@ -26,9 +26,13 @@ from loom.config import ModelConfig
 from loom.model.llama import init_value
 from loom.parallel.placement import Origin, place, placement_of
 
-Source = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]  # (name, global shape, box) -> the box's values
+Source = Callable[
+    [str, tuple[int, ...], tuple[slice, ...]], torch.Tensor
+]  # (name, global shape, box) -> the box's values
 
-Fill = Callable[[torch.Tensor, tuple[int, int]], torch.Tensor]  # (meta parameter, its rows [r0, r1)) -> their values
+Fill = Callable[
+    [torch.Tensor, tuple[int, int]], torch.Tensor
+]  # (meta parameter, its rows [r0, r1)) -> their values
 
 
 def tag_origins(model: nn.Module) -> None:
@@ -56,8 +60,10 @@ def local_values(p: torch.Tensor, source: Source, rows: tuple[int, int] | None =
         shape = (rows[1] - rows[0], *shape[1:])
     values = source(origin.name, origin.shape, origin.index())
     if tuple(values.shape) != shape:
-        raise ValueError(f"{origin.name}: box {origin.box} of {origin.shape} is {tuple(values.shape)}, "
-                         f"the parameter is {shape}")  # fmt: skip
+        raise ValueError(
+            f"{origin.name}: box {origin.box} of {origin.shape} is {tuple(values.shape)}, "
+            f"the parameter is {shape}"
+        )
     return values
 
 

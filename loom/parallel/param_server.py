@@ -90,8 +90,14 @@ class FlatModel:
 
     def new_optimizer(self, shard: torch.Tensor, train_cfg) -> ShardedAdamW:
         """AdamW on ``shard`` (this process's server's parameters), state on its device."""
-        return ShardedAdamW([shard], [self.decay_runs], StateStore(shard.device), (train_cfg.beta1, train_cfg.beta2),
-                            train_cfg.eps, train_cfg.weight_decay)  # fmt: skip
+        return ShardedAdamW(
+            [shard],
+            [self.decay_runs],
+            StateStore(shard.device),
+            (train_cfg.beta1, train_cfg.beta2),
+            train_cfg.eps,
+            train_cfg.weight_decay,
+        )
 
 
 class ColocatedParamServer(SyncSwitch):
@@ -103,8 +109,15 @@ class ColocatedParamServer(SyncSwitch):
     server's links in the last step, counted (2 · (W-1) · Φ_k · 4 on a server, 0 elsewhere).
     """
 
-    def __init__(self, module: nn.Module, group: Group, shards: int, train_cfg, meter: CommMeter | None = None,
-                 timeout_s: float = 300.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Group,
+        shards: int,
+        train_cfg,
+        meter: CommMeter | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
         self.group, self.meter, self.timeout_s = group, meter, timeout_s
         self.world = comm.group_size(group)
         self.rank = dist.get_rank(group) if self.world > 1 else 0
@@ -189,9 +202,12 @@ class ColocatedParamServer(SyncSwitch):
         """Worker: parameters and gradients Φ'·4 each; server k adds its AdamW moments 8·Φ_k and an
         inbox of (W-1)·Φ_k·4 (the pushed shards before they are averaged)."""
         m = self.model
-        return {"param_bytes": comm.nbytes(m.flat), "grad_bytes": comm.nbytes(m.grad),
-                "optim_bytes": self.optimizer.state_bytes if self.optimizer is not None else 0,
-                "ps_inbox_bytes": sum(comm.nbytes(t) for t in self.inbox) + comm.nbytes(self.shard_grad)}  # fmt: skip
+        return {
+            "param_bytes": comm.nbytes(m.flat),
+            "grad_bytes": comm.nbytes(m.grad),
+            "optim_bytes": self.optimizer.state_bytes if self.optimizer is not None else 0,
+            "ps_inbox_bytes": sum(comm.nbytes(t) for t in self.inbox) + comm.nbytes(self.shard_grad),
+        }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return gather_module_state(self.module)
@@ -223,8 +239,14 @@ class PSWorker(SyncSwitch):
     :meth:`close` tells every server this worker is done (call it once, after the last step).
     """
 
-    def __init__(self, module: nn.Module, links: PSLinks, bound: int | str | None, meter: CommMeter | None = None,
-                 timeout_s: float = 300.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module,
+        links: PSLinks,
+        bound: int | str | None,
+        meter: CommMeter | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
         self.links, self.bound, self.meter, self.timeout_s = links, bound, meter, timeout_s
         self.sync_enabled = True
         self.model = FlatModel(module, links.shards)
@@ -270,8 +292,10 @@ class PSWorker(SyncSwitch):
             wait_for(w, self.timeout_s, self._name(k))
         self.pulled = [int(r[0]) for r in self._reply]
         self.versions.append(list(self.pulled))
-        self.seen = {"ps_staleness_max": max(int(r[2]) for r in self._reply),  # over the servers, so far
-                     "ps_pulls_held": max(int(r[3]) for r in self._reply)}  # fmt: skip
+        self.seen = {
+            "ps_staleness_max": max(int(r[2]) for r in self._reply),  # over the servers, so far
+            "ps_pulls_held": max(int(r[3]) for r in self._reply),
+        }
 
     # ------------------------------------------------------------------ Strategy
     def finish_sync(self) -> None:

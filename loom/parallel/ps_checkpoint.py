@@ -34,7 +34,9 @@ from loom.checkpoint.replicated import (
     unique_named_tensors,
 )
 
-Piece = tuple[str, tuple[int, ...], int, int, int]  # fqn, global shape, slot offset, [lo, hi) in the flat buffer
+Piece = tuple[
+    str, tuple[int, ...], int, int, int
+]  # fqn, global shape, slot offset, [lo, hi) in the flat buffer
 
 
 def shard_pieces(module: torch.nn.Module, layout) -> list[Piece]:
@@ -49,8 +51,9 @@ def shard_pieces(module: torch.nn.Module, layout) -> list[Piece]:
     return out
 
 
-def shard_state(pieces: list[Piece], start: int, opt, params: torch.Tensor | None = None
-                ) -> tuple[dict[str, ShardedTensor], list[torch.Tensor]]:  # fmt: skip
+def shard_state(
+    pieces: list[Piece], start: int, opt, params: torch.Tensor | None = None
+) -> tuple[dict[str, ShardedTensor], list[torch.Tensor]]:
     """``optim.<fqn>.{exp_avg, exp_avg_sq, step}`` of the shard starting at flat element ``start`` (and
     ``model.<fqn>`` from ``params``, the shard's parameters, if given); the step tensors, to check on load."""
     out: dict[str, ShardedTensor] = {}
@@ -88,13 +91,18 @@ class ColocatedPSState:
     def sharded_state(self) -> dict[str, ShardedTensor]:
         s, module = self.s, self.s.module
         readers = read_group(s.group, s.model.flat.device)
-        placements = {name: Placement.replicated(t, (self.index, self.count), readers)
-                      for name, t in unique_named_tensors(module) if t.requires_grad or not isinstance(t, torch.nn.Parameter)}  # fmt: skip
+        placements = {
+            name: Placement.replicated(t, (self.index, self.count), readers)
+            for name, t in unique_named_tensors(module)
+            if t.requires_grad or not isinstance(t, torch.nn.Parameter)
+        }
         out = placement_state(placements)
         self._steps = []
         if s.optimizer is None:
             return out
-        optim, self._steps = shard_state(shard_pieces(module, s.model.layout), s.model.layout.start, s.optimizer)
+        optim, self._steps = shard_state(
+            shard_pieces(module, s.model.layout), s.model.layout.start, s.optimizer
+        )
         return {**out, **optim}
 
     @torch.no_grad()
@@ -116,8 +124,13 @@ class WorkerState:
 
     def _state(self, everything: bool) -> dict[str, ShardedTensor]:
         held = {id(p) for p in self.w.params}  # the servers' (trainable, in the flat buffer)
-        return placement_state({name: Placement.replicated(t, self.replica, self.readers)
-                                for name, t in unique_named_tensors(self.w.module) if everything or id(t) not in held})  # fmt: skip
+        return placement_state(
+            {
+                name: Placement.replicated(t, self.replica, self.readers)
+                for name, t in unique_named_tensors(self.w.module)
+                if everything or id(t) not in held
+            }
+        )
 
     def sharded_state(self) -> dict[str, ShardedTensor]:
         return self._state(everything=False)

@@ -69,8 +69,10 @@ def make_links(workers: int, shards: int) -> PSLinks:
     """Create every link group (a collective over the world: every rank calls it, in the same order)."""
     rank = dist.get_rank()
     if dist.get_world_size() != workers + shards:
-        raise ValueError(f"parameter server: the world has {dist.get_world_size()} ranks, not {workers} workers + "
-                         f"{shards} servers")  # fmt: skip
+        raise ValueError(
+            f"parameter server: the world has {dist.get_world_size()} ranks, not {workers} workers + "
+            f"{shards} servers"
+        )
     links = PSLinks(workers, shards, rank)
     for w in range(workers):
         for k in range(shards):

@@ -64,8 +64,15 @@ class ParameterServer:
     """Shard k of ``module``'s parameters (values taken from it: every rank builds the same init) and its
     AdamW state; :meth:`serve` runs until every worker has sent DONE."""
 
-    def __init__(self, module: nn.Module, links: PSLinks, bound: int | str | None, train_cfg,
-                 meter: CommMeter | None = None, timeout_s: float = 300.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module,
+        links: PSLinks,
+        bound: int | str | None,
+        train_cfg,
+        meter: CommMeter | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
         if not links.is_server:
             raise ValueError(f"rank {links.rank} is a worker, not a parameter server")
         self.links, self.bound, self.meter, self.timeout_s = links, bound, meter, timeout_s
@@ -79,7 +86,10 @@ class ParameterServer:
         self.headers = [torch.zeros(PUSH_HEADER, dtype=torch.float64, device=dev) for _ in range(self.W)]
         self.reply = torch.zeros(PULL_HEADER, dtype=torch.float64, device=dev)
         self.report = ServerReport(self.k)
-        self.pieces, self.start = shard_pieces(module, model.layout), model.layout.start  # what it checkpoints
+        self.pieces, self.start = (
+            shard_pieces(module, model.layout),
+            model.layout.start,
+        )  # what it checkpoints
         del model  # the workers' copy of the whole model is not a server's business
 
     def sharded_state(self):
@@ -129,8 +139,10 @@ class ParameterServer:
             if all(kind == DONE for kind in kinds):
                 return
             if any(kind == DONE for kind in kinds):
-                raise RuntimeError(f"parameter server {self.k}: under bsp every worker pushes every round; workers "
-                                   f"{[w for w, kd in enumerate(kinds) if kd == DONE]} stopped early")  # fmt: skip
+                raise RuntimeError(
+                    f"parameter server {self.k}: under bsp every worker pushes every round; workers "
+                    f"{[w for w, kd in enumerate(kinds) if kd == DONE]} stopped early"
+                )
             for w in range(self.W):
                 self._recv_push(w)
             self.grad.copy_(self.inbox[0])
@@ -165,10 +177,16 @@ class ParameterServer:
         W, bound = self.W, self.bound
         assert bound is None or isinstance(bound, int)
         v0, applied = self.report.rounds, len(self.report.pushers)  # where an earlier serve() left off
-        clock, lag, seen = [v0] * W, [0] * W, [applied] * W  # pushes applied; c_w - v and updates at w's last pull
+        clock, lag, seen = (
+            [v0] * W,
+            [0] * W,
+            [applied] * W,
+        )  # pushes applied; c_w - v and updates at w's last pull
         arrivals: queue.SimpleQueue = queue.SimpleQueue()
-        listeners = [threading.Thread(target=self._listen, args=(w, arrivals), daemon=True, name=f"loom-ps-listen-{w}")
-                     for w in range(W)]  # fmt: skip
+        listeners = [
+            threading.Thread(target=self._listen, args=(w, arrivals), daemon=True, name=f"loom-ps-listen-{w}")
+            for w in range(W)
+        ]
         for th in listeners:
             th.start()
         done: set[int] = set()

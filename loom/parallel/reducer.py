@@ -75,7 +75,9 @@ class GradReducer:
             out, work = send, None  # the whole buffer is the shard: reduce it in place across replicas
         else:
             aliased = dest.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
-            same = dest.dtype == send.dtype and dest.device == send.device and not aliased  # (host dest: offload)
+            same = (
+                dest.dtype == send.dtype and dest.device == send.device and not aliased
+            )  # (host dest: offload)
             out = dest if same else torch.empty_like(dest, dtype=send.dtype, device=send.device)
             work = comm.reduce_scatter(out, send, self.shard_group, self.meter, async_op=True)
         transient = _nbytes(send) if (owned or send is not full) else 0
@@ -94,7 +96,9 @@ class GradReducer:
         if p.work is not None:
             comm.wait(p.work)
             p.work = None
-        p.replica_work = allreduce.all_reduce(p.out, self.replicate_group, self.algorithm, self.meter, async_op=True)
+        p.replica_work = allreduce.all_reduce(
+            p.out, self.replicate_group, self.algorithm, self.meter, async_op=True
+        )
         p.replicated = True
         if p.replica_work is not None:
             self.replica_log.append(during_backward)

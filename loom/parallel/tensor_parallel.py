@@ -98,7 +98,9 @@ def parallelize_block(block: nn.Module, ctx: TPContext) -> nn.Module:
     """
     full = cast(Block, block)  # the single-device block, before its modules are swapped
     block.attention = ParallelAttention.from_full(full.attention, ctx)
-    if isinstance(full.feed_forward, MoEFeedForward):  # experts replicated over tp, each rank routes its tokens
+    if isinstance(
+        full.feed_forward, MoEFeedForward
+    ):  # experts replicated over tp, each rank routes its tokens
         if ctx.sp:  # this rank's sequence shard: its part of every MoE gradient, summed over tp once a step
             for p in full.feed_forward.parameters():
                 mark_partial(p, ctx.group, ctx.meter)
@@ -231,5 +233,9 @@ def comm_bytes_formula(
     L, h = cfg.n_layers, cfg.dim
     S = batch * seq * h * elem
     partial = partial_numel(cfg, tp, sp)  # summed once per step
-    per_mb = 2 * rho * ((4 * L + 2) * S + 3 * batch * seq * 4) if not sp else rho * ((10 * L + 5) * S + 6 * batch * seq * 4)
+    per_mb = (
+        2 * rho * ((4 * L + 2) * S + 3 * batch * seq * 4)
+        if not sp
+        else rho * ((10 * L + 5) * S + 6 * batch * seq * 4)
+    )
     return micro_batches * per_mb + 2 * rho * partial * elem

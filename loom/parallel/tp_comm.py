@@ -160,8 +160,9 @@ def mark_partial(p: torch.Tensor, group: Group, meter: CommMeter | None = None) 
     return p
 
 
-def sum_partial_grads(params, grad_of: Callable[[torch.Tensor], torch.Tensor | None],
-                      device: torch.device | None = None) -> None:  # fmt: skip
+def sum_partial_grads(
+    params, grad_of: Callable[[torch.Tensor], torch.Tensor | None], device: torch.device | None = None
+) -> None:
     """Sum over tp, in one all-reduce, the gradients of the parameters :func:`mark_partial` marked,
     after the data-parallel reduction of the step: ``grad_of(p)`` is the whole gradient (replicated
     data parallelism) or this rank's shard of it (ZeRO; tp peers share one shard layout, so their

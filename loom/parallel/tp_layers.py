@@ -144,25 +144,39 @@ class ColumnParallelLinear(nn.Module):
     group once per step (:func:`~loom.parallel.tp_comm.sum_partial_grads`).
     """
 
-    def __init__(self, weight: nn.Parameter, ctx: TPContext, replicated_rows: slice | None = None,
-                 bias: nn.Parameter | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        ctx: TPContext,
+        replicated_rows: slice | None = None,
+        bias: nn.Parameter | None = None,
+    ) -> None:
         super().__init__()
-        partial = (lambda p: p) if replicated_rows is None else (lambda p: mark_partial(p, ctx.group, ctx.meter))
+        partial = (
+            (lambda p: p) if replicated_rows is None else (lambda p: mark_partial(p, ctx.group, ctx.meter))
+        )
         self.weight = partial(weight)
         self.bias = None if bias is None else partial(bias)  # this rank's rows' bias (or all, replicated)
         self.ctx = ctx
         self.replicated_rows = replicated_rows
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, ctx: TPContext, replicated_rows: slice | None = None) -> ColumnParallelLinear:
+    def from_linear(
+        cls, lin: nn.Linear, ctx: TPContext, replicated_rows: slice | None = None
+    ) -> ColumnParallelLinear:
         """Rows of ``lin`` (and of its bias) sharded over tp, or held whole when ``replicated_rows``."""
         if replicated_rows is None:
             w = sharded_param(lin.weight, 0, ctx)
             b = None if lin.bias is None else sharded_param(lin.bias, 0, ctx)
         else:
-            w = copy_placement(lin.weight, nn.Parameter(lin.weight.detach().clone(), lin.weight.requires_grad))
-            b = None if lin.bias is None else copy_placement(lin.bias, nn.Parameter(lin.bias.detach().clone(),
-                                                                                    lin.bias.requires_grad))  # fmt: skip
+            w = copy_placement(
+                lin.weight, nn.Parameter(lin.weight.detach().clone(), lin.weight.requires_grad)
+            )
+            b = (
+                None
+                if lin.bias is None
+                else copy_placement(lin.bias, nn.Parameter(lin.bias.detach().clone(), lin.bias.requires_grad))
+            )
         out = cls(w, ctx, replicated_rows, b)
         shard_column_adapters(lin, out, ctx, replicated_rows)  # LoRA: B's rows with the weight's
         return out
@@ -338,7 +352,9 @@ class ParallelAttention(nn.Module):
                 mark_partial(norm.weight, ctx.group, ctx.meter)
         return out
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``docs``: packed data's document ids (B, T) of the full sequence (see CoreAttention)."""
         q, k, v = column_parallel_matmul(
             x, (self.wq.weight, self.wk.local_weight(), self.wv.local_weight()), self.ctx
@@ -369,8 +385,14 @@ class ParallelFeedForward(nn.Module):
 
     activation_kind = "mlp"  # what its saved tensors count as for train.compress
 
-    def __init__(self, w1: ColumnParallelLinear, w3: ColumnParallelLinear | None, w2: RowParallelLinear,
-                 ctx: TPContext, kind: str = "swiglu") -> None:  # fmt: skip
+    def __init__(
+        self,
+        w1: ColumnParallelLinear,
+        w3: ColumnParallelLinear | None,
+        w2: RowParallelLinear,
+        ctx: TPContext,
+        kind: str = "swiglu",
+    ) -> None:
         super().__init__()
         self.w1, self.w3, self.w2 = w1, w3, w2
         self.ctx = ctx
@@ -379,8 +401,13 @@ class ParallelFeedForward(nn.Module):
     @classmethod
     def from_full(cls, ffn: FeedForward, ctx: TPContext) -> ParallelFeedForward:
         w3 = None if ffn.w3 is None else ColumnParallelLinear.from_linear(ffn.w3, ctx)
-        return cls(ColumnParallelLinear.from_linear(ffn.w1, ctx), w3, RowParallelLinear.from_linear(ffn.w2, ctx), ctx,
-                   getattr(ffn, "kind", "swiglu"))  # fmt: skip
+        return cls(
+            ColumnParallelLinear.from_linear(ffn.w1, ctx),
+            w3,
+            RowParallelLinear.from_linear(ffn.w2, ctx),
+            ctx,
+            getattr(ffn, "kind", "swiglu"),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = (self.w1.weight,) if self.w3 is None else (self.w1.weight, self.w3.weight)

@@ -52,8 +52,9 @@ def shard_column_adapters(src: nn.Module, dst: nn.Module, ctx, replicated_rows: 
     if replicated_rows is None:
         b_local = sharded_param(b, 0, ctx)
     else:
-        b_local = mark_partial(copy_placement(b, nn.Parameter(b.detach(), requires_grad=b.requires_grad)), ctx.group,
-                               ctx.meter)  # fmt: skip
+        b_local = mark_partial(
+            copy_placement(b, nn.Parameter(b.detach(), requires_grad=b.requires_grad)), ctx.group, ctx.meter
+        )
     b_local.requires_grad_(b.requires_grad)
     set_adapters(dst, a, b_local, scale, dropout)
 
@@ -97,7 +98,9 @@ def row_delta(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return lora_output(module, lora_input(module, x)) if has_adapters(module) else None
 
 
-def lora_comm_bytes(cfg, batch: int, seq: int, tp: int, sp: bool, elem: int = 4, micro_batches: int = 1) -> float:
+def lora_comm_bytes(
+    cfg, batch: int, seq: int, tp: int, sp: bool, elem: int = 4, micro_batches: int = 1
+) -> float:
     """Bytes one rank moves per step under tp in a LoRA run of ``cfg`` (a LoomConfig): the layers'
     activation collectives of :func:`~loom.parallel.tensor_parallel.comm_bytes_formula` less those
     no gradient reaches (the frozen base's backward runs only behind the first adapter: the

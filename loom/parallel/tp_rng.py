@@ -38,7 +38,9 @@ def tp_local_rng(tp_rank: int, device: torch.device | str = "cpu", enabled: bool
         yield
         return
     device = torch.device(device)
-    draw = int(torch.randint(0, 2**62, (1,), device="cpu").item())  # the default CPU generator, whatever the default device
+    draw = int(
+        torch.randint(0, 2**62, (1,), device="cpu").item()
+    )  # the default CPU generator, whatever the default device
     seed = rank_seed(draw, tp_rank)
     accel = device.type != "cpu"
     index = device.index if device.index is not None else 0

@@ -42,7 +42,11 @@ def load_profile(world: int, path: str | None = None, device: str = "cpu") -> Pr
         if path:
             raise HardwareError(f"profile file {p!r} does not exist")
         # nothing measured: the CPU's datasheet numbers, shared by the ranks when they outnumber the cores
-        return contended(datasheet_profile(DEVICES["cpu"]), world) if device == "cpu" and world > cores() else None
+        return (
+            contended(datasheet_profile(DEVICES["cpu"]), world)
+            if device == "cpu" and world > cores()
+            else None
+        )
     prof = Profile.load(p)
     return contended(prof, world) if prof.device == "cpu" else prof
 
@@ -105,10 +109,14 @@ def choose(cfg: LoomConfig, world: int | None = None, profile: Profile | None = 
     result = search(model_of(cfg), workload_of(cfg), cluster, world, profile=profile)
     for est in result.ranked:
         lay = est.layout
-        if lay.world_size == world and runnable(cfg, lay):  # ranked: passes the layout rules; the rest of validate too
+        if lay.world_size == world and runnable(
+            cfg, lay
+        ):  # ranked: passes the layout rules; the rest of validate too
             return est
-    raise PlanError(f"parallel.auto: no layout of {world} rank(s) fits and runs; closest: "
-                    f"{result.closest.layout.short() if result.closest else 'none'}")  # fmt: skip
+    raise PlanError(
+        f"parallel.auto: no layout of {world} rank(s) fits and runs; closest: "
+        f"{result.closest.layout.short() if result.closest else 'none'}"
+    )
 
 
 def apply_auto(cfg: LoomConfig, world: int | None = None, profile: Profile | None = None) -> Estimate:
@@ -133,7 +141,9 @@ def describe(est: Estimate) -> str:
 
 def _cost_model(cfg: LoomConfig, world: int, profile: Profile | None) -> CostModel:
     cluster = local_cluster(world, _device_of(cfg))
-    return CostModel(model_of(cfg), workload_of(cfg), cluster, profile or load_profile(world, device=_device_of(cfg)))
+    return CostModel(
+        model_of(cfg), workload_of(cfg), cluster, profile or load_profile(world, device=_device_of(cfg))
+    )
 
 
 def prediction(cfg: LoomConfig, world: int, profile: Profile | None = None) -> Estimate:

@@ -57,7 +57,9 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")  # p2p
 MESSAGE_BYTES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
 SHARE_SECONDS = 0.5  # wall time every rank of a job computes at once to measure the compute share
 COLLECTIVE_JOBS = 3  # fresh jobs per job size whose collective times are taken at their median
-OVERLAP_JOBS = 4  # fresh jobs whose hidden share is averaged: each lands in a scheduling mode and keeps it (0-0.4 here)
+OVERLAP_JOBS = (
+    4  # fresh jobs whose hidden share is averaged: each lands in a scheduling mode and keeps it (0-0.4 here)
+)
 GENERIC_SHAPES = ((128, 64, 192), (512, 256, 256), (1024, 1024, 1024))
 
 
@@ -97,7 +99,10 @@ def _timed(fn, repeats: int, device: torch.device | None = None, best: bool = Fa
 
 
 def measure_gemm(
-    shapes: list[tuple[int, int, int]], repeats: int = 20, dtype: str = "fp32", device: torch.device | None = None
+    shapes: list[tuple[int, int, int]],
+    repeats: int = 20,
+    dtype: str = "fp32",
+    device: torch.device | None = None,
 ) -> tuple[float, dict[str, float]]:
     """(total FLOPs / total seconds, FLOP/s per shape) of ``torch.mm`` in ``dtype`` over ``shapes``
     (2 m k n FLOPs each) on ``device`` (default the CPU), each call timed between device syncs."""
@@ -141,14 +146,17 @@ def measure_trainer_step(config: str, steps: int = 12, runs: int = 5) -> tuple[f
     best, imbalance = float("inf"), []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(runs):
-            row = run_layout(config, 1, [*base_overrides(steps), "--train.precision", "fp32"], str(Path(tmp) / f"run{i}"))
+            row = run_layout(
+                config, 1, [*base_overrides(steps), "--train.precision", "fp32"], str(Path(tmp) / f"run{i}")
+            )
             best = min(best, float(row["step_time_s"]))
             imbalance.append(float(row.get("moe_imbalance", 0.0)))
     return best, statistics.median(imbalance)
 
 
-def measure_backward_ratio(model: ModelConfig, micro_batch: int, seq_len: int, repeats: int = 15,
-                           device: torch.device | None = None) -> float:  # fmt: skip
+def measure_backward_ratio(
+    model: ModelConfig, micro_batch: int, seq_len: int, repeats: int = 15, device: torch.device | None = None
+) -> float:
     """Backward time / forward time of one micro-batch through the model with its loss (autograd on).
 
     2 when GEMM FLOPs set the time (backward runs two products per forward one); nearer 1 when
@@ -187,13 +195,16 @@ def microbatch_overhead(cfg: LoomConfig, profile: Profile, seconds: float) -> fl
     rec = cfg.train.recompute if cfg.train.recompute in RECOMPUTE else "none"
     lay = Layout(micro_batch=cfg.train.micro_batch, recompute=rec)
     cluster = local_cluster(1)
-    est = estimate(model_of(cfg), lay, workload_of(cfg), cluster, profile=profile)  # with the device's default
+    est = estimate(
+        model_of(cfg), lay, workload_of(cfg), cluster, profile=profile
+    )  # with the device's default
     units = est.microbatches * (cfg.model.n_layers + 1)
     return max(0.0, (seconds - est.step_time) / units + cluster.device.microbatch_overhead)
 
 
-def measure_op_overhead(model: ModelConfig, precision: str = "fp32", repeats: int = 30,
-                        device: torch.device | None = None) -> float:  # fmt: skip
+def measure_op_overhead(
+    model: ModelConfig, precision: str = "fp32", repeats: int = 30, device: torch.device | None = None
+) -> float:
     """Seconds per ATen operator: forward + backward of ``model``'s structure at counting size
     (:func:`loom.plan.opcount.tiny_config`, 16 tokens: nearly no FLOPs) over its operator count."""
     import torch
@@ -215,8 +226,9 @@ def measure_op_overhead(model: ModelConfig, precision: str = "fp32", repeats: in
     return _timed(fwd_bwd, repeats, device) / n
 
 
-def measure_optimizer_rate(kind: str, op_seconds: float, numel: int = 1 << 20, repeats: int = 5,
-                           device: torch.device | None = None) -> float:  # fmt: skip
+def measure_optimizer_rate(
+    kind: str, op_seconds: float, numel: int = 1 << 20, repeats: int = 5, device: torch.device | None = None
+) -> float:
     """Shard elements per second of one ``kind`` step (:func:`~loom.optim.flat.build_flat_optimizer`)
     on a ``numel``-element matrix, its operators' cost (``op_seconds`` each) taken out."""
     import torch
@@ -232,7 +244,12 @@ def measure_optimizer_rate(kind: str, op_seconds: float, numel: int = 1 << 20, r
     lay = FlatLayout([p], 1, 0, {id(p)})
     flat = lay.new_flat()
     lay.bind(flat)
-    opt = build_flat_optimizer([lay], [lay.shard_of(flat)], StateStore(flat.device), TrainConfig(optimizer=kind))  # type: ignore[arg-type]
+    opt = build_flat_optimizer(
+        [lay],
+        [lay.shard_of(flat)],
+        StateStore(flat.device),
+        TrainConfig(optimizer=kind),  # type: ignore[arg-type]
+    )
     grads = [torch.randn(lay.shard_numel, device=device) * 1e-3]
     opt.step(grads, 1e-3)
     ops = _count(lambda: opt.step(grads, 1e-3))
@@ -264,7 +281,13 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def _coll_worker(
-    rank: int, world: int, init: str, backend: str, repeats: int, work_shape: tuple[int, int], queue,
+    rank: int,
+    world: int,
+    init: str,
+    backend: str,
+    repeats: int,
+    work_shape: tuple[int, int],
+    queue,
     overlap_only: bool = False,
 ) -> None:
     """Every rank of a ``world``-rank job, in groups of ``n`` side by side (each ``n`` dividing
@@ -299,7 +322,11 @@ def _coll_worker(
 
         return _timed(run, 5, device, best=True), min(cpu[2:])  # after _timed's two warm-up runs
 
-    def loop(call) -> tuple[float, float]:  # per (work; call), the mean over a block of calls (preemption by other ranks included)
+    def loop(
+        call,
+    ) -> tuple[
+        float, float
+    ]:  # per (work; call), the mean over a block of calls (preemption by other ranks included)
         wall, cpu = timed(lambda: [(work(), call()) for _ in range(repeats)])
         return wall / repeats, cpu / repeats
 
@@ -308,7 +335,9 @@ def _coll_worker(
     if not overlap_only:  # all ranks at once, each for the same wall time: the cores' throughput shared
         done = torch.tensor([busy_calls(work, SHARE_SECONDS, device)], dtype=torch.float64, device=device)
         dist.all_reduce(done)
-        results.append(("work", world, 0, SHARE_SECONDS * world / done.item()))  # seconds per call, ranks' mean rate
+        results.append(
+            ("work", world, 0, SHARE_SECONDS * world / done.item())
+        )  # seconds per call, ranks' mean rate
     for n in [g for g in range(2, world + 1) if world % g == 0]:
         groups = [dist.new_group(list(range(i, i + n))) for i in range(0, world, n)]  # all ranks create all
         group = groups[rank // n]
@@ -318,15 +347,24 @@ def _coll_worker(
             part = torch.ones(numel // n, device=device)
             calls = {
                 "all_reduce": lambda full=full, g=group: dist.all_reduce(full, group=g),
-                "all_gather": lambda full=full, part=part, g=group: dist.all_gather_into_tensor(full, part, group=g),
-                "reduce_scatter": lambda full=full, part=part, g=group: dist.reduce_scatter_tensor(part, full, group=g),
+                "all_gather": lambda full=full, part=part, g=group: dist.all_gather_into_tensor(
+                    full, part, group=g
+                ),
+                "reduce_scatter": lambda full=full, part=part, g=group: dist.reduce_scatter_tensor(
+                    part, full, group=g
+                ),
             }
             out = torch.empty_like(full)
-            calls["all_to_all"] = lambda full=full, out=out, g=group: dist.all_to_all_single(out, full, group=g)
+            calls["all_to_all"] = lambda full=full, out=out, g=group: dist.all_to_all_single(
+                out, full, group=g
+            )
             if n == 2:  # a pipeline hand-off: the group's first rank sends, the second receives
                 first = rank - rank % 2
-                calls["p2p"] = ((lambda full=full, peer=first + 1: dist.send(full, peer)) if rank == first
-                                else (lambda full=full, peer=first: dist.recv(full, peer)))  # fmt: skip
+                calls["p2p"] = (
+                    (lambda full=full, peer=first + 1: dist.send(full, peer))
+                    if rank == first
+                    else (lambda full=full, peer=first: dist.recv(full, peer))
+                )
             dist.barrier()
             alone, alone_cpu = loop(lambda: None)
             for op in [o for o in OPS if o in calls]:
@@ -339,23 +377,35 @@ def _coll_worker(
             if n == 2:
                 first = rank - rank % 2
                 peer = first + 1 if rank == first else first
-                synced["p2p"] = ((lambda full=full, peer=peer: (dist.send(full, peer), dist.recv(full, peer)))
-                                 if rank == first else (lambda full=full, peer=peer: (dist.recv(full, peer), dist.send(full, peer))))  # fmt: skip
+                synced["p2p"] = (
+                    (lambda full=full, peer=peer: (dist.send(full, peer), dist.recv(full, peer)))
+                    if rank == first
+                    else (lambda full=full, peer=peer: (dist.recv(full, peer), dist.send(full, peer)))
+                )
             for op, call in synced.items():
                 dist.barrier()
                 wall, cpu = timed(lambda call=call: [call() for _ in range(repeats)])
                 half = 2 * repeats if op == "p2p" else repeats  # p2p: half a round trip
-                results += [(f"{op}:synced", n, numel * 4, wall / half), (f"{op}:cpu synced", n, numel * 4, cpu / half)]
-        if n == world == 2 and backend == "gloo" and not overlap_only:  # the group alone, as cpu_twin counts a call's CPU
+                results += [
+                    (f"{op}:synced", n, numel * 4, wall / half),
+                    (f"{op}:cpu synced", n, numel * 4, cpu / half),
+                ]
+        if (
+            n == world == 2 and backend == "gloo" and not overlap_only
+        ):  # the group alone, as cpu_twin counts a call's CPU
             # a call as Loom's layers issue it, between the same compute (per call, the layers minus the same math alone)
-            for kind, (layers, alone) in (("tp", tp_layer_pair(*work_shape, group, rank % n, n, device)),
-                                          ("ep", ep_layer_pair(*work_shape, group, rank % n, n, device))):  # fmt: skip
+            for kind, (layers, alone) in (
+                ("tp", tp_layer_pair(*work_shape, group, rank % n, n, device)),
+                ("ep", ep_layer_pair(*work_shape, group, rank % n, n, device)),
+            ):
                 dist.barrier()
                 wall, cpu = loop(layers)
                 dist.barrier()
                 wall_alone, cpu_alone = loop(alone)
                 # per call, the mean of the group's ranks (one rank's CPU moves by a third from its peer's)
-                per_call = torch.tensor([wall - wall_alone, cpu - cpu_alone], dtype=torch.float64, device=device)
+                per_call = torch.tensor(
+                    [wall - wall_alone, cpu - cpu_alone], dtype=torch.float64, device=device
+                )
                 dist.all_reduce(per_call, group=group)
                 wall_call, cpu_call = (per_call / (n * LAYER_CALLS[kind])).tolist()
                 size = work_shape[0] * work_shape[1] * 4  # the full activation, bytes
@@ -484,7 +534,11 @@ def ep_layer_pair(tokens: int, width: int, group, rank: int, size: int, device=N
         torch.manual_seed(0)
         plain = MoEFeedForward(width, 2 * width, EP_EXPERTS, EP_TOP_K).to(device)
         spread = ExpertParallelMoE(copy.deepcopy(plain), rank, size, group, group)
-        x = torch.randn(1, tokens, width, generator=torch.Generator().manual_seed(1 + rank)).to(device).requires_grad_()
+        x = (
+            torch.randn(1, tokens, width, generator=torch.Generator().manual_seed(1 + rank))
+            .to(device)
+            .requires_grad_()
+        )
 
     def run(layer) -> None:
         layer(x).sum().backward()
@@ -503,8 +557,9 @@ LAYER_CALLS = {"tp": 5, "ep": 5}  # collectives one tp_layer_pair / ep_layer_pai
 WALL_KINDS = ("ep",)
 
 
-def layer_call_excess(kind: str, rows: list[tuple[str, int, int, float]], fits: list[CollectiveFit],
-                      scope: str) -> float:  # fmt: skip
+def layer_call_excess(
+    kind: str, rows: list[tuple[str, int, int, float]], fits: list[CollectiveFit], scope: str
+) -> float:
     """What a ``kind`` call through Loom's layers costs beyond the collective fits in ``scope``
     (``intra``: wall, ``cpu``: CPU), per call, at least 0: the layer measurement (``rows``:
     ``kind_layer[:cpu]``, at its full activation bytes S over 2 ranks) minus the mean fit of the
@@ -570,7 +625,9 @@ def _run_world(
         for p in procs:
             p.join()
         if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"calibrate: a collective worker failed (exit codes {[p.exitcode for p in procs]})")
+            raise RuntimeError(
+                f"calibrate: a collective worker failed (exit codes {[p.exitcode for p in procs]})"
+            )
         return queue.get()
 
 
@@ -621,22 +678,34 @@ def measure_contention(
         rows = median_rows(jobs)
         share[str(world)] = min(1.0, solo / next(t for o, _, _, t in rows if o == "work"))
         cpu = ("cpu",) if backend == "gloo" else ()  # CPU seconds matter where ranks share the CPU's cores
-        for op, scope in [(o, s) for s in ("intra", *cpu) for o in OPS] + [(o, s) for s in ("synced", *(f"{c} synced" for c in cpu))
-                                                                           for o in ("all_gather", "p2p")]:  # fmt: skip
+        for op, scope in [(o, s) for s in ("intra", *cpu) for o in OPS] + [
+            (o, s) for s in ("synced", *(f"{c} synced" for c in cpu)) for o in ("all_gather", "p2p")
+        ]:
             key = op if scope == "intra" else f"{op}:{scope}"
             for n in sorted({g for o, g, _, _ in rows if o == key}):
                 pts = [(_volume(op, n, s), t) for o, g, s, t in rows if o == key and g == n]
                 bw, lat = fit_line(pts)
                 fits.append(CollectiveFit(op, scope, n, bus_bandwidth=bw, latency=lat, world=world))
         if world == 2 and any(o.endswith("_layer") for o, _, _, _ in rows):
-            calls = {"intra": {kind: layer_call_excess(kind, rows, fits, "intra") for kind in WALL_KINDS},
-                     "cpu": {kind: layer_call_excess(kind, rows, fits, "cpu") for kind in LAYER_CALLS}}
-        hidden = [statistics.fmean(t for o, _, _, t in r if o == "overlap") for r in
-                  jobs + [_run_world(world, backend, repeats, work_shape, True) for _ in range(OVERLAP_JOBS - len(jobs))]]  # fmt: skip
+            calls = {
+                "intra": {kind: layer_call_excess(kind, rows, fits, "intra") for kind in WALL_KINDS},
+                "cpu": {kind: layer_call_excess(kind, rows, fits, "cpu") for kind in LAYER_CALLS},
+            }
+        hidden = [
+            statistics.fmean(t for o, _, _, t in r if o == "overlap")
+            for r in jobs
+            + [_run_world(world, backend, repeats, work_shape, True) for _ in range(OVERLAP_JOBS - len(jobs))]
+        ]
         overlap[str(world)] = statistics.fmean(hidden)
-        for key, synced, scope in [("all_reduce:synced", "synced", "intra")] + [(f"all_reduce:{c} synced", f"{c} synced", c) for c in cpu]:
+        for key, synced, scope in [("all_reduce:synced", "synced", "intra")] + [
+            (f"all_reduce:{c} synced", f"{c} synced", c) for c in cpu
+        ]:
             for _, n, _, t in [r for r in rows if r[0] == key]:  # a scalar: its time is the latency
-                bw = next(f.bus_bandwidth for f in fits if (f.op, f.scope, f.group_size, f.world) == ("all_reduce", scope, n, world))
+                bw = next(
+                    f.bus_bandwidth
+                    for f in fits
+                    if (f.op, f.scope, f.group_size, f.world) == ("all_reduce", scope, n, world)
+                )
                 fits.append(CollectiveFit("all_reduce", synced, n, bus_bandwidth=bw, latency=t, world=world))
     return fits, share, overlap, calls
 
@@ -683,15 +752,31 @@ def calibrate(
         cfg.train.precision = "fp32"
         seconds, imbalance = measure_trainer_step(config)
         if on is None:
-            measured = Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, op_overhead=ops, optimizer_rate=optimizers)
+            measured = Profile(
+                device=device, gemm_flops=rates, hbm_bandwidth=hbm, op_overhead=ops, optimizer_rate=optimizers
+            )
             overhead = microbatch_overhead(cfg, measured, seconds)
         else:  # no per-operator term on a GPU: the measured backward / forward ratio of the model instead
             ratio = measure_backward_ratio(cfg.model, cfg.train.micro_batch, cfg.data.seq_len, device=on)
     work_shape = (tokens, model.dim) if model is not None else (128, 64)
-    fits, share, overlap, calls = measure_contention(nproc, backend, work_shape=work_shape) if nproc > 1 else ([], {}, {}, {})
-    return Profile(device=device, gemm_flops=rates, hbm_bandwidth=hbm, compute_share=share, comm_overlap=overlap, op_overhead=ops,
-                   optimizer_rate=optimizers, microbatch_overhead=overhead, backward_ratio=ratio, collectives=fits,
-                   moe_imbalance=imbalance, call_overhead=calls.get("intra", {}), call_overhead_cpu=calls.get("cpu", {}))  # fmt: skip
+    fits, share, overlap, calls = (
+        measure_contention(nproc, backend, work_shape=work_shape) if nproc > 1 else ([], {}, {}, {})
+    )
+    return Profile(
+        device=device,
+        gemm_flops=rates,
+        hbm_bandwidth=hbm,
+        compute_share=share,
+        comm_overlap=overlap,
+        op_overhead=ops,
+        optimizer_rate=optimizers,
+        microbatch_overhead=overhead,
+        backward_ratio=ratio,
+        collectives=fits,
+        moe_imbalance=imbalance,
+        call_overhead=calls.get("intra", {}),
+        call_overhead_cpu=calls.get("cpu", {}),
+    )
 
 
 def contended(profile: Profile, world: int, n_cores: int | None = None) -> Profile:
@@ -705,31 +790,49 @@ def contended(profile: Profile, world: int, n_cores: int | None = None) -> Profi
         op_overhead={k: v / share for k, v in profile.op_overhead.items()},
         optimizer_rate={k: v * share for k, v in profile.optimizer_rate.items()},
         microbatch_overhead=profile.microbatch_overhead / share,
-        call_overhead={k: v / share for k, v in profile.call_overhead.items()},  # the layers' own work, on shared cores
+        call_overhead={
+            k: v / share for k, v in profile.call_overhead.items()
+        },  # the layers' own work, on shared cores
         call_overhead_cpu={k: v / share for k, v in profile.call_overhead_cpu.items()},
         # a collective's CPU work takes the same shared cores as compute
-        collectives=[dataclasses.replace(c, latency=c.latency / share, bus_bandwidth=c.bus_bandwidth * share)
-                     if c.scope.startswith("cpu") else c for c in profile.collectives],  # fmt: skip
+        collectives=[
+            dataclasses.replace(c, latency=c.latency / share, bus_bandwidth=c.bus_bandwidth * share)
+            if c.scope.startswith("cpu")
+            else c
+            for c in profile.collectives
+        ],
     )
 
 
 def datasheet_profile(spec: DeviceSpec) -> Profile:
     """``spec``'s own numbers (peak x achievable, memory bandwidth, per-op cost) as a profile, so
     :func:`contended` can scale them for ranks sharing cores when nothing was measured."""
-    rates = {p: getattr(spec, f"{p}_flops") * spec.achievable for p in PRECISIONS if getattr(spec, f"{p}_flops", 0) > 0}
-    return Profile(device=spec.name, gemm_flops=rates, hbm_bandwidth=spec.hbm_bandwidth,
-                   op_overhead=dict.fromkeys(rates, spec.op_overhead) if spec.op_overhead > 0 else {},
-                   optimizer_rate=dict(spec.optimizer_rates))  # fmt: skip
+    rates = {
+        p: getattr(spec, f"{p}_flops") * spec.achievable
+        for p in PRECISIONS
+        if getattr(spec, f"{p}_flops", 0) > 0
+    }
+    return Profile(
+        device=spec.name,
+        gemm_flops=rates,
+        hbm_bandwidth=spec.hbm_bandwidth,
+        op_overhead=dict.fromkeys(rates, spec.op_overhead) if spec.op_overhead > 0 else {},
+        optimizer_rate=dict(spec.optimizer_rates),
+    )
 
 
 def main(argv: list[str]) -> int:
     """``loom plan calibrate [--out profile.json] [--nproc N] [--config run.toml]``."""
     p = argparse.ArgumentParser(prog="loom plan calibrate", description="measure this machine into a profile")
     p.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks: collective group sizes 2..N, threads per rank")
+    p.add_argument(
+        "--nproc", type=int, default=2, help="ranks: collective group sizes 2..N, threads per rank"
+    )
     p.add_argument("--config", help="a Loom TOML config: measure its model's GEMM shapes")
     p.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl (GPUs)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the compute measurements (per rank)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads of the compute measurements (per rank)"
+    )
     args = p.parse_args(argv)
     if args.nproc < 1:
         print("loom plan calibrate: --nproc must be >= 1", file=sys.stderr)
@@ -738,24 +841,44 @@ def main(argv: list[str]) -> int:
     device = "cuda" if args.backend == "nccl" else "cpu"
     prof = calibrate(args.nproc, args.config, args.backend, device, args.threads)
     prof.save(args.out)
-    print(f"GEMM fp32 {prof.gemm_flops['fp32'] / 1e9:.2f} GFLOP/s per rank (bf16 "
-          f"{prof.gemm_flops['bf16'] / 1e9:.2f}), elementwise {prof.hbm_bandwidth / 1e9:.2f} GB/s")  # fmt: skip
+    print(
+        f"GEMM fp32 {prof.gemm_flops['fp32'] / 1e9:.2f} GFLOP/s per rank (bf16 "
+        f"{prof.gemm_flops['bf16'] / 1e9:.2f}), elementwise {prof.hbm_bandwidth / 1e9:.2f} GB/s"
+    )
     if prof.op_overhead:
-        print("per ATen operator: " + ", ".join(f"{p} {v * 1e6:.2f} us" for p, v in prof.op_overhead.items())
-              + (f"; the trainer's further cost per block and micro-batch: {prof.microbatch_overhead * 1e3:.2f} ms" if args.config else ""))
+        print(
+            "per ATen operator: "
+            + ", ".join(f"{p} {v * 1e6:.2f} us" for p, v in prof.op_overhead.items())
+            + (
+                f"; the trainer's further cost per block and micro-batch: {prof.microbatch_overhead * 1e3:.2f} ms"
+                if args.config
+                else ""
+            )
+        )
     if prof.backward_ratio:
         print(f"backward / forward time of the model: {prof.backward_ratio:.2f} (2 when FLOPs set it)")
     if prof.optimizer_rate:
-        print("optimizer step: " + ", ".join(f"{k} {v / 1e6:.1f} M elements/s" for k, v in prof.optimizer_rate.items()))
+        print(
+            "optimizer step: "
+            + ", ".join(f"{k} {v / 1e6:.1f} M elements/s" for k, v in prof.optimizer_rate.items())
+        )
     if prof.moe_imbalance:
-        print(f"expert load of the run: max/mean {prof.moe_imbalance:.2f} (the planner's moe.imbalance when unset)")
+        print(
+            f"expert load of the run: max/mean {prof.moe_imbalance:.2f} (the planner's moe.imbalance when unset)"
+        )
     for world, share in prof.compute_share.items():
-        print(f"compute share with {world} ranks at once: {share:.2f}; asynchronous collective hidden behind "
-              f"compute: {prof.comm_overlap.get(world, 0.0):.2f}")
+        print(
+            f"compute share with {world} ranks at once: {share:.2f}; asynchronous collective hidden behind "
+            f"compute: {prof.comm_overlap.get(world, 0.0):.2f}"
+        )
     for kind in sorted(set(prof.call_overhead) | set(prof.call_overhead_cpu)):
-        print(f"a {kind} call through Loom's layers, beyond its collective: {prof.call_overhead.get(kind, 0.0) * 1e6:.0f} us "
-              f"wall, {prof.call_overhead_cpu.get(kind, 0.0) * 1e6:.0f} us CPU (2 ranks)")
+        print(
+            f"a {kind} call through Loom's layers, beyond its collective: {prof.call_overhead.get(kind, 0.0) * 1e6:.0f} us "
+            f"wall, {prof.call_overhead_cpu.get(kind, 0.0) * 1e6:.0f} us CPU (2 ranks)"
+        )
     for c in prof.collectives:
-        print(f"{c.op:<15} {c.scope:<10} world={c.world} n={c.group_size}  bus {c.bus_bandwidth / 1e9:.3f} GB/s  latency {c.latency * 1e6:.0f} us")
+        print(
+            f"{c.op:<15} {c.scope:<10} world={c.world} n={c.group_size}  bus {c.bus_bandwidth / 1e9:.3f} GB/s  latency {c.latency * 1e6:.0f} us"
+        )
     print(f"wrote {args.out} ({time.perf_counter() - t0:.1f} s)")
     return 0

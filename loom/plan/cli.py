@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=8192, help="sequence length (without --config)")
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per step (without --config)")
     p.add_argument("--precision", default="bf16", help="fp32 | tf32 | bf16 | fp16 | fp8 (without --config)")
-    p.add_argument("--experts", type=int, default=None, help="MoE experts per layer (1 = dense; default: the model's)")
+    p.add_argument(
+        "--experts", type=int, default=None, help="MoE experts per layer (1 = dense; default: the model's)"
+    )
     p.add_argument("--top-k", type=int, default=None, help="experts per token (MoE; default: the model's)")
     p.add_argument("--profile", help="a calibration profile (JSON) that overrides the datasheet numbers")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
@@ -132,7 +134,10 @@ def main(argv: list[str]) -> int:
     if args.plot and result.ranked:
         from loom.plan.viz import draw_search
 
-        print(f"wrote {draw_search(result.ranked, args.plot, args.top)}", file=sys.stderr if args.json else sys.stdout)
+        print(
+            f"wrote {draw_search(result.ranked, args.plot, args.top)}",
+            file=sys.stderr if args.json else sys.stdout,
+        )
     if check is not None:
         return 0 if check[0] else 1
     return 0 if result.ranked else 1

@@ -199,21 +199,52 @@ class Stack:
     name: str
     other: float = 1.0
     selective_gemms: float = 0.0  # share of a layer's GEMMs that "selective" recomputation runs again
-    microbatch_reduce: bool = False  # ZeRO-2/3 reduce-scatter every micro-batch (FSDP without no_sync): no full-size grads
-    logit_bytes: float = 0.0  # bytes per logit at the loss's peak (0: B_a + 8, logits + fp32 copy + log-softmax)
+    microbatch_reduce: bool = (
+        False  # ZeRO-2/3 reduce-scatter every micro-batch (FSDP without no_sync): no full-size grads
+    )
+    logit_bytes: float = (
+        0.0  # bytes per logit at the loss's peak (0: B_a + 8, logits + fp32 copy + log-softmax)
+    )
     note: str = ""
 
 
 STACKS: dict[str, Stack] = {
     s.name: s
     for s in (
-        Stack("", other=1.8, note="Loom: eager PyTorch norms/activations and SDPA flash attention, as torchtitan's"),
-        Stack("megatron-core", other=1.3, note="Megatron-Core + Transformer Engine (fused norm-GEMM, bias-GeLU): an "
-              "assumption between one pass and Megatron-LM's fitted 1.85, not fitted (no public bf16 row outside the held-out set)"),
-        Stack("megatron-lm-2021", other=1.85, note="Megatron-LM (2021): fused softmax/bias-GeLU kernels, no flash attention"),
-        Stack("megatron-deepspeed", other=2.8, note="Megatron-DeepSpeed (BLOOM, MT-NLG): Megatron kernels, DeepSpeed pipeline and ZeRO-1"),
-        Stack("pytorch-fsdp", other=1.8, selective_gemms=0.5, note="torchtitan: PyTorch FSDP2 eager, SDPA flash attention"),
-        Stack("composer-fsdp", other=1.75, microbatch_reduce=True, logit_bytes=4.0, note="MosaicML Composer + FSDP1, Triton flash attention"),
+        Stack(
+            "",
+            other=1.8,
+            note="Loom: eager PyTorch norms/activations and SDPA flash attention, as torchtitan's",
+        ),
+        Stack(
+            "megatron-core",
+            other=1.3,
+            note="Megatron-Core + Transformer Engine (fused norm-GEMM, bias-GeLU): an "
+            "assumption between one pass and Megatron-LM's fitted 1.85, not fitted (no public bf16 row outside the held-out set)",
+        ),
+        Stack(
+            "megatron-lm-2021",
+            other=1.85,
+            note="Megatron-LM (2021): fused softmax/bias-GeLU kernels, no flash attention",
+        ),
+        Stack(
+            "megatron-deepspeed",
+            other=2.8,
+            note="Megatron-DeepSpeed (BLOOM, MT-NLG): Megatron kernels, DeepSpeed pipeline and ZeRO-1",
+        ),
+        Stack(
+            "pytorch-fsdp",
+            other=1.8,
+            selective_gemms=0.5,
+            note="torchtitan: PyTorch FSDP2 eager, SDPA flash attention",
+        ),
+        Stack(
+            "composer-fsdp",
+            other=1.75,
+            microbatch_reduce=True,
+            logit_bytes=4.0,
+            note="MosaicML Composer + FSDP1, Triton flash attention",
+        ),
     )
 }
 
@@ -249,13 +280,21 @@ class Layout:
     recompute: str = "none"  # none | selective | full
     offload: bool = False  # optimizer state (fp32 master, momentum, variance) on the host
     cp_mode: str = "allgather"  # how attention spans cp: allgather | ring | alltoall (loom.rules.CP_MODES)
-    offload_params: bool = False  # ZeRO-3 parameter + gradient shards (and the state) on the host: ZeRO-Infinity
+    offload_params: bool = (
+        False  # ZeRO-3 parameter + gradient shards (and the state) on the host: ZeRO-Infinity
+    )
     qwz: bool = False  # ZeRO++ int8 weight gathers (zero 3; loom.plan.zero_options)
     hpz: int = 0  # ZeRO++ secondary partition over this many ranks (a node; 0 = off)
     qgz: int = 0  # ZeRO++ gradient all-to-all in this many bits (8 or 4; 0 = off)
-    tp_overlap: bool = False  # tensor-parallel collectives pipelined with their GEMMs (Megatron-Core --tp-comm-overlap)
-    dp_overlap: bool = True  # data-parallel / ZeRO traffic overlapped bucket by bucket (False: after backward)
-    split: tuple[int, ...] = ()  # blocks per pipeline stage (parallel.pp_layout); () = CostModel.stage_layers' rule
+    tp_overlap: bool = (
+        False  # tensor-parallel collectives pipelined with their GEMMs (Megatron-Core --tp-comm-overlap)
+    )
+    dp_overlap: bool = (
+        True  # data-parallel / ZeRO traffic overlapped bucket by bucket (False: after backward)
+    )
+    split: tuple[
+        int, ...
+    ] = ()  # blocks per pipeline stage (parallel.pp_layout); () = CostModel.stage_layers' rule
 
     @property
     def world_size(self) -> int:
@@ -277,7 +316,11 @@ class Layout:
         ``dp16 tp8 pp8 cp1 ep1 zero1/16 sp interleaved:v5 mb1 recompute:none [offload]``."""
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}{self._mode()}", f"ep{self.ep}"]
         parts.append(f"zero{self.zero}/{self.dp_shard}" if self.zero else "zero0")
-        parts += ["sp"] * self.sp + [f"{self.schedule}:v{self.v}", f"mb{self.micro_batch}", f"recompute:{self.recompute}"]
+        parts += ["sp"] * self.sp + [
+            f"{self.schedule}:v{self.v}",
+            f"mb{self.micro_batch}",
+            f"recompute:{self.recompute}",
+        ]
         parts += ["tp-overlap"] * self.tp_overlap + ["dp-after-backward"] * (not self.dp_overlap)
         parts += [f"split:{','.join(map(str, self.split))}"] * bool(self.split)
         return " ".join(parts + ["offload"] * self.offload)
@@ -293,7 +336,7 @@ class Layout:
         for tok in text.split():
             name, _, arg = tok.partition(":")
             head = name.rstrip("0123456789/")
-            digits = name[len(head):]
+            digits = name[len(head) :]
             try:
                 if head == "cp" and digits.isdigit() and arg in ("", *CP_MODES):
                     kw["cp"] = int(digits)
@@ -326,8 +369,10 @@ class Layout:
                 else:
                     raise ValueError
             except ValueError:
-                raise PlanError(f"--layout: cannot read {tok!r} in {text!r}; expected e.g. "
-                                "'dp16 tp8 pp8 cp1 ep1 zero1 sp interleaved:v5 mb1 recompute:none'") from None
+                raise PlanError(
+                    f"--layout: cannot read {tok!r} in {text!r}; expected e.g. "
+                    "'dp16 tp8 pp8 cp1 ep1 zero1 sp interleaved:v5 mb1 recompute:none'"
+                ) from None
         if kw.get("zero") and "dp_shard" not in kw:
             kw["dp_shard"] = kw.get("dp", 1)
         return cls(**kw)
@@ -356,10 +401,16 @@ class Workload:
     bucket_bytes: float = 25 * 2**20  # data-parallel gradient bucket (parallel.bucket_mb)
     optimizer: str = "adamw"  # adamw | adam8bit | adafactor (train.optimizer)
     moe_imbalance: float = 1.0  # MoE: max/mean tokens per expert (moe.imbalance; a run's moe_imbalance metric; 0 = the profile's)
-    capacity_factor: float = 0.0  # MoE: moe.capacity_factor (0 = dropless): caps an expert's load at cf x mean
+    capacity_factor: float = (
+        0.0  # MoE: moe.capacity_factor (0 = dropless): caps an expert's load at cf x mean
+    )
     moe_router_losses: bool = False  # MoE: aux or z loss on (a synchronous pipeline schedule is needed)
-    allreduce: str = "native"  # parallel.allreduce: the gradient all-reduce's algorithm (butterfly needs 2^k ranks)
-    ps_shards: int = 0  # parallel.dp_mode = "ps": K parameter-server shards instead of the all-reduce (0 = none)
+    allreduce: str = (
+        "native"  # parallel.allreduce: the gradient all-reduce's algorithm (butterfly needs 2^k ranks)
+    )
+    ps_shards: int = (
+        0  # parallel.dp_mode = "ps": K parameter-server shards instead of the all-reduce (0 = none)
+    )
     ps_colocate: bool = True  # servers in workers 0..K-1 (else K dedicated ranks besides the dp workers)
     lora_rank: int = 0  # finetune.lora_rank of a LoRA/QLoRA run (0 = every parameter trains)
     lora_targets: tuple[str, ...] = ()  # its resolved targets (q, k, v, o, w1, w2, w3)
@@ -368,7 +419,9 @@ class Workload:
     @property
     def moe_load(self) -> float:
         """The busiest expert's tokens over the mean: the imbalance, capped by the capacity factor."""
-        return min(self.moe_imbalance, self.capacity_factor) if self.capacity_factor > 0 else self.moe_imbalance
+        return (
+            min(self.moe_imbalance, self.capacity_factor) if self.capacity_factor > 0 else self.moe_imbalance
+        )
 
     @property
     def mixed(self) -> bool:
@@ -479,7 +532,10 @@ class ParamCounts:
         mlp_bias = (f + h) if m.bias and not moe else 0  # experts have no biases
         norm = 2 if m.norm == "layernorm" else 1  # LayerNorm: weight and bias
         return cls(
-            attn=2 * h * qd + 2 * h * kd + ((qd + 2 * kd) if m.qkv_bias or m.bias else 0) + (h if m.bias else 0),
+            attn=2 * h * qd
+            + 2 * h * kd
+            + ((qd + 2 * kd) if m.qkv_bias or m.bias else 0)
+            + (h if m.bias else 0),
             mlp=mats * h * f * (n_experts if moe else 1) + mlp_bias,
             mlp_active=mats * h * f * (top_k if moe else 1) + mlp_bias,
             router=h * n_experts if moe else 0,
@@ -560,12 +616,20 @@ class CostModel:
             try:
                 self.ops = op_counts(model, None, train.optimizer)
             except Exception as e:  # a structure the tiny model cannot run: plan without the term, and say so
-                logging.getLogger("loom").warning("planner: operators not counted (%s); per-operator cost left out", e)
+                logging.getLogger("loom").warning(
+                    "planner: operators not counted (%s); per-operator cost left out", e
+                )
         measured_r = profile.backward_ratio if profile is not None and self.ops is None else 0.0
-        self.bwd_ratio = measured_r if measured_r > 0 else 2.0  # FLOP ratio; a measured one folds per-op cost in
+        self.bwd_ratio = (
+            measured_r if measured_r > 0 else 2.0
+        )  # FLOP ratio; a measured one folds per-op cost in
         self.params = ParamCounts.of(model, n_experts, top_k)
-        self.facts = ModelFacts.of(model, n_experts=n_experts, moe_capacity=train.capacity_factor > 0,
-                                    moe_router_losses=train.moe_router_losses)  # what the layout rules read
+        self.facts = ModelFacts.of(
+            model,
+            n_experts=n_experts,
+            moe_capacity=train.capacity_factor > 0,
+            moe_router_losses=train.moe_router_losses,
+        )  # what the layout rules read
         self.ffn = model.resolved_ffn_dim()
         self.kd = model.n_kv_heads * model.head_dim
         self.model_flops = flops_per_token(model, train.seq_len, self.params.matmul_active) * (
@@ -576,7 +640,9 @@ class CostModel:
         self.R = {"fp32": 4, "bf16": 2, "fp16": 2}[train.reduce_dtype]
         # ranks sharing CPU cores: the same model on the collectives' CPU seconds sums each rank's CPU demand
         twin = profile.cpu_twin() if profile is not None else None
-        self.cpu_model = CostModel(model, train, cluster, twin, n_experts, top_k, stack) if twin is not None else None
+        self.cpu_model = (
+            CostModel(model, train, cluster, twin, n_experts, top_k, stack) if twin is not None else None
+        )
         # Memoised pieces: the search evaluates many layouts sharing degrees or micro-batch.
         self._per_mb = lru_cache(maxsize=None)(self._microbatch_times)
         self._states = lru_cache(maxsize=None)(self._state_memory)
@@ -633,7 +699,9 @@ class CostModel:
         h, qd = m.dim, m.n_heads * m.head_dim
         kv_split = tp if m.n_kv_heads % tp == 0 else 1
         bias = m.qkv_bias or m.bias
-        split = (2 * h * qd + (qd if bias else 0)) / tp + (2 * h * self.kd + (2 * self.kd if bias else 0)) / kv_split
+        split = (2 * h * qd + (qd if bias else 0)) / tp + (
+            2 * h * self.kd + (2 * self.kd if bias else 0)
+        ) / kv_split
         return split + self.params.attn_whole
 
     # ------------------------------------------------------------------ validity
@@ -683,11 +751,25 @@ class CostModel:
         or None. :meth:`check` asks only whether the formulas apply; the search ranks neither kind."""
         t = self.train
         problems = layout_problems(
-            self.facts, seq_len=t.seq_len, precision=t.precision, optimizer=t.optimizer, tp=lay.tp, pp=lay.pp,
-            cp=lay.cp, ep=lay.ep, zero=lay.zero, sp=lay.sp, schedule=lay.schedule, virtual_stages=lay.v, cp_mode=lay.cp_mode,
-            microbatches=t.global_batch // (lay.dp * lay.micro_batch), offload="cpu" if lay.offload else "none",
-            allreduce=t.allreduce, dp=lay.dp, dp_shard=lay.dp_shard,
-        )  # fmt: skip
+            self.facts,
+            seq_len=t.seq_len,
+            precision=t.precision,
+            optimizer=t.optimizer,
+            tp=lay.tp,
+            pp=lay.pp,
+            cp=lay.cp,
+            ep=lay.ep,
+            zero=lay.zero,
+            sp=lay.sp,
+            schedule=lay.schedule,
+            virtual_stages=lay.v,
+            cp_mode=lay.cp_mode,
+            microbatches=t.global_batch // (lay.dp * lay.micro_batch),
+            offload="cpu" if lay.offload else "none",
+            allreduce=t.allreduce,
+            dp=lay.dp,
+            dp_shard=lay.dp_shard,
+        )
         return problems[0] if problems else None
 
     # ------------------------------------------------------------------ memory
@@ -696,7 +778,9 @@ class CostModel:
         """(dense, expert) parameters one device of this stage holds, before ZeRO sharding."""
         return self._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
 
-    def _params_on(self, t: int, pp: int, ep: int, first: bool, last: bool, split: tuple[int, ...] = ()) -> tuple[float, float]:
+    def _params_on(
+        self, t: int, pp: int, ep: int, first: bool, last: bool, split: tuple[int, ...] = ()
+    ) -> tuple[float, float]:
         pc = self.params
         layers = self.stage_layers(pp, first, last, split)
         dense = layers * (self._attn_params(t) + pc.norms + pc.router + (0 if self.moe else pc.mlp_on(t)))
@@ -712,10 +796,14 @@ class CostModel:
     def state_memory(self, lay: Layout, first: bool = True, last: bool = True) -> dict[str, float]:
         """Weights, gradients, optimizer state and ZeRO-3 gather buffer on one device (bytes)."""
         return dict(
-            self._states(lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last, lay.split)
+            self._states(
+                lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last, lay.split
+            )
         )
 
-    def _adapters_on(self, t: int, pp: int, first: bool, last: bool, split: tuple[int, ...] = ()) -> tuple[float, float]:
+    def _adapters_on(
+        self, t: int, pp: int, first: bool, last: bool, split: tuple[int, ...] = ()
+    ) -> tuple[float, float]:
         """(LoRA adapter parameters, target base elements) on one device of a stage: per block and
         target of shape (d_out, d_in), r·(d_in + d_out/t) for a column-parallel target (q, k, v, w1, w3:
         B split with W's rows), r·(d_in/t + d_out) for a row-parallel one (o, w2: A split with W's
@@ -729,8 +817,18 @@ class CostModel:
             base += d_out * d_in / t
         return layers * adapters, layers * base
 
-    def _lora_state(self, tp: int, pp: int, first: bool, last: bool, split: tuple[int, ...],
-                    dense: float, expert: float, shard: tuple[int, ...], shard_e: tuple[int, ...]) -> dict[str, float]:  # fmt: skip
+    def _lora_state(
+        self,
+        tp: int,
+        pp: int,
+        first: bool,
+        last: bool,
+        split: tuple[int, ...],
+        dense: float,
+        expert: float,
+        shard: tuple[int, ...],
+        shard_e: tuple[int, ...],
+    ) -> dict[str, float]:
         """A LoRA/QLoRA rank's states: the frozen base at W bytes per element (no gradient, no optimizer
         state; QLoRA's targets in NF4: n/2 + n/64 + 4·ceil(n/16384) + 4 bytes), sharded like the weights;
         the adapters' weights, gradients and optimizer state as any trained parameter's."""
@@ -741,8 +839,11 @@ class CostModel:
             shapes, layers = target_shapes(self.model), self.stage_layers(pp, first, last, split)
             nf4 = layers * sum(nf4_bytes(shapes[n][0] * shapes[n][1]) for n in self.train.lora_targets)
             frozen += (nf4 - W * targets) / shard[0]
-        return {"weights": frozen + W * adapters / shard[0], "gradients": G * adapters / shard[1],
-                "optimizer": O * adapters / shard[2]}  # fmt: skip
+        return {
+            "weights": frozen + W * adapters / shard[0],
+            "gradients": G * adapters / shard[1],
+            "optimizer": O * adapters / shard[2],
+        }
 
     def _state_memory(
         self,
@@ -768,7 +869,9 @@ class CostModel:
         if zero == 3:
             buffer = self._zero3_transient(tp, pp, ep, first, last)
         optim = O * (dense / shard[2] + expert / shard_e[2])
-        if self.train.ps_shards:  # the moments live on the servers: worker 0 holds server 0's shard if co-located
+        if (
+            self.train.ps_shards
+        ):  # the moments live on the servers: worker 0 holds server 0's shard if co-located
             optim = O * dense / self.train.ps_shards if self.train.ps_colocate else 0.0
         if self.train.optimizer == "adafactor":  # 4 (R + C) per matrix, 4 per vector element
             optim += self._factored_bytes(tp, pp, ep, first, last) / shard[2]
@@ -797,12 +900,16 @@ class CostModel:
         units = self.zero3_unit_sizes(tp, pp, ep, first, last)
         return max(W * u + G * (u + p + extra) for u, p, extra in units) + W * units[0][0]
 
-    def zero3_unit_sizes(self, tp: int, pp: int, ep: int, first: bool, last: bool) -> list[tuple[float, float, float]]:
+    def zero3_unit_sizes(
+        self, tp: int, pp: int, ep: int, first: bool, last: bool
+    ) -> list[tuple[float, float, float]]:
         """ZeRO-3's units on a stage, a block's first: (elements, largest parameter, gradients held beyond it)."""
         pc, m, t = self.params, self.model, tp
         layer = self._attn_params(t) + pc.norms + pc.router + (pc.mlp / ep if self.moe else pc.mlp_on(t))
         experts = self.n_experts / ep if self.moe else 1
-        widest = max(m.n_heads * m.head_dim * m.dim / t, self.ffn * m.dim * (experts if self.moe else 1 / t))  # wq/wo or w1/w2/w3
+        widest = max(
+            m.n_heads * m.head_dim * m.dim / t, self.ffn * m.dim * (experts if self.moe else 1 / t)
+        )  # wq/wo or w1/w2/w3
         table = m.vocab_size * m.dim / t
         units = [(layer, widest, 0.0)]
         if pp == 1 and not pc.head:
@@ -821,7 +928,9 @@ class CostModel:
         qd, mats = m.n_heads * m.head_dim, (3 if m.mlp == "swiglu" else 2)
         biases = (qd / tp + 2 * kv_rows if m.qkv_bias or m.bias else 0) + pc.attn_whole
         biases += (f / tp if pc.mlp_whole else 0) + pc.mlp_whole  # w1's rows, w2's whole bias
-        layer = 4 * ((qd / tp + h) * 2 + (kv_rows + h) * 2 + experts * mats * (f / tp + h)) + 4 * (pc.norms + biases)
+        layer = 4 * ((qd / tp + h) * 2 + (kv_rows + h) * 2 + experts * mats * (f / tp + h)) + 4 * (
+            pc.norms + biases
+        )
         total = self.stage_layers(pp, first, last) * layer
         if first:
             total += 4 * (V / tp + h) + (4 * (m.max_seq_len + h) if pc.positions else 0)
@@ -845,7 +954,9 @@ class CostModel:
         """Bytes of one layer, one micro-batch: (no recomputation, selective, block input)."""
         return self._act(lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode)
 
-    def _layer_activation(self, t: int, sp: bool, cp: int, mb: int, cp_mode: str = "allgather") -> tuple[float, float, float]:
+    def _layer_activation(
+        self, t: int, sp: bool, cp: int, mb: int, cp_mode: str = "allgather"
+    ) -> tuple[float, float, float]:
         m, tr = self.model, self.train
         B, h = self.act_bytes, m.dim
         T = mb * tr.seq_len / cp
@@ -855,11 +966,15 @@ class CostModel:
         if self.moe:  # experts whole on every tp rank, on its tokens (T/t with sp), the busiest's load
             mlp = 4 * B * T / rep_div * self.ffn * self.top_k * tr.moe_load
         else:
-            mlp = (4 if m.mlp == "swiglu" else 2) * B * T * self.ffn / t  # w1 x, silu, w3 x, product | w1 x, gelu
+            mlp = (
+                (4 if m.mlp == "swiglu" else 2) * B * T * self.ffn / t
+            )  # w1 x, silu, w3 x, product | w1 x, gelu
         core = (B * T * h + 4 * T * m.n_heads) / t
         if cp > 1 and cp_mode == "allgather":  # the other ranks' keys and values, gathered
             core += 2 * B * T * (cp - 1) * self.kv_width(t)
-        elif cp > 1 and cp_mode == "alltoall":  # kv heads repeated to whole groups per rank; the core's own output
+        elif (
+            cp > 1 and cp_mode == "alltoall"
+        ):  # kv heads repeated to whole groups per rank; the core's own output
             core += 2 * B * T * (self._kv_repeat(t, cp) - 1) * self.kv_width(t) + B * T * h / t
         if not tr.flash_attention:
             core += B * m.n_heads * T * tr.seq_len / t
@@ -902,9 +1017,15 @@ class CostModel:
         m = microbatches or self.train.global_batch // (lay.dp * lay.micro_batch)
         first, last = stage == 0, stage == lay.pp - 1
         full_act, sel_act, block_in = self._act(lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode)
-        bd = dict(self._states(lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last, lay.split))
+        bd = dict(
+            self._states(
+                lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last, lay.split
+            )
+        )
         n = inflight_layers(lay.schedule, lay.pp, stage, m, lay.v, self.model.n_layers)
-        if lay.pp > 1 and (self.model.n_layers % lay.pp or lay.split):  # uneven: this stage's blocks, not L / pp
+        if lay.pp > 1 and (
+            self.model.n_layers % lay.pp or lay.split
+        ):  # uneven: this stage's blocks, not L / pp
             n *= self.stage_layers(lay.pp, first, last, lay.split) * lay.pp / self.model.n_layers
         if lay.recompute == "none":
             act = n * full_act
@@ -919,7 +1040,9 @@ class CostModel:
         bd["activations"] = act
         bd["logits"] = logits
         bd["accumulation"] = 0.0
-        if lay.zero >= 2 and m > 1 and not self.stack.microbatch_reduce:  # full-size gradients kept (FSDP no_sync)
+        if (
+            lay.zero >= 2 and m > 1 and not self.stack.microbatch_reduce
+        ):  # full-size gradients kept (FSDP no_sync)
             dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
             bd["accumulation"] = self.G * (dense + expert) - bd["gradients"]
         # The optimizer step runs after the activations are freed; its temporaries count only beyond them.
@@ -956,7 +1079,11 @@ class CostModel:
         again = 2 if recompute == "full" else 0
         calls: list[tuple[str, float, int]]
         if part == "layer":
-            calls = [("all_reduce", S, 4 + again)] if not sp else [("all_gather", S, 6 + again), ("reduce_scatter", S, 4 + again)]
+            calls = (
+                [("all_reduce", S, 4 + again)]
+                if not sp
+                else [("all_gather", S, 6 + again), ("reduce_scatter", S, 4 + again)]
+            )
         elif part == "first":
             calls = [("all_reduce", S, 1)] if not sp else [("reduce_scatter", S, 1), ("all_gather", S, 1)]
         else:
@@ -977,7 +1104,11 @@ class CostModel:
         if tp <= 1:
             return 0.0
         m, pc = self.model, self.params
-        layers, h, first = m.n_layers / pp, m.dim, pp == 1 or not last  # pp > 1: the largest stage is the first
+        layers, h, first = (
+            m.n_layers / pp,
+            m.dim,
+            pp == 1 or not last,
+        )  # pp > 1: the largest stage is the first
         qk_norms = 2 * m.head_dim if m.qk_norm else 0  # per layer, of pc.norms
         seq = layers * (pc.norms - qk_norms + pc.attn_whole + pc.mlp_whole) + (pc.final_norm if last else 0)
         seq += pc.positions if first else 0
@@ -999,9 +1130,13 @@ class CostModel:
 
         parts = [("layer", self.model.n_layers // lay.pp), ("first", 1)] + [("last", 1)] * (lay.pp == 1)
         for part, times in parts:
-            for (op, _), k in self.tp_calls(lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp).items():
+            for (op, _), k in self.tp_calls(
+                lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp
+            ).items():
                 add(op, m * times * k)
-        if lay.ep > 1 and self.moe:  # per MoE layer: counts + dispatch + combine forward (again when recomputed), 2 backward
+        if (
+            lay.ep > 1 and self.moe
+        ):  # per MoE layer: counts + dispatch + combine forward (again when recomputed), 2 backward
             add("all_to_all", m * (self.model.n_layers // lay.pp) * (5 + 3 * (lay.recompute == "full")))
         if lay.cp > 1:  # per layer and micro-batch, forward again when recomputed (_cp_layer_time)
             layers, passes = self.model.n_layers // lay.pp, 1 + (lay.recompute == "full")
@@ -1022,7 +1157,10 @@ class CostModel:
             buckets = max(1, -(-int(dense * self.R) // int(self.train.bucket_bytes)))
             if lay.zero == 0:  # expert shards: buckets of their own, summed over their edp group
                 edp = lay.dp * lay.cp // lay.ep
-                add("all_reduce", buckets + (-(-int(expert * self.R) // int(self.train.bucket_bytes)) if edp > 1 else 0))
+                add(
+                    "all_reduce",
+                    buckets + (-(-int(expert * self.R) // int(self.train.bucket_bytes)) if edp > 1 else 0),
+                )
             elif lay.zero in (1, 2):
                 add("reduce_scatter", buckets)
                 add("all_gather", buckets)
@@ -1039,7 +1177,9 @@ class CostModel:
         k = max(1, self.model.n_kv_heads // tp)
         return cp // math.gcd(k, cp)
 
-    def _cp_layer_time(self, tp: int, cp: int, T: float, recompute: str, mode: str, core_f: float, world: int) -> float:
+    def _cp_layer_time(
+        self, tp: int, cp: int, T: float, recompute: str, mode: str, core_f: float, world: int
+    ) -> float:
         """Exposed context-parallel communication of one layer and micro-batch (forward, backward and,
         under full recomputation, the forward again), T = tokens per device:
 
@@ -1066,11 +1206,22 @@ class CostModel:
         kv_full = B * T * cp * kv
         gathers = 2 * passes
         return gathers * mach.collective("all_gather", cp, kv_full, span, w) + 2 * mach.collective(
-            "reduce_scatter", cp, kv_full, span, w)
+            "reduce_scatter", cp, kv_full, span, w
+        )
 
     def _microbatch_times(
-        self, tp: int, sp: bool, cp: int, ep: int, mb: int, recompute: str, pp: int, world: int = 0,
-        cp_mode: str = "allgather", tp_overlap: bool = False, split: tuple[int, ...] = (),
+        self,
+        tp: int,
+        sp: bool,
+        cp: int,
+        ep: int,
+        mb: int,
+        recompute: str,
+        pp: int,
+        world: int = 0,
+        cp_mode: str = "allgather",
+        tp_overlap: bool = False,
+        split: tuple[int, ...] = (),
     ) -> tuple[float, float, dict[str, float]]:
         """(t_mb of the slowest stage, its weight-grad time t_W, per-term times) for one micro-batch."""
         mc, tr, mach = self.model, self.train, self.machine
@@ -1097,7 +1248,11 @@ class CostModel:
         core_bytes = B * T * (2 * h / tp + 2 * self.kv_width(tp))
         if not tr.flash_attention:
             core_bytes += 4 * B * a_t * T * s  # scores written, softmax read+write, read by AV
-        mlp_elt = 3 * f * self.top_k * tr.moe_load / (tp if sp else 1) if self.moe else (3 if mc.mlp == "swiglu" else 2) * f / tp
+        mlp_elt = (
+            3 * f * self.top_k * tr.moe_load / (tp if sp else 1)
+            if self.moe
+            else (3 if mc.mlp == "swiglu" else 2) * f / tp
+        )
         elt_bytes = B * T * (10 * h / (tp if sp else 1) + 2 * (h / tp + self.kv_width(tp)) + mlp_elt)
         other = self.stack.other if self.kernels else 1.0  # a calibrated profile measured its own kernels
         elt_f = other * elt_bytes / mach.hbm
@@ -1108,14 +1263,25 @@ class CostModel:
             core_f = max(4.0 * T * s * h / tp / mach.flops, core_bytes / mach.hbm)
             core_b = (FLASH_BWD if tr.flash_attention else 2.0) * r / 2 * core_f
         layer_f = gemm_f + core_f + elt_f
-        lora_wgrad = 0.0  # LoRA: a frozen target computes no weight gradient (its adapters' rank-r GEMMs are left out)
+        lora_wgrad = (
+            0.0  # LoRA: a frozen target computes no weight gradient (its adapters' rank-r GEMMs are left out)
+        )
         if tr.lora_rank:
-            target_gemm = {"q": (h, h / tp), "k": (h, self.kv_width(tp)), "v": (h, self.kv_width(tp)), "o": (h / tp, h),
-                           "w1": (h, f / tp), "w3": (h, f / tp), "w2": (f / tp, h)}  # fmt: skip
+            target_gemm = {
+                "q": (h, h / tp),
+                "k": (h, self.kv_width(tp)),
+                "v": (h, self.kv_width(tp)),
+                "o": (h / tp, h),
+                "w1": (h, f / tp),
+                "w3": (h, f / tp),
+                "w2": (f / tp, h),
+            }
             lora_wgrad = r / 2 * sum(mach.gemm(T, *target_gemm[n], gemm_b) for n in tr.lora_targets)
         # backward: GEMMs and elementwise 2x forward; a flash kernel recomputes the scores (2.5x)
         layer_b = r * (gemm_f + elt_f) + core_b - lora_wgrad
-        recomp = {"none": 0.0, "selective": core_f + self.stack.selective_gemms * gemm_f, "full": layer_f}[recompute]
+        recomp = {"none": 0.0, "selective": core_f + self.stack.selective_gemms * gemm_f, "full": layer_f}[
+            recompute
+        ]
         ops, c_op = self.ops, mach.op_time
         if ops is not None:  # the framework's per-operator cost: tp/cp/pp split FLOPs, not the op count; the
             # trainer's per-block hooks fire again in the recomputed forward (in proportion to its operators)
@@ -1123,25 +1289,44 @@ class CostModel:
             recomp += c_op * again + mach.microbatch_overhead * again / max(1.0, ops.layer_fb)
         n_tp = {"none": 4, "selective": 4, "full": 6}[recompute]
 
-        def tp_time(calls: dict[tuple[str, float], float]) -> float:  # each call: its collective + the layer's own cost
+        def tp_time(
+            calls: dict[tuple[str, float], float],
+        ) -> float:  # each call: its collective + the layer's own cost
             extra = mach.call_overhead.get("tp", 0.0)
-            return sum(k * (mach.collective(op, tp, size, tp, world or None) + extra) for (op, size), k in calls.items())
+            return sum(
+                k * (mach.collective(op, tp, size, tp, world or None) + extra)
+                for (op, size), k in calls.items()
+            )
 
         tp_layer = tp_time(self.tp_calls(tp, sp, recompute, mb, "layer", cp))
-        if tp_overlap and tp > 1:  # each collective cut in tp chunks, pipelined with its GEMM: the first chunk shows
+        if (
+            tp_overlap and tp > 1
+        ):  # each collective cut in tp chunks, pipelined with its GEMM: the first chunk shows
             gemms = gemm_f * (1 + r) + (gemm_f if recompute == "full" else 0.0)
             tp_layer = tp_layer / tp + max(0.0, tp_layer * (tp - 1) / tp - gemms)
         cp_layer = self._cp_layer_time(tp, cp, T, recompute, cp_mode, core_f, world) if cp > 1 else 0.0
         ep_layer = 0.0
         if self.moe and ep > 1:
             # rows of this rank's tokens (T_moe·k, at most the capacity's), the busiest rank receiving ``moe_load`` x
-            ep_layer = n_tp * mach.collective("all_to_all", ep, T_moe * self.top_k * h * B * tr.moe_load, tp * ep, world or None)
-            ep_layer += (n_tp - 2) // 2 * mach.latency("all_to_all", ep, tp * ep, world or None)  # the per-expert counts
-            ep_layer += (n_tp + (n_tp - 2) // 2) * mach.call_overhead.get("ep", 0.0)  # each call's cost in the layer
+            ep_layer = n_tp * mach.collective(
+                "all_to_all", ep, T_moe * self.top_k * h * B * tr.moe_load, tp * ep, world or None
+            )
+            ep_layer += (
+                (n_tp - 2) // 2 * mach.latency("all_to_all", ep, tp * ep, world or None)
+            )  # the per-expert counts
+            ep_layer += (n_tp + (n_tp - 2) // 2) * mach.call_overhead.get(
+                "ep", 0.0
+            )  # each call's cost in the layer
         head = (1 + r) * mach.gemm(T, h, mc.vocab_size / tp, gemm_b)
         head += other * 16 * T * mc.vocab_size / tp / mach.hbm
-        per_layer = {"compute": layer_f + layer_b, "recompute": recomp, "tp comm": tp_layer, "cp comm": cp_layer,
-                     "ep comm": ep_layer, "framework": c_op * ops.layer_fb if ops else 0.0}  # fmt: skip
+        per_layer = {
+            "compute": layer_f + layer_b,
+            "recompute": recomp,
+            "tp comm": tp_layer,
+            "cp comm": cp_layer,
+            "ep comm": ep_layer,
+            "framework": c_op * ops.layer_fb if ops else 0.0,
+        }
         first_tp = tp_time(self.tp_calls(tp, sp, recompute, mb, "first", cp))
         last_tp = tp_time(self.tp_calls(tp, sp, recompute, mb, "last", cp))
 
@@ -1150,14 +1335,23 @@ class CostModel:
             terms["compute"] += head if last else 0.0
             if ops:  # the head's operators; the trainer's per-micro-batch cost per block (saved-tensor and
                 # gradient hooks), and once more for the rest (embedding, head, loss, data)
-                terms["framework"] += (c_op * ops.fixed_fb if last else 0.0) + (layers + 1) * mach.microbatch_overhead
+                terms["framework"] += (c_op * ops.fixed_fb if last else 0.0) + (
+                    layers + 1
+                ) * mach.microbatch_overhead
             terms["tp comm"] += (first_tp if first else 0.0) + (last_tp if last else 0.0)
             return terms
 
         kinds = [(True, True)] if pp == 1 else [(True, False), (False, True)] + [(False, False)] * (pp > 2)
-        Ls, terms = max(((self.stage_layers(pp, f, la, split), stage(self.stage_layers(pp, f, la, split), f, la)) for f, la in kinds),
-                        key=lambda st: sum(st[1].values()))  # fmt: skip
-        t_w = Ls * (gemm_f * r / 2 - lora_wgrad)  # weight-gradient GEMMs: half of the backward GEMMs (trained ones)
+        Ls, terms = max(
+            (
+                (self.stage_layers(pp, f, la, split), stage(self.stage_layers(pp, f, la, split), f, la))
+                for f, la in kinds
+            ),
+            key=lambda st: sum(st[1].values()),
+        )
+        t_w = Ls * (
+            gemm_f * r / 2 - lora_wgrad
+        )  # weight-gradient GEMMs: half of the backward GEMMs (trained ones)
         return sum(terms.values()), t_w, terms
 
     def _dp_time(self, lay: Layout, m: int, t_mb: float, t_compute: float) -> float:
@@ -1178,7 +1372,9 @@ class CostModel:
         on a CPU the profile's measured share (gloo's thread waits beside the compute, but its copies
         and reductions take the same cores).
         """
-        total = self._dp_volume(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m, lay.world_size, lay.split)
+        total = self._dp_volume(
+            lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m, lay.world_size, lay.split
+        )
         if lay.zero == 3 and (lay.qwz or lay.hpz or lay.qgz):
             total = zeropp_time(self, lay, m)
         share = self.machine.comm_overlap(lay.world_size)
@@ -1189,10 +1385,14 @@ class CostModel:
         window = {0: t_b, 1: t_b + t_f, 2: t_b + t_f}.get(lay.zero, t_compute)
         if lay.zero == 3:
             units = max(self.zero3_units(lay.pp, lay.tp, s, lay.split)[0] for s in (False, True))
-            calls = units + (m * (2 * units - 1) if lay.pp == 1 else 0)  # a pipeline's gathers: zero3_stage_gathers
+            calls = units + (
+                m * (2 * units - 1) if lay.pp == 1 else 0
+            )  # a pipeline's gathers: zero3_stage_gathers
         else:
             dense, expert = self._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1)
-            calls = max(1, -(-int((dense + expert) * self.R) // int(self.train.bucket_bytes))) * (2 if lay.zero else 1)
+            calls = max(1, -(-int((dense + expert) * self.R) // int(self.train.bucket_bytes))) * (
+                2 if lay.zero else 1
+            )
         return exposed(total, calls, window, share)
 
     def _sync_time(self, lay: Layout) -> float:
@@ -1200,13 +1400,19 @@ class CostModel:
         dp, the gradient norm summed over tp, over the ZeRO group and over pp, and the loss
         broadcast over pp."""
         mach, world = self.machine, lay.world_size
-        calls = [("all_reduce", lay.dp * lay.cp, lay.tp * lay.cp * lay.dp), ("all_reduce", lay.tp, lay.tp),
-                 ("all_reduce", lay.pp, world), ("all_reduce", lay.pp, world)]  # fmt: skip
+        calls = [
+            ("all_reduce", lay.dp * lay.cp, lay.tp * lay.cp * lay.dp),
+            ("all_reduce", lay.tp, lay.tp),
+            ("all_reduce", lay.pp, world),
+            ("all_reduce", lay.pp, world),
+        ]
         if lay.zero:
             calls.append(("all_reduce", lay.dp_shard * lay.cp, lay.tp * lay.cp * lay.dp_shard))
         return sum(mach.latency(op, n, span, world, synced=True) for op, n, span in calls)
 
-    def zero3_units(self, pp: int, tp: int = 1, last: bool = False, split: tuple[int, ...] = ()) -> tuple[int, float]:
+    def zero3_units(
+        self, pp: int, tp: int = 1, last: bool = False, split: tuple[int, ...] = ()
+    ) -> tuple[int, float]:
         """(units, parameters kept gathered from forward to backward) of ZeRO-3 on the first
         stage (``last``: the last), as Loom wraps it: every block, the modules before the blocks and
         those after them, merged when they share the tied embedding. Without a pipeline the last
@@ -1222,7 +1428,16 @@ class CostModel:
         return units, pc.final_norm + self.model.vocab_size * self.model.dim / tp
 
     def _dp_comm(
-        self, dp: int, ds: int, tp: int, pp: int, cp: int, ep_deg: int, zero: int, m: int, world: int = 0,
+        self,
+        dp: int,
+        ds: int,
+        tp: int,
+        pp: int,
+        cp: int,
+        ep_deg: int,
+        zero: int,
+        m: int,
+        world: int = 0,
         split: tuple[int, ...] = (),
     ) -> float:
         """Seconds of data-parallel / ZeRO collectives per step, as Loom issues them (with gradient
@@ -1244,10 +1459,14 @@ class CostModel:
         dense_l, expert_l = self._params_on(tp, pp, ep_deg, False, True)
         total = 0.0
         tpcp = tp * cp
-        if self.train.ps_shards:  # push then pull, each one message per (worker, server): the server's link carries
+        if (
+            self.train.ps_shards
+        ):  # push then pull, each one message per (worker, server): the server's link carries
             # W' Φ b / K per phase (W' = W, or W - 1 when server k lives in worker k), b = 4 (fp32)
             k, through = self.train.ps_shards, dp - (1 if self.train.ps_colocate else 0)
-            return 2 * mach.collective("p2p", 2, through * dense * 4 / k, tpcp * dp, wd) if through > 0 else 0.0
+            return (
+                2 * mach.collective("p2p", 2, through * dense * 4 / k, tpcp * dp, wd) if through > 0 else 0.0
+            )
         for phi, ep in ((max(dense, dense_l), 1), (max(expert, expert_l), ep_deg)):
             if phi <= 0:
                 continue
@@ -1258,7 +1477,10 @@ class CostModel:
                 continue
             ns = max(1, ds * cp // ep)
             span = tpcp * ds
-            lat_rs, lat_ag = mach.latency("reduce_scatter", ns, span, wd), mach.latency("all_gather", ns, span, wd)
+            lat_rs, lat_ag = (
+                mach.latency("reduce_scatter", ns, span, wd),
+                mach.latency("all_gather", ns, span, wd),
+            )
             rs = mach.collective("reduce_scatter", ns, phi * R, span, wd)
             if zero in (1, 2):  # the gather of the updated shards follows the optimizer, every rank in step
                 lat_ag = mach.latency("all_gather", ns, span, wd, synced=True)
@@ -1273,8 +1495,18 @@ class CostModel:
             total += self._grad_all_reduce(dp // ds, phi * R / ns, tpcp * dp, wd)
         return total
 
-    def _zero3_gathers(self, phi: float, ep: int, ns: int, span: int, world: int | None, tp: int, pp: int = 1,
-                       last_stage: bool = False, split: tuple[int, ...] = ()) -> float:  # fmt: skip
+    def _zero3_gathers(
+        self,
+        phi: float,
+        ep: int,
+        ns: int,
+        span: int,
+        world: int | None,
+        tp: int,
+        pp: int = 1,
+        last_stage: bool = False,
+        split: tuple[int, ...] = (),
+    ) -> float:
         """ZeRO-3 all-gathers of one micro-batch over ``ns`` ranks: forward, the stage's ``u`` units of
         Φ W bytes in all, ``u`` latencies; backward again, but for the kept unit (none in a pipeline)."""
         mach = self.machine
@@ -1298,7 +1530,9 @@ class CostModel:
             for phi, ep in ((dense, 1), (expert, lay.ep)):
                 if phi > 0:
                     ns = max(1, ns_dense // ep)
-                    t += self._zero3_gathers(phi, ep, ns, lay.tp * lay.cp * lay.dp_shard, wd, lay.tp, lay.pp, last, lay.split)
+                    t += self._zero3_gathers(
+                        phi, ep, ns, lay.tp * lay.cp * lay.dp_shard, wd, lay.tp, lay.pp, last, lay.split
+                    )
             calls = 2 * self.zero3_units(lay.pp, lay.tp, last, lay.split)[0]
             out = max(out, (t, calls))
         return out
@@ -1312,11 +1546,16 @@ class CostModel:
         if n <= 1 or size <= 0:
             return 0.0
         if algorithm == "native":
-            return mach.collective("all_reduce", n, size, span, world) + (calls - 1) * mach.latency("all_reduce", n, span, world)
+            return mach.collective("all_reduce", n, size, span, world) + (calls - 1) * mach.latency(
+                "all_reduce", n, span, world
+            )
         if algorithm == "butterfly" and n & (n - 1):  # refused by the rules; timed as a ring meanwhile
             algorithm = "ring"
         alpha, beta = mach.alpha_beta(n, span)
-        return collectives.time(algorithm, size, n, alpha, beta) + (calls - 1) * collectives.rounds(algorithm, n) * alpha
+        return (
+            collectives.time(algorithm, size, n, alpha, beta)
+            + (calls - 1) * collectives.rounds(algorithm, n) * alpha
+        )
 
     def estimate(self, lay: Layout) -> Estimate:
         """Full prediction for ``lay``; raises :class:`PlanError` if the layout is invalid."""
@@ -1332,8 +1571,19 @@ class CostModel:
         m = tr.global_batch // (lay.dp * lay.micro_batch)
         p = lay.pp
         world = lay.world_size
-        t_mb, t_w, terms = self._per_mb(lay.tp, lay.sp, lay.cp, lay.ep, lay.micro_batch, lay.recompute, p, world,
-                                        lay.cp_mode, lay.tp_overlap, lay.split)
+        t_mb, t_w, terms = self._per_mb(
+            lay.tp,
+            lay.sp,
+            lay.cp,
+            lay.ep,
+            lay.micro_batch,
+            lay.recompute,
+            p,
+            world,
+            lay.cp_mode,
+            lay.tp_overlap,
+            lay.split,
+        )
         w_share = t_w / t_mb
         if p == 1:
             idle = 0.0
@@ -1345,7 +1595,9 @@ class CostModel:
             idle = p - 1.0
         time = {k: m * val for k, val in terms.items()}
         gathers = 0.0  # ZeRO-3 in a pipeline: each micro-batch's gathers, prefetched under its stage compute
-        if p > 1 and lay.zero == 3 and not (lay.qwz or lay.hpz or lay.qgz):  # ZeRO++: zeropp_time counts its own
+        if (
+            p > 1 and lay.zero == 3 and not (lay.qwz or lay.hpz or lay.qgz)
+        ):  # ZeRO++: zeropp_time counts its own
             g, calls = self.zero3_stage_gathers(lay)
             gathers = exposed(g, calls, t_mb, mach.comm_overlap(world) if lay.dp_overlap else 0.0)
         time["pp bubble"] = idle * (t_mb + gathers)
@@ -1354,7 +1606,9 @@ class CostModel:
             B = self.act_bytes
             msg = lay.micro_batch * tr.seq_len / lay.cp * self.model.dim * B / lay.tp
             span = lay.tp * lay.cp * lay.dp * p
-            time["pp p2p"] = 2 * m * lay.v * mach.collective("p2p", 2, msg, span, synced=True)  # the receiver waits
+            time["pp p2p"] = (
+                2 * m * lay.v * mach.collective("p2p", 2, msg, span, synced=True)
+            )  # the receiver waits
         partial = self.tp_partial_params(lay.tp, lay.sp, p, p == 1, lay.ep) * self.R
         time["tp comm"] += mach.collective("all_reduce", lay.tp, partial, lay.tp, world)
         time["step sync"] = self._sync_time(lay)
@@ -1371,11 +1625,17 @@ class CostModel:
         else:  # its bytes over the memory bandwidth, or its arithmetic where that is slower (8-bit Adam on a CPU)
             rate = mach.optimizer_rates.get(tr.optimizer, 0.0)
             time["optimizer"] = max(local * ADAM_BYTES / mach.hbm, local / rate if rate > 0 else 0.0)
-        if self.ops is not None:  # the optimizer's operators (foreach calls, or per-parameter ones: adafactor)
-            time["optimizer"] += mach.op_time * self.ops.optimizer(self.stage_layers(p, True, p == 1, lay.split))
+        if (
+            self.ops is not None
+        ):  # the optimizer's operators (foreach calls, or per-parameter ones: adafactor)
+            time["optimizer"] += mach.op_time * self.ops.optimizer(
+                self.stage_layers(p, True, p == 1, lay.split)
+            )
         time["cpu bound"] = 0.0
         if self.cpu_model is not None:  # the cores cannot run more than their share of every rank's CPU work
-            time["cpu bound"] = max(0.0, self.cpu_model.cpu_demand(lay, mem, breakdown, stage) - sum(time.values()))
+            time["cpu bound"] = max(
+                0.0, self.cpu_model.cpu_demand(lay, mem, breakdown, stage) - sum(time.values())
+            )
         step = sum(time.values())
         tokens = tr.global_batch * tr.seq_len
         world = lay.world_size
@@ -1404,7 +1664,9 @@ class CostModel:
     def cpu_demand(self, lay: Layout, mem: float, breakdown: dict[str, float], stage: str) -> float:
         """Seconds of one rank's work in a step, without the pipeline bubble (a waiting rank spends
         nothing): on a CPU twin (:meth:`Profile.cpu_twin`) the rank's CPU demand."""
-        return sum(v for k, v in self.timed(lay, mem, breakdown, stage).time_breakdown.items() if k != "pp bubble")
+        return sum(
+            v for k, v in self.timed(lay, mem, breakdown, stage).time_breakdown.items() if k != "pp bubble"
+        )
 
 
 def exposed(total: float, calls: int, window: float, share: float) -> float:

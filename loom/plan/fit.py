@@ -63,14 +63,21 @@ def objective(errs: list[float]) -> float:
 
 def current(runs: list[PublishedRun]) -> Params:
     """The constants as they stand, for the devices and stacks ``runs`` use."""
-    p: Params = {f"achievable:{d}": hw.DEVICES[d].achievable for d in sorted({r.cluster.device.name for r in runs})}
+    p: Params = {
+        f"achievable:{d}": hw.DEVICES[d].achievable for d in sorted({r.cluster.device.name for r in runs})
+    }
     p["k0"] = float(hw.GEMM_K0)
     p.update({f"other:{s}": cost.STACKS[s].other for s in sorted({r.stack for r in runs})})
     return p
 
 
-def fit(runs: list[PublishedRun], start: Params, sweeps: int = 3, fixed: tuple[str, ...] = (),
-        score: Callable[[list[float]], float] = objective) -> Params:  # fmt: skip
+def fit(
+    runs: list[PublishedRun],
+    start: Params,
+    sweeps: int = 3,
+    fixed: tuple[str, ...] = (),
+    score: Callable[[list[float]], float] = objective,
+) -> Params:
     """Coordinate descent from ``start``: each free constant tried at x (1 + d) and x / (1 + d)
     for d = 0.2, 0.1, 0.05 (and again while it improves), the best kept."""
     best, best_score = dict(start), score(errors(runs, start))
@@ -90,7 +97,9 @@ def fit(runs: list[PublishedRun], start: Params, sweeps: int = 3, fixed: tuple[s
     return best
 
 
-def leave_one_file_out(runs: list[PublishedRun], start: Params, sweeps: int = 1) -> list[tuple[PublishedRun, float]]:
+def leave_one_file_out(
+    runs: list[PublishedRun], start: Params, sweeps: int = 1
+) -> list[tuple[PublishedRun, float]]:
     """Each file's runs predicted with constants fitted on the other files only."""
     out = []
     for name in sorted({r.file for r in runs}):

@@ -49,21 +49,34 @@ class DeviceSpec:
     fp8_flops: float  # peak dense FP8 tensor FLOP/s (0 = unsupported)
     hbm_bandwidth: float  # device memory bandwidth, bytes/s
     link_bandwidth: float  # intra-node device-to-device bandwidth per direction, bytes/s
-    achievable: float  # sustained fraction of peak of a large GEMM in training (fitted on published runs; module doc)
+    achievable: (
+        float  # sustained fraction of peak of a large GEMM in training (fitted on published runs; module doc)
+    )
     runtime_overhead_bytes: float = 1.0 * GiB  # context + library workspaces + comm buffers (assumption)
     sms: int = 0  # streaming multiprocessors (compute units) that GEMM tiles spread over; 0 = no wave model
-    tile: tuple[int, int] = (128, 256)  # output tile (rows, cols) of one GEMM thread block (cuBLAS/CUTLASS bf16)
+    tile: tuple[int, int] = (
+        128,
+        256,
+    )  # output tile (rows, cols) of one GEMM thread block (cuBLAS/CUTLASS bf16)
     flash_fwd: float = 0.0  # sustained fraction of peak of a flash-attention forward kernel (0 = achievable)
     flash_bwd: float = 0.0  # same, backward (counted as 2.5x the forward's FLOPs)
     nic_bandwidth: float = 50 * GB  # inter-node bandwidth per device per direction of its reference node
     # (DGX A100: one 200 Gb/s HDR HCA per GPU = 25 GB/s; DGX H100/H200/B200: one 400 Gb/s NDR = 50 GB/s)
-    op_overhead: float = 0.0  # framework cost per executed operator (Python, dispatch, autograd), s; charged on
+    op_overhead: float = (
+        0.0  # framework cost per executed operator (Python, dispatch, autograd), s; charged on
+    )
     # top of FLOPs and bytes where the host waits for each op (CPUs); 0 = hidden behind queued kernels (GPUs)
-    microbatch_overhead: float = 0.0  # the trainer's cost per block and micro-batch beyond the model's operators
+    microbatch_overhead: float = (
+        0.0  # the trainer's cost per block and micro-batch beyond the model's operators
+    )
     # (saved-tensor and gradient hooks, views), once more per micro-batch for the rest, s (loom plan calibrate --config)
-    optimizer_rates: tuple[tuple[str, float], ...] = ()  # (train.optimizer, shard elements/s of one step) where
+    optimizer_rates: tuple[
+        tuple[str, float], ...
+    ] = ()  # (train.optimizer, shard elements/s of one step) where
     # its arithmetic, not its bytes, sets the time (CPUs; absent: bytes / memory bandwidth)
-    comm_overlap: float = 0.8  # share of overlapped data-parallel traffic truly hidden: the rest slows compute (assumption;
+    comm_overlap: float = (
+        0.8  # share of overlapped data-parallel traffic truly hidden: the rest slows compute (assumption;
+    )
     # 0 on CPU: gloo runs on the same cores that compute, so nothing is hidden)
     source: str = ""  # the datasheet the numbers come from
 
@@ -107,7 +120,9 @@ DEVICES: dict[str, DeviceSpec] = {
             1555 * GB,
             300 * GB,
             0.73,
-            sms=108, flash_fwd=0.65, flash_bwd=0.50,
+            sms=108,
+            flash_fwd=0.65,
+            flash_bwd=0.50,
             nic_bandwidth=25 * GB,
             source=_NV_A100,
         ),
@@ -122,7 +137,9 @@ DEVICES: dict[str, DeviceSpec] = {
             2039 * GB,
             300 * GB,
             0.73,
-            sms=108, flash_fwd=0.65, flash_bwd=0.50,
+            sms=108,
+            flash_fwd=0.65,
+            flash_bwd=0.50,
             nic_bandwidth=25 * GB,
             source=_NV_A100,
         ),
@@ -139,7 +156,9 @@ DEVICES: dict[str, DeviceSpec] = {
             3350 * GB,
             450 * GB,
             0.58,
-            sms=132, flash_fwd=0.37, flash_bwd=0.30,
+            sms=132,
+            flash_fwd=0.37,
+            flash_bwd=0.30,
             source=_NV_H100,
         ),
         # H100 PCIe: 51 TF FP32, 378 TF32, 756 BF16/FP16, 1513 FP8; HBM2e 2.0 TB/s; GPUs of a
@@ -155,7 +174,9 @@ DEVICES: dict[str, DeviceSpec] = {
             2000 * GB,
             64 * GB,
             0.58,
-            sms=114, flash_fwd=0.37, flash_bwd=0.30,
+            sms=114,
+            flash_fwd=0.37,
+            flash_bwd=0.30,
             source=_NV_H100,
         ),
         # H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 4 900 GB/s total.
@@ -170,7 +191,9 @@ DEVICES: dict[str, DeviceSpec] = {
             4800 * GB,
             450 * GB,
             0.58,
-            sms=132, flash_fwd=0.37, flash_bwd=0.30,
+            sms=132,
+            flash_fwd=0.37,
+            flash_bwd=0.30,
             source=_NV_H200,
         ),
         # B200 (HGX B200 / 8): 1440 GB -> 180 GB, 64 TB/s -> 8 TB/s, FP32 75 TF, TF32 1.1 PF,
@@ -234,10 +257,17 @@ DEVICES: dict[str, DeviceSpec] = {
 # wins; None: a part whose name contains a known one but whose datasheet differs (H100 NVL: 94 GB,
 # other clocks; GH200 / GB200: Grace superchips), so it is measured, not given another part's peak.
 _NAME_RULES: tuple[tuple[tuple[str, ...], str | None], ...] = (
-    (("h100", "nvl"), None), (("gh200",), None), (("gb200",), None),
-    (("h100", "pcie"), "h100-pcie"), (("h100",), "h100-sxm"), (("h200",), "h200"), (("b200",), "b200"),
-    (("a100", "40gb"), "a100-40g"), (("a100",), "a100-80g"), (("mi300x",), "mi300x"),
-)  # fmt: skip
+    (("h100", "nvl"), None),
+    (("gh200",), None),
+    (("gb200",), None),
+    (("h100", "pcie"), "h100-pcie"),
+    (("h100",), "h100-sxm"),
+    (("h200",), "h200"),
+    (("b200",), "b200"),
+    (("a100", "40gb"), "a100-40g"),
+    (("a100",), "a100-80g"),
+    (("mi300x",), "mi300x"),
+)
 
 
 def device_key(name: str) -> str | None:
@@ -256,6 +286,8 @@ def mfu_peak(name: str, precision: str, tf32: bool) -> tuple[float, str] | None:
         return None
     kind = "tf32" if precision == "fp32" and tf32 else precision
     return DEVICES[key].peak_flops(kind), f"datasheet {key} {kind} ({DEVICES[key].source})"
+
+
 """Known accelerators by name. ``achievable`` (sustained fraction of peak of a large GEMM inside a
 training step, before tile/wave quantization) is not a datasheet number: A100 0.73 and H100 0.58
 are fitted on the published runs (``loom plan validate --published --fit``; the H100 value on
@@ -458,19 +490,27 @@ class Profile:
     gemm_flops: dict[str, float] = field(default_factory=dict)  # precision -> sustained FLOP/s
     hbm_bandwidth: float = 0.0  # measured copy bandwidth, bytes/s (0 = use the spec)
     compute_share: dict[str, float] = field(default_factory=dict)  # ranks at once -> speed vs alone
-    comm_overlap: dict[str, float] = field(default_factory=dict)  # ranks at once -> share of an async collective hidden
+    comm_overlap: dict[str, float] = field(
+        default_factory=dict
+    )  # ranks at once -> share of an async collective hidden
     backward_ratio: float = 0.0  # measured backward / forward time of the model (0 = 2, the FLOP ratio)
     moe_imbalance: float = 0.0  # a MoE config's calibration run: its moe_imbalance metric (0 = not measured)
     op_overhead: dict[str, float] = field(default_factory=dict)  # precision -> seconds per ATen operator
-    microbatch_overhead: float = 0.0  # the trainer's cost per block and micro-batch outside the counted operators, s
-    optimizer_rate: dict[str, float] = field(default_factory=dict)  # train.optimizer -> shard elements/s of a step
+    microbatch_overhead: float = (
+        0.0  # the trainer's cost per block and micro-batch outside the counted operators, s
+    )
+    optimizer_rate: dict[str, float] = field(
+        default_factory=dict
+    )  # train.optimizer -> shard elements/s of a step
     collectives: list[CollectiveFit] = field(default_factory=list)
     # seconds a tp or ep call costs through Loom's layers beyond its collective fit (autograd functions, buffers,
     # the counts' round trip, waits), wall and CPU, by kind ("tp", "ep"): loom.plan.calibrate.layer_call_excess
     call_overhead: dict[str, float] = field(default_factory=dict)
     call_overhead_cpu: dict[str, float] = field(default_factory=dict)
 
-    def collective(self, op: str, scope: str, group_size: int, world: int | None = None) -> CollectiveFit | None:
+    def collective(
+        self, op: str, scope: str, group_size: int, world: int | None = None
+    ) -> CollectiveFit | None:
         """The fit for ``op`` in ``scope`` with the nearest measured group size, then the nearest
         job size ``world`` (ranks sharing the machine change a collective's cost on CPUs)."""
         fits = [c for c in self.collectives if c.op == op and c.scope == scope]
@@ -499,9 +539,13 @@ class Profile:
                 alone[(c.op, c.scope, c.group_size)] = c
         if not alone:
             return None
-        fits = [dataclasses.replace(c, scope="intra" if c.scope == "cpu" else "synced") for c in alone.values()]
+        fits = [
+            dataclasses.replace(c, scope="intra" if c.scope == "cpu" else "synced") for c in alone.values()
+        ]
         # hidden or not, a call spends its CPU, and in its layer the layer's CPU
-        return dataclasses.replace(self, collectives=fits, comm_overlap={"1": 0.0}, call_overhead=dict(self.call_overhead_cpu))
+        return dataclasses.replace(
+            self, collectives=fits, comm_overlap={"1": 0.0}, call_overhead=dict(self.call_overhead_cpu)
+        )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -528,7 +572,12 @@ class Profile:
 
         def number(key: str) -> float:
             value = data.get(key, 0.0)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
                 raise HardwareError(f"profile.{key}: must be a finite number >= 0, got {value!r}")
             return float(value)
 
@@ -546,7 +595,9 @@ class Profile:
         for key in ("call_overhead", "call_overhead_cpu"):
             for kind in data.get(key, {}) if isinstance(data.get(key), dict) else ():
                 if kind not in CALL_KINDS:
-                    raise HardwareError(f"profile.{key}.{kind}: unknown kind; allowed: {', '.join(CALL_KINDS)}")
+                    raise HardwareError(
+                        f"profile.{key}.{kind}: unknown kind; allowed: {', '.join(CALL_KINDS)}"
+                    )
         return cls(
             device=data["device"],
             gemm_flops=numbers("gemm_flops"),
@@ -606,10 +657,16 @@ class Machine:
         self.flops = measured if measured > 0 else self.peak * dev.achievable
         self.measured_gemm = measured > 0
         self.hbm = profile.hbm_bandwidth if profile and profile.hbm_bandwidth > 0 else dev.hbm_bandwidth
-        self.call_overhead = dict(profile.call_overhead) if profile else {}  # kind (tp, ep) -> s added to each call
+        self.call_overhead = (
+            dict(profile.call_overhead) if profile else {}
+        )  # kind (tp, ep) -> s added to each call
         measured_op = profile.op_overhead.get(precision, 0.0) if profile else 0.0
         self.op_time = measured_op if measured_op > 0 else dev.op_overhead  # s per ATen operator
-        self.microbatch_overhead = profile.microbatch_overhead if profile and profile.microbatch_overhead else dev.microbatch_overhead
+        self.microbatch_overhead = (
+            profile.microbatch_overhead
+            if profile and profile.microbatch_overhead
+            else dev.microbatch_overhead
+        )
         self.optimizer_rates = dict(dev.optimizer_rates) | (profile.optimizer_rate if profile else {})
         self._overlap = profile.comm_overlap if profile else {}
 
@@ -650,7 +707,9 @@ class Machine:
         """``intra`` if a group whose ranks cover ``span`` consecutive ranks stays in one node."""
         return "intra" if span <= self.cluster.devices_per_node else "inter"
 
-    def collective(self, op: str, n: int, size: float, span: int, world: int | None = None, synced: bool = False) -> float:
+    def collective(
+        self, op: str, n: int, size: float, span: int, world: int | None = None, synced: bool = False
+    ) -> float:
         """Seconds for ``op`` over ``n`` devices on a message of ``size`` bytes (see class doc),
         in a job of ``world`` ranks (picks the profile's fit measured nearest that job size);
         ``synced``: a call between ranks already in step (the profile's back-to-back fit, if any)."""
@@ -717,7 +776,10 @@ class Machine:
         sms = self.cluster.device.sms
         if sms <= 0 or self.measured_gemm:
             return max(2.0 * batch * m * k * n / self.flops, memory)
-        tm, tn = (min(t, max(16, 2 ** math.ceil(math.log2(max(d, 1))))) for t, d in zip(self.cluster.device.tile, (m, n)))
+        tm, tn = (
+            min(t, max(16, 2 ** math.ceil(math.log2(max(d, 1)))))
+            for t, d in zip(self.cluster.device.tile, (m, n))
+        )
         tiles = math.ceil(batch - 1e-9) * math.ceil(m / tm - 1e-9) * math.ceil(n / tn - 1e-9)
         waves = math.ceil(tiles / sms - 1e-9)
         return max(waves * 2.0 * tm * tn * (k + GEMM_K0) * sms / self.flops, memory)

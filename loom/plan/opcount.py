@@ -50,9 +50,17 @@ class OpCounts:
 def tiny_config(model: ModelConfig, n_layers: int) -> ModelConfig:
     """``model``'s structure at counting size: same heads, norms, MLP, positions, biases and experts."""
     return dataclasses.replace(
-        model, n_layers=n_layers, attn_head_dim=HEAD_DIM, dim=HEAD_DIM * model.n_heads, ffn_dim=32,
-        multiple_of=8, vocab_size=64, max_seq_len=TOKENS, from_hf="", rope_scaling=0.0,
-    )  # fmt: skip
+        model,
+        n_layers=n_layers,
+        attn_head_dim=HEAD_DIM,
+        dim=HEAD_DIM * model.n_heads,
+        ffn_dim=32,
+        multiple_of=8,
+        vocab_size=64,
+        max_seq_len=TOKENS,
+        from_hf="",
+        rope_scaling=0.0,
+    )
 
 
 def _count(fn) -> int:
@@ -70,7 +78,9 @@ def _count(fn) -> int:
     return Counter.n
 
 
-def _model_counts(model: ModelConfig, moe: MoEConfig | None, optimizer: str, batch: int) -> tuple[int, int, int, int]:
+def _model_counts(
+    model: ModelConfig, moe: MoEConfig | None, optimizer: str, batch: int
+) -> tuple[int, int, int, int]:
     """(forward + backward under recompute none, selective, full; optimizer step) operators of the tiny model ``model``."""
     import torch
 
@@ -96,8 +106,12 @@ def _model_counts(model: ModelConfig, moe: MoEConfig | None, optimizer: str, bat
     lay = FlatLayout(params, 1, 0, decayed_ids(net))
     flat = lay.new_flat()
     lay.bind(flat)
-    opt = build_flat_optimizer([lay], [lay.shard_of(flat)], StateStore(flat.device),
-                               TrainConfig(optimizer=optimizer))  # type: ignore[arg-type]  # fmt: skip
+    opt = build_flat_optimizer(
+        [lay],
+        [lay.shard_of(flat)],
+        StateStore(flat.device),
+        TrainConfig(optimizer=optimizer),  # type: ignore[arg-type]
+    )
     grads = [torch.randn_like(lay.shard_of(flat))]
     opt.step(grads, 1e-3)  # the first step builds the state
     return fb[0], fb[1], fb[2], _count(lambda: opt.step(grads, 1e-3))
@@ -128,6 +142,10 @@ def _measure(model: ModelConfig, moe: MoEConfig | None, optimizer: str) -> OpCou
         torch.set_num_threads(threads)
     (fb1, sel1, full1, op1), (fb2, sel2, full2, op2) = one, two
     return OpCounts(
-        layer_fb=fb2 - fb1, layer_selective=sel2 - sel1, layer_full=full2 - full1, fixed_fb=2 * fb1 - fb2,
-        optimizer_layer=op2 - op1, optimizer_fixed=2 * op1 - op2,
-    )  # fmt: skip
+        layer_fb=fb2 - fb1,
+        layer_selective=sel2 - sel1,
+        layer_full=full2 - full1,
+        fixed_fb=2 * fb1 - fb2,
+        optimizer_layer=op2 - op1,
+        optimizer_fixed=2 * op1 - op2,
+    )

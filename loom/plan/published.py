@@ -35,9 +35,23 @@ VALIDATION_DIR = Path(__file__).resolve().parent / "validation"
 MEAN_TOLERANCE = 0.05  # the goal on the public set: mean |error| <= 5%, max <= 12%
 MAX_TOLERANCE = 0.12
 _RUN_KEYS = {
-    "name", "model", "stack", "cluster", "layout", "global_batch", "seq_len", "precision", "flash_attention",
-    "reduce_dtype", "tokens_per_s_per_gpu", "step_time_s", "tflops_per_gpu", "tflops_formula", "source", "note",
-}  # fmt: skip
+    "name",
+    "model",
+    "stack",
+    "cluster",
+    "layout",
+    "global_batch",
+    "seq_len",
+    "precision",
+    "flash_attention",
+    "reduce_dtype",
+    "tokens_per_s_per_gpu",
+    "step_time_s",
+    "tflops_per_gpu",
+    "tflops_formula",
+    "source",
+    "note",
+}
 _MEASURES = ("tokens_per_s_per_gpu", "step_time_s", "tflops_per_gpu")
 
 
@@ -96,9 +110,12 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
     nodes = -(-lay.world_size // per)
     cluster = ClusterSpec.single_node(dev, per, nodes, name=f"{dev.name}:{nodes}x{per}", **kw)
     w = Workload(
-        global_batch=int(row["global_batch"]), seq_len=int(row["seq_len"]), precision=row.get("precision", "bf16"),
-        reduce_dtype=row.get("reduce_dtype", "fp32"), flash_attention=bool(row.get("flash_attention", True)),
-    )  # fmt: skip
+        global_batch=int(row["global_batch"]),
+        seq_len=int(row["seq_len"]),
+        precision=row.get("precision", "bf16"),
+        reduce_dtype=row.get("reduce_dtype", "fp32"),
+        flash_attention=bool(row.get("flash_attention", True)),
+    )
     tokens = w.global_batch * w.seq_len
     if "tokens_per_s_per_gpu" in row:
         tps = float(row["tokens_per_s_per_gpu"])
@@ -106,7 +123,7 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
         tps = tokens / float(row["step_time_s"]) / lay.world_size
     else:
         if row.get("tflops_formula") != "megatron":
-            raise PlanError(f"{at}: tflops_per_gpu needs tflops_formula = \"megatron\" (the only one known)")
+            raise PlanError(f'{at}: tflops_per_gpu needs tflops_formula = "megatron" (the only one known)')
         tps = float(row["tflops_per_gpu"]) * 1e12 / megatron_flops_per_token(model, w.seq_len)
     return PublishedRun(str(name), model, str(row["stack"]), cluster, lay, w, tps, str(row["source"]), where)
 
@@ -166,22 +183,31 @@ def summary(rows: list[PublishedComparison]) -> tuple[float, float]:
 def format_published(rows: list[PublishedComparison]) -> str:
     head = ("run", "GPUs", "layout", "pred TFLOP/s", "publ TFLOP/s", "error", "mem GiB")
     cells = [head] + [
-        (r.run.name, str(r.run.gpus), r.run.layout.short() + f" mb{r.run.layout.micro_batch} {r.run.layout.recompute}",
-         f"{r.estimate.tflops_per_device:.1f}", f"{r.published_tflops:.1f}", f"{100 * r.error:+.1f}%",
-         f"{r.estimate.memory / 2**30:.0f}")
+        (
+            r.run.name,
+            str(r.run.gpus),
+            r.run.layout.short() + f" mb{r.run.layout.micro_batch} {r.run.layout.recompute}",
+            f"{r.estimate.tflops_per_device:.1f}",
+            f"{r.published_tflops:.1f}",
+            f"{100 * r.error:+.1f}%",
+            f"{r.estimate.memory / 2**30:.0f}",
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i in (0, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines = [
+        "  ".join(c.ljust(w) if i in (0, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     if rows:
         mean, worst = summary(rows)
-        lines.append(f"{len(rows)} published runs: mean |error| {100 * mean:.1f}%, max {100 * worst:.1f}% "
-                     f"(goal {100 * MEAN_TOLERANCE:.0f}% / {100 * MAX_TOLERANCE:.0f}%)")  # fmt: skip
+        lines.append(
+            f"{len(rows)} published runs: mean |error| {100 * mean:.1f}%, max {100 * worst:.1f}% "
+            f"(goal {100 * MEAN_TOLERANCE:.0f}% / {100 * MAX_TOLERANCE:.0f}%)"
+        )
     return "\n".join(lines)
 
 
 def sources(rows: list[PublishedRun]) -> str:
     return "\n".join(f"- {r.name}: {r.source}" for r in rows)
-
-

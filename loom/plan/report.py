@@ -189,7 +189,12 @@ def layout_of(cfg: LoomConfig) -> Layout:
         micro_batch=t.micro_batch,
         recompute=str(getattr(t, "recompute", "none")),
         offload=offload not in (False, None, "", "none"),
-        split=_split_of(str(getattr(p, "pp_layout", "") or ""), cfg.model.n_layers, p.pp, int(getattr(p, "virtual_stages", 1))),
+        split=_split_of(
+            str(getattr(p, "pp_layout", "") or ""),
+            cfg.model.n_layers,
+            p.pp,
+            int(getattr(p, "virtual_stages", 1)),
+        ),
         **zero3_options(p),  # parameter offload, ZeRO++ (loom.plan.zero_options)
     )
 

@@ -128,16 +128,28 @@ def search(
                     1 for d in divisors(dp) if d * cp > 1 and d not in shards
                 )
                 mbs = [b for b in divisors(gb // dp)]
-                modes = [m for m in CP_MODES if context_mode_problem(cm.facts, cp, m, tp) is None] if cp > 1 else ["allgather"]
-                rejected["cp_mode alltoall: query heads per tp rank not divisible by cp"] += len(CP_MODES) - len(modes) if cp > 1 else 0
+                modes = (
+                    [m for m in CP_MODES if context_mode_problem(cm.facts, cp, m, tp) is None]
+                    if cp > 1
+                    else ["allgather"]
+                )
+                rejected["cp_mode alltoall: query heads per tp rank not divisible by cp"] += (
+                    len(CP_MODES) - len(modes) if cp > 1 else 0
+                )
                 for ep, (zero, ds) in itertools.product(eps, zeros):
                     base = Layout(dp=dp, dp_shard=ds, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=tp > 1)
                     if len(modes) > 1:
                         base = _pick_cp_mode(cm, base, modes)
-                        rejected["cp_mode: another mode of the layout is faster (micro-batch 1)"] += len(modes) - 1
-                    splits = [()] + [sp_ for sp_ in [lighter_ends(L, pp)] if sp_]  # even, and lighter first/last
+                        rejected["cp_mode: another mode of the layout is faster (micro-batch 1)"] += (
+                            len(modes) - 1
+                        )
+                    splits = [()] + [
+                        sp_ for sp_ in [lighter_ends(L, pp)] if sp_
+                    ]  # even, and lighter first/last
                     for split in splits:
-                        n, c = _search_block(cm, cap, L, gb, ranked, rejected, dataclasses.replace(base, split=split), mbs)
+                        n, c = _search_block(
+                            cm, cap, L, gb, ranked, rejected, dataclasses.replace(base, split=split), mbs
+                        )
                         considered += n
                         if c is not None and (closest is None or c[0] < closest[0]):
                             closest = c
@@ -215,7 +227,9 @@ def _with(
     offload: bool = False,
 ) -> Layout:
     """``base`` with the inner choices set (every other field, ZeRO++ and overlap options included, kept)."""
-    return dataclasses.replace(b, schedule=schedule, v=v, micro_batch=micro_batch, recompute=recompute, offload=offload)
+    return dataclasses.replace(
+        b, schedule=schedule, v=v, micro_batch=micro_batch, recompute=recompute, offload=offload
+    )
 
 
 def lighter_ends(n_layers: int, pp: int) -> tuple[int, ...]:

@@ -81,9 +81,21 @@ def base_overrides(steps: int, corpus_mb: float | None = None) -> list[str]:
     """Short, quiet runs: ``steps`` steps, a metrics row every 2, no eval, no TensorBoard, one
     thread per rank (as calibrated; more threads than free cores make OpenMP spin)."""
     return [
-        "--train.steps", str(steps), "--train.log_every", "1", "--train.eval_every", "0",
-        "--train.warmup_steps", "1", "--run.tensorboard", "false", "--run.progress", "false", "--run.threads", "1",
-    ] + (["--data.max_corpus_mb", str(corpus_mb)] if corpus_mb else [])  # fmt: skip
+        "--train.steps",
+        str(steps),
+        "--train.log_every",
+        "1",
+        "--train.eval_every",
+        "0",
+        "--train.warmup_steps",
+        "1",
+        "--run.tensorboard",
+        "false",
+        "--run.progress",
+        "false",
+        "--run.threads",
+        "1",
+    ] + (["--data.max_corpus_mb", str(corpus_mb)] if corpus_mb else [])
 
 
 def run_layout(config: str, ranks: int, overrides: list[str], run_dir: str, timeout_s: float = 600) -> dict:
@@ -91,7 +103,18 @@ def run_layout(config: str, ranks: int, overrides: list[str], run_dir: str, time
     the fastest step after the first two (others' jobs on a shared machine only ever slow a step
     down; the minimum is the least disturbed) and ``step_times``, all of them. Raises with the run's
     stderr on failure."""
-    cmd = [sys.executable, "-m", "loom", "train", config, "--nproc", str(ranks), "--run.dir", run_dir, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loom",
+        "train",
+        config,
+        "--nproc",
+        str(ranks),
+        "--run.dir",
+        run_dir,
+        *overrides,
+    ]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     metrics = Path(run_dir) / "metrics.jsonl"
@@ -99,7 +122,9 @@ def run_layout(config: str, ranks: int, overrides: list[str], run_dir: str, time
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise RuntimeError(f"loom train {' '.join(overrides)} failed ({proc.returncode}):\n{tail}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    timed = rows[2:] if len(rows) > 3 else rows[1:] or rows  # the first steps warm up (allocator, autograd caches)
+    timed = (
+        rows[2:] if len(rows) > 3 else rows[1:] or rows
+    )  # the first steps warm up (allocator, autograd caches)
     times = [float(r["step_time_s"]) for r in timed]
     return rows[-1] | {"step_time_s": min(times), "step_times": times}
 
@@ -135,17 +160,36 @@ def compare(
 
 def format_comparisons(rows: list[Comparison]) -> str:
     """Aligned table with the two errors and a summary line."""
-    head = ("layout", "ranks", "step pred s", "step meas s", "err", "median s", "state pred B", "state meas B", "err")
+    head = (
+        "layout",
+        "ranks",
+        "step pred s",
+        "step meas s",
+        "err",
+        "median s",
+        "state pred B",
+        "state meas B",
+        "err",
+    )
     cells = [head] + [
         (
-            r.name, str(r.ranks), f"{r.pred_step_s:.4f}", f"{r.meas_step_s:.4f}", f"{100 * r.time_error:+.1f}%",
+            r.name,
+            str(r.ranks),
+            f"{r.pred_step_s:.4f}",
+            f"{r.meas_step_s:.4f}",
+            f"{100 * r.time_error:+.1f}%",
             f"{r.meas_median_s:.4f}" if r.meas_median_s else "-",
-            f"{r.pred_state_bytes:,.0f}", f"{r.meas_state_bytes:,.0f}", f"{100 * r.memory_error:+.2f}%",
+            f"{r.pred_state_bytes:,.0f}",
+            f"{r.meas_state_bytes:,.0f}",
+            f"{100 * r.memory_error:+.2f}%",
         )
         for r in rows
-    ]  # fmt: skip
+    ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     if rows:
         t_ok = sum(abs(r.time_error) <= TIME_TOLERANCE for r in rows)
@@ -192,19 +236,30 @@ def main(argv: list[str]) -> int:
     """``loom plan validate [--profile p.json] [--config debug.toml] [--steps N] [--only NAME ...] [--json] [--plot f.png]``,
     or ``loom plan validate --published [--sources] [--json]`` (no runs: the published-run table)."""
     p = argparse.ArgumentParser(prog="loom plan validate", description="predicted vs measured on local runs")
-    p.add_argument("--profile", help="calibration profile (loom plan calibrate); default: $LOOM_PROFILE or ./profile.json if present")
-    p.add_argument("--config", default=DEBUG_CONFIG, help="base training config (default: configs/debug.toml)")
+    p.add_argument(
+        "--profile",
+        help="calibration profile (loom plan calibrate); default: $LOOM_PROFILE or ./profile.json if present",
+    )
+    p.add_argument(
+        "--config", default=DEBUG_CONFIG, help="base training config (default: configs/debug.toml)"
+    )
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (each timed)")
     p.add_argument("--repeats", type=int, default=3, help="runs per layout; the fastest counts (default 3)")
     p.add_argument("--corpus-mb", type=float, default=0.5, help="data.max_corpus_mb of the runs")
     p.add_argument("--only", nargs="*", help=f"layout names: {', '.join(n for n, _, _ in LAYOUTS)}")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--plot", help="also draw predicted vs measured bars into this PNG")
-    p.add_argument("--published", action="store_true",
-                   help="instead: predicted vs published TFLOP/s per GPU of the runs in loom/plan/validation/*.toml")
+    p.add_argument(
+        "--published",
+        action="store_true",
+        help="instead: predicted vs published TFLOP/s per GPU of the runs in loom/plan/validation/*.toml",
+    )
     p.add_argument("--sources", action="store_true", help="with --published: also list each run's source")
-    p.add_argument("--fit", action="store_true",
-                   help="with --published: refit the fitted constants, and predict each file's runs from the others")
+    p.add_argument(
+        "--fit",
+        action="store_true",
+        help="with --published: refit the fitted constants, and predict each file's runs from the others",
+    )
     args = p.parse_args(argv)
     if args.published:
         from loom.plan.published import (
@@ -218,9 +273,23 @@ def main(argv: list[str]) -> int:
 
         published = compare_published()
         if args.json:
-            print(json.dumps([{"name": r.run.name, "gpus": r.run.gpus, "layout": r.run.layout.spec(), "stack": r.run.stack,
-                               "predicted_tflops": r.estimate.tflops_per_device, "published_tflops": r.published_tflops,
-                               "error": r.error, "source": r.run.source} for r in published]))  # fmt: skip
+            print(
+                json.dumps(
+                    [
+                        {
+                            "name": r.run.name,
+                            "gpus": r.run.gpus,
+                            "layout": r.run.layout.spec(),
+                            "stack": r.run.stack,
+                            "predicted_tflops": r.estimate.tflops_per_device,
+                            "published_tflops": r.published_tflops,
+                            "error": r.error,
+                            "source": r.run.source,
+                        }
+                        for r in published
+                    ]
+                )
+            )
         else:
             print(format_published(published))
             if args.sources:
@@ -233,12 +302,17 @@ def main(argv: list[str]) -> int:
                 refit = fit(runs, now)
                 errs = [abs(e) for e in errors(runs, refit)]
                 print("constants now:  " + ", ".join(f"{k}={v:.3g}" for k, v in now.items()))
-                print("refit:          " + ", ".join(f"{k}={v:.3g}" for k, v in refit.items())
-                      + f"  (mean {100 * sum(errs) / len(errs):.1f}%, max {100 * max(errs):.1f}%)")
+                print(
+                    "refit:          "
+                    + ", ".join(f"{k}={v:.3g}" for k, v in refit.items())
+                    + f"  (mean {100 * sum(errs) / len(errs):.1f}%, max {100 * max(errs):.1f}%)"
+                )
                 neutral = {k: 0.7 if k.startswith("achievable") else 128.0 if k == "k0" else 1.5 for k in now}
                 held = [abs(e) for _, e in leave_one_file_out(runs, neutral, sweeps=2)]
-                print(f"each file predicted from constants fitted on the others (from neutral starts): "
-                      f"mean {100 * sum(held) / len(held):.1f}%, max {100 * max(held):.1f}%")
+                print(
+                    f"each file predicted from constants fitted on the others (from neutral starts): "
+                    f"mean {100 * sum(held) / len(held):.1f}%, max {100 * max(held):.1f}%"
+                )
         mean, worst = summary(published)
         return 0 if mean <= MEAN_TOLERANCE and worst <= MAX_TOLERANCE else 1
     profile = Profile.load(args.profile) if args.profile else None
@@ -250,13 +324,22 @@ def main(argv: list[str]) -> int:
 
     def echo(c: Comparison) -> None:
         if not args.json:
-            print(f"  {c.name}: step {c.pred_step_s:.4f} vs {c.meas_step_s:.4f} s ({100 * c.time_error:+.1f}%; "
-                  f"median step {c.meas_median_s:.4f} s), "
-                  f"state {100 * c.memory_error:+.2f}%", flush=True)  # fmt: skip
+            print(
+                f"  {c.name}: step {c.pred_step_s:.4f} vs {c.meas_step_s:.4f} s ({100 * c.time_error:+.1f}%; "
+                f"median step {c.meas_median_s:.4f} s), "
+                f"state {100 * c.memory_error:+.2f}%",
+                flush=True,
+            )
 
-    rows = validate(layouts, args.config, profile, args.steps, args.corpus_mb, echo=echo, repeats=args.repeats)
+    rows = validate(
+        layouts, args.config, profile, args.steps, args.corpus_mb, echo=echo, repeats=args.repeats
+    )
     if args.json:
-        print(json.dumps([asdict(r) | {"time_error": r.time_error, "memory_error": r.memory_error} for r in rows]))
+        print(
+            json.dumps(
+                [asdict(r) | {"time_error": r.time_error, "memory_error": r.memory_error} for r in rows]
+            )
+        )
     else:
         print(format_comparisons(rows))
     if args.plot:  # with --json the note goes to stderr, stdout stays JSON
@@ -264,6 +347,8 @@ def main(argv: list[str]) -> int:
 
         print(f"wrote {draw_validation(rows, args.plot)}", file=sys.stderr if args.json else sys.stdout)
     if not args.json:
-        print(f"profile: {args.profile or 'default ($LOOM_PROFILE, ./profile.json or datasheet)'}; "
-              f"{time.perf_counter() - t0:.0f} s")
+        print(
+            f"profile: {args.profile or 'default ($LOOM_PROFILE, ./profile.json or datasheet)'}; "
+            f"{time.perf_counter() - t0:.0f} s"
+        )
     return 0 if all(abs(r.memory_error) <= MEMORY_TOLERANCE for r in rows) else 1

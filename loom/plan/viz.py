@@ -20,21 +20,51 @@ def draw_validation(rows: list[Comparison], out: str | Path) -> Path:
     x = list(range(len(rows)))
     names = [r.name for r in rows]
     panels = (
-        ("step time (ms)", [1e3 * r.pred_step_s for r in rows], [1e3 * r.meas_step_s for r in rows],
-         [r.time_error for r in rows], TIME_TOLERANCE),
-        ("rank-0 model state (KiB)", [r.pred_state_bytes / 1024 for r in rows],
-         [r.meas_state_bytes / 1024 for r in rows], [r.memory_error for r in rows], MEMORY_TOLERANCE),
-    )  # fmt: skip
+        (
+            "step time (ms)",
+            [1e3 * r.pred_step_s for r in rows],
+            [1e3 * r.meas_step_s for r in rows],
+            [r.time_error for r in rows],
+            TIME_TOLERANCE,
+        ),
+        (
+            "rank-0 model state (KiB)",
+            [r.pred_state_bytes / 1024 for r in rows],
+            [r.meas_state_bytes / 1024 for r in rows],
+            [r.memory_error for r in rows],
+            MEMORY_TOLERANCE,
+        ),
+    )
     for i, (label, pred, meas, errs, tol) in enumerate(panels):
         ax = fig.add_subplot(2, 1, i + 1)
         ax.bar([v - 0.2 for v in x], pred, width=0.4, label="predicted", color="#4878d0")
-        ax.bar([v + 0.2 for v in x], meas, width=0.4, label="measured (fastest step)" if i == 0 else "measured", color="#ee854a")
+        ax.bar(
+            [v + 0.2 for v in x],
+            meas,
+            width=0.4,
+            label="measured (fastest step)" if i == 0 else "measured",
+            color="#ee854a",
+        )
         if i == 0 and any(r.meas_median_s for r in rows):  # the typical step: how noisy the machine is
-            ax.scatter([v + 0.2 for v in x], [1e3 * r.meas_median_s for r in rows], marker="_", s=120,
-                       color="black", label="measured median step", zorder=3)  # fmt: skip
+            ax.scatter(
+                [v + 0.2 for v in x],
+                [1e3 * r.meas_median_s for r in rows],
+                marker="_",
+                s=120,
+                color="black",
+                label="measured median step",
+                zorder=3,
+            )
         for xi, top, err in zip(x, [max(a, b) for a, b in zip(pred, meas)], errs):
-            ax.text(xi, top, f"{100 * err:+.0f}%", ha="center", va="bottom", fontsize=7,
-                    color="black" if abs(err) <= tol else "#c03d3e")  # fmt: skip
+            ax.text(
+                xi,
+                top,
+                f"{100 * err:+.0f}%",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color="black" if abs(err) <= tol else "#c03d3e",
+            )
         ax.set_ylabel(label)
         ax.set_xticks(x)
         ax.set_xticklabels(names if i else [""] * len(x), rotation=30, ha="right", fontsize=8)
@@ -72,10 +102,21 @@ def draw_search(ranked: list, out: str | Path, top: int = 10) -> Path:
     ax.set_title(f"memory of the {len(best)} fastest layouts")
     ax.legend(fontsize=7)
     ax2 = fig.add_subplot(1, 2, 2)
-    ax2.scatter([e.memory / 2**30 for e in ranked], [e.tokens_per_s for e in ranked], s=8, alpha=0.4,
-                color="#4878d0", label=f"all {len(ranked)} fitting layouts")  # fmt: skip
-    ax2.scatter([e.memory / 2**30 for e in best], [e.tokens_per_s for e in best], s=30, color="#ee854a",
-                label=f"top {len(best)}")  # fmt: skip
+    ax2.scatter(
+        [e.memory / 2**30 for e in ranked],
+        [e.tokens_per_s for e in ranked],
+        s=8,
+        alpha=0.4,
+        color="#4878d0",
+        label=f"all {len(ranked)} fitting layouts",
+    )
+    ax2.scatter(
+        [e.memory / 2**30 for e in best],
+        [e.tokens_per_s for e in best],
+        s=30,
+        color="#ee854a",
+        label=f"top {len(best)}",
+    )
     ax2.set_xlabel("peak GiB per device")
     ax2.set_ylabel("predicted tokens/s")
     ax2.set_title("throughput vs memory")

@@ -28,8 +28,16 @@ def quantized(numel: float, n: int, bits: int = 8) -> float:
     return n * -(-int(numel // n) // BLOCK) * (BLOCK * bits // 8 + SCALE_BYTES)
 
 
-def zero3_bytes(units: list[int], n: int, b: int, k: int = 1, qwz: bool = False, hpz_group: int = 0,
-                qgz: bool = False, qgz_bits: int = 8) -> dict[str, float]:  # fmt: skip
+def zero3_bytes(
+    units: list[int],
+    n: int,
+    b: int,
+    k: int = 1,
+    qwz: bool = False,
+    hpz_group: int = 0,
+    qgz: bool = False,
+    qgz_bits: int = 8,
+) -> dict[str, float]:
     """Bytes per collective kind one rank sends per step (module formula); ``units`` in forward
     order, the last one kept gathered for backward."""
     frac, resharded = (n - 1) / n, units[:-1]
@@ -52,9 +60,12 @@ def zero3_options(p: Any) -> dict[str, Any]:
         return {}
     from loom.parallel.zero.options import hpz_size
 
-    return dict(offload_params=getattr(p, "offload_params", "none") != "none", qwz=bool(getattr(p, "zeropp_qwz", False)),
-                hpz=hpz_size(p) if getattr(p, "zeropp_hpz", False) else 0,
-                qgz=int(getattr(p, "zeropp_qgz_bits", 8)) if getattr(p, "zeropp_qgz", False) else 0)  # fmt: skip
+    return dict(
+        offload_params=getattr(p, "offload_params", "none") != "none",
+        qwz=bool(getattr(p, "zeropp_qwz", False)),
+        hpz=hpz_size(p) if getattr(p, "zeropp_hpz", False) else 0,
+        qgz=int(getattr(p, "zeropp_qgz_bits", 8)) if getattr(p, "zeropp_qgz", False) else 0,
+    )
 
 
 def zero3_memory(cm: Any, lay: Any, bd: dict[str, float], first: bool, last: bool) -> dict[str, float]:
@@ -62,9 +73,13 @@ def zero3_memory(cm: Any, lay: Any, bd: dict[str, float], first: bool, last: boo
     if getattr(lay, "offload_params", False):
         if bd["accumulation"] > 0:  # full gradients kept across micro-batches stay on the device
             bd["accumulation"] += bd["gradients"]
-        bd["weights"] = bd["gradients"] = bd["optimizer"] = bd["optimizer step"] = 0.0  # the step runs on the host
+        bd["weights"] = bd["gradients"] = bd["optimizer"] = bd["optimizer step"] = (
+            0.0  # the step runs on the host
+        )
         largest = max(u for u, _, _ in cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last))
-        bd["zero3 buffer"] += 2 * cm.W * largest / max(1, lay.dp_shard * lay.cp)  # staging: one gathering, one read ahead
+        bd["zero3 buffer"] += (
+            2 * cm.W * largest / max(1, lay.dp_shard * lay.cp)
+        )  # staging: one gathering, one read ahead
     if getattr(lay, "hpz", 0):
         dense, _ = cm._params_on(lay.tp, lay.pp, lay.ep, first, last)
         kept = cm.zero3_units(lay.pp, lay.tp)[1] if last else 0.0  # the unit kept gathered: no secondary
@@ -91,7 +106,11 @@ def zeropp_time(cm: Any, lay: Any, m: int) -> float:
         bwd = mach.collective("all_gather", ns, (dense - kept) * w, span, wd)
     bwd += (units - 2) * lat
     qg = (BLOCK * lay.qgz / 8 + SCALE_BYTES) / BLOCK  # bytes per gradient element, quantized
-    grads = mach.collective("all_to_all" if lay.qgz else "reduce_scatter", ns, dense * (qg if lay.qgz else R), span, wd)
+    grads = mach.collective(
+        "all_to_all" if lay.qgz else "reduce_scatter", ns, dense * (qg if lay.qgz else R), span, wd
+    )
     rep = lay.dp // max(1, lay.dp_shard)
-    replicas = mach.collective("all_reduce", rep, dense * R / ns, lay.tp * lay.cp * lay.dp, wd) if rep > 1 else 0.0
+    replicas = (
+        mach.collective("all_reduce", rep, dense * R / ns, lay.tp * lay.cp * lay.dp, wd) if rep > 1 else 0.0
+    )
     return m * (fwd + bwd) + grads + (units - 1) * mach.latency("reduce_scatter", ns, span, wd) + replicas

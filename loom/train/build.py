@@ -68,8 +68,13 @@ def build_mesh(cfg: LoomConfig, device_type: str) -> ParallelMesh:
     return ParallelMesh(ParallelDims.from_config(cfg.parallel), device_type)
 
 
-def build_run(cfg: LoomConfig, mesh: ParallelMesh, model: nn.Module, meter: CommMeter | None = None,
-              source: Source | None = None) -> Run:  # fmt: skip
+def build_run(
+    cfg: LoomConfig,
+    mesh: ParallelMesh,
+    model: nn.Module,
+    meter: CommMeter | None = None,
+    source: Source | None = None,
+) -> Run:
     """Parallelize ``model`` under ``cfg`` on ``mesh``; see the module docstring. ``model`` may be built
     whole, or on the meta device (``build_model(..., meta=True)``): then each parameter's values come
     from ``source(name, shape)`` (default: the layout-independent init of ``cfg.train.seed``).
@@ -88,17 +93,29 @@ def build_run(cfg: LoomConfig, mesh: ParallelMesh, model: nn.Module, meter: Comm
     return run
 
 
-def pipeline_run(pipe: PipelineModule, strategy: PipelineStrategy, loss_fn: LossFn,
-                 scaler: LossScaler | None = None) -> Run:  # fmt: skip
+def pipeline_run(
+    pipe: PipelineModule, strategy: PipelineStrategy, loss_fn: LossFn, scaler: LossScaler | None = None
+) -> Run:
     """A run whose forward and backward are the pipeline schedule's (:mod:`loom.parallel.pipeline.step`)."""
     from loom.parallel.pipeline import step as pipeline_step
 
-    return Run(pipe, strategy, loss_fn, partial(pipeline_step.forward_backward, pipe, strategy),
-               partial(pipeline_step.evaluate, pipe), scaler)  # fmt: skip
+    return Run(
+        pipe,
+        strategy,
+        loss_fn,
+        partial(pipeline_step.forward_backward, pipe, strategy),
+        partial(pipeline_step.evaluate, pipe),
+        scaler,
+    )
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: CommMeter | None = None,
-                source: Source | None = None) -> tuple[nn.Module, Strategy, LossFn]:  # fmt: skip
+def parallelize(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    cfg: LoomConfig,
+    meter: CommMeter | None = None,
+    source: Source | None = None,
+) -> tuple[nn.Module, Strategy, LossFn]:
     """(what this rank runs, its Strategy, the loss on its output): the dimensions of the module
     docstring, in order."""
     device = next(model.buffers()).device  # buffers are built on the run's device, also for a meta model
@@ -122,9 +139,14 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: Co
 
         apply_expert_parallel(model, mesh, meter)
     split = mesh.size("tp") > 1 and cfg.parallel.sp  # sequence parallelism: tp ranks route different tokens
-    configure_moe(model, (mesh.group("dp_cp"), mesh.group("tp")) if split else (mesh.group("dp_cp"),),
-                  1.0 / mesh.size("tp") if split else 1.0)  # MoE balancing statistics: over a micro-step's ranks  # fmt: skip
-    loss_fn: LossFn = getattr(model, "loss_fn", plain_loss_fn)  # tensor parallel: on vocabulary-sharded logits
+    configure_moe(
+        model,
+        (mesh.group("dp_cp"), mesh.group("tp")) if split else (mesh.group("dp_cp"),),
+        1.0 / mesh.size("tp") if split else 1.0,
+    )  # MoE balancing statistics: over a micro-step's ranks
+    loss_fn: LossFn = getattr(
+        model, "loss_fn", plain_loss_fn
+    )  # tensor parallel: on vocabulary-sharded logits
     pipe = None
     if mesh.size("pp") > 1:  # keep this rank's stages; the strategies below see only them
         from loom.parallel.pipeline.strategy import apply_pipeline
@@ -139,7 +161,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: Co
         source = lora_source(source, cfg.train.seed)
     if cfg.parallel.zero != 3:  # ZeRO-3 materializes unit by unit as it shards
         materialize(model, device, source)
-    if cfg.finetune.method == "qlora":  # the targets' frozen base weights into NF4 (ZeRO-3: materialized one by one)
+    if (
+        cfg.finetune.method == "qlora"
+    ):  # the targets' frozen base weights into NF4 (ZeRO-3: materialized one by one)
         from loom.finetune.nf4 import quantize_base
 
         quantize_base(model, partial(materialize, device=device, source=source))
@@ -149,14 +173,29 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: Co
         from loom.parallel.pipeline.strategy import PipelineStrategy
 
         p, path = cfg.parallel, f"{cfg.run.dir}/pipeline_timeline.png" if mesh.rank == 0 else None
-        strategy = PipelineStrategy(strategy, pipe, p.schedule, p.virtual_stages, mesh.group("tp"), meter,
-                                    p.vertical_sync, record_step=min(2, cfg.train.steps - 1), timeline_path=path,
-                                    timeout_s=cfg.run.timeout_s)  # fmt: skip
+        strategy = PipelineStrategy(
+            strategy,
+            pipe,
+            p.schedule,
+            p.virtual_stages,
+            mesh.group("tp"),
+            meter,
+            p.vertical_sync,
+            record_step=min(2, cfg.train.steps - 1),
+            timeline_path=path,
+            timeout_s=cfg.run.timeout_s,
+        )
     return model, strategy, loss_fn
 
 
-def data_parallel(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: CommMeter | None = None,
-                  fill: Fill | None = None, device: torch.device | None = None) -> Strategy:  # fmt: skip
+def data_parallel(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    cfg: LoomConfig,
+    meter: CommMeter | None = None,
+    fill: Fill | None = None,
+    device: torch.device | None = None,
+) -> Strategy:
     """The data-parallel strategy over ``dp × cp`` (cp ranks hold the same parameters too):
 
     - ``parallel.zero`` = 1-3: ZeRO over ``dp_shard × cp``, hybrid across ``dp_replicate``;
@@ -178,26 +217,58 @@ def data_parallel(model: nn.Module, mesh: ParallelMesh, cfg: LoomConfig, meter: 
     if p.dp_mode == "ps":  # co-located parameter servers (config refuses the layouts they cannot run)
         from loom.parallel.param_server import ColocatedParamServer
 
-        return ColocatedParamServer(model, mesh.group("dp_cp"), p.ps_shards, cfg.train, meter, cfg.run.timeout_s)
+        return ColocatedParamServer(
+            model, mesh.group("dp_cp"), p.ps_shards, cfg.train, meter, cfg.run.timeout_s
+        )
     if p.zero == 0 and not precision.needs_master_path(cfg):
-        return DataParallel(model, mesh.group("dp_cp"), meter, p.bucket_mb, reduce_dtype, mesh.group("tp"),
-                            optimizer=build_optimizer(model, cfg.train), allreduce=p.allreduce)  # fmt: skip
+        return DataParallel(
+            model,
+            mesh.group("dp_cp"),
+            meter,
+            p.bucket_mb,
+            reduce_dtype,
+            mesh.group("tp"),
+            optimizer=build_optimizer(model, cfg.train),
+            allreduce=p.allreduce,
+        )
     device = device or next(model.parameters()).device
     store = make_store(optimizer_offload(p), device, offload_dir(cfg), tag=f"rank{mesh.rank}")
     make_optimizer = partial(build_flat_optimizer, store=store, train_cfg=cfg.train)
     if p.zero == 0:
         if mesh.size("dp_shard") != 1:
             raise ValueError("parallel.zero = 0 needs a dp_shard group of one rank")
-        return ZeroDataParallel(model, 1 if mesh.size("pp") > 1 else 2, shard_group=mesh.group("dp_shard"),
-                                replicate_group=mesh.group("dp_cp"),  # = dp_replicate x cp, as dp_shard is one rank
-                                make_optimizer=make_optimizer, meter=meter, bucket_mb=p.bucket_mb,
-                                reduce_dtype=reduce_dtype, tp_group=mesh.group("tp"), allreduce=p.allreduce)  # fmt: skip
-    common: dict[str, Any] = dict(shard_group=mesh.group("dp_shard_cp"), replicate_group=mesh.group("dp_replicate"),
-                  make_optimizer=make_optimizer, meter=meter, reduce_dtype=reduce_dtype, tp_group=mesh.group("tp"),
-                  allreduce=p.allreduce)  # fmt: skip
+        return ZeroDataParallel(
+            model,
+            1 if mesh.size("pp") > 1 else 2,
+            shard_group=mesh.group("dp_shard"),
+            replicate_group=mesh.group("dp_cp"),  # = dp_replicate x cp, as dp_shard is one rank
+            make_optimizer=make_optimizer,
+            meter=meter,
+            bucket_mb=p.bucket_mb,
+            reduce_dtype=reduce_dtype,
+            tp_group=mesh.group("tp"),
+            allreduce=p.allreduce,
+        )
+    common: dict[str, Any] = dict(
+        shard_group=mesh.group("dp_shard_cp"),
+        replicate_group=mesh.group("dp_replicate"),
+        make_optimizer=make_optimizer,
+        meter=meter,
+        reduce_dtype=reduce_dtype,
+        tp_group=mesh.group("tp"),
+        allreduce=p.allreduce,
+    )
     if p.zero == 3:
-        return stage3_strategy(model, p, offload_dir(cfg), f"rank{mesh.rank}",  # offload_params, ZeRO++
-                               reshard_after_forward=p.reshard_after_forward, fill=fill, device=device, **common)
+        return stage3_strategy(
+            model,
+            p,
+            offload_dir(cfg),
+            f"rank{mesh.rank}",  # offload_params, ZeRO++
+            reshard_after_forward=p.reshard_after_forward,
+            fill=fill,
+            device=device,
+            **common,
+        )
     return ZeroDataParallel(model, p.zero, bucket_mb=p.bucket_mb, **common)
 
 

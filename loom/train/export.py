@@ -48,7 +48,9 @@ def load_model(model: nn.Module, path: str | Path) -> None:
         live = dict(model.named_parameters()) | dict(model.named_buffers())
         for k, v in state.items():
             if live[k].shape != v.shape:
-                raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, model expects {tuple(live[k].shape)}")
+                raise ValueError(
+                    f"{path}: {k} has shape {tuple(v.shape)}, model expects {tuple(live[k].shape)}"
+                )
             live[k].copy_(v)
 
 

@@ -235,8 +235,10 @@ def diagnose(
                 how = "exited" if b.get("exited") else "no longer running"
                 gone.append(f"rank {r} (pid {b['pid']} {how}, last at step {b['step']} in {b['phase']})")
             elif now - b["time"] > stale_after:
-                stale.append(f"rank {r} (pid {b['pid']}, silent for {now - b['time']:.1f} s, "
-                             f"last at step {b['step']} in {b['phase']})")  # fmt: skip
+                stale.append(
+                    f"rank {r} (pid {b['pid']}, silent for {now - b['time']:.1f} s, "
+                    f"last at step {b['step']} in {b['phase']})"
+                )
         return gone, stale
 
     gone, stale = classify()
@@ -246,8 +248,10 @@ def diagnose(
     while not gone and local and peer_closed(exc) and time.monotonic() < settle:
         time.sleep(0.05)
         gone, stale = classify()
-    head = (f"rank {rank}: collective failed after up to {timeout_s:.0f} s in {where(exc)} "
-            f"at step {mine.get('step', '?')} ({mine.get('phase', '?')})")  # fmt: skip
+    head = (
+        f"rank {rank}: collective failed after up to {timeout_s:.0f} s in {where(exc)} "
+        f"at step {mine.get('step', '?')} ({mine.get('phase', '?')})"
+    )
     dumps = sorted((Path(run_dir) / FLIGHT_RECORDER_DIR).glob("rank_*"))
     tail = f"; NCCL flight recorder: {dumps[0].parent}/rank_* ({len(dumps)} dumps)" if dumps else ""
     found = []
@@ -258,9 +262,13 @@ def diagnose(
     if found:
         return f"{head}; {'; '.join(found)}{tail}"
     if peer_closed(exc):
-        return (f"{head}; a peer closed its connection, but no rank's heartbeat shows it gone yet (a rank on "
-                f"another host that exited, or one killed less than {stale_after:.0f} s ago){tail}")  # fmt: skip
-    return f"{head}; every other rank's heartbeat is fresh (slow collective or a rank in a different one?){tail}"
+        return (
+            f"{head}; a peer closed its connection, but no rank's heartbeat shows it gone yet (a rank on "
+            f"another host that exited, or one killed less than {stale_after:.0f} s ago){tail}"
+        )
+    return (
+        f"{head}; every other rank's heartbeat is fresh (slow collective or a rank in a different one?){tail}"
+    )
 
 
 class NonFiniteError(FloatingPointError):

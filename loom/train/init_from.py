@@ -33,8 +33,10 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> str:
         theirs = expected_shapes(hf.config)
         for name, shape in mine.items():
             if theirs.get(name) != shape:
-                raise ConfigError(f"train.init_from: {p} holds {name} of shape {theirs.get(name)}, this model "
-                                  f"has {shape} (give the same model fields, or use model.from_hf)")  # fmt: skip
+                raise ConfigError(
+                    f"train.init_from: {p} holds {name} of shape {theirs.get(name)}, this model "
+                    f"has {shape} (give the same model fields, or use model.from_hf)"
+                )
         load_into(model, hf)
         return f"Hugging Face model {p}"
     from loom.checkpoint.load import CheckpointReader
@@ -46,7 +48,9 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> str:
             if key not in have:
                 raise ConfigError(f"train.init_from: {reader.dir} has no tensor {key}")
             if tuple(reader.global_shape(key)) != tuple(param.shape):
-                raise ConfigError(f"train.init_from: {key} has shape {tuple(reader.global_shape(key))} in "
-                                  f"{reader.dir}, this model has {tuple(param.shape)}")  # fmt: skip
+                raise ConfigError(
+                    f"train.init_from: {key} has shape {tuple(reader.global_shape(key))} in "
+                    f"{reader.dir}, this model has {tuple(param.shape)}"
+                )
             param.copy_(reader.read(key))
         return f"checkpoint {reader.dir} (step {reader.step})"

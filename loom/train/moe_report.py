@@ -58,9 +58,13 @@ class MoEReport:
             self.run_load[layer] += load / total * forwards  # weighted by forwards: the run's mean share
             imbalance = float(load.max() / load.mean())
             worst = max(worst, imbalance)
-            out |= {f"moe/l{layer}/load": (load / total).tolist(), f"moe/l{layer}/imbalance": imbalance,
-                    f"moe/l{layer}/dropped": dropped / total, f"moe/l{layer}/aux": aux / forwards,
-                    f"moe/l{layer}/z": z / forwards}  # fmt: skip
+            out |= {
+                f"moe/l{layer}/load": (load / total).tolist(),
+                f"moe/l{layer}/imbalance": imbalance,
+                f"moe/l{layer}/dropped": dropped / total,
+                f"moe/l{layer}/aux": aux / forwards,
+                f"moe/l{layer}/z": z / forwards,
+            }
         if out:
             out["moe_imbalance"] = worst
         return out

@@ -59,14 +59,21 @@ class WorkerMesh(ParallelMesh):
 
     def __init__(self, dims: ParallelDims, links: PSLinks, loss_group: Group, device_type: str) -> None:
         if dims.world_size != dims.dp or dims.dp != links.workers:
-            raise ValueError(f"dedicated parameter servers: the workers' mesh is dp = {links.workers} only, got {dims}")
+            raise ValueError(
+                f"dedicated parameter servers: the workers' mesh is dp = {links.workers} only, got {dims}"
+            )
         self.dims, self.device_type, self.links = dims, device_type, links
         self.distributed, self.rank = True, links.rank
         self.coords = dims.coords(links.rank)
         self.coords["ep"], self.coords["edp"] = 0, self.coords["dp"]
         self._device_mesh = None
         dp = links.worker_group
-        self._groups = {"dp_replicate": dp, "dp": dp, "dp_cp": loss_group, "edp": loss_group}  # one-rank dims: None
+        self._groups = {
+            "dp_replicate": dp,
+            "dp": dp,
+            "dp_cp": loss_group,
+            "edp": loss_group,
+        }  # one-rank dims: None
 
 
 def worker_mesh(cfg: C.LoomConfig, device_type: str) -> WorkerMesh:
@@ -77,7 +84,9 @@ def worker_mesh(cfg: C.LoomConfig, device_type: str) -> WorkerMesh:
     return WorkerMesh(ParallelDims.from_config(p), links, loss_group, device_type)
 
 
-def ps_worker(model: nn.Module, mesh: ParallelMesh, cfg: C.LoomConfig, meter: CommMeter | None = None) -> PSWorker:
+def ps_worker(
+    model: nn.Module, mesh: ParallelMesh, cfg: C.LoomConfig, meter: CommMeter | None = None
+) -> PSWorker:
     """This worker's strategy: pushes to and pulls from the servers over ``mesh.links``."""
     if not isinstance(mesh, WorkerMesh):
         raise TypeError("a worker of dedicated parameter servers trains on worker_mesh()")
@@ -110,8 +119,9 @@ def serve(cfg: C.LoomConfig, env) -> dict[str, float]:
         data = ensure_data(cfg, env, control)
         C.check_vocab(cfg, data.vocab_size)
         cfg.model.vocab_size = C.effective_vocab(cfg, data.vocab_size)
-        server = ParameterServer(server_model(cfg, device), links, sync_bound(p.ps_sync), cfg.train,
-                                 timeout_s=cfg.run.timeout_s)  # fmt: skip
+        server = ParameterServer(
+            server_model(cfg, device), links, sync_bound(p.ps_sync), cfg.train, timeout_s=cfg.run.timeout_s
+        )
         heartbeat.set(0, "checkpoint load")
         ckpts = TrainCheckpoints(cfg, run_dir, env.rank, env.world, server)
         done = ckpts.restore()
@@ -121,7 +131,9 @@ def serve(cfg: C.LoomConfig, env) -> dict[str, float]:
             server.serve()
             steps = (len(server.report.pushers) - before) // workers  # every worker pushes once per step
             if steps == 0:
-                raise RuntimeError(f"parameter server {server.k}: the workers paused at step {done} without a step")
+                raise RuntimeError(
+                    f"parameter server {server.k}: the workers paused at step {done} without a step"
+                )
             done += steps
             if done < cfg.train.steps:  # a periodic checkpoint paused the workers
                 heartbeat.set(done, "checkpoint save")
@@ -139,8 +151,17 @@ def serve(cfg: C.LoomConfig, env) -> dict[str, float]:
 def summary(server: ParameterServer) -> dict:
     """What a server saw over the run: rounds, pushes applied, staleness (largest, mean), pulls held, bytes through it."""
     r = server.report
-    return {"server": r.index, "sync": server.bound if isinstance(server.bound, str) else
-            ("asp" if server.bound is None else f"ssp:{server.bound}"), "rounds": r.rounds, "pushes": len(r.pushers),
-            "max_staleness": r.max_staleness, "mean_staleness": sum(r.staleness) / max(1, len(r.staleness)),
-            "max_missed": max(r.missed, default=0), "pulls_held": r.waits, "bytes_in": r.bytes_in,
-            "bytes_out": r.bytes_out}  # fmt: skip
+    return {
+        "server": r.index,
+        "sync": server.bound
+        if isinstance(server.bound, str)
+        else ("asp" if server.bound is None else f"ssp:{server.bound}"),
+        "rounds": r.rounds,
+        "pushes": len(r.pushers),
+        "max_staleness": r.max_staleness,
+        "mean_staleness": sum(r.staleness) / max(1, len(r.staleness)),
+        "max_missed": max(r.missed, default=0),
+        "pulls_held": r.waits,
+        "bytes_in": r.bytes_in,
+        "bytes_out": r.bytes_out,
+    }

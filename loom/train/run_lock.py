@@ -37,11 +37,17 @@ class RunLock:
         except BlockingIOError:
             holder = self._holder()
             os.close(self.fd)
-            raise ConfigError(f"run.dir: {self.dir} is in use by {holder}; wait for that run to end or choose "
-                              "another run.dir") from None  # fmt: skip
+            raise ConfigError(
+                f"run.dir: {self.dir} is in use by {holder}; wait for that run to end or choose "
+                "another run.dir"
+            ) from None
         os.ftruncate(self.fd, 0)
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "command": " ".join(sys.argv[:3])}  # fmt: skip
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv[:3]),
+        }
         os.write(self.fd, json.dumps(info).encode())
 
     def _holder(self) -> str:
@@ -62,4 +68,3 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
-

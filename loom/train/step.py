@@ -27,7 +27,16 @@ from loom.parallel.base import LossFn, StepResult, Strategy, Update, any_nonfini
 from loom.parallel.expert_parallel import rebalance_experts
 from loom.train.health import NonFiniteError
 
-__all__ = ["Run", "StepResult", "evaluate", "forward_backward", "optimizer_step", "plain_run", "scaler_stats", "train_step"]
+__all__ = [
+    "Run",
+    "StepResult",
+    "evaluate",
+    "forward_backward",
+    "optimizer_step",
+    "plain_run",
+    "scaler_stats",
+    "train_step",
+]
 
 Batch = tuple[torch.Tensor, ...]  # (tokens, targets), or with data.pack (tokens, targets, positions)
 
@@ -70,7 +79,9 @@ def scaler_stats(scaler: LossScaler | None) -> dict[str, float]:
 
 def plain_run(model: nn.Module, strategy: Strategy, loss_fn: LossFn, scaler: LossScaler | None = None) -> Run:
     """A run without pipeline parallelism: the micro-batch loop of :func:`forward_backward`."""
-    return Run(model, strategy, loss_fn, partial(forward_backward, model, strategy), partial(evaluate, model), scaler)
+    return Run(
+        model, strategy, loss_fn, partial(forward_backward, model, strategy), partial(evaluate, model), scaler
+    )
 
 
 def optimizer_step(strategy: Strategy, lr: float, max_norm: float, scaler: LossScaler | None = None) -> float:
@@ -99,8 +110,14 @@ def optimizer_step(strategy: Strategy, lr: float, max_norm: float, scaler: LossS
     return norm
 
 
-def forward_backward(model: nn.Module, strategy: Strategy, micro_batches: Sequence[Batch], loss_fn: LossFn,
-                     update: Update, loss_group: Group) -> StepResult:  # fmt: skip
+def forward_backward(
+    model: nn.Module,
+    strategy: Strategy,
+    micro_batches: Sequence[Batch],
+    loss_fn: LossFn,
+    update: Update,
+    loss_group: Group,
+) -> StepResult:
     """Accumulate over the micro-batches (loss / k each, no communication before the last), then
     ``update``, while the logged loss is averaged over ``loss_group`` (unmetered bookkeeping)."""
     k = len(micro_batches)
@@ -118,13 +135,21 @@ def forward_backward(model: nn.Module, strategy: Strategy, micro_batches: Sequen
     return StepResult(loss=float(total) / n, grad_norm=norm)
 
 
-def train_step(run: Run, micro_batches: Sequence[Batch], grad_clip: float, lr: float, loss_group: Group) -> StepResult:
+def train_step(
+    run: Run, micro_batches: Sequence[Batch], grad_clip: float, lr: float, loss_group: Group
+) -> StepResult:
     """One optimizer step of ``run`` on this rank's micro-batches of the global batch."""
     run.strategy.zero_grad()
     # MoE aux losses get each micro-batch loss's backward factor; bias balancing updates after the step
-    moe.begin_step(run.model, (run.scaler.scale if run.scaler is not None else 1.0) / max(1, len(micro_batches)))
-    res = run.forward_backward(micro_batches, run.train_loss_fn,
-                               lambda: optimizer_step(run.strategy, lr, grad_clip, run.scaler), loss_group)  # fmt: skip
+    moe.begin_step(
+        run.model, (run.scaler.scale if run.scaler is not None else 1.0) / max(1, len(micro_batches))
+    )
+    res = run.forward_backward(
+        micro_batches,
+        run.train_loss_fn,
+        lambda: optimizer_step(run.strategy, lr, grad_clip, run.scaler),
+        loss_group,
+    )
     moe.end_step(run.model)
     rebalance_experts(run.model)  # expert parallelism: replicate the hot experts (moe.rebalance_every)
     return res

@@ -116,10 +116,15 @@ def ensure_data(cfg: C.LoomConfig, env: RankEnv, control=None) -> PreparedData:
             if env.world == 1:
                 raise
             failure = e
-            error = str(e) if isinstance(e, C.ConfigError) else f"data.source: rank 0 failed to prepare it ({e!r})"
+            error = (
+                str(e)
+                if isinstance(e, C.ConfigError)
+                else f"data.source: rank 0 failed to prepare it ({e!r})"
+            )
     if env.world > 1:
-        verdict = broadcast_json({"error": error, "dir": str(prepared.dir) if prepared else ""}, env.rank, env.world,
-                                 control)  # fmt: skip
+        verdict = broadcast_json(
+            {"error": error, "dir": str(prepared.dir) if prepared else ""}, env.rank, env.world, control
+        )
         assert isinstance(verdict, dict)
         if failure is not None:
             raise failure
@@ -143,8 +148,10 @@ def check_data_record(run_dir: Path) -> None:
     except (UnicodeDecodeError, ValueError):
         record = None
     if not isinstance(record, dict) or not all(isinstance(v, str) for v in record.values()):
-        raise C.ConfigError(f"run.dir: {path} is not the JSON object of data hashes Loom writes; restore it, or start "
-                            "a new run.dir with --train.init_from")  # fmt: skip
+        raise C.ConfigError(
+            f"run.dir: {path} is not the JSON object of data hashes Loom writes; restore it, or start "
+            "a new run.dir with --train.init_from"
+        )
 
 
 def initial_model(cfg: C.LoomConfig, device: torch.device) -> tuple[torch.nn.Module, Source | None]:
@@ -173,7 +180,9 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.device = init_process_group(cfg, env)
         C.validate(cfg, env.world)
-        self.mesh = build_mesh(cfg, self.device.type)  # dedicated parameter servers: the workers' (loom.train.ps_run)
+        self.mesh = build_mesh(
+            cfg, self.device.type
+        )  # dedicated parameter servers: the workers' (loom.train.ps_run)
         self.run_dir = Path(cfg.run.dir)
         self.is_main = env.rank == 0
         if self.is_main:
@@ -195,8 +204,12 @@ class Trainer:
         if cfg.data.sources:  # a weighted mixture (all sources prepared by rank 0 already: this only loads)
             self.sampler = mixture_sampler(cfg, dp_rank, dp, pack_eot)
         val_set = TokenDataset(self.data.val_path, cfg.data.seq_len, pack_eot=pack_eot)
-        self.eval_set = self._my_tokens(eval_batches(val_set, cfg.train.eval_batches, cfg.train.micro_batch, dp_rank, dp))
-        self.loss_group = self.mesh.group("dp_cp")  # losses averaged over every rank of a different batch share
+        self.eval_set = self._my_tokens(
+            eval_batches(val_set, cfg.train.eval_batches, cfg.train.micro_batch, dp_rank, dp)
+        )
+        self.loss_group = self.mesh.group(
+            "dp_cp"
+        )  # losses averaged over every rank of a different batch share
         # the whole model's parameters (a meta build: no memory), not this rank's slices of them
         whole = build_model(cfg.model, cfg.train.seed, meta=True, moe=cfg.moe)
         self.n_params = count_params(whole)
@@ -235,9 +248,14 @@ class Trainer:
         c = self.cfg
         log.info(
             "model %.2fM params | world %d: %s | global batch %d x %d tokens, micro %d, accum %d",
-            self.n_params / 1e6, self.env.world, self.mesh, c.train.global_batch, c.data.seq_len,
-            c.train.micro_batch, C.grad_accum_steps(c),
-        )  # fmt: skip
+            self.n_params / 1e6,
+            self.env.world,
+            self.mesh,
+            c.train.global_batch,
+            c.data.seq_len,
+            c.train.micro_batch,
+            C.grad_accum_steps(c),
+        )
         log.info("MFU peak: %.1f GFLOP/s per rank (%s)", self.peak_flops / 1e9, self.peak_source)
 
     def _my_tokens(self, batches):
@@ -279,7 +297,9 @@ class Trainer:
                     res = train_step(self.run, batches, c.grad_clip, lr, self.loss_group)
             except NonFiniteError as e:
                 raise NonFiniteError(f"step {step + 1}: {e}") from None
-            if not C.ps_servers(self.cfg):  # (dedicated parameter servers do not reach the workers' step ends)
+            if not C.ps_servers(
+                self.cfg
+            ):  # (dedicated parameter servers do not reach the workers' step ends)
                 comm.verify_order()  # strict mode: every group's members issued the same collectives
             window_steps += 1
             bar.update(1)
@@ -289,24 +309,36 @@ class Trainer:
                 dt = time.perf_counter() - window_t
                 tps = tokens_per_step * window_steps / dt
                 row = {
-                    "step": step + 1, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
-                    "tokens_per_s": tps, "step_time_s": dt / window_steps,
+                    "step": step + 1,
+                    "loss": res.loss,
+                    "lr": lr,
+                    "grad_norm": res.grad_norm,
+                    "tokens_per_s": tps,
+                    "step_time_s": dt / window_steps,
                     "mfu": tps / self.env.world * self.flops_per_token / self.peak_flops,
-                    "peak_mem_bytes": peak_memory_bytes(self.device), **self.run.strategy.state_bytes(),
-                    **self.meter.snapshot(), **self.saved_acts.stats(), **scaler_stats(self.run.scaler),
+                    "peak_mem_bytes": peak_memory_bytes(self.device),
+                    **self.run.strategy.state_bytes(),
+                    **self.meter.snapshot(),
+                    **self.saved_acts.stats(),
+                    **scaler_stats(self.run.scaler),
                     **(self.moe_report.row() if self.moe_report is not None else {}),
-                    **getattr(self.run.strategy, "row", dict)(),  # a strategy's own figures (parameter servers: staleness)
-                }  # fmt: skip
+                    **getattr(
+                        self.run.strategy, "row", dict
+                    )(),  # a strategy's own figures (parameter servers: staleness)
+                }
                 self.saved_acts.reset_peak()
                 reset_peak_memory(self.device)  # peak_mem_bytes is per log window
                 if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
-                    row["eval_loss"] = self.run.evaluate(self._to_device(self.eval_set), self.run.loss_fn,
-                                                         self.loss_group)  # fmt: skip
+                    row["eval_loss"] = self.run.evaluate(
+                        self._to_device(self.eval_set), self.run.loss_fn, self.loss_group
+                    )
                 if self.is_main and step + 1 == c.steps:  # the planner's prediction beside the measurement
                     _add_plan(self.cfg, self.env.world, row)
                 self.metrics.write(row)
                 if self.is_main:
-                    bar.write(step_line(row) + (f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""))
+                    bar.write(
+                        step_line(row) + (f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row else "")
+                    )
                 last = row
                 window_t, window_steps = time.perf_counter(), 0
             done = step + 1
@@ -331,7 +363,9 @@ class Trainer:
         layout (ZeRO-3, tensor and pipeline shards are assembled by the checkpoint reader)."""
         if self.is_main:
             out = self.run_dir / "checkpoints" / "final"
-            if self.cfg.finetune.method != "full" and self.ckpts.last_saved is not None:  # LoRA: the merged model
+            if (
+                self.cfg.finetune.method != "full" and self.ckpts.last_saved is not None
+            ):  # LoRA: the merged model
                 from loom.finetune.export import save_merged
 
                 save_merged(self.ckpts.last_saved[1], out / "model.safetensors")
@@ -353,8 +387,11 @@ def data_identity(data: PreparedData) -> dict[str, str]:
 
     meta = json.loads((Path(data.train_path).parent / "meta.json").read_text())
     digests = meta.get("sha256", {})
-    return {"tokenizer": hashlib.sha256(Path(data.tokenizer_path).read_bytes()).hexdigest(),
-            "train.bin": str(digests.get("train.bin", "")), "val.bin": str(digests.get("val.bin", ""))}  # fmt: skip
+    return {
+        "tokenizer": hashlib.sha256(Path(data.tokenizer_path).read_bytes()).hexdigest(),
+        "train.bin": str(digests.get("train.bin", "")),
+        "val.bin": str(digests.get("val.bin", "")),
+    }
 
 
 def check_same_data(run_dir: Path, identity: dict[str, str]) -> None:
@@ -382,8 +419,13 @@ def _add_plan(cfg: C.LoomConfig, world: int, row: dict) -> None:
 
         row.update(predicted_fields(cfg, world))
         state = held_state_bytes(row)
-        log.info("planner: step %.4g s predicted, %.4g measured | rank-0 state %.3f MiB predicted, %.3f measured",
-                 row["plan_step_time_s"], row["step_time_s"], row["plan_state_bytes"] / 2**20, state / 2**20)  # fmt: skip
+        log.info(
+            "planner: step %.4g s predicted, %.4g measured | rank-0 state %.3f MiB predicted, %.3f measured",
+            row["plan_step_time_s"],
+            row["step_time_s"],
+            row["plan_state_bytes"] / 2**20,
+            state / 2**20,
+        )
     except Exception as e:  # a planner problem must never break training
         log.warning("planner prediction unavailable: %s", e)
 

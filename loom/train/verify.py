@@ -43,16 +43,30 @@ MiB = 2**20
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loom plan verify", description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--config", required=True, help="a Loom TOML config or preset (its model and training settings)")
-    p.add_argument("--devices", "--world", type=int, dest="world", required=True, help="devices of the whole job")
+    p = argparse.ArgumentParser(
+        prog="loom plan verify", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
+    p.add_argument(
+        "--config", required=True, help="a Loom TOML config or preset (its model and training settings)"
+    )
+    p.add_argument(
+        "--devices", "--world", type=int, dest="world", required=True, help="devices of the whole job"
+    )
     p.add_argument("--device", help="the device the job runs on (8 per node), e.g. h100-sxm")
-    p.add_argument("--cluster", help="or a cluster: TOML file, a name in loom/configs/clusters, or DEVICE:NODESxPER")
-    p.add_argument("--layout", default="best", help="'best' (the planner's) or a layout line, e.g. "
-                   "'dp16 tp8 pp8 cp1 ep1 zero1 sp interleaved:v5 mb1 recompute:none'")  # fmt: skip
+    p.add_argument(
+        "--cluster", help="or a cluster: TOML file, a name in loom/configs/clusters, or DEVICE:NODESxPER"
+    )
+    p.add_argument(
+        "--layout",
+        default="best",
+        help="'best' (the planner's) or a layout line, e.g. "
+        "'dp16 tp8 pp8 cp1 ep1 zero1 sp interleaved:v5 mb1 recompute:none'",
+    )
     p.add_argument("--rank", type=int, default=0, help="the rank to build and step (default 0)")
     p.add_argument("--seq", type=int, default=256, help="sequence length of the step (default 256)")
-    p.add_argument("--microbatches", type=int, default=0, help="micro-batches of the step (default: the schedule's peak)")
+    p.add_argument(
+        "--microbatches", type=int, default=0, help="micro-batches of the step (default: the schedule's peak)"
+    )
     return p
 
 
@@ -76,7 +90,9 @@ def job_config(cfg: C.LoomConfig, lay: Layout, seq: int, m: int) -> C.LoomConfig
     cfg.train.steps = max(cfg.train.steps, 10)  # the pipeline records its timeline at step 3, never here
     if lay.pp > 1:  # the planner's blocks per stage (its split, or its default rule; no profiling run)
         counts = lay.split or (default_split(cfg.model.n_layers, lay.pp) if lay.v == 1 else ())
-        cfg.parallel.pp_layout = split_layout(counts) if counts else uniform_layout(cfg.model.n_layers, lay.pp * lay.v)
+        cfg.parallel.pp_layout = (
+            split_layout(counts) if counts else uniform_layout(cfg.model.n_layers, lay.pp * lay.v)
+        )
     cfg.data.seq_len = seq
     cfg.model.vocab_size = model_of(cfg).vocab_size
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq)
@@ -122,14 +138,20 @@ def measure(cfg: C.LoomConfig, rank: int, world: int) -> dict[str, float]:
         torch.ones(8, 8) @ torch.ones(8, 8)
         base = _rss()
         reset_peak_memory(cpu)
-        run = build_run(cfg, mesh, build_model(cfg.model, cfg.train.seed, cpu, meta=True, moe=cfg.moe), source=constant)
+        run = build_run(
+            cfg, mesh, build_model(cfg.model, cfg.train.seed, cpu, meta=True, moe=cfg.moe), source=constant
+        )
         t1 = time.perf_counter()
         g = torch.Generator().manual_seed(0)
         m = cfg.train.global_batch // (cfg.train.micro_batch * mesh.size("dp"))
         seq = cfg.data.seq_len // mesh.size("cp")
-        batches = [(torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, seq), generator=g),
-                    torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, seq), generator=g))
-                   for _ in range(m)]  # fmt: skip
+        batches = [
+            (
+                torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, seq), generator=g),
+                torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, seq), generator=g),
+            )
+            for _ in range(m)
+        ]
         saved = saved_activations(cfg, run.model, cpu)
         strategy = run.strategy
 
@@ -144,10 +166,17 @@ def measure(cfg: C.LoomConfig, rank: int, world: int) -> dict[str, float]:
         peak = peak_memory_bytes(cpu) - base
         state = strategy.state_bytes()
         return {
-            "parameters": state["param_bytes"], "gradients": state["grad_bytes"], "optimizer": state["optim_bytes"],
-            "saved activations": saved.peak, "peak": peak, "build_s": t1 - t0, "step_s": time.perf_counter() - t1,
-            "stage": mesh.local_rank("pp"), "microbatches": m, "transient": state.get("transient_peak_bytes", 0),
-        }  # fmt: skip
+            "parameters": state["param_bytes"],
+            "gradients": state["grad_bytes"],
+            "optimizer": state["optim_bytes"],
+            "saved activations": saved.peak,
+            "peak": peak,
+            "build_s": t1 - t0,
+            "step_s": time.perf_counter() - t1,
+            "stage": mesh.local_rank("pp"),
+            "microbatches": m,
+            "transient": state.get("transient_peak_bytes", 0),
+        }
     finally:
         dist.destroy_process_group()
 
@@ -158,16 +187,24 @@ def predict(cfg: C.LoomConfig, cluster: ClusterSpec, lay: Layout, stage: int, m:
     bd = cm.stage_memory(lay, stage, m)
     runtime = cluster.device.runtime_overhead_bytes
     return {
-        "parameters": bd["weights"], "gradients": bd["gradients"] + bd["accumulation"], "optimizer": bd["optimizer"],
-        "saved activations": bd["activations"] + bd["logits"], "peak": sum(bd.values()) - runtime,
-    }  # fmt: skip
+        "parameters": bd["weights"],
+        "gradients": bd["gradients"] + bd["accumulation"],
+        "optimizer": bd["optimizer"],
+        "saved activations": bd["activations"] + bd["logits"],
+        "peak": sum(bd.values()) - runtime,
+    }
 
 
 def table(measured: dict[str, float], predicted: dict[str, float]) -> tuple[str, bool]:
     """Rows of kind | predicted MiB | measured MiB | ratio | verdict, and whether every gate holds."""
     rows, ok = [f"{'kind':<18}{'predicted MiB':>15}{'measured MiB':>15}{'ratio':>8}  check"], True
-    for kind, tol in (("parameters", STATE_TOLERANCE), ("gradients", STATE_TOLERANCE),
-                      ("optimizer", STATE_TOLERANCE), ("saved activations", None), ("peak", PEAK_TOLERANCE)):  # fmt: skip
+    for kind, tol in (
+        ("parameters", STATE_TOLERANCE),
+        ("gradients", STATE_TOLERANCE),
+        ("optimizer", STATE_TOLERANCE),
+        ("saved activations", None),
+        ("peak", PEAK_TOLERANCE),
+    ):
         p, x = predicted[kind], measured[kind]
         ratio = x / p if p else (1.0 if x == 0 else float("inf"))
         verdict = "shown"
@@ -197,7 +234,9 @@ def main(argv: list[str], cluster_of) -> int:
         else:
             lay = Layout.parse(args.layout)
         if lay.world_size != args.world:
-            raise PlanError(f"--layout {lay.spec()!r} uses {lay.world_size} devices, --devices is {args.world}")
+            raise PlanError(
+                f"--layout {lay.spec()!r} uses {lay.world_size} devices, --devices is {args.world}"
+            )
         if not 0 <= args.rank < args.world:
             raise PlanError(f"--rank: must be in [0, {args.world}), got {args.rank}")
         m = args.microbatches or default_microbatches(lay)
@@ -206,16 +245,24 @@ def main(argv: list[str], cluster_of) -> int:
     except (C.ConfigError, PlanError, HardwareError) as e:
         print(f"loom plan verify: {e}", file=sys.stderr)
         return 2
-    print(f"verifying rank {args.rank} of {args.world} ({cluster.device.name}): {lay.spec()}, seq {args.seq}, "
-          f"{m} micro-batch{'es' * (m > 1)}", flush=True)  # fmt: skip
+    print(
+        f"verifying rank {args.rank} of {args.world} ({cluster.device.name}): {lay.spec()}, seq {args.seq}, "
+        f"{m} micro-batch{'es' * (m > 1)}",
+        flush=True,
+    )
     measured = measure(cfg, args.rank, args.world)
     predicted = predict(cfg, cluster, lay, int(measured["stage"]), m)
     text, ok = table(measured, predicted)
-    print(f"pipeline stage {int(measured['stage'])}; built in {measured['build_s']:.1f} s, "
-          f"stepped in {measured['step_s']:.1f} s")  # fmt: skip
+    print(
+        f"pipeline stage {int(measured['stage'])}; built in {measured['build_s']:.1f} s, "
+        f"stepped in {measured['step_s']:.1f} s"
+    )
     print(text)
-    print("verified: the planner's model states and peak hold for this rank" if ok else
-          "NOT verified: a measurement is outside its tolerance")  # fmt: skip
+    print(
+        "verified: the planner's model states and peak hold for this rank"
+        if ok
+        else "NOT verified: a measurement is outside its tolerance"
+    )
     return 0 if ok else 1
 
 

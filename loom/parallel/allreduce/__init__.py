@@ -51,8 +51,14 @@ class Completed:
         return True
 
 
-def all_reduce(t: torch.Tensor, group: Group, algorithm: str = "native", meter: CommMeter | None = None,
-               async_op: bool = False, trace: Trace | None = None):  # fmt: skip
+def all_reduce(
+    t: torch.Tensor,
+    group: Group,
+    algorithm: str = "native",
+    meter: CommMeter | None = None,
+    async_op: bool = False,
+    trace: Trace | None = None,
+):
     """Sum ``t`` in place over ``group`` with ``algorithm``; a work handle when ``async_op``.
 
     ``meter`` records one ``all_reduce`` of ``t``: the ring volume for ``native`` (what

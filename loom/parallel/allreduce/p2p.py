@@ -27,8 +27,9 @@ class Trace:
     received: int = 0
 
 
-def exchange(group: Group, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-             trace: Trace) -> None:  # fmt: skip
+def exchange(
+    group: Group, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], trace: Trace
+) -> None:
     """One round: post ``sends`` and ``recvs`` (tensor, group-local peer) as one batch and wait for it."""
     sends = [(t, p) for t, p in sends if t.numel()]
     recvs = [(t, p) for t, p in recvs if t.numel()]

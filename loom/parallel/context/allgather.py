@@ -76,8 +76,17 @@ class _GatheredAttention(Function):
         dv = torch.zeros(v.shape, dtype=dq.dtype, device=v.device)
         for qs, ks, causal, drop in _blocks(rank, cp, q.shape[2] // 2, drop_p, base):
             mask = None if docs is None else doc_mask(docs[:, qs], kdocs[:, ks], causal, q.dtype)
-            gq, gk, gv = attend_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
-                                         lse[:, :, qs], causal and mask is None, mask, drop)  # fmt: skip
+            gq, gk, gv = attend_backward(
+                dout[:, :, qs],
+                q[:, :, qs],
+                k[:, :, ks],
+                v[:, :, ks],
+                out[:, :, qs],
+                lse[:, :, qs],
+                causal and mask is None,
+                mask,
+                drop,
+            )
             dq[:, :, qs] += gq
             dk[:, :, ks] += gk
             dv[:, :, ks] += gv
@@ -89,7 +98,9 @@ class AllGatherCore(CpCore):
     local queries (B, a, T/cp, d), local keys and values (B, k, T/cp, d), optional local document ids
     (B, T/cp) -> (B, a, T/cp, d)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # (B, k, T/cp, d) -> (B, k, T, d): gather along the sequence (dim 2, via the batch-first helper)
         k = gather_seq(k.transpose(1, 2), self.group, self.meter).transpose(1, 2).contiguous()
         v = gather_seq(v.transpose(1, 2), self.group, self.meter).transpose(1, 2).contiguous()
@@ -100,4 +111,6 @@ class AllGatherCore(CpCore):
             comm.all_gather(kdocs.view(-1), docs.view(-1), self.group, self.meter)
             kdocs = kdocs.transpose(0, 1).reshape(docs.shape[0], -1)  # (B, T) rank-major like the keys
         base = draw_seed() if self.training and self.dropout > 0 else None
-        return _GatheredAttention.apply(q.contiguous(), k, v, docs, kdocs, self.rank, self.cp, self.dropout, base)
+        return _GatheredAttention.apply(
+            q.contiguous(), k, v, docs, kdocs, self.rank, self.cp, self.dropout, base
+        )

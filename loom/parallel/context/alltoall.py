@@ -60,19 +60,27 @@ def rank_major_positions(seq_len: int, cp: int, device: torch.device | str = "cp
     return torch.cat([local_positions(seq_len, cp, j, device) for j in range(cp)])
 
 
-def seq_to_heads(x: torch.Tensor, cp: int, order: torch.Tensor, group: Group, meter: CommMeter | None) -> torch.Tensor:
+def seq_to_heads(
+    x: torch.Tensor, cp: int, order: torch.Tensor, group: Group, meter: CommMeter | None
+) -> torch.Tensor:
     """(B, H, T/cp, d) of this rank's tokens -> (B, H/cp, T, d) of this rank's heads, rows in position
     order (``order``: the rank-major row of each position)."""
     B, H, t, d = x.shape
-    parts = _all_to_all(x.view(B, cp, H // cp, t, d).transpose(0, 1), group, meter)  # (cp sources, B, H/cp, t, d)
+    parts = _all_to_all(
+        x.view(B, cp, H // cp, t, d).transpose(0, 1), group, meter
+    )  # (cp sources, B, H/cp, t, d)
     return parts.permute(1, 2, 0, 3, 4).reshape(B, H // cp, cp * t, d).index_select(2, order)
 
 
-def heads_to_seq(x: torch.Tensor, cp: int, rows: torch.Tensor, group: Group, meter: CommMeter | None) -> torch.Tensor:
+def heads_to_seq(
+    x: torch.Tensor, cp: int, rows: torch.Tensor, group: Group, meter: CommMeter | None
+) -> torch.Tensor:
     """The inverse of :func:`seq_to_heads`: (B, H/cp, T, d) in position order -> (B, H, T/cp, d)
     (``rows``: the position of each rank-major row)."""
     B, h, T, d = x.shape
-    parts = x.index_select(2, rows).view(B, h, cp, T // cp, d).permute(2, 0, 1, 3, 4)  # (cp destinations, ...)
+    parts = (
+        x.index_select(2, rows).view(B, h, cp, T // cp, d).permute(2, 0, 1, 3, 4)
+    )  # (cp destinations, ...)
     return _all_to_all(parts, group, meter).transpose(0, 1).reshape(B, cp * h, T // cp, d)
 
 
@@ -109,7 +117,9 @@ class AllToAllCore(CpCore):
     local queries (B, a, T/cp, d), local keys and values (B, k, T/cp, d), optional local document ids
     (B, T/cp) -> (B, a, T/cp, d). Needs a % cp == 0 (config validation)."""
 
-    def __init__(self, group: Group, rank: int, cp: int, meter: CommMeter | None = None, dropout: float = 0.0) -> None:
+    def __init__(
+        self, group: Group, rank: int, cp: int, meter: CommMeter | None = None, dropout: float = 0.0
+    ) -> None:
         super().__init__(group, rank, cp, meter, dropout)
         self._orders: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -120,7 +130,9 @@ class AllToAllCore(CpCore):
             self._orders[key] = (torch.argsort(rows), rows)
         return self._orders[key]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         cp, group, meter = self.cp, self.group, self.meter
         order, rows = self._order(q.shape[2] * cp, q.device)
         f = kv_repeat(k.shape[1], cp)
@@ -132,8 +144,12 @@ class AllToAllCore(CpCore):
             docs = global_docs(docs.contiguous(), group, self.rank, cp, meter)
             every = torch.empty((cp, *docs.shape), dtype=docs.dtype, device=docs.device)
             comm.all_gather(every.view(-1), docs.view(-1), group, meter)
-            every = every.transpose(0, 1).reshape(docs.shape[0], -1).index_select(1, order)  # (B, T) by position
+            every = (
+                every.transpose(0, 1).reshape(docs.shape[0], -1).index_select(1, order)
+            )  # (B, T) by position
             mask = doc_mask(every, every, True, q.dtype)
         p = self.dropout if self.training else 0.0  # this rank's heads: masks from the cp-private stream
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p, enable_gqa=True)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p, enable_gqa=True
+        )
         return _HeadsToSeq.apply(y, cp, order, rows, group, meter)  # (B, a, T/cp, d)

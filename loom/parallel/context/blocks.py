@@ -48,7 +48,6 @@ Dropout = tuple[float, int]  # attention dropout p, the block's seed
 BLOCK_SEED = 0x9E3779B97F4A7C15  # odd 64-bit constant: block seeds far apart
 
 
-
 class CpCore(nn.Module):
     """What every context-parallel attention core holds: the cp group, this rank's place in it, the
     meter of its traffic and the attention dropout p. Subclasses take local queries (B, a, T/cp, d),
@@ -57,6 +56,7 @@ class CpCore(nn.Module):
     def __init__(self, group, rank: int, cp: int, meter=None, dropout: float = 0.0) -> None:
         super().__init__()
         self.group, self.rank, self.cp, self.meter, self.dropout = group, rank, cp, meter, dropout
+
 
 def draw_seed() -> int:
     """One 62-bit draw from the default generator: the base of a core call's block seeds (replayed
@@ -92,8 +92,13 @@ def global_docs(docs: torch.Tensor, group, rank: int, cp: int, meter=None) -> to
     comm.all_gather(every.view(-1), mine.view(-1), group, meter)
     starts = torch.cat([every[:, :, 0], every[:, :, 1].flip(0)]).T  # (B, 2cp): chunk g's starts, g = 0..2cp-1
     offset = starts.cumsum(1) - starts  # (B, 2cp) exclusive prefix
-    return torch.cat([docs[:, :c] + offset[:, rank : rank + 1],
-                      docs[:, c:] - first[:, None] + offset[:, 2 * cp - 1 - rank : 2 * cp - rank]], dim=1)  # fmt: skip
+    return torch.cat(
+        [
+            docs[:, :c] + offset[:, rank : rank + 1],
+            docs[:, c:] - first[:, None] + offset[:, 2 * cp - 1 - rank : 2 * cp - rank],
+        ],
+        dim=1,
+    )
 
 
 def doc_mask(docs_q: torch.Tensor, docs_k: torch.Tensor, causal: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -109,12 +114,20 @@ def _fused(q: torch.Tensor) -> bool:
     return q.device.type == "cpu"
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None = None,
-           drop: Dropout | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+    drop: Dropout | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: output (B, a, Tq, d) in q's dtype and log-sum-exp (B, a, Tq) in fp32, −∞ on rows
     the mask hides entirely (their output is 0). ``drop`` = (p, seed): attention dropout (module doc)."""
     if _fused(q) and drop is None:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask
+        )
         if mask is not None:  # the kernel reports lse 0 for a fully masked row
             hidden = torch.isinf(mask).all(-1).expand_as(lse)
             lse = lse.masked_fill(hidden, float("-inf"))
@@ -125,14 +138,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask
     return (p @ _acc(_repeat(v, q))).to(q.dtype), lse
 
 
-def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, causal: bool, mask: torch.Tensor | None = None,
-                    drop: Dropout | None = None):  # fmt: skip
+def attend_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+    drop: Dropout | None = None,
+):
     """dQ, dK, dV of one block given the rows' final ``out`` and ``lse`` (module formulas; ``drop``:
     the forward's dropout, its mask drawn again from the same seed)."""
     if _fused(q) and drop is None:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask)  # fmt: skip
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask
+        )
     scale = 1.0 / math.sqrt(q.shape[-1])
     kr, vr = _acc(_repeat(k, q)), _acc(_repeat(v, q))
     p = torch.exp(_scores(q, k, causal, mask) - _finite(lse).unsqueeze(-1))
@@ -148,7 +170,9 @@ def merge(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torc
     """Fold one block (out, lse) into the fp32 running (acc, acc_lse), in place (module formula)."""
     new = torch.logaddexp(acc_lse, lse)
     ref = _finite(new)
-    acc.mul_(torch.exp(acc_lse - ref).unsqueeze(-1)).add_(out.to(acc.dtype) * torch.exp(lse - ref).unsqueeze(-1))
+    acc.mul_(torch.exp(acc_lse - ref).unsqueeze(-1)).add_(
+        out.to(acc.dtype) * torch.exp(lse - ref).unsqueeze(-1)
+    )
     acc_lse.copy_(new)
 
 

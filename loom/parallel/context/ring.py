@@ -68,13 +68,21 @@ class _RingAttention(Function):
             works, nkv, ndocs = [], kv, kdocs
             if s < cp - 1:
                 nkv, ndocs = torch.empty_like(kv), None if docs is None else torch.empty_like(docs)
-                works = _exchange([kv] + ([kdocs] if docs is not None else []),
-                                  [nkv] + ([ndocs] if docs is not None else []), group, meter, nxt, prev)  # fmt: skip
+                works = _exchange(
+                    [kv] + ([kdocs] if docs is not None else []),
+                    [nkv] + ([ndocs] if docs is not None else []),
+                    group,
+                    meter,
+                    nxt,
+                    prev,
+                )
             src = (rank - s) % cp
             drop = None if base is None else (drop_p, block_seed(base, rank, src))
             for qs, ks, causal in chunk_blocks(rank, src, c):
                 mask = None if docs is None else doc_mask(docs[:, qs], kdocs[:, ks], causal, q.dtype)
-                o, m = attend(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal and mask is None, mask, drop)
+                o, m = attend(
+                    q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal and mask is None, mask, drop
+                )
                 merge(acc[:, :, qs], lse[:, :, qs], o, m)
             _finish(works)
             kv, kdocs = nkv, ndocs
@@ -108,8 +116,17 @@ class _RingAttention(Function):
             drop = None if base is None else (drop_p, block_seed(base, rank, src))
             for qs, ks, causal in chunk_blocks(rank, src, c):
                 mask = None if docs is None else doc_mask(docs[:, qs], kdocs[:, ks], causal, q.dtype)
-                gq, gk, gv = attend_backward(dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                             out[:, :, qs], lse[:, :, qs], causal and mask is None, mask, drop)  # fmt: skip
+                gq, gk, gv = attend_backward(
+                    dout[:, :, qs],
+                    q[:, :, qs],
+                    kv[0][:, :, ks],
+                    kv[1][:, :, ks],
+                    out[:, :, qs],
+                    lse[:, :, qs],
+                    causal and mask is None,
+                    mask,
+                    drop,
+                )
                 dq[:, :, qs] += gq
                 local[0][:, :, ks] += gk
                 local[1][:, :, ks] += gv
@@ -118,7 +135,18 @@ class _RingAttention(Function):
             kv, kdocs = nkv, ndocs
         home = torch.empty_like(dkv)  # the last hop: every accumulator back to its owner
         _finish(_exchange([dkv], [home], group, meter, nxt, prev))
-        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None, None, None, None
+        return (
+            dq.to(q.dtype),
+            home[0].to(k.dtype),
+            home[1].to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class RingCore(CpCore):
@@ -126,8 +154,16 @@ class RingCore(CpCore):
     local queries (B, a, T/cp, d), local keys and values (B, k, T/cp, d), optional local document ids
     (B, T/cp) -> (B, a, T/cp, d)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        docs = None if docs is None else global_docs(docs.contiguous(), self.group, self.rank, self.cp, self.meter)
+        docs = (
+            None
+            if docs is None
+            else global_docs(docs.contiguous(), self.group, self.rank, self.cp, self.meter)
+        )
         base = draw_seed() if self.training and self.dropout > 0 else None
-        return _RingAttention.apply(q, k, v, docs, self.group, self.meter, self.rank, self.cp, self.dropout, base)
+        return _RingAttention.apply(
+            q, k, v, docs, self.group, self.meter, self.rank, self.cp, self.dropout, base
+        )

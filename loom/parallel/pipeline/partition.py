@@ -26,11 +26,15 @@ def stage_sums(values: Sequence[float], bounds: Sequence[int]) -> list[float]:
     return [float(sum(values[a:b])) for a, b in itertools.pairwise(bounds)]
 
 
-def _validate(costs: Sequence[float], n_stages: int, mem: Sequence[float] | None, mem_limit: float | None) -> None:
+def _validate(
+    costs: Sequence[float], n_stages: int, mem: Sequence[float] | None, mem_limit: float | None
+) -> None:
     if n_stages < 1:
         raise ValueError(f"need at least one pipeline stage, got {n_stages}")
     if n_stages > len(costs):
-        raise ValueError(f"{n_stages} pipeline stages but only {len(costs)} layers (embedding and head included)")
+        raise ValueError(
+            f"{n_stages} pipeline stages but only {len(costs)} layers (embedding and head included)"
+        )
     if any(c < 0 for c in costs):
         raise ValueError("layer costs must be non-negative")
     if (mem is None) != (mem_limit is None):

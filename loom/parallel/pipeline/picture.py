@@ -28,8 +28,13 @@ COLORS: dict[Kind, str] = {
     Kind.STEP: "#303030",  # optimizer step: near black
 }
 IDLE = "#e6e6e6"
-LABELS = {Kind.F: "forward", Kind.B: "backward", Kind.BI: "backward (input grad)",
-          Kind.BW: "backward (weight grad)", Kind.STEP: "optimizer step"}
+LABELS = {
+    Kind.F: "forward",
+    Kind.B: "backward",
+    Kind.BI: "backward (input grad)",
+    Kind.BW: "backward (weight grad)",
+    Kind.STEP: "optimizer step",
+}
 
 
 def _shade(color: str, chunk: int) -> tuple[float, float, float]:
@@ -66,18 +71,33 @@ def draw_timeline(timeline: Timeline, path: str | Path, title: str = "pipeline s
             if dur > span / 300:
                 ax.broken_barh([(start, dur)], (e.rank - 0.4, 0.8), facecolors=COLORS[Kind.STEP], zorder=3)
             else:
-                ax.plot([start, start], [e.rank - 0.45, e.rank + 0.45], color=COLORS[Kind.STEP],
-                        linewidth=2.5, solid_capstyle="butt", zorder=3)
+                ax.plot(
+                    [start, start],
+                    [e.rank - 0.45, e.rank + 0.45],
+                    color=COLORS[Kind.STEP],
+                    linewidth=2.5,
+                    solid_capstyle="butt",
+                    zorder=3,
+                )
             continue
         if a.stage is None:
             raise ValueError(f"rank {e.rank}: {a} is a compute action without a stage")
         chunk = a.stage // n_ranks
         color = _shade(COLORS[a.kind], chunk)
-        ax.broken_barh([(start, dur)], (e.rank - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.6)
+        ax.broken_barh(
+            [(start, dur)], (e.rank - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.6
+        )
         if dur >= min_text:
             dark = sum(color) < 1.8
-            ax.text(start + dur / 2, e.rank, str(a.microbatch), ha="center", va="center",
-                    fontsize=7, color="white" if dark else "black")
+            ax.text(
+                start + dur / 2,
+                e.rank,
+                str(a.microbatch),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if dark else "black",
+            )
 
     ax.set_xlim(0, span * 1.005)
     ax.set_ylim(n_ranks - 0.5, -0.5)  # rank 0 on top, as in the papers
@@ -91,8 +111,14 @@ def draw_timeline(timeline: Timeline, path: str | Path, title: str = "pipeline s
     if len(chunks) > 1:
         handles.append(Patch(facecolor=_shade(COLORS[Kind.F], 1), label="later model chunk (lighter)"))
     handles.append(Patch(facecolor=IDLE, label="idle"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.05 * (n_ranks < 3)),
-              ncol=len(handles), frameon=False, fontsize=8)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.25 - 0.05 * (n_ranks < 3)),
+        ncol=len(handles),
+        frameon=False,
+        fontsize=8,
+    )
     ax.set_title(f"{title} — bubble {timeline.bubble:.1%}, makespan {timeline.makespan:.4g}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)

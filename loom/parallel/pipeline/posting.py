@@ -109,7 +109,9 @@ def nccl_check(schedule: Schedule, plans: Sequence[list[Issue]] | None = None) -
     for (src, dst), idx in sends.items():
         other = recvs.get((src, dst), [])
         if len(other) != len(idx):
-            raise ScheduleError(f"rank {src} sends {len(idx)} messages to rank {dst}, which receives {len(other)}")
+            raise ScheduleError(
+                f"rank {src} sends {len(idx)} messages to rank {dst}, which receives {len(other)}"
+            )
         for i, j in zip(idx, other):
             partner[(src, i)], partner[(dst, j)] = (dst, j), (src, i)
 
@@ -161,8 +163,10 @@ def nccl_check(schedule: Schedule, plans: Sequence[list[Issue]] | None = None) -
                     complete[r].add(it)
                     head[r][link] += 1
                     moved = True
-        if all(done_c[r] == len(computes[r]) and all(head[r][k] == len(q) for k, q in streams[r].items())
-               for r in range(p)):  # fmt: skip
+        if all(
+            done_c[r] == len(computes[r]) and all(head[r][k] == len(q) for k, q in streams[r].items())
+            for r in range(p)
+        ):
             return
         if not moved:
             waits = []

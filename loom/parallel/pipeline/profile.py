@@ -53,8 +53,12 @@ class LayerProfile:
     param_bytes: list[int]
 
 
-def _time(fn: Callable[[], tuple[torch.Tensor, torch.Tensor | None]], device: torch.device, repeats: int,
-          params: set[int]) -> tuple[float, float, int]:  # fmt: skip
+def _time(
+    fn: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+    device: torch.device,
+    repeats: int,
+    params: set[int],
+) -> tuple[float, float, int]:
     """fn() -> (output, grad or None); returns median forward s, median backward s, saved bytes."""
     fwd, bwd, saved = [], [], 0
     for i in range(repeats + 1):
@@ -100,9 +104,15 @@ def _real(params: list[nn.Parameter], device: torch.device) -> Iterator[None]:
             swap_in(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
 
 
-def profile_model(model: nn.Module, micro_batch: int, seq_len: int,
-                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], repeats: int = 3,
-                  seq_div: int = 1, cp: int = 1) -> LayerProfile:  # fmt: skip
+def profile_model(
+    model: nn.Module,
+    micro_batch: int,
+    seq_len: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    repeats: int = 3,
+    seq_div: int = 1,
+    cp: int = 1,
+) -> LayerProfile:
     """Time every unit of a Llama ``Transformer`` on its device with a (micro_batch, seq_len / cp)
     batch (a context-parallel rank's tokens; blocks see seq_len / seq_div positions: that, cut
     again by tp under sequence parallelism)."""
@@ -111,13 +121,17 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int,
     device, cfg = next(model.buffers()).device, tf.cfg  # buffers are real also when parameters are on meta
     g = torch.Generator(device="cpu").manual_seed(0)
     host = torch.device("cpu")  # drawn on the host from a seeded generator: the same inputs on any device
-    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len // cp), generator=g, device=host).to(device)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len // cp), generator=g, device=host).to(
+        device
+    )
     h = torch.randn(micro_batch, seq_len // seq_div, cfg.dim, generator=g, device=host).to(device, p0.dtype)
     dh = torch.randn(micro_batch, seq_len // seq_div, cfg.dim, generator=g, device=host).to(device, p0.dtype)
     prof = LayerProfile([], [], [], [], [])
 
     def add(name: str, module_params: list[nn.Parameter], fn) -> None:
-        with _real(module_params, device):  # a model built on meta: this unit's parameters, for its timing only
+        with _real(
+            module_params, device
+        ):  # a model built on meta: this unit's parameters, for its timing only
             params = {p.data_ptr() for p in model.parameters()}
             f, b, a = _time(fn, device, repeats, params)
         prof.names.append(name)
@@ -129,8 +143,11 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int,
     add("embedding", list(tf.tok_embeddings.parameters()), lambda: (tf.tok_embeddings(tokens), dh))
     for i, layer in enumerate(tf.layers):
         x = h.detach().requires_grad_()
-        add(f"block {i}", list(layer.parameters()),
-            lambda layer=layer, x=x: (layer(x, tf.rope_cos, tf.rope_sin), dh))  # fmt: skip
+        add(
+            f"block {i}",
+            list(layer.parameters()),
+            lambda layer=layer, x=x: (layer(x, tf.rope_cos, tf.rope_sin), dh),
+        )
     head = list(tf.norm.parameters()) + list(tf.output.parameters())
     x = h.detach().requires_grad_()
     add("head+loss", head, lambda: (loss_fn(tf.output(tf.norm(x)), tokens), None))
@@ -165,13 +182,17 @@ def describe_layout(bounds: list[int], prof: LayerProfile, p: int, in_flight: li
     n = len(bounds) - 1
     v = n // p
     times, states, act = stage_sums(t, bounds), stage_sums(state, bounds), stage_sums(acts, bounds)
-    lines = [f"pipeline cut into {n} stages over {p} ranks (layers per stage: "
-             f"{', '.join(f'{a}-{b - 1}' for a, b in zip(bounds, bounds[1:]))})"]  # fmt: skip
+    lines = [
+        f"pipeline cut into {n} stages over {p} ranks (layers per stage: "
+        f"{', '.join(f'{a}-{b - 1}' for a, b in zip(bounds, bounds[1:]))})"
+    ]
     for k in range(n):
         mem = states[k] + act[k] * in_flight[k % p] / v
-        lines.append(f"  stage {k} (rank {k % p}): layers {bounds[k]}-{bounds[k + 1] - 1}, "
-                     f"predicted {1e3 * times[k]:.2f} ms fwd+bwd per micro-batch, "
-                     f"{mem / 2**20:.1f} MiB (state {states[k] / 2**20:.1f} + activations {act[k] * in_flight[k % p] / v / 2**20:.1f})")  # fmt: skip
+        lines.append(
+            f"  stage {k} (rank {k % p}): layers {bounds[k]}-{bounds[k + 1] - 1}, "
+            f"predicted {1e3 * times[k]:.2f} ms fwd+bwd per micro-batch, "
+            f"{mem / 2**20:.1f} MiB (state {states[k] / 2**20:.1f} + activations {act[k] * in_flight[k % p] / v / 2**20:.1f})"
+        )
     lines.append(f"  slowest stage {1e3 * max(times):.2f} ms, fastest {1e3 * min(times):.2f} ms")
     return "\n".join(lines)
 
@@ -182,13 +203,17 @@ def _mem_limit(device: torch.device) -> float | None:
     return None
 
 
-def choose_layout(model: nn.Module, cfg, m: int, loss_fn, log: Callable[[str], None] | None = None) -> list[int]:
+def choose_layout(
+    model: nn.Module, cfg, m: int, loss_fn, log: Callable[[str], None] | None = None
+) -> list[int]:
     """Stage boundaries: ``parallel.pp_layout`` if given, else profiled and cut; identical on every rank."""
     p, v, n_layers = cfg.parallel.pp, cfg.parallel.virtual_stages, cfg.model.n_layers
     if cfg.parallel.pp_layout:
         return parse_layout(cfg.parallel.pp_layout, n_layers, p * v)
     seq_div = (cfg.parallel.tp if cfg.parallel.sp else 1) * cfg.parallel.cp  # a block's tokens on one rank
-    prof = profile_model(model, cfg.train.micro_batch, cfg.data.seq_len, loss_fn, seq_div=seq_div, cp=cfg.parallel.cp)
+    prof = profile_model(
+        model, cfg.train.micro_batch, cfg.data.seq_len, loss_fn, seq_div=seq_div, cp=cfg.parallel.cp
+    )
     in_flight = _in_flight(cfg, p, v, m)
     t, state, acts = layer_costs(prof)
     limit = _mem_limit(next(model.parameters()).device)

@@ -10,7 +10,9 @@ from loom.parallel.pipeline.simulate import Timeline
 from loom.parallel.pipeline.strategy import ASYNC
 
 
-def timeline_report(timeline: Timeline, schedule: str, m: int, v: int = 1, path: str | Path | None = None) -> str:
+def timeline_report(
+    timeline: Timeline, schedule: str, m: int, v: int = 1, path: str | Path | None = None
+) -> str:
     """Measured bubble (rank-time waiting on peers, :attr:`Timeline.waiting_bubble`) beside the formula
     and beside the simulation of the same lists with the measured mean time of every (stage, kind),
     which accounts for unequal stages and t_b != 2 t_f; then the runtime's own time between
@@ -24,10 +26,12 @@ def timeline_report(timeline: Timeline, schedule: str, m: int, v: int = 1, path:
     compute = Timeline(p, [e for e in timeline.events if e.action.kind is not Kind.STEP])
     judged = timeline if schedule in ASYNC else compute
     measured = judged.waiting_bubble
-    text = (f"pipeline {schedule} p={p} m={m} v={v}: measured bubble {measured:.1%} vs formula "
-            f"{bubble_formula(schedule, p, m, v):.1%} (simulated with measured stage times "
-            f"{_simulated_bubble(compute, schedule, m, v):.1%}), runtime overhead between actions "
-            f"{judged.bubble - measured:.1%}, makespan {1e3 * compute.makespan:.1f} ms")  # fmt: skip
+    text = (
+        f"pipeline {schedule} p={p} m={m} v={v}: measured bubble {measured:.1%} vs formula "
+        f"{bubble_formula(schedule, p, m, v):.1%} (simulated with measured stage times "
+        f"{_simulated_bubble(compute, schedule, m, v):.1%}), runtime overhead between actions "
+        f"{judged.bubble - measured:.1%}, makespan {1e3 * compute.makespan:.1f} ms"
+    )
     if path is not None:
         from loom.parallel.pipeline.picture import draw_timeline
 

@@ -65,7 +65,14 @@ from loom.parallel.pipeline.schedules import (
 from loom.parallel.pipeline.simulate import Event, Timeline
 from loom.parallel.pipeline.stage import PipelineModule, WeightGrad, backward_input, backward_weight
 
-__all__ = ["PipelineError", "PipelineRuntime", "RunStats", "bubble_formula", "gather_timeline", "step_schedule"]
+__all__ = [
+    "PipelineError",
+    "PipelineRuntime",
+    "RunStats",
+    "bubble_formula",
+    "gather_timeline",
+    "step_schedule",
+]
 
 Batch = tuple[torch.Tensor, ...]  # (tokens, targets), or with data.pack (tokens, targets, positions)
 
@@ -111,7 +118,9 @@ def step_schedule(name: str, p: int, m: int, v: int = 1, vertical_sync: bool = F
         return pipedream_async(p, m, vertical_sync)
     if name == "2bw":
         if m % 2 or m // 2 < p:
-            raise ValueError(f"2bw splits a step's {m} micro-batches into 2 batches of at least pp={p}: need m even, m >= {2 * p}")  # noqa: E501
+            raise ValueError(
+                f"2bw splits a step's {m} micro-batches into 2 batches of at least pp={p}: need m even, m >= {2 * p}"
+            )
         return pipedream_2bw(p, m // 2, batches=2)
     return build_schedule(name, p, m, v)
 
@@ -146,7 +155,9 @@ class _Versions:
 
     def _snapshot(self, version: int) -> None:
         if version in self.last_use:
-            self.stash[version] = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.live.items()}
+            self.stash[version] = {
+                n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.live.items()
+            }
 
     @property
     def kept(self) -> int:
@@ -178,7 +189,9 @@ class _Versions:
 class PipelineRuntime:
     """Executes this pipeline rank's action list over ``pipe.group`` (peers are group-local ranks)."""
 
-    def __init__(self, pipe: PipelineModule, meter: CommMeter | None = None, timeout_s: float | None = None) -> None:
+    def __init__(
+        self, pipe: PipelineModule, meter: CommMeter | None = None, timeout_s: float | None = None
+    ) -> None:
         self.pipe, self.group, self.meter = pipe, pipe.group, meter
         self.timeout = timedelta(seconds=timeout_s) if timeout_s else None  # None: the pp group's own
         self.dim = pipe.cfg.dim
@@ -217,13 +230,17 @@ class PipelineRuntime:
                 self.sent.append(t)
             else:
                 rows, seq = self.batches[mb][0].shape[:2]
-                buf = torch.empty(rows, seq // self.pipe.seq_div, self.dim, dtype=self.dtype, device=self.device)
+                buf = torch.empty(
+                    rows, seq // self.pipe.seq_div, self.dim, dtype=self.dtype, device=self.device
+                )
                 recvs.append((i, buf))
         src, dst = cast(tuple[int, int], issue.link)  # posting.link_of: (src, dst) pipeline ranks
         group, peer = self.pipe.link(src, dst)
-        works = comm.batch_p2p([(t, peer) for t, _ in sends], [(b, peer) for _, b in recvs], group, self.meter)
+        works = comm.batch_p2p(
+            [(t, peer) for t, _ in sends], [(b, peer) for _, b in recvs], group, self.meter
+        )
         self.send_works += works[: len(sends)]
-        for (i, buf), w in zip(recvs, works[len(sends):]):
+        for (i, buf), w in zip(recvs, works[len(sends) :]):
             self.posted[i] = (w, buf)
 
     def _receive(self, upto: int) -> None:
@@ -253,7 +270,9 @@ class PipelineRuntime:
             self.versions.used(index, a.version or 0)
         else:
             inp = stage.embed(x, *packed) if stage.is_first else inp
-            out = stage.body(cast(torch.Tensor, inp), *packed)  # received above, or embedded on the first stage
+            out = stage.body(
+                cast(torch.Tensor, inp), *packed
+            )  # received above, or embedded on the first stage
         if stage.is_last:
             loss = self.loss_fn(out, y)
             self.stats.losses[mb] = loss.detach()
@@ -280,16 +299,22 @@ class PipelineRuntime:
             dx = None if stage.is_first else inp.grad
         if not stage.is_first:
             if dx is None:
-                raise RuntimeError(f"pipeline rank {self.pipe.rank}: {a} left no gradient for the input "
-                                   f"of stage {s}")
+                raise RuntimeError(
+                    f"pipeline rank {self.pipe.rank}: {a} left no gradient for the input of stage {s}"
+                )
             self.out_grad[key] = dx
         if self.versions is not None:
             v = a.version or 0
             if self.trace_versions:
-                self.stats.version_log.append({
-                    "mb": mb, "version": v, "newest": self.versions.newest,
-                    "used": self.versions.fingerprint(v), "live": self.versions.fingerprint(None),
-                })  # fmt: skip
+                self.stats.version_log.append(
+                    {
+                        "mb": mb,
+                        "version": v,
+                        "newest": self.versions.newest,
+                        "used": self.versions.fingerprint(v),
+                        "live": self.versions.fingerprint(None),
+                    }
+                )
             self.versions.move_grads(v)
             self.versions.used(index, v)
 
@@ -321,7 +346,13 @@ class PipelineRuntime:
         record: bool = False,
     ) -> RunStats:
         """Execute ``actions``; ``batches[i]`` = (tokens, targets) of micro-batch i (all stages get them)."""
-        self.batches, self.loss_fn, self.scale, self.no_sync, self.record = batches, loss_fn, scale, no_sync, record
+        self.batches, self.loss_fn, self.scale, self.no_sync, self.record = (
+            batches,
+            loss_fn,
+            scale,
+            no_sync,
+            record,
+        )
         self.stats = RunStats()
         self.saved: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> (input, output) of its forward
         self.in_act: dict[tuple[int, int], torch.Tensor] = {}
@@ -371,8 +402,10 @@ class PipelineRuntime:
             try:
                 w.wait()
             except RuntimeError as e:
-                raise PipelineError(f"pipeline rank {self.pipe.rank}: a send did not complete; a peer has died "
-                                    f"or hung ({str(e).splitlines()[0]})") from e
+                raise PipelineError(
+                    f"pipeline rank {self.pipe.rank}: a send did not complete; a peer has died "
+                    f"or hung ({str(e).splitlines()[0]})"
+                ) from e
         self.sent.clear()
         return self.stats
 

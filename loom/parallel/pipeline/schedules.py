@@ -357,7 +357,11 @@ def pipedream_2bw(p: int, m: int, batches: int = 2) -> Schedule:
 def weight_versions(schedule: Schedule) -> list[dict[tuple[Kind, int, int], int]]:
     """Per rank: {(kind, microbatch, stage): weight version} of every compute action (0 if unversioned)."""
     return [
-        {(a.kind, cast(int, a.microbatch), cast(int, a.stage)): a.version or 0 for a in actions if a.kind in COMPUTE}
+        {
+            (a.kind, cast(int, a.microbatch), cast(int, a.stage)): a.version or 0
+            for a in actions
+            if a.kind in COMPUTE
+        }
         for actions in schedule
     ]
 
@@ -389,7 +393,9 @@ SCHEDULES: dict[ScheduleName, Callable[..., Schedule]] = {
     "2bw": pipedream_2bw,
 }
 if tuple(SCHEDULES) != SCHEDULE_NAMES:  # the names config validates (loom.rules.ScheduleName)
-    raise ImportError(f"pipeline schedules {tuple(SCHEDULES)} differ from loom.rules.ScheduleName {SCHEDULE_NAMES}")
+    raise ImportError(
+        f"pipeline schedules {tuple(SCHEDULES)} differ from loom.rules.ScheduleName {SCHEDULE_NAMES}"
+    )
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:

@@ -117,7 +117,9 @@ def _check_structure(schedule: Schedule) -> None:
         raise ScheduleError("schedule has no ranks")
     n_stages = _n_stages(schedule)
     if n_stages % p:
-        raise ScheduleError(f"{n_stages} stages cannot be spread over {p} ranks (stage s lives on rank s % p)")
+        raise ScheduleError(
+            f"{n_stages} stages cannot be spread over {p} ranks (stage s lives on rank s % p)"
+        )
     counts: dict[tuple[int, int], dict[Kind, int]] = defaultdict(lambda: defaultdict(int))
     versioned = any(a.version is not None for actions in schedule for a in actions)
     for r, actions in enumerate(schedule):
@@ -138,8 +140,12 @@ def _check_structure(schedule: Schedule) -> None:
                     raise ScheduleError(f"{where}: compute after STEP in a synchronous schedule")
                 counts[(a.microbatch, a.stage)][a.kind] += 1
                 continue
-            target = {Kind.SEND_F: a.stage + 1, Kind.RECV_F: a.stage - 1,
-                      Kind.SEND_B: a.stage - 1, Kind.RECV_B: a.stage + 1}[a.kind]
+            target = {
+                Kind.SEND_F: a.stage + 1,
+                Kind.RECV_F: a.stage - 1,
+                Kind.SEND_B: a.stage - 1,
+                Kind.RECV_B: a.stage + 1,
+            }[a.kind]
             if not 0 <= target < n_stages:
                 raise ScheduleError(f"{where}: stage {a.stage} has no neighbour stage {target}")
             if a.peer != target % p or a.peer == r:
@@ -164,7 +170,9 @@ def _execute(schedule: Schedule, cost: Callable[[Action], float], t_comm: float)
     _check_structure(schedule)
     p, n_stages = len(schedule), _n_stages(schedule)
     channels: dict[tuple[int, int], deque[tuple[Action, float]]] = defaultdict(deque)
-    have: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]  # inputs ready: ("act"|"grad", mb, stage)
+    have: list[set[tuple[str, int, int]]] = [
+        set() for _ in range(p)
+    ]  # inputs ready: ("act"|"grad", mb, stage)
     done: list[dict[tuple[Kind, int, int], Action]] = [{} for _ in range(p)]
     steps = [0] * p
     pc, clock = [0] * p, [0.0] * p
@@ -192,8 +200,12 @@ def _execute(schedule: Schedule, cost: Callable[[Action], float], t_comm: float)
             sent, arrival = queue.popleft()
             want = (Kind.SEND_F, s - 1) if a.kind is Kind.RECV_F else (Kind.SEND_B, s + 1)
             if (sent.kind, sent.stage) != want or sent.microbatch != mb:
-                raise fail(r, a, f"next message from rank {a.peer} is {sent}: sends and receives "
-                                 f"between ranks {a.peer}->{r} are not in the same order")
+                raise fail(
+                    r,
+                    a,
+                    f"next message from rank {a.peer} is {sent}: sends and receives "
+                    f"between ranks {a.peer}->{r} are not in the same order",
+                )
             have[r].add(("act" if a.kind is Kind.RECV_F else "grad", mb, s))
             return max(clock[r], arrival)
         if a.kind in SENDS:
@@ -218,12 +230,18 @@ def _execute(schedule: Schedule, cost: Callable[[Action], float], t_comm: float)
         elif fwd is None:
             raise fail(r, a, f"backward before the forward of micro-batch {mb} on stage {s}")
         elif a.version != fwd.version:
-            raise fail(r, a, f"uses weight version {a.version} but its forward used {fwd.version} "
-                             "(weight stashing violated)")
+            raise fail(
+                r,
+                a,
+                f"uses weight version {a.version} but its forward used {fwd.version} "
+                "(weight stashing violated)",
+            )
         elif a.kind in (Kind.B, Kind.BI):
             if s + 1 < n_stages:
                 if ("grad", mb, s) not in have[r]:
-                    raise fail(r, a, f"output gradient of micro-batch {mb} for stage {s} has not been received")
+                    raise fail(
+                        r, a, f"output gradient of micro-batch {mb} for stage {s} has not been received"
+                    )
                 have[r].remove(("grad", mb, s))
             if s > 0 and (s - 1) % p == r:
                 have[r].add(("grad", mb, s - 1))

@@ -86,8 +86,13 @@ class StageModule(nn.Module):
         self.register_buffer("rope_sin", cast(torch.Tensor, model.rope_sin), persistent=False)
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        return embed(self.tok_embeddings, self.pos_embeddings, cast(torch.Tensor | None, self.pos_ids), tokens,
-                     positions)  # (B, T, h)  # fmt: skip
+        return embed(
+            self.tok_embeddings,
+            self.pos_embeddings,
+            cast(torch.Tensor | None, self.pos_ids),
+            tokens,
+            positions,
+        )  # (B, T, h)
 
     def body(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks (and the head on the last stage) applied to activations h: (B, T, h); packed data's
@@ -104,8 +109,15 @@ class StageModule(nn.Module):
 class PipelineModule(nn.Module):
     """This rank's virtual stages: chunk c is stage c*p + rank (v chunks, v = n_stages / p)."""
 
-    def __init__(self, model: Transformer, rank: int, p: int, bounds: list[int], group: Group = None,
-                 links: dict[tuple[int, int], Group] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: Transformer,
+        rank: int,
+        p: int,
+        bounds: list[int],
+        group: Group = None,
+        links: dict[tuple[int, int], Group] | None = None,
+    ) -> None:
         super().__init__()
         self.group = group  # the pp process group (peers are group-local ranks = pipeline ranks)
         self.links = dict(links or {})  # (src, dst) pipeline ranks -> their one-way two-rank group
@@ -114,11 +126,17 @@ class PipelineModule(nn.Module):
         n = len(bounds) - 1
         if n % p or not 0 <= rank < p:
             raise ValueError(f"{n} stages cannot be placed on {p} pipeline ranks (rank {rank})")
-        if bounds[0] != 0 or bounds[-1] != model.cfg.n_layers or any(b >= c for b, c in zip(bounds, bounds[1:])):
+        if (
+            bounds[0] != 0
+            or bounds[-1] != model.cfg.n_layers
+            or any(b >= c for b, c in zip(bounds, bounds[1:]))
+        ):
             raise ValueError(f"bad stage boundaries {bounds} for {model.cfg.n_layers} layers")
         self.rank, self.p, self.n_stages, self.bounds = rank, p, n, list(bounds)
         self.cfg = model.cfg
-        self.stages = nn.ModuleList(StageModule(model, s, n, bounds[s], bounds[s + 1]) for s in range(rank, n, p))
+        self.stages = nn.ModuleList(
+            StageModule(model, s, n, bounds[s], bounds[s + 1]) for s in range(rank, n, p)
+        )
         self.stage_ids = list(range(rank, n, p))
 
     def link(self, src: int, dst: int) -> tuple[Group, int]:
@@ -128,12 +146,16 @@ class PipelineModule(nn.Module):
         group = self.links.get((src, dst))
         if group is None:
             if comm.strict() and self.p > 1:
-                raise RuntimeError(f"pipeline rank {self.rank}: no link group for {src} -> {dst}; build the "
-                                   "pipeline with links=mesh.pp_links() (one pp group deadlocks on NCCL)")
+                raise RuntimeError(
+                    f"pipeline rank {self.rank}: no link group for {src} -> {dst}; build the "
+                    "pipeline with links=mesh.pp_links() (one pp group deadlocks on NCCL)"
+                )
             return self.group, peer
         if self.group is None:
-            raise ValueError(f"pipeline rank {self.rank}: link groups were given but no pp group to map "
-                             f"pipeline rank {peer} to its global rank")
+            raise ValueError(
+                f"pipeline rank {self.rank}: link groups were given but no pp group to map "
+                f"pipeline rank {peer} to its global rank"
+            )
         return group, dist.get_group_rank(group, dist.get_global_rank(self.group, peer))
 
     def stage(self, s: int) -> StageModule:
@@ -160,8 +182,14 @@ class PipelineModule(nn.Module):
         return None
 
 
-def split_model(model: Transformer, rank: int, p: int, bounds: list[int], group: Group = None,
-                links: dict[tuple[int, int], Group] | None = None) -> PipelineModule:  # fmt: skip
+def split_model(
+    model: Transformer,
+    rank: int,
+    p: int,
+    bounds: list[int],
+    group: Group = None,
+    links: dict[tuple[int, int], Group] | None = None,
+) -> PipelineModule:
     """Keep pipeline rank ``rank``'s stages of ``model`` (cut at ``bounds``); ``group`` = the pp group,
     ``links`` = :meth:`loom.mesh.ParallelMesh.pp_links` (the runtime's point-to-point groups)."""
     return PipelineModule(model, rank, p, bounds, group, links)
@@ -218,7 +246,9 @@ def gather_full_state(pipe: PipelineModule) -> dict[str, torch.Tensor] | None:
 class WeightGrad:
     """What BI leaves for BW: per parameter group, the join-node edges and their captured gradients."""
 
-    groups: list[tuple[list[torch.Tensor], list[GradientEdge], list[torch.Tensor]]] = field(default_factory=list)
+    groups: list[tuple[list[torch.Tensor], list[GradientEdge], list[torch.Tensor]]] = field(
+        default_factory=list
+    )
 
 
 def _node(t: torch.Tensor) -> Node:

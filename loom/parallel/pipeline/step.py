@@ -27,8 +27,14 @@ from loom.parallel.pipeline.stage import PipelineModule
 from loom.parallel.pipeline.strategy import PipelineStrategy
 
 
-def forward_backward(pipe: PipelineModule, strategy: PipelineStrategy, micro_batches: Sequence[Batch],
-                     loss_fn: LossFn, update: Update, loss_group: Group) -> StepResult:  # fmt: skip
+def forward_backward(
+    pipe: PipelineModule,
+    strategy: PipelineStrategy,
+    micro_batches: Sequence[Batch],
+    loss_fn: LossFn,
+    update: Update,
+    loss_group: Group,
+) -> StepResult:
     """One step's forward and backward through the pipeline, with ``update`` at each STEP."""
     norms: list[float] = []
 
@@ -40,8 +46,11 @@ def forward_backward(pipe: PipelineModule, strategy: PipelineStrategy, micro_bat
     stats = strategy.run(micro_batches, loss_fn, on_step)
     loss = _last_stage_mean(pipe, loss_group, list(stats.losses.values()))
     if strategy.asynchronous:  # root-mean-square of this step's per-update stage norms, summed over stages
-        sq = torch.tensor(sum(n * n for n in norms) / max(1, len(norms)), dtype=torch.float64,
-                          device=next(pipe.parameters()).device)  # fmt: skip
+        sq = torch.tensor(
+            sum(n * n for n in norms) / max(1, len(norms)),
+            dtype=torch.float64,
+            device=next(pipe.parameters()).device,
+        )
         comm.all_reduce(sq, pipe.group)
         return StepResult(loss=loss, grad_norm=math.sqrt(float(sq)))
     return StepResult(loss=loss, grad_norm=norms[-1])

@@ -52,7 +52,9 @@ def apply_pipeline(model, mesh, cfg, loss_fn, log_fn: Callable[[str], None] | No
     from loom.parallel.pipeline.profile import choose_layout
 
     bounds = choose_layout(model, cfg, grad_accum_steps(cfg), loss_fn, log_fn)
-    pipe = split_model(model, mesh.local_rank("pp"), mesh.size("pp"), bounds, mesh.group("pp"), mesh.pp_links())
+    pipe = split_model(
+        model, mesh.local_rank("pp"), mesh.size("pp"), bounds, mesh.group("pp"), mesh.pp_links()
+    )
     pipe.seq_div = cfg.parallel.tp if cfg.parallel.sp else 1  # (batches arrive cut to this cp rank's tokens)
     pipe.tp_group = mesh.group("tp")
     return pipe
@@ -65,9 +67,19 @@ class PipelineStrategy:
     ``timeline_path``.
     """
 
-    def __init__(self, inner: Strategy, pipe: PipelineModule, schedule: str, v: int = 1, tp_group: Group = None,
-                 meter: CommMeter | None = None, vertical_sync: bool = False, record_step: int = -1,
-                 timeline_path: str | Path | None = None, timeout_s: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        inner: Strategy,
+        pipe: PipelineModule,
+        schedule: str,
+        v: int = 1,
+        tp_group: Group = None,
+        meter: CommMeter | None = None,
+        vertical_sync: bool = False,
+        record_step: int = -1,
+        timeline_path: str | Path | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         self.inner, self.pipe, self.schedule, self.v = inner, pipe, schedule, v
         self.tp_group, self.meter, self.vertical_sync = tp_group, meter, vertical_sync
         self.record_step, self.timeline_path, self.steps_done = record_step, timeline_path, 0
@@ -88,15 +100,26 @@ class PipelineStrategy:
             self._lists[m] = full[self.pipe.rank]
         return self._lists[m]
 
-    def run(self, micro_batches: Sequence[Batch], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-            on_step: Callable[[Action], None]) -> RunStats:  # fmt: skip
+    def run(
+        self,
+        micro_batches: Sequence[Batch],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        on_step: Callable[[Action], None],
+    ) -> RunStats:
         """Execute this rank's list over the micro-batches (recording the timeline on ``record_step``)."""
         from loom.parallel.pipeline.report import timeline_report
 
         m = len(micro_batches)
         record = self.steps_done == self.record_step
-        stats = self.runtime.run(self.actions(m), micro_batches, loss_fn, loss_scale(self.schedule, m), on_step,
-                                 no_sync=None if self.asynchronous else self.inner.no_sync, record=record)  # fmt: skip
+        stats = self.runtime.run(
+            self.actions(m),
+            micro_batches,
+            loss_fn,
+            loss_scale(self.schedule, m),
+            on_step,
+            no_sync=None if self.asynchronous else self.inner.no_sync,
+            record=record,
+        )
         self.steps_done += 1
         self.last_stats = stats
         if record:
@@ -184,7 +207,7 @@ class PipelineStrategy:
             return key, False
         rest = rest.split(".", 2)[2]
         if self.pipe.is_last and self.pipe.tied_weight() is not None and rest.startswith("output.weight"):
-            return f"{kind}.tok_embeddings.weight{rest[len('output.weight'):]}", True
+            return f"{kind}.tok_embeddings.weight{rest[len('output.weight') :]}", True
         return f"{kind}.{rest}", False
 
     def sharded_state(self) -> dict:

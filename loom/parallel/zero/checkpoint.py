@@ -78,7 +78,10 @@ class ZeroState:
                         replica, readers = (self.tp_rank, self.tp), None
                     else:
                         e_rank, e_size = _rank_size(expert.edp)
-                        replica = (self.tp_rank * e_size + e_rank, self.tp * e_size)  # experts are whole over tp
+                        replica = (
+                            self.tp_rank * e_size + e_rank,
+                            self.tp * e_size,
+                        )  # experts are whole over tp
                         readers = read_group(expert.edp, lay.device)
                 elif within is None:
                     replica = (self.tp_rank * self.rep + self.rep_rank, self.tp * self.rep)

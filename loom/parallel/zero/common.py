@@ -23,7 +23,9 @@ from loom.parallel.state import gather_module_state
 from loom.parallel.tp_comm import sum_partial_grads
 from loom.parallel.zero.layout import FlatLayout
 
-FlatOptimizer = Any  # ShardedAdamW, FlatAdafactor or FlatAdam8bit: step(grads, lr, grad_scale), state_bytes, store
+FlatOptimizer = (
+    Any  # ShardedAdamW, FlatAdafactor or FlatAdam8bit: step(grads, lr, grad_scale), state_bytes, store
+)
 OptimizerFactory = Callable[[Sequence[FlatLayout], Sequence[torch.Tensor]], FlatOptimizer]
 
 
@@ -40,7 +42,9 @@ class ShardedStrategy(SyncSwitch):
     params: list[torch.nn.Parameter]
     module: torch.nn.Module
     optim: FlatOptimizer
-    comm_device: torch.device | None = None  # scalar collectives' device when the shards live elsewhere (offload)
+    comm_device: torch.device | None = (
+        None  # scalar collectives' device when the shards live elsewhere (offload)
+    )
 
     def __init__(
         self, shard_group: Group, replicate_group: Group, tp_group: Group, meter: CommMeter | None
@@ -70,8 +74,9 @@ class ShardedStrategy(SyncSwitch):
         r = self.reducer
         if id(edp) not in self._expert_reducers:
             shard, replicas = (edp, None) if self.world > 1 else (r.shard_group, edp)
-            self._expert_reducers[id(edp)] = GradReducer(shard, replicas, r.dp, r.meter, r.reduce_dtype, r.max_inflight,
-                                                         r.algorithm)  # fmt: skip
+            self._expert_reducers[id(edp)] = GradReducer(
+                shard, replicas, r.dp, r.meter, r.reduce_dtype, r.max_inflight, r.algorithm
+            )
         return self._expert_reducers[id(edp)]
 
     @property

@@ -85,8 +85,14 @@ class Slot:
 class FlatLayout:
     """Offsets of ``params`` in one flat buffer, padded for ``world`` equal shards; ``rank``'s range."""
 
-    def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, decayed: set[int],
-                 device: torch.device | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        world: int,
+        rank: int,
+        decayed: set[int],
+        device: torch.device | None = None,
+    ) -> None:
         """``device``: where the buffer lives, for parameters still on the meta device."""
         if not params:
             raise ValueError("FlatLayout needs at least one parameter")
@@ -138,7 +144,9 @@ class FlatLayout:
         return [flat[s.offset : s.offset + s.numel].view_as(p) for p, s in zip(self.params, self.slots)]
 
     @torch.no_grad()
-    def bind(self, flat: torch.Tensor, fill: Callable[[torch.Tensor, tuple[int, int]], torch.Tensor] | None = None) -> None:
+    def bind(
+        self, flat: torch.Tensor, fill: Callable[[torch.Tensor, tuple[int, int]], torch.Tensor] | None = None
+    ) -> None:
         """Copy the parameters' values into ``flat`` and make each ``p.data`` a view of it; a parameter
         still on the meta device becomes a view of ``flat`` in place, and only the rows of it that
         reach this rank's shard are filled, ``fill(p, (r0, r1))`` (the rest of ``flat`` is the other

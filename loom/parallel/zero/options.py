@@ -23,7 +23,9 @@ def optimizer_offload(p: Any) -> str:
     return p.offload
 
 
-def stage3_strategy(module: nn.Module, p: Any, directory: str | Path, tag: str, **kwargs: Any) -> FullyShardedZero:
+def stage3_strategy(
+    module: nn.Module, p: Any, directory: str | Path, tag: str, **kwargs: Any
+) -> FullyShardedZero:
     """ZeRO-3 over ``kwargs`` (FullyShardedZero's arguments), with the options ``p`` asks for;
     ``directory``, ``tag``: where and under which name a disk store keeps its files."""
     if p.offload_params != "none":
@@ -35,8 +37,14 @@ def stage3_strategy(module: nn.Module, p: Any, directory: str | Path, tag: str, 
     if p.zeropp_qwz or p.zeropp_hpz or p.zeropp_qgz:
         from loom.parallel.zero.zeropp import ZeroPlusPlus
 
-        return ZeroPlusPlus(module, qwz=p.zeropp_qwz, hpz_group=hpz_size(p) if p.zeropp_hpz else 0,
-                            qgz=p.zeropp_qgz, qgz_bits=p.zeropp_qgz_bits, **kwargs)  # fmt: skip
+        return ZeroPlusPlus(
+            module,
+            qwz=p.zeropp_qwz,
+            hpz_group=hpz_size(p) if p.zeropp_hpz else 0,
+            qgz=p.zeropp_qgz,
+            qgz_bits=p.zeropp_qgz_bits,
+            **kwargs,
+        )
     return FullyShardedZero(module, **kwargs)
 
 

@@ -144,7 +144,9 @@ class OffloadedZero(FullyShardedZero):
                 out[f"{key}_bytes"] = sum(comm.nbytes(t) for t in ts if not self._in_store(t))
                 out[f"{key}_offload_bytes"] = sum(comm.nbytes(t) for t in ts if self._in_store(t))
         optim_device = out["optim_bytes"] - out["optim_offload_bytes"]
-        out["device_bytes"] = out["param_bytes"] + out["grad_bytes"] + out.get("frozen_bytes", 0) + optim_device
+        out["device_bytes"] = (
+            out["param_bytes"] + out["grad_bytes"] + out.get("frozen_bytes", 0) + optim_device
+        )
         return out
 
     def load_sharded(self, reader) -> None:

@@ -110,7 +110,10 @@ class QuantizedReducer(GradReducer):
         send = padded(full, n).div_(self.dp)
         q, scale = quantize(send, self.bits)
         q_in, s_in = torch.empty_like(q), torch.empty_like(scale)
-        works = [all_to_all(q_in, q, self.shard_group, self.meter), all_to_all(s_in, scale, self.shard_group, self.meter)]
+        works = [
+            all_to_all(q_in, q, self.shard_group, self.meter),
+            all_to_all(s_in, scale, self.shard_group, self.meter),
+        ]
         out = torch.empty(per, dtype=torch.float32, device=full.device)
 
         def finish() -> None:  # Σ over the N senders of their dequantized chunk for this rank, fp32
@@ -125,6 +128,8 @@ class QuantizedReducer(GradReducer):
 
     @classmethod
     def like(cls, r: GradReducer, bits: int = 8) -> QuantizedReducer:
-        out = cls(r.shard_group, r.replicate_group, r.dp, r.meter, r.reduce_dtype, r.max_inflight, r.algorithm)
+        out = cls(
+            r.shard_group, r.replicate_group, r.dp, r.meter, r.reduce_dtype, r.max_inflight, r.algorithm
+        )
         out.bits = bits
         return out

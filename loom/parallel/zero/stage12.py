@@ -101,7 +101,9 @@ class ZeroDataParallel(ShardedStrategy):
         self.module = module
         self.world = comm.group_size(shard_group)
         dp = self.world * comm.group_size(replicate_group)
-        self.reducer = GradReducer(shard_group, replicate_group, dp, meter, reduce_dtype, max_inflight, allreduce)
+        self.reducer = GradReducer(
+            shard_group, replicate_group, dp, meter, reduce_dtype, max_inflight, allreduce
+        )
         self.params = unique_params(module)
         decayed = decayed_ids(module)
         self.buckets: list[FlatBucket] = []
@@ -121,8 +123,9 @@ class ZeroDataParallel(ShardedStrategy):
             for j, p in enumerate(ps):
                 self._slot[id(p)] = (b, j)
             self.buckets.append(b)
-        self.queue = BucketQueue(self.buckets, [len(b.layout.params) for b in self.buckets],
-                                 lambda b: id(b.reducer), self._launch)  # fmt: skip
+        self.queue = BucketQueue(
+            self.buckets, [len(b.layout.params) for b in self.buckets], lambda b: id(b.reducer), self._launch
+        )
         self.layouts = [b.layout for b in self.buckets]
         self.grad_shards = [b.grad_shard for b in self.buckets]
         self._build_optimizer(make_optimizer, [b.layout.shard_of(b.params) for b in self.buckets])

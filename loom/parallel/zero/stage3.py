@@ -109,7 +109,9 @@ def find_units(model: nn.Module, alone: frozenset[int] = frozenset()) -> list[tu
     name = next(n for n, m in children if m is layers)
 
     def group(items: list[tuple[str, nn.Module]]) -> list[tuple[str, list[nn.Module]]]:
-        items = [(n, m) for n, m in items if any(True for _ in m.parameters())]  # frozen ones too (LoRA's base)
+        items = [
+            (n, m) for n, m in items if any(True for _ in m.parameters())
+        ]  # frozen ones too (LoRA's base)
         single = [(n, [m]) for n, m in items if any(id(p) in alone for p in m.parameters())]
         rest = [(n, m) for n, m in items if not any(id(p) in alone for p in m.parameters())]
         return ([("+".join(n for n, _ in rest), [m for _, m in rest])] if rest else []) + single
@@ -133,7 +135,9 @@ def expert_layers(mods: list[nn.Module]) -> list[tuple[nn.Module, list[nn.Parame
     shards: the MoE layer, whose forward reads them (they get a unit of their own, over edp)."""
     out = []
     for m in nn.ModuleList(mods).modules():
-        ps = [p for c in m.children() for p in c.parameters(recurse=False) if is_expert(p)]  # frozen ones too (LoRA)
+        ps = [
+            p for c in m.children() for p in c.parameters(recurse=False) if is_expert(p)
+        ]  # frozen ones too (LoRA)
         if ps:
             out.append((m, ps))
     return out
@@ -170,9 +174,15 @@ class Unit:
     shard: torch.Tensor  # this rank's Φ_u'/N parameters: what the optimizer updates
     grad_shard: torch.Tensor  # this rank's reduced Φ_u'/N gradient
     reshard_after_forward: bool
-    frozen: list[Frozen] = field(default_factory=list)  # its frozen parameters (LoRA's base), one buffer per dtype
-    trained: bool = True  # False: only frozen parameters (``layout`` is then an empty stand-in, never reduced)
-    group: Group = None  # the group its shards are spread over: the sharding group, or an expert layer's edp group
+    frozen: list[Frozen] = field(
+        default_factory=list
+    )  # its frozen parameters (LoRA's base), one buffer per dtype
+    trained: bool = (
+        True  # False: only frozen parameters (``layout`` is then an empty stand-in, never reduced)
+    )
+    group: Group = (
+        None  # the group its shards are spread over: the sharding group, or an expert layer's edp group
+    )
     reducer: GradReducer | None = None  # sums its gradient over ``group`` (and the replicas)
     grad_full: torch.Tensor | None = None
     state: str = UNSHARDED
@@ -223,7 +233,9 @@ class FullyShardedZero(ShardedStrategy):
         self.module = module
         self.world = comm.group_size(shard_group)
         dp = self.world * comm.group_size(replicate_group)
-        self.reducer = GradReducer(shard_group, replicate_group, dp, meter, reduce_dtype, max_inflight, allreduce)
+        self.reducer = GradReducer(
+            shard_group, replicate_group, dp, meter, reduce_dtype, max_inflight, allreduce
+        )
         decayed = decayed_ids(module)
         specs = find_units(module)
         covered = {id(p) for _, mods in specs for m in mods for p in m.parameters()}
@@ -234,7 +246,9 @@ class FullyShardedZero(ShardedStrategy):
         root_of = {id(m): r for r, root in enumerate(roots) for m in root.modules()}
         self._orders = [_Order() for _ in roots]
         self.units: list[Unit] = []
-        self._handles = [] if self.pipelined else [module.register_forward_pre_hook(partial(self._root_pre_forward, 0))]
+        self._handles = (
+            [] if self.pipelined else [module.register_forward_pre_hook(partial(self._root_pre_forward, 0))]
+        )
         for i, (name, mods) in enumerate(specs):
             r = root_of[id(mods[0])]
             if self.pipelined and (i == 0 or root_of[id(specs[i - 1][1][0])] != r):  # a chunk's first unit
@@ -244,14 +258,33 @@ class FullyShardedZero(ShardedStrategy):
             experts = expert_layers(mods)
             claimed = {id(p) for _, ps in experts for p in ps}
             params = [p for p in unique_params(nn.ModuleList(mods)) if id(p) not in claimed]
-            frozen = [p for p in dict.fromkeys(nn.ModuleList(mods).parameters()) if not p.requires_grad
-                      and id(p) not in claimed]  # fmt: skip
-            self.units.append(self._make_unit(len(self.units), name, r, mods, params, decayed, reshard, frozen=frozen))
-            for k, (layer, ps) in enumerate(experts):  # sharded over their edp group, gathered around the layer
-                self.units.append(self._make_unit(len(self.units), f"{name}.experts{k}", r, [layer],
-                                                  [p for p in ps if p.requires_grad], decayed, reshard,
-                                                  self._expert_group(ps[0]), [p for p in ps if not p.requires_grad]))  # fmt: skip
-        trained = [u for u in self.units if u.trained]  # units of frozen parameters only: no gradient, no state
+            frozen = [
+                p
+                for p in dict.fromkeys(nn.ModuleList(mods).parameters())
+                if not p.requires_grad and id(p) not in claimed
+            ]
+            self.units.append(
+                self._make_unit(len(self.units), name, r, mods, params, decayed, reshard, frozen=frozen)
+            )
+            for k, (layer, ps) in enumerate(
+                experts
+            ):  # sharded over their edp group, gathered around the layer
+                self.units.append(
+                    self._make_unit(
+                        len(self.units),
+                        f"{name}.experts{k}",
+                        r,
+                        [layer],
+                        [p for p in ps if p.requires_grad],
+                        decayed,
+                        reshard,
+                        self._expert_group(ps[0]),
+                        [p for p in ps if not p.requires_grad],
+                    )
+                )
+        trained = [
+            u for u in self.units if u.trained
+        ]  # units of frozen parameters only: no gradient, no state
         self.layouts = [u.layout for u in trained]
         self.grad_shards = [u.grad_shard for u in trained]
         self.params = unique_params(module)
@@ -259,9 +292,17 @@ class FullyShardedZero(ShardedStrategy):
         self.events: list[tuple[str, int, str]] = []  # (what, unit, how): for tests and timelines
 
     def _make_unit(
-        self, index: int, name: str, root: int, mods: list[nn.Module], params: list[nn.Parameter], decayed: set[int],
-        reshard: bool, group: Group | None = None, frozen: list[nn.Parameter] | None = None,
-    ) -> Unit:  # fmt: skip
+        self,
+        index: int,
+        name: str,
+        root: int,
+        mods: list[nn.Module],
+        params: list[nn.Parameter],
+        decayed: set[int],
+        reshard: bool,
+        group: Group | None = None,
+        frozen: list[nn.Parameter] | None = None,
+    ) -> Unit:
         """Flatten ``params`` (the modules' own, or an expert layer's weights), keep this rank's shard of
         ``group`` (default: the sharding group), free the rest, attach the hooks to ``mods``. ``frozen``
         parameters get a flat buffer of their own, gathered and freed with the unit's, never reduced."""
@@ -269,18 +310,35 @@ class FullyShardedZero(ShardedStrategy):
         world = comm.group_size(group)
         rank = dist.get_rank(group) if world > 1 else 0
         parts = []
-        for dtype in dict.fromkeys(p.dtype for p in frozen or []):  # QLoRA's NF4 codes are uint8: a buffer per dtype
+        for dtype in dict.fromkeys(
+            p.dtype for p in frozen or []
+        ):  # QLoRA's NF4 codes are uint8: a buffer per dtype
             flay = FlatLayout([p for p in frozen or [] if p.dtype == dtype], world, rank, set(), self._device)
             ffull = flay.new_flat()
             flay.bind(ffull, self._fill)
             parts.append(Frozen(flay, ffull, flay.shard_of(ffull).clone()))
         trained = bool(params)
-        lay = FlatLayout(params or (frozen or [])[:1], world, rank, decayed, self._device)  # frozen only: a stand-in
+        lay = FlatLayout(
+            params or (frozen or [])[:1], world, rank, decayed, self._device
+        )  # frozen only: a stand-in
         full = lay.new_flat() if trained else lay.new_flat()[:0]
         if trained:
             lay.bind(full, self._fill)
-        u = Unit(index, name, root, mods, lay, full, lay.shard_of(full).clone(), lay.new_shard() if trained else full,
-                 reshard, parts, trained, group, self._reducer_for(params[0]) if params else self.reducer)  # fmt: skip
+        u = Unit(
+            index,
+            name,
+            root,
+            mods,
+            lay,
+            full,
+            lay.shard_of(full).clone(),
+            lay.new_shard() if trained else full,
+            reshard,
+            parts,
+            trained,
+            group,
+            self._reducer_for(params[0]) if params else self.reducer,
+        )
         u.pending = len(params)
         self._reshard(u)
         for k, m in enumerate(mods):

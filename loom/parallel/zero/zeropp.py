@@ -62,7 +62,11 @@ def node_groups(shard_group: Group, size: int) -> Group:
     default group: every rank learns every sharding group and creates every subgroup, in order."""
     if comm.group_size(shard_group) <= size:
         return shard_group
-    mine = dist.get_process_group_ranks(shard_group) if shard_group is not None else list(range(dist.get_world_size()))
+    mine = (
+        dist.get_process_group_ranks(shard_group)
+        if shard_group is not None
+        else list(range(dist.get_world_size()))
+    )
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     found: Group = None
@@ -77,8 +81,16 @@ class ZeroPlusPlus(FullyShardedZero):
     """ZeRO-3 with the ZeRO++ options: ``qwz``, ``hpz_group`` (G ranks; 0 = no hpZ), ``qgz`` (in
     ``qgz_bits`` = 8 or 4 bits)."""
 
-    def __init__(self, module: torch.nn.Module, *, qwz: bool = False, hpz_group: int = 0, qgz: bool = False,
-                 qgz_bits: int = 8, **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        qwz: bool = False,
+        hpz_group: int = 0,
+        qgz: bool = False,
+        qgz_bits: int = 8,
+        **kwargs: Any,
+    ) -> None:
         self.qwz, self.qgz, self.qgz_bits = qwz, qgz, qgz_bits
         self._exact = False  # gather the exact shards (saving, full_state_dict)
         self._secondary: dict[int, list[torch.Tensor]] = {}  # unit index -> its hpZ slices
@@ -109,10 +121,14 @@ class ZeroPlusPlus(FullyShardedZero):
         works: list = []
         finish: list = []
         keep: list = []
-        nf4 = any(not f.full.is_floating_point() for f in u.frozen)  # QLoRA: codes + scales, compressed already
+        nf4 = any(
+            not f.full.is_floating_point() for f in u.frozen
+        )  # QLoRA: codes + scales, compressed already
         for i, (full, shard) in enumerate(u.buffers()):
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            exact = not full.is_floating_point() or (nf4 and full is not u.full) or comm.group_size(u.group) == 1
+            exact = (
+                not full.is_floating_point() or (nf4 and full is not u.full) or comm.group_size(u.group) == 1
+            )
             if secondary is not None:
                 works.append(comm.all_gather(full, secondary[i], self.hpz, self._hpz_meter, async_op=True))
             elif self.qwz and not exact:
@@ -131,8 +147,9 @@ class ZeroPlusPlus(FullyShardedZero):
             self.events.append(("secondary", u.index, how))
         self._track()
 
-    def _quantized_gather(self, full: torch.Tensor, shard: torch.Tensor, group: Group, finish: list,
-                          keep: list) -> list:  # fmt: skip
+    def _quantized_gather(
+        self, full: torch.Tensor, shard: torch.Tensor, group: Group, finish: list, keep: list
+    ) -> list:
         """Start the all-gathers of ``shard``'s int8 codes and scales; ``finish`` dequantizes into ``full``."""
         n, per = comm.group_size(group), shard.numel()
         src = torch.zeros(blocks(per) * BLOCK, dtype=torch.float32, device=shard.device)
@@ -146,8 +163,10 @@ class ZeroPlusPlus(FullyShardedZero):
             full.view(n, per).copy_(dequantize(q_all, s_all).view(n, -1)[:, :per])
 
         finish.append(dequant)
-        return [comm.all_gather(q_all, q, group, self.meter, async_op=True),
-                comm.all_gather(s_all, scale, group, self.meter, async_op=True)]  # fmt: skip
+        return [
+            comm.all_gather(q_all, q, group, self.meter, async_op=True),
+            comm.all_gather(s_all, scale, group, self.meter, async_op=True),
+        ]
 
     def _keep_secondary(self, u: Unit) -> None:
         """After a forward gather: keep this rank's 1/G of each full buffer for the backward's gather."""
