@@ -5,7 +5,7 @@ One sequence of T tokens on cp ranks (gloo, CPU) for cp in {1, 2, 4} and every `
 only the context-parallel mechanics differ). Measured per rank: the bytes autograd saves for
 backward over the whole forward (their peak: nothing is freed before backward; each storage once,
 ``loom.memory.activations.SavedTensorMeter``), the per-layer formula beside it, bytes sent per
-step (``CommMeter``) beside :func:`loom.parallel.context_parallel.cp_comm_bytes`, and the median
+step (``CommMeter``) beside :func:`loom.parallel.context.parallelize.cp_comm_bytes`, and the median
 step time. PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` runs as a peer on
 the same model and ranks if it can; otherwise its error is printed.
 
@@ -66,7 +66,7 @@ def _loom(rank: int, world: int, args, mode: str) -> dict:
     from loom.comm import CommMeter
     from loom.memory.activations import activation_bytes_per_layer
     from loom.mesh import ParallelDims, ParallelMesh
-    from loom.parallel.context_parallel import apply_context_parallel, cp_comm_bytes, shard_sequence
+    from loom.parallel.context.parallelize import apply_context_parallel, cp_comm_bytes, shard_sequence
 
     cfg = _cfg(args.seq, world, mode, args.kv_heads)
     mesh = ParallelMesh(ParallelDims(cp=world), "cpu")

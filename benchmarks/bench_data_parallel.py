@@ -43,7 +43,7 @@ def _batches(step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def loom_stepper(model_cfg, train_cfg, group):
-    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.data.strategy import DataParallel
     from loom.train.step import plain_run, train_step
 
     model = build_model(model_cfg, train_cfg.seed, device())

@@ -66,8 +66,8 @@ CONTENDERS = ("ring", "gloo", "ps K=1", "ps K=W")
 
 
 def _scaling_worker(rank: int, world: int, init: str, steps: int, out) -> None:
-    from loom.parallel.data_parallel import DataParallel
-    from loom.parallel.param_server import ColocatedParamServer
+    from loom.parallel.data.strategy import DataParallel
+    from loom.parallel.ps.strategy import ColocatedParamServer
 
     init_gloo(rank, world, init, threads=1, timeout_s=300)
     m, t = _cfgs()
@@ -118,9 +118,9 @@ MODES = ("bsp", "ssp:1", "ssp:4", "asp")
 
 
 def _convergence_worker(rank: int, world: int, init: str, steps: int, out) -> None:
-    from loom.parallel.param_server import PSWorker
-    from loom.parallel.ps_links import make_links
-    from loom.parallel.ps_server import ParameterServer
+    from loom.parallel.ps.links import make_links
+    from loom.parallel.ps.server import ParameterServer
+    from loom.parallel.ps.strategy import PSWorker
     from loom.rules import parse_ps_sync
 
     init_gloo(rank, world, init, threads=1, timeout_s=300)

@@ -61,7 +61,7 @@ def _bounds(n_layers: int, n: int) -> list[int]:
 
 
 def loom_stepper(mcfg, tcfg, name: str, v: int, m: int, record: int):
-    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.data.strategy import DataParallel
     from loom.parallel.pipeline.stage import split_model
     from loom.parallel.pipeline.strategy import PipelineStrategy
     from loom.train.build import pipeline_run

@@ -53,8 +53,8 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loom_stepper(cfg: LoomConfig, mesh, meter):
-    from loom.parallel.tensor_parallel import apply_tensor_parallel
-    from loom.parallel.tp_comm import sum_partial_grads
+    from loom.parallel.tensor.comm import sum_partial_grads
+    from loom.parallel.tensor.parallelize import apply_tensor_parallel
 
     model = build_model(cfg.model, cfg.train.seed)
     loss = apply_tensor_parallel(model, mesh, cfg, meter)
@@ -166,7 +166,7 @@ def _worker(rank: int, world: int, init: str, args, out) -> None:
     from loom.comm import CommMeter
     from loom.memory.activations import activation_bytes_per_layer, measure_layer_bytes
     from loom.mesh import ParallelDims, ParallelMesh
-    from loom.parallel.tensor_parallel import comm_bytes_formula
+    from loom.parallel.tensor.parallelize import comm_bytes_formula
 
     cfg = _cfg(args)
     mesh = ParallelMesh(ParallelDims(tp=world), "cpu")

@@ -275,7 +275,7 @@ def _pipeline_problems(
 
 DpModeName = Literal[
     "allreduce", "ps"
-]  # parallel.dp_mode: how data-parallel gradients meet (loom.parallel.param_server)
+]  # parallel.dp_mode: how data-parallel gradients meet (loom.parallel.ps.strategy)
 PS_ALIGN = (
     4  # a parameter server's shard is a whole number of 16-byte blocks of fp32 (loom.parallel.zero.layout)
 )

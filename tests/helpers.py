@@ -66,7 +66,7 @@ def train_dp(
     from loom.comm import CommMeter
     from loom.model.llama import build_model, loss_fn
     from loom.optim.groups import build_optimizer
-    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.data.strategy import DataParallel
     from loom.train.schedule import lr_at
     from loom.train.step import plain_run, train_step
 
@@ -143,7 +143,7 @@ def train_layout(
     from loom.comm import CommMeter
     from loom.config import LoomConfig, MoEConfig
     from loom.model.llama import build_model
-    from loom.parallel.context_parallel import shard_sequence
+    from loom.parallel.context.parallelize import shard_sequence
     from loom.train.build import build_run
     from loom.train.schedule import lr_at
     from loom.train.step import train_step

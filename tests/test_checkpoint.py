@@ -213,7 +213,7 @@ def test_ranks_disagreeing_on_the_step_are_refused(tmp_path):
 def _dp_model_and_strategy(seed: int = 7, group=None, steps: int = 2):
     from loom.model.llama import build_model, loss_fn
     from loom.optim.groups import build_optimizer
-    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.data.strategy import DataParallel
     from loom.train.schedule import lr_at
     from loom.train.step import plain_run, train_step
     from tests.helpers import rank_micro_batches, tiny_train
@@ -301,8 +301,8 @@ def _tp_save_and_reload(root: str):
     from loom.config import LoomConfig
     from loom.model.llama import build_model
     from loom.optim.groups import build_optimizer
-    from loom.parallel.data_parallel import DataParallel
-    from loom.parallel.tensor_parallel import apply_tensor_parallel
+    from loom.parallel.data.strategy import DataParallel
+    from loom.parallel.tensor.parallelize import apply_tensor_parallel
     from tests.helpers import tiny_train
 
     mesh = get_mesh(tp=2)
@@ -327,7 +327,7 @@ def _tp_save_and_reload(root: str):
 
 
 def test_tensor_parallel_checkpoint_unshards(pools, tmp_path):
-    pytest.importorskip("loom.parallel.tensor_parallel")
+    pytest.importorskip("loom.parallel.tensor.parallelize")
     (reference, same0), (_, same1) = pools(2).run(_tp_save_and_reload, str(tmp_path))
     assert same0 and same1
     with CheckpointReader(tmp_path) as reader:

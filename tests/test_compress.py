@@ -61,8 +61,8 @@ def test_mlp_compression_reaches_the_experts():
 def test_replacement_modules_keep_the_kind_of_what_they_replace():
     """Tensor and expert parallelism swap modules; the swapped-in classes save the same kind of tensors."""
     from loom.model.llama import Attention, FeedForward, MoEFeedForward, RMSNorm
-    from loom.parallel.expert_parallel import ExpertParallelMoE
-    from loom.parallel.tp_layers import ParallelAttention, ParallelFeedForward, SequenceParallelRMSNorm
+    from loom.parallel.expert.parallelize import ExpertParallelMoE
+    from loom.parallel.tensor.layers import ParallelAttention, ParallelFeedForward, SequenceParallelRMSNorm
 
     pairs = [
         (Attention, ParallelAttention),

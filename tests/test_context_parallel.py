@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_local_positions_pair_an_early_and_a_late_chunk():
-    from loom.parallel.context_parallel import local_positions
+    from loom.parallel.context.parallelize import local_positions
 
     assert local_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert local_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
@@ -87,7 +87,7 @@ def test_context_parallel_bytes_equal_formula(pools, name, mode):
     """Per step and rank, the bytes of the mode's collectives or sends equal :func:`cp_comm_bytes`
     (allgather: K/V all-gathers and dK/dV reduce-scatters; ring: K/V and fp32 dK/dV sends;
     alltoall: q, k, v, output exchanges and their gradients), the forward's again when recomputed."""
-    from loom.parallel.context_parallel import cp_comm_bytes, cp_layer_bytes
+    from loom.parallel.context.parallelize import cp_comm_bytes, cp_layer_bytes
 
     world, layout = LAYOUTS[name]
     cp, cfg = layout["cp"], tiny_model()
@@ -185,7 +185,7 @@ def _saved_per_layer(cp: int, mode: str) -> tuple[dict, int]:
     from loom.config import LoomConfig
     from loom.memory.activations import activation_bytes_per_layer, measure_layer_bytes
     from loom.model.llama import build_model
-    from loom.parallel.context_parallel import apply_context_parallel, shard_sequence
+    from loom.parallel.context.parallelize import apply_context_parallel, shard_sequence
 
     mesh = get_mesh(cp=cp)
     cfg = LoomConfig(model=tiny_model())
@@ -272,7 +272,7 @@ def test_document_ids_of_the_whole_sequence_from_each_ranks_own(pools):
 
 def _global_docs_match(cp: int) -> bool:
     from loom.parallel.context.blocks import global_docs
-    from loom.parallel.context_parallel import shard_sequence
+    from loom.parallel.context.parallelize import shard_sequence
     from tests.helpers import packed_global_batch
 
     mesh = get_mesh(cp=cp)
@@ -296,7 +296,7 @@ def test_dropout_under_cp_is_private_per_rank_and_replayable(pools):
 def _private_draws():
     import torch.distributed as dist
 
-    from loom.parallel.context_parallel import CpPrivateRng
+    from loom.parallel.context.parallelize import CpPrivateRng
 
     mesh = get_mesh(cp=2)
     draw = torch.nn.Dropout(0.5)  # a module drawing its mask from the default generator

@@ -959,7 +959,7 @@ def test_a_micro_batch_with_no_trained_token_has_loss_zero_not_nan():
     import torch.nn.functional as F
 
     from loom.model.llama import loss_fn
-    from loom.parallel.tensor_parallel import vocab_parallel_cross_entropy
+    from loom.parallel.tensor.parallelize import vocab_parallel_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 8, 50, generator=g, requires_grad=True)

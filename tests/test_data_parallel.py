@@ -64,7 +64,7 @@ def test_bytes_moved_equal_ring_formula(pools):
 def _bucket_probe(world: int):
     """Small buckets: several of them, and the first all-reduce launches while grads are pending."""
     from loom.model.llama import build_model, loss_fn
-    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.data.strategy import DataParallel
 
     mesh = get_mesh(dp_replicate=world)
     model = build_model(tiny_model(), 0)

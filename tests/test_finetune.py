@@ -55,7 +55,7 @@ def train_lora(layout: dict | None = None, model_kw: dict | None = None, steps: 
     from tests.dist import get_mesh
 
     layout = layout or {}
-    from loom.parallel.context_parallel import shard_sequence
+    from loom.parallel.context.parallelize import shard_sequence
 
     dims = {k: v for k, v in layout.items() if k in ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate")}
     mesh = get_mesh(**dims) if dims else ParallelMesh(ParallelDims(), "cpu")
@@ -262,7 +262,7 @@ def test_lora_tp2_replicated_kv_equals_single_process(pools, reference_kv1):
 def _check_tp_bytes(results: list[dict], cfg: C.LoomConfig) -> None:
     """Bytes moved per step = tp_lora's formula: the layers' collectives where a gradient reaches them
     (the frozen base's partial sums gone) + the adapters' (one (B, T, Σr) collective per entry)."""
-    from loom.parallel.tp_lora import lora_comm_bytes
+    from loom.parallel.tensor.lora import lora_comm_bytes
 
     tp, sp, k = cfg.parallel.tp, cfg.parallel.sp, BATCH // MICRO
     for r in results:

@@ -244,7 +244,7 @@ def test_peak_memory_matches_the_planner():
 def _gpu_pipeline_timeline(model_kw: dict | None = None) -> str:
     from loom.model.llama import build_model, loss_fn
     from loom.optim.groups import build_optimizer
-    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.data.strategy import DataParallel
     from loom.parallel.pipeline.report import timeline_report
     from loom.parallel.pipeline.stage import split_model
     from loom.parallel.pipeline.strategy import PipelineStrategy

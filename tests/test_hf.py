@@ -538,7 +538,7 @@ def _layout_outputs(paths: list[str], x: torch.Tensor, layout: str) -> list:
     gathered logits, the bytes this rank read, the bytes of its parameters, the checkpoint's bytes)."""
     from loom.model.hf import open_dir, source
     from loom.model.llama import build_model, loss_fn
-    from loom.parallel.tensor_parallel import gather_dim
+    from loom.parallel.tensor.parallelize import gather_dim
     from loom.train.build import build_run
     from tests.dist import get_mesh
 
@@ -568,7 +568,7 @@ def _layout_outputs(paths: list[str], x: torch.Tensor, layout: str) -> list:
                     run.evaluate([(tokens[i : i + 1], targets[i : i + 1]) for i in range(2)], loss_fn, None)
                 )
             elif layout == "cp2":
-                from loom.parallel.context_parallel import local_positions
+                from loom.parallel.context.parallelize import local_positions
 
                 pos = local_positions(tokens.shape[1], 2, mesh.local_rank("cp"))
                 out.append((pos, run.model(tokens[:, pos])))
@@ -635,7 +635,7 @@ def test_planner_state_of_bias_and_qk_norm_under_tp2_is_exact(pools, kw):
     """Weights and Adafactor's factored state per tp2 rank as predicted (biases of row-parallel
     layers and the position table whole on every rank), and the gradients summed over tp once per
     step (sp) as the formula of ``tensor_parallel.partial_numel`` and the planner's count them."""
-    from loom.parallel.tensor_parallel import partial_numel
+    from loom.parallel.tensor.parallelize import partial_numel
     from loom.plan.cost import CostModel, Layout, Workload
     from loom.plan.hardware import ClusterSpec
     from tests.helpers import SEQ, tiny_model

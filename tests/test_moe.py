@@ -562,7 +562,7 @@ def test_hot_expert_replication_equals_single_process_and_cuts_the_busiest_rank(
 
 
 def test_hot_experts_are_chosen_to_unload_the_busiest_rank():
-    from loom.parallel.expert_parallel import choose_hot, rank_loads
+    from loom.parallel.expert.parallelize import choose_hot, rank_loads
 
     load = [100.0, 10.0, 60.0, 50.0]  # ep2: rank 0 holds experts 0-1 (110 rows), rank 1 experts 2-3 (110)
     assert rank_loads(load, 2, [0]) == [60.0, 160.0]  # the hottest alone would overload rank 1

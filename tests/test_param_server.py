@@ -77,7 +77,7 @@ def test_colocated_bsp_equals_allreduce_and_one_process(pools, reference, world,
 
 def _server_bytes(world: int, shards: int):
     from loom.model.llama import build_model, loss_fn
-    from loom.parallel.param_server import ColocatedParamServer
+    from loom.parallel.ps.strategy import ColocatedParamServer
     from loom.train.schedule import lr_at
     from loom.train.step import plain_run, train_step
 
@@ -104,7 +104,7 @@ def _load_into_ps(path: str, shards: int):
     """A fresh co-located parameter server reads the checkpoint at ``path``: its parameters and moments."""
     from loom.checkpoint import CheckpointReader
     from loom.model.llama import build_model
-    from loom.parallel.param_server import ColocatedParamServer
+    from loom.parallel.ps.strategy import ColocatedParamServer
 
     mesh = get_mesh(dp_replicate=2)
     model = build_model(tiny_model(), 0)  # another seed: every value must come from the checkpoint
@@ -124,7 +124,7 @@ def test_checkpoint_is_layout_independent(pools, tmp_path):
     all-reduce checkpoint resumes under ps (parameters on every worker, moments on each server)."""
     from loom.checkpoint import CheckpointReader
     from loom.model.llama import build_model
-    from loom.parallel.param_server import FlatModel
+    from loom.parallel.ps.strategy import FlatModel
 
     ps_dir, dp_dir = tmp_path / "ps", tmp_path / "dp"
     pools(2).run(
@@ -162,7 +162,7 @@ _LINKS: dict = {}
 
 
 def _links(workers: int, shards: int):
-    from loom.parallel.ps_links import make_links
+    from loom.parallel.ps.links import make_links
 
     if (workers, shards) not in _LINKS:
         _LINKS[(workers, shards)] = make_links(workers, shards)
@@ -187,8 +187,8 @@ def _dedicated(
 
     from loom.comm import CommMeter
     from loom.model.llama import build_model, loss_fn
-    from loom.parallel.param_server import PSWorker
-    from loom.parallel.ps_server import ParameterServer
+    from loom.parallel.ps.server import ParameterServer
+    from loom.parallel.ps.strategy import PSWorker
     from loom.rules import parse_ps_sync
     from loom.train.schedule import lr_at
     from loom.train.step import plain_run, train_step
@@ -239,7 +239,7 @@ def _dedicated(
 def _assemble(results: list, workers: int) -> dict[str, torch.Tensor]:
     """The model of the servers' final shards (the truth under asp/ssp, where workers pulled at different times)."""
     from loom.model.llama import build_model
-    from loom.parallel.param_server import FlatModel
+    from loom.parallel.ps.strategy import FlatModel
 
     model = build_model(tiny_model(), 0)
     flat = FlatModel(model, len(results) - workers)

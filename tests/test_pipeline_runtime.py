@@ -34,7 +34,7 @@ def _strategy(
 ):
     from loom.model.llama import build_model
     from loom.optim.groups import build_optimizer
-    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.data.strategy import DataParallel
     from loom.parallel.pipeline.stage import split_model
     from loom.parallel.pipeline.strategy import PipelineStrategy
 
@@ -178,10 +178,10 @@ def _three_d(steps: int) -> dict:
     from loom.config import LoomConfig
     from loom.model.llama import build_model
     from loom.optim.groups import build_optimizer
-    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.data.strategy import DataParallel
     from loom.parallel.pipeline.stage import gather_full_state, split_model
     from loom.parallel.pipeline.strategy import PipelineStrategy
-    from loom.parallel.tensor_parallel import apply_tensor_parallel
+    from loom.parallel.tensor.parallelize import apply_tensor_parallel
     from loom.train.build import pipeline_run
     from loom.train.schedule import lr_at
     from loom.train.step import train_step
@@ -695,7 +695,7 @@ def _timed_bubbles() -> dict:
     """The real runtime on blocks of known duration (sleeps: no contention for the 2 cores), pp2."""
     from loom.model.llama import build_model, loss_fn
     from loom.optim.groups import build_optimizer
-    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.data.strategy import DataParallel
     from loom.parallel.pipeline.stage import split_model
     from loom.parallel.pipeline.strategy import PipelineStrategy
     from loom.train.build import pipeline_run

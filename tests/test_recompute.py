@@ -70,7 +70,7 @@ def _local_or_full_state(model, strategy, mesh) -> dict[str, torch.Tensor]:
     """This rank's state dict; ZeRO-3 units gathered; tensor-parallel shards gathered into full tensors."""
     import contextlib
 
-    from loom.parallel.tensor_parallel import gather_full_state
+    from loom.parallel.tensor.parallelize import gather_full_state
 
     strategy = getattr(strategy, "inner", strategy)  # a pipeline's data-parallel strategy
     with strategy.gathered() if hasattr(strategy, "gathered") else contextlib.nullcontext():

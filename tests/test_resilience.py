@@ -380,7 +380,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
 def test_non_finite_gradients_stop_with_parameters_untouched():
     from loom.model.llama import build_model, loss_fn
     from loom.optim.groups import build_optimizer
-    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.data.strategy import DataParallel
     from loom.train.health import NonFiniteError
     from loom.train.step import plain_run, train_step
     from tests.helpers import rank_micro_batches, tiny_model, tiny_train

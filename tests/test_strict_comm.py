@@ -313,7 +313,7 @@ def _buckets_completed_in_rank_dependent_order(stage: int) -> list[int]:
     import torch.distributed as dist
     from torch import nn
 
-    from loom.parallel.data_parallel import DataParallel
+    from loom.parallel.data.strategy import DataParallel
 
     model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
     for i, m in enumerate(model):  # distinct sizes: a misordered pair of all-reduces is visible

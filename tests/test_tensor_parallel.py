@@ -24,7 +24,7 @@ TRAIN_TOL = dict(rtol=1e-4, atol=5e-5)
 
 
 def _ctx(tp: int, sp: bool = False, meter=None):
-    from loom.parallel.tp_layers import TPContext
+    from loom.parallel.tensor.layers import TPContext
 
     mesh = get_mesh(tp=tp)
     return TPContext(mesh.group("tp"), mesh.local_rank("tp"), tp, meter, sp)
@@ -36,8 +36,8 @@ def _same_everywhere(*shape: int, seed: int = 0) -> torch.Tensor:
 
 def _primitives(tp: int) -> None:
     """f, g, the sequence pair, and fused column-parallel matmul against their one-process meaning."""
-    from loom.parallel.tp_comm import copy_to_tp, gather_seq, reduce_from_tp, scatter_seq
-    from loom.parallel.tp_layers import column_parallel_matmul
+    from loom.parallel.tensor.comm import copy_to_tp, gather_seq, reduce_from_tp, scatter_seq
+    from loom.parallel.tensor.layers import column_parallel_matmul
 
     ctx = _ctx(tp)
     r, group = ctx.rank, ctx.group
@@ -93,7 +93,7 @@ def _primitives(tp: int) -> None:
 
 def _layers(tp: int) -> None:
     """Column -> row linear pair, vocab-parallel embedding, against the single-device modules."""
-    from loom.parallel.tp_layers import (
+    from loom.parallel.tensor.layers import (
         ColumnParallelLinear,
         RowParallelLinear,
         VocabParallelEmbedding,
@@ -129,7 +129,7 @@ def _layers(tp: int) -> None:
 
 
 def _cross_entropy(tp: int) -> None:
-    from loom.parallel.tensor_parallel import vocab_parallel_cross_entropy
+    from loom.parallel.tensor.parallelize import vocab_parallel_cross_entropy
 
     ctx = _ctx(tp)
     B, T, V = 3, 5, 16 * tp
@@ -155,7 +155,7 @@ def test_primitives_layers_and_loss(pools, tp):
 
 def test_vocab_parallel_cross_entropy_single_rank():
     """Size-1 group: the same function is F.cross_entropy, including ignored tokens."""
-    from loom.parallel.tensor_parallel import vocab_parallel_cross_entropy
+    from loom.parallel.tensor.parallelize import vocab_parallel_cross_entropy
 
     logits = torch.randn(2, 7, 11)
     targets = torch.randint(0, 11, (2, 7))
@@ -173,7 +173,7 @@ def _train_tp(tp: int, dp: int, sp: bool, zero: int = 0, steps: int = 20):
     """Train the tiny model through ``parallelize`` on a tp x dp mesh; gather the final state."""
     from loom.comm import CommMeter
     from loom.model.llama import build_model
-    from loom.parallel.tensor_parallel import gather_full_state
+    from loom.parallel.tensor.parallelize import gather_full_state
     from loom.train.build import parallelize
 
     mesh = get_mesh(tp=tp, dp_replicate=dp) if zero == 0 else get_mesh(tp=tp, dp_shard=dp)
@@ -213,7 +213,7 @@ def _check_equal(results, reference) -> None:
 def test_tp_equals_single_process(pools, reference, tp, sp):
     """20 steps (2 micro-batches each, clipping on): losses and gathered parameters equal the reference;
     bytes moved per step equal the formula (k micro-batches + the once-per-step partial sums)."""
-    from loom.parallel.tensor_parallel import comm_bytes_formula
+    from loom.parallel.tensor.parallelize import comm_bytes_formula
 
     results = pools(tp).run(_train_tp, tp, 1, sp)
     _check_equal(results, reference)
@@ -246,7 +246,7 @@ def test_tp2_dp2_equals_single_process(pools, reference, zero):
 
 
 def _rng_streams():
-    from loom.parallel.tp_rng import tp_local_rng
+    from loom.parallel.tensor.rng import tp_local_rng
 
     rank = get_mesh(tp=2).local_rank("tp")
     torch.manual_seed(5)
@@ -305,8 +305,8 @@ def _dtensor_parity(tp: int, sp: bool) -> None:
     )
 
     from loom.model.llama import build_model
-    from loom.parallel.tensor_parallel import parallelize_block
-    from loom.parallel.tp_comm import sum_partial_grads
+    from loom.parallel.tensor.comm import sum_partial_grads
+    from loom.parallel.tensor.parallelize import parallelize_block
 
     mesh = get_mesh(tp=tp)
     full = build_model(tiny_model(), 3)
@@ -367,7 +367,7 @@ def test_block_matches_dtensor_tp(pools, sp):
 def _activation_bytes(tp: int, sp: bool, batch: int) -> dict[int, int]:
     from loom.memory.activations import measure_layer_bytes
     from loom.model.llama import build_model
-    from loom.parallel.tensor_parallel import apply_tensor_parallel
+    from loom.parallel.tensor.parallelize import apply_tensor_parallel
 
     cfg = LoomConfig(model=tiny_model(), parallel=ParallelConfig(tp=tp, sp=sp))
     cfg.data.seq_len = SEQ

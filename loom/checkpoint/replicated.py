@@ -5,7 +5,7 @@ tensor holds which region of it and how many ranks hold the same piece (a
 :class:`Placement`); :func:`placement_state` then names the parameter and its Adam state
 (``exp_avg``, ``exp_avg_sq`` shaped like the parameter, ``step`` a scalar) for the checkpoint.
 
-Data parallelism (:class:`loom.parallel.data_checkpoint.ReplicatedState`): every parameter and its optimizer state is
+Data parallelism (:class:`loom.parallel.data.checkpoint.ReplicatedState`): every parameter and its optimizer state is
 replicated over the ``dp`` group. Replica ``i`` of ``n`` writes rows ``[i·R/n, (i+1)·R/n)``
 of each tensor (R = its first dimension; scalars by replica 0), so the n ranks write 1/n of
 the state each, in parallel, and the checkpoint holds one copy. On load the n ranks of the

@@ -17,7 +17,7 @@ embeddings, as PEFT's all-linear). Names: the adapters of ``layers.0.attention.w
 ``layers.0.attention.wq.lora_A.weight`` and ``...lora_B.weight`` (PEFT's names, less its
 adapter name); the base keeps its own names.
 
-Tensor parallelism (:mod:`loom.parallel.tp_lora`) splits the adapters as the layer it wraps:
+Tensor parallelism (:mod:`loom.parallel.tensor.lora`) splits the adapters as the layer it wraps:
 column-parallel (q, k, v, w1, w3): B along d_out with W's rows, A whole; row-parallel (o, w2): A
 along d_in with W's columns, B whole. Each adds one collective of (B, T, r) values per pass.
 """

@@ -1,7 +1,7 @@
 """The Strategy protocol every parallel strategy implements, and the one gradient clipping.
 
 A strategy owns the gradients and the update of the parameters it is applied to: data
-parallelism (:mod:`loom.parallel.data_parallel`), ZeRO 1-3 (:mod:`loom.parallel.zero`), and
+parallelism (:mod:`loom.parallel.data.strategy`), ZeRO 1-3 (:mod:`loom.parallel.zero`), and
 the pipeline around either (:mod:`loom.parallel.pipeline.strategy`). The training step
 (:func:`loom.train.step.optimizer_step`) drives one update through this protocol only:
 

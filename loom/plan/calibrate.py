@@ -496,7 +496,7 @@ def tp_layer_pair(tokens: int, width: int, group, rank: int, size: int, device=N
     import torch.nn.functional as F
     from torch import nn
 
-    from loom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, TPContext
+    from loom.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TPContext
 
     g = torch.Generator().manual_seed(0)
     w_in = nn.Parameter((torch.randn(2 * width // size, width, generator=g) / width**0.5).to(device))
@@ -520,7 +520,7 @@ def tp_layer_pair(tokens: int, width: int, group, rank: int, size: int, device=N
 def ep_layer_pair(tokens: int, width: int, group, rank: int, size: int, device=None):
     """(through the layer, on one rank): a mixture of :data:`EP_EXPERTS` SwiGLU experts (top
     :data:`EP_TOP_K`, hidden ``2 width``) forward + backward on ``tokens`` tokens, as Loom's
-    :class:`~loom.parallel.expert_parallel.ExpertParallelMoE` over ``group`` of ``size`` ranks runs
+    :class:`~loom.parallel.expert.parallelize.ExpertParallelMoE` over ``group`` of ``size`` ranks runs
     it (:data:`LAYER_CALLS` ``["ep"]`` all-to-alls: the counts, dispatch and combine, both again in
     backward), and the plain layer with every expert on this rank (the same rows computed)."""
     import copy
@@ -528,7 +528,7 @@ def ep_layer_pair(tokens: int, width: int, group, rank: int, size: int, device=N
     import torch
 
     from loom.model.moe import MoEFeedForward
-    from loom.parallel.expert_parallel import ExpertParallelMoE
+    from loom.parallel.expert.parallelize import ExpertParallelMoE
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -72,7 +72,7 @@ Time of one step:
   ``call_overhead_cpu["tp"]``); not overlapped, or with
   ``Layout.tp_overlap`` cut in t chunks pipelined with the layer's GEMMs:
   comm / t + max(0, comm (t-1)/t - GEMMs fwd+bwd) per layer.
-- context parallel (:mod:`loom.parallel.context_parallel`, :meth:`CostModel._cp_layer_time`), by
+- context parallel (:mod:`loom.parallel.context.parallelize`, :meth:`CostModel._cp_layer_time`), by
   ``Layout.cp_mode``: allgather all-gathers K and V over cp before the core (again under full
   recomputation) and reduce-scatters dK, dV, not overlapped, and saves the other ranks' keys and
   values (2 B T (cp-1) kd / t more activation bytes per layer); ring sends K/V blocks (and fp32

@@ -37,7 +37,7 @@ from loom.optim.flat import build_flat_optimizer
 from loom.optim.groups import build_optimizer
 from loom.optim.store import make_store
 from loom.parallel.base import LossFn, Strategy
-from loom.parallel.data_parallel import REDUCE_DTYPES, DataParallel
+from loom.parallel.data.strategy import REDUCE_DTYPES, DataParallel
 from loom.parallel.materialize import (
     Fill,
     Source,
@@ -127,15 +127,15 @@ def parallelize(
         apply_lora(model, cfg)
         tag_origins(model)
     if mesh.size("tp") > 1:
-        from loom.parallel.tensor_parallel import apply_tensor_parallel
+        from loom.parallel.tensor.parallelize import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh, cfg, meter)
     if mesh.size("cp") > 1:
-        from loom.parallel.context_parallel import apply_context_parallel
+        from loom.parallel.context.parallelize import apply_context_parallel
 
         apply_context_parallel(model, mesh, cfg, meter)
     if mesh.size("ep") > 1:
-        from loom.parallel.expert_parallel import apply_expert_parallel
+        from loom.parallel.expert.parallelize import apply_expert_parallel
 
         apply_expert_parallel(model, mesh, meter)
     split = mesh.size("tp") > 1 and cfg.parallel.sp  # sequence parallelism: tp ranks route different tokens
@@ -203,7 +203,7 @@ def data_parallel(
       of one rank (fp32 masters and optimizer state replicated; stage 2 hooks, stage 1 under a
       pipeline, which reduces once after the last micro-batch);
     - zero = 0, fp32 AdamW: :class:`DataParallel` with ``torch.optim.AdamW``;
-    - ``parallel.dp_mode = "ps"``: co-located parameter servers (:mod:`loom.parallel.param_server`), or a
+    - ``parallel.dp_mode = "ps"``: co-located parameter servers (:mod:`loom.parallel.ps.strategy`), or a
       worker of dedicated server ranks (``ps_colocate = false``: :func:`loom.train.ps_run.ps_worker`).
 
     ``fill``, ``device``: ZeRO-3 materializes parameters still on the meta device there.
@@ -215,7 +215,7 @@ def data_parallel(
 
         return ps_worker(model, mesh, cfg, meter)
     if p.dp_mode == "ps":  # co-located parameter servers (config refuses the layouts they cannot run)
-        from loom.parallel.param_server import ColocatedParamServer
+        from loom.parallel.ps.strategy import ColocatedParamServer
 
         return ColocatedParamServer(
             model, mesh.group("dp_cp"), p.ps_shards, cfg.train, meter, cfg.run.timeout_s

@@ -2,8 +2,8 @@
 
 Ranks (:func:`loom.config.ps_servers`): run.nproc = W + K; ranks 0..W-1 are the workers
 (``parallel.dp`` = W), ranks W..W+K-1 the K = ``parallel.ps_shards`` servers
-(:mod:`loom.parallel.ps_links`). Workers run the normal trainer on :func:`worker_mesh`, a mesh of
-the W workers only (data sharded over them), with :class:`~loom.parallel.param_server.PSWorker`
+(:mod:`loom.parallel.ps.links`). Workers run the normal trainer on :func:`worker_mesh`, a mesh of
+the W workers only (data sharded over them), with :class:`~loom.parallel.ps.strategy.PSWorker`
 as their data-parallel strategy (:func:`ps_worker`). A server rank runs :func:`serve`: it takes
 part in the trainer's world-wide collectives, in the trainer's order, and serves in between:
 
@@ -13,7 +13,7 @@ part in the trainer's world-wide collectives, in the trainer's order, and serves
 
 A checkpoint pauses the servers: a worker sends DONE as it hands its state to the save
 (``PSWorker.sharded_state``); the servers save their shards with it, then serve again. The
-checkpoint is the layout-independent one (:mod:`loom.parallel.ps_checkpoint`): under bsp equal to
+checkpoint is the layout-independent one (:mod:`loom.parallel.ps.checkpoint`): under bsp equal to
 all-reduce data parallelism's, moments included, so it resumes under any layout; under asp/ssp the
 servers' parameters and moments of their per-push updates (step count W per step).
 
@@ -37,9 +37,9 @@ from loom.checkpoint.training import TrainCheckpoints
 from loom.comm import CommMeter, Group
 from loom.mesh import ParallelDims, ParallelMesh
 from loom.parallel.materialize import init_source, materialize, tag_origins
-from loom.parallel.param_server import PSWorker
-from loom.parallel.ps_links import PSLinks, make_links
-from loom.parallel.ps_server import ParameterServer
+from loom.parallel.ps.links import PSLinks, make_links
+from loom.parallel.ps.server import ParameterServer
+from loom.parallel.ps.strategy import PSWorker
 from loom.rules import parse_ps_sync
 from loom.train.export import write_json_atomic
 from loom.train.health import Heartbeat, heartbeat_interval

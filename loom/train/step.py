@@ -24,7 +24,7 @@ from loom import comm
 from loom.comm import Group
 from loom.model import moe
 from loom.parallel.base import LossFn, StepResult, Strategy, Update, any_nonfinite, clip_grad_norm, mean_over
-from loom.parallel.expert_parallel import rebalance_experts
+from loom.parallel.expert.parallelize import rebalance_experts
 from loom.train.health import NonFiniteError
 
 __all__ = [

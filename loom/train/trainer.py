@@ -260,7 +260,7 @@ class Trainer:
 
     def _my_tokens(self, batches):
         """Context parallelism: this cp rank's tokens of each sequence (all of them when cp = 1)."""
-        from loom.parallel.context_parallel import shard_sequence
+        from loom.parallel.context.parallelize import shard_sequence
 
         return shard_sequence(batches, self.mesh.size("cp"), self.mesh.local_rank("cp"))
 

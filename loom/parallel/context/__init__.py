@@ -6,5 +6,5 @@
 - :mod:`.ring`: K and V blocks circulate over the cp ranks (O(T/cp) memory per rank).
 - :mod:`.alltoall`: sequence-sharded q, k, v exchanged for head-sharded ones (Ulysses).
 
-The layout, the module swap and the volume formulas are in :mod:`loom.parallel.context_parallel`.
+The layout, the module swap and the volume formulas are in :mod:`loom.parallel.context.parallelize`.
 """

@@ -20,7 +20,7 @@ from loom.parallel.base import SyncSwitch, scale_all, sum_sq
 from loom.parallel.placement import expert_group, placement_of
 from loom.parallel.reducer import GradReducer
 from loom.parallel.state import gather_module_state
-from loom.parallel.tp_comm import sum_partial_grads
+from loom.parallel.tensor.comm import sum_partial_grads
 from loom.parallel.zero.layout import FlatLayout
 
 FlatOptimizer = (

@@ -38,7 +38,7 @@ from loom.parallel.bucket import BucketQueue, split_buckets
 from loom.parallel.placement import expert_group, expert_shard, is_expert, placement_of
 from loom.parallel.reducer import GradReducer
 from loom.parallel.state import gather_module_state
-from loom.parallel.tp_comm import sum_partial_grads
+from loom.parallel.tensor.comm import sum_partial_grads
 from loom.parallel.zero.layout import frozen_state, unique_params
 
 
@@ -225,12 +225,12 @@ class DataParallel(SyncSwitch):
 
     # ------------------------------------------------------------------ checkpoints (Shardable)
     def sharded_state(self):
-        from loom.parallel.data_checkpoint import ReplicatedState
+        from loom.parallel.data.checkpoint import ReplicatedState
 
         return ReplicatedState(self.module, self.optimizer, self.group, self.tp_group).sharded_state()
 
     def load_sharded(self, reader) -> None:
-        from loom.parallel.data_checkpoint import ReplicatedState
+        from loom.parallel.data.checkpoint import ReplicatedState
 
         ReplicatedState(self.module, self.optimizer, self.group, self.tp_group).load_sharded(reader)
 

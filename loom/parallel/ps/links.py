@@ -89,7 +89,7 @@ def make_links(workers: int, shards: int) -> PSLinks:
 
 _ISSUE = (
     threading.Lock()
-)  # a server's listener threads and its main loop post operations (loom.parallel.ps_server)
+)  # a server's listener threads and its main loop post operations (loom.parallel.ps.server)
 
 
 def send(t: torch.Tensor, group: Group, peer: int, meter: CommMeter | None = None):

@@ -27,7 +27,7 @@ with A_off ≈ A·(ep-1)/ep under uniform routing, plus 8·E·(ep-1)/ep for the 
 Gradients. An expert's gradient on its rank already sums the tokens of the whole ep group. The
 data-parallel reduction sums it over the edp group and divides by dp·cp, like every other
 gradient, so all of them are the gradient of the global mean loss
-(:class:`loom.parallel.data_parallel.DataParallel` reduces each bucket over its parameters'
+(:class:`loom.parallel.data.strategy.DataParallel` reduces each bucket over its parameters'
 group). Clipping sums the experts' squares over the ep group. Under ZeRO 1-2 the experts' buckets
 are sharded over their edp group instead of dp x cp (:mod:`loom.parallel.zero.stage12`).
 

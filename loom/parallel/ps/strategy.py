@@ -22,7 +22,7 @@ Synchronization (``parallel.ps_sync``):
   the global-batch mean loss, as all-reduce data parallelism), clips by the global norm
   (Σ_k ‖ḡ_k‖², summed over the servers), steps once, and every worker pulls: equal to all-reduce
   data parallelism and to one process.
-- ``asp`` / ``ssp:S`` (dedicated servers only: :mod:`loom.parallel.ps_server`): each push is one
+- ``asp`` / ``ssp:S`` (dedicated servers only: :mod:`loom.parallel.ps.server`): each push is one
   AdamW update with that worker's gradient (clipped by the worker's own norm), applied as it
   arrives; the worker pulls whatever the server holds then.
 
@@ -45,7 +45,7 @@ from loom.comm import CommMeter, Group
 from loom.optim.adamw import ShardedAdamW
 from loom.optim.store import StateStore
 from loom.parallel.base import SyncSwitch, sum_sq
-from loom.parallel.ps_links import DONE, PULL_HEADER, PUSH, PUSH_HEADER, PSLinks, recv, send, wait_for
+from loom.parallel.ps.links import DONE, PULL_HEADER, PUSH, PUSH_HEADER, PSLinks, recv, send, wait_for
 from loom.parallel.state import gather_module_state
 from loom.parallel.zero.layout import FlatLayout, decayed_ids, unique_params
 
@@ -214,18 +214,18 @@ class ColocatedParamServer(SyncSwitch):
 
     # ------------------------------------------------------------------ checkpoints (Shardable)
     def sharded_state(self):
-        from loom.parallel.ps_checkpoint import ColocatedPSState
+        from loom.parallel.ps.checkpoint import ColocatedPSState
 
         return ColocatedPSState(self).sharded_state()
 
     def load_sharded(self, reader) -> None:
-        from loom.parallel.ps_checkpoint import ColocatedPSState
+        from loom.parallel.ps.checkpoint import ColocatedPSState
 
         ColocatedPSState(self).load_sharded(reader)
 
 
 class PSWorker(SyncSwitch):
-    """A worker of a parameter server with K dedicated server ranks (:mod:`loom.parallel.ps_server`).
+    """A worker of a parameter server with K dedicated server ranks (:mod:`loom.parallel.ps.server`).
 
     ``bound`` (``parallel.ps_sync``): "bsp", or the staleness bound S of ssp:S (None: asp).
 
@@ -356,13 +356,13 @@ class PSWorker(SyncSwitch):
     # ------------------------------------------------------------------ checkpoints (Shardable)
     def sharded_state(self):
         """A checkpoint pauses the servers: this worker sends DONE first, so they join the save with their
-        shards (:class:`~loom.parallel.ps_checkpoint.WorkerState`)."""
-        from loom.parallel.ps_checkpoint import WorkerState
+        shards (:class:`~loom.parallel.ps.checkpoint.WorkerState`)."""
+        from loom.parallel.ps.checkpoint import WorkerState
 
         self.close()
         return WorkerState(self).sharded_state()
 
     def load_sharded(self, reader) -> None:
-        from loom.parallel.ps_checkpoint import WorkerState
+        from loom.parallel.ps.checkpoint import WorkerState
 
         WorkerState(self).load_sharded(reader)

@@ -35,13 +35,13 @@ from torch import nn
 
 from loom.finetune.lora import adapter_weights, has_adapters, lora_input, lora_output, set_adapters
 from loom.parallel.placement import copy_placement
-from loom.parallel.tp_comm import copy_to_tp, gather_seq, mark_partial
+from loom.parallel.tensor.comm import copy_to_tp, gather_seq, mark_partial
 
 
 def shard_column_adapters(src: nn.Module, dst: nn.Module, ctx, replicated_rows: slice | None) -> None:
     """Give the column-parallel ``dst`` the adapters of the full linear ``src``: B's rows sharded
     (or B whole and partial with ``replicated_rows``), A whole (partial with sp)."""
-    from loom.parallel.tp_layers import sharded_param
+    from loom.parallel.tensor.layers import sharded_param
 
     if not has_adapters(src):
         return
@@ -61,7 +61,7 @@ def shard_column_adapters(src: nn.Module, dst: nn.Module, ctx, replicated_rows: 
 
 def shard_row_adapters(src: nn.Module, dst: nn.Module, ctx) -> None:
     """Give the row-parallel ``dst`` the adapters of ``src``: A's columns sharded, B whole (partial)."""
-    from loom.parallel.tp_layers import sharded_param
+    from loom.parallel.tensor.layers import sharded_param
 
     if not has_adapters(src):
         return
@@ -102,11 +102,11 @@ def lora_comm_bytes(
     cfg, batch: int, seq: int, tp: int, sp: bool, elem: int = 4, micro_batches: int = 1
 ) -> float:
     """Bytes one rank moves per step under tp in a LoRA run of ``cfg`` (a LoomConfig): the layers'
-    activation collectives of :func:`~loom.parallel.tensor_parallel.comm_bytes_formula` less those
+    activation collectives of :func:`~loom.parallel.tensor.parallelize.comm_bytes_formula` less those
     no gradient reaches (the frozen base's backward runs only behind the first adapter: the
     embedding's, and every entry's before it), plus the adapters' (module docstring)."""
     from loom.config import lora_targets, target_shapes
-    from loom.parallel.tensor_parallel import comm_bytes_formula, partial_numel
+    from loom.parallel.tensor.parallelize import comm_bytes_formula, partial_numel
 
     if tp == 1:
         return 0.0

@@ -1,4 +1,4 @@
-"""The checkpoint adapter of the co-located parameter server (:mod:`loom.parallel.param_server`).
+"""The checkpoint adapter of the co-located parameter server (:mod:`loom.parallel.ps.strategy`).
 
 Names are the single-device ones (:mod:`loom.checkpoint.protocol`), so a checkpoint saved here
 resumes under all-reduce data parallelism, ZeRO or another ps_shards, and the other way round:
@@ -11,7 +11,7 @@ resumes under all-reduce data parallelism, ZeRO or another ps_shards, and the ot
 Loading fills the parameters on every worker (they are views of the flat buffer the servers
 update in place) and each server's moments; the servers' step counts must agree.
 
-Dedicated server ranks (:mod:`loom.parallel.ps_server`, :mod:`loom.train.ps_run`) write the same
+Dedicated server ranks (:mod:`loom.parallel.ps.server`, :mod:`loom.train.ps_run`) write the same
 names, the parameters too from the servers: server k writes ``model.<fqn>`` and ``optim.<fqn>.*``
 of its range (its shard is the truth: under asp/ssp the workers' copies differ), the workers
 only what no server holds (persistent buffers, frozen parameters), replicated over the W workers.

@@ -1,4 +1,4 @@
-"""A dedicated parameter-server rank: the loop that owns shard k (see :mod:`loom.parallel.param_server`).
+"""A dedicated parameter-server rank: the loop that owns shard k (see :mod:`loom.parallel.ps.strategy`).
 
 Per link, in this order (both sides issue the same operations in the same order, NCCL-safe):
 
@@ -39,9 +39,9 @@ from torch import nn
 from loom import comm
 from loom.comm import CommMeter
 from loom.parallel.base import sum_sq
-from loom.parallel.param_server import FlatModel
-from loom.parallel.ps_checkpoint import ServerState, shard_pieces
-from loom.parallel.ps_links import DONE, PULL_HEADER, PUSH_HEADER, PSLinks, ServerLost, recv, send, wait_for
+from loom.parallel.ps.checkpoint import ServerState, shard_pieces
+from loom.parallel.ps.links import DONE, PULL_HEADER, PUSH_HEADER, PSLinks, ServerLost, recv, send, wait_for
+from loom.parallel.ps.strategy import FlatModel
 
 
 @dataclass

@@ -50,8 +50,8 @@ from loom.config import LoomConfig, ModelConfig, check_tensor_parallel
 from loom.model.llama import Block, FeedForward, Transformer
 from loom.model.moe import MoEFeedForward
 from loom.parallel.placement import placement_of
-from loom.parallel.tp_comm import mark_partial
-from loom.parallel.tp_layers import (
+from loom.parallel.tensor.comm import mark_partial
+from loom.parallel.tensor.layers import (
     ColumnParallelLinear,
     ParallelAttention,
     ParallelFeedForward,
@@ -61,7 +61,7 @@ from loom.parallel.tp_layers import (
     sequence_parallel_norm,
     sharded_param,
 )
-from loom.parallel.tp_rng import tp_local_rng
+from loom.parallel.tensor.rng import tp_local_rng
 
 IGNORE_INDEX = -100
 
@@ -115,7 +115,7 @@ def parallelize_block(block: nn.Module, ctx: TPContext) -> nn.Module:
 
 
 def _shard_dropout(block: nn.Module, tp_rank: int, x: torch.Tensor) -> torch.Tensor:
-    """A block's residual dropout on a sequence shard: masks drawn per tp rank (:mod:`loom.parallel.tp_rng`)."""
+    """A block's residual dropout on a sequence shard: masks drawn per tp rank (:mod:`loom.parallel.tensor.rng`)."""
     if not block.training:
         return x
     with tp_local_rng(tp_rank, x.device):

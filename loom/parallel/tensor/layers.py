@@ -44,15 +44,15 @@ from loom.model.llama import (
     mlp_activation,
 )
 from loom.parallel.placement import copy_placement, place, setattr_placement, slice_of
-from loom.parallel.tp_comm import (
+from loom.parallel.tensor.comm import (
     all_gather_seq,
     mark_partial,
     reduce_from_tp,
     reduce_scatter_seq,
     scatter_seq,
 )
-from loom.parallel.tp_lora import column_deltas, row_delta, shard_column_adapters, shard_row_adapters
-from loom.parallel.tp_rng import tp_local_rng
+from loom.parallel.tensor.lora import column_deltas, row_delta, shard_column_adapters, shard_row_adapters
+from loom.parallel.tensor.rng import tp_local_rng
 
 
 @dataclass
@@ -141,7 +141,7 @@ class ColumnParallelLinear(nn.Module):
 
     ``replicated_rows``: the weight is held whole on every rank (key/value heads replicated when
     n_kv_heads < n) and this rank uses those rows; the parts of its gradient are summed over the
-    group once per step (:func:`~loom.parallel.tp_comm.sum_partial_grads`).
+    group once per step (:func:`~loom.parallel.tensor.comm.sum_partial_grads`).
     """
 
     def __init__(
@@ -277,7 +277,7 @@ def sequence_parallel_norm(norm: nn.Module, ctx: TPContext) -> nn.Module:
 
 class SequenceParallelPositions(nn.Module):
     """The learned position table under sp: this rank's sequence shard's rows (positions cut along
-    the last dim like :func:`~loom.parallel.tp_comm.scatter_seq` cuts the sequence); the table's
+    the last dim like :func:`~loom.parallel.tensor.comm.scatter_seq` cuts the sequence); the table's
     gradient is a partial sum over tp. Without sp the table is used as it is (replicated)."""
 
     def __init__(self, table: nn.Embedding, ctx: TPContext) -> None:

@@ -18,7 +18,7 @@ from loom.parallel.placement import expert_geometry, placement_of, tp_geometry
 
 
 class ReplicatedState:
-    """:class:`Shardable` state of :class:`~loom.parallel.data_parallel.DataParallel` (module doc of
+    """:class:`Shardable` state of :class:`~loom.parallel.data.strategy.DataParallel` (module doc of
     :mod:`loom.checkpoint.replicated`).
 
     With tensor parallelism underneath (``tp_group``), parameters placed with ``tp_dim`` are
