@@ -327,7 +327,6 @@ def _tp_save_and_reload(root: str):
 
 
 def test_tensor_parallel_checkpoint_unshards(pools, tmp_path):
-    pytest.importorskip("loom.parallel.tensor.parallelize")
     (reference, same0), (_, same1) = pools(2).run(_tp_save_and_reload, str(tmp_path))
     assert same0 and same1
     with CheckpointReader(tmp_path) as reader:
@@ -566,8 +565,6 @@ def _zero_save_and_reshard(root: str, save_stage: int, load_stage: int):
 
 @pytest.mark.parametrize("save_stage,load_stage", [(3, 1), (2, 3)])
 def test_zero_checkpoint_reshards_across_stages_and_into_one_process(pools, tmp_path, save_stage, load_stage):
-
-    pytest.importorskip("loom.parallel.zero")
     results = pools(2).run(_zero_save_and_reshard, str(tmp_path), save_stage, load_stage)
     for _, ref, resumed, same in results:
         assert same, f"ZeRO-{load_stage} did not get ZeRO-{save_stage}'s parameters back exactly"

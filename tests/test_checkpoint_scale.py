@@ -295,7 +295,6 @@ def _zero2_resume_measured(root: str):
 
 
 def test_zero2_resume_reads_only_its_shard_and_gathers_the_parameters(pools, tmp_path):
-    pytest.importorskip("loom.parallel.zero")
     for res in pools(2).run(_zero2_resume_measured, str(tmp_path)):
         assert res["same"], "the gathered parameters differ from the saved ones"
         assert res["bytes"] == res["formula"], res  # its ranges of master, m, v (+ step scalars): 12Φ/N

@@ -326,7 +326,8 @@ TRAIN = {
 
 def save_tiny_hf(path, family: str = "llama", vocab: int = 384, seed: int = 0):
     """A tiny random-init transformers model saved at ``path`` (nothing downloaded); returns it."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     torch.manual_seed(seed)
     if family == "gpt2":
         hf_cfg = transformers.GPT2Config(
@@ -507,9 +508,9 @@ def _loom_lora_model(path, targets: str = "all-linear", seed: int = 3):
 def test_peft_export_loads_with_equal_logits(tmp_path, family, targets):
     """Adapters under PEFT's names (the names PEFT itself saves) and its config: PeftModel.from_pretrained
     on the Hugging Face base gives Loom's LoRA logits; GPT-2's q, k, v as one block-diagonal c_attn."""
-    peft = pytest.importorskip("peft")
     import json
 
+    import peft
     from safetensors.torch import save_file
 
     from loom.finetune.export import peft_state
@@ -557,8 +558,9 @@ def test_peft_export_and_merged_export_of_a_run(lora_run, hf_base, tmp_path):
     """``loom export peft`` of the trained run loads on the base with Loom's logits; ``loom export hf
     --merge-lora`` loads in transformers with the same logits; a PEFT export of a full run, or a plain
     HF export of a LoRA run, is one line naming what to do."""
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    import peft
+    import transformers
+
     from loom.checkpoint.format import CheckpointError
     from loom.checkpoint.hf_export import export_hf
     from loom.finetune.export import MergedReader, export_peft, merged_state
@@ -596,8 +598,9 @@ def test_peft_export_and_merged_export_of_a_run(lora_run, hf_base, tmp_path):
 def test_training_equals_transformers_plus_peft(hf_base):
     """The same seeded LoRA init and the same batches in a plain transformers + peft loop (AdamW, the
     same clipping and LR schedule) give Loom's losses at one rank, step for step."""
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    import peft
+    import transformers
+
     from loom.finetune.lora import lora_init_value
     from loom.mesh import ParallelDims, ParallelMesh
     from loom.model.hf import open_dir, source
@@ -671,7 +674,8 @@ def test_training_equals_transformers_plus_peft(hf_base):
 def test_nf4_equals_torchao_bit_for_bit():
     """Loom's NF4 (levels, 64-element absmax blocks, double-quantized absmaxes in groups of 256) is
     torchao's ``to_nf4``: the same codes, int8 absmaxes, factors, mean and dequantized weight."""
-    nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    import torchao.quantization.quantize_.workflows.nf4.nf4_tensor as nf4_tensor
+
     from loom.finetune.nf4 import dequantize, quantize
 
     w = torch.randn(128, 256, generator=torch.Generator().manual_seed(0)) * 0.02  # 512 blocks: 2 groups

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from torch.testing import assert_close
 
 from loom import config as C
-
-transformers = pytest.importorskip("transformers")
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),

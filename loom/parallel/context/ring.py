@@ -133,6 +133,7 @@ class _RingAttention(Function):
             _finish(works)
             dkv = local if ndkv is None else ndkv.add_(local)
             kv, kdocs = nkv, ndocs
+        assert dkv is not None  # cp >= 1 blocks ran
         home = torch.empty_like(dkv)  # the last hop: every accumulator back to its owner
         _finish(_exchange([dkv], [home], group, meter, nxt, prev))
         return (
