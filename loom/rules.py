@@ -276,9 +276,7 @@ def _pipeline_problems(
 DpModeName = Literal[
     "allreduce", "ps"
 ]  # parallel.dp_mode: how data-parallel gradients meet (loom.parallel.ps.strategy)
-PS_ALIGN = (
-    4  # a parameter server's shard is a whole number of 16-byte blocks of fp32 (loom.parallel.zero.layout)
-)
+PS_ALIGN = 4  # a parameter server's shard is a whole number of 16-byte blocks of fp32 (loom.parallel.layout)
 
 
 def parse_ps_sync(spec: str) -> int | None:
@@ -346,4 +344,154 @@ def param_server_problem(
             f"parallel.ps_sync: {sync!r} needs dedicated server ranks (parallel.ps_colocate = false); co-located "
             "servers are serviced at the step boundary and run bsp"
         )
+    return None
+
+
+# ----------------------------------------------------------------------------- degrees and options
+# The rules ``config.validate`` applies to the layout's degrees and options beyond :func:`layout_problems`
+# (which takes them as resolved): each returns the first problem, one line naming the field, or None.
+
+
+def zero_stage_problem(zero: int) -> str | None:
+    """ZeRO stages: 0 (plain data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ weights)."""
+    return None if zero in (0, 1, 2, 3) else f"parallel.zero: must be 0, 1, 2 or 3, got {zero}"
+
+
+def resolve_degrees(
+    world: int, *, dp: int, dp_shard: int, tp: int, pp: int, cp: int, zero: int
+) -> tuple[int, int]:
+    """(dp, dp_shard) with their automatic values (-1) filled: dp = world / (tp pp cp); dp_shard = all
+    of dp under ZeRO, else 1. Assumes :func:`world_problem` found none."""
+    if dp == -1:
+        dp = world // (tp * pp * cp)
+    if dp_shard == -1:
+        dp_shard = dp if zero > 0 else 1
+    return dp, dp_shard
+
+
+def world_problem(world: int, *, dp: int, tp: int, pp: int, cp: int, ep: int) -> str | None:
+    """Degrees >= 1 whose product is the world size: world = dp * tp * pp * cp (``dp`` -1: automatic)."""
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+        if value < 1:
+            return f"parallel.{name}: must be >= 1, got {value}"
+    inner = tp * pp * cp
+    if dp == -1:
+        if world % inner:
+            return f"parallel: world size {world} is not divisible by tp*pp*cp = {inner}"
+        dp = world // inner
+    if dp < 1:
+        return f"parallel.dp: must be >= 1 or -1 (auto), got {dp}"
+    if dp * inner != world:
+        return f"parallel: dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} = {dp * inner} must equal the world size {world}"
+    return None
+
+
+def sharding_problem(*, dp: int, dp_shard: int, cp: int, ep: int) -> str | None:
+    """Resolved degrees: dp = dp_replicate * dp_shard;  ep | dp * cp (experts borrow from dp*cp)."""
+    if not (dp_shard >= 1 and dp % dp_shard == 0):
+        return f"parallel.dp_shard: must divide dp={dp}, got {dp_shard}"
+    if (dp * cp) % ep:
+        return f"parallel.ep: must divide dp*cp = {dp * cp}, got {ep}"
+    return None
+
+
+def mesh_problem(
+    world: int, *, dp: int, dp_shard: int, tp: int, pp: int, cp: int, ep: int, zero: int
+) -> str | None:
+    """:func:`world_problem`, then :func:`sharding_problem` of the degrees :func:`resolve_degrees` fills."""
+    if (why := world_problem(world, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)) is not None:
+        return why
+    dp, dp_shard = resolve_degrees(world, dp=dp, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, zero=zero)
+    return sharding_problem(dp=dp, dp_shard=dp_shard, cp=cp, ep=ep)
+
+
+def server_ranks_problem(world: int, *, servers: int, dp: int) -> str | None:
+    """Dedicated parameter servers (``parallel.ps_colocate = false``): world = parallel.dp workers +
+    ``servers`` (parallel.ps_shards) server ranks, at least one worker; ``dp`` -1 = world - servers."""
+    if servers < 1:
+        return f"parallel.ps_shards: must be >= 1, got {servers}"
+    if world <= servers:
+        return (
+            f"run.nproc: {world} ranks cannot hold parallel.ps_shards = {servers} dedicated servers "
+            f"and a worker (run.nproc = workers + ps_shards); give at least --nproc {servers + 1}"
+        )
+    if dp not in (-1, world - servers):
+        return (
+            f"run.nproc: {world} ranks, but parallel.dp + parallel.ps_shards = "
+            f"{dp} workers + {servers} dedicated servers = {dp + servers}; give --nproc {dp + servers}, "
+            "or leave parallel.dp unset (= run.nproc - ps_shards)"
+        )
+    return None
+
+
+def batch_problem(global_batch: int, micro_batch: int, dp: int) -> str | None:
+    """Each optimizer step is a whole number of micro-batches on every data-parallel rank."""
+    if micro_batch < 1:
+        return f"train.micro_batch: must be >= 1, got {micro_batch}"
+    if global_batch % (micro_batch * dp):
+        return (
+            f"train.global_batch: {global_batch} must be divisible by micro_batch*dp = "
+            f"{micro_batch}*{dp} = {micro_batch * dp}"
+        )
+    return None
+
+
+def expert_rebalance_problem(
+    *, rebalance_every: int, hot_experts: int, n_experts: int, ep: int
+) -> str | None:
+    """Hot-expert replication (``moe.rebalance_every``) works over expert-parallel ranks, on fewer
+    experts than the layer has."""
+    if rebalance_every < 0:
+        return f"moe.rebalance_every: must be >= 0 (0 = off), got {rebalance_every}"
+    if not rebalance_every:
+        return None
+    if ep <= 1:
+        return (
+            "moe.rebalance_every: replicates hot experts over expert-parallel ranks; it needs "
+            f"parallel.ep > 1, got {ep}"
+        )
+    if not 1 <= hot_experts < n_experts:
+        return f"moe.hot_experts: must be in [1, model.n_experts) = [1, {n_experts}), got {hot_experts}"
+    return None
+
+
+def qlora_layout_problem(method: str, tp: int) -> str | None:
+    """QLoRA quantizes whole base weights: each tensor-parallel rank would quantize its own slice."""
+    if method == "qlora" and tp != 1:
+        return (
+            f"finetune.method: qlora with parallel.tp = {tp} is not supported (each rank would "
+            "quantize its own slice); use method = lora, or tp = 1"
+        )
+    return None
+
+
+def zero3_options_problem(
+    *,
+    zero: int,
+    offload_params: str = "none",
+    qwz: bool = False,
+    hpz: bool = False,
+    qgz: bool = False,
+    qgz_bits: int = 8,
+    hpz_group: int = 0,
+    dp_shard: int = 1,
+    cp: int = 1,
+) -> str | None:
+    """ZeRO-Infinity parameter offload and the ZeRO++ options (qwZ, hpZ, qgZ) are options of ZeRO-3;
+    an hpZ group divides the sharding group dp_shard * cp."""
+    zpp = [f"zeropp_{name}" for name, on in (("qwz", qwz), ("hpz", hpz), ("qgz", qgz)) if on]
+    if offload_params != "none" and zero != 3:
+        return f"parallel.offload_params: {offload_params!r} offloads ZeRO-3's parameter shards; it needs parallel.zero = 3"
+    for f in zpp:
+        if zero != 3:
+            return f"parallel.{f}: a ZeRO++ option of ZeRO-3; it needs parallel.zero = 3"
+    if zpp and offload_params != "none":
+        return f"parallel.offload_params: not combined with ZeRO++ ({', '.join(zpp)}) yet"
+    if hpz_group < 0:
+        return f"parallel.hpz_group: must be >= 0, got {hpz_group}"
+    if qgz_bits not in (4, 8):
+        return f"parallel.zeropp_qgz_bits: must be 4 or 8, got {qgz_bits}"
+    n = dp_shard * cp
+    if hpz and hpz_group > 0 and n > 0 and n % hpz_group != 0:
+        return f"parallel.hpz_group: {hpz_group} must divide the sharding group (dp_shard*cp = {n})"
     return None

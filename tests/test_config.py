@@ -76,7 +76,7 @@ def test_presets_ship_inside_the_package_and_feed_the_planner():
     from loom.plan.cli import MODELS
     from loom.plan.hardware import CLUSTER_DIR
 
-    assert C.PRESET_DIR.parent == Path(C.__file__).resolve().parent  # package data, not the checkout
+    assert C.PRESET_DIR.parent == Path(C.__file__).resolve().parents[1]  # loom/: package data, not a checkout
     assert CLUSTER_DIR.is_relative_to(C.PRESET_DIR) and any(CLUSTER_DIR.glob("*.toml"))
     data = C.tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
         "loom"

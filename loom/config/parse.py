@@ -1,0 +1,192 @@
+"""Reading a configuration: TOML files and shipped presets, nested dicts, ``--section.key value``
+overrides (each value coerced to its field's type), and writing it back; :func:`reference` lists
+every field."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from loom.config.sections import SECTIONS, ConfigError, LoomConfig, _field_types, choices
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Convert a TOML or CLI value to ``typ``; raise ConfigError naming ``where``."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None:
+            return None
+        typ = args[0]
+    if typing.get_origin(typ) is Literal:  # checked against its values by validate()
+        typ = type(typing.get_args(typ)[0])
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if typing.get_origin(typ) is list:  # a list of tables: [[section.key]] in TOML
+        (item,) = typing.get_args(typ)
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise ConfigError(
+                f"{where}: expected a list of tables ([[{where}]] in a TOML file), got {value!r}"
+            )
+        types_ = _field_types(item)
+        out = []
+        for i, table in enumerate(value):
+            for k in table:
+                if k not in types_:
+                    raise ConfigError(f"{where}[{i}].{k}: unknown key; allowed: {', '.join(types_)}")
+            out.append(item(**{k: _coerce(v, types_[k], f"{where}[{i}].{k}") for k, v in table.items()}))
+        return out
+    raise ConfigError(f"{where}: unsupported field type {typ!r}")  # pragma: no cover
+
+
+def _apply(cfg: LoomConfig, section: str, key: str, value: Any) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown section [{section}]; allowed: {', '.join(SECTIONS)}")
+    sub = getattr(cfg, section)
+    types_ = _field_types(type(sub))
+    if key not in types_:
+        allowed = ", ".join(types_)
+        raise ConfigError(f"{section}.{key}: unknown key; allowed in [{section}]: {allowed}")
+    setattr(sub, key, _coerce(value, types_[key], f"{section}.{key}"))
+
+
+def from_dict(data: dict[str, Any], base: LoomConfig | None = None) -> LoomConfig:
+    """Build a config from nested dicts (as TOML gives), starting from ``base`` or defaults."""
+    cfg = base if base is not None else LoomConfig()
+    for section, table in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section [{section}]; allowed: {', '.join(SECTIONS)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] must be a table, got {table!r}")
+        for key, value in table.items():
+            _apply(cfg, section, key, value)
+    return cfg
+
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def presets() -> list[str]:
+    """Names of the configs shipped with Loom (``loom/configs/*.toml``): ``loom train debug``."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def preset_path(name: str) -> Path:
+    """The shipped config called ``name``; an unknown name lists the known ones."""
+    p = PRESET_DIR / f"{name}.toml"
+    if not p.is_file():
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(presets())}")
+    return p
+
+
+def load_toml(path: str | Path, base: LoomConfig | None = None) -> LoomConfig:
+    """Read a TOML config: a file path, or the name of a shipped preset (``debug``, ``llama3-8b``)."""
+    p = Path(path)
+    if not p.is_file() and p.suffix != ".toml" and (PRESET_DIR / f"{p.name}.toml").is_file():
+        p = PRESET_DIR / f"{p.name}.toml"
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist (or a preset: {', '.join(presets())})")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    return from_dict(data, base)
+
+
+def apply_overrides(cfg: LoomConfig, args: list[str]) -> LoomConfig:
+    """Apply ``--section.key value`` (or ``--section.key=value``) pairs."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key value")
+        name = arg[2:]
+        if "=" in name:
+            name, value = name.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{name}: missing value")
+            value = args[i + 1]
+            i += 2
+        section, _, key = name.partition(".")
+        _apply(cfg, section, key.replace("-", "_"), value)
+    return cfg
+
+
+def load(path: str | None, overrides: list[str]) -> LoomConfig:
+    """Defaults, then the TOML file (if any), then CLI overrides."""
+    cfg = load_toml(path) if path else LoomConfig()
+    return apply_overrides(cfg, overrides)
+
+
+def to_dict(cfg: LoomConfig) -> dict[str, dict[str, Any]]:
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}
+
+
+def dump_toml(cfg: LoomConfig) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(to_dict(cfg))
+
+
+def reference() -> str:
+    """Every field with its type, default, one-line doc (read from this module's source) and, for a
+    ``Literal`` field, its allowed values."""
+    import inspect
+    import re
+
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]  {(inspect.getdoc(cls) or '').partition(chr(10))[0]}")
+        types_ = _field_types(cls)
+        for src in inspect.getsource(cls).splitlines():
+            m = re.match(r"\s+(\w+): ([\w| \[\]]+) = (.+?)(?:\s+#\s*(.*))?$", src)
+            if m:
+                name, typ, default, doc = m.groups()
+                allowed = choices(types_[name])
+                if allowed:
+                    typ, doc = (
+                        type(allowed[0]).__name__,
+                        f"{doc or ''}; one of: {' | '.join(map(str, allowed))}".lstrip("; "),
+                    )
+                lines.append(f"  {section}.{name:<22} {typ:<6} {default:<12} {doc or ''}".rstrip())
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,424 @@
+"""The configuration's sections: typed dataclasses, one per ``[section]`` of a TOML file, each field with
+its one-line doc (read by :func:`loom.config.parse.reference`), and the values derived from them.
+
+Pure Python (no torch import). ``Literal`` field types are closed sets checked by ``validate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from loom.rules import AllReduceName, CpModeName, DpModeName, ScheduleName
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a one-line message naming the field."""
+
+
+# Closed sets of values: a field of one of these types is checked against it (``typing.get_args``).
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+Optimizer = Literal["adamw", "adafactor", "adam8bit"]
+
+
+ReduceDtype = Literal["fp32", "bf16", "fp16"]
+
+
+Offload = Literal["none", "cpu", "disk"]
+
+
+Device = Literal["auto", "cpu", "cuda"]
+
+
+Backend = Literal["auto", "gloo", "nccl"]
+
+
+TextErrors = Literal["strict", "replace"]
+
+
+DataFormat = Literal["text", "chat", "prompt_completion"]
+
+
+Overlong = Literal["truncate", "drop"]
+
+
+CpMode = CpModeName  # parallel.cp_mode (loom.rules)
+
+
+AllReduce = AllReduceName  # parallel.allreduce (loom.rules); butterfly refuses non-power-of-two groups
+
+
+DpMode = DpModeName  # parallel.dp_mode (loom.rules)
+
+
+# Parts of the pattern fields train.recompute and train.compress.
+RecomputePolicy = Literal["none", "full", "selective"]
+
+
+CompressFormat = Literal["none", "bf16", "fp8", "int8"]
+
+
+TensorKind = Literal["attention", "mlp", "norm", "other"]  # what a module's ``activation_kind`` may say
+
+
+NormKind = Literal["rmsnorm", "layernorm"]  # model.norm
+
+
+MlpKind = Literal["swiglu", "gelu", "gelu_tanh"]  # model.mlp
+
+
+PositionKind = Literal["rope", "learned"]  # model.positions
+
+
+FinetuneMethod = Literal["full", "lora", "qlora"]  # finetune.method
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "w1", "w2", "w3")  # finetune.lora_targets: the block's linear layers
+
+
+NF4_BLOCK = 64  # QLoRA: elements per NF4 absmax block (a quantized base weight's numel must be a multiple)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Llama-style decoder."""
+
+    dim: int = 256  # hidden size h
+    n_layers: int = 4  # transformer blocks L
+    n_heads: int = 8  # query heads a
+    n_kv_heads: int = 4  # key/value heads (grouped-query attention); must divide n_heads
+    ffn_dim: int = 0  # MLP hidden size; 0 = Llama rule round_up(8h/3, multiple_of)
+    multiple_of: int = 64  # rounding for the automatic ffn_dim
+    vocab_size: int = 0  # 0 = take it from the tokenizer of the prepared data
+    max_seq_len: int = 256  # longest sequence RoPE is prepared for
+    rope_theta: float = 10000.0  # RoPE base frequency
+    rope_scaling: float = 0.0  # Llama 3.1 long-context RoPE: divide low frequencies by this factor (0 = off)
+    rope_low_freq_factor: float = 1.0  # Llama 3.1 RoPE: wavelengths above original_len / this are scaled
+    rope_high_freq_factor: float = 4.0  # Llama 3.1 RoPE: wavelengths below original_len / this are kept
+    rope_original_len: int = 8192  # Llama 3.1 RoPE: the context length pretraining used
+    norm_eps: float = 1e-5  # epsilon of the norms (RMSNorm or LayerNorm)
+    tie_embeddings: bool = True  # share the embedding matrix with the output head
+    init_std: float = 0.02  # std of the normal init; output projections use std/sqrt(2L)
+    dropout: float = 0.0  # dropout on both residual branches and in the attention core (training only)
+    n_experts: int = 1  # > 1: every block's MLP is a mixture of this many SwiGLU experts
+    top_k: int = 2  # experts each token is routed to (mixture of experts only)
+    qkv_bias: bool = False  # biases on the query/key/value projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
+    attn_head_dim: int = 0  # size of one attention head; 0 = dim / n_heads
+    norm: NormKind = "rmsnorm"  # layernorm: (x - mean) / std * w + b (GPT-2)
+    mlp: MlpKind = "swiglu"  # gelu / gelu_tanh: w2(gelu(w1 x)), exact or tanh-approximated (GPT-2's gelu_new)
+    positions: PositionKind = (
+        "rope"  # learned: a (max_seq_len, dim) table added to the token embeddings (GPT-2)
+    )
+    bias: bool = False  # biases on every linear layer but the output head and the router (GPT-2)
+    from_hf: str = ""  # local Hugging Face model directory to start from: its shape, weights and tokenizer
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 1
+
+    def resolved_ffn_dim(self) -> int:
+        """SwiGLU hidden size: explicit, or ``multiple_of * ceil(8h/3 / multiple_of)``."""
+        if self.ffn_dim > 0:
+            return self.ffn_dim
+        hidden = int(8 * self.dim / 3)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def head_dim(self) -> int:
+        return self.attn_head_dim or self.dim // self.n_heads
+
+
+@dataclass
+class SourceConfig:
+    """One source of a training mixture: a ``[[data.sources]]`` table."""
+
+    path: str = (
+        ""  # file, directory or glob of .txt/.jsonl/.jsonl.gz/.parquet/.arrow, or a datasets save_to_disk dir
+    )
+    weight: float = 1.0  # share of training sequences drawn from it (weights are normalized over the sources)
+    text_field: str = "text"  # field holding the text in its records
+    format: DataFormat = "text"  # chat / prompt_completion records (labels only on answers, as data.format)
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = "stdlib"  # "stdlib" (the Python standard library source, ~10 MB, offline) or a file/dir/glob of .txt/.jsonl/.parquet
+    prepared_dir: str = (
+        ""  # where train.bin/val.bin/tokenizer.json live; "" = a cache dir keyed by source+vocab
+    )
+    tokenizer: str = ""  # path to a tokenizer.json to use; "" = train a byte-level BPE on the corpus
+    vocab_size: int = 4096  # BPE vocabulary size when training a tokenizer
+    seq_len: int = 256  # tokens per training sequence T
+    val_fraction: float = 0.02  # share of the corpus held out for eval loss
+    max_corpus_mb: float = (
+        24.0  # cap on corpus text read; 0 = no cap (preparation streams: memory stays flat)
+    )
+    text_field: str = "text"  # field holding the text in .jsonl/.parquet records
+    errors: TextErrors = (
+        "strict"  # invalid UTF-8 in the corpus: strict refuses, naming the file; replace counts and reports
+    )
+    workers: int = (
+        0  # tokenizing processes for prepare; 0 = one per CPU core (output identical for any count)
+    )
+    pack: bool = False  # batches carry positions: RoPE restarts and attention stays inside each document
+    format: DataFormat = "text"  # chat: records with messages; prompt_completion: prompt + completion fields
+    train_on_prompt: bool = (
+        False  # chat/prompt_completion: also train on prompt tokens (else labels -100 there)
+    )
+    overlong: Overlong = (
+        "truncate"  # chat/prompt_completion examples over seq_len + 1 tokens: cut or left out
+    )
+    sources: list[SourceConfig] = field(
+        default_factory=list
+    )  # [[data.sources]] mixture (replaces data.source)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. Product of dp * tp * pp * cp must equal the world size.
+
+    Pipeline micro-batches are the gradient-accumulation micro-batches:
+    m = train.global_batch / (train.micro_batch * dp) per step.
+    """
+
+    dp: int = -1  # data-parallel degree; -1 = world_size / (tp*pp*cp)
+    dp_shard: int = -1  # ZeRO/FSDP sharding group inside dp; -1 = all of dp
+    tp: int = 1  # tensor-parallel degree
+    sp: bool = False  # sequence parallelism: norms/residual sharded along the sequence over tp
+    pp: int = 1  # pipeline-parallel degree
+    cp: int = 1  # context-parallel degree
+    cp_mode: CpMode = "allgather"  # attention under cp: all-gathered K/V, K/V ring (O(T/cp) memory), or all-to-all over heads (Ulysses)
+    ep: int = 1  # expert-parallel degree (borrows from dp*cp)
+    zero: int = 0  # ZeRO stage 0 (plain data parallel), 1, 2 or 3
+    bucket_mb: float = 25.0  # gradient bucket size for the all-reduce, in MB
+    reduce_dtype: ReduceDtype = "fp32"  # dtype gradients are reduced in
+    allreduce: AllReduce = (
+        "native"  # gradient all-reduce: the backend's own, or ring | tree | butterfly on point-to-point
+    )
+    dp_mode: DpMode = "allreduce"  # data-parallel gradients: all-reduced, or through a parameter server (ps)
+    ps_shards: int = 1  # dp_mode = ps: K servers, each holding 1/K of the parameters and their AdamW state
+    ps_colocate: bool = True  # dp_mode = ps: server k lives in worker rank k (else K dedicated server ranks: run.nproc = dp + K)
+    ps_sync: str = (
+        "bsp"  # dp_mode = ps: bsp (synchronous) | asp (asynchronous) | ssp:S (at most S steps stale)
+    )
+    schedule: ScheduleName = "1f1b"  # pipeline schedule (pipedream and 2bw are asynchronous)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule only)
+    pp_layout: str = (
+        ""  # manual cut, inclusive block ranges per stage ("0-3,4-7"); "" = profile and partition
+    )
+    vertical_sync: bool = (
+        False  # pipedream: each stage uses the weight version stage 0 used for the micro-batch
+    )
+    offload: Offload = (
+        "none"  # where ZeRO optimizer state lives: cpu = host memory (ZeRO-Offload), disk = mmap files
+    )
+    offload_dir: str = ""  # directory for parallel.offload = "disk"; "" = <run.dir>/offload
+    reshard_after_forward: bool = (
+        True  # ZeRO-3: free gathered params after forward, gather again for backward
+    )
+    offload_params: Offload = "none"  # ZeRO-3 (ZeRO-Infinity): parameter and gradient shards on cpu = host memory, disk = mmap files
+    zeropp_qwz: bool = False  # ZeRO++ qwZ (ZeRO-3): weights all-gathered as block-wise int8 + absmax scales
+    zeropp_hpz: bool = (
+        False  # ZeRO++ hpZ (ZeRO-3): a secondary weight partition per node group; backward gathers inside it
+    )
+    zeropp_qgz: bool = (
+        False  # ZeRO++ qgZ (ZeRO-3): gradients reduce-scattered as block-wise int8 through an all-to-all
+    )
+    zeropp_qgz_bits: int = 8  # ZeRO++ qgZ: 8 (int8) or 4 (int4, two codes a byte) bits per gradient element
+    hpz_group: int = (
+        0  # ZeRO++ hpZ: ranks per secondary partition (one node); 0 = the launcher's LOCAL_WORLD_SIZE / tp
+    )
+    auto: bool = False  # let the planner (loom.plan) choose the layout and micro-batch for the world size
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and loop."""
+
+    steps: int = 200  # total optimizer steps (a resumed run stops where an uninterrupted one would)
+    global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch: int = 4  # sequences per forward/backward on one rank
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float = 3e-4  # floor of the cosine decay
+    warmup_steps: int = 20  # linear warm-up steps
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (not on norms/biases)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # clip global grad norm to this; 0 = off
+    seed: int = 1234  # seeds init, data order and dropout; independent of the layout
+    eval_every: int = 100  # steps between eval losses; 0 = off
+    eval_batches: int = 4  # micro-batches per eval
+    log_every: int = 10  # steps between step lines / metrics rows
+    precision: Precision = "fp32"  # compute dtype; bf16/fp16: half weights and activations, fp32 master weights + optimizer state
+    optimizer: Optimizer = "adamw"  # adafactor: factored second moments; adam8bit: block-wise 8-bit moments
+    recompute: str = "none"  # activation recomputation: none | full | selective (attention core) | every:<k>
+    compress: str = (
+        "none"  # saved activations stored as none | bf16 | fp8 | int8, or per kind "mlp=fp8,attention=bf16"
+    )
+    offload_activations: bool = False  # saved activations to pinned host memory (GPU runs only)
+    loss_scale: float = 0.0  # fp16: static loss scale; 0 = dynamic
+    loss_scale_init: float = 65536.0  # fp16 dynamic scaling: first scale
+    loss_scale_window: int = 1000  # fp16 dynamic scaling: double the scale after this many clean steps
+    loss_scale_hysteresis: int = 2  # fp16 dynamic scaling: overflows tolerated before the scale is halved
+    loss_scale_min: float = 1.0  # fp16 dynamic scaling: floor of the scale
+    max_skipped_steps: int = 20  # fp16: stop when more steps than this in a row overflow; 0 = never
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = only the final one
+    checkpoint_async: bool = True  # periodic saves written by a background thread (final: synchronous)
+    checkpoint_keep: int = 2  # newest checkpoints kept in <run.dir>/checkpoints; 0 = keep all
+    resume: str = ""  # checkpoint to start from (run dir or checkpoint dir); "" = latest in run.dir
+    init_from: str = (
+        ""  # weights only (Loom checkpoint or local HF directory): fresh optimizer, step 0, any layout
+    )
+    time_limit_s: float = 0.0  # stop early (and save) after this many seconds; 0 = none
+
+
+@dataclass
+class RunConfig:
+    """Where and how the job runs."""
+
+    dir: str = "runs/default"  # output directory: config.toml, metrics.jsonl, tensorboard/, checkpoints/
+    nproc: int = 2  # local ranks started by `loom train` (ignored under torchrun/srun)
+    device: Device = "auto"  # where ranks compute
+    backend: Backend = "auto"  # process-group backend; auto = nccl on cuda, gloo on cpu
+    timeout_s: float = 300.0  # process-group timeout: a dead rank surfaces as an error after this
+    progress: bool = True  # progress bar on rank 0
+    tensorboard: bool = True  # write TensorBoard events
+    master_addr: str = "127.0.0.1"  # rendezvous address; loopback unless you mean multi-node
+    master_port: int = 0  # rendezvous port; 0 = pick a free one
+    threads: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks
+
+
+MoEScore = Literal["softmax", "sigmoid"]  # moe.score
+
+
+DropPolicy = Literal["probability", "position"]  # moe.drop_policy
+
+
+ExpertCompute = Literal["grouped", "loop"]  # moe.compute
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts routing and balancing (used when model.n_experts > 1)."""
+
+    score: MoEScore = (
+        "softmax"  # router scores: softmax over experts (Mixtral) or per-expert sigmoid (DeepSeek-V3)
+    )
+    norm_topk: bool = True  # routing weights of the k chosen experts renormalized to sum to 1
+    n_shared_experts: int = 0  # experts every token goes through (one SwiGLU of this many expert widths)
+    aux_loss_coef: float = 0.0  # Switch/GShard load-balancing loss α·E·Σ_e f_e·P_e (0 = off)
+    z_loss_coef: float = 0.0  # router z-loss β·mean(logsumexp(logits)²) (0 = off)
+    bias_update_rate: float = (
+        0.0  # aux-loss-free balancing: per-expert selection bias += rate·sign(mean load - load)
+    )
+    capacity_factor: float = 0.0  # tokens an expert takes per micro-batch: ceil(cf·N·k/E); 0 = dropless
+    drop_policy: DropPolicy = "probability"  # over capacity, keep the highest-weight or the earliest tokens
+    compute: ExpertCompute = "grouped"  # experts as one grouped matmul, or a Python loop (reference)
+    imbalance: float = 0.0  # planner input: max/mean tokens per expert (a run's moe_imbalance metric); 0 = measured by `loom plan calibrate --config`, else 1
+    rebalance_every: int = 0  # expert parallelism: every this many steps, replicate the hottest experts on every ep rank (0 = off)
+    hot_experts: int = (
+        1  # experts per layer replicated at each rebalance (the most loaded since the last one)
+    )
+
+
+@dataclass
+class FinetuneConfig:
+    """Parameter-efficient fine-tuning: LoRA adapters on a frozen base (QLoRA: the base stored in NF4)."""
+
+    method: FinetuneMethod = (
+        "full"  # full: train every weight; lora: frozen base + adapters; qlora: lora on a 4-bit NF4 base
+    )
+    lora_rank: int = (
+        16  # r: each target W (d_out, d_in) gets A (r, d_in) and B (d_out, r), r·(d_in + d_out) trained
+    )
+    lora_alpha: float = 32.0  # the adapter's output is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the adapter's input (training only)
+    lora_targets: str = (
+        "all-linear"  # comma list of q,k,v,o,w1,w2,w3 (attention and MLP linears), or all-linear
+    )
+
+
+@dataclass
+class LoomConfig:
+    """The whole job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+
+
+SECTIONS: dict[str, type] = dict(typing.get_type_hints(LoomConfig))
+
+
+OPTIMIZERS: tuple[str, ...] = typing.get_args(Optimizer)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return dict(_field_types_of(cls))
+
+
+@functools.cache
+def _field_types_of(cls: type) -> dict[str, Any]:
+    """Resolved once per class: ``typing.get_type_hints`` compiles every string annotation."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def choices(typ: Any) -> tuple[Any, ...]:
+    """The allowed values of a ``Literal[...]`` field type; () for other types."""
+    return typing.get_args(typ) if typing.get_origin(typ) is Literal else ()
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _require_none(problem: str | None) -> None:
+    if problem:
+        raise ConfigError(problem)
+
+
+def world_size_of(cfg: LoomConfig) -> int:
+    """World size a config asks for: explicit dp product (and dedicated server ranks), or run.nproc."""
+    p = cfg.parallel
+    if p.dp > 0:
+        return p.dp * p.tp * p.pp * p.cp + ps_servers(cfg)
+    return cfg.run.nproc
+
+
+def ps_servers(cfg: LoomConfig) -> int:
+    """Dedicated parameter-server ranks (``parallel.dp_mode = "ps"``, ``ps_colocate = false``): K =
+    ``parallel.ps_shards``, else 0. Rank-count rule: run.nproc = W + K, ranks 0..W-1 the workers
+    (``parallel.dp`` = W: data is sharded over them), ranks W..W+K-1 the servers (:mod:`loom.train.ps_run`)."""
+    p = cfg.parallel
+    return p.ps_shards if p.dp_mode == "ps" and not p.ps_colocate else 0
+
+
+def grad_accum_steps(cfg: LoomConfig) -> int:
+    """Micro-steps per optimizer step: global_batch / (micro_batch * dp)."""
+    return cfg.train.global_batch // (cfg.train.micro_batch * cfg.parallel.dp)
+
+
+def effective_vocab(cfg: LoomConfig, tokenizer_vocab: int) -> int:
+    """Model vocabulary: explicit, or the tokenizer's."""
+    return cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_vocab
+
+
+def offload_dir(cfg: LoomConfig) -> str:
+    """Directory of the memory-mapped optimizer state: ``parallel.offload_dir`` or ``<run.dir>/offload``."""
+    return cfg.parallel.offload_dir or str(Path(cfg.run.dir) / "offload")

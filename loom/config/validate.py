@@ -1,0 +1,486 @@
+"""Validation: every field and combination of a :class:`~loom.config.sections.LoomConfig`, before any
+process starts. The layout rules are :mod:`loom.rules` (shared with the planner); this module applies
+them to a config, in a fixed order, raising the first problem as a :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import typing
+from pathlib import Path
+from typing import Any
+
+from loom.config.finetune import check_finetune
+from loom.config.sections import (
+    SECTIONS,
+    CompressFormat,
+    ConfigError,
+    DataConfig,
+    DataFormat,
+    LoomConfig,
+    ModelConfig,
+    ParallelConfig,
+    RecomputePolicy,
+    RunConfig,
+    TensorKind,
+    TrainConfig,
+    _field_types,
+    _require,
+    _require_none,
+    choices,
+    grad_accum_steps,
+    offload_dir,
+    ps_servers,
+)
+from loom.rules import (
+    ModelFacts,
+    batch_problem,
+    expert_rebalance_problem,
+    layout_problems,
+    param_server_problem,
+    resolve_degrees,
+    sequence_parallel_problem,
+    server_ranks_problem,
+    sharding_problem,
+    tensor_parallel_problem,
+    world_problem,
+    zero3_options_problem,
+    zero_stage_problem,
+)
+
+
+def _check_choices(cfg: LoomConfig) -> None:
+    """Every field typed ``Literal[...]`` holds one of its values."""
+    for section, cls in SECTIONS.items():
+        for name, typ in _field_types(cls).items():
+            allowed, value = choices(typ), getattr(getattr(cfg, section), name)
+            _require(
+                not allowed or value in allowed,
+                f"{section}.{name}: must be one of {' | '.join(map(str, allowed))}, got {value!r}",
+            )
+
+
+def resolve_layout(cfg: LoomConfig, world_size: int) -> None:
+    """Fill ``parallel.dp``/``dp_shard`` from the world size and check every product
+    (:func:`loom.rules.world_problem`, :func:`~loom.rules.sharding_problem`):
+
+    world_size = dp * tp * pp * cp;  dp = dp_replicate * dp_shard;  ep | dp * cp.
+    """
+    p = cfg.parallel
+    _require_none(world_problem(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep))
+    p.dp, p.dp_shard = resolve_degrees(
+        world_size, dp=p.dp, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero
+    )
+    _require_none(sharding_problem(dp=p.dp, dp_shard=p.dp_shard, cp=p.cp, ep=p.ep))
+
+
+def _check_finite(cfg: LoomConfig) -> None:
+    """Every float field is a finite number (no NaN or infinity slips past a ``>`` bound)."""
+    import math
+
+    for section, cls in SECTIONS.items():
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(cls):
+            v = getattr(obj, f.name)
+            if isinstance(v, float):
+                _require(math.isfinite(v), f"{section}.{f.name}: must be a finite number, got {v}")
+
+
+# (section.field, lowest allowed, inclusive) for numeric fields the rules below do not bound
+_LOWER_BOUNDS: tuple[tuple[str, float, bool], ...] = (
+    ("model.rope_theta", 0.0, False),
+    ("model.norm_eps", 0.0, False),
+    ("model.rope_scaling", 0.0, True),
+    ("model.attn_head_dim", 0.0, True),
+    ("model.top_k", 1.0, True),
+    ("train.global_batch", 1.0, True),
+    ("train.eps", 0.0, False),
+    ("train.weight_decay", 0.0, True),
+    ("train.seed", 0.0, True),
+    ("train.eval_batches", 1.0, True),
+    ("train.time_limit_s", 0.0, True),
+    ("train.loss_scale", 0.0, True),
+    ("train.loss_scale_init", 0.0, False),
+    ("train.loss_scale_window", 1.0, True),
+    ("train.loss_scale_hysteresis", 1.0, True),
+    ("train.loss_scale_min", 0.0, False),
+    ("train.max_skipped_steps", 0.0, True),
+    ("run.master_port", 0.0, True),
+    ("run.nproc", 1.0, True),
+)
+
+
+def _check_bounds(cfg: LoomConfig) -> None:
+    for path, low, inclusive in _LOWER_BOUNDS:
+        section, name = path.split(".")
+        v = getattr(getattr(cfg, section), name)
+        ok = v >= low if inclusive else v > low
+        _require(ok, f"{path}: must be {'>=' if inclusive else '>'} {low:g}, got {v}")
+    _require(
+        cfg.run.master_port <= 65535, f"run.master_port: must be in [0, 65535], got {cfg.run.master_port}"
+    )
+    m = cfg.model
+    if m.rope_scaling:
+        _require(
+            m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
+            f"model.rope_high_freq_factor: must exceed model.rope_low_freq_factor > 0, got "
+            f"{m.rope_high_freq_factor} and {m.rope_low_freq_factor}",
+        )
+        _require(
+            m.rope_original_len >= 1, f"model.rope_original_len: must be >= 1, got {m.rope_original_len}"
+        )
+
+
+def _check_moe(cfg: LoomConfig) -> None:
+    """The [moe] numbers: coefficients and rates >= 0, capacity factor 0 (dropless) or > 0."""
+    e = cfg.moe
+    for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate", "capacity_factor"):
+        v = getattr(e, name)
+        _require(v >= 0, f"moe.{name}: must be >= 0, got {v}")
+    _require(e.n_shared_experts >= 0, f"moe.n_shared_experts: must be >= 0, got {e.n_shared_experts}")
+    _require(
+        e.imbalance == 0 or e.imbalance >= 1,
+        f"moe.imbalance: must be >= 1 (max over mean tokens per expert), or 0 (the calibration's), got {e.imbalance}",
+    )
+    _require_none(
+        expert_rebalance_problem(
+            rebalance_every=e.rebalance_every,
+            hot_experts=e.hot_experts,
+            n_experts=cfg.model.n_experts,
+            ep=cfg.parallel.ep,
+        )
+    )
+
+
+def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
+    """Check every field and combination; resolve automatic values in place. Raises ConfigError."""
+    d, p, t = cfg.data, cfg.parallel, cfg.train
+    _require(world_size >= 1, f"run.nproc: must be >= 1, got {world_size}")
+    _check_finite(cfg)
+    _check_bounds(cfg)
+    _check_choices(cfg)
+    _check_model(cfg.model)
+    _check_data(d, cfg.model.max_seq_len)
+    _check_train_run(t, cfg.run)
+    _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be > 0, got {p.bucket_mb}")
+    _require_none(zero_stage_problem(p.zero))
+    resolve_layout(cfg, world_size - _check_ps_ranks(cfg, world_size))
+    _check_moe(cfg)
+    check_finetune(cfg)
+    _check_implemented(cfg)
+    check_param_server(cfg)
+    check_memory(cfg)
+    _require_none(batch_problem(t.global_batch, t.micro_batch, p.dp))
+    problems = layout_problems(
+        model_facts(cfg),
+        seq_len=d.seq_len,
+        precision=t.precision,
+        optimizer=t.optimizer,
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        ep=p.ep,
+        zero=p.zero,
+        sp=p.sp,
+        schedule=p.schedule,
+        cp_mode=p.cp_mode,
+        virtual_stages=p.virtual_stages,
+        microbatches=grad_accum_steps(cfg),
+        offload=p.offload,
+        pp_layout=p.pp_layout,
+        vertical_sync=p.vertical_sync,
+        allreduce=p.allreduce,
+        dp=p.dp,
+        dp_shard=p.dp_shard,
+    )
+    _require_none(problems[0] if problems else None)
+    if p.offload == "disk":
+        problem = _unwritable(offload_dir(cfg))
+        _require(problem is None, f"parallel.offload_dir: {problem}")
+    return cfg
+
+
+def _check_model(m: ModelConfig) -> None:
+    """[model]: sizes >= 1, heads that divide the width (even for RoPE), experts that are SwiGLU."""
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "multiple_of"):
+        _require(getattr(m, name) >= 1, f"model.{name}: must be >= 1, got {getattr(m, name)}")
+    _require(
+        m.attn_head_dim > 0 or m.dim % m.n_heads == 0,
+        f"model.dim: {m.dim} must be divisible by model.n_heads={m.n_heads} (or set model.attn_head_dim)",
+    )
+    _require(
+        m.positions != "rope" or m.head_dim % 2 == 0,
+        f"model.dim: head_dim {m.head_dim} must be even for RoPE",
+    )
+    _require(
+        m.n_heads % m.n_kv_heads == 0,
+        f"model.n_kv_heads: must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}",
+    )
+    _require(m.ffn_dim >= 0, f"model.ffn_dim: must be >= 0 (0 = automatic), got {m.ffn_dim}")
+    _require(m.vocab_size >= 0, f"model.vocab_size: must be >= 0 (0 = from tokenizer), got {m.vocab_size}")
+    _require(m.init_std > 0, f"model.init_std: must be > 0, got {m.init_std}")
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout: must be in [0, 1), got {m.dropout}")
+    _require(m.n_experts >= 1, f"model.n_experts: must be >= 1 (1 = dense MLP), got {m.n_experts}")
+    _require(
+        not m.moe or m.mlp == "swiglu", f"model.mlp: experts are SwiGLU; {m.mlp!r} needs model.n_experts = 1"
+    )
+    if m.moe:
+        _require(
+            1 <= m.top_k <= m.n_experts,
+            f"model.top_k: must be in [1, model.n_experts={m.n_experts}], got {m.top_k}",
+        )
+
+
+def _check_data(d: DataConfig, max_seq_len: int) -> None:
+    """[data]: sequence length, tokenizer vocabulary, held-out share, the sources of a mixture."""
+    _require(d.seq_len >= 2, f"data.seq_len: must be >= 2, got {d.seq_len}")
+    _require(
+        d.seq_len <= max_seq_len,
+        f"data.seq_len: {d.seq_len} exceeds model.max_seq_len={max_seq_len}",
+    )
+    _require(d.vocab_size >= 260, f"data.vocab_size: must be >= 260 (bytes + specials), got {d.vocab_size}")
+    _require(0.0 < d.val_fraction < 0.5, f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")
+    _require(d.max_corpus_mb >= 0, f"data.max_corpus_mb: must be >= 0 (0 = no cap), got {d.max_corpus_mb}")
+    _require(d.workers >= 0, f"data.workers: must be >= 0 (0 = one per CPU core), got {d.workers}")
+    for i, src in enumerate(d.sources):
+        _require(bool(src.path.strip()), f"data.sources[{i}].path: must name a file, directory or glob")
+        _require(
+            src.weight > 0 and src.weight != float("inf"),
+            f"data.sources[{i}].weight: must be a positive number, got {src.weight}",
+        )
+        _require(
+            src.format in typing.get_args(DataFormat),
+            f"data.sources[{i}].format: must be one of "
+            f"{' | '.join(typing.get_args(DataFormat))}, got {src.format!r}",
+        )
+    _require(
+        not d.sources or d.format == "text",
+        f"data.format: {d.format} is for data.source; give each [[data.sources]] table its own format",
+    )
+    _require(
+        d.format == "text" or d.source != "stdlib",
+        f"data.format: {d.format} needs a data.source of .jsonl/.parquet records, not the stdlib text",
+    )
+
+
+def _check_train_run(t: TrainConfig, r: RunConfig) -> None:
+    """[train] loop numbers and the directories it resumes or starts from; [run] device and directory."""
+    _require(t.steps >= 1, f"train.steps: must be >= 1, got {t.steps}")
+    _require(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
+    _require(0 <= t.min_lr <= t.lr, f"train.min_lr: must be in [0, train.lr={t.lr}], got {t.min_lr}")
+    _require(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2: must be in [0, 1)")
+    _require(t.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 = off), got {t.grad_clip}")
+    _require(t.log_every >= 1, f"train.log_every: must be >= 1, got {t.log_every}")
+    _require(t.eval_every >= 0, f"train.eval_every: must be >= 0, got {t.eval_every}")
+    _require(t.checkpoint_every >= 0, f"train.checkpoint_every: must be >= 0, got {t.checkpoint_every}")
+    _require(
+        t.checkpoint_keep >= 0, f"train.checkpoint_keep: must be >= 0 (0 = all), got {t.checkpoint_keep}"
+    )
+    _require(
+        not t.resume or Path(t.resume).is_dir(),
+        f"train.resume: {t.resume!r} is not a directory (a run dir, its checkpoints/ or one checkpoint)",
+    )
+    _require(
+        not t.init_from or Path(t.init_from).is_dir(),
+        f"train.init_from: {t.init_from!r} is not a directory (a Loom run or checkpoint, or a Hugging Face model)",
+    )
+    _require(
+        not (r.device == "cpu" and r.backend == "nccl"),
+        "run.backend: nccl needs run.device = cuda; use gloo on cpu",
+    )
+    _require(r.timeout_s > 0, f"run.timeout_s: must be > 0, got {r.timeout_s}")
+    _require(r.dir.strip() != "", "run.dir: must name a directory (it holds checkpoints and metrics), got ''")
+    _require(r.threads >= 0, f"run.threads: must be >= 0 (0 = automatic), got {r.threads}")
+
+
+def model_facts(cfg: LoomConfig) -> ModelFacts:
+    """What the layout rules need of ``cfg``'s model; its vocabulary, if known, names the field setting it."""
+    m, e = cfg.model, cfg.moe
+    moe = dict(moe_capacity=e.capacity_factor > 0, moe_router_losses=e.aux_loss_coef > 0 or e.z_loss_coef > 0)
+    if m.vocab_size == 0 and not cfg.data.tokenizer:  # a tokenizer trained to data.vocab_size
+        return ModelFacts.of(m, vocab_size=cfg.data.vocab_size, vocab_field="data.vocab_size", **moe)
+    return ModelFacts.of(m, **moe)  # vocab_size 0: taken from a given tokenizer later
+
+
+# Features whose fields exist (so the mesh and the planner can name them) but whose runtime
+# has not landed yet: (field, predicate on the config, message). Entries go as features land.
+NOT_YET: list[tuple[str, Any, str]] = []
+
+
+RECOMPUTE_HELP = f"{', '.join(typing.get_args(RecomputePolicy))} or every:<k> (k >= 1)"
+
+
+COMPRESS_FORMATS: tuple[str, ...] = typing.get_args(CompressFormat)
+
+
+COMPRESS_KINDS: tuple[str, ...] = typing.get_args(TensorKind)
+
+
+def parse_recompute(spec: str) -> tuple[str, int]:
+    """``train.recompute`` -> (policy, k): none/full/selective with k = 1, or ("every", k)."""
+    if spec in typing.get_args(RecomputePolicy):
+        return spec, 1
+    head, _, k = spec.partition(":")
+    _require(
+        head == "every" and k.isdigit() and int(k) >= 1,
+        f"train.recompute: must be one of {RECOMPUTE_HELP}, got {spec!r}",
+    )
+    return "every", int(k)
+
+
+def parse_compress(spec: str) -> dict[str, str]:
+    """``train.compress`` -> format per saved-tensor kind: "fp8" (every kind) or "mlp=fp8,attention=bf16"
+    (kinds not named: none). Kinds: the module that saved the tensor (attention, mlp, norm, other)."""
+    if "=" not in spec:
+        _require(
+            spec in COMPRESS_FORMATS,
+            f"train.compress: must be one of {COMPRESS_FORMATS} or kind=format pairs "
+            f"(kinds {COMPRESS_KINDS}), got {spec!r}",
+        )
+        return dict.fromkeys(COMPRESS_KINDS, spec)
+    out = dict.fromkeys(COMPRESS_KINDS, "none")
+    for item in spec.split(","):
+        kind, _, fmt = item.strip().partition("=")
+        _require(
+            kind in COMPRESS_KINDS, f"train.compress: unknown tensor kind {kind!r}; kinds: {COMPRESS_KINDS}"
+        )
+        _require(fmt in COMPRESS_FORMATS, f"train.compress: {kind}={fmt!r}; formats: {COMPRESS_FORMATS}")
+        out[kind] = fmt
+    return out
+
+
+def check_memory(cfg: LoomConfig) -> None:
+    """Memory-technique fields (loss scaling, recomputation, compression, activation offload)."""
+    t = cfg.train
+    policy, k = parse_recompute(t.recompute)
+    _require(
+        policy != "every" or k <= cfg.model.n_layers,
+        f"train.recompute: every:{k} checkpoints one block in {k}, but model.n_layers = {cfg.model.n_layers}",
+    )
+    parse_compress(t.compress)
+    _require(t.loss_scale >= 0, f"train.loss_scale: must be >= 0 (0 = dynamic), got {t.loss_scale}")
+    _require(t.loss_scale_init >= 1, f"train.loss_scale_init: must be >= 1, got {t.loss_scale_init}")
+    _require(t.loss_scale_window >= 1, f"train.loss_scale_window: must be >= 1, got {t.loss_scale_window}")
+    _require(
+        t.loss_scale_hysteresis >= 1,
+        f"train.loss_scale_hysteresis: must be >= 1, got {t.loss_scale_hysteresis}",
+    )
+    _require(
+        0 < t.loss_scale_min <= t.loss_scale_init,
+        f"train.loss_scale_min: must be in (0, train.loss_scale_init], got {t.loss_scale_min}",
+    )
+    _require(
+        not t.offload_activations or cfg.run.device != "cpu",
+        "train.offload_activations: moves saved activations from GPU to pinned host memory; with "
+        "run.device = cpu they are in host memory already (set it to false)",
+    )
+
+
+def check_param_server(cfg: LoomConfig) -> None:
+    """``parallel.dp_mode = "ps"``: the parameter server's fields and the layouts it refuses (:mod:`loom.rules`).
+    The parameter count is a lower bound: the layers' attention and two MLP matrices, and the embedding."""
+    p, m = cfg.parallel, cfg.model
+    if p.dp_mode != "ps":
+        return
+    vocab = m.vocab_size or (cfg.data.vocab_size if not cfg.data.tokenizer else 0)
+    hd = m.head_dim
+    n_params = (
+        m.n_layers * m.dim * (hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 2 * m.resolved_ffn_dim())
+        + vocab * m.dim
+    )
+    _require_none(
+        param_server_problem(
+            shards=p.ps_shards,
+            colocate=p.ps_colocate,
+            sync=p.ps_sync,
+            n_params=n_params,
+            workers=p.dp,
+            tp=p.tp,
+            pp=p.pp,
+            cp=p.cp,
+            ep=p.ep,
+            zero=p.zero,
+            precision=cfg.train.precision,
+            optimizer=cfg.train.optimizer,
+        )
+    )
+    if not p.ps_colocate:  # what the dedicated-server run (loom.train.ps_run) does not do
+        _require(
+            cfg.train.time_limit_s == 0,
+            "train.time_limit_s: dedicated parameter servers (parallel.ps_colocate = "
+            "false) stop after the workers' last step; use train.steps (or co-located servers)",
+        )
+        _require(
+            cfg.finetune.method == "full",
+            f"finetune.method: {cfg.finetune.method} with dedicated parameter "
+            "servers (parallel.ps_colocate = false) is not supported; use co-located servers or dp_mode = allreduce",
+        )
+
+
+def _check_ps_ranks(cfg: LoomConfig, world_size: int) -> int:
+    """The rank-count rule of dedicated parameter servers (:func:`ps_servers`,
+    :func:`loom.rules.server_ranks_problem`); returns the number of server ranks (0 without them)."""
+    k = ps_servers(cfg)
+    if k:
+        _require_none(server_ranks_problem(world_size, servers=k, dp=cfg.parallel.dp))
+    return k
+
+
+def check_tensor_parallel(cfg: LoomConfig) -> None:
+    """The shapes tensor parallelism splits (and, with sp, the sequence) divide by tp (:mod:`loom.rules`)."""
+    p = cfg.parallel
+    _require_none(tensor_parallel_problem(model_facts(cfg), p.tp))
+    _require_none(sequence_parallel_problem(p.tp, p.cp, cfg.data.seq_len) if p.sp else None)
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be used as a writable directory (None if it can, creating it if needed).
+
+    Probes by creating a temporary file in ``path`` or, if it does not exist yet, in its nearest
+    existing ancestor (permission bits alone lie for root and for read-only mounts).
+    """
+    probe = Path(path).expanduser()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{path!r} is not a writable directory ({str(probe)!r} is not a directory)"
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        return f"{path!r} is not a writable directory ({e.strerror or e})"
+    return None
+
+
+def _check_zero3_options(p: ParallelConfig) -> None:
+    """ZeRO-Infinity parameter offload and the ZeRO++ options are options of ZeRO-3 (:mod:`loom.rules`)."""
+    _require_none(
+        zero3_options_problem(
+            zero=p.zero,
+            offload_params=p.offload_params,
+            qwz=p.zeropp_qwz,
+            hpz=p.zeropp_hpz,
+            qgz=p.zeropp_qgz,
+            qgz_bits=p.zeropp_qgz_bits,
+            hpz_group=p.hpz_group,
+            dp_shard=p.dp_shard,
+            cp=p.cp,
+        )
+    )
+
+
+def _check_implemented(cfg: LoomConfig) -> None:
+    _check_zero3_options(cfg.parallel)
+    for name, pred, msg in NOT_YET:
+        if pred(cfg):
+            raise ConfigError(f"{name}: {msg}")
+
+
+def check_vocab(cfg: LoomConfig, tokenizer_vocab: int) -> None:
+    """An explicit model vocabulary must hold every token id of the tokenizer."""
+    _require(
+        cfg.model.vocab_size == 0 or cfg.model.vocab_size >= tokenizer_vocab,
+        f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab}",
+    )
