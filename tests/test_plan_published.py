@@ -315,7 +315,7 @@ def test_verify_builds_the_planners_stage_split():
 
 
 def test_refit_restores_the_tables_and_never_worsens_the_objective():
-    import loom.plan.hardware as hw
+    import loom.plan.hardware.datasheets as hw
     from loom.plan.fit import constants, current, errors, fit, objective
 
     runs = [r for r in load_runs() if r.name.startswith(("BLOOM", "torchtitan Llama 3 8B"))]

@@ -14,9 +14,9 @@ import pytest
 
 from loom import config as C
 from loom.plan.auto import apply_auto, choose, describe, local_cluster, predicted_fields, runnable
-from loom.plan.calibrate import contended, fit_line, model_shapes
+from loom.plan.calibrate import fit_line, model_shapes
 from loom.plan.cli import main as plan_main
-from loom.plan.hardware import CollectiveFit, Profile
+from loom.plan.hardware import CollectiveFit, Profile, contended
 from loom.plan.validate import DEBUG_CONFIG, LAYOUTS, MEMORY_TOLERANCE, format_comparisons, validate
 
 PROFILE = Profile(

@@ -3,7 +3,7 @@
 :func:`local_cluster` describes the machine a run is on: ``loom/configs/clusters/cpu-local.toml``
 widened to the world size (one node, every rank on it) for CPU runs, ``DEVICE:1xN`` for a
 known GPU. :func:`load_profile` reads ``$LOOM_PROFILE`` or ``./profile.json`` when present
-(written by ``loom plan calibrate``), scaled by :func:`~loom.plan.calibrate.contended` when more
+(written by ``loom plan calibrate``), scaled by :func:`~loom.plan.hardware.profiles.contended` when more
 ranks than cores share the CPU. :func:`apply_auto` searches the layouts of the world size and
 writes the fastest into ``cfg.parallel`` and ``cfg.train.micro_batch``; :func:`prediction`
 gives the estimate of a config's own layout (what the trainer logs beside its measurement).
@@ -17,9 +17,17 @@ import os
 from pathlib import Path
 
 from loom.config import ConfigError, LoomConfig, world_size_of
-from loom.plan.calibrate import contended, cores, datasheet_profile
 from loom.plan.cost import CostModel, Estimate, Layout, PlanError
-from loom.plan.hardware import DEVICES, ClusterSpec, HardwareError, Profile, resolve_cluster
+from loom.plan.hardware import (
+    DEVICES,
+    ClusterSpec,
+    HardwareError,
+    Profile,
+    contended,
+    cores,
+    datasheet_profile,
+    resolve_cluster,
+)
 from loom.plan.report import layout_of, model_of, workload_of
 from loom.plan.search import search
 

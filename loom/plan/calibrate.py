@@ -30,7 +30,7 @@ What is measured, per rank (``--threads``, default 1: one rank per core):
   math without the layers, per call; what exceeds the bare fits (:func:`layer_call_excess`) is the
   profile's ``call_overhead`` (wall: ep) and ``call_overhead_cpu`` (tp, ep).
 
-Ranks on this machine share cores: :func:`contended` scales the compute numbers of a profile (and
+Ranks on this machine share cores: :func:`~loom.plan.hardware.profiles.contended` scales the compute numbers of a profile (and
 the collectives' CPU seconds) by the measured compute share of ``world`` ranks at once, the mean
 over the ranks, else by ``cores / world`` when more ranks than cores run at once.
 """
@@ -38,8 +38,6 @@ over the ranks, else by ``cores / world`` when more ranks than cores run at once
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import statistics
 import sys
 import tempfile
@@ -48,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loom.config import LoomConfig, ModelConfig
-from loom.plan.hardware import PRECISIONS, CollectiveFit, DeviceSpec, Profile
+from loom.plan.hardware import CollectiveFit, Profile
 
 if TYPE_CHECKING:
     import torch
@@ -61,11 +59,6 @@ OVERLAP_JOBS = (
     4  # fresh jobs whose hidden share is averaged: each lands in a scheduling mode and keeps it (0-0.4 here)
 )
 GENERIC_SHAPES = ((128, 64, 192), (512, 256, 256), (1024, 1024, 1024))
-
-
-def cores() -> int:
-    """CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def model_shapes(model: ModelConfig, tokens: int) -> list[tuple[int, int, int]]:
@@ -237,7 +230,7 @@ def measure_optimizer_rate(
     from loom.config import TrainConfig
     from loom.optim.flat import build_flat_optimizer
     from loom.optim.store import StateStore
-    from loom.parallel.zero.layout import FlatLayout
+    from loom.parallel.layout import FlatLayout
     from loom.plan.opcount import _count
 
     p = nn.Parameter(torch.randn(1024, numel // 1024, device=device) * 0.02)
@@ -776,48 +769,6 @@ def calibrate(
         moe_imbalance=imbalance,
         call_overhead=calls.get("intra", {}),
         call_overhead_cpu=calls.get("cpu", {}),
-    )
-
-
-def contended(profile: Profile, world: int, n_cores: int | None = None) -> Profile:
-    """``profile`` with compute and memory bandwidth scaled by the measured compute share of
-    ``world`` ranks (:func:`measure_contention`), else by ``cores / world`` when ranks outnumber cores."""
-    share = profile.compute_share.get(str(world)) or min(1.0, (n_cores or cores()) / max(1, world))
-    return dataclasses.replace(
-        profile,
-        gemm_flops={k: v * share for k, v in profile.gemm_flops.items()},
-        hbm_bandwidth=profile.hbm_bandwidth * share,
-        op_overhead={k: v / share for k, v in profile.op_overhead.items()},
-        optimizer_rate={k: v * share for k, v in profile.optimizer_rate.items()},
-        microbatch_overhead=profile.microbatch_overhead / share,
-        call_overhead={
-            k: v / share for k, v in profile.call_overhead.items()
-        },  # the layers' own work, on shared cores
-        call_overhead_cpu={k: v / share for k, v in profile.call_overhead_cpu.items()},
-        # a collective's CPU work takes the same shared cores as compute
-        collectives=[
-            dataclasses.replace(c, latency=c.latency / share, bus_bandwidth=c.bus_bandwidth * share)
-            if c.scope.startswith("cpu")
-            else c
-            for c in profile.collectives
-        ],
-    )
-
-
-def datasheet_profile(spec: DeviceSpec) -> Profile:
-    """``spec``'s own numbers (peak x achievable, memory bandwidth, per-op cost) as a profile, so
-    :func:`contended` can scale them for ranks sharing cores when nothing was measured."""
-    rates = {
-        p: getattr(spec, f"{p}_flops") * spec.achievable
-        for p in PRECISIONS
-        if getattr(spec, f"{p}_flops", 0) > 0
-    }
-    return Profile(
-        device=spec.name,
-        gemm_flops=rates,
-        hbm_bandwidth=spec.hbm_bandwidth,
-        op_overhead=dict.fromkeys(rates, spec.op_overhead) if spec.op_overhead > 0 else {},
-        optimizer_rate=dict(spec.optimizer_rates),
     )
 
 

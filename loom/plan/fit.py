@@ -16,8 +16,8 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-import loom.plan.hardware as hw
 from loom.plan import cost
+from loom.plan.hardware import datasheets as hw  # GEMM_K0 patched where Machine.gemm reads it
 from loom.plan.published import PublishedRun
 
 Params = dict[str, float]  # "achievable:<device>", "k0", "other:<stack>"

@@ -6,7 +6,7 @@ corpus, no eval/TensorBoard) with its own ``--run.dir``. From its last ``metrics
 the first two, warm-up, ones: see :func:`run_layout`) and the model-state bytes
 ``param_bytes + grad_bytes + optim_bytes``; the planner predicts the same two numbers for the
 same config on :func:`~loom.plan.auto.local_cluster` with the calibration profile (scaled by
-:func:`~loom.plan.calibrate.contended` when ranks outnumber cores). Errors are
+:func:`~loom.plan.hardware.profiles.contended` when ranks outnumber cores). Errors are
 ``(predicted - measured) / measured``.
 """
 
@@ -20,19 +20,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from loom.config import LoomConfig, load, preset_path
 from loom.parallel.base import held_state_bytes
 from loom.plan.auto import predicted_fields
-from loom.plan.calibrate import contended
-from loom.plan.hardware import Profile
+from loom.plan.comparison import MEMORY_TOLERANCE, TIME_TOLERANCE, Comparison
+from loom.plan.hardware import Profile, contended
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_CONFIG = str(preset_path("debug"))
-MEMORY_TOLERANCE = 0.05
-TIME_TOLERANCE = 0.20
 
 # (name, ranks, overrides): dp, ZeRO 1/2/3, tensor(+sequence), pipeline, recomputation, mixes,
 # the memory-saving optimizers, an uneven pipeline split and expert parallelism.
@@ -54,27 +52,6 @@ LAYOUTS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("pp2 uneven 2+3", 2, ("--model.n_layers", "5", "--parallel.pp", "2", "--parallel.pp_layout", "0-1,2-4")),
     ("dp2 moe ep2", 2, ("--model.n_experts", "4", "--parallel.ep", "2")),
 )
-
-
-@dataclass
-class Comparison:
-    """One layout: predicted vs measured step time (s) and rank-0 model-state bytes."""
-
-    name: str
-    ranks: int
-    pred_step_s: float
-    meas_step_s: float
-    pred_state_bytes: float
-    meas_state_bytes: float
-    meas_median_s: float = 0.0  # the median step over all runs: how far a typical step is from the fastest
-
-    @property
-    def time_error(self) -> float:
-        return (self.pred_step_s - self.meas_step_s) / self.meas_step_s
-
-    @property
-    def memory_error(self) -> float:
-        return (self.pred_state_bytes - self.meas_state_bytes) / self.meas_state_bytes
 
 
 def base_overrides(steps: int, corpus_mb: float | None = None) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loom.plan.validate import MEMORY_TOLERANCE, TIME_TOLERANCE, Comparison
+from loom.plan.comparison import MEMORY_TOLERANCE, TIME_TOLERANCE, Comparison
 
 
 def draw_validation(rows: list[Comparison], out: str | Path) -> Path:

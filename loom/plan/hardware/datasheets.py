@@ -1,0 +1,293 @@
+"""Accelerator datasheets: :class:`DeviceSpec`, the table :data:`DEVICES`, names to keys, MFU peaks.
+
+Units are SI throughout: bytes, FLOP/s, bytes/s, seconds. Memory capacities are written in GiB
+because that is what vendors' HBM "GB" mean (an "A100 80GB" reports 81920 MiB, an "H100 80GB"
+81559 MiB usable; H200 141, B200 180 and MI300X 192 likewise binary); bandwidths and FLOP rates
+are decimal (GB/s, TFLOP/s) as datasheets print them. A :class:`DeviceSpec` holds vendor
+datasheet numbers (dense, i.e. without 2:4 sparsity). ``loom plan validate --published --fit``
+patches :data:`GEMM_K0` here (:meth:`~loom.plan.hardware.machine.Machine.gemm` reads it at call time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GEMM_K0: float = 256  # reduction steps a GEMM tile's prologue + epilogue cost (pipeline fill and drain; fitted, see achievable)
+GB = 1e9
+GiB = 2**30
+TFLOPS = 1e12
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+class HardwareError(ValueError):
+    """A bad device, cluster or profile description; the message names the field."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator, from its vendor datasheet (dense peak numbers, no sparsity)."""
+
+    name: str
+    memory_bytes: float  # device memory (HBM) capacity
+    fp32_flops: float  # peak dense FP32 FLOP/s (non-tensor-core unless the vendor only quotes matrix)
+    tf32_flops: float  # peak dense TF32 tensor FLOP/s (0 = unsupported)
+    bf16_flops: float  # peak dense BF16 tensor FLOP/s
+    fp16_flops: float  # peak dense FP16 tensor FLOP/s
+    fp8_flops: float  # peak dense FP8 tensor FLOP/s (0 = unsupported)
+    hbm_bandwidth: float  # device memory bandwidth, bytes/s
+    link_bandwidth: float  # intra-node device-to-device bandwidth per direction, bytes/s
+    achievable: (
+        float  # sustained fraction of peak of a large GEMM in training (fitted on published runs; module doc)
+    )
+    runtime_overhead_bytes: float = 1.0 * GiB  # context + library workspaces + comm buffers (assumption)
+    sms: int = 0  # streaming multiprocessors (compute units) that GEMM tiles spread over; 0 = no wave model
+    tile: tuple[int, int] = (
+        128,
+        256,
+    )  # output tile (rows, cols) of one GEMM thread block (cuBLAS/CUTLASS bf16)
+    flash_fwd: float = 0.0  # sustained fraction of peak of a flash-attention forward kernel (0 = achievable)
+    flash_bwd: float = 0.0  # same, backward (counted as 2.5x the forward's FLOPs)
+    nic_bandwidth: float = 50 * GB  # inter-node bandwidth per device per direction of its reference node
+    # (DGX A100: one 200 Gb/s HDR HCA per GPU = 25 GB/s; DGX H100/H200/B200: one 400 Gb/s NDR = 50 GB/s)
+    op_overhead: float = (
+        0.0  # framework cost per executed operator (Python, dispatch, autograd), s; charged on
+    )
+    # top of FLOPs and bytes where the host waits for each op (CPUs); 0 = hidden behind queued kernels (GPUs)
+    microbatch_overhead: float = (
+        0.0  # the trainer's cost per block and micro-batch beyond the model's operators
+    )
+    # (saved-tensor and gradient hooks, views), once more per micro-batch for the rest, s (loom plan calibrate --config)
+    optimizer_rates: tuple[
+        tuple[str, float], ...
+    ] = ()  # (train.optimizer, shard elements/s of one step) where
+    # its arithmetic, not its bytes, sets the time (CPUs; absent: bytes / memory bandwidth)
+    comm_overlap: float = (
+        0.8  # share of overlapped data-parallel traffic truly hidden: the rest slows compute (assumption;
+    )
+    # 0 on CPU: gloo runs on the same cores that compute, so nothing is hidden)
+    source: str = ""  # the datasheet the numbers come from
+
+    def peak_flops(self, precision: str) -> float:
+        """Peak dense FLOP/s in ``precision``; a precision the device lacks raises :class:`HardwareError`.
+
+        ``fp32`` means true FP32 math (PyTorch's default matmul precision); ask for ``tf32``
+        to count TF32 tensor cores.
+        """
+        if precision not in PRECISIONS:
+            raise HardwareError(f"precision: must be one of {PRECISIONS}, got {precision!r}")
+        value = getattr(self, f"{precision}_flops")
+        if value <= 0:
+            raise HardwareError(f"device {self.name!r} has no {precision} support")
+        return value
+
+
+_NV_A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 column"
+_NV_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM / H100 PCIe columns"
+_NV_H200 = "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM column"
+_NV_B200 = "NVIDIA DGX/HGX B200 datasheet (2024): 8-GPU totals divided by 8"
+_AMD_MI300X = "AMD Instinct MI300X accelerator datasheet (2023)"
+_CPU = (
+    "this machine: Intel Xeon (Emerald Rapids, KVM), 2 cores, AVX-512 with 2 FMA units/core "
+    "(Intel 64 and IA-32 Optimization Reference Manual): 2.3 GHz * 64 FP32 FLOP/cycle per core; "
+    "AVX512_BF16 doubles that; one rank pinned to one core"
+)
+
+DEVICES: dict[str, DeviceSpec] = {
+    d.name: d
+    for d in (
+        # A100: 19.5 TF FP32, 156 TF TF32, 312 TF BF16/FP16 (dense); NVLink 3 600 GB/s total.
+        DeviceSpec(
+            "a100-40g",
+            40 * GiB,
+            19.5e12,
+            156e12,
+            312e12,
+            312e12,
+            0.0,
+            1555 * GB,
+            300 * GB,
+            0.73,
+            sms=108,
+            flash_fwd=0.65,
+            flash_bwd=0.50,
+            nic_bandwidth=25 * GB,
+            source=_NV_A100,
+        ),
+        DeviceSpec(
+            "a100-80g",
+            80 * GiB,
+            19.5e12,
+            156e12,
+            312e12,
+            312e12,
+            0.0,
+            2039 * GB,
+            300 * GB,
+            0.73,
+            sms=108,
+            flash_fwd=0.65,
+            flash_bwd=0.50,
+            nic_bandwidth=25 * GB,
+            source=_NV_A100,
+        ),
+        # H100 SXM: 67 TF FP32, 494.5 TF32, 989.5 BF16/FP16, 1979 FP8 (dense = half the
+        # sparse figures); HBM3 3.35 TB/s; NVLink 4 900 GB/s total.
+        DeviceSpec(
+            "h100-sxm",
+            80 * GiB,
+            67e12,
+            494.5e12,
+            989.5e12,
+            989.5e12,
+            1979e12,
+            3350 * GB,
+            450 * GB,
+            0.58,
+            sms=132,
+            flash_fwd=0.37,
+            flash_bwd=0.30,
+            source=_NV_H100,
+        ),
+        # H100 PCIe: 51 TF FP32, 378 TF32, 756 BF16/FP16, 1513 FP8; HBM2e 2.0 TB/s; GPUs of a
+        # node talk over PCIe Gen5 x16 (64 GB/s per direction; NVLink bridges only join pairs).
+        DeviceSpec(
+            "h100-pcie",
+            80 * GiB,
+            51e12,
+            378e12,
+            756e12,
+            756e12,
+            1513e12,
+            2000 * GB,
+            64 * GB,
+            0.58,
+            sms=114,
+            flash_fwd=0.37,
+            flash_bwd=0.30,
+            source=_NV_H100,
+        ),
+        # H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 4 900 GB/s total.
+        DeviceSpec(
+            "h200",
+            141 * GiB,
+            67e12,
+            494.5e12,
+            989.5e12,
+            989.5e12,
+            1979e12,
+            4800 * GB,
+            450 * GB,
+            0.58,
+            sms=132,
+            flash_fwd=0.37,
+            flash_bwd=0.30,
+            source=_NV_H200,
+        ),
+        # B200 (HGX B200 / 8): 1440 GB -> 180 GB, 64 TB/s -> 8 TB/s, FP32 75 TF, TF32 1.1 PF,
+        # BF16/FP16 2.25 PF, FP8 4.5 PF dense; NVLink 5 1.8 TB/s total.
+        DeviceSpec(
+            "b200",
+            180 * GiB,
+            75e12,
+            1100e12,
+            2250e12,
+            2250e12,
+            4500e12,
+            8000 * GB,
+            900 * GB,
+            0.70,
+            sms=148,
+            source=_NV_B200,
+        ),
+        # MI300X: 192 GB HBM3 at 5.3 TB/s; 163.4 TF FP32 (matrix), 653.7 TF32, 1307.4 BF16/FP16,
+        # 2614.9 FP8 dense; 7 Infinity Fabric links x 64 GB/s per direction = 448 GB/s.
+        DeviceSpec(
+            "mi300x",
+            192 * GiB,
+            163.4e12,
+            653.7e12,
+            1307.4e12,
+            1307.4e12,
+            2614.9e12,
+            5300 * GB,
+            448 * GB,
+            0.55,
+            sms=304,
+            source=_AMD_MI300X,
+        ),
+        # This CPU, per rank (one core): 147 GFLOP/s FP32, 294 BF16 (AVX512_BF16), no TF32/FP8;
+        # memory and "link" (loopback gloo) are set by the cluster file, these are placeholders.
+        DeviceSpec(
+            "cpu",
+            8 * GiB,
+            147e9,
+            0.0,
+            294e9,
+            147e9,
+            0.0,
+            20 * GB,
+            5 * GB,
+            0.50,
+            runtime_overhead_bytes=0.4 * GiB,
+            op_overhead=2.2e-6,  # a tiny Llama block's forward + backward on this machine: 2.2 us per ATen op (fp32)
+            # one step over a 2^20-element shard here: AdamW 1.2 ms, 8-bit Adam 73 ms, Adafactor 6.3 ms
+            optimizer_rates=(("adamw", 0.86e9), ("adam8bit", 14.4e6), ("adafactor", 166e6)),
+            microbatch_overhead=0.5e-3,  # calibrate --config debug.toml here: 1.4-1.7 ms per micro-batch over 2 + 1
+            comm_overlap=0.0,
+            source=_CPU,
+        ),
+    )
+}
+
+
+# (substrings of torch.cuda.get_device_name, all required, lower case) -> DEVICES key, first match
+# wins; None: a part whose name contains a known one but whose datasheet differs (H100 NVL: 94 GB,
+# other clocks; GH200 / GB200: Grace superchips), so it is measured, not given another part's peak.
+_NAME_RULES: tuple[tuple[tuple[str, ...], str | None], ...] = (
+    (("h100", "nvl"), None),
+    (("gh200",), None),
+    (("gb200",), None),
+    (("h100", "pcie"), "h100-pcie"),
+    (("h100",), "h100-sxm"),
+    (("h200",), "h200"),
+    (("b200",), "b200"),
+    (("a100", "40gb"), "a100-40g"),
+    (("a100",), "a100-80g"),
+    (("mi300x",), "mi300x"),
+)
+
+
+def device_key(name: str) -> str | None:
+    """The :data:`DEVICES` key of an accelerator by its reported name (``NVIDIA H100 80GB HBM3``,
+    ``NVIDIA H100 PCIe``, ``NVIDIA A100-SXM4-40GB``, ...), or None for one not in the table."""
+    low = name.lower()
+    return next((key for parts, key in _NAME_RULES if all(p in low for p in parts)), None)
+
+
+def mfu_peak(name: str, precision: str, tf32: bool) -> tuple[float, str] | None:
+    """Datasheet peak FLOP/s for MFU of a run in ``precision`` (fp32 | bf16 | fp16) on the device
+    called ``name``, and its source; fp32 counts TF32 tensor cores only when ``tf32`` is on. None
+    for a device not in the table."""
+    key = device_key(name)
+    if key is None:
+        return None
+    kind = "tf32" if precision == "fp32" and tf32 else precision
+    return DEVICES[key].peak_flops(kind), f"datasheet {key} {kind} ({DEVICES[key].source})"
+
+
+"""Known accelerators by name. ``achievable`` (sustained fraction of peak of a large GEMM inside a
+training step, before tile/wave quantization) is not a datasheet number: A100 0.73 and H100 0.58
+are fitted on the published runs (``loom plan validate --published --fit``; the H100 value on
+llm-foundry's rows only), H200 follows H100, B200 0.70 and MI300X 0.55 are unvalidated
+assumptions, CPU 0.50; calibration (:class:`Profile`) replaces it with a measurement. ``sms``
+(datasheet SM / CU counts) and ``flash_fwd`` / ``flash_bwd`` (FlashAttention-2 paper: ~65% / 50%
+of peak on A100, ~37% / 30% on H100) feed the per-kernel model of :meth:`Machine.gemm` and
+:meth:`Machine.attention`."""
+
+
+def get_device(name: str) -> DeviceSpec:
+    """Look up a device by name; an unknown name lists the known ones."""
+    try:
+        return DEVICES[name.lower()]
+    except KeyError:
+        raise HardwareError(f"unknown device {name!r}; known: {', '.join(DEVICES)}") from None
