@@ -1419,7 +1419,7 @@ class CostModel:
         unit (final norm + head) stays gathered, as backward needs it next; a pipeline stage keeps
         none (its next action is often another micro-batch's forward). In a pipeline the first stage
         adds the embedding, the last the final norm + head, a tied head's copy of the embedding
-        being a unit of its own (:func:`~loom.parallel.zero.layout.tied_copy`): 2 units."""
+        being a unit of its own (:func:`~loom.parallel.layout.tied_copy`): 2 units."""
         pc = self.params
         if pp > 1:
             blocks = int(self.stage_layers(pp, not last, last, split))

@@ -1,0 +1,43 @@
+"""Cost model: per-device memory and step time of one parallel layout (see :mod:`loom.plan.cost.model`)."""
+
+from loom.plan.cost.model import (
+    RECOMPUTE,
+    SCHEDULES,
+    STACKS,
+    CostModel,
+    Estimate,
+    Layout,
+    ParamCounts,
+    PlanError,
+    Stack,
+    Workload,
+    bubble_fraction,
+    default_split,
+    estimate,
+    exposed,
+    inflight_layers,
+    param_count,
+    split_layout,
+    tp_reason,
+)
+
+__all__ = [
+    "RECOMPUTE",
+    "SCHEDULES",
+    "STACKS",
+    "CostModel",
+    "Estimate",
+    "Layout",
+    "ParamCounts",
+    "PlanError",
+    "Stack",
+    "Workload",
+    "bubble_fraction",
+    "default_split",
+    "estimate",
+    "exposed",
+    "inflight_layers",
+    "param_count",
+    "split_layout",
+    "tp_reason",
+]
