@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import backend_name, device, init_gloo, run_ranks, synchronize  # noqa: E402
+from common import add_no_write, backend_name, device, init_gloo, results, run_ranks, synchronize  # noqa: E402
 
 from loom.parallel.allreduce import all_reduce  # noqa: E402
 from loom.plan import collectives  # noqa: E402
@@ -85,37 +85,41 @@ def main() -> None:
     ap.add_argument("--max-mb", type=float, default=64.0, help="largest message, MB (default 64)")
     ap.add_argument("--full", action="store_true", help="up to 256 MB")
     ap.add_argument("--reps", type=int, default=9, help="timed rounds per cell up to 1 MB (fewer above)")
+    add_no_write(ap)
     args = ap.parse_args()
-    if args.full:
-        args.max_mb = max(args.max_mb, 256.0)
-    medians: dict[tuple[int, str, int], float] = {}
-    for world in (int(w) for w in args.ranks.split(",")):
-        for (algo, nbytes), times in run_ranks(world, _worker, args).items():
-            medians[world, algo, nbytes] = statistics.median(times)
+    with results("allreduce", "All-reduce algorithms", write=not args.no_write):
+        if args.full:
+            args.max_mb = max(args.max_mb, 256.0)
+        medians: dict[tuple[int, str, int], float] = {}
+        for world in (int(w) for w in args.ranks.split(",")):
+            for (algo, nbytes), times in run_ranks(world, _worker, args).items():
+                medians[world, algo, nbytes] = statistics.median(times)
 
-    print(f"\nAll-reduce of fp32 tensors, {backend_name()} ranks; median ms per call (ratio to native)\n")
-    print("| ranks | size | " + " | ".join(ALGOS) + " |")
-    print("|---:|---:|" + "---:|" * len(ALGOS))
-    for world, nbytes in sorted({(w, s) for w, _, s in medians}):
-        base = medians[world, "native", nbytes]
-        cells = []
+        print(f"\nAll-reduce of fp32 tensors, {backend_name()} ranks; median ms per call (ratio to native)\n")
+        print("| ranks | size | " + " | ".join(ALGOS) + " |")
+        print("|---:|---:|" + "---:|" * len(ALGOS))
+        for world, nbytes in sorted({(w, s) for w, _, s in medians}):
+            base = medians[world, "native", nbytes]
+            cells = []
+            for algo in ALGOS:
+                t = medians.get((world, algo, nbytes))
+                cells.append(
+                    "n/a" if t is None else ms(t) if algo == "native" else f"{ms(t)} ({t / base:.2f})"
+                )
+            print(f"| {world} | {human(nbytes)} | " + " | ".join(cells) + " |")
+
+        print("\nα-β fit per algorithm over every cell, T = R(N)·α + V(S,N)·β (loom.plan.collectives)\n")
+        print("| algorithm | α (µs/round) | 1/β (MB/s) | model error: median | worst |")
+        print("|---|---:|---:|---:|---:|")
         for algo in ALGOS:
-            t = medians.get((world, algo, nbytes))
-            cells.append("n/a" if t is None else ms(t) if algo == "native" else f"{ms(t)} ({t / base:.2f})")
-        print(f"| {world} | {human(nbytes)} | " + " | ".join(cells) + " |")
-
-    print("\nα-β fit per algorithm over every cell, T = R(N)·α + V(S,N)·β (loom.plan.collectives)\n")
-    print("| algorithm | α (µs/round) | 1/β (MB/s) | model error: median | worst |")
-    print("|---|---:|---:|---:|---:|")
-    for algo in ALGOS:
-        points = [(w, float(s), t) for (w, a, s), t in medians.items() if a == algo]
-        if len(points) < 2:
-            continue
-        ab = collectives.fit(algo, points)
-        print(
-            f"| {algo} | {ab.alpha * 1e6:.1f} | {ab.bandwidth / 2**20:.0f} | {ab.median_rel_error:.0%} "
-            f"| {ab.max_rel_error:.0%} |"
-        )
+            points = [(w, float(s), t) for (w, a, s), t in medians.items() if a == algo]
+            if len(points) < 2:
+                continue
+            ab = collectives.fit(algo, points)
+            print(
+                f"| {algo} | {ab.alpha * 1e6:.1f} | {ab.bandwidth / 2**20:.0f} | {ab.median_rel_error:.0%} "
+                f"| {ab.max_rel_error:.0%} |"
+            )
 
 
 if __name__ == "__main__":

@@ -30,11 +30,15 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from loom import config as C  # noqa: E402
-from loom.checkpoint import Checkpointer, CheckpointReader, ReplicatedState  # noqa: E402
+from loom.checkpoint import Checkpointer, CheckpointReader  # noqa: E402
 from loom.checkpoint.replicated import ensure_adam_state  # noqa: E402
 from loom.checkpoint.save import new_group  # noqa: E402
 from loom.model.llama import build_model  # noqa: E402
 from loom.optim.groups import build_optimizer  # noqa: E402
+from loom.parallel.data.checkpoint import ReplicatedState  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_no_write, results  # noqa: E402
 
 
 def _dir_bytes(path: Path) -> int:
@@ -142,25 +146,27 @@ def main() -> None:
         "--config", default=str(Path(__file__).resolve().parent.parent / "configs" / "gpt-125m.toml")
     )
     ap.add_argument("--tmp", default=None, help="directory for the checkpoints (default: system temp)")
+    add_no_write(ap)
     args = ap.parse_args()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    rows = []
-    for world in args.ranks:
-        r = _run(world, args)
-        mb_loom, mb_dcp = r["_bytes loom"] / 1e6, r["_bytes dcp"] / 1e6
-        for key in sorted(k for k in r if not k.startswith("_")):
-            mb = mb_dcp if key.startswith("dcp") else mb_loom
-            rate = "" if "stall" in key else f"{mb / r[key]:8.0f}"
-            rows.append(f"| {world} | {key:22s} | {r[key]:7.2f} | {rate:>8s} |")
-        rows.append(f"| {world} | checkpoint size MB     | loom {mb_loom:.0f} | dcp {mb_dcp:.0f} |")
-        rows.append(
-            f"| {world} | ratios                 | async stall / sync save: loom "
-            f"{r['loom async stall steady'] / r['loom save']:.1%}, dcp {r['dcp async stall'] / r['dcp save']:.1%} | "
-            f"load loom(verified)/dcp {r['loom load (verified)'] / r['dcp load']:.2f}x, "
-            f"save loom/dcp {r['loom save'] / r['dcp save']:.2f}x |"
-        )
-    print("| ranks | what | seconds | MB/s |\n|---|---|---|---|")
-    print("\n".join(rows))
+    with results("checkpoint", "Checkpoints against torch.distributed.checkpoint", write=not args.no_write):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        rows = []
+        for world in args.ranks:
+            r = _run(world, args)
+            mb_loom, mb_dcp = r["_bytes loom"] / 1e6, r["_bytes dcp"] / 1e6
+            for key in sorted(k for k in r if not k.startswith("_")):
+                mb = mb_dcp if key.startswith("dcp") else mb_loom
+                rate = "" if "stall" in key else f"{mb / r[key]:8.0f}"
+                rows.append(f"| {world} | {key:22s} | {r[key]:7.2f} | {rate:>8s} |")
+            rows.append(f"| {world} | checkpoint size MB     | loom {mb_loom:.0f} | dcp {mb_dcp:.0f} |")
+            rows.append(
+                f"| {world} | ratios                 | async stall / sync save: loom "
+                f"{r['loom async stall steady'] / r['loom save']:.1%}, dcp {r['dcp async stall'] / r['dcp save']:.1%} | "
+                f"load loom(verified)/dcp {r['loom load (verified)'] / r['dcp load']:.2f}x, "
+                f"save loom/dcp {r['loom save'] / r['dcp save']:.2f}x |"
+            )
+        print("| ranks | what | seconds | MB/s |\n|---|---|---|---|")
+        print("\n".join(rows))
 
 
 if __name__ == "__main__":

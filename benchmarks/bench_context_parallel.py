@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import init_gloo, run_ranks  # noqa: E402
+from common import add_no_write, init_gloo, results, run_ranks  # noqa: E402
 
 from loom.config import LoomConfig, ModelConfig  # noqa: E402
 from loom.model.llama import build_model, loss_fn  # noqa: E402
@@ -72,7 +72,14 @@ def _loom(rank: int, world: int, args, mode: str) -> dict:
     mesh = ParallelMesh(ParallelDims(cp=world), "cpu")
     meter = CommMeter()
     model = build_model(cfg.model, 0)
-    apply_context_parallel(model, mesh, cfg, meter)
+    apply_context_parallel(
+        model,
+        mesh,
+        mode=cfg.parallel.cp_mode,
+        seq_len=cfg.data.seq_len,
+        dropout=cfg.model.dropout,
+        meter=meter,
+    )
 
     def batch(i):
         ((x, y),) = shard_sequence([_batch(args.seq, i)], world, rank)
@@ -161,39 +168,43 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4, help="key/value heads (of 4 query heads)")
     ap.add_argument("--modes", default="allgather,ring,alltoall")
     ap.add_argument("--no-torch", dest="torch", action="store_false")
+    add_no_write(ap)
     args = ap.parse_args()
-    args.modes = args.modes.split(",")
-    print(
-        f"context parallel, gloo on CPU: dim {DIM}, {LAYERS} layers, {HEADS} heads ({args.kv_heads} kv), vocab {VOCAB}, "
-        f"one sequence of T = {args.seq}; step = forward + loss + backward; fp32"
-    )
-    print(
-        f"{'cp':>3} {'mode':<24} {'saved/rank MiB':>15} {'x cp=1':>7} {'layer formula MiB':>18} "
-        f"{'sent/rank MiB':>14} {'formula MiB':>12} {'step s':>8}"
-    )
-    base = None
-    for cp in [int(c) for c in args.cps.split(",")]:
-        ranks = run_ranks(cp, _worker, args)
-        for mode in ranks[0]:
-            per = [r[mode] for r in ranks]
-            if "error" in per[0]:
-                print(f"{cp:>3} {mode:<24} does not run here: {per[0]['error']}")
-                continue
-            if per[0]["saved"] is None:
-                print(
-                    f"{cp:>3} {mode:<24} {'n/a':>15} {'':>7} {'':>18} {'':>14} {'':>12} {max(p['time'] for p in per):8.2f}"
+    with results("context_parallel", "Context parallelism", write=not args.no_write, preformatted=True):
+        args.modes = args.modes.split(",")
+        print(
+            f"context parallel, gloo on CPU: dim {DIM}, {LAYERS} layers, {HEADS} heads ({args.kv_heads} kv), vocab {VOCAB}, "
+            f"one sequence of T = {args.seq}; step = forward + loss + backward; fp32"
+        )
+        print(
+            f"{'cp':>3} {'mode':<24} {'saved/rank MiB':>15} {'x cp=1':>7} {'layer formula MiB':>18} "
+            f"{'sent/rank MiB':>14} {'formula MiB':>12} {'step s':>8}"
+        )
+        base = None
+        for cp in [int(c) for c in args.cps.split(",")]:
+            ranks = run_ranks(cp, _worker, args)
+            for mode in ranks[0]:
+                per = [r[mode] for r in ranks]
+                if "error" in per[0]:
+                    print(f"{cp:>3} {mode:<24} does not run here: {per[0]['error']}")
+                    continue
+                if per[0]["saved"] is None:
+                    print(
+                        f"{cp:>3} {mode:<24} {'n/a':>15} {'':>7} {'':>18} {'':>14} {'':>12} {max(p['time'] for p in per):8.2f}"
+                    )
+                    continue
+                saved = max(p["saved"] for p in per)
+                base = base or saved
+                sent = max(p.get("sent", 0) for p in per) / 2**20
+                formula = f"{per[0]['formula'] / 2**20:12.2f}" if "formula" in per[0] else f"{'':>12}"
+                layer = (
+                    f"{per[0]['layer_formula'] / 2**20:18.2f}" if "layer_formula" in per[0] else f"{'':>18}"
                 )
-                continue
-            saved = max(p["saved"] for p in per)
-            base = base or saved
-            sent = max(p.get("sent", 0) for p in per) / 2**20
-            formula = f"{per[0]['formula'] / 2**20:12.2f}" if "formula" in per[0] else f"{'':>12}"
-            layer = f"{per[0]['layer_formula'] / 2**20:18.2f}" if "layer_formula" in per[0] else f"{'':>18}"
-            print(
-                f"{cp:>3} {mode:<24} {saved / 2**20:15.2f} {saved / base * cp:7.2f} {layer} {sent:14.2f} "
-                f"{formula} {max(p['time'] for p in per):8.2f}"
-            )
-    print("x cp=1: saved bytes per rank times cp over cp = 1's (1.00 = memory shrinks as 1/cp)")
+                print(
+                    f"{cp:>3} {mode:<24} {saved / 2**20:15.2f} {saved / base * cp:7.2f} {layer} {sent:14.2f} "
+                    f"{formula} {max(p['time'] for p in per):8.2f}"
+                )
+        print("x cp=1: saved bytes per rank times cp over cp = 1's (1.00 = memory shrinks as 1/cp)")
 
 
 if __name__ == "__main__":

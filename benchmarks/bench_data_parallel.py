@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import backend_name, device, init_gloo, race, run_ranks  # noqa: E402
+from common import add_no_write, backend_name, device, init_gloo, race, results, run_ranks  # noqa: E402
 
 from loom.config import ModelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, loss_fn  # noqa: E402
@@ -113,19 +113,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    add_no_write(ap)
     args = ap.parse_args()
+    with results("data_parallel", "Data parallelism", write=not args.no_write, preformatted=True):
+        m, t = _cfgs(args)
+        torch.set_num_threads(os.cpu_count() or 1)
+        single = race(
+            {"loom": loom_stepper(m, t, None), "plain": ddp_stepper(m, t, None)}, args.steps, 0, lambda: None
+        )
+        report(
+            f"single process ({torch.get_num_threads()} threads): Loom vs plain PyTorch loop", single, "plain"
+        )
 
-    m, t = _cfgs(args)
-    torch.set_num_threads(os.cpu_count() or 1)
-    single = race(
-        {"loom": loom_stepper(m, t, None), "plain": ddp_stepper(m, t, None)}, args.steps, 0, lambda: None
-    )
-    report(f"single process ({torch.get_num_threads()} threads): Loom vs plain PyTorch loop", single, "plain")
-
-    times = run_ranks(args.world, _worker, args)
-    report(
-        f"data parallel, {args.world} {backend_name()} ranks: Loom DataParallel vs torch DDP", times, "ddp"
-    )
+        times = run_ranks(args.world, _worker, args)
+        report(
+            f"data parallel, {args.world} {backend_name()} ranks: Loom DataParallel vs torch DDP",
+            times,
+            "ddp",
+        )
 
 
 if __name__ == "__main__":

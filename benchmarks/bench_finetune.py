@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import init_gloo, run_ranks  # noqa: E402
+from common import add_no_write, init_gloo, results, run_ranks  # noqa: E402
 
 from loom import config as C  # noqa: E402
 
@@ -103,7 +103,7 @@ def lora_state_bytes(cfg: C.LoomConfig) -> float:
     from loom.model.llama import build_model
 
     model = build_model(cfg.model, 0, meta=True)
-    apply_lora(model, cfg)
+    apply_lora(model, targets=C.lora_targets(cfg), finetune=cfg.finetune)
     quantized = (
         {id(m.weight) for m in model.modules() if isinstance(m, LoRALinear)}
         if cfg.finetune.method == "qlora"
@@ -231,33 +231,44 @@ def main() -> None:
     ap.add_argument("--setups", default=",".join(SETUPS), help="comma list of setup names")
     ap.add_argument("--cap", type=int, default=48, help="largest micro-batch tried")
     ap.add_argument("--smoke", action="store_true", help="tiny models and budget: check that the script runs")
+    add_no_write(ap)
     args = ap.parse_args()
-    if args.smoke:
-        for _, fields in MODELS.values():
-            fields |= {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4 if fields.get("bias") else 2}
-        args.seq, args.budget_mib, args.cap = 32, 48.0, 8
-    os.environ.setdefault(
-        "MALLOC_MMAP_THRESHOLD_", "65536"
-    )  # freed tensors go back to the OS: peaks per step
-    budget = args.budget_mib * MiB
-    rows = []
-    t_start = time.perf_counter()
-    for model in args.models.split(","):
-        from loom.model.llama import build_model, count_params
+    with results("finetune", "Fine-tuning memory", write=not args.no_write):
+        if args.smoke:
+            for _, fields in MODELS.values():
+                fields |= {
+                    "dim": 64,
+                    "n_layers": 2,
+                    "n_heads": 4,
+                    "n_kv_heads": 4 if fields.get("bias") else 2,
+                }
+            args.seq, args.budget_mib, args.cap = 32, 48.0, 8
+        os.environ.setdefault(
+            "MALLOC_MMAP_THRESHOLD_", "65536"
+        )  # freed tensors go back to the OS: peaks per step
+        budget = args.budget_mib * MiB
+        rows = []
+        t_start = time.perf_counter()
+        for model in args.models.split(","):
+            from loom.model.llama import build_model, count_params
 
-        phi = count_params(build_model(make_config(model, "DDP (fp32)", 1, args.seq).model, 0, meta=True))
-        for setup in args.setups.split(","):
-            try:
-                planned = planner_bmax(model, setup, args.seq, budget, args.cap)
-                pred1 = predicted_bytes(make_config(model, setup, max(planned, 1), args.seq))
-            except Exception as e:  # noqa: BLE001 - a setup this tree cannot build yet is reported, not fatal
-                print(f"{model} / {setup}: not available ({type(e).__name__}: {e})", file=sys.stderr)
-                continue
-            t0 = time.perf_counter()
-            r = run_ranks(WORLD, _worker, MODELS[model][1], setup, args)
-            rows.append((model, phi, setup, planned, pred1, r, time.perf_counter() - t0))
-            print(f"{model} / {setup}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    report(args, rows, time.perf_counter() - t_start)
+            phi = count_params(build_model(make_config(model, "DDP (fp32)", 1, args.seq).model, 0, meta=True))
+            for setup in args.setups.split(","):
+                try:
+                    planned = planner_bmax(model, setup, args.seq, budget, args.cap)
+                    pred1 = predicted_bytes(make_config(model, setup, max(planned, 1), args.seq))
+                except Exception as e:  # noqa: BLE001 - a setup this tree cannot build yet is reported, not fatal
+                    print(f"{model} / {setup}: not available ({type(e).__name__}: {e})", file=sys.stderr)
+                    continue
+                t0 = time.perf_counter()
+                r = run_ranks(WORLD, _worker, MODELS[model][1], setup, args)
+                rows.append((model, phi, setup, planned, pred1, r, time.perf_counter() - t0))
+                print(
+                    f"{model} / {setup}: done in {time.perf_counter() - t0:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        report(args, rows, time.perf_counter() - t_start)
 
 
 def report(args, rows, total_s: float) -> None:

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import init_gloo, run_ranks  # noqa: E402
+from common import add_no_write, init_gloo, results, run_ranks  # noqa: E402
 
 MiB = 2**20
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=256)
@@ -110,7 +110,10 @@ def _measured(build, libc) -> dict:
     libc.malloc_trim(0)
     kept = _rss() - base
     dist.barrier()
-    getattr(getattr(built, "strategy", None), "remove", lambda: None)()  # its hooks on the parameters
+    from loom.train.step import Run
+
+    if isinstance(built, Run):  # Loom's: its strategy's hooks on the parameters
+        built.strategy.remove()
     del built
     return {"s": seconds, "cpu": cpu_seconds, "peak": peak, "kept": kept, "state": state_bytes}
 
@@ -291,7 +294,7 @@ def hf_dir(path: str, config: dict) -> str:
     stamp = Path(path) / "bench_config.json"
     if stamp.is_file() and json.loads(stamp.read_text()) == config:
         return path
-    print(f"generating {path} ...", flush=True)
+    print(f"generating {path} ...", file=sys.stderr, flush=True)
     p = mp.get_context("spawn").Process(target=_generate, args=(path, config))
     p.start()
     p.join()
@@ -336,70 +339,74 @@ def main() -> None:
     ap.add_argument("--wide", type=int, default=8, help="also ZeRO-3 over this many ranks (0: not)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--only-hf", action="store_true", help="only the Hugging Face import part")
+    add_no_write(ap)
     args = ap.parse_args()
-    os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded (the ranks inherit it)
-
-    model_kw = dict(
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=args.dim // 64,
-        n_kv_heads=args.dim // 64,
-        vocab_size=args.vocab,
-    )
-    from loom.config import ModelConfig
-    from loom.model.hf import model_config
-
-    phi = _params(ModelConfig(**model_kw, max_seq_len=256, multiple_of=256))
-    with_fsdp2 = ("loom meta", "whole then slice", "torch FSDP2")
-    part1 = [("zero3 x2", {"dp": 2, "zero": 3}, 2, with_fsdp2), ("tp2", {"tp": 2}, 2, with_fsdp2[:2])]
-    if args.wide:
-        part1.append((f"zero3 x{args.wide}", {"dp": args.wide, "zero": 3}, args.wide, with_fsdp2))
-    rows = {}
-    for layout_name, layout, world, cases in [] if args.only_hf else part1:
-        for case in cases:
-            rows[layout_name, case] = measure(case, world, model_kw, layout)
-            print(f"  {layout_name:<10} {case:<18} done", flush=True)
-    if not args.only_hf:
-        table(
-            f"Construction per rank, gloo ranks: dim {args.dim}, {args.layers} layers, vocab {args.vocab}, "
-            f"Φ = {phi / 1e6:.1f} M (whole model {4 * phi / MiB:.0f} MiB fp32)",
-            rows,
-            4 * phi,
-        )
-    if args.skip_hf:
-        return
-
-    asked = dict(LLAMA_1B, num_hidden_layers=args.hf_layers, vocab_size=args.hf_vocab)
-    config = _fitting(asked, 4)
-    if config != asked:
-        print(
-            f"{args.hf_layers} layers at 4 ranks would need about {_hf_need(asked, 4) / 2**30:.1f} GiB of host "
-            f"memory, {_available() / 2**30:.1f} GiB is available (6 GiB of it left to others): measuring "
-            f"{config['num_hidden_layers']} layers"
-        )
-    big = hf_dir(args.hf_dir, config)
-    tiny = hf_dir(args.hf_dir + "-tiny", LLAMA_TINY)
-    hf_phi = _params(model_config(json.loads((Path(big) / "config.json").read_text()), 256))
-    rows = {}
-    for layout_name, layout, world in (
-        ("1 process", {}, 1),
-        ("zero3 x4", {"dp": 4, "zero": 3}, 4),
-        ("tp2 x dp2", {"tp": 2, "dp": 2}, 4),
+    with results(
+        "materialize", "Building models on the meta device", write=not args.no_write, preformatted=True
     ):
-        case = "transformers" if world == 1 else "loom from_hf"
-        rows[layout_name, case] = measure(case, world, {}, layout, (tiny, big))
-        print(f"  {layout_name:<10} {case:<18} done", flush=True)
-    table(
-        f"Hugging Face import: {big}, Llama-3.2-1B body with {config['num_hidden_layers']} layers, vocab {args.hf_vocab}, Φ = {hf_phi / 1e9:.2f} B "
-        f"(whole model {4 * hf_phi / MiB:.0f} MiB fp32)",
-        rows,
-        4 * hf_phi,
-    )
-    print(
-        "peak, kept: resident set growth per rank during and after construction (largest rank); state: the "
-        "model state held (Loom: parameters, gradients, optimizer state, buffers; torch: parameters); "
-        "time, cpu s: wall and CPU seconds of the slowest rank (ranks share 2 cores)."
-    )
+        os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded (the ranks inherit it)
+
+        model_kw = dict(
+            dim=args.dim,
+            n_layers=args.layers,
+            n_heads=args.dim // 64,
+            n_kv_heads=args.dim // 64,
+            vocab_size=args.vocab,
+        )
+        from loom.config import ModelConfig
+        from loom.model.hf import model_config
+
+        phi = _params(ModelConfig(**model_kw, max_seq_len=256, multiple_of=256))
+        with_fsdp2 = ("loom meta", "whole then slice", "torch FSDP2")
+        part1 = [("zero3 x2", {"dp": 2, "zero": 3}, 2, with_fsdp2), ("tp2", {"tp": 2}, 2, with_fsdp2[:2])]
+        if args.wide:
+            part1.append((f"zero3 x{args.wide}", {"dp": args.wide, "zero": 3}, args.wide, with_fsdp2))
+        rows = {}
+        for layout_name, layout, world, cases in [] if args.only_hf else part1:
+            for case in cases:
+                rows[layout_name, case] = measure(case, world, model_kw, layout)
+                print(f"  {layout_name:<10} {case:<18} done", file=sys.stderr, flush=True)
+        if not args.only_hf:
+            table(
+                f"Construction per rank, gloo ranks: dim {args.dim}, {args.layers} layers, vocab {args.vocab}, "
+                f"Φ = {phi / 1e6:.1f} M (whole model {4 * phi / MiB:.0f} MiB fp32)",
+                rows,
+                4 * phi,
+            )
+        if args.skip_hf:
+            return
+
+        asked = dict(LLAMA_1B, num_hidden_layers=args.hf_layers, vocab_size=args.hf_vocab)
+        config = _fitting(asked, 4)
+        if config != asked:
+            print(
+                f"{args.hf_layers} layers at 4 ranks would need about {_hf_need(asked, 4) / 2**30:.1f} GiB of host "
+                f"memory, {_available() / 2**30:.1f} GiB is available (6 GiB of it left to others): measuring "
+                f"{config['num_hidden_layers']} layers"
+            )
+        big = hf_dir(args.hf_dir, config)
+        tiny = hf_dir(args.hf_dir + "-tiny", LLAMA_TINY)
+        hf_phi = _params(model_config(json.loads((Path(big) / "config.json").read_text()), 256))
+        rows = {}
+        for layout_name, layout, world in (
+            ("1 process", {}, 1),
+            ("zero3 x4", {"dp": 4, "zero": 3}, 4),
+            ("tp2 x dp2", {"tp": 2, "dp": 2}, 4),
+        ):
+            case = "transformers" if world == 1 else "loom from_hf"
+            rows[layout_name, case] = measure(case, world, {}, layout, (tiny, big))
+            print(f"  {layout_name:<10} {case:<18} done", file=sys.stderr, flush=True)
+        table(
+            f"Hugging Face import: {big}, Llama-3.2-1B body with {config['num_hidden_layers']} layers, vocab {args.hf_vocab}, Φ = {hf_phi / 1e9:.2f} B "
+            f"(whole model {4 * hf_phi / MiB:.0f} MiB fp32)",
+            rows,
+            4 * hf_phi,
+        )
+        print(
+            "peak, kept: resident set growth per rank during and after construction (largest rank); state: the "
+            "model state held (Loom: parameters, gradients, optimizer state, buffers; torch: parameters); "
+            "time, cpu s: wall and CPU seconds of the slowest rank (ranks share 2 cores)."
+        )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import init_gloo, race, run_ranks  # noqa: E402
+from common import add_no_write, init_gloo, race, results, run_ranks  # noqa: E402
 
 from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainConfig, validate  # noqa: E402
 
@@ -179,9 +179,11 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--cap-mib", type=float, default=256.0, help="memory cap per rank; 0 = skip the search")
+    add_no_write(ap)
     args = ap.parse_args()
-    times, mem, caps = run_ranks(args.world, _worker, args)
-    report(args, times, mem, caps)
+    with results("memory", "Memory techniques", write=not args.no_write):
+        times, mem, caps = run_ranks(args.world, _worker, args)
+        report(args, times, mem, caps)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import backend_name, device, init_gloo, race, run_ranks  # noqa: E402
+from common import add_no_write, backend_name, device, init_gloo, race, results, run_ranks  # noqa: E402
 
 from loom.comm import CommMeter  # noqa: E402
 from loom.config import LoomConfig, ModelConfig, MoEConfig, TrainConfig  # noqa: E402
@@ -117,25 +117,27 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
+    add_no_write(ap)
     args = ap.parse_args()
-    times, params, a2a = run_ranks(args.world, _worker, args)
-    x = torch.zeros(1, 1)
-    print(
-        f"MoE E={args.experts} top-{args.top_k}, h={args.dim} f={args.ffn}, {args.layers} layers, seq {SEQ}, "
-        f"micro {MICRO} x {ACCUM} per rank, {args.world} {backend_name()} ranks; expert GEMMs: "
-        f"{'torch._grouped_mm' if grouped_mm_available(x) else 'padded batched matmul'}"
-    )
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{'contender':<14} {'params':>10} {'step ms':>9} {'cpu ms':>9} {'a2a B/call':>11}")
-    for name in params:
+    with results("moe", "Mixture of experts", write=not args.no_write, preformatted=True):
+        times, params, a2a = run_ranks(args.world, _worker, args)
+        x = torch.zeros(1, 1)
         print(
-            f"{name:<14} {params[name]:>10,} {1e3 * med[name]:>9.1f} {1e3 * med[name + ' cpu']:>9.1f} "
-            f"{a2a[name]:>11,.0f}"
+            f"MoE E={args.experts} top-{args.top_k}, h={args.dim} f={args.ffn}, {args.layers} layers, seq {SEQ}, "
+            f"micro {MICRO} x {ACCUM} per rank, {args.world} {backend_name()} ranks; expert GEMMs: "
+            f"{'torch._grouped_mm' if grouped_mm_available(x) else 'padded batched matmul'}"
         )
-    ep = f"moe ep{args.world}"
-    print(f"grouped : loop  = {med['moe grouped'] / med['moe loop']:.2f}")
-    print(f"moe : dense     = {med['moe grouped'] / med['dense']:.2f}")
-    print(f"ep : no ep      = {med[ep] / med['moe grouped']:.2f}")
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"{'contender':<14} {'params':>10} {'step ms':>9} {'cpu ms':>9} {'a2a B/call':>11}")
+        for name in params:
+            print(
+                f"{name:<14} {params[name]:>10,} {1e3 * med[name]:>9.1f} {1e3 * med[name + ' cpu']:>9.1f} "
+                f"{a2a[name]:>11,.0f}"
+            )
+        ep = f"moe ep{args.world}"
+        print(f"grouped : loop  = {med['moe grouped'] / med['moe loop']:.2f}")
+        print(f"moe : dense     = {med['moe grouped'] / med['dense']:.2f}")
+        print(f"ep : no ep      = {med[ep] / med['moe grouped']:.2f}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import init_gloo, run_ranks  # noqa: E402
+from common import add_no_write, init_gloo, results, run_ranks  # noqa: E402
 
 from loom.config import ModelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, loss_fn  # noqa: E402
@@ -162,26 +162,33 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--micro", type=int, default=8, help="micro-batches per step (m)")
     ap.add_argument("--out", default="", help="directory for the measured timeline pictures")
+    add_no_write(ap)
     args = ap.parse_args()
-    results = run_ranks(args.pp, _worker, args)
-    print(
-        f"\npp={args.pp} gloo ranks, dim {args.dim}, {args.layers} layers, m={args.micro} micro-batches of "
-        f"{ROWS}x{SEQ} tokens, medians over {args.steps - 2} steps"
-    )
-    print(
-        f"{'schedule':<13}{'peer':<32}{'loom s':>9}{'torch s':>9}{'ratio':>7}{'cpu ratio':>10}  bubble (measured vs formula)"
-    )
-    for name, r in results.items():
-        med = {k: statistics.median(t) for k, t in r["times"].items()}
-        ours, theirs = med["loom"], med.get("torch")
-        ratio = (
-            f"{ours / theirs:>7.3f}{med['loom cpu'] / med['torch cpu']:>10.3f}"
-            if theirs
-            else f"{'-':>7}{'-':>10}"
+    with results(
+        "pipeline",
+        "Pipeline schedules against torch.distributed.pipelining",
+        write=not args.no_write,
+        preformatted=True,
+    ):
+        measured = run_ranks(args.pp, _worker, args)
+        print(
+            f"\npp={args.pp} gloo ranks, dim {args.dim}, {args.layers} layers, m={args.micro} micro-batches of "
+            f"{ROWS}x{SEQ} tokens, medians over {args.steps - 2} steps"
         )
-        path = Path(args.out) / f"{name}.png" if args.out else None
-        bubble = timeline_report(r["timeline"], name, args.micro, r["v"], path).split(": ", 1)[1]
-        print(f"{name:<13}{r['peer']:<32}{ours:>9.4f}{theirs or float('nan'):>9.4f}{ratio}  {bubble}")
+        print(
+            f"{'schedule':<13}{'peer':<32}{'loom s':>9}{'torch s':>9}{'ratio':>7}{'cpu ratio':>10}  bubble (measured vs formula)"
+        )
+        for name, r in measured.items():
+            med = {k: statistics.median(t) for k, t in r["times"].items()}
+            ours, theirs = med["loom"], med.get("torch")
+            ratio = (
+                f"{ours / theirs:>7.3f}{med['loom cpu'] / med['torch cpu']:>10.3f}"
+                if theirs
+                else f"{'-':>7}{'-':>10}"
+            )
+            path = Path(args.out) / f"{name}.png" if args.out else None
+            bubble = timeline_report(r["timeline"], name, args.micro, r["v"], path).split(": ", 1)[1]
+            print(f"{name:<13}{r['peer']:<32}{ours:>9.4f}{theirs or float('nan'):>9.4f}{ratio}  {bubble}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_no_write, results  # noqa: E402
 
 LOOM = """
 import json, resource, sys, time
@@ -127,51 +129,53 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=50.0)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    add_no_write(ap)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        corpus, small = root / "corpus.jsonl", root / "small.jsonl"
-        make_corpus(corpus, args.mb)
-        make_corpus(small, 2.0, seed=1)
-        from loom.config import DataConfig
-        from loom.data import prepare_data
+    with results("prepare", "Data preparation", write=not args.no_write, preformatted=True):
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            corpus, small = root / "corpus.jsonl", root / "small.jsonl"
+            make_corpus(corpus, args.mb)
+            make_corpus(small, 2.0, seed=1)
+            from loom.config import DataConfig
+            from loom.data import prepare_data
 
-        tok = prepare_data(
-            DataConfig(source=str(small), vocab_size=4096, prepared_dir=str(root / "tok")), progress=False
-        ).tokenizer_path
-        print(
-            f"corpus {args.mb:.0f} MB (.jsonl), tokenizer BPE 4096, {os.cpu_count()} cores; load "
-            f"{os.getloadavg()[0]:.1f}"
-        )
-        print(
-            f"{'pipeline':<24} {'workers':>7} {'wall s':>8} {'cpu s':>8} {'Mtok/s':>8} {'MB/s':>7} "
-            f"{'peak MiB':>9} {'worker MiB':>10}"
-        )
-        outputs = {}
-        for w in args.workers:
-            for name, script in (("loom prepare", LOOM), ("datasets.map+tokenizers", DATASETS)):
-                out = root / f"{name.split()[0]}-{w}"
-                out.mkdir()
-                r = run(
-                    script,
-                    str(corpus),
-                    str(tok),
-                    str(out / "data" if name == "loom prepare" else out),
-                    str(w),
-                )
-                outputs[(name, w)] = b"".join(Path(f).read_bytes() for f in r["files"])
-                print(
-                    f"{name:<24} {w:>7} {r['wall']:>8.1f} {r['cpu']:>8.1f} {r['tokens'] / r['wall'] / 1e6:>8.2f} "
-                    f"{args.mb / r['wall']:>7.2f} {r['peak'] / 2**20:>9.0f} {r['workers_peak'] / 2**20:>10.0f}"
-                )
-        same = len({v for v in outputs.values()}) == 1
-        print(f"same token bytes from every pipeline and worker count: {same}")
-    for pack in (False, True):
-        t_data, t_step = loading_share(pack)
-        print(
-            f"data loading, pack={str(pack).lower():<5}: {t_data * 1e3:.2f} ms of a {t_step * 1e3:.1f} ms step "
-            f"({100 * t_data / t_step:.2f}%)"
-        )
+            tok = prepare_data(
+                DataConfig(source=str(small), vocab_size=4096, prepared_dir=str(root / "tok")), progress=False
+            ).tokenizer_path
+            print(
+                f"corpus {args.mb:.0f} MB (.jsonl), tokenizer BPE 4096, {os.cpu_count()} cores; load "
+                f"{os.getloadavg()[0]:.1f}"
+            )
+            print(
+                f"{'pipeline':<24} {'workers':>7} {'wall s':>8} {'cpu s':>8} {'Mtok/s':>8} {'MB/s':>7} "
+                f"{'peak MiB':>9} {'worker MiB':>10}"
+            )
+            outputs = {}
+            for w in args.workers:
+                for name, script in (("loom prepare", LOOM), ("datasets.map+tokenizers", DATASETS)):
+                    out = root / f"{name.split()[0]}-{w}"
+                    out.mkdir()
+                    r = run(
+                        script,
+                        str(corpus),
+                        str(tok),
+                        str(out / "data" if name == "loom prepare" else out),
+                        str(w),
+                    )
+                    outputs[(name, w)] = b"".join(Path(f).read_bytes() for f in r["files"])
+                    print(
+                        f"{name:<24} {w:>7} {r['wall']:>8.1f} {r['cpu']:>8.1f} {r['tokens'] / r['wall'] / 1e6:>8.2f} "
+                        f"{args.mb / r['wall']:>7.2f} {r['peak'] / 2**20:>9.0f} {r['workers_peak'] / 2**20:>10.0f}"
+                    )
+            same = len({v for v in outputs.values()}) == 1
+            print(f"same token bytes from every pipeline and worker count: {same}")
+        for pack in (False, True):
+            t_data, t_step = loading_share(pack)
+            print(
+                f"data loading, pack={str(pack).lower():<5}: {t_data * 1e3:.2f} ms of a {t_step * 1e3:.1f} ms step "
+                f"({100 * t_data / t_step:.2f}%)"
+            )
 
 
 if __name__ == "__main__":

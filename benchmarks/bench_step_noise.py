@@ -11,7 +11,7 @@ Prints, per run and kind, the fastest and the median step, then over the runs th
 (largest / smallest) of each statistic. Without collectives the median step is within a few percent
 of the fastest; with them, how far the median sits above the fastest (and how much that varies
 from run to run) is the machine's scheduling noise around the collectives, the reason
-``loom plan validate`` compares the planner with the fastest step (README, planner section).
+``loom plan validate`` compares the planner with the fastest step (docs/planner.md).
 
     python benchmarks/bench_step_noise.py [--runs 5] [--steps 30]
 """
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import init_gloo, run_ranks  # noqa: E402
+from common import add_no_write, init_gloo, results, run_ranks  # noqa: E402
 
 from loom.config import load, preset_path  # noqa: E402
 from loom.model.llama import build_model, loss_fn  # noqa: E402
@@ -79,21 +79,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
+    add_no_write(ap)
     args = ap.parse_args()
-    stats: dict[str, dict[str, list[float]]] = {k: {"fastest": [], "median": []} for k in KINDS}
-    print("| run | kind | fastest ms | median ms | median / fastest |\n|---|---|---|---|---|")
-    for r in range(args.runs):
-        times = run_ranks(2, worker, args.steps)
+    with results("step_noise", "Step-time noise", write=not args.no_write):
+        stats: dict[str, dict[str, list[float]]] = {k: {"fastest": [], "median": []} for k in KINDS}
+        print("| run | kind | fastest ms | median ms | median / fastest |\n|---|---|---|---|---|")
+        for r in range(args.runs):
+            times = run_ranks(2, worker, args.steps)
+            for kind in KINDS:
+                fast, med = min(times[kind]), statistics.median(times[kind])
+                stats[kind]["fastest"].append(fast)
+                stats[kind]["median"].append(med)
+                print(f"| {r} | {kind} | {1e3 * fast:.2f} | {1e3 * med:.2f} | {med / fast:.2f} |", flush=True)
+        print("\nover the runs, largest / smallest of each statistic (1.00 = perfectly reproducible):")
+        print("| kind | fastest step | median step |\n|---|---|---|")
         for kind in KINDS:
-            fast, med = min(times[kind]), statistics.median(times[kind])
-            stats[kind]["fastest"].append(fast)
-            stats[kind]["median"].append(med)
-            print(f"| {r} | {kind} | {1e3 * fast:.2f} | {1e3 * med:.2f} | {med / fast:.2f} |", flush=True)
-    print("\nover the runs, largest / smallest of each statistic (1.00 = perfectly reproducible):")
-    print("| kind | fastest step | median step |\n|---|---|---|")
-    for kind in KINDS:
-        f, m = stats[kind]["fastest"], stats[kind]["median"]
-        print(f"| {kind} | {max(f) / min(f):.2f} | {max(m) / min(m):.2f} |")
+            f, m = stats[kind]["fastest"], stats[kind]["median"]
+            print(f"| {kind} | {max(f) / min(f):.2f} | {max(m) / min(m):.2f} |")
 
 
 if __name__ == "__main__":

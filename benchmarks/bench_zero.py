@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import backend_name, device, init_gloo, race, run_ranks  # noqa: E402
+from common import add_no_write, backend_name, device, init_gloo, race, results, run_ranks  # noqa: E402
 
 from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, count_params, loss_fn  # noqa: E402
@@ -62,7 +62,7 @@ def loom_contender(cfg: LoomConfig, mesh):
     from loom.train.step import plain_run, train_step
 
     model = build_model(cfg.model, cfg.train.seed, device())
-    _, strategy, _ = parallelize(model, mesh, cfg, None)
+    strategy = parallelize(model, mesh, cfg, None).strategy
 
     def step(i: int, rank: int) -> None:
         train_step(
@@ -201,10 +201,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    add_no_write(ap)
     args = ap.parse_args()
-    phi = count_params(build_model(_cfg(args, args.world, 0).model, 0))
-    times, states = run_ranks(args.world, _worker, args)
-    report(times, states, phi, args.world)
+    with results("zero", "ZeRO 1-3 against PyTorch", write=not args.no_write, preformatted=True):
+        phi = count_params(build_model(_cfg(args, args.world, 0).model, 0))
+        times, states = run_ranks(args.world, _worker, args)
+        report(times, states, phi, args.world)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import init_gloo, run_ranks  # noqa: E402
+from common import add_no_write, init_gloo, results, run_ranks  # noqa: E402
 
 from loom.config import LoomConfig, ModelConfig, TrainConfig  # noqa: E402
 
@@ -82,7 +82,7 @@ def _rank(rank: int, world: int, init: str, steps: int, kind: str, tmp: str, out
     cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.zero = world, world, 3
     cfg.parallel.offload_params, cfg.run.dir = kind, tmp
     model = build_model(cfg.model, cfg.train.seed)
-    _, strategy, _ = parallelize(model, mesh, cfg, CommMeter())
+    strategy = parallelize(model, mesh, cfg, CommMeter()).strategy
     g = torch.Generator().manual_seed(rank)
     times = []
     for step in range(steps):
@@ -119,30 +119,34 @@ def main() -> None:
     ap.add_argument("--device", default="h100-sxm")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--steps", type=int, default=6)
+    add_no_write(ap)
     args = ap.parse_args()
-    from loom.plan.hardware import get_device
+    with results("zero_infinity", "ZeRO-Infinity: parameter offload", write=not args.no_write):
+        from loom.plan.hardware import get_device
 
-    mem = get_device(args.device).memory_bytes
-    print(
-        f"## Largest model in {mem / GB:.0f} GB per {args.device}, {8 * args.nodes} ranks, bf16, 4k tokens/rank, full recompute\n"
-    )
-    print("| | width | layers | parameters | device peak (GB) | host or disk per rank (GB) |")
-    print("|---|---|---|---|---|---|")
-    for name, off in (("ZeRO-3", False), ("ZeRO-Infinity (offload_params)", True)):
-        dim, phi, peak = largest(args.device, args.nodes, off)
-        host = 16 * phi / (8 * args.nodes) / GB if off else 0.0
-        print(f"| {name} | {dim} | {dim // 128} | {phi / 1e9:.1f} B | {peak / GB:.1f} | {host:.0f} |")
-    print("\n## One point run here (CPU, 2 ranks, fp32, dim 256 x 8 layers)\n")
-    print("| | device bytes between steps | transient peak | device total | in the store | loss | ms/step |")
-    print("|---|---|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("none", "cpu", "disk"):
-            r = run_ranks(2, _rank, args.steps, kind, tmp)
-            total = r["persistent"] + r["transient"]
-            print(
-                f"| offload_params={kind} | {r['persistent']:,} | {r['transient']:,} | {total:,} | {r['store']:,} "
-                f"| {r['loss']:.6f} | {r['ms']:.0f} |"
-            )
+        mem = get_device(args.device).memory_bytes
+        print(
+            f"## Largest model in {mem / GB:.0f} GB per {args.device}, {8 * args.nodes} ranks, bf16, 4k tokens/rank, full recompute\n"
+        )
+        print("| | width | layers | parameters | device peak (GB) | host or disk per rank (GB) |")
+        print("|---|---|---|---|---|---|")
+        for name, off in (("ZeRO-3", False), ("ZeRO-Infinity (offload_params)", True)):
+            dim, phi, peak = largest(args.device, args.nodes, off)
+            host = 16 * phi / (8 * args.nodes) / GB if off else 0.0
+            print(f"| {name} | {dim} | {dim // 128} | {phi / 1e9:.1f} B | {peak / GB:.1f} | {host:.0f} |")
+        print("\n## One point run here (CPU, 2 ranks, fp32, dim 256 x 8 layers)\n")
+        print(
+            "| | device bytes between steps | transient peak | device total | in the store | loss | ms/step |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        with tempfile.TemporaryDirectory() as tmp:
+            for kind in ("none", "cpu", "disk"):
+                r = run_ranks(2, _rank, args.steps, kind, tmp)
+                total = r["persistent"] + r["transient"]
+                print(
+                    f"| offload_params={kind} | {r['persistent']:,} | {r['transient']:,} | {total:,} | {r['store']:,} "
+                    f"| {r['loss']:.6f} | {r['ms']:.0f} |"
+                )
 
 
 if __name__ == "__main__":

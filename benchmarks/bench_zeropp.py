@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import init_gloo, run_ranks  # noqa: E402
+from common import add_no_write, init_gloo, results, run_ranks  # noqa: E402
 
 from loom.config import LoomConfig, ModelConfig, TrainConfig  # noqa: E402
 
@@ -78,7 +78,7 @@ def _rank(rank: int, world: int, init: str, steps: int, hpz: int, out) -> None:
             setattr(cfg.parallel, k, v)
         model = build_model(cfg.model, cfg.train.seed)
         meter = CommMeter()
-        _, strategy, _ = parallelize(model, mesh, cfg, meter)
+        strategy = parallelize(model, mesh, cfg, meter).strategy
         losses, times, moved = [], [], {}
         for step in range(steps):
             meter.reset()
@@ -104,34 +104,39 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--hpz-group", type=int, default=2)
+    add_no_write(ap)
     args = ap.parse_args()
-    res = run_ranks(args.world, _rank, args.steps, args.hpz_group)
-    ref = res["zero-3"]
-    base_bytes = sum(ref["moved"].values())
-    print(
-        f"ZeRO-3 over {args.world} ranks, hpZ groups of {args.hpz_group}; {args.steps} steps; bytes one rank sends per step\n"
-    )
-    print(
-        "| | all-gather | all-gather in group (hpZ) | reduce-scatter | all-to-all | crossing groups | vs ZeRO-3 "
-        "| loss (last 10) | max abs loss gap | step (ms) |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, r in res.items():
-        m = r["moved"]
-        cross = sum(v for k, v in m.items() if k != "all_gather_hpz")
-        last = statistics.mean(r["losses"][-10:])
-        gap = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
-        cells = [
-            f"{m.get(k, 0):,.0f}" for k in ("all_gather", "all_gather_hpz", "reduce_scatter", "all_to_all")
-        ]
+    with results("zeropp", "ZeRO++: quantized and hierarchical collectives", write=not args.no_write):
+        res = run_ranks(args.world, _rank, args.steps, args.hpz_group)
+        ref = res["zero-3"]
+        base_bytes = sum(ref["moved"].values())
         print(
-            f"| {name} | " + " | ".join(cells) + f" | {cross:,.0f} | {cross / base_bytes:.1%} | {last:.4f} | "
-            f"{gap:.4f} | {1000 * r['time']:.1f} |"
+            f"ZeRO-3 over {args.world} ranks, hpZ groups of {args.hpz_group}; {args.steps} steps; bytes one rank sends per step\n"
         )
-    print(
-        f"\nloss at step 0: {ref['losses'][0]:.4f} (ln V = {torch.log(torch.tensor(float(VOCAB))):.4f}), "
-        f"ln 4 = {torch.log(torch.tensor(4.0)):.4f}"
-    )
+        print(
+            "| | all-gather | all-gather in group (hpZ) | reduce-scatter | all-to-all | crossing groups | vs ZeRO-3 "
+            "| loss (last 10) | max abs loss gap | step (ms) |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for name, r in res.items():
+            m = r["moved"]
+            cross = sum(v for k, v in m.items() if k != "all_gather_hpz")
+            last = statistics.mean(r["losses"][-10:])
+            gap = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
+            cells = [
+                f"{m.get(k, 0):,.0f}"
+                for k in ("all_gather", "all_gather_hpz", "reduce_scatter", "all_to_all")
+            ]
+            print(
+                f"| {name} | "
+                + " | ".join(cells)
+                + f" | {cross:,.0f} | {cross / base_bytes:.1%} | {last:.4f} | "
+                f"{gap:.4f} | {1000 * r['time']:.1f} |"
+            )
+        print(
+            f"\nloss at step 0: {ref['losses'][0]:.4f} (ln V = {torch.log(torch.tensor(float(VOCAB))):.4f}), "
+            f"ln 4 = {torch.log(torch.tensor(4.0)):.4f}"
+        )
 
 
 if __name__ == "__main__":
