@@ -13,6 +13,9 @@ import time
 
 import torch
 
+# The one map from precision names (train.precision, parallel.reduce_dtype) to torch dtypes.
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()

@@ -101,7 +101,9 @@ def measure_gemm(
     (2 m k n FLOPs each) on ``device`` (default the CPU), each call timed between device syncs."""
     import torch
 
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    from loom.device import DTYPES
+
+    dt = DTYPES[dtype]
     total_flops = total_s = 0.0
     per: dict[str, float] = {}
     for m, k, n in shapes:
@@ -202,11 +204,12 @@ def measure_op_overhead(
     (:func:`loom.plan.opcount.tiny_config`, 16 tokens: nearly no FLOPs) over its operator count."""
     import torch
 
+    from loom.device import DTYPES
     from loom.model.llama import build_model, loss_fn
     from loom.plan.opcount import TOKENS, _count, tiny_config
 
     tiny = tiny_config(model, model.n_layers)
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    dt = DTYPES[precision]
     net = build_model(tiny, seed=0).to(device=device, dtype=dt)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, tiny.vocab_size, (1, TOKENS), generator=g).to(device)
