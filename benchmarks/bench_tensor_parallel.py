@@ -57,7 +57,7 @@ def loom_stepper(cfg: LoomConfig, mesh, meter):
     from loom.parallel.tensor.parallelize import apply_tensor_parallel
 
     model = build_model(cfg.model, cfg.train.seed)
-    loss = apply_tensor_parallel(model, mesh, cfg, meter)
+    loss = apply_tensor_parallel(model, mesh, sp=cfg.parallel.sp, meter=meter)
     opt = build_optimizer(model, cfg.train)
 
     def step(i: int) -> float:

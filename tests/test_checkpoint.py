@@ -310,14 +310,14 @@ def _tp_save_and_reload(root: str):
     cfg.model, cfg.parallel.tp = tiny_model(), 2
     model = build_model(cfg.model, 3)
     reference = {f"model.{k}": v.clone() for k, v in model.state_dict().items() if k != "output.weight"}
-    apply_tensor_parallel(model, mesh, cfg)
+    apply_tensor_parallel(model, mesh)
     strategy = DataParallel(model, mesh.group("dp"), tp_group=mesh.group("tp"))
     strategy.attach_optimizer(build_optimizer(model, tiny_train()))
     ck = Checkpointer(root, torch.distributed.get_rank(), 2, new_group(2, 60))
     ck.save(1, strategy.sharded_state(), {}, {})
     # and back into tp=2 from scratch
     fresh = build_model(cfg.model, 55)
-    apply_tensor_parallel(fresh, mesh, cfg)
+    apply_tensor_parallel(fresh, mesh)
     s2 = DataParallel(fresh, mesh.group("dp"), tp_group=mesh.group("tp"))
     s2.attach_optimizer(build_optimizer(fresh, tiny_train()))
     with CheckpointReader(root, torch.distributed.get_rank(), 2, ck.group) as reader:

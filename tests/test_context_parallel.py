@@ -191,7 +191,7 @@ def _saved_per_layer(cp: int, mode: str) -> tuple[dict, int]:
     cfg = LoomConfig(model=tiny_model())
     cfg.data.seq_len, cfg.parallel.cp, cfg.parallel.cp_mode = SEQ, cp, mode
     model = build_model(cfg.model, 0)
-    apply_context_parallel(model, mesh, cfg)
+    apply_context_parallel(model, mesh, mode=mode, seq_len=SEQ)
     x = torch.randint(0, cfg.model.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
     ((local, _),) = shard_sequence([(x, x)], cp, mesh.local_rank("cp"))
     return measure_layer_bytes(model, local), activation_bytes_per_layer(

@@ -488,7 +488,7 @@ def _loom_lora_model(path, targets: str = "all-linear", seed: int = 3):
     cfg.finetune = C.FinetuneConfig(**(LORA | {"lora_targets": targets}))
     model = Transformer(cfg.model)
     load_into(model, hf)
-    apply_lora(model, cfg)
+    apply_lora(model, targets=C.lora_targets(cfg), finetune=cfg.finetune)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for mod in model.modules():

@@ -432,7 +432,7 @@ def _lora_run(tmp: Path, method: str, source: str = "") -> tuple[Path, dict[str,
     cfg.finetune.lora_rank = 4
     (run / "config.toml").write_text(C.dump_toml(cfg))
     model = build_model(cfg.model, seed=cfg.train.seed, meta=True)
-    apply_lora(model, cfg)
+    apply_lora(model, targets=C.lora_targets(cfg), finetune=cfg.finetune)
     g = torch.Generator().manual_seed(5)
     adapters = {
         n: torch.randn(tuple(p.shape), generator=g) * 0.3

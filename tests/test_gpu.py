@@ -129,7 +129,7 @@ def _overlap(layout: dict) -> dict:
     cfg.parallel.bucket_mb = 8.0
     device = rank_device()
     model = build_model(cfg.model, 0, device)
-    _, strategy, _ = parallelize(model, mesh, cfg, CommMeter())
+    strategy = parallelize(model, mesh, cfg, CommMeter()).strategy
     g = torch.Generator().manual_seed(mesh.local_rank("dp"))
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 2, 513), generator=g).to(device)
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
@@ -224,7 +224,7 @@ def test_peak_memory_matches_the_planner():
     cfg.data.seq_len, cfg.run.device = 512, "cuda"
     mesh = get_mesh()
     model = build_model(cfg.model, 0, "cuda")
-    _, strategy, _ = parallelize(model, mesh, cfg, CommMeter())
+    strategy = parallelize(model, mesh, cfg, CommMeter()).strategy
     tokens = torch.randint(0, cfg.model.vocab_size, (4, 513), device="cuda")
     batches = [(tokens[:, :-1], tokens[:, 1:])]
     train_step(plain_run(model, strategy, loss_fn), batches, 1.0, 1e-4, None)  # optimizer state allocated

@@ -619,7 +619,8 @@ def _state_bytes_tp2(model_kw: dict, optimizer: str = "adamw") -> tuple[int, int
     cfg = C.LoomConfig(model=tiny_model(**model_kw))
     cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp, cfg.data.seq_len = 2, 1, True, SEQ
     cfg.train.optimizer = optimizer  # type: ignore[assignment]
-    model, strategy, _ = parallelize(build_model(cfg.model, 0), get_mesh(tp=2), cfg, CommMeter())
+    run = parallelize(build_model(cfg.model, 0), get_mesh(tp=2), cfg, CommMeter())
+    model, strategy = run.model, run.strategy
     b = strategy.state_bytes()
     partial = sum(p.numel() for p in model.parameters() if placement_of(p).partial is not None)
     return b["param_bytes"], partial, b["optim_bytes"]

@@ -113,7 +113,7 @@ def _measure(kw: dict, layout: dict, meta: bool, libc) -> dict:
     final += sum(b.numel() * b.element_size() for b in run.model.buffers())
     largest = max(4 * torch.Size(placement_of(p).origin.shape).numel() for p in run.model.parameters())
     whole = sum(4 * p.numel() for p in build_model(cfg.model, 0, "cpu", meta=True).parameters())
-    getattr(run.strategy, "remove", lambda: None)()
+    run.strategy.remove()
     return {"peak": peak, "final": final, "largest": largest, "whole": whole}
 
 

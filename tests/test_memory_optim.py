@@ -243,7 +243,7 @@ def adafactor_bytes() -> dict:
             setattr(cfg.parallel, k, v)
         cfg.parallel.dp, cfg.parallel.dp_shard = mesh.size("dp"), mesh.size("dp_shard")
         validate(cfg, 4)
-        _, strategy, _ = parallelize(build_model(cfg.model, 0), mesh, cfg)
+        strategy = parallelize(build_model(cfg.model, 0), mesh, cfg).strategy
         masters = sum(4 * s.numel() for s in strategy.optim.params if s.dtype != torch.float32)
         out[name] = (strategy.state_bytes()["optim_bytes"], factored_state_bytes(strategy.layouts) + masters)
         strategy.remove()
@@ -261,7 +261,7 @@ def _resumable(optimizer: str):
     cfg.data.seq_len, cfg.train.global_batch, cfg.train.micro_batch = SEQ, 8, 4
     validate(cfg, 1)
     model = build_model(cfg.model, cfg.train.seed)
-    _, strategy, _ = parallelize(model, ParallelMesh(ParallelDims(), "cpu"), cfg)
+    strategy = parallelize(model, ParallelMesh(ParallelDims(), "cpu"), cfg).strategy
 
     def steps(lo: int, hi: int) -> list[float]:
         return [

@@ -191,7 +191,7 @@ def _three_d(steps: int) -> dict:
     cfg = LoomConfig(model=mcfg, train=tcfg)
     cfg.parallel.tp, cfg.data.seq_len = 2, SEQ
     model = build_model(mcfg, tcfg.seed)
-    loss = apply_tensor_parallel(model, mesh, cfg)
+    loss = apply_tensor_parallel(model, mesh)
     pipe = split_model(model, mesh.local_rank("pp"), 2, _uniform(4, 4), mesh.group("pp"), mesh.pp_links())
     pipe.tp_group = mesh.group("tp")
     inner = DataParallel(pipe, mesh.group("dp"), tp_group=mesh.group("tp"))

@@ -68,12 +68,9 @@ def run_layout(par: dict, train_kw: dict, model_kw: dict, steps: int, mesh_dims:
 
 def _local_or_full_state(model, strategy, mesh) -> dict[str, torch.Tensor]:
     """This rank's state dict; ZeRO-3 units gathered; tensor-parallel shards gathered into full tensors."""
-    import contextlib
-
     from loom.parallel.tensor.parallelize import gather_full_state
 
-    strategy = getattr(strategy, "inner", strategy)  # a pipeline's data-parallel strategy
-    with strategy.gathered() if hasattr(strategy, "gathered") else contextlib.nullcontext():
+    with strategy.gathered():
         if mesh.size("tp") > 1:
             return gather_full_state(model, mesh.group("tp"))
         return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -185,7 +185,7 @@ def _train_tp(tp: int, dp: int, sp: bool, zero: int = 0, steps: int = 20):
     validate(cfg, tp * dp)
     model = build_model(cfg.model, cfg.train.seed)
     meter = CommMeter()
-    _, strategy, _ = parallelize(model, mesh, cfg, meter)
+    strategy = parallelize(model, mesh, cfg, meter).strategy
     losses, moved, calls = metered_steps(
         model, strategy, meter, mesh, cfg, model.loss_fn, steps, BATCH, MICRO // dp
     )
@@ -373,7 +373,7 @@ def _activation_bytes(tp: int, sp: bool, batch: int) -> dict[int, int]:
     cfg.data.seq_len = SEQ
     model = build_model(cfg.model, 0)
     if tp > 1:
-        apply_tensor_parallel(model, get_mesh(tp=tp), cfg)
+        apply_tensor_parallel(model, get_mesh(tp=tp), sp=sp)
     tokens = torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(0))
     return measure_layer_bytes(model, tokens)
 

@@ -56,7 +56,7 @@ def train_zero(mesh, stage: int, micro: int, par: dict, model_kw: dict, steps: i
     cfg.run.dir = tmp
     model = build_model(cfg.model, cfg.train.seed)
     meter = CommMeter()
-    _, strategy, _ = parallelize(model, mesh, cfg, meter)
+    strategy = parallelize(model, mesh, cfg, meter).strategy
     losses, moved, calls = metered_steps(model, strategy, meter, mesh, cfg, loss_fn, steps, BATCH, micro)
     events = list(getattr(strategy, "events", []))  # the last step's, before gathering the state
     pieces = torch.stack([strategy.param_grad_shard(p).pow(2).sum() for p in model.parameters()]).sum()
@@ -253,7 +253,7 @@ def _replica_overlap(rep: int, shard: int, stage: int, precision: str) -> list[l
     cfg = C.LoomConfig(model=tiny_model(), train=replace(tiny_train(steps=2), precision=precision))
     cfg.parallel = replace(cfg.parallel, dp=rep * shard, dp_shard=shard, zero=stage, bucket_mb=0.01)
     model = build_model(cfg.model, cfg.train.seed)
-    _, strategy, _ = parallelize(model, mesh, cfg, CommMeter())
+    strategy = parallelize(model, mesh, cfg, CommMeter()).strategy
     metered_steps(model, strategy, CommMeter(), mesh, cfg, loss_fn, 2, BATCH, BATCH // (rep * shard))
     logs = [r.replica_log for r in getattr(strategy, "_reducers", [strategy.reducer])]
     strategy.remove()

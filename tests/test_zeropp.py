@@ -305,7 +305,7 @@ def _finetune(method: str, opts: dict) -> list[float]:
     cfg.finetune.method = method
     model = build_model(cfg.model, cfg.train.seed)
     meter = CommMeter()
-    _, strategy, _ = parallelize(model, mesh, cfg, meter)
+    strategy = parallelize(model, mesh, cfg, meter).strategy
     return metered_steps(model, strategy, meter, mesh, cfg, loss_fn, 3, BATCH, MICRO)[0]
 
 

@@ -146,17 +146,16 @@ def target_modules(model: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple
                 yield f"layers.{i}.{TARGET_NAMES[t]}", mod, t
 
 
-def apply_lora(model: nn.Module, cfg: LoomConfig) -> list[str]:
-    """Freeze every parameter of ``model`` and wrap each target linear in a :class:`LoRALinear`
-    (before any parallel dimension cuts the model); returns the wrapped modules' names. A model
-    with nothing to target is a ConfigError (:func:`loom.config.lora_targets`)."""
-    targets = lora_targets(cfg)
+def apply_lora(model: nn.Module, *, targets: tuple[str, ...], finetune: FinetuneConfig) -> list[str]:
+    """Freeze every parameter of ``model`` and wrap each linear of ``targets`` (resolved and checked by
+    :func:`loom.config.lora_targets`) in a :class:`LoRALinear` of ``finetune``'s rank, alpha and
+    dropout (before any parallel dimension cuts the model); returns the wrapped modules' names."""
     for p in model.parameters():
         p.requires_grad_(False)
     done = []
     for name, mod, _ in list(target_modules(model, targets)):
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, LoRALinear(mod, cfg.finetune))  # type: ignore[arg-type]
+        setattr(model.get_submodule(parent), leaf, LoRALinear(mod, finetune))  # type: ignore[arg-type]
         done.append(name)
     return done
 

@@ -133,7 +133,7 @@ def load_lora(cfg: C.LoomConfig, run_dir: Path, weights: Path) -> Transformer:
             f"{now.get('sha256')}); generate from the base it was trained on"
         )
     model = Transformer(cfg.model, cfg.moe)
-    apply_lora(model, cfg)
+    apply_lora(model, targets=C.lora_targets(cfg), finetune=cfg.finetune)
     for mod in model.modules():
         if isinstance(mod, LoRALinear):  # adapters are built on the meta device
             for part in (mod.lora_A, mod.lora_B):

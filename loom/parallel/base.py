@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from loom import comm
+from loom.checkpoint.protocol import ShardedTensor, ShardReader
 from loom.comm import Group
 
 
@@ -63,6 +64,75 @@ class Strategy(Protocol):
         """The single-device ``state_dict`` of the module this strategy trains (a collective; None on
         the ranks that do not receive it: pipeline ranks other than the first)."""
         ...
+
+    # the checkpoint pair (:class:`loom.checkpoint.protocol.Shardable`)
+    def sharded_state(self) -> dict[str, ShardedTensor]:
+        """Every tensor this rank holds (model and optimizer), by canonical global name."""
+        ...
+
+    def load_sharded(self, reader: ShardReader) -> None:
+        """Overwrite this rank's state from ``reader`` (a checkpoint of any layout)."""
+        ...
+
+    # capabilities with defaults in :class:`StrategyBase`
+    @property
+    def comm_device(self) -> torch.device | None:
+        """Where scalar collectives over the held gradients run (the norm, the overflow flag): None for
+        the gradients' own device; set when they live elsewhere (host shards under offload)."""
+        ...
+
+    def param_grad_shard(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The part of ``p``'s reduced gradient this rank holds, flattened in shard order for a sharding
+        strategy (possibly empty); the whole ``p.grad`` for a replicating one."""
+        ...
+
+    def param_grad_sq(self, p: torch.Tensor) -> torch.Tensor:
+        """Σ g² over ``p``'s reduced gradient, every element once over the data-parallel ranks (a
+        sharding strategy sums its shards' squares over the sharding group): an fp32 scalar."""
+        ...
+
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        """Inside: every parameter whole on this rank (ZeRO-3 gathers its units; a collective)."""
+        ...
+
+    def row(self) -> dict[str, float]:
+        """The strategy's own figures for the metrics row (parameter servers: staleness); may be empty."""
+        ...
+
+    def remove(self) -> None:
+        """Remove the hooks this strategy installed on the module's parameters."""
+        ...
+
+    def close(self) -> None:
+        """After the last step: release what lives outside this process (a parameter-server worker
+        tells its servers it is done)."""
+        ...
+
+
+class StrategyBase:
+    """The defaults of :class:`Strategy`'s optional capabilities, inherited by every strategy class: no
+    separate device for collectives, whole gradients, parameters whole already, no figures of its own,
+    no hooks, nothing to close."""
+
+    comm_device: torch.device | None = None
+
+    def param_grad_shard(self, p: torch.Tensor) -> torch.Tensor | None:
+        return p.grad
+
+    def param_grad_sq(self, p: torch.Tensor) -> torch.Tensor:
+        return grad_norm_sq([p])
+
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def row(self) -> dict[str, float]:
+        return {}
+
+    def remove(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def held_state_bytes(state: Mapping[str, float]) -> float:

@@ -24,7 +24,14 @@ import torch
 from torch import nn
 
 from loom.comm import CommMeter
-from loom.config import LoomConfig, offload_dir, ps_servers
+from loom.config import (
+    LoomConfig,
+    check_tensor_parallel,
+    grad_accum_steps,
+    lora_targets,
+    offload_dir,
+    ps_servers,
+)
 from loom.memory import precision
 from loom.memory.activation_offload import make_offloader
 from loom.memory.compress import SavedActivations
@@ -82,15 +89,7 @@ def build_run(
     With tp > 1 the loss is the one on vocabulary-sharded logits (``model.loss_fn``); with pp > 1
     ``Run.model`` is this rank's pipeline stages and the rest of the model is no longer referenced.
     """
-    scaler = scaler_for(cfg.train)
-    model, strategy, loss_fn = parallelize(model, mesh, cfg, meter, source)
-    if mesh.size("pp") > 1:
-        run = pipeline_run(model, strategy, loss_fn, scaler)  # type: ignore[arg-type]
-    else:
-        run = plain_run(model, strategy, loss_fn, scaler)
-    if scaler is not None:
-        run.scaled_loss_fn = training_loss_fn(scaler, loss_fn)
-    return run
+    return parallelize(model, mesh, cfg, meter, source)
 
 
 def pipeline_run(
@@ -115,25 +114,34 @@ def parallelize(
     cfg: LoomConfig,
     meter: CommMeter | None = None,
     source: Source | None = None,
-) -> tuple[nn.Module, Strategy, LossFn]:
-    """(what this rank runs, its Strategy, the loss on its output): the dimensions of the module
-    docstring, in order."""
+) -> Run:
+    """The :class:`Run` of this rank (what it runs, its Strategy, the loss on its output, the loss
+    scaler): the dimensions of the module docstring, in order."""
     device = next(model.buffers()).device  # buffers are built on the run's device, also for a meta model
     tag_origins(model)
     finetune = cfg.finetune.method != "full"
     if finetune:  # LoRA adapters on the frozen base, before any dimension cuts it (tp splits them with W)
         from loom.finetune.lora import apply_lora
 
-        apply_lora(model, cfg)
+        apply_lora(model, targets=lora_targets(cfg), finetune=cfg.finetune)
         tag_origins(model)
-    if mesh.size("tp") > 1:
+    loss_fn: LossFn = plain_loss_fn
+    if mesh.size("tp") > 1:  # the loss on vocabulary-sharded logits
         from loom.parallel.tensor.parallelize import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh, cfg, meter)
+        check_tensor_parallel(cfg)
+        loss_fn = apply_tensor_parallel(model, mesh, sp=cfg.parallel.sp, meter=meter)
     if mesh.size("cp") > 1:
         from loom.parallel.context.parallelize import apply_context_parallel
 
-        apply_context_parallel(model, mesh, cfg, meter)
+        apply_context_parallel(
+            model,
+            mesh,
+            mode=cfg.parallel.cp_mode,
+            seq_len=cfg.data.seq_len,
+            dropout=cfg.model.dropout,
+            meter=meter,
+        )
     if mesh.size("ep") > 1:
         from loom.parallel.expert.parallelize import apply_expert_parallel
 
@@ -144,14 +152,14 @@ def parallelize(
         (mesh.group("dp_cp"), mesh.group("tp")) if split else (mesh.group("dp_cp"),),
         1.0 / mesh.size("tp") if split else 1.0,
     )  # MoE balancing statistics: over a micro-step's ranks
-    loss_fn: LossFn = getattr(
-        model, "loss_fn", plain_loss_fn
-    )  # tensor parallel: on vocabulary-sharded logits
     pipe = None
     if mesh.size("pp") > 1:  # keep this rank's stages; the strategies below see only them
+        from loom.parallel.pipeline.profile import choose_layout
         from loom.parallel.pipeline.strategy import apply_pipeline
 
-        model = pipe = apply_pipeline(model, mesh, cfg, loss_fn, log.info)
+        bounds = choose_layout(model, cfg, grad_accum_steps(cfg), loss_fn, log.info)
+        seq_div = cfg.parallel.tp if cfg.parallel.sp else 1
+        model = pipe = apply_pipeline(model, mesh, bounds=bounds, seq_div=seq_div)
     apply_recompute(model, cfg.train.recompute)
     precision.cast_parameters(model, precision.DTYPES[cfg.train.precision])
     source = source or init_source(cfg.model, cfg.train.seed)
@@ -169,11 +177,14 @@ def parallelize(
         quantize_base(model, partial(materialize, device=device, source=source))
     strategy = data_parallel(model, mesh, cfg, meter, filler(source), device)
     check_materialized(model)
-    if pipe is not None:
+    scaler = scaler_for(cfg.train)
+    if pipe is None:
+        run = plain_run(model, strategy, loss_fn, scaler)
+    else:
         from loom.parallel.pipeline.strategy import PipelineStrategy
 
         p, path = cfg.parallel, f"{cfg.run.dir}/pipeline_timeline.png" if mesh.rank == 0 else None
-        strategy = PipelineStrategy(
+        pipeline = PipelineStrategy(
             strategy,
             pipe,
             p.schedule,
@@ -185,7 +196,10 @@ def parallelize(
             timeline_path=path,
             timeout_s=cfg.run.timeout_s,
         )
-    return model, strategy, loss_fn
+        run = pipeline_run(pipe, pipeline, loss_fn, scaler)
+    if scaler is not None:
+        run.scaled_loss_fn = training_loss_fn(scaler, loss_fn)
+    return run
 
 
 def data_parallel(

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from loom import comm
+from loom.checkpoint.protocol import ShardedTensor, ShardReader
 from loom.comm import Group
 from loom.model import moe
 from loom.parallel.base import LossFn, StepResult, Strategy, Update, any_nonfinite, clip_grad_norm, mean_over
@@ -42,12 +43,17 @@ Batch = tuple[torch.Tensor, ...]  # (tokens, targets), or with data.pack (tokens
 
 
 class LossScaler(Protocol):
-    """The fp16 loss scaler as the step sees it (:class:`loom.memory.loss_scale.DynamicLossScaler`)."""
+    """The fp16 loss scaler as the step and the checkpoints see it
+    (:class:`loom.memory.loss_scale.DynamicLossScaler`)."""
 
     scale: float
     skipped: int
 
     def update(self, overflow: bool) -> None: ...
+
+    def sharded_state(self) -> dict[str, ShardedTensor]: ...
+
+    def load_sharded(self, reader: ShardReader) -> None: ...
 
 
 ForwardBackward = Callable[[Sequence[Batch], LossFn, Update, Group], StepResult]
@@ -94,7 +100,7 @@ def optimizer_step(strategy: Strategy, lr: float, max_norm: float, scaler: LossS
     strategy.finish_sync()
     unscale = 1.0
     if scaler is not None:
-        if any_nonfinite(strategy.grads(), getattr(strategy, "comm_device", None)):
+        if any_nonfinite(strategy.grads(), strategy.comm_device):
             scaler.update(True)
             return math.inf
         unscale = 1.0 / scaler.scale

@@ -223,13 +223,13 @@ class Trainer:
         self.saved_acts = saved_activations(cfg, self.model, self.device)
         self.heartbeat.set(0, "checkpoint load")
         scaler = self.run.scaler
-        state = self.run.strategy if scaler is None else CombinedState(self.run.strategy, scaler)  # type: ignore[arg-type]
+        state = self.run.strategy if scaler is None else CombinedState(self.run.strategy, scaler)
         base = None
         if cfg.finetune.method != "full":  # a LoRA run's checkpoints are bound to the base (path, sha256)
             from loom.finetune.base import base_identity
 
             base = partial(base_identity, cfg)
-        self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, state, scaler, base)  # type: ignore[arg-type]
+        self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, state, scaler, base)
         self.start_step = self.ckpts.restore()
         self.data_identity = data_identity(self.data)
         if self.start_step > 0:  # every rank: the same files, the same verdict, before anything is written
@@ -322,9 +322,7 @@ class Trainer:
                     **self.saved_acts.stats(),
                     **scaler_stats(self.run.scaler),
                     **(self.moe_report.row() if self.moe_report is not None else {}),
-                    **getattr(
-                        self.run.strategy, "row", dict
-                    )(),  # a strategy's own figures (parameter servers: staleness)
+                    **self.run.strategy.row(),  # a strategy's own figures (parameter servers: staleness)
                 }
                 self.saved_acts.reset_peak()
                 reset_peak_memory(self.device)  # peak_mem_bytes is per log window

@@ -114,22 +114,29 @@ class CpPrivateRng:
             self.open.pop().__exit__(None, None, None)
 
 
-def apply_context_parallel(model: nn.Module, mesh, cfg, meter: CommMeter | None = None) -> None:
-    """Swap every attention core for the core of ``parallel.cp_mode``, give every block the rotary rows
-    of this rank's positions (a forward pre-hook) and, with dropout, a cp-private generator (in place;
-    before the pipeline split, so stages share the blocks)."""
+def apply_context_parallel(
+    model: nn.Module,
+    mesh,
+    *,
+    mode: str,
+    seq_len: int,
+    dropout: float = 0.0,
+    meter: CommMeter | None = None,
+) -> None:
+    """Swap every attention core for the core of ``mode`` (``parallel.cp_mode``), give every block the
+    rotary rows of this rank's positions of a ``seq_len`` sequence (a forward pre-hook) and, with
+    ``dropout`` > 0 (``model.dropout``), a cp-private generator (in place; before the pipeline split,
+    so stages share the blocks)."""
     cp, rank, group = mesh.size("cp"), mesh.local_rank("cp"), mesh.group("cp")
     if cp == 1:
         return
-    positions = local_positions(cfg.data.seq_len, cp, rank)
+    positions = local_positions(seq_len, cp, rank)
     rope_cos, rope_sin = cast(torch.Tensor, model.rope_cos), cast(torch.Tensor, model.rope_sin)  # buffers
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, CoreAttention):
-                setattr(
-                    module, name, context_core(cfg.parallel.cp_mode, group, rank, cp, meter, child.dropout)
-                )
-    if cfg.model.dropout > 0:  # each cp rank's tokens (and heads) draw their own masks, replayable
+                setattr(module, name, context_core(mode, group, rank, cp, meter, child.dropout))
+    if dropout > 0:  # each cp rank's tokens (and heads) draw their own masks, replayable
         private = CpPrivateRng(rank, rope_cos.device)
         for block in cast(nn.ModuleList, model.layers):
             private.attach(block)

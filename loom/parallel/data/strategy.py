@@ -33,7 +33,7 @@ from torch import nn
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.optim.groups import optimizer_state_bytes, set_lr
-from loom.parallel.base import SyncSwitch, grad_norm_sq, scale_all
+from loom.parallel.base import StrategyBase, SyncSwitch, grad_norm_sq, scale_all
 from loom.parallel.bucket import BucketQueue, split_buckets
 from loom.parallel.placement import expert_group, expert_shard, is_expert, placement_of
 from loom.parallel.reducer import GradReducer
@@ -61,7 +61,7 @@ class LaunchRecord:
     params_not_ready: int
 
 
-class DataParallel(SyncSwitch):
+class DataParallel(SyncSwitch, StrategyBase):
     """Bucketed, overlapped gradient all-reduce of ``module`` over ``group``, and its optimizer.
 
     Not an ``nn.Module`` wrapper: the model is called as usual; this object owns the gradient

@@ -1,8 +1,8 @@
 """Pipeline parallelism as a training Strategy: the data-parallel strategy of this rank's stages,
 plus the pipeline-wide norm and the tied embedding/head gradient.
 
-:func:`apply_pipeline` cuts the model (``parallel.pp_layout`` or the profiled partitioner) and
-keeps this rank's stages; the data-parallel strategy is applied to those stages, and
+:func:`apply_pipeline` cuts the model (at ``parallel.pp_layout`` or the profiled partitioner's
+bounds) and keeps this rank's stages; the data-parallel strategy is applied to those stages, and
 :class:`PipelineStrategy` composes it with the runtime. The pipeline replaces only forward and
 backward (:mod:`loom.parallel.pipeline.step`); sync, clipping and the update are the shared
 :func:`loom.train.step.optimizer_step` over this strategy:
@@ -25,7 +25,7 @@ import torch
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.parallel.base import Strategy, grad_norm_sq
+from loom.parallel.base import Strategy, StrategyBase
 from loom.parallel.pipeline.runtime import (
     Batch,
     PipelineRuntime,
@@ -46,21 +46,19 @@ ASYNC = ASYNC_SCHEDULES  # stage-local weight versions: each stage clips and ste
 log = logging.getLogger("loom")
 
 
-def apply_pipeline(model, mesh, cfg, loss_fn, log_fn: Callable[[str], None] | None = None) -> PipelineModule:
-    """Cut ``model`` into ``pp * virtual_stages`` stages and keep this pipeline rank's ones."""
-    from loom.config import grad_accum_steps
-    from loom.parallel.pipeline.profile import choose_layout
-
-    bounds = choose_layout(model, cfg, grad_accum_steps(cfg), loss_fn, log_fn)
+def apply_pipeline(model, mesh, *, bounds: list[int], seq_div: int = 1) -> PipelineModule:
+    """Cut ``model`` into ``pp * virtual_stages`` stages at ``bounds`` (``parallel.pp_layout`` or the
+    profiled partitioner: :func:`~loom.parallel.pipeline.profile.choose_layout`) and keep this pipeline
+    rank's ones. ``seq_div``: what the sequence is cut by inside a stage (tp with sequence parallelism)."""
     pipe = split_model(
         model, mesh.local_rank("pp"), mesh.size("pp"), bounds, mesh.group("pp"), mesh.pp_links()
     )
-    pipe.seq_div = cfg.parallel.tp if cfg.parallel.sp else 1  # (batches arrive cut to this cp rank's tokens)
+    pipe.seq_div = seq_div  # (batches arrive cut to this cp rank's tokens)
     pipe.tp_group = mesh.group("tp")
     return pipe
 
 
-class PipelineStrategy:
+class PipelineStrategy(StrategyBase):
     """The data-parallel ``inner`` strategy of this rank's stages, plus the pipeline runtime.
 
     The timeline of step ``record_step`` is measured, kept in ``timeline`` and drawn to
@@ -81,6 +79,7 @@ class PipelineStrategy:
         timeout_s: float | None = None,
     ) -> None:
         self.inner, self.pipe, self.schedule, self.v = inner, pipe, schedule, v
+        self.comm_device = inner.comm_device  # the inner strategy's device for scalar collectives
         self.tp_group, self.meter, self.vertical_sync = tp_group, meter, vertical_sync
         self.record_step, self.timeline_path, self.steps_done = record_step, timeline_path, 0
         self.runtime = PipelineRuntime(pipe, meter, timeout_s)
@@ -129,11 +128,6 @@ class PipelineStrategy:
         return stats
 
     # ------------------------------------------------------------------ Strategy
-    @property
-    def comm_device(self):
-        """The inner strategy's device for scalar collectives (its host shards' under offload), or None."""
-        return getattr(self.inner, "comm_device", None)
-
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.inner.no_sync()
 
@@ -147,8 +141,7 @@ class PipelineStrategy:
         tied = self.pipe.tied_weight()
         if tied is None or not tied.requires_grad:  # frozen (LoRA): no gradient to exchange
             return None
-        shard_of = getattr(self.inner, "param_grad_shard", None)
-        return shard_of(tied) if shard_of is not None else tied.grad
+        return self.inner.param_grad_shard(tied)
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()
@@ -164,12 +157,7 @@ class PipelineStrategy:
             return sq
         tied = self.pipe.tied_weight()
         if tied is not None and tied.requires_grad and self.pipe.is_last:
-            shard_of = getattr(self.inner, "param_grad_shard", None)
-            if shard_of is not None:  # a ZeRO shard: squares summed over the sharding group
-                t = shard_of(tied).float().pow(2).sum()
-                comm.all_reduce(t, self.inner.shard_group)  # type: ignore[attr-defined]
-            else:
-                t = grad_norm_sq([tied])
+            t = self.inner.param_grad_sq(tied)  # (a ZeRO shard's squares summed over its sharding group)
             if placement_of(tied).tp_sharded:
                 comm.all_reduce(t, self.tp_group)
             sq = sq - t.to(sq.device)
@@ -189,14 +177,26 @@ class PipelineStrategy:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict (reference names) on pipeline rank 0, None elsewhere (ZeRO-3
         units gathered for the while)."""
-        gathered = getattr(self.inner, "gathered", contextlib.nullcontext)
-        with gathered():
+        with self.inner.gathered():
             return gather_full_state(self.pipe)
 
+    def param_grad_shard(self, p: torch.Tensor) -> torch.Tensor | None:
+        return self.inner.param_grad_shard(p)
+
+    def param_grad_sq(self, p: torch.Tensor) -> torch.Tensor:
+        return self.inner.param_grad_sq(p)
+
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        return self.inner.gathered()
+
+    def row(self) -> dict[str, float]:
+        return self.inner.row()
+
     def remove(self) -> None:
-        remove = getattr(self.inner, "remove", None)
-        if remove is not None:
-            remove()
+        self.inner.remove()
+
+    def close(self) -> None:
+        self.inner.close()
 
     # ------------------------------------------------------------------ checkpoints (Shardable)
     def _canonical(self, key: str) -> tuple[str, bool]:
@@ -212,14 +212,14 @@ class PipelineStrategy:
 
     def sharded_state(self) -> dict:
         out = {}
-        for key, piece in self.inner.sharded_state().items():  # type: ignore[attr-defined]
+        for key, piece in self.inner.sharded_state().items():
             name, tied_copy = self._canonical(key)
             if not tied_copy:
                 out[name] = piece
         return out
 
     def load_sharded(self, reader) -> None:
-        self.inner.load_sharded(_RenamingReader(reader, lambda k: self._canonical(k)[0]))  # type: ignore[attr-defined]
+        self.inner.load_sharded(_RenamingReader(reader, lambda k: self._canonical(k)[0]))
 
 
 class _RenamingReader:

@@ -44,7 +44,7 @@ from loom import comm
 from loom.comm import CommMeter, Group
 from loom.optim.adamw import ShardedAdamW
 from loom.optim.store import StateStore
-from loom.parallel.base import SyncSwitch, sum_sq
+from loom.parallel.base import StrategyBase, SyncSwitch, sum_sq
 from loom.parallel.ps.links import DONE, PULL_HEADER, PUSH, PUSH_HEADER, PSLinks, recv, send, wait_for
 from loom.parallel.state import gather_module_state
 from loom.parallel.zero.layout import FlatLayout, decayed_ids, unique_params
@@ -100,7 +100,7 @@ class FlatModel:
         )
 
 
-class ColocatedParamServer(SyncSwitch):
+class ColocatedParamServer(SyncSwitch, StrategyBase):
     """BSP parameter server with server k living in rank k of ``group`` (k < K <= W = group size).
 
     Per step: push (each worker sends shard k of its gradient to server k ≠ itself; server k
@@ -224,7 +224,7 @@ class ColocatedParamServer(SyncSwitch):
         ColocatedPSState(self).load_sharded(reader)
 
 
-class PSWorker(SyncSwitch):
+class PSWorker(SyncSwitch, StrategyBase):
     """A worker of a parameter server with K dedicated server ranks (:mod:`loom.parallel.ps.server`).
 
     ``bound`` (``parallel.ps_sync``): "bsp", or the staleness bound S of ssp:S (None: asp).
@@ -254,7 +254,7 @@ class PSWorker(SyncSwitch):
         self.clock = 0  # pushes made
         self.pulled = [0] * links.shards  # version of each shard last pulled
         self.versions: list[list[int]] = []  # per step: the version pulled from each server
-        self.seen: dict[str, int] = {}  # the servers' figures as of the last pull (:meth:`row`)
+        self.seen: dict[str, float] = {}  # the servers' figures as of the last pull (:meth:`row`)
         self.coef = 1.0
         dev = self.model.flat.device  # messages live where the model does (NCCL moves device memory only)
         self._header = torch.zeros(PUSH_HEADER, dtype=torch.float64, device=dev)
@@ -341,7 +341,7 @@ class PSWorker(SyncSwitch):
         """Tell every server that this worker is done (until its next push: the servers serve again)."""
         self._push([DONE, self.clock, 0.0, 0.0, 0.0], grads=False)
 
-    def row(self) -> dict[str, int]:
+    def row(self) -> dict[str, float]:
         """For the metrics row: the largest staleness any server has recorded (over every worker's
         updates) and the most pulls a server has held back for the ssp bound, as of this worker's last pull."""
         return dict(self.seen)

@@ -46,7 +46,7 @@ from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.config import LoomConfig, ModelConfig, check_tensor_parallel
+from loom.config import ModelConfig
 from loom.model.llama import Block, FeedForward, Transformer
 from loom.model.moe import MoEFeedForward
 from loom.parallel.placement import placement_of
@@ -67,13 +67,13 @@ IGNORE_INDEX = -100
 
 
 def apply_tensor_parallel(
-    model: nn.Module, mesh, cfg: LoomConfig, meter: CommMeter | None = None
+    model: nn.Module, mesh, *, sp: bool = False, meter: CommMeter | None = None
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Shard ``model`` over ``mesh.group("tp")`` in place; return (and set ``model.loss_fn`` to) the
-    loss that takes the local logits shard. Raises ConfigError for shapes tp cannot split."""
+    """Shard ``model`` over ``mesh.group("tp")`` in place (``sp``: with sequence parallelism); return
+    (and set ``model.loss_fn`` to) the loss that takes the local logits shard. The shapes must divide
+    by tp: the caller checks them (:func:`loom.config.check_tensor_parallel`)."""
     n = mesh.size("tp")
-    check_tensor_parallel(cfg)
-    ctx = TPContext(mesh.group("tp"), mesh.local_rank("tp"), n, meter, cfg.parallel.sp)
+    ctx = TPContext(mesh.group("tp"), mesh.local_rank("tp"), n, meter, sp)
     full = cast(Transformer, model)  # the single-device model, before its modules are swapped
     tied = full.output.weight is full.tok_embeddings.weight
     emb = VocabParallelEmbedding(sharded_param(full.tok_embeddings.weight, 0, ctx), ctx)

@@ -54,7 +54,7 @@ class ZeroState:
         self.rep_rank, self.rep = _rank_size(strategy.replicate_group)
         self.tp_rank, self.tp = _rank_size(strategy.tp_group)
         self.names = {id(t): n for n, t in unique_named_tensors(strategy.module)}
-        self.stage3 = hasattr(strategy, "units")
+        self.stage3 = strategy.shards_parameters
         self._steps: list[torch.Tensor] = []
 
     def sharded_state(self) -> dict[str, ShardedTensor]:

@@ -16,7 +16,7 @@ import torch
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.parallel.base import SyncSwitch, scale_all, sum_sq
+from loom.parallel.base import StrategyBase, SyncSwitch, scale_all, sum_sq
 from loom.parallel.placement import expert_group, placement_of
 from loom.parallel.reducer import GradReducer
 from loom.parallel.state import gather_module_state
@@ -29,7 +29,7 @@ FlatOptimizer = (
 OptimizerFactory = Callable[[Sequence[FlatLayout], Sequence[torch.Tensor]], FlatOptimizer]
 
 
-class ShardedStrategy(SyncSwitch):
+class ShardedStrategy(SyncSwitch, StrategyBase):
     """Strategy shell for the ZeRO stages (and replicated masters, N = 1).
 
     Subclasses set ``self.layouts`` (one per flat buffer), ``self.grad_shards`` (this rank's
@@ -42,9 +42,7 @@ class ShardedStrategy(SyncSwitch):
     params: list[torch.nn.Parameter]
     module: torch.nn.Module
     optim: FlatOptimizer
-    comm_device: torch.device | None = (
-        None  # scalar collectives' device when the shards live elsewhere (offload)
-    )
+    shards_parameters = False  # stage 3: parameters sharded too (units gathered while they compute)
 
     def __init__(
         self, shard_group: Group, replicate_group: Group, tp_group: Group, meter: CommMeter | None
@@ -154,6 +152,12 @@ class ShardedStrategy(SyncSwitch):
                     lo, hi = max(s.offset, lay.start), min(s.offset + s.numel, lay.end)
                     return g[lo - lay.start : max(lo, hi) - lay.start]
         raise KeyError("param_grad_shard: not a parameter of this strategy")
+
+    def param_grad_sq(self, p: torch.Tensor) -> torch.Tensor:
+        """Σ g² over ``p``'s reduced gradient: this rank's shard's squares summed over the sharding group."""
+        sq = self.param_grad_shard(p).float().pow(2).sum()
+        comm.all_reduce(sq, self.shard_group)
+        return sq
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's single-device state dict (stages 1-2 hold whole parameters; tp and expert

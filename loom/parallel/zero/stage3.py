@@ -209,6 +209,8 @@ class Unit:
 class FullyShardedZero(ShardedStrategy):
     """ZeRO-3 over ``shard_group`` (hybrid: all-reduce of gradient shards across ``replicate_group``)."""
 
+    shards_parameters = True
+
     def __init__(
         self,
         module: nn.Module,
