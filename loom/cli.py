@@ -171,7 +171,7 @@ def _check_data(cfg: C.LoomConfig) -> None:
     if not (run_dir / "data.json").is_file():
         return
     from loom.checkpoint.load import find
-    from loom.train.trainer import check_data_record, check_same_data, data_identity
+    from loom.train.setup import check_data_record, check_same_data, data_identity
 
     check_data_record(run_dir)
     resumes = cfg.train.resume or ((run_dir / "checkpoints").is_dir() and find(run_dir) is not None)

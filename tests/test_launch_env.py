@@ -127,13 +127,13 @@ def _control_group_timeout() -> str:
     import torch
     import torch.distributed as dist
 
-    from loom.train.trainer import RankEnv, control_group
+    from loom.train.setup import RankEnv, control_group
 
     group = control_group(RankEnv(dist.get_rank(), 2, dist.get_rank(), 2))
     return f"{dist.get_backend(group)} {group._get_backend(torch.device('cpu')).options._timeout.total_seconds()}"
 
 
 def test_single_rank_phases_wait_on_a_long_gloo_group(pools):
-    from loom.train.trainer import CONTROL_TIMEOUT_S
+    from loom.train.setup import CONTROL_TIMEOUT_S
 
     assert pools(2).run(_control_group_timeout) == [f"gloo {float(CONTROL_TIMEOUT_S)}"] * 2

@@ -43,6 +43,7 @@ from loom.parallel.ps.strategy import PSWorker
 from loom.rules import parse_ps_sync
 from loom.train.export import write_json_atomic
 from loom.train.health import Heartbeat, heartbeat_interval
+from loom.train.setup import control_group, ensure_data, init_process_group, initial_model
 
 log = logging.getLogger("loom")
 
@@ -95,8 +96,6 @@ def ps_worker(
 
 def server_model(cfg: C.LoomConfig, device: torch.device) -> nn.Module:
     """The whole model with the values the workers start from (a server takes its shard from it)."""
-    from loom.train.trainer import initial_model
-
     model, source = initial_model(cfg, device)
     tag_origins(model)
     materialize(model, device, source or init_source(cfg.model, cfg.train.seed))
@@ -105,8 +104,6 @@ def server_model(cfg: C.LoomConfig, device: torch.device) -> nn.Module:
 
 def serve(cfg: C.LoomConfig, env) -> dict[str, float]:
     """A server rank of ``loom train`` (see the module docstring); returns its report's figures."""
-    from loom.train.trainer import control_group, ensure_data, init_process_group
-
     device = init_process_group(cfg, env)
     C.validate(cfg, env.world)
     p = cfg.parallel

@@ -1,0 +1,180 @@
+"""What every rank does before it trains: its device and process group, the control group, the
+prepared and verified data (the same verdict on every rank), the model before parallelization.
+
+Shared by the trainer (:mod:`loom.train.trainer`) and the dedicated parameter-server ranks
+(:mod:`loom.train.ps_run`), which join the trainer's world-wide collectives in its order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loom import config as C
+from loom.data import PreparedData, prepare_data
+from loom.device import default_threads, resolve_backend, resolve_device
+from loom.model.llama import build_model
+from loom.parallel.materialize import Source
+from loom.train.health import apply_nccl_watchdog_env
+
+log = logging.getLogger("loom")
+
+
+@dataclass
+class RankEnv:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+
+    @classmethod
+    def from_environ(cls) -> RankEnv:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return cls(
+            rank=int(os.environ.get("RANK", "0")),
+            world=world,
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            local_world=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+        )
+
+
+def init_process_group(cfg: C.LoomConfig, env: RankEnv) -> torch.device:
+    """Device, threads, and (for world > 1) the default process group with a timeout."""
+    device = resolve_device(cfg.run.device, env.local_rank)
+    torch.set_num_threads(cfg.run.threads or default_threads(env.local_world))
+    if env.world > 1 and not dist.is_initialized():
+        backend = resolve_backend(cfg.run.backend, device)
+        if "nccl" in backend:  # before the process group exists: its watchdog reads these
+            apply_nccl_watchdog_env(cfg.run.timeout_s, Path(cfg.run.dir))
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(seconds=cfg.run.timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device
+
+
+CONTROL_TIMEOUT_S = 24 * 3600  # single-rank phases (data preparation, export) may take hours
+
+
+def control_group(env: RankEnv):
+    """A gloo group over every rank with a long timeout, for waiting while one rank works: NCCL's
+    watchdog polices only NCCL groups, so a long wait here does not kill anyone (None alone)."""
+    if env.world == 1 or not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+
+
+def ensure_data(cfg: C.LoomConfig, env: RankEnv, control=None) -> PreparedData:
+    """Prepared tokens, verified (:meth:`PreparedData.load`): rank 0 prepares or checks them while the
+    others wait on ``control``; its verdict reaches every rank, so a refusal is the same one line on
+    all of them (none waits for a rank that has given up)."""
+    from loom.checkpoint.save import broadcast_json
+
+    check_data_record(Path(cfg.run.dir))
+    error = ""
+    failure: Exception | None = None
+    prepared: PreparedData | None = None
+    if env.rank == 0:
+        try:
+            prepared = prepare_data(cfg.data, progress=cfg.run.progress)
+        except Exception as e:
+            if env.world == 1:
+                raise
+            failure = e
+            error = (
+                str(e)
+                if isinstance(e, C.ConfigError)
+                else f"data.source: rank 0 failed to prepare it ({e!r})"
+            )
+    if env.world > 1:
+        verdict = broadcast_json(
+            {"error": error, "dir": str(prepared.dir) if prepared else ""}, env.rank, env.world, control
+        )
+        assert isinstance(verdict, dict)
+        if failure is not None:
+            raise failure
+        if verdict["error"]:
+            raise C.ConfigError(verdict["error"])
+        if env.rank != 0:  # rank 0 checked the files; the others read what it prepared
+            prepared = PreparedData.load(verdict["dir"], verify=False)
+    assert prepared is not None
+    return prepared
+
+
+def check_data_record(run_dir: Path) -> None:
+    """``run_dir/data.json`` (the data a run is bound to), if present, is a JSON object of hashes."""
+    import json
+
+    path = run_dir / DATA_IDENTITY
+    if not path.is_file():
+        return
+    try:
+        record = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        record = None
+    if not isinstance(record, dict) or not all(isinstance(v, str) for v in record.values()):
+        raise C.ConfigError(
+            f"run.dir: {path} is not the JSON object of data hashes Loom writes; restore it, or start "
+            "a new run.dir with --train.init_from"
+        )
+
+
+def initial_model(cfg: C.LoomConfig, device: torch.device) -> tuple[torch.nn.Module, Source | None]:
+    """The model before parallelization, and the source of its values (None: the layout-independent init):
+    built on the meta device (each rank materializes only what it holds: the init, or the pretrained
+    weights of model.from_hf, read per parameter), or whole with the weights of train.init_from."""
+    meta = not cfg.train.init_from
+    model: torch.nn.Module = build_model(cfg.model, cfg.train.seed, device, meta=meta, moe=cfg.moe)
+    source = None
+    if cfg.model.from_hf:  # pretrained weights (the shape was taken from the directory by the CLI)
+        from loom.model.hf import open_dir
+        from loom.model.hf import source as hf_source
+
+        source = hf_source(open_dir(cfg.model.from_hf, cfg.data.seq_len))
+    if cfg.train.init_from:  # weights only; a checkpoint in run.dir (a restart) still wins below
+        from loom.train.init_from import load_initial_weights
+
+        log.info("initial weights from %s", load_initial_weights(model, cfg.train.init_from))
+    return model, source
+
+
+DATA_IDENTITY = "data.json"
+
+
+def data_identity(data: PreparedData) -> dict[str, str]:
+    """SHA-256 of the tokenizer and of the prepared token files (recorded when they were written)."""
+    import hashlib
+    import json
+
+    meta = json.loads((Path(data.train_path).parent / "meta.json").read_text())
+    digests = meta.get("sha256", {})
+    return {
+        "tokenizer": hashlib.sha256(Path(data.tokenizer_path).read_bytes()).hexdigest(),
+        "train.bin": str(digests.get("train.bin", "")),
+        "val.bin": str(digests.get("val.bin", "")),
+    }
+
+
+def check_same_data(run_dir: Path, identity: dict[str, str]) -> None:
+    """A resumed run continues on the data and tokenizer it started with (``run_dir/data.json``);
+    anything else is refused naming both hashes (``train.init_from`` starts a new run from it)."""
+    import json
+
+    path = run_dir / DATA_IDENTITY
+    if not path.is_file():
+        return  # a run from before runs recorded their data
+    recorded = json.loads(path.read_text())
+    for key, now in identity.items():
+        was = recorded.get(key, "")
+        if was and now and was != now:
+            raise C.ConfigError(
+                f"data: {run_dir} was trained with {key} {was[:12]}, this run's is {now[:12]}; resume with the same "
+                f"data and tokenizer, or start a new run.dir with --train.init_from {run_dir}"
+            )
