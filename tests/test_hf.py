@@ -506,7 +506,7 @@ def test_init_from_takes_weights_only_into_any_layout(pools, prepared, tmp_path)
 
 def test_init_from_errors_name_the_field(tmp_path, prepared):
     from loom.model.llama import Transformer
-    from loom.train.init_from import load_initial_weights
+    from loom.train.init_from import initial_source
 
     with pytest.raises(C.ConfigError, match="train.init_from: .* is not a directory"):
         C.validate(C.apply_overrides(C.LoomConfig(), ["--train.init_from", str(tmp_path / "nope")]), 1)
@@ -514,7 +514,7 @@ def test_init_from_errors_name_the_field(tmp_path, prepared):
     with pytest.raises(
         C.ConfigError, match=r"holds tok_embeddings.weight of shape \(128, 64\), this model has"
     ):
-        load_initial_weights(
+        initial_source(
             Transformer(
                 C.ModelConfig(
                     dim=32,

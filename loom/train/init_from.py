@@ -4,6 +4,10 @@ local Hugging Face directory), with a fresh optimizer at step 0.
 Unlike ``train.resume``, which continues a run exactly (optimizer, data position, RNG), this takes
 weights only, so data, layout, optimizer and schedule may all differ. A checkpoint found in
 ``run.dir`` still wins: a restarted run resumes where it stopped instead of starting over.
+
+The weights are a :data:`~loom.parallel.materialize.Source`, as ``model.from_hf``'s: the model is
+built on the meta device and parallelized, then each rank materializes only what it holds, reading
+only those boxes of the source's tensors (:mod:`loom.parallel.materialize`).
 """
 
 from __future__ import annotations
@@ -14,18 +18,21 @@ from typing import cast
 import torch
 from torch import nn
 
+from loom.checkpoint.load import CheckpointReader
+from loom.checkpoint.protocol import Box
 from loom.config import ConfigError, ModelConfig
+from loom.parallel.materialize import Source
 
 PREFIX = "model."
 
 
-@torch.no_grad()
-def load_initial_weights(model: nn.Module, path: str | Path) -> str:
-    """Copy the weights at ``path`` into the full (not yet parallelized) ``model``; returns what was read.
-    A tensor missing from the source, or of another shape, is a one-line error naming it."""
+def initial_source(model: nn.Module, path: str | Path) -> tuple[Source, str]:
+    """The weights at ``path`` for ``model`` (built on the meta device or whole: only its parameters'
+    names and shapes are read) as a source, and what it reads. A tensor missing from the source, or of
+    another shape, is a one-line error naming it, before anything is read."""
     p = Path(path)
     if (p / "config.json").is_file():
-        from loom.model.hf import expected_shapes, load_into, open_dir
+        from loom.model.hf import expected_shapes, open_dir, source
 
         cfg = cast(ModelConfig, model.cfg)  # a Transformer's
         hf = open_dir(p, cfg.max_seq_len)
@@ -37,20 +44,28 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> str:
                     f"train.init_from: {p} holds {name} of shape {theirs.get(name)}, this model "
                     f"has {shape} (give the same model fields, or use model.from_hf)"
                 )
-        load_into(model, hf)
-        return f"Hugging Face model {p}"
-    from loom.checkpoint.load import CheckpointReader
+        return source(hf), f"Hugging Face model {p}"
+    ckpt = CheckpointSource(p, model)
+    return ckpt, f"checkpoint {ckpt.reader.dir} (step {ckpt.reader.step})"
 
-    with CheckpointReader(p) as reader:
-        have = set(reader.names())
+
+class CheckpointSource:
+    """The source of a Loom checkpoint's model weights: ``(name, shape, index)`` -> that box of
+    ``model.<name>``, read from whatever files hold it (the checkpoint verified once, when opened)."""
+
+    def __init__(self, path: Path, model: nn.Module) -> None:
+        self.reader = CheckpointReader(path)
+        have = set(self.reader.names())
         for name, param in model.named_parameters():
             key = PREFIX + name
             if key not in have:
-                raise ConfigError(f"train.init_from: {reader.dir} has no tensor {key}")
-            if tuple(reader.global_shape(key)) != tuple(param.shape):
+                raise ConfigError(f"train.init_from: {self.reader.dir} has no tensor {key}")
+            if tuple(self.reader.global_shape(key)) != tuple(param.shape):
                 raise ConfigError(
-                    f"train.init_from: {key} has shape {tuple(reader.global_shape(key))} in "
-                    f"{reader.dir}, this model has {tuple(param.shape)}"
+                    f"train.init_from: {key} has shape {tuple(self.reader.global_shape(key))} in "
+                    f"{self.reader.dir}, this model has {tuple(param.shape)}"
                 )
-            param.copy_(reader.read(key))
-        return f"checkpoint {reader.dir} (step {reader.step})"
+
+    def __call__(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
+        box = Box(tuple(s.start for s in index), tuple(s.stop - s.start for s in index))
+        return self.reader.read(PREFIX + name, box)

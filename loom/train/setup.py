@@ -127,21 +127,21 @@ def check_data_record(run_dir: Path) -> None:
 
 
 def initial_model(cfg: C.LoomConfig, device: torch.device) -> tuple[torch.nn.Module, Source | None]:
-    """The model before parallelization, and the source of its values (None: the layout-independent init):
-    built on the meta device (each rank materializes only what it holds: the init, or the pretrained
-    weights of model.from_hf, read per parameter), or whole with the weights of train.init_from."""
-    meta = not cfg.train.init_from
-    model: torch.nn.Module = build_model(cfg.model, cfg.train.seed, device, meta=meta, moe=cfg.moe)
-    source = None
+    """The model before parallelization, built on the meta device, and the source of its values (None:
+    the layout-independent init): each rank materializes only what it holds, reading per parameter only
+    its boxes of the pretrained weights of model.from_hf or of the weights of train.init_from."""
+    model: torch.nn.Module = build_model(cfg.model, cfg.train.seed, device, meta=True, moe=cfg.moe)
+    source: Source | None = None
     if cfg.model.from_hf:  # pretrained weights (the shape was taken from the directory by the CLI)
         from loom.model.hf import open_dir
         from loom.model.hf import source as hf_source
 
         source = hf_source(open_dir(cfg.model.from_hf, cfg.data.seq_len))
     if cfg.train.init_from:  # weights only; a checkpoint in run.dir (a restart) still wins below
-        from loom.train.init_from import load_initial_weights
+        from loom.train.init_from import initial_source
 
-        log.info("initial weights from %s", load_initial_weights(model, cfg.train.init_from))
+        source, what = initial_source(model, cfg.train.init_from)
+        log.info("initial weights from %s", what)
     return model, source
 
 
