@@ -66,6 +66,7 @@ CONTENDERS = ("ring", "gloo", "ps K=1", "ps K=W")
 
 
 def _scaling_worker(rank: int, world: int, init: str, steps: int, out) -> None:
+    from loom.parallel.allreduce import by_name
     from loom.parallel.data.strategy import DataParallel
     from loom.parallel.ps.strategy import ColocatedParamServer
 
@@ -74,7 +75,7 @@ def _scaling_worker(rank: int, world: int, init: str, steps: int, out) -> None:
     group = dist.group.WORLD
     meters = {name: CommMeter() for name in CONTENDERS}
     strategies = {
-        "ring": DataParallel(build_model(m, t.seed), group, meters["ring"], allreduce="ring"),
+        "ring": DataParallel(build_model(m, t.seed), group, meters["ring"], allreduce=by_name("ring")),
         "gloo": DataParallel(build_model(m, t.seed), group, meters["gloo"]),
         "ps K=1": ColocatedParamServer(build_model(m, t.seed), group, 1, t, meters["ps K=1"]),
         "ps K=W": ColocatedParamServer(build_model(m, t.seed), group, world, t, meters["ps K=W"]),

@@ -53,7 +53,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loom_stepper(cfg: LoomConfig, mesh, meter):
-    from loom.parallel.tensor.comm import sum_partial_grads
+    from loom.parallel.partial import sum_partial_grads
     from loom.parallel.tensor.parallelize import apply_tensor_parallel
 
     model = build_model(cfg.model, cfg.train.seed)

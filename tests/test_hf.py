@@ -537,7 +537,7 @@ def _layout_outputs(paths: list[str], x: torch.Tensor, layout: str) -> list:
     gathered logits, the bytes this rank read, the bytes of its parameters, the checkpoint's bytes)."""
     from loom.model.hf import open_dir, source
     from loom.model.llama import build_model, loss_fn
-    from loom.parallel.tensor.parallelize import gather_dim
+    from loom.parallel.state import gather_dim
     from loom.train.build import build_run
     from tests.dist import get_mesh
 

@@ -39,7 +39,7 @@ def reference():
 
 def _phi_k(shards: int) -> int:
     from loom.model.llama import build_model, count_params
-    from loom.parallel.zero.layout import padded_numel
+    from loom.parallel.layout import padded_numel
 
     return padded_numel(count_params(build_model(tiny_model(), 0)), shards, 4) // shards
 

@@ -68,7 +68,7 @@ def run_layout(par: dict, train_kw: dict, model_kw: dict, steps: int, mesh_dims:
 
 def _local_or_full_state(model, strategy, mesh) -> dict[str, torch.Tensor]:
     """This rank's state dict; ZeRO-3 units gathered; tensor-parallel shards gathered into full tensors."""
-    from loom.parallel.tensor.parallelize import gather_full_state
+    from loom.parallel.state import gather_full_state
 
     with strategy.gathered():
         if mesh.size("tp") > 1:

@@ -36,7 +36,8 @@ def _same_everywhere(*shape: int, seed: int = 0) -> torch.Tensor:
 
 def _primitives(tp: int) -> None:
     """f, g, the sequence pair, and fused column-parallel matmul against their one-process meaning."""
-    from loom.parallel.tensor.comm import copy_to_tp, gather_seq, reduce_from_tp, scatter_seq
+    from loom.parallel.sequence import gather_seq, scatter_seq
+    from loom.parallel.tensor.comm import copy_to_tp, reduce_from_tp
     from loom.parallel.tensor.layers import column_parallel_matmul
 
     ctx = _ctx(tp)
@@ -173,7 +174,7 @@ def _train_tp(tp: int, dp: int, sp: bool, zero: int = 0, steps: int = 20):
     """Train the tiny model through ``parallelize`` on a tp x dp mesh; gather the final state."""
     from loom.comm import CommMeter
     from loom.model.llama import build_model
-    from loom.parallel.tensor.parallelize import gather_full_state
+    from loom.parallel.state import gather_full_state
     from loom.train.build import parallelize
 
     mesh = get_mesh(tp=tp, dp_replicate=dp) if zero == 0 else get_mesh(tp=tp, dp_shard=dp)
@@ -246,16 +247,16 @@ def test_tp2_dp2_equals_single_process(pools, reference, zero):
 
 
 def _rng_streams():
-    from loom.parallel.tensor.rng import tp_local_rng
+    from loom.parallel.rng import private_rng
 
     rank = get_mesh(tp=2).local_rank("tp")
     torch.manual_seed(5)
     state = torch.get_rng_state()
-    with tp_local_rng(rank):
+    with private_rng(rank):
         inside = torch.rand(64)
     after = torch.rand(8)
     torch.set_rng_state(state)  # what recomputation does before replaying a region
-    with tp_local_rng(rank):
+    with private_rng(rank):
         again = torch.rand(64)
     return inside, after, again
 
@@ -305,7 +306,7 @@ def _dtensor_parity(tp: int, sp: bool) -> None:
     )
 
     from loom.model.llama import build_model
-    from loom.parallel.tensor.comm import sum_partial_grads
+    from loom.parallel.partial import sum_partial_grads
     from loom.parallel.tensor.parallelize import parallelize_block
 
     mesh = get_mesh(tp=tp)

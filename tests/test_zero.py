@@ -21,7 +21,7 @@ BATCH = 8
 TOL = dict(rtol=1e-4, atol=1e-5)
 TOL_BF16 = dict(rtol=1e-2, atol=3e-3)  # bf16-rounded gradients (8-bit mantissa), Adam-normalised, 20 steps
 ELEM = 4  # fp32 bytes per element
-ALIGN_ELEMS = 16 // ELEM  # shards start on 16-byte boundaries (loom.parallel.zero.layout)
+ALIGN_ELEMS = 16 // ELEM  # shards start on 16-byte boundaries (loom.parallel.layout)
 
 # name -> (stage, dp_replicate, dp_shard, micro, extra parallel fields, extra model fields)
 WORLD2 = {

@@ -24,7 +24,7 @@ is the textbook's:
     Φ_w = Φ/N with ZeRO-3 else Φ;   Φ_g = Φ/N with ZeRO-2/3 else Φ
 
 i.e. 16 bytes per parameter for mixed-precision Adam without ZeRO (2 + 2 + 12), each Φ rounded
-up per flat buffer as :mod:`loom.parallel.zero.layout` says.
+up per flat buffer as :mod:`loom.parallel.layout` says.
 
 Without ZeRO (``parallel.zero = 0``) master weights still need an owner: the flat-buffer
 machinery of ZeRO runs with a sharding group of one rank and every data-parallel rank a replica

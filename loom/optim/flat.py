@@ -2,7 +2,7 @@
 per-parameter pieces of a shard.
 
 Each optimizer updates a list of 1-D shards (views of the live parameters, of any dtype, laid
-out by :class:`~loom.parallel.zero.layout.FlatLayout`) through fp32 master weights
+out by :class:`~loom.parallel.layout.FlatLayout`) through fp32 master weights
 (:mod:`loom.optim.master`), reading g = float32(grad) · ``grad_scale`` (the loss-scale unscale,
 never done in fp16, where it would flush gradients below 6·10⁻⁸ to zero).
 

@@ -12,7 +12,7 @@ memory of construction on a rank is
     its final model state + the largest whole parameter it holds a piece of.
 
 ZeRO-3 materializes unit by unit into each unit's flat buffer and keeps only its shard
-(:meth:`loom.parallel.zero.layout.FlatLayout.bind`), so a rank never holds more than one whole unit.
+(:meth:`loom.parallel.layout.FlatLayout.bind`), so a rank never holds more than one whole unit.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def local_values(p: torch.Tensor, source: Source, rows: tuple[int, int] | None =
 
 
 def filler(source: Source) -> Fill:
-    """The fill function of :meth:`~loom.parallel.zero.layout.FlatLayout.bind` for ``source``."""
+    """The fill function of :meth:`~loom.parallel.layout.FlatLayout.bind` for ``source``."""
     return lambda p, rows: local_values(p, source, rows)
 
 

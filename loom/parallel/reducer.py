@@ -7,23 +7,32 @@ reduce-scatter is skipped and the buffer reduced in place). Bytes per rank:
 
     reduce-scatter  Φ'·b·(N-1)/N   +   all-reduce across replicas  2·(Φ'/N)·b·(R-1)/R
 
-The all-reduce across replicas is the one place gradients are all-reduced: the backend's own, or
-ring, tree or butterfly on point-to-point (``parallel.allreduce``, :mod:`loom.parallel.allreduce`;
-the all-reduce term above is then the algorithm's own: the tree sends (1 + children)·Φ'/N·b).
+The all-reduce across replicas is the one place gradients are all-reduced: the backend's own
+(:func:`loom.comm.all_reduce`), or the one the composition root picks for ``parallel.allreduce``
+(ring, tree or butterfly on point-to-point, :func:`loom.parallel.allreduce.by_name`; the
+all-reduce term above is then the algorithm's own: the tree sends (1 + children)·Φ'/N·b).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.parallel import allreduce
 
 MAX_INFLIGHT = 2  # full-size gradient buffers in flight at once (beyond the one being filled)
+
+
+class AllReduce(Protocol):
+    """An in-place sum of ``t`` over ``group``, metered on ``meter``; a work handle when ``async_op``."""
+
+    def __call__(
+        self, t: torch.Tensor, group: Group, *, meter: CommMeter | None = None, async_op: bool = False
+    ) -> Any: ...
 
 
 @dataclass
@@ -56,10 +65,10 @@ class GradReducer:
         meter: CommMeter | None,
         reduce_dtype: torch.dtype | None,
         max_inflight: int = MAX_INFLIGHT,
-        algorithm: str = "native",
+        all_reduce: AllReduce = comm.all_reduce,
     ) -> None:
         self.shard_group, self.replicate_group = shard_group, replicate_group
-        self.algorithm = algorithm  # the all-reduce across replicas (parallel.allreduce)
+        self.all_reduce = all_reduce  # the all-reduce across replicas (parallel.allreduce)
         self.dp, self.meter = dp, meter
         self.reduce_dtype = reduce_dtype
         self.max_inflight = max_inflight
@@ -96,9 +105,7 @@ class GradReducer:
         if p.work is not None:
             comm.wait(p.work)
             p.work = None
-        p.replica_work = allreduce.all_reduce(
-            p.out, self.replicate_group, self.algorithm, self.meter, async_op=True
-        )
+        p.replica_work = self.all_reduce(p.out, self.replicate_group, meter=self.meter, async_op=True)
         p.replicated = True
         if p.replica_work is not None:
             self.replica_log.append(during_backward)

@@ -89,7 +89,7 @@ def _model_counts(
     from loom.model.llama import build_model, loss_fn
     from loom.optim.flat import build_flat_optimizer
     from loom.optim.store import StateStore
-    from loom.parallel.zero.layout import FlatLayout, decayed_ids
+    from loom.parallel.layout import FlatLayout, decayed_ids
 
     net = build_model(model, seed=0, moe=moe)
     g = torch.Generator().manual_seed(0)

@@ -43,6 +43,7 @@ from loom.model.moe import configure_moe
 from loom.optim.flat import build_flat_optimizer
 from loom.optim.groups import build_optimizer
 from loom.optim.store import make_store
+from loom.parallel import allreduce
 from loom.parallel.base import LossFn, Strategy
 from loom.parallel.data.strategy import REDUCE_DTYPES, DataParallel
 from loom.parallel.materialize import (
@@ -243,7 +244,7 @@ def data_parallel(
             reduce_dtype,
             mesh.group("tp"),
             optimizer=build_optimizer(model, cfg.train),
-            allreduce=p.allreduce,
+            allreduce=allreduce.by_name(p.allreduce),
         )
     device = device or next(model.parameters()).device
     store = make_store(optimizer_offload(p), device, offload_dir(cfg), tag=f"rank{mesh.rank}")
@@ -261,7 +262,7 @@ def data_parallel(
             bucket_mb=p.bucket_mb,
             reduce_dtype=reduce_dtype,
             tp_group=mesh.group("tp"),
-            allreduce=p.allreduce,
+            allreduce=allreduce.by_name(p.allreduce),
         )
     common: dict[str, Any] = dict(
         shard_group=mesh.group("dp_shard_cp"),
@@ -270,7 +271,7 @@ def data_parallel(
         meter=meter,
         reduce_dtype=reduce_dtype,
         tp_group=mesh.group("tp"),
-        allreduce=p.allreduce,
+        allreduce=allreduce.by_name(p.allreduce),
     )
     if p.zero == 3:
         return stage3_strategy(

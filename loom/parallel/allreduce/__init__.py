@@ -12,7 +12,7 @@ schedule, the reduction order and the α-β cost; :mod:`loom.plan.collectives` h
 (*) on the critical path: rank 0 (the root) takes part in every round. S = n·b bytes.
 
 The gradient reduction (:class:`loom.parallel.reducer.GradReducer`) is the one caller in
-training. The point-to-point algorithms run synchronously: an ``async_op`` call returns a
+training: the composition root hands it :func:`by_name` of ``parallel.allreduce``. The point-to-point algorithms run synchronously: an ``async_op`` call returns a
 handle already complete (on an accelerator the rounds are only enqueued: each wait orders the
 current stream after the transfer, without blocking the host).
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 
 import torch
 
@@ -30,6 +31,7 @@ from loom.parallel.allreduce.butterfly import butterfly_all_reduce
 from loom.parallel.allreduce.p2p import Trace, split_bounds
 from loom.parallel.allreduce.ring import ring_all_reduce
 from loom.parallel.allreduce.tree import tree_all_reduce
+from loom.parallel.reducer import AllReduce
 from loom.rules import AllReduceName
 
 ALGORITHMS: dict[str, Callable[[torch.Tensor, Group, Trace], None]] = {
@@ -38,7 +40,7 @@ ALGORITHMS: dict[str, Callable[[torch.Tensor, Group, Trace], None]] = {
     "butterfly": butterfly_all_reduce,
 }
 
-__all__ = ["ALGORITHMS", "AllReduceName", "Trace", "all_reduce", "split_bounds"]
+__all__ = ["ALGORITHMS", "AllReduceName", "Trace", "all_reduce", "by_name", "split_bounds"]
 
 
 class Completed:
@@ -82,3 +84,14 @@ def all_reduce(
     if meter is not None:
         meter.record_sent("all_reduce", comm.nbytes(t), trace.sent - before)
     return Completed() if async_op else None
+
+
+def by_name(algorithm: str) -> AllReduce:
+    """The all-reduce of ``parallel.allreduce`` = ``algorithm``, as the data-parallel strategies take it."""
+    if algorithm == "native":
+        return comm.all_reduce
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"all_reduce: unknown algorithm {algorithm!r}; one of native, {', '.join(ALGORITHMS)}"
+        )
+    return partial(all_reduce, algorithm=algorithm)

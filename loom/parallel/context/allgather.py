@@ -34,7 +34,7 @@ from loom.parallel.context.blocks import (
     global_docs,
     merge,
 )
-from loom.parallel.tensor.comm import gather_seq
+from loom.parallel.sequence import gather_seq
 
 
 def _blocks(rank: int, cp: int, c: int, drop_p: float, base: int | None):

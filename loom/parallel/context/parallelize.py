@@ -29,7 +29,7 @@ dp_shard·cp), and its average is the mean over all tokens, because every rank h
 The result equals one process on the whole sequence.
 
 Dropout. Each block runs on a generator private to its cp rank (seeded from one draw of the
-default generator plus the rank, as tensor parallelism's :func:`~loom.parallel.tensor.rng.tp_local_rng`;
+default generator plus the rank, as tensor parallelism's, :func:`~loom.parallel.rng.private_rng`;
 tp's own regions nest inside it): the residual-branch masks of the rank's tokens differ from every
 other rank's, and recomputation, which restores the default generator before replaying a block,
 draws them again identically. Attention dropout: ring and allgather drop each block's
@@ -50,7 +50,7 @@ from torch import nn
 
 from loom.comm import CommMeter, Group
 from loom.model.llama import CoreAttention
-from loom.parallel.tensor.rng import tp_local_rng
+from loom.parallel.rng import private_rng
 
 __all__ = ["apply_context_parallel", "context_core", "cp_comm_bytes", "local_positions", "shard_sequence"]
 
@@ -93,7 +93,7 @@ def context_core(
 
 class CpPrivateRng:
     """Forward hooks running a module on a generator private to cp rank ``rank``
-    (:func:`loom.parallel.tensor.rng.tp_local_rng`): entered before its forward, left after (also when it
+    (:func:`loom.parallel.rng.private_rng`): entered before its forward, left after (also when it
     raises). A checkpoint inside the forward stashes the private generator's state and replays it."""
 
     def __init__(self, rank: int, device: torch.device) -> None:
@@ -105,7 +105,7 @@ class CpPrivateRng:
         module.register_forward_hook(self.leave, always_call=True)
 
     def enter(self, _module: nn.Module, _args: Any) -> None:
-        ctx = tp_local_rng(self.rank, self.device)
+        ctx = private_rng(self.rank, self.device)
         ctx.__enter__()
         self.open.append(ctx)
 

@@ -35,11 +35,11 @@ from loom.comm import CommMeter, Group
 from loom.optim.groups import optimizer_state_bytes, set_lr
 from loom.parallel.base import StrategyBase, SyncSwitch, grad_norm_sq, scale_all
 from loom.parallel.bucket import BucketQueue, split_buckets
+from loom.parallel.layout import frozen_state, unique_params
+from loom.parallel.partial import sum_partial_grads
 from loom.parallel.placement import expert_group, expert_shard, is_expert, placement_of
-from loom.parallel.reducer import GradReducer
+from loom.parallel.reducer import AllReduce, GradReducer
 from loom.parallel.state import gather_module_state
-from loom.parallel.tensor.comm import sum_partial_grads
-from loom.parallel.zero.layout import frozen_state, unique_params
 
 
 @dataclass
@@ -78,9 +78,9 @@ class DataParallel(SyncSwitch, StrategyBase):
         reduce_dtype: torch.dtype | None = None,
         tp_group: Group = None,
         optimizer: torch.optim.Optimizer | None = None,
-        allreduce: str = "native",
+        allreduce: AllReduce = comm.all_reduce,
     ) -> None:
-        """``allreduce``: the algorithm of the bucket all-reduce (``parallel.allreduce``)."""
+        """``allreduce``: the bucket all-reduce (``parallel.allreduce``, picked by the caller)."""
         self.module, self.group, self.meter = module, group, meter
         self.tp_group = tp_group  # tensor-parallel peers: sharded params' squares add over it in the norm
         self.world = comm.group_size(group)
@@ -107,7 +107,7 @@ class DataParallel(SyncSwitch, StrategyBase):
                     meter,
                     reduce_dtype,
                     max_inflight=len(self.buckets),
-                    algorithm=allreduce,
+                    all_reduce=allreduce,
                 ),
             )
         self.queue = BucketQueue(

@@ -54,9 +54,9 @@ from torch.autograd import Function
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.model.moe import ExpertWeights, MoEFeedForward, grouped_swiglu, recomputing
-from loom.parallel.placement import ExpertShard, place, placement_of, setattr_placement, slice_of
+from loom.parallel.placement import ExpertShard, place, setattr_placement, slice_of
 
-__all__ = ["ExpertParallelMoE", "apply_expert_parallel", "choose_hot", "gather_experts", "rebalance_experts"]
+__all__ = ["ExpertParallelMoE", "apply_expert_parallel", "choose_hot", "rebalance_experts"]
 
 
 def _all_to_all(
@@ -279,22 +279,3 @@ def choose_hot(load: list[float], ep: int, most: int) -> list[int]:
         best, e = min(options)
         hot.append(e)
     return sorted(hot)
-
-
-def gather_experts(
-    module: nn.Module, state: dict[str, torch.Tensor] | None = None
-) -> dict[str, torch.Tensor]:
-    """``module``'s state dict (or ``state``, its tp-gathered one) with every expert weight whole
-    (all E experts, gathered over ep); a collective over each ep group."""
-    if state is None:
-        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    for name, p in module.named_parameters():
-        shard = placement_of(p).expert
-        if shard is None or name not in state:
-            continue
-        parts = [torch.empty_like(p) for _ in range(shard.ep)]
-        mine = p.detach().contiguous()
-        comm.check_tensors("all_gather", shard.group, mine, *parts)
-        dist.all_gather(parts, mine, group=shard.group)
-        state[name] = torch.cat(parts)
-    return state

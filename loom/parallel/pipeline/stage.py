@@ -202,7 +202,7 @@ def exchange_tied_grad(
 
     g <- g_first + g_last on both ranks (one send and one receive of V*h values each, or of the
     V*h/N elements of a ZeRO shard: ``grad``, which the two ranks hold alike, see
-    :func:`loom.parallel.zero.layout.tied_copy`); IEEE addition is commutative, so both copies
+    :func:`loom.parallel.layout.tied_copy`); IEEE addition is commutative, so both copies
     get bitwise the same gradient.
     """
     w = pipe.tied_weight()

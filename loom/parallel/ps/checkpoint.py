@@ -40,7 +40,7 @@ Piece = tuple[
 
 
 def shard_pieces(module: torch.nn.Module, layout) -> list[Piece]:
-    """The parameters of ``layout`` (a :class:`~loom.parallel.zero.layout.FlatLayout`) that reach its
+    """The parameters of ``layout`` (a :class:`~loom.parallel.layout.FlatLayout`) that reach its
     shard [start, end), each with the flat range [lo, hi) of it there."""
     names = {id(t): n for n, t in unique_named_tensors(module)}
     out = []

@@ -2,7 +2,7 @@
 
 The model's parameters are laid end to end in one flat fp32 buffer of Φ elements, padded to
 Φ' = ceil(Φ / 4K) · 4K and cut into K equal shards of Φ_k = Φ'/K elements
-(:class:`~loom.parallel.zero.layout.FlatLayout` with K "ranks"). Server k owns shard k: its
+(:class:`~loom.parallel.layout.FlatLayout` with K "ranks"). Server k owns shard k: its
 parameters and its AdamW moments (8·Φ_k bytes; :class:`~loom.optim.adamw.ShardedAdamW`, the
 element-wise math of ``torch.optim.AdamW``). Workers keep whole parameters and gradients (Φ' each,
 ``param.data`` and ``param.grad`` are views of the flat buffers) and exchange only point-to-point:
@@ -45,9 +45,9 @@ from loom.comm import CommMeter, Group
 from loom.optim.adamw import ShardedAdamW
 from loom.optim.store import StateStore
 from loom.parallel.base import StrategyBase, SyncSwitch, sum_sq
+from loom.parallel.layout import FlatLayout, decayed_ids, unique_params
 from loom.parallel.ps.links import DONE, PULL_HEADER, PUSH, PUSH_HEADER, PSLinks, recv, send, wait_for
 from loom.parallel.state import gather_module_state
-from loom.parallel.zero.layout import FlatLayout, decayed_ids, unique_params
 
 
 class FlatModel:

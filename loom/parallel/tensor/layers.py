@@ -43,16 +43,12 @@ from loom.model.llama import (
     apply_rope,
     mlp_activation,
 )
+from loom.parallel.partial import mark_partial
 from loom.parallel.placement import copy_placement, place, setattr_placement, slice_of
-from loom.parallel.tensor.comm import (
-    all_gather_seq,
-    mark_partial,
-    reduce_from_tp,
-    reduce_scatter_seq,
-    scatter_seq,
-)
+from loom.parallel.rng import private_rng
+from loom.parallel.sequence import all_gather_seq, reduce_scatter_seq, scatter_seq
+from loom.parallel.tensor.comm import reduce_from_tp
 from loom.parallel.tensor.lora import column_deltas, row_delta, shard_column_adapters, shard_row_adapters
-from loom.parallel.tensor.rng import tp_local_rng
 
 
 @dataclass
@@ -141,7 +137,7 @@ class ColumnParallelLinear(nn.Module):
 
     ``replicated_rows``: the weight is held whole on every rank (key/value heads replicated when
     n_kv_heads < n) and this rank uses those rows; the parts of its gradient are summed over the
-    group once per step (:func:`~loom.parallel.tensor.comm.sum_partial_grads`).
+    group once per step (:func:`~loom.parallel.partial.sum_partial_grads`).
     """
 
     def __init__(
@@ -277,7 +273,7 @@ def sequence_parallel_norm(norm: nn.Module, ctx: TPContext) -> nn.Module:
 
 class SequenceParallelPositions(nn.Module):
     """The learned position table under sp: this rank's sequence shard's rows (positions cut along
-    the last dim like :func:`~loom.parallel.tensor.comm.scatter_seq` cuts the sequence); the table's
+    the last dim like :func:`~loom.parallel.sequence.scatter_seq` cuts the sequence); the table's
     gradient is a partial sum over tp. Without sp the table is used as it is (replicated)."""
 
     def __init__(self, table: nn.Embedding, ctx: TPContext) -> None:
@@ -373,7 +369,7 @@ class ParallelAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
         dropping = self.training and getattr(self.core, "dropout", 0.0) > 0
-        with tp_local_rng(self.ctx.rank, q.device, enabled=dropping):  # masks of this rank's heads
+        with private_rng(self.ctx.rank, q.device, enabled=dropping):  # masks of this rank's heads
             y = self.core(q, k, v) if docs is None else self.core(q, k, v, docs)  # (B, a/n, T, d)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, a/n·d)
         return self.wo(y)  # (B, T, h), or (B, T/n, h) with sp

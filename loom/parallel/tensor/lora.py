@@ -34,8 +34,10 @@ import torch
 from torch import nn
 
 from loom.finetune.lora import adapter_weights, has_adapters, lora_input, lora_output, set_adapters
+from loom.parallel.partial import mark_partial
 from loom.parallel.placement import copy_placement
-from loom.parallel.tensor.comm import copy_to_tp, gather_seq, mark_partial
+from loom.parallel.sequence import gather_seq
+from loom.parallel.tensor.comm import copy_to_tp
 
 
 def shard_column_adapters(src: nn.Module, dst: nn.Module, ctx, replicated_rows: slice | None) -> None:

@@ -26,7 +26,7 @@ Bytes moved per rank per micro-batch (ring, ρ = (n-1)/n, S = b·s·h·e, e byte
             the same plus 2 re-gathers of the saved shard.
 
 plus once per step, one all-reduce of the parameters whose gradient each rank holds in part
-(``tp_comm.sum_partial_grads``, as Megatron sums sequence-parallel norm gradients):
+(:func:`loom.parallel.partial.sum_partial_grads`, as Megatron sums sequence-parallel norm gradients):
 2ρ·e·P, P = :func:`partial_numel`: with sp the norms' (2L + 1)·h weights (and as many LayerNorm
 biases), the 2L row-parallel biases of h and the learned position table S·h; replicated key/value
 weights 2L·k·d·h (and their biases 2L·k·d) when k < n; the q/k norm weights 2L·d.
@@ -49,8 +49,8 @@ from loom.comm import CommMeter, Group
 from loom.config import ModelConfig
 from loom.model.llama import Block, FeedForward, Transformer
 from loom.model.moe import MoEFeedForward
-from loom.parallel.placement import placement_of
-from loom.parallel.tensor.comm import mark_partial
+from loom.parallel.partial import mark_partial
+from loom.parallel.rng import private_rng
 from loom.parallel.tensor.layers import (
     ColumnParallelLinear,
     ParallelAttention,
@@ -61,7 +61,6 @@ from loom.parallel.tensor.layers import (
     sequence_parallel_norm,
     sharded_param,
 )
-from loom.parallel.tensor.rng import tp_local_rng
 
 IGNORE_INDEX = -100
 
@@ -115,10 +114,10 @@ def parallelize_block(block: nn.Module, ctx: TPContext) -> nn.Module:
 
 
 def _shard_dropout(block: nn.Module, tp_rank: int, x: torch.Tensor) -> torch.Tensor:
-    """A block's residual dropout on a sequence shard: masks drawn per tp rank (:mod:`loom.parallel.tensor.rng`)."""
+    """A block's residual dropout on a sequence shard: masks drawn per tp rank (:mod:`loom.parallel.rng`)."""
     if not block.training:
         return x
-    with tp_local_rng(tp_rank, x.device):
+    with private_rng(tp_rank, x.device):
         return F.dropout(x, cast(float, block.dropout), training=True)
 
 
@@ -181,36 +180,6 @@ def vocab_parallel_cross_entropy(
     return _VocabParallelCrossEntropy.apply(
         local_logits, targets, group, meter, rank * local_logits.shape[-1], ignore_index
     )
-
-
-# ----------------------------------------------------------------------------- gathering shards
-
-
-def gather_dim(t: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """Concatenate every rank's ``t`` along ``dim`` in rank order (unmetered: bookkeeping)."""
-    n = comm.group_size(group)
-    if n == 1:
-        return t.detach().clone()
-    x = t.detach().movedim(dim, 0).contiguous()
-    buf = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
-    comm.all_gather(buf.view(-1), x.view(-1), group)
-    return buf.flatten(0, 1).movedim(0, dim).contiguous()
-
-
-@torch.no_grad()
-def gather_full_state(model: nn.Module, group: Group) -> dict[str, torch.Tensor]:
-    """The single-device ``state_dict``: shards (``Placement.tp_dim``) gathered, replicated ones copied.
-
-    A collective: every rank of ``group`` must call it.
-    """
-    done: dict[int, torch.Tensor] = {}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in done:
-            dim = placement_of(t).tp_dim
-            done[id(t)] = t.detach().clone() if dim is None else gather_dim(t, dim, group)
-        out[name] = done[id(t)]
-    return out
 
 
 def partial_numel(cfg: ModelConfig, tp: int, sp: bool) -> int:

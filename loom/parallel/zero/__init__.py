@@ -9,7 +9,7 @@ precision in brackets, 2-byte weights and gradients + 12 bytes of fp32 master an
     stage 2 (+ gradients)     4Φ + (4Φ + 8Φ)/N      [2Φ + (2Φ + 12Φ)/N]
     stage 3 (+ parameters)    16Φ/N                 [16Φ/N]
 
-with Φ rounded up per flat buffer to a multiple of N·16 bytes (:mod:`.layout`). Bytes moved per
+with Φ rounded up per flat buffer to a multiple of N·16 bytes (:mod:`loom.parallel.layout`). Bytes moved per
 rank per step: 2Φ·b·(N-1)/N for stages 1-2 (reduce-scatter + all-gather), about 3Φ·b·(N-1)/N
 for stage 3 (two all-gathers + reduce-scatter), plus 2(Φ/N)·b·(R-1)/R across replicas.
 Each stage module states its exact formula. ``parallel.offload`` moves the optimizer state to
@@ -22,7 +22,7 @@ strategies are built by :func:`loom.train.build.data_parallel`.
 
 from __future__ import annotations
 
-from loom.parallel.zero.layout import FlatLayout, padded_numel
+from loom.parallel.layout import FlatLayout, padded_numel
 from loom.parallel.zero.stage3 import FullyShardedZero, find_units
 from loom.parallel.zero.stage12 import ZeroDataParallel
 

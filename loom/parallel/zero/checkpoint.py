@@ -1,7 +1,7 @@
 """The resharding contract for the ZeRO strategies (:mod:`loom.parallel.zero`), stages 1-3.
 
 Every ZeRO stage keeps, per flat buffer (a stage-1/2 bucket or a stage-3 unit), one
-:class:`~loom.parallel.zero.layout.FlatLayout` and this rank's shard ``[start, end)`` of the
+:class:`~loom.parallel.layout.FlatLayout` and this rank's shard ``[start, end)`` of the
 buffer's fp32 master weights and Adam moments (``strategy.optim``). A parameter at
 ``[offset, offset + numel)`` of the buffer therefore contributes, on this rank, the flat range
 ``[max(offset, start), min(offset + numel, end)) - offset`` of its own flattening:

@@ -17,11 +17,11 @@ import torch
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.parallel.base import StrategyBase, SyncSwitch, scale_all, sum_sq
+from loom.parallel.layout import FlatLayout
+from loom.parallel.partial import sum_partial_grads
 from loom.parallel.placement import expert_group, placement_of
 from loom.parallel.reducer import GradReducer
 from loom.parallel.state import gather_module_state
-from loom.parallel.tensor.comm import sum_partial_grads
-from loom.parallel.zero.layout import FlatLayout
 
 FlatOptimizer = (
     Any  # ShardedAdamW, FlatAdafactor or FlatAdam8bit: step(grads, lr, grad_scale), state_bytes, store
@@ -73,7 +73,7 @@ class ShardedStrategy(SyncSwitch, StrategyBase):
         if id(edp) not in self._expert_reducers:
             shard, replicas = (edp, None) if self.world > 1 else (r.shard_group, edp)
             self._expert_reducers[id(edp)] = GradReducer(
-                shard, replicas, r.dp, r.meter, r.reduce_dtype, r.max_inflight, r.algorithm
+                shard, replicas, r.dp, r.meter, r.reduce_dtype, r.max_inflight, r.all_reduce
             )
         return self._expert_reducers[id(edp)]
 

@@ -129,7 +129,7 @@ class QuantizedReducer(GradReducer):
     @classmethod
     def like(cls, r: GradReducer, bits: int = 8) -> QuantizedReducer:
         out = cls(
-            r.shard_group, r.replicate_group, r.dp, r.meter, r.reduce_dtype, r.max_inflight, r.algorithm
+            r.shard_group, r.replicate_group, r.dp, r.meter, r.reduce_dtype, r.max_inflight, r.all_reduce
         )
         out.bits = bits
         return out

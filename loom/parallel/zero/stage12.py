@@ -2,7 +2,7 @@
 
 Parameters stay replicated: every parameter's ``.data`` is a view into a flat bucket (buckets as
 the DDP ones: reverse registration order, ``bucket_mb`` each), padded so it splits into N equal
-aligned shards (:mod:`loom.parallel.zero.layout`). Rank r owns shard r of every bucket: its
+aligned shards (:mod:`loom.parallel.layout`). Rank r owns shard r of every bucket: its
 Adam state, its reduced gradient, its update. After the update every bucket is all-gathered
 (in place: each rank's shard is already at its place in the flat buffer).
 
@@ -43,15 +43,15 @@ from torch import nn
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.parallel.bucket import BucketQueue, split_buckets
-from loom.parallel.reducer import MAX_INFLIGHT, GradReducer
-from loom.parallel.zero.common import OptimizerFactory, ShardedStrategy
-from loom.parallel.zero.layout import (
+from loom.parallel.layout import (
     FlatLayout,
     decayed_ids,
     frozen_state,
     tied_copy,
     unique_params,
 )
+from loom.parallel.reducer import MAX_INFLIGHT, AllReduce, GradReducer
+from loom.parallel.zero.common import OptimizerFactory, ShardedStrategy
 
 
 @dataclass
@@ -91,9 +91,9 @@ class ZeroDataParallel(ShardedStrategy):
         reduce_dtype: torch.dtype | None = None,
         tp_group: Group = None,
         max_inflight: int = MAX_INFLIGHT,
-        allreduce: str = "native",
+        allreduce: AllReduce = comm.all_reduce,
     ) -> None:
-        """``allreduce``: the algorithm of the all-reduce across replicas (``parallel.allreduce``)."""
+        """``allreduce``: the all-reduce across replicas (``parallel.allreduce``, picked by the caller)."""
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel runs stage 1 or 2, got {stage}")
         super().__init__(shard_group, replicate_group, tp_group, meter)

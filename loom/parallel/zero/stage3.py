@@ -3,7 +3,7 @@
 The model is cut into *units* (:func:`find_units`): each transformer block, the modules before
 the blocks (embedding) and the modules after them (final norm + output head); units sharing a
 parameter (tied embeddings) are merged into one. Each unit's parameters live in one flat buffer
-(:class:`~loom.parallel.zero.layout.FlatLayout`) of which a rank keeps only its 1/N shard; the
+(:class:`~loom.parallel.layout.FlatLayout`) of which a rank keeps only its 1/N shard; the
 parameters are views of the buffer, whose *storage* is resized to 0 while the unit is sharded
 and re-allocated, then filled by an all-gather, when it is needed.
 
@@ -29,7 +29,7 @@ because the chunk's next action is often another micro-batch's forward. A unit c
 backwards: a pre-backward hook fired but not all of its weight gradients have arrived, as between
 a zero-bubble BI and its deferred BW. Such a unit stays gathered, since a BW under recomputation
 re-runs the forward. A recomputation is told apart from a new forward by autograd's running
-graph task. A tied embedding/head copy is a unit of its own (:func:`~loom.parallel.zero.layout.tied_copy`).
+graph task. A tied embedding/head copy is a unit of its own (:func:`~loom.parallel.layout.tied_copy`).
 
 Expert parallelism: a MoE layer's expert weights (this rank's E/ep experts) are a unit of their own,
 gathered around the layer's forward and backward and sharded over their edp group (the N_e = dp·cp/ep
@@ -72,11 +72,11 @@ from torch import nn
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.parallel.layout import FlatLayout, decayed_ids, tied_copy, unique_params
 from loom.parallel.placement import is_expert
-from loom.parallel.reducer import MAX_INFLIGHT, GradReducer
+from loom.parallel.reducer import MAX_INFLIGHT, AllReduce, GradReducer
 from loom.parallel.state import gather_module_state
 from loom.parallel.zero.common import OptimizerFactory, ShardedStrategy
-from loom.parallel.zero.layout import FlatLayout, decayed_ids, tied_copy, unique_params
 
 SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
 
@@ -224,12 +224,12 @@ class FullyShardedZero(ShardedStrategy):
         max_inflight: int = MAX_INFLIGHT,
         fill: Callable[[torch.Tensor, tuple[int, int]], torch.Tensor] | None = None,
         device: torch.device | None = None,
-        allreduce: str = "native",
+        allreduce: AllReduce = comm.all_reduce,
     ) -> None:
         """``fill``, ``device``: parameters still on the meta device are materialized unit by unit on
         ``device`` (``fill(p, rows)``: the values of its rows [r0, r1) this rank's shard reaches), so a
-        rank never holds more than one whole unit. ``allreduce``: the algorithm of the all-reduce of
-        gradient shards across replicas (``parallel.allreduce``)."""
+        rank never holds more than one whole unit. ``allreduce``: the all-reduce of gradient shards
+        across replicas (``parallel.allreduce``, picked by the caller)."""
         super().__init__(shard_group, replicate_group, tp_group, meter)
         self._fill, self._device = fill, device
         self.module = module

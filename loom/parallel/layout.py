@@ -1,4 +1,5 @@
-"""Flat, aligned, equally sharded parameter buffers: the storage layout every ZeRO stage shares.
+"""Flat, aligned, equally sharded parameter buffers: the storage layout of every ZeRO stage and of
+the parameter server's shards.
 
 A group of parameters (a stage-1/2 bucket or a stage-3 unit) is laid end to end in one flat
 buffer of Φ_g elements, then padded with zeros to
