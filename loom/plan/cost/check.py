@@ -1,0 +1,93 @@
+"""Which layouts the formulas apply to (:func:`check`) and which ``loom train`` refuses
+(:func:`refused`, :func:`loom.rules.layout_problems`); the layout rules themselves live in :mod:`loom.rules`."""
+
+from __future__ import annotations
+
+from loom.plan.cost.base import CostBase
+from loom.plan.cost.layout import RECOMPUTE, SCHEDULES, Layout
+from loom.rules import (
+    ModelFacts,
+    context_parallel_problem,
+    layout_problems,
+    sequence_parallel_problem,
+    tensor_parallel_problem,
+)
+
+
+def tp_reason(model: ModelFacts, tp: int, per_node: int) -> str | None:
+    """Why tensor-parallel degree ``tp`` cannot split ``model`` (:mod:`loom.rules`) on nodes of
+    ``per_node`` devices, or None."""
+    why = tensor_parallel_problem(model, tp)
+    if why is None and (tp > per_node or per_node % tp):
+        why = "tp must divide devices_per_node (stay inside a node)"
+    return why
+
+
+def check(cm: CostBase, lay: Layout) -> str | None:
+    """Why ``lay`` cannot run this model/workload on this cluster, or None."""
+    m, t = cm.model, cm.train
+    if min(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.v, lay.micro_batch) < 1:
+        return "every degree must be >= 1"
+    if lay.world_size > cm.cluster.world_size:
+        return "more devices than the cluster has"
+    if lay.dp % lay.dp_shard:
+        return "dp_shard must divide dp"
+    if lay.zero not in (0, 1, 2, 3):
+        return "zero must be 0, 1, 2 or 3"
+    if lay.zero > 0 and lay.dp_shard * lay.cp == 1:
+        return "zero > 0 needs a sharding group dp_shard*cp > 1"
+    if lay.schedule not in SCHEDULES:
+        return f"schedule must be one of {', '.join(SCHEDULES)}"
+    if lay.recompute not in RECOMPUTE:
+        return f"recompute must be one of {', '.join(RECOMPUTE)}"
+    why = tp_reason(cm.facts, lay.tp, cm.cluster.devices_per_node)
+    why = why or (sequence_parallel_problem(lay.tp, lay.cp, t.seq_len) if lay.sp else None)
+    why = why or context_parallel_problem(lay.cp, t.seq_len)
+    if why:
+        return why
+    if lay.v > 1 and lay.schedule != "interleaved":
+        return "v > 1 only with the interleaved schedule"
+    if lay.schedule == "interleaved" and (lay.v < 2 or lay.pp < 2):
+        return "interleaved needs pp >= 2 and v >= 2"
+    if m.n_layers < lay.pp * lay.v:
+        return "pp*v must not exceed n_layers (every pipeline chunk holds a block)"
+    if lay.split and (len(lay.split) != lay.pp or sum(lay.split) != m.n_layers or min(lay.split) < lay.v):
+        return (
+            f"split must give each of the pp={lay.pp} stages at least v={lay.v} blocks, {m.n_layers} in all"
+        )
+    if t.global_batch % (lay.dp * lay.micro_batch):
+        return "dp*micro_batch must divide global_batch"
+    if lay.schedule == "interleaved" and (t.global_batch // (lay.dp * lay.micro_batch)) % lay.pp:
+        return "interleaved needs micro-batches divisible by pp"
+    if lay.ep > 1 and not cm.moe:
+        return "ep > 1 needs experts (n_experts > 1)"
+    if (lay.dp * lay.cp) % lay.ep or cm.n_experts % lay.ep:
+        return "ep must divide dp*cp and n_experts"
+    return None
+
+
+def refused(cm: CostBase, lay: Layout) -> str | None:
+    """Why ``loom train`` refuses ``lay`` for this model and workload (:func:`loom.rules.layout_problems`),
+    or None. :meth:`check` asks only whether the formulas apply; the search ranks neither kind."""
+    t = cm.train
+    problems = layout_problems(
+        cm.facts,
+        seq_len=t.seq_len,
+        precision=t.precision,
+        optimizer=t.optimizer,
+        tp=lay.tp,
+        pp=lay.pp,
+        cp=lay.cp,
+        ep=lay.ep,
+        zero=lay.zero,
+        sp=lay.sp,
+        schedule=lay.schedule,
+        virtual_stages=lay.v,
+        cp_mode=lay.cp_mode,
+        microbatches=t.global_batch // (lay.dp * lay.micro_batch),
+        offload="cpu" if lay.offload else "none",
+        allreduce=t.allreduce,
+        dp=lay.dp,
+        dp_shard=lay.dp_shard,
+    )
+    return problems[0] if problems else None

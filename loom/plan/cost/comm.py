@@ -1,0 +1,159 @@
+"""Tensor-, context- and expert-parallel communication, and the collective calls of a step as
+:class:`loom.comm.CommMeter` counts them (formulas: :mod:`loom.plan.cost`)."""
+
+from __future__ import annotations
+
+from loom.plan.cost.base import CostBase
+from loom.plan.cost.layout import Layout
+
+
+def tp_calls(
+    cm: CostBase, tp: int, sp: bool, recompute: str, mb: int, part: str, cp: int = 1
+) -> dict[tuple[str, float], float]:
+    """Tensor-parallel collectives of one micro-batch, fwd + bwd, as Loom issues them:
+    ``{(op, message bytes): calls}`` for one ``layer``, the ``first`` stage's extras (the
+    vocabulary-parallel embedding) or the ``last`` stage's (final norm, head, loss).
+
+    With S = T h B_a (the full sequence's hidden states; all-gather output = reduce-scatter
+    input = S), per layer: without sp, 4 all-reduces of S (g after attention and MLP forward,
+    f before them backward); with sp, 6 all-gathers (2 forward, 2 re-gathered for the weight
+    gradients, 2 as the reduce-scatters' backward) and 4 reduce-scatters of S. Full
+    recomputation repeats the forward's 2 (no sp: all-reduce; sp: all-gather +
+    reduce-scatter). First stage: the embedding's all-reduce (sp: reduce-scatter, all-gather
+    backward). Last stage: the head input's backward all-reduce (sp: 2 all-gathers + 1
+    reduce-scatter) and the vocab-parallel loss's 2 all-reduces (row max: 4T bytes; sum-exp
+    and target logit: 8T). Gradients held in part per rank are summed once per step
+    (:meth:`tp_partial_params`), not here.
+    """
+    if tp <= 1:
+        return {}
+    T = mb * cm.train.seq_len / cp
+    S = T * cm.model.dim * cm.act_bytes
+    again = 2 if recompute == "full" else 0
+    calls: list[tuple[str, float, int]]
+    if part == "layer":
+        calls = (
+            [("all_reduce", S, 4 + again)]
+            if not sp
+            else [("all_gather", S, 6 + again), ("reduce_scatter", S, 4 + again)]
+        )
+    elif part == "first":
+        calls = [("all_reduce", S, 1)] if not sp else [("reduce_scatter", S, 1), ("all_gather", S, 1)]
+    else:
+        calls = [("all_reduce", 4.0 * T, 1), ("all_reduce", 8.0 * T, 1)]  # the loss
+        calls += [("all_reduce", S, 1)] if not sp else [("all_gather", S, 2), ("reduce_scatter", S, 1)]
+    out: dict[tuple[str, float], float] = {}
+    for op, size, k in calls:
+        out[(op, size)] = out.get((op, size), 0) + k
+    return out
+
+
+def tp_partial_params(cm: CostBase, tp: int, sp: bool, pp: int, last: bool = True, ep: int = 1) -> float:
+    """Parameters whose gradient each tp rank holds in part, summed over tp in one all-reduce
+    per step (``tp_comm.sum_partial_grads``, ``tensor_parallel.partial_numel``): with sp the norms'
+    weights and LayerNorm biases (2 per layer + the final norm on the last stage), the
+    row-parallel biases and the position table (on the first stage); replicated key/value
+    weights and biases (k < t); q/k norm weights; with sp, the router and this rank's E/ep
+    experts (replicated over tp, each rank routing its sequence shard)."""
+    if tp <= 1:
+        return 0.0
+    m, pc = cm.model, cm.params
+    layers, h, first = (
+        m.n_layers / pp,
+        m.dim,
+        pp == 1 or not last,
+    )  # pp > 1: the largest stage is the first
+    qk_norms = 2 * m.head_dim if m.qk_norm else 0  # per layer, of pc.norms
+    seq = layers * (pc.norms - qk_norms + pc.attn_whole + pc.mlp_whole) + (pc.final_norm if last else 0)
+    seq += pc.positions if first else 0
+    kv = 2 * layers * cm.kd * (h + (1 if m.qkv_bias or m.bias else 0)) if m.n_kv_heads % tp else 0.0
+    moe = layers * (pc.router + pc.mlp / ep) if cm.moe else 0.0
+    return (seq + moe if sp else 0.0) + kv + layers * qk_norms
+
+
+def collective_calls(cm: CostBase, lay: Layout) -> dict[str, int]:
+    """Tensor-parallel and data-parallel/ZeRO collective calls per step on one device of the
+    first stage, by op (what :class:`loom.comm.CommMeter` counts): :meth:`tp_calls` per
+    micro-batch, one call per bucket (ZeRO 0: all-reduce; 1/2: reduce-scatter + all-gather),
+    ZeRO-3 2u - 1 all-gathers per micro-batch (2u in a pipeline) and u reduce-scatters per step; hybrid sharding
+    adds an all-reduce over the replicas per bucket (unit)."""
+    m = cm.train.global_batch // (lay.dp * lay.micro_batch)
+    out: dict[str, int] = {}
+
+    def add(op: str, k: float) -> None:
+        out[op] = out.get(op, 0) + int(k)
+
+    parts = [("layer", cm.model.n_layers // lay.pp), ("first", 1)] + [("last", 1)] * (lay.pp == 1)
+    for part, times in parts:
+        for (op, _), k in tp_calls(cm, lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp).items():
+            add(op, m * times * k)
+    if (
+        lay.ep > 1 and cm.moe
+    ):  # per MoE layer: counts + dispatch + combine forward (again when recomputed), 2 backward
+        add("all_to_all", m * (cm.model.n_layers // lay.pp) * (5 + 3 * (lay.recompute == "full")))
+    if lay.cp > 1:  # per layer and micro-batch, forward again when recomputed (_cp_layer_time)
+        layers, passes = cm.model.n_layers // lay.pp, 1 + (lay.recompute == "full")
+        if lay.cp_mode == "ring":  # one send per K/V hop (cp - 1 a pass), cp dK/dV hops
+            add("send", m * layers * ((lay.cp - 1) * (passes + 1) + lay.cp))
+        elif lay.cp_mode == "alltoall":  # q, k, v, output; their gradients
+            add("all_to_all", m * layers * 4 * (passes + 1))
+        else:  # K and V all-gathered, dK and dV reduce-scattered
+            add("all_gather", m * layers * 2 * passes)
+            add("reduce_scatter", m * layers * 2)
+    if tp_partial_params(cm, lay.tp, lay.sp, lay.pp, lay.pp == 1, lay.ep):
+        add("all_reduce", 1)
+    n = lay.dp_shard * lay.cp if lay.zero else lay.dp * lay.cp
+    if n > 1:
+        dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1)
+        if lay.ep == 1:  # experts, if any, share the dense buckets
+            dense, expert = dense + expert, 0.0
+        buckets = max(1, -(-int(dense * cm.R) // int(cm.train.bucket_bytes)))
+        if lay.zero == 0:  # expert shards: buckets of their own, summed over their edp group
+            edp = lay.dp * lay.cp // lay.ep
+            add(
+                "all_reduce",
+                buckets + (-(-int(expert * cm.R) // int(cm.train.bucket_bytes)) if edp > 1 else 0),
+            )
+        elif lay.zero in (1, 2):
+            add("reduce_scatter", buckets)
+            add("all_gather", buckets)
+        else:
+            units, kept = cm.zero3_units(lay.pp, lay.tp)
+            add("all_gather", m * (2 * units - (kept > 0)))
+            add("reduce_scatter", units)
+        if lay.zero and lay.dp > lay.dp_shard:  # hybrid: each reduced shard all-reduced over replicas
+            add("all_reduce", buckets if lay.zero < 3 else cm.zero3_units(lay.pp, lay.tp)[0])
+    return out
+
+
+def cp_layer_time(
+    cm: CostBase, tp: int, cp: int, T: float, recompute: str, mode: str, core_f: float, world: int
+) -> float:
+    """Exposed context-parallel communication of one layer and micro-batch (forward, backward and,
+    under full recomputation, the forward again), T = tokens per device:
+
+    - allgather: all-gathers of K and V before the core, reduce-scatters of dK, dV; not overlapped.
+    - ring: cp − 1 K/V messages of 2 T kd B_a forward and again backward, plus cp fp32 dK/dV
+      messages of 2 T kd 4 backward, each overlapped with one block's attention (the core's
+      time / cp): exposed max(0, message − block) per hop.
+    - alltoall: q, k, v and the output exchanged forward (their gradients backward), not
+      overlapped; kv heads repeated by cp / gcd(k, cp).
+    """
+    mach, B, kv, h = cm.machine, cm.act_bytes, cm.kv_width(tp), cm.model.dim
+    span, w = tp * cp, world or None
+    passes = 2 if recompute == "full" else 1  # forwards per step
+    if mode == "ring":
+        block = core_f / cp
+        kv_hop = max(0.0, mach.collective("p2p", 2, 2 * T * kv * B, span, w) - block)
+        dkv_hop = max(0.0, mach.collective("p2p", 2, 2 * T * kv * 4, span, w) - cm.bwd_ratio * block)
+        return (cp - 1) * kv_hop * (passes + 1) + cp * dkv_hop
+    if mode == "alltoall":
+        f = cm._kv_repeat(tp, cp)
+        one = 2 * mach.collective("all_to_all", cp, T * h / tp * B, span, w)  # q and the output
+        one += 2 * mach.collective("all_to_all", cp, T * kv * f * B, span, w)  # k and v
+        return one * (passes + 1)
+    kv_full = B * T * cp * kv
+    gathers = 2 * passes
+    return gathers * mach.collective("all_gather", cp, kv_full, span, w) + 2 * mach.collective(
+        "reduce_scatter", cp, kv_full, span, w
+    )

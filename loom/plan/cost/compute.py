@@ -1,0 +1,181 @@
+"""Compute of one micro-batch: GEMMs, the attention core, elementwise work, recomputation, the
+framework's per-operator cost, and the stage's tp/cp/ep communication beside them (formulas:
+:mod:`loom.plan.cost`)."""
+
+from __future__ import annotations
+
+from loom.plan.cost.base import CostBase
+from loom.plan.cost.comm import cp_layer_time, tp_calls
+
+FLASH_BWD = 2.5  # flash attention backward / forward time (it recomputes the scores; Dao 2023)
+
+
+def attention_core(cm: CostBase, tp: int, cp: int, mb: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core of one layer and micro-batch, per kernel:
+
+    - flash (``Workload.flash_attention``): a causal kernel computes half the 4 T s h / t FLOPs
+      of the square score matrix (masked blocks skipped): forward ``2 T s h / t`` at the
+      device's ``flash_fwd`` share of peak, backward 2.5x those FLOPs (it recomputes the scores)
+      at ``flash_bwd``;
+    - unfused (Megatron 2021): per (sequence, head) two batched GEMMs, Q K^T (s x d x s) and
+      A V (s x s x d), each through :meth:`Machine.gemm` (tiles over the whole batch), the
+      full square; the scores are written, read and written by the softmax and read by A V,
+      4 B a s^2 bytes; backward twice the GEMMs and the traffic again.
+    """
+    mc, tr, mach, B = cm.model, cm.train, cm.machine, cm.act_bytes
+    s, h = tr.seq_len, mc.dim
+    T = mb * s / cp
+    io = B * T * (2 * h / tp + 2 * cm.kv_width(tp)) / mach.hbm  # q, k, v in; o out
+    if tr.flash_attention:
+        flops = 2.0 * T * s * h / tp
+        return max(mach.attention(flops, False), io), mach.attention(2.5 * flops, True) + 2 * io
+    heads = mb * mc.n_heads / tp
+    d = mc.head_dim
+    gemms = mach.gemm(s, d, s, B, batch=heads) + mach.gemm(s, s, d, B, batch=heads)
+    scores = (cm.stack.other if cm.kernels else 1.0) * 4 * B * heads * s * s / mach.hbm
+    return gemms + scores + io, 2 * (gemms + scores + io)
+
+
+def microbatch_times(
+    cm: CostBase,
+    tp: int,
+    sp: bool,
+    cp: int,
+    ep: int,
+    mb: int,
+    recompute: str,
+    pp: int,
+    world: int = 0,
+    cp_mode: str = "allgather",
+    tp_overlap: bool = False,
+    split: tuple[int, ...] = (),
+) -> tuple[float, float, dict[str, float]]:
+    """(t_mb of the slowest stage, its weight-grad time t_W, per-term times) for one micro-batch."""
+    mc, tr, mach = cm.model, cm.train, cm.machine
+    B, h, f, s = cm.act_bytes, mc.dim, cm.ffn, tr.seq_len
+    T = mb * s / cp
+    gemm_b = 1 if tr.precision == "fp8" else B
+    # tokens per expert GEMM: T_r*top_k routed tokens (T_r = T/tp with sp, else T: experts are whole on
+    # every tp rank) spread over this device's experts, the busiest ``moe_load`` times the mean
+    T_moe = T / tp if sp else T
+    ups = 2 if mc.mlp == "swiglu" else 1  # SwiGLU's w1 and w3, or GELU's w1
+    if cm.moe:
+        experts_here = cm.n_experts / ep
+        Te = T_moe * cm.top_k / experts_here * tr.moe_load
+        mlp_f = experts_here * (ups * mach.gemm(Te, h, f, gemm_b) + mach.gemm(Te, f, h, gemm_b))
+    else:
+        mlp_f = ups * mach.gemm(T, h, f / tp, gemm_b) + mach.gemm(T, f / tp, h, gemm_b)
+    gemm_f = (
+        mach.gemm(T, h, h / tp, gemm_b)
+        + 2 * mach.gemm(T, h, cm.kv_width(tp), gemm_b)
+        + mach.gemm(T, h / tp, h, gemm_b)
+        + mlp_f
+    )
+    a_t = mc.n_heads / tp
+    core_bytes = B * T * (2 * h / tp + 2 * cm.kv_width(tp))
+    if not tr.flash_attention:
+        core_bytes += 4 * B * a_t * T * s  # scores written, softmax read+write, read by AV
+    mlp_elt = (
+        3 * f * cm.top_k * tr.moe_load / (tp if sp else 1)
+        if cm.moe
+        else (3 if mc.mlp == "swiglu" else 2) * f / tp
+    )
+    elt_bytes = B * T * (10 * h / (tp if sp else 1) + 2 * (h / tp + cm.kv_width(tp)) + mlp_elt)
+    other = cm.stack.other if cm.kernels else 1.0  # a calibrated profile measured its own kernels
+    elt_f = other * elt_bytes / mach.hbm
+    r = cm.bwd_ratio  # 2 when GEMM FLOPs set the time; measured (profile) when per-op cost does
+    if cm.kernels:  # per-kernel model (a GPU from the datasheet): flash kernels, batched GEMMs
+        core_f, core_b = attention_core(cm, tp, cp, mb)
+    else:
+        core_f = max(4.0 * T * s * h / tp / mach.flops, core_bytes / mach.hbm)
+        core_b = (FLASH_BWD if tr.flash_attention else 2.0) * r / 2 * core_f
+    layer_f = gemm_f + core_f + elt_f
+    lora_wgrad = (
+        0.0  # LoRA: a frozen target computes no weight gradient (its adapters' rank-r GEMMs are left out)
+    )
+    if tr.lora_rank:
+        target_gemm = {
+            "q": (h, h / tp),
+            "k": (h, cm.kv_width(tp)),
+            "v": (h, cm.kv_width(tp)),
+            "o": (h / tp, h),
+            "w1": (h, f / tp),
+            "w3": (h, f / tp),
+            "w2": (f / tp, h),
+        }
+        lora_wgrad = r / 2 * sum(mach.gemm(T, *target_gemm[n], gemm_b) for n in tr.lora_targets)
+    # backward: GEMMs and elementwise 2x forward; a flash kernel recomputes the scores (2.5x)
+    layer_b = r * (gemm_f + elt_f) + core_b - lora_wgrad
+    recomp = {"none": 0.0, "selective": core_f + cm.stack.selective_gemms * gemm_f, "full": layer_f}[
+        recompute
+    ]
+    ops, c_op = cm.ops, mach.op_time
+    if ops is not None:  # the framework's per-operator cost: tp/cp/pp split FLOPs, not the op count; the
+        # trainer's per-block hooks fire again in the recomputed forward (in proportion to its operators)
+        again = ops.microbatch(1, recompute) - ops.microbatch(1)
+        recomp += c_op * again + mach.microbatch_overhead * again / max(1.0, ops.layer_fb)
+    n_tp = {"none": 4, "selective": 4, "full": 6}[recompute]
+
+    def tp_time(
+        calls: dict[tuple[str, float], float],
+    ) -> float:  # each call: its collective + the layer's own cost
+        extra = mach.call_overhead.get("tp", 0.0)
+        return sum(
+            k * (mach.collective(op, tp, size, tp, world or None) + extra) for (op, size), k in calls.items()
+        )
+
+    tp_layer = tp_time(tp_calls(cm, tp, sp, recompute, mb, "layer", cp))
+    if (
+        tp_overlap and tp > 1
+    ):  # each collective cut in tp chunks, pipelined with its GEMM: the first chunk shows
+        gemms = gemm_f * (1 + r) + (gemm_f if recompute == "full" else 0.0)
+        tp_layer = tp_layer / tp + max(0.0, tp_layer * (tp - 1) / tp - gemms)
+    cp_layer = cp_layer_time(cm, tp, cp, T, recompute, cp_mode, core_f, world) if cp > 1 else 0.0
+    ep_layer = 0.0
+    if cm.moe and ep > 1:
+        # rows of this rank's tokens (T_moe·k, at most the capacity's), the busiest rank receiving ``moe_load`` x
+        ep_layer = n_tp * mach.collective(
+            "all_to_all", ep, T_moe * cm.top_k * h * B * tr.moe_load, tp * ep, world or None
+        )
+        ep_layer += (
+            (n_tp - 2) // 2 * mach.latency("all_to_all", ep, tp * ep, world or None)
+        )  # the per-expert counts
+        ep_layer += (n_tp + (n_tp - 2) // 2) * mach.call_overhead.get(
+            "ep", 0.0
+        )  # each call's cost in the layer
+    head = (1 + r) * mach.gemm(T, h, mc.vocab_size / tp, gemm_b)
+    head += other * 16 * T * mc.vocab_size / tp / mach.hbm
+    per_layer = {
+        "compute": layer_f + layer_b,
+        "recompute": recomp,
+        "tp comm": tp_layer,
+        "cp comm": cp_layer,
+        "ep comm": ep_layer,
+        "framework": c_op * ops.layer_fb if ops else 0.0,
+    }
+    first_tp = tp_time(tp_calls(cm, tp, sp, recompute, mb, "first", cp))
+    last_tp = tp_time(tp_calls(cm, tp, sp, recompute, mb, "last", cp))
+
+    def stage(layers: float, first: bool, last: bool) -> dict[str, float]:
+        terms = {k: layers * v for k, v in per_layer.items()}
+        terms["compute"] += head if last else 0.0
+        if ops:  # the head's operators; the trainer's per-micro-batch cost per block (saved-tensor and
+            # gradient hooks), and once more for the rest (embedding, head, loss, data)
+            terms["framework"] += (c_op * ops.fixed_fb if last else 0.0) + (
+                layers + 1
+            ) * mach.microbatch_overhead
+        terms["tp comm"] += (first_tp if first else 0.0) + (last_tp if last else 0.0)
+        return terms
+
+    kinds = [(True, True)] if pp == 1 else [(True, False), (False, True)] + [(False, False)] * (pp > 2)
+    Ls, terms = max(
+        (
+            (cm.stage_layers(pp, f, la, split), stage(cm.stage_layers(pp, f, la, split), f, la))
+            for f, la in kinds
+        ),
+        key=lambda st: sum(st[1].values()),
+    )
+    t_w = Ls * (
+        gemm_f * r / 2 - lora_wgrad
+    )  # weight-gradient GEMMs: half of the backward GEMMs (trained ones)
+    return sum(terms.values()), t_w, terms

@@ -1,0 +1,254 @@
+"""Memory terms: model states (ZeRO, offload, LoRA/QLoRA, Adafactor), activations of the layers in
+flight, logits, gradients kept across micro-batches, the optimizer's temporaries and overhead
+(formulas: :mod:`loom.plan.cost`)."""
+
+from __future__ import annotations
+
+from loom.config import target_shapes
+from loom.finetune.nf4 import nf4_bytes
+from loom.plan.cost.base import CostBase
+from loom.plan.cost.layout import Layout
+from loom.plan.cost.pipeline import inflight_layers
+from loom.plan.zero_options import zero3_memory
+
+FRAGMENTATION = 0.10  # share of dynamic memory lost to allocator fragmentation (assumption)
+
+
+def state_memory(cm: CostBase, lay: Layout, first: bool = True, last: bool = True) -> dict[str, float]:
+    """Weights, gradients, optimizer state and ZeRO-3 gather buffer on one device (bytes)."""
+    return dict(
+        cm.memo(state_terms)(
+            lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last, lay.split
+        )
+    )
+
+
+def adapters_on(
+    cm: CostBase, t: int, pp: int, first: bool, last: bool, split: tuple[int, ...] = ()
+) -> tuple[float, float]:
+    """(LoRA adapter parameters, target base elements) on one device of a stage: per block and
+    target of shape (d_out, d_in), r·(d_in + d_out/t) for a column-parallel target (q, k, v, w1, w3:
+    B split with W's rows), r·(d_in/t + d_out) for a row-parallel one (o, w2: A split with W's
+    columns); the base weight d_out·d_in/t."""
+    r, layers = cm.train.lora_rank, cm.stage_layers(pp, first, last, split)
+    shapes = target_shapes(cm.model)
+    adapters = base = 0.0
+    for name in cm.train.lora_targets:
+        d_out, d_in = shapes[name]
+        adapters += r * ((d_in / t + d_out) if name in ("o", "w2") else (d_in + d_out / t))
+        base += d_out * d_in / t
+    return layers * adapters, layers * base
+
+
+def lora_state(
+    cm: CostBase,
+    tp: int,
+    pp: int,
+    first: bool,
+    last: bool,
+    split: tuple[int, ...],
+    dense: float,
+    expert: float,
+    shard: tuple[int, ...],
+    shard_e: tuple[int, ...],
+) -> dict[str, float]:
+    """A LoRA/QLoRA rank's states: the frozen base at W bytes per element (no gradient, no optimizer
+    state; QLoRA's targets in NF4: n/2 + n/64 + 4·ceil(n/16384) + 4 bytes), sharded like the weights;
+    the adapters' weights, gradients and optimizer state as any trained parameter's."""
+    W, G, O = cm.W, cm.G, cm.O  # noqa: E741 (the module doc's names)
+    adapters, targets = adapters_on(cm, tp, pp, first, last, split)
+    frozen = W * (dense / shard[0] + expert / shard_e[0])
+    if cm.train.qlora:  # each target's weight is quantized on its own (QLoRA refuses tp > 1)
+        shapes, layers = target_shapes(cm.model), cm.stage_layers(pp, first, last, split)
+        nf4 = layers * sum(nf4_bytes(shapes[n][0] * shapes[n][1]) for n in cm.train.lora_targets)
+        frozen += (nf4 - W * targets) / shard[0]
+    return {
+        "weights": frozen + W * adapters / shard[0],
+        "gradients": G * adapters / shard[1],
+        "optimizer": O * adapters / shard[2],
+    }
+
+
+def state_terms(
+    cm: CostBase,
+    tp: int,
+    pp: int,
+    cp: int,
+    ep: int,
+    zero: int,
+    dp_shard: int,
+    offload: bool,
+    first: bool,
+    last: bool,
+    split: tuple[int, ...] = (),
+) -> tuple[tuple[str, float], ...]:
+    W, G, O = cm.W, cm.G, cm.O  # noqa: E741 (the module doc's names)
+    dense, expert = cm._params_on(tp, pp, ep, first, last, split)
+    n = dp_shard * cp if zero else 1
+    n_e = max(1, n // ep)
+    shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[zero]
+    shard_e = {0: (1, 1, 1), 1: (1, 1, n_e), 2: (1, n_e, n_e), 3: (n_e, n_e, n_e)}[zero]
+    weights = W * (dense / shard[0] + expert / shard_e[0])
+    buffer = 0.0
+    if zero == 3:
+        buffer = zero3_transient(cm, tp, pp, ep, first, last)
+    optim = O * (dense / shard[2] + expert / shard_e[2])
+    if cm.train.ps_shards:  # the moments live on the servers: worker 0 holds server 0's shard if co-located
+        optim = O * dense / cm.train.ps_shards if cm.train.ps_colocate else 0.0
+    if cm.train.optimizer == "adafactor":  # 4 (R + C) per matrix, 4 per vector element
+        optim += factored_bytes(cm, tp, pp, ep, first, last) / shard[2]
+    grads = G * (dense / shard[1] + expert / shard_e[1])
+    if cm.train.lora_rank:
+        lora = lora_state(cm, tp, pp, first, last, split, dense, expert, shard, shard_e)
+        weights, grads, optim = lora["weights"], lora["gradients"], lora["optimizer"]
+    return (
+        ("weights", weights),
+        ("gradients", grads),
+        ("optimizer", 0.0 if offload else optim),
+        ("zero3 buffer", buffer),
+    )
+
+
+def zero3_transient(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
+    """ZeRO-3's gathered units and gradients at the step's peak (bytes), as Loom runs them:
+
+        max over units u of  W·u + G·u + G·p(u) [+ 2G·p(u), tied]  +  W·u_layer
+
+    A unit in backward is gathered (W·u), its whole gradient buffer is filling (G·u) from
+    autograd's gradient of its largest parameter p(u) (G·p), and the next block is prefetched
+    (W·u_layer). Units: a block; the embedding on the first stage; final norm + head on the
+    last; without a pipeline a tied embedding and head are one unit, whose head gradient autograd
+    holds until the embedding's arrives and then sums into a third tensor (2G·p more)."""
+    W, G = cm.W, cm.G
+    units = cm.zero3_unit_sizes(tp, pp, ep, first, last)
+    return max(W * u + G * (u + p + extra) for u, p, extra in units) + W * units[0][0]
+
+
+def factored_bytes(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
+    """Adafactor's factored second moments on one device before ZeRO: 4 (R + C) bytes per
+    (R x C) weight matrix slice it holds, 4 bytes per vector element (norms, biases)."""
+    m, h, f, kd, V, pc = cm.model, cm.model.dim, cm.ffn, cm.kd, cm.model.vocab_size, cm.params
+    experts = cm.n_experts / ep if cm.moe else 1
+    kv_rows = kd / tp if m.n_kv_heads % tp == 0 else kd
+    qd, mats = m.n_heads * m.head_dim, (3 if m.mlp == "swiglu" else 2)
+    biases = (qd / tp + 2 * kv_rows if m.qkv_bias or m.bias else 0) + pc.attn_whole
+    biases += (f / tp if pc.mlp_whole else 0) + pc.mlp_whole  # w1's rows, w2's whole bias
+    layer = 4 * ((qd / tp + h) * 2 + (kv_rows + h) * 2 + experts * mats * (f / tp + h)) + 4 * (
+        pc.norms + biases
+    )
+    total = cm.stage_layers(pp, first, last) * layer
+    if first:
+        total += 4 * (V / tp + h) + (4 * (m.max_seq_len + h) if pc.positions else 0)
+    if last:
+        total += 4 * pc.final_norm + (4 * (V / tp + h) if pc.head or pp > 1 else 0)
+    return total
+
+
+def step_workspace(cm: CostBase, lay: Layout, first: bool = True, last: bool = True) -> float:
+    """Temporaries of Loom's AdamW step on one device: the fp32 denominators sqrt(v) of every
+    element it updates (``torch._foreach_sqrt``), and under mixed precision the fp32 copy of
+    the gradient shard, 4·Φ_opt·(1 + mixed) bytes for the Φ_opt elements whose optimizer state it
+    holds (8-bit Adam works in chunks and Adafactor on factored statistics: not counted)."""
+    if cm.train.optimizer != "adamw" or lay.offload:
+        return 0.0
+    dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
+    n = lay.dp_shard * lay.cp if lay.zero else 1
+    elements = dense / n + expert / max(1, n // lay.ep)
+    return 4.0 * elements * (2 if cm.train.mixed else 1)
+
+
+def layer_activation(cm: CostBase, lay: Layout) -> tuple[float, float, float]:
+    """Bytes of one layer, one micro-batch: (no recomputation, selective, block input)."""
+    return cm.memo(activation_terms)(lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode)
+
+
+def activation_terms(
+    cm: CostBase, t: int, sp: bool, cp: int, mb: int, cp_mode: str = "allgather"
+) -> tuple[float, float, float]:
+    m, tr = cm.model, cm.train
+    B, h = cm.act_bytes, m.dim
+    T = mb * tr.seq_len / cp
+    rep_div = t if sp else 1
+    rep = 4 * B * T * h / rep_div
+    qkv = B * T * (h / t + 2 * cm.kv_width(t))
+    if cm.moe:  # experts whole on every tp rank, on its tokens (T/t with sp), the busiest's load
+        mlp = 4 * B * T / rep_div * cm.ffn * cm.top_k * tr.moe_load
+    else:
+        mlp = (4 if m.mlp == "swiglu" else 2) * B * T * cm.ffn / t  # w1 x, silu, w3 x, product | w1 x, gelu
+    core = (B * T * h + 4 * T * m.n_heads) / t
+    if cp > 1 and cp_mode == "allgather":  # the other ranks' keys and values, gathered
+        core += 2 * B * T * (cp - 1) * cm.kv_width(t)
+    elif (
+        cp > 1 and cp_mode == "alltoall"
+    ):  # kv heads repeated to whole groups per rank; the core's own output
+        core += 2 * B * T * (cm._kv_repeat(t, cp) - 1) * cm.kv_width(t) + B * T * h / t
+    if not tr.flash_attention:
+        core += B * m.n_heads * T * tr.seq_len / t
+    selective = rep + qkv + mlp
+    return selective + core, selective, B * T * h / rep_div
+
+
+def peak_states(cm: CostBase, lay: Layout) -> float:
+    """Model-state bytes (no activations) on the busiest stage, plus the runtime constant."""
+    worst = max(
+        sum(
+            v
+            for _, v in cm.memo(state_terms)(
+                lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, f, la, lay.split
+            )
+        )
+        for _, f, la, _ in cm._stages(lay.pp)
+    )
+    return worst + cm.cluster.device.runtime_overhead_bytes
+
+
+def peak_memory(cm: CostBase, lay: Layout) -> tuple[float, dict[str, float], str]:
+    """(peak bytes, breakdown, stage) over the first and last pipeline stage."""
+    best: tuple[float, dict[str, float], str] = (-1.0, {}, "")
+    for name, _, _, idx in cm._stages(lay.pp):
+        bd = stage_memory(cm, lay, idx)
+        total = sum(bd.values())
+        if total > best[0]:
+            best = (total, bd, name)
+    return best
+
+
+def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None = None) -> dict[str, float]:
+    """Bytes on a device of pipeline stage ``stage`` at its peak, by kind: model states, saved
+    activations of the layers in flight (``inflight_layers`` of the schedule), logits, full-size
+    gradients kept across micro-batches, overhead; ``microbatches`` default: the workload's."""
+    m = microbatches or cm.train.global_batch // (lay.dp * lay.micro_batch)
+    first, last = stage == 0, stage == lay.pp - 1
+    full_act, sel_act, block_in = cm.memo(activation_terms)(
+        lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode
+    )
+    bd = dict(
+        cm.memo(state_terms)(
+            lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last, lay.split
+        )
+    )
+    n = inflight_layers(lay.schedule, lay.pp, stage, m, lay.v, cm.model.n_layers)
+    if lay.pp > 1 and (cm.model.n_layers % lay.pp or lay.split):  # uneven: this stage's blocks, not L / pp
+        n *= cm.stage_layers(lay.pp, first, last, lay.split) * lay.pp / cm.model.n_layers
+    if lay.recompute == "none":
+        act = n * full_act
+    elif lay.recompute == "selective":
+        act = n * sel_act
+    else:
+        act = max(n - 1.0, 0.0) * block_in + sel_act
+    logits = 0.0
+    if last:
+        T = lay.micro_batch * cm.train.seq_len / lay.cp
+        logits = T * cm.model.vocab_size / lay.tp * (cm.stack.logit_bytes or cm.act_bytes + 8)
+    bd["activations"] = act
+    bd["logits"] = logits
+    bd["accumulation"] = 0.0
+    if lay.zero >= 2 and m > 1 and not cm.stack.microbatch_reduce:  # full-size gradients kept (FSDP no_sync)
+        dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
+        bd["accumulation"] = cm.G * (dense + expert) - bd["gradients"]
+    # The optimizer step runs after the activations are freed; its temporaries count only beyond them.
+    bd["optimizer step"] = max(0.0, step_workspace(cm, lay, first, last) - act - logits)
+    bd["overhead"] = cm.cluster.device.runtime_overhead_bytes + FRAGMENTATION * (
+        act + logits + bd["zero3 buffer"]
+    )
+    return zero3_memory(cm, lay, bd, first, last) if lay.offload_params or lay.hpz else bd

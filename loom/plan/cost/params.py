@@ -1,0 +1,69 @@
+"""Parameter counts of the Llama-style model, MoE and GPT-2 variants included (:mod:`loom.plan.cost`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loom.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of the Llama-style model (see module doc); MoE when n_experts > 1."""
+
+    attn: int  # attention matmul weights per layer
+    mlp: int  # MLP weights per layer (all experts)
+    mlp_active: int  # MLP weights one token goes through
+    router: int  # router weights per layer (MoE)
+    norms: int  # norm weights per layer
+    embed: int  # input embedding
+    head: int  # output head (0 when tied)
+    final_norm: int
+    n_layers: int
+    positions: int = 0  # learned position table (replicated over tp, on the first stage)
+    mlp_whole: int = 0  # of ``mlp``: the row-parallel bias, whole on every tp rank
+    attn_whole: int = 0  # of ``attn``: the row-parallel wo bias, whole on every tp rank
+
+    @classmethod
+    def of(cls, m: ModelConfig, n_experts: int = 1, top_k: int = 1) -> ParamCounts:
+        h, f, kd, qd = m.dim, m.resolved_ffn_dim(), m.n_kv_heads * m.head_dim, m.n_heads * m.head_dim
+        moe = n_experts > 1
+        mats = 3 if m.mlp == "swiglu" else 2  # SwiGLU's w1, w3, w2, or GELU's w1, w2
+        mlp_bias = (f + h) if m.bias and not moe else 0  # experts have no biases
+        norm = 2 if m.norm == "layernorm" else 1  # LayerNorm: weight and bias
+        return cls(
+            attn=2 * h * qd
+            + 2 * h * kd
+            + ((qd + 2 * kd) if m.qkv_bias or m.bias else 0)
+            + (h if m.bias else 0),
+            mlp=mats * h * f * (n_experts if moe else 1) + mlp_bias,
+            mlp_active=mats * h * f * (top_k if moe else 1) + mlp_bias,
+            router=h * n_experts if moe else 0,
+            norms=2 * h * norm + (2 * m.head_dim if m.qk_norm else 0),
+            embed=m.vocab_size * h,
+            head=0 if m.tie_embeddings else m.vocab_size * h,
+            final_norm=h * norm,
+            n_layers=m.n_layers,
+            positions=m.max_seq_len * h if m.positions == "learned" else 0,
+            mlp_whole=h if mlp_bias else 0,
+            attn_whole=h if m.bias else 0,
+        )
+
+    def mlp_on(self, tp: int, ep: int = 1) -> float:
+        """MLP parameters one rank holds: split over tp (experts over ep too) but the whole w2 bias."""
+        return (self.mlp - self.mlp_whole) / (tp * ep) + self.mlp_whole
+
+    @property
+    def total(self) -> int:
+        per_layer = self.attn + self.mlp + self.router + self.norms
+        return self.n_layers * per_layer + self.embed + self.head + self.final_norm + self.positions
+
+    @property
+    def matmul_active(self) -> int:
+        """Weights a token multiplies through: layers' matmuls + the head (tied or not)."""
+        return self.n_layers * (self.attn + self.mlp_active + self.router) + self.embed
+
+
+def param_count(model: ModelConfig, n_experts: int = 1) -> int:
+    """Unique parameters (tied embeddings counted once), as ``llama.count_params`` counts them."""
+    return ParamCounts.of(model, n_experts).total

@@ -1,0 +1,58 @@
+"""Pipeline shapes: blocks per stage, the bubble of each schedule, the layers a stage holds in flight."""
+
+from __future__ import annotations
+
+from loom.plan.cost.layout import SCHEDULES, PlanError
+
+
+def default_split(n_layers: int, pp: int) -> tuple[int, ...]:
+    """Blocks per stage when none are given: ``L = q pp + r``, the r spare blocks on middle stages
+    first, then the last, then the first (those two also hold the embedding and the head):
+    70 on 12 -> 5, 6 x 10, 5 (BLOOM's split); 30 on 4 -> 7, 8, 8, 7."""
+    q, rem = divmod(n_layers, pp)
+    counts = [q] * pp
+    order = list(range(1, pp - 1)) + [pp - 1, 0]
+    for i in order[:rem]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+def split_layout(counts: tuple[int, ...]) -> str:
+    """``parallel.pp_layout`` of per-stage block counts: (1, 3) -> "0-0,1-3"."""
+    bounds, lo = [], 0
+    for c in counts:
+        bounds.append(f"{lo}-{lo + c - 1}")
+        lo += c
+    return ",".join(bounds)
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, w_share: float = 1 / 3) -> float:
+    """Share of the step a device idles in the pipeline bubble.
+
+    GPipe/1F1B (p-1)/(m+p-1); interleaved ((p-1)/v)/(m + (p-1)/v); ZB-H1 (p-1)(1-2w)/(m + (p-1)(1-2w))
+    with w = t_W / t_mb the weight-gradient share of a micro-batch (1/3 when F = B = W).
+    """
+    if p <= 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        idle = p - 1.0
+    elif schedule == "interleaved":
+        idle = (p - 1.0) / v
+    elif schedule == "zb-h1":
+        idle = (p - 1.0) * (1.0 - 2.0 * w_share)
+    else:
+        raise PlanError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
+    return idle / (m + idle)
+
+
+def inflight_layers(schedule: str, p: int, stage: int, m: int, v: int, n_layers: int) -> float:
+    """Layer activations (micro-batches x layers) stage ``stage`` holds at its peak (module doc)."""
+    per_stage = n_layers / p
+    if schedule == "gpipe":
+        return m * per_stage
+    if schedule == "interleaved" and v > 1:
+        chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+        return chunks * per_stage / v
+    if schedule == "zb-h1":  # deferred weight-gradient passes keep p micro-batches alive on every stage
+        return min(m, p) * per_stage
+    return min(m, p - stage) * per_stage

@@ -1,0 +1,75 @@
+"""The training software a prediction assumes (:class:`Stack`): how many passes its memory-bound
+kernels make, what its "selective" recomputation means, how it reduces and where its loss peaks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Training software whose kernels and overlap a prediction assumes (published runs name theirs).
+
+    ``other`` scales the time of everything but GEMMs and attention kernels (elementwise, norms,
+    softmax, loss: the memory-bound work) for a stack that fuses less than one pass over each
+    tensor (fitted on the published runs, 1.75-2.8: eager or partly fused norms, bias/GeLU,
+    softmax and loss read and write each tensor about twice what Loom's one-pass count says).
+    ``selective_gemms``: what "selective" recomputation means there beyond the attention core
+    (Korthikanti et al.'s policy, Loom's and Megatron's: 0); torchtitan's op-level policy saves
+    every other matmul output and recomputes the rest (0.5). ``microbatch_reduce``: Composer's
+    FSDP reduce-scatters the gradients of every micro-batch (Loom and torchtitan keep them whole
+    until the last: ``no_sync``); ``logit_bytes``: llm-foundry's fused cross entropy works on the
+    bf16 logits in place (2 + 2 bytes, the logits and their gradient).
+    """
+
+    name: str
+    other: float = 1.0
+    selective_gemms: float = 0.0  # share of a layer's GEMMs that "selective" recomputation runs again
+    microbatch_reduce: bool = (
+        False  # ZeRO-2/3 reduce-scatter every micro-batch (FSDP without no_sync): no full-size grads
+    )
+    logit_bytes: float = (
+        0.0  # bytes per logit at the loss's peak (0: B_a + 8, logits + fp32 copy + log-softmax)
+    )
+    note: str = ""
+
+
+STACKS: dict[str, Stack] = {
+    s.name: s
+    for s in (
+        Stack(
+            "",
+            other=1.8,
+            note="Loom: eager PyTorch norms/activations and SDPA flash attention, as torchtitan's",
+        ),
+        Stack(
+            "megatron-core",
+            other=1.3,
+            note="Megatron-Core + Transformer Engine (fused norm-GEMM, bias-GeLU): an "
+            "assumption between one pass and Megatron-LM's fitted 1.85, not fitted (no public bf16 row outside the held-out set)",
+        ),
+        Stack(
+            "megatron-lm-2021",
+            other=1.85,
+            note="Megatron-LM (2021): fused softmax/bias-GeLU kernels, no flash attention",
+        ),
+        Stack(
+            "megatron-deepspeed",
+            other=2.8,
+            note="Megatron-DeepSpeed (BLOOM, MT-NLG): Megatron kernels, DeepSpeed pipeline and ZeRO-1",
+        ),
+        Stack(
+            "pytorch-fsdp",
+            other=1.8,
+            selective_gemms=0.5,
+            note="torchtitan: PyTorch FSDP2 eager, SDPA flash attention",
+        ),
+        Stack(
+            "composer-fsdp",
+            other=1.75,
+            microbatch_reduce=True,
+            logit_bytes=4.0,
+            note="MosaicML Composer + FSDP1, Triton flash attention",
+        ),
+    )
+}
