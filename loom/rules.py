@@ -2,8 +2,13 @@
 
 :func:`layout_problems` is the one place that says whether a parallel layout can run a model:
 ``config.validate`` raises the first problem it returns, and ``loom.plan.search`` drops every
-candidate with one, so ``loom plan`` never ranks a layout that training refuses. Pure functions
-over plain numbers and strings (standard library only); each problem is one line naming the field.
+candidate with one, so ``loom plan`` never ranks a layout that training refuses. The degrees
+and options around it are rules here too (``config.validate`` applies each in turn): the world size
+and its products (:func:`world_problem`, :func:`sharding_problem`, :func:`resolve_degrees`), ZeRO
+stages and the ZeRO-3 options (:func:`zero_stage_problem`, :func:`zero3_options_problem`), the batch
+(:func:`batch_problem`), parameter servers (:func:`server_ranks_problem`, :func:`param_server_problem`),
+expert rebalancing and QLoRA under tp. Pure functions over plain numbers and strings (standard
+library only); each problem is one line naming the field.
 """
 
 from __future__ import annotations

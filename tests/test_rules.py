@@ -139,3 +139,53 @@ def test_literal_fields_are_checked_and_documented():
         assert (
             str(e.value) == f"{section}.{name}: must be one of {' | '.join(map(str, allowed))}, got 'bogus'"
         )
+
+
+@pytest.mark.parametrize(
+    "problem,overrides,world",
+    [
+        (rules.world_problem(4, dp=-1, tp=3, pp=1, cp=1, ep=1), ["--parallel.tp", "3"], 4),
+        (rules.world_problem(4, dp=3, tp=1, pp=1, cp=1, ep=1), ["--parallel.dp", "3"], 4),
+        (rules.sharding_problem(dp=4, dp_shard=3, cp=1, ep=1), ["--parallel.dp_shard", "3"], 4),
+        (rules.sharding_problem(dp=4, dp_shard=4, cp=1, ep=3), ["--parallel.ep", "3"], 4),
+        (rules.zero_stage_problem(4), ["--parallel.zero", "4"], 2),
+        (rules.batch_problem(16, 3, 2), ["--train.global_batch", "16", "--train.micro_batch", "3"], 2),
+        (
+            rules.server_ranks_problem(2, servers=2, dp=-1),
+            ["--parallel.dp_mode", "ps", "--parallel.ps_shards", "2", "--parallel.ps_colocate", "false"],
+            2,
+        ),
+        (
+            rules.expert_rebalance_problem(rebalance_every=1, hot_experts=1, n_experts=4, ep=1),
+            [*MOE, "--moe.rebalance_every", "1"],
+            2,
+        ),
+        (rules.qlora_layout_problem("qlora", 2), ["--finetune.method", "qlora", "--parallel.tp", "2"], 2),
+        (
+            rules.zero3_options_problem(zero=2, qwz=True),
+            ["--parallel.zeropp_qwz", "true", "--parallel.zero", "2"],
+            2,
+        ),
+        (
+            rules.zero3_options_problem(zero=3, hpz=True, hpz_group=3, dp_shard=4),
+            ["--parallel.zeropp_hpz", "true", "--parallel.hpz_group", "3", "--parallel.zero", "3"],
+            4,
+        ),
+    ],
+)
+def test_config_validate_raises_the_rules_own_message(problem, overrides, world):
+    """The degree and option rules are plain functions of plain values; validate raises their message."""
+    assert problem and "\n" not in problem
+    cfg = C.load("debug", overrides)
+    with pytest.raises(C.ConfigError) as e:
+        C.validate(cfg, world)
+    assert str(e.value) == problem
+
+
+def test_mesh_problem_resolves_automatic_degrees():
+    assert rules.resolve_degrees(8, dp=-1, dp_shard=-1, tp=2, pp=1, cp=1, zero=1) == (4, 4)
+    assert rules.resolve_degrees(8, dp=-1, dp_shard=-1, tp=2, pp=2, cp=1, zero=0) == (2, 1)
+    assert rules.mesh_problem(8, dp=-1, dp_shard=-1, tp=2, pp=2, cp=2, ep=1, zero=3) is None
+    assert rules.mesh_problem(8, dp=-1, dp_shard=-1, tp=2, pp=1, cp=1, ep=8, zero=0) == (
+        "parallel.ep: must divide dp*cp = 4, got 8"
+    )
