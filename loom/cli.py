@@ -37,7 +37,8 @@ commands:
 train options: --max-restarts K restarts all ranks after a failure, resuming from the last
 checkpoint; --nnodes N --node-rank R --rdzv-endpoint HOST:PORT runs this node's --nproc ranks of a
 multi-node job (node 0 hosts the rendezvous); --train.resume PATH starts from any checkpoint
-(default: latest in --run.dir).
+(default: latest in --run.dir). With parallel.auto, --profile FILE names the calibration profile
+the planner uses (loom plan calibrate; default: ./profile.json if present, else the datasheet).
 """
 
 
@@ -95,7 +96,8 @@ def cmd_train(argv: list[str]) -> int:
         under_external_launcher,
     )
 
-    cfg, plain = _load(argv, TRAIN_OPTIONS)
+    cfg, plain = _load(argv, (*TRAIN_OPTIONS, "profile"))
+    profile = plain.pop("profile", None)  # the planner's calibration profile (parallel.auto)
     opts = launch_options(plain)  # --max-restarts, --nnodes, --node-rank, --rdzv-endpoint (one-line errors)
 
     apply_slurm_env()  # srun without torchrun: one rank per task
@@ -112,7 +114,7 @@ def cmd_train(argv: list[str]) -> int:
 
         world = int(os.environ["WORLD_SIZE"]) if under_external_launcher() else opts.world(cfg)
         try:
-            print(describe(apply_auto(cfg, world)), flush=True)
+            print(describe(apply_auto(cfg, world, profile_path=profile)), flush=True)
         except ValueError as e:  # PlanError / HardwareError: say it like any bad field
             raise C.ConfigError(
                 str(e) if str(e).startswith("parallel.auto") else f"parallel.auto: {e}"

@@ -2,8 +2,8 @@
 
 :func:`local_cluster` describes the machine a run is on: ``loom/configs/clusters/cpu-local.toml``
 widened to the world size (one node, every rank on it) for CPU runs, ``DEVICE:1xN`` for a
-known GPU. :func:`load_profile` reads ``$LOOM_PROFILE`` or ``./profile.json`` when present
-(written by ``loom plan calibrate``), scaled by :func:`~loom.plan.hardware.profiles.contended` when more
+known GPU. :func:`load_profile` reads the profile the caller names (``loom train --profile``) or
+:data:`DEFAULT_PROFILE` when present (written by ``loom plan calibrate``; no environment variable), scaled by :func:`~loom.plan.hardware.profiles.contended` when more
 ranks than cores share the CPU. :func:`apply_auto` searches the layouts of the world size and
 writes the fastest into ``cfg.parallel`` and ``cfg.train.micro_batch``; :func:`prediction`
 gives the estimate of a config's own layout (what the trainer logs beside its measurement).
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from pathlib import Path
 
 from loom.config import ConfigError, LoomConfig, world_size_of
@@ -32,6 +31,7 @@ from loom.plan.report import layout_of, model_of, workload_of
 from loom.plan.search import search
 
 log = logging.getLogger("loom")
+DEFAULT_PROFILE = "profile.json"  # the calibration profile read when none is named, if present (cwd)
 
 
 def local_cluster(world: int, device: str = "cpu") -> ClusterSpec:
@@ -43,9 +43,10 @@ def local_cluster(world: int, device: str = "cpu") -> ClusterSpec:
 
 
 def load_profile(world: int, path: str | None = None, device: str = "cpu") -> Profile | None:
-    """The calibration profile at ``path``, ``$LOOM_PROFILE`` or ``./profile.json``; if absent, None
-    (the datasheet), or on a CPU whose cores the ranks outnumber, the datasheet scaled by :func:`contended`."""
-    p = path or os.environ.get("LOOM_PROFILE") or "profile.json"
+    """The calibration profile at ``path`` (which must exist), else :data:`DEFAULT_PROFILE` if present;
+    without one None (the datasheet), or on a CPU whose cores the ranks outnumber, the datasheet scaled
+    by :func:`contended`."""
+    p = path or DEFAULT_PROFILE
     if not Path(p).is_file():
         if path:
             raise HardwareError(f"profile file {p!r} does not exist")
@@ -108,12 +109,15 @@ def _copy(cfg: LoomConfig) -> LoomConfig:
     return from_dict(to_dict(cfg))
 
 
-def choose(cfg: LoomConfig, world: int | None = None, profile: Profile | None = None) -> Estimate:
-    """The fastest layout of ``world`` ranks that fits and that the runtime can run."""
+def choose(
+    cfg: LoomConfig, world: int | None = None, profile: Profile | None = None, profile_path: str | None = None
+) -> Estimate:
+    """The fastest layout of ``world`` ranks that fits and that the runtime can run; ``profile``, else
+    the one at ``profile_path`` (:func:`load_profile`)."""
     world = world or world_size_of(cfg)
     cluster = local_cluster(world, _device_of(cfg))
     if profile is None:
-        profile = load_profile(world, device=_device_of(cfg))
+        profile = load_profile(world, profile_path, device=_device_of(cfg))
     result = search(model_of(cfg), workload_of(cfg), cluster, world, profile=profile)
     for est in result.ranked:
         lay = est.layout
@@ -127,10 +131,12 @@ def choose(cfg: LoomConfig, world: int | None = None, profile: Profile | None = 
     )
 
 
-def apply_auto(cfg: LoomConfig, world: int | None = None, profile: Profile | None = None) -> Estimate:
+def apply_auto(
+    cfg: LoomConfig, world: int | None = None, profile: Profile | None = None, profile_path: str | None = None
+) -> Estimate:
     """Write the planner's best layout into ``cfg`` (parallel.*, train.micro_batch, train.recompute)."""
     world = world or world_size_of(cfg)
-    est = choose(cfg, world, profile)
+    est = choose(cfg, world, profile, profile_path)
     _to_config(cfg, est.layout)
     cfg.parallel.auto = False  # chosen: a relaunched rank must not search again
     log.info("%s", describe(est))

@@ -215,7 +215,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="loom plan validate", description="predicted vs measured on local runs")
     p.add_argument(
         "--profile",
-        help="calibration profile (loom plan calibrate); default: $LOOM_PROFILE or ./profile.json if present",
+        help="calibration profile (loom plan calibrate); default: ./profile.json if present, else the datasheet",
     )
     p.add_argument(
         "--config", default=DEBUG_CONFIG, help="base training config (default: configs/debug.toml)"
@@ -325,7 +325,7 @@ def main(argv: list[str]) -> int:
         print(f"wrote {draw_validation(rows, args.plot)}", file=sys.stderr if args.json else sys.stdout)
     if not args.json:
         print(
-            f"profile: {args.profile or 'default ($LOOM_PROFILE, ./profile.json or datasheet)'}; "
+            f"profile: {args.profile or 'default (./profile.json or datasheet)'}; "
             f"{time.perf_counter() - t0:.0f} s"
         )
     return 0 if all(abs(r.memory_error) <= MEMORY_TOLERANCE for r in rows) else 1
