@@ -24,7 +24,16 @@ def tp_reason(model: ModelFacts, tp: int, per_node: int) -> str | None:
 
 
 def check(cm: CostBase, lay: Layout) -> str | None:
-    """Why ``lay`` cannot run this model/workload on this cluster, or None."""
+    """Why the formulas cannot evaluate ``lay`` for this model/workload on this cluster, or None.
+
+    What the formulas assume (degrees, the cluster's size, a modelled schedule and recomputation,
+    whole blocks per chunk, whole micro-batches, tp inside a node); divisibility of the model's
+    shapes is :mod:`loom.rules`' (called, not restated). Whether ``loom train`` runs ``lay`` too is
+    :func:`refused`. Rules still stated here as well as elsewhere, with the messages tests pin
+    (until :mod:`loom.rules` exposes them one by one): dp_shard | dp, zero in 0..3 and zero > 0
+    needing dp_shard*cp > 1 (``loom.config``); ep | dp*cp (:class:`loom.mesh.ParallelDims`); v > 1
+    only interleaved, pp*v <= L, interleaved micro-batches divisible by pp, ep > 1 needing experts
+    and ep | n_experts (:func:`loom.rules.layout_problems`)."""
     m, t = cm.model, cm.train
     if min(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.v, lay.micro_batch) < 1:
         return "every degree must be >= 1"
@@ -40,6 +49,7 @@ def check(cm: CostBase, lay: Layout) -> str | None:
         return f"schedule must be one of {', '.join(SCHEDULES)}"
     if lay.recompute not in RECOMPUTE:
         return f"recompute must be one of {', '.join(RECOMPUTE)}"
+    # the model's shapes over tp, sp and cp: loom.rules (tp inside a node: the planner's cluster)
     why = tp_reason(cm.facts, lay.tp, cm.cluster.devices_per_node)
     why = why or (sequence_parallel_problem(lay.tp, lay.cp, t.seq_len) if lay.sp else None)
     why = why or context_parallel_problem(lay.cp, t.seq_len)
