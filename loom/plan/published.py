@@ -2,7 +2,7 @@
 
 Each ``loom/plan/validation/*.toml`` file holds ``[models.NAME]`` shapes (:class:`ModelConfig`
 fields) and ``[[runs]]``: ``name``, ``model``, ``stack`` (the training software, see
-:data:`loom.plan.hardware.STACKS`), ``cluster`` (``device``, ``devices_per_node``,
+:data:`loom.plan.cost.STACKS`), ``cluster`` (``device``, ``devices_per_node``,
 ``inter_bandwidth_gbps`` per GPU, optional ``intra_bandwidth_gbps``), ``layout`` (a
 :meth:`Layout.parse` line), ``global_batch``, ``seq_len``, ``precision`` (bf16), ``flash_attention``
 (true), ``reduce_dtype`` (fp32), one measured throughput — ``tokens_per_s_per_gpu``,
