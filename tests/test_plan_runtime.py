@@ -514,7 +514,7 @@ def test_layer_call_excess_is_the_layer_measurement_minus_its_bare_calls():
     """Per call: the layer's time minus the mean fit of the calls it issued, each moving S/2 (tp: 3
     all-gathers + 2 reduce-scatters of S; ep: 4 all-to-alls of the top-2 rows, 2 S, and one of the
     4 experts' int64 counts), never below 0, and 0 when the layer was not measured."""
-    from loom.plan.calibrate import EP_EXPERTS, EP_TOP_K, layer_call_excess
+    from loom.plan.probes import EP_EXPERTS, EP_TOP_K, layer_call_excess
 
     S = 8192
     fits = [
