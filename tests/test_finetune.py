@@ -262,7 +262,7 @@ def test_lora_tp2_replicated_kv_equals_single_process(pools, reference_kv1):
 def _check_tp_bytes(results: list[dict], cfg: C.LoomConfig) -> None:
     """Bytes moved per step = tp_lora's formula: the layers' collectives where a gradient reaches them
     (the frozen base's partial sums gone) + the adapters' (one (B, T, Σr) collective per entry)."""
-    from loom.parallel.tensor.lora import lora_comm_bytes
+    from loom.parallel.tensor.parallelize import lora_comm_bytes
 
     tp, sp, k = cfg.parallel.tp, cfg.parallel.sp, BATCH // MICRO
     for r in results:

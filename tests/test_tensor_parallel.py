@@ -24,7 +24,7 @@ TRAIN_TOL = dict(rtol=1e-4, atol=5e-5)
 
 
 def _ctx(tp: int, sp: bool = False, meter=None):
-    from loom.parallel.tensor.layers import TPContext
+    from loom.parallel.tensor.shard import TPContext
 
     mesh = get_mesh(tp=tp)
     return TPContext(mesh.group("tp"), mesh.local_rank("tp"), tp, meter, sp)
@@ -94,12 +94,8 @@ def _primitives(tp: int) -> None:
 
 def _layers(tp: int) -> None:
     """Column -> row linear pair, vocab-parallel embedding, against the single-device modules."""
-    from loom.parallel.tensor.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        sharded_param,
-    )
+    from loom.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from loom.parallel.tensor.shard import sharded_param
 
     B, T, H, OUT = 2, 4 * tp, 8, 6 * tp
     full = _same_everywhere(B, T, H)

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.config import TARGET_NAMES, FinetuneConfig, LoomConfig, lora_targets
+from loom.config import NF4_BLOCK, TARGET_NAMES, FinetuneConfig, LoomConfig, lora_targets
+from loom.finetune.nf4 import NF4Weight, nf4_bytes
 from loom.model.llama import _param_seed
 
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -122,7 +123,7 @@ class LoRALinear(nn.Linear):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = cast(nn.Parameter, base.weight.requires_grad_(False))
         self.bias = None if base.bias is None else cast(nn.Parameter, base.bias.requires_grad_(False))
-        self.nf4: nn.Module | None = None  # QLoRA: the quantized weight (then ``weight`` is gone)
+        self.nf4: NF4Weight | None = None  # QLoRA: the quantized weight (then ``weight`` is gone)
         add_adapters(self, base.in_features, base.out_features, cfg)
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,6 +133,29 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base_forward(x) + lora_output(self, lora_input(self, x))
+
+
+@torch.no_grad()
+def quantize_base(model: nn.Module, materialize: Callable[[nn.Module], None] | None = None) -> int:
+    """Replace the frozen weight of every :class:`LoRALinear` of ``model`` by its NF4 form
+    (:class:`~loom.finetune.nf4.NF4Weight`), one weight at a time (``materialize(linear)`` first
+    gives a meta weight its values, so at most one full-precision target weight exists at once);
+    returns the bytes of NF4 storage."""
+    total = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoRALinear) and mod.nf4 is None:
+            if materialize is not None:
+                materialize(mod)
+            if mod.weight.numel() % NF4_BLOCK:
+                raise ValueError(
+                    f"finetune.method: qlora cannot quantize {name}.weight ({mod.weight.numel()} "
+                    f"elements, not a multiple of {NF4_BLOCK})"
+                )
+            nf4 = NF4Weight(mod.weight)
+            del mod.weight
+            mod.nf4 = nf4
+            total += nf4.nbytes
+    return total
 
 
 def target_modules(model: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple[str, nn.Module, str]]:
@@ -186,7 +210,6 @@ def state_bytes_formula(cfg: LoomConfig, n: int = 1) -> dict[str, float]:
 
     The rest of a full fine-tune's 16 bytes per parameter (mixed) is gone: the base costs e·Φ_B."""
     from loom.config import target_shapes
-    from loom.finetune.nf4 import nf4_bytes
     from loom.model.llama import build_model, count_params
 
     zero, mixed = cfg.parallel.zero, cfg.train.precision != "fp32"

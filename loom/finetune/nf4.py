@@ -25,8 +25,6 @@ CPU path was not needed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.autograd import Function
@@ -133,27 +131,3 @@ class NF4Weight(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = _NF4Matmul.apply(x, self)
         return y if bias is None else y + bias
-
-
-@torch.no_grad()
-def quantize_base(model: nn.Module, materialize: Callable[[nn.Module], None] | None = None) -> int:
-    """Replace the frozen weight of every :class:`~loom.finetune.lora.LoRALinear` of ``model`` by its
-    NF4 form, one weight at a time (``materialize(linear)`` first gives a meta weight its values, so
-    at most one full-precision target weight exists at once); returns the bytes of NF4 storage."""
-    from loom.finetune.lora import LoRALinear
-
-    total = 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, LoRALinear) and mod.nf4 is None:
-            if materialize is not None:
-                materialize(mod)
-            if mod.weight.numel() % NF4_BLOCK:
-                raise ValueError(
-                    f"finetune.method: qlora cannot quantize {name}.weight ({mod.weight.numel()} "
-                    f"elements, not a multiple of {NF4_BLOCK})"
-                )
-            nf4 = NF4Weight(mod.weight)
-            del mod.weight
-            mod.nf4 = nf4
-            total += nf4.nbytes
-    return total

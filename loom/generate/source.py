@@ -121,8 +121,7 @@ def load_lora(cfg: C.LoomConfig, run_dir: Path, weights: Path) -> Transformer:
 
     from loom.finetune.base import base_identity
     from loom.finetune.export import base_tensors
-    from loom.finetune.lora import LoRALinear, apply_lora, is_adapter
-    from loom.finetune.nf4 import quantize_base
+    from loom.finetune.lora import LoRALinear, apply_lora, is_adapter, quantize_base
 
     recorded = _recorded_base(run_dir, weights)
     now = base_identity(cfg) or {}

@@ -34,16 +34,52 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from loom import comm
 from loom.comm import Group
-from loom.optim.flat import Piece, pieces_of
 from loom.optim.master import MasterWeights
 from loom.optim.store import StateStore
 
 BETA2_DECAY, EPS2, CLIP_D = -0.8, 1e-3, 1.0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The run of one parameter inside this rank's shard of a flat buffer.
+
+    ``lo, hi``: elements of the parameter's own flattening; ``a, b``: the same run in the shard.
+    """
+
+    shard: int  # index of the flat buffer / shard
+    slot: int  # index of the parameter in its layout
+    param: torch.Tensor
+    lo: int
+    hi: int
+    a: int
+    b: int
+    decay: bool
+    tp_dim: int | None  # tensor-parallel shard dim of the parameter, None if replicated over tp
+
+
+def pieces_of(layouts: Sequence) -> tuple[list[Piece], list[tuple[int, int]]]:
+    """This rank's pieces, and (layout, slot) of *every* parameter of the layouts, in the same
+    order on every rank (collectives pack per-parameter statistics in this order)."""
+    pieces, every = [], []
+    for i, lay in enumerate(layouts):
+        for j, (p, s) in enumerate(zip(lay.params, lay.slots)):
+            every.append((i, j))
+            lo, hi = max(s.offset, lay.start), min(s.offset + s.numel, lay.end)
+            if lo < hi:
+                tp_dim = s.tp_dim
+                pieces.append(
+                    Piece(
+                        i, j, p, lo - s.offset, hi - s.offset, lo - lay.start, hi - lay.start, s.decay, tp_dim
+                    )
+                )
+    return pieces, every
 
 
 def _factored(p: torch.Tensor) -> bool:

@@ -173,7 +173,7 @@ def parallelize(
     if (
         cfg.finetune.method == "qlora"
     ):  # the targets' frozen base weights into NF4 (ZeRO-3: materialized one by one)
-        from loom.finetune.nf4 import quantize_base
+        from loom.finetune.lora import quantize_base
 
         quantize_base(model, partial(materialize, device=device, source=source))
     strategy = data_parallel(model, mesh, cfg, meter, filler(source), device)

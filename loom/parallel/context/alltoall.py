@@ -34,7 +34,7 @@ from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.parallel.context.blocks import CpCore, doc_mask, global_docs
+from loom.parallel.context.blocks import CpCore, doc_mask, global_docs, local_positions
 
 
 def kv_repeat(kv_heads: int, cp: int) -> int:
@@ -55,8 +55,6 @@ def _all_to_all(x: torch.Tensor, group: Group, meter: CommMeter | None) -> torch
 
 def rank_major_positions(seq_len: int, cp: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Position of each row of the rank-major gathered sequence (rank j's local positions, j = 0..cp-1)."""
-    from loom.parallel.context.parallelize import local_positions
-
     return torch.cat([local_positions(seq_len, cp, j, device) for j in range(cp)])
 
 

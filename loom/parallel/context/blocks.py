@@ -69,6 +69,15 @@ def block_seed(base: int, rank: int, src: int) -> int:
     return (base + (1 + rank * 4099 + src) * BLOCK_SEED) % 2**63
 
 
+def local_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Global positions of cp rank ``rank``'s tokens: chunks r and 2cp-1-r of 2cp, in order."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp}")
+    c = seq_len // (2 * cp)
+    first, second = (rank * c, (rank + 1) * c), ((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
+    return torch.cat([torch.arange(*first, device=device), torch.arange(*second, device=device)])
+
+
 def chunk_blocks(rank: int, src: int, c: int) -> list[Block]:
     """The blocks rank ``rank``'s 2c local queries compute against rank ``src``'s 2c keys (module doc)."""
     if src == rank:

@@ -50,18 +50,13 @@ from torch import nn
 
 from loom.comm import CommMeter, Group
 from loom.model.llama import CoreAttention
+from loom.parallel.context.allgather import AllGatherCore
+from loom.parallel.context.alltoall import AllToAllCore, kv_repeat
+from loom.parallel.context.blocks import local_positions
+from loom.parallel.context.ring import RingCore
 from loom.parallel.rng import private_rng
 
 __all__ = ["apply_context_parallel", "context_core", "cp_comm_bytes", "local_positions", "shard_sequence"]
-
-
-def local_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Global positions of cp rank ``rank``'s tokens: chunks r and 2cp-1-r of 2cp, in order."""
-    if seq_len % (2 * cp):
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp}")
-    c = seq_len // (2 * cp)
-    first, second = (rank * c, (rank + 1) * c), ((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
-    return torch.cat([torch.arange(*first, device=device), torch.arange(*second, device=device)])
 
 
 def shard_sequence(batches, cp: int, rank: int):
@@ -76,19 +71,14 @@ def shard_sequence(batches, cp: int, rank: int):
     return out
 
 
-def _cores() -> dict[str, type[nn.Module]]:
-    from loom.parallel.context.allgather import AllGatherCore
-    from loom.parallel.context.alltoall import AllToAllCore
-    from loom.parallel.context.ring import RingCore
-
-    return {"allgather": AllGatherCore, "ring": RingCore, "alltoall": AllToAllCore}
+CORES: dict[str, type[nn.Module]] = {"allgather": AllGatherCore, "ring": RingCore, "alltoall": AllToAllCore}
 
 
 def context_core(
     mode: str, group: Group, rank: int, cp: int, meter: CommMeter | None = None, dropout: float = 0.0
 ) -> nn.Module:
     """The attention core of ``mode`` for cp rank ``rank`` of ``group`` (attention dropout ``dropout``)."""
-    return _cores()[mode](group, rank, cp, meter, dropout)
+    return CORES[mode](group, rank, cp, meter, dropout)
 
 
 class CpPrivateRng:
@@ -184,8 +174,6 @@ def cp_layer_bytes(
         return 0, 0
     kv = batch * (seq_len // cp) * kv_width
     if mode == "alltoall":
-        from loom.parallel.context.alltoall import kv_repeat
-
         q = batch * (seq_len // cp) * q_width
         moved = (2 * q + 2 * kv * kv_repeat(kv_width // head_dim, cp)) * elem * (cp - 1) // cp
         return moved, moved

@@ -7,7 +7,7 @@ from pathlib import Path
 from loom.parallel.pipeline.runtime import bubble_formula, step_schedule
 from loom.parallel.pipeline.schedules import Kind
 from loom.parallel.pipeline.simulate import Timeline
-from loom.parallel.pipeline.strategy import ASYNC
+from loom.rules import ASYNC_SCHEDULES
 
 
 def timeline_report(
@@ -24,7 +24,7 @@ def timeline_report(
     """
     p = timeline.n_ranks
     compute = Timeline(p, [e for e in timeline.events if e.action.kind is not Kind.STEP])
-    judged = timeline if schedule in ASYNC else compute
+    judged = timeline if schedule in ASYNC_SCHEDULES else compute
     measured = judged.waiting_bubble
     text = (
         f"pipeline {schedule} p={p} m={m} v={v}: measured bubble {measured:.1%} vs formula "
@@ -58,6 +58,6 @@ def _simulated_bubble(timeline: Timeline, schedule: str, m: int, v: int) -> floa
     t_w = [mean(Kind.BW, s) for s in range(n)]
     t_b = [mean(Kind.B, s) or mean(Kind.BI, s) + t_w[s] for s in range(n)]
     sim = simulate(step_schedule(schedule, timeline.n_ranks, m, v), t_f, t_b, t_w)
-    if schedule in ASYNC:
+    if schedule in ASYNC_SCHEDULES:
         return sim.bubble
     return Timeline(sim.n_ranks, [e for e in sim.events if e.action.kind is not Kind.STEP]).bubble

@@ -26,6 +26,7 @@ import torch
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.parallel.base import Strategy, StrategyBase
+from loom.parallel.pipeline.report import timeline_report
 from loom.parallel.pipeline.runtime import (
     Batch,
     PipelineRuntime,
@@ -106,8 +107,6 @@ class PipelineStrategy(StrategyBase):
         on_step: Callable[[Action], None],
     ) -> RunStats:
         """Execute this rank's list over the micro-batches (recording the timeline on ``record_step``)."""
-        from loom.parallel.pipeline.report import timeline_report
-
         m = len(micro_batches)
         record = self.steps_done == self.record_step
         stats = self.runtime.run(

@@ -24,7 +24,6 @@ Sharded parameters are placed with ``tp_dim`` (0: rows, 1: columns, :mod:`loom.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -44,32 +43,12 @@ from loom.model.llama import (
     mlp_activation,
 )
 from loom.parallel.partial import mark_partial
-from loom.parallel.placement import copy_placement, place, setattr_placement, slice_of
+from loom.parallel.placement import copy_placement
 from loom.parallel.rng import private_rng
 from loom.parallel.sequence import all_gather_seq, reduce_scatter_seq, scatter_seq
 from loom.parallel.tensor.comm import reduce_from_tp
 from loom.parallel.tensor.lora import column_deltas, row_delta, shard_column_adapters, shard_row_adapters
-
-
-@dataclass
-class TPContext:
-    """What every tensor-parallel layer needs: the group, this rank's place in it, the meter, sp."""
-
-    group: Group
-    rank: int
-    size: int
-    meter: CommMeter | None = None
-    sp: bool = False
-
-
-def sharded_param(full: torch.Tensor, dim: int, ctx: TPContext) -> nn.Parameter:
-    """This rank's contiguous 1/n slice of ``full`` along ``dim``, placed with ``tp_dim``."""
-    part, placement = slice_of(full, dim, ctx.rank, ctx.size)
-    frozen = isinstance(full, nn.Parameter) and not full.requires_grad  # LoRA's base stays frozen
-    p = nn.Parameter(part.clone(), requires_grad=not frozen)
-    setattr_placement(p, placement)
-    place(p, tp_dim=dim)
-    return p
+from loom.parallel.tensor.shard import TPContext, sharded_param
 
 
 class _ColumnParallelMatmul(Function):

@@ -23,7 +23,7 @@ Once per step, the partial adapter gradients summed over tp: 2ρ·e·P, P = the 
 (d_out·r each), with sp also the column-parallel A's (r·d_in), with replicated key/value heads
 their B's. The frozen base's partial parameters (sp norms, ...) have no gradient: nothing to sum,
 and its backward collectives run only where a gradient reaches them (not the embedding's, nor any
-before the first adapter). :func:`lora_comm_bytes` is the whole count.
+before the first adapter). :func:`~loom.parallel.tensor.parallelize.lora_comm_bytes` is the whole count.
 """
 
 from __future__ import annotations
@@ -38,13 +38,12 @@ from loom.parallel.partial import mark_partial
 from loom.parallel.placement import copy_placement
 from loom.parallel.sequence import gather_seq
 from loom.parallel.tensor.comm import copy_to_tp
+from loom.parallel.tensor.shard import sharded_param
 
 
 def shard_column_adapters(src: nn.Module, dst: nn.Module, ctx, replicated_rows: slice | None) -> None:
     """Give the column-parallel ``dst`` the adapters of the full linear ``src``: B's rows sharded
     (or B whole and partial with ``replicated_rows``), A whole (partial with sp)."""
-    from loom.parallel.tensor.layers import sharded_param
-
     if not has_adapters(src):
         return
     a, b, scale, dropout = adapter_weights(src)
@@ -63,8 +62,6 @@ def shard_column_adapters(src: nn.Module, dst: nn.Module, ctx, replicated_rows: 
 
 def shard_row_adapters(src: nn.Module, dst: nn.Module, ctx) -> None:
     """Give the row-parallel ``dst`` the adapters of ``src``: A's columns sharded, B whole (partial)."""
-    from loom.parallel.tensor.layers import sharded_param
-
     if not has_adapters(src):
         return
     a, b, scale, dropout = adapter_weights(src)
@@ -98,33 +95,3 @@ def column_deltas(x: torch.Tensor, modules: Sequence[nn.Module], ctx) -> list[to
 def row_delta(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """This rank's part (α/r)·B(A_r x_r) of a row-parallel adapter's output (summed with the layer's)."""
     return lora_output(module, lora_input(module, x)) if has_adapters(module) else None
-
-
-def lora_comm_bytes(
-    cfg, batch: int, seq: int, tp: int, sp: bool, elem: int = 4, micro_batches: int = 1
-) -> float:
-    """Bytes one rank moves per step under tp in a LoRA run of ``cfg`` (a LoomConfig): the layers'
-    activation collectives of :func:`~loom.parallel.tensor.parallelize.comm_bytes_formula` less those
-    no gradient reaches (the frozen base's backward runs only behind the first adapter: the
-    embedding's, and every entry's before it), plus the adapters' (module docstring)."""
-    from loom.config import lora_targets, target_shapes
-    from loom.parallel.tensor.parallelize import comm_bytes_formula, partial_numel
-
-    if tp == 1:
-        return 0.0
-    rho, r, m = (tp - 1) / tp, cfg.finetune.lora_rank, cfg.model
-    targets, shapes = set(lora_targets(cfg)), target_shapes(m)
-    S = batch * seq * m.dim * elem
-    base = comm_bytes_formula(m, batch, seq, tp, sp, elem) - 2 * rho * elem * partial_numel(m, tp, sp)
-    skipped, grad = (rho * S if sp else 0.0), False  # the embedding's backward (sp: an all-gather)
-    for _ in range(m.n_layers):
-        for entry, row in ((("q", "k", "v"), "o"), (("w1", "w3"), "w2")):
-            skipped += 0.0 if grad else 2 * rho * S  # the entry's backward: dx reduce (+ re-gather with sp)
-            grad = grad or bool(targets & {*entry, row})
-            skipped += rho * S if sp and not grad else 0.0  # the row layer's backward all-gather (sp)
-    ranks = [len(targets & set(group)) * r for group in (("q", "k", "v"), ("w1", "w3"))]
-    adapters = sum(2 * rho * batch * seq * R * elem for R in ranks) * m.n_layers
-    partial = sum(shapes[t][0] * r for t in ("o", "w2") if t in targets)
-    partial += sum(r * shapes[t][1] for t in ("q", "k", "v", "w1", "w3") if t in targets) if sp else 0
-    partial += sum(shapes[t][0] * r for t in ("k", "v") if t in targets) if m.n_kv_heads < tp else 0
-    return micro_batches * (base - skipped + adapters) + 2 * rho * elem * partial * m.n_layers

@@ -46,7 +46,7 @@ from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.config import ModelConfig
+from loom.config import ModelConfig, lora_targets, target_shapes
 from loom.model.llama import Block, FeedForward, Transformer
 from loom.model.moe import MoEFeedForward
 from loom.parallel.partial import mark_partial
@@ -56,11 +56,10 @@ from loom.parallel.tensor.layers import (
     ParallelAttention,
     ParallelFeedForward,
     SequenceParallelPositions,
-    TPContext,
     VocabParallelEmbedding,
     sequence_parallel_norm,
-    sharded_param,
 )
+from loom.parallel.tensor.shard import TPContext, sharded_param
 
 IGNORE_INDEX = -100
 
@@ -208,3 +207,30 @@ def comm_bytes_formula(
         else rho * ((10 * L + 5) * S + 6 * batch * seq * 4)
     )
     return micro_batches * per_mb + 2 * rho * partial * elem
+
+
+def lora_comm_bytes(
+    cfg, batch: int, seq: int, tp: int, sp: bool, elem: int = 4, micro_batches: int = 1
+) -> float:
+    """Bytes one rank moves per step under tp in a LoRA run of ``cfg`` (a LoomConfig): the layers'
+    activation collectives of :func:`comm_bytes_formula` less those
+    no gradient reaches (the frozen base's backward runs only behind the first adapter: the
+    embedding's, and every entry's before it), plus the adapters' (:mod:`loom.parallel.tensor.lora`)."""
+    if tp == 1:
+        return 0.0
+    rho, r, m = (tp - 1) / tp, cfg.finetune.lora_rank, cfg.model
+    targets, shapes = set(lora_targets(cfg)), target_shapes(m)
+    S = batch * seq * m.dim * elem
+    base = comm_bytes_formula(m, batch, seq, tp, sp, elem) - 2 * rho * elem * partial_numel(m, tp, sp)
+    skipped, grad = (rho * S if sp else 0.0), False  # the embedding's backward (sp: an all-gather)
+    for _ in range(m.n_layers):
+        for entry, row in ((("q", "k", "v"), "o"), (("w1", "w3"), "w2")):
+            skipped += 0.0 if grad else 2 * rho * S  # the entry's backward: dx reduce (+ re-gather with sp)
+            grad = grad or bool(targets & {*entry, row})
+            skipped += rho * S if sp and not grad else 0.0  # the row layer's backward all-gather (sp)
+    ranks = [len(targets & set(group)) * r for group in (("q", "k", "v"), ("w1", "w3"))]
+    adapters = sum(2 * rho * batch * seq * R * elem for R in ranks) * m.n_layers
+    partial = sum(shapes[t][0] * r for t in ("o", "w2") if t in targets)
+    partial += sum(r * shapes[t][1] for t in ("q", "k", "v", "w1", "w3") if t in targets) if sp else 0
+    partial += sum(shapes[t][0] * r for t in ("k", "v") if t in targets) if m.n_kv_heads < tp else 0
+    return micro_batches * (base - skipped + adapters) + 2 * rho * elem * partial * m.n_layers
