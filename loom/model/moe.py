@@ -36,6 +36,7 @@ batched matmul); ``moe.compute = loop`` runs the experts one by one (the referen
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -43,9 +44,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from loom import comm
-from loom.comm import Group
 from loom.config import MoEConfig
+
+StatsSum = Callable[[torch.Tensor], None]  # sums a tensor of counts in place over a micro-step's ranks
+
+
+def one_process(counts: torch.Tensor) -> None:
+    """The :data:`StatsSum` of a single process: its counts are already the micro-step's."""
 
 
 class ExpertWeights(nn.Module):
@@ -264,7 +269,7 @@ class MoEFeedForward(nn.Module):
 
     def _init_state(self) -> None:
         self.layer_id = -1  # the block's index (metrics)
-        self.stats_groups: tuple[Group, ...] = ()  # where f_e and the loads are summed (set by configure_moe)
+        self.sum_stats: StatsSum = one_process  # f_e's counts and the loads over the ranks (configure_moe)
         self.loss_share = 1.0  # this rank's share of the aux/z loss terms: 1/tp when sp splits tokens over tp
         self.grad_scale = 1.0  # the main loss's backward factor for this micro-batch (set by begin_step)
         self.step_load: torch.Tensor | None = None  # assignments per expert this step (bias update)
@@ -314,8 +319,7 @@ class MoEFeedForward(nn.Module):
             total = torch.zeros((), device=out.device)
             if opt.aux_loss_coef > 0:
                 counts = torch.cat([load, load.new_full((1,), n_tokens)])
-                for group in self.stats_groups:  # f_e over the ranks of this micro-step (dp x cp [x tp])
-                    comm.all_reduce(counts, group)
+                self.sum_stats(counts)  # f_e over the ranks of this micro-step (dp x cp [x tp])
                 f = counts[:-1] / (counts[-1] * self.top_k)
                 s = r.scores if opt.score == "softmax" else r.scores / r.scores.sum(-1, keepdim=True)
                 aux = self.n_experts * (f * s.mean(0)).sum()
@@ -340,12 +344,13 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
-def configure_moe(model: nn.Module, stats_groups: tuple[Group, ...], loss_share: float = 1.0) -> None:
-    """The groups whose ranks hold the other tokens of a micro-step, over which the layers' counts are
-    summed (dp x cp; and tp when sequence parallelism splits the tokens: then each tp rank's aux and
-    z terms are 1/tp of the loss, ``loss_share``, as its tokens are)."""
+def configure_moe(model: nn.Module, sum_stats: StatsSum, loss_share: float = 1.0) -> None:
+    """How the layers' counts are summed over the ranks holding the other tokens of a micro-step
+    (dp x cp; and tp when sequence parallelism splits the tokens: then each tp rank's aux and z terms
+    are 1/tp of the loss, ``loss_share``, as its tokens are). ``sum_stats`` comes from the parallel
+    layer (:func:`loom.parallel.expert.parallelize.stats_sum`): the model holds no process group."""
     for m in moe_layers(model):
-        m.stats_groups, m.loss_share = tuple(stats_groups), loss_share
+        m.sum_stats, m.loss_share = sum_stats, loss_share
 
 
 def begin_step(model: nn.Module, grad_scale: float) -> None:
@@ -364,8 +369,7 @@ def end_step(model: nn.Module) -> None:
     if not layers:
         return
     loads = torch.stack([m.step_load for m in layers if m.step_load is not None])  # (L, E)
-    for group in layers[0].stats_groups:
-        comm.all_reduce(loads, group)
+    layers[0].sum_stats(loads)
     for m, load in zip(layers, loads):
         bias = m.expert_bias
         assert bias is not None

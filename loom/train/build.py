@@ -46,6 +46,7 @@ from loom.optim.store import make_store
 from loom.parallel import allreduce
 from loom.parallel.base import LossFn, Strategy
 from loom.parallel.data.strategy import REDUCE_DTYPES, DataParallel
+from loom.parallel.expert.parallelize import stats_sum
 from loom.parallel.materialize import (
     Fill,
     Source,
@@ -150,7 +151,7 @@ def parallelize(
     split = mesh.size("tp") > 1 and cfg.parallel.sp  # sequence parallelism: tp ranks route different tokens
     configure_moe(
         model,
-        (mesh.group("dp_cp"), mesh.group("tp")) if split else (mesh.group("dp_cp"),),
+        stats_sum((mesh.group("dp_cp"), mesh.group("tp")) if split else (mesh.group("dp_cp"),)),
         1.0 / mesh.size("tp") if split else 1.0,
     )  # MoE balancing statistics: over a micro-step's ranks
     pipe = None

@@ -44,6 +44,7 @@ the numerics are those of the plain layer (up to the order of the sums).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -53,10 +54,10 @@ from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.model.moe import ExpertWeights, MoEFeedForward, grouped_swiglu, recomputing
+from loom.model.moe import ExpertWeights, MoEFeedForward, StatsSum, grouped_swiglu, recomputing
 from loom.parallel.placement import ExpertShard, place, setattr_placement, slice_of
 
-__all__ = ["ExpertParallelMoE", "apply_expert_parallel", "choose_hot", "rebalance_experts"]
+__all__ = ["ExpertParallelMoE", "apply_expert_parallel", "choose_hot", "rebalance_experts", "stats_sum"]
 
 
 def _all_to_all(
@@ -143,7 +144,7 @@ class ExpertParallelMoE(MoEFeedForward):
         self.shared = moe.shared  # replicated
         self.register_buffer("expert_bias", moe.expert_bias)
         self._init_state()
-        self.layer_id, self.stats_groups, self.loss_share = moe.layer_id, moe.stats_groups, moe.loss_share
+        self.layer_id, self.sum_stats, self.loss_share = moe.layer_id, moe.sum_stats, moe.loss_share
         for name in ("w1", "w3", "w2"):
             full = getattr(moe, name).weight
             mine = ExpertWeights(
@@ -222,6 +223,20 @@ class ExpertParallelMoE(MoEFeedForward):
         return out, token[rest], expert[rest], weight[rest]
 
 
+def stats_sum(groups: Sequence[Group]) -> StatsSum:
+    """The sum of a MoE layer's balancing counts (f_e's, the loads) over the ranks holding the other
+    tokens of a micro-step, ``groups`` (dp x cp; and tp under sequence parallelism), in place: one
+    all-reduce per group of size > 1, unmetered (E + 1 numbers per layer and micro-batch). Given to
+    the plain layers by :func:`~loom.model.moe.configure_moe`, so the model holds no process group."""
+    live = tuple(g for g in groups if comm.group_size(g) > 1)
+
+    def sum_stats(counts: torch.Tensor) -> None:
+        for group in live:
+            comm.all_reduce(counts, group)
+
+    return sum_stats
+
+
 def apply_expert_parallel(model: nn.Module, mesh, meter: CommMeter | None = None) -> None:
     """Swap every :class:`MoEFeedForward` for this rank's :class:`ExpertParallelMoE` (in place)."""
     ep = mesh.size("ep")
@@ -250,8 +265,7 @@ def rebalance_experts(model: nn.Module) -> None:
         return
     zeros = torch.zeros(layers[0].n_experts, device=layers[0].router.weight.device)
     loads = torch.stack([m.window_load if m.window_load is not None else zeros for m in layers])
-    for group in layers[0].stats_groups:
-        comm.all_reduce(loads, group)
+    layers[0].sum_stats(loads)
     for m, load in zip(layers, loads):
         m.hot = choose_hot(load.tolist(), m.ep, m.options.hot_experts)
         m.window_load = None
