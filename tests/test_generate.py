@@ -70,6 +70,30 @@ def test_cached_logits_equal_the_training_forward(family):
     )
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_steps_append_in_place_without_host_syncs(padded):
+    """The cache's buffers are allocated once: each one-token step writes its keys and values into
+    them (data pointers unchanged), makes no tensor as large as one layer's key buffer (the cache is
+    never copied or repeated to the query heads), and waits on the host for nothing."""
+    from loom.device_sync import SyncCounter
+    from tests.test_device_speed import LiveBytes
+
+    model = _model("llama")
+    pad = torch.tensor([0, 3]) if padded else None
+    ids = torch.tensor(_prompts(30, 30))  # 24 prefilled: k, v repeated to 4 heads would exceed a buffer
+    cache = new_cache(model, 2, 32, pad)
+    ptrs = [t.data_ptr() for t in (*cache.keys, *cache.values)]
+    with torch.no_grad():
+        forward_cached(model, ids[:, :24], cache)
+        for t in range(24, 30):
+            with SyncCounter() as syncs, LiveBytes() as mem:
+                forward_cached(model, ids[:, t : t + 1], cache)
+            assert syncs.count == 0, syncs.by_site()
+            assert mem.largest < cache.keys[0].nbytes
+            assert [t.data_ptr() for t in (*cache.keys, *cache.values)] == ptrs
+    assert cache.length == 30 and cache.padded == padded
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("opts", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_cached_batch_equals_the_cache_free_path_one_by_one(family, opts):

@@ -388,9 +388,11 @@ def test_activation_bytes_equal_formula(pools, tp):
         )
         for measured in per_rank:
             assert measured == {i: expected for i in range(cfg.n_layers)}, (tp, sp)
-    if tp > 1:  # with sp everything is divided by tp; without, only the attention/MLP interior
-        assert activation_bytes_per_layer(cfg, batch, SEQ, tp, True) * tp == activation_bytes_per_layer(
-            cfg, batch, SEQ
+    if tp > 1:  # with sp everything is divided by tp (but k, v heads replicated when k < tp: unrepeated,
+        # each rank keeps its one kv head, 2·4·sb·d); without sp, only the attention/MLP interior
+        replicated = 2 * 4 * batch * SEQ * cfg.head_dim * max(0, tp - cfg.n_kv_heads)
+        assert activation_bytes_per_layer(cfg, batch, SEQ, tp, True) * tp == (
+            activation_bytes_per_layer(cfg, batch, SEQ) + replicated
         )
 
 

@@ -11,18 +11,20 @@ sequence, b micro-batch, h = dim, a heads, f = ffn, e bytes per activation eleme
 n = tp and t = n with sequence parallelism else 1:
 
     RMSNorm (x2)       input x, normalised x̂, output x̂·w (e·sbh each), 1/rms (4·sb)   6·e·sbh/t + 8·sb/t
-    q, k, v            post-RoPE q, repeated k and v: a/n heads each                 3·e·sbh/n
+    q, k, v            post-RoPE q (a/n heads), k and v unrepeated (k_n heads each)  e·sbh/n + 2·e·sb·d·k_n
     attention          output (b, a/n, s, d) and log-sum-exp (b, a/n, s) fp32         e·sbh/n + 4·sb·a/n
     SwiGLU             w1 x (silu input), silu(w1 x), w3 x, their product (w2 input)  4·e·sbf/n
 
-    bytes/layer = s·b·h·(e·(6/t + 4/n + 4f/(h·n)) + 4·(2/t + a/n)/h)
+    bytes/layer = s·b·h·(e·(6/t + 2/n + 2·d·k_n/h + 4f/(h·n)) + 4·(2/t + a/n)/h)
+
+with k_n = k/n key/value heads per tp rank (1 when tp replicates them, k < n): SDPA's
+``enable_gqa`` reads them in place, none is repeated to a heads.
 
 In the form of Korthikanti et al. 2022, s·b·h·(c₁ + c₂·a·s/h): the flash kernel keeps no
 (a, s, s) score or dropout matrix, so c₂ = 0 and the log-sum-exp adds 4·a/(h·n). Without
 sequence parallelism the norms and their inputs (6·e·sbh + 8·sb) stay replicated on every tp
 rank; with it everything is divided by n. Not counted per layer: the pre-RoPE q/k are not
-saved (RoPE multiplies by constant tables), the key/value heads before repetition are not
-saved, and residual adds save nothing.
+saved (RoPE multiplies by constant tables), and residual adds save nothing.
 """
 
 from __future__ import annotations
@@ -60,10 +62,10 @@ def activation_bytes_per_layer(
     n, t = tp, (tp if sp else 1)
     sb, h, f, a = seq * batch, cfg.dim, cfg.resolved_ffn_dim(), cfg.n_heads
     local = sb // cp
+    kd = cfg.n_kv_heads * cfg.head_dim
     if cp == 1:
-        kv = 2 * sb * h // n  # the repeated keys and values
+        kv = 2 * sb * max(1, cfg.n_kv_heads // n) * cfg.head_dim  # k, v unrepeated (k_n heads)
     else:
-        kd = cfg.n_kv_heads * cfg.head_dim
         rep = cp // math.gcd(cfg.n_kv_heads, cp) if cp_mode == "alltoall" else 1
         kv = 2 * (sb if cp_mode == "allgather" else local) * kd * rep // n
         kv += (

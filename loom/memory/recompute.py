@@ -7,7 +7,7 @@ other strategies and the state dict are unchanged:
 
     none        nothing recomputed
     full        every transformer block checkpointed: only its input is kept
-    selective   the attention core of every block (softmax(q kᵀ) v, dropout, GQA repeat:
+    selective   the attention core of every block (softmax(q kᵀ) v, dropout:
                 :class:`~loom.model.llama.CoreAttention`) checkpointed (Korthikanti et al. 2022)
     every:k     the blocks of global index i ≡ 0 (mod k) checkpointed; the others keep everything
 
@@ -18,8 +18,8 @@ element, t = tp with sequence parallelism else 1:
     none       A
     full       e·s·b·h / t                    (the block input, the only tensor kept)
     selective  A - Δ                          (:func:`selective_savings`: the core keeps its inputs
-                                               q, k, v; it drops its log-sum-exp, the repeated k/v
-                                               of GQA and, with dropout on the math kernel, the
+                                               q, k, v; it drops its log-sum-exp and, with
+                                               dropout on the math kernel, the
                                                (a/n, s, s) score/mask/probability matrices)
     every:k    full for i ≡ 0 (mod k), A otherwise
 
@@ -154,22 +154,17 @@ def apply_recompute(model: nn.Module, spec: str) -> list[nn.Module]:
 def selective_savings(cfg: ModelConfig, batch: int, seq: int, tp: int = 1, elem: int = 4) -> int:
     """Bytes per layer that ``selective`` frees on one tp rank (flash kernel, no dropout).
 
-    The core's output is also the input of ``wo`` (same storage), so it stays. Freed: the fp32
-    log-sum-exp (4·s·b·a/n) and, when query heads share key/value heads (r = a/n / k_local > 1),
-    the repeated k and v (2·e·s·b·h/n) exchanged for the unrepeated ones the checkpoint keeps
-    (2·e·s·b·k_local·d), k_local = k/n (or 1 when tp replicates the kv heads):
+    The core's output is also the input of ``wo`` (same storage), so it stays, and its inputs
+    q, k, v (k and v unrepeated: SDPA's ``enable_gqa``) are kept by the checkpoint. Freed: the
+    fp32 log-sum-exp,
 
-        Δ = 4·s·b·a/n + [r > 1]·2·e·s·b·d·(a/n - k_local)
+        Δ = 4·s·b·a/n
 
     With dropout on CPU, torch runs the math kernel, which also keeps the (a/n, s, s) softmax and
     dropout matrices, so selective frees the 2·e·b·(a/n)·s² of Korthikanti et al. as well (the
     flash and memory-efficient CUDA kernels keep only an RNG offset).
     """
-    n, sb, d = tp, seq * batch, cfg.head_dim
-    a_local = cfg.n_heads // n
-    kv_local = max(1, cfg.n_kv_heads // n)
-    rep = 2 * elem * sb * d * (a_local - kv_local) if a_local > kv_local else 0
-    return 4 * sb * a_local + rep
+    return 4 * seq * batch * (cfg.n_heads // tp)
 
 
 def saved_bytes_per_layer(

@@ -11,7 +11,11 @@ A step of T new tokens at cache offset s computes, per layer,
 
 so decoding n tokens after a prompt of P costs O(n (P + n)) attention work instead of the
 O(n (P + n)²) of recomputing the whole context per token. Cache bytes = 2 · L · B · k_heads · S · d
-· element size.
+· element size, allocated once by :func:`new_cache`: a step writes its T new positions into the
+buffers in place (slice assignment) and attends over the filled prefix, a view, so it copies
+O(B · k_heads · T · d) per layer, never the cache. The query heads read their key/value head
+through SDPA's ``enable_gqa`` (no repeat of the cache to a heads), and whether any row is padded
+is decided once when the cache is made, so a decode step waits on the host for nothing.
 
 Batches of prompts of different lengths are left-padded: row b starts with ``pad[b]`` filler
 tokens that no query attends to, and its real tokens take positions 0, 1, ... as if alone (RoPE
@@ -26,20 +30,20 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 
-from loom.model.llama import Attention, Block, Transformer, apply_rope
+from loom.model.llama import Attention, Block, Transformer, apply_rope, sdpa
 
 
 @dataclass
 class KVCache:
     """Keys and values of every layer, (B, k_heads, S, d) each; ``length`` slots filled; ``pad`` (B,)
-    the left padding of each row (its first real token's slot)."""
+    the left padding of each row (its first real token's slot); ``padded``: whether any pad > 0."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     pad: torch.Tensor
     length: int = 0
+    padded: bool = False
 
     @property
     def capacity(self) -> int:
@@ -61,8 +65,9 @@ def new_cache(model: Transformer, batch: int, slots: int, pad: torch.Tensor | No
         keys.append(torch.zeros(shape, dtype=ref.dtype, device=ref.device))
         values.append(torch.zeros(shape, dtype=ref.dtype, device=ref.device))
     if pad is None:
-        pad = torch.zeros(batch, dtype=torch.long, device=ref.device)
-    return KVCache(keys, values, pad.to(ref.device))
+        return KVCache(keys, values, torch.zeros(batch, dtype=torch.long, device=ref.device))
+    padded = bool((pad > 0).any())  # the cache's one host read, here rather than in every step
+    return KVCache(keys, values, pad.to(ref.device), padded=padded)
 
 
 def _mask(cache: KVCache, T: int) -> torch.Tensor | None:
@@ -70,7 +75,7 @@ def _mask(cache: KVCache, T: int) -> torch.Tensor | None:
     and a filler query sees itself (so its row is finite; no real query sees it); None when no row
     is padded and no query needs hiding (one new token, or a prefill, which uses the causal flag)."""
     s = cache.length
-    if not bool((cache.pad > 0).any()) and (T == 1 or s == 0):
+    if not cache.padded and (T == 1 or s == 0):
         return None
     j = torch.arange(s + T, device=cache.pad.device)
     i = torch.arange(T, device=cache.pad.device)[:, None] + s
@@ -101,12 +106,9 @@ def _attend(
     s = cache.length
     cache.keys[layer][:, :, s : s + T] = k
     cache.values[layer][:, :, s : s + T] = v
-    k, v = cache.keys[layer][:, :, : s + T], cache.values[layer][:, :, : s + T]  # (B, k, s+T, d)
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, a, s+T, d)
+    k, v = cache.keys[layer][:, :, : s + T], cache.values[layer][:, :, : s + T]  # (B, k, s+T, d) views
     causal = mask is None and T > 1  # a prefill of unpadded rows: the training forward's attention
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, a, T, d)
+    y = sdpa(q, k, v, mask, causal=causal)  # (B, a, T, d)
     return attn.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, h)
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import ModelConfig, MoEConfig
+from loom.model.loss import IGNORE_INDEX, chunked_cross_entropy
 from loom.model.moe import ExpertWeights, MoEFeedForward, experts_forward, real_buffers, route, swiglu  # noqa: F401 (re-exported)
 
 
@@ -98,7 +99,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class CoreAttention(nn.Module):
     """The attention core: softmax(q kᵀ / sqrt(d) + causal mask) v, with attention dropout p while
-    training. GQA key/value heads are repeated here, so the core's inputs are the unrepeated heads.
+    training. Query head i reads key/value head i // (a/k) through SDPA's ``enable_gqa``: the keys
+    and values are never repeated to a heads, so backward saves them at width k·d, not a·d.
 
     (B, a, T, d), (B, k, T, d), (B, k, T, d) -> (B, a, T, d). No parameters: recomputation
     policies wrap this module alone (``train.recompute = selective``).
@@ -113,15 +115,37 @@ class CoreAttention(nn.Module):
     ) -> torch.Tensor:
         """``docs`` (B, T) int64, packed data: the document of each token; key j is then visible to
         query i iff j <= i and docs[j] == docs[i] (:func:`document_mask`)."""
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)  # (B, a, T, d)
-            v = v.repeat_interleave(rep, dim=1)
         p = self.dropout if self.training else 0.0
-        if docs is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, a, T, d)
-        mask = document_mask(docs, docs)[:, None]  # (B, 1, T, T)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, a, T, d)
+        mask = None if docs is None else document_mask(docs, docs)[:, None]  # (B, 1, T, T)
+        return sdpa(q, k, v, mask, p)  # (B, a, T, d)
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    causal: bool | None = None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of q (B, a, Tq, d) over grouped k, v (B, k, Tk, d), a % k == 0.
+
+    Causal (aligned at the start) when ``mask`` is None, unless ``causal`` says otherwise. GQA goes
+    through ``enable_gqa`` on every backend that takes it (CPU flash and math; CUDA flash,
+    memory-efficient and math), so no repeated k, v is made or saved. ROCm's flash and
+    memory-efficient kernels have refused grouped heads, which would drop SDPA to the math kernel's
+    O(T²) scores: only there are k and v repeated first.
+    """
+    rep = q.shape[1] // k.shape[1]
+    if causal is None:
+        causal = mask is None
+    gqa = rep > 1
+    if gqa and torch.version.hip is not None and q.is_cuda:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, a, Tk, d)
+        gqa = False
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, enable_gqa=gqa
+    )  # (B, a, Tq, d)
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
@@ -391,8 +415,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int) -> float:
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy over the trained targets of (B, T) (-100 ignored): the sum over
-    them / max(1, their count), so a micro-batch with none trained (chat data) gives 0, not NaN."""
-    total = F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-100, reduction="sum"
-    )
-    return total / (targets != -100).sum().clamp(min=1)
+    them / max(1, their count), so a micro-batch with none trained (chat data) gives 0, not NaN.
+
+    Equal to ``F.cross_entropy(logits.float(), ...)``, computed over chunks of rows
+    (:func:`~loom.model.loss.chunked_cross_entropy`): besides the logits (B, T, V) and their
+    gradient, in the logits' dtype, it holds one chunk in fp32, never B·T·V."""
+    total = chunked_cross_entropy(logits, targets)  # (B, T, V), (B, T) -> () fp32 sum
+    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
