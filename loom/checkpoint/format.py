@@ -214,15 +214,6 @@ def parse_entry(
     return shape, dtype, pieces
 
 
-def validate_index(
-    index: dict, path: Path
-) -> dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[str, str, Region]]]]:
-    """Parse all of ``index.json`` into {name: (shape, dtype, [(file, key, region)])}, checking every field
-    (the reader parses only the entries it is asked for: :func:`parse_entry`)."""
-    files = check_index_header(index, path)
-    return {name: parse_entry(name, e, files, path) for name, e in index.get("tensors", {}).items()}
-
-
 def read_json(path: Path) -> dict:
     """Parse a JSON file of a checkpoint; anything else (a pickle, garbage) is refused."""
     try:

@@ -9,13 +9,11 @@ import dataclasses
 import tempfile
 import typing
 from pathlib import Path
-from typing import Any
 
 from loom.config.finetune import check_finetune
 from loom.config.sections import (
     SECTIONS,
     CompressFormat,
-    ConfigError,
     DataConfig,
     DataFormat,
     LoomConfig,
@@ -168,7 +166,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     resolve_layout(cfg, world_size - _check_ps_ranks(cfg, world_size))
     _check_moe(cfg)
     check_finetune(cfg)
-    _check_implemented(cfg)
+    _check_zero3_options(cfg.parallel)
     check_param_server(cfg)
     check_memory(cfg)
     _require_none(batch_problem(t.global_batch, t.micro_batch, p.dp))
@@ -302,11 +300,6 @@ def model_facts(cfg: LoomConfig) -> ModelFacts:
     if m.vocab_size == 0 and not cfg.data.tokenizer:  # a tokenizer trained to data.vocab_size
         return ModelFacts.of(m, vocab_size=cfg.data.vocab_size, vocab_field="data.vocab_size", **moe)
     return ModelFacts.of(m, **moe)  # vocab_size 0: taken from a given tokenizer later
-
-
-# Features whose fields exist (so the mesh and the planner can name them) but whose runtime
-# has not landed yet: (field, predicate on the config, message). Entries go as features land.
-NOT_YET: list[tuple[str, Any, str]] = []
 
 
 RECOMPUTE_HELP = f"{', '.join(typing.get_args(RecomputePolicy))} or every:<k> (k >= 1)"
@@ -469,13 +462,6 @@ def _check_zero3_options(p: ParallelConfig) -> None:
             cp=p.cp,
         )
     )
-
-
-def _check_implemented(cfg: LoomConfig) -> None:
-    _check_zero3_options(cfg.parallel)
-    for name, pred, msg in NOT_YET:
-        if pred(cfg):
-            raise ConfigError(f"{name}: {msg}")
 
 
 def check_vocab(cfg: LoomConfig, tokenizer_vocab: int) -> None:

@@ -33,33 +33,8 @@ machinery of ZeRO runs with a sharding group of one rank and every data-parallel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class PrecisionPolicy:
-    """Which dtype holds what (master weights and optimizer state are always fp32)."""
-
-    param_dtype: torch.dtype  # weights, activations, gradients
-    reduce_dtype: torch.dtype  # gradient collectives
-    loss_scaling: bool  # fp16 only
-
-    @classmethod
-    def from_config(cls, cfg) -> PrecisionPolicy:
-        return cls(
-            param_dtype=DTYPES[cfg.train.precision],
-            reduce_dtype=DTYPES[cfg.parallel.reduce_dtype],
-            loss_scaling=cfg.train.precision == "fp16",
-        )
-
-    @property
-    def mixed(self) -> bool:
-        return self.param_dtype != torch.float32
 
 
 @torch.no_grad()

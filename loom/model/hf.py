@@ -61,7 +61,6 @@ GELU = {
     "gelu": "gelu",
 }  # HF activation -> model.mlp
 CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 class HFError(ValueError):

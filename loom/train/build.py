@@ -32,6 +32,7 @@ from loom.config import (
     offload_dir,
     ps_servers,
 )
+from loom.device import DTYPES
 from loom.memory import precision
 from loom.memory.activation_offload import make_offloader
 from loom.memory.compress import SavedActivations
@@ -163,7 +164,7 @@ def parallelize(
         seq_div = cfg.parallel.tp if cfg.parallel.sp else 1
         model = pipe = apply_pipeline(model, mesh, bounds=bounds, seq_div=seq_div)
     apply_recompute(model, cfg.train.recompute)
-    precision.cast_parameters(model, precision.DTYPES[cfg.train.precision])
+    precision.cast_parameters(model, DTYPES[cfg.train.precision])
     source = source or init_source(cfg.model, cfg.train.seed)
     if finetune:  # adapters: their own layout-independent init (A uniform, B zero)
         from loom.finetune.lora import lora_source

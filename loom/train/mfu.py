@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.device import device_name, measure_gemm_flops, tf32_enabled
-from loom.memory.precision import DTYPES
+from loom.device import DTYPES, device_name, measure_gemm_flops, tf32_enabled
 
 
 def mfu_peak(device: torch.device, precision: str) -> tuple[float, str]:

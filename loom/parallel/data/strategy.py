@@ -239,10 +239,4 @@ class DataParallel(SyncSwitch, StrategyBase):
             h.remove()
 
 
-def broadcast_params(module: nn.Module, group: Group, meter: CommMeter | None = None) -> None:
-    """Make every rank's parameters equal to those of the group's first rank."""
-    for p in unique_params(module):
-        comm.broadcast(p.data, 0, group, meter)
-
-
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -95,18 +95,3 @@ def evaluate(pipe: PipelineModule, batches: Sequence[Batch], loss_fn: LossFn, dp
         w.wait()
     pipe.train(was_training)
     return _last_stage_mean(pipe, dp_group, losses)
-
-
-def pipeline_full_model(pipe: PipelineModule):
-    """The whole model (a ``Transformer`` holding every stage's weights) on pipeline rank 0, else None."""
-    from loom.model.llama import Transformer
-    from loom.model.moe import moe_layers
-    from loom.parallel.pipeline.stage import gather_full_state
-
-    state = gather_full_state(pipe)
-    if state is None:
-        return None
-    moe = moe_layers(pipe)  # the [moe] options the stages were built with (shared experts, selection bias)
-    model = Transformer(pipe.cfg, moe[0].options if moe else None)
-    model.load_state_dict(state)
-    return model
