@@ -50,7 +50,7 @@ def tp_calls(
 
 def tp_partial_params(cm: CostBase, tp: int, sp: bool, pp: int, last: bool = True, ep: int = 1) -> float:
     """Parameters whose gradient each tp rank holds in part, summed over tp in one all-reduce
-    per step (``tp_comm.sum_partial_grads``, ``tensor_parallel.partial_numel``): with sp the norms'
+    per step (``loom.parallel.partial.sum_partial_grads``, ``tensor.parallelize.partial_numel``): with sp the norms'
     weights and LayerNorm biases (2 per layer + the final norm on the last stage), the
     row-parallel biases and the position table (on the first stage); replicated key/value
     weights and biases (k < t); q/k norm weights; with sp, the router and this rank's E/ep
