@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import init_gloo, race, run_ranks  # noqa: E402
+from common import add_no_write, init_gloo, race, results, run_ranks  # noqa: E402
 
 from loom.comm import CommMeter  # noqa: E402
 from loom.config import ModelConfig, TrainConfig  # noqa: E402
@@ -176,6 +176,7 @@ def _scaling(worlds: list[int], steps: int) -> dict[int, dict]:
             + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items())
             + " | busiest node MB/step: "
             + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in res["busiest"].items()),
+            file=sys.stderr,
             flush=True,
         )
     return rows
@@ -242,36 +243,45 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--conv-workers", type=int, default=4)
     ap.add_argument("--conv-steps", type=int, default=40)
+    add_no_write(ap)
     args = ap.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    t0 = time.perf_counter()
-    rows = _scaling([int(w) for w in args.workers.split(",")], args.steps)
-    _plot_scaling(rows)
-    phi = rows[min(rows)]["phi"]
-    print(f"\nΦ = {phi} parameters ({phi * 4 / 2**20:.2f} MB fp32)")
-    print(
-        "| W | "
-        + " | ".join(f"{k} ms/step" for k in CONTENDERS)
-        + " | "
-        + " | ".join(f"{k} MB" for k in CONTENDERS)
-        + " |"
-    )
-    for w, r in sorted(rows.items()):
-        med, busy = r["med"], r["busiest"]
-        cells = [f"{med[k] * 1e3:.1f}" for k in CONTENDERS] + [f"{busy[k] / 2**20:.2f}" for k in CONTENDERS]
-        print(f"| {w} | " + " | ".join(cells) + " |")
-    gathered = run_ranks(args.conv_workers + 1, _convergence_worker, args.conv_steps)
-    _plot_convergence(gathered, args.conv_steps)
-    print(f"\nconvergence, {args.conv_workers} workers + 1 server, {args.conv_steps} steps:")
-    for mode in MODES:
-        last = statistics.fmean(gathered[w][mode]["losses"][-1] for w in range(args.conv_workers))
-        srv = gathered[-1][mode]
+    with results("param_server", "Parameter server", write=not args.no_write):
+        OUT.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        t0 = time.perf_counter()
+        rows = _scaling([int(w) for w in args.workers.split(",")], args.steps)
+        _plot_scaling(rows)
+        phi = rows[min(rows)]["phi"]
+        print(f"\nΦ = {phi} parameters ({phi * 4 / 2**20:.2f} MB fp32)")
         print(
-            f"  {mode:<6} final loss {last:.3f} | max staleness {srv['staleness']} | max updates missed "
-            f"{srv['missed']} | pulls held {srv['waits']} | {srv['seconds']:.1f} s"
+            "| W | "
+            + " | ".join(f"{k} ms/step" for k in CONTENDERS)
+            + " | "
+            + " | ".join(f"{k} MB" for k in CONTENDERS)
+            + " |"
         )
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s; figures in {OUT}")
+        print("|---:|" + "---:|" * (2 * len(CONTENDERS)))
+        for w, r in sorted(rows.items()):
+            med, busy = r["med"], r["busiest"]
+            cells = [f"{med[k] * 1e3:.1f}" for k in CONTENDERS] + [
+                f"{busy[k] / 2**20:.2f}" for k in CONTENDERS
+            ]
+            print(f"| {w} | " + " | ".join(cells) + " |")
+        gathered = run_ranks(args.conv_workers + 1, _convergence_worker, args.conv_steps)
+        _plot_convergence(gathered, args.conv_steps)
+        print(f"\nconvergence, {args.conv_workers} workers + 1 server, {args.conv_steps} steps:\n")
+        print("| ps_sync | final loss | max staleness (steps) | max updates missed | pulls held | wall s |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for mode in MODES:
+            last = statistics.fmean(gathered[w][mode]["losses"][-1] for w in range(args.conv_workers))
+            srv = gathered[-1][mode]
+            print(
+                f"| {mode} | {last:.3f} | {srv['staleness']} | {srv['missed']} | {srv['waits']} "
+                f"| {srv['seconds']:.1f} |"
+            )
+        print(f"\ntotal {time.perf_counter() - t0:.0f} s; figures in `{OUT.relative_to(OUT.parents[1])}`")
+        print("\n![parameter server vs ring all-reduce](../ps/scaling.png)\n")
+        print("![ASP and SSP vs BSP](../ps/convergence.png)")
 
 
 if __name__ == "__main__":

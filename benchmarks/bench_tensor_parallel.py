@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import init_gloo, run_ranks  # noqa: E402
+from common import add_no_write, init_gloo, results, run_ranks  # noqa: E402
 
 from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from loom.model.llama import build_model, loss_fn  # noqa: E402
@@ -219,26 +219,30 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--sp", action="store_true")
+    add_no_write(ap)
     args = ap.parse_args()
-    res = run_ranks(args.tp, _worker, args)
-    med = {k: statistics.median(v) for k, v in res["times"].items()}
-    print(
-        f"\ntensor parallel, {args.tp} gloo ranks, sp={args.sp}: dim {args.dim}, {args.layers} layers, "
-        f"batch {MICRO} x {SEQ}, vocab {VOCAB}; step = fwd + loss + bwd + AdamW"
-    )
-    print(f"first-step loss: loom {res['losses']['loom']:.6f}  dtensor {res['losses']['dtensor']:.6f}")
-    print(f"{'contender':<10}{'wall s/step':>13}{'ratio':>8}{'cpu s/step':>13}{'ratio':>8}")
-    for k in ("loom", "dtensor"):
-        w, c = med[k], med[f"{k} cpu"]
-        print(f"{k:<10}{w:>13.4f}{w / med['dtensor']:>8.3f}{c:>13.4f}{c / med['dtensor cpu']:>8.3f}")
-    print(
-        f"loom bytes moved/step per rank: {res['moved']:,.0f} (formula {res['formula']:,.0f}); calls {res['calls']}"
-    )
-    print(f"dtensor collectives/step: {res['dtensor_calls']}")
-    print(
-        f"activations saved per layer per rank: {res['act']:,} B (formula {res['act_formula']:,}; tp=1: "
-        f"{res['act_tp1']:,})"
-    )
+    with results(
+        "tensor_parallel", "Tensor parallelism against DTensor", write=not args.no_write, preformatted=True
+    ):
+        res = run_ranks(args.tp, _worker, args)
+        med = {k: statistics.median(v) for k, v in res["times"].items()}
+        print(
+            f"\ntensor parallel, {args.tp} gloo ranks, sp={args.sp}: dim {args.dim}, {args.layers} layers, "
+            f"batch {MICRO} x {SEQ}, vocab {VOCAB}; step = fwd + loss + bwd + AdamW"
+        )
+        print(f"first-step loss: loom {res['losses']['loom']:.6f}  dtensor {res['losses']['dtensor']:.6f}")
+        print(f"{'contender':<10}{'wall s/step':>13}{'ratio':>8}{'cpu s/step':>13}{'ratio':>8}")
+        for k in ("loom", "dtensor"):
+            w, c = med[k], med[f"{k} cpu"]
+            print(f"{k:<10}{w:>13.4f}{w / med['dtensor']:>8.3f}{c:>13.4f}{c / med['dtensor cpu']:>8.3f}")
+        print(
+            f"loom bytes moved/step per rank: {res['moved']:,.0f} (formula {res['formula']:,.0f}); calls {res['calls']}"
+        )
+        print(f"dtensor collectives/step: {res['dtensor_calls']}")
+        print(
+            f"activations saved per layer per rank: {res['act']:,} B (formula {res['act_formula']:,}; tp=1: "
+            f"{res['act_tp1']:,})"
+        )
 
 
 if __name__ == "__main__":

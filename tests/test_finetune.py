@@ -674,7 +674,9 @@ def test_training_equals_transformers_plus_peft(hf_base):
 def test_nf4_equals_torchao_bit_for_bit():
     """Loom's NF4 (levels, 64-element absmax blocks, double-quantized absmaxes in groups of 256) is
     torchao's ``to_nf4``: the same codes, int8 absmaxes, factors, mean and dequantized weight."""
-    import torchao.quantization.quantize_.workflows.nf4.nf4_tensor as nf4_tensor
+    from torchao.quantization.quantize_.workflows.nf4 import (
+        nf4_tensor,  # the package, not the quantize_ function
+    )
 
     from loom.finetune.nf4 import dequantize, quantize
 

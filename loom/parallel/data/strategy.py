@@ -32,6 +32,7 @@ from torch import nn
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.device import DTYPES
 from loom.optim.groups import optimizer_state_bytes, set_lr
 from loom.parallel.base import StrategyBase, SyncSwitch, grad_norm_sq, scale_all
 from loom.parallel.bucket import BucketQueue, split_buckets
@@ -239,4 +240,4 @@ class DataParallel(SyncSwitch, StrategyBase):
             h.remove()
 
 
-REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+REDUCE_DTYPES = DTYPES  # parallel.reduce_dtype -> torch dtype (loom.device)
