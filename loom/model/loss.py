@@ -4,9 +4,10 @@ Two autograd functions, both equal to ``F.cross_entropy(logits.float(), targets,
 reduction="sum")`` (a sum: the caller divides by the count of trained targets). N = B·T rows, V
 vocabulary, h = dim, c rows per chunk, e bytes per element of the working dtype:
 
-- :func:`chunked_cross_entropy` (logits (N, V) given, the model's output): per chunk the fp32
-  log-sum-exp and the target's logit; saves the logits (already alive as the model's output) and
-  lse (N fp32). Backward writes softmax - onehot chunk by chunk into the (N, V) gradient, in the
+- :func:`chunked_cross_entropy` (logits (N, V) given, the model's output): per chunk torch's fp32
+  log_softmax (its row kernel: a row rounds the same whatever the chunk or the layout) and the
+  target's entry; saves only the logits (already alive as the model's output). Backward recomputes
+  the chunk's log_softmax and writes softmax - onehot chunk by chunk into the (N, V) gradient, in the
   working dtype. Extra memory beyond the logits and their gradient: one chunk in fp32, c·V·4
   (forward's logsumexp and backward's softmax), where ``F.cross_entropy(logits.float())`` keeps an
   fp32 copy (bf16 logits) and an fp32 log-softmax, N·V·4 each, and an fp32 gradient.
@@ -67,32 +68,46 @@ def _softmax_minus_onehot(
     return g.mul_((valid.to(g.dtype) * scale)[:, None])
 
 
+def _log_softmax32(z: torch.Tensor) -> torch.Tensor:
+    """log_softmax of a chunk (c, V) in fp32 (c, V): torch's row kernel, whose result for a row does not
+    depend on how many rows the chunk has, so every layout's rows round alike. One (c, V) fp32 buffer:
+    a low-precision chunk is cast once and normalised in place (``log_softmax(z, dtype=float32)``
+    would keep the cast and its result, two)."""
+    if z.dtype == torch.float32:
+        return torch.log_softmax(z, dim=-1)  # z is a view of the logits: a new buffer
+    zf = z.float()
+    return torch._log_softmax(zf, -1, False, out=zf)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Σ over rows of lse(z_i) - z_i[target_i] from logits z (N, V), one chunk of rows at a time."""
+    """Σ over rows of -log_softmax(z_i)[target_i] from logits z (N, V), one chunk of rows at a time;
+    backward recomputes each chunk's log_softmax (one fp32 chunk alive, nothing of (N, V) saved)."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, chunk: int, ignore_index: int):
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)  # (N,)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for i in range(0, logits.shape[0], chunk):
-            z = logits[i : i + chunk]  # (c, V) a view: the model's logits stay as they are
-            lse_c, zt, valid = _target_logit_lse(z, targets[i : i + chunk], ignore_index, own=False)
-            lse[i : i + chunk] = lse_c
-            total += ((lse_c - zt) * valid).sum()
-        ctx.save_for_backward(logits, targets, lse)
+            t = targets[i : i + chunk]
+            valid = t != ignore_index
+            lsm = _log_softmax32(logits[i : i + chunk])  # (c, V) fp32
+            total -= (lsm.gather(1, torch.where(valid, t, 0)[:, None])[:, 0] * valid).sum()
+            del lsm
+        ctx.save_for_backward(logits, targets)
         ctx.chunk, ctx.ignore_index = chunk, ignore_index
         return total
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        logits, targets, lse = ctx.saved_tensors
+        logits, targets = ctx.saved_tensors
         out = torch.empty_like(logits)  # (N, V) in the logits' dtype
         c = ctx.chunk
         for i in range(0, logits.shape[0], c):
-            z = logits[i : i + c]
-            out[i : i + c] = _softmax_minus_onehot(
-                z, lse[i : i + c], targets[i : i + c], grad, ctx.ignore_index, False
-            )
+            t = targets[i : i + c]
+            valid = t != ctx.ignore_index
+            g = _log_softmax32(logits[i : i + c]).exp_()  # (c, V) fp32 softmax
+            g.scatter_add_(1, torch.where(valid, t, 0)[:, None], -torch.ones_like(g[:, :1]))
+            out[i : i + c] = g.mul_((valid.to(g.dtype) * grad)[:, None])
+            del g
         return out, None, None, None
 
 
