@@ -106,9 +106,9 @@ def test_expert_parallel_bf16_equals_single_process_bf16(pools):
     ref = train_layout({"precision": "bf16"}, STEPS, BATCH, MICRO, MOE)
     tol = dict(rtol=1e-2, atol=3e-3)  # bf16-rounded gradients summed in another order
     # Weights: an expert sees few tokens, and Adam turns a bf16 rounding that flips the sign of a
-    # near-zero gradient element into a step of ~lr (3e-3) on it: a handful of elements differ by ~2 lr
-    # (measured 2.03 lr on one element of 12,288 once SDPA sums the grouped k/v gradients in its kernel).
-    weight_tol = dict(rtol=1e-2, atol=2.5 * tiny_train().lr)
+    # near-zero gradient element into a step of ~lr (3e-3) on it, once per flip: a handful of elements
+    # differ by 1-3 lr (worst measured 1.67 lr with repeated k/v, 2.72 lr with SDPA's grouped heads).
+    weight_tol = dict(rtol=1e-2, atol=3.5 * tiny_train().lr)
     for r in pools(2).run(train_layout, layout, STEPS, BATCH, MICRO, MOE):
         assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **tol)
         for k, v in ref["state"].items():
