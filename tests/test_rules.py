@@ -27,6 +27,8 @@ CASES = [
     ("debug", [], None, 8),
     ("debug", MOE, None, 4),
     ("debug", ["--model.dropout", "0.1"], None, 4),
+    ("debug", ["--finetune.method", "qlora", "--finetune.lora_rank", "4"], None, 4),  # QLoRA: tp = 1 only
+    ("debug", ["--parallel.dp_mode", "ps", "--parallel.ps_shards", "2"], None, 4),  # whole-model dp only
     ("llama3-8b", ["--model.n_experts", "8", "--model.n_layers", "8"], ("h100-sxm", 8), 8),
     ("llama3-8b", [], ("a100-80g", 4), 4),
     (

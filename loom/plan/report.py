@@ -161,6 +161,7 @@ def workload_of(cfg: LoomConfig) -> Workload:
         allreduce=cfg.parallel.allreduce,
         ps_shards=cfg.parallel.ps_shards if cfg.parallel.dp_mode == "ps" else 0,
         ps_colocate=cfg.parallel.ps_colocate,
+        ps_sync=cfg.parallel.ps_sync,
     )
 
 

@@ -9,8 +9,11 @@ from loom.rules import (
     ModelFacts,
     context_parallel_problem,
     layout_problems,
+    param_server_problem,
+    qlora_layout_problem,
     sequence_parallel_problem,
     tensor_parallel_problem,
+    zero3_options_problem,
 )
 
 
@@ -77,8 +80,9 @@ def check(cm: CostBase, lay: Layout) -> str | None:
 
 
 def refused(cm: CostBase, lay: Layout) -> str | None:
-    """Why ``loom train`` refuses ``lay`` for this model and workload (:func:`loom.rules.layout_problems`),
-    or None. :meth:`check` asks only whether the formulas apply; the search ranks neither kind."""
+    """Why ``loom train`` refuses ``lay`` for this model and workload, or None: the rules of
+    :mod:`loom.rules` that ``config.validate`` applies to a layout (degrees, QLoRA, ZeRO-3's options,
+    the parameter server). :meth:`check` asks only whether the formulas apply; the search ranks neither kind."""
     t = cm.train
     problems = layout_problems(
         cm.facts,
@@ -100,4 +104,32 @@ def refused(cm: CostBase, lay: Layout) -> str | None:
         dp=lay.dp,
         dp_shard=lay.dp_shard,
     )
-    return problems[0] if problems else None
+    if problems:
+        return problems[0]
+    why = qlora_layout_problem("qlora" if t.qlora else "lora", lay.tp) or zero3_options_problem(
+        zero=lay.zero,
+        offload_params="cpu" if lay.offload_params else "none",
+        qwz=lay.qwz,
+        hpz=lay.hpz > 0,
+        qgz=lay.qgz > 0,
+        qgz_bits=lay.qgz or 8,
+        hpz_group=lay.hpz,
+        dp_shard=lay.dp_shard,
+        cp=lay.cp,
+    )
+    if why is None and t.ps_shards > 0:
+        why = param_server_problem(
+            shards=t.ps_shards,
+            colocate=t.ps_colocate,
+            sync=t.ps_sync,
+            n_params=cm.params.total,
+            workers=lay.dp,
+            tp=lay.tp,
+            pp=lay.pp,
+            cp=lay.cp,
+            ep=lay.ep,
+            zero=lay.zero,
+            precision=t.precision,
+            optimizer=t.optimizer,
+        )
+    return why

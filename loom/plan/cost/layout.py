@@ -171,6 +171,7 @@ class Workload:
         0  # parallel.dp_mode = "ps": K parameter-server shards instead of the all-reduce (0 = none)
     )
     ps_colocate: bool = True  # servers in workers 0..K-1 (else K dedicated ranks besides the dp workers)
+    ps_sync: str = "bsp"  # parallel.ps_sync: bsp | asp | ssp:S (co-located servers run bsp only)
     lora_rank: int = 0  # finetune.lora_rank of a LoRA/QLoRA run (0 = every parameter trains)
     lora_targets: tuple[str, ...] = ()  # its resolved targets (q, k, v, o, w1, w2, w3)
     qlora: bool = False  # the targets' frozen base weights stored in NF4
