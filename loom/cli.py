@@ -37,8 +37,9 @@ commands:
 train options: --max-restarts K restarts all ranks after a failure, resuming from the last
 checkpoint; --nnodes N --node-rank R --rdzv-endpoint HOST:PORT runs this node's --nproc ranks of a
 multi-node job (node 0 hosts the rendezvous); --train.resume PATH starts from any checkpoint
-(default: latest in --run.dir). With parallel.auto, --profile FILE names the calibration profile
-the planner uses (loom plan calibrate; default: ./profile.json if present, else the datasheet).
+(default: latest in --run.dir). --profile FILE (short for --parallel.profile) names the calibration
+profile the planner uses for parallel.auto and the plan_* metrics (loom plan calibrate; default:
+./profile.json if present, else the datasheet).
 """
 
 
@@ -97,7 +98,13 @@ def cmd_train(argv: list[str]) -> int:
     )
 
     cfg, plain = _load(argv, (*TRAIN_OPTIONS, "profile"))
-    profile = plain.pop("profile", None)  # the planner's calibration profile (parallel.auto)
+    profile = plain.pop("profile", None)  # short for --parallel.profile
+    if profile is not None:
+        if cfg.parallel.profile and cfg.parallel.profile != profile:
+            raise C.ConfigError(
+                f"--profile {profile!r} and parallel.profile = {cfg.parallel.profile!r} disagree; give one"
+            )
+        cfg.parallel.profile = profile
     opts = launch_options(plain)  # --max-restarts, --nnodes, --node-rank, --rdzv-endpoint (one-line errors)
 
     apply_slurm_env()  # srun without torchrun: one rank per task
@@ -114,10 +121,10 @@ def cmd_train(argv: list[str]) -> int:
 
         world = int(os.environ["WORLD_SIZE"]) if under_external_launcher() else opts.world(cfg)
         try:
-            print(describe(apply_auto(cfg, world, profile_path=profile)), flush=True)
+            print(describe(apply_auto(cfg, world)), flush=True)
         except ValueError as e:  # PlanError / HardwareError: say it like any bad field
             raise C.ConfigError(
-                str(e) if str(e).startswith("parallel.auto") else f"parallel.auto: {e}"
+                str(e) if str(e).startswith(("parallel.auto", "parallel.profile")) else f"parallel.auto: {e}"
             ) from None
     if under_external_launcher():  # every rank checks before any process group exists
         C.validate(cfg, int(os.environ["WORLD_SIZE"]))

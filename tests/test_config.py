@@ -49,6 +49,7 @@ def test_bad_override_names_field(args, field):
         (["--train.precision", "fp8"], 1, "train.precision"),
         (["--data.seq_len", "4096"], 1, "data.seq_len"),
         (["--run.device", "tpu"], 1, "run.device"),
+        (["--parallel.profile", "no-such-profile.json"], 1, "parallel.profile"),
     ],
 )
 def test_validation_names_field(args, world, field):
@@ -114,6 +115,8 @@ def test_mesh_dims_for_4096_ranks():
         (["--bogus", "1"], "--bogus"),
         (["--model.typo", "1"], "model.typo"),
         (["llama9"], "a preset (debug, gpt-125m"),
+        (["--parallel.auto", "true", "--profile", "missing.json"], "parallel.profile"),
+        (["--parallel.profile", "a.json", "--profile", "b.json"], "--profile 'b.json' and parallel.profile"),
     ],
 )
 def test_cli_rejects_before_start(tmp_path, args, needle):

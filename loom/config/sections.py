@@ -238,6 +238,9 @@ class ParallelConfig:
         0  # ZeRO++ hpZ: ranks per secondary partition (one node); 0 = the launcher's LOCAL_WORLD_SIZE / tp
     )
     auto: bool = False  # let the planner (loom.plan) choose the layout and micro-batch for the world size
+    # the planner's calibration profile (loom plan calibrate) for parallel.auto and the plan_* metrics;
+    # "" = ./profile.json if present, else the device's datasheet
+    profile: str = ""
 
 
 @dataclass

@@ -162,6 +162,10 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _check_data(d, cfg.model.max_seq_len)
     _check_train_run(t, cfg.run)
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be > 0, got {p.bucket_mb}")
+    _require(
+        not p.profile or Path(p.profile).is_file(),
+        f"parallel.profile: {p.profile!r} is not a file (write one with `loom plan calibrate`)",
+    )
     _require_none(zero_stage_problem(p.zero))
     resolve_layout(cfg, world_size - _check_ps_ranks(cfg, world_size))
     _check_moe(cfg)

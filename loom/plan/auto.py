@@ -2,9 +2,9 @@
 
 :func:`local_cluster` describes the machine a run is on: ``loom/configs/clusters/cpu-local.toml``
 widened to the world size (one node, every rank on it) for CPU runs, ``DEVICE:1xN`` for a
-known GPU. :func:`load_profile` reads the profile the caller names (``loom train --profile``) or
-:data:`DEFAULT_PROFILE` when present (written by ``loom plan calibrate``; no environment variable), scaled by :func:`~loom.plan.hardware.profiles.contended` when more
-ranks than cores share the CPU. :func:`apply_auto` searches the layouts of the world size and
+known GPU. :func:`load_profile` reads the profile the caller names (``parallel.profile``, ``loom train --profile``)
+or :data:`DEFAULT_PROFILE` when present (written by ``loom plan calibrate``; no environment variable),
+scaled by :func:`~loom.plan.hardware.profiles.contended` when more ranks than cores share the CPU. :func:`apply_auto` searches the layouts of the world size and
 writes the fastest into ``cfg.parallel`` and ``cfg.train.micro_batch``; :func:`prediction`
 gives the estimate of a config's own layout (what the trainer logs beside its measurement).
 """
@@ -49,7 +49,9 @@ def load_profile(world: int, path: str | None = None, device: str = "cpu") -> Pr
     p = path or DEFAULT_PROFILE
     if not Path(p).is_file():
         if path:
-            raise HardwareError(f"profile file {p!r} does not exist")
+            raise HardwareError(
+                f"parallel.profile: {p!r} is not a file (write one with `loom plan calibrate`)"
+            )
         # nothing measured: the CPU's datasheet numbers, shared by the ranks when they outnumber the cores
         return (
             contended(datasheet_profile(DEVICES["cpu"]), world)
@@ -109,15 +111,13 @@ def _copy(cfg: LoomConfig) -> LoomConfig:
     return from_dict(to_dict(cfg))
 
 
-def choose(
-    cfg: LoomConfig, world: int | None = None, profile: Profile | None = None, profile_path: str | None = None
-) -> Estimate:
+def choose(cfg: LoomConfig, world: int | None = None, profile: Profile | None = None) -> Estimate:
     """The fastest layout of ``world`` ranks that fits and that the runtime can run; ``profile``, else
-    the one at ``profile_path`` (:func:`load_profile`)."""
+    the one ``parallel.profile`` names (:func:`load_profile`)."""
     world = world or world_size_of(cfg)
     cluster = local_cluster(world, _device_of(cfg))
     if profile is None:
-        profile = load_profile(world, profile_path, device=_device_of(cfg))
+        profile = load_profile(world, cfg.parallel.profile or None, device=_device_of(cfg))
     result = search(model_of(cfg), workload_of(cfg), cluster, world, profile=profile)
     for est in result.ranked:
         lay = est.layout
@@ -131,12 +131,10 @@ def choose(
     )
 
 
-def apply_auto(
-    cfg: LoomConfig, world: int | None = None, profile: Profile | None = None, profile_path: str | None = None
-) -> Estimate:
+def apply_auto(cfg: LoomConfig, world: int | None = None, profile: Profile | None = None) -> Estimate:
     """Write the planner's best layout into ``cfg`` (parallel.*, train.micro_batch, train.recompute)."""
     world = world or world_size_of(cfg)
-    est = choose(cfg, world, profile, profile_path)
+    est = choose(cfg, world, profile)
     _to_config(cfg, est.layout)
     cfg.parallel.auto = False  # chosen: a relaunched rank must not search again
     log.info("%s", describe(est))
@@ -156,7 +154,10 @@ def describe(est: Estimate) -> str:
 def _cost_model(cfg: LoomConfig, world: int, profile: Profile | None) -> CostModel:
     cluster = local_cluster(world, _device_of(cfg))
     return CostModel(
-        model_of(cfg), workload_of(cfg), cluster, profile or load_profile(world, device=_device_of(cfg))
+        model_of(cfg),
+        workload_of(cfg),
+        cluster,
+        profile or load_profile(world, cfg.parallel.profile or None, device=_device_of(cfg)),
     )
 
 
