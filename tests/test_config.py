@@ -187,3 +187,24 @@ def test_stale_launcher_variables_are_named(monkeypatch, capsys, tmp_path):
         )
         and "\n" not in err
     )
+
+
+def test_reference_documents_every_field_with_its_default():
+    """``loom config --reference`` reads each field's type, default and doc from the source, however the
+    formatter wraps it: every field of every section, a default equal to the dataclass's, a doc."""
+    import ast
+    import dataclasses
+
+    from loom.config.parse import field_docs
+
+    reference = C.reference()
+    for section, cls in C.SECTIONS.items():
+        docs = field_docs(cls)
+        fields = dataclasses.fields(cls)
+        assert set(docs) == {f.name for f in fields}, section
+        for f in fields:
+            typ, default, doc = docs[f.name]
+            assert doc, f"{section}.{f.name}: no doc comment"
+            if f.default is not dataclasses.MISSING:
+                assert ast.literal_eval(default) == f.default, f"{section}.{f.name}: {default!r}"
+        assert all(f"  {section}.{f.name} " in reference for f in fields)

@@ -167,26 +167,57 @@ def dump_toml(cfg: LoomConfig) -> str:
     return tomli_w.dumps(to_dict(cfg))
 
 
-def reference() -> str:
-    """Every field with its type, default, one-line doc (read from this module's source) and, for a
-    ``Literal`` field, its allowed values."""
+def field_docs(cls: type) -> dict[str, tuple[str, str, str]]:
+    """Field name -> (type, default, one-line doc) of a config dataclass, read from its source: the doc
+    is the field's own comment (on its line, or inside a wrapped default), else the comment lines just
+    above it."""
+    import ast
     import inspect
-    import re
+    import io
+    import textwrap
+    import tokenize
+
+    src = textwrap.dedent(inspect.getsource(cls))
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = src.splitlines()
+    body = ast.parse(src).body[0]
+    assert isinstance(body, ast.ClassDef)
+    out: dict[str, tuple[str, str, str]] = {}
+    for node in body.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value):
+            continue
+        end = node.end_lineno or node.lineno
+        doc = [comments[i] for i in range(node.lineno, end + 1) if i in comments]
+        if not doc:  # comment lines directly above the field
+            i = node.lineno - 1
+            while i >= 1 and lines[i - 1].strip().startswith("#"):
+                doc.insert(0, comments.get(i, ""))
+                i -= 1
+        typ = ast.get_source_segment(src, node.annotation) or ""
+        default = " ".join((ast.get_source_segment(src, node.value) or "").split())
+        out[node.target.id] = (typ, default, " ".join(doc))
+    return out
+
+
+def reference() -> str:
+    """Every field with its type, default, one-line doc (read from the source, :func:`field_docs`) and,
+    for a ``Literal`` field, its allowed values."""
+    import inspect
 
     lines = []
     for section, cls in SECTIONS.items():
         lines.append(f"[{section}]  {(inspect.getdoc(cls) or '').partition(chr(10))[0]}")
         types_ = _field_types(cls)
-        for src in inspect.getsource(cls).splitlines():
-            m = re.match(r"\s+(\w+): ([\w| \[\]]+) = (.+?)(?:\s+#\s*(.*))?$", src)
-            if m:
-                name, typ, default, doc = m.groups()
-                allowed = choices(types_[name])
-                if allowed:
-                    typ, doc = (
-                        type(allowed[0]).__name__,
-                        f"{doc or ''}; one of: {' | '.join(map(str, allowed))}".lstrip("; "),
-                    )
-                lines.append(f"  {section}.{name:<22} {typ:<6} {default:<12} {doc or ''}".rstrip())
+        for name, (typ, default, doc) in field_docs(cls).items():
+            allowed = choices(types_[name])
+            if allowed:
+                typ, doc = (
+                    type(allowed[0]).__name__,
+                    f"{doc}; one of: {' | '.join(map(str, allowed))}".lstrip("; "),
+                )
+            lines.append(f"  {section}.{name:<22} {typ:<6} {default:<12} {doc}".rstrip())
         lines.append("")
     return "\n".join(lines)

@@ -254,9 +254,9 @@ class TrainConfig:
     min_lr: float = 3e-4  # floor of the cosine decay
     warmup_steps: int = 20  # linear warm-up steps
     weight_decay: float = 0.1  # AdamW decoupled weight decay (not on norms/biases)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9  # AdamW: decay of the first moment (the gradient's running mean)
+    beta2: float = 0.95  # AdamW: decay of the second moment (the squared gradient's running mean)
+    eps: float = 1e-8  # AdamW: added to the second moment's square root in the update's denominator
     grad_clip: float = 1.0  # clip global grad norm to this; 0 = off
     seed: int = 1234  # seeds init, data order and dropout; independent of the layout
     eval_every: int = 100  # steps between eval losses; 0 = off
