@@ -174,11 +174,8 @@ def layout_problems(
             f"moe.aux_loss_coef: the router losses need a synchronous pipeline schedule, got parallel.schedule = "
             f"{schedule!r}; use 0 for moe.aux_loss_coef and moe.z_loss_coef or another schedule"
         )
-    if ep > 1:
-        if m.n_experts <= 1:
-            out.append(f"parallel.ep: expert parallelism needs experts (model.n_experts > 1), got ep={ep}")
-        elif m.n_experts % ep:
-            out.append(f"parallel.ep: {ep} must divide model.n_experts={m.n_experts}")
+    if (why := expert_problem(m, ep)) is not None:
+        out.append(why)
     if (why := allreduce_problem(allreduce, dp=dp, dp_shard=dp_shard, cp=cp, ep=ep, zero=zero)) is not None:
         out.append(why)
     if offload != "none" and zero < 1:
@@ -201,6 +198,45 @@ def layout_problems(
         )
     out += _pipeline_problems(m, schedule, pp, virtual_stages, microbatches, pp_layout, vertical_sync, zero)
     return out
+
+
+def expert_problem(m: ModelFacts, ep: int) -> str | None:
+    """Expert parallelism spreads whole experts: ep > 1 needs experts, and ep | n_experts."""
+    if ep > 1 and m.n_experts <= 1:
+        return f"parallel.ep: expert parallelism needs experts (model.n_experts > 1), got ep={ep}"
+    if ep > 1 and m.n_experts % ep:
+        return f"parallel.ep: {ep} must divide model.n_experts={m.n_experts}"
+    return None
+
+
+def virtual_stages_problem(schedule: str, v: int) -> str | None:
+    """Virtual stages (v chunks per device) are the interleaved schedule's."""
+    if v < 1:
+        return f"parallel.virtual_stages: must be >= 1, got {v}"
+    if v > 1 and schedule != "interleaved":
+        return f"parallel.virtual_stages: {v} > 1 needs parallel.schedule = 'interleaved', got {schedule!r}"
+    return None
+
+
+def pipeline_depth_problem(m: ModelFacts, pp: int, v: int) -> str | None:
+    """Every one of the pp*v pipeline chunks holds at least one block."""
+    n = pp * max(v, 1)
+    if pp > 1 and n > m.n_layers:
+        return (
+            f"parallel.pp: pp*virtual_stages = {n} pipeline stages but model.n_layers = {m.n_layers} "
+            "(each stage needs at least one block)"
+        )
+    return None
+
+
+def interleaved_microbatches_problem(schedule: str, pp: int, micro: int) -> str | None:
+    """The interleaved schedule runs micro-batches in groups of pp."""
+    if pp > 1 and schedule == "interleaved" and micro % pp:
+        return (
+            f"train.global_batch: the interleaved schedule needs the micro-batch count "
+            f"global_batch/(micro_batch*dp) = {micro} divisible by parallel.pp = {pp}"
+        )
+    return None
 
 
 def gradient_allreduce_groups(*, dp: int, dp_shard: int, cp: int, ep: int, zero: int) -> dict[str, int]:
@@ -231,13 +267,7 @@ def _pipeline_problems(
 ) -> list[str]:
     """At least one block per stage, enough micro-batches, a layout covering every block, and the
     combinations the pipeline runtime cannot run."""
-    out = []
-    if v < 1:
-        out.append(f"parallel.virtual_stages: must be >= 1, got {v}")
-    if v > 1 and schedule != "interleaved":
-        out.append(
-            f"parallel.virtual_stages: {v} > 1 needs parallel.schedule = 'interleaved', got {schedule!r}"
-        )
+    out = [why] if (why := virtual_stages_problem(schedule, v)) is not None else []
     if vertical_sync and schedule != "pipedream":
         out.append("parallel.vertical_sync: only for schedule 'pipedream'")
     if pp == 1:
@@ -245,16 +275,11 @@ def _pipeline_problems(
             out.append("parallel.pp_layout: a stage layout needs parallel.pp > 1")
         return out
     n = pp * max(v, 1)
-    if n > m.n_layers:
-        out.append(
-            f"parallel.pp: pp*virtual_stages = {n} pipeline stages but model.n_layers = {m.n_layers} "
-            "(each stage needs at least one block)"
-        )
-    if schedule == "interleaved" and micro % pp:
-        out.append(
-            f"train.global_batch: the interleaved schedule needs the micro-batch count "
-            f"global_batch/(micro_batch*dp) = {micro} divisible by parallel.pp = {pp}"
-        )
+    out += [
+        why
+        for why in (pipeline_depth_problem(m, pp, v), interleaved_microbatches_problem(schedule, pp, micro))
+        if why
+    ]
     if schedule == "2bw" and (micro % 2 or micro // 2 < pp):
         out.append(
             f"train.global_batch: 2bw splits a step's {micro} micro-batches into 2 batches of at least "

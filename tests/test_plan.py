@@ -360,7 +360,7 @@ def test_moe_counts_experts_and_all_to_all():
     assert moe.time_breakdown["ep comm"] > 0 and dense.time_breakdown["ep comm"] == 0
     assert param_count(mc, n_experts=8) > 7 * param_count(mc) / 2
     assert moe.memory_breakdown["weights"] == pytest.approx(dense.memory_breakdown["weights"], rel=0.05)
-    with pytest.raises(PlanError, match="ep > 1 needs experts"):
+    with pytest.raises(PlanError, match="parallel.ep: expert parallelism needs experts"):
         estimate(mc, Layout(dp=16, ep=8), w, cl)
 
 
@@ -372,7 +372,7 @@ def test_invalid_layouts_are_rejected_with_the_reason():
     cl = _cluster()
     cases = [
         (Layout(tp=3, dp=1), r"model\.n_heads: 32 must be divisible by parallel\.tp=3"),  # loom.rules
-        (Layout(dp=3), "dp\\*micro_batch must divide global_batch"),
+        (Layout(dp=3), "train.global_batch: 64 must be divisible by micro_batch\\*dp"),
         (Layout(dp=8, zero=2), "sharding group"),
         (Layout(dp=2, pp=2, schedule="interleaved", v=1), "interleaved needs"),
         (Layout(dp=16), "more devices than the cluster"),
@@ -382,7 +382,7 @@ def test_invalid_layouts_are_rejected_with_the_reason():
         with pytest.raises(PlanError, match=reason):
             estimate(LLAMA3_8B, lay, w, cl)
     four = dataclasses.replace(LLAMA3_8B, n_layers=4)
-    with pytest.raises(PlanError, match="pp\\*v must not exceed n_layers"):
+    with pytest.raises(PlanError, match="parallel.pp: pp\\*virtual_stages = 8 pipeline stages but model.n_layers = 4"):
         estimate(four, Layout(pp=2, v=4, schedule="interleaved"), w, cl)
     with pytest.raises(PlanError, match="train.precision: device 'a100-80g' has no fp8"):
         estimate(LLAMA3_8B, Layout(dp=8), Workload(64, 4096, "fp8"), _cluster("a100-80g"))

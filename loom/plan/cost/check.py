@@ -7,13 +7,20 @@ from loom.plan.cost.base import CostBase
 from loom.plan.cost.layout import RECOMPUTE, SCHEDULES, Layout
 from loom.rules import (
     ModelFacts,
+    batch_problem,
     context_parallel_problem,
+    expert_problem,
+    interleaved_microbatches_problem,
     layout_problems,
     param_server_problem,
+    pipeline_depth_problem,
     qlora_layout_problem,
     sequence_parallel_problem,
+    sharding_problem,
     tensor_parallel_problem,
+    virtual_stages_problem,
     zero3_options_problem,
+    zero_stage_problem,
 )
 
 
@@ -31,21 +38,20 @@ def check(cm: CostBase, lay: Layout) -> str | None:
 
     What the formulas assume (degrees, the cluster's size, a modelled schedule and recomputation,
     whole blocks per chunk, whole micro-batches, tp inside a node); divisibility of the model's
-    shapes is :mod:`loom.rules`' (called, not restated). Whether ``loom train`` runs ``lay`` too is
-    :func:`refused`. Rules still stated here as well as elsewhere, with the messages tests pin
-    (until :mod:`loom.rules` exposes them one by one): dp_shard | dp, zero in 0..3 and zero > 0
-    needing dp_shard*cp > 1 (``loom.config``); ep | dp*cp (:class:`loom.mesh.ParallelDims`); v > 1
-    only interleaved, pp*v <= L, interleaved micro-batches divisible by pp, ep > 1 needing experts
-    and ep | n_experts (:func:`loom.rules.layout_problems`)."""
+    shapes, the degrees, the stages and the batch are :mod:`loom.rules`' (called, not restated).
+    Whether ``loom train`` runs ``lay`` too is :func:`refused`. Stated here only: what the formulas
+    model (degrees >= 1, the cluster's size, the modelled schedules and recomputations, a sharding
+    group for ZeRO, interleaving with pp, v >= 2, a split covering every block, tp inside a node)."""
     m, t = cm.model, cm.train
     if min(lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.v, lay.micro_batch) < 1:
         return "every degree must be >= 1"
     if lay.world_size > cm.cluster.world_size:
         return "more devices than the cluster has"
-    if lay.dp % lay.dp_shard:
-        return "dp_shard must divide dp"
-    if lay.zero not in (0, 1, 2, 3):
-        return "zero must be 0, 1, 2 or 3"
+    why = zero_stage_problem(lay.zero) or sharding_problem(
+        dp=lay.dp, dp_shard=lay.dp_shard, cp=lay.cp, ep=lay.ep
+    )
+    if why:
+        return why
     if lay.zero > 0 and lay.dp_shard * lay.cp == 1:
         return "zero > 0 needs a sharding group dp_shard*cp > 1"
     if lay.schedule not in SCHEDULES:
@@ -58,25 +64,20 @@ def check(cm: CostBase, lay: Layout) -> str | None:
     why = why or context_parallel_problem(lay.cp, t.seq_len)
     if why:
         return why
-    if lay.v > 1 and lay.schedule != "interleaved":
-        return "v > 1 only with the interleaved schedule"
+    why = virtual_stages_problem(lay.schedule, lay.v) or pipeline_depth_problem(cm.facts, lay.pp, lay.v)
+    if why:
+        return why
     if lay.schedule == "interleaved" and (lay.v < 2 or lay.pp < 2):
         return "interleaved needs pp >= 2 and v >= 2"
-    if m.n_layers < lay.pp * lay.v:
-        return "pp*v must not exceed n_layers (every pipeline chunk holds a block)"
     if lay.split and (len(lay.split) != lay.pp or sum(lay.split) != m.n_layers or min(lay.split) < lay.v):
         return (
             f"split must give each of the pp={lay.pp} stages at least v={lay.v} blocks, {m.n_layers} in all"
         )
-    if t.global_batch % (lay.dp * lay.micro_batch):
-        return "dp*micro_batch must divide global_batch"
-    if lay.schedule == "interleaved" and (t.global_batch // (lay.dp * lay.micro_batch)) % lay.pp:
-        return "interleaved needs micro-batches divisible by pp"
-    if lay.ep > 1 and not cm.moe:
-        return "ep > 1 needs experts (n_experts > 1)"
-    if (lay.dp * lay.cp) % lay.ep or cm.n_experts % lay.ep:
-        return "ep must divide dp*cp and n_experts"
-    return None
+    why = batch_problem(t.global_batch, lay.micro_batch, lay.dp)
+    why = why or interleaved_microbatches_problem(
+        lay.schedule, lay.pp, t.global_batch // (lay.dp * lay.micro_batch)
+    )
+    return why or expert_problem(cm.facts, lay.ep)
 
 
 def refused(cm: CostBase, lay: Layout) -> str | None:
