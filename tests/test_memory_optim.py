@@ -180,7 +180,9 @@ FP32_TOL = {"loss": 1e-5, "rtol": 1e-5, "atol": 1e-6}  # sharded vs unsharded: s
 HALF_TOL = {"loss": 1e-3, "rtol": 1e-2, "atol": 1e-4}  # ... plus one half-precision rounding of a weight
 # Adam: the step m/√v of an element whose gradient is near zero can flip sign under another summation
 # order, moving that one weight by ~lr; compare each tensor by the norm of its difference instead.
-ADAM_HALF_TOL = {"loss": 1e-3, "rel_norm": 1e-2}  # measured 2e-3 after 6 fp16 steps
+# measured after 6 fp16 steps: 2e-3 with k/v repeated to the query heads, 1.24e-2 with SDPA's grouped
+# heads (both kernels are as accurate against fp64: 5e-4 relative in fp16, and independent of the batch)
+ADAM_HALF_TOL = {"loss": 1e-3, "rel_norm": 2e-2}
 
 
 def sharded_adafactor(steps: int) -> dict:
