@@ -186,9 +186,12 @@ def grouped_swiglu(
     w3: torch.Tensor,
     w2: torch.Tensor,
     compute: str = "grouped",
+    max_rows: int | None = None,
 ) -> torch.Tensor:
     """SwiGLU_e on rows x (A, h) sorted by expert, ``counts[e]`` rows for expert e of the stacked
-    weights; -> (A, h). ``grouped``: one grouped (or padded batched) matmul per weight; ``loop``: per expert."""
+    weights; -> (A, h). ``grouped``: one grouped (or padded batched) matmul per weight; ``loop``: per expert.
+    ``max_rows``: a bound on any counts[e] known on the host (the padded batch's width, so that no
+    host sync reads max(counts); A when not given); ``loop`` reads the counts (one sync)."""
     if compute == "loop":
         out, start = [], 0
         for e, n in enumerate(counts.tolist()):
@@ -203,7 +206,8 @@ def grouped_swiglu(
     starts = torch.cumsum(counts, 0) - counts
     expert = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts, output_size=rows)
     slot = torch.arange(rows, device=x.device) - starts[expert]
-    batch = x.new_zeros(n_experts, int(counts.max()) if rows else 0, x.shape[1]).index_put((expert, slot), x)
+    width = min(rows, rows if max_rows is None else max_rows)
+    batch = x.new_zeros(n_experts, width, x.shape[1]).index_put((expert, slot), x)
     hidden = F.silu(torch.bmm(batch, w1.transpose(1, 2))) * torch.bmm(batch, w3.transpose(1, 2))
     return torch.bmm(hidden, w2.transpose(1, 2))[expert, slot]
 
@@ -276,10 +280,18 @@ class MoEFeedForward(nn.Module):
         self.stats: torch.Tensor | None = None  # (E + N_STATS,) since the last metrics row
 
     def expert_outputs(
-        self, flat: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor
+        self,
+        flat: torch.Tensor,
+        token: torch.Tensor,
+        expert: torch.Tensor,
+        weight: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        bound: int | None = None,
     ) -> torch.Tensor:
         """Σ_a weight_a · SwiGLU_{expert_a}(flat[token_a]) into each token's row, for the
-        assignments a sorted by expert: (N, h)."""
+        assignments a sorted by expert, those with ``keep`` false (dropped by capacity) left out: (N, h).
+        Dropped rows are computed with weight 0 here (no host sync to size the kept set; exactly the
+        same sums); ``bound``: at most that many rows per expert."""
         counts = torch.bincount(expert, minlength=self.n_experts)
         rows = grouped_swiglu(
             flat.index_select(0, token),
@@ -288,22 +300,28 @@ class MoEFeedForward(nn.Module):
             self.w3.weight,
             self.w2.weight,
             self.options.compute,
+            bound,
         )
+        if keep is not None:
+            weight = weight * keep
         return torch.zeros_like(flat).index_add(0, token, rows * weight[:, None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         opt, k = self.options, self.top_k
         flat = x.reshape(-1, x.shape[-1])  # (N = B·T, h)
         r = route(flat, self.router.weight, k, opt.score, opt.norm_topk, self.expert_bias)
-        keep = None
+        keep, bound = None, flat.shape[0]  # k distinct experts per token: at most N rows per expert
         if opt.capacity_factor > 0 and self.training:
             cap = capacity(flat.shape[0], k, self.n_experts, opt.capacity_factor)
             keep = keep_mask(r.scores.gather(-1, r.experts), r.experts, self.n_experts, cap, opt.drop_policy)
         order = torch.argsort(r.experts.reshape(-1), stable=True)  # assignments sorted by expert
-        if keep is not None:
-            order = order[keep.reshape(-1)[order]]
         out = self.expert_outputs(
-            flat, order // k, r.experts.reshape(-1)[order], r.weights.reshape(-1)[order]
+            flat,
+            order // k,
+            r.experts.reshape(-1)[order],
+            r.weights.reshape(-1)[order],
+            None if keep is None else keep.reshape(-1)[order],
+            bound,
         )
         if self.shared is not None:
             out = out + self.shared(flat)

@@ -32,7 +32,6 @@ Matrices only (ndim <= 2): torch factors the last two dims of higher-rank tensor
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -253,14 +252,15 @@ class FlatAdafactor:
         self._update(views, stats, lr, rho, beta)
         self.master.publish()
 
-    def _row_means(self, views) -> dict[int, float]:
-        """Σ r over the global rows of matrices whose rows tp splits (summed over tp), by piece."""
+    def _row_means(self, views) -> dict[int, torch.Tensor]:
+        """Σ r over the global rows of matrices whose rows tp splits (summed over tp), by piece (fp64,
+        on the device: no host sync)."""
         split = [n for n, pc, *_ in views if pc.tp_dim == 0 and n in self.row_var]
         if not split or comm.group_size(self.tp_group) == 1:
             return {}
         sums = torch.stack([self.row_var[n].sum(dtype=torch.float64) for n in split])
         comm.all_reduce_via(sums, self.tp_group, self._comm_device)
-        return {n: float(s) for n, s in zip(split, sums)}
+        return dict(zip(split, sums, strict=True))
 
     def _update(self, views, stats: torch.Tensor, lr: float, rho: float, beta: float) -> None:
         updates = []
@@ -283,23 +283,21 @@ class FlatAdafactor:
                 numel = R * C
                 rv, cv = self.row_var[n], self.col_var[n]
                 if n in split_means:
-                    mean = torch.tensor(
-                        split_means[n] / self._global(pc, R), dtype=torch.float32, device=rv.device
-                    )
+                    mean = (split_means[n] / self._global(pc, R)).float()
                 else:
                     mean = rv.mean()
                 self._means[n] = mean
                 r1 = r0 + pad.shape[0]
                 var = (rv[r0:r1, None] @ cv[None, :]).div_(mean.clamp(min=self.eps1))
                 var = var.view(-1)[pc.lo - r0 * C : pc.hi - r0 * C]
-                psq = float(stats[at + R + C])
+                psq = stats[at + R + C]
             else:
                 numel = pc.param.numel()
                 self.variance[n].lerp_(g * g, beta)
                 var = self.variance[n].clone()
-                psq = float(stats[at])
+                psq = stats[at]
             numel = numel * (comm.group_size(self.tp_group) if pc.tp_dim is not None else 1)
-            alpha = max(EPS2, math.sqrt(psq) / numel**0.5) * rho
+            alpha = (psq.sqrt() / numel**0.5).clamp_(min=EPS2).mul_(rho)  # fp64, on the device
             if self.weight_decay != 0 and pc.decay:
                 w.mul_(1 - lr * self.weight_decay)
             u = var.clamp_(min=self.eps1 * self.eps1).rsqrt_().mul_(g)
@@ -308,9 +306,9 @@ class FlatAdafactor:
             updates.append((pc, w, u, alpha, numel, k))
         tp_idx = [(k, k + 1) for k, dim in enumerate(self._tp_dims) if dim is not None]
         self._reduce(usq, tp_idx)
-        for _pc, w, u, alpha, numel, k in updates:
-            denom = max(1.0, math.sqrt(float(usq[k])) / (numel**0.5 * CLIP_D))
-            w.add_(u, alpha=-alpha / denom)
+        for _pc, w, u, alpha, numel, k in updates:  # the step sizes stay on the device (no host sync)
+            denom = (usq[k].sqrt() / (numel**0.5 * CLIP_D)).clamp_(min=1.0)
+            w.addcmul_(u, (-alpha / denom).float())  # bitwise w.add_(u, alpha=-alpha / denom) on the CPU
 
 
 def factored_state_bytes(layouts: Sequence) -> int:

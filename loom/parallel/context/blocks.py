@@ -14,26 +14,28 @@ P_ij = exp(s_ij − lse_i) and D_i = Σ_c dO_ic O_ic,
 
     dV = Pᵀ dO    dS = P ∘ (dO Vᵀ − D)    dQ = dS K/√d    dK = dSᵀ Q/√d
 
-so each block's gradients are its exact share and are summed over blocks. On the CPU the
-blocks run in PyTorch's flash kernel for the CPU (which returns the log-sum-exp); elsewhere in
-fp32 matrix products (the same formulas). A block is either causal (square, query i sees key
-j <= i), full, or masked by document: an additive mask of the block only, in the compute dtype.
+so each block's gradients are its exact share and are summed over blocks.
 
-Which blocks the load-balanced layout computes: cp rank r holds chunks r and 2cp−1−r of c
-tokens each; against the keys of rank j (:func:`chunk_blocks`):
+Every device runs a block through a kernel that returns the log-sum-exp (:func:`attend`):
 
-    j = r    all 2c queries, all 2c keys, causal (local positions increase)
-    j < r    all 2c queries against j's first chunk (j < r < 2cp−1−j), no mask
-    j > r    r's second chunk against all 2c keys (both earlier than 2cp−1−r), no mask
+    CPU                         aten._scaled_dot_product_flash_attention_for_cpu (mask allowed)
+    CUDA, bf16/fp16, no mask    aten._scaled_dot_product_flash_attention (GQA native)
+    CUDA otherwise              aten._scaled_dot_product_efficient_attention (fp32; the document
+                                mask as its additive bias; GQA keys/values repeated, O(T·d))
 
-so every rank does the same work: one causal 2c x 2c block and cp − 1 full blocks of 2c x c.
+and its backward through the matching backward op, given the rows' final out and lse. Memory per
+block beyond the kernel's own workspace, for Tq queries, Tk keys, a query and k key heads of d, e
+bytes per element (what tests/test_flash_blocks.py measures):
 
-Attention dropout (``drop`` = (p, seed)): the probabilities P_ij (normalised by the final lse)
-are multiplied by M_ij/(1 − p), M a keep-mask drawn from a generator seeded with the block's seed,
-drawn again in backward; the merge and D_i = Σ_c dO_ic O_ic stay exact, and dS = P ∘ (M∘dO Vᵀ/(1−p) − D).
-Blocks with dropout run in the fp32 matrix products (a fused kernel draws its own mask).
-On an accelerator the blocks run in those products too: correct, but with (Tq, Tk) fp32
-temporaries per block, not a flash kernel (a fused CUDA path is not written yet).
+    forward     B·a·Tq·(d·e + 4)                       out and lse (fp32)
+    backward    B·(a·Tq + 2·k·Tk)·d·e                  dQ, dK, dV
+    + CUDA efficient path with GQA: 2·B·a·Tk·d·e (repeated K, V) and, backward, 2·B·a·Tk·d·e (their grads)
+
+against (B, a, Tq, Tk) fp32 scores, probabilities and their gradient in the matrix products.
+Packed documents take the path with a mask: the block's additive mask (B, 1, Tq, Tk) in the compute
+dtype is then the one O(Tq·Tk) tensor (made by :func:`doc_mask`, beside the kernel). The fp32 matrix
+products (``_fused`` false) stay as the reference of the tests and as the path of attention dropout.
+A block is either causal (square, query i sees key j <= i), full, or masked by document.
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+aten = torch.ops.aten
 
 Block = tuple[slice, slice, bool]  # query rows, key rows, causal
 Dropout = tuple[float, int]  # attention dropout p, the block's seed
@@ -120,7 +125,23 @@ def doc_mask(docs_q: torch.Tensor, docs_k: torch.Tensor, causal: bool, dtype: to
 
 
 def _fused(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu"
+    """Whether blocks run in a kernel returning the log-sum-exp: on every device (tests turn it off
+    to compare with the fp32 matrix products)."""
+    return True
+
+
+def _kernel(q: torch.Tensor, mask: torch.Tensor | None) -> str:
+    """The kernel of a block (module table): "cpu", "flash" or "efficient"."""
+    if q.device.type == "cpu":
+        return "cpu"
+    if (
+        mask is None
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+    ):
+        return "flash"
+    return "efficient"
 
 
 def attend(
@@ -133,18 +154,27 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: output (B, a, Tq, d) in q's dtype and log-sum-exp (B, a, Tq) in fp32, −∞ on rows
     the mask hides entirely (their output is 0). ``drop`` = (p, seed): attention dropout (module doc)."""
-    if _fused(q) and drop is None:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=mask
-        )
-        if mask is not None:  # the kernel reports lse 0 for a fully masked row
-            hidden = torch.isinf(mask).all(-1).expand_as(lse)
-            lse = lse.masked_fill(hidden, float("-inf"))
-        return out, _acc(lse)
-    s = _scores(q, k, causal, mask)
-    lse = s.logsumexp(-1)
-    p = torch.exp(s - _finite(lse).unsqueeze(-1)) * _kept(s.shape, s.device, drop)
-    return (p @ _acc(_repeat(v, q))).to(q.dtype), lse
+    if not _fused(q) or drop is not None:
+        s = _scores(q, k, causal, mask)
+        lse = s.logsumexp(-1)
+        p = torch.exp(s - _finite(lse).unsqueeze(-1)) * _kept(s.shape, s.device, drop)
+        return (p @ _acc(_repeat(v, q))).to(q.dtype), lse
+    kernel = _kernel(q, mask)
+    if kernel == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask)
+    elif kernel == "flash":
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+    else:
+        out, lse = aten._scaled_dot_product_efficient_attention(
+            q, _repeat(k, q), _repeat(v, q), _bias(mask, q), True, 0.0, causal
+        )[:2]
+        lse = lse[..., : q.shape[2]]  # the kernel pads the rows to a multiple of 32
+    if mask is not None:  # a fully masked row: lse −∞ (the CPU kernel reports 0), output 0
+        hidden = mask.amax(-1).isneginf().expand_as(lse)  # (B, a, Tq)
+        lse = lse.masked_fill(hidden, float("-inf"))
+        if kernel == "efficient":
+            out = out.masked_fill(hidden.unsqueeze(-1), 0.0)
+    return out, _acc(lse)
 
 
 def attend_backward(
@@ -160,10 +190,41 @@ def attend_backward(
 ):
     """dQ, dK, dV of one block given the rows' final ``out`` and ``lse`` (module formulas; ``drop``:
     the forward's dropout, its mask drawn again from the same seed)."""
-    if _fused(q) and drop is None:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+    if not _fused(q) or drop is not None:
+        return _math_backward(dout, q, k, v, out, lse, causal, mask, drop)
+    kernel = _kernel(q, mask)
+    if kernel == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask
         )
+    lse = lse.float().contiguous()
+    if kernel == "flash":
+        Tq, Tk = q.shape[2], k.shape[2]
+        seed, offset = _no_rng(q)
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, Tq, Tk, 0.0, causal, seed, offset
+        )[:3]
+    pad = 0 if torch.version.hip else -q.shape[2] % 32  # the padded rows the forward returns
+    seed = offset = torch.empty((), dtype=torch.long, device=q.device)
+    gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dout,
+        q,
+        _repeat(k, q),
+        _repeat(v, q),
+        _bias(mask, q),
+        out,
+        F.pad(lse, (0, pad)) if pad else lse,
+        seed,
+        offset,
+        0.0,
+        [True, True, True, False],
+        causal,
+    )
+    return gq, _unrepeat(gk, k), _unrepeat(gv, v)
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, mask, drop):
+    """:func:`attend_backward` in fp32 matrix products (the reference; the path of dropout)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     kr, vr = _acc(_repeat(k, q)), _acc(_repeat(v, q))
     p = torch.exp(_scores(q, k, causal, mask) - _finite(lse).unsqueeze(-1))
@@ -173,6 +234,27 @@ def attend_backward(
     ds = p * ((do @ vr.transpose(-1, -2)) * kept - (do * _acc(out)).sum(-1, keepdim=True))
     dq, dk = (ds @ kr) * scale, (ds.transpose(-1, -2) @ _acc(q)) * scale
     return dq.to(q.dtype), _unrepeat(dk, k).to(k.dtype), _unrepeat(dv, v).to(v.dtype)
+
+
+def _bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The mask as the efficient kernel's bias: rows aligned to 16 elements, expanded to the heads."""
+    if mask is None:
+        return None
+    Tk = mask.shape[-1]
+    if Tk % 16:
+        mask = F.pad(mask, (0, -Tk % 16))[..., :Tk]
+    return mask.expand(q.shape[0], q.shape[1], q.shape[2], Tk)
+
+
+def _no_rng(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (unread) random state the flash backward takes without dropout, shaped as its forward's."""
+    if torch.version.hip:
+        return torch.empty((), dtype=torch.long, device=q.device), torch.empty(
+            (), dtype=torch.long, device=q.device
+        )
+    return torch.zeros(2, dtype=torch.uint64, device=q.device), torch.zeros(
+        (), dtype=torch.uint64, device=q.device
+    )
 
 
 def merge(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:

@@ -161,26 +161,53 @@ class ExpertParallelMoE(MoEFeedForward):
             setattr(self, name, mine)
 
     def expert_outputs(
-        self, flat: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor
+        self,
+        flat: torch.Tensor,
+        token: torch.Tensor,
+        expert: torch.Tensor,
+        weight: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        bound: int | None = None,
     ) -> torch.Tensor:
-        """Dispatch the rows (sorted by expert) to their experts' ranks, compute, combine; rows of a
-        hot expert are computed here, on its replica."""
+        """Dispatch the rows (sorted by expert; without those ``keep`` drops) to their experts' ranks,
+        compute, combine; rows of a hot expert are computed here, on its replica.
+
+        One host sync per call: the all-to-all's sizes. The rows are partitioned on the device (a
+        stable sort by class: sent, hot, dropped; each class stays sorted by expert) and the class
+        sizes come back with the exchanged counts, in the same read."""
         if self.options.rebalance_every and self.training and not recomputing():
             load = torch.bincount(expert, minlength=self.n_experts).float()
             self.window_load = load if self.window_load is None else self.window_load + load
         out = torch.zeros_like(flat)
-        if self.hot:
-            out, token, expert, weight = self._hot_outputs(out, flat, token, expert, weight)
-        per_expert = torch.bincount(expert, minlength=self.n_experts)  # rows for each expert
+        cls = torch.zeros_like(expert)  # 0: sent to the expert's rank, 1: hot (here), 2: dropped
+        hot = torch.tensor(self.hot, dtype=expert.dtype, device=flat.device) if self.hot else None
+        if hot is not None:
+            cls = cls + torch.isin(expert, hot).long()
+        if keep is not None:
+            cls = torch.where(keep, cls, 2)
+        part = torch.argsort(cls, stable=True)
+        token, expert, weight, cls = token[part], expert[part], weight[part], cls[part]
+        sent = cls == 0
+        per_expert = torch.bincount(  # rows per expert (the others counted in a spare bin)
+            torch.where(sent, expert, self.n_experts), minlength=self.n_experts + 1
+        )[: self.n_experts]
         # got[src*local + j]: rows rank src sends for my expert j (a small all-to-all of counts)
         got = _all_to_all(
             per_expert, [self.local] * self.ep, [self.local] * self.ep, self.group, self.meter, self.rank
         )
-        send = per_expert.view(self.ep, self.local).sum(1).tolist()
-        recv_table = got.view(self.ep, self.local)
-        recv = recv_table.sum(1).tolist()
+        sizes = torch.cat([per_expert, got, (cls == 1).sum().view(1)]).tolist()  # the one host sync
+        E, L = self.n_experts, self.local
+        send = [sum(sizes[r * L : (r + 1) * L]) for r in range(self.ep)]
+        recv = [sum(sizes[E + r * L : E + (r + 1) * L]) for r in range(self.ep)]
+        widest = max(sum(sizes[E + r * L + j] for r in range(self.ep)) for j in range(L))  # rows of an expert
+        n_out, n_hot = sum(send), sizes[-1]
+        if hot is not None:
+            at = slice(n_out, n_out + n_hot)
+            out = self._hot_outputs(out, flat, token[at], expert[at], weight[at], hot)
+        token, weight = token[:n_out], weight[:n_out]
         rows = _AllToAll.apply(flat.index_select(0, token), recv, send, self.group, self.meter, self.rank)
         # received rows: by source rank, within it by expert; regroup them by local expert
+        recv_table = got.view(self.ep, self.local)
         expert_of_row = (
             torch.arange(self.local, device=flat.device)
             .repeat(self.ep)
@@ -189,7 +216,13 @@ class ExpertParallelMoE(MoEFeedForward):
         by_expert = torch.argsort(expert_of_row, stable=True)
         w1, w3, w2 = (cast(ExpertWeights, getattr(self, n)).weight for n in ("w1", "w3", "w2"))
         y = grouped_swiglu(
-            rows.index_select(0, by_expert), recv_table.sum(0), w1, w3, w2, self.options.compute
+            rows.index_select(0, by_expert),
+            recv_table.sum(0),
+            w1,
+            w3,
+            w2,
+            self.options.compute,
+            widest,
         )
         out_rows = torch.empty_like(y).index_copy(0, by_expert, y)  # back to the received order
         back = _AllToAll.apply(out_rows, send, recv, self.group, self.meter, self.rank)  # sorted order again
@@ -201,26 +234,24 @@ class ExpertParallelMoE(MoEFeedForward):
         self,
         out: torch.Tensor,
         flat: torch.Tensor,
-        token: torch.Tensor,
-        expert: torch.Tensor,
-        weight: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        """The hot experts' rows computed on their replicas into ``out``; returns it and the other rows."""
-        hot = torch.tensor(self.hot, device=flat.device)
-        is_hot = torch.isin(expert, hot)
+        h_token: torch.Tensor,
+        h_expert: torch.Tensor,
+        h_weight: torch.Tensor,
+        hot: torch.Tensor,
+    ) -> torch.Tensor:
+        """The hot experts' rows (sorted by expert) computed on their replicas into ``out``."""
         owned = [e - self.rank * self.local if e // self.local == self.rank else -1 for e in self.hot]
         w1, w3, w2 = (
             _HotReplicas.apply(cast(ExpertWeights, getattr(self, n)).weight, owned, self.group, self.meter)
             for n in ("w1", "w3", "w2")
         )
-        h_token = token[is_hot]
-        counts = torch.bincount(torch.searchsorted(hot, expert[is_hot]), minlength=len(self.hot))
-        y = grouped_swiglu(flat.index_select(0, h_token), counts, w1, w3, w2, self.options.compute)
+        counts = torch.bincount(torch.searchsorted(hot, h_expert), minlength=len(self.hot))
+        y = grouped_swiglu(
+            flat.index_select(0, h_token), counts, w1, w3, w2, self.options.compute, h_token.shape[0]
+        )
         if not recomputing():
             self.rows_computed += y.shape[0]
-        out = out.index_add(0, h_token, y * weight[is_hot][:, None])
-        rest = ~is_hot
-        return out, token[rest], expert[rest], weight[rest]
+        return out.index_add(0, h_token, y * h_weight[:, None])
 
 
 def stats_sum(groups: Sequence[Group]) -> StatsSum:
