@@ -79,6 +79,9 @@ PositionKind = Literal["rope", "learned"]  # model.positions
 FinetuneMethod = Literal["full", "lora", "qlora"]  # finetune.method
 
 
+Compile = Literal["none", "blocks", "full"]  # train.compile
+
+
 LORA_TARGETS = ("q", "k", "v", "o", "w1", "w2", "w3")  # finetune.lora_targets: the block's linear layers
 
 
@@ -269,6 +272,7 @@ class TrainConfig:
         "none"  # saved activations stored as none | bf16 | fp8 | int8, or per kind "mlp=fp8,attention=bf16"
     )
     offload_activations: bool = False  # saved activations to pinned host memory (GPU runs only)
+    compile: Compile = "none"  # torch.compile of each block and the loss (blocks), or the whole model (full)
     loss_scale: float = 0.0  # fp16: static loss scale; 0 = dynamic
     loss_scale_init: float = 65536.0  # fp16 dynamic scaling: first scale
     loss_scale_window: int = 1000  # fp16 dynamic scaling: double the scale after this many clean steps

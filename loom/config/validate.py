@@ -369,6 +369,11 @@ def check_memory(cfg: LoomConfig) -> None:
         f"train.loss_scale_min: must be in (0, train.loss_scale_init], got {t.loss_scale_min}",
     )
     _require(
+        t.compile == "none" or t.compress == "none",
+        f"train.compile: {t.compile!r} compiles the blocks, whose saved tensors inductor chooses and "
+        f"fuses, so train.compress = {t.compress!r} cannot tell their kinds; set one of them to none",
+    )
+    _require(
         not t.offload_activations or cfg.run.device != "cpu",
         "train.offload_activations: moves saved activations from GPU to pinned host memory; with "
         "run.device = cpu they are in host memory already (set it to false)",

@@ -7,8 +7,9 @@ the :class:`~loom.train.step.Run` this rank trains:
     rank's stages) -> recomputation -> precision (half parameters) -> materialization (a model
     built on the meta device gets only this rank's values: :mod:`loom.parallel.materialize`;
     ZeRO-3 unit by unit; QLoRA: the targets' base weights to NF4) -> data parallel / ZeRO (last, so it sees the final parameters; fp32
-    masters and the optimizer live here) -> the pipeline strategy around it -> the fp16 loss
-    scaler (an argument of the step, not a wrapper)
+    masters and the optimizer live here) -> ``torch.compile`` of the blocks or the model, and the
+    loss (``train.compile``: :mod:`loom.train.compile`) -> the pipeline strategy around it -> the
+    fp16 loss scaler (an argument of the step, not a wrapper)
 
 Adding a parallel dimension: its module under ``loom/parallel/``, one line in
 :func:`parallelize`, its rules in :mod:`loom.rules`, its costs in the planner.
@@ -59,6 +60,7 @@ from loom.parallel.materialize import (
 )
 from loom.parallel.zero.options import optimizer_offload, stage3_strategy
 from loom.parallel.zero.stage12 import ZeroDataParallel
+from loom.train.compile import apply_compile
 from loom.train.step import LossScaler, Run, plain_run
 
 if TYPE_CHECKING:
@@ -180,6 +182,7 @@ def parallelize(
         quantize_base(model, partial(materialize, device=device, source=source))
     strategy = data_parallel(model, mesh, cfg, meter, filler(source), device)
     check_materialized(model)
+    loss_fn, _ = apply_compile(model, cfg.train.compile, loss_fn)  # last: sees every module and hook above
     scaler = scaler_for(cfg.train)
     if pipe is None:
         run = plain_run(model, strategy, loss_fn, scaler)

@@ -1,0 +1,157 @@
+"""``train.compile``: ``torch.compile`` applied to a parallelized model, after every other dimension.
+
+Modes:
+
+    none     eager PyTorch
+    blocks   regional compilation (torchtitan's recipe): each transformer block's ``forward`` and
+             the loss are compiled; identical blocks share one compiled graph (with
+             ``inline_inbuilt_nn_modules`` dynamo treats parameters as inputs, so it guards on the
+             code, not on the module), so compile time is about one block's, not L blocks'
+    full     the whole model's ``forward`` (embedding, blocks, norm, head) and the loss
+
+Only ``forward`` is compiled, never a module's ``__call__``: the hooks other dimensions install on
+the modules they own (ZeRO-3 gathers before a unit's forward and backward, data-parallel bucket
+hooks on gradients, which run in autograd's engine) stay eager around the compiled code, exactly
+as without compile. Recomputation: the block's checkpoint wrapper is compiled with it (dynamo
+traces ``torch.utils.checkpoint`` as a higher-order op; the recomputed forward is the compiled one).
+
+Communication is never traced: the forward of every module of :mod:`loom.parallel` inside a
+compiled region (tensor-parallel linears and loss, context-parallel cores, expert-parallel MoE)
+and of the data-dependent MoE layer is wrapped in ``torch.compiler.disable``, so it runs eagerly
+between compiled pieces: a graph break at a known place, never a collective whose metering or
+ordering dynamo would replay once at trace time. :class:`CompileReport` logs the graphs and the
+graph breaks (count and reasons) once the first forward has compiled, and counts recompilations
+(the micro-batch shapes are fixed by the config: none after the first step).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("loom")
+
+REPORT_ATTR = "_loom_compile_report"
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _counters() -> Any:
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def _eager_module(m: nn.Module) -> bool:
+    """A module whose forward communicates or has data-dependent shapes: run eagerly."""
+    from loom.model.moe import MoEFeedForward
+
+    return type(m).__module__.startswith("loom.parallel.") or isinstance(m, MoEFeedForward)
+
+
+def _eager_islands(region: nn.Module) -> list[str]:
+    """Wrap the forward of each communicating module inside ``region`` (not ``region`` itself) in
+    ``torch.compiler.disable``; returns their class names."""
+    names = []
+    for name, m in region.named_modules():
+        if name and _eager_module(m) and not getattr(m.forward, "_loom_eager", False):
+            eager = torch.compiler.disable(m.forward, recursive=True)
+            eager._loom_eager = True  # type: ignore[attr-defined]  # a function takes attributes
+            m.forward = eager
+            names.append(type(m).__name__)
+    return names
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    from loom.model.llama import Block
+
+    return [m for m in model.modules() if isinstance(m, Block)]
+
+
+class CompileReport:
+    """Dynamo's counters since :func:`apply_compile`: graphs compiled, graph breaks by reason."""
+
+    def __init__(self, mode: str, islands: list[str]) -> None:
+        self.mode, self.islands = mode, islands
+        c = _counters()
+        self._graphs0 = c["stats"]["unique_graphs"]
+        self._breaks0 = dict(c["graph_break"])
+        self.logged = False
+
+    @property
+    def graphs(self) -> int:
+        """Graphs compiled since apply_compile (each block shape once; more after a recompilation)."""
+        return _counters()["stats"]["unique_graphs"] - self._graphs0
+
+    def breaks(self) -> dict[str, int]:
+        """Graph breaks since apply_compile, by reason."""
+        now = dict(_counters()["graph_break"])
+        diff = {k: v - self._breaks0.get(k, 0) for k, v in now.items()}
+        return {k: v for k, v in diff.items() if v}
+
+    def line(self) -> str:
+        breaks: Counter[str] = Counter()
+        for reason, n in self.breaks().items():
+            island = re.search(r"function `?<function (\S+) at", reason)  # a compiler.disable'd forward
+            breaks[f"eager {island.group(1)}" if island else reason.splitlines()[0][:120]] += n
+        where = "; ".join(f"{n}x {k}" for k, n in breaks.items())
+        return f"compile={self.mode}: {self.graphs} graphs, {sum(breaks.values())} graph breaks" + (
+            f" ({where})" if where else ""
+        )
+
+    def log_once(self) -> None:
+        if not self.logged:
+            self.logged = True
+            log.info(self.line())
+
+
+def apply_compile(model: nn.Module, mode: str, loss_fn: LossFn) -> tuple[LossFn, CompileReport | None]:
+    """Compile ``model`` (``train.compile``: none | blocks | full) in place, after the parallel
+    dimensions and recomputation; returns the loss to use (compiled too) and the report (None for
+    ``none``). The report is logged after the first compiled loss has run."""
+    if mode == "none":
+        return loss_fn, None
+    if mode not in ("blocks", "full"):
+        raise ValueError(f"train.compile: unknown mode {mode!r} (none, blocks, full)")
+    islands: list[str] = []
+    for region, attr in _regions(model, mode):
+        islands += _eager_islands(region)
+        setattr(region, attr, torch.compile(getattr(region, attr)))
+    report = CompileReport(mode, islands)
+    model.__dict__[REPORT_ATTR] = report  # not a submodule or parameter: outside the state dict
+    compiled_loss = torch.compile(loss_fn) if not _eager_loss(loss_fn) else loss_fn
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out = compiled_loss(logits, targets)
+        report.log_once()
+        return out
+
+    return loss, report
+
+
+def compile_report(model: nn.Module) -> CompileReport | None:
+    """The report of :func:`apply_compile` on ``model`` (None when it was not compiled)."""
+    return model.__dict__.get(REPORT_ATTR)
+
+
+def _regions(model: nn.Module, mode: str) -> list[tuple[nn.Module, str]]:
+    """(module, method) pairs to compile: every block's forward, or the whole forward (a pipeline
+    rank's stages: each stage's ``body``, blocks and head, which its schedule calls)."""
+    if mode == "blocks":
+        return [(b, "forward") for b in _blocks(model)]
+    from loom.parallel.pipeline.stage import StageModule
+
+    stages = [m for m in model.modules() if isinstance(m, StageModule)]
+    return [(s, "body") for s in stages] if stages else [(model, "forward")]
+
+
+def _eager_loss(loss_fn: LossFn) -> bool:
+    """The vocabulary-parallel loss (tensor parallelism) communicates: it stays eager."""
+    fn = getattr(loss_fn, "func", loss_fn)  # a functools.partial
+    return getattr(fn, "__module__", "").startswith("loom.parallel.")
