@@ -13,8 +13,45 @@ import time
 
 import torch
 
-# The one map from precision names (train.precision, parallel.reduce_dtype) to torch dtypes.
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The one map from precision names (train.precision, parallel.reduce_dtype) to the torch dtype of the
+# parameters and activations: tf32 stores fp32 (only its matmuls round to TF32); fp8 and int8 keep bf16
+# parameters and run the Linear layers' matmuls in 8 bits (loom.memory.precision).
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+    "int8": torch.bfloat16,
+}
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """``train.precision = auto``: bf16 where ``device`` (run.device: auto | cpu | cuda) resolves to
+    CUDA, fp32 on the CPU; any other value is returned as set (an explicit choice is never overridden)."""
+    if precision != "auto":
+        return precision
+    if device == "auto":
+        device = "cuda" if cuda_available() else "cpu"
+    return "bf16" if device == "cuda" else "fp32"
+
+
+def set_fp32_matmul(device: torch.device, tf32: bool) -> None:
+    """fp32 matmuls and convolutions on TF32 tensor cores (``train.precision = tf32``) or in full fp32,
+    on CUDA; nothing changes on the CPU, where tf32 runs as fp32."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    if tf32:
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether float8 matmuls (``torch._scaled_mm``) run on ``device``: CUDA compute capability 8.9+
+    (Ada, Hopper, Blackwell); the CPU emulates them (slowly: tests and small runs)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
 
 
 def cuda_available() -> bool:

@@ -190,6 +190,8 @@ def layout_problems(
     ]
     if (why := context_mode_problem(m, cp, cp_mode, tp)) is not None:
         out.append(why)
+    if (why := low_precision_problem(precision, tp)) is not None:
+        out.append(why)
     if precision == "fp16" and schedule in ASYNC_SCHEDULES and pp > 1:
         out.append(
             f"train.precision: fp16 skips a step when any rank overflows, agreed by all ranks at the step; the "
@@ -198,6 +200,17 @@ def layout_problems(
         )
     out += _pipeline_problems(m, schedule, pp, virtual_stages, microbatches, pp_layout, vertical_sync, zero)
     return out
+
+
+def low_precision_problem(precision: str, tp: int) -> str | None:
+    """fp8 / int8 swap the model's nn.Linear layers for torchao's; tensor parallelism replaces the same
+    Linears by its own row/column layers (plain matmuls), so the two do not compose yet."""
+    if precision in ("fp8", "int8") and tp > 1:
+        return (
+            f"train.precision: {precision} matmuls run in torchao's Linear layers, which parallel.tp = {tp} "
+            "replaces by its own (plain) row/column layers; use parallel.tp = 1 or train.precision = bf16"
+        )
+    return None
 
 
 def expert_problem(m: ModelFacts, ep: int) -> str | None:

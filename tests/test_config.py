@@ -46,7 +46,7 @@ def test_bad_override_names_field(args, field):
         (["--train.global_batch", "10"], 4, "train.global_batch"),
         (["--parallel.zero", "4"], 1, "parallel.zero"),
         (["--parallel.dp", "3"], 4, "parallel"),
-        (["--train.precision", "fp8"], 1, "train.precision"),
+        (["--train.precision", "fp4"], 1, "train.precision"),
         (["--data.seq_len", "4096"], 1, "data.seq_len"),
         (["--run.device", "tpu"], 1, "run.device"),
         (["--parallel.profile", "no-such-profile.json"], 1, "parallel.profile"),

@@ -189,7 +189,7 @@ def test_precision_config_errors():
     with pytest.raises(ConfigError, match=r"^train\.precision: fp16 .*pipedream"):
         validate(cfg, 2)
     for field, value, pattern in (
-        ("precision", "fp8", r"^train\.precision: must be one of"),
+        ("precision", "fp4", r"^train\.precision: must be one of"),
         ("optimizer", "lion", r"^train\.optimizer: must be one of"),
         ("loss_scale_window", 0, r"^train\.loss_scale_window: must be >= 1"),
     ):

@@ -21,7 +21,12 @@ class ConfigError(ValueError):
 
 
 # Closed sets of values: a field of one of these types is checked against it (``typing.get_args``).
-Precision = Literal["fp32", "bf16", "fp16"]
+# train.precision: auto = bf16 on CUDA, fp32 on the CPU (resolved by validate); tf32 = fp32 with TF32 matmuls
+# on CUDA; fp8 / int8 = bf16 with the Linear layers' matmuls in float8 / int8 (torchao)
+Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16", "fp8", "int8"]
+
+
+Fp8Recipe = Literal["tensorwise", "rowwise"]  # train.fp8_recipe: torchao float8 scaling granularity
 
 
 Optimizer = Literal["adamw", "adafactor", "adam8bit"]
@@ -265,7 +270,11 @@ class TrainConfig:
     eval_every: int = 100  # steps between eval losses; 0 = off
     eval_batches: int = 4  # micro-batches per eval
     log_every: int = 10  # steps between step lines / metrics rows
-    precision: Precision = "fp32"  # compute dtype; bf16/fp16: half weights and activations, fp32 master weights + optimizer state
+    # compute dtype; auto = bf16 on CUDA, fp32 on the CPU; bf16/fp16: half weights and activations, fp32
+    # master weights + optimizer state; tf32: fp32 with TF32 matmuls on CUDA (identical to fp32 on the CPU);
+    # fp8/int8: bf16 with the blocks' Linear matmuls in float8 / int8 (torchao; emulated on the CPU)
+    precision: Precision = "auto"
+    fp8_recipe: Fp8Recipe = "tensorwise"  # fp8 scaling: one scale per tensor, or per row (torchao recipes)
     optimizer: Optimizer = "adamw"  # adafactor: factored second moments; adam8bit: block-wise 8-bit moments
     recompute: str = "none"  # activation recomputation: none | full | selective (attention core) | every:<k>
     compress: str = (

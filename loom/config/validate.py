@@ -19,6 +19,7 @@ from loom.config.sections import (
     LoomConfig,
     ModelConfig,
     ParallelConfig,
+    Precision,
     RecomputePolicy,
     RunConfig,
     TensorKind,
@@ -161,6 +162,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     _check_model(cfg.model)
     _check_data(d, cfg.model.max_seq_len)
     _check_train_run(t, cfg.run)
+    _check_precision(cfg)
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be > 0, got {p.bucket_mb}")
     _require(
         not p.profile or Path(p.profile).is_file(),
@@ -201,6 +203,32 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
         problem = _unwritable(offload_dir(cfg))
         _require(problem is None, f"parallel.offload_dir: {problem}")
     return cfg
+
+
+def _check_precision(cfg: LoomConfig) -> None:
+    """Resolve ``train.precision = auto`` for ``run.device`` (bf16 on CUDA, fp32 on the CPU); fp8/int8
+    need a full fine-tune (LoRA wraps the Linears they swap) and fp8 a device with float8 matmuls."""
+    import torch  # here: parsing and checking a config imports no torch until a precision needs it
+
+    from loom.device import cuda_available, fp8_supported, resolve_precision
+
+    t = cfg.train
+    t.precision = typing.cast(Precision, resolve_precision(t.precision, cfg.run.device))
+    if t.precision not in ("fp8", "int8"):
+        return
+    _require(
+        cfg.finetune.method == "full",
+        f"train.precision: {t.precision} swaps the Linear layers that finetune.method = "
+        f"{cfg.finetune.method} wraps; use train.precision = bf16",
+    )
+    device = cfg.run.device
+    if device == "auto":
+        device = "cuda" if cuda_available() else "cpu"
+    known = device == "cpu" or cuda_available()  # else resolve_device names the missing CUDA
+    _require(
+        t.precision != "fp8" or not known or fp8_supported(torch.device(device)),
+        "train.precision: fp8 needs a CUDA device with float8 support (sm_89+)",
+    )
 
 
 def _check_model(m: ModelConfig) -> None:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import NF4_BLOCK, TARGET_NAMES, FinetuneConfig, LoomConfig, lora_targets
+from loom.device import DTYPES, resolve_precision
 from loom.finetune.nf4 import NF4Weight, nf4_bytes
 from loom.model.llama import _param_seed
 
@@ -212,7 +213,8 @@ def state_bytes_formula(cfg: LoomConfig, n: int = 1) -> dict[str, float]:
     from loom.config import target_shapes
     from loom.model.llama import build_model, count_params
 
-    zero, mixed = cfg.parallel.zero, cfg.train.precision != "fp32"
+    precision = resolve_precision(cfg.train.precision, cfg.run.device)
+    zero, mixed = cfg.parallel.zero, DTYPES[precision] != torch.float32  # tf32 stores fp32
     e = 2 if mixed else 4
     adapters = adapter_numel(cfg)
     base = count_params(build_model(cfg.model, cfg.train.seed, meta=True, moe=cfg.moe))

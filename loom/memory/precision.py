@@ -1,6 +1,6 @@
 """Mixed precision: half-precision weights and activations, fp32 master weights and optimizer state.
 
-Policy (``train.precision`` = bf16 | fp16; the FSDP2 ``MixedPrecisionPolicy`` shape):
+Policy (``train.precision`` = bf16 | fp16 | fp8 | int8; the FSDP2 ``MixedPrecisionPolicy`` shape):
 
 - parameters are cast to the half dtype *in the model* (buffers such as the RoPE tables stay
   fp32), so every matmul and every saved activation is half precision; RMSNorm statistics,
@@ -29,12 +29,29 @@ up per flat buffer as :mod:`loom.parallel.layout` says.
 Without ZeRO (``parallel.zero = 0``) master weights still need an owner: the flat-buffer
 machinery of ZeRO runs with a sharding group of one rank and every data-parallel rank a replica
 (:func:`loom.train.build.data_parallel`).
+
+The other values of ``train.precision`` (their parameter dtype is :data:`loom.device.DTYPES`):
+
+- ``auto``: bf16 on CUDA, fp32 on the CPU (resolved by ``config.validate``);
+- ``tf32``: fp32 parameters and math, fp32 matmuls on TF32 tensor cores on CUDA (10-bit mantissa
+  products, fp32 accumulation: H100 SXM 494.5 TFLOP/s dense against 67 in FP32); on the CPU exactly
+  fp32. Memory as fp32 (no masters);
+- ``fp8``: bf16 as above, and every Linear of the blocks (not the output head, not a router, not
+  one whose dims are not multiples of 16) swapped for torchao's ``Float8Linear``
+  (:func:`apply_low_precision`): each matmul casts its operands to float8 with a scale per tensor
+  (``train.fp8_recipe = tensorwise``: e4m3 forward, e5m2 gradients) or per row (``rowwise``, e4m3
+  throughout) and runs ``torch._scaled_mm`` (fp8 tensor cores, sm_89+; emulated on the CPU). The
+  weights, gradients, masters and state are stored as in bf16, so the bytes are bf16's;
+- ``int8``: bf16, and the same Linears run torchao's int8 mixed-precision matmuls (rowwise dynamic
+  int8 quantization of both operands in forward and in both backward matmuls, int32 accumulation).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from loom.device import DTYPES
 
 
 @torch.no_grad()
@@ -46,9 +63,51 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
             p.data = p.data.to(dtype)
 
 
+def half_parameters(precision: str) -> bool:
+    """Whether parameters are stored in 2 bytes under ``precision`` (bf16, fp16, fp8, int8), with fp32 masters."""
+    return DTYPES[precision] != torch.float32
+
+
 def needs_master_path(cfg) -> bool:
     """Runs that need Loom's flat-shard optimizers even without ZeRO (half params or non-AdamW)."""
-    return cfg.train.precision != "fp32" or cfg.train.optimizer != "adamw"
+    return half_parameters(cfg.train.precision) or cfg.train.optimizer != "adamw"
+
+
+def low_precision_target(fqn: str, module: nn.Module) -> bool:
+    """The Linears whose matmuls fp8 / int8 run (torchtitan's filter): the blocks' projections, not the
+    output head or an MoE router (whose logits pick experts), and only where both dims are multiples of
+    16 (float8 tensor-core tiles; torch._int_mm likewise)."""
+    if type(module) is not nn.Linear or fqn.split(".")[-1] in ("output", "router"):
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def apply_low_precision(model: nn.Module, precision: str, fp8_recipe: str = "tensorwise") -> int:
+    """Swap the :func:`low_precision_target` Linears of ``model`` for torchao's float8 (``fp8``) or
+    int8 mixed-precision (``int8``) training Linears, keeping their Parameter objects (a model on the
+    meta device stays there); nothing for any other precision. Returns how many were swapped."""
+    if precision not in ("fp8", "int8"):
+        return 0
+    targets = [fqn for fqn, mod in model.named_modules() if low_precision_target(fqn, mod)]
+    if precision == "fp8":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(
+            model,
+            config=Float8LinearConfig.from_recipe_name(fp8_recipe),
+            module_filter_fn=lambda mod, fqn: low_precision_target(fqn, mod),
+        )
+    else:
+        from torchao import quantize_
+        from torchao.prototype.quantized_training import Int8MixedPrecisionTrainingConfig
+
+        # module swap (the class changes in place): the weight stays a plain Parameter for the flat buffers
+        quantize_(
+            model,
+            Int8MixedPrecisionTrainingConfig(module_swap=True),
+            filter_fn=lambda mod, fqn: low_precision_target(fqn, mod),
+        )
+    return len(targets)
 
 
 def state_bytes_formula(
@@ -60,14 +119,14 @@ def state_bytes_formula(
     ``factored``: for adafactor, the bytes of its statistics on this rank (Σ 4(R + C) over the
     matrices it touches + 4 per vector element it holds), which no per-element rule gives.
     """
-    e = 2 if precision != "fp32" else 4
+    e = 2 if half_parameters(precision) else 4
     shard = [m // n for m in numels]
     state = {
         "adamw": sum(8 * s for s in shard),
         "adam8bit": sum(2 * s + 8 * -(-s // 256) for s in shard),
         "adafactor": factored,
     }[optimizer]
-    masters = sum(4 * s for s in shard) if precision != "fp32" else 0
+    masters = sum(4 * s for s in shard) if half_parameters(precision) else 0
     total = sum(numels)
     return {
         "param_bytes": e * total // (n if zero == 3 else 1),

@@ -1,4 +1,4 @@
-"""AdamW on flat parameter shards: the math of ``torch.optim.AdamW(foreach=True)``, per element.
+"""AdamW on flat parameter shards: the math of ``torch.optim.AdamW``, per element.
 
 Each rank updates only its shards. For a shard p with gradient g at step t (lr γ, decay λ):
 
@@ -12,6 +12,13 @@ State per shard element, in the :class:`~loom.optim.store.StateStore` (device, h
 m and v, 8 bytes; plus a 4-byte fp32 master copy when the parameters are not fp32 on the
 store's device (mixed precision, or parameters on a GPU with the state offloaded). Without a
 master copy the fp32 parameter shard itself is updated in place.
+
+Kernels: torch's fused AdamW (``torch._fused_adamw_``, one kernel over every shard: CPU, CUDA and
+the other devices of :func:`fused_supported`) where the store's device has it, else the same
+update as ``_foreach`` ops (six passes over the state). The decay runs (a mask no fused kernel
+takes) are applied first by one ``_foreach_mul_``, exactly as AdamW's decoupled decay precedes
+its Adam step; the fused kernel then runs with λ = 0. Both paths agree to fp32 rounding
+(``tests/test_precision_speed.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,14 @@ from loom.optim.master import MasterWeights
 from loom.optim.store import StateStore
 
 
+def fused_supported(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether torch has a fused AdamW kernel for tensors of ``dtype`` on ``device``."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    floating = dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    return floating and torch.device(device).type in _get_fused_kernels_supported_devices()
+
+
 class ShardedAdamW:
     """Decoupled-weight-decay Adam over a list of 1-D parameter shards (views of live parameters)."""
 
@@ -36,7 +51,9 @@ class ShardedAdamW:
         betas: tuple[float, float],
         eps: float,
         weight_decay: float,
+        fused: bool | None = None,
     ) -> None:
+        """``fused``: None = the fused kernel where :func:`fused_supported`, False = ``_foreach`` ops."""
         self.params = list(shards)
         self.store = store
         self.beta1, self.beta2 = betas
@@ -47,6 +64,8 @@ class ShardedAdamW:
         self.exp_avgs = [store.zeros(p.numel(), f"exp_avg{i}") for i, p in enumerate(self.params)]
         self.exp_avg_sqs = [store.zeros(p.numel(), f"exp_avg_sq{i}") for i, p in enumerate(self.params)]
         self._decayed = [m[lo:hi] for m, runs in zip(self.masters, decay_ranges) for lo, hi in runs]
+        self.fused = fused_supported(store.device) if fused is None else fused
+        self._step_t = torch.zeros((), dtype=torch.float32, device=store.device)  # the fused kernel's t
 
     @property
     def state_bytes(self) -> int:
@@ -62,6 +81,26 @@ class ShardedAdamW:
         self.step_count += 1
         if self.weight_decay != 0 and self._decayed:
             torch._foreach_mul_(self._decayed, 1 - lr * self.weight_decay)
+        if self.fused:
+            self._step_t.fill_(self.step_count)
+            torch._fused_adamw_(
+                self.masters,
+                g,
+                self.exp_avgs,
+                self.exp_avg_sqs,
+                [],
+                [self._step_t] * len(self.masters),
+                lr=lr,
+                beta1=self.beta1,
+                beta2=self.beta2,
+                weight_decay=0.0,
+                eps=self.eps,
+                amsgrad=False,
+                maximize=False,
+            )
+            del g
+            self.master.publish()
+            return
         torch._foreach_lerp_(self.exp_avgs, g, 1 - self.beta1)
         torch._foreach_mul_(self.exp_avg_sqs, self.beta2)
         torch._foreach_addcmul_(self.exp_avg_sqs, g, g, 1 - self.beta2)

@@ -7,7 +7,8 @@ never done in fp16, where it would flush gradients below 6·10⁻⁸ to zero).
 
 Optimizers (``train.optimizer``), with their state bytes per shard element (+ 4 for a master):
 
-    adamw      8                    m, v in fp32 (:class:`~loom.optim.adamw.ShardedAdamW`)
+    adamw      8                    m, v in fp32 (:class:`~loom.optim.adamw.ShardedAdamW`; torch's
+                                    fused kernel where the device has one, else ``_foreach`` ops)
     adafactor  4(R + C) per matrix  row/column statistics (:mod:`loom.optim.adafactor`)
                4 per vector elem
     adam8bit   2 + 8/B              m, v as 8-bit codes, an fp32 absmax per block of B

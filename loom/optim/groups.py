@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from loom.config import TrainConfig
+from loom.optim.adamw import fused_supported
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -25,13 +26,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (decoupled weight decay), foreach implementation."""
+    """AdamW (decoupled weight decay): torch's fused kernel where the parameters' device and dtypes
+    have one (:func:`~loom.optim.adamw.fused_supported`), else its ``foreach`` implementation."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and all(fused_supported(p.device, p.dtype) for p in params)
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        foreach=True,
+        foreach=None if fused else True,
+        fused=fused or None,
     )
 
 

@@ -42,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world", "--devices", type=int, dest="world", help="devices to plan for (default: all)")
     p.add_argument("--seq", type=int, default=8192, help="sequence length (without --config)")
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per step (without --config)")
-    p.add_argument("--precision", default="bf16", help="fp32 | tf32 | bf16 | fp16 | fp8 (without --config)")
+    p.add_argument(
+        "--precision", default="bf16", help="fp32 | tf32 | bf16 | fp16 | fp8 | int8 (without --config)"
+    )
     p.add_argument(
         "--experts", type=int, default=None, help="MoE experts per layer (1 = dense; default: the model's)"
     )

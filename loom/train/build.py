@@ -3,7 +3,8 @@
 :func:`build_run` applies the parallel dimensions to a built model in a fixed order and returns
 the :class:`~loom.train.step.Run` this rank trains:
 
-    LoRA adapters (``finetune.method``; base frozen) -> tensor/sequence parallel -> context parallel -> expert parallel -> pipeline split (keep this
+    LoRA adapters (``finetune.method``; base frozen) -> fp8 / int8 Linears (``train.precision``;
+    torchao, before any dimension wraps them, as torchtitan) -> tensor/sequence parallel -> context parallel -> expert parallel -> pipeline split (keep this
     rank's stages) -> recomputation -> precision (half parameters) -> materialization (a model
     built on the meta device gets only this rank's values: :mod:`loom.parallel.materialize`;
     ZeRO-3 unit by unit; QLoRA: the targets' base weights to NF4) -> data parallel / ZeRO (last, so it sees the final parameters; fp32
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -27,13 +28,14 @@ from torch import nn
 from loom.comm import CommMeter
 from loom.config import (
     LoomConfig,
+    Precision,
     check_tensor_parallel,
     grad_accum_steps,
     lora_targets,
     offload_dir,
     ps_servers,
 )
-from loom.device import DTYPES
+from loom.device import DTYPES, resolve_precision, set_fp32_matmul
 from loom.memory import precision
 from loom.memory.activation_offload import make_offloader
 from loom.memory.compress import SavedActivations
@@ -123,6 +125,9 @@ def parallelize(
     """The :class:`Run` of this rank (what it runs, its Strategy, the loss on its output, the loss
     scaler): the dimensions of the module docstring, in order."""
     device = next(model.buffers()).device  # buffers are built on the run's device, also for a meta model
+    # auto, in a config that skipped validate: bf16 on CUDA, fp32 on the CPU
+    cfg.train.precision = cast(Precision, resolve_precision(cfg.train.precision, device.type))
+    set_fp32_matmul(device, tf32=cfg.train.precision == "tf32")
     tag_origins(model)
     finetune = cfg.finetune.method != "full"
     if finetune:  # LoRA adapters on the frozen base, before any dimension cuts it (tp splits them with W)
@@ -130,6 +135,13 @@ def parallelize(
 
         apply_lora(model, targets=lora_targets(cfg), finetune=cfg.finetune)
         tag_origins(model)
+    if swapped := precision.apply_low_precision(model, cfg.train.precision, cfg.train.fp8_recipe):
+        log.info(
+            "train.precision = %s: %d Linear layers run %s matmuls",
+            cfg.train.precision,
+            swapped,
+            cfg.train.precision,
+        )
     loss_fn: LossFn = plain_loss_fn
     if mesh.size("tp") > 1:  # the loss on vocabulary-sharded logits
         from loom.parallel.tensor.parallelize import apply_tensor_parallel

@@ -54,7 +54,7 @@ def microbatch_times(
     mc, tr, mach = cm.model, cm.train, cm.machine
     B, h, f, s = cm.act_bytes, mc.dim, cm.ffn, tr.seq_len
     T = mb * s / cp
-    gemm_b = 1 if tr.precision == "fp8" else B
+    gemm_b = 1 if tr.precision in ("fp8", "int8") else B  # operand bytes of an 8-bit GEMM
     # tokens per expert GEMM: T_r*top_k routed tokens (T_r = T/tp with sp, else T: experts are whole on
     # every tp rank) spread over this device's experts, the busiest ``moe_load`` times the mean
     T_moe = T / tp if sp else T

@@ -154,7 +154,7 @@ class Workload:
 
     global_batch: int  # sequences per optimizer step
     seq_len: int  # tokens per sequence
-    precision: str = "bf16"  # fp32 | tf32 | bf16 | fp16 | fp8 (fp8: fp8 GEMMs, bf16 states)
+    precision: str = "bf16"  # fp32 | tf32 | bf16 | fp16 | fp8 | int8 (fp8, int8: 8-bit GEMMs, bf16 states)
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in (fp32 | bf16 | fp16)
     flash_attention: bool = True  # attention scores are not stored (flash / SDPA)
     bucket_bytes: float = 25 * 2**20  # data-parallel gradient bucket (parallel.bucket_mb)
@@ -185,7 +185,7 @@ class Workload:
 
     @property
     def mixed(self) -> bool:
-        return self.precision in ("bf16", "fp16", "fp8")
+        return self.precision in ("bf16", "fp16", "fp8", "int8")
 
     @property
     def act_bytes(self) -> int:

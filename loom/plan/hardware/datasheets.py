@@ -16,7 +16,7 @@ GEMM_K0: float = 256  # reduction steps a GEMM tile's prologue + epilogue cost (
 GB = 1e9
 GiB = 2**30
 TFLOPS = 1e12
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 
 
 class HardwareError(ValueError):
@@ -40,6 +40,7 @@ class DeviceSpec:
         float  # sustained fraction of peak of a large GEMM in training (fitted on published runs; module doc)
     )
     runtime_overhead_bytes: float = 1.0 * GiB  # context + library workspaces + comm buffers (assumption)
+    int8_flops: float = 0.0  # peak dense INT8 tensor OP/s (0 = unsupported); train.precision = int8
     sms: int = 0  # streaming multiprocessors (compute units) that GEMM tiles spread over; 0 = no wave model
     tile: tuple[int, int] = (
         128,
@@ -71,7 +72,8 @@ class DeviceSpec:
         """Peak dense FLOP/s in ``precision``; a precision the device lacks raises :class:`HardwareError`.
 
         ``fp32`` means true FP32 math (PyTorch's default matmul precision); ask for ``tf32``
-        to count TF32 tensor cores.
+        to count TF32 tensor cores (``train.precision = tf32``). ``fp8`` and ``int8`` are the
+        rates of those runs' Linear GEMMs (torchao), whose other matmuls (attention) run in bf16.
         """
         if precision not in PRECISIONS:
             raise HardwareError(f"precision: must be one of {PRECISIONS}, got {precision!r}")
@@ -95,7 +97,7 @@ _CPU = (
 DEVICES: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
-        # A100: 19.5 TF FP32, 156 TF TF32, 312 TF BF16/FP16 (dense); NVLink 3 600 GB/s total.
+        # A100: 19.5 TF FP32, 156 TF TF32, 312 TF BF16/FP16, 624 TOPS INT8 (dense); NVLink 3 600 GB/s total.
         DeviceSpec(
             "a100-40g",
             40 * GiB,
@@ -111,6 +113,7 @@ DEVICES: dict[str, DeviceSpec] = {
             flash_fwd=0.65,
             flash_bwd=0.50,
             nic_bandwidth=25 * GB,
+            int8_flops=624e12,
             source=_NV_A100,
         ),
         DeviceSpec(
@@ -128,9 +131,10 @@ DEVICES: dict[str, DeviceSpec] = {
             flash_fwd=0.65,
             flash_bwd=0.50,
             nic_bandwidth=25 * GB,
+            int8_flops=624e12,
             source=_NV_A100,
         ),
-        # H100 SXM: 67 TF FP32, 494.5 TF32, 989.5 BF16/FP16, 1979 FP8 (dense = half the
+        # H100 SXM: 67 TF FP32, 494.5 TF32, 989.5 BF16/FP16, 1979 FP8 and INT8 (dense = half the
         # sparse figures); HBM3 3.35 TB/s; NVLink 4 900 GB/s total.
         DeviceSpec(
             "h100-sxm",
@@ -146,9 +150,10 @@ DEVICES: dict[str, DeviceSpec] = {
             sms=132,
             flash_fwd=0.37,
             flash_bwd=0.30,
+            int8_flops=1979e12,
             source=_NV_H100,
         ),
-        # H100 PCIe: 51 TF FP32, 378 TF32, 756 BF16/FP16, 1513 FP8; HBM2e 2.0 TB/s; GPUs of a
+        # H100 PCIe: 51 TF FP32, 378 TF32, 756 BF16/FP16, 1513 FP8/INT8; HBM2e 2.0 TB/s; GPUs of a
         # node talk over PCIe Gen5 x16 (64 GB/s per direction; NVLink bridges only join pairs).
         DeviceSpec(
             "h100-pcie",
@@ -164,6 +169,7 @@ DEVICES: dict[str, DeviceSpec] = {
             sms=114,
             flash_fwd=0.37,
             flash_bwd=0.30,
+            int8_flops=1513e12,
             source=_NV_H100,
         ),
         # H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 4 900 GB/s total.
@@ -181,10 +187,11 @@ DEVICES: dict[str, DeviceSpec] = {
             sms=132,
             flash_fwd=0.37,
             flash_bwd=0.30,
+            int8_flops=1979e12,
             source=_NV_H200,
         ),
         # B200 (HGX B200 / 8): 1440 GB -> 180 GB, 64 TB/s -> 8 TB/s, FP32 75 TF, TF32 1.1 PF,
-        # BF16/FP16 2.25 PF, FP8 4.5 PF dense; NVLink 5 1.8 TB/s total.
+        # BF16/FP16 2.25 PF, FP8 and INT8 4.5 PF dense; NVLink 5 1.8 TB/s total.
         DeviceSpec(
             "b200",
             180 * GiB,
@@ -197,10 +204,11 @@ DEVICES: dict[str, DeviceSpec] = {
             900 * GB,
             0.70,
             sms=148,
+            int8_flops=4500e12,
             source=_NV_B200,
         ),
         # MI300X: 192 GB HBM3 at 5.3 TB/s; 163.4 TF FP32 (matrix), 653.7 TF32, 1307.4 BF16/FP16,
-        # 2614.9 FP8 dense; 7 Infinity Fabric links x 64 GB/s per direction = 448 GB/s.
+        # 2614.9 FP8 and INT8 dense; 7 Infinity Fabric links x 64 GB/s per direction = 448 GB/s.
         DeviceSpec(
             "mi300x",
             192 * GiB,
@@ -213,9 +221,11 @@ DEVICES: dict[str, DeviceSpec] = {
             448 * GB,
             0.55,
             sms=304,
+            int8_flops=2614.9e12,
             source=_AMD_MI300X,
         ),
-        # This CPU, per rank (one core): 147 GFLOP/s FP32, 294 BF16 (AVX512_BF16), no TF32/FP8;
+        # This CPU, per rank (one core): 147 GFLOP/s FP32, 294 BF16 (AVX512_BF16), no TF32/FP8/INT8 units
+        # (fp8 and int8 runs are emulated here: tests, not speed);
         # memory and "link" (loopback gloo) are set by the cluster file, these are placeholders.
         DeviceSpec(
             "cpu",

@@ -1,0 +1,240 @@
+"""Fused optimizer kernels and the low precisions: fused AdamW equals its foreach form; tf32 is fp32 on
+the CPU; ``auto`` is bf16 on CUDA and fp32 here; fp8 (torchao float8, emulated on the CPU) and int8
+(torchao int8 mixed precision) train the debug model within 2% of bf16, alone and under ZeRO-3; the
+combinations they cannot run are refused; the planner prices each precision at its own GEMM rate."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from loom.config import ConfigError, LoomConfig, load_toml, preset_path, validate
+from tests.helpers import one_thread  # noqa: F401 (fixture)
+from tests.test_precision import single_mesh, train_loop
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 50
+# Measured here after 50 steps of the debug model (final losses; bf16 2.029): fp8 tensorwise +1.3%,
+# fp8 rowwise +1.0%, int8 +0.1%. The issue's bound:
+LOW_PRECISION_GAP = 0.02  # |loss - loss_bf16| / loss_bf16 after 50 steps
+
+
+def debug_cfg(precision: str, steps: int = STEPS, **train_kw) -> LoomConfig:
+    """The debug preset's model on the memorisation task of tests/test_precision.py (8 x 16 tokens)."""
+    cfg = load_toml(preset_path("debug"))
+    cfg.data.seq_len, cfg.model.vocab_size = 16, cfg.data.vocab_size
+    cfg.run.device = "cpu"
+    cfg.train = replace(
+        cfg.train,
+        steps=steps,
+        global_batch=8,
+        micro_batch=4,
+        warmup_steps=3,
+        eval_every=0,
+        precision=precision,
+        **train_kw,
+    )
+    return cfg
+
+
+# ----------------------------------------------------------------------------- fused AdamW
+
+
+def _adamw_run(fused: bool, dtype: torch.dtype, steps: int = 20) -> list[torch.Tensor]:
+    from loom.optim.adamw import ShardedAdamW
+    from loom.optim.store import StateStore
+
+    g = torch.Generator().manual_seed(0)
+    shards = [torch.randn(1000, generator=g).to(dtype), torch.randn(37, generator=g).to(dtype)]
+    opt = ShardedAdamW(
+        shards, [[(0, 600), (700, 900)], []], StateStore(torch.device("cpu")), (0.9, 0.95), 1e-8, 0.1, fused
+    )
+    assert opt.fused is fused
+    for i in range(steps):
+        grads = [torch.randn(s.numel(), generator=g).to(dtype) for s in shards]
+        opt.step(grads, lr=1e-2 * (1 + i % 3), grad_scale=0.5)
+    return [m.clone() for m in opt.masters] + [s.clone() for s in shards]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_adamw_equals_foreach(dtype):
+    """The fused kernel (decay runs applied first, then λ = 0 inside) against the foreach ops: masters
+    and published parameters after 20 steps equal within fp32 rounding (assert_close defaults)."""
+    from loom.optim.adamw import fused_supported
+
+    assert fused_supported(torch.device("cpu"))  # torch's fused AdamW has a CPU kernel
+    fused, foreach = _adamw_run(True, dtype), _adamw_run(False, dtype)
+    for a, b in zip(fused, foreach):
+        torch.testing.assert_close(a, b)
+
+
+def test_replicated_adamw_is_fused_where_torch_has_the_kernel():
+    """The replicated path (DataParallel, fp32 AdamW) asks torch for fused; the same updates as foreach."""
+    from loom.model.llama import build_model
+    from loom.optim.groups import build_optimizer, param_groups
+    from tests.helpers import tiny_model, tiny_train
+
+    models = [build_model(tiny_model(), 0) for _ in range(2)]
+    opts = [
+        build_optimizer(models[0], tiny_train()),
+        torch.optim.AdamW(param_groups(models[1], 0.1), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, foreach=True),
+    ]
+    assert opts[0].defaults["fused"] is True
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1))
+    for _ in range(5):
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            m(tokens[:, :-1]).float().logsumexp(-1).mean().backward()
+            o.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b)
+
+
+# ----------------------------------------------------------------------------- tf32, auto
+
+
+def test_tf32_is_fp32_on_the_cpu():
+    """tf32 keeps fp32 parameters, no masters, and on the CPU every loss bit of the fp32 run."""
+    from loom.device import DTYPES
+
+    assert DTYPES["tf32"] == torch.float32
+    fp32 = train_loop(debug_cfg("fp32", steps=5), single_mesh(), 5)
+    tf32 = train_loop(debug_cfg("tf32", steps=5), single_mesh(), 5)
+    assert tf32["dtype"] == torch.float32 and tf32["losses"] == fp32["losses"]
+
+
+def test_auto_precision_is_bf16_on_cuda_and_fp32_on_the_cpu():
+    from loom.device import resolve_precision
+
+    assert resolve_precision("auto", "cpu") == "fp32" and resolve_precision("auto", "cuda") == "bf16"
+    assert resolve_precision("fp32", "cuda") == "fp32" and resolve_precision("fp16", "cpu") == "fp16"
+    assert LoomConfig().train.precision == "auto"
+    for preset in ("debug", "gpt-125m", "llama3-8b"):  # every preset leaves it to the device
+        cfg = load_toml(preset_path(preset))
+        assert cfg.train.precision == "auto"
+    cfg = debug_cfg("auto")
+    assert validate(cfg, 1).train.precision == "fp32"  # run.device = cpu
+    cfg = debug_cfg("auto")
+    cfg.run.device = "cuda"
+    assert validate(cfg, 1).train.precision == "bf16"
+    cfg = debug_cfg("tf32")
+    cfg.run.device = "cuda"
+    assert validate(cfg, 1).train.precision == "tf32"  # an explicit choice is never overridden
+
+
+# ----------------------------------------------------------------------------- fp8, int8
+
+
+@pytest.fixture(scope="module")
+def bf16_run():
+    return train_loop(debug_cfg("bf16"), single_mesh(), STEPS)
+
+
+def _swapped(model) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for mod in model.modules():
+        kinds[type(mod).__name__] = kinds.get(type(mod).__name__, 0) + 1
+    return kinds
+
+
+@pytest.mark.parametrize(
+    "precision,recipe", [("fp8", "tensorwise"), ("fp8", "rowwise"), ("int8", "tensorwise")]
+)
+def test_low_precision_trains_within_2_percent_of_bf16(bf16_run, precision, recipe):
+    """fp8 (both torchao recipes, torch._scaled_mm emulated on the CPU) and int8: the blocks' 7 Linears
+    per layer are swapped (head kept), parameters stay bf16, the loss after 50 steps is within 2%."""
+    seen = {}
+    out = train_loop(
+        debug_cfg(precision, fp8_recipe=recipe),
+        single_mesh(),
+        STEPS,
+        model_hook=lambda m: seen.setdefault("model", m),
+    )
+    kinds = _swapped(seen["model"])
+    linear = "Float8Linear" if precision == "fp8" else "Int8MixedPrecisionTrainingLinear"
+    assert kinds.get(linear) == 7 * 2 and kinds.get("Linear") == 1  # 2 layers; the output head stays
+    assert out["dtype"] == torch.bfloat16 and out["finite"]
+    ref, got = bf16_run["losses"][-1], out["losses"][-1]
+    assert ref < bf16_run["losses"][0] - 3  # the task is learnt
+    assert out["losses"] != bf16_run["losses"]  # the 8-bit matmuls ran
+    assert abs(got - ref) / ref < LOW_PRECISION_GAP, (got, ref)
+
+
+def test_low_precision_swap_on_the_meta_device():
+    """The swap keeps each Parameter object, so a meta model is swapped before it is materialized."""
+    from loom.memory.precision import apply_low_precision
+    from loom.model.llama import build_model
+
+    cfg = debug_cfg("fp8")
+    model = build_model(cfg.model, 0, meta=True)
+    before = {id(p) for p in model.parameters()}
+    assert apply_low_precision(model, "fp8") == 14
+    assert {id(p) for p in model.parameters()} == before
+    assert all(p.is_meta for p in model.parameters())
+    assert apply_low_precision(model, "bf16") == 0
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_low_precision_under_zero3_equals_one_process(pools, precision):
+    """ZeRO-3 over 2 ranks gathers the bf16 weights into the same torchao Linears (swapped on the meta
+    model, before sharding): each rank's micro-batch is one of the single process's, so losses and the
+    final full state equal the single process's (measured: bitwise)."""
+    from tests.helpers import train_layout
+
+    single = train_layout({"precision": precision}, 6, 8, 4, meta=True)
+    for r in pools(2).run(
+        train_layout, {"dp_shard": 2, "zero": 3, "precision": precision}, 6, 8, 4, meta=True
+    ):
+        torch.testing.assert_close(r["losses"], single["losses"], rtol=0, atol=0)
+        torch.testing.assert_close(r["state"], single["state"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_low_precision_refusals(precision):
+    cfg = debug_cfg(precision)
+    cfg.parallel = replace(cfg.parallel, tp=2)
+    with pytest.raises(ConfigError, match=rf"^train\.precision: {precision} .*parallel\.tp = 2") as e:
+        validate(cfg, 2)
+    assert "\n" not in str(e.value)
+    cfg = debug_cfg(precision)
+    cfg.finetune = replace(cfg.finetune, method="lora")
+    with pytest.raises(ConfigError, match=rf"^train\.precision: {precision} .*finetune\.method = lora"):
+        validate(cfg, 1)
+
+
+def test_fp8_refused_on_a_cuda_device_without_float8(monkeypatch):
+    import loom.device
+
+    monkeypatch.setattr(loom.device, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    cfg = debug_cfg("fp8")
+    cfg.run.device = "cuda"
+    with pytest.raises(
+        ConfigError, match=r"^train\.precision: fp8 needs a CUDA device with float8 support \(sm_89\+\)$"
+    ):
+        validate(cfg, 1)
+
+
+# ----------------------------------------------------------------------------- the planner
+
+
+@pytest.mark.parametrize(
+    "precision,peak",
+    [("fp32", 67e12), ("tf32", 494.5e12), ("bf16", 989.5e12), ("fp8", 1979e12), ("int8", 1979e12)],
+)
+def test_planner_gemm_rate_follows_the_precision(precision, peak):
+    """The H100 SXM datasheet rate per precision sets the planner's GEMM rate; a step is faster than fp32's."""
+    from loom.plan.cost import CostModel, Layout, Workload
+    from loom.plan.hardware import ClusterSpec
+
+    model = load_toml(preset_path("llama-1b")).model
+    cluster = ClusterSpec.single_node("h100-sxm", 8, 8)
+    cm = CostModel(model, Workload(64, 2048, precision=precision), cluster)
+    assert cm.machine.peak == peak and cm.machine.flops == peak * cluster.device.achievable
+    lay = Layout(dp=8, micro_batch=1)
+    fp32 = CostModel(model, Workload(64, 2048, precision="fp32"), cluster).estimate(lay)
+    if precision != "fp32":
+        assert cm.estimate(lay).step_time < fp32.step_time
