@@ -373,8 +373,10 @@ def param_server_problem(
                 f"parallel.{name}: the parameter server (parallel.dp_mode = 'ps') shards whole-model data "
                 f"parallelism only; got {name} = {value} (use dp_mode = 'allreduce')"
             )
-    if precision != "fp32":
-        return f"train.precision: the parameter server updates fp32 parameters; got {precision!r}"
+    if precision not in ("fp32", "tf32"):  # tf32: fp32 parameters, TF32 matmuls on CUDA
+        return (
+            f"train.precision: the parameter server updates fp32 parameters (fp32 or tf32); got {precision!r}"
+        )
     if optimizer != "adamw":
         return f"train.optimizer: the parameter server's shards run adamw; got {optimizer!r}"
     if colocate and shards > workers:
