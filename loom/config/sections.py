@@ -121,9 +121,8 @@ class ModelConfig:
     attn_head_dim: int = 0  # size of one attention head; 0 = dim / n_heads
     norm: NormKind = "rmsnorm"  # layernorm: (x - mean) / std * w + b (GPT-2)
     mlp: MlpKind = "swiglu"  # gelu / gelu_tanh: w2(gelu(w1 x)), exact or tanh-approximated (GPT-2's gelu_new)
-    positions: PositionKind = (
-        "rope"  # learned: a (max_seq_len, dim) table added to the token embeddings (GPT-2)
-    )
+    # learned: a (max_seq_len, dim) table added to the token embeddings (GPT-2)
+    positions: PositionKind = "rope"
     bias: bool = False  # biases on every linear layer but the output head and the router (GPT-2)
     from_hf: str = ""  # local Hugging Face model directory to start from: its shape, weights and tokenizer
 
@@ -147,9 +146,8 @@ class ModelConfig:
 class SourceConfig:
     """One source of a training mixture: a ``[[data.sources]]`` table."""
 
-    path: str = (
-        ""  # file, directory or glob of .txt/.jsonl/.jsonl.gz/.parquet/.arrow, or a datasets save_to_disk dir
-    )
+    # file, directory or glob of .txt/.jsonl/.jsonl.gz/.parquet/.arrow, or a datasets save_to_disk dir
+    path: str = ""
     weight: float = 1.0  # share of training sequences drawn from it (weights are normalized over the sources)
     text_field: str = "text"  # field holding the text in its records
     format: DataFormat = "text"  # chat / prompt_completion records (labels only on answers, as data.format)
@@ -160,31 +158,25 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = "stdlib"  # "stdlib" (the Python standard library source, ~10 MB, offline) or a file/dir/glob of .txt/.jsonl/.parquet
-    prepared_dir: str = (
-        ""  # where train.bin/val.bin/tokenizer.json live; "" = a cache dir keyed by source+vocab
-    )
+    # where train.bin/val.bin/tokenizer.json live; "" = a cache dir keyed by source+vocab
+    prepared_dir: str = ""
     tokenizer: str = ""  # path to a tokenizer.json to use; "" = train a byte-level BPE on the corpus
     vocab_size: int = 4096  # BPE vocabulary size when training a tokenizer
     seq_len: int = 256  # tokens per training sequence T
     val_fraction: float = 0.02  # share of the corpus held out for eval loss
-    max_corpus_mb: float = (
-        24.0  # cap on corpus text read; 0 = no cap (preparation streams: memory stays flat)
-    )
+    # cap on corpus text read; 0 = no cap (preparation streams: memory stays flat)
+    max_corpus_mb: float = 24.0
     text_field: str = "text"  # field holding the text in .jsonl/.parquet records
-    errors: TextErrors = (
-        "strict"  # invalid UTF-8 in the corpus: strict refuses, naming the file; replace counts and reports
-    )
-    workers: int = (
-        0  # tokenizing processes for prepare; 0 = one per CPU core (output identical for any count)
-    )
+    # invalid UTF-8 in the corpus: strict refuses, naming the file; replace counts and reports
+    errors: TextErrors = "strict"
+    # tokenizing processes for prepare; 0 = one per CPU core (output identical for any count)
+    workers: int = 0
     pack: bool = False  # batches carry positions: RoPE restarts and attention stays inside each document
     format: DataFormat = "text"  # chat: records with messages; prompt_completion: prompt + completion fields
-    train_on_prompt: bool = (
-        False  # chat/prompt_completion: also train on prompt tokens (else labels -100 there)
-    )
-    overlong: Overlong = (
-        "truncate"  # chat/prompt_completion examples over seq_len + 1 tokens: cut or left out
-    )
+    # chat/prompt_completion: also train on prompt tokens (else labels -100 there)
+    train_on_prompt: bool = False
+    # chat/prompt_completion examples over seq_len + 1 tokens: cut or left out
+    overlong: Overlong = "truncate"
     sources: list[SourceConfig] = field(
         default_factory=list
     )  # [[data.sources]] mixture (replaces data.source)
@@ -209,42 +201,33 @@ class ParallelConfig:
     zero: int = 0  # ZeRO stage 0 (plain data parallel), 1, 2 or 3
     bucket_mb: float = 25.0  # gradient bucket size for the all-reduce, in MB
     reduce_dtype: ReduceDtype = "fp32"  # dtype gradients are reduced in
-    allreduce: AllReduce = (
-        "native"  # gradient all-reduce: the backend's own, or ring | tree | butterfly on point-to-point
-    )
+    # gradient all-reduce: the backend's own, or ring | tree | butterfly on point-to-point
+    allreduce: AllReduce = "native"
     dp_mode: DpMode = "allreduce"  # data-parallel gradients: all-reduced, or through a parameter server (ps)
     ps_shards: int = 1  # dp_mode = ps: K servers, each holding 1/K of the parameters and their AdamW state
     ps_colocate: bool = True  # dp_mode = ps: server k lives in worker rank k (else K dedicated server ranks: run.nproc = dp + K)
-    ps_sync: str = (
-        "bsp"  # dp_mode = ps: bsp (synchronous) | asp (asynchronous) | ssp:S (at most S steps stale)
-    )
+    # dp_mode = ps: bsp (synchronous) | asp (asynchronous) | ssp:S (at most S steps stale)
+    ps_sync: str = "bsp"
     schedule: ScheduleName = "1f1b"  # pipeline schedule (pipedream and 2bw are asynchronous)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule only)
-    pp_layout: str = (
-        ""  # manual cut, inclusive block ranges per stage ("0-3,4-7"); "" = profile and partition
-    )
-    vertical_sync: bool = (
-        False  # pipedream: each stage uses the weight version stage 0 used for the micro-batch
-    )
-    offload: Offload = (
-        "none"  # where ZeRO optimizer state lives: cpu = host memory (ZeRO-Offload), disk = mmap files
-    )
+    # manual cut, inclusive block ranges per stage ("0-3,4-7"); "" = profile and partition
+    pp_layout: str = ""
+    # pipedream: each stage uses the weight version stage 0 used for the micro-batch
+    vertical_sync: bool = False
+    # where ZeRO optimizer state lives: cpu = host memory (ZeRO-Offload), disk = mmap files
+    offload: Offload = "none"
     offload_dir: str = ""  # directory for parallel.offload = "disk"; "" = <run.dir>/offload
-    reshard_after_forward: bool = (
-        True  # ZeRO-3: free gathered params after forward, gather again for backward
-    )
+    # ZeRO-3: free gathered params after forward, gather again for backward
+    reshard_after_forward: bool = True
     offload_params: Offload = "none"  # ZeRO-3 (ZeRO-Infinity): parameter and gradient shards on cpu = host memory, disk = mmap files
     zeropp_qwz: bool = False  # ZeRO++ qwZ (ZeRO-3): weights all-gathered as block-wise int8 + absmax scales
-    zeropp_hpz: bool = (
-        False  # ZeRO++ hpZ (ZeRO-3): a secondary weight partition per node group; backward gathers inside it
-    )
-    zeropp_qgz: bool = (
-        False  # ZeRO++ qgZ (ZeRO-3): gradients reduce-scattered as block-wise int8 through an all-to-all
-    )
+    # ZeRO++ hpZ (ZeRO-3): a secondary weight partition per node group; backward gathers inside it
+    zeropp_hpz: bool = False
+    # ZeRO++ qgZ (ZeRO-3): gradients reduce-scattered as block-wise int8 through an all-to-all
+    zeropp_qgz: bool = False
     zeropp_qgz_bits: int = 8  # ZeRO++ qgZ: 8 (int8) or 4 (int4, two codes a byte) bits per gradient element
-    hpz_group: int = (
-        0  # ZeRO++ hpZ: ranks per secondary partition (one node); 0 = the launcher's LOCAL_WORLD_SIZE / tp
-    )
+    # ZeRO++ hpZ: ranks per secondary partition (one node); 0 = the launcher's LOCAL_WORLD_SIZE / tp
+    hpz_group: int = 0
     auto: bool = False  # let the planner (loom.plan) choose the layout and micro-batch for the world size
     # the planner's calibration profile (loom plan calibrate) for parallel.auto and the plan_* metrics;
     # "" = ./profile.json if present, else the device's datasheet
@@ -277,9 +260,8 @@ class TrainConfig:
     fp8_recipe: Fp8Recipe = "tensorwise"  # fp8 scaling: one scale per tensor, or per row (torchao recipes)
     optimizer: Optimizer = "adamw"  # adafactor: factored second moments; adam8bit: block-wise 8-bit moments
     recompute: str = "none"  # activation recomputation: none | full | selective (attention core) | every:<k>
-    compress: str = (
-        "none"  # saved activations stored as none | bf16 | fp8 | int8, or per kind "mlp=fp8,attention=bf16"
-    )
+    # saved activations stored as none | bf16 | fp8 | int8, or per kind "mlp=fp8,attention=bf16"
+    compress: str = "none"
     offload_activations: bool = False  # saved activations to pinned host memory (GPU runs only)
     compile: Compile = "none"  # torch.compile of each block and the loss (blocks), or the whole model (full)
     loss_scale: float = 0.0  # fp16: static loss scale; 0 = dynamic
@@ -292,9 +274,8 @@ class TrainConfig:
     checkpoint_async: bool = True  # periodic saves written by a background thread (final: synchronous)
     checkpoint_keep: int = 2  # newest checkpoints kept in <run.dir>/checkpoints; 0 = keep all
     resume: str = ""  # checkpoint to start from (run dir or checkpoint dir); "" = latest in run.dir
-    init_from: str = (
-        ""  # weights only (Loom checkpoint or local HF directory): fresh optimizer, step 0, any layout
-    )
+    # weights only (Loom checkpoint or local HF directory): fresh optimizer, step 0, any layout
+    init_from: str = ""
     time_limit_s: float = 0.0  # stop early (and save) after this many seconds; 0 = none
 
 
@@ -327,41 +308,35 @@ ExpertCompute = Literal["grouped", "loop"]  # moe.compute
 class MoEConfig:
     """Mixture-of-experts routing and balancing (used when model.n_experts > 1)."""
 
-    score: MoEScore = (
-        "softmax"  # router scores: softmax over experts (Mixtral) or per-expert sigmoid (DeepSeek-V3)
-    )
+    # router scores: softmax over experts (Mixtral) or per-expert sigmoid (DeepSeek-V3)
+    score: MoEScore = "softmax"
     norm_topk: bool = True  # routing weights of the k chosen experts renormalized to sum to 1
     n_shared_experts: int = 0  # experts every token goes through (one SwiGLU of this many expert widths)
     aux_loss_coef: float = 0.0  # Switch/GShard load-balancing loss α·E·Σ_e f_e·P_e (0 = off)
     z_loss_coef: float = 0.0  # router z-loss β·mean(logsumexp(logits)²) (0 = off)
-    bias_update_rate: float = (
-        0.0  # aux-loss-free balancing: per-expert selection bias += rate·sign(mean load - load)
-    )
+    # aux-loss-free balancing: per-expert selection bias += rate·sign(mean load - load)
+    bias_update_rate: float = 0.0
     capacity_factor: float = 0.0  # tokens an expert takes per micro-batch: ceil(cf·N·k/E); 0 = dropless
     drop_policy: DropPolicy = "probability"  # over capacity, keep the highest-weight or the earliest tokens
     compute: ExpertCompute = "grouped"  # experts as one grouped matmul, or a Python loop (reference)
     imbalance: float = 0.0  # planner input: max/mean tokens per expert (a run's moe_imbalance metric); 0 = measured by `loom plan calibrate --config`, else 1
     rebalance_every: int = 0  # expert parallelism: every this many steps, replicate the hottest experts on every ep rank (0 = off)
-    hot_experts: int = (
-        1  # experts per layer replicated at each rebalance (the most loaded since the last one)
-    )
+    # experts per layer replicated at each rebalance (the most loaded since the last one)
+    hot_experts: int = 1
 
 
 @dataclass
 class FinetuneConfig:
     """Parameter-efficient fine-tuning: LoRA adapters on a frozen base (QLoRA: the base stored in NF4)."""
 
-    method: FinetuneMethod = (
-        "full"  # full: train every weight; lora: frozen base + adapters; qlora: lora on a 4-bit NF4 base
-    )
-    lora_rank: int = (
-        16  # r: each target W (d_out, d_in) gets A (r, d_in) and B (d_out, r), r·(d_in + d_out) trained
-    )
+    # full: train every weight; lora: frozen base + adapters; qlora: lora on a 4-bit NF4 base
+    method: FinetuneMethod = "full"
+    # r: each target W (d_out, d_in) gets A (r, d_in) and B (d_out, r), r·(d_in + d_out) trained
+    lora_rank: int = 16
     lora_alpha: float = 32.0  # the adapter's output is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the adapter's input (training only)
-    lora_targets: str = (
-        "all-linear"  # comma list of q,k,v,o,w1,w2,w3 (attention and MLP linears), or all-linear
-    )
+    # comma list of q,k,v,o,w1,w2,w3 (attention and MLP linears), or all-linear
+    lora_targets: str = "all-linear"
 
 
 @dataclass

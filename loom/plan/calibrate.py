@@ -67,9 +67,8 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")  # p2p
 MESSAGE_BYTES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
 SHARE_SECONDS = 0.5  # wall time every rank of a job computes at once to measure the compute share
 COLLECTIVE_JOBS = 3  # fresh jobs per job size whose collective times are taken at their median
-OVERLAP_JOBS = (
-    4  # fresh jobs whose hidden share is averaged: each lands in a scheduling mode and keeps it (0-0.4 here)
-)
+# fresh jobs whose hidden share is averaged: each lands in a scheduling mode and keeps it (0-0.4 here)
+OVERLAP_JOBS = 4
 GENERIC_SHAPES = ((128, 64, 192), (512, 256, 256), (1024, 1024, 1024))
 
 

@@ -23,9 +23,8 @@ from loom.parallel.placement import expert_group, placement_of
 from loom.parallel.reducer import GradReducer
 from loom.parallel.state import gather_module_state
 
-FlatOptimizer = (
-    Any  # ShardedAdamW, FlatAdafactor or FlatAdam8bit: step(grads, lr, grad_scale), state_bytes, store
-)
+# ShardedAdamW, FlatAdafactor or FlatAdam8bit: step(grads, lr, grad_scale), state_bytes, store
+FlatOptimizer = Any
 OptimizerFactory = Callable[[Sequence[FlatLayout], Sequence[torch.Tensor]], FlatOptimizer]
 
 

@@ -177,12 +177,10 @@ class Unit:
     frozen: list[Frozen] = field(
         default_factory=list
     )  # its frozen parameters (LoRA's base), one buffer per dtype
-    trained: bool = (
-        True  # False: only frozen parameters (``layout`` is then an empty stand-in, never reduced)
-    )
-    group: Group = (
-        None  # the group its shards are spread over: the sharding group, or an expert layer's edp group
-    )
+    # False: only frozen parameters (``layout`` is then an empty stand-in, never reduced)
+    trained: bool = True
+    # the group its shards are spread over: the sharding group, or an expert layer's edp group
+    group: Group = None
     reducer: GradReducer | None = None  # sums its gradient over ``group`` (and the replicas)
     grad_full: torch.Tensor | None = None
     state: str = UNSHARDED

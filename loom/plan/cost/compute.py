@@ -90,9 +90,8 @@ def microbatch_times(
         core_f = max(4.0 * T * s * h / tp / mach.flops, core_bytes / mach.hbm)
         core_b = (FLASH_BWD if tr.flash_attention else 2.0) * r / 2 * core_f
     layer_f = gemm_f + core_f + elt_f
-    lora_wgrad = (
-        0.0  # LoRA: a frozen target computes no weight gradient (its adapters' rank-r GEMMs are left out)
-    )
+    # LoRA: a frozen target computes no weight gradient (its adapters' rank-r GEMMs are left out)
+    lora_wgrad = 0.0
     if tr.lora_rank:
         target_gemm = {
             "q": (h, h / tp),

@@ -39,18 +39,15 @@ class Layout:
     recompute: str = "none"  # none | selective | full
     offload: bool = False  # optimizer state (fp32 master, momentum, variance) on the host
     cp_mode: str = "allgather"  # how attention spans cp: allgather | ring | alltoall (loom.rules.CP_MODES)
-    offload_params: bool = (
-        False  # ZeRO-3 parameter + gradient shards (and the state) on the host: ZeRO-Infinity
-    )
+    # ZeRO-3 parameter + gradient shards (and the state) on the host: ZeRO-Infinity
+    offload_params: bool = False
     qwz: bool = False  # ZeRO++ int8 weight gathers (zero 3; loom.plan.zero_options)
     hpz: int = 0  # ZeRO++ secondary partition over this many ranks (a node; 0 = off)
     qgz: int = 0  # ZeRO++ gradient all-to-all in this many bits (8 or 4; 0 = off)
-    tp_overlap: bool = (
-        False  # tensor-parallel collectives pipelined with their GEMMs (Megatron-Core --tp-comm-overlap)
-    )
-    dp_overlap: bool = (
-        True  # data-parallel / ZeRO traffic overlapped bucket by bucket (False: after backward)
-    )
+    # tensor-parallel collectives pipelined with their GEMMs (Megatron-Core --tp-comm-overlap)
+    tp_overlap: bool = False
+    # data-parallel / ZeRO traffic overlapped bucket by bucket (False: after backward)
+    dp_overlap: bool = True
     split: tuple[
         int, ...
     ] = ()  # blocks per pipeline stage (parallel.pp_layout); () = CostModel.stage_layers' rule
@@ -160,16 +157,13 @@ class Workload:
     bucket_bytes: float = 25 * 2**20  # data-parallel gradient bucket (parallel.bucket_mb)
     optimizer: str = "adamw"  # adamw | adam8bit | adafactor (train.optimizer)
     moe_imbalance: float = 1.0  # MoE: max/mean tokens per expert (moe.imbalance; a run's moe_imbalance metric; 0 = the profile's)
-    capacity_factor: float = (
-        0.0  # MoE: moe.capacity_factor (0 = dropless): caps an expert's load at cf x mean
-    )
+    # MoE: moe.capacity_factor (0 = dropless): caps an expert's load at cf x mean
+    capacity_factor: float = 0.0
     moe_router_losses: bool = False  # MoE: aux or z loss on (a synchronous pipeline schedule is needed)
-    allreduce: str = (
-        "native"  # parallel.allreduce: the gradient all-reduce's algorithm (butterfly needs 2^k ranks)
-    )
-    ps_shards: int = (
-        0  # parallel.dp_mode = "ps": K parameter-server shards instead of the all-reduce (0 = none)
-    )
+    # parallel.allreduce: the gradient all-reduce's algorithm (butterfly needs 2^k ranks)
+    allreduce: str = "native"
+    # parallel.dp_mode = "ps": K parameter-server shards instead of the all-reduce (0 = none)
+    ps_shards: int = 0
     ps_colocate: bool = True  # servers in workers 0..K-1 (else K dedicated ranks besides the dp workers)
     ps_sync: str = "bsp"  # parallel.ps_sync: bsp | asp | ssp:S (co-located servers run bsp only)
     lora_rank: int = 0  # finetune.lora_rank of a LoRA/QLoRA run (0 = every parameter trains)

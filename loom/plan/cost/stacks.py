@@ -25,12 +25,10 @@ class Stack:
     name: str
     other: float = 1.0
     selective_gemms: float = 0.0  # share of a layer's GEMMs that "selective" recomputation runs again
-    microbatch_reduce: bool = (
-        False  # ZeRO-2/3 reduce-scatter every micro-batch (FSDP without no_sync): no full-size grads
-    )
-    logit_bytes: float = (
-        0.0  # bytes per logit at the loss's peak (0: B_a + 8, logits + fp32 copy + log-softmax)
-    )
+    # ZeRO-2/3 reduce-scatter every micro-batch (FSDP without no_sync): no full-size grads
+    microbatch_reduce: bool = False
+    # bytes per logit at the loss's peak (0: B_a + 8, logits + fp32 copy + log-softmax)
+    logit_bytes: float = 0.0
     note: str = ""
 
 

@@ -50,21 +50,18 @@ class DeviceSpec:
     flash_bwd: float = 0.0  # same, backward (counted as 2.5x the forward's FLOPs)
     nic_bandwidth: float = 50 * GB  # inter-node bandwidth per device per direction of its reference node
     # (DGX A100: one 200 Gb/s HDR HCA per GPU = 25 GB/s; DGX H100/H200/B200: one 400 Gb/s NDR = 50 GB/s)
-    op_overhead: float = (
-        0.0  # framework cost per executed operator (Python, dispatch, autograd), s; charged on
-    )
+    # framework cost per executed operator (Python, dispatch, autograd), s; charged on
+    op_overhead: float = 0.0
     # top of FLOPs and bytes where the host waits for each op (CPUs); 0 = hidden behind queued kernels (GPUs)
-    microbatch_overhead: float = (
-        0.0  # the trainer's cost per block and micro-batch beyond the model's operators
-    )
+    # the trainer's cost per block and micro-batch beyond the model's operators
+    microbatch_overhead: float = 0.0
     # (saved-tensor and gradient hooks, views), once more per micro-batch for the rest, s (loom plan calibrate --config)
     optimizer_rates: tuple[
         tuple[str, float], ...
     ] = ()  # (train.optimizer, shard elements/s of one step) where
     # its arithmetic, not its bytes, sets the time (CPUs; absent: bytes / memory bandwidth)
-    comm_overlap: float = (
-        0.8  # share of overlapped data-parallel traffic truly hidden: the rest slows compute (assumption;
-    )
+    # share of overlapped data-parallel traffic truly hidden: the rest slows compute (assumption;
+    comm_overlap: float = 0.8
     # 0 on CPU: gloo runs on the same cores that compute, so nothing is hidden)
     source: str = ""  # the datasheet the numbers come from
 

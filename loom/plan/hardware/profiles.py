@@ -43,9 +43,8 @@ class Profile:
     backward_ratio: float = 0.0  # measured backward / forward time of the model (0 = 2, the FLOP ratio)
     moe_imbalance: float = 0.0  # a MoE config's calibration run: its moe_imbalance metric (0 = not measured)
     op_overhead: dict[str, float] = field(default_factory=dict)  # precision -> seconds per ATen operator
-    microbatch_overhead: float = (
-        0.0  # the trainer's cost per block and micro-batch outside the counted operators, s
-    )
+    # the trainer's cost per block and micro-batch outside the counted operators, s
+    microbatch_overhead: float = 0.0
     optimizer_rate: dict[str, float] = field(
         default_factory=dict
     )  # train.optimizer -> shard elements/s of a step
