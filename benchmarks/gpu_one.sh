@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The one-GPU check (issue 32): on one GPU, in at most 6 minutes of commands, one table that says
+# whether Loom is right and fast there. Each part A..G runs under its own `timeout`; the table goes
+# to DIR/summary.md and DIR/summary.json; exit status 1 if any check FAILs (see benchmarks/gpu_one.py
+# for what each part measures and its budget).
+#
+#     bash benchmarks/gpu_one.sh --out DIR [--data DIR] [--only A,B,...] [--dry-run] [--budget KEY=VALUE]...
+#
+#   --out DIR       where results go (required): summary.md, summary.json, parts/, logs/, runs/
+#   --data DIR      data prepared beforehand (on a CPU machine: python -m loom prepare gpt-125m
+#                   --data.prepared_dir DIR); without it the default corpus (Python's stdlib, offline)
+#                   is prepared into DIR/data first (not counted in the 6 minutes)
+#   --only PARTS    a subset, e.g. --only B or --only A,C
+#   --dry-run       every part on the CPU with tiny sizes (what tests/test_gpu_one.py runs)
+#   --budget K=V    override one budget (keys in BUDGETS in gpu_one.py), e.g. --budget B.mfu_min=0.3
+#
+# No network on the GPU machine: nothing is downloaded. Missing pure-Python packages as wheels: on a
+# networked machine with the same Python, `pip download -d wheels -r requirements.txt`; copy wheels/
+# over; there `pip install --no-index --find-links wheels -r requirements.txt` (torch is the machine's).
+# Environment: PYTHON (default python); GPU_ONE_TIMEOUT_<PART>=seconds replaces a part's timeout.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+out="" data="" only="ABCDEFG" dry=()
+budgets=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --out) out="${2:?--out needs a directory}"; shift 2 ;;
+        --data) data="${2:?--data needs a directory}"; shift 2 ;;
+        --only) only="${2:?--only needs parts, e.g. A,B}"; shift 2 ;;
+        --dry-run) dry=(--dry-run); shift ;;
+        --budget) budgets+=(--budget "${2:?--budget needs KEY=VALUE}"); shift 2 ;;
+        -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;;
+        *) echo "gpu_one.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+if [ -z "$out" ]; then
+    echo "gpu_one.sh: --out DIR is required" >&2
+    exit 2
+fi
+only="${only//,/}"
+only="${only^^}"
+if [[ ! "$only" =~ ^[A-G]+$ ]]; then
+    echo "gpu_one.sh: --only takes parts among A..G, got $only" >&2
+    exit 2
+fi
+mkdir -p "$out/logs"
+py=("${PYTHON:-python}" benchmarks/gpu_one.py)
+common=(--out "$out" "${dry[@]}" "${budgets[@]}")
+
+if [ -z "$data" ]; then
+    data="$out/data"
+    if [ ! -f "$data/meta.json" ]; then
+        echo "== preparing the default corpus into $data"
+        timeout -k 10 300 "${py[@]}" prepare "${common[@]}" --data "$data" >"$out/logs/prepare.log" 2>&1 || {
+            echo "gpu_one.sh: preparing data failed; see $out/logs/prepare.log" >&2
+            exit 1
+        }
+    fi
+fi
+
+exits=()
+start=$SECONDS
+for (( i = 0; i < ${#only}; i++ )); do
+    p="${only:$i:1}"
+    t=$("${py[@]}" timeout "$p" "${common[@]}")
+    echo "== part $p (timeout ${t}s)"
+    rc=0
+    timeout -k 10 "$t" "${py[@]}" part "$p" "${common[@]}" --data "$data" >"$out/logs/$p.log" 2>&1 || rc=$?
+    grep -E '^\[[A-G]\] ' "$out/logs/$p.log" || true
+    exits+=("$p=$rc")
+done
+echo "== parts took $(( SECONDS - start )) s"
+joined=$(IFS=,; echo "${exits[*]}")
+"${py[@]}" summary "${common[@]}" --parts "$only" --exits "$joined"

@@ -1,0 +1,82 @@
+"""The one-GPU check (``benchmarks/gpu_one.sh``, issue 32) cannot rot: its dry run (every part on the
+CPU with tiny sizes, through the same code) gives every part A..G a PASS, or a SKIP that says why,
+and writes both summaries; an impossible budget makes it write FAIL and exit non-zero."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_one.sh"
+
+
+def _run(out: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = ["bash", str(SCRIPT), "--out", str(out), "--dry-run", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """The default corpus (stdlib, 0.5 MB) prepared once, as the wrapper does without --data."""
+    out = tmp_path_factory.mktemp("gpu_one_data")
+    p = subprocess.run(
+        ["python", str(ROOT / "benchmarks" / "gpu_one.py"), "prepare", "--out", str(out), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    return out / "data"
+
+
+def test_dry_run_passes_every_part(tmp_path, data):
+    out = tmp_path / "dry"
+    p = _run(out, "--data", str(data))
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dry_run"] and summary["passed"]
+    assert set(summary["parts"]) == set("ABCDEFG")
+    for part, status in summary["parts"].items():
+        assert status in ("PASS", "SKIP"), (part, status)
+    for row in summary["rows"]:
+        assert row["status"] in ("PASS", "SKIP"), row
+        if row["status"] == "SKIP":
+            assert row["note"], f"a SKIP must say why: {row}"
+    for part in "ABCDEFG":  # every part measured something
+        assert any(r["part"] == part and r["status"] == "PASS" for r in summary["rows"]), part
+    table = (out / "summary.md").read_text()
+    assert "| part | check | measured | expected / budget | result |" in table
+    assert table.count("\n| ") >= len(summary["rows"]) + 1
+    checks = {r["check"] for r in summary["rows"]}
+    assert {"loss falls", "MFU", "tokens/s bf16 / fp32"} <= checks  # B and C compared what they ran
+
+
+def test_an_impossible_budget_fails_and_exits_non_zero(tmp_path, data):
+    out = tmp_path / "fail"
+    p = _run(out, "--data", str(data), "--only", "A", "--budget", "A.peak_tflops_min=1e12")
+    assert p.returncode == 1, p.stdout + p.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["parts"] == {"A": "FAIL"} and not summary["passed"]
+    failed = [r for r in summary["rows"] if r["status"] == "FAIL"]
+    assert [r["check"] for r in failed] == ["bf16 peak (MFU's divisor)"]
+    assert "| FAIL |" in (out / "summary.md").read_text()
+
+
+def test_a_part_that_times_out_is_a_failure(tmp_path):
+    """A part killed by its timeout (or crashing) without rows is a FAIL row in the summary."""
+    out = tmp_path / "timeout"
+    cmd = ["python", str(ROOT / "benchmarks" / "gpu_one.py"), "summary", "--out", str(out), "--dry-run"]
+    p = subprocess.run([*cmd, "--parts", "F", "--exits", "F=124"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 1, p.stdout + p.stderr
+    rows = json.loads((out / "summary.json").read_text())["rows"]
+    assert rows[0]["status"] == "FAIL" and "timed out" in rows[0]["note"]
+
+
+def test_bad_arguments_are_refused():
+    p = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and "--out DIR is required" in p.stderr
