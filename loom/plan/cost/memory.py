@@ -145,16 +145,17 @@ def factored_bytes(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: b
 
 
 def step_workspace(cm: CostBase, lay: Layout, first: bool = True, last: bool = True) -> float:
-    """Temporaries of Loom's AdamW step on one device: the fp32 denominators sqrt(v) of every
-    element it updates (``torch._foreach_sqrt``), and under mixed precision the fp32 copy of
-    the gradient shard, 4·Φ_opt·(1 + mixed) bytes for the Φ_opt elements whose optimizer state it
-    holds (8-bit Adam works in chunks and Adafactor on factored statistics: not counted)."""
-    if cm.train.optimizer != "adamw" or lay.offload:
+    """Temporaries of Loom's AdamW step on one device: under mixed precision the fp32 copy of the
+    gradient shard, 4·Φ_opt·mixed bytes for the Φ_opt elements whose optimizer state it holds.
+    torch's fused AdamW kernel (CPU and CUDA: :func:`loom.optim.adamw.fused_supported`) computes
+    the denominators sqrt(v) in registers; the ``_foreach`` fallback would add 4·Φ_opt for them.
+    8-bit Adam works in chunks and Adafactor on factored statistics: not counted."""
+    if cm.train.optimizer != "adamw" or lay.offload or not cm.train.mixed:
         return 0.0
     dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
     n = lay.dp_shard * lay.cp if lay.zero else 1
     elements = dense / n + expert / max(1, n // lay.ep)
-    return 4.0 * elements * (2 if cm.train.mixed else 1)
+    return 4.0 * elements
 
 
 def layer_activation(cm: CostBase, lay: Layout) -> tuple[float, float, float]:
