@@ -127,7 +127,8 @@ def cmd_train(argv: list[str]) -> int:
                 str(e) if str(e).startswith(("parallel.auto", "parallel.profile")) else f"parallel.auto: {e}"
             ) from None
     if under_external_launcher():  # every rank checks before any process group exists
-        C.validate(cfg, int(os.environ["WORLD_SIZE"]))
+        world = int(os.environ["WORLD_SIZE"])
+        C.validate(cfg, world)
     else:
         world = opts.world(cfg)  # run.nproc per node times --nnodes, or the explicit degrees
         nodes = opts.nodes.nnodes if opts.nodes else 1
@@ -144,6 +145,10 @@ def cmd_train(argv: list[str]) -> int:
                 + ", or leave parallel.dp unset so it follows run.nproc"
             )
         C.validate(cfg, world)
+    from loom.plan.auto import check_fits
+
+    C.check_intent(cfg)  # explicit settings the run would silently not honour
+    check_fits(cfg, world)  # what cannot fit this machine's memory, before anything is allocated
     _check_run_dir(cfg)
     if not under_external_launcher():  # under torchrun/srun every rank checks its data itself
         _check_data(cfg)
@@ -166,6 +171,28 @@ def _check_run_dir(cfg: C.LoomConfig) -> None:
 
         if find(cfg.train.resume) is None:
             raise C.ConfigError(f"train.resume: {cfg.train.resume} holds no complete checkpoint")
+    _check_resume_step(cfg)
+
+
+def _check_resume_step(cfg: C.LoomConfig) -> None:
+    """A resumed run must have steps left: ``train.steps`` below the checkpoint's step would train
+    nothing and rewrite the final model's record (refused before anything is written)."""
+    from loom.checkpoint import format as F
+    from loom.checkpoint.load import find
+
+    where = cfg.train.resume or (Path(cfg.run.dir) / "checkpoints")
+    if not cfg.train.resume and not Path(where).is_dir():
+        return
+    try:
+        found = find(where)
+        step = int(F.read_json(found[0] / F.TRAIN_STATE).get("step", 0)) if found else 0
+    except (F.CheckpointError, OSError, ValueError, TypeError):
+        return  # unreadable: the trainer's own checks name it
+    if cfg.train.steps < step:
+        raise C.ConfigError(
+            f"train.steps: {cfg.train.steps} is below step {step} of the checkpoint {found[0] if found else where} "
+            f"this run resumes; give train.steps > {step} to train on (or a new run.dir)"
+        )
 
 
 def _check_data(cfg: C.LoomConfig) -> None:
@@ -298,6 +325,12 @@ def cmd_generate(argv: list[str]) -> int:
     from loom.generate.source import load_hf, load_run
 
     src = load_run(where) if key == "--run.dir" else load_hf(where)
+    window = src.model.cfg.max_seq_len
+    if opts.get("max_new_tokens", 0) > window:  # the window slides: past it the prompt is out of sight
+        raise C.ConfigError(
+            f"{spelled.get('max_new_tokens', '--max-new-tokens')}: {opts['max_new_tokens']} new tokens exceed "
+            f"model.max_seq_len = {window}, the most the model attends to; give at most {window}"
+        )
     return generate_main(
         src, prompts, sampling, chat, batch_size, "--no-cache" not in flags, "prompts" in opts
     )
@@ -321,6 +354,13 @@ def cmd_export(argv: list[str]) -> int:
 
         export_main = lora_main
     values = {i + 1 for i, a in enumerate(argv) if a == "--max-shard-size"}
+    for i in values:
+        if i < len(argv):
+            from loom.checkpoint.hf_export import parse_size
+
+            if parse_size(argv[i]) < 1:  # 0 would write one shard per tensor
+                raise C.ConfigError(f"--max-shard-size: must be at least 1 byte (e.g. 5GB), got {argv[i]!r}")
+    values |= {i + 1 for i, a in enumerate(argv) if a == "--dtype"}
     positional = [a for i, a in enumerate(argv) if not a.startswith("--") and i not in values]
     out = positional[-1] if len(positional) == 3 else None
     with _output_lock(out), _naming(out or "the output"):
@@ -363,6 +403,7 @@ def cmd_config(argv: list[str]) -> int:
         return 0
     cfg, _ = _load(argv, ("nproc",))
     C.validate(cfg, C.world_size_of(cfg))
+    C.check_intent(cfg)
     print(C.dump_toml(cfg), end="")
     return 0
 
@@ -390,6 +431,9 @@ COMMANDS = {
 }
 
 
+SCHEDULE_MAX_ACTIONS = 300_000  # actions of one simulated step (seconds to simulate: 10^6 took 22 s)
+
+
 def cmd_schedule(argv: list[str]) -> int:
     """Simulate one step's schedule (per stage t_f = 1, t_b = 2, t_w = 1; a chunk 1/v of that), print, draw."""
     path, overrides, plain = _split(argv)
@@ -405,6 +449,15 @@ def cmd_schedule(argv: list[str]) -> int:
         C._coerce(plain.get(k, d), int, f"--{k}") for k, d in (("pp", "4"), ("microbatches", "8"), ("v", "1"))
     )
     name = plain.get("schedule", "1f1b")
+    for opt, n in (("--pp", pp), ("--microbatches", m), ("--v", v)):
+        if n < 1:
+            raise C.ConfigError(f"{opt}: must be >= 1, got {n}")
+    actions = 3 * pp * m * v  # forward, backward (input and weight) per stage, micro-batch and chunk
+    if actions > SCHEDULE_MAX_ACTIONS:
+        raise C.ConfigError(
+            f"--microbatches: --pp {pp} x --microbatches {m} x --v {v} is {actions:,} schedule actions, more "
+            f"than the {SCHEDULE_MAX_ACTIONS:,} this simulator draws; give fewer stages or micro-batches"
+        )
     from loom.parallel.pipeline.runtime import bubble_formula, step_schedule
     from loom.parallel.pipeline.simulate import simulate
 

@@ -116,6 +116,12 @@ def check_launcher_env() -> None:
     a shell, they would make this process wait forever for peers that never come)."""
     if not under_external_launcher():
         return
+    rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
+    if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
+        raise C.ConfigError(
+            f"environment: RANK={rank} WORLD_SIZE={world} describe no rank of a job (need 0 <= RANK < "
+            "WORLD_SIZE); left over from another job? unset RANK and WORLD_SIZE for a local run"
+        )
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise C.ConfigError(
@@ -181,7 +187,34 @@ def slurm_rank_env(environ: dict[str, str]) -> dict[str, str]:
 
 def apply_slurm_env() -> None:
     """Under a multi-task ``srun`` step, export :func:`slurm_rank_env` so this process runs as one rank."""
-    os.environ.update(slurm_rank_env(dict(os.environ)))
+    env = slurm_rank_env(dict(os.environ))
+    if env:
+        check_slurm_env(dict(os.environ))
+    os.environ.update(env)
+
+
+def check_slurm_env(environ: dict[str, str]) -> None:
+    """Refuse SLURM task variables that describe no live job step (left in a shell, or copied from a
+    batch script): a step sets its job id and node list with them, and a task id below the task count."""
+    procid, ntasks = environ.get("SLURM_PROCID", ""), environ.get("SLURM_NTASKS", "")
+    where = f"SLURM_PROCID={procid} SLURM_NTASKS={ntasks}"
+    if not (procid.isdigit() and ntasks.isdigit() and int(procid) < int(ntasks)):
+        raise C.ConfigError(
+            f"environment: {where} describe no task of a job step (need 0 <= SLURM_PROCID < SLURM_NTASKS)"
+        )
+    nodes = (
+        environ.get("SLURM_STEP_NODELIST")
+        or environ.get("SLURM_JOB_NODELIST")
+        or environ.get("SLURM_NODELIST")
+    )
+    missing = [
+        k for k, v in (("SLURM_JOB_ID", environ.get("SLURM_JOB_ID")), ("SLURM_*NODELIST", nodes)) if not v
+    ]
+    if missing:
+        raise C.ConfigError(
+            f"environment: {where} are set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+            "not, so no srun step started this process; unset the SLURM_* variables for a local run"
+        )
 
 
 def _worker(cfg_dict: dict[str, Any]) -> dict[str, float] | None:

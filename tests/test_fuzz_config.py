@@ -276,3 +276,87 @@ def test_accepted_configs_train_one_step(debug_cache, over):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1] and math.isfinite(rows[0]["loss"]), rows
     assert (run / "checkpoints" / "final" / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- numeric extremes (issue 37)
+
+NUMERIC = sorted(n for n, t in FIELDS.items() if t in (int, float) and not C.choices(t))
+# huge values: powers of ten up to the int64 edge, 2**31, 1e9/1e18 spelled as floats (TOML gives floats)
+HUGE = st.sampled_from([10**6, 10**8, 2**31, 10**9, 10**12, 2**62, 1e9, 1e18, 1e300])
+
+
+@st.composite
+def extremes(draw) -> dict[str, typing.Any]:
+    """One to three numeric fields at huge values, maybe beside a field of the ordinary strategies."""
+    chosen = draw(st.lists(st.sampled_from(NUMERIC), min_size=1, max_size=3, unique=True))
+    over = {n: (int(v) if FIELDS[n] is int and v < 1e19 else v) for n in chosen for v in [draw(HUGE)]}
+    return over | draw(st.one_of(st.just({}), overrides(max_fields=1)))
+
+
+def _fits_or_refused(over: dict[str, typing.Any]) -> str:
+    """The oracle: validation and the planner's memory estimate (:func:`loom.plan.auto.fit_problem`,
+    what ``loom train`` applies before any process) accept the config, or refuse it in one line
+    naming a field; anything else raised is a failure. Returns "ok" or the line."""
+    from loom.plan.auto import fit_problem
+
+    try:
+        cfg = _via_dict(over)
+        C.check_intent(cfg)
+    except C.ConfigError as e:
+        _check_refusal(e)
+        return str(e)
+    problem = fit_problem(cfg, C.world_size_of(cfg))
+    if problem is not None:
+        _check_refusal(C.ConfigError(problem))
+        return problem
+    return "ok"
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow], **SETTINGS)
+@given(extremes())
+def test_numeric_extremes_fit_the_machine_or_are_refused_naming_a_field(over):
+    _fits_or_refused(over)
+
+
+_NO_ALLOC = r"""
+import json, resource, sys, time
+import torch  # imported before the limit: the address space grows by what validation allocates only
+from loom.plan.auto import fit_problem  # noqa: F401 (and the planner)
+sys.path.insert(0, sys.argv[1])
+import test_fuzz_config as T
+
+soft = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize() + 512 * 2**20
+resource.setrlimit(resource.RLIMIT_AS, (soft, resource.RLIM_INFINITY))
+out = []
+for over in json.loads(sys.stdin.read()):
+    out.append(T._fits_or_refused(over))
+print(json.dumps(out))
+"""
+
+
+def test_huge_values_of_every_numeric_field_are_judged_without_allocating(tmp_path):
+    """Each numeric field at 1e12 (and the issue's examples), judged by the oracle in a process whose
+    address space may grow by only 512 MiB: a setting allocated before it is refused would fail there."""
+    import subprocess
+    import sys
+
+    cases = [{n: (10**12 if FIELDS[n] is int else 1e12)} for n in NUMERIC]
+    cases += [
+        {"model.max_seq_len": 2 * 10**9},
+        {"model.dim": 65536},
+        {"model.vocab_size": 10**8},
+        {"finetune.method": "lora", "finetune.lora_rank": 10**6},
+        {"train.warmup_steps": 10**9},
+    ]
+    p = subprocess.run(
+        [sys.executable, "-c", _NO_ALLOC, str(Path(__file__).parent)],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    verdicts = dict(zip([json.dumps(c) for c in cases], json.loads(p.stdout.splitlines()[-1]), strict=True))
+    for case in cases[-5:]:  # the issue's examples are refused
+        assert verdicts[json.dumps(case)] != "ok", case

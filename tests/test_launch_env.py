@@ -137,3 +137,34 @@ def test_single_rank_phases_wait_on_a_long_gloo_group(pools):
     from loom.train.setup import CONTROL_TIMEOUT_S
 
     assert pools(2).run(_control_group_timeout) == [f"gloo {float(CONTROL_TIMEOUT_S)}"] * 2
+
+
+@pytest.mark.parametrize(
+    "env,named",
+    [
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "SLURM_JOB_ID"),  # no live step: left in a shell
+        (SRUN | {"SLURM_PROCID": "16"}, "SLURM_PROCID=16"),  # a task id beyond the task count
+        ({k: v for k, v in SRUN.items() if k != "SLURM_JOB_ID"}, "SLURM_JOB_ID"),
+    ],
+)
+def test_stale_slurm_variables_are_refused_in_one_line(env, named):
+    from loom import config as C
+    from loom.launch import check_slurm_env
+
+    with pytest.raises(C.ConfigError) as e:
+        check_slurm_env(env)
+    assert named in str(e.value) and "\n" not in str(e.value)
+    check_slurm_env(SRUN)  # a live step passes
+
+
+@pytest.mark.parametrize("rank,world", [("1", "1"), ("0", "0"), ("-1", "2"), ("x", "2"), ("5", "4")])
+def test_launcher_variables_of_no_rank_are_refused(monkeypatch, rank, world):
+    from loom import config as C
+    from loom.launch import check_launcher_env
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(C.ConfigError, match=f"RANK={rank} WORLD_SIZE={world}"):
+        check_launcher_env()

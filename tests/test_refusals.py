@@ -257,6 +257,28 @@ def _resume_other_data(c: Ctx):
     ]
 
 
+def _resume_fewer_steps(c: Ctx):
+    run = c.copy_run()
+    return c.train("--train.steps", "1", run=run), ["train.steps", "step 2"]
+
+
+def _hf_int8(c: Ctx):
+    """A Hugging Face directory (exported from the trained run) with one weight stored as int8."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from loom.cli import main
+
+    hf = c.tmp / "hf"
+    assert main(["export", "hf", str(c.w.run), str(hf)]) == 0
+    (shard,) = sorted(hf.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    name = sorted(n for n in tensors if n.endswith("q_proj.weight"))[0]
+    tensors[name] = tensors[name].to(torch.int8)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return c.train("--model.from_hf", str(hf)), ["model.from_hf", str(shard), name, "I8"]
+
+
 def _resume_corrupt_data_record(c: Ctx):
     run = c.copy_run()
     (run / "data.json").write_text("{not json")
@@ -674,6 +696,44 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
         2,
     ),
     ("LOOM_CACHE_DIR is a file", _cache_dir_is_a_file, 2),
+    ("stale SLURM task variables", _env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "SLURM_PROCID"), 2),
+    ("RANK not below WORLD_SIZE", _env({"RANK": "1", "WORLD_SIZE": "1"}, "RANK=1", "WORLD_SIZE=1"), 2),
+    ("WORLD_SIZE zero", _env({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0"), 2),
+    # bounds before allocation (issue 37): the field and the bytes, nothing allocated
+    (
+        "model.max_seq_len of 2e9 positions",
+        _cfg("--model.max_seq_len", "2000000000", names=("model.max_seq_len", "GiB")),
+        2,
+    ),
+    ("model.dim 65536", _cfg("--model.dim", "65536", names=("model.dim", "GiB")), 2),
+    ("model.vocab_size 1e8", _cfg("--model.vocab_size", "100000000", names=("model.vocab_size", "GiB")), 2),
+    (
+        "finetune.lora_rank above every layer",
+        _cfg("--finetune.method", "lora", "--finetune.lora_rank", "1000000", names=("finetune.lora_rank",)),
+        2,
+    ),
+    (
+        "schedule: enormous action list",
+        lambda c: (["schedule", "--pp", "1000", "--microbatches", "100000"], ["--microbatches"]),
+        2,
+    ),
+    # silent overrides (issue 37)
+    ("train.warmup_steps beyond the run", _cfg("--train.warmup_steps", "1000000000"), 2),
+    (
+        "parallel.auto with an explicit tp it cannot keep",
+        _cfg("--parallel.auto", "true", "--parallel.tp", "3", names=("parallel.tp = 3",)),
+        2,
+    ),
+    ("train.steps below the resumed checkpoint", _resume_fewer_steps, 2),
+    (
+        "export: max-shard-size 0",
+        lambda c: (
+            ["export", "hf", str(c.w.run), str(c.tmp / "hf"), "--max-shard-size", "0"],
+            ["--max-shard-size"],
+        ),
+        2,
+    ),
+    ("from_hf: an int8 tensor", _hf_int8, 2),
     # command line
     ("unknown command", lambda c: (["frobnicate"], ["'frobnicate'"]), 2),
     ("stray positional argument", lambda c: (c.train("extra"), ["'extra'"]), 2),

@@ -75,6 +75,13 @@ def check_finetune(cfg: LoomConfig) -> None:
     _require(f.lora_alpha > 0, f"finetune.lora_alpha: must be > 0, got {f.lora_alpha}")
     _require(0.0 <= f.lora_dropout < 1.0, f"finetune.lora_dropout: must be in [0, 1), got {f.lora_dropout}")
     targets = lora_targets(cfg)
+    shapes = target_shapes(cfg.model)
+    t = min(targets, key=lambda t: min(shapes[t]))
+    _require(  # a rank above min(d_in, d_out) adds parameters, never expressiveness (and may not fit)
+        f.lora_rank <= min(shapes[t]),
+        f"finetune.lora_rank: {f.lora_rank} exceeds the smallest dimension of layers.*.{TARGET_NAMES[t]} "
+        f"({shapes[t][1]} -> {shapes[t][0]}); give a rank <= {min(shapes[t])}",
+    )
     if f.method != "qlora":
         return
     for t in targets:

@@ -85,6 +85,24 @@ def _apply(cfg: LoomConfig, section: str, key: str, value: Any) -> None:
         allowed = ", ".join(types_)
         raise ConfigError(f"{section}.{key}: unknown key; allowed in [{section}]: {allowed}")
     setattr(sub, key, _coerce(value, types_[key], f"{section}.{key}"))
+    vars(cfg).setdefault(EXPLICIT, set()).add(f"{section}.{key}")
+
+
+EXPLICIT = "_explicit"  # the attribute holding the dotted names a file or override set (not a field)
+
+
+OVERRIDDEN = "_overridden"  # the names set by --section.key overrides (the last layer)
+
+
+def overridden(cfg: LoomConfig) -> frozenset[str]:
+    """The ``section.key`` names set by ``--section.key value`` overrides (a subset of :func:`explicit`)."""
+    return frozenset(vars(cfg).get(OVERRIDDEN, ()))
+
+
+def explicit(cfg: LoomConfig) -> frozenset[str]:
+    """The ``section.key`` names a TOML file, a dict or an override set on ``cfg`` (whatever their
+    value), as opposed to defaults; never part of :func:`to_dict` or :func:`dump_toml`."""
+    return frozenset(vars(cfg).get(EXPLICIT, ()))
 
 
 def from_dict(data: dict[str, Any], base: LoomConfig | None = None) -> LoomConfig:
@@ -148,6 +166,7 @@ def apply_overrides(cfg: LoomConfig, args: list[str]) -> LoomConfig:
             i += 2
         section, _, key = name.partition(".")
         _apply(cfg, section, key.replace("-", "_"), value)
+        vars(cfg).setdefault(OVERRIDDEN, set()).add(f"{section}.{key.replace('-', '_')}")
     return cfg
 
 

@@ -501,6 +501,21 @@ def _check_zero3_options(p: ParallelConfig) -> None:
     )
 
 
+def check_intent(cfg: LoomConfig) -> None:
+    """Explicit settings that a run would silently not honour (:func:`~loom.config.parse.explicit`):
+    a warm-up of at least the whole run, set by the user (a file's warm-up counts unless an override
+    shortened ``train.steps`` after it: a smoke run of a preset)."""
+    from loom.config.parse import explicit, overridden
+
+    t, given, later = cfg.train, explicit(cfg), overridden(cfg)
+    shortened = "train.steps" in later and "train.warmup_steps" not in later
+    _require(
+        not ("train.warmup_steps" in given and t.warmup_steps >= t.steps and not shortened),
+        f"train.warmup_steps: {t.warmup_steps} is not below train.steps = {t.steps}, so the learning rate "
+        f"never reaches train.lr; give fewer warm-up steps (or more steps)",
+    )
+
+
 def check_vocab(cfg: LoomConfig, tokenizer_vocab: int) -> None:
     """An explicit model vocabulary must hold every token id of the tokenizer."""
     _require(

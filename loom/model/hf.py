@@ -248,11 +248,37 @@ def apply_to(cfg, path: str | Path) -> HFModel:
         "bias",
     ):
         setattr(cfg.model, field, getattr(model.config, field))
+    check_float_tensors(model)
     if not cfg.data.tokenizer:
         if model.tokenizer is None:
             raise HFError(f"{model.dir}: no tokenizer.json; give data.tokenizer")
         cfg.data.tokenizer = str(model.tokenizer)
     return model
+
+
+def _refuse_integer(file: Path, name: str, dtype: str) -> None:
+    """A weight stored as an integer type (quantized: int8, uint8, packed int4) would be cast to
+    floats and trained as if its codes were values: refused, naming the file and tensor."""
+    if dtype.upper().startswith(("I", "U", "BOOL")):
+        raise HFError(
+            f"{file}: tensor {name} is stored as {dtype} (integer, likely quantized); Loom loads "
+            "floating-point weights only (dequantize it first, e.g. save the model in bfloat16)"
+        )
+
+
+def check_float_tensors(model: HFModel) -> None:
+    """Every tensor Loom reads from the directory is floating point (headers only; nothing is loaded)."""
+    from safetensors import safe_open
+
+    read = {n for m in dict(_mappings(model.config, model.prefix)).values() for n in m.names()}
+    by_file: dict[str, list[str]] = {}
+    for name, file in model.files.items():
+        if name in read:
+            by_file.setdefault(file, []).append(name)
+    for file, names in sorted(by_file.items()):
+        with safe_open(str(model.dir / file), "pt") as f:
+            for name in sorted(names):
+                _refuse_integer(model.dir / file, name, f.get_slice(name).get_dtype())
 
 
 @dataclass(frozen=True)
@@ -405,6 +431,7 @@ class Reader:
 
             self.opened[file] = self.files.enter_context(safe_open(str(self.model.dir / file), "pt"))
         sl = self.opened[file].get_slice(name)  # type: ignore[attr-defined]
+        _refuse_integer(self.model.dir / file, name, sl.get_dtype())
         if tuple(sl.get_shape()) != shape:
             raise HFError(
                 f"{self.model.dir / file}: {name} has shape {tuple(sl.get_shape())}, {CONFIG} implies {shape}"

@@ -119,16 +119,35 @@ def choose(cfg: LoomConfig, world: int | None = None, profile: Profile | None = 
     if profile is None:
         profile = load_profile(world, cfg.parallel.profile or None, device=_device_of(cfg))
     result = search(model_of(cfg), workload_of(cfg), cluster, world, profile=profile)
+    fixed = fixed_degrees(cfg)
     for est in result.ranked:
         lay = est.layout
+        if any(getattr(lay, k) != v for k, v in fixed.items()):
+            continue  # an explicit degree is a constraint of the search, never replaced
         if lay.world_size == world and runnable(
             cfg, lay
         ):  # ranked: passes the layout rules; the rest of validate too
             return est
+    given = ", ".join(f"parallel.{k} = {v}" for k, v in fixed.items())
     raise PlanError(
-        f"parallel.auto: no layout of {world} rank(s) fits and runs; closest: "
+        f"parallel.auto: no layout of {world} rank(s){' with ' + given if given else ''} fits and runs; closest: "
         f"{result.closest.layout.short() if result.closest else 'none'}"
     )
+
+
+# the degrees parallel.auto chooses, as a Layout names them; an explicit one constrains the search
+AUTO_DEGREES = ("tp", "pp", "cp", "ep", "dp", "dp_shard", "zero")
+
+
+def fixed_degrees(cfg: LoomConfig) -> dict[str, int]:
+    """The parallel degrees a file or override set explicitly (:func:`loom.config.explicit`), which
+    ``parallel.auto`` keeps: ``{"tp": 2}`` for ``--parallel.tp 2``. ``dp``/``dp_shard`` of 0 mean
+    "follow the world size" and constrain nothing."""
+    from loom.config import explicit
+
+    given = explicit(cfg)
+    out = {k: int(getattr(cfg.parallel, k)) for k in AUTO_DEGREES if f"parallel.{k}" in given}
+    return {k: v for k, v in out.items() if v > 0 or k not in ("dp", "dp_shard")}
 
 
 def apply_auto(cfg: LoomConfig, world: int | None = None, profile: Profile | None = None) -> Estimate:
@@ -177,3 +196,95 @@ def predicted_fields(cfg: LoomConfig, world: int, profile: Profile | None = None
         "plan_state_bytes": states["weights"] + states["gradients"] + states["optimizer"],
         "plan_peak_mem_bytes": est.memory,
     }
+
+
+# --------------------------------------------------------------------------- bounds before allocation
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (0 if the OS does not say)."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 0
+
+
+def rank_memory(cfg: LoomConfig, local_ranks: int | None = None) -> tuple[float, str]:
+    """(bytes one rank may use, what they are): the device's memory when the run computes on CUDA
+    (``torch.cuda.mem_get_info``), else the host's memory shared by ``local_ranks`` (default ``run.nproc``)."""
+    if cfg.run.device != "cpu":
+        from loom.device import cuda_available
+
+        if cuda_available():
+            import torch
+
+            return float(torch.cuda.mem_get_info(0)[1]), "memory of one CUDA device"
+    host = host_memory_bytes()
+    n = max(1, cfg.run.nproc if local_ranks is None else local_ranks)
+    return host / n, "host memory" + (f" shared by run.nproc = {n} ranks" if n > 1 else "")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"
+
+
+def table_bytes(cfg: LoomConfig) -> float:
+    """Bytes every rank allocates for the position tables of ``model.max_seq_len`` positions, whatever
+    the layout: RoPE's float64 angles and cos/sin (positions x head_dim/2), or learned embeddings."""
+    m = cfg.model
+    if m.positions == "rope":
+        return float(m.max_seq_len) * (8 + 8 * 3 * max(1, m.head_dim // 2))
+    return float(m.max_seq_len) * (8 + 4 * m.dim)
+
+
+def fit_problem(
+    cfg: LoomConfig, world: int, profile: Profile | None = None, local_ranks: int | None = None
+) -> str | None:
+    """Why a validated config cannot fit this machine, before anything is allocated (one line naming
+    the field and the bytes), or None. The oracle is the planner's estimate of the config's layout
+    (:func:`prediction`, what ``parallel.auto`` ranks by) plus the position tables it does not count."""
+    cap, where = rank_memory(cfg, local_ranks)
+    if cap <= 0:  # unknown machine: nothing to compare with
+        return None
+    tables = table_bytes(cfg)
+    m = cfg.model
+    if tables > cap:
+        return (
+            f"model.max_seq_len: {m.max_seq_len} positions need {_gib(tables)} of "
+            f"{'RoPE' if m.positions == 'rope' else 'position'} tables on every rank, more than the "
+            f"{_gib(cap)} of {where}"
+        )
+    try:
+        est = prediction(cfg, world, profile)
+    except (PlanError, HardwareError, ValueError, KeyError, ZeroDivisionError, OverflowError):
+        return None  # a layout the cost model cannot price: validation and the ranks judge it
+    need = est.memory + tables
+    if need <= cap:
+        return None
+    bd = est.memory_breakdown
+    term = max(bd, key=bd.__getitem__) if bd else "weights"
+    vocab_field = "model.vocab_size" if m.vocab_size else "data.vocab_size"
+    if term == "logits":
+        field, hint = vocab_field, "a smaller vocabulary, or lower train.micro_batch or data.seq_len"
+    elif term in ("activations", "accumulation"):
+        field = "train.micro_batch"
+        hint = "lower train.micro_batch or data.seq_len, or recompute (train.recompute)"
+    else:
+        vocab = m.vocab_size or cfg.data.vocab_size
+        emb = vocab * m.dim * (1 if m.tie_embeddings else 2)
+        body = m.n_layers * m.dim * (2 * m.dim + 3 * m.resolved_ffn_dim())
+        field = vocab_field if emb > body else "model.dim"
+        hint = "a smaller model (model.dim, model.n_layers, vocab), or shard it (parallel.zero, tp, pp, more ranks)"
+    return (
+        f"{field}: this run needs about {_gib(need)} per rank (planner estimate of "
+        f"{layout_of(cfg).short()}; {term} {_gib(bd.get(term, 0.0))}), more than the {_gib(cap)} of {where}; {hint}"
+    )
+
+
+def check_fits(cfg: LoomConfig, world: int, profile: Profile | None = None) -> None:
+    """Raise :class:`ConfigError` with :func:`fit_problem`'s line."""
+    problem = fit_problem(cfg, world, profile)
+    if problem is not None:
+        raise ConfigError(problem)

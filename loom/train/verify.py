@@ -242,6 +242,11 @@ def main(argv: list[str], cluster_of) -> int:
         m = args.microbatches or default_microbatches(lay)
         cfg = job_config(cfg, lay, args.seq, m)
         C.validate(cfg, args.world)
+        from loom.plan.auto import fit_problem
+
+        problem = fit_problem(cfg, args.world, local_ranks=1)  # one rank runs here: before building it
+        if problem is not None:
+            raise C.ConfigError(f"--seq {args.seq}: {problem}")
     except (C.ConfigError, PlanError, HardwareError) as e:
         print(f"loom plan verify: {e}", file=sys.stderr)
         return 2
