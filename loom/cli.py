@@ -28,7 +28,7 @@ commands:
   plan       predict memory and speed of layouts and pick the best (see loom plan --help)
   checkpoint convert RUN_DIR_OR_CHECKPOINT OUT.safetensors
              export a consolidated single-file model from a checkpoint of any layout
-  export hf  RUN_DIR_OR_CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--merge-lora]
+  export hf  RUN_DIR_OR_CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--merge-lora] [--dtype bf16|fp16|fp32]
              a Hugging Face model directory (config, sharded safetensors, tokenizer) from any layout
              (a LoRA run: --merge-lora writes the base with W + (alpha/r)·B A on every target)
   export peft RUN_DIR_OR_CHECKPOINT OUT_DIR
@@ -360,6 +360,7 @@ def cmd_export(argv: list[str]) -> int:
 
             if parse_size(argv[i]) < 1:  # 0 would write one shard per tensor
                 raise C.ConfigError(f"--max-shard-size: must be at least 1 byte (e.g. 5GB), got {argv[i]!r}")
+    values |= {i + 1 for i, a in enumerate(argv) if a == "--dtype"}
     values |= {i + 1 for i, a in enumerate(argv) if a == "--dtype"}
     positional = [a for i, a in enumerate(argv) if not a.startswith("--") and i not in values]
     out = positional[-1] if len(positional) == 3 else None

@@ -444,7 +444,8 @@ def test_bad_options_are_one_line_before_any_model_loads(tmp_path, capsys, argv,
 
 def _lora_run(tmp: Path, method: str, source: str = "") -> tuple[Path, dict[str, torch.Tensor]]:
     """A LoRA run directory: config.toml (finetune.method, the seeded base), tokenizer.json, and a
-    final export holding the adapters (B nonzero, as after training)."""
+    final file holding the adapters (B nonzero), as ``loom checkpoint convert`` writes a LoRA
+    checkpoint (the trainer itself writes the merged model: the real run below)."""
     from safetensors.torch import save_file
 
     from loom.checkpoint.integrity import sha256_file
@@ -469,7 +470,7 @@ def _lora_run(tmp: Path, method: str, source: str = "") -> tuple[Path, dict[str,
     return run, adapters
 
 
-def test_a_lora_run_generates_with_its_adapters_on_the_base(tmp_path):
+def test_an_adapters_file_generates_with_its_adapters_on_the_base(tmp_path):
     """The LoRA source equals the merged model W + (α/r)·B A (loom.finetune.lora.merged_weight) on
     the seeded base: greedy tokens equal, logits close; QLoRA's base is NF4 again and its cached
     path equals its cache-free one."""
@@ -513,3 +514,194 @@ def test_a_lora_run_on_another_base_is_refused_naming_both_hashes(tmp_path, caps
     assert (
         rc == 2 and err.count("\n") == 1 and "ab" * 32 in err and "/old/base" in err and "seeded init" in err
     )
+
+
+# ----------------------------------------------------------------------------- a real LoRA run
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(base, run): a tiny HF Llama with its tokenizer, and 4 LoRA steps of ``loom train`` on it."""
+    import os
+    import subprocess
+    import sys
+
+    import transformers
+
+    tmp = tmp_path_factory.mktemp("lora")
+    base = tmp / "base"
+    base.mkdir()
+    tok = _tokenizer(base)
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(hf_cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(base)
+    (tmp / "data.txt").write_text("the cat sat on a mat and the dog ran to it while birds sang\n" * 300)
+    run = tmp / "run"
+    env = dict(os.environ, LOOM_CACHE_DIR=str(tmp / "cache"), PYTHONPATH=str(Path(__file__).parent.parent))
+    flags = {
+        "model.from_hf": base,
+        "finetune.method": "lora",
+        "finetune.lora_rank": 4,
+        "finetune.lora_alpha": 8,
+        "data.source": tmp / "data.txt",
+        "data.seq_len": 32,
+        "train.steps": 4,
+        "train.global_batch": 4,
+        "train.micro_batch": 4,
+        "train.lr": 0.05,
+        "train.warmup_steps": 1,
+        "train.eval_every": 0,
+        "train.checkpoint_async": "false",
+        "run.progress": "false",
+        "run.tensorboard": "false",
+        "run.dir": run,
+        "nproc": 1,
+    }
+    argv = [a for k, v in flags.items() for a in (f"--{k}", str(v))]
+    p = subprocess.run(
+        [sys.executable, "-m", "loom", "train", *argv], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return base, run
+
+
+def test_generate_on_a_lora_run_gives_the_greedy_tokens_of_transformers_plus_peft(lora_run, tmp_path, capsys):
+    """``loom train`` of a LoRA run writes the merged model with the checkpoint it came from; ``loom
+    generate --run.dir`` verifies it and gives the greedy tokens of ``transformers`` + PEFT on the
+    run's exported adapters (stopping, as they do, at the base's ``eos_token_id``)."""
+    import peft
+    import transformers
+
+    from loom.finetune.export import export_peft
+    from loom.generate.source import load_run
+
+    base, run = lora_run
+    export_peft(run, tmp_path / "adapter")
+    ref = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base), str(tmp_path / "adapter")
+    ).eval()
+    src = load_run(str(run))
+    for prompt in ("the cat", "birds sang over"):
+        rc, out, _ = _run(
+            capsys, "--run.dir", str(run), "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0"
+        )
+        ids = src.tokenizer.encode(prompt).ids
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            theirs = ref.generate(
+                input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12
+            )[0, len(ids) :].tolist()
+        assert rc == 0 and out == prompt + src.tokenizer.decode(theirs) + "\n", (out, theirs)
+    with torch.no_grad():  # the adapters changed the model
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+        x = torch.tensor([src.tokenizer.encode("the cat sat").ids])
+        assert (plain(x).logits - ref(x).logits).abs().max() > 1e-3
+
+
+def test_an_altered_merged_model_or_a_changed_base_is_refused(lora_run, tmp_path, capsys):
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    base, run = lora_run
+    other_base, other = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(base, other_base)
+    shutil.copytree(run, other)
+    toml = (other / "config.toml").read_text()
+    (other / "config.toml").write_text(toml.replace(str(base), str(other_base)))
+    weights = other / "checkpoints" / "final" / "model.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        header = f.metadata()
+    assert header["lora"] == "merged" and header["source"] == "step-00000004"
+    rc, _, err = _run(capsys, "--run.dir", str(other), "--max-new-tokens", "2", "--prompt", "a")
+    assert rc == 0, err  # the copy is the run
+    state = load_file(str(weights))
+    state["norm.weight"] = state["norm.weight"] + 1e-3
+    save_file(state, str(weights), metadata=header)
+    rc, _, err = _run(capsys, "--run.dir", str(other), "--max-new-tokens", "2", "--prompt", "a")
+    assert rc == 2 and "norm.weight differs" in err and "the merge of its adapters" in err, err
+    hf = load_file(str(other_base / "model.safetensors"))
+    hf["model.norm.weight"] = hf["model.norm.weight"] * 2
+    save_file(hf, str(other_base / "model.safetensors"), metadata={"format": "pt"})
+    rc, _, err = _run(capsys, "--run.dir", str(other), "--max-new-tokens", "2", "--prompt", "a")
+    assert rc == 2 and err.count("\n") == 1 and "trained on the base" in err and str(other_base) in err, err
+
+
+# ----------------------------------------------------------------------------- HF files
+
+
+def test_chat_template_jinja_is_read_and_preferred_as_transformers_does(tmp_path):
+    """A tokenizer directory holding only ``tokenizer.json`` + ``chat_template.jinja``: chat data and
+    generation render what ``apply_chat_template`` renders; beside a ``tokenizer_config.json``
+    template, the ``.jinja`` file wins (transformers' precedence)."""
+    import transformers
+
+    from loom.data.chat import segments, template_render
+
+    d = tmp_path / "tok"
+    d.mkdir()
+    _tokenizer(d)
+    (d / "chat_template.jinja").write_text(TEMPLATE)
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "the dog"},
+        {"role": "assistant", "content": "ran"},
+    ]
+    ref = transformers.PreTrainedTokenizerFast.from_pretrained(str(d))
+    data = template_render(str(d / "tokenizer.json"))
+    assert data is not None
+    text, spans = segments({"messages": messages}, "x", "chat", data)
+    assert text == ref.apply_chat_template(messages, tokenize=False)
+    assert [text[a:b] for a, b in spans] == ["ran\n"]
+    prompt = template_render(str(d), generation_prompt=True)
+    assert prompt is not None
+    want = ref.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert prompt(messages[:2]) == want == "[system] be brief\n[user] the dog\n[assistant] "
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 'inline' }}"}))
+    again = template_render(str(d))
+    assert again is not None and again(messages) == text
+    ref = transformers.PreTrainedTokenizerFast.from_pretrained(str(d))
+    assert ref.apply_chat_template(messages, tokenize=False) == text
+
+
+def test_generation_config_eos_ids_end_a_prompt_at_any_of_them(hf_dir, tmp_path):
+    """``generation_config.json``'s ``eos_token_id`` (a list here) ends generation at the first of
+    its ids, as ``transformers.generate`` does."""
+    import shutil
+
+    from loom.generate.run import complete
+    from loom.generate.source import load_hf
+
+    d = tmp_path / "hf"
+    shutil.copytree(hf_dir, d)
+    src = load_hf(str(d))
+    ids = src.tokenizer.encode("the cat").ids
+    free = generate_cached(src.model, [ids], GREEDY, frozenset()).tokens[0]
+    stop = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
+    unused = next(t for t in range(src.model.cfg.vocab_size) if t not in free)
+    gen = (
+        json.loads((d / "generation_config.json").read_text())
+        if (d / "generation_config.json").is_file()
+        else {}
+    )
+    (d / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": [unused, stop]}))
+    src = load_hf(str(d))
+    assert src.eos == {unused, stop}
+    done = complete(src, ["the cat"], GREEDY)
+    assert done.tokens[0] == free[: free.index(stop) + 1]
+    (d / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": stop}))
+    assert load_hf(str(d)).eos == {stop}

@@ -696,3 +696,78 @@ def test_mfu_counts_the_whole_model_under_tensor_parallelism(pools, prepared, tm
     rank's slices once made the MFU of tp2 half of what it is)."""
     one = _trainer_counts(_config(prepared, tmp_path / "one"))
     assert pools(2).run(_trainer_counts, _config(prepared, tmp_path / "tp2", tp=2)) == [one, one]
+
+
+def test_export_keeps_the_sources_config_tokenizer_and_dtype(prepared, tmp_path):
+    """A Mistral (sliding window, max_position_embeddings 128 > the training seq_len, distinct BOS,
+    EOS and pad, bf16, chat template in chat_template.jinja) trained 2 steps, then exported: it
+    loads in transformers as MistralForCausalLM with the source's config fields and special tokens,
+    apply_chat_template works, the weights are bf16 (the source's) or the --dtype asked, mode 0644."""
+    import stat
+
+    from loom.checkpoint.hf_export import export_hf
+    from loom.cli import main as cli
+    from loom.data.tokenizer import load_tokenizer
+    from loom.model.hf import apply_to
+
+    tok = load_tokenizer(prepared)
+    names = {i: tok.id_to_token(i) for i in (0, 5, 7)}
+    special = dict(bos_token_id=5, eos_token_id=0, pad_token_id=7)
+    first, _ = _save_hf(
+        tmp_path, "mistral", False, vocab_size=384, max_position_embeddings=128, sliding_window=128, **special
+    )
+    path = tmp_path / "src"
+    transformers.AutoModelForCausalLM.from_pretrained(first).to(torch.bfloat16).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(path / "tokenizer.json"),
+        bos_token=names[5],
+        eos_token=names[0],
+        pad_token=names[7],
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    )
+    fast.save_pretrained(path)
+    assert (path / "chat_template.jinja").is_file()
+    d = _config("", tmp_path / "run")
+    d["data"]["seq_len"], d["train"]["steps"] = 32, 2
+    cfg = C.from_dict(d)
+    cfg.data.prepared_dir = ""
+    apply_to(cfg, path)
+    cfg.model.from_hf = str(path)
+    cfg.train.precision = "fp32"
+    _train(C.to_dict(cfg))
+    old = os.umask(0o022)
+    try:
+        export_hf(tmp_path / "run", tmp_path / "out")
+        assert cli(["export", "hf", str(tmp_path / "run"), str(tmp_path / "out32"), "--dtype", "fp32"]) == 0
+    finally:
+        os.umask(old)
+    source = json.loads((path / "config.json").read_text())
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    for out, dtype in ((tmp_path / "out", torch.bfloat16), (tmp_path / "out32", torch.float32)):
+        model = transformers.AutoModelForCausalLM.from_pretrained(out)
+        assert type(model).__name__ == "MistralForCausalLM" and model.dtype == dtype
+        assert next(model.parameters()).dtype == dtype
+        config = json.loads((out / "config.json").read_text())
+        for field in (
+            "sliding_window",
+            "max_position_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+        ):
+            assert config[field] == source[field], field
+        assert config["max_position_embeddings"] == 128
+        got = transformers.AutoTokenizer.from_pretrained(out)
+        assert (got.bos_token, got.eos_token, got.pad_token) == (names[5], names[0], names[7])
+        assert got.pad_token_id == 7 and got.bos_token_id == 5
+        assert got.apply_chat_template(messages, tokenize=False) == fast.apply_chat_template(
+            messages, tokenize=False
+        )
+        for f in out.glob("*.safetensors"):
+            assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
+        x = torch.randint(0, 384, (1, 8), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.isfinite(model(x).logits).all()

@@ -6,7 +6,16 @@ Writes ``config.json``, ``generation_config.json``, safetensors shards of at mos
 streamed one at a time from the checkpoint reader (which assembles ZeRO, tensor and pipeline
 pieces), so peak memory is one output shard plus the largest tensor. The directory is built
 beside ``OUT_DIR`` and renamed into place when complete; an existing non-empty ``OUT_DIR`` is
-never touched.
+never touched. Files get the umask's mode (0644 under the usual 022).
+
+A run from a Hugging Face directory (``model.from_hf`` or ``train.init_from``) keeps what that
+directory says beyond the tensors: its ``config.json`` fields (architecture, e.g. Mistral with its
+``sliding_window``; ``max_position_embeddings``, not the training ``seq_len``; BOS/EOS/pad ids;
+RoPE scaling), provided its shapes are the exported model's; its ``generation_config.json``; and
+its tokenizer's ``tokenizer_config.json`` (pad and special tokens, ``model_max_length``, an inline
+chat template), ``special_tokens_map.json`` and ``chat_template.jinja``. Weights are written in
+``dtype`` (``bf16``, ``fp16``, ``fp32``; default: the source's dtype: the HF directory's
+``dtype``/``torch_dtype``, else the checkpoint's).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import save_file
 
 from loom import config as C
@@ -27,6 +37,24 @@ from loom.checkpoint.load import CheckpointReader
 from loom.model.hf import INDEX, architecture_of, hf_config, hf_tensors, hf_units, moe_export_problem
 
 PREFIX = "model."
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# config.json fields that define the tensors: the source's are carried over only if all of these agree
+SHAPE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_inner",
+)
+SAME_TENSORS = {"MistralForCausalLM": "LlamaForCausalLM"}  # a source family stored as Loom's family
 
 
 @dataclass(frozen=True)
@@ -53,8 +81,42 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list
     return shards
 
 
-def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path) -> dict[str, int]:
-    """Copy the run's ``tokenizer.json`` and describe it for ``AutoTokenizer``; returns its special ids."""
+def source_dir(cfg: C.LoomConfig) -> Path | None:
+    """The Hugging Face directory a run started from (``train.init_from`` or ``model.from_hf``), if any."""
+    for src in (cfg.train.init_from, cfg.model.from_hf):
+        if src and (Path(src) / "config.json").is_file():
+            return Path(src)
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        out = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not readable JSON ({e}); nothing was written") from None
+    return out if isinstance(out, dict) else {}
+
+
+def carried_config(ours: dict, src: Path | None) -> dict:
+    """``config.json``: Loom's description ``ours`` with every field of the source directory's
+    ``config.json`` carried over when the source describes the same tensors (module doc)."""
+    if src is None:
+        return ours
+    raw = _read_json(src / "config.json")
+    arch = (raw.get("architectures") or ["?"])[0]
+    family = SAME_TENSORS.get(arch, arch)
+    if family != ours["architectures"][0] or any(
+        f in raw and f in ours and raw[f] != ours[f] for f in SHAPE_FIELDS
+    ):
+        return ours  # the model changed shape or family since: describe what was trained
+    kept = {k: v for k, v in raw.items() if k not in ("dtype", "torch_dtype", "transformers_version")}
+    return ours | kept | {"dtype": ours["dtype"]}
+
+
+def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) -> dict[str, Any]:
+    """Copy the run's ``tokenizer.json`` and the files describing it for ``AutoTokenizer`` (its source
+    directory's, else a ``tokenizer_config.json`` of Loom's tokenizer); returns the special ids for
+    ``config.json`` (the source's where it gives them)."""
     from loom.data.tokenizer import eot_id, load_tokenizer
 
     src = next(
@@ -72,21 +134,58 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path) -> dict[str, i
     if src is None:
         return {}
     shutil.copyfile(src, tmp / "tokenizer.json")
+    tok_dir = Path(cfg.data.tokenizer).expanduser() if cfg.data.tokenizer else None
+    tok_dir = tok_dir if tok_dir is None or tok_dir.is_dir() else tok_dir.parent
+    copied = False
+    for d in (tok_dir, source_dir(cfg)):
+        if d is not None and any((d / f).is_file() for f in TOKENIZER_FILES):
+            for f in TOKENIZER_FILES:
+                if (d / f).is_file():
+                    shutil.copyfile(d / f, tmp / f)
+            if (d / "chat_templates").is_dir():
+                shutil.copytree(d / "chat_templates", tmp / "chat_templates")
+            copied = True
+            break
     tok = load_tokenizer(src)
     eot = eot_id(tok)
-    name = tok.id_to_token(eot)
-    (tmp / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": name,
-                "eos_token": name,
-                "model_max_length": cfg.data.seq_len,
-            },
-            indent=2,
+    if not copied:
+        name = tok.id_to_token(eot)
+        (tmp / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": name,  # Loom's tokenizer: <|endoftext|> opens and ends documents
+                    "eos_token": name,
+                    "model_max_length": cfg.model.max_seq_len,
+                },
+                indent=2,
+            )
         )
-    )
-    return {"bos_token_id": eot, "eos_token_id": eot}
+    special = {
+        k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None
+    }
+    return special or {"bos_token_id": eot, "eos_token_id": eot}
+
+
+def _export_dtype(requested: str | None, src: Path | None, stored: torch.dtype) -> torch.dtype:
+    """The weights' dtype: ``requested`` (bf16, fp16, fp32), else the source directory's, else ``stored``."""
+    if requested is not None:
+        if requested not in DTYPES:
+            raise CheckpointError(f"--dtype: {requested!r} is not one of {', '.join(DTYPES)}")
+        return DTYPES[requested]
+    if src is not None:
+        raw = _read_json(src / "config.json")
+        named = raw.get("dtype") or raw.get("torch_dtype")
+        if named in HF_DTYPES:
+            return HF_DTYPES[named]
+    return stored
+
+
+def _umask_mode(path: Path) -> None:
+    """Give ``path`` the mode a newly created file gets under the process umask (0644 under 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def export_hf(
@@ -95,10 +194,14 @@ def export_hf(
     max_shard_bytes: int = 5 * 10**9,
     progress: bool = False,
     wrap: Callable[[CheckpointReader], Any] | None = None,
+    dtype: str | None = None,
 ) -> Exported:
     """Write the Hugging Face directory ``out`` for the checkpoint ``source`` (see module doc).
     ``wrap``: what to read the tensors through instead of the checkpoint reader itself (a LoRA run's
-    merged weights: :class:`loom.finetune.export.MergedReader`)."""
+    merged weights: :class:`loom.finetune.export.MergedReader`); ``dtype``: bf16, fp16 or fp32
+    (None: the source's)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: exists and is not empty; choose a new directory (nothing was written)")
@@ -125,7 +228,9 @@ def export_hf(
         names = [n[len(PREFIX) :] for n in reader.names() if n.startswith(PREFIX)]
         if not names:
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")
-        size = {n: reader.dtype(PREFIX + n).itemsize * _numel(reader.global_shape(PREFIX + n)) for n in names}
+        hf_src = source_dir(cfg)
+        want = _export_dtype(dtype, hf_src, reader.dtype(PREFIX + names[0]))
+        size = {n: want.itemsize * _numel(reader.global_shape(PREFIX + n)) for n in names}
         units = hf_units(
             cfg.model, names
         )  # the Loom tensors of one HF tensor stay in one shard (GPT-2's c_attn)
@@ -140,9 +245,10 @@ def export_hf(
         bar = _bar(len(names), progress)
         for i, group in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            stream = ((n, reader.read(PREFIX + n)) for n in group)
+            stream = ((n, _cast(reader.read(PREFIX + n), want)) for n in group)
             tensors = dict(hf_tensors(cfg.model, stream))
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+            _umask_mode(tmp / file)
             _fsync(tmp / file)
             weight_map.update(dict.fromkeys(tensors, file))
             total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -152,18 +258,25 @@ def export_hf(
         (tmp / INDEX).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
-        dtype = str(reader.dtype(PREFIX + names[0])).removeprefix("torch.")
-        special = _tokenizer_files(reader.dir.parent.parent, cfg, tmp)
-        (tmp / "config.json").write_text(json.dumps(hf_config(cfg.model, dtype, special), indent=2))
-        (tmp / "generation_config.json").write_text(
-            json.dumps({"max_length": cfg.data.seq_len, **special}, indent=2)
-        )
+        config = carried_config(hf_config(cfg.model, str(want).removeprefix("torch.")), hf_src)
+        special = _tokenizer_files(reader.dir.parent.parent, cfg, tmp, config)
+        config |= special
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if hf_src is not None and (hf_src / "generation_config.json").is_file():
+            shutil.copyfile(hf_src / "generation_config.json", tmp / "generation_config.json")
+        else:
+            (tmp / "generation_config.json").write_text(json.dumps(special, indent=2))
         fsync_dir(tmp)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)
         fsync_dir(out.parent)
         return Exported(out, reader.dir, reader.step, len(shards), len(weight_map), total)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Floating-point tensors in the export's dtype; others (integer buffers) as they are."""
+    return t.to(dtype) if t.is_floating_point() else t
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -208,13 +321,29 @@ def pop_shard_size(args: list[str]) -> int:
     return size
 
 
+def pop_dtype(args: list[str]) -> str | None:
+    """``--dtype bf16|fp16|fp32`` taken out of ``args`` (in place); None when absent (the source's)."""
+    if "--dtype" not in args:
+        return None
+    i = args.index("--dtype")
+    if i + 1 >= len(args) or args[i + 1] not in DTYPES:
+        got = repr(args[i + 1]) if i + 1 < len(args) else "a missing value"
+        raise CheckpointError(f"--dtype: {got} is not one of {', '.join(DTYPES)}")
+    value = args[i + 1]
+    del args[i : i + 2]
+    return value
+
+
 def main(argv: list[str]) -> int:
-    """``loom export hf RUN_OR_CHECKPOINT OUT_DIR [--max-shard-size 5GB]``."""
+    """``loom export hf RUN_OR_CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]``."""
     args = list(argv)
     size = pop_shard_size(args)
+    dtype = pop_dtype(args)
     if len(args) != 3 or args[0] != "hf":
-        raise CheckpointError("usage: loom export hf RUN_DIR_OR_CHECKPOINT OUT_DIR [--max-shard-size 5GB]")
-    done = export_hf(args[1], args[2], size, progress=True)
+        raise CheckpointError(
+            "usage: loom export hf RUN_DIR_OR_CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]"
+        )
+    done = export_hf(args[1], args[2], size, progress=True, dtype=dtype)
     print(
         f"wrote {done.out}: {done.tensors} tensors in {done.shards} shard(s), {done.total_bytes / 1e6:.1f} MB, "
         f"from {done.checkpoint} (step {done.step})"

@@ -1,8 +1,10 @@
 """Chat and instruction examples: read records, render them as text, mark the tokens trained on.
 
 ``data.format = "chat"``: records hold ``messages``, a list of ``{role, content}``; they are rendered
-with the tokenizer directory's chat template (``chat_template`` of ``tokenizer_config.json``,
-a Jinja template rendered in a sandbox as ``transformers`` does), or, without one, the built-in
+with the tokenizer directory's chat template (``chat_template.jinja``, where ``transformers``'
+``save_pretrained`` writes it, which ``transformers`` prefers to ``chat_template`` of
+``tokenizer_config.json``; a Jinja template rendered in a sandbox as ``transformers`` does, the
+special tokens of ``tokenizer_config.json`` in scope), or, without one, the built-in
 ``<|role|>\\ncontent\\n`` per message. ``data.format = "prompt_completion"``: records hold ``prompt`` and
 ``completion``, rendered as their concatenation.
 
@@ -39,18 +41,28 @@ def builtin_render(messages: list[dict[str, str]]) -> str:
 
 
 def template_render(tokenizer_path: str, generation_prompt: bool = False) -> Render | None:
-    """The chat template of the tokenizer directory's ``tokenizer_config.json`` as a render function,
-    or None when the directory has no template; ``generation_prompt``: end with the template's
-    opening of an assistant turn (``add_generation_prompt``, for generation)."""
+    """The chat template of the tokenizer directory (module doc: ``chat_template.jinja``, else
+    ``tokenizer_config.json``'s ``chat_template``) as a render function, or None when the directory
+    has no template; ``generation_prompt``: end with the template's opening of an assistant turn
+    (``add_generation_prompt``, for generation)."""
     p = Path(tokenizer_path).expanduser()
-    cfg_path = (p if p.is_dir() else p.parent) / "tokenizer_config.json"
-    if not cfg_path.is_file():
-        return None
-    try:
-        tcfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"data.tokenizer: {cfg_path} is not valid JSON ({e})") from None
-    template = tcfg.get("chat_template") if isinstance(tcfg, dict) else None
+    d = p if p.is_dir() else p.parent
+    cfg_path, jinja = d / "tokenizer_config.json", d / "chat_template.jinja"
+    tcfg: Any = {}
+    if cfg_path.is_file():
+        try:
+            tcfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"data.tokenizer: {cfg_path} is not valid JSON ({e})") from None
+    tcfg = tcfg if isinstance(tcfg, dict) else {}
+    if jinja.is_file():
+        try:
+            template: Any = jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"data.tokenizer: {jinja} is not UTF-8 text ({e})") from None
+        where = jinja
+    else:
+        template, where = tcfg.get("chat_template"), cfg_path
     if isinstance(template, list):  # named templates: the default one
         template = next(
             (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
@@ -62,7 +74,7 @@ def template_render(tokenizer_path: str, generation_prompt: bool = False) -> Ren
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise ConfigError(
-            f"data.tokenizer: {cfg_path} has a chat template; rendering it needs jinja2 (pip install jinja2)"
+            f"data.tokenizer: {where} has a chat template; rendering it needs jinja2 (pip install jinja2)"
         ) from None
 
     def raise_exception(message: str) -> None:
@@ -73,7 +85,7 @@ def template_render(tokenizer_path: str, generation_prompt: bool = False) -> Ren
     try:
         compiled = env.from_string(template)
     except TemplateError as e:
-        raise ConfigError(f"data.tokenizer: the chat template of {cfg_path} does not compile ({e})") from None
+        raise ConfigError(f"data.tokenizer: the chat template of {where} does not compile ({e})") from None
     special = {k: _token_text(tcfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
 
     def render(messages: list[dict[str, str]]) -> str:

@@ -209,21 +209,23 @@ def merged_state(source: str | Path) -> tuple[C.LoomConfig, dict[str, torch.Tens
 
 
 def main(argv: list[str]) -> int:
-    """``loom export peft RUN OUT`` and ``loom export hf RUN OUT --merge-lora [--max-shard-size 5GB]``."""
-    from loom.checkpoint.hf_export import export_hf, pop_shard_size
+    """``loom export peft RUN OUT`` and ``loom export hf RUN OUT --merge-lora [--max-shard-size 5GB]
+    [--dtype bf16|fp16|fp32]``."""
+    from loom.checkpoint.hf_export import export_hf, pop_dtype, pop_shard_size
 
     args = [a for a in argv if a != "--merge-lora"]
     size = pop_shard_size(args)
+    dtype = pop_dtype(args)
     if len(args) != 3 or args[0] not in ("hf", "peft") or (args[0] == "peft") == ("--merge-lora" in argv):
         raise CheckpointError(
             "usage: loom export peft RUN_DIR_OR_CHECKPOINT OUT_DIR | loom export hf RUN_DIR_OR_CHECKPOINT "
-            "OUT_DIR --merge-lora [--max-shard-size 5GB]"
+            "OUT_DIR --merge-lora [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]"
         )
     if args[0] == "peft":
         out = export_peft(args[1], args[2])
         print(f"wrote {out}: {ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}")
         return 0
-    done = export_hf(args[1], args[2], size, progress=True, wrap=MergedReader)
+    done = export_hf(args[1], args[2], size, progress=True, wrap=MergedReader, dtype=dtype)
     print(
         f"wrote {done.out}: {done.tensors} tensors (LoRA merged) in {done.shards} shard(s), "
         f"{done.total_bytes / 1e6:.1f} MB, from {done.checkpoint} (step {done.step})"
@@ -233,14 +235,20 @@ def main(argv: list[str]) -> int:
 
 def save_merged(source: str | Path, path: str | Path) -> None:
     """The merged model of a LoRA checkpoint as one safetensors file of Loom names (what a full run's
-    ``checkpoints/final/model.safetensors`` holds, for ``loom generate``); written atomically."""
+    ``checkpoints/final/model.safetensors`` holds, for ``loom generate``); written atomically. Its
+    header names the checkpoint (``source``: its tag, ``step``) and says ``lora = merged``, so
+    :func:`loom.generate.source.verify_final` can recompute the merge from that verified checkpoint
+    and the base it records, and refuse a file that differs."""
     import os
 
     from safetensors.torch import save_file
 
+    with CheckpointReader(source) as reader:
+        tag, step = reader.dir.name, reader.step
     _, state = merged_state(source)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"lora": "merged"})
+    meta = {"lora": "merged", "source": tag, "step": str(step)}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=meta)
     os.replace(tmp, path)

@@ -4,11 +4,17 @@ A Loom run directory (config.toml + tokenizer.json + the final weights, verified
 ``checkpoints/final/model.safetensors`` must have the SHA-256 ``final/meta.json`` records, if it
 records one; else, as an export of the run's last checkpoint (its header names it), that
 checkpoint is verified against its manifest (and the hash ``latest`` recorded) and every tensor of
-the file must equal it), or a local Hugging Face model directory (loom.model.hf).
+the file must equal it; a LoRA run's file is the merged model (header ``lora = merged``): it must
+equal the merge of that checkpoint's adapters on the base, whose SHA-256 must be the one the
+checkpoint recorded), or a local Hugging Face model directory (loom.model.hf).
 
-Chat prompts are rendered as the chat data was (loom.data.chat): the template of the tokenizer's
-``tokenizer_config.json`` with its generation prompt, or the built-in ``<|role|>\\ncontent\\n``
-turns followed by ``<|assistant|>\\n``.
+End-of-text ids: ``generation_config.json``'s ``eos_token_id`` (an id or a list: any of them ends a
+prompt), else ``config.json``'s, of the Hugging Face directory (a run's: its ``model.from_hf``), else
+the tokenizer's end-of-document token.
+
+Chat prompts are rendered as the chat data was (loom.data.chat): the tokenizer directory's template
+(``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``) with its generation
+prompt, or the built-in ``<|role|>\\ncontent\\n`` turns followed by ``<|assistant|>\\n``.
 """
 
 from __future__ import annotations
@@ -78,6 +84,18 @@ def end_ids(tok: Tokenizer, configured: object = None) -> frozenset[int]:
     return frozenset(next(([i] for i in found if i is not None), []))
 
 
+def generation_eos(hf_dir: Path) -> object:
+    """The end-of-text ids of a Hugging Face directory as ``transformers.generate`` takes them:
+    ``generation_config.json``'s ``eos_token_id`` (an id or a list), else ``config.json``'s."""
+    for name in ("generation_config.json", "config.json"):
+        f = hf_dir / name
+        if f.is_file():
+            value = read_json(f).get("eos_token_id")
+            if value is not None and value != []:
+                return value
+    return None
+
+
 def load_run(run_dir: str) -> Source:
     """The final model of a run written by ``loom train``, verified (module doc)."""
     if not run_dir.strip():
@@ -98,17 +116,19 @@ def load_run(run_dir: str) -> Source:
             "records its vocabulary"
         )
     tok = load_tokenizer(d / "tokenizer.json")
-    verify_final(d, weights)
-    if cfg.finetune.method != "full":
+    merged = verify_final(d, weights, cfg)
+    if cfg.finetune.method != "full" and not merged:  # a file of adapters (loom checkpoint convert)
         model = load_lora(cfg, d, weights)
-    else:
+    else:  # a full run's model, or a LoRA run's merged one (W + (α/r)·B A, as the trainer writes it)
         model = Transformer(cfg.model, cfg.moe)
         try:
             load_model(model, weights)
         except ValueError as e:  # tensors missing or of another shape: config.toml and the weights disagree
             raise CheckpointError(f"{e} (does {d / 'config.toml'} belong to this run?)") from None
     template = cfg.data.tokenizer or None  # the chat data's template came from there (loom.data.prepare)
-    return Source(model.eval(), tok, end_ids(tok), template, f"run {d}")
+    base = cfg.train.init_from or cfg.model.from_hf
+    configured = generation_eos(Path(base)) if base and (Path(base) / "config.json").is_file() else None
+    return Source(model.eval(), tok, end_ids(tok, configured), template, f"run {d}")
 
 
 @torch.no_grad()
@@ -119,18 +139,10 @@ def load_lora(cfg: C.LoomConfig, run_dir: Path, weights: Path) -> Transformer:
     as it was trained. Generation then runs the adapters as training did, unmerged."""
     from safetensors.torch import load_file
 
-    from loom.finetune.base import base_identity
     from loom.finetune.export import base_tensors
     from loom.finetune.lora import LoRALinear, apply_lora, is_adapter, quantize_base
 
-    recorded = _recorded_base(run_dir, weights)
-    now = base_identity(cfg) or {}
-    if recorded is not None and recorded.get("sha256") != now.get("sha256"):
-        raise C.ConfigError(
-            f"finetune: {run_dir} holds LoRA adapters trained on the base {recorded.get('path')} "
-            f"(sha256 {recorded.get('sha256')}), but that base is now {now.get('path')} (sha256 "
-            f"{now.get('sha256')}); generate from the base it was trained on"
-        )
+    _check_base(cfg, run_dir, _recorded_base(run_dir, weights))
     model = Transformer(cfg.model, cfg.moe)
     apply_lora(model, targets=C.lora_targets(cfg), finetune=cfg.finetune)
     for mod in model.modules():
@@ -159,6 +171,19 @@ def load_lora(cfg: C.LoomConfig, run_dir: Path, weights: Path) -> Transformer:
     return model
 
 
+def _check_base(cfg: C.LoomConfig, run_dir: Path, recorded: dict | None) -> None:
+    """Refuse a LoRA run whose base (``recorded`` by its checkpoint) has another SHA-256 now."""
+    from loom.finetune.base import base_identity
+
+    now = base_identity(cfg) or {}
+    if recorded is not None and recorded.get("sha256") != now.get("sha256"):
+        raise C.ConfigError(
+            f"finetune: {run_dir} holds LoRA adapters trained on the base {recorded.get('path')} "
+            f"(sha256 {recorded.get('sha256')}), but that base is now {now.get('path')} (sha256 "
+            f"{now.get('sha256')}); generate from the base it was trained on"
+        )
+
+
 def _recorded_base(run_dir: Path, weights: Path) -> dict | None:
     """The base identity the checkpoint ``weights`` was exported from records (None: not found)."""
     from safetensors import safe_open
@@ -185,22 +210,30 @@ def load_hf(path: str) -> Source:
     return Source(
         model.eval(),
         tok,
-        end_ids(tok, hf.raw.get("eos_token_id")),
+        end_ids(tok, generation_eos(hf.dir)),
         str(hf.dir),
         f"Hugging Face model {hf.dir}",
     )
 
 
-def verify_final(run_dir: Path, weights: Path) -> None:
+def verify_final(run_dir: Path, weights: Path, cfg: C.LoomConfig | None = None) -> bool:
     """Refuse ``weights`` unless it has the SHA-256 its ``meta.json`` records, or (when none is
     recorded) equals the model tensors of the verified checkpoint it was exported from (named in
-    its safetensors header, under ``run_dir/checkpoints``)."""
+    its safetensors header, under ``run_dir/checkpoints``); a LoRA run's merged file (header
+    ``lora = merged``) must equal the merge of that checkpoint's adapters on the base it records,
+    which must still have the recorded SHA-256. Returns whether the file is such a merged model."""
     from safetensors import safe_open
 
     from loom.checkpoint.integrity import sha256_file
     from loom.checkpoint.load import CheckpointReader
 
     check_header(weights)
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            header = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error type for a damaged header or body
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({e})") from None
+    merged = header.get("lora") == "merged"
     meta = weights.parent / "meta.json"
     recorded = read_json(meta).get("sha256") if meta.is_file() else None
     if recorded:
@@ -208,12 +241,12 @@ def verify_final(run_dir: Path, weights: Path) -> None:
             raise CheckpointError(
                 f"{weights}: content altered (its SHA-256 differs from the one recorded in {meta})"
             )
-        return
+        return merged
+    source = header.get("source", "")
     try:
         with safe_open(str(weights), framework="pt") as f:
-            source = (f.metadata() or {}).get("source", "")
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
-    except Exception as e:  # safetensors raises its own error type for a damaged header or body
+    except Exception as e:
         raise CheckpointError(f"{weights}: not a readable safetensors file ({e})") from None
     root = run_dir / "checkpoints"
     ckpt = root / source
@@ -228,16 +261,28 @@ def verify_final(run_dir: Path, weights: Path) -> None:
         if latest.get("tag") == source:
             expect = str(latest.get("manifest_sha256") or "") or None
     with CheckpointReader(ckpt, manifest_sha=expect) as reader:
-        names = {n[len(PREFIX) :] for n in reader.names() if n.startswith(PREFIX)}
+        if merged:
+            if cfg is not None:
+                _check_base(cfg, run_dir, reader.train_state.get("finetune_base"))
+            from loom.finetune.export import MergedReader
+
+            view = MergedReader(reader)
+            names = {n[len(PREFIX) :] for n in view.names()}
+            read = view.read
+        else:
+            names = {n[len(PREFIX) :] for n in reader.names() if n.startswith(PREFIX)}
+            read = reader.read
         if names != set(tensors):
             extra, missing = sorted(set(tensors) - names)[:3], sorted(names - set(tensors))[:3]
             raise CheckpointError(
                 f"{weights}: its tensors differ from {ckpt}'s (extra {extra}, missing {missing}); "
                 "the file was altered"
             )
+        what = "the merge of its adapters on the base" if merged else ""
         for name, t in tensors.items():
-            if not torch.equal(t, reader.read(PREFIX + name)):
+            if not torch.equal(t, read(PREFIX + name)):
                 raise CheckpointError(
-                    f"{weights}: tensor {name} differs from {ckpt}, which it was exported from "
-                    "(the file was altered)"
+                    f"{weights}: tensor {name} differs from {ckpt}{' (' + what + ')' if what else ''}, "
+                    "which it was exported from (the file was altered)"
                 )
+    return merged
