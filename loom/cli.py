@@ -26,6 +26,8 @@ commands:
              --schedule 1f1b [--v 2] [--out file.png]; prints its bubble beside the formula
   config     print the resolved config as TOML (--reference: every field with its doc)
   plan       predict memory and speed of layouts and pick the best (see loom plan --help)
+  compare    RUN_A RUN_B [--tol T] [--plot OUT.png]: two runs' loss and grad_norm step by step, the
+             first step they differ by more than T (default 0); exit 1 if they differ
   checkpoint convert RUN_DIR_OR_CHECKPOINT OUT.safetensors
              export a consolidated single-file model from a checkpoint of any layout
   export hf  RUN_DIR_OR_CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--merge-lora] [--dtype bf16|fp16|fp32]
@@ -483,6 +485,15 @@ def cmd_schedule(argv: list[str]) -> int:
 COMMANDS["schedule"] = cmd_schedule
 
 
+def cmd_compare(argv: list[str]) -> int:
+    from loom.train.compare import main as compare_main
+
+    return compare_main(argv)
+
+
+COMMANDS["compare"] = cmd_compare
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -497,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return COMMANDS[cmd](rest)
+    except KeyboardInterrupt:  # Ctrl-C outside training (the trainer stops at a step and saves)
+        print("loom: interrupted by SIGINT", file=sys.stderr)
+        return 128 + 2
     except Exception as e:
         line = error_line(e)
         if line is None:

@@ -22,13 +22,20 @@ A stopped rank (SIGSTOP, a frozen node) does not delay the end of the job: the e
 its workers to stop with SIGTERM and waits 30 s before SIGKILL, and a stopped process cannot act
 on SIGTERM; Loom's launcher kills a worker that is stopped with a termination signal pending at
 once (:class:`StoppedWorkerReaper`).
+
+Preemption and Ctrl-C: SIGTERM or SIGINT reaches the launcher (which forwards it to every rank and
+waits ``run.preempt_grace_s`` before SIGKILL) or the ranks themselves; the ranks agree on a step,
+save it and exit (:class:`loom.train.trainer.StopRequest`), and the launcher prints one line
+(:func:`stop_line`) naming the step saved and exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -229,7 +236,7 @@ def _worker(cfg_dict: dict[str, Any]) -> dict[str, float] | None:
 
 
 def _run_rank(cfg_dict: dict[str, Any], run) -> dict[str, float]:
-    return run(C.from_dict(cfg_dict))
+    return run(C.from_dict(cfg_dict), exit_on_signal=True)
 
 
 def _set_launch_env(master_addr: str) -> None:
@@ -358,6 +365,7 @@ def launch_config(cfg: C.LoomConfig, nproc: int, max_restarts: int, nodes: Nodes
         rdzv_configs={"timeout": int(cfg.run.timeout_s), "is_host": is_host},
         max_restarts=max_restarts,
         monitor_interval=0.1,
+        shutdown_timeout=math.ceil(cfg.run.preempt_grace_s),  # SIGTERM/SIGINT to SIGKILL: time to save
         start_method="spawn",
         local_addr=local_addr,
     )
@@ -438,16 +446,72 @@ def launch(
     # the agent logs each failed rank's traceback; Loom reports them in one line (tracebacks to files)
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    # "Received N death signal, shutting down workers": the one line of stop_line says it
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
     reaper = StoppedWorkerReaper()
     try:
         return elastic_launch(lc, _worker)(C.to_dict(cfg))
     except ChildFailedError as e:
+        if (record := stopped_record(Path(cfg.run.dir))) is not None:  # the ranks' exit after a signal
+            raise Stopped(stop_line(Path(cfg.run.dir)), _stop_code(record)) from None
         raise SystemExit(failure_line(e.failures, Path(cfg.run.dir))) from None
     except (KeyboardInterrupt, SignalException) as e:
-        sig = signal.Signals(e.sigval).name if isinstance(e, SignalException) else "SIGINT"
-        raise SystemExit(f"loom: interrupted by {sig}; all ranks stopped") from None
+        sig = signal.Signals(e.sigval) if isinstance(e, SignalException) else signal.SIGINT
+        raise Stopped(stop_line(Path(cfg.run.dir), sig), 128 + sig) from None
     finally:
         reaper.close()
+
+
+class Stopped(SystemExit):
+    """The end of a run stopped by SIGTERM/SIGINT: :attr:`line` for stderr, exit code 128 + signal."""
+
+    def __init__(self, line: str, code: int) -> None:
+        super().__init__(code)
+        self.line = line
+
+
+def stopped_record(run_dir: Path) -> dict | None:
+    """What the ranks saved when a signal stopped them (``run.dir/stopped.json``), or None."""
+    from loom.train.trainer import STOPPED
+
+    try:
+        record = json.loads((Path(run_dir) / STOPPED).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
+def stop_line(run_dir: Path, sig: signal.Signals | None = None) -> str:
+    """The one line of a run stopped by a signal: the step its ranks saved, or that none was saved."""
+    record = stopped_record(run_dir)
+    if record is None:
+        name = sig.name if sig is not None else "a signal"
+        return f"loom: interrupted by {name} before a step could be saved; all ranks stopped"
+    return (
+        f"loom: stopped by {record.get('signal', 'a signal')} after step {record['step']}: checkpoint "
+        f"{record.get('checkpoint')} saved; run the same command to resume"
+    )
+
+
+def _clear_stopped(run_dir: str) -> None:
+    from loom.train.trainer import STOPPED
+
+    with contextlib.suppress(OSError):
+        (Path(run_dir) / STOPPED).unlink()
+
+
+def _finish(run_dir: str) -> int:
+    """After the ranks returned: 0, or the line and 128 + signal when a signal stopped them."""
+    record = stopped_record(Path(run_dir))
+    if record is None:
+        return 0
+    sys.stdout.flush()
+    print(stop_line(Path(run_dir)), file=sys.stderr, flush=True)
+    return _stop_code(record)
+
+
+def _stop_code(record: dict) -> int:
+    return 128 + int(getattr(signal, str(record.get("signal")), signal.SIGTERM))
 
 
 # Loom's own errors: their message already names the field or file, so no class name or traceback
@@ -528,22 +592,34 @@ def main_train(cfg: C.LoomConfig, max_restarts: int = 0, nodes: Nodes | None = N
     """
     from loom.train.run_lock import RunLock
 
+    if cfg.run.preempt_grace_s < 0:
+        raise C.ConfigError(f"run.preempt_grace_s: must be >= 0, got {cfg.run.preempt_grace_s}")
     if under_external_launcher():
         from loom.train.trainer import run
 
         if (warning := torchrun_restart_warning(dict(os.environ))) is not None:
             print(warning, file=sys.stderr, flush=True)
         _host_rank_store()  # a loopback job under torchrun: rank 0's store on loopback too
-        if int(os.environ["RANK"]) == 0:  # one owner of run.dir for the whole job
-            with RunLock(cfg.run.dir):
-                run(cfg)
-        else:
-            run(cfg)
+        if int(os.environ["RANK"]) != 0:
+            run(cfg, exit_on_signal=True)
+            return 0
+        with RunLock(cfg.run.dir):  # one owner of run.dir for the whole job
+            _clear_stopped(cfg.run.dir)
+            try:
+                run(cfg, exit_on_signal=True)
+            finally:  # rank 0 says where a signal stopped the job
+                if stopped_record(Path(cfg.run.dir)) is not None:
+                    print(stop_line(Path(cfg.run.dir)), file=sys.stderr, flush=True)
         return 0
-    if nodes is not None and nodes.node_rank != 0:  # node 0 owns run.dir for the job
-        return _train_locally(cfg, max_restarts, nodes)
-    with RunLock(cfg.run.dir):  # held by this process while the ranks it starts run
-        return _train_locally(cfg, max_restarts, nodes)
+    try:
+        if nodes is not None and nodes.node_rank != 0:  # node 0 owns run.dir for the job
+            return _train_locally(cfg, max_restarts, nodes)
+        with RunLock(cfg.run.dir):  # held by this process while the ranks it starts run
+            _clear_stopped(cfg.run.dir)
+            return _train_locally(cfg, max_restarts, nodes)
+    except Stopped as e:
+        print(e.line, file=sys.stderr, flush=True)
+        return int(e.code or 1)
 
 
 def _train_locally(cfg: C.LoomConfig, max_restarts: int, nodes: Nodes | None = None) -> int:
@@ -564,12 +640,19 @@ def _train_locally(cfg: C.LoomConfig, max_restarts: int, nodes: Nodes | None = N
             )
         launch(cfg, cfg.run.nproc, max_restarts, nodes)
         sys.stdout.flush()
-        return 0
+        return _finish(cfg.run.dir) if nodes.node_rank == 0 else 0
     if world == 1 and max_restarts == 0:
         from loom.train.trainer import run
 
-        run(cfg)
-        return 0
+        try:
+            run(cfg)
+        except KeyboardInterrupt:  # before the trainer's handler was installed
+            raise Stopped(stop_line(Path(cfg.run.dir), signal.SIGINT), 128 + signal.SIGINT) from None
+        except SystemExit as e:  # the trainer's exit for a signal before training: 128 + its number
+            if not isinstance(e.code, int) or e.code - 128 not in (signal.SIGINT, signal.SIGTERM):
+                raise
+            raise Stopped(stop_line(Path(cfg.run.dir), signal.Signals(e.code - 128)), e.code) from None
+        return _finish(cfg.run.dir)
     launch(cfg, world, max_restarts)
     sys.stdout.flush()
-    return 0
+    return _finish(cfg.run.dir)

@@ -293,6 +293,7 @@ class RunConfig:
     master_addr: str = "127.0.0.1"  # rendezvous address; loopback unless you mean multi-node
     master_port: int = 0  # rendezvous port; 0 = pick a free one
     threads: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks
+    preempt_grace_s: float = 60.0  # SIGTERM/SIGINT: seconds to save the current step and exit (then killed)
 
 
 MoEScore = Literal["softmax", "sigmoid"]  # moe.score

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -56,12 +58,55 @@ from loom.train.step import scaler_stats, train_step
 
 log = logging.getLogger("loom")
 
+STOPPED = "stopped.json"  # run.dir: the step a SIGTERM/SIGINT stopped the run at (read by loom.launch)
+
+
+class StopRequest:
+    """SIGTERM and SIGINT (preemption, Ctrl-C) on this rank. During training (:attr:`deferred`) the
+    handler only notes the signal; the loop asks :meth:`agreed` at each step boundary, one all-reduce
+    (MAX) of a one-number CPU tensor on the gloo control group, so every rank stops after the same
+    step, however far apart the signal reached them, and none waits on the device for it. Before
+    training (setup) a signal interrupts at once (``KeyboardInterrupt``): there is no new step to save."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.deferred = False
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # Python handles signals there only
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        first = not self.signum
+        self.signum = self.signum or signum
+        if first and not self.deferred:
+            raise KeyboardInterrupt
+
+    def agreed(self, group, world: int) -> int:
+        """The signal any rank has received (the largest number), 0 if none; every rank calls it at the
+        same step boundary and gets the same answer."""
+        flag = torch.tensor([float(self.signum)])
+        if world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return int(flag.item())
+
 
 class Trainer:
     """Holds the pieces of one run; :meth:`fit` is the loop."""
 
-    def __init__(self, cfg: C.LoomConfig, env: RankEnv) -> None:
+    def __init__(self, cfg: C.LoomConfig, env: RankEnv, stop: StopRequest | None = None) -> None:
         self.cfg, self.env = cfg, env
+        self.stop = stop  # None: signals keep their default action (dedicated parameter servers)
+        self.stopped: tuple[int, int] | None = None  # (step, signal) once a signal stopped the loop
         self.device = init_process_group(cfg, env)
         C.validate(cfg, env.world)
         self.mesh = build_mesh(
@@ -120,6 +165,7 @@ class Trainer:
             check_same_data(self.run_dir, self.data_identity)
         if self.is_main:  # rows an earlier attempt wrote past the checkpoint it resumes from
             truncate_metrics(self.run_dir, self.start_step)
+            (self.run_dir / STOPPED).unlink(missing_ok=True)
         self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.run.tensorboard)
         if self.is_main:
             self._write_run_files()
@@ -171,6 +217,8 @@ class Trainer:
         synchronize(self.device)
         reset_peak_memory(self.device)
         window_t, window_steps = time.perf_counter(), 0
+        if self.stop is not None:
+            self.stop.deferred = True  # from here a signal stops the loop at the next step boundary
         for step in range(self.start_step, c.steps):
             self.heartbeat.set(step + 1, "train step")
             lr = lr_at(step, c)
@@ -227,17 +275,44 @@ class Trainer:
             if c.checkpoint_every and done % c.checkpoint_every == 0 and done < c.steps:
                 self.heartbeat.set(done, "checkpoint save")
                 self.ckpts.save(done, blocking=not c.checkpoint_async)
+            if (
+                self.stop is not None
+                and done < c.steps
+                and (sig := self.stop.agreed(self.control, self.env.world))
+            ):
+                self.stopped = (done, sig)  # every rank: the same step and signal
+                break
             if self._time_up(start):
                 if self.is_main:
                     bar.write(f"train.time_limit_s reached after step {step + 1}; stopping")
                 break
         bar.close()
+        if self.stopped is not None:
+            return self._save_stopped(*self.stopped, last)
         if self.moe_report is not None and self.is_main:
             self.moe_report.heatmap(self.run_dir / "moe_load.png")
         self.heartbeat.set(done, "final save")
         self.ckpts.finish(done)
         self.save_final(done, last)
         self.metrics.close()
+        return last
+
+    def _save_stopped(self, step: int, signum: int, last: dict[str, float]) -> dict[str, float]:
+        """Save ``step`` (no export: the run is not finished), record it for the launcher's one line
+        (``run.dir/stopped.json``), and return; the launcher's line is the only output."""
+        self.heartbeat.set(step, "stop save")
+        quiet, level = logging.getLogger("loom"), logging.getLogger("loom").level
+        quiet.setLevel(logging.WARNING)
+        try:
+            path = self.ckpts.finish(step)
+        finally:
+            quiet.setLevel(level)
+        self.metrics.close()
+        if self.is_main:
+            record = {"step": step, "signal": signal.Signals(signum).name, "checkpoint": str(path)}
+            write_json_atomic(self.run_dir / STOPPED, record)
+        if self.env.world > 1:
+            dist.barrier(group=self.control)  # the record exists before any rank returns
         return last
 
     def save_final(self, step: int, last: dict[str, float]) -> None:
@@ -283,19 +358,34 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
 
 
-def run(cfg: C.LoomConfig) -> dict[str, float]:
-    """Train on this rank; tears the process group down on the way out."""
+def run(cfg: C.LoomConfig, exit_on_signal: bool = False) -> dict[str, float]:
+    """Train on this rank; tears the process group down on the way out. ``exit_on_signal`` (a rank
+    under a launcher): once a signal's step is saved every rank ends with ``SystemExit(128 + signal)``,
+    quietly, instead of returning (a launcher that got the signal is shutting down and reads no
+    result, and the elastic agent's worker would wait for it to; one that did not sees the exit
+    code and names the saved step)."""
     env = RankEnv.from_environ()
     setup_logging(env.rank)
     trainer = None
+    # dedicated parameter servers do not take part in the trainer's steps: no agreed stop (yet)
+    stop = StopRequest() if not C.ps_servers(cfg) else None
+    if stop is not None:
+        stop.install()
     try:
         if env.rank >= env.world - C.ps_servers(cfg):  # a dedicated parameter-server rank: the last ps_shards
             from loom.train.ps_run import serve
 
             return serve(cfg, env)
-        trainer = Trainer(cfg, env)
-        return trainer.fit()
+        trainer = Trainer(cfg, env, stop)
+        last = trainer.fit()
+        if exit_on_signal and trainer.stopped is not None:
+            raise SystemExit(128 + trainer.stopped[1])
+        return last
+    except KeyboardInterrupt:  # a signal before training: nothing to save; the launcher says so
+        raise SystemExit(128 + (stop.signum if stop is not None and stop.signum else signal.SIGINT)) from None
     except Exception as e:
+        if stop is not None and stop.signum:  # a peer interrupted before this rank: not a failure to report
+            raise SystemExit(128 + stop.signum) from None
         if env.world > 1 and is_comm_failure(e):
             msg = diagnose(e, Path(cfg.run.dir), env.rank, env.world, cfg.run.timeout_s)
             log.error("%s", msg)
@@ -306,3 +396,5 @@ def run(cfg: C.LoomConfig) -> dict[str, float]:
             trainer.heartbeat.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if stop is not None:
+            stop.restore()

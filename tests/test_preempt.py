@@ -1,0 +1,194 @@
+"""Preemption and Ctrl-C (issue 36, item 4): SIGTERM or SIGINT stops every rank after the same step,
+saves it (even with ``train.checkpoint_every = 0``) and ends with one line; resuming from that
+checkpoint gives the losses of an uninterrupted run, bit for bit.
+
+The jobs are ``python -m loom train`` subprocesses (the elastic launcher for 2 ranks, the trainer in
+the CLI's process for 1), in their own session so that "Ctrl-C" is SIGINT to the whole process group
+as a terminal sends it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from loom import config as C
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 12
+OVERRIDES = {
+    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
+    "data": {"seq_len": 64, "vocab_size": 512, "max_corpus_mb": 0.3},
+    "train": {
+        "steps": STEPS,
+        "global_batch": 8,
+        "micro_batch": 2,
+        "warmup_steps": 2,
+        "log_every": 1,
+        "eval_every": 0,
+        "checkpoint_every": 0,
+    },
+    "run": {"progress": False, "tensorboard": False, "threads": 1, "nproc": 2},
+}
+# rank 0's INFO lines at start-up, before any step (the interruption's output is what follows them)
+STARTUP = ("[rank 0] model ", "[rank 0] MFU peak")
+
+
+@pytest.fixture(scope="module")
+def base_cfg(tmp_path_factory) -> dict:
+    from loom.data import prepare_data
+
+    cfg = C.from_dict(json.loads(json.dumps(OVERRIDES)))
+    os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    prepared = prepare_data(cfg.data, progress=False)
+    out = json.loads(json.dumps(OVERRIDES))
+    out["data"]["prepared_dir"] = str(prepared.dir)
+    return out
+
+
+def _with(cfg: dict, **sections) -> dict:
+    out = json.loads(json.dumps(cfg))
+    for section, table in sections.items():
+        out.setdefault(section, {}).update(table)
+    return out
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _losses(rows: list[dict]) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in rows]
+
+
+class Job:
+    """``python -m loom train`` in its own session; stdout and stderr collected apart."""
+
+    def __init__(self, cfg: dict) -> None:
+        args = [f"--{s}.{k}={v}" for s, table in cfg.items() for k, v in table.items()]
+        self.run_dir = Path(cfg["run"]["dir"])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "loom", "train", *args],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(s, dest), daemon=True)
+            for s, dest in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
+        for t in self._readers:
+            t.start()
+
+    @staticmethod
+    def _read(stream, dest: list[str]) -> None:
+        for line in stream:
+            dest.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        return "\n".join(self.out + ["--- stderr"] + self.err)
+
+    def wait_for_step(self, step: int, timeout: float = 60) -> None:
+        end = time.monotonic() + timeout
+        path = self.run_dir / "metrics.jsonl"
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, f"job ended before step {step}:\n{self.output()}"
+            if path.exists() and len(path.read_text().splitlines()) >= step:
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"no step {step} within {timeout} s:\n{self.output()}")
+
+    def heartbeat_pid(self, rank: int) -> int:
+        return json.loads((self.run_dir / "heartbeat" / f"rank-{rank:05d}.json").read_text())["pid"]
+
+    def finish(self, timeout: float = 60) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError(f"job did not end within {timeout} s:\n{self.output()}") from None
+        for t in self._readers:
+            t.join(5)
+        return rc
+
+    def stop_lines(self) -> list[str]:
+        """What the job wrote to stderr besides its start-up lines."""
+        return [x for x in self.err if x.strip() and not x.startswith(STARTUP)]
+
+
+@pytest.fixture(scope="module")
+def reference(base_cfg, tmp_path_factory) -> list[dict]:
+    """STEPS uninterrupted steps on 2 ranks."""
+    run = tmp_path_factory.mktemp("straight")
+    job = Job(_with(base_cfg, run={"dir": str(run)}))
+    assert job.finish() == 0, job.output()
+    return _metrics(run)
+
+
+def _check_stopped(job: Job, rc: int, sig: signal.Signals) -> int:
+    """One line naming the signal and the step saved; latest is that step; returns the step."""
+    assert rc == 128 + sig, f"exit code {rc}:\n{job.output()}"
+    lines = job.stop_lines()
+    assert len(lines) == 1 and "Traceback" not in job.output(), job.output()
+    step = json.loads((job.run_dir / "checkpoints" / "latest").read_text())["step"]
+    assert lines[0] == (
+        f"loom: stopped by {sig.name} after step {step}: checkpoint "
+        f"{job.run_dir / 'checkpoints' / f'step-{step:08d}'} saved; run the same command to resume"
+    ), lines[0]
+    assert _metrics(job.run_dir)[-1]["step"] == step  # the step every rank finished is the one saved
+    return step
+
+
+def test_sigterm_saves_the_step_and_the_resume_equals_the_uninterrupted_run(base_cfg, reference, tmp_path):
+    """Preemption as a cluster does it: SIGTERM to the launcher, which forwards it to the ranks."""
+    from loom.cli import main
+
+    cfg = _with(base_cfg, run={"dir": str(tmp_path)})
+    job = Job(cfg)
+    job.wait_for_step(3)
+    job.proc.send_signal(signal.SIGTERM)
+    step = _check_stopped(job, job.finish(), signal.SIGTERM)
+    assert 3 <= step < STEPS
+    resumed = Job(cfg)  # the same command resumes from checkpoint `step`
+    assert resumed.finish() == 0, resumed.output()
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert _losses(rows) == _losses(reference)
+    assert main(["compare", str(tmp_path), str(reference_dir(reference, tmp_path))]) == 0
+
+
+def reference_dir(rows: list[dict], tmp_path: Path) -> Path:
+    """The reference rows as a metrics.jsonl of their own (``loom compare`` takes a file too)."""
+    path = tmp_path.parent / f"{tmp_path.name}-reference.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_sigterm_to_one_rank_stops_both_after_the_same_step(base_cfg, tmp_path):
+    """The signal reaches rank 1 only: the ranks agree at the step boundary and both save."""
+    job = Job(_with(base_cfg, run={"dir": str(tmp_path)}, train={"steps": 100_000}))
+    job.wait_for_step(3)
+    os.kill(job.heartbeat_pid(1), signal.SIGTERM)
+    _check_stopped(job, job.finish(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ctrl_c_prints_one_line(base_cfg, tmp_path, nproc):
+    """SIGINT to the process group (a terminal's Ctrl-C) of a 1-rank and a 2-rank run."""
+    job = Job(_with(base_cfg, run={"dir": str(tmp_path), "nproc": nproc}, train={"steps": 100_000}))
+    job.wait_for_step(3)
+    os.killpg(job.proc.pid, signal.SIGINT)
+    _check_stopped(job, job.finish(), signal.SIGINT)
