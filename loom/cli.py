@@ -363,7 +363,6 @@ def cmd_export(argv: list[str]) -> int:
             if parse_size(argv[i]) < 1:  # 0 would write one shard per tensor
                 raise C.ConfigError(f"--max-shard-size: must be at least 1 byte (e.g. 5GB), got {argv[i]!r}")
     values |= {i + 1 for i, a in enumerate(argv) if a == "--dtype"}
-    values |= {i + 1 for i, a in enumerate(argv) if a == "--dtype"}
     positional = [a for i, a in enumerate(argv) if not a.startswith("--") and i not in values]
     out = positional[-1] if len(positional) == 3 else None
     with _output_lock(out), _naming(out or "the output"):
