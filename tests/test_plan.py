@@ -382,7 +382,9 @@ def test_invalid_layouts_are_rejected_with_the_reason():
         with pytest.raises(PlanError, match=reason):
             estimate(LLAMA3_8B, lay, w, cl)
     four = dataclasses.replace(LLAMA3_8B, n_layers=4)
-    with pytest.raises(PlanError, match="parallel.pp: pp\\*virtual_stages = 8 pipeline stages but model.n_layers = 4"):
+    with pytest.raises(
+        PlanError, match="parallel.pp: pp\\*virtual_stages = 8 pipeline stages but model.n_layers = 4"
+    ):
         estimate(four, Layout(pp=2, v=4, schedule="interleaved"), w, cl)
     with pytest.raises(PlanError, match="train.precision: device 'a100-80g' has no fp8"):
         estimate(LLAMA3_8B, Layout(dp=8), Workload(64, 4096, "fp8"), _cluster("a100-80g"))
