@@ -517,7 +517,7 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("train.eps negative", _cfg("--train.eps", "-1e-8"), 2),
     ("train.seed negative", _cfg("--train.seed", "-1"), 2),
     ("train.beta2 one", _cfg("--train.beta2", "1.0", names=("train.beta1/beta2",)), 2),
-    ("train.precision unknown", _cfg("--train.precision", "fp8"), 2),
+    ("train.precision unknown", _cfg("--train.precision", "fp4"), 2),
     ("train.optimizer unknown", _cfg("--train.optimizer", "lion"), 2),
     ("train.recompute every:0", _cfg("--train.recompute", "every:0"), 2),
     ("train.compress unknown format", _cfg("--train.compress", "mlp=fp4"), 2),
