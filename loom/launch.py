@@ -592,8 +592,6 @@ def main_train(cfg: C.LoomConfig, max_restarts: int = 0, nodes: Nodes | None = N
     """
     from loom.train.run_lock import RunLock
 
-    if cfg.run.preempt_grace_s < 0:
-        raise C.ConfigError(f"run.preempt_grace_s: must be >= 0, got {cfg.run.preempt_grace_s}")
     if under_external_launcher():
         from loom.train.trainer import run
 

@@ -260,3 +260,37 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def prepared_config(overrides: dict, cache_dir) -> dict:
+    """``overrides`` (a config as a dict) with its corpus prepared once into ``cache_dir`` (a private
+    cache) and ``data.prepared_dir`` pointing there: runs launched from it skip preparation."""
+    import json
+    import os
+
+    from loom import config as C
+    from loom.data import prepare_data
+
+    os.environ.setdefault("LOOM_CACHE_DIR", str(cache_dir))
+    prepared = prepare_data(C.from_dict(json.loads(json.dumps(overrides))).data, progress=False)
+    out = json.loads(json.dumps(overrides))
+    out["data"]["prepared_dir"] = str(prepared.dir)
+    return out
+
+
+def with_sections(cfg: dict, **sections) -> dict:
+    """A copy of the config dict ``cfg`` with each ``section={key: value}`` merged in."""
+    import json
+
+    out = json.loads(json.dumps(cfg))
+    for section, table in sections.items():
+        out.setdefault(section, {}).update(table)
+    return out
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl``."""
+    import json
+    from pathlib import Path
+
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from loom import config as C
+from tests.helpers import prepared_config, read_metrics, with_sections
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12
@@ -44,25 +44,8 @@ STARTUP = ("[rank 0] model ", "[rank 0] MFU peak")
 
 @pytest.fixture(scope="module")
 def base_cfg(tmp_path_factory) -> dict:
-    from loom.data import prepare_data
-
-    cfg = C.from_dict(json.loads(json.dumps(OVERRIDES)))
-    os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    prepared = prepare_data(cfg.data, progress=False)
-    out = json.loads(json.dumps(OVERRIDES))
-    out["data"]["prepared_dir"] = str(prepared.dir)
-    return out
-
-
-def _with(cfg: dict, **sections) -> dict:
-    out = json.loads(json.dumps(cfg))
-    for section, table in sections.items():
-        out.setdefault(section, {}).update(table)
-    return out
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    """The shared config, with the corpus prepared once (in a private cache)."""
+    return prepared_config(OVERRIDES, tmp_path_factory.mktemp("cache"))
 
 
 def _losses(rows: list[dict]) -> list[tuple[int, float, float]]:
@@ -133,9 +116,9 @@ class Job:
 def reference(base_cfg, tmp_path_factory) -> list[dict]:
     """STEPS uninterrupted steps on 2 ranks."""
     run = tmp_path_factory.mktemp("straight")
-    job = Job(_with(base_cfg, run={"dir": str(run)}))
+    job = Job(with_sections(base_cfg, run={"dir": str(run)}))
     assert job.finish() == 0, job.output()
-    return _metrics(run)
+    return read_metrics(run)
 
 
 def _check_stopped(job: Job, rc: int, sig: signal.Signals) -> int:
@@ -148,7 +131,7 @@ def _check_stopped(job: Job, rc: int, sig: signal.Signals) -> int:
         f"loom: stopped by {sig.name} after step {step}: checkpoint "
         f"{job.run_dir / 'checkpoints' / f'step-{step:08d}'} saved; run the same command to resume"
     ), lines[0]
-    assert _metrics(job.run_dir)[-1]["step"] == step  # the step every rank finished is the one saved
+    assert read_metrics(job.run_dir)[-1]["step"] == step  # the step every rank finished is the one saved
     return step
 
 
@@ -156,7 +139,7 @@ def test_sigterm_saves_the_step_and_the_resume_equals_the_uninterrupted_run(base
     """Preemption as a cluster does it: SIGTERM to the launcher, which forwards it to the ranks."""
     from loom.cli import main
 
-    cfg = _with(base_cfg, run={"dir": str(tmp_path)})
+    cfg = with_sections(base_cfg, run={"dir": str(tmp_path)})
     job = Job(cfg)
     job.wait_for_step(3)
     job.proc.send_signal(signal.SIGTERM)
@@ -164,7 +147,7 @@ def test_sigterm_saves_the_step_and_the_resume_equals_the_uninterrupted_run(base
     assert 3 <= step < STEPS
     resumed = Job(cfg)  # the same command resumes from checkpoint `step`
     assert resumed.finish() == 0, resumed.output()
-    rows = _metrics(tmp_path)
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert _losses(rows) == _losses(reference)
     assert main(["compare", str(tmp_path), str(reference_dir(reference, tmp_path))]) == 0
@@ -179,7 +162,7 @@ def reference_dir(rows: list[dict], tmp_path: Path) -> Path:
 
 def test_sigterm_to_one_rank_stops_both_after_the_same_step(base_cfg, tmp_path):
     """The signal reaches rank 1 only: the ranks agree at the step boundary and both save."""
-    job = Job(_with(base_cfg, run={"dir": str(tmp_path)}, train={"steps": 100_000}))
+    job = Job(with_sections(base_cfg, run={"dir": str(tmp_path)}, train={"steps": 100_000}))
     job.wait_for_step(3)
     os.kill(job.heartbeat_pid(1), signal.SIGTERM)
     _check_stopped(job, job.finish(), signal.SIGTERM)
@@ -188,7 +171,7 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step(base_cfg, tmp_path):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_ctrl_c_prints_one_line(base_cfg, tmp_path, nproc):
     """SIGINT to the process group (a terminal's Ctrl-C) of a 1-rank and a 2-rank run."""
-    job = Job(_with(base_cfg, run={"dir": str(tmp_path), "nproc": nproc}, train={"steps": 100_000}))
+    job = Job(with_sections(base_cfg, run={"dir": str(tmp_path), "nproc": nproc}, train={"steps": 100_000}))
     job.wait_for_step(3)
     os.killpg(job.proc.pid, signal.SIGINT)
     _check_stopped(job, job.finish(), signal.SIGINT)

@@ -733,6 +733,12 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
         ),
         2,
     ),
+    (
+        "export: an unknown --dtype",
+        lambda c: (["export", "hf", str(c.w.run), str(c.tmp / "hf"), "--dtype", "fp4"], ["--dtype", "fp4"]),
+        2,
+    ),
+    ("run.preempt_grace_s negative", _cfg("--run.preempt_grace_s", "-1"), 2),
     ("from_hf: an int8 tensor", _hf_int8, 2),
     # command line
     ("unknown command", lambda c: (["frobnicate"], ["'frobnicate'"]), 2),

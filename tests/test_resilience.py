@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from loom import config as C
+from tests.helpers import prepared_config, read_metrics, with_sections
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 30
@@ -49,29 +50,7 @@ def _cli_args(cfg: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def base_cfg(tmp_path_factory) -> dict:
     """The shared config, with the corpus prepared once (in a private cache)."""
-    from loom.data import prepare_data
-
-    cfg = C.from_dict(json.loads(json.dumps(OVERRIDES)))
-    os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    prepared = prepare_data(cfg.data, progress=False)
-    out = json.loads(json.dumps(OVERRIDES))
-    out["data"]["prepared_dir"] = str(prepared.dir)
-    return out
-
-
-def _with(cfg: dict, **sections) -> dict:
-    out = json.loads(json.dumps(cfg))
-    for section, table in sections.items():
-        out.setdefault(section, {}).update(table)
-    return out
-
-
-def _metrics(run_dir: str | Path) -> list[dict]:
-    return [
-        json.loads(line)
-        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
+    return prepared_config(OVERRIDES, tmp_path_factory.mktemp("cache"))
 
 
 def _trainer(cfg_dict: dict, stop_at: int = 0) -> list[dict]:
@@ -91,14 +70,14 @@ def _trainer(cfg_dict: dict, stop_at: int = 0) -> list[dict]:
         trainer.fit()
     finally:
         trainer.heartbeat.close()
-    return _metrics(cfg.run.dir) if rank == 0 else []
+    return read_metrics(cfg.run.dir) if rank == 0 else []
 
 
 @pytest.fixture(scope="module")
 def reference(pools, base_cfg, tmp_path_factory) -> list[dict]:
     """30 uninterrupted steps on 2 ranks (dp=2)."""
     run = tmp_path_factory.mktemp("straight")
-    return pools(2).run(_trainer, _with(base_cfg, run={"dir": str(run)}))[0]
+    return pools(2).run(_trainer, with_sections(base_cfg, run={"dir": str(run)}))[0]
 
 
 def _losses(rows: list[dict]) -> list[tuple[int, float, float]]:
@@ -106,7 +85,7 @@ def _losses(rows: list[dict]) -> list[tuple[int, float, float]]:
 
 
 def test_resume_same_layout_is_bit_identical(pools, base_cfg, reference, tmp_path):
-    cfg = _with(base_cfg, run={"dir": str(tmp_path)})
+    cfg = with_sections(base_cfg, run={"dir": str(tmp_path)})
     pools(2).run(_trainer, cfg, 15)  # stops after step 15 and saves
     assert json.loads((tmp_path / "checkpoints" / "latest").read_text())["step"] == 15
     rows = pools(2).run(_trainer, cfg)[0]  # same run dir: resumes from latest
@@ -117,12 +96,14 @@ def test_resume_same_layout_is_bit_identical(pools, base_cfg, reference, tmp_pat
 def test_resume_under_another_layout(pools, base_cfg, reference, tmp_path):
     """dp=2 checkpoint -> 1 process -> back to dp=2: the losses follow the uninterrupted run."""
     two = tmp_path / "two"
-    pools(2).run(_trainer, _with(base_cfg, run={"dir": str(two)}), 10)
+    pools(2).run(_trainer, with_sections(base_cfg, run={"dir": str(two)}), 10)
     one = tmp_path / "one"
-    rows = _trainer(_with(base_cfg, run={"dir": str(one)}, train={"resume": str(two)}), stop_at=20)
+    rows = _trainer(with_sections(base_cfg, run={"dir": str(one)}, train={"resume": str(two)}), stop_at=20)
     assert [r["step"] for r in rows] == list(range(11, 21))
     back = tmp_path / "back"
-    rows += pools(2).run(_trainer, _with(base_cfg, run={"dir": str(back)}, train={"resume": str(one)}))[0]
+    rows += pools(2).run(
+        _trainer, with_sections(base_cfg, run={"dir": str(back)}, train={"resume": str(one)})
+    )[0]
     assert [r["step"] for r in rows] == list(range(11, STEPS + 1))
     got = torch.tensor([r["loss"] for r in rows], dtype=torch.float64)
     want = torch.tensor([r["loss"] for r in reference[10:]], dtype=torch.float64)
@@ -135,9 +116,9 @@ def test_resume_under_another_layout(pools, base_cfg, reference, tmp_path):
 def test_real_layouts_reshard_into_one_process(pools, base_cfg, reference, tmp_path, layout):
     """Trainer under pp2 / tp2 / ZeRO-3 / cp2 saves at step 10; one process resumes and trains on."""
     saved = tmp_path / "saved"
-    rows = pools(2).run(_trainer, _with(base_cfg, run={"dir": str(saved)}, parallel=layout), 10)[0]
+    rows = pools(2).run(_trainer, with_sections(base_cfg, run={"dir": str(saved)}, parallel=layout), 10)[0]
     rows += _trainer(
-        _with(base_cfg, run={"dir": str(tmp_path / "one")}, train={"resume": str(saved)}), stop_at=13
+        with_sections(base_cfg, run={"dir": str(tmp_path / "one")}, train={"resume": str(saved)}), stop_at=13
     )
     assert [r["step"] for r in rows] == list(range(1, 14))
     got = torch.tensor([r["loss"] for r in rows], dtype=torch.float64)
@@ -149,12 +130,16 @@ def test_real_layouts_reshard_into_one_process(pools, base_cfg, reference, tmp_p
 def test_pp2_dp2_zero3_checkpoint_reshards_into_one_process(pools, base_cfg, tmp_path, tied):
     """The Trainer under pp2 x dp2 with ZeRO-3 inside the stages saves at step 6 (tied: the last
     stage's copy is not written); one process resumes it and follows the uninterrupted run."""
-    one = _with(base_cfg, model={"tie_embeddings": tied}, run={"nproc": 1})
-    straight = _trainer(_with(one, run={"dir": str(tmp_path / "straight")}), stop_at=9)
+    one = with_sections(base_cfg, model={"tie_embeddings": tied}, run={"nproc": 1})
+    straight = _trainer(with_sections(one, run={"dir": str(tmp_path / "straight")}), stop_at=9)
     saved = tmp_path / "saved"
     layout = {"pp": 2, "dp": 2, "zero": 3}
-    rows = pools(4).run(_trainer, _with(one, run={"dir": str(saved), "nproc": 4}, parallel=layout), 6)[0]
-    rows += _trainer(_with(one, run={"dir": str(tmp_path / "one")}, train={"resume": str(saved)}), stop_at=9)
+    rows = pools(4).run(
+        _trainer, with_sections(one, run={"dir": str(saved), "nproc": 4}, parallel=layout), 6
+    )[0]
+    rows += _trainer(
+        with_sections(one, run={"dir": str(tmp_path / "one")}, train={"resume": str(saved)}), stop_at=9
+    )
     assert [r["step"] for r in rows] == list(range(1, 10))
     got = torch.tensor([r["loss"] for r in rows], dtype=torch.float64)
     want = torch.tensor([r["loss"] for r in straight], dtype=torch.float64)
@@ -166,13 +151,17 @@ def test_moe_ep2_checkpoint_reshards_into_one_process(pools, base_cfg, tmp_path,
     """A mixture-of-experts model trained with expert parallelism (each of 2 ranks holds 2 of 4
     experts; bf16: flat fp32 masters) saves at step 6; one process, holding all 4, resumes it and
     follows the uninterrupted run."""
-    moe = _with(
+    moe = with_sections(
         base_cfg, model={"n_experts": 4, "top_k": 2}, run={"nproc": 1}, train={"precision": precision}
     )
-    straight = _trainer(_with(moe, run={"dir": str(tmp_path / "straight")}), stop_at=9)
+    straight = _trainer(with_sections(moe, run={"dir": str(tmp_path / "straight")}), stop_at=9)
     saved = tmp_path / "saved"
-    rows = pools(2).run(_trainer, _with(moe, run={"dir": str(saved), "nproc": 2}, parallel={"ep": 2}), 6)[0]
-    rows += _trainer(_with(moe, run={"dir": str(tmp_path / "one")}, train={"resume": str(saved)}), stop_at=9)
+    rows = pools(2).run(
+        _trainer, with_sections(moe, run={"dir": str(saved), "nproc": 2}, parallel={"ep": 2}), 6
+    )[0]
+    rows += _trainer(
+        with_sections(moe, run={"dir": str(tmp_path / "one")}, train={"resume": str(saved)}), stop_at=9
+    )
     assert [r["step"] for r in rows] == list(range(1, 10))
     got = torch.tensor([r["loss"] for r in rows], dtype=torch.float64)
     want = torch.tensor([r["loss"] for r in straight], dtype=torch.float64)
@@ -238,13 +227,13 @@ class Job:
 
 
 def test_sigkill_of_a_rank_restarts_and_matches_the_uninterrupted_run(base_cfg, reference, tmp_path):
-    job = Job(_with(base_cfg, run={"dir": str(tmp_path)}), "--max-restarts", "1")
+    job = Job(with_sections(base_cfg, run={"dir": str(tmp_path)}), "--max-restarts", "1")
     job.wait_for_step(12)
     os.kill(job.pid(1), signal.SIGKILL)
     assert job.finish() == 0, job.output
     assert "resumed from" in job.output, job.output
     assert "heartbeat is fresh" not in job.output, job.output  # the survivor does not call rank 1 alive
-    rows = _metrics(tmp_path)
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert _losses(rows) == _losses(reference)
 
@@ -269,7 +258,7 @@ def test_two_nodes_recover_from_a_killed_worker(base_cfg, reference, tmp_path):
     uninterrupted run's."""
     from loom.launch import free_port
 
-    cfg = _with(base_cfg, run={"dir": str(tmp_path), "nproc": 1})
+    cfg = with_sections(base_cfg, run={"dir": str(tmp_path), "nproc": 1})
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
         Job(
@@ -302,7 +291,7 @@ def test_two_nodes_recover_from_a_killed_worker(base_cfg, reference, tmp_path):
     output = "\n".join(n.output for n in nodes)
     assert rcs == [0, 0], f"exit codes {rcs} (None: still running after 120 s):\n{output}"
     assert "resumed from" in output and "heartbeat is fresh" not in output, output
-    rows = _metrics(tmp_path)
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert _losses(rows) == _losses(reference)
 
@@ -311,7 +300,7 @@ def test_stopped_rank_is_named_within_the_timeout(base_cfg, tmp_path):
     """SIGSTOP on rank 1: rank 0 names it within the collective timeout, and the whole job ends a
     few seconds later (the launcher kills the stopped rank instead of waiting 30 s for it)."""
     timeout_s = 6.0
-    cfg = _with(
+    cfg = with_sections(
         base_cfg,
         run={"dir": str(tmp_path), "timeout_s": timeout_s},
         train={"steps": 100_000, "checkpoint_every": 0},

@@ -297,6 +297,7 @@ def _check_data(d: DataConfig, max_seq_len: int) -> None:
 def _check_train_run(t: TrainConfig, r: RunConfig) -> None:
     """[train] loop numbers and the directories it resumes or starts from; [run] device and directory."""
     _require(t.steps >= 1, f"train.steps: must be >= 1, got {t.steps}")
+    _require(r.preempt_grace_s >= 0, f"run.preempt_grace_s: must be >= 0, got {r.preempt_grace_s}")
     _require(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr: must be in [0, train.lr={t.lr}], got {t.min_lr}")
     _require(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
