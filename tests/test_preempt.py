@@ -175,3 +175,33 @@ def test_ctrl_c_prints_one_line(base_cfg, tmp_path, nproc):
     job.wait_for_step(3)
     os.killpg(job.proc.pid, signal.SIGINT)
     _check_stopped(job, job.finish(), signal.SIGINT)
+
+
+def agreement_with_a_late_peer(late_s: float, timeout_s: float) -> tuple[str, float]:
+    """Rank 1 reaches the step-boundary agreement ``late_s`` after rank 0 (a rank stopped just before
+    it): rank 0's wait ends after ``run.timeout_s`` with a collective failure, not the control group's
+    day. Rank 1 then joins, so the operation completes and leaves the group clean."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from loom.train.health import is_comm_failure
+    from loom.train.trainer import StopRequest
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=24))  # as control_group makes it
+    if dist.get_rank() == 1:
+        time.sleep(late_s)
+        return "late", StopRequest().agreed(group, 2, timeout_s)
+    t0 = time.monotonic()
+    try:
+        StopRequest().agreed(group, 2, timeout_s)
+    except RuntimeError as e:
+        assert is_comm_failure(e), e  # reported by the same path as any hung collective
+        return "raised", time.monotonic() - t0
+    return "agreed", time.monotonic() - t0
+
+
+def test_step_boundary_agreement_is_bounded_by_the_run_timeout(pools):
+    (outcome, waited), late = pools(2).run(agreement_with_a_late_peer, 4.0, 1.0)
+    assert late == ("late", 0)
+    assert outcome == "raised" and 1.0 <= waited < 3.0, (outcome, waited)

@@ -12,6 +12,7 @@ import shutil
 import signal
 import threading
 import time
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -91,12 +92,14 @@ class StopRequest:
         if first and not self.deferred:
             raise KeyboardInterrupt
 
-    def agreed(self, group, world: int) -> int:
+    def agreed(self, group, world: int, timeout_s: float) -> int:
         """The signal any rank has received (the largest number), 0 if none; every rank calls it at the
-        same step boundary and gets the same answer."""
+        same step boundary and gets the same answer. The wait is bounded by ``run.timeout_s``, not by
+        the control group's day: a rank stopped just before this call is a hang like any other."""
         flag = torch.tensor([float(self.signum)])
         if world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            work.wait(timedelta(seconds=timeout_s))  # gloo, CPU: raises "Operation timed out!"
         return int(flag.item())
 
 
@@ -278,7 +281,7 @@ class Trainer:
             if (
                 self.stop is not None
                 and done < c.steps
-                and (sig := self.stop.agreed(self.control, self.env.world))
+                and (sig := self.stop.agreed(self.control, self.env.world, self.cfg.run.timeout_s))
             ):
                 self.stopped = (done, sig)  # every rank: the same step and signal
                 break
