@@ -408,9 +408,30 @@ def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
     return n
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int) -> float:
-    """Training FLOPs per token: 6 N (matmuls fwd+bwd) + 12 L h T (attention scores and values)."""
-    return 6.0 * n_params + 12.0 * cfg.n_layers * cfg.dim * seq_len
+def expert_params(model: nn.Module) -> int:
+    """Routed experts' weights (every :class:`ExpertWeights`, all E experts): what
+    :func:`flops_per_token` counts at k/E (shared experts and the router are not among them)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, ExpertWeights))
+
+
+def flops_per_token(
+    cfg: ModelConfig,
+    seq_len: int,
+    n_params: float,
+    experts: float = 0.0,
+    n_experts: int | None = None,
+    top_k: int | None = None,
+) -> float:
+    """Training FLOPs per token: 6 N_a (matmuls fwd+bwd) + 12 L h T (attention scores and values).
+
+    N_a = the matmul weights a token runs through = ``n_params`` − ``experts`` · (1 − k/E): of the
+    routed experts' weights (``experts``, all E of them, counted in ``n_params``) only the top_k run,
+    while attention, shared experts, router and head all do. ``n_experts`` / ``top_k`` default to
+    ``cfg``'s (the planner may explore others); a dense model (E = 1) has N_a = ``n_params``."""
+    e = cfg.n_experts if n_experts is None else n_experts
+    k = cfg.top_k if top_k is None else top_k
+    active = n_params - experts * (1.0 - k / e) if e > 1 else n_params
+    return 6.0 * active + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

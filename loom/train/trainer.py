@@ -30,7 +30,7 @@ from loom.device import (
     reset_peak_memory,
     synchronize,
 )
-from loom.model.llama import build_model, count_params, flops_per_token
+from loom.model.llama import build_model, count_params, expert_params, flops_per_token
 from loom.parallel.base import held_state_bytes
 from loom.train.build import build_mesh, build_run, saved_activations
 from loom.train.export import write_json_atomic
@@ -146,7 +146,9 @@ class Trainer:
         whole = build_model(cfg.model, cfg.train.seed, meta=True, moe=cfg.moe)
         self.n_params = count_params(whole)
         matmul_params = count_params(whole, exclude_embedding=not cfg.model.tie_embeddings)
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, matmul_params)
+        self.flops_per_token = flops_per_token(
+            cfg.model, cfg.data.seq_len, matmul_params, expert_params(whole)
+        )
         self.peak_flops, self.peak_source = mfu_peak(self.device, cfg.train.precision)
         self.model = self.run.model  # pp > 1: this rank's stages; the rest of the full model is freed
         m = cfg.model  # MoE: per-layer expert load in the metrics rows, a heatmap at the end

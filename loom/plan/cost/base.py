@@ -90,9 +90,9 @@ class CostBase:
         )  # what the layout rules read
         self.ffn = model.resolved_ffn_dim()
         self.kd = model.n_kv_heads * model.head_dim
-        self.model_flops = flops_per_token(model, train.seq_len, self.params.matmul_active) * (
-            train.global_batch * train.seq_len
-        )
+        self.model_flops = flops_per_token(  # the trainer's MFU rule: top_k of the E experts run
+            model, train.seq_len, self.params.matmul, self.params.experts, n_experts, top_k
+        ) * (train.global_batch * train.seq_len)
         self.act_bytes = train.act_bytes
         self.W, self.G, self.O = train.state_bytes()
         self.R = {"fp32": 4, "bf16": 2, "fp16": 2}[train.reduce_dtype]

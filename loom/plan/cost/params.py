@@ -59,9 +59,15 @@ class ParamCounts:
         return self.n_layers * per_layer + self.embed + self.head + self.final_norm + self.positions
 
     @property
-    def matmul_active(self) -> int:
-        """Weights a token multiplies through: layers' matmuls + the head (tied or not)."""
-        return self.n_layers * (self.attn + self.mlp_active + self.router) + self.embed
+    def matmul(self) -> int:
+        """Matmul weights, every expert counted: layers' matmuls + the head (tied or not). The
+        ones a token runs through are ``llama.flops_per_token``'s rule (top_k of the experts)."""
+        return self.n_layers * (self.attn + self.mlp + self.router) + self.embed
+
+    @property
+    def experts(self) -> int:
+        """Routed experts' weights, all E of them, over the layers (0 for a dense model)."""
+        return self.n_layers * self.mlp if self.router else 0  # experts have no biases
 
 
 def param_count(model: ModelConfig, n_experts: int = 1) -> int:
