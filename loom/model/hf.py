@@ -2,10 +2,12 @@
 
 Families: ``LlamaForCausalLM``, ``MistralForCausalLM`` (the same tensors; Mistral's sliding window
 only when every sequence fits in it), ``Qwen2ForCausalLM`` (q/k/v biases: ``model.qkv_bias``) and
-``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``model.qk_norm``; its own ``head_dim``) and
+``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``model.qk_norm``) and
 ``MixtralForCausalLM`` (into Loom's mixture of experts: the router, and each expert's w1/w3/w2
 stacked into the (E, ...) weights) and ``GPT2LMHeadModel`` (``norm = layernorm``, ``mlp =
-gelu_tanh``, ``positions = learned``, ``bias``). Names map one to one::
+gelu_tanh``, ``positions = learned``, ``bias``). Every family but GPT-2 may give a ``head_dim`` d
+with a·d != h (Mistral-Nemo: h = 5120, a = 32 heads, d = 128): ``model.attn_head_dim``, the width
+of the q/k/v/o projections (a·d and k·d) and of RoPE (d). Names map one to one::
 
     model.embed_tokens.weight                 tok_embeddings.weight
     model.layers.i.input_layernorm            layers.i.attention_norm
@@ -115,12 +117,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         return _gpt2_config(raw, max_seq_len)
     dim, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
-    head_dim = int(raw.get("head_dim") or dim // heads)
-    if head_dim != dim // heads and not qwen3:
-        raise HFError(
-            f"{CONFIG}: head_dim = {head_dim} differs from hidden_size / num_attention_heads "
-            f"= {dim // heads}, which {arch} does not do"
-        )
+    head_dim = int(raw.get("head_dim") or dim // heads)  # its own (Mistral-Nemo, Qwen3): a·d != h
     checks = [("hidden_act", ("silu",)), ("mlp_bias", (False, None)), ("router_jitter_noise", (0.0, 0, None))]
     if not qwen2:  # Qwen2 always has q/k/v biases (and no o bias); the others only without attention_bias
         checks.append(("attention_bias", (False, None)))
