@@ -745,6 +745,61 @@ def test_qlora_base_bytes_and_loss_near_lora(reference):
     )
 
 
+def test_qlora_merge_is_the_model_the_run_trained(prepared, hf_base, tmp_path):
+    """QLoRA trains on the NF4 form Ŵ of each target: its merged export (``loom export hf
+    --merge-lora``, loaded in transformers), and the run's final model, equal the QLoRA model with
+    its adapters (the model the run evaluated) in logits and loss; the full-precision base plus the
+    same adapters (the former merge) does not."""
+    import transformers
+
+    from loom.checkpoint.hf_export import export_hf
+    from loom.checkpoint.load import CheckpointReader
+    from loom.finetune.export import MergedReader, adapters, base_tensors, merged_state
+    from loom.finetune.lora import LoRALinear, apply_lora, merged_weight, quantize_base
+    from loom.model.llama import Transformer, loss_fn
+    from loom.train.export import load_model
+
+    run = tmp_path / "run"
+    ft = {"method": "qlora", "lora_rank": 4, "lora_alpha": 8.0}
+    trainer_fit(hf_lora_config(prepared, hf_base, run, train={"steps": 2}, finetune=ft))
+    with CheckpointReader(run) as reader:
+        cfg = C.from_dict(reader.train_state["config"])
+        pairs = adapters(reader)
+    trained = Transformer(cfg.model)  # the QLoRA model as the run holds it: NF4 base + adapters
+    apply_lora(trained, targets=C.lora_targets(cfg), finetune=cfg.finetune)
+    for mod in trained.modules():
+        if isinstance(mod, LoRALinear):
+            mod.lora_A.to_empty(device="cpu")
+            mod.lora_B.to_empty(device="cpu")
+    params = dict(trained.named_parameters())
+    base = dict(base_tensors(cfg))
+    with torch.no_grad():
+        for name, t in base.items():
+            params[name].copy_(t)
+        for name, (a, b) in pairs.items():
+            params[name.removesuffix(".weight") + ".lora_A.weight"].copy_(a)
+            params[name.removesuffix(".weight") + ".lora_B.weight"].copy_(b)
+    quantize_base(trained)
+    _, state = merged_state(run)
+    merged = Transformer(cfg.model)
+    merged.load_state_dict(state, strict=False)
+    final = Transformer(cfg.model)
+    load_model(final, run / "checkpoints" / "final" / "model.safetensors")
+    export_hf(run, tmp_path / "hf", wrap=MergedReader)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    old = Transformer(cfg.model)  # W + (α/r)·B A: the full-precision base
+    old.load_state_dict(
+        base | {n: merged_weight(base[n], a, b, 8.0 / 4) for n, (a, b) in pairs.items()}, strict=False
+    )
+    x = torch.randint(0, 384, (2, 33), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = trained.eval()(x[:, :-1])
+        for got in (merged.eval()(x[:, :-1]), final.eval()(x[:, :-1]), exported(x[:, :-1]).logits):
+            assert_close(got, want, rtol=1e-4, atol=1e-5)
+            assert_close(loss_fn(got, x[:, 1:]), loss_fn(want, x[:, 1:]), rtol=1e-5, atol=1e-6)
+        assert (old.eval()(x[:, :-1]) - want).abs().max() > 1e-2  # NF4 rounding the old merge missed
+
+
 @pytest.mark.parametrize(
     "layout",
     [{"dp_shard": 2, "zero": 2}, {"dp_shard": 2, "zero": 3}, {"pp": 2}],

@@ -15,7 +15,9 @@ same function. GPT-2's Conv1D layers need ``fan_in_fan_out``.
 
 ``loom export hf RUN OUT_DIR --merge-lora``: the base's tensors (from ``model.from_hf``,
 ``train.init_from`` or the seeded init, read one at a time) with W + (α/r)·B A on every target,
-written as :mod:`loom.checkpoint.hf_export` writes any checkpoint.
+written as :mod:`loom.checkpoint.hf_export` writes any checkpoint. QLoRA trained on the NF4 form
+of each target, so its merge is Ŵ + (α/r)·B A with Ŵ = dequantize(quantize(W)) in the run's
+parameter dtype (:func:`loom.finetune.nf4.as_trained`): the model the run evaluated, not W's.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ import torch
 from loom import config as C
 from loom.checkpoint.format import CheckpointError, fsync_dir
 from loom.checkpoint.load import CheckpointReader
+from loom.device import DTYPES, resolve_precision
 from loom.finetune.lora import LORA_SUFFIXES, merged_weight
+from loom.finetune.nf4 import as_trained
 from loom.model.hf import _mappings, architecture_of, to_hf_rows
 
 PREFIX = "model."
@@ -176,6 +180,12 @@ class MergedReader:
         self.cfg = lora_config_of(reader, "export hf --merge-lora")
         self.pairs = adapters(reader)
         self.scale = self.cfg.finetune.lora_alpha / self.cfg.finetune.lora_rank
+        # QLoRA: the targets' weights as the run used them (NF4 from its parameter dtype), else W itself
+        self.nf4 = (
+            DTYPES[resolve_precision(self.cfg.train.precision, self.cfg.run.device)]
+            if self.cfg.finetune.method == "qlora"
+            else None
+        )
         self.base = {n: t for n, t in base_tensors(self.cfg)}  # noqa: C416 - read once, in order
         self.dir, self.step, self.train_state = reader.dir, reader.step, reader.train_state
 
@@ -193,7 +203,8 @@ class MergedReader:
         w = self.base[name]
         if name in self.pairs:
             a, b = self.pairs[name]
-            return merged_weight(w, a, b, self.scale)
+            used = w if self.nf4 is None else as_trained(w, self.nf4)
+            return merged_weight(used, a, b, self.scale).to(w.dtype)
         return w
 
 

@@ -96,6 +96,15 @@ def dequantize(
     return (levels[idx].view(-1, NF4_BLOCK) * scale[:, None]).view(shape).to(dtype)
 
 
+def as_trained(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight a QLoRA run computes with for the base weight ``w``, in fp32: Ŵ = dequantize(
+    quantize(w in ``dtype``)), ``dtype`` the run's parameter dtype (its base weights are cast to it
+    before they are quantized). A merge W + (α/r)·B A must start from Ŵ, not W, to be the model the
+    run trained and evaluated."""
+    q = quantize(w.to(dtype))
+    return dequantize(q["codes"], q["absmax"], q["factor"], q["mean"], tuple(w.shape), torch.float32)
+
+
 class _NF4Matmul(Function):
     """y = x Ŵᵀ with Ŵ dequantized in forward and again in backward (dx = dy Ŵ); Ŵ is frozen."""
 
