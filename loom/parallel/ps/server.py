@@ -25,12 +25,24 @@ slowest catches up, so staleness ≤ S for every update (the test asserts it on 
 ASP never holds a pull. Also recorded: ``missed``, the updates applied between a worker's pull and
 its push (other workers' gradients it did not see): at most (W−1)(2S+1) under ssp:S (each other
 worker is at most S below and S+1 above c_w), W−1 under bsp-like ssp:0 rounds.
+
+Streams (asp/ssp on an accelerator): ``wait`` on a communication only orders the *current stream*
+after it, and every thread's current stream is the device's default stream unless set. A listener
+waiting for worker w's next push on the default stream would stall everything queued there after
+it, the main loop's pull to w included, which w needs before it pushes again: a deadlock. So each
+listener issues its receives and header reads on a stream of its own, a server's waits poll the
+work's completion on the host before ordering any stream after it (:class:`Lanes`), and each
+gradient reaches the main loop with an event recorded on its listener's stream, which the main
+loop's stream waits on right before the update. On the CPU every lane is the thread itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +72,64 @@ class ServerReport:
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # the final parameter shard ("shard")
 
 
+class Lanes:
+    """Where each thread of a server issues its device work, and how it waits.
+
+    On an accelerator each listener gets a stream of its own (:meth:`listener`), and a wait first
+    polls the work's completion on the host, then orders the current stream after it (an event that
+    has already passed): no stream ever stalls on a peer, so nothing queued behind it can, even when
+    two listeners draw the same stream from torch's pool. The host poll backs off from 10 µs to 1 ms
+    and names the peer after ``timeout_s``. On the CPU a wait blocks the thread (gloo completes a
+    receive only in ``wait``) and every lane is the thread itself.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.streams = self.device.type != "cpu"
+
+    def new_stream(self):
+        return torch.Stream(device=self.device)
+
+    def new_event(self):
+        return torch.Event(device=self.device)
+
+    def current_stream(self):
+        return torch.accelerator.current_stream(self.device)
+
+    @contextlib.contextmanager
+    def listener(self, w: int) -> Iterator[None]:
+        """The context of worker w's listener thread: a fresh stream made current (accelerator)."""
+        if not self.streams:
+            yield
+            return
+        with self.new_stream():
+            yield
+
+    def settle(self, work, timeout_s: float, who: str) -> None:
+        """Wait for ``work`` (see the class docstring); :class:`ServerLost` names ``who`` after ``timeout_s``."""
+        if self.streams:
+            deadline, pause = time.monotonic() + timeout_s, 1e-5
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise ServerLost(f"{who} did not answer within {timeout_s:.0f} s")
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
+        wait_for(work, timeout_s, who)
+
+    def ready(self):
+        """An event after the work issued so far on this thread's stream (None on the CPU)."""
+        if not self.streams:
+            return None
+        event = self.new_event()
+        event.record(self.current_stream())
+        return event
+
+    def consume(self, event) -> None:
+        """Order the current stream after ``event`` (a listener's gradient has arrived)."""
+        if event is not None:
+            self.current_stream().wait_event(event)
+
+
 class ParameterServer:
     """Shard k of ``module``'s parameters (values taken from it: every rank builds the same init) and its
     AdamW state; :meth:`serve` runs until every worker has sent DONE."""
@@ -86,6 +156,7 @@ class ParameterServer:
         self.headers = [torch.zeros(PUSH_HEADER, dtype=torch.float64, device=dev) for _ in range(self.W)]
         self.reply = torch.zeros(PULL_HEADER, dtype=torch.float64, device=dev)
         self.report = ServerReport(self.k)
+        self.lanes = Lanes(dev)
         self.pieces, self.start = (
             shard_pieces(module, model.layout),
             model.layout.start,
@@ -104,7 +175,7 @@ class ParameterServer:
         return g, self.links.peer(g, w)
 
     def _wait(self, work, w: int) -> None:
-        wait_for(work, self.timeout_s, f"worker {w}")
+        self.lanes.settle(work, self.timeout_s, f"worker {w}")
 
     def _recv_push(self, w: int) -> None:
         g, peer = self._link(self.links.push, w)
@@ -194,7 +265,7 @@ class ParameterServer:
         updates = applied
         while len(done) < W or held:
             try:
-                w, kind, lr, grad_scale = arrivals.get(timeout=self.timeout_s)
+                w, kind, lr, grad_scale, ready = arrivals.get(timeout=self.timeout_s)
             except queue.Empty:
                 silent = sorted(set(range(W)) - done)
                 raise ServerLost(
@@ -209,6 +280,7 @@ class ParameterServer:
                 self.report.max_staleness = max(self.report.max_staleness, lag[w])
                 self.report.missed.append(updates - seen[w])
                 self.report.pushers.append(w)
+                self.lanes.consume(ready)  # inbox[w] has arrived (on the listener's stream)
                 self.optimizer.step([self.inbox[w]], lr, grad_scale)
                 updates += 1
                 clock[w] += 1
@@ -225,17 +297,20 @@ class ParameterServer:
         self.report.rounds = min(clock)
 
     def _listen(self, w: int, arrivals: queue.SimpleQueue) -> None:
-        """Worker w's pushes, in order: (w, kind, lr, grad_scale) per header; the gradient is in ``inbox[w]``
-        (w sends its next push only after this server answered its pull, so the buffer is free again)."""
+        """Worker w's pushes, in order: (w, kind, lr, grad_scale, ready) per header, on this listener's own
+        stream; the gradient is in ``inbox[w]`` once ``ready`` (an event, None on the CPU) has passed (w
+        sends its next push only after this server answered its pull, which follows the update that
+        read the buffer, so the buffer is free again)."""
         g, peer = self._link(self.links.push, w)
         try:
-            while True:
-                self._wait(recv(self.headers[w], g, peer), w)
-                kind, lr, grad_scale = (float(self.headers[w][i]) for i in (0, 3, 4))
-                if kind != DONE:
-                    self._recv_push(w)
-                arrivals.put((w, kind, lr, grad_scale))
-                if kind == DONE:
-                    return
+            with self.lanes.listener(w):
+                while True:
+                    self._wait(recv(self.headers[w], g, peer), w)
+                    kind, lr, grad_scale = (float(self.headers[w][i]) for i in (0, 3, 4))
+                    if kind != DONE:
+                        self._recv_push(w)
+                    arrivals.put((w, kind, lr, grad_scale, self.lanes.ready()))
+                    if kind == DONE:
+                        return
         except BaseException as e:  # noqa: BLE001 - handed to the serving loop
-            arrivals.put((w, e, 0.0, 0.0))
+            arrivals.put((w, e, 0.0, 0.0, None))

@@ -1,0 +1,221 @@
+"""Issue 32, findings 2, 5 and 9: the GPU and scale findings the CPU can show.
+
+- 2: an asp/ssp parameter server on a model of CUDA stream semantics (a wait on unfinished work
+  stalls its stream; a send posted on a stalled stream queues behind it): the listener threads'
+  waits never stall a stream, each listener runs on its own stream, and the main loop's pulls never
+  queue behind them. The same model reproduces the deadlock of the old shape (one shared stream,
+  plain waits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+import torch
+
+from tests.helpers import tiny_model, tiny_train
+
+
+# ------------------------------------------------------------------ finding 2: listener streams
+class StreamModel:
+    """CUDA stream semantics on the host: a thread's current stream (``default`` unless set); a wait on
+    unfinished work stalls that stream until the work completes; a send posted on a stalled stream
+    waits for it (``deadlock_s`` at most: then it raises, the deadlock a GPU would hang in)."""
+
+    def __init__(self, deadlock_s: float = 0.5) -> None:
+        self.tls = threading.local()
+        self.cond = threading.Condition()
+        self.stalled: Counter = Counter()
+        self.deadlock_s = deadlock_s
+        self.waits: list[tuple[str, str, bool]] = []  # (thread, stream, complete when waited)
+        self.sends: list[tuple[str, str]] = []  # (thread, stream)
+        self.consumed: list[tuple[str, str]] = []  # (stream waiting, stream the event was recorded on)
+        self.streams = 0
+
+    def lane(self) -> str:
+        return getattr(self.tls, "lane", "default")
+
+
+class ModelStream:
+    def __init__(self, model: StreamModel) -> None:
+        model.streams += 1
+        self.model, self.name, self.saved = model, f"stream-{model.streams}", []
+
+    def __enter__(self):
+        self.saved.append(self.model.lane())
+        self.model.tls.lane = self.name
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.tls.lane = self.saved.pop()
+
+
+class ModelCurrent:
+    def __init__(self, model: StreamModel) -> None:
+        self.model, self.name = model, model.lane()
+
+    def wait_event(self, event) -> None:
+        self.model.consumed.append((self.name, event.lane))
+
+
+class ModelEvent:
+    lane = ""
+
+    def record(self, stream) -> None:
+        self.lane = stream.name
+
+
+class RecvWork:
+    """A receive: complete once the peer's message is in the channel (copied into ``t``)."""
+
+    def __init__(self, model: StreamModel, channel: queue.Queue, t: torch.Tensor) -> None:
+        self.model, self.channel, self.t, self.done = model, channel, t, False
+
+    def _take(self, block: bool, timeout: float | None = None) -> None:
+        self.t.copy_(self.channel.get(block, timeout))
+        self.done = True
+
+    def is_completed(self) -> bool:
+        if not self.done:
+            with contextlib.suppress(queue.Empty):
+                self._take(False)
+        return self.done
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        m, lane = self.model, self.model.lane()
+        m.waits.append((threading.current_thread().name, lane, self.done))
+        if self.done:
+            return True
+        with m.cond:
+            m.stalled[lane] += 1  # the stream waits for the peer from now on
+        try:
+            self._take(True, None if timeout is None else timeout.total_seconds())
+        except queue.Empty:
+            raise RuntimeError("timed out") from None
+        finally:
+            with m.cond:
+                m.stalled[lane] -= 1
+                m.cond.notify_all()
+        return True
+
+
+class SendWork:
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+
+class FakeNet:
+    """The links of one server k=0 with W workers: a channel per (table, worker)."""
+
+    def __init__(self, model: StreamModel, workers: int) -> None:
+        self.model = model
+        self.chan = {(t, w): queue.Queue() for t in ("push", "pull") for w in range(workers)}
+
+    def send(self, t, group, peer, meter=None):
+        m, lane = self.model, self.model.lane()
+        m.sends.append((threading.current_thread().name, lane))
+        with m.cond:  # NCCL's stream first waits for the poster's current stream
+            if not m.cond.wait_for(lambda: m.stalled[lane] == 0, m.deadlock_s):
+                raise RuntimeError(f"deadlock: a send on {lane} queued behind a wait on unfinished work")
+        self.chan[group].put(t.detach().clone())
+        return SendWork()
+
+    def recv(self, t, group, peer):
+        return RecvWork(self.model, self.chan[group], t)
+
+
+def _fake_worker(net: FakeNet, w: int, steps: int, numel: int) -> None:
+    from loom.parallel.ps.links import DONE, PUSH
+
+    g = torch.Generator().manual_seed(w)
+    for clock in range(steps):
+        net.chan[("push", w)].put(torch.tensor([PUSH, clock, 0.0, 1e-3, 1.0], dtype=torch.float64))
+        net.chan[("push", w)].put(torch.randn(numel, generator=g))
+        net.chan[("pull", w)].get(timeout=5)  # header
+        net.chan[("pull", w)].get(timeout=5)  # shard
+    net.chan[("push", w)].put(torch.tensor([DONE, steps, 0.0, 0.0, 0.0], dtype=torch.float64))
+
+
+def _serve_on_model(monkeypatch, bound, old_shape: bool = False, workers: int = 2, steps: int = 6):
+    from loom.model.llama import build_model
+    from loom.parallel.ps import server as S
+    from loom.parallel.ps.links import PSLinks
+
+    model = StreamModel()
+    net = FakeNet(model, workers)
+    monkeypatch.setattr(S, "send", net.send)
+    monkeypatch.setattr(S, "recv", net.recv)
+
+    class ModelLanes(S.Lanes):
+        def __init__(self) -> None:
+            super().__init__(torch.device("cpu"))
+            self.streams = True  # the accelerator path, on the model
+
+        def new_stream(self):
+            return ModelStream(model)
+
+        def new_event(self):
+            return ModelEvent()
+
+        def current_stream(self):
+            return ModelCurrent(model)
+
+    class OldLanes(ModelLanes):  # before the fix: every thread on the default stream, plain waits
+        def listener(self, w):
+            return contextlib.nullcontext()
+
+        def settle(self, work, timeout_s, who):
+            S.wait_for(work, timeout_s, who)
+
+    class Links(PSLinks):
+        def peer(self, group, global_rank):
+            return 0
+
+    links = Links(workers, 1, workers)
+    links.push = {(w, 0): ("push", w) for w in range(workers)}
+    links.pull = {(w, 0): ("pull", w) for w in range(workers)}
+    ps = S.ParameterServer(build_model(tiny_model(), 0), links, bound, tiny_train(), None, 3.0)
+    ps.lanes = OldLanes() if old_shape else ModelLanes()
+    threads = [
+        threading.Thread(target=_fake_worker, args=(net, w, steps, ps.shard.numel()), daemon=True)
+        for w in range(workers)
+    ]
+    for th in threads:
+        th.start()
+    report = ps.serve()
+    for th in threads:
+        th.join(5)
+    return model, report
+
+
+@pytest.mark.parametrize("bound", [None, 1])
+def test_ps_listener_waits_never_block_the_main_loop(monkeypatch, bound):
+    """asp and ssp:1, 2 workers × 6 pushes on the stream model: every wait of a server thread is on
+    finished work (0 stalls), each listener on its own stream, never the main loop's; the main loop
+    waits once per applied push, on the pushing listener's stream, and its 2 sends per pull are
+    all on its own (default) stream."""
+    workers, steps = 2, 6
+    model, report = _serve_on_model(monkeypatch, bound, workers=workers, steps=steps)
+    assert len(report.pushers) == workers * steps
+    assert [done for _, _, done in model.waits] == [True] * len(model.waits)
+    lanes = {th: lane for th, lane, _ in model.waits if th.startswith("loom-ps-listen")}
+    assert len(lanes) == workers and len(set(lanes.values())) == workers and "default" not in lanes.values()
+    assert Counter(model.consumed) == Counter(
+        ("default", lanes[f"loom-ps-listen-{w}"]) for w in report.pushers
+    )
+    assert model.sends == [(threading.current_thread().name, "default")] * (2 * workers * steps)
+
+
+def test_ps_stream_model_reproduces_the_old_deadlock(monkeypatch):
+    """The same model, listeners on the shared default stream with plain waits (before the fix): the
+    main loop's first pull queues behind a listener's wait for that worker's next push."""
+    with pytest.raises(RuntimeError, match="deadlock: a send on default queued behind"):
+        _serve_on_model(monkeypatch, None, old_shape=True)
