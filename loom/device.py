@@ -58,15 +58,39 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def cuda_device_count() -> int:
+    """GPUs this process sees (after ``CUDA_VISIBLE_DEVICES``); 0 without CUDA."""
+    return torch.cuda.device_count() if cuda_available() else 0
+
+
+def cuda_ordinal(local_rank: int) -> int:
+    """The GPU index of the rank with ``LOCAL_RANK`` = ``local_rank``, among the n visible ones:
+    ``local_rank`` when local_rank < n (every local rank sees every GPU: torchrun, ``loom train``);
+    0 when n = 1 (one GPU bound per task: ``srun --gpus-per-task=1``, where LOCAL_RANK still counts
+    the node's tasks); any other n is refused in one line."""
+    n = cuda_device_count()
+    if local_rank < n:
+        return local_rank
+    if n == 1:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    raise RuntimeError(
+        f"LOCAL_RANK={local_rank} but this process sees {n} GPUs{shown}: start at most {n} ranks per node "
+        "(--nproc, srun --ntasks-per-node), or give each rank every GPU of its node or exactly one"
+    )
+
+
 def resolve_device(kind: str, local_rank: int = 0) -> torch.device:
-    """``auto`` = cuda:<local_rank> when CUDA is available, else cpu."""
+    """``auto`` = CUDA when available, else cpu; on CUDA the GPU :func:`cuda_ordinal` picks."""
     if kind == "auto":
         kind = "cuda" if cuda_available() else "cpu"
     if kind == "cuda":
         if not cuda_available():
             raise RuntimeError("run.device = cuda but CUDA is not available on this machine")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = cuda_ordinal(local_rank)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

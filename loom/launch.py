@@ -620,10 +620,26 @@ def main_train(cfg: C.LoomConfig, max_restarts: int = 0, nodes: Nodes | None = N
         return int(e.code or 1)
 
 
+def check_local_gpus(cfg: C.LoomConfig, local_ranks: int) -> None:
+    """On a CUDA run each local rank takes its own GPU: more local ranks than ``device_count()`` GPUs
+    is refused before any rank starts (one line naming run.nproc)."""
+    from loom.device import cuda_available, cuda_device_count
+
+    if cfg.run.device == "cpu" or (cfg.run.device == "auto" and not cuda_available()):
+        return
+    n = cuda_device_count()
+    if local_ranks > n:
+        raise C.ConfigError(
+            f"run.nproc: {local_ranks} ranks on this node but torch.cuda.device_count() = {n} "
+            f"(one GPU per rank); give --nproc {n} or fewer, or run.device = cpu"
+        )
+
+
 def _train_locally(cfg: C.LoomConfig, max_restarts: int, nodes: Nodes | None = None) -> int:
     world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp + C.ps_servers(
         cfg
     )  # validated by the CLI
+    check_local_gpus(cfg, cfg.run.nproc if nodes is not None else world)
     from loom.data import prepare_data
 
     prepared = prepare_data(cfg.data, progress=cfg.run.progress)

@@ -42,3 +42,72 @@ def test_moe_flops_count_top_k_experts(shared):
         norms = L * pc.norms + pc.final_norm  # counted by the trainer, not by the planner (not matmuls)
         assert pc.experts == expert_params(moe)
         assert flops_per_token(moe_cfg, SEQ, pc.matmul, pc.experts) == pytest.approx(got - 6 * norms)
+
+
+# --- finding 4: the GPU of a rank under srun, and --nproc above the GPUs -----------------------------
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CUDA 'available' with ``n`` GPUs; ``set_device`` records its argument (no CUDA here)."""
+    import torch
+
+    chosen: list[int] = []
+
+    def with_gpus(n: int, visible: str | None = None) -> list[int]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        return chosen
+
+    return with_gpus
+
+
+def test_one_visible_gpu_per_task_is_cuda_0(fake_cuda):
+    """srun --gpus-per-task=1: LOCAL_RANK 3 of a node whose task sees one GPU runs on cuda:0; with every
+    GPU visible (torchrun) LOCAL_RANK picks its own."""
+    import torch
+
+    from loom.device import resolve_device
+
+    chosen = fake_cuda(1, "5")
+    assert resolve_device("auto", 3) == torch.device("cuda", 0) and chosen == [0]
+    chosen = fake_cuda(8)
+    assert resolve_device("cuda", 3) == torch.device("cuda", 3) and chosen[-1] == 3
+
+
+def test_too_few_visible_gpus_is_one_line(fake_cuda):
+    from loom.device import resolve_device
+
+    fake_cuda(2, "0,1")
+    with pytest.raises(RuntimeError) as e:
+        resolve_device("auto", 3)
+    msg = str(e.value)
+    assert "\n" not in msg and "LOCAL_RANK=3" in msg and "sees 2 GPUs" in msg and "'0,1'" in msg
+
+
+def test_nproc_above_device_count_refused_before_launch(fake_cuda, monkeypatch, tmp_path):
+    """--nproc 4 on a node with 2 GPUs: refused naming run.nproc before data is prepared or a rank starts;
+    on the CPU (run.device = cpu) the same nproc is allowed to proceed."""
+    import loom.config as C
+    import loom.data
+    from loom import launch
+
+    started: list[str] = []
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: started.append("launch"))
+    monkeypatch.setattr(loom.data, "prepare_data", lambda *a, **k: started.append("prepare") or 1 / 0)
+    cfg = C.LoomConfig()
+    cfg.run.nproc, cfg.run.dir = 4, str(tmp_path)
+    cfg.parallel.dp = 4
+    fake_cuda(2)
+    with pytest.raises(C.ConfigError, match=r"^run\.nproc: 4 ranks .*device_count\(\) = 2 .*--nproc 2") as e:
+        launch._train_locally(cfg, 0)
+    assert "\n" not in str(e.value) and started == []
+    cfg.run.device = "cpu"
+    with pytest.raises(ZeroDivisionError):  # past the check: data preparation is next
+        launch._train_locally(cfg, 0)
+    assert started == ["prepare"]
