@@ -474,6 +474,46 @@ def test_lora_resume_on_another_base_is_refused_naming_both_hashes(lora_run, pre
     assert hf_dir_sha256(hf_base) in msg and hf_dir_sha256(other) in msg
 
 
+def test_merge_export_reads_the_recorded_base_and_checks_its_hash(
+    prepared, hf_base, tmp_path, monkeypatch, capsys
+):
+    """A run trained with a relative ``model.from_hf``: ``loom export hf --merge-lora`` from another
+    working directory merges onto the absolute path the checkpoint recorded (the same tensors as from
+    the training directory); once that base's weights change, the export is refused in one line
+    naming both SHA-256 (the rule resume applies), and nothing is written."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from loom.cli import main
+    from loom.finetune.base import hf_dir_sha256
+
+    shutil.copytree(hf_base, tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    cfg = hf_lora_config(prepared, Path("base"), tmp_path / "run", train={"steps": 1})
+    assert cfg.model.from_hf == "base"
+    trainer_fit(cfg)
+    assert main(["export", "hf", "run", "here", "--merge-lora"]) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # "base" is not here
+    assert main(["export", "hf", str(tmp_path / "run"), "there", "--merge-lora"]) == 0
+    a, b = (
+        {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+        for d in (tmp_path / "here", elsewhere / "there")
+    )
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    before = hf_dir_sha256(tmp_path / "base")
+    save_tiny_hf(tmp_path / "base", seed=1)  # the same shapes, other weights
+    capsys.readouterr()
+    assert main(["export", "hf", str(tmp_path / "run"), "again", "--merge-lora"]) == 2
+    msg = capsys.readouterr().err
+    assert msg.startswith("loom: error: finetune:") and msg.count("\n") == 1, msg
+    assert "merge onto the base it was trained on" in msg
+    assert before in msg and hf_dir_sha256(tmp_path / "base") in msg and not Path("again").exists()
+
+
 # ----------------------------------------------------------------------------- PEFT interop
 
 

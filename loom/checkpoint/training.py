@@ -81,6 +81,33 @@ def _row_step(line: str) -> float:
         return float("inf")
 
 
+def check_base(
+    was: dict | None,
+    now: dict | None,
+    ckpt: Path | str,
+    method: str,
+    todo: str = "resume on the same base, or start a new run.dir",
+) -> None:
+    """The one rule binding a LoRA checkpoint to its base, for resuming, generating and exporting:
+    ``was`` (the checkpoint's ``finetune_base``) and ``now`` (the base at hand, by
+    :func:`loom.finetune.base.base_identity`) have the same SHA-256, and a full fine-tune's
+    checkpoint (no base) never meets adapters. ``method``: the finetune.method at hand; ``todo``:
+    what to do instead. Raises one :class:`~loom.config.ConfigError` line naming both bases."""
+    if was is None and now is None:
+        return
+    if was is None or now is None:
+        kind = "holds every weight (a full fine-tune)" if was is None else "holds LoRA adapters only"
+        raise C.ConfigError(
+            f"finetune.method: {ckpt} {kind}; this run has finetune.method = {method}; "
+            "resume with the method it was saved with"
+        )
+    if was.get("sha256") != now.get("sha256"):
+        raise C.ConfigError(
+            f"finetune: {ckpt} holds LoRA adapters trained on the base {was.get('path')} (sha256 "
+            f"{was.get('sha256')}), but the base here is {now.get('path')} (sha256 {now.get('sha256')}); {todo}"
+        )
+
+
 class TrainCheckpoints:
     """The trainer's checkpoint duties on one rank: resume, periodic saves, the final save."""
 
@@ -175,22 +202,8 @@ class TrainCheckpoints:
                 )
 
     def _check_base(self, ts: dict, ckpt: Path) -> None:
-        """A LoRA checkpoint resumes only on the base it was trained on (same SHA-256)."""
-        was, now = ts.get("finetune_base"), self.base
-        if was is None and now is None:
-            return
-        if was is None or now is None:
-            kind = "holds every weight (a full fine-tune)" if was is None else "holds LoRA adapters only"
-            raise C.ConfigError(
-                f"finetune.method: {ckpt} {kind}; this run has finetune.method = "
-                f"{self.cfg.finetune.method}; resume with the method it was saved with"
-            )
-        if was.get("sha256") != now.get("sha256"):
-            raise C.ConfigError(
-                f"finetune: {ckpt} holds LoRA adapters trained on the base {was.get('path')} (sha256 "
-                f"{was.get('sha256')}), this run's base is {now.get('path')} (sha256 {now.get('sha256')}); resume on "
-                "the same base, or start a new run.dir"
-            )
+        """A LoRA checkpoint resumes only on the base it was trained on (:func:`check_base`)."""
+        check_base(ts.get("finetune_base"), self.base, ckpt, self.cfg.finetune.method)
 
     def _scaler_state(self) -> dict | None:
         """The loss scaler's numbers (scale, counters), restored as they were for an exact resume."""

@@ -9,7 +9,10 @@ resume from where the run took it, so the checkpoint records which base that was
         of every file of the checkpoint)
     neither (the seeded init):  SHA-256 of the model section and train.seed (canonical JSON)
 
-Resuming against a base whose hash differs is refused, naming both hashes.
+Resuming, generating from or exporting (``--merge-lora``) a LoRA checkpoint against a base whose
+hash differs is refused, naming both hashes (:func:`loom.checkpoint.training.check_base`, the one
+rule). Generating and exporting read a base the config names by a relative path at the absolute
+path the checkpoint recorded (it was relative to where the run trained: :func:`bind_base`).
 """
 
 from __future__ import annotations
@@ -65,3 +68,21 @@ def base_identity(cfg: LoomConfig) -> dict[str, str] | None:
         "path": f"seeded init (train.seed = {cfg.train.seed})",
         "sha256": hashlib.sha256(record.encode()).hexdigest(),
     }
+
+
+def bind_base(cfg: LoomConfig, recorded: dict | None, ckpt: Path | str, todo: str) -> None:
+    """Point ``cfg`` at the base a LoRA checkpoint ``recorded`` (its ``finetune_base``): a relative
+    ``train.init_from`` / ``model.from_hf`` was relative to where the run trained, so it becomes the
+    absolute path the checkpoint recorded (an absolute one stays: the user may have moved the base and
+    said so); then refuse a base whose SHA-256 differs (:func:`~loom.checkpoint.training.check_base`).
+    ``todo``: what the refusal tells the user to do instead."""
+    from loom.checkpoint.training import check_base
+
+    if recorded is None:
+        return
+    field = "init_from" if cfg.train.init_from else "from_hf"
+    section = cfg.train if field == "init_from" else cfg.model
+    given = getattr(section, field)
+    if recorded.get("kind") in ("hf", "checkpoint") and given and not Path(given).expanduser().is_absolute():
+        setattr(section, field, str(recorded.get("path", given)))
+    check_base(recorded, base_identity(cfg), ckpt, cfg.finetune.method, todo)

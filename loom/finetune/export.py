@@ -32,6 +32,7 @@ from loom import config as C
 from loom.checkpoint.format import CheckpointError, fsync_dir
 from loom.checkpoint.load import CheckpointReader
 from loom.device import DTYPES, resolve_precision
+from loom.finetune.base import bind_base
 from loom.finetune.lora import LORA_SUFFIXES, merged_weight
 from loom.finetune.nf4 import as_trained
 from loom.model.hf import _mappings, architecture_of, to_hf_rows
@@ -178,6 +179,12 @@ class MergedReader:
     def __init__(self, reader: CheckpointReader) -> None:
         self.reader = reader
         self.cfg = lora_config_of(reader, "export hf --merge-lora")
+        bind_base(  # the recorded absolute path, and the SHA-256 the run trained on
+            self.cfg,
+            reader.train_state.get("finetune_base"),
+            reader.dir,
+            "merge onto the base it was trained on",
+        )
         self.pairs = adapters(reader)
         self.scale = self.cfg.finetune.lora_alpha / self.cfg.finetune.lora_rank
         # QLoRA: the targets' weights as the run used them (NF4 from its parameter dtype), else W itself

@@ -172,16 +172,11 @@ def load_lora(cfg: C.LoomConfig, run_dir: Path, weights: Path) -> Transformer:
 
 
 def _check_base(cfg: C.LoomConfig, run_dir: Path, recorded: dict | None) -> None:
-    """Refuse a LoRA run whose base (``recorded`` by its checkpoint) has another SHA-256 now."""
-    from loom.finetune.base import base_identity
+    """Point ``cfg`` at the base ``recorded`` by a LoRA run's checkpoint (its absolute path) and
+    refuse it if its SHA-256 changed (:func:`loom.finetune.base.bind_base`)."""
+    from loom.finetune.base import bind_base
 
-    now = base_identity(cfg) or {}
-    if recorded is not None and recorded.get("sha256") != now.get("sha256"):
-        raise C.ConfigError(
-            f"finetune: {run_dir} holds LoRA adapters trained on the base {recorded.get('path')} "
-            f"(sha256 {recorded.get('sha256')}), but that base is now {now.get('path')} (sha256 "
-            f"{now.get('sha256')}); generate from the base it was trained on"
-        )
+    bind_base(cfg, recorded, run_dir, "generate from the base it was trained on")
 
 
 def _recorded_base(run_dir: Path, weights: Path) -> dict | None:
