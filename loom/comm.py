@@ -20,12 +20,20 @@ receiver's timeout reports it). Every collective is also logged per group as
 ``op(dtype[shape])``; :func:`take_order_log` hands the log over so that the members of each
 group can be compared (the test pool compares them after every call, the strict trainer at
 every step): a rank issuing another collective, or the same ones in another order, is named.
+
+Host-tensor sentinel (strict mode): tensors owned by host stores (offloaded parameter, gradient
+and optimizer shards, fp32 masters, pinned staging buffers) are tagged where they are created
+(:func:`mark_host`), by storage, so their views are tagged too. A collective or point-to-point
+handed one fails with one line naming the collective and the Loom caller: NCCL moves device
+memory only. On a CPU run every tensor is on the CPU, so the tag, not the device, tells a
+host-store tensor from a "device" one; :func:`device_copy` is the way across.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import warnings
 from collections import defaultdict
@@ -35,6 +43,7 @@ from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 # torch >= 2.13 names all_gather_into_tensor / reduce_scatter_tensor deprecated in favour of
 # *_single; both run the same collective, and the old names work on every torch this supports.
@@ -130,11 +139,75 @@ def verify_order() -> None:
         raise StrictCommError(mismatch)
 
 
+# storage address -> (the storage, alive or not; what owns it): tensors of host stores (strict mode)
+_HOST_OWNED: dict[int, tuple[StorageWeakRef, str]] = {}
+_HOST_PURGE_AT = 1024  # purge freed storages when the table doubles past this
+
+
+def mark_host(t: torch.Tensor, owner: str) -> torch.Tensor:
+    """Tag ``t``'s storage as host memory owned by ``owner`` (e.g. "cpu store 'grad3'"), so that a
+    collective handed it, or any view of it, fails in strict mode. Returns ``t``. Kept in strict mode
+    only (no cost otherwise)."""
+    global _HOST_PURGE_AT
+    if not strict() or t.numel() == 0:
+        return t
+    storage = t.untyped_storage()
+    _HOST_OWNED[storage.data_ptr()] = (StorageWeakRef(storage), owner)
+    if len(_HOST_OWNED) > _HOST_PURGE_AT:
+        for key in [k for k, (ref, _) in _HOST_OWNED.items() if ref.expired()]:
+            del _HOST_OWNED[key]
+        _HOST_PURGE_AT = max(1024, 2 * len(_HOST_OWNED))
+    return t
+
+
+def host_owner(t: torch.Tensor) -> str | None:
+    """The host store owning ``t``'s storage (:func:`mark_host`), or None."""
+    if not _HOST_OWNED or t.numel() == 0 or t.device.type == "meta":
+        return None
+    key = t.untyped_storage().data_ptr()
+    entry = _HOST_OWNED.get(key)
+    if entry is None:
+        return None
+    if entry[0].expired():  # freed: the address may belong to another tensor now
+        del _HOST_OWNED[key]
+        return None
+    return entry[1]
+
+
+def device_copy(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """``t`` itself when it is device memory on ``device`` (None: its own), else a copy there (a host
+    store's tensor on a CPU run included): what a collective may be handed. Copy results back with
+    ``t.copy_(copy)`` when ``copy is not t``."""
+    device = t.device if device is None else torch.device(device)
+    if t.device == device and host_owner(t) is None:
+        return t
+    return t.to(device, copy=True)
+
+
+def _caller() -> str:
+    """``path:line function`` of the innermost frame outside this module (the Loom caller)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "?"
+    path = frame.f_code.co_filename
+    short = path[path.rfind("/loom/") + 1 :] if "/loom/" in path else os.path.basename(path)
+    return f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
 def check_tensors(op: str, group: Group, *tensors: torch.Tensor) -> None:
     """Strict mode: raise :class:`StrictCommError` for a tensor NCCL would not take (see module doc),
-    and log the collective (point-to-point excepted) for the cross-rank order comparison."""
+    a host store's tensor included, and log the collective (point-to-point excepted) for the
+    cross-rank order comparison."""
     if not strict():
         return
+    for t in tensors:
+        if (owner := host_owner(t)) is not None:
+            raise StrictCommError(
+                f"{op} called from {_caller()}: tensor of shape {tuple(t.shape)} ({t.dtype}) is host "
+                f"memory of the {owner}; NCCL moves device memory only: use comm.device_copy first"
+            )
     if op != "send/recv":
         # all-to-all row counts differ by rank by design: only the row width is compared
         shape = (lambda t: ["*", *t.shape[1:]]) if op == "all_to_all" else (lambda t: list(t.shape))
@@ -297,12 +370,10 @@ def all_reduce_via(
     memory under offload): NCCL reduces only device memory."""
     if group_size(group) == 1:
         return
-    if t.device == torch.device(device):
-        all_reduce(t, group, meter)
-        return
-    on_device = t.to(device)
+    on_device = device_copy(t, device)
     all_reduce(on_device, group, meter)
-    t.copy_(on_device)
+    if on_device is not t:
+        t.copy_(on_device)
 
 
 def all_reduce_max(t: torch.Tensor, group: Group, meter: CommMeter | None = None) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from loom import comm
 from loom.optim.store import StateStore
 
 
@@ -32,15 +33,32 @@ class MasterWeights:
                 self.masters.append(m)
 
     def grads32(self, grads: Sequence[torch.Tensor], scale: float) -> list[torch.Tensor]:
-        """fp32 gradients on the store's device, multiplied by ``scale`` (a copy when scaled or cast)."""
+        """fp32 gradients on the store's device, multiplied by ``scale`` (a copy when scaled or cast).
+
+        A device gradient bound for host state (offload) is cast and scaled on its device, then
+        copied without blocking into pinned host memory (pageable where there is no CUDA); the host
+        waits once, on the event after the last copy, before the update reads them."""
         dev = self.store.device
         out = []
+        crossed = None
         for g in grads:
             if g.device == dev and g.dtype == torch.float32 and scale == 1.0:
                 out.append(g)
-            else:
+            elif g.device == dev:
                 g32 = g.to(dev, torch.float32, copy=True)
                 out.append(g32.mul_(scale) if scale != 1.0 else g32)
+            else:
+                g32 = g.to(torch.float32, copy=True)
+                g32 = g32.mul_(scale) if scale != 1.0 else g32
+                pin = g.device.type == "cuda" and torch.cuda.is_available()
+                host = torch.empty(g.shape, dtype=torch.float32, device=dev, pin_memory=pin)
+                host.copy_(g32, non_blocking=pin)
+                out.append(comm.mark_host(host, "optimizer's fp32 gradient copy"))
+                crossed = g.device if pin else crossed
+        if crossed is not None:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(crossed))
+            done.synchronize()
         return out
 
     @torch.no_grad()

@@ -29,6 +29,7 @@ from typing import get_args
 
 import torch
 
+from loom import comm
 from loom.config import Offload
 
 OFFLOAD_KINDS: tuple[str, ...] = get_args(Offload)
@@ -51,6 +52,8 @@ class StateStore:
         """A zero-filled 1-D tensor of ``numel`` elements named ``name`` (names are unique per store)."""
         t = self._alloc(numel, name, dtype)
         self.nbytes += t.numel() * t.element_size()
+        if self.kind != "none":  # host memory: no collective may take it (strict mode's sentinel)
+            comm.mark_host(t, f"{self.kind} store's {name!r}")
         return t
 
     def _alloc(self, numel: int, name: str, dtype: torch.dtype) -> torch.Tensor:

@@ -196,19 +196,24 @@ def split_model(
 
 
 def exchange_tied_grad(
-    pipe: PipelineModule, meter: comm.CommMeter | None = None, grad: torch.Tensor | None = None
+    pipe: PipelineModule,
+    meter: comm.CommMeter | None = None,
+    grad: torch.Tensor | None = None,
+    device: torch.device | None = None,
 ) -> None:
     """Sum the tied embedding/head gradient between the first and the last pipeline rank.
 
     g <- g_first + g_last on both ranks (one send and one receive of V*h values each, or of the
     V*h/N elements of a ZeRO shard: ``grad``, which the two ranks hold alike, see
     :func:`loom.parallel.layout.tied_copy`); IEEE addition is commutative, so both copies
-    get bitwise the same gradient.
+    get bitwise the same gradient. A shard in a host store (``offload_params``) crosses through a
+    copy on ``device``: sent, summed there and copied back (NCCL moves device memory only).
     """
     w = pipe.tied_weight()
-    grad = w.grad if grad is None and w is not None else grad
-    if w is None or grad is None or grad.numel() == 0:
+    host = w.grad if grad is None and w is not None else grad
+    if w is None or host is None or host.numel() == 0:
         return
+    grad = comm.device_copy(host, device)
     peer = (pipe.n_stages - 1) % pipe.p if pipe.is_first else 0
     other = torch.empty_like(grad)
     out_group, out_peer = pipe.link(pipe.rank, peer)
@@ -218,6 +223,8 @@ def exchange_tied_grad(
     for work in works:
         work.wait()
     grad.add_(other)
+    if grad is not host:
+        host.copy_(grad)  # (blocking: the host reads the shard next, for the norm and the step)
 
 
 def gather_full_state(pipe: PipelineModule) -> dict[str, torch.Tensor] | None:

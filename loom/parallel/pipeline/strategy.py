@@ -8,7 +8,8 @@ backward (:mod:`loom.parallel.pipeline.step`); sync, clipping and the update are
 :func:`loom.train.step.optimizer_step` over this strategy:
 
     finish_sync   the dp reduction, then the tied embedding/head gradient summed between the
-                  first and the last pipeline rank (synchronous schedules)
+                  first and the last pipeline rank (synchronous schedules; on the device, through a
+                  copy, when the inner strategy keeps its gradient shards in host memory)
     grad_sq       Σ over pp ranks of each stage's Σ g² (the tied matrix once); asynchronous
                   schedules (PipeDream, 2BW): the stage's own, as a pp-wide norm would
                   synchronise the stages the schedule decouples
@@ -133,7 +134,7 @@ class PipelineStrategy(StrategyBase):
     def finish_sync(self) -> None:
         self.inner.finish_sync()
         if not self.asynchronous:
-            exchange_tied_grad(self.pipe, self.meter, self._tied_grad())
+            exchange_tied_grad(self.pipe, self.meter, self._tied_grad(), self.comm_device)
 
     def _tied_grad(self) -> torch.Tensor | None:
         """This rank's reduced gradient of its tied copy: whole, or its ZeRO shard (empty if none)."""

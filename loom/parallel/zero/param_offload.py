@@ -21,6 +21,12 @@ Bytes per rank (fp32 AdamW; Φ' = Σ padded unit sizes, N the sharding group):
     device, during a step   ZeRO-3's gathered units and gradient buffers
                             + staging: at most 2 shards of a unit (one gathering, one read ahead)
 
+Gradient shard: the reducer forms each unit's reduced shard in a device buffer; once its reduction
+has completed (checked at each later unit's reduction, and at the end of the step's reductions)
+the shard is copied into the store without blocking (pinned host memory on a GPU), and the host
+waits once, on the event after the last copy, where ``finish_sync`` ends: the norm and the
+optimizer step read the host shards next. No host wait inside backward, one per step.
+
 so the largest model that fits a per-rank device budget M is set by one unit and the activations,
 not by Φ/N: ZeRO-3 needs 16Φ'/N + transient ≤ M, ZeRO-Infinity transient ≤ M (and 16Φ'/N of host
 memory or disk). Bytes moved are ZeRO-3's; the store adds 4Φ'/N read (per gather) and 4Φ'/N written
@@ -49,6 +55,8 @@ class OffloadedZero(FullyShardedZero):
         self._reads: dict[int, Future] = {}  # unit index -> its shards being read into staging buffers
         self._staged_bytes = 0  # staging buffers alive (reading, or feeding an all-gather)
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-param-fetch")
+        self._landing: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device shard, its store shard)
+        self._landed: Any = None  # the event after the last device -> host gradient copy (CUDA)
         super().__init__(module, **kwargs)
         self.comm_device = kwargs.get("device")  # the norm's sums of host gradient shards cross ranks there
 
@@ -122,6 +130,55 @@ class OffloadedZero(FullyShardedZero):
 
     def _transient_bytes(self) -> int:
         return super()._transient_bytes() + self._staged_bytes
+
+    # ------------------------------------------------------------------ gradient shards
+    def _reduce(self, u: Unit) -> None:
+        """ZeRO-3's reduction of ``u``'s gradient into a device buffer (not the store: NCCL writes
+        device memory); earlier units' completed shards start their copies to the store."""
+        if not u.trained:
+            super()._reduce(u)
+            return
+        host = u.grad_shard
+        u.grad_shard = torch.empty(host.numel(), dtype=host.dtype, device=u.full.device)
+        try:
+            super()._reduce(u)
+        finally:
+            u.grad_shard, stage = host, u.grad_shard
+        self._landing.append((stage, host))
+        self._staged_bytes += comm.nbytes(stage)
+        self._land()
+
+    def _land(self) -> None:
+        """Copy every completed reduced shard into the store (non-blocking into pinned memory)."""
+        pending = {id(p.dest) for r in self._reducers for p in r.inflight}
+        keep = []
+        for stage, host in self._landing:
+            if id(stage) in pending:
+                keep.append((stage, host))
+                continue
+            pinned = host.device != stage.device and host.is_pinned()
+            host.copy_(stage, non_blocking=pinned)
+            self._staged_bytes -= comm.nbytes(stage)
+            if pinned and stage.device.type == "cuda":
+                self._landed = torch.cuda.Event()
+                self._landed.record()
+        self._landing = keep
+
+    def _reduce_all(self) -> None:
+        """ZeRO-3's, then the last shards copied to the store and the host's one wait for them."""
+        super()._reduce_all()
+        self._land()
+        if self._landed is not None:
+            self._landed.synchronize()
+            self._landed = None
+
+    def param_grad_sq(self, p: torch.Tensor) -> torch.Tensor:
+        """Σ g² over ``p``'s reduced gradient, the host shard's squares summed over the sharding
+        group on the device (a scalar in host memory cannot cross NCCL)."""
+        sq = self.param_grad_shard(p).float().pow(2).sum()
+        sq = sq.to(self.comm_device) if self.comm_device is not None else sq
+        comm.all_reduce(sq, self.shard_group)
+        return sq
 
     # ------------------------------------------------------------------ Strategy
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
