@@ -450,7 +450,8 @@ def launch(
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
     reaper = StoppedWorkerReaper()
     try:
-        return elastic_launch(lc, _worker)(C.to_dict(cfg))
+        start = lambda: elastic_launch(lc, _worker)(C.to_dict(cfg))  # noqa: E731
+        return relaunch_on_taken_port(start, STORE_ATTEMPTS if nodes is None else 1)  # one node: its own
     except ChildFailedError as e:
         if (record := stopped_record(Path(cfg.run.dir))) is not None:  # the ranks' exit after a signal
             raise Stopped(stop_line(Path(cfg.run.dir)), _stop_code(record)) from None
@@ -460,6 +461,28 @@ def launch(
         raise Stopped(stop_line(Path(cfg.run.dir), sig), 128 + sig) from None
     finally:
         reaper.close()
+
+
+STORE_ATTEMPTS = 3  # launches when rank 0's store port (chosen by the agent) was taken meanwhile
+
+
+def relaunch_on_taken_port(start, attempts: int = STORE_ATTEMPTS):
+    """``start()`` (one elastic launch), again up to ``attempts`` times in all while it fails only
+    because rank 0 could not listen on the port the agent chose for its store (``StorePortTaken``:
+    the agent's free port was taken before the rank bound it); the agent picks a new port each
+    launch. Nothing has run before that point, so a launch again is a clean start."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return start()
+        except ChildFailedError as e:
+            taken = [r for r, f in e.failures.items() if _failure_message(f).startswith("StorePortTaken")]
+            if not taken or attempt == attempts:
+                raise
+            line = _failure_message(e.failures[taken[0]]).partition(": ")[2]
+            print(f"loom: {line.split(';')[0]}; starting the ranks again on a new port", file=sys.stderr)
+    raise AssertionError("unreachable")
 
 
 class Stopped(SystemExit):
@@ -525,6 +548,7 @@ OWN_ERRORS = (
     "StrictCommError",
     "HardwareError",
     "PlanError",
+    "StorePortTaken",
 )
 
 

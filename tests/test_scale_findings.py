@@ -219,3 +219,137 @@ def test_ps_stream_model_reproduces_the_old_deadlock(monkeypatch):
     main loop's first pull queues behind a listener's wait for that worker's next push."""
     with pytest.raises(RuntimeError, match="deadlock: a send on default queued behind"):
         _serve_on_model(monkeypatch, None, old_shape=True)
+
+
+# ------------------------------------------------------------------ finding 5: diagnostics
+KEY = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+AGENT = {"TORCHELASTIC_RUN_ID": "job", "RANK": "0"}
+
+
+@pytest.mark.parametrize(
+    "rank_env,parent,want,logged",
+    [
+        ({}, None, "2", False),  # srun, nothing set: Loom's raising mode
+        (AGENT | {KEY: "1"}, {"PATH": "/bin"}, "2", False),  # torchrun's default: replaced
+        (AGENT | {KEY: "1"}, {KEY: "1"}, "1", True),  # the user exported 1 to torchrun: kept, said
+        (AGENT | {KEY: "1"}, None, "1", True),  # whose it is cannot be read: kept, said
+        (AGENT | {KEY: "3"}, {KEY: "3"}, "3", False),  # the user's raising mode: kept silently
+        ({KEY: "0"}, None, "0", True),  # srun, the user's 0: kept, said
+    ],
+)
+def test_nccl_error_handling_replaces_only_the_agents_default(
+    monkeypatch, tmp_path, caplog, rank_env, parent, want, logged
+):
+    """Under bare torchrun the agent's TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (SIGABRT before Loom's
+    diagnosis) becomes 2 in the rank before its process group exists; a user's value is kept, and a
+    killing one is logged once on rank 0 (none on rank 1)."""
+    import logging
+    import os
+
+    from loom.train.health import apply_nccl_watchdog_env
+
+    base = {
+        k: v for k, v in os.environ.items() if not k.startswith(("TORCH_NCCL", "TORCH_FR", "TORCHELASTIC"))
+    }
+    for rank in (0, 1):
+        monkeypatch.setattr(os, "environ", base | rank_env)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="loom"):
+            apply_nccl_watchdog_env(600, tmp_path, rank, lambda: parent)
+        assert os.environ[KEY] == want
+        lines = [r.getMessage() for r in caplog.records if KEY in r.getMessage()]
+        assert len(lines) == int(logged and rank == 0), lines
+        if lines:
+            assert lines[0].startswith(f"{KEY}={want} (") and "is kept" in lines[0]
+
+
+def test_parent_environ_is_read_from_proc():
+    import os
+
+    parent = __import__("loom.train.health", fromlist=["parent_environ"]).parent_environ(os.getpid())
+    if parent is None:
+        pytest.skip("no /proc here")
+    assert parent.get("PATH") == os.environ.get("PATH") or "PATH" in parent
+
+
+def test_store_port_taken_at_rank0_is_one_line_naming_the_port(monkeypatch, tmp_path):
+    """A real bind race: the port rank 0's store must listen on is held by another socket. Rank 0's
+    process group start fails with a one-line StorePortTaken naming addr:port and the cause (it
+    used to be diagnosed as "rank 1 unresponsive")."""
+    import os
+    import socket
+
+    from loom import config as C
+    from loom.train.setup import RankEnv, StorePortTaken, init_process_group
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        for k, v in {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": "0",
+            "WORLD_SIZE": "2",
+        }.items():
+            monkeypatch.setenv(k, v)
+        cfg = C.LoomConfig()
+        cfg.run.device, cfg.run.threads, cfg.run.timeout_s = "cpu", torch.get_num_threads(), 5
+        cfg.run.dir = str(tmp_path)
+        with pytest.raises(StorePortTaken) as info:
+            init_process_group(cfg, RankEnv(rank=0, world=2, local_rank=0, local_world=2))
+    line = str(info.value)
+    assert "\n" not in line and line.startswith(
+        f"MASTER_PORT: rank 0 cannot listen on 127.0.0.1:{port} for the process group's store: address "
+        "already in use"
+    )
+    assert not __import__("torch.distributed").distributed.is_initialized()
+    assert os.environ["MASTER_PORT"] == str(port)
+
+
+def _failed(tmp_path, rank: int, message: str):
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    path = tmp_path / f"error-{rank}-{len(list(tmp_path.iterdir()))}.json"
+    path.write_text(
+        json.dumps(
+            {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": "0"}}}
+        )
+    )
+    return ChildFailedError("loom", {rank: ProcessFailure(rank, 100 + rank, 1, str(path))})
+
+
+def test_taken_store_port_relaunches_then_reports(tmp_path, capsys):
+    """The launcher starts the ranks again (the agent picks a new port) while rank 0's only failure
+    is the taken store port, at most STORE_ATTEMPTS launches; any other failure is raised at once."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from loom.launch import STORE_ATTEMPTS, failure_line, relaunch_on_taken_port
+
+    taken = "StorePortTaken: MASTER_PORT: rank 0 cannot listen on 127.0.0.1:4242 for the process group's store: address already in use (x); start again"
+    calls = []
+
+    def flaky(fail_times: int, message: str = taken):
+        def start():
+            calls.append(1)
+            if len(calls) <= fail_times:
+                raise _failed(tmp_path, 0, message)
+            return {0: "ok"}
+
+        return start
+
+    assert relaunch_on_taken_port(flaky(1)) == {0: "ok"} and len(calls) == 2
+    assert capsys.readouterr().err.count("starting the ranks again on a new port") == 1
+    calls.clear()
+    with pytest.raises(ChildFailedError) as info:
+        relaunch_on_taken_port(flaky(STORE_ATTEMPTS))
+    assert len(calls) == STORE_ATTEMPTS
+    assert failure_line(info.value.failures, tmp_path).startswith(
+        "loom: MASTER_PORT: rank 0 cannot listen on 127.0.0.1:4242 for the process group's store"
+    )
+    calls.clear()
+    with pytest.raises(ChildFailedError):
+        relaunch_on_taken_port(flaky(1, "RuntimeError: something else"))
+    assert len(calls) == 1

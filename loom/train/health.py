@@ -26,9 +26,12 @@ on a timed-out collective before this diagnosis runs. Loom sets (unless the user
 watchdog to abort the communicators and raise in Python instead (``TORCH_NCCL_ASYNC_ERROR_HANDLING
 = 2``), its heartbeat monitor above Loom's timeout, and the flight recorder to dump each rank's
 last collectives into ``<run.dir>/flight_recorder/`` on a timeout; the diagnosis names the dump.
-The elastic agent gives its workers ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (kill) unless its own
-environment says otherwise, so ``loom train`` sets 2 in the launcher; under ``torchrun``, export
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` yourself.
+The elastic agent (``loom train``'s launcher, ``torchrun``) gives its workers
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (SIGABRT) unless its own environment sets the variable, so
+each rank decides before its process group exists (:func:`nccl_error_handling`): the agent's
+default (1 in the rank, absent from the agent's own environment, read from
+``/proc/<parent>/environ``) is replaced by 2; a value the user set is kept, and when it kills
+(0 or 1) rank 0 logs once that the hung-rank diagnosis cannot run.
 
 Non-finite values (:func:`loom.train.step.optimizer_step`): the gradient norm is global (every
 rank computes the same value after the gradient reduction), so all ranks agree without another
@@ -41,11 +44,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 INTERVAL_S = 1.0  # the floor of the refresh interval
@@ -75,10 +80,60 @@ def nccl_watchdog_env(timeout_s: float, run_dir: Path) -> dict[str, str]:
     }
 
 
-def apply_nccl_watchdog_env(timeout_s: float, run_dir: Path) -> None:
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+RAISING = ("2", "3")  # abort the communicators and raise / raise only: the diagnosis runs
+
+
+def parent_environ(pid: int | None = None) -> dict[str, str] | None:
+    """The environment the parent process (the elastic agent under a launcher) started with, or None
+    where it cannot be read (no ``/proc``, another user)."""
+    try:
+        raw = Path(f"/proc/{os.getppid() if pid is None else pid}/environ").read_bytes()
+    except OSError:
+        return None
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def nccl_error_handling(environ: dict[str, str], parent: dict[str, str] | None) -> tuple[str | None, str]:
+    """(the value to set for ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, or None to keep this rank's; a line
+    to log, or ""): unset → 2; 1 from the elastic agent's default (``TORCHELASTIC_RUN_ID`` set, the
+    variable absent from the agent's own environment ``parent``) → 2; anything else is the user's
+    and is kept, with a line when it kills the rank (0, 1) or when whose it is cannot be told."""
+    value = environ.get(NCCL_ERROR_HANDLING)
+    if value is None:
+        return "2", ""
+    if value in RAISING:
+        return None, ""
+    under_agent = "TORCHELASTIC_RUN_ID" in environ
+    if under_agent and value == "1" and parent is not None and NCCL_ERROR_HANDLING not in parent:
+        return "2", ""
+    whose = (
+        "set by you or by torchrun's default (its environment cannot be read)"
+        if under_agent and parent is None
+        else "set by you"
+    )
+    return None, (
+        f"{NCCL_ERROR_HANDLING}={value} ({whose}) is kept: a timed-out NCCL collective then ends the "
+        f"rank before Loom can name the hung rank; set it to 2 (or unset it) for that diagnosis"
+    )
+
+
+def apply_nccl_watchdog_env(
+    timeout_s: float, run_dir: Path, rank: int = 0, read_parent: Callable[[], dict | None] = parent_environ
+) -> None:
+    """Set :func:`nccl_watchdog_env` where the user has not (``os.environ``, before the process group
+    exists); ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` by :func:`nccl_error_handling` (``read_parent``: the
+    agent's environment); rank 0 logs its line once."""
     (Path(run_dir) / FLIGHT_RECORDER_DIR).mkdir(parents=True, exist_ok=True)
     for key, value in nccl_watchdog_env(timeout_s, run_dir).items():
-        os.environ.setdefault(key, value)
+        if key != NCCL_ERROR_HANDLING:
+            os.environ.setdefault(key, value)
+    environ = dict(os.environ)
+    chosen, line = nccl_error_handling(environ, read_parent() if NCCL_ERROR_HANDLING in environ else None)
+    if chosen is not None:
+        os.environ[NCCL_ERROR_HANDLING] = chosen
+    if line and rank == 0:
+        logging.getLogger("loom").warning("%s", line)
 
 
 class Heartbeat:

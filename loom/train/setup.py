@@ -51,13 +51,38 @@ def init_process_group(cfg: C.LoomConfig, env: RankEnv) -> torch.device:
     if env.world > 1 and not dist.is_initialized():
         backend = resolve_backend(cfg.run.backend, device)
         if "nccl" in backend:  # before the process group exists: its watchdog reads these
-            apply_nccl_watchdog_env(cfg.run.timeout_s, Path(cfg.run.dir))
-        dist.init_process_group(
-            backend=backend,
-            timeout=timedelta(seconds=cfg.run.timeout_s),
-            device_id=device if device.type == "cuda" else None,
-        )
+            apply_nccl_watchdog_env(cfg.run.timeout_s, Path(cfg.run.dir), env.rank)
+        try:
+            dist.init_process_group(
+                backend=backend,
+                timeout=timedelta(seconds=cfg.run.timeout_s),
+                device_id=device if device.type == "cuda" else None,
+            )
+        except Exception as e:
+            if env.rank == 0 and address_in_use(e):
+                raise StorePortTaken(store_port_line(os.environ)) from None
+            raise
     return device
+
+
+class StorePortTaken(C.ConfigError):
+    """Rank 0 could not listen on ``MASTER_ADDR:MASTER_PORT`` for the process group's store."""
+
+
+def address_in_use(exc: BaseException) -> bool:
+    """The store's server socket could not bind: the port is taken (EADDRINUSE, errno 98)."""
+    text = str(exc)
+    return "EADDRINUSE" in text or "ddress already in use" in text or getattr(exc, "errno", None) == 98
+
+
+def store_port_line(environ) -> str:
+    """The one line of :class:`StorePortTaken`: the port, and why (not "rank 1 unresponsive")."""
+    where = f"{environ.get('MASTER_ADDR', '?')}:{environ.get('MASTER_PORT', '?')}"
+    return (
+        f"MASTER_PORT: rank 0 cannot listen on {where} for the process group's store: address already in "
+        "use (another process took the port after the launcher chose it); start again, or give a free "
+        "port (torchrun --master-port, MASTER_PORT under srun)"
+    )
 
 
 CONTROL_TIMEOUT_S = 24 * 3600  # single-rank phases (data preparation, export) may take hours
