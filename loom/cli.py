@@ -168,11 +168,22 @@ def _check_run_dir(cfg: C.LoomConfig) -> None:
     problem = C._unwritable(d)
     if problem is not None:
         raise C.ConfigError(f"run.dir: {problem}")
+    from loom.checkpoint.format import enclosing_checkpoint
+
+    inside = enclosing_checkpoint(d)
+    if inside is not None:
+        raise C.ConfigError(
+            f"run.dir: {d!r} lies inside the checkpoint directory {str(inside)!r}; a run there would write "
+            "into a checkpoint; choose a run.dir outside it"
+        )
     if cfg.train.resume:
+        from loom.checkpoint.integrity import read_manifest
         from loom.checkpoint.load import find
 
-        if find(cfg.train.resume) is None:
+        found = find(cfg.train.resume)
+        if found is None:
             raise C.ConfigError(f"train.resume: {cfg.train.resume} holds no complete checkpoint")
+        read_manifest(*found)  # the manifest has the hash latest recorded, before run.dir is touched
     _check_resume_step(cfg)
 
 
@@ -351,6 +362,9 @@ def cmd_export(argv: list[str]) -> int:
     from loom.checkpoint.hf_export import main as export_main
 
     _no_empty_paths(argv)
+    formats = ("hf", "peft")
+    if argv and not argv[0].startswith("-") and argv[0] not in formats:
+        raise C.ConfigError(f"loom export: unknown format {argv[0]!r}; choose one of: {', '.join(formats)}")
     if argv[:1] == ["peft"] or "--merge-lora" in argv:  # a LoRA run: its adapters (PEFT), or merged weights
         from loom.finetune.export import main as lora_main
 

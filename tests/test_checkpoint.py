@@ -438,7 +438,11 @@ def test_crafted_pickle_checkpoints_are_refused(saved, tmp_path_factory):
     cfg.train.resume = str(pt)
     with pytest.raises(ConfigError, match="train.resume"):
         validate(cfg, 1)
-    # 2) pickles inside a Loom checkpoint whose manifest was forged to match
+    # 2) pickles inside a Loom checkpoint whose manifest was forged to match (a checkpoint copied
+    # without its run's ``latest``, whose recorded manifest hash would refuse it at once)
+    pointer = path.parent / "latest"
+    kept = pointer.read_bytes()
+    pointer.unlink()
     for victim, match in (
         ("index.json", "not valid JSON"),
         ("shard-00000-of-00002.safetensors", "not a safetensors"),
@@ -455,6 +459,7 @@ def test_crafted_pickle_checkpoints_are_refused(saved, tmp_path_factory):
             reader.read("model.tok_embeddings.weight")
         (path / victim).write_bytes(original)
         (path / "manifest.json").write_bytes(manifest)
+    pointer.write_bytes(kept)
     assert not marker.exists(), "a crafted pickle was executed"
 
 

@@ -129,3 +129,36 @@ def test_ctrl_c_stops_every_rank(tmp_path, env):
     # every rank stops after the same step and saves it (tests/test_preempt.py checks the resume)
     assert last and last[-1].startswith("loom: stopped by SIGINT after step "), err[-2000:]
     assert last[-1].endswith("saved; run the same command to resume") and "Traceback" not in err, err[-2000:]
+
+
+def test_a_failed_metrics_write_is_one_error_naming_the_file(tmp_path, monkeypatch, capsys):
+    """Disk full while writing a metrics row: one OSError naming metrics.jsonl (a bare write() error
+    has no file name), and with TensorBoard the event writer's error, not a writer-thread traceback."""
+    import errno
+    import threading
+
+    from loom.train import metrics as M
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    w = M.MetricsWriter(tmp_path, enabled=True, tensorboard=True)
+    monkeypatch.setattr(M.os, "write", full)
+    with pytest.raises(OSError, match="No space left on device") as e:
+        w.write({"step": 1, "loss": 1.0})
+    assert e.value.filename == str(tmp_path / "metrics.jsonl")
+    monkeypatch.undo()
+    monkeypatch.setattr(w._tb, "flush", full)
+    with pytest.raises(OSError) as e:
+        w.write({"step": 2, "loss": 1.0})
+    assert e.value.filename == str(tmp_path / "tensorboard")
+
+    class _AsyncWriterThread(threading.Thread):  # TensorBoard's writer thread, failing as on a full disk
+        def run(self):
+            full()
+
+    t = _AsyncWriterThread()
+    t.start()
+    t.join()
+    assert "Traceback" not in capsys.readouterr().err
+    w.close()

@@ -360,3 +360,49 @@ def test_huge_values_of_every_numeric_field_are_judged_without_allocating(tmp_pa
     verdicts = dict(zip([json.dumps(c) for c in cases], json.loads(p.stdout.splitlines()[-1]), strict=True))
     for case in cases[-5:]:  # the issue's examples are refused
         assert verdicts[json.dumps(case)] != "ok", case
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Two runs' checkpoint roots side by side (steps 3 and 6 in each), as a resume sees them."""
+    from tests.test_checkpoint import full_state, layout, save_virtual
+
+    base = tmp_path_factory.mktemp("ckpt-paths")
+    for run in ("run", "other"):
+        for step in (3, 6):
+            save_virtual(base / run / "checkpoints", layout(full_state(0)), step=step)
+    return base
+
+
+def _pointer_tags():
+    names = st.sampled_from(["step-00000003", "step-00000006", "step-00000009", "step-", "latest", ".", ""])
+    escapes = (
+        st.builds(lambda up, name: "../" * up + f"other/checkpoints/{name}", st.integers(1, 3), names)
+        | st.just("/etc")
+        | st.builds(lambda name: f"/{name}", names)
+    )
+    return names | escapes | st.text(max_size=12) | st.integers() | st.none()
+
+
+@settings(max_examples=80, suppress_health_check=list(HealthCheck), **SETTINGS)
+@given(
+    tag=_pointer_tags(), target=st.sampled_from(["run", "run/checkpoints", "run/checkpoints/step-00000003"])
+)
+def test_a_resume_never_leaves_its_run_whatever_latest_says(two_runs, tag, target):
+    """Whatever ``latest`` names (another run's checkpoint, an absolute path, garbage), the checkpoint a
+    resume of ``run`` finds is one of ``run``'s own, or the refusal names ``latest``."""
+    from loom.checkpoint import CheckpointError, find
+
+    root = two_runs / "run" / "checkpoints"
+    pointer = root / "latest"
+    kept = pointer.read_bytes()
+    try:
+        pointer.write_text(json.dumps({"tag": tag, "step": 3, "manifest_sha256": "0" * 64}))
+        try:
+            found = find(two_runs / target)
+        except CheckpointError as e:
+            assert str(pointer) in str(e) and "\n" not in str(e), e
+            return
+        assert found is not None and found[0].resolve().parent == root.resolve(), found
+    finally:
+        pointer.write_bytes(kept)

@@ -780,3 +780,20 @@ def test_export_keeps_the_sources_config_tokenizer_and_dtype(prepared, tmp_path)
         x = torch.randint(0, 384, (1, 8), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             assert torch.isfinite(model(x).logits).all()
+
+
+def test_a_nan_in_a_weight_is_named_at_load(tmp_path):
+    """A damaged weight is refused where it is read, naming the tensor, instead of surfacing as a
+    non-finite gradient (with advice about the learning rate) at step 1."""
+    from safetensors.torch import load_file, save_file
+
+    from loom.model.hf import HFError, open_dir, read_state
+
+    path, _ = _save_hf(tmp_path, "llama", False)
+    shard = sorted(path.glob("*.safetensors"))[0]
+    tensors = load_file(str(shard))
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[3] = float("nan")
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(HFError, match=f"{name} holds NaN or inf"):
+        list(read_state(open_dir(path, 32)))

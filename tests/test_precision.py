@@ -253,3 +253,14 @@ def test_diverged_fp16_run_stops_naming_the_loss_scale():
     unlimited = DynamicLossScaler(max_skipped=0)
     for _ in range(100):
         unlimited.update(True)
+
+
+def test_a_static_scale_that_overflows_every_step_names_the_scale_not_the_learning_rate():
+    from loom.memory.loss_scale import DynamicLossScaler, LossScaleDiverged
+
+    s = DynamicLossScaler(static=1e30, max_skipped=2)
+    s.update(True)
+    s.update(True)
+    with pytest.raises(LossScaleDiverged, match=r"^train.loss_scale: the static scale 1e\+30 made 3") as e:
+        s.update(True)
+    assert "train.lr" not in str(e.value)

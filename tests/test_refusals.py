@@ -279,6 +279,50 @@ def _hf_int8(c: Ctx):
     return c.train("--model.from_hf", str(hf)), ["model.from_hf", str(shard), name, "I8"]
 
 
+def _hf_config_not_json(c: Ctx):
+    from loom.cli import main
+
+    hf = c.tmp / "hf"
+    assert main(["export", "hf", str(c.w.run), str(hf)]) == 0
+    (hf / "config.json").write_text("{'model_type': 'llama'}")
+    return c.train("--model.from_hf", str(hf)), [str(hf / "config.json"), "not valid JSON"]
+
+
+def _resume_older_checkpoint_manifest_rewritten(c: Ctx):
+    """An older checkpoint named directly: its manifest rewritten (as with a shard edited together
+    with its hash) no longer has the hash ``latest`` keeps for it."""
+    run = c.copy_run()
+    older = sorted((run / "checkpoints").glob("step-*"))[0]
+    manifest = older / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["note"] = "edited with its shard"
+    manifest.write_text(json.dumps(m))
+    return c.train("--train.resume", str(older), "--train.steps", "3"), [str(manifest), "SHA-256"]
+
+
+def _latest_points_into_another_run(c: Ctx):
+    run = c.copy_run()
+    other = c.tmp / "other"
+    shutil.copytree(c.w.run, other)
+    latest = run / "checkpoints" / "latest"
+    record = json.loads(latest.read_text())
+    record["tag"] = f"../../other/checkpoints/{record['tag']}"
+    latest.write_text(json.dumps(record))
+    return c.train("--train.steps", "3", run=run), [str(latest), "outside this run"]
+
+
+def _run_dir_inside_a_checkpoint(c: Ctx):
+    run = c.copy_run()
+    inside = _newest(run) / "run"
+    return c.train(run=inside), ["run.dir", str(_newest(run))]
+
+
+def _run_dir_dangling_link(c: Ctx):
+    link = c.tmp / "link"
+    link.symlink_to(c.tmp / "nowhere")
+    return c.train(run=link), ["run.dir", "dangling link", str(c.tmp / "nowhere")]
+
+
 def _resume_corrupt_data_record(c: Ctx):
     run = c.copy_run()
     (run / "data.json").write_text("{not json")
@@ -326,9 +370,10 @@ def _convert_edited_manifest_direct(c: Ctx):
     m = json.loads((ckpt / "manifest.json").read_text())
     m["files"]["index.json"]["sha256"] = ["0" * 64]
     (ckpt / "manifest.json").write_text(json.dumps(m))
+    # named directly, it is still checked against the manifest hash ``latest`` keeps for it
     return ["checkpoint", "convert", str(ckpt), str(c.tmp / "out.safetensors")], [
-        "index.json",
-        "manifest.json",
+        str(ckpt / "manifest.json"),
+        "content altered",
     ]
 
 
@@ -639,6 +684,20 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("train.resume a pickle file", _resume_a_file, 2),
     ("train.resume damaged checkpoint", _resume_damaged, 2),
     ("train.init_from missing", _cfg("--train.init_from", "/nonexistent/w", names=("train.init_from",)), 2),
+    (
+        "train.resume: an older checkpoint's manifest rewritten",
+        _resume_older_checkpoint_manifest_rewritten,
+        2,
+    ),
+    ("latest names a checkpoint of another run", _latest_points_into_another_run, 2),
+    ("run.dir inside a checkpoint", _run_dir_inside_a_checkpoint, 2),
+    ("run.dir a dangling link", _run_dir_dangling_link, 2),
+    (
+        "export: unknown format",
+        lambda c: (["export", "onnx", str(c.w.run), str(c.tmp / "o")], ["'onnx'", "hf"]),
+        2,
+    ),
+    ("from_hf: config.json not JSON", _hf_config_not_json, 2),
     ("convert: manifest edited (latest)", _convert_edited_manifest_via_latest, 2),
     ("convert: manifest edited (direct)", _convert_edited_manifest_direct, 2),
     ("convert: into its own checkpoint", _convert_into_source, 2),

@@ -471,3 +471,42 @@ def test_heartbeat_file_is_whole_while_phases_change(tmp_path):
             assert read_heartbeats(tmp_path, 1)[0] is not None, f"torn heartbeat at set {i}"
     finally:
         beat.close()
+
+
+@pytest.mark.parametrize(
+    "case,expect",
+    [
+        (
+            "nan weight",
+            "parameter norm.weight holds NaN/inf before this step's update: the weights loaded from",
+        ),
+        ("first step", "on the first step, before any update (weights loaded from"),
+        ("lora first step", "finetune.lora_alpha / lora_rank = 1.25e+29"),
+        ("later step", "lower train.lr"),
+    ],
+)
+def test_a_non_finite_gradient_names_its_cause(case, expect):
+    """Damaged weights and a first step's overflow are not the learning rate's doing: the line says
+    what is, and only a later step gets the learning-rate advice."""
+    from types import SimpleNamespace
+
+    from loom.config import LoomConfig
+    from loom.model.llama import build_model
+    from loom.train.health import NonFiniteError
+    from loom.train.trainer import Trainer
+    from tests.helpers import tiny_model
+
+    cfg = LoomConfig(model=tiny_model())
+    cfg.model.from_hf = "/models/tiny"
+    model = build_model(cfg.model, 0)
+    if case == "nan weight":
+        with torch.no_grad():
+            model.norm.weight[1] = float("nan")
+    if case == "lora first step":
+        cfg.finetune.method, cfg.finetune.lora_alpha, cfg.finetune.lora_rank = "lora", 1e30, 8
+    start = 4 if case == "later step" else 0
+    fake = SimpleNamespace(run=SimpleNamespace(model=model), cfg=cfg, start_step=0)
+    original = NonFiniteError("non-finite gradient norm (nan): ... (lower train.lr, ...)")
+    line = Trainer._nonfinite_cause(fake, original, start)  # type: ignore[arg-type]
+    assert expect in line and "\n" not in line, line
+    assert ("train.lr" in line) == (case == "later step"), line

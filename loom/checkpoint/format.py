@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import struct
 import threading
 from pathlib import Path
@@ -66,6 +67,25 @@ class CheckpointError(RuntimeError):
 
 def tag_for(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def is_tag(name: object) -> bool:
+    """``name`` is a checkpoint's own name (``step-<digits>``): no path, nothing outside its root."""
+    return isinstance(name, str) and re.fullmatch(r"step-\d+", name) is not None
+
+
+def enclosing_checkpoint(path: str | Path) -> Path | None:
+    """The checkpoint (or a run's ``checkpoints`` directory) that ``path`` lies in or is, if any: a
+    run there would write into a checkpoint another run resumes from."""
+    p = Path(path).expanduser().resolve()
+    for d in (p, *p.parents):
+        if (
+            (d / MANIFEST).is_file()
+            or (d / INDEX).is_file()
+            or (d.name == "checkpoints" and (d / LATEST).is_file())
+        ):
+            return d
+    return None
 
 
 def shard_name(rank: int, world: int) -> str:

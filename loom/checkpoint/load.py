@@ -48,24 +48,47 @@ def find(path: str | Path) -> tuple[Path, str | None] | None:
     if not p.is_dir():
         raise F.CheckpointError(f"{p}: no such checkpoint directory")
     if _complete(p) or (p / F.INDEX).exists():
-        return p, None
+        return p, _recorded_sha(p)
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     pointer = root / F.LATEST
     if pointer.is_file():
         try:
             latest = F.read_json(pointer)
-            ckpt = root / str(latest["tag"])
-            if not _complete(ckpt):
-                raise F.CheckpointError(f"{ckpt}: missing or incomplete")
-            return ckpt, str(latest["manifest_sha256"])
-        except (F.CheckpointError, KeyError) as e:
+        except F.CheckpointError as e:
             log.warning("%s is unusable (%s); looking for the newest complete checkpoint", pointer, e)
+            latest = {"tag": None}
+        tag = latest.get("tag")
+        if tag is not None and not F.is_tag(tag):  # written by hand: never followed out of this run
+            raise F.CheckpointError(
+                f"{pointer}: names {tag!r}, which is not a checkpoint of {root} (step-<number>); "
+                "refusing to resume from outside this run"
+            )
+        if tag is not None:
+            ckpt = root / tag
+            if _complete(ckpt) and latest.get("manifest_sha256"):
+                return ckpt, str(latest["manifest_sha256"])
+            log.warning(
+                "%s names %s, missing or incomplete; using the newest complete checkpoint", pointer, ckpt
+            )
     for _, ckpt in reversed(list_checkpoints(root)):
         if _complete(ckpt):
             if pointer.exists():
                 log.warning("using %s instead of the checkpoint 'latest' names", ckpt)
-            return ckpt, None
+            return ckpt, _recorded_sha(ckpt)
     return None
+
+
+def _recorded_sha(ckpt: Path) -> str | None:
+    """The manifest hash the ``latest`` beside ``ckpt`` records for it (None if none does): a
+    checkpoint named directly is checked end to end like one reached through ``latest``."""
+    try:
+        latest = F.read_json(ckpt.parent / F.LATEST)
+    except (F.CheckpointError, OSError):
+        return None
+    kept = latest.get("manifests")
+    known: dict = kept if isinstance(kept, dict) else {}
+    sha = known.get(ckpt.name) or (latest.get("manifest_sha256") if latest.get("tag") == ckpt.name else None)
+    return str(sha) if sha else None
 
 
 class CheckpointReader:

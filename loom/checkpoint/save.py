@@ -208,11 +208,33 @@ def commit(root: Path, records: list[dict], world: int, keep: int = 0) -> Path:
     tmp.rename(final)
     F.fsync_dir(root)
     F.write_bytes_atomic(
-        root / F.LATEST, F.dump_json({"tag": tag, "step": index["step"], "manifest_sha256": manifest_sha})
+        root / F.LATEST,
+        F.dump_json(
+            {
+                "tag": tag,
+                "step": index["step"],
+                "manifest_sha256": manifest_sha,
+                "manifests": {**_kept_manifests(root), tag: manifest_sha},
+            }
+        ),
     )
     shutil.rmtree(old, ignore_errors=True)
     prune(root, keep, tag)
     return final
+
+
+def _kept_manifests(root: Path) -> dict[str, str]:
+    """The manifest hashes the current ``latest`` records for checkpoints that still exist: carried
+    forward, so a checkpoint named directly (``train.resume RUN/checkpoints/step-60``) is checked
+    against a hash kept outside it, like the one ``latest`` names."""
+    try:
+        latest = F.read_json(root / F.LATEST)
+    except (F.CheckpointError, OSError, ValueError):
+        return {}
+    known = dict(latest.get("manifests") or {})
+    if isinstance(latest.get("tag"), str) and latest.get("manifest_sha256"):
+        known.setdefault(latest["tag"], latest["manifest_sha256"])
+    return {t: str(h) for t, h in known.items() if F.is_tag(t) and (root / t).is_dir()}
 
 
 def describe_error(e: BaseException, where: Path) -> str:

@@ -6,6 +6,7 @@ them to a config, in a fixed order, raising the first problem as a :class:`Confi
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 import typing
 from pathlib import Path
@@ -474,6 +475,8 @@ def _unwritable(path: str) -> str | None:
     """
     probe = Path(path).expanduser()
     while not probe.exists() and probe.parent != probe:
+        if probe.is_symlink():  # exists() follows links: a dangling one would fail at mkdir ("File exists")
+            return f"{path!r} is not a writable directory ({str(probe)!r} is a dangling link to {os.readlink(probe)!r})"
         probe = probe.parent
     if not probe.is_dir():
         return f"{path!r} is not a writable directory ({str(probe)!r} is not a directory)"

@@ -99,6 +99,12 @@ class DynamicLossScaler:
     def update(self, overflow: bool) -> None:
         self.in_a_row = self.in_a_row + 1 if overflow else 0
         if self.max_skipped and self.in_a_row > self.max_skipped:
+            if self.static:  # the scale itself overflows fp16: the learning rate is not the cause
+                raise LossScaleDiverged(
+                    f"train.loss_scale: the static scale {self.scale:g} made {self.in_a_row} fp16 steps in a row "
+                    f"overflow (fp16's largest value is 65504); lower train.loss_scale, or set it to 0 for "
+                    "dynamic scaling"
+                )
             raise LossScaleDiverged(
                 f"train.max_skipped_steps: {self.in_a_row} fp16 steps in a row overflowed (loss scale now "
                 f"{self.scale:g}, floor train.loss_scale_min = {self.min_scale:g}); the run diverged: lower train.lr, "

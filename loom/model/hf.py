@@ -195,7 +195,12 @@ def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
     d = Path(path)
     if not (d / CONFIG).is_file():
         raise HFError(f"{d}: no {CONFIG} (expected a local Hugging Face model directory)")
-    raw = json.loads((d / CONFIG).read_text())
+    try:
+        raw = json.loads((d / CONFIG).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFError(f"{d / CONFIG}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise HFError(f"{d / CONFIG}: not a JSON object (a Hugging Face config.json holds one)")
     cfg = model_config(raw, max_seq_len)
     if (d / INDEX).is_file():
         files = dict(json.loads((d / INDEX).read_text())["weight_map"])
@@ -443,7 +448,15 @@ class Reader:
         box = tuple(s.indices(n)[:2] for s, n in zip(index or (), shape)) + tuple(
             (0, n) for n in shape[len(index or ()) :]
         )
-        return self._box(self.maps[lm], shape, box)
+        t = self._box(self.maps[lm], shape, box)
+        if t.is_floating_point() and not bool(
+            torch.isfinite(t).all()
+        ):  # else: "non-finite gradient" at step 1
+            names = ", ".join(self.maps[lm].names())
+            raise HFError(
+                f"{self.model.dir}: tensor {names} holds NaN or inf values; the checkpoint is damaged"
+            )
+        return t
 
     def _box(self, m: Mapping, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor:
         if isinstance(m.hf, tuple):  # an expert stack: only the experts in the box, each its own box

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,23 @@ def step_line(row: dict[str, Any]) -> str:
     )
 
 
+def _quiet_tensorboard_threads() -> None:
+    """TensorBoard's event-writer thread re-raises a write error, which ``threading`` prints as a
+    traceback; the same error reaches :meth:`MetricsWriter.write` through ``flush``, so that thread's
+    copy is dropped (every other thread's exceptions are printed as before)."""
+    previous = threading.excepthook
+    if getattr(previous, "_loom_quiet_tb", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook._loom_quiet_tb = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class MetricsWriter:
     """Appends JSON rows to ``metrics.jsonl`` (flushed and fsynced per row) and TensorBoard scalars."""
 
@@ -53,18 +71,29 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            _quiet_tensorboard_threads()
 
     def write(self, row: dict[str, Any]) -> None:
+        """A failed write (disk full, quota) raises one ``OSError`` naming the file, TensorBoard's too:
+        its writer thread's error is taken to this thread by ``flush`` (and not printed there)."""
         if not self.enabled:
             return
-        # One write() per row, so a reader never sees half a row unless the writer is killed mid-call.
-        os.write(self._fd, (json.dumps(row, sort_keys=True) + "\n").encode())
-        os.fsync(self._fd)
-        if self._tb is not None:
-            step = int(row["step"])
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, step)
+        where = self.path
+        try:
+            # One write() per row, so a reader never sees half a row unless the writer is killed mid-call.
+            os.write(self._fd, (json.dumps(row, sort_keys=True) + "\n").encode())
+            os.fsync(self._fd)
+            if self._tb is not None:
+                where = Path(self._tb.log_dir)
+                step = int(row["step"])
+                for k, v in row.items():
+                    if k != "step" and isinstance(v, (int, float)):
+                        self._tb.add_scalar(k, v, step)
+                self._tb.flush()
+        except OSError as e:
+            raise OSError(
+                e.errno, f"{e.strerror or e} (while writing the run's metrics)", str(e.filename or where)
+            ) from None
 
     def close(self) -> None:
         if self._fd >= 0:

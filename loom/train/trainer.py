@@ -211,6 +211,48 @@ class Trainer:
             dist.broadcast(flag, src=0)
         return bool(flag.item())
 
+    def _nonfinite_cause(self, e: NonFiniteError, step: int) -> str:
+        """What a non-finite gradient norm points at. Weights that hold NaN/inf are damaged where they
+        came from; on the first step of a process no update has run yet, so the learning rate is not
+        the cause either (the weights' scale, the adapter scale or the data are); only later is
+        "lower train.lr" the advice."""
+        model = self.run.model
+        bad = next(
+            (
+                n
+                for n, p in model.named_parameters()
+                if p.numel() and not bool(torch.isfinite(p.detach()).all())
+            ),
+            None,
+        )
+        m, f = self.cfg.model, self.cfg.finetune
+        source = (
+            f"resumed from step {self.start_step}"
+            if self.start_step
+            else f"loaded from {m.from_hf}"
+            if m.from_hf
+            else f"loaded from {self.cfg.train.init_from}"
+            if self.cfg.train.init_from
+            else f"initialized with seed {self.cfg.train.seed}"
+        )
+        if bad is not None:
+            return (
+                f"parameter {bad} holds NaN/inf before this step's update: the weights {source} are damaged "
+                "(the non-finite gradient follows from them); the learning rate is not the cause"
+            )
+        if step == self.start_step:
+            adapter = (
+                f" (finetune.lora_alpha / lora_rank = {f.lora_alpha / f.lora_rank:g} scales every adapter's output)"
+                if f.method in ("lora", "qlora")
+                else ""
+            )
+            return (
+                f"non-finite gradient norm on the first step, before any update (weights {source}): the "
+                f"learning rate has not acted yet; the forward overflows with these settings{adapter} or this "
+                "batch holds bad data"
+            )
+        return str(e)
+
     def fit(self) -> dict[str, float]:
         c = self.cfg.train
         tokens_per_step = c.global_batch * self.cfg.data.seq_len
@@ -233,7 +275,7 @@ class Trainer:
                 with self.saved_acts:
                     res = train_step(self.run, batches, c.grad_clip, lr, self.loss_group)
             except NonFiniteError as e:
-                raise NonFiniteError(f"step {step + 1}: {e}") from None
+                raise NonFiniteError(f"step {step + 1}: {self._nonfinite_cause(e, step)}") from None
             if not C.ps_servers(
                 self.cfg
             ):  # (dedicated parameter servers do not reach the workers' step ends)
