@@ -20,6 +20,8 @@ Bytes per rank (fp32 AdamW; Φ' = Σ padded unit sizes, N the sharding group):
     store (host or disk)    params 4Φ'/N + grads 4Φ'/N + Adam 8Φ'/N = 16Φ'/N
     device, during a step   ZeRO-3's gathered units and gradient buffers
                             + staging: at most 2 shards of a unit (one gathering, one read ahead)
+                            + reduced gradient shards not yet landed in the store (ZeRO-3's
+                              reductions in flight: the same bytes its reducer holds on a GPU)
 
 Gradient shard: the reducer forms each unit's reduced shard in a device buffer; once its reduction
 has completed (checked at each later unit's reduction, and at the end of the step's reductions)
@@ -53,7 +55,7 @@ class OffloadedZero(FullyShardedZero):
         self.param_store = param_store
         self._owned: set[int] = set()  # storages handed out by the store
         self._reads: dict[int, Future] = {}  # unit index -> its shards being read into staging buffers
-        self._staged_bytes = 0  # staging buffers alive (reading, or feeding an all-gather)
+        self._staged_bytes = 0  # staging buffers alive (reading, feeding an all-gather, or landing)
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-param-fetch")
         self._landing: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device shard, its store shard)
         self._landed: Any = None  # the event after the last device -> host gradient copy (CUDA)
