@@ -659,7 +659,29 @@ def check_local_gpus(cfg: C.LoomConfig, local_ranks: int) -> None:
         )
 
 
+def wait_for_rendezvous(nodes: Nodes, timeout_s: float) -> None:
+    """A node other than 0 waits (at most ``run.timeout_s``, torch's store client waits 60 s
+    whatever the setting) for node 0's rendezvous store to accept a connection; none is one line."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((nodes.host, nodes.port), timeout=min(5.0, timeout_s)).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise C.ConfigError(
+                    f"--rdzv-endpoint: nothing answered at {nodes.endpoint} within run.timeout_s = {timeout_s:g} s "
+                    f"({e.strerror or e}); node {nodes.node_rank} of {nodes.nnodes} needs node 0 "
+                    "(--node-rank 0) running with the same --rdzv-endpoint"
+                ) from None
+            time.sleep(0.25)
+
+
 def _train_locally(cfg: C.LoomConfig, max_restarts: int, nodes: Nodes | None = None) -> int:
+    if nodes is not None and nodes.node_rank != 0:
+        wait_for_rendezvous(nodes, cfg.run.timeout_s)
     world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp + C.ps_servers(
         cfg
     )  # validated by the CLI

@@ -280,3 +280,29 @@ def test_a_stopped_worker_asked_to_stop_is_killed_at_once():
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_node_without_node_0_stops_within_the_run_timeout_in_one_line():
+    """``--node-rank 1`` with nobody at the endpoint: one line naming it after ``run.timeout_s``
+    (torch's store client would wait its own 60 s and then print a traceback); once a store listens
+    the wait ends at once."""
+    import time
+
+    from loom.launch import Nodes, wait_for_rendezvous
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = Nodes(2, 1, f"127.0.0.1:{port}")
+    t0 = time.monotonic()
+    with pytest.raises(
+        C.ConfigError, match=rf"^--rdzv-endpoint: nothing answered at 127.0.0.1:{port} within"
+    ) as e:
+        wait_for_rendezvous(nodes, 1.0)
+    assert 1.0 <= time.monotonic() - t0 < 4 and "\n" not in str(e.value) and "--node-rank 0" in str(e.value)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        t0 = time.monotonic()
+        wait_for_rendezvous(Nodes(2, 1, f"127.0.0.1:{server.getsockname()[1]}"), 30.0)
+        assert time.monotonic() - t0 < 1
