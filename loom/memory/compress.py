@@ -23,10 +23,16 @@
   Inputs kept by a recomputation checkpoint are not compressed (the checkpoint holds them anyway);
 - offload (``train.offload_activations``, GPU only): the (possibly compressed) payload moves to
   pinned host memory, see :mod:`loom.memory.activation_offload`; its bytes count as ``offloaded``.
+
+Hooks only where a feature needs them: the module hooks that name a tensor's kind exist only under
+compression, and without compression or offload the trainer enters the saved-tensor hooks on logged
+steps only (:meth:`SavedActivations.around`): the figure they log is the same, the other steps run
+bare.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterator
 
@@ -127,7 +133,9 @@ class SavedActivations:
         self._counts: dict[tuple[str, int], list[int]] = {}
         self._cache: dict[int, tuple[weakref.ref, weakref.ref[_Packed]]] = {}
         self._kinds: list[str] = []
-        self._handles = list(self._kind_hooks(model))
+        # the module hooks only tell compression which kind saved a tensor: none without compression
+        self.compressing = any(f != "none" for f in self.formats.values())
+        self._handles = list(self._kind_hooks(model)) if self.compressing else []
         self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
 
     # ------------------------------------------------------------------ kinds
@@ -242,6 +250,18 @@ class SavedActivations:
             self._ctx.__exit__(*exc)
         self._ctx = None
         self._cache.clear()  # the packed objects live on in the graph; only the dedup index goes
+
+    @property
+    def every_step(self) -> bool:
+        """Whether every step needs the hooks: compression or offload change what is saved. Accounting
+        alone does not; :meth:`around` then measures logged steps only."""
+        return self.compressing or self.offloader is not None
+
+    def around(self, logged: bool) -> contextlib.AbstractContextManager:
+        """The context of one training step: these hooks when the step needs them (:attr:`every_step`)
+        or is logged (its ``act_saved_peak_bytes``: the steps of a window save the same shapes), else
+        nothing at all, so a default step runs without saved-tensor hooks."""
+        return self if logged or self.every_step else contextlib.nullcontext()
 
     def remove(self) -> None:
         for h in self._handles:

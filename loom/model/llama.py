@@ -1,7 +1,8 @@
 """A plain single-device Llama-style decoder: the reference every parallel layout is compared to.
 
 RMSNorm, rotary position embeddings, grouped-query attention through
-``F.scaled_dot_product_attention`` (optional q/k/v biases and per-head q/k RMSNorm), SwiGLU MLP or a top-k routed mixture of SwiGLU experts
+``F.scaled_dot_product_attention`` (packed documents on CUDA: compiled ``flex_attention`` under one
+document block mask per micro-batch, :func:`document_block_mask`) (optional q/k/v biases and per-head q/k RMSNorm), SwiGLU MLP or a top-k routed mixture of SwiGLU experts
 (``model.n_experts > 1``), optional tied embeddings. The GPT-2 variants are fields of the config,
 not other classes: ``norm`` (LayerNorm with a bias), ``mlp`` (GELU, non-gated), ``positions``
 (a learned table instead of RoPE), ``bias`` (biases on every linear but the head). No parallel code
@@ -16,14 +17,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from typing import cast
+from collections.abc import Callable, Iterable
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from loom.config import ModelConfig, MoEConfig
-from loom.model.loss import IGNORE_INDEX, chunked_cross_entropy
+from loom.model.loss import CHUNK_ROWS, IGNORE_INDEX, chunked_cross_entropy, linear_cross_entropy
 from loom.model.moe import ExpertWeights, MoEFeedForward, experts_forward, real_buffers, route, swiglu  # noqa: F401 (re-exported)
 
 
@@ -99,8 +102,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class CoreAttention(nn.Module):
     """The attention core: softmax(q kᵀ / sqrt(d) + causal mask) v, with attention dropout p while
-    training. Query head i reads key/value head i // (a/k) through SDPA's ``enable_gqa``: the keys
-    and values are never repeated to a heads, so backward saves them at width k·d, not a·d.
+    training. Query head i reads key/value head i // (a/k) through SDPA's (or flex's) ``enable_gqa``:
+    the keys and values are never repeated to a heads, so backward saves them at width k·d, not a·d.
 
     (B, a, T, d), (B, k, T, d), (B, k, T, d) -> (B, a, T, d). No parameters: recomputation
     policies wrap this module alone (``train.recompute = selective``).
@@ -111,13 +114,38 @@ class CoreAttention(nn.Module):
         self.dropout = dropout
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | BlockMask | None = None
     ) -> torch.Tensor:
-        """``docs`` (B, T) int64, packed data: the document of each token; key j is then visible to
-        query i iff j <= i and docs[j] == docs[i] (:func:`document_mask`)."""
+        """``docs``, packed data: key j is visible to query i iff j <= i and docs[j] == docs[i]. Either
+        the document ids (B, T) int64 (SDPA over the dense mask of :func:`document_mask`) or the
+        micro-batch's :func:`document_block_mask` (compiled ``flex_attention``: no (T, T) tensor)."""
         p = self.dropout if self.training else 0.0
+        if isinstance(docs, BlockMask):
+            if p > 0:
+                raise ValueError("flex attention has no dropout: packed documents with dropout take SDPA")
+            return flex(q, k, v, docs)  # (B, a, T, d)
         mask = None if docs is None else document_mask(docs, docs)[:, None]  # (B, 1, T, T)
         return sdpa(q, k, v, mask, p)  # (B, a, T, d)
+
+
+_compiled_flex: Callable[..., torch.Tensor] | None = None
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    """``flex_attention`` of q (B, a, T, d) over grouped k, v (B, k, T, d) under ``block_mask``, through
+    ``torch.compile`` (one fused kernel; eager flex would materialize the (B, a, T, T) scores). Memory:
+    q, k, v, the output and an fp32 log-sum-exp (B, a, T), plus the block mask's O(B·(T/128)²) ints."""
+    global _compiled_flex
+    if _compiled_flex is None:  # compiled on first use: importing the model compiles nothing
+        _compiled_flex = cast(Callable[..., torch.Tensor], torch.compile(flex_attention))
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def packed_attention(device: torch.device) -> Literal["flex", "dense"]:
+    """The kernel packed documents take on ``device``: ``flex`` (compiled ``flex_attention`` over one
+    :func:`document_block_mask` per micro-batch) on CUDA; ``dense`` (SDPA with the (B, 1, T, T) mask
+    of :func:`document_mask`) elsewhere: torch 2.13's flex attention has no backward on the CPU."""
+    return "flex" if device.type == "cuda" else "dense"
 
 
 def sdpa(
@@ -161,6 +189,49 @@ def document_mask(docs_q: torch.Tensor, docs_k: torch.Tensor, offset: int = 0) -
     return (j <= i)[None] & (docs_q[:, :, None] == docs_k[:, None, :])
 
 
+FLEX_BLOCK = 128  # flex_attention's tile: the block mask keeps one entry per (128 queries, 128 keys)
+
+
+def _sorted_blocks(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count (B, 1, n), indices (B, 1, n, n)) int32 of the True kv blocks of each query block row."""
+    idx = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True)  # True blocks first, in order
+    return sel.sum(-1, dtype=torch.int32)[:, None], idx.to(torch.int32)[:, None]
+
+
+@torch.compiler.disable  # built once per micro-batch outside any compiled region, then passed to every layer
+def document_block_mask(docs: torch.Tensor, block: int = FLEX_BLOCK) -> BlockMask:
+    """The document-causal :class:`BlockMask` of packed ``docs`` (B, T): key j visible to query i iff
+    j <= i and docs[j] == docs[i], as :func:`document_mask`, without any (T, T) tensor.
+
+    ``docs`` is non-decreasing along T (:func:`document_ids`), so a block of tokens holds every id in
+    [first, last]. With n = ceil(T / block) blocks, query block i and key block j are: skipped when
+    j > i or last_j < first_i (no shared document); full (no mask evaluated) when j < i and both blocks
+    lie whole inside one document; partial otherwise (the mask_mod decides per element). Memory:
+    O(B·n²) int32 block tables, no host sync."""
+    B, T = docs.shape
+    n = -(-T // block)
+    pad = n * block - T
+    # padded keys/queries get document -1: never visible to a real query (ids are >= 0)
+    padded = F.pad(docs, (0, pad), value=-1) if pad else docs  # (B, n·block)
+    blocks = padded.view(B, n, block)
+    first = blocks[:, :, 0]  # (B, n)
+    last = docs[:, torch.clamp(torch.arange(1, n + 1, device=docs.device) * block, max=T) - 1]  # (B, n)
+    i = torch.arange(n, device=docs.device)
+    lower = (i[None, :] <= i[:, None])[None]  # (1, n, n): j <= i
+    shared = last[:, None, :] >= first[:, :, None]  # (B, n, n): last_j >= first_i
+    whole = (first == last) & (i < T // block)[None]  # (B, n): a complete block inside one document
+    same = first[:, :, None] == first[:, None, :]  # (B, n, n)
+    full = (i[None, :] < i[:, None])[None] & whole[:, :, None] & whole[:, None, :] & same
+    partial = lower & shared & ~full
+    kv_num, kv_idx = _sorted_blocks(partial)
+    full_num, full_idx = _sorted_blocks(full)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (padded[b, q_idx] == padded[b, kv_idx])
+
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, block, mask_mod, seq_lengths=(T, T))
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention: a query heads share k key/value heads (a % k == 0)."""
 
@@ -180,7 +251,11 @@ class Attention(nn.Module):
         self.core = CoreAttention(cfg.dropout)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        docs: torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts come from the weights so a tensor-parallel shard (fewer heads) runs unchanged.
@@ -248,9 +323,14 @@ class Block(nn.Module):
         return F.dropout(x, self.dropout, training=True) if self.dropout > 0 and self.training else x
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        docs: torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
-        """``docs``: packed data's document ids (B, T), passed to the attention (see CoreAttention)."""
+        """``docs``: packed data's document ids (B, T) or block mask, passed to the attention (see
+        CoreAttention)."""
         attn = self.attention(self.attention_norm(x), cos, sin, *(() if docs is None else (docs,)))
         x = x + self._drop(attn)
         return x + self._drop(self.feed_forward(self.ffn_norm(x)))
@@ -293,6 +373,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.head_in_loss = False  # set by fused_head_loss: training forwards end before the head
         cos, sin = self.rope_buffers()
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -321,20 +402,43 @@ class Transformer(nn.Module):
             tokens,
             positions,
         )  # (B, T, h)
-        args = layer_args(cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin), positions)
+        cos, sin = cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin)
+        args = layer_args(cos, sin, positions, self.layers)  # the document mask: once per micro-batch
         for layer in self.layers:
             h = layer(h, *args)
+        if self.head_in_loss and torch.is_grad_enabled():
+            return self.norm(h)  # (B, T, h): the loss applies the head chunk by chunk (fused_head_loss)
         return self.output(self.norm(h))  # (B, T, V)
 
 
 def layer_args(
-    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None
-) -> tuple[torch.Tensor, ...]:
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    layers: Iterable[nn.Module] = (),
+) -> tuple[torch.Tensor | BlockMask, ...]:
     """What every block takes after h: the RoPE tables (cos, sin), or with packed ``positions`` each
-    token's rows (B, T, d/2) and the document ids (B, T) (:func:`document_ids`)."""
+    token's rows (B, T, d/2) and the documents: their ids (B, T) (:func:`document_ids`), or, where
+    every one of ``layers`` attends through a :class:`CoreAttention` able to take it
+    (:func:`flex_documents`), the micro-batch's one :func:`document_block_mask`."""
     if positions is None:
         return cos, sin
-    return cos[positions], sin[positions], document_ids(positions)
+    docs = document_ids(positions)
+    if flex_documents(layers, positions.device):
+        return cos[positions], sin[positions], document_block_mask(docs)
+    return cos[positions], sin[positions], docs
+
+
+def flex_documents(layers: Iterable[nn.Module], device: torch.device) -> bool:
+    """Packed documents go through flex attention: :func:`packed_attention` says ``flex`` on ``device``
+    and every layer's attention core is a :class:`CoreAttention` without active dropout (context
+    parallelism's cores take document ids and merge blocks of their own)."""
+    cores = [getattr(getattr(layer, "attention", None), "core", None) for layer in layers]
+    return (
+        bool(cores)
+        and packed_attention(device) == "flex"
+        and all(isinstance(c, CoreAttention) and not (c.training and c.dropout > 0) for c in cores)
+    )
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -443,3 +547,31 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     gradient, in the logits' dtype, it holds one chunk in fp32, never B·T·V."""
     total = chunked_cross_entropy(logits, targets)  # (B, T, V), (B, T) -> () fp32 sum
     return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def fused_head_loss(
+    model: nn.Module, rows: int, chunk_rows: int = CHUNK_ROWS
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """Move the head of ``model`` into its training loss where that saves memory: a
+    :class:`Transformer` whose ``output`` is a plain ``nn.Linear`` (tied or not), and micro-batches of
+    more than ``chunk_rows`` ``rows`` (B·T tokens; with fewer, one chunk already holds every logit).
+    Otherwise None and the model unchanged (a tensor-parallel or low-precision head, short batches).
+
+    With grad enabled the model then returns the normed hidden states (B, T, h) and the loss is
+    :func:`~loom.model.loss.linear_cross_entropy` of them and the head's weight W (V, h), divided as
+    :func:`loss_fn`: the B·T·V logits never exist, one chunk of ``chunk_rows`` rows of them at most
+    (c·V·4 bytes, against B·T·V·e for the logits and B·T·V·e for their gradient). Under no_grad
+    (evaluation, inference) the model returns logits and the loss is :func:`loss_fn`, as before."""
+    if not isinstance(model, Transformer) or type(model.output) is not nn.Linear or rows <= chunk_rows:
+        return None
+    model.head_in_loss = True
+    head = model.output  # its weight is read at every call: casts and ZeRO-3 keep the module
+
+    def head_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """(B, T, h) normed hidden states with grad enabled, else (B, T, V) logits -> mean loss."""
+        if not torch.is_grad_enabled():
+            return loss_fn(out, targets)
+        total = linear_cross_entropy(out, head.weight, targets, chunk_rows)  # () fp32 sum
+        return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+    return head_loss

@@ -42,6 +42,7 @@ from loom.memory.compress import SavedActivations
 from loom.memory.loss_scale import scaler_for, training_loss_fn
 from loom.memory.recompute import apply_recompute
 from loom.mesh import ParallelDims, ParallelMesh
+from loom.model.llama import fused_head_loss
 from loom.model.llama import loss_fn as plain_loss_fn
 from loom.model.moe import configure_moe
 from loom.optim.flat import build_flat_optimizer
@@ -148,6 +149,9 @@ def parallelize(
 
         check_tensor_parallel(cfg)
         loss_fn = apply_tensor_parallel(model, mesh, sp=cfg.parallel.sp, meter=meter)
+    elif mesh.size("pp") == 1:  # the head inside the loss, in chunks of rows: no B·T·V logits
+        rows = cfg.train.micro_batch * cfg.data.seq_len // mesh.size("cp")
+        loss_fn = fused_head_loss(model, rows) or plain_loss_fn
     if mesh.size("cp") > 1:
         from loom.parallel.context.parallelize import apply_context_parallel
 

@@ -271,8 +271,9 @@ class Trainer:
             lr = lr_at(step, c)
             self.meter.reset()
             batches = self._to_device(self._my_tokens(self.sampler.micro_batches(step)))
+            logged = (step + 1) % c.log_every == 0 or step + 1 == c.steps
             try:
-                with self.saved_acts:
+                with self.saved_acts.around(logged):  # accounting alone: on logged steps only
                     res = train_step(self.run, batches, c.grad_clip, lr, self.loss_group)
             except NonFiniteError as e:
                 raise NonFiniteError(f"step {step + 1}: {self._nonfinite_cause(e, step)}") from None
@@ -283,7 +284,7 @@ class Trainer:
             window_steps += 1
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.3f}")
-            if (step + 1) % c.log_every == 0 or step + 1 == c.steps:
+            if logged:
                 synchronize(self.device)  # the window's device work is done before the clock is read
                 dt = time.perf_counter() - window_t
                 tps = tokens_per_step * window_steps / dt

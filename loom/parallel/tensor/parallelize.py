@@ -48,6 +48,7 @@ from loom import comm
 from loom.comm import CommMeter, Group
 from loom.config import ModelConfig, lora_targets, target_shapes
 from loom.model.llama import Block, FeedForward, Transformer
+from loom.model.loss import CHUNK_ROWS
 from loom.model.moe import MoEFeedForward
 from loom.parallel.partial import mark_partial
 from loom.parallel.rng import private_rng
@@ -124,43 +125,61 @@ def _shard_dropout(block: nn.Module, tp_rank: int, x: torch.Tensor) -> torch.Ten
 
 
 class _VocabParallelCrossEntropy(Function):
-    """Mean cross-entropy over non-ignored tokens from vocabulary-sharded logits.
+    """Mean cross-entropy over non-ignored tokens from vocabulary-sharded logits, in chunks of rows.
 
     With z the logits, m = max_v z (all-reduce max), Z = Σ_v exp(z - m) and z_t the target's
     logit (one all-reduce of both): loss_i = log Z - (z_t - m). Backward on the local shard:
-    dz = (softmax(z) - onehot(t)) / N_valid. The full (B, T, V) logits never exist on a rank.
+    dz = (softmax(z) - onehot(t)) / N_valid. The full (B, T, V) logits never exist on a rank, and of
+    the local (N, V/n) ones no fp32 copy does either: m is the max in the logits' dtype (exact), Z
+    and backward's softmax are formed c rows at a time (c = ``chunk`` rows, one (c, V/n) fp32
+    buffer), and the saved state is the logits themselves (alive as the head's output) plus fp32
+    vectors of N. Extra memory: c·V/n·4 bytes besides the logits and their gradient, where the
+    unchunked loss held two (N, V/n) fp32 tensors (the copy and the saved softmax). The same two
+    all-reduces of 4·N and 8·N bytes as ever, whatever c.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, group, meter, vocab_start: int, ignore_index: int):
+    def forward(ctx, logits, targets, group, meter, vocab_start: int, ignore_index: int, chunk: int):
         vl = logits.shape[-1]
-        z = logits.reshape(-1, vl).float()  # (N, V/n)
-        zmax = z.max(dim=-1).values
+        z = logits.reshape(-1, vl)  # (N, V/n) in the logits' dtype: no copy
+        zmax = z.amax(dim=-1).float()  # (N,)
         comm.all_reduce_max(zmax, group, meter)
-        e = z - zmax.unsqueeze(1)  # shifted logits, then exp in place
         t = targets.reshape(-1)
         valid = t != ignore_index
         local = t - vocab_start
         mine = valid & (local >= 0) & (local < vl)
         idx = local.clamp(0, vl - 1).unsqueeze(1)  # (N, 1)
-        picked = e.gather(1, idx).squeeze(1) * mine  # z_t - m where this rank owns t, else 0
-        e.exp_()
-        stats = torch.stack((e.sum(dim=-1), picked))  # (2, N)
+        picked = (z.gather(1, idx).squeeze(1).float() - zmax) * mine  # z_t - m where this rank owns t
+        sumexp = torch.empty_like(zmax)  # (N,)
+        for i in range(0, z.shape[0], chunk):
+            e = (
+                z[i : i + chunk].to(torch.float32, copy=True).sub_(zmax[i : i + chunk, None])
+            )  # (c, V/n): the one buffer
+            sumexp[i : i + chunk] = e.exp_().sum(dim=-1)
+            del e
+        stats = torch.stack((sumexp, picked))  # (2, N)
         comm.all_reduce(stats, group, meter)
         sumexp, picked = stats
-        count = valid.sum().to(z.dtype).clamp(min=1)  # none trained (chat data): loss 0, not NaN
+        count = valid.sum().to(zmax.dtype).clamp(min=1)  # none trained (chat data): loss 0, not NaN
         loss = ((sumexp.log() - picked) * valid).sum() / count
-        e.div_(sumexp.unsqueeze(1))  # local softmax shard
-        ctx.save_for_backward(e, idx, mine, valid, count)
-        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        ctx.save_for_backward(logits, zmax, sumexp, idx, mine, valid, count)
+        ctx.chunk = chunk
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, idx, mine, valid, count = ctx.saved_tensors
-        g = softmax.scatter_add(1, idx, -mine.to(softmax.dtype).unsqueeze(1))
-        g.mul_((valid.to(g.dtype) * (grad / count)).unsqueeze(1))
-        return g.view(ctx.shape).to(ctx.dtype), None, None, None, None, None
+        logits, zmax, sumexp, idx, mine, valid, count = ctx.saved_tensors
+        z = logits.reshape(-1, logits.shape[-1])
+        out = torch.empty_like(z)  # (N, V/n) in the logits' dtype
+        scale = valid.to(zmax.dtype) * (grad / count)  # (N,)
+        c = ctx.chunk
+        for i in range(0, z.shape[0], c):
+            g = z[i : i + c].to(torch.float32, copy=True).sub_(zmax[i : i + c, None]).exp_()  # (c, V/n) fp32
+            g.div_(sumexp[i : i + c, None])  # softmax
+            g.scatter_add_(1, idx[i : i + c], -mine[i : i + c].to(g.dtype).unsqueeze(1))  # softmax - onehot
+            out[i : i + c] = g.mul_(scale[i : i + c, None])
+            del g
+        return out.view(logits.shape), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -169,15 +188,17 @@ def vocab_parallel_cross_entropy(
     group: Group,
     meter: CommMeter | None = None,
     ignore_index: int = IGNORE_INDEX,
+    chunk_rows: int = CHUNK_ROWS,
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy from this rank's logits (B, T, V/n) and the full targets (B, T).
+    """Mean next-token cross-entropy from this rank's logits (B, T, V/n) and the full targets (B, T),
+    ``chunk_rows`` rows at a time (:class:`_VocabParallelCrossEntropy`).
 
     Equals ``F.cross_entropy`` of the gathered logits with ``ignore_index``; rank r of ``group``
     holds vocabulary rows [r·V/n, (r+1)·V/n).
     """
     rank = dist.get_rank(group) if comm.group_size(group) > 1 else 0
     return _VocabParallelCrossEntropy.apply(
-        local_logits, targets, group, meter, rank * local_logits.shape[-1], ignore_index
+        local_logits, targets, group, meter, rank * local_logits.shape[-1], ignore_index, chunk_rows
     )
 
 
