@@ -353,3 +353,75 @@ def test_taken_store_port_relaunches_then_reports(tmp_path, capsys):
     with pytest.raises(ChildFailedError):
         relaunch_on_taken_port(flaky(1, "RuntimeError: something else"))
     assert len(calls) == 1
+
+
+# ------------------------------------------------------------------ finding 9 (c): RNG per rank
+class _Slice:
+    """A Shardable of one tensor, 4 elements per rank (what a strategy would hold)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.local = torch.arange(4.0) + 4 * rank
+
+    def sharded_state(self):
+        from loom.checkpoint.protocol import Box, ShardedTensor
+
+        return {"model.w": ShardedTensor(self.local, (4 * self.world,), Box((4 * self.rank,), (4,)))}
+
+    def load_sharded(self, reader) -> None:
+        reader.fill(self.sharded_state())
+
+
+def _rng_resume(run_dir: str) -> dict:
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from loom.checkpoint.load import CheckpointReader
+    from loom.checkpoint.rng import RNG_PREFIX, capture_rng, rng_name, rng_tensor
+    from loom.checkpoint.training import TrainCheckpoints
+    from loom.config import LoomConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = LoomConfig()
+    cfg.run.dir = run_dir
+    torch.manual_seed(100 + rank)
+    TrainCheckpoints(cfg, Path(run_dir), rank, world, _Slice(rank, world)).save(1, blocking=True)
+    own_bytes = rng_tensor(capture_rng()).numel()  # R: this rank's states (the generators are unchanged)
+    expected = torch.rand(3)
+    torch.manual_seed(999)
+    read: list[tuple[str, int]] = []
+    plain = CheckpointReader.read
+
+    def counted(self, name, region=None):
+        out = plain(self, name, region)
+        if name.startswith(RNG_PREFIX):
+            read.append((name, out.numel()))
+        return out
+
+    CheckpointReader.read = counted  # type: ignore[method-assign]
+    try:
+        step = TrainCheckpoints(cfg, Path(run_dir), rank, world, _Slice(rank, world)).restore()
+    finally:
+        CheckpointReader.read = plain  # type: ignore[method-assign]
+    state = Path(run_dir) / "checkpoints" / "step-00000001" / "train_state.json"
+    return {
+        "step": step,
+        "same": torch.equal(torch.rand(3), expected),
+        "read": read,
+        "own": rng_name(rank),
+        "own_bytes": own_bytes,
+        "state_bytes": state.stat().st_size,
+        "state_has_rng": '"rng"' in state.read_text() or '"torch_cpu"' in state.read_text(),
+    }
+
+
+def test_resume_reads_only_this_ranks_rng(pools, tmp_path):
+    """2 ranks save and resume: each restores its own generators exactly, reading one RNG tensor, its
+    own (R ≈ 20 KB bytes, not world · R); train_state.json holds no RNG state (it is smaller than one
+    rank's R), so what every rank reads whole no longer grows by R per rank."""
+    results = pools(2).run(_rng_resume, str(tmp_path))
+    for r in results:
+        assert r["step"] == 1 and r["same"]
+        assert r["read"] == [(r["own"], r["own_bytes"])]
+        assert not r["state_has_rng"] and r["state_bytes"] < r["own_bytes"]

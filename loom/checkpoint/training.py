@@ -1,6 +1,10 @@
 """What a training run saves and restores: strategy state, every rank's RNG, data position,
 fp16 loss scale, config.
 
+Each rank's RNG states travel as a tensor in its own shard (:func:`loom.checkpoint.rng.rng_name`):
+a resuming rank reads its own R ≈ 20 KB, not the world · R of a list in ``train_state.json``
+(checkpoints written before keep that list, and are still read).
+
 The data position is the step: the sampler is a pure function of (seed, step), so step ``s``
 means global sequences ``[s·B, ...)`` have been consumed, whatever the data-parallel size.
 Resuming therefore requires the same ``train.global_batch``, ``train.seed`` and
@@ -27,8 +31,8 @@ from loom import config as C
 from loom.checkpoint.convert import convert
 from loom.checkpoint.format import MANIFEST, CheckpointError, write_bytes_atomic
 from loom.checkpoint.load import CheckpointReader, find
-from loom.checkpoint.protocol import Shardable
-from loom.checkpoint.rng import capture_rng, restore_rng
+from loom.checkpoint.protocol import Shardable, ShardedTensor
+from loom.checkpoint.rng import capture_rng, restore_rng, rng_from_tensor, rng_name, rng_tensor
 from loom.checkpoint.save import Checkpointer, broadcast_json, list_checkpoints, new_group
 
 log = logging.getLogger("loom")
@@ -156,12 +160,11 @@ class TrainCheckpoints:
             self._check_position(ts, reader.dir)
             self._check_base(ts, reader.dir)
             self.state.load_sharded(reader)
-            ranks = ts.get("ranks", [])
             if self.loss_scaler is not None and ts.get("loss_scale"):
                 for key, value in ts["loss_scale"].items():
                     setattr(self.loss_scaler, key, value)
-            if ts.get("world_size") == self.world and self.rank < len(ranks):
-                restore_rng(ranks[self.rank]["rng"])
+            if ts.get("world_size") == self.world and (rng := self._saved_rng(reader, ts)) is not None:
+                restore_rng(rng)
             elif self.rank == 0:
                 log.info(
                     "world size changed (%s -> %d): RNG streams start fresh", ts.get("world_size"), self.world
@@ -171,6 +174,15 @@ class TrainCheckpoints:
         log.info("resumed from %s at step %d (%.2f s)", ckpt, step, time.perf_counter() - t0)
         self.last_saved = (step, ckpt)
         return step
+
+    def _saved_rng(self, reader: CheckpointReader, ts: dict) -> dict | None:
+        """This rank's saved generator states: its own tensor, or (a checkpoint from before them) its
+        entry of the list in ``train_state.json``; None if neither holds one."""
+        name = rng_name(self.rank)
+        if name in reader.names():
+            return rng_from_tensor(reader.read(name))
+        ranks = ts.get("ranks", [])
+        return ranks[self.rank].get("rng") if self.rank < len(ranks) else None
 
     def _open(self, candidates: list) -> CheckpointReader:
         """The first candidate that verifies (every rank sees the same verdict: verification ends in
@@ -220,8 +232,11 @@ class TrainCheckpoints:
             "finetune_base": self.base,  # a LoRA run: the base its adapters apply to (path, sha256)
             "saved_unix_s": time.time(),
         }
-        rank_state = {"rank": self.rank, "rng": capture_rng()}
-        path = self.checkpointer.save(step, self.state.sharded_state(), rank_state, meta, blocking=blocking)
+        state = dict(self.state.sharded_state())
+        state[rng_name(self.rank)] = ShardedTensor.full(
+            rng_tensor(capture_rng()), (0, 1)
+        )  # this rank writes it
+        path = self.checkpointer.save(step, state, {}, meta, blocking=blocking)
         if path is not None:
             self.last_saved = (step, path)
         if self.rank == 0:
