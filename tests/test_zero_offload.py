@@ -24,6 +24,9 @@ LAYOUTS = {
     "pp_cpu": {"pp": 2, "zero": 3, "offload_params": "cpu"},
     "ep_z3": {"dp_shard": 2, "ep": 2, "zero": 3},  # MoE: expert units sharded over their edp group
     "ep_cpu": {"dp_shard": 2, "ep": 2, "zero": 3, "offload_params": "cpu"},
+    # Adafactor's statistics cross ranks on the strategy's device, not from the host shards
+    "z3_adafactor": {"dp_shard": 2, "zero": 3, "optimizer": "adafactor"},
+    "cpu_adafactor": {"dp_shard": 2, "zero": 3, "offload_params": "cpu", "optimizer": "adafactor"},
 }
 MOE = {"n_experts": 4, "top_k": 2}
 
@@ -46,7 +49,14 @@ def runs(pools, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "name,ref",
-    [("cpu", "z3"), ("disk", "z3"), ("cpu_bf16", "z3_bf16"), ("pp_cpu", "pp_z3"), ("ep_cpu", "ep_z3")],
+    [
+        ("cpu", "z3"),
+        ("disk", "z3"),
+        ("cpu_bf16", "z3_bf16"),
+        ("pp_cpu", "pp_z3"),
+        ("ep_cpu", "ep_z3"),
+        ("cpu_adafactor", "z3_adafactor"),
+    ],
 )
 def test_equals_zero3_without_offload(runs, name, ref):
     """Same shards, same update, on the host: losses and weights equal ZeRO-3's (bit for bit here)."""

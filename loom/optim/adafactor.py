@@ -137,6 +137,8 @@ class FlatAdafactor:
             else:
                 self.variance[n] = store.zeros(pc.hi - pc.lo, f"variance{n}")
 
+    comm_device: torch.device | None = None  # set by a strategy whose shards live in host memory
+
     def bind_groups(self, shard_group: Group, tp_group: Group) -> None:
         """The groups whose ranks hold other pieces of the same parameters."""
         self.shard_group, self.tp_group = shard_group, tp_group
@@ -221,7 +223,9 @@ class FlatAdafactor:
     @torch.no_grad()
     def step(self, grads: Sequence[torch.Tensor], lr: float, grad_scale: float = 1.0) -> None:
         """One Adafactor update of this rank's pieces from the reduced gradient shards."""
-        self._comm_device = grads[0].device if grads else self.store.device  # collectives run there
+        # collectives run on the strategy's device when its gradient shards live in host memory
+        # (ZeRO-3 offload_params: NCCL takes no host buffer), else where the gradients are
+        self._comm_device = self.comm_device or (grads[0].device if grads else self.store.device)
         g32 = self.master.grads32(grads, grad_scale)
         self._ckpt.clear()
         self.step_count += 1

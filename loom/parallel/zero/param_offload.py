@@ -61,6 +61,7 @@ class OffloadedZero(FullyShardedZero):
         self._landed: Any = None  # the event after the last device -> host gradient copy (CUDA)
         super().__init__(module, **kwargs)
         self.comm_device = kwargs.get("device")  # the norm's sums of host gradient shards cross ranks there
+        self.optim.comm_device = self.comm_device  # so do the optimizer's statistics (Adafactor)
 
     # ------------------------------------------------------------------ placement
     def _to_store(self, t: torch.Tensor, name: str) -> torch.Tensor:
