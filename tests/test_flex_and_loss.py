@@ -110,7 +110,7 @@ def test_flex_path_equals_the_dense_path_with_one_mask_per_micro_batch(monkeypat
 def test_flex_path_saves_no_T_by_T_tensor():
     """On the flex path forward + backward of the attention core allocate no (B, 1, T, T) or (B, a, T, T)
     tensor (every aten op's outputs are checked), and it saves q, k, v, the output and the lse only."""
-    B, a, kvh, T, d = 2, 8, 2, 1024, 64
+    B, a, kvh, T, d = 2, 4, 2, 4096, 16
     docs = _docs(B, T).cuda()
     q, k, v = (torch.randn(B, h, T, d, device="cuda", requires_grad=True) for h in (a, kvh, kvh))
     core = llama.CoreAttention()
@@ -119,15 +119,17 @@ def test_flex_path_saves_no_T_by_T_tensor():
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = core(q, k, v, bm)
-    assert all(T * T not in (t.shape[-1] * t.shape[-2] if t.dim() > 1 else 0,) for t in saved)
-    assert sum(t.numel() for t in saved if t.dim() == 4) == B * T * d * (2 * a + 2 * kvh)
+    assert all(t.numel() < B * T * T for t in saved)
+    floats = [t for t in saved if t.is_floating_point()]
+    assert sum(t.numel() for t in floats if t.dim() == 4) == B * T * d * (2 * a + 2 * kvh)  # q k v out
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     out.sum().backward()
     peak = torch.cuda.max_memory_allocated() - base
-    # dq, dk, dv, the output's gradient and small per-row vectors: O(T·d), far below one T² mask
-    assert peak <= 4 * B * T * d * (2 * a + 2 * kvh) + 64 * B * a * T, peak
+    # dq, dk, dv, the output's gradient (4·B·T·d·(2a + 2k)) and fp32 vectors of B·a·T, with 2x slack for
+    # kernel workspace: O(T·d), against B·T·T = 32 MiB for the (B, 1, T, T) bool mask alone
+    assert peak <= 2 * 4 * B * T * d * (2 * a + 2 * kvh) + 64 * B * a * T, peak
     assert peak < B * T * T  # a (B, 1, T, T) bool mask alone
 
 
