@@ -1,44 +1,112 @@
 """Export a consolidated single-file model from a checkpoint saved under any layout.
 
-``loom checkpoint convert RUN_OR_CKPT OUT.safetensors`` reads every ``model.*`` tensor whole
-(from however many shards hold its pieces) and writes them, under the reference model's
-parameter names, as one safetensors file: the format ``loom generate`` and
-:func:`loom.train.export.load_model` read. Optimizer state is left out.
+``loom checkpoint convert RUN_OR_CKPT OUT.safetensors`` writes every ``model.*`` tensor (from
+however many shards hold its pieces), under the reference model's parameter names, as one
+safetensors file: the format ``loom generate`` and :func:`loom.train.export.load_model` read.
+Optimizer state is left out.
+
+Streamed: the header is built from the index alone (names, shapes, dtypes), then each tensor's
+bytes are read and written a block of whole rows at a time (at most ``buffer_bytes``, or one row
+if a row is larger), so the host holds one block plus the checkpoint slice it is copied from:
+
+    peak tensor bytes ≤ 2 · max(buffer_bytes, largest row),
+
+not the model (1.6 TB for a 405B model in fp32). The file is byte for byte what writing all the
+tensors at once (:func:`loom.checkpoint.format.write_safetensors`) gives.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 from pathlib import Path
 
-from loom.checkpoint.format import CheckpointError, fsync_dir, write_safetensors
+import torch
+
+from loom.checkpoint.format import DTYPES, CheckpointError, fsync_dir
 from loom.checkpoint.load import CheckpointReader
+from loom.checkpoint.protocol import Box
 
 PREFIX = "model."
+BUFFER_BYTES = 256 << 20  # tensor bytes read and written at a time
 
 
-def convert(source: str | Path, out: str | Path, check: bool = True) -> tuple[Path, int, int]:
+def _header(reader: CheckpointReader, names: list[str], metadata: dict[str, str]) -> bytes:
+    """8-byte little-endian length + the JSON header padded with spaces to a multiple of 8, tensors
+    in sorted order back to back (the layout :func:`~loom.checkpoint.format.write_safetensors` writes)."""
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in names:
+        shape, dtype = reader.global_shape(PREFIX + name), reader.dtype(PREFIX + name)
+        nbytes = _numel(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": DTYPES[dtype][1],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _write_tensor(fh, reader: CheckpointReader, name: str, buffer_bytes: int) -> None:
+    """``name``'s bytes in row-major order, blocks of whole rows of dim 0 (a 0-d tensor whole)."""
+    shape, dtype = reader.global_shape(name), reader.dtype(name)
+    if not shape:
+        blocks: list[Box | None] = [None]
+    else:
+        rows = max(1, buffer_bytes // max(1, _numel(shape[1:]) * dtype.itemsize))
+        zeros = (0,) * (len(shape) - 1)
+        blocks = [
+            Box((lo, *zeros), (min(rows, shape[0] - lo), *shape[1:])) for lo in range(0, shape[0], rows)
+        ]
+    for box in blocks:
+        block = reader.read(name, box)  # (rows, *shape[1:]), assembled from the pieces holding them
+        if block.numel():
+            fh.write(block.reshape(-1).view(torch.uint8).numpy().data)
+        del block
+
+
+def convert(
+    source: str | Path, out: str | Path, check: bool = True, buffer_bytes: int = BUFFER_BYTES
+) -> tuple[Path, int, int]:
     """Write the consolidated model of ``source``; returns (checkpoint dir, step, tensor count).
 
-    ``check=False`` skips the manifest verification (for a checkpoint this process just wrote).
+    ``check=False`` skips the manifest verification (for a checkpoint this process just wrote);
+    ``buffer_bytes``: the tensor bytes held at a time (module doc).
     """
     out = Path(out)
+    if buffer_bytes < 1:
+        raise CheckpointError(f"buffer_bytes: must be >= 1, got {buffer_bytes}")
     with CheckpointReader(source, check=check) as reader:
         if reader.dir.resolve() in out.resolve().parents:
             raise CheckpointError(
                 f"{out}: inside the checkpoint it is converted from ({reader.dir}); write it "
                 "elsewhere (a checkpoint's files are never replaced)"
             )
-        names = [n for n in reader.names() if n.startswith(PREFIX)]
+        names = sorted(n[len(PREFIX) :] for n in reader.names() if n.startswith(PREFIX))
         if not names:
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")
-        tensors = {n[len(PREFIX) :]: reader.read(n) for n in names}
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
-        write_safetensors(tmp, tensors, {"step": str(reader.step), "source": reader.dir.name})
+        with open(tmp, "wb") as fh:
+            fh.write(_header(reader, names, {"step": str(reader.step), "source": reader.dir.name}))
+            for n in names:
+                _write_tensor(fh, reader, PREFIX + n, buffer_bytes)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, out)
         fsync_dir(out.parent)
-        return reader.dir, reader.step, len(tensors)
+        return reader.dir, reader.step, len(names)
 
 
 def main(argv: list[str]) -> int:
