@@ -71,8 +71,6 @@ def zero3_options(p: Any) -> dict[str, Any]:
 def zero3_memory(cm: Any, lay: Any, bd: dict[str, float], first: bool, last: bool) -> dict[str, float]:
     """``bd`` (a stage's bytes by kind, :meth:`CostModel.stage_memory`) with parameter offload and hpZ."""
     if getattr(lay, "offload_params", False):
-        if bd["accumulation"] > 0:  # full gradients kept across micro-batches stay on the device
-            bd["accumulation"] += bd["gradients"]
         bd["weights"] = bd["gradients"] = bd["optimizer"] = bd["optimizer step"] = (
             0.0  # the step runs on the host
         )

@@ -13,8 +13,17 @@ that same rank, stage, sequence length and micro-batch count
 
     parameters, gradients, optimizer state   strategy.state_bytes() after the step
     saved activations                        peak bytes held by autograd (saved-tensor hooks)
-    peak                                     peak resident memory of the process over the step,
+    peak                                     peak resident memory of the process over the step
+                                             (``--on cuda``: torch.cuda.max_memory_allocated),
                                              against the predicted sum without the device runtime
+
+Gradients are the shards held between steps; the full-size buffers ZeRO-2/3 keep between
+micro-batches (``no_sync``) are transient and counted in the peak.
+
+Before anything is built, the rank's predicted peak is compared with the memory available here
+(``MemAvailable`` of /proc/meminfo; with ``--on cuda`` the device's free memory): if it cannot fit,
+one line says how much it needs and how much there is, exit status 2, nothing allocated.
+``--on cuda`` builds the rank's tensors on the CUDA device, still under the fake process group.
 
 Exit status 1 if a model-state kind differs by more than 2% or the peak by more than 10%.
 ``--layout best`` takes the planner's best layout for the config's own job (its sequence length and
@@ -67,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--microbatches", type=int, default=0, help="micro-batches of the step (default: the schedule's peak)"
     )
+    p.add_argument(
+        "--on",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the rank's tensors live: this host's memory (default) or the CUDA device",
+    )
     return p
 
 
@@ -116,9 +131,10 @@ def constant(name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> tor
     return torch.full((), 1e-2).expand(shape)[index]
 
 
-def measure(cfg: C.LoomConfig, rank: int, world: int) -> dict[str, float]:
-    """Build rank ``rank`` of a ``world``-rank job under the fake process group, step it once, and
-    return its bytes by kind (parameters, gradients, optimizer, saved activations, peak) and timings."""
+def measure(cfg: C.LoomConfig, rank: int, world: int, on: str = "cpu") -> dict[str, float]:
+    """Build rank ``rank`` of a ``world``-rank job under the fake process group on device ``on``
+    (``cpu`` or ``cuda``), step it once, and return its bytes by kind (parameters, gradients,
+    optimizer, saved activations, peak) and timings."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -127,19 +143,19 @@ def measure(cfg: C.LoomConfig, rank: int, world: int) -> dict[str, float]:
     from loom.model.llama import build_model
     from loom.train.build import build_run, saved_activations
 
-    cpu = torch.device("cpu")
+    dev = torch.device("cuda", torch.cuda.current_device()) if on == "cuda" else torch.device("cpu")
     torch.set_num_threads(os.cpu_count() or 1)
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         t0 = time.perf_counter()
-        mesh = ParallelMesh(ParallelDims.from_config(cfg.parallel), "cpu")
+        mesh = ParallelMesh(ParallelDims.from_config(cfg.parallel), dev.type)
         with torch.device("meta"):  # first use of the meta device and of the matmul kernels: not the model's
             torch.empty(1)
-        torch.ones(8, 8) @ torch.ones(8, 8)
-        base = _rss()
-        reset_peak_memory(cpu)
+        torch.ones(8, 8, device=dev) @ torch.ones(8, 8, device=dev)
+        base = _allocated(dev)
+        reset_peak_memory(dev)
         run = build_run(
-            cfg, mesh, build_model(cfg.model, cfg.train.seed, cpu, meta=True, moe=cfg.moe), source=constant
+            cfg, mesh, build_model(cfg.model, cfg.train.seed, dev, meta=True, moe=cfg.moe), source=constant
         )
         t1 = time.perf_counter()
         g = torch.Generator().manual_seed(0)
@@ -147,12 +163,12 @@ def measure(cfg: C.LoomConfig, rank: int, world: int) -> dict[str, float]:
         seq = cfg.data.seq_len // mesh.size("cp")
         batches = [
             (
-                torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, seq), generator=g),
-                torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, seq), generator=g),
+                torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, seq), generator=g).to(dev),
+                torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, seq), generator=g).to(dev),
             )
             for _ in range(m)
         ]
-        saved = saved_activations(cfg, run.model, cpu)
+        saved = saved_activations(cfg, run.model, dev)
         strategy = run.strategy
 
         def update() -> float:  # the values are garbage under the fake group: no clipping, no finite check
@@ -163,7 +179,7 @@ def measure(cfg: C.LoomConfig, rank: int, world: int) -> dict[str, float]:
         strategy.zero_grad()
         with saved:
             run.forward_backward(batches, run.loss_fn, update, mesh.group("dp_cp"))
-        peak = peak_memory_bytes(cpu) - base
+        peak = peak_memory_bytes(dev) - base
         state = strategy.state_bytes()
         return {
             "parameters": state["param_bytes"],
@@ -188,7 +204,7 @@ def predict(cfg: C.LoomConfig, cluster: ClusterSpec, lay: Layout, stage: int, m:
     runtime = cluster.device.runtime_overhead_bytes
     return {
         "parameters": bd["weights"],
-        "gradients": bd["gradients"] + bd["accumulation"],
+        "gradients": bd["gradients"],  # held between steps; full-size buffers of no_sync count in the peak
         "optimizer": bd["optimizer"],
         "saved activations": bd["activations"] + bd["logits"],
         "peak": sum(bd.values()) - runtime,
@@ -219,6 +235,15 @@ def table(measured: dict[str, float], predicted: dict[str, float]) -> tuple[str,
 def main(argv: list[str], cluster_of) -> int:
     """``cluster_of(args, default)``: the cluster of ``--cluster`` / ``--device`` (as ``loom plan`` reads them)."""
     args = _parser().parse_args(argv)
+    if args.on == "cuda":
+        from loom.device import cuda_available
+
+        if not cuda_available():
+            print(
+                "loom plan verify: --on cuda: no CUDA device here (torch.cuda.is_available() is False)",
+                file=sys.stderr,
+            )
+            return 2
     try:
         cfg = C.load(args.config, [])
         cluster = cluster_of(args, "h100-8x8")
@@ -241,7 +266,15 @@ def main(argv: list[str], cluster_of) -> int:
             raise PlanError(f"--rank: must be in [0, {args.world}), got {args.rank}")
         m = args.microbatches or default_microbatches(lay)
         cfg = job_config(cfg, lay, args.seq, m)
+        cfg.run.device = args.on  # train.precision auto resolves for it (bf16 on CUDA, fp32 on the CPU)
         C.validate(cfg, args.world)
+        from loom.mesh import ParallelDims
+
+        stage = ParallelDims.from_config(cfg.parallel).coords(args.rank)["pp"]
+        predicted = predict(cfg, cluster, lay, stage, m)
+        problem = host_problem(predicted, *available_bytes(args.on))  # the precheck: before building
+        if problem is not None:
+            raise C.ConfigError(f"rank {args.rank} (pipeline stage {stage}): {problem}")
         from loom.plan.auto import fit_problem
 
         problem = fit_problem(cfg, args.world, local_ranks=1)  # one rank runs here: before building it
@@ -251,12 +284,12 @@ def main(argv: list[str], cluster_of) -> int:
         print(f"loom plan verify: {e}", file=sys.stderr)
         return 2
     print(
-        f"verifying rank {args.rank} of {args.world} ({cluster.device.name}): {lay.spec()}, seq {args.seq}, "
+        f"verifying rank {args.rank} of {args.world} ({cluster.device.name}, tensors on {args.on}): "
+        f"{lay.spec()}, seq {args.seq}, "
         f"{m} micro-batch{'es' * (m > 1)}",
         flush=True,
     )
-    measured = measure(cfg, args.rank, args.world)
-    predicted = predict(cfg, cluster, lay, int(measured["stage"]), m)
+    measured = measure(cfg, args.rank, args.world, args.on)
     text, ok = table(measured, predicted)
     print(
         f"pipeline stage {int(measured['stage'])}; built in {measured['build_s']:.1f} s, "
@@ -271,6 +304,41 @@ def main(argv: list[str], cluster_of) -> int:
     return 0 if ok else 1
 
 
-def _rss() -> int:
+def _allocated(dev: torch.device) -> int:
+    """Bytes in use now: the CUDA allocator's on a GPU, the resident set of this process on the CPU."""
+    if dev.type == "cuda":
+        return int(torch.cuda.memory_allocated(dev))
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def available_bytes(on: str) -> tuple[int | None, str]:
+    """(bytes free for the rank, where): ``MemAvailable`` of /proc/meminfo (the kernel's estimate of
+    memory a new allocation can get without swapping) on the CPU, the device's free memory
+    (``torch.cuda.mem_get_info``) on CUDA; None where the system does not say."""
+    if on == "cuda":
+        return int(torch.cuda.mem_get_info()[0]), "free on the CUDA device"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available host memory (MemAvailable)"
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE")), "free host memory"
+    except (ValueError, OSError, AttributeError):
+        return None, "host memory"
+
+
+def host_problem(predicted: dict[str, float], available: int | None, where: str) -> str | None:
+    """One line when the rank's predicted peak (model states included) exceeds what is available."""
+    need = predicted["peak"]
+    if available is None or need <= available:
+        return None
+    states = predicted["parameters"] + predicted["gradients"] + predicted["optimizer"]
+    return (
+        f"this rank needs about {need / 2**30:.1f} GiB (model states {states / 2**30:.1f} GiB + the "
+        f"step's peak), {where} is {available / 2**30:.1f} GiB; nothing was built (a machine with more "
+        f"memory, --on cuda, or a layout with less per rank)"
+    )

@@ -16,7 +16,8 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
   grads, fp32 master/momentum/variance), (4, 4, 8) fp32. Over a ZeRO group of N = dp_shard*cp:
   stage 0: W+G+O; 1: W+G+O/N; 2: W+(G+O)/N; 3: (W+G+O)/N plus the transient of a unit in
   backward: gathered, its gradient filling, the next block prefetched (``_zero3_transient``). Stages 2/3 with gradient accumulation (m > 1) hold full-size gradients
-  between micro-batches (reduced once, after the last, as FSDP's ``no_sync``). ``offload`` moves O to host memory. Layer weights divide by t, experts
+  between micro-batches beside their 1/N shard (reduced once, after the last, as FSDP's ``no_sync``; the
+  pipeline's synchronous schedules too, not PipeDream/2BW, which reduce every micro-batch). ``offload`` moves O to host memory. Layer weights divide by t, experts
   by ep only (whole on every tp rank); the vocabulary-parallel embedding and head by t; norms are replicated.
 - activations of one layer for one micro-batch, derived like Korthikanti et al. 2022 for this
   block (pre-norm, fused RMSNorm saving its input, RoPE, GQA, SwiGLU, no dropout, no biases)::

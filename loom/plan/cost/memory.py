@@ -10,6 +10,7 @@ from loom.plan.cost.base import CostBase
 from loom.plan.cost.layout import Layout
 from loom.plan.cost.pipeline import inflight_layers
 from loom.plan.zero_options import zero3_memory
+from loom.rules import ASYNC_SCHEDULES
 
 FRAGMENTATION = 0.10  # share of dynamic memory lost to allocator fragmentation (assumption)
 
@@ -109,7 +110,9 @@ def state_terms(
     )
 
 
-def zero3_transient(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
+def zero3_transient(
+    cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool, filling: bool = True
+) -> float:
     """ZeRO-3's gathered units and gradients at the step's peak (bytes), as Loom runs them:
 
         max over units u of  W·u + G·u + G·p(u) [+ 2G·p(u), tied]  +  W·u_layer
@@ -118,10 +121,41 @@ def zero3_transient(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: 
     autograd's gradient of its largest parameter p(u) (G·p), and the next block is prefetched
     (W·u_layer). Units: a block; the embedding on the first stage; final norm + head on the
     last; without a pipeline a tied embedding and head are one unit, whose head gradient autograd
-    holds until the embedding's arrives and then sums into a third tensor (2G·p more)."""
+    holds until the embedding's arrives and then sums into a third tensor (2G·p more). An
+    embedding unit of its own is the last in backward: nothing is prefetched beside it.
+    ``filling=False`` (gradient accumulation): every unit's full gradient buffer is already held
+    (:func:`accumulated_gradients`), so the filling one is not counted again (no G·u)."""
     W, G = cm.W, cm.G
     units = cm.zero3_unit_sizes(tp, pp, ep, first, last)
-    return max(W * u + G * (u + p + extra) for u, p, extra in units) + W * units[0][0]
+    alone = first and (pp > 1 or cm.params.head)  # units[1] is the embedding, not merged with the head
+    return max(
+        W * u + G * (u * filling + p + extra) + W * units[0][0] * (not (alone and i == 1))
+        for i, (u, p, extra) in enumerate(units)
+    )
+
+
+def keeps_full_gradients(cm: CostBase, lay: Layout, m: int) -> bool:
+    """Whether ZeRO-2/3 keep full-size gradient buffers between the micro-batches of a step, as
+    Loom's runtime does: the trainer's accumulation loop and the pipeline's synchronous schedules
+    (every backward of a chunk but its last) run under ``no_sync``, which folds each gradient into
+    the unit's (ZeRO-3) or bucket's (ZeRO-2) full-size buffer and reduces once, after the last
+    micro-batch. Not kept with one micro-batch, nor under the asynchronous pipeline schedules
+    (PipeDream, 2BW: no ``no_sync``, every micro-batch reduced at once), nor by a stack that
+    reduce-scatters every micro-batch (:attr:`Stack.microbatch_reduce`)."""
+    if lay.zero < 2 or m <= 1 or cm.stack.microbatch_reduce:
+        return False
+    return not (lay.pp > 1 and lay.schedule in ASYNC_SCHEDULES)
+
+
+def accumulated_gradients(
+    cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool, split: tuple[int, ...] = ()
+) -> float:
+    """Full-size gradient buffers held between micro-batches (bytes), beside the persistent 1/N
+    shard: G·Φ_stage, the stage's trained parameters (LoRA: the adapters only)."""
+    if cm.train.lora_rank:
+        return cm.G * adapters_on(cm, tp, pp, first, last, split)[0]
+    dense, expert = cm._params_on(tp, pp, ep, first, last, split)
+    return cm.G * (dense + expert)
 
 
 def factored_bytes(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
@@ -244,9 +278,10 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
     bd["activations"] = act
     bd["logits"] = logits
     bd["accumulation"] = 0.0
-    if lay.zero >= 2 and m > 1 and not cm.stack.microbatch_reduce:  # full-size gradients kept (FSDP no_sync)
-        dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
-        bd["accumulation"] = cm.G * (dense + expert) - bd["gradients"]
+    if keeps_full_gradients(cm, lay, m):  # full-size gradients kept between micro-batches (no_sync)
+        bd["accumulation"] = cm.memo(accumulated_gradients)(lay.tp, lay.pp, lay.ep, first, last, lay.split)
+        if lay.zero == 3:  # the unit in backward fills its buffer inside the accumulation
+            bd["zero3 buffer"] = cm.memo(zero3_transient)(lay.tp, lay.pp, lay.ep, first, last, False)
     # The optimizer step runs after the activations are freed; its temporaries count only beyond them.
     bd["optimizer step"] = max(0.0, step_workspace(cm, lay, first, last) - act - logits)
     bd["overhead"] = cm.cluster.device.runtime_overhead_bytes + FRAGMENTATION * (
