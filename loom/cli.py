@@ -111,13 +111,12 @@ def cmd_train(argv: list[str]) -> int:
 
     apply_slurm_env()  # srun without torchrun: one rank per task
     check_launcher_env()  # RANK/WORLD_SIZE left over without a launcher would hang
-    if cfg.model.from_hf:  # the model's shape and tokenizer come from the directory
-        from loom.model.hf import HFError, apply_to
+    if cfg.model.from_hf:  # shape and tokenizer from the directory, fine-tuning defaults, data required
+        from loom.model.hf import resolve_from_hf
 
-        try:
-            apply_to(cfg, cfg.model.from_hf)
-        except (HFError, KeyError, ValueError) as e:
-            raise C.ConfigError(f"model.from_hf: {e}") from None
+        note = resolve_from_hf(cfg)
+        if note:
+            print(note, flush=True)
     if cfg.parallel.auto:  # the planner picks the layout for the world size (every rank alike under torchrun)
         from loom.plan.auto import apply_auto, describe
 
@@ -418,9 +417,14 @@ def cmd_config(argv: list[str]) -> int:
         print(C.reference())
         return 0
     cfg, _ = _load(argv, ("nproc",))
+    note = None
+    if cfg.model.from_hf:  # what loom train would run: the directory's model, fine-tuning defaults
+        from loom.model.hf import resolve_from_hf
+
+        note = resolve_from_hf(cfg)
     C.validate(cfg, C.world_size_of(cfg))
     C.check_intent(cfg)
-    print(C.dump_toml(cfg), end="")
+    print((f"# {note}\n" if note else "") + C.dump_toml(cfg), end="")
     return 0
 
 

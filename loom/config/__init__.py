@@ -16,8 +16,11 @@ the modules of this package import from each other, never from this one.
 from __future__ import annotations
 
 from loom.config.finetune import (
+    FINETUNE_LR,
     TARGET_NAMES,
     check_finetune,
+    check_finetune_data,
+    finetune_defaults,
     lora_targets,
     model_linears,
     target_shapes,
@@ -181,6 +184,9 @@ __all__ = [
     "target_shapes",
     "TARGET_NAMES",
     "check_finetune",
+    "check_finetune_data",
+    "finetune_defaults",
+    "FINETUNE_LR",
     "_check_choices",
     "resolve_layout",
     "_check_finite",

@@ -93,3 +93,51 @@ def check_finetune(cfg: LoomConfig) -> None:
             f"use method = lora or drop {t} from finetune.lora_targets",
         )
     _require_none(qlora_layout_problem(f.method, p.tp))
+
+
+# model.from_hf: fine-tuning values of the [train] fields a run does not set (pretraining's are
+# lr 3e-3 and weight decay 0.1, far too hot for a pretrained model). lr: transformers' Trainer
+# default for a full fine-tune; LoRA/QLoRA: the QLoRA paper's (adapters start at zero and need more).
+FINETUNE_LR = {"full": 2e-5, "lora": 2e-4, "qlora": 2e-4}
+FINETUNE_WARMUP = 0.03  # share of train.steps warmed up (transformers' common warmup_ratio)
+
+
+def finetune_defaults(cfg: LoomConfig) -> str | None:
+    """With ``model.from_hf``, each of ``train.lr``, ``min_lr``, ``warmup_steps`` and
+    ``weight_decay`` not given explicitly (:func:`~loom.config.parse.explicit`) takes its fine-tuning
+    value: lr = :data:`FINETUNE_LR` [finetune.method], min_lr = lr / 10 (the cosine floor), warmup =
+    max(1, round(0.03·steps)) steps (below steps), weight decay 0. Returns the line stating what
+    was set (None: every one was given, or no from_hf)."""
+    from loom.config.parse import explicit
+
+    if not cfg.model.from_hf:
+        return None
+    t, given, set_ = cfg.train, explicit(cfg), []
+    if "train.lr" not in given:
+        t.lr = FINETUNE_LR[cfg.finetune.method]
+        set_.append(f"train.lr {t.lr:g} ({cfg.finetune.method})")
+    if "train.min_lr" not in given:
+        t.min_lr = float(f"{t.lr / 10:.6g}")  # 2e-06, not 2.0000000000000003e-06 in config.toml
+        set_.append(f"train.min_lr {t.min_lr:g} (lr / 10, cosine)")
+    if "train.warmup_steps" not in given:
+        t.warmup_steps = min(max(1, round(FINETUNE_WARMUP * t.steps)), max(0, t.steps - 1))
+        set_.append(f"train.warmup_steps {t.warmup_steps} ({FINETUNE_WARMUP:.0%} of {t.steps} steps)")
+    if "train.weight_decay" not in given:
+        t.weight_decay = 0.0
+        set_.append("train.weight_decay 0")
+    if not set_:
+        return None
+    return "model.from_hf: fine-tuning defaults for the [train] values not given: " + ", ".join(set_)
+
+
+def check_finetune_data(cfg: LoomConfig) -> None:
+    """A run from ``model.from_hf`` names its data: the stdlib corpus (the default source) is a
+    pretraining demo, never what a pretrained model is meant to be fine-tuned on unless asked."""
+    from loom.config.parse import explicit
+
+    given = explicit(cfg)
+    _require(
+        not cfg.model.from_hf or bool({"data.source", "data.sources", "data.prepared_dir"} & given),
+        "data.source: model.from_hf fine-tunes a pretrained model; give its data (data.source FILE, "
+        "DIR or GLOB, or [[data.sources]]); the default stdlib corpus is used only when named",
+    )

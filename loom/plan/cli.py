@@ -91,6 +91,10 @@ def main(argv: list[str]) -> int:
         check = None
         if args.config or overrides:
             cfg = load(args.config, overrides)
+            if cfg.model.from_hf:  # the directory's model, as loom train would run it
+                from loom.model.hf import resolve_from_hf
+
+                resolve_from_hf(cfg, need_data=False)
             cluster = cluster_of(args, "cpu-local")
             check = check_fit(cfg, cluster, profile)
             model, train = model_of(cfg), workload_of(cfg)
