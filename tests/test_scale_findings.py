@@ -425,3 +425,38 @@ def test_resume_reads_only_this_ranks_rng(pools, tmp_path):
         assert r["step"] == 1 and r["same"]
         assert r["read"] == [(r["own"], r["own_bytes"])]
         assert not r["state_has_rng"] and r["state_bytes"] < r["own_bytes"]
+
+
+# ------------------------------------------------------------------ finding 9 (d): one draw per node
+def test_epoch_order_is_drawn_once_per_node_and_equals_the_old_order(monkeypatch, tmp_path):
+    """4 data-parallel ranks (4 samplers, as 4 processes of a node would) over 37 windows, 12 steps
+    (5 epochs; global batch 16): the order is torch.randperm's per epoch, equal to today's per-rank
+    draws, drawn once per epoch for the node (5 draws, not 4 × 5), and each rank maps the file
+    (nothing of the permutation in its own memory); a file of the wrong size is drawn again."""
+    import numpy as np
+
+    from loom.data import dataset as D
+
+    n, T, gb, dp, steps = 37, 8, 16, 4, 12
+    path = tmp_path / "t.bin"
+    np.arange(n * T + 1, dtype=np.uint16).tofile(path)
+    ds = D.TokenDataset(path, seq_len=T)
+    old = [D.BatchSampler(ds, gb, 2, r, dp, seed=7, share_above=n) for r in range(dp)]  # per rank
+    want = [[s.indices(k) for k in range(steps)] for s in old]
+    draws = []
+    plain = D.epoch_permutation
+
+    def counted(*args, **kw):
+        draws.append(args[:3])
+        return plain(*args, **kw)
+
+    monkeypatch.setattr(D, "epoch_permutation", counted)
+    shared = [D.BatchSampler(ds, gb, 2, r, dp, seed=7, share_above=0) for r in range(dp)]
+    got = [[s.indices(k) for k in range(steps)] for s in shared]
+    assert got == want
+    epochs = (steps * gb - 1) // n + 1
+    assert sorted(draws) == [(n, 7, e) for e in range(epochs)]
+    assert all(isinstance(p, np.memmap) for s in shared for p in s._perms.values())
+    (tmp_path / "perm" / "perm-n37-s7-e0.int32").write_bytes(b"\0" * 8)  # torn by hand
+    assert D.BatchSampler(ds, gb, 2, 0, dp, seed=7, share_above=0).indices(0) == want[0][0]
+    assert len(draws) == epochs + 1

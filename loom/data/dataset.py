@@ -5,10 +5,22 @@ The global batch of step ``s`` is a pure function of (seed, s): sequence ``g = s
 (n windows, ``perm_e`` a seeded permutation). Data-parallel rank r of d takes rows
 ``[r*B/d, (r+1)*B/d)`` of it, so concatenating the ranks in order gives exactly the
 single-process batch, and a run restarted at any step sees the same data.
+
+Every rank needs the same ``perm_e``. Drawing it is O(n) time and 4n or 8n bytes (int32 below 2^31
+windows): 1.8·10⁹ windows of a 15T-token corpus at seq 8192 would cost each of 8 ranks per node
+7 GB and a minute per epoch. Above ``share_above`` windows (:data:`SHARE_ABOVE`) the first rank of
+a node to need it draws it once, under a file lock, into ``<prepared dir>/perm/`` (written whole,
+then renamed), and every rank maps that file read-only: per node one draw per epoch and one copy
+in the page cache, per rank only the pages of its own rows. The order is ``torch.randperm``'s
+either way (int32 and int64 draws give the same order); a read-only directory falls back to a
+draw per rank.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 from pathlib import Path
 
 import numpy as np
@@ -123,11 +135,45 @@ class TokenDataset:
         return (x, y) if self.pack_eot is None else (x, y, packed_positions(x, self.pack_eot))
 
 
-def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """``torch.randperm(n)`` from a generator seeded by a hash of (seed, epoch)."""
+def epoch_permutation(n: int, seed: int, epoch: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``torch.randperm(n)`` from a generator seeded by a hash of (seed, epoch) (the same order in
+    int32 and int64)."""
     state = np.random.SeedSequence([seed, epoch]).generate_state(1, dtype=np.uint64)
     g = torch.Generator().manual_seed(int(state[0]))
-    return torch.randperm(n, generator=g)
+    return torch.randperm(n, generator=g, dtype=dtype)
+
+
+SHARE_ABOVE = 1 << 23  # windows (32 MB of int32): above, a node draws each epoch's order once
+
+
+def shared_permutation(n: int, seed: int, epoch: int, cache: Path) -> np.ndarray:
+    """:func:`epoch_permutation` as a read-only map of ``cache/perm-n<n>-s<seed>-e<epoch>.<dtype>``,
+    drawn by the first process to get ``cache/.lock`` (see the module doc); a draw of its own if
+    ``cache`` cannot be written."""
+    small = n < 2**31
+    dtype, tdtype = (np.int32, torch.int32) if small else (np.int64, torch.int64)
+    path = cache / f"perm-n{n}-s{seed}-e{epoch}.{np.dtype(dtype).name}"
+    size = n * np.dtype(dtype).itemsize
+
+    def ready() -> bool:
+        return path.is_file() and path.stat().st_size == size
+
+    try:
+        if not ready():
+            cache.mkdir(parents=True, exist_ok=True)
+            with open(cache / ".lock", "a+") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not ready():
+                    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+                    try:
+                        epoch_permutation(n, seed, epoch, tdtype).numpy().tofile(tmp)
+                        os.replace(tmp, path)
+                    finally:
+                        with contextlib.suppress(OSError):
+                            tmp.unlink()
+        return np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+    except OSError:
+        return epoch_permutation(n, seed, epoch, tdtype).numpy()
 
 
 class BatchSampler:
@@ -141,7 +187,10 @@ class BatchSampler:
         dp_rank: int = 0,
         dp_size: int = 1,
         seed: int = 0,
+        share_above: int = SHARE_ABOVE,
     ) -> None:
+        """``share_above``: above this many windows each epoch's order is drawn once per node into
+        ``<dataset dir>/perm/`` and mapped (:func:`shared_permutation`), else drawn by each rank."""
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"parallel.dp: rank {dp_rank} is not in [0, dp_size={dp_size})")
         if micro_batch < 1 or global_batch < 1:
@@ -163,17 +212,23 @@ class BatchSampler:
         self.seed = seed
         self.rows_per_rank = global_batch // dp_size
         self.n_micro = self.rows_per_rank // micro_batch  # gradient-accumulation steps
-        self._perms: dict[int, torch.Tensor] = {}
+        self.share_above = share_above
+        self._perms: dict[int, np.ndarray] = {}
 
     @property
     def steps_per_epoch(self) -> float:
         return self.dataset.n_windows / self.global_batch
 
-    def _perm(self, epoch: int) -> torch.Tensor:
+    def _perm(self, epoch: int) -> np.ndarray:
         if epoch not in self._perms:
             if len(self._perms) >= 2:  # a step spans at most two epochs (or many, for tiny sets)
                 self._perms.clear()
-            self._perms[epoch] = epoch_permutation(self.dataset.n_windows, self.seed, epoch)
+            n = self.dataset.n_windows
+            self._perms[epoch] = (
+                shared_permutation(n, self.seed, epoch, self.dataset.path.parent / "perm")
+                if n > self.share_above
+                else epoch_permutation(n, self.seed, epoch).numpy()
+            )
         return self._perms[epoch]
 
     def indices(self, step: int) -> list[int]:
