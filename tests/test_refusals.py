@@ -416,7 +416,7 @@ def _convert_disk_full(c: Ctx):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    c.mp.setattr(convert, "write_safetensors", full)
+    c.mp.setattr(convert, "_write_tensor", full)  # the streamed writes of the tensors
     out = c.tmp / "model.safetensors"
     return ["checkpoint", "convert", str(c.w.run), str(out)], [str(out), "No space left on device"]
 

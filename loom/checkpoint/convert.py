@@ -98,12 +98,16 @@ def convert(
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(_header(reader, names, {"step": str(reader.step), "source": reader.dir.name}))
-            for n in names:
-                _write_tensor(fh, reader, PREFIX + n, buffer_bytes)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(_header(reader, names, {"step": str(reader.step), "source": reader.dir.name}))
+                for n in names:
+                    _write_tensor(fh, reader, PREFIX + n, buffer_bytes)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:  # a failed write (disk full) leaves no partial file behind
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, out)
         fsync_dir(out.parent)
         return reader.dir, reader.step, len(names)
