@@ -460,3 +460,70 @@ def test_epoch_order_is_drawn_once_per_node_and_equals_the_old_order(monkeypatch
     (tmp_path / "perm" / "perm-n37-s7-e0.int32").write_bytes(b"\0" * 8)  # torn by hand
     assert D.BatchSampler(ds, gb, 2, 0, dp, seed=7, share_above=0).indices(0) == want[0][0]
     assert len(draws) == epochs + 1
+
+
+# ------------------------------------------------------------------ finding 9 (e): node-local data
+def _ensure_on_two_nodes(run_dir: str, data_dir: str, node_local: bool, fail_on_1: bool) -> dict:
+    """Ranks 0 and 1 as local rank 0 of two nodes. ``node_local``: rank 1's node has a copy of its own
+    (its meta.json is another file); ``fail_on_1``: preparing there fails."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from loom import config as C
+    from loom.data.prepare import PreparedData
+    from loom.train import setup
+
+    rank = dist.get_rank()
+    calls: list[str] = []
+
+    def fake_prepare(data_cfg, progress=True):
+        calls.append(str(data_cfg.prepared_dir))
+        if fail_on_1 and rank == 1:
+            raise C.ConfigError("data.source: disk full on node 1")
+        d = Path(data_dir)
+        if not (d / "meta.json").is_file() and rank == 0:
+            d.mkdir(parents=True, exist_ok=True)
+            np.zeros(9, dtype=np.uint16).tofile(d / "train.bin")
+            np.zeros(5, dtype=np.uint16).tofile(d / "val.bin")
+            (d / "tokenizer.json").write_text("{}")
+            meta = {"vocab_size": 8, "n_train_tokens": 9, "n_val_tokens": 5, "dtype": "uint16", "eot_id": 0}
+            (d / "meta.json").write_text(json.dumps(meta))
+        return PreparedData.load(d, verify=False)
+
+    plain_prepare, plain_stamp = setup.prepare_data, setup.data_stamp
+    setup.prepare_data = fake_prepare
+    if node_local and rank == 1:
+        setup.data_stamp = lambda d: [0, 0, 0]  # another file than rank 0's: this node's own cache
+    cfg = C.LoomConfig()
+    cfg.run.dir = run_dir
+    try:
+        env = setup.RankEnv(rank=rank, world=2, local_rank=0, local_world=1)
+        got = str(setup.ensure_data(cfg, env, None).dir)
+        return {"calls": calls, "dir": got}
+    except C.ConfigError as e:
+        return {"calls": calls, "error": str(e)}
+    finally:
+        setup.prepare_data, setup.data_stamp = plain_prepare, plain_stamp
+
+
+@pytest.mark.parametrize("node_local", [False, True])
+def test_each_node_prepares_its_node_local_cache(pools, tmp_path, node_local):
+    """Preparations (or verifications) = 1 (rank 0) + the nodes whose copy is not rank 0's file: on a
+    shared file system rank 1 reads nothing more; with a node-local cache its node's local rank 0
+    prepares into the same directory, and every rank waits for it."""
+    data = tmp_path / "data"
+    results = pools(2).run(_ensure_on_two_nodes, str(tmp_path / "run"), str(data), node_local, False)
+    assert [len(r["calls"]) for r in results] == [1, 1 if node_local else 0]
+    assert results[1]["calls"] == ([str(data)] if node_local else [])
+    assert [r["dir"] for r in results] == [str(data)] * 2
+
+
+def test_a_node_that_cannot_prepare_is_named_on_every_rank(pools, tmp_path):
+    results = pools(2).run(_ensure_on_two_nodes, str(tmp_path / "run"), str(tmp_path / "d"), True, True)
+    assert results[1]["error"] == "data.source: disk full on node 1"
+    assert results[0]["error"].startswith(
+        "data.prepared_dir: rank 1 failed to prepare or verify its node's copy"
+    )

@@ -99,7 +99,13 @@ def control_group(env: RankEnv):
 def ensure_data(cfg: C.LoomConfig, env: RankEnv, control=None) -> PreparedData:
     """Prepared tokens, verified (:meth:`PreparedData.load`): rank 0 prepares or checks them while the
     others wait on ``control``; its verdict reaches every rank, so a refusal is the same one line on
-    all of them (none waits for a rank that has given up)."""
+    all of them (none waits for a rank that has given up).
+
+    A node-local cache (``torchrun``/``srun`` over nodes without a shared ``data.prepared_dir``): on
+    a node whose copy of rank 0's ``meta.json`` is missing or is another file (inode, mtime, size:
+    :func:`data_stamp`), local rank 0 prepares or verifies that node's copy in the same directory,
+    and one all-reduce over ``control`` waits for every node (a failure there is one line naming
+    its rank on every rank). On a shared file system nothing more is read than before."""
     from loom.checkpoint.save import broadcast_json
 
     check_data_record(Path(cfg.run.dir))
@@ -120,17 +126,57 @@ def ensure_data(cfg: C.LoomConfig, env: RankEnv, control=None) -> PreparedData:
             )
     if env.world > 1:
         verdict = broadcast_json(
-            {"error": error, "dir": str(prepared.dir) if prepared else ""}, env.rank, env.world, control
+            {
+                "error": error,
+                "dir": str(prepared.dir) if prepared else "",
+                "stamp": data_stamp(Path(prepared.dir)) if prepared else None,
+            },
+            env.rank,
+            env.world,
+            control,
         )
         assert isinstance(verdict, dict)
         if failure is not None:
             raise failure
         if verdict["error"]:
             raise C.ConfigError(verdict["error"])
-        if env.rank != 0:  # rank 0 checked the files; the others read what it prepared
+        prepare_node_copy(cfg, env, verdict, control)
+        if env.rank != 0:  # rank 0 (or this node's local rank 0) checked the files; read them
             prepared = PreparedData.load(verdict["dir"], verify=False)
     assert prepared is not None
     return prepared
+
+
+def data_stamp(prepared_dir: Path) -> list[int] | None:
+    """(inode, mtime in s, size) of ``meta.json``: the same file on every node of a shared file system,
+    another one in a node-local cache prepared on that node (None: absent)."""
+    try:
+        st = (Path(prepared_dir) / "meta.json").stat()
+    except OSError:
+        return None
+    return [st.st_ino, int(st.st_mtime), st.st_size]
+
+
+def prepare_node_copy(cfg: C.LoomConfig, env: RankEnv, verdict: dict, control) -> None:
+    """Local rank 0 of a node without rank 0's copy prepares or verifies its own in ``verdict["dir"]``;
+    then every rank learns (one all-reduce of MAX over ``control``) whether some node failed."""
+    import dataclasses
+
+    failed: Exception | None = None
+    if env.rank != 0 and env.local_rank == 0 and data_stamp(Path(verdict["dir"])) != verdict["stamp"]:
+        try:
+            prepare_data(dataclasses.replace(cfg.data, prepared_dir=verdict["dir"]), progress=False)
+        except Exception as e:
+            failed = e
+    flag = torch.tensor([env.rank + 1 if failed is not None else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
+    if failed is not None:
+        raise failed
+    if int(flag):
+        raise C.ConfigError(
+            f"data.prepared_dir: rank {int(flag) - 1} failed to prepare or verify its node's copy of "
+            f"{verdict['dir']} (its own line says why)"
+        )
 
 
 def check_data_record(run_dir: Path) -> None:
@@ -187,14 +233,31 @@ def data_identity(data: PreparedData) -> dict[str, str]:
     }
 
 
+def _check_same_tokenizer(run_dir: Path, now: str) -> None:
+    """A run without ``data.json`` still has the ``tokenizer.json`` it trained with: resuming with
+    another would replace it, and its checkpoints would no longer match their token ids."""
+    import hashlib
+
+    tok = run_dir / "tokenizer.json"
+    if not tok.is_file() or not now:
+        return
+    was = hashlib.sha256(tok.read_bytes()).hexdigest()
+    if was != now:
+        raise C.ConfigError(
+            f"data: {tok} (sha256 {was[:12]}) is not this run's tokenizer (sha256 {now[:12]}); resume with the "
+            f"data and tokenizer it was trained with, or start a new run.dir with --train.init_from {run_dir}"
+        )
+
+
 def check_same_data(run_dir: Path, identity: dict[str, str]) -> None:
     """A resumed run continues on the data and tokenizer it started with (``run_dir/data.json``);
     anything else is refused naming both hashes (``train.init_from`` starts a new run from it)."""
     import json
 
     path = run_dir / DATA_IDENTITY
-    if not path.is_file():
-        return  # a run from before runs recorded their data
+    if not path.is_file():  # a run from before runs recorded their data: its tokenizer.json says
+        _check_same_tokenizer(run_dir, identity.get("tokenizer", ""))
+        return
     recorded = json.loads(path.read_text())
     for key, now in identity.items():
         was = recorded.get(key, "")
