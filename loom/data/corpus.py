@@ -3,13 +3,15 @@
 A corpus is a list of documents (strings). ``source = "stdlib"`` is the embedded default: the
 Python standard library sources that ship with the interpreter, so every fresh machine can
 train offline. Otherwise ``source`` is a file, a directory or a glob of ``.txt`` (one file =
-one document), ``.jsonl`` (one record = one document, text under ``text_field``) or
-``.parquet`` (one row = one document, column ``text_field``). Files are read in sorted path
+one document, or the parts between ``data.doc_separator``; read in blocks), ``.jsonl`` (one
+record = one document, text under ``text_field``) or ``.parquet`` (one row = one document,
+column ``text_field``). Files are read in sorted path
 order until ``max_mb`` megabytes (10^6 bytes of UTF-8) of text, so a corpus is deterministic.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import hashlib
@@ -148,8 +150,52 @@ def _decode(raw: bytes, where: str, errors: str, stats: DecodeStats | None) -> s
     return text
 
 
-def _read_txt(path: Path, errors: str, stats: DecodeStats | None) -> Iterator[str]:
-    yield _decode(path.read_bytes(), str(path), errors, stats)
+TXT_BLOCK = 1 << 20  # bytes of a .txt file read at a time
+
+
+def _read_txt(
+    path: Path, errors: str, stats: DecodeStats | None, separator: str = "", block: int = TXT_BLOCK
+) -> Iterator[tuple[str, bool]]:
+    """Pieces ``(text, ends_document)`` of a ``.txt`` file read ``block`` bytes at a time, so memory is
+    flat in the file's size: the file is one document, or with ``separator`` the parts of
+    ``text.split(separator)``. Pieces are cut anywhere (:func:`loom.data.tokenizer.recut` cuts them
+    again where tokens allow). Binary data and invalid UTF-8 are refused as by :func:`_decode`, naming
+    the byte offset in the file."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace" if errors == "replace" else "strict")
+    keep = max(len(separator) - 1, 0)  # characters held back: they may begin a separator
+    carry, offset, replaced = "", 0, 0
+    with path.open("rb") as f:
+        while True:
+            raw = f.read(block)
+            if not offset and b"\x00" in raw[:8192]:
+                raise ConfigError(
+                    f"data.source: {path} looks binary (NUL bytes), not text; remove it from the source"
+                )
+            held = len(decoder.getstate()[0])  # bytes of a character split by the previous block
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                raise ConfigError(
+                    f"data.source: {path} is not UTF-8 (byte {offset - held + e.start}: "
+                    f"{e.object[e.start : e.start + 1]!r}); fix the file or set data.errors = replace"
+                ) from None
+            if errors == "replace" and stats is not None:  # U+FFFD written, less the file's own
+                replaced += max(text.count("\ufffd") - raw.count("\ufffd".encode()), 0)
+                if replaced:
+                    stats.replaced[str(path)] = replaced
+            buf = carry + text if carry else text
+            if separator:
+                *docs, buf = buf.split(separator)
+                for doc in docs:
+                    yield doc, True
+            if not raw:
+                break
+            cut = len(buf) - keep
+            if cut > 0:
+                yield buf[:cut], False
+            carry = buf[max(cut, 0) :]
+            offset += len(raw)
+    yield buf, True
 
 
 def _read_jsonl(
@@ -254,14 +300,64 @@ def _read_arrow(path: Path, text_field: str) -> Iterator[str]:
             row += 1
 
 
-def _iter_file(path: Path, text_field: str, errors: str, stats: DecodeStats) -> Iterator[str]:
+def _iter_file(
+    path: Path, text_field: str, errors: str, stats: DecodeStats, separator: str = ""
+) -> Iterator[tuple[str, bool]]:
+    """``(text, ends_document)`` pieces of one file (a record of the other formats is one piece)."""
     if path.name.endswith((".jsonl", ".jsonl.gz")):
-        return _read_jsonl(path, text_field, errors, stats)
+        return _whole(_read_jsonl(path, text_field, errors, stats))
     if path.suffix == ".arrow":
-        return _read_arrow(path, text_field)
+        return _whole(_read_arrow(path, text_field))
     if path.suffix == ".parquet":
-        return _read_parquet(path, text_field, errors, stats)
-    return _read_txt(path, errors, stats)  # .txt and the stdlib's .py
+        return _whole(_read_parquet(path, text_field, errors, stats))
+    return _read_txt(path, errors, stats, separator)  # .txt and the stdlib's .py
+
+
+def _whole(docs: Iterator[str]) -> Iterator[tuple[str, bool]]:
+    return ((text, True) for text in docs)
+
+
+def iter_pieces(
+    source: str,
+    text_field: str = "text",
+    max_mb: float = 24.0,
+    errors: str = "strict",
+    stats: DecodeStats | None = None,
+    separator: str = "",
+) -> Iterator[tuple[str, bool]]:
+    """The documents of ``source`` in deterministic order as ``(text, ends_document)`` pieces, at most
+    ``max_mb`` MB of UTF-8 in total (``max_mb <= 0``: no cap). A ``.txt`` file is one document, or
+    with ``separator`` (``data.doc_separator``) its parts between separators; it is read in blocks
+    (:data:`TXT_BLOCK`), so memory is bounded by a block, not by a document or the corpus.
+
+    The document that crosses the cap is cut at the cap; empty documents are dropped (every piece
+    yielded belongs to a document with some text; its last piece may be empty). Binary files are
+    refused; invalid UTF-8 too unless ``errors == "replace"`` (the stdlib corpus always replaces: a
+    few of its files declare other encodings), counted in ``stats``.
+    """
+    files = source_files(source)
+    errors = "replace" if source == STDLIB else errors
+    separator = "" if source == STDLIB else separator
+    stats = stats if stats is not None else DecodeStats()
+    budget = int(max_mb * 1e6) if max_mb > 0 else -1
+    for path in files:
+        try:
+            open_doc = False  # a piece of the current document was yielded
+            for text, end in _iter_file(path, text_field, errors, stats, separator):
+                if budget >= 0:
+                    raw = text.encode("utf-8")
+                    if len(raw) >= budget:
+                        text, end = raw[:budget].decode("utf-8", errors="ignore"), True
+                        budget = 0
+                    else:
+                        budget -= len(raw)
+                if text or (end and open_doc):
+                    yield text, end
+                    open_doc = not end
+                if budget == 0:
+                    return
+        except OSError as e:  # unreadable (permissions, a directory named *.txt, I/O error)
+            raise ConfigError(f"data.source: cannot read {e.filename or path}: {e.strerror or e}") from None
 
 
 def iter_documents(
@@ -270,35 +366,16 @@ def iter_documents(
     max_mb: float = 24.0,
     errors: str = "strict",
     stats: DecodeStats | None = None,
+    separator: str = "",
 ) -> Iterator[str]:
-    """Documents of ``source`` in deterministic order, one at a time, at most ``max_mb`` MB of UTF-8
-    in total (``max_mb <= 0``: no cap). Only the document being read is held (a ``.txt`` file is one
-    document, so memory is bounded by the largest file, not by the corpus).
-
-    The document that crosses the cap is cut at the cap; empty documents are dropped. Binary files
-    are refused; invalid UTF-8 too unless ``errors == "replace"`` (the stdlib corpus always
-    replaces: a few of its files declare other encodings), counted in ``stats``.
-    """
-    files = source_files(source)
-    errors = "replace" if source == STDLIB else errors
-    stats = stats if stats is not None else DecodeStats()
-    budget = int(max_mb * 1e6) if max_mb > 0 else -1
-    for path in files:
-        try:
-            for text in _iter_file(path, text_field, errors, stats):
-                if budget >= 0:
-                    raw = text.encode("utf-8")
-                    if len(raw) >= budget:
-                        text = raw[:budget].decode("utf-8", errors="ignore")
-                        budget = 0
-                    else:
-                        budget -= len(raw)
-                if text:
-                    yield text
-                if budget == 0:
-                    return
-        except OSError as e:  # unreadable (permissions, a directory named *.txt, I/O error)
-            raise ConfigError(f"data.source: cannot read {e.filename or path}: {e.strerror or e}") from None
+    """Whole documents of :func:`iter_pieces` one at a time (each is held whole: preparation streams
+    the pieces instead)."""
+    parts: list[str] = []
+    for text, end in iter_pieces(source, text_field, max_mb, errors, stats, separator):
+        parts.append(text)
+        if end:
+            yield "".join(parts)
+            parts = []
 
 
 def warn_replaced(source: str, stats: DecodeStats) -> None:
