@@ -216,7 +216,7 @@ def _check_data(cfg: C.LoomConfig) -> None:
     cfg.data.prepared_dir = str(prepared.dir)
     C.check_vocab(cfg, prepared.vocab_size)
     run_dir = Path(cfg.run.dir)
-    if not (run_dir / "data.json").is_file():
+    if not (run_dir / "data.json").is_file() and not (run_dir / "tokenizer.json").is_file():
         return
     from loom.checkpoint.load import find
     from loom.train.setup import check_data_record, check_same_data, data_identity

@@ -105,8 +105,22 @@ def _write_corpus(d: Path) -> None:
         "csv",
         "empty",
         "chat",
+        "gzcut",
+        "surrogate",
+        "nested",
     ):
         (d / sub).mkdir(parents=True)
+    import gzip
+
+    whole = gzip.compress(b"".join(b'{"text": "line %d of a compressed corpus"}\n' % i for i in range(400)))
+    (d / "gzcut" / "c.jsonl.gz").write_bytes(whole[: len(whole) // 2])  # a download cut short
+    (d / "surrogate" / "c.jsonl").write_text('{"text": "fine"}\n{"text": "half a pair \\ud800 here"}\n')
+    (d / "nested" / "c.jsonl").write_text(
+        '{"text": "fine"}\n{"text": "x", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+    )
+    (d / "chat" / "surrogate.jsonl").write_text(
+        '{"messages": [{"role": "user", "content": "hi \\udfff"}, {"role": "assistant", "content": "yo"}]}\n'
+    )
     turn = '{"role": "user", "content": "hi"}'
     (d / "chat" / "noassistant.jsonl").write_text(
         f'{{"messages": [{turn}, {{"role": "assistant", "content": "yo"}}]}}\n{{"messages": [{turn}]}}\n'
@@ -194,6 +208,35 @@ def _source(sub: str, *names: str) -> Callable[[Ctx], tuple[list[str], list[str]
         return c.train("--data.source", str(c.w.corpus / sub)), ["data.source", *names]
 
     return setup
+
+
+def _tokenizer_fifo(c: Ctx):
+    fifo = c.tmp / "tok.fifo"
+    os.mkfifo(fifo)
+    return c.train("--data.tokenizer", str(fifo)), ["data.tokenizer", str(fifo), "a FIFO"]
+
+
+def _tokenizer_empty_dir(c: Ctx):
+    (c.tmp / "tokdir").mkdir()
+    return c.train("--data.tokenizer", str(c.tmp / "tokdir")), ["data.tokenizer", "without a tokenizer.json"]
+
+
+def _source_and_sources(c: Ctx):
+    toml = c.tmp / "mix.toml"
+    mix = f'sources = [{{ path = "{c.w.corpus / "latin"}" }}]'
+    toml.write_text(c.w.tiny.read_text().replace("sources = []", mix))
+    return ["train", str(toml), "--run.dir", str(c.tmp / "run"), "--data.source", "stdlib"], [
+        "data.source",
+        "[[data.sources]]",
+    ]
+
+
+def _resume_other_tokenizer_unrecorded(c: Ctx):
+    """A run from before runs recorded their data (no data.json) resuming with another tokenizer."""
+    run = c.copy_run()
+    (run / "data.json").unlink()
+    (run / "tokenizer.json").write_bytes((run / "tokenizer.json").read_bytes().replace(b'"', b'"', 1) + b" ")
+    return c.train("--train.steps", "3", run=run), [str(run / "tokenizer.json"), "not this run's tokenizer"]
 
 
 def _chat(where: str, *names: str) -> Callable[[Ctx], tuple[list[str], list[str]]]:
@@ -627,6 +670,19 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("binary corpus", _source("binary", "blob.txt", "binary"), 2),
     ("non-UTF-8 corpus", _source("latin", "doc.txt", "UTF-8"), 2),
     ("JSONL parse error", _source("badjson", "c.jsonl:2", "not valid JSON"), 2),
+    ("JSONL .gz truncated", _source("gzcut", "c.jsonl.gz", "truncated or corrupt after line"), 2),
+    ("JSONL lone surrogate", _source("surrogate", "c.jsonl:2", "lone surrogate \\ud800 in field 'text'"), 2),
+    ("JSONL nested too deeply", _source("nested", "c.jsonl:2", "nested too deeply"), 2),
+    ("chat lone surrogate", _chat("surrogate.jsonl:1", "lone surrogate \\udfff"), 2),
+    ("data.tokenizer a FIFO", _tokenizer_fifo, 2),
+    (
+        "data.tokenizer a device",
+        _cfg("--data.tokenizer", "/dev/zero", names=("data.tokenizer", "a device")),
+        2,
+    ),
+    ("data.tokenizer a directory without one", _tokenizer_empty_dir, 2),
+    ("data.source beside [[data.sources]]", _source_and_sources, 2),
+    ("resume without data.json on another tokenizer", _resume_other_tokenizer_unrecorded, 2),
     ("JSONL record without text_field", _source("nofield", "c.jsonl:2", "'text'"), 2),
     ("JSONL text not a string", _source("notstring", "c.jsonl:2", "list"), 2),
     ("parquet unreadable", _source("pqcorrupt", "c.parquet"), 2),

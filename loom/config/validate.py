@@ -512,6 +512,11 @@ def check_intent(cfg: LoomConfig) -> None:
     from loom.config.parse import explicit, overridden
 
     t, given, later = cfg.train, explicit(cfg), overridden(cfg)
+    _require(
+        not (cfg.data.sources and "data.source" in given),
+        f"data.source: {cfg.data.source!r} is set, and so are {len(cfg.data.sources)} [[data.sources]] tables, "
+        "which replace it; give one of the two",
+    )
     shortened = "train.steps" in later and "train.warmup_steps" not in later
     _require(
         not ("train.warmup_steps" in given and t.warmup_steps >= t.steps and not shortened),

@@ -30,6 +30,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from loom.config import ConfigError
+from loom.data.corpus import parse_json_line
 
 ROLES = ("system", "user", "assistant", "tool")
 Render = Callable[[list[dict[str, str]]], str]
@@ -110,10 +111,7 @@ def read_records(files: list[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
                     if not raw.strip():
                         continue
                     where = f"{path}:{lineno}"
-                    try:
-                        record = json.loads(raw)
-                    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                        raise ConfigError(f"data.source: {where} is not valid JSON ({e})") from None
+                    record = parse_json_line(raw, where)
                     if not isinstance(record, dict):
                         raise ConfigError(
                             f"data.source: {where} is a JSON {type(record).__name__}, not an object"

@@ -18,10 +18,13 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import sysconfig
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -198,20 +201,63 @@ def _read_txt(
     yield buf, True
 
 
+def parse_json_line(raw: str | bytes, where: str) -> Any:
+    """One JSON line; invalid JSON, nesting deeper than the parser goes, or a lone UTF-16 surrogate
+    anywhere in it (``"\\ud800"``: valid JSON, not Unicode text) is one line naming ``where``."""
+    try:
+        record = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        detail = f"column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise ConfigError(f"data.source: {where} is not valid JSON ({detail})") from None
+    except RecursionError:
+        raise ConfigError(f"data.source: {where} is JSON nested too deeply to read") from None
+    bad = lone_surrogate(record)
+    if bad is not None:
+        raise ConfigError(f"data.source: {where} holds a lone surrogate {bad}, which is not Unicode text")
+    return record
+
+
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where a string inside ``value`` holds a lone UTF-16 surrogate (``"\\ud800"`` decodes to one;
+    a valid pair decodes to one character), as ``\\uXXXX in field F at character N``; None if none."""
+    stack = [(path, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            m = _SURROGATE.search(v)
+            if m is not None:
+                field = f" in field {where!r}" if where else ""
+                return f"\\u{ord(m.group()):04x}{field} at character {m.start()}"
+        elif isinstance(v, dict):
+            stack += [(f"{where}.{k}" if where else str(k), x) for k, x in v.items()]
+        elif isinstance(v, list):
+            stack += [(f"{where}[{i}]", x) for i, x in enumerate(v)]
+    return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _read_jsonl(
     path: Path, text_field: str, errors: str = "strict", stats: DecodeStats | None = None
 ) -> Iterator[str]:
+    lineno = 0
     with gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        lines = iter(f)
+        while True:
+            try:
+                raw = next(lines)
+            except StopIteration:
+                return
+            except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # a truncated or damaged .gz
+                raise ConfigError(
+                    f"data.source: {path} is truncated or corrupt after line {lineno} ({_first_line(e)})"
+                ) from None
+            lineno += 1
             line = _decode(raw, f"{path}:{lineno}", errors, stats)
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(
-                    f"data.source: {path}:{lineno} is not valid JSON (column {e.colno}: {e.msg})"
-                ) from None
+            record = parse_json_line(line, f"{path}:{lineno}")
             if not isinstance(record, dict) or text_field not in record:
                 raise ConfigError(
                     f"data.source: {path}:{lineno} has no field {text_field!r} (set data.text_field)"

@@ -45,7 +45,7 @@ from loom.data.stream import (
     split_plan,
     split_stream,
 )
-from loom.data.tokenizer import eot_id, load_tokenizer, train_tokenizer
+from loom.data.tokenizer import eot_id, load_tokenizer, tokenizer_file, train_tokenizer
 
 log = logging.getLogger("loom")
 
@@ -273,10 +273,7 @@ def cache_key(cfg: DataConfig) -> dict[str, Any]:
     """Everything the prepared bytes depend on (also checks the source exists)."""
     tok = ""
     if cfg.tokenizer:
-        tok_path = Path(cfg.tokenizer).expanduser().resolve()
-        tok_path = tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path
-        if not tok_path.is_file():
-            raise ConfigError(f"data.tokenizer: {cfg.tokenizer!r} does not exist")
+        tok_path = tokenizer_file(cfg.tokenizer).resolve()
         tok = f"{tok_path}:{_sha256(tok_path)[:16]}"
     return {
         "format": FORMAT_VERSION,
