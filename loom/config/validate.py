@@ -274,6 +274,10 @@ def _check_data(d: DataConfig, max_seq_len: int) -> None:
     _require(0.0 < d.val_fraction < 0.5, f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")
     _require(d.max_corpus_mb >= 0, f"data.max_corpus_mb: must be >= 0 (0 = no cap), got {d.max_corpus_mb}")
     _require(d.workers >= 0, f"data.workers: must be >= 0 (0 = one per CPU core), got {d.workers}")
+    _require(
+        not d.doc_separator or d.format == "text",
+        f"data.doc_separator: splits .txt files of data.format = text, not {d.format} records; set it to \"\"",
+    )
     for i, src in enumerate(d.sources):
         _require(bool(src.path.strip()), f"data.sources[{i}].path: must name a file, directory or glob")
         _require(
@@ -402,6 +406,12 @@ def check_memory(cfg: LoomConfig) -> None:
         t.compile == "none" or t.compress == "none",
         f"train.compile: {t.compile!r} compiles the blocks, whose saved tensors inductor chooses and "
         f"fuses, so train.compress = {t.compress!r} cannot tell their kinds; set one of them to none",
+    )
+    _require(
+        t.compile == "none" or cfg.parallel.pp == 1 or cfg.parallel.schedule != "zb-h1",
+        f"train.compile: {t.compile!r} makes each compiled block one autograd node whose backward computes input "
+        "and weight gradients together, so schedule 'zb-h1' (weight gradients deferred) would run every "
+        "block's backward twice; use parallel.schedule = 1f1b or train.compile = none",
     )
     _require(
         not t.offload_activations or cfg.run.device != "cpu",

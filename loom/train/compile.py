@@ -22,6 +22,13 @@ between compiled pieces: a graph break at a known place, never a collective whos
 ordering dynamo would replay once at trace time. :class:`CompileReport` logs the graphs and the
 graph breaks (count and reasons) once the first forward has compiled, and counts recompilations
 (the micro-batch shapes are fixed by the config: none after the first step).
+
+The MoE layer is an island because it all-reduces its balancing statistics, ``bincount`` has a
+data-dependent shape, and the fake kernel of ``torch._grouped_mm`` takes bf16 only (fp32 runs it on
+the CPU eagerly); the parts of its block before and after it compile (two graphs). Refused by
+``config.validate``: ``train.compress`` (its formats follow module hooks a compiled block does not
+run per call) and the zb-h1 pipeline schedule (a compiled block is one autograd node, whose
+backward its deferred weight pass would run a second time).
 """
 
 from __future__ import annotations
