@@ -1,13 +1,17 @@
 """``loom plan validate --published --fit``: refit the planner's few fitted constants on the
-published runs, and check them on runs left out.
+published runs, and score them on sources left out.
 
-The constants (everything else is a datasheet or a paper's number): the sustained GEMM share of
-peak per device (:attr:`DeviceSpec.achievable`), the per-tile fixed cost ``GEMM_K0`` and one
-memory-bound factor per software stack (:attr:`Stack.other`). The objective is
-``mean |error| + max |error| / 2`` over the runs; the search is coordinate descent, each
-constant in turn over a shrinking multiplicative grid (no external optimizer). Leave-one-out by
-file: refit without one source's rows, predict them, so the error printed for a row comes from
-constants that never saw it (its stack's factor falls back to Loom's when no other row has it).
+The constants (everything else is a datasheet or a paper's number): the sustained share of peak
+of a large GEMM per device and dtype (:attr:`DeviceSpec.achievable`, ``achievable_8bit`` for
+fp8/int8), and one memory-bound factor (:attr:`Stack.other`) per software stack that two or more
+independent sources use; a stack with one source runs at Loom's factor. ``GEMM_K0`` (the tile's
+prologue and epilogue) stays fixed. The objective is ``mean |error| + max |error| / 2``; the search
+is coordinate descent, each constant in turn over a shrinking multiplicative grid (no external
+optimizer). Leave-one-source-out (:func:`leave_one_source_out`): refit without one source's rows
+(``PublishedRun.group``) from neutral starts, predict them; a constant no remaining row informs
+falls back: a device's bf16 GEMM share to its own 8-bit share (the same silicon), else to the
+mean of the other devices', its 8-bit share to its bf16 share,
+a stack's factor to Loom's.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from loom.plan import cost
 from loom.plan.hardware import datasheets as hw  # GEMM_K0 patched where Machine.gemm reads it
 from loom.plan.published import PublishedRun
 
-Params = dict[str, float]  # "achievable:<device>", "k0", "other:<stack>"
+Params = dict[str, float]  # "achievable:<device>", "achievable8:<device>", "k0", "other:<stack>"
+NEUTRAL = {"achievable": 0.7, "achievable8": 0.7, "other": 1.5}  # LOSO starting points
+EIGHT_BIT = ("fp8", "int8")
 
 
 @contextmanager
@@ -32,6 +38,8 @@ def constants(params: Params) -> Iterator[None]:
             kind, _, name = key.partition(":")
             if kind == "achievable":
                 hw.DEVICES[name] = dataclasses.replace(hw.DEVICES[name], achievable=value)
+            elif kind == "achievable8":
+                hw.DEVICES[name] = dataclasses.replace(hw.DEVICES[name], achievable_8bit=value)
             elif kind == "other":
                 cost.STACKS[name] = dataclasses.replace(cost.STACKS[name], other=value)
             else:
@@ -45,15 +53,28 @@ def constants(params: Params) -> Iterator[None]:
         hw.GEMM_K0 = k0
 
 
-def errors(runs: list[PublishedRun], params: Params) -> list[float]:
-    """(predicted - published) / published tokens/s per GPU of each run under ``params``."""
-    out = []
-    with constants(params):
-        for r in runs:
-            cl = dataclasses.replace(r.cluster, device=hw.DEVICES[r.cluster.device.name])
-            e = cost.CostModel(r.model, r.workload, cl, stack=r.stack).estimate(r.layout)
-            out.append(e.tokens_per_s / r.gpus / r.tokens_per_s_per_gpu - 1)
-    return out
+def _keys(r: PublishedRun) -> tuple[str, ...]:
+    """The constants a run's prediction reads."""
+    dev = r.cluster.device.name
+    share = f"achievable8:{dev}" if r.workload.precision in EIGHT_BIT else f"achievable:{dev}"
+    return (share, "k0", f"other:{r.stack}")
+
+
+def errors(runs: list[PublishedRun], params: Params, memo: dict | None = None) -> list[float]:
+    """(predicted - published) / published tokens/s per GPU of each run under ``params``; ``memo``
+    keeps each run's error by the constants it reads (a coordinate step recomputes only its rows)."""
+    memo = {} if memo is None else memo
+    keys = [(id(r), tuple(params.get(k) for k in _keys(r))) for r in runs]
+    todo = [r for r, k in zip(runs, keys) if k not in memo]
+    if todo:
+        with constants(params):
+            for r in todo:
+                cl = dataclasses.replace(r.cluster, device=hw.DEVICES[r.cluster.device.name])
+                e = cost.CostModel(r.model, r.workload, cl, stack=r.stack).estimate(r.layout)
+                memo[(id(r), tuple(params.get(k) for k in _keys(r)))] = (
+                    e.tokens_per_s / r.gpus / r.tokens_per_s_per_gpu - 1
+                )
+    return [memo[k] for k in keys]
 
 
 def objective(errs: list[float]) -> float:
@@ -61,29 +82,38 @@ def objective(errs: list[float]) -> float:
     return sum(a) / len(a) + max(a) / 2
 
 
+def stacks_with_sources(runs: list[PublishedRun], least: int = 2) -> set[str]:
+    """Stacks that ``least`` or more independent sources (groups) use: those get a factor of their own."""
+    groups: dict[str, set[str]] = {}
+    for r in runs:
+        groups.setdefault(r.stack, set()).add(r.group)
+    return {s for s, g in groups.items() if len(g) >= least and s}
+
+
 def current(runs: list[PublishedRun]) -> Params:
-    """The constants as they stand, for the devices and stacks ``runs`` use."""
-    p: Params = {
-        f"achievable:{d}": hw.DEVICES[d].achievable for d in sorted({r.cluster.device.name for r in runs})
-    }
-    p["k0"] = float(hw.GEMM_K0)
-    p.update({f"other:{s}": cost.STACKS[s].other for s in sorted({r.stack for r in runs})})
+    """The free constants as they stand, for the devices, dtypes and stacks ``runs`` inform."""
+    wide = {r.cluster.device.name for r in runs if r.workload.precision not in EIGHT_BIT}
+    p: Params = {f"achievable:{d}": hw.DEVICES[d].achievable for d in sorted(wide)}
+    for d in sorted({r.cluster.device.name for r in runs if r.workload.precision in EIGHT_BIT}):
+        p[f"achievable8:{d}"] = hw.DEVICES[d].gemm_share("fp8")
+    p.update({f"other:{s}": cost.STACKS[s].other for s in sorted(stacks_with_sources(runs))})
     return p
 
 
 def fit(
     runs: list[PublishedRun],
     start: Params,
-    sweeps: int = 3,
+    sweeps: int = 2,
     fixed: tuple[str, ...] = (),
     score: Callable[[list[float]], float] = objective,
 ) -> Params:
     """Coordinate descent from ``start``: each free constant tried at x (1 + d) and x / (1 + d)
-    for d = 0.2, 0.1, 0.05 (and again while it improves), the best kept."""
-    best, best_score = dict(start), score(errors(runs, start))
+    for d = 0.2, 0.1, 0.05, 0.02 (and again while it improves), the best kept."""
+    memo: dict = {}
+    best, best_score = dict(start), score(errors(runs, start, memo))
     for _ in range(sweeps):
         for key in [k for k in best if k not in fixed]:
-            for d in (0.2, 0.1, 0.05):
+            for d in (0.2, 0.1, 0.05, 0.02):
                 improved = True
                 while improved:
                     improved = False
@@ -91,22 +121,53 @@ def fit(
                         if key.startswith("achievable") and value > 1:
                             continue
                         trial = dict(best, **{key: value})
-                        s = score(errors(runs, trial))
+                        s = score(errors(runs, trial, memo))
                         if s < best_score - 1e-6:
                             best, best_score, improved = trial, s, True
     return best
 
 
-def leave_one_file_out(
-    runs: list[PublishedRun], start: Params, sweeps: int = 1
-) -> list[tuple[PublishedRun, float]]:
-    """Each file's runs predicted with constants fitted on the other files only."""
+def neutral(params: Params) -> Params:
+    return {k: NEUTRAL.get(k.partition(":")[0], v) for k, v in params.items()}
+
+
+def fallback(params: Params, needed: Params) -> Params:
+    """``params`` completed for constants none of the fitted rows informed (module doc)."""
+    out = dict(params)
+    shares = [v for k, v in params.items() if k.startswith("achievable:")]
+    for key in needed:
+        if key in out:
+            continue
+        kind, _, name = key.partition(":")
+        if kind == "achievable":  # the same chip's 8-bit share, else the other devices' mean
+            eight = params.get(f"achievable8:{name}")
+            out[key] = (
+                eight if eight else sum(shares) / len(shares) if shares else hw.DEVICES[name].achievable
+            )
+        elif kind == "achievable8":
+            out[key] = out.get(f"achievable:{name}", hw.DEVICES[name].achievable)
+        elif kind == "other":
+            out[key] = cost.STACKS[""].other
+    return out
+
+
+def leave_one_source_out(runs: list[PublishedRun], sweeps: int = 2) -> list[tuple[PublishedRun, float]]:
+    """Each source's runs predicted with constants fitted on the other sources only, from neutral starts."""
     out = []
-    for name in sorted({r.file for r in runs}):
-        held, rest = [r for r in runs if r.file == name], [r for r in runs if r.file != name]
-        seen = {k for k in start if not k.startswith("other:")} | {f"other:{r.stack}" for r in rest}
-        params = fit(rest, {k: v for k, v in start.items() if k in seen}, sweeps)
-        for s in {r.stack for r in held} - {r.stack for r in rest}:  # an unseen stack: Loom's factor
+    for group in sorted({r.group for r in runs}):
+        held, rest = [r for r in runs if r.group == group], [r for r in runs if r.group != group]
+        params = fit(rest, neutral(current(rest)), sweeps)
+        needed = {k: 0.0 for r in held for k in _keys(r) if k != "k0"}
+        params = fallback(params, needed)
+        for s in {r.stack for r in held} - stacks_with_sources(rest):  # Loom's factor
             params[f"other:{s}"] = cost.STACKS[""].other
         out += list(zip(held, errors(held, params)))
     return out
+
+
+def per_source(rows: list[tuple[PublishedRun, float]]) -> dict[str, tuple[int, float, float]]:
+    """{group: (runs, mean |error|, max |error|)}."""
+    out: dict[str, list[float]] = {}
+    for r, e in rows:
+        out.setdefault(r.group, []).append(abs(e))
+    return {g: (len(v), sum(v) / len(v), max(v)) for g, v in sorted(out.items())}

@@ -7,7 +7,9 @@ fields) and ``[[runs]]``: ``name``, ``model``, ``stack`` (the training software,
 :meth:`Layout.parse` line), ``global_batch``, ``seq_len``, ``precision`` (bf16), ``flash_attention``
 (true), ``reduce_dtype`` (fp32), one measured throughput — ``tokens_per_s_per_gpu``,
 ``step_time_s``, or ``tflops_per_gpu`` with the ``tflops_formula`` the publication counted it with —
-and its ``source`` (paper, table, URL). Every row cites where its numbers come from.
+its ``source`` (paper, table, URL) and ``group``, the independent source it belongs to (default:
+the file's name; leave-one-source-out holds a group out at once). Every row cites where its
+numbers come from.
 
 The comparison is on tokens/s per GPU (equivalently TFLOP/s per GPU under any one FLOP count: the
 ratio is the same); the table prints TFLOP/s per GPU in Loom's count, hardware FLOPs with
@@ -50,6 +52,7 @@ _RUN_KEYS = {
     "tflops_per_gpu",
     "tflops_formula",
     "source",
+    "group",
     "note",
 }
 _MEASURES = ("tokens_per_s_per_gpu", "step_time_s", "tflops_per_gpu")
@@ -68,6 +71,7 @@ class PublishedRun:
     tokens_per_s_per_gpu: float  # the measurement, converted from what was published
     source: str
     file: str = ""
+    group: str = ""  # the independent source (publication, team) leave-one-source-out holds out together
 
     @property
     def gpus(self) -> int:
@@ -125,7 +129,10 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
         if row.get("tflops_formula") != "megatron":
             raise PlanError(f'{at}: tflops_per_gpu needs tflops_formula = "megatron" (the only one known)')
         tps = float(row["tflops_per_gpu"]) * 1e12 / megatron_flops_per_token(model, w.seq_len)
-    return PublishedRun(str(name), model, str(row["stack"]), cluster, lay, w, tps, str(row["source"]), where)
+    group = str(row.get("group", Path(where).stem))
+    return PublishedRun(
+        str(name), model, str(row["stack"]), cluster, lay, w, tps, str(row["source"]), where, group
+    )
 
 
 def load_file(path: Path) -> list[PublishedRun]:

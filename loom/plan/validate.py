@@ -272,7 +272,7 @@ def main(argv: list[str]) -> int:
             if args.sources:
                 print(sources([r.run for r in published]))
             if args.fit:
-                from loom.plan.fit import current, errors, fit, leave_one_file_out
+                from loom.plan.fit import current, errors, fit, leave_one_source_out, per_source
 
                 runs = [r.run for r in published]
                 now = current(runs)
@@ -284,10 +284,12 @@ def main(argv: list[str]) -> int:
                     + ", ".join(f"{k}={v:.3g}" for k, v in refit.items())
                     + f"  (mean {100 * sum(errs) / len(errs):.1f}%, max {100 * max(errs):.1f}%)"
                 )
-                neutral = {k: 0.7 if k.startswith("achievable") else 128.0 if k == "k0" else 1.5 for k in now}
-                held = [abs(e) for _, e in leave_one_file_out(runs, neutral, sweeps=2)]
+                held_rows = leave_one_source_out(runs)
+                held = [abs(e) for _, e in held_rows]
+                for g, (n, mean_g, worst_g) in per_source(held_rows).items():
+                    print(f"  {g}: {n} runs, held out mean {100 * mean_g:.1f}%, max {100 * worst_g:.1f}%")
                 print(
-                    f"each file predicted from constants fitted on the others (from neutral starts): "
+                    f"each source predicted from constants fitted on the others (from neutral starts): "
                     f"mean {100 * sum(held) / len(held):.1f}%, max {100 * max(held):.1f}%"
                 )
         mean, worst = summary(published)

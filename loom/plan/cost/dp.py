@@ -4,6 +4,8 @@ synchronisation (formulas: :mod:`loom.plan.cost`)."""
 
 from __future__ import annotations
 
+import math
+
 from loom.plan import collectives
 from loom.plan.cost.base import CostBase
 from loom.plan.cost.layout import Layout
@@ -24,23 +26,77 @@ def exposed(total: float, calls: int, window: float, share: float) -> float:
     return last + max(0.0, rest - window) + (1 - share) * min(rest, window)
 
 
+def serial_finish(ready: list[float], comm: list[float]) -> float:
+    """When the last of a stream's calls ends: call i starts at max(its ``ready`` time, the end of
+    call i - 1) and runs ``comm[i]`` seconds (one communication stream, calls in issue order)."""
+    end = -math.inf
+    for r, c in zip(ready, comm):
+        end = max(end, r) + c
+    return end if ready else 0.0
+
+
+def reduce_ready_times(t_b: float, buckets: int, p: int, v: int) -> list[float]:
+    """When each gradient bucket of a stage is complete, the stage's last backward ending at ``t_b``
+    (one micro-batch's backward over all its chunks), buckets in backward order.
+
+    Without interleaving the buckets fill in turn during the last micro-batch's backward:
+    ``t_b i / K`` for i = 1..K. With v model chunks (interleaved 1F1B) a chunk's gradients are final
+    after its own last backward, and in the cool-down chunk j (j = v-1 first ... 0 last) runs its last
+    backward ``j p`` chunk-backwards (``t_b / v`` each) before the end, in
+    ``[t_b - (j p + 1) t_b / v, t_b - j p t_b / v]``, its K / v buckets filling in turn (Megatron's
+    per-chunk gradient buffers)."""
+    if v <= 1 or p <= 1:
+        return [t_b * (i + 1) / buckets for i in range(buckets)]
+    per_chunk = max(1, buckets // v)
+    chunk_t = t_b / v
+    out = []
+    for j in range(v - 1, -1, -1):  # the chunk finished first is the last one of the stage
+        start = t_b - (j * p + 1) * chunk_t  # the stage's backward ends at t_b, chunk 0's last
+        out += [start + chunk_t * (i + 1) / per_chunk for i in range(per_chunk)]
+    return out
+
+
+def queue_finish(t_b: float, buckets: int, p: int, v: int, c: float) -> float:
+    """:func:`serial_finish` of ``buckets`` equal calls of ``c`` seconds at :func:`reduce_ready_times`,
+    in closed form: with call i (0-based) ready at r_i, the stream ends at max_i (r_i + (K - i) c);
+    r_i is linear within a chunk, so only each chunk's first and last bucket can hold the maximum."""
+    if buckets <= 2 * max(1, v):
+        return serial_finish(reduce_ready_times(t_b, buckets, p, v), [c] * buckets)
+    chunks = v if v > 1 and p > 1 else 1
+    per = max(1, buckets // chunks)
+    chunk_t = t_b / chunks
+    best = 0.0
+    for k, j in enumerate(range(chunks - 1, -1, -1)):
+        start = t_b - (j * p + 1) * chunk_t if chunks > 1 else 0.0
+        for i in (0, per - 1):
+            idx = k * per + i
+            best = max(best, start + chunk_t * (i + 1) / per + (chunks * per - idx) * c)
+    return best
+
+
 def dp_time(cm: CostBase, lay: Layout, m: int, t_mb: float, t_compute: float) -> float:
-    """Exposed data-parallel / ZeRO communication per step, of ``total`` seconds in ``calls`` calls.
+    """Exposed data-parallel / ZeRO communication per step, from a bucket-level timeline.
 
     Without overlap (``Layout.dp_overlap`` off, or a device whose ``comm_overlap`` is 0: gloo on
-    the CPU cores that compute) all of it. With it, bucket by bucket: ZeRO 0 reduces each bucket
-    while the last micro-batch's backward ``t_b`` goes on, ZeRO 1/2 also gather the updated
-    parameters under the next forward ``t_f``, ZeRO-3 prefetches every unit under all ``m``
-    micro-batches; what does not fit the window shows, and at least the last call (nothing
-    left to hide it behind)::
+    the CPU cores that compute) all of it. With it, as Megatron's distributed optimizer with
+    ``--overlap-grad-reduce --overlap-param-gather`` and DDP run it (ZeRO 0/1/2): the K buckets'
+    reduce (all-reduce, or reduce-scatter) calls, ``c = total_reduce / K`` each, queue on one stream
+    as their gradients complete in the last micro-batch's backward ``t_b``
+    (:func:`reduce_ready_times`; interleaved chunks finish earlier in the cool-down)::
+
+        exposed_reduce = max(0, serial_finish(ready, c) - t_b)
+
+    and ZeRO 1/2's all-gathers of the updated parameters are issued at the start of the next forward
+    ``t_f``, bucket j (g each) needed when the forward reaches it, ``(j - 1) t_f / K``::
+
+        exposed_gather = max_j (j g - (j - 1) t_f / K) = g + (K - 1) max(0, g - t_f / K)
+
+    What runs beside compute slows it: ``(1 - comm_overlap)`` of the hidden part shows (NCCL's
+    channels take SMs and HBM bandwidth; 0.8 hidden on GPUs, the profile's measured share on a CPU).
+    ZeRO-3 prefetches every unit under all ``m`` micro-batches (window ``m t_mb``; the last call
+    always shows)::
 
         exposed = last + max(0, rest - window) + (1 - comm_overlap) min(rest, window)
-        (last = total / calls, rest = total - last)
-
-    window = t_b | t_b + t_f | m t_mb; the last term: collectives running beside compute slow it
-    (NCCL's channels take SMs and HBM bandwidth), the device's ``comm_overlap`` share (0.8) hidden;
-    on a CPU the profile's measured share (gloo's thread waits beside the compute, but its copies
-    and reductions take the same cores).
     """
     total = cm.memo(dp_comm)(
         lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m, lay.world_size, lay.split
@@ -52,18 +108,28 @@ def dp_time(cm: CostBase, lay: Layout, m: int, t_mb: float, t_compute: float) ->
         return total
     r = cm.bwd_ratio
     t_b, t_f = t_mb * r / (1 + r), t_mb / (1 + r)
-    window = {0: t_b, 1: t_b + t_f, 2: t_b + t_f}.get(lay.zero, t_compute)
     if lay.zero == 3:
         units = max(cm.zero3_units(lay.pp, lay.tp, s, lay.split)[0] for s in (False, True))
         calls = units + (
             m * (2 * units - 1) if lay.pp == 1 else 0
         )  # a pipeline's gathers: zero3_stage_gathers
-    else:
-        dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1)
-        calls = max(1, -(-int((dense + expert) * cm.R) // int(cm.train.bucket_bytes))) * (
-            2 if lay.zero else 1
-        )
-    return exposed(total, calls, window, share)
+        return exposed(total, calls, t_compute, share)
+    dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1)
+    buckets = max(1, -(-int((dense + expert) * cm.R) // int(cm.train.bucket_bytes)))
+    gather = (
+        total * cm.W / (cm.W + cm.R) if lay.zero else 0.0
+    )  # the all-gather's share (Phi W of Phi (R + W))
+    reduce = total - gather
+    c = reduce / buckets
+    v = lay.v if lay.schedule == "interleaved" else 1
+    shown = max(0.0, queue_finish(t_b, buckets, lay.pp, v, c) - t_b)
+    hidden = reduce - min(reduce, shown)
+    if gather > 0:
+        g = gather / buckets
+        g_shown = g + (buckets - 1) * max(0.0, g - t_f / buckets)
+        shown += g_shown
+        hidden += gather - min(gather, g_shown)
+    return shown + (1 - share) * hidden
 
 
 def sync_time(cm: CostBase, lay: Layout) -> float:

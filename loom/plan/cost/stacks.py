@@ -42,32 +42,32 @@ STACKS: dict[str, Stack] = {
         ),
         Stack(
             "megatron-core",
-            other=1.3,
-            note="Megatron-Core + Transformer Engine (fused norm-GEMM, bias-GeLU): an "
-            "assumption between one pass and Megatron-LM's fitted 1.85, not fitted (no public bf16 row outside the held-out set)",
+            other=1.21,
+            note="Megatron-Core + Transformer Engine (fused norm-GEMM, bias-GeLU): fitted on two "
+            "sources, NeMo 24.07 and Megatron-Bridge (FP8 on H100)",
         ),
         Stack(
             "megatron-lm-2021",
-            other=1.85,
-            note="Megatron-LM (2021): fused softmax/bias-GeLU kernels, no flash attention",
+            other=1.8,
+            note="Megatron-LM (2021): fused softmax/bias-GeLU kernels, no flash attention; one source: Loom's factor",
         ),
         Stack(
             "megatron-deepspeed",
-            other=2.8,
-            note="Megatron-DeepSpeed (BLOOM, MT-NLG): Megatron kernels, DeepSpeed pipeline and ZeRO-1",
+            other=4.26,
+            note="Megatron-DeepSpeed (BLOOM, MT-NLG): Megatron kernels, DeepSpeed pipeline and ZeRO-1; fitted on two sources (BigScience, MT-NLG)",
         ),
         Stack(
             "pytorch-fsdp",
             other=1.8,
             selective_gemms=0.5,
-            note="torchtitan: PyTorch FSDP2 eager, SDPA flash attention",
+            note="torchtitan: PyTorch FSDP2 eager, SDPA flash attention; one source: Loom's factor",
         ),
         Stack(
             "composer-fsdp",
-            other=1.75,
+            other=1.8,
             microbatch_reduce=True,
             logit_bytes=4.0,
-            note="MosaicML Composer + FSDP1, Triton flash attention",
+            note="MosaicML Composer + FSDP1, Triton flash attention; one source: Loom's factor",
         ),
     )
 }

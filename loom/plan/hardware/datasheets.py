@@ -39,6 +39,8 @@ class DeviceSpec:
     achievable: (
         float  # sustained fraction of peak of a large GEMM in training (fitted on published runs; module doc)
     )
+    # sustained share of the fp8/int8 peak of a large 8-bit GEMM (0: ``achievable``; fitted on FP8 runs)
+    achievable_8bit: float = 0.0
     runtime_overhead_bytes: float = 1.0 * GiB  # context + library workspaces + comm buffers (assumption)
     int8_flops: float = 0.0  # peak dense INT8 tensor OP/s (0 = unsupported); train.precision = int8
     sms: int = 0  # streaming multiprocessors (compute units) that GEMM tiles spread over; 0 = no wave model
@@ -64,6 +66,15 @@ class DeviceSpec:
     comm_overlap: float = 0.8
     # 0 on CPU: gloo runs on the same cores that compute, so nothing is hidden)
     source: str = ""  # the datasheet the numbers come from
+
+    def gemm_share(self, precision: str) -> float:
+        """Sustained share of ``precision``'s peak of a large GEMM: ``achievable_8bit`` for fp8/int8
+        where given (8-bit tensor cores reach a smaller share of their doubled peak), else ``achievable``."""
+        return (
+            self.achievable_8bit
+            if precision in ("fp8", "int8") and self.achievable_8bit > 0
+            else self.achievable
+        )
 
     def peak_flops(self, precision: str) -> float:
         """Peak dense FLOP/s in ``precision``; a precision the device lacks raises :class:`HardwareError`.
@@ -148,6 +159,7 @@ DEVICES: dict[str, DeviceSpec] = {
             flash_fwd=0.37,
             flash_bwd=0.30,
             int8_flops=1979e12,
+            achievable_8bit=0.62,  # fitted on NeMo 24.07 + Megatron-Bridge FP8 rows (loom plan validate --published --fit)
             source=_NV_H100,
         ),
         # H100 PCIe: 51 TF FP32, 378 TF32, 756 BF16/FP16, 1513 FP8/INT8; HBM2e 2.0 TB/s; GPUs of a

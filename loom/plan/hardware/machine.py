@@ -38,7 +38,9 @@ class Machine:
         dev = cluster.device
         self.peak = dev.peak_flops(precision)
         measured = profile.gemm_flops.get(precision, 0.0) if profile else 0.0
-        self.flops = measured if measured > 0 else self.peak * dev.achievable
+        self.flops = measured if measured > 0 else self.peak * dev.gemm_share(precision)
+        # attention kernels run in bf16 under fp8/int8 Linears (Transformer Engine, torchao)
+        self.attention_peak = dev.peak_flops("bf16") if precision in ("fp8", "int8") else self.peak
         self.measured_gemm = measured > 0
         self.hbm = profile.hbm_bandwidth if profile and profile.hbm_bandwidth > 0 else dev.hbm_bandwidth
         self.call_overhead = (
@@ -170,7 +172,8 @@ class Machine:
 
     def attention(self, flops: float, backward: bool) -> float:
         """Seconds of a flash-attention kernel of ``flops`` at the device's flash efficiency (its
-        ``flash_fwd`` / ``flash_bwd`` share of peak; the GEMM rate when not given or measured)."""
+        ``flash_fwd`` / ``flash_bwd`` share of the bf16 peak under fp8/int8 GEMMs, else of the
+        precision's; the GEMM rate when not given or measured)."""
         dev = self.cluster.device
         share = dev.flash_bwd if backward else dev.flash_fwd
-        return flops / (self.peak * share if share > 0 and not self.measured_gemm else self.flops)
+        return flops / (self.attention_peak * share if share > 0 and not self.measured_gemm else self.flops)

@@ -205,7 +205,7 @@ def datasheet_profile(spec: DeviceSpec) -> Profile:
     """``spec``'s own numbers (peak x achievable, memory bandwidth, per-op cost) as a profile, so
     :func:`contended` can scale them for ranks sharing cores when nothing was measured."""
     rates = {
-        p: getattr(spec, f"{p}_flops") * spec.achievable
+        p: getattr(spec, f"{p}_flops") * spec.gemm_share(p)
         for p in PRECISIONS
         if getattr(spec, f"{p}_flops", 0) > 0
     }
