@@ -167,6 +167,8 @@ class DataConfig:
     # cap on corpus text read; 0 = no cap (preparation streams: memory stays flat)
     max_corpus_mb: float = 24.0
     text_field: str = "text"  # field holding the text in .jsonl/.parquet records
+    # splits each .txt file into documents at this string (e.g. "\n\n"); "" = a file is one document
+    doc_separator: str = ""
     # invalid UTF-8 in the corpus: strict refuses, naming the file; replace counts and reports
     errors: TextErrors = "strict"
     # tokenizing processes for prepare; 0 = one per CPU core (output identical for any count)

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from loom.config import ConfigError, DataConfig
 from loom.data.chat import ExampleEncoder, builtin_render, read_records, segments, template_render
-from loom.data.corpus import STDLIB, DecodeStats, fingerprint, iter_documents, source_files, warn_replaced
+from loom.data.corpus import STDLIB, DecodeStats, fingerprint, iter_pieces, source_files, warn_replaced
 from loom.data.stream import (
     CHUNK_CHARS,
     LengthLog,
@@ -45,7 +45,7 @@ from loom.data.stream import (
     split_plan,
     split_stream,
 )
-from loom.data.tokenizer import eot_id, load_tokenizer, tokenizer_file, train_tokenizer
+from loom.data.tokenizer import eot_id, load_tokenizer, tokenizer_file, train_pieces, train_tokenizer
 
 log = logging.getLogger("loom")
 
@@ -284,6 +284,7 @@ def cache_key(cfg: DataConfig) -> dict[str, Any]:
         "tokenizer": tok,
         "text_field": cfg.text_field,
         "val_fraction": cfg.val_fraction,
+        **({"doc_separator": cfg.doc_separator} if cfg.doc_separator else {}),
         **(
             {}
             if cfg.format == "text"
@@ -413,19 +414,26 @@ def _reuse(final: Path, cfg: DataConfig) -> PreparedData:
 
 def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> None:
     """Read, split, tokenize and write everything into ``out``, streaming (see :mod:`loom.data.stream`):
-    one pass measures the documents, one trains the tokenizer (unless given), one encodes."""
+    one pass measures the documents, one trains the tokenizer (unless given), one encodes. Documents
+    stream through as pieces (:func:`~loom.data.corpus.iter_pieces`), so memory is flat in the size
+    of the corpus and of its largest document."""
     if cfg.format != "text":
         return _build_examples(cfg, key, out, progress)
     t0 = time.perf_counter()
 
-    def docs() -> Iterator[str]:
-        return iter_documents(cfg.source, cfg.text_field, cfg.max_corpus_mb, cfg.errors, stats)
+    def pieces() -> Iterator[tuple[str, bool]]:
+        return iter_pieces(
+            cfg.source, cfg.text_field, cfg.max_corpus_mb, cfg.errors, stats, cfg.doc_separator
+        )
 
     stats = DecodeStats()
-    log_, n_bytes = LengthLog(out / ".lengths"), 0  # characters of each document, on disk
+    log_, n_bytes, n_chars = LengthLog(out / ".lengths"), 0, 0  # characters of each document, on disk
     bar = tqdm(desc="measure", unit="B", unit_scale=True, disable=not progress, leave=False)
-    for text in docs():
-        log_.append(len(text))
+    for text, end in pieces():
+        n_chars += len(text)
+        if end:
+            log_.append(n_chars)
+            n_chars = 0
         size = len(text.encode("utf-8"))
         n_bytes += size
         bar.update(size)
@@ -434,6 +442,13 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
     warn_replaced(cfg.source, stats)
     if not len(lengths):
         raise ConfigError(f"data.source: {cfg.source!r} holds no text")
+    if cfg.doc_separator and len(lengths) <= len(source_files(cfg.source)):
+        log.warning(
+            "data.doc_separator %r split no file of %s into documents (on a command line, write "
+            "$'\\n\\n' for two line breaks)",
+            cfg.doc_separator,
+            cfg.source,
+        )
     plan = split_plan(lengths, cfg.val_fraction)
     del lengths
     os.remove(out / ".lengths")
@@ -441,8 +456,8 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
     if cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer)
     else:
-        train_docs = (text for split, text in split_stream(docs(), plan) if split == "train")
-        tok = train_tokenizer(train_docs, cfg.vocab_size, progress, length=plan.k + (plan.pos > 0))
+        train = ((text, end) for split, text, end in split_stream(pieces(), plan) if split == "train")
+        tok = train_pieces(train, cfg.vocab_size, progress)
     try:
         tok.save(str(out / "tokenizer.json"))
     except Exception as e:  # the Rust side raises a bare Exception (disk full, permissions)
@@ -455,7 +470,7 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
         writers = {name: TokenWriter(out / f"{name}.bin") for name in ("train", "val")}
         encode_stream(
             tok,
-            split_stream(docs(), plan),
+            split_stream(pieces(), plan),
             writers,
             eot,
             dtype,
@@ -593,7 +608,8 @@ def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], li
     """(train, val) of a list of documents by :func:`~loom.data.stream.split_plan` (the streaming
     preparation applies the same plan without holding the documents)."""
     parts: dict[Split, list[str]] = {"train": [], "val": []}
-    for split, text in split_stream(docs, split_plan([len(d) for d in docs], val_fraction)):
+    plan = split_plan([len(d) for d in docs], val_fraction)
+    for split, text, _ in split_stream(((d, True) for d in docs), plan):
         parts[split].append(text)
     return parts["train"], parts["val"]
 

@@ -1,15 +1,19 @@
 """Streaming tokenization: documents in, token files out, memory bounded by a few chunks.
 
-Documents are grouped into chunks of about ``chunk_chars`` characters (a document is never cut),
-encoded by ``workers`` processes, and the token ids are appended to the ``.bin`` file in document
-order, whatever order the workers finish in; so the bytes do not depend on the worker count. At
-most ``2 * workers`` chunks are in flight, so the text held is at most
-``(2 * workers + 1) * chunk_chars`` characters (plus the largest document), independent of the
-corpus size. One worker encodes in this process (the tokenizer's own Rust threads).
+Documents arrive as ``(text, ends_document)`` pieces (:func:`loom.data.corpus.iter_pieces`). A long
+document is cut again into pieces of about :data:`~loom.data.tokenizer.PIECE_CHARS` characters at
+points where encoding the pieces gives exactly the tokens of the whole document
+(:func:`~loom.data.tokenizer.recut`); pieces are grouped into chunks of about ``chunk_chars``
+characters, encoded by ``workers`` processes, and the token ids (an end-of-document token after a
+document's last piece) are appended to the ``.bin`` file in order, whatever order the workers
+finish in; so the bytes do not depend on the worker count. At most ``2 * workers`` chunks are in
+flight, so the text held is at most ``(2 * workers + 1) * chunk_chars`` characters plus one block
+being read, independent of the corpus size and of the largest document. One worker encodes in this
+process (the tokenizer's own Rust threads).
 
-The split into train and validation needs two numbers of every document, its length in characters;
+The split into train and validation needs one number of every document, its length in characters;
 :func:`split_plan` computes the split from those lengths alone (first pass), and
-:func:`split_stream` applies it while the documents stream by (second pass).
+:func:`split_stream` applies it while the pieces stream by (second pass).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from loom.config import ConfigError
+from loom.data.tokenizer import encode_cut_check, recut
 
 Split = Literal["train", "val"]
 CHUNK_CHARS = 1 << 20  # characters of text per encoding task
@@ -45,8 +50,8 @@ def default_workers() -> int:
 @dataclass(frozen=True)
 class SplitPlan:
     """Documents ``[0, k)`` are train, ``(k, n)`` validation; document k is cut at the last line
-    break before character ``pos`` (at ``pos`` if it has none): its head is train, its tail
-    validation (``pos = 0``: all of it validation)."""
+    break before character ``pos`` in the piece holding that character (at ``pos`` if there is
+    none): its head is train, its tail validation (``pos = 0``: all of it validation)."""
 
     k: int
     pos: int
@@ -106,24 +111,29 @@ class LengthLog:
         return np.memmap(self.path, dtype=np.int64, mode="r") if self.n else np.zeros(0, np.int64)
 
 
-def split_stream(docs: Iterable[str], plan: SplitPlan) -> Iterator[tuple[Split, str]]:
-    """(split, text) of every document, cut by ``plan``; refuses a split that leaves no train text."""
-    n_train = 0
-    for i, doc in enumerate(docs):
-        if i < plan.k:
-            n_train += 1
-            yield "train", doc
-        elif i > plan.k:
-            yield "val", doc
-        else:
-            nl = doc.rfind("\n", 0, plan.pos)
-            cut = nl + 1 if nl >= 0 else plan.pos
-            if cut:
-                n_train += 1
-                yield "train", doc[:cut]
-            if not n_train:
+def split_stream(pieces: Iterable[tuple[str, bool]], plan: SplitPlan) -> Iterator[tuple[Split, str, bool]]:
+    """``(split, text, ends_document)`` of every piece, cut by ``plan`` (the head of document k ends a
+    train document); refuses a split that leaves no train text."""
+    i = offset = 0  # document index, characters of it before this piece
+    for text, end in pieces:
+        if i != plan.k:
+            yield ("train" if i < plan.k else "val"), text, end
+        elif offset + len(text) <= plan.pos and not end:
+            yield "train", text, False
+        elif offset <= plan.pos:  # the piece holding character ``pos`` (or the document's last)
+            pos = plan.pos - offset
+            nl = text.rfind("\n", 0, pos)
+            cut = nl + 1 if nl >= 0 else pos
+            if offset + cut:
+                yield "train", text[:cut], True
+            elif plan.k == 0:
                 raise ConfigError("data.source: the corpus is too small to hold out a validation split")
-            yield "val", doc[cut:]
+            yield "val", text[cut:], end
+        else:
+            yield "val", text, end
+        offset += len(text)
+        if end:
+            i, offset = i + 1, 0
 
 
 class TokenWriter:
@@ -174,14 +184,18 @@ class TokenWriter:
 _WORKER: dict[str, object] = {}
 
 
-def encode_chunk(tok: Tokenizer, docs: list[str], eot: int, dtype: np.dtype) -> np.ndarray:
-    """Token ids of ``docs``, each followed by ``eot``, as one array of ``dtype``."""
+def encode_chunk(
+    tok: Tokenizer, docs: list[str], eot: int, dtype: np.dtype, ends: list[bool] | None = None
+) -> np.ndarray:
+    """Token ids of ``docs`` (pieces of documents: ``eot`` after those whose ``ends`` is true, after
+    every one by default), as one array of ``dtype``."""
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     pieces: list[np.ndarray] = []
     tail = np.array([eot], dtype=dtype)
-    for enc in encode(docs, add_special_tokens=False):
+    for j, enc in enumerate(encode(docs, add_special_tokens=False)):
         pieces.append(np.asarray(enc.ids, dtype=dtype))
-        pieces.append(tail)
+        if ends is None or ends[j]:
+            pieces.append(tail)
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
 
 
@@ -189,29 +203,34 @@ def _init_worker(tok_json: str, eot: int, dtype: str) -> None:
     _WORKER.update(tok=Tokenizer.from_str(tok_json), eot=eot, dtype=np.dtype(dtype))
 
 
-def _worker_encode(docs: list[str]) -> np.ndarray:
+def _worker_encode(docs: list[str], ends: list[bool]) -> np.ndarray:
     tok = _WORKER["tok"]
     assert isinstance(tok, Tokenizer)
-    return encode_chunk(tok, docs, int(_WORKER["eot"]), _WORKER["dtype"])  # type: ignore[call-overload, arg-type]
+    return encode_chunk(tok, docs, int(_WORKER["eot"]), _WORKER["dtype"], ends)  # type: ignore[call-overload, arg-type]
 
 
-def _chunks(docs: Iterable[tuple[Split, str]], chunk_chars: int) -> Iterator[tuple[Split, list[str], int]]:
-    """(split, documents, UTF-8 bytes) groups of about ``chunk_chars`` characters, never mixing splits."""
+def _chunks(
+    pieces: Iterable[tuple[Split, str, bool]], chunk_chars: int
+) -> Iterator[tuple[Split, list[str], list[bool], int]]:
+    """(split, pieces, ends_document, UTF-8 bytes) groups of about ``chunk_chars`` characters, never
+    mixing splits."""
     split: Split | None = None
     group: list[str] = []
+    ends: list[bool] = []
     size = nbytes = 0
-    for s, doc in docs:
-        if group and (s != split or size + len(doc) > chunk_chars):
+    for s, text, end in pieces:
+        if group and (s != split or size + len(text) > chunk_chars):
             assert split is not None
-            yield split, group, nbytes
-            group, size, nbytes = [], 0, 0
+            yield split, group, ends, nbytes
+            group, ends, size, nbytes = [], [], 0, 0
         split = s
-        group.append(doc)
-        size += len(doc)
-        nbytes += len(doc.encode("utf-8"))
+        group.append(text)
+        ends.append(end)
+        size += len(text)
+        nbytes += len(text.encode("utf-8"))
     if group:
         assert split is not None
-        yield split, group, nbytes
+        yield split, group, ends, nbytes
 
 
 def _pool(tok: Tokenizer, eot: int, dtype: np.dtype, workers: int) -> Pool:
@@ -231,7 +250,7 @@ def _pool(tok: Tokenizer, eot: int, dtype: np.dtype, workers: int) -> Pool:
 
 def encode_stream(
     tok: Tokenizer,
-    docs: Iterable[tuple[Split, str]],
+    docs: Iterable[tuple[Split, str, bool]],
     writers: dict[Split, TokenWriter],
     eot: int,
     dtype: np.dtype,
@@ -240,26 +259,26 @@ def encode_stream(
     total_bytes: int | None = None,
     progress: bool = False,
 ) -> None:
-    """Encode (split, text) documents into ``writers[split]`` in order (see the module doc), in chunks
-    of ``chunk_chars`` (default :data:`CHUNK_CHARS`); a progress bar counts UTF-8 bytes, with their
-    rate and the time left."""
+    """Encode ``(split, text, ends_document)`` pieces into ``writers[split]`` in order (see the module
+    doc), in chunks of ``chunk_chars`` (default :data:`CHUNK_CHARS`); a progress bar counts UTF-8
+    bytes, with their rate and the time left."""
     bar = tqdm(
         total=total_bytes, desc="tokenize", unit="B", unit_scale=True, disable=not progress, leave=False
     )
-    chunks = _chunks(docs, chunk_chars or CHUNK_CHARS)
+    chunks = _chunks(recut(docs, encode_cut_check(tok)), chunk_chars or CHUNK_CHARS)
     try:
         if workers <= 1:
-            for split, group, nbytes in chunks:
-                writers[split].write(encode_chunk(tok, group, eot, dtype), len(group))
+            for split, group, ends, nbytes in chunks:
+                writers[split].write(encode_chunk(tok, group, eot, dtype, ends), sum(ends))
                 bar.update(nbytes)
             return
         pool = _pool(tok, eot, dtype, workers)
         try:
             pending: deque[tuple[Split, int, int, AsyncResult[np.ndarray]]] = deque()
-            for split, group, nbytes in chunks:
+            for split, group, ends, nbytes in chunks:
                 if len(pending) >= 2 * workers:
                     _drain_one(pending, writers, bar)
-                pending.append((split, len(group), nbytes, pool.apply_async(_worker_encode, (group,))))
+                pending.append((split, sum(ends), nbytes, pool.apply_async(_worker_encode, (group, ends))))
                 del group
             while pending:
                 _drain_one(pending, writers, bar)
