@@ -435,6 +435,9 @@ def test_train_with_parallel_auto_runs_and_logs_the_prediction(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "parallel.auto chose" in proc.stdout
+    line = next(x for x in proc.stdout.splitlines() if "planner: step" in x)  # the end-of-run line
+    assert "s predicted" in line and ("calibration profile" in line or "datasheet" in line)
+    assert "cores were not shared" in line or "other processes were using the cores" in line
     row = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
     state = row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]
     assert row["plan_state_bytes"] == pytest.approx(state, rel=MEMORY_TOLERANCE)
@@ -604,3 +607,27 @@ def test_validate_predicts_a_mixture_of_experts_with_the_runs_expert_load():
         got.pred_step_s == pytest.approx(given["plan_step_time_s"])
         and got.pred_step_s > balanced["plan_step_time_s"]
     )
+
+
+def test_end_of_run_line_says_whether_the_cores_were_shared_and_names_the_profile(tmp_path, monkeypatch):
+    """Load beyond the run's own runnable threads, min(cores, ranks x threads), is other processes':
+    load 5 on 2 cores with 2 one-thread ranks leaves 3; a named profile file is what the line cites."""
+    import os
+
+    from loom.config import LoomConfig
+    from loom.plan import auto
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 4.0, 3.0))
+    monkeypatch.setattr(auto, "cores", lambda: 2)
+    assert auto.core_load(2, 1) == (5.0, 3.0, 2)
+    assert auto.core_load(1, 8) == (5.0, 3.0, 2)  # a rank's threads beyond the cores are no more load
+    cfg = LoomConfig()
+    row = {"plan_step_time_s": 0.02, "step_time_s": 0.44, "plan_state_bytes": 2**20}
+    line = auto.prediction_line(cfg, 2, row, 2**20)
+    assert "other processes were using the cores (load 5.0 on 2 cores, about 3.0 beyond this run's 2)" in line
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 1.0, 1.0))
+    prof = tmp_path / "p.json"
+    prof.write_text("{}")
+    cfg.parallel.profile = str(prof)
+    line = auto.prediction_line(cfg, 2, row, 2**20)
+    assert f"calibration profile {prof}" in line and "cores were not shared" in line

@@ -288,3 +288,49 @@ def check_fits(cfg: LoomConfig, world: int, profile: Profile | None = None) -> N
     problem = fit_problem(cfg, world, profile)
     if problem is not None:
         raise ConfigError(problem)
+
+
+# --------------------------------------------------------------------------- the end-of-run line
+
+
+def profile_source(cfg: LoomConfig, world: int) -> str:
+    """What the prediction's machine numbers come from (:func:`load_profile`'s choice)."""
+    p = cfg.parallel.profile or DEFAULT_PROFILE
+    if Path(p).is_file():
+        return f"calibration profile {p}"
+    shared = _device_of(cfg) == "cpu" and world > cores()
+    return "datasheet, no calibration profile" + (" (cores shared by the ranks)" if shared else "")
+
+
+def core_load(ranks_here: int, threads_per_rank: int) -> tuple[float, float, int]:
+    """(1-minute load average, the part of it beyond this run's own runnable threads, cores):
+    the run keeps min(cores, ranks_here · threads_per_rank) threads runnable; whatever the load
+    average holds beyond that was other processes using the cores."""
+    import os
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    n = cores()
+    return load, max(0.0, load - min(n, ranks_here * threads_per_rank)), n
+
+
+def prediction_line(cfg: LoomConfig, world: int, row: dict, measured_state: float) -> str:
+    """The end-of-run line: predicted against measured step time and rank-0 state, what the
+    prediction is based on, and whether other processes were using the cores during the run."""
+    import os
+
+    import torch
+
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    threads = torch.get_num_threads() if _device_of(cfg) == "cpu" else 1
+    load, other, n = core_load(here, threads)
+    busy = (
+        f"other processes were using the cores (load {load:.1f} on {n} cores, about {other:.1f} beyond "
+        f"this run's {min(n, here * threads)}): the measurement is slowed by them"
+        if other >= 0.5
+        else f"the cores were not shared with other processes (load {load:.1f} on {n} cores)"
+    )
+    return (
+        f"planner: step {row['plan_step_time_s']:.4g} s predicted, {row['step_time_s']:.4g} measured | "
+        f"rank-0 state {row['plan_state_bytes'] / 2**20:.3f} MiB predicted, {measured_state / 2**20:.3f} "
+        f"measured | {profile_source(cfg, world)}; {busy}"
+    )

@@ -9,7 +9,8 @@
 
 ``--cluster`` takes a TOML path, a name in ``loom/configs/clusters`` or ``DEVICE:NODESxPER``;
 ``--device NAME`` with ``--world N`` builds nodes of up to 8 such devices. Exit status: 0 when the
-config fits (or some layout fits), 1 when nothing fits, 2 on bad input.
+config's layout fits or some layout fits (the config's own explained in one line when it does
+not), 1 when nothing fits, 2 on bad input. ``--json``: the whole answer as one JSON object.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ import sys
 from loom.config import ConfigError, ModelConfig, load, load_toml, preset_path, presets
 from loom.plan.cost import Estimate, PlanError, Workload
 from loom.plan.hardware import DEVICES, ClusterSpec, HardwareError, Profile, known_clusters, resolve_cluster
-from loom.plan.report import check_fit, format_breakdown, format_search, model_of, workload_of
+from loom.plan.report import (
+    config_verdict,
+    dropped_rows,
+    format_breakdown,
+    format_search,
+    model_of,
+    workload_of,
+)
 from loom.plan.search import search
 
 
@@ -120,6 +128,7 @@ def main(argv: list[str]) -> int:
             "ranked": [e.to_dict() for e in result.ranked[: args.top]],
             "fitting": len(result.ranked),
             "rejected": dict(result.rejected),
+            "dropped": dropped_rows(result),
             "closest": _json_estimate(result.closest) if not result.ranked else None,
             "elapsed_s": result.elapsed_s,
         }
@@ -127,7 +136,7 @@ def main(argv: list[str]) -> int:
     else:
         print(f"cluster {cluster.name}: {cluster.nodes} x {cluster.devices_per_node} {cluster.device.name}")
         if check is not None:
-            print(("OK " if check[0] else "NO ") + check[1])
+            print(check[1])
         if check is not None and not check[0] and not result.ranked:
             print("\n".join(format_search(result, args.top).split("\n")[1:]))  # the check already explained
         else:
@@ -144,6 +153,6 @@ def main(argv: list[str]) -> int:
             f"wrote {draw_search(result.ranked, args.plot, args.top)}",
             file=sys.stderr if args.json else sys.stdout,
         )
-    if check is not None:
-        return 0 if check[0] else 1
+    if check is not None and check[0]:
+        return 0
     return 0 if result.ranked else 1

@@ -90,8 +90,28 @@ def format_search(result: SearchResult, top: int = 10) -> str:
     else:
         out.append(explain_no_fit(result))
     if result.rejected:
-        out.append("dropped: " + "; ".join(f"{n} {why}" for why, n in result.rejected.most_common()))
+        out.append(format_dropped(result))
     return "\n".join(out)
+
+
+def format_dropped(result: SearchResult, top: int = 5, width: int = 72) -> str:
+    """The dropped layouts as a short table: the ``top`` reasons by count, each with one layout
+    dropped for it, and one line for the rest."""
+    reasons = result.rejected.most_common()
+    total = sum(n for _, n in reasons)
+    rows = [
+        (f"{n:,}", why if len(why) <= width else why[: width - 3] + "...", result.examples.get(why, ""))
+        for why, n in reasons[:top]
+    ]
+    wc, wr = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    lines = [f"dropped {total:,} candidate layouts; top reasons:"]
+    lines += [f"  {c:>{wc}}  {r:<{wr}}  e.g. {e}".rstrip().removesuffix(" e.g.") for c, r, e in rows]
+    rest = reasons[top:]
+    if rest:
+        lines.append(
+            f"  {sum(n for _, n in rest):,} more for {len(rest)} other reason{'s' * (len(rest) > 1)} (--json lists all)"
+        )
+    return "\n".join(lines)
 
 
 def explain_no_fit(result: SearchResult) -> str:
@@ -209,6 +229,40 @@ def _split_of(pp_layout: str, n_layers: int, pp: int, v: int) -> tuple[int, ...]
     bounds = parse_layout(pp_layout, n_layers, pp * max(v, 1))
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     return tuple(sum(sizes[d::pp]) for d in range(pp))
+
+
+def config_verdict(cfg: LoomConfig, cluster: ClusterSpec, profile: Profile | None = None) -> tuple[bool, str]:
+    """(fits, one line) for the config's own layout: "the config's layout dp2 does not fit:
+    activations 93 GiB > 80 GiB" (the largest term alone exceeds the device), else the total
+    against the device with the largest term named."""
+    try:
+        lay = layout_of(cfg)
+        cm = CostModel(model_of(cfg), workload_of(cfg), cluster, profile)
+    except (ConfigError, PlanError) as e:
+        return False, f"the config cannot be planned: {e}"
+    head = f"the config's layout {lay.short()}"
+    why = cm.check(lay)
+    if why:
+        return False, f"{head} is not valid here: {why}"
+    est = cm.estimate(lay)
+    cap, mem = est.capacity / GiB, est.memory / GiB
+    term, size = max(est.memory_breakdown.items(), key=lambda kv: kv[1])
+    if est.fits:
+        return True, (
+            f"{head} fits: {mem:.1f} GiB of {cap:.0f} GiB per device ({est.peak_stage} stage); predicted "
+            f"step {est.step_time:.3g} s, {est.tokens_per_s:,.0f} tok/s, MFU {100 * est.mfu:.1f}%"
+        )
+    if size > est.capacity:
+        return False, f"{head} does not fit: {term} {size / GiB:.0f} GiB > {cap:.0f} GiB"
+    return False, f"{head} does not fit: {mem:.1f} GiB > {cap:.0f} GiB (largest: {term} {size / GiB:.1f} GiB)"
+
+
+def dropped_rows(result: SearchResult) -> list[dict]:
+    """Every reason a layout was dropped, most frequent first: reason, count, one example."""
+    return [
+        {"reason": why, "count": n, "example": result.examples.get(why, "")}
+        for why, n in result.rejected.most_common()
+    ]
 
 
 def check_fit(cfg: LoomConfig, cluster: ClusterSpec, profile: Profile | None = None) -> tuple[bool, str]:

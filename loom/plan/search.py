@@ -46,6 +46,21 @@ from loom.rules import (
 )
 
 
+class Drops(Counter):
+    """Layouts dropped, by reason, with the first one dropped for each (``examples``): the loops
+    set ``current`` to the layout (or degrees) at hand before counting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = ""
+        self.examples: dict[str, str] = {}
+
+    def __setitem__(self, why: str, n: int) -> None:
+        if n > 0 and why not in self.examples:
+            self.examples[why] = self.current
+        super().__setitem__(why, n)
+
+
 @dataclass
 class SearchResult:
     """Ranked layouts that fit, and why the others were dropped."""
@@ -53,6 +68,7 @@ class SearchResult:
     world: int
     ranked: list[Estimate]  # fitting layouts, fastest first
     rejected: Counter = field(default_factory=Counter)  # reason -> candidates dropped for it
+    examples: dict[str, str] = field(default_factory=dict)  # reason -> one layout dropped for it
     considered: int = 0  # layouts whose memory was evaluated
     elapsed_s: float = 0.0
     closest: Estimate | None = None  # least memory of all evaluated layouts (useful when none fit)
@@ -97,26 +113,30 @@ def search(
     cap = cluster.device.memory_bytes
     per_node = cluster.devices_per_node
     gb, seq, L = train.global_batch, train.seq_len, model.n_layers
-    rejected: Counter = Counter()
+    rejected = Drops()
     ranked: list[Estimate] = []
     considered = 0
     closest: tuple[float, Layout, dict, str] | None = None
 
     for tp in divisors(W):
+        rejected.current = f"tp{tp}"
         why = tp_reason(cm.facts, tp, per_node)
         if why:
             rejected[why] += 1
             continue
         for pp in divisors(W // tp):
+            rejected.current = f"tp{tp} pp{pp}"
             if pp > L:
                 rejected["pp exceeds n_layers (a stage needs a block)"] += 1
                 continue
             for cp in divisors(W // (tp * pp)):
+                rejected.current = f"tp{tp} pp{pp} cp{cp}"
                 why = context_parallel_problem(cp, seq) or sequence_parallel_problem(tp, cp, seq)
                 if why:
                     rejected[why] += 1
                     continue
                 dp = W // (tp * pp * cp)
+                rejected.current = f"dp{dp} tp{tp} pp{pp} cp{cp}"
                 if gb % dp:
                     rejected["dp must divide global_batch (more replicas than the batch feeds)"] += 1
                     continue
@@ -154,7 +174,14 @@ def search(
                         if c is not None and (closest is None or c[0] < closest[0]):
                             closest = c
     ranked.sort(key=lambda e: (e.step_time, e.memory))
-    result = SearchResult(world=W, ranked=ranked, rejected=+rejected, considered=considered)  # + drops zeros
+    kept = +rejected  # + drops zeros
+    result = SearchResult(
+        world=W,
+        ranked=ranked,
+        rejected=kept,
+        examples={k: v for k, v in rejected.examples.items() if k in kept},
+        considered=considered,
+    )
     if closest is not None:
         mem, lay, bd, stage = closest
         result.closest = cm.timed(lay, mem, bd, stage)
@@ -168,7 +195,7 @@ def _search_block(
     L: int,
     gb: int,
     ranked: list[Estimate],
-    rejected: Counter,
+    rejected: Drops,
     base: Layout,
     mbs: list[int],
 ) -> tuple[int, tuple[float, Layout, dict, str] | None]:
@@ -177,6 +204,7 @@ def _search_block(
     closest = None
     fits_without_offload = False
     for offload in (False, True):
+        rejected.current = _with(base, offload=offload).spec()
         if offload and fits_without_offload:
             rejected["dominated: offload where it fits without"] += 1
             continue
@@ -193,6 +221,7 @@ def _search_block(
             continue
         for sched, v in _schedules(base.pp, L, gb // (base.dp * mbs[0])):
             for mb in mbs:
+                rejected.current = _with(base, schedule=sched, v=v, micro_batch=mb, offload=offload).spec()
                 why = cm.refused(_with(base, schedule=sched, v=v, micro_batch=mb, offload=offload))
                 if why:
                     rejected[why] += 1

@@ -385,17 +385,10 @@ class Trainer:
 def _add_plan(cfg: C.LoomConfig, world: int, row: dict) -> None:
     """Add ``plan_*`` fields (loom.plan.auto.predicted_fields) to ``row`` and log them; never raises."""
     try:
-        from loom.plan.auto import predicted_fields
+        from loom.plan.auto import predicted_fields, prediction_line
 
         row.update(predicted_fields(cfg, world))
-        state = held_state_bytes(row)
-        log.info(
-            "planner: step %.4g s predicted, %.4g measured | rank-0 state %.3f MiB predicted, %.3f measured",
-            row["plan_step_time_s"],
-            row["step_time_s"],
-            row["plan_state_bytes"] / 2**20,
-            state / 2**20,
-        )
+        log.info("%s", prediction_line(cfg, world, row, held_state_bytes(row)))
     except Exception as e:  # a planner problem must never break training
         log.warning("planner prediction unavailable: %s", e)
 

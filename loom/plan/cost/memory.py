@@ -137,7 +137,8 @@ def zero3_transient(
 def gradient_in_flight(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
     """G·p_max: the gradient autograd forms for the stage's largest parameter (the embedding or head
     table V·h/t, else a block's widest matrix) before it is added into the flat gradient buffer or
-    bucket of ZeRO-0/1/2 (ZeRO-3 counts it in its transient). LoRA: the adapters' only (negligible)."""
+    bucket of ZeRO-1/2 (ZeRO-3 counts it in its transient; under plain data parallelism autograd's
+    tensor becomes the parameter's gradient, measured: no second copy). LoRA: adapters only."""
     if cm.train.lora_rank:
         return 0.0
     return cm.G * max(p for _, p, _ in cm.zero3_unit_sizes(tp, pp, ep, first, last))
@@ -291,7 +292,7 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
         bd["accumulation"] = cm.memo(accumulated_gradients)(lay.tp, lay.pp, lay.ep, first, last, lay.split)
         if lay.zero == 3:  # the unit in backward fills its buffer inside the accumulation
             bd["zero3 buffer"] = cm.memo(zero3_transient)(lay.tp, lay.pp, lay.ep, first, last, False)
-    if lay.zero < 3:  # autograd's gradient of the largest parameter, before it is added into its buffer
+    if lay.zero in (1, 2):  # autograd's gradient of the largest parameter, before it joins its bucket
         bd["gradient in flight"] = cm.memo(gradient_in_flight)(lay.tp, lay.pp, lay.ep, first, last)
     # The optimizer step runs after the activations are freed; its temporaries count only beyond them.
     bd["optimizer step"] = max(0.0, step_workspace(cm, lay, first, last) - act - logits)
