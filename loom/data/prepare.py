@@ -232,15 +232,20 @@ def sampled_sha256(path: Path, blocks: int | None = None, block: int | None = No
 
 
 def first_out_of_vocab(
-    path: Path, dtype: np.dtype, vocab: int, chunk: int = 1 << 24
+    path: Path, dtype: np.dtype, vocab: int, chunk: int = 1 << 22
 ) -> tuple[int, int] | None:
-    """(position, id) of the first token id ``>= vocab`` in ``path``, or None; reads in chunks."""
-    tokens = np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
-    for start in range(0, len(tokens), chunk):
-        part = tokens[start : start + chunk]
-        if part.size and int(part.max()) >= vocab:
-            i = int(np.argmax(part >= vocab))
-            return start + i, int(part[i])
+    """(position, id) of the first token id ``>= vocab`` in ``path``, or None; reads ``chunk`` tokens
+    at a time into one buffer (not memory-mapped: mapped pages would count towards the resident
+    memory of ``loom prepare`` in proportion to the corpus)."""
+    raw = bytearray(chunk * dtype.itemsize)
+    start = 0
+    with path.open("rb") as f:
+        while n := f.readinto(raw) // dtype.itemsize:
+            part = np.frombuffer(raw, dtype, count=n)
+            if int(part.max()) >= vocab:
+                i = int(np.argmax(part >= vocab))
+                return start + i, int(part[i])
+            start += n
     return None
 
 
