@@ -6,10 +6,12 @@ code runs on CPU + gloo and on CUDA + NCCL.
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import sys
 import time
+from collections.abc import MutableMapping
 
 import torch
 
@@ -81,13 +83,36 @@ def cuda_ordinal(local_rank: int) -> int:
     )
 
 
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"  # read by every torch >= 2.10 (PYTORCH_ALLOC_CONF: its newer name)
+EXPANDABLE = "expandable_segments:True"
+
+
+def default_allocator_conf(environ: MutableMapping[str, str] | None = None) -> str | None:
+    """CUDA runs get ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (ZeRO-3 frees and refills
+    storage every unit; expandable segments grow one mapping instead of leaving fragments), unless
+    the user set it or ``PYTORCH_ALLOC_CONF``: an explicit setting is never overridden. Set before
+    the allocator starts (it reads the variable once); if CUDA is already initialized it is applied
+    to the running allocator. Returns the line to log where it set it, None where it left it."""
+    environ = os.environ if environ is None else environ
+    if ALLOC_CONF in environ or "PYTORCH_ALLOC_CONF" in environ:
+        return None
+    environ[ALLOC_CONF] = EXPANDABLE
+    if environ is os.environ and torch.cuda.is_initialized():
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        (setter or torch.cuda.memory._set_allocator_settings)(EXPANDABLE)
+    return f"{ALLOC_CONF}={EXPANDABLE} (set by Loom: unset; set it yourself to choose otherwise)"
+
+
 def resolve_device(kind: str, local_rank: int = 0) -> torch.device:
-    """``auto`` = CUDA when available, else cpu; on CUDA the GPU :func:`cuda_ordinal` picks."""
+    """``auto`` = CUDA when available, else cpu; on CUDA the GPU :func:`cuda_ordinal` picks, with
+    expandable segments unless the allocator was configured (:func:`default_allocator_conf`)."""
     if kind == "auto":
         kind = "cuda" if cuda_available() else "cpu"
     if kind == "cuda":
         if not cuda_available():
             raise RuntimeError("run.device = cuda but CUDA is not available on this machine")
+        if (line := default_allocator_conf()) is not None:
+            logging.getLogger("loom").info("%s", line)
         index = cuda_ordinal(local_rank)
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
@@ -122,6 +147,15 @@ def peak_memory_bytes(device: torch.device) -> int:
         return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def peak_reserved_bytes(device: torch.device) -> int:
+    """Peak bytes the caching allocator held from the GPU (allocated + cached free blocks and
+    fragments) since the last :func:`reset_peak_memory`; on the CPU, where nothing is cached,
+    the peak resident set (:func:`peak_memory_bytes`)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    return peak_memory_bytes(device)
 
 
 def reset_peak_memory(device: torch.device) -> None:

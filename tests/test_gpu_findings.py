@@ -180,3 +180,74 @@ def test_export_is_streamed_and_identical(how, tmp_path, monkeypatch):
     total = sum(t.numel() * 4 for t in model.values())
     assert 0 < live.peak <= 2 * max(buffer, largest_row) < total / 10
     assert live.now == 0  # every block freed
+
+
+# --- finding 10: expandable segments by default; every rank's peak, reserved beside allocated --------
+
+
+def test_expandable_segments_default_never_overrides():
+    from loom.device import ALLOC_CONF, default_allocator_conf
+
+    env: dict[str, str] = {}
+    line = default_allocator_conf(env)
+    assert env == {ALLOC_CONF: "expandable_segments:True"} and line is not None and "expandable" in line
+    for user in ({ALLOC_CONF: "max_split_size_mb:128"}, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}):
+        env = dict(user)
+        assert default_allocator_conf(env) is None and env == user  # an explicit setting stays
+
+
+def test_cuda_run_sets_allocator_once_and_logs_it(fake_cuda, monkeypatch, caplog):
+    import logging
+    import os
+
+    from loom.device import ALLOC_CONF, resolve_device
+
+    monkeypatch.delenv(ALLOC_CONF, raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    fake_cuda(2)
+    with caplog.at_level(logging.INFO, logger="loom"):
+        resolve_device("auto", 0)
+        resolve_device("auto", 1)
+    assert os.environ[ALLOC_CONF] == "expandable_segments:True"
+    assert [r.getMessage().count("expandable_segments") for r in caplog.records] == [1]
+    monkeypatch.setenv(ALLOC_CONF, "backend:cudaMallocAsync")
+    resolve_device("auto", 0)
+    assert os.environ[ALLOC_CONF] == "backend:cudaMallocAsync"
+    monkeypatch.delenv(ALLOC_CONF)
+    resolve_device("cpu", 0)  # the CPU: nothing set
+    assert ALLOC_CONF not in os.environ
+
+
+def _rank_peaks(world: int, alloc: list[int], reserved: list[int]) -> dict[str, int]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from loom.train.metrics import max_over_ranks
+
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))  # as the trainer's
+    rank = dist.get_rank()
+    mine = {"peak_mem_bytes": alloc[rank], "peak_reserved_bytes": reserved[rank]}
+    return max_over_ranks(mine, rank, world, control, timeout_s=60)
+
+
+def test_every_ranks_peak_is_logged(pools):
+    """Rank 1's larger peak is reported with its rank; equal reserved peaks name the lowest rank; the
+    line shows reserved beside allocated and the maxima (values from 40 GiB up: no overflow of v·world)."""
+    from loom.train.metrics import step_line
+
+    gib = 1 << 30
+    alloc, reserved = [3 * gib, 40 * gib + 7], [50 * gib, 50 * gib]
+    got = pools(2).run(_rank_peaks, 2, alloc, reserved)
+    want = {
+        "peak_mem_max_bytes": 40 * gib + 7,
+        "peak_mem_max_rank": 1,
+        "peak_reserved_max_bytes": 50 * gib,
+        "peak_reserved_max_rank": 0,
+    }
+    assert got == [want, want]
+    row = dict(step=1, loss=1.0, lr=1e-3, grad_norm=1.0, tokens_per_s=1.0, mfu=0.5, param_bytes=gib)
+    row |= {"peak_mem_bytes": alloc[0], "peak_reserved_bytes": reserved[0], **want}
+    line = step_line(row)
+    assert "mem 3.0GiB (reserved 50.0GiB, state 1.0GiB)" in line
+    assert "max mem 40.0GiB rank 1, reserved 50.0GiB rank 0" in line

@@ -6,8 +6,12 @@ import json
 import logging
 import os
 import threading
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 log = logging.getLogger("loom")
 
@@ -27,19 +31,54 @@ def human_bytes(n: float) -> str:
 
 
 def step_line(row: dict[str, Any]) -> str:
-    """``step | loss | lr | grad_norm | tok/s | MFU | mem`` (the one standard line); mem adds the peak
-    saved-activation bytes, and fp16 runs end with the loss scale and the count of skipped steps."""
+    """``step | loss | lr | grad_norm | tok/s | MFU | mem`` (the one standard line); mem is this rank's
+    peak allocated bytes with the allocator's peak reserved bytes, the state and the peak saved
+    activations, then the largest peaks over the ranks and whose; fp16 runs end with the loss scale
+    and the count of skipped steps."""
     from loom.parallel.base import held_state_bytes
 
     return (
         f"step {row['step']:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
         f"grad_norm {row['grad_norm']:.3f} | tok/s {row['tokens_per_s']:,.0f} | "
         f"MFU {100 * row['mfu']:.1f}% | mem {human_bytes(row['peak_mem_bytes'])}"
-        f" (state {human_bytes(held_state_bytes(row))}"
+        + (
+            f" (reserved {human_bytes(row['peak_reserved_bytes'])}, "
+            if "peak_reserved_bytes" in row
+            else " ("
+        )
+        + f"state {human_bytes(held_state_bytes(row))}"
         + (f", act {human_bytes(row['act_saved_peak_bytes'])}" if "act_saved_peak_bytes" in row else "")
         + ")"
+        + (
+            f" | max mem {human_bytes(row['peak_mem_max_bytes'])} rank {row['peak_mem_max_rank']}, "
+            f"reserved {human_bytes(row['peak_reserved_max_bytes'])} rank {row['peak_reserved_max_rank']}"
+            if "peak_mem_max_bytes" in row
+            else ""
+        )
         + (f" | scale {row['loss_scale']:g} skipped {row['skipped_steps']}" if "loss_scale" in row else "")
     )
+
+
+def max_over_ranks(
+    values: dict[str, int], rank: int, world: int, group=None, timeout_s: float | None = None
+) -> dict[str, int]:
+    """For each ``<name>_bytes`` of this rank: ``<name>_max_bytes``, the largest over the ``world``
+    ranks of ``group``, and ``<name>_max_rank``, the (lowest) rank that has it. One all-reduce (MAX)
+    of one int64 per value on the CPU (the gloo control group: no device sync), each sent as
+    v · world + (world − 1 − rank), whose maximum gives the largest v and then the lowest rank."""
+    keys = list(values)
+    code = torch.tensor([int(values[k]) * world + (world - 1 - rank) for k in keys], dtype=torch.int64)
+    if world > 1:
+        work = dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=timeout_s))
+    out: dict[str, int] = {}
+    for k, c in zip(keys, code.tolist()):
+        name = k.removesuffix("_bytes")
+        out[f"{name}_max_bytes"], out[f"{name}_max_rank"] = c // world, world - 1 - c % world
+    return out
 
 
 def _quiet_tensorboard_threads() -> None:

@@ -27,6 +27,7 @@ from loom.comm import CommMeter
 from loom.data import BatchSampler, TokenDataset, eval_batches, mixture_sampler
 from loom.device import (
     peak_memory_bytes,
+    peak_reserved_bytes,
     reset_peak_memory,
     synchronize,
 )
@@ -41,7 +42,7 @@ from loom.train.health import (
     heartbeat_interval,
     is_comm_failure,
 )
-from loom.train.metrics import MetricsWriter, setup_logging, step_line
+from loom.train.metrics import MetricsWriter, max_over_ranks, setup_logging, step_line
 from loom.train.mfu import mfu_peak
 from loom.train.moe_report import MoEReport
 from loom.train.schedule import lr_at
@@ -253,6 +254,19 @@ class Trainer:
             )
         return str(e)
 
+    def _memory_peaks(self) -> dict[str, int]:
+        """This rank's peak allocated and reserved bytes of the log window; with several ranks also
+        the largest of each over them and whose (dedicated parameter servers run no such step)."""
+        mine = {
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "peak_reserved_bytes": peak_reserved_bytes(self.device),
+        }
+        if self.env.world == 1 or C.ps_servers(self.cfg):
+            return mine
+        return mine | max_over_ranks(
+            mine, self.env.rank, self.env.world, self.control, self.cfg.run.timeout_s
+        )
+
     def fit(self) -> dict[str, float]:
         c = self.cfg.train
         tokens_per_step = c.global_batch * self.cfg.data.seq_len
@@ -296,7 +310,7 @@ class Trainer:
                     "tokens_per_s": tps,
                     "step_time_s": dt / window_steps,
                     "mfu": tps / self.env.world * self.flops_per_token / self.peak_flops,
-                    "peak_mem_bytes": peak_memory_bytes(self.device),
+                    **self._memory_peaks(),
                     **self.run.strategy.state_bytes(),
                     **self.meter.snapshot(),
                     **self.saved_acts.stats(),
