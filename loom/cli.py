@@ -149,6 +149,9 @@ def cmd_train(argv: list[str]) -> int:
     from loom.plan.auto import check_fits
 
     C.check_intent(cfg)  # explicit settings the run would silently not honour
+    from loom.train.trackers import tracker_names
+
+    tracker_names(cfg.run.trackers)  # each one named is installed, before any process starts
     check_fits(cfg, world)  # what cannot fit this machine's memory, before anything is allocated
     _check_run_dir(cfg)
     if not under_external_launcher():  # under torchrun/srun every rank checks its data itself

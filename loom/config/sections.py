@@ -292,6 +292,7 @@ class RunConfig:
     timeout_s: float = 300.0  # process-group timeout: a dead rank surfaces as an error after this
     progress: bool = True  # progress bar on rank 0
     tensorboard: bool = True  # write TensorBoard events
+    trackers: str = ""  # experiment trackers, comma-separated: wandb, mlflow (tensorboard: run.tensorboard)
     master_addr: str = "127.0.0.1"  # rendezvous address; loopback unless you mean multi-node
     master_port: int = 0  # rendezvous port; 0 = pick a free one
     threads: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks

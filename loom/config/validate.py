@@ -303,6 +303,12 @@ def _check_train_run(t: TrainConfig, r: RunConfig) -> None:
     """[train] loop numbers and the directories it resumes or starts from; [run] device and directory."""
     _require(t.steps >= 1, f"train.steps: must be >= 1, got {t.steps}")
     _require(r.preempt_grace_s >= 0, f"run.preempt_grace_s: must be >= 0, got {r.preempt_grace_s}")
+    unknown = [n for n in (t.strip() for t in r.trackers.split(",")) if n and n not in TRACKER_NAMES]
+    _require(
+        not unknown,
+        f"run.trackers: unknown tracker {unknown[0] if unknown else ''!r}; choose from {', '.join(TRACKER_NAMES)} "
+        "(comma-separated)",
+    )
     _require(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr: must be in [0, train.lr={t.lr}], got {t.min_lr}")
     _require(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
@@ -475,6 +481,9 @@ def check_tensor_parallel(cfg: LoomConfig) -> None:
     p = cfg.parallel
     _require_none(tensor_parallel_problem(model_facts(cfg), p.tp))
     _require_none(sequence_parallel_problem(p.tp, p.cp, cfg.data.seq_len) if p.sp else None)
+
+
+TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")  # run.trackers (loom.train.trackers)
 
 
 def _unwritable(path: str) -> str | None:

@@ -6,12 +6,16 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from loom.train.trackers import Tracker
 
 log = logging.getLogger("loom")
 
@@ -101,8 +105,11 @@ def _quiet_tensorboard_threads() -> None:
 class MetricsWriter:
     """Appends JSON rows to ``metrics.jsonl`` (flushed and fsynced per row) and TensorBoard scalars."""
 
-    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool) -> None:
+    def __init__(
+        self, run_dir: str | Path, enabled: bool, tensorboard: bool, trackers: Sequence[Tracker] = ()
+    ) -> None:
         self.enabled = enabled
+        self.trackers = list(trackers)  # wandb, mlflow (loom.train.trackers): the same rows
         self.path = Path(run_dir) / "metrics.jsonl"
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if enabled else -1
         self._tb = None
@@ -129,12 +136,17 @@ class MetricsWriter:
                     if k != "step" and isinstance(v, (int, float)):
                         self._tb.add_scalar(k, v, step)
                 self._tb.flush()
+            for t in self.trackers:
+                t.log(row)
         except OSError as e:
             raise OSError(
                 e.errno, f"{e.strerror or e} (while writing the run's metrics)", str(e.filename or where)
             ) from None
 
     def close(self) -> None:
+        for t in self.trackers:
+            t.close()
+        self.trackers = []
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

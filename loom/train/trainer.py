@@ -57,6 +57,7 @@ from loom.train.setup import (
     initial_model,
 )
 from loom.train.step import scaler_stats, train_step
+from loom.train.trackers import open_trackers, wants_tensorboard
 
 log = logging.getLogger("loom")
 
@@ -172,7 +173,8 @@ class Trainer:
         if self.is_main:  # rows an earlier attempt wrote past the checkpoint it resumes from
             truncate_metrics(self.run_dir, self.start_step)
             (self.run_dir / STOPPED).unlink(missing_ok=True)
-        self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.run.tensorboard)
+        trackers = open_trackers(cfg.run.trackers, self.run_dir, C.to_dict(cfg)) if self.is_main else []
+        self.metrics = MetricsWriter(self.run_dir, self.is_main, wants_tensorboard(cfg.run), trackers)
         if self.is_main:
             self._write_run_files()
 

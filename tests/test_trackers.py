@@ -1,0 +1,87 @@
+"""Experiment trackers (issue 36, item 1): W&B in offline mode and MLflow in a local file store get the
+rows of ``metrics.jsonl``; a resumed run continues the same tracker run (its id kept in run.dir)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loom import config as C
+from tests.helpers import prepared_config, read_metrics, with_sections
+
+OVERRIDES = {
+    "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
+    "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
+    "train": {
+        "steps": 2,
+        "global_batch": 2,
+        "micro_batch": 2,
+        "warmup_steps": 1,
+        "log_every": 1,
+        "eval_every": 0,
+        "checkpoint_every": 2,
+        "checkpoint_async": False,
+    },
+    "run": {"nproc": 1, "progress": False, "tensorboard": False, "threads": 1, "trackers": "wandb,mlflow"},
+}
+
+
+def _train(cfg: dict, steps: int) -> None:
+    from loom.cli import main
+
+    args = [
+        f"--{s}.{k}={v}"
+        for s, table in with_sections(cfg, train={"steps": steps}).items()
+        for k, v in table.items()
+    ]
+    assert main(["train", *args]) == 0
+
+
+def _wandb_logs(run_dir: Path, run_id: str) -> list[bytes]:
+    """The record log (``.wandb``) of each offline W&B run directory of ``run_id``, oldest first."""
+    return [p.read_bytes() for p in sorted(run_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))]
+
+
+def test_wandb_offline_and_mlflow_file_store_continue_the_same_run_after_a_resume(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = with_sections(prepared_config(OVERRIDES, tmp_path / "cache"), run={"dir": str(tmp_path / "run")})
+    run_dir = tmp_path / "run"
+    _train(cfg, 2)
+    ids = json.loads((run_dir / "trackers.json").read_text())
+    _train(cfg, 4)  # resumes from the step-2 checkpoint
+    assert json.loads((run_dir / "trackers.json").read_text()) == ids, "a resume keeps the tracker runs"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+    logs = _wandb_logs(run_dir, ids["wandb"])
+    assert len(logs) == 2, "one offline directory per process, both of the same run id"
+    for log, mine in zip(logs, (rows[:2], rows[2:])):  # each process logged its own steps' losses, exactly
+        assert [json.dumps(r["loss"]).encode() in log for r in rows] == [r in mine for r in rows]
+
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    history = sorted((m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "loss"))
+    assert history == [(r["step"], r["loss"]) for r in rows]
+    params = client.get_run(ids["mlflow"]).data.params
+    assert params["model.dim"] == "32" and params["run.trackers"] == "wandb,mlflow"
+
+
+def test_an_unknown_or_missing_tracker_is_one_line(monkeypatch):
+    import importlib.util
+
+    from loom.train.trackers import tracker_names
+
+    cfg = C.LoomConfig()
+    cfg.run.trackers = "wandb,comet"
+    with pytest.raises(C.ConfigError, match=r"^run.trackers: unknown tracker 'comet'"):
+        C.validate(cfg, 2)
+    assert tracker_names(" tensorboard , mlflow ") == ["mlflow"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
+    with pytest.raises(C.ConfigError, match=r"^run.trackers: wandb is not installed; pip install wandb"):
+        tracker_names("wandb")
