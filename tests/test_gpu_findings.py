@@ -251,3 +251,75 @@ def test_every_ranks_peak_is_logged(pools):
     line = step_line(row)
     assert "mem 3.0GiB (reserved 50.0GiB, state 1.0GiB)" in line
     assert "max mem 40.0GiB rank 1, reserved 50.0GiB rank 0" in line
+
+
+# --- finding 7: the compute stream waits only for the reductions it reads ---------------------------
+
+
+def _reducer_waits(rep: int, shard: int, stage: int) -> list[list[tuple[str, int, str]]]:
+    """Two steps with small buckets; per reducer, its event-order log: ("launch", k, "") when bucket k
+    is launched, then (collective, bucket, stream) for every wait the reducer makes (loom.parallel.reducer)."""
+    from dataclasses import replace
+
+    from loom import config as C
+    from loom.comm import CommMeter
+    from loom.model.llama import build_model, loss_fn
+    from loom.parallel.reducer import GradReducer
+    from loom.train.build import parallelize
+    from tests.dist import get_mesh
+    from tests.helpers import metered_steps, tiny_train
+
+    mesh = get_mesh(dp_replicate=rep, dp_shard=shard)
+    cfg = C.LoomConfig(model=tiny_model(), train=tiny_train(steps=2))
+    cfg.parallel = replace(cfg.parallel, dp=rep * shard, dp_shard=shard, zero=stage, bucket_mb=0.01)
+    model = build_model(cfg.model, cfg.train.seed)
+    strategy = parallelize(model, mesh, cfg, CommMeter()).strategy
+    reducers = getattr(strategy, "_reducers", [strategy.reducer])
+    launch, drain = GradReducer.launch, GradReducer.drain
+
+    def marked(self, full, dest, owned=True):
+        self.stream.log.append(("launch", self.launched, ""))
+        launch(self, full, dest, owned)
+
+    def drained(self):
+        self.stream.log.append(("drain", self.launched, ""))
+        drain(self)
+
+    GradReducer.launch, GradReducer.drain = marked, drained  # type: ignore[method-assign]
+    try:
+        metered_steps(model, strategy, CommMeter(), mesh, cfg, loss_fn, 2, 8, 8 // (rep * shard))
+    finally:
+        GradReducer.launch, GradReducer.drain = launch, drain  # type: ignore[method-assign]
+        strategy.remove()
+    return [r.stream.log for r in reducers]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_compute_waits_only_for_reductions_it_reads(pools, stage):
+    """Hybrid sharding (2 replicas x 2 shards): each bucket's reduce-scatter is waited for on the
+    communication stream (the replica all-reduce chained to it), never on the compute stream; the
+    compute stream waits once per bucket, for its all-reduce, where the shard is read: bucket b when
+    bucket b + max_inflight is launched (the bound on buffers in flight) or at the drain."""
+    from loom.parallel.reducer import MAX_INFLIGHT
+
+    for logs in pools(4).run(_reducer_waits, 2, 2, stage):
+        checked = 0
+        for log in logs:
+            launched, draining = -1, False
+            compute: dict[int, int] = {}
+            for what, bucket, where in log:
+                if what in ("launch", "drain"):
+                    launched, draining = (bucket, False) if what == "launch" else (launched, True)
+                    continue
+                if what == "reduce_scatter":
+                    assert where == "comm", log  # never the compute stream's: chained on the side stream
+                    continue
+                assert (what, where) == ("all_reduce", "compute"), log
+                compute[bucket] = compute.get(bucket, 0) + 1
+                # read when it retires (bucket + MAX_INFLIGHT is launched) or at the step's drain
+                assert draining or launched == bucket + MAX_INFLIGHT, log
+                checked += 1
+            buckets = {b for w, b, _ in log if w == "launch"}
+            assert compute == dict.fromkeys(buckets, 1), log  # each bucket's result read exactly once
+            assert sum(1 for w, b, s in log if w == "reduce_scatter") == len(buckets)
+        assert checked >= 6

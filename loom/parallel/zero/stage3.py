@@ -223,12 +223,18 @@ class FullyShardedZero(ShardedStrategy):
         fill: Callable[[torch.Tensor, tuple[int, int]], torch.Tensor] | None = None,
         device: torch.device | None = None,
         allreduce: AllReduce = comm.all_reduce,
+        gather_group: Group = None,
     ) -> None:
         """``fill``, ``device``: parameters still on the meta device are materialized unit by unit on
         ``device`` (``fill(p, rows)``: the values of its rows [r0, r1) this rank's shard reaches), so a
         rank never holds more than one whole unit. ``allreduce``: the all-reduce of gradient shards
-        across replicas (``parallel.allreduce``, picked by the caller)."""
+        across replicas (``parallel.allreduce``, picked by the caller). ``gather_group``: a second
+        communicator over the sharding group's ranks for the all-gathers (default: the sharding
+        group itself); on NCCL each communicator has its own stream, so a prefetch all-gather does
+        not queue behind the reduce-scatters of the units before it (which the compute stream
+        would then wait for through the all-gather it does read)."""
         super().__init__(shard_group, replicate_group, tp_group, meter)
+        self.gather_group = shard_group if gather_group is None else gather_group
         self._fill, self._device = fill, device
         self.module = module
         self.world = comm.group_size(shard_group)
@@ -356,7 +362,9 @@ class FullyShardedZero(ShardedStrategy):
         works = []
         for full, shard in u.buffers():  # the trainable parameters' buffer, and the frozen ones'
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            works.append(comm.all_gather(full, shard, u.group, self.meter, async_op=True))
+            # the sharding group's twin (gather_group) when the unit is sharded over the sharding group
+            group = self.gather_group if u.group is self.shard_group else u.group
+            works.append(comm.all_gather(full, shard, group, self.meter, async_op=True))
         u.work = works
         u.state = GATHERING
         self.events.append(("gather", u.index, how))
