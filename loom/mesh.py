@@ -12,6 +12,7 @@ outermost so pipeline stages span nodes. Expert parallelism borrows ranks from `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -25,6 +26,57 @@ FLATTENED = {  # flattened groups: name -> size
     "ep": lambda d: d.ep,  # expert parallel: ranks whose experts together make all of them
     "edp": lambda d: d.dp * d.cp // d.ep,  # expert data parallel: the ranks holding the same experts
 }
+
+
+def can_split() -> bool:
+    """Whether the default group can split communicators (NCCL bound to a device, torch >= 2.6): then
+    :func:`split_groups` makes a whole colouring in one collective instead of one per group."""
+    if not hasattr(dist, "split_group") or not dist.is_initialized():
+        return False
+    world = dist.group.WORLD
+    device = getattr(world, "bound_device_id", None)
+    if world is None or device is None:
+        return False
+    try:
+        backend = world._get_backend(device)
+    except RuntimeError:  # no backend for that device
+        return False
+    return bool(getattr(backend, "supports_splitting", False))
+
+
+def split_groups(colouring: Sequence[Sequence[int]], rank: int, **kwargs) -> dist.ProcessGroup | None:
+    """One process group per list of ``colouring`` (disjoint lists of global ranks); returns the one
+    holding ``rank`` (None if none does). Every rank calls it with the same colouring.
+
+    Where the backend splits (:func:`can_split`), one ``dist.split_group`` (one world-wide
+    collective) creates them all; elsewhere (gloo, the fake group) one ``dist.new_group`` per list,
+    in order, each a world-wide step. ``kwargs`` (``timeout``) go to either."""
+    lists = [sorted(int(r) for r in ranks) for ranks in colouring]
+    seen: set[int] = set()
+    for ranks in lists:
+        if seen.intersection(ranks) or len(set(ranks)) != len(ranks):
+            raise ValueError(f"split_groups: the lists of a colouring must be disjoint, got {lists}")
+        seen.update(ranks)
+    if can_split():
+        return dist.split_group(split_ranks=lists, **kwargs)
+    mine = None
+    for ranks in lists:
+        group = dist.new_group(ranks, **kwargs)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def link_colour(src: int, dst: int, pp: int) -> tuple[int, int]:
+    """The colouring of pipeline link ``src -> dst`` (neighbours on the ring of ``pp`` stages):
+    (direction, colour), the links of one colouring being disjoint pairs. Forward links
+    ``s -> s+1`` and backward ones ``s+1 -> s`` are coloured apart, each by the parity of ``s``
+    (an odd ring's closing edge ``pp-1 -> 0`` gets a third colour): 2·2 colourings for even ``pp``,
+    2·3 for odd ``pp >= 3``, 2 for ``pp = 2`` (its two links are both forward: s = 0 and s = 1)."""
+    forward = dst == (src + 1) % pp
+    s = src if forward else dst
+    colour = 2 if pp % 2 and pp > 1 and s == pp - 1 else s % 2
+    return (0 if forward else 1), colour
 
 
 @dataclass(frozen=True)
@@ -149,24 +201,27 @@ class ParallelMesh:
         )
         ep_lists = [box[i : i + ep] for box in boxes for i in range(0, len(box), ep)]
         edp_lists = [box[j::ep] for box in boxes for j in range(ep)]
-        for name, lists in (("ep", ep_lists), ("edp", edp_lists)):
-            for ranks in lists:
-                group = dist.new_group(list(ranks))
-                if self.rank in ranks:
-                    self._groups[name] = group
-                    self.coords[name] = ranks.index(self.rank)
+        for name, lists in (("ep", ep_lists), ("edp", edp_lists)):  # each a colouring: one split each
+            self._groups[name] = split_groups(lists, self.rank)
+            self.coords[name] = next(ranks.index(self.rank) for ranks in lists if self.rank in ranks)
 
     def _pp_link_groups(self, world: int) -> None:
         """A two-rank group per ordered pair of neighbouring pipeline ranks (i -> i±1 mod pp), so each
         group carries point-to-point messages one way only (why: :mod:`loom.parallel.pipeline.posting`).
-        Every rank creates every group, in the same order."""
+        Links are created by colouring (:func:`link_colour`: at most 6 whatever the world), every
+        rank creating every group in the same order."""
         pp = self.dims.pp
+        lines = sorted({tuple(self.dims.group_ranks(r, ("pp",))) for r in range(world)})
+        pairs = dict.fromkeys((i, j) for i in range(pp) for j in ((i + 1) % pp, (i - 1) % pp) if j != i)
+        colourings: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for src, dst in pairs:
+            colourings.setdefault(link_colour(src, dst, pp), []).append((src, dst))
+        mine = self.coords["pp"]
         self._links: dict[tuple[int, int], dist.ProcessGroup] = {}
-        for ranks in sorted({tuple(self.dims.group_ranks(r, ("pp",))) for r in range(world)}):
-            pairs = dict.fromkeys((i, j) for i in range(pp) for j in ((i + 1) % pp, (i - 1) % pp) if j != i)
-            for src, dst in pairs:
-                group = dist.new_group([ranks[src], ranks[dst]])
-                if self.rank in (ranks[src], ranks[dst]):
+        for links in colourings.values():
+            group = split_groups([[line[s], line[d]] for line in lines for s, d in links], self.rank)
+            for src, dst in links:
+                if mine in (src, dst) and group is not None:  # a member of exactly one pair of links
                     self._links[(src, dst)] = group
 
     def pp_links(self) -> dict[tuple[int, int], dist.ProcessGroup]:

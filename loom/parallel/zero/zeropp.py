@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.mesh import split_groups
 from loom.parallel.reducer import GradReducer
 from loom.parallel.zero.quantized import BLOCK, QuantizedReducer, Then, blocks, dequantize, quantize
 from loom.parallel.zero.stage3 import GATHERING, FullyShardedZero, Unit, _in_backward
@@ -59,7 +60,7 @@ class TaggedMeter(CommMeter):
 
 def node_groups(shard_group: Group, size: int) -> Group:
     """This rank's group of ``size`` consecutive ranks of its sharding group. A collective over the
-    default group: every rank learns every sharding group and creates every subgroup, in order."""
+    default group: every rank learns every sharding group and creates every subgroup (one colouring)."""
     if comm.group_size(shard_group) <= size:
         return shard_group
     mine = (
@@ -69,12 +70,8 @@ def node_groups(shard_group: Group, size: int) -> Group:
     )
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    found: Group = None
-    for ranks in sorted({tuple(r[i : i + size]) for r in every for i in range(0, len(r), size)}):
-        group = dist.new_group(list(ranks))
-        if dist.get_rank() in ranks:
-            found = group
-    return found
+    lists = sorted({tuple(r[i : i + size]) for r in every for i in range(0, len(r), size)})
+    return split_groups(lists, dist.get_rank())  # disjoint: one colouring, one split where NCCL splits
 
 
 class ZeroPlusPlus(FullyShardedZero):
