@@ -250,3 +250,37 @@ def test_default_step_installs_no_hooks_and_logs_the_same_activation_peak():
     assert fp8.around(False) is fp8
     fp8.remove()
     assert _hooks(model) == 0
+
+
+def test_pipeline_stages_take_the_flex_block_mask(monkeypatch):
+    """Packed documents in pipeline stages: forced onto the flex path, each stage builds one block mask
+    per forward and every one of its layers receives it (a BlockMask, not the document ids); the two
+    stages' logits equal the whole model's on the dense path (forward only: no flex backward on CPU)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from loom.parallel.pipeline.stage import StageModule
+
+    model = build_model(tiny_model(n_layers=3), 0, "cpu")
+    x, _, positions = packed_global_batch(0, 2)
+    stages = [StageModule(model, 0, 2, 0, 2), StageModule(model, 1, 2, 2, 3)]
+    seen: list[type] = []
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda _m, args: seen.append(type(args[-1])))
+    built = []
+
+    def counted(docs, *a):
+        built.append(docs.shape)
+        return document_block_mask(docs, *a)
+
+    monkeypatch.setattr(llama, "document_block_mask", counted)
+    monkeypatch.setattr(llama, "packed_attention", lambda _d: "dense")
+    with torch.no_grad():
+        want = model(x, positions)
+    assert built == [] and all(t is torch.Tensor for t in seen)
+    seen.clear()
+    monkeypatch.setattr(llama, "packed_attention", lambda _d: "flex")
+    with torch.no_grad():
+        got = stages[1](stages[0](x, positions), positions)
+    assert built == [(2, SEQ), (2, SEQ)]  # one per stage
+    assert seen == [BlockMask] * 3
+    assert_close(got, want)

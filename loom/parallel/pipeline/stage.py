@@ -96,8 +96,14 @@ class StageModule(nn.Module):
 
     def body(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks (and the head on the last stage) applied to activations h: (B, T, h); packed data's
-        ``positions`` (B, T) give every stage its RoPE rows and document mask (each rank has the batch)."""
-        args = layer_args(cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin), positions)
+        ``positions`` (B, T) give every stage its RoPE rows and document mask (each rank has the batch):
+        one flex block mask per micro-batch and stage where its layers take it (:func:`layer_args`)."""
+        args = layer_args(
+            cast(torch.Tensor, self.rope_cos),
+            cast(torch.Tensor, self.rope_sin),
+            positions,
+            self.layers.values(),
+        )
         for layer in self.layers.values():
             h = layer(h, *args)
         return self.output(self.norm(h)) if self.is_last else h
