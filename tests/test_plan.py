@@ -624,7 +624,7 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
     cfg = tmp_path / "run.toml"
     cfg.write_text("[run]\nnproc = 2\n[train]\nglobal_batch = 16\n")
     assert main(["--config", str(cfg), "--cluster", "cpu-local", "--top", "2"]) == 0
-    assert "OK fits" in capsys.readouterr().out
+    assert "the config's layout dp2 tp1 pp1 fits: " in capsys.readouterr().out
     assert (
         main(
             [
@@ -644,7 +644,7 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
         )
         == 1
     )
-    assert "the config's layout dp1 tp1 pp1 does not fit: " in capsys.readouterr().out
+    assert "the config's layout dp2 tp1 pp1 does not fit: optimizer " in capsys.readouterr().out
     assert main(["--model", "gpt-5"]) == 2
     assert "known: debug, gpt-125m, llama-1b, llama3-405b" in capsys.readouterr().err
     assert (

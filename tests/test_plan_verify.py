@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from loom.plan.cost import Layout
 
 
@@ -82,3 +84,78 @@ def test_layout_lines_round_trip_and_bad_ones_are_one_line():
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "'warp9'" in out.stderr
     out = _verify("--config", "llama3-8b", "--devices", "64", "--layout", "dp1 tp8 pp4")
     assert out.returncode == 2 and "uses 32 devices" in out.stderr
+
+
+# ----------------------------------------------------------------------------- matrix, precheck, --on
+
+
+def test_matrix_fast_subset_within_ten_percent():
+    """The benchmark's quick rows (benchmarks/bench_plan_verify.py, each in its own process): llama3-8b
+    shapes dp2 tp8 pp2 ZeRO-2 and llama3-70b shapes dp2 tp8 pp2 cp2 ZeRO-3, 2 micro-batches, so both
+    keep full-size gradients between micro-batches: state, gradient shard and peak within 10%."""
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_plan_verify.py", "--quick", "--seq", "16"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| llama3")]
+    assert len(rows) == 2 and all(r.endswith("| ok |") for r in rows), rows
+    for r in rows:
+        state, grads, peak = (float(x) for x in r.split("|")[5:8])
+        assert abs(state - 1) <= 0.02 and abs(grads - 1) <= 0.02 and abs(peak - 1) <= 0.10, r
+
+
+def _main(args: list[str]) -> int:
+    from loom.plan.cli import cluster_of
+    from loom.train import verify
+
+    return verify.main(args, cluster_of)
+
+
+LAYOUT = ["--config", "llama3-8b", "--devices", "32", "--device", "h100-sxm", "--seq", "16"]
+LAYOUT += ["--layout", "dp1 tp8 pp4 cp1 ep1 zero0 1f1b:v1 mb1 recompute:none"]
+
+
+def test_host_precheck_refuses_in_one_line_before_building(monkeypatch, capsys):
+    """Available memory below the rank's predicted peak: one line with both sizes, exit 2, nothing built."""
+    from loom.train import verify
+
+    monkeypatch.setattr(verify, "available_bytes", lambda on: (2**30, "available host memory (MemAvailable)"))
+    monkeypatch.setattr(verify, "measure", lambda *a: pytest.fail("built despite the precheck"))
+    assert _main(LAYOUT) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rank 0 (pipeline stage 0): this rank needs about" in err
+    assert "available host memory (MemAvailable) is 1.0 GiB" in err
+
+
+def test_on_cuda_is_refused_without_cuda_and_reaches_the_builder(monkeypatch, capsys):
+    """Without CUDA, --on cuda is one line (exit 2); with it, the device reaches measure (the builder)
+    and train.precision auto resolves to the GPU's bf16."""
+    import loom.device
+    import loom.plan.auto
+    from loom.train import verify
+
+    monkeypatch.setattr(loom.device, "cuda_available", lambda: False)
+    assert _main([*LAYOUT, "--on", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err == "loom plan verify: --on cuda: no CUDA device here (torch.cuda.is_available() is False)\n"
+    seen = {}
+
+    def measure(cfg, rank, world, on="cpu"):
+        seen.update(on=on, precision=cfg.train.precision, device=cfg.run.device)
+        lay = Layout.parse(LAYOUT[-1])
+        return verify.predict(cfg, verify.ClusterSpec.single_node("h100-sxm", 8, 4), lay, 0, 4) | {
+            "build_s": 0.0,
+            "step_s": 0.0,
+            "stage": 0,
+        }
+
+    monkeypatch.setattr(loom.device, "cuda_available", lambda: True)
+    monkeypatch.setattr(loom.plan.auto, "fit_problem", lambda *a, **k: None)  # asks torch.cuda for its size
+    monkeypatch.setattr(verify, "available_bytes", lambda on: (80 * 2**30, "free on the CUDA device"))
+    monkeypatch.setattr(verify, "measure", measure)
+    assert _main([*LAYOUT, "--on", "cuda"]) == 0
+    assert seen == {"on": "cuda", "precision": "bf16", "device": "cuda"}
+    assert "tensors on cuda" in capsys.readouterr().out
