@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from loom.config import ConfigError
-from loom.data.tokenizer import encode_cut_check, recut
+from loom.data.tokenizer import PIECE_CHARS, encode_cut_check, recut
 
 Split = Literal["train", "val"]
 CHUNK_CHARS = 1 << 20  # characters of text per encoding task
@@ -258,14 +258,15 @@ def encode_stream(
     chunk_chars: int | None = None,
     total_bytes: int | None = None,
     progress: bool = False,
+    piece_chars: int = PIECE_CHARS,
 ) -> None:
     """Encode ``(split, text, ends_document)`` pieces into ``writers[split]`` in order (see the module
-    doc), in chunks of ``chunk_chars`` (default :data:`CHUNK_CHARS`); a progress bar counts UTF-8
-    bytes, with their rate and the time left."""
+    doc), in chunks of ``chunk_chars`` (default :data:`CHUNK_CHARS`) of pieces of about ``piece_chars``;
+    a progress bar counts UTF-8 bytes, with their rate and the time left."""
     bar = tqdm(
         total=total_bytes, desc="tokenize", unit="B", unit_scale=True, disable=not progress, leave=False
     )
-    chunks = _chunks(recut(docs, encode_cut_check(tok)), chunk_chars or CHUNK_CHARS)
+    chunks = _chunks(recut(docs, encode_cut_check(tok), piece_chars), chunk_chars or CHUNK_CHARS)
     try:
         if workers <= 1:
             for split, group, ends, nbytes in chunks:

@@ -36,12 +36,17 @@ def train_tokenizer(
 
 
 def train_pieces(
-    pieces: Iterable[tuple[str, bool]], vocab_size: int, progress: bool = False, length: int | None = None
+    pieces: Iterable[tuple[str, bool]],
+    vocab_size: int,
+    progress: bool = False,
+    length: int | None = None,
+    piece_chars: int | None = None,
 ) -> Tokenizer:
-    """:func:`train_tokenizer` on documents given as ``(text, ends_document)`` pieces. The trainer sees
-    pieces of at most ~:data:`PIECE_CHARS` characters, cut (:func:`recut`) only where the
-    pre-tokenizer splits the whole document the same way, so it counts the same words and learns
-    the same merges as on whole documents, in memory bounded by a piece, not by a document."""
+    """:func:`train_tokenizer` on documents given as ``(text, ends_document)`` pieces. The trainer
+    sees pieces of about ``piece_chars`` (default :data:`TRAIN_PIECE_CHARS`) characters, cut
+    (:func:`recut`) only where the pre-tokenizer splits the whole document the same way, so it
+    counts the same words and learns the same merges as on whole documents, in memory bounded by
+    the 256 pieces it buffers, not by a document."""
     if vocab_size < 257:
         raise ConfigError(f"data.vocab_size: must be >= 257 (256 bytes + {EOT}), got {vocab_size}")
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -55,7 +60,8 @@ def train_pieces(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=progress,
     )
-    texts = (text for _, text, _ in recut(((None, t, end) for t, end in pieces), pretoken_cut_check(pre)))
+    items = ((None, text, end) for text, end in pieces)
+    texts = (text for _, text, _ in recut(items, pretoken_cut_check(pre), piece_chars or TRAIN_PIECE_CHARS))
     tok.train_from_iterator(texts, trainer=trainer, length=length)
     return tok
 
@@ -135,7 +141,9 @@ def encode_documents(
 
 # ----------------------------------------------------------------------------- pieces of long documents
 
-PIECE_CHARS = 1 << 16  # characters of a document trained on or encoded at once (about)
+PIECE_CHARS = 1 << 16  # characters of a document encoded at once (about)
+# characters of a document trained on at once: the trainer holds 256 of them (its input buffer)
+TRAIN_PIECE_CHARS = 1 << 14
 CUT_CONTEXT = 256  # characters each side of a cut that the check encodes together and apart
 CUT_TRIES = 64  # candidates checked per search before more text is read
 CutCheck = Callable[[str, int], bool]
