@@ -39,6 +39,7 @@ class ModelFacts:
     ffn_dim: int  # resolved SwiGLU hidden size
     vocab_size: int = 0  # 0 = not known yet (taken from the tokenizer later)
     vocab_field: str = "model.vocab_size"  # the config field that sets vocab_size
+    pad_vocab_to: int = 0  # rows of the embedding and head; 0 = automatic (padded to 128·tp if tp needs it)
     n_experts: int = 1
     dropout: float = 0.0
     tie_embeddings: bool = True
@@ -54,6 +55,7 @@ class ModelFacts:
             n_kv_heads=model.n_kv_heads,
             ffn_dim=model.resolved_ffn_dim(),
             vocab_size=max(0, model.vocab_size),
+            pad_vocab_to=getattr(model, "pad_vocab_to", 0),
             n_experts=model.n_experts,
             dropout=model.dropout,
             tie_embeddings=model.tie_embeddings,
@@ -61,8 +63,19 @@ class ModelFacts:
         return cls(**(facts | overrides))
 
 
+def vocab_padding_problem(m: ModelFacts, tp: int) -> str | None:
+    """An explicit ``model.pad_vocab_to`` holds the vocabulary and divides by tp (0: automatic, always fine)."""
+    p = m.pad_vocab_to
+    if p < 0 or (p and (p < m.vocab_size or p % tp)):
+        return f"model.pad_vocab_to: {p} must be 0 (automatic) or >= the vocabulary {m.vocab_size} and divisible by parallel.tp={tp}"
+    return None
+
+
 def tensor_parallel_problem(m: ModelFacts, tp: int) -> str | None:
-    """Shapes tp splits must divide by tp; kv heads may instead be replicated (n_kv_heads < tp, tp % n_kv_heads == 0)."""
+    """Shapes tp splits must divide by tp; kv heads may instead be replicated (n_kv_heads < tp, tp % n_kv_heads == 0).
+    A vocabulary tp does not divide is padded (``model.pad_vocab_to``), not refused."""
+    if problem := vocab_padding_problem(m, tp):
+        return problem
     if tp == 1:
         return None
     if m.n_heads % tp:
@@ -72,9 +85,6 @@ def tensor_parallel_problem(m: ModelFacts, tp: int) -> str | None:
     # model.dim = n_heads * head_dim, so it is divisible by tp once n_heads is.
     if m.ffn_dim % tp:
         return f"model.ffn_dim: the SwiGLU hidden size {m.ffn_dim} must be divisible by parallel.tp={tp}"
-    if m.vocab_size % tp:
-        what = "" if m.vocab_field == "model.vocab_size" else " (the model vocabulary)"
-        return f"{m.vocab_field}: {m.vocab_size}{what} must be divisible by parallel.tp={tp}"
     return None
 
 

@@ -181,3 +181,108 @@ def test_loom_plan_plans_the_directorys_model(dirs, capsys, tmp_path):
     got = plan("--model.from_hf", str(dirs["nemo"]))
     assert got == plan("--config", str(tmp_path / "spelled.toml"))
     assert got != plan("--config", str(tmp_path / "spelled.toml"), "--model.attn_head_dim", "0")
+
+
+# ----------------------------------------------------------------------------- vocabulary padding (item 6)
+
+PAD_V = 129  # the tokenizer's size and the config's vocab_size: not divisible by 2
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+
+
+def _chat_dir(path: Path) -> Path:
+    """A tiny HF Llama whose vocab_size is its tokenizer's 129 tokens, chat template in chat_template.jinja."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    _save(path, vocab_size=PAD_V, tie_word_embeddings=False)
+    words = ["<|user|>", "<|assistant|>", "<|end|>"] + [f"w{i}" for i in range(PAD_V - 3)]
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    return path
+
+
+def _chat_batches(path: Path, seq: int, micro: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` sequences of chat examples rendered with the directory's template (labels only on the
+    assistant turns, -100 elsewhere), as micro-batches of (tokens, targets)."""
+    from tokenizers import Tokenizer
+
+    from loom.data.chat import encode_example, segments, template_render
+
+    render = template_render(str(path / "tokenizer.json"))
+    assert render is not None
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    g = torch.Generator().manual_seed(5)
+    ids: list[int] = []
+    mask: list[int] = []
+    while len(ids) < n * (seq + 1):
+        words = [f"w{int(i)}" for i in torch.randint(0, PAD_V - 3, (6,), generator=g)]
+        record = {
+            "messages": [
+                {"role": "user", "content": " ".join(words[:3])},
+                {"role": "assistant", "content": " ".join(words[3:])},
+            ]
+        }
+        text, spans = segments(record, "test", "chat", render)
+        one, m = encode_example(tok, text, spans, 2, False)
+        ids, mask = ids + one, mask + m
+    t = torch.tensor(ids[: n * (seq + 1)]).view(n, seq + 1)
+    keep = torch.tensor(mask[: n * (seq + 1)]).view(n, seq + 1).bool()
+    x, y = t[:, :-1], t[:, 1:].masked_fill(~keep[:, 1:], -100)
+    return [(x[i : i + micro], y[i : i + micro]) for i in range(0, n, micro)]
+
+
+def lora_from_hf(path: str, tp: int, steps: int = 4) -> dict:
+    """LoRA fine-tuning of the HF directory ``path`` under tp (the trainer's path: the model built on the
+    meta device, the vocabulary resolved and padded by ``effective_vocab``, weights read per box):
+    losses, the adapters, the embedding's row count."""
+    from loom.comm import CommMeter
+    from loom.mesh import ParallelDims, ParallelMesh
+    from loom.model.hf import open_dir, resolve_from_hf
+    from loom.model.hf import source as hf_source
+    from loom.model.llama import build_model
+    from loom.train.build import build_run
+    from loom.train.schedule import lr_at
+    from loom.train.step import train_step
+    from tests.dist import get_mesh
+
+    mesh = get_mesh(tp=tp) if tp > 1 else ParallelMesh(ParallelDims(), "cpu")
+    cfg = C.LoomConfig()
+    cfg.model.from_hf, cfg.data.source, cfg.data.seq_len = path, "chat.jsonl", 16
+    cfg.finetune = C.FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8.0, lora_targets="all-linear")
+    cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch, cfg.train.precision = steps, 8, 2, "fp32"
+    cfg.parallel.tp = tp
+    resolve_from_hf(cfg, need_data=False)
+    C.validate(cfg, tp)
+    cfg.model.vocab_size = C.effective_vocab(cfg, PAD_V)
+    model = build_model(cfg.model, cfg.train.seed, meta=True)
+    run = build_run(cfg, mesh, model, CommMeter(), hf_source(open_dir(path, 16)))
+    batches = _chat_batches(Path(path), 16, 2, 8)
+    losses = [
+        train_step(run, batches, 1.0, lr_at(s, cfg.train), mesh.group("dp_cp")).loss for s in range(steps)
+    ]
+    state = run.strategy.full_state_dict() or {}
+    return {
+        "losses": losses,
+        "adapters": {k: v.clone() for k, v in state.items() if ".lora_" in k},
+        "rows": cfg.model.padded_vocab,
+    }
+
+
+def test_lora_tp2_on_a_vocab_tp_does_not_divide_equals_one_process(pools, tmp_path):
+    """Issue 34's done-when: a tiny HF Llama whose vocab equals its tokenizer's 129 tokens and whose
+    chat template is in chat_template.jinja fine-tunes with LoRA under tp2 (the vocabulary padded to
+    256 = 128·2) equal to one process (no padding): losses and adapters of 4 steps on chat data
+    rendered with that template."""
+    from torch.testing import assert_close
+
+    path = str(_chat_dir(tmp_path / "chat"))
+    one = lora_from_hf(path, 1)
+    assert one["rows"] == PAD_V and len(one["adapters"]) == 2 * 7 * 2
+    for r in pools(2).run(lora_from_hf, path, 2):
+        assert r["rows"] == 256
+        assert_close(torch.tensor(r["losses"]), torch.tensor(one["losses"]), rtol=1e-4, atol=1e-5)
+        for k, v in one["adapters"].items():
+            assert_close(r["adapters"][k], v, rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")

@@ -34,7 +34,15 @@ from safetensors.torch import save_file
 from loom import config as C
 from loom.checkpoint.format import CheckpointError, fsync_dir
 from loom.checkpoint.load import CheckpointReader
-from loom.model.hf import INDEX, architecture_of, hf_config, hf_tensors, hf_units, moe_export_problem
+from loom.model.hf import (
+    INDEX,
+    VOCAB_TENSORS,
+    architecture_of,
+    hf_config,
+    hf_tensors,
+    hf_units,
+    moe_export_problem,
+)
 
 PREFIX = "model."
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -230,7 +238,9 @@ def export_hf(
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")
         hf_src = source_dir(cfg)
         want = _export_dtype(dtype, hf_src, reader.dtype(PREFIX + names[0]))
-        size = {n: want.itemsize * _numel(reader.global_shape(PREFIX + n)) for n in names}
+        size = {
+            n: want.itemsize * _numel(_hf_shape(cfg.model, n, reader.global_shape(PREFIX + n))) for n in names
+        }
         units = hf_units(
             cfg.model, names
         )  # the Loom tensors of one HF tensor stay in one shard (GPT-2's c_attn)
@@ -272,6 +282,13 @@ def export_hf(
         os.replace(tmp, out)
         fsync_dir(out.parent)
         return Exported(out, reader.dir, reader.step, len(shards), len(weight_map), total)
+
+
+def _hf_shape(m: C.ModelConfig, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The exported shape of Loom's tensor ``name``: a padded vocabulary's embedding and head keep
+    their ``vocab_size`` real rows (:func:`loom.model.hf.hf_tensors`), so the export has the size the
+    model was given (the source directory's ``vocab_size``)."""
+    return (min(shape[0], m.vocab_size), *shape[1:]) if name in VOCAB_TENSORS else shape
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

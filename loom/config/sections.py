@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,9 @@ class ModelConfig:
     ffn_dim: int = 0  # MLP hidden size; 0 = Llama rule round_up(8h/3, multiple_of)
     multiple_of: int = 64  # rounding for the automatic ffn_dim
     vocab_size: int = 0  # 0 = take it from the tokenizer of the prepared data
+    # rows of the embedding and head (>= vocab_size; the padded rows are zeros, masked from loss, softmax
+    # and sampling); 0 = automatic: vocab_size, or a multiple of 128*tp when parallel.tp does not divide it
+    pad_vocab_to: int = 0
     max_seq_len: int = 256  # longest sequence RoPE is prepared for
     rope_theta: float = 10000.0  # RoPE base frequency
     rope_scaling: float = 0.0  # Llama 3.1 long-context RoPE: divide low frequencies by this factor (0 = off)
@@ -140,6 +144,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding table and the output head: ``pad_vocab_to``, or ``vocab_size``."""
+        return max(self.pad_vocab_to, self.vocab_size)
 
 
 @dataclass
@@ -293,6 +302,7 @@ class RunConfig:
     progress: bool = True  # progress bar on rank 0
     tensorboard: bool = True  # write TensorBoard events
     trackers: str = ""  # experiment trackers, comma-separated: wandb, mlflow (tensorboard: run.tensorboard)
+    straggler_pct: float = 20.0  # name a rank busy this % above the median for 3 logged steps; 0 = off
     master_addr: str = "127.0.0.1"  # rendezvous address; loopback unless you mean multi-node
     master_port: int = 0  # rendezvous port; 0 = pick a free one
     threads: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks
@@ -409,9 +419,26 @@ def grad_accum_steps(cfg: LoomConfig) -> int:
     return cfg.train.global_batch // (cfg.train.micro_batch * cfg.parallel.dp)
 
 
+def vocab_padding(vocab: int, tp: int, pad_vocab_to: int = 0) -> int:
+    """Rows of the embedding and head for ``vocab`` real tokens: ``pad_vocab_to`` when given, else
+    ``vocab`` when tp divides it, else the next multiple of 128·tp (Megatron's rule)."""
+    if pad_vocab_to > 0:
+        return pad_vocab_to
+    if vocab % tp == 0:
+        return vocab
+    unit = 128 * tp
+    return -(-vocab // unit) * unit
+
+
 def effective_vocab(cfg: LoomConfig, tokenizer_vocab: int) -> int:
-    """Model vocabulary: explicit, or the tokenizer's."""
-    return cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_vocab
+    """Model vocabulary: explicit, or the tokenizer's. Resolves ``model.pad_vocab_to`` for it on the
+    way (:func:`vocab_padding` of ``parallel.tp``), and logs a padding once."""
+    vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_vocab
+    padded = vocab_padding(vocab, cfg.parallel.tp, cfg.model.pad_vocab_to)
+    if padded > vocab:
+        logging.getLogger("loom").info("vocab %d padded to %d for tp=%d", vocab, padded, cfg.parallel.tp)
+    cfg.model.pad_vocab_to = padded if padded > vocab else cfg.model.pad_vocab_to
+    return vocab
 
 
 def offload_dir(cfg: LoomConfig) -> str:

@@ -57,6 +57,7 @@ SUPPORTED = (
     "GPT2LMHeadModel",
 )
 GPT2 = "GPT2LMHeadModel"
+VOCAB_TENSORS = ("tok_embeddings.weight", "output.weight")  # V rows; padded to model.pad_vocab_to in Loom
 GELU = {
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
@@ -571,7 +572,13 @@ class HFSource:
     def __call__(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
         with Reader(self.model) as reader:
             reader.check([name] if name in reader.maps else [])
-            t = reader.read(name, index)
+            V = reader.shapes[name][0] if name in VOCAB_TENSORS and name in reader.shapes else shape[0]
+            if shape[0] <= V:
+                t = reader.read(name, index)
+            else:  # a padded vocabulary (model.pad_vocab_to): rows >= V are zeros
+                r0, r1 = index[0].indices(shape[0])[:2] if index else (0, shape[0])
+                t = reader.read(name, (slice(min(r0, V), min(r1, V)), *index[1:]))
+                t = torch.cat((t, t.new_zeros(r1 - r0 - t.shape[0], *t.shape[1:])))
             self.bytes_read += reader.bytes_read
             return t
 
@@ -587,7 +594,11 @@ def load_into(module: torch.nn.Module, model: HFModel) -> None:
     (converted to each parameter's dtype and device, one tensor at a time)."""
     params = dict(module.named_parameters(remove_duplicate=False))
     for name, t in read_state(model, set(params)):
-        params[name].copy_(t)
+        p: torch.Tensor = params[name]
+        if name in VOCAB_TENSORS and p.shape[0] > t.shape[0]:  # a padded vocabulary: zero rows after V
+            p[t.shape[0] :].zero_()
+            p = p[: t.shape[0]]
+        p.copy_(t)
 
 
 def _is_gpt2(cfg: ModelConfig) -> bool:
@@ -717,6 +728,7 @@ def hf_tensors(
     cfg: ModelConfig, state: Iterator[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for a stream of Loom (name, tensor); names outside the mapping raise. The
+    embedding and head keep their ``vocab_size`` real rows (a padded vocabulary's rows dropped). The
     parts of a fused tensor (GPT-2's c_attn) are held until the last one arrives."""
     maps = dict(_mappings(cfg))
     pending: dict[str, dict[int, torch.Tensor]] = {}
@@ -727,6 +739,7 @@ def hf_tensors(
             raise HFError(f"{name}: no Hugging Face counterpart for this tensor")
         m = maps[name]
         t = to_hf_rows(t, m.heads) if m.heads else t
+        t = t[: cfg.vocab_size] if name in VOCAB_TENSORS else t  # a padded vocabulary: the real rows
         if isinstance(m.hf, tuple):
             yield from ((n, e.contiguous()) for n, e in zip(m.hf, t.unbind(0), strict=True))
             continue

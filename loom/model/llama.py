@@ -9,7 +9,9 @@ not other classes: ``norm`` (LayerNorm with a bias), ``mlp`` (GELU, non-gated), 
 lives here: strategies are applied from outside (module swap, hooks, wrapping).
 
 Shapes: B batch, T sequence, h = dim, a = n_heads, k = n_kv_heads, d = head_dim = h / a,
-V vocabulary, f = ffn_dim.
+V vocabulary, f = ffn_dim. A padded vocabulary (``model.pad_vocab_to`` = V' > V) gives the embedding
+and the head V' rows, the padded ones zeros; the head's logits are those of the V real rows
+(:class:`VocabHead`), so padding changes no logit, loss or sample.
 """
 
 from __future__ import annotations
@@ -336,6 +338,19 @@ class Block(nn.Module):
         return x + self._drop(self.feed_forward(self.ffn_norm(x)))
 
 
+class VocabHead(nn.Linear):
+    """The output head over a padded vocabulary (``model.pad_vocab_to``): a weight of V' >= V rows,
+    logits of the first V only, z = x W[:V]ᵀ (B, T, V). The padded rows take no part in the logits,
+    so none in the loss, the softmax or sampling; their gradient is zero."""
+
+    def __init__(self, dim: int, padded: int, vocab: int) -> None:
+        super().__init__(dim, padded, bias=False)
+        self.vocab = vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight[: self.vocab])  # (B, T, V)
+
+
 def embed(
     tok: nn.Module,
     pos: nn.Module | None,
@@ -359,7 +374,8 @@ class Transformer(nn.Module):
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be resolved (> 0) before building the model")
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        V = cfg.padded_vocab  # V' >= V rows (model.pad_vocab_to): the padded ones zeros, outside the logits
+        self.tok_embeddings = nn.Embedding(V, cfg.dim)
         # Learned absolute positions (GPT-2): row p of the table is added at position p; pos_ids holds
         # the positions of the tokens this model sees (context parallelism swaps in its ranks' own).
         learned = cfg.positions == "learned"
@@ -370,7 +386,9 @@ class Transformer(nn.Module):
             if isinstance(block.feed_forward, MoEFeedForward):
                 block.feed_forward.layer_id = i
         self.norm = make_norm(cfg, cfg.dim)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = (
+            VocabHead(cfg.dim, V, cfg.vocab_size) if cfg.vocab_size < V else nn.Linear(cfg.dim, V, bias=False)
+        )
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.head_in_loss = False  # set by fused_head_loss: training forwards end before the head
@@ -451,8 +469,17 @@ def init_value(cfg: ModelConfig, seed: int, name: str, shape: tuple[int, ...]) -
 
     Each parameter draws from its own generator keyed by ``seed`` and its name, so the values do not
     depend on how the model is later sharded or placed. Linear/embedding ~ N(0, std); output
-    projections (wo, w2) ~ N(0, std / sqrt(2L)); norms = 1; biases = 0.
+    projections (wo, w2) ~ N(0, std / sqrt(2L)); norms = 1; biases = 0. The padded rows of the
+    embedding and head (rows >= V of V' = ``model.pad_vocab_to``) are zeros; the real rows are those of
+    the unpadded model (the same draws, in order).
     """
+    if name in ("tok_embeddings.weight", "output.weight") and shape[0] > cfg.vocab_size:
+        return torch.cat(
+            (
+                init_value(cfg, seed, name, (cfg.vocab_size, *shape[1:])),
+                torch.zeros(shape[0] - cfg.vocab_size, *shape[1:]),
+            )
+        )
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     if name.endswith(".bias"):
@@ -562,16 +589,21 @@ def fused_head_loss(
     :func:`loss_fn`: the B·T·V logits never exist, one chunk of ``chunk_rows`` rows of them at most
     (c·V·4 bytes, against B·T·V·e for the logits and B·T·V·e for their gradient). Under no_grad
     (evaluation, inference) the model returns logits and the loss is :func:`loss_fn`, as before."""
-    if not isinstance(model, Transformer) or type(model.output) is not nn.Linear or rows <= chunk_rows:
+    if (
+        not isinstance(model, Transformer)
+        or type(model.output) not in (nn.Linear, VocabHead)
+        or rows <= chunk_rows
+    ):
         return None
     model.head_in_loss = True
     head = model.output  # its weight is read at every call: casts and ZeRO-3 keep the module
+    vocab = model.cfg.vocab_size  # a padded head's real rows (VocabHead): the padded ones in no logit
 
     def head_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """(B, T, h) normed hidden states with grad enabled, else (B, T, V) logits -> mean loss."""
         if not torch.is_grad_enabled():
             return loss_fn(out, targets)
-        total = linear_cross_entropy(out, head.weight, targets, chunk_rows)  # () fp32 sum
+        total = linear_cross_entropy(out, head.weight[:vocab], targets, chunk_rows)  # () fp32 sum
         return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
     return head_loss

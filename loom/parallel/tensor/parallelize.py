@@ -15,6 +15,8 @@ Layout over the tp group of n ranks (h = dim, a heads, k kv-heads, f = ffn, V = 
                 gradients); with sp each routes its sequence shard (gradients partial, summed over tp)
     head        column over the vocabulary: local logits (B, T, V/n), never gathered
     loss        vocab-parallel cross-entropy on the local logits
+    padding     a padded vocabulary V' (``model.pad_vocab_to``) is cut V'/n rows per rank; the
+                loss masks the padded columns (ids >= V) out of the max, the sum and the gradient
 
 Bytes moved per rank per micro-batch (ring, ρ = (n-1)/n, S = b·s·h·e, e bytes per element):
 
@@ -85,7 +87,7 @@ def apply_tensor_parallel(
         model.norm = sequence_parallel_norm(full.norm, ctx)
         if full.pos_embeddings is not None:  # learned positions: this rank's sequence shard's rows
             model.pos_embeddings = SequenceParallelPositions(full.pos_embeddings, ctx)
-    loss = partial(vocab_parallel_cross_entropy, group=ctx.group, meter=meter)
+    loss = partial(vocab_parallel_cross_entropy, group=ctx.group, meter=meter, vocab=full.cfg.vocab_size)
     model.loss_fn = loss  # type: ignore[assignment]  # Module.__setattr__ is typed for Tensor | Module; a plain callable attribute is fine
     return loss
 
@@ -128,7 +130,9 @@ class _VocabParallelCrossEntropy(Function):
     """Mean cross-entropy over non-ignored tokens from vocabulary-sharded logits, in chunks of rows.
 
     With z the logits, m = max_v z (all-reduce max), Z = Σ_v exp(z - m) and z_t the target's
-    logit (one all-reduce of both): loss_i = log Z - (z_t - m). Backward on the local shard:
+    logit (one all-reduce of both): loss_i = log Z - (z_t - m), over the real vocabulary only: of a
+    padded one (ids >= ``vocab``) a rank's columns [0, r) are real, r = clamp(vocab - start, 0, V/n),
+    the rest masked (out of m and Z, gradient 0). Backward on the local shard:
     dz = (softmax(z) - onehot(t)) / N_valid. The full (B, T, V) logits never exist on a rank, and of
     the local (N, V/n) ones no fp32 copy does either: m is the max in the logits' dtype (exact), Z
     and backward's softmax are formed c rows at a time (c = ``chunk`` rows, one (c, V/n) fp32
@@ -139,17 +143,23 @@ class _VocabParallelCrossEntropy(Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, group, meter, vocab_start: int, ignore_index: int, chunk: int):
+    def forward(
+        ctx, logits, targets, group, meter, vocab_start: int, ignore_index: int, chunk: int, real: int
+    ):
         vl = logits.shape[-1]
-        z = logits.reshape(-1, vl)  # (N, V/n) in the logits' dtype: no copy
-        zmax = z.amax(dim=-1).float()  # (N,)
+        z = logits.reshape(-1, vl)[:, :real]  # (N, r) real columns, in the logits' dtype: no copy
+        zmax = (
+            z.amax(dim=-1) if real else torch.full(z.shape[:1], -torch.inf, device=z.device)
+        ).float()  # (N,)
         comm.all_reduce_max(zmax, group, meter)
         t = targets.reshape(-1)
         valid = t != ignore_index
         local = t - vocab_start
-        mine = valid & (local >= 0) & (local < vl)
-        idx = local.clamp(0, vl - 1).unsqueeze(1)  # (N, 1)
-        picked = (z.gather(1, idx).squeeze(1).float() - zmax) * mine  # z_t - m where this rank owns t
+        mine = valid & (local >= 0) & (local < real)
+        idx = local.clamp(0, max(real - 1, 0)).unsqueeze(1)  # (N, 1)
+        picked = (
+            (z.gather(1, idx).squeeze(1).float() - zmax) * mine if real else torch.zeros_like(zmax)
+        )  # z_t - m where this rank owns t
         sumexp = torch.empty_like(zmax)  # (N,)
         for i in range(0, z.shape[0], chunk):
             e = (
@@ -163,23 +173,25 @@ class _VocabParallelCrossEntropy(Function):
         count = valid.sum().to(zmax.dtype).clamp(min=1)  # none trained (chat data): loss 0, not NaN
         loss = ((sumexp.log() - picked) * valid).sum() / count
         ctx.save_for_backward(logits, zmax, sumexp, idx, mine, valid, count)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.real = chunk, real
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         logits, zmax, sumexp, idx, mine, valid, count = ctx.saved_tensors
-        z = logits.reshape(-1, logits.shape[-1])
-        out = torch.empty_like(z)  # (N, V/n) in the logits' dtype
+        real = ctx.real
+        z = logits.reshape(-1, logits.shape[-1])[:, :real]  # (N, r)
+        full = logits.reshape(-1, logits.shape[-1])
+        out = torch.empty_like(full) if real == full.shape[1] else torch.zeros_like(full)  # padded columns: 0
         scale = valid.to(zmax.dtype) * (grad / count)  # (N,)
         c = ctx.chunk
-        for i in range(0, z.shape[0], c):
+        for i in range(0, z.shape[0] if real else 0, c):
             g = z[i : i + c].to(torch.float32, copy=True).sub_(zmax[i : i + c, None]).exp_()  # (c, V/n) fp32
             g.div_(sumexp[i : i + c, None])  # softmax
             g.scatter_add_(1, idx[i : i + c], -mine[i : i + c].to(g.dtype).unsqueeze(1))  # softmax - onehot
-            out[i : i + c] = g.mul_(scale[i : i + c, None])
+            out[i : i + c, :real] = g.mul_(scale[i : i + c, None])
             del g
-        return out.view(logits.shape), None, None, None, None, None, None
+        return out.view(logits.shape), None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -189,16 +201,21 @@ def vocab_parallel_cross_entropy(
     meter: CommMeter | None = None,
     ignore_index: int = IGNORE_INDEX,
     chunk_rows: int = CHUNK_ROWS,
+    vocab: int | None = None,
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy from this rank's logits (B, T, V/n) and the full targets (B, T),
+    """Mean next-token cross-entropy from this rank's logits (B, T, V'/n) and the full targets (B, T),
     ``chunk_rows`` rows at a time (:class:`_VocabParallelCrossEntropy`).
 
-    Equals ``F.cross_entropy`` of the gathered logits with ``ignore_index``; rank r of ``group``
-    holds vocabulary rows [r·V/n, (r+1)·V/n).
+    Equals ``F.cross_entropy`` of the gathered logits' first ``vocab`` columns (None: all of them;
+    the rest are a padded vocabulary's) with ``ignore_index``; rank r of ``group`` holds vocabulary
+    rows [r·V'/n, (r+1)·V'/n).
     """
     rank = dist.get_rank(group) if comm.group_size(group) > 1 else 0
+    vl = local_logits.shape[-1]
+    start = rank * vl
+    real = vl if vocab is None else min(max(vocab - start, 0), vl)
     return _VocabParallelCrossEntropy.apply(
-        local_logits, targets, group, meter, rank * local_logits.shape[-1], ignore_index, chunk_rows
+        local_logits, targets, group, meter, start, ignore_index, chunk_rows, real
     )
 
 

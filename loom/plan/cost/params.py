@@ -40,8 +40,8 @@ class ParamCounts:
             mlp_active=mats * h * f * (top_k if moe else 1) + mlp_bias,
             router=h * n_experts if moe else 0,
             norms=2 * h * norm + (2 * m.head_dim if m.qk_norm else 0),
-            embed=m.vocab_size * h,
-            head=0 if m.tie_embeddings else m.vocab_size * h,
+            embed=m.padded_vocab * h,  # model.pad_vocab_to rows when padded
+            head=0 if m.tie_embeddings else m.padded_vocab * h,
             final_norm=h * norm,
             n_layers=m.n_layers,
             positions=m.max_seq_len * h if m.positions == "learned" else 0,
