@@ -43,6 +43,17 @@ def test_train_two_ranks_then_generate(tmp_path, env):
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3  # it learns
     assert rows[0]["optim_bytes"] == 2 * rows[0]["param_bytes"]  # Adam: two fp32 moments
     assert rows[0]["comm_bytes"] > 0
+    for r in rows:  # both ranks' phase times; the phases fit in the step (issue 36, item 3)
+        ranks = {
+            p: r[f"time_{p}_s_ranks"]
+            for p in ("data", "forward", "backward", "comm_wait", "optimizer", "step")
+        }
+        assert all(len(v) == 2 and min(v) >= 0 for v in ranks.values()), ranks
+        assert r["time_forward_s_median"] > 0 and r["time_backward_s_median"] > 0
+        for rank in (0, 1):
+            spent = sum(ranks[p][rank] for p in ("data", "forward", "backward", "comm_wait", "optimizer"))
+            assert spent <= ranks["step"][rank] * 1.02, (rank, ranks)
+        assert r["time_step_s_max"] == max(ranks["step"]) and r["time_step_s_max_rank"] in (0, 1)
     assert (run / "config.toml").exists() and (run / "tokenizer.json").exists()
     assert any((run / "tensorboard").iterdir())
     assert (run / "checkpoints" / "final" / "model.safetensors").exists()

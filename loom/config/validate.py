@@ -303,6 +303,10 @@ def _check_train_run(t: TrainConfig, r: RunConfig) -> None:
     """[train] loop numbers and the directories it resumes or starts from; [run] device and directory."""
     _require(t.steps >= 1, f"train.steps: must be >= 1, got {t.steps}")
     _require(r.preempt_grace_s >= 0, f"run.preempt_grace_s: must be >= 0, got {r.preempt_grace_s}")
+    _require(
+        0 <= r.straggler_pct < float("inf"),
+        f"run.straggler_pct: must be >= 0 (0 = off), got {r.straggler_pct}",
+    )
     unknown = [n for n in (t.strip() for t in r.trackers.split(",")) if n and n not in TRACKER_NAMES]
     _require(
         not unknown,

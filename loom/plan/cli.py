@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
 
                 resolve_from_hf(cfg, need_data=False)
             cluster = cluster_of(args, "cpu-local")
-            check = check_fit(cfg, cluster, profile)
+            check = config_verdict(cfg, cluster, profile)
             model, train = model_of(cfg), workload_of(cfg)
         else:
             if not args.model:

@@ -27,6 +27,7 @@ from loom.model import moe
 from loom.parallel.base import LossFn, StepResult, Strategy, Update, any_nonfinite, clip_grad_norm, mean_over
 from loom.parallel.expert.parallelize import rebalance_experts
 from loom.train.health import NonFiniteError
+from loom.train.timings import phase
 
 __all__ = [
     "Run",
@@ -97,22 +98,24 @@ def optimizer_step(strategy: Strategy, lr: float, max_norm: float, scaler: LossS
     (returns inf) and lowers the scale. Without one, a non-finite norm raises
     :class:`NonFiniteError` before the update, parameters untouched.
     """
-    strategy.finish_sync()
-    unscale = 1.0
-    if scaler is not None:
-        if any_nonfinite(strategy.grads(), strategy.comm_device):
-            scaler.update(True)
-            return math.inf
-        unscale = 1.0 / scaler.scale
-    norm = clip_grad_norm(strategy, max_norm, unscale)
-    if not math.isfinite(norm):
-        raise NonFiniteError(
-            f"non-finite gradient norm ({norm}): update skipped, parameters untouched; stopping "
-            "(lower train.lr, check the data, or resume from a checkpoint)"
-        )
-    strategy.step(lr, unscale)
-    if scaler is not None:
-        scaler.update(False)
+    with phase("comm_wait"):  # the exposed part of the gradient reduction
+        strategy.finish_sync()
+    with phase("optimizer"):
+        unscale = 1.0
+        if scaler is not None:
+            if any_nonfinite(strategy.grads(), strategy.comm_device):
+                scaler.update(True)
+                return math.inf
+            unscale = 1.0 / scaler.scale
+        norm = clip_grad_norm(strategy, max_norm, unscale)
+        if not math.isfinite(norm):
+            raise NonFiniteError(
+                f"non-finite gradient norm ({norm}): update skipped, parameters untouched; stopping "
+                "(lower train.lr, check the data, or resume from a checkpoint)"
+            )
+        strategy.step(lr, unscale)
+        if scaler is not None:
+            scaler.update(False)
     return norm
 
 
@@ -130,8 +133,10 @@ def forward_backward(
     total = torch.zeros(())
     for i, (x, y, *packed) in enumerate(micro_batches):  # packed data: (x, y, positions)
         with strategy.no_sync() if i < k - 1 else contextlib.nullcontext():
-            loss = loss_fn(model(x, *packed), y) / k
-            loss.backward()
+            with phase("forward"):
+                loss = loss_fn(model(x, *packed), y) / k
+            with phase("backward"):
+                loss.backward()
         total = loss.detach().float() if i == 0 else total + loss.detach().float()
     n = comm.group_size(loss_group)
     work = comm.all_reduce(total, loss_group, async_op=True) if n > 1 else None

@@ -33,6 +33,7 @@ from loom.device import (
 )
 from loom.model.llama import build_model, count_params, expert_params, flops_per_token
 from loom.parallel.base import held_state_bytes
+from loom.train import timings
 from loom.train.build import build_mesh, build_run, saved_activations
 from loom.train.export import write_json_atomic
 from loom.train.health import (
@@ -57,6 +58,7 @@ from loom.train.setup import (
     initial_model,
 )
 from loom.train.step import scaler_stats, train_step
+from loom.train.timings import PhaseClock, Stragglers, rank_times, timing_fields
 from loom.train.trackers import open_trackers, wants_tensorboard
 
 log = logging.getLogger("loom")
@@ -155,6 +157,7 @@ class Trainer:
         self.model = self.run.model  # pp > 1: this rank's stages; the rest of the full model is freed
         m = cfg.model  # MoE: per-layer expert load in the metrics rows, a heatmap at the end
         self.moe_report = MoEReport(self.model, m.n_layers, m.n_experts, self.device) if m.moe else None
+        self.clock, self.stragglers = PhaseClock(self.device), Stragglers(cfg.run.straggler_pct)
         # Saved-tensor hooks around each step: activation accounting, compression, offload (loom.memory).
         self.saved_acts = saved_activations(cfg, self.model, self.device)
         self.heartbeat.set(0, "checkpoint load")
@@ -269,6 +272,16 @@ class Trainer:
             mine, self.env.rank, self.env.world, self.control, self.cfg.run.timeout_s
         )
 
+    def _timings(self, step: int, steps: int, step_s: float) -> dict[str, object]:
+        """Every rank's phase times of the log window (:mod:`loom.train.timings`); rank 0 names a
+        straggler. Dedicated parameter servers run no such step: this rank's own times only."""
+        mine = self.clock.read(steps)
+        alone = self.env.world == 1 or C.ps_servers(self.cfg)
+        times = rank_times(mine, step_s, 1 if alone else self.env.world, self.control, self.cfg.run.timeout_s)
+        if self.is_main and (line := self.stragglers.check(step, times)) is not None:
+            log.warning("%s", line)
+        return timing_fields(times)
+
     def fit(self) -> dict[str, float]:
         c = self.cfg.train
         tokens_per_step = c.global_batch * self.cfg.data.seq_len
@@ -286,13 +299,15 @@ class Trainer:
             self.heartbeat.set(step + 1, "train step")
             lr = lr_at(step, c)
             self.meter.reset()
-            batches = self._to_device(self._my_tokens(self.sampler.micro_batches(step)))
-            logged = (step + 1) % c.log_every == 0 or step + 1 == c.steps
-            try:
-                with self.saved_acts.around(logged):  # accounting alone: on logged steps only
-                    res = train_step(self.run, batches, c.grad_clip, lr, self.loss_group)
-            except NonFiniteError as e:
-                raise NonFiniteError(f"step {step + 1}: {self._nonfinite_cause(e, step)}") from None
+            with timings.active(self.clock):
+                with timings.phase("data"):
+                    batches = self._to_device(self._my_tokens(self.sampler.micro_batches(step)))
+                logged = (step + 1) % c.log_every == 0 or step + 1 == c.steps
+                try:
+                    with self.saved_acts.around(logged):  # accounting alone: on logged steps only
+                        res = train_step(self.run, batches, c.grad_clip, lr, self.loss_group)
+                except NonFiniteError as e:
+                    raise NonFiniteError(f"step {step + 1}: {self._nonfinite_cause(e, step)}") from None
             if not C.ps_servers(
                 self.cfg
             ):  # (dedicated parameter servers do not reach the workers' step ends)
@@ -319,6 +334,7 @@ class Trainer:
                     **scaler_stats(self.run.scaler),
                     **(self.moe_report.row() if self.moe_report is not None else {}),
                     **self.run.strategy.row(),  # a strategy's own figures (parameter servers: staleness)
+                    **self._timings(step + 1, window_steps, dt / window_steps),
                 }
                 self.saved_acts.reset_peak()
                 reset_peak_memory(self.device)  # peak_mem_bytes is per log window
