@@ -276,7 +276,7 @@ def _check_data(d: DataConfig, max_seq_len: int) -> None:
     _require(d.workers >= 0, f"data.workers: must be >= 0 (0 = one per CPU core), got {d.workers}")
     _require(
         not d.doc_separator or d.format == "text",
-        f"data.doc_separator: splits .txt files of data.format = text, not {d.format} records; set it to \"\"",
+        f'data.doc_separator: splits .txt files of data.format = text, not {d.format} records; set it to ""',
     )
     for i, src in enumerate(d.sources):
         _require(bool(src.path.strip()), f"data.sources[{i}].path: must name a file, directory or glob")
