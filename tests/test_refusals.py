@@ -979,3 +979,20 @@ def test_disk_full_during_a_save_names_the_directory_and_keeps_the_last_checkpoi
     assert _digest(tmp_path) == before  # the temporary directory is gone, step 1 and ``latest`` untouched
     with CheckpointReader(tmp_path) as reader:
         assert reader.step == 1 and reader.read("w").tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize(
+    "flag,value", [("--microbatches", "-3"), ("--seq", "0"), ("--devices", "0"), ("--rank", "-1")]
+)
+def test_plan_verify_names_its_own_flag(world, capsys, flag, value):
+    """A bad ``plan verify`` flag is named as the flag, not as the config field it becomes
+    (``--microbatches -3`` was reported as ``train.global_batch: must be >= 1, got -24``)."""
+    from loom.cli import main
+
+    assert main(["plan", "verify", "--config", str(world.tiny), "--devices", "2", flag, value]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(lines) == 1
+        and lines[0].startswith(f"loom plan verify: {flag}: must be >= ")
+        and f"got {value}" in lines[0]
+    )

@@ -245,6 +245,14 @@ def main(argv: list[str], cluster_of) -> int:
             )
             return 2
     try:
+        for flag, value, low, note in (  # each flag named itself, before it becomes a config field
+            ("--devices", args.world, 1, ""),
+            ("--seq", args.seq, 2, ""),
+            ("--microbatches", args.microbatches, 0, " (0 = the schedule's peak)"),
+            ("--rank", args.rank, 0, ""),
+        ):
+            if value < low:
+                raise PlanError(f"{flag}: must be >= {low}{note}, got {value}")
         cfg = C.load(args.config, [])
         cluster = cluster_of(args, "h100-8x8")
         if args.layout == "best":
