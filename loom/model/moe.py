@@ -97,6 +97,16 @@ def route(
     return Routing(weights.to(x.dtype), experts, scores, logits)
 
 
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(E,) int64: how many entries of ``experts`` (any shape, values in [0, E)) name each expert.
+    A fixed-size scatter-add, not ``bincount`` (whose size depends on the data: a graph break under
+    ``torch.compile``, a host sync on CUDA)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int64)
+    )
+
+
 def capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int:
     """Assignments one expert takes: ceil(factor·N·k/E)."""
     return math.ceil(factor * n_tokens * top_k / n_experts)
@@ -115,7 +125,7 @@ def keep_mask(
         order = torch.arange(n, device=flat.device)
     by_expert = torch.argsort(flat[order], stable=True)  # priority order kept within each expert
     ranked = order[by_expert]  # assignments grouped by expert, best first
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = expert_counts(flat, n_experts)
     starts = torch.cumsum(counts, 0) - counts
     position = torch.arange(n, device=flat.device) - starts[flat[ranked]]  # rank inside its expert
     keep = torch.zeros(n, dtype=torch.bool, device=flat.device)
@@ -164,8 +174,11 @@ class _ContiguousGrad(Function):
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs here for x's dtype: CPU fp32/bf16, or bf16 on a CUDA
-    device of compute capability >= 9.0."""
+    device of compute capability >= 9.0; under ``torch.compile`` bf16 only (its fake kernel
+    refuses fp32: the padded batched matmul then)."""
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
         return False
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16)
@@ -292,7 +305,7 @@ class MoEFeedForward(nn.Module):
         assignments a sorted by expert, those with ``keep`` false (dropped by capacity) left out: (N, h).
         Dropped rows are computed with weight 0 here (no host sync to size the kept set; exactly the
         same sums); ``bound``: at most that many rows per expert."""
-        counts = torch.bincount(expert, minlength=self.n_experts)
+        counts = expert_counts(expert, self.n_experts)
         rows = grouped_swiglu(
             flat.index_select(0, token),
             counts,
@@ -327,10 +340,13 @@ class MoEFeedForward(nn.Module):
             out = out + self.shared(flat)
         return self._balance(out, r, keep).view_as(x)
 
+    @torch.compiler.disable
     def _balance(self, out: torch.Tensor, r: Routing, keep: torch.Tensor | None) -> torch.Tensor:
-        """Attach the aux and z losses to ``out`` (training with gradients) and count the statistics."""
+        """Attach the aux and z losses to ``out`` (training with gradients) and count the statistics.
+        Eager under ``torch.compile`` (one graph break per layer): it all-reduces the counts
+        (``sum_stats``), asks :func:`recomputing` and keeps statistics on the module."""
         opt, n_tokens = self.options, r.experts.shape[0]
-        load = torch.bincount(r.experts.reshape(-1), minlength=self.n_experts).float()  # before dropping
+        load = expert_counts(r.experts, self.n_experts).float()  # before dropping
         aux = z = torch.zeros((), device=out.device)
         losses = self.training and torch.is_grad_enabled() and (opt.aux_loss_coef > 0 or opt.z_loss_coef > 0)
         if losses:

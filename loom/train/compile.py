@@ -17,15 +17,17 @@ traces ``torch.utils.checkpoint`` as a higher-order op; the recomputed forward i
 
 Communication is never traced: the forward of every module of :mod:`loom.parallel` inside a
 compiled region (tensor-parallel linears and loss, context-parallel cores, expert-parallel MoE)
-and of the data-dependent MoE layer is wrapped in ``torch.compiler.disable``, so it runs eagerly
+is wrapped in ``torch.compiler.disable``, so it runs eagerly
 between compiled pieces: a graph break at a known place, never a collective whose metering or
 ordering dynamo would replay once at trace time. :class:`CompileReport` logs the graphs and the
 graph breaks (count and reasons) once the first forward has compiled, and counts recompilations
 (the micro-batch shapes are fixed by the config: none after the first step).
 
-The MoE layer is an island because it all-reduces its balancing statistics, ``bincount`` has a
-data-dependent shape, and the fake kernel of ``torch._grouped_mm`` takes bf16 only (fp32 runs it on
-the CPU eagerly); the parts of its block before and after it compile (two graphs). Refused by
+The one-process MoE layer (ep = 1) compiles: experts are counted by a fixed-size scatter-add (not
+``bincount``), fp32 takes the padded batched matmul (the fake kernel of ``torch._grouped_mm`` takes
+bf16 only), and only its balancing helper (the statistics' all-reduce, ``recomputing()``) runs
+eagerly: one graph break per MoE block, 4 graphs per block shape. Expert-parallel MoE (a module of
+:mod:`loom.parallel`: its all-to-all) stays an island. Refused by
 ``config.validate``: ``train.compress`` (its formats follow module hooks a compiled block does not
 run per call) and the zb-h1 pipeline schedule (a compiled block is one autograd node, whose
 backward its deferred weight pass would run a second time).
@@ -56,10 +58,9 @@ def _counters() -> Any:
 
 
 def _eager_module(m: nn.Module) -> bool:
-    """A module whose forward communicates or has data-dependent shapes: run eagerly."""
-    from loom.model.moe import MoEFeedForward
-
-    return type(m).__module__.startswith("loom.parallel.") or isinstance(m, MoEFeedForward)
+    """A module whose forward communicates (every module of :mod:`loom.parallel`: expert-parallel
+    MoE included): run eagerly."""
+    return type(m).__module__.startswith("loom.parallel.")
 
 
 def _eager_islands(region: nn.Module) -> list[str]:
