@@ -4,17 +4,20 @@ Corpus: a generated ``.jsonl`` of ``--mb`` MB of English-like text (words drawn 
 identifiers and prose, so BPE has real merges to do), one tokenizer (a Loom BPE of 4,096 tokens,
 trained once on 2 MB of it) for both contenders. Each contender runs in a fresh child process; its
 peak RSS (``VmHWM`` of the main process, ``ru_maxrss`` of its worker processes) and wall / CPU time
-are measured there. Same output: the datasets pipeline writes the concatenation of every document's
-ids + end token, which must equal Loom's ``train.bin`` + ``val.bin`` byte for byte.
+are measured there. Rounds alternate (Loom, datasets, Loom, ...) so machine noise hits both alike;
+the table holds each contender's median over ``--rounds`` and the ratio of tokens/s at equal
+workers (median wall). Same output: the datasets pipeline writes the concatenation of every
+document's ids + end token, which must equal Loom's ``train.bin`` + ``val.bin`` byte for byte.
 
     loom prepare:  workers = 1 (in-process, tokenizers' own Rust threads) and 2 (processes)
-    datasets:      load_dataset("json") + .map(encode_batch, batched, num_proc = 1 / 2), then the
-                   ids written to a .bin (what a user would write by hand)
+    datasets:      load_dataset("json") + .map(encode_batch_fast, batched, num_proc = 1 / 2), then
+                   the ids written to a .bin (what a user would write by hand)
 
-Then the data-loading share of a training step: time to build a step's micro-batches (memmap read,
-with packing the positions) over the time of the whole step, tiny model, ``--pack`` off and on.
+Then one single-document ``.txt`` of the same size through Loom (memory flat in document size), and
+the data-loading share of a training step: time to build a step's micro-batches (memmap read, with
+packing the positions) over the time of the whole step, tiny model, ``--pack`` off and on.
 
-    python benchmarks/bench_prepare.py [--mb 50] [--workers 1 2]
+    python benchmarks/bench_prepare.py [--mb 20] [--workers 1 2] [--rounds 3] [--no-write]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,8 +62,9 @@ from tokenizers import Tokenizer
 tok = Tokenizer.from_file(tok_path)
 eot = tok.token_to_id("<|endoftext|>")
 ds = load_dataset("json", data_files=src, split="train", cache_dir=out + "/hf")
+encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
 def encode(batch):
-    return {"ids": [e.ids + [eot] for e in tok.encode_batch(batch["text"], add_special_tokens=False)]}
+    return {"ids": [e.ids + [eot] for e in encode_batch(batch["text"], add_special_tokens=False)]}
 ds = ds.map(encode, batched=True, num_proc=int(workers) if int(workers) > 1 else None, remove_columns=["text"])
 n = 0
 with open(out + "/all.bin", "wb") as f:
@@ -127,10 +132,12 @@ def loading_share(pack: bool, steps: int = 8) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mb", type=float, default=50.0)
+    ap.add_argument("--mb", type=float, default=20.0)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported")
     add_no_write(ap)
     args = ap.parse_args()
+    pipelines = (("loom prepare", LOOM), ("datasets.map+tokenizers", DATASETS))
     with results("prepare", "Data preparation", write=not args.no_write, preformatted=True):
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
@@ -145,31 +152,50 @@ def main() -> None:
             ).tokenizer_path
             print(
                 f"corpus {args.mb:.0f} MB (.jsonl), tokenizer BPE 4096, {os.cpu_count()} cores; load "
-                f"{os.getloadavg()[0]:.1f}"
+                f"{os.getloadavg()[0]:.1f} at the start; medians of {args.rounds} alternating rounds"
             )
+            runs: dict[tuple[str, int], list[dict]] = {}
+            outputs = set()
+            for r in range(args.rounds):
+                for w in args.workers:
+                    for name, script in pipelines:
+                        out = root / f"{name.split()[0]}-{w}-{r}"
+                        out.mkdir()
+                        dest = out / "data" if name == "loom prepare" else out
+                        res = run(script, str(corpus), str(tok), str(dest), str(w))
+                        outputs.add(b"".join(Path(f).read_bytes() for f in res["files"]))
+                        runs.setdefault((name, w), []).append(res)
+                        subprocess.run(["rm", "-rf", str(out)], check=True)
             print(
                 f"{'pipeline':<24} {'workers':>7} {'wall s':>8} {'cpu s':>8} {'Mtok/s':>8} {'MB/s':>7} "
                 f"{'peak MiB':>9} {'worker MiB':>10}"
             )
-            outputs = {}
+            med: dict[tuple[str, int], dict[str, float]] = {}
+            for (name, w), rs in runs.items():
+                m = med[(name, w)] = {k: statistics.median(x[k] for x in rs) for k in ("wall", "cpu", "peak")}
+                m["workers_peak"] = statistics.median(x["workers_peak"] for x in rs)
+                tokens = rs[0]["tokens"]
+                print(
+                    f"{name:<24} {w:>7} {m['wall']:>8.1f} {m['cpu']:>8.1f} {tokens / m['wall'] / 1e6:>8.2f} "
+                    f"{args.mb / m['wall']:>7.2f} {m['peak'] / 2**20:>9.0f} {m['workers_peak'] / 2**20:>10.0f}"
+                )
             for w in args.workers:
-                for name, script in (("loom prepare", LOOM), ("datasets.map+tokenizers", DATASETS)):
-                    out = root / f"{name.split()[0]}-{w}"
-                    out.mkdir()
-                    r = run(
-                        script,
-                        str(corpus),
-                        str(tok),
-                        str(out / "data" if name == "loom prepare" else out),
-                        str(w),
-                    )
-                    outputs[(name, w)] = b"".join(Path(f).read_bytes() for f in r["files"])
-                    print(
-                        f"{name:<24} {w:>7} {r['wall']:>8.1f} {r['cpu']:>8.1f} {r['tokens'] / r['wall'] / 1e6:>8.2f} "
-                        f"{args.mb / r['wall']:>7.2f} {r['peak'] / 2**20:>9.0f} {r['workers_peak'] / 2**20:>10.0f}"
-                    )
-            same = len({v for v in outputs.values()}) == 1
-            print(f"same token bytes from every pipeline and worker count: {same}")
+                a, b = med[("loom prepare", w)], med[("datasets.map+tokenizers", w)]
+                print(
+                    f"workers {w}: loom / datasets tokens per second {b['wall'] / a['wall']:.2f}x (wall), "
+                    f"{b['cpu'] / a['cpu']:.2f}x (CPU); peak RSS main {a['peak'] / b['peak']:.2f}x"
+                )
+            print(f"same token bytes from every pipeline, worker count and round: {len(outputs) == 1}")
+            txt = root / "one.txt"
+            with txt.open("w") as f:  # the same text as one document
+                for line in corpus.open():
+                    f.write(json.loads(line)["text"] + "\n")
+            res = run(LOOM, str(txt), str(tok), str(root / "txt"), str(max(args.workers)))
+            print(
+                f"one {txt.stat().st_size / 1e6:.0f} MB .txt document through loom prepare ({max(args.workers)} "
+                f"workers): {res['wall']:.1f} s, peak RSS {res['peak'] / 2**20:.0f} MiB main, "
+                f"{res['workers_peak'] / 2**20:.0f} MiB workers"
+            )
         for pack in (False, True):
             t_data, t_step = loading_share(pack)
             print(
