@@ -303,6 +303,8 @@ class RunConfig:
     tensorboard: bool = True  # write TensorBoard events
     trackers: str = ""  # experiment trackers, comma-separated: wandb, mlflow (tensorboard: run.tensorboard)
     straggler_pct: float = 20.0  # name a rank busy this % above the median for 3 logged steps; 0 = off
+    profile_steps: str = ""  # torch.profiler traces of these steps ("10-12" or "10") in run.dir/profile/
+    memory_snapshot_step: int = 0  # record this step's allocations in run.dir/profile/; 0 = none
     master_addr: str = "127.0.0.1"  # rendezvous address; loopback unless you mean multi-node
     master_port: int = 0  # rendezvous port; 0 = pick a free one
     threads: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
 import typing
 from pathlib import Path
@@ -306,6 +307,18 @@ def _check_train_run(t: TrainConfig, r: RunConfig) -> None:
     _require(
         0 <= r.straggler_pct < float("inf"),
         f"run.straggler_pct: must be >= 0 (0 = off), got {r.straggler_pct}",
+    )
+    window = re.fullmatch(r"\s*(\d+)(?:\s*-\s*(\d+))?\s*", r.profile_steps)
+    first, last = (int(window[1]), int(window[2] or window[1])) if window else (0, 0)
+    _require(
+        not r.profile_steps.strip() or (window is not None and 1 <= first <= last <= t.steps),
+        f"run.profile_steps: {r.profile_steps!r} must be a step or a range FIRST-LAST of steps in "
+        f"[1, train.steps = {t.steps}], e.g. '10-12'",
+    )
+    _require(
+        0 <= r.memory_snapshot_step <= t.steps,
+        f"run.memory_snapshot_step: must be a step in [1, train.steps = {t.steps}] (0 = none), got "
+        f"{r.memory_snapshot_step}",
     )
     unknown = [n for n in (t.strip() for t in r.trackers.split(",")) if n and n not in TRACKER_NAMES]
     _require(

@@ -46,6 +46,7 @@ from loom.train.health import (
 from loom.train.metrics import MetricsWriter, max_over_ranks, setup_logging, step_line
 from loom.train.mfu import mfu_peak
 from loom.train.moe_report import MoEReport
+from loom.train.profiling import StepProfiler
 from loom.train.schedule import lr_at
 from loom.train.setup import (
     DATA_IDENTITY,
@@ -158,6 +159,7 @@ class Trainer:
         m = cfg.model  # MoE: per-layer expert load in the metrics rows, a heatmap at the end
         self.moe_report = MoEReport(self.model, m.n_layers, m.n_experts, self.device) if m.moe else None
         self.clock, self.stragglers = PhaseClock(self.device), Stragglers(cfg.run.straggler_pct)
+        self.profiler = StepProfiler(cfg.run, self.run_dir, env.rank, env.world, self.device, self.control)
         # Saved-tensor hooks around each step: activation accounting, compression, offload (loom.memory).
         self.saved_acts = saved_activations(cfg, self.model, self.device)
         self.heartbeat.set(0, "checkpoint load")
@@ -299,6 +301,7 @@ class Trainer:
             self.heartbeat.set(step + 1, "train step")
             lr = lr_at(step, c)
             self.meter.reset()
+            self.profiler.before(step + 1)
             with timings.active(self.clock):
                 with timings.phase("data"):
                     batches = self._to_device(self._my_tokens(self.sampler.micro_batches(step)))
@@ -308,6 +311,7 @@ class Trainer:
                         res = train_step(self.run, batches, c.grad_clip, lr, self.loss_group)
                 except NonFiniteError as e:
                     raise NonFiniteError(f"step {step + 1}: {self._nonfinite_cause(e, step)}") from None
+            self.profiler.after(step + 1)
             if not C.ps_servers(
                 self.cfg
             ):  # (dedicated parameter servers do not reach the workers' step ends)
