@@ -129,13 +129,20 @@ def check_launcher_env() -> None:
             f"environment: RANK={rank} WORLD_SIZE={world} describe no rank of a job (need 0 <= RANK < "
             "WORLD_SIZE); left over from another job? unset RANK and WORLD_SIZE for a local run"
         )
-    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
     if missing:
         raise C.ConfigError(
             f"environment: RANK={os.environ['RANK']} and WORLD_SIZE={os.environ['WORLD_SIZE']} are set but "
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not, so no launcher started this "
             "process; unset RANK and WORLD_SIZE for a local run, or start it under torchrun or srun"
         )
+    port = os.environ["MASTER_PORT"]
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise C.ConfigError(f"environment: MASTER_PORT={port!r} is not a port in [1, 65535]")
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # the device of this rank is chosen from them
+        value = os.environ.get(name)
+        if value is not None and not value.isdigit():
+            raise C.ConfigError(f"environment: {name}={value!r} is not a whole number >= 0")
 
 
 def expand_counts(spec: str) -> list[int]:
@@ -170,12 +177,22 @@ def slurm_rank_env(environ: dict[str, str]) -> dict[str, str]:
     or there is no multi-task step."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
         return {}
-    if "SLURM_PROCID" not in environ or int(environ.get("SLURM_NTASKS", "1")) <= 1:
+    if "SLURM_PROCID" not in environ or _slurm_int(environ, "SLURM_NTASKS", "1") <= 1:
         return {}
-    per_node = expand_counts(
-        environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "")
+    check_slurm_env(environ)
+    spec_name = (
+        "SLURM_STEP_TASKS_PER_NODE" if environ.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
     )
-    node = int(environ.get("SLURM_NODEID", "0"))
+    try:
+        per_node = expand_counts(environ.get(spec_name, ""))
+    except ValueError:
+        raise C.ConfigError(
+            f"environment: {spec_name}={environ.get(spec_name)!r} is not SLURM's tasks-per-node list "
+            "(e.g. '4(x2),3'); unset the SLURM_* variables for a local run"
+        ) from None
+    node = _slurm_int(environ, "SLURM_NODEID", "0")
+    _slurm_int(environ, "SLURM_LOCALID", "0")
+    _slurm_int(environ, "SLURM_JOB_ID", "0")
     nodes = (
         environ.get("SLURM_STEP_NODELIST")
         or environ.get("SLURM_JOB_NODELIST")
@@ -192,12 +209,21 @@ def slurm_rank_env(environ: dict[str, str]) -> dict[str, str]:
     }
 
 
+def _slurm_int(environ: dict[str, str], name: str, default: str) -> int:
+    """A SLURM count or id (a whole number >= 0), else one line naming the variable."""
+    value = environ.get(name, default)
+    if not value.isdigit():
+        raise C.ConfigError(
+            f"environment: {name}={value!r} is not a task count or id (a whole number >= 0); unset the "
+            "SLURM_* variables for a local run"
+        )
+    return int(value)
+
+
 def apply_slurm_env() -> None:
-    """Under a multi-task ``srun`` step, export :func:`slurm_rank_env` so this process runs as one rank."""
-    env = slurm_rank_env(dict(os.environ))
-    if env:
-        check_slurm_env(dict(os.environ))
-    os.environ.update(env)
+    """Under a multi-task ``srun`` step, export :func:`slurm_rank_env` so this process runs as one rank
+    (:func:`check_slurm_env` first: variables of no live step are refused)."""
+    os.environ.update(slurm_rank_env(dict(os.environ)))
 
 
 def check_slurm_env(environ: dict[str, str]) -> None:

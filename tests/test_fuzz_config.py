@@ -406,3 +406,54 @@ def test_a_resume_never_leaves_its_run_whatever_latest_says(two_runs, tag, targe
         assert found is not None and found[0].resolve().parent == root.resolve(), found
     finally:
         pointer.write_bytes(kept)
+
+
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_NNODES",
+)
+
+
+def _environments():
+    value = st.sampled_from(
+        ["0", "1", "2", "3", "7", "-1", "", "x", "1e3", "99999999999", "gpu[01-02]", "2(x2)"]
+    )
+    text = st.text(st.characters(exclude_characters="\x00", exclude_categories=["Cs"]), max_size=6)
+    return st.dictionaries(
+        st.sampled_from(_LAUNCH_VARS), value | text, max_size=8
+    )  # (no NUL in an environment)
+
+
+@settings(max_examples=300, suppress_health_check=list(HealthCheck), **SETTINGS)
+@given(env=_environments())
+def test_an_inherited_launcher_environment_is_a_job_or_one_line(env):
+    """Whatever launcher variables a shell holds (stale, partial, garbage), ``loom train``'s start
+    either finds a rank of a live job (0 <= RANK < WORLD_SIZE with a rendezvous) or refuses in one
+    line naming a variable; no other exception, nothing waits for peers that never come."""
+    from unittest import mock
+
+    from loom.launch import apply_slurm_env, check_launcher_env, under_external_launcher
+
+    with mock.patch.dict(os.environ, env, clear=True):
+        try:
+            apply_slurm_env()
+            check_launcher_env()
+        except C.ConfigError as e:
+            line = str(e)
+            assert "\n" not in line and line.startswith("environment: "), line
+            assert any(v in line for v in _LAUNCH_VARS), line
+            return
+        if under_external_launcher():
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            assert 0 <= rank < world and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
