@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-from loom.config import ConfigError, DataConfig
+from loom.config import ConfigError, DataConfig, LoomConfig, validate
 from loom.data.corpus import _read_txt, iter_documents, stdlib_files
 from loom.data.prepare import prepare_data
 from loom.data.stream import TokenWriter, encode_stream, split_plan, split_stream
@@ -174,7 +174,7 @@ def test_split_plan_cuts_a_document_given_in_pieces_as_when_whole():
     assert [(s, end) for s, _, end in pieced if end] == [("train", True), ("val", True)]
 
 
-def test_doc_separator_makes_documents(tmp_path):
+def test_doc_separator_makes_documents(tmp_path, caplog):
     src = tmp_path / "c.txt"
     src.write_text("\n\n".join(f"document {i}\nwith two lines" for i in range(30)))
     cfg = DataConfig(source=str(src), vocab_size=300, prepared_dir=str(tmp_path / "p"), doc_separator="\n\n")
@@ -182,6 +182,16 @@ def test_doc_separator_makes_documents(tmp_path):
     meta = json.loads((data.dir / "meta.json").read_text())
     assert meta["n_train_docs"] + meta["n_val_docs"] == 30
     assert meta["key"]["doc_separator"] == "\n\n"
+    literal = DataConfig(
+        source=str(src), vocab_size=300, prepared_dir=str(tmp_path / "q"), doc_separator="\\n\\n"
+    )
+    with caplog.at_level("WARNING", logger="loom"):
+        prepare_data(literal, progress=False)  # a shell's '\n\n' is four characters: no document split
+    assert any("data.doc_separator '\\\\n\\\\n' split no file" in r.message for r in caplog.records)
+    cfg = LoomConfig()
+    cfg.data.doc_separator, cfg.data.format = "\n\n", "chat"
+    with pytest.raises(ConfigError, match=r"^data.doc_separator: splits .txt files of data.format = text"):
+        validate(cfg, 1)
 
 
 MEMORY_PROBE = textwrap.dedent(
