@@ -27,6 +27,12 @@ FLATTENED = {  # flattened groups: name -> size
     "edp": lambda d: d.dp * d.cp // d.ep,  # expert data parallel: the ranks holding the same experts
 }
 
+TWIN_DIMS = {  # flattened groups that have a twin (ParallelMesh.twin): name -> the dimensions it spans
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+}
+
 
 def can_split() -> bool:
     """Whether the default group can split communicators (NCCL bound to a device, torch >= 2.6): then
@@ -238,6 +244,29 @@ class ParallelMesh:
         if name not in (*MESH_DIMS, *FLATTENED):
             raise KeyError(f"unknown mesh dimension {name!r}; known: {', '.join((*MESH_DIMS, *FLATTENED))}")
         return self._groups.get(name)
+
+    def twin(self, name: str) -> dist.ProcessGroup | None:
+        """A second communicator with the members of ``group(name)`` (a mesh dimension, ``dp``,
+        ``dp_cp`` or ``dp_shard_cp``), made on the first call and kept: on NCCL each communicator has
+        its own stream, so collectives on the twin do not queue behind the group's. Every rank makes
+        every group of the colouring (one :func:`split_groups`), so every rank calls this, in the same
+        order. None where the group is (one rank, or one process)."""
+        twins: dict[str, dist.ProcessGroup | None] = self.__dict__.setdefault("_twins", {})
+        if name not in twins:
+            dims = TWIN_DIMS.get(name, (name,))
+            if name not in TWIN_DIMS and name not in MESH_DIMS:
+                raise KeyError(f"no twin of {name!r}; known: {', '.join((*MESH_DIMS, *TWIN_DIMS))}")
+            if self.group(name) is None or self.size(name) == 1:
+                twins[name] = None
+            else:
+                world = self.dims.world_size
+                lists = sorted({tuple(self.dims.group_ranks(r, dims)) for r in range(world)})
+                twins[name] = split_groups(lists, self.rank)
+        return twins[name]
+
+    def twins(self) -> list[dist.ProcessGroup]:
+        """The twins made so far (see :meth:`twin`)."""
+        return [g for g in self.__dict__.get("_twins", {}).values() if g is not None]
 
     def size(self, name: str) -> int:
         if name in FLATTENED:

@@ -188,7 +188,7 @@ def _mesh_groups(mesh) -> list:
         mesh.group(n)
         for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_cp", "dp_shard_cp", "ep", "edp")
     ]
-    return [*groups, *mesh.pp_links().values()]
+    return [*groups, *mesh.pp_links().values(), *mesh.twins()]
 
 
 def _destroy_groups(groups) -> int:

@@ -303,6 +303,7 @@ def data_parallel(
             reshard_after_forward=p.reshard_after_forward,
             fill=fill,
             device=device,
+            gather_group=mesh.twin("dp_shard_cp"),  # all-gathers on a communicator (stream) of their own
             **common,
         )
     return ZeroDataParallel(model, p.zero, bucket_mb=p.bucket_mb, **common)

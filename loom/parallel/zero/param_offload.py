@@ -105,7 +105,7 @@ class OffloadedZero(FullyShardedZero):
         works = []
         for (full, _), stage in zip(u.buffers(), stages):
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            works.append(comm.all_gather(full, stage, u.group, self.meter, async_op=True))
+            works.append(comm.all_gather(full, stage, self._gather_group(u), self.meter, async_op=True))
         nbytes = sum(comm.nbytes(s) for s in stages)
         u.work = [Then(works, [lambda: self._release(nbytes, stages)])]  # waiting frees the staging buffers
         u.state = GATHERING

@@ -362,13 +362,16 @@ class FullyShardedZero(ShardedStrategy):
         works = []
         for full, shard in u.buffers():  # the trainable parameters' buffer, and the frozen ones'
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            # the sharding group's twin (gather_group) when the unit is sharded over the sharding group
-            group = self.gather_group if u.group is self.shard_group else u.group
-            works.append(comm.all_gather(full, shard, group, self.meter, async_op=True))
+            works.append(comm.all_gather(full, shard, self._gather_group(u), self.meter, async_op=True))
         u.work = works
         u.state = GATHERING
         self.events.append(("gather", u.index, how))
         self._track()
+
+    def _gather_group(self, u: Unit) -> Group:
+        """Where ``u``'s all-gathers run: the sharding group's twin (``gather_group``) when ``u`` is
+        sharded over the sharding group, else ``u.group`` (an expert layer's edp group)."""
+        return self.gather_group if u.group is self.shard_group else u.group
 
     def _unshard(self, u: Unit) -> None:
         if u.state == SHARDED:

@@ -129,9 +129,9 @@ class ZeroPlusPlus(FullyShardedZero):
             if secondary is not None:
                 works.append(comm.all_gather(full, secondary[i], self.hpz, self._hpz_meter, async_op=True))
             elif self.qwz and not exact:
-                works += self._quantized_gather(full, shard, u.group, finish, keep)
+                works += self._quantized_gather(full, shard, self._gather_group(u), finish, keep)
             else:
-                works.append(comm.all_gather(full, shard, u.group, self.meter, async_op=True))
+                works.append(comm.all_gather(full, shard, self._gather_group(u), self.meter, async_op=True))
         if hpz and not backward and u.reshard_after_forward:  # a unit kept gathered needs no backward gather
             finish.append(lambda: self._keep_secondary(u))
         nbytes = sum(comm.nbytes(t) for t in keep)
