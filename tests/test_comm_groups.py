@@ -48,3 +48,65 @@ def test_zero3_gathers_and_reduce_scatters_use_two_groups(pools, offload_params)
         assert r["shard"] != r["twin"]
         assert r["ops"]["all_gather"] == {(r["twin"], (0, 1))}, r
         assert r["ops"]["reduce_scatter"] == {(r["shard"], (0, 1))}, r
+
+
+# --- finding 9(b): one world-spanning gloo group (the control group) --------------------------------
+
+RUN = {
+    "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
+    "data": {"seq_len": 32, "vocab_size": 384, "max_corpus_mb": 0.3},
+    "train": {"steps": 5, "global_batch": 4, "micro_batch": 2, "warmup_steps": 1, "log_every": 1},
+    "run": {"progress": False, "tensorboard": False, "threads": 1},
+}
+RUN["train"].update(eval_every=0, checkpoint_every=2, checkpoint_async=True, checkpoint_keep=0)
+
+
+def _counted_trainer_run(cfg: dict) -> dict:
+    """A 2-rank Trainer run (dp 2, asynchronous saves at steps 2 and 4) with ``dist.new_group``
+    counted: the world-spanning gloo groups it makes, and which checkpoint each save committed when."""
+    import torch.distributed as dist
+
+    from loom import config as C
+    from loom.train.trainer import RankEnv, Trainer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    made: list[tuple] = []
+    new_group = dist.new_group
+
+    def counted(ranks=None, *args, **kwargs):
+        made.append((None if ranks is None else tuple(sorted(ranks)), kwargs.get("backend")))
+        return new_group(ranks, *args, **kwargs)
+
+    dist.new_group = counted
+    try:
+        trainer = Trainer(C.from_dict(cfg), RankEnv(rank, world, rank, world))
+        committed: list[int] = []
+        poll = trainer.ckpts.poll
+
+        def watched() -> None:
+            poll()
+            if trainer.ckpts.last_saved is not None and trainer.ckpts.last_saved[0] not in committed:
+                committed.append(trainer.ckpts.last_saved[0])
+
+        trainer.ckpts.poll = watched  # type: ignore[method-assign]
+        try:
+            trainer.fit()
+        finally:
+            trainer.heartbeat.close()
+    finally:
+        dist.new_group = new_group
+    spanning = [backend for ranks, backend in made if ranks in (None, tuple(range(world)))]
+    return {"gloo": spanning.count("gloo"), "committed": committed, "final": trainer.ckpts.last_saved[0]}
+
+
+def test_one_world_spanning_gloo_group(pools, tmp_path_factory):
+    """World-spanning gloo groups a 2-rank run makes = 1 (the control group; the checkpoint group is
+    gone): asynchronous saves agree on it from the step loop, committed by a step-boundary poll
+    (step 2's before step 4's save) and step 4's before the final save of step 5."""
+    from tests.helpers import prepared_config, with_sections
+
+    cfg = prepared_config(RUN, tmp_path_factory.mktemp("cache"))
+    cfg = with_sections(cfg, run={"dir": str(tmp_path_factory.mktemp("run"))}, parallel={"dp": 2})
+    for r in pools(2).run(_counted_trainer_run, cfg):
+        assert r["gloo"] == 1, r
+        assert r["committed"][:1] == [2] and r["final"] == 5, r
