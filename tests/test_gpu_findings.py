@@ -323,3 +323,15 @@ def test_compute_waits_only_for_reductions_it_reads(pools, stage):
             assert compute == dict.fromkeys(buckets, 1), log  # each bucket's result read exactly once
             assert sum(1 for w, b, s in log if w == "reduce_scatter") == len(buckets)
         assert checked >= 6
+
+
+def test_attention_flops_follow_the_heads_width_not_the_model_width():
+    """12 L a d T: with an explicit head width (Mistral-Nemo: a·d = 4096 against dim 5120) the scores
+    and values cost a·d, not dim; by default a·d = dim and nothing changes."""
+    from loom.model.llama import flops_per_token
+
+    base = tiny_model()
+    wide = tiny_model(attn_head_dim=2 * base.dim // base.n_heads)
+    T = 64
+    assert flops_per_token(base, T, 0.0) == 12 * base.n_layers * base.dim * T
+    assert flops_per_token(wide, T, 0.0) == 12 * base.n_layers * 2 * base.dim * T

@@ -553,7 +553,8 @@ def flops_per_token(
     n_experts: int | None = None,
     top_k: int | None = None,
 ) -> float:
-    """Training FLOPs per token: 6 N_a (matmuls fwd+bwd) + 12 L h T (attention scores and values).
+    """Training FLOPs per token: 6 N_a (matmuls fwd+bwd) + 12 L a d T (attention scores and values,
+    over a query heads of width d: a·d = h unless ``attn_head_dim`` sets d apart, Mistral-Nemo's shape).
 
     N_a = the matmul weights a token runs through = ``n_params`` − ``experts`` · (1 − k/E): of the
     routed experts' weights (``experts``, all E of them, counted in ``n_params``) only the top_k run,
@@ -562,7 +563,7 @@ def flops_per_token(
     e = cfg.n_experts if n_experts is None else n_experts
     k = cfg.top_k if top_k is None else top_k
     active = n_params - experts * (1.0 - k / e) if e > 1 else n_params
-    return 6.0 * active + 12.0 * cfg.n_layers * cfg.dim * seq_len
+    return 6.0 * active + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -47,16 +47,25 @@ class OpCounts:
         return self.optimizer_fixed + layers * self.optimizer_layer
 
 
+COUNT_EXPERTS = 256  # the most experts a counting model holds (DeepSeek-V3's routed count): ops per
+# layer of the grouped path do not grow with E, and a million-expert config must be judged, not built
+
+
 def tiny_config(model: ModelConfig, n_layers: int) -> ModelConfig:
-    """``model``'s structure at counting size: same heads, norms, MLP, positions, biases and experts."""
+    """``model``'s structure at counting size: same heads, norms, MLP, positions and biases; its
+    experts up to :data:`COUNT_EXPERTS`."""
+    experts = min(model.n_experts, COUNT_EXPERTS)
     return dataclasses.replace(
         model,
+        n_experts=experts,
+        top_k=min(model.top_k, experts),
         n_layers=n_layers,
         attn_head_dim=HEAD_DIM,
         dim=HEAD_DIM * model.n_heads,
         ffn_dim=32,
         multiple_of=8,
         vocab_size=64,
+        pad_vocab_to=0,  # the counting model's own vocabulary, whatever padding the real one asks for
         max_seq_len=TOKENS,
         from_hf="",
         rope_scaling=0.0,
@@ -132,7 +141,9 @@ def _measure(model: ModelConfig, moe: MoEConfig | None, optimizer: str) -> OpCou
     import torch
 
     threads = torch.get_num_threads()
-    batch = max(1, -(-4 * max(1, model.n_experts) // TOKENS))  # MoE: ~4 tokens per expert, every expert busy
+    batch = max(
+        1, -(-4 * max(1, min(model.n_experts, COUNT_EXPERTS)) // TOKENS)
+    )  # MoE: ~4 tokens per expert, every expert busy
     try:
         torch.set_num_threads(1)
         with torch.random.fork_rng(devices=[]):
