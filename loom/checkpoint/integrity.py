@@ -31,11 +31,9 @@ import hashlib
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from loom import comm
 from loom.checkpoint.format import FORMAT, MANIFEST, VERSION, CheckpointError, dump_json, read_json
@@ -162,11 +160,9 @@ def verify(
     world: int = 1,
     group=None,
     chunk_bytes: int = CHUNK_BYTES,
-    timeout_s: float | None = None,
 ) -> list[str]:
     """Check this rank's share of the manifest (see module doc), combine the verdicts over ``group``
-    (a gloo group: the codes are CPU tensors; the wait bounded by ``timeout_s``, None: the group's
-    own timeout); return the files this rank checked.
+    (a gloo group: the codes are CPU tensors); return the files this rank checked.
 
     Raises CheckpointError naming every bad file (same message on every rank).
     """
@@ -188,9 +184,7 @@ def verify(
         if not ok:
             codes[where[name]] = HASH
     if world > 1:
-        comm.check_tensors("all_reduce_max", group, codes)
-        work = dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        work.wait() if timeout_s is None else work.wait(timedelta(seconds=timeout_s))
+        comm.all_reduce_max(codes, group)
     bad = [f"{ckpt / names[i]}: {PROBLEMS[int(c)]}" for i, c in enumerate(codes.tolist()) if c != OK]
     if bad:
         raise CheckpointError("checkpoint failed its integrity check, nothing was loaded: " + "; ".join(bad))

@@ -107,18 +107,16 @@ class CheckpointReader:
         group=None,
         check: bool = True,
         manifest_sha: str | None = None,
-        timeout_s: float | None = None,
     ) -> None:
         """``manifest_sha``: the manifest's SHA-256 the caller expects (what ``latest`` recorded when
-        the checkpoint was chosen through it); a manifest with another hash is refused. ``timeout_s``:
-        the bound on the verdicts' all-reduce over ``group`` (None: the group's own timeout)."""
+        the checkpoint was chosen through it); a manifest with another hash is refused."""
         found = find(path)
         if found is None:
             raise F.CheckpointError(f"{path}: holds no checkpoint")
         self.dir, found_sha = found
         manifest_sha = manifest_sha or found_sha
         files, chunk_bytes = read_manifest(self.dir, manifest_sha)
-        self.verified = verify(self.dir, files, rank, world, group, chunk_bytes, timeout_s) if check else []
+        self.verified = verify(self.dir, files, rank, world, group, chunk_bytes) if check else []
         index = F.read_json(self.dir / F.INDEX)
         self._files = F.check_index_header(index, self.dir)
         for name in sorted(self._files):

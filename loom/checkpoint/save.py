@@ -7,9 +7,8 @@ A save of step ``s`` by every rank:
    of the moment of the call (no tearing).
 2. *write* (background thread if async): ``<root>/.tmp-step-s/shard-r-of-n.safetensors``,
    fsynced, hashed while written.
-3. *agree* (caller's thread, at :meth:`Checkpointer.wait` or when :meth:`Checkpointer.poll` finds
-   every rank's write done): over a gloo group (the trainer's control group), every rank sends
-   rank 0 a JSON record (tag, step, file, hash, pieces). Rank 0 refuses the save if ranks disagree on the tag
+3. *agree*: over a dedicated gloo group, every rank sends rank 0 a JSON record (tag, step,
+   file, hash, pieces, its RNG state). Rank 0 refuses the save if ranks disagree on the tag
    or step, or if the pieces do not tile every tensor exactly once.
 4. *commit* (rank 0): ``index.json``, ``train_state.json``, ``manifest.json`` written and
    fsynced into the temporary directory, which is renamed to ``<root>/step-s``; then the
@@ -17,10 +16,8 @@ A save of step ``s`` by every rank:
    Every rank learns the outcome. A kill at any point leaves ``latest`` on a complete
    checkpoint; leftovers are cleaned up when the next job starts.
 
-The background thread only writes: every collective of a save runs on the caller's thread, in
-the same order on every rank, so the save shares the trainer's one world-spanning gloo group (its
-control group) with the step loop's collectives instead of needing a group of its own. That
-group's timeout is a day; each checkpoint wait is bounded by ``timeout_s`` (``run.timeout_s``).
+The gloo group keeps the background thread's collectives off the training group (so this
+works unchanged when training runs on NCCL).
 """
 
 from __future__ import annotations
@@ -293,56 +290,39 @@ def _from_bytes(t: torch.Tensor, n: int) -> object:
     return json.loads(t[:n].numpy().tobytes().decode())
 
 
-def bounded(work, timeout_s: float | None) -> None:
-    """Wait for an ``async_op`` collective at most ``timeout_s`` (None: the group's own timeout);
-    gloo raises on expiry, so a rank that never comes is an error, not a day's wait."""
-    if timeout_s is None:
-        work.wait()
-    else:
-        work.wait(timedelta(seconds=timeout_s))
-
-
-def barrier(group, timeout_s: float | None = None) -> None:
-    """``dist.barrier`` over ``group``, bounded by ``timeout_s``."""
-    bounded(dist.barrier(group=group, async_op=True), timeout_s)
-
-
-def gather_json(obj: object, rank: int, world: int, group, timeout_s: float | None = None) -> list | None:
-    """Every rank's JSON object on rank 0 (None elsewhere), through ``group`` (gloo, CPU tensors);
-    each wait bounded by ``timeout_s``."""
+def gather_json(obj: object, rank: int, world: int, group) -> list | None:
+    """Every rank's JSON object on rank 0 (None elsewhere), through ``group`` (gloo, CPU tensors)."""
     if world == 1:
         return [obj]
     data = _to_bytes(obj)
     size = torch.tensor([data.numel()], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    bounded(dist.all_gather(sizes, size, group=group, async_op=True), timeout_s)
+    dist.all_gather(sizes, size, group=group)
     cap = max(int(s) for s in sizes)
     padded = torch.zeros(cap, dtype=torch.uint8)
     padded[: data.numel()] = data
     bufs = [torch.zeros(cap, dtype=torch.uint8) for _ in range(world)] if rank == 0 else None
-    dst = dist.get_global_rank(group, 0) if group is not None else 0
-    bounded(dist.gather(padded, bufs, dst=dst, group=group, async_op=True), timeout_s)
+    dist.gather(padded, bufs, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     if bufs is None:  # rank != 0
         return None
     return [_from_bytes(b, int(s)) for b, s in zip(bufs, sizes)]
 
 
-def broadcast_json(obj: object, rank: int, world: int, group, timeout_s: float | None = None) -> object:
-    """Rank 0's JSON object on every rank; each wait bounded by ``timeout_s``."""
+def broadcast_json(obj: object, rank: int, world: int, group) -> object:
+    """Rank 0's JSON object on every rank."""
     if world == 1:
         return obj
     data = _to_bytes(obj) if rank == 0 else torch.zeros(0, dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64)
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    bounded(dist.broadcast(size, src=src, group=group, async_op=True), timeout_s)
+    dist.broadcast(size, src=src, group=group)
     buf = data if rank == 0 else torch.zeros(int(size), dtype=torch.uint8)
-    bounded(dist.broadcast(buf, src=src, group=group, async_op=True), timeout_s)
+    dist.broadcast(buf, src=src, group=group)
     return _from_bytes(buf, int(size))
 
 
 def new_group(world: int, timeout_s: float):
-    """A gloo group over every rank (None for one process): for tests and tools that save without a
-    trainer; the trainer passes its control group (:func:`loom.train.setup.control_group`)."""
+    """A gloo group over every rank for checkpoint coordination (None for one process)."""
     if world == 1 or not dist.is_initialized():
         return None
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -355,23 +335,11 @@ class Checkpointer:
     data-parallel replicas) are kept between saves, trading that memory for a short stall.
     """
 
-    def __init__(
-        self,
-        root: str | Path,
-        rank: int = 0,
-        world: int = 1,
-        group=None,
-        keep: int = 0,
-        timeout_s: float | None = None,
-    ) -> None:
-        """``group``: a gloo group over every rank; ``timeout_s``: the bound on each of its waits."""
+    def __init__(self, root: str | Path, rank: int = 0, world: int = 1, group=None, keep: int = 0) -> None:
         self.root = Path(root)
         self.rank, self.world, self.group, self.keep = rank, world, group, keep
-        self.timeout_s = timeout_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._record: dict | None = None  # the written shard's record, not yet agreed on
-        self._pending: Snapshot | None = None  # the save written or being written, not yet agreed on
         self._saved: Path | None = None
         self._buffers: dict[str, torch.Tensor] = {}  # host snapshot memory, reused by every save
         self.last_stall_s = 0.0
@@ -379,7 +347,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             clean_stale(self.root)
         if world > 1:
-            barrier(group, timeout_s)
+            dist.barrier(group=group)
 
     def save(
         self, step: int, state: dict[str, ShardedTensor], rank_state: dict, meta: dict, blocking: bool = True
@@ -388,43 +356,41 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()
         snap = snapshot(step, state, rank_state, meta, self._buffers, copy=not blocking)
-        self._pending = snap
         if blocking:
-            self._write(snap)
+            self._finish(snap)
             self.last_stall_s = time.perf_counter() - t0
             return self.wait()
-        self._thread = threading.Thread(target=self._write, args=(snap,), name="loom-checkpoint", daemon=True)
+        self._thread = threading.Thread(
+            target=self._finish, args=(snap,), name="loom-checkpoint", daemon=True
+        )
         self._thread.start()
         self.last_stall_s = time.perf_counter() - t0
         return None
 
-    def _write(self, snap: Snapshot) -> None:
-        """Write this rank's shard (the background thread's whole job: no collective)."""
-        tmp = self.root / (TMP_PREFIX + snap.tag)
+    def _finish(self, snap: Snapshot) -> None:
         try:
-            self._record = write_shard(tmp, snap, self.rank, self.world)
-        except Exception as e:  # report it to rank 0 instead of leaving the others waiting
-            self._record = {
-                "rank": self.rank,
-                "tag": snap.tag,
-                "step": snap.step,
-                "error": describe_error(e, tmp),
-            }
+            tmp = self.root / (TMP_PREFIX + snap.tag)
+            try:
+                record = write_shard(tmp, snap, self.rank, self.world)
+            except Exception as e:  # report it to rank 0 instead of leaving the others waiting
+                record = {
+                    "rank": self.rank,
+                    "tag": snap.tag,
+                    "step": snap.step,
+                    "error": describe_error(e, tmp),
+                }
+            records = gather_json(record, self.rank, self.world, self.group)
+            status: dict = {}
+            if self.rank == 0:
+                if records is None:  # gather_json hands rank 0 every rank's record
+                    raise RuntimeError("checkpoint: rank 0 gathered no shard records")
+                status = self._commit_or_explain(records)
+            status = cast(dict, broadcast_json(status, self.rank, self.world, self.group))  # rank 0's dict
+            if status.get("error"):
+                raise F.CheckpointError(status["error"])
+            self._saved = self.root / status["tag"]
         except BaseException as e:  # noqa: BLE001 - surfaced by wait()
             self._error = e
-
-    def _agree(self, record: dict) -> None:
-        """Gather the records on rank 0, which commits (or explains); every rank learns the outcome."""
-        records = gather_json(record, self.rank, self.world, self.group, self.timeout_s)
-        status: dict = {}
-        if self.rank == 0:
-            if records is None:  # gather_json hands rank 0 every rank's record
-                raise RuntimeError("checkpoint: rank 0 gathered no shard records")
-            status = self._commit_or_explain(records)
-        status = cast(dict, broadcast_json(status, self.rank, self.world, self.group, self.timeout_s))
-        if status.get("error"):
-            raise F.CheckpointError(status["error"])
-        self._saved = self.root / status["tag"]
 
     def _commit_or_explain(self, records: list[dict]) -> dict:
         failed = [f"rank {r['rank']}: {r['error']}" for r in records if "error" in r]
@@ -439,35 +405,15 @@ class Checkpointer:
             return {"error": str(e) if isinstance(e, F.CheckpointError) else describe_error(e, self.root)}
 
     def wait(self) -> Path | None:
-        """Block until the save in flight (if any) is written and agreed on (a collective over
-        ``group``: every rank calls it at the same point); raise its error if it failed."""
+        """Block until the save in flight (if any) is committed; raise its error if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        snap, self._pending = self._pending, None
-        record, self._record = self._record, None
         err, self._error = self._error, None
-        if snap is not None:
-            if record is None:  # this rank's write died: the others still hear of it
-                record = {"rank": self.rank, "tag": snap.tag, "step": snap.step, "error": repr(err)}
-            self._agree(record)
         if err is not None:
             raise err
         saved, self._saved = self._saved, None
         return saved
-
-    def poll(self) -> Path | None:
-        """At a step boundary (every rank): commit the save in flight if every rank has written its
-        shard (one MIN all-reduce over ``group`` while one is in flight, none otherwise); the path
-        committed, or None."""
-        if self._pending is None:
-            return None
-        done = torch.tensor([0 if self.busy else 1], dtype=torch.int64)
-        if self.world > 1:
-            bounded(
-                dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.group, async_op=True), self.timeout_s
-            )
-        return self.wait() if int(done) else None
 
     @property
     def busy(self) -> bool:

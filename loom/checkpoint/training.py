@@ -124,17 +124,13 @@ class TrainCheckpoints:
         state: Shardable,
         loss_scaler=None,
         base: Callable[[], dict | None] | None = None,
-        group=None,
     ) -> None:
         """``base``: the identity (path, SHA-256) of the frozen base a LoRA run fine-tunes, computed by
-        rank 0 (:func:`loom.finetune.base.base_identity`); its checkpoints are bound to it. ``group``:
-        a gloo group over every rank (the trainer's control group; None: one made here); every wait
-        on it is bounded by ``run.timeout_s``."""
+        rank 0 (:func:`loom.finetune.base.base_identity`); its checkpoints are bound to it."""
         self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world
-        self.timeout_s = cfg.run.timeout_s
-        self.group = new_group(world, self.timeout_s) if group is None else group
+        self.group = new_group(world, cfg.run.timeout_s)
         self.checkpointer = Checkpointer(
-            run_dir / "checkpoints", rank, world, self.group, cfg.train.checkpoint_keep, self.timeout_s
+            run_dir / "checkpoints", rank, world, self.group, cfg.train.checkpoint_keep
         )
         self.state = state  # what this rank holds: the strategy's state (and the loss scaler's)
         self.loss_scaler = loss_scaler  # fp16 dynamic loss scaling, if any
@@ -142,8 +138,7 @@ class TrainCheckpoints:
         self.base: dict | None = None
         if base is not None:
             self.base = cast(
-                dict | None,
-                broadcast_json(base() if rank == 0 else None, rank, world, self.group, self.timeout_s),
+                dict | None, broadcast_json(base() if rank == 0 else None, rank, world, self.group)
             )
 
     def restore(self) -> int:
@@ -154,9 +149,7 @@ class TrainCheckpoints:
                 chosen = {"candidates": choose_source(self.cfg, self.run_dir)}
             except CheckpointError as e:
                 chosen = {"error": str(e)}
-        source = cast(
-            dict[str, Any], broadcast_json(chosen, self.rank, self.world, self.group, self.timeout_s)
-        )
+        source = cast(dict[str, Any], broadcast_json(chosen, self.rank, self.world, self.group))
         if "error" in source:
             raise CheckpointError(source["error"])
         if not source["candidates"]:
@@ -196,9 +189,7 @@ class TrainCheckpoints:
         one all-reduce), saying loudly which damaged ones were skipped."""
         for i, (path, sha) in enumerate(candidates):
             try:
-                return CheckpointReader(
-                    path, self.rank, self.world, self.group, manifest_sha=sha, timeout_s=self.timeout_s
-                )
+                return CheckpointReader(path, self.rank, self.world, self.group, manifest_sha=sha)
             except CheckpointError as e:
                 if i + 1 == len(candidates):
                     raise
@@ -251,12 +242,6 @@ class TrainCheckpoints:
         if self.rank == 0:
             how = "saved" if blocking else "saving (async)"
             log.info("%s checkpoint step %d (stalled %.3f s)", how, step, self.checkpointer.last_stall_s)
-
-    def poll(self) -> None:
-        """At a step boundary (every rank): commit an asynchronous save once every rank has written it."""
-        done = self.checkpointer.poll()
-        if done is not None:
-            self.last_saved = (int(done.name.split("-")[1]), done)
 
     def finish(self, step: int) -> Path | None:
         """Wait for saves in flight and save ``step`` unless it is saved already; the final checkpoint."""

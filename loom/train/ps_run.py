@@ -120,7 +120,7 @@ def serve(cfg: C.LoomConfig, env) -> dict[str, float]:
             server_model(cfg, device), links, sync_bound(p.ps_sync), cfg.train, timeout_s=cfg.run.timeout_s
         )
         heartbeat.set(0, "checkpoint load")
-        ckpts = TrainCheckpoints(cfg, run_dir, env.rank, env.world, server, group=control)
+        ckpts = TrainCheckpoints(cfg, run_dir, env.rank, env.world, server)
         done = ckpts.restore()
         while done < cfg.train.steps:
             heartbeat.set(done + 1, "serve")

@@ -170,9 +170,7 @@ class Trainer:
             from loom.finetune.base import base_identity
 
             base = partial(base_identity, cfg)
-        self.ckpts = TrainCheckpoints(
-            cfg, self.run_dir, env.rank, env.world, state, scaler, base, group=self.control
-        )
+        self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, state, scaler, base)
         self.start_step = self.ckpts.restore()
         self.data_identity = data_identity(self.data)
         if self.start_step > 0:  # every rank: the same files, the same verdict, before anything is written
@@ -361,8 +359,6 @@ class Trainer:
             if c.checkpoint_every and done % c.checkpoint_every == 0 and done < c.steps:
                 self.heartbeat.set(done, "checkpoint save")
                 self.ckpts.save(done, blocking=not c.checkpoint_async)
-            elif not C.ps_servers(self.cfg):  # (servers meet the workers at saves only: agreed there)
-                self.ckpts.poll()  # an asynchronous save is committed once every rank has written it
             if (
                 self.stop is not None
                 and done < c.steps
