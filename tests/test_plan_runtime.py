@@ -435,7 +435,8 @@ def test_train_with_parallel_auto_runs_and_logs_the_prediction(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "parallel.auto chose" in proc.stdout
-    line = next(x for x in proc.stdout.splitlines() if "planner: step" in x)  # the end-of-run line
+    logged = (proc.stdout + proc.stderr).splitlines()  # rank 0's log lines go to stderr
+    line = next(x for x in logged if "planner: step" in x)  # the end-of-run line
     assert "s predicted" in line and ("calibration profile" in line or "datasheet" in line)
     assert "cores were not shared" in line or "other processes were using the cores" in line
     row = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]

@@ -104,7 +104,10 @@ def test_matrix_fast_subset_within_ten_percent():
     assert len(rows) == 2 and all(r.endswith("| ok |") for r in rows), rows
     for r in rows:
         state, grads, peak = (float(x) for x in r.split("|")[5:8])
-        assert abs(state - 1) <= 0.02 and abs(grads - 1) <= 0.02 and abs(peak - 1) <= 0.10, r
+        half = 5e-4  # the table's ratios are rounded to 3 decimals ("ok" is judged unrounded)
+        assert (
+            abs(state - 1) <= 0.02 + half and abs(grads - 1) <= 0.02 + half and abs(peak - 1) <= 0.10 + half
+        ), r
 
 
 def _main(args: list[str]) -> int:

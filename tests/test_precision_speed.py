@@ -233,7 +233,7 @@ def test_planner_gemm_rate_follows_the_precision(precision, peak):
     model = load_toml(preset_path("llama-1b")).model
     cluster = ClusterSpec.single_node("h100-sxm", 8, 8)
     cm = CostModel(model, Workload(64, 2048, precision=precision), cluster)
-    assert cm.machine.peak == peak and cm.machine.flops == peak * cluster.device.achievable
+    assert cm.machine.peak == peak and cm.machine.flops == peak * cluster.device.gemm_share(precision)
     lay = Layout(dp=8, micro_batch=1)
     fp32 = CostModel(model, Workload(64, 2048, precision="fp32"), cluster).estimate(lay)
     if precision != "fp32":

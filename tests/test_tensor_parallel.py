@@ -405,8 +405,9 @@ def test_activation_bytes_equal_formula(pools, tp):
         (dict(dim=48, n_heads=6, n_kv_heads=2), dict(tp=4), SEQ, "model.n_heads"),
         (dict(dim=48, n_heads=6, n_kv_heads=3), dict(tp=2), SEQ, "model.n_kv_heads"),
         (dict(ffn_dim=99), dict(tp=2), SEQ, "model.ffn_dim"),
-        (dict(vocab_size=129), dict(tp=2), SEQ, "model.vocab_size"),
-        (dict(vocab_size=0), dict(tp=2), SEQ, "data.vocab_size"),
+        # a vocabulary tp does not divide is padded (model.pad_vocab_to); an explicit padding must divide
+        (dict(vocab_size=129, pad_vocab_to=130), dict(tp=4), SEQ, "model.pad_vocab_to"),
+        (dict(vocab_size=129, pad_vocab_to=100), dict(tp=2), SEQ, "model.pad_vocab_to"),
         (dict(max_seq_len=32), dict(tp=4, sp=True), 30, "data.seq_len"),
     ],
 )
