@@ -13,7 +13,7 @@ between micro-batches. The planner's prediction is for the same rank, stage, seq
 micro-batches (:meth:`loom.plan.cost.CostModel.stage_memory`).
 
 Columns: parameters + optimizer state (one ratio, measured / predicted: the larger deviation of
-the two), gradients (the shard held between steps), peak (resident set over the step against
+the two), gradients (the shard held between steps), peak (tensor bytes over build and step against
 the predicted sum without the device runtime). A row passes when all three are within 10%. A row
 whose predicted peak exceeds this host's available memory is refused by verify's host precheck
 before anything is built (the line says what it needs): shown, not measured.
@@ -136,7 +136,7 @@ def markdown(results: list[dict], seq: int) -> str:
         "Each row: rank 0 of the layout built and stepped under the fake process group in its own "
         f"process, one block per pipeline stage, seq {seq}; ratios are measured / predicted "
         "(state: the worse of parameters and optimizer state; gradients: the shard held between steps; "
-        "peak: resident set over the step). A row passes when all three are within 10%.",
+        "peak: tensor bytes over build and step, from the profiler's allocation records). A row passes when all three are within 10%.",
         "",
         "| model | layout | m | predicted peak MiB | state | gradients | peak | result |",
         "|---|---|---|---|---|---|---|---|",

@@ -13,8 +13,9 @@ that same rank, stage, sequence length and micro-batch count
 
     parameters, gradients, optimizer state   strategy.state_bytes() after the step
     saved activations                        peak bytes held by autograd (saved-tensor hooks)
-    peak                                     peak resident memory of the process over the step
-                                             (``--on cuda``: torch.cuda.max_memory_allocated),
+    peak                                     peak tensor bytes over build and step (the profiler's
+                                             allocation records; ``--on cuda``: the allocator's
+                                             max_memory_allocated),
                                              against the predicted sum without the device runtime
 
 Gradients are the shards held between steps; the full-size buffers ZeRO-2/3 keep between
@@ -34,6 +35,7 @@ global batch), verified at ``--seq``; otherwise a line as ``loom plan`` prints t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -131,6 +133,17 @@ def constant(name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> tor
     return torch.full((), 1e-2).expand(shape)[index]
 
 
+def _warm_up(dev: torch.device) -> None:
+    """First use of the meta device, the matmul kernels, autograd and an optimizer (whose first
+    construction imports torch._dynamo: ~70 MiB of resident set), so that none of it is counted in
+    the model's peak."""
+    with torch.device("meta"):
+        torch.empty(1)
+    layer = torch.nn.Linear(8, 8, device=dev)
+    layer(torch.ones(2, 8, device=dev)).sum().backward()
+    torch.optim.AdamW(layer.parameters()).step()
+
+
 def measure(cfg: C.LoomConfig, rank: int, world: int, on: str = "cpu") -> dict[str, float]:
     """Build rank ``rank`` of a ``world``-rank job under the fake process group on device ``on``
     (``cpu`` or ``cuda``), step it once, and return its bytes by kind (parameters, gradients,
@@ -138,7 +151,6 @@ def measure(cfg: C.LoomConfig, rank: int, world: int, on: str = "cpu") -> dict[s
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from loom.device import peak_memory_bytes, reset_peak_memory
     from loom.mesh import ParallelDims, ParallelMesh
     from loom.model.llama import build_model
     from loom.train.build import build_run, saved_activations
@@ -149,11 +161,8 @@ def measure(cfg: C.LoomConfig, rank: int, world: int, on: str = "cpu") -> dict[s
     try:
         t0 = time.perf_counter()
         mesh = ParallelMesh(ParallelDims.from_config(cfg.parallel), dev.type)
-        with torch.device("meta"):  # first use of the meta device and of the matmul kernels: not the model's
-            torch.empty(1)
-        torch.ones(8, 8, device=dev) @ torch.ones(8, 8, device=dev)
-        base = _allocated(dev)
-        reset_peak_memory(dev)
+        _warm_up(dev)
+        window = TensorPeak(dev).__enter__()
         run = build_run(
             cfg, mesh, build_model(cfg.model, cfg.train.seed, dev, meta=True, moe=cfg.moe), source=constant
         )
@@ -179,7 +188,8 @@ def measure(cfg: C.LoomConfig, rank: int, world: int, on: str = "cpu") -> dict[s
         strategy.zero_grad()
         with saved:
             run.forward_backward(batches, run.loss_fn, update, mesh.group("dp_cp"))
-        peak = peak_memory_bytes(dev) - base
+        window.__exit__(None, None, None)
+        peak = window.peak
         state = strategy.state_bytes()
         return {
             "parameters": state["param_bytes"],
@@ -312,12 +322,58 @@ def main(argv: list[str], cluster_of) -> int:
     return 0 if ok else 1
 
 
-def _allocated(dev: torch.device) -> int:
-    """Bytes in use now: the CUDA allocator's on a GPU, the resident set of this process on the CPU."""
-    if dev.type == "cuda":
-        return int(torch.cuda.memory_allocated(dev))
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+class TensorPeak:
+    """Peak bytes of tensors allocated inside the window above those live at its start: the CUDA
+    allocator's ``max_memory_allocated`` on a GPU; on the CPU, the running sum of the profiler's
+    allocation records (``profile_memory``), so glibc's arenas, lazily loaded libraries and page
+    reuse (which make the resident set differ by ±5% from one machine to the next) do not count."""
+
+    def __init__(self, dev: torch.device):
+        self.dev, self.peak = dev, 0
+
+    def __enter__(self) -> TensorPeak:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+            self._base = torch.cuda.memory_allocated(self.dev)
+            torch.cuda.reset_peak_memory_stats(self.dev)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            with _quiet_stderr():  # kineto prints a line at start and stop
+                self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+            self.peak = int(torch.cuda.max_memory_allocated(self.dev)) - self._base
+            return
+        from torch._C._autograd import DeviceType
+
+        with _quiet_stderr():
+            self._prof.__exit__(*exc)
+        result = self._prof.profiler.kineto_results if self._prof.profiler else None
+        records = result.events() if result else []
+        live = 0
+        for e in sorted(records, key=lambda e: e.start_ns()):
+            if e.name() == "[memory]" and e.device_type() == DeviceType.CPU:
+                live += e.nbytes()  # type: ignore[attr-defined]  # bound in C++, absent from the stub
+                self.peak = max(self.peak, live)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for the block (C++ libraries that log there unasked)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def available_bytes(on: str) -> tuple[int | None, str]:
