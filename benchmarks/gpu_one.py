@@ -26,8 +26,9 @@ Parts (budgets in BUDGETS; ``--budget KEY=VALUE`` overrides one, e.g. ``--budget
                    2..5, inside train_step) against the step's budget (the dry run: loom.device_sync.SyncCounter)
     F CP blocks    loom.parallel.context.blocks.attend / attend_backward at 8k: peak bytes against the
                    module's O(T·d) formula, achieved FLOP/s against the datasheet peak
-    G plan verify  ``loom plan verify`` (one rank of a large job under the fake process group); it measures
-                   host memory: ``--on cuda`` (the CUDA allocator's peak) does not exist yet
+    G plan verify  ``loom plan verify --on cuda``: rank 0 of the planner's best llama3-70b layout on
+                   1,024 H100s at seq 8192, built and stepped on this GPU under the fake process group:
+                   model states within 2% and the allocator's peak within 10% of the planner
 
 ``--dry-run``: every part on the CPU with tiny sizes (debug preset, few steps, small blocks), through
 the same code; GPU budgets then become sanity ranges, marked "dry run" in the table.
@@ -86,7 +87,7 @@ BUDGETS: dict[str, tuple[float, float, str]] = {
 }
 
 # part: timeout in seconds (what gpu_one.sh reads; the GPU total is 6 minutes)
-TIMEOUTS = {"A": 20, "B": 70, "C": 120, "D": 40, "E": 60, "F": 20, "G": 30}
+TIMEOUTS = {"A": 20, "B": 70, "C": 120, "D": 40, "E": 60, "F": 20, "G": 45}
 DRY_TIMEOUTS = {"A": 60, "B": 90, "C": 120, "D": 90, "E": 120, "F": 60, "G": 60}
 
 
@@ -658,18 +659,19 @@ def _sync(dev) -> None:
 
 
 def part_g(ctx: Ctx, part: Part) -> None:
-    if ctx.dry:
-        cfg, devices, layout, seq = "debug", 4, "dp2 tp2 pp1 cp1 ep1 zero1 1f1b:v1 mb1 recompute:none", 16
-    else:
-        cfg, devices, layout, seq = (
-            "llama3-8b",
-            32,
-            "dp1 tp8 pp4 cp1 ep1 zero0 1f1b:v1 mb1 recompute:none",
+    if ctx.dry:  # tensors on the CPU: the same code, a tiny model
+        cfg, devices, layout, seq, on = (
+            "debug",
+            4,
+            "dp2 tp2 pp1 cp1 ep1 zero1 1f1b:v1 mb1 recompute:none",
             16,
+            "cpu",
         )
+    else:  # rank 0 of the planner's best 70B layout on 1,024 H100s, its tensors on this GPU
+        cfg, devices, layout, seq, on = "llama3-70b", 1024, "best", 8192, "cuda"
     cmd = [sys.executable, "-m", "loom", "plan", "verify", "--config", cfg, "--devices", str(devices)]
-    cmd += ["--device", "h100-sxm", "--rank", "0", "--seq", str(seq), "--layout", layout]
-    what = f"{cfg} rank 0 of {devices} h100-sxm, {layout.split(' mb')[0]}, seq {seq}"
+    cmd += ["--device", "h100-sxm", "--rank", "0", "--seq", str(seq), "--layout", layout, "--on", on]
+    what = f"{cfg} rank 0 of {devices} h100-sxm, {layout.split(' mb')[0]}, seq {seq}, tensors on {on}"
     try:
         left = _remaining(part, ctx_timeout(ctx, "G")) - 2
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(left, 1))
@@ -688,6 +690,7 @@ def part_g(ctx: Ctx, part: Part) -> None:
     if not rows:
         part.add("loom plan verify", f"rc {p.returncode}", "its table", "FAIL", (p.stderr or p.stdout)[-200:])
         return
+    layout_line = next((ln for ln in p.stdout.splitlines() if ln.startswith("verifying rank")), what)
     tol = ctx.budget("G.state_tol")
     for kind in ("parameters", "gradients", "optimizer"):
         pred, meas, ratio = rows[kind]
@@ -697,32 +700,20 @@ def part_g(ctx: Ctx, part: Part) -> None:
             ratio,
             f"1 ± {tol:g}",
             "PASS" if ok else "FAIL",
-            f"{meas:.1f} MiB vs {pred:.1f} MiB; {what}",
+            f"{meas:.1f} MiB vs {pred:.1f} MiB",
         )
     pred, meas, ratio = rows["peak"]
-    if ctx.dry:
-        part.add(
-            "host peak / planner",
-            ratio,
-            "1 ± 0.1",
-            "SKIP",
-            f"dry run: {meas:.1f} MiB vs {pred:.1f} MiB, a tiny model's peak is the process's noise",
-        )
-    else:
-        part.add(
-            "host peak / planner",
-            ratio,
-            "1 ± 0.1 (verify's gate)",
-            "PASS" if abs(ratio - 1) <= 0.1 else "FAIL",
-            f"{meas:.1f} MiB vs {pred:.1f} MiB (host RSS under the fake group)",
-        )
+    source = (
+        "the profiler's CPU allocation records"
+        if on == "cpu"
+        else "the CUDA allocator's max_memory_allocated"
+    )
     part.add(
-        "CUDA allocator peak / planner (llama3-70b, 1,024 GPUs, seq 8192)",
-        "n/a",
-        "1 ± 0.1",
-        "SKIP",
-        "`loom plan verify --on cuda` does not exist: loom/train/verify.py builds the rank on the CPU "
-        "(a change in the train package, not the plan CLI)",
+        f"{'host' if on == 'cpu' else 'CUDA allocator'} peak / planner",
+        ratio,
+        "1 ± 0.1 (verify's gate)",
+        "PASS" if abs(ratio - 1) <= 0.1 else "FAIL",
+        f"{meas:.1f} MiB vs {pred:.1f} MiB ({source}); {layout_line}",
     )
 
 

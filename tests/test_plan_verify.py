@@ -17,7 +17,8 @@ def _verify(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_rank_0_of_llama3_8b_on_32_devices_matches_the_planner():
-    """tp8 pp4, 1F1B with 4 micro-batches: every model-state kind within 2%, the peak within 10%."""
+    """tp8 pp4, 1F1B with 4 micro-batches, one block per stage (a config override, as ``loom train``
+    takes them): every model-state kind within 2%, the peak within 10%."""
     out = _verify(
         "--config",
         "llama3-8b",
@@ -31,6 +32,7 @@ def test_rank_0_of_llama3_8b_on_32_devices_matches_the_planner():
         "16",
         "--layout",
         "dp1 tp8 pp4 cp1 ep1 zero0 1f1b:v1 mb1 recompute:none",
+        "--model.n_layers=4",
     )
     assert out.returncode == 0, out.stdout + out.stderr
     rows = _rows(out.stdout)
@@ -41,7 +43,7 @@ def test_rank_0_of_llama3_8b_on_32_devices_matches_the_planner():
 def test_rank_0_of_a_1b_model_under_zero3_on_64_devices_holds_the_state_formula():
     """ZeRO-3 over 64: parameters, gradients and optimizer state are 1/64 each, as the planner says
     (within 2%), and the peak holds the planner's ZeRO-3 transient (the tied embedding/head unit
-    gathered with its gradients in backward) within 10%."""
+    gathered with its gradients in backward) within 10%; two blocks."""
     out = _verify(
         "--config",
         "llama-1b",
@@ -55,6 +57,8 @@ def test_rank_0_of_a_1b_model_under_zero3_on_64_devices_holds_the_state_formula(
         "16",
         "--layout",
         "dp64 tp1 pp1 cp1 ep1 zero3 mb1 recompute:none",
+        "--model.n_layers",
+        "2",
     )
     rows = _rows(out.stdout)
     for kind in ("parameters", "gradients", "optimizer", "peak"):
@@ -162,3 +166,19 @@ def test_on_cuda_is_refused_without_cuda_and_reaches_the_builder(monkeypatch, ca
     assert _main([*LAYOUT, "--on", "cuda"]) == 0
     assert seen == {"on": "cuda", "precision": "bf16", "device": "cuda"}
     assert "tensors on cuda" in capsys.readouterr().out
+
+
+def test_config_overrides_are_taken_and_anything_else_is_refused(monkeypatch, capsys):
+    """``--model.n_layers 2`` reaches the config (as ``loom train`` takes it); a stray flag is argparse's error."""
+    from loom.train import verify
+
+    seen = {}
+    monkeypatch.setattr(
+        verify, "measure", lambda cfg, *a, **k: seen.setdefault("layers", cfg.model.n_layers) and 1 / 0
+    )
+    with pytest.raises(ZeroDivisionError):
+        _main([*LAYOUT, "--model.n_layers", "8"])
+    assert seen == {"layers": 8}
+    with pytest.raises(SystemExit) as e:
+        _main([*LAYOUT, "--bogus", "1"])
+    assert e.value.code == 2 and "unrecognized argument '--bogus'" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """``loom plan verify``: one rank of a huge job, built and stepped for real on this machine.
 
     loom plan verify --config configs/llama3-70b.toml --devices 1024 --device h100-sxm \\
-        --layout best --rank 0 --seq 256 [--microbatches M]
+        --layout best --rank 0 --seq 256 [--microbatches M] [--section.field VALUE ...]
 
 Rank R of the N-rank job runs alone: PyTorch's fake process group stands in for the other ranks
 (collectives return at once, without peers), the model is built on the meta device and only
@@ -85,6 +85,23 @@ def _parser() -> argparse.ArgumentParser:
         help="where the rank's tensors live: this host's memory (default) or the CUDA device",
     )
     return p
+
+
+def _overrides(rest: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Config overrides after the flags, as ``loom train`` takes them: ``--model.n_layers 4`` or
+    ``--model.n_layers=4``; anything else is argparse's one-line error."""
+    out, i = [], 0
+    while i < len(rest):
+        key, eq, value = rest[i].partition("=")
+        if not (key.startswith("--") and "." in key):
+            parser.error(f"unrecognized argument {rest[i]!r} (config overrides are --section.field VALUE)")
+        if not eq:
+            if i + 1 >= len(rest):
+                parser.error(f"{key}: missing value")
+            value, i = rest[i + 1], i + 1
+        out += [key, value]
+        i += 1
+    return out
 
 
 def default_microbatches(lay: Layout) -> int:
@@ -244,7 +261,9 @@ def table(measured: dict[str, float], predicted: dict[str, float]) -> tuple[str,
 
 def main(argv: list[str], cluster_of) -> int:
     """``cluster_of(args, default)``: the cluster of ``--cluster`` / ``--device`` (as ``loom plan`` reads them)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    overrides = _overrides(rest, parser)
     if args.on == "cuda":
         from loom.device import cuda_available
 
@@ -263,7 +282,7 @@ def main(argv: list[str], cluster_of) -> int:
         ):
             if value < low:
                 raise PlanError(f"{flag}: must be >= {low}{note}, got {value}")
-        cfg = C.load(args.config, [])
+        cfg = C.load(args.config, overrides)
         cluster = cluster_of(args, "h100-8x8")
         if args.layout == "best":
             from loom.plan.search import search
