@@ -26,6 +26,8 @@ commands:
              --schedule 1f1b [--v 2] [--out file.png]; prints its bubble beside the formula
   config     print the resolved config as TOML (--reference: every field with its doc)
   plan       predict memory and speed of layouts and pick the best (see loom plan --help)
+  cluster    simulate scheduling policies for many jobs on a shared cluster: simulate --trace
+             FILE|synthetic [--cluster FILE] [--policy NAME ...] [--json] [--plot OUT.png] (docs/cluster.md)
   compare    RUN_A RUN_B [--tol T] [--plot OUT.png]: two runs' loss and grad_norm step by step, the
              first step they differ by more than T (default 0); exit 1 if they differ
   checkpoint convert RUN_DIR_OR_CHECKPOINT OUT.safetensors
@@ -514,6 +516,15 @@ def cmd_compare(argv: list[str]) -> int:
 COMMANDS["compare"] = cmd_compare
 
 
+def cmd_cluster(argv: list[str]) -> int:
+    from loom.cluster.cli import main as cluster_main
+
+    return cluster_main(argv)
+
+
+COMMANDS["cluster"] = cmd_cluster
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -523,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"loom: error: unknown command {cmd!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    if ("-h" in rest or "--help" in rest) and cmd not in ("plan",):
+    if ("-h" in rest or "--help" in rest) and cmd not in ("plan", "cluster"):
         print(USAGE)
         return 0
     try:

@@ -96,6 +96,9 @@ _NV_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM / H100 PCIe c
 _NV_H200 = "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM column"
 _NV_B200 = "NVIDIA DGX/HGX B200 datasheet (2024): 8-GPU totals divided by 8"
 _AMD_MI300X = "AMD Instinct MI300X accelerator datasheet (2023)"
+_NV_V100 = "NVIDIA Tesla V100 GPU datasheet (2020), V100 SXM2 column"
+_NV_P100 = "NVIDIA Tesla P100 GPU datasheet (2016), P100 for NVLink-optimized servers column"
+_NV_K80 = "NVIDIA Tesla K80 GPU accelerator datasheet (2014): board totals divided by its 2 GPUs"
 _CPU = (
     "this machine: Intel Xeon (Emerald Rapids, KVM), 2 cores, AVX-512 with 2 FMA units/core "
     "(Intel 64 and IA-32 Optimization Reference Manual): 2.3 GHz * 64 FP32 FLOP/cycle per core; "
@@ -233,6 +236,57 @@ DEVICES: dict[str, DeviceSpec] = {
             int8_flops=2614.9e12,
             source=_AMD_MI300X,
         ),
+        # Older parts, for the cluster scheduler's mixed clusters (loom.cluster; Gavel's V100/P100/K80).
+        # V100 SXM2 16GB: 15.7 TF FP32, 125 TF FP16 tensor, no BF16/TF32; HBM2 900 GB/s; NVLink 2 300 GB/s total.
+        DeviceSpec(
+            "v100",
+            16 * GiB,
+            15.7e12,
+            0.0,
+            0.0,
+            125e12,
+            0.0,
+            900 * GB,
+            150 * GB,
+            0.55,
+            sms=80,
+            nic_bandwidth=3.125 * GB,
+            source=_NV_V100,
+        ),
+        # P100 SXM2 16GB: 10.6 TF FP32, 21.2 TF FP16 (no tensor cores); HBM2 732 GB/s; NVLink 1 160 GB/s total.
+        DeviceSpec(
+            "p100",
+            16 * GiB,
+            10.6e12,
+            0.0,
+            0.0,
+            21.2e12,
+            0.0,
+            732 * GB,
+            80 * GB,
+            0.55,
+            sms=56,
+            nic_bandwidth=3.125 * GB,
+            source=_NV_P100,
+        ),
+        # K80, one of the board's two GK210 GPUs: 4.37 TF FP32 (boost; 8.73 per board), no fast FP16
+        # (fp16 counted at the FP32 rate: mixed precision only halves bytes), GDDR5 240 GB/s, 12 GiB;
+        # GPUs talk over PCIe 3.0 x16 (15.75 GB/s per direction).
+        DeviceSpec(
+            "k80",
+            12 * GiB,
+            4.37e12,
+            0.0,
+            0.0,
+            4.37e12,
+            0.0,
+            240 * GB,
+            15.75 * GB,
+            0.55,
+            sms=13,
+            nic_bandwidth=1.25 * GB,
+            source=_NV_K80,
+        ),
         # This CPU, per rank (one core): 147 GFLOP/s FP32, 294 BF16 (AVX512_BF16), no TF32/FP8/INT8 units
         # (fp8 and int8 runs are emulated here: tests, not speed);
         # memory and "link" (loopback gloo) are set by the cluster file, these are placeholders.
@@ -273,6 +327,9 @@ _NAME_RULES: tuple[tuple[tuple[str, ...], str | None], ...] = (
     (("a100", "40gb"), "a100-40g"),
     (("a100",), "a100-80g"),
     (("mi300x",), "mi300x"),
+    (("v100",), "v100"),
+    (("p100",), "p100"),
+    (("k80",), "k80"),
 )
 
 
@@ -298,7 +355,7 @@ def mfu_peak(name: str, precision: str, tf32: bool) -> tuple[float, str] | None:
 training step, before tile/wave quantization) is not a datasheet number: A100 0.73 and H100 0.58
 are fitted on the published runs (``loom plan validate --published --fit``; the H100 value on
 llm-foundry's rows only), H200 follows H100, B200 0.70 and MI300X 0.55 are unvalidated
-assumptions, CPU 0.50; calibration (:class:`Profile`) replaces it with a measurement. ``sms``
+assumptions, V100/P100/K80 0.55 unvalidated assumptions (the cluster scheduler's mixed clusters), CPU 0.50; calibration (:class:`Profile`) replaces it with a measurement. ``sms``
 (datasheet SM / CU counts) and ``flash_fwd`` / ``flash_bwd`` (FlashAttention-2 paper: ~65% / 50%
 of peak on A100, ~37% / 30% on H100) feed the per-kernel model of :meth:`Machine.gemm` and
 :meth:`Machine.attention`."""

@@ -1,0 +1,146 @@
+"""The job model: what a job is, how fast it runs on n devices of a type, and how useful a batch is.
+
+A :class:`Job` is a model config plus a workload (sequences per step at its base batch ``M0``,
+sequence length, precision) and an amount of work: ``samples`` sequences at batch ``M0``. Its
+throughput (sequences/s) on ``n`` devices of type ``t`` at batch ``M`` comes either from the job's
+own table (``throughput[t][n]``, measured or calibrated; independent of ``M``) or from Loom's planner:
+``M / step_time`` of the fastest layout :func:`loom.plan.search` finds for ``n`` devices of ``t``
+(nodes of ``devices_per_node``), cached per (model, workload, device, n, M).
+
+Statistical efficiency (Pollux, McCandlish et al. 2018): with gradient noise scale ``phi`` (B_noise,
+in sequences), a step at batch ``M`` makes the progress of ``(phi + M) / (phi + M0)`` steps at
+``M0`` while consuming ``M / M0`` times the samples, so each sample is worth
+
+    E(M) = (phi + M0) / (phi + M)        (E(M0) = 1, decreasing in M)
+
+of a base-batch sample, and goodput(n, M) = throughput(n, M) * E(M) base-batch samples/s. ``phi``
+grows during training (Pollux, Fig. 2); here geometrically from ``gns`` to ``gns_final`` with the
+fraction of work done. The learning rate for batch ``M`` follows :func:`scaled_lr`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from loom.config import ModelConfig
+from loom.plan import ClusterSpec, PlanError, Workload, get_device, search
+
+LrRule = Literal["sqrt", "adascale", "linear"]
+
+
+class ClusterError(ValueError):
+    """A bad cluster, trace or policy description; the message names the file and field."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training job of a trace (see docs/cluster.md for the file format)."""
+
+    name: str
+    arrival: float  # seconds from the trace's start
+    samples: float  # work: sequences to train at the base batch (progress is counted in these)
+    devices: int = 1  # devices the user asked for (fixed-allocation policies give exactly this)
+    batch: int = 32  # base global batch M0, sequences per step
+    max_batch: int = 0  # largest batch Pollux may use; 0 = 16 * batch
+    seq_len: int = 1024
+    precision: str = "fp16"
+    model: ModelConfig | None = None  # planner-based throughput (None: ``throughput`` must be given)
+    # device type -> devices -> sequences/s (a calibration or measurement; wins over the planner)
+    throughput: dict[str, dict[int, float]] = field(default_factory=dict)
+    gns: float = 0.0  # gradient noise scale B_noise at the start, sequences (0 = no efficiency loss modelled)
+    gns_final: float = 0.0  # B_noise at the end (0 = gns)
+    lr: float = 3e-4  # learning rate at the base batch
+
+    @property
+    def batch_cap(self) -> int:
+        return self.max_batch or 16 * self.batch
+
+    def phi(self, done: float) -> float:
+        """B_noise when the fraction ``done`` of the work is done (geometric from gns to gns_final)."""
+        if self.gns <= 0:
+            return math.inf
+        end = self.gns_final or self.gns
+        return self.gns * (end / self.gns) ** min(max(done, 0.0), 1.0)
+
+    def efficiency(self, batch: float, done: float = 0.0) -> float:
+        """E(M) = (phi + M0) / (phi + M): base-batch samples one sample at batch M is worth."""
+        phi = self.phi(done)
+        return 1.0 if math.isinf(phi) else (phi + self.batch) / (phi + batch)
+
+
+def scaled_lr(job: Job, batch: int, rule: LrRule = "adascale", done: float = 0.0) -> float:
+    """Learning rate at batch M from the base (lr0, M0); S = M / M0.
+
+    linear: lr0 S; sqrt: lr0 sqrt(S); adascale: lr0 r with AdaScale's gain
+    r = (phi/M0 + 1) / (phi/M + 1) = S (phi + M0) / (phi + M) (r -> S for phi >> M, -> 1 for phi << M0).
+    """
+    s = batch / job.batch
+    if rule == "linear":
+        return job.lr * s
+    if rule == "sqrt":
+        return job.lr * math.sqrt(s)
+    phi = job.phi(done)
+    return job.lr * (s if math.isinf(phi) else s * (phi + job.batch) / (phi + batch))
+
+
+_STEP_TIMES: dict[tuple, float] = {}  # (repr(model), batch, seq_len, precision, device, n, per_node) -> s
+
+
+def planner_step_time(
+    model: ModelConfig, batch: int, seq_len: int, precision: str, device: str, n: int, per_node: int
+) -> float:
+    """Step time (s) of the fastest layout the planner finds for ``n`` devices of ``device``
+    (``inf`` where nothing fits or the batch does not divide); cached, the search is not free."""
+    key = (repr(model), batch, seq_len, precision, device, n, per_node)
+    if key not in _STEP_TIMES:
+        per = min(n, per_node)
+        t = math.inf
+        if n % per == 0:
+            cluster = ClusterSpec.single_node(get_device(device), per, nodes=n // per)
+            work = Workload(global_batch=batch, seq_len=seq_len, precision=precision)
+            try:
+                best = search(model, work, cluster, n).best
+                t = best.step_time if best is not None else math.inf
+            except (PlanError, ValueError):  # HardwareError: a precision the device lacks
+                t = math.inf
+        _STEP_TIMES[key] = t
+    return _STEP_TIMES[key]
+
+
+def throughput(job: Job, device: str, n: int, batch: int | None = None, per_node: int = 8) -> float:
+    """Sequences per second of ``job`` on ``n`` devices of type ``device`` at batch ``batch`` (0 where
+    it cannot run): the job's table if it has one for ``device``, else the planner."""
+    if n <= 0:
+        return 0.0
+    if job.throughput:
+        row = job.throughput.get(device, {})
+        return row.get(n, 0.0)
+    if job.model is None:
+        return 0.0
+    b = batch or job.batch
+    t = planner_step_time(job.model, b, job.seq_len, job.precision, device, n, per_node)
+    return 0.0 if math.isinf(t) else b / t
+
+
+def batch_choices(job: Job, n: int) -> list[int]:
+    """Batches Pollux considers on ``n`` devices: M0 * 2^k up to the cap (a table-driven job: M0 only,
+    its throughput does not depend on the batch)."""
+    if job.throughput or job.model is None:
+        return [job.batch]
+    out, b = [], job.batch
+    while b <= job.batch_cap:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def goodput(job: Job, device: str, n: int, done: float = 0.0, per_node: int = 8) -> tuple[float, int]:
+    """max over M of throughput(n, M) * E(M), and the batch M that reaches it (Pollux)."""
+    best, best_b = 0.0, job.batch
+    for b in batch_choices(job, n):
+        g = throughput(job, device, n, b, per_node) * job.efficiency(b, done)
+        if g > best * (1 + 1e-9):
+            best, best_b = g, b
+    return best, best_b
