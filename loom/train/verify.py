@@ -21,6 +21,12 @@ that same rank, stage, sequence length and micro-batch count
 Gradients are the shards held between steps; the full-size buffers ZeRO-2/3 keep between
 micro-batches (``no_sync``) are transient and counted in the peak.
 
+Mixture of experts: every parameter is the same constant, so every token would pick the same k
+experts. The step routes instead as the planner assumes (``moe.imbalance`` 1, :func:`balanced_routing`):
+each expert gets N·k/E of a rank's N·k assignments, and every rank of an expert-parallel group
+sends and receives the same rows, which is what the fake group's all-to-all (it fills each peer's
+slot from this rank's own input) then reproduces.
+
 Before anything is built, the rank's predicted peak is compared with the memory available here
 (``MemAvailable`` of /proc/meminfo; with ``--on cuda`` the device's free memory): if it cannot fit,
 one line says how much it needs and how much there is, exit status 2, nothing allocated.
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import os
 import sys
 import time
@@ -150,6 +157,34 @@ def constant(name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> tor
     return torch.full((), 1e-2).expand(shape)[index]
 
 
+@contextlib.contextmanager
+def balanced_routing():
+    """Inside the block, every MoE layer sends assignment j of token n to expert (n·k + j) mod E (k
+    distinct experts per token; N·k/E rows per expert, ±1), weighted by the router's scores at those
+    experts (renormalized with ``moe.norm_topk``): the balanced load the planner predicts with
+    ``moe.imbalance`` 1, and the same on every rank, so the counts each rank of an ep group sends
+    equal those it receives (under the fake process group, whose all-to-all repeats this rank's
+    input for every peer, the split sizes then agree)."""
+    from loom.model import moe
+
+    real = moe.route
+
+    def route(x, router, top_k, score="softmax", norm_topk=True, bias=None):
+        r = real(x, router, top_k, score, norm_topk, bias)
+        n, n_experts = r.scores.shape
+        experts = torch.arange(n * top_k, device=x.device).view(n, top_k) % n_experts
+        weights = r.scores.gather(-1, experts)
+        if norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return moe.Routing(weights.to(x.dtype), experts, r.scores, r.logits)
+
+    moe.route = route
+    try:
+        yield
+    finally:
+        moe.route = real
+
+
 def _warm_up(dev: torch.device) -> None:
     """First use of the meta device, the matmul kernels, autograd and an optimizer (whose first
     construction imports torch._dynamo: ~70 MiB of resident set), so that none of it is counted in
@@ -203,7 +238,7 @@ def measure(cfg: C.LoomConfig, rank: int, world: int, on: str = "cpu") -> dict[s
             return 0.0
 
         strategy.zero_grad()
-        with saved:
+        with saved, balanced_routing():
             run.forward_backward(batches, run.loss_fn, update, mesh.group("dp_cp"))
         window.__exit__(None, None, None)
         peak = window.peak
@@ -226,7 +261,8 @@ def measure(cfg: C.LoomConfig, rank: int, world: int, on: str = "cpu") -> dict[s
 
 def predict(cfg: C.LoomConfig, cluster: ClusterSpec, lay: Layout, stage: int, m: int) -> dict[str, float]:
     """The planner's bytes by kind for a device of pipeline stage ``stage`` (``m`` micro-batches)."""
-    cm = CostModel(model_of(cfg), workload_of(cfg), cluster)
+    work = dataclasses.replace(workload_of(cfg), moe_imbalance=1.0)  # measured: balanced_routing
+    cm = CostModel(model_of(cfg), work, cluster)
     bd = cm.stage_memory(lay, stage, m)
     runtime = cluster.device.runtime_overhead_bytes
     return {
