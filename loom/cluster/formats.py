@@ -11,7 +11,8 @@ Cluster file::
 Trace file: ``[[jobs]]`` tables (TOML) or ``{"jobs": [...]}`` (JSON), each with ``arrival_s`` and
 ``samples``, and either ``model`` (a preset name of loom/configs, or a table of ModelConfig fields) or
 ``throughput`` (device type -> {devices: sequences/s}); optional ``name``, ``devices``, ``batch``,
-``max_batch``, ``seq_len``, ``precision``, ``gns``, ``gns_final``, ``lr``. Every error is one line
+``max_batch``, ``seq_len``, ``precision``, ``gns`` (sequences, or the path of a run trained with
+``train.log_gns``: its measured B_noise), ``gns_final``, ``lr``. Every error is one line
 naming the file and the field, raised before anything is simulated.
 """
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loom.cluster.jobs import ClusterError, Job, throughput
+from loom.cluster.jobs import ClusterError, Job, gns_from_metrics, throughput
 from loom.config import ModelConfig
 from loom.plan import DEVICES
 
@@ -170,6 +171,8 @@ def job_from_dict(d: Any, i: int, where: str) -> Job:
     for key in ("devices", "batch", "max_batch", "seq_len"):
         if key in d:
             kw[key] = _num(f"{at}.{key}", d[key], integer=True, strict=key != "max_batch")
+    if isinstance(d.get("gns"), str):  # a run logged with train.log_gns: its measured noise scale
+        d = {**d, "gns": gns_from_metrics(d["gns"])}
     for key in ("gns", "gns_final"):
         if key in d:
             kw[key] = float(_num(f"{at}.{key}", d[key], strict=False))

@@ -20,8 +20,10 @@ fraction of work done. The learning rate for batch ``M`` follows :func:`scaled_l
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from loom.config import ModelConfig
@@ -68,6 +70,24 @@ class Job:
         """E(M) = (phi + M0) / (phi + M): base-batch samples one sample at batch M is worth."""
         phi = self.phi(done)
         return 1.0 if math.isinf(phi) else (phi + self.batch) / (phi + batch)
+
+
+def gns_from_metrics(path: str | Path) -> float:
+    """B_noise of a run logged with ``train.log_gns``: mean(gns_trace) / mean(gns_g2) over the rows of
+    its metrics.jsonl (``path``: the file or the run directory); the ratio of means, as single rows
+    are noisy (McCandlish et al. average numerator and denominator separately)."""
+    p = Path(path)
+    p = p / "metrics.jsonl" if p.is_dir() else p
+    if not p.is_file():
+        raise ClusterError(f"{p}: no metrics.jsonl (a run trained with --train.log_gns true)")
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    pairs = [(r["gns_trace"], r["gns_g2"]) for r in rows if "gns_g2" in r and "gns_trace" in r]
+    if not pairs:
+        raise ClusterError(f"{p}: no gns_g2/gns_trace rows (train with --train.log_gns true)")
+    g2 = sum(g for _, g in pairs) / len(pairs)
+    if g2 <= 0:
+        raise ClusterError(f"{p}: mean gns_g2 {g2:g} <= 0: too few or too noisy rows for a noise scale")
+    return max(0.0, sum(t for t, _ in pairs) / len(pairs) / g2)
 
 
 def scaled_lr(job: Job, batch: int, rule: LrRule = "adascale", done: float = 0.0) -> float:

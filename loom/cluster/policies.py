@@ -14,7 +14,7 @@ at every arrival, completion and round boundary and applies the returned placeme
 
   - ``gavel-maxmin``: max_X min_m T_m(X) / T_m(X_eq), X_eq the equal time share on every type;
   - ``gavel-las``: the same, weighted by attained service: min_m T_m(X) / (w_m T_m(X_eq)) with
-    w_m = 1 + attained_m / mean(attained) (least attained service gets most);
+    w_m = 1 + attained_m / mean(attained) (least attained service gets most; weights refreshed with X);
   - ``gavel-makespan``: max_X min_m T_m(X) / R_m (R_m remaining work): every job done by 1/z;
   - ``gavel-ftf``: min_X max_m rho_m, rho_m = (age_m + R_m / T_m(X)) / (age_m + R_m / T_m(X_eq)),
     by bisection on rho over the feasibility LP T_m(X) >= R_m / (rho (age_m + R_m / T_m(X_eq)) - age_m).
@@ -231,7 +231,7 @@ class Gavel:
         if not jobs:
             return {}
         key = tuple(sorted(js.job.name for js in jobs))
-        if key != self._key or self.objective == "las":
+        if key != self._key:
             x = self.solve(jobs, cluster, now)
             self._x = {js.job.name: dict(zip(cluster.types, x[i])) for i, js in enumerate(jobs)}
             self._key = key

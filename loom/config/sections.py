@@ -288,6 +288,8 @@ class TrainConfig:
     # weights only (Loom checkpoint or local HF directory): fresh optimizer, step 0, any layout
     init_from: str = ""
     time_limit_s: float = 0.0  # stop early (and save) after this many seconds; 0 = none
+    # log the gradient noise scale (gns, gns_g2, gns_trace) on logged steps: one more micro-batch each (loom.train.gns)
+    log_gns: bool = False
 
 
 @dataclass

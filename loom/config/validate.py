@@ -178,6 +178,14 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     check_param_server(cfg)
     check_memory(cfg)
     _require_none(batch_problem(t.global_batch, t.micro_batch, p.dp))
+    _require(
+        not t.log_gns
+        or (p.tp == p.pp == p.cp == p.ep == 1 and p.zero <= 1 and p.dp_mode != "ps" and not cfg.model.moe)
+        and t.global_batch > t.micro_batch,
+        "train.log_gns: needs data parallelism with whole gradients (tp = pp = cp = ep = 1, zero <= 1, no "
+        f"parameter servers, no MoE) and global_batch > micro_batch; got tp {p.tp} pp {p.pp} cp {p.cp} "
+        f"ep {p.ep} zero {p.zero} dp_mode {p.dp_mode} global_batch {t.global_batch} micro_batch {t.micro_batch}",
+    )
     problems = layout_problems(
         model_facts(cfg),
         seq_len=d.seq_len,

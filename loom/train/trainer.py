@@ -8,6 +8,7 @@ launcher, or directly under ``torchrun``/``srun`` (``python -m loom train ...``)
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import signal
 import threading
@@ -36,6 +37,7 @@ from loom.parallel.base import held_state_bytes
 from loom.train import timings
 from loom.train.build import build_mesh, build_run, saved_activations
 from loom.train.export import write_json_atomic
+from loom.train.gns import gns_estimate, small_batch_sq
 from loom.train.health import (
     Heartbeat,
     NonFiniteError,
@@ -307,6 +309,13 @@ class Trainer:
                     batches = self._to_device(self._my_tokens(self.sampler.micro_batches(step)))
                 logged = (step + 1) % c.log_every == 0 or step + 1 == c.steps
                 try:
+                    g_small = (  # train.log_gns: one more micro-batch's gradient, before the step
+                        small_batch_sq(
+                            self.run.model, self.run.strategy, self.run.loss_fn, batches[0], self.loss_group
+                        )
+                        if c.log_gns and logged
+                        else None
+                    )
                     with self.saved_acts.around(logged):  # accounting alone: on logged steps only
                         res = train_step(self.run, batches, c.grad_clip, lr, self.loss_group)
                 except NonFiniteError as e:
@@ -340,6 +349,8 @@ class Trainer:
                     **self.run.strategy.row(),  # a strategy's own figures (parameter servers: staleness)
                     **self._timings(step + 1, window_steps, dt / window_steps),
                 }
+                if g_small is not None and math.isfinite(res.grad_norm):
+                    row.update(gns_estimate(g_small, res.grad_norm**2, c.micro_batch, c.global_batch))
                 self.saved_acts.reset_peak()
                 reset_peak_memory(self.device)  # peak_mem_bytes is per log window
                 if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
