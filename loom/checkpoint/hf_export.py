@@ -112,8 +112,8 @@ def carried_config(ours: dict, src: Path | None) -> dict:
         return ours
     raw = _read_json(src / "config.json")
     arch = (raw.get("architectures") or ["?"])[0]
-    family = SAME_TENSORS.get(arch, arch)
-    if family != ours["architectures"][0] or any(
+    mine = ours["architectures"][0]
+    if SAME_TENSORS.get(arch, arch) != SAME_TENSORS.get(mine, mine) or any(
         f in raw and f in ours and raw[f] != ours[f] for f in SHAPE_FIELDS
     ):
         return ours  # the model changed shape or family since: describe what was trained

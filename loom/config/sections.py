@@ -82,6 +82,20 @@ MlpKind = Literal["swiglu", "gelu", "gelu_tanh"]  # model.mlp
 PositionKind = Literal["rope", "learned"]  # model.positions
 
 
+# model.hf_architecture: the Hugging Face family whose tensor names import and export use; auto = the one
+# holding the model's tensors (Llama, Qwen2/3, Mixtral, GPT-2). Phi-3 fuses q/k/v and gate/up.
+HFArchitecture = Literal[
+    "auto",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "GPT2LMHeadModel",
+    "Phi3ForCausalLM",
+]
+
+
 FinetuneMethod = Literal["full", "lora", "qlora"]  # finetune.method
 
 
@@ -129,6 +143,8 @@ class ModelConfig:
     positions: PositionKind = "rope"
     bias: bool = False  # biases on every linear layer but the output head and the router (GPT-2)
     from_hf: str = ""  # local Hugging Face model directory to start from: its shape, weights and tokenizer
+    # the Hugging Face family import and export name the tensors after (from_hf: the directory's); auto = by shape
+    hf_architecture: HFArchitecture = "auto"
 
     @property
     def moe(self) -> bool:

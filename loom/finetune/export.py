@@ -8,10 +8,11 @@ under PEFT's names::
     layers.i.feed_forward.w{1,3,2}.lora_{A,B}.weight   base_model.model.model.layers.i.mlp.{gate,up,down}_proj.lora_{A,B}.weight
 
 q and k's B rows are reordered as their weights' (Hugging Face rotates head halves, Loom pairs:
-:func:`loom.model.hf.to_hf_rows`); A is unchanged. GPT-2 fuses q, k, v into one ``c_attn``: its
-adapter is A = [A_q; A_k; A_v] (rank 3r) and B = diag(B_q, B_k, B_v) ((3h, 3r), zero blocks for a
-part not targeted), with ``rank_pattern``/``alpha_pattern`` 3r and 3α so its scale stays α/r: the
-same function. GPT-2's Conv1D layers need ``fan_in_fan_out``.
+:func:`loom.model.hf.to_hf_rows`); A is unchanged. A fused HF tensor of n parts (GPT-2's
+``c_attn`` and Phi-3's ``qkv_proj``: q, k, v; Phi-3's ``gate_up_proj``: w1, w3) gets one adapter
+A = [A_1; ...; A_n] (rank n·r) and B = diag(B_1, ..., B_n) (each B_j at its part's rows, zero
+blocks for a part not targeted), with ``rank_pattern``/``alpha_pattern`` n·r and n·α so its scale
+stays α/r: the same function. GPT-2's Conv1D layers need ``fan_in_fan_out``.
 
 ``loom export hf RUN OUT_DIR --merge-lora``: the base's tensors (from ``model.from_hf``,
 ``train.init_from`` or the seeded init, read one at a time) with W + (α/r)·B A on every target,
@@ -73,7 +74,11 @@ def peft_state(cfg: C.LoomConfig, pairs: dict[str, tuple[torch.Tensor, torch.Ten
     maps = dict(_mappings(cfg.model))
     f = cfg.finetune
     tensors: dict[str, torch.Tensor] = {}
-    fused: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    fused: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # module -> row offset -> (A, B)
+    layout: dict[str, tuple[list[int], int]] = {}  # fused module -> (its parts' row offsets, its rows)
+    for m in maps.values():
+        if m.part is not None and str(m.hf).endswith(".weight"):
+            layout.setdefault(str(m.hf).removesuffix(".weight"), ([], m.part[1]))[0].append(m.part[0])
     targets: set[str] = set()
     for name, (a, b) in pairs.items():
         m = maps[name]
@@ -81,22 +86,25 @@ def peft_state(cfg: C.LoomConfig, pairs: dict[str, tuple[torch.Tensor, torch.Ten
         targets.add(_suffix(module))
         if m.heads:
             b = to_hf_rows(b, m.heads)
-        if m.part[1] > 1:  # GPT-2's c_attn: q, k, v into one adapter
+        if m.part is not None:  # one part of a fused tensor: its adapter joins the others'
             fused.setdefault(module, {})[m.part[0]] = (a, b)
             continue
         tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.contiguous()
         tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b.contiguous()
     rank_pattern, alpha_pattern = {}, {}
     for module, parts in fused.items():
-        r, h = f.lora_rank, next(iter(parts.values()))[1].shape[0]
-        a_cat = torch.zeros(3 * r, next(iter(parts.values()))[0].shape[1])
-        b_cat = torch.zeros(3 * h, 3 * r)
-        for j, (a, b) in parts.items():
-            a_cat[j * r : (j + 1) * r] = a
-            b_cat[j * h : (j + 1) * h, j * r : (j + 1) * r] = b
+        r, (starts, rows) = f.lora_rank, layout[module]
+        n = len(starts)
+        a_cat = torch.zeros(n * r, next(iter(parts.values()))[0].shape[1])
+        b_cat = torch.zeros(rows, n * r)
+        for j, start in enumerate(starts):
+            if start in parts:
+                a, b = parts[start]
+                a_cat[j * r : (j + 1) * r] = a
+                b_cat[start : start + b.shape[0], j * r : (j + 1) * r] = b
         tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a_cat
         tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b_cat
-        rank_pattern[_suffix(module)], alpha_pattern[_suffix(module)] = 3 * r, 3 * f.lora_alpha
+        rank_pattern[_suffix(module)], alpha_pattern[_suffix(module)] = n * r, n * f.lora_alpha
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -4,8 +4,9 @@ Families: ``LlamaForCausalLM``, ``MistralForCausalLM`` (the same tensors; Mistra
 only when every sequence fits in it), ``Qwen2ForCausalLM`` (q/k/v biases: ``model.qkv_bias``) and
 ``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``model.qk_norm``) and
 ``MixtralForCausalLM`` (into Loom's mixture of experts: the router, and each expert's w1/w3/w2
-stacked into the (E, ...) weights) and ``GPT2LMHeadModel`` (``norm = layernorm``, ``mlp =
-gelu_tanh``, ``positions = learned``, ``bias``). Every family but GPT-2 may give a ``head_dim`` d
+stacked into the (E, ...) weights), ``Phi3ForCausalLM`` (Llama's tensors, q/k/v and gate/up fused:
+``model.hf_architecture`` records the family, which export writes) and ``GPT2LMHeadModel`` (``norm =
+layernorm``, ``mlp = gelu_tanh``, ``positions = learned``, ``bias``). Every family but GPT-2 may give a ``head_dim`` d
 with a·d != h (Mistral-Nemo: h = 5120, a = 32 heads, d = 128): ``model.attn_head_dim``, the width
 of the q/k/v/o projections (a·d and k·d) and of RoPE (d). Names map one to one::
 
@@ -16,6 +17,10 @@ of the q/k/v/o projections (a·d and k·d) and of RoPE (d). Names map one to one
     model.layers.i.post_attention_layernorm   layers.i.ffn_norm
     model.layers.i.mlp.{gate,up,down}_proj    layers.i.feed_forward.w{1,3,2}
     model.norm.weight, lm_head.weight         norm.weight, output.weight
+
+Phi-3 fuses rows: ``self_attn.qkv_proj`` ((a+2k)·d, h) holds w{q,k,v} in rows [0, a·d), [a·d, (a+k)·d),
+[(a+k)·d, (a+2k)·d); ``mlp.gate_up_proj`` (2f, h) holds w1 in [0, f) and w3 in [f, 2f) (a
+:class:`Mapping`'s ``part``: import reads that row range, export concatenates the parts).
 
 Rotary layout: Hugging Face rotates the halves (x_j, x_{j+d/2}) of each head, Loom the pairs
 (x_{2i}, x_{2i+1}), with the same frequencies theta^(-2i/d). The q and k projections are the same
@@ -38,25 +43,23 @@ the rows and columns (and experts) its parameters hold, never a whole tensor it 
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Final, cast
 
 import torch
 
 from loom.config import ModelConfig, MoEConfig
+from loom.config.sections import HFArchitecture
 
-SUPPORTED = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MixtralForCausalLM",
-    "GPT2LMHeadModel",
-)
-GPT2 = "GPT2LMHeadModel"
+SUPPORTED: tuple[str, ...] = typing.get_args(HFArchitecture)[1:]  # model.hf_architecture's values but auto
+GPT2: Final = "GPT2LMHeadModel"
+PHI3: Final = "Phi3ForCausalLM"
+LLAMA: Final = "LlamaForCausalLM"
+LLAMA_TENSORS = ("MistralForCausalLM", PHI3)  # Llama's tensors under other names or config fields
 VOCAB_TENSORS = ("tok_embeddings.weight", "output.weight")  # V rows; padded to model.pad_vocab_to in Loom
 GELU = {
     "gelu_new": "gelu_tanh",
@@ -94,6 +97,11 @@ def _rope(raw: dict) -> dict:
     merged = scaling | params  # transformers 5 folds rope_scaling into rope_parameters
     kind = merged.get("rope_type", merged.get("type", "default"))
     out = {"rope_theta": float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))}
+    partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):  # Phi-4-mini: RoPE on the first 3/4 of each head
+        raise HFError(
+            f"{CONFIG}: partial_rotary_factor = {partial!r} is not supported (Loom rotates whole heads: 1.0)"
+        )
     if kind == "llama3":
         out |= {
             "rope_scaling": float(merged["factor"]),
@@ -148,6 +156,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         attn_head_dim=head_dim if head_dim != dim // heads else 0,
         n_experts=int(raw.get("num_local_experts", 1)),
         top_k=int(raw.get("num_experts_per_tok", 2)),
+        hf_architecture=arch,  # type: ignore[arg-type]  # one of SUPPORTED, checked above
     )
 
 
@@ -185,6 +194,7 @@ def _gpt2_config(raw: dict, max_seq_len: int) -> ModelConfig:
         mlp=GELU[act],  # type: ignore[arg-type]
         positions="learned",
         bias=True,
+        hf_architecture=GPT2,
     )
 
 
@@ -245,6 +255,7 @@ HF_FIELDS = (
     "mlp",
     "positions",
     "bias",
+    "hf_architecture",
 )
 DERIVED = ("vocab_size", "ffn_dim", "attn_head_dim")  # 0 = derived (tokenizer, 8h/3 rule, h/a): not a value
 LLAMA31_FACTORS = (
@@ -262,7 +273,11 @@ def explicit_model_field(field: str, given: object, model: ModelConfig) -> bool:
     factors without rope_scaling); anything else contradicts the weights and raises one line naming
     the field, both values and the directory."""
     theirs = getattr(model, field)
-    if given == theirs or (field in DERIVED and given == 0):
+    if (
+        given == theirs
+        or (field in DERIVED and given == 0)
+        or (field == "hf_architecture" and given == "auto")
+    ):
         return False
     unused = (field == "top_k" and not model.moe) or (field in LLAMA31_FACTORS and not model.rope_scaling)
     if unused:
@@ -353,12 +368,14 @@ def check_float_tensors(model: HFModel) -> None:
 class Mapping:
     """Where one Loom tensor lives in the checkpoint: ``hf`` (an expert stack: one name per expert,
     stacked along dim 0), with ``heads`` whose rows :func:`to_loom_rows` reorders, ``conv1d``: stored
-    transposed (in, out), and ``part`` = (j, n): rows [j·o, (j+1)·o) of an HF tensor fusing n of them."""
+    transposed (in, out), and ``part`` = (offset, rows): the Loom tensor's o rows are rows
+    [offset, offset + o) of an HF tensor of ``rows`` rows fusing several (GPT-2's c_attn, Phi-3's
+    qkv_proj and gate_up_proj); None: the whole HF tensor."""
 
     hf: str | tuple[str, ...]
     heads: int | None = None
     conv1d: bool = False
-    part: tuple[int, int] = (0, 1)
+    part: tuple[int, int] | None = None
 
     def names(self) -> tuple[str, ...]:
         return self.hf if isinstance(self.hf, tuple) else (self.hf,)
@@ -367,7 +384,7 @@ class Mapping:
         """The stored shape of one HF tensor (one expert's) for the Loom shape ``shape``."""
         if isinstance(self.hf, tuple):
             shape = shape[1:]
-        rows = shape[0] * self.part[1]
+        rows = shape[0] if self.part is None else self.part[1]
         return (shape[1], rows) if self.conv1d else (rows, *shape[1:])
 
 
@@ -376,11 +393,17 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
     if cfg.positions == "learned":
         yield from _gpt2_mappings(cfg, prefix)
         return
+    phi3 = architecture_of(cfg) == PHI3
     yield "tok_embeddings.weight", Mapping("model.embed_tokens.weight")
     for i in range(cfg.n_layers):
         hf, lm = f"model.layers.{i}.", f"layers.{i}."
         yield lm + "attention_norm.weight", Mapping(hf + "input_layernorm.weight")
-        for x in "qkvo":
+        if phi3:  # q, k, v fused into qkv_proj, rows [0, a·d), [a·d, (a+k)·d), [(a+k)·d, (a+2k)·d)
+            qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+            for x, heads, off in (("q", cfg.n_heads, 0), ("k", cfg.n_kv_heads, qd), ("v", None, qd + kd)):
+                qkv = Mapping(hf + "self_attn.qkv_proj.weight", heads, part=(off, qd + 2 * kd))
+                yield lm + f"attention.w{x}.weight", qkv
+        for x in "o" if phi3 else "qkvo":
             heads = {"q": cfg.n_heads, "k": cfg.n_kv_heads}.get(x)
             yield lm + f"attention.w{x}.weight", Mapping(hf + f"self_attn.{x}_proj.weight", heads)
             if cfg.qkv_bias and x != "o":
@@ -395,6 +418,12 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
             for w in ("w1", "w3", "w2"):
                 experts = tuple(f"{moe}experts.{e}.{w}.weight" for e in range(cfg.n_experts))
                 yield lm + f"feed_forward.{w}.weight", Mapping(experts)
+            continue
+        if phi3:  # gate and up fused into gate_up_proj: rows [0, f) and [f, 2f)
+            f = cfg.resolved_ffn_dim()
+            yield lm + "feed_forward.w1.weight", Mapping(hf + "mlp.gate_up_proj.weight", part=(0, 2 * f))
+            yield lm + "feed_forward.w3.weight", Mapping(hf + "mlp.gate_up_proj.weight", part=(f, 2 * f))
+            yield lm + "feed_forward.w2.weight", Mapping(hf + "mlp.down_proj.weight")
             continue
         for w, proj in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
             yield lm + f"feed_forward.{w}.weight", Mapping(hf + f"mlp.{proj}_proj.weight")
@@ -414,7 +443,7 @@ def _gpt2_mappings(cfg: ModelConfig, p: str) -> Iterator[tuple[str, Mapping]]:
             for j, x in enumerate("qkv"):
                 yield (
                     lm + f"attention.w{x}.{kind}",
-                    Mapping(hf + f"attn.c_attn.{kind}", conv1d=conv, part=(j, 3)),
+                    Mapping(hf + f"attn.c_attn.{kind}", conv1d=conv, part=(j * cfg.dim, 3 * cfg.dim)),
                 )
             yield lm + f"attention.wo.{kind}", Mapping(hf + f"attn.c_proj.{kind}", conv1d=conv)
             yield lm + f"ffn_norm.{kind}", Mapping(hf + f"ln_2.{kind}")
@@ -539,7 +568,7 @@ class Reader:
         return t[r0 - lo : r1 - lo]
 
     def _plain(self, m: Mapping, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        off = m.part[0] * shape[0]  # a fused tensor's rows of this part
+        off = 0 if m.part is None else m.part[0]  # a fused tensor's rows of this part
         rows = slice(off + box[0][0], off + box[0][1])
         sl = self._slice(cast(str, m.hf), m.hf_shape(shape))
         if m.conv1d:  # stored (in, out): read the transposed box
@@ -629,7 +658,21 @@ def moe_export_problem(moe: MoEConfig) -> str | None:
 
 
 def architecture_of(cfg: ModelConfig) -> str:
-    """The Hugging Face family that holds exactly ``cfg``'s tensors."""
+    """The Hugging Face family of ``cfg``: ``model.hf_architecture``, which must hold exactly its
+    tensors (Mistral and Phi-3 hold Llama's), or with ``auto`` the family that does."""
+    by_shape = _family_by_shape(cfg)
+    named = cfg.hf_architecture
+    if named == "auto" or named == by_shape:
+        return by_shape
+    if by_shape == LLAMA and named in LLAMA_TENSORS:
+        return named
+    raise HFError(
+        f"model.hf_architecture: {named} cannot hold this model's tensors ({by_shape} does); "
+        "set it to auto or to that family"
+    )
+
+
+def _family_by_shape(cfg: ModelConfig) -> str:
     if _is_gpt2(cfg):
         return GPT2
     if cfg.qk_norm and not cfg.qkv_bias:
@@ -641,7 +684,7 @@ def architecture_of(cfg: ModelConfig) -> str:
             "model: no supported Hugging Face family has this combination of q/k/v biases, q/k norms "
             "and experts"
         )
-    return "MixtralForCausalLM" if cfg.moe else "LlamaForCausalLM"
+    return "MixtralForCausalLM" if cfg.moe else LLAMA
 
 
 def _gpt2_hf_config(cfg: ModelConfig, dtype: str) -> dict:
@@ -704,6 +747,13 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = Non
             "original_max_position_embeddings": cfg.rope_original_len,
         }
         out |= {"rope_parameters": rope, "rope_scaling": rope}
+    if architecture in LLAMA_TENSORS:  # Loom attends to the whole sequence; Phi-3's RoPE: whole heads
+        out |= {"sliding_window": None}
+    if architecture == PHI3:
+        del out["attention_bias"], out["mlp_bias"]
+        out["rope_parameters"] = cast(dict, out["rope_parameters"]) | {"partial_rotary_factor": 1.0}
+        out["original_max_position_embeddings"] = cfg.max_seq_len
+        out |= dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))  # not Phi3Config's 32000s
     if cfg.moe:
         out |= {
             "num_local_experts": cfg.n_experts,
@@ -729,9 +779,10 @@ def hf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for a stream of Loom (name, tensor); names outside the mapping raise. The
     embedding and head keep their ``vocab_size`` real rows (a padded vocabulary's rows dropped). The
-    parts of a fused tensor (GPT-2's c_attn) are held until the last one arrives."""
+    parts of a fused tensor (GPT-2's c_attn, Phi-3's qkv_proj, gate_up_proj) are held until all its
+    rows have arrived, then concatenated in row order."""
     maps = dict(_mappings(cfg))
-    pending: dict[str, dict[int, torch.Tensor]] = {}
+    pending: dict[str, dict[int, torch.Tensor]] = {}  # HF name -> row offset -> that part
     for name, t in state:
         if name not in maps:
             if cfg.tie_embeddings and name == "output.weight":
@@ -743,14 +794,13 @@ def hf_tensors(
         if isinstance(m.hf, tuple):
             yield from ((n, e.contiguous()) for n, e in zip(m.hf, t.unbind(0), strict=True))
             continue
-        j, n = m.part
-        if n > 1:
+        if m.part is not None:
             parts = pending.setdefault(m.hf, {})
-            parts[j] = t
-            if len(parts) < n:
+            parts[m.part[0]] = t
+            if sum(p.shape[0] for p in parts.values()) < m.part[1]:
                 continue
             del pending[m.hf]
-            t = torch.cat([parts[i] for i in range(n)])
+            t = torch.cat([parts[o] for o in sorted(parts)])
         yield m.hf, (t.t() if m.conv1d else t).contiguous()
     if pending:
         raise HFError(f"{next(iter(pending))}: only some of its fused parts were given")
