@@ -302,3 +302,49 @@ def test_gns_from_metrics_and_log_gns_refusals(tmp_path):
     assert math.isinf(Job("n", 0, 1).phi(0.5)) and Job("n", 0, 1, gns=10, gns_final=40).phi(
         0.5
     ) == pytest.approx(20.0)
+
+
+def test_trainer_logs_gns_without_changing_the_run(tmp_path, monkeypatch):
+    """One rank, global batch 4 of micro-batches 2: each row's estimates satisfy
+    gns_g2 + gns_trace / B_big = grad_norm^2 (the estimator's algebra: E|G_B|^2 = |G|^2 + S / B at
+    B_big), and the probe leaves training untouched (losses equal to a run without it)."""
+    from loom import config as C
+    from loom.data import prepare_data
+    from loom.train.trainer import RankEnv, Trainer
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    runs = []
+    for gns in (False, True):
+        cfg = C.from_dict(
+            {
+                "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
+                "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
+                "train": {
+                    "steps": 3,
+                    "global_batch": 4,
+                    "micro_batch": 2,
+                    "log_every": 1,
+                    "eval_every": 0,
+                    "log_gns": gns,
+                },
+                "run": {
+                    "progress": False,
+                    "tensorboard": False,
+                    "threads": 1,
+                    "dir": str(tmp_path / f"run{gns}"),
+                },
+            }
+        )
+        cfg.data.prepared_dir = str(prepare_data(cfg.data, progress=False).dir)
+        trainer = Trainer(cfg, RankEnv(0, 1, 0, 1))
+        try:
+            trainer.fit()
+        finally:
+            trainer.heartbeat.close()
+        runs.append([json.loads(r) for r in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()])
+    plain, probed = runs
+    assert [r["loss"] for r in probed] == [r["loss"] for r in plain]
+    assert "gns" not in plain[0] and len(probed) == 3
+    for r in probed:
+        assert r["gns_g2"] + r["gns_trace"] / 4 == pytest.approx(r["grad_norm"] ** 2, rel=1e-6)
+        assert r["gns"] == pytest.approx(r["gns_trace"] / r["gns_g2"])
