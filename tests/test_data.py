@@ -944,10 +944,13 @@ def test_mixture_sources_cached_and_sampled_by_weight(tmp_path, cache, caplog):
     both = prepare_sources(mixed.data, progress=False)
     assert both[0].tokenizer_path.read_bytes() == prepared[0].tokenizer_path.read_bytes()
     assert (both[1].dir / "train.mask.bin").is_file()
-    sampler = MixtureSampler([TokenDataset(p.train_path, seq_len=16) for p in both], [1, 1], 8, 8, seed=1)
+    both_sets = [TokenDataset(p.train_path, seq_len=16) for p in both]
+    sampler = MixtureSampler(both_sets, [1, 1], 8, 8, seed=1)
     (x, y), picks = sampler.micro_batches(0)[0], sampler.picks(0)
-    for row, (k, _) in enumerate(picks):
-        assert bool((y[row] == -100).any()) == (k == 1)
+    for row, (k, w) in enumerate(picks):  # each row's labels are its source's, masked or not
+        assert torch.equal(y[row], both_sets[k].batch([w])[1][0])
+        assert not (k == 0 and bool((y[row] == -100).any()))
+    assert any(bool((y[row] == -100).any()) for row, (k, _) in enumerate(picks) if k == 1)
     bad = C.from_dict({"data": {"sources": [{"path": str(gz), "weight": -1}]}})
     with pytest.raises(ValueError, match=r"data.sources\[0\].weight: must be a positive number, got -1.0"):
         C.validate(bad, 1)

@@ -279,14 +279,6 @@ def _resume_damaged(c: Ctx):
     return c.train("--train.resume", str(_newest(run)), run=run), [str(shard), "content altered"]
 
 
-def _resume_other_batch(c: Ctx):
-    run = c.copy_run()
-    return c.train("--train.global_batch", "4", "--train.steps", "3", run=run), [
-        "train.global_batch",
-        str(_newest(run)),
-    ]
-
-
 def _resume_other_seed(c: Ctx):
     run = c.copy_run()
     return c.train("--train.seed", "7", "--train.steps", "3", run=run), ["train.seed"]
@@ -727,7 +719,6 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("run.dir under a file", _run_dir_under_a_file, 2),
     ("run.dir in use", _run_dir_in_use, 2),
     ("resume on other data", _resume_other_data, 2),
-    ("resume with other global_batch", _resume_other_batch, 2),
     ("resume with other seed", _resume_other_seed, 2),
     ("data.json corrupt", _resume_corrupt_data_record, 2),
     # checkpoints

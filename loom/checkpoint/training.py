@@ -5,10 +5,13 @@ Each rank's RNG states travel as a tensor in its own shard (:func:`loom.checkpoi
 a resuming rank reads its own R ≈ 20 KB, not the world · R of a list in ``train_state.json``
 (checkpoints written before keep that list, and are still read).
 
-The data position is the step: the sampler is a pure function of (seed, step), so step ``s``
-means global sequences ``[s·B, ...)`` have been consumed, whatever the data-parallel size.
-Resuming therefore requires the same ``train.global_batch``, ``train.seed`` and
-``data.seq_len``; everything else (layout, world size, ``train.steps``) may change.
+The data position is the sampler's (:meth:`loom.data.BatchSampler.position`): the global sequences
+consumed, each source's count and epoch, the seed and the sources' identity. The sampler is a pure
+function of (seed, position, step), so a resume continues with exactly the samples the uninterrupted
+run would have drawn next, on any data-parallel size, micro-batch and accumulation; with another
+``train.global_batch`` it continues at the first unseen sequence. Resuming requires the same
+``train.seed`` and ``data.seq_len`` and the same sources (checked by the sampler); everything else
+(layout, world size, global batch, ``train.steps``) may change.
 
 Which checkpoint a run starts from (decided by rank 0, broadcast to all):
 
@@ -25,7 +28,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from loom import config as C
 from loom.checkpoint.convert import convert
@@ -36,7 +39,15 @@ from loom.checkpoint.rng import capture_rng, restore_rng, rng_from_tensor, rng_n
 from loom.checkpoint.save import Checkpointer, broadcast_json, list_checkpoints, new_group
 
 log = logging.getLogger("loom")
-POSITION_FIELDS = (("train", "global_batch"), ("train", "seed"), ("data", "seq_len"))
+POSITION_FIELDS = (("train", "seed"), ("data", "seq_len"))
+
+
+class DataPosition(Protocol):
+    """What the checkpoints need of the sampler (:class:`loom.data.BatchSampler`)."""
+
+    def position(self, step: int) -> dict: ...
+
+    def resume(self, saved: dict, step: int, where: str = ...) -> None: ...
 
 
 def restart_count() -> int:
@@ -64,9 +75,10 @@ def choose_source(cfg: C.LoomConfig, run_dir: Path) -> list[tuple[str, str | Non
     return []
 
 
-def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop metrics rows past ``step`` (written by an attempt that died before its next checkpoint)."""
-    path = run_dir / "metrics.jsonl"
+def truncate_metrics(run_dir: Path, step: int, name: str = "metrics.jsonl") -> None:
+    """Drop rows of ``run_dir/name`` past ``step`` (written by an attempt that died before its next
+    checkpoint)."""
+    path = run_dir / name
     if not path.is_file():
         return
     lines = path.read_text().splitlines()
@@ -124,9 +136,12 @@ class TrainCheckpoints:
         state: Shardable,
         loss_scaler=None,
         base: Callable[[], dict | None] | None = None,
+        data: DataPosition | None = None,
     ) -> None:
         """``base``: the identity (path, SHA-256) of the frozen base a LoRA run fine-tunes, computed by
-        rank 0 (:func:`loom.finetune.base.base_identity`); its checkpoints are bound to it."""
+        rank 0 (:func:`loom.finetune.base.base_identity`); its checkpoints are bound to it. ``data``:
+        the sampler whose position is saved and restored (None: the step and global sequences only)."""
+        self.data = data
         self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world
         self.group = new_group(world, cfg.run.timeout_s)
         self.checkpointer = Checkpointer(
@@ -159,6 +174,10 @@ class TrainCheckpoints:
             ts = reader.train_state
             self._check_position(ts, reader.dir)
             self._check_base(ts, reader.dir)
+            if self.data is not None:  # every rank: the same record, the same verdict
+                saved = dict(ts.get("data") or {})
+                saved.setdefault("global_batch", ts.get("config", {}).get("train", {}).get("global_batch"))
+                self.data.resume(saved, reader.step, str(reader.dir))
             self.state.load_sharded(reader)
             if self.loss_scaler is not None and ts.get("loss_scale"):
                 for key, value in ts["loss_scale"].items():
@@ -209,8 +228,8 @@ class TrainCheckpoints:
             new = getattr(getattr(self.cfg, section), key)
             if old is not None and old != new:
                 raise CheckpointError(
-                    f"{section}.{key}: {ckpt} was saved with {old}, this run has {new}; the data position "
-                    "(step -> global sequences) would change. Use the same value to resume."
+                    f"{section}.{key}: {ckpt} was saved with {old}, this run has {new}; the samples it "
+                    "continues with would differ from the uninterrupted run's. Use the same value to resume."
                 )
 
     def _check_base(self, ts: dict, ckpt: Path) -> None:
@@ -226,7 +245,9 @@ class TrainCheckpoints:
     def save(self, step: int, blocking: bool) -> None:
         """Save step ``step`` (all ranks); asynchronous unless ``blocking``."""
         meta = {
-            "data": {"step": step, "global_sequences": step * self.cfg.train.global_batch},
+            "data": self.data.position(step)
+            if self.data is not None
+            else {"step": step, "global_sequences": step * self.cfg.train.global_batch},
             "config": C.to_dict(self.cfg),
             "loss_scale": self._scaler_state(),
             "finetune_base": self.base,  # a LoRA run: the base its adapters apply to (path, sha256)

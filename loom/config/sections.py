@@ -207,6 +207,8 @@ class DataConfig:
     sources: list[SourceConfig] = field(
         default_factory=list
     )  # [[data.sources]] mixture (replaces data.source)
+    # debug: rank 0 writes each step's [source, window] sample ids to run.dir/sample_ids.jsonl
+    record_ids: bool = False
 
 
 @dataclass

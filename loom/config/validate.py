@@ -172,6 +172,11 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     )
     _require_none(zero_stage_problem(p.zero))
     resolve_layout(cfg, world_size - _check_ps_ranks(cfg, world_size))
+    _require(
+        not (d.record_ids and ps_servers(cfg)),
+        "data.record_ids: not with dedicated parameter servers (parallel.ps_colocate = false); "
+        "record on colocated servers",
+    )
     _check_moe(cfg)
     check_finetune(cfg)
     _check_zero3_options(cfg.parallel)

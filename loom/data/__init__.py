@@ -1,7 +1,7 @@
 """Data: corpus reading, byte-level BPE tokenizer, prepared token files, memmap dataset, sampler."""
 
-from loom.data.dataset import BatchSampler, MixtureSampler, TokenDataset, eval_batches
-from loom.data.mixture import mixture_sampler
+from loom.data.dataset import BatchSampler, TokenDataset, eval_batches
+from loom.data.mixture import MixtureSampler, mixture_sampler
 from loom.data.prepare import PreparedData, prepare_data, prepare_sources
 from loom.data.tokenizer import load_tokenizer
 

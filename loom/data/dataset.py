@@ -1,10 +1,15 @@
 """Memory-mapped token windows and a stateless, resumable, layout-independent batch sampler.
 
-The global batch of step ``s`` is a pure function of (seed, s): sequence ``g = s*B + j``
-(B = global_batch, j in [0, B)) is window ``perm_e[g mod n]`` of epoch ``e = g // n``
-(n windows, ``perm_e`` a seeded permutation). Data-parallel rank r of d takes rows
-``[r*B/d, (r+1)*B/d)`` of it, so concatenating the ranks in order gives exactly the
-single-process batch, and a run restarted at any step sees the same data.
+The global batch of step ``s`` is a pure function of (seed, s): sequence ``g = g0 + (s - s0)*B + j``
+(B = global_batch, j in [0, B); (s0, g0) the resume point, (0, 0) for a fresh run) is window
+``perm_e[g mod n]`` of epoch ``e = g // n`` (n windows, ``perm_e`` a seeded permutation). Data-parallel
+rank r of d takes rows ``[r*B/d, (r+1)*B/d)`` of it, so concatenating the ranks in order gives exactly
+the single-process batch, whatever d and however each rank cuts its rows into micro-batches.
+
+The data position a checkpoint keeps (:meth:`BatchSampler.position`) is ``g``, the count of global
+sequences consumed, with each source's count and epoch, the seed and the sources' identity. A resume
+(:meth:`BatchSampler.resume`) sets ``(s0, g0)`` to it, so the next sequence is the first unseen one
+even when ``train.global_batch`` changed; with the same B it is exactly the uninterrupted run's.
 
 Every rank needs the same ``perm_e``. Drawing it is O(n) time and 4n or 8n bytes (int32 below 2^31
 windows): 1.8·10⁹ windows of a 15T-token corpus at seq 8192 would cost each of 8 ranks per node
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 from pathlib import Path
 
@@ -29,6 +35,8 @@ from numpy.typing import DTypeLike
 
 from loom.config import ConfigError
 from loom.data.prepare import read_meta
+
+log = logging.getLogger("loom")
 
 # x, y: int64 (micro_batch, seq_len), y = x shifted by one; packed: also positions (micro_batch, seq_len)
 Batch = tuple[torch.Tensor, ...]
@@ -75,8 +83,11 @@ class TokenDataset:
         if not self.path.is_file():
             raise ConfigError(f"data.prepared_dir: token file {str(self.path)!r} does not exist")
         meta = self.path.parent / "meta.json"
-        if (dtype is None or vocab_size is None) and meta.is_file():
-            recorded = read_meta(self.path.parent)
+        recorded = read_meta(self.path.parent) if meta.is_file() else {}
+        digests = recorded.get("sha256")
+        # the token file's SHA-256 recorded at prepare time ("" unknown): its identity in a data position
+        self.digest = str(digests.get(self.path.name, "")) if isinstance(digests, dict) else ""
+        if dtype is None or vocab_size is None:
             dtype = dtype if dtype is not None else recorded.get("dtype", "uint16")
             if vocab_size is None and isinstance(recorded.get("vocab_size"), int):
                 vocab_size = recorded["vocab_size"]
@@ -176,8 +187,18 @@ def shared_permutation(n: int, seed: int, epoch: int, cache: Path) -> np.ndarray
         return epoch_permutation(n, seed, epoch, tdtype).numpy()
 
 
+def window_order(dataset: TokenDataset, seed: int, epoch: int, share_above: int = SHARE_ABOVE) -> np.ndarray:
+    """Epoch ``epoch``'s order of ``dataset``'s windows: :func:`epoch_permutation`, shared per node
+    (:func:`shared_permutation` under ``<dataset dir>/perm/``) above ``share_above`` windows."""
+    n = dataset.n_windows
+    if n > share_above:
+        return shared_permutation(n, seed, epoch, dataset.path.parent / "perm")
+    return epoch_permutation(n, seed, epoch).numpy()
+
+
 class BatchSampler:
-    """This rank's micro-batches of any step, computed from (seed, step) alone (see module doc)."""
+    """This rank's micro-batches of any step, computed from (seed, step) and the resume point alone
+    (see module doc)."""
 
     def __init__(
         self,
@@ -213,6 +234,7 @@ class BatchSampler:
         self.rows_per_rank = global_batch // dp_size
         self.n_micro = self.rows_per_rank // micro_batch  # gradient-accumulation steps
         self.share_above = share_above
+        self.origin = (0, 0)  # (s0, g0): step s0 starts at global sequence g0 (a fresh run: (0, 0))
         self._perms: dict[int, np.ndarray] = {}
 
     @property
@@ -223,21 +245,32 @@ class BatchSampler:
         if epoch not in self._perms:
             if len(self._perms) >= 2:  # a step spans at most two epochs (or many, for tiny sets)
                 self._perms.clear()
-            n = self.dataset.n_windows
-            self._perms[epoch] = (
-                shared_permutation(n, self.seed, epoch, self.dataset.path.parent / "perm")
-                if n > self.share_above
-                else epoch_permutation(n, self.seed, epoch).numpy()
-            )
+            self._perms[epoch] = window_order(self.dataset, self.seed, epoch, self.share_above)
         return self._perms[epoch]
+
+    def first_sequence(self, step: int) -> int:
+        """Global index of the first sequence of ``step``: ``g0 + (step - s0)·B``."""
+        s0, g0 = self.origin
+        if step < s0:
+            raise ValueError(f"step {step} is before this sampler's resume point, step {s0}")
+        return g0 + (step - s0) * self.global_batch
+
+    def _first_row(self, step: int) -> int:
+        """Global index of this rank's first row of ``step``."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return self.first_sequence(step) + self.dp_rank * self.rows_per_rank
 
     def indices(self, step: int) -> list[int]:
         """Window indices of this rank's rows of ``step``, in order."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
         n = self.dataset.n_windows
-        first = step * self.global_batch + self.dp_rank * self.rows_per_rank
+        first = self._first_row(step)
         return [int(self._perm(g // n)[g % n]) for g in range(first, first + self.rows_per_rank)]
+
+    def sample_ids(self, step: int) -> np.ndarray:
+        """(source, window) of each of this rank's rows of ``step``, int64 (rows, 2); one source: 0."""
+        w = np.asarray(self.indices(step), dtype=np.int64)
+        return np.stack([np.zeros_like(w), w], axis=1)
 
     def micro_batches(self, step: int) -> list[Batch]:
         """``global_batch / (dp_size * micro_batch)`` pairs (x, y), each int64 (micro_batch, seq_len)."""
@@ -245,71 +278,90 @@ class BatchSampler:
         mb = self.micro_batch
         return [self.dataset.batch(idx[i : i + mb]) for i in range(0, len(idx), mb)]
 
+    # ------------------------------------------------------------------ data position
 
-PHI = (5**0.5 - 1) / 2  # fractional part of the golden ratio
+    def sources(self) -> list[dict]:
+        """Each source's identity: its directory, token file SHA-256, window count and normalized weight."""
+        d = self.dataset
+        return [{"name": str(d.path.parent), "sha256": d.digest, "windows": d.n_windows, "weight": 1.0}]
+
+    def consumed(self, g: int) -> list[int]:
+        """Sequences drawn from each source among global sequences ``[0, g)``."""
+        return [g]
+
+    def position(self, step: int) -> dict:
+        """The data position before ``step`` (JSON): global sequences consumed, the seed, and each
+        source's identity, consumed count and epoch (consumed // windows). Windows are fixed slices
+        of the token stream (a packed document that overflows one window continues in the next
+        window, not in a buffer), so no packing carry-over exists to save."""
+        g = self.first_sequence(step)
+        sources = [
+            src | {"consumed": c, "epoch": c // src["windows"]}
+            for src, c in zip(self.sources(), self.consumed(g))
+        ]
+        return {
+            "step": step,
+            "global_sequences": g,
+            "global_batch": self.global_batch,
+            "seed": self.seed,
+            "seq_len": self.dataset.seq_len,
+            "packing": "windows",
+            "sources": sources,
+        }
+
+    def resume(self, saved: dict, step: int, where: str = "the checkpoint") -> None:
+        """Continue from a checkpoint's :meth:`position` at ``step``: step ``step`` starts at its
+        ``global_sequences`` (an older record without them: ``step`` · its global batch), whatever
+        this run's global batch. Sources other than the saved ones (paths' data, count, weights)
+        are refused in one line naming ``where``."""
+        old_b = saved.get("global_batch")
+        g = saved.get("global_sequences")
+        if not isinstance(g, int):
+            g = step * (old_b if isinstance(old_b, int) and old_b > 0 else self.global_batch)
+        if isinstance(saved.get("sources"), list):
+            self._check_sources(saved["sources"], where)
+        self.origin = (step, g)
+        self._restored(saved, g)
+        if isinstance(old_b, int) and old_b != self.global_batch:
+            log.info(
+                "train.global_batch %d -> %d: step %d continues at global sequence %d, the first unseen",
+                old_b,
+                self.global_batch,
+                step,
+                g,
+            )
+
+    def _restored(self, saved: dict, g: int) -> None:
+        """Hook for per-source counters (mixtures)."""
+
+    def _check_sources(self, saved: list, where: str) -> None:
+        now = self.sources()
+
+        def same(a: dict, b: dict) -> bool:
+            digests = a.get("sha256") and b.get("sha256")
+            return (
+                a.get("windows") == b.get("windows")
+                and (not digests or a["sha256"] == b["sha256"])
+                and abs(float(a.get("weight", 1.0)) - float(b.get("weight", 1.0))) < 1e-9
+            )
+
+        if len(saved) != len(now) or not all(same(a, b) for a, b in zip(saved, now)):
+            field = "data.sources" if len(now) > 1 or len(saved) > 1 else "data.source"
+            raise ConfigError(
+                f"{field}: {where} was saved reading {_describe(saved)}; this run reads {_describe(now)}: "
+                "the data position would not continue the same samples. Resume with the same sources "
+                f"and weights, or start a new run.dir with --train.init_from {where}"
+            )
 
 
-def mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finalizer on uint64 values: a seeded hash, vectorized (wraps modulo 2^64)."""
-    with np.errstate(over="ignore"):
-        x = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-
-class MixtureSampler(BatchSampler):
-    """Batches mixing several sources by weight, a pure function of (seed, step) like
-    :class:`BatchSampler` (same rank slicing, so any layout sees the same global batch).
-
-    Sequence g comes from source k with C_k <= u_g < C_{k+1} (C: cumulative normalized weights), where
-    u_g = frac(o + φ·g) (o from the seed, φ the golden ratio's fraction): a low-discrepancy sequence,
-    so over any n consecutive sequences each source's count is within O(log n) of weight·n. Its window
-    is hash(seed, g) mod that source's windows (drawn with replacement).
-    """
-
-    def __init__(
-        self,
-        datasets: list[TokenDataset],
-        weights: list[float],
-        global_batch: int,
-        micro_batch: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(datasets[0], global_batch, micro_batch, dp_rank, dp_size, seed)
-        if len(weights) != len(datasets) or not all(w > 0 for w in weights):
-            raise ValueError(f"data.sources: need one positive weight per source, got {weights}")
-        self.datasets = datasets
-        self.cum = np.cumsum(np.asarray(weights, dtype=np.float64) / sum(weights))
-        self.offset = float(mix64(np.array([seed], dtype=np.uint64))[0] >> np.uint64(11)) / 2**53
-
-    def sources_of(self, g: np.ndarray) -> np.ndarray:
-        """Source index of global sequences ``g``."""
-        u = np.mod(self.offset + PHI * g.astype(np.float64), 1.0)
-        return np.minimum(np.searchsorted(self.cum, u, side="right"), len(self.datasets) - 1)
-
-    def picks(self, step: int) -> list[tuple[int, int]]:
-        """(source, window) of this rank's rows of ``step``."""
-        first = step * self.global_batch + self.dp_rank * self.rows_per_rank
-        g = np.arange(first, first + self.rows_per_rank, dtype=np.int64)
-        src = self.sources_of(g)
-        h = mix64(g.astype(np.uint64) ^ mix64(np.array([self.seed + 1], dtype=np.uint64)))
-        sizes = np.array([d.n_windows for d in self.datasets], dtype=np.uint64)
-        return [(int(k), int(w)) for k, w in zip(src, h % sizes[src])]
-
-    def realized(self, steps: int) -> np.ndarray:
-        """Share of each source among the global sequences of steps [0, steps)."""
-        counts = np.bincount(
-            self.sources_of(np.arange(steps * self.global_batch)), minlength=len(self.datasets)
-        )
-        return counts / max(1, counts.sum())
-
-    def micro_batches(self, step: int) -> list[Batch]:
-        picks, mb = self.picks(step), self.micro_batch
-        rows = [self.datasets[k].batch([w]) for k, w in picks]
-        return [tuple(torch.cat(parts) for parts in zip(*rows[i : i + mb])) for i in range(0, len(rows), mb)]
+def _describe(sources: list) -> str:
+    """``n source(s): dir (weight w, N windows, sha256 abc…), ...``."""
+    parts = [
+        f"{s.get('name', '?')} (weight {float(s.get('weight', 1.0)):.4g}, {s.get('windows')} windows, "
+        f"sha256 {str(s.get('sha256', ''))[:12] or '?'})"
+        for s in sources
+    ]
+    return f"{len(sources)} source{'s' if len(sources) != 1 else ''}: " + ", ".join(parts)
 
 
 def eval_batches(

@@ -26,6 +26,7 @@ from loom.checkpoint.protocol import CombinedState
 from loom.checkpoint.training import TrainCheckpoints, truncate_metrics
 from loom.comm import CommMeter
 from loom.data import BatchSampler, TokenDataset, eval_batches, mixture_sampler
+from loom.data.sample_ids import SAMPLE_IDS, SampleIdLog, gather_ids
 from loom.device import (
     peak_memory_bytes,
     peak_reserved_bytes,
@@ -172,16 +173,20 @@ class Trainer:
             from loom.finetune.base import base_identity
 
             base = partial(base_identity, cfg)
-        self.ckpts = TrainCheckpoints(cfg, self.run_dir, env.rank, env.world, state, scaler, base)
+        self.ckpts = TrainCheckpoints(
+            cfg, self.run_dir, env.rank, env.world, state, scaler, base, data=self.sampler
+        )  # the data position travels in every checkpoint and is restored with it
         self.start_step = self.ckpts.restore()
         self.data_identity = data_identity(self.data)
         if self.start_step > 0:  # every rank: the same files, the same verdict, before anything is written
             check_same_data(self.run_dir, self.data_identity)
         if self.is_main:  # rows an earlier attempt wrote past the checkpoint it resumes from
             truncate_metrics(self.run_dir, self.start_step)
+            truncate_metrics(self.run_dir, self.start_step, SAMPLE_IDS)
             (self.run_dir / STOPPED).unlink(missing_ok=True)
         trackers = open_trackers(cfg.run.trackers, self.run_dir, C.to_dict(cfg)) if self.is_main else []
         self.metrics = MetricsWriter(self.run_dir, self.is_main, wants_tensorboard(cfg.run), trackers)
+        self.sample_ids = SampleIdLog(self.run_dir, self.is_main) if cfg.data.record_ids else None
         if self.is_main:
             self._write_run_files()
 
@@ -211,6 +216,15 @@ class Trainer:
 
     def _to_device(self, batches):
         return [tuple(t.to(self.device, non_blocking=True) for t in batch) for batch in batches]
+
+    def _record_ids(self, step: int) -> None:
+        """``data.record_ids``: the step's global batch as every dp rank's sampler gave it, one line."""
+        assert self.sample_ids is not None
+        dp_rank, dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
+        ids = gather_ids(
+            self.sampler.sample_ids(step), dp_rank, dp, self.env.world, self.control, self.cfg.run.timeout_s
+        )
+        self.sample_ids.write(step + 1, ids)
 
     def _time_up(self, start: float) -> bool:
         limit = self.cfg.train.time_limit_s
@@ -307,6 +321,8 @@ class Trainer:
             with timings.active(self.clock):
                 with timings.phase("data"):
                     batches = self._to_device(self._my_tokens(self.sampler.micro_batches(step)))
+                    if self.sample_ids is not None:
+                        self._record_ids(step)
                 logged = (step + 1) % c.log_every == 0 or step + 1 == c.steps
                 try:
                     g_small = (  # train.log_gns: one more micro-batch's gradient, before the step
@@ -390,6 +406,8 @@ class Trainer:
         self.ckpts.finish(done)
         self.save_final(done, last)
         self.metrics.close()
+        if self.sample_ids is not None:
+            self.sample_ids.close()
         return last
 
     def _save_stopped(self, step: int, signum: int, last: dict[str, float]) -> dict[str, float]:
@@ -403,6 +421,8 @@ class Trainer:
         finally:
             quiet.setLevel(level)
         self.metrics.close()
+        if self.sample_ids is not None:
+            self.sample_ids.close()
         if self.is_main:
             record = {"step": step, "signal": signal.Signals(signum).name, "checkpoint": str(path)}
             write_json_atomic(self.run_dir / STOPPED, record)
