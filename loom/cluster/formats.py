@@ -245,10 +245,14 @@ def synthetic_trace(
     seed: int = 0,
     reference: str = "v100",
     vocab: int = 32000,
+    short: tuple[float, float] = (1.5, 3.0),
+    long: tuple[float, float] = (3.0, 4.0),
+    long_share: float = 0.2,
 ) -> list[Job]:
     """Poisson arrivals (``jobs_per_hour``), a model drawn from :data:`JOB_MIX`, devices from
     :data:`SCALES`, and a run time on ``devices`` of ``reference`` of 10^x minutes, x uniform on
-    [1.5, 3] (80%) or [3, 4] (20%) (Gavel's synthetic distribution); work = run time x throughput.
+    ``short`` [1.5, 3] (80%) or ``long`` [3, 4] (``long_share`` 20%) (Gavel's synthetic
+    distribution); work = run time x throughput.
     B_noise is drawn log-uniform in [M0, 16 M0] and grows 8x over the run (Pollux's observation)."""
     rng = random.Random(seed)
     jobs: list[Job] = []
@@ -263,7 +267,7 @@ def synthetic_trace(
             if r < acc:
                 devices = n
                 break
-        lo, hi = (1.5, 3.0) if rng.random() < 0.8 else (3.0, 4.0)
+        lo, hi = long if rng.random() < long_share else short
         minutes = 10 ** rng.uniform(lo, hi)
         model = ModelConfig(vocab_size=vocab, max_seq_len=seq, **fields)
         job = Job(f"{name}#{i}", t, 1.0, devices, batch, 0, seq, prec, model)

@@ -23,8 +23,8 @@ at every arrival, completion and round boundary and applies the returned placeme
   maximises total normalised throughput (no capacity left idle). X is recomputed when the set of
   jobs changes; Gavel's rounds realise it: each call ranks (m, t) by X[m,t] / (share of m's time
   received on t so far) and places jobs greedily in that order.
-- ``pollux`` (Qiao et al., OSDI 2021): jobs admitted in least-attained-service order on one device
-  each, then devices doubled for the job whose goodput (throughput x statistical efficiency, at its
+- ``pollux`` (Qiao et al., OSDI 2021): jobs admitted in least-attained-service order on the fewest
+  devices they run on (of the type with most goodput per device), then devices doubled for the job whose goodput (throughput x statistical efficiency, at its
   best batch) gains most per added device, while devices are free and the gain exceeds 5%. The
   batch maximises goodput on the allocation; the learning rate follows AdaScale's gain.
 """
@@ -282,11 +282,12 @@ class Pollux:
         for js in order:  # admission: the smallest size of the type with the best goodput per device
             best: tuple[float, str, int] | None = None
             for t in cluster.types:
-                sizes = [n for n in self._sizes(js, t, cluster) if n <= free[t]]
-                if sizes:
-                    g = goodput(js.job, t, sizes[0], js.fraction, per_node)[0] / sizes[0]
-                    if g > 0 and (best is None or g > best[0]):
-                        best = (g, t, sizes[0])
+                for n in (n for n in self._sizes(js, t, cluster) if n <= free[t]):
+                    g = goodput(js.job, t, n, js.fraction, per_node)[0] / n
+                    if g > 0:  # the smallest size that runs (fits in memory)
+                        if best is None or g > best[0]:
+                            best = (g, t, n)
+                        break
             if best is not None:
                 size[js.job.name] = (best[1], best[2])
                 free[best[1]] -= best[2]
