@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -241,8 +242,10 @@ def test_mixture_packed_stopped_on_two_ranks_resumed_on_one(pools, mixture_cfg, 
     """The issue's case: a two-source packed mixture stopped at step 10 on 2 ranks (micro 1, accum 2)
     and resumed on 1 rank (accum 4) to step 20 consumed exactly the sample ids of the uninterrupted
     2-rank run at every step, and its losses match within 1e-4."""
+    from loom.checkpoint.training import TrainCheckpoints
+    from loom.data import mixture_sampler
     from loom.data.sample_ids import read_sample_ids
-    from tests.helpers import read_metrics
+    from tests.helpers import read_metrics, with_sections
 
     cfg, cache = mixture_cfg["cfg"], mixture_cfg["cache"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
@@ -252,6 +255,8 @@ def test_mixture_packed_stopped_on_two_ranks_resumed_on_one(pools, mixture_cfg, 
     (ckpt,) = [p for p in (stopped / "checkpoints").glob("step-*") if p.name.endswith("10")]
     saved = json.loads((ckpt / "train_state.json").read_text())["data"]
     assert saved["global_sequences"] == 40 and len(saved["sources"]) == 2
+    shutil.copytree(stopped, tmp_path / "bigger")
+    shutil.copytree(stopped, tmp_path / "reweighted")
     _train(cfg, str(stopped), cache)  # one rank: dp 1, accumulation 4
 
     want, got = read_sample_ids(straight), read_sample_ids(stopped)
@@ -264,3 +269,23 @@ def test_mixture_packed_stopped_on_two_ranks_resumed_on_one(pools, mixture_cfg, 
     torch.testing.assert_close(
         torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]), rtol=0, atol=1e-4
     )
+
+    # the same checkpoint resumed with global batch 8 (1 rank, 2 steps): the uninterrupted run's
+    # sequences 41..56 (its steps 11-14), in order
+    _train(with_sections(cfg, train={"global_batch": 8, "steps": 12}), str(tmp_path / "bigger"), cache)
+    bigger = read_sample_ids(tmp_path / "bigger")
+    assert [bigger[s] for s in (11, 12)] == [want[11] + want[12], want[13] + want[14]]
+    # with other weights: the trainer's checkpoints refuse it in one line naming the checkpoint,
+    # before any state is loaded
+    reweighted = with_sections(cfg, run={"dir": str(tmp_path / "reweighted")})
+    reweighted["data"]["sources"][1]["weight"] = 3
+    rcfg = C.from_dict(reweighted)
+    os.environ["LOOM_CACHE_DIR"], old = cache, os.environ.get("LOOM_CACHE_DIR")
+    try:
+        sampler = mixture_sampler(rcfg, 0, 1)
+    finally:
+        os.environ.pop("LOOM_CACHE_DIR") if old is None else os.environ.update(LOOM_CACHE_DIR=old)
+    ckpts = TrainCheckpoints(rcfg, tmp_path / "reweighted", 0, 1, state=None, data=sampler)  # type: ignore[arg-type]
+    with pytest.raises(C.ConfigError, match=r"^data.sources: .*step-0+10 was saved reading 2 sources") as e:
+        ckpts.restore()
+    assert "\n" not in str(e.value) and "weight 0.5" in str(e.value)
