@@ -13,6 +13,8 @@
 #   --only PARTS    a subset, e.g. --only B or --only A,C
 #   --dry-run       every part on the CPU with tiny sizes (what tests/test_gpu_one.py runs)
 #   --budget K=V    override one budget (keys in BUDGETS in gpu_one.py), e.g. --budget B.mfu_min=0.3
+#   --jobs N        with --dry-run only: N parts at a time (their runs are mostly Python start-up, one
+#                   core each); on a GPU parts run one at a time, so none disturbs another's timings
 #
 # No network on the GPU machine: nothing is downloaded. Missing pure-Python packages as wheels: on a
 # networked machine with the same Python, `pip download -d wheels -r requirements.txt`; copy wheels/
@@ -21,7 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-out="" data="" only="ABCDEFG" dry=()
+out="" data="" only="ABCDEFG" dry=() jobs=1
 budgets=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -30,12 +32,21 @@ while [ $# -gt 0 ]; do
         --only) only="${2:?--only needs parts, e.g. A,B}"; shift 2 ;;
         --dry-run) dry=(--dry-run); shift ;;
         --budget) budgets+=(--budget "${2:?--budget needs KEY=VALUE}"); shift 2 ;;
+        --jobs) jobs="${2:?--jobs needs a number}"; shift 2 ;;
         -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;;
         *) echo "gpu_one.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 if [ -z "$out" ]; then
     echo "gpu_one.sh: --out DIR is required" >&2
+    exit 2
+fi
+if [[ ! "$jobs" =~ ^[1-9][0-9]*$ ]]; then
+    echo "gpu_one.sh: --jobs takes a positive integer, got $jobs" >&2
+    exit 2
+fi
+if [ "$jobs" -gt 1 ] && [ ${#dry[@]} -eq 0 ]; then
+    echo "gpu_one.sh: --jobs $jobs needs --dry-run (on a GPU, parts run one at a time)" >&2
     exit 2
 fi
 only="${only//,/}"
@@ -59,16 +70,29 @@ if [ -z "$data" ]; then
     fi
 fi
 
-exits=()
-start=$SECONDS
-for (( i = 0; i < ${#only}; i++ )); do
-    p="${only:$i:1}"
+run_part() {  # part P under its timeout; its exit status to logs/P.rc
+    local p="$1" t rc=0
     t=$("${py[@]}" timeout "$p" "${common[@]}")
     echo "== part $p (timeout ${t}s)"
-    rc=0
     timeout -k 10 "$t" "${py[@]}" part "$p" "${common[@]}" --data "$data" >"$out/logs/$p.log" 2>&1 || rc=$?
+    echo "$rc" >"$out/logs/$p.rc"
     grep -E '^\[[A-G]\] ' "$out/logs/$p.log" || true
-    exits+=("$p=$rc")
+}
+
+start=$SECONDS
+for (( i = 0; i < ${#only}; i++ )); do
+    if [ "$jobs" -gt 1 ]; then
+        while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+        run_part "${only:$i:1}" &
+    else
+        run_part "${only:$i:1}"
+    fi
+done
+wait
+exits=()
+for (( i = 0; i < ${#only}; i++ )); do
+    p="${only:$i:1}"
+    exits+=("$p=$(cat "$out/logs/$p.rc" 2>/dev/null || echo 1)")
 done
 echo "== parts took $(( SECONDS - start )) s"
 joined=$(IFS=,; echo "${exits[*]}")

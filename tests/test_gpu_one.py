@@ -15,7 +15,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_one.sh"
 
 
 def _run(out: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = ["bash", str(SCRIPT), "--out", str(out), "--dry-run", *args]
+    cmd = ["bash", str(SCRIPT), "--out", str(out), "--dry-run", "--jobs", "2", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 

@@ -12,7 +12,7 @@ import torch
 from torch.testing import assert_close
 
 from loom import config as C
-from tests.dist import ROOT, RankFailure, get_mesh
+from tests.dist import ROOT, RankFailure, get_mesh, rank_device
 from tests.helpers import (
     global_batch,
     one_thread,  # noqa: F401 (fixture)
@@ -195,7 +195,8 @@ def _dedicated(
 
     links = _links(workers, shards)
     cfg = tiny_train(steps=steps)
-    model = build_model(tiny_model(), cfg.seed)
+    dev = rank_device()  # the CPU in gloo pools, this rank's GPU in tests/test_gpu.py's NCCL pools
+    model = build_model(tiny_model(), cfg.seed, dev)
     bound = "bsp" if sync == "bsp" else parse_ps_sync(sync)
     meter = CommMeter()
     if links.is_server:
@@ -210,7 +211,7 @@ def _dedicated(
             "bytes_out": report.bytes_out,
             "rounds": report.rounds,
             "waits": report.waits,
-            "shard": report.state["shard"],
+            "shard": report.state["shard"].cpu(),
             "meter": dict(meter.moved),
         }
     w = links.rank
@@ -221,6 +222,7 @@ def _dedicated(
             time.sleep(slow_s)
         meter.reset()
         micro = rank_micro_batches(0 if fixed else step, BATCH, BATCH // workers, w, workers)
+        micro = [tuple(t.to(dev) for t in b) for b in micro]
         group = links.worker_group if sync == "bsp" else None
         losses.append(
             train_step(plain_run(model, worker, loss_fn), micro, cfg.grad_clip, lr_at(step, cfg), group).loss
@@ -230,7 +232,7 @@ def _dedicated(
     return {
         "worker": w,
         "losses": losses,
-        "state": worker.full_state_dict(),
+        "state": {k: v.cpu() for k, v in worker.full_state_dict().items()},
         "sent": sent,
         "versions": worker.versions,
     }
