@@ -150,9 +150,16 @@ def test_a_resume_on_other_sources_or_weights_is_refused_in_one_line(sets, tmp_p
         with pytest.raises(C.ConfigError) as e:
             sampler.resume(saved, 3, "run/checkpoints/step-3")
         line = str(e.value)
-        assert "\n" not in line and line.startswith("data.source")
+        assert "\n" not in line and line.startswith("data.sources: ")
         assert "run/checkpoints/step-3" in line and "--train.init_from" in line
     MixtureSampler(sets, [6, 2], B, B, seed=11).resume(saved, 3)  # the same normalized weights: accepted
+    with pytest.raises(
+        C.ConfigError,
+        match=r"^data: ckpt was trained with train.bin \?, this run's is \?; 29 windows then, 7 now",
+    ):
+        BatchSampler(other, B, B, seed=11).resume(
+            _json(BatchSampler(sets[0], B, B, seed=11).position(3)), 3, "ckpt"
+        )
 
 
 # ----------------------------------------------------------------------------- end to end

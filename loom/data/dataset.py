@@ -345,10 +345,16 @@ class BatchSampler:
                 and abs(float(a.get("weight", 1.0)) - float(b.get("weight", 1.0))) < 1e-9
             )
 
-        if len(saved) != len(now) or not all(same(a, b) for a, b in zip(saved, now)):
-            field = "data.sources" if len(now) > 1 or len(saved) > 1 else "data.source"
+        if len(saved) == len(now) == 1 and not same(saved[0], now[0]):  # as run.dir/data.json words it
+            was, new = (str(x.get("sha256", "")) or "?" for x in (saved[0], now[0]))
             raise ConfigError(
-                f"{field}: {where} was saved reading {_describe(saved)}; this run reads {_describe(now)}: "
+                f"data: {where} was trained with train.bin {was[:12]}, this run's is {new[:12]}; "
+                f"{saved[0].get('windows')} windows then, {now[0].get('windows')} now: resume with the same "
+                f"data and tokenizer, or start a new run.dir with --train.init_from {where}"
+            )
+        if len(saved) != len(now) or not all(same(a, b) for a, b in zip(saved, now)):
+            raise ConfigError(
+                f"data.sources: {where} was saved reading {_describe(saved)}; this run reads {_describe(now)}: "
                 "the data position would not continue the same samples. Resume with the same sources "
                 f"and weights, or start a new run.dir with --train.init_from {where}"
             )
