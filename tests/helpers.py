@@ -278,6 +278,23 @@ def prepared_config(overrides: dict, cache_dir) -> dict:
     return out
 
 
+# The smallest job the CLI and the Trainer run end to end (one block of width 32, 0.1 MB of text,
+# 2 steps, 1 rank): the base that tests vary with :func:`with_sections`.
+TINY_JOB = {
+    "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
+    "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
+    "train": {"steps": 2, "global_batch": 2, "micro_batch": 2, "log_every": 1, "eval_every": 0},
+    "run": {"progress": False, "tensorboard": False, "threads": 1},
+}
+# Two blocks of width 64 on 2 ranks, a batch of 4 micro-batches: restarts and preemption.
+SMALL_JOB = {
+    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
+    "data": {"seq_len": 64, "vocab_size": 512, "max_corpus_mb": 0.3},
+    "train": {"global_batch": 8, "micro_batch": 2, "warmup_steps": 2, "log_every": 1, "eval_every": 0},
+    "run": {"progress": False, "tensorboard": False, "threads": 1, "nproc": 2},
+}
+
+
 def with_sections(cfg: dict, **sections) -> dict:
     """A copy of the config dict ``cfg`` with each ``section={key: value}`` merged in."""
     import json

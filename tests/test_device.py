@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from loom import config as C
+from tests.helpers import TINY_JOB, with_sections
 
 
 @pytest.mark.parametrize(
@@ -194,19 +195,7 @@ def test_trainer_reads_the_clock_after_a_device_sync(monkeypatch, tmp_path_facto
     from loom.data import prepare_data
     from loom.train import trainer as T
 
-    cfg = C.from_dict(
-        {
-            "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
-            "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
-            "train": {"steps": 2, "global_batch": 2, "micro_batch": 2, "log_every": 1, "eval_every": 0},
-            "run": {
-                "progress": False,
-                "tensorboard": False,
-                "threads": 1,
-                "dir": str(tmp_path_factory.mktemp("run")),
-            },
-        }
-    )
+    cfg = C.from_dict(with_sections(TINY_JOB, run={"dir": str(tmp_path_factory.mktemp("run"))}))
     os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     cfg.data.prepared_dir = str(prepare_data(cfg.data, progress=False).dir)
     events = []

@@ -20,24 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import prepared_config, read_metrics, with_sections
+from tests.helpers import SMALL_JOB, prepared_config, read_metrics, with_sections
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12
-OVERRIDES = {
-    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
-    "data": {"seq_len": 64, "vocab_size": 512, "max_corpus_mb": 0.3},
-    "train": {
-        "steps": STEPS,
-        "global_batch": 8,
-        "micro_batch": 2,
-        "warmup_steps": 2,
-        "log_every": 1,
-        "eval_every": 0,
-        "checkpoint_every": 0,
-    },
-    "run": {"progress": False, "tensorboard": False, "threads": 1, "nproc": 2},
-}
+OVERRIDES = with_sections(SMALL_JOB, train={"steps": STEPS, "checkpoint_every": 0})
 # rank 0's INFO lines at start-up, before any step (the interruption's output is what follows them)
 STARTUP = ("[rank 0] model ", "[rank 0] MFU peak")
 

@@ -8,28 +8,13 @@ import json
 import pytest
 
 from loom import config as C
-from tests.helpers import prepared_config, with_sections
+from tests.helpers import TINY_JOB, prepared_config, with_sections
 
-OVERRIDES = {
-    "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
-    "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
-    "train": {
-        "steps": 4,
-        "global_batch": 4,
-        "micro_batch": 1,
-        "warmup_steps": 1,
-        "log_every": 2,
-        "eval_every": 0,
-    },
-    "run": {
-        "nproc": 2,
-        "progress": False,
-        "tensorboard": False,
-        "threads": 1,
-        "profile_steps": "2-3",
-        "memory_snapshot_step": 4,
-    },
-}
+OVERRIDES = with_sections(
+    TINY_JOB,
+    train={"steps": 4, "global_batch": 4, "micro_batch": 1, "warmup_steps": 1, "log_every": 2},
+    run={"nproc": 2, "profile_steps": "2-3", "memory_snapshot_step": 4},
+)
 
 
 def test_two_ranks_write_traces_a_timeline_and_a_memory_timeline(tmp_path):

@@ -27,24 +27,13 @@ import numpy as np
 import pytest
 
 from loom import config as C
+from tests.helpers import TINY_JOB, with_sections
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOKKEEPING = {".loom.lock", "heartbeat", "logs"}  # rewritten by every start, refused or not
-TINY = {
-    "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
-    "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
-    "train": {
-        "steps": 2,
-        "global_batch": 2,
-        "micro_batch": 2,
-        "log_every": 1,
-        "eval_every": 0,
-        "warmup_steps": 1,
-        "checkpoint_every": 1,
-        "checkpoint_async": False,
-    },
-    "run": {"nproc": 1, "progress": False, "tensorboard": False, "threads": 1},
-}
+TINY = with_sections(
+    TINY_JOB, train={"warmup_steps": 1, "checkpoint_every": 1, "checkpoint_async": False}, run={"nproc": 1}
+)
 
 
 @dataclass

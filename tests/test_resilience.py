@@ -23,24 +23,11 @@ import pytest
 import torch
 
 from loom import config as C
-from tests.helpers import prepared_config, read_metrics, with_sections
+from tests.helpers import SMALL_JOB, prepared_config, read_metrics, with_sections
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 30
-OVERRIDES = {
-    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
-    "data": {"seq_len": 64, "vocab_size": 512, "max_corpus_mb": 0.3},
-    "train": {
-        "steps": STEPS,
-        "global_batch": 8,
-        "micro_batch": 2,
-        "warmup_steps": 2,
-        "log_every": 1,
-        "eval_every": 0,
-        "checkpoint_every": 5,
-    },
-    "run": {"progress": False, "tensorboard": False, "threads": 1, "nproc": 2},
-}
+OVERRIDES = with_sections(SMALL_JOB, train={"steps": STEPS, "checkpoint_every": 5})
 
 
 def _cli_args(cfg: dict) -> list[str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from loom import config as C
+from tests.helpers import TINY_JOB, with_sections
 
 
 @pytest.fixture(scope="module")
@@ -21,20 +22,11 @@ def trained(tmp_path_factory) -> tuple[dict, Path]:
     from loom.train.trainer import RankEnv, Trainer
 
     run = tmp_path_factory.mktemp("run")
-    cfg = {
-        "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
-        "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
-        "train": {
-            "steps": 4,
-            "global_batch": 2,
-            "micro_batch": 2,
-            "log_every": 1,
-            "eval_every": 0,
-            "checkpoint_every": 2,
-            "checkpoint_async": False,
-        },
-        "run": {"progress": False, "tensorboard": False, "threads": 1, "dir": str(run)},
-    }
+    cfg = with_sections(
+        TINY_JOB,
+        train={"steps": 4, "checkpoint_every": 2, "checkpoint_async": False},
+        run={"dir": str(run)},
+    )
     os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     cfg["data"]["prepared_dir"] = str(prepare_data(C.from_dict(cfg).data, progress=False).dir)
     trainer = Trainer(C.from_dict(cfg), RankEnv(0, 1, 0, 1))

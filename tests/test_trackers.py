@@ -9,23 +9,13 @@ from pathlib import Path
 import pytest
 
 from loom import config as C
-from tests.helpers import prepared_config, read_metrics, with_sections
+from tests.helpers import TINY_JOB, prepared_config, read_metrics, with_sections
 
-OVERRIDES = {
-    "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
-    "data": {"seq_len": 32, "vocab_size": 300, "max_corpus_mb": 0.1},
-    "train": {
-        "steps": 2,
-        "global_batch": 2,
-        "micro_batch": 2,
-        "warmup_steps": 1,
-        "log_every": 1,
-        "eval_every": 0,
-        "checkpoint_every": 2,
-        "checkpoint_async": False,
-    },
-    "run": {"nproc": 1, "progress": False, "tensorboard": False, "threads": 1, "trackers": "wandb,mlflow"},
-}
+OVERRIDES = with_sections(
+    TINY_JOB,
+    train={"warmup_steps": 1, "checkpoint_every": 2, "checkpoint_async": False},
+    run={"nproc": 1, "trackers": "wandb,mlflow"},
+)
 
 
 def _train(cfg: dict, steps: int) -> None:
