@@ -31,6 +31,8 @@ from loom.checkpoint.save import list_checkpoints
 from loom.checkpoint.shared_read import fill_shared, group_order
 
 log = logging.getLogger("loom")
+# a padded vocabulary's tensors (model.pad_vocab_to): V' rows, those >= V zeros; their optimizer state too
+VOCAB_ROWS = ("tok_embeddings.weight", "output.weight")
 
 
 def _complete(ckpt: Path) -> bool:
@@ -142,8 +144,13 @@ class CheckpointReader:
     def dtype(self, name: str) -> torch.dtype:
         return self._meta(name)[1]
 
-    def read(self, name: str, region: Region | None = None) -> torch.Tensor:
-        shape, dtype, _ = self._meta(name)
+    def read(
+        self, name: str, region: Region | None = None, shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
+        """``region`` (None: all) of ``name``, of the global ``shape`` (None: the stored one; another
+        padded vocabulary's: :meth:`resized`)."""
+        stored, dtype, _ = self._meta(name)
+        shape = tuple(shape) if shape is not None else stored
         region = region if region is not None else full_box(shape)
         out = torch.empty(region.lengths if isinstance(region, Box) else (region.length,), dtype=dtype)
         self._fill_one(name, ShardedTensor(out, shape, region))
@@ -156,7 +163,7 @@ class CheckpointReader:
             raise F.CheckpointError(f"{self.dir}: has no tensor {', '.join(missing[:5])}{more}")
         for name, st in state.items():
             shape = self._meta(name)[0]
-            if tuple(shape) != tuple(st.global_shape):
+            if tuple(shape) != tuple(st.global_shape) and not self.resized(name, st.global_shape):
                 raise F.CheckpointError(
                     f"{self.dir}: {name} has global shape {list(shape)}, this run expects {list(st.global_shape)} "
                     "(different model config?)"
@@ -173,6 +180,35 @@ class CheckpointReader:
             for key in sorted(shared):  # one global order of groups: no waiting in a cycle
                 rg, entries = shared[key]
                 fill_shared(entries, rg, self._read_into)
+
+    def resized(self, name: str, shape: tuple[int, ...]) -> bool:
+        """``name`` is a vocabulary tensor stored with V'_s rows and wanted with V'_w (a layout of
+        another automatic ``model.pad_vocab_to``), both >= the saved run's V, other dims equal: rows
+        below min(V'_s, V'_w) are the same elements, the others padding (zeros)."""
+        stored = self._meta(name)[0]
+        model = (self.train_state.get("config") or {}).get("model") or {}
+        vocab = int(model.get("vocab_size") or 0)
+        return (
+            any(f".{v}." in f".{name}." for v in VOCAB_ROWS)  # model.<v>, optim.<v>.exp_avg, ...
+            and len(stored) == len(shape) >= 2
+            and tuple(stored[1:]) == tuple(shape[1:])
+            and 0 < vocab <= min(stored[0], shape[0])
+        )
+
+    def _fill_resized(self, name: str, st: ShardedTensor) -> None:
+        """Fill ``st`` (of another padded row count, :meth:`resized`) from the stored rows of its row
+        span; rows past the stored ones are zeros."""
+        stored, want = self._meta(name)[0], tuple(st.global_shape)
+        lo, hi = row_span(st.region, want)
+        rest = want[1:]
+        outer = Box((lo,) + (0,) * len(rest), (hi - lo, *rest))
+        window = torch.zeros(outer.lengths, dtype=st.local.dtype)
+        have = min(hi, stored[0])
+        if have > lo:
+            rows = Box(outer.offsets, (have - lo, *rest))
+            self._fill_one(name, ShardedTensor(window[: have - lo], stored, rows))
+        for off, box in region_boxes(st.region, want):
+            view_box(st.local, st.region, off, box).copy_(window[local_slices(outer, box)])
 
     # ------------------------------------------------------------------ internals
     def _meta(self, name: str):
@@ -200,6 +236,12 @@ class CheckpointReader:
 
     def _fill_one(self, name: str, st: ShardedTensor) -> None:
         shape, _, pieces = self._meta(name)
+        if tuple(shape) != tuple(st.global_shape):
+            if not self.resized(name, st.global_shape):
+                raise F.CheckpointError(
+                    f"{self.dir}: {name} has global shape {list(shape)}, {list(st.global_shape)} was asked for"
+                )
+            return self._fill_resized(name, st)
         copied = 0
         lo, hi = row_span(st.region, shape)
         dst_boxes = region_boxes(st.region, shape)

@@ -60,7 +60,9 @@ class CheckpointSource:
             key = PREFIX + name
             if key not in have:
                 raise ConfigError(f"train.init_from: {self.reader.dir} has no tensor {key}")
-            if tuple(self.reader.global_shape(key)) != tuple(param.shape):
+            if tuple(self.reader.global_shape(key)) != tuple(param.shape) and not self.reader.resized(
+                key, tuple(param.shape)
+            ):
                 raise ConfigError(
                     f"train.init_from: {key} has shape {tuple(self.reader.global_shape(key))} in "
                     f"{self.reader.dir}, this model has {tuple(param.shape)}"
@@ -68,4 +70,4 @@ class CheckpointSource:
 
     def __call__(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
         box = Box(tuple(s.start for s in index), tuple(s.stop - s.start for s in index))
-        return self.reader.read(PREFIX + name, box)
+        return self.reader.read(PREFIX + name, box, shape)  # a padded vocabulary: any padded rows
