@@ -296,3 +296,13 @@ def test_mixture_packed_stopped_on_two_ranks_resumed_on_one(pools, mixture_cfg, 
     with pytest.raises(C.ConfigError, match=r"^data.sources: .*step-0+10 was saved reading 2 sources") as e:
         ckpts.restore()
     assert "\n" not in str(e.value) and "weight 0.5" in str(e.value)
+
+
+def test_record_ids_is_refused_beside_dedicated_parameter_servers():
+    """Dedicated server ranks run no step, so they would not join the ids' all-gather: refused."""
+    over = {"parallel": {"dp_mode": "ps", "ps_shards": 1}, "train": {"global_batch": 4, "micro_batch": 1}}
+    over["data"] = {"record_ids": True}
+    C.validate(C.from_dict(json.loads(json.dumps(over))), 2)  # colocated servers: accepted
+    over["parallel"]["ps_colocate"] = False
+    with pytest.raises(C.ConfigError, match=r"^data.record_ids: not with dedicated parameter servers"):
+        C.validate(C.from_dict(over), 3)
