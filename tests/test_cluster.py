@@ -348,3 +348,34 @@ def test_trainer_logs_gns_without_changing_the_run(tmp_path, monkeypatch):
     for r in probed:
         assert r["gns_g2"] + r["gns_trace"] / 4 == pytest.approx(r["grad_norm"] ** 2, rel=1e-6)
         assert r["gns"] == pytest.approx(r["gns_trace"] / r["gns_g2"])
+
+
+def test_cluster_profiles_feed_the_planner(tmp_path, capsys):
+    """A cluster file's ``profiles`` (a loom plan calibrate profile per device type) replace the
+    datasheet: the job model's throughput is M / step time of the planner's best layout under that
+    profile, shared among the ranks (contended), as parallel.auto sees it; a missing file is refused."""
+    from loom.cluster.formats import load_cluster
+    from loom.plan import ClusterSpec, Workload, search
+    from loom.plan.hardware import DEVICES, contended, datasheet_profile
+
+    prof = datasheet_profile(DEVICES["cpu"])
+    path = tmp_path / "profile.json"
+    prof.save(path)
+    cfile = _write(
+        tmp_path, "c.toml", f'[cluster]\ndevices = {{ cpu = 2 }}\nprofiles = {{ cpu = "{path}" }}\n'
+    )
+    cluster = load_cluster(cfile)
+    job = Job("c", 0, 100, 2, batch=4, seq_len=16, precision="fp32", model=tiny_model())
+    got = throughput(job, "cpu", 2, per_node=cluster.devices_per_node, profile=cluster.profile("cpu"))
+    best = search(
+        tiny_model(),
+        Workload(4, 16, "fp32"),
+        ClusterSpec.single_node("cpu", 2),
+        2,
+        profile=contended(prof, 2),
+    ).best
+    assert best is not None and got == pytest.approx(4 / best.step_time)
+    bad = _write(tmp_path, "b.toml", '[cluster]\ndevices = { cpu = 2 }\nprofiles = { cpu = "none.json" }\n')
+    assert cluster_main(["simulate", "--cluster", bad, "--trace", "synthetic"]) == 2
+    err = capsys.readouterr().err
+    assert "b.toml: cluster.profiles.cpu: profile file 'none.json' does not exist" in err

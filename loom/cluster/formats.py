@@ -7,6 +7,7 @@ Cluster file::
     devices_per_node = 4                           # planner nodes (default 4)
     round_s = 360                                  # Gavel's scheduling round (default 360 s)
     restart_s = 15                                 # lost per placement change: checkpoint + resume (default 15 s)
+    profiles = { cpu = "profile.json" }            # optional: a type's loom plan calibrate profile
 
 Trace file: ``[[jobs]]`` tables (TOML) or ``{"jobs": [...]}`` (JSON), each with ``arrival_s`` and
 ``samples``, and either ``model`` (a preset name of loom/configs, or a table of ModelConfig fields) or
@@ -23,13 +24,13 @@ import json
 import math
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loom.cluster.jobs import ClusterError, Job, gns_from_metrics, throughput
 from loom.config import ModelConfig
-from loom.plan import DEVICES
+from loom.plan import DEVICES, HardwareError, Profile
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -45,6 +46,12 @@ class Cluster:
     devices_per_node: int = 4
     round_s: float = 360.0
     restart_s: float = 15.0
+    profiles: dict[str, str] = field(
+        default_factory=dict
+    )  # device type -> loom plan calibrate profile (JSON)
+
+    def profile(self, device: str) -> str:
+        return self.profiles.get(device, "")
 
     @property
     def types(self) -> list[str]:
@@ -87,7 +94,7 @@ def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> Cluster:
     table = data.get("cluster")
     if set(data) != {"cluster"} or not isinstance(table, dict):
         raise ClusterError(f"{where}: expected one [cluster] table, found {sorted(data)}")
-    allowed = {"devices", "devices_per_node", "round_s", "restart_s"}
+    allowed = {"devices", "devices_per_node", "round_s", "restart_s", "profiles"}
     for key in table:
         if key not in allowed:
             raise ClusterError(f"{where}: cluster.{key}: unknown key; allowed: {', '.join(sorted(allowed))}")
@@ -110,7 +117,17 @@ def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> Cluster:
     for key in ("round_s", "restart_s"):
         if key in table:
             kw[key] = float(_num(f"{where}: cluster.{key}", table[key], strict=key == "round_s"))
-    return Cluster(dict(devs), **kw)
+    profiles = table.get("profiles", {})
+    if not isinstance(profiles, dict):
+        raise ClusterError(f"{where}: cluster.profiles: expected a table of device type -> profile path")
+    for name, path in profiles.items():
+        if name not in devs:
+            raise ClusterError(f"{where}: cluster.profiles.{name}: not a device type of cluster.devices")
+        try:
+            Profile.load(path)
+        except (HardwareError, ValueError) as e:
+            raise ClusterError(f"{where}: cluster.profiles.{name}: {e}") from None
+    return Cluster(dict(devs), profiles=dict(profiles), **kw)
 
 
 def load_cluster(path: str | Path) -> Cluster:
@@ -217,7 +234,8 @@ def check_runnable(jobs: list[Job], cluster: Cluster, where: str) -> None:
                 f"({max(cluster.devices.values())}) of the cluster"
             )
         if not any(
-            throughput(job, t, job.devices, per_node=cluster.devices_per_node) > 0 for t in cluster.types
+            throughput(job, t, job.devices, per_node=cluster.devices_per_node, profile=cluster.profile(t)) > 0
+            for t in cluster.types
         ):
             raise ClusterError(
                 f"{where}: jobs[{i}] ({job.name}): no throughput on {job.devices} devices of any of "

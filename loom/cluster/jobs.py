@@ -5,7 +5,8 @@ sequence length, precision) and an amount of work: ``samples`` sequences at batc
 throughput (sequences/s) on ``n`` devices of type ``t`` at batch ``M`` comes either from the job's
 own table (``throughput[t][n]``, measured or calibrated; independent of ``M``) or from Loom's planner:
 ``M / step_time`` of the fastest layout :func:`loom.plan.search` finds for ``n`` devices of ``t``
-(nodes of ``devices_per_node``), cached per (model, workload, device, n, M).
+(nodes of ``devices_per_node``; the type's calibration profile when the cluster names one, else
+its datasheet), cached per (model, workload, device, n, M, profile).
 
 Statistical efficiency (Pollux, McCandlish et al. 2018): with gradient noise scale ``phi`` (B_noise,
 in sequences), a step at batch ``M`` makes the progress of ``(phi + M) / (phi + M0)`` steps at
@@ -27,7 +28,8 @@ from pathlib import Path
 from typing import Literal
 
 from loom.config import ModelConfig
-from loom.plan import ClusterSpec, PlanError, Workload, get_device, search
+from loom.plan import ClusterSpec, PlanError, Profile, Workload, get_device, search
+from loom.plan.hardware import contended
 
 LrRule = Literal["sqrt", "adascale", "linear"]
 
@@ -105,15 +107,26 @@ def scaled_lr(job: Job, batch: int, rule: LrRule = "adascale", done: float = 0.0
     return job.lr * (s if math.isinf(phi) else s * (phi + job.batch) / (phi + batch))
 
 
-_STEP_TIMES: dict[tuple, float] = {}  # (repr(model), batch, seq_len, precision, device, n, per_node) -> s
+_STEP_TIMES: dict[
+    tuple, float
+] = {}  # (repr(model), batch, seq_len, precision, device, n, per_node, profile) -> s
 
 
 def planner_step_time(
-    model: ModelConfig, batch: int, seq_len: int, precision: str, device: str, n: int, per_node: int
+    model: ModelConfig,
+    batch: int,
+    seq_len: int,
+    precision: str,
+    device: str,
+    n: int,
+    per_node: int,
+    profile: str = "",
 ) -> float:
     """Step time (s) of the fastest layout the planner finds for ``n`` devices of ``device``
-    (``inf`` where nothing fits or the batch does not divide); cached, the search is not free."""
-    key = (repr(model), batch, seq_len, precision, device, n, per_node)
+    (``inf`` where nothing fits or the batch does not divide); cached, the search is not free.
+    ``profile``: a ``loom plan calibrate`` profile (JSON path) replacing the datasheet, shared among
+    ranks on the same cores as ``parallel.auto`` does (:func:`loom.plan.hardware.contended`)."""
+    key = (repr(model), batch, seq_len, precision, device, n, per_node, profile)
     if key not in _STEP_TIMES:
         per = min(n, per_node)
         t = math.inf
@@ -121,7 +134,10 @@ def planner_step_time(
             cluster = ClusterSpec.single_node(get_device(device), per, nodes=n // per)
             work = Workload(global_batch=batch, seq_len=seq_len, precision=precision)
             try:
-                best = search(model, work, cluster, n).best
+                prof = Profile.load(profile) if profile else None
+                if prof is not None and prof.device == "cpu":
+                    prof = contended(prof, n)
+                best = search(model, work, cluster, n, profile=prof).best
                 t = best.step_time if best is not None else math.inf
             except (PlanError, ValueError):  # HardwareError: a precision the device lacks
                 t = math.inf
@@ -129,7 +145,9 @@ def planner_step_time(
     return _STEP_TIMES[key]
 
 
-def throughput(job: Job, device: str, n: int, batch: int | None = None, per_node: int = 8) -> float:
+def throughput(
+    job: Job, device: str, n: int, batch: int | None = None, per_node: int = 8, profile: str = ""
+) -> float:
     """Sequences per second of ``job`` on ``n`` devices of type ``device`` at batch ``batch`` (0 where
     it cannot run): the job's table if it has one for ``device``, else the planner."""
     if n <= 0:
@@ -140,7 +158,7 @@ def throughput(job: Job, device: str, n: int, batch: int | None = None, per_node
     if job.model is None:
         return 0.0
     b = batch or job.batch
-    t = planner_step_time(job.model, b, job.seq_len, job.precision, device, n, per_node)
+    t = planner_step_time(job.model, b, job.seq_len, job.precision, device, n, per_node, profile)
     return 0.0 if math.isinf(t) else b / t
 
 
@@ -156,11 +174,13 @@ def batch_choices(job: Job, n: int) -> list[int]:
     return out
 
 
-def goodput(job: Job, device: str, n: int, done: float = 0.0, per_node: int = 8) -> tuple[float, int]:
+def goodput(
+    job: Job, device: str, n: int, done: float = 0.0, per_node: int = 8, profile: str = ""
+) -> tuple[float, int]:
     """max over M of throughput(n, M) * E(M), and the batch M that reaches it (Pollux)."""
     best, best_b = 0.0, job.batch
     for b in batch_choices(job, n):
-        g = throughput(job, device, n, b, per_node) * job.efficiency(b, done)
+        g = throughput(job, device, n, b, per_node, profile) * job.efficiency(b, done)
         if g > best * (1 + 1e-9):
             best, best_b = g, b
     return best, best_b

@@ -89,7 +89,8 @@ class Policy(Protocol):
 
 
 def _tput(js: JobState, device: str, cluster: Cluster, n: int | None = None) -> float:
-    return throughput(js.job, device, n or js.job.devices, per_node=cluster.devices_per_node)
+    n = n or js.job.devices
+    return throughput(js.job, device, n, per_node=cluster.devices_per_node, profile=cluster.profile(device))
 
 
 def _fixed(js: JobState, device: str) -> Placement:
@@ -283,7 +284,7 @@ class Pollux:
             best: tuple[float, str, int] | None = None
             for t in cluster.types:
                 for n in (n for n in self._sizes(js, t, cluster) if n <= free[t]):
-                    g = goodput(js.job, t, n, js.fraction, per_node)[0] / n
+                    g = goodput(js.job, t, n, js.fraction, per_node, cluster.profile(t))[0] / n
                     if g > 0:  # the smallest size that runs (fits in memory)
                         if best is None or g > best[0]:
                             best = (g, t, n)
@@ -300,8 +301,8 @@ class Pollux:
             bigger = [m for m in self._sizes(js, t, cluster) if m > n]
             if not bigger:
                 return
-            g0 = goodput(js.job, t, n, js.fraction, per_node)[0]
-            g1 = goodput(js.job, t, bigger[0], js.fraction, per_node)[0]
+            g0 = goodput(js.job, t, n, js.fraction, per_node, cluster.profile(t))[0]
+            g1 = goodput(js.job, t, bigger[0], js.fraction, per_node, cluster.profile(t))[0]
             if g0 > 0 and g1 / g0 >= self.min_gain:
                 heapq.heappush(heap, (-math.log(g1 / g0) / (bigger[0] - n), name))
 
@@ -318,7 +319,7 @@ class Pollux:
         out: Allocation = {}
         for name, (t, n) in size.items():
             js = by_name[name]
-            _, batch = goodput(js.job, t, n, js.fraction, per_node)
+            _, batch = goodput(js.job, t, n, js.fraction, per_node, cluster.profile(t))
             lr = scaled_lr(js.job, batch, "adascale" if self.lr_rule == "adascale" else "sqrt", js.fraction)
             out[name] = Placement(t, n, batch, lr)
         return out

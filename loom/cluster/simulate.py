@@ -68,7 +68,10 @@ class Result:
 
 def isolated_time(job: Job, cluster: Cluster) -> float:
     """The job's work alone on its requested devices of its fastest type (base batch)."""
-    best = max(throughput(job, t, job.devices, per_node=cluster.devices_per_node) for t in cluster.types)
+    best = max(
+        throughput(job, t, job.devices, per_node=cluster.devices_per_node, profile=cluster.profile(t))
+        for t in cluster.types
+    )
     return job.samples / best if best > 0 else math.inf
 
 
@@ -107,7 +110,9 @@ def simulate(jobs: list[Job], cluster: Cluster, policy: Policy) -> Result:
             js.placement = p
             if p is not None:
                 js.started = True
-                tp = throughput(js.job, p.device, p.n, p.batch, cluster.devices_per_node)
+                tp = throughput(
+                    js.job, p.device, p.n, p.batch, cluster.devices_per_node, cluster.profile(p.device)
+                )
                 rates[js.job.name] = tp * js.job.efficiency(p.batch, js.fraction)
         nxt = (math.floor(now / cluster.round_s + 1e-9) + 1) * cluster.round_s
         if i < len(pending):
