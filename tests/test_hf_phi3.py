@@ -18,6 +18,10 @@ from torch.testing import assert_close
 from loom import config as C
 from tests.test_finetune import _loom_lora_model, hf_lora_config, prepared, trainer_fit  # noqa: F401
 
+SUPPORTED = (
+    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
+    "GPT2LMHeadModel, Phi3ForCausalLM"
+)
 FIELDS = dict(
     hidden_size=64,
     intermediate_size=96,
@@ -185,12 +189,22 @@ def test_peft_adapters_on_the_fused_tensors_load_with_equal_logits(tmp_path, tar
         ),
         (
             {"architectures": ["Gemma2ForCausalLM"]},
-            "config.json: architectures = 'Gemma2ForCausalLM' is not supported; supported: LlamaForCausalLM, "
-            "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, GPT2LMHeadModel, "
-            "Phi3ForCausalLM",
+            "config.json: architectures = 'Gemma2ForCausalLM' is not supported (Loom's model lacks attention "
+            "and final logit soft-capping, norms after attention and MLP as well as before, alternating "
+            "sliding-window layers, (1 + w) RMSNorm, sqrt(h)-scaled embeddings); supported: " + SUPPORTED,
+        ),
+        (
+            {"architectures": ["Olmo2ForCausalLM"]},
+            "config.json: architectures = 'Olmo2ForCausalLM' is not supported (Loom's model lacks norms after "
+            "attention and MLP instead of before, q/k RMSNorm over all heads at once (width a·d; Loom's is "
+            "per head)); supported: " + SUPPORTED,
+        ),
+        (
+            {"architectures": ["GPTNeoXForCausalLM"]},
+            "config.json: architectures = 'GPTNeoXForCausalLM' is not supported; supported: " + SUPPORTED,
         ),
     ],
-    ids=["longrope", "partial rotary", "sliding window", "gemma2"],
+    ids=["longrope", "partial rotary", "sliding window", "gemma2", "olmo2", "unknown"],
 )
 def test_what_loom_cannot_run_is_one_line_naming_the_field(tmp_path, edit, says):
     from loom.model.hf import HFError, open_dir

@@ -61,6 +61,16 @@ PHI3: Final = "Phi3ForCausalLM"
 LLAMA: Final = "LlamaForCausalLM"
 LLAMA_TENSORS = ("MistralForCausalLM", PHI3)  # Llama's tensors under other names or config fields
 VOCAB_TENSORS = ("tok_embeddings.weight", "output.weight")  # V rows; padded to model.pad_vocab_to in Loom
+MISSING = {  # families users ask for, and what Loom's model lacks to run them
+    "Gemma2ForCausalLM": "attention and final logit soft-capping, norms after attention and MLP as well as "
+    "before, alternating sliding-window layers, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
+    "Gemma3ForCausalLM": "norms after attention and MLP as well as before, alternating sliding-window layers "
+    "with their own RoPE base, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
+    "GemmaForCausalLM": "a gated GELU MLP, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
+    "Olmo2ForCausalLM": "norms after attention and MLP instead of before, q/k RMSNorm over all heads at once "
+    "(width a·d; Loom's is per head)",
+    "Qwen3MoeForCausalLM": "experts with q/k norms (experts import as Mixtral's only)",
+}
 GELU = {
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
@@ -119,8 +129,9 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     ``max_seq_len``: the longest sequence to prepare RoPE for (0 = ``max_position_embeddings``)."""
     arch = (raw.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED:
+        lacks = f" (Loom's model lacks {MISSING[arch]})" if arch in MISSING else ""
         raise HFError(
-            f"{CONFIG}: architectures = {arch!r} is not supported; supported: {', '.join(SUPPORTED)}"
+            f"{CONFIG}: architectures = {arch!r} is not supported{lacks}; supported: {', '.join(SUPPORTED)}"
         )
     if arch == GPT2:
         return _gpt2_config(raw, max_seq_len)
