@@ -10,7 +10,7 @@
 
 Draws docs/cluster/*.png and writes docs/results/cluster.md.
 
-    python benchmarks/bench_cluster.py [--jobs 200] [--seeds 1] [--rates 4,8] [--pollux-rates 20,40] [--no-write]
+    python benchmarks/bench_cluster.py [--jobs 200] [--seeds 1] [--rates 4,8,16,32] [--pollux-rates 20,40] [--no-write]
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=200)
     ap.add_argument("--seeds", type=int, default=1)
-    ap.add_argument("--rates", default="4,8", help="Gavel part: arrival rates, jobs/hour")
+    ap.add_argument("--rates", default="4,8,16,32", help="Gavel part: arrival rates, jobs/hour")
     ap.add_argument("--pollux-jobs", type=int, default=160, help="Pollux part: jobs (the paper's trace: 160)")
     ap.add_argument("--pollux-rates", default="20,40", help="Pollux part: jobs/hour (its trace: 160 in 8 h)")
     add_no_write(ap)
@@ -90,7 +90,7 @@ def main() -> None:
 
     body.append("## Gavel: heterogeneity-aware against agnostic LAS\n")
     body.append(
-        f"{args.jobs} jobs per trace, {args.seeds} seeds per rate, cluster 36 v100 + 36 p100 + 36 k80 "
+        f"{args.jobs} jobs per trace, {args.seeds} seed(s) per rate, cluster 36 v100 + 36 p100 + 36 k80 "
         "(4 per node), rounds of 360 s, 15 s lost per placement change. Throughputs from the planner "
         "(fastest layout on n devices of each type).\n"
     )
@@ -129,7 +129,7 @@ def main() -> None:
 
     body.append("## Pollux: goodput-adaptive against fixed allocations\n")
     body.append(
-        f"{args.pollux_jobs} jobs per trace, {args.seeds} seeds per rate, 64 v100 (4 per node); run times on "
+        f"{args.pollux_jobs} jobs per trace, {args.seeds} seed(s) per rate, 64 v100 (4 per node); run times on "
         "the requested V100s of 10^x minutes, x uniform on [1, 2.5] (10 min to 5 h, no long tail: Pollux's "
         "trace is hours, not days). Fixed: each job its requested devices at its base batch (fifo; las = "
         "Tiresias). Pollux: devices, batch (up to 16x) and learning rate chosen for goodput; B_noise from "
