@@ -14,7 +14,7 @@ micro-batches (:meth:`loom.plan.cost.CostModel.stage_memory`).
 
 Columns: parameters + optimizer state (one ratio, measured / predicted: the larger deviation of
 the two), gradients (the shard held between steps), peak (tensor bytes over build and step against
-the predicted sum without the device runtime). A row passes when all three are within 10%. A row
+the predicted sum without the overhead line: device runtime, fragmentation). A row passes when all three are within 10%. A row
 whose predicted peak exceeds this host's available memory is refused by verify's host precheck
 before anything is built (the line says what it needs): shown, not measured.
 """

@@ -15,8 +15,10 @@ that same rank, stage, sequence length and micro-batch count
     saved activations                        peak bytes held by autograd (saved-tensor hooks)
     peak                                     peak tensor bytes over build and step (the profiler's
                                              allocation records; ``--on cuda``: the allocator's
-                                             max_memory_allocated),
-                                             against the predicted sum without the device runtime
+                                             max_memory_allocated), against the predicted
+                                             sum without its overhead line (the device
+                                             runtime and the allocator's fragmentation,
+                                             which no tensor holds)
 
 Gradients are the shards held between steps; the full-size buffers ZeRO-2/3 keep between
 micro-batches (``no_sync``) are transient and counted in the peak.
@@ -264,13 +266,12 @@ def predict(cfg: C.LoomConfig, cluster: ClusterSpec, lay: Layout, stage: int, m:
     work = dataclasses.replace(workload_of(cfg), moe_imbalance=1.0)  # measured: balanced_routing
     cm = CostModel(model_of(cfg), work, cluster)
     bd = cm.stage_memory(lay, stage, m)
-    runtime = cluster.device.runtime_overhead_bytes
     return {
         "parameters": bd["weights"],
         "gradients": bd["gradients"],  # held between steps; full-size buffers of no_sync count in the peak
         "optimizer": bd["optimizer"],
         "saved activations": bd["activations"] + bd["logits"],
-        "peak": sum(bd.values()) - runtime,
+        "peak": sum(bd.values()) - bd["overhead"],  # tensor bytes: no runtime, no fragmentation
     }
 
 

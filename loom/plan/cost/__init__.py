@@ -15,7 +15,10 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
 - model states, bytes per parameter (W, G, O) = (2, 2, 12) mixed precision (bf16 weights and
   grads, fp32 master/momentum/variance), (4, 4, 8) fp32. Over a ZeRO group of N = dp_shard*cp:
   stage 0: W+G+O; 1: W+G+O/N; 2: W+(G+O)/N; 3: (W+G+O)/N plus the transient of a unit in
-  backward: gathered, its gradient filling, the next block prefetched (``_zero3_transient``). Stages 2/3 with gradient accumulation (m > 1) hold full-size gradients
+  backward: gathered, its gradient filling, the next unit prefetched, two earlier units' gradients
+  being reduce-scattered, and without a pipeline a tied embedding/head unit gathered all through
+  backward beside the head's gradient (``_zero3_transient``). ZeRO 1/2: autograd's gradients
+  formed at once before they join their bucket (a tied table's: head's, embedding's and their sum). Stages 2/3 with gradient accumulation (m > 1) hold full-size gradients
   between micro-batches beside their 1/N shard (reduced once, after the last, as FSDP's ``no_sync``; the
   pipeline's synchronous schedules too, not PipeDream/2BW, which reduce every micro-batch). ``offload`` moves O to host memory. Layer weights divide by t, experts
   by ep only (whole on every tp rank); the vocabulary-parallel embedding and head by t; norms are replicated.
@@ -40,6 +43,8 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
   every stage); interleaved (Megatron's warm-up count)
   min(m v, 2(p-i-1) + (v-1)p + 1) * L/(p v), which for stage 0 is L (1 + (p-1)/(p v)).
 - logits on the last stage: T V / t (B_a + 8) bytes (logits, fp32 copy, fp32 log-softmax).
+- optimizer step: its temporaries (the fp32 gradient copy under mixed precision) beyond what
+  backward's transients (activations, logits, gathered units, gradients in flight) freed.
 - overhead: the device's runtime constant (context, workspaces, comm buffers) plus
   FRAGMENTATION (10%) of the dynamic memory (activations, logits, gather buffers).
 

@@ -191,13 +191,17 @@ class CostBase:
     def zero3_unit_sizes(
         self, tp: int, pp: int, ep: int, first: bool, last: bool
     ) -> list[tuple[float, float, float]]:
-        """ZeRO-3's units on a stage, a block's first: (elements, largest parameter, gradients held beyond it)."""
+        """ZeRO-3's units on a stage, a block's first: (elements, gradients autograd forms at once,
+        gradients held beyond them). A block forms its widest matrix's gradient alone (wq/wo, w1/w2/w3,
+        a stacked expert weight of E/ep experts), except that under tp > 1 one column-parallel
+        function forms q, k, v's together, and SwiGLU's w1 and w3's ((a d + 2 k d)·h/t, 2 f h/t)."""
         pc, m, t = self.params, self.model, tp
         layer = self._attn_params(t) + pc.norms + pc.router + (pc.mlp / ep if self.moe else pc.mlp_on(t))
         experts = self.n_experts / ep if self.moe else 1
-        widest = max(
-            m.n_heads * m.head_dim * m.dim / t, self.ffn * m.dim * (experts if self.moe else 1 / t)
-        )  # wq/wo or w1/w2/w3
+        qd = m.n_heads * m.head_dim
+        attn = (qd / t + 2 * self.kv_width(t)) * m.dim if t > 1 else qd * m.dim  # q, k, v | wq, wo
+        fused = 2 if t > 1 and m.mlp == "swiglu" and not self.moe else 1  # w1, w3 together
+        widest = max(attn, self.ffn * m.dim * (experts if self.moe else fused / t))
         table = m.vocab_size * m.dim / t
         units = [(layer, widest, 0.0)]
         if pp == 1 and not pc.head:

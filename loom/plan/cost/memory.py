@@ -113,35 +113,66 @@ def state_terms(
 def zero3_transient(
     cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool, filling: bool = True
 ) -> float:
-    """ZeRO-3's gathered units and gradients at the step's peak (bytes), as Loom runs them:
+    """ZeRO-3's gathered units and gradients at the step's peak (bytes), as Loom runs them: the
+    largest, over the units u of the stage in backward order, of
 
-        max over units u of  W·u + G·u + G·p(u) [+ 2G·p(u), tied]  +  W·u_layer
+        W·u + W·next(u) + G·(p(u) + x(u)) + G·u·filling + G·(last two reduced)·filling + held(u)
 
-    A unit in backward is gathered (W·u), its whole gradient buffer is filling (G·u) from
-    autograd's gradient of its largest parameter p(u) (G·p), and the next block is prefetched
-    (W·u_layer). Units: a block; the embedding on the first stage; final norm + head on the
-    last; without a pipeline a tied embedding and head are one unit, whose head gradient autograd
-    holds until the embedding's arrives and then sums into a third tensor (2G·p more). An
-    embedding unit of its own is the last in backward: nothing is prefetched beside it.
-    ``filling=False`` (gradient accumulation): every unit's full gradient buffer is already held
-    (:func:`accumulated_gradients`), so the filling one is not counted again (no G·u)."""
-    W, G = cm.W, cm.G
-    units = cm.zero3_unit_sizes(tp, pp, ep, first, last)
-    alone = first and (pp > 1 or cm.params.head)  # units[1] is the embedding, not merged with the head
-    return max(
-        W * u + G * (u * filling + p + extra) + W * units[0][0] * (not (alone and i == 1))
-        for i, (u, p, extra) in enumerate(units)
-    )
+    A unit in backward is gathered (W·u) and prefetches the one backward reaches next (W·next:
+    none when that one stays gathered or there is none); autograd forms the gradients p(u) of one
+    node at once (G·p: the widest matrix, or a column-parallel group: ``zero3_unit_sizes``) beside
+    the unit's full gradient buffer (G·u, filling), and at most ``MAX_INFLIGHT`` = 2 full buffers of
+    the units before it are being reduce-scattered.
+    Units in backward order: final norm + head on the last stage; the stage's blocks (under ep > 1 a
+    block's experts are a unit of their own, run first in backward: the next block's dense part is
+    what they prefetch); the embedding on the first stage. Without a pipeline a tied embedding and
+    head are one unit, gathered from the head's backward to the embedding's while autograd holds the
+    head's gradient (held beside every block: W·u_t + G·p_t [+ G·u_t, filling]), then sums it with the
+    embedding's into a third tensor (x = 2p at the embedding). ``filling=False`` (gradient
+    accumulation): every unit's full gradient buffer is already held (:func:`accumulated_gradients`),
+    so neither the filling one nor those in flight count again."""
+    W, G, f = cm.W, cm.G, float(filling)
+    pc = cm.params
+    (block, p_block, _), *ends = cm.zero3_unit_sizes(tp, pp, ep, first, last)
+    table = cm.model.vocab_size * cm.model.dim / tp
+    tied = first and last and pp == 1 and not pc.head  # one unit: embedding + head (+ final norm)
+    experts = pc.mlp / ep if cm.moe and ep > 1 else 0.0  # a unit of its own (loom.parallel.zero.stage3)
+    reduced_block = [block - experts, experts] if experts else [block]  # reduce order: experts, dense
+    # (name, elements, largest parameter, extra gradients, reduced units), in backward order
+    order: list[tuple[str, float, float, float, list[float]]] = []
+    if tied:
+        order.append(("head", ends[0][0], table, 0.0, []))
+    elif last and (pc.head or pp > 1):
+        order.append(("head", ends[-1][0], table, 0.0, [ends[-1][0]]))
+    order += [("block", block, p_block, 0.0, reduced_block)] * int(cm.stage_layers(pp, first, last))
+    if tied:
+        order.append(("embedding", ends[0][0], table, 2 * table, []))
+    elif first:
+        order.append(("embedding", table, table, 0.0, [table]))
+    held_tied = W * ends[0][0] + G * table + G * ends[0][0] * f if tied else 0.0
+    worst, reduced = 0.0, list[float]()
+    for i, (name, u, p, extra, done) in enumerate(order):
+        nxt = order[i + 1] if i + 1 < len(order) else None
+        prefetch = 0.0
+        if nxt is not None and not (tied and nxt[0] == "embedding"):
+            prefetch = nxt[1] - (experts if nxt[0] == "block" else 0.0)  # a block: its dense part first
+        moment = W * (u + prefetch) + G * (p + extra + u * f) + G * sum(reduced[-2:]) * f
+        worst = max(worst, moment + (held_tied if tied and name == "block" else 0.0))
+        reduced += done
+    return worst
 
 
 def gradient_in_flight(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
-    """G·p_max: the gradient autograd forms for the stage's largest parameter (the embedding or head
-    table V·h/t, else a block's widest matrix) before it is added into the flat gradient buffer or
-    bucket of ZeRO-1/2 (ZeRO-3 counts it in its transient; under plain data parallelism autograd's
-    tensor becomes the parameter's gradient, measured: no second copy). LoRA: adapters only."""
+    """G·(p + x)_max: the gradients autograd forms at once for the stage's largest parameter (the
+    embedding or head table V·h/t, else a block's widest matrix or column-parallel group) before
+    they are added into the flat gradient buffer or bucket of ZeRO-1/2; a tied embedding and head
+    without a pipeline: 3·G·V·h/t at the embedding's backward (the head's gradient, held by autograd,
+    the embedding's, and their sum; measured). ZeRO-3 counts it in its transient; under plain data
+    parallelism autograd's tensor becomes the parameter's gradient, measured: no second copy. LoRA:
+    adapters only."""
     if cm.train.lora_rank:
         return 0.0
-    return cm.G * max(p for _, p, _ in cm.zero3_unit_sizes(tp, pp, ep, first, last))
+    return cm.G * max(p + extra for _, p, extra in cm.zero3_unit_sizes(tp, pp, ep, first, last))
 
 
 def keeps_full_gradients(cm: CostBase, lay: Layout, m: int) -> bool:
@@ -294,8 +325,10 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
             bd["zero3 buffer"] = cm.memo(zero3_transient)(lay.tp, lay.pp, lay.ep, first, last, False)
     if lay.zero in (1, 2):  # autograd's gradient of the largest parameter, before it joins its bucket
         bd["gradient in flight"] = cm.memo(gradient_in_flight)(lay.tp, lay.pp, lay.ep, first, last)
-    # The optimizer step runs after the activations are freed; its temporaries count only beyond them.
-    bd["optimizer step"] = max(0.0, step_workspace(cm, lay, first, last) - act - logits)
+    # The optimizer step runs after backward's transients are freed (activations, logits, ZeRO-3's
+    # gathered units, gradients in flight): its temporaries count only beyond them.
+    freed = act + logits + bd["zero3 buffer"] + bd.get("gradient in flight", 0.0)
+    bd["optimizer step"] = max(0.0, step_workspace(cm, lay, first, last) - freed)
     bd["overhead"] = cm.cluster.device.runtime_overhead_bytes + FRAGMENTATION * (
         act + logits + bd["zero3 buffer"]
     )
