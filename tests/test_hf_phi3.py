@@ -82,9 +82,11 @@ def test_import_gives_the_logits_of_transformers_and_exports_bit_for_bit(tmp_pat
             assert reader.bytes_read - before == whole.numel() * whole.element_size() // 2, name
 
 
-def test_import_under_tp2_gives_the_logits_of_transformers(pools, tmp_path):
+def test_import_under_tp2_and_pp2_gives_the_logits_of_transformers(pools, tmp_path):
     """Built on the meta device and read box by box under tp2 with sequence parallelism: each rank's
-    q/k/v and gate/up rows come out of the fused tensors; its bytes read are exactly its parameters'."""
+    q/k/v and gate/up rows come out of the fused tensors; its bytes read are exactly its parameters'.
+    Under pp2 the loss through the pipeline is transformers'."""
+    from loom.model.llama import loss_fn
     from tests.test_hf import _layout_outputs
 
     ref = save_phi3(tmp_path)
@@ -95,6 +97,8 @@ def test_import_under_tp2_gives_the_logits_of_transformers(pools, tmp_path):
         logits, read, held, whole = rank[0]
         assert_close(logits, expected)
         assert read == held < whole
+    for loss in pools(2).run(_layout_outputs, [str(tmp_path)], x, "pp2"):
+        assert loss[0] == pytest.approx(float(loss_fn(expected, x[:, 1:])), rel=1e-5)
 
 
 def test_a_run_from_phi3_exports_phi3_with_its_weights(prepared, tmp_path):  # noqa: F811
