@@ -221,6 +221,10 @@ def test_cli_json_shape_and_bad_inputs(tmp_path, capsys):
             '{"jobs": [{"arrival_s": 0, "samples": 5, "model": "nope"}]}',
             "jobs[0].model: unknown preset",
         ),
+        "t6.json": (
+            '{"jobs": [{"arrival_s": 0, "samples": 5, "model": {"dim": 100, "n_heads": 7}}]}',
+            "jobs[0].model: model.dim: 100 must be divisible by model.n_heads=7",
+        ),
         "t4.toml": (
             "[[jobs]]\narrival_s = 0\nsamples = 5\nthroughput = { p100 = { 1 = 1.0 } }\n",
             "no throughput on 1 devices",

@@ -151,7 +151,9 @@ _JOB_KEYS = {
 }
 
 
-def _model(where: str, v: Any) -> ModelConfig:
+def _model(where: str, v: Any, seq_len: int) -> ModelConfig:
+    """A preset's model, or a table of ModelConfig fields (vocab_size 32000 and max_seq_len the job's
+    seq_len unless given) checked by ``config.validate`` as ``loom train`` would."""
     from loom import config as C
 
     if isinstance(v, str):
@@ -163,7 +165,13 @@ def _model(where: str, v: Any) -> ModelConfig:
         for k in v:
             if k not in names:
                 raise ClusterError(f"{where}.{k}: not a ModelConfig field")
-        return ModelConfig(**v)
+        fields = {"vocab_size": 32000, "max_seq_len": seq_len, **v}
+        try:
+            cfg = C.from_dict({"model": fields, "data": {"seq_len": seq_len}})
+            C.validate(cfg, 1)
+        except C.ConfigError as e:
+            raise ClusterError(f"{where}: {e}") from None
+        return cfg.model
     raise ClusterError(f"{where}: expected a preset name or a table of model fields, got {v!r}")
 
 
@@ -200,7 +208,7 @@ def job_from_dict(d: Any, i: int, where: str) -> Job:
             raise ClusterError(f"{at}.precision: one of fp32, tf32, bf16, fp16, got {d['precision']!r}")
         kw["precision"] = d["precision"]
     if "model" in d:
-        kw["model"] = _model(f"{at}.model", d["model"])
+        kw["model"] = _model(f"{at}.model", d["model"], kw.get("seq_len", 1024))
     if "throughput" in d:
         table = d["throughput"]
         if not isinstance(table, dict) or not table:
