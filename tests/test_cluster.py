@@ -383,3 +383,38 @@ def test_cluster_profiles_feed_the_planner(tmp_path, capsys):
     assert cluster_main(["simulate", "--cluster", bad, "--trace", "synthetic"]) == 2
     err = capsys.readouterr().err
     assert "b.toml: cluster.profiles.cpu: profile file 'none.json' does not exist" in err
+
+
+def test_gavel_objectives_are_optimal_against_each_other():
+    """Three jobs with different speed ratios, remaining work and ages on 2 fast + 1 slow devices:
+    each LP's solution is at least as good on its own objective as the other policies' solutions and
+    the equal share (FTF: max rho <= 1, the equal share's value; makespan: max R_m / T_m lowest)."""
+    jobs = [
+        JobState(table_job("a", 0, 900, {"fast": 6.0, "slow": 1.0})),
+        JobState(table_job("b", 100, 300, {"fast": 2.0, "slow": 1.5})),
+        JobState(table_job("c", 200, 2000, {"fast": 3.0, "slow": 2.0}, devices=2)),
+    ]
+    cluster, now = Cluster({"fast": 2, "slow": 1}), 400.0
+    tput, scale, cap = Gavel("ftf").matrices(jobs, cluster)
+    eq = Gavel("ftf").equal_share(tput, scale, cap)
+    rem = np.array([js.remaining for js in jobs])
+    age = np.array([now - js.job.arrival for js in jobs])
+    f = min(1.0, cap.sum() / scale.sum())
+    x_eq = np.tile(f * cap / cap.sum(), (3, 1))
+    xs = {name: Gavel(name).solve(jobs, cluster, now) for name in ("maxmin", "makespan", "ftf")}
+    for x in [*xs.values(), x_eq]:  # every solution is feasible
+        assert (x.sum(axis=1) <= 1 + 1e-7).all() and ((scale @ x) <= cap + 1e-7).all() and (x >= -1e-9).all()
+
+    def rho(x):
+        return ((age + rem / (tput * x).sum(axis=1)) / (age + rem / eq)).max()
+
+    def span(x):
+        return (rem / (tput * x).sum(axis=1)).max()
+
+    def fair(x):
+        return ((tput * x).sum(axis=1) / eq).min()
+
+    assert rho(x_eq) == pytest.approx(1.0)
+    assert rho(xs["ftf"]) <= min(rho(x) for x in [xs["maxmin"], xs["makespan"], x_eq]) * (1 + 1e-4)
+    assert span(xs["makespan"]) <= min(span(x) for x in [xs["maxmin"], xs["ftf"], x_eq]) * (1 + 1e-6)
+    assert fair(xs["maxmin"]) >= max(fair(x) for x in [xs["makespan"], xs["ftf"], x_eq]) * (1 - 1e-6)
