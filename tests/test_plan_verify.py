@@ -66,6 +66,36 @@ def test_rank_0_of_a_1b_model_under_zero3_on_64_devices_holds_the_state_formula(
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_rank_0_of_a_small_mixture_of_experts_under_ep2_zero3_holds_the_formulas():
+    """8 experts top-2 over ep 2 under ZeRO-3 (dp 4), llama-1b's tied embedding at small widths,
+    2 micro-batches: the balanced routing's all-to-alls run under the fake group, the expert shards
+    (E/ep experts over dp/ep ranks) and dense shards hold within 2%, and the peak holds the ZeRO-3
+    walk (the tied unit gathered through backward beside the head's gradient, the experts a unit of
+    their own, full-size gradients between micro-batches) within 10%."""
+    shapes = ["--model.n_layers", "1", "--model.n_experts", "8", "--model.top_k", "2"]
+    shapes += ["--model.dim", "512", "--model.n_heads", "8", "--model.n_kv_heads", "2"]
+    shapes += ["--model.ffn_dim", "2048", "--model.vocab_size", "8192"]
+    out = _verify(
+        "--config",
+        "llama-1b",
+        "--devices",
+        "4",
+        "--device",
+        "h100-sxm",
+        "--seq",
+        "64",
+        "--microbatches",
+        "2",
+        "--layout",
+        "dp4 tp1 pp1 cp1 ep2 zero3 1f1b:v1 mb1 recompute:none",
+        *shapes,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = _rows(out.stdout)
+    for kind in ("parameters", "gradients", "optimizer", "peak"):
+        assert " ok " in rows[kind] + " ", rows[kind]
+
+
 def _rows(stdout: str) -> dict[str, str]:
     """Table rows of ``loom plan verify`` by kind (first word; "saved" for saved activations)."""
     return {line.split()[0]: line.rstrip() for line in stdout.splitlines() if line.strip()}
