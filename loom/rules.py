@@ -200,7 +200,7 @@ def layout_problems(
     ]
     if (why := context_mode_problem(m, cp, cp_mode, tp)) is not None:
         out.append(why)
-    if (why := low_precision_problem(precision, tp)) is not None:
+    if (why := low_precision_problem(m, precision, tp)) is not None:
         out.append(why)
     if precision == "fp16" and schedule in ASYNC_SCHEDULES and pp > 1:
         out.append(
@@ -212,13 +212,16 @@ def layout_problems(
     return out
 
 
-def low_precision_problem(precision: str, tp: int) -> str | None:
-    """fp8 / int8 swap the model's nn.Linear layers for torchao's; tensor parallelism replaces the same
-    Linears by its own row/column layers (plain matmuls), so the two do not compose yet."""
-    if precision in ("fp8", "int8") and tp > 1:
+def low_precision_problem(m: ModelFacts, precision: str, tp: int) -> str | None:
+    """fp8 / int8 run a block's Linear in 8 bits only where every tensor-parallel shard of its dims is a
+    multiple of 16 (float8 / int8 tensor-core tiles: ``loom.memory.precision.low_precision_target``);
+    the tp layers then run torchao's GEMMs on their shards (``loom.memory.lowp_gemm``). A dense MLP
+    whose hidden size f has f % (16·tp) != 0 would stay in bf16 with most of the block's GEMMs: refused."""
+    if precision in ("fp8", "int8") and m.n_experts <= 1 and m.ffn_dim % (16 * tp):
         return (
-            f"train.precision: {precision} matmuls run in torchao's Linear layers, which parallel.tp = {tp} "
-            "replaces by its own (plain) row/column layers; use parallel.tp = 1 or train.precision = bf16"
+            f"train.precision: {precision} runs a Linear in 8 bits only where its dims are multiples of "
+            f"16·parallel.tp = {16 * tp}; the MLP's hidden size {m.ffn_dim} (model.ffn_dim, model.multiple_of) "
+            f"is not; set model.multiple_of = {16 * tp} or use train.precision = bf16"
         )
     return None
 

@@ -186,6 +186,7 @@ def train_layout(
         layout.get("ps_shards", 1),
     )
     cfg.train.recompute = layout.get("recompute", "none")
+    cfg.train.fp8_recipe = layout.get("fp8_recipe", cfg.train.fp8_recipe)
     cfg.train.precision, cfg.train.optimizer = (
         layout.get("precision", "fp32"),
         layout.get("optimizer", "adamw"),

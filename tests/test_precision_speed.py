@@ -194,9 +194,17 @@ def test_low_precision_under_zero3_equals_one_process(pools, precision):
 
 @pytest.mark.parametrize("precision", ["fp8", "int8"])
 def test_low_precision_refusals(precision):
+    """Tensor parallelism composes (tests/test_lowp_tp.py); an MLP whose hidden size no 16·tp divides
+    would stay bf16 and is refused in one line; LoRA wraps the Linears fp8/int8 swap."""
     cfg = debug_cfg(precision)
     cfg.parallel = replace(cfg.parallel, tp=2)
-    with pytest.raises(ConfigError, match=rf"^train\.precision: {precision} .*parallel\.tp = 2") as e:
+    assert validate(cfg, 2).train.precision == precision  # the debug MLP's 192 = 6·16·2
+    cfg = debug_cfg(precision)
+    cfg.parallel = replace(cfg.parallel, tp=2)
+    cfg.model.ffn_dim = 176  # 11·16: no 32 divides it
+    with pytest.raises(
+        ConfigError, match=rf"^train\.precision: {precision} .*16·parallel\.tp = 32.*176"
+    ) as e:
         validate(cfg, 2)
     assert "\n" not in str(e.value)
     cfg = debug_cfg(precision)

@@ -73,29 +73,31 @@ def needs_master_path(cfg) -> bool:
     return half_parameters(cfg.train.precision) or cfg.train.optimizer != "adamw"
 
 
-def low_precision_target(fqn: str, module: nn.Module) -> bool:
+def low_precision_target(fqn: str, module: nn.Module, tp: int = 1) -> bool:
     """The Linears whose matmuls fp8 / int8 run (torchtitan's filter): the blocks' projections, not the
     output head or an MoE router (whose logits pick experts), and only where both dims are multiples of
-    16 (float8 tensor-core tiles; torch._int_mm likewise)."""
+    16·tp (float8 tensor-core tiles, torch._int_mm likewise, on every tensor-parallel shard)."""
     if type(module) is not nn.Linear or fqn.split(".")[-1] in ("output", "router"):
         return False
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return module.in_features % (16 * tp) == 0 and module.out_features % (16 * tp) == 0
 
 
-def apply_low_precision(model: nn.Module, precision: str, fp8_recipe: str = "tensorwise") -> int:
+def apply_low_precision(model: nn.Module, precision: str, fp8_recipe: str = "tensorwise", tp: int = 1) -> int:
     """Swap the :func:`low_precision_target` Linears of ``model`` for torchao's float8 (``fp8``) or
     int8 mixed-precision (``int8``) training Linears, keeping their Parameter objects (a model on the
-    meta device stays there); nothing for any other precision. Returns how many were swapped."""
+    meta device stays there); nothing for any other precision. Returns how many were swapped. Under
+    tensor parallelism (``tp`` > 1) the row/column layers made from them run the same GEMMs on their
+    shards (:mod:`loom.memory.lowp_gemm`)."""
     if precision not in ("fp8", "int8"):
         return 0
-    targets = [fqn for fqn, mod in model.named_modules() if low_precision_target(fqn, mod)]
+    targets = [fqn for fqn, mod in model.named_modules() if low_precision_target(fqn, mod, tp)]
     if precision == "fp8":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         convert_to_float8_training(
             model,
             config=Float8LinearConfig.from_recipe_name(fp8_recipe),
-            module_filter_fn=lambda mod, fqn: low_precision_target(fqn, mod),
+            module_filter_fn=lambda mod, fqn: low_precision_target(fqn, mod, tp),
         )
     else:
         from torchao import quantize_
@@ -105,7 +107,7 @@ def apply_low_precision(model: nn.Module, precision: str, fp8_recipe: str = "ten
         quantize_(
             model,
             Int8MixedPrecisionTrainingConfig(module_swap=True),
-            filter_fn=lambda mod, fqn: low_precision_target(fqn, mod),
+            filter_fn=lambda mod, fqn: low_precision_target(fqn, mod, tp),
         )
     return len(targets)
 

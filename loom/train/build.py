@@ -136,7 +136,9 @@ def parallelize(
 
         apply_lora(model, targets=lora_targets(cfg), finetune=cfg.finetune)
         tag_origins(model)
-    if swapped := precision.apply_low_precision(model, cfg.train.precision, cfg.train.fp8_recipe):
+    if swapped := precision.apply_low_precision(
+        model, cfg.train.precision, cfg.train.fp8_recipe, mesh.size("tp")
+    ):
         log.info(
             "train.precision = %s: %d Linear layers run %s matmuls",
             cfg.train.precision,

@@ -18,6 +18,10 @@ on every rank and added once, after the Σ (with sp: to this rank's sequence sha
 a partial sum over tp, like a sequence-parallel norm's weight and bias and the learned position
 table's rows).
 
+fp8 / int8 (``train.precision``): a layer made from one of torchao's 8-bit Linears keeps its GEMMs
+(:class:`~loom.memory.lowp_gemm.LowPrecisionGemms`) and runs them on this rank's shard with the
+whole tensor's scales (a MAX all-reduce of the shards' amaxes where they differ; see that module).
+
 Sharded parameters are placed with ``tp_dim`` (0: rows, 1: columns, :mod:`loom.parallel.placement`); replicated parameters
 (norm weights, key/value weights replicated when n_kv_heads < n) have none.
 """
@@ -33,6 +37,14 @@ from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.memory.lowp_gemm import (
+    GRAD_INPUT,
+    GRAD_WEIGHT,
+    OUTPUT,
+    LowPrecisionGemms,
+    LowPrecisionLinear,
+    low_precision_gemms,
+)
 from loom.model.llama import (
     Attention,
     CoreAttention,
@@ -57,16 +69,30 @@ class _ColumnParallelMatmul(Function):
     Forward: sp=False, X_full = X (f: identity);  sp=True, X_full = all-gather of X along seq.
     Backward: dX = Σ_i dY_i W_i, then all-reduce (sp=False) or reduce-scatter along seq (sp=True);
     dW_i = dY_i^T X_full. With sp only the shard X is saved; X_full is re-gathered in backward.
+    ``gemms``: per weight, its 8-bit GEMMs or None (a plain matmul); W_i is cut along rows (axis 0)
+    and dY_i along columns (axis 1), X_full is whole.
     """
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, group: Group, meter: CommMeter | None, sp: bool, *weights: torch.Tensor
+        ctx,
+        x: torch.Tensor,
+        group: Group,
+        meter: CommMeter | None,
+        sp: bool,
+        gemms: tuple[LowPrecisionGemms | None, ...],
+        *weights: torch.Tensor,
     ):
-        ctx.group, ctx.meter, ctx.sp = group, meter, sp
+        ctx.group, ctx.meter, ctx.sp, ctx.gemms = group, meter, sp, gemms
         x_full = all_gather_seq(x, group, meter) if sp else x
         ctx.save_for_backward(x, *weights)
-        return tuple(F.linear(x_full, w) for w in weights)
+        x2 = x_full.reshape(-1, x_full.shape[-1])
+        return tuple(
+            F.linear(x_full, w)
+            if gm is None
+            else gm.gemm(OUTPUT, x2, w, (None, 0), group, meter).view(*x_full.shape[:-1], w.shape[0])
+            for w, gm in zip(weights, gemms)
+        )
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -76,9 +102,14 @@ class _ColumnParallelMatmul(Function):
             gather_work, gather_finish = all_gather_seq(x, group, meter, async_op=True)
         dx, work = None, None
         if ctx.needs_input_grad[0]:
-            for g, w in zip(grads, weights):
-                if g is not None:
-                    lead, g2 = g.shape[:-1], g.reshape(-1, g.shape[-1])
+            for g, w, gm in zip(grads, weights, ctx.gemms):
+                if g is None:
+                    continue
+                lead, g2 = g.shape[:-1], g.reshape(-1, g.shape[-1])
+                if gm is not None:  # 8-bit: dY_i cut along columns, W_i along rows
+                    part = gm.gemm(GRAD_INPUT, g2, w, (1, 0), group, meter)
+                    dx = part if dx is None else dx.add_(part)
+                else:
                     dx = g2 @ w if dx is None else dx.addmm_(g2, w)  # (B·T, in)
             if dx is not None:
                 dx = dx.view(*lead, dx.shape[-1])  # (B, T, in)
@@ -94,21 +125,30 @@ class _ColumnParallelMatmul(Function):
                 work = comm.all_reduce(dx, group, meter, async_op=True)
         x2 = x_full.reshape(-1, x_full.shape[-1])
         dws = [
-            g.reshape(-1, g.shape[-1]).t() @ x2 if g is not None and ctx.needs_input_grad[4 + i] else None
-            for i, g in enumerate(grads)
+            None
+            if g is None or not ctx.needs_input_grad[5 + i]
+            else g.reshape(-1, g.shape[-1]).t() @ x2
+            if gm is None
+            else gm.gemm(GRAD_WEIGHT, g.reshape(-1, g.shape[-1]), x2, (1, None), group, meter)
+            for i, (g, gm) in enumerate(zip(grads, ctx.gemms))
         ]
         if work is not None:
             work.wait()
-        return (dx, None, None, None, *dws)
+        return (dx, None, None, None, None, *dws)
 
 
 def column_parallel_matmul(
-    x: torch.Tensor, weights: tuple[torch.Tensor, ...], ctx: TPContext
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    ctx: TPContext,
+    gemms: tuple[LowPrecisionGemms | None, ...] = (),
 ) -> tuple[torch.Tensor, ...]:
-    """Fused f (or sequence all-gather) + column-parallel matmuls sharing the input ``x``."""
-    if ctx.size == 1:
+    """Fused f (or sequence all-gather) + column-parallel matmuls sharing the input ``x``;
+    ``gemms``: per weight, its 8-bit GEMMs (none given: plain matmuls)."""
+    gemms = gemms or (None,) * len(weights)
+    if ctx.size == 1 and all(gm is None for gm in gemms):
         return tuple(F.linear(x, w) for w in weights)
-    return _ColumnParallelMatmul.apply(x, ctx.group, ctx.meter, ctx.sp, *weights)
+    return _ColumnParallelMatmul.apply(x, ctx.group, ctx.meter, ctx.sp, gemms, *weights)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -125,8 +165,10 @@ class ColumnParallelLinear(nn.Module):
         ctx: TPContext,
         replicated_rows: slice | None = None,
         bias: nn.Parameter | None = None,
+        gemms: LowPrecisionGemms | None = None,
     ) -> None:
         super().__init__()
+        self.gemms = gemms  # fp8 / int8 GEMMs of the Linear it was made from (None: plain matmuls)
         partial = (
             (lambda p: p) if replicated_rows is None else (lambda p: mark_partial(p, ctx.group, ctx.meter))
         )
@@ -152,7 +194,7 @@ class ColumnParallelLinear(nn.Module):
                 if lin.bias is None
                 else copy_placement(lin.bias, nn.Parameter(lin.bias.detach().clone(), lin.bias.requires_grad))
             )
-        out = cls(w, ctx, replicated_rows, b)
+        out = cls(w, ctx, replicated_rows, b, low_precision_gemms(lin))
         shard_column_adapters(lin, out, ctx, replicated_rows)  # LoRA: B's rows with the weight's
         return out
 
@@ -171,7 +213,7 @@ class ColumnParallelLinear(nn.Module):
         return y if b is None else y + b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.add_bias(column_parallel_matmul(x, (self.local_weight(),), self.ctx)[0])
+        y = self.add_bias(column_parallel_matmul(x, (self.local_weight(),), self.ctx, (self.gemms,))[0])
         delta = column_deltas(x, (self,), self.ctx)[0]
         return y if delta is None else y + delta
 
@@ -183,8 +225,15 @@ class RowParallelLinear(nn.Module):
     """y = Σ_r x_r W_r^T + b: (.., in/n) -> (.., out); Σ is g (all-reduce) or, with sp, a
     reduce-scatter; the whole bias b is added once, after the Σ (its gradient partial with sp)."""
 
-    def __init__(self, weight: nn.Parameter, ctx: TPContext, bias: nn.Parameter | None = None) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        ctx: TPContext,
+        bias: nn.Parameter | None = None,
+        gemms: LowPrecisionGemms | None = None,
+    ) -> None:
         super().__init__()
+        self.gemms = gemms  # fp8 / int8 GEMMs of the Linear it was made from (None: plain matmul)
         self.weight = weight
         self.bias = bias if bias is None or not ctx.sp else mark_partial(bias, ctx.group, ctx.meter)
         self.ctx = ctx
@@ -192,12 +241,17 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, lin: nn.Linear, ctx: TPContext) -> RowParallelLinear:
         """Columns of ``lin``'s weight sharded over tp; its bias whole on every rank."""
-        out = cls(sharded_param(lin.weight, 1, ctx), ctx, lin.bias)
+        out = cls(sharded_param(lin.weight, 1, ctx), ctx, lin.bias, low_precision_gemms(lin))
         shard_row_adapters(lin, out, ctx)  # LoRA: A's columns with the weight's
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # partial sum
+        if self.gemms is None:
+            y = F.linear(x, self.weight)  # partial sum
+        else:  # 8-bit: x and W cut along their input columns (axis 1), dY whole
+            y = LowPrecisionLinear.apply(
+                x, self.weight, self.gemms, self.ctx.group, self.ctx.meter, (1, 1, None)
+            )
         delta = row_delta(self, x)  # LoRA: this rank's part of (α/r)·B A x, summed with the layer's
         y = y if delta is None else y + delta
         if self.ctx.sp:
@@ -332,7 +386,10 @@ class ParallelAttention(nn.Module):
     ) -> torch.Tensor:
         """``docs``: packed data's document ids (B, T) of the full sequence (see CoreAttention)."""
         q, k, v = column_parallel_matmul(
-            x, (self.wq.weight, self.wk.local_weight(), self.wv.local_weight()), self.ctx
+            x,
+            (self.wq.weight, self.wk.local_weight(), self.wv.local_weight()),
+            self.ctx,
+            (self.wq.gemms, self.wk.gemms, self.wv.gemms),
         )
         q, k, v = self.wq.add_bias(q), self.wk.add_bias(k), self.wv.add_bias(v)
         deltas = column_deltas(x, (self.wq, self.wk, self.wv), self.ctx)  # LoRA adapters, if any
@@ -386,8 +443,8 @@ class ParallelFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = (self.w1.weight,) if self.w3 is None else (self.w1.weight, self.w3.weight)
-        a, *b = column_parallel_matmul(x, weights, self.ctx)  # (B, T, f/n)
         mods = (self.w1,) if self.w3 is None else (self.w1, self.w3)
+        a, *b = column_parallel_matmul(x, weights, self.ctx, tuple(m.gemms for m in mods))  # (B, T, f/n)
         deltas = column_deltas(x, mods, self.ctx)  # LoRA adapters, if any
         a, *b = (t if d is None else t + d for t, d in zip((a, *b), deltas))
         return self.w2(mlp_activation(self.kind, self.w1.add_bias(a), b[0] if b else None))
