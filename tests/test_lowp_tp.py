@@ -120,6 +120,35 @@ def test_low_precision_tp2_equals_one_process(pools, precision, recipe, layout):
             assert_close(r["state"][k].float(), v.float(), rtol=0, atol=drift)
 
 
+def _amax_traffic(steps: int) -> dict:
+    """All-reduce calls and bytes of one tp2 step per precision, less bf16's (the same layout)."""
+    base = train_layout({"tp": 2, "precision": "bf16"}, steps, 8, 4, model_kw=MODEL, meta=True)
+    out = {}
+    for precision, recipe in CASES:
+        r = train_layout(
+            {"tp": 2, "precision": precision, "fp8_recipe": recipe}, steps, 8, 4, model_kw=MODEL, meta=True
+        )
+        out[precision, recipe] = (
+            r["calls"][0]["all_reduce"] - base["calls"][0]["all_reduce"],
+            r["moved"][0]["all_reduce"] - base["moved"][0]["all_reduce"],
+        )
+    return out
+
+
+def test_amax_all_reduces_equal_the_formula(pools):
+    """Measured by the meter, one tp2 step (2 layers x 2 micro-batches of M = 4·16 tokens, h = 64,
+    SwiGLU: 5 column and 2 row Linears a block) adds loom.memory.lowp_gemm.amax_all_reduces to bf16's
+    all-reduces: fp8 tensorwise 21 calls / 28 amaxes a block and micro-batch, rowwise and int8 7 /
+    7·(M + h); a ring all-reduce over 2 ranks moves its 4-byte amaxes once."""
+    from loom.memory.lowp_gemm import amax_all_reduces
+
+    per_block = 2 * 2  # layers x micro-batches
+    for got in pools(2).run(_amax_traffic, 1):
+        for (precision, recipe), (calls, moved) in got.items():
+            want = amax_all_reduces(precision == "fp8" and recipe == "tensorwise", 5, 2, 4 * 16, 64)
+            assert (calls, moved) == (per_block * want[0], per_block * 4 * want[1]), (precision, recipe)
+
+
 def _debug_tp2(precision: str) -> float:
     from tests.dist import get_mesh
     from tests.test_precision import train_loop

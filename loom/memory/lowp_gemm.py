@@ -17,8 +17,15 @@ then equals the one-process amax only after a MAX all-reduce over the group, nee
 (a rowwise amax along an uncut axis is already whole). With those amaxes every scale, every 8-bit
 code and every integer or float8 product equals the single-process torchao Linear's; only the sums
 of partial products over the group (row-parallel outputs, column-parallel input gradients) are
-added in another order, in the activations' dtype. Cost: one MAX all-reduce of the amaxes (a
-scalar each, or a vector of rows) per GEMM that has a split operand to reduce.
+added in another order, in the activations' dtype.
+
+Cost: one MAX all-reduce per GEMM with an operand to reduce (both operands' amaxes in one fp32
+buffer). A block with C column-parallel Linears (W cut along rows: x whole, dY cut along columns)
+and R row-parallel ones (x and W cut along their input columns, dY whole), model width h and M
+tokens a micro-batch (SwiGLU: C = 5, R = 2) runs per micro-batch (:func:`amax_all_reduces`):
+
+    fp8 tensorwise    3(C + R) all-reduces of 4(C + R) amaxes   (fwd C + R, bwd 2(C + R))
+    rowwise, int8     C + R    all-reduces of (C + R)(M + h)    (fwd R: rows of x, W; bwd C: rows of dY, columns of W)
 
 The casts, scales and scaled matmuls are torchao's (``torchao.float8`` tensors and
 ``torch._scaled_mm``, emulated on the CPU; int8 through ``torch._int_mm``); only the amax is ours.
@@ -174,6 +181,13 @@ def _quantize_rows(t: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor,
     inv = 1.0 / scale.float().clip(_EPS)
     q = (t.float() * inv.view(-1, 1)).round().clip(-128, 127).to(torch.int8)
     return q, scale
+
+
+def amax_all_reduces(tensorwise: bool, columns: int, rows: int, tokens: int, dim: int) -> tuple[int, int]:
+    """(all-reduces, fp32 amaxes) of one block's GEMMs per micro-batch under tp (module docstring):
+    ``columns`` / ``rows`` parallel Linears, ``tokens`` = M rows of x, ``dim`` = h."""
+    k = columns + rows
+    return (3 * k, 4 * k) if tensorwise else (k, k * (tokens + dim))
 
 
 def low_precision_gemms(module: torch.nn.Module) -> LowPrecisionGemms | None:
