@@ -98,6 +98,7 @@ def cmd_train(argv: list[str]) -> int:
         apply_slurm_env,
         check_launcher_env,
         launch_options,
+        quiet_launcher_store_logs,
         under_external_launcher,
     )
 
@@ -110,6 +111,7 @@ def cmd_train(argv: list[str]) -> int:
             )
         cfg.parallel.profile = profile
     opts = launch_options(plain)  # --max-restarts, --nnodes, --node-rank, --rdzv-endpoint (one-line errors)
+    quiet_launcher_store_logs(opts.nodes)  # before torch is imported
 
     apply_slurm_env()  # srun without torchrun: one rank per task
     check_launcher_env()  # RANK/WORLD_SIZE left over without a launcher would hang

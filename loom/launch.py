@@ -23,6 +23,13 @@ its workers to stop with SIGTERM and waits 30 s before SIGKILL, and a stopped pr
 on SIGTERM; Loom's launcher kills a worker that is stopped with a termination signal pending at
 once (:class:`StoppedWorkerReaper`).
 
+A lost node launcher (SIGKILL, the OOM killer): the kernel tells each of its ranks
+(:func:`watch_launcher`, a parent-death signal), which records ``run.dir/heartbeat/node-NNNNN.json``
+and stops as on SIGTERM, so every rank saves the same step; the surviving launchers then end with one
+line naming the lost node and its host (:func:`lost_node_line`), node 0's as soon as its ranks have
+stopped, the others' when node 0's rendezvous store goes with node 0's launcher. An orphaned rank that
+has not ended ``run.preempt_grace_s`` later kills itself, as its launcher would have.
+
 Preemption and Ctrl-C: SIGTERM or SIGINT reaches the launcher (which forwards it to every rank and
 waits ``run.preempt_grace_s`` before SIGKILL) or the ranks themselves; the ranks agree on a step,
 save it and exit (:class:`loom.train.trainer.StopRequest`), and the launcher prints one line
@@ -41,6 +48,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -258,11 +266,36 @@ def _worker(cfg_dict: dict[str, Any]) -> dict[str, float] | None:
     from loom.train.trainer import run
 
     _host_rank_store()
+    run_cfg = cfg_dict["run"]
+    watch_launcher(Path(run_cfg["dir"]), float(run_cfg["preempt_grace_s"]))
     return record(_run_rank)(cfg_dict, run)
 
 
 def _run_rank(cfg_dict: dict[str, Any], run) -> dict[str, float]:
     return run(C.from_dict(cfg_dict), exit_on_signal=True)
+
+
+_CPP_LOG = "TORCH_CPP_LOG_LEVEL"
+_QUIETED: list[bool] = []  # this launcher set _CPP_LOG (the ranks get it unset again)
+
+
+def quiet_launcher_store_logs(nodes: Nodes | None) -> None:
+    """A multi-node launcher, before torch is imported: c10d logs every failed call of the elastic agent
+    to a rendezvous store that went with node 0's launcher as a warning with its C++ frames (~40 lines
+    each), before Loom's one line (:func:`rendezvous_lost_line`); the launcher's C++ log level (read once,
+    at import) is set to ERROR, unless the user set one. Its ranks keep the user's setting."""
+    if nodes is None or under_external_launcher() or "torch" in sys.modules or _CPP_LOG in os.environ:
+        return
+    os.environ[_CPP_LOG] = "ERROR"
+    _QUIETED.append(True)
+
+
+def _unquiet_ranks() -> None:
+    if _QUIETED:
+        import torch  # noqa: F401  (the level is read at import: the launcher keeps ERROR)
+
+        os.environ.pop(_CPP_LOG, None)
+        _QUIETED.clear()
 
 
 def _set_launch_env(master_addr: str) -> None:
@@ -445,6 +478,157 @@ class StoppedWorkerReaper:
         self._thread.join(2 * self.interval + 1)
 
 
+LAUNCHER_LOST = signal.SIGUSR2
+"""The parent-death signal of a rank under Loom's launcher (torch's own, SIGINT, reads as a Ctrl-C)."""
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def lost_marker(run_dir: Path, node: int) -> Path:
+    """``run.dir/heartbeat/node-NNNNN.json``: written by the ranks of a node whose launcher died."""
+    return Path(run_dir) / "heartbeat" / f"node-{node:05d}.json"
+
+
+def watch_launcher(run_dir: Path, grace_s: float) -> bool:
+    """In a rank started by Loom's launcher, on Linux: when the launcher dies, the kernel sends this
+    rank :data:`LAUNCHER_LOST` (``prctl(PR_SET_PDEATHSIG)``); the rank writes :func:`lost_marker` (its
+    node, host and the launcher's pid), raises SIGTERM on itself (the trainer's agreed stop: every rank
+    saves the same step and ends) and kills itself if it still runs ``grace_s`` later, as the launcher
+    would have. True if the watch is installed."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return False
+    import ctypes
+
+    launcher = os.getppid()
+    node = int(os.environ.get("GROUP_RANK", "0") or 0)  # the elastic agent's node rank
+    fired: list[int] = []
+
+    def lost(signum: int, frame: Any) -> None:
+        if fired or os.getppid() == launcher:  # once; a stray signal while the launcher lives is ignored
+            return
+        fired.append(signum)
+        record = {
+            "node": node,
+            "host": socket.gethostname(),
+            "launcher_pid": launcher,
+            "rank": int(os.environ.get("RANK", "-1")),
+            "time": time.time(),
+        }
+        with contextlib.suppress(OSError):
+            _write_json(lost_marker(run_dir, node), record)
+        end = threading.Timer(grace_s, os.kill, (os.getpid(), signal.SIGKILL))
+        end.daemon = True
+        end.start()
+        signal.raise_signal(signal.SIGTERM)
+
+    signal.signal(LAUNCHER_LOST, lost)
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(LAUNCHER_LOST), 0, 0, 0) != 0:
+        signal.signal(LAUNCHER_LOST, signal.SIG_DFL)
+        return False
+    lost(LAUNCHER_LOST, None)  # the launcher died before the watch was set: act now
+    return True
+
+
+class LostNodeWatch:
+    """A thread of a multi-node launcher: once one of its ranks has ended while another node's ranks
+    left a :func:`lost_marker`, the launcher stops itself with SIGTERM ``settle_s`` later, unless the
+    launch ended meanwhile. Without it the elastic agent would restart its ranks under
+    ``--max-restarts`` and wait at the rendezvous for the lost node (measured: > 20 s with
+    ``run.timeout_s = 5``), or wait at its exit barrier (300 s); :func:`launch` then names the node."""
+
+    def __init__(self, run_dir: Path, node: int, interval: float = 0.2, settle_s: float = 1.0) -> None:
+        self.run_dir, self.node = Path(run_dir), node
+        self.interval, self.settle_s = interval, settle_s
+        self.fired = False
+        self._closed = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loom-lost-node", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        me, seen = os.getpid(), set(_children(os.getpid()))
+        since: float | None = None
+        while not self._stop.wait(self.interval):
+            now = set(_children(me))
+            if since is None and seen - now and any(n != self.node for n in lost_nodes(self.run_dir)):
+                since = time.monotonic()  # a rank ended and a node is lost (one look per ended rank)
+            seen = now
+            if since is not None and time.monotonic() - since >= self.settle_s:
+                with self._lock:
+                    if not self._closed:
+                        self.fired = True
+                        os.kill(me, signal.SIGTERM)
+                return
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._stop.set()
+        self._thread.join(2 * self.interval + 1)
+
+
+def _write_json(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # several ranks of a node write the same file
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def lost_nodes(run_dir: Path) -> dict[int, dict]:
+    """The nodes whose launcher died during this job (their ranks' :func:`lost_marker` files)."""
+    out: dict[int, dict] = {}
+    for path in sorted((Path(run_dir) / "heartbeat").glob("node-*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads(path.read_text())
+            if isinstance(record, dict) and isinstance(record.get("node"), int):
+                out[record["node"]] = record
+    return out
+
+
+def _clear_lost(run_dir: str) -> None:
+    for path in (Path(run_dir) / "heartbeat").glob("node-*.json"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def lost_node_line(lost: dict[int, dict], run_dir: Path, rendezvous: str | None = None) -> str:
+    """The one line of a surviving node: each lost node with its host and launcher pid (and the
+    rendezvous store that went with node 0's launcher), then the step every rank saved, or none."""
+    heads = [
+        f"node {node} (host {r.get('host', '?')}) stopped answering: its launcher (pid "
+        f"{r.get('launcher_pid', '?')}) is gone"
+        + (f", and with it the rendezvous store at {rendezvous}" if node == 0 and rendezvous else "")
+        for node, r in sorted(lost.items())
+    ]
+    return f"loom: {'; '.join(heads)}; {_saved(run_dir)}"
+
+
+def _saved(run_dir: Path) -> str:
+    record = stopped_record(run_dir)
+    if record is None:
+        return "the ranks stopped before a step could be saved"
+    return (
+        f"every rank stopped after step {record['step']}: checkpoint {record.get('checkpoint')} saved; start "
+        "the lost launcher again and run the same command on every node to resume"
+    )
+
+
+def rendezvous_lost_line(nodes: Nodes, exc: BaseException, run_dir: Path) -> str:
+    """One line for a rendezvous that failed under a running job: the lost node when its ranks left
+    a :func:`lost_marker`, else node 0 (whose launcher hosts the store) for the other nodes."""
+    lost = {n: r for n, r in lost_nodes(run_dir).items() if n != nodes.node_rank}
+    if lost:
+        return lost_node_line(lost, run_dir, nodes.endpoint)
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    head = (
+        f"node 0 (rendezvous {nodes.endpoint}) stopped answering: {type(exc).__name__}, its launcher "
+        "or its host is gone"
+        if nodes.node_rank != 0
+        else f"the rendezvous at {nodes.endpoint} failed: {type(exc).__name__}: {text}"
+    )
+    return f"loom: {head}; {_saved(run_dir)}"
+
+
 def launch(
     cfg: C.LoomConfig, nproc: int, max_restarts: int = 0, nodes: Nodes | None = None
 ) -> dict[int, Any]:
@@ -455,10 +639,12 @@ def launch(
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
     addr = cfg.run.master_addr if nodes is None else nodes.host
     _set_launch_env(addr)
+    _unquiet_ranks()
     port = cfg.run.master_port if nodes is None else nodes.port
     if is_loopback(addr) and (nodes is None or nodes.node_rank == 0):  # the rendezvous store on loopback only
         try:
@@ -474,19 +660,46 @@ def launch(
         logging.getLogger(name).setLevel(logging.CRITICAL)
     # "Received N death signal, shutting down workers": the one line of stop_line says it
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+    # keep-alive and shutdown warnings of a rendezvous whose store went with node 0: lost_node_line says it
+    logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").setLevel(logging.ERROR)
     reaper = StoppedWorkerReaper()
+    watch = LostNodeWatch(Path(cfg.run.dir), nodes.node_rank) if nodes is not None else None
+    run_dir = Path(cfg.run.dir)
     try:
-        start = lambda: elastic_launch(lc, _worker)(C.to_dict(cfg))  # noqa: E731
-        return relaunch_on_taken_port(start, STORE_ATTEMPTS if nodes is None else 1)  # one node: its own
-    except ChildFailedError as e:
-        if (record := stopped_record(Path(cfg.run.dir))) is not None:  # the ranks' exit after a signal
-            raise Stopped(stop_line(Path(cfg.run.dir)), _stop_code(record)) from None
-        raise SystemExit(failure_line(e.failures, Path(cfg.run.dir))) from None
-    except (KeyboardInterrupt, SignalException) as e:
-        sig = signal.Signals(e.sigval) if isinstance(e, SignalException) else signal.SIGINT
-        raise Stopped(stop_line(Path(cfg.run.dir), sig), 128 + sig) from None
-    finally:
-        reaper.close()
+        try:
+            start = lambda: elastic_launch(lc, _worker)(C.to_dict(cfg))  # noqa: E731
+            return relaunch_on_taken_port(start, STORE_ATTEMPTS if nodes is None else 1)  # one node: its own
+        except ChildFailedError as e:
+            if (line := _lost_line(nodes, run_dir)) is not None:  # another node's launcher died
+                raise Stopped(line, 1) from None
+            if (record := stopped_record(run_dir)) is not None:  # the ranks' exit after a signal
+                raise Stopped(stop_line(run_dir), _stop_code(record)) from None
+            raise SystemExit(failure_line(e.failures, run_dir)) from None
+        except RendezvousError as e:  # node 0's store went with its launcher
+            if nodes is None:
+                raise
+            raise Stopped(rendezvous_lost_line(nodes, e, run_dir), 1) from None
+        except (KeyboardInterrupt, SignalException) as e:
+            if watch is not None and watch.fired and (line := _lost_line(nodes, run_dir)) is not None:
+                raise Stopped(line, 1) from None
+            sig = signal.Signals(e.sigval) if isinstance(e, SignalException) else signal.SIGINT
+            raise Stopped(stop_line(run_dir, sig), 128 + sig) from None
+        finally:
+            reaper.close()
+            if watch is not None:
+                watch.close()
+    except SignalException:  # the watch's SIGTERM, handled as the launch was ending anyway
+        if watch is None or not watch.fired or (line := _lost_line(nodes, run_dir)) is None:
+            raise
+        raise Stopped(line, 1) from None
+
+
+def _lost_line(nodes: Nodes | None, run_dir: Path) -> str | None:
+    """:func:`lost_node_line` for the other nodes whose launcher died, or None."""
+    if nodes is None:
+        return None
+    lost = {n: r for n, r in lost_nodes(run_dir).items() if n != nodes.node_rank}
+    return lost_node_line(lost, run_dir, nodes.endpoint) if lost else None
 
 
 STORE_ATTEMPTS = 3  # launches when rank 0's store port (chosen by the agent) was taken meanwhile
@@ -664,6 +877,7 @@ def main_train(cfg: C.LoomConfig, max_restarts: int = 0, nodes: Nodes | None = N
             return _train_locally(cfg, max_restarts, nodes)
         with RunLock(cfg.run.dir):  # held by this process while the ranks it starts run
             _clear_stopped(cfg.run.dir)
+            _clear_lost(cfg.run.dir)
             return _train_locally(cfg, max_restarts, nodes)
     except Stopped as e:
         print(e.line, file=sys.stderr, flush=True)
