@@ -17,7 +17,12 @@ from loom.cluster.formats import (
 )
 from loom.cluster.jobs import ClusterError
 from loom.cluster.policies import POLICIES, make_policy
+from loom.cluster.run import add_parser as add_run_parser
+from loom.cluster.run import main_run
 from loom.cluster.simulate import Result, simulate
+from loom.cluster.slurm import add_parser as add_slurm_parser
+from loom.cluster.slurm import main_slurm
+from loom.config import ConfigError
 from loom.plan import HardwareError
 
 
@@ -35,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="synthetic: seed of the trace (default 0)")
     s.add_argument("--json", action="store_true", help="print a JSON list, one object per policy")
     s.add_argument("--plot", help="write the JCT CDF picture (PNG) here")
+    add_run_parser(sub)  # loom cluster run: real jobs on this machine (loom/cluster/run.py)
+    add_slurm_parser(sub)  # loom cluster slurm: sbatch scripts / Kubernetes Jobs (loom/cluster/slurm.py)
     return p
 
 
@@ -102,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     try:
-        return run(args)
-    except (ClusterError, HardwareError) as e:
+        return {"run": main_run, "slurm": main_slurm}.get(args.cmd, run)(args)
+    except (ClusterError, HardwareError, ConfigError) as e:
         print(f"loom: error: {e}", file=sys.stderr)
         return 2
