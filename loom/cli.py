@@ -27,7 +27,10 @@ commands:
   config     print the resolved config as TOML (--reference: every field with its doc)
   plan       predict memory and speed of layouts and pick the best (see loom plan --help)
   cluster    simulate scheduling policies for many jobs on a shared cluster: simulate --trace
-             FILE|synthetic [--cluster FILE] [--policy NAME ...] [--json] [--plot OUT.png] (docs/cluster.md)
+             FILE|synthetic [--cluster FILE] [--policy NAME ...] [--json] [--plot OUT.png]; run real
+             jobs on this machine's ranks: run --jobs FILE --devices N --policy NAME [--round-s S]
+             [--out DIR]; write sbatch scripts / Kubernetes Jobs: slurm --allocation FILE | --jobs FILE
+             --policy NAME --out DIR [--kubernetes] (docs/cluster.md)
   compare    RUN_A RUN_B [--tol T] [--plot OUT.png]: two runs' loss and grad_norm step by step, the
              first step they differ by more than T (default 0); exit 1 if they differ
   checkpoint convert RUN_DIR_OR_CHECKPOINT OUT.safetensors

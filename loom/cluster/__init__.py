@@ -6,7 +6,9 @@ formats    cluster and trace files (TOML / JSON), the default mixed cluster, syn
 policies   the :class:`Policy` protocol (jobs, cluster, time) -> {job: Placement}: fifo, las, Gavel's
            LPs (HiGHS), Pollux
 simulate   the discrete-event simulator and its metrics
-cli        ``loom cluster simulate``
+run        ``loom cluster run``: real ``loom train`` jobs on this machine's ranks, placed by a policy
+slurm      ``loom cluster slurm``: an allocation as sbatch scripts or Kubernetes Jobs
+cli        ``loom cluster simulate | run | slurm``
 """
 
 from loom.cluster.formats import DEFAULT_CLUSTER, Cluster, load_cluster, load_trace, synthetic_trace
