@@ -20,7 +20,7 @@ from tests.test_finetune import _loom_lora_model, hf_lora_config, prepared, trai
 
 SUPPORTED = (
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
-    "GPT2LMHeadModel, Phi3ForCausalLM"
+    "GPT2LMHeadModel, Phi3ForCausalLM, Qwen3MoeForCausalLM"
 )
 FIELDS = dict(
     hidden_size=64,

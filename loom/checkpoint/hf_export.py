@@ -55,6 +55,9 @@ SHAPE_FIELDS = (
     "num_attention_heads",
     "num_key_value_heads",
     "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_local_experts",
     "vocab_size",
     "tie_word_embeddings",
     "n_embd",
@@ -229,7 +232,7 @@ def export_hf(
         architecture_of(
             cfg.model
         )  # a model no Hugging Face family holds fails here, before anything is written
-        if cfg.model.moe and (why := moe_export_problem(cfg.moe)) is not None:
+        if cfg.model.moe and (why := moe_export_problem(cfg.moe, architecture_of(cfg.model))) is not None:
             raise CheckpointError(
                 f"{opened.dir}: cannot be exported to Hugging Face: {why} (nothing was written)"
             )
@@ -268,7 +271,7 @@ def export_hf(
         (tmp / INDEX).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
-        config = carried_config(hf_config(cfg.model, str(want).removeprefix("torch.")), hf_src)
+        config = carried_config(hf_config(cfg.model, str(want).removeprefix("torch."), moe=cfg.moe), hf_src)
         special = _tokenizer_files(reader.dir.parent.parent, cfg, tmp, config)
         config |= special
         (tmp / "config.json").write_text(json.dumps(config, indent=2))

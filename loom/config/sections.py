@@ -83,7 +83,7 @@ PositionKind = Literal["rope", "learned"]  # model.positions
 
 
 # model.hf_architecture: the Hugging Face family whose tensor names import and export use; auto = the one
-# holding the model's tensors (Llama, Qwen2/3, Mixtral, GPT-2). Phi-3 fuses q/k/v and gate/up.
+# holding the model's tensors (Llama, Qwen2/3, Mixtral, Qwen3-MoE, GPT-2). Phi-3 fuses q/k/v and gate/up.
 HFArchitecture = Literal[
     "auto",
     "LlamaForCausalLM",
@@ -93,6 +93,7 @@ HFArchitecture = Literal[
     "MixtralForCausalLM",
     "GPT2LMHeadModel",
     "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 ]
 
 

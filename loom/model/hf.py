@@ -4,8 +4,10 @@ Families: ``LlamaForCausalLM``, ``MistralForCausalLM`` (the same tensors; Mistra
 only when every sequence fits in it), ``Qwen2ForCausalLM`` (q/k/v biases: ``model.qkv_bias``) and
 ``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``model.qk_norm``) and
 ``MixtralForCausalLM`` (into Loom's mixture of experts: the router, and each expert's w1/w3/w2
-stacked into the (E, ...) weights), ``Phi3ForCausalLM`` (Llama's tensors, q/k/v and gate/up fused:
-``model.hf_architecture`` records the family, which export writes) and ``GPT2LMHeadModel`` (``norm =
+stacked into the (E, ...) weights), ``Qwen3MoeForCausalLM`` (Qwen3's attention, Mixtral's
+experts under ``mlp.`` as ``gate_proj``/``up_proj``/``down_proj``, of width ``moe_intermediate_size``;
+top-k renormalized or not: ``norm_topk_prob`` -> ``moe.norm_topk``), ``Phi3ForCausalLM`` (Llama's
+tensors, q/k/v and gate/up fused: ``model.hf_architecture`` records the family, which export writes) and ``GPT2LMHeadModel`` (``norm =
 layernorm``, ``mlp = gelu_tanh``, ``positions = learned``, ``bias``). Every family but GPT-2 may give a ``head_dim`` d
 with a·d != h (Mistral-Nemo: h = 5120, a = 32 heads, d = 128): ``model.attn_head_dim``, the width
 of the q/k/v/o projections (a·d and k·d) and of RoPE (d). Names map one to one::
@@ -58,6 +60,7 @@ from loom.config.sections import HFArchitecture
 SUPPORTED: tuple[str, ...] = typing.get_args(HFArchitecture)[1:]  # model.hf_architecture's values but auto
 GPT2: Final = "GPT2LMHeadModel"
 PHI3: Final = "Phi3ForCausalLM"
+QWEN3MOE: Final = "Qwen3MoeForCausalLM"
 LLAMA: Final = "LlamaForCausalLM"
 LLAMA_TENSORS = ("MistralForCausalLM", PHI3)  # Llama's tensors under other names or config fields
 VOCAB_TENSORS = ("tok_embeddings.weight", "output.weight")  # V rows; padded to model.pad_vocab_to in Loom
@@ -69,7 +72,6 @@ MISSING = {  # families users ask for, and what Loom's model lacks to run them
     "GemmaForCausalLM": "a gated GELU MLP, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
     "Olmo2ForCausalLM": "norms after attention and MLP instead of before, q/k RMSNorm over all heads at once "
     "(width a·d; Loom's is per head)",
-    "Qwen3MoeForCausalLM": "experts with q/k norms (experts import as Mixtral's only)",
 }
 GELU = {
     "gelu_new": "gelu_tanh",
@@ -136,7 +138,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     if arch == GPT2:
         return _gpt2_config(raw, max_seq_len)
     dim, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-    qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
+    qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch in ("Qwen3ForCausalLM", QWEN3MOE)
     head_dim = int(raw.get("head_dim") or dim // heads)  # its own (Mistral-Nemo, Qwen3): a·d != h
     checks = [("hidden_act", ("silu",)), ("mlp_bias", (False, None)), ("router_jitter_noise", (0.0, 0, None))]
     if not qwen2:  # Qwen2 always has q/k/v biases (and no o bias); the others only without attention_bias
@@ -144,6 +146,9 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     for field, allowed in checks:
         if raw.get(field) not in allowed:
             raise HFError(f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r})")
+    n_experts, ffn = int(raw.get("num_local_experts", 1)), int(raw["intermediate_size"])
+    if arch == QWEN3MOE:
+        n_experts, ffn = _qwen3_moe_experts(raw)
     seq = max_seq_len or int(raw.get("max_position_embeddings", 2048))
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
     if window is not None and seq > int(window):
@@ -156,7 +161,6 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         n_layers=int(raw["num_hidden_layers"]),
         n_heads=heads,
         n_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        ffn_dim=int(raw["intermediate_size"]),
         vocab_size=int(raw["vocab_size"]),
         max_seq_len=seq,
         **_rope(raw),
@@ -165,9 +169,33 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         qkv_bias=qwen2,
         qk_norm=qwen3,
         attn_head_dim=head_dim if head_dim != dim // heads else 0,
-        n_experts=int(raw.get("num_local_experts", 1)),
+        ffn_dim=ffn,
+        n_experts=n_experts,
         top_k=int(raw.get("num_experts_per_tok", 2)),
         hf_architecture=arch,  # type: ignore[arg-type]  # one of SUPPORTED, checked above
+    )
+
+
+def _qwen3_moe_experts(raw: dict) -> tuple[int, int]:
+    """Qwen3-MoE's experts: every layer sparse (``decoder_sparse_step`` 1, no ``mlp_only_layers``:
+    Loom's blocks are all MoE or all dense), E = ``num_experts`` of width ``moe_intermediate_size``."""
+    for field, allowed in (("decoder_sparse_step", (1, None)), ("mlp_only_layers", ([], None))):
+        if raw.get(field) not in allowed:
+            raise HFError(
+                f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r}: "
+                "every layer a mixture of experts)"
+            )
+    n = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)  # transformers 5 writes the latter
+    if n < 2:
+        raise HFError(f"{CONFIG}: num_experts = {n} is not supported (Loom: >= 2 for Qwen3MoeForCausalLM)")
+    return n, int(raw["moe_intermediate_size"])
+
+
+def moe_options(model: HFModel) -> dict[str, object]:
+    """The ``[moe]`` settings the directory's routing fixes: Qwen3-MoE's ``norm_topk_prob`` (default
+    false) as ``moe.norm_topk``; Mixtral always renormalizes (Loom's default)."""
+    return (
+        {"norm_topk": bool(model.raw.get("norm_topk_prob", False))} if model.architecture == QWEN3MOE else {}
     )
 
 
@@ -320,6 +348,8 @@ def apply_to(cfg, path: str | Path) -> HFModel:
         if f"model.{field}" in given and explicit_model_field(field, mine, model.config):
             continue
         setattr(cfg.model, field, getattr(model.config, field))
+    for field, value in moe_options(model).items():
+        setattr(cfg.moe, field, value)
     check_float_tensors(model)
     if not cfg.data.tokenizer:
         if model.tokenizer is None:
@@ -423,11 +453,15 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
             yield lm + "attention.q_norm.weight", Mapping(hf + "self_attn.q_norm.weight", 1)
             yield lm + "attention.k_norm.weight", Mapping(hf + "self_attn.k_norm.weight", 1)
         yield lm + "ffn_norm.weight", Mapping(hf + "post_attention_layernorm.weight")
-        if cfg.moe:  # Mixtral: a router, and each expert's w1/w3/w2 stacked into Loom's (E, ...) weights
-            moe = hf + "block_sparse_moe."
+        if cfg.moe:  # a router, and each expert's w1/w3/w2 stacked into Loom's (E, ...) weights
+            # Qwen3-MoE (q/k norms): mlp.experts.e.{gate,up,down}_proj; Mixtral: block_sparse_moe.experts.e.w*
+            qwen = cfg.qk_norm
+            moe = hf + ("mlp." if qwen else "block_sparse_moe.")
             yield lm + "feed_forward.router.weight", Mapping(moe + "gate.weight")
-            for w in ("w1", "w3", "w2"):
-                experts = tuple(f"{moe}experts.{e}.{w}.weight" for e in range(cfg.n_experts))
+            for w, proj in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                experts = tuple(
+                    f"{moe}experts.{e}.{proj if qwen else w}.weight" for e in range(cfg.n_experts)
+                )
                 yield lm + f"feed_forward.{w}.weight", Mapping(experts)
             continue
         if phi3:  # gate and up fused into gate_up_proj: rows [0, f) and [f, 2f)
@@ -654,17 +688,18 @@ def _is_gpt2(cfg: ModelConfig) -> bool:
     return True
 
 
-def moe_export_problem(moe: MoEConfig) -> str | None:
-    """Why a MoE model trained with these routing options is not a ``MixtralForCausalLM`` (softmax over
-    the experts, top-k renormalized, no shared experts, no selection bias), or None."""
+def moe_export_problem(moe: MoEConfig, family: str = "MixtralForCausalLM") -> str | None:
+    """Why a MoE model trained with these routing options is not a ``family`` (softmax over the
+    experts, no shared experts, no selection bias; Mixtral: top-k renormalized, Qwen3-MoE: either,
+    its ``norm_topk_prob``), or None."""
     if moe.score != "softmax":
-        return f"moe.score = {moe.score!r}: MixtralForCausalLM routes by a softmax over the experts"
-    if not moe.norm_topk:
-        return "moe.norm_topk = false: MixtralForCausalLM renormalizes the top-k routing weights"
+        return f"moe.score = {moe.score!r}: {family} routes by a softmax over the experts"
+    if not moe.norm_topk and family != QWEN3MOE:
+        return f"moe.norm_topk = false: {family} renormalizes the top-k routing weights"
     if moe.n_shared_experts:
-        return f"moe.n_shared_experts = {moe.n_shared_experts}: MixtralForCausalLM has no shared experts"
+        return f"moe.n_shared_experts = {moe.n_shared_experts}: {family} has no shared experts"
     if moe.bias_update_rate > 0:
-        return "moe.bias_update_rate > 0: MixtralForCausalLM has no expert selection bias"
+        return f"moe.bias_update_rate > 0: {family} has no expert selection bias"
     return None
 
 
@@ -687,10 +722,10 @@ def _family_by_shape(cfg: ModelConfig) -> str:
     if _is_gpt2(cfg):
         return GPT2
     if cfg.qk_norm and not cfg.qkv_bias:
-        return "Qwen3ForCausalLM"
+        return QWEN3MOE if cfg.moe else "Qwen3ForCausalLM"
     if cfg.qkv_bias and not cfg.qk_norm:
         return "Qwen2ForCausalLM"
-    if cfg.qkv_bias or (cfg.moe and cfg.qk_norm):
+    if cfg.qkv_bias:
         raise HFError(
             "model: no supported Hugging Face family has this combination of q/k/v biases, q/k norms "
             "and experts"
@@ -722,14 +757,19 @@ def _gpt2_hf_config(cfg: ModelConfig, dtype: str) -> dict:
     }
 
 
-def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = None) -> dict:
-    """``config.json`` for Loom's ``cfg`` (``extra``: fields carried over, e.g. token ids)."""
+def hf_config(
+    cfg: ModelConfig, dtype: str = "float32", extra: dict | None = None, moe: MoEConfig | None = None
+) -> dict:
+    """``config.json`` for Loom's ``cfg`` (``extra``: fields carried over, e.g. token ids; ``moe``:
+    the run's routing, Qwen3-MoE's ``norm_topk_prob``)."""
     architecture = architecture_of(cfg)
     if architecture == GPT2:
         return _gpt2_hf_config(cfg, dtype) | (extra or {})
     out = {
         "architectures": [architecture],
-        "model_type": architecture.removesuffix("ForCausalLM").lower(),
+        "model_type": "qwen3_moe"
+        if architecture == QWEN3MOE
+        else architecture.removesuffix("ForCausalLM").lower(),
         "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
@@ -765,7 +805,20 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = Non
         out["rope_parameters"] = cast(dict, out["rope_parameters"]) | {"partial_rotary_factor": 1.0}
         out["original_max_position_embeddings"] = cfg.max_seq_len
         out |= dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))  # not Phi3Config's 32000s
-    if cfg.moe:
+    if architecture == QWEN3MOE:  # every layer sparse, no shared experts; no dense MLP: no intermediate_size
+        del out["intermediate_size"]
+        out |= {
+            "num_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.top_k,
+            "moe_intermediate_size": cfg.resolved_ffn_dim(),
+            "norm_topk_prob": (moe or MoEConfig()).norm_topk,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "output_router_logits": False,
+        }
+    elif cfg.moe:
         out |= {
             "num_local_experts": cfg.n_experts,
             "num_experts_per_tok": cfg.top_k,

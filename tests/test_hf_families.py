@@ -1,0 +1,149 @@
+"""Families added for issue 34, item 10: Qwen3-MoE (``Qwen3MoeForCausalLM``: Qwen3's attention with
+per-head q/k norms, every MLP a mixture of experts routed by softmax then top-k, renormalized or not
+by ``norm_topk_prob``). A tiny random model built by ``transformers`` from a config (nothing
+downloaded) imports with its logits under 1 process, tp2 + sp (experts whole on each tp rank), ep2
+and pp2, and Loom's export of it (config and
+tensors) loads in ``transformers`` with the same weights and logits; what Loom's blocks cannot hold
+(dense layers among the sparse ones) is refused in one line naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from torch.testing import assert_close
+
+from loom import config as C
+
+FIELDS = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,  # the dense MLP's width: unused when every layer is sparse
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rope_theta=5e5,
+)
+FAMILIES = {
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48},
+    ),
+}
+
+
+def save_family(path: Path, family: str, **kw) -> torch.nn.Module:
+    """A random model of ``family`` saved at ``path`` in several shards (norm weights around 1)."""
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**(FIELDS | extra | kw)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model.eval().save_pretrained(path, max_shard_size="20KB")
+    return model
+
+
+def _loom(path: Path):
+    """(HF directory, Loom model with its weights): the [moe] options the directory fixes applied."""
+    from loom.model.hf import load_into, moe_options, open_dir
+    from loom.model.llama import Transformer
+
+    hf = open_dir(path, 32)
+    model = Transformer(hf.config, C.MoEConfig(**moe_options(hf)))  # type: ignore[arg-type]
+    load_into(model, hf)
+    return hf, model.eval()
+
+
+@pytest.mark.parametrize(
+    "family,kw",
+    [("qwen3-moe", {"norm_topk_prob": True}), ("qwen3-moe", {"norm_topk_prob": False})],
+    ids=["qwen3-moe renormalized", "qwen3-moe raw top-k"],
+)
+def test_import_gives_the_logits_of_transformers_and_export_round_trips(tmp_path, family, kw):
+    """Logits equal transformers'; Loom's export (hf_config, hf_tensors) equals the checkpoint bit for
+    bit and loads in transformers as the same family with the same routing and logits."""
+    from safetensors.torch import load_file, save_file
+
+    from loom.model.hf import hf_config, hf_tensors
+
+    ref = save_family(tmp_path / "src", family, **kw)
+    hf, model = _loom(tmp_path / "src")
+    assert hf.config.hf_architecture == FAMILIES[family][1]
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(x)
+        assert_close(logits, ref(x).logits)
+    out = dict(hf_tensors(hf.config, ((k, v.detach()) for k, v in model.state_dict().items())))
+    on_disk = {
+        k: v for f in sorted((tmp_path / "src").glob("*.safetensors")) for k, v in load_file(f).items()
+    }
+    assert out.keys() == on_disk.keys()
+    for name, t in on_disk.items():
+        assert torch.equal(out[name], t), name
+    dst = tmp_path / "out"
+    dst.mkdir()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = hf_config(hf.config, moe=C.MoEConfig(norm_topk=kw["norm_topk_prob"]))
+    (dst / "config.json").write_text(json.dumps(config))
+    back = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert type(back) is type(ref) and back.config.norm_topk_prob == kw["norm_topk_prob"]
+    theirs = ref.state_dict()  # in memory (transformers 5 fuses the experts): the same on both sides
+    assert back.state_dict().keys() == theirs.keys()
+    for name, t in back.state_dict().items():
+        assert torch.equal(t, theirs[name]), name
+    with torch.no_grad():
+        assert_close(back(x).logits, logits)
+
+
+def test_import_under_ep2_tp2_and_pp2_gives_the_logits_of_transformers(pools, tmp_path):
+    """Built on the meta device and read box by box: under ep2 each rank reads only its experts (the
+    bytes it holds) and gives its sequence's logits; under tp2 + sp each rank reads exactly its
+    parameters' bytes (attention's rows; the experts whole) and the gathered logits are
+    transformers'; under pp2 the loss through the pipeline is."""
+    from loom.model.llama import loss_fn
+    from tests.test_hf import _ep2_logits, _layout_outputs
+
+    ref = save_family(tmp_path, "qwen3-moe", norm_topk_prob=True)  # Loom's default routing
+    x = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(x[:, :-1]).logits
+    for rank, (logits, read, held) in enumerate(pools(2).run(_ep2_logits, str(tmp_path), x[:, :-1])):
+        assert_close(logits[0], expected[rank])
+        assert read == held
+    for rank in pools(2).run(_layout_outputs, [str(tmp_path)], x, "tp2"):
+        logits, read, held, whole = rank[0]
+        assert_close(logits, expected)
+        assert read == held < whole
+    for loss in pools(2).run(_layout_outputs, [str(tmp_path)], x, "pp2"):
+        assert loss[0] == pytest.approx(float(loss_fn(expected, x[:, 1:])), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "edit,says",
+    [
+        (
+            {"mlp_only_layers": [1]},
+            "config.json: mlp_only_layers = [1] is not supported (Loom: []: every layer a mixture of experts)",
+        ),
+        (
+            {"decoder_sparse_step": 2},
+            "config.json: decoder_sparse_step = 2 is not supported (Loom: 1: every layer a mixture of experts)",
+        ),
+    ],
+    ids=["mlp_only_layers", "decoder_sparse_step"],
+)
+def test_what_loom_cannot_hold_is_one_line_naming_the_field(tmp_path, edit, says):
+    from loom.model.hf import HFError, open_dir
+
+    save_family(tmp_path, "qwen3-moe")
+    raw = json.loads((tmp_path / "config.json").read_text()) | edit
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(HFError) as e:
+        open_dir(tmp_path, 32)
+    assert str(e.value) == says
