@@ -372,11 +372,14 @@ class Driver:
             for r in self.running.values():
                 if r.proc.poll() is None:
                     r.proc.send_signal(signal.SIGTERM)
-            for r in self.running.values():
+            for name, r in self.running.items():
                 try:
-                    r.proc.wait(60)
+                    r.proc.wait(self.jobs[name].cfg.run.preempt_grace_s + 60)
                 except subprocess.TimeoutExpired:
                     os.killpg(r.proc.pid, signal.SIGKILL)
+                    r.proc.wait()
+                if r.proc.returncode == STOPPED:
+                    self.log(name, "preempt", r.ranks, _saved_step(self.out / name))
                 r.log.close()
             self.decisions.close()
         return 1 if self.failed else 0
@@ -420,6 +423,25 @@ def main_run(args: argparse.Namespace) -> int:
         f"{len(jobs)} jobs on {args.devices} ranks, policy {policy.name}; decisions in {driver.out / 'decisions.jsonl'}",
         flush=True,
     )
-    rc = driver.run()
+    stop = {}
+
+    def stopped(signum: int, _frame: Any) -> None:
+        stop["sig"] = signum
+        raise KeyboardInterrupt
+
+    old = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = driver.run()  # its finally stops every running job with a checkpoint
+    except KeyboardInterrupt:
+        sig = signal.Signals(stop.get("sig", signal.SIGINT))
+        print(
+            f"loom: stopped by {sig.name}: running jobs saved their checkpoints in {driver.out}; "
+            "run the same command to resume them",
+            file=sys.stderr,
+        )
+        return 128 + sig
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     print(driver.table())
     return rc
