@@ -27,7 +27,8 @@ A lost node launcher (SIGKILL, the OOM killer): the kernel tells each of its ran
 (:func:`watch_launcher`, a parent-death signal), which records ``run.dir/heartbeat/node-NNNNN.json``
 and stops as on SIGTERM, so every rank saves the same step; the surviving launchers then end with one
 line naming the lost node and its host (:func:`lost_node_line`), node 0's as soon as its ranks have
-stopped, the others' when node 0's rendezvous store goes with node 0's launcher. An orphaned rank that
+stopped (:class:`LostNodeWatch` where the agent would restart them), the others' when node 0's
+rendezvous store goes with node 0's launcher. An orphaned rank that
 has not ended ``run.preempt_grace_s`` later kills itself, as its launcher would have.
 
 Preemption and Ctrl-C: SIGTERM or SIGINT reaches the launcher (which forwards it to every rank and
@@ -535,7 +536,7 @@ class LostNodeWatch:
     ``--max-restarts`` and wait at the rendezvous for the lost node (measured: > 20 s with
     ``run.timeout_s = 5``), or wait at its exit barrier (300 s); :func:`launch` then names the node."""
 
-    def __init__(self, run_dir: Path, node: int, interval: float = 0.2, settle_s: float = 1.0) -> None:
+    def __init__(self, run_dir: Path, node: int, interval: float = 0.2, settle_s: float = 0.5) -> None:
         self.run_dir, self.node = Path(run_dir), node
         self.interval, self.settle_s = interval, settle_s
         self.fired = False
