@@ -5,8 +5,8 @@ The real run: 3 ranks, Pollux. Job ``a`` arrives alone and runs on 2 ranks (its 
 makes the doubling worth it); ``b`` and ``c`` arrive at once, so Pollux admits them on 1 rank each
 and shrinks ``a`` to 1: ``a`` is stopped with a checkpoint and resumed by ``loom train`` at
 ``--run.nproc 1``. Its losses, step by step, are those of an uninterrupted 1-rank run within 1e-4.
-``b`` and ``c`` train more steps than ``a`` has left, so ``a`` ends first (a rank freed earlier would
-let Pollux grow ``a`` back to 2: another start of 2 ranks, ~10 s here).
+``b`` and ``c`` train more steps than ``a`` has left, so ``a`` usually ends first (a rank freed earlier
+lets Pollux grow ``a`` back to 2: another start of 2 ranks, ~10 s here; its losses still continue).
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def test_pollux_shrinks_a_job_from_2_ranks_to_1_and_its_losses_continue(tiny_tom
     rows = [json.loads(x) for x in (out / "decisions.jsonl").read_text().splitlines()]
     a = [(r["event"], r["ranks"]) for r in rows if r["job"] == "a"]
     assert a[:3] == [("start", 2), ("preempt", 2), ("resume", 1)], rows
-    assert a[-1] == ("finish", 1), rows
+    # if b and c end first (a loaded machine's timing), Pollux may grow a back to 2 before it ends:
+    # its losses still continue (the data is exactly-once across a dp resize)
+    assert a[-1][0] == "finish" and {e for e, _ in a[3:-1]} <= {"preempt", "resume"}, rows
     stopped = next(r["step"] for r in rows if r["job"] == "a" and r["event"] == "preempt")
     assert 1 <= stopped < A_STEPS  # a real step saved on 2 ranks, the rest on 1
     resumed = next(r["step"] for r in rows if r["job"] == "a" and r["event"] == "resume")
