@@ -1,10 +1,11 @@
 """Families added for issue 34, item 10: Qwen3-MoE (``Qwen3MoeForCausalLM``: Qwen3's attention with
 per-head q/k norms, every MLP a mixture of experts routed by softmax then top-k, renormalized or not
-by ``norm_topk_prob``). A tiny random model built by ``transformers`` from a config (nothing
-downloaded) imports with its logits under 1 process, tp2 + sp (experts whole on each tp rank), ep2
-and pp2, and Loom's export of it (config and
-tensors) loads in ``transformers`` with the same weights and logits; what Loom's blocks cannot hold
-(dense layers among the sparse ones) is refused in one line naming the field."""
+by ``norm_topk_prob``) and OLMo-2 (``Olmo2ForCausalLM``: norms closing the branches, x + norm(attn(x)),
+and one q/k RMSNorm over all heads, a·d and k·d wide). A tiny random model built by ``transformers``
+from a config (nothing downloaded) imports with its logits under 1 process, pp2, tp2 + sp (Qwen3-MoE,
+experts whole on each tp rank; OLMo-2 is refused under tp) and ep2 (Qwen3-MoE), and Loom's export of
+it (config and tensors) loads in ``transformers`` with the same weights and logits; what Loom cannot
+hold is refused in one line naming the field."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ FAMILIES = {
         "Qwen3MoeForCausalLM",
         {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48},
     ),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
 }
 
 
@@ -62,15 +64,17 @@ def _loom(path: Path):
 
 @pytest.mark.parametrize(
     "family,kw",
-    [("qwen3-moe", {"norm_topk_prob": True}), ("qwen3-moe", {"norm_topk_prob": False})],
-    ids=["qwen3-moe renormalized", "qwen3-moe raw top-k"],
+    [("qwen3-moe", {"norm_topk_prob": True}), ("qwen3-moe", {"norm_topk_prob": False}), ("olmo2", {})],
+    ids=["qwen3-moe renormalized", "qwen3-moe raw top-k", "olmo2"],
 )
 def test_import_gives_the_logits_of_transformers_and_export_round_trips(tmp_path, family, kw):
     """Logits equal transformers'; Loom's export (hf_config, hf_tensors) equals the checkpoint bit for
-    bit and loads in transformers as the same family with the same routing and logits."""
+    bit and loads in transformers as the same family with the same routing and logits; generation's
+    cached forward (prefill, then one token) gives the same logits as the model's."""
     from safetensors.torch import load_file, save_file
 
     from loom.model.hf import hf_config, hf_tensors
+    from loom.model.kv_cache import forward_cached, new_cache
 
     ref = save_family(tmp_path / "src", family, **kw)
     hf, model = _loom(tmp_path / "src")
@@ -89,30 +93,37 @@ def test_import_gives_the_logits_of_transformers_and_export_round_trips(tmp_path
     dst = tmp_path / "out"
     dst.mkdir()
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config = hf_config(hf.config, moe=C.MoEConfig(norm_topk=kw["norm_topk_prob"]))
+    config = hf_config(hf.config, moe=C.MoEConfig(norm_topk=kw.get("norm_topk_prob", True)))
     (dst / "config.json").write_text(json.dumps(config))
     back = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
-    assert type(back) is type(ref) and back.config.norm_topk_prob == kw["norm_topk_prob"]
+    assert type(back) is type(ref)
+    assert getattr(back.config, "norm_topk_prob", None) == kw.get("norm_topk_prob")
     theirs = ref.state_dict()  # in memory (transformers 5 fuses the experts): the same on both sides
     assert back.state_dict().keys() == theirs.keys()
     for name, t in back.state_dict().items():
         assert torch.equal(t, theirs[name]), name
     with torch.no_grad():
         assert_close(back(x).logits, logits)
+        cache = new_cache(model, 2, 32)
+        cached = torch.cat(
+            (forward_cached(model, x[:, :31], cache), forward_cached(model, x[:, 31:], cache)), 1
+        )
+    assert_close(cached, logits)
 
 
 def test_import_under_ep2_tp2_and_pp2_gives_the_logits_of_transformers(pools, tmp_path):
     """Built on the meta device and read box by box: under ep2 each rank reads only its experts (the
     bytes it holds) and gives its sequence's logits; under tp2 + sp each rank reads exactly its
     parameters' bytes (attention's rows; the experts whole) and the gathered logits are
-    transformers'; under pp2 the loss through the pipeline is."""
+    transformers'; under pp2 the loss through the pipeline is (and OLMo-2's, in the same pool call)."""
     from loom.model.llama import loss_fn
     from tests.test_hf import _ep2_logits, _layout_outputs
 
     ref = save_family(tmp_path, "qwen3-moe", norm_topk_prob=True)  # Loom's default routing
+    olmo2 = save_family(tmp_path / "olmo2", "olmo2")
     x = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        expected = ref(x[:, :-1]).logits
+        expected, expected_olmo2 = ref(x[:, :-1]).logits, olmo2(x[:, :-1]).logits
     for rank, (logits, read, held) in enumerate(pools(2).run(_ep2_logits, str(tmp_path), x[:, :-1])):
         assert_close(logits[0], expected[rank])
         assert read == held
@@ -120,8 +131,9 @@ def test_import_under_ep2_tp2_and_pp2_gives_the_logits_of_transformers(pools, tm
         logits, read, held, whole = rank[0]
         assert_close(logits, expected)
         assert read == held < whole
-    for loss in pools(2).run(_layout_outputs, [str(tmp_path)], x, "pp2"):
+    for loss in pools(2).run(_layout_outputs, [str(tmp_path), str(tmp_path / "olmo2")], x, "pp2"):
         assert loss[0] == pytest.approx(float(loss_fn(expected, x[:, 1:])), rel=1e-5)
+        assert loss[1] == pytest.approx(float(loss_fn(expected_olmo2, x[:, 1:])), rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -147,3 +159,19 @@ def test_what_loom_cannot_hold_is_one_line_naming_the_field(tmp_path, edit, says
     with pytest.raises(HFError) as e:
         open_dir(tmp_path, 32)
     assert str(e.value) == says
+
+
+def test_olmo2_under_tp_is_refused_in_one_line(tmp_path):
+    """OLMo-2's q/k RMSNorm spans every head, which tp cuts: config.validate refuses tp > 1 naming the
+    field (1 process and pp2 are tested above)."""
+    from loom.model.hf import open_dir
+
+    save_family(tmp_path, "olmo2")
+    cfg = C.LoomConfig(model=open_dir(tmp_path, 32).config)
+    cfg.parallel.tp, cfg.data.seq_len = 2, 32
+    with pytest.raises(C.ConfigError) as e:
+        C.validate(cfg, 2)
+    assert str(e.value) == (
+        "model.qk_norm_scope: 'all' (one q/k RMSNorm over all heads, OLMo-2) needs the sum of squares across "
+        "the head shards, which Loom does not reduce; use parallel.tp = 1, got 2"
+    )

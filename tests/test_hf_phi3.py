@@ -20,7 +20,7 @@ from tests.test_finetune import _loom_lora_model, hf_lora_config, prepared, trai
 
 SUPPORTED = (
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
-    "GPT2LMHeadModel, Phi3ForCausalLM, Qwen3MoeForCausalLM"
+    "GPT2LMHeadModel, Phi3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM"
 )
 FIELDS = dict(
     hidden_size=64,
@@ -198,17 +198,11 @@ def test_peft_adapters_on_the_fused_tensors_load_with_equal_logits(tmp_path, tar
             "sliding-window layers, (1 + w) RMSNorm, sqrt(h)-scaled embeddings); supported: " + SUPPORTED,
         ),
         (
-            {"architectures": ["Olmo2ForCausalLM"]},
-            "config.json: architectures = 'Olmo2ForCausalLM' is not supported (Loom's model lacks norms after "
-            "attention and MLP instead of before, q/k RMSNorm over all heads at once (width a·d; Loom's is "
-            "per head)); supported: " + SUPPORTED,
-        ),
-        (
             {"architectures": ["GPTNeoXForCausalLM"]},
             "config.json: architectures = 'GPTNeoXForCausalLM' is not supported; supported: " + SUPPORTED,
         ),
     ],
-    ids=["longrope", "partial rotary", "sliding window", "gemma2", "olmo2", "unknown"],
+    ids=["longrope", "partial rotary", "sliding window", "gemma2", "unknown"],
 )
 def test_what_loom_cannot_run_is_one_line_naming_the_field(tmp_path, edit, says):
     from loom.model.hf import HFError, open_dir

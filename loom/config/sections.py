@@ -82,6 +82,12 @@ MlpKind = Literal["swiglu", "gelu", "gelu_tanh"]  # model.mlp
 PositionKind = Literal["rope", "learned"]  # model.positions
 
 
+QKNormScope = Literal["head", "all"]  # model.qk_norm_scope
+
+
+NormPlacement = Literal["pre", "post"]  # model.norm_placement
+
+
 # model.hf_architecture: the Hugging Face family whose tensor names import and export use; auto = the one
 # holding the model's tensors (Llama, Qwen2/3, Mixtral, Qwen3-MoE, GPT-2). Phi-3 fuses q/k/v and gate/up.
 HFArchitecture = Literal[
@@ -94,6 +100,7 @@ HFArchitecture = Literal[
     "GPT2LMHeadModel",
     "Phi3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Olmo2ForCausalLM",
 ]
 
 
@@ -137,6 +144,10 @@ class ModelConfig:
     top_k: int = 2  # experts each token is routed to (mixture of experts only)
     qkv_bias: bool = False  # biases on the query/key/value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
+    # with qk_norm: head = over each head's d (Qwen3); all = over the whole projection, a·d and k·d wide (OLMo-2)
+    qk_norm_scope: QKNormScope = "head"
+    # pre: x + attn(norm(x)), then the same with the MLP (Llama); post: x + norm(attn(x)), ... (OLMo-2)
+    norm_placement: NormPlacement = "pre"
     attn_head_dim: int = 0  # size of one attention head; 0 = dim / n_heads
     norm: NormKind = "rmsnorm"  # layernorm: (x - mean) / std * w + b (GPT-2)
     mlp: MlpKind = "swiglu"  # gelu / gelu_tanh: w2(gelu(w1 x)), exact or tanh-approximated (GPT-2's gelu_new)

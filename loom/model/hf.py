@@ -6,7 +6,10 @@ only when every sequence fits in it), ``Qwen2ForCausalLM`` (q/k/v biases: ``mode
 ``MixtralForCausalLM`` (into Loom's mixture of experts: the router, and each expert's w1/w3/w2
 stacked into the (E, ...) weights), ``Qwen3MoeForCausalLM`` (Qwen3's attention, Mixtral's
 experts under ``mlp.`` as ``gate_proj``/``up_proj``/``down_proj``, of width ``moe_intermediate_size``;
-top-k renormalized or not: ``norm_topk_prob`` -> ``moe.norm_topk``), ``Phi3ForCausalLM`` (Llama's
+top-k renormalized or not: ``norm_topk_prob`` -> ``moe.norm_topk``), ``Olmo2ForCausalLM`` (norms
+after attention and MLP: ``model.norm_placement = post``, its ``post_attention_layernorm`` and
+``post_feedforward_layernorm`` in ``attention_norm`` and ``ffn_norm``; q/k RMSNorm over all heads at
+once, a·d and k·d wide: ``model.qk_norm_scope = all``), ``Phi3ForCausalLM`` (Llama's
 tensors, q/k/v and gate/up fused: ``model.hf_architecture`` records the family, which export writes) and ``GPT2LMHeadModel`` (``norm =
 layernorm``, ``mlp = gelu_tanh``, ``positions = learned``, ``bias``). Every family but GPT-2 may give a ``head_dim`` d
 with a·d != h (Mistral-Nemo: h = 5120, a = 32 heads, d = 128): ``model.attn_head_dim``, the width
@@ -61,6 +64,7 @@ SUPPORTED: tuple[str, ...] = typing.get_args(HFArchitecture)[1:]  # model.hf_arc
 GPT2: Final = "GPT2LMHeadModel"
 PHI3: Final = "Phi3ForCausalLM"
 QWEN3MOE: Final = "Qwen3MoeForCausalLM"
+OLMO2: Final = "Olmo2ForCausalLM"
 LLAMA: Final = "LlamaForCausalLM"
 LLAMA_TENSORS = ("MistralForCausalLM", PHI3)  # Llama's tensors under other names or config fields
 VOCAB_TENSORS = ("tok_embeddings.weight", "output.weight")  # V rows; padded to model.pad_vocab_to in Loom
@@ -70,8 +74,6 @@ MISSING = {  # families users ask for, and what Loom's model lacks to run them
     "Gemma3ForCausalLM": "norms after attention and MLP as well as before, alternating sliding-window layers "
     "with their own RoPE base, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
     "GemmaForCausalLM": "a gated GELU MLP, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
-    "Olmo2ForCausalLM": "norms after attention and MLP instead of before, q/k RMSNorm over all heads at once "
-    "(width a·d; Loom's is per head)",
 }
 GELU = {
     "gelu_new": "gelu_tanh",
@@ -167,7 +169,9 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=qwen2,
-        qk_norm=qwen3,
+        qk_norm=qwen3 or arch == OLMO2,
+        qk_norm_scope="all" if arch == OLMO2 else "head",
+        norm_placement="post" if arch == OLMO2 else "pre",
         attn_head_dim=head_dim if head_dim != dim // heads else 0,
         ffn_dim=ffn,
         n_experts=n_experts,
@@ -283,6 +287,8 @@ HF_FIELDS = (
     "tie_embeddings",
     "qkv_bias",
     "qk_norm",
+    "qk_norm_scope",
+    "norm_placement",
     "attn_head_dim",
     "n_experts",
     "top_k",
@@ -438,7 +444,11 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
     yield "tok_embeddings.weight", Mapping("model.embed_tokens.weight")
     for i in range(cfg.n_layers):
         hf, lm = f"model.layers.{i}.", f"layers.{i}."
-        yield lm + "attention_norm.weight", Mapping(hf + "input_layernorm.weight")
+        olmo2 = cfg.norm_placement == "post"  # OLMo-2: the norms after attention and MLP
+        yield (
+            lm + "attention_norm.weight",
+            Mapping(hf + ("post_attention" if olmo2 else "input") + "_layernorm.weight"),
+        )
         if phi3:  # q, k, v fused into qkv_proj, rows [0, a·d), [a·d, (a+k)·d), [(a+k)·d, (a+2k)·d)
             qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
             for x, heads, off in (("q", cfg.n_heads, 0), ("k", cfg.n_kv_heads, qd), ("v", None, qd + kd)):
@@ -449,10 +459,20 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
             yield lm + f"attention.w{x}.weight", Mapping(hf + f"self_attn.{x}_proj.weight", heads)
             if cfg.qkv_bias and x != "o":
                 yield lm + f"attention.w{x}.bias", Mapping(hf + f"self_attn.{x}_proj.bias", heads)
-        if cfg.qk_norm:  # one head's d weights, applied before RoPE
-            yield lm + "attention.q_norm.weight", Mapping(hf + "self_attn.q_norm.weight", 1)
-            yield lm + "attention.k_norm.weight", Mapping(hf + "self_attn.k_norm.weight", 1)
-        yield lm + "ffn_norm.weight", Mapping(hf + "post_attention_layernorm.weight")
+        if cfg.qk_norm:  # one head's d weights (OLMo-2: every head's, a·d and k·d), applied before RoPE
+            whole = cfg.qk_norm_scope == "all"
+            yield (
+                lm + "attention.q_norm.weight",
+                Mapping(hf + "self_attn.q_norm.weight", cfg.n_heads if whole else 1),
+            )
+            yield (
+                lm + "attention.k_norm.weight",
+                Mapping(hf + "self_attn.k_norm.weight", cfg.n_kv_heads if whole else 1),
+            )
+        yield (
+            lm + "ffn_norm.weight",
+            Mapping(hf + ("post_feedforward" if olmo2 else "post_attention") + "_layernorm.weight"),
+        )
         if cfg.moe:  # a router, and each expert's w1/w3/w2 stacked into Loom's (E, ...) weights
             # Qwen3-MoE (q/k norms): mlp.experts.e.{gate,up,down}_proj; Mixtral: block_sparse_moe.experts.e.w*
             qwen = cfg.qk_norm
@@ -526,8 +546,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "w1": (f, h),
         "w3": (f, h),
         "w2": (h, f),
-        "q_norm": (d,),
-        "k_norm": (d,),
+        "q_norm": (qd if cfg.qk_norm_scope == "all" else d,),
+        "k_norm": (kd if cfg.qk_norm_scope == "all" else d,),
         "pos_embeddings": (cfg.max_seq_len, h),
     }
     if cfg.moe:
@@ -721,6 +741,14 @@ def architecture_of(cfg: ModelConfig) -> str:
 def _family_by_shape(cfg: ModelConfig) -> str:
     if _is_gpt2(cfg):
         return GPT2
+    olmo2 = (cfg.norm_placement == "post", cfg.qk_norm and cfg.qk_norm_scope == "all")
+    if any(olmo2):
+        if not all(olmo2) or cfg.qkv_bias or cfg.moe:
+            raise HFError(
+                "model: Olmo2ForCausalLM needs norm_placement = post with qk_norm = true, qk_norm_scope = all, "
+                "and no q/k/v biases or experts; no other Hugging Face family holds either"
+            )
+        return OLMO2
     if cfg.qk_norm and not cfg.qkv_bias:
         return QWEN3MOE if cfg.moe else "Qwen3ForCausalLM"
     if cfg.qkv_bias and not cfg.qk_norm:

@@ -95,11 +95,14 @@ def _attend(
 ) -> torch.Tensor:
     """``Attention.forward`` for T new tokens x (B, T, h) against the cache's keys and values."""
     B, T, _ = x.shape
-    q = attn.wq(x).view(B, T, -1, attn.head_dim)  # (B, T, a, d)
-    k = attn.wk(x).view(B, T, -1, attn.head_dim)  # (B, T, k, d)
-    v = attn.wv(x).view(B, T, -1, attn.head_dim)  # (B, T, k, d)
-    if attn.q_norm is not None:
+    q, k = attn.wq(x), attn.wk(x)  # (B, T, a*d), (B, T, k*d)
+    if attn.q_norm is not None and attn.qk_norm_all:  # over all heads at once (OLMo-2)
         q, k = attn.q_norm(q), attn.k_norm(k)  # type: ignore[misc]  # k_norm is set whenever q_norm is
+    q = q.view(B, T, -1, attn.head_dim)  # (B, T, a, d)
+    k = k.view(B, T, -1, attn.head_dim)  # (B, T, k, d)
+    v = attn.wv(x).view(B, T, -1, attn.head_dim)  # (B, T, k, d)
+    if attn.q_norm is not None and not attn.qk_norm_all:  # per head, over d
+        q, k = attn.q_norm(q), attn.k_norm(k)  # type: ignore[misc]
     if attn.rope:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
@@ -129,7 +132,12 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     mask = _mask(cache, T)
     for i, layer in enumerate(model.layers):
         block = cast(Block, layer)
-        h = h + _attend(cast(Attention, block.attention), block.attention_norm(h), cos, sin, cache, i, mask)
+        attn = cast(Attention, block.attention)
+        if block.post_norm:  # OLMo-2: the norms close the branches
+            h = h + block.attention_norm(_attend(attn, h, cos, sin, cache, i, mask))
+            h = h + block.ffn_norm(block.feed_forward(h))
+            continue
+        h = h + _attend(attn, block.attention_norm(h), cos, sin, cache, i, mask)
         h = h + block.feed_forward(block.ffn_norm(h))
     cache.length += T
     return model.output(model.norm(h))  # (B, T, V)

@@ -248,8 +248,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.bias)
         self.rope = cfg.positions == "rope"  # learned positions are added to the embeddings instead
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.qk_norm_all = cfg.qk_norm_scope == "all"  # over a·d (k·d) at once, else per head over d
+        q_width, k_width = (cfg.n_heads, cfg.n_kv_heads) if self.qk_norm_all else (1, 1)
+        self.q_norm = RMSNorm(q_width * cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width * cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = CoreAttention(cfg.dropout)
 
     def forward(
@@ -261,11 +263,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts come from the weights so a tensor-parallel shard (fewer heads) runs unchanged.
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, a, d)
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, k, d)
-        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, k, d)
-        if self.q_norm is not None:  # per head, over d
+        q, k = self.wq(x), self.wk(x)  # (B, T, a*d), (B, T, k*d)
+        if self.q_norm is not None and self.qk_norm_all:  # over all heads at once (OLMo-2)
             q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]  # k_norm is set whenever q_norm is
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, a, d)
+        k = k.view(B, T, -1, self.head_dim)  # (B, T, k, d)
+        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, k, d)
+        if self.q_norm is not None and not self.qk_norm_all:  # per head, over d
+            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
@@ -303,7 +308,9 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))).
+    """Pre-norm transformer block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))); with
+    ``norm_placement = post`` (OLMo-2) the norms close the branches: x + drop(norm(attn(x))), then
+    + drop(norm(mlp(x))).
 
     Dropout (``cfg.dropout``, training only) on both residual branches and inside the attention
     core; with p = 0 (the default) no dropout op runs at all.
@@ -320,6 +327,7 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.resolved_ffn_dim(), cfg.mlp, cfg.bias)
         self.dropout = cfg.dropout
+        self.post_norm = cfg.norm_placement == "post"
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.dropout, training=True) if self.dropout > 0 and self.training else x
@@ -333,7 +341,11 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         """``docs``: packed data's document ids (B, T) or block mask, passed to the attention (see
         CoreAttention)."""
-        attn = self.attention(self.attention_norm(x), cos, sin, *(() if docs is None else (docs,)))
+        extra = () if docs is None else (docs,)
+        if self.post_norm:  # (B, T, h) throughout
+            x = x + self._drop(self.attention_norm(self.attention(x, cos, sin, *extra)))
+            return x + self._drop(self.ffn_norm(self.feed_forward(x)))
+        attn = self.attention(self.attention_norm(x), cos, sin, *extra)
         x = x + self._drop(attn)
         return x + self._drop(self.feed_forward(self.ffn_norm(x)))
 
