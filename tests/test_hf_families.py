@@ -18,6 +18,7 @@ import transformers
 from torch.testing import assert_close
 
 from loom import config as C
+from tests.test_finetune import hf_lora_config, prepared, trainer_fit  # noqa: F401
 
 FIELDS = dict(
     vocab_size=128,
@@ -175,3 +176,44 @@ def test_olmo2_under_tp_is_refused_in_one_line(tmp_path):
         "model.qk_norm_scope: 'all' (one q/k RMSNorm over all heads, OLMo-2) needs the sum of squares across "
         "the head shards, which Loom does not reduce; use parallel.tp = 1, got 2"
     )
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "olmo2"])
+def test_a_run_from_the_family_exports_it_with_its_weights(prepared, tmp_path, family):  # noqa: F811
+    """2 full fine-tuning steps from the directory (Qwen3-MoE without top-k renormalization: from_hf
+    sets moe.norm_topk = false); ``export hf`` writes the same family, its tensors the checkpoint's,
+    that transformers loads with the same routing and Loom's logits."""
+    from safetensors.torch import load_file
+
+    from loom.checkpoint.hf_export import export_hf
+    from loom.checkpoint.load import CheckpointReader
+    from loom.data.tokenizer import load_tokenizer
+    from loom.model.hf import hf_tensors
+    from loom.model.llama import Transformer
+
+    base = tmp_path / "base"
+    save_family(base, family, vocab_size=384, **({"norm_topk_prob": False} if family == "qwen3-moe" else {}))
+    load_tokenizer(prepared).save(str(base / "tokenizer.json"))
+    run = tmp_path / "run"
+    cfg = hf_lora_config(prepared, base, run, finetune={"method": "full"}, train={"steps": 2})
+    trainer_fit(cfg)
+    export_hf(run, tmp_path / "out", dtype="fp32")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(theirs).__name__ == FAMILIES[family][1]
+    with CheckpointReader(run) as reader:
+        saved = C.from_dict(reader.train_state["config"])
+        state = {n[len("model.") :]: reader.read(n) for n in reader.names() if n.startswith("model.")}
+    assert saved.moe.norm_topk == (family != "qwen3-moe")
+    assert getattr(theirs.config, "norm_topk_prob", False) is False
+    written = {
+        k: v for f in sorted((tmp_path / "out").glob("*.safetensors")) for k, v in load_file(f).items()
+    }
+    want = dict(hf_tensors(saved.model, iter(state.items())))
+    assert written.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(written[name], t), name
+    model = Transformer(saved.model, saved.moe)
+    model.load_state_dict(state)
+    x = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close(theirs(x).logits, model.eval()(x))
