@@ -59,3 +59,21 @@ def test_phases_sum_per_step_and_nothing_is_timed_without_a_clock():
     per_step = clock.read(2)
     assert 0.02 <= per_step["forward"] < 0.05 and per_step["data"] == 0
     assert clock.read(1)["forward"] == 0, "read resets the window"
+
+
+@pytest.mark.parametrize(
+    "value,why",
+    [
+        (-1.0, "must be >= 0 (0 = off)"),
+        (float("nan"), "must be a finite number"),
+        (float("inf"), "must be a finite number"),
+    ],
+)
+def test_a_straggler_threshold_below_zero_or_not_finite_is_refused_in_one_line(value, why):
+    from loom import config as C
+
+    cfg = C.LoomConfig()
+    cfg.run.straggler_pct = value
+    with pytest.raises(C.ConfigError) as e:
+        C.validate(cfg, 1)
+    assert str(e.value) == f"run.straggler_pct: {why}, got {value}"
