@@ -103,7 +103,8 @@ def _train(layout: dict, compile_mode: str) -> dict:
     run = build_run(cfg, mesh, model, CommMeter())
     dp_rank, dp = mesh.local_rank("dp"), mesh.size("dp")
     losses = []
-    saved = SavedActivations(run.model, "none", _CopyOffloader()) if layout.get("offload") else None
+    compress, offload = cfg.train.compress, _CopyOffloader() if layout.get("offload") else None
+    saved = SavedActivations(run.model, compress, offload) if offload or compress != "none" else None
     try:
         for step in range(STEPS):
             torch._dynamo.config.error_on_recompile = step >= 2
@@ -125,6 +126,7 @@ def _train(layout: dict, compile_mode: str) -> dict:
         "report": None if report is None else (report.graphs, report.breaks(), report.line()),
         "scaler": None if run.scaler is None else (run.scaler.scale, run.scaler.skipped),
         "saved": None if saved is None else saved.stats(),
+        "packed": None if saved is None else (saved.packed, saved.raw),  # compression: bytes stored, replaced
     }
 
 
@@ -182,23 +184,37 @@ def test_layout_compiled_equals_eager(pools, name):
         assert sum(breaks.values()) == BREAKS.get(name, 0), line
 
 
-def test_compress_refused_before_start():
-    """Compression picks a format per saved tensor kind; a compiled block's saved tensors have none."""
+def test_full_refused_before_start_under_compress_and_zero_bubble():
+    """``full`` stays refused under compression and zb-h1 (one node per stage); ``blocks`` compiles regions."""
     cfg = LoomConfig(model=tiny_model(), train=tiny_train(compress="bf16"))
-    cfg.train.compile = "blocks"
+    cfg.train.compile = "full"
     cfg.data.seq_len = SEQ
-    with pytest.raises(ConfigError, match="train.compile"):
+    with pytest.raises(ConfigError, match="train.compile: 'full' .* train.compress"):
         validate(cfg, 1)
-
-
-def test_zero_bubble_refused_before_start():
-    """ZB-H1 defers weight gradients by running part of the autograd graph again (backward_weight); a
-    compiled block is one node computing both gradients, so its backward would run twice (measured:
-    CompiledFunctionBackward called once by BI and again by BW)."""
     cfg = _config({"pp": 2, "schedule": "zb-h1"}, "none", 2)
-    cfg.train.compile = "blocks"
-    with pytest.raises(ConfigError, match="train.compile: 'blocks' .* schedule 'zb-h1'"):
+    cfg.train.compile = "full"
+    with pytest.raises(ConfigError, match="train.compile: 'full' .* schedule 'zb-h1'"):
         validate(cfg, 2)
+
+
+def test_zero_bubble_and_compress_compile_regions(pools):
+    """pp2 zb-h1 under ``train.compress = attention=bf16`` with ``blocks``: regions (the norms and the MLP
+    compiled between eager linears; the attention, a compressed kind, eager), so BW re-enters at each
+    linear's own eager mm node and at each norm's compiled node. Equals the eager compressed ZB-H1 run step
+    for step, and compression packed the same tensors (bytes in, bytes out): the kind hooks run eagerly
+    around each compiled region. One layout for both (each alone costs a pool run of its own)."""
+    layout = {"pp": 2, "schedule": "zb-h1", "train": {"compress": "attention=bf16"}}
+    results = pools(2).run(_compiled_and_eager, layout)
+    _assert_equal(results, "pp2 zb-h1 compress")
+    for compiled, eager in results:
+        graphs, breaks, line = compiled["report"]
+        regions = (
+            "compile=blocks as regions (zb-h1, compress=attention=bf16): mlp, norm compiled, linears eager"
+        )
+        assert line.startswith(regions + ", attention eager:") and graphs >= 2, line
+        # the graph breaks are the MLP's eager linears w1, w3, w2 (each recorded once: blocks share code)
+        assert sum(breaks.values()) == 3 and line.endswith("(3x eager Linear.forward)"), line
+        assert compiled["packed"] == eager["packed"] and compiled["packed"][0] > 0, (compiled, eager)
 
 
 LORA = {"method": "lora", "lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "all-linear"}

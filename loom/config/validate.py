@@ -439,15 +439,14 @@ def check_memory(cfg: LoomConfig) -> None:
         f"train.loss_scale_min: must be in (0, train.loss_scale_init], got {t.loss_scale_min}",
     )
     _require(
-        t.compile == "none" or t.compress == "none",
-        f"train.compile: {t.compile!r} compiles the blocks, whose saved tensors inductor chooses and "
-        f"fuses, so train.compress = {t.compress!r} cannot tell their kinds; set one of them to none",
+        t.compile != "full" or t.compress == "none",
+        f"train.compile: 'full' compiles the whole model, whose saved tensors inductor chooses and fuses, "
+        f"so train.compress = {t.compress!r} cannot tell their kinds; use train.compile = blocks (regions)",
     )
     _require(
-        t.compile == "none" or cfg.parallel.pp == 1 or cfg.parallel.schedule != "zb-h1",
-        f"train.compile: {t.compile!r} makes each compiled block one autograd node whose backward computes input "
-        "and weight gradients together, so schedule 'zb-h1' (weight gradients deferred) would run every "
-        "block's backward twice; use parallel.schedule = 1f1b or train.compile = none",
+        t.compile != "full" or cfg.parallel.pp == 1 or cfg.parallel.schedule != "zb-h1",
+        "train.compile: 'full' makes each stage one autograd node whose backward computes input and weight "
+        "gradients together, so schedule 'zb-h1' would run it twice; use train.compile = blocks (regions)",
     )
     _require(
         not t.offload_activations or cfg.run.device != "cpu",

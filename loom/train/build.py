@@ -200,7 +200,8 @@ def parallelize(
         quantize_base(model, partial(materialize, device=device, source=source))
     strategy = data_parallel(model, mesh, cfg, meter, filler(source), device)
     check_materialized(model)
-    loss_fn, _ = apply_compile(model, cfg.train.compile, loss_fn)  # last: sees every module and hook above
+    zb = cfg.parallel.pp > 1 and cfg.parallel.schedule == "zb-h1"  # last: sees every module and hook above
+    loss_fn, _ = apply_compile(model, cfg.train.compile, loss_fn, compress=cfg.train.compress, zero_bubble=zb)
     scaler = scaler_for(cfg.train)
     if pipe is None:
         run = plain_run(model, strategy, loss_fn, scaler)

@@ -27,14 +27,29 @@ The one-process MoE layer (ep = 1) compiles: experts are counted by a fixed-size
 ``bincount``), fp32 takes the padded batched matmul (the fake kernel of ``torch._grouped_mm`` takes
 bf16 only), and only its balancing helper (the statistics' all-reduce, ``recomputing()``) runs
 eagerly: one graph break per MoE block, 4 graphs per block shape. Expert-parallel MoE (a module of
-:mod:`loom.parallel`: its all-to-all) stays an island. Refused by
-``config.validate``: ``train.compress`` (its formats follow module hooks a compiled block does not
-run per call) and the zb-h1 pipeline schedule (a compiled block is one autograd node, whose
-backward its deferred weight pass would run a second time).
+:mod:`loom.parallel`: its all-to-all) stays an island.
+
+Regions (``blocks`` under the zb-h1 schedule or ``train.compress``): a compiled block is one
+autograd node computing input and weight gradients together, so zb-h1's deferred weight pass
+(:func:`loom.parallel.pipeline.stage.backward_weight`, which re-enters the graph at each weight's
+join node) would run the whole block's backward twice; and compression names a saved tensor's kind
+by module hooks, which dynamo traces as side effects replayed after the graph (every tensor a
+compiled block saves would count as the kind on the stack before it). So there the grain is finer:
+the ``forward`` of each module that names an ``activation_kind`` and holds no other such module
+(each norm, the attention, the dense MLP) is compiled, with every ``nn.Linear`` inside it an eager
+island; the residual adds stay eager. Each linear's weight then joins the backward at its own eager
+``mm`` node (BW runs only dW = dYᵀX, as without compile) and each region's kind hooks run eagerly
+around its compiled forward. A norm's weight joins at the norm's compiled node, so BW runs that
+norm's backward a second time (one memory-bound pass over (B, T, h) per norm per micro-batch). Under
+compression, the regions of a kind that is compressed stay eager: inductor chooses other saved
+tensors than eager code (e.g. it saves silu's input, not its output), and a lossy format applied to
+other tensors gives other gradients. A module with parameters outside its linears other than a
+norm (the MoE layer, whose experts are stacked weights) stays eager in this mode.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections import Counter
@@ -63,12 +78,13 @@ def _eager_module(m: nn.Module) -> bool:
     return type(m).__module__.startswith("loom.parallel.")
 
 
-def _eager_islands(region: nn.Module) -> list[str]:
-    """Wrap the forward of each communicating module inside ``region`` (not ``region`` itself) in
-    ``torch.compiler.disable``; returns their class names."""
+def _eager_islands(region: nn.Module, linears: bool = False) -> list[str]:
+    """Wrap the forward of each communicating module inside ``region`` (not ``region`` itself), and
+    with ``linears`` of each ``nn.Linear``, in ``torch.compiler.disable``; returns their class names."""
     names = []
     for name, m in region.named_modules():
-        if name and _eager_module(m) and not getattr(m.forward, "_loom_eager", False):
+        island = _eager_module(m) or (linears and isinstance(m, nn.Linear))
+        if name and island and not getattr(m.forward, "_loom_eager", False):
             eager = torch.compiler.disable(m.forward, recursive=True)
             eager._loom_eager = True  # type: ignore[attr-defined]  # a function takes attributes
             m.forward = eager
@@ -119,19 +135,38 @@ class CompileReport:
             log.info(self.line())
 
 
-def apply_compile(model: nn.Module, mode: str, loss_fn: LossFn) -> tuple[LossFn, CompileReport | None]:
+def apply_compile(
+    model: nn.Module, mode: str, loss_fn: LossFn, *, compress: str = "none", zero_bubble: bool = False
+) -> tuple[LossFn, CompileReport | None]:
     """Compile ``model`` (``train.compile``: none | blocks | full) in place, after the parallel
     dimensions and recomputation; returns the loss to use (compiled too) and the report (None for
-    ``none``). The report is logged after the first compiled loss has run."""
+    ``none``). ``blocks`` compiles regions (module docstring) when ``zero_bubble`` (the zb-h1
+    schedule) or ``compress`` (``train.compress``) is not none. The report is logged after the first
+    compiled loss has run."""
     if mode == "none":
         return loss_fn, None
     if mode not in ("blocks", "full"):
         raise ValueError(f"train.compile: unknown mode {mode!r} (none, blocks, full)")
+    from loom.config import parse_compress
+
+    formats = parse_compress(compress)
+    why = [w for w, on in (("zb-h1", zero_bubble), (f"compress={compress}", compress != "none")) if on]
+    if why and mode == "full":
+        raise ValueError(f"train.compile: 'full' cannot run under {' and '.join(why)}; use blocks or none")
     islands: list[str] = []
-    for region, attr in _regions(model, mode):
-        islands += _eager_islands(region)
-        setattr(region, attr, torch.compile(getattr(region, attr)))
-    report = CompileReport(mode, islands)
+    label = mode
+    if why:
+        regions, eager = _fine_regions(model, formats)
+        kinds = sorted({getattr(m, "activation_kind", "") for m, _ in regions})
+        label = f"blocks as regions ({', '.join(why)}): {', '.join(kinds) or 'none'} compiled, linears eager"
+        label += f", {', '.join(eager)} eager" if eager else ""
+    else:
+        regions = _regions(model, mode)
+    for region, attr in regions:
+        islands += _eager_islands(region, linears=bool(why))
+        compiled = torch.compile(getattr(region, attr))
+        setattr(region, attr, _retaining(compiled) if zero_bubble else compiled)
+    report = CompileReport(label, islands)
     model.__dict__[REPORT_ATTR] = report  # not a submodule or parameter: outside the state dict
     compiled_loss = torch.compile(loss_fn) if not _eager_loss(loss_fn) else loss_fn
 
@@ -141,6 +176,18 @@ def apply_compile(model: nn.Module, mode: str, loss_fn: LossFn) -> tuple[LossFn,
         return out
 
     return loss, report
+
+
+def _retaining(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` compiled without donated buffers: zb-h1's BI runs backward with ``retain_graph`` (BW
+    re-enters the graph later), which a backward that frees its donated inputs refuses."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._functorch.config.patch(donated_buffer=False):
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def compile_report(model: nn.Module) -> CompileReport | None:
@@ -157,6 +204,30 @@ def _regions(model: nn.Module, mode: str) -> list[tuple[nn.Module, str]]:
 
     stages = [m for m in model.modules() if isinstance(m, StageModule)]
     return [(s, "body") for s in stages] if stages else [(model, "forward")]
+
+
+def _fine_regions(model: nn.Module, formats: dict[str, str]) -> tuple[list[tuple[nn.Module, str]], list[str]]:
+    """The regions of ``blocks`` under zb-h1 or compression (module docstring): the forward of each
+    module in a block that names an ``activation_kind``, holds no other such module, is not of
+    :mod:`loom.parallel`, keeps its parameters in ``nn.Linear`` children (a norm: its own weight) and
+    whose kind ``formats`` does not compress. Returns them and the kinds left eager for compression."""
+    regions: list[tuple[nn.Module, str]] = []
+    eager: set[str] = set()
+    for block in _blocks(model):
+        for m in block.modules():
+            kind = getattr(m, "activation_kind", None)
+            if kind is None or _eager_module(m):
+                continue
+            inner = any(getattr(c, "activation_kind", None) for c in list(m.modules())[1:])
+            linear = {id(p) for c in m.modules() if isinstance(c, nn.Linear) for p in c.parameters()}
+            loose = [p for p in m.parameters() if id(p) not in linear]
+            if inner or (loose and kind != "norm"):
+                continue
+            if formats.get(kind, "none") != "none":
+                eager.add(kind)
+                continue
+            regions.append((m, "forward"))
+    return regions, sorted(eager)
 
 
 def _eager_loss(loss_fn: LossFn) -> bool:
