@@ -432,6 +432,7 @@ def test_planner_counts_bias_and_qk_norm_parameters():
         VARIANTS,
         {"qkv_bias": True},
         {"qk_norm": True, "attn_head_dim": 16},
+        {"qk_norm": True, "qk_norm_scope": "all", "norm_placement": "post"},  # OLMo-2
         GPT2,
         GPT2 | {"tie_embeddings": False, "mlp": "gelu"},
     ):

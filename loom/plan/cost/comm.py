@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from loom.plan.cost.base import CostBase
 from loom.plan.cost.layout import Layout
+from loom.plan.cost.params import qk_norm_params
 
 
 def tp_calls(
@@ -63,7 +64,7 @@ def tp_partial_params(cm: CostBase, tp: int, sp: bool, pp: int, last: bool = Tru
         m.dim,
         pp == 1 or not last,
     )  # pp > 1: the largest stage is the first
-    qk_norms = 2 * m.head_dim if m.qk_norm else 0  # per layer, of pc.norms
+    qk_norms = qk_norm_params(m)  # per layer, of pc.norms
     seq = layers * (pc.norms - qk_norms + pc.attn_whole + pc.mlp_whole) + (pc.final_norm if last else 0)
     seq += pc.positions if first else 0
     kv = 2 * layers * cm.kd * (h + (1 if m.qkv_bias or m.bias else 0)) if m.n_kv_heads % tp else 0.0

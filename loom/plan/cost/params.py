@@ -7,6 +7,14 @@ from dataclasses import dataclass
 from loom.config import ModelConfig
 
 
+def qk_norm_params(m: ModelConfig) -> int:
+    """q/k norm weights per layer: 2·d per head (``qk_norm_scope = head``, shared by the heads), or
+    (a + k)·d over the whole projections (``all``, OLMo-2); 0 without q/k norms."""
+    if not m.qk_norm:
+        return 0
+    return (m.n_heads + m.n_kv_heads) * m.head_dim if m.qk_norm_scope == "all" else 2 * m.head_dim
+
+
 @dataclass(frozen=True)
 class ParamCounts:
     """Parameter counts of the Llama-style model (see module doc); MoE when n_experts > 1."""
@@ -39,7 +47,7 @@ class ParamCounts:
             mlp=mats * h * f * (n_experts if moe else 1) + mlp_bias,
             mlp_active=mats * h * f * (top_k if moe else 1) + mlp_bias,
             router=h * n_experts if moe else 0,
-            norms=2 * h * norm + (2 * m.head_dim if m.qk_norm else 0),
+            norms=2 * h * norm + qk_norm_params(m),
             embed=m.padded_vocab * h,  # model.pad_vocab_to rows when padded
             head=0 if m.tie_embeddings else m.padded_vocab * h,
             final_norm=h * norm,
