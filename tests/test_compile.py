@@ -280,3 +280,46 @@ def test_one_process_moe_fp16_lora_offload_compiled_equal_eager():
     assert lora[0]["report"][:2] == (3, {}), lora[0]["report"][2]  # 2 block graphs and the loss
     c, e = offload[0]["saved"], offload[1]["saved"]
     assert 0 < c["act_offloaded_peak_bytes"] <= e["act_offloaded_peak_bytes"], (c, e)
+
+
+def test_zero_bubble_regions_split_like_eager():
+    """What BI and BW run under regions, counted by the profiler on one stage of 2 blocks: every
+    ``aten::mm`` in the same phase as in eager (each linear's dX in BI, its dW in BW), and BW's only
+    compiled backward nodes are the 4 norms' (a norm's weight joins at its compiled node), against
+    BI's 8 (4 norms, 2 attention cores, 2 SwiGLU products)."""
+    import torch._dynamo
+    from torch.profiler import profile
+
+    from loom.model.llama import build_model
+    from loom.parallel.pipeline.stage import backward_input, backward_weight
+    from loom.train.compile import apply_compile
+
+    torch.set_num_threads(1)
+    cfg = tiny_model()
+
+    def phases(compiled: bool) -> list[tuple[int, int]]:
+        torch._dynamo.reset()
+        model = build_model(cfg, 0)
+        if compiled:
+            apply_compile(model, "blocks", lambda y, t: y.sum(), zero_bubble=True)
+        x = torch.randn(2, SEQ, cfg.dim, requires_grad=True)
+        params = [p for b in model.layers for p in b.parameters()]
+        y = x
+        for block in model.layers:
+            y = block(y, model.rope_cos, model.rope_sin)
+        with profile() as bi:
+            _, pending = backward_input(y, torch.ones_like(y), x, params)
+        with profile() as bw:
+            backward_weight(pending)
+        return [
+            tuple(
+                sum(e.count for e in p.key_averages() if e.key == k)
+                for k in ("aten::mm", "CompiledFunctionBackward")
+            )
+            for p in (bi, bw)
+        ]
+
+    eager, regions = phases(False), phases(True)
+    mms = 2 * (4 + 3)  # per block: wq wk wv wo, w1 w3 w2
+    assert [c[0] for c in regions] == [c[0] for c in eager] == [mms, mms], (eager, regions)
+    assert [c[1] for c in regions] == [8, 4] and [c[1] for c in eager] == [0, 0], regions
