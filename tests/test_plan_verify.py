@@ -215,3 +215,19 @@ def test_config_overrides_are_taken_and_anything_else_is_refused(monkeypatch, ca
     with pytest.raises(SystemExit) as e:
         _main([*LAYOUT, "--bogus", "1"])
     assert e.value.code == 2 and "unrecognized argument '--bogus'" in capsys.readouterr().err
+
+
+def test_an_interleaved_layout_with_a_split_gets_one_range_per_chunk():
+    """The planner's split counts blocks per device; with v > 1 the pp_layout needs pp·v chunks (the
+    best 70B layout on 256 devices was refused: '4 stages given, expected 16')."""
+    import dataclasses
+
+    from loom import config as C
+    from loom.train.verify import job_config
+
+    cfg = C.load("llama3-70b", [])
+    lay = Layout.parse("dp4 tp8 pp4 cp1 ep1 zero1 interleaved:v4 mb1 recompute:none")
+    lay = dataclasses.replace(lay, split=(20, 20, 20, 20))
+    out = job_config(cfg, lay, 256, 4)
+    assert len(out.parallel.pp_layout.split(",")) == 16
+    C.validate(out, lay.world_size)

@@ -132,7 +132,8 @@ def job_config(cfg: C.LoomConfig, lay: Layout, seq: int, m: int) -> C.LoomConfig
     cfg.train.recompute = lay.recompute
     cfg.train.steps = max(cfg.train.steps, 10)  # the pipeline records its timeline at step 3, never here
     if lay.pp > 1:  # the planner's blocks per stage (its split, or its default rule; no profiling run)
-        counts = lay.split or (default_split(cfg.model.n_layers, lay.pp) if lay.v == 1 else ())
+        # a split counts blocks per device: a pp_layout of pp stages, or of pp·v chunks when v = 1 only
+        counts = (lay.split or default_split(cfg.model.n_layers, lay.pp)) if lay.v == 1 else ()
         cfg.parallel.pp_layout = (
             split_layout(counts) if counts else uniform_layout(cfg.model.n_layers, lay.pp * lay.v)
         )
