@@ -40,7 +40,9 @@ the ``forward`` of each module that names an ``activation_kind`` and holds no ot
 island; the residual adds stay eager. Each linear's weight then joins the backward at its own eager
 ``mm`` node (BW runs only dW = dYᵀX, as without compile) and each region's kind hooks run eagerly
 around its compiled forward. A norm's weight joins at the norm's compiled node, so BW runs that
-norm's backward a second time (one memory-bound pass over (B, T, h) per norm per micro-batch). Under
+norm's backward a second time (one memory-bound pass over (B, T, h) per norm per micro-batch); and
+the process compiles without donated buffers (BI retains the graph, which a backward freeing its
+saved inputs refuses; the flag is read at compile, lazy backward compile and run time). Under
 compression, the regions of a kind that is compressed stay eager: inductor chooses other saved
 tensors than eager code (e.g. it saves silu's input, not its output), and a lossy format applied to
 other tensors gives other gradients. A module with parameters outside its linears other than a
@@ -49,7 +51,6 @@ norm (the MoE layer, whose experts are stacked weights) stays eager in this mode
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 from collections import Counter
@@ -164,8 +165,9 @@ def apply_compile(
         regions = _regions(model, mode)
     for region, attr in regions:
         islands += _eager_islands(region, linears=bool(why))
-        compiled = torch.compile(getattr(region, attr))
-        setattr(region, attr, _retaining(compiled) if zero_bubble else compiled)
+        setattr(region, attr, torch.compile(getattr(region, attr)))
+    if zero_bubble:  # read when a graph compiles, when its backward compiles (lazily) and when it runs
+        torch._functorch.config.donated_buffer = False  # BI retains the graph for BW (module docstring)
     report = CompileReport(label, islands)
     model.__dict__[REPORT_ATTR] = report  # not a submodule or parameter: outside the state dict
     compiled_loss = torch.compile(loss_fn) if not _eager_loss(loss_fn) else loss_fn
@@ -176,18 +178,6 @@ def apply_compile(
         return out
 
     return loss, report
-
-
-def _retaining(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` compiled without donated buffers: zb-h1's BI runs backward with ``retain_graph`` (BW
-    re-enters the graph later), which a backward that frees its donated inputs refuses."""
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._functorch.config.patch(donated_buffer=False):
-            return fn(*args, **kwargs)
-
-    return call
 
 
 def compile_report(model: nn.Module) -> CompileReport | None:
