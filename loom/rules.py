@@ -45,7 +45,6 @@ class ModelFacts:
     tie_embeddings: bool = True
     moe_capacity: bool = False  # moe.capacity_factor > 0: capacity counted over a rank's tokens
     moe_router_losses: bool = False  # moe.aux_loss_coef or moe.z_loss_coef > 0
-    qk_norm_all: bool = False  # model.qk_norm with qk_norm_scope = all: one RMSNorm over all heads
 
     @classmethod
     def of(cls, model: Any, **overrides: Any) -> ModelFacts:
@@ -60,8 +59,6 @@ class ModelFacts:
             n_experts=model.n_experts,
             dropout=model.dropout,
             tie_embeddings=model.tie_embeddings,
-            qk_norm_all=bool(getattr(model, "qk_norm", False))
-            and getattr(model, "qk_norm_scope", "head") == "all",
         )
         return cls(**(facts | overrides))
 
@@ -81,11 +78,6 @@ def tensor_parallel_problem(m: ModelFacts, tp: int) -> str | None:
         return problem
     if tp == 1:
         return None
-    if m.qk_norm_all:
-        return (
-            f"model.qk_norm_scope: 'all' (one q/k RMSNorm over all heads, OLMo-2) needs the sum of squares "
-            f"across the head shards, which Loom does not reduce; use parallel.tp = 1, got {tp}"
-        )
     if m.n_heads % tp:
         return f"model.n_heads: {m.n_heads} must be divisible by parallel.tp={tp}"
     if m.n_kv_heads % tp and tp % m.n_kv_heads:

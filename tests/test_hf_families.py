@@ -2,8 +2,8 @@
 per-head q/k norms, every MLP a mixture of experts routed by softmax then top-k, renormalized or not
 by ``norm_topk_prob``) and OLMo-2 (``Olmo2ForCausalLM``: norms closing the branches, x + norm(attn(x)),
 and one q/k RMSNorm over all heads, a·d and k·d wide). A tiny random model built by ``transformers``
-from a config (nothing downloaded) imports with its logits under 1 process, pp2, tp2 + sp (Qwen3-MoE,
-experts whole on each tp rank; OLMo-2 is refused under tp) and ep2 (Qwen3-MoE), and Loom's export of
+from a config (nothing downloaded) imports with its logits under 1 process, pp2, tp2 + sp (Qwen3-MoE's
+experts whole on each tp rank; OLMo-2's q/k norms cut with the heads, sums of squares all-reduced) and ep2 (Qwen3-MoE), and Loom's export of
 it (config and tensors) loads in ``transformers`` with the same weights and logits; what Loom cannot
 hold is refused in one line naming the field."""
 
@@ -115,8 +115,8 @@ def test_import_gives_the_logits_of_transformers_and_export_round_trips(tmp_path
 def test_import_under_ep2_tp2_and_pp2_gives_the_logits_of_transformers(pools, tmp_path):
     """Built on the meta device and read box by box: under ep2 each rank reads only its experts (the
     bytes it holds) and gives its sequence's logits; under tp2 + sp each rank reads exactly its
-    parameters' bytes (attention's rows; the experts whole) and the gathered logits are
-    transformers'; under pp2 the loss through the pipeline is (and OLMo-2's, in the same pool call)."""
+    parameters' bytes (attention's rows, OLMo-2's q/k norm weights with them; the experts whole) and
+    the gathered logits are transformers' (both families); under pp2 the loss through the pipeline is (and OLMo-2's, in the same pool call)."""
     from loom.model.llama import loss_fn
     from tests.test_hf import _ep2_logits, _layout_outputs
 
@@ -128,10 +128,10 @@ def test_import_under_ep2_tp2_and_pp2_gives_the_logits_of_transformers(pools, tm
     for rank, (logits, read, held) in enumerate(pools(2).run(_ep2_logits, str(tmp_path), x[:, :-1])):
         assert_close(logits[0], expected[rank])
         assert read == held
-    for rank in pools(2).run(_layout_outputs, [str(tmp_path)], x, "tp2"):
-        logits, read, held, whole = rank[0]
-        assert_close(logits, expected)
-        assert read == held < whole
+    for rank in pools(2).run(_layout_outputs, [str(tmp_path), str(tmp_path / "olmo2")], x, "tp2"):
+        for (logits, read, held, whole), want in zip(rank, (expected, expected_olmo2)):
+            assert_close(logits, want)
+            assert read == held < whole  # OLMo-2: its q/k norm weights' slices with the heads
     for loss in pools(2).run(_layout_outputs, [str(tmp_path), str(tmp_path / "olmo2")], x, "pp2"):
         assert loss[0] == pytest.approx(float(loss_fn(expected, x[:, 1:])), rel=1e-5)
         assert loss[1] == pytest.approx(float(loss_fn(expected_olmo2, x[:, 1:])), rel=1e-5)
@@ -162,20 +162,36 @@ def test_what_loom_cannot_hold_is_one_line_naming_the_field(tmp_path, edit, says
     assert str(e.value) == says
 
 
-def test_olmo2_under_tp_is_refused_in_one_line(tmp_path):
-    """OLMo-2's q/k RMSNorm spans every head, which tp cuts: config.validate refuses tp > 1 naming the
-    field (1 process and pp2 are tested above)."""
-    from loom.model.hf import open_dir
+OLMO2 = {"qk_norm": True, "qk_norm_scope": "all", "norm_placement": "post"}
 
-    save_family(tmp_path, "olmo2")
-    cfg = C.LoomConfig(model=open_dir(tmp_path, 32).config)
-    cfg.parallel.tp, cfg.data.seq_len = 2, 32
-    with pytest.raises(C.ConfigError) as e:
-        C.validate(cfg, 2)
-    assert str(e.value) == (
-        "model.qk_norm_scope: 'all' (one q/k RMSNorm over all heads, OLMo-2) needs the sum of squares across "
-        "the head shards, which Loom does not reduce; use parallel.tp = 1, got 2"
-    )
+
+def _olmo2_tp2(kvs: list[int]) -> list[dict]:
+    from tests.helpers import train_layout
+
+    return [train_layout({"tp": 2, "sp": True}, 3, 4, 2, OLMO2 | {"n_kv_heads": kv}, meta=True) for kv in kvs]
+
+
+def test_olmo2_trains_under_tp2_sp_equal_to_one_process(pools):
+    """OLMo-2's q/k norms over all heads under tp2 + sp: each rank's weight slice with its heads, the
+    sums of squares all-reduced (forward and backward); with one kv head (replicated over tp) the k
+    norm's weight whole and its sum divided by the 2 copies. 3 steps of 2 micro-batches: losses and
+    every parameter equal one process, and the bytes moved per step equal ``comm_bytes_formula``
+    (its 2ρ·4L·b·s·4 of norm sums included)."""
+    from loom.parallel.tensor.parallelize import comm_bytes_formula
+    from tests.helpers import SEQ, tiny_model, train_layout
+
+    kvs = [2, 1]
+    refs = [train_layout({}, 3, 4, 2, OLMO2 | {"n_kv_heads": kv}) for kv in kvs]
+    for rank in pools(2).run(_olmo2_tp2, kvs):
+        for kv, r, ref in zip(kvs, rank, refs):
+            assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+            assert r["state"].keys() == ref["state"].keys()
+            for k, v in ref["state"].items():
+                assert_close(
+                    r["state"][k], v, rtol=1e-4, atol=1e-5, msg=lambda m, k=k, kv=kv: f"kv {kv} {k}: {m}"
+                )
+            want = comm_bytes_formula(tiny_model(**OLMO2, n_kv_heads=kv), 2, SEQ, 2, True, micro_batches=2)
+            assert [sum(m.values()) for m in r["moved"]] == [pytest.approx(want)] * 3, kv
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "olmo2"])

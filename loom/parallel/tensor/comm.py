@@ -6,6 +6,10 @@ and its dual in backward:
     op                  forward                      backward
     f  copy_to_tp       identity                     all-reduce (sum) over tp
     g  reduce_from_tp   all-reduce (sum) over tp     identity
+       sum_over_tp      all-reduce (sum) over tp     all-reduce (sum) over tp
+
+``sum_over_tp`` is for a value every rank's loss depends on (OLMo-2's q/k sum of squares over the
+head shards): s = Σ_r x_r, so dL/dx_r = Σ_r' dL_r'/ds, the gradient's sum over the group.
 
 The sequence-parallel pair (``gather_seq``, ``scatter_seq``) is shared with context parallelism,
 in :mod:`loom.parallel.sequence`; gradients summed once per step (``mark_partial``) in
@@ -65,6 +69,19 @@ class _ReduceFromTP(Function):
         return grad, None, None
 
 
+class _SumOverTP(Function):
+    """forward all-reduce (sum) over the group; backward all-reduce (sum) of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, meter: CommMeter | None) -> torch.Tensor:
+        ctx.group, ctx.meter = group, meter
+        return all_reduce_sum(x, group, meter)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce_sum(grad, ctx.group, ctx.meter), None, None
+
+
 def copy_to_tp(x: torch.Tensor, group: Group, meter: CommMeter | None = None) -> torch.Tensor:
     """f: identity forward, all-reduce backward. Put before a column-parallel region."""
     return x if _size(group) == 1 else _CopyToTP.apply(x, group, meter)
@@ -73,3 +90,8 @@ def copy_to_tp(x: torch.Tensor, group: Group, meter: CommMeter | None = None) ->
 def reduce_from_tp(x: torch.Tensor, group: Group, meter: CommMeter | None = None) -> torch.Tensor:
     """g: all-reduce forward, identity backward. Put after a row-parallel region."""
     return x if _size(group) == 1 else _ReduceFromTP.apply(x, group, meter)
+
+
+def sum_over_tp(x: torch.Tensor, group: Group, meter: CommMeter | None = None) -> torch.Tensor:
+    """Σ over the group in forward and of the gradient in backward (a sum every rank uses)."""
+    return x if _size(group) == 1 else _SumOverTP.apply(x, group, meter)

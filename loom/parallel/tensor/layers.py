@@ -58,7 +58,7 @@ from loom.parallel.partial import mark_partial
 from loom.parallel.placement import copy_placement
 from loom.parallel.rng import private_rng
 from loom.parallel.sequence import all_gather_seq, reduce_scatter_seq, scatter_seq
-from loom.parallel.tensor.comm import reduce_from_tp
+from loom.parallel.tensor.comm import reduce_from_tp, sum_over_tp
 from loom.parallel.tensor.lora import column_deltas, row_delta, shard_column_adapters, shard_row_adapters
 from loom.parallel.tensor.shard import TPContext, sharded_param
 
@@ -333,6 +333,36 @@ class SequenceParallelRMSNorm(RMSNorm):
         return y.type_as(x) * self.weight
 
 
+class ShardedRMSNorm(nn.Module):
+    """One RMSNorm over a width D cut into head shards over tp (OLMo-2's q/k norm, ``qk_norm_scope =
+    all``): s = Σ_tp Σ_local x² (:func:`sum_over_tp`: an all-reduce of (B, T, 1) fp32 in forward and
+    in backward), y = x · rsqrt(s / (c·D) + eps) · w_local, w_local this rank's slice of the weight
+    (the rows of its wq/wk shard). c = ranks holding each head (1; n/k for replicated kv heads, whose
+    weight is then held whole, ``rows`` used, and its gradient summed over tp)."""
+
+    activation_kind = "norm"  # what its saved tensors count as for train.compress
+
+    def __init__(self, norm: RMSNorm, ctx: TPContext, rows: slice | None = None, copies: int = 1) -> None:
+        super().__init__()
+        self.eps, self.ctx, self.rows, self.copies = norm.eps, ctx, rows, copies
+        self.width = norm.weight.shape[0]  # D, the whole projection's
+        if rows is None:
+            self.weight = sharded_param(norm.weight, 0, ctx)
+        else:
+            w = copy_placement(
+                norm.weight, nn.Parameter(norm.weight.detach().clone(), norm.weight.requires_grad)
+            )
+            mark_partial(w, ctx.group, ctx.meter)  # its rows' gradient from each rank: summed over tp
+            self.weight = w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # (B, T, D/n)
+        s = sum_over_tp(xf.pow(2).sum(-1, keepdim=True), self.ctx.group, self.ctx.meter)  # (B, T, 1)
+        y = xf * torch.rsqrt(s / (self.copies * self.width) + self.eps)
+        w = self.weight if self.rows is None else self.weight[self.rows]
+        return y.type_as(x) * w
+
+
 class ParallelAttention(nn.Module):
     """Attention split by heads: rank r keeps query heads [r·a/n, (r+1)·a/n) and their key/value heads.
 
@@ -362,6 +392,7 @@ class ParallelAttention(nn.Module):
         self.q_norm: nn.Module | None = None  # per-head RMSNorm of q and k (replicated weights)
         self.k_norm: nn.Module | None = None
         self.rope = True  # False with learned positions
+        self.qk_norm_all = False  # q/k norms over all heads (ShardedRMSNorm), applied before the head split
 
     @classmethod
     def from_full(cls, attn: Attention, ctx: TPContext) -> ParallelAttention:
@@ -373,7 +404,13 @@ class ParallelAttention(nn.Module):
         out = cls(wq, wk, wv, wo, d, ctx, attn.core)
         out.rope = getattr(attn, "rope", True)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        if q_norm is not None:  # replicated; each rank's heads give part of the grad
+        out.qk_norm_all = getattr(attn, "qk_norm_all", False)
+        if q_norm is not None and out.qk_norm_all:  # over all heads: weights cut with the heads
+            if k_norm is None:
+                raise ValueError("attention has a q_norm but no k_norm: qk-norm needs both")
+            out.q_norm = ShardedRMSNorm(q_norm, ctx)
+            out.k_norm = ShardedRMSNorm(k_norm, ctx, rows, 1 if rows is None else n // k)
+        elif q_norm is not None:  # replicated; each rank's heads give part of the grad
             if k_norm is None:
                 raise ValueError("attention has a q_norm but no k_norm: qk-norm needs both")
             out.q_norm, out.k_norm = q_norm, k_norm
@@ -396,10 +433,12 @@ class ParallelAttention(nn.Module):
         q, k, v = (t if d is None else t + d for t, d in zip((q, k, v), deltas))
         # From here on the same math as loom.model.llama.Attention.forward, on the local heads.
         B, T, _ = q.shape  # T is the full sequence (gathered with sp): RoPE positions stay global
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm_all:
+            q, k = self.q_norm(q), self.k_norm(k)  # (B, T, a/n·d): sums of squares over tp
         q = q.view(B, T, -1, self.head_dim)  # (B, T, a/n, d)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, k_local, d)
         v = v.view(B, T, -1, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

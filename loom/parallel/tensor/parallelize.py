@@ -31,7 +31,10 @@ plus once per step, one all-reduce of the parameters whose gradient each rank ho
 (:func:`loom.parallel.partial.sum_partial_grads`, as Megatron sums sequence-parallel norm gradients):
 2ρ·e·P, P = :func:`partial_numel`: with sp the norms' (2L + 1)·h weights (and as many LayerNorm
 biases), the 2L row-parallel biases of h and the learned position table S·h; replicated key/value
-weights 2L·k·d·h (and their biases 2L·k·d) when k < n; the q/k norm weights 2L·d.
+weights 2L·k·d·h (and their biases 2L·k·d) when k < n; the q/k norm weights 2L·d (per head), or
+with ``qk_norm_scope = all`` (OLMo-2: the norm weights cut with the heads) the k norm's L·k·d when
+k < n. That scope also all-reduces the q and k sums of squares (b·s fp32 each) per layer in forward
+and in backward: 2ρ·4L·b·s·4 more per micro-batch.
 """
 
 from __future__ import annotations
@@ -225,7 +228,11 @@ def partial_numel(cfg: ModelConfig, tp: int, sp: bool) -> int:
     norms = (2 * L + 1) * h * (2 if cfg.norm == "layernorm" else 1)
     seq_sharded = norms + 2 * L * h * cfg.bias + cfg.max_seq_len * h * (cfg.positions == "learned")
     replicated_kv = 2 * L * k * d * (h + (cfg.qkv_bias or cfg.bias)) if k < tp else 0
-    return (seq_sharded if sp else 0) + replicated_kv + 2 * L * d * cfg.qk_norm
+    if cfg.qk_norm_scope == "all":  # sharded with the heads; the k norm's k·d replicated when k < tp
+        qk = L * k * d * (k < tp) * cfg.qk_norm
+    else:  # per head: the 2·d weights replicated
+        qk = 2 * L * d * cfg.qk_norm
+    return (seq_sharded if sp else 0) + replicated_kv + qk
 
 
 def comm_bytes_formula(
@@ -244,7 +251,8 @@ def comm_bytes_formula(
         if not sp
         else rho * ((10 * L + 5) * S + 6 * batch * seq * 4)
     )
-    return micro_batches * per_mb + 2 * rho * partial * elem
+    norm_sums = 2 * rho * 4 * L * batch * seq * 4 if cfg.qk_norm and cfg.qk_norm_scope == "all" else 0
+    return micro_batches * (per_mb + norm_sums) + 2 * rho * partial * elem
 
 
 def lora_comm_bytes(
