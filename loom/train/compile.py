@@ -44,7 +44,7 @@ norm's backward a second time (one memory-bound pass over (B, T, h) per norm per
 the process compiles without donated buffers (BI retains the graph, which a backward freeing its
 saved inputs refuses; the flag is read at compile, lazy backward compile and run time). Under
 compression, the regions of a kind that is compressed stay eager: inductor chooses other saved
-tensors than eager code (e.g. it saves silu's input, not its output), and a lossy format applied to
+tensors than eager code (fewer bytes: docs/speed.md), and a lossy format applied to
 other tensors gives other gradients. A module with parameters outside its linears other than a
 norm (the MoE layer, whose experts are stacked weights) stays eager in this mode.
 """
