@@ -640,8 +640,15 @@ def _state_bytes_tp2(model_kw: dict, optimizer: str = "adamw") -> tuple[int, int
 
 @pytest.mark.parametrize(
     "kw",
-    [VARIANTS, {"qkv_bias": True}, {"qk_norm": True, "attn_head_dim": 16}, GPT2],
-    ids=["qwen", "qkv_bias", "qk_norm", "gpt2"],
+    [
+        VARIANTS,
+        {"qkv_bias": True},
+        {"qk_norm": True, "attn_head_dim": 16},
+        {"qk_norm": True, "qk_norm_scope": "all", "norm_placement": "post"},
+        {"qk_norm": True, "qk_norm_scope": "all", "norm_placement": "post", "n_kv_heads": 1},
+        GPT2,
+    ],
+    ids=["qwen", "qkv_bias", "qk_norm", "olmo2", "olmo2_kv1", "gpt2"],
 )
 def test_planner_state_of_bias_and_qk_norm_under_tp2_is_exact(pools, kw):
     """Weights and Adafactor's factored state per tp2 rank as predicted (biases of row-parallel

@@ -15,7 +15,7 @@ from loom.config import ModelConfig
 from loom.device import resolve_precision
 from loom.model.llama import flops_per_token
 from loom.plan.cost.layout import Layout, PlanError, Workload
-from loom.plan.cost.params import ParamCounts
+from loom.plan.cost.params import ParamCounts, qk_norm_held, qk_norm_params
 from loom.plan.cost.pipeline import default_split
 from loom.plan.cost.stacks import STACKS
 from loom.plan.hardware import ClusterSpec, HardwareError, Machine, Profile
@@ -141,6 +141,11 @@ class CostBase:
         ) / kv_split
         return split + self.params.attn_whole
 
+    def norms_on(self, tp: int) -> float:
+        """Norm weights one tp rank holds per layer (q/k norms over whole projections cut with the heads)."""
+        m = self.model
+        return self.params.norms - qk_norm_params(m) + qk_norm_held(m, tp)
+
     def _stage_params(self, lay: Layout, first: bool, last: bool) -> tuple[float, float]:
         """(dense, expert) parameters one device of this stage holds, before ZeRO sharding."""
         return self._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
@@ -150,7 +155,9 @@ class CostBase:
     ) -> tuple[float, float]:
         pc = self.params
         layers = self.stage_layers(pp, first, last, split)
-        dense = layers * (self._attn_params(t) + pc.norms + pc.router + (0 if self.moe else pc.mlp_on(t)))
+        dense = layers * (
+            self._attn_params(t) + self.norms_on(t) + pc.router + (0 if self.moe else pc.mlp_on(t))
+        )
         expert = layers * pc.mlp / ep if self.moe else 0.0  # experts are replicated over tp
         if first:
             dense += pc.embed / t + pc.positions
@@ -196,7 +203,9 @@ class CostBase:
         a stacked expert weight of E/ep experts), except that under tp > 1 one column-parallel
         function forms q, k, v's together, and SwiGLU's w1 and w3's ((a d + 2 k d)·h/t, 2 f h/t)."""
         pc, m, t = self.params, self.model, tp
-        layer = self._attn_params(t) + pc.norms + pc.router + (pc.mlp / ep if self.moe else pc.mlp_on(t))
+        layer = (
+            self._attn_params(t) + self.norms_on(t) + pc.router + (pc.mlp / ep if self.moe else pc.mlp_on(t))
+        )
         experts = self.n_experts / ep if self.moe else 1
         qd = m.n_heads * m.head_dim
         attn = (qd / t + 2 * self.kv_width(t)) * m.dim if t > 1 else qd * m.dim  # q, k, v | wq, wo

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from loom.plan.cost.base import CostBase
 from loom.plan.cost.layout import Layout
-from loom.plan.cost.params import qk_norm_params
+from loom.plan.cost.params import qk_norm_params, qk_norm_partial
 
 
 def tp_calls(
@@ -64,8 +64,10 @@ def tp_partial_params(cm: CostBase, tp: int, sp: bool, pp: int, last: bool = Tru
         m.dim,
         pp == 1 or not last,
     )  # pp > 1: the largest stage is the first
-    qk_norms = qk_norm_params(m)  # per layer, of pc.norms
-    seq = layers * (pc.norms - qk_norms + pc.attn_whole + pc.mlp_whole) + (pc.final_norm if last else 0)
+    qk_norms = qk_norm_partial(m, tp)  # per layer: whole on every rank, summed (sp or not)
+    seq = layers * (pc.norms - qk_norm_params(m) + pc.attn_whole + pc.mlp_whole) + (
+        pc.final_norm if last else 0
+    )
     seq += pc.positions if first else 0
     kv = 2 * layers * cm.kd * (h + (1 if m.qkv_bias or m.bias else 0)) if m.n_kv_heads % tp else 0.0
     moe = layers * (pc.router + pc.mlp / ep) if cm.moe else 0.0

@@ -209,7 +209,7 @@ def factored_bytes(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: b
     biases = (qd / tp + 2 * kv_rows if m.qkv_bias or m.bias else 0) + pc.attn_whole
     biases += (f / tp if pc.mlp_whole else 0) + pc.mlp_whole  # w1's rows, w2's whole bias
     layer = 4 * ((qd / tp + h) * 2 + (kv_rows + h) * 2 + experts * mats * (f / tp + h)) + 4 * (
-        pc.norms + biases
+        cm.norms_on(tp) + biases
     )
     total = cm.stage_layers(pp, first, last) * layer
     if first:

@@ -15,6 +15,25 @@ def qk_norm_params(m: ModelConfig) -> int:
     return (m.n_heads + m.n_kv_heads) * m.head_dim if m.qk_norm_scope == "all" else 2 * m.head_dim
 
 
+def qk_norm_held(m: ModelConfig, tp: int) -> float:
+    """q/k norm weights one tp rank holds per layer: per-head norms (2·d) whole on every rank; norms
+    over the whole projections (``all``) cut with the heads, a·d/t + k·d/t, the k norm whole (k·d)
+    when t does not divide the k heads (they are replicated)."""
+    if not (m.qk_norm and m.qk_norm_scope == "all"):
+        return float(qk_norm_params(m))
+    k, d = m.n_kv_heads, m.head_dim
+    return m.n_heads * d / tp + (k * d / tp if k % tp == 0 else k * d)
+
+
+def qk_norm_partial(m: ModelConfig, tp: int) -> float:
+    """q/k norm weights per layer whose gradient is summed over tp (held whole on every rank)."""
+    if not m.qk_norm or tp <= 1:
+        return 0.0
+    if m.qk_norm_scope == "all":
+        return float(m.n_kv_heads * m.head_dim) if m.n_kv_heads % tp else 0.0
+    return float(qk_norm_params(m))
+
+
 @dataclass(frozen=True)
 class ParamCounts:
     """Parameter counts of the Llama-style model (see module doc); MoE when n_experts > 1."""
