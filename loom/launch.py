@@ -127,6 +127,12 @@ def under_external_launcher() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
+def _shown(value: str) -> str:
+    """An environment value for a one-line message: as it is, or quoted and escaped when it is empty
+    or holds spaces, newlines or other unprintable characters."""
+    return value if value and value.isprintable() and not any(c.isspace() for c in value) else repr(value)
+
+
 def check_launcher_env() -> None:
     """Refuse ``RANK``/``WORLD_SIZE`` without the rendezvous a launcher sets with them (left over in
     a shell, they would make this process wait forever for peers that never come)."""
@@ -135,13 +141,13 @@ def check_launcher_env() -> None:
     rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
     if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
         raise C.ConfigError(
-            f"environment: RANK={rank} WORLD_SIZE={world} describe no rank of a job (need 0 <= RANK < "
+            f"environment: RANK={_shown(rank)} WORLD_SIZE={_shown(world)} describe no rank of a job (need 0 <= RANK < "
             "WORLD_SIZE); left over from another job? unset RANK and WORLD_SIZE for a local run"
         )
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
     if missing:
         raise C.ConfigError(
-            f"environment: RANK={os.environ['RANK']} and WORLD_SIZE={os.environ['WORLD_SIZE']} are set but "
+            f"environment: RANK={_shown(os.environ['RANK'])} and WORLD_SIZE={_shown(os.environ['WORLD_SIZE'])} are set but "
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not, so no launcher started this "
             "process; unset RANK and WORLD_SIZE for a local run, or start it under torchrun or srun"
         )
@@ -239,7 +245,7 @@ def check_slurm_env(environ: dict[str, str]) -> None:
     """Refuse SLURM task variables that describe no live job step (left in a shell, or copied from a
     batch script): a step sets its job id and node list with them, and a task id below the task count."""
     procid, ntasks = environ.get("SLURM_PROCID", ""), environ.get("SLURM_NTASKS", "")
-    where = f"SLURM_PROCID={procid} SLURM_NTASKS={ntasks}"
+    where = f"SLURM_PROCID={_shown(procid)} SLURM_NTASKS={_shown(ntasks)}"
     if not (procid.isdigit() and ntasks.isdigit() and int(procid) < int(ntasks)):
         raise C.ConfigError(
             f"environment: {where} describe no task of a job step (need 0 <= SLURM_PROCID < SLURM_NTASKS)"

@@ -258,7 +258,8 @@ def test_accepted_configs_train_one_step(debug_cache, over):
     for name, v in over.items():
         argv += [f"--{name}", _cli_value(v)]
     try:
-        C.validate(C.load("debug", argv[1:]), 1)
+        cfg = C.validate(C.load("debug", argv[1:]), 1)
+        C.check_intent(cfg)  # what loom train checks before start beside validate (explicit settings)
     except C.ConfigError as e:
         _check_refusal(e)
         assume(False)  # refused: fine, but only accepted ones count towards the budget

@@ -168,3 +168,15 @@ def test_launcher_variables_of_no_rank_are_refused(monkeypatch, rank, world):
     monkeypatch.setenv("MASTER_PORT", "1")
     with pytest.raises(C.ConfigError, match=f"RANK={rank} WORLD_SIZE={world}"):
         check_launcher_env()
+
+
+@pytest.mark.parametrize("world,shown", [("\n", "'\\n'"), ("", "''"), ("2 ", "'2 '")])
+def test_a_launcher_value_with_a_newline_or_space_is_quoted_on_one_line(monkeypatch, world, shown):
+    from loom import config as C
+    from loom.launch import check_launcher_env
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(C.ConfigError) as e:
+        check_launcher_env()
+    assert "\n" not in str(e.value) and f"RANK=0 WORLD_SIZE={shown} describe" in str(e.value)
