@@ -195,15 +195,16 @@ def test_zero3_units_per_pipeline_stage_are_the_runtimes(tie):
 
 
 def test_hidden_share_is_the_ratio_of_summed_extra_times():
-    """1 - (Σ overlapped - Σ alone) / (Σ sequential - Σ alone): 1 ms of work, 2 ms more in
-    sequence, 1 ms more overlapped -> half hidden, none more -> all hidden."""
+    """1 - (Σ overlapped - Σ alone) / (Σ sequential - Σ alone): 10 ms of work, 20 ms more in
+    sequence, 10 ms more overlapped -> half hidden, none more -> all hidden. (Naps of 1-3 ms made a
+    sleep's ~0.1 ms of overshoot on a loaded machine a 20% error: 0.61 measured for 0.5 in CI.)"""
     from loom.plan.calibrate import hidden_share
 
     def nap(ms: float):
         return lambda: time.sleep(ms / 1e3)
 
-    assert hidden_share(nap(1), nap(3), nap(2), calls=2, trials=5) == pytest.approx(0.5, abs=0.1)
-    assert hidden_share(nap(1), nap(3), nap(1), calls=2, trials=3) == pytest.approx(1.0, abs=0.1)
+    assert hidden_share(nap(10), nap(30), nap(20), calls=2, trials=5) == pytest.approx(0.5, abs=0.1)
+    assert hidden_share(nap(10), nap(30), nap(10), calls=2, trials=3) == pytest.approx(1.0, abs=0.1)
 
 
 def test_busy_calls_count_the_calls_finished_in_the_wall_time():
@@ -397,12 +398,12 @@ def test_plan_subcommands_dispatch():
 
 @pytest.mark.slow
 def test_state_memory_of_real_runs_matches_prediction(tmp_path):
-    """dp1, ZeRO-3 over 2 ranks, a 2-stage pipeline (rank 0 = first stage) and Adafactor under
-    ZeRO-1: within 5%."""
-    chosen = [lay for lay in LAYOUTS if lay[0] in ("dp1", "dp2 zero3", "pp2 1f1b", "dp2 zero1 adafactor")]
+    """ZeRO-3 over 2 ranks, a 2-stage pipeline (rank 0 = first stage) and Adafactor under ZeRO-1:
+    within 5% (one process's state is plan verify's, tests/test_plan_verify.py)."""
+    chosen = [lay for lay in LAYOUTS if lay[0] in ("dp2 zero3", "pp2 1f1b", "dp2 zero1 adafactor")]
     rows = validate(chosen, profile=PROFILE, steps=2, corpus_mb=0.5, workdir=str(tmp_path))
     print(format_comparisons(rows))
-    assert len(rows) == 4
+    assert len(rows) == 3
     for r in rows:
         assert abs(r.memory_error) <= MEMORY_TOLERANCE, r
 
