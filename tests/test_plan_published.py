@@ -344,6 +344,7 @@ def test_verify_builds_the_planners_stage_split():
     from loom.train.verify import job_config
 
     assert default_split(70, 12) == (5,) + (6,) * 10 + (5,) and split_layout((1, 3)) == "0-0,1-3"
+    assert split_layout((3, 4), 2) == "0-0,1-2,3-4,5-6"  # device 0: 1 + 2 blocks, device 1: 2 + 2
     cfg = load(str(preset_path("debug")), ["--model.n_layers", "6"])
     assert job_config(cfg, Layout(pp=4), 16, 4).parallel.pp_layout == "0-0,1-2,3-4,5-5"  # 1, 2, 2, 1
     assert job_config(cfg, Layout(pp=2, split=(2, 4)), 16, 2).parallel.pp_layout == "0-1,2-5"

@@ -14,9 +14,10 @@ vocabulary, h = dim, c rows per chunk, e bytes per element of the working dtype:
 - :func:`linear_cross_entropy` (h (N, h) and the head W (V, h) given): the logits never exist
   beyond one chunk. Forward per chunk: z = h_c Wᵀ (c, V) in the working dtype, lse and target
   logit in fp32; saves h, W (both alive anyway), targets and lse. Backward recomputes z per chunk,
-  g = (softmax(z) - onehot)·grad (c, V), dh_c = g W, dW += gᵀ h_c (fp32 accumulation). Peak extra
-  memory: one chunk's logits, c·V·max(e, 4) bytes (c·V·(e + 4) in a low-precision dtype: z and its
-  fp32 softmax), besides dh (N·h·e), dW (V·h·4) and a few fp32 vectors of N.
+  g = (softmax(z) - onehot)·grad (c, V), dh_c = g W, dW += gᵀ h_c (fp32 accumulation; on CUDA in a
+  low-precision dtype a tensor-core GEMM with an fp32 product, V·h·4 bytes more while it joins the
+  sum). Peak extra memory: one chunk's logits, c·V·max(e, 4) bytes (c·V·(e + 4) in a low-precision
+  dtype: z and its fp32 softmax), besides dh (N·h·e), dW (V·h·4) and a few fp32 vectors of N.
 
 Rows whose target is ``ignore_index`` add 0 to the loss and get a zero gradient. No host sync:
 chunks are cut by shape only, masks multiply rather than index.
@@ -141,10 +142,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             z = hc @ weight.t()  # (c, V) recomputed
             g32 = _softmax_minus_onehot(z, lse[i : i + c], targets[i : i + c], grad, ctx.ignore_index, True)
             del z  # in fp32 g32 is z's own buffer
+            g = g32.to(h.dtype)  # (c, V) working dtype; in fp32 the same tensor
             if dh is not None:
-                torch.mm(g32.to(h.dtype), weight, out=dh[i : i + c])  # (c, h); the cast: a no-op in fp32
-            dw.addmm_(g32.t(), hc.float())  # (V, h)
-            del g32  # before the next chunk's logits: one chunk alive at a time
+                torch.mm(g, weight, out=dh[i : i + c])  # (c, h)
+            if g.is_cuda and g.dtype != torch.float32:  # tensor cores with an fp32 product (V, h)
+                dw.add_(torch.mm(g.t(), hc, out_dtype=torch.float32))  # (an fp32 GEMM: 15x slower)
+            else:
+                dw.addmm_(g32.t(), hc.float())  # (V, h)
+            del g32, g  # before the next chunk's logits: one chunk alive at a time
         return dh, dw.to(weight.dtype), None, None, None
 
 

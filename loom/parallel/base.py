@@ -170,6 +170,14 @@ def sum_sq(tensors: Sequence[torch.Tensor], device: torch.device | None = None) 
     return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).pow(2).sum()
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, a host tensor through pinned memory: a copy from pageable host memory to a
+    GPU makes the host wait for the device's queue; a pinned one runs in order on its stream."""
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def grad_norm_sq(params: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     """Σ g² in fp32 over the parameters' ``.grad`` (see :func:`sum_sq`)."""
     if device is None and len(params):
@@ -184,6 +192,9 @@ def clip_grad_norm(strategy: Strategy, max_norm: float, unscale: float = 1.0) ->
     S·‖g‖ and clipping them to S·M applies the coefficient min(1, M / ‖g‖) to the true gradient.
     """
     norm = strategy.grad_sq().sqrt()
+    held = strategy.grads()
+    if held and held[0].device != norm.device:  # shards in host memory: read the norm once, clip there
+        norm = norm.cpu()  # (the coefficient on the device would cross back for every bucket)
     if max_norm > 0:
         coef = torch.clamp(max_norm / unscale / (norm + 1e-6), max=1.0)
         strategy.scale_grads(coef)
@@ -206,7 +217,7 @@ def any_nonfinite(grads: Sequence[torch.Tensor], device: torch.device | None = N
     flag = torch.zeros(1, device=device)
     if grads:
         amax = torch._foreach_norm(grads, float("inf"))  # exact in the gradient's dtype; NaN propagates
-        flag += (~torch.isfinite(torch.stack(amax))).any().float().to(device)
+        flag += to_device((~torch.isfinite(torch.stack(amax))).any().float(), device)
     if dist.is_available() and dist.is_initialized():
         comm.all_reduce_max(flag, dist.group.WORLD)
     return bool(flag.item())

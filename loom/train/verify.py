@@ -132,11 +132,12 @@ def job_config(cfg: C.LoomConfig, lay: Layout, seq: int, m: int) -> C.LoomConfig
     cfg.train.recompute = lay.recompute
     cfg.train.steps = max(cfg.train.steps, 10)  # the pipeline records its timeline at step 3, never here
     if lay.pp > 1:  # the planner's blocks per stage (its split, or its default rule; no profiling run)
-        # a split counts blocks per device: a pp_layout of pp stages, or of pp·v chunks when v = 1 only
-        counts = (lay.split or default_split(cfg.model.n_layers, lay.pp)) if lay.v == 1 else ()
-        cfg.parallel.pp_layout = (
-            split_layout(counts) if counts else uniform_layout(cfg.model.n_layers, lay.pp * lay.v)
-        )
+        # a split counts blocks per device, cut into its v chunks (the planner counts per device)
+        counts = lay.split or default_split(cfg.model.n_layers, lay.pp)
+        try:
+            cfg.parallel.pp_layout = split_layout(counts, lay.v)
+        except ValueError:  # fewer blocks than chunks on a device: the runtime's even cut
+            cfg.parallel.pp_layout = uniform_layout(cfg.model.n_layers, lay.pp * lay.v)
     cfg.data.seq_len = seq
     cfg.model.vocab_size = model_of(cfg).vocab_size
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq)

@@ -16,7 +16,7 @@ import torch
 
 from loom import comm
 from loom.comm import CommMeter, Group
-from loom.parallel.base import StrategyBase, SyncSwitch, scale_all, sum_sq
+from loom.parallel.base import StrategyBase, SyncSwitch, scale_all, sum_sq, to_device
 from loom.parallel.layout import FlatLayout
 from loom.parallel.partial import sum_partial_grads
 from loom.parallel.placement import expert_group, placement_of
@@ -123,14 +123,14 @@ class ShardedStrategy(SyncSwitch, StrategyBase):
                 rep_views += [g[lo:hi] for lo, hi in lay.local_ranges(lambda s: not s.tp_sharded)]
             else:
                 rep_views.append(g)
-        sq = sum_sq(rep_views, device).to(device)  # (shards on the host: the sums go to the device)
+        sq = to_device(sum_sq(rep_views, device), device)  # (shards on the host: the sums go to the device)
         if tp_views:
-            tp_sq = sum_sq(tp_views, device).to(device)
+            tp_sq = to_device(sum_sq(tp_views, device), device)
             comm.all_reduce(tp_sq, self.tp_group)
             sq = sq + tp_sq
         comm.all_reduce(sq, self.shard_group)
         if expert is not None:
-            ep_sq = sum_sq(ep_views, device).to(device)
+            ep_sq = to_device(sum_sq(ep_views, device), device)
             if ep_sharded:
                 comm.all_reduce(ep_sq, expert.edp)
             comm.all_reduce(ep_sq, expert.group)

@@ -44,6 +44,7 @@ import torch
 
 from loom import comm
 from loom.optim.store import StateStore
+from loom.parallel.base import to_device
 from loom.parallel.zero.quantized import Then
 from loom.parallel.zero.stage3 import GATHERING, SHARDED, FullyShardedZero, Unit
 
@@ -179,7 +180,7 @@ class OffloadedZero(FullyShardedZero):
         """Σ g² over ``p``'s reduced gradient, the host shard's squares summed over the sharding
         group on the device (a scalar in host memory cannot cross NCCL)."""
         sq = self.param_grad_shard(p).float().pow(2).sum()
-        sq = sq.to(self.comm_device) if self.comm_device is not None else sq
+        sq = to_device(sq, self.comm_device) if self.comm_device is not None else sq
         comm.all_reduce(sq, self.shard_group)
         return sq
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from loom.config import target_shapes
 from loom.finetune.nf4 import nf4_bytes
+from loom.model.loss import CHUNK_ROWS
 from loom.plan.cost.base import CostBase
 from loom.plan.cost.layout import Layout
 from loom.plan.cost.pipeline import inflight_layers
@@ -289,6 +290,21 @@ def peak_memory(cm: CostBase, lay: Layout) -> tuple[float, dict[str, float], str
     return best
 
 
+def logit_bytes(cm: CostBase, lay: Layout) -> float:
+    """Bytes of the loss's peak on the last stage, T = B·s / c rows of V / t logits: the stack's
+    ``logit_bytes`` per logit, or for Loom T·V / t·(B_a + 8) (the logits, an fp32 copy and the
+    log-softmax), except where Loom moves the head into the loss (no tp, no pipeline, T > c rows,
+    :func:`~loom.model.llama.fused_head_loss`): one chunk of c = ``CHUNK_ROWS`` rows, c·V·(B_a + 4)
+    (c·V·4 in fp32: the chunk is its own softmax), and the head's fp32 gradient sum V·h·4 (twice in a
+    low-precision dtype: a chunk's fp32 product joins it; :func:`~loom.model.loss.linear_cross_entropy`)."""
+    T = lay.micro_batch * cm.train.seq_len / lay.cp
+    V = cm.model.vocab_size
+    if not cm.stack.logit_bytes and lay.tp == 1 and lay.pp == 1 and T > CHUNK_ROWS:
+        low = cm.act_bytes < 4
+        return CHUNK_ROWS * V * (cm.act_bytes + 4 if low else 4.0) + V * cm.model.dim * (8 if low else 4)
+    return T * V / lay.tp * (cm.stack.logit_bytes or cm.act_bytes + 8)
+
+
 def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None = None) -> dict[str, float]:
     """Bytes on a device of pipeline stage ``stage`` at its peak, by kind: model states, saved
     activations of the layers in flight (``inflight_layers`` of the schedule), logits, full-size
@@ -312,10 +328,7 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
         act = n * sel_act
     else:
         act = max(n - 1.0, 0.0) * block_in + sel_act
-    logits = 0.0
-    if last:
-        T = lay.micro_batch * cm.train.seq_len / lay.cp
-        logits = T * cm.model.vocab_size / lay.tp * (cm.stack.logit_bytes or cm.act_bytes + 8)
+    logits = logit_bytes(cm, lay) if last else 0.0
     bd["activations"] = act
     bd["logits"] = logits
     bd["accumulation"] = 0.0

@@ -17,12 +17,23 @@ def default_split(n_layers: int, pp: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def split_layout(counts: tuple[int, ...]) -> str:
-    """``parallel.pp_layout`` of per-stage block counts: (1, 3) -> "0-0,1-3"."""
+def split_layout(counts: tuple[int, ...], v: int = 1) -> str:
+    """``parallel.pp_layout`` of per-device block counts over p·v chunks (chunk j·p + d on device d):
+    device d's c_d blocks cut into v chunks of ⌊c_d / v⌋ or one more, the spare ones on its later
+    chunks (the last device's on its earlier ones: its last chunk holds the head). (1, 3) -> "0-0,1-3";
+    (3, 4) with v = 2 -> chunks 1, 2 | 2, 2: "0-0,1-2,3-4,5-6"."""
+    if any(c < v for c in counts):
+        raise ValueError(f"blocks per device {counts}: each device needs at least v = {v} (one per chunk)")
+    shares = []
+    for d, c in enumerate(counts):
+        q, r = divmod(c, v)
+        share = [q + (j >= v - r) for j in range(v)]
+        shares.append(share[::-1] if d == len(counts) - 1 else share)
     bounds, lo = [], 0
-    for c in counts:
-        bounds.append(f"{lo}-{lo + c - 1}")
-        lo += c
+    for j in range(v):
+        for share in shares:
+            bounds.append(f"{lo}-{lo + share[j] - 1}")
+            lo += share[j]
     return ",".join(bounds)
 
 
