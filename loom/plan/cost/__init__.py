@@ -22,22 +22,28 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
   between micro-batches beside their 1/N shard (reduced once, after the last, as FSDP's ``no_sync``; the
   pipeline's synchronous schedules too, not PipeDream/2BW, which reduce every micro-batch). ``offload`` moves O to host memory. Layer weights divide by t, experts
   by ep only (whole on every tp rank); the vocabulary-parallel embedding and head by t; norms are replicated.
-- activations of one layer for one micro-batch, derived like Korthikanti et al. 2022 for this
-  block (pre-norm, fused RMSNorm saving its input, RoPE, GQA, SwiGLU, no dropout, no biases)::
+- activations of one layer for one micro-batch, the tensors its block saves for backward
+  (pre-norm, RoPE, GQA, SwiGLU, no dropout; measured with saved-tensor hooks, storages counted
+  once: tests/test_plan_activations.py)::
 
-      norm inputs 2 B_a T h, norm outputs (matmul inputs) 2 B_a T h     -> / t only with sp
-      q B_a T h, k and v 2 B_a T k d                                    -> / t
-      attention output (wo input) B_a T h, log-sum-exp 4 T a            -> / t (gone: selective)
-      scores: softmax output B_a a T s, only without flash attention    -> / t (gone: selective)
-      SwiGLU w1 x, silu(w1 x), w3 x, their product: 4 B_a T f           -> / t
+      each of the 2 norms: its input in fp32 4 T h (the upcast; x itself in fp32; a stack's
+        fused kernel, ``Stack.fused_norms``: B_a T h, Korthikanti's count, and no x̂),
+        x̂ and x̂·w (the matmul input) 2 B_a T h, 1/rms 4 T (LayerNorm mean, 1/σ 8 T) -> / t only with sp
+      q B_a T a d, k and v 2 B_a T k d                                   -> / t
+      q/k norms (qk_norm): inputs in fp32 and x̂ (4 + B_a) T (a + k) d,
+        1/rms 4 T per head (scope all: per rank)                         -> / t
+      attention output (wo input) B_a T a d                              -> / t (kept: selective)
+      log-sum-exp 4 T a                                                  -> / t (gone: selective)
+      scores: softmax output B_a a T s, only without flash attention     -> / t (gone: selective)
+      SwiGLU w1 x, silu(w1 x), w3 x, their product: 4 B_a T f (GELU 2)    -> / t
 
-  With B_a = 2 and cp = 1 this is s b h (c1 + c2 a s / h) with c1 = 12 + 4 k/a + 8 f/h
-  (+ 4a/h for the log-sum-exp) and c2 = 2 without flash, 0 with flash/SDPA. Tensor parallel
-  without sp divides all but the 8 s b h of norm inputs/outputs by t; with sp all of it.
-  Selective recomputation drops the attention core's outputs (scores, o, lse); full
+  With B_a = 2, d = h/a, cp = 1 and RMSNorm this is s b h (c1 + c2 a s / h) with
+  c1 = 20 + 4 k/a + 8 f/h + (4a + 8)/h and c2 = 2 without flash, 0 with flash/SDPA (the form of
+  Korthikanti et al. 2022). Tensor parallel without sp divides all but the norms' 16 s b h + 8 s b
+  by t; with sp all of it. Selective recomputation drops what the attention core alone saves
+  (scores, lse; the output stays, as wo's input); full
   recomputation keeps only the block input B_a T h (/t with sp) per layer plus one layer's
-  working set. GQA is counted at kv width (a GQA-aware kernel); the reference model's
-  ``repeat_interleave`` before SDPA would store k, v at width h instead.
+  working set. GQA is counted at kv width (SDPA's ``enable_gqa``: k, v never repeated).
 - times the layers of activations held at peak on stage i (in micro-batches x layers):
   GPipe m*L/p; 1F1B min(m, p-i)*L/p; ZB-H1 min(m, p)*L/p (deferred W keeps inputs alive on
   every stage); interleaved (Megatron's warm-up count)

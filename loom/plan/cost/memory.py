@@ -242,26 +242,37 @@ def layer_activation(cm: CostBase, lay: Layout) -> tuple[float, float, float]:
 def activation_terms(
     cm: CostBase, t: int, sp: bool, cp: int, mb: int, cp_mode: str = "allgather"
 ) -> tuple[float, float, float]:
+    """Bytes one block saves for backward, one micro-batch of T = b·s/cp tokens: (no recomputation,
+    selective, block input), term by term as :mod:`loom.plan.cost` states them. Each norm keeps its
+    input in fp32 (the upcast; x itself in fp32) and x̂ in B_a (a stack's fused kernel: its input in
+    B_a), fp32 statistics, and its output x̂·w in B_a where a matmul takes it."""
     m, tr = cm.model, cm.train
     B, h = cm.act_bytes, m.dim
     T = mb * tr.seq_len / cp
     rep_div = t if sp else 1
-    rep = 4 * B * T * h / rep_div
-    qkv = B * T * (h / t + 2 * cm.kv_width(t))
+    own = B if cm.stack.fused_norms else 4 + B  # bytes per element a norm keeps of its own
+    stats = 2 if m.norm == "layernorm" else 1  # mean and 1/σ | 1/rms, fp32 per token
+    rep = 2 * T * ((own + B) * h + 4 * stats) / rep_div  # attention and MLP norms
+    qd, kv = m.n_heads * m.head_dim / t, cm.kv_width(t)
+    qkv = B * T * (qd + 2 * kv)
+    if m.qk_norm:  # per head (or per rank, scope all); their outputs go to RoPE, which saves none
+        heads = (1, 1) if m.qk_norm_scope == "all" else (qd / m.head_dim, kv / m.head_dim)
+        qkv += T * (own * (qd + kv) + 4 * sum(heads))
     if cm.moe:  # experts whole on every tp rank, on its tokens (T/t with sp), the busiest's load
         mlp = 4 * B * T / rep_div * cm.ffn * cm.top_k * tr.moe_load
     else:
         mlp = (4 if m.mlp == "swiglu" else 2) * B * T * cm.ffn / t  # w1 x, silu, w3 x, product | w1 x, gelu
-    core = (B * T * h + 4 * T * m.n_heads) / t
+    out = B * T * qd  # the core's output, wo's input: kept under selective recomputation too
+    core = 4 * T * m.n_heads / t  # the fp32 log-sum-exp
     if cp > 1 and cp_mode == "allgather":  # the other ranks' keys and values, gathered
-        core += 2 * B * T * (cp - 1) * cm.kv_width(t)
+        core += 2 * B * T * (cp - 1) * kv
     elif (
         cp > 1 and cp_mode == "alltoall"
     ):  # kv heads repeated to whole groups per rank; the core's own output
-        core += 2 * B * T * (cm._kv_repeat(t, cp) - 1) * cm.kv_width(t) + B * T * h / t
+        core += 2 * B * T * (cm._kv_repeat(t, cp) - 1) * kv + B * T * qd
     if not tr.flash_attention:
         core += B * m.n_heads * T * tr.seq_len / t
-    selective = rep + qkv + mlp
+    selective = rep + qkv + out + mlp
     return selective + core, selective, B * T * h / rep_div
 
 
