@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-GPU check (issue 32): on one GPU, in at most 6 minutes of commands, one table that says
+# The one-GPU check (issue 32): on one GPU, in about 6 minutes of commands (9 at most), one table that says
 # whether Loom is right and fast there. Each part A..G runs under its own `timeout`; the table goes
 # to DIR/summary.md and DIR/summary.json; exit status 1 if any check FAILs (see benchmarks/gpu_one.py
 # for what each part measures and its budget).
@@ -9,7 +9,7 @@
 #   --out DIR       where results go (required): summary.md, summary.json, parts/, logs/, runs/
 #   --data DIR      data prepared beforehand (on a CPU machine: python -m loom prepare gpt-125m
 #                   --data.prepared_dir DIR); without it the default corpus (Python's stdlib, offline)
-#                   is prepared into DIR/data first (not counted in the 6 minutes)
+#                   is prepared into DIR/data first (not counted in those minutes)
 #   --only PARTS    a subset, e.g. --only B or --only A,C
 #   --dry-run       every part on the CPU with tiny sizes (what tests/test_gpu_one.py runs)
 #   --budget K=V    override one budget (keys in BUDGETS in gpu_one.py), e.g. --budget B.mfu_min=0.3
