@@ -824,6 +824,7 @@ def _profiled(plain, call: int, report: dict, top: int = 15):
     """``train_step`` whose ``call``-th call runs under torch.profiler: the report's ``kernels`` are the
     ``top`` ops by self device time (name, calls, ms) and ``kernels_total_ms`` their whole sum."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     calls = [0]
@@ -838,8 +839,12 @@ def _profiled(plain, call: int, report: dict, top: int = 15):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         cuda = torch.cuda.is_available()
-        rows = [
-            e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total)
+        rows = [  # operators (their kernels' time), not the kernels again nor Loom's ranges
+            e
+            for e in prof.key_averages()
+            if (e.self_device_time_total if cuda else e.self_cpu_time_total)
+            and e.device_type == DeviceType.CPU
+            and not getattr(e, "is_user_annotation", False)
         ]
         rows.sort(key=lambda e: -(e.self_device_time_total if cuda else e.self_cpu_time_total))
         us = [(e.key, e.count, (e.self_device_time_total if cuda else e.self_cpu_time_total)) for e in rows]

@@ -14,10 +14,11 @@ vocabulary, h = dim, c rows per chunk, e bytes per element of the working dtype:
 - :func:`linear_cross_entropy` (h (N, h) and the head W (V, h) given): the logits never exist
   beyond one chunk. Forward per chunk: z = h_c Wᵀ (c, V) in the working dtype, lse and target
   logit in fp32; saves h, W (both alive anyway), targets and lse. Backward recomputes z per chunk,
-  g = (softmax(z) - onehot)·grad (c, V), dh_c = g W, dW += gᵀ h_c (fp32 accumulation; on CUDA in a
-  low-precision dtype a tensor-core GEMM with an fp32 product, V·h·4 bytes more while it joins the
-  sum). Peak extra memory: one chunk's logits, c·V·max(e, 4) bytes (c·V·(e + 4) in a low-precision
-  dtype: z and its fp32 softmax), besides dh (N·h·e), dW (V·h·4) and a few fp32 vectors of N.
+  g = (softmax(z) - onehot)·grad (c, V), dh_c = g W, dW += gᵀ h_c (fp32 accumulation; in a
+  low-precision dtype each chunk's fp32 product joins the sum, on CUDA from tensor cores). Peak extra
+  memory: one chunk's logits, c·V·max(e, 4) bytes (c·V·(e + 4) in a low-precision dtype: z and its
+  fp32 softmax), besides dh (N·h·e), dW (V·h·4; V·h·8 with a low-precision chunk's product) and a
+  few fp32 vectors of N.
 
 Rows whose target is ``ignore_index`` add 0 to the loss and get a zero gradient. No host sync:
 chunks are cut by shape only, masks multiply rather than index.
@@ -145,10 +146,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g = g32.to(h.dtype)  # (c, V) working dtype; in fp32 the same tensor
             if dh is not None:
                 torch.mm(g, weight, out=dh[i : i + c])  # (c, h)
-            if g.is_cuda and g.dtype != torch.float32:  # tensor cores with an fp32 product (V, h)
-                dw.add_(torch.mm(g.t(), hc, out_dtype=torch.float32))  # (an fp32 GEMM: 15x slower)
-            else:
-                dw.addmm_(g32.t(), hc.float())  # (V, h)
+            if g.dtype == torch.float32:
+                dw.addmm_(g32.t(), hc)  # (V, h) in place
+            else:  # an fp32 product (V, h) joins the sum: on CUDA from tensor cores (an fp32 GEMM is 15x slower)
+                product = torch.mm(g.t(), hc, out_dtype=torch.float32) if g.is_cuda else g32.t() @ hc.float()
+                dw.add_(product)
+                del product
             del g32, g  # before the next chunk's logits: one chunk alive at a time
         return dh, dw.to(weight.dtype), None, None, None
 

@@ -53,7 +53,7 @@ import time
 import torch
 
 from loom import config as C
-from loom.plan.cost import CostModel, Layout, PlanError, default_split, split_layout
+from loom.plan.cost import CostModel, Layout, PlanError, default_split, head_in_loss, split_layout
 from loom.plan.hardware import ClusterSpec, HardwareError
 from loom.plan.report import model_of, workload_of
 
@@ -272,7 +272,7 @@ def predict(cfg: C.LoomConfig, cluster: ClusterSpec, lay: Layout, stage: int, m:
         "parameters": bd["weights"],
         "gradients": bd["gradients"],  # held between steps; full-size buffers of no_sync count in the peak
         "optimizer": bd["optimizer"],
-        "saved activations": bd["activations"] + bd["logits"],
+        "saved activations": bd["activations"] + (0.0 if head_in_loss(cm, lay) else bd["logits"]),
         "peak": sum(bd.values()) - bd["overhead"],  # tensor bytes: no runtime, no fragmentation
     }
 

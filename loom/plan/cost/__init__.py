@@ -151,6 +151,7 @@ Inside this package modules import each other directly, never this ``__init__``.
 from loom.plan.cost.check import tp_reason
 from loom.plan.cost.dp import exposed
 from loom.plan.cost.layout import RECOMPUTE, SCHEDULES, Estimate, Layout, PlanError, Workload
+from loom.plan.cost.memory import head_in_loss
 from loom.plan.cost.model import CostModel, estimate
 from loom.plan.cost.params import ParamCounts, param_count
 from loom.plan.cost.pipeline import bubble_fraction, default_split, inflight_layers, split_layout
@@ -171,6 +172,7 @@ __all__ = [
     "default_split",
     "estimate",
     "exposed",
+    "head_in_loss",
     "inflight_layers",
     "param_count",
     "split_layout",

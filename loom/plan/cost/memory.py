@@ -301,16 +301,23 @@ def peak_memory(cm: CostBase, lay: Layout) -> tuple[float, dict[str, float], str
     return best
 
 
+def head_in_loss(cm: CostBase, lay: Layout) -> bool:
+    """Whether Loom runs the head inside the loss, chunk by chunk (no tp, no pipeline, more than
+    ``CHUNK_ROWS`` rows per micro-batch): then no logits are saved for backward."""
+    T = lay.micro_batch * cm.train.seq_len / lay.cp
+    return not cm.stack.logit_bytes and lay.tp == 1 and lay.pp == 1 and T > CHUNK_ROWS
+
+
 def logit_bytes(cm: CostBase, lay: Layout) -> float:
     """Bytes of the loss's peak on the last stage, T = B·s / c rows of V / t logits: the stack's
     ``logit_bytes`` per logit, or for Loom T·V / t·(B_a + 8) (the logits, an fp32 copy and the
     log-softmax), except where Loom moves the head into the loss (no tp, no pipeline, T > c rows,
     :func:`~loom.model.llama.fused_head_loss`): one chunk of c = ``CHUNK_ROWS`` rows, c·V·(B_a + 4)
-    (c·V·4 in fp32: the chunk is its own softmax), and the head's fp32 gradient sum V·h·4 (twice in a
+    (c·V·4 in fp32: the chunk is its own softmax), and the head's fp32 gradient sum V·h·4 (V·h·8 in a
     low-precision dtype: a chunk's fp32 product joins it; :func:`~loom.model.loss.linear_cross_entropy`)."""
     T = lay.micro_batch * cm.train.seq_len / lay.cp
     V = cm.model.vocab_size
-    if not cm.stack.logit_bytes and lay.tp == 1 and lay.pp == 1 and T > CHUNK_ROWS:
+    if head_in_loss(cm, lay):
         low = cm.act_bytes < 4
         return CHUNK_ROWS * V * (cm.act_bytes + 4 if low else 4.0) + V * cm.model.dim * (8 if low else 4)
     return T * V / lay.tp * (cm.stack.logit_bytes or cm.act_bytes + 8)
@@ -348,7 +355,11 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
         if lay.zero == 3:  # the unit in backward fills its buffer inside the accumulation
             bd["zero3 buffer"] = cm.memo(zero3_transient)(lay.tp, lay.pp, lay.ep, first, last, False)
     if lay.zero in (1, 2):  # autograd's gradient of the largest parameter, before it joins its bucket
-        bd["gradient in flight"] = cm.memo(gradient_in_flight)(lay.tp, lay.pp, lay.ep, first, last)
+        gif = cm.memo(gradient_in_flight)(lay.tp, lay.pp, lay.ep, first, last)
+        block = cm.G * cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last)[0][1]
+        if lay.pp == 1 and gif > block:  # the table's, formed at the embedding's backward, the last of
+            gif = max(0.0, gif - act - logits)  # a micro-batch's: its activations and logits are freed
+        bd["gradient in flight"] = gif
     # The optimizer step runs after backward's transients are freed (activations, logits, ZeRO-3's
     # gathered units, gradients in flight): its temporaries count only beyond them.
     freed = act + logits + bd["zero3 buffer"] + bd.get("gradient in flight", 0.0)
