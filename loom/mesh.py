@@ -12,8 +12,10 @@ outermost so pipeline stages span nodes. Expert parallelism borrows ranks from `
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import cached_property
 
 import torch.distributed as dist
@@ -71,6 +73,26 @@ def split_groups(colouring: Sequence[Sequence[int]], rank: int, **kwargs) -> dis
         if rank in ranks:
             mine = group
     return mine
+
+
+def world_gloo_group(timeout: timedelta) -> dist.ProcessGroup:
+    """A gloo group over every rank (host-side control: long waits, JSON, checkpoint agreement) whose
+    pairs connect on first use (``TORCH_GLOO_LAZY_INIT``): a gloo group connects every pair when
+    made, a full mesh of world - 1 sockets per rank (16,384 ranks: 1.3e8 connections for each such
+    group); lazily a rank connects only to the peers its collectives reach (a ring's two
+    neighbours, a tree's parent and children). The variable is set around the creation only."""
+    before = os.environ.get(LAZY_GLOO)
+    os.environ[LAZY_GLOO] = "1"
+    try:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    finally:
+        if before is None:
+            del os.environ[LAZY_GLOO]
+        else:
+            os.environ[LAZY_GLOO] = before
+
+
+LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
 
 
 def link_colour(src: int, dst: int, pp: int) -> tuple[int, int]:

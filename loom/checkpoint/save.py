@@ -39,6 +39,7 @@ from loom.checkpoint import format as F
 from loom.checkpoint.integrity import ChunkHasher, hash_bytes, manifest_bytes, sha256_file
 from loom.checkpoint.protocol import Region, ShardedTensor, region_from_json
 from loom.checkpoint.regions import overlaps, share, take
+from loom.mesh import world_gloo_group
 
 log = logging.getLogger("loom")
 TMP_PREFIX, OLD_PREFIX = ".tmp-", ".old-"
@@ -325,7 +326,7 @@ def new_group(world: int, timeout_s: float):
     """A gloo group over every rank for checkpoint coordination (None for one process)."""
     if world == 1 or not dist.is_initialized():
         return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return world_gloo_group(timedelta(seconds=timeout_s))
 
 
 class Checkpointer:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from loom import config as C
 from loom.data import PreparedData, prepare_data
 from loom.device import default_threads, resolve_backend, resolve_device
+from loom.mesh import world_gloo_group
 from loom.model.llama import build_model
 from loom.parallel.materialize import Source
 from loom.train.health import apply_nccl_watchdog_env
@@ -93,7 +94,7 @@ def control_group(env: RankEnv):
     watchdog polices only NCCL groups, so a long wait here does not kill anyone (None alone)."""
     if env.world == 1 or not dist.is_initialized():
         return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+    return world_gloo_group(timedelta(seconds=CONTROL_TIMEOUT_S))
 
 
 def ensure_data(cfg: C.LoomConfig, env: RankEnv, control=None) -> PreparedData:
