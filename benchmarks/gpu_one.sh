@@ -55,6 +55,10 @@ if [[ ! "$only" =~ ^[A-G]+$ ]]; then
     echo "gpu_one.sh: --only takes parts among A..G, got $only" >&2
     exit 2
 fi
+if [ -d "$out/runs" ]; then  # its trainers would resume the finished runs there and measure no step
+    echo "gpu_one.sh: --out $out holds a previous run (runs/): give a new directory or remove that one" >&2
+    exit 2
+fi
 mkdir -p "$out/logs"
 py=("${PYTHON:-python}" benchmarks/gpu_one.py)
 common=(--out "$out" "${dry[@]}" "${budgets[@]}")
