@@ -1,7 +1,14 @@
 """The planner's per-layer activation bytes (:func:`loom.plan.cost.memory.activation_terms`) equal
 what one block saves for backward, measured with saved-tensor hooks (each storage once, parameters
 and buffers left out: :class:`~loom.memory.activations.SavedTensorMeter`), for tp1, tp2 with
-sequence parallelism and cp2 ring, in fp32 and bf16, GQA and the GPT-2 / Qwen3 block variants."""
+sequence parallelism and cp2 ring, in fp32 and bf16, GQA and the GPT-2 / Qwen3 block variants.
+
+Mixture-of-experts blocks (:mod:`loom.model.moe`, ep2: :mod:`loom.parallel.expert.parallelize`)
+route as ``loom plan verify`` does (:func:`loom.train.verify.balanced_routing`: N·k/E rows per
+expert); that routing runs the real router first and drops its choice, so their bytes are those the
+block still holds when its forward returns (:class:`~loom.memory.compress.SavedActivations`' live
+count: each storage once, parameters and buffers left out). The final norm's bytes on the last
+stage: those first saved inside it, and its output where the head saves it."""
 
 from __future__ import annotations
 
@@ -73,3 +80,121 @@ def test_one_block_saves_the_planners_bytes_across_ranks(pools, tp, sp, cp, prec
     args = (precision, tp, sp, cp, "none", {})
     predicted = _predicted(*args)
     assert pools(max(tp, cp)).run(_measured, *args) == [predicted] * max(tp, cp)
+
+
+def _moe_held(
+    precision: str, model_kw: dict, moe_kw: dict, tp: int = 1, sp: bool = False, ep: int = 1
+) -> int:
+    """Bytes MoE block 0 holds for backward after its forward of BATCH x SEQ tokens, routed as
+    ``plan verify`` routes (balanced)."""
+    from loom.config import MoEConfig
+    from loom.memory.compress import SavedActivations
+    from loom.model.llama import build_model
+    from loom.train.verify import balanced_routing
+
+    cfg = tiny_model(max_seq_len=SEQ, **model_kw)
+    model = build_model(cfg, 0, moe=MoEConfig(**moe_kw)).to(DTYPES[precision])
+    if tp > 1:
+        from loom.parallel.tensor.parallelize import apply_tensor_parallel
+
+        apply_tensor_parallel(model, get_mesh(tp=tp), sp=sp)
+    if ep > 1:
+        from loom.parallel.expert.parallelize import apply_expert_parallel
+
+        apply_expert_parallel(model, get_mesh(dp_replicate=ep, ep=ep))
+    saved, live = SavedActivations(model), []
+    block = model.layers[0]
+    block.register_forward_pre_hook(lambda *_: live.append(saved.live))
+    block.register_forward_hook(lambda *_: live.append(saved.live))
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with saved, balanced_routing():
+        out = model(tokens)
+    del out
+    return live[1] - live[0]
+
+
+def _moe_predicted(
+    precision: str, model_kw: dict, moe_kw: dict, tp: int = 1, sp: bool = False, ep: int = 1
+) -> float:
+    work = Workload(8, SEQ, precision, capacity_factor=moe_kw.get("capacity_factor", 0.0))
+    cm = CostModel(tiny_model(max_seq_len=SEQ, **model_kw), work, ClusterSpec.single_node("h100-sxm", 8, 1))
+    return cm.layer_activation(Layout(tp=tp, sp=sp, ep=ep, micro_batch=BATCH))[0]
+
+
+MIXTRAL = dict(n_experts=8, top_k=2)  # Mixtral's routing: softmax over 8, top-2, renormalized
+
+
+@pytest.mark.parametrize(
+    "precision,model_kw,moe_kw",
+    [
+        ("fp32", dict(n_experts=4, top_k=2), {}),
+        ("bf16", MIXTRAL, {}),
+        ("bf16", dict(n_experts=8, top_k=1), {}),  # Switch's top-1
+        ("bf16", dict(n_experts=4, top_k=2), dict(score="sigmoid")),  # DeepSeek-V3's scores: same bytes
+        ("bf16", MIXTRAL, dict(capacity_factor=1.0)),  # the keep mask, k bytes per token
+    ],
+)
+def test_a_moe_block_saves_the_planners_bytes(precision, model_kw, moe_kw):
+    """Router (fp32 scores, ids, renormalized weights), sorted assignments, grouped SwiGLU rows,
+    weighted rows: :func:`~loom.plan.cost.memory.activation_terms`, term by term, at ep1."""
+    assert _moe_held(precision, model_kw, moe_kw) == _moe_predicted(precision, model_kw, moe_kw)
+
+
+def test_moe_variants_the_planner_does_not_see():
+    """Options the planner's inputs do not carry, each a measured difference of a stated size, on
+    T = BATCH·SEQ tokens: ``compute = loop`` keeps no group offsets (-4E bytes); S shared experts
+    their SwiGLU (4·B_a·T·S·f); the z-loss its fp32 logits and log-sum-exp (T·(4E + 4))."""
+    T, E, f, bf16 = BATCH * SEQ, MIXTRAL["n_experts"], tiny_model(**MIXTRAL).resolved_ffn_dim(), 2
+    base = _moe_predicted("bf16", MIXTRAL, {})
+    extra = {
+        "loop": (dict(compute="loop"), -4 * E),
+        "shared": (dict(n_shared_experts=2), 4 * bf16 * T * 2 * f),
+        "z loss": (dict(z_loss_coef=1e-3), T * (4 * E + 4)),
+    }
+    measured = {name: _moe_held("bf16", MIXTRAL, kw) - base for name, (kw, _) in extra.items()}
+    assert measured == {name: x for name, (_, x) in extra.items()}
+
+
+@pytest.mark.parametrize(
+    "tp,ep,precision,model_kw",
+    [(1, 2, "fp32", dict(n_experts=4, top_k=2)), (1, 2, "bf16", MIXTRAL), (2, 1, "bf16", MIXTRAL)],
+)
+def test_a_moe_block_saves_the_planners_bytes_across_ranks(pools, tp, ep, precision, model_kw):
+    """ep2 (the partition's order and ids, the returned rows, each received row's place and its
+    expert output; E/ep group offsets) and tp2 with sp (experts whole, on T/t tokens)."""
+    args = (precision, model_kw, {}, tp, tp > 1, ep)
+    predicted = _moe_predicted(*args)
+    assert pools(2).run(_moe_held, *args) == [predicted] * 2
+
+
+def _final_norm_held(precision: str, model_kw: dict) -> int:
+    """Bytes the final norm saves for backward in one forward of BATCH x SEQ tokens: those first
+    saved inside it, and its output (the head's input)."""
+    from loom.memory.activations import SavedTensorMeter, _storage_key
+    from loom.model.llama import build_model
+
+    cfg = tiny_model(max_seq_len=SEQ, **model_kw)
+    model = build_model(cfg, 0).to(DTYPES[precision])
+    meter, outputs = SavedTensorMeter(model, layers=[model.norm]), []
+    model.norm.register_forward_hook(lambda _m, _a, out: outputs.append(out))
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with meter:
+        logits = model(tokens)
+    del logits
+    (out,) = outputs
+    assert _storage_key(out) in meter.seen, "the head saves the final norm's output"
+    return meter.per_layer[0] + out.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize(
+    "precision,model_kw",
+    [("fp32", {}), ("bf16", {}), ("bf16", dict(norm="layernorm", mlp="gelu", bias=True, n_kv_heads=4))],
+)
+def test_the_final_norm_is_in_the_last_stages_activations(precision, model_kw):
+    """(4 + 2·B_a)·h + 4 bytes per token (fp32 input, x̂, output, 1/rms; LayerNorm 8: mean, 1/σ),
+    beside the L layers' bytes in :func:`~loom.plan.cost.memory.stage_memory`."""
+    cfg = tiny_model(max_seq_len=SEQ, **model_kw)
+    cm = CostModel(cfg, Workload(8, SEQ, precision), ClusterSpec.single_node("h100-sxm", 8, 1))
+    lay = Layout(micro_batch=BATCH)
+    final = cm.stage_memory(lay, 0)["activations"] - cfg.n_layers * cm.layer_activation(lay)[0]
+    assert _final_norm_held(precision, model_kw) == final

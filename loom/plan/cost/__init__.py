@@ -36,6 +36,11 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
       log-sum-exp 4 T a                                                  -> / t (gone: selective)
       scores: softmax output B_a a T s, only without flash attention     -> / t (gone: selective)
       SwiGLU w1 x, silu(w1 x), w3 x, their product: 4 B_a T f (GELU 2)    -> / t
+      MoE instead (:func:`~loom.plan.cost.memory.moe_activation`, balanced routing): per token
+        router 4 E + 12 k + 4, sort 16 k + B_a k, weighted rows B_a k h; per expert row
+        (T k moe_load) its input and output 2 B_a h and SwiGLU 4 B_a f; 4 E offsets per layer;
+        ep > 1: 8 k ids, the returned rows B_a k h, 8 per row received, 4 E / ep offsets
+                                                                         -> / t only with sp
 
   With B_a = 2, d = h/a, cp = 1 and RMSNorm this is s b h (c1 + c2 a s / h) with
   c1 = 20 + 4 k/a + 8 f/h + (4a + 8)/h and c2 = 2 without flash, 0 with flash/SDPA (the form of
@@ -47,7 +52,8 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
 - times the layers of activations held at peak on stage i (in micro-batches x layers):
   GPipe m*L/p; 1F1B min(m, p-i)*L/p; ZB-H1 min(m, p)*L/p (deferred W keeps inputs alive on
   every stage); interleaved (Megatron's warm-up count)
-  min(m v, 2(p-i-1) + (v-1)p + 1) * L/(p v), which for stage 0 is L (1 + (p-1)/(p v)).
+  min(m v, 2(p-i-1) + (v-1)p + 1) * L/(p v), which for stage 0 is L (1 + (p-1)/(p v)); the
+  last stage adds its final norm, as a block's norm (4 + 2 B_a) T h + 4 T, per micro-batch it holds.
 - logits on the last stage: T V / t (B_a + 8) bytes (logits, fp32 copy, fp32 log-softmax).
 - optimizer step: its temporaries (the fp32 gradient copy under mixed precision) beyond what
   backward's transients (activations, logits, gathered units, gradients in flight) freed.

@@ -236,30 +236,73 @@ def step_workspace(cm: CostBase, lay: Layout, first: bool = True, last: bool = T
 
 def layer_activation(cm: CostBase, lay: Layout) -> tuple[float, float, float]:
     """Bytes of one layer, one micro-batch: (no recomputation, selective, block input)."""
-    return cm.memo(activation_terms)(lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode)
+    return cm.memo(activation_terms)(lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode, lay.ep)
+
+
+def norm_activation(cm: CostBase) -> float:
+    """Bytes a norm saves per token: its input in fp32 4 h (the upcast; x itself in fp32), x̂ and its
+    output x̂·w B_a h each, fp32 statistics 4 (1/rms; LayerNorm 8: mean, 1/σ); a stack's fused kernel
+    (``Stack.fused_norms``): its input in B_a and its output, (2 B_a) h + the statistics."""
+    own = cm.act_bytes if cm.stack.fused_norms else 4 + cm.act_bytes  # bytes per element of its own
+    stats = 2 if cm.model.norm == "layernorm" else 1
+    return (own + cm.act_bytes) * cm.model.dim + 4 * stats
+
+
+def final_norm_activation(cm: CostBase, t: int, sp: bool, cp: int, mb: int) -> float:
+    """Bytes the final norm saves on the last stage, one micro-batch of T = b·s/cp tokens: as a
+    block's norm (:func:`norm_activation`), its output the head's input; on T/t tokens with sp."""
+    return mb * cm.train.seq_len / cp * norm_activation(cm) / (t if sp else 1)
+
+
+def moe_activation(cm: CostBase, T: float, ep: int) -> float:
+    """Bytes a MoE layer (:mod:`loom.model.moe`; ep > 1 :mod:`loom.parallel.expert.parallelize`)
+    saves for backward on T tokens, k = top_k, E experts, beside its norm's output (the router's
+    input, counted with the norms); measured with balanced routing (tests/test_plan_activations.py):
+
+        router     fp32 scores 4 E, expert ids 8 k, renormalized weights: fp32 gathered scores and
+                   their sum 4 k + 4                                                   per token
+        sort       assignment order and token ids 16 k (ep > 1: the partition's order too, 24 k),
+                   the sorted weights B_a k, the capacity's keep mask k (ep 1, capacity_factor > 0)
+        combine    weighted rows B_a k h (ep > 1: and the rows returned, 2 B_a k h)
+        experts    per row received, T k ``moe_load`` rows: sorted input and expert output 2 B_a h,
+                   SwiGLU 4 B_a f (w1 x, silu, w3 x, product), its place (ep > 1) 8
+        offsets    4 E / ep bytes per layer (the grouped matmul's int32 group ends)
+
+    Not counted (the planner's inputs do not carry them): shared experts (4 B_a T S f), the z-loss
+    (T (4 E + 4)), the aux loss's 4 E, ``moe.compute = loop`` (no offsets: 4 E less), hot experts,
+    and the padded batched matmul run where ``torch._grouped_mm`` is missing (CUDA below sm90, fp16:
+    E·T rows per weight at ep 1 instead of T·k)."""
+    B, k, E, f = cm.act_bytes, cm.top_k, cm.n_experts, cm.ffn
+    router = 4 * E + 8 * k + 4 * k + 4
+    sort = (24 if ep > 1 else 16) * k + B * k
+    if ep == 1 and cm.train.capacity_factor > 0:
+        sort += k
+    combine = (2 if ep > 1 else 1) * B * k * cm.model.dim
+    rows = k * cm.train.moe_load * (2 * B * cm.model.dim + 4 * B * f + (8 if ep > 1 else 0))
+    return T * (router + sort + combine + rows) + 4 * E / ep
 
 
 def activation_terms(
-    cm: CostBase, t: int, sp: bool, cp: int, mb: int, cp_mode: str = "allgather"
+    cm: CostBase, t: int, sp: bool, cp: int, mb: int, cp_mode: str = "allgather", ep: int = 1
 ) -> tuple[float, float, float]:
     """Bytes one block saves for backward, one micro-batch of T = b·s/cp tokens: (no recomputation,
     selective, block input), term by term as :mod:`loom.plan.cost` states them. Each norm keeps its
     input in fp32 (the upcast; x itself in fp32) and x̂ in B_a (a stack's fused kernel: its input in
-    B_a), fp32 statistics, and its output x̂·w in B_a where a matmul takes it."""
+    B_a), fp32 statistics, and its output x̂·w in B_a where a matmul takes it. A MoE layer:
+    :func:`moe_activation` on the rank's tokens (T/t with sp: experts whole on every tp rank)."""
     m, tr = cm.model, cm.train
     B, h = cm.act_bytes, m.dim
     T = mb * tr.seq_len / cp
     rep_div = t if sp else 1
     own = B if cm.stack.fused_norms else 4 + B  # bytes per element a norm keeps of its own
-    stats = 2 if m.norm == "layernorm" else 1  # mean and 1/σ | 1/rms, fp32 per token
-    rep = 2 * T * ((own + B) * h + 4 * stats) / rep_div  # attention and MLP norms
+    rep = 2 * T * norm_activation(cm) / rep_div  # attention and MLP norms
     qd, kv = m.n_heads * m.head_dim / t, cm.kv_width(t)
     qkv = B * T * (qd + 2 * kv)
     if m.qk_norm:  # per head (or per rank, scope all); their outputs go to RoPE, which saves none
         heads = (1, 1) if m.qk_norm_scope == "all" else (qd / m.head_dim, kv / m.head_dim)
         qkv += T * (own * (qd + kv) + 4 * sum(heads))
     if cm.moe:  # experts whole on every tp rank, on its tokens (T/t with sp), the busiest's load
-        mlp = 4 * B * T / rep_div * cm.ffn * cm.top_k * tr.moe_load
+        mlp = moe_activation(cm, T / rep_div, ep)
     else:
         mlp = (4 if m.mlp == "swiglu" else 2) * B * T * cm.ffn / t  # w1 x, silu, w3 x, product | w1 x, gelu
     out = B * T * qd  # the core's output, wo's input: kept under selective recomputation too
@@ -325,12 +368,13 @@ def logit_bytes(cm: CostBase, lay: Layout) -> float:
 
 def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None = None) -> dict[str, float]:
     """Bytes on a device of pipeline stage ``stage`` at its peak, by kind: model states, saved
-    activations of the layers in flight (``inflight_layers`` of the schedule), logits, full-size
+    activations of the layers in flight (``inflight_layers`` of the schedule; the last stage's final
+    norm for each micro-batch it holds: m under GPipe, min(m, p) ZB-H1, else 1), logits, full-size
     gradients kept across micro-batches, overhead; ``microbatches`` default: the workload's."""
     m = microbatches or cm.train.global_batch // (lay.dp * lay.micro_batch)
     first, last = stage == 0, stage == lay.pp - 1
     full_act, sel_act, block_in = cm.memo(activation_terms)(
-        lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode
+        lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode, lay.ep
     )
     bd = dict(
         cm.memo(state_terms)(
@@ -338,6 +382,7 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
         )
     )
     n = inflight_layers(lay.schedule, lay.pp, stage, m, lay.v, cm.model.n_layers)
+    held = 1.0 if lay.schedule == "interleaved" and lay.v > 1 else n * lay.pp / cm.model.n_layers
     if lay.pp > 1 and (cm.model.n_layers % lay.pp or lay.split):  # uneven: this stage's blocks, not L / pp
         n *= cm.stage_layers(lay.pp, first, last, lay.split) * lay.pp / cm.model.n_layers
     if lay.recompute == "none":
@@ -346,6 +391,8 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
         act = n * sel_act
     else:
         act = max(n - 1.0, 0.0) * block_in + sel_act
+    if last:  # micro-batches holding the final norm: ``held`` (its last chunk's one, interleaved)
+        act += held * cm.memo(final_norm_activation)(lay.tp, lay.sp, lay.cp, lay.micro_batch)
     logits = logit_bytes(cm, lay) if last else 0.0
     bd["activations"] = act
     bd["logits"] = logits
