@@ -81,5 +81,7 @@ def test_bad_arguments_are_refused(tmp_path):
     p = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 2 and "--out DIR is required" in p.stderr
     (tmp_path / "runs" / "B").mkdir(parents=True)  # a previous run's trainers: they would resume, no steps
-    p = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run(
+        ["bash", str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT
+    )
     assert p.returncode == 2 and "holds a previous run" in p.stderr and p.stderr.count("\n") == 1

@@ -230,7 +230,10 @@ def test_an_interleaved_layout_with_a_split_gets_one_range_per_chunk():
     cfg = C.load("llama3-70b", [])
     for line, split in (
         ("dp4 tp8 pp4 cp1 ep1 zero1 interleaved:v4 mb1 recompute:none", (19, 21, 21, 19)),
-        ("dp16 tp2 pp8 cp4:ring ep1 zero1 sp interleaved:v5 mb1 recompute:none", (9, 11, 10, 10, 10, 10, 11, 9)),
+        (
+            "dp16 tp2 pp8 cp4:ring ep1 zero1 sp interleaved:v5 mb1 recompute:none",
+            (9, 11, 10, 10, 10, 10, 11, 9),
+        ),
     ):
         lay = dataclasses.replace(Layout.parse(line), split=split)
         out = job_config(cfg, lay, 256, lay.pp)
@@ -248,7 +251,12 @@ def test_a_head_inside_the_loss_counts_one_chunk_of_logits(capsys):
     the planner said 16,455 MiB, the allocator 9,288; docs/gpu/2026-11-27-h100-run1.md). Here the
     B·T·V term would predict 2.3x the measured peak."""
     args = ["--config", "debug", "--devices", "1", "--device", "h100-sxm", "--seq", "1024"]
-    args += ["--layout", "dp1 tp1 pp1 cp1 ep1 zero0 1f1b:v1 mb2 recompute:none", "--model.vocab_size", "32768"]
+    args += [
+        "--layout",
+        "dp1 tp1 pp1 cp1 ep1 zero0 1f1b:v1 mb2 recompute:none",
+        "--model.vocab_size",
+        "32768",
+    ]
     assert _main(args) == 0, capsys.readouterr().out
     peak = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("peak"))
     assert abs(float(peak.split()[3]) - 1) <= 0.10, peak

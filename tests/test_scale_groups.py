@@ -147,14 +147,13 @@ def test_fake_and_cpu_groups_do_not_split(fake_world):
 
 def _sockets() -> int:
     """Sockets this process holds (its /proc/self/fd links to ``socket:``)."""
+    import contextlib
     import os
 
     n = 0
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
             n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
     return n
 
 
