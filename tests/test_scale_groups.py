@@ -182,13 +182,13 @@ def _world_groups() -> tuple[int, int, int, bool, str | None]:
 
 def test_world_gloo_groups_connect_only_the_pairs_they_use(pools):
     """Finding 9(b): the control and checkpoint groups span the world. Made eagerly, each rank opens
-    a socket to every other (world - 1, besides its listener); made by ``world_gloo_group``, only the
-    listener until used, then the peers a broadcast reaches (a tree: log2(world) at most per rank;
-    measured 2, 2, 1, 1 on 4 ranks against 3 each). The variable is not left set."""
+    a socket to every other (world - 1, besides its listener); made by ``world_gloo_group``, its
+    listener, then the peers a broadcast reaches (a tree: log2(world) at most per rank; measured
+    1 + 2, 1 + 2, 1 + 1, 1 + 1 on 4 ranks against 1 + 3 each; a peer may connect to a rank before it
+    counts, so the two counts are judged together). The variable is not left set."""
     world = 4
     rows = pools(world).run(_world_groups)
     assert all(eager >= world - 1 for eager, *_ in rows), rows
-    assert all(made <= 1 for _, made, *_ in rows), rows  # its listener, no pair
-    assert all(used <= (world - 1).bit_length() for _, _, used, *_ in rows), rows
+    assert all(made + used <= 1 + (world - 1).bit_length() for _, made, used, *_ in rows), rows
     assert all(ok and left is None for *_, ok, left in rows), rows
-    assert sum(used for _, _, used, *_ in rows) < (world - 1) * world, rows
+    assert sum(made + used for _, made, used, *_ in rows) < sum(eager for eager, *_ in rows), rows
