@@ -135,7 +135,7 @@ def test_matrix_fast_subset_within_ten_percent():
     )
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| llama3")]
-    assert len(rows) == 2 and all(r.endswith("| ok |") for r in rows), rows
+    assert len(rows) == 2 and all(r.endswith("| ok | cpu, fp32 |") for r in rows), rows
     for r in rows:
         state, grads, peak = (float(x) for x in r.split("|")[5:8])
         half = 5e-4  # the table's ratios are rounded to 3 decimals ("ok" is judged unrounded)
@@ -260,3 +260,93 @@ def test_a_head_inside_the_loss_counts_one_chunk_of_logits(capsys):
     assert _main(args) == 0, capsys.readouterr().out
     peak = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("peak"))
     assert abs(float(peak.split()[3]) - 1) <= 0.10, peak
+
+
+# ----------------------------------------------------------------------------- the matrix's --refused rows
+
+
+def _bench():
+    from benchmarks import bench_plan_verify
+
+    return bench_plan_verify
+
+
+def _copy_results(tmp_path):
+    b = _bench()
+    for name in ("plan_verify.md", "plan_verify.json"):
+        (tmp_path / name).write_bytes((b.RESULTS / name).read_bytes())
+    return b
+
+
+def test_the_committed_page_and_its_json_hold_the_same_rows():
+    """docs/results/plan_verify.md read back (the converter) gives the JSON's rows: every matrix row
+    once, in order, with the same m, predicted peak (whole MiB), ratios (3 decimals), verdict,
+    refusal and device; the refused ones are what ``--refused`` runs."""
+    import json
+
+    b = _bench()
+    page = b.from_page((b.RESULTS / "plan_verify.md").read_text())
+    rows = json.loads((b.RESULTS / "plan_verify.json").read_text())["rows"]
+    assert [b.key(r) for r in page] == [b.key(r) for r in rows] == [b.key(r) for r in b.matrix()]
+    for p, r in zip(page, rows):
+        assert p["microbatches"] == r["microbatches"] and p["on"] == r["on"], b.key(r)
+        assert round(p["predicted"]["peak"] / b.MiB) == round(r["predicted"]["peak"] / b.MiB)
+        assert p.get("refused") == r.get("refused") and p.get("ok") == r.get("ok")
+        if b.measured(r):
+            assert p["ratios"] == {k: round(v, 3) for k, v in r["ratios"].items()}
+
+
+def test_refused_rows_refused_again_leave_the_page_intact(tmp_path, monkeypatch, capsys):
+    """``--refused --rows 1 --on cpu`` with less memory than the first refused row needs: verify's
+    precheck refuses it again before building, and the page and JSON are byte for byte as they were."""
+    from loom.train import verify
+
+    b = _copy_results(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    monkeypatch.setattr(verify, "available_bytes", lambda on: (2**30, "test memory"))
+    monkeypatch.setattr(verify, "measure", lambda *a: pytest.fail("built despite the precheck"))
+    monkeypatch.setattr(b, "run_isolated", lambda row, seq, on, timeout: b.run_row(row, seq, on))
+    assert b.main(["--refused", "--rows", "1", "--on", "cpu", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 rows on cpu, seq 32: about" in out and "refused this rank needs about" in out
+    assert "nothing new was measured" in out
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_row_measured_by_refused_is_merged_in_place_with_its_device(tmp_path, monkeypatch):
+    """A refused row measured now (its run stubbed: the merge is what is tested) replaces its old entry
+    in place, in the page and the JSON under --results and --out alike; every other row is unchanged,
+    the row says where it ran, and the sources list names both devices."""
+    import json
+
+    b = _copy_results(tmp_path)
+    old = json.loads((tmp_path / "plan_verify.json").read_text())["rows"]
+    first = next(r for r in old if not b.measured(r))
+    ratios = {"state": 1.0, "gradients": 1.0, "peak": 1.004}
+    got = dict(first, on="GPU-X, bf16", machine="test host", when="2026-11-27 17:00 UTC")
+    got.pop("refused")
+    got |= {"ratios": ratios, "ok": True}
+
+    def run_isolated(row, seq, on, timeout):
+        return got if b.key(row) == b.key(first) else dict(row, refused="still too large")
+
+    import loom.device
+
+    monkeypatch.setattr(loom.device, "cuda_available", lambda: True)
+    monkeypatch.setattr(b, "run_isolated", run_isolated)
+    out = tmp_path / "out"
+    assert (
+        b.main(["--refused", "--rows", "2", "--on", "cuda", "--results", str(tmp_path), "--out", str(out)])
+        == 0
+    )
+    for d in (tmp_path, out):
+        rows = json.loads((d / "plan_verify.json").read_text())["rows"]
+        assert [b.key(r) for r in rows] == [b.key(r) for r in old]
+        assert [r for r in rows if b.key(r) != b.key(first)] == [r for r in old if b.key(r) != b.key(first)]
+        new = next(r for r in rows if b.key(r) == b.key(first))
+        assert new["ratios"] == ratios and new["on"] == "GPU-X, bf16" and "refused" not in new
+        page = (d / "plan_verify.md").read_text()
+        assert "| 1.000 | 1.000 | 1.004 | ok | GPU-X, bf16 |" in page
+        n = sum(b.measured(r) for r in old)
+        assert f"{n + 1} of {n + 1} measured rows within 10%" in page and "- GPU-X, bf16 (" in page
+    assert (tmp_path / "plan_verify.md").read_text() == (out / "plan_verify.md").read_text()
