@@ -176,8 +176,12 @@ def test_olmo2_trains_under_tp2_sp_equal_to_one_process(pools):
     sums of squares all-reduced (forward and backward); with one kv head (replicated over tp) the k
     norm's weight whole and its sum divided by the 2 copies. 3 steps of 2 micro-batches: losses and
     every parameter equal one process, and the bytes moved per step equal ``comm_bytes_formula``
-    (its 2ρ·4L·b·s·4 of norm sums included)."""
+    (its 2ρ·4L·b·s·4 of norm sums included). The planner counts the same collective calls and bytes
+    by op (``tp_calls``: 4 all-reduces of the (B, T, 1) fp32 sums per layer and micro-batch)."""
+    from loom.comm import ring_bytes
     from loom.parallel.tensor.parallelize import comm_bytes_formula
+    from loom.plan.cost import CostModel, Layout, Workload
+    from loom.plan.hardware import ClusterSpec
     from tests.helpers import SEQ, tiny_model, train_layout
 
     kvs = [2, 1]
@@ -192,6 +196,16 @@ def test_olmo2_trains_under_tp2_sp_equal_to_one_process(pools):
                 )
             want = comm_bytes_formula(tiny_model(**OLMO2, n_kv_heads=kv), 2, SEQ, 2, True, micro_batches=2)
             assert [sum(m.values()) for m in r["moved"]] == [pytest.approx(want)] * 3, kv
+            cm = CostModel(
+                tiny_model(**OLMO2, n_kv_heads=kv),
+                Workload(4, SEQ, precision="fp32"),
+                ClusterSpec.single_node("cpu", 2),
+            )
+            lay = Layout(tp=2, sp=True, micro_batch=2)
+            assert r["calls"] == [cm.collective_calls(lay)] * 3, kv
+            planned = cm.tp_payload(lay)  # + the once-a-step sum of the gradients held in part (fp32)
+            planned["all_reduce"] += 4 * cm.tp_partial_params(2, True, 1)
+            assert r["moved"] == [{op: ring_bytes(op, b, 2) for op, b in planned.items()}] * 3, kv
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "olmo2"])

@@ -24,7 +24,10 @@ def tp_calls(
     backward). Last stage: the head input's backward all-reduce (sp: 2 all-gathers + 1
     reduce-scatter) and the vocab-parallel loss's 2 all-reduces (row max: 4T bytes; sum-exp
     and target logit: 8T). Gradients held in part per rank are summed once per step
-    (:meth:`tp_partial_params`), not here.
+    (:meth:`tp_partial_params`), not here. OLMo-2's q/k norms over all heads
+    (``qk_norm_scope = all``, ``ShardedRMSNorm``) add per layer 4 all-reduces of their (B, T, 1)
+    fp32 sums of squares, 4T bytes (q and k, forward and backward; the forward's 2 again under
+    full recomputation).
     """
     if tp <= 1:
         return {}
@@ -38,6 +41,8 @@ def tp_calls(
             if not sp
             else [("all_gather", S, 6 + again), ("reduce_scatter", S, 4 + again)]
         )
+        if cm.model.qk_norm and cm.model.qk_norm_scope == "all":  # the norms' sums over tp
+            calls.append(("all_reduce", 4.0 * T, 4 + again))
     elif part == "first":
         calls = [("all_reduce", S, 1)] if not sp else [("reduce_scatter", S, 1), ("all_gather", S, 1)]
     else:
@@ -46,6 +51,22 @@ def tp_calls(
     out: dict[tuple[str, float], float] = {}
     for op, size, k in calls:
         out[(op, size)] = out.get((op, size), 0) + k
+    return out
+
+
+def tp_payload(cm: CostBase, lay: Layout) -> dict[str, float]:
+    """Bytes handed to tensor-parallel collectives per step on one device of the first stage, by op
+    (what :class:`loom.comm.CommMeter` counts as payload): :func:`tp_calls`' messages times their
+    calls, per micro-batch; the once-a-step sum of the gradients held in part
+    (:func:`tp_partial_params`) is not included (its dtype is the strategy's gradient buffers')."""
+    m = cm.train.global_batch // (lay.dp * lay.micro_batch)
+    out: dict[str, float] = {}
+    parts = [("layer", cm.model.n_layers // lay.pp), ("first", 1)] + [("last", 1)] * (lay.pp == 1)
+    for part, times in parts:
+        for (op, size), k in tp_calls(
+            cm, lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp
+        ).items():
+            out[op] = out.get(op, 0.0) + m * times * k * size
     return out
 
 

@@ -34,6 +34,7 @@ class CostModel(CostBase):
     # tensor, context and expert parallel communication; the step's collective calls
     tp_calls = comm.tp_calls
     tp_partial_params = comm.tp_partial_params
+    tp_payload = comm.tp_payload
     collective_calls = comm.collective_calls
     _cp_layer_time = comm.cp_layer_time
     # compute of a micro-batch
