@@ -454,3 +454,40 @@ def test_linear_cross_entropy_bf16_on_cuda_equals_fp64():
     for ours, torchs, exact in ((x.grad, x16.grad, x64.grad), (w.grad, w16.grad, w64.grad)):
         err, torch_err = ((a.double() - exact).norm() / exact.norm() for a in (ours, torchs))
         assert err <= max(1.5 * torch_err, 1e-2), (err, torch_err)
+
+
+def test_rmsnorm_on_cuda_runs_torchs_fused_kernels_and_equals_fp64():
+    """On CUDA, Loom's RMSNorm is one fused kernel forward and one backward (``_fused_rms_norm`` and
+    its backward, where the fp32 chain makes 5 passes forward and 12 backward) and equals the fp64
+    formula within bf16's rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from loom.model.norms import rms_norm
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                self.names.append(func.__name__)
+            return out
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4, 2048, 768, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (1 + 0.1 * torch.randn(768, device="cuda", generator=g)).bfloat16().requires_grad_()
+    dy = torch.randn(4, 2048, 768, device="cuda", generator=g).bfloat16()
+    with Ops() as fwd:
+        y = rms_norm(x, w, 1e-5)
+    with Ops() as bwd:
+        y.backward(dy)
+    assert [n for n in fwd.names if "rms" in n] == ["_fused_rms_norm.default"], fwd.names
+    assert any("_fused_rms_norm_backward" in n for n in bwd.names), bwd.names
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+    y64.backward(dy.double())
+    assert_close(y.double(), y64, rtol=1.6e-2, atol=1e-2)
+    assert_close(x.grad.double(), x64.grad, rtol=1.6e-2, atol=1e-2)
+    assert_close(w.grad.double(), w64.grad, rtol=2e-2, atol=1.0)

@@ -124,19 +124,19 @@ def test_fp32_states_offload_and_model_parallel_division():
 
 
 def test_activation_bytes_per_layer_formula():
-    """s b h (c1 + c2 a s / h), c1 = 20 + 4k/a + 8f/h + (4a + 8)/h (bf16), c2 = 2 without flash."""
+    """s b h (c1 + c2 a s / h), c1 = 12 + 4k/a + 8f/h + (4a + 8)/h (bf16), c2 = 2 without flash."""
     s, b, h, a, k, f = 2048, 2, 4096, 32, 8, 14336
     cfg = dataclasses.replace(LLAMA3_8B, n_kv_heads=k)
     flash = CostModel(cfg, Workload(64, s), _cluster())
     eager = CostModel(cfg, Workload(64, s, flash_attention=False), _cluster())
-    c1 = 20 + 4 * k / a + 8 * f / h + (4 * a + 8) / h
+    c1 = 12 + 4 * k / a + 8 * f / h + (4 * a + 8) / h
     none, sel, block_in = flash.layer_activation(Layout(micro_batch=b))
     assert none == pytest.approx(s * b * h * c1)
     assert eager.layer_activation(Layout(micro_batch=b))[0] == pytest.approx(s * b * h * (c1 + 2 * a * s / h))
     assert sel == pytest.approx(s * b * h * (c1 - 4 * a / h))  # the lse dropped; the output is wo's input
     assert eager.layer_activation(Layout(micro_batch=b))[1] == pytest.approx(sel)  # scores dropped too
     assert block_in == pytest.approx(2 * s * b * h)
-    t, norms = 4, 16 + 8 / h  # tensor parallel: the norms' 16 s b h + 8 s b stay replicated without sp
+    t, norms = 4, 8 + 8 / h  # tensor parallel: the norms' 8 s b h + 8 s b stay replicated without sp
     tp_none = flash.layer_activation(Layout(tp=t, micro_batch=b))[0]
     assert tp_none == pytest.approx(s * b * h * (norms + (c1 - norms) / t))
     assert flash.layer_activation(Layout(tp=t, sp=True, micro_batch=b))[0] == pytest.approx(

@@ -191,7 +191,7 @@ def _final_norm_held(precision: str, model_kw: dict) -> int:
     [("fp32", {}), ("bf16", {}), ("bf16", dict(norm="layernorm", mlp="gelu", bias=True, n_kv_heads=4))],
 )
 def test_the_final_norm_is_in_the_last_stages_activations(precision, model_kw):
-    """(4 + 2·B_a)·h + 4 bytes per token (fp32 input, x̂, output, 1/rms; LayerNorm 8: mean, 1/σ),
+    """2·B_a·h + 4 bytes per token (input, output, 1/rms; LayerNorm 8: mean, 1/σ),
     beside the L layers' bytes in :func:`~loom.plan.cost.memory.stage_memory`."""
     cfg = tiny_model(max_seq_len=SEQ, **model_kw)
     cm = CostModel(cfg, Workload(8, SEQ, precision), ClusterSpec.single_node("h100-sxm", 8, 1))

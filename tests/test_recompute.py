@@ -132,7 +132,7 @@ def test_saved_bytes_equal_formula(kv_heads):
         want = {i: saved_bytes_per_layer(cfg, policy, i, 2, SEQ) for i in range(cfg.n_layers)}
         assert measured == want, policy
     full_layer = activation_bytes_per_layer(cfg, 2, SEQ)
-    assert saved_bytes_per_layer(cfg, "full", 0, 2, SEQ) == 4 * 2 * SEQ * cfg.dim < full_layer / 20
+    assert saved_bytes_per_layer(cfg, "full", 0, 2, SEQ) == 4 * 2 * SEQ * cfg.dim < full_layer / 15
     assert selective_savings(cfg, 2, SEQ) == 4 * 2 * SEQ * cfg.n_heads  # the log-sum-exp: k, v are unrepeated
 
 

@@ -10,21 +10,21 @@ flash kernel of ``scaled_dot_product_attention``, SwiGLU), per layer, derived op
 sequence, b micro-batch, h = dim, a heads, f = ffn, e bytes per activation element (4 in fp32),
 n = tp and t = n with sequence parallelism else 1:
 
-    RMSNorm (x2)       input x, normalised x̂, output x̂·w (e·sbh each), 1/rms (4·sb)   6·e·sbh/t + 8·sb/t
+    RMSNorm (x2)       input x, output x̂·w (e·sbh each), 1/rms (4·sb)              4·e·sbh/t + 8·sb/t
     q, k, v            post-RoPE q (a/n heads), k and v unrepeated (k_n heads each)  e·sbh/n + 2·e·sb·d·k_n
     attention          output (b, a/n, s, d) and log-sum-exp (b, a/n, s) fp32         e·sbh/n + 4·sb·a/n
     SwiGLU             w1 x (silu input), silu(w1 x), w3 x, their product (w2 input)  4·e·sbf/n
 
-    bytes/layer = s·b·h·(e·(6/t + 2/n + 2·d·k_n/h + 4f/(h·n)) + 4·(2/t + a/n)/h)
+    bytes/layer = s·b·h·(e·(4/t + 2/n + 2·d·k_n/h + 4f/(h·n)) + 4·(2/t + a/n)/h)
 
 with k_n = k/n key/value heads per tp rank (1 when tp replicates them, k < n): SDPA's
 ``enable_gqa`` reads them in place, none is repeated to a heads.
 
 In the form of Korthikanti et al. 2022, s·b·h·(c₁ + c₂·a·s/h): the flash kernel keeps no
 (a, s, s) score or dropout matrix, so c₂ = 0 and the log-sum-exp adds 4·a/(h·n). Without
-sequence parallelism the norms and their inputs (6·e·sbh + 8·sb) stay replicated on every tp
+sequence parallelism the norms and their inputs (4·e·sbh + 8·sb) stay replicated on every tp
 rank; with it everything is divided by n. Not counted per layer: the pre-RoPE q/k are not
-saved (RoPE multiplies by constant tables), and residual adds save nothing.
+saved (RoPE multiplies by constant tables; :mod:`loom.model.norms` saves no x̂), and residual adds save nothing.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def activation_bytes_per_layer(
         kv += (
             local * h // n if cp_mode == "alltoall" else 0
         )  # the core's head-sharded output beside wo's input
-    elems = 6 * local * h // t + 2 * local * h // n + kv + 4 * local * f // n
+    elems = 4 * local * h // t + 2 * local * h // n + kv + 4 * local * f // n
     fp32 = 2 * local // t + local * a // n
     return elem * elems + 4 * fp32
 

@@ -28,45 +28,10 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from loom.config import ModelConfig, MoEConfig
+from loom.model import moe
 from loom.model.loss import CHUNK_ROWS, IGNORE_INDEX, chunked_cross_entropy, linear_cross_entropy
 from loom.model.moe import ExpertWeights, MoEFeedForward, experts_forward, real_buffers, route, swiglu  # noqa: F401 (re-exported)
-
-
-class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32."""
-
-    activation_kind = "norm"  # what its saved tensors count as for train.compress
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight
-
-
-class LayerNorm(nn.Module):
-    """y = (x - mean(x)) / sqrt(var(x) + eps) * w + b, normalized in fp32 (``model.norm = layernorm``)."""
-
-    activation_kind = "norm"  # what its saved tensors count as for train.compress
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps)
-        return y.type_as(x) * self.weight + self.bias
-
-
-def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
-    """The norm ``cfg.norm`` names, over ``dim`` features."""
-    return LayerNorm(dim, cfg.norm_eps) if cfg.norm == "layernorm" else RMSNorm(dim, cfg.norm_eps)
+from loom.model.norms import LayerNorm, RMSNorm, make_norm  # noqa: F401 (re-exported)
 
 
 def rope_tables(
@@ -88,18 +53,38 @@ def rope_tables(
     return angles.cos().float(), angles.sin().float()
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pairs (x[2i], x[2i+1]) as complex numbers times e^{iθ} = cos θ + i sin θ, in fp32, rounded
+    back to x's dtype: one multiply over x where the real form takes about nine."""
+    xc = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))  # (..., d/2)
+    return torch.view_as_real(xc * torch.complex(cos.float(), sin.float())).flatten(-2).type_as(x)
+
+
+class _Rope(torch.autograd.Function):
+    """x ↦ x·e^{iθ}, backward g ↦ g·e^{-iθ} (a rotation's transpose is its inverse): saves only the
+    tables, where autograd of the product would also keep the complex table it builds."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        return _rotate(g, cos, -sin), None, None
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, heads, d) by the angles of positions 0..T-1 (tables
-    of shape (≥T, d/2)), or of each token's own position (per-token rows (B, T, d/2), packed data)."""
+    of shape (≥T, d/2)), or of each token's own position (per-token rows (B, T, d/2), packed data):
+    (x0, x1) ↦ (x0 cos - x1 sin, x0 sin + x1 cos), in fp32."""
     T = x.shape[1]
     if cos.dim() == 3:  # per-token rows
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, d/2)
     else:
         cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, d/2)
-    xf = x.float().unflatten(-1, (-1, 2))  # (B, T, heads, d/2, 2)
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
+    return _Rope.apply(x, cos, sin)
 
 
 class CoreAttention(nn.Module):
@@ -200,7 +185,6 @@ def _sorted_blocks(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sel.sum(-1, dtype=torch.int32)[:, None], idx.to(torch.int32)[:, None]
 
 
-@torch.compiler.disable  # built once per micro-batch outside any compiled region, then passed to every layer
 def document_block_mask(docs: torch.Tensor, block: int = FLEX_BLOCK) -> BlockMask:
     """The document-causal :class:`BlockMask` of packed ``docs`` (B, T): key j visible to query i iff
     j <= i and docs[j] == docs[i], as :func:`document_mask`, without any (T, T) tensor.
@@ -620,3 +604,14 @@ def fused_head_loss(
         return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
     return head_loss
+
+
+def keep_eager_under_compile() -> None:
+    """What runs eagerly under ``torch.compile``, wrapped in ``torch.compiler.disable`` once, when
+    :mod:`loom.train.compile` begins (not at import: it imports ``torch._dynamo``, about 1 s in every
+    process that never compiles): :func:`document_block_mask`, built once per micro-batch outside
+    any compiled region and passed to every layer, and MoE's balance losses."""
+    global document_block_mask
+    if not hasattr(document_block_mask, "_torchdynamo_disable"):
+        document_block_mask = torch.compiler.disable(document_block_mask)
+    moe.keep_eager_under_compile()

@@ -340,11 +340,11 @@ class MoEFeedForward(nn.Module):
             out = out + self.shared(flat)
         return self._balance(out, r, keep).view_as(x)
 
-    @torch.compiler.disable
     def _balance(self, out: torch.Tensor, r: Routing, keep: torch.Tensor | None) -> torch.Tensor:
         """Attach the aux and z losses to ``out`` (training with gradients) and count the statistics.
-        Eager under ``torch.compile`` (one graph break per layer): it all-reduces the counts
-        (``sum_stats``), asks :func:`recomputing` and keeps statistics on the module."""
+        Eager under ``torch.compile`` (one graph break per layer, :func:`keep_eager_under_compile`):
+        it all-reduces the counts (``sum_stats``), asks :func:`recomputing` and keeps statistics on
+        the module."""
         opt, n_tokens = self.options, r.experts.shape[0]
         load = expert_counts(r.experts, self.n_experts).float()  # before dropping
         aux = z = torch.zeros((), device=out.device)
@@ -416,3 +416,11 @@ def real_buffers(model: nn.Module, device: torch.device | str) -> None:
     for m in moe_layers(model):
         if m.expert_bias is not None and m.expert_bias.is_meta:
             m.expert_bias = torch.zeros(m.n_experts, device=device)
+
+
+def keep_eager_under_compile() -> None:
+    """``torch.compiler.disable`` on :meth:`MoEFeedForward._balance`, once: applied by
+    :mod:`loom.train.compile` before it compiles, not at import (``torch.compiler.disable`` imports
+    ``torch._dynamo``, about 1 s in every process that never compiles)."""
+    if not hasattr(MoEFeedForward._balance, "_torchdynamo_disable"):
+        MoEFeedForward._balance = torch.compiler.disable(MoEFeedForward._balance)  # type: ignore[method-assign]

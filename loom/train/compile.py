@@ -60,6 +60,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.model.llama import keep_eager_under_compile
+
 log = logging.getLogger("loom")
 
 REPORT_ATTR = "_loom_compile_report"
@@ -163,6 +165,7 @@ def apply_compile(
         label += f", {', '.join(eager)} eager" if eager else ""
     else:
         regions = _regions(model, mode)
+    keep_eager_under_compile()
     for region, attr in regions:
         islands += _eager_islands(region, linears=bool(why))
         setattr(region, attr, torch.compile(getattr(region, attr)))

@@ -327,11 +327,6 @@ class SequenceParallelRMSNorm(RMSNorm):
         self.weight = norm.weight
         self.ctx = ctx
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight
-
 
 class ShardedRMSNorm(nn.Module):
     """One RMSNorm over a width D cut into head shards over tp (OLMo-2's q/k norm, ``qk_norm_scope =

@@ -26,12 +26,12 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
   (pre-norm, RoPE, GQA, SwiGLU, no dropout; measured with saved-tensor hooks, storages counted
   once: tests/test_plan_activations.py)::
 
-      each of the 2 norms: its input in fp32 4 T h (the upcast; x itself in fp32; a stack's
-        fused kernel, ``Stack.fused_norms``: B_a T h, Korthikanti's count, and no x̂),
-        x̂ and x̂·w (the matmul input) 2 B_a T h, 1/rms 4 T (LayerNorm mean, 1/σ 8 T) -> / t only with sp
+      each of the 2 norms: its input B_a T h (:mod:`loom.model.norms`, as fused norm kernels;
+        Korthikanti's count) and its output x̂·w (the matmul input) B_a T h,
+        1/rms 4 T (LayerNorm mean, 1/σ 8 T)                               -> / t only with sp
       q B_a T a d, k and v 2 B_a T k d                                   -> / t
-      q/k norms (qk_norm): inputs in fp32 and x̂ (4 + B_a) T (a + k) d,
-        1/rms 4 T per head (scope all: per rank)                         -> / t
+      q/k norms (qk_norm): inputs B_a T (a + k) d (scope all under tp: in fp32 and x̂,
+        (4 + B_a)), 1/rms 4 T per head (scope all: per rank)            -> / t
       attention output (wo input) B_a T a d                              -> / t (kept: selective)
       log-sum-exp 4 T a                                                  -> / t (gone: selective)
       scores: softmax output B_a a T s, only without flash attention     -> / t (gone: selective)
@@ -43,8 +43,8 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
                                                                          -> / t only with sp
 
   With B_a = 2, d = h/a, cp = 1 and RMSNorm this is s b h (c1 + c2 a s / h) with
-  c1 = 20 + 4 k/a + 8 f/h + (4a + 8)/h and c2 = 2 without flash, 0 with flash/SDPA (the form of
-  Korthikanti et al. 2022). Tensor parallel without sp divides all but the norms' 16 s b h + 8 s b
+  c1 = 12 + 4 k/a + 8 f/h + (4a + 8)/h and c2 = 2 without flash, 0 with flash/SDPA (the form of
+  Korthikanti et al. 2022). Tensor parallel without sp divides all but the norms' 8 s b h + 8 s b
   by t; with sp all of it. Selective recomputation drops what the attention core alone saves
   (scores, lse; the output stays, as wo's input); full
   recomputation keeps only the block input B_a T h (/t with sp) per layer plus one layer's
@@ -53,7 +53,7 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
   GPipe m*L/p; 1F1B min(m, p-i)*L/p; ZB-H1 min(m, p)*L/p (deferred W keeps inputs alive on
   every stage); interleaved (Megatron's warm-up count)
   min(m v, 2(p-i-1) + (v-1)p + 1) * L/(p v), which for stage 0 is L (1 + (p-1)/(p v)); the
-  last stage adds its final norm, as a block's norm (4 + 2 B_a) T h + 4 T, per micro-batch it holds.
+  last stage adds its final norm, as a block's norm 2 B_a T h + 4 T, per micro-batch it holds.
 - logits on the last stage: T V / t (B_a + 8) bytes (logits, fp32 copy, fp32 log-softmax).
 - optimizer step: its temporaries (the fp32 gradient copy under mixed precision) beyond what
   backward's transients (activations, logits, gathered units, gradients in flight) freed.

@@ -240,12 +240,11 @@ def layer_activation(cm: CostBase, lay: Layout) -> tuple[float, float, float]:
 
 
 def norm_activation(cm: CostBase) -> float:
-    """Bytes a norm saves per token: its input in fp32 4 h (the upcast; x itself in fp32), x̂ and its
-    output x̂·w B_a h each, fp32 statistics 4 (1/rms; LayerNorm 8: mean, 1/σ); a stack's fused kernel
-    (``Stack.fused_norms``): its input in B_a and its output, (2 B_a) h + the statistics."""
-    own = cm.act_bytes if cm.stack.fused_norms else 4 + cm.act_bytes  # bytes per element of its own
+    """Bytes a norm saves per token: its input B_a h and fp32 statistics 4 (1/rms; LayerNorm 8: mean,
+    1/σ) (:mod:`loom.model.norms`, as the fused kernels of apex and Transformer Engine), and its
+    output B_a h, the next matmul's input: 2 B_a h + 4 (8)."""
     stats = 2 if cm.model.norm == "layernorm" else 1
-    return (own + cm.act_bytes) * cm.model.dim + 4 * stats
+    return 2 * cm.act_bytes * cm.model.dim + 4 * stats
 
 
 def final_norm_activation(cm: CostBase, t: int, sp: bool, cp: int, mb: int) -> float:
@@ -287,19 +286,19 @@ def activation_terms(
 ) -> tuple[float, float, float]:
     """Bytes one block saves for backward, one micro-batch of T = b·s/cp tokens: (no recomputation,
     selective, block input), term by term as :mod:`loom.plan.cost` states them. Each norm keeps its
-    input in fp32 (the upcast; x itself in fp32) and x̂ in B_a (a stack's fused kernel: its input in
-    B_a), fp32 statistics, and its output x̂·w in B_a where a matmul takes it. A MoE layer:
+    input in B_a and fp32 statistics, and its output x̂·w in B_a where a matmul takes it. A MoE layer:
     :func:`moe_activation` on the rank's tokens (T/t with sp: experts whole on every tp rank)."""
     m, tr = cm.model, cm.train
     B, h = cm.act_bytes, m.dim
     T = mb * tr.seq_len / cp
     rep_div = t if sp else 1
-    own = B if cm.stack.fused_norms else 4 + B  # bytes per element a norm keeps of its own
     rep = 2 * T * norm_activation(cm) / rep_div  # attention and MLP norms
     qd, kv = m.n_heads * m.head_dim / t, cm.kv_width(t)
     qkv = B * T * (qd + 2 * kv)
     if m.qk_norm:  # per head (or per rank, scope all); their outputs go to RoPE, which saves none
         heads = (1, 1) if m.qk_norm_scope == "all" else (qd / m.head_dim, kv / m.head_dim)
+        # their inputs (B_a; over a width cut by tp, ShardedRMSNorm: in fp32 and x̂, 4 + B_a)
+        own = 4 + B if m.qk_norm_scope == "all" and t > 1 else B
         qkv += T * (own * (qd + kv) + 4 * sum(heads))
     if cm.moe:  # experts whole on every tp rank, on its tokens (T/t with sp), the busiest's load
         mlp = moe_activation(cm, T / rep_div, ep)

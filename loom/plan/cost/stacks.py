@@ -29,9 +29,6 @@ class Stack:
     microbatch_reduce: bool = False
     # bytes per logit at the loss's peak (0: B_a + 8, logits + fp32 copy + log-softmax)
     logit_bytes: float = 0.0
-    # norm kernels that keep only their input in B_a (apex, Transformer Engine, native layer_norm)
-    # beside the output the next matmul saves; False: Loom's eager norm, its input in fp32 and x̂ too
-    fused_norms: bool = False
     note: str = ""
 
 
@@ -45,26 +42,22 @@ STACKS: dict[str, Stack] = {
         ),
         Stack(
             "megatron-core",
-            fused_norms=True,
             other=1.21,
             note="Megatron-Core + Transformer Engine (fused norm-GEMM, bias-GeLU): fitted on two "
             "sources, NeMo 24.07 and Megatron-Bridge (FP8 on H100)",
         ),
         Stack(
             "megatron-lm-2021",
-            fused_norms=True,
             other=1.8,
             note="Megatron-LM (2021): fused softmax/bias-GeLU kernels, no flash attention; one source: Loom's factor",
         ),
         Stack(
             "megatron-deepspeed",
-            fused_norms=True,
             other=4.26,
             note="Megatron-DeepSpeed (BLOOM, MT-NLG): Megatron kernels, DeepSpeed pipeline and ZeRO-1; fitted on two sources (BigScience, MT-NLG)",
         ),
         Stack(
             "pytorch-fsdp",
-            fused_norms=True,
             other=1.8,
             selective_gemms=0.5,
             note="torchtitan: PyTorch FSDP2 eager, SDPA flash attention, Triton fused_rmsnorm (its Llama 2 13B "
@@ -72,7 +65,6 @@ STACKS: dict[str, Stack] = {
         ),
         Stack(
             "composer-fsdp",
-            fused_norms=True,
             other=1.8,
             microbatch_reduce=True,
             logit_bytes=4.0,
