@@ -48,12 +48,18 @@ def test_equal_experts_reduce_to_the_dense_mlp():
 
 
 def test_planner_counts_the_moe_parameters():
+    """Every parameter of the built model, shared experts (moe.n_shared_experts: 3·h·S·f a layer) too."""
+    from loom.config import MoEConfig
     from loom.model.llama import build_model, count_params
     from loom.plan.cost import ParamCounts
 
-    for kw in (MOE, dict(n_experts=8, top_k=1), {}):
+    for kw, shared in ((MOE, 0), (dict(n_experts=8, top_k=1), 0), ({}, 0), (MOE, 2)):
         cfg = tiny_model(**kw)
-        assert ParamCounts.of(cfg, cfg.n_experts, cfg.top_k).total == count_params(build_model(cfg, 0))
+        built = build_model(cfg, 0, moe=MoEConfig(n_shared_experts=shared))
+        assert ParamCounts.of(cfg, cfg.n_experts, cfg.top_k, shared).total == count_params(built), (
+            kw,
+            shared,
+        )
 
 
 LAYOUTS = {
@@ -443,18 +449,30 @@ def test_trainer_reports_expert_load_and_draws_the_heatmap(tmp_path):
         assert_close(a, b)
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2 sp ep2", "ep2 zero1", "dp4 ep2 zero2", "dp4 ep2 zero3"])
-def test_planner_state_bytes_of_moe_equal_the_measured(pools, name):
+@pytest.mark.parametrize(
+    "name,shared",
+    [
+        ("tp2", 0),
+        ("tp2 sp ep2", 0),
+        ("ep2 zero1", 0),
+        ("dp4 ep2 zero2", 0),
+        ("dp4 ep2 zero3", 0),
+        ("tp2 sp ep2", 1),
+    ],
+)
+def test_planner_state_bytes_of_moe_equal_the_measured(pools, name, shared):
     """Experts whole on every tp rank (E/ep of them), attention and embeddings split over tp; under
     ZeRO 1-2 the experts' optimizer state (and stage 2 gradients) sharded over their edp group
-    (dp·cp/ep ranks), the dense ones over dp·cp: the planner's weights + gradients + Adam states
-    (4 + 4 + 8 bytes each, fp32) equal a rank's."""
+    (dp·cp/ep ranks), the dense ones over dp·cp; shared experts (moe.n_shared_experts) whole on
+    every tp and ep rank: the planner's weights + gradients + Adam states (4 + 4 + 8 bytes each,
+    fp32) equal a rank's."""
     from loom.plan.cost import CostModel, Layout, Workload
     from loom.plan.hardware import ClusterSpec
 
     world, layout = LAYOUTS[name]
     cfg = tiny_model(**MOE)
-    planner = CostModel(cfg, Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", world))
+    work = Workload(BATCH, SEQ, precision="fp32", moe_shared=shared)
+    planner = CostModel(cfg, work, ClusterSpec.single_node("cpu", world))
     tp, zero = layout.get("tp", 1), layout.get("zero", 0)
     lay = Layout(
         dp=world // tp,
@@ -466,7 +484,8 @@ def test_planner_state_bytes_of_moe_equal_the_measured(pools, name):
         dp_shard=world // tp if zero else 1,
     )
     predicted = sum(planner.state_memory(lay)[k] for k in ("weights", "gradients", "optimizer"))
-    for r in pools(world).run(train_layout, layout, 1, BATCH, MICRO // 2, MOE):
+    moe_kw = {"n_shared_experts": shared}
+    for r in pools(world).run(train_layout, layout, 1, BATCH, MICRO // 2, MOE, moe_kw=moe_kw):
         measured = sum(r["state_bytes"][k] for k in ("param_bytes", "grad_bytes", "optim_bytes"))
         assert measured == pytest.approx(predicted, rel=1e-9)
 

@@ -81,7 +81,7 @@ class CostBase:
         self.bwd_ratio = (
             measured_r if measured_r > 0 else 2.0
         )  # FLOP ratio; a measured one folds per-op cost in
-        self.params = ParamCounts.of(model, n_experts, top_k)
+        self.params = ParamCounts.of(model, n_experts, top_k, train.moe_shared)
         self.facts = ModelFacts.of(
             model,
             n_experts=n_experts,
@@ -156,7 +156,11 @@ class CostBase:
         pc = self.params
         layers = self.stage_layers(pp, first, last, split)
         dense = layers * (
-            self._attn_params(t) + self.norms_on(t) + pc.router + (0 if self.moe else pc.mlp_on(t))
+            self._attn_params(t)
+            + self.norms_on(t)
+            + pc.router
+            + pc.shared
+            + (0 if self.moe else pc.mlp_on(t))
         )
         expert = layers * pc.mlp / ep if self.moe else 0.0  # experts are replicated over tp
         if first:
@@ -204,13 +208,17 @@ class CostBase:
         function forms q, k, v's together, and SwiGLU's w1 and w3's ((a d + 2 k d)·h/t, 2 f h/t)."""
         pc, m, t = self.params, self.model, tp
         layer = (
-            self._attn_params(t) + self.norms_on(t) + pc.router + (pc.mlp / ep if self.moe else pc.mlp_on(t))
+            self._attn_params(t)
+            + self.norms_on(t)
+            + pc.router
+            + pc.shared
+            + (pc.mlp / ep if self.moe else pc.mlp_on(t))
         )
         experts = self.n_experts / ep if self.moe else 1
         qd = m.n_heads * m.head_dim
         attn = (qd / t + 2 * self.kv_width(t)) * m.dim if t > 1 else qd * m.dim  # q, k, v | wq, wo
         fused = 2 if t > 1 and m.mlp == "swiglu" and not self.moe else 1  # w1, w3 together
-        widest = max(attn, self.ffn * m.dim * (experts if self.moe else fused / t))
+        widest = max(attn, self.ffn * m.dim * (experts if self.moe else fused / t), pc.shared / 3)
         table = m.vocab_size * m.dim / t
         units = [(layer, widest, 0.0)]
         if pp == 1 and not pc.head:

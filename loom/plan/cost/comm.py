@@ -75,8 +75,8 @@ def tp_partial_params(cm: CostBase, tp: int, sp: bool, pp: int, last: bool = Tru
     per step (``loom.parallel.partial.sum_partial_grads``, ``tensor.parallelize.partial_numel``): with sp the norms'
     weights and LayerNorm biases (2 per layer + the final norm on the last stage), the
     row-parallel biases and the position table (on the first stage); replicated key/value
-    weights and biases (k < t); q/k norm weights; with sp, the router and this rank's E/ep
-    experts (replicated over tp, each rank routing its sequence shard)."""
+    weights and biases (k < t); q/k norm weights; with sp, the router, the shared experts and this
+    rank's E/ep experts (replicated over tp, each rank routing its sequence shard)."""
     if tp <= 1:
         return 0.0
     m, pc = cm.model, cm.params
@@ -91,7 +91,7 @@ def tp_partial_params(cm: CostBase, tp: int, sp: bool, pp: int, last: bool = Tru
     )
     seq += pc.positions if first else 0
     kv = 2 * layers * cm.kd * (h + (1 if m.qkv_bias or m.bias else 0)) if m.n_kv_heads % tp else 0.0
-    moe = layers * (pc.router + pc.mlp / ep) if cm.moe else 0.0
+    moe = layers * (pc.router + pc.shared + pc.mlp / ep) if cm.moe else 0.0
     return (seq + moe if sp else 0.0) + kv + layers * qk_norms
 
 

@@ -63,6 +63,9 @@ def microbatch_times(
         experts_here = cm.n_experts / ep
         Te = T_moe * cm.top_k / experts_here * tr.moe_load
         mlp_f = experts_here * (ups * mach.gemm(Te, h, f, gemm_b) + mach.gemm(Te, f, h, gemm_b))
+        if tr.moe_shared:  # shared experts: one SwiGLU of S·f on every token of the rank
+            fs = tr.moe_shared * f
+            mlp_f += 2 * mach.gemm(T_moe, h, fs, gemm_b) + mach.gemm(T_moe, fs, h, gemm_b)
     else:
         mlp_f = ups * mach.gemm(T, h, f / tp, gemm_b) + mach.gemm(T, f / tp, h, gemm_b)
     gemm_f = (
@@ -76,7 +79,7 @@ def microbatch_times(
     if not tr.flash_attention:
         core_bytes += 4 * B * a_t * T * s  # scores written, softmax read+write, read by AV
     mlp_elt = (
-        3 * f * cm.top_k * tr.moe_load / (tp if sp else 1)
+        3 * f * (cm.top_k * tr.moe_load + tr.moe_shared) / (tp if sp else 1)
         if cm.moe
         else (3 if mc.mlp == "swiglu" else 2) * f / tp
     )

@@ -152,6 +152,7 @@ class Workload:
     global_batch: int  # sequences per optimizer step
     seq_len: int  # tokens per sequence
     precision: str = "bf16"  # fp32 | tf32 | bf16 | fp16 | fp8 | int8 (fp8, int8: 8-bit GEMMs, bf16 states)
+    fp8_recipe: str = "tensorwise"  # train.fp8_recipe: tensorwise | rowwise (fp8's amax all-reduces under tp)
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in (fp32 | bf16 | fp16)
     flash_attention: bool = True  # attention scores are not stored (flash / SDPA)
     bucket_bytes: float = 25 * 2**20  # data-parallel gradient bucket (parallel.bucket_mb)
@@ -159,7 +160,11 @@ class Workload:
     moe_imbalance: float = 1.0  # MoE: max/mean tokens per expert (moe.imbalance; a run's moe_imbalance metric; 0 = the profile's)
     # MoE: moe.capacity_factor (0 = dropless): caps an expert's load at cf x mean
     capacity_factor: float = 0.0
-    moe_router_losses: bool = False  # MoE: aux or z loss on (a synchronous pipeline schedule is needed)
+    moe_aux_loss: bool = False  # MoE: moe.aux_loss_coef > 0 (the Switch/GShard balancing loss)
+    moe_z_loss: bool = False  # MoE: moe.z_loss_coef > 0 (the router z-loss)
+    moe_score: str = "softmax"  # MoE: moe.score (sigmoid: the aux loss normalizes each token's scores)
+    moe_shared: int = 0  # MoE: moe.n_shared_experts (one SwiGLU of S·f that every token runs)
+    moe_compute: str = "grouped"  # MoE: moe.compute, grouped | loop (per expert: no group offsets)
     # parallel.allreduce: the gradient all-reduce's algorithm (butterfly needs 2^k ranks)
     allreduce: str = "native"
     # parallel.dp_mode = "ps": K parameter-server shards instead of the all-reduce (0 = none)
@@ -176,6 +181,11 @@ class Workload:
         return (
             min(self.moe_imbalance, self.capacity_factor) if self.capacity_factor > 0 else self.moe_imbalance
         )
+
+    @property
+    def moe_router_losses(self) -> bool:
+        """An aux or z loss is on (a synchronous pipeline schedule is needed)."""
+        return self.moe_aux_loss or self.moe_z_loss
 
     @property
     def mixed(self) -> bool:

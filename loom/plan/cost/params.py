@@ -50,11 +50,15 @@ class ParamCounts:
     positions: int = 0  # learned position table (replicated over tp, on the first stage)
     mlp_whole: int = 0  # of ``mlp``: the row-parallel bias, whole on every tp rank
     attn_whole: int = 0  # of ``attn``: the row-parallel wo bias, whole on every tp rank
+    # MoE shared experts per layer (moe.n_shared_experts = S: one SwiGLU 3·h·S·f every token runs;
+    # replicated over tp and ep, as the router)
+    shared: int = 0
 
     @classmethod
-    def of(cls, m: ModelConfig, n_experts: int = 1, top_k: int = 1) -> ParamCounts:
+    def of(cls, m: ModelConfig, n_experts: int = 1, top_k: int = 1, shared_experts: int = 0) -> ParamCounts:
         h, f, kd, qd = m.dim, m.resolved_ffn_dim(), m.n_kv_heads * m.head_dim, m.n_heads * m.head_dim
         moe = n_experts > 1
+        shared = 3 * h * shared_experts * f if moe else 0
         mats = 3 if m.mlp == "swiglu" else 2  # SwiGLU's w1, w3, w2, or GELU's w1, w2
         mlp_bias = (f + h) if m.bias and not moe else 0  # experts have no biases
         norm = 2 if m.norm == "layernorm" else 1  # LayerNorm: weight and bias
@@ -64,7 +68,7 @@ class ParamCounts:
             + ((qd + 2 * kd) if m.qkv_bias or m.bias else 0)
             + (h if m.bias else 0),
             mlp=mats * h * f * (n_experts if moe else 1) + mlp_bias,
-            mlp_active=mats * h * f * (top_k if moe else 1) + mlp_bias,
+            mlp_active=mats * h * f * (top_k if moe else 1) + mlp_bias + shared,
             router=h * n_experts if moe else 0,
             norms=2 * h * norm + qk_norm_params(m),
             embed=m.padded_vocab * h,  # model.pad_vocab_to rows when padded
@@ -74,6 +78,7 @@ class ParamCounts:
             positions=m.max_seq_len * h if m.positions == "learned" else 0,
             mlp_whole=h if mlp_bias else 0,
             attn_whole=h if m.bias else 0,
+            shared=shared,
         )
 
     def mlp_on(self, tp: int, ep: int = 1) -> float:
@@ -82,14 +87,14 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        per_layer = self.attn + self.mlp + self.router + self.norms
+        per_layer = self.attn + self.mlp + self.router + self.shared + self.norms
         return self.n_layers * per_layer + self.embed + self.head + self.final_norm + self.positions
 
     @property
     def matmul(self) -> int:
-        """Matmul weights, every expert counted: layers' matmuls + the head (tied or not). The
+        """Matmul weights, every expert counted (shared ones too): layers' matmuls + the head (tied or not). The
         ones a token runs through are ``llama.flops_per_token``'s rule (top_k of the experts)."""
-        return self.n_layers * (self.attn + self.mlp + self.router) + self.embed
+        return self.n_layers * (self.attn + self.mlp + self.router + self.shared) + self.embed
 
     @property
     def experts(self) -> int:
