@@ -121,17 +121,13 @@ def test_low_precision_tp2_equals_one_process(pools, precision, recipe, layout):
 
 
 def _amax_traffic(steps: int) -> dict:
-    """All-reduce calls and bytes of one tp2 step per precision, less bf16's (the same layout)."""
-    base = train_layout({"tp": 2, "precision": "bf16"}, steps, 8, 4, model_kw=MODEL, meta=True)
+    """The meter's calls and bytes moved by op, one tp2 step per precision (bf16 first)."""
     out = {}
-    for precision, recipe in CASES:
+    for precision, recipe in [("bf16", "tensorwise"), *CASES]:
         r = train_layout(
             {"tp": 2, "precision": precision, "fp8_recipe": recipe}, steps, 8, 4, model_kw=MODEL, meta=True
         )
-        out[precision, recipe] = (
-            r["calls"][0]["all_reduce"] - base["calls"][0]["all_reduce"],
-            r["moved"][0]["all_reduce"] - base["moved"][0]["all_reduce"],
-        )
+        out[precision, recipe] = (r["calls"][0], r["moved"][0])
     return out
 
 
@@ -139,14 +135,48 @@ def test_amax_all_reduces_equal_the_formula(pools):
     """Measured by the meter, one tp2 step (2 layers x 2 micro-batches of M = 4·16 tokens, h = 64,
     SwiGLU: 5 column and 2 row Linears a block) adds loom.memory.lowp_gemm.amax_all_reduces to bf16's
     all-reduces: fp8 tensorwise 21 calls / 28 amaxes a block and micro-batch, rowwise and int8 7 /
-    7·(M + h); a ring all-reduce over 2 ranks moves its 4-byte amaxes once."""
+    7·(M + h); a ring all-reduce over 2 ranks moves its 4-byte amaxes once. The planner's collective
+    calls equal the meter's for every precision, and its all-reduce payload (tp_payload) grows by
+    the bytes measured (loom.plan.cost.comm.amax_calls; Loom's stack only)."""
     from loom.memory.lowp_gemm import amax_all_reduces
+    from loom.plan.cost import CostModel, Layout, Workload
+    from loom.plan.hardware import ClusterSpec
+    from tests.helpers import SEQ, tiny_model
 
     per_block = 2 * 2  # layers x micro-batches
+    lay = Layout(tp=2, micro_batch=4)
     for got in pools(2).run(_amax_traffic, 1):
+        base_calls, base_moved = got.pop(("bf16", "tensorwise"))
         for (precision, recipe), (calls, moved) in got.items():
+            extra = (
+                calls["all_reduce"] - base_calls["all_reduce"],
+                moved["all_reduce"] - base_moved["all_reduce"],
+            )
             want = amax_all_reduces(precision == "fp8" and recipe == "tensorwise", 5, 2, 4 * 16, 64)
-            assert (calls, moved) == (per_block * want[0], per_block * 4 * want[1]), (precision, recipe)
+            assert extra == (per_block * want[0], per_block * 4 * want[1]), (precision, recipe)
+            planner = {  # the device only prices the calls; fp8 needs one that has it
+                p: CostModel(
+                    tiny_model(**MODEL),
+                    Workload(8, SEQ, precision=p, fp8_recipe=recipe),
+                    ClusterSpec.single_node("h100-sxm", 2),
+                )
+                for p in ("bf16", precision)
+            }
+            assert planner[precision].collective_calls(lay) == calls, (precision, recipe)
+            assert planner["bf16"].collective_calls(lay) == base_calls
+            payload = (
+                planner[precision].tp_payload(lay)["all_reduce"],
+                planner["bf16"].tp_payload(lay)["all_reduce"],
+            )
+            assert payload[0] - payload[1] == extra[1], (precision, recipe)
+            # Transformer Engine's stacks scale on their own: no per-GEMM all-reduce counted there
+            te = CostModel(
+                tiny_model(**MODEL),
+                planner[precision].train,
+                planner[precision].cluster,
+                stack="megatron-core",
+            )
+            assert te.collective_calls(lay) == base_calls
 
 
 def _debug_tp2(precision: str) -> float:

@@ -27,7 +27,8 @@ def tp_calls(
     (:meth:`tp_partial_params`), not here. OLMo-2's q/k norms over all heads
     (``qk_norm_scope = all``, ``ShardedRMSNorm``) add per layer 4 all-reduces of their (B, T, 1)
     fp32 sums of squares, 4T bytes (q and k, forward and backward; the forward's 2 again under
-    full recomputation).
+    full recomputation). fp8 / int8 add the amax MAX all-reduces of the 8-bit GEMMs on shards
+    (:func:`amax_calls`).
     """
     if tp <= 1:
         return {}
@@ -43,6 +44,7 @@ def tp_calls(
         )
         if cm.model.qk_norm and cm.model.qk_norm_scope == "all":  # the norms' sums over tp
             calls.append(("all_reduce", 4.0 * T, 4 + again))
+        calls += amax_calls(cm, tp, T, recompute)
     elif part == "first":
         calls = [("all_reduce", S, 1)] if not sp else [("reduce_scatter", S, 1), ("all_gather", S, 1)]
     else:
@@ -52,6 +54,46 @@ def tp_calls(
     for op, size, k in calls:
         out[(op, size)] = out.get((op, size), 0) + k
     return out
+
+
+def lowp_linears(cm: CostBase, tp: int) -> tuple[int, int]:
+    """(column-, row-parallel) Linears of a block whose GEMMs run in 8 bits (fp8 / int8) under tp:
+    those with both dims multiples of 16·tp (``loom.memory.precision.low_precision_target``): wq, wk,
+    wv, w1 (and SwiGLU's w3) column-parallel, wo and w2 row-parallel; an MoE block's experts (shared
+    ones too) are replicated over tp and run no collective, so only attention's count there."""
+    m = cm.model
+    h, f, q, kv = m.dim, m.resolved_ffn_dim(), m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+
+    def ok(i: int, o: int) -> int:
+        return int(i % (16 * tp) == 0 and o % (16 * tp) == 0)
+
+    col, row = ok(h, q) + 2 * ok(h, kv), ok(q, h)
+    if not cm.moe:
+        col += ok(h, f) * (2 if m.mlp == "swiglu" else 1)
+        row += ok(f, h)
+    return col, row
+
+
+def amax_calls(cm: CostBase, tp: int, T: float, recompute: str) -> list[tuple[str, float, int]]:
+    """The MAX all-reduces of fp32 amaxes of one block's 8-bit GEMMs per micro-batch
+    (:mod:`loom.memory.lowp_gemm`), T tokens: with C column- and R row-parallel 8-bit Linears
+    (:func:`lowp_linears`), K = C + R. fp8 tensorwise: per Linear 3 calls, one per GEMM (column:
+    the output's W, 4 bytes; the input gradient's dY and W, 8; the weight gradient's dY, 4; row: 8,
+    4, 4), 3K calls of 16K bytes; rowwise and int8: one call per Linear of (T + h) fp32 amaxes (the
+    rows of dY and columns of W for the column layer's input gradient, the rows of x and W for the
+    row layer's output). Full recomputation runs the forward GEMMs again: K more calls (C of 4 bytes
+    and R of 8) tensorwise, R more rowwise. Only for a stack that reduces per GEMM
+    (:attr:`Stack.amax_per_gemm`: Loom's)."""
+    if tp <= 1 or cm.train.precision not in ("fp8", "int8") or not cm.stack.amax_per_gemm:
+        return []
+    col, row = lowp_linears(cm, tp)
+    again = recompute == "full"
+    if cm.train.precision == "fp8" and cm.train.fp8_recipe == "tensorwise":
+        return [
+            ("all_reduce", 4.0, 2 * (col + row) + again * col),
+            ("all_reduce", 8.0, col + row + again * row),
+        ]
+    return [("all_reduce", 4.0 * (T + cm.model.dim), col + row + again * row)]
 
 
 def tp_payload(cm: CostBase, lay: Layout) -> dict[str, float]:

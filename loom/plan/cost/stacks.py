@@ -29,6 +29,10 @@ class Stack:
     microbatch_reduce: bool = False
     # bytes per logit at the loss's peak (0: B_a + 8, logits + fp32 copy + log-softmax)
     logit_bytes: float = 0.0
+    # fp8 / int8 under tp: one MAX all-reduce of amaxes per 8-bit GEMM on shards (Loom's
+    # loom.memory.lowp_gemm); False: the stack's own scaling traffic is not counted (Transformer
+    # Engine reduces a few amaxes per layer, not per GEMM)
+    amax_per_gemm: bool = False
     note: str = ""
 
 
@@ -38,6 +42,7 @@ STACKS: dict[str, Stack] = {
         Stack(
             "",
             other=1.8,
+            amax_per_gemm=True,
             note="Loom: eager PyTorch norms/activations and SDPA flash attention, as torchtitan's",
         ),
         Stack(
