@@ -31,7 +31,7 @@ _FUSED_CUDA_BACKWARD = [True]  # False once a build lacks the CUDA kernel
 
 def rms_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, r): y = x · r · w rounded once to x's dtype, r (…, 1) fp32."""
-    if _FUSED:
+    if _FUSED and x.dtype == weight.dtype:  # (mixed dtypes: the fp32 chain below, on every device)
         return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
     xf = x.float()
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -42,7 +42,8 @@ def rms_backward(
     g: torch.Tensor, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, bool]
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dx, dw) of :func:`rms_forward` for the output gradient g (see the module's formulas)."""
-    if _FUSED and g.is_cuda and not torch.compiler.is_compiling() and _FUSED_CUDA_BACKWARD[0]:
+    fused = _FUSED and g.is_cuda and x.dtype == weight.dtype == g.dtype and _FUSED_CUDA_BACKWARD[0]
+    if fused and not torch.compiler.is_compiling():
         try:
             dx, dw = torch.ops.aten._fused_rms_norm_backward(g, x, [x.shape[-1]], r, weight, list(needs))
             return dx, dw
