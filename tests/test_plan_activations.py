@@ -116,8 +116,14 @@ def _moe_held(
 def _moe_predicted(
     precision: str, model_kw: dict, moe_kw: dict, tp: int = 1, sp: bool = False, ep: int = 1
 ) -> float:
-    work = Workload(8, SEQ, precision, capacity_factor=moe_kw.get("capacity_factor", 0.0))
-    cm = CostModel(tiny_model(max_seq_len=SEQ, **model_kw), work, ClusterSpec.single_node("h100-sxm", 8, 1))
+    import dataclasses
+
+    from loom.config import LoomConfig, MoEConfig
+    from loom.plan.report import workload_of
+
+    cfg = LoomConfig(model=tiny_model(max_seq_len=SEQ, **model_kw), moe=MoEConfig(**moe_kw))
+    work = dataclasses.replace(workload_of(cfg), global_batch=8, seq_len=SEQ, precision=precision)
+    cm = CostModel(cfg.model, work, ClusterSpec.single_node("h100-sxm", 8, 1))
     return cm.layer_activation(Layout(tp=tp, sp=sp, ep=ep, micro_batch=BATCH))[0]
 
 
@@ -132,27 +138,19 @@ MIXTRAL = dict(n_experts=8, top_k=2)  # Mixtral's routing: softmax over 8, top-2
         ("bf16", dict(n_experts=8, top_k=1), {}),  # Switch's top-1
         ("bf16", dict(n_experts=4, top_k=2), dict(score="sigmoid")),  # DeepSeek-V3's scores: same bytes
         ("bf16", MIXTRAL, dict(capacity_factor=1.0)),  # the keep mask, k bytes per token
+        ("bf16", MIXTRAL, dict(compute="loop")),  # per expert: no group offsets (-4E)
+        ("bf16", MIXTRAL, dict(n_shared_experts=2)),  # their SwiGLU, 4·B_a·S·f per token
+        ("bf16", MIXTRAL, dict(z_loss_coef=1e-3)),  # fp32 logits and log-sum-exp, 4E + 4 per token
+        ("bf16", MIXTRAL, dict(aux_loss_coef=1e-2)),  # f_e, 4E
+        ("fp32", dict(n_experts=4, top_k=2), dict(aux_loss_coef=1e-2, score="sigmoid")),  # + scores' sums
     ],
 )
 def test_a_moe_block_saves_the_planners_bytes(precision, model_kw, moe_kw):
     """Router (fp32 scores, ids, renormalized weights), sorted assignments, grouped SwiGLU rows,
-    weighted rows: :func:`~loom.plan.cost.memory.activation_terms`, term by term, at ep1."""
+    weighted rows, and the [moe] options' own (shared experts, z-loss, aux loss, the loop's missing
+    offsets; the planner reads them through workload_of): :func:`~loom.plan.cost.memory.activation_terms`,
+    term by term, at ep1."""
     assert _moe_held(precision, model_kw, moe_kw) == _moe_predicted(precision, model_kw, moe_kw)
-
-
-def test_moe_variants_the_planner_does_not_see():
-    """Options the planner's inputs do not carry, each a measured difference of a stated size, on
-    T = BATCH·SEQ tokens: ``compute = loop`` keeps no group offsets (-4E bytes); S shared experts
-    their SwiGLU (4·B_a·T·S·f); the z-loss its fp32 logits and log-sum-exp (T·(4E + 4))."""
-    T, E, f, bf16 = BATCH * SEQ, MIXTRAL["n_experts"], tiny_model(**MIXTRAL).resolved_ffn_dim(), 2
-    base = _moe_predicted("bf16", MIXTRAL, {})
-    extra = {
-        "loop": (dict(compute="loop"), -4 * E),
-        "shared": (dict(n_shared_experts=2), 4 * bf16 * T * 2 * f),
-        "z loss": (dict(z_loss_coef=1e-3), T * (4 * E + 4)),
-    }
-    measured = {name: _moe_held("bf16", MIXTRAL, kw) - base for name, (kw, _) in extra.items()}
-    assert measured == {name: x for name, (_, x) in extra.items()}
 
 
 @pytest.mark.parametrize(

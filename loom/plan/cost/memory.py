@@ -265,12 +265,15 @@ def moe_activation(cm: CostBase, T: float, ep: int) -> float:
         combine    weighted rows B_a k h (ep > 1: and the rows returned, 2 B_a k h)
         experts    per row received, T k ``moe_load`` rows: sorted input and expert output 2 B_a h,
                    SwiGLU 4 B_a f (w1 x, silu, w3 x, product), its place (ep > 1) 8
-        offsets    4 E / ep bytes per layer (the grouped matmul's int32 group ends)
+        offsets    4 E / ep bytes per layer (the grouped matmul's int32 group ends; none with
+                   ``moe.compute = loop``, which runs each expert on its slice)
+        shared     S shared experts (``moe.n_shared_experts``): their SwiGLU 4 B_a S f per token
+        z-loss     the fp32 logits and their log-sum-exp 4 E + 4 per token (``moe.z_loss_coef``)
+        aux loss   f_e 4 E per layer (``moe.aux_loss_coef``); sigmoid scores add their per-token
+                   sum 4 (the loss normalizes them)
 
-    Not counted (the planner's inputs do not carry them): shared experts (4 B_a T S f), the z-loss
-    (T (4 E + 4)), the aux loss's 4 E, ``moe.compute = loop`` (no offsets: 4 E less), hot experts,
-    and the padded batched matmul run where ``torch._grouped_mm`` is missing (CUDA below sm90, fp16:
-    E·T rows per weight at ep 1 instead of T·k)."""
+    Not counted: hot experts, and the padded batched matmul run where ``torch._grouped_mm`` is
+    missing (CUDA below sm90, fp16: E·T rows per weight at ep 1 instead of T·k)."""
     B, k, E, f = cm.act_bytes, cm.top_k, cm.n_experts, cm.ffn
     router = 4 * E + 8 * k + 4 * k + 4
     sort = (24 if ep > 1 else 16) * k + B * k
@@ -278,7 +281,11 @@ def moe_activation(cm: CostBase, T: float, ep: int) -> float:
         sort += k
     combine = (2 if ep > 1 else 1) * B * k * cm.model.dim
     rows = k * cm.train.moe_load * (2 * B * cm.model.dim + 4 * B * f + (8 if ep > 1 else 0))
-    return T * (router + sort + combine + rows) + 4 * E / ep
+    tr = cm.train
+    shared = 4 * B * tr.moe_shared * f
+    losses = (4 * E + 4) * tr.moe_z_loss + 4 * (tr.moe_aux_loss and tr.moe_score == "sigmoid")
+    per_layer = (4 * E / ep) * (tr.moe_compute != "loop") + 4 * E * tr.moe_aux_loss
+    return T * (router + sort + combine + rows + shared + losses) + per_layer
 
 
 def activation_terms(
