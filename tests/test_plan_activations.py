@@ -83,10 +83,29 @@ def test_one_block_saves_the_planners_bytes_across_ranks(pools, tp, sp, cp, prec
 
 
 def _moe_held(
-    precision: str, model_kw: dict, moe_kw: dict, tp: int = 1, sp: bool = False, ep: int = 1
+    precision: str,
+    model_kw: dict,
+    moe_kw: dict,
+    tp: int = 1,
+    sp: bool = False,
+    ep: int = 1,
+    padded: bool = False,
 ) -> int:
     """Bytes MoE block 0 holds for backward after its forward of BATCH x SEQ tokens, routed as
-    ``plan verify`` routes (balanced)."""
+    ``plan verify`` routes (balanced); ``padded``: the experts' padded batched matmul, as where
+    ``torch._grouped_mm`` is missing."""
+    import loom.model.moe
+
+    real = loom.model.moe.grouped_mm_available
+    if padded:
+        loom.model.moe.grouped_mm_available = lambda x: False
+    try:
+        return _moe_held_here(precision, model_kw, moe_kw, tp, sp, ep)
+    finally:
+        loom.model.moe.grouped_mm_available = real
+
+
+def _moe_held_here(precision: str, model_kw: dict, moe_kw: dict, tp: int, sp: bool, ep: int) -> int:
     from loom.config import MoEConfig
     from loom.memory.compress import SavedActivations
     from loom.model.llama import build_model
@@ -114,8 +133,15 @@ def _moe_held(
 
 
 def _moe_predicted(
-    precision: str, model_kw: dict, moe_kw: dict, tp: int = 1, sp: bool = False, ep: int = 1
+    precision: str,
+    model_kw: dict,
+    moe_kw: dict,
+    tp: int = 1,
+    sp: bool = False,
+    ep: int = 1,
+    device: str = "cpu",
 ) -> float:
+    """The planner's bytes for the block on ``device`` (the CPU: torch._grouped_mm in fp32 and bf16)."""
     import dataclasses
 
     from loom.config import LoomConfig, MoEConfig
@@ -123,7 +149,7 @@ def _moe_predicted(
 
     cfg = LoomConfig(model=tiny_model(max_seq_len=SEQ, **model_kw), moe=MoEConfig(**moe_kw))
     work = dataclasses.replace(workload_of(cfg), global_batch=8, seq_len=SEQ, precision=precision)
-    cm = CostModel(cfg.model, work, ClusterSpec.single_node("h100-sxm", 8, 1))
+    cm = CostModel(cfg.model, work, ClusterSpec.single_node(device, 8, 1))
     return cm.layer_activation(Layout(tp=tp, sp=sp, ep=ep, micro_batch=BATCH))[0]
 
 
@@ -154,15 +180,33 @@ def test_a_moe_block_saves_the_planners_bytes(precision, model_kw, moe_kw):
 
 
 @pytest.mark.parametrize(
-    "tp,ep,precision,model_kw",
-    [(1, 2, "fp32", dict(n_experts=4, top_k=2)), (1, 2, "bf16", MIXTRAL), (2, 1, "bf16", MIXTRAL)],
+    "precision,model_kw,device",
+    [("bf16", MIXTRAL, "a100-80g"), ("fp32", dict(n_experts=4, top_k=2), "h100-sxm")],
 )
-def test_a_moe_block_saves_the_planners_bytes_across_ranks(pools, tp, ep, precision, model_kw):
+def test_a_moe_block_on_a_device_without_grouped_mm_saves_the_padded_batch(precision, model_kw, device):
+    """No torch._grouped_mm for the dtype there (A100; fp32 on an H100): the (E, T, h) zero-padded
+    batch and its SwiGLU, each row's output and (expert, slot) index; no sorted input, no offsets."""
+    predicted = _moe_predicted(precision, model_kw, {}, device=device)
+    assert predicted > _moe_predicted(precision, model_kw, {}) + 4 * BATCH * SEQ * model_kw["n_experts"]
+    assert _moe_held(precision, model_kw, {}, padded=True) == predicted
+
+
+@pytest.mark.parametrize(
+    "tp,ep,precision,model_kw,device",
+    [
+        (1, 2, "fp32", dict(n_experts=4, top_k=2), "cpu"),
+        (1, 2, "bf16", MIXTRAL, "cpu"),
+        (2, 1, "bf16", MIXTRAL, "cpu"),
+        (1, 2, "bf16", MIXTRAL, "a100-80g"),  # padded: each local expert's batch as wide as its rows
+    ],
+)
+def test_a_moe_block_saves_the_planners_bytes_across_ranks(pools, tp, ep, precision, model_kw, device):
     """ep2 (the partition's order and ids, the returned rows, each received row's place and its
-    expert output; E/ep group offsets) and tp2 with sp (experts whole, on T/t tokens)."""
+    expert output; E/ep group offsets), tp2 with sp (experts whole, on T/t tokens), and ep2 on a
+    device without torch._grouped_mm (the padded batch of E/ep experts x the widest one's rows)."""
     args = (precision, model_kw, {}, tp, tp > 1, ep)
-    predicted = _moe_predicted(*args)
-    assert pools(2).run(_moe_held, *args) == [predicted] * 2
+    predicted = _moe_predicted(*args, device=device)
+    assert pools(2).run(_moe_held, *args, device != "cpu") == [predicted] * 2
 
 
 def _final_norm_held(precision: str, model_kw: dict) -> int:

@@ -350,3 +350,21 @@ def test_a_row_measured_by_refused_is_merged_in_place_with_its_device(tmp_path, 
         n = sum(b.measured(r) for r in old)
         assert f"{n + 1} of {n + 1} measured rows within 10%" in page and "- GPU-X, bf16 (" in page
     assert (tmp_path / "plan_verify.md").read_text() == (out / "plan_verify.md").read_text()
+
+
+def test_verify_predicts_the_experts_path_of_the_device_it_measures_on():
+    """The planner's device says whether MoE experts run torch._grouped_mm (DeviceSpec.grouped_mm);
+    verify measures on this host, so it predicts with the host's path: the CPU's, which the CPU
+    datasheet row states (fp32 and bf16; fp16 padded), whatever device the job is planned for."""
+    import torch
+
+    from loom.model.moe import grouped_mm_available
+    from loom.plan.hardware import DEVICES, ClusterSpec
+    from loom.train.verify import measured_on
+
+    cluster = ClusterSpec.single_node("a100-80g", 8, 1)
+    assert cluster.device.grouped_mm == ()
+    here = measured_on(cluster, "cpu").device
+    assert here.grouped_mm == DEVICES["cpu"].grouped_mm == ("fp32", "bf16")
+    assert here.memory_bytes == cluster.device.memory_bytes and here.name == "a100-80g"
+    assert not grouped_mm_available(torch.empty(1, dtype=torch.float16))

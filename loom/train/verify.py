@@ -266,7 +266,7 @@ def measure(cfg: C.LoomConfig, rank: int, world: int, on: str = "cpu") -> dict[s
 def predict(cfg: C.LoomConfig, cluster: ClusterSpec, lay: Layout, stage: int, m: int) -> dict[str, float]:
     """The planner's bytes by kind for a device of pipeline stage ``stage`` (``m`` micro-batches)."""
     work = dataclasses.replace(workload_of(cfg), moe_imbalance=1.0)  # measured: balanced_routing
-    cm = CostModel(model_of(cfg), work, cluster)
+    cm = CostModel(model_of(cfg), work, measured_on(cluster, cfg.run.device))
     bd = cm.stage_memory(lay, stage, m)
     return {
         "parameters": bd["weights"],
@@ -275,6 +275,20 @@ def predict(cfg: C.LoomConfig, cluster: ClusterSpec, lay: Layout, stage: int, m:
         "saved activations": bd["activations"] + (0.0 if head_in_loss(cm, lay) else bd["logits"]),
         "peak": sum(bd.values()) - bd["overhead"],  # tensor bytes: no runtime, no fragmentation
     }
+
+
+def measured_on(cluster: ClusterSpec, device: str) -> ClusterSpec:
+    """``cluster`` with its device's ``grouped_mm`` (whether MoE experts run ``torch._grouped_mm`` or
+    the padded batched matmul, per activation dtype) as on ``device``, where the rank is built and
+    measured: the CPU's, or this CUDA device's (:func:`loom.model.moe.grouped_mm_available`)."""
+    from loom.model.moe import grouped_mm_available
+
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        return cluster
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    dtypes = (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))
+    have = tuple(n for n, t in dtypes if grouped_mm_available(torch.empty(1, dtype=t, device=dev)))
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, grouped_mm=have))
 
 
 def table(measured: dict[str, float], predicted: dict[str, float]) -> tuple[str, bool]:

@@ -272,19 +272,29 @@ def moe_activation(cm: CostBase, T: float, ep: int) -> float:
         aux loss   f_e 4 E per layer (``moe.aux_loss_coef``); sigmoid scores add their per-token
                    sum 4 (the loss normalizes them)
 
-    Not counted: hot experts, and the padded batched matmul run where ``torch._grouped_mm`` is
-    missing (CUDA below sm90, fp16: E·T rows per weight at ep 1 instead of T·k)."""
+    Where the device has no ``torch._grouped_mm`` for the activations' dtype (``DeviceSpec.grouped_mm``:
+    CUDA below sm90, fp32 or fp16 on CUDA, fp16 on the CPU) the experts run a zero-padded batched
+    matmul over an (E/ep, W, h) batch, W = T at ep 1 (every expert padded to the tokens) and
+    ep T k ``moe_load`` / E at ep > 1 (the busiest expert's rows): per row its output B_a h and
+    its (expert, slot) index 16 (not the sorted input, no offsets), per layer the batch and its
+    SwiGLU (E/ep) W (B_a h + 4 B_a f). Not counted: hot experts."""
     B, k, E, f = cm.act_bytes, cm.top_k, cm.n_experts, cm.ffn
     router = 4 * E + 8 * k + 4 * k + 4
     sort = (24 if ep > 1 else 16) * k + B * k
     if ep == 1 and cm.train.capacity_factor > 0:
         sort += k
     combine = (2 if ep > 1 else 1) * B * k * cm.model.dim
-    rows = k * cm.train.moe_load * (2 * B * cm.model.dim + 4 * B * f + (8 if ep > 1 else 0))
-    tr = cm.train
+    tr, h = cm.train, cm.model.dim
+    place = 8 if ep > 1 else 0
+    rows = k * tr.moe_load * (2 * B * h + 4 * B * f + place)
+    per_layer = (4 * E / ep) * (tr.moe_compute != "loop") + 4 * E * tr.moe_aux_loss
+    dtype = {"fp32": "fp32", "tf32": "fp32", "fp16": "fp16"}.get(tr.precision, "bf16")
+    if tr.moe_compute == "grouped" and dtype not in cm.cluster.device.grouped_mm:  # the padded batch
+        width = T if ep == 1 else ep * T * k * tr.moe_load / E
+        rows = k * tr.moe_load * (B * h + 16 + place)
+        per_layer += E / ep * width * (B * h + 4 * B * f) - 4 * E / ep
     shared = 4 * B * tr.moe_shared * f
     losses = (4 * E + 4) * tr.moe_z_loss + 4 * (tr.moe_aux_loss and tr.moe_score == "sigmoid")
-    per_layer = (4 * E / ep) * (tr.moe_compute != "loop") + 4 * E * tr.moe_aux_loss
     return T * (router + sort + combine + rows + shared + losses) + per_layer
 
 

@@ -66,6 +66,10 @@ class DeviceSpec:
     comm_overlap: float = 0.8
     # 0 on CPU: gloo runs on the same cores that compute, so nothing is hidden)
     source: str = ""  # the datasheet the numbers come from
+    # activation dtypes (fp32, bf16) whose MoE experts run torch._grouped_mm here, as
+    # loom.model.moe.grouped_mm_available decides: bf16 at CUDA capability >= 9.0 (ROCm's gfx942
+    # reports 9.4), fp32 and bf16 on the CPU; otherwise the zero-padded batched matmul
+    grouped_mm: tuple[str, ...] = ()
 
     def gemm_share(self, precision: str) -> float:
         """Sustained share of ``precision``'s peak of a large GEMM: ``achievable_8bit`` for fp8/int8
@@ -163,6 +167,7 @@ DEVICES: dict[str, DeviceSpec] = {
             flash_bwd=0.30,
             int8_flops=1979e12,
             achievable_8bit=0.62,  # fitted on NeMo 24.07 + Megatron-Bridge FP8 rows (loom plan validate --published --fit)
+            grouped_mm=("bf16",),
             source=_NV_H100,
         ),
         # H100 PCIe: 51 TF FP32, 378 TF32, 756 BF16/FP16, 1513 FP8/INT8; HBM2e 2.0 TB/s; GPUs of a
@@ -182,6 +187,7 @@ DEVICES: dict[str, DeviceSpec] = {
             flash_fwd=0.37,
             flash_bwd=0.30,
             int8_flops=1513e12,
+            grouped_mm=("bf16",),
             source=_NV_H100,
         ),
         # H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 4 900 GB/s total.
@@ -200,6 +206,7 @@ DEVICES: dict[str, DeviceSpec] = {
             flash_fwd=0.37,
             flash_bwd=0.30,
             int8_flops=1979e12,
+            grouped_mm=("bf16",),
             source=_NV_H200,
         ),
         # B200 (HGX B200 / 8): 1440 GB -> 180 GB, 64 TB/s -> 8 TB/s, FP32 75 TF, TF32 1.1 PF,
@@ -217,6 +224,7 @@ DEVICES: dict[str, DeviceSpec] = {
             0.70,
             sms=148,
             int8_flops=4500e12,
+            grouped_mm=("bf16",),
             source=_NV_B200,
         ),
         # MI300X: 192 GB HBM3 at 5.3 TB/s; 163.4 TF FP32 (matrix), 653.7 TF32, 1307.4 BF16/FP16,
@@ -234,6 +242,7 @@ DEVICES: dict[str, DeviceSpec] = {
             0.55,
             sms=304,
             int8_flops=2614.9e12,
+            grouped_mm=("bf16",),
             source=_AMD_MI300X,
         ),
         # Older parts, for the cluster scheduler's mixed clusters (loom.cluster; Gavel's V100/P100/K80).
@@ -307,6 +316,7 @@ DEVICES: dict[str, DeviceSpec] = {
             optimizer_rates=(("adamw", 0.86e9), ("adam8bit", 14.4e6), ("adafactor", 166e6)),
             microbatch_overhead=0.5e-3,  # calibrate --config debug.toml here: 1.4-1.7 ms per micro-batch over 2 + 1
             comm_overlap=0.0,
+            grouped_mm=("fp32", "bf16"),
             source=_CPU,
         ),
     )
