@@ -106,15 +106,28 @@ def test_low_precision_tp2_equals_one_process(pools, precision, recipe, layout):
     """tp2 (with sequence parallelism, or under ZeRO-3 over 2 more ranks) against the one-process
     torchao run, 6 AdamW steps: losses within LOSS_RTOL; weights within 2·Σ_t lr_t (an Adam update
     moves a weight by about lr_t at most, so near-zero gradients whose bf16 partial sums round to
-    opposite signs move two runs apart by at most twice that; measured <= 0.012 of 0.0246)."""
+    opposite signs move two runs apart by at most twice that; measured <= 0.012 of 0.0246). Every
+    step's collective calls are the planner's (amax all-reduces over tp only: ZeRO-3's gathered
+    weight takes its amax whole, with no collective)."""
+    from loom.plan.cost import CostModel, Layout, Workload
+    from loom.plan.hardware import ClusterSpec
     from loom.train.schedule import lr_at
-    from tests.helpers import tiny_train
+    from tests.helpers import SEQ, tiny_model, tiny_train
 
     kind = {"precision": precision, "fp8_recipe": recipe}
     single = train_layout(kind, STEPS, 8, 4, model_kw=MODEL, meta=True)
     drift = 2 * sum(lr_at(s, tiny_train(steps=STEPS)) for s in range(STEPS))
     world = layout["tp"] * layout.get("dp_shard", 1)
+    dp = layout.get("dp_shard", 1)
+    lay = Layout(
+        dp=dp, dp_shard=dp, tp=2, sp=layout.get("sp", False), zero=layout.get("zero", 0), micro_batch=4
+    )
+    work = Workload(8, SEQ, precision=precision, fp8_recipe=recipe)
+    calls = CostModel(tiny_model(**MODEL), work, ClusterSpec.single_node("h100-sxm", world)).collective_calls(
+        lay
+    )
     for r in pools(world).run(train_layout, {**kind, **layout}, STEPS, 8, 4, model_kw=MODEL, meta=True):
+        assert r["calls"] == [calls] * STEPS, (r["calls"][0], calls)
         assert_close(r["losses"], single["losses"], rtol=LOSS_RTOL, atol=0)
         for k, v in single["state"].items():
             assert_close(r["state"][k].float(), v.float(), rtol=0, atol=drift)
