@@ -217,17 +217,20 @@ def train(
     log = ctx.out / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    try:
-        with open(log, "w") as fh:
-            rc = subprocess.run(
-                cmd,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                timeout=max(timeout, 1),
-                env={**os.environ, **(env or {})},
-            ).returncode
-    except subprocess.TimeoutExpired:
-        rc = 124
+    if ctx.dry:
+        rc = _forked(cmd[2:], log, max(timeout, 1), env or {})
+    else:
+        try:
+            with open(log, "w") as fh:
+                rc = subprocess.run(
+                    cmd,
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    timeout=max(timeout, 1),
+                    env={**os.environ, **(env or {})},
+                ).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
     out: dict[str, Any] = json.loads(report.read_text()) if report.is_file() else {}
     out["wall_s"] = time.perf_counter() - t0
     run_dir = Path(args[args.index("--run.dir") + 1])
@@ -237,6 +240,57 @@ def train(
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or ["no output"]
         out["error"] = f"rc {rc}{' (timed out)' if rc == 124 else ''}: {tail[0][-200:]} (log: {log})"
     return out
+
+
+def _forked(argv: list[str], log: Path, timeout: float, env: dict[str, str]) -> int:
+    """The dry run's child: ``main(ARGV)`` (the ``_train`` entry, as the GPU's fresh interpreter runs
+    it) in a process forked from this one once torch and Loom are imported (CPU only, no CUDA in the
+    parent), so each tiny run skips an interpreter's ~3 s of imports. Output to ``log``; the exit
+    status, 124 past ``timeout`` (the child killed)."""
+    import torch  # noqa: F401  the imports every run makes, once
+    import torch._dynamo  # noqa: F401
+
+    import loom.cli  # noqa: F401
+    import loom.plan.auto  # noqa: F401
+    import loom.train.trainer  # noqa: F401
+
+    if "--train.compile" in argv:  # what compiling imports (aot_autograd, inductor's passes): ~1 s
+        import torch._dynamo.backends.common  # noqa: F401
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the parent's code
+        rc = 1
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+            os.environ.update(env)
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell says
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return 124
+        time.sleep(0.05)
 
 
 def _mean(xs: list[float]) -> float | None:
