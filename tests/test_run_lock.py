@@ -18,6 +18,13 @@ from loom import config as C
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """One private LOOM_CACHE_DIR for the module's runs: the same corpus (0.3 MB, vocabulary 300),
+    prepared by the first run that needs it and reused by the others."""
+    return tmp_path_factory.mktemp("cache")
+
+
 def test_lock_names_its_holder_and_is_released(tmp_path):
     from loom.train.run_lock import RunLock
 
@@ -58,9 +65,9 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
         pass
 
 
-def test_second_run_on_a_running_directory_is_refused(tmp_path):
+def test_second_run_on_a_running_directory_is_refused(tmp_path, cache):
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), LOOM_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LOOM_CACHE_DIR=str(cache))
     common = [
         "train",
         "configs/debug.toml",
@@ -117,11 +124,11 @@ def test_second_run_on_a_running_directory_is_refused(tmp_path):
     assert C.load_toml(str(run / "config.toml")).train.lr == 3e-3  # not replaced by the refused run
 
 
-def test_an_error_inside_the_ranks_reaches_the_user_as_one_line(tmp_path):
+def test_an_error_inside_the_ranks_reaches_the_user_as_one_line(tmp_path, cache):
     """A Loom error raised inside the ranks (a resume whose data position would change) is one line
     naming the field and the rank, with the traceback in a file, not the launcher's traceback."""
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), LOOM_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LOOM_CACHE_DIR=str(cache))
     common = [
         "train",
         "configs/debug.toml",
