@@ -8,6 +8,7 @@ asserted here.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -334,6 +335,27 @@ def test_op_counts_are_linear_in_layers():
         )
         assert opt == ops.optimizer(3)
         assert ops.layer_full > ops.layer_selective > ops.layer_fb > 0 and ops.fixed_fb > 0
+
+
+def test_op_counts_are_kept_on_disk_and_a_bad_file_is_counted_again(tmp_path, monkeypatch):
+    """A fresh process (an empty in-process cache) reads the counts the first one stored; a file it
+    cannot read is counted again and rewritten, equal."""
+    import loom.plan.opcount as oc
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(oc, "_CACHE", {})
+    m = _cfg(1).model
+    m.vocab_size = 512
+    counted = oc.op_counts(m)
+    (path,) = (tmp_path / "opcounts").iterdir()
+    measure = oc._measure
+    monkeypatch.setattr(oc, "_CACHE", {})
+    monkeypatch.setattr(oc, "_measure", lambda *a: pytest.fail("counted again with a stored file"))
+    assert oc.op_counts(m) == counted
+    path.write_text('{"layer_fb": ')  # half-written
+    monkeypatch.setattr(oc, "_CACHE", {})
+    monkeypatch.setattr(oc, "_measure", measure)
+    assert oc.op_counts(m) == counted and json.loads(path.read_text())["layer_fb"] == counted.layer_fb
 
 
 def test_model_shapes_cover_forward_and_backward():
