@@ -127,3 +127,18 @@ def test_rope_and_norm_passes_and_saved_bytes_in_bf16():
         ("torch.bfloat16", xn.numel()),
         ("torch.float32", B * T),
     ]
+
+
+def test_rope_under_compile_takes_the_real_form_with_the_same_values(monkeypatch):
+    """Inductor generates no code for complex operators, so under ``torch.compile`` the rotation is
+    the real form (fused by inductor); it equals the complex product, forward and backward."""
+    cos, sin = rope_tables(D, 64, 10000.0)
+    x = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(3))
+    y, (gx,) = _fwd_bwd(lambda x: apply_rope(x, cos, sin), x)
+    seen, complex_view = [], torch.view_as_complex
+    monkeypatch.setattr(torch, "view_as_complex", lambda t: seen.append(t) or complex_view(t))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    y_real, (gx_real,) = _fwd_bwd(lambda x: apply_rope(x, cos, sin), x)
+    assert not seen
+    assert_close(y_real, y, rtol=1e-6, atol=1e-6)
+    assert_close(gx_real, gx, rtol=1e-6, atol=1e-6)

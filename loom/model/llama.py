@@ -55,7 +55,12 @@ def rope_tables(
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Pairs (x[2i], x[2i+1]) as complex numbers times e^{iθ} = cos θ + i sin θ, in fp32, rounded
-    back to x's dtype: one multiply over x where the real form takes about nine."""
+    back to x's dtype: one multiply over x where the real form takes about nine. Under
+    ``torch.compile`` the real form, which inductor fuses into one kernel (it generates no code for
+    complex operators); the same products and sums."""
+    if torch.compiler.is_compiling():
+        x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (..., d/2) each
+        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
     xc = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))  # (..., d/2)
     return torch.view_as_real(xc * torch.complex(cos.float(), sin.float())).flatten(-2).type_as(x)
 
