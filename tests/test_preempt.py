@@ -99,13 +99,30 @@ class Job:
         return [x for x in self.err if x.strip() and not x.startswith(STARTUP)]
 
 
+def _trainer(cfg_dict: dict) -> list[dict]:
+    """The trainer every rank of ``loom train`` runs, on this pool rank; rank 0 returns the metrics."""
+    import torch.distributed as dist
+
+    from loom import config as C
+    from loom.train.trainer import RankEnv, Trainer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = C.from_dict(cfg_dict)
+    trainer = Trainer(cfg, RankEnv(rank, world, rank, world))
+    try:
+        trainer.fit()
+    finally:
+        trainer.heartbeat.close()
+    return read_metrics(cfg.run.dir) if rank == 0 else []
+
+
 @pytest.fixture(scope="module")
-def reference(base_cfg, tmp_path_factory) -> list[dict]:
-    """STEPS uninterrupted steps on 2 ranks."""
+def reference(pools, base_cfg, tmp_path_factory) -> list[dict]:
+    """STEPS uninterrupted steps on 2 ranks: the trainer on the shared pool's ranks, not a job of its
+    own (one launch less; tests/test_resilience.py's reference is made so too, and its jobs equal it
+    bit for bit). The interrupted and resumed runs are ``loom train`` jobs."""
     run = tmp_path_factory.mktemp("straight")
-    job = Job(with_sections(base_cfg, run={"dir": str(run)}))
-    assert job.finish() == 0, job.output()
-    return read_metrics(run)
+    return pools(2).run(_trainer, with_sections(base_cfg, run={"dir": str(run)}))[0]
 
 
 def _check_stopped(job: Job, rc: int, sig: signal.Signals) -> int:
