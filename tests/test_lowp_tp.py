@@ -196,21 +196,21 @@ def _debug_tp2(precision: str) -> float:
     from tests.dist import get_mesh
     from tests.test_precision import train_loop
     from tests.test_precision_speed import STEPS as LONG
-    from tests.test_precision_speed import debug_cfg
+    from tests.test_precision_speed import debug_cfg, final_loss
 
     cfg = debug_cfg(precision)
     cfg.parallel.tp = 2
-    return train_loop(cfg, get_mesh(tp=2), LONG)["losses"][-1]
+    return final_loss(train_loop(cfg, get_mesh(tp=2), LONG)["losses"])
 
 
 def test_fp8_tp2_trains_within_2_percent_of_bf16(pools):
     """The debug model, 50 steps under tp2 (tests/test_precision_speed.py's task): fp8 ends within 2%
-    of the one-process bf16 loss (measured +1.4%; int8 +0.2%, left to the equality above)."""
+    of the one-process bf16 loss, each the mean of the last 10 steps (int8 is left to the equality above)."""
     from tests.test_precision import single_mesh, train_loop
-    from tests.test_precision_speed import LOW_PRECISION_GAP, debug_cfg
+    from tests.test_precision_speed import LOW_PRECISION_GAP, debug_cfg, final_loss
     from tests.test_precision_speed import STEPS as LONG
 
-    ref = train_loop(debug_cfg("bf16"), single_mesh(), LONG)["losses"][-1]
+    ref = final_loss(train_loop(debug_cfg("bf16"), single_mesh(), LONG)["losses"])
     for got in pools(2).run(_debug_tp2, "fp8"):
         assert abs(got - ref) / ref < LOW_PRECISION_GAP, (got, ref)
 

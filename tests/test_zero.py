@@ -15,15 +15,19 @@ from torch.testing import assert_close
 
 from loom import config as C
 from tests.dist import get_mesh
-from tests.helpers import SEQ, metered_steps, rank_micro_batches, tiny_model, tiny_train, train_dp
+from tests.helpers import (
+    ADAM_FP32_TOL,
+    SEQ,
+    metered_steps,
+    rank_micro_batches,
+    tiny_model,
+    tiny_train,
+    train_dp,
+)
 
 BATCH = 8
 TOL = dict(rtol=1e-4, atol=1e-5)
 TOL_BF16 = dict(rtol=1e-2, atol=3e-3)  # bf16-rounded gradients (8-bit mantissa), Adam-normalised, 20 steps
-# 4 micro-batches per rank sum a rank's gradient in another order than the reference's one batch:
-# fp32 ulps, which Adam's normalisation amplifies where a gradient is near 0 (1.3e-5 at one of
-# 3072 weights of z1_disk and z2_host after 20 steps, those runs' update equal between them)
-TOL_ACCUM4 = dict(rtol=1e-4, atol=2e-5)
 ELEM = 4  # fp32 bytes per element
 ALIGN_ELEMS = 16 // ELEM  # shards start on 16-byte boundaries (loom.parallel.layout)
 
@@ -138,7 +142,7 @@ def test_collective_calls_equal_the_planners(runs, world, name):
 def test_equals_single_process(runs, references, world, name):
     ref = references[WORLDS[world][name][5].get("tie_embeddings", True)]
     per_rank = [r[name] for r in runs[world]]
-    tol = TOL_BF16 if "bf16" in name else (TOL_ACCUM4 if WORLDS[world][name][3] == 4 else TOL)
+    tol = TOL_BF16 if "bf16" in name else ADAM_FP32_TOL
     for r in per_rank:
         assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **tol)
         for k, v in ref["state"].items():
