@@ -36,6 +36,7 @@ import queue
 import sys
 import threading
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -249,36 +250,47 @@ class _QueuedWork:
 
 
 class _InOrderStream:
-    """Runs one group's point-to-point batches one after another, in issue order (NCCL's stream)."""
+    """Runs one group's point-to-point batches one after another, in issue order (NCCL's stream).
+
+    Its thread holds no reference to the group between batches, and ends once the group is freed
+    (each gloo group keeps threads of its own: a stream that kept its group kept them too)."""
 
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._loop, daemon=True, name="loom-p2p-stream").start()
+        threading.Thread(target=self._loop, args=(self.jobs,), daemon=True, name="loom-p2p-stream").start()
 
     def submit(self, ops: list) -> list[_QueuedWork]:
         works = [_QueuedWork() for _ in ops]
         self.jobs.put((ops, tuple(works)))
         return works
 
-    def _loop(self) -> None:
+    def close(self) -> None:
+        self.jobs.put(None)
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue) -> None:
         failed: BaseException | None = None
-        while True:
-            ops, works = self.jobs.get()
+        while (job := jobs.get()) is not None:
+            ops, works = job
+            del job
             if failed is None:
                 try:
                     with _ISSUE_LOCK:  # torch's batch_isend_irecv is not safe to enter from two threads
                         issued = dist.batch_isend_irecv(ops)
                     for w in issued:
                         w.wait()
+                    del issued
                 except BaseException as e:  # noqa: BLE001 - handed to every waiter
-                    failed = e
+                    failed = e.with_traceback(None)  # its frames held the ops
+            del ops  # its group: the next batch may be long in coming, or never
             for w in works:
                 w.error = failed
                 w.done.set()
+            del works
 
 
 _ISSUE_LOCK = threading.Lock()
-_STREAMS: dict[int, _InOrderStream] = {}
+_STREAMS: dict[int, _InOrderStream] = {}  # by id(group) while the group lives
 _STREAMS_LOCK = threading.Lock()
 
 
@@ -287,7 +299,16 @@ def _stream(group: Group) -> _InOrderStream:
     with _STREAMS_LOCK:
         if key not in _STREAMS:
             _STREAMS[key] = _InOrderStream()
+            if group is not None:  # the default group lives as long as the process group does
+                weakref.finalize(group, _close_stream, key)
         return _STREAMS[key]
+
+
+def _close_stream(key: int) -> None:
+    with _STREAMS_LOCK:
+        stream = _STREAMS.pop(key, None)
+    if stream is not None:
+        stream.close()
 
 
 def wait(work, timeout: timedelta | None = None) -> None:

@@ -26,6 +26,17 @@ class Pools:
         for p in self._pools.values():
             p.run(release_groups)
 
+    def check_no_leaked_groups(self, where: str) -> None:
+        from tests.dist import GLOO_THREADS_PER_GROUP, live_threads
+
+        for world, pool in self._pools.items():
+            for rank, threads in enumerate(pool.run(live_threads)):
+                groups = threads.get("pt_gloo_runloop", 0) / GLOO_THREADS_PER_GROUP
+                assert groups <= 1, (
+                    f"{where}: rank {rank} of the {world}-rank pool still runs {groups:g} gloo groups "
+                    "after its groups were destroyed (1: the default group); something holds them"
+                )
+
     def close(self) -> None:
         for p in self._pools.values():
             p.close()
@@ -40,10 +51,13 @@ def pools():
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_process_groups(pools):
-    """After each test module, the pools drop the process groups its tests made (see tests/dist.py)."""
+def _release_process_groups(pools, request):
+    """After each test module, the pools drop the process groups its tests made (see tests/dist.py),
+    and every rank is back to the default group's gloo threads: a reference that outlived its group
+    kept the group's threads (waking every 10 ms) for the rest of the session."""
     yield
     pools.release_groups()
+    pools.check_no_leaked_groups(request.module.__name__)
 
 
 # run.dir of the defaults and of the debug preset, relative to where loom runs (tests run in the checkout)

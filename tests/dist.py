@@ -210,7 +210,48 @@ def release_groups() -> int:
     many. Each gloo group keeps a thread that wakes every 10 ms: idle pools holding ~130 groups per
     rank (one per mesh dimension of every layout a session tested, and groups tests made) kept
     both cores of this machine busy and slowed the whole suite severalfold."""
+    import gc
+
     from torch.distributed import distributed_c10d as c10d
 
     _MESHES.clear()
-    return _destroy_groups(list(c10d._world.pg_map))
+    n = _destroy_groups(list(c10d._world.pg_map))
+    _clear_torch_distributed_caches()
+    while gc.collect():  # a group lives (and its threads run) until its last reference goes
+        pass
+    return n
+
+
+def _clear_torch_distributed_caches() -> None:
+    """DTensor's sharding propagation and redistribute plans are cached per device mesh (functools
+    caches and module-level ``*_cache`` dicts of torch.distributed, such as ``_redistribute``'s
+    ``_planner_cache``, whose planners hold their mesh); a test comparing with DTensor or FSDP2 left
+    its meshes, and so its groups, in them."""
+    import functools
+    import gc
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed") and module is not None:
+            for attr, value in list(vars(module).items()):
+                if attr.endswith("_cache") and type(value) is dict:
+                    value.clear()
+    for obj in gc.get_objects():
+        if isinstance(obj, functools._lru_cache_wrapper) and str(getattr(obj, "__module__", "")).startswith(
+            "torch.distributed"
+        ):
+            obj.cache_clear()
+    with contextlib.suppress(ImportError, AttributeError):  # the C++ fast path's cache too (torch >= 2.6)
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+
+
+GLOO_THREADS_PER_GROUP = 2  # a gloo group's worker threads ("pt_gloo_runloop"), torch's default
+
+
+def live_threads() -> dict[str, int]:
+    """This process's threads by name (Linux: /proc/self/task)."""
+    from collections import Counter
+
+    tasks = f"/proc/{os.getpid()}/task"
+    return dict(Counter(Path(f"{tasks}/{t}/comm").read_text().strip() for t in os.listdir(tasks)))

@@ -4,6 +4,7 @@ rows of ``metrics.jsonl``; a resumed run continues the same tracker run (its id 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -49,10 +50,18 @@ def test_wandb_offline_and_mlflow_file_store_continue_the_same_run_after_a_resum
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
 
-    logs = _wandb_logs(run_dir, ids["wandb"])
-    assert len(logs) == 2, "one offline directory per process, both of the same run id"
-    for log, mine in zip(logs, (rows[:2], rows[2:])):  # each process logged its own steps' losses, exactly
-        assert [json.dumps(r["loss"]).encode() in log for r in rows] == [r in mine for r in rows]
+    def logged() -> list[list[bool]]:  # per offline directory: which steps' losses its log holds
+        return [
+            [json.dumps(r["loss"]).encode() in log for r in rows]
+            for log in _wandb_logs(run_dir, ids["wandb"])
+        ]
+
+    expected = [[r in mine for r in rows] for mine in (rows[:2], rows[2:])]  # each process its own steps
+    # the log is written by W&B's service process: give a loaded machine time
+    deadline = time.monotonic() + 30
+    while (found := logged()) != expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert found == expected, "one offline directory per process, both of the same run id"
 
     client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
     history = sorted((m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "loss"))

@@ -36,6 +36,7 @@ from loom.device import DTYPES
 from loom.optim.groups import optimizer_state_bytes, set_lr
 from loom.parallel.base import StrategyBase, SyncSwitch, grad_norm_sq, scale_all
 from loom.parallel.bucket import BucketQueue, split_buckets
+from loom.parallel.hooks import weak_hook
 from loom.parallel.layout import frozen_state, unique_params
 from loom.parallel.partial import sum_partial_grads
 from loom.parallel.placement import expert_group, expert_shard, is_expert, placement_of
@@ -114,7 +115,9 @@ class DataParallel(SyncSwitch, StrategyBase):
         self.queue = BucketQueue(
             self.buckets, [len(b.params) for b in self.buckets], lambda b: id(b.group), self._launch
         )
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)) for p in self.params
+        ]
 
     def _make_bucket(self, index: int, params: list[nn.Parameter]) -> Bucket:
         buf = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)

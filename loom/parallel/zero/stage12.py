@@ -43,6 +43,7 @@ from torch import nn
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.parallel.bucket import BucketQueue, split_buckets
+from loom.parallel.hooks import weak_hook
 from loom.parallel.layout import (
     FlatLayout,
     decayed_ids,
@@ -134,7 +135,9 @@ class ZeroDataParallel(ShardedStrategy):
         self._in_hook = False  # launches from a gradient hook are overlapped with backward
         self._handles = []
         if stage == 2:
-            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+            self._handles = [
+                p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)) for p in self.params
+            ]
         self.zero_grad()
 
     # ------------------------------------------------------------------ stage 2: backward hooks

@@ -72,6 +72,7 @@ from torch import nn
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.parallel.hooks import weak_hook
 from loom.parallel.layout import FlatLayout, decayed_ids, tied_copy, unique_params
 from loom.parallel.placement import is_expert
 from loom.parallel.reducer import MAX_INFLIGHT, AllReduce, GradReducer
@@ -354,7 +355,9 @@ class FullyShardedZero(ShardedStrategy):
                 m.register_forward_hook(post),
             ]
         for j, p in enumerate(params):
-            self._handles.append(p.register_post_accumulate_grad_hook(partial(self._post_accumulate, u, j)))
+            self._handles.append(
+                p.register_post_accumulate_grad_hook(weak_hook(self._post_accumulate, u.index, j))
+            )
         return u
 
     # ------------------------------------------------------------------ gather / free
@@ -457,7 +460,8 @@ class FullyShardedZero(ShardedStrategy):
         self._prefetch(self._orders[u.root].last[::-1], u)
 
     @torch.no_grad()
-    def _post_accumulate(self, u: Unit, j: int, p: torch.Tensor) -> None:
+    def _post_accumulate(self, index: int, j: int, p: torch.Tensor) -> None:
+        u = self.units[index]
         if u.grad_full is None:
             u.grad_full = u.layout.new_flat()
             self._track()
