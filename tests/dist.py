@@ -93,6 +93,7 @@ class WorkerPool:
         self._start()
 
     def _start(self) -> None:
+        self.used = False  # ran a function since the module-end release (tests/conftest.py)
         ctx = mp.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory(prefix="loom-pool-")
         init_file = os.path.join(self._tmp.name, "rdzv")
@@ -112,6 +113,7 @@ class WorkerPool:
 
     def run(self, fn, *args, timeout: float = 300, **kwargs) -> list[Any]:
         """Run ``fn`` (a module-level function) on every rank; return the per-rank results."""
+        self.used = True
         results: list[Any] = [None] * self.world
         orders: list[dict] = [{} for _ in range(self.world)]
         errors: list[str] = []
@@ -223,24 +225,26 @@ def release_groups() -> int:
 
 
 def _clear_torch_distributed_caches() -> None:
-    """DTensor's sharding propagation and redistribute plans are cached per device mesh (functools
-    caches and module-level ``*_cache`` dicts of torch.distributed, such as ``_redistribute``'s
+    """DTensor's sharding propagation and redistribute plans are cached per device mesh (its
+    sharding-propagation caches, and module-level ``*_cache`` dicts such as ``_redistribute``'s
     ``_planner_cache``, whose planners hold their mesh); a test comparing with DTensor or FSDP2 left
     its meshes, and so its groups, in them."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
     import functools
-    import gc
 
     for name, module in list(sys.modules.items()):
-        if name.startswith("torch.distributed") and module is not None:
-            for attr, value in list(vars(module).items()):
-                if attr.endswith("_cache") and type(value) is dict:
-                    value.clear()
-    for obj in gc.get_objects():
-        if isinstance(obj, functools._lru_cache_wrapper) and str(getattr(obj, "__module__", "")).startswith(
-            "torch.distributed"
-        ):
-            obj.cache_clear()
-    with contextlib.suppress(ImportError, AttributeError):  # the C++ fast path's cache too (torch >= 2.6)
+        if not name.startswith("torch.distributed") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            if attr.endswith("_cache") and type(value) is dict:
+                value.clear()
+            members = vars(value).values() if isinstance(value, type) else (value,)
+            for member in members:  # functools caches of functions and of class methods
+                member = getattr(member, "__func__", member)  # staticmethod / classmethod
+                if isinstance(member, functools._lru_cache_wrapper):
+                    member.cache_clear()
+    with contextlib.suppress(ImportError, AttributeError):  # the Python and C++ fast-path caches
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         _clear_sharding_prop_cache()

@@ -50,6 +50,4 @@ def _train_and_release(layout: dict) -> tuple[dict, dict]:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_trained_layout_leaves_no_model_strategy_or_group_behind(pools, name):
     for before, after in pools(2).run(_train_and_release, LAYOUTS[name]):
-        assert after["models"] == before["models"] == 0, (before, after)
-        assert after["strategies"] == before["strategies"] == 0, (before, after)
-        assert after["threads"] == before["threads"], (before, after)
+        assert after == before, (before, after)  # models, strategies, threads: as many as before
