@@ -21,20 +21,21 @@ class Pools:
 
     def release_groups(self, where: str) -> None:
         """Every pool a module used destroys its process groups but the default one (tests/dist.py),
-        and each of its ranks is back to the default group's gloo threads."""
-        from tests.dist import GLOO_THREADS_PER_GROUP, live_threads, release_groups
+        and each of its ranks is back to the gloo threads it had when it started."""
+        from tests.dist import release_groups
 
         for world, pool in self._pools.items():
             if not pool.used:
                 continue
             pool.run(release_groups)
-            held = [t.get("pt_gloo_runloop", 0) / GLOO_THREADS_PER_GROUP for t in pool.run(live_threads)]
-            if max(held) > 1:  # a leak fails this module only: the next one starts clean
+            held = pool.gloo_thread_counts()
+            leaked = held != pool.gloo_threads
+            if leaked:  # a leak fails this module only: the next one starts clean
                 pool.restart()
             pool.used = False
-            assert max(held) <= 1, (
-                f"{where}: the ranks of the {world}-rank pool still run {held} gloo groups after their "
-                "groups were destroyed (1: the default group); something holds them"
+            assert not leaked, (
+                f"{where}: the ranks of the {world}-rank pool run {held} gloo worker threads after their "
+                f"groups were destroyed, {pool.gloo_threads} at start: something holds their groups"
             )
 
     def close(self) -> None:

@@ -110,6 +110,12 @@ class WorkerPool:
             if not c.poll(120):
                 raise RuntimeError(f"test rank {r} did not start within 120 s")
             c.recv()
+        self.gloo_threads = self.gloo_thread_counts()  # the default group's, per rank
+        self.used = False
+
+    def gloo_thread_counts(self) -> list[int]:
+        """Each rank's gloo worker threads (a gloo group keeps its own until it is freed)."""
+        return [t.get("pt_gloo_runloop", 0) for t in self.run(live_threads)]
 
     def run(self, fn, *args, timeout: float = 300, **kwargs) -> list[Any]:
         """Run ``fn`` (a module-level function) on every rank; return the per-rank results."""
@@ -248,9 +254,6 @@ def _clear_torch_distributed_caches() -> None:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         _clear_sharding_prop_cache()
-
-
-GLOO_THREADS_PER_GROUP = 2  # a gloo group's worker threads ("pt_gloo_runloop"), torch's default
 
 
 def live_threads() -> dict[str, int]:
