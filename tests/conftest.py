@@ -53,9 +53,9 @@ def pools():
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_process_groups(pools, request):
-    """After each test module, the pools drop the process groups its tests made (see tests/dist.py),
-    and every rank is back to the default group's gloo threads: a reference that outlived its group
-    kept the group's threads (waking every 10 ms) for the rest of the session."""
+    """After each test module, the pools it used drop the process groups its tests made (see
+    tests/dist.py), and every rank is back to the gloo threads it started with: a reference that
+    outlived its group kept the group's threads (waking every 10 ms) for the rest of the session."""
     yield
     pools.release_groups(request.module.__name__)
 

@@ -21,17 +21,17 @@ LAYOUTS = {
 
 def _live() -> dict[str, int]:
     import gc
-    import os
 
     from loom.model.llama import Transformer
     from loom.parallel.base import StrategyBase
+    from tests.dist import live_threads
 
     gc.collect()
     objects = gc.get_objects()
     return {
         "models": sum(isinstance(o, Transformer) for o in objects),
         "strategies": sum(isinstance(o, StrategyBase) for o in objects),
-        "threads": len(os.listdir(f"/proc/{os.getpid()}/task")),
+        "threads": sum(live_threads().values()),
     }
 
 
