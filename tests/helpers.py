@@ -192,6 +192,7 @@ def train_layout(
     )
     cfg.train.recompute = layout.get("recompute", "none")
     cfg.train.fp8_recipe = layout.get("fp8_recipe", cfg.train.fp8_recipe)
+    cfg.train.fp8_layers = layout.get("fp8_layers", "all")  # tiny models: auto would leave every Linear bf16
     cfg.train.precision, cfg.train.optimizer = (
         layout.get("precision", "fp32"),
         layout.get("optimizer", "adamw"),

@@ -45,7 +45,7 @@ def _layers(precision: str, recipe: str) -> dict:
     torch.manual_seed(0)
     full = nn.ModuleDict({"col": nn.Linear(64, 96, bias=False), "row": nn.Linear(96, 64, bias=False)})
     full = full.to(torch.bfloat16)
-    assert apply_low_precision(full, precision, recipe, tp=2) == 2
+    assert apply_low_precision(full, precision, recipe, tp=2, fp8_layers="all") == 2
     col, row = (
         ColumnParallelLinear.from_linear(full["col"], ctx),
         RowParallelLinear.from_linear(full["row"], ctx),
@@ -122,7 +122,7 @@ def test_low_precision_tp2_equals_one_process(pools, precision, recipe, layout):
     lay = Layout(
         dp=dp, dp_shard=dp, tp=2, sp=layout.get("sp", False), zero=layout.get("zero", 0), micro_batch=4
     )
-    work = Workload(8, SEQ, precision=precision, fp8_recipe=recipe)
+    work = Workload(8, SEQ, precision=precision, fp8_recipe=recipe, fp8_layers="all")
     calls = CostModel(tiny_model(**MODEL), work, ClusterSpec.single_node("h100-sxm", world)).collective_calls(
         lay
     )
@@ -170,7 +170,7 @@ def test_amax_all_reduces_equal_the_formula(pools):
             planner = {  # the device only prices the calls; fp8 needs one that has it
                 p: CostModel(
                     tiny_model(**MODEL),
-                    Workload(8, SEQ, precision=p, fp8_recipe=recipe),
+                    Workload(8, SEQ, precision=p, fp8_recipe=recipe, fp8_layers="all"),
                     ClusterSpec.single_node("h100-sxm", 2),
                 )
                 for p in ("bf16", precision)

@@ -30,7 +30,9 @@ def final_loss(losses: list[float], last: int = 10) -> float:
 
 
 def debug_cfg(precision: str, steps: int = STEPS, **train_kw) -> LoomConfig:
-    """The debug preset's model on the memorisation task of tests/test_precision.py (8 x 16 tokens)."""
+    """The debug preset's model on the memorisation task of tests/test_precision.py (8 x 16 tokens);
+    fp8 on every block Linear (``fp8_layers = all``: the debug model's are all too small for ``auto``)."""
+    train_kw.setdefault("fp8_layers", "all")
     cfg = load_toml(preset_path("debug"))
     cfg.data.seq_len, cfg.model.vocab_size = 16, cfg.data.vocab_size
     cfg.run.device = "cpu"
@@ -179,7 +181,7 @@ def test_low_precision_swap_on_the_meta_device():
     cfg = debug_cfg("fp8")
     model = build_model(cfg.model, 0, meta=True)
     before = {id(p) for p in model.parameters()}
-    assert apply_low_precision(model, "fp8") == 14
+    assert apply_low_precision(model, "fp8", fp8_layers="all") == 14
     assert {id(p) for p in model.parameters()} == before
     assert all(p.is_meta for p in model.parameters())
     assert apply_low_precision(model, "bf16") == 0
@@ -254,3 +256,146 @@ def test_planner_gemm_rate_follows_the_precision(precision, peak):
     fp32 = CostModel(model, Workload(64, 2048, precision="fp32"), cluster).estimate(lay)
     if precision != "fp32":
         assert cm.estimate(lay).step_time < fp32.step_time
+
+
+# ----------------------------------------------------------------------------- train.fp8_layers
+
+
+@pytest.mark.parametrize(
+    "in_features,out_features,tensorwise,rowwise",
+    [
+        (768, 768, False, False),  # gpt-125m attention: too small for either recipe
+        (768, 2048, True, False),  # gpt-125m w1/w3: N > 1024 pays tensorwise; K <= 1024 never rowwise
+        (2048, 768, False, False),  # gpt-125m w2
+        (4096, 1024, False, False),  # llama3-8b wk/wv: K <= 4096 and N <= 1024; rowwise N <= 2048
+        (4096, 4096, True, True),  # llama3-8b wq/wo
+        (4096, 14336, True, True),  # llama3-8b w1/w3
+        (14336, 4096, True, True),  # llama3-8b w2
+        (8192, 512, True, False),  # K > 4096 pays tensorwise; rowwise N <= 2048
+        (2048, 4096, True, False),  # rowwise: N <= 4096 and K <= 2048
+        (2048, 8192, True, True),
+    ],
+)
+def test_fp8_pays_at_torchaos_h100_thresholds(in_features, out_features, tensorwise, rowwise):
+    """fp8_pays reads torchao's H100 thresholds (K = in_features, N = out_features): tensorwise pays
+    unless K <= 4096 and N <= 1024; rowwise unless N <= 2048, K <= 1024, or N <= 4096 and K <= 2048."""
+    from loom.memory.precision import fp8_pays, runs_8bit
+
+    assert fp8_pays(in_features, out_features, "tensorwise") is tensorwise
+    assert fp8_pays(in_features, out_features, "rowwise") is rowwise
+    assert runs_8bit("fp8", in_features, out_features, "rowwise", "auto") is rowwise
+    assert runs_8bit("fp8", in_features, out_features, "rowwise", "all")
+    assert runs_8bit("int8", in_features, out_features, "rowwise", "auto")  # int8: every target
+    assert not runs_8bit("bf16", in_features, out_features, "tensorwise", "all")
+
+
+def _wide_model():
+    """A 2-layer model on the meta device, wide enough that fp8 pays on some of its Linears: h = 2048,
+    16 heads of 128 and 4 kv heads (wk, wv: 2048 -> 512), SwiGLU f = 5120."""
+    from loom.config import ModelConfig
+    from loom.model.llama import build_model
+
+    cfg = ModelConfig(
+        dim=2048, n_layers=2, n_heads=16, n_kv_heads=4, ffn_dim=5120, vocab_size=256, max_seq_len=64
+    )
+    return build_model(cfg, 0, meta=True)
+
+
+@pytest.mark.parametrize(
+    "recipe,tp,eight",
+    [
+        # tensorwise: wk, wv (K 2048, N 512) stay; under tp2 wq (2048 -> 1024 a rank) too
+        ("tensorwise", 1, {"wq", "wo", "w1", "w3", "w2"}),
+        ("tensorwise", 2, {"wo", "w1", "w3", "w2"}),
+        # rowwise: only w1, w3 (K 2048, N 5120; tp2: N 2560 <= 4096 and K 2048: none)
+        ("rowwise", 1, {"w1", "w3"}),
+        ("rowwise", 2, set()),
+    ],
+)
+def test_fp8_layers_auto_converts_the_linears_where_fp8_pays(recipe, tp, eight):
+    """``auto`` swaps exactly the Linears whose GEMM on a tp rank passes fp8_pays (column-parallel
+    wq, wk, wv, w1, w3 judged at out/tp, row-parallel wo, w2 at in/tp); ``all`` swaps all 7 per block."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from loom.memory.precision import apply_low_precision, low_precision_split
+
+    model = _wide_model()
+    got, kept = low_precision_split(model, "fp8", recipe, "auto", tp)
+    assert {f.split(".")[-1] for f in got} == eight and len(got) == 2 * len(eight)
+    assert len(got) + len(kept) == 14
+    assert apply_low_precision(model, "fp8", recipe, tp, fp8_layers="auto") == len(got)
+    swapped = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert swapped == set(got)
+    assert type(model.output) is torch.nn.Linear  # the head never
+    model = _wide_model()
+    assert apply_low_precision(model, "fp8", recipe, tp, fp8_layers="all") == 14
+    assert apply_low_precision(_wide_model(), "int8", recipe, tp, fp8_layers="auto") == 14  # int8: all
+
+
+def test_rank_features_follow_the_tensor_parallel_layout():
+    """(in, out) of a rank's GEMM: column layers cut out, row layers cut in; kv heads replicated over
+    tp (4 kv heads, tp 8) run one head of 128; an MoE's shared experts (replicated) run whole."""
+    from loom.config import ModelConfig, MoEConfig
+    from loom.memory.precision import rank_features
+    from loom.model.llama import build_model
+
+    model = _wide_model()
+    lin = lambda n: model.get_submodule(f"layers.0.{n}")  # noqa: E731
+    assert rank_features(model, "layers.0.attention.wq", lin("attention.wq"), 8) == (2048, 256)
+    assert rank_features(model, "layers.0.attention.wk", lin("attention.wk"), 2) == (2048, 256)
+    assert rank_features(model, "layers.0.attention.wk", lin("attention.wk"), 8) == (2048, 128)
+    assert rank_features(model, "layers.0.attention.wo", lin("attention.wo"), 8) == (256, 2048)
+    assert rank_features(model, "layers.0.feed_forward.w2", lin("feed_forward.w2"), 8) == (640, 2048)
+    cfg = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=4, n_experts=4, top_k=2, vocab_size=64)
+    moe = build_model(cfg, 0, meta=True, moe=MoEConfig(n_shared_experts=1))
+    name = "layers.0.feed_forward.shared.w1"
+    assert rank_features(moe, name, moe.get_submodule(name), 2) == (256, cfg.resolved_ffn_dim())
+
+
+def test_build_says_how_many_linears_run_fp8_and_warns_when_none_do(caplog):
+    """One line: how many Linears run fp8 and how many ``auto`` keeps in bf16, naming
+    ``train.fp8_layers = "all"``; a model where none pays gets a warning that the run is bf16 in effect."""
+    from loom.train.build import low_precision
+
+    cfg = debug_cfg("fp8", fp8_layers="auto")
+    with caplog.at_level("INFO", logger="loom"):
+        low_precision(_wide_model(), cfg, 1, torch.device("cpu"))
+    (line,) = [r for r in caplog.records if "Linear layers" in r.getMessage()]
+    assert line.levelname == "INFO"
+    assert "10 Linear layers run fp8 matmuls, 4 stay bf16" in line.getMessage()
+    assert 'train.fp8_layers = "all"' in line.getMessage()
+    caplog.clear()
+    from loom.model.llama import build_model
+
+    with caplog.at_level("INFO", logger="loom"):
+        low_precision(build_model(cfg.model, 0, meta=True), cfg, 1, torch.device("cpu"))
+    (line,) = caplog.records
+    assert line.levelname == "WARNING" and "bf16 in effect" in line.getMessage()
+    assert "14 stay bf16" in line.getMessage() and 'train.fp8_layers = "all"' in line.getMessage()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_planner_prices_the_gemms_auto_keeps_at_bf16(recipe):
+    """gpt-125m on one H100: the weight-gradient GEMM time of a block (t_W, block GEMMs only) under fp8
+    ``auto`` is bf16's plus, for each GEMM fp8_pays (tensorwise: w1 and w3, 768 -> 2048; rowwise:
+    none), the 8-bit price less the bf16 one; ``all`` prices every one 8-bit (faster)."""
+    from loom.plan.cost import CostModel, Workload
+    from loom.plan.cost.compute import microbatch_times
+    from loom.plan.hardware import ClusterSpec
+    from loom.plan.report import workload_of
+
+    cfg = load_toml(preset_path("gpt-125m"))
+    assert workload_of(cfg).fp8_layers == "auto"
+    model, cluster, mb = cfg.model, ClusterSpec.single_node("h100-sxm", 1), 8
+    cms = {
+        k: CostModel(model, Workload(16, 2048, precision=p, fp8_recipe=recipe, fp8_layers=layers), cluster)
+        for k, p, layers in (("bf16", "bf16", "auto"), ("auto", "fp8", "auto"), ("all", "fp8", "all"))
+    }
+    t_w = {k: microbatch_times(cm, 1, False, 1, 1, mb, "none", 1)[1] for k, cm in cms.items()}
+    T, h, f, L = mb * 2048, model.dim, model.resolved_ffn_dim(), model.n_layers
+    fp8, bf16 = cms["auto"].machine, cms["bf16"].machine
+    assert fp8.gemm(T, h, f, 2, bf16=True) == bf16.gemm(T, h, f, 2)  # the bf16 rate under fp8
+    pays = 2 if recipe == "tensorwise" else 0  # w1, w3 (r/2 = 1: t_W = L x the forward GEMMs)
+    want = t_w["bf16"] + L * pays * (fp8.gemm(T, h, f, 1) - bf16.gemm(T, h, f, 2))
+    assert t_w["auto"] == pytest.approx(want, rel=1e-12)
+    assert t_w["all"] < t_w["auto"] <= t_w["bf16"]

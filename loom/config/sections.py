@@ -30,6 +30,10 @@ Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16", "fp8", "int8"]
 Fp8Recipe = Literal["tensorwise", "rowwise"]  # train.fp8_recipe: torchao float8 scaling granularity
 
 
+# train.fp8_layers: auto = the Linears where float8 pays on an H100 (loom.memory.precision.fp8_pays); all = every one
+Fp8Layers = Literal["auto", "all"]
+
+
 Optimizer = Literal["adamw", "adafactor", "adam8bit"]
 
 
@@ -299,6 +303,9 @@ class TrainConfig:
     # fp8/int8: bf16 with the blocks' Linear matmuls in float8 / int8 (torchao; emulated on the CPU)
     precision: Precision = "auto"
     fp8_recipe: Fp8Recipe = "tensorwise"  # fp8 scaling: one scale per tensor, or per row (torchao recipes)
+    # fp8: which block Linears run float8; auto = those whose GEMM per tp rank is large enough for float8 to
+    # pay on an H100 (the rest stay bf16), all = every one whose dims are multiples of 16·tp
+    fp8_layers: Fp8Layers = "auto"
     optimizer: Optimizer = "adamw"  # adafactor: factored second moments; adam8bit: block-wise 8-bit moments
     recompute: str = "none"  # activation recomputation: none | full | selective (attention core) | every:<k>
     # saved activations stored as none | bf16 | fp8 | int8, or per kind "mlp=fp8,attention=bf16"

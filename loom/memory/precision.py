@@ -40,18 +40,24 @@ The other values of ``train.precision`` (their parameter dtype is :data:`loom.de
   one whose dims are not multiples of 16) swapped for torchao's ``Float8Linear``
   (:func:`apply_low_precision`): each matmul casts its operands to float8 with a scale per tensor
   (``train.fp8_recipe = tensorwise``: e4m3 forward, e5m2 gradients) or per row (``rowwise``, e4m3
-  throughout) and runs ``torch._scaled_mm`` (fp8 tensor cores, sm_89+; emulated on the CPU). The
-  weights, gradients, masters and state are stored as in bf16, so the bytes are bf16's;
+  throughout) and runs ``torch._scaled_mm`` (fp8 tensor cores, sm_89+; emulated on the CPU). With
+  ``train.fp8_layers = auto`` (the default) only the Linears whose GEMM on a tensor-parallel rank is
+  large enough for float8 to pay (:func:`fp8_pays`) are swapped, the others stay bf16; ``all`` swaps
+  every target. The weights, gradients, masters and state are stored as in bf16, so the bytes are bf16's;
 - ``int8``: bf16, and the same Linears run torchao's int8 mixed-precision matmuls (rowwise dynamic
   int8 quantization of both operands in forward and in both backward matmuls, int32 accumulation).
 """
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
 from loom.device import DTYPES
+from loom.model.llama import Attention
+from loom.model.moe import SharedExperts
 
 
 @torch.no_grad()
@@ -73,8 +79,12 @@ def needs_master_path(cfg) -> bool:
     return half_parameters(cfg.train.precision) or cfg.train.optimizer != "adamw"
 
 
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3")  # leaf names whose output features tp cuts
+ROW_PARALLEL = ("wo", "w2")  # leaf names whose input features tp cuts (loom.parallel.tensor)
+
+
 def low_precision_target(fqn: str, module: nn.Module, tp: int = 1) -> bool:
-    """The Linears whose matmuls fp8 / int8 run (torchtitan's filter): the blocks' projections, not the
+    """The Linears whose matmuls fp8 / int8 can run (torchtitan's filter): the blocks' projections, not the
     output head or an MoE router (whose logits pick experts), and only where both dims are multiples of
     16·tp (float8 tensor-core tiles, torch._int_mm likewise, on every tensor-parallel shard)."""
     if type(module) is not nn.Linear or fqn.split(".")[-1] in ("output", "router"):
@@ -82,22 +92,94 @@ def low_precision_target(fqn: str, module: nn.Module, tp: int = 1) -> bool:
     return module.in_features % (16 * tp) == 0 and module.out_features % (16 * tp) == 0
 
 
-def apply_low_precision(model: nn.Module, precision: str, fp8_recipe: str = "tensorwise", tp: int = 1) -> int:
-    """Swap the :func:`low_precision_target` Linears of ``model`` for torchao's float8 (``fp8``) or
-    int8 mixed-precision (``int8``) training Linears, keeping their Parameter objects (a model on the
-    meta device stays there); nothing for any other precision. Returns how many were swapped. Under
-    tensor parallelism (``tp`` > 1) the row/column layers made from them run the same GEMMs on their
-    shards (:mod:`loom.memory.lowp_gemm`)."""
+def fp8_pays(in_features: float, out_features: float, recipe: str = "tensorwise") -> bool:
+    """Whether a Linear's GEMMs run faster in float8 than in bf16 on an H100: with K = ``in_features``
+    and N = ``out_features`` (the forward GEMM (M x K) @ (K x N), weight (N, K)), float8 does not pay
+
+        tensorwise   where K <= 4096 and N <= 1024
+        rowwise      where N <= 2048, or K <= 1024, or (N <= 4096 and K <= 2048)
+
+    (there the amaxes and casts cost more than the faster matmul saves). Source: torchao's H100
+    microbenchmarks of float8 training (torchao/float8/README.md, "Performance"), the thresholds as
+    torchao 0.18's ``torchao.float8._auto_filter_for_recipe`` reads them (torchtitan's
+    ``filter_fqns = ["auto_filter_small_kn"]``)."""
+    K, N = in_features, out_features
+    if recipe == "tensorwise":
+        return not (K <= 4096 and N <= 1024)
+    if recipe == "rowwise":
+        return not (N <= 2048 or K <= 1024 or (N <= 4096 and K <= 2048))
+    raise ValueError(f"fp8 recipe: must be tensorwise or rowwise, got {recipe!r}")
+
+
+def runs_8bit(
+    precision: str,
+    in_features: float,
+    out_features: float,
+    fp8_recipe: str = "tensorwise",
+    fp8_layers: str = "auto",
+) -> bool:
+    """Whether a target Linear whose GEMM on a rank has these features runs in 8 bits: every one under
+    int8 and under fp8 with ``fp8_layers = all``; with ``auto`` only where :func:`fp8_pays`. The trainer's
+    swap and the planner's pricing (:mod:`loom.plan.cost.compute`) both ask here."""
+    if precision == "int8" or (precision == "fp8" and fp8_layers == "all"):
+        return True
+    return precision == "fp8" and fp8_pays(in_features, out_features, fp8_recipe)
+
+
+def rank_features(model: nn.Module, fqn: str, module: nn.Linear, tp: int = 1) -> tuple[int, int]:
+    """(in, out) features of the GEMM one tensor-parallel rank runs for the Linear ``fqn`` of ``model``:
+    column-parallel layers (:data:`COLUMN_PARALLEL`) out/tp, row-parallel ones (:data:`ROW_PARALLEL`)
+    in/tp; key/value heads replicated over tp (kv heads k, tp % k == 0, k < tp) one head each; an MoE's
+    shared experts (replicated over tp) whole."""
+    i, o = module.in_features, module.out_features
+    parent_name, _, leaf = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    if tp == 1 or isinstance(parent, SharedExperts):
+        return i, o
+    if leaf in ("wk", "wv") and isinstance(parent, Attention) and parent.n_kv_heads % tp:
+        return i, parent.head_dim
+    if leaf in COLUMN_PARALLEL:
+        return i, o // tp
+    if leaf in ROW_PARALLEL:
+        return i // tp, o
+    return i, o
+
+
+def low_precision_split(
+    model: nn.Module, precision: str, fp8_recipe: str = "tensorwise", fp8_layers: str = "auto", tp: int = 1
+) -> tuple[list[str], list[str]]:
+    """(the :func:`low_precision_target` Linears that run in 8 bits, those left in bf16 as too small for
+    float8 to pay under ``fp8_layers = auto``), by name; both empty unless ``precision`` is fp8 / int8."""
     if precision not in ("fp8", "int8"):
+        return [], []
+    eight: list[str] = []
+    kept: list[str] = []
+    for fqn, mod in model.named_modules():
+        if low_precision_target(fqn, mod, tp):
+            i, o = rank_features(model, fqn, cast(nn.Linear, mod), tp)
+            (eight if runs_8bit(precision, i, o, fp8_recipe, fp8_layers) else kept).append(fqn)
+    return eight, kept
+
+
+def apply_low_precision(
+    model: nn.Module, precision: str, fp8_recipe: str = "tensorwise", tp: int = 1, fp8_layers: str = "auto"
+) -> int:
+    """Swap the Linears of ``model`` that :func:`low_precision_split` puts in 8 bits for torchao's float8
+    (``fp8``) or int8 mixed-precision (``int8``) training Linears, keeping their Parameter objects (a
+    model on the meta device stays there); nothing for any other precision. Returns how many were
+    swapped. Under tensor parallelism (``tp`` > 1) the row/column layers made from them run the same
+    GEMMs on their shards (:mod:`loom.memory.lowp_gemm`)."""
+    targets, _ = low_precision_split(model, precision, fp8_recipe, fp8_layers, tp)
+    if not targets:
         return 0
-    targets = [fqn for fqn, mod in model.named_modules() if low_precision_target(fqn, mod, tp)]
+    chosen = set(targets)
     if precision == "fp8":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         convert_to_float8_training(
             model,
             config=Float8LinearConfig.from_recipe_name(fp8_recipe),
-            module_filter_fn=lambda mod, fqn: low_precision_target(fqn, mod, tp),
+            module_filter_fn=lambda mod, fqn: fqn in chosen,
         )
     else:
         from torchao import quantize_
@@ -107,7 +189,7 @@ def apply_low_precision(model: nn.Module, precision: str, fp8_recipe: str = "ten
         quantize_(
             model,
             Int8MixedPrecisionTrainingConfig(module_swap=True),
-            filter_fn=lambda mod, fqn: low_precision_target(fqn, mod, tp),
+            filter_fn=lambda mod, fqn: fqn in chosen,
         )
     return len(targets)
 

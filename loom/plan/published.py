@@ -117,6 +117,7 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
         global_batch=int(row["global_batch"]),
         seq_len=int(row["seq_len"]),
         precision=row.get("precision", "bf16"),
+        fp8_layers="all",  # Transformer Engine's FP8 runs every block Linear in float8
         reduce_dtype=row.get("reduce_dtype", "fp32"),
         flash_attention=bool(row.get("flash_attention", True)),
     )

@@ -170,6 +170,7 @@ def workload_of(cfg: LoomConfig) -> Workload:
         seq_len=cfg.data.seq_len,
         precision=cfg.train.precision,
         fp8_recipe=cfg.train.fp8_recipe,
+        fp8_layers=cfg.train.fp8_layers,
         reduce_dtype=cfg.parallel.reduce_dtype,
         bucket_bytes=cfg.parallel.bucket_mb * 2**20,
         optimizer=cfg.train.optimizer,

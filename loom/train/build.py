@@ -136,22 +136,7 @@ def parallelize(
 
         apply_lora(model, targets=lora_targets(cfg), finetune=cfg.finetune)
         tag_origins(model)
-    if swapped := precision.apply_low_precision(
-        model, cfg.train.precision, cfg.train.fp8_recipe, mesh.size("tp")
-    ):
-        log.info(
-            "train.precision = %s: %d Linear layers run %s matmuls",
-            cfg.train.precision,
-            swapped,
-            cfg.train.precision,
-        )
-        if cfg.train.compile == "none" and device.type == "cuda":
-            log.warning(
-                "train.precision = %s with train.compile = none: torchao's scaling and casts run as "
-                "separate eager kernels (fp8 measured 0.49x bf16's tokens/s on an H100, docs/gpu/); "
-                'train.compile = "blocks" fuses them',
-                cfg.train.precision,
-            )
+    low_precision(model, cfg, mesh.size("tp"), device)
     loss_fn: LossFn = plain_loss_fn
     if mesh.size("tp") > 1:  # the loss on vocabulary-sharded logits
         from loom.parallel.tensor.parallelize import apply_tensor_parallel
@@ -232,6 +217,41 @@ def parallelize(
     if scaler is not None:
         run.scaled_loss_fn = training_loss_fn(scaler, loss_fn)
     return run
+
+
+def low_precision(model: nn.Module, cfg: LoomConfig, tp: int, device: torch.device) -> None:
+    """fp8 / int8: swap the Linears that run in 8 bits (:func:`loom.memory.precision.apply_low_precision`)
+    and say in one line how many do and how many ``train.fp8_layers = auto`` keeps in bf16."""
+    t = cfg.train
+    _, kept = precision.low_precision_split(model, t.precision, t.fp8_recipe, t.fp8_layers, tp)
+    swapped = precision.apply_low_precision(model, t.precision, t.fp8_recipe, tp, t.fp8_layers)
+    small = (
+        f'{len(kept)} stay bf16, too small for float8 to pay on an H100 (train.fp8_layers = "auto"; '
+        'train.fp8_layers = "all" converts them)'
+    )
+    if not swapped and kept:
+        log.warning(
+            "train.precision = %s: no Linear layer runs %s matmuls, %s: this run is bf16 in effect",
+            t.precision,
+            t.precision,
+            small,
+        )
+    if not swapped:
+        return
+    log.info(
+        "train.precision = %s: %d Linear layers run %s matmuls%s",
+        t.precision,
+        swapped,
+        t.precision,
+        f", {small}" if kept else "",
+    )
+    if t.compile == "none" and device.type == "cuda":
+        log.warning(
+            "train.precision = %s with train.compile = none: torchao's scaling and casts run as "
+            "separate eager kernels (fp8 measured 0.49x bf16's tokens/s on an H100, docs/gpu/); "
+            'train.compile = "blocks" fuses them',
+            t.precision,
+        )
 
 
 def data_parallel(

@@ -64,7 +64,10 @@ Time of one step:
 
 - compute: each GEMM of a layer by :meth:`Machine.gemm` with M = T tokens: on a GPU from the
   datasheet, tile and wave quantization over its SMs plus a per-tile fixed cost (K0), against its
-  HBM traffic (the roofline); on a CPU or with a calibrated rate, 2MKN / flops. Backward is r = 2x
+  HBM traffic (the roofline); on a CPU or with a calibrated rate, 2MKN / flops. Under fp8 / int8 a
+  block Linear's GEMM has 1-byte operands at the 8-bit rate where it runs in 8 bits
+  (``loom.memory.precision.runs_8bit``: with ``fp8_layers = auto`` only where float8 pays), else the
+  activations' bytes at the bf16 rate (:func:`~loom.plan.cost.compute.linear_gemm`). Backward is r = 2x
   forward (the FLOP ratio; a calibration profile may measure r nearer 1 for small layers where
   per-op cost sets the time). Attention core per kernel (:meth:`CostModel._attention_core`): a
   causal flash kernel runs half of the 4 T s h / t FLOPs (the PaLM/Megatron convention 12 L h s

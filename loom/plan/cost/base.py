@@ -46,6 +46,8 @@ class CostBase:
             raise PlanError("model.vocab_size: must be set (> 0) to plan")
         if train.global_batch < 1 or train.seq_len < 1:
             raise PlanError("train: global_batch and seq_len must be >= 1")
+        if train.fp8_layers not in ("auto", "all"):
+            raise PlanError(f"train.fp8_layers: must be auto or all, got {train.fp8_layers!r}")
         if train.reduce_dtype not in ("fp32", "bf16", "fp16"):
             raise PlanError(f"train.reduce_dtype: must be fp32, bf16 or fp16, got {train.reduce_dtype!r}")
         if n_experts < 1 or not 1 <= top_k <= n_experts:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from loom.memory.precision import runs_8bit
 from loom.plan.cost.base import CostBase
 from loom.plan.cost.layout import Layout
 from loom.plan.cost.params import qk_norm_params, qk_norm_partial
@@ -58,19 +59,22 @@ def tp_calls(
 
 def lowp_linears(cm: CostBase, tp: int) -> tuple[int, int]:
     """(column-, row-parallel) Linears of a block whose GEMMs run in 8 bits (fp8 / int8) under tp:
-    those with both dims multiples of 16·tp (``loom.memory.precision.low_precision_target``): wq, wk,
-    wv, w1 (and SwiGLU's w3) column-parallel, wo and w2 row-parallel; an MoE block's experts (shared
-    ones too) are replicated over tp and run no collective, so only attention's count there."""
-    m = cm.model
+    those with both dims multiples of 16·tp (``loom.memory.precision.low_precision_target``) whose
+    GEMM on a rank runs in 8 bits (``loom.memory.precision.runs_8bit``: under fp8 ``auto`` where float8
+    pays): wq, wk, wv, w1 (and SwiGLU's w3) column-parallel, wo and w2 row-parallel; an MoE block's
+    experts (shared ones too) are replicated over tp and run no collective, so only attention's count there."""
+    m, tr = cm.model, cm.train
     h, f, q, kv = m.dim, m.resolved_ffn_dim(), m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
 
-    def ok(i: int, o: int) -> int:
-        return int(i % (16 * tp) == 0 and o % (16 * tp) == 0)
+    def ok(i: int, o: int, rank_i: float, rank_o: float) -> int:
+        tiles = i % (16 * tp) == 0 and o % (16 * tp) == 0
+        return int(tiles and runs_8bit(tr.precision, rank_i, rank_o, tr.fp8_recipe, tr.fp8_layers))
 
-    col, row = ok(h, q) + 2 * ok(h, kv), ok(q, h)
+    col = ok(h, q, h, q / tp) + 2 * ok(h, kv, h, cm.kv_width(tp))
+    row = ok(q, h, q / tp, h)
     if not cm.moe:
-        col += ok(h, f) * (2 if m.mlp == "swiglu" else 1)
-        row += ok(f, h)
+        col += ok(h, f, h, f / tp) * (2 if m.mlp == "swiglu" else 1)
+        row += ok(f, h, f / tp, h)
     return col, row
 
 

@@ -4,6 +4,9 @@ framework's per-operator cost, and the stage's tp/cp/ep communication beside the
 
 from __future__ import annotations
 
+from functools import partial
+
+from loom.memory.precision import runs_8bit
 from loom.plan.cost.base import CostBase
 from loom.plan.cost.comm import cp_layer_time, tp_calls
 
@@ -36,6 +39,17 @@ def attention_core(cm: CostBase, tp: int, cp: int, mb: int) -> tuple[float, floa
     return gemms + scores + io, 2 * (gemms + scores + io)
 
 
+def linear_gemm(cm: CostBase, m: float, k: float, n: float) -> float:
+    """Seconds of a block Linear's GEMM (m x k) @ (k x n) on a rank, k its input and n its output
+    features there: 1-byte operands at the 8-bit rate where the Linear runs in 8 bits
+    (:func:`loom.memory.precision.runs_8bit`: fp8 / int8, under ``fp8_layers = auto`` only where float8
+    pays), else the activations' bytes at the bf16 rate (the precision's own outside fp8 / int8)."""
+    tr = cm.train
+    if runs_8bit(tr.precision, k, n, tr.fp8_recipe, tr.fp8_layers):
+        return cm.machine.gemm(m, k, n, 1)
+    return cm.machine.gemm(m, k, n, cm.act_bytes, bf16=True)
+
+
 def microbatch_times(
     cm: CostBase,
     tp: int,
@@ -54,7 +68,8 @@ def microbatch_times(
     mc, tr, mach = cm.model, cm.train, cm.machine
     B, h, f, s = cm.act_bytes, mc.dim, cm.ffn, tr.seq_len
     T = mb * s / cp
-    gemm_b = 1 if tr.precision in ("fp8", "int8") else B  # operand bytes of an 8-bit GEMM
+    gemm_b = 1 if tr.precision in ("fp8", "int8") else B  # operand bytes of the head's GEMM
+    lin = partial(linear_gemm, cm)  # a block Linear's GEMM: 8-bit where it runs in 8 bits (m, in, out)
     # tokens per expert GEMM: T_r*top_k routed tokens (T_r = T/tp with sp, else T: experts are whole on
     # every tp rank) spread over this device's experts, the busiest ``moe_load`` times the mean
     T_moe = T / tp if sp else T
@@ -62,18 +77,13 @@ def microbatch_times(
     if cm.moe:
         experts_here = cm.n_experts / ep
         Te = T_moe * cm.top_k / experts_here * tr.moe_load
-        mlp_f = experts_here * (ups * mach.gemm(Te, h, f, gemm_b) + mach.gemm(Te, f, h, gemm_b))
+        mlp_f = experts_here * (ups * lin(Te, h, f) + lin(Te, f, h))
         if tr.moe_shared:  # shared experts: one SwiGLU of S·f on every token of the rank
             fs = tr.moe_shared * f
-            mlp_f += 2 * mach.gemm(T_moe, h, fs, gemm_b) + mach.gemm(T_moe, fs, h, gemm_b)
+            mlp_f += 2 * lin(T_moe, h, fs) + lin(T_moe, fs, h)
     else:
-        mlp_f = ups * mach.gemm(T, h, f / tp, gemm_b) + mach.gemm(T, f / tp, h, gemm_b)
-    gemm_f = (
-        mach.gemm(T, h, h / tp, gemm_b)
-        + 2 * mach.gemm(T, h, cm.kv_width(tp), gemm_b)
-        + mach.gemm(T, h / tp, h, gemm_b)
-        + mlp_f
-    )
+        mlp_f = ups * lin(T, h, f / tp) + lin(T, f / tp, h)
+    gemm_f = lin(T, h, h / tp) + 2 * lin(T, h, cm.kv_width(tp)) + lin(T, h / tp, h) + mlp_f
     a_t = mc.n_heads / tp
     core_bytes = B * T * (2 * h / tp + 2 * cm.kv_width(tp))
     if not tr.flash_attention:
@@ -105,7 +115,7 @@ def microbatch_times(
             "w3": (h, f / tp),
             "w2": (f / tp, h),
         }
-        lora_wgrad = r / 2 * sum(mach.gemm(T, *target_gemm[n], gemm_b) for n in tr.lora_targets)
+        lora_wgrad = r / 2 * sum(lin(T, *target_gemm[n]) for n in tr.lora_targets)
     # backward: GEMMs and elementwise 2x forward; a flash kernel recomputes the scores (2.5x)
     layer_b = r * (gemm_f + elt_f) + core_b - lora_wgrad
     recomp = {"none": 0.0, "selective": core_f + cm.stack.selective_gemms * gemm_f, "full": layer_f}[

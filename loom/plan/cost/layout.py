@@ -153,6 +153,8 @@ class Workload:
     seq_len: int  # tokens per sequence
     precision: str = "bf16"  # fp32 | tf32 | bf16 | fp16 | fp8 | int8 (fp8, int8: 8-bit GEMMs, bf16 states)
     fp8_recipe: str = "tensorwise"  # train.fp8_recipe: tensorwise | rowwise (fp8's amax all-reduces under tp)
+    # train.fp8_layers: auto (the GEMMs too small for float8 to pay run bf16) | all (other stacks: every Linear)
+    fp8_layers: str = "auto"
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in (fp32 | bf16 | fp16)
     flash_attention: bool = True  # attention scores are not stored (flash / SDPA)
     bucket_bytes: float = 25 * 2**20  # data-parallel gradient bucket (parallel.bucket_mb)

@@ -41,6 +41,13 @@ class Machine:
         self.flops = measured if measured > 0 else self.peak * dev.gemm_share(precision)
         # attention kernels run in bf16 under fp8/int8 Linears (Transformer Engine, torchao)
         self.attention_peak = dev.peak_flops("bf16") if precision in ("fp8", "int8") else self.peak
+        # the rate of a GEMM an fp8/int8 run keeps in bf16 (a Linear not swapped): measured or datasheet
+        measured_bf16 = profile.gemm_flops.get("bf16", 0.0) if profile else 0.0
+        self.bf16_flops = (
+            (measured_bf16 if measured_bf16 > 0 else self.attention_peak * dev.gemm_share("bf16"))
+            if precision in ("fp8", "int8")
+            else self.flops
+        )
         self.measured_gemm = measured > 0
         self.hbm = profile.hbm_bandwidth if profile and profile.hbm_bandwidth > 0 else dev.hbm_bandwidth
         self.call_overhead = (
@@ -139,9 +146,12 @@ class Machine:
         hops = {"all_reduce": 2 * (n - 1), "p2p": 1}.get(op, n - 1)
         return hops * self._links[scope][1]
 
-    def gemm(self, m: float, k: float, n: float, elem_bytes: float, batch: float = 1) -> float:
+    def gemm(
+        self, m: float, k: float, n: float, elem_bytes: float, batch: float = 1, bf16: bool = False
+    ) -> float:
         """Time of an (m x k) @ (k x n) product: the larger of its compute and its HBM traffic
-        ``elem_bytes (mk + kn + mn) / HBM`` (the roofline).
+        ``elem_bytes (mk + kn + mn) / HBM`` (the roofline). ``bf16``: a product that an fp8 / int8 run
+        keeps in bf16, at :attr:`bf16_flops` (the precision's own rate otherwise).
 
         Compute, on a device with ``sms`` > 0 and no measured GEMM rate: the output is cut into
         ``tiles = ceil(m / tm) ceil(n / tn)`` blocks of the device's tile (tm, tn) — shrunk to the
@@ -159,16 +169,17 @@ class Machine:
         calibrated rate) ``2mkn / flops``.
         """
         memory = batch * elem_bytes * (m * k + k * n + m * n) / self.hbm
+        flops = self.bf16_flops if bf16 else self.flops
         sms = self.cluster.device.sms
         if sms <= 0 or self.measured_gemm:
-            return max(2.0 * batch * m * k * n / self.flops, memory)
+            return max(2.0 * batch * m * k * n / flops, memory)
         tm, tn = (
             min(t, max(16, 2 ** math.ceil(math.log2(max(d, 1)))))
             for t, d in zip(self.cluster.device.tile, (m, n))
         )
         tiles = math.ceil(batch - 1e-9) * math.ceil(m / tm - 1e-9) * math.ceil(n / tn - 1e-9)
         waves = math.ceil(tiles / sms - 1e-9)
-        return max(waves * 2.0 * tm * tn * (k + datasheets.GEMM_K0) * sms / self.flops, memory)
+        return max(waves * 2.0 * tm * tn * (k + datasheets.GEMM_K0) * sms / flops, memory)
 
     def attention(self, flops: float, backward: bool) -> float:
         """Seconds of a flash-attention kernel of ``flops`` at the device's flash efficiency (its
