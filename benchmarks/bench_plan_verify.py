@@ -2,6 +2,7 @@
 
     python benchmarks/bench_plan_verify.py [--seq 32] [--quick] [--rows N] [--on cpu|cuda]
     python benchmarks/bench_plan_verify.py --refused --on cuda [--out DIR] [--budget-s S]
+    python benchmarks/bench_plan_verify.py --repredict
 
 Rows: llama3-8b and llama3-70b x ZeRO 0-3 x pp 1/2/4 x tp 1/8 x cp 1/2 (dp 2, so ZeRO shards over
 dp·cp >= 2), and a mixture of experts (llama-1b shapes, 8 experts, top-2) x ep 1/2/4 under ZeRO 1
@@ -25,7 +26,9 @@ measured (on this 24 GiB host: the 22 llama3-70b tp1 rows, which need up to 45 G
 cuda`` on an 80 GB GPU, and merges each measured row into the page and the JSON as it lands
 (``--out DIR``: a copy of both there too); rows refused again leave both as they were. Each row
 says where it ran (``on``: the CPU or the CUDA device's name, and the precision ``train.precision
-= auto`` resolves to there: fp32 on the CPU, bf16 on CUDA).
+= auto`` resolves to there: fp32 on the CPU, bf16 on CUDA). ``--repredict`` puts the current
+planner's prediction beside every measurement already on the page (nothing runs): a planner change is
+judged on all rows, those measured on a GPU included.
 """
 
 from __future__ import annotations
@@ -90,26 +93,11 @@ def run_row(row: dict, seq: int, on: str = "cpu") -> dict:
     """One row in this process: predict, precheck, build and step rank 0 with its tensors ``on`` the
     CPU or the CUDA device (``train.precision`` auto: fp32 on the CPU, bf16 on CUDA); ratios, verdict
     and where it ran."""
-    from loom import config as C
-    from loom.mesh import ParallelDims
     from loom.plan.cost import Layout
-    from loom.plan.hardware import ClusterSpec
     from loom.train import verify as V
 
-    cfg = C.load(row["config"], [])
-    for o in row["overrides"]:
-        key, value = o.split("=")
-        section, field = key.split(".")
-        setattr(getattr(cfg, section), field, int(value))
-    lay = Layout.parse(row["layout"])
-    m = max(2, V.default_microbatches(lay))
-    cfg = V.job_config(cfg, lay, seq, m)
-    cfg.run.device = on
-    C.validate(cfg, row["world"])
-    per = min(8, row["world"])
-    cluster = ClusterSpec.single_node("h100-sxm", per, row["world"] // per)
-    stage = ParallelDims.from_config(cfg.parallel).coords(0)["pp"]
-    predicted = V.predict(cfg, cluster, lay, stage, m)
+    m = max(2, V.default_microbatches(Layout.parse(row["layout"])))
+    cfg, predicted = job(row, seq, m, on)
     out = dict(row, microbatches=m, predicted=predicted, on=device_label(on, cfg.train.precision))
     out["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     refused = V.host_problem(predicted, *V.available_bytes(on))
@@ -119,6 +107,32 @@ def run_row(row: dict, seq: int, on: str = "cpu") -> dict:
     out["measured"] = {k: v for k, v in measured.items() if k in predicted}
     out["step_s"] = measured["build_s"] + measured["step_s"]
     return out | verdict(out["measured"], predicted)
+
+
+def job(row: dict, seq: int, m: int, on: str, precision: str | None = None) -> tuple:
+    """The row's job config for rank 0 on ``on`` (``precision``: what ``train.precision = auto``
+    resolves to there, unless given), validated, and the planner's prediction for that rank."""
+    from loom import config as C
+    from loom.mesh import ParallelDims
+    from loom.plan.cost import Layout
+    from loom.plan.hardware import ClusterSpec
+    from loom.train import verify as V
+
+    cfg = C.load(row["config"], [])
+    for o in row["overrides"]:
+        k, value = o.split("=")
+        section, field = k.split(".")
+        setattr(getattr(cfg, section), field, int(value))
+    lay = Layout.parse(row["layout"])
+    cfg = V.job_config(cfg, lay, seq, m)
+    cfg.run.device = on
+    if precision:
+        cfg.train.precision = precision
+    C.validate(cfg, row["world"])
+    per = min(8, row["world"])
+    cluster = ClusterSpec.single_node("h100-sxm", per, row["world"] // per)
+    stage = ParallelDims.from_config(cfg.parallel).coords(0)["pp"]
+    return cfg, V.predict(cfg, cluster, lay, stage, m)
 
 
 def device_label(on: str, precision: str) -> str:
@@ -161,6 +175,29 @@ def key(row: dict) -> str:
 
 def measured(r: dict) -> bool:
     return "ratios" in r
+
+
+IDENTITY = ("config", "overrides", "layout", "world", "moe")
+
+
+def identity(r: dict) -> dict:
+    """What a row is (its :func:`key` and world), without what an earlier run said of it."""
+    return {k: r[k] for k in IDENTITY if k in r}
+
+
+def repredict(r: dict, seq: int) -> dict:
+    """A measured row with the current planner's prediction beside its measurement (nothing runs):
+    the measured peak is the row's ``measured`` entry, else ratio x the prediction it was compared
+    with (rows converted from the page kept only that); state and gradient ratios are recomputed
+    where the row holds those measurements, else kept (the planner's state terms are exact: 1.000)."""
+    got = dict(r.get("measured") or {"peak": r["ratios"]["peak"] * r["predicted"]["peak"]})
+    _, predicted = job(r, seq, r["microbatches"], "cpu", precision=r["on"].rsplit(", ", 1)[-1])
+    kept = {k: v for k, v in r.items() if k not in ("refused", "error")}  # a row measured is neither
+    out = dict(kept, predicted=predicted, measured=got)
+    if "parameters" in got:
+        return out | verdict(got, predicted)
+    ratios = dict(r["ratios"], peak=got["peak"] / predicted["peak"])
+    return out | {"ratios": ratios, "ok": all(abs(v - 1) <= TOLERANCE for v in ratios.values())}
 
 
 def merge(old: list[dict], new: list[dict]) -> tuple[list[dict], int]:
@@ -327,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--from-page", action="store_true", help="write plan_verify.json from the page (a converter)"
     )
+    p.add_argument(
+        "--repredict",
+        action="store_true",
+        help="recompute every measured row's prediction with the current planner, its measurement kept "
+        "(nothing runs; the rows' devices may be gone), and rewrite the page and its JSON",
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)  # a row, as JSON: run it here, print the result
     args = p.parse_args(argv)
     if args.one:
@@ -338,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         for path in write_page(from_page(text), seq, [args.results]):
             print(f"wrote {path}")
         return 0
+    if args.repredict:
+        rows, seq = load(args.results)
+        again = [repredict(r, seq) if measured(r) else r for r in rows]
+        print(markdown(again, seq))
+        for path in write_page(again, seq, [args.results] + ([args.out] if args.out else [])):
+            print(f"wrote {path}")
+        return 0
     if args.on == "cuda":
         from loom.device import cuda_available
 
@@ -347,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     old: list[dict] = []
     if args.refused:
         old, args.seq = load(args.results)
-        rows = [r for r in old if not measured(r)]
+        rows = [identity(r) for r in old if not measured(r)]
     else:
         rows = list(QUICK) if args.quick else matrix()
     rows = rows[: args.rows] if args.rows else rows

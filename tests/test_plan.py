@@ -101,11 +101,17 @@ def test_zero_stage_state_bytes_mixed_precision(zero, expected):
     st = cm.state_memory(lay)
     P = param_count(LLAMA_7B)
     assert st["weights"] + st["gradients"] + st["optimizer"] == pytest.approx(expected(P, 8), rel=1e-12)
-    # ZeRO-3: a block in backward gathered (W u) with its gradient filling (G u) from autograd's
-    # gradient of its widest matrix (G p), the next block prefetched (W u), and the two blocks
-    # before it reduce-scattering their full gradients (2 G u, MAX_INFLIGHT): W = G = 2 bytes
+    # ZeRO-3, gradients reduced in fp32 (R = 4, the default) from bf16 (W = G = 2): a block's launch,
+    # the next block prefetched (W u), its bf16 gradient (G u) cast to fp32 (R u) beside the fp32 shard
+    # it receives (R u / N), and the two blocks before it still reducing, in fp32 too (2 R (1 + 1/N) u)
     u, p = 2 * 4096**2 + 2 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096, 4096 * 11008
-    assert st["zero3 buffer"] == (0 if zero < 3 else pytest.approx(2 * 2 * u + 2 * (u + p) + 2 * 2 * u))
+    assert st["zero3 buffer"] == (0 if zero < 3 else pytest.approx(2 * u + 2 * u + 3 * 4 * (1 + 1 / 8) * u))
+    # reduced in bf16 (R = G): the buffers are sent in place; the peak is a block in backward, gathered
+    # (W u) with its gradient filling (G u) from autograd's gradient of its widest matrix (G p), the
+    # next block prefetched (W u), and the two before it reduce-scattering their buffers (2 G u)
+    cm16 = CostModel(LLAMA_7B, Workload(64, 4096, "bf16", reduce_dtype="bf16"), _cluster())
+    st16 = cm16.state_memory(lay)
+    assert st16["zero3 buffer"] == (0 if zero < 3 else pytest.approx(2 * 2 * u + 2 * (u + p) + 2 * 2 * u))
 
 
 def test_fp32_states_offload_and_model_parallel_division():

@@ -93,7 +93,7 @@ def state_terms(
     weights = W * (dense / shard[0] + expert / shard_e[0])
     buffer = 0.0
     if zero == 3:
-        buffer = zero3_transient(cm, tp, pp, ep, first, last)
+        buffer = zero3_transient(cm, tp, pp, ep, first, last, n)
     optim = O * (dense / shard[2] + expert / shard_e[2])
     if cm.train.ps_shards:  # the moments live on the servers: worker 0 holds server 0's shard if co-located
         optim = O * dense / cm.train.ps_shards if cm.train.ps_colocate else 0.0
@@ -112,7 +112,7 @@ def state_terms(
 
 
 def zero3_transient(
-    cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool, filling: bool = True
+    cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool, n: int, filling: bool = True
 ) -> float:
     """ZeRO-3's gathered units and gradients at the step's peak (bytes), as Loom runs them: the
     largest, over the units u of the stage in backward order, of
@@ -131,7 +131,13 @@ def zero3_transient(
     head's gradient (held beside every block: W·u_t + G·p_t [+ G·u_t, filling]), then sums it with the
     embedding's into a third tensor (x = 2p at the embedding). ``filling=False`` (gradient
     accumulation): every unit's full gradient buffer is already held (:func:`accumulated_gradients`),
-    so neither the filling one nor those in flight count again."""
+    so the filling one does not count again, and each unit reduced before u has freed its G·u (at
+    launch when cast, below; else once its reduction completes: all but the last two).
+
+    A reduction in flight costs c = :func:`reduction_bytes` per element: G (the buffer itself) when
+    gradients are reduced in their own dtype, else R·(1 + 1/N) (the cast copy sent and the shard
+    received in the reduce dtype R; the G buffer is freed at launch). With R ≠ G the launch of u is a
+    moment of its own: W·next + G·u·filling + c·(u + last two reduced), its weights resharded."""
     W, G, f = cm.W, cm.G, float(filling)
     pc = cm.params
     (block, p_block, _), *ends = cm.zero3_unit_sizes(tp, pp, ep, first, last)
@@ -151,16 +157,36 @@ def zero3_transient(
     elif first:
         order.append(("embedding", table, table, 0.0, [table]))
     held_tied = W * ends[0][0] + G * table + G * ends[0][0] * f if tied else 0.0
+    c, cast = reduction_bytes(cm, n), cm.R != G
     worst, reduced = 0.0, list[float]()
     for i, (name, u, p, extra, done) in enumerate(order):
         nxt = order[i + 1] if i + 1 < len(order) else None
         prefetch = 0.0
         if nxt is not None and not (tied and nxt[0] == "embedding"):
             prefetch = nxt[1] - (experts if nxt[0] == "block" else 0.0)  # a block: its dense part first
-        moment = W * (u + prefetch) + G * (p + extra + u * f) + G * sum(reduced[-2:]) * f
-        worst = max(worst, moment + (held_tied if tied and name == "block" else 0.0))
+        # reductions in flight beside u; accumulating, less the buffers of the units reduced before u
+        # (freed at launch when cast, else once their reduction completes: all but the last two)
+        if filling:
+            flight = c * sum(reduced[-2:])
+        elif cast:
+            flight = c * sum(reduced[-2:]) - G * sum(reduced)
+        else:
+            flight = -G * sum(reduced[:-2])
+        held = held_tied if tied and name == "block" else 0.0
+        moment = W * (u + prefetch) + G * (p + extra + u * f) + flight
+        worst = max(worst, moment + held)
+        if cast and done:  # u's launch: its cast copy and received shard beside its buffer
+            worst = max(worst, W * prefetch + G * u * f + c * sum(done) + flight + held)
         reduced += done
     return worst
+
+
+def reduction_bytes(cm: CostBase, n: int) -> float:
+    """Bytes per gradient element of one reduction in flight (:class:`loom.parallel.reducer.GradReducer`):
+    G, the buffer sent in place, when gradients are reduced in the dtype they are kept in; else
+    R·(1 + 1/N), its copy cast to the reduce dtype (``parallel.reduce_dtype``, R bytes) and the shard
+    received in it over the N-rank sharding group (the G buffer is freed at launch, or kept as state)."""
+    return cm.G if cm.R == cm.G else cm.R * (1 + 1 / max(n, 1))
 
 
 def gradient_in_flight(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
@@ -174,6 +200,36 @@ def gradient_in_flight(cm: CostBase, tp: int, pp: int, ep: int, first: bool, las
     if cm.train.lora_rank:
         return 0.0
     return cm.G * max(p + extra for _, p, extra in cm.zero3_unit_sizes(tp, pp, ep, first, last))
+
+
+def reduction_moment(
+    cm: CostBase, lay: Layout, first: bool, last: bool, act: float, accumulated: float
+) -> float:
+    """ZeRO-1/2's bytes beyond the model states when a table's bucket (V·h/t elements, its own bucket:
+    larger than ``parallel.bucket_mb``) is reduced in a wider dtype than its gradients (R ≠ G; else 0,
+    the buffer is sent in place), c = :func:`reduction_bytes` per element in flight:
+
+        head's bucket, first reduced in backward (last stage):  act + A + c·V h/t   (ZeRO-2 without
+            accumulation: + G·V h/t, the bucket cast while it lives)
+        embedding's, last reduced (first stage):  c·(V h/t + q + k) + G·V h/t (ZeRO-2's buffer)
+
+    where A = the accumulated full-size gradients (ZeRO-2 with m > 1), and q + k the two buckets
+    reduced just before the embedding's, still in flight (the first block's wq and wk, each at least
+    a bucket); the activations are freed by then."""
+    if cm.R == cm.G or lay.zero not in (1, 2):
+        return 0.0
+    c = reduction_bytes(cm, lay.dp_shard * lay.cp)
+    table = cm.model.vocab_size * cm.model.dim / lay.tp
+    own = cm.G * table if lay.zero == 2 else 0.0
+    moment = 0.0
+    if last and (cm.params.head or lay.pp > 1):
+        moment = act + (accumulated or own) + c * table
+    if first:
+        cap = cm.train.bucket_bytes / cm.G
+        q = cm.model.n_heads * cm.model.head_dim * cm.model.dim / lay.tp
+        k = cm.kv_width(lay.tp) * cm.model.dim
+        moment = max(moment, own + c * (table + max(q, cap) + max(k, cap)))
+    return moment
 
 
 def keeps_full_gradients(cm: CostBase, lay: Layout, m: int) -> bool:
@@ -416,16 +472,25 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
     if keeps_full_gradients(cm, lay, m):  # full-size gradients kept between micro-batches (no_sync)
         bd["accumulation"] = cm.memo(accumulated_gradients)(lay.tp, lay.pp, lay.ep, first, last, lay.split)
         if lay.zero == 3:  # the unit in backward fills its buffer inside the accumulation
-            bd["zero3 buffer"] = cm.memo(zero3_transient)(lay.tp, lay.pp, lay.ep, first, last, False)
+            n = lay.dp_shard * lay.cp
+            bd["zero3 buffer"] = cm.memo(zero3_transient)(lay.tp, lay.pp, lay.ep, first, last, n, False)
     if lay.zero in (1, 2):  # autograd's gradient of the largest parameter, before it joins its bucket
         gif = cm.memo(gradient_in_flight)(lay.tp, lay.pp, lay.ep, first, last)
         block = cm.G * cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last)[0][1]
         if lay.pp == 1 and gif > block:  # the table's, formed at the embedding's backward, the last of
             gif = max(0.0, gif - act - logits)  # a micro-batch's: its activations and logits are freed
         bd["gradient in flight"] = gif
+        moment = reduction_moment(cm, lay, first, last, act, bd["accumulation"])
+        bd["reduction in flight"] = max(0.0, moment - act - logits - bd["accumulation"] - gif)
     # The optimizer step runs after backward's transients are freed (activations, logits, ZeRO-3's
-    # gathered units, gradients in flight): its temporaries count only beyond them.
-    freed = act + logits + bd["zero3 buffer"] + bd.get("gradient in flight", 0.0)
+    # gathered units, gradients and reductions in flight): its temporaries count only beyond them.
+    freed = (
+        act
+        + logits
+        + bd["zero3 buffer"]
+        + bd.get("gradient in flight", 0.0)
+        + bd.get("reduction in flight", 0.0)
+    )
     bd["optimizer step"] = max(0.0, step_workspace(cm, lay, first, last) - freed)
     bd["overhead"] = cm.cluster.device.runtime_overhead_bytes + FRAGMENTATION * (
         act + logits + bd["zero3 buffer"]
