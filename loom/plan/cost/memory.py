@@ -185,8 +185,9 @@ def reduction_bytes(cm: CostBase, n: int) -> float:
     """Bytes per gradient element of one reduction in flight (:class:`loom.parallel.reducer.GradReducer`):
     G, the buffer sent in place, when gradients are reduced in the dtype they are kept in; else
     R·(1 + 1/N), its copy cast to the reduce dtype (``parallel.reduce_dtype``, R bytes) and the shard
-    received in it over the N-rank sharding group (the G buffer is freed at launch, or kept as state)."""
-    return cm.G if cm.R == cm.G else cm.R * (1 + 1 / max(n, 1))
+    received in it over the N-rank sharding group (the G buffer is freed at launch, or kept as state);
+    N = 1 (replicated masters): R, the copy reduced in place across replicas."""
+    return cm.G if cm.R == cm.G else cm.R * (1 + 1 / n if n > 1 else 1)
 
 
 def gradient_in_flight(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
