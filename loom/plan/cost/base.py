@@ -207,7 +207,11 @@ class CostBase:
         """ZeRO-3's units on a stage, a block's first: (elements, gradients autograd forms at once,
         gradients held beyond them). A block forms its widest matrix's gradient alone (wq/wo, w1/w2/w3,
         a stacked expert weight of E/ep experts), except that under tp > 1 one column-parallel
-        function forms q, k, v's together, and SwiGLU's w1 and w3's ((a d + 2 k d)·h/t, 2 f h/t)."""
+        function forms q, k, v's together, and SwiGLU's w1 and w3's ((a d + 2 k d)·h/t, 2 f h/t).
+        A tied embedding and head without a pipeline hold beyond the embedding's gradient the head's
+        and, at tp 1, their sum (the linear's weight gradient is a transposed view, which autograd
+        cannot add into: a third table); under tp > 1 the head's column-parallel function forms its
+        gradient contiguous and autograd adds the embedding's into it (measured: two tables)."""
         pc, m, t = self.params, self.model, tp
         layer = (
             self._attn_params(t)
@@ -224,7 +228,7 @@ class CostBase:
         table = m.vocab_size * m.dim / t
         units = [(layer, widest, 0.0)]
         if pp == 1 and not pc.head:
-            units.append((table + pc.final_norm, table, 2 * table))
+            units.append((table + pc.final_norm, table, (2 if t == 1 else 1) * table))
         else:
             units += [(table, table, 0.0)] if first else []
             units += [(table + pc.final_norm, table, 0.0)] if last and (pc.head or pp > 1) else []

@@ -153,7 +153,7 @@ def zero3_transient(
         order.append(("head", ends[-1][0], table, 0.0, [ends[-1][0]]))
     order += [("block", block, p_block, 0.0, reduced_block)] * int(cm.stage_layers(pp, first, last))
     if tied:
-        order.append(("embedding", ends[0][0], table, 2 * table, []))
+        order.append(("embedding", ends[0][0], table, ends[0][2], []))  # the head's (and their sum at tp 1)
     elif first:
         order.append(("embedding", table, table, 0.0, [table]))
     held_tied = W * ends[0][0] + G * table + G * ends[0][0] * f if tied else 0.0
@@ -215,8 +215,9 @@ def reduction_moment(
         embedding's, last reduced (first stage):  c·(V h/t + q + k) + G·V h/t (ZeRO-2's buffer)
 
     where A = the accumulated full-size gradients (ZeRO-2 with m > 1), and q + k the two buckets
-    reduced just before the embedding's, still in flight (the first block's wq and wk, each at least
-    a bucket); the activations are freed by then."""
+    reduced just before the embedding's, still in flight: the first block's wq (or a full bucket of
+    smaller parameters) and wk (measured: llama3-70b on the H100, gpt-125m on the CPU); the
+    activations are freed by then."""
     if cm.R == cm.G or lay.zero not in (1, 2):
         return 0.0
     c = reduction_bytes(cm, lay.dp_shard * lay.cp)
@@ -229,7 +230,7 @@ def reduction_moment(
         cap = cm.train.bucket_bytes / cm.G
         q = cm.model.n_heads * cm.model.head_dim * cm.model.dim / lay.tp
         k = cm.kv_width(lay.tp) * cm.model.dim
-        moment = max(moment, own + c * (table + max(q, cap) + max(k, cap)))
+        moment = max(moment, own + c * (table + max(q, cap) + k))
     return moment
 
 
