@@ -203,10 +203,20 @@ def gradient_in_flight(cm: CostBase, tp: int, pp: int, ep: int, first: bool, las
     return cm.G * max(p + extra for _, p, extra in cm.zero3_unit_sizes(tp, pp, ep, first, last))
 
 
+def flat_stage(cm: CostBase, lay: Layout) -> int:
+    """The stage of Loom's flat-bucket ZeRO path a layout runs (:func:`loom.train.build.data_parallel`):
+    ZeRO-1/2 as set; without ZeRO under mixed precision, the same path over a sharding group of one
+    rank (replicated masters) with stage 2's hooks, stage 1's under a pipeline; else 0 (ZeRO-3, or
+    plain data parallelism, whose gradient is the parameter's own)."""
+    if lay.zero in (1, 2):
+        return lay.zero
+    return (2 if lay.pp == 1 else 1) if lay.zero == 0 and cm.train.mixed else 0
+
+
 def reduction_moment(
-    cm: CostBase, lay: Layout, first: bool, last: bool, act: float, accumulated: float
+    cm: CostBase, lay: Layout, stage: int, first: bool, last: bool, act: float, accumulated: float
 ) -> float:
-    """ZeRO-1/2's bytes beyond the model states when a table's bucket (V·h/t elements, its own bucket:
+    """The flat path's (``stage``: :func:`flat_stage`) bytes beyond the model states when a table's bucket (V·h/t elements, its own bucket:
     larger than ``parallel.bucket_mb``) is reduced in a wider dtype than its gradients (R ≠ G; else 0,
     the buffer is sent in place), c = :func:`reduction_bytes` per element in flight:
 
@@ -216,13 +226,13 @@ def reduction_moment(
 
     where A = the accumulated full-size gradients (ZeRO-2 with m > 1), and q + k the two buckets
     reduced just before the embedding's, still in flight: the first block's wq (or a full bucket of
-    smaller parameters) and wk (measured: llama3-70b on the H100, gpt-125m on the CPU); the
-    activations are freed by then."""
-    if cm.R == cm.G or lay.zero not in (1, 2):
+    smaller parameters) and wk, at most the stage's blocks (measured: llama3-70b on the H100,
+    gpt-125m on the CPU); the activations are freed by then."""
+    if cm.R == cm.G or not stage:
         return 0.0
-    c = reduction_bytes(cm, lay.dp_shard * lay.cp)
+    c = reduction_bytes(cm, lay.dp_shard * lay.cp if lay.zero else 1)
     table = cm.model.vocab_size * cm.model.dim / lay.tp
-    own = cm.G * table if lay.zero == 2 else 0.0
+    own = cm.G * table if stage == 2 else 0.0
     moment = 0.0
     if last and (cm.params.head or lay.pp > 1):
         moment = act + (accumulated or own) + c * table
@@ -230,7 +240,9 @@ def reduction_moment(
         cap = cm.train.bucket_bytes / cm.G
         q = cm.model.n_heads * cm.model.head_dim * cm.model.dim / lay.tp
         k = cm.kv_width(lay.tp) * cm.model.dim
-        moment = max(moment, own + c * (table + max(q, cap) + k))
+        blocks = cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last)[0][0]
+        blocks *= cm.stage_layers(lay.pp, first, last, lay.split)
+        moment = max(moment, own + c * (table + min(max(q, cap) + k, blocks)))
     return moment
 
 
@@ -241,8 +253,11 @@ def keeps_full_gradients(cm: CostBase, lay: Layout, m: int) -> bool:
     the unit's (ZeRO-3) or bucket's (ZeRO-2) full-size buffer and reduces once, after the last
     micro-batch. Not kept with one micro-batch, nor under the asynchronous pipeline schedules
     (PipeDream, 2BW: no ``no_sync``, every micro-batch reduced at once), nor by a stack that
-    reduce-scatters every micro-batch (:attr:`Stack.microbatch_reduce`)."""
-    if lay.zero < 2 or m <= 1 or cm.stack.microbatch_reduce:
+    reduce-scatters every micro-batch (:attr:`Stack.microbatch_reduce`). Without ZeRO under mixed
+    precision, stage 2's hooks of the flat path (:func:`flat_stage`) keep them too, beside the
+    full-size gradient they reduce into."""
+    stage = 3 if lay.zero == 3 else flat_stage(cm, lay)
+    if stage < 2 or m <= 1 or cm.stack.microbatch_reduce:
         return False
     return not (lay.pp > 1 and lay.schedule in ASYNC_SCHEDULES)
 
@@ -476,22 +491,25 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
         if lay.zero == 3:  # the unit in backward fills its buffer inside the accumulation
             n = lay.dp_shard * lay.cp
             bd["zero3 buffer"] = cm.memo(zero3_transient)(lay.tp, lay.pp, lay.ep, first, last, n, False)
-    if lay.zero in (1, 2):  # autograd's gradient of the largest parameter, before it joins its bucket
+    stage = flat_stage(cm, lay)
+    if stage:  # autograd's gradient of the largest parameter, before it joins its bucket
         gif = cm.memo(gradient_in_flight)(lay.tp, lay.pp, lay.ep, first, last)
         block = cm.G * cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last)[0][1]
         if lay.pp == 1 and gif > block:  # the table's, formed at the embedding's backward, the last of
             gif = max(0.0, gif - act - logits)  # a micro-batch's: its activations and logits are freed
         bd["gradient in flight"] = gif
-        moment = reduction_moment(cm, lay, first, last, act, bd["accumulation"])
+        moment = reduction_moment(cm, lay, stage, first, last, act, bd["accumulation"])
         bd["reduction in flight"] = max(0.0, moment - act - logits - bd["accumulation"] - gif)
     # The optimizer step runs after backward's transients are freed (activations, logits, ZeRO-3's
-    # gathered units, gradients and reductions in flight): its temporaries count only beyond them.
+    # gathered units, gradients and reductions in flight, accumulated full-size gradients): its
+    # temporaries count only beyond them.
     freed = (
         act
         + logits
         + bd["zero3 buffer"]
         + bd.get("gradient in flight", 0.0)
         + bd.get("reduction in flight", 0.0)
+        + bd["accumulation"]  # the full-size buffers, freed once reduced after the last micro-batch
     )
     bd["optimizer step"] = max(0.0, step_workspace(cm, lay, first, last) - freed)
     bd["overhead"] = cm.cluster.device.runtime_overhead_bytes + FRAGMENTATION * (
