@@ -164,6 +164,7 @@ def layout_problems(
     allreduce: str = "native",
     dp: int = 1,
     dp_shard: int = 1,
+    recompute: str = "none",
 ) -> list[str]:
     """Why this layout cannot train this model (first problem first), or []. Degrees are assumed
     to multiply to the world size with ep | dp*cp (``config.resolve_layout`` checks that), and
@@ -200,6 +201,12 @@ def layout_problems(
     ]
     if (why := context_mode_problem(m, cp, cp_mode, tp)) is not None:
         out.append(why)
+    if recompute == "selective" and cp > 1:  # loom.memory.recompute wraps CoreAttention modules
+        out.append(
+            f"train.recompute: 'selective' recomputes the attention core, which under parallel.cp = {cp} is the "
+            f"context-parallel {cp_mode} kernel (it already keeps O(T·d) per block, no scores); use none, full "
+            "or every:<k>"
+        )
     if (why := low_precision_problem(m, precision, tp)) is not None:
         out.append(why)
     if precision == "fp16" and schedule in ASYNC_SCHEDULES and pp > 1:

@@ -87,6 +87,7 @@ def test_refused_layouts_are_not_ranked_and_say_why():
         (dict(pp=2, schedule="interleaved", virtual_stages=2, microbatches=3), "train.global_batch"),
         (dict(pp=2, schedule="2bw", precision="fp16", facts=dict(tie_embeddings=False)), "train.precision"),
         (dict(pp=2, pp_layout="0-3,4-6"), "parallel.pp_layout"),
+        (dict(cp=2, recompute="selective"), "train.recompute"),  # the cp kernel replaces CoreAttention
     ],
 )
 def test_layout_problems_name_the_field(kw, field):

@@ -212,6 +212,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
         allreduce=p.allreduce,
         dp=p.dp,
         dp_shard=p.dp_shard,
+        recompute=t.recompute,
     )
     _require_none(problems[0] if problems else None)
     if p.offload == "disk":

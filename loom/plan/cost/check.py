@@ -104,6 +104,7 @@ def refused(cm: CostBase, lay: Layout) -> str | None:
         allreduce=t.allreduce,
         dp=lay.dp,
         dp_shard=lay.dp_shard,
+        recompute=lay.recompute,
     )
     if problems:
         return problems[0]
