@@ -234,7 +234,8 @@ class FlatAdafactor:
         rho = min(lr, 1.0 / t**0.5)
         dev = self.store.device
         stats = torch.zeros(self._stat_len, dtype=torch.float64, device=dev)
-        views = []  # (piece index, piece, grad run, master run, padded (rows, C) grad, first row)
+        views: list[tuple[int, Piece, torch.Tensor, torch.Tensor, tuple[int, int] | None]] = []
+        # (piece index, piece, grad run, master run, its rows (r0, r1) of a matrix or None)
         for n, pc in enumerate(self.pieces):
             g = g32[pc.shard][pc.a : pc.b]
             w = self.masters[pc.shard][pc.a : pc.b]
@@ -242,16 +243,19 @@ class FlatAdafactor:
             if _factored(pc.param):
                 R, C = pc.param.shape
                 r0, r1 = pc.lo // C, (pc.hi - 1) // C + 1
-                pad = torch.zeros((r1 - r0) * C, dtype=torch.float32, device=dev)
-                pad[pc.lo - r0 * C : pc.hi - r0 * C] = g
-                pad = pad.view(r1 - r0, C)
+                if pc.lo == r0 * C and pc.hi == r1 * C:  # whole rows: the gradient itself
+                    pad = g.view(r1 - r0, C)
+                else:  # partial first or last row: zeros around it (dropped after its sums)
+                    pad = torch.zeros((r1 - r0) * C, dtype=torch.float32, device=dev)
+                    pad[pc.lo - r0 * C : pc.hi - r0 * C] = g
+                    pad = pad.view(r1 - r0, C)
                 stats[at + r0 : at + r1] = torch.linalg.vector_norm(pad, dim=1).double().square()
                 stats[at + R : at + R + C] = torch.linalg.vector_norm(pad, dim=0).double().square()
                 stats[at + R + C] = w.norm(2).double().square()
-                views.append((n, pc, g, w, pad, r0))
+                views.append((n, pc, g, w, (r0, r1)))
             else:
                 stats[at] = w.norm(2).double().square()
-                views.append((n, pc, g, w, None, 0))  # type: ignore[arg-type]  # no padded matrix for a vector
+                views.append((n, pc, g, w, None))
         self._reduce(stats, self._tp_mask)
         self._update(views, stats, lr, rho, beta)
         self.master.publish()
@@ -267,10 +271,12 @@ class FlatAdafactor:
         return dict(zip(split, sums, strict=True))
 
     def _update(self, views, stats: torch.Tensor, lr: float, rho: float, beta: float) -> None:
-        updates = []
-        for n, pc, _g, _w, pad, _r0 in views:
+        """The statistics' update, then each piece's U twice: once for Σ U² (RMS(U), summed across
+        ranks), once to apply it; one piece's V̂ at a time is the step's temporary (4·R·C bytes of its
+        largest matrix), not every piece's U at once."""
+        for n, pc, g, _w, rows in views:
             at = self._stat_at[(pc.shard, pc.slot)]
-            if pad is not None:
+            if rows is not None:
                 R, C = pc.param.shape
                 row_mean = stats[at : at + R].float().div_(self._global(pc, C) if pc.tp_dim == 1 else C)
                 col_mean = (
@@ -278,41 +284,52 @@ class FlatAdafactor:
                 )
                 self.row_var[n].lerp_(row_mean, beta)
                 self.col_var[n].lerp_(col_mean, beta)
+            else:
+                self.variance[n].lerp_(g * g, beta)
         split_means = self._row_means(views)
         usq = torch.zeros(len(self._param_index), dtype=torch.float64, device=stats.device)
-        for n, pc, g, w, pad, r0 in views:
+        steps = []
+        for n, pc, g, w, rows in views:
             at = self._stat_at[(pc.shard, pc.slot)]
-            if pad is not None:
+            if rows is not None:
                 R, C = pc.param.shape
                 numel = R * C
-                rv, cv = self.row_var[n], self.col_var[n]
                 if n in split_means:
                     mean = (split_means[n] / self._global(pc, R)).float()
                 else:
-                    mean = rv.mean()
+                    mean = self.row_var[n].mean()
                 self._means[n] = mean
-                r1 = r0 + pad.shape[0]
-                var = (rv[r0:r1, None] @ cv[None, :]).div_(mean.clamp(min=self.eps1))
-                var = var.view(-1)[pc.lo - r0 * C : pc.hi - r0 * C]
                 psq = stats[at + R + C]
             else:
                 numel = pc.param.numel()
-                self.variance[n].lerp_(g * g, beta)
-                var = self.variance[n].clone()
                 psq = stats[at]
             numel = numel * (comm.group_size(self.tp_group) if pc.tp_dim is not None else 1)
             alpha = (psq.sqrt() / numel**0.5).clamp_(min=EPS2).mul_(rho)  # fp64, on the device
             if self.weight_decay != 0 and pc.decay:
                 w.mul_(1 - lr * self.weight_decay)
-            u = var.clamp_(min=self.eps1 * self.eps1).rsqrt_().mul_(g)
             k = self._param_index[(pc.shard, pc.slot)]
-            usq[k] = u.norm(2).double().square()
-            updates.append((pc, w, u, alpha, numel, k))
+            usq[k] = self._direction(n, pc, g, rows).norm(2).double().square()
+            steps.append((n, pc, g, w, rows, alpha, numel, k))
         tp_idx = [(k, k + 1) for k, dim in enumerate(self._tp_dims) if dim is not None]
         self._reduce(usq, tp_idx)
-        for _pc, w, u, alpha, numel, k in updates:  # the step sizes stay on the device (no host sync)
+        for n, pc, g, w, rows, alpha, numel, k in steps:  # the step sizes stay on the device (no host sync)
             denom = (usq[k].sqrt() / (numel**0.5 * CLIP_D)).clamp_(min=1.0)
+            u = self._direction(n, pc, g, rows)  # the same U again, bit for bit
             w.addcmul_(u, (-alpha / denom).float())  # bitwise w.add_(u, alpha=-alpha / denom) on the CPU
+
+    def _direction(self, n: int, pc: Piece, g: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+        """U = G / sqrt(max(V̂, ε₁²)) on the piece: V̂ = r cᵀ / max(mean(r), ε₁) over its rows (a matrix),
+        else the vector's v."""
+        if rows is not None:
+            C = pc.param.shape[1]
+            r0, r1 = rows
+            var = (self.row_var[n][r0:r1, None] @ self.col_var[n][None, :]).div_(
+                self._means[n].clamp(min=self.eps1)
+            )
+            var = var.view(-1)[pc.lo - r0 * C : pc.hi - r0 * C]
+        else:
+            var = self.variance[n].clone()
+        return var.clamp_(min=self.eps1 * self.eps1).rsqrt_().mul_(g)
 
 
 def factored_state_bytes(layouts: Sequence) -> int:
