@@ -144,40 +144,47 @@ def zero3_transient(
     table = cm.model.vocab_size * cm.model.dim / tp
     tied = first and last and pp == 1 and not pc.head  # one unit: embedding + head (+ final norm)
     experts = pc.mlp / ep if cm.moe and ep > 1 else 0.0  # a unit of its own (loom.parallel.zero.stage3)
-    reduced_block = [block - experts, experts] if experts else [block]  # reduce order: experts, dense
+    # a block's units as its reducers see them: (elements, reduced over the experts' group)
+    reduced_block = [(block - experts, False), (experts, True)] if experts else [(block, False)]
     # (name, elements, largest parameter, extra gradients, reduced units), in backward order
-    order: list[tuple[str, float, float, float, list[float]]] = []
+    order: list[tuple[str, float, float, float, list[tuple[float, bool]]]] = []
     if tied:
         order.append(("head", ends[0][0], table, 0.0, []))
     elif last and (pc.head or pp > 1):
-        order.append(("head", ends[-1][0], table, 0.0, [ends[-1][0]]))
+        order.append(("head", ends[-1][0], table, 0.0, [(ends[-1][0], False)]))
     order += [("block", block, p_block, 0.0, reduced_block)] * int(cm.stage_layers(pp, first, last))
     if tied:
         order.append(("embedding", ends[0][0], table, ends[0][2], []))  # the head's (and their sum at tp 1)
     elif first:
-        order.append(("embedding", table, table, 0.0, [table]))
+        order.append(("embedding", table, table, 0.0, [(table, False)]))
     held_tied = W * ends[0][0] + G * table + G * ends[0][0] * f if tied else 0.0
-    c, cast = reduction_bytes(cm, n), cm.R != G
-    worst, reduced = 0.0, list[float]()
+    cast = cm.R != G
+    c = {False: reduction_bytes(cm, n), True: reduction_bytes(cm, max(1, n // ep))}  # dense, experts
+    worst = 0.0
+    reduced: dict[bool, list[float]] = {False: [], True: []}  # per reducer (its own in-flight window)
     for i, (name, u, p, extra, done) in enumerate(order):
         nxt = order[i + 1] if i + 1 < len(order) else None
         prefetch = 0.0
         if nxt is not None and not (tied and nxt[0] == "embedding"):
             prefetch = nxt[1] - (experts if nxt[0] == "block" else 0.0)  # a block: its dense part first
-        # reductions in flight beside u; accumulating, less the buffers of the units reduced before u
-        # (freed at launch when cast, else once their reduction completes: all but the last two)
-        if filling:
-            flight = c * sum(reduced[-2:])
-        elif cast:
-            flight = c * sum(reduced[-2:]) - G * sum(reduced)
-        else:
-            flight = -G * sum(reduced[:-2])
+        # reductions in flight beside u, the last two of each reducer; accumulating, less the buffers
+        # of the units reduced before u (freed at launch when cast, else once their reduction completes)
+        flight = 0.0
+        for k, r in reduced.items():
+            if filling:
+                flight += c[k] * sum(r[-2:])
+            elif cast:
+                flight += c[k] * sum(r[-2:]) - G * sum(r)
+            else:
+                flight -= G * sum(r[:-2])
         held = held_tied if tied and name == "block" else 0.0
         moment = W * (u + prefetch) + G * (p + extra + u * f) + flight
         worst = max(worst, moment + held)
         if cast and done:  # u's launch: its cast copy and received shard beside its buffer
-            worst = max(worst, W * prefetch + G * u * f + c * sum(done) + flight + held)
-        reduced += done
+            own = sum(c[k] * e for e, k in done)
+            worst = max(worst, W * prefetch + G * u * f + own + flight + held)
+        for e, k in done:
+            reduced[k].append(e)
     return worst
 
 
@@ -205,12 +212,14 @@ def gradient_in_flight(cm: CostBase, tp: int, pp: int, ep: int, first: bool, las
 
 def flat_stage(cm: CostBase, lay: Layout) -> int:
     """The stage of Loom's flat-bucket ZeRO path a layout runs (:func:`loom.train.build.data_parallel`):
-    ZeRO-1/2 as set; without ZeRO under mixed precision, the same path over a sharding group of one
-    rank (replicated masters) with stage 2's hooks, stage 1's under a pipeline; else 0 (ZeRO-3, or
-    plain data parallelism, whose gradient is the parameter's own)."""
+    ZeRO-1/2 as set; without ZeRO under mixed precision or an optimizer other than AdamW, the same
+    path over a sharding group of one rank (replicated masters or state) with stage 2's hooks, stage
+    1's under a pipeline; else 0 (ZeRO-3, or plain data parallelism, whose gradient is the
+    parameter's own)."""
     if lay.zero in (1, 2):
         return lay.zero
-    return (2 if lay.pp == 1 else 1) if lay.zero == 0 and cm.train.mixed else 0
+    flat = cm.train.mixed or cm.train.optimizer != "adamw"  # loom.memory.precision.needs_master_path
+    return (2 if lay.pp == 1 else 1) if lay.zero == 0 and flat else 0
 
 
 def reduction_moment(
@@ -227,7 +236,8 @@ def reduction_moment(
     where A = the accumulated full-size gradients (ZeRO-2 with m > 1), and q + k the two buckets
     reduced just before the embedding's, still in flight: the first block's wq (or a full bucket of
     smaller parameters) and wk, at most the stage's blocks (measured: llama3-70b on the H100,
-    gpt-125m on the CPU); the activations are freed by then."""
+    gpt-125m on the CPU); the activations are freed by then. Under ep > 1 the experts reduce over
+    their own group, with their own window: its last two stacked weights (E/ep·f·h each) too."""
     if cm.R == cm.G or not stage:
         return 0.0
     c = reduction_bytes(cm, lay.dp_shard * lay.cp if lay.zero else 1)
@@ -237,13 +247,25 @@ def reduction_moment(
     if last and (cm.params.head or lay.pp > 1):
         moment = act + (accumulated or own) + c * table
     if first:
-        cap = cm.train.bucket_bytes / cm.G
-        q = cm.model.n_heads * cm.model.head_dim * cm.model.dim / lay.tp
-        k = cm.kv_width(lay.tp) * cm.model.dim
-        blocks = cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last)[0][0]
-        blocks *= cm.stage_layers(lay.pp, first, last, lay.split)
-        moment = max(moment, own + c * (table + min(max(q, cap) + k, blocks)))
+        end = own + c * (table + embedding_companions(cm, lay, first, last))
+        if (
+            cm.moe and lay.ep > 1
+        ):  # the experts' reducer (their group) still holds its last two stacked weights
+            n_e = max(1, (lay.dp_shard * lay.cp if lay.zero else 1) // lay.ep)
+            end += reduction_bytes(cm, n_e) * 2 * cm.n_experts / lay.ep * cm.ffn * cm.model.dim
+        moment = max(moment, end)
     return moment
+
+
+def embedding_companions(cm: CostBase, lay: Layout, first: bool, last: bool) -> float:
+    """Elements of the two buckets reduced just before the embedding's, in flight beside it: the
+    first block's wq (or a full ``parallel.bucket_mb`` bucket of smaller parameters) and wk, at most
+    the stage's blocks."""
+    cap = cm.train.bucket_bytes / cm.G
+    q = cm.model.n_heads * cm.model.head_dim * cm.model.dim / lay.tp
+    k = cm.kv_width(lay.tp) * cm.model.dim
+    blocks = cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last)[0][0]
+    return min(max(q, cap) + k, blocks * cm.stage_layers(lay.pp, first, last, lay.split))
 
 
 def keeps_full_gradients(cm: CostBase, lay: Layout, m: int) -> bool:
@@ -294,17 +316,23 @@ def factored_bytes(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: b
 
 
 def step_workspace(cm: CostBase, lay: Layout, first: bool = True, last: bool = True) -> float:
-    """Temporaries of Loom's AdamW step on one device: under mixed precision the fp32 copy of the
+    """Temporaries of Loom's optimizer step on one device: under mixed precision the fp32 copy of the
     gradient shard, 4·Φ_opt·mixed bytes for the Φ_opt elements whose optimizer state it holds.
     torch's fused AdamW kernel (CPU and CUDA: :func:`loom.optim.adamw.fused_supported`) computes
     the denominators sqrt(v) in registers; the ``_foreach`` fallback would add 4·Φ_opt for them.
-    8-bit Adam works in chunks and Adafactor on factored statistics: not counted."""
-    if cm.train.optimizer != "adamw" or lay.offload or not cm.train.mixed:
+    Adafactor builds one piece's V̂ = r cᵀ at a time (:mod:`loom.optim.adafactor`): 4 bytes per
+    element of its largest matrix on the rank (the embedding or head table, else a block's widest).
+    8-bit Adam works in chunks: not counted."""
+    if cm.train.optimizer not in ("adamw", "adafactor") or lay.offload:
         return 0.0
     dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
     n = lay.dp_shard * lay.cp if lay.zero else 1
     elements = dense / n + expert / max(1, n // lay.ep)
-    return 4.0 * elements
+    grads32 = 4.0 * elements if cm.train.mixed else 0.0
+    if cm.train.optimizer == "adamw":
+        return grads32
+    widest = max(p for _, p, _ in cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last))
+    return grads32 + 4.0 * min(widest, elements)
 
 
 def layer_activation(cm: CostBase, lay: Layout) -> tuple[float, float, float]:
@@ -496,7 +524,17 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
         gif = cm.memo(gradient_in_flight)(lay.tp, lay.pp, lay.ep, first, last)
         block = cm.G * cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last)[0][1]
         if lay.pp == 1 and gif > block:  # the table's, formed at the embedding's backward, the last of
-            gif = max(0.0, gif - act - logits)  # a micro-batch's: its activations and logits are freed
+            # a micro-batch's: its activations and logits are freed, and (a tied table) the accumulated
+            # buffers of the buckets reduced before it (at launch when cast, else but the last two)
+            freed = flight = 0.0
+            if not cm.params.head:  # tied: its gradient forms there (untied: the head's, at the start)
+                table = cm.G * cm.model.vocab_size * cm.model.dim / lay.tp
+                companions = embedding_companions(cm, lay, first, last)
+                kept = 0.0 if cm.R != cm.G else cm.G * companions
+                freed = max(0.0, bd["accumulation"] - table - kept)
+                if cm.R != cm.G:  # the two buckets before it still reducing, in the reduce dtype
+                    flight = reduction_bytes(cm, lay.dp_shard * lay.cp if lay.zero else 1) * companions
+            gif = max(0.0, gif - act - logits - freed + flight)
         bd["gradient in flight"] = gif
         moment = reduction_moment(cm, lay, stage, first, last, act, bd["accumulation"])
         bd["reduction in flight"] = max(0.0, moment - act - logits - bd["accumulation"] - gif)
