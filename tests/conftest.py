@@ -28,14 +28,15 @@ class Pools:
             if not pool.used:
                 continue
             pool.run(release_groups)
-            held = pool.gloo_thread_counts()
-            leaked = held != pool.gloo_threads
+            start = pool.gloo_threads
+            held = pool.settled_gloo_threads(expect=start)
+            leaked = held != start
             if leaked:  # a leak fails this module only: the next one starts clean
                 pool.restart()
             pool.used = False
             assert not leaked, (
                 f"{where}: the ranks of the {world}-rank pool run {held} gloo worker threads after their "
-                f"groups were destroyed, {pool.gloo_threads} at start: something holds their groups"
+                f"groups were destroyed, {start} at start: something holds their groups"
             )
 
     def close(self) -> None:

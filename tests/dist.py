@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -110,12 +111,27 @@ class WorkerPool:
             if not c.poll(120):
                 raise RuntimeError(f"test rank {r} did not start within 120 s")
             c.recv()
-        self.gloo_threads = self.gloo_thread_counts()  # the default group's, per rank
+        self.gloo_threads = self.settled_gloo_threads()  # the default group's, per rank
         self.used = False
 
     def gloo_thread_counts(self) -> list[int]:
         """Each rank's gloo worker threads (a gloo group keeps its own until it is freed)."""
         return [t.get("pt_gloo_runloop", 0) for t in self.run(live_threads)]
+
+    def settled_gloo_threads(self, expect: list[int] | None = None, within: float = 2.0) -> list[int]:
+        """:meth:`gloo_thread_counts` once threads stop starting or exiting (a freed group's threads
+        leave within their 10 ms wake-up; a new group's start asynchronously): the counts equal to
+        ``expect``, or else two readings 0.1 s apart that agree, polled for at most ``within`` s."""
+        counts, deadline = self.gloo_thread_counts(), time.monotonic() + within
+        while time.monotonic() < deadline:
+            if expect is not None and counts == expect:
+                break
+            time.sleep(0.1)
+            again = self.gloo_thread_counts()
+            if again == counts and expect is None:
+                break
+            counts = again
+        return counts
 
     def run(self, fn, *args, timeout: float = 300, **kwargs) -> list[Any]:
         """Run ``fn`` (a module-level function) on every rank; return the per-rank results."""
