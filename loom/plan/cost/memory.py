@@ -532,7 +532,8 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
                 companions = embedding_companions(cm, lay, first, last)
                 kept = 0.0 if cm.R != cm.G else cm.G * companions
                 freed = max(0.0, bd["accumulation"] - table - kept)
-                if cm.R != cm.G:  # the two buckets before it still reducing, in the reduce dtype
+                if cm.R != cm.G and stage == 2:  # the two buckets before it still reducing (stage 1
+                    # reduces after backward), in the reduce dtype
                     flight = reduction_bytes(cm, lay.dp_shard * lay.cp if lay.zero else 1) * companions
             gif = max(0.0, gif - act - logits - freed + flight)
         bd["gradient in flight"] = gif
