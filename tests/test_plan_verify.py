@@ -104,7 +104,12 @@ def test_rank_0_of_a_small_mixture_of_experts_under_ep2_zero3_holds_the_formulas
         ("gpt-125m", "dp4 tp1 pp1 cp1 ep1 zero0", 4, "bf16"),
         ("gpt-125m", "dp2 tp2 pp1 cp1 ep1 zero1 sp", 4, "bf16"),
         ("gpt-125m", "dp4 tp1 pp1 cp1 ep1 zero0", 4, "fp32 --train.optimizer adafactor"),
-        ("llama-1b", "dp4 tp1 pp1 cp1 ep2 zero3", 4, "bf16 --model.n_experts 4 --model.top_k 2"),
+        (
+            "llama-1b",
+            "dp4 tp1 pp1 cp1 ep2 zero3",
+            4,
+            "bf16 --model.n_experts 4 --model.top_k 2 --model.ffn_dim 2048",
+        ),
     ],
 )
 def test_reductions_and_tied_gradients_hold_the_peak_within_three_percent(config, layout, devices, precision):
