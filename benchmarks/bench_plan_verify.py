@@ -325,9 +325,7 @@ def load(results_dir: Path) -> tuple[list[dict], int]:
     """The rows and seq of ``plan_verify.json`` in ``results_dir``."""
     path = results_dir / f"{NAME}.json"
     if not path.exists():
-        raise SystemExit(
-            f"bench_plan_verify: --refused: no {path} (run the whole matrix first, or --from-page)"
-        )
+        raise SystemExit(f"bench_plan_verify: no {path} to read (run the whole matrix first, or --from-page)")
     data = json.loads(path.read_text(encoding="utf-8"))
     return data["rows"], data["seq"]
 

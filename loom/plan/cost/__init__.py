@@ -18,7 +18,9 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
   backward: gathered, its gradient filling, the next unit prefetched, two earlier units' gradients
   being reduce-scattered, and without a pipeline a tied embedding/head unit gathered all through
   backward beside the head's gradient (``_zero3_transient``). ZeRO 1/2: autograd's gradients
-  formed at once before they join their bucket (a tied table's: head's, embedding's and their sum).
+  formed at once before they join their bucket (a tied table's: head's, embedding's, and at tp 1
+  their sum); without ZeRO, mixed precision or a non-AdamW optimizer runs the same flat path over
+  one rank (``flat_stage``).
   Gradients reduced in a wider dtype than they are kept (bf16 reduced in fp32, the default): a
   reduction in flight holds its cast copy and the shard it receives, R (1 + 1/N) bytes per element
   (``reduction_bytes``): ZeRO-3's units, ZeRO-1/2's table buckets (``reduction_moment``). Stages 2/3 with gradient accumulation (m > 1) hold full-size gradients

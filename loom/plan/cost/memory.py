@@ -128,8 +128,9 @@ def zero3_transient(
     block's experts are a unit of their own, run first in backward: the next block's dense part is
     what they prefetch); the embedding on the first stage. Without a pipeline a tied embedding and
     head are one unit, gathered from the head's backward to the embedding's while autograd holds the
-    head's gradient (held beside every block: W·u_t + G·p_t [+ G·u_t, filling]), then sums it with the
-    embedding's into a third tensor (x = 2p at the embedding). ``filling=False`` (gradient
+    head's gradient (held beside every block: W·u_t + G·p_t [+ G·u_t, filling]), then adds the
+    embedding's to it (x = p beyond the embedding's own; at tp 1 a third tensor, x = 2p:
+    ``CostBase.zero3_unit_sizes``). ``filling=False`` (gradient
     accumulation): every unit's full gradient buffer is already held (:func:`accumulated_gradients`),
     so the filling one does not count again, and each unit reduced before u has freed its G·u (at
     launch when cast, below; else once its reduction completes: all but the last two).
@@ -201,13 +202,19 @@ def gradient_in_flight(cm: CostBase, tp: int, pp: int, ep: int, first: bool, las
     """G·(p + x)_max: the gradients autograd forms at once for the stage's largest parameter (the
     embedding or head table V·h/t, else a block's widest matrix or column-parallel group) before
     they are added into the flat gradient buffer or bucket of ZeRO-1/2; a tied embedding and head
-    without a pipeline: 3·G·V·h/t at the embedding's backward (the head's gradient, held by autograd,
-    the embedding's, and their sum; measured). ZeRO-3 counts it in its transient; under plain data
+    without a pipeline: 3·G·V·h/t at the embedding's backward at tp 1 (the head's gradient, held by
+    autograd, the embedding's, and their sum), 2·G·V·h/t under tp > 1 (added in place; both
+    measured). ZeRO-3 counts it in its transient; under plain data
     parallelism autograd's tensor becomes the parameter's gradient, measured: no second copy. LoRA:
     adapters only."""
     if cm.train.lora_rank:
         return 0.0
     return cm.G * max(p + extra for _, p, extra in cm.zero3_unit_sizes(tp, pp, ep, first, last))
+
+
+def sharding(lay: Layout) -> int:
+    """N, the ranks the optimizer state is sharded over: dp_shard·cp under ZeRO, else 1."""
+    return lay.dp_shard * lay.cp if lay.zero else 1
 
 
 def flat_stage(cm: CostBase, lay: Layout) -> int:
@@ -225,9 +232,10 @@ def flat_stage(cm: CostBase, lay: Layout) -> int:
 def reduction_moment(
     cm: CostBase, lay: Layout, stage: int, first: bool, last: bool, act: float, accumulated: float
 ) -> float:
-    """The flat path's (``stage``: :func:`flat_stage`) bytes beyond the model states when a table's bucket (V·h/t elements, its own bucket:
-    larger than ``parallel.bucket_mb``) is reduced in a wider dtype than its gradients (R ≠ G; else 0,
-    the buffer is sent in place), c = :func:`reduction_bytes` per element in flight:
+    """The flat path's (``stage``: :func:`flat_stage`) bytes beyond the model states when a table's
+    bucket (V·h/t elements, its own bucket: larger than ``parallel.bucket_mb``) is reduced in a wider
+    dtype than its gradients (R ≠ G; else 0, the buffer is sent in place), c = :func:`reduction_bytes`
+    per element in flight:
 
         head's bucket, first reduced in backward (last stage):  act + A + c·V h/t   (ZeRO-2 without
             accumulation: + G·V h/t, the bucket cast while it lives)
@@ -240,7 +248,7 @@ def reduction_moment(
     their own group, with their own window: its last two stacked weights (E/ep·f·h each) too."""
     if cm.R == cm.G or not stage:
         return 0.0
-    c = reduction_bytes(cm, lay.dp_shard * lay.cp if lay.zero else 1)
+    c = reduction_bytes(cm, sharding(lay))
     table = cm.model.vocab_size * cm.model.dim / lay.tp
     own = cm.G * table if stage == 2 else 0.0
     moment = 0.0
@@ -248,10 +256,8 @@ def reduction_moment(
         moment = act + (accumulated or own) + c * table
     if first:
         end = own + c * (table + embedding_companions(cm, lay, first, last))
-        if (
-            cm.moe and lay.ep > 1
-        ):  # the experts' reducer (their group) still holds its last two stacked weights
-            n_e = max(1, (lay.dp_shard * lay.cp if lay.zero else 1) // lay.ep)
+        if cm.moe and lay.ep > 1:  # the experts' reducer (their group): its last two stacked weights
+            n_e = max(1, sharding(lay) // lay.ep)
             end += reduction_bytes(cm, n_e) * 2 * cm.n_experts / lay.ep * cm.ffn * cm.model.dim
         moment = max(moment, end)
     return moment
@@ -275,9 +281,9 @@ def keeps_full_gradients(cm: CostBase, lay: Layout, m: int) -> bool:
     the unit's (ZeRO-3) or bucket's (ZeRO-2) full-size buffer and reduces once, after the last
     micro-batch. Not kept with one micro-batch, nor under the asynchronous pipeline schedules
     (PipeDream, 2BW: no ``no_sync``, every micro-batch reduced at once), nor by a stack that
-    reduce-scatters every micro-batch (:attr:`Stack.microbatch_reduce`). Without ZeRO under mixed
-    precision, stage 2's hooks of the flat path (:func:`flat_stage`) keep them too, beside the
-    full-size gradient they reduce into."""
+    reduce-scatters every micro-batch (:attr:`Stack.microbatch_reduce`). Without ZeRO, stage 2's hooks
+    of the flat path (:func:`flat_stage`: mixed precision or a non-AdamW optimizer) keep them too,
+    beside the full-size gradient they reduce into."""
     stage = 3 if lay.zero == 3 else flat_stage(cm, lay)
     if stage < 2 or m <= 1 or cm.stack.microbatch_reduce:
         return False
@@ -326,7 +332,7 @@ def step_workspace(cm: CostBase, lay: Layout, first: bool = True, last: bool = T
     if cm.train.optimizer not in ("adamw", "adafactor") or lay.offload:
         return 0.0
     dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
-    n = lay.dp_shard * lay.cp if lay.zero else 1
+    n = sharding(lay)
     elements = dense / n + expert / max(1, n // lay.ep)
     grads32 = 4.0 * elements if cm.train.mixed else 0.0
     if cm.train.optimizer == "adamw":
@@ -534,7 +540,7 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
                 freed = max(0.0, bd["accumulation"] - table - kept)
                 if cm.R != cm.G and stage == 2:  # the two buckets before it still reducing (stage 1
                     # reduces after backward), in the reduce dtype
-                    flight = reduction_bytes(cm, lay.dp_shard * lay.cp if lay.zero else 1) * companions
+                    flight = reduction_bytes(cm, sharding(lay)) * companions
             gif = max(0.0, gif - act - logits - freed + flight)
         bd["gradient in flight"] = gif
         moment = reduction_moment(cm, lay, stage, first, last, act, bd["accumulation"])
