@@ -399,3 +399,28 @@ def test_planner_prices_the_gemms_auto_keeps_at_bf16(recipe):
     want = t_w["bf16"] + L * pays * (fp8.gemm(T, h, f, 1) - bf16.gemm(T, h, f, 2))
     assert t_w["auto"] == pytest.approx(want, rel=1e-12)
     assert t_w["all"] < t_w["auto"] <= t_w["bf16"]
+
+
+def test_planner_prices_lowps_routed_experts_as_the_stack_runs_them():
+    """Loom converts nn.Linear layers only: an MoE's routed experts (grouped weights) stay bf16 under fp8,
+    so Loom's prediction prices their GEMMs at the bf16 rate whatever ``fp8_layers`` says; a stack whose
+    grouped GEMMs run 8-bit (Transformer Engine's, ``Stack.lowp_experts``) prices them 8-bit and is faster."""
+    from loom.config import ModelConfig
+    from loom.plan.cost import CostModel, Workload
+    from loom.plan.cost.compute import microbatch_times
+    from loom.plan.hardware import ClusterSpec
+
+    model = ModelConfig(
+        dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, n_experts=8, top_k=2, vocab_size=32000
+    )
+    cluster = ClusterSpec.single_node("h100-sxm", 8)
+
+    def t_mb(precision: str, stack: str = "") -> float:
+        work = Workload(64, 4096, precision=precision, fp8_layers="all")
+        return microbatch_times(CostModel(model, work, cluster, stack=stack), 1, False, 1, 8, 1, "none", 1)[0]
+
+    loom_gain, te_gain = (
+        t_mb("bf16") - t_mb("fp8"),
+        t_mb("bf16", "megatron-core") - t_mb("fp8", "megatron-core"),
+    )
+    assert 0 < loom_gain < te_gain / 2  # Loom: attention's Linears only; TE: the experts too

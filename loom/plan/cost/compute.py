@@ -39,13 +39,15 @@ def attention_core(cm: CostBase, tp: int, cp: int, mb: int) -> tuple[float, floa
     return gemms + scores + io, 2 * (gemms + scores + io)
 
 
-def linear_gemm(cm: CostBase, m: float, k: float, n: float) -> float:
+def linear_gemm(cm: CostBase, m: float, k: float, n: float, expert: bool = False) -> float:
     """Seconds of a block Linear's GEMM (m x k) @ (k x n) on a rank, k its input and n its output
     features there: 1-byte operands at the 8-bit rate where the Linear runs in 8 bits
     (:func:`loom.memory.precision.runs_8bit`: fp8 / int8, under ``fp8_layers = auto`` only where float8
-    pays), else the activations' bytes at the bf16 rate (the precision's own outside fp8 / int8)."""
+    pays; a routed ``expert``'s only where the stack runs experts in 8 bits, ``Stack.lowp_experts``),
+    else the activations' bytes at the bf16 rate (the precision's own outside fp8 / int8)."""
     tr = cm.train
-    if runs_8bit(tr.precision, k, n, tr.fp8_recipe, tr.fp8_layers):
+    eight_ok = cm.stack.lowp_experts or not expert
+    if eight_ok and runs_8bit(tr.precision, k, n, tr.fp8_recipe, tr.fp8_layers):
         return cm.machine.gemm(m, k, n, 1)
     return cm.machine.gemm(m, k, n, cm.act_bytes, bf16=True)
 
@@ -77,7 +79,7 @@ def microbatch_times(
     if cm.moe:
         experts_here = cm.n_experts / ep
         Te = T_moe * cm.top_k / experts_here * tr.moe_load
-        mlp_f = experts_here * (ups * lin(Te, h, f) + lin(Te, f, h))
+        mlp_f = experts_here * (ups * lin(Te, h, f, expert=True) + lin(Te, f, h, expert=True))
         if tr.moe_shared:  # shared experts: one SwiGLU of S·f on every token of the rank
             fs = tr.moe_shared * f
             mlp_f += 2 * lin(T_moe, h, fs) + lin(T_moe, fs, h)

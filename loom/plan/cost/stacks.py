@@ -33,6 +33,9 @@ class Stack:
     # loom.memory.lowp_gemm); False: the stack's own scaling traffic is not counted (Transformer
     # Engine reduces a few amaxes per layer, not per GEMM)
     amax_per_gemm: bool = False
+    # fp8 / int8 run an MoE's routed experts in 8 bits (Transformer Engine's grouped GEMMs); False: they
+    # stay bf16 (Loom converts nn.Linear layers only, its experts are grouped weights)
+    lowp_experts: bool = True
     note: str = ""
 
 
@@ -43,6 +46,7 @@ STACKS: dict[str, Stack] = {
             "",
             other=1.8,
             amax_per_gemm=True,
+            lowp_experts=False,
             note="Loom: eager PyTorch norms/activations and SDPA flash attention, as torchtitan's",
         ),
         Stack(
