@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from loom import config as C
+from loom.numbers import is_whole
 
 
 def is_loopback(host: str) -> bool:
@@ -116,7 +117,7 @@ def _host_rank_store() -> None:
     env = os.environ
     if env.get("RANK") != "0" or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return
-    if not is_loopback(env.get("MASTER_ADDR", "")) or not env.get("MASTER_PORT", "").isdigit():
+    if not is_loopback(env.get("MASTER_ADDR", "")) or not is_whole(env.get("MASTER_PORT", "")):
         return
     with contextlib.suppress(OSError, RuntimeError):  # taken: init_process_group reports it as usual
         host_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
@@ -139,7 +140,7 @@ def check_launcher_env() -> None:
     if not under_external_launcher():
         return
     rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
-    if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
+    if not (is_whole(rank) and is_whole(world) and int(rank) < int(world)):
         raise C.ConfigError(
             f"environment: RANK={_shown(rank)} WORLD_SIZE={_shown(world)} describe no rank of a job (need 0 <= RANK < "
             "WORLD_SIZE); left over from another job? unset RANK and WORLD_SIZE for a local run"
@@ -152,11 +153,11 @@ def check_launcher_env() -> None:
             "process; unset RANK and WORLD_SIZE for a local run, or start it under torchrun or srun"
         )
     port = os.environ["MASTER_PORT"]
-    if not (port.isdigit() and 1 <= int(port) <= 65535):
+    if not (is_whole(port) and 1 <= int(port) <= 65535):
         raise C.ConfigError(f"environment: MASTER_PORT={port!r} is not a port in [1, 65535]")
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # the device of this rank is chosen from them
         value = os.environ.get(name)
-        if value is not None and not value.isdigit():
+        if value is not None and not is_whole(value):
             raise C.ConfigError(f"environment: {name}={value!r} is not a whole number >= 0")
 
 
@@ -227,7 +228,7 @@ def slurm_rank_env(environ: dict[str, str]) -> dict[str, str]:
 def _slurm_int(environ: dict[str, str], name: str, default: str) -> int:
     """A SLURM count or id (a whole number >= 0), else one line naming the variable."""
     value = environ.get(name, default)
-    if not value.isdigit():
+    if not is_whole(value):
         raise C.ConfigError(
             f"environment: {name}={value!r} is not a task count or id (a whole number >= 0); unset the "
             "SLURM_* variables for a local run"
@@ -246,7 +247,7 @@ def check_slurm_env(environ: dict[str, str]) -> None:
     batch script): a step sets its job id and node list with them, and a task id below the task count."""
     procid, ntasks = environ.get("SLURM_PROCID", ""), environ.get("SLURM_NTASKS", "")
     where = f"SLURM_PROCID={_shown(procid)} SLURM_NTASKS={_shown(ntasks)}"
-    if not (procid.isdigit() and ntasks.isdigit() and int(procid) < int(ntasks)):
+    if not (is_whole(procid) and is_whole(ntasks) and int(procid) < int(ntasks)):
         raise C.ConfigError(
             f"environment: {where} describe no task of a job step (need 0 <= SLURM_PROCID < SLURM_NTASKS)"
         )
@@ -382,7 +383,7 @@ def launch_options(plain: dict[str, str]) -> LaunchOptions:
             )
         return LaunchOptions(max_restarts)
     host, sep, port = endpoint.rpartition(":")
-    if not sep or not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not sep or not host.strip("[]") or not is_whole(port) or not 1 <= int(port) <= 65535:
         raise C.ConfigError(
             f"--rdzv-endpoint: expected HOST:PORT with a port in [1, 65535], got {endpoint!r}"
         )
@@ -394,7 +395,7 @@ def torchrun_restart_warning(environ: dict[str, str]) -> str | None:
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: such restarts hang or fail (pytorch/pytorch#135712)."""
     restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     if (
-        not restarts.isdigit()
+        not is_whole(restarts)
         or int(restarts) == 0
         or environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
     ):

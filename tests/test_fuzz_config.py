@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
@@ -438,6 +438,8 @@ def _environments():
 
 @settings(max_examples=300, suppress_health_check=list(HealthCheck), **SETTINGS)
 @given(env=_environments())
+@example(env={"RANK": "0", "WORLD_SIZE": "\u00b2"})  # '²'.isdigit() holds, int('²') raises
+@example(env={"SLURM_PROCID": "\u0663", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "1"})  # Arabic-Indic 3
 def test_an_inherited_launcher_environment_is_a_job_or_one_line(env):
     """Whatever launcher variables a shell holds (stale, partial, garbage), ``loom train``'s start
     either finds a rank of a live job (0 <= RANK < WORLD_SIZE with a rendezvous) or refuses in one

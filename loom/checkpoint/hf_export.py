@@ -43,6 +43,7 @@ from loom.model.hf import (
     hf_units,
     moe_export_problem,
 )
+from loom.numbers import is_whole
 
 PREFIX = "model."
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -322,9 +323,9 @@ def parse_size(text: str) -> int:
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
     t = text.strip().upper()
     for unit, factor in units.items():
-        if t.endswith(unit) and t[: -len(unit)].replace(".", "", 1).isdigit():
+        if t.endswith(unit) and is_whole(t[: -len(unit)].replace(".", "", 1)):
             return int(float(t[: -len(unit)]) * factor)
-    if t.isdigit():
+    if is_whole(t):
         return int(t)
     raise CheckpointError(f"--max-shard-size: {text!r} is not a size (e.g. 5GB, 500MB, 2GiB)")
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from loom.cluster.jobs import ClusterError, Job, gns_from_metrics, throughput
 from loom.config import ModelConfig
+from loom.numbers import is_whole
 from loom.plan import DEVICES, HardwareError, Profile
 
 if sys.version_info >= (3, 11):
@@ -219,7 +220,7 @@ def job_from_dict(d: Any, i: int, where: str) -> Job:
                 raise ClusterError(f"{at}.throughput.{dev}: expected {{devices: sequences/s}}, got {row!r}")
             out[dev] = {}
             for n, v in row.items():
-                if not str(n).isdigit() or int(n) < 1:
+                if not is_whole(str(n)) or int(n) < 1:
                     raise ClusterError(f"{at}.throughput.{dev}: device count {n!r} is not a positive integer")
                 out[dev][int(n)] = float(_num(f"{at}.throughput.{dev}.{n}", v, strict=False))
         kw["throughput"] = out

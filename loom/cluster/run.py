@@ -48,6 +48,7 @@ from loom import config as C
 from loom.cluster.formats import Cluster, _num, _read
 from loom.cluster.jobs import ClusterError, Job, planner_step_time
 from loom.cluster.policies import POLICIES, JobState, Placement, Policy, make_policy
+from loom.numbers import is_whole
 
 _KEYS = {"name", "config", "overrides", "steps", "arrival_s", "devices", "throughput"}
 DEVICE = "cpu"
@@ -113,7 +114,7 @@ def _table(at: str, v: Any, types: list[str], ranks: int) -> dict[str, dict[int,
             raise ClusterError(f"{at}.{t}: not a device type of the cluster ({', '.join(types)})")
         out[t] = {}
         for k, s in row.items():
-            if not str(k).isdigit() or not 1 <= int(k) <= ranks:
+            if not is_whole(str(k)) or not 1 <= int(k) <= ranks:
                 raise ClusterError(f"{at}.{t}.{k}: expected a device count in 1..{ranks}")
             out[t][int(k)] = float(_num(f"{at}.{t}.{k}", s))
     return out

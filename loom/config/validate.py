@@ -34,6 +34,7 @@ from loom.config.sections import (
     offload_dir,
     ps_servers,
 )
+from loom.numbers import is_whole
 from loom.rules import (
     ModelFacts,
     batch_problem,
@@ -392,7 +393,7 @@ def parse_recompute(spec: str) -> tuple[str, int]:
         return spec, 1
     head, _, k = spec.partition(":")
     _require(
-        head == "every" and k.isdigit() and int(k) >= 1,
+        head == "every" and is_whole(k) and int(k) >= 1,
         f"train.recompute: must be one of {RECOMPUTE_HELP}, got {spec!r}",
     )
     return "every", int(k)

@@ -46,6 +46,7 @@ from loom.data.stream import (
     split_stream,
 )
 from loom.data.tokenizer import eot_id, load_tokenizer, tokenizer_file, train_pieces, train_tokenizer
+from loom.numbers import is_whole
 
 log = logging.getLogger("loom")
 
@@ -646,7 +647,7 @@ def _remove_stale_tmp(final: Path) -> None:
     host = socket.gethostname()
     for p in final.parent.glob(f".{final.name}{_TMP_TAG}{host}-*"):
         pid_str = p.name[len(f".{final.name}{_TMP_TAG}{host}-") :].split("-", 1)[0]
-        if pid_str.isdigit() and not _alive(int(pid_str)):
+        if is_whole(pid_str) and not _alive(int(pid_str)):
             shutil.rmtree(p, ignore_errors=True)
 
 

@@ -37,6 +37,7 @@ from loom.finetune.base import bind_base
 from loom.finetune.lora import LORA_SUFFIXES, merged_weight
 from loom.finetune.nf4 import as_trained
 from loom.model.hf import _mappings, architecture_of, to_hf_rows
+from loom.numbers import is_whole
 
 PREFIX = "model."
 PEFT_PREFIX = "base_model.model."
@@ -128,7 +129,7 @@ def peft_state(cfg: C.LoomConfig, pairs: dict[str, tuple[torch.Tensor, torch.Ten
 def _suffix(module: str) -> str:
     """The module's name below its block (``self_attn.q_proj``, ``attn.c_attn``): a PEFT target."""
     parts = module.split(".")
-    i = next(k for k, p in enumerate(parts) if p.isdigit())
+    i = next(k for k, p in enumerate(parts) if is_whole(p))
     return ".".join(parts[i + 1 :])
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from loom.config import OPTIMIZERS
 from loom.mesh import ParallelDims
+from loom.numbers import is_whole
 from loom.optim.adam8bit import BLOCK as ADAM8BIT_BLOCK
 from loom.rules import CP_MODES, ScheduleName
 
@@ -94,10 +95,10 @@ class Layout:
             head = name.rstrip("0123456789/")
             digits = name[len(head) :]
             try:
-                if head == "cp" and digits.isdigit() and arg in ("", *CP_MODES):
+                if head == "cp" and is_whole(digits) and arg in ("", *CP_MODES):
                     kw["cp"] = int(digits)
                     kw["cp_mode"] = arg or "allgather"
-                elif head in ("dp", "tp", "pp", "ep", "mb") and digits.isdigit() and not arg:
+                elif head in ("dp", "tp", "pp", "ep", "mb") and is_whole(digits) and not arg:
                     kw["micro_batch" if head == "mb" else head] = int(digits)
                 elif head == "zero" and digits:
                     stage, _, shard = digits.partition("/")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loom.numbers import is_whole
 from loom.plan.hardware.datasheets import DEVICES, GB, DeviceSpec, GiB, HardwareError, get_device
 
 if sys.version_info >= (3, 11):
@@ -168,7 +169,7 @@ def resolve_cluster(spec: str) -> ClusterSpec:
     if ":" in spec:
         dev, _, shape = spec.partition(":")
         nodes, sep, per = shape.partition("x")
-        if not (sep and nodes.isdigit() and per.isdigit()):
+        if not (sep and is_whole(nodes) and is_whole(per)):
             raise HardwareError(f"cluster {spec!r}: expected DEVICE:NODESxPER, e.g. h100-sxm:8x8")
         return ClusterSpec.single_node(dev, int(per), int(nodes))
     raise HardwareError(
