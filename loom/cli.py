@@ -220,11 +220,24 @@ def _check_resume_step(cfg: C.LoomConfig) -> None:
 def _check_data(cfg: C.LoomConfig) -> None:
     """Prepare (or load and verify) the data before any rank starts or anything is written to
     ``run.dir``; a resumed run must continue on the data it started with."""
-    from loom.data import prepare_data
+    from loom.data import prepare_data, prepare_sources
+    from loom.data.dataset import check_one_window
 
-    prepared = prepare_data(cfg.data, progress=cfg.run.progress)
+    every = (
+        prepare_sources(cfg.data, cfg.run.progress)
+        if cfg.data.sources
+        else [prepare_data(cfg.data, progress=cfg.run.progress, explicit=C.explicit(cfg))]
+    )
+    prepared = every[0]  # the validation tokens of the first source; training windows of each
+    for p in every:
+        check_one_window(p.train_path, p.n_train_tokens, cfg.data.seq_len)
+    check_one_window(prepared.val_path, prepared.n_val_tokens, cfg.data.seq_len)
     cfg.data.prepared_dir = str(prepared.dir)
     C.check_vocab(cfg, prepared.vocab_size)
+    if cfg.train.init_from:  # each rank would find a tensor missing or of another shape only once started
+        from loom.train.init_from import check_init_from
+
+        check_init_from(cfg, prepared.vocab_size)
     run_dir = Path(cfg.run.dir)
     if not (run_dir / "data.json").is_file() and not (run_dir / "tokenizer.json").is_file():
         return
@@ -261,7 +274,7 @@ def cmd_prepare(argv: list[str]) -> int:
     every = (
         prepare_sources(cfg.data, cfg.run.progress)
         if cfg.data.sources
-        else [prepare_data(cfg.data, cfg.run.progress)]
+        else [prepare_data(cfg.data, cfg.run.progress, explicit=C.explicit(cfg))]
     )
     for prepared in every:  # one line per [[data.sources]] table
         print(
@@ -479,6 +492,8 @@ def cmd_schedule(argv: list[str]) -> int:
         C._coerce(plain.get(k, d), int, f"--{k}") for k, d in (("pp", "4"), ("microbatches", "8"), ("v", "1"))
     )
     name = plain.get("schedule", "1f1b")
+    if "out" in plain:  # before the simulation: the picture is drawn last
+        C.check_picture_path("--out", plain["out"], ("png", "svg"))
     for opt, n in (("--pp", pp), ("--microbatches", m), ("--v", v)):
         if n < 1:
             raise C.ConfigError(f"{opt}: must be >= 1, got {n}")

@@ -245,6 +245,54 @@ def test_cli_json_shape_and_bad_inputs(tmp_path, capsys):
 # ---- the gradient noise scale
 
 
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["simulate"], "required: --trace"),
+        (["simulate", "--trace", "synthetic", "--jobs", "x"], "--jobs: invalid int value"),
+        (["simulate", "--trace", "synthetic", "--jobs", "100000000"], "--jobs: must be in [1, 100,000]"),
+        (["simulate", "--trace", "synthetic", "--rate", "inf"], "--rate: must be a finite number"),
+        (
+            ["simulate", "--trace", "synthetic", "--plot", "TMP/cdf.toml"],
+            "--plot: 'TMP/cdf.toml' must end in .png",
+        ),
+        (["simulate", "--trace", "TMP/trace.toml"], "TMP/trace.toml is not UTF-8 text"),
+        (["simulate", "--trace", "TMP"], "TMP is a directory, not a file"),
+    ],
+    ids=[
+        "required",
+        "type",
+        "jobs beyond the bound",
+        "rate inf",
+        "plot format",
+        "trace not UTF-8",
+        "trace dir",
+    ],
+)
+def test_cli_bad_options_are_one_line_before_simulating(tmp_path, capsys, monkeypatch, argv, named):
+    """argparse's usage block, a synthetic trace of 10^8 jobs (470 GB, allocated before any refusal),
+    an infinite arrival rate, a picture format matplotlib refuses after the simulation, a trace
+    file of other bytes (a UnicodeDecodeError traceback) and a directory: one line, exit code 2,
+    before any trace is drawn or simulated."""
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("a trace was drawn or simulated before the refusal")
+
+    monkeypatch.setattr("loom.cluster.cli.synthetic_trace", too_late)
+    monkeypatch.setattr("loom.cluster.cli.simulate", too_late)
+    argv = [a.replace("TMP", str(tmp_path)) for a in argv]
+    (tmp_path / "trace.toml").write_bytes(b"[[jobs]]\nname = 'caf\xe9'\n")
+    try:
+        rc = cluster_main(argv)
+    except SystemExit as e:  # argparse's exit
+        rc = e.code
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, captured.err
+    assert named.replace("TMP", str(tmp_path)) in lines[0] and not captured.out, lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.toml"]
+
+
 def test_gns_estimate_equals_hand_computation():
     """small_batch_sq is one micro-batch's squared gradient norm; with the step's big-batch norm the
     estimator returns |G|^2 = (B |G_B|^2 - b |G_b|^2)/(B - b), S = (|G_b|^2 - |G_B|^2)/(1/b - 1/B)."""

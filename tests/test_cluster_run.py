@@ -244,4 +244,11 @@ def test_slurm_from_a_policy_and_refusals(tiny_toml, tmp_path, capsys):
     )
     assert main(["slurm", "--jobs", str(jobs), "--out", str(out)]) == 2
     assert capsys.readouterr().err.startswith("loom: error: --policy: --jobs needs a policy")
+    # run again into the same --out: the configs and scripts already there are never replaced
+    (out / f"{placed[0]}.toml").write_text("# my edits\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out}/" in err and ".toml: exists" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     shutil.rmtree(out)

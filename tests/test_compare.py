@@ -70,8 +70,14 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, capsys):
     torn = tmp_path / "torn"
     torn.mkdir()
     (torn / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    (binary / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 1.0}\n\xff\xfe\n')
     cases = {
-        "missing": ([str(good), str(tmp_path / "nowhere")], "nowhere/metrics.jsonl: No such file"),
+        "missing": ([str(good), str(tmp_path / "nowhere")], "nowhere/metrics.jsonl does not exist"),
+        "not UTF-8": ([str(good), str(binary)], "binary/metrics.jsonl is not UTF-8 text"),
+        "plot not a picture": ([str(good), str(good), "--plot", str(tmp_path / "a.toml")], "--plot"),
+        "plot a directory": ([str(good), str(good), "--plot", str(tmp_path)], "is a directory"),
         "no common step": ([str(good), str(late)], "have no step in common"),
         "torn row": ([str(good), str(torn)], "torn/metrics.jsonl:2: not a JSON row"),
         "one run": ([str(good)], "give two runs"),

@@ -663,6 +663,50 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
     assert "no layout fits" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["--model", "debug", "--devices", "abc"], "invalid int value: 'abc'"),
+        (["--model", "debug", "--devices", "0"], "--devices: must be >= 1, got 0"),
+        (["--model", "debug", "--top", "0"], "--top: must be >= 1, got 0"),
+        (["--model", "debug", "--plot", "TMP/plan.toml"], "--plot: 'TMP/plan.toml' must end in .png"),
+        (["--model", "debug", "--plot", "TMP"], "--plot: 'TMP' is a directory"),
+        (["--config", "debug", "--model.dim", "-1"], "model.dim: must be >= 1, got -1"),
+        (["verify", "--devices", "2"], "required: --config"),
+        (["calibrate", "--nproc", "abc"], "--nproc: invalid int value"),
+        (["validate", "--steps", "0"], "--steps: must be >= 1, got 0"),
+    ],
+    ids=[
+        "argparse type",
+        "devices 0",
+        "top 0",
+        "plot format",
+        "plot directory",
+        "config field",
+        "verify required",
+        "calibrate type",
+        "validate steps 0",
+    ],
+)
+def test_bad_options_are_one_line_before_any_work(tmp_path, capsys, argv, named):
+    """Every ``loom plan`` subcommand refuses a bad option in one line with exit code 2 before it
+    searches, measures or trains: argparse's usage block, ``--devices 0`` planning the whole cluster
+    instead, a picture format matplotlib refused after the search, a bad config field priced as
+    given (MFU -0.1%), a validation run of 0 steps failing inside its training process."""
+    from loom.cli import main as loom_main
+
+    argv = [a.replace("TMP", str(tmp_path)) for a in argv]
+    try:
+        rc = loom_main(["plan", *argv])
+    except SystemExit as e:  # argparse's exit
+        rc = e.code
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, captured.err
+    assert lines[0].startswith("loom plan") and named.replace("TMP", str(tmp_path)) in lines[0], lines[0]
+    assert not captured.out and list(tmp_path.iterdir()) == []
+
+
 def test_plot_draws_memory_bars_and_throughput(tmp_path):
     out = tmp_path / "plan.png"
     rc = main(

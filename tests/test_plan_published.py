@@ -188,6 +188,116 @@ def test_cli_published_table(capsys):
     assert code == (0 if worst <= MAX_TOLERANCE else 1)
 
 
+_OWN = """
+[models.m]
+dim = 4096
+n_layers = 32
+n_heads = 32
+n_kv_heads = 8
+ffn_dim = 14336
+vocab_size = 128256
+tie_embeddings = false
+
+[[runs]]
+name = "mine"
+model = "m"
+stack = "pytorch-fsdp"
+cluster = { device = "a100-80g", devices_per_node = 8, inter_bandwidth_gbps = 25 }
+layout = "dp64 zero3 mb1 recompute:selective"
+global_batch = 64
+seq_len = 8192
+tokens_per_s_per_gpu = 2973
+source = "a run of my own"
+"""
+
+
+def test_cli_predicts_your_own_runs_as_the_shipped_ones(tmp_path, capsys):
+    """``--published --runs FILE``: a user's file in the shipped format (here torchtitan's Llama 3 8B row
+    copied) is predicted exactly as the shipped row is; exit status 1 beyond the 12% goal."""
+    from loom.plan.validate import main
+
+    (tmp_path / "own.toml").write_text(_OWN)
+    shipped = next(r for r in compare_published() if r.run.name == "torchtitan Llama 3 8B, selective op AC")
+    code = main(["--published", "--runs", str(tmp_path / "own.toml")])
+    out = capsys.readouterr().out
+    assert f"{100 * shipped.error:+.1f}%" in out and "mine" in out and "BLOOM" not in out
+    assert code == (0 if abs(shipped.error) <= MAX_TOLERANCE else 1)
+
+
+@pytest.mark.parametrize(
+    "old, new, says",
+    [
+        ("dim = 4096", "dim = ", "own.toml: not valid TOML"),
+        ("dim = 4096", 'dim = "big"', "own.toml: models.m.dim: expected an integer, got 'big'"),
+        ("dim = 4096", "dim = -4", "own.toml: models.m.dim: must be >= 1"),
+        (
+            "n_heads = 32",
+            "n_heads = 33",
+            "own.toml: models.m.dim: 4096 must be divisible by model.n_heads=33",
+        ),
+        ("vocab_size = 128256", "vocab_size = 1.5", "models.m.vocab_size: expected an integer"),
+        ("global_batch = 64", 'global_batch = "x"', "run 'mine': global_batch must be a whole number"),
+        ("global_batch = 64", "global_batch = 0", "run 'mine': global_batch must be > 0"),
+        ("global_batch = 64", "global_batch = 65", "run 'mine': layout dp64"),
+        (
+            "seq_len = 8192",
+            "seq_len = 8192\nflash_attention = 'yes'",
+            "flash_attention must be true or false",
+        ),
+        ("tokens_per_s_per_gpu = 2973", "tokens_per_s_per_gpu = nan", "tokens_per_s_per_gpu must be > 0"),
+        (
+            "tokens_per_s_per_gpu = 2973",
+            "tokens_per_s_per_gpu = 'fast'",
+            "tokens_per_s_per_gpu must be a number",
+        ),
+        ("devices_per_node = 8", "devices_per_node = 0", "cluster: devices_per_node must be > 0"),
+        (
+            "inter_bandwidth_gbps = 25",
+            "inter_bandwidth_gbps = '25'",
+            "cluster: inter_bandwidth_gbps must be a number",
+        ),
+        (
+            "inter_bandwidth_gbps = 25",
+            "intra_bandwidth_gbps = 300",
+            "cluster: missing 'inter_bandwidth_gbps'",
+        ),
+        ('"a100-80g"', '"tpu-v5"', "run 'mine': unknown device 'tpu-v5'"),
+        ('"pytorch-fsdp"', '"jax"', "run 'mine': stack: must be one of"),
+        (
+            "seq_len = 8192",
+            "seq_len = 8192\nprecision = 'fp4'",
+            "run 'mine': train.precision: must be one of",
+        ),
+        ("zero3", "zero9", "run 'mine': layout"),
+        ("[models.m]", "[modelz.m]", "own.toml: unknown table 'modelz'"),
+        ("[[runs]]", "[runs]", "own.toml: runs must be an array of tables"),
+        ("tie_embeddings = false", "tie_embeddings = false\nfoo = 1", "own.toml: models.m.foo: unknown key"),
+    ],
+)
+def test_a_bad_runs_file_is_one_line_naming_the_file_and_key(tmp_path, capsys, old, new, says):
+    from loom.plan.validate import main
+
+    assert old in _OWN
+    (tmp_path / "own.toml").write_text(_OWN.replace(old, new, 1))
+    assert main(["--published", "--runs", str(tmp_path / "own.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+
+
+def test_runs_files_that_cannot_be_read_are_one_line(tmp_path, capsys):
+    from loom.plan.validate import main
+
+    (tmp_path / "latin1.toml").write_bytes(b"# caf\xe9\n")
+    for path, says in (
+        (tmp_path / "none.toml", "does not exist"),
+        (tmp_path, "is a directory"),
+        (tmp_path / "latin1.toml", "not UTF-8"),
+    ):
+        assert main(["--published", "--runs", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+
+
 def _small_llama() -> ModelConfig:
     return ModelConfig(dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000)
 

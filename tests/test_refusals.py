@@ -192,11 +192,35 @@ def _toml(text: str, *names: str) -> Callable[[Ctx], tuple[list[str], list[str]]
     return setup
 
 
+def _toml_bytes(data: bytes) -> Callable[[Ctx], tuple[list[str], list[str]]]:
+    def setup(c: Ctx):
+        path = c.tmp / "bad.toml"
+        path.write_bytes(data)
+        return ["train", str(path), "--run.dir", str(c.tmp / "run")], [str(path), "UTF-8"]
+
+    return setup
+
+
+def _config_dir(c: Ctx):
+    (c.tmp / "cfg.toml").mkdir()
+    return ["train", str(c.tmp / "cfg.toml")], [str(c.tmp / "cfg.toml"), "a directory"]
+
+
 def _source(sub: str, *names: str) -> Callable[[Ctx], tuple[list[str], list[str]]]:
     def setup(c: Ctx):
         return c.train("--data.source", str(c.w.corpus / sub)), ["data.source", *names]
 
     return setup
+
+
+def _corpus_below_one_window(c: Ctx):
+    """A corpus of fewer tokens than one sequence: refused before any rank starts (no run.dir made)."""
+    from loom.cli import main
+
+    (c.tmp / "small.txt").write_text("hello world\n")
+    data = ["--data.source", str(c.tmp / "small.txt"), "--data.prepared_dir", str(c.tmp / "pd")]
+    assert main(["prepare", str(c.w.tiny), *data]) == 0
+    return c.train(*data), ["data.seq_len", str(c.tmp / "pd" / "train.bin")]
 
 
 def _tokenizer_fifo(c: Ctx):
@@ -312,6 +336,60 @@ def _hf_config_not_json(c: Ctx):
     return c.train("--model.from_hf", str(hf)), [str(hf / "config.json"), "not valid JSON"]
 
 
+def _hf_export(c: Ctx) -> Path:
+    from loom.cli import main
+
+    hf = c.tmp / "hf"
+    assert main(["export", "hf", str(c.w.run), str(hf)]) == 0
+    return hf
+
+
+def _hf_truncated_shard(c: Ctx, command: str):
+    """A download cut short: the shard named by the index ends halfway (refused from its header)."""
+    (shard,) = sorted(_hf_export(c).glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    argv = (
+        ["generate", "--model.from_hf", str(shard.parent)]
+        if command == "generate"
+        else c.train("--model.from_hf", str(shard.parent))
+    )
+    return argv, [str(shard), "not a readable safetensors file"]
+
+
+def _hf_index_not_json(c: Ctx):
+    index = _hf_export(c) / "model.safetensors.index.json"
+    index.write_text("{'weight_map': {}}")
+    return ["generate", "--model.from_hf", str(index.parent)], [str(index), "not valid JSON"]
+
+
+def _hf_tensor_missing(c: Ctx):
+    """The index and shard lack one tensor: refused before any rank starts (nothing written to run.dir)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_export(c)
+    (shard,) = sorted(hf.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    name = sorted(n for n in tensors if n.endswith("down_proj.weight"))[0]
+    del tensors[name]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    del index["weight_map"][name]
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    return c.train("--model.from_hf", str(hf)), ["model.from_hf", name, "missing"]
+
+
+def _hf_tensor_shape(c: Ctx):
+    """One tensor of another shape than config.json implies: refused from its header, before any rank starts."""
+    from safetensors.torch import load_file, save_file
+
+    (shard,) = sorted(_hf_export(c).glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    name = sorted(n for n in tensors if n.endswith("up_proj.weight"))[0]
+    tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return c.train("--model.from_hf", str(shard.parent)), [str(shard), name, "config.json implies"]
+
+
 def _resume_older_checkpoint_manifest_rewritten(c: Ctx):
     """An older checkpoint named directly: its manifest rewritten (as with a shard edited together
     with its hash) no longer has the hash ``latest`` keeps for it."""
@@ -377,6 +455,16 @@ def _run_dir_in_use(c: Ctx):
     run = c.copy_run()
     c.hold_lock(run)
     return c.train("--train.steps", "3", run=run), ["run.dir", str(run), f"in use by pid {os.getpid()}"]
+
+
+def _convert_onto_existing(c: Ctx, what: str):
+    """An output path that already holds a file (or is a directory) is never replaced nor written beside."""
+    out = c.tmp / "mine.safetensors"
+    if what == "file":
+        out.write_text("my notes, not a model")
+    else:
+        out.mkdir()
+    return ["checkpoint", "convert", str(c.w.run), str(out)], [str(out), "choose a new path"]
 
 
 def _convert_edited_manifest_via_latest(c: Ctx):
@@ -642,6 +730,8 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("toml section not a table", _toml("model = 3\n", "[model]"), 2),
     ("toml wrong type", _toml("[train]\nlr = 'fast'\n", "train.lr"), 2),
     ("config file missing", lambda c: (["train", str(c.tmp / "nope.toml")], [str(c.tmp / "nope.toml")]), 2),
+    ("toml not UTF-8", _toml_bytes("[model]\n# caf\xe9\n".encode("latin-1")), 2),
+    ("config file a directory", _config_dir, 2),
     # data
     (
         "data.source missing",
@@ -673,6 +763,7 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("chat message of an unknown role", _chat("role.jsonl:1", "'wizard'"), 2),
     ("unsupported file type", _source("csv/c.csv", "c.csv", "unsupported"), 2),
     ("empty source directory", _source("empty", "no .txt"), 2),
+    ("corpus shorter than one sequence", _corpus_below_one_window, 2),
     (
         "data.tokenizer missing",
         lambda c: (c.train("--data.tokenizer", str(c.tmp / "t.json")), ["data.tokenizer"]),
@@ -696,6 +787,14 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("tokenizer.json replaced", _prepared(_edit_tokenizer, "tokenizer.json"), 2),
     ("prepared_dir is a file", _prepared_dir_is_a_file, 2),
     ("prepared_dir holds other files", _prepared_dir_not_empty, 2),
+    (
+        "data.vocab_size against an existing prepared_dir",
+        lambda c: (
+            c.train("--data.prepared_dir", str(c.w.data), "--data.vocab_size", "400"),
+            ["data.vocab_size", "400", str(c.w.data), "300"],
+        ),
+        2,
+    ),
     (
         "verify: out-of-vocabulary ids",
         _prepared(lambda d: _set_token(d / "val.bin", 0, 65535), "val.bin", verify=True),
@@ -721,6 +820,14 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("train.resume damaged checkpoint", _resume_damaged, 2),
     ("train.init_from missing", _cfg("--train.init_from", "/nonexistent/w", names=("train.init_from",)), 2),
     (
+        "train.init_from of another model shape",
+        lambda c: (
+            c.train("--train.init_from", str(c.w.run), "--model.dim", "64"),
+            ["train.init_from", "model.tok_embeddings.weight", "(300, 32)"],
+        ),
+        2,
+    ),
+    (
         "train.resume: an older checkpoint's manifest rewritten",
         _resume_older_checkpoint_manifest_rewritten,
         2,
@@ -734,6 +841,11 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
         2,
     ),
     ("from_hf: config.json not JSON", _hf_config_not_json, 2),
+    ("from_hf: shard truncated (generate)", lambda c: _hf_truncated_shard(c, "generate"), 2),
+    ("from_hf: shard truncated (train)", lambda c: _hf_truncated_shard(c, "train"), 2),
+    ("from_hf: index not JSON", _hf_index_not_json, 2),
+    ("from_hf: a tensor missing", _hf_tensor_missing, 2),
+    ("from_hf: a tensor of another shape", _hf_tensor_shape, 2),
     ("convert: manifest edited (latest)", _convert_edited_manifest_via_latest, 2),
     ("convert: manifest edited (direct)", _convert_edited_manifest_direct, 2),
     ("convert: into its own checkpoint", _convert_into_source, 2),
@@ -741,6 +853,8 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("convert: pickle file", _convert_pickle, 2),
     ("convert: into a running run", _convert_into_running_run, 2),
     ("convert: disk full", _convert_disk_full, 2),
+    ("convert: onto an existing file", lambda c: _convert_onto_existing(c, "file"), 2),
+    ("convert: onto a directory", lambda c: _convert_onto_existing(c, "dir"), 2),
     (
         "convert: empty path",
         lambda c: (["checkpoint", "convert", "", str(c.tmp / "o.safetensors")], ["empty path"]),
@@ -757,6 +871,11 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     (
         "generate: option not a number",
         lambda c: (["generate", "--run.dir", str(c.w.run), "--top_k", "many"], ["--top_k"]),
+        2,
+    ),
+    (
+        "generate: seed beyond 64 bits",
+        lambda c: (["generate", "--run.dir", str(c.w.run), "--seed", str(2**64)], ["--seed", "2**64"]),
         2,
     ),
     (
@@ -843,6 +962,16 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("max-restarts not a number", lambda c: (c.train("--max-restarts", "x"), ["--max-restarts"]), 2),
     ("nproc not a number", lambda c: (c.train("--nproc", "two"), ["run.nproc"]), 2),
     ("schedule: config file given", lambda c: (["schedule", str(c.w.tiny)], ["schedule"]), 2),
+    (
+        "schedule: --out not a picture",
+        lambda c: (["schedule", "--out", str(c.tmp / "s.toml")], ["--out", ".png or .svg"]),
+        2,
+    ),
+    (
+        "schedule: --out a directory",
+        lambda c: (["schedule", "--out", str(c.tmp)], ["--out", "a directory"]),
+        2,
+    ),
     ("config: bad override", lambda c: (["config", str(c.w.tiny), "--train.lr", "-1"], ["train.lr"]), 2),
     (
         "prepare: bad field",

@@ -27,6 +27,7 @@ import torch
 from loom.checkpoint.format import DTYPES, CheckpointError, fsync_dir
 from loom.checkpoint.load import CheckpointReader
 from loom.checkpoint.protocol import Box
+from loom.config import check_new_output
 
 PREFIX = "model."
 BUFFER_BYTES = 256 << 20  # tensor bytes read and written at a time
@@ -77,12 +78,17 @@ def _write_tensor(fh, reader: CheckpointReader, name: str, buffer_bytes: int) ->
 
 
 def convert(
-    source: str | Path, out: str | Path, check: bool = True, buffer_bytes: int = BUFFER_BYTES
+    source: str | Path,
+    out: str | Path,
+    check: bool = True,
+    buffer_bytes: int = BUFFER_BYTES,
+    replace: bool = False,
 ) -> tuple[Path, int, int]:
     """Write the consolidated model of ``source``; returns (checkpoint dir, step, tensor count).
 
     ``check=False`` skips the manifest verification (for a checkpoint this process just wrote);
-    ``buffer_bytes``: the tensor bytes held at a time (module doc).
+    ``buffer_bytes``: the tensor bytes held at a time (module doc); ``replace``: an existing ``out``
+    is replaced (the trainer's own final model), else refused before anything is written.
     """
     out = Path(out)
     if buffer_bytes < 1:
@@ -93,6 +99,8 @@ def convert(
                 f"{out}: inside the checkpoint it is converted from ({reader.dir}); write it "
                 "elsewhere (a checkpoint's files are never replaced)"
             )
+        if not replace:
+            check_new_output(out, directory=False, error=CheckpointError)
         names = sorted(n[len(PREFIX) :] for n in reader.names() if n.startswith(PREFIX))
         if not names:
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")
@@ -105,10 +113,10 @@ def convert(
                     _write_tensor(fh, reader, PREFIX + n, buffer_bytes)
                 fh.flush()
                 os.fsync(fh.fileno())
-        except BaseException:  # a failed write (disk full) leaves no partial file behind
+            os.replace(tmp, out)
+        except BaseException:  # a failed write (disk full) or rename leaves no partial file behind
             tmp.unlink(missing_ok=True)
             raise
-        os.replace(tmp, out)
         fsync_dir(out.parent)
         return reader.dir, reader.step, len(names)
 

@@ -215,8 +215,7 @@ def export_hf(
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out}: exists and is not empty; choose a new directory (nothing was written)")
+    C.check_new_output(out, directory=True, error=CheckpointError)
     with CheckpointReader(source) as opened:
         saved = opened.train_state.get("config")
         if not saved:

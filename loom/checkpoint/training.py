@@ -277,4 +277,4 @@ class TrainCheckpoints:
         """Consolidated single-file model of the last checkpoint (for ``loom generate``)."""
         if self.last_saved is None:
             raise CheckpointError("no checkpoint to export the final model from")
-        convert(self.last_saved[1], path, check=False)
+        convert(self.last_saved[1], path, check=False, replace=True)  # a resumed run's final model

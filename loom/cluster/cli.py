@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -22,12 +23,14 @@ from loom.cluster.run import main_run
 from loom.cluster.simulate import Result, simulate
 from loom.cluster.slurm import add_parser as add_slurm_parser
 from loom.cluster.slurm import main_slurm
-from loom.config import ConfigError
+from loom.config import ArgParser, ConfigError, check_picture_path
 from loom.plan import HardwareError
+
+SYNTHETIC_MAX_JOBS = 100_000  # jobs of a synthetic trace (0.5 GB, about 20 minutes per policy)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loom cluster", description="Multi-job scheduling on a shared cluster")
+    p = ArgParser(prog="loom cluster", description="Multi-job scheduling on a shared cluster")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("simulate", help="simulate scheduling policies over a job trace")
     s.add_argument("--cluster", help="cluster file (TOML/JSON; default: 36 v100 + 36 p100 + 36 k80)")
@@ -76,12 +79,19 @@ def draw_cdf(results: list[Result], out: str | Path, title: str = "") -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot:  # before the simulation: the picture is drawn last
+        check_picture_path("--plot", args.plot)
     cluster: Cluster = load_cluster(args.cluster) if args.cluster else DEFAULT_CLUSTER
     names = args.policy or list(POLICIES)
     policies = [make_policy(n) for n in names]  # unknown names refused before anything runs
     if args.trace == "synthetic":
-        if args.jobs < 1 or not args.rate > 0:
-            raise ClusterError("--jobs must be >= 1 and --rate > 0")
+        if not 1 <= args.jobs <= SYNTHETIC_MAX_JOBS:
+            raise ClusterError(
+                f"--jobs: must be in [1, {SYNTHETIC_MAX_JOBS:,}] (about 5 KB and 13 ms of simulation per job "
+                f"and policy), got {args.jobs}"
+            )
+        if not (math.isfinite(args.rate) and args.rate > 0):
+            raise ClusterError(f"--rate: must be a finite number of arrivals per hour > 0, got {args.rate}")
         jobs, where = synthetic_trace(args.jobs, args.rate, args.seed), "synthetic trace"
     else:
         jobs, where = load_trace(args.trace), args.trace

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.cluster.jobs import ClusterError, Job, gns_from_metrics, throughput
-from loom.config import ModelConfig
+from loom.config import ModelConfig, read_text_file
 from loom.numbers import is_whole
 from loom.plan import DEVICES, HardwareError, Profile
 
@@ -68,13 +68,9 @@ DEFAULT_CLUSTER = Cluster({"v100": 36, "p100": 36, "k80": 36})  # Gavel's simula
 
 def _read(path: str | Path) -> dict[str, Any]:
     p = Path(path)
-    if not p.is_file():
-        raise ClusterError(f"{p}: file does not exist")
+    text = read_text_file(p, str(p), ClusterError)
     try:
-        if p.suffix == ".json":
-            data = json.loads(p.read_text())
-        else:
-            data = tomllib.loads(p.read_text())
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
         raise ClusterError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
     if not isinstance(data, dict):

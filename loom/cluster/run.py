@@ -412,8 +412,8 @@ def add_parser(sub: Any) -> None:
 def main_run(args: argparse.Namespace) -> int:
     if args.devices < 1:
         raise ClusterError(f"--devices: expected a rank count >= 1, got {args.devices}")
-    if not args.round_s > 0:
-        raise ClusterError(f"--round-s: expected seconds > 0, got {args.round_s}")
+    if not (math.isfinite(args.round_s) and args.round_s > 0):
+        raise ClusterError(f"--round-s: expected seconds > 0 (a finite number), got {args.round_s}")
     policy = make_policy(args.policy)
     cluster = Cluster(
         {DEVICE: args.devices}, devices_per_node=args.devices, round_s=args.round_s, restart_s=0.0

@@ -307,6 +307,12 @@ def main_slurm(args: argparse.Namespace) -> int:
         cluster = load_cluster(args.cluster) if args.cluster else DEFAULT_CLUSTER
         allocs, waiting = from_policy(args.jobs, cluster, args.policy)
     out = Path(args.out)
+    ext = "yaml" if args.kubernetes else "sbatch"
+    if out.exists() and not out.is_dir():
+        raise ClusterError(f"--out: {out} is a file, not a directory for the configs and scripts")
+    for a in allocs:  # every file this writes is new: a config or script already there is never replaced
+        for path in (out / f"{a.name}.toml", out / f"{a.name}.{ext}"):
+            C.check_new_output(path, directory=False, error=ClusterError)
     out.mkdir(parents=True, exist_ok=True)
     for a in allocs:
         cfg_path = out / f"{a.name}.toml"

@@ -27,6 +27,7 @@ from loom.config.finetune import (
 )
 from loom.config.parse import (
     PRESET_DIR,
+    ArgParser,
     _apply,
     _coerce,
     apply_overrides,
@@ -38,6 +39,7 @@ from loom.config.parse import (
     overridden,
     preset_path,
     presets,
+    read_text_file,
     reference,
     to_dict,
     tomllib,
@@ -107,7 +109,9 @@ from loom.config.validate import (
     _unwritable,
     check_intent,
     check_memory,
+    check_new_output,
     check_param_server,
+    check_picture_path,
     check_tensor_parallel,
     check_vocab,
     model_facts,
@@ -115,9 +119,11 @@ from loom.config.validate import (
     parse_recompute,
     resolve_layout,
     validate,
+    validate_shape,
 )
 
 __all__ = [
+    "ArgParser",
     "ConfigError",
     "Precision",
     "Optimizer",
@@ -170,6 +176,7 @@ __all__ = [
     "from_dict",
     "PRESET_DIR",
     "presets",
+    "read_text_file",
     "preset_path",
     "load_toml",
     "apply_overrides",
@@ -193,7 +200,10 @@ __all__ = [
     "_LOWER_BOUNDS",
     "_check_bounds",
     "_check_moe",
+    "check_new_output",
+    "check_picture_path",
     "validate",
+    "validate_shape",
     "_check_model",
     "_check_data",
     "_check_train_run",

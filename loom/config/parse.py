@@ -4,6 +4,7 @@ every field."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 import types
@@ -134,15 +135,39 @@ def preset_path(name: str) -> Path:
     return p
 
 
+class ArgParser(argparse.ArgumentParser):
+    """``argparse`` for Loom's subcommands: a bad option is one line on stderr and exit code 2
+    (argparse's own prints the whole usage first), naming the option and where the help is."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (options: {self.prog} --help)\n")
+
+
+def read_text_file(
+    path: str | Path, name: str, error: type[Exception] = ConfigError, missing: str = ""
+) -> str:
+    """The UTF-8 text of the file a user named (a config, cluster, trace, profile or metrics file):
+    a missing path, a directory or bytes that are not UTF-8 are refused as one line ``error``
+    starting with ``name`` (``missing``: a hint added when it does not exist)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise error(f"{name} is a directory, not a file")
+    if not p.is_file():
+        raise error(f"{name} does not exist{missing}")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{name} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def load_toml(path: str | Path, base: LoomConfig | None = None) -> LoomConfig:
     """Read a TOML config: a file path, or the name of a shipped preset (``debug``, ``llama3-8b``)."""
     p = Path(path)
     if not p.is_file() and p.suffix != ".toml" and (PRESET_DIR / f"{p.name}.toml").is_file():
         p = PRESET_DIR / f"{p.name}.toml"
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist (or a preset: {', '.join(presets())})")
+    text = read_text_file(p, f"config file {str(p)!r}", missing=f" (or a preset: {', '.join(presets())})")
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
     return from_dict(data, base)

@@ -16,6 +16,7 @@ from loom.config.finetune import check_finetune
 from loom.config.sections import (
     SECTIONS,
     CompressFormat,
+    ConfigError,
     DataConfig,
     DataFormat,
     LoomConfig,
@@ -155,17 +156,25 @@ def _check_moe(cfg: LoomConfig) -> None:
     )
 
 
-def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
-    """Check every field and combination; resolve automatic values in place. Raises ConfigError."""
-    d, p, t = cfg.data, cfg.parallel, cfg.train
-    _require(world_size >= 1, f"run.nproc: must be >= 1, got {world_size}")
+def validate_shape(cfg: LoomConfig) -> None:
+    """The checks of :func:`validate` that need neither a world size nor a file nor data: every float
+    finite, the bounds and choices of every field, the model's shape and the precision (what ``loom
+    plan`` prices a config by, whatever cluster and sequence length it is planned for). Raises
+    ConfigError."""
     _check_finite(cfg)
     _check_bounds(cfg)
     _check_choices(cfg)
     _check_model(cfg.model)
+    _check_precision(cfg)
+
+
+def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
+    """Check every field and combination; resolve automatic values in place. Raises ConfigError."""
+    d, p, t = cfg.data, cfg.parallel, cfg.train
+    _require(world_size >= 1, f"run.nproc: must be >= 1, got {world_size}")
+    validate_shape(cfg)
     _check_data(d, cfg.model.max_seq_len)
     _check_train_run(t, cfg.run)
-    _check_precision(cfg)
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be > 0, got {p.bucket_mb}")
     _require(
         not p.profile or Path(p.profile).is_file(),
@@ -536,6 +545,38 @@ def _unwritable(path: str) -> str | None:
     except OSError as e:
         return f"{path!r} is not a writable directory ({e.strerror or e})"
     return None
+
+
+def check_new_output(out: Path, directory: bool, error: type[Exception] = ConfigError) -> None:
+    """An output path a command is about to write (an export, generated scripts), checked before
+    anything is read or written: Loom never replaces a file it did not write there, nor writes into
+    a non-empty directory (``directory``: ``out`` is the directory to fill). Raises ``error``."""
+    if directory:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise error(f"{out}: exists and is not empty; choose a new directory (nothing was written)")
+    elif out.exists() or out.is_symlink():
+        what = "is a directory" if out.is_dir() else "exists"
+        raise error(
+            f"{out}: {what}; choose a new path (nothing was written; an existing file is never replaced)"
+        )
+
+
+PICTURE_FORMATS = ("png", "svg", "pdf")
+
+
+def check_picture_path(option: str, path: str, formats: tuple[str, ...] = PICTURE_FORMATS) -> Path:
+    """Where a command will draw a picture (``--plot``, ``--out``), checked before any work is done:
+    a file name ending in one of ``formats`` (else matplotlib refuses it at the end, or a directory
+    gets a file written beside it), in a directory that is or can become writable."""
+    p = Path(path).expanduser()
+    dotted = [f".{f}" for f in formats]
+    allowed = " or ".join([", ".join(dotted[:-1]), dotted[-1]] if len(dotted) > 1 else dotted)
+    _require(bool(path.strip()), f"{option}: empty; name a picture file ending in {allowed}")
+    _require(not p.is_dir(), f"{option}: {path!r} is a directory; name a picture file ending in {allowed}")
+    _require(p.suffix.lower().lstrip(".") in formats, f"{option}: {path!r} must end in {allowed}")
+    problem = _unwritable(str(p.parent))
+    _require(problem is None, f"{option}: cannot write {path!r}: {problem}")
+    return p
 
 
 def _check_zero3_options(p: ParallelConfig) -> None:

@@ -56,6 +56,16 @@ def packed_positions(x: torch.Tensor, eot: int) -> torch.Tensor:
     return (idx - last).contiguous()
 
 
+def check_one_window(path: Path, n_tokens: int, seq_len: int) -> None:
+    """A token file must hold at least one window of ``seq_len`` + 1 tokens (checked by the launcher
+    from the prepared data's record before any rank starts, and by each rank as it maps the file)."""
+    if (n_tokens - 1) // seq_len < 1:
+        raise ConfigError(
+            f"data.seq_len: {path} has {n_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+            "lower data.seq_len or use a larger corpus"
+        )
+
+
 class TokenDataset:
     """Non-overlapping windows of ``seq_len + 1`` tokens over a ``.bin`` token file.
 
@@ -107,12 +117,8 @@ class TokenDataset:
                 f"data.prepared_dir: {mask_path} has {len(self.mask)} bytes for {self.n_tokens} tokens; "
                 "prepare the data again"
             )
+        check_one_window(self.path, self.n_tokens, seq_len)
         self.n_windows = (self.n_tokens - 1) // seq_len
-        if self.n_windows < 1:
-            raise ConfigError(
-                f"data.seq_len: {self.path.name} has {self.n_tokens} tokens, fewer than "
-                f"seq_len + 1 = {seq_len + 1}; lower data.seq_len or use a larger corpus"
-            )
 
     def __len__(self) -> int:
         return self.n_windows

@@ -352,15 +352,19 @@ def prepare_sources(cfg: DataConfig, progress: bool = True) -> list[PreparedData
     return out
 
 
-def prepare_data(cfg: DataConfig, progress: bool = True) -> PreparedData:
+def prepare_data(
+    cfg: DataConfig, progress: bool = True, explicit: frozenset[str] = frozenset()
+) -> PreparedData:
     """Prepare ``cfg.source`` into ``cfg.prepared_dir`` (or the cache dir) unless already done; with
     ``data.sources``, every source (:func:`prepare_sources`), returning the first.
 
-    A file that cannot be written (disk full, permissions) is refused in one line naming it."""
+    A file that cannot be written (disk full, permissions) is refused in one line naming it. An
+    existing ``data.prepared_dir`` prepared with other settings is reused with a warning, or refused
+    when one of them is among ``explicit`` (the ``data.*`` fields the user set)."""
     if cfg.sources:  # data.prepared_dir is not used: each source has its own cache directory
         return prepare_sources(cfg, progress)[0]
     if cfg.prepared_dir and (Path(cfg.prepared_dir).expanduser() / META).is_file():
-        return _reuse(Path(cfg.prepared_dir).expanduser(), cfg)
+        return _reuse(Path(cfg.prepared_dir).expanduser(), cfg, explicit)
     key = cache_key(cfg)
     final = Path(cfg.prepared_dir).expanduser() if cfg.prepared_dir else default_dir(cfg, key)
     if (final / META).is_file():
@@ -401,8 +405,15 @@ def _unwritable(e: OSError, final: Path) -> ConfigError:
     )
 
 
-def _reuse(final: Path, cfg: DataConfig) -> PreparedData:
-    """Load an explicit ``data.prepared_dir``; warn if it was prepared from other settings."""
+# cache_key entries that are data.* fields of another name; "format" (the file format's version) and
+# "corpus" (the source's fingerprint) are none
+_KEY_FIELDS = {"data_format": "format", "format": "", "corpus": ""}
+
+
+def _reuse(final: Path, cfg: DataConfig, explicit: frozenset[str] = frozenset()) -> PreparedData:
+    """Load an explicit ``data.prepared_dir``; warn if it was prepared from other settings, refuse it
+    if one of them is a field given explicitly (``explicit``: ``data.*`` names), which the prepared
+    data would silently override."""
     data = PreparedData.load(final)
     try:
         key = cache_key(cfg)
@@ -410,6 +421,15 @@ def _reuse(final: Path, cfg: DataConfig) -> PreparedData:
         return data
     old = data.meta().get("key", {})
     changed = [k for k in key if old.get(k) != key[k]]
+    for k in changed:
+        name = _KEY_FIELDS.get(k, k)
+        if k == "source" and "corpus" not in changed:
+            continue  # the same corpus, named by another path
+        if name and f"data.{name}" in explicit:
+            raise ConfigError(
+                f"data.{name}: {key[k]!r} was given, but data.prepared_dir {str(final)!r} was prepared with "
+                f"{old.get(k)!r}; give a new data.prepared_dir to prepare it, or leave data.{name} out"
+            )
     if changed:
         warnings.warn(
             f"data.prepared_dir: reusing {str(final)!r}, prepared with different {', '.join(changed)}",

@@ -138,8 +138,7 @@ def export_peft(source: str | Path, out: str | Path) -> Path:
     from safetensors.torch import save_file
 
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out}: exists and is not empty; choose a new directory (nothing was written)")
+    C.check_new_output(out, directory=True, error=CheckpointError)
     with CheckpointReader(source) as reader:
         cfg = lora_config_of(reader, "export peft")
         tensors, config = peft_state(cfg, adapters(reader))

@@ -34,6 +34,8 @@ class SamplingOptions:
         for name in ("max_new_tokens", "top_k", "seed"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)}: must be >= 0, got {getattr(self, name)}")
+        if self.seed >= 2**64:  # torch.Generator.manual_seed takes 64 bits
+            raise ConfigError(f"--seed: must be below 2**64 = {2**64}, got {self.seed}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ConfigError(
                 f"--temperature: must be a finite number >= 0 (0 = greedy), got {self.temperature}"

@@ -50,7 +50,7 @@ from __future__ import annotations
 import json
 import typing
 from collections.abc import Iterable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, cast
@@ -241,11 +241,37 @@ def _gpt2_config(raw: dict, max_seq_len: int) -> ModelConfig:
     )
 
 
+@contextmanager
+def open_shard(path: Path) -> Iterator[typing.Any]:
+    """``safetensors.safe_open`` of one shard (its header only), a damaged or truncated file refused
+    as an :class:`HFError` naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        f = safe_open(str(path), "pt")
+    except (SafetensorError, OSError) as e:
+        raise HFError(
+            f"{path}: not a readable safetensors file ({e}); the download may be incomplete"
+        ) from None
+    with f:
+        yield f
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """Tensor name -> shard file of ``model.safetensors.index.json``, refused naming it if malformed."""
+    try:
+        raw = json.loads(index.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFError(f"{index}: not valid JSON ({e})") from None
+    wm = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) and v for v in wm.values()):
+        raise HFError(f"{index}: needs a 'weight_map' object of tensor name -> shard file name")
+    return dict(wm)
+
+
 def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
     """Read ``config.json`` and locate every tensor's shard (``model.safetensors.index.json``, else
-    the ``*.safetensors`` files' headers); nothing is loaded."""
-    from safetensors import safe_open
-
+    the ``*.safetensors`` files' headers, each checked); nothing is loaded."""
     d = Path(path)
     if not (d / CONFIG).is_file():
         raise HFError(f"{d}: no {CONFIG} (expected a local Hugging Face model directory)")
@@ -257,19 +283,20 @@ def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
         raise HFError(f"{d / CONFIG}: not a JSON object (a Hugging Face config.json holds one)")
     cfg = model_config(raw, max_seq_len)
     if (d / INDEX).is_file():
-        files = dict(json.loads((d / INDEX).read_text())["weight_map"])
+        files = _weight_map(d / INDEX)
     else:
         shards = sorted(p.name for p in d.glob("*.safetensors"))
         if not shards:
             raise HFError(f"{d}: no *.safetensors files")
         files = {}
         for name in shards:
-            with safe_open(str(d / name), "pt") as f:
+            with open_shard(d / name) as f:
                 files.update(dict.fromkeys(f.keys(), name))
-    for shard in sorted(set(files.values())):
-        if not (d / shard).is_file():
-            raise HFError(f"{d / shard}: missing shard file (named by {INDEX})")
     prefix = "transformer." if cfg.positions == "learned" and "transformer.wte.weight" in files else ""
+    shapes = expected_shapes(cfg)
+    _check_headers(
+        d, files, {n: m.hf_shape(shapes[lm]) for lm, m in _mappings(cfg, prefix) for n in m.names()}
+    )
     return HFModel(d, raw["architectures"][0], cfg, raw, files, prefix)
 
 
@@ -356,7 +383,6 @@ def apply_to(cfg, path: str | Path) -> HFModel:
         setattr(cfg.model, field, getattr(model.config, field))
     for field, value in moe_options(model).items():
         setattr(cfg.moe, field, value)
-    check_float_tensors(model)
     if not cfg.data.tokenizer:
         if model.tokenizer is None:
             raise HFError(f"{model.dir}: no tokenizer.json; give data.tokenizer")
@@ -396,19 +422,31 @@ def _refuse_integer(file: Path, name: str, dtype: str) -> None:
         )
 
 
-def check_float_tensors(model: HFModel) -> None:
-    """Every tensor Loom reads from the directory is floating point (headers only; nothing is loaded)."""
-    from safetensors import safe_open
-
-    read = {n for m in dict(_mappings(model.config, model.prefix)).values() for n in m.names()}
-    by_file: dict[str, list[str]] = {}
-    for name, file in model.files.items():
-        if name in read:
-            by_file.setdefault(file, []).append(name)
-    for file, names in sorted(by_file.items()):
-        with safe_open(str(model.dir / file), "pt") as f:
+def _check_headers(d: Path, files: dict[str, str], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every shard's header is readable (a truncated download fails here), and every tensor Loom
+    reads (``shapes``: HF name -> stored shape) is in its shard, floating point and of that shape:
+    headers only, nothing loaded, so a bad directory is refused before any rank starts."""
+    missing = sorted(shapes.keys() - files.keys())
+    if missing:
+        raise HFError(f"{d}: tensor {missing[0]} is missing from the checkpoint ({len(missing)} missing)")
+    by_shard: dict[str, list[str]] = {shard: [] for shard in files.values()}
+    for name, shard in files.items():
+        if name in shapes:
+            by_shard[shard].append(name)
+    for shard, names in sorted(by_shard.items()):
+        if not (d / shard).is_file():
+            raise HFError(f"{d / shard}: missing shard file (named by {INDEX})")
+        with open_shard(d / shard) as f:
+            held = set(f.keys())
             for name in sorted(names):
-                _refuse_integer(model.dir / file, name, f.get_slice(name).get_dtype())
+                if name not in held:
+                    raise HFError(f"{d / shard}: holds no tensor {name} ({INDEX} names it there)")
+                sl = f.get_slice(name)
+                _refuse_integer(d / shard, name, sl.get_dtype())
+                if tuple(sl.get_shape()) != shapes[name]:
+                    raise HFError(
+                        f"{d / shard}: {name} has shape {tuple(sl.get_shape())}, {CONFIG} implies {shapes[name]}"
+                    )
 
 
 @dataclass(frozen=True)
@@ -589,9 +627,7 @@ class Reader:
     def _slice(self, name: str, shape: tuple[int, ...]):
         file = self.model.files[name]
         if file not in self.opened:
-            from safetensors import safe_open
-
-            self.opened[file] = self.files.enter_context(safe_open(str(self.model.dir / file), "pt"))
+            self.opened[file] = self.files.enter_context(open_shard(self.model.dir / file))
         sl = self.opened[file].get_slice(name)  # type: ignore[attr-defined]
         _refuse_integer(self.model.dir / file, name, sl.get_dtype())
         if tuple(sl.get_shape()) != shape:

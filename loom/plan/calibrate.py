@@ -37,7 +37,6 @@ over the ranks, else by ``cores / world`` when more ranks than cores run at once
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import ArgParser, LoomConfig, ModelConfig
 from loom.plan.hardware import CollectiveFit, Profile
 from loom.plan.probes import (
     LAYER_CALLS,
@@ -601,7 +600,7 @@ def calibrate(
 
 def main(argv: list[str]) -> int:
     """``loom plan calibrate [--out profile.json] [--nproc N] [--config run.toml]``."""
-    p = argparse.ArgumentParser(prog="loom plan calibrate", description="measure this machine into a profile")
+    p = ArgParser(prog="loom plan calibrate", description="measure this machine into a profile")
     p.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
     p.add_argument(
         "--nproc", type=int, default=2, help="ranks: collective group sizes 2..N, threads per rank"

@@ -19,7 +19,17 @@ import argparse
 import json
 import sys
 
-from loom.config import ConfigError, ModelConfig, load, load_toml, preset_path, presets
+from loom.config import (
+    ArgParser,
+    ConfigError,
+    ModelConfig,
+    check_picture_path,
+    load,
+    load_toml,
+    preset_path,
+    presets,
+    validate_shape,
+)
 from loom.plan.cost import Estimate, PlanError, Workload
 from loom.plan.hardware import DEVICES, ClusterSpec, HardwareError, Profile, known_clusters, resolve_cluster
 from loom.plan.report import (
@@ -42,7 +52,7 @@ MODELS: dict[str, ModelConfig] = _preset_models()
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loom plan", description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = ArgParser(prog="loom plan", description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--config", help="a Loom TOML config: check its layout, search its model/batch")
     p.add_argument("--model", help=f"a model preset: {', '.join(MODELS)} (without --config)")
     p.add_argument("--cluster", help=f"TOML file, one of {', '.join(known_clusters())}, or DEVICE:NODESxPER")
@@ -94,7 +104,12 @@ def main(argv: list[str]) -> int:
         return sub(argv[1:])
     parser = _parser()
     args, overrides = parser.parse_known_args(argv)
+    for flag, value in (("--devices", args.world), ("--top", args.top)):
+        if value is not None and value < 1:  # --devices 0 would plan for the whole cluster instead
+            parser.error(f"{flag}: must be >= 1, got {value}")
     try:
+        if args.plot:  # before the search: the picture is drawn last
+            check_picture_path("--plot", args.plot)
         profile = Profile.load(args.profile) if args.profile else None
         check = None
         if args.config or overrides:
@@ -103,6 +118,9 @@ def main(argv: list[str]) -> int:
                 from loom.model.hf import resolve_from_hf
 
                 resolve_from_hf(cfg, need_data=False)
+            validate_shape(
+                cfg
+            )  # bad values are refused, not priced (the layout is judged against the cluster)
             cluster = cluster_of(args, "cpu-local")
             check = config_verdict(cfg, cluster, profile)
             model, train = model_of(cfg), workload_of(cfg)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loom.config import ModelConfig
+from loom.config import ConfigError, ModelConfig, _check_model, from_dict, read_text_file
 from loom.plan.cost import CostModel, Estimate, Layout, PlanError, Workload
 from loom.plan.hardware import GB, ClusterSpec, HardwareError, get_device
 
@@ -36,24 +36,31 @@ else:  # pragma: no cover
 VALIDATION_DIR = Path(__file__).resolve().parent / "validation"
 MEAN_TOLERANCE = 0.05  # the issue's goal on the public set: mean |error| <= 5%, max <= 12%
 MAX_TOLERANCE = 0.12
-_RUN_KEYS = {
-    "name",
-    "model",
-    "stack",
-    "cluster",
-    "layout",
-    "global_batch",
-    "seq_len",
-    "precision",
-    "flash_attention",
-    "reduce_dtype",
-    "tokens_per_s_per_gpu",
-    "step_time_s",
-    "tflops_per_gpu",
-    "tflops_formula",
-    "source",
-    "group",
-    "note",
+# [[runs]] keys and their TOML types (float: an integer or a float; every number must be > 0)
+_RUN_KEYS: dict[str, type] = {
+    "name": str,
+    "model": str,
+    "stack": str,
+    "cluster": dict,
+    "layout": str,
+    "global_batch": int,
+    "seq_len": int,
+    "precision": str,
+    "flash_attention": bool,
+    "reduce_dtype": str,
+    "tokens_per_s_per_gpu": float,
+    "step_time_s": float,
+    "tflops_per_gpu": float,
+    "tflops_formula": str,
+    "source": str,
+    "group": str,
+    "note": str,
+}
+_CLUSTER_KEYS: dict[str, type] = {
+    "device": str,
+    "devices_per_node": int,
+    "inter_bandwidth_gbps": float,
+    "intra_bandwidth_gbps": float,
 }
 _MEASURES = ("tokens_per_s_per_gpu", "step_time_s", "tflops_per_gpu")
 
@@ -87,9 +94,7 @@ def megatron_flops_per_token(m: ModelConfig, seq_len: int) -> float:
 def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> PublishedRun:
     name = row.get("name", "?")
     at = f"{where}: run {name!r}"
-    for key in row:
-        if key not in _RUN_KEYS:
-            raise PlanError(f"{at}: unknown key {key!r}; allowed: {', '.join(sorted(_RUN_KEYS))}")
+    _check_types(row, _RUN_KEYS, at)
     for key in ("name", "model", "stack", "cluster", "layout", "global_batch", "seq_len", "source"):
         if key not in row:
             raise PlanError(f"{at}: missing {key!r}")
@@ -99,28 +104,30 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
     if len(given) != 1:
         raise PlanError(f"{at}: give exactly one of {', '.join(_MEASURES)}")
     model = models[row["model"]]
-    lay = Layout.parse(row["layout"])
     cl = dict(row["cluster"])
-    per = int(cl.pop("devices_per_node", 8))
+    _check_types(cl, _CLUSTER_KEYS, f"{at}: cluster")
+    for key in ("device", "inter_bandwidth_gbps"):
+        if key not in cl:
+            raise PlanError(f"{at}: cluster: missing {key!r}")
+    per = int(cl.get("devices_per_node", 8))
     try:
-        dev = get_device(cl.pop("device"))
-        kw = {"inter_bandwidth": float(cl.pop("inter_bandwidth_gbps")) * GB}
+        lay = Layout.parse(row["layout"])
+        dev = get_device(cl["device"])
+        kw = {"inter_bandwidth": float(cl["inter_bandwidth_gbps"]) * GB}
         if "intra_bandwidth_gbps" in cl:
-            kw["intra_bandwidth"] = float(cl.pop("intra_bandwidth_gbps")) * GB
-    except (KeyError, HardwareError) as e:
-        raise PlanError(f"{at}: cluster: {e}") from None
-    if cl:
-        raise PlanError(f"{at}: cluster: unknown keys {sorted(cl)}")
-    nodes = -(-lay.world_size // per)
-    cluster = ClusterSpec.single_node(dev, per, nodes, name=f"{dev.name}:{nodes}x{per}", **kw)
-    w = Workload(
-        global_batch=int(row["global_batch"]),
-        seq_len=int(row["seq_len"]),
-        precision=row.get("precision", "bf16"),
-        fp8_layers="all",  # Transformer Engine's FP8 runs every block Linear in float8
-        reduce_dtype=row.get("reduce_dtype", "fp32"),
-        flash_attention=bool(row.get("flash_attention", True)),
-    )
+            kw["intra_bandwidth"] = float(cl["intra_bandwidth_gbps"]) * GB
+        nodes = -(-lay.world_size // per)
+        cluster = ClusterSpec.single_node(dev, per, nodes, name=f"{dev.name}:{nodes}x{per}", **kw)
+        w = Workload(
+            global_batch=row["global_batch"],
+            seq_len=row["seq_len"],
+            precision=row.get("precision", "bf16"),
+            fp8_layers="all",  # Transformer Engine's FP8 runs every block Linear in float8
+            reduce_dtype=row.get("reduce_dtype", "fp32"),
+            flash_attention=row.get("flash_attention", True),
+        )
+    except (PlanError, HardwareError) as e:
+        raise PlanError(f"{at}: {e}") from None
     tokens = w.global_batch * w.seq_len
     if "tokens_per_s_per_gpu" in row:
         tps = float(row["tokens_per_s_per_gpu"])
@@ -136,15 +143,59 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
     )
 
 
+def _check_types(table: dict[str, Any], types: dict[str, type], at: str) -> None:
+    """Every key of ``table`` known, of its TOML type in ``types`` (float: any number), numbers > 0."""
+    for key, value in table.items():
+        if key not in types:
+            raise PlanError(f"{at}: unknown key {key!r}; allowed: {', '.join(sorted(types))}")
+        want = types[key]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = (
+            number and (want is float or isinstance(value, int))
+            if want in (int, float)
+            else isinstance(value, want)
+        )
+        if not ok:
+            kind = {int: "a whole number", float: "a number", bool: "true or false", dict: "a table"}.get(
+                want, "a string"
+            )
+            raise PlanError(f"{at}: {key} must be {kind}, got {value!r}")
+        if number and not value > 0:  # (NaN fails too)
+            raise PlanError(f"{at}: {key} must be > 0, got {value!r}")
+
+
+def _model(fields: Any, at: str) -> ModelConfig:
+    """A ``[models.NAME]`` table as :class:`ModelConfig`, read and checked as a config's ``[model]``."""
+    if not isinstance(fields, dict):
+        raise PlanError(f"{at} must be a table, got {type(fields).__name__}")
+    try:
+        model = from_dict({"model": fields}).model
+        _check_model(model)
+    except ConfigError as e:  # "model.dim: ..." -> "FILE: models.NAME.dim: ..."
+        raise PlanError(f"{at}.{str(e).removeprefix('model.')}") from None
+    return model
+
+
 def load_file(path: Path) -> list[PublishedRun]:
-    data = tomllib.loads(path.read_text())
-    models = {}
-    for key, fields in data.get("models", {}).items():
-        try:
-            models[key] = ModelConfig(**fields)
-        except TypeError as e:
-            raise PlanError(f"{path.name}: models.{key}: {e}") from None
-    return [_run(row, models, path.name) for row in data.get("runs", [])]
+    """The runs of one validation TOML (the module docstring's format); a bad file, table or value is
+    one :class:`PlanError` line naming the file, the run or model, and the key."""
+    text = read_text_file(path, str(path), PlanError)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PlanError(f"{path.name}: not valid TOML: {e}") from None
+    for key in data:
+        if key not in ("models", "runs"):
+            raise PlanError(f"{path.name}: unknown table {key!r}; allowed: [models.NAME] and [[runs]]")
+    tables, rows = data.get("models", {}), data.get("runs", [])
+    if not isinstance(tables, dict):
+        raise PlanError(f"{path.name}: models must be tables [models.NAME], got {type(tables).__name__}")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise PlanError(f"{path.name}: runs must be an array of tables [[runs]], got {type(rows).__name__}")
+    if not rows:
+        raise PlanError(f"{path.name}: no [[runs]]")
+    models = {key: _model(fields, f"{path.name}: models.{key}") for key, fields in tables.items()}
+    return [_run(row, models, path.name) for row in rows]
 
 
 def load_runs(directory: Path = VALIDATION_DIR) -> list[PublishedRun]:
@@ -179,7 +230,15 @@ def predict(run: PublishedRun) -> Estimate:
 
 
 def compare_published(runs: list[PublishedRun] | None = None) -> list[PublishedComparison]:
-    return [PublishedComparison(r, predict(r)) for r in (load_runs() if runs is None else runs)]
+    """Each run beside the planner's estimate; a layout the planner refuses for its run (it does not
+    divide the batch, exceeds the model's heads, ...) is one line naming the file and the run."""
+    out = []
+    for r in load_runs() if runs is None else runs:
+        try:
+            out.append(PublishedComparison(r, predict(r)))
+        except (PlanError, HardwareError) as e:
+            raise PlanError(f"{r.file}: run {r.name!r}: {e}") from None
+    return out
 
 
 def summary(rows: list[PublishedComparison]) -> tuple[float, float]:

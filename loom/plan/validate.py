@@ -12,8 +12,8 @@ same config on :func:`~loom.plan.auto.local_cluster` with the calibration profil
 
 from __future__ import annotations
 
-import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -23,10 +23,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from loom.config import LoomConfig, load, preset_path
+from loom.config import ArgParser, ConfigError, LoomConfig, check_picture_path, load, preset_path
 from loom.parallel.base import held_state_bytes
 from loom.plan.auto import predicted_fields
 from loom.plan.comparison import MEMORY_TOLERANCE, TIME_TOLERANCE, Comparison
+from loom.plan.cost import PlanError
 from loom.plan.hardware import Profile, contended
 
 REPO = Path(__file__).resolve().parents[2]
@@ -212,7 +213,7 @@ def validate(
 def main(argv: list[str]) -> int:
     """``loom plan validate [--profile p.json] [--config debug.toml] [--steps N] [--only NAME ...] [--json] [--plot f.png]``,
     or ``loom plan validate --published [--sources] [--json]`` (no runs: the published-run table)."""
-    p = argparse.ArgumentParser(prog="loom plan validate", description="predicted vs measured on local runs")
+    p = ArgParser(prog="loom plan validate", description="predicted vs measured on local runs")
     p.add_argument(
         "--profile",
         help="calibration profile (loom plan calibrate); default: ./profile.json if present, else the datasheet",
@@ -231,6 +232,13 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="instead: predicted vs published TFLOP/s per GPU of the runs in loom/plan/validation/*.toml",
     )
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        metavar="FILE",
+        help="with --published: your own runs instead, TOML files in the format of loom/plan/validation/*.toml "
+        "(docs/planner.md), predicted with the shipped constants",
+    )
     p.add_argument("--sources", action="store_true", help="with --published: also list each run's source")
     p.add_argument(
         "--fit",
@@ -238,17 +246,35 @@ def main(argv: list[str]) -> int:
         help="with --published: refit the fitted constants, and predict each file's runs from the others",
     )
     args = p.parse_args(argv)
+    if args.runs and not args.published:
+        p.error("--runs needs --published")
+    for flag, value in (("--steps", args.steps), ("--repeats", args.repeats)):
+        if value < 1:  # before any training run starts
+            p.error(f"{flag}: must be >= 1, got {value}")
+    if not (math.isfinite(args.corpus_mb) and args.corpus_mb > 0):
+        p.error(f"--corpus-mb: must be a number > 0, got {args.corpus_mb}")
+    if args.plot:
+        try:
+            check_picture_path("--plot", args.plot)
+        except ConfigError as e:
+            p.error(str(e))
     if args.published:
         from loom.plan.published import (
             MAX_TOLERANCE,
             MEAN_TOLERANCE,
             compare_published,
             format_published,
+            load_file,
             sources,
             summary,
         )
 
-        published = compare_published()
+        try:
+            given = [r for f in args.runs for r in load_file(Path(f))] if args.runs else None
+            published = compare_published(given)
+        except PlanError as e:
+            print(f"loom plan validate: {e}", file=sys.stderr)
+            return 2
         if args.json:
             print(
                 json.dumps(
@@ -274,7 +300,9 @@ def main(argv: list[str]) -> int:
             if args.fit:
                 from loom.plan.fit import current, errors, fit, leave_one_source_out, per_source
 
-                runs = [r.run for r in published]
+                runs = [r.run for r in published] + (
+                    [r.run for r in compare_published()] if args.runs else []
+                )
                 now = current(runs)
                 refit = fit(runs, now)
                 errs = [abs(e) for e in errors(runs, refit)]

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from loom.config import ConfigError, _coerce
+from loom.config import ConfigError, _coerce, check_picture_path, read_text_file
 
 FIELDS = ("loss", "grad_norm")
 
@@ -31,7 +31,7 @@ def read_rows(run: str) -> Rows:
     """``step -> row`` of a run's metrics (a later row of the same step wins, as after a resume)."""
     path = metrics_path(run)
     try:
-        text = path.read_text()
+        text = read_text_file(path, f"compare: {path}")
     except OSError as e:
         raise ConfigError(f"compare: {path}: {e.strerror or e}") from None
     rows: Rows = {}
@@ -180,6 +180,8 @@ def main(argv: list[str]) -> int:
     if len(runs) != 2:
         raise ConfigError(f"compare: give two runs (run directories or metrics.jsonl files); usage: {USAGE}")
     tol = _coerce(opts.get("tol", "0"), float, "--tol")
+    if "plot" in opts:  # before reading the runs: the picture is drawn last
+        check_picture_path("--plot", opts["plot"])
     if not tol >= 0:
         raise ConfigError(f"--tol: must be a number >= 0, got {opts['tol']}")
     rows_a, rows_b = read_rows(runs[0]), read_rows(runs[1])

@@ -20,16 +20,17 @@ from torch import nn
 
 from loom.checkpoint.load import CheckpointReader
 from loom.checkpoint.protocol import Box
-from loom.config import ConfigError, ModelConfig
+from loom.config import ConfigError, LoomConfig, ModelConfig
 from loom.parallel.materialize import Source
 
 PREFIX = "model."
 
 
-def initial_source(model: nn.Module, path: str | Path) -> tuple[Source, str]:
+def initial_source(model: nn.Module, path: str | Path, check: bool = True) -> tuple[Source, str]:
     """The weights at ``path`` for ``model`` (built on the meta device or whole: only its parameters'
     names and shapes are read) as a source, and what it reads. A tensor missing from the source, or of
-    another shape, is a one-line error naming it, before anything is read."""
+    another shape, is a one-line error naming it, before anything is read. ``check=False``: a
+    checkpoint's files are not hashed (its manifest and index are still read)."""
     p = Path(path)
     if (p / "config.json").is_file():
         from loom.model.hf import expected_shapes, open_dir, source
@@ -45,16 +46,34 @@ def initial_source(model: nn.Module, path: str | Path) -> tuple[Source, str]:
                     f"has {shape} (give the same model fields, or use model.from_hf)"
                 )
         return source(hf), f"Hugging Face model {p}"
-    ckpt = CheckpointSource(p, model)
+    ckpt = CheckpointSource(p, model, check)
     return ckpt, f"checkpoint {ckpt.reader.dir} (step {ckpt.reader.step})"
+
+
+def check_init_from(cfg: LoomConfig, tokenizer_vocab: int) -> None:
+    """``train.init_from`` checked by the launcher before any rank starts, as each rank will open it:
+    every parameter of the model this config builds (on the meta device: no memory) is there, of its
+    shape; a Hugging Face directory's headers and a checkpoint's manifest and index are read, the
+    checkpoint's content is hashed by the ranks."""
+    import copy
+
+    from loom.config import effective_vocab
+    from loom.model.llama import build_model
+
+    c = copy.deepcopy(cfg)
+    c.model.vocab_size = effective_vocab(c, tokenizer_vocab)
+    model = build_model(c.model, c.train.seed, meta=True, moe=c.moe)
+    source, _ = initial_source(model, cfg.train.init_from, check=False)
+    if isinstance(source, CheckpointSource):
+        source.reader.close()
 
 
 class CheckpointSource:
     """The source of a Loom checkpoint's model weights: ``(name, shape, index)`` -> that box of
     ``model.<name>``, read from whatever files hold it (the checkpoint verified once, when opened)."""
 
-    def __init__(self, path: Path, model: nn.Module) -> None:
-        self.reader = CheckpointReader(path)
+    def __init__(self, path: Path, model: nn.Module, check: bool = True) -> None:
+        self.reader = CheckpointReader(path, check=check)
         have = set(self.reader.names())
         for name, param in model.named_parameters():
             key = PREFIX + name

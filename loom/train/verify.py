@@ -63,9 +63,7 @@ MiB = 2**20
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="loom plan verify", description=__doc__.split("\n")[0], allow_abbrev=False
-    )
+    p = C.ArgParser(prog="loom plan verify", description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument(
         "--config", required=True, help="a Loom TOML config or preset (its model and training settings)"
     )

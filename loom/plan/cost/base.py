@@ -64,9 +64,10 @@ class CostBase:
         try:
             self.machine = Machine(cluster, train.precision, profile)
         except HardwareError as e:
-            raise PlanError(f"train.precision: {e}") from None
+            raise PlanError(f"train.precision: {str(e).removeprefix('precision: ')}") from None
         if stack not in STACKS:
-            raise PlanError(f"stack: must be one of {', '.join(STACKS)}, got {stack!r}")
+            names = ", ".join(repr(n) for n in STACKS)
+            raise PlanError(f"stack: must be one of {names} ('' is Loom), got {stack!r}")
         self.stack = STACKS[stack]
         # per-kernel compute model: a GPU from its datasheet (a measured GEMM rate is used flat, as measured)
         self.kernels = cluster.device.sms > 0 and not self.machine.measured_gemm

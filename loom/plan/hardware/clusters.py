@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loom.config import read_text_file
 from loom.numbers import is_whole
 from loom.plan.hardware.datasheets import DEVICES, GB, DeviceSpec, GiB, HardwareError, get_device
 
@@ -143,10 +144,9 @@ def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpe
 def load_cluster(path: str | Path) -> ClusterSpec:
     """Read a cluster TOML file (see :func:`cluster_from_dict` for the keys)."""
     p = Path(path)
-    if not p.is_file():
-        raise HardwareError(f"cluster file {str(p)!r} does not exist")
+    text = read_text_file(p, f"cluster file {str(p)!r}", HardwareError)
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise HardwareError(f"cluster file {str(p)!r} is not valid TOML: {e}") from None
     return cluster_from_dict(data, name=p.stem)

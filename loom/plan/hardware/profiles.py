@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loom.config import read_text_file
 from loom.plan.hardware.datasheets import PRECISIONS, DeviceSpec, HardwareError
 
 CALL_KINDS = ("tp", "ep")  # the calls Profile.call_overhead prices: tensor- and expert-parallel layers
@@ -166,9 +167,7 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         p = Path(path)
-        if not p.is_file():
-            raise HardwareError(f"profile file {str(p)!r} does not exist")
-        return cls.from_json(p.read_text())
+        return cls.from_json(read_text_file(p, f"profile file {str(p)!r}", HardwareError))
 
 
 def cores() -> int:
