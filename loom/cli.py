@@ -226,7 +226,7 @@ def _check_data(cfg: C.LoomConfig) -> None:
     every = (
         prepare_sources(cfg.data, cfg.run.progress)
         if cfg.data.sources
-        else [prepare_data(cfg.data, progress=cfg.run.progress, explicit=C.explicit(cfg))]
+        else [prepare_data(cfg.data, progress=cfg.run.progress, explicit=C.overridden(cfg))]
     )
     prepared = every[0]  # the validation tokens of the first source; training windows of each
     for p in every:
@@ -274,7 +274,7 @@ def cmd_prepare(argv: list[str]) -> int:
     every = (
         prepare_sources(cfg.data, cfg.run.progress)
         if cfg.data.sources
-        else [prepare_data(cfg.data, cfg.run.progress, explicit=C.explicit(cfg))]
+        else [prepare_data(cfg.data, cfg.run.progress, explicit=C.overridden(cfg))]
     )
     for prepared in every:  # one line per [[data.sources]] table
         print(

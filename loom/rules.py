@@ -13,10 +13,9 @@ library only); each problem is one line naming the field.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
-
-from loom.numbers import is_whole
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw"]
 AsyncScheduleName = Literal["pipedream", "2bw"]  # stage-local weight versions, optimizer steps per stage
@@ -352,7 +351,7 @@ def parse_ps_sync(spec: str) -> int | None:
     if spec == "asp":
         return None
     head, sep, bound = spec.partition(":")
-    if head != "ssp" or not sep or not is_whole(bound.lstrip("-")):
+    if head != "ssp" or not sep or not re.fullmatch(r"-?[0-9]+", bound):  # ASCII digits: int() reads them
         raise ValueError(f"parallel.ps_sync: must be bsp | asp | ssp:S (S >= 0 steps), got {spec!r}")
     if int(bound) < 0:
         raise ValueError(f"parallel.ps_sync: the staleness bound S of ssp:S must be >= 0, got {bound}")

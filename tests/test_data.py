@@ -204,7 +204,7 @@ def test_prepare_txt_idempotent_and_consistent(tmp_path, cache):
     assert other.dir != p.dir  # the cache key includes the vocabulary
 
 
-def test_prepare_jsonl_explicit_dir_and_given_tokenizer(tmp_path, cache):
+def test_prepare_jsonl_explicit_dir_and_given_tokenizer(tmp_path, cache, caplog):
     jl = tmp_path / "c.jsonl"
     jl.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     first = prepare_data(DataConfig(source=str(jl), vocab_size=300), progress=False)
@@ -214,8 +214,10 @@ def test_prepare_jsonl_explicit_dir_and_given_tokenizer(tmp_path, cache):
     assert p.dir == out
     _check_prepared(p)
     assert np.array_equal(np.fromfile(p.train_path, p.dtype), np.fromfile(first.train_path, first.dtype))
-    with pytest.warns(UserWarning, match="tokenizer"):  # an explicit dir is reused, with a warning
+    with caplog.at_level("WARNING", logger="loom"):  # an explicit dir is reused, with a one-line warning
         assert prepare_data(DataConfig(source=str(jl), prepared_dir=str(out)), progress=False) == p
+    (warning,) = [r.getMessage() for r in caplog.records if "reusing" in r.getMessage()]
+    assert "prepared with different tokenizer" in warning and "\n" not in warning
     with pytest.raises(ValueError, match="data.tokenizer: .* does not exist"):
         prepare_data(DataConfig(source=str(jl), tokenizer=str(tmp_path / "nope.json")), progress=False)
     (tmp_path / "busy").mkdir()

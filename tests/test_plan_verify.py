@@ -3,6 +3,7 @@ the planner's model-state bytes hold within 2% and its peak within 10% (the comm
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -10,109 +11,148 @@ import pytest
 
 from loom.plan.cost import Layout
 
+_DRIVER = """
+import contextlib, io, json, os, sys, traceback
+import loom.plan.cli, loom.train.verify  # imported once (no torch op runs here: no threads to fork)
+from loom.cli import main
+out = {}
+for key, argv in json.loads(sys.argv[1]).items():
+    r, w = os.pipe()
+    if os.fork() == 0:  # each verify in a child of its own: its profiler, process group and memory
+        os.close(r)
+        buf, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
+            try:
+                rc = main(["plan", "verify", *argv])
+            except BaseException:
+                traceback.print_exc()
+                rc = 99
+        with os.fdopen(w, "w") as f:
+            json.dump([rc, buf.getvalue(), err.getvalue()], f)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        got = f.read()
+    os.wait()
+    out[key] = json.loads(got) if got else [98, "", "the verify's process died"]
+print(json.dumps(out))
+"""
 
-def _verify(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "loom", "plan", "verify", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+_H100 = ("--device", "h100-sxm", "--rank", "0")
+_MOE_SHAPES = ("--model.n_layers", "1", "--model.n_experts", "8", "--model.top_k", "2", "--model.dim", "512")
+_MOE_SHAPES += (
+    "--model.n_heads",
+    "8",
+    "--model.n_kv_heads",
+    "2",
+    "--model.ffn_dim",
+    "2048",
+    "--model.vocab_size",
+    "8192",
+)
+# the reductions' rows: (config, layout, devices, precision and the fields it brings)
+_REDUCTIONS = [
+    ("llama-1b", "dp2 tp1 pp1 cp1 ep1 zero3", 2, "bf16"),
+    ("llama-1b", "dp4 tp2 pp1 cp1 ep1 zero3", 8, "fp32"),
+    ("gpt-125m", "dp4 tp1 pp1 cp1 ep1 zero0", 4, "bf16"),
+    ("gpt-125m", "dp2 tp2 pp1 cp1 ep1 zero1 sp", 4, "bf16"),
+    ("gpt-125m", "dp4 tp1 pp1 cp1 ep1 zero0", 4, "fp32 --train.optimizer adafactor"),
+    (
+        "llama-1b",
+        "dp4 tp1 pp1 cp1 ep2 zero3",
+        4,
+        "bf16 --model.n_experts 4 --model.top_k 2 --model.ffn_dim 2048",
+    ),
+]
+# every ``loom plan verify`` of this module, by name: its arguments
+_RUNS: dict[str, tuple[str, ...]] = {
+    "llama3-8b tp8 pp4": (
+        *("--config", "llama3-8b", "--devices", "32", *_H100, "--seq", "16"),
+        *("--layout", "dp1 tp8 pp4 cp1 ep1 zero0 1f1b:v1 mb1 recompute:none", "--model.n_layers=4"),
+    ),
+    "llama-1b zero3 over 64": (
+        *("--config", "llama-1b", "--devices", "64", *_H100, "--seq", "16"),
+        *("--layout", "dp64 tp1 pp1 cp1 ep1 zero3 mb1 recompute:none", "--model.n_layers", "2"),
+    ),
+    "moe ep2 zero3": (
+        *(
+            "--config",
+            "llama-1b",
+            "--devices",
+            "4",
+            "--device",
+            "h100-sxm",
+            "--seq",
+            "64",
+            "--microbatches",
+            "2",
+        ),
+        *("--layout", "dp4 tp1 pp1 cp1 ep2 zero3 1f1b:v1 mb1 recompute:none", *_MOE_SHAPES),
+    ),
+    **{
+        f"{config}-{layout}-{precision}": (
+            *("--config", config, "--devices", str(devices), *_H100, "--seq", "32"),
+            *("--layout", f"{layout} 1f1b:v1 mb1 recompute:none", "--microbatches", "2"),
+            *("--model.n_layers", "2", "--train.precision", *precision.split()),
+        )
+        for config, layout, devices, precision in _REDUCTIONS
+    },
+    "bad layout word": ("--config", "llama3-8b", "--devices", "32", "--layout", "dp1 tp8 pp4 warp9"),
+    "layout of another size": ("--config", "llama3-8b", "--devices", "64", "--layout", "dp1 tp8 pp4"),
+}
 
 
-def test_rank_0_of_llama3_8b_on_32_devices_matches_the_planner():
+@pytest.fixture(scope="module")
+def verified() -> dict[str, tuple[int, str, str]]:
+    """(exit status, stdout, stderr) of every verify of :data:`_RUNS`, one after another, each in a
+    process forked from one that imported torch and Loom once (a process importing torch costs
+    seconds here; two verifies in one process do not measure alike: the profiler's second window can
+    come back empty)."""
+    cmd = [sys.executable, "-c", _DRIVER, json.dumps(_RUNS)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return {k: (rc, o, e) for k, (rc, o, e) in json.loads(out.stdout.splitlines()[-1]).items()}
+
+
+def _passed(verified: dict, key: str) -> dict[str, str]:
+    """The table rows of run ``key``, which exited 0 (every gate of the command held)."""
+    rc, out, err = verified[key]
+    assert rc == 0, out + err
+    return _rows(out)
+
+
+def test_rank_0_of_llama3_8b_on_32_devices_matches_the_planner(verified):
     """tp8 pp4, 1F1B with 4 micro-batches, one block per stage (a config override, as ``loom train``
     takes them): every model-state kind within 2%, the peak within 10%."""
-    out = _verify(
-        "--config",
-        "llama3-8b",
-        "--devices",
-        "32",
-        "--device",
-        "h100-sxm",
-        "--rank",
-        "0",
-        "--seq",
-        "16",
-        "--layout",
-        "dp1 tp8 pp4 cp1 ep1 zero0 1f1b:v1 mb1 recompute:none",
-        "--model.n_layers=4",
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = _rows(out.stdout)
+    rows = _passed(verified, "llama3-8b tp8 pp4")
     for kind in ("parameters", "gradients", "optimizer", "peak"):
         assert rows[kind].endswith(("(±2%)", "(±10%)")) and " ok " in rows[kind] + " ", rows[kind]
 
 
-def test_rank_0_of_a_1b_model_under_zero3_on_64_devices_holds_the_state_formula():
+def test_rank_0_of_a_1b_model_under_zero3_on_64_devices_holds_the_state_formula(verified):
     """ZeRO-3 over 64: parameters, gradients and optimizer state are 1/64 each, as the planner says
     (within 2%), and the peak holds the planner's ZeRO-3 transient (the tied embedding/head unit
     gathered with its gradients in backward) within 10%; two blocks."""
-    out = _verify(
-        "--config",
-        "llama-1b",
-        "--devices",
-        "64",
-        "--device",
-        "h100-sxm",
-        "--rank",
-        "0",
-        "--seq",
-        "16",
-        "--layout",
-        "dp64 tp1 pp1 cp1 ep1 zero3 mb1 recompute:none",
-        "--model.n_layers",
-        "2",
-    )
-    rows = _rows(out.stdout)
+    rows = _passed(verified, "llama-1b zero3 over 64")
     for kind in ("parameters", "gradients", "optimizer", "peak"):
         assert " ok " in rows[kind] + " ", rows[kind]
-    assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_rank_0_of_a_small_mixture_of_experts_under_ep2_zero3_holds_the_formulas():
+def test_rank_0_of_a_small_mixture_of_experts_under_ep2_zero3_holds_the_formulas(verified):
     """8 experts top-2 over ep 2 under ZeRO-3 (dp 4), llama-1b's tied embedding at small widths,
     2 micro-batches: the balanced routing's all-to-alls run under the fake group, the expert shards
     (E/ep experts over dp/ep ranks) and dense shards hold within 2%, and the peak holds the ZeRO-3
     walk (the tied unit gathered through backward beside the head's gradient, the experts a unit of
     their own, full-size gradients between micro-batches) within 10%."""
-    shapes = ["--model.n_layers", "1", "--model.n_experts", "8", "--model.top_k", "2"]
-    shapes += ["--model.dim", "512", "--model.n_heads", "8", "--model.n_kv_heads", "2"]
-    shapes += ["--model.ffn_dim", "2048", "--model.vocab_size", "8192"]
-    out = _verify(
-        "--config",
-        "llama-1b",
-        "--devices",
-        "4",
-        "--device",
-        "h100-sxm",
-        "--seq",
-        "64",
-        "--microbatches",
-        "2",
-        "--layout",
-        "dp4 tp1 pp1 cp1 ep2 zero3 1f1b:v1 mb1 recompute:none",
-        *shapes,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = _rows(out.stdout)
+    rows = _passed(verified, "moe ep2 zero3")
     for kind in ("parameters", "gradients", "optimizer", "peak"):
         assert " ok " in rows[kind] + " ", rows[kind]
 
 
-@pytest.mark.parametrize(
-    "config, layout, devices, precision",
-    [
-        ("llama-1b", "dp2 tp1 pp1 cp1 ep1 zero3", 2, "bf16"),
-        ("llama-1b", "dp4 tp2 pp1 cp1 ep1 zero3", 8, "fp32"),
-        ("gpt-125m", "dp4 tp1 pp1 cp1 ep1 zero0", 4, "bf16"),
-        ("gpt-125m", "dp2 tp2 pp1 cp1 ep1 zero1 sp", 4, "bf16"),
-        ("gpt-125m", "dp4 tp1 pp1 cp1 ep1 zero0", 4, "fp32 --train.optimizer adafactor"),
-        (
-            "llama-1b",
-            "dp4 tp1 pp1 cp1 ep2 zero3",
-            4,
-            "bf16 --model.n_experts 4 --model.top_k 2 --model.ffn_dim 2048",
-        ),
-    ],
-)
-def test_reductions_and_tied_gradients_hold_the_peak_within_three_percent(config, layout, devices, precision):
+@pytest.mark.parametrize("config, layout, devices, precision", _REDUCTIONS)
+def test_reductions_and_tied_gradients_hold_the_peak_within_three_percent(
+    verified, config, layout, devices, precision
+):
     """Mixed precision reduces bf16 gradients in fp32 (``parallel.reduce_dtype``): each reduction in
     flight holds its fp32 copy and the fp32 shard it receives, R (1 + 1/N) bytes per element, and the
     table-sized buckets dominate at tp1. The planner counted G = 2 (the 22 llama3-70b tp1 rows an H100
@@ -123,14 +163,9 @@ def test_reductions_and_tied_gradients_hold_the_peak_within_three_percent(config
     gradient into the head's (two tables, not three: 0.852 in fp32 before). Adafactor without ZeRO
     runs the flat path too, with accumulated buffers (llama-1b 1.961 before); MoE experts reduce over their own
     group with their own in-flight window (1.108 before). On the CPU, within 3%."""
-    out = _verify(
-        *("--config", config, "--devices", str(devices), "--device", "h100-sxm", "--rank", "0"),
-        *("--seq", "32", "--layout", f"{layout} 1f1b:v1 mb1 recompute:none", "--microbatches", "2"),
-        *("--model.n_layers", "2", "--train.precision", *precision.split()),
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    ratio = float(_rows(out.stdout)["peak"].split()[3])
-    assert abs(ratio - 1) <= 0.03, out.stdout
+    rows = _passed(verified, f"{config}-{layout}-{precision}")
+    ratio = float(rows["peak"].split()[3])
+    assert abs(ratio - 1) <= 0.03, rows["peak"]
 
 
 def _rows(stdout: str) -> dict[str, str]:
@@ -138,7 +173,7 @@ def _rows(stdout: str) -> dict[str, str]:
     return {line.split()[0]: line.rstrip() for line in stdout.splitlines() if line.strip()}
 
 
-def test_layout_lines_round_trip_and_bad_ones_are_one_line():
+def test_layout_lines_round_trip_and_bad_ones_are_one_line(verified):
     lay = Layout.parse("dp16 tp8 pp8 cp1 ep1 zero1 sp interleaved:v5 mb1 recompute:none")
     assert (lay.dp, lay.tp, lay.pp, lay.zero, lay.dp_shard, lay.sp, lay.schedule, lay.v) == (
         16,
@@ -151,10 +186,10 @@ def test_layout_lines_round_trip_and_bad_ones_are_one_line():
         5,
     )
     assert Layout.parse(lay.spec()) == lay
-    out = _verify("--config", "llama3-8b", "--devices", "32", "--layout", "dp1 tp8 pp4 warp9")
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "'warp9'" in out.stderr
-    out = _verify("--config", "llama3-8b", "--devices", "64", "--layout", "dp1 tp8 pp4")
-    assert out.returncode == 2 and "uses 32 devices" in out.stderr
+    rc, _, err = verified["bad layout word"]
+    assert rc == 2 and err.count("\n") == 1 and "'warp9'" in err
+    rc, _, err = verified["layout of another size"]
+    assert rc == 2 and "uses 32 devices" in err
 
 
 # ----------------------------------------------------------------------------- matrix, precheck, --on

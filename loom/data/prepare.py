@@ -23,7 +23,6 @@ import shutil
 import socket
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -359,8 +358,9 @@ def prepare_data(
     ``data.sources``, every source (:func:`prepare_sources`), returning the first.
 
     A file that cannot be written (disk full, permissions) is refused in one line naming it. An
-    existing ``data.prepared_dir`` prepared with other settings is reused with a warning, or refused
-    when one of them is among ``explicit`` (the ``data.*`` fields the user set)."""
+    existing ``data.prepared_dir`` prepared with other settings is reused with a one-line warning, or
+    refused when one of them is among ``explicit`` (the ``data.*`` fields given on the command line:
+    a config file's or preset's own values are not a request to prepare again)."""
     if cfg.sources:  # data.prepared_dir is not used: each source has its own cache directory
         return prepare_sources(cfg, progress)[0]
     if cfg.prepared_dir and (Path(cfg.prepared_dir).expanduser() / META).is_file():
@@ -431,9 +431,8 @@ def _reuse(final: Path, cfg: DataConfig, explicit: frozenset[str] = frozenset())
                 f"{old.get(k)!r}; give a new data.prepared_dir to prepare it, or leave data.{name} out"
             )
     if changed:
-        warnings.warn(
-            f"data.prepared_dir: reusing {str(final)!r}, prepared with different {', '.join(changed)}",
-            stacklevel=3,
+        log.warning(
+            "data.prepared_dir: reusing %r, prepared with different %s", str(final), ", ".join(changed)
         )
     return data
 
