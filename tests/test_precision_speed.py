@@ -424,3 +424,29 @@ def test_planner_prices_lowps_routed_experts_as_the_stack_runs_them():
         t_mb("bf16", "megatron-core") - t_mb("fp8", "megatron-core"),
     )
     assert 0 < loom_gain < te_gain / 2  # Loom: attention's Linears only; TE: the experts too
+
+
+def test_planner_prices_the_head_as_the_stack_runs_it():
+    """Loom keeps the output head out of its fp8 swap (``low_precision_target``): under fp8 with every
+    block Linear 8-bit, a 1-layer model's micro-batch time falls by the blocks' GEMMs only, the head's
+    bf16 GEMM unchanged; the published stacks' pricing (``Stack.lowp_head``) runs the head 8-bit too."""
+    from loom.config import ModelConfig
+    from loom.plan.cost import CostModel, Workload
+    from loom.plan.cost.compute import microbatch_times
+    from loom.plan.hardware import ClusterSpec
+
+    model = ModelConfig(dim=2048, n_layers=1, n_heads=16, n_kv_heads=8, vocab_size=128256)
+    cluster = ClusterSpec.single_node("h100-sxm", 8)
+
+    def t_mb(precision: str, stack: str = "", vocab: int = model.vocab_size) -> float:
+        m = ModelConfig(**{**vars(model), "vocab_size": vocab})
+        cm = CostModel(m, Workload(8, 4096, precision=precision, fp8_layers="all"), cluster, stack=stack)
+        return microbatch_times(cm, 1, False, 1, 1, 1, "none", 1)[0]
+
+    def head(
+        precision: str, stack: str = ""
+    ) -> float:  # the head's share: a large vocabulary less a small one
+        return t_mb(precision, stack) - t_mb(precision, stack, vocab=256)
+
+    assert head("fp8") == pytest.approx(head("bf16"), rel=1e-9)
+    assert head("fp8", "megatron-core") < 0.8 * head("bf16", "megatron-core")

@@ -70,7 +70,7 @@ def microbatch_times(
     mc, tr, mach = cm.model, cm.train, cm.machine
     B, h, f, s = cm.act_bytes, mc.dim, cm.ffn, tr.seq_len
     T = mb * s / cp
-    gemm_b = 1 if tr.precision in ("fp8", "int8") else B  # operand bytes of the head's GEMM
+    head_8bit = tr.precision in ("fp8", "int8") and cm.stack.lowp_head  # the head's GEMM in 8 bits
     lin = partial(linear_gemm, cm)  # a block Linear's GEMM: 8-bit where it runs in 8 bits (m, in, out)
     # tokens per expert GEMM: T_r*top_k routed tokens (T_r = T/tp with sp, else T: experts are whole on
     # every tp rank) spread over this device's experts, the busiest ``moe_load`` times the mean
@@ -157,7 +157,11 @@ def microbatch_times(
         ep_layer += (n_tp + (n_tp - 2) // 2) * mach.call_overhead.get(
             "ep", 0.0
         )  # each call's cost in the layer
-    head = (1 + r) * mach.gemm(T, h, mc.vocab_size / tp, gemm_b)
+    head = (1 + r) * (
+        mach.gemm(T, h, mc.vocab_size / tp, 1)
+        if head_8bit
+        else mach.gemm(T, h, mc.vocab_size / tp, B, bf16=True)
+    )
     head += other * 16 * T * mc.vocab_size / tp / mach.hbm
     per_layer = {
         "compute": layer_f + layer_b,

@@ -36,6 +36,10 @@ class Stack:
     # fp8 / int8 run an MoE's routed experts in 8 bits (Transformer Engine's grouped GEMMs); False: they
     # stay bf16 (Loom converts nn.Linear layers only, its experts are grouped weights)
     lowp_experts: bool = True
+    # fp8 / int8 price the output head's GEMMs 8-bit; False: bf16 (Loom keeps the head out of its swap,
+    # as torchtitan does). The fitted stacks keep True, the pricing their constants were fitted with
+    # (Megatron's output layer is not a Transformer Engine Linear: a refit would move them)
+    lowp_head: bool = True
     note: str = ""
 
 
@@ -47,6 +51,7 @@ STACKS: dict[str, Stack] = {
             other=1.8,
             amax_per_gemm=True,
             lowp_experts=False,
+            lowp_head=False,
             note="Loom: eager PyTorch norms/activations and SDPA flash attention, as torchtitan's",
         ),
         Stack(
