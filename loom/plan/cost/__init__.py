@@ -72,7 +72,9 @@ Time of one step:
   HBM traffic (the roofline); on a CPU or with a calibrated rate, 2MKN / flops. Under fp8 / int8 a
   block Linear's GEMM has 1-byte operands at the 8-bit rate where it runs in 8 bits
   (``loom.memory.precision.runs_8bit``: with ``fp8_layers = auto`` only where float8 pays), else the
-  activations' bytes at the bf16 rate (:func:`~loom.plan.cost.compute.linear_gemm`). Backward is r = 2x
+  activations' bytes at the bf16 rate (:func:`~loom.plan.cost.compute.linear_gemm`); an MoE's routed
+  experts and the output head run 8-bit only on a stack that runs them so (``Stack.lowp_experts``,
+  ``Stack.lowp_head``: Loom keeps both in bf16). Backward is r = 2x
   forward (the FLOP ratio; a calibration profile may measure r nearer 1 for small layers where
   per-op cost sets the time). Attention core per kernel (:meth:`CostModel._attention_core`): a
   causal flash kernel runs half of the 4 T s h / t FLOPs (the PaLM/Megatron convention 12 L h s
