@@ -37,6 +37,7 @@ def lora_cfg(
     )
     p.dp_shard, p.cp, p.ep = layout.get("dp_shard", -1), layout.get("cp", 1), layout.get("ep", 1)
     p.reshard_after_forward = layout.get("reshard_after_forward", True)
+    p.schedule = layout.get("schedule", "1f1b")
     cfg.train.recompute = layout.get("recompute", "none")
     cfg.train.precision = layout.get("precision", "fp32")
     cfg.run.dir = "/tmp/loom-test-finetune"
@@ -184,6 +185,7 @@ LAYOUTS = {  # name -> (world, layout)
     "zero3_keep": (2, {"dp_shard": 2, "zero": 3, "reshard_after_forward": False}),
     "tp2_sp": (2, {"tp": 2, "sp": True}),
     "pp2": (2, {"pp": 2}),
+    "pp2_zbh1": (2, {"pp": 2, "schedule": "zb-h1"}),  # the first stage's input needs no gradient: BW only
     "cp2": (2, {"cp": 2}),
 }
 
@@ -217,6 +219,7 @@ def test_lora_layout_equals_single_process(pools, reference, name):
             "dp2",
             "tp2_sp",
             "pp2",
+            "pp2_zbh1",
             "cp2",
         ):  # replicated optimizer (tp / pp: this rank's share of the adapters)
             assert b["grad_bytes"] == 4 * r["trainable"] and b["optim_bytes"] == 8 * r["trainable"]

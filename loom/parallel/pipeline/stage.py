@@ -44,7 +44,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from loom import comm
 from loom.comm import Group
@@ -306,8 +306,15 @@ def _closure(starts: list[Node], rev: dict[Node, list[Node]], stop: set[Node]) -
 
 def backward_input(
     output: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, params: list[nn.Parameter]
-) -> tuple[torch.Tensor, WeightGrad]:
-    """BI: dL/dx only (weight gradients deferred); returns it and what :func:`backward_weight` needs."""
+) -> tuple[torch.Tensor | None, WeightGrad]:
+    """BI: dL/dx only (weight gradients deferred); returns it and what :func:`backward_weight` needs.
+    An input that needs no gradient (the first stage's, from a frozen embedding: LoRA, QLoRA) has no
+    spine: dx is None, and the whole backward, all weight gradients, is deferred to BW."""
+    if not x.requires_grad:
+        trained = [p for p in params if p.requires_grad]
+        dy = torch.ones_like(output) if grad is None else grad
+        pending = WeightGrad([(trained, [get_gradient_edge(output)], [dy])] if trained else [])
+        return None, pending
     out_node, in_node = _node(output), _node(x)
     rev = _consumers(out_node)
     spine, _ = _closure([in_node], rev, set())
