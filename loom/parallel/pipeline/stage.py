@@ -311,7 +311,7 @@ def backward_input(
     An input that needs no gradient (the first stage's, from a frozen embedding: LoRA, QLoRA) has no
     spine: dx is None, and the whole backward, all weight gradients, is deferred to BW."""
     if not x.requires_grad:
-        trained = [p for p in params if p.requires_grad]
+        trained: list[torch.Tensor] = [p for p in params if p.requires_grad]
         dy = torch.ones_like(output) if grad is None else grad
         pending = WeightGrad([(trained, [get_gradient_edge(output)], [dy])] if trained else [])
         return None, pending
