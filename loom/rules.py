@@ -190,6 +190,8 @@ def layout_problems(
         out.append(why)
     if (why := allreduce_problem(allreduce, dp=dp, dp_shard=dp_shard, cp=cp, ep=ep, zero=zero)) is not None:
         out.append(why)
+    if (why := zero_sharding_problem(zero, dp_shard)) is not None:
+        out.append(why)
     if offload != "none" and zero < 1:
         out.append(
             f"parallel.offload: {offload!r} offloads ZeRO optimizer state; it needs parallel.zero >= 1"
@@ -240,6 +242,17 @@ def expert_problem(m: ModelFacts, ep: int) -> str | None:
         return f"parallel.ep: expert parallelism needs experts (model.n_experts > 1), got ep={ep}"
     if ep > 1 and m.n_experts % ep:
         return f"parallel.ep: {ep} must divide model.n_experts={m.n_experts}"
+    return None
+
+
+def zero_sharding_problem(zero: int, dp_shard: int) -> str | None:
+    """``parallel.dp_shard`` is ZeRO's sharding group: ZeRO-0 shards nothing (its master-weight path
+    runs over a sharding group of one rank), so a group of more ranks is a setting it cannot honour."""
+    if zero == 0 and dp_shard > 1:
+        return (
+            f"parallel.dp_shard: {dp_shard} ranks is ZeRO's sharding group, but parallel.zero = 0 shards "
+            "nothing; set parallel.zero >= 1 (hybrid sharding), or leave dp_shard at -1 (automatic) or 1"
+        )
     return None
 
 

@@ -88,6 +88,7 @@ def test_refused_layouts_are_not_ranked_and_say_why():
         (dict(pp=2, schedule="2bw", precision="fp16", facts=dict(tie_embeddings=False)), "train.precision"),
         (dict(pp=2, pp_layout="0-3,4-6"), "parallel.pp_layout"),
         (dict(cp=2, recompute="selective"), "train.recompute"),  # the cp kernel replaces CoreAttention
+        (dict(dp=2, dp_shard=2), "parallel.dp_shard"),  # ZeRO-0's master path crashed on a sharding group
     ],
 )
 def test_layout_problems_name_the_field(kw, field):
@@ -152,6 +153,7 @@ def test_literal_fields_are_checked_and_documented():
         (rules.sharding_problem(dp=4, dp_shard=3, cp=1, ep=1), ["--parallel.dp_shard", "3"], 4),
         (rules.sharding_problem(dp=4, dp_shard=4, cp=1, ep=3), ["--parallel.ep", "3"], 4),
         (rules.zero_stage_problem(4), ["--parallel.zero", "4"], 2),
+        (rules.zero_sharding_problem(0, 2), ["--parallel.dp_shard", "2", "--train.precision", "fp16"], 2),
         (rules.batch_problem(16, 3, 2), ["--train.global_batch", "16", "--train.micro_batch", "3"], 2),
         (
             rules.server_ranks_problem(2, servers=2, dp=-1),
