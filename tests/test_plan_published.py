@@ -275,27 +275,28 @@ def test_cli_predicts_your_own_runs_as_the_shipped_ones(tmp_path, capsys):
     ],
 )
 def test_a_bad_runs_file_is_one_line_naming_the_file_and_key(tmp_path, capsys, old, new, says):
-    from loom.plan.validate import main
-
     assert old in _OWN
     (tmp_path / "own.toml").write_text(_OWN.replace(old, new, 1))
-    assert main(["--published", "--runs", str(tmp_path / "own.toml")]) == 2
+    _refused_in_one_line(tmp_path / "own.toml", says, capsys)
+
+
+def _refused_in_one_line(path, says: str, capsys) -> None:
+    """``loom plan validate --published --runs PATH`` exits 2 with one stderr line containing ``says``."""
+    from loom.plan.validate import main
+
+    assert main(["--published", "--runs", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
 
 
 def test_runs_files_that_cannot_be_read_are_one_line(tmp_path, capsys):
-    from loom.plan.validate import main
-
     (tmp_path / "latin1.toml").write_bytes(b"# caf\xe9\n")
     for path, says in (
         (tmp_path / "none.toml", "does not exist"),
         (tmp_path, "is a directory"),
         (tmp_path / "latin1.toml", "not UTF-8"),
     ):
-        assert main(["--published", "--runs", str(path)]) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and says in err, err
+        _refused_in_one_line(path, says, capsys)
 
 
 def _small_llama() -> ModelConfig:
