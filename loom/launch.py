@@ -45,9 +45,11 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -409,9 +411,14 @@ def torchrun_restart_warning(environ: dict[str, str]) -> str | None:
     )
 
 
-def launch_config(cfg: C.LoomConfig, nproc: int, max_restarts: int, nodes: Nodes | None, port: int):
+def launch_config(
+    cfg: C.LoomConfig, nproc: int, max_restarts: int, nodes: Nodes | None, port: int, agent_dir: str
+):
     """The elastic launcher's settings: one local node on ``run.master_addr:port``, or this node of a
-    multi-node job (rendezvous at ``nodes.endpoint``, hosted by node 0)."""
+    multi-node job (rendezvous at ``nodes.endpoint``, hosted by node 0). The agent's own files (each
+    rank's error file) go under ``agent_dir``, which the caller removes (left to itself, the agent
+    leaves a ``torchelastic_*`` directory in the temp dir on every launch)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     local_addr: str | None
@@ -435,6 +442,7 @@ def launch_config(cfg: C.LoomConfig, nproc: int, max_restarts: int, nodes: Nodes
         shutdown_timeout=math.ceil(cfg.run.preempt_grace_s),  # SIGTERM/SIGINT to SIGKILL: time to save
         start_method="spawn",
         local_addr=local_addr,
+        logs_specs=DefaultLogsSpecs(log_dir=agent_dir),
     )
 
 
@@ -662,7 +670,6 @@ def launch(
             raise C.ConfigError(f"{field}: cannot listen on {addr}:{port}: {e.strerror or e}") from None
     elif nodes is None:
         port = port or free_port("0.0.0.0")
-    lc = launch_config(cfg, nproc, max_restarts, nodes, port)
     # the agent logs each failed rank's traceback; Loom reports them in one line (tracebacks to files)
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -673,8 +680,13 @@ def launch(
     reaper = StoppedWorkerReaper()
     watch = LostNodeWatch(Path(cfg.run.dir), nodes.node_rank) if nodes is not None else None
     run_dir = Path(cfg.run.dir)
+    agent_dir = tempfile.mkdtemp(prefix="loom-launch-")
+    # the launcher's own temp files go there too: torch's spawn gives each rank an error file in the
+    # temp dir and leaves it there when the rank fails (the ranks keep the user's temp dir)
+    tempfile.tempdir, user_tmp = agent_dir, tempfile.tempdir
     try:
         try:
+            lc = launch_config(cfg, nproc, max_restarts, nodes, port, agent_dir)
             start = lambda: elastic_launch(lc, _worker)(C.to_dict(cfg))  # noqa: E731
             return relaunch_on_taken_port(start, STORE_ATTEMPTS if nodes is None else 1)  # one node: its own
         except ChildFailedError as e:
@@ -700,6 +712,9 @@ def launch(
         if watch is None or not watch.fired or (line := _lost_line(nodes, run_dir)) is None:
             raise
         raise Stopped(line, 1) from None
+    finally:  # the failures' tracebacks are in run_dir/logs by now (failure_line)
+        tempfile.tempdir = user_tmp
+        shutil.rmtree(agent_dir, ignore_errors=True)
 
 
 def _lost_line(nodes: Nodes | None, run_dir: Path) -> str | None:

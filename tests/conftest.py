@@ -1,13 +1,38 @@
 """Session-wide fixtures: shared multi-rank worker pools (see tests/dist.py); a guard that the
-suite never writes into the run directories a checkout's user trains into by default."""
+suite never writes into the run directories a checkout's user trains into by default; one scratch
+directory for the whole session, removed at its end."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.dist import WorkerPool
+
+_SCRATCH: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every temporary file of the session (this process, its worker pools, the ``loom`` commands it
+    starts: they inherit ``TMPDIR``) goes into one directory that :func:`pytest_unconfigure` removes,
+    so a run leaves nothing in ``/tmp`` (runs that each left their ``mkdtemp`` directories filled CI's
+    disk). Inductor's compile cache stays where PyTorch puts it by default, shared across runs."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    global _SCRATCH
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    _SCRATCH = tempfile.mkdtemp(prefix="loom-tests-")
+    os.environ["TMPDIR"] = _SCRATCH
+    tempfile.tempdir = _SCRATCH
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SCRATCH is not None:
+        shutil.rmtree(_SCRATCH, ignore_errors=True)
 
 
 class Pools:

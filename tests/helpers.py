@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 
 import pytest
 import torch
@@ -197,7 +199,7 @@ def train_layout(
         layout.get("precision", "fp32"),
         layout.get("optimizer", "adamw"),
     )
-    cfg.run.dir = "/tmp/loom-test-layout"
+    cfg.run.dir = os.path.join(tempfile.gettempdir(), "loom-test-layout")
     meter = CommMeter()
     device = device or rank_device()  # the CPU, or this rank's GPU in an NCCL pool
     if device.type == "cuda":

@@ -9,6 +9,9 @@ on-disk cache serves the layouts whose graphs repeat.
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -53,7 +56,7 @@ def _config(layout: dict, compile_mode: str, world: int) -> LoomConfig:
     for k, v in layout.get("train", {}).items():
         setattr(cfg.train, k, v)
     cfg.train.compile = compile_mode  # type: ignore[assignment]
-    cfg.run.dir = "/tmp/loom-test-compile"
+    cfg.run.dir = os.path.join(tempfile.gettempdir(), "loom-test-compile")
     validate(cfg, world)
     return cfg
 

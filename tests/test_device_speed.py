@@ -3,6 +3,9 @@ values, the chunked cross-entropy's equality and peak bytes, and the host-sync b
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -257,7 +260,7 @@ def _debug_run():
 
     cfg = load_toml("configs/debug.toml")
     cfg.model.vocab_size = cfg.data.vocab_size
-    cfg.run.nproc, cfg.run.dir = 1, "/tmp/loom-test-syncs"
+    cfg.run.nproc, cfg.run.dir = 1, os.path.join(tempfile.gettempdir(), "loom-test-syncs")
     mesh = get_mesh()
     return cfg, mesh, build_run(cfg, mesh, build_model(cfg.model, cfg.train.seed))
 

@@ -3,6 +3,9 @@ and gradient bytes, QLoRA's NF4 base, PEFT interop, LoRA checkpoints bound to th
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,7 +43,7 @@ def lora_cfg(
     p.schedule = layout.get("schedule", "1f1b")
     cfg.train.recompute = layout.get("recompute", "none")
     cfg.train.precision = layout.get("precision", "fp32")
-    cfg.run.dir = "/tmp/loom-test-finetune"
+    cfg.run.dir = os.path.join(tempfile.gettempdir(), "loom-test-finetune")
     return cfg
 
 

@@ -221,7 +221,7 @@ def test_multi_node_launch_config_and_environment(monkeypatch):
         },
     )
     cfg = _cfg()
-    configs = [launch_config(cfg, 4, 3, Nodes(2, r, "10.1.2.3:29400"), 29400) for r in range(2)]
+    configs = [launch_config(cfg, 4, 3, Nodes(2, r, "10.1.2.3:29400"), 29400, "logs") for r in range(2)]
     for r, lc in enumerate(configs):
         assert (lc.min_nodes, lc.max_nodes, lc.nproc_per_node, lc.max_restarts) == (2, 2, 4, 3)
         assert (lc.rdzv_backend, lc.rdzv_endpoint) == ("c10d", "10.1.2.3:29400")
@@ -231,9 +231,9 @@ def test_multi_node_launch_config_and_environment(monkeypatch):
     _set_launch_env("10.1.2.3")
     assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert "GLOO_SOCKET_IFNAME" not in os.environ  # a real multi-node job: not bound to lo
-    local = launch_config(cfg, 2, 0, None, 1234)
+    local = launch_config(cfg, 2, 0, None, 1234, "logs")
     assert (local.min_nodes, local.rdzv_endpoint, local.local_addr) == (1, "127.0.0.1:1234", "127.0.0.1")
-    assert launch_config(cfg, 1, 0, Nodes(2, 1, "127.0.0.1:9"), 9).local_addr == "127.0.0.1"
+    assert launch_config(cfg, 1, 0, Nodes(2, 1, "127.0.0.1:9"), 9, "logs").local_addr == "127.0.0.1"
     _set_launch_env("127.0.0.1")
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and os.environ["MASTER_ADDR"] == "127.0.0.1"
 

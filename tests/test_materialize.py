@@ -4,6 +4,9 @@ the largest whole parameter it holds a piece of (+10%), not at the whole model."
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -88,7 +91,7 @@ def _measure(kw: dict, layout: dict, meta: bool) -> dict:
         layout.get("zero", 0),
     )
     cfg.train.global_batch, cfg.train.micro_batch = 4 * mesh.size("dp"), 1
-    cfg.run.dir = "/tmp/loom-test-materialize"
+    cfg.run.dir = os.path.join(tempfile.gettempdir(), "loom-test-materialize")
     # tensor bytes from the profiler's allocation records, as plan verify measures: the resident set
     # also counted lazily loaded libraries and glibc's arenas (53.9 MiB against a 53.7 MiB bound in CI)
     with TensorPeak(torch.device("cpu")) as window:

@@ -126,9 +126,11 @@ def test_second_run_on_a_running_directory_is_refused(tmp_path, cache):
 
 def test_an_error_inside_the_ranks_reaches_the_user_as_one_line(tmp_path, cache):
     """A Loom error raised inside the ranks (a resume whose data position would change) is one line
-    naming the field and the rank, with the traceback in a file, not the launcher's traceback."""
-    run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), LOOM_CACHE_DIR=str(cache))
+    naming the field and the rank, with the traceback in a file, not the launcher's traceback. Neither
+    the run nor the failed one leaves anything in the temp dir (the elastic agent's directories)."""
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+    scratch.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LOOM_CACHE_DIR=str(cache), TMPDIR=str(scratch))
     common = [
         "train",
         "configs/debug.toml",
@@ -171,3 +173,4 @@ def test_an_error_inside_the_ranks_reaches_the_user_as_one_line(tmp_path, cache)
     trace = Path(re.search(r"traceback in ([^;)]+)", lines[0]).group(1))
     assert "CheckpointError" in trace.read_text()
     assert (run / "metrics.jsonl").read_text() == metrics  # nothing already written was touched
+    assert not list(scratch.iterdir())
