@@ -76,7 +76,10 @@ def _split(argv: list[str]) -> tuple[str | None, list[str], dict[str, str]]:
         if "." in key:
             overrides += [f"--{key}", value]
         else:
-            plain[key.replace("-", "_")] = value
+            name = key.replace("-", "_")
+            if name in plain:
+                raise C.ConfigError(f"--{key}: given twice ({plain[name]!r}, then {value!r}); give it once")
+            plain[name] = value
         i += step
     return path, overrides, plain
 
@@ -90,6 +93,8 @@ def _load(argv: list[str], allowed_plain: tuple[str, ...]) -> tuple[C.LoomConfig
                 f"--{k.replace('_', '-')}: unknown option; allowed: {opts} and --section.key value"
             )
     cfg = C.load(path, overrides)
+    if "nproc" in plain and "run.nproc" in C.overridden(cfg):
+        raise C.ConfigError("--nproc and --run.nproc: both given; give one")
     if "nproc" in plain:
         C.apply_overrides(cfg, ["--run.nproc", plain["nproc"]])
     return cfg, plain
@@ -153,6 +158,7 @@ def cmd_train(argv: list[str]) -> int:
                 + ", or leave parallel.dp unset so it follows run.nproc"
             )
         C.validate(cfg, world)
+    _check_hpz_nodes(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if under_external_launcher() else 0)
     from loom.plan.auto import check_fits
 
     C.check_intent(cfg)  # explicit settings the run would silently not honour
@@ -167,6 +173,19 @@ def cmd_train(argv: list[str]) -> int:
 
     with _naming(f"run.dir {cfg.run.dir}"):  # a failed write (disk full) in this process names where
         return main_train(cfg, opts.max_restarts, opts.nodes)
+
+
+def _check_hpz_nodes(cfg: C.LoomConfig, local_world: int) -> None:
+    """hpZ without ``parallel.hpz_group`` takes one node's ranks as its group: they must divide the
+    sharding group (``local_world``: torchrun's ``LOCAL_WORLD_SIZE``; 0: ``run.nproc`` per node)."""
+    p = cfg.parallel
+    if not (p.zero == 3 and p.zeropp_hpz) or p.hpz_group:
+        return
+    from loom.rules import hpz_partition
+
+    problem = hpz_partition(p.hpz_group, p.dp_shard, p.cp, p.tp, local_world or cfg.run.nproc)[1]
+    if problem:
+        raise C.ConfigError(problem)
 
 
 def _check_run_dir(cfg: C.LoomConfig) -> None:

@@ -385,6 +385,8 @@ def param_server_problem(
     zero: int = 0,
     precision: str = "fp32",
     optimizer: str = "adamw",
+    reduce_dtype: str = "fp32",
+    allreduce: str = "native",
 ) -> str | None:
     """Why ``parallel.dp_mode = "ps"`` cannot run this layout, or None. ``n_params``: the model's parameter
     count (a lower bound will do); each of the K servers must own at least one aligned block of it:
@@ -413,6 +415,12 @@ def param_server_problem(
         )
     if optimizer != "adamw":
         return f"train.optimizer: the parameter server's shards run adamw; got {optimizer!r}"
+    for name, option, its in (("reduce_dtype", reduce_dtype, "fp32"), ("allreduce", allreduce, "native")):
+        if option != its:  # options of the all-reduce path, which a parameter server does not take
+            return (
+                f"parallel.{name}: {option!r} is an option of the gradient all-reduce; the parameter server "
+                f"(parallel.dp_mode = 'ps') pushes and pulls fp32 shards point to point; leave it at {its!r}"
+            )
     if colocate and shards > workers:
         return (
             f"parallel.ps_shards: {shards} co-located servers live in workers 0..{shards - 1}, but there are "
@@ -574,3 +582,20 @@ def zero3_options_problem(
     if hpz and hpz_group > 0 and n > 0 and n % hpz_group != 0:
         return f"parallel.hpz_group: {hpz_group} must divide the sharding group (dp_shard*cp = {n})"
     return None
+
+
+def hpz_partition(
+    hpz_group: int, dp_shard: int, cp: int, tp: int, local_world: int
+) -> tuple[int, str | None]:
+    """Ranks G per hpZ secondary partition: ``hpz_group``, else the sharding group's ranks on one node
+    (``local_world // tp``: tp is the innermost mesh dimension, dp_shard x cp the next), at most the
+    sharding group n = dp_shard * cp; and the problem when G < n does not divide n."""
+    n = max(1, dp_shard * cp)
+    g = hpz_group or max(1, local_world // tp)
+    if n % g and g < n:
+        source = "" if hpz_group else f" (unset: {local_world} ranks per node / tp {tp})"
+        return g, (
+            f"parallel.hpz_group: {g}{source} does not divide the sharding group dp_shard*cp = {n}; "
+            f"set parallel.hpz_group to a divisor of {n}"
+        )
+    return min(g, n), None

@@ -39,6 +39,35 @@ def test_bad_override_names_field(args, field):
 
 
 @pytest.mark.parametrize(
+    "args,first,then",
+    [
+        (["--train.steps", "3", "--train.steps=5"], "'3'", "'5'"),
+        (["--train.global-batch", "8", "--train.global_batch", "8"], "'8'", "'8'"),  # the same field
+    ],
+)
+def test_a_field_given_twice_is_refused(args, first, then):
+    """The later value would silently replace the earlier one: refused, naming both."""
+    with pytest.raises(C.ConfigError, match=rf"given twice \({first}, then {then}\)") as e:
+        C.apply_overrides(C.LoomConfig(), args)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["train", "debug", "--nproc", "1", "--nproc", "2"], "--nproc: given twice ('1', then '2')"),
+        (["train", "debug", "--nproc", "1", "--run.nproc", "2"], "--nproc and --run.nproc: both given"),
+    ],
+)
+def test_a_plain_option_given_twice_is_refused(argv, message, capsys):
+    from loom.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
     "args,world,field",
     [
         (["--model.n_heads", "6"], 1, "model.dim"),

@@ -328,6 +328,8 @@ def test_dead_server_is_named(pools):
         (["--parallel.tp", "2"], "parallel.tp: the parameter server"),
         (["--train.precision", "bf16"], "train.precision: the parameter server"),
         (["--parallel.ps_sync", "asp"], "parallel.ps_sync: 'asp' needs dedicated server ranks"),
+        (["--parallel.reduce_dtype", "bf16"], "parallel.reduce_dtype: 'bf16' is an option of the gradient"),
+        (["--parallel.allreduce", "ring"], "parallel.allreduce: 'ring' is an option of the gradient"),
     ],
 )
 def test_bad_fields_refused_in_one_line(overrides, field):

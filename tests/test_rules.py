@@ -194,3 +194,38 @@ def test_mesh_problem_resolves_automatic_degrees():
     assert rules.mesh_problem(8, dp=-1, dp_shard=-1, tp=2, pp=1, cp=1, ep=8, zero=0) == (
         "parallel.ep: must divide dp*cp = 4, got 8"
     )
+
+
+@pytest.mark.parametrize(
+    "hpz_group,dp_shard,cp,tp,local,size,refused",
+    [
+        (0, 8, 1, 1, 8, 8, False),  # one node: the whole sharding group
+        (0, 16, 1, 1, 8, 8, False),  # two nodes of 8
+        (0, 8, 2, 2, 8, 4, False),  # 4 sharding ranks per node (tp 2), n = 16
+        (0, 6, 1, 1, 4, 4, True),  # 4 per node do not divide 6: a group would straddle two nodes
+        (2, 6, 1, 1, 4, 2, False),  # an explicit divisor
+        (0, 2, 1, 1, 8, 2, False),  # more ranks per node than the group: the group
+    ],
+)
+def test_the_hpz_partition_is_a_divisor_of_the_sharding_group(
+    hpz_group, dp_shard, cp, tp, local, size, refused
+):
+    g, problem = rules.hpz_partition(hpz_group, dp_shard, cp, tp, local)
+    assert (problem is not None) == refused
+    if not refused:
+        assert g == size and (dp_shard * cp) % g == 0
+
+
+def test_hpz_over_nodes_that_split_its_groups_is_refused_before_any_rank_starts(tmp_path, capsys):
+    """hpZ without hpz_group over 3 nodes of 4 ranks with pp 2: sharding groups of 6 would straddle
+    nodes; it used to fail inside every rank with a ValueError."""
+    from loom.cli import main
+
+    argv = ["train", "debug", "--nproc", "4", "--nnodes", "3", "--node-rank", "0"]
+    argv += ["--rdzv-endpoint", "127.0.0.1:29999", "--run.dir", str(tmp_path / "run")]
+    argv += ["--parallel.pp", "2", "--parallel.dp_shard", "6", "--parallel.zero", "3"]
+    argv += ["--parallel.zeropp_hpz", "true", "--train.global_batch", "24"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("loom: error: parallel.hpz_group: 4 (unset: 4 ranks per node") and "\n" not in err
+    assert not (tmp_path / "run").exists()

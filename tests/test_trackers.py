@@ -84,3 +84,28 @@ def test_an_unknown_or_missing_tracker_is_one_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
     with pytest.raises(C.ConfigError, match=r"^run.trackers: wandb is not installed; pip install wandb"):
         tracker_names("wandb")
+
+
+def test_wandb_without_an_api_key_is_one_line_from_every_rank(tmp_path):
+    """No key (no ``wandb login``, no WANDB_API_KEY, not offline): W&B's own reason in one line, the
+    same on both ranks, not a traceback from rank 0 and a collective failure from rank 1."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = with_sections(
+        prepared_config(OVERRIDES, tmp_path / "cache"),
+        run={"dir": str(tmp_path / "run"), "nproc": 2, "trackers": "wandb"},
+        parallel={"dp": 2},
+        train={"steps": 2, "micro_batch": 1},
+    )
+    args = [f"--{s}.{k}={v}" for s, table in cfg.items() for k, v in table.items()]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), NETRC=str(tmp_path / "no-netrc"), PYTHONPATH=str(Path.cwd()))
+    p = subprocess.run(
+        [sys.executable, "-m", "loom", "train", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+    assert p.returncode != 0
+    assert len(lines) == 1 and lines[0].startswith("loom: run.trackers: wandb: "), lines
+    assert "WANDB_MODE=offline" in lines[0]

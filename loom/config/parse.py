@@ -174,7 +174,9 @@ def load_toml(path: str | Path, base: LoomConfig | None = None) -> LoomConfig:
 
 
 def apply_overrides(cfg: LoomConfig, args: list[str]) -> LoomConfig:
-    """Apply ``--section.key value`` (or ``--section.key=value``) pairs."""
+    """Apply ``--section.key value`` (or ``--section.key=value``) pairs; a field given twice is refused
+    (the later value would silently replace the earlier)."""
+    given: dict[str, str] = {}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -190,8 +192,12 @@ def apply_overrides(cfg: LoomConfig, args: list[str]) -> LoomConfig:
             value = args[i + 1]
             i += 2
         section, _, key = name.partition(".")
+        field = f"{section}.{key.replace('-', '_')}"
+        if field in given:
+            raise ConfigError(f"--{field}: given twice ({given[field]!r}, then {value!r}); give it once")
+        given[field] = value
         _apply(cfg, section, key.replace("-", "_"), value)
-        vars(cfg).setdefault(OVERRIDDEN, set()).add(f"{section}.{key.replace('-', '_')}")
+        vars(cfg).setdefault(OVERRIDDEN, set()).add(field)
     return cfg
 
 

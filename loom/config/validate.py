@@ -492,6 +492,8 @@ def check_param_server(cfg: LoomConfig) -> None:
             zero=p.zero,
             precision=cfg.train.precision,
             optimizer=cfg.train.optimizer,
+            reduce_dtype=p.reduce_dtype,
+            allreduce=p.allreduce,
         )
     )
     if not p.ps_colocate:  # what the dedicated-server run (loom.train.ps_run) does not do

@@ -104,9 +104,17 @@ def main(argv: list[str]) -> int:
         return sub(argv[1:])
     parser = _parser()
     args, overrides = parser.parse_known_args(argv)
-    for flag, value in (("--devices", args.world), ("--top", args.top)):
-        if value is not None and value < 1:  # --devices 0 would plan for the whole cluster instead
-            parser.error(f"{flag}: must be >= 1, got {value}")
+    for flag, value, low in (
+        ("--devices", args.world, 1),  # --devices 0 would plan for the whole cluster instead
+        ("--top", args.top, 1),
+        ("--seq", args.seq, 1),
+        ("--global-batch", args.global_batch, 1),
+        ("--experts", args.experts, 1),
+        ("--top-k", args.top_k, 1),
+        ("--explain", args.explain, 0),
+    ):
+        if value is not None and value < low:
+            parser.error(f"{flag}: must be >= {low}, got {value}")
     try:
         if args.plot:  # before the search: the picture is drawn last
             check_picture_path("--plot", args.plot)

@@ -93,14 +93,21 @@ class WandbTracker:
         import wandb
 
         run_id = ids.get("wandb") or secrets.token_hex(4)  # W&B's ids: 8 characters of [a-z0-9]
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "loom"),
-            name=run_dir.name,
-            id=run_id,
-            resume="allow",  # the same id continues the run after a restart or resume
-            dir=str(run_dir),
-            config=config,
-        )
+        try:
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "loom"),
+                name=run_dir.name,
+                id=run_id,
+                resume="allow",  # the same id continues the run after a restart or resume
+                dir=str(run_dir),
+                config=config,
+            )
+        except wandb.errors.UsageError as e:  # no API key, a bad setting: wandb's own words, one line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"run.trackers: wandb: {first} (or export WANDB_API_KEY, or WANDB_MODE=offline to log "
+                "locally and `wandb sync` later)"
+            ) from None
         ids.set("wandb", run_id)
 
     def log(self, row: dict[str, Any]) -> None:

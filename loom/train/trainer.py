@@ -23,6 +23,7 @@ import torch.distributed as dist
 from loom import comm
 from loom import config as C
 from loom.checkpoint.protocol import CombinedState
+from loom.checkpoint.save import broadcast_json
 from loom.checkpoint.training import TrainCheckpoints, truncate_metrics
 from loom.comm import CommMeter
 from loom.data import BatchSampler, TokenDataset, eval_batches, mixture_sampler
@@ -63,7 +64,7 @@ from loom.train.setup import (
 )
 from loom.train.step import scaler_stats, train_step
 from loom.train.timings import PhaseClock, Stragglers, rank_times, timing_fields
-from loom.train.trackers import open_trackers, wants_tensorboard
+from loom.train.trackers import open_trackers, tracker_names, wants_tensorboard
 
 log = logging.getLogger("loom")
 
@@ -184,11 +185,31 @@ class Trainer:
             truncate_metrics(self.run_dir, self.start_step)
             truncate_metrics(self.run_dir, self.start_step, SAMPLE_IDS)
             (self.run_dir / STOPPED).unlink(missing_ok=True)
-        trackers = open_trackers(cfg.run.trackers, self.run_dir, C.to_dict(cfg)) if self.is_main else []
+        trackers = self._open_trackers()
         self.metrics = MetricsWriter(self.run_dir, self.is_main, wants_tensorboard(cfg.run), trackers)
         self.sample_ids = SampleIdLog(self.run_dir, self.is_main) if cfg.data.record_ids else None
         if self.is_main:
             self._write_run_files()
+
+    def _open_trackers(self) -> list:
+        """Rank 0 opens the external trackers; its refusal (W&B without an API key) reaches every rank
+        as the same one line, instead of the others failing later in a collective with rank 0 gone."""
+        cfg, env = self.cfg, self.env
+        if not tracker_names(cfg.run.trackers):
+            return []
+        trackers, error = [], ""
+        if self.is_main:
+            try:
+                trackers = open_trackers(cfg.run.trackers, self.run_dir, C.to_dict(cfg))
+            except C.ConfigError as e:
+                if env.world == 1:
+                    raise
+                error = str(e)
+        verdict = broadcast_json({"error": error}, env.rank, env.world, self.control)
+        assert isinstance(verdict, dict)
+        if verdict["error"]:
+            raise C.ConfigError(verdict["error"])
+        return trackers
 
     def _write_run_files(self) -> None:
         (self.run_dir / "config.toml").write_text(C.dump_toml(self.cfg))

@@ -49,13 +49,14 @@ def stage3_strategy(
 
 
 def hpz_size(p: Any) -> int:
-    """Ranks per hpZ secondary partition: ``hpz_group``, or the sharding group's ranks on one node
-    (the launcher's ``LOCAL_WORLD_SIZE`` / tp: tp is the innermost mesh dimension, the sharding group
-    dp_shard x cp the next), never more than the sharding group."""
+    """Ranks per hpZ secondary partition (:func:`loom.rules.hpz_partition`), with the launcher's
+    ``LOCAL_WORLD_SIZE`` as the ranks of one node."""
     import os
 
-    n = max(1, p.dp_shard * p.cp)
-    g = p.hpz_group or max(1, int(os.environ.get("LOCAL_WORLD_SIZE", n * p.tp)) // p.tp)
-    if n % g and g < n:
-        raise ValueError(f"parallel.hpz_group: {g} ranks per node do not divide the sharding group of {n}")
-    return min(g, n)
+    from loom.rules import hpz_partition
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", p.dp_shard * p.cp * p.tp))
+    g, problem = hpz_partition(p.hpz_group, p.dp_shard, p.cp, p.tp, local)
+    if problem:
+        raise ValueError(problem)
+    return g
