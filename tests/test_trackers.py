@@ -109,3 +109,21 @@ def test_wandb_without_an_api_key_is_one_line_from_every_rank(tmp_path):
     assert p.returncode != 0
     assert len(lines) == 1 and lines[0].startswith("loom: run.trackers: wandb: "), lines
     assert "WANDB_MODE=offline" in lines[0]
+
+
+def test_a_tracker_server_that_refuses_is_one_line(tmp_path, monkeypatch, capsys):
+    """MLflow pointed at a closed port: the library's exception, named, in one line (not a traceback)."""
+    from loom.cli import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    cfg = with_sections(
+        prepared_config(OVERRIDES, tmp_path / "cache"),
+        run={"dir": str(tmp_path / "run"), "trackers": "mlflow"},
+        train={"steps": 2},
+    )
+    assert main(["train", *[f"--{s}.{k}={v}" for s, table in cfg.items() for k, v in table.items()]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "loom: error: run.trackers: mlflow could not start: MlflowException: "
+    ), err

@@ -154,4 +154,14 @@ def open_trackers(spec: str, run_dir: Path, config: dict[str, Any]) -> list[Trac
     """The trackers ``run.trackers`` names (rank 0 only), continuing the run ids kept in ``run_dir``."""
     ids = _Ids(run_dir)
     made: dict[str, type] = {"wandb": WandbTracker, "mlflow": MlflowTracker}
-    return [made[n](run_dir, config, ids) for n in tracker_names(spec)]
+    opened: list[Tracker] = []
+    for n in tracker_names(spec):
+        try:
+            opened.append(made[n](run_dir, config, ids))
+        except ConfigError:
+            raise
+        except Exception as e:  # a server that refuses, a bad URI: the library's reason, one line
+            first = (str(e).strip().splitlines() or [""])[0]
+            first = first if len(first) <= 300 else first[:300] + "…"
+            raise ConfigError(f"run.trackers: {n} could not start: {type(e).__name__}: {first}") from None
+    return opened
