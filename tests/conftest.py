@@ -21,10 +21,14 @@ def pytest_configure(config: pytest.Config) -> None:
     starts: they inherit ``TMPDIR``) goes into one directory that :func:`pytest_unconfigure` removes,
     so a run leaves nothing in ``/tmp`` (runs that each left their ``mkdtemp`` directories filled CI's
     disk). Inductor's compile cache stays where PyTorch puts it by default, shared across runs."""
+    import multiprocessing.util
+
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     global _SCRATCH
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    # this process's multiprocessing directory stays outside: its own exit handler removes it, after ours
+    multiprocessing.util.get_temp_dir()
     _SCRATCH = tempfile.mkdtemp(prefix="loom-tests-")
     os.environ["TMPDIR"] = _SCRATCH
     tempfile.tempdir = _SCRATCH

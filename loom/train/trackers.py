@@ -119,15 +119,15 @@ class WandbTracker:
 
 class MlflowTracker:
     def __init__(self, run_dir: Path, config: dict[str, Any], ids: _Ids) -> None:
-        import mlflow
+        from mlflow.tracking import MlflowClient
 
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
             os.environ.setdefault(
                 "MLFLOW_ALLOW_FILE_STORE", "true"
             )  # the local store Loom chose, not the user
-            mlflow.set_tracking_uri((run_dir / "mlruns").absolute().as_uri())
-        self.mlflow = mlflow
-        client = mlflow.tracking.MlflowClient()
+            uri = (run_dir / "mlruns").absolute().as_uri()
+        client = MlflowClient(tracking_uri=uri)  # no process-wide tracking URI
         run_id = ids.get("mlflow")
         if run_id is None:
             name = "loom"
