@@ -641,11 +641,23 @@ def test_disk_full_while_preparing_names_the_file(tmp_path, cache, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(
-        ConfigError, match=r"data.prepared_dir: cannot write .*/train.bin: No space left on device"
+        ConfigError, match=r"^LOOM_CACHE_DIR \(the data cache; .*\): cannot write .*/train.bin: No space left"
     ) as e:
         _prepared(tmp_path)
     assert "\n" not in str(e.value)
     assert list((cache / "data").iterdir()) == []  # nothing half-written kept
+    with pytest.raises(ConfigError, match=r"^data.prepared_dir: cannot write .*/train.bin: No space left"):
+        _prepared(tmp_path, prepared_dir=str(tmp_path / "prepared"))
+
+
+def test_a_cache_dir_that_is_a_file_names_loom_cache_dir(tmp_path, monkeypatch):
+    """The directory came from LOOM_CACHE_DIR, not from data.prepared_dir: the line says so."""
+    from loom.config import ConfigError
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "file"))
+    with pytest.raises(ConfigError, match=r"^LOOM_CACHE_DIR \(the data cache; or set data.prepared_dir\): "):
+        _prepared(tmp_path)
 
 
 # ----------------------------------------------------------------------------- packing

@@ -369,16 +369,17 @@ def prepare_data(
     final = Path(cfg.prepared_dir).expanduser() if cfg.prepared_dir else default_dir(cfg, key)
     if (final / META).is_file():
         return PreparedData.load(final)
+    field = _dir_field(cfg)
     if final.exists() and not final.is_dir():
-        raise ConfigError(f"data.prepared_dir: {str(final)!r} is a file, not a directory")
+        raise ConfigError(f"{field}: {str(final)!r} is a file, not a directory")
     if final.is_dir() and any(final.iterdir()):
-        raise ConfigError(f"data.prepared_dir: {str(final)!r} is not empty and holds no {META}")
+        raise ConfigError(f"{field}: {str(final)!r} is not empty and holds no {META}")
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_tmp(final)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}{_TMP_TAG}{_owner()}-"))
     except OSError as e:
-        raise _unwritable(e, final) from None
+        raise _unwritable(e, final, field) from None
     try:
         _build(cfg, key, tmp, progress)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is a shared cache entry
@@ -390,18 +391,28 @@ def prepare_data(
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise _unwritable(e, final) from None
+        raise _unwritable(e, final, field) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return PreparedData.load(final)
 
 
-def _unwritable(e: OSError, final: Path) -> ConfigError:
+def _dir_field(cfg: DataConfig) -> str:
+    """What chose the directory a prepare writes: ``data.prepared_dir``, else the cache root's
+    ``LOOM_CACHE_DIR`` (or its default)."""
+    if cfg.prepared_dir:
+        return "data.prepared_dir"
+    if os.environ.get("LOOM_CACHE_DIR"):
+        return "LOOM_CACHE_DIR (the data cache; or set data.prepared_dir)"
+    return "the data cache ~/.cache/loom (set LOOM_CACHE_DIR or data.prepared_dir)"
+
+
+def _unwritable(e: OSError, final: Path, field: str) -> ConfigError:
     """One line naming the file a prepare could not write (and the directory it was preparing)."""
     where = e.filename or final
     return ConfigError(
-        f"data.prepared_dir: cannot write {where}: {e.strerror or e} (preparing {final}); nothing was kept"
+        f"{field}: cannot write {where}: {e.strerror or e} (preparing {final}); nothing was kept"
     )
 
 
