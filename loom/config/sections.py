@@ -294,7 +294,7 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW: decay of the second moment (the squared gradient's running mean)
     eps: float = 1e-8  # AdamW: added to the second moment's square root in the update's denominator
     grad_clip: float = 1.0  # clip global grad norm to this; 0 = off
-    seed: int = 1234  # seeds init, data order and dropout; independent of the layout
+    seed: int = 1234  # seeds init and data order (the same under every layout) and dropout (masks per rank)
     eval_every: int = 100  # steps between eval losses; 0 = off
     eval_batches: int = 4  # micro-batches per eval
     log_every: int = 10  # steps between step lines / metrics rows
