@@ -121,6 +121,11 @@ class Trainer:
         self.stopped: tuple[int, int] | None = None  # (step, signal) once a signal stopped the loop
         self.device = init_process_group(cfg, env)
         C.validate(cfg, env.world)
+        # The default generators (dropout's stream; every device's) start from train.seed on every
+        # rank, as Megatron's do over data parallelism: torch starts them from a random seed, so two
+        # runs of one config drew different dropout masks. Split regions fork rank-private streams
+        # from it (loom.parallel.rng); a resume restores the saved states (loom.checkpoint.rng).
+        torch.manual_seed(cfg.train.seed)
         self.mesh = build_mesh(
             cfg, self.device.type
         )  # dedicated parameter servers: the workers' (loom.train.ps_run)
