@@ -19,6 +19,13 @@ when its gradient is 10⁷ times smaller than the block's largest, where m flush
 i.e. ≈ 2.03 bytes per element instead of 8 for fp32 moments. Blocks are cut per shard, so a
 sharded run quantizes at other boundaries than an unsharded one: results agree to quantization
 noise, not bitwise.
+
+Under tensor parallelism a block can hold elements of a parameter every tp rank keeps whole (a norm
+weight) beside a tp-split one's, whose values differ per rank: its absmax would differ per rank, and
+so would the replicated elements' codes, and the replicas drift apart. Those few elements (at most
+2(B - 1) per replicated run of the shard) keep fp32 moments instead and enter no absmax, so every tp
+rank updates its replicas identically (and a resume, which restores them from one rank, continues
+bit for bit).
 """
 
 from __future__ import annotations
@@ -70,6 +77,30 @@ class BlockQuantizer:
         return vals.view(-1).mul_(absmax.repeat_interleave(BLOCK)[:n])
 
 
+def mixed_elements(
+    replicated: list[tuple[int, int]], split: list[tuple[int, int]], device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Sorted shard-local indices of the elements of ``replicated`` runs whose block of B also holds
+    an element of a ``split`` run (only a run's first and last blocks can)."""
+    split_blocks = {b for lo, hi in split for b in range(lo // BLOCK, (hi - 1) // BLOCK + 1)}
+    out: list[torch.Tensor] = []
+    for lo, hi in replicated:
+        ends = {lo // BLOCK, (hi - 1) // BLOCK}
+        for b in sorted(ends & split_blocks):
+            a, z = max(lo, b * BLOCK), min(hi, (b + 1) * BLOCK)
+            out.append(torch.arange(a, z, dtype=torch.long, device=device))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def _chunk_spans(exact: list[int], n: int) -> list[tuple[int, int]]:
+    """For each chunk of ``CHUNK_BLOCKS`` blocks of a shard of n elements, the [k0, k1) slice of the
+    sorted ``exact`` indices inside it (found once, on the host: no device sync in the step)."""
+    import bisect
+
+    span = CHUNK_BLOCKS * BLOCK
+    return [(bisect.bisect_left(exact, lo), bisect.bisect_left(exact, lo + span)) for lo in range(0, n, span)]
+
+
 class FlatAdam8bit:
     """AdamW with 8-bit block-quantized moments over flat shards (masters fp32 where needed)."""
 
@@ -81,7 +112,10 @@ class FlatAdam8bit:
         betas: tuple[float, float],
         eps: float,
         weight_decay: float,
+        tp_runs: Sequence[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = (),
     ) -> None:
+        """``tp_runs``: per shard, the shard-local runs of tp-replicated and of tp-split parameters
+        (:func:`mixed_elements`); empty without tensor parallelism."""
         self.master = MasterWeights(shards, store)
         self.params, self.masters, self.store = self.master.params, self.master.masters, store
         self.beta1, self.beta2 = betas
@@ -100,6 +134,18 @@ class FlatAdam8bit:
                 int(torch.bucketize(self.qm.mid.new_zeros(()), self.qm.mid))
             )  # code of 0.0
         self._decayed = [m[lo:hi] for m, runs in zip(self.masters, decay_ranges) for lo, hi in runs]
+        # replicated elements of blocks shared with tp-split ones: fp32 moments, outside every absmax
+        self.exact: list[torch.Tensor] = []
+        self._spans: list[list[tuple[int, int]]] = []  # per chunk of the step: its slice of exact
+        self.m_exact: list[torch.Tensor] = []
+        self.v_exact: list[torch.Tensor] = []
+        for i in range(len(self.params)):
+            replicated, split = tp_runs[i] if i < len(tp_runs) else ([], [])
+            idx = mixed_elements(replicated, split, store.device)
+            self.exact.append(idx)
+            self._spans.append(_chunk_spans(idx.tolist(), self.params[i].numel()))
+            self.m_exact.append(store.zeros(idx.numel(), f"m_exact{i}"))
+            self.v_exact.append(store.zeros(idx.numel(), f"v_exact{i}"))
         self._ckpt: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def bind_groups(self, shard_group: Group, tp_group: Group) -> None:
@@ -120,6 +166,7 @@ class FlatAdam8bit:
             return [("exp_avg", m), ("exp_avg_sq", v)]
         m = self.qm.dequantize(self.m_codes[i], self.m_absmax[i])
         v = self.qu.dequantize(self.u_codes[i], self.u_absmax[i]).square_()
+        m[self.exact[i]], v[self.exact[i]] = self.m_exact[i], self.v_exact[i]
         self._ckpt[i] = (m, v)
         return [("exp_avg", m), ("exp_avg_sq", v)]
 
@@ -127,6 +174,10 @@ class FlatAdam8bit:
     def checkpoint_loaded(self) -> None:
         """Quantize the filled fp32 moments into the 8-bit state."""
         for i, (m, v) in self._ckpt.items():
+            idx = self.exact[i]
+            self.m_exact[i].copy_(m[idx])
+            self.v_exact[i].copy_(v[idx])
+            m[idx], v[idx] = 0.0, 0.0
             self.qm.quantize(m, self.m_codes[i], self.m_absmax[i])
             self.qu.quantize(v.clamp_(min=0).sqrt_(), self.u_codes[i], self.u_absmax[i])
         self._ckpt.clear()
@@ -142,19 +193,28 @@ class FlatAdam8bit:
         bias2_sqrt = (1 - self.beta2**self.step_count) ** 0.5
         span = CHUNK_BLOCKS * BLOCK
         for i, g in enumerate(g32):
-            for lo in range(0, g.numel(), span):
+            idx = self.exact[i]
+            for c, lo in enumerate(range(0, g.numel(), span)):
                 hi = min(g.numel(), lo + span)
                 blo, bhi = lo // BLOCK, -(-hi // BLOCK)
                 mc, uc = self.m_codes[i][lo:hi], self.u_codes[i][lo:hi]
                 ma, ua = self.m_absmax[i][blo:bhi], self.u_absmax[i][blo:bhi]
                 m = self.qm.dequantize(mc, ma)
                 v = self.qu.dequantize(uc, ua).square_()
+                k0, k1 = self._spans[i][c]
+                here = idx[k0:k1] - lo  # this chunk's fp32-kept elements
+                if k1 > k0:
+                    m[here], v[here] = self.m_exact[i][k0:k1], self.v_exact[i][k0:k1]
                 gc = g[lo:hi]
                 m.lerp_(gc, 1 - self.beta1)
                 v.mul_(self.beta2).addcmul_(gc, gc, value=1 - self.beta2)
+                if k1 > k0:
+                    self.m_exact[i][k0:k1], self.v_exact[i][k0:k1] = m[here], v[here]
                 u = v.sqrt_()
                 denom = (u / bias2_sqrt).add_(self.eps)
                 self.masters[i][lo:hi].addcdiv_(m, denom, value=-lr / bias1)
+                if k1 > k0:
+                    m[here], u[here] = 0.0, 0.0  # outside the blocks' absmax
                 self.qm.quantize(m, mc, ma)
                 self.qu.quantize(u, uc, ua)
         self.master.publish()

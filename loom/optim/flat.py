@@ -34,8 +34,19 @@ def build_flat_optimizer(layouts: Sequence, shards: Sequence[torch.Tensor], stor
         return FlatAdafactor(layouts, shards, store, weight_decay=train_cfg.weight_decay)
     decay = [lay.local_ranges(lambda s: s.decay) for lay in layouts]
     if kind == "adam8bit":
+        split = any(s.tp_sharded for lay in layouts for s in lay.slots)  # tensor parallelism
+        tp_runs = [
+            (lay.local_ranges(lambda s: not s.tp_sharded), lay.local_ranges(lambda s: s.tp_sharded))
+            for lay in layouts
+        ]
         return FlatAdam8bit(
-            shards, decay, store, (train_cfg.beta1, train_cfg.beta2), train_cfg.eps, train_cfg.weight_decay
+            shards,
+            decay,
+            store,
+            (train_cfg.beta1, train_cfg.beta2),
+            train_cfg.eps,
+            train_cfg.weight_decay,
+            tp_runs if split else (),
         )
     if kind != "adamw":
         raise ValueError(f"train.optimizer: unknown optimizer {kind!r}")
