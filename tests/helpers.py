@@ -253,6 +253,33 @@ def train_layout(
     }
 
 
+def tp_replicated_shards(layout: dict, steps: int, batch: int = 8, micro: int = 4) -> torch.Tensor:
+    """After ``steps`` of :func:`train_layout`, this rank's flat parameter shards over the runs of the
+    parameters every tp rank keeps whole (norm weights): bitwise equal on tp peers when replicas
+    stay in step (tp peers hold the same shard offsets)."""
+    import loom.train.build as build
+
+    built, make = {}, build.build_run
+
+    def keep(*a, **k):
+        built["run"] = make(*a, **k)
+        return built["run"]
+
+    build.build_run = keep
+    try:
+        train_layout(layout, steps, batch, micro)
+    finally:
+        build.build_run = make
+    strategy = built["run"].strategy
+    return torch.cat(
+        [
+            shard.detach()[lo:hi].float().cpu()
+            for lay, shard in zip(strategy.layouts, strategy.optim.params)
+            for lo, hi in lay.local_ranges(lambda s: not s.tp_sharded)
+        ]
+    )
+
+
 def _take_rows(module) -> int:
     """An expert-parallel MoE layer's rows computed since the last call (0 for other modules)."""
     rows = getattr(module, "rows_computed", 0)

@@ -10,7 +10,7 @@ import torch
 from torch.testing import assert_close
 
 from loom import config as C
-from tests.helpers import tiny_model, train_layout
+from tests.helpers import tiny_model, tp_replicated_shards, train_layout
 
 STEPS, BATCH, MICRO, N, G = 6, 8, 2, 4, 2  # k = 1 micro-batch per rank
 ELEM = 4
@@ -317,3 +317,13 @@ def test_finetuning_base_under_qwz(pools, method):
     got = pools(2).run(_finetune, method, {"zeropp_qwz": True})
     for a, b in zip(ref, got):
         assert_close(torch.tensor(b), torch.tensor(a), **LOSS_TOL)
+
+
+def test_qgz_keeps_tp_replicas_equal(pools):
+    """tp2 x ZeRO-3 over 2 with qgZ, no sp: a norm weight's gradient shares quantization blocks with
+    tp-split matrices, so its reduced gradient differed per tp rank and its replicas drifted apart
+    (a same-layout resume differed by 2e-6 at its first step); averaged over tp, they stay equal."""
+    layout = {"tp": 2, "dp_shard": 2, "zero": 3, "zeropp_qgz": True}
+    shards = pools(4).run(tp_replicated_shards, layout, 4)
+    assert shards[0].numel() > 0
+    assert torch.equal(shards[0], shards[1]) and torch.equal(shards[2], shards[3])  # tp peers

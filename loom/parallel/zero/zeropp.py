@@ -39,6 +39,7 @@ import torch.distributed as dist
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.mesh import split_groups
+from loom.parallel.placement import placement_of
 from loom.parallel.reducer import GradReducer
 from loom.parallel.zero.quantized import BLOCK, QuantizedReducer, Then, blocks, dequantize, quantize
 from loom.parallel.zero.stage3 import GATHERING, FullyShardedZero, Unit, _in_backward
@@ -191,6 +192,32 @@ class ZeroPlusPlus(FullyShardedZero):
     def _reduce_all(self) -> None:
         super()._reduce_all()
         self._drop_secondary()  # the step's backwards are over
+        if self.qgz:
+            self._agree_over_tp()
+
+    def _agree_over_tp(self) -> None:
+        """qgZ's blocks mix a parameter every tp rank keeps whole (a norm weight, its gradient the same
+        on every tp rank) with tp-split ones, so its reduced gradient carries per-rank quantization
+        error and its replicas would drift apart: it is averaged over tp (one all-reduce of those
+        few elements; gradients tp sums anyway, sp's partial ones, are left to that sum)."""
+        tp = comm.group_size(self.tp_group)
+        if tp == 1:
+            return
+        pieces = [
+            g
+            for p in self.params
+            if (pl := placement_of(p)).tp_dim is None and pl.partial is None and pl.expert is None
+            if (g := self.param_grad_shard(p)).numel()
+        ]
+        if not pieces:
+            return
+        flat = torch.cat([g.reshape(-1) for g in pieces])
+        comm.all_reduce_via(flat, self.tp_group, self.comm_device or flat.device, self.meter)
+        flat.div_(tp)
+        offset = 0
+        for g in pieces:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         self._drop_secondary()
