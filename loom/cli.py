@@ -77,8 +77,11 @@ def _split(argv: list[str]) -> tuple[str | None, list[str], dict[str, str]]:
             overrides += [f"--{key}", value]
         else:
             name = key.replace("-", "_")
-            if name in plain:
-                raise C.ConfigError(f"--{key}: given twice ({plain[name]!r}, then {value!r}); give it once")
+            if plain.get(name, value) != value:
+                print(
+                    f"loom: warning: --{key} given twice ({plain[name]!r}, then {value!r}): the later is used",
+                    file=sys.stderr,
+                )
             plain[name] = value
         i += step
     return path, overrides, plain
@@ -93,8 +96,8 @@ def _load(argv: list[str], allowed_plain: tuple[str, ...]) -> tuple[C.LoomConfig
                 f"--{k.replace('_', '-')}: unknown option; allowed: {opts} and --section.key value"
             )
     cfg = C.load(path, overrides)
-    if "nproc" in plain and "run.nproc" in C.overridden(cfg):
-        raise C.ConfigError("--nproc and --run.nproc: both given; give one")
+    if "nproc" in plain and "run.nproc" in C.overridden(cfg) and plain["nproc"] != str(cfg.run.nproc):
+        raise C.ConfigError(f"--nproc {plain['nproc']} and --run.nproc {cfg.run.nproc}: both given; give one")
     if "nproc" in plain:
         C.apply_overrides(cfg, ["--run.nproc", plain["nproc"]])
     return cfg, plain

@@ -174,3 +174,20 @@ def test_an_error_inside_the_ranks_reaches_the_user_as_one_line(tmp_path, cache)
     assert "CheckpointError" in trace.read_text()
     assert (run / "metrics.jsonl").read_text() == metrics  # nothing already written was touched
     assert not list(scratch.iterdir())
+
+
+def test_a_failure_of_rank_0_alone_is_one_line(tmp_path, cache):
+    """Rank 0 fails writing its run files (config.toml is a directory); rank 1, already waiting in
+    the step's first collective, sees rank 0's recorded error in its heartbeat and leaves the report
+    to the launcher: one line, not its own "collective failed ... gone: rank 0" before it."""
+    run = tmp_path / "run"
+    (run / "config.toml").mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LOOM_CACHE_DIR=str(cache))
+    args = ["train", "configs/debug.toml", "--run.dir", str(run), "--run.progress", "false"]
+    args += ["--data.max_corpus_mb", "0.3", "--data.vocab_size", "300", "--train.steps", "2"]
+    p = subprocess.run(
+        [sys.executable, "-m", "loom", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+    assert p.returncode != 0
+    assert len(lines) == 1 and lines[0].startswith("loom: rank 0 ") and "IsADirectoryError" in lines[0], lines

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 import types
 import typing
@@ -174,8 +175,9 @@ def load_toml(path: str | Path, base: LoomConfig | None = None) -> LoomConfig:
 
 
 def apply_overrides(cfg: LoomConfig, args: list[str]) -> LoomConfig:
-    """Apply ``--section.key value`` (or ``--section.key=value``) pairs; a field given twice is refused
-    (the later value would silently replace the earlier)."""
+    """Apply ``--section.key value`` (or ``--section.key=value``) pairs. A field given twice takes the
+    later value, as command lines do (a script's common flags, then one changed), with a one-line
+    warning naming both when they differ."""
     given: dict[str, str] = {}
     i = 0
     while i < len(args):
@@ -193,8 +195,10 @@ def apply_overrides(cfg: LoomConfig, args: list[str]) -> LoomConfig:
             i += 2
         section, _, key = name.partition(".")
         field = f"{section}.{key.replace('-', '_')}"
-        if field in given:
-            raise ConfigError(f"--{field}: given twice ({given[field]!r}, then {value!r}); give it once")
+        if given.get(field, value) != value:
+            logging.getLogger("loom").warning(
+                "loom: warning: --%s given twice (%r, then %r): the later is used", field, given[field], value
+            )
         given[field] = value
         _apply(cfg, section, key.replace("-", "_"), value)
         vars(cfg).setdefault(OVERRIDDEN, set()).add(field)

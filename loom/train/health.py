@@ -139,15 +139,19 @@ def apply_nccl_watchdog_env(
 class Heartbeat:
     """Background thread refreshing this rank's heartbeat file."""
 
+    current: Heartbeat | None = None  # this process's newest: closed by the rank's way out (trainer.run)
+
     def __init__(self, run_dir: Path, rank: int, interval: float = INTERVAL_S) -> None:
         self.dir = Path(run_dir) / "heartbeat"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.interval = rank, interval
         self.step, self.phase = 0, "setup"
+        self.failed: str | None = None  # this rank's own error, once it ended with one
         self._stop = threading.Event()
         self._write_lock = threading.Lock()  # set() and the thread share one temp file
         self._thread = threading.Thread(target=self._run, name="loom-heartbeat", daemon=True)
         self._thread.start()
+        Heartbeat.current = self
 
     def set(self, step: int, phase: str) -> None:
         """Record progress; written at once on a phase change, else by the thread (≤ interval late)."""
@@ -174,6 +178,8 @@ class Heartbeat:
         }
         if exited:
             body["exited"] = True
+        if self.failed is not None:
+            body["failed"] = self.failed
         with self._write_lock:
             tmp.write_text(json.dumps(body))
             os.replace(tmp, path)
@@ -184,8 +190,10 @@ class Heartbeat:
                 self._write()
             self._stop.wait(self.interval)
 
-    def close(self) -> None:
-        """Stop refreshing and mark the file as exited (peers then do not take this rank for alive)."""
+    def close(self, failed: str | None = None) -> None:
+        """Stop refreshing and mark the file as exited (peers then do not take this rank for alive);
+        ``failed``: the error this rank ends with, which its launcher reports (:func:`failed_peers`)."""
+        self.failed = failed if failed is not None else self.failed
         self._stop.set()
         self._thread.join(timeout=2 * self.interval)
         with contextlib.suppress(OSError):
@@ -234,6 +242,13 @@ def read_heartbeats(run_dir: Path, world: int) -> dict[int, dict | None]:
         except (OSError, ValueError):
             out[r] = None
     return out
+
+
+def failed_peers(run_dir: Path, world: int, rank: int) -> list[int]:
+    """The other ranks that ended with an error of their own (their heartbeat says so): a collective
+    that lost them failed because of it, and their launcher names that error in its one line."""
+    beats = read_heartbeats(run_dir, world)
+    return [r for r, b in beats.items() if r != rank and b is not None and b.get("failed")]
 
 
 def is_comm_failure(exc: BaseException) -> bool:
@@ -287,7 +302,13 @@ def diagnose(
             if b is None:
                 stale.append(f"rank {r} (no heartbeat file)")
             elif process_gone(b):
-                how = "exited" if b.get("exited") else "no longer running"
+                how = (
+                    f"failed: {b['failed']}"
+                    if b.get("failed")
+                    else "exited"
+                    if b.get("exited")
+                    else "no longer running"
+                )
                 gone.append(f"rank {r} (pid {b['pid']} {how}, last at step {b['step']} in {b['phase']})")
             elif now - b["time"] > stale_after:
                 stale.append(

@@ -44,6 +44,7 @@ from loom.train.health import (
     Heartbeat,
     NonFiniteError,
     diagnose,
+    failed_peers,
     heartbeat_interval,
     is_comm_failure,
 )
@@ -501,6 +502,7 @@ def run(cfg: C.LoomConfig, exit_on_signal: bool = False) -> dict[str, float]:
     env = RankEnv.from_environ()
     setup_logging(env.rank)
     trainer = None
+    Heartbeat.current = None  # this run's, once the Trainer starts it
     # dedicated parameter servers do not take part in the trainer's steps: no agreed stop (yet)
     stop = StopRequest() if not C.ps_servers(cfg) else None
     if stop is not None:
@@ -522,12 +524,16 @@ def run(cfg: C.LoomConfig, exit_on_signal: bool = False) -> dict[str, float]:
             raise SystemExit(128 + stop.signum) from None
         if env.world > 1 and is_comm_failure(e):
             msg = diagnose(e, Path(cfg.run.dir), env.rank, env.world, cfg.run.timeout_s)
-            log.error("%s", msg)
+            if not failed_peers(Path(cfg.run.dir), env.world, env.rank):  # else theirs is the one line
+                log.error("%s", msg)
             raise RuntimeError(msg) from e
+        if Heartbeat.current is not None:  # before the process group goes: peers read it first
+            Heartbeat.current.close(failed=f"{type(e).__name__}: {str(e).strip()[:300]}")
         raise
     finally:
-        if trainer is not None:
-            trainer.heartbeat.close()
+        if Heartbeat.current is not None:  # the Trainer's, even when its constructor failed
+            Heartbeat.current.close()
+            Heartbeat.current = None
         if dist.is_initialized():
             dist.destroy_process_group()
         if stop is not None:
