@@ -253,10 +253,12 @@ def train_layout(
     }
 
 
-def tp_replicated_shards(layout: dict, steps: int, batch: int = 8, micro: int = 4) -> torch.Tensor:
+def tp_replicated_shards(
+    layout: dict, steps: int, batch: int = 8, micro: int = 4
+) -> tuple[torch.Tensor, list[dict]]:
     """After ``steps`` of :func:`train_layout`, this rank's flat parameter shards over the runs of the
     parameters every tp rank keeps whole (norm weights): bitwise equal on tp peers when replicas
-    stay in step (tp peers hold the same shard offsets)."""
+    stay in step (tp peers hold the same shard offsets); and the meter's bytes moved per step."""
     import loom.train.build as build
 
     built, make = {}, build.build_run
@@ -267,17 +269,18 @@ def tp_replicated_shards(layout: dict, steps: int, batch: int = 8, micro: int = 
 
     build.build_run = keep
     try:
-        train_layout(layout, steps, batch, micro)
+        result = train_layout(layout, steps, batch, micro)
     finally:
         build.build_run = make
     strategy = built["run"].strategy
-    return torch.cat(
+    shards = torch.cat(
         [
             shard.detach()[lo:hi].float().cpu()
             for lay, shard in zip(strategy.layouts, strategy.optim.params)
             for lo, hi in lay.local_ranges(lambda s: not s.tp_sharded)
         ]
     )
+    return shards, result["moved"]
 
 
 def _take_rows(module) -> int:

@@ -344,5 +344,5 @@ def test_adam8bit_keeps_tp_replicas_equal(pools):
     """A block of 256 shard elements can hold a norm weight (the same on every tp rank) beside a
     tp-split matrix's elements (different per rank): its absmax differed per rank, so did the norm's
     codes, and its replicas drifted apart (1e-4 after 3 steps). Kept in fp32, they stay bitwise equal."""
-    a, b = pools(2).run(tp_replicated_shards, {"tp": 2, "sp": True, "optimizer": "adam8bit"}, 4)
+    (a, _), (b, _) = pools(2).run(tp_replicated_shards, {"tp": 2, "sp": True, "optimizer": "adam8bit"}, 4)
     assert a.numel() > 0 and torch.equal(a, b)

@@ -324,6 +324,8 @@ def test_qgz_keeps_tp_replicas_equal(pools):
     tp-split matrices, so its reduced gradient differed per tp rank and its replicas drifted apart
     (a same-layout resume differed by 2e-6 at its first step); averaged over tp, they stay equal."""
     layout = {"tp": 2, "dp_shard": 2, "zero": 3, "zeropp_qgz": True}
-    shards = pools(4).run(tp_replicated_shards, layout, 4)
+    shards, moved = zip(*pools(4).run(tp_replicated_shards, layout, 4))
     assert shards[0].numel() > 0
     assert torch.equal(shards[0], shards[1]) and torch.equal(shards[2], shards[3])  # tp peers
+    for mine, steps in zip(shards, moved):  # 2·4·Φ_w'·(t-1)/t per step, Φ_w' the shard's replicated part
+        assert [s["all_reduce_tp"] for s in steps] == [2 * 4 * mine.numel() / 2] * 4

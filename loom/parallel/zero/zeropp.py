@@ -22,6 +22,9 @@ Bytes moved per rank per step, k micro-batches, N ranks sharding, units of Φ_u'
                                                            inside a node)   qwZ alone: k·Σ_re q(Φ_u')·(N-1)/N
     gradients               Φ'·b·(N-1)/N reduce-scatter   qgZ: Σ_u q(Φ_u')·(N-1)/N all-to-all
                                                            (int4: B/2 + 4 bytes per block in q)
+    qgZ under tp            2·g·Φ_w'·(t-1)/t all-reduce over tp (``all_reduce_tp``): Φ_w' this rank's
+                            shard elements of the parameters every tp rank keeps whole (norm weights),
+                            g the gradient shard's bytes per element (4: fp32); the planner omits it
 
 In fp32 qwZ and qgZ move (B + 4)/(4B) = 25.4% of the bytes they replace (bf16: 50.8%); with hpZ
 nothing of the backward crosses a node. Memory: hpZ holds b·Φ_u'/G per resharded unit between its
@@ -212,7 +215,8 @@ class ZeroPlusPlus(FullyShardedZero):
         if not pieces:
             return
         flat = torch.cat([g.reshape(-1) for g in pieces])
-        comm.all_reduce_via(flat, self.tp_group, self.comm_device or flat.device, self.meter)
+        meter = TaggedMeter(self.meter, "tp") if self.meter is not None else None
+        comm.all_reduce_via(flat, self.tp_group, self.comm_device or flat.device, meter)
         flat.div_(tp)
         offset = 0
         for g in pieces:
