@@ -5,6 +5,7 @@ and writes both summaries; an impossible budget makes it write FAIL and exit non
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -85,3 +86,35 @@ def test_bad_arguments_are_refused(tmp_path):
         ["bash", str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT
     )
     assert p.returncode == 2 and "holds a previous run" in p.stderr and p.stderr.count("\n") == 1
+
+
+LEASE = ROOT / "benchmarks" / "gpu_lease.sh"
+
+
+def test_the_lease_wrapper_runs_gpu_one_and_reports(tmp_path, data):
+    """``gpu_lease.sh run`` (what a device lease executes) on the prepared kit: gpu_one.sh's summary and
+    the lease log land in $OUT, and gpu_one's exit status is the wrapper's (an impossible budget: 1)."""
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path / "ok"),
+        "LEASE_PYTEST": "",
+        "LEASE_ARGS": "--dry-run --only A",
+    }
+    p = subprocess.run(
+        ["bash", str(LEASE), "run", str(data.parent)], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert json.loads((tmp_path / "ok" / "gpu-out" / "summary.json").read_text())["parts"] == {"A": "PASS"}
+    assert "== lease used" in (tmp_path / "ok" / "lease.log").read_text()
+    env.update(OUT=str(tmp_path / "fail"), LEASE_ARGS="--dry-run --only A --budget A.peak_tflops_min=1e12")
+    p = subprocess.run(
+        ["bash", str(LEASE), "run", str(data.parent)], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
+
+
+def test_the_lease_wrapper_refuses_a_kit_without_data(tmp_path):
+    p = subprocess.run(["bash", str(LEASE), "run", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no prepared data" in p.stderr
+    p = subprocess.run(["bash", str(LEASE)], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and "gpu_lease.sh prepare" in p.stdout
