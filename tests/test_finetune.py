@@ -265,6 +265,16 @@ def test_lora_tp2_replicated_kv_equals_single_process(pools, reference_kv1):
     _check_tp_bytes(results, lora_cfg({"tp": 2}, {"n_kv_heads": 1}))
 
 
+@pytest.mark.parametrize("targets,sp", [("o", False), ("k", True), ("q,v", False)])
+def test_lora_tp2_olmo2_norm_sums_on_the_formula(pools, targets, sp):
+    """OLMo-2's q/k norms over the whole projection (``qk_norm_scope = all``) sum (B, T) squares over
+    tp; behind the first adapter a norm's backward sum runs only when its own projection has one."""
+    model_kw = {"norm_placement": "post", "qk_norm": True, "qk_norm_scope": "all"}
+    layout = {"tp": 2, "sp": sp}
+    results = pools(2).run(train_lora, layout, model_kw, lora_targets=targets)
+    _check_tp_bytes(results, lora_cfg(layout, model_kw, lora_targets=targets))
+
+
 def _check_tp_bytes(results: list[dict], cfg: C.LoomConfig) -> None:
     """Bytes moved per step = tp_lora's formula: the layers' collectives where a gradient reaches them
     (the frozen base's partial sums gone) + the adapters' (one (B, T, Σr) collective per entry)."""

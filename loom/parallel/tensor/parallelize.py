@@ -261,7 +261,8 @@ def lora_comm_bytes(
     """Bytes one rank moves per step under tp in a LoRA run of ``cfg`` (a LoomConfig): the layers'
     activation collectives of :func:`comm_bytes_formula` less those
     no gradient reaches (the frozen base's backward runs only behind the first adapter: the
-    embedding's, and every entry's before it), plus the adapters' (:mod:`loom.parallel.tensor.lora`)."""
+    embedding's, every entry's before it, and there a ``qk_norm_scope = all`` norm's (B, T) sum
+    unless its own projection has an adapter), plus the adapters' (:mod:`loom.parallel.tensor.lora`)."""
     if tp == 1:
         return 0.0
     rho, r, m = (tp - 1) / tp, cfg.finetune.lora_rank, cfg.model
@@ -269,9 +270,12 @@ def lora_comm_bytes(
     S = batch * seq * m.dim * elem
     base = comm_bytes_formula(m, batch, seq, tp, sp, elem) - 2 * rho * elem * partial_numel(m, tp, sp)
     skipped, grad = (rho * S if sp else 0.0), False  # the embedding's backward (sp: an all-gather)
+    norm_sum = 2 * rho * batch * seq * 4 if m.qk_norm and m.qk_norm_scope == "all" else 0.0
     for _ in range(m.n_layers):
         for entry, row in ((("q", "k", "v"), "o"), (("w1", "w3"), "w2")):
             skipped += 0.0 if grad else 2 * rho * S  # the entry's backward: dx reduce (+ re-gather with sp)
+            if entry[0] == "q" and not grad:  # a q/k norm's backward sum runs only behind its adapter
+                skipped += norm_sum * len({"q", "k"} - targets)
             grad = grad or bool(targets & {*entry, row})
             skipped += rho * S if sp and not grad else 0.0  # the row layer's backward all-gather (sp)
     ranks = [len(targets & set(group)) * r for group in (("q", "k", "v"), ("w1", "w3"))]
