@@ -82,10 +82,11 @@ def test_import_gives_the_logits_of_transformers_and_exports_bit_for_bit(tmp_pat
             assert reader.bytes_read - before == whole.numel() * whole.element_size() // 2, name
 
 
-def test_import_under_tp2_and_pp2_gives_the_logits_of_transformers(pools, tmp_path):
+def test_import_under_tp2_pp2_zero3_cp2_gives_the_logits_of_transformers(pools, tmp_path):
     """Built on the meta device and read box by box under tp2 with sequence parallelism: each rank's
     q/k/v and gate/up rows come out of the fused tensors; its bytes read are exactly its parameters'.
-    Under pp2 the loss through the pipeline is transformers'."""
+    Under pp2 the loss through the pipeline is transformers'; under ZeRO-3 (each rank reading about
+    half the checkpoint: its shards' rows) and cp2 (this rank's positions) the logits."""
     from loom.model.llama import loss_fn
     from tests.test_hf import _layout_outputs
 
@@ -99,6 +100,13 @@ def test_import_under_tp2_and_pp2_gives_the_logits_of_transformers(pools, tmp_pa
         assert read == held < whole
     for loss in pools(2).run(_layout_outputs, [str(tmp_path)], x, "pp2"):
         assert loss[0] == pytest.approx(float(loss_fn(expected, x[:, 1:])), rel=1e-5)
+    for rank in pools(2).run(_layout_outputs, [str(tmp_path)], x, "zero3"):  # flat shards cut the fused rows
+        logits, share = rank[0]
+        assert_close(logits, expected)
+        assert 0.4 < share < 0.6, share
+    for rank in pools(2).run(_layout_outputs, [str(tmp_path)], x, "cp2"):
+        pos, logits = rank[0]
+        assert_close(logits, expected[:, pos])
 
 
 def test_a_run_from_phi3_exports_phi3_with_its_weights(prepared, tmp_path):  # noqa: F811
