@@ -282,7 +282,15 @@ def _worker(cfg_dict: dict[str, Any]) -> dict[str, float] | None:
 
 
 def _run_rank(cfg_dict: dict[str, Any], run) -> dict[str, float]:
-    return run(C.from_dict(cfg_dict), exit_on_signal=True)
+    """A rank of Loom's launcher: a failure is the launcher's one line, unless it restarts instead
+    (then the rank's own line says why it restarted)."""
+    from tqdm import tqdm
+
+    # only rank 0 draws bars: a thread lock, not tqdm's default named semaphore, which a killed rank
+    # leaks (the launcher's resource tracker then prints a two-line warning after its one line)
+    tqdm.set_lock(threading.RLock())
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    return run(C.from_dict(cfg_dict), exit_on_signal=True, report_comm_failure=restarts not in ("", "0"))
 
 
 _CPP_LOG = "TORCH_CPP_LOG_LEVEL"
@@ -805,6 +813,7 @@ OWN_ERRORS = (
     "CheckpointError",
     "HFError",
     "NonFiniteError",
+    "CollectiveFailure",
     "LossScaleDiverged",
     "PipelineError",
     "StrictCommError",

@@ -136,10 +136,15 @@ class Job:
 @needs_linux
 @pytest.mark.slow
 def test_a_lost_node_launcher_is_named_by_the_survivor_within_the_timeout(cfg, tmp_path):
-    """Two jobs at once (start-up is most of the cost): node 1's launcher killed in one, under
+    """Three jobs at once (start-up is most of the cost): node 1's launcher killed in one, under
     ``--max-restarts`` (node 0's agent would restart its rank and wait for node 1 at the rendezvous),
-    node 0's (which hosts the rendezvous store) in the other."""
+    node 0's (which hosts the rendezvous store) in the second, and in the third node 1 whole (its
+    launcher and its rank at once: no marker), which the survivor names by node and host in one line."""
     jobs = [Job(cfg, tmp_path / "lost1", 1, "--max-restarts=1"), Job(cfg, tmp_path / "lost0", 0)]
+    whole = Job(
+        cfg, tmp_path / "whole1", 1
+    )  # node 1 lost with its ranks (launcher and ranks killed together)
+    jobs.append(whole)
     try:
         end = time.monotonic() + 120
         while not all(_steps(j.run) >= 2 for j in jobs):
@@ -149,7 +154,10 @@ def test_a_lost_node_launcher_is_named_by_the_survivor_within_the_timeout(cfg, t
             time.sleep(0.05)
         t0 = time.monotonic()
         for j in jobs:
-            j.victim.proc.kill()
+            if j is whole:
+                os.killpg(j.victim.proc.pid, signal.SIGKILL)
+            else:
+                j.victim.proc.kill()
         for j in jobs:
             try:
                 j.rc = j.survivor.proc.wait(max(0.1, t0 + TIMEOUT_S + 10 - time.monotonic()))
@@ -168,6 +176,10 @@ def test_a_lost_node_launcher_is_named_by_the_survivor_within_the_timeout(cfg, t
         said = [ln for t, ln in j.survivor.lines if t >= t0 and not ln.startswith("step ")]
         assert j.rc == 1 and j.took < TIMEOUT_S, f"node {j.lost} lost: rc {j.rc} after {j.took:.1f} s:\n{out}"
         assert len(said) == 1, "\n".join(said)
+        if j is whole:  # no marker (its ranks died too): the surviving rank's collective names where they ran
+            assert said[0].startswith("loom: rank 0: collective failed"), said[0]
+            assert f"gone: rank 1 (node 1, host {socket.gethostname()}; pid " in said[0], said[0]
+            continue
         record = json.loads((j.run / "stopped.json").read_text())
         want = (
             f"loom: node {j.lost} (host {socket.gethostname()}) stopped answering: its launcher "

@@ -316,6 +316,8 @@ def test_stopped_rank_is_named_within_the_timeout(base_cfg, tmp_path):
     )
     summary = [ln for _, ln in job.lines if ln.startswith("loom: ")]
     assert summary and "rank 0" in summary[-1] and "unresponsive: rank 1" in summary[-1], job.output
+    said = [ln for t, ln in job.lines if t >= t0 and not ln.startswith("step ")]
+    assert said == summary[-1:], said  # the launcher's line alone: the rank does not say it first
 
 
 _SAVER = """

@@ -145,6 +145,7 @@ class Heartbeat:
         self.dir = Path(run_dir) / "heartbeat"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.interval = rank, interval
+        self.node = _node_rank()
         self.step, self.phase = 0, "setup"
         self.failed: str | None = None  # this rank's own error, once it ended with one
         self._stop = threading.Event()
@@ -169,6 +170,7 @@ class Heartbeat:
         tmp = path.with_name(path.name + ".tmp")
         body = {
             "rank": self.rank,
+            "node": self.node,
             "host": _HOST,
             "pid": os.getpid(),
             "start": _start_ticks(os.getpid()),
@@ -203,6 +205,16 @@ class Heartbeat:
 _HOST = socket.gethostname()
 _PF_EXITING = 0x4  # the kernel's per-task flag, set as a process starts to exit
 SETTLE_S = 1.0  # after a closed connection, how long to look for the peer's process to be gone
+
+
+def _node_rank() -> int | None:
+    """This process's node in its job: the elastic agent's ``GROUP_RANK`` (Loom's launcher, torchrun)
+    or ``SLURM_NODEID`` (srun); None when neither says."""
+    for key in ("GROUP_RANK", "SLURM_NODEID"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -294,6 +306,15 @@ def diagnose(
     beats = read_heartbeats(run_dir, world)
     mine = beats.get(rank) or {}
 
+    places = {(b.get("node"), b.get("host")) for b in beats.values() if b is not None}
+    several = len(places) > 1  # a job over several nodes or hosts: say where each rank ran
+
+    def where_ran(b: dict) -> str:
+        if not several:
+            return ""
+        node = f"node {b['node']}, " if b.get("node") is not None else ""
+        return f"{node}host {b.get('host', '?')}; "
+
     def classify() -> tuple[list[str], list[str]]:
         gone, stale = [], []
         for r, b in beats.items():
@@ -309,10 +330,12 @@ def diagnose(
                     if b.get("exited")
                     else "no longer running"
                 )
-                gone.append(f"rank {r} (pid {b['pid']} {how}, last at step {b['step']} in {b['phase']})")
+                gone.append(
+                    f"rank {r} ({where_ran(b)}pid {b['pid']} {how}, last at step {b['step']} in {b['phase']})"
+                )
             elif now - b["time"] > stale_after:
                 stale.append(
-                    f"rank {r} (pid {b['pid']}, silent for {now - b['time']:.1f} s, "
+                    f"rank {r} ({where_ran(b)}pid {b['pid']}, silent for {now - b['time']:.1f} s, "
                     f"last at step {b['step']} in {b['phase']})"
                 )
         return gone, stale
@@ -345,6 +368,10 @@ def diagnose(
     return (
         f"{head}; every other rank's heartbeat is fresh (slow collective or a rank in a different one?){tail}"
     )
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective timed out or lost a peer; the message is :func:`diagnose`'s one line."""
 
 
 class NonFiniteError(FloatingPointError):

@@ -41,6 +41,7 @@ from loom.train.build import build_mesh, build_run, saved_activations
 from loom.train.export import write_json_atomic
 from loom.train.gns import gns_estimate, small_batch_sq
 from loom.train.health import (
+    CollectiveFailure,
     Heartbeat,
     NonFiniteError,
     diagnose,
@@ -493,12 +494,16 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
 
 
-def run(cfg: C.LoomConfig, exit_on_signal: bool = False) -> dict[str, float]:
+def run(
+    cfg: C.LoomConfig, exit_on_signal: bool = False, report_comm_failure: bool = False
+) -> dict[str, float]:
     """Train on this rank; tears the process group down on the way out. ``exit_on_signal`` (a rank
     under a launcher): once a signal's step is saved every rank ends with ``SystemExit(128 + signal)``,
     quietly, instead of returning (a launcher that got the signal is shutting down and reads no
     result, and the elastic agent's worker would wait for it to; one that did not sees the exit
-    code and names the saved step)."""
+    code and names the saved step). A failed collective raises :class:`CollectiveFailure` (its
+    message :func:`diagnose`'s line, which the launcher or the CLI prints); ``report_comm_failure``
+    also logs that line here (under restarts, where the launcher restarts instead of reporting)."""
     env = RankEnv.from_environ()
     setup_logging(env.rank)
     trainer = None
@@ -524,9 +529,9 @@ def run(cfg: C.LoomConfig, exit_on_signal: bool = False) -> dict[str, float]:
             raise SystemExit(128 + stop.signum) from None
         if env.world > 1 and is_comm_failure(e):
             msg = diagnose(e, Path(cfg.run.dir), env.rank, env.world, cfg.run.timeout_s)
-            if not failed_peers(Path(cfg.run.dir), env.world, env.rank):  # else theirs is the one line
-                log.error("%s", msg)
-            raise RuntimeError(msg) from e
+            if report_comm_failure and not failed_peers(Path(cfg.run.dir), env.world, env.rank):
+                log.error("%s", msg)  # else theirs, or this raise through the launcher, is the one line
+            raise CollectiveFailure(msg) from e
         if Heartbeat.current is not None:  # before the process group goes: peers read it first
             Heartbeat.current.close(failed=f"{type(e).__name__}: {str(e).strip()[:300]}")
         raise
