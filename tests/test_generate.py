@@ -158,6 +158,17 @@ HF = {
         "MixtralForCausalLM",
         {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
+    "qwen3moe": (  # routing weights not renormalized over the top k: moe.norm_topk = false
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
+        | {"norm_topk_prob": False, "head_dim": 16},
+    ),
+    "mistral": (  # Mistral-7B v0.1's shape: a window (48) shorter than the positions (64)
+        "MistralConfig",
+        "MistralForCausalLM",
+        {"num_key_value_heads": 2, "sliding_window": 48},
+    ),
 }
 
 
@@ -187,13 +198,11 @@ def _save_hf(tmp: Path, family: str, vocab: int = 128) -> tuple[Path, torch.nn.M
 
 @pytest.mark.parametrize("family", list(HF))
 def test_greedy_tokens_from_an_hf_directory_equal_transformers_generate(tmp_path, family):
-    from loom.model.hf import load_into, open_dir
-    from loom.model.llama import Transformer
+    from loom.generate.source import hf_model
 
     path, ref = _save_hf(tmp_path, family)
-    hf = open_dir(path)
-    model = Transformer(hf.config).eval()
-    load_into(model, hf)
+    _, model = hf_model(path)  # what `loom generate --model.from_hf` runs
+    model.eval()
     prompts = _prompts(6, 11)
     opts = SamplingOptions(max_new_tokens=24, temperature=0)
     ours = generate_cached(model, prompts, opts).tokens

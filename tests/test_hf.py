@@ -94,6 +94,34 @@ def test_import_gives_the_logits_of_transformers(tmp_path, family, tie):
         assert_close(model(x), ref(x).logits)
 
 
+def test_a_rope_scaling_added_beside_rope_parameters_wins_as_in_transformers(tmp_path):
+    """A transformers-5 directory carries ``rope_parameters``; a ``rope_scaling`` added to its
+    config.json (model cards' long-context edit) replaces it whole in transformers (base: the
+    top-level ``rope_theta``), so Loom reads it too: llama3 scaling gives transformers' logits, and an
+    unsupported kind is refused, never read as the default RoPE."""
+    from loom.model.hf import HFError, load_into, open_dir
+    from loom.model.llama import Transformer
+
+    path, _ = _save_hf(tmp_path, "llama", False)
+    raw = json.loads((path / "config.json").read_text())
+    assert raw.get("rope_parameters")  # what transformers 5 wrote
+    scaling = dict(FAMILIES["llama3.1"][2]["rope_scaling"])
+    (path / "config.json").write_text(json.dumps(raw | {"rope_scaling": scaling}))
+    ref = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    hf = open_dir(path, max_seq_len=32)
+    assert hf.config.rope_scaling == 8.0
+    model = Transformer(hf.config)
+    load_into(model, hf)
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_close(model(x), ref(x).logits)
+    (path / "config.json").write_text(
+        json.dumps(raw | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    )
+    with pytest.raises(HFError, match="rope type 'yarn' is not supported"):
+        open_dir(path, 32)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_box_is_read_alone_and_equals_that_box_of_the_whole(tmp_path, family):
     """``Reader.read(name, box)`` with ``get_slice``: any box (rows cutting through rotary heads,

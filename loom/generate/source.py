@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from tokenizers import Tokenizer
@@ -34,6 +34,9 @@ from loom.data.tokenizer import EOT_CANDIDATES, load_tokenizer
 from loom.generate.options import Prompt
 from loom.model.llama import Transformer
 from loom.train.export import load_model
+
+if TYPE_CHECKING:
+    from loom.model.hf import HFModel
 
 PREFIX = "model."  # names of the model's tensors in a checkpoint (loom.checkpoint.convert)
 ASSISTANT = "<|assistant|>\n"  # the built-in template's opening of an assistant turn
@@ -191,17 +194,25 @@ def _recorded_base(run_dir: Path, weights: Path) -> dict | None:
     return read_json(ckpt / TRAIN_STATE).get("finetune_base")
 
 
+def hf_model(path: str | Path) -> tuple[HFModel, Transformer]:
+    """A Hugging Face directory's model as generation runs it (see :func:`load_hf`), weights loaded."""
+    from loom.model.hf import load_into, moe_options, open_dir
+
+    hf = open_dir(path, fit_window=True)
+    model = Transformer(hf.config, C.MoEConfig(**moe_options(hf)))  # type: ignore[arg-type]
+    load_into(model, hf)
+    return hf, model
+
+
 def load_hf(path: str) -> Source:
     """A local Hugging Face model directory: its weights, ``tokenizer.json``, ``eos_token_id`` and
-    chat template."""
-    from loom.model.hf import load_into, open_dir
-
-    hf = open_dir(path)
+    chat template; its routing options (Qwen3-MoE's ``norm_topk_prob``); a sliding window shorter
+    than its positions (Mistral-7B v0.1) as the context Loom keeps (the model's own attention while
+    prompt and output fit the window)."""
+    hf, model = hf_model(path)
     if hf.tokenizer is None:
         raise C.ConfigError(f"model.from_hf: {hf.dir} has no tokenizer.json; generation needs its tokenizer")
     tok = load_tokenizer(hf.tokenizer)
-    model = Transformer(hf.config)
-    load_into(model, hf)
     return Source(
         model.eval(),
         tok,

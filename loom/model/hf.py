@@ -108,7 +108,9 @@ def _rope(raw: dict) -> dict:
     """Loom's RoPE fields for ``config.json``: the base, and Llama 3.1's scaling if present."""
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or {}
-    merged = scaling | params  # transformers 5 folds rope_scaling into rope_parameters
+    # transformers 5 reads rope_parameters, but a rope_scaling (the older key, and what model cards
+    # tell users to add for long context) replaces it whole, its base the top-level rope_theta
+    merged = scaling or params
     kind = merged.get("rope_type", merged.get("type", "default"))
     out = {"rope_theta": float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))}
     partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
@@ -128,9 +130,11 @@ def _rope(raw: dict) -> dict:
     return out
 
 
-def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
+def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> ModelConfig:
     """Loom's :class:`ModelConfig` for a ``config.json``; a field Loom cannot honour raises naming it.
-    ``max_seq_len``: the longest sequence to prepare RoPE for (0 = ``max_position_embeddings``)."""
+    ``max_seq_len``: the longest sequence to prepare RoPE for (0 = ``max_position_embeddings``).
+    ``fit_window``: a sliding window shorter than that becomes ``max_seq_len`` (generation, whose
+    context Loom keeps within ``max_seq_len``) instead of a refusal."""
     arch = (raw.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED:
         lacks = f" (Loom's model lacks {MISSING[arch]})" if arch in MISSING else ""
@@ -153,7 +157,9 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         n_experts, ffn = _qwen3_moe_experts(raw)
     seq = max_seq_len or int(raw.get("max_position_embeddings", 2048))
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
-    if window is not None and seq > int(window):
+    if window is not None and seq > int(window) and fit_window:
+        seq = int(window)
+    elif window is not None and seq > int(window):
         raise HFError(
             f"{CONFIG}: sliding_window = {window} is shorter than the sequences ({seq}); Loom "
             "attends to the whole sequence, so it matches only when sequences fit the window"
@@ -269,9 +275,10 @@ def _weight_map(index: Path) -> dict[str, str]:
     return dict(wm)
 
 
-def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
+def open_dir(path: str | Path, max_seq_len: int = 0, fit_window: bool = False) -> HFModel:
     """Read ``config.json`` and locate every tensor's shard (``model.safetensors.index.json``, else
-    the ``*.safetensors`` files' headers, each checked); nothing is loaded."""
+    the ``*.safetensors`` files' headers, each checked); nothing is loaded. ``max_seq_len`` and
+    ``fit_window``: as :func:`model_config`'s."""
     d = Path(path)
     if not (d / CONFIG).is_file():
         raise HFError(f"{d}: no {CONFIG} (expected a local Hugging Face model directory)")
@@ -281,7 +288,7 @@ def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
         raise HFError(f"{d / CONFIG}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise HFError(f"{d / CONFIG}: not a JSON object (a Hugging Face config.json holds one)")
-    cfg = model_config(raw, max_seq_len)
+    cfg = model_config(raw, max_seq_len, fit_window)
     if (d / INDEX).is_file():
         files = _weight_map(d / INDEX)
     else:
