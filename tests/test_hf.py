@@ -219,6 +219,30 @@ def test_bad_tensors_and_files_are_named(tmp_path):
         open_dir(_save_hf(tmp_path / "m", "mistral", False, sliding_window=16)[0], 32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_quantized_weights_are_refused_in_one_line(tmp_path, dtype):
+    """An fp8 (scales in other tensors) or int8 checkpoint holds codes, not values: refused from the
+    headers, naming the tensor, and from ``quantization_config`` before any tensor is looked at."""
+    from safetensors.torch import load_file, save_file
+
+    from loom.model.hf import HFError, open_dir
+
+    path, _ = _save_hf(tmp_path, "llama", False)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors = load_file(str(path / index["weight_map"][name]))
+    tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, str(path / index["weight_map"][name]), metadata={"format": "pt"})
+    with pytest.raises(HFError, match=f"tensor {name} is stored as [FI]8.*likely quantized") as e:
+        open_dir(path, 32)
+    assert "\n" not in str(e.value)
+    raw = json.loads((path / "config.json").read_text())
+    quant = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(raw | {"quantization_config": quant}))
+    with pytest.raises(HFError, match=r"quantization_config \(quant_method = 'fp8'\) is not supported"):
+        open_dir(path, 32)
+
+
 def test_from_hf_bad_directory_fails_before_any_rank(tmp_path, capsys):
     from loom.cli import main
 

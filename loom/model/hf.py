@@ -141,6 +141,13 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
         raise HFError(
             f"{CONFIG}: architectures = {arch!r} is not supported{lacks}; supported: {', '.join(SUPPORTED)}"
         )
+    quant = raw.get("quantization_config")
+    if quant:  # fp8 with scales, GPTQ, AWQ, bitsandbytes: codes, not values
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise HFError(
+            f"{CONFIG}: quantization_config (quant_method = {method!r}) is not supported: Loom loads "
+            "unquantized weights (dequantize the model first, e.g. save it in bfloat16)"
+        )
     if arch == GPT2:
         return _gpt2_config(raw, max_seq_len)
     dim, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
@@ -420,12 +427,14 @@ def resolve_from_hf(cfg, need_data: bool = True) -> str | None:
 
 
 def _refuse_integer(file: Path, name: str, dtype: str) -> None:
-    """A weight stored as an integer type (quantized: int8, uint8, packed int4) would be cast to
-    floats and trained as if its codes were values: refused, naming the file and tensor."""
-    if dtype.upper().startswith(("I", "U", "BOOL")):
+    """A weight stored as an integer type (quantized: int8, uint8, packed int4) or an 8- or 4-bit float
+    (fp8 codes whose scales sit in other tensors) would be cast to floats and trained as if its codes
+    were values: refused, naming the file and tensor."""
+    if dtype.upper().startswith(("I", "U", "BOOL", "F8", "F4", "F6")):
+        kind = "integer" if not dtype.upper().startswith("F") else "an 8-bit or smaller float"
         raise HFError(
-            f"{file}: tensor {name} is stored as {dtype} (integer, likely quantized); Loom loads "
-            "floating-point weights only (dequantize it first, e.g. save the model in bfloat16)"
+            f"{file}: tensor {name} is stored as {dtype} ({kind}, likely quantized); Loom loads "
+            "16- and 32-bit floating-point weights only (dequantize it first, e.g. save the model in bfloat16)"
         )
 
 
