@@ -539,6 +539,14 @@ def _export_into_running_run(c: Ctx):
     return ["export", "hf", str(c.w.run), str(run / "hf")], ["run.dir", str(run), "in use"]
 
 
+def _export_into_checkpoints(c: Ctx, fmt: str):
+    """An export written inside a checkpoint would go when training prunes it (peft: refused there
+    before the run is found not to be LoRA)."""
+    run = c.copy_run()
+    target = _newest(run) / fmt
+    return ["export", fmt, str(run), str(target)], [str(target), "which training prunes"]
+
+
 def _generate_tampered_final(c: Ctx):
     run = c.copy_run()
     weights = run / "checkpoints" / "final" / "model.safetensors"
@@ -862,6 +870,8 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ),
     ("convert: usage", lambda c: (["checkpoint", "convert", str(c.w.run)], ["usage"]), 2),
     ("export: into a running run", _export_into_running_run, 2),
+    ("export: into a checkpoint", lambda c: _export_into_checkpoints(c, "hf"), 2),
+    ("export peft: into a checkpoint", lambda c: _export_into_checkpoints(c, "peft"), 2),
     ("generate: final model altered", _generate_tampered_final, 2),
     ("generate: final model of other weights", _generate_final_of_other_weights, 2),
     ("generate: config.toml broken", _generate_bad_config, 2),

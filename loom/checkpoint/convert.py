@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from loom.checkpoint.format import DTYPES, CheckpointError, fsync_dir
+from loom.checkpoint.format import DTYPES, CheckpointError, check_outside_checkpoints, fsync_dir
 from loom.checkpoint.load import CheckpointReader
 from loom.checkpoint.protocol import Box
 from loom.config import check_new_output
@@ -101,6 +101,7 @@ def convert(
             )
         if not replace:
             check_new_output(out, directory=False, error=CheckpointError)
+            check_outside_checkpoints(out, "the consolidated file")
         names = sorted(n[len(PREFIX) :] for n in reader.names() if n.startswith(PREFIX))
         if not names:
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")

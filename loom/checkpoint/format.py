@@ -88,6 +88,17 @@ def enclosing_checkpoint(path: str | Path) -> Path | None:
     return None
 
 
+def check_outside_checkpoints(out: str | Path, what: str = "an export") -> None:
+    """Refuse to write ``out`` (``what``) inside a checkpoint or a run's ``checkpoints`` directory:
+    training prunes and replaces what lies there, so the export would vanish, or a resume would read it."""
+    inside = enclosing_checkpoint(out)
+    if inside is not None:
+        raise CheckpointError(
+            f"{out}: inside {inside}, which training prunes and replaces; write {what} elsewhere "
+            "(nothing was written)"
+        )
+
+
 def shard_name(rank: int, world: int) -> str:
     return f"shard-{rank:05d}-of-{world:05d}.safetensors"
 

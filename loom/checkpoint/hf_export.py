@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from loom import config as C
-from loom.checkpoint.format import CheckpointError, fsync_dir
+from loom.checkpoint.format import CheckpointError, check_outside_checkpoints, fsync_dir
 from loom.checkpoint.load import CheckpointReader
 from loom.model.hf import (
     INDEX,
@@ -216,6 +216,7 @@ def export_hf(
         raise CheckpointError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     out = Path(out)
     C.check_new_output(out, directory=True, error=CheckpointError)
+    check_outside_checkpoints(out, "the Hugging Face directory")
     with CheckpointReader(source) as opened:
         saved = opened.train_state.get("config")
         if not saved:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from loom import config as C
-from loom.checkpoint.format import CheckpointError, fsync_dir
+from loom.checkpoint.format import CheckpointError, check_outside_checkpoints, fsync_dir
 from loom.checkpoint.load import CheckpointReader
 from loom.device import DTYPES, resolve_precision
 from loom.finetune.base import bind_base
@@ -139,6 +139,7 @@ def export_peft(source: str | Path, out: str | Path) -> Path:
 
     out = Path(out)
     C.check_new_output(out, directory=True, error=CheckpointError)
+    check_outside_checkpoints(out, "the adapter directory")
     with CheckpointReader(source) as reader:
         cfg = lora_config_of(reader, "export peft")
         tensors, config = peft_state(cfg, adapters(reader))
