@@ -7,6 +7,7 @@ reports a bad field as one line: ``loom: error: <section.key>: <what is allowed>
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -383,6 +384,8 @@ def cmd_generate(argv: list[str]) -> int:
 
     src = load_run(where) if key == "--run.dir" else load_hf(where)
     window = src.model.cfg.max_seq_len
+    if "max_new_tokens" not in opts and sampling.max_new_tokens > window:  # the default: within the window
+        sampling = dataclasses.replace(sampling, max_new_tokens=window)
     if opts.get("max_new_tokens", 0) > window:  # the window slides: past it the prompt is out of sight
         raise C.ConfigError(
             f"{spelled.get('max_new_tokens', '--max-new-tokens')}: {opts['max_new_tokens']} new tokens exceed "

@@ -253,6 +253,48 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
+def test_a_prompt_of_invalid_utf8_is_one_line(hf_dir, tmp_path, capsys):
+    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates (and a .jsonl's
+    ``\\ud800`` escape too): refused naming the prompt, not a tokenizer traceback."""
+    rc, _, err = _run(
+        capsys, "--model.from_hf", str(hf_dir), "--prompt", b"a\xff\xfeb".decode(errors="surrogateescape")
+    )
+    assert (
+        rc == 2 and err.startswith("loom: error: --prompt: not valid UTF-8 text") and err.count("\n") == 1
+    ), err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"prompt": "bad \\ud800"}\n')
+    rc, _, err = _run(
+        capsys, "--model.from_hf", str(hf_dir), "--prompts", str(prompts), "--max-new-tokens", "2"
+    )
+    assert rc == 2 and "--prompts (prompt 2): not valid UTF-8 text" in err and err.count("\n") == 1, err
+
+
+def test_the_default_length_stays_in_the_window_and_a_cropped_prompt_is_noted(hf_dir, capsys):
+    """The default --max-new-tokens (200) is capped to model.max_seq_len (an explicit larger one is
+    refused); a prompt longer than the window is cropped to its last max_seq_len tokens, with a note."""
+    from loom.generate.source import load_hf
+
+    window = load_hf(str(hf_dir)).model.cfg.max_seq_len
+    rc, out, err = _run(capsys, "--model.from_hf", str(hf_dir), "--prompt", "the cat", "--temperature", "0")
+    assert rc == 0 and f"generated {window} tokens" in err and "note" not in err, err
+    long = " ".join(["the cat sat on a mat"] * window)
+    rc, out, err = _run(
+        capsys,
+        "--model.from_hf",
+        str(hf_dir),
+        "--prompt",
+        long,
+        "--max-new-tokens",
+        "2",
+        "--temperature",
+        "0",
+    )
+    assert rc == 0 and f"longer than model.max_seq_len = {window}; the model sees its last {window}" in err, (
+        err
+    )
+
+
 def test_cli_on_an_hf_directory_prints_the_completion_and_its_speed(hf_dir, capsys):
     from loom.generate.source import load_hf
 

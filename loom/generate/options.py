@@ -22,7 +22,7 @@ Prompt = str | list[dict[str, str]]  # text, or chat messages [{role, content}, 
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    max_new_tokens: int = 200  # tokens generated per prompt at most
+    max_new_tokens: int = 200  # tokens generated per prompt at most (unset: at most model.max_seq_len)
     temperature: float = 0.8  # 0 = greedy
     top_k: int = 50  # keep the k most likely tokens (0 = all)
     top_p: float = 1.0  # nucleus: keep the most likely tokens up to this probability mass (1 = all)

@@ -61,10 +61,18 @@ def complete(
     cache: bool = True,
 ) -> Completions:
     """Completions of ``prompts`` (module doc)."""
-    ids = [
-        src.encode(p, chat, f"--prompts (prompt {i + 1})" if len(prompts) > 1 else "--prompt")
-        for i, p in enumerate(prompts)
-    ]
+    where = [f"--prompts (prompt {i + 1})" if len(prompts) > 1 else "--prompt" for i in range(len(prompts))]
+    ids = [src.encode(p, chat, w) for p, w in zip(prompts, where, strict=True)]
+    window = src.model.cfg.max_seq_len
+    longer = [(w, len(i)) for w, i in zip(where, ids, strict=True) if len(i) > window]
+    if longer:  # the context is cropped to the model's window (decode's module doc): say so
+        w, n = longer[0]
+        more = f" (and {len(longer) - 1} more)" if len(longer) > 1 else ""
+        print(
+            f"loom: note: {w}{more}: {n} tokens, longer than model.max_seq_len = {window}; the model sees "
+            f"its last {window}",
+            file=sys.stderr,
+        )
     dec = src.tokenizer.decode
 
     def stop(_row: int, toks: list[int]) -> bool:

@@ -62,10 +62,10 @@ class Source:
         and encoded as chat data is (no added special tokens), or a text as the tokenizer encodes it."""
         if chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            ids = self.tokenizer.encode(self.render(messages), add_special_tokens=False).ids
+            ids = self.tokenizer.encode(_utf8(self.render(messages), where), add_special_tokens=False).ids
         else:
             assert isinstance(prompt, str)  # read_prompts refuses messages without --chat
-            ids = self.tokenizer.encode(prompt).ids
+            ids = self.tokenizer.encode(_utf8(prompt, where)).ids
         ids = ids or sorted(self.eos)[:1] or [0]  # an empty prompt starts a document
         vocab = self.model.cfg.vocab_size
         if max(ids) >= vocab:
@@ -74,6 +74,18 @@ class Source:
                 f"vocabulary of {vocab}; its tokenizer.json was replaced"
             )
         return ids
+
+
+def _utf8(text: str, where: str) -> str:
+    """``text`` if it is Unicode text; a command-line argument of invalid UTF-8 bytes (kept by Python
+    as lone surrogates) or a JSON ``\\ud800`` escape is refused, naming where it came from."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise C.ConfigError(
+            f"{where}: not valid UTF-8 text ({text[e.start : e.end]!a} at character {e.start})"
+        ) from None
+    return text
 
 
 def end_ids(tok: Tokenizer, configured: object = None) -> frozenset[int]:
