@@ -138,8 +138,17 @@ def _shown(value: str) -> str:
 
 def check_launcher_env() -> None:
     """Refuse ``RANK``/``WORLD_SIZE`` without the rendezvous a launcher sets with them (left over in
-    a shell, they would make this process wait forever for peers that never come)."""
-    if not under_external_launcher():
+    a shell, they would make this process wait forever for peers that never come), and any of the
+    rank variables set to something not a whole number (a one-rank run reads them too)."""
+    paired = under_external_launcher()  # RANK and WORLD_SIZE together: checked as a pair below
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", *(() if paired else ("RANK", "WORLD_SIZE"))):
+        value = os.environ.get(name)
+        if value is not None and not is_whole(value):
+            raise C.ConfigError(
+                f"environment: {name}={_shown(value)} is not a whole number >= 0 (a launcher sets it; "
+                f"unset {name} for a local run)"
+            )
+    if not paired:
         return
     rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
     if not (is_whole(rank) and is_whole(world) and int(rank) < int(world)):
@@ -157,10 +166,6 @@ def check_launcher_env() -> None:
     port = os.environ["MASTER_PORT"]
     if not (is_whole(port) and 1 <= int(port) <= 65535):
         raise C.ConfigError(f"environment: MASTER_PORT={port!r} is not a port in [1, 65535]")
-    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # the device of this rank is chosen from them
-        value = os.environ.get(name)
-        if value is not None and not is_whole(value):
-            raise C.ConfigError(f"environment: {name}={value!r} is not a whole number >= 0")
 
 
 def expand_counts(spec: str) -> list[int]:

@@ -170,6 +170,26 @@ def test_launcher_variables_of_no_rank_are_refused(monkeypatch, rank, world):
         check_launcher_env()
 
 
+@pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"])
+def test_a_stray_rank_variable_that_is_no_number_is_one_line_before_the_run_dir(
+    monkeypatch, tmp_path, capsys, name
+):
+    """Alone in the shell (no launcher), a one-rank run reads it: refused before anything is written."""
+    from loom.cli import main
+
+    for other in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, "abc")
+    run = tmp_path / "run"
+    assert main(["train", "debug", "--train.steps", "1", "--run.nproc", "1", "--run.dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"loom: error: environment: {name}=abc is not a whole number >= 0 (a launcher sets it; unset {name} for a local run)\n"
+    )
+    assert not run.exists()
+
+
 @pytest.mark.parametrize("world,shown", [("\n", "'\\n'"), ("", "''"), ("2 ", "'2 '")])
 def test_a_launcher_value_with_a_newline_or_space_is_quoted_on_one_line(monkeypatch, world, shown):
     from loom import config as C
