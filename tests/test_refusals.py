@@ -667,6 +667,11 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("data.seq_len one", _cfg("--data.seq_len", "1"), 2),
     ("data.seq_len above max_seq_len", _cfg("--data.seq_len", "64"), 2),
     ("data.vocab_size too small", _cfg("--data.vocab_size", "100"), 2),
+    (
+        "prepare: data.vocab_size beyond a trainable tokenizer",
+        lambda c: (["prepare", "debug", "--data.vocab_size", "4000000000"], ["data.vocab_size", "at most"]),
+        2,
+    ),
     ("data.val_fraction too large", _cfg("--data.val_fraction", "0.7"), 2),
     ("data.errors unknown", _cfg("--data.errors", "ignore"), 2),
     ("data.max_corpus_mb inf", _cfg("--data.max_corpus_mb", "inf"), 2),

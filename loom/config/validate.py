@@ -296,6 +296,11 @@ def _check_data(d: DataConfig, max_seq_len: int) -> None:
         f"data.seq_len: {d.seq_len} exceeds model.max_seq_len={max_seq_len}",
     )
     _require(d.vocab_size >= 260, f"data.vocab_size: must be >= 260 (bytes + specials), got {d.vocab_size}")
+    _require(  # the BPE trainer allocates ~70 bytes per entry up front (4e9: 283 GB, then an abort)
+        d.vocab_size <= MAX_TRAINED_VOCAB,
+        f"data.vocab_size: at most {MAX_TRAINED_VOCAB:,} for a tokenizer trained here (the largest "
+        f"published vocabularies hold about 256k), got {d.vocab_size:,}",
+    )
     _require(0.0 < d.val_fraction < 0.5, f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")
     _require(d.max_corpus_mb >= 0, f"data.max_corpus_mb: must be >= 0 (0 = no cap), got {d.max_corpus_mb}")
     _require(d.workers >= 0, f"data.workers: must be >= 0 (0 = one per CPU core), got {d.workers}")
@@ -563,6 +568,7 @@ def check_new_output(out: Path, directory: bool, error: type[Exception] = Config
         )
 
 
+MAX_TRAINED_VOCAB = 1 << 24  # data.vocab_size: the tokenizer trainer's table then needs ~1.2 GB
 PICTURE_FORMATS = ("png", "svg", "pdf")
 
 
