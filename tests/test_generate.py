@@ -270,6 +270,31 @@ def test_a_prompt_of_invalid_utf8_is_one_line(hf_dir, tmp_path, capsys):
     assert rc == 2 and "--prompts (prompt 2): not valid UTF-8 text" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize(
+    "edit,says",
+    [
+        ({"hidden_size": "big"}, "a field has a value of the wrong type"),
+        ({"rms_norm_eps": -1.0}, "model.norm_eps: must be > 0"),
+        ({"rms_norm_eps": float("nan")}, "model.norm_eps: must be a finite number"),
+        ({"rope_theta": float("inf")}, "model.rope_theta: must be a finite number"),
+    ],
+)
+def test_an_hf_config_of_bad_values_is_one_line_as_loom_train_says(hf_dir, tmp_path, capsys, edit, says):
+    """What loom train refuses in a directory's config.json, generate refuses too (a wrong type gave a
+    traceback, a NaN eps a sampling error, an infinite RoPE base ran)."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    raw = json.loads((bad / "config.json").read_text())
+    raw.pop("rope_parameters", None) if "rope_theta" in edit else None
+    (bad / "config.json").write_text(json.dumps(raw | edit))
+    rc, _, err = _run(capsys, "--model.from_hf", str(bad), "--prompt", "the cat", "--max-new-tokens", "2")
+    assert (
+        rc == 2 and err.startswith("loom: error: model.from_hf: ") and says in err and err.count("\n") == 1
+    ), err
+
+
 def test_the_default_length_stays_in_the_window_and_a_cropped_prompt_is_noted(hf_dir, capsys):
     """The default --max-new-tokens (200) is capped to model.max_seq_len (an explicit larger one is
     refused); a prompt longer than the window is cropped to its last max_seq_len tokens, with a note."""

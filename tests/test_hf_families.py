@@ -137,6 +137,46 @@ def test_import_under_ep2_tp2_and_pp2_gives_the_logits_of_transformers(pools, tm
         assert loss[1] == pytest.approx(float(loss_fn(expected_olmo2, x[:, 1:])), rel=1e-5)
 
 
+def test_an_explicit_routing_option_against_the_directory_is_refused(tmp_path):
+    """``--moe.norm_topk true`` on a Qwen3-MoE saved with ``norm_topk_prob = false`` would run other
+    routing than the weights were trained with: refused in one line (it was silently overridden)."""
+    from loom.model.hf import resolve_from_hf
+
+    save_family(tmp_path, "qwen3-moe", norm_topk_prob=False)
+    cfg = C.load(
+        None,
+        [
+            "--model.from_hf",
+            str(tmp_path),
+            "--moe.norm_topk",
+            "true",
+            "--data.source",
+            "x.txt",
+            "--data.tokenizer",
+            "t.json",
+        ],
+    )
+    with pytest.raises(
+        C.ConfigError, match=r"moe.norm_topk: True contradicts .*config.json, whose routing gives False"
+    ):
+        resolve_from_hf(cfg)
+    cfg = C.load(
+        None,
+        [
+            "--model.from_hf",
+            str(tmp_path),
+            "--moe.norm_topk",
+            "false",
+            "--data.source",
+            "x.txt",
+            "--data.tokenizer",
+            "t.json",
+        ],
+    )
+    resolve_from_hf(cfg)  # the same value: fine
+    assert cfg.moe.norm_topk is False
+
+
 @pytest.mark.parametrize(
     "edit,says",
     [

@@ -208,10 +208,15 @@ def _recorded_base(run_dir: Path, weights: Path) -> dict | None:
 
 def hf_model(path: str | Path) -> tuple[HFModel, Transformer]:
     """A Hugging Face directory's model as generation runs it (see :func:`load_hf`), weights loaded."""
-    from loom.model.hf import load_into, moe_options, open_dir
+    from loom.model.hf import HFError, load_into, moe_options, open_dir
 
-    hf = open_dir(path, fit_window=True)
-    model = Transformer(hf.config, C.MoEConfig(**moe_options(hf)))  # type: ignore[arg-type]
+    try:
+        hf = open_dir(path, fit_window=True)
+        moe = C.MoEConfig(**moe_options(hf))  # type: ignore[arg-type]
+        C.validate_shape(C.LoomConfig(model=hf.config, moe=moe))  # what loom train checks: eps > 0, ...
+    except (HFError, C.ConfigError) as e:
+        raise C.ConfigError(f"model.from_hf: {e}") from None
+    model = Transformer(hf.config, moe)
     load_into(model, hf)
     return hf, model
 

@@ -295,7 +295,16 @@ def open_dir(path: str | Path, max_seq_len: int = 0, fit_window: bool = False) -
         raise HFError(f"{d / CONFIG}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise HFError(f"{d / CONFIG}: not a JSON object (a Hugging Face config.json holds one)")
-    cfg = model_config(raw, max_seq_len, fit_window)
+    try:
+        cfg = model_config(raw, max_seq_len, fit_window)
+    except HFError:
+        raise
+    except KeyError as e:
+        raise HFError(
+            f"{d / CONFIG}: has no {e.args[0]!r} (a {raw.get('architectures', ['?'])} config holds it)"
+        ) from None
+    except (ValueError, TypeError) as e:  # a field of the wrong type: "hidden_size": "big"
+        raise HFError(f"{d / CONFIG}: a field has a value of the wrong type ({e})") from None
     if (d / INDEX).is_file():
         files = _weight_map(d / INDEX)
     else:
@@ -395,7 +404,12 @@ def apply_to(cfg, path: str | Path) -> HFModel:
         if f"model.{field}" in given and explicit_model_field(field, mine, model.config):
             continue
         setattr(cfg.model, field, getattr(model.config, field))
-    for field, value in moe_options(model).items():
+    for field, value in moe_options(model).items():  # the routing the weights were trained with
+        if f"moe.{field}" in given and getattr(cfg.moe, field) != value:
+            raise HFError(
+                f"moe.{field}: {getattr(cfg.moe, field)!r} contradicts {model.dir / CONFIG}, whose routing "
+                f"gives {value!r}; leave it unset"
+            )
         setattr(cfg.moe, field, value)
     if not cfg.data.tokenizer:
         if model.tokenizer is None:
