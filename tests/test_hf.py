@@ -407,6 +407,34 @@ def test_import_then_export_round_trips(tmp_path, family):
         assert torch.equal(out[name], t), name
 
 
+def test_export_carries_the_source_config_when_a_field_is_left_to_its_default(tmp_path):
+    """GPT-2's save_pretrained writes ``"n_inner": null`` (4·n_embd) where Loom's description says
+    the number: the same tensors, so the source's other fields (dropouts, special ids,
+    ``task_specific_params``) are carried into the export (they were all dropped)."""
+    from loom.checkpoint.hf_export import carried_config
+    from loom.model.hf import hf_config, open_dir
+
+    path, _ = _save_hf(tmp_path, "gpt2", False, n_inner=None, bos_token_id=1, eos_token_id=1)
+    raw = json.loads((path / "config.json").read_text())
+    raw["task_specific_params"] = {"text-generation": {"do_sample": True, "max_length": 50}}
+    (path / "config.json").write_text(json.dumps(raw))
+    assert raw["n_inner"] is None and raw["attn_pdrop"] == 0.1
+    ours = hf_config(open_dir(path, 32).config)
+    assert ours["n_inner"] == 4 * 64
+    carried = carried_config(ours, path)
+    for key in (
+        "task_specific_params",
+        "attn_pdrop",
+        "resid_pdrop",
+        "embd_pdrop",
+        "bos_token_id",
+        "eos_token_id",
+    ):
+        assert carried[key] == raw[key], key
+    changed = carried_config(ours | {"n_layer": 3}, path)  # another shape: Loom's description alone
+    assert "task_specific_params" not in changed
+
+
 # ----------------------------------------------------------------------------- parallel layouts
 
 TP_FAMILIES = [

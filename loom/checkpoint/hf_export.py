@@ -41,6 +41,7 @@ from loom.model.hf import (
     hf_config,
     hf_tensors,
     hf_units,
+    model_config,
     moe_export_problem,
 )
 from loom.numbers import is_whole
@@ -109,6 +110,31 @@ def _read_json(path: Path) -> dict:
     return out if isinstance(out, dict) else {}
 
 
+# the ModelConfig fields (as model_config reads a config.json) that fix the tensors' names and shapes
+SHAPE = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "ffn_dim",
+    "vocab_size",
+    "tie_embeddings",
+    "n_experts",
+)
+
+
+def _same_tensors(raw: dict, ours: dict) -> bool:
+    """Both ``config.json`` describe the same tensors: compared as Loom reads them, so a field the
+    source leaves to its default (GPT-2's ``"n_inner": null`` = 4·n_embd) equals its value; by the
+    raw SHAPE_FIELDS where the source is not one Loom reads."""
+    try:
+        a, b = model_config(raw, fit_window=True), model_config(ours, fit_window=True)
+    except (ValueError, KeyError, TypeError):
+        return not any(f in raw and f in ours and raw[f] != ours[f] for f in SHAPE_FIELDS)
+    return all(getattr(a, f) == getattr(b, f) for f in SHAPE)
+
+
 def carried_config(ours: dict, src: Path | None) -> dict:
     """``config.json``: Loom's description ``ours`` with every field of the source directory's
     ``config.json`` carried over when the source describes the same tensors (module doc)."""
@@ -117,9 +143,7 @@ def carried_config(ours: dict, src: Path | None) -> dict:
     raw = _read_json(src / "config.json")
     arch = (raw.get("architectures") or ["?"])[0]
     mine = ours["architectures"][0]
-    if SAME_TENSORS.get(arch, arch) != SAME_TENSORS.get(mine, mine) or any(
-        f in raw and f in ours and raw[f] != ours[f] for f in SHAPE_FIELDS
-    ):
+    if SAME_TENSORS.get(arch, arch) != SAME_TENSORS.get(mine, mine) or not _same_tensors(raw, ours):
         return ours  # the model changed shape or family since: describe what was trained
     kept = {k: v for k, v in raw.items() if k not in ("dtype", "torch_dtype", "transformers_version")}
     return ours | kept | {"dtype": ours["dtype"]}
