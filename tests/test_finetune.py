@@ -651,6 +651,30 @@ def test_peft_export_and_merged_export_of_a_run(lora_run, hf_base, tmp_path):
         assert_close(final.eval()(x), want)
 
 
+def test_a_padded_lora_run_gives_a_final_model_generate_loads(prepared, hf_base, tmp_path):
+    """A LoRA run with a padded vocabulary (``model.pad_vocab_to``: what tp2 sets on its own for a
+    vocabulary it does not divide) writes its merged final model with the run's V' rows (the base has
+    V; ``loom generate --run.dir`` refused the file), verified against the checkpoint; the merged HF
+    export still has V rows and transformers' logits equal Loom's."""
+    import transformers
+
+    from loom.checkpoint.hf_export import export_hf
+    from loom.finetune.export import MergedReader
+    from loom.generate.source import load_run
+
+    run = tmp_path / "run"
+    cfg = hf_lora_config(prepared, hf_base, run, model={"pad_vocab_to": 512}, train={"steps": 2})
+    trainer_fit(cfg)
+    src = load_run(str(run))  # the final file checked against the merge of the checkpoint's adapters
+    assert src.model.output.weight.shape[0] == 512 and not src.model.output.weight[384:].any()
+    export_hf(run, tmp_path / "merged", wrap=MergedReader)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert merged.config.vocab_size == 384
+    x = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close(merged(x).logits, src.model.eval()(x)[..., :384], rtol=1e-4, atol=1e-5)
+
+
 def test_training_equals_transformers_plus_peft(hf_base):
     """The same seeded LoRA init and the same batches in a plain transformers + peft loop (AdamW, the
     same clipping and LR schedule) give Loom's losses at one rank, step for step."""

@@ -36,7 +36,7 @@ from loom.device import DTYPES, resolve_precision
 from loom.finetune.base import bind_base
 from loom.finetune.lora import LORA_SUFFIXES, merged_weight
 from loom.finetune.nf4 import as_trained
-from loom.model.hf import _mappings, architecture_of, to_hf_rows
+from loom.model.hf import VOCAB_TENSORS, _mappings, architecture_of, to_hf_rows
 from loom.numbers import is_whole
 
 PREFIX = "model."
@@ -212,7 +212,13 @@ class MergedReader:
         return self.base[name[len(PREFIX) :]].dtype
 
     def global_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.base[name[len(PREFIX) :]].shape)
+        shape = tuple(self.base[name[len(PREFIX) :]].shape)
+        return (self._rows(name[len(PREFIX) :], shape[0]), *shape[1:])
+
+    def _rows(self, name: str, rows: int) -> int:
+        """A vocabulary tensor's rows as the run's model holds them: V' (``model.pad_vocab_to``, a
+        run padded for tp) where the base has V, like a full run's checkpoint; others as they are."""
+        return max(rows, self.cfg.model.padded_vocab) if name in VOCAB_TENSORS else rows
 
     def read(self, name: str) -> torch.Tensor:
         name = name[len(PREFIX) :]
@@ -220,8 +226,9 @@ class MergedReader:
         if name in self.pairs:
             a, b = self.pairs[name]
             used = w if self.nf4 is None else as_trained(w, self.nf4)
-            return merged_weight(used, a, b, self.scale).to(w.dtype)
-        return w
+            w = merged_weight(used, a, b, self.scale).to(w.dtype)
+        rows = self._rows(name, w.shape[0])
+        return w if rows == w.shape[0] else torch.cat((w, w.new_zeros(rows - w.shape[0], *w.shape[1:])))
 
 
 def merged_state(source: str | Path) -> tuple[C.LoomConfig, dict[str, torch.Tensor]]:
