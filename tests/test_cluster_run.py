@@ -150,7 +150,7 @@ def _allocation(tmp_path: Path, tiny_toml: Path) -> Path:
                 "cluster": {"gpus_per_node": 2},
                 "jobs": [
                     {"name": "big", "config": str(tiny_toml), "device": "h100", "gpus": 4, "steps": 50},
-                    {"name": "one", "config": str(tiny_toml), "device": "a100", "gpus": 2},
+                    {"name": "one", "config": str(tiny_toml), "device": "a100", "gpus": 2, "steps": 2},
                 ],
             }
         )
@@ -235,7 +235,9 @@ def test_slurm_from_a_policy_and_refusals(tiny_toml, tmp_path, capsys):
     for name in placed:
         assert "#SBATCH --gpus-per-node=h100-sxm:2" in (out / f"{name}.sbatch").read_text()
     alloc = tmp_path / "bad.toml"
-    alloc.write_text(tomli_w.dumps({"jobs": [{"name": "q", "device": "h100", "gpus": 12, "nodes": 5}]}))
+    alloc.write_text(
+        tomli_w.dumps({"jobs": [{"name": "q", "device": "h100", "gpus": 12, "nodes": 5, "steps": 2}]})
+    )
     assert main(["slurm", "--allocation", str(alloc), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert (
@@ -252,3 +254,78 @@ def test_slurm_from_a_policy_and_refusals(tiny_toml, tmp_path, capsys):
     assert err.count("\n") == 1 and f"{out}/" in err and ".toml: exists" in err, err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     shutil.rmtree(out)
+
+
+def test_jobs_of_one_config_get_their_own_run_directories(tmp_path, capsys):
+    """Two jobs of the ``debug`` preset (its ``run.dir`` is ``runs/debug``) ran in the same directory;
+    each now trains in ``runs/<name>``."""
+    alloc = tmp_path / "alloc.toml"
+    job = {"config": "debug", "device": "h100", "gpus": 2, "steps": 10}
+    alloc.write_text(tomli_w.dumps({"jobs": [{"name": "a", **job}, {"name": "b", **job}]}))
+    out = tmp_path / "out"
+    assert main(["slurm", "--allocation", str(alloc), "--out", str(out)]) == 0
+    for name in ("a", "b"):
+        (srun,) = [x for x in (out / f"{name}.sbatch").read_text().splitlines() if x.startswith("srun ")]
+        assert srun.endswith(f"--run.dir runs/{name} --train.steps 10"), srun
+
+
+@pytest.mark.parametrize(
+    "job, field",
+    [
+        ({"name": "a", "device": "h100", "gpus": 2}, "jobs[0].steps: missing, the job's train.steps"),
+        (
+            {"name": "a", "device": "h100", "gpus": 2, "steps": 2, "overrides": {"run": {"dir": "x"}}},
+            "jobs[0].overrides.run.dir: not allowed",
+        ),
+    ],
+    ids=["no steps", "run.dir override"],
+)
+def test_allocation_without_steps_or_with_a_run_dir_is_one_line(tmp_path, capsys, job, field):
+    alloc = tmp_path / "alloc.toml"
+    alloc.write_text(tomli_w.dumps({"jobs": [job]}))
+    assert main(["slurm", "--allocation", str(alloc), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"loom: error: {alloc}: {field}") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_refuses_a_run_dir_override(tmp_path, capsys):
+    """``loom cluster run`` launches each job with ``--run.dir OUT/<name>``: a job's own run.dir would be
+    silently replaced, so it is refused before any job starts."""
+    _bad(tmp_path, [{"steps": 2, "overrides": {"run": {"dir": str(tmp_path / "mine")}}}])
+    err = capsys.readouterr().err
+    assert "jobs[0].overrides.run.dir: not allowed" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "mine").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--kubernetes", "--image", ""], "--image: expected a container image name (not empty"),
+        (["--kubernetes", "--image", "a b"], "--image: expected a container image name"),
+        (["--kubernetes", "--pvc", ""], "--pvc: expected a PersistentVolumeClaim name"),
+        (["--kubernetes", "--pvc", "My_Claim"], "--pvc: expected a PersistentVolumeClaim name"),
+        (["--image", "reg/loom:1"], "--image: only with --kubernetes"),
+        (["--pvc", "runs"], "--pvc: only with --kubernetes"),
+    ],
+)
+def test_kubernetes_options_refused_in_one_line(tiny_toml, tmp_path, capsys, extra, says):
+    out = tmp_path / "out"
+    assert (
+        main(["slurm", "--allocation", str(_allocation(tmp_path, tiny_toml)), "--out", str(out), *extra]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith(f"loom: error: {says}") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_kubernetes_names_that_coincide_are_refused(tmp_path, capsys):
+    alloc = tmp_path / "alloc.toml"
+    job = {"device": "h100", "gpus": 2, "steps": 2}
+    alloc.write_text(tomli_w.dumps({"jobs": [{"name": "a_b", **job}, {"name": "a.b", **job}]}))
+    out = tmp_path / "out"
+    assert main(["slurm", "--allocation", str(alloc), "--out", str(out), "--kubernetes"]) == 2
+    err = capsys.readouterr().err
+    assert "jobs 'a_b' and 'a.b': both are Kubernetes resources 'loom-a-b'" in err and err.count("\n") == 1
+    assert not out.exists()
+    assert main(["slurm", "--allocation", str(alloc), "--out", str(out)]) == 0  # sbatch: distinct files

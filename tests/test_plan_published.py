@@ -269,6 +269,48 @@ def test_cli_predicts_your_own_runs_as_the_shipped_ones(tmp_path, capsys):
             "run 'mine': train.precision: must be one of",
         ),
         ("zero3", "zero9", "run 'mine': layout"),
+        # not finite: inf passed the > 0 test and --json printed Infinity (not JSON)
+        (
+            "tokens_per_s_per_gpu = 2973",
+            "tokens_per_s_per_gpu = inf",
+            "tokens_per_s_per_gpu must be > 0 and finite, got inf",
+        ),
+        (
+            "tokens_per_s_per_gpu = 2973",
+            "step_time_s = inf",
+            "run 'mine': step_time_s must be > 0 and finite, got inf",
+        ),
+        (
+            "inter_bandwidth_gbps = 25",
+            "inter_bandwidth_gbps = inf",
+            "run 'mine': cluster: inter_bandwidth_gbps must be > 0 and finite",
+        ),
+        (
+            "inter_bandwidth_gbps = 25",
+            "inter_bandwidth_gbps = 25, intra_bandwidth_gbps = -inf",
+            "cluster: intra_bandwidth_gbps must be > 0 and finite",
+        ),
+        (
+            "tie_embeddings = false",
+            "tie_embeddings = false\nrope_theta = inf",
+            "own.toml: models.m.rope_theta: must be a finite number, got inf",
+        ),
+        (
+            "tie_embeddings = false",
+            "tie_embeddings = false\nnorm_eps = nan",
+            "own.toml: models.m.norm_eps: must be a finite number, got nan",
+        ),
+        # finite, but the tokens/s or TFLOP/s derived from it are not
+        (
+            "tokens_per_s_per_gpu = 2973",
+            "step_time_s = 1e-320",
+            "run 'mine': step_time_s = 1e-320 gives inf tokens/s per GPU",
+        ),
+        (
+            "tokens_per_s_per_gpu = 2973",
+            "tokens_per_s_per_gpu = 1e308",
+            "run 'mine': its measured throughput (1e+308 tokens/s per GPU) is beyond",
+        ),
         ("[models.m]", "[modelz.m]", "own.toml: unknown table 'modelz'"),
         ("[[runs]]", "[runs]", "own.toml: runs must be an array of tables"),
         ("tie_embeddings = false", "tie_embeddings = false\nfoo = 1", "own.toml: models.m.foo: unknown key"),
@@ -281,12 +323,15 @@ def test_a_bad_runs_file_is_one_line_naming_the_file_and_key(tmp_path, capsys, o
 
 
 def _refused_in_one_line(path, says: str, capsys) -> None:
-    """``loom plan validate --published --runs PATH`` exits 2 with one stderr line containing ``says``."""
+    """``loom plan validate --published --runs PATH`` (and with ``--json``) exits 2 with one stderr
+    line containing ``says`` and prints nothing on stdout."""
     from loom.plan.validate import main
 
-    assert main(["--published", "--runs", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and says in err, err
+    for extra in ([], ["--json"]):
+        assert main(["--published", "--runs", str(path), *extra]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.count("\n") == 1 and says in captured.err, captured.err
+        assert captured.out == ""
 
 
 def test_runs_files_that_cannot_be_read_are_one_line(tmp_path, capsys):

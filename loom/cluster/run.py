@@ -23,7 +23,7 @@ Every decision is a row of ``OUT/decisions.jsonl`` (``t`` seconds since the star
 ``event`` in start | preempt | resume | finish | fail, ``ranks``, ``step``) and one printed line; the
 end prints each job's JCT (finish - arrival). Jobs file: ``[[jobs]]`` tables with ``name``,
 ``steps``, optional ``config`` (preset or .toml; default: the defaults), ``overrides`` (section
-tables), ``arrival_s`` (0), ``devices`` (requested ranks; default the config's ``run.nproc``, at most
+tables; not ``run.dir``: the run directory is ``OUT/<name>``, a config's own ``run.dir`` is replaced), ``arrival_s`` (0), ``devices`` (requested ranks; default the config's ``run.nproc``, at most
 ``N``), ``throughput`` (ranks -> sequences/s, or device type -> that table); every error is one line
 naming the file and the field, before any job starts.
 """
@@ -95,6 +95,11 @@ def _config(at: str, d: dict[str, Any]) -> C.LoomConfig:
     if not isinstance(over, dict) or not all(isinstance(v, dict) for v in over.values()):
         raise ClusterError(
             f"{at}.overrides: expected section tables ({{ train = {{ lr = 1e-3 }} }}), got {over!r}"
+        )
+    if "dir" in over.get("run", {}):  # each launch's --run.dir would win over it, silently
+        raise ClusterError(
+            f"{at}.overrides.run.dir: not allowed; the job's run directory comes from its name "
+            "(loom cluster run: OUT/<name>; slurm: runs/<name>; Kubernetes: /runs/<name>)"
         )
     try:
         return C.from_dict(copy.deepcopy(over), base=C.load(src, []))

@@ -21,8 +21,11 @@ Each job's resolved config is written to ``OUT/<name>.toml``; then, per job:
   = G.
 
 Allocation file: ``[cluster] gpus_per_node`` (default 8) and ``[[jobs]]`` tables with ``name``,
-``device``, ``gpus``, optional ``nodes`` (default ceil(gpus / gpus_per_node)), ``config``,
-``overrides``, ``steps`` (default the config's ``train.steps``).
+``device``, ``gpus``, ``steps`` (the job's ``train.steps``), optional ``nodes`` (default ceil(gpus /
+gpus_per_node)), ``config``, ``overrides`` (not ``run.dir``). Each job's run directory comes from its
+name: ``runs/<name>`` (SLURM, relative to the directory ``sbatch`` runs in) or ``/runs/<name>``
+(Kubernetes); a config's own ``run.dir`` (the ``debug`` preset's ``runs/debug``) is replaced, so jobs
+sharing a config never share a run directory.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import argparse
 import copy
 import json
 import math
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +48,7 @@ from loom.cluster.run import _config, explicit_toml, load_jobs
 
 _KEYS = {"name", "config", "overrides", "steps", "device", "gpus", "nodes"}
 RDZV_PORT = 29400
+IMAGE, PVC = "loom:latest", "loom-runs"  # --image, --pvc defaults
 
 
 @dataclass
@@ -65,8 +70,9 @@ class Allocated:
         return ["--train.steps", str(self.cfg.train.steps)]
 
     def run_dir(self) -> str:
-        d = self.cfg.run.dir
-        return d if d != C.RunConfig().dir else f"runs/{self.name}"
+        """``runs/<name>``: job names are unique, so run directories are (a config's ``run.dir`` is
+        shared by every job of that config)."""
+        return f"runs/{self.name}"
 
 
 def split(where: str, gpus: int, per_node: int, nodes: int = 0) -> tuple[int, int]:
@@ -101,9 +107,10 @@ def load_allocation(path: str | Path) -> list[Allocated]:
         for key in d:
             if key not in _KEYS:
                 raise ClusterError(f"{at}.{key}: unknown key; allowed: {', '.join(sorted(_KEYS))}")
-        for key in ("name", "device", "gpus"):
+        for key in ("name", "device", "gpus", "steps"):
             if key not in d:
-                raise ClusterError(f"{at}.{key}: missing (required: name, device, gpus)")
+                what = ", the job's train.steps" if key == "steps" else ""
+                raise ClusterError(f"{at}.{key}: missing{what} (required: name, device, gpus, steps)")
         name, device = d["name"], d["device"]
         for key, v in (("name", name), ("device", device)):
             if not isinstance(v, str) or not v or not all(c.isalnum() or c in "_.-" for c in v):
@@ -114,9 +121,8 @@ def load_allocation(path: str | Path) -> list[Allocated]:
         nodes = int(_num(f"{at}.nodes", d["nodes"], integer=True)) if "nodes" in d else 0
         nodes, per = split(f"{at}.gpus", gpus, per_node, nodes)
         cfg = _config(at, d)
-        if "steps" in d:
-            steps = int(_num(f"{at}.steps", d["steps"], integer=True))
-            C.apply_overrides(cfg, ["--train.steps", str(steps)])
+        steps = int(_num(f"{at}.steps", d["steps"], integer=True))
+        C.apply_overrides(cfg, ["--train.steps", str(steps)])
         try:
             C.validate(copy.deepcopy(cfg), gpus)
             C.check_intent(cfg)
@@ -195,10 +201,48 @@ def _scalar(x: Any) -> str:
     return json.dumps(x)
 
 
+def k8s_name(job: str) -> str:
+    """The job's Kubernetes resource name (lower case, ``_`` and ``.`` as ``-``)."""
+    return f"loom-{job}".lower().replace("_", "-").replace(".", "-")
+
+
+_PVC_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS-1123 subdomain
+
+
+def check_kubernetes(args: argparse.Namespace) -> None:
+    """``--image`` and ``--pvc`` only with ``--kubernetes`` (they would do nothing), and there a
+    non-empty image without white space and a claim name Kubernetes accepts (DNS-1123)."""
+    if not args.kubernetes:
+        for flag, value in (("--image", args.image), ("--pvc", args.pvc)):
+            if value is not None:
+                raise ClusterError(f"{flag}: only with --kubernetes (sbatch scripts run no image or claim)")
+        return
+    if args.image is not None and (not args.image or any(c.isspace() for c in args.image)):
+        raise ClusterError(
+            f"--image: expected a container image name (not empty, no spaces), got {args.image!r}"
+        )
+    if args.pvc is not None and not _PVC_NAME.fullmatch(args.pvc):
+        raise ClusterError(
+            f"--pvc: expected a PersistentVolumeClaim name (lower-case letters, digits, '-', '.', starting "
+            f"and ending with a letter or digit), got {args.pvc!r}"
+        )
+
+
+def check_k8s_names(allocs: list[Allocated]) -> None:
+    """Job names whose Kubernetes resource names differ (``a_b`` and ``a.b`` are both ``loom-a-b``)."""
+    seen: dict[str, str] = {}
+    for a in allocs:
+        other = seen.setdefault(k8s_name(a.name), a.name)
+        if other != a.name:
+            raise ClusterError(
+                f"jobs {other!r} and {a.name!r}: both are Kubernetes resources {k8s_name(a.name)!r}; rename one"
+            )
+
+
 def kubernetes(a: Allocated, image: str, pvc: str) -> str:
     """The job's ConfigMap, headless Service and Indexed Job (module doc), as one YAML stream."""
     grace = int(math.ceil(a.cfg.run.preempt_grace_s)) + 30
-    name = f"loom-{a.name}".lower().replace("_", "-").replace(".", "-")
+    name = k8s_name(a.name)
     cmd = [
         "python",
         "-m",
@@ -284,15 +328,12 @@ def add_parser(sub: Any) -> None:
     s.add_argument(
         "--kubernetes", action="store_true", help="Kubernetes Job manifests instead of sbatch scripts"
     )
-    s.add_argument(
-        "--image", default="loom:latest", help="--kubernetes: container image with loom (default loom:latest)"
-    )
-    s.add_argument(
-        "--pvc", default="loom-runs", help="--kubernetes: PersistentVolumeClaim for run directories"
-    )
+    s.add_argument("--image", help=f"--kubernetes: container image with loom (default {IMAGE})")
+    s.add_argument("--pvc", help=f"--kubernetes: PersistentVolumeClaim for run directories (default {PVC})")
 
 
 def main_slurm(args: argparse.Namespace) -> int:
+    check_kubernetes(args)
     waiting: list[str] = []
     if args.allocation:
         if args.policy or args.cluster:
@@ -306,6 +347,8 @@ def main_slurm(args: argparse.Namespace) -> int:
         make_policy(args.policy)  # an unknown name before the jobs file is read
         cluster = load_cluster(args.cluster) if args.cluster else DEFAULT_CLUSTER
         allocs, waiting = from_policy(args.jobs, cluster, args.policy)
+    if args.kubernetes:
+        check_k8s_names(allocs)
     out = Path(args.out)
     ext = "yaml" if args.kubernetes else "sbatch"
     if out.exists() and not out.is_dir():
@@ -319,7 +362,7 @@ def main_slurm(args: argparse.Namespace) -> int:
         cfg_path.write_text(explicit_toml(a.cfg))
         if args.kubernetes:
             path = out / f"{a.name}.yaml"
-            path.write_text(kubernetes(a, args.image, args.pvc))
+            path.write_text(kubernetes(a, args.image or IMAGE, args.pvc or PVC))
         else:
             path = out / f"{a.name}.sbatch"
             path.write_text(sbatch(a, str(cfg_path), str(out / "logs")))

@@ -37,6 +37,8 @@ over the ranks, else by ``cores / world`` when more ranks than cores run at once
 
 from __future__ import annotations
 
+import copy
+import os
 import statistics
 import sys
 import tempfile
@@ -44,7 +46,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loom.config import ArgParser, LoomConfig, ModelConfig
+from loom.config import ArgParser, ConfigError, LoomConfig, ModelConfig
+from loom.config import validate as validate_config
 from loom.plan.hardware import CollectiveFit, Profile
 from loom.plan.probes import (
     LAYER_CALLS,
@@ -598,21 +601,95 @@ def calibrate(
     )
 
 
+BACKENDS = ("gloo", "nccl")  # gloo: CPU ranks; nccl: one CUDA GPU per rank
+
+
+def check_out(option: str, path: str) -> Path:
+    """``--out``: a new file in an existing, writable directory, checked before anything is
+    measured (the profile is written last, minutes later). Raises :class:`ConfigError`."""
+    out = Path(path).expanduser()
+    if not path.strip():
+        raise ConfigError(f"{option}: empty; name the profile file to write (JSON)")
+    if out.is_dir():
+        raise ConfigError(f"{option}: {path!r} is a directory; name the profile file to write (JSON)")
+    if out.exists() or out.is_symlink():
+        raise ConfigError(
+            f"{option}: {path!r} exists and is never replaced; remove it or choose another --out "
+            "(nothing was measured)"
+        )
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(
+            f"{option}: {str(parent)!r} is not a directory; create it first (nothing was measured)"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option}: {str(parent)!r} is not writable (nothing was measured)")
+    return out
+
+
+def check_backend(backend: str, nproc: int) -> None:
+    """``--backend``: one of :data:`BACKENDS`; nccl only where CUDA has a GPU for every rank."""
+    if backend not in BACKENDS:
+        raise ConfigError(
+            f"--backend: must be one of {', '.join(BACKENDS)} (gloo: CPU, nccl: GPUs), got {backend!r}"
+        )
+    if backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "--backend nccl: needs CUDA GPUs and this machine has none (torch.cuda.is_available() is "
+                "False); use --backend gloo"
+            )
+        if nproc > torch.cuda.device_count():
+            raise ConfigError(
+                f"--backend nccl: --nproc {nproc} needs one GPU per rank, this machine has "
+                f"{torch.cuda.device_count()}"
+            )
+
+
+def check_config(config: str) -> str:
+    """``--config``: the absolute path of a config file (a preset name stays a name), read and
+    validated as the one-rank run :func:`measure_trainer_step` starts from it, before any
+    measurement; the measuring subprocesses run elsewhere, so a relative path is resolved here
+    against the user's working directory. Raises :class:`ConfigError` naming ``--config``."""
+    from loom.plan.validate import absolute_config, base_overrides, config_of
+
+    path = absolute_config(config)
+    try:
+        cfg = config_of(path, 1, [*base_overrides(12), "--train.precision", "fp32"])
+        validate_config(copy.deepcopy(cfg), 1)
+    except ConfigError as e:
+        raise ConfigError(f"--config {config}: {e}") from None
+    return path
+
+
 def main(argv: list[str]) -> int:
-    """``loom plan calibrate [--out profile.json] [--nproc N] [--config run.toml]``."""
+    """``loom plan calibrate [--out profile.json] [--nproc N] [--config run.toml] [--backend B] [--threads T]``:
+    every option checked in one line before anything is measured."""
     p = ArgParser(prog="loom plan calibrate", description="measure this machine into a profile")
-    p.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
+    p.add_argument(
+        "--out", default="profile.json", help="where to write the profile (JSON; a new file, never replaced)"
+    )
     p.add_argument(
         "--nproc", type=int, default=2, help="ranks: collective group sizes 2..N, threads per rank"
     )
     p.add_argument("--config", help="a Loom TOML config: measure its model's GEMM shapes")
-    p.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl (GPUs)")
+    p.add_argument("--backend", default="gloo", help=f"{' or '.join(BACKENDS)} (gloo: CPU, nccl: GPUs)")
     p.add_argument(
-        "--threads", type=int, default=1, help="torch threads of the compute measurements (per rank)"
+        "--threads", type=int, default=1, help="torch threads of the compute measurements (per rank, >= 1)"
     )
     args = p.parse_args(argv)
-    if args.nproc < 1:
-        print("loom plan calibrate: --nproc must be >= 1", file=sys.stderr)
+    try:
+        for flag, value in (("--nproc", args.nproc), ("--threads", args.threads)):
+            if value < 1:
+                raise ConfigError(f"{flag}: must be >= 1, got {value}")
+        check_backend(args.backend, args.nproc)
+        check_out("--out", args.out)
+        if args.config is not None:
+            args.config = check_config(args.config)
+    except ConfigError as e:
+        print(f"loom plan calibrate: error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     device = "cuda" if args.backend == "nccl" else "cpu"

@@ -19,12 +19,13 @@ recomputation (:class:`Estimate`). ``megatron`` is Narayanan et al. 2021's
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loom.config import ConfigError, ModelConfig, _check_model, from_dict, read_text_file
+from loom.config import ConfigError, ModelConfig, _check_finite, _check_model, from_dict, read_text_file
 from loom.plan.cost import CostModel, Estimate, Layout, PlanError, Workload
 from loom.plan.hardware import GB, ClusterSpec, HardwareError, get_device
 
@@ -36,7 +37,7 @@ else:  # pragma: no cover
 VALIDATION_DIR = Path(__file__).resolve().parent / "validation"
 MEAN_TOLERANCE = 0.05  # the issue's goal on the public set: mean |error| <= 5%, max <= 12%
 MAX_TOLERANCE = 0.12
-# [[runs]] keys and their TOML types (float: an integer or a float; every number must be > 0)
+# [[runs]] keys and their TOML types (float: an integer or a float; every number finite and > 0)
 _RUN_KEYS: dict[str, type] = {
     "name": str,
     "model": str,
@@ -137,6 +138,11 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
         if row.get("tflops_formula") != "megatron":
             raise PlanError(f'{at}: tflops_per_gpu needs tflops_formula = "megatron" (the only one known)')
         tps = float(row["tflops_per_gpu"]) * 1e12 / megatron_flops_per_token(model, w.seq_len)
+    measure = given[0]
+    if not (math.isfinite(tps) and tps > 0):  # a finite measure whose tokens/s is not (step_time_s = 1e-320)
+        raise PlanError(
+            f"{at}: {measure} = {row[measure]!r} gives {tps!r} tokens/s per GPU, not a finite number > 0"
+        )
     group = str(row.get("group", Path(where).stem))
     return PublishedRun(
         str(name), model, str(row["stack"]), cluster, lay, w, tps, str(row["source"]), where, group
@@ -144,7 +150,8 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
 
 
 def _check_types(table: dict[str, Any], types: dict[str, type], at: str) -> None:
-    """Every key of ``table`` known, of its TOML type in ``types`` (float: any number), numbers > 0."""
+    """Every key of ``table`` known, of its TOML type in ``types`` (float: any number), numbers finite
+    and > 0 (TOML's ``inf`` and ``nan`` are refused: a ``> 0`` test alone lets ``inf`` through)."""
     for key, value in table.items():
         if key not in types:
             raise PlanError(f"{at}: unknown key {key!r}; allowed: {', '.join(sorted(types))}")
@@ -160,8 +167,8 @@ def _check_types(table: dict[str, Any], types: dict[str, type], at: str) -> None
                 want, "a string"
             )
             raise PlanError(f"{at}: {key} must be {kind}, got {value!r}")
-        if number and not value > 0:  # (NaN fails too)
-            raise PlanError(f"{at}: {key} must be > 0, got {value!r}")
+        if number and not (math.isfinite(value) and value > 0):  # inf passes a bare > 0, NaN does not
+            raise PlanError(f"{at}: {key} must be > 0 and finite, got {value!r}")
 
 
 def _model(fields: Any, at: str) -> ModelConfig:
@@ -169,7 +176,9 @@ def _model(fields: Any, at: str) -> ModelConfig:
     if not isinstance(fields, dict):
         raise PlanError(f"{at} must be a table, got {type(fields).__name__}")
     try:
-        model = from_dict({"model": fields}).model
+        cfg = from_dict({"model": fields})
+        _check_finite(cfg)  # rope_theta = inf, norm_eps = nan: every float field finite, as loom train checks
+        model = cfg.model
         _check_model(model)
     except ConfigError as e:  # "model.dim: ..." -> "FILE: models.NAME.dim: ..."
         raise PlanError(f"{at}.{str(e).removeprefix('model.')}") from None
@@ -235,9 +244,15 @@ def compare_published(runs: list[PublishedRun] | None = None) -> list[PublishedC
     out = []
     for r in load_runs() if runs is None else runs:
         try:
-            out.append(PublishedComparison(r, predict(r)))
+            c = PublishedComparison(r, predict(r))
         except (PlanError, HardwareError) as e:
             raise PlanError(f"{r.file}: run {r.name!r}: {e}") from None
+        if not (math.isfinite(c.published_tflops) and math.isfinite(c.error)):  # 1e308 tokens/s: finite, but
+            raise PlanError(  # its TFLOP/s overflow (and --json would print Infinity)
+                f"{r.file}: run {r.name!r}: its measured throughput ({r.tokens_per_s_per_gpu:g} tokens/s per GPU) "
+                "is beyond any device: the TFLOP/s it implies are not a finite number"
+            )
+        out.append(c)
     return out
 
 

@@ -12,6 +12,7 @@ same config on :func:`~loom.plan.auto.local_cluster` with the calibration profil
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -24,11 +25,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from loom.config import ArgParser, ConfigError, LoomConfig, check_picture_path, load, preset_path
+from loom.config import validate as validate_config
 from loom.parallel.base import held_state_bytes
 from loom.plan.auto import predicted_fields
 from loom.plan.comparison import MEMORY_TOLERANCE, TIME_TOLERANCE, Comparison
 from loom.plan.cost import PlanError
-from loom.plan.hardware import Profile, contended
+from loom.plan.hardware import HardwareError, Profile, contended
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_CONFIG = str(preset_path("debug"))
@@ -76,6 +78,13 @@ def base_overrides(steps: int, corpus_mb: float | None = None) -> list[str]:
     ] + (["--data.max_corpus_mb", str(corpus_mb)] if corpus_mb else [])
 
 
+def absolute_config(config: str) -> str:
+    """``config`` as the training subprocess must name it: a file path made absolute against this
+    process's working directory (the subprocess runs in the repository), a preset name as given."""
+    p = Path(config).expanduser()
+    return str(p.resolve()) if p.is_file() or p.suffix == ".toml" else config
+
+
 def run_layout(config: str, ranks: int, overrides: list[str], run_dir: str, timeout_s: float = 600) -> dict:
     """Train one layout in a subprocess; returns its last metrics row with ``step_time_s`` replaced by
     the fastest step after the first two (others' jobs on a shared machine only ever slow a step
@@ -86,16 +95,16 @@ def run_layout(config: str, ranks: int, overrides: list[str], run_dir: str, time
         "-m",
         "loom",
         "train",
-        config,
+        absolute_config(config),
         "--nproc",
         str(ranks),
         "--run.dir",
-        run_dir,
+        str(Path(run_dir).resolve()),
         *overrides,
     ]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-    metrics = Path(run_dir) / "metrics.jsonl"
+    metrics = Path(run_dir).resolve() / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.is_file():
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise RuntimeError(f"loom train {' '.join(overrides)} failed ({proc.returncode}):\n{tail}")
@@ -210,6 +219,73 @@ def validate(
     return out
 
 
+# the options of the local runs, and those of --published: each refused in the other mode (it would do nothing)
+LOCAL_OPTIONS = ("--profile", "--config", "--steps", "--repeats", "--corpus-mb", "--only", "--plot")
+PUBLISHED_OPTIONS = ("--runs", "--sources", "--fit")
+
+
+def check_options(args) -> None:
+    """Refuse an option the mode given does not read, and bad values, before any run starts; fill in
+    the local runs' defaults. Raises :class:`ConfigError` naming the option."""
+    given = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in LOCAL_OPTIONS + PUBLISHED_OPTIONS}
+    if args.published:
+        extra = [f for f in LOCAL_OPTIONS if given[f] is not None]
+        if extra:
+            raise ConfigError(
+                f"{extra[0]}: not with --published (it predicts published runs from the shipped constants; "
+                f"no local run, profile or picture); its options: {', '.join(PUBLISHED_OPTIONS)}, --json"
+            )
+        for flag, why in (("--sources", "each JSON row has its source"), ("--fit", "its report is text")):
+            if args.json and given[flag]:
+                raise ConfigError(f"{flag}: not with --json ({why})")
+        return
+    extra = [f for f in PUBLISHED_OPTIONS if given[f]]
+    if extra:
+        raise ConfigError(f"{extra[0]} needs --published (it has no effect on local runs)")
+    args.config = DEBUG_CONFIG if args.config is None else args.config
+    args.steps = 12 if args.steps is None else args.steps
+    args.repeats = 3 if args.repeats is None else args.repeats
+    args.corpus_mb = 0.5 if args.corpus_mb is None else args.corpus_mb
+    for flag, value in (("--steps", args.steps), ("--repeats", args.repeats)):
+        if value < 1:  # before any training run starts
+            raise ConfigError(f"{flag}: must be >= 1, got {value}")
+    if not (math.isfinite(args.corpus_mb) and args.corpus_mb > 0):
+        raise ConfigError(f"--corpus-mb: must be a number > 0, got {args.corpus_mb}")
+    if args.plot:
+        check_picture_path("--plot", args.plot)
+    unknown = [n for n in args.only or () if n not in {name for name, _, _ in LAYOUTS}]
+    if unknown:
+        raise ConfigError(
+            f"--only: no layout named {unknown[0]!r}; layouts: {', '.join(n for n, _, _ in LAYOUTS)}"
+        )
+    if args.profile:
+        try:  # a missing or bad profile before the runs, not after them
+            Profile.load(args.profile)
+        except HardwareError as e:
+            raise ConfigError(f"--profile: {e}") from None
+
+
+def check_layouts(args) -> list[tuple[str, int, tuple[str, ...]]]:
+    """The layouts ``--only`` names (all without it), each with ``--config`` read and validated as
+    its training run will (``args.config`` made absolute: the runs start in the repository)."""
+    given, args.config = args.config, absolute_config(args.config)
+    try:
+        load(args.config, [])  # exists, is UTF-8 TOML, holds known fields
+    except ConfigError as e:
+        raise ConfigError(f"--config {given}: {e}") from None
+    layouts = [lay for lay in LAYOUTS if not args.only or lay[0] in args.only]
+    for name, ranks, extra in layouts:
+        try:
+            cfg = config_of(args.config, ranks, [*base_overrides(args.steps, args.corpus_mb), *extra])
+            validate_config(copy.deepcopy(cfg), ranks)
+        except ConfigError as e:
+            hint = "" if args.only else "; choose layouts with --only"
+            raise ConfigError(
+                f"--config {given}: layout {name!r} ({ranks} rank{'s' if ranks > 1 else ''}): {e}{hint}"
+            ) from None
+    return layouts
+
+
 def main(argv: list[str]) -> int:
     """``loom plan validate [--profile p.json] [--config debug.toml] [--steps N] [--only NAME ...] [--json] [--plot f.png]``,
     or ``loom plan validate --published [--sources] [--json]`` (no runs: the published-run table)."""
@@ -218,15 +294,13 @@ def main(argv: list[str]) -> int:
         "--profile",
         help="calibration profile (loom plan calibrate); default: ./profile.json if present, else the datasheet",
     )
-    p.add_argument(
-        "--config", default=DEBUG_CONFIG, help="base training config (default: configs/debug.toml)"
-    )
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (each timed)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per layout; the fastest counts (default 3)")
-    p.add_argument("--corpus-mb", type=float, default=0.5, help="data.max_corpus_mb of the runs")
-    p.add_argument("--only", nargs="*", help=f"layout names: {', '.join(n for n, _, _ in LAYOUTS)}")
+    p.add_argument("--config", help="base training config (default: configs/debug.toml)")
+    p.add_argument("--steps", type=int, help="optimizer steps per run (each timed; default 12)")
+    p.add_argument("--repeats", type=int, help="runs per layout; the fastest counts (default 3)")
+    p.add_argument("--corpus-mb", type=float, help="data.max_corpus_mb of the runs (default 0.5)")
+    p.add_argument("--only", nargs="+", help=f"layout names: {', '.join(n for n, _, _ in LAYOUTS)}")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
-    p.add_argument("--plot", help="also draw predicted vs measured bars into this PNG")
+    p.add_argument("--plot", help="also draw predicted vs measured bars into this PNG (local runs only)")
     p.add_argument(
         "--published",
         action="store_true",
@@ -246,18 +320,12 @@ def main(argv: list[str]) -> int:
         help="with --published: refit the fitted constants, and predict each file's runs from the others",
     )
     args = p.parse_args(argv)
-    if args.runs and not args.published:
-        p.error("--runs needs --published")
-    for flag, value in (("--steps", args.steps), ("--repeats", args.repeats)):
-        if value < 1:  # before any training run starts
-            p.error(f"{flag}: must be >= 1, got {value}")
-    if not (math.isfinite(args.corpus_mb) and args.corpus_mb > 0):
-        p.error(f"--corpus-mb: must be a number > 0, got {args.corpus_mb}")
-    if args.plot:
-        try:
-            check_picture_path("--plot", args.plot)
-        except ConfigError as e:
-            p.error(str(e))
+    try:
+        check_options(args)
+        layouts = [] if args.published else check_layouts(args)
+    except (ConfigError, HardwareError) as e:
+        print(f"loom plan validate: error: {e}", file=sys.stderr)
+        return 2
     if args.published:
         from loom.plan.published import (
             MAX_TOLERANCE,
@@ -323,10 +391,6 @@ def main(argv: list[str]) -> int:
         mean, worst = summary(published)
         return 0 if mean <= MEAN_TOLERANCE and worst <= MAX_TOLERANCE else 1
     profile = Profile.load(args.profile) if args.profile else None
-    layouts = [lay for lay in LAYOUTS if not args.only or lay[0] in args.only]
-    if not layouts:
-        print(f"loom plan validate: no layout named {args.only}", file=sys.stderr)
-        return 2
     t0 = time.perf_counter()
 
     def echo(c: Comparison) -> None:
