@@ -618,6 +618,24 @@ def test_init_from_errors_name_the_field(tmp_path, prepared):
             ),
             path,
         )
+    from dataclasses import replace
+
+    from loom.model.hf import open_dir
+
+    same = open_dir(path, 32).config
+    initial_source(Transformer(same), path)  # the directory's own fields: taken
+    with pytest.raises(
+        C.ConfigError,
+        match=r"config.json gives rope_theta = 500000.0, this model has model.rope_theta = 10000.0",
+    ):
+        initial_source(Transformer(replace(same, rope_theta=1e4)), path)  # same shapes, other RoPE
+    qwen2, _ = _save_hf(tmp_path, "qwen2", False)  # q/k/v biases this Llama-shaped model lacks
+    with pytest.raises(
+        C.ConfigError, match=r"holds layers.0.attention.wk.bias and 5 more, which this model lacks"
+    ):
+        initial_source(
+            Transformer(replace(open_dir(qwen2, 32).config, qkv_bias=False, hf_architecture="auto")), qwen2
+        )
 
 
 def _layout_outputs(paths: list[str], x: torch.Tensor, layout: str) -> list:

@@ -45,9 +45,36 @@ def initial_source(model: nn.Module, path: str | Path, check: bool = True) -> tu
                     f"train.init_from: {p} holds {name} of shape {theirs.get(name)}, this model "
                     f"has {shape} (give the same model fields, or use model.from_hf)"
                 )
+        extra = sorted(theirs.keys() - mine.keys())
+        if extra:  # weights this model would drop (biases, q/k norms, an untied head)
+            raise ConfigError(
+                f"train.init_from: {p} holds {extra[0]}{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}, "
+                "which this model lacks (give the same model fields, or use model.from_hf)"
+            )
+        _check_same_math(cfg, hf.config, p)
         return source(hf), f"Hugging Face model {p}"
     ckpt = CheckpointSource(p, model, check)
     return ckpt, f"checkpoint {ckpt.reader.dir} (step {ckpt.reader.step})"
+
+
+def _check_same_math(mine: ModelConfig, theirs: ModelConfig, path: Path) -> None:
+    """The fields of a Hugging Face ``config.json`` that change what its weights compute without
+    changing their shapes (RoPE base and scaling, norm epsilon and kind, norm placement, routing's
+    top-k) equal this model's: otherwise the run silently trains another model from them."""
+    from loom.model.hf import DERIVED, HF_FIELDS, LLAMA31_FACTORS
+
+    for field in HF_FIELDS:
+        if field in ("max_seq_len", "hf_architecture", "vocab_size", *DERIVED):  # reach, naming, shapes
+            continue
+        a, b = getattr(mine, field), getattr(theirs, field)
+        unused = (field == "top_k" and not theirs.moe) or (
+            field in LLAMA31_FACTORS and not theirs.rope_scaling
+        )
+        if a != b and not unused:
+            raise ConfigError(
+                f"train.init_from: {path / 'config.json'} gives {field} = {b!r}, this model has "
+                f"model.{field} = {a!r} (give the same model fields, or use model.from_hf)"
+            )
 
 
 def check_init_from(cfg: LoomConfig, tokenizer_vocab: int) -> None:
