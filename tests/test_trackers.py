@@ -45,8 +45,10 @@ def test_wandb_offline_and_mlflow_file_store_continue_the_same_run_after_a_resum
     run_dir = tmp_path / "run"
     _train(cfg, 2)
     ids = json.loads((run_dir / "trackers.json").read_text())
+    assert ids["wandb_step"] == ids["mlflow_step"] == 2  # the last step each was sent
     _train(cfg, 4)  # resumes from the step-2 checkpoint
-    assert json.loads((run_dir / "trackers.json").read_text()) == ids, "a resume keeps the tracker runs"
+    again = json.loads((run_dir / "trackers.json").read_text())
+    assert again == ids | {"wandb_step": 4, "mlflow_step": 4}, "a resume keeps the tracker runs"
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
 
@@ -68,6 +70,39 @@ def test_wandb_offline_and_mlflow_file_store_continue_the_same_run_after_a_resum
     assert history == [(r["step"], r["loss"]) for r in rows]
     params = client.get_run(ids["mlflow"]).data.params
     assert params["model.dim"] == "32" and params["run.trackers"] == "wandb,mlflow"
+
+
+def test_an_attempt_that_died_past_its_checkpoint_leaves_each_step_once(tmp_path):
+    """Attempt 1 logs steps 1-7 and dies; attempt 2 resumes from the step-4 checkpoint and logs 5-10.
+    TensorBoard's events read back 1-10 once each (the dead attempt's 5-7 purged, as metrics.jsonl
+    is cut); a tracker, whose history cannot be cut, is not sent 5-7 again (it held them twice)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from loom.train.metrics import MetricsWriter
+    from loom.train.trackers import _Ids, _Once
+
+    class Sink:
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def log(self, row: dict) -> None:
+            self.steps.append(row["step"])
+
+        def close(self) -> None:
+            pass
+
+    sinks = []
+    for start, steps in ((0, range(1, 8)), (4, range(5, 11))):
+        sinks.append(Sink())
+        writer = MetricsWriter(tmp_path, True, True, [_Once("mlflow", sinks[-1], _Ids(tmp_path))], start)
+        for step in steps:
+            writer.write({"step": step, "loss": 10.0 - step + (0.5 if start == 0 and step > 4 else 0.0)})
+        writer.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    events = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert events == [(s, 10.0 - s) for s in range(1, 11)]
+    assert sinks[0].steps == list(range(1, 8)) and sinks[1].steps == [8, 9, 10]
 
 
 def test_an_unknown_or_missing_tracker_is_one_line(monkeypatch):

@@ -106,8 +106,15 @@ class MetricsWriter:
     """Appends JSON rows to ``metrics.jsonl`` (flushed and fsynced per row) and TensorBoard scalars."""
 
     def __init__(
-        self, run_dir: str | Path, enabled: bool, tensorboard: bool, trackers: Sequence[Tracker] = ()
+        self,
+        run_dir: str | Path,
+        enabled: bool,
+        tensorboard: bool,
+        trackers: Sequence[Tracker] = (),
+        start_step: int = 0,
     ) -> None:
+        """``start_step``: the step this attempt resumes after (0: from the start); TensorBoard drops
+        the events an earlier attempt wrote past it (``purge_step``), as ``metrics.jsonl`` is cut there."""
         self.enabled = enabled
         self.trackers = list(trackers)  # wandb, mlflow (loom.train.trackers): the same rows
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -116,7 +123,7 @@ class MetricsWriter:
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
             _quiet_tensorboard_threads()
 
     def write(self, row: dict[str, Any]) -> None:

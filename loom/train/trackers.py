@@ -3,7 +3,10 @@
 the planner's prediction with the last row.
 
 A tracker's run id is kept in ``run.dir/trackers.json``, so a restart or a resume of the same run
-directory continues the same tracker run instead of starting a new one. Both libraries are optional
+directory continues the same tracker run instead of starting a new one; so is the last step each
+tracker was sent, and a resumed attempt does not send those steps again (a tracker's history cannot
+be cut as ``metrics.jsonl`` and TensorBoard are: it would hold two values of each; a resume repeats
+the same losses bit for bit). Both libraries are optional
 (the ``trackers`` extra): naming one that is not installed is one line before any process starts.
 
 - ``wandb``: project ``WANDB_PROJECT`` (default ``loom``), run files under ``run.dir``; offline
@@ -69,23 +72,49 @@ def _flat(cfg: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class _Ids:
-    """The tracker run ids of one run directory (written atomically, read at every start)."""
+    """The tracker run ids of one run directory, and the last step each was sent (key
+    ``<name>_step``); written atomically, read at every start."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / IDS
         try:
-            self.ids: dict[str, str] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+            self.ids: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
         except ValueError:
             self.ids = {}
 
     def get(self, name: str) -> str | None:
-        return self.ids.get(name)
+        value = self.ids.get(name)
+        return value if isinstance(value, str) else None
 
-    def set(self, name: str, run_id: str) -> None:
-        self.ids[name] = run_id
+    def sent(self, name: str) -> int:
+        value = self.ids.get(f"{name}_step", 0)
+        return value if isinstance(value, int) else 0
+
+    def set(self, name: str, value: str | int) -> None:
+        self.ids[name] = value
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.ids, indent=1, sort_keys=True))
         os.replace(tmp, self.path)
+
+
+class _Once:
+    """A tracker that is sent each step once across attempts: rows up to the step an earlier attempt
+    sent are skipped (``_Ids.sent``), and each row sent is recorded."""
+
+    def __init__(self, name: str, tracker: Tracker, ids: _Ids) -> None:
+        self.name, self.tracker, self.ids = name, tracker, ids
+        self.sent = ids.sent(name)
+
+    def log(self, row: dict[str, Any]) -> None:
+        step = int(row["step"])
+        if step <= self.sent:
+            return
+        self.tracker.log(row)
+        self.sent = step
+        self.ids.set(f"{self.name}_step", step)
+
+    def close(self) -> None:
+        self.tracker.close()
 
 
 class WandbTracker:
@@ -157,11 +186,11 @@ def open_trackers(spec: str, run_dir: Path, config: dict[str, Any]) -> list[Trac
     opened: list[Tracker] = []
     for n in tracker_names(spec):
         try:
-            opened.append(made[n](run_dir, config, ids))
+            opened.append(_Once(n, made[n](run_dir, config, ids), ids))
         except ConfigError:
             raise
         except Exception as e:  # a server that refuses, a bad URI: the library's reason, one line
             first = (str(e).strip().splitlines() or [""])[0]
-            first = first if len(first) <= 300 else first[:300] + "…"
+            first = first if len(first) <= 1000 else first[:1000] + "…"  # whole: its fix often ends it
             raise ConfigError(f"run.trackers: {n} could not start: {type(e).__name__}: {first}") from None
     return opened

@@ -193,7 +193,9 @@ class Trainer:
             truncate_metrics(self.run_dir, self.start_step, SAMPLE_IDS)
             (self.run_dir / STOPPED).unlink(missing_ok=True)
         trackers = self._open_trackers()
-        self.metrics = MetricsWriter(self.run_dir, self.is_main, wants_tensorboard(cfg.run), trackers)
+        self.metrics = MetricsWriter(
+            self.run_dir, self.is_main, wants_tensorboard(cfg.run), trackers, self.start_step
+        )
         self.sample_ids = SampleIdLog(self.run_dir, self.is_main) if cfg.data.record_ids else None
         if self.is_main:
             self._write_run_files()
@@ -460,21 +462,58 @@ class Trainer:
 
     def save_final(self, step: int, last: dict[str, float]) -> None:
         """Rank 0 exports the consolidated model from the final checkpoint: one path for every
-        layout (ZeRO-3, tensor and pipeline shards are assembled by the checkpoint reader)."""
+        layout (ZeRO-3, tensor and pipeline shards are assembled by the checkpoint reader).
+
+        A resume at the step the run had already finished runs no step: the final model and
+        ``meta.json`` it wrote then are kept as they are; without them the model is exported and
+        ``meta.json`` takes that step's loss from ``metrics.jsonl`` (if it was logged)."""
         if self.is_main:
             out = self.run_dir / "checkpoints" / "final"
-            if (
-                self.cfg.finetune.method != "full" and self.ckpts.last_saved is not None
-            ):  # LoRA: the merged model
-                from loom.finetune.export import save_merged
-
-                save_merged(self.ckpts.last_saved[1], out / "model.safetensors")
+            if step == self.start_step and _final_of(out) == step:  # nothing new: never degrade what is there
+                log.info("no step to run: kept %s of step %d", out / "model.safetensors", step)
             else:
-                self.ckpts.export(out / "model.safetensors")
-            write_json_atomic(out / "meta.json", {"step": step, "loss": last.get("loss")})
-            log.info("saved %s", out / "model.safetensors")
+                if self.cfg.finetune.method != "full" and self.ckpts.last_saved is not None:  # LoRA: merged
+                    from loom.finetune.export import save_merged
+
+                    save_merged(self.ckpts.last_saved[1], out / "model.safetensors")
+                else:
+                    self.ckpts.export(out / "model.safetensors")
+                loss = last["loss"] if "loss" in last else _logged_loss(self.run_dir, step)
+                write_json_atomic(out / "meta.json", {"step": step, "loss": loss})
+                log.info("saved %s", out / "model.safetensors")
         if self.env.world > 1:
             dist.barrier(group=self.control)  # gloo, long timeout: the export may take long
+
+
+def _final_of(out: Path) -> int | None:
+    """The step of the final model in ``out`` (``meta.json`` beside ``model.safetensors``), else None."""
+    import json
+
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    step = meta.get("step") if isinstance(meta, dict) else None
+    return step if isinstance(step, int) and (out / "model.safetensors").is_file() else None
+
+
+def _logged_loss(run_dir: Path, step: int) -> float | None:
+    """The loss ``metrics.jsonl`` logged for ``step`` (its last such row), else None."""
+    import json
+
+    loss = None
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("step") == step and isinstance(row.get("loss"), (int, float)):
+            loss = float(row["loss"])
+    return loss
 
 
 def _add_plan(cfg: C.LoomConfig, world: int, row: dict) -> None:
