@@ -435,6 +435,38 @@ def test_export_carries_the_source_config_when_a_field_is_left_to_its_default(tm
     assert "task_specific_params" not in changed
 
 
+def test_an_export_of_a_chat_run_carries_the_template_it_was_trained_on(tmp_path):
+    """A run on chat data rendered by Loom's built-in template (its tokenizer has none) exports a
+    ``chat_template.jinja`` with which transformers' ``apply_chat_template`` gives the same text, and
+    the same generation prompt as ``loom generate --chat``."""
+    from loom.checkpoint.hf_export import _tokenizer_files
+    from loom.data.chat import builtin_render
+    from loom.data.tokenizer import train_tokenizer
+    from loom.generate.source import ASSISTANT
+
+    tok = train_tokenizer(["hello there, how are you today? fine thanks"] * 8, 300)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = C.LoomConfig()
+    cfg.data.format = "chat"
+    out = tmp_path / "out"
+    out.mkdir()
+    _tokenizer_files(tmp_path, cfg, out, {})
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi {{ x }} ü"},
+        {"role": "assistant", "content": "hello\nthere"},
+    ]
+    assert theirs.apply_chat_template(msgs, tokenize=False) == builtin_render(msgs)
+    with_prompt = theirs.apply_chat_template(msgs[:2], tokenize=False, add_generation_prompt=True)
+    assert with_prompt == builtin_render(msgs[:2]) + ASSISTANT
+    cfg.data.format = "text"  # a run on plain text: no template is invented
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    _tokenizer_files(tmp_path, cfg, plain, {})
+    assert not (plain / "chat_template.jinja").exists()
+
+
 # ----------------------------------------------------------------------------- parallel layouts
 
 TP_FAMILIES = [

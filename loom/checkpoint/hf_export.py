@@ -67,6 +67,11 @@ SHAPE_FIELDS = (
     "n_head",
     "n_inner",
 )
+# loom.data.chat.builtin_render as Jinja (tests check they agree), with its generation prompt
+BUILTIN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 SAME_TENSORS = {"MistralForCausalLM": "LlamaForCausalLM"}  # a source family stored as Loom's family
 
 
@@ -197,6 +202,13 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) 
                 indent=2,
             )
         )
+    chat = cfg.data.format == "chat" or any(s.format == "chat" for s in cfg.data.sources)
+    tcfg = tmp / "tokenizer_config.json"
+    templated = (tmp / "chat_template.jinja").is_file() or (
+        tcfg.is_file() and "chat_template" in _read_json(tcfg)
+    )
+    if chat and not templated:  # trained on Loom's built-in rendering: apply_chat_template gives it
+        (tmp / "chat_template.jinja").write_text(BUILTIN_CHAT_TEMPLATE)
     special = {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None
     }
