@@ -1,8 +1,8 @@
 """Profiler traces and memory snapshots of chosen steps (issue 36, item 2).
 
 ``run.profile_steps = "10-12"`` records steps 10 to 12 with ``torch.profiler`` on every rank and
-writes ``run.dir/profile/rank-<r>.json`` (Chrome / Perfetto trace JSON; Loom's phases, see
-:mod:`loom.train.timings`, are its ``loom.*`` ranges); rank 0 then draws every rank's phases on one
+writes ``run.dir/profile/rank-<r>.json`` (r in five digits, ``rank-00000.json``; Chrome / Perfetto
+trace JSON; Loom's phases, see :mod:`loom.train.timings`, are its ``loom.*`` ranges); rank 0 then draws every rank's phases on one
 time axis, ``profile/timeline.png``. ``run.memory_snapshot_step = N`` records step N's allocations:
 a CUDA memory snapshot (``profile/memory-rank-<r>.pickle``, for pytorch.org/memory_viz) on a GPU,
 the profiler's memory timeline (``profile/memory-rank-<r>.json``) on the CPU.
