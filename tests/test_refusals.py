@@ -620,6 +620,36 @@ def _cache_dir_is_a_file(c: Ctx):
     return c.train("--data.vocab_size", "301"), ["data.prepared_dir", str(c.tmp / "cachefile")]
 
 
+def _picture_exists(command: str) -> Callable[[Ctx], tuple[list[str], list[str]]]:
+    """A ``--plot``/``--out`` picture path that already holds a file: refused before any work, the file kept."""
+
+    def setup(c: Ctx):
+        pic = c.tmp / "mine.png"
+        pic.write_bytes(b"a picture of mine")
+        metrics = str(c.w.run / "metrics.jsonl")
+        argv = (
+            ["compare", metrics, metrics, "--plot", str(pic)]
+            if command == "compare"
+            else ["schedule", "--pp", "2", "--microbatches", "4", "--out", str(pic)]
+        )
+        option = "--plot" if command == "compare" else "--out"
+        return argv, [option, str(pic), "exists", "choose a new path"]
+
+    return setup
+
+
+def _profile(text: str, *names: str) -> Callable[[Ctx], tuple[list[str], list[str]]]:
+    """``--parallel.profile`` naming a file that is not a calibration profile: refused before start
+    (it was found at the end of the run: a warning, and no plan_* metrics)."""
+
+    def setup(c: Ctx):
+        path = c.tmp / "profile.json"
+        path.write_text(text)
+        return c.train("--parallel.profile", str(path)), ["parallel.profile", str(path), *names]
+
+    return setup
+
+
 def _edit_tokenizer(d: Path) -> None:
     tok = json.loads((d / "tokenizer.json").read_text())
     tok["added_tokens"][0]["content"] = "<|eot|>"  # still a tokenizer, of the same size
@@ -721,6 +751,12 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
             "2",
             names=("parallel.allreduce", "dp*cp = 3"),
         ),
+        2,
+    ),
+    ("parallel.profile not JSON", _profile("{'device': 'cpu'", "not valid JSON"), 2),
+    (
+        "parallel.profile JSON but not a profile",
+        _profile('[{"device": "cpu"}]', "not a calibration profile"),
         2,
     ),
     ("parallel.schedule unknown", _cfg("--parallel.schedule", "zigzag"), 2),
@@ -955,6 +991,28 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ),
     ("train.steps below the resumed checkpoint", _resume_fewer_steps, 2),
     (
+        "finetune.lora_rank with method full",
+        _cfg("--finetune.lora_rank", "8", names=("finetune.lora_rank", "full")),
+        2,
+    ),
+    (
+        "parallel.ps_shards without dp_mode ps",
+        _cfg("--parallel.ps_shards", "2", names=("parallel.ps_shards", "dp_mode")),
+        2,
+    ),
+    (
+        "parallel.reshard_after_forward without ZeRO-3",
+        _cfg("--parallel.reshard_after_forward", "false", "--parallel.zero", "2"),
+        2,
+    ),
+    ("parallel.hpz_group without hpZ", _cfg("--parallel.hpz_group", "2"), 2),
+    ("parallel.zeropp_qgz_bits without qgZ", _cfg("--parallel.zeropp_qgz_bits", "4"), 2),
+    (
+        "parallel.offload_dir without disk offload",
+        lambda c: (c.train("--parallel.offload_dir", str(c.tmp / "off")), ["parallel.offload_dir"]),
+        2,
+    ),
+    (
         "export: max-shard-size 0",
         lambda c: (
             ["export", "hf", str(c.w.run), str(c.tmp / "hf"), "--max-shard-size", "0"],
@@ -965,6 +1023,22 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     (
         "export: an unknown --dtype",
         lambda c: (["export", "hf", str(c.w.run), str(c.tmp / "hf"), "--dtype", "fp4"], ["--dtype", "fp4"]),
+        2,
+    ),
+    (
+        "export peft: --dtype (the adapters are written as stored)",
+        lambda c: (
+            ["export", "peft", str(c.w.run), str(c.tmp / "peft"), "--dtype", "bf16"],
+            ["--dtype", "loom export peft"],
+        ),
+        2,
+    ),
+    (
+        "export peft: --max-shard-size (one adapter file)",
+        lambda c: (
+            ["export", "peft", str(c.w.run), str(c.tmp / "peft"), "--max-shard-size", "1GB"],
+            ["--max-shard-size", "loom export peft"],
+        ),
         2,
     ),
     ("run.preempt_grace_s negative", _cfg("--run.preempt_grace_s", "-1"), 2),
@@ -987,6 +1061,8 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
         lambda c: (["schedule", "--out", str(c.tmp)], ["--out", "a directory"]),
         2,
     ),
+    ("compare: --plot an existing file", _picture_exists("compare"), 2),
+    ("schedule: --out an existing file", _picture_exists("schedule"), 2),
     ("config: bad override", lambda c: (["config", str(c.w.tiny), "--train.lr", "-1"], ["train.lr"]), 2),
     (
         "prepare: bad field",
@@ -1120,3 +1196,50 @@ def test_plan_verify_names_its_own_flag(world, capsys, flag, value):
         and lines[0].startswith(f"loom plan verify: {flag}: must be >= ")
         and f"got {value}" in lines[0]
     )
+
+
+def test_resume_of_a_finished_run_at_its_step_keeps_the_final_model(world, tmp_path, clean_logging):
+    """``--train.steps`` equal to the finished run's step: no step runs, and the final model and its
+    meta.json (step, loss) stay as they were (the loss was rewritten as null)."""
+    from loom.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(world.run, run)
+    final = run / "checkpoints" / "final"
+    meta = json.loads((final / "meta.json").read_text())
+    assert meta["step"] == 2 and isinstance(meta["loss"], float)
+    before = {p.name: p.read_bytes() for p in final.iterdir()}
+    assert main(["train", str(world.tiny), "--run.dir", str(run), "--train.steps", "2"]) == 0
+    assert {p.name: p.read_bytes() for p in final.iterdir()} == before
+    (final / "meta.json").unlink()  # no final record (e.g. a run stopped at step 2): the logged loss
+    assert main(["train", str(world.tiny), "--run.dir", str(run), "--train.steps", "2"]) == 0
+    assert json.loads((final / "meta.json").read_text()) == meta
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--model", "debug", "--plot", "PIC"],
+        ["plan", "validate", "--plot", "PIC"],
+        ["cluster", "simulate", "--trace", "synthetic", "--plot", "PIC"],
+    ],
+    ids=["plan", "plan validate", "cluster simulate"],
+)
+def test_existing_picture_is_never_replaced(tmp_path, capsys, monkeypatch, argv):
+    """The other commands that draw a picture (:func:`loom.config.check_picture_path`): an existing
+    file at ``--plot`` is refused in one line before any work, and kept."""
+    from loom.cli import main
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("work started before the refusal")
+
+    monkeypatch.setattr("loom.plan.validate.run_layout", too_late)  # a training subprocess per layout
+    monkeypatch.setattr("loom.cluster.cli.simulate", too_late)
+    pic = tmp_path / "mine.png"
+    pic.write_bytes(b"a picture of mine")
+    argv = [str(pic) if a == "PIC" else a for a in argv]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "--plot" in lines[0] and str(pic) in lines[0] and "exists" in lines[0], lines
+    assert not captured.out and pic.read_bytes() == b"a picture of mine"

@@ -180,6 +180,8 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
         not p.profile or Path(p.profile).is_file(),
         f"parallel.profile: {p.profile!r} is not a file (write one with `loom plan calibrate`)",
     )
+    if p.profile:
+        _check_profile(p.profile)
     _require_none(zero_stage_problem(p.zero))
     resolve_layout(cfg, world_size - _check_ps_ranks(cfg, world_size))
     _require(
@@ -229,6 +231,29 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
         problem = _unwritable(offload_dir(cfg))
         _require(problem is None, f"parallel.offload_dir: {problem}")
     return cfg
+
+
+def _check_profile(path: str) -> None:
+    """``parallel.profile`` holds a calibration profile as far as this layer can tell: UTF-8 JSON, an
+    object naming its ``device`` (a wrong or damaged file was found only at the end of a run, as a
+    warning and no ``plan_*`` metrics). What each field must hold is the planner's rule
+    (:meth:`loom.plan.hardware.Profile.load`), in a package above this one in the layers."""
+    import json
+
+    from loom.config.parse import read_text_file
+
+    hint = "; write one with `loom plan calibrate`"
+    text = read_text_file(path, f"parallel.profile: {path!r}")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError; nesting deeper than the parser goes
+        raise ConfigError(
+            f"parallel.profile: {path!r} is not a calibration profile (not valid JSON: {e}){hint}"
+        ) from None
+    _require(
+        isinstance(data, dict) and isinstance(data.get("device"), str),
+        f'parallel.profile: {path!r} is not a calibration profile (a JSON object naming its "device"){hint}',
+    )
 
 
 def _check_precision(cfg: LoomConfig) -> None:
@@ -575,13 +600,18 @@ PICTURE_FORMATS = ("png", "svg", "pdf")
 def check_picture_path(option: str, path: str, formats: tuple[str, ...] = PICTURE_FORMATS) -> Path:
     """Where a command will draw a picture (``--plot``, ``--out``), checked before any work is done:
     a file name ending in one of ``formats`` (else matplotlib refuses it at the end, or a directory
-    gets a file written beside it), in a directory that is or can become writable."""
+    gets a file written beside it), that does not exist yet (an existing file is never replaced, as
+    :func:`check_new_output` keeps it), in a directory that is or can become writable."""
     p = Path(path).expanduser()
     dotted = [f".{f}" for f in formats]
     allowed = " or ".join([", ".join(dotted[:-1]), dotted[-1]] if len(dotted) > 1 else dotted)
     _require(bool(path.strip()), f"{option}: empty; name a picture file ending in {allowed}")
     _require(not p.is_dir(), f"{option}: {path!r} is a directory; name a picture file ending in {allowed}")
     _require(p.suffix.lower().lstrip(".") in formats, f"{option}: {path!r} must end in {allowed}")
+    _require(
+        not (p.exists() or p.is_symlink()),
+        f"{option}: {path!r} exists; choose a new path (nothing was written; an existing file is never replaced)",
+    )
     problem = _unwritable(str(p.parent))
     _require(problem is None, f"{option}: cannot write {path!r}: {problem}")
     return p
@@ -607,7 +637,12 @@ def _check_zero3_options(p: ParallelConfig) -> None:
 def check_intent(cfg: LoomConfig) -> None:
     """Explicit settings that a run would silently not honour (:func:`~loom.config.parse.explicit`):
     a warm-up of at least the whole run, set by the user (a file's warm-up counts unless an override
-    shortened ``train.steps`` after it: a smoke run of a preset)."""
+    shortened ``train.steps`` after it: a smoke run of a preset); a field that has no effect under the
+    other settings (:func:`_without_effect`: LoRA's fields with ``finetune.method = full``, the
+    parameter server's without ``dp_mode = ps``, ZeRO-3's and ZeRO++'s without them, ``offload_dir``
+    without disk offload). Refused when given on the command line; a config file's own value (not the
+    default a dumped config repeats) gets a one-line warning instead, as a config may serve several
+    runs (a LoRA config trained once with ``--finetune.method full`` to compare)."""
     from loom.config.parse import explicit, overridden
 
     t, given, later = cfg.train, explicit(cfg), overridden(cfg)
@@ -622,6 +657,80 @@ def check_intent(cfg: LoomConfig) -> None:
         f"train.warmup_steps: {t.warmup_steps} is not below train.steps = {t.steps}, so the learning rate "
         f"never reaches train.lr; give fewer warm-up steps (or more steps)",
     )
+    for name, setting, fix in _without_effect(cfg):
+        section, key = name.split(".")
+        value = getattr(getattr(cfg, section), key)
+        _require(name not in later, f"{name}: has no effect with {setting}; {fix}")
+        if name in given and value != getattr(
+            SECTIONS[section](), key
+        ):  # a config file's (not a dump's default)
+            import logging
+
+            logging.getLogger("loom").warning(
+                "loom: warning: %s: the config's %r has no effect with %s; it is not used",
+                name,
+                value,
+                setting,
+            )
+
+
+def _without_effect(cfg: LoomConfig) -> list[tuple[str, str, str]]:
+    """(field, the setting under which it does nothing, how to fix) for each field that only one mode
+    reads (LoRA's, the parameter server's, ZeRO-3's, disk offload's) while another is chosen."""
+    p, f = cfg.parallel, cfg.finetune
+    out: list[tuple[str, str, str]] = []
+    if f.method == "full":
+        for key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"):
+            out.append(
+                (
+                    f"finetune.{key}",
+                    "finetune.method = full (it trains every weight, no adapters)",
+                    "give finetune.method = lora or qlora, or leave it out",
+                )
+            )
+    if p.dp_mode != "ps":
+        for key in ("ps_shards", "ps_colocate", "ps_sync"):
+            out.append(
+                (
+                    f"parallel.{key}",
+                    f"parallel.dp_mode = {p.dp_mode} (no parameter servers)",
+                    "give parallel.dp_mode = ps, or leave it out",
+                )
+            )
+    if p.zero != 3:
+        out.append(
+            (
+                "parallel.reshard_after_forward",
+                f"parallel.zero = {p.zero} (an option of ZeRO-3)",
+                "give parallel.zero = 3, or leave it out",
+            )
+        )
+    if not (p.zero == 3 and p.zeropp_qgz):
+        out.append(
+            (
+                "parallel.zeropp_qgz_bits",
+                "parallel.zeropp_qgz off (the bits of ZeRO++ qgZ's gradients)",
+                "give parallel.zeropp_qgz = true (with parallel.zero = 3), or leave it out",
+            )
+        )
+    if not (p.zero == 3 and p.zeropp_hpz):
+        out.append(
+            (
+                "parallel.hpz_group",
+                "parallel.zeropp_hpz off (the ranks of ZeRO++ hpZ's partition)",
+                "give parallel.zeropp_hpz = true (with parallel.zero = 3), or leave it out",
+            )
+        )
+    if "disk" not in (p.offload, p.offload_params):
+        out.append(
+            (
+                "parallel.offload_dir",
+                f"parallel.offload = {p.offload} and parallel.offload_params = {p.offload_params} "
+                "(it holds disk offload's files)",
+                "give parallel.offload or parallel.offload_params = disk, or leave it out",
+            )
+        )
+    return out
 
 
 def check_vocab(cfg: LoomConfig, tokenizer_vocab: int) -> None:

@@ -248,6 +248,16 @@ def main(argv: list[str]) -> int:
     from loom.checkpoint.hf_export import export_hf, pop_dtype, pop_shard_size
 
     args = [a for a in argv if a != "--merge-lora"]
+    if args[:1] == ["peft"]:  # one adapter file in the run's own dtype: these options would do nothing
+        for option, why in (
+            ("--max-shard-size", "writes one adapter file, never sharded"),
+            ("--dtype", "writes the adapters as the checkpoint stores them"),
+        ):
+            if option in args:
+                raise CheckpointError(
+                    f"{option}: not an option of `loom export peft` (it {why}); it is for "
+                    "`loom export hf --merge-lora`"
+                )
     size = pop_shard_size(args)
     dtype = pop_dtype(args)
     if len(args) != 3 or args[0] not in ("hf", "peft") or (args[0] == "peft") == ("--merge-lora" in argv):
