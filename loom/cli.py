@@ -169,7 +169,20 @@ def cmd_train(argv: list[str]) -> int:
     from loom.train.trackers import tracker_names
 
     tracker_names(cfg.run.trackers)  # each one named is installed, before any process starts
-    check_fits(cfg, world)  # what cannot fit this machine's memory, before anything is allocated
+    measured = None
+    if cfg.parallel.profile:  # read as the trainer's plan_* metrics will read it, before any rank starts
+        from loom.plan.auto import _device_of, load_profile
+
+        try:
+            measured = load_profile(world, cfg.parallel.profile, device=_device_of(cfg))
+        except (ValueError, KeyError, TypeError) as e:  # HardwareError, a field missing or mistyped
+            text = (
+                str(e)
+                if str(e).startswith("parallel.profile")
+                else f"parallel.profile: {cfg.parallel.profile}: {e}"
+            )
+            raise C.ConfigError(text) from None
+    check_fits(cfg, world, measured)  # what cannot fit this machine's memory, before anything is allocated
     _check_run_dir(cfg)
     if not under_external_launcher():  # under torchrun/srun every rank checks its data itself
         _check_data(cfg)
@@ -582,8 +595,11 @@ def main(argv: list[str] | None = None) -> int:
     if ("-h" in rest or "--help" in rest) and cmd not in ("plan", "cluster"):
         print(USAGE)
         return 0
-    try:
-        return COMMANDS[cmd](rest)
+    from loom.data.report import launcher_lines
+
+    try:  # what preparing data logs reaches stderr (rank 0 repeats a mixture's lines under train)
+        with launcher_lines(cmd in ("prepare", "train"), ranks_repeat=cmd == "train"):
+            return COMMANDS[cmd](rest)
     except KeyboardInterrupt:  # Ctrl-C outside training (the trainer stops at a step and saves)
         print("loom: interrupted by SIGINT", file=sys.stderr)
         return 128 + 2

@@ -759,6 +759,11 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
         _profile('[{"device": "cpu"}]', "not a calibration profile"),
         2,
     ),
+    (
+        "parallel.profile with a field the planner cannot read",
+        _profile('{"device": "cpu", "gemm_flops": "fast"}', "gemm_flops"),
+        2,
+    ),
     ("parallel.schedule unknown", _cfg("--parallel.schedule", "zigzag"), 2),
     ("parallel.cp_mode unknown", _cfg("--parallel.cp_mode", "zigzag"), 2),
     (

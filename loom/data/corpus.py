@@ -4,9 +4,13 @@ A corpus is a list of documents (strings). ``source = "stdlib"`` is the embedded
 Python standard library sources that ship with the interpreter, so every fresh machine can
 train offline. Otherwise ``source`` is a file, a directory or a glob of ``.txt`` (one file =
 one document, or the parts between ``data.doc_separator``; read in blocks), ``.jsonl`` (one
-record = one document, text under ``text_field``) or ``.parquet`` (one row = one document,
-column ``text_field``). Files are read in sorted path
-order until ``max_mb`` megabytes (10^6 bytes of UTF-8) of text, so a corpus is deterministic.
+record = one document, text under ``text_field``), ``.parquet`` (one row = one document,
+column ``text_field``), loose ``.arrow`` files, or ``datasets`` ``save_to_disk`` directories (read
+through ``datasets.load_from_disk``: the files its ``state.json`` names, not the ``cache-*.arrow``
+files ``.map()`` leaves beside them; a saved ``DatasetDict`` is refused, naming its splits). A
+record whose text is null or empty is skipped and counted (:class:`DecodeStats`, reported by
+:func:`warn_skipped`). Files are read in sorted path order until ``max_mb`` megabytes (10^6 bytes of
+UTF-8) of text, so a corpus is deterministic.
 """
 
 from __future__ import annotations
@@ -34,8 +38,73 @@ FORMATS = (".txt", ".jsonl", ".jsonl.gz", ".parquet", ".arrow")
 
 
 def supported(p: Path) -> bool:
-    """A file of one of :data:`FORMATS` (``.arrow``: also the shards of a ``datasets`` save_to_disk directory)."""
+    """A file of one of :data:`FORMATS` (a loose ``.arrow`` file; a ``datasets`` save_to_disk directory
+    is read whole, :func:`saved_dataset`)."""
     return p.name.endswith(FORMATS)
+
+
+def saved_dataset(d: Path) -> bool:
+    """``d`` is a directory a ``datasets.Dataset.save_to_disk`` wrote (``state.json`` names its data
+    files; ``datasets.load_from_disk`` tells a Dataset from a DatasetDict by the same files)."""
+    return (d / "state.json").is_file() and (d / "dataset_info.json").is_file()
+
+
+def _refuse_dataset_dict(d: Path) -> None:
+    """A ``DatasetDict.save_to_disk`` directory holds several splits; training on all of them at once
+    (a test split included) is never what was meant: refused, naming the splits."""
+    if not (d / "dataset_dict.json").is_file():
+        return
+    splits = list(_load_saved(d).keys())
+    pick = "train" if "train" in splits else splits[0] if splits else "SPLIT"
+    raise ConfigError(
+        f"data.source: {d} is a datasets DatasetDict with splits {', '.join(map(repr, splits))}; Loom "
+        f"reads one split: point data.source (or a [[data.sources]] path) at its directory, e.g. {d / pick}"
+    )
+
+
+def _load_saved(d: Path) -> Any:
+    """``datasets.load_from_disk(d)`` (memory-mapped); a directory it cannot read is one line."""
+    try:
+        from datasets import load_from_disk
+    except ImportError:
+        raise ConfigError(
+            f"data.source: reading {d} needs the datasets package (pip install datasets)"
+        ) from None
+    try:
+        return load_from_disk(str(d))
+    except Exception as e:  # datasets and pyarrow raise many kinds
+        raise ConfigError(
+            f"data.source: {d} is not a readable datasets save_to_disk directory ({_first_line(e)})"
+        ) from None
+
+
+def _walk(root: Path) -> list[Path]:
+    """Supported files under ``root``, each ``save_to_disk`` directory as one entry (not its shards
+    nor the cache files beside them); a ``DatasetDict`` anywhere under it is refused."""
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        d = Path(dirpath)
+        _refuse_dataset_dict(d)
+        if saved_dataset(d):
+            found.append(d)
+            dirnames[:] = []
+            continue
+        found += [d / n for n in filenames if supported(d / n) and (d / n).is_file()]
+    return sorted(found)
+
+
+def _from_glob(matches: list[Path]) -> list[Path]:
+    """Supported files among ``matches`` and the ``save_to_disk`` directories matched or holding a
+    matched ``.arrow`` shard (each once, read through ``datasets``)."""
+    out: set[Path] = set()
+    for p in matches:
+        if p.is_dir():
+            _refuse_dataset_dict(p)
+            if saved_dataset(p):
+                out.add(p)
+        elif p.is_file() and supported(p):
+            out.add(p.parent if p.suffix == ".arrow" and saved_dataset(p.parent) else p)
+    return sorted(out)
 
 
 STDLIB = "stdlib"
@@ -81,15 +150,16 @@ def find_files(source: str) -> list[Path]:
     """Files a non-stdlib ``data.source`` names, sorted. Raises ConfigError if none or unsupported."""
     src = os.path.expanduser(source)
     if glob.has_magic(src):
-        matches = sorted(Path(p) for p in glob.glob(src, recursive=True) if Path(p).is_file())
-        files = [p for p in matches if supported(p)]
-        if matches and not files:
+        matches = sorted(Path(p) for p in glob.glob(src, recursive=True))
+        files = _from_glob(matches)
+        plain = [p for p in matches if p.is_file()]
+        if plain and not files:
             raise ConfigError(
-                f"data.source: {source!r} matches only unsupported files (e.g. {matches[0].name}); "
+                f"data.source: {source!r} matches only unsupported files (e.g. {plain[0].name}); "
                 f"use {', '.join(FORMATS)}"
             )
     elif os.path.isdir(src):
-        files = sorted(p for p in Path(src).rglob("*") if p.is_file() and supported(p))
+        files = _walk(Path(src))
     elif os.path.isfile(src):
         p = Path(src)
         if not supported(p):
@@ -119,17 +189,26 @@ def fingerprint(source: str) -> str:
     if source == STDLIB:
         h.update(f"{stdlib_root()}|{sys.version}".encode())
     else:
-        for p in find_files(source):
-            st = p.stat()
-            h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+        for entry in find_files(source):  # a save_to_disk directory: each file in it
+            for p in sorted(entry.iterdir()) if entry.is_dir() else [entry]:
+                st = p.stat()
+                h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
 
 
 class DecodeStats:
-    """Undecodable bytes replaced under ``data.errors = "replace"`` (reported after reading)."""
+    """What reading changed, reported after it: undecodable bytes replaced under ``data.errors =
+    "replace"``, and records skipped because their text is null or empty (:func:`warn_skipped`)."""
 
     def __init__(self) -> None:
         self.replaced: dict[str, int] = {}
+        self.skipped = {"null": 0, "empty": 0}  # records of .jsonl/.parquet/.arrow/save_to_disk
+        self.first_skipped = ""  # where the first one is (file:line, or file row N)
+
+    def skip(self, text: str | bytes | None, where: str) -> None:
+        """Count a record skipped at ``where`` because its text is null or empty (no document)."""
+        self.skipped["null" if text is None else "empty"] += 1
+        self.first_skipped = self.first_skipped or where
 
 
 def _decode(raw: bytes, where: str, errors: str, stats: DecodeStats | None) -> str:
@@ -241,6 +320,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def _read_jsonl(
     path: Path, text_field: str, errors: str = "strict", stats: DecodeStats | None = None
 ) -> Iterator[str]:
+    """Field ``text_field`` of every record; null and empty ones are counted in ``stats`` and skipped."""
+    stats = stats if stats is not None else DecodeStats()
     lineno = 0
     with gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb") as f:
         lines = iter(f)
@@ -263,22 +344,26 @@ def _read_jsonl(
                     f"data.source: {path}:{lineno} has no field {text_field!r} (set data.text_field)"
                 )
             text = record[text_field]
-            if text is None:
-                continue
-            if not isinstance(text, str):
+            if text is not None and not isinstance(text, str):
                 raise ConfigError(
                     f"data.source: {path}:{lineno} field {text_field!r} holds a "
                     f"{type(text).__name__}, not a string"
                 )
-            yield text
+            if text:
+                yield text
+            else:
+                stats.skip(text, f"{path}:{lineno}")
 
 
 def _read_parquet(
     path: Path, text_field: str, errors: str = "strict", stats: DecodeStats | None = None
 ) -> Iterator[str]:
     """Rows of column ``text_field``: strings, or binary decoded as UTF-8 text; a file pyarrow cannot
-    read, a column of another type or a row that cannot be decoded is refused naming the file and row."""
+    read, a column of another type or a row that cannot be decoded is refused naming the file and row;
+    null and empty rows are counted in ``stats`` and skipped."""
     import pyarrow as pa
+
+    stats = stats if stats is not None else DecodeStats()
     import pyarrow.parquet as pq
 
     try:
@@ -306,8 +391,10 @@ def _read_parquet(
         except (pa.ArrowException, OSError) as e:
             raise ConfigError(f"data.source: {path} cannot be read at row {row} ({_first_line(e)})") from None
         for text in batch.column(0).to_pylist():
-            if text is not None:
+            if text:
                 yield _decode(text, f"{path} row {row}", errors, stats) if binary else text
+            else:
+                stats.skip(text, f"{path} row {row}")
             row += 1
 
 
@@ -316,25 +403,33 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def _read_arrow(path: Path, text_field: str) -> Iterator[str]:
-    """Rows of column ``text_field`` of an Arrow file (a ``datasets`` shard), memory-mapped by ``datasets``."""
-    try:
-        from datasets import Dataset
-    except ImportError:
-        raise ConfigError(
-            f"data.source: reading {path} needs the datasets package (pip install datasets)"
-        ) from None
-    try:
-        ds = Dataset.from_file(str(path))
-    except Exception as e:  # pyarrow and datasets raise many kinds
-        raise ConfigError(f"data.source: {path} is not a readable Arrow file ({_first_line(e)})") from None
+def _read_arrow(path: Path, text_field: str, stats: DecodeStats | None = None) -> Iterator[str]:
+    """Rows of column ``text_field`` of a loose Arrow file, or of a ``save_to_disk`` directory (through
+    ``datasets.load_from_disk``), memory-mapped by ``datasets``; null and empty rows are counted in
+    ``stats`` and skipped."""
+    if path.is_dir():
+        ds = _load_saved(path)
+    else:
+        try:
+            from datasets import Dataset
+        except ImportError:
+            raise ConfigError(
+                f"data.source: reading {path} needs the datasets package (pip install datasets)"
+            ) from None
+        try:
+            ds = Dataset.from_file(str(path))
+        except Exception as e:  # pyarrow and datasets raise many kinds
+            raise ConfigError(
+                f"data.source: {path} is not a readable Arrow file ({_first_line(e)})"
+            ) from None
     if text_field not in ds.column_names:
         raise ConfigError(
             f"data.source: {path} has no column {text_field!r} (columns: {', '.join(ds.column_names)}; "
             "set data.text_field)"
         )
+    stats = stats if stats is not None else DecodeStats()
     row = 0
-    for batch in ds.select_columns([text_field]).iter(batch_size=1024):
+    for batch in ds.with_format(None).select_columns([text_field]).iter(batch_size=1024):
         for text in batch[text_field]:
             if text is not None and not isinstance(text, str):
                 raise ConfigError(
@@ -343,6 +438,8 @@ def _read_arrow(path: Path, text_field: str) -> Iterator[str]:
                 )
             if text:
                 yield text
+            else:
+                stats.skip(text, f"{path} row {row}")
             row += 1
 
 
@@ -352,8 +449,8 @@ def _iter_file(
     """``(text, ends_document)`` pieces of one file (a record of the other formats is one piece)."""
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         return _whole(_read_jsonl(path, text_field, errors, stats))
-    if path.suffix == ".arrow":
-        return _whole(_read_arrow(path, text_field))
+    if path.suffix == ".arrow" or path.is_dir():  # a loose .arrow file or a save_to_disk directory
+        return _whole(_read_arrow(path, text_field, stats))
     if path.suffix == ".parquet":
         return _whole(_read_parquet(path, text_field, errors, stats))
     return _read_txt(path, errors, stats, separator)  # .txt and the stdlib's .py
@@ -377,7 +474,8 @@ def iter_pieces(
     (:data:`TXT_BLOCK`), so memory is bounded by a block, not by a document or the corpus.
 
     The document that crosses the cap is cut at the cap; empty documents are dropped (every piece
-    yielded belongs to a document with some text; its last piece may be empty). Binary files are
+    yielded belongs to a document with some text; its last piece may be empty; records whose text
+    is null or empty are counted in ``stats``, :func:`warn_skipped`). Binary files are
     refused; invalid UTF-8 too unless ``errors == "replace"`` (the stdlib corpus always replaces: a
     few of its files declare other encodings), counted in ``stats``.
     """
@@ -436,6 +534,19 @@ def warn_replaced(source: str, stats: DecodeStats) -> None:
         )
 
 
+def warn_skipped(stats: DecodeStats) -> None:
+    """Log, in one line, how many records were skipped because their text was null or empty."""
+    null, empty = stats.skipped["null"], stats.skipped["empty"]
+    if null or empty:
+        log.warning(
+            "data.source: skipped %d record(s) whose text field is null and %d whose text is empty "
+            "(first at %s); counted in meta.json (skipped_records)",
+            null,
+            empty,
+            stats.first_skipped,
+        )
+
+
 def read_documents(
     source: str,
     text_field: str = "text",
@@ -453,6 +564,7 @@ def read_documents(
         bar.update()
     bar.close()
     warn_replaced(source, stats)
+    warn_skipped(stats)
     if not docs:
         raise ConfigError(f"data.source: {source!r} holds no text")
     return docs

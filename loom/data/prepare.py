@@ -33,7 +33,16 @@ from tqdm import tqdm
 
 from loom.config import ConfigError, DataConfig
 from loom.data.chat import ExampleEncoder, builtin_render, read_records, segments, template_render
-from loom.data.corpus import STDLIB, DecodeStats, fingerprint, iter_pieces, source_files, warn_replaced
+from loom.data.corpus import (
+    STDLIB,
+    DecodeStats,
+    fingerprint,
+    iter_pieces,
+    source_files,
+    warn_replaced,
+    warn_skipped,
+)
+from loom.data.report import REPEATED_BY_RANKS
 from loom.data.stream import (
     CHUNK_CHARS,
     LengthLog,
@@ -347,6 +356,7 @@ def prepare_sources(cfg: DataConfig, progress: bool = True) -> list[PreparedData
             100 * src.weight / total,
             f"{out[-1].n_train_tokens:,}",
             out[-1].dir,
+            extra=REPEATED_BY_RANKS,  # rank 0 of `loom train` logs it again when it loads the sources
         )
     return out
 
@@ -476,8 +486,12 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
     bar.close()
     lengths = log_.close()
     warn_replaced(cfg.source, stats)
+    skipped = dict(stats.skipped)  # null and empty records, counted once (this pass)
     if not len(lengths):
-        raise ConfigError(f"data.source: {cfg.source!r} holds no text")
+        null, empty = skipped["null"], skipped["empty"]
+        why = f" (its records' text is null in {null} and empty in {empty})" if null or empty else ""
+        raise ConfigError(f"data.source: {cfg.source!r} holds no text{why}")
+    warn_skipped(stats)
     if cfg.doc_separator and len(lengths) <= len(source_files(cfg.source)):
         log.warning(
             "data.doc_separator %r split no file of %s into documents (on a command line, write "
@@ -519,7 +533,8 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
         for w in writers.values():
             w.abort()
         raise
-    _write_meta(out, cfg, key, t0, (vocab, dtype, eot), writers, digests, {"corpus_mb": n_bytes / 1e6})
+    extra = {"corpus_mb": n_bytes / 1e6, "skipped_records": skipped}
+    _write_meta(out, cfg, key, t0, (vocab, dtype, eot), writers, digests, extra)
 
 
 def _write_meta(
