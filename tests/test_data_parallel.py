@@ -7,7 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from tests.dist import get_mesh
-from tests.helpers import rank_micro_batches, tiny_model, tiny_train, train_dp
+from tests.helpers import ADAM_STATE_TOL, rank_micro_batches, tiny_model, tiny_train, train_dp
 
 BATCH = 8
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -33,7 +33,7 @@ def test_dp_equals_single_process(pools, reference, world, micro):
     for r in results:
         assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), **TOL)
         for k, v in reference["state"].items():
-            assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{k}: {m}")
+            assert_close(r["state"][k], v, **ADAM_STATE_TOL, msg=lambda m, k=k: f"{k}: {m}")
     # replicas stay bitwise identical
     for r in results[1:]:
         for k, v in results[0]["state"].items():
@@ -46,7 +46,7 @@ def test_accumulation_equals_bigger_batch():
     four = train_dp(None, tiny_model(), tiny_train(steps=5), BATCH, micro=2)
     assert_close(torch.tensor(four["losses"]), torch.tensor(one["losses"]), **TOL)
     for k, v in one["state"].items():
-        assert_close(four["state"][k], v, **TOL)
+        assert_close(four["state"][k], v, **ADAM_STATE_TOL)
 
 
 def test_bytes_moved_equal_ring_formula(pools):
