@@ -9,7 +9,12 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from tests.helpers import one_thread, train_layout  # noqa: F401 (fixture)
+from tests.helpers import (  # noqa: F401 (fixture)
+    one_thread,
+    scaled_mm_in_fp32,
+    train_layout,
+    with_scaled_mm_in_fp32,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -115,7 +120,7 @@ def test_low_precision_tp2_equals_one_process(pools, precision, recipe, layout):
     from tests.helpers import SEQ, tiny_model, tiny_train
 
     kind = {"precision": precision, "fp8_recipe": recipe}
-    single = train_layout(kind, STEPS, 8, 4, model_kw=MODEL, meta=True)
+    single = with_scaled_mm_in_fp32(train_layout, kind, STEPS, 8, 4, model_kw=MODEL, meta=True)
     drift = 2 * sum(lr_at(s, tiny_train(steps=STEPS)) for s in range(STEPS))
     world = layout["tp"] * layout.get("dp_shard", 1)
     dp = layout.get("dp_shard", 1)
@@ -126,7 +131,10 @@ def test_low_precision_tp2_equals_one_process(pools, precision, recipe, layout):
     calls = CostModel(tiny_model(**MODEL), work, ClusterSpec.single_node("h100-sxm", world)).collective_calls(
         lay
     )
-    for r in pools(world).run(train_layout, {**kind, **layout}, STEPS, 8, 4, model_kw=MODEL, meta=True):
+    runs = pools(world).run(
+        with_scaled_mm_in_fp32, train_layout, {**kind, **layout}, STEPS, 8, 4, model_kw=MODEL, meta=True
+    )
+    for r in runs:
         assert r["calls"] == [calls] * STEPS, (r["calls"][0], calls)
         assert_close(r["losses"], single["losses"], rtol=LOSS_RTOL, atol=0)
         for k, v in single["state"].items():
@@ -200,7 +208,8 @@ def _debug_tp2(precision: str) -> float:
 
     cfg = debug_cfg(precision)
     cfg.parallel.tp = 2
-    return final_loss(train_loop(cfg, get_mesh(tp=2), LONG)["losses"])
+    with scaled_mm_in_fp32():
+        return final_loss(train_loop(cfg, get_mesh(tp=2), LONG)["losses"])
 
 
 def test_fp8_tp2_trains_within_2_percent_of_bf16(pools):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from loom.config import ConfigError, LoomConfig, load_toml, preset_path, validate
-from tests.helpers import one_thread  # noqa: F401 (fixture)
+from tests.helpers import fast_cpu_scaled_mm, one_thread  # noqa: F401 (fixture)
 from tests.test_precision import single_mesh, train_loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -154,6 +154,7 @@ def _swapped(model) -> dict[str, int]:
 @pytest.mark.parametrize(
     "precision,recipe", [("fp8", "tensorwise"), ("fp8", "rowwise"), ("int8", "tensorwise")]
 )
+@pytest.mark.usefixtures("fast_cpu_scaled_mm")
 def test_low_precision_trains_within_2_percent_of_bf16(bf16_run, precision, recipe):
     """fp8 (both torchao recipes, torch._scaled_mm emulated on the CPU) and int8: the blocks' 7 Linears
     per layer are swapped (head kept), parameters stay bf16, the loss after 50 steps is within
