@@ -371,7 +371,12 @@ def diagnose(
 
 
 class CollectiveFailure(RuntimeError):
-    """A collective timed out or lost a peer; the message is :func:`diagnose`'s one line."""
+    """A collective timed out or lost a peer; the message is :func:`diagnose`'s one line.
+    ``after_peer``: a peer had ended with an error of its own first (its launcher reports that one)."""
+
+    def __init__(self, message: str, after_peer: bool = False) -> None:
+        super().__init__(message)
+        self.after_peer = after_peer
 
 
 class NonFiniteError(FloatingPointError):

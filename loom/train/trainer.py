@@ -568,9 +568,10 @@ def run(
             raise SystemExit(128 + stop.signum) from None
         if env.world > 1 and is_comm_failure(e):
             msg = diagnose(e, Path(cfg.run.dir), env.rank, env.world, cfg.run.timeout_s)
-            if report_comm_failure and not failed_peers(Path(cfg.run.dir), env.world, env.rank):
+            after_peer = bool(failed_peers(Path(cfg.run.dir), env.world, env.rank))
+            if report_comm_failure and not after_peer:
                 log.error("%s", msg)  # else theirs, or this raise through the launcher, is the one line
-            raise CollectiveFailure(msg) from e
+            raise CollectiveFailure(msg, after_peer) from e
         if Heartbeat.current is not None:  # before the process group goes: peers read it first
             Heartbeat.current.close(failed=f"{type(e).__name__}: {str(e).strip()[:300]}")
         raise
