@@ -302,7 +302,7 @@ def _run_rank(cfg_dict: dict[str, Any], run) -> dict[str, float]:
     except CollectiveFailure as e:
         from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-        if e.after_peer:  # the peer's own error is the one line: the launcher stops this rank on seeing it
+        if e.after_peer:  # the launcher names that peer's error or exit, and stops this rank on seeing it
             time.sleep(float(cfg_dict["run"]["timeout_s"]))
         get_error_handler().record_exception(e)  # what @record would write: the launcher's one line
         leave_now(1)

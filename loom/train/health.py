@@ -263,6 +263,22 @@ def failed_peers(run_dir: Path, world: int, rank: int) -> list[int]:
     return [r for r, b in beats.items() if r != rank and b is not None and b.get("failed")]
 
 
+def reported_peers(run_dir: Path, world: int, rank: int) -> list[int]:
+    """The other ranks whose end the launcher reports itself: those that ended with an error of their
+    own (:func:`failed_peers`), and those of this node that ended (their exit status, a signal such as
+    SIGKILL, is the launcher's to name). A rank of another node that ended is not: only this rank's
+    line can name it."""
+    beats = read_heartbeats(run_dir, world)
+    node = _node_rank()
+    return [
+        r
+        for r, b in beats.items()
+        if r != rank
+        and b is not None
+        and (b.get("failed") or (b.get("node") == node and b.get("host") == _HOST and process_gone(b)))
+    ]
+
+
 def is_comm_failure(exc: BaseException) -> bool:
     """A collective that timed out or lost its peer (gloo and NCCL wording)."""
     text = str(exc)
@@ -372,7 +388,7 @@ def diagnose(
 
 class CollectiveFailure(RuntimeError):
     """A collective timed out or lost a peer; the message is :func:`diagnose`'s one line.
-    ``after_peer``: a peer had ended with an error of its own first (its launcher reports that one)."""
+    ``after_peer``: the cause is a peer the launcher reports itself (:func:`reported_peers`)."""
 
     def __init__(self, message: str, after_peer: bool = False) -> None:
         super().__init__(message)

@@ -48,6 +48,7 @@ from loom.train.health import (
     failed_peers,
     heartbeat_interval,
     is_comm_failure,
+    reported_peers,
 )
 from loom.train.metrics import MetricsWriter, max_over_ranks, setup_logging, step_line
 from loom.train.mfu import mfu_peak
@@ -568,8 +569,8 @@ def run(
             raise SystemExit(128 + stop.signum) from None
         if env.world > 1 and is_comm_failure(e):
             msg = diagnose(e, Path(cfg.run.dir), env.rank, env.world, cfg.run.timeout_s)
-            after_peer = bool(failed_peers(Path(cfg.run.dir), env.world, env.rank))
-            if report_comm_failure and not after_peer:
+            after_peer = bool(reported_peers(Path(cfg.run.dir), env.world, env.rank))
+            if report_comm_failure and not failed_peers(Path(cfg.run.dir), env.world, env.rank):
                 log.error("%s", msg)  # else theirs, or this raise through the launcher, is the one line
             raise CollectiveFailure(msg, after_peer) from e
         if Heartbeat.current is not None:  # before the process group goes: peers read it first
