@@ -83,7 +83,10 @@ def cluster_of(args: argparse.Namespace, default: str) -> ClusterSpec:
         n = args.world or 8
         per = min(8, n)
         if n % per:
-            raise HardwareError(f"--world {n} is not a whole number of {per}-device nodes")
+            raise HardwareError(
+                f"--devices {n}: not a whole number of {per}-device nodes (--device builds nodes of 8; "
+                "--cluster DEVICE:NODESxPER gives others)"
+            )
         return ClusterSpec.single_node(args.device, per, n // per)
     return resolve_cluster(default)
 

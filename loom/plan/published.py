@@ -175,6 +175,11 @@ def _model(fields: Any, at: str) -> ModelConfig:
     """A ``[models.NAME]`` table as :class:`ModelConfig`, read and checked as a config's ``[model]``."""
     if not isinstance(fields, dict):
         raise PlanError(f"{at} must be a table, got {type(fields).__name__}")
+    for key, value in fields.items():  # [models.gpt-1.7b] nests a table "7b" under the model "gpt-1"
+        if isinstance(value, dict):
+            raise PlanError(
+                f'{at}.{key}: a table where a model field belongs; quote a name with dots: [models."{at.split("models.", 1)[-1]}.{key}"]'
+            )
     try:
         cfg = from_dict({"model": fields})
         _check_finite(cfg)  # rope_theta = inf, norm_eps = nan: every float field finite, as loom train checks

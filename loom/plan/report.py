@@ -42,7 +42,9 @@ COLUMNS = (
 
 def _row(i: int, e: Estimate) -> list[str]:
     lay = e.layout
-    zero = str(lay.zero) + (f"/{lay.dp_shard * lay.cp}" if lay.zero and lay.dp_shard != lay.dp else "")
+    # as the layout line writes it (Layout.spec): zero S/G shards stage S over G of the dp ranks (and
+    # the cp ranks beside them); G is left out where it is all of dp
+    zero = str(lay.zero) + (f"/{lay.dp_shard}" if lay.zero and lay.dp_shard != lay.dp else "")
     sched = "-" if lay.pp == 1 else lay.schedule + (f"(v{lay.v})" if lay.v > 1 else "")
     return [
         str(i),
@@ -67,7 +69,8 @@ def _row(i: int, e: Estimate) -> list[str]:
 
 
 def format_table(estimates: list[Estimate], top: int = 10) -> str:
-    """The ``top`` estimates as an aligned text table (``zero 3/8``: stage 3 sharded over 8 of dp*cp)."""
+    """The ``top`` estimates as an aligned text table (``zero 3/8``: stage 3 sharded over 8 of dp, as
+    ``Layout.spec`` writes it)."""
     rows = [list(COLUMNS)] + [_row(i + 1, e) for i, e in enumerate(estimates[:top])]
     widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]

@@ -46,6 +46,11 @@ class CostBase:
             raise PlanError("model.vocab_size: must be set (> 0) to plan")
         if train.global_batch < 1 or train.seq_len < 1:
             raise PlanError("train: global_batch and seq_len must be >= 1")
+        if model.positions == "learned" and train.seq_len > model.max_seq_len:  # loom train refuses it too
+            raise PlanError(
+                f"seq_len: {train.seq_len} exceeds model.max_seq_len={model.max_seq_len} (learned "
+                "positions hold one embedding per position; RoPE models have no such bound)"
+            )
         if train.fp8_layers not in ("auto", "all"):
             raise PlanError(f"train.fp8_layers: must be auto or all, got {train.fp8_layers!r}")
         if train.reduce_dtype not in ("fp32", "bf16", "fp16"):
