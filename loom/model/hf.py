@@ -47,7 +47,9 @@ the rows and columns (and experts) its parameters hold, never a whole tensor it 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import typing
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -75,6 +77,56 @@ MISSING = {  # families users ask for, and what Loom's model lacks to run them
     "with their own RoPE base, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
     "GemmaForCausalLM": "a gated GELU MLP, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
 }
+# transformers' own defaults (its config classes') for the config.json fields Loom reads, by family: a
+# field a config.json leaves out means these there, not one family's values for all
+# (tests/test_hf_families.py compares them with the installed transformers)
+_LLAMA_DEFAULTS: dict[str, object] = {
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "num_key_value_heads": None,  # None: one per query head
+    "head_dim": None,  # None: hidden_size / num_attention_heads
+    "tie_word_embeddings": False,
+    "sliding_window": None,
+    "use_sliding_window": True,  # families without the field apply any sliding_window given
+    "num_local_experts": 1,
+    "num_experts_per_tok": 2,
+}
+_QWEN_DEFAULTS = _LLAMA_DEFAULTS | {
+    "max_position_embeddings": 32768,
+    "num_key_value_heads": 32,
+    "sliding_window": 4096,
+    "use_sliding_window": False,
+}
+FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
+    "LlamaForCausalLM": _LLAMA_DEFAULTS,
+    "MistralForCausalLM": _LLAMA_DEFAULTS
+    | {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
+    "Qwen2ForCausalLM": _QWEN_DEFAULTS,
+    "Qwen3ForCausalLM": _QWEN_DEFAULTS | {"head_dim": 128},
+    "MixtralForCausalLM": _LLAMA_DEFAULTS
+    | {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+    },
+    "Phi3ForCausalLM": _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
+    "Qwen3MoeForCausalLM": _QWEN_DEFAULTS
+    | {"num_key_value_heads": 4, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False},
+    "Olmo2ForCausalLM": _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5},
+}
+
+
+def hf_field(raw: dict, name: str) -> typing.Any:
+    """``config.json``'s ``name``, or the family's default (:data:`FAMILY_DEFAULTS`) where it is left out."""
+    if name in raw:
+        return raw[name]
+    arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+    return FAMILY_DEFAULTS.get(arch, _LLAMA_DEFAULTS).get(name)
+
+
 GELU = {
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
@@ -112,7 +164,7 @@ def _rope(raw: dict) -> dict:
     # tell users to add for long context) replaces it whole, its base the top-level rope_theta
     merged = scaling or params
     kind = merged.get("rope_type", merged.get("type", "default"))
-    out = {"rope_theta": float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))}
+    out = {"rope_theta": float(merged.get("rope_theta", hf_field(raw, "rope_theta")))}
     partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):  # Phi-4-mini: RoPE on the first 3/4 of each head
         raise HFError(
@@ -152,18 +204,18 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
         return _gpt2_config(raw, max_seq_len)
     dim, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch in ("Qwen3ForCausalLM", QWEN3MOE)
-    head_dim = int(raw.get("head_dim") or dim // heads)  # its own (Mistral-Nemo, Qwen3): a·d != h
+    head_dim = int(hf_field(raw, "head_dim") or dim // heads)  # its own (Mistral-Nemo, Qwen3): a·d != h
     checks = [("hidden_act", ("silu",)), ("mlp_bias", (False, None)), ("router_jitter_noise", (0.0, 0, None))]
     if not qwen2:  # Qwen2 always has q/k/v biases (and no o bias); the others only without attention_bias
         checks.append(("attention_bias", (False, None)))
     for field, allowed in checks:
         if raw.get(field) not in allowed:
             raise HFError(f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r})")
-    n_experts, ffn = int(raw.get("num_local_experts", 1)), int(raw["intermediate_size"])
+    n_experts, ffn = int(hf_field(raw, "num_local_experts")), int(raw["intermediate_size"])
     if arch == QWEN3MOE:
         n_experts, ffn = _qwen3_moe_experts(raw)
-    seq = max_seq_len or int(raw.get("max_position_embeddings", 2048))
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    seq = max_seq_len or int(hf_field(raw, "max_position_embeddings"))
+    window = hf_field(raw, "sliding_window") if hf_field(raw, "use_sliding_window") else None
     if window is not None and seq > int(window) and fit_window:
         seq = int(window)
     elif window is not None and seq > int(window):
@@ -175,12 +227,12 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
         dim=dim,
         n_layers=int(raw["num_hidden_layers"]),
         n_heads=heads,
-        n_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        n_kv_heads=int(hf_field(raw, "num_key_value_heads") or heads),
         vocab_size=int(raw["vocab_size"]),
         max_seq_len=seq,
         **_rope(raw),
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        norm_eps=float(hf_field(raw, "rms_norm_eps")),
+        tie_embeddings=bool(hf_field(raw, "tie_word_embeddings")),
         qkv_bias=qwen2,
         qk_norm=qwen3 or arch == OLMO2,
         qk_norm_scope="all" if arch == OLMO2 else "head",
@@ -188,7 +240,7 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
         attn_head_dim=head_dim if head_dim != dim // heads else 0,
         ffn_dim=ffn,
         n_experts=n_experts,
-        top_k=int(raw.get("num_experts_per_tok", 2)),
+        top_k=int(hf_field(raw, "num_experts_per_tok")),
         hf_architecture=arch,  # type: ignore[arg-type]  # one of SUPPORTED, checked above
     )
 
@@ -202,7 +254,9 @@ def _qwen3_moe_experts(raw: dict) -> tuple[int, int]:
                 f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r}: "
                 "every layer a mixture of experts)"
             )
-    n = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)  # transformers 5 writes the latter
+    n = int(
+        raw.get("num_experts") or raw.get("num_local_experts") or hf_field(raw, "num_experts") or 0
+    )  # 5 writes the latter
     if n < 2:
         raise HFError(f"{CONFIG}: num_experts = {n} is not supported (Loom: >= 2 for Qwen3MoeForCausalLM)")
     return n, int(raw["moe_intermediate_size"])
@@ -212,7 +266,7 @@ def moe_options(model: HFModel) -> dict[str, object]:
     """The ``[moe]`` settings the directory's routing fixes: Qwen3-MoE's ``norm_topk_prob`` (default
     false) as ``moe.norm_topk``; Mixtral always renormalizes (Loom's default)."""
     return (
-        {"norm_topk": bool(model.raw.get("norm_topk_prob", False))} if model.architecture == QWEN3MOE else {}
+        {"norm_topk": bool(hf_field(model.raw, "norm_topk_prob"))} if model.architecture == QWEN3MOE else {}
     )
 
 
@@ -316,11 +370,43 @@ def open_dir(path: str | Path, max_seq_len: int = 0, fit_window: bool = False) -
             with open_shard(d / name) as f:
                 files.update(dict.fromkeys(f.keys(), name))
     prefix = "transformer." if cfg.positions == "learned" and "transformer.wte.weight" in files else ""
+    embedding = prefix + ("wte.weight" if cfg.positions == "learned" else "model.embed_tokens.weight")
+    if cfg.tie_embeddings and HEAD in files and embedding in files and _differ(d, files, embedding, HEAD):
+        # transformers then loads the stored head untied ("different values, so we will NOT tie them")
+        if d not in _UNTIED:
+            _UNTIED.add(d)
+            logging.getLogger(__name__).warning(
+                "%s: %s differs from %s although tie_word_embeddings = true; untied, as transformers "
+                "loads it (the stored head is the model's)",
+                d,
+                HEAD,
+                embedding,
+            )
+        cfg = dataclasses.replace(cfg, tie_embeddings=False)
     shapes = expected_shapes(cfg)
     _check_headers(
         d, files, {n: m.hf_shape(shapes[lm]) for lm, m in _mappings(cfg, prefix) for n in m.names()}
     )
     return HFModel(d, raw["architectures"][0], cfg, raw, files, prefix)
+
+
+HEAD: Final = "lm_head.weight"
+_UNTIED: set[Path] = set()  # directories whose untied head was reported (once per process)
+
+
+def _differ(d: Path, files: dict[str, str], a: str, b: str) -> bool:
+    """Whether stored tensors ``a`` and ``b`` differ in shape or any value (read in blocks of rows,
+    about 64 MiB at a time, never a whole table)."""
+    with open_shard(d / files[a]) as fa, open_shard(d / files[b]) as fb:
+        sa, sb = fa.get_slice(a), fb.get_slice(b)
+        shape = tuple(sa.get_shape())
+        if shape != tuple(sb.get_shape()) or len(shape) != 2:
+            return True
+        step = max(1, (1 << 24) // max(1, shape[1]))
+        return any(
+            not torch.equal(sa[r : r + step].float(), sb[r : r + step].float())
+            for r in range(0, shape[0], step)
+        )
 
 
 # The model fields a config.json decides (Loom's names), set by apply_to.
@@ -562,7 +648,7 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
             yield lm + f"feed_forward.{w}.weight", Mapping(hf + f"mlp.{proj}_proj.weight")
     yield "norm.weight", Mapping("model.norm.weight")
     if not cfg.tie_embeddings:
-        yield "output.weight", Mapping("lm_head.weight")
+        yield "output.weight", Mapping(HEAD)
 
 
 def _gpt2_mappings(cfg: ModelConfig, p: str) -> Iterator[tuple[str, Mapping]]:
@@ -585,7 +671,7 @@ def _gpt2_mappings(cfg: ModelConfig, p: str) -> Iterator[tuple[str, Mapping]]:
     yield "norm.weight", Mapping(p + "ln_f.weight")
     yield "norm.bias", Mapping(p + "ln_f.bias")
     if not cfg.tie_embeddings:
-        yield "output.weight", Mapping("lm_head.weight")
+        yield "output.weight", Mapping(HEAD)
 
 
 def to_loom_rows(w: torch.Tensor, heads: int) -> torch.Tensor:

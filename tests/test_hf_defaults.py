@@ -1,0 +1,115 @@
+"""A ``config.json`` means what ``transformers`` reads from it: a field left out takes the family's own
+default (Mixtral's RoPE base 1e6 and norm epsilon 1e-5, OLMo-2's and Phi-3's 1e-5, Qwen3-MoE's 8
+experts per token), not one family's values for all; and a checkpoint that says
+``tie_word_embeddings = true`` but stores an ``lm_head.weight`` unlike its embedding runs that head,
+untied, as ``transformers`` loads it. Logits equal transformers' on tiny random models built from
+configs (nothing downloaded)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from torch.testing import assert_close
+
+from loom import config as C
+
+BASE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def _save(path: Path, config_class: str, drop: tuple[str, ...] = (), **kw) -> torch.nn.Module:
+    """A random model (norm weights around 1) saved at ``path``, then ``drop``'s fields removed from
+    its config.json; returns transformers' model read back from that directory."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**(BASE | kw)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())
+    for key in drop:
+        raw.pop(key, None)
+    (path / "config.json").write_text(json.dumps(raw))
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _loom_logits(path: Path, x: torch.Tensor):
+    from loom.model.hf import load_into, moe_options, open_dir
+    from loom.model.llama import Transformer
+
+    hf = open_dir(path, BASE["max_position_embeddings"])
+    model = Transformer(hf.config, C.MoEConfig(**moe_options(hf))).eval()  # type: ignore[arg-type]
+    load_into(model, hf)
+    with torch.no_grad():
+        return hf.config, model(x)
+
+
+def test_family_defaults_are_those_of_transformers():
+    from loom.model.hf import FAMILY_DEFAULTS
+
+    for arch, defaults in FAMILY_DEFAULTS.items():
+        cls = getattr(transformers, arch).config_class
+        params = inspect.signature(cls.__init__).parameters
+        theta = getattr(cls, "default_theta", None) or params["rope_theta"].default
+        assert defaults["rope_theta"] == theta, arch
+        shared = [k for k in defaults if k in params and k != "rope_theta"]
+        assert {"rms_norm_eps", "max_position_embeddings", "tie_word_embeddings"} <= set(shared), arch
+        for key in shared:
+            want = params[key].default  # num_key_value_heads / head_dim None: from the heads, as Loom's
+            assert defaults[key] == want, (arch, key, defaults[key], want)
+
+
+@pytest.mark.parametrize(
+    "config_class,kw,drop",
+    [
+        ("MixtralConfig", {"num_local_experts": 4}, ("rope_theta", "rope_parameters")),
+        ("MixtralConfig", {"num_local_experts": 4}, ("rms_norm_eps",)),
+        ("Olmo2Config", {}, ("rms_norm_eps",)),
+        ("Phi3Config", {"pad_token_id": 0}, ("rms_norm_eps",)),
+        (
+            "Qwen3MoeConfig",
+            {"num_experts": 8, "moe_intermediate_size": 48, "head_dim": 16},
+            ("num_experts_per_tok",),
+        ),
+    ],
+    ids=["mixtral rope base", "mixtral norm eps", "olmo2 norm eps", "phi3 norm eps", "qwen3-moe top-k"],
+)
+def test_a_field_left_out_takes_the_family_default(tmp_path, config_class, kw, drop):
+    ref = _save(tmp_path, config_class, drop, **kw)
+    x = torch.randint(0, BASE["vocab_size"], (1, 48), generator=torch.Generator().manual_seed(0))
+    cfg, logits = _loom_logits(tmp_path, x)
+    assert_close(logits, ref(x).logits.detach(), atol=2e-5, rtol=1e-5)
+    want = ref.config
+    assert cfg.norm_eps == want.rms_norm_eps and cfg.rope_theta == want.rope_parameters["rope_theta"]
+    if cfg.moe:
+        assert cfg.top_k == want.num_experts_per_tok
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["another head", "a copy of the embedding"])
+def test_a_stored_head_under_tie_word_embeddings_is_read_as_transformers_reads_it(tmp_path, same):
+    """transformers unties a tied config whose checkpoint stores a different ``lm_head.weight`` (and
+    warns); Loom does the same, with one warning; an identical copy stays tied."""
+    from safetensors.torch import load_file, save_file
+
+    _save(tmp_path, "LlamaConfig", tie_word_embeddings=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embed.clone() if same else torch.randn_like(embed) * 0.1
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = torch.randint(0, BASE["vocab_size"], (1, 48), generator=torch.Generator().manual_seed(0))
+    cfg, logits = _loom_logits(tmp_path, x)
+    assert cfg.tie_embeddings == same
+    assert_close(logits, ref(x).logits.detach(), atol=2e-5, rtol=1e-5)
