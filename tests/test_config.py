@@ -53,6 +53,18 @@ def test_a_field_given_twice_takes_the_later_value_and_says_so(caplog):
     assert not caplog.records
 
 
+def test_a_leading_tilde_in_a_path_field_is_the_home_directory(tmp_path, monkeypatch):
+    """A TOML file has no shell: run.dir = "~/r" used to write into ./~/r (and data paths expanded it)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    toml = tmp_path / "c.toml"
+    toml.write_text('[run]\ndir = "~/r"\n[[data.sources]]\npath = "~/a.jsonl"\n')
+    cfg = C.load(str(toml), ["--model.from_hf", "~/hf", "--train.init_from=~/old", "--data.text_field", "~x"])
+    assert cfg.run.dir == str(tmp_path / "r") and cfg.data.sources[0].path == str(tmp_path / "a.jsonl")
+    assert cfg.model.from_hf == str(tmp_path / "hf") and cfg.train.init_from == str(tmp_path / "old")
+    assert cfg.data.text_field == "~x"  # not a path
+    assert "run.dir" in C.explicit(cfg)
+
+
 def test_nproc_and_run_nproc_that_disagree_are_refused(capsys):
     from loom.cli import main
 

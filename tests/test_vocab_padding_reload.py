@@ -6,14 +6,17 @@ way; ``loom export hf`` writes 385 rows that ``transformers`` loads with Loom's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from torch.testing import assert_close
 
 from loom import config as C
+from loom.config import ConfigError
 from tests.test_hf import _config, _train, prepared  # noqa: F401 (fixture)
 
 V, PADDED = 385, 512  # 384 tokens + 1: tp2 pads to 512 = 2 * 128 * 2; tp1 keeps 385
@@ -83,6 +86,10 @@ def test_a_tp2_padded_checkpoint_resumes_in_one_process_and_exports_the_real_row
     src = CheckpointSource(tmp_path / "tp2", meta)
     box = src("output.weight", (V, 64), (slice(300, V), slice(0, 64)))
     assert torch.equal(box, padded["output.weight"][300:V])
+    # another tokenizer's vocabulary is not padding: its rows would start as other tokens' vectors
+    other = build_model(dataclasses.replace(resumed, vocab_size=V + 10, pad_vocab_to=0), 0, meta=True)
+    with pytest.raises(ConfigError, match=f"vocabulary of {V} tokens, this run's has {V + 10}"):
+        CheckpointSource(tmp_path / "tp2", other)
 
     export_hf(tmp_path / "tp2", tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()

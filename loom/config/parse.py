@@ -86,8 +86,34 @@ def _apply(cfg: LoomConfig, section: str, key: str, value: Any) -> None:
     if key not in types_:
         allowed = ", ".join(types_)
         raise ConfigError(f"{section}.{key}: unknown key; allowed in [{section}]: {allowed}")
-    setattr(sub, key, _coerce(value, types_[key], f"{section}.{key}"))
+    value = _coerce(value, types_[key], f"{section}.{key}")
+    if f"{section}.{key}" in PATH_FIELDS:  # a TOML file has no shell to expand ~ (it would be ./~)
+        value = (
+            [dataclasses.replace(s, path=_home(s.path)) for s in value] if key == "sources" else _home(value)
+        )
+    setattr(sub, key, value)
     vars(cfg).setdefault(EXPLICIT, set()).add(f"{section}.{key}")
+
+
+# the fields that name files or directories: a leading ~ is the user's home, as a shell reads it
+PATH_FIELDS = frozenset(
+    {
+        "model.from_hf",
+        "data.source",
+        "data.sources",
+        "data.prepared_dir",
+        "data.tokenizer",
+        "parallel.offload_dir",
+        "parallel.profile",
+        "train.resume",
+        "train.init_from",
+        "run.dir",
+    }
+)
+
+
+def _home(path: str) -> str:
+    return str(Path(path).expanduser()) if path.startswith("~") else path
 
 
 EXPLICIT = "_explicit"  # the attribute holding the dotted names a file or override set (not a field)

@@ -101,6 +101,14 @@ class CheckpointSource:
 
     def __init__(self, path: Path, model: nn.Module, check: bool = True) -> None:
         self.reader = CheckpointReader(path, check=check)
+        saved = int(((self.reader.train_state.get("config") or {}).get("model") or {}).get("vocab_size") or 0)
+        vocab = int(getattr(getattr(model, "cfg", None), "vocab_size", 0) or 0)
+        if saved and vocab and saved != vocab:  # padding may differ (resized), the token ids may not
+            raise ConfigError(
+                f"train.init_from: {self.reader.dir} was trained with a vocabulary of {saved:,} tokens, "
+                f"this run's has {vocab:,} (another tokenizer: its rows would be other tokens' vectors); "
+                "give data.tokenizer the tokenizer.json of the run it comes from"
+            )
         have = set(self.reader.names())
         for name, param in model.named_parameters():
             key = PREFIX + name
