@@ -113,3 +113,26 @@ def test_a_stored_head_under_tie_word_embeddings_is_read_as_transformers_reads_i
     cfg, logits = _loom_logits(tmp_path, x)
     assert cfg.tie_embeddings == same
     assert_close(logits, ref(x).logits.detach(), atol=2e-5, rtol=1e-5)
+
+
+def test_stored_tensors_the_config_does_not_use_are_named_in_one_warning(tmp_path, caplog):
+    """q/k/v biases under a config without attention_bias: transformers ignores them (and warns), so
+    Loom computes what transformers computes, and says which tensors it did not read."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    _save(tmp_path, "LlamaConfig")
+    tensors = load_file(tmp_path / "model.safetensors")
+    for x in "qkv":
+        tensors[f"model.layers.0.self_attn.{x}_proj.bias"] = torch.full((64 if x == "q" else 32,), 5.0)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # a buffer: not reported
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = torch.randint(0, BASE["vocab_size"], (1, 48), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING, logger="loom.model.hf"):
+        _, logits = _loom_logits(tmp_path, x)
+    assert_close(logits, ref(x).logits.detach(), atol=2e-5, rtol=1e-5)
+    (line,) = [r.getMessage() for r in caplog.records if "does not use" in r.getMessage()]
+    assert "3 stored tensor(s)" in line and "model.layers.0.self_attn.k_proj.bias" in line
+    assert "inv_freq" not in line

@@ -384,14 +384,28 @@ def open_dir(path: str | Path, max_seq_len: int = 0, fit_window: bool = False) -
             )
         cfg = dataclasses.replace(cfg, tie_embeddings=False)
     shapes = expected_shapes(cfg)
-    _check_headers(
-        d, files, {n: m.hf_shape(shapes[lm]) for lm, m in _mappings(cfg, prefix) for n in m.names()}
-    )
+    wanted = {n: m.hf_shape(shapes[lm]) for lm, m in _mappings(cfg, prefix) for n in m.names()}
+    _check_headers(d, files, wanted)
+    unused = sorted(n for n in files.keys() - wanted.keys() if not n.endswith(BUFFERS) and n != HEAD)
+    if unused and d not in _UNUSED:  # transformers drops them too ("weights not used"), and says so
+        _UNUSED.add(d)
+        logging.getLogger(__name__).warning(
+            "%s: %d stored tensor(s) that %s does not use, ignored as transformers ignores them: %s%s",
+            d,
+            len(unused),
+            CONFIG,
+            ", ".join(unused[:3]),
+            " ..." if len(unused) > 3 else "",
+        )
     return HFModel(d, raw["architectures"][0], cfg, raw, files, prefix)
 
 
 HEAD: Final = "lm_head.weight"
 _UNTIED: set[Path] = set()  # directories whose untied head was reported (once per process)
+_UNUSED: set[Path] = set()  # directories whose unused tensors were reported
+# buffers some checkpoints store that no model reads as weights: old Llama conversions' RoPE
+# frequencies, the original GPT-2's causal masks (h.i.attn.bias, h.i.attn.masked_bias)
+BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 
 def _differ(d: Path, files: dict[str, str], a: str, b: str) -> bool:
