@@ -30,6 +30,10 @@ def _intent(tmp_path, toml: str, *overrides: str) -> C.LoomConfig:
         (["--parallel.reshard_after_forward", "false"], "parallel.reshard_after_forward: has no effect"),
         (["--parallel.zero", "3", "--parallel.hpz_group", "2"], "parallel.hpz_group: has no effect"),
         (["--parallel.offload_dir", "/tmp/x"], "parallel.offload_dir: has no effect"),
+        (
+            ["--data.tokenizer", "t.json", "--data.vocab_size", "512"],
+            "data.vocab_size: has no effect with data.tokenizer = 't.json'",
+        ),
     ],
 )
 def test_a_field_without_effect_given_on_the_command_line_is_refused(tmp_path, overrides, named):

@@ -721,6 +721,17 @@ def _without_effect(cfg: LoomConfig) -> list[tuple[str, str, str]]:
                 "give parallel.zeropp_hpz = true (with parallel.zero = 3), or leave it out",
             )
         )
+    from loom.config.parse import explicit
+
+    if cfg.data.tokenizer and "data.tokenizer" in explicit(cfg):  # model.from_hf's own: not the user's
+        out.append(
+            (
+                "data.vocab_size",
+                f"data.tokenizer = {cfg.data.tokenizer!r} (its own vocabulary is the run's; data.vocab_size "
+                "sizes a tokenizer trained here)",
+                "leave data.vocab_size out (model.vocab_size may pad the tokenizer's)",
+            )
+        )
     if "disk" not in (p.offload, p.offload_params):
         out.append(
             (
