@@ -397,6 +397,126 @@ def test_torn_save_and_bad_pointer_fall_back_to_newest_complete(saved, caplog):
         assert reader.step == 3 and torch.equal(reader.read("model.norm.weight"), full["model.norm.weight"])
 
 
+def _reseal_state(ckpt: Path, edit) -> None:
+    """``edit`` ``ckpt``'s train_state.json in place, then seal it again as a save would (manifest.json
+    and ``latest`` rewritten): the integrity check passes, only the state's own check is left."""
+    from loom.checkpoint.integrity import hash_bytes, manifest_bytes, read_manifest, sha256_file
+
+    state = json.loads((ckpt / "train_state.json").read_text())
+    edit(state)
+    data = json.dumps(state).encode()
+    (ckpt / "train_state.json").write_bytes(data)
+    files, _ = read_manifest(ckpt)
+    table = {name: (e["sha256"], e["bytes"]) for name, e in files.items()}
+    table["train_state.json"] = (hash_bytes(data), len(data))
+    (ckpt / "manifest.json").write_bytes(manifest_bytes(table))
+    latest = json.loads((ckpt.parent / "latest").read_text())
+    latest["manifests"][ckpt.name] = sha256_file(ckpt / "manifest.json")
+    if latest["tag"] == ckpt.name:
+        latest["manifest_sha256"] = latest["manifests"][ckpt.name]
+    (ckpt.parent / "latest").write_text(json.dumps(latest))
+
+
+def _set(*keys, value=None, drop: bool = False):
+    """An edit of train_state.json: ``value`` at the path ``keys`` (``drop``: that key removed)."""
+
+    def edit(state: dict) -> None:
+        for key in keys[:-1]:
+            state = state[key]
+        if drop:
+            del state[keys[-1]]
+        else:
+            state[keys[-1]] = value
+
+    return edit
+
+
+def _with_source(**fields):
+    def edit(state: dict) -> None:
+        state["data"]["sources"] = [{"consumed": 24, "epoch": 0, "windows": 100, "weight": 1.0} | fields]
+
+    return edit
+
+
+BAD_STATES = {  # case: (edit, what the one line must say)
+    "step_str": (_set("step", value="abc"), "step is 'abc'; must be an integer >= 0"),
+    "step_neg": (_set("step", value=-1), "step is -1; must be an integer >= 0"),
+    "step_bool": (_set("step", value=True), "step is true; must be an integer >= 0"),
+    "step_float": (_set("step", value=3.0), "step is 3.0; must be an integer >= 0"),
+    "step_missing": (_set("step", drop=True), "step is null; must be an integer >= 0"),
+    "step_not_its_tag": (
+        _set("step", value=1),
+        "step is 1; must be 3, the step of its checkpoint step-00000003",
+    ),
+    "tag": (_set("tag", value="step-00000001"), "tag is 'step-00000001'; must be 'step-00000003'"),
+    "version": (_set("version", value=99), "version 99; this Loom reads format 'loom-checkpoint' version 1"),
+    "format": (_set("format", value="something-else"), "format 'something-else', version 1; this Loom reads"),
+    "format_missing": (_set("format", drop=True), "format null, version 1; this Loom reads"),
+    "world_size_str": (_set("world_size", value="x"), "world_size is 'x'; must be an integer >= 1"),
+    "world_size_zero": (_set("world_size", value=0), "world_size is 0; must be an integer >= 1"),
+    "ranks_empty": (_set("ranks", value=[]), r"ranks is \[\]; must be a list of world_size = 2 objects"),
+    "ranks_entry": (_set("ranks", 1, value=7), r"ranks\[1\] is 7; must be an object"),
+    "data_str": (_set("data", value="x"), "data is 'x'; must be an object or null"),
+    "data_step": (_set("data", "step", value=2), "data.step is 2; must be 3"),
+    "global_sequences": (
+        _set("data", "global_sequences", value=-5),
+        "data.global_sequences is -5; must be an integer >= 0",
+    ),
+    "global_batch": (
+        _set("data", "global_batch", value=0),
+        "data.global_batch is 0; must be an integer >= 1",
+    ),
+    "sources": (_set("data", "sources", value={}), r"data.sources is \{\}; must be a list of objects"),
+    "consumed": (_with_source(consumed=-1), r"data.sources\[0\].consumed is -1; must be an integer >= 0"),
+    "epoch": (_with_source(epoch="0"), r"data.sources\[0\].epoch is '0'; must be an integer >= 0"),
+    "weight": (_with_source(weight="heavy"), r"data.sources\[0\].weight is 'heavy'; must be a number >= 0"),
+    "config": (_set("config", value=[]), r"config is \[\]; must be an object"),
+    "config_train": (_set("config", "train", value="x"), "config.train is 'x'; must be an object"),
+    "loss_scale": (_set("loss_scale", value={"scale": "big"}), "loss_scale.scale is 'big'; must be a number"),
+    "finetune_base": (_set("finetune_base", value=5), "finetune_base is 5; must be an object or null"),
+}
+
+
+def test_a_resealed_train_state_that_is_left_valid_still_loads(saved):
+    root, path, full = saved
+    _reseal_state(path, lambda state: state["data"].update(global_sequences=24, global_batch=8))
+    with CheckpointReader(root) as reader:
+        assert reader.step == 3 and torch.equal(reader.read("model.norm.weight"), full["model.norm.weight"])
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STATES))
+def test_bad_train_state_is_refused_in_one_line_naming_the_field(saved, case):
+    root, path, _ = saved
+    edit, says = BAD_STATES[case]
+    _reseal_state(path, edit)
+    with pytest.raises(CheckpointError) as e:
+        CheckpointReader(root)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{path / 'train_state.json'}: ")
+    assert re.search(says, line), line
+
+
+def test_a_bad_train_state_falls_back_like_a_damaged_checkpoint_unless_named(tmp_path, caplog):
+    """In run.dir, the newest checkpoint with a bad state is skipped for the older one (as a damaged
+    one is); named by train.resume, it is refused."""
+    from loom.checkpoint.training import TrainCheckpoints
+    from loom.config import LoomConfig
+
+    _, strategy = _dp_model_and_strategy(steps=1)
+    cfg = LoomConfig()
+    cfg.run.dir = str(tmp_path)
+    saver = TrainCheckpoints(cfg, tmp_path, 0, 1, strategy)
+    saver.save(1, blocking=True)
+    saver.save(2, blocking=True)
+    newest = tmp_path / "checkpoints" / "step-00000002"
+    _reseal_state(newest, _set("world_size", value="x"))
+    assert TrainCheckpoints(cfg, tmp_path, 0, 1, strategy).restore() == 1
+    assert "SKIPPING checkpoint" in caplog.text and "world_size is 'x'" in caplog.text
+    cfg.train.resume = str(newest)
+    with pytest.raises(CheckpointError, match="train_state.json: world_size is 'x'"):
+        TrainCheckpoints(cfg, tmp_path, 0, 1, strategy).restore()
+
+
 def test_keep_prunes_old_checkpoints(tmp_path):
     full = full_state(0)
     for step in (1, 2, 3, 4):

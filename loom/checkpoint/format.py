@@ -33,6 +33,7 @@ import re
 import struct
 import threading
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -259,4 +260,97 @@ def read_json(path: Path) -> dict:
         ) from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
+    # Every reader of a sealed checkpoint's state comes through here (CheckpointReader among them);
+    # a file without a manifest beside it is no checkpoint yet, and CheckpointReader refuses it first.
+    if path.name == TRAIN_STATE and (path.parent / MANIFEST).is_file():
+        check_train_state(obj, path)
     return obj
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _bad(path: Path, field: str, value: object, allowed: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: {field} is {_shown(value)}; {allowed} (edited or damaged? resume from another checkpoint)"
+    )
+
+
+def _integer(obj: dict, key: str, path: Path, field: str, low: int = 0, required: bool = False) -> int | None:
+    """``obj[key]``, an integer >= ``low`` (not a bool); None when absent and not ``required``."""
+    if key not in obj and not required:
+        return None
+    value = obj.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _bad(path, field, value, f"must be an integer >= {low}")
+    return value
+
+
+def _object(obj: dict, key: str, path: Path, field: str, null: bool = False) -> dict | None:
+    """``obj[key]``, a JSON object (or null, where ``null``); None when absent."""
+    value = obj.get(key)
+    if value is None and (null or key not in obj):
+        return None
+    if not isinstance(value, dict):
+        raise _bad(path, field, value, "must be an object" + (" or null" if null else ""))
+    return value
+
+
+def check_train_state(ts: dict, path: Path) -> None:
+    """Refuse, in one line naming ``path`` and the field, a ``train_state.json`` whose fields its
+    readers cannot trust (:func:`read_json` checks every sealed checkpoint's on reading it):
+
+    * ``format``/``version``: this Loom's (a newer writer's or another program's is refused);
+    * ``step``: an integer >= 0, the step of the checkpoint's directory (``step-<step>``) and of ``tag``;
+    * ``world_size``: an integer >= 1; ``ranks`` (if present): one object per rank;
+    * ``data`` (the sampler's position, if present): its counters integers >= 0, ``global_batch`` >= 1,
+      ``step`` the checkpoint's, ``sources`` a list of objects with numeric ``weight``;
+    * ``config``: an object of sections; ``loss_scale``/``finetune_base``: an object or null.
+    """
+    if ts.get("format") != FORMAT or ts.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path}: format {_shown(ts.get('format'))}, version {_shown(ts.get('version'))}; this Loom "
+            f"reads format {FORMAT!r} version {VERSION} only (written by a newer Loom or another program?)"
+        )
+    step = cast(int, _integer(ts, "step", path, "step", required=True))
+    folder = path.parent.name
+    if is_tag(folder) and int(folder[5:]) != step:
+        raise _bad(path, "step", step, f"must be {int(folder[5:])}, the step of its checkpoint {folder}")
+    if ts.get("tag") != tag_for(step):
+        raise _bad(path, "tag", ts.get("tag"), f"must be {tag_for(step)!r}, the tag of its step {step}")
+    world = cast(int, _integer(ts, "world_size", path, "world_size", low=1, required=True))
+    ranks = ts.get("ranks", [])
+    if not isinstance(ranks, list) or len(ranks) != world:
+        raise _bad(path, "ranks", ranks, f"must be a list of world_size = {world} objects")
+    for r, entry in enumerate(ranks):
+        if not isinstance(entry, dict):
+            raise _bad(path, f"ranks[{r}]", entry, "must be an object")
+        _object(entry, "rng", path, f"ranks[{r}].rng")
+    data = _object(ts, "data", path, "data", null=True)
+    if data is not None:
+        if _integer(data, "step", path, "data.step") not in (None, step):
+            raise _bad(path, "data.step", data["step"], f"must be {step}, the checkpoint's step")
+        _integer(data, "global_sequences", path, "data.global_sequences")
+        _integer(data, "global_batch", path, "data.global_batch", low=1)
+        sources = data.get("sources", [])
+        if not isinstance(sources, list):
+            raise _bad(path, "data.sources", sources, "must be a list of objects")
+        for k, src in enumerate(sources):
+            where = f"data.sources[{k}]"
+            if not isinstance(src, dict):
+                raise _bad(path, where, src, "must be an object")
+            for key in ("consumed", "epoch", "windows"):
+                _integer(src, key, path, f"{where}.{key}")
+            weight = src.get("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+                raise _bad(path, f"{where}.weight", weight, "must be a number >= 0")
+    config = _object(ts, "config", path, "config")
+    for section in ("train", "data", "model"):
+        _object(config or {}, section, path, f"config.{section}")
+    scale = _object(ts, "loss_scale", path, "loss_scale", null=True)
+    for key, value in (scale or {}).items():
+        if not isinstance(value, (bool, int, float)):
+            raise _bad(path, f"loss_scale.{key}", value, "must be a number or a boolean")
+    _object(ts, "finetune_base", path, "finetune_base", null=True)
