@@ -126,3 +126,16 @@ def test_resuming_on_other_data_is_refused(trained, tmp_path):
         _start_step(other)
     assert (run / "metrics.jsonl").read_text() == metrics
     assert _start_step(cfg) == 4  # the run's own data resumes
+
+
+def test_an_unreadable_latest_is_reported_once_however_often_it_is_looked_up(trained, tmp_path, caplog):
+    from loom.checkpoint.load import find
+
+    _, run = _copy_run(trained, tmp_path)
+    (run / "checkpoints" / "latest").write_text("{")
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        for _ in range(3):  # the launcher's check, the ranks' resume, ...
+            assert find(run)[0].name == "step-00000004"
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("is unusable" in m for m in said) == 1, said
+    assert sum("instead of the checkpoint 'latest' names" in m for m in said) == 1, said

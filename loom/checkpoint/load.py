@@ -35,6 +35,16 @@ log = logging.getLogger("loom")
 VOCAB_ROWS = ("tok_embeddings.weight", "output.weight")
 
 
+_WARNED: set[str] = set()  # what find() said in this process: said once, however often it is called
+
+
+def _warn_once(fmt: str, *args: object) -> None:
+    line = fmt % args
+    if line not in _WARNED:
+        _WARNED.add(line)
+        log.warning("%s", line)
+
+
 def _complete(ckpt: Path) -> bool:
     return (ckpt / F.MANIFEST).is_file()
 
@@ -57,7 +67,7 @@ def find(path: str | Path) -> tuple[Path, str | None] | None:
         try:
             latest = F.read_json(pointer)
         except F.CheckpointError as e:
-            log.warning("%s is unusable (%s); looking for the newest complete checkpoint", pointer, e)
+            _warn_once("%s is unusable (%s); looking for the newest complete checkpoint", pointer, e)
             latest = {"tag": None}
         tag = latest.get("tag")
         if tag is not None and not F.is_tag(tag):  # written by hand: never followed out of this run
@@ -69,13 +79,13 @@ def find(path: str | Path) -> tuple[Path, str | None] | None:
             ckpt = root / tag
             if _complete(ckpt) and latest.get("manifest_sha256"):
                 return ckpt, str(latest["manifest_sha256"])
-            log.warning(
+            _warn_once(
                 "%s names %s, missing or incomplete; using the newest complete checkpoint", pointer, ckpt
             )
     for _, ckpt in reversed(list_checkpoints(root)):
         if _complete(ckpt):
             if pointer.exists():
-                log.warning("using %s instead of the checkpoint 'latest' names", ckpt)
+                _warn_once("using %s instead of the checkpoint 'latest' names", ckpt)
             return ckpt, _recorded_sha(ckpt)
     return None
 
