@@ -465,6 +465,9 @@ def test_an_export_of_a_chat_run_carries_the_template_it_was_trained_on(tmp_path
     plain.mkdir()
     _tokenizer_files(tmp_path, cfg, plain, {})
     assert not (plain / "chat_template.jinja").exists()
+    tok = transformers.AutoTokenizer.from_pretrained(plain)  # Loom's own tokenizer pads with its EOT
+    batch = tok(["hello", "how are you today"], padding=True)
+    assert tok.pad_token == tok.eos_token and len(set(map(len, batch["input_ids"]))) == 1
 
 
 # ----------------------------------------------------------------------------- parallel layouts

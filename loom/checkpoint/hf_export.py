@@ -197,6 +197,8 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) 
                     "tokenizer_class": "PreTrainedTokenizerFast",
                     "bos_token": name,  # Loom's tokenizer: <|endoftext|> opens and ends documents
                     "eos_token": name,
+                    # and pads (masked by the attention mask): batched tokenizers and pipelines need one
+                    "pad_token": name,
                     "model_max_length": cfg.model.max_seq_len,
                 },
                 indent=2,
@@ -212,7 +214,7 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) 
     special = {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None
     }
-    return special or {"bos_token_id": eot, "eos_token_id": eot}
+    return special or {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}
 
 
 def _export_dtype(requested: str | None, src: Path | None, stored: torch.dtype) -> torch.dtype:
