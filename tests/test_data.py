@@ -104,6 +104,95 @@ def test_corpus_cap_cuts_at_max_mb(tmp_path):
     assert docs == ["a" * 600, "b" * 400]
 
 
+def _notes(caplog, needle: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if needle in r.getMessage() and r.levelname == "INFO"]
+
+
+def test_corpus_cap_is_said_where_it_stops(tmp_path, caplog):
+    """When data.max_corpus_mb stops reading, one INFO line says how much was read of how much, where
+    it stopped, how many files were not read and the setting; nothing when all was read."""
+    d = write_txt_dir(tmp_path / "t", ["a" * 600, "b" * 600, "c" * 600, "d" * 600])
+    with caplog.at_level("INFO", logger="loom"):
+        assert read_documents(str(d), max_mb=0.001) == ["a" * 600, "b" * 400]
+    (line,) = _notes(caplog, "data.max_corpus_mb")
+    assert "\n" not in line and "data.max_corpus_mb = 0.001: read only the first 0.001 MB" in line, line
+    assert "of at least 0.0012 MB" in line and f"stopped in {d / 'doc001.txt'}" in line, line
+    assert "2 later file(s) (0.0012 MB on disk) not read" in line and "0 = no cap" in line, line
+
+    caplog.clear()  # the cap at the end of a file: nothing of it is cut, the later files are not read
+    with caplog.at_level("INFO", logger="loom"):
+        assert read_documents(str(d), max_mb=0.0006) == ["a" * 600]
+    (line,) = _notes(caplog, "data.max_corpus_mb")
+    assert f"first 0.0006 MB of text: stopped at the end of {d / 'doc000.txt'}, and 3 later" in line, line
+
+    jl = tmp_path / "one.jsonl"  # one huge record (the audit's case): the record it stopped in
+    jl.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "x" * 5000}) + "\n")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="loom"):
+        read_documents(str(jl), max_mb=0.001)
+    (line,) = _notes(caplog, "data.max_corpus_mb")
+    assert f"of at least 0.005 MB: stopped in document 2 of {jl}; raise it" in line, line
+
+    caplog.clear()  # all read: the cap exactly at the end of the corpus, or no cap
+    with caplog.at_level("INFO", logger="loom"):
+        assert len(read_documents(str(d), max_mb=0.0024)) == 4
+        assert len(read_documents(str(d), max_mb=0)) == 4
+        assert len(read_documents(str(d))) == 4
+    assert not _notes(caplog, "data.max_corpus_mb"), caplog.text
+
+
+def test_directory_files_not_read_are_said(tmp_path, caplog):
+    """A directory source's files of formats Loom does not read are named in one INFO line (count, a
+    few names, the formats it reads), and recorded in meta.json."""
+    d = write_txt_dir(tmp_path / "mixed", DOCS)
+    for name in ("notes.csv", "blob.bin", "README", "sub/more.md"):
+        (d / name).parent.mkdir(exist_ok=True)
+        (d / name).write_text("not read")
+    with caplog.at_level("INFO", logger="loom"):
+        assert read_documents(str(d)) == [doc for doc in DOCS if doc]
+    (line,) = _notes(caplog, "not read")
+    assert f"4 file(s) in {d} not read" in line and "e.g. README, blob.bin, notes.csv)" in line, line
+    assert ".txt, .jsonl" in line and "\n" not in line, line
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="loom"):
+        p = prepare_data(DataConfig(source=str(d), vocab_size=300), progress=False)
+    assert len(_notes(caplog, "4 file(s)")) == 1, caplog.text
+    assert p.meta()["unread_files"] == {"count": 4, "examples": ["README", "blob.bin", "notes.csv"]}
+    caplog.clear()
+    with caplog.at_level("INFO", logger="loom"):  # said again when the prepared data is reused
+        prepare_data(DataConfig(source=str(d), vocab_size=300), progress=False)
+    assert len(_notes(caplog, "4 file(s)")) == 1, caplog.text
+
+    write_txt_dir(tmp_path / "clean", DOCS)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="loom"):
+        read_documents(str(tmp_path / "clean"))
+    assert not _notes(caplog, "not read"), caplog.text
+
+
+def test_prepare_records_the_cap_and_says_it_again_on_reuse(tmp_path, cache, caplog):
+    """meta.json records where data.max_corpus_mb stopped (corpus_cut), so reusing the prepared data
+    (a later `loom prepare` or `loom train`) says it again; an uncut corpus records null."""
+    jl = tmp_path / "c.jsonl"
+    jl.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in DOCS))  # about 6 KB of text
+    cfg = DataConfig(source=str(jl), vocab_size=300, max_corpus_mb=0.003)
+    with caplog.at_level("INFO", logger="loom"):
+        p = prepare_data(cfg, progress=False)
+    assert len(_notes(caplog, "data.max_corpus_mb = 0.003")) == 1, caplog.text
+    cut = p.meta()["corpus_cut"]
+    assert cut["max_corpus_mb"] == 0.003 and cut["files_not_read"] == 0, cut
+    assert cut["stopped"].startswith("in document ") and cut["stopped"].endswith(f"of {jl}"), cut
+    assert cut["at_least_mb"] > 0.003 and p.meta()["corpus_mb"] == pytest.approx(0.003)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="loom"):
+        assert prepare_data(cfg, progress=False) == p
+    assert len(_notes(caplog, "data.max_corpus_mb = 0.003")) == 1, caplog.text
+
+    whole = prepare_data(DataConfig(source=str(jl), vocab_size=300), progress=False)
+    assert whole.meta()["corpus_cut"] is None and whole.meta()["unread_files"] is None
+
+
 def _one_line_error(fn, *words):
     with pytest.raises(ValueError) as e:
         fn()

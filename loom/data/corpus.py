@@ -10,7 +10,8 @@ through ``datasets.load_from_disk``: the files its ``state.json`` names, not the
 files ``.map()`` leaves beside them; a saved ``DatasetDict`` is refused, naming its splits). A
 record whose text is null or empty is skipped and counted (:class:`DecodeStats`, reported by
 :func:`warn_skipped`). Files are read in sorted path order until ``max_mb`` megabytes (10^6 bytes of
-UTF-8) of text, so a corpus is deterministic.
+UTF-8) of text, so a corpus is deterministic; where that cap stops reading is said in one line
+(:func:`note_cut`), and so are the files of a directory that are of no format read (:func:`note_unread`).
 """
 
 from __future__ import annotations
@@ -78,10 +79,12 @@ def _load_saved(d: Path) -> Any:
         ) from None
 
 
-def _walk(root: Path) -> list[Path]:
-    """Supported files under ``root``, each ``save_to_disk`` directory as one entry (not its shards
-    nor the cache files beside them); a ``DatasetDict`` anywhere under it is refused."""
+def _scan(root: Path) -> tuple[list[Path], list[Path]]:
+    """(read, not read) files under ``root``: supported files, each ``save_to_disk`` directory as one
+    entry (not its shards nor the cache files beside them), and the files of other formats; a
+    ``DatasetDict`` anywhere under it is refused."""
     found: list[Path] = []
+    other: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         d = Path(dirpath)
         _refuse_dataset_dict(d)
@@ -89,8 +92,44 @@ def _walk(root: Path) -> list[Path]:
             found.append(d)
             dirnames[:] = []
             continue
-        found += [d / n for n in filenames if supported(d / n) and (d / n).is_file()]
-    return sorted(found)
+        for n in filenames:
+            if supported(d / n) and (d / n).is_file():
+                found.append(d / n)
+            elif (d / n).is_file():
+                other.append(d / n)
+    return sorted(found), sorted(other)
+
+
+def _walk(root: Path) -> list[Path]:
+    """Supported files under ``root`` (:func:`_scan`)."""
+    return _scan(root)[0]
+
+
+def unread_files(source: str) -> dict[str, Any] | None:
+    """The files of a directory ``data.source`` that are not read, being of no format of :data:`FORMATS`:
+    ``{"count", "examples"}`` (a few paths relative to it), or None when there are none (or ``source``
+    is no directory)."""
+    src = os.path.expanduser(source)
+    if source == STDLIB or glob.has_magic(src) or not os.path.isdir(src):
+        return None
+    other = _scan(Path(src))[1]
+    if not other:
+        return None
+    return {"count": len(other), "examples": [p.relative_to(src).as_posix() for p in other[:3]]}
+
+
+def note_unread(source: str, unread: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> None:
+    """Log, in one line, the files of a directory source that are not read (:func:`unread_files`)."""
+    if unread:
+        log.info(
+            "data.source: %d file(s) in %s not read, of formats Loom does not read (e.g. %s); it reads "
+            "%s files and datasets save_to_disk directories",
+            unread["count"],
+            source,
+            ", ".join(unread["examples"]),
+            ", ".join(FORMATS),
+            extra=extra,
+        )
 
 
 def _from_glob(matches: list[Path]) -> list[Path]:
@@ -204,6 +243,7 @@ class DecodeStats:
         self.replaced: dict[str, int] = {}
         self.skipped = {"null": 0, "empty": 0}  # records of .jsonl/.parquet/.arrow/save_to_disk
         self.first_skipped = ""  # where the first one is (file:line, or file row N)
+        self.cut: dict[str, Any] | None = None  # where data.max_corpus_mb stopped reading (note_cut)
 
     def skip(self, text: str | bytes | None, where: str) -> None:
         """Count a record skipped at ``where`` because its text is null or empty (no document)."""
@@ -475,7 +515,8 @@ def iter_pieces(
 
     The document that crosses the cap is cut at the cap; empty documents are dropped (every piece
     yielded belongs to a document with some text; its last piece may be empty; records whose text
-    is null or empty are counted in ``stats``, :func:`warn_skipped`). Binary files are
+    is null or empty are counted in ``stats``, :func:`warn_skipped`; where the cap stopped reading is
+    ``stats.cut``, :func:`note_cut`). Binary files are
     refused; invalid UTF-8 too unless ``errors == "replace"`` (the stdlib corpus always replaces: a
     few of its files declare other encodings), counted in ``stats``.
     """
@@ -484,13 +525,20 @@ def iter_pieces(
     separator = "" if source == STDLIB else separator
     stats = stats if stats is not None else DecodeStats()
     budget = int(max_mb * 1e6) if max_mb > 0 else -1
-    for path in files:
+    for i, path in enumerate(files):
         try:
             open_doc = False  # a piece of the current document was yielded
-            for text, end in _iter_file(path, text_field, errors, stats, separator):
+            docs = 0  # documents of this file yielded whole
+            pieces = _iter_file(path, text_field, errors, stats, separator)
+            for text, end in pieces:
                 if budget >= 0:
                     raw = text.encode("utf-8")
                     if len(raw) >= budget:
+                        doc = (
+                            f"document {docs + 1} of {path}" if separator or not _is_txt(path) else str(path)
+                        )
+                        at = (doc, end, path)  # the piece the cap falls in, and whether it ends a document
+                        stats.cut = _cut(max_mb, files[i + 1 :], at, len(raw) - budget, pieces, stats)
                         text, end = raw[:budget].decode("utf-8", errors="ignore"), True
                         budget = 0
                     else:
@@ -498,10 +546,80 @@ def iter_pieces(
                 if text or (end and open_doc):
                     yield text, end
                     open_doc = not end
+                    docs += end
                 if budget == 0:
                     return
         except OSError as e:  # unreadable (permissions, a directory named *.txt, I/O error)
             raise ConfigError(f"data.source: cannot read {e.filename or path}: {e.strerror or e}") from None
+
+
+def _is_txt(path: Path) -> bool:
+    """A file :func:`_read_txt` reads (one document unless ``data.doc_separator`` splits it)."""
+    return not (path.is_dir() or path.name.endswith((".jsonl", ".jsonl.gz", ".parquet", ".arrow")))
+
+
+def _disk_bytes(entry: Path) -> int:
+    """Bytes on disk of a file, or of the files of a ``save_to_disk`` directory."""
+    try:
+        return sum(p.stat().st_size for p in entry.iterdir()) if entry.is_dir() else entry.stat().st_size
+    except OSError:
+        return 0
+
+
+def _cut(
+    max_mb: float,
+    later: list[Path],
+    at: tuple[str, bool, Path],
+    over: int,
+    rest: Iterator[tuple[str, bool]],
+    stats: DecodeStats,
+) -> dict[str, Any] | None:
+    """What the ``max_mb`` cap left unread, for :func:`note_cut` and meta.json (``corpus_cut``), or None
+    when the cap fell exactly at the end of the corpus. ``at``: the document the cap falls in (its
+    name), whether that piece ends it, and its file; ``over``: bytes of that piece past the cap;
+    ``rest``: the file's pieces after it, of which at most the first with text is read (records skipped
+    on the way are not counted: they lie past the cap)."""
+    doc, ends, path = at
+    where = f"in {doc}"
+    if not over:  # the cap fell between pieces: is there more text in this file?
+        skipped, first = dict(stats.skipped), stats.first_skipped
+        over = next((len(t.encode("utf-8")) for t, _ in rest if t), 0)
+        stats.skipped, stats.first_skipped = skipped, first
+        if not over and not later:
+            return None
+        where = f"after {doc}" if over and ends else where if over else f"at the end of {path}"
+    return {
+        "max_corpus_mb": max_mb,
+        "read_mb": int(max_mb * 1e6) / 1e6,
+        "at_least_mb": (int(max_mb * 1e6) + over) / 1e6,
+        "stopped": where,
+        "files_not_read": len(later),
+        "files_not_read_mb": sum(_disk_bytes(p) for p in later) / 1e6,
+    }
+
+
+def _mb(x: float) -> str:
+    return f"{x:.3g}" if x < 1000 else f"{x:,.0f}"
+
+
+def note_cut(cut: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> None:
+    """Log, in one line, that ``data.max_corpus_mb`` stopped reading the corpus, and where (the record
+    of :func:`iter_pieces`, kept in meta.json as ``corpus_cut``)."""
+    if not cut:
+        return
+    n = cut["files_not_read"]
+    later = f", and {n} later file(s) ({_mb(cut['files_not_read_mb'])} MB on disk) not read" if n else ""
+    more = cut["at_least_mb"] > cut["read_mb"]  # text past the cap in the file it stopped in
+    log.info(
+        "data.max_corpus_mb = %g: read only the first %s MB of text%s: stopped %s%s; raise it (0 = no "
+        "cap) to read more",
+        cut["max_corpus_mb"],
+        _mb(cut["read_mb"]),
+        f", of at least {_mb(cut['at_least_mb'])} MB" if more else "",
+        cut["stopped"],
+        later,
+        extra=extra,
+    )
 
 
 def iter_documents(
@@ -565,6 +683,8 @@ def read_documents(
     bar.close()
     warn_replaced(source, stats)
     warn_skipped(stats)
+    note_cut(stats.cut)
+    note_unread(source, unread_files(source))
     if not docs:
         raise ConfigError(f"data.source: {source!r} holds no text")
     return docs
