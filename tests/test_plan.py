@@ -181,6 +181,72 @@ def test_recompute_full_keeps_block_inputs_plus_one_layer():
     assert cm.memory(lay)[1]["activations"] == pytest.approx(32 * none_ + final)
 
 
+def test_selective_saves_what_the_stacks_policy_does_not_recompute():
+    """One share g = Stack.selective_gemms drives selective recomputation's time and memory: the
+    recomputed forward adds g of the block's GEMMs (beside the attention core), and an op-level policy
+    (torchtitan, g = 0.5) keeps the block input B_a T h, the core's output B_a T a d and lse 4 T a,
+    and (1 - g) of the GEMM outputs B_a T (a d + 2 k d + 2 h + 2 f) (/ t: q, k, v, w1, w3; wo and w2
+    T x h on each rank; the block input / t with sp). Full recomputation's working set does not depend
+    on the stack. Before: Loom's saved set for every stack (the 8B on 128 H100 at 103 GiB: it ran
+    at 67 GiB, torchtitan's Table 3)."""
+    from loom.plan.cost import STACKS
+
+    s, b, h, a, k, f, d = 8192, 2, 4096, 32, 8, 14336, 128
+    w, cl = Workload(256, s), _cluster(nodes=16)
+    tt, loom = (CostModel(LLAMA3_8B, w, cl, stack=n) for n in ("pytorch-fsdp", ""))
+    g, B, T = STACKS["pytorch-fsdp"].selective_gemms, 2, b * s
+    assert g == 0.5
+    for t, sp in ((1, False), (4, False), (4, True)):
+        lay = Layout(tp=t, sp=sp, micro_batch=b)
+        sel = tt.layer_activation(lay)[1]
+        gemm_out = a * d / t + 2 * k * d / t + 2 * h + 2 * f / t
+        want = B * T * h / (t if sp else 1) + B * T * a * d / t + 4 * T * a / t + (1 - g) * B * T * gemm_out
+        assert sel == pytest.approx(want)
+        assert tt.layer_activation(lay)[0] == pytest.approx(loom.layer_activation(lay)[0])  # none: same
+        assert sel < loom.layer_activation(lay)[1]
+    # time: the same g of the block's GEMMs recomputed beyond Loom's (the core only)
+    mach = tt.machine
+    gemm_f = (
+        mach.gemm(T, h, h, B, bf16=True)
+        + 2 * mach.gemm(T, h, k * d, B, bf16=True)
+        + mach.gemm(T, h, h, B, bf16=True)
+        + 2 * mach.gemm(T, h, f, B, bf16=True)
+        + mach.gemm(T, f, h, B, bf16=True)
+    )
+    args = (1, False, 1, 1, b, "selective", 1)
+    extra = tt._microbatch_times(*args)[2]["recompute"] - loom._microbatch_times(*args)[2]["recompute"]
+    assert extra == pytest.approx(32 * g * gemm_f)
+    # memory: the 8B on 128 H100 as torchtitan ran it (67.0 GiB) fits; full recomputation's working
+    # set is a whole layer's, whatever the stack's selective policy
+    lay = Layout(dp=128, dp_shard=128, zero=3, micro_batch=b, recompute="selective")
+    e = tt.estimate(lay)
+    assert e.fits and e.memory < 70 * GiB
+    full = dataclasses.replace(lay, recompute="full")
+    assert tt.memory(full)[1]["activations"] == pytest.approx(loom.memory(full)[1]["activations"])
+
+
+def test_logits_whole_for_every_stack_but_looms_chunked_loss():
+    """Loom's own stack runs the head inside a chunked loss (no tp, no pipeline, more than CHUNK_ROWS
+    rows); every other stack materialises the whole T x V / t logits at its logit_bytes, 0 meaning
+    B_a + 8 (logits, fp32 copy, fp32 log-softmax): torchtitan's 8B at seq 32k holds 32768 x 128256 x
+    10 bytes. Before: Loom's chunk for every stack with logit_bytes 0."""
+    from loom.model.loss import CHUNK_ROWS
+    from loom.plan.cost import STACKS
+
+    s, V, h, B = 32768, 128256, 4096, 2
+    w = Workload(8, s)
+    lay = Layout(dp=8, dp_shard=8, zero=3, micro_batch=1, recompute="full")
+    for name, stack in STACKS.items():
+        cm = CostModel(LLAMA3_8B, w, _cluster(), stack=name)
+        logits = cm.memory(lay)[1]["logits"]
+        if name == "":
+            assert logits == pytest.approx(CHUNK_ROWS * V * (B + 4) + V * h * 8)
+        else:
+            assert logits == pytest.approx(s * V * (stack.logit_bytes or B + 8)), name
+        tp2 = cm.memory(dataclasses.replace(lay, tp=2, dp=4, dp_shard=4))[1]["logits"]
+        assert tp2 == pytest.approx(s * V / 2 * (stack.logit_bytes or B + 8)), name  # whole under tp
+
+
 def test_memory_saving_options_never_raise_predicted_memory():
     """Property: sp, more recomputation, higher ZeRO stage, offload, flash never add memory."""
     rng = random.Random(0)

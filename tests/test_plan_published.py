@@ -349,11 +349,19 @@ def _small_llama() -> ModelConfig:
 
 
 def test_tp_overlap_hides_collectives_behind_their_gemms():
-    """Overlapped: per layer tp_comm / t (the first chunk) + max(0, tp_comm (t-1)/t - GEMMs fwd+bwd)."""
+    """Overlapped: per layer tp_comm / t (the first chunk) + max(0, rest - G) + (1 - comm_overlap)
+    min(rest, G), rest = tp_comm (t-1)/t, G the GEMMs fwd+bwd: what hides behind compute still costs
+    1 - comm_overlap, the data-parallel overlap's rule (dp.contended; before: hidden for free)."""
+    import dataclasses
+
+    from loom.plan.cost.dp import contended, exposed
+
     m = _small_llama()
     cl = ClusterSpec.single_node("h100-sxm", 8)
     cm = CostModel(m, Workload(8, 4096), cl)
     mach, t, T, h, f = cm.machine, 8, 4096, 4096, 14336
+    share = cl.device.comm_overlap
+    assert share == 0.8 and mach.comm_overlap(8) == share
     layer_comm = sum(
         k * mach.collective(op, t, size, t)
         for (op, size), k in cm.tp_calls(t, True, "none", 1, "layer").items()
@@ -365,11 +373,20 @@ def test_tp_overlap_hides_collectives_behind_their_gemms():
         + 2 * mach.gemm(T, h, f / t, 2)
         + mach.gemm(T, f / t, h, 2)
     )
-    hidden = layer_comm / t + max(0.0, layer_comm * (t - 1) / t - 3 * gemm_f)
+    rest, G = layer_comm * (t - 1) / t, 3 * gemm_f
+    hidden = layer_comm / t + max(0.0, rest - G) + (1 - share) * min(rest, G)
+    assert exposed(layer_comm, t, G, share) == pytest.approx(hidden)
+    assert contended(2.0, 3.0, share) == pytest.approx(2.0 + (1 - share) * 3.0)
     off = cm._microbatch_times(t, True, 1, 1, 1, "none", 1, 8, "allgather", False)[2]["tp comm"]
     on = cm._microbatch_times(t, True, 1, 1, 1, "none", 1, 8, "allgather", True)[2]["tp comm"]
     assert off - on == pytest.approx(8 * (layer_comm - hidden))
     assert on < off
+    # a device hiding all of it (comm_overlap 1) keeps the free overlap; one hiding none (0) shows all
+    for s, want in ((1.0, layer_comm / t + max(0.0, rest - G)), (0.0, layer_comm)):
+        dev = dataclasses.replace(cl.device, comm_overlap=s)
+        c = CostModel(m, Workload(8, 4096), dataclasses.replace(cl, device=dev))
+        got = c._microbatch_times(t, True, 1, 1, 1, "none", 1, 8, "allgather", True)[2]["tp comm"]
+        assert got - (off - 8 * layer_comm) == pytest.approx(8 * want)
     lay = Layout.parse("dp1 tp8 pp1 sp mb1 recompute:none tp-overlap")
     assert lay.tp_overlap and Layout.parse(lay.spec()) == lay
 

@@ -51,7 +51,11 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
   c1 = 12 + 4 k/a + 8 f/h + (4a + 8)/h and c2 = 2 without flash, 0 with flash/SDPA (the form of
   Korthikanti et al. 2022). Tensor parallel without sp divides all but the norms' 8 s b h + 8 s b
   by t; with sp all of it. Selective recomputation drops what the attention core alone saves
-  (scores, lse; the output stays, as wo's input); full
+  (scores, lse; the output stays, as wo's input), where the stack's policy recomputes no GEMM
+  (``Stack.selective_gemms`` g = 0: Loom, Megatron); an op-level policy recomputing g of the GEMMs
+  (torchtitan, g = 0.5) keeps the block input B_a T h, the core's output B_a T a d and lse 4 T a,
+  and (1 - g) of the GEMM outputs B_a T (a d + 2 k d + 2 h + 2 f) (/ t as above;
+  :func:`~loom.plan.cost.memory.selective_saved`); full
   recomputation keeps only the block input B_a T h (/t with sp) per layer plus one layer's
   working set. GQA is counted at kv width (SDPA's ``enable_gqa``: k, v never repeated).
 - times the layers of activations held at peak on stage i (in micro-batches x layers):
@@ -59,7 +63,10 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
   every stage); interleaved (Megatron's warm-up count)
   min(m v, 2(p-i-1) + (v-1)p + 1) * L/(p v), which for stage 0 is L (1 + (p-1)/(p v)); the
   last stage adds its final norm, as a block's norm 2 B_a T h + 4 T, per micro-batch it holds.
-- logits on the last stage: T V / t (B_a + 8) bytes (logits, fp32 copy, fp32 log-softmax).
+- logits on the last stage: T V / t (B_a + 8) bytes (logits, fp32 copy, fp32 log-softmax), or the
+  stack's ``logit_bytes`` per logit; Loom's own stack without tp or a pipeline runs the head inside
+  a chunked loss: one chunk of logits and the head's fp32 gradient sum
+  (:func:`~loom.plan.cost.memory.logit_bytes`).
 - optimizer step: its temporaries (the fp32 gradient copy under mixed precision) beyond what
   backward's transients (activations, logits, gathered units, gradients in flight) freed.
 - overhead: the device's runtime constant (context, workspaces, comm buffers) plus
@@ -83,7 +90,8 @@ Time of one step:
   ops (norms, residuals, RoPE, SwiGLU/GeLU, loss) as bytes over HBM bandwidth, times the stack's
   ``other`` (:class:`Stack`: how many passes its kernels make, fitted on published runs). Full
   recomputation adds the layers' forward (x4/3 of layer FLOPs), selective the attention core's
-  (plus ``Stack.selective_gemms`` of the GEMMs). Pipeline stages hold L / p blocks, or with p not
+  (plus ``Stack.selective_gemms`` = g of the GEMMs, the share whose outputs memory does not keep).
+  Pipeline stages hold L / p blocks, or with p not
   dividing L the spare blocks on middle stages first (:meth:`CostModel.stage_layers`); the
   slowest of first, middle and last sets t_mb.
 - framework (a device with a per-operator cost, ``op_overhead``: CPUs): per micro-batch
@@ -98,8 +106,10 @@ Time of one step:
   latency + volume / bandwidth, on the intra-node link, + the profile's ``call_overhead["tp"]``
   (what a call costs in Loom's layers beyond the collective; on a CPU the twin below charges
   ``call_overhead_cpu["tp"]``); not overlapped, or with
-  ``Layout.tp_overlap`` cut in t chunks pipelined with the layer's GEMMs:
-  comm / t + max(0, comm (t-1)/t - GEMMs fwd+bwd) per layer.
+  ``Layout.tp_overlap`` cut in t chunks pipelined with the layer's GEMMs, what hides still costing
+  1 - ``comm_overlap`` as data parallel's below (:func:`~loom.plan.cost.dp.contended`):
+  comm / t + max(0, rest - G) + (1 - comm_overlap) min(rest, G) per layer, rest = comm (t-1)/t,
+  G the layer's GEMMs fwd+bwd (and recomputed).
 - context parallel (:mod:`loom.parallel.context.parallelize`, :meth:`CostModel._cp_layer_time`), by
   ``Layout.cp_mode``: allgather all-gathers K and V over cp before the core (again under full
   recomputation) and reduce-scatters dK, dV, not overlapped, and saves the other ranks' keys and

@@ -9,6 +9,7 @@ from functools import partial
 from loom.memory.precision import runs_8bit
 from loom.plan.cost.base import CostBase
 from loom.plan.cost.comm import cp_layer_time, tp_calls
+from loom.plan.cost.dp import exposed
 
 FLASH_BWD = 2.5  # flash attention backward / forward time (it recomputes the scores; Dao 2023)
 
@@ -139,11 +140,10 @@ def microbatch_times(
         )
 
     tp_layer = tp_time(tp_calls(cm, tp, sp, recompute, mb, "layer", cp))
-    if (
-        tp_overlap and tp > 1
-    ):  # each collective cut in tp chunks, pipelined with its GEMM: the first chunk shows
+    if tp_overlap and tp > 1:  # each collective cut in tp chunks, pipelined with its GEMM: the first
+        # chunk shows, the rest hides behind the layer's GEMMs at the cost of what runs beside compute
         gemms = gemm_f * (1 + r) + (gemm_f if recompute == "full" else 0.0)
-        tp_layer = tp_layer / tp + max(0.0, tp_layer * (tp - 1) / tp - gemms)
+        tp_layer = exposed(tp_layer, tp, gemms, mach.comm_overlap(world or tp))
     cp_layer = cp_layer_time(cm, tp, cp, T, recompute, cp_mode, core_f, world) if cp > 1 else 0.0
     ep_layer = 0.0
     if cm.moe and ep > 1:

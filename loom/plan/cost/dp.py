@@ -12,10 +12,25 @@ from loom.plan.cost.layout import Layout
 from loom.plan.zero_options import zeropp_time
 
 
+def contended(shown: float, hidden: float, share: float) -> float:
+    """Seconds that communication costs the step when ``shown`` seconds of it run alone and ``hidden``
+    seconds run beside compute, of which a ``share`` is truly hidden (``Machine.comm_overlap``: 0.8
+    on GPUs, NCCL's kernels taking SMs and HBM bandwidth from the compute they overlap; 0 where
+    nothing overlaps)::
+
+        shown + (1 - share) hidden
+
+    The one rule for every overlap the model prices: data parallel and ZeRO (:func:`dp_time`,
+    :func:`exposed`) and tensor parallel's chunked collectives (``Layout.tp_overlap``,
+    :func:`loom.plan.cost.compute.microbatch_times`)."""
+    return shown + (1 - max(0.0, share)) * hidden
+
+
 def exposed(total: float, calls: int, window: float, share: float) -> float:
     """Seconds of ``total`` communication in ``calls`` calls left showing beside ``window`` seconds of
     compute when a ``share`` of overlapped traffic is truly hidden: the last call always (nothing
-    left to hide it behind), what does not fit the window, and the unhidden part of what does::
+    left to hide it behind), what does not fit the window, and the unhidden part of what does
+    (:func:`contended`)::
 
         last + max(0, rest - window) + (1 - share) min(rest, window),  last = total / calls, rest = total - last
     """
@@ -23,7 +38,7 @@ def exposed(total: float, calls: int, window: float, share: float) -> float:
         return max(0.0, total)
     last = total / calls
     rest = total - last
-    return last + max(0.0, rest - window) + (1 - share) * min(rest, window)
+    return contended(last + max(0.0, rest - window), min(rest, window), share)
 
 
 def serial_finish(ready: list[float], comm: list[float]) -> float:
@@ -129,7 +144,7 @@ def dp_time(cm: CostBase, lay: Layout, m: int, t_mb: float, t_compute: float) ->
         g_shown = g + (buckets - 1) * max(0.0, g - t_f / buckets)
         shown += g_shown
         hidden += gather - min(gather, g_shown)
-    return shown + (1 - share) * hidden
+    return contended(shown, hidden, share)
 
 
 def sync_time(cm: CostBase, lay: Layout) -> float:

@@ -409,9 +409,60 @@ def activation_terms(
     cm: CostBase, t: int, sp: bool, cp: int, mb: int, cp_mode: str = "allgather", ep: int = 1
 ) -> tuple[float, float, float]:
     """Bytes one block saves for backward, one micro-batch of T = b·s/cp tokens: (no recomputation,
-    selective, block input), term by term as :mod:`loom.plan.cost` states them. Each norm keeps its
-    input in B_a and fp32 statistics, and its output x̂·w in B_a where a matmul takes it. A MoE layer:
-    :func:`moe_activation` on the rank's tokens (T/t with sp: experts whole on every tp rank)."""
+    selective, block input). No recomputation: :func:`layer_saved`'s kept set and the attention
+    core's own; selective: the stack's policy, :func:`selective_saved`."""
+    kept, core, block_in = layer_saved(cm, t, sp, cp, mb, cp_mode, ep)
+    return kept + core, selective_saved(cm, t, sp, cp, mb, ep, kept), block_in
+
+
+def selective_saved(cm: CostBase, t: int, sp: bool, cp: int, mb: int, ep: int, kept: float) -> float:
+    """Bytes one block saves under "selective" recomputation, as the stack defines it by g =
+    ``Stack.selective_gemms``, the share of the block's GEMMs (and of their outputs) the policy
+    recomputes; the same g prices the recomputation's time (g of the GEMMs' forward, beside the
+    attention core: :func:`loom.plan.cost.compute.microbatch_times`).
+
+    g = 0 (Korthikanti et al.'s policy, Loom's and Megatron's): ``kept``, all the block saves but what
+    the attention core alone saves (its log-sum-exp, unfused scores; :func:`layer_saved`).
+
+    g > 0 (an op-level policy, torchtitan's: every other matmul's output, the flash kernel's outputs
+    kept, everything else recomputed from them), on T tokens, u = 2 GEMMs up (SwiGLU) or 1 (GELU)::
+
+        B_a T h / (t with sp)                             the block input
+        + B_a T a d / t + 4 T a / t                       the core's output and log-sum-exp
+        + (1 - g) B_a T (a d / t + 2 k d / t + 2 h + u f / t)
+                                                          the GEMM outputs q, k, v, wo, w1 (w3), w2
+                                                          (wo's and w2's on each tp rank: T x h)
+
+    (torchtitan keeps wq, wv, w1, w2 of a Llama block, g = 0.5: the share's count differs from its by
+    B_a T a d / 2t at h = a d). An MoE layer keeps its experts' set whole (:func:`moe_activation`),
+    (1 - g) of the attention GEMMs' outputs and of wo's."""
+    g = cm.stack.selective_gemms
+    if g <= 0:
+        return kept
+    m, B, h = cm.model, cm.act_bytes, cm.model.dim
+    T = mb * cm.train.seq_len / cp
+    rep_div = t if sp else 1
+    qd, kv = m.n_heads * m.head_dim / t, cm.kv_width(t)
+    ups = 2 if m.mlp == "swiglu" else 1
+    gemm_out = qd + 2 * kv + h  # q, k, v and wo
+    mlp = 0.0
+    if cm.moe:
+        mlp = moe_activation(cm, T / rep_div, ep)
+    else:
+        gemm_out += ups * cm.ffn / t + h  # w1 (w3) and w2
+    core = B * T * qd + 4 * T * m.n_heads / t
+    return B * T * h / rep_div + core + (1 - g) * B * T * gemm_out + mlp
+
+
+def layer_saved(
+    cm: CostBase, t: int, sp: bool, cp: int, mb: int, cp_mode: str = "allgather", ep: int = 1
+) -> tuple[float, float, float]:
+    """Bytes one block saves for backward without recomputation, one micro-batch of T = b·s/cp
+    tokens: (all but the attention core's own, the core's own, block input), term by term as
+    :mod:`loom.plan.cost` states them. Each norm keeps its input in B_a and fp32 statistics, and its
+    output x̂·w in B_a where a matmul takes it. A MoE layer: :func:`moe_activation` on the rank's
+    tokens (T/t with sp: experts whole on every tp rank). The first is also one layer's working set
+    under full recomputation (:func:`stage_memory`), whatever the stack's selective policy."""
     m, tr = cm.model, cm.train
     B, h = cm.act_bytes, m.dim
     T = mb * tr.seq_len / cp
@@ -438,8 +489,7 @@ def activation_terms(
         core += 2 * B * T * (cm._kv_repeat(t, cp) - 1) * kv + B * T * qd
     if not tr.flash_attention:
         core += B * m.n_heads * T * tr.seq_len / t
-    selective = rep + qkv + out + mlp
-    return selective + core, selective, B * T * h / rep_div
+    return rep + qkv + out + mlp, core, B * T * h / rep_div
 
 
 def peak_states(cm: CostBase, lay: Layout) -> float:
@@ -468,16 +518,22 @@ def peak_memory(cm: CostBase, lay: Layout) -> tuple[float, dict[str, float], str
 
 
 def head_in_loss(cm: CostBase, lay: Layout) -> bool:
-    """Whether Loom runs the head inside the loss, chunk by chunk (no tp, no pipeline, more than
-    ``CHUNK_ROWS`` rows per micro-batch): then no logits are saved for backward."""
+    """Whether Loom runs the head inside the loss, chunk by chunk (Loom's own stack ``""`` only; no
+    tp, no pipeline, more than ``CHUNK_ROWS`` rows per micro-batch): then no logits are saved for
+    backward. Every other stack materialises the whole logits (:func:`logit_bytes`)."""
     T = lay.micro_batch * cm.train.seq_len / lay.cp
-    return not cm.stack.logit_bytes and lay.tp == 1 and lay.pp == 1 and T > CHUNK_ROWS
+    return cm.stack.name == "" and lay.tp == 1 and lay.pp == 1 and T > CHUNK_ROWS
 
 
 def logit_bytes(cm: CostBase, lay: Layout) -> float:
-    """Bytes of the loss's peak on the last stage, T = B·s / c rows of V / t logits: the stack's
-    ``logit_bytes`` per logit, or for Loom T·V / t·(B_a + 8) (the logits, an fp32 copy and the
-    log-softmax), except where Loom moves the head into the loss (no tp, no pipeline, T > c rows,
+    """Bytes of the loss's peak on the last stage, T = b·s / cp rows of V / t logits, whole::
+
+        T · V / t · (Stack.logit_bytes, or B_a + 8 where it is 0: the logits, an fp32 copy and the
+                     fp32 log-softmax)
+
+    for every stack (torchtitan, Megatron, DeepSpeed: their loss sees all the logits at once;
+    llm-foundry's fused cross entropy 4 bytes), and for Loom under tp or a pipeline. Loom's own stack
+    moves the head into the loss where it can (:func:`head_in_loss`: no tp, no pipeline, T > c rows,
     :func:`~loom.model.llama.fused_head_loss`): one chunk of c = ``CHUNK_ROWS`` rows, c·V·(B_a + 4)
     (c·V·4 in fp32: the chunk is its own softmax), and the head's fp32 gradient sum V·h·4 (V·h·8 in a
     low-precision dtype: a chunk's fp32 product joins it; :func:`~loom.model.loss.linear_cross_entropy`)."""
@@ -499,6 +555,7 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
     full_act, sel_act, block_in = cm.memo(activation_terms)(
         lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode, lay.ep
     )
+    working = cm.memo(layer_saved)(lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode, lay.ep)[0]
     bd = dict(
         cm.memo(state_terms)(
             lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last, lay.split
@@ -513,7 +570,7 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
     elif lay.recompute == "selective":
         act = n * sel_act
     else:
-        act = max(n - 1.0, 0.0) * block_in + sel_act
+        act = max(n - 1.0, 0.0) * block_in + working  # the layer recomputed in backward
     if last:  # micro-batches holding the final norm: ``held`` (its last chunk's one, interleaved)
         act += held * cm.memo(final_norm_activation)(lay.tp, lay.sp, lay.cp, lay.micro_batch)
     logits = logit_bytes(cm, lay) if last else 0.0

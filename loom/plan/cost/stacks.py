@@ -14,20 +14,29 @@ class Stack:
     softmax, loss: the memory-bound work) for a stack that fuses less than one pass over each
     tensor (fitted on the published runs, 1.75-2.8: eager or partly fused norms, bias/GeLU,
     softmax and loss read and write each tensor about twice what Loom's one-pass count says).
-    ``selective_gemms``: what "selective" recomputation means there beyond the attention core
-    (Korthikanti et al.'s policy, Loom's and Megatron's: 0); torchtitan's op-level policy saves
-    every other matmul output and recomputes the rest (0.5). ``microbatch_reduce``: Composer's
-    FSDP reduce-scatters the gradients of every micro-batch (Loom and torchtitan keep them whole
-    until the last: ``no_sync``); ``logit_bytes``: llm-foundry's fused cross entropy works on the
-    bf16 logits in place (2 + 2 bytes, the logits and their gradient).
+    ``selective_gemms`` = g: what "selective" recomputation means there, the share of a block's
+    GEMMs whose outputs the policy does not save and recomputes. One rule for time and memory: the
+    recomputed forward costs the attention core plus g of the block's GEMM time
+    (:func:`~loom.plan.cost.compute.microbatch_times`), and the block saves (1 - g) of its GEMM
+    outputs (:func:`~loom.plan.cost.memory.selective_saved`). g = 0: Korthikanti et al.'s policy,
+    Loom's and Megatron's (only the attention core recomputed; the block keeps all else); torchtitan's
+    op-level policy saves every other matmul output and recomputes the rest (0.5).
+    ``microbatch_reduce``: Composer's FSDP reduce-scatters the gradients of every micro-batch (Loom
+    and torchtitan keep them whole until the last: ``no_sync``). ``logit_bytes``: bytes per logit at
+    the loss's peak, over the whole T x V / t logits (:func:`~loom.plan.cost.memory.logit_bytes`);
+    0: B_a + 8 (the logits, an fp32 copy and the fp32 log-softmax: torchtitan's ``cross_entropy`` on
+    ``logits.float()``); llm-foundry's fused cross entropy works on the bf16 logits in place (4: 2 + 2
+    bytes, the logits and their gradient). Only Loom's own stack moves the head into a chunked loss
+    (:func:`~loom.plan.cost.memory.head_in_loss`).
     """
 
     name: str
     other: float = 1.0
-    selective_gemms: float = 0.0  # share of a layer's GEMMs that "selective" recomputation runs again
+    selective_gemms: float = 0.0  # g: share of a block's GEMMs "selective" recomputes (1 - g of outputs kept)
     # ZeRO-2/3 reduce-scatter every micro-batch (FSDP without no_sync): no full-size grads
     microbatch_reduce: bool = False
-    # bytes per logit at the loss's peak (0: B_a + 8, logits + fp32 copy + log-softmax)
+    # bytes per logit at the loss's peak, whole logits (0: B_a + 8, logits + fp32 copy + log-softmax;
+    # Loom's "" chunks its loss instead where it can: memory.head_in_loss)
     logit_bytes: float = 0.0
     # fp8 / int8 under tp: one MAX all-reduce of amaxes per 8-bit GEMM on shards (Loom's
     # loom.memory.lowp_gemm); False: the stack's own scaling traffic is not counted (Transformer
