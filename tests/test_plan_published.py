@@ -391,6 +391,45 @@ def test_tp_overlap_hides_collectives_behind_their_gemms():
     assert lay.tp_overlap and Layout.parse(lay.spec()) == lay
 
 
+def test_fp8_scaling_casts_are_priced_where_the_stack_casts_apart():
+    """torchao's dynamic scaling (Loom's and torchtitan's fp8) moves, per 8-bit Linear (M x K) @ (K x N) and
+    micro-batch, 6 M K + 5 K N bytes forward and 3 K N + 6 M N backward (tensorwise; rowwise 8, 3, 7, 8):
+    its amax and cast kernels (torchao's roofline counts). Linears too small for float8 to pay stay bf16
+    and cast nothing; Transformer Engine's fused casts (megatron-core) are in its fitted 8-bit rate."""
+    import dataclasses
+
+    from loom.memory.precision import runs_8bit
+    from loom.plan.cost.compute import SCALE_CAST_BYTES
+
+    m = _small_llama()
+    cl = ClusterSpec.single_node("h100-sxm", 8)
+    T, h, f, kv = 4096, 4096, 14336, 1024
+    shapes = [(1, h, h), (2, h, kv), (1, h, h), (2, h, f), (1, f, h)]  # q, k and v, o, w1 and w3, w2
+    for recipe in ("tensorwise", "rowwise"):
+        w = Workload(8, T, precision="fp8", fp8_recipe=recipe)
+        b_x, b_w, b_wb, b_g = SCALE_CAST_BYTES[recipe]
+        eight = [(c, k, n) for c, k, n in shapes if runs_8bit("fp8", k, n, recipe, "auto")]
+        assert (2, h, kv) not in eight  # k and v: too small for tensorwise float8 to pay
+        fwd = sum(c * (b_x * T * k + b_w * k * n) for c, k, n in eight)
+        bwd = sum(c * (b_wb * k * n + b_g * T * n) for c, k, n in eight)
+        with_casts = CostModel(m, w, cl)
+        assert with_casts.stack.scale_casts
+        without = CostModel(m, w, cl)
+        without.stack = dataclasses.replace(without.stack, scale_casts=False)
+        got = [
+            c._microbatch_times(1, False, 1, 1, 1, "none", 1, 8)[2]["compute"] for c in (with_casts, without)
+        ]
+        hbm = with_casts.machine.hbm
+        assert got[0] - got[1] == pytest.approx(m.n_layers * (fwd + bwd) / hbm, rel=1e-9)
+        full = [
+            c._microbatch_times(1, False, 1, 1, 1, "full", 1, 8)[2]["recompute"]
+            for c in (with_casts, without)
+        ]
+        assert full[0] - full[1] == pytest.approx(m.n_layers * fwd / hbm, rel=1e-9)  # forward casts again
+    te = CostModel(m, Workload(8, T, precision="fp8"), cl, stack="megatron-core")
+    assert not te.stack.scale_casts
+
+
 def test_dp_overlap_bucket_by_bucket():
     """ZeRO-0: the K bucket all-reduces (c = total / K each) queue on one stream as their gradients
     complete in the last backward t_b (bucket i at t_b i / K): exposed = finish - t_b, plus

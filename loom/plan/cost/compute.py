@@ -53,6 +53,30 @@ def linear_gemm(cm: CostBase, m: float, k: float, n: float, expert: bool = False
     return cm.machine.gemm(m, k, n, cm.act_bytes, bf16=True)
 
 
+# bytes an fp8 Linear's dynamic scaling moves per element of its input and weight in the forward, and
+# of its weight and grad_output in the backward, by recipe, as torchao's roofline counts its kernels
+# (torchao/testing/training/roofline_utils.py), unfused with the op before:
+#   tensorwise  input: amax read 2 + cast read 2, writing both fp8 layouts 2 = 6 (the backward's layout
+#               made here); weight: amax 2 + a cast 3 forward, a cast 3 backward; grad_output as input
+#   rowwise     input: cast read 2 + fp8 1 + a bf16 transpose 2, its cast 2 + 1 = 8; weight: a cast 3
+#               forward, transpose 4 + cast 3 backward; grad_output as input
+SCALE_CAST_BYTES = {"tensorwise": (6.0, 5.0, 3.0, 6.0), "rowwise": (8.0, 3.0, 7.0, 8.0)}
+
+
+def scale_cast_bytes(cm: CostBase, m: float, k: float, n: float, expert: bool = False) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of the dynamic-scaling casts of a block Linear (m x k) @ (k x n) in
+    one micro-batch, where it runs in fp8 on a stack that casts in kernels of their own
+    (``Stack.scale_casts``): ``(b_x m k + b_w k n, b_w' k n + b_g m n)`` (:data:`SCALE_CAST_BYTES`),
+    else zeros."""
+    tr = cm.train
+    if not cm.stack.scale_casts or tr.precision != "fp8" or (expert and not cm.stack.lowp_experts):
+        return 0.0, 0.0
+    if not runs_8bit(tr.precision, k, n, tr.fp8_recipe, tr.fp8_layers):
+        return 0.0, 0.0
+    b_x, b_w, b_wb, b_g = SCALE_CAST_BYTES.get(tr.fp8_recipe, SCALE_CAST_BYTES["tensorwise"])
+    return b_x * m * k + b_w * k * n, b_wb * k * n + b_g * m * n
+
+
 def microbatch_times(
     cm: CostBase,
     tp: int,
@@ -77,16 +101,21 @@ def microbatch_times(
     # every tp rank) spread over this device's experts, the busiest ``moe_load`` times the mean
     T_moe = T / tp if sp else T
     ups = 2 if mc.mlp == "swiglu" else 1  # SwiGLU's w1 and w3, or GELU's w1
+    # the block's Linears on this rank: (how many, m, in, out, a routed expert's)
+    linears = [(1.0, T, h, h / tp, False), (2.0, T, h, cm.kv_width(tp), False), (1.0, T, h / tp, h, False)]
     if cm.moe:
         experts_here = cm.n_experts / ep
         Te = T_moe * cm.top_k / experts_here * tr.moe_load
-        mlp_f = experts_here * (ups * lin(Te, h, f, expert=True) + lin(Te, f, h, expert=True))
+        linears += [(experts_here * ups, Te, h, f, True), (experts_here, Te, f, h, True)]
         if tr.moe_shared:  # shared experts: one SwiGLU of S·f on every token of the rank
             fs = tr.moe_shared * f
-            mlp_f += 2 * lin(T_moe, h, fs) + lin(T_moe, fs, h)
+            linears += [(2.0, T_moe, h, fs, False), (1.0, T_moe, fs, h, False)]
     else:
-        mlp_f = ups * lin(T, h, f / tp) + lin(T, f / tp, h)
-    gemm_f = lin(T, h, h / tp) + 2 * lin(T, h, cm.kv_width(tp)) + lin(T, h / tp, h) + mlp_f
+        linears += [(float(ups), T, h, f / tp, False), (1.0, T, f / tp, h, False)]
+    gemm_f = sum(c * lin(m, k, n, expert=e) for c, m, k, n, e in linears)
+    cast_bytes = [scale_cast_bytes(cm, m, k, n, e) for _, m, k, n, e in linears]
+    cast_f = sum(lin_[0] * fb[0] for lin_, fb in zip(linears, cast_bytes)) / mach.hbm
+    cast_b = sum(lin_[0] * fb[1] for lin_, fb in zip(linears, cast_bytes)) / mach.hbm
     a_t = mc.n_heads / tp
     core_bytes = B * T * (2 * h / tp + 2 * cm.kv_width(tp))
     if not tr.flash_attention:
@@ -105,7 +134,7 @@ def microbatch_times(
     else:
         core_f = max(4.0 * T * s * h / tp / mach.flops, core_bytes / mach.hbm)
         core_b = (FLASH_BWD if tr.flash_attention else 2.0) * r / 2 * core_f
-    layer_f = gemm_f + core_f + elt_f
+    layer_f = gemm_f + core_f + elt_f + cast_f  # fp8's scaling casts (torchao), redone when recomputed
     # LoRA: a frozen target computes no weight gradient (its adapters' rank-r GEMMs are left out)
     lora_wgrad = 0.0
     if tr.lora_rank:
@@ -120,7 +149,7 @@ def microbatch_times(
         }
         lora_wgrad = r / 2 * sum(lin(T, *target_gemm[n]) for n in tr.lora_targets)
     # backward: GEMMs and elementwise 2x forward; a flash kernel recomputes the scores (2.5x)
-    layer_b = r * (gemm_f + elt_f) + core_b - lora_wgrad
+    layer_b = r * (gemm_f + elt_f) + core_b - lora_wgrad + cast_b
     recomp = {"none": 0.0, "selective": core_f + cm.stack.selective_gemms * gemm_f, "full": layer_f}[
         recompute
     ]

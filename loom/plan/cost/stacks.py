@@ -49,6 +49,10 @@ class Stack:
     # as torchtitan does). The fitted stacks keep True, the pricing their constants were fitted with
     # (Megatron's output layer is not a Transformer Engine Linear: a refit would move them)
     lowp_head: bool = True
+    # fp8 scales each 8-bit Linear's operands dynamically in kernels of their own (torchao's Float8Linear:
+    # an amax pass, then a cast writing both layouts), priced by compute.scale_cast_bytes; False: the
+    # stack fuses them (Transformer Engine's casts are in its fitted 8-bit rate)
+    scale_casts: bool = False
     note: str = ""
 
 
@@ -61,6 +65,7 @@ STACKS: dict[str, Stack] = {
             amax_per_gemm=True,
             lowp_experts=False,
             lowp_head=False,
+            scale_casts=True,
             note="Loom: eager PyTorch norms/activations and SDPA flash attention, as torchtitan's",
         ),
         Stack(
@@ -83,6 +88,7 @@ STACKS: dict[str, Stack] = {
             "pytorch-fsdp",
             other=1.8,
             selective_gemms=0.5,
+            scale_casts=True,
             note="torchtitan: PyTorch FSDP2 eager, SDPA flash attention, Triton fused_rmsnorm (its Llama 2 13B "
             "preset); one source: Loom's factor",
         ),
