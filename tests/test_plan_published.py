@@ -430,6 +430,31 @@ def test_fp8_scaling_casts_are_priced_where_the_stack_casts_apart():
     assert not te.stack.scale_casts
 
 
+def test_hybrid_sharding_all_reduces_each_buckets_shard_across_replicas():
+    """ZeRO 1 over N of dp: per bucket a reduce-scatter and an all-gather over N, and the bucket's shard
+    all-reduced across the dp / N replicas, K bucket calls each paying their latency (Loom's reducer
+    issues one per bucket; the replica all-reduce was priced as one call, which favoured hybrid layouts)."""
+    from loom.plan.cost.dp import dp_comm, grad_all_reduce
+
+    m = _small_llama()
+    cl = ClusterSpec.single_node("h100-sxm", 8, 8)
+    cm = CostModel(m, Workload(64, 4096), cl)
+    mach, wd = cm.machine, 64
+    dense = cm._params_on(1, 1, 1, True, True)[0]
+    K = -(-int(dense * cm.R) // int(cm.train.bucket_bytes))
+    assert K > 10
+    n, reps = 8, 8  # dp 64 = 8 replicas of shards over 8
+    rs = mach.collective("reduce_scatter", n, dense * cm.R, 8, wd)
+    ag = mach.collective("all_gather", n, dense * cm.W, 8, wd, synced=True)
+    lat = mach.latency("reduce_scatter", n, 8, wd) + mach.latency("all_gather", n, 8, wd, synced=True)
+    ar = grad_all_reduce(cm, reps, dense * cm.R / n, 64, wd, K)
+    assert ar == pytest.approx(
+        mach.collective("all_reduce", reps, dense * cm.R / n, 64, wd)
+        + (K - 1) * mach.latency("all_reduce", reps, 64, wd)
+    )
+    assert dp_comm(cm, 64, 8, 1, 1, 1, 1, 1, 1, wd) == pytest.approx(rs + ag + (K - 1) * lat + ar)
+
+
 def test_dp_overlap_bucket_by_bucket():
     """ZeRO-0: the K bucket all-reduces (c = total / K each) queue on one stream as their gradients
     complete in the last backward t_b (bucket i at t_b i / K): exposed = finish - t_b, plus

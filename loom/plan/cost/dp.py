@@ -185,7 +185,7 @@ def dp_comm(
     - ZeRO 3 (u units): per micro-batch, all-gathers of Phi W forward (u calls) and of
       (Phi - Phi_kept) W backward (u - 1 calls; u in a pipeline, which keeps no unit gathered);
       a reduce-scatter of Phi R per step (u calls);
-    - hybrid sharding: an all-reduce of the shard Phi R / N across the dp / dp_shard replicas;
+    - hybrid sharding: an all-reduce of the shard Phi R / N across the dp / dp_shard replicas, per bucket;
     - a parameter server (K shards): a push and a pull phase, the busiest server's link carrying
       W' Phi 4 / K bytes in each (point-to-point; W' = W workers, W - 1 co-located).
     """
@@ -224,7 +224,9 @@ def dp_comm(
             total += reduces * (rs + (units - 1) * lat_rs)
             if pp == 1:
                 total += m * zero3_gathers(cm, phi, ep, ns, span, wd, tp)
-        total += grad_all_reduce(cm, dp // ds, phi * R / ns, tpcp * dp, wd)
+        # each bucket's shard all-reduced across the replicas (Loom's reducer, Megatron's and FSDP's
+        # hybrid sharding): the bucket calls' latencies, as ZeRO 0's all-reduce pays them
+        total += grad_all_reduce(cm, dp // ds, phi * R / ns, tpcp * dp, wd, buckets)
     return total
 
 
