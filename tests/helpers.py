@@ -59,10 +59,27 @@ def packed_global_batch(step: int, batch: int, seed: int = 0, eot: int = 0) -> t
     return x, y, packed_positions(x, eot)
 
 
-def rank_micro_batches(step: int, batch: int, micro: int, dp_rank: int, dp: int, packed: bool = False):
+def masked(y: torch.Tensor, step: int) -> torch.Tensor:
+    """Chat-like targets (only answers trained, -100 elsewhere): row r of a global batch trains its
+    positions from (5 r + step) mod T on, row 1 none at all; so micro-batches and ranks hold unequal
+    numbers of trained targets."""
+    from loom.model.loss import IGNORE_INDEX
+
+    y = y.clone()
+    for r in range(y.shape[0]):
+        y[r, : (5 * r + step) % y.shape[1]] = IGNORE_INDEX
+    y[1 % y.shape[0]] = IGNORE_INDEX
+    return y
+
+
+def rank_micro_batches(
+    step: int, batch: int, micro: int, dp_rank: int, dp: int, packed: bool = False, mask: bool = False
+):
     """This data-parallel rank's rows of the global batch, cut into micro-batches (``packed``: of
-    :func:`packed_global_batch`, with positions)."""
+    :func:`packed_global_batch`, with positions; ``mask``: targets :func:`masked` as chat data's)."""
     full = packed_global_batch(step, batch) if packed else global_batch(step, batch)
+    if mask:
+        full = (full[0], masked(full[1], step), *full[2:])
     per = batch // dp
     rows = [t[dp_rank * per : (dp_rank + 1) * per] for t in full]
     return [tuple(t[i : i + micro] for t in rows) for i in range(0, per, micro)]
@@ -76,6 +93,7 @@ def train_dp(
     micro: int,
     bucket_mb: float = 25.0,
     packed: bool = False,
+    mask: bool = False,
 ):
     """Train with Loom data parallelism over ``mesh``'s dp group; return losses, final params, DP object."""
     from loom.comm import CommMeter
@@ -97,7 +115,7 @@ def train_dp(
         meter.reset()
         res = train_step(
             plain_run(model, sync, loss_fn),
-            rank_micro_batches(step, batch, micro, dp_rank, dp, packed),
+            rank_micro_batches(step, batch, micro, dp_rank, dp, packed, mask),
             train_cfg.grad_clip,
             lr_at(step, train_cfg),
             group,
@@ -145,6 +163,7 @@ def train_layout(
     moe_kw: dict | None = None,
     packed: bool = False,
     checkpoint_dir: str = "",
+    mask: bool = False,
 ) -> dict:
     """Train the tiny model (``model_kw`` over its defaults) under ``layout`` (mesh degrees, ``zero``,
     ``sp``, ``recompute``) through ``build_run``, the Trainer's path, on this rank's share of each
@@ -154,7 +173,7 @@ def train_layout(
     so a tensor created without an explicit device (the CPU, by default, on a GPU run) fails.
     ``meta``: the model is built on the meta device and each rank materializes its part (the trainer's path).
     ``moe_kw``: the [moe] options (over their defaults). ``checkpoint_dir``: save the final state there. ``packed``: batches of packed documents
-    (:func:`packed_global_batch`: tokens, targets, positions)."""
+    (:func:`packed_global_batch`: tokens, targets, positions); ``mask``: chat-like targets (:func:`masked`)."""
     from loom.comm import CommMeter
     from loom.config import LoomConfig, MoEConfig
     from loom.model.llama import build_model
@@ -221,7 +240,7 @@ def train_layout(
     for step in range(steps):
         meter.reset()
         batches = shard_sequence(
-            rank_micro_batches(step, batch, micro, dp_rank, dp, packed),
+            rank_micro_batches(step, batch, micro, dp_rank, dp, packed, mask),
             mesh.size("cp"),
             mesh.local_rank("cp"),
         )

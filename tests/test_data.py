@@ -835,6 +835,59 @@ def test_packed_training_equals_single_process(pools, packed_reference, name):
                 )
 
 
+MASKED_LAYOUTS = {"dp2": {"dp_replicate": 2}, "cp2": {"cp": 2}, "pp2": {"pp": 2}, "dp2 zero3": {"zero": 3, "dp_shard": 2}}
+
+
+@pytest.fixture(scope="module")
+def masked_reference():
+    """One process, the whole global batch one micro-batch, on chat-like targets (unequal numbers of
+    trained targets per row, a row with none)."""
+    from tests.helpers import tiny_model, tiny_train, train_dp
+
+    return train_dp(None, tiny_model(), tiny_train(steps=PACK_STEPS), PACK_BATCH, PACK_BATCH, mask=True)
+
+
+def test_masked_targets_are_one_mean_over_the_global_batch_whatever_the_micro_batch(masked_reference):
+    """The loss is the mean over every trained target of the global batch (transformers' Trainer and
+    Megatron's per-token loss normalise so): accumulating 8 micro-batches of one row, some with no
+    trained target, equals one batch of 8 (a mean of micro-batch means weighted the short rows up)."""
+    from tests.helpers import global_batch, masked, tiny_model, tiny_train, train_dp
+
+    ref = masked_reference
+    y = masked(global_batch(0, PACK_BATCH)[1], 0)
+    counts = (y != -100).sum(1)
+    assert counts.min() == 0 and len(set(counts.tolist())) > 3  # not vacuous: unequal rows
+    for micro in (1, 2):
+        got = train_dp(None, tiny_model(), tiny_train(steps=PACK_STEPS), PACK_BATCH, micro, mask=True)
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6
+        )
+        for k, v in ref["state"].items():
+            torch.testing.assert_close(
+                got["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}"
+            )
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", list(MASKED_LAYOUTS))
+def test_masked_targets_train_equal_to_single_process(pools, masked_reference, name):
+    """Chat-like targets under dp2, cp2 (the ranks hold different halves of each row), pp2 and ZeRO-3:
+    losses and final parameters equal one process's (each rank's mean weighted by its share of the
+    global batch's trained targets, one all-reduce of the count per step)."""
+    from tests.helpers import train_layout
+
+    ref = masked_reference
+    for r in pools(2).run(train_layout, MASKED_LAYOUTS[name], PACK_STEPS, PACK_BATCH, PACK_MICRO, mask=True):
+        torch.testing.assert_close(
+            torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-5
+        )
+        if r["state"] is not None:
+            for k, v in ref["state"].items():
+                torch.testing.assert_close(
+                    r["state"][k], v, rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}"
+                )
+
+
 # ----------------------------------------------------------------------------- chat and instruction data
 
 CHATML = (

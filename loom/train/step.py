@@ -146,6 +146,40 @@ def forward_backward(
     return StepResult(loss=float(total) / n, grad_norm=norm)
 
 
+def token_weighted(loss_fn: LossFn, micro_batches: Sequence[Batch], group: Group) -> LossFn:
+    """``loss_fn`` (the mean over a micro-batch's trained targets) turned into that micro-batch's share
+    of the mean over every trained target of the global batch: with c_i the micro-batch's trained
+    targets, k micro-batches per rank, n ranks in ``group`` (dp·cp, whose gradients are averaged) and
+    N = Σ c_i over all of them (one all-reduce, issued before the first forward)::
+
+        loss_i · c_i · k n / N   ->   / k (accumulation), / n (the gradient average)   ->   Σ_i sum_i / N
+
+    so masked data (chat: only answers trained) gives one process's loss and gradients whatever the
+    micro-batch size, dp or cp, as a batch whose targets are all trained did before (there c_i k n = N
+    and the factor is 1)."""
+    from loom.model.loss import IGNORE_INDEX
+
+    counts = torch.stack([(b[1] != IGNORE_INDEX).sum() for b in micro_batches])
+    local = counts.sum().to(torch.float64)
+    total = local.clone()
+    n = comm.group_size(group)
+    work = comm.all_reduce(total, group, async_op=True) if n > 1 else None
+    arrived: list[bool] = []
+    kn = float(len(micro_batches) * n)
+
+    def weighted(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not arrived:
+            if work is not None:
+                work.wait()
+            arrived.append(True)
+        loss = loss_fn(out, targets)
+        # in float64, c_i k n and N are exact integers: a batch all trained gets exactly 1
+        c = (targets != IGNORE_INDEX).sum().to(torch.float64)
+        return loss * (c * kn / total.to(c.device).clamp(min=1)).to(loss.dtype)
+
+    return weighted
+
+
 def train_step(
     run: Run, micro_batches: Sequence[Batch], grad_clip: float, lr: float, loss_group: Group
 ) -> StepResult:
@@ -155,9 +189,12 @@ def train_step(
     moe.begin_step(
         run.model, (run.scaler.scale if run.scaler is not None else 1.0) / max(1, len(micro_batches))
     )
+    asynchronous = bool(
+        getattr(run.strategy, "asynchronous", False)
+    )  # PipeDream, 2BW: an update per micro-batch
     res = run.forward_backward(
         micro_batches,
-        run.train_loss_fn,
+        run.train_loss_fn if asynchronous else token_weighted(run.train_loss_fn, micro_batches, loss_group),
         lambda: optimizer_step(run.strategy, lr, grad_clip, run.scaler),
         loss_group,
     )
