@@ -835,7 +835,12 @@ def test_packed_training_equals_single_process(pools, packed_reference, name):
                 )
 
 
-MASKED_LAYOUTS = {"dp2": {"dp_replicate": 2}, "cp2": {"cp": 2}, "pp2": {"pp": 2}, "dp2 zero3": {"zero": 3, "dp_shard": 2}}
+MASKED_LAYOUTS = {
+    "dp2": {"dp_replicate": 2},
+    "cp2": {"cp": 2},
+    "pp2": {"pp": 2},
+    "dp2 zero3": {"zero": 3, "dp_shard": 2},
+}
 
 
 @pytest.fixture(scope="module")
