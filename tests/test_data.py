@@ -873,6 +873,23 @@ def test_masked_targets_are_one_mean_over_the_global_batch_whatever_the_micro_ba
             )
 
 
+def test_held_out_loss_of_masked_targets_weighs_each_trained_target_alike():
+    """Evaluation on chat-like targets: batches of 1 row give the loss of the whole set as one batch."""
+    from loom.model.llama import build_model, loss_fn
+    from loom.train.step import evaluate
+    from tests.helpers import global_batch, masked, tiny_model
+
+    model = build_model(tiny_model(), 0)
+    x, y = global_batch(0, PACK_BATCH)
+    y = masked(y, 3)
+    whole = evaluate(model, [(x, y)], loss_fn, None)
+    rows = evaluate(model, [(x[i : i + 1], y[i : i + 1]) for i in range(PACK_BATCH)], loss_fn, None)
+    assert rows == pytest.approx(whole, rel=1e-6)
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+    assert whole == pytest.approx(float(want), rel=1e-5)
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("name", list(MASKED_LAYOUTS))
 def test_masked_targets_train_equal_to_single_process(pools, masked_reference, name):

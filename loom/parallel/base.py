@@ -233,6 +233,20 @@ Update = Callable[[], float]  # finish the sync, clip, step: returns the gradien
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def token_mean(losses: list[torch.Tensor], targets: list[torch.Tensor], group: Group) -> torch.Tensor:
+    """The mean over every trained target (not -100) of ``losses`` (each a batch's mean over its
+    ``targets``) on all ranks of ``group``: Σ loss_b c_b / Σ c_b (one unmetered all-reduce), so a
+    held-out set of chat data weighs each answer token alike on any layout (0 when none is trained)."""
+    device = losses[0].device if losses else torch.device("cpu")
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for loss, y in zip(losses, targets):
+        c = (y != -100).sum().to(device=device, dtype=torch.float64)
+        sums += torch.stack([loss.double() * c, c])
+    if comm.group_size(group) > 1:
+        comm.all_reduce(sums, group)
+    return (sums[0] / sums[1].clamp(min=1)).float()
+
+
 def mean_over(value: torch.Tensor, group: Group) -> torch.Tensor:
     """Average a scalar over ``group`` (unmetered: bookkeeping, not training traffic)."""
     n = comm.group_size(group)

@@ -24,7 +24,15 @@ from loom import comm
 from loom.checkpoint.protocol import ShardedTensor, ShardReader
 from loom.comm import Group
 from loom.model import moe
-from loom.parallel.base import LossFn, StepResult, Strategy, Update, any_nonfinite, clip_grad_norm, mean_over
+from loom.parallel.base import (
+    LossFn,
+    StepResult,
+    Strategy,
+    Update,
+    any_nonfinite,
+    clip_grad_norm,
+    token_mean,
+)
 from loom.parallel.expert.parallelize import rebalance_experts
 from loom.train.health import NonFiniteError
 from loom.train.timings import phase
@@ -205,9 +213,9 @@ def train_step(
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn, dp_group: Group) -> float:
-    """Mean loss over ``batches`` on this rank, averaged over the data-parallel group."""
+    """Mean loss over every trained target of ``batches`` on the data-parallel group (:func:`token_mean`)."""
     was_training = model.training
     model.eval()
     losses = [loss_fn(model(x, *packed), y).float() for x, y, *packed in batches]
     model.train(was_training)
-    return float(mean_over(torch.stack(losses).mean(), dp_group))
+    return float(token_mean(losses, [b[1] for b in batches], dp_group))

@@ -20,7 +20,7 @@ import torch
 
 from loom import comm
 from loom.comm import Group
-from loom.parallel.base import LossFn, StepResult, Update, mean_over
+from loom.parallel.base import LossFn, StepResult, Update, mean_over, token_mean
 from loom.parallel.pipeline.runtime import Batch
 from loom.parallel.pipeline.schedules import Action
 from loom.parallel.pipeline.stage import PipelineModule
@@ -56,12 +56,21 @@ def forward_backward(
     return StepResult(loss=loss, grad_norm=norms[-1])
 
 
-def _last_stage_mean(pipe: PipelineModule, dp_group: Group, losses: list[torch.Tensor]) -> float:
-    """Mean of the last stage's losses, averaged over dp, known on every pipeline rank."""
+def _last_stage_mean(
+    pipe: PipelineModule,
+    dp_group: Group,
+    losses: list[torch.Tensor],
+    targets: list[torch.Tensor] | None = None,
+) -> float:
+    """Mean of the last stage's losses, averaged over dp (with ``targets``: over every trained target,
+    :func:`~loom.parallel.base.token_mean`), known on every pipeline rank."""
     device = next(pipe.parameters()).device
     value = torch.zeros((), dtype=torch.float32, device=device)
     if pipe.is_last:
-        value = mean_over(torch.stack(losses).float().mean(), dp_group)
+        if targets is None:  # training: the losses are already weighted by their targets (token_weighted)
+            value = mean_over(torch.stack(losses).float().mean(), dp_group)
+        else:
+            value = token_mean(losses, targets, dp_group)
     comm.broadcast(value, (pipe.n_stages - 1) % pipe.p, pipe.group)
     return float(value)
 
@@ -72,7 +81,7 @@ def evaluate(pipe: PipelineModule, batches: Sequence[Batch], loss_fn: LossFn, dp
     each micro-batch through the stages in order (sends never block, so no deadlock)."""
     was_training = pipe.training
     p, dim, dtype = pipe.p, pipe.cfg.dim, next(pipe.parameters()).dtype
-    losses, works, keep = [], [], []
+    losses, targets, works, keep = [], [], [], []
     pipe.eval()
     for x, y, *packed in batches:  # packed data: (x, y, positions)
         for s in pipe.stage_ids:
@@ -87,6 +96,7 @@ def evaluate(pipe: PipelineModule, batches: Sequence[Batch], loss_fn: LossFn, dp
                 h = stage(h, *packed)
             if stage.is_last:
                 losses.append(loss_fn(h, y).float())
+                targets.append(y)
             else:
                 group, peer = pipe.link(pipe.rank, (s + 1) % p)
                 works += comm.batch_p2p([(h, peer)], [], group)
@@ -94,4 +104,4 @@ def evaluate(pipe: PipelineModule, batches: Sequence[Batch], loss_fn: LossFn, dp
     for w in works:
         w.wait()
     pipe.train(was_training)
-    return _last_stage_mean(pipe, dp_group, losses)
+    return _last_stage_mean(pipe, dp_group, losses, targets)
