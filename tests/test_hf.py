@@ -440,9 +440,8 @@ def test_an_export_of_a_chat_run_carries_the_template_it_was_trained_on(tmp_path
     ``chat_template.jinja`` with which transformers' ``apply_chat_template`` gives the same text, and
     the same generation prompt as ``loom generate --chat``."""
     from loom.checkpoint.hf_export import _tokenizer_files
-    from loom.data.chat import builtin_render
+    from loom.data.chat import ASSISTANT, builtin_render
     from loom.data.tokenizer import train_tokenizer
-    from loom.generate.source import ASSISTANT
 
     tok = train_tokenizer(["hello there, how are you today? fine thanks"] * 8, 300)
     tok.save(str(tmp_path / "tokenizer.json"))

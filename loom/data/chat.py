@@ -8,11 +8,21 @@ special tokens of ``tokenizer_config.json`` in scope), or, without one, the buil
 ``<|role|>\\ncontent\\n`` per message. ``data.format = "prompt_completion"``: records hold ``prompt`` and
 ``completion``, rendered as their concatenation.
 
-Labels: an example's tokens are trained on (mask 1) only inside the assistant turns (from the start
-of each assistant message's content to the end of its rendered turn, end-of-turn markup included)
-or the completion, and its closing end-of-document token; with ``data.train_on_prompt`` all of them.
-The rendered turn of message i is render(messages[:i+1]) minus render(messages[:i]), so a template
-must render conversations incrementally (every template of a chat model does).
+Labels: an example's tokens are trained on (mask 1) only inside the assistant turns or the
+completion, and its closing end-of-document token; with ``data.train_on_prompt`` all of them. A
+template that marks the assistant's text with ``{% generation %}`` blocks (what transformers'
+``return_assistant_tokens_mask`` and TRL's assistant-only loss read) has exactly those trained, from
+one render of the whole conversation. Otherwise the rendered turn of message i is
+render(messages[:i+1]) minus render(messages[:i]), so the template must render conversations
+incrementally (most chat models' do), and the assistant's part of it starts after the header the
+template's generation prompt writes (render(messages[:i]) with ``add_generation_prompt``: Llama 3's
+``<|start_header_id|>assistant<|end_header_id|>\n\n``, ChatML's ``<|im_start|>assistant\n``), the
+end-of-turn markup included.
+
+Templates render as in transformers: a sandbox with ``trim_blocks`` and ``lstrip_blocks``, loop
+controls, its ``tojson`` (insertion order, non-ASCII kept), ``raise_exception`` and
+``strftime_now``, and the special tokens of ``tokenizer_config.json`` (else
+``special_tokens_map.json``).
 
 An example longer than ``seq_len + 1`` tokens is cut to that length (``data.overlong = "truncate"``)
 or left out (``"drop"``); both are counted. A cut that leaves no trained token is left out (counted
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +44,80 @@ from loom.config import ConfigError
 from loom.data.corpus import parse_json_line
 
 ROLES = ("system", "user", "assistant", "tool")
-Render = Callable[[list[dict[str, str]]], str]
+# the labelling rule's version, in prepared data's cache key: 2 = after the generation prompt's header,
+# or the template's {% generation %} blocks (1 searched the content from the turn's start)
+LABELS_VERSION = 2
+Render = Callable[..., str]  # (messages, generation_prompt=...) -> text
+ASSISTANT = "<|assistant|>\n"  # the built-in template's opening of an assistant turn
+# private-use characters bracketing what a template's {% generation %} blocks write (then removed)
+GEN_OPEN, GEN_CLOSE = "\ue000", "\ue001"
 
 
-def builtin_render(messages: list[dict[str, str]]) -> str:
-    """The built-in template: ``<|role|>\\ncontent\\n`` for each message."""
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+def builtin_render(messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
+    """The built-in template: ``<|role|>\\ncontent\\n`` for each message (and :data:`ASSISTANT` with
+    ``generation_prompt``)."""
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    return text + (ASSISTANT if generation_prompt else "")
+
+
+def generation_spans(text: str) -> tuple[str, list[tuple[int, int]]]:
+    """``text`` without the :data:`GEN_OPEN` / :data:`GEN_CLOSE` marks, and the spans they bracketed."""
+    out: list[str] = []
+    spans: list[tuple[int, int]] = []
+    at, start = 0, -1
+    for ch in text:
+        if ch == GEN_OPEN:
+            start = at
+        elif ch == GEN_CLOSE:
+            if start >= 0:
+                spans.append((start, at))
+            start = -1
+        else:
+            out.append(ch)
+            at += 1
+    return "".join(out), spans
+
+
+def _environment() -> Any:
+    """A Jinja sandbox as transformers renders chat templates in (the module doc)."""
+    from jinja2 import TemplateError, nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}``: its output bracketed by the generation marks."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller: Callable[[], str]) -> str:
+            return GEN_OPEN + caller() + GEN_CLOSE
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def template_render(tokenizer_path: str, generation_prompt: bool = False) -> Render | None:
@@ -72,27 +151,37 @@ def template_render(tokenizer_path: str, generation_prompt: bool = False) -> Ren
         return None
     try:
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise ConfigError(
             f"data.tokenizer: {where} has a chat template; rendering it needs jinja2 (pip install jinja2)"
         ) from None
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
     try:
-        compiled = env.from_string(template)
+        compiled = _environment().from_string(template)
     except TemplateError as e:
         raise ConfigError(f"data.tokenizer: the chat template of {where} does not compile ({e})") from None
-    special = {k: _token_text(tcfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    smap = _read_json_object(d / "special_tokens_map.json")  # an older save keeps them there only
+    special = {
+        k: _token_text(tcfg.get(k)) or _token_text(smap.get(k))
+        for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+    }
 
-    def render(messages: list[dict[str, str]]) -> str:
-        return compiled.render(messages=messages, add_generation_prompt=generation_prompt, **special)
+    def render(
+        messages: list[dict[str, str]], generation_prompt: bool = generation_prompt, marks: bool = False
+    ) -> str:
+        """The conversation as the template writes it (``marks``: with its {% generation %} marks)."""
+        text = compiled.render(messages=messages, add_generation_prompt=generation_prompt, **special)
+        return text if marks else text.replace(GEN_OPEN, "").replace(GEN_CLOSE, "")
 
     return render
+
+
+def _read_json_object(path: Path) -> dict:
+    """A JSON object file's content, or {} where it is missing or not one."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
 
 
 def _token_text(value: Any) -> str:
@@ -156,19 +245,38 @@ def segments(
             )
     if not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"data.source: {where} has no assistant turn: nothing to train on")
+    if render is not builtin_render:
+        text, marked = generation_spans(render(messages, marks=True))
+        if marked:  # the template says which text is the assistant's ({% generation %})
+            return text, marked
     spans, prev = [], ""
     for i, m in enumerate(messages):
         cur = render(messages[: i + 1])
         if not cur.startswith(prev):
             raise ConfigError(
                 f"data.tokenizer: the chat template does not render {where} turn by turn (turn {i} "
-                "changes the text before it); use a template that extends the conversation"
+                "changes the text before it); use a template that extends the conversation, or one "
+                "that marks the assistant's text with {% generation %} blocks"
             )
         if m["role"] == "assistant":
-            at = cur.find(m["content"], len(prev)) if m["content"] else -1
-            spans.append((at if at >= 0 else len(prev), len(cur)))
+            spans.append((_answer_start(render, messages[:i], prev, cur, m["content"]), len(cur)))
         prev = cur
     return prev, spans
+
+
+def _answer_start(render: Render, before: list[dict[str, str]], prev: str, cur: str, content: str) -> int:
+    """Where the assistant's part of its rendered turn ``cur`` (after ``prev``) starts: after the
+    header the template's generation prompt writes for it, where ``cur`` begins with it; else (a
+    template whose prompt differs from its turns) where ``content`` first occurs in the turn, else
+    where the turn starts."""
+    try:
+        head = render(before, generation_prompt=True)
+    except Exception:  # a template that refuses a conversation ending before an assistant turn
+        head = ""
+    if len(head) > len(prev) and cur.startswith(head):
+        return len(head)
+    at = cur.find(content, len(prev)) if content else -1
+    return at if at >= 0 else len(prev)
 
 
 def encode_example(

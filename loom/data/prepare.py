@@ -32,7 +32,14 @@ import numpy as np
 from tqdm import tqdm
 
 from loom.config import ConfigError, DataConfig
-from loom.data.chat import ExampleEncoder, builtin_render, read_records, segments, template_render
+from loom.data.chat import (
+    LABELS_VERSION,
+    ExampleEncoder,
+    builtin_render,
+    read_records,
+    segments,
+    template_render,
+)
 from loom.data.corpus import (
     STDLIB,
     DecodeStats,
@@ -307,6 +314,7 @@ def cache_key(cfg: DataConfig) -> dict[str, Any]:
             if cfg.format == "text"
             else {  # examples: labels and lengths depend on these too
                 "data_format": cfg.format,
+                "labels": LABELS_VERSION,  # which tokens are trained: a cache of the old rule is stale
                 "train_on_prompt": cfg.train_on_prompt,
                 "overlong": cfg.overlong,
                 "seq_len": cfg.seq_len,
@@ -443,7 +451,7 @@ def _unwritable(e: OSError, final: Path, field: str) -> ConfigError:
 
 # cache_key entries that are data.* fields of another name; "format" (the file format's version) and
 # "corpus" (the source's fingerprint) are none
-_KEY_FIELDS = {"data_format": "format", "format": "", "corpus": ""}
+_KEY_FIELDS = {"data_format": "format", "format": "", "corpus": "", "labels": ""}
 
 
 def _reuse(final: Path, cfg: DataConfig, explicit: frozenset[str] = frozenset()) -> PreparedData:

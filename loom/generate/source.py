@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from loom.model.hf import HFModel
 
 PREFIX = "model."  # names of the model's tensors in a checkpoint (loom.checkpoint.convert)
-ASSISTANT = "<|assistant|>\n"  # the built-in template's opening of an assistant turn
 
 
 @dataclass
@@ -55,7 +54,7 @@ class Source:
     def render(self, messages: list[dict[str, str]]) -> str:
         """The chat prompt: the conversation so far and the opening of the assistant's turn."""
         render = template_render(self.template, generation_prompt=True) if self.template else None
-        return render(messages) if render is not None else builtin_render(messages) + ASSISTANT
+        return render(messages) if render is not None else builtin_render(messages, generation_prompt=True)
 
     def encode(self, prompt: Prompt, chat: bool, where: str = "--prompt") -> list[int]:
         """Token ids of a prompt: chat messages (or a text as one user turn, with ``chat``) rendered

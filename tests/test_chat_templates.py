@@ -1,0 +1,102 @@
+"""Chat templates render and label as ``transformers`` does: the assistant's header is never trained
+(Llama 3's ``| trim``, an empty answer, an answer that the header happens to contain), a template's
+``{% generation %}`` blocks say exactly which tokens are trained (``return_assistant_tokens_mask``),
+and ``tojson``, loop controls, ``strftime_now`` and special tokens kept only in
+``special_tokens_map.json`` render the same text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+
+from loom.data.chat import encode_example, segments, template_render
+from loom.data.tokenizer import train_tokenizer
+
+SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|endoftext|>"]
+TURN = "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+LLAMA3 = (  # as Llama 3's own template: every content trimmed
+    "{{ bos_token }}{% for m in messages %}" + TURN + "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+LLAMA3_MARKED = (  # the same, the assistant's text in {% generation %} blocks (TRL's assistant-only loss)
+    "{{ bos_token }}{% for m in messages %}" + TURN + "{% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] | trim }}<|eot_id|>{% endgeneration %}{% else %}{{ m['content'] | trim }}<|eot_id|>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+MESSAGES = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "how are you?"},
+    {"role": "assistant", "content": " fine thanks\n"},  # trimmed by the template
+    {"role": "user", "content": "and?"},
+    {"role": "assistant", "content": ""},  # an empty answer
+    {"role": "user", "content": "say it"},
+    {"role": "assistant", "content": "assistant"},  # the header holds the answer's text
+]
+
+
+def _tokenizer_dir(path, template: str, config: dict | None = None):
+    path.mkdir()
+    tok = train_tokenizer(["how are you? fine thanks and say it be brief assistant system user"] * 8, 300)
+    tok.add_special_tokens(SPECIAL)
+    tok.save(str(path / "tokenizer.json"))
+    cfg = {"chat_template": template, "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg | (config or {})))
+    return tok
+
+
+def _trained(text: str, spans: list[tuple[int, int]]) -> list[str]:
+    return [text[a:b] for a, b in spans]
+
+
+@pytest.mark.parametrize("template", [LLAMA3, LLAMA3_MARKED], ids=["turn by turn", "generation blocks"])
+def test_only_the_answer_and_its_end_of_turn_are_trained(tmp_path, template):
+    _tokenizer_dir(tmp_path / "tok", template)
+    text, spans = segments({"messages": MESSAGES}, "x", "chat", template_render(str(tmp_path / "tok")))
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system")
+    assert _trained(text, spans) == ["fine thanks<|eot_id|>", "<|eot_id|>", "assistant<|eot_id|>"]
+
+
+def test_generation_blocks_train_the_tokens_transformers_marks(tmp_path):
+    tok = _tokenizer_dir(tmp_path / "tok", LLAMA3_MARKED)
+    theirs = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path / "tok")
+    out = theirs.apply_chat_template(
+        MESSAGES, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    text, spans = segments({"messages": MESSAGES}, "x", "chat", template_render(str(tmp_path / "tok")))
+    ids, mask = encode_example(tok, text, spans, tok.token_to_id("<|endoftext|>"), train_on_prompt=False)
+    assert ids[:-1] == out["input_ids"]  # Loom appends its end-of-document token, trained
+    assert mask[:-1] == out["assistant_masks"] and mask[-1] == 1
+    assert sum(mask[:-1]) > 3
+
+
+def test_templates_render_as_transformers_renders_them(tmp_path):
+    """tojson (insertion order, non-ASCII and <&' kept), {% break %}, strftime_now; a bos_token kept
+    only in special_tokens_map.json (an older save)."""
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}"
+        "[{{ m['role'] }}] {{ m['content'] }}{% if m.get('tool_calls') %} {{ m['tool_calls'] | tojson }}"
+        "{% endif %}\n{% endfor %}{{ strftime_now('%Y') }}"
+    )
+    d = tmp_path / "tok"
+    _tokenizer_dir(d, template)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["bos_token"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>"}))
+    messages = [
+        {"role": "user", "content": "find it"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"name": "search", "arguments": {"q": "a<b & c'd", "n": "é"}}],
+        },
+        {"role": "tool", "content": "found"},
+        {"role": "assistant", "content": "cut by the break"},
+    ]
+    theirs = transformers.PreTrainedTokenizerFast.from_pretrained(d)
+    want = theirs.apply_chat_template(messages, tokenize=False)
+    assert template_render(str(d))(messages) == want
+    assert '{"q": "a<b & c\'d", "n": "é"}' in want and want.startswith("<|begin_of_text|>")
