@@ -450,6 +450,24 @@ def test_lora_checkpoint_holds_adapters_optimizer_and_base_reference(lora_run, h
     assert base == {"kind": "hf", "path": str(hf_base.resolve()), "sha256": hf_dir_sha256(hf_base)}
 
 
+def test_init_from_a_lora_run_or_an_adapter_says_what_to_give_instead(lora_run, hf_base, tmp_path):
+    """A LoRA checkpoint holds adapters, not weights to start from; a PEFT adapter directory holds no
+    checkpoint: each is one line naming train.init_from and what to give instead."""
+    from loom.model.hf import open_dir
+    from loom.model.llama import Transformer
+    from loom.train.init_from import initial_source
+
+    run, _ = lora_run
+    model = Transformer(open_dir(hf_base).config)
+    with pytest.raises(C.ConfigError, match=r"train.init_from: .* is a LoRA run's checkpoint.*--merge-lora"):
+        initial_source(model, run / "checkpoints" / "step-00000004")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(C.ConfigError, match=r"train.init_from: .*holds no checkpoint \(a PEFT adapter"):
+        initial_source(model, adapter)
+
+
 def test_lora_resume_is_exact(lora_run, prepared, hf_base, tmp_path):
     """Resumed from step 2, steps 3-4 give the losses and the adapters of the uninterrupted run."""
     import shutil

@@ -18,6 +18,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from loom.checkpoint.format import CheckpointError
 from loom.checkpoint.load import CheckpointReader
 from loom.checkpoint.protocol import Box
 from loom.config import ConfigError, LoomConfig, ModelConfig
@@ -100,7 +101,17 @@ class CheckpointSource:
     ``model.<name>``, read from whatever files hold it (the checkpoint verified once, when opened)."""
 
     def __init__(self, path: Path, model: nn.Module, check: bool = True) -> None:
-        self.reader = CheckpointReader(path, check=check)
+        try:
+            self.reader = CheckpointReader(path, check=check)
+        except CheckpointError as e:
+            kind = ""
+            if "holds no checkpoint" in str(e):  # not a damaged checkpoint: another kind of directory
+                kind = (
+                    " (a PEFT adapter: merge it into its base first)"
+                    if (path / "adapter_config.json").is_file()
+                    else " (give a run directory, one of its checkpoints, or a Hugging Face model directory)"
+                )
+            raise ConfigError(f"train.init_from: {e}{kind}") from None
         saved = int(((self.reader.train_state.get("config") or {}).get("model") or {}).get("vocab_size") or 0)
         vocab = int(getattr(getattr(model, "cfg", None), "vocab_size", 0) or 0)
         if saved and vocab and saved != vocab:  # padding may differ (resized), the token ids may not
@@ -108,6 +119,13 @@ class CheckpointSource:
                 f"train.init_from: {self.reader.dir} was trained with a vocabulary of {saved:,} tokens, "
                 f"this run's has {vocab:,} (another tokenizer: its rows would be other tokens' vectors); "
                 "give data.tokenizer the tokenizer.json of the run it comes from"
+            )
+        base = self.reader.train_state.get("finetune_base")
+        if base and not any(n.startswith(PREFIX) and "lora_" not in n for n in self.reader.names()):
+            raise ConfigError(
+                f"train.init_from: {self.reader.dir} is a LoRA run's checkpoint, its adapters only (on the "
+                f"base {base.get('path', '?')}); start from the merged model it exports (loom export hf "
+                "RUN OUT --merge-lora, then model.from_hf or train.init_from OUT)"
             )
         have = set(self.reader.names())
         for name, param in model.named_parameters():
