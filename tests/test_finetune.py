@@ -468,6 +468,17 @@ def test_init_from_a_lora_run_or_an_adapter_says_what_to_give_instead(lora_run, 
         initial_source(model, adapter)
 
 
+def test_convert_of_a_lora_run_is_refused_naming_what_writes_its_model(lora_run, tmp_path):
+    """A "consolidated model" of a LoRA checkpoint would be its adapters alone: refused, nothing written."""
+    from loom.checkpoint.convert import convert
+    from loom.checkpoint.format import CheckpointError
+
+    run, _ = lora_run
+    with pytest.raises(CheckpointError, match=r"holds LoRA adapters only .*--merge-lora"):
+        convert(run, tmp_path / "model.safetensors")
+    assert not list(tmp_path.iterdir())
+
+
 def test_lora_resume_is_exact(lora_run, prepared, hf_base, tmp_path):
     """Resumed from step 2, steps 3-4 give the losses and the adapters of the uninterrupted run."""
     import shutil

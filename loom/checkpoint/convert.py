@@ -102,6 +102,13 @@ def convert(
         if not replace:
             check_new_output(out, directory=False, error=CheckpointError)
             check_outside_checkpoints(out, "the consolidated file")
+        base = reader.train_state.get("finetune_base")
+        if base:  # its model.* tensors are the adapters: a "consolidated model" of them would be no model
+            raise CheckpointError(
+                f"{reader.dir}: holds LoRA adapters only (on the base {base.get('path', '?')}); the run's "
+                "checkpoints/final/model.safetensors is its merged model, `loom export hf RUN OUT --merge-lora` "
+                "writes one for Hugging Face, `loom export peft` the adapters"
+            )
         names = sorted(n[len(PREFIX) :] for n in reader.names() if n.startswith(PREFIX))
         if not names:
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")
