@@ -294,6 +294,7 @@ def _run_rank(cfg_dict: dict[str, Any], run) -> dict[str, float]:
     # only rank 0 draws bars: a thread lock, not tqdm's default named semaphore, which a killed rank
     # leaks (the launcher's resource tracker then prints a two-line warning after its one line)
     tqdm.set_lock(threading.RLock())
+    _fault_dumps_to_file(Path(cfg_dict["run"]["dir"]))
     restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     from loom.train.health import CollectiveFailure
 
@@ -306,6 +307,30 @@ def _run_rank(cfg_dict: dict[str, Any], run) -> dict[str, float]:
             time.sleep(float(cfg_dict["run"]["timeout_s"]))
         get_error_handler().record_exception(e)  # what @record would write: the launcher's one line
         leave_now(1)
+
+
+_FAULT_FILE: list[Any] = []  # the open file the fault handler writes to (kept for the process's life)
+
+
+def fault_dump_path(run_dir: Path, rank: int) -> Path:
+    """Where a rank's Python stacks go when it dies of a signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT)."""
+    return run_dir / "logs" / f"rank-{rank}-fault.txt"
+
+
+def _fault_dumps_to_file(run_dir: Path) -> None:
+    """Point the fault handler (``@record`` enables it on stderr, every thread) at this rank's
+    :func:`fault_dump_path`: a rank killed by a signal then leaves the launcher's one line on the
+    terminal, not ~70 lines of every thread's stack; stderr stays the fallback if the file cannot be made."""
+    import faulthandler
+
+    try:
+        path = fault_dump_path(run_dir, int(os.environ.get("RANK", "0")))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = path.open("w")
+    except OSError:
+        return
+    _FAULT_FILE[:] = [f]
+    faulthandler.enable(file=f, all_threads=True)
 
 
 def leave_now(code: int) -> NoReturn:
@@ -864,7 +889,7 @@ def failure_line(failures: dict, run_dir: Path) -> str:
         else:
             groups.setdefault(
                 f"rank {rank} (local {failure.local_rank}, pid {failure.pid}) failed with exit code "
-                f"{failure.exitcode}: {text}",
+                f"{failure.exitcode}: {text}{_fault_note(run_dir, rank) if failure.exitcode < 0 else ''}",
                 [],
             ).append("" if path is None else f"traceback in {path}")
     parts = [
@@ -902,6 +927,15 @@ def _failure_message(failure) -> str:
     if failure.signal_name() not in ("", "<N/A>", None) and failure.exitcode < 0:
         text = f"killed by {failure.signal_name()}"
     return text
+
+
+def _fault_note(run_dir: Path, rank: int) -> str:
+    """``; stacks in PATH`` when the rank's fault handler wrote its threads' stacks there."""
+    path = fault_dump_path(run_dir, rank)
+    try:
+        return f"; its stacks: {path}" if path.stat().st_size > 0 else ""
+    except OSError:
+        return ""
 
 
 def main_train(cfg: C.LoomConfig, max_restarts: int = 0, nodes: Nodes | None = None) -> int:

@@ -200,3 +200,20 @@ def test_a_launcher_value_with_a_newline_or_space_is_quoted_on_one_line(monkeypa
     with pytest.raises(C.ConfigError) as e:
         check_launcher_env()
     assert "\n" not in str(e.value) and f"RANK=0 WORLD_SIZE={shown} describe" in str(e.value)
+
+
+def test_a_rank_killed_by_a_signal_leaves_its_stacks_in_a_file_not_on_the_terminal(tmp_path):
+    """@record turns the fault handler on for stderr (every thread: ~70 lines per rank on SIGBUS); a
+    rank points it at run.dir/logs/rank-r-fault.txt, which the launcher's one line names."""
+    import subprocess
+    import sys
+
+    code = (
+        "import faulthandler, os, sys; from pathlib import Path; faulthandler.enable(all_threads=True); "
+        "from loom.launch import _fault_dumps_to_file; os.environ['RANK'] = '3'; "
+        f"_fault_dumps_to_file(Path({str(tmp_path)!r})); faulthandler._sigsegv()"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode < 0 and 'File "' not in out.stderr and "Segmentation" not in out.stderr
+    dump = (tmp_path / "logs" / "rank-3-fault.txt").read_text()
+    assert "Segmentation fault" in dump and 'File "<string>"' in dump
