@@ -329,3 +329,16 @@ def test_kubernetes_names_that_coincide_are_refused(tmp_path, capsys):
     assert "jobs 'a_b' and 'a.b': both are Kubernetes resources 'loom-a-b'" in err and err.count("\n") == 1
     assert not out.exists()
     assert main(["slurm", "--allocation", str(alloc), "--out", str(out)]) == 0  # sbatch: distinct files
+
+
+def test_the_docs_job_on_the_debug_preset_gets_the_planners_throughput(tmp_path):
+    """docs/cluster.md's job (config = "debug", no throughput table): the preset leaves its model's
+    vocabulary to the tokenizer, which the planner now takes as loom train does (data.vocab_size);
+    the job was refused as running "on no rank count of the cluster"."""
+    from loom.cluster.formats import Cluster
+    from loom.cluster.run import load_jobs
+
+    jobs = _jobs_file(tmp_path / "jobs.toml", [{"name": "a", "config": "debug", "steps": 2}])
+    (job,) = load_jobs(jobs, Cluster({"cpu": 2}))
+    assert job.cfg.model.vocab_size == 0 and set(job.throughput["cpu"]) == {1, 2}
+    assert all(v > 0 for v in job.throughput["cpu"].values())

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -81,6 +82,20 @@ class RealJob:
             throughput=self.throughput,
             lr=self.cfg.train.lr,
         )
+
+
+def _planned_model(cfg: C.LoomConfig) -> C.ModelConfig:
+    """The model the planner prices for ``cfg``: a vocabulary left to the tokenizer (``model.vocab_size
+    = 0``, the debug preset's) is the given tokenizer's, else the one trained here (``data.vocab_size``),
+    as loom train resolves it."""
+    if cfg.model.vocab_size > 0:
+        return cfg.model
+    vocab = cfg.data.vocab_size
+    if cfg.data.tokenizer:
+        from loom.data.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size()
+    return dataclasses.replace(cfg.model, vocab_size=vocab)
 
 
 def _config(at: str, d: dict[str, Any]) -> C.LoomConfig:
@@ -198,7 +213,7 @@ def load_jobs(path: str | Path, cluster: Cluster) -> list[RealJob]:
                 row = {}
                 for n in (n for n in valid if n <= cluster.devices[t]):
                     s = planner_step_time(
-                        cfg.model, cfg.train.global_batch, cfg.data.seq_len, _precision(cfg, t), t, n,
+                        _planned_model(cfg), cfg.train.global_batch, cfg.data.seq_len, _precision(cfg, t), t, n,
                         per_node, cluster.profile(t),
                     )  # fmt: skip
                     if math.isfinite(s):
