@@ -334,6 +334,11 @@ def main(argv: list[str], cluster_of) -> int:
             if value < low:
                 raise PlanError(f"{flag}: must be >= {low}{note}, got {value}")
         cfg = C.load(args.config, overrides)
+        if args.seq > cfg.model.max_seq_len:  # loom train refuses it; raised here, a step could run for hours
+            raise PlanError(
+                f"--seq {args.seq}: exceeds model.max_seq_len = {cfg.model.max_seq_len} of the config; give "
+                f"--model.max_seq_len {args.seq} to verify that length"
+            )
         cluster = cluster_of(args, "h100-8x8")
         if args.layout == "best":
             from loom.plan.search import search
