@@ -205,11 +205,33 @@ def _check_hpz_nodes(cfg: C.LoomConfig, local_world: int) -> None:
         raise C.ConfigError(problem)
 
 
+# what a run writes in run.dir, and whether each is a directory
+RUN_ENTRIES = {
+    "config.toml": False,
+    "metrics.jsonl": False,
+    "tokenizer.json": False,
+    "data.json": False,
+    "trackers.json": False,
+    "checkpoints": True,
+    "heartbeat": True,
+    "logs": True,
+    "tensorboard": True,
+    "profile": True,
+}
+
+
 def _check_run_dir(cfg: C.LoomConfig) -> None:
     """``run.dir`` is (or can become) a writable directory, and a checkpoint to resume exists."""
     d = cfg.run.dir
     if Path(d).expanduser().exists() and not Path(d).expanduser().is_dir():
         raise C.ConfigError(f"run.dir: {d!r} is a file, not a directory")
+    for name, is_dir in RUN_ENTRIES.items():  # found by the ranks, after they started, before
+        entry = Path(d).expanduser() / name
+        if entry.exists() and entry.is_dir() != is_dir:
+            kind, want = ("a directory", "a file") if entry.is_dir() else ("a file", "a directory")
+            raise C.ConfigError(
+                f"run.dir: {str(entry)!r} is {kind}, where a run keeps {want}; move it, or choose another run.dir"
+            )
     problem = C._unwritable(d)
     if problem is not None:
         raise C.ConfigError(f"run.dir: {problem}")

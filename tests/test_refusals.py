@@ -446,6 +446,12 @@ def _run_dir_is_a_file(c: Ctx):
     return c.train(run=c.tmp / "afile"), ["run.dir", str(c.tmp / "afile")]
 
 
+def _run_dir_entry_of_another_kind(c: Ctx):
+    run = c.tmp / "run"
+    (run / "metrics.jsonl").mkdir(parents=True)  # a directory where the run appends its rows
+    return c.train(run=run), ["run.dir", str(run / "metrics.jsonl"), "is a directory"]
+
+
 def _run_dir_under_a_file(c: Ctx):
     (c.tmp / "afile").write_text("x")
     return c.train(run=c.tmp / "afile" / "run"), ["run.dir", str(c.tmp / "afile")]
@@ -858,6 +864,7 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("verify: nothing prepared", _verify_unprepared, 2),
     # run directory
     ("run.dir is a file", _run_dir_is_a_file, 2),
+    ("run.dir entry of another kind", _run_dir_entry_of_another_kind, 2),
     ("run.dir under a file", _run_dir_under_a_file, 2),
     ("run.dir in use", _run_dir_in_use, 2),
     ("resume on other data", _resume_other_data, 2),
