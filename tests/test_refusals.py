@@ -582,7 +582,20 @@ def _generate_bad_config(c: Ctx):
 def _generate_bad_tokenizer(c: Ctx):
     run = c.copy_run()
     (run / "tokenizer.json").write_text('{"version": "nope"}')
-    return ["generate", "--run.dir", str(run)], ["data.tokenizer", str(run / "tokenizer.json")]
+    return ["generate", "--run.dir", str(run)], [str(run / "tokenizer.json"), "not the tokenizer this run"]
+
+
+def _another_tokenizer(c: Ctx, command: str):
+    """A run whose tokenizer.json was replaced by another valid one (another corpus's): prompts would
+    encode, and exports ship, another tokenizer's ids for the same weights."""
+    run = c.copy_run()
+    shutil.copyfile(c.w.other_data / "tokenizer.json", run / "tokenizer.json")
+    argv = (
+        ["generate", "--run.dir", str(run)]
+        if command == "generate"
+        else ["export", "hf", str(run), str(c.tmp / "hf")]
+    )
+    return argv, [str(run / "tokenizer.json"), "not the tokenizer this run trained with", "data.json"]
 
 
 def _generate_missing(c: Ctx):
@@ -929,6 +942,8 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("generate: final model of other weights", _generate_final_of_other_weights, 2),
     ("generate: config.toml broken", _generate_bad_config, 2),
     ("generate: tokenizer.json broken", _generate_bad_tokenizer, 2),
+    ("generate: tokenizer.json of another run", lambda c: _another_tokenizer(c, "generate"), 2),
+    ("export hf: tokenizer.json of another run", lambda c: _another_tokenizer(c, "export"), 2),
     ("generate: no such run", _generate_missing, 2),
     ("generate: empty run.dir", lambda c: (["generate", "--run.dir", ""], ["run.dir"]), 2),
     (

@@ -354,3 +354,27 @@ def check_train_state(ts: dict, path: Path) -> None:
         if not isinstance(value, (bool, int, float)):
             raise _bad(path, f"loss_scale.{key}", value, "must be a number or a boolean")
     _object(ts, "finetune_base", path, "finetune_base", null=True)
+
+
+DATA_IDENTITY = "data.json"  # run.dir: SHA-256 of the tokenizer and token files the run trained on
+
+
+def check_run_tokenizer(run_dir: Path) -> None:
+    """``run_dir/tokenizer.json`` is the tokenizer the run trained with: the SHA-256 that its
+    :data:`DATA_IDENTITY` recorded (a run without one is not checked). A replaced file would encode
+    prompts, and ship in exports, as another tokenizer's ids for the same weights."""
+    import hashlib
+
+    tok, ident = run_dir / "tokenizer.json", run_dir / DATA_IDENTITY
+    try:
+        want = json.loads(ident.read_text()).get("tokenizer") if ident.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return  # an unreadable record: the run's own checks report it
+    if not isinstance(want, str) or not want or not tok.is_file():
+        return
+    have = hashlib.sha256(tok.read_bytes()).hexdigest()
+    if have != want:
+        raise CheckpointError(
+            f"{tok}: not the tokenizer this run trained with (sha256 {have[:12]}; {ident} records "
+            f"{want[:12]}); put the run's tokenizer back"
+        )

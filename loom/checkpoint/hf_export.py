@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from loom import config as C
-from loom.checkpoint.format import CheckpointError, check_outside_checkpoints, fsync_dir
+from loom.checkpoint.format import CheckpointError, check_outside_checkpoints, check_run_tokenizer, fsync_dir
 from loom.checkpoint.load import CheckpointReader
 from loom.model.hf import (
     INDEX,
@@ -268,6 +268,7 @@ def export_hf(
                 "export merged weights with --merge-lora, or the adapters with `loom export peft`"
             )
         reader = opened if wrap is None else wrap(opened)
+        check_run_tokenizer(opened.dir.parent.parent)  # the tokenizer it ships: before anything is written
         architecture_of(
             cfg.model
         )  # a model no Hugging Face family holds fails here, before anything is written

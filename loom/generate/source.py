@@ -28,7 +28,14 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from loom import config as C
-from loom.checkpoint.format import LATEST, TRAIN_STATE, CheckpointError, check_header, read_json
+from loom.checkpoint.format import (
+    LATEST,
+    TRAIN_STATE,
+    CheckpointError,
+    check_header,
+    check_run_tokenizer,
+    read_json,
+)
 from loom.data.chat import builtin_render, template_render
 from loom.data.tokenizer import EOT_CANDIDATES, load_tokenizer
 from loom.generate.options import Prompt
@@ -129,6 +136,7 @@ def load_run(run_dir: str) -> Source:
             f"model.vocab_size: {d / 'config.toml'} records {cfg.model.vocab_size}; a trained run "
             "records its vocabulary"
         )
+    check_run_tokenizer(d)
     tok = load_tokenizer(d / "tokenizer.json")
     merged = verify_final(d, weights, cfg)
     if cfg.finetune.method != "full" and not merged:  # a file of adapters (loom checkpoint convert)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from loom import config as C
+from loom.checkpoint.format import DATA_IDENTITY
 from loom.data import PreparedData, prepare_data
 from loom.device import default_threads, resolve_backend, resolve_device
 from loom.mesh import world_gloo_group
@@ -215,9 +216,6 @@ def initial_model(cfg: C.LoomConfig, device: torch.device) -> tuple[torch.nn.Mod
         source, what = initial_source(model, cfg.train.init_from)
         log.info("initial weights from %s", what)
     return model, source
-
-
-DATA_IDENTITY = "data.json"
 
 
 def data_identity(data: PreparedData) -> dict[str, str]:
