@@ -477,8 +477,14 @@ def _naming(where: str):
 
 
 def _no_empty_paths(argv: list[str]) -> None:
-    if any(not a.strip() for a in argv):
-        raise C.ConfigError("an empty path was given; name a checkpoint or run directory and an output path")
+    """An empty argument is refused naming it: an option's value by the option, else a path."""
+    for i, a in enumerate(argv):
+        if not a.strip():
+            if i > 0 and argv[i - 1].startswith("--"):
+                raise C.ConfigError(f"{argv[i - 1]}: an empty value was given")
+            raise C.ConfigError(
+                "an empty path was given; name a checkpoint or run directory and an output path"
+            )
 
 
 def _output_lock(out: str | None):

@@ -943,6 +943,14 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("generate: config.toml broken", _generate_bad_config, 2),
     ("generate: tokenizer.json broken", _generate_bad_tokenizer, 2),
     ("generate: tokenizer.json of another run", lambda c: _another_tokenizer(c, "generate"), 2),
+    (
+        "export hf: an empty option value",
+        lambda c: (
+            ["export", "hf", str(c.w.run), str(c.tmp / "o"), "--dtype", ""],
+            ["--dtype", "empty value"],
+        ),
+        2,
+    ),
     ("export hf: tokenizer.json of another run", lambda c: _another_tokenizer(c, "export"), 2),
     ("generate: no such run", _generate_missing, 2),
     ("generate: empty run.dir", lambda c: (["generate", "--run.dir", ""], ["run.dir"]), 2),
