@@ -207,7 +207,6 @@ def _check_hpz_nodes(cfg: C.LoomConfig, local_world: int) -> None:
 
 # what a run writes in run.dir, and whether each is a directory
 RUN_ENTRIES = {
-    "config.toml": False,
     "metrics.jsonl": False,
     "tokenizer.json": False,
     "data.json": False,

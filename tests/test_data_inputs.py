@@ -201,8 +201,8 @@ def test_train_shows_truncated_and_dropped_once(tmp_path):
 
 
 def test_train_says_the_corpus_cap_once(tmp_path):
-    """`loom train` on a corpus data.max_corpus_mb cuts: the launcher prepares it, rank 0 reuses it and
-    says where the cap stopped reading, once (the line meta.json's corpus_cut repeats)."""
+    """`loom train` on a corpus data.max_corpus_mb cuts: the launcher prepares it and says where the cap
+    stopped reading, once; rank 0, which reuses it, says nothing more (meta.json's corpus_cut keeps it)."""
     jl = tmp_path / "c.jsonl"
     jl.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))  # about 2.9 KB
     args = ["train", "configs/debug.toml", "--nproc", "1", "--run.dir", str(tmp_path / "run")]
@@ -213,5 +213,5 @@ def test_train_says_the_corpus_cap_once(tmp_path):
     assert out.returncode == 0, out.stderr
     said = out.stdout + out.stderr
     assert said.count("data.max_corpus_mb = 0.002: read only the first 0.002 MB") == 1, said
-    assert "[rank 0] data.max_corpus_mb = 0.002: read only the first 0.002 MB of text, of at least" in said
+    assert "\ndata.max_corpus_mb = 0.002: read only the first 0.002 MB of text, of at least" in "\n" + said
     assert f"of {jl}; raise it (0 = no cap) to read more" in said, said

@@ -322,7 +322,18 @@ def test_a_head_inside_the_loss_counts_one_chunk_of_logits(capsys):
     the planner counts one chunk of logits, not B·T·V of them (gpt-125m at seq 2048, mb 8 on an H100:
     the planner said 16,455 MiB, the allocator 9,288; docs/gpu/2026-11-27-h100-run1.md). Here the
     B·T·V term would predict 2.3x the measured peak."""
-    args = ["--config", "debug", "--devices", "1", "--device", "h100-sxm", "--seq", "1024"]
+    args = [
+        "--config",
+        "debug",
+        "--devices",
+        "1",
+        "--device",
+        "h100-sxm",
+        "--seq",
+        "1024",
+        "--model.max_seq_len",
+        "1024",
+    ]
     args += [
         "--layout",
         "dp1 tp1 pp1 cp1 ep1 zero0 1f1b:v1 mb2 recompute:none",

@@ -657,6 +657,12 @@ def check_intent(cfg: LoomConfig) -> None:
         f"train.warmup_steps: {t.warmup_steps} is not below train.steps = {t.steps}, so the learning rate "
         f"never reaches train.lr; give fewer warm-up steps (or more steps)",
     )
+    _require(  # a config file's data.vocab_size (a preset's) beside a given tokenizer is fine: it serves runs without
+        not ("data.vocab_size" in later and cfg.data.tokenizer and "data.tokenizer" in given),
+        f"data.vocab_size: has no effect with data.tokenizer = {cfg.data.tokenizer!r} (its own vocabulary is "
+        "the run's; data.vocab_size sizes a tokenizer trained here); leave data.vocab_size out "
+        "(model.vocab_size may pad the tokenizer's)",
+    )
     for name, setting, fix in _without_effect(cfg):
         section, key = name.split(".")
         value = getattr(getattr(cfg, section), key)
@@ -719,17 +725,6 @@ def _without_effect(cfg: LoomConfig) -> list[tuple[str, str, str]]:
                 "parallel.hpz_group",
                 "parallel.zeropp_hpz off (the ranks of ZeRO++ hpZ's partition)",
                 "give parallel.zeropp_hpz = true (with parallel.zero = 3), or leave it out",
-            )
-        )
-    from loom.config.parse import explicit
-
-    if cfg.data.tokenizer and "data.tokenizer" in explicit(cfg):  # model.from_hf's own: not the user's
-        out.append(
-            (
-                "data.vocab_size",
-                f"data.tokenizer = {cfg.data.tokenizer!r} (its own vocabulary is the run's; data.vocab_size "
-                "sizes a tokenizer trained here)",
-                "leave data.vocab_size out (model.vocab_size may pad the tokenizer's)",
             )
         )
     if "disk" not in (p.offload, p.offload_params):

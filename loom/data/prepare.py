@@ -385,11 +385,11 @@ def prepare_data(
     if cfg.sources:  # data.prepared_dir is not used: each source has its own cache directory
         return prepare_sources(cfg, progress)[0]
     if cfg.prepared_dir and (Path(cfg.prepared_dir).expanduser() / META).is_file():
-        return _repeat_notes(_reuse(Path(cfg.prepared_dir).expanduser(), cfg, explicit))
+        return _reuse(Path(cfg.prepared_dir).expanduser(), cfg, explicit)
     key = cache_key(cfg)
     final = Path(cfg.prepared_dir).expanduser() if cfg.prepared_dir else default_dir(cfg, key)
     if (final / META).is_file():
-        return _repeat_notes(PreparedData.load(final))
+        return PreparedData.load(final)
     field = _dir_field(cfg)
     if final.exists() and not final.is_dir():
         raise ConfigError(f"{field}: {str(final)!r} is a file, not a directory")
@@ -417,18 +417,6 @@ def prepare_data(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return PreparedData.load(final)
-
-
-def _repeat_notes(data: PreparedData) -> PreparedData:
-    """Say again, for prepared data that is reused, what reading its source left out (meta.json's
-    ``corpus_cut`` and ``unread_files``: the ``data.max_corpus_mb`` cap, files of other formats)."""
-    meta = data.meta()
-    try:
-        note_cut(_table(meta, "corpus_cut"), extra=REPEATED_BY_RANKS)
-        note_unread(str(meta.get("source", "")), _table(meta, "unread_files"), extra=REPEATED_BY_RANKS)
-    except (KeyError, TypeError, ValueError):  # a hand-edited meta.json: nothing to say again
-        pass
-    return data
 
 
 def _dir_field(cfg: DataConfig) -> str:
@@ -516,8 +504,8 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
         raise ConfigError(f"data.source: {cfg.source!r} holds no text{why}")
     warn_skipped(stats)
     cut, unread = stats.cut, unread_files(cfg.source)
-    note_cut(cut, extra=REPEATED_BY_RANKS)  # rank 0 of `loom train` says it again when it loads the data
-    note_unread(cfg.source, unread, extra=REPEATED_BY_RANKS)
+    note_cut(cut)  # said where the data is prepared (loom prepare, loom train's launcher); meta.json keeps it
+    note_unread(cfg.source, unread)
     if cfg.doc_separator and len(lengths) <= len(source_files(cfg.source)):
         log.warning(
             "data.doc_separator %r split no file of %s into documents (on a command line, write "
@@ -620,7 +608,7 @@ def _build_examples(cfg: DataConfig, key: dict[str, Any], out: Path, progress: b
 
     n = sum(1 for _ in examples())
     unread = unread_files(cfg.source)
-    note_unread(cfg.source, unread, extra=REPEATED_BY_RANKS)  # rank 0 of `loom train` says it again
+    note_unread(cfg.source, unread)
     if n < 2:
         raise ConfigError(
             f"data.source: {cfg.source!r} holds {n} example(s); at least 2 are needed (train and val)"

@@ -81,7 +81,12 @@ def _parser() -> argparse.ArgumentParser:
         "'dp16 tp8 pp8 cp1 ep1 zero1 sp interleaved:v5 mb1 recompute:none'",
     )
     p.add_argument("--rank", type=int, default=0, help="the rank to build and step (default 0)")
-    p.add_argument("--seq", type=int, default=256, help="sequence length of the step (default 256)")
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help="sequence length of the step (default 256, or the model's max_seq_len if shorter)",
+    )
     p.add_argument(
         "--microbatches", type=int, default=0, help="micro-batches of the step (default: the schedule's peak)"
     )
@@ -327,13 +332,15 @@ def main(argv: list[str], cluster_of) -> int:
     try:
         for flag, value, low, note in (  # each flag named itself, before it becomes a config field
             ("--devices", args.world, 1, ""),
-            ("--seq", args.seq, 2, ""),
+            ("--seq", 2 if args.seq is None else args.seq, 2, ""),
             ("--microbatches", args.microbatches, 0, " (0 = the schedule's peak)"),
             ("--rank", args.rank, 0, ""),
         ):
             if value < low:
                 raise PlanError(f"{flag}: must be >= {low}{note}, got {value}")
         cfg = C.load(args.config, overrides)
+        if args.seq is None:
+            args.seq = min(256, cfg.model.max_seq_len)
         if args.seq > cfg.model.max_seq_len:  # loom train refuses it; raised here, a step could run for hours
             raise PlanError(
                 f"--seq {args.seq}: exceeds model.max_seq_len = {cfg.model.max_seq_len} of the config; give "
