@@ -303,7 +303,10 @@ def _run_rank(cfg_dict: dict[str, Any], run) -> dict[str, float]:
     except CollectiveFailure as e:
         from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-        if e.after_peer:  # the launcher names that peer's error or exit, and stops this rank on seeing it
+        if e.after_peer:  # the launcher names that peer's error or exit, and stops this rank on seeing it:
+            # its SIGTERM ends the wait at once (a sleep resumes after a handler that returns, and the
+            # launcher then waits its 30 s grace before SIGKILL)
+            signal.signal(signal.SIGTERM, lambda *_: leave_now(1))
             time.sleep(float(cfg_dict["run"]["timeout_s"]))
         get_error_handler().record_exception(e)  # what @record would write: the launcher's one line
         leave_now(1)
