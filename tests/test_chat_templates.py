@@ -37,10 +37,10 @@ MESSAGES = [
 ]
 
 
-def _tokenizer_dir(path, template: str, config: dict | None = None):
+def _tokenizer_dir(path, template: str, config: dict | None = None, special: tuple[str, ...] = ()):
     path.mkdir()
     tok = train_tokenizer(["how are you? fine thanks and say it be brief assistant system user"] * 8, 300)
-    tok.add_special_tokens(SPECIAL)
+    tok.add_special_tokens([*SPECIAL, *special])
     tok.save(str(path / "tokenizer.json"))
     cfg = {"chat_template": template, "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
     (path / "tokenizer_config.json").write_text(json.dumps(cfg | (config or {})))
@@ -100,3 +100,72 @@ def test_templates_render_as_transformers_renders_them(tmp_path):
     want = theirs.apply_chat_template(messages, tokenize=False)
     assert template_render(str(d))(messages) == want
     assert '{"q": "a<b & c\'d", "n": "é"}' in want and want.startswith("<|begin_of_text|>")
+
+
+MISTRAL = (  # v0.3: no assistant header, " " + the trimmed answer + eos
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}[/INST]"
+    "{% else %} {{ m['content'] | trim }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+MISTRAL_MARKED = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}[/INST]"
+    "{% else %} {% generation %}{{ m['content'] | trim }}{{ eos_token }}{% endgeneration %}{% endif %}{% endfor %}"
+)
+PHI3 = (  # the eos_token closes a conversation without a generation prompt: renders are not prefixes
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% else %}{{ eos_token }}{% endif %}"
+)
+R1 = (  # DeepSeek-R1: the generation prompt opens the thinking, the turns do not
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<|User|>{{ m['content'] }}"
+    "{% else %}<|Assistant|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|Assistant|><think>\n{% endif %}"
+)
+TOOLS = (
+    "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}{% for m in messages %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+)
+CHAT = [
+    {"role": "user", "content": "how are you?"},
+    {"role": "assistant", "content": "fine thanks"},
+    {"role": "user", "content": "and?"},
+    {"role": "assistant", "content": ""},
+]
+
+
+def test_a_token_overlapping_the_answer_is_trained_as_transformers_marks_it(tmp_path):
+    """Mistral writes " " + answer: the token " fine" starts on the space, inside no span if a token must
+    start there; transformers marks every token a generation block overlaps, and so does Loom."""
+    tok = _tokenizer_dir(tmp_path / "plain", MISTRAL, {"eos_token": "<|endoftext|>"})
+    _tokenizer_dir(tmp_path / "marked", MISTRAL_MARKED, {"eos_token": "<|endoftext|>"})
+    theirs = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path / "marked")
+    want = theirs.apply_chat_template(
+        CHAT[:2], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    for d in ("plain", "marked"):
+        text, spans = segments({"messages": CHAT[:2]}, "x", "chat", template_render(str(tmp_path / d)))
+        ids, mask = encode_example(tok, text, spans, tok.token_to_id("<|endoftext|>"), train_on_prompt=False)
+        assert ids[:-1] == want["input_ids"] and mask[:-1] == want["assistant_masks"], d
+        assert tok.decode([i for i, m in zip(ids, mask) if m][:1]).strip() == "fine"
+
+
+def test_a_closing_eos_and_an_opened_thinking_never_hide_or_train_the_turns(tmp_path):
+    """Phi-3's template ends a conversation with eos_token, so a render is no prefix of the next: the
+    turns are read before it (it was refused); DeepSeek-R1's generation prompt adds <think>: the
+    assistant's header still is no part of the answer."""
+    _tokenizer_dir(tmp_path / "phi3", PHI3, special=("<|user|>", "<|assistant|>", "<|end|>"))
+    text, spans = segments({"messages": CHAT}, "x", "chat", template_render(str(tmp_path / "phi3")))
+    assert text.endswith("<|end|>\n<|eot_id|>")
+    assert _trained(text, spans) == ["fine thanks<|end|>\n", "<|end|>\n"]
+    _tokenizer_dir(tmp_path / "r1", R1, special=("<|User|>", "<|Assistant|>", "<|end|>"))
+    text, spans = segments({"messages": CHAT}, "x", "chat", template_render(str(tmp_path / "r1")))
+    assert _trained(text, spans) == ["fine thanks<|end|>", "<|end|>"]
+
+
+def test_a_records_tools_reach_the_template(tmp_path):
+    """A record's ``tools`` render as transformers renders them (``tools=`` of apply_chat_template)."""
+    d = tmp_path / "tok"
+    _tokenizer_dir(d, TOOLS, special=("<|user|>", "<|assistant|>", "<|end|>"))
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"city": "string"}}}]
+    text, _ = segments({"messages": CHAT[:2], "tools": tools}, "x", "chat", template_render(str(d)))
+    theirs = transformers.PreTrainedTokenizerFast.from_pretrained(d)
+    assert text == theirs.apply_chat_template(CHAT[:2], tools=tools, tokenize=False)
+    assert text.startswith('tools: [{"type": "function"')

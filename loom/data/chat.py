@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,16 +45,18 @@ from loom.config import ConfigError
 from loom.data.corpus import parse_json_line
 
 ROLES = ("system", "user", "assistant", "tool")
-# the labelling rule's version, in prepared data's cache key: 2 = after the generation prompt's header,
-# or the template's {% generation %} blocks (1 searched the content from the turn's start)
-LABELS_VERSION = 2
+# the labelling rule's version, in prepared data's cache key: 3 = tokens overlapping the spans, after
+# the generation prompt's header or inside the template's {% generation %} blocks (1 searched the
+# content from the turn's start, 2 trained tokens starting in the spans)
+LABELS_VERSION = 3
 Render = Callable[..., str]  # (messages, generation_prompt=...) -> text
 ASSISTANT = "<|assistant|>\n"  # the built-in template's opening of an assistant turn
-# private-use characters bracketing what a template's {% generation %} blocks write (then removed)
-GEN_OPEN, GEN_CLOSE = "\ue000", "\ue001"
+# private-use characters (plane 15, which no text of ours uses) bracketing what a template's
+# {% generation %} blocks write, removed before tokenizing
+GEN_OPEN, GEN_CLOSE = "\U000f8000", "\U000f8001"
 
 
-def builtin_render(messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
+def builtin_render(messages: list[dict[str, str]], generation_prompt: bool = False, **_: Any) -> str:
     """The built-in template: ``<|role|>\\ncontent\\n`` for each message (and :data:`ASSISTANT` with
     ``generation_prompt``)."""
     text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
@@ -166,12 +169,23 @@ def template_render(tokenizer_path: str, generation_prompt: bool = False) -> Ren
     }
 
     def render(
-        messages: list[dict[str, str]], generation_prompt: bool = generation_prompt, marks: bool = False
+        messages: list[dict[str, str]],
+        generation_prompt: bool = generation_prompt,
+        marks: bool = False,
+        tools: Any = None,
     ) -> str:
-        """The conversation as the template writes it (``marks``: with its {% generation %} marks)."""
-        text = compiled.render(messages=messages, add_generation_prompt=generation_prompt, **special)
+        """The conversation as the template writes it (``marks``: with its {% generation %} marks;
+        ``tools``: the record's tool schemas, None as transformers passes them without any)."""
+        text = compiled.render(
+            messages=messages,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=generation_prompt,
+            **special,
+        )
         return text if marks else text.replace(GEN_OPEN, "").replace(GEN_CLOSE, "")
 
+    render.special_tokens = tuple(t for t in special.values() if t)  # type: ignore[attr-defined]
     return render
 
 
@@ -245,23 +259,54 @@ def segments(
             )
     if not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"data.source: {where} has no assistant turn: nothing to train on")
-    if render is not builtin_render:
+    render = partial(render, tools=record.get("tools"))
+    if render.func is not builtin_render:
         text, marked = generation_spans(render(messages, marks=True))
         if marked:  # the template says which text is the assistant's ({% generation %})
             return text, marked
-    spans, prev = [], ""
+    spans: list[tuple[int, int]] = []
+    prev, tail = "", ""
     for i, m in enumerate(messages):
         cur = render(messages[: i + 1])
         if not cur.startswith(prev):
-            raise ConfigError(
-                f"data.tokenizer: the chat template does not render {where} turn by turn (turn {i} "
-                "changes the text before it); use a template that extends the conversation, or one "
-                "that marks the assistant's text with {% generation %} blocks"
-            )
+            # a closing text every render ends with but the next continues from before it (Phi-3's
+            # eos_token when no generation prompt follows): the turns end where it starts
+            tail = _closing_tail(prev, cur, getattr(render.func, "special_tokens", ()))
+            kept = len(prev) - len(tail)
+            if not tail:
+                raise ConfigError(
+                    f"data.tokenizer: the chat template does not render {where} turn by turn (turn {i} "
+                    "changes the text before it); use a template that extends the conversation, or one "
+                    "that marks the assistant's text with {% generation %} blocks"
+                )
+            prev = prev[:kept]
+            spans = [(a, min(b, kept)) for a, b in spans]
         if m["role"] == "assistant":
             spans.append((_answer_start(render, messages[:i], prev, cur, m["content"]), len(cur)))
         prev = cur
+    if tail and prev.endswith(tail):
+        spans = [(a, min(b, len(prev) - len(tail))) for a, b in spans]
     return prev, spans
+
+
+def _closing_tail(prev: str, cur: str, special: tuple[str, ...]) -> str:
+    """The text ``prev`` ends with that ``cur`` also ends with but continues from before (a template's
+    closing eos_token), or "": a special token where one fits (text alone cannot tell ``<|eot|>`` from
+    ``eot|>`` after a shared ``<|``), else what follows their common prefix."""
+    for t in sorted(special, key=len, reverse=True):
+        if prev.endswith(t) and cur.endswith(t) and cur.startswith(prev[: len(prev) - len(t)]):
+            return t
+    tail = prev[len(_common_prefix(prev, cur)) :]
+    return tail if tail and cur.endswith(tail) else ""
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
 
 
 def _answer_start(render: Render, before: list[dict[str, str]], prev: str, cur: str, content: str) -> int:
@@ -275,6 +320,13 @@ def _answer_start(render: Render, before: list[dict[str, str]], prev: str, cur: 
         head = ""
     if len(head) > len(prev) and cur.startswith(head):
         return len(head)
+    # DeepSeek-R1's prompt opens its thinking too: the header is what both share, back to where its
+    # markup ends ("<think>" and "<|end|>" share a "<" that is no part of the header)
+    shared = len(_common_prefix(head, cur))
+    while shared > len(prev) and cur[shared - 1] not in ">]\n ":
+        shared -= 1
+    if shared > len(prev):
+        return shared
     at = cur.find(content, len(prev)) if content else -1
     return at if at >= 0 else len(prev)
 
@@ -282,12 +334,13 @@ def _answer_start(render: Render, before: list[dict[str, str]], prev: str, cur: 
 def encode_example(
     tok: Tokenizer, text: str, spans: list[tuple[int, int]], eot: int, train_on_prompt: bool
 ) -> tuple[list[int], list[int]]:
-    """Token ids of ``text`` + the end token, and the mask (1 = trained: a token starting inside a span)."""
+    """Token ids of ``text`` + the end token, and the mask (1 = trained: a token overlapping a span, as
+    transformers' assistant mask counts it: Mistral's " fine" starts on the space before the answer)."""
     enc = tok.encode(text, add_special_tokens=False)
     ids = [*enc.ids, eot]
     if train_on_prompt:
         return ids, [1] * len(ids)
-    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc.offsets]
+    mask = [int(any(start < b and end > a for a, b in spans)) for start, end in enc.offsets]
     return ids, [*mask, 1 if spans else 0]
 
 
