@@ -11,7 +11,8 @@ import json
 import pytest
 import transformers
 
-from loom.data.chat import encode_example, segments, template_render
+from loom.config import ConfigError
+from loom.data.chat import builtin_render, encode_example, segments, template_render
 from loom.data.tokenizer import train_tokenizer
 
 SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|endoftext|>"]
@@ -169,3 +170,62 @@ def test_a_records_tools_reach_the_template(tmp_path):
     theirs = transformers.PreTrainedTokenizerFast.from_pretrained(d)
     assert text == theirs.apply_chat_template(CHAT[:2], tools=tools, tokenize=False)
     assert text.startswith('tools: [{"type": "function"')
+
+
+TOOL_CALLS = (  # as Qwen's templates: the reasoning, the content if any, then the tool calls
+    "{% for m in messages %}<|user|>{{ m['role'] }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+    "{% for c in m.tool_calls %}<tool>{{ c.function | tojson }}</tool>{% endfor %}<|end|>{% endgeneration %}"
+    "{% else %}{{ m.content }}<|end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|user|>assistant\n{% endif %}"
+)
+OPENAI_CHAT = [  # as OpenAI's API and the datasets exported from it write a tool call
+    {"role": "developer", "content": "use tools"},
+    {"role": "user", "content": "weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "reasoning": "look it up",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    {"role": "tool", "content": "sunny", "tool_call_id": "1", "name": None},
+    {"role": "assistant", "content": "Sunny."},
+]
+
+
+def test_openai_tool_calls_render_and_train_as_transformers_does(tmp_path):
+    """Null fields are dropped and ``reasoning`` is read as ``reasoning_content``, as transformers hands
+    messages to a template: the text and the assistant mask equal ``apply_chat_template``'s (a record
+    with ``"content": null`` was refused)."""
+    d = tmp_path / "tok"
+    tok = _tokenizer_dir(d, TOOL_CALLS, {"eos_token": "<|endoftext|>"}, special=("<|user|>", "<|end|>"))
+    text, spans = segments({"messages": OPENAI_CHAT}, "x", "chat", template_render(str(d)))
+    theirs = transformers.PreTrainedTokenizerFast.from_pretrained(d)
+    assert text == theirs.apply_chat_template(OPENAI_CHAT, tokenize=False)
+    assert "<think>look it up</think>" in text and '"name": "weather"' in text
+    want = theirs.apply_chat_template(
+        OPENAI_CHAT, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids, mask = encode_example(tok, text, spans, tok.token_to_id("<|endoftext|>"), train_on_prompt=False)
+    assert ids[:-1] == want["input_ids"] and mask[:-1] == want["assistant_masks"]
+
+
+def test_a_record_the_template_or_the_builtin_refuses_is_named_in_one_line(tmp_path):
+    alternate = "{% for m in messages %}{% if loop.index0 % 2 != (m.role == 'assistant') %}" + (
+        "{{ raise_exception('roles must alternate') }}{% endif %}{{ m.content }}{% endfor %}"
+    )
+    _tokenizer_dir(tmp_path / "tok", alternate)
+    render = template_render(str(tmp_path / "tok"))
+    twice = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, *CHAT[1:2]]}
+    with pytest.raises(
+        ConfigError, match=r"^data.source: f.jsonl:3: the chat template .* roles must alternate\)$"
+    ):
+        segments(twice, "f.jsonl:3", "chat", render)
+    tool_call = {"messages": OPENAI_CHAT[1:3]}
+    with pytest.raises(ConfigError, match="assistant message whose content is missing .*built-in template"):
+        segments(tool_call, "f.jsonl:4", "chat", builtin_render)
+    with pytest.raises(ConfigError, match="ShareGPT's 'conversations'"):
+        segments({"conversations": [{"from": "human", "value": "hi"}]}, "f.jsonl:5", "chat", render)

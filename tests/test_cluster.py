@@ -294,12 +294,15 @@ def test_cli_bad_options_are_one_line_before_simulating(tmp_path, capsys, monkey
 
 
 def test_gns_estimate_equals_hand_computation():
-    """small_batch_sq is one micro-batch's squared gradient norm; with the step's big-batch norm the
-    estimator returns |G|^2 = (B |G_B|^2 - b |G_b|^2)/(B - b), S = (|G_b|^2 - |G_B|^2)/(1/b - 1/B)."""
+    """small_batch is one micro-batch's squared gradient norm and its size; with the step's big-batch norm
+    the estimator returns |G|^2 = (B |G_B|^2 - b |G_b|^2)/(B - b), S = (|G_b|^2 - |G_B|^2)/(1/b - 1/B).
+    On masked targets b counts trained targets in sequences: b = c / (N / B)."""
     from loom.model.llama import build_model, loss_fn
+    from loom.optim.groups import build_optimizer
     from loom.parallel.data.strategy import DataParallel
-    from loom.train.gns import gns_estimate, small_batch_sq
+    from loom.train.gns import gns_estimate, small_batch
     from loom.train.step import plain_run, train_step
+    from tests.helpers import masked, tiny_train
 
     cfg = tiny_model()
     model = build_model(cfg, 3)
@@ -313,20 +316,23 @@ def test_gns_estimate_equals_hand_computation():
         return sum(float((p.grad.double() ** 2).sum()) for p in ref.parameters() if p.grad is not None)
 
     sync = DataParallel(model, None)
-    g_small = small_batch_sq(model, sync, loss_fn, micro[0], None)
-    assert g_small == pytest.approx(sq(*micro[0]), rel=1e-5)
-    from loom.optim.groups import build_optimizer
-    from tests.helpers import tiny_train
-
+    g_small, b_small = small_batch(model, sync, loss_fn, micro, 8, None)
+    assert g_small == pytest.approx(sq(*micro[0]), rel=1e-5) and b_small == 2.0
     sync.attach_optimizer(build_optimizer(model, tiny_train()))
     res = train_step(plain_run(model, sync, loss_fn), micro, 0.0, 0.0, None)
     g_big = sq(x, y)
     assert res.grad_norm**2 == pytest.approx(g_big, rel=1e-5)
-    est = gns_estimate(g_small, res.grad_norm**2, 2, 8)
+    est = gns_estimate(g_small, res.grad_norm**2, b_small, 8)
     g2 = (8 * g_big - 2 * sq(*micro[0])) / 6
     trace = (sq(*micro[0]) - g_big) / (1 / 2 - 1 / 8)
     assert est["gns_g2"] == pytest.approx(g2, rel=1e-4) and est["gns_trace"] == pytest.approx(trace, rel=1e-4)
     assert est["gns"] == pytest.approx(trace / g2, rel=1e-4)
+    ym = masked(y, 3)
+    trained = (ym != -100).sum(dim=1).double()
+    micro = [(x[i : i + 2], ym[i : i + 2]) for i in range(0, 8, 2)]
+    g_small, b_small = small_batch(model, sync, loss_fn, micro, 8, None)
+    assert g_small == pytest.approx(sq(*micro[0]), rel=1e-5)
+    assert b_small == pytest.approx(float(trained[:2].sum() / (trained.sum() / 8))) and b_small != 2.0
     sync.remove()
 
 

@@ -24,6 +24,7 @@ from loom.data import (
     stream,
 )
 from loom.data import prepare as prepare_mod
+from loom.data.chat import segments, template_render
 from loom.data.corpus import read_documents, stdlib_files, stdlib_root
 from loom.data.dataset import epoch_permutation
 from loom.data.prepare import split_documents, token_dtype
@@ -984,6 +985,28 @@ def test_chat_labels_only_assistant_turns(tmp_path, cache):
     # train_on_prompt: every token
     every = prepare_data(DataConfig(**{**asdict_(cfg), "train_on_prompt": True}), progress=False)
     assert np.fromfile(every.dir / "train.mask.bin", np.uint8).all()
+
+
+def test_chat_reads_whole_records_up_to_max_corpus_mb(tmp_path, cache, caplog):
+    """data.max_corpus_mb caps chat records as it caps text (it was ignored): whole records, up to the
+    one whose rendered text reaches the cap, said in one line and kept in meta.json."""
+    jl = tmp_path / "chat.jsonl"
+    jl.write_text("".join(json.dumps(c) + "\n" for c in _chats(12)))
+    tok_dir = _chat_tokenizer(tmp_path)
+    render = template_render(str(tok_dir))
+    sizes = [len(segments(c, "", "chat", render)[0].encode()) for c in _chats(12)]
+    cap = (sum(sizes[:5]) - 1) / 1e6  # reached inside the fifth record
+    cfg = DataConfig(source=str(jl), tokenizer=str(tok_dir), format="chat", seq_len=64, max_corpus_mb=cap)
+    with caplog.at_level("INFO", logger="loom"):
+        p = prepare_data(cfg, progress=False)
+    meta = p.meta()
+    assert meta["n_train_docs"] + meta["n_val_docs"] == 5
+    assert meta["corpus_cut"]["stopped"] == f"after {jl}:5"
+    assert meta["corpus_cut"]["at_least_mb"] * 1e6 == pytest.approx(sum(sizes[:6]))
+    (line,) = _notes(caplog, "data.max_corpus_mb")
+    assert f"stopped after {jl}:5" in line and "\n" not in line
+    whole = prepare_data(DataConfig(**{**asdict_(cfg), "max_corpus_mb": sum(sizes) / 1e6}), progress=False)
+    assert whole.meta()["n_train_docs"] + whole.meta()["n_val_docs"] == 12 and not whole.meta()["corpus_cut"]
 
 
 def asdict_(cfg: DataConfig) -> dict:

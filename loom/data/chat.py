@@ -44,11 +44,17 @@ from tokenizers import Tokenizer
 from loom.config import ConfigError
 from loom.data.corpus import parse_json_line
 
-ROLES = ("system", "user", "assistant", "tool")
-# the labelling rule's version, in prepared data's cache key: 3 = tokens overlapping the spans, after
-# the generation prompt's header or inside the template's {% generation %} blocks (1 searched the
-# content from the turn's start, 2 trained tokens starting in the spans)
-LABELS_VERSION = 3
+# roles a message may have (OpenAI's "developer" and "function", Llama 3.1's "ipython"); only the
+# assistant's turns are trained
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
+# names a message's reasoning comes under, as transformers aliases them: the first is what templates read
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# the preparation rule's version, in prepared data's cache key: 4 = messages normalised as transformers
+# does (keys of null value dropped, reasoning aliased) and data.max_corpus_mb applied to whole records;
+# 3 = tokens overlapping the spans, after the generation prompt's header or inside the template's
+# {% generation %} blocks (1 searched the content from the turn's start, 2 trained tokens starting in
+# the spans)
+LABELS_VERSION = 4
 Render = Callable[..., str]  # (messages, generation_prompt=...) -> text
 ASSISTANT = "<|assistant|>\n"  # the built-in template's opening of an assistant turn
 # private-use characters (plane 15, which no text of ours uses) bracketing what a template's
@@ -246,20 +252,8 @@ def segments(
                 )
         text = record["prompt"] + record["completion"]
         return text, [(len(record["prompt"]), len(text))]
-    messages = record.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ConfigError(f"data.source: {where} has no list field 'messages' (data.format = chat)")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise ConfigError(f"data.source: {where} has a message without string 'content'")
-        if m.get("role") not in ROLES:
-            raise ConfigError(
-                f"data.source: {where} has a message of unknown role {m.get('role')!r} "
-                f"(allowed: {', '.join(ROLES)})"
-            )
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ConfigError(f"data.source: {where} has no assistant turn: nothing to train on")
-    render = partial(render, tools=record.get("tools"))
+    messages = normalized_messages(record, where, builtin=render is builtin_render)
+    render = partial(_refusals_named(render, where), tools=record.get("tools"))
     if render.func is not builtin_render:
         text, marked = generation_spans(render(messages, marks=True))
         if marked:  # the template says which text is the assistant's ({% generation %})
@@ -282,11 +276,75 @@ def segments(
             prev = prev[:kept]
             spans = [(a, min(b, kept)) for a, b in spans]
         if m["role"] == "assistant":
-            spans.append((_answer_start(render, messages[:i], prev, cur, m["content"]), len(cur)))
+            content = m.get("content")
+            start = _answer_start(
+                render, messages[:i], prev, cur, content if isinstance(content, str) else ""
+            )
+            spans.append((start, len(cur)))
         prev = cur
     if tail and prev.endswith(tail):
         spans = [(a, min(b, len(prev) - len(tail))) for a, b in spans]
     return prev, spans
+
+
+def normalized_messages(record: dict[str, Any], where: str, builtin: bool) -> list[dict[str, Any]]:
+    """The record's ``messages`` as transformers hands them to a template: keys of null value dropped
+    (OpenAI's ``"content": null`` beside ``tool_calls``), the reasoning under every name of
+    :data:`REASONING_FIELDS` (and ``thinking``, which gpt-oss reads); checked: a known role, string
+    content (or, for a template, content blocks, or none), an assistant turn."""
+    messages = record.get("messages")
+    if not isinstance(messages, list) or not messages:
+        sharegpt = isinstance(record.get("conversations"), list)
+        hint = " (ShareGPT's 'conversations' of from/value: rename them to messages of role/content)"
+        raise ConfigError(
+            f"data.source: {where} has no list field 'messages' (data.format = chat){hint if sharegpt else ''}"
+        )
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise ConfigError(
+                f"data.source: {where} has a message that is a {type(m).__name__}, not an object"
+            )
+        m = {k: v for k, v in m.items() if v is not None}
+        if m.get("role") not in ROLES:
+            raise ConfigError(
+                f"data.source: {where} has a message of unknown role {m.get('role')!r} "
+                f"(allowed: {', '.join(ROLES)})"
+            )
+        content = m.get("content")
+        if not isinstance(content, str) and (builtin or not isinstance(content, list | type(None))):
+            what = "the built-in template renders string content only; give data.tokenizer a chat template"
+            raise ConfigError(
+                f"data.source: {where} has a {m['role']} message whose content is "
+                f"{type(content).__name__ if content is not None else 'missing'} "
+                f"({what if builtin else 'allowed: a string, a list of content blocks, or none'})"
+            )
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    if not any(m["role"] == "assistant" for m in out):
+        raise ConfigError(f"data.source: {where} has no assistant turn: nothing to train on")
+    return out
+
+
+def _refusals_named(render: Render, where: str) -> Render:
+    """``render``, with a template's refusal of the record (its ``raise_exception``, or an error it runs
+    into) raised as one line naming the record."""
+    if render is builtin_render:
+        return render
+
+    def named(messages: list[dict[str, Any]], **kw: Any) -> str:
+        try:
+            return render(messages, **kw)
+        except Exception as e:  # jinja2's TemplateError, or what a template's expression raised
+            raise ConfigError(
+                f"data.source: {where}: the chat template of data.tokenizer refuses it, rendering its "
+                f"first {len(messages)} message(s) ({type(e).__name__}: {e})"
+            ) from None
+
+    named.special_tokens = getattr(render, "special_tokens", ())  # type: ignore[attr-defined]
+    return named
 
 
 def _closing_tail(prev: str, cur: str, special: tuple[str, ...]) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -603,10 +604,13 @@ def _build_examples(cfg: DataConfig, key: dict[str, Any], out: Path, progress: b
     files = source_files(cfg.source)
     render = (template_render(cfg.tokenizer) if cfg.tokenizer else None) or builtin_render
 
-    def examples() -> Iterator[tuple[str, list[tuple[int, int]]]]:
-        return (segments(rec, where, cfg.format, render) for where, rec in read_records(files))
+    n, cut = _count_examples(files, cfg.format, render, cfg.max_corpus_mb)
 
-    n = sum(1 for _ in examples())
+    def examples() -> Iterator[tuple[str, list[tuple[int, int]]]]:
+        records = (segments(rec, where, cfg.format, render) for where, rec in read_records(files))
+        return itertools.islice(records, n)
+
+    note_cut(cut)
     unread = unread_files(cfg.source)
     note_unread(cfg.source, unread)
     if n < 2:
@@ -669,12 +673,50 @@ def _build_examples(cfg: DataConfig, key: dict[str, Any], out: Path, progress: b
         digests,
         {
             "data_format": cfg.format,
+            "corpus_cut": cut,
             "unread_files": unread,
             "overlong": {"mode": cfg.overlong, "truncated": enc.truncated, "dropped": enc.dropped},
             "trained_tokens": {"train": int(writers["train.mask"].sum), "val": int(writers["val.mask"].sum)},
             "mask_sha256": {"train.mask.bin": digests["train.mask"], "val.mask.bin": digests["val.mask"]},
         },
     )
+
+
+def _count_examples(
+    files: list[Path], fmt: str, render: Callable[..., str], max_mb: float
+) -> tuple[int, dict[str, Any] | None]:
+    """(examples read, what ``data.max_corpus_mb`` left unread, for :func:`note_cut`): records are read
+    whole, up to and including the one whose rendered text reaches ``max_mb`` MB (10^6 bytes), as the
+    text format reads its pieces up to the cap."""
+    budget, n, read = int(max_mb * 1e6), 0, 0
+    for i, path in enumerate(files):
+        records = read_records([path])
+        for where, rec in records:
+            read += len(segments(rec, where, fmt, render)[0].encode("utf-8"))
+            n += 1
+            if budget and read >= budget:
+                more = next(records, None)
+                over = _rendered_bytes(more, fmt, render) if more else 0
+                later = files[i + 1 :]
+                if not more and not later:
+                    return n, None
+                return n, {
+                    "max_corpus_mb": max_mb,
+                    "read_mb": read / 1e6,
+                    "at_least_mb": (read + over) / 1e6,
+                    "stopped": f"after {where}" if more else f"at the end of {path}",
+                    "files_not_read": len(later),
+                    "files_not_read_mb": sum(p.stat().st_size for p in later) / 1e6,
+                }
+    return n, None
+
+
+def _rendered_bytes(record: tuple[str, dict[str, Any]], fmt: str, render: Callable[..., str]) -> int:
+    """Bytes of a record's rendered text; 1 (there is more) for one the format refuses."""
+    try:
+        return len(segments(record[1], record[0], fmt, render)[0].encode("utf-8"))
+    except ConfigError:
+        return 1
 
 
 def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:

@@ -39,7 +39,7 @@ from loom.parallel.base import held_state_bytes
 from loom.train import timings
 from loom.train.build import build_mesh, build_run, saved_activations
 from loom.train.export import write_json_atomic
-from loom.train.gns import gns_estimate, small_batch_sq
+from loom.train.gns import gns_estimate, small_batch
 from loom.train.health import (
     CollectiveFailure,
     Heartbeat,
@@ -356,9 +356,14 @@ class Trainer:
                         self._record_ids(step)
                 logged = (step + 1) % c.log_every == 0 or step + 1 == c.steps
                 try:
-                    g_small = (  # train.log_gns: one more micro-batch's gradient, before the step
-                        small_batch_sq(
-                            self.run.model, self.run.strategy, self.run.loss_fn, batches[0], self.loss_group
+                    small = (  # train.log_gns: one more micro-batch's gradient, before the step
+                        small_batch(
+                            self.run.model,
+                            self.run.strategy,
+                            self.run.loss_fn,
+                            batches,
+                            c.global_batch,
+                            self.loss_group,
                         )
                         if c.log_gns and logged
                         else None
@@ -396,8 +401,8 @@ class Trainer:
                     **self.run.strategy.row(),  # a strategy's own figures (parameter servers: staleness)
                     **self._timings(step + 1, window_steps, dt / window_steps),
                 }
-                if g_small is not None and math.isfinite(res.grad_norm):
-                    row.update(gns_estimate(g_small, res.grad_norm**2, c.micro_batch, c.global_batch))
+                if small is not None and math.isfinite(res.grad_norm):
+                    row.update(gns_estimate(small[0], res.grad_norm**2, small[1], c.global_batch))
                 self.saved_acts.reset_peak()
                 reset_peak_memory(self.device)  # peak_mem_bytes is per log window
                 if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
