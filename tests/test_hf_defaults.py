@@ -136,3 +136,101 @@ def test_stored_tensors_the_config_does_not_use_are_named_in_one_warning(tmp_pat
     (line,) = [r.getMessage() for r in caplog.records if "does not use" in r.getMessage()]
     assert "3 stored tensor(s)" in line and "model.layers.0.self_attn.k_proj.bias" in line
     assert "inv_freq" not in line
+
+
+def _edit(path: Path, **fields) -> None:
+    """Set (or, with None, remove) config.json fields."""
+    raw = json.loads((path / "config.json").read_text())
+    for k, v in fields.items():
+        raw.pop(k) if v is None else raw.__setitem__(k, v)
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize(
+    "config_class,kw,edit",
+    [
+        ("LlamaConfig", {}, {"sliding_window": 16}),  # Llama has no window: transformers ignores it
+        ("Olmo2Config", {}, {"sliding_window": 16}),
+        ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}, {}),
+        ("LlamaConfig", {}, {"hidden_act": "swish"}),  # SiLU by another name
+        ("LlamaConfig", {}, {"hidden_act": None}),  # left out: the family's SiLU
+        ("LlamaConfig", {}, {"architectures": None}),  # AutoModel goes by model_type
+        ("GPT2Config", {"max_position_embeddings": 1024}, {"n_positions": None}),  # its default
+    ],
+    ids=[
+        "llama window",
+        "olmo2 window",
+        "qwen2 no window layer",
+        "swish",
+        "no hidden_act",
+        "no architectures",
+        "gpt2 no n_positions",
+    ],
+)
+def test_configs_transformers_reads_are_read_as_it_reads_them(tmp_path, config_class, kw, edit):
+    """Each was refused (or, for a window, would be applied where transformers applies none)."""
+    _save(tmp_path, config_class, **kw)
+    _edit(tmp_path, **edit)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = torch.randint(0, BASE["vocab_size"], (1, 48), generator=torch.Generator().manual_seed(0))
+    _, logits = _loom_logits(tmp_path, x)
+    assert_close(logits, ref(x).logits.detach(), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("config_class", ["MistralConfig", "MixtralConfig", "Phi3Config"])
+def test_a_window_transformers_applies_is_never_dropped(tmp_path, config_class):
+    """Mistral, Mixtral and Phi-3 read sliding_window alone: a stray ``use_sliding_window: false`` left
+    Loom attending to the whole sequence (logits off by up to 2.9); now the window shorter than the
+    sequences is refused, as any window Loom cannot honour."""
+    from loom.model.hf import HFError, open_dir
+
+    extra = {"MixtralConfig": {"num_local_experts": 4}, "Phi3Config": {"pad_token_id": 0}}
+    _save(tmp_path, config_class, sliding_window=16, **extra.get(config_class, {}))
+    _edit(tmp_path, use_sliding_window=False)
+    with pytest.raises(HFError, match=r"sliding_window = 16 is shorter than the sequences \(48\)"):
+        open_dir(tmp_path, 48)
+
+
+def test_exports_loom_reads_back_and_families_that_cannot_hold_the_model(tmp_path):
+    """A Qwen3-MoE export (no intermediate_size, as transformers writes one) imports back with equal
+    logits; q/k/v biases with experts (no family holds both: it was written as a dense Qwen2) and
+    Phi-3 with Llama 3's RoPE scaling (Phi-3 reads longrope only) are refused in one line."""
+    from safetensors.torch import save_file
+
+    from loom.model.hf import HFError, hf_config, hf_tensors
+    from loom.model.llama import build_model
+
+    cfg = C.ModelConfig(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=128,
+        max_seq_len=48,
+        ffn_dim=96,
+        qk_norm=True,
+        n_experts=4,
+        top_k=2,
+    )
+    model = build_model(cfg, 0).eval()
+    tensors = dict(hf_tensors(cfg, ((k, v.detach()) for k, v in model.state_dict().items())))
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(cfg)))
+    assert "intermediate_size" not in json.loads((tmp_path / "config.json").read_text())
+    x = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(0))
+    _, logits = _loom_logits(tmp_path, x)
+    with torch.no_grad():
+        assert_close(logits, model(x), atol=2e-5, rtol=1e-5)
+    with pytest.raises(HFError, match="no supported Hugging Face family"):
+        hf_config(C.ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=128, qkv_bias=True, n_experts=4))
+    with pytest.raises(HFError, match="model.hf_architecture: Phi3ForCausalLM scales RoPE by longrope only"):
+        hf_config(
+            C.ModelConfig(
+                dim=64,
+                n_layers=2,
+                n_heads=4,
+                vocab_size=128,
+                rope_scaling=8.0,
+                hf_architecture="Phi3ForCausalLM",
+            )
+        )

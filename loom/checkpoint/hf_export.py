@@ -37,6 +37,7 @@ from loom.checkpoint.load import CheckpointReader
 from loom.model.hf import (
     INDEX,
     VOCAB_TENSORS,
+    architecture,
     architecture_of,
     hf_config,
     hf_tensors,
@@ -146,8 +147,7 @@ def carried_config(ours: dict, src: Path | None) -> dict:
     if src is None:
         return ours
     raw = _read_json(src / "config.json")
-    arch = (raw.get("architectures") or ["?"])[0]
-    mine = ours["architectures"][0]
+    arch, mine = architecture(raw), ours["architectures"][0]
     if SAME_TENSORS.get(arch, arch) != SAME_TENSORS.get(mine, mine) or not _same_tensors(raw, ours):
         return ours  # the model changed shape or family since: describe what was trained
     kept = {k: v for k, v in raw.items() if k not in ("dtype", "torch_dtype", "transformers_version")}

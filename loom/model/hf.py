@@ -87,8 +87,6 @@ _LLAMA_DEFAULTS: dict[str, object] = {
     "num_key_value_heads": None,  # None: one per query head
     "head_dim": None,  # None: hidden_size / num_attention_heads
     "tie_word_embeddings": False,
-    "sliding_window": None,
-    "use_sliding_window": True,  # families without the field apply any sliding_window given
     "num_local_experts": 1,
     "num_experts_per_tok": 2,
 }
@@ -97,6 +95,7 @@ _QWEN_DEFAULTS = _LLAMA_DEFAULTS | {
     "num_key_value_heads": 32,
     "sliding_window": 4096,
     "use_sliding_window": False,
+    "max_window_layers": 28,
 }
 FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
     "LlamaForCausalLM": _LLAMA_DEFAULTS,
@@ -111,20 +110,71 @@ FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
         "max_position_embeddings": 131072,
         "num_key_value_heads": 8,
         "num_local_experts": 8,
+        "sliding_window": None,
     },
-    "Phi3ForCausalLM": _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
-    "Qwen3MoeForCausalLM": _QWEN_DEFAULTS
+    "Phi3ForCausalLM": _LLAMA_DEFAULTS
+    | {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None},
+    "Qwen3MoeForCausalLM": {k: v for k, v in _QWEN_DEFAULTS.items() if k != "max_window_layers"}
     | {"num_key_value_heads": 4, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False},
     "Olmo2ForCausalLM": _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5},
 }
+
+
+# config.json's model_type -> its family, for a config without ``architectures`` (AutoModel reads it)
+MODEL_TYPES: Final = {
+    "llama": LLAMA,
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": QWEN3MOE,
+    "phi3": PHI3,
+    "olmo2": OLMO2,
+    "gpt2": GPT2,
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
+
+def architecture(raw: dict) -> str:
+    """The family of a ``config.json``: its first ``architectures`` entry, else its ``model_type``'s
+    (:data:`MODEL_TYPES`), else ``"?"``."""
+    names = raw.get("architectures")
+    if isinstance(names, str):
+        return names
+    if isinstance(names, list) and names and isinstance(names[0], str):
+        return names[0]
+    return MODEL_TYPES.get(raw.get("model_type"), "?")  # type: ignore[arg-type]
 
 
 def hf_field(raw: dict, name: str) -> typing.Any:
     """``config.json``'s ``name``, or the family's default (:data:`FAMILY_DEFAULTS`) where it is left out."""
     if name in raw:
         return raw[name]
-    arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
-    return FAMILY_DEFAULTS.get(arch, _LLAMA_DEFAULTS).get(name)
+    return FAMILY_DEFAULTS.get(architecture(raw), _LLAMA_DEFAULTS).get(name)
+
+
+def sliding_window(raw: dict, arch: str) -> int | None:
+    """The attention window transformers applies to some layer of this family, or None: Mistral,
+    Mixtral and Phi-3 read ``sliding_window`` alone; Qwen's families only with ``use_sliding_window``,
+    Qwen2 and Qwen3 then on the layers ``layer_types`` names (by default those from
+    ``max_window_layers`` on); Llama and OLMo-2 have no window (a ``sliding_window`` in their
+    config.json is ignored, as transformers ignores it)."""
+    if arch not in FAMILY_DEFAULTS or "sliding_window" not in FAMILY_DEFAULTS[arch]:
+        return None
+    window = hf_field(raw, "sliding_window")
+    if "use_sliding_window" in FAMILY_DEFAULTS[arch] and not hf_field(raw, "use_sliding_window"):
+        return None
+    if window is not None and "max_window_layers" in FAMILY_DEFAULTS[arch]:
+        first = int(hf_field(raw, "max_window_layers"))
+        layers = int(raw["num_hidden_layers"])
+        types = raw.get("layer_types") or [
+            "sliding_attention" if i >= first else "full" for i in range(layers)
+        ]
+        if "sliding_attention" not in types:
+            return None
+    return None if window is None else int(window)
 
 
 GELU = {
@@ -187,12 +237,15 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
     ``max_seq_len``: the longest sequence to prepare RoPE for (0 = ``max_position_embeddings``).
     ``fit_window``: a sliding window shorter than that becomes ``max_seq_len`` (generation, whose
     context Loom keeps within ``max_seq_len``) instead of a refusal."""
-    arch = (raw.get("architectures") or ["?"])[0]
+    arch = architecture(raw)
     if arch not in SUPPORTED:
         lacks = f" (Loom's model lacks {MISSING[arch]})" if arch in MISSING else ""
-        raise HFError(
-            f"{CONFIG}: architectures = {arch!r} is not supported{lacks}; supported: {', '.join(SUPPORTED)}"
+        what = (
+            f"architectures = {arch!r}"
+            if raw.get("architectures")
+            else f"model_type = {raw.get('model_type')!r} (no architectures)"
         )
+        raise HFError(f"{CONFIG}: {what} is not supported{lacks}; supported: {', '.join(SUPPORTED)}")
     quant = raw.get("quantization_config")
     if quant:  # fp8 with scales, GPTQ, AWQ, bitsandbytes: codes, not values
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
@@ -205,17 +258,27 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
     dim, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch in ("Qwen3ForCausalLM", QWEN3MOE)
     head_dim = int(hf_field(raw, "head_dim") or dim // heads)  # its own (Mistral-Nemo, Qwen3): a·d != h
-    checks = [("hidden_act", ("silu",)), ("mlp_bias", (False, None)), ("router_jitter_noise", (0.0, 0, None))]
+    checks = [
+        ("hidden_act", ("silu", "swish", None)),  # transformers: swish is SiLU; every family's default
+        ("mlp_bias", (False, None)),
+        ("router_jitter_noise", (0.0, 0, None)),
+    ]
     if not qwen2:  # Qwen2 always has q/k/v biases (and no o bias); the others only without attention_bias
         checks.append(("attention_bias", (False, None)))
     for field, allowed in checks:
         if raw.get(field) not in allowed:
             raise HFError(f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r})")
-    n_experts, ffn = int(hf_field(raw, "num_local_experts")), int(raw["intermediate_size"])
-    if arch == QWEN3MOE:
+    if arch == QWEN3MOE:  # no dense MLP: intermediate_size may be left out
         n_experts, ffn = _qwen3_moe_experts(raw)
+    else:
+        n_experts, ffn = int(hf_field(raw, "num_local_experts")), int(raw["intermediate_size"])
+        if arch == "MixtralForCausalLM" and n_experts < 2:
+            raise HFError(
+                f"{CONFIG}: num_local_experts = {n_experts} is not supported (Loom's Mixtral has 2 or more "
+                "experts; one expert is a dense MLP: a Llama)"
+            )
     seq = max_seq_len or int(hf_field(raw, "max_position_embeddings"))
-    window = hf_field(raw, "sliding_window") if hf_field(raw, "use_sliding_window") else None
+    window = sliding_window(raw, arch)
     if window is not None and seq > int(window) and fit_window:
         seq = int(window)
     elif window is not None and seq > int(window):
@@ -284,7 +347,7 @@ def _gpt2_config(raw: dict, max_seq_len: int) -> ModelConfig:
     ):
         if raw.get(field) not in allowed:
             raise HFError(f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r})")
-    dim, heads, n_pos = int(raw["n_embd"]), int(raw["n_head"]), int(raw["n_positions"])
+    dim, heads, n_pos = int(raw["n_embd"]), int(raw["n_head"]), int(raw.get("n_positions", 1024))
     if max_seq_len > n_pos:
         raise HFError(
             f"{CONFIG}: n_positions = {n_pos} is shorter than the sequences ({max_seq_len}); the learned "
@@ -354,9 +417,7 @@ def open_dir(path: str | Path, max_seq_len: int = 0, fit_window: bool = False) -
     except HFError:
         raise
     except KeyError as e:
-        raise HFError(
-            f"{d / CONFIG}: has no {e.args[0]!r} (a {raw.get('architectures', ['?'])} config holds it)"
-        ) from None
+        raise HFError(f"{d / CONFIG}: has no {e.args[0]!r} (a {architecture(raw)} config holds it)") from None
     except (ValueError, TypeError) as e:  # a field of the wrong type: "hidden_size": "big"
         raise HFError(f"{d / CONFIG}: a field has a value of the wrong type ({e})") from None
     if (d / INDEX).is_file():
@@ -397,7 +458,7 @@ def open_dir(path: str | Path, max_seq_len: int = 0, fit_window: bool = False) -
             ", ".join(unused[:3]),
             " ..." if len(unused) > 3 else "",
         )
-    return HFModel(d, raw["architectures"][0], cfg, raw, files, prefix)
+    return HFModel(d, architecture(raw), cfg, raw, files, prefix)
 
 
 HEAD: Final = "lm_head.weight"
@@ -896,6 +957,11 @@ def architecture_of(cfg: ModelConfig) -> str:
     named = cfg.hf_architecture
     if named == "auto" or named == by_shape:
         return by_shape
+    if named == PHI3 and cfg.rope_scaling:
+        raise HFError(
+            f"model.hf_architecture: {PHI3} scales RoPE by longrope only, not Llama 3's rope_scaling; set it "
+            "to auto or LlamaForCausalLM"
+        )
     if by_shape == LLAMA and named in LLAMA_TENSORS:
         return named
     raise HFError(
@@ -917,7 +983,7 @@ def _family_by_shape(cfg: ModelConfig) -> str:
         return OLMO2
     if cfg.qk_norm and not cfg.qkv_bias:
         return QWEN3MOE if cfg.moe else "Qwen3ForCausalLM"
-    if cfg.qkv_bias and not cfg.qk_norm:
+    if cfg.qkv_bias and not cfg.qk_norm and not cfg.moe:
         return "Qwen2ForCausalLM"
     if cfg.qkv_bias:
         raise HFError(
@@ -956,14 +1022,12 @@ def hf_config(
 ) -> dict:
     """``config.json`` for Loom's ``cfg`` (``extra``: fields carried over, e.g. token ids; ``moe``:
     the run's routing, Qwen3-MoE's ``norm_topk_prob``)."""
-    architecture = architecture_of(cfg)
-    if architecture == GPT2:
+    family = architecture_of(cfg)
+    if family == GPT2:
         return _gpt2_hf_config(cfg, dtype) | (extra or {})
     out = {
-        "architectures": [architecture],
-        "model_type": "qwen3_moe"
-        if architecture == QWEN3MOE
-        else architecture.removesuffix("ForCausalLM").lower(),
+        "architectures": [family],
+        "model_type": "qwen3_moe" if family == QWEN3MOE else family.removesuffix("ForCausalLM").lower(),
         "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
@@ -992,14 +1056,14 @@ def hf_config(
             "original_max_position_embeddings": cfg.rope_original_len,
         }
         out |= {"rope_parameters": rope, "rope_scaling": rope}
-    if architecture in LLAMA_TENSORS:  # Loom attends to the whole sequence; Phi-3's RoPE: whole heads
+    if family in LLAMA_TENSORS:  # Loom attends to the whole sequence; Phi-3's RoPE: whole heads
         out |= {"sliding_window": None}
-    if architecture == PHI3:
+    if family == PHI3:
         del out["attention_bias"], out["mlp_bias"]
         out["rope_parameters"] = cast(dict, out["rope_parameters"]) | {"partial_rotary_factor": 1.0}
         out["original_max_position_embeddings"] = cfg.max_seq_len
         out |= dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))  # not Phi3Config's 32000s
-    if architecture == QWEN3MOE:  # every layer sparse, no shared experts; no dense MLP: no intermediate_size
+    if family == QWEN3MOE:  # every layer sparse, no shared experts; no dense MLP: no intermediate_size
         del out["intermediate_size"]
         out |= {
             "num_experts": cfg.n_experts,
