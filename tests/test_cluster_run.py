@@ -277,8 +277,16 @@ def test_jobs_of_one_config_get_their_own_run_directories(tmp_path, capsys):
             {"name": "a", "device": "h100", "gpus": 2, "steps": 2, "overrides": {"run": {"dir": "x"}}},
             "jobs[0].overrides.run.dir: not allowed",
         ),
+        (  # the job's steps = 10 won, silently
+            {"name": "a", "device": "h100", "gpus": 2, "steps": 10, "overrides": {"train": {"steps": 99}}},
+            "jobs[0].overrides.train.steps: not allowed; the job's steps key gives train.steps",
+        ),
+        (  # written as nproc = 3 while srun started 4 tasks
+            {"name": "a", "device": "h100", "gpus": 4, "steps": 10, "overrides": {"run": {"nproc": 3}}},
+            "jobs[0].overrides.run.nproc: not allowed; the scheduler gives each launch its ranks",
+        ),
     ],
-    ids=["no steps", "run.dir override"],
+    ids=["no steps", "run.dir override", "train.steps override", "run.nproc override"],
 )
 def test_allocation_without_steps_or_with_a_run_dir_is_one_line(tmp_path, capsys, job, field):
     alloc = tmp_path / "alloc.toml"

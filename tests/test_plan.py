@@ -741,6 +741,11 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
         (["--model", "debug", "--plot", "TMP/plan.toml"], "--plot: 'TMP/plan.toml' must end in .png"),
         (["--model", "debug", "--plot", "TMP"], "--plot: 'TMP' is a directory"),
         (["--config", "debug", "--model.dim", "-1"], "model.dim: must be >= 1, got -1"),
+        (
+            ["--model", "llama3-70b", "--train.precision", "bf16"],
+            "--model: these describe a --model NAME's run",
+        ),
+        (["--config", "debug", "--seq", "32", "--precision", "fp16"], "--seq, --precision: these describe"),
         (["verify", "--devices", "2"], "required: --config"),
         (
             ["verify", "--config", "debug", "--devices", "1", "--seq", "1000000"],
@@ -759,6 +764,8 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
         "plot format",
         "plot directory",
         "config field",
+        "a named model with a config option (the default model was planned)",
+        "a config with a named model's flags (ignored)",
         "verify required",
         "verify seq above the model's",
         "calibrate type",

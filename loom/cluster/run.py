@@ -98,6 +98,16 @@ def _planned_model(cfg: C.LoomConfig) -> C.ModelConfig:
     return dataclasses.replace(cfg.model, vocab_size=vocab)
 
 
+# config fields every launch of a job gives on its command line, so a job's overrides may not set them
+GIVEN_BY_THE_SCHEDULER: dict[tuple[str, str], str] = {
+    ("run", "dir"): "the job's run directory comes from its name (loom cluster run: OUT/<name>; slurm: "
+    "runs/<name>; Kubernetes: /runs/<name>)",
+    ("train", "steps"): "the job's steps key gives train.steps",
+    ("run", "nproc"): "the scheduler gives each launch its ranks: set the job's devices (loom cluster run) "
+    "or gpus (slurm)",
+}
+
+
 def _config(at: str, d: dict[str, Any]) -> C.LoomConfig:
     src = d.get("config")
     if src is not None and not (isinstance(src, str) and (src in C.presets() or src.endswith(".toml"))):
@@ -111,11 +121,9 @@ def _config(at: str, d: dict[str, Any]) -> C.LoomConfig:
         raise ClusterError(
             f"{at}.overrides: expected section tables ({{ train = {{ lr = 1e-3 }} }}), got {over!r}"
         )
-    if "dir" in over.get("run", {}):  # each launch's --run.dir would win over it, silently
-        raise ClusterError(
-            f"{at}.overrides.run.dir: not allowed; the job's run directory comes from its name "
-            "(loom cluster run: OUT/<name>; slurm: runs/<name>; Kubernetes: /runs/<name>)"
-        )
+    for (section, key), why in GIVEN_BY_THE_SCHEDULER.items():  # each launch's option would win, silently
+        if key in over.get(section, {}):
+            raise ClusterError(f"{at}.overrides.{section}.{key}: not allowed; {why}")
     try:
         return C.from_dict(copy.deepcopy(over), base=C.load(src, []))
     except C.ConfigError as e:

@@ -58,11 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", help=f"TOML file, one of {', '.join(known_clusters())}, or DEVICE:NODESxPER")
     p.add_argument("--device", help=f"build a cluster of this device ({', '.join(DEVICES)}), 8 per node")
     p.add_argument("--world", "--devices", type=int, dest="world", help="devices to plan for (default: all)")
-    p.add_argument("--seq", type=int, default=8192, help="sequence length (without --config)")
-    p.add_argument("--global-batch", type=int, default=1024, help="sequences per step (without --config)")
-    p.add_argument(
-        "--precision", default="bf16", help="fp32 | tf32 | bf16 | fp16 | fp8 | int8 (without --config)"
-    )
+    p.add_argument("--seq", type=int, help="sequence length (with --model; default 8192)")
+    p.add_argument("--global-batch", type=int, help="sequences per step (with --model; default 1024)")
+    p.add_argument("--precision", help="fp32 | tf32 | bf16 | fp16 | fp8 | int8 (with --model; default bf16)")
     p.add_argument(
         "--experts", type=int, default=None, help="MoE experts per layer (1 = dense; default: the model's)"
     )
@@ -98,6 +96,16 @@ def _json_estimate(e: Estimate | None) -> dict | None:
 SUBCOMMANDS = ("calibrate", "validate")
 
 
+def _named_model_flags(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """The flags that describe a ``--model NAME`` run, and their values (None: not given)."""
+    return [
+        ("--model", args.model),
+        ("--seq", args.seq),
+        ("--global-batch", args.global_batch),
+        ("--precision", args.precision),
+    ]
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] in SUBCOMMANDS:  # loom plan calibrate | validate: their own options
         if argv[0] == "calibrate":
@@ -124,6 +132,14 @@ def main(argv: list[str]) -> int:
         profile = Profile.load(args.profile) if args.profile else None
         check = None
         if args.config or overrides:
+            named = [f for f, v in _named_model_flags(args) if v is not None]
+            if named:  # they describe a named model's run; a config describes its own
+                given = f"--config {args.config}" if args.config else f"{overrides[0]} (a config option)"
+                raise PlanError(
+                    f"{', '.join(named)}: these describe a --model NAME's run, and {given} plans a config's "
+                    "run; give the config's fields as --section.key options (--model.dim, --data.seq_len, "
+                    "--train.global_batch, --train.precision) or plan --model NAME without them"
+                )
             cfg = load(args.config, overrides)
             if cfg.model.from_hf:  # the directory's model, as loom train would run it
                 from loom.model.hf import resolve_from_hf
@@ -142,7 +158,7 @@ def main(argv: list[str]) -> int:
                 raise PlanError(f"unknown model {args.model!r}; known: {', '.join(MODELS)}")
             cluster = cluster_of(args, "h100-8x8")
             model = MODELS[args.model]
-            train = Workload(args.global_batch, args.seq, precision=args.precision)
+            train = Workload(args.global_batch or 1024, args.seq or 8192, precision=args.precision or "bf16")
         result = search(
             model, train, cluster, args.world, profile=profile, n_experts=args.experts, top_k=args.top_k
         )
