@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import sys
 from pathlib import Path
@@ -100,8 +101,18 @@ def _load(argv: list[str], allowed_plain: tuple[str, ...]) -> tuple[C.LoomConfig
     if "nproc" in plain and "run.nproc" in C.overridden(cfg) and plain["nproc"] != str(cfg.run.nproc):
         raise C.ConfigError(f"--nproc {plain['nproc']} and --run.nproc {cfg.run.nproc}: both given; give one")
     if "nproc" in plain:
-        C.apply_overrides(cfg, ["--run.nproc", plain["nproc"]])
+        _apply_nproc(cfg, plain["nproc"])
     return cfg, plain
+
+
+def _apply_nproc(cfg: C.LoomConfig, value: str) -> None:
+    """``--nproc N`` as ``--run.nproc N``, its errors naming the option that was typed."""
+    try:
+        C.apply_overrides(cfg, ["--run.nproc", value])
+    except C.ConfigError as e:
+        raise C.ConfigError(str(e).replace("run.nproc:", "--nproc:", 1)) from None
+    if cfg.run.nproc < 1:
+        raise C.ConfigError(f"--nproc: must be >= 1, got {cfg.run.nproc}")
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -638,6 +649,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The ``loom`` command (and ``python -m loom``): :func:`main`, then exit. The heap is frozen
+    first (``gc.freeze``): the interpreter's collections at exit traversed every object a trained
+    process holds, about a second per process; finalizers and ``atexit`` still run."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 def error_line(e: BaseException) -> str | None:
     """The one line for Loom's own errors (their message names the field or file) and for operating
     system errors (named by their path); None for anything else, which keeps its traceback."""
@@ -654,4 +674,4 @@ def error_line(e: BaseException) -> str | None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    run()

@@ -190,12 +190,14 @@ def tf32_enabled() -> bool:
 
 
 def measure_gemm_flops(
-    device: torch.device, dtype: torch.dtype = torch.float32, n: int | None = None, seconds: float = 0.3
+    device: torch.device, dtype: torch.dtype = torch.float32, n: int | None = None, seconds: float = 0.0
 ) -> float:
     """Achieved FLOP/s of an n x n matmul in ``dtype`` on ``device`` (2 n^3 FLOPs each), best of a
-    short run; n = 8192 on an accelerator (large enough to reach the tensor cores' rate), 512 on
-    the CPU. Timed between device synchronisations."""
-    n = n or (8192 if device.type != "cpu" else 512)
+    short run (``seconds``: 0.3 on an accelerator, 0.1 on the CPU, where 4 matmuls take about 7 ms);
+    n = 8192 on an accelerator (large enough to reach the tensor cores' rate), 512 on the CPU. Timed
+    between device synchronisations."""
+    cpu = device.type == "cpu"
+    n, seconds = n or (512 if cpu else 8192), seconds or (0.1 if cpu else 0.3)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):

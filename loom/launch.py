@@ -40,6 +40,7 @@ save it and exit (:class:`loom.train.trainer.StopRequest`), and the launcher pri
 from __future__ import annotations
 
 import contextlib
+import gc
 import ipaddress
 import json
 import logging
@@ -283,7 +284,10 @@ def _worker(cfg_dict: dict[str, Any]) -> dict[str, float] | None:
     _host_rank_store()
     run_cfg = cfg_dict["run"]
     watch_launcher(Path(run_cfg["dir"]), float(run_cfg["preempt_grace_s"]))
-    return record(_run_rank)(cfg_dict, run)
+    try:
+        return record(_run_rank)(cfg_dict, run)
+    finally:  # the rank's exit collects no garbage across its whole heap (loom.cli.run)
+        gc.freeze()
 
 
 def _run_rank(cfg_dict: dict[str, Any], run) -> dict[str, float]:

@@ -614,6 +614,35 @@ def test_convert_exports_a_model_loom_generate_reads(saved, tmp_path):
         assert torch.equal(t, full[f"model.{name}"])
 
 
+def _umask_file_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def test_convert_never_touches_a_file_beside_its_output(saved, tmp_path, monkeypatch):
+    """A user's ``OUT.tmp`` is neither written nor renamed away: the file is built under a new hidden
+    name, removed if the write fails, and ends with the umask's mode."""
+    import loom.checkpoint.convert as convert_mod
+
+    root = saved[0]
+    out, mine = tmp_path / "c5.safetensors", tmp_path / "c5.safetensors.tmp"
+    mine.write_text("mine")
+    before = set(tmp_path.iterdir())
+
+    def disk_full(*args):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(convert_mod, "_write_tensor", disk_full)
+        with pytest.raises(OSError, match="No space"):
+            convert_mod.convert(root, out)
+    assert set(tmp_path.iterdir()) == before and mine.read_text() == "mine"
+    convert_mod.convert(root, out)
+    assert set(tmp_path.iterdir()) == before | {out} and mine.read_text() == "mine"
+    assert out.stat().st_mode & 0o777 == _umask_file_mode()
+
+
 def test_rng_states_round_trip_through_json():
     import numpy as np
 

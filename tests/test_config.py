@@ -192,6 +192,36 @@ def test_numeric_fields_are_bounded_and_finite(args, needle):
     assert "\n" not in str(e.value)
 
 
+def test_train_seed_is_bounded_as_torch_takes_it():
+    """torch.manual_seed takes 64 bits: 2**64 - 1 passes, 2**64 is refused before any process starts."""
+    C.validate(C.apply_overrides(C.LoomConfig(), ["--train.seed", str(2**64 - 1)]), 2)
+    cfg = C.apply_overrides(C.LoomConfig(), ["--train.seed", str(2**64)])
+    with pytest.raises(
+        C.ConfigError, match=re.escape(f"train.seed: must be below 2**64 = {2**64}, got {2**64}")
+    ):
+        C.validate(cfg, 2)
+
+
+@pytest.mark.parametrize(
+    "value,needle",
+    [("abc", "--nproc: expected an integer, got 'abc'"), ("0", "--nproc: must be >= 1, got 0")],
+)
+def test_a_bad_nproc_names_the_option_given(capsys, value, needle):
+    from loom.cli import main
+
+    assert main(["config", "debug", "--nproc", value]) == 2
+    assert capsys.readouterr().err.strip() == f"loom: error: {needle}"
+
+
+def test_a_new_output_directory_that_is_a_file_or_a_link_says_so(tmp_path):
+    (tmp_path / "ofile").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    for name, what in (("ofile", "is a file, not a directory"), ("link", "is a symbolic link")):
+        with pytest.raises(C.ConfigError, match=f"{name}: {what}; choose a new directory"):
+            C.check_new_output(tmp_path / name, directory=True)
+    assert (tmp_path / "ofile").read_text() == "x"
+
+
 def test_explicit_degrees_must_agree_with_nproc(capsys, tmp_path):
     from loom.cli import main
 

@@ -354,6 +354,17 @@ def test_split_plan_reads_lengths_in_blocks():
         assert len({stream.split_plan(lengths, vf, block=b) for b in (1, 2, 3, 7, 1 << 20)}) == 1
 
 
+def test_a_relative_cache_dir_is_made_absolute(tmp_path, monkeypatch):
+    """A relative LOOM_CACHE_DIR names a directory from where Loom was started: the prepared directory
+    (a run's config.toml records it as data.prepared_dir) is absolute, so it holds from anywhere."""
+    src = write_txt_dir(tmp_path / "corpus")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOOM_CACHE_DIR", "relcache")
+    assert prepare_mod.cache_root() == tmp_path / "relcache"
+    p = prepare_data(DataConfig(source=str(src), vocab_size=300), progress=False)
+    assert p.dir.is_absolute() and p.dir.parent == tmp_path / "relcache" / "data"
+
+
 def test_prepare_killed_midway_leaves_nothing(tmp_path, cache, monkeypatch):
     src = write_txt_dir(tmp_path / "corpus")
     cfg = DataConfig(source=str(src), vocab_size=300)

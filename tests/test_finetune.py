@@ -965,6 +965,28 @@ def test_export_commands(lora_run, tmp_path, capsys):
     assert "holds LoRA adapters only" in err and "--merge-lora" in err
 
 
+def test_peft_export_never_adopts_a_directory_beside_its_output(lora_run, tmp_path):
+    """A user's ``OUT.partial`` directory is not adopted (its files never end up in the adapter
+    directory) nor touched; the adapter files get the umask's mode, as ``loom export hf`` writes."""
+    from loom.finetune.export import export_peft
+
+    run, _ = lora_run
+    mine = tmp_path / "pe.partial"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    export_peft(run, tmp_path / "pe")
+    assert {p.name for p in (tmp_path / "pe").iterdir()} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+    assert {p.name for p in tmp_path.iterdir()} == {"pe", "pe.partial"}  # no temporary left behind
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in (tmp_path / "pe").iterdir():
+        assert p.stat().st_mode & 0o777 == 0o666 & ~mask, p.name
+
+
 def test_peft_export_of_a_full_run_is_one_line(prepared, hf_base, tmp_path):
     from loom.checkpoint.format import CheckpointError
     from loom.finetune.export import export_peft

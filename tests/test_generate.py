@@ -489,6 +489,10 @@ def test_run_directory_with_the_builtin_chat_template(tmp_path, capsys):
         (["--prompts", "MSGS"], r"--prompts: .*:1 holds chat messages; add --chat"),
         (["--prompts", "BADJSON"], r"--prompts: .*:1 is not valid JSON"),
         (
+            ["--prompts", "BOTH", "--chat"],
+            r"--prompts: .*both.jsonl:2 holds both 'prompt' and 'messages'; give one of them",
+        ),
+        (
             ["--prompt", "a", "--prompts", "MSGS"],
             r"--prompts: give --prompt TEXT or --prompts FILE, not both",
         ),
@@ -504,9 +508,11 @@ def test_run_directory_with_the_builtin_chat_template(tmp_path, capsys):
 def test_bad_options_are_one_line_before_any_model_loads(tmp_path, capsys, argv, match, hf_dir):
     import re
 
-    files = {"EMPTY": "e.txt", "MSGS": "m.jsonl", "BADJSON": "b.jsonl"}
+    files = {"EMPTY": "e.txt", "MSGS": "m.jsonl", "BADJSON": "b.jsonl", "BOTH": "both.jsonl"}
     (tmp_path / "e.txt").write_text("\n \n")
-    (tmp_path / "m.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    msgs = {"messages": [{"role": "user", "content": "x"}]}
+    (tmp_path / "m.jsonl").write_text(json.dumps(msgs) + "\n")
+    (tmp_path / "both.jsonl").write_text(json.dumps(msgs) + "\n" + json.dumps({"prompt": "y"} | msgs) + "\n")
     (tmp_path / "b.jsonl").write_text("{nope\n")
     argv = [str(tmp_path / files[a]) if a in files else a for a in argv]
     source = ["--model.from_hf", str(hf_dir)]
@@ -590,6 +596,36 @@ def test_a_lora_run_on_another_base_is_refused_naming_both_hashes(tmp_path, caps
     assert (
         rc == 2 and err.count("\n") == 1 and "ab" * 32 in err and "/old/base" in err and "seeded init" in err
     )
+
+
+def test_the_model_that_generates_is_the_one_the_checkpoint_recorded(tmp_path):
+    """The final file's checkpoint (its header's ``source``) recorded 320 vocabulary rows, config.toml
+    says none: the checkpoint's model generates (config.toml's had failed on the shapes). A checkpoint
+    that recorded no config (an older Loom) keeps config.toml's model."""
+    from loom.checkpoint.integrity import sha256_file
+    from loom.generate.source import load_run
+    from loom.train.export import save_model
+
+    run = _run_dir(tmp_path)
+    cfg = C.load_toml(run / "config.toml")
+    trained = C.load_toml(run / "config.toml")
+    trained.model.pad_vocab_to = 320
+    model = build_model(trained.model, seed=2).eval()
+    weights = run / "checkpoints" / "final" / "model.safetensors"
+    save_model(model, weights, metadata={"source": "step-00000003"})
+    (weights.parent / "meta.json").write_text(json.dumps({"sha256": sha256_file(weights)}))
+    ckpt = run / "checkpoints" / "step-00000003"
+    ckpt.mkdir()
+    (ckpt / "train_state.json").write_text(json.dumps({"config": C.to_dict(trained)}))
+    src = load_run(str(run))
+    ids = torch.tensor(_prompts(9))
+    with torch.no_grad():
+        assert src.model.cfg.padded_vocab == 320 and torch.equal(src.model(ids), model(ids))
+    (ckpt / "train_state.json").write_text(json.dumps({"finetune_base": None}))
+    cfg.model.pad_vocab_to = 320
+    cfg.model.n_heads, cfg.model.n_kv_heads = 2, 1  # the same shapes: nothing to tell them apart
+    (run / "config.toml").write_text(C.dump_toml(cfg))
+    assert load_run(str(run)).model.cfg.n_heads == 2
 
 
 # ----------------------------------------------------------------------------- a real LoRA run
@@ -781,3 +817,38 @@ def test_generation_config_eos_ids_end_a_prompt_at_any_of_them(hf_dir, tmp_path)
     assert done.tokens[0] == free[: free.index(stop) + 1]
     (d / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": stop}))
     assert load_hf(str(d)).eos == {stop}
+
+
+def test_a_config_toml_whose_model_differs_from_the_checkpoint_is_refused_naming_each_field(
+    lora_run, tmp_path, capsys
+):
+    """config.toml edited without changing any tensor's shape (heads regrouped, another window): the
+    model would differ from the trained one; refused in one line naming each field. Fields that do
+    not change the trained model (dropout, init_std, the base's path) may differ."""
+    import shutil
+
+    _, run = lora_run
+    other = tmp_path / "run"
+    shutil.copytree(run, other)
+    toml, ckpt = other / "config.toml", other / "checkpoints" / "step-00000004"
+    for edit, said in (
+        (
+            {"n_heads": 2, "n_kv_heads": 1},
+            f"model.n_heads: {toml} says 2, the checkpoint {ckpt} was trained with 4; "
+            "model.n_kv_heads: says 1, trained with 2; put the trained values back",
+        ),
+        (
+            {"max_seq_len": 4096},
+            f"model.max_seq_len: {toml} says 4096, the checkpoint {ckpt} was trained with 32;",
+        ),
+        ({"dropout": 0.1, "init_std": 0.5}, None),
+    ):
+        cfg = C.load_toml(run / "config.toml")
+        for key, value in edit.items():
+            setattr(cfg.model, key, value)
+        toml.write_text(C.dump_toml(cfg))
+        rc, _, err = _run(capsys, "--run.dir", str(other), "--max-new-tokens", "2", "--prompt", "a")
+        if said is None:
+            assert rc == 0, err
+        else:
+            assert rc == 2 and err.count("\n") == 1 and said in err, err

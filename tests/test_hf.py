@@ -388,6 +388,43 @@ def test_export_never_overwrites(prepared, tmp_path):
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
 
 
+def test_export_never_adopts_or_deletes_what_is_beside_its_output(prepared, tmp_path, monkeypatch):
+    """A user's ``OUT.partial`` directory is neither deleted nor adopted (the export is built under a
+    new hidden name, removed when the export fails); an existing file as OUT is refused as a file."""
+    import loom.checkpoint.hf_export as hf_export
+
+    run = tmp_path / "run"
+    _train(_config(prepared, run))
+    mine = tmp_path / "o9.partial"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    (tmp_path / "ofile").write_text("a file")
+    with pytest.raises(hf_export.CheckpointError, match=r"ofile: is a file, not a directory; choose a new"):
+        hf_export.export_hf(run, tmp_path / "ofile")
+    before = set(tmp_path.iterdir())
+
+    def disk_full(path):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(hf_export, "_fsync", disk_full)  # after the first shard is written
+        with pytest.raises(OSError, match="No space"):
+            hf_export.export_hf(run, tmp_path / "o9")
+    assert set(tmp_path.iterdir()) == before  # nothing left behind
+    hf_export.export_hf(run, tmp_path / "o9")
+    assert set(tmp_path.iterdir()) == before | {tmp_path / "o9"}
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+    assert "notes.txt" not in {p.name for p in (tmp_path / "o9").iterdir()}
+    assert (tmp_path / "o9").stat().st_mode & 0o777 == 0o777 & ~_umask()
+    assert (tmp_path / "ofile").read_text() == "a file"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_import_then_export_round_trips(tmp_path, family):
     """HF -> Loom (load_into) -> HF tensors: bit for bit."""

@@ -139,3 +139,74 @@ def test_an_unreadable_latest_is_reported_once_however_often_it_is_looked_up(tra
     said = [r.getMessage() for r in caplog.records]
     assert sum("is unusable" in m for m in said) == 1, said
     assert sum("instead of the checkpoint 'latest' names" in m for m in said) == 1, said
+
+
+def test_a_resume_with_another_model_of_the_same_shapes_is_refused_naming_each_field(trained, tmp_path):
+    """Heads regrouped, another RoPE base or norm epsilon: the same tensor shapes, another model. Refused
+    in one line naming each field with its saved and new values; what may change is accepted."""
+    from loom.checkpoint.format import CheckpointError
+
+    cfg, run = _copy_run(trained, tmp_path)
+    ckpt = run / "checkpoints" / "step-00000004"
+    for model, said in (
+        (
+            {"n_heads": 2, "n_kv_heads": 1},
+            f"model.n_heads: {ckpt} was saved with 4, this run has 2; "
+            "model.n_kv_heads: saved with 2, this run has 1; ",
+        ),
+        (
+            {"rope_theta": 500000.0},
+            f"model.rope_theta: {ckpt} was saved with 10000.0, this run has 500000.0; ",
+        ),
+        ({"norm_eps": 1e-3}, f"model.norm_eps: {ckpt} was saved with 1e-05, this run has 0.001; "),
+    ):
+        with pytest.raises(CheckpointError) as e:
+            _start_step(with_sections(cfg, model=model))
+        msg = str(e.value)
+        assert msg.startswith(said) and msg.endswith("Use the saved values to resume, or start a new run.dir")
+        assert "\n" not in msg
+    free = {"dropout": 0.1, "init_std": 0.5, "max_seq_len": 64, "hf_architecture": "LlamaForCausalLM"}
+    assert _start_step(with_sections(cfg, model=free)) == 4  # RoPE: max_seq_len extends the context
+
+
+def test_a_resume_with_another_optimizer_says_so_first(trained, tmp_path):
+    """An AdamW checkpoint resumed with Adafactor: the optimizer named (it was a list of missing
+    optimizer tensors); train.init_from, which it suggests, starts a new run and is not checked."""
+    from loom.checkpoint.format import CheckpointError
+
+    cfg, run = _copy_run(trained, tmp_path)
+    ckpt = run / "checkpoints" / "step-00000004"
+    other = with_sections(cfg, train={"optimizer": "adafactor"}, model={"n_heads": 2, "n_kv_heads": 1})
+    with pytest.raises(CheckpointError) as e:
+        _start_step(other)
+    assert str(e.value) == (
+        f"train.optimizer: {ckpt} was saved with adamw, this run has adafactor; its optimizer state is "
+        f"adamw's. Use train.optimizer = adamw to resume, or start a new run.dir (train.init_from = "
+        f"{ckpt} keeps the weights, with a fresh adafactor state)"
+    )
+    fresh = with_sections(cfg, train={"optimizer": "adafactor", "init_from": str(ckpt)})
+    fresh["run"]["dir"] = str(tmp_path / "new")
+    assert _start_step(fresh) == 0
+
+
+def test_which_model_fields_a_resume_compares():
+    """Learned positions keep their table's rows, RoPE may extend its context; fields with no effect
+    on the recorded model (a dense model's top_k, multiple_of beside an explicit ffn_dim) are not
+    compared; a checkpoint without a recorded config is not checked."""
+    from loom.checkpoint.recorded import free_on_resume, model_changes, recorded_config
+
+    def changes(recorded: dict, **edit) -> list:
+        saved = recorded_config({"config": C.to_dict(C.from_dict({"model": recorded}))})
+        assert saved is not None
+        now = C.from_dict({"model": recorded | edit})
+        return [name for name, _, _ in model_changes(saved, now, free_on_resume(saved))]
+
+    assert changes({"positions": "learned"}, max_seq_len=512) == ["model.max_seq_len"]
+    assert changes({"positions": "learned"}, rope_theta=1e6) == []
+    assert changes({}, max_seq_len=512) == []
+    assert changes({}, top_k=1) == []
+    assert changes({"n_experts": 4}, top_k=1) == ["model.top_k"]
+    assert changes({"ffn_dim": 128}, multiple_of=32) == []
+    assert changes({}, multiple_of=32) == []  # the automatic width stays 704
+    assert changes({}, multiple_of=256) == ["model.multiple_of"]  # 704 -> 768
+    assert recorded_config({"config": {"train": {}}}) is None

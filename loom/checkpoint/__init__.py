@@ -8,6 +8,7 @@
 - :mod:`~loom.checkpoint.shared_read` replicated pieces: 1/n read per replica, then all-gathered
 - :mod:`~loom.checkpoint.convert`   consolidated single-file export
 - :mod:`~loom.checkpoint.training`  what the trainer saves and restores (state, RNG, data position)
+- :mod:`~loom.checkpoint.recorded`  the model a checkpoint recorded against the config at hand (resume, generate)
 """
 
 from loom.checkpoint.format import CheckpointError

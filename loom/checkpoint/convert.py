@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from loom.checkpoint.format import DTYPES, CheckpointError, check_outside_checkpoints, fsync_dir
+from loom.checkpoint.format import DTYPES, CheckpointError, check_outside_checkpoints, staged
 from loom.checkpoint.load import CheckpointReader
 from loom.checkpoint.protocol import Box
 from loom.config import check_new_output
@@ -112,20 +112,12 @@ def convert(
         names = sorted(n[len(PREFIX) :] for n in reader.names() if n.startswith(PREFIX))
         if not names:
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        try:
-            with open(tmp, "wb") as fh:
-                fh.write(_header(reader, names, {"step": str(reader.step), "source": reader.dir.name}))
-                for n in names:
-                    _write_tensor(fh, reader, PREFIX + n, buffer_bytes)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, out)
-        except BaseException:  # a failed write (disk full) or rename leaves no partial file behind
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(out.parent)
+        with staged(out) as tmp, open(tmp, "wb") as fh:  # a new hidden name: no user file is touched
+            fh.write(_header(reader, names, {"step": str(reader.step), "source": reader.dir.name}))
+            for n in names:
+                _write_tensor(fh, reader, PREFIX + n, buffer_bytes)
+            fh.flush()
+            os.fsync(fh.fileno())
         return reader.dir, reader.step, len(names)
 
 

@@ -30,8 +30,12 @@ import json
 import os
 import queue
 import re
+import shutil
 import struct
+import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
 
@@ -135,6 +139,42 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def umask_mode(path: Path, full: int = 0o666) -> None:
+    """Give ``path`` the mode a new file (``full`` 0o666; a directory: 0o777) gets under the process
+    umask (0644 / 0755 under 022), where ``mkstemp``, ``mkdtemp`` and safetensors make it private."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, full & ~mask)
+
+
+@contextmanager
+def staged(out: Path, directory: bool = False) -> Iterator[Path]:
+    """A new output (file, or ``directory``) built under a hidden temporary name beside ``out``, made
+    by ``mkstemp``/``mkdtemp`` (so never a path that exists: nothing there is written into, replaced
+    or adopted), with the umask's mode; renamed to ``out`` when the block completes (a directory only
+    onto an empty one or none), removed if anything fails."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{out.name[:200]}."  # hidden; room for mkstemp's random part within NAME_MAX
+    if directory:
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=".partial", dir=out.parent))
+    else:
+        fd, name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=out.parent)
+        os.close(fd)
+        tmp = Path(name)
+    try:
+        umask_mode(tmp, 0o777 if directory else 0o666)
+        yield tmp
+        fsync_dir(tmp if directory else out.parent)
+        os.replace(tmp, out)
+    except BaseException:  # a failed write (disk full) or rename leaves nothing behind
+        if directory:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(out.parent)
 
 
 def dump_json(obj: object, compact: bool = False) -> bytes:

@@ -5,8 +5,9 @@ Writes ``config.json``, ``generation_config.json``, safetensors shards of at mos
 ``max_shard_bytes`` with ``model.safetensors.index.json``, and the run's tokenizer. Tensors are
 streamed one at a time from the checkpoint reader (which assembles ZeRO, tensor and pipeline
 pieces), so peak memory is one output shard plus the largest tensor. The directory is built
-beside ``OUT_DIR`` and renamed into place when complete; an existing non-empty ``OUT_DIR`` is
-never touched. Files get the umask's mode (0644 under the usual 022).
+under a new hidden name beside ``OUT_DIR`` (:func:`~loom.checkpoint.format.staged`) and renamed into place when complete;
+an existing file or non-empty ``OUT_DIR`` is never touched. Files get the umask's mode (0644 under
+the usual 022).
 
 A run from a Hugging Face directory (``model.from_hf`` or ``train.init_from``) keeps what that
 directory says beyond the tensors: its ``config.json`` fields (architecture, e.g. Mistral with its
@@ -32,7 +33,13 @@ import torch
 from safetensors.torch import save_file
 
 from loom import config as C
-from loom.checkpoint.format import CheckpointError, check_outside_checkpoints, check_run_tokenizer, fsync_dir
+from loom.checkpoint.format import (
+    CheckpointError,
+    check_outside_checkpoints,
+    check_run_tokenizer,
+    staged,
+    umask_mode,
+)
 from loom.checkpoint.load import CheckpointReader
 from loom.model.hf import (
     INDEX,
@@ -231,13 +238,6 @@ def _export_dtype(requested: str | None, src: Path | None, stored: torch.dtype) 
     return stored
 
 
-def _umask_mode(path: Path) -> None:
-    """Give ``path`` the mode a newly created file gets under the process umask (0644 under 022)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
-
-
 def export_hf(
     source: str | Path,
     out: str | Path,
@@ -291,40 +291,43 @@ def export_hf(
             [(str(i), sum(size[n] for n in unit)) for i, unit in enumerate(units)], max_shard_bytes
         )
         shards = [[n for i in group for n in units[int(i)]] for group in planned]
-        tmp = out.with_name(out.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        weight_map, total = {}, 0
-        bar = _bar(len(names), progress)
-        for i, group in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            stream = ((n, _cast(reader.read(PREFIX + n), want)) for n in group)
-            tensors = dict(hf_tensors(cfg.model, stream))
-            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
-            _umask_mode(tmp / file)
-            _fsync(tmp / file)
-            weight_map.update(dict.fromkeys(tensors, file))
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-            bar.update(len(group))
-            del tensors
-        bar.close()
-        (tmp / INDEX).write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        )
-        config = carried_config(hf_config(cfg.model, str(want).removeprefix("torch."), moe=cfg.moe), hf_src)
-        special = _tokenizer_files(reader.dir.parent.parent, cfg, tmp, config)
-        config |= special
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        if hf_src is not None and (hf_src / "generation_config.json").is_file():
-            shutil.copyfile(hf_src / "generation_config.json", tmp / "generation_config.json")
-        else:
-            (tmp / "generation_config.json").write_text(json.dumps(special, indent=2))
-        fsync_dir(tmp)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
+        with staged(out, directory=True) as tmp:  # an empty ``out`` (checked above) is replaced
+            weight_map, total = _write_shards(tmp, reader, cfg.model, shards, want, progress)
+            (tmp / INDEX).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
+            config = carried_config(
+                hf_config(cfg.model, str(want).removeprefix("torch."), moe=cfg.moe), hf_src
+            )
+            special = _tokenizer_files(reader.dir.parent.parent, cfg, tmp, config)
+            config |= special
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            if hf_src is not None and (hf_src / "generation_config.json").is_file():
+                shutil.copyfile(hf_src / "generation_config.json", tmp / "generation_config.json")
+            else:
+                (tmp / "generation_config.json").write_text(json.dumps(special, indent=2))
         return Exported(out, reader.dir, reader.step, len(shards), len(weight_map), total)
+
+
+def _write_shards(
+    tmp: Path, reader: Any, m: C.ModelConfig, shards: list[list[str]], want: torch.dtype, progress: bool
+) -> tuple[dict[str, str], int]:
+    """Write the safetensors shards into ``tmp``; returns (HF tensor name -> file, total bytes)."""
+    weight_map, total = {}, 0
+    bar = _bar(sum(len(g) for g in shards), progress)
+    for i, group in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        stream = ((n, _cast(reader.read(PREFIX + n), want)) for n in group)
+        tensors = dict(hf_tensors(m, stream))
+        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        umask_mode(tmp / file)
+        _fsync(tmp / file)
+        weight_map.update(dict.fromkeys(tensors, file))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        bar.update(len(group))
+        del tensors
+    bar.close()
+    return weight_map, total
 
 
 def _hf_shape(m: C.ModelConfig, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:

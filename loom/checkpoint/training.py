@@ -10,8 +10,13 @@ consumed, each source's count and epoch, the seed and the sources' identity. The
 function of (seed, position, step), so a resume continues with exactly the samples the uninterrupted
 run would have drawn next, on any data-parallel size, micro-batch and accumulation; with another
 ``train.global_batch`` it continues at the first unseen sequence. Resuming requires the same
-``train.seed`` and ``data.seq_len`` and the same sources (checked by the sampler); everything else
-(layout, world size, global batch, ``train.steps``) may change.
+``train.seed`` and ``data.seq_len`` and the same sources (checked by the sampler), the same
+``train.optimizer`` (its state is that optimizer's) and the same model: every field the checkpoint
+recorded that changes what its weights compute (:mod:`loom.checkpoint.recorded`: not dropout,
+init_std, from_hf, hf_architecture or pad_vocab_to; ``model.max_seq_len`` may grow or shrink with
+RoPE, whose angles do not depend on it (context extension), not with learned positions, whose table
+it sizes). Everything else (layout, world size, global batch, ``train.steps``, learning rate,
+dropout) may change.
 
 Which checkpoint a run starts from (decided by rank 0, broadcast to all):
 
@@ -35,6 +40,7 @@ from loom.checkpoint.convert import convert
 from loom.checkpoint.format import MANIFEST, CheckpointError, write_bytes_atomic
 from loom.checkpoint.load import CheckpointReader, find
 from loom.checkpoint.protocol import Shardable, ShardedTensor
+from loom.checkpoint.recorded import free_on_resume, model_changes, recorded_config
 from loom.checkpoint.rng import capture_rng, restore_rng, rng_from_tensor, rng_name, rng_tensor
 from loom.checkpoint.save import Checkpointer, broadcast_json, list_checkpoints, new_group
 
@@ -172,8 +178,10 @@ class TrainCheckpoints:
         t0 = time.perf_counter()
         with self._open(source["candidates"]) as reader:
             ts = reader.train_state
-            self._check_position(ts, reader.dir)
+            self._check_optimizer(ts, reader.dir)
             self._check_base(ts, reader.dir)
+            self._check_model(ts, reader.dir)
+            self._check_position(ts, reader.dir)
             if self.data is not None:  # every rank: the same record, the same verdict
                 saved = dict(ts.get("data") or {})
                 saved.setdefault("global_batch", ts.get("config", {}).get("train", {}).get("global_batch"))
@@ -231,6 +239,33 @@ class TrainCheckpoints:
                     f"{section}.{key}: {ckpt} was saved with {old}, this run has {new}; the samples it "
                     "continues with would differ from the uninterrupted run's. Use the same value to resume."
                 )
+
+    def _check_optimizer(self, ts: dict, ckpt: Path) -> None:
+        """The optimizer that wrote the checkpoint's state is this run's (its state is of no other)."""
+        old = (ts.get("config", {}).get("train") or {}).get("optimizer")
+        new = self.cfg.train.optimizer
+        if old is not None and old != new:
+            raise CheckpointError(
+                f"train.optimizer: {ckpt} was saved with {old}, this run has {new}; its optimizer state is "
+                f"{old}'s. Use train.optimizer = {old} to resume, or start a new run.dir (train.init_from = "
+                f"{ckpt} keeps the weights, with a fresh {new} state)"
+            )
+
+    def _check_model(self, ts: dict, ckpt: Path) -> None:
+        """The model is the one the checkpoint recorded (:mod:`loom.checkpoint.recorded`); RoPE's
+        ``max_seq_len`` may change (context extension). A checkpoint without a config is not checked."""
+        saved = recorded_config(ts)
+        if saved is None:
+            return
+        changes = model_changes(saved, self.cfg, free_on_resume(saved))
+        if changes:
+            (name, old, new), *rest = changes
+            said = [f"{name}: {ckpt} was saved with {old}, this run has {new}"]
+            said += [f"{n}: saved with {o}, this run has {v}" for n, o, v in rest]
+            raise CheckpointError(
+                f"{'; '.join(said)}; its weights would compute another model than the one trained. "
+                "Use the saved values to resume, or start a new run.dir"
+            )
 
     def _check_base(self, ts: dict, ckpt: Path) -> None:
         """A LoRA checkpoint resumes only on the base it was trained on (:func:`check_base`)."""

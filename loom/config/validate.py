@@ -123,6 +123,9 @@ def _check_bounds(cfg: LoomConfig) -> None:
     _require(
         cfg.run.master_port <= 65535, f"run.master_port: must be in [0, 65535], got {cfg.run.master_port}"
     )
+    _require(  # torch.manual_seed takes 64 bits, as `loom generate --seed`
+        cfg.train.seed < 2**64, f"train.seed: must be below 2**64 = {2**64}, got {cfg.train.seed}"
+    )
     m = cfg.model
     if m.rope_scaling:
         _require(
@@ -584,7 +587,12 @@ def check_new_output(out: Path, directory: bool, error: type[Exception] = Config
     anything is read or written: Loom never replaces a file it did not write there, nor writes into
     a non-empty directory (``directory``: ``out`` is the directory to fill). Raises ``error``."""
     if directory:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if out.is_symlink() or (out.exists() and not out.is_dir()):
+            what = "is a symbolic link" if out.is_symlink() else "is a file, not a directory"
+            raise error(
+                f"{out}: {what}; choose a new directory (nothing was written; an existing file is never replaced)"
+            )
+        if out.exists() and any(out.iterdir()):
             raise error(f"{out}: exists and is not empty; choose a new directory (nothing was written)")
     elif out.exists() or out.is_symlink():
         what = "is a directory" if out.is_dir() else "exists"

@@ -325,8 +325,9 @@ def cache_key(cfg: DataConfig) -> dict[str, Any]:
 
 
 def cache_root() -> Path:
-    """``$LOOM_CACHE_DIR`` or ``~/.cache/loom``."""
-    return Path(os.environ.get("LOOM_CACHE_DIR") or "~/.cache/loom").expanduser()
+    """``$LOOM_CACHE_DIR`` or ``~/.cache/loom``, made absolute (a relative one names the directory it
+    names from here, so a run's recorded ``data.prepared_dir`` holds from any other directory)."""
+    return Path(os.environ.get("LOOM_CACHE_DIR") or "~/.cache/loom").expanduser().absolute()
 
 
 def default_dir(cfg: DataConfig, key: dict[str, Any] | None = None) -> Path:

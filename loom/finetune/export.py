@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from loom import config as C
-from loom.checkpoint.format import CheckpointError, check_outside_checkpoints, fsync_dir
+from loom.checkpoint.format import CheckpointError, check_outside_checkpoints, staged, umask_mode
+from loom.checkpoint.hf_export import export_hf, pop_dtype, pop_shard_size
 from loom.checkpoint.load import CheckpointReader
 from loom.device import DTYPES, resolve_precision
 from loom.finetune.base import bind_base
@@ -143,14 +144,10 @@ def export_peft(source: str | Path, out: str | Path) -> Path:
     with CheckpointReader(source) as reader:
         cfg = lora_config_of(reader, "export peft")
         tensors, config = peft_state(cfg, adapters(reader))
-    tmp = out.with_name(out.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
-    fsync_dir(tmp)
-    if out.exists():
-        out.rmdir()
-    tmp.replace(out)
+    with staged(out, directory=True) as tmp:  # a new hidden directory: nothing there is adopted
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        umask_mode(tmp / ADAPTER_WEIGHTS)  # as `loom export hf` writes its shards
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     return out
 
 
@@ -245,8 +242,6 @@ def merged_state(source: str | Path) -> tuple[C.LoomConfig, dict[str, torch.Tens
 def main(argv: list[str]) -> int:
     """``loom export peft RUN OUT`` and ``loom export hf RUN OUT --merge-lora [--max-shard-size 5GB]
     [--dtype bf16|fp16|fp32]``."""
-    from loom.checkpoint.hf_export import export_hf, pop_dtype, pop_shard_size
-
     args = [a for a in argv if a != "--merge-lora"]
     if args[:1] == ["peft"]:  # one adapter file in the run's own dtype: these options would do nothing
         for option, why in (
@@ -283,16 +278,12 @@ def save_merged(source: str | Path, path: str | Path) -> None:
     header names the checkpoint (``source``: its tag, ``step``) and says ``lora = merged``, so
     :func:`loom.generate.source.verify_final` can recompute the merge from that verified checkpoint
     and the base it records, and refuse a file that differs."""
-    import os
-
     from safetensors.torch import save_file
 
     with CheckpointReader(source) as reader:
         tag, step = reader.dir.name, reader.step
     _, state = merged_state(source)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
     meta = {"lora": "merged", "source": tag, "step": str(step)}
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    with staged(Path(path)) as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=meta)
+        umask_mode(tmp)

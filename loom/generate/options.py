@@ -80,6 +80,10 @@ def json_line(p: Path, i: int, line: str) -> Any:
 def _record(rec: Any, where: str, chat: bool) -> Prompt:
     if isinstance(rec, str):
         return rec
+    if isinstance(rec, dict) and "prompt" in rec and "messages" in rec:
+        raise ConfigError(
+            f"--prompts: {where} holds both 'prompt' and 'messages'; give one of them per record"
+        )
     if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
         return rec["prompt"]
     if isinstance(rec, dict) and "messages" in rec:

@@ -6,7 +6,11 @@ records one; else, as an export of the run's last checkpoint (its header names i
 checkpoint is verified against its manifest (and the hash ``latest`` recorded) and every tensor of
 the file must equal it; a LoRA run's file is the merged model (header ``lora = merged``): it must
 equal the merge of that checkpoint's adapters on the base, whose SHA-256 must be the one the
-checkpoint recorded), or a local Hugging Face model directory (loom.model.hf).
+checkpoint recorded), or a local Hugging Face model directory (loom.model.hf). The model a run
+generates with is the one recorded by the checkpoint its final file was exported from (its
+``train_state.json`` config, as ``loom export hf`` reads it: loom.checkpoint.recorded), not
+config.toml's: a config.toml whose model fields differ from it is refused, naming each; a final
+file whose checkpoint recorded no config (an older Loom) is built from config.toml.
 
 End-of-text ids: ``generation_config.json``'s ``eos_token_id`` (an id or a list: any of them ends a
 prompt), else ``config.json``'s, of the Hugging Face directory (a run's: its ``model.from_hf``), else
@@ -36,6 +40,7 @@ from loom.checkpoint.format import (
     check_run_tokenizer,
     read_json,
 )
+from loom.checkpoint.recorded import adopt_model, model_changes, recorded_config
 from loom.data.chat import builtin_render, template_render
 from loom.data.tokenizer import EOT_CANDIDATES, load_tokenizer
 from loom.generate.options import Prompt
@@ -139,6 +144,7 @@ def load_run(run_dir: str) -> Source:
     check_run_tokenizer(d)
     tok = load_tokenizer(d / "tokenizer.json")
     merged = verify_final(d, weights, cfg)
+    trained_model(cfg, d, weights)
     if cfg.finetune.method != "full" and not merged:  # a file of adapters (loom checkpoint convert)
         model = load_lora(cfg, d, weights)
     else:  # a full run's model, or a LoRA run's merged one (W + (α/r)·B A, as the trainer writes it)
@@ -201,16 +207,44 @@ def _check_base(cfg: C.LoomConfig, run_dir: Path, recorded: dict | None) -> None
     bind_base(cfg, recorded, run_dir, "generate from the base it was trained on")
 
 
-def _recorded_base(run_dir: Path, weights: Path) -> dict | None:
-    """The base identity the checkpoint ``weights`` was exported from records (None: not found)."""
+def trained_model(cfg: C.LoomConfig, run_dir: Path, weights: Path) -> None:
+    """Give ``cfg`` the model the checkpoint ``weights`` was exported from recorded (module doc);
+    a config.toml that says otherwise is refused in one line naming each field."""
+    found = _recorded_state(run_dir, weights)
+    saved = recorded_config(found[1]) if found is not None else None
+    if found is None or saved is None:
+        return  # an older checkpoint: config.toml's model, as before
+    changes = model_changes(saved, cfg)
+    if changes:
+        toml = run_dir / "config.toml"
+        (name, old, new), *rest = changes
+        said = [f"{name}: {toml} says {new}, the checkpoint {found[0]} was trained with {old}"]
+        said += [f"{n}: says {v}, trained with {o}" for n, o, v in rest]
+        raise C.ConfigError(
+            f"{'; '.join(said)}; put the trained values back in {toml} (generation runs the model "
+            "the checkpoint recorded)"
+        )
+    adopt_model(cfg, saved)
+
+
+def _recorded_state(run_dir: Path, weights: Path) -> tuple[Path, dict] | None:
+    """The checkpoint ``weights`` was exported from (its header's ``source``, under
+    ``run_dir/checkpoints``) and its ``train_state.json``; None: not found."""
     from safetensors import safe_open
 
     with safe_open(str(weights), framework="pt") as f:
         source = (f.metadata() or {}).get("source", "")
+    named = bool(source) and not source.startswith(".") and Path(source).name == source  # a tag
     ckpt = run_dir / "checkpoints" / source
-    if not source or not (ckpt / TRAIN_STATE).is_file():
+    if not named or not (ckpt / TRAIN_STATE).is_file():
         return None
-    return read_json(ckpt / TRAIN_STATE).get("finetune_base")
+    return ckpt, read_json(ckpt / TRAIN_STATE)
+
+
+def _recorded_base(run_dir: Path, weights: Path) -> dict | None:
+    """The base identity the checkpoint ``weights`` was exported from records (None: not found)."""
+    found = _recorded_state(run_dir, weights)
+    return found[1].get("finetune_base") if found is not None else None
 
 
 def hf_model(path: str | Path) -> tuple[HFModel, Transformer]:
