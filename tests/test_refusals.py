@@ -1084,7 +1084,7 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("unknown plain option", lambda c: (c.train("--fast", "1"), ["--fast"]), 2),
     ("max-restarts negative", lambda c: (c.train("--max-restarts", "-1"), ["--max-restarts"]), 2),
     ("max-restarts not a number", lambda c: (c.train("--max-restarts", "x"), ["--max-restarts"]), 2),
-    ("nproc not a number", lambda c: (c.train("--nproc", "two"), ["run.nproc"]), 2),
+    ("nproc not a number", lambda c: (c.train("--nproc", "two"), ["--nproc"]), 2),
     ("schedule: config file given", lambda c: (["schedule", str(c.w.tiny)], ["schedule"]), 2),
     (
         "schedule: --out not a picture",
