@@ -46,6 +46,7 @@ requirements.txt``. torch (with CUDA) is the machine's own.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -1176,4 +1177,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    gc.freeze()  # a part's exit collects nothing across its heap (loom.cli.run)
+    sys.exit(code)
