@@ -99,6 +99,59 @@ def test_txt_jsonl_parquet_sources(tmp_path):
     assert read_documents(str(mixed)) == ["first", "second"]
 
 
+def test_json_files_as_datasets_and_alpaca_write_them(tmp_path):
+    """A ``.json`` source (refused before) is JSON Lines, as ``datasets``' ``to_json`` writes it, or one
+    array of records (Alpaca's), in the text and the instruction formats; a record is named by
+    ``FILE[INDEX]``."""
+    import datasets
+
+    from loom.config import ConfigError
+    from loom.data.chat import read_records
+
+    lines = tmp_path / "lines.json"
+    datasets.Dataset.from_dict({"text": ["one", "two"]}).to_json(str(lines))
+    assert read_documents(str(lines)) == ["one", "two"]
+    array = tmp_path / "alpaca.json"
+    records = [{"prompt": "Q: 1+1?\nA:", "completion": " 2"}, {"prompt": "Q: 2+2?\nA:", "completion": " 4"}]
+    array.write_text("\ufeff" + json.dumps(records, indent=2), encoding="utf-8")  # a BOM, as editors write
+    assert [r for _, r in read_records([array])] == records
+    assert read_documents(str(array), text_field="completion") == [" 2", " 4"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"text": "x"}, 3]))
+    with pytest.raises(ConfigError, match=r"bad.json\[1\] is a JSON int, not an object"):
+        list(read_records([bad]))
+
+
+def test_text_is_text_a_bom_and_a_special_tokens_spelling_are_no_document_marks(tmp_path, cache):
+    """A literal ``<|endoftext|>`` in a document (web text quoting GPT-2 data) was encoded as the
+    end-of-document id, splitting the document (and, packed, resetting its positions); it is text,
+    as tiktoken's encode_ordinary reads it. A .txt file's leading byte order mark was trained on."""
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "a.txt").write_text("\ufeff" + "def f(): return '<|endoftext|>' " * 20, encoding="utf-8")
+    for i in range(9):
+        (d / f"b{i}.txt").write_text(f"document {i} " * 20, encoding="utf-8")
+    p = prepare_data(DataConfig(source=str(d), vocab_size=300, val_fraction=0.1), progress=False)
+    tok = load_tokenizer(p.dir)
+    ids = np.concatenate([np.fromfile(p.dir / f"{s}.bin", dtype=p.dtype) for s in ("train", "val")])
+    assert int((ids == eot_id(tok)).sum()) == 10  # one after each document, none inside
+    text = tok.decode(ids.tolist(), skip_special_tokens=False)
+    assert text.startswith("def f(): return '<|endoftext|>'") and "\ufeff" not in text
+
+
+def test_a_glob_names_the_files_it_does_not_read(tmp_path, cache, caplog):
+    d = tmp_path / "g"
+    d.mkdir()
+    (d / "a.txt").write_text("alpha beta gamma " * 50)
+    (d / "b.txt.gz").write_bytes(b"\x1f\x8b")
+    (d / "c.jsonl.zst").write_bytes(b"(\xb5/\xfd")
+    with caplog.at_level("INFO", logger="loom"):
+        p = prepare_data(DataConfig(source=str(d / "*"), vocab_size=300), progress=False)
+    unread = p.meta()["unread_files"]
+    assert unread["count"] == 2 and unread["examples"][0].endswith("g/b.txt.gz"), unread
+    assert any("2 file(s) in" in r.getMessage() for r in caplog.records), caplog.text
+
+
 def test_corpus_cap_cuts_at_max_mb(tmp_path):
     d = write_txt_dir(tmp_path / "t", ["a" * 600, "b" * 600, "c" * 600])
     docs = read_documents(str(d), max_mb=0.001)

@@ -34,6 +34,12 @@ def _intent(tmp_path, toml: str, *overrides: str) -> C.LoomConfig:
             ["--data.tokenizer", "t.json", "--data.vocab_size", "512"],
             "data.vocab_size: has no effect with data.tokenizer = 't.json'",
         ),
+        (["--parallel.sp", "true"], "parallel.sp: has no effect with parallel.tp = 1"),
+        (["--parallel.cp_mode", "ring"], "parallel.cp_mode: has no effect with parallel.cp = 1"),
+        (["--parallel.schedule", "zb-h1"], "parallel.schedule: has no effect with parallel.pp = 1"),
+        (["--moe.aux_loss_coef", "0.01"], "moe.aux_loss_coef: has no effect with model.n_experts = 1"),
+        (["--data.train_on_prompt", "true"], "data.train_on_prompt: has no effect with data.format = text"),
+        (["--data.overlong", "drop"], "data.overlong: has no effect with data.format = text"),
     ],
 )
 def test_a_field_without_effect_given_on_the_command_line_is_refused(tmp_path, overrides, named):
@@ -65,3 +71,10 @@ def test_a_dumped_config_repeating_the_defaults_says_nothing(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="loom"):
         _intent(tmp_path, C.dump_toml(C.load("debug", [])))
     assert not caplog.records
+
+
+def test_a_prepared_dir_beside_sources_is_refused(tmp_path):
+    """A mixture prepares each source into a cache directory of its own: nothing is written there."""
+    toml = '[[data.sources]]\npath = "a.jsonl"\nweight = 1.0\n'
+    with pytest.raises(C.ConfigError, match=r"data.prepared_dir: has no effect with \[\[data.sources\]\]"):
+        _intent(tmp_path, toml, "--data.prepared_dir", str(tmp_path / "p"))

@@ -744,6 +744,56 @@ def _without_effect(cfg: LoomConfig) -> list[tuple[str, str, str]]:
                 "give parallel.offload or parallel.offload_params = disk, or leave it out",
             )
         )
+    out += _idle_at_degree_one(cfg)
+    d = cfg.data
+    if d.format == "text" and not d.sources:
+        for key in ("train_on_prompt", "overlong"):
+            out.append(
+                (
+                    f"data.{key}",
+                    "data.format = text (every token is trained; documents are cut into sequences)",
+                    "give data.format = chat or prompt_completion, or leave it out",
+                )
+            )
+    if d.sources:
+        out.append(
+            (
+                "data.prepared_dir",
+                "[[data.sources]] (each source is prepared into a cache directory of its own)",
+                "leave it out",
+            )
+        )
+    return out
+
+
+def _idle_at_degree_one(cfg: LoomConfig) -> list[tuple[str, str, str]]:
+    """Options of a parallel dimension, or of experts, set where that dimension has one rank or the model
+    has no experts."""
+    p, out = cfg.parallel, []
+    for name, degree, dim in (
+        ("sp", p.tp, "tp"),
+        ("cp_mode", p.cp, "cp"),
+        ("schedule", p.pp, "pp"),
+        ("virtual_stages", p.pp, "pp"),
+    ):
+        if degree == 1:
+            what = {"tp": "tensor", "cp": "context", "pp": "pipeline"}[dim]
+            out.append(
+                (
+                    f"parallel.{name}",
+                    f"parallel.{dim} = 1 (no {what} parallelism)",
+                    f"give parallel.{dim} > 1, or leave it out",
+                )
+            )
+    if not cfg.model.moe:
+        for f in dataclasses.fields(cfg.moe):
+            out.append(
+                (
+                    f"moe.{f.name}",
+                    f"model.n_experts = {cfg.model.n_experts} (a dense MLP: no experts to route)",
+                    "give model.n_experts > 1, or leave it out",
+                )
+            )
     return out
 
 

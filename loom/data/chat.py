@@ -42,7 +42,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from loom.config import ConfigError
-from loom.data.corpus import parse_json_line
+from loom.data.corpus import JSON_FORMATS, json_records
 
 # roles a message may have (OpenAI's "developer" and "function", Llama 3.1's "ipython"); only the
 # assistant's turns are trained
@@ -212,20 +212,16 @@ def _token_text(value: Any) -> str:
 
 
 def read_records(files: list[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, record) of every ``.jsonl`` line or ``.parquet`` row, in file order."""
+    """(where, record) of every JSON record (:func:`~loom.data.corpus.json_records`: JSON Lines, or a
+    ``.json`` array) or ``.parquet`` row, in file order."""
     for path in files:
-        if path.suffix == ".jsonl":
-            with path.open("rb") as f:
-                for lineno, raw in enumerate(f, 1):
-                    if not raw.strip():
-                        continue
-                    where = f"{path}:{lineno}"
-                    record = parse_json_line(raw, where)
-                    if not isinstance(record, dict):
-                        raise ConfigError(
-                            f"data.source: {where} is a JSON {type(record).__name__}, not an object"
-                        )
-                    yield where, record
+        if path.name.endswith(JSON_FORMATS):
+            for where, record in json_records(path):
+                if not isinstance(record, dict):
+                    raise ConfigError(
+                        f"data.source: {where} is a JSON {type(record).__name__}, not an object"
+                    )
+                yield where, record
         elif path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -236,7 +232,7 @@ def read_records(files: list[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
                     row += 1
         else:
             raise ConfigError(
-                f"data.format: chat and prompt_completion read .jsonl or .parquet records, not {path}"
+                f"data.format: chat and prompt_completion read .jsonl, .json or .parquet records, not {path}"
             )
 
 

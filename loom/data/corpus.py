@@ -3,8 +3,9 @@
 A corpus is a list of documents (strings). ``source = "stdlib"`` is the embedded default: the
 Python standard library sources that ship with the interpreter, so every fresh machine can
 train offline. Otherwise ``source`` is a file, a directory or a glob of ``.txt`` (one file =
-one document, or the parts between ``data.doc_separator``; read in blocks), ``.jsonl`` (one
-record = one document, text under ``text_field``), ``.parquet`` (one row = one document,
+one document, or the parts between ``data.doc_separator``; read in blocks), ``.jsonl`` or
+``.jsonl.gz`` (one record = one document, text under ``text_field``), ``.json`` (JSON Lines, as
+``datasets``' ``to_json`` writes it, or one array of records, read whole), ``.parquet`` (one row = one document,
 column ``text_field``), loose ``.arrow`` files, or ``datasets`` ``save_to_disk`` directories (read
 through ``datasets.load_from_disk``: the files its ``state.json`` names, not the ``cache-*.arrow``
 files ``.map()`` leaves beside them; a saved ``DatasetDict`` is refused, naming its splits). A
@@ -35,7 +36,8 @@ from tqdm import tqdm
 
 from loom.config import ConfigError
 
-FORMATS = (".txt", ".jsonl", ".jsonl.gz", ".parquet", ".arrow")
+FORMATS = (".txt", ".jsonl", ".jsonl.gz", ".json", ".parquet", ".arrow")
+JSON_FORMATS = (".jsonl", ".jsonl.gz", ".json")  # JSON Lines; a .json file may hold one array instead
 
 
 def supported(p: Path) -> bool:
@@ -106,20 +108,29 @@ def _walk(root: Path) -> list[Path]:
 
 
 def unread_files(source: str) -> dict[str, Any] | None:
-    """The files of a directory ``data.source`` that are not read, being of no format of :data:`FORMATS`:
-    ``{"count", "examples"}`` (a few paths relative to it), or None when there are none (or ``source``
-    is no directory)."""
+    """The files of a directory or glob ``data.source`` that are not read, being of no format of
+    :data:`FORMATS` (``a.txt.gz``, ``b.jsonl.zst``): ``{"count", "examples"}`` (a few paths, relative to
+    a directory), or None when there are none (or ``source`` is one file)."""
     src = os.path.expanduser(source)
-    if source == STDLIB or glob.has_magic(src) or not os.path.isdir(src):
+    if source == STDLIB:
         return None
-    other = _scan(Path(src))[1]
-    if not other:
+    if glob.has_magic(src):
+        matches = sorted(Path(p) for p in glob.glob(src, recursive=True))
+        read = set(_from_glob(matches))
+        other = [
+            m for m in matches if m.is_file() and m not in read and not any(r in m.parents for r in read)
+        ]
+        names = [m.as_posix() for m in other[:3]]
+    elif os.path.isdir(src):
+        other = _scan(Path(src))[1]
+        names = [m.relative_to(src).as_posix() for m in other[:3]]
+    else:
         return None
-    return {"count": len(other), "examples": [p.relative_to(src).as_posix() for p in other[:3]]}
+    return {"count": len(other), "examples": names} if other else None
 
 
 def note_unread(source: str, unread: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> None:
-    """Log, in one line, the files of a directory source that are not read (:func:`unread_files`)."""
+    """Log, in one line, the files of a directory or glob source that are not read (:func:`unread_files`)."""
     if unread:
         log.info(
             "data.source: %d file(s) in %s not read, of formats Loom does not read (e.g. %s); it reads "
@@ -283,7 +294,8 @@ def _read_txt(
     ``text.split(separator)``. Pieces are cut anywhere (:func:`loom.data.tokenizer.recut` cuts them
     again where tokens allow). Binary data and invalid UTF-8 are refused as by :func:`_decode`, naming
     the byte offset in the file."""
-    decoder = codecs.getincrementaldecoder("utf-8")("replace" if errors == "replace" else "strict")
+    # utf-8-sig: a leading byte order mark (editors on Windows write one) is no text of the document
+    decoder = codecs.getincrementaldecoder("utf-8-sig")("replace" if errors == "replace" else "strict")
     keep = max(len(separator) - 1, 0)  # characters held back: they may begin a separator
     carry, offset, replaced = "", 0, 0
     with path.open("rb") as f:
@@ -357,11 +369,19 @@ def lone_surrogate(value: Any, path: str = "") -> str | None:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _read_jsonl(
-    path: Path, text_field: str, errors: str = "strict", stats: DecodeStats | None = None
-) -> Iterator[str]:
-    """Field ``text_field`` of every record; null and empty ones are counted in ``stats`` and skipped."""
-    stats = stats if stats is not None else DecodeStats()
+def json_records(
+    path: Path, errors: str = "strict", stats: DecodeStats | None = None
+) -> Iterator[tuple[str, Any]]:
+    """``(where, record)`` of a JSON file of :data:`JSON_FORMATS`: one record per non-blank line
+    (JSON Lines, what ``datasets``' ``to_json`` writes, also as ``.json``), or a ``.json`` file that
+    is one array of records (Alpaca's; read whole). ``where``: ``file:line`` or ``file[index]``."""
+    if path.suffix == ".json" and _starts_with(path, b"["):
+        text = _decode(path.read_bytes(), str(path), errors, stats).removeprefix("\ufeff")
+        records = parse_json_line(text, str(path))
+        if not isinstance(records, list):  # pragma: no cover - a file starting with "[" holds an array
+            raise ConfigError(f"data.source: {path} is not JSON Lines or one array of records")
+        yield from ((f"{path}[{i}]", r) for i, r in enumerate(records))
+        return
     lineno = 0
     with gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb") as f:
         lines = iter(f)
@@ -376,23 +396,35 @@ def _read_jsonl(
                 ) from None
             lineno += 1
             line = _decode(raw, f"{path}:{lineno}", errors, stats)
-            if not line.strip():
-                continue
-            record = parse_json_line(line, f"{path}:{lineno}")
-            if not isinstance(record, dict) or text_field not in record:
-                raise ConfigError(
-                    f"data.source: {path}:{lineno} has no field {text_field!r} (set data.text_field)"
-                )
-            text = record[text_field]
-            if text is not None and not isinstance(text, str):
-                raise ConfigError(
-                    f"data.source: {path}:{lineno} field {text_field!r} holds a "
-                    f"{type(text).__name__}, not a string"
-                )
-            if text:
-                yield text
-            else:
-                stats.skip(text, f"{path}:{lineno}")
+            if line.strip():
+                yield f"{path}:{lineno}", parse_json_line(line, f"{path}:{lineno}")
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    """The file's first non-whitespace bytes (after a UTF-8 byte order mark) are ``prefix``."""
+    with path.open("rb") as f:
+        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
+    return head.startswith(prefix)
+
+
+def _read_jsonl(
+    path: Path, text_field: str, errors: str = "strict", stats: DecodeStats | None = None
+) -> Iterator[str]:
+    """Field ``text_field`` of every record (:func:`json_records`); null and empty ones are counted in
+    ``stats`` and skipped."""
+    stats = stats if stats is not None else DecodeStats()
+    for where, record in json_records(path, errors, stats):
+        if not isinstance(record, dict) or text_field not in record:
+            raise ConfigError(f"data.source: {where} has no field {text_field!r} (set data.text_field)")
+        text = record[text_field]
+        if text is not None and not isinstance(text, str):
+            raise ConfigError(
+                f"data.source: {where} field {text_field!r} holds a {type(text).__name__}, not a string"
+            )
+        if text:
+            yield text
+        else:
+            stats.skip(text, where)
 
 
 def _read_parquet(
@@ -487,7 +519,7 @@ def _iter_file(
     path: Path, text_field: str, errors: str, stats: DecodeStats, separator: str = ""
 ) -> Iterator[tuple[str, bool]]:
     """``(text, ends_document)`` pieces of one file (a record of the other formats is one piece)."""
-    if path.name.endswith((".jsonl", ".jsonl.gz")):
+    if path.name.endswith(JSON_FORMATS):
         return _whole(_read_jsonl(path, text_field, errors, stats))
     if path.suffix == ".arrow" or path.is_dir():  # a loose .arrow file or a save_to_disk directory
         return _whole(_read_arrow(path, text_field, stats))
@@ -555,7 +587,7 @@ def iter_pieces(
 
 def _is_txt(path: Path) -> bool:
     """A file :func:`_read_txt` reads (one document unless ``data.doc_separator`` splits it)."""
-    return not (path.is_dir() or path.name.endswith((".jsonl", ".jsonl.gz", ".parquet", ".arrow")))
+    return not (path.is_dir() or path.name.endswith((*JSON_FORMATS, ".parquet", ".arrow")))
 
 
 def _disk_bytes(entry: Path) -> int:

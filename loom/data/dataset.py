@@ -63,6 +63,11 @@ def check_one_window(path: Path, n_tokens: int, seq_len: int) -> None:
         raise ConfigError(
             f"data.seq_len: {path} has {n_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
             "lower data.seq_len or use a larger corpus"
+            + (
+                " (or raise data.val_fraction: the held-out split is this small)"
+                if path.name.startswith("val")
+                else ""
+            )
         )
 
 

@@ -294,6 +294,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size < 2**16 else np.uint32)
 
 
+# how text documents are read and encoded, in prepared text's cache key: 2 = a leading byte order mark
+# dropped, special tokens' spellings in the text encoded as text (tokenizer.ordinary)
+TEXT_READING = 2
+
+
 def cache_key(cfg: DataConfig) -> dict[str, Any]:
     """Everything the prepared bytes depend on (also checks the source exists)."""
     tok = ""
@@ -311,7 +316,7 @@ def cache_key(cfg: DataConfig) -> dict[str, Any]:
         "val_fraction": cfg.val_fraction,
         **({"doc_separator": cfg.doc_separator} if cfg.doc_separator else {}),
         **(
-            {}
+            {"reading": TEXT_READING}  # a cache of the old rule is stale
             if cfg.format == "text"
             else {  # examples: labels and lengths depend on these too
                 "data_format": cfg.format,
@@ -441,7 +446,7 @@ def _unwritable(e: OSError, final: Path, field: str) -> ConfigError:
 
 # cache_key entries that are data.* fields of another name; "format" (the file format's version) and
 # "corpus" (the source's fingerprint) are none
-_KEY_FIELDS = {"data_format": "format", "format": "", "corpus": "", "labels": ""}
+_KEY_FIELDS = {"data_format": "format", "format": "", "corpus": "", "labels": "", "reading": ""}
 
 
 def _reuse(final: Path, cfg: DataConfig, explicit: frozenset[str] = frozenset()) -> PreparedData:

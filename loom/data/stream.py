@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from loom.config import ConfigError
-from loom.data.tokenizer import PIECE_CHARS, encode_cut_check, recut
+from loom.data.tokenizer import PIECE_CHARS, encode_cut_check, ordinary, recut
 
 Split = Literal["train", "val"]
 CHUNK_CHARS = 1 << 20  # characters of text per encoding task
@@ -200,7 +200,7 @@ def encode_chunk(
 
 
 def _init_worker(tok_json: str, eot: int, dtype: str) -> None:
-    _WORKER.update(tok=Tokenizer.from_str(tok_json), eot=eot, dtype=np.dtype(dtype))
+    _WORKER.update(tok=ordinary(Tokenizer.from_str(tok_json)), eot=eot, dtype=np.dtype(dtype))
 
 
 def _worker_encode(docs: list[str], ends: list[bool]) -> np.ndarray:
@@ -266,6 +266,7 @@ def encode_stream(
     bar = tqdm(
         total=total_bytes, desc="tokenize", unit="B", unit_scale=True, disable=not progress, leave=False
     )
+    tok = ordinary(Tokenizer.from_str(tok.to_str()))  # a copy: the caller's keeps its mode
     chunks = _chunks(recut(docs, encode_cut_check(tok), piece_chars), chunk_chars or CHUNK_CHARS)
     try:
         if workers <= 1:

@@ -96,6 +96,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise ConfigError(f"data.tokenizer: {str(p)!r} is not a tokenizers JSON file ({e})") from None
 
 
+def ordinary(tok: Tokenizer) -> Tokenizer:
+    """``tok`` encoding corpus text as text: a special token's spelling inside a document (a literal
+    ``<|endoftext|>`` in web text) is encoded as ordinary text, as tiktoken's ``encode_ordinary``
+    does, so only the end-of-document ids Loom writes between documents separate them. (Chat
+    examples keep the template's special tokens special, as transformers' ``apply_chat_template``
+    does.) The setting is not saved with the tokenizer: set it where text is encoded."""
+    tok.encode_special_tokens = True
+    return tok
+
+
 def eot_id(tok: Tokenizer) -> int:
     """Id of the end-of-document token (first of :data:`EOT_CANDIDATES` the tokenizer has)."""
     for name in EOT_CANDIDATES:

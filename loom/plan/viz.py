@@ -72,6 +72,7 @@ def draw_validation(rows: list[Comparison], out: str | Path) -> Path:
     fig.suptitle("loom plan validate: predicted vs measured (error above each pair; red = out of tolerance)")
     fig.tight_layout()
     path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)  # check_picture_path allowed a new one
     fig.savefig(path, dpi=110)
     return path
 
@@ -123,5 +124,6 @@ def draw_search(ranked: list, out: str | Path, top: int = 10) -> Path:
     ax2.legend(fontsize=8)
     fig.tight_layout()
     path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)  # check_picture_path allowed a new one
     fig.savefig(path, dpi=110)
     return path
