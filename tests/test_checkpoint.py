@@ -612,6 +612,10 @@ def test_convert_exports_a_model_loom_generate_reads(saved, tmp_path):
     assert step == 3 and n == len(unique_state(model))
     for name, t in unique_state(model).items():
         assert torch.equal(t, full[f"model.{name}"])
+    from safetensors import safe_open
+
+    with safe_open(str(out), framework="pt") as f:  # what torch's save_file writes, for its readers
+        assert f.metadata() == {"format": "pt", "step": "3", "source": "step-00000003"}
 
 
 def _umask_file_mode() -> int:

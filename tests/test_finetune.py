@@ -1116,3 +1116,20 @@ def test_planner_drops_the_frozen_targets_weight_gradients():
     wgrad = sum(mach.gemm(T, *s, gemm_b) for s in [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)])
     m = BATCH // (2 * MICRO)
     assert full_t - lora_t == pytest.approx(m * cfg.model.n_layers * wgrad, rel=1e-9)
+
+
+def test_a_peft_adapter_names_the_hugging_face_base_it_applies_to(tmp_path):
+    """``base_model_name_or_path`` (what AutoPeftModelForCausalLM loads) was null for a LoRA run on
+    ``train.init_from`` a Hugging Face directory; a base of Loom's own has none to name."""
+    from loom import config as C
+    from loom.finetune.export import _hf_base
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    cfg = C.LoomConfig()
+    assert _hf_base(cfg) is None
+    cfg.train.init_from = str(hf)
+    assert _hf_base(cfg) == str(hf)
+    cfg.train.init_from, cfg.model.from_hf = str(tmp_path / "a-loom-run"), str(hf)
+    assert _hf_base(cfg) == str(hf)

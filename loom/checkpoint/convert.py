@@ -113,7 +113,12 @@ def convert(
         if not names:
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")
         with staged(out) as tmp, open(tmp, "wb") as fh:  # a new hidden name: no user file is touched
-            fh.write(_header(reader, names, {"step": str(reader.step), "source": reader.dir.name}))
+            meta = {
+                "format": "pt",
+                "step": str(reader.step),
+                "source": reader.dir.name,
+            }  # as torch's save_file
+            fh.write(_header(reader, names, meta))
             for n in names:
                 _write_tensor(fh, reader, PREFIX + n, buffer_bytes)
             fh.flush()

@@ -122,9 +122,23 @@ def peft_state(cfg: C.LoomConfig, pairs: dict[str, tuple[torch.Tensor, torch.Ten
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
         "modules_to_save": None,
-        "base_model_name_or_path": cfg.model.from_hf or None,
+        "base_model_name_or_path": _hf_base(cfg),
     }
     return tensors, config
+
+
+def _hf_base(cfg: C.LoomConfig) -> str | None:
+    """The Hugging Face directory the adapters apply to (``AutoPeftModelForCausalLM`` loads it): the
+    run's ``model.from_hf``, or a ``train.init_from`` that is one (holds a config.json); None for a
+    base of Loom's own (give ``PeftModel.from_pretrained`` its ``loom export hf``)."""
+    if cfg.model.from_hf:
+        return cfg.model.from_hf
+    src = cfg.train.init_from
+    return (
+        str(Path(src).expanduser().absolute())
+        if src and (Path(src).expanduser() / "config.json").is_file()
+        else None
+    )
 
 
 def _suffix(module: str) -> str:
