@@ -17,6 +17,7 @@ from loom import config as C
 from loom.plan.auto import apply_auto, choose, describe, local_cluster, predicted_fields, runnable
 from loom.plan.calibrate import fit_line, model_shapes
 from loom.plan.cli import main as plan_main
+from loom.plan.cost import PlanError
 from loom.plan.hardware import CollectiveFit, Profile, contended
 from loom.plan.validate import DEBUG_CONFIG, LAYOUTS, MEMORY_TOLERANCE, format_comparisons, validate
 
@@ -392,6 +393,44 @@ def test_choose_is_the_fastest_runnable_layout():
     ranked = search(model_of(cfg), workload_of(cfg), local_cluster(4), 4, profile=PROFILE).ranked
     faster = [e for e in ranked if e.step_time < best.step_time]
     assert all(not runnable(cfg, e.layout) for e in faster)
+
+
+@pytest.mark.parametrize(
+    "args, kept",
+    [
+        (("--train.micro_batch", "1"), {"micro_batch": 1}),
+        (("--train.recompute", "full"), {"recompute": "full"}),
+        (("--parallel.pp", "2", "--parallel.schedule", "gpipe"), {"pp": 2, "schedule": "gpipe"}),
+        (("--parallel.zero", "1", "--parallel.offload", "cpu"), {"zero": 1, "offload": "cpu"}),
+    ],
+)
+def test_apply_auto_keeps_every_explicit_field(args, kept):
+    """An explicit micro-batch, recomputation, schedule or offload constrains the search like an
+    explicit degree: the chosen layout has it, the config keeps it, and the chosen line names it."""
+    cfg = _cfg(2, "--parallel.auto", "true", *args)
+    est = apply_auto(cfg, 2, PROFILE)
+    line = describe(est)
+    for field, value in kept.items():
+        section = cfg.train if field in ("micro_batch", "recompute") else cfg.parallel
+        assert getattr(section, field) == value, (field, getattr(section, field))
+        assert f"{field}={value}" in line or f"{field}{value}" in line, line
+    C.validate(cfg, 2)
+
+
+def test_apply_auto_keeps_offload_disk():
+    cfg = _cfg(2, "--parallel.auto", "true", "--parallel.zero", "1", "--parallel.offload", "disk")
+    est = apply_auto(cfg, 2, PROFILE)
+    assert est.layout.offload and cfg.parallel.offload == "disk"
+
+
+def test_apply_auto_refuses_an_explicit_value_no_layout_has():
+    """An explicit micro-batch no layout of the world size can run is one line naming it and why."""
+    cfg = _cfg(2, "--parallel.auto", "true", "--train.micro_batch", "3")
+    with pytest.raises(PlanError) as e:
+        apply_auto(cfg, 2, PROFILE)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("parallel.auto:")
+    assert "train.micro_batch = 3" in msg and "must be divisible by micro_batch" in msg
 
 
 def test_predicted_fields_of_a_config():

@@ -5,7 +5,8 @@ widened to the world size (one node, every rank on it) for CPU runs, ``DEVICE:1x
 known GPU. :func:`load_profile` reads the profile the caller names (``parallel.profile``, ``loom train --profile``)
 or :data:`DEFAULT_PROFILE` when present (written by ``loom plan calibrate``; no environment variable),
 scaled by :func:`~loom.plan.hardware.profiles.contended` when more ranks than cores share the CPU. :func:`apply_auto` searches the layouts of the world size and
-writes the fastest into ``cfg.parallel`` and ``cfg.train.micro_batch``; :func:`prediction`
+writes the fastest into ``cfg.parallel`` and ``cfg.train`` (:data:`AUTO_FIELDS`; a field the config sets
+explicitly is a constraint of the search, never replaced); :func:`prediction`
 gives the estimate of a config's own layout (what the trainer logs beside its measurement).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 from loom.config import ConfigError, LoomConfig, world_size_of
 from loom.plan.cost import CostModel, Estimate, Layout, PlanError
@@ -76,23 +78,47 @@ def _device_of(cfg: LoomConfig) -> str:
     return "cpu"
 
 
-def _to_config(cfg: LoomConfig, lay: Layout) -> None:
-    p = cfg.parallel
-    p.dp, p.dp_shard, p.tp, p.pp, p.cp, p.ep = lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep
-    p.cp_mode = lay.cp_mode  # type: ignore[assignment]  # one of CP_MODES (the search enumerates only those)
-    p.zero, p.sp, p.schedule, p.virtual_stages = lay.zero, lay.sp, lay.schedule, lay.v
-    p.offload = "cpu" if lay.offload else "none"
-    cfg.train.micro_batch = lay.micro_batch
-    cfg.train.recompute = lay.recompute
+# every Layout field parallel.auto sets -> the config field it writes; an explicit one constrains the search
+AUTO_FIELDS = {
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "cp": "parallel.cp",
+    "ep": "parallel.ep",
+    "dp": "parallel.dp",
+    "dp_shard": "parallel.dp_shard",
+    "zero": "parallel.zero",
+    "sp": "parallel.sp",
+    "cp_mode": "parallel.cp_mode",
+    "schedule": "parallel.schedule",
+    "v": "parallel.virtual_stages",
+    "offload": "parallel.offload",
+    "micro_batch": "train.micro_batch",
+    "recompute": "train.recompute",
+}
+
+
+def _config_value(lay: Layout, field: str) -> Any:
+    """The value ``lay`` gives the Layout field ``field`` as the config spells it."""
+    v = getattr(lay, field)
+    return ("cpu" if v else "none") if field == "offload" else v
+
+
+def _to_config(cfg: LoomConfig, lay: Layout, keep: frozenset[str] = frozenset()) -> None:
+    """Write ``lay`` into ``cfg``, except the Layout fields in ``keep`` (explicit: the layout has their value)."""
+    for field, name in AUTO_FIELDS.items():
+        if field not in keep:
+            section, key = name.split(".")
+            setattr(getattr(cfg, section), key, _config_value(lay, field))
 
 
 def refusal(cfg: LoomConfig, lay: Layout) -> str | None:
     """Why the runtime refuses ``lay`` for this config (its own validation, on a copy), or None."""
     from loom.config import validate
 
+    keep = frozenset(fixed_fields(cfg))
     trial = _copy(cfg)
     trial.parallel.auto = False
-    _to_config(trial, lay)
+    _to_config(trial, lay, keep)
     try:
         validate(trial, lay.world_size)
     except ConfigError as e:
@@ -118,55 +144,87 @@ def choose(cfg: LoomConfig, world: int | None = None, profile: Profile | None = 
     cluster = local_cluster(world, _device_of(cfg))
     if profile is None:
         profile = load_profile(world, cfg.parallel.profile or None, device=_device_of(cfg))
-    result = search(model_of(cfg), workload_of(cfg), cluster, world, profile=profile)
-    fixed = fixed_degrees(cfg)
-    for est in result.ranked:
-        lay = est.layout
-        if any(getattr(lay, k) != v for k, v in fixed.items()):
-            continue  # an explicit degree is a constraint of the search, never replaced
-        if lay.world_size == world and runnable(
-            cfg, lay
-        ):  # ranked: passes the layout rules; the rest of validate too
+    fixed = fixed_fields(cfg)
+    result = search(model_of(cfg), workload_of(cfg), cluster, world, profile=profile, fixed=fixed)
+    refused: list[str] = []
+    for est in result.ranked:  # ranked: only layouts with the explicit values, passing the layout rules
+        why = refusal(cfg, est.layout) if est.layout.world_size == world else "not the world size"
+        if why is None:  # the rest of validate too
             return est
-    given = ", ".join(f"parallel.{k} = {v}" for k, v in fixed.items())
+        refused.append(why)
+    given = ", ".join(f"{AUTO_FIELDS[k]} = {_toml(cfg, AUTO_FIELDS[k])}" for k in fixed)
     raise PlanError(
-        f"parallel.auto: no layout of {world} rank(s){' with ' + given if given else ''} fits and runs; closest: "
+        f"parallel.auto: no layout of {world} rank(s){' with ' + given if given else ''} fits and runs: "
+        f"{_reasons(result.rejected, refused)}; closest: "
         f"{result.closest.layout.short() if result.closest else 'none'}"
     )
+
+
+# reasons the search counts for layouts it skipped as no better, not as impossible
+PRUNED = ("dominated", "cp_mode: another mode", "does not fit: larger micro-batches skipped")
+
+
+def _reasons(rejected: dict[str, int], refused: list[str]) -> str:
+    """The commonest reasons the search dropped layouts (pruning aside) and the runtime's first refusal."""
+    drops = sorted(((n, why) for why, n in rejected.items() if not why.startswith(PRUNED)), reverse=True)
+    out = {why.split(":")[0]: why for _, why in reversed(drops)}  # one per field, the commonest kept
+    return "; ".join([*list(out.values())[::-1][:3], *refused[:1]]) or "no candidate layout"
+
+
+def _toml(cfg: LoomConfig, name: str) -> str:
+    """The value of config field ``name`` as TOML spells it."""
+    section, key = name.split(".")
+    v = getattr(getattr(cfg, section), key)
+    return str(v).lower() if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else str(v)
 
 
 # the degrees parallel.auto chooses, as a Layout names them; an explicit one constrains the search
 AUTO_DEGREES = ("tp", "pp", "cp", "ep", "dp", "dp_shard", "zero")
 
 
-def fixed_degrees(cfg: LoomConfig) -> dict[str, int]:
-    """The parallel degrees a file or override set explicitly (:func:`loom.config.explicit`), which
-    ``parallel.auto`` keeps: ``{"tp": 2}`` for ``--parallel.tp 2``. ``dp``/``dp_shard`` of 0 mean
-    "follow the world size" and constrain nothing."""
-    from loom.config import explicit
+def fixed_fields(cfg: LoomConfig) -> dict[str, Any]:
+    """The Layout fields of :data:`AUTO_FIELDS` set explicitly, as the Layout spells them, which
+    ``parallel.auto`` keeps: ``{"micro_batch": 3, "offload": True}`` for ``--train.micro_batch 3
+    --parallel.offload cpu``. A degree counts when a file or an option sets it
+    (:func:`loom.config.explicit`); the other fields when an option does
+    (:func:`loom.config.overridden`): every preset sets ``train.micro_batch``, a default the search
+    may change (the chosen line names what it set). ``dp``/``dp_shard`` of 0 or less mean "follow
+    the world size" and constrain nothing."""
+    from loom.config import explicit, overridden
 
-    given = explicit(cfg)
-    out = {k: int(getattr(cfg.parallel, k)) for k in AUTO_DEGREES if f"parallel.{k}" in given}
-    return {k: v for k, v in out.items() if v > 0 or k not in ("dp", "dp_shard")}
+    given, options = explicit(cfg), overridden(cfg)
+    out: dict[str, Any] = {}
+    for field, name in AUTO_FIELDS.items():
+        if name in (given if field in AUTO_DEGREES else options):
+            section, key = name.split(".")
+            value = getattr(getattr(cfg, section), key)
+            out[field] = value != "none" if field == "offload" else value
+    return {k: v for k, v in out.items() if k not in ("dp", "dp_shard") or v > 0}
+
+
+def fixed_degrees(cfg: LoomConfig) -> dict[str, int]:
+    """The parallel degrees among :func:`fixed_fields`: ``{"tp": 2}`` for ``--parallel.tp 2``."""
+    return {k: int(v) for k, v in fixed_fields(cfg).items() if k in AUTO_DEGREES}
 
 
 def apply_auto(cfg: LoomConfig, world: int | None = None, profile: Profile | None = None) -> Estimate:
-    """Write the planner's best layout into ``cfg`` (parallel.*, train.micro_batch, train.recompute)."""
+    """Write the planner's best layout into ``cfg`` (:data:`AUTO_FIELDS`), explicit fields kept as given."""
     world = world or world_size_of(cfg)
     est = choose(cfg, world, profile)
-    _to_config(cfg, est.layout)
+    _to_config(cfg, est.layout, frozenset(fixed_fields(cfg)))
     cfg.parallel.auto = False  # chosen: a relaunched rank must not search again
     log.info("%s", describe(est))
     return est
 
 
 def describe(est: Estimate) -> str:
-    """One line naming a chosen layout and its prediction."""
+    """One line naming a chosen layout (every field of :data:`AUTO_FIELDS`) and its prediction."""
     lay = est.layout
     return (
-        f"parallel.auto chose {lay.short()} sp={lay.sp} schedule={lay.schedule if lay.pp > 1 else '-'} "
-        f"micro_batch={lay.micro_batch} recompute={lay.recompute}: predicted {est.step_time:.3g} s/step, "
-        f"{est.memory / 2**20:.1f} MiB per rank"
+        f"parallel.auto chose {lay.short()} zero={lay.zero} sp={str(lay.sp).lower()} cp_mode={lay.cp_mode} "
+        f"schedule={lay.schedule} virtual_stages={lay.v} micro_batch={lay.micro_batch} "
+        f"recompute={lay.recompute} offload={_config_value(lay, 'offload')}: predicted "
+        f"{est.step_time:.3g} s/step, {est.memory / 2**20:.1f} MiB per rank"
     )
 
 

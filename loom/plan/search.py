@@ -7,6 +7,10 @@ also tried with lighter first and last stages, :func:`lighter_ends`), cp (seq_le
 global batch), ep (MoE only), ZeRO stage with its sharding group, micro-batch, schedule with
 its virtual stages, recomputation, offload. ``sp`` is always on when tp > 1.
 
+Explicit values (``fixed``, what ``parallel.auto`` keeps of the config): only layouts with them are
+enumerated, and no pruning rule drops them (an explicit micro-batch, recomputation, offload or
+schedule the search would call dominated is evaluated as given).
+
 Validity: a layout ``loom train`` refuses (:func:`loom.rules.layout_problems`, the rules
 ``config.validate`` applies) is never ranked; it is counted in ``rejected`` under the rule's message.
 
@@ -32,7 +36,9 @@ import dataclasses
 import itertools
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from loom.config import ModelConfig
 from loom.plan.cost import RECOMPUTE, CostModel, Estimate, Layout, PlanError, Workload, tp_reason
@@ -101,8 +107,11 @@ def search(
     profile: Profile | None = None,
     n_experts: int | None = None,
     top_k: int | None = None,
+    fixed: Mapping[str, Any] | None = None,
 ) -> SearchResult:
-    """Every valid, fitting layout of ``world`` devices (default: the whole cluster), fastest first."""
+    """Every valid, fitting layout of ``world`` devices (default: the whole cluster), fastest first;
+    ``fixed`` (:class:`Layout` field -> value) keeps only layouts with those values (:func:`_keep`, :func:`_only`)."""
+    fixed = dict(fixed or {})
     start = time.perf_counter()
     W = world or cluster.world_size
     if not 1 <= W <= cluster.world_size:
@@ -118,46 +127,55 @@ def search(
     considered = 0
     closest: tuple[float, Layout, dict, str] | None = None
 
-    for tp in divisors(W):
+    for tp in _keep(fixed, "tp", divisors(W)):
         rejected.current = f"tp{tp}"
         why = tp_reason(cm.facts, tp, per_node)
         if why:
             rejected[why] += 1
             continue
-        for pp in divisors(W // tp):
+        for pp in _keep(fixed, "pp", divisors(W // tp)):
             rejected.current = f"tp{tp} pp{pp}"
             if pp > L:
                 rejected["pp exceeds n_layers (a stage needs a block)"] += 1
                 continue
-            for cp in divisors(W // (tp * pp)):
+            for cp in _keep(fixed, "cp", divisors(W // (tp * pp))):
                 rejected.current = f"tp{tp} pp{pp} cp{cp}"
                 why = context_parallel_problem(cp, seq) or sequence_parallel_problem(tp, cp, seq)
                 if why:
                     rejected[why] += 1
                     continue
                 dp = W // (tp * pp * cp)
+                if not _keep(fixed, "dp", [dp]):
+                    continue
                 rejected.current = f"dp{dp} tp{tp} pp{pp} cp{cp}"
                 if gb % dp:
                     rejected["dp must divide global_batch (more replicas than the batch feeds)"] += 1
                     continue
                 eps = [e for e in divisors(dp * cp) if cm.n_experts % e == 0] if cm.moe else [1]
+                eps = _keep(fixed, "ep", eps)
                 node_shard = max(1, per_node // (tp * cp))
-                shards = sorted({dp, node_shard} & set(divisors(dp)))
+                shards = sorted({dp, node_shard, *_only(fixed, "dp_shard", [])} & set(divisors(dp)))
                 zeros = [(0, 1)] + [(z, ds) for z in (1, 2, 3) for ds in shards if ds * cp > 1]
+                zeros = [
+                    zd for zd in zeros if _keep(fixed, "zero", [zd[0]]) and _keep(fixed, "dp_shard", [zd[1]])
+                ]
                 rejected["dominated: dp_shard other than full or node-local"] += 3 * sum(
                     1 for d in divisors(dp) if d * cp > 1 and d not in shards
                 )
-                mbs = [b for b in divisors(gb // dp)]
+                mbs = _only(fixed, "micro_batch", divisors(gb // dp))
                 modes = (
                     [m for m in CP_MODES if context_mode_problem(cm.facts, cp, m, tp) is None]
                     if cp > 1
                     else ["allgather"]
                 )
                 rejected["cp_mode alltoall: query heads per tp rank not divisible by cp"] += (
-                    len(CP_MODES) - len(modes) if cp > 1 else 0
+                    len(CP_MODES) - len(modes) if cp > 1 and "cp_mode" not in fixed else 0
                 )
+                modes = _only(fixed, "cp_mode", modes)
+                sp = _only(fixed, "sp", [tp > 1])[0]
                 for ep, (zero, ds) in itertools.product(eps, zeros):
-                    base = Layout(dp=dp, dp_shard=ds, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=tp > 1)
+                    base = Layout(dp=dp, dp_shard=ds, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp)
+                    base = dataclasses.replace(base, cp_mode=modes[0])
                     if len(modes) > 1:
                         base = _pick_cp_mode(cm, base, modes)
                         rejected["cp_mode: another mode of the layout is faster (micro-batch 1)"] += (
@@ -168,7 +186,15 @@ def search(
                     ]  # even, and lighter first/last
                     for split in splits:
                         n, c = _search_block(
-                            cm, cap, L, gb, ranked, rejected, dataclasses.replace(base, split=split), mbs
+                            cm,
+                            cap,
+                            L,
+                            gb,
+                            ranked,
+                            rejected,
+                            dataclasses.replace(base, split=split),
+                            mbs,
+                            fixed,
                         )
                         considered += n
                         if c is not None and (closest is None or c[0] < closest[0]):
@@ -198,17 +224,20 @@ def _search_block(
     rejected: Drops,
     base: Layout,
     mbs: list[int],
+    fixed: Mapping[str, Any],
 ) -> tuple[int, tuple[float, Layout, dict, str] | None]:
     """Micro-batch x schedule x recompute x offload under one (degrees, ZeRO) choice."""
     considered = 0
     closest = None
     fits_without_offload = False
-    for offload in (False, True):
+    for offload in _only(fixed, "offload", [False, True]):
         rejected.current = _with(base, offload=offload).spec()
         if offload and fits_without_offload:
             rejected["dominated: offload where it fits without"] += 1
             continue
-        why = cm.refused(_with(base, offload=offload))  # degrees, ZeRO and offload as loom train sees them
+        why = _refused(
+            cm, _with(base, offload=offload), fixed
+        )  # degrees, ZeRO and offload as loom train sees them
         if why:
             rejected[why] += 1
             continue
@@ -219,15 +248,15 @@ def _search_block(
                 mem, bd, stage = cm.memory(lay)
                 closest = _closer(closest, (mem, lay, bd, stage))
             continue
-        for sched, v in _schedules(base.pp, L, gb // (base.dp * mbs[0])):
+        for sched, v in _schedule_choices(fixed, base.pp, L, gb // (base.dp * mbs[0])):
             for mb in mbs:
                 rejected.current = _with(base, schedule=sched, v=v, micro_batch=mb, offload=offload).spec()
-                why = cm.refused(_with(base, schedule=sched, v=v, micro_batch=mb, offload=offload))
+                why = _refused(cm, _with(base, schedule=sched, v=v, micro_batch=mb, offload=offload), fixed)
                 if why:
                     rejected[why] += 1
                     continue
                 fitted = False
-                for rec in RECOMPUTE:
+                for rec in _only(fixed, "recompute", RECOMPUTE):
                     lay = _with(base, schedule=sched, v=v, micro_batch=mb, recompute=rec, offload=offload)
                     considered += 1
                     mem, bd, stage = cm.memory(lay)
@@ -235,8 +264,8 @@ def _search_block(
                         ranked.append(cm.timed(lay, mem, bd, stage))
                         fitted = True
                         fits_without_offload |= not offload
-                        rejected["dominated: more recomputation than needed to fit"] += 2 - RECOMPUTE.index(
-                            rec
+                        rejected["dominated: more recomputation than needed to fit"] += (
+                            0 if "recompute" in fixed else 2 - RECOMPUTE.index(rec)
                         )
                         break
                     closest = _closer(closest, (mem, lay, bd, stage))
@@ -245,6 +274,37 @@ def _search_block(
                     rejected["does not fit: larger micro-batches skipped"] += len(mbs) - 1 - mbs.index(mb)
                     break
     return considered, closest
+
+
+def _keep(fixed: Mapping[str, Any], name: str, choices: list) -> list:
+    """``choices`` narrowed to the explicit value of ``name`` (a degree the world size must allow)."""
+    return [c for c in choices if name not in fixed or c == fixed[name]]
+
+
+def _only(fixed: Mapping[str, Any], name: str, choices: list | tuple) -> list:
+    """``choices``, or only the explicit value of ``name``, tried even where the search would not
+    (a dominated or unenumerated value: the rules and the memory judge it)."""
+    return [fixed[name]] if name in fixed else list(choices)
+
+
+def _schedule_choices(fixed: Mapping[str, Any], pp: int, layers: int, m: int) -> list[tuple[Any, int]]:
+    """The (schedule, virtual stages) pairs to try, narrowed to explicit ones; an explicit pair the
+    search does not enumerate is tried as given."""
+    out = [
+        (s, v)
+        for s, v in _schedules(pp, layers, m)
+        if fixed.get("schedule", s) == s and fixed.get("v", v) == v
+    ]
+    if out or ("schedule" not in fixed and "v" not in fixed):
+        return out
+    v = int(fixed.get("v", 1))
+    return [(fixed.get("schedule", "interleaved" if v > 1 else "1f1b"), v)]
+
+
+def _refused(cm: CostModel, lay: Layout, fixed: Mapping[str, Any]) -> str | None:
+    """Why ``loom train`` refuses ``lay`` or (with explicit values, which may be unmodelled) the
+    formulas cannot price it."""
+    return cm.refused(lay) or (cm.check(lay) if fixed else None)
 
 
 def _with(
