@@ -746,6 +746,10 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
             "--model: these describe a --model NAME's run",
         ),
         (["--config", "debug", "--seq", "32", "--precision", "fp16"], "--seq, --precision: these describe"),
+        (
+            ["--model", "debug", "--device", "h100-sxm", "--cluster", "cpu-local"],
+            "--device h100-sxm and --cluster",
+        ),
         (["verify", "--devices", "2"], "required: --config"),
         (
             ["verify", "--config", "debug", "--devices", "1", "--seq", "1000000"],
@@ -766,6 +770,7 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
         "config field",
         "a named model with a config option (the default model was planned)",
         "a config with a named model's flags (ignored)",
+        "a device beside a cluster (ignored)",
         "verify required",
         "verify seq above the model's",
         "calibrate type",

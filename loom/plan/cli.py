@@ -75,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def cluster_of(args: argparse.Namespace, default: str) -> ClusterSpec:
     """The cluster of ``--cluster`` or ``--device``/``--world`` (``default`` without either)."""
+    if args.cluster and args.device:  # the cluster names its own device: --device would be ignored
+        raise HardwareError(
+            f"--device {args.device} and --cluster {args.cluster}: both given; give one (a cluster names its "
+            "device: DEVICE:NODESxPER)"
+        )
     if args.cluster:
         return resolve_cluster(args.cluster)
     if args.device:
