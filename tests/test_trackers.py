@@ -72,29 +72,83 @@ def test_wandb_offline_and_mlflow_file_store_continue_the_same_run_after_a_resum
     assert params["model.dim"] == "32" and params["run.trackers"] == "wandb,mlflow"
 
 
-def test_an_attempt_that_died_past_its_checkpoint_leaves_each_step_once(tmp_path):
-    """Attempt 1 logs steps 1-7 and dies; attempt 2 resumes from the step-4 checkpoint and logs 5-10.
-    TensorBoard's events read back 1-10 once each (the dead attempt's 5-7 purged, as metrics.jsonl
-    is cut); a tracker, whose history cannot be cut, is not sent 5-7 again (it held them twice)."""
+def _mlflow_history(run_dir: Path, run_id: str, key: str = "loss") -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def test_a_resume_below_the_steps_sent_gives_their_new_values_to_new_tracker_runs(
+    tmp_path, monkeypatch, capsys
+):
+    """The audit's run: steps 1-4 sent to MLflow and W&B (offline), then resumed from the step-2
+    checkpoint with another ``train.lr``. Steps 3-4 read back from each tracker with the values
+    ``metrics.jsonl`` now holds, in a new run beside the old one, and one line says so."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = with_sections(prepared_config(OVERRIDES, tmp_path / "cache"), run={"dir": str(tmp_path / "run")})
+    run_dir = tmp_path / "run"
+    _train(cfg, 4)
+    old, old_rows = json.loads((run_dir / "trackers.json").read_text()), read_metrics(run_dir)
+    capsys.readouterr()
+    _train(with_sections(cfg, train={"resume": str(run_dir / "checkpoints/step-00000002"), "lr": 0.01}), 4)
+    err = capsys.readouterr().err
+    ids, rows = json.loads((run_dir / "trackers.json").read_text()), read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[:2] == old_rows[:2]
+    assert all(r["lr"] != o["lr"] for r, o in zip(rows[2:], old_rows[2:])), "lr 0.01: each step's lr"
+    assert rows[3]["loss"] != old_rows[3]["loss"], "and step 4's loss (step 3's is of the same weights)"
+    assert ids["mlflow"] != old["mlflow"] and ids["wandb"] != old["wandb"], "a rewind: new tracker runs"
+    assert ids["mlflow_step"] == ids["wandb_step"] == 4 and ids["wandb_group"] == old["wandb"]
+
+    for key in ("loss", "lr"):
+        assert _mlflow_history(run_dir, ids["mlflow"], key) == [(r["step"], r[key]) for r in rows[2:]]
+        assert _mlflow_history(run_dir, old["mlflow"], key) == [(r["step"], r[key]) for r in old_rows]
+    run = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri()).get_run(ids["mlflow"])
+    assert run.info.run_name == "run resumed after step 2" and run.data.params["train.lr"] == "0.01"
+    assert run.data.tags["loom.resumed_from"] == old["mlflow"]
+
+    def logged() -> list[list[bool]]:  # the new run's offline log: which lrs of each attempt it holds
+        return [
+            [json.dumps(r["lr"]).encode() in log for r in rows[2:] + old_rows[2:]]
+            for log in _wandb_logs(run_dir, ids["wandb"])
+        ]
+
+    deadline = time.monotonic() + 30  # written by W&B's service process: give a loaded machine time
+    while (found := logged()) != [[True, True, False, False]] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert found == [[True, True, False, False]], "the new W&B run holds the re-run steps' new values"
+
+    lines = [line for line in err.splitlines() if "re-runs steps a tracker was sent" in line]
+    assert len(lines) == 1, err
+    assert "after step 2" in lines[0] and "'run resumed after step 2'" in lines[0]
+    for n in ("mlflow", "wandb"):
+        assert f"{n} {ids[n]} (continues {old[n]}, which holds steps to 4)" in lines[0]
+
+
+def test_an_attempt_that_died_past_its_checkpoint_leaves_each_step_once_per_tracker_run(
+    tmp_path, monkeypatch, caplog
+):
+    """Attempt 1 logs steps 1-7 and dies; attempt 2 resumes from the step-4 checkpoint and logs 5-10
+    (metrics.jsonl cut at 4 first, as the trainer does). TensorBoard's events read back 1-10 once
+    each (the dead attempt's 5-7 purged); MLflow, whose history cannot be cut, holds 1-7 in the first
+    run and 5-10, the values metrics.jsonl holds, in a new one."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from loom.checkpoint.training import truncate_metrics
     from loom.train.metrics import MetricsWriter
-    from loom.train.trackers import _Ids, _Once
+    from loom.train.trackers import open_trackers
 
-    class Sink:
-        def __init__(self) -> None:
-            self.steps: list[int] = []
-
-        def log(self, row: dict) -> None:
-            self.steps.append(row["step"])
-
-        def close(self) -> None:
-            pass
-
-    sinks = []
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    runs = []
     for start, steps in ((0, range(1, 8)), (4, range(5, 11))):
-        sinks.append(Sink())
-        writer = MetricsWriter(tmp_path, True, True, [_Once("mlflow", sinks[-1], _Ids(tmp_path))], start)
+        truncate_metrics(tmp_path, start)
+        trackers = open_trackers("mlflow", tmp_path, {"run": {"trackers": "mlflow"}})
+        runs.append(json.loads((tmp_path / "trackers.json").read_text())["mlflow"])
+        writer = MetricsWriter(tmp_path, True, True, trackers, start)
         for step in steps:
             writer.write({"step": step, "loss": 10.0 - step + (0.5 if start == 0 and step > 4 else 0.0)})
         writer.close()
@@ -102,7 +156,44 @@ def test_an_attempt_that_died_past_its_checkpoint_leaves_each_step_once(tmp_path
     acc.Reload()
     events = [(e.step, e.value) for e in acc.Scalars("loss")]
     assert events == [(s, 10.0 - s) for s in range(1, 11)]
-    assert sinks[0].steps == list(range(1, 8)) and sinks[1].steps == [8, 9, 10]
+    assert runs[0] != runs[1]
+    assert _mlflow_history(tmp_path, runs[0]) == [(s, 10.0 - s + 0.5 * (s > 4)) for s in range(1, 8)]
+    assert _mlflow_history(tmp_path, runs[1]) == [(s, 10.0 - s) for s in range(5, 11)]
+    lines = [r.getMessage() for r in caplog.records if "re-runs steps" in r.getMessage()]
+    assert lines == [
+        "trackers: this attempt resumes after step 4 and re-runs steps a tracker was sent (its history "
+        f"cannot be cut): they go to new runs named '{tmp_path.name} resumed after step 4': "
+        f"mlflow {runs[1]} (continues {runs[0]}, which holds steps to 7)"
+    ]
+
+
+def test_a_resume_past_the_steps_sent_continues_the_run_and_names_the_params_it_keeps(
+    tmp_path, monkeypatch, caplog
+):
+    """No rewind (resumed from the last step sent) with ``train.lr`` changed: the same MLflow run goes
+    on, its params as first logged (write-once), and one line names the one that now differs."""
+    from mlflow.tracking import MlflowClient
+
+    from loom.train.metrics import MetricsWriter
+    from loom.train.trackers import open_trackers
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    runs = []
+    for lr, steps in ((0.003, (1, 2)), (0.01, (3, 4))):
+        trackers = open_trackers("mlflow", tmp_path, {"train": {"lr": lr, "steps": 4}})
+        runs.append(json.loads((tmp_path / "trackers.json").read_text())["mlflow"])
+        writer = MetricsWriter(tmp_path, True, False, trackers, steps[0] - 1)
+        for step in steps:
+            writer.write({"step": step, "loss": 10.0 - step})
+        writer.close()
+    assert runs[0] == runs[1]
+    assert _mlflow_history(tmp_path, runs[0]) == [(s, 10.0 - s) for s in range(1, 5)]
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    assert client.get_run(runs[0]).data.params == {"train.lr": "0.003", "train.steps": "4"}
+    assert [r.getMessage() for r in caplog.records if r.name == "loom"] == [
+        f"trackers: MLflow run {runs[0]} keeps the params it was first logged with (they are "
+        "write-once): train.lr 0.003 (now 0.01)"
+    ]
 
 
 def test_an_unknown_or_missing_tracker_is_one_line(monkeypatch):
