@@ -472,3 +472,25 @@ def test_gavel_objectives_are_optimal_against_each_other():
     assert rho(xs["ftf"]) <= min(rho(x) for x in [xs["maxmin"], xs["makespan"], x_eq]) * (1 + 1e-4)
     assert span(xs["makespan"]) <= min(span(x) for x in [xs["maxmin"], xs["ftf"], x_eq]) * (1 + 1e-6)
     assert fair(xs["maxmin"]) >= max(fair(x) for x in [xs["makespan"], xs["ftf"], x_eq]) * (1 - 1e-6)
+
+
+@pytest.mark.parametrize(
+    "second, named",
+    [
+        ({"name": "a"}, "jobs[1].name: 'a' is already the name of another job"),
+        ({"name": "b", "batch": 64, "max_batch": 32}, "jobs[1].max_batch: 32 is below its batch 64"),
+    ],
+    ids=["duplicate name", "max_batch below batch"],
+)
+def test_a_trace_names_the_job_and_the_field_it_refuses(tmp_path, second, named):
+    """A duplicate name said only "job names must be unique" (no file, no job); a max_batch below the
+    job's batch was accepted."""
+    import tomli_w
+
+    from loom.cluster.jobs import ClusterError
+
+    first = {"name": "a", "arrival_s": 0, "samples": 100, "throughput": {"h100": {"1": 1.0}}}
+    path = tmp_path / "trace.toml"
+    path.write_text(tomli_w.dumps({"jobs": [first, first | second]}))
+    with pytest.raises(ClusterError, match=f"^{path}: " + named.replace("[", r"\[").replace("]", r"\]")):
+        load_trace(path)

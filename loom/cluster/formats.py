@@ -227,7 +227,18 @@ def load_trace(path: str | Path) -> list[Job]:
     data = _read(path)
     if set(data) != {"jobs"} or not isinstance(data["jobs"], list) or not data["jobs"]:
         raise ClusterError(f"{path}: expected a non-empty jobs list ([[jobs]] tables), found {sorted(data)}")
-    return [job_from_dict(d, i, str(path)) for i, d in enumerate(data["jobs"])]
+    jobs: list[Job] = []
+    for i, d in enumerate(data["jobs"]):
+        job = job_from_dict(d, i, str(path))
+        if any(j.name == job.name for j in jobs):
+            raise ClusterError(f"{path}: jobs[{i}].name: {job.name!r} is already the name of another job")
+        if job.max_batch and job.max_batch < job.batch:
+            raise ClusterError(
+                f"{path}: jobs[{i}].max_batch: {job.max_batch} is below its batch {job.batch} (the largest "
+                "batch the scheduler may give it; 0 = 16 x batch)"
+            )
+        jobs.append(job)
+    return jobs
 
 
 def check_runnable(jobs: list[Job], cluster: Cluster, where: str) -> None:
