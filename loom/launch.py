@@ -724,6 +724,7 @@ def launch(
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    started = time.time()
     addr = cfg.run.master_addr if nodes is None else nodes.host
     _set_launch_env(addr)
     _unquiet_ranks()
@@ -769,7 +770,7 @@ def launch(
             if watch is not None and watch.fired and (line := _lost_line(nodes, run_dir)) is not None:
                 raise Stopped(line, 1) from None
             sig = signal.Signals(e.sigval) if isinstance(e, SignalException) else signal.SIGINT
-            raise Stopped(stop_line(run_dir, sig), 128 + sig) from None
+            raise Stopped(stop_line(run_dir, sig, started), 128 + sig) from None
         finally:
             reaper.close()
             if watch is not None:
@@ -832,11 +833,19 @@ def stopped_record(run_dir: Path) -> dict | None:
     return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
-def stop_line(run_dir: Path, sig: signal.Signals | None = None) -> str:
-    """The one line of a run stopped by a signal: the step its ranks saved, or that none was saved."""
+def stop_line(run_dir: Path, sig: signal.Signals | None = None, since: float | None = None) -> str:
+    """The one line of a run stopped by a signal: the step its ranks saved, that the run had ended
+    (a final model written after ``since``, the launch's start: the signal came as the ranks were
+    leaving), or that none was saved."""
     record = stopped_record(run_dir)
+    name = sig.name if sig is not None else "a signal"
+    final = run_dir / "checkpoints" / "final" / "meta.json"
+    if record is None and since is not None and final.is_file() and final.stat().st_mtime >= since:
+        return (
+            f"loom: interrupted by {name} as the run ended: its final model was saved "
+            f"({final.parent}); nothing to resume"
+        )
     if record is None:
-        name = sig.name if sig is not None else "a signal"
         return f"loom: interrupted by {name} before a step could be saved; all ranks stopped"
     return (
         f"loom: stopped by {record.get('signal', 'a signal')} after step {record['step']}: checkpoint "

@@ -210,3 +210,24 @@ def test_step_boundary_agreement_is_bounded_by_the_run_timeout(pools):
     (outcome, waited), late = pools(2).run(agreement_with_a_late_peer, 4.0, 1.0)
     assert late == ("late", 0)
     assert outcome == "raised" and 1.0 <= waited < 3.0, (outcome, waited)
+
+
+def test_a_signal_as_the_run_ends_says_the_final_model_was_saved(tmp_path):
+    """Ctrl-C while the ranks were leaving (the final model written, no step left to stop at) said
+    "interrupted before a step could be saved"; it names the final model instead."""
+    import signal as signals
+    import time as clock
+
+    from loom.launch import stop_line
+
+    final = tmp_path / "checkpoints" / "final"
+    final.mkdir(parents=True)
+    started = clock.time() - 1
+    (final / "meta.json").write_text('{"step": 3, "loss": 1.0}')
+    line = stop_line(tmp_path, signals.SIGINT, started)
+    assert (
+        line
+        == f"loom: interrupted by SIGINT as the run ended: its final model was saved ({final}); nothing to resume"
+    )
+    # a final model of an earlier launch says nothing of this one
+    assert "before a step could be saved" in stop_line(tmp_path, signals.SIGINT, clock.time() + 60)
