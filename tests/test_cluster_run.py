@@ -118,6 +118,10 @@ def _bad(tmp_path: Path, jobs: list[dict], *extra: str) -> str:
         ),
         ([{"steps": 2, "config": "nope"}], "jobs[0].config: expected a preset"),
         ([{"steps": 2, "overrides": {"train": {"lr": "fast"}}}], "jobs[0]: train.lr"),
+        (  # the job started and exited with code 2
+            [{"steps": 2, "overrides": {"data": {"source": "/no/such/corpus.jsonl"}}}],
+            "jobs[0]: data.source: '/no/such/corpus.jsonl' does not exist",
+        ),
         (
             [{"steps": 2, "throughput": {"5": 1.0}}],
             "jobs[0].throughput.cpu.5: expected a device count in 1..2",

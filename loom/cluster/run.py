@@ -130,6 +130,23 @@ def _config(at: str, d: dict[str, Any]) -> C.LoomConfig:
         raise ClusterError(f"{at}: {e}") from None
 
 
+def _check_data(at: str, cfg: C.LoomConfig) -> None:
+    """The job's data can be read here (``loom cluster run`` runs its jobs on this machine): a source
+    that does not exist is refused before any job starts, not by the job's own exit."""
+    from loom.data.corpus import STDLIB, source_files
+
+    d = cfg.data
+    if d.prepared_dir:
+        return
+    for i, src in enumerate([s.path for s in d.sources] if d.sources else [d.source]):
+        if src != STDLIB:
+            try:
+                source_files(src)
+            except C.ConfigError as e:
+                where = f"data.sources[{i}]" if d.sources else "data.source"
+                raise ClusterError(f"{at}: {str(e).replace('data.source', where, 1)}") from None
+
+
 def _table(at: str, v: Any, types: list[str], ranks: int) -> dict[str, dict[int, float]]:
     """``{ranks: seq/s}`` (the first device type's) or ``{type: {ranks: seq/s}}``; TOML keys are strings."""
     if not isinstance(v, dict) or not v:
@@ -193,6 +210,7 @@ def load_jobs(path: str | Path, cluster: Cluster) -> list[RealJob]:
         steps = int(_num(f"{at}.steps", d["steps"], integer=True))
         arrival = float(_num(f"{at}.arrival_s", d.get("arrival_s", 0), strict=False))
         cfg = _config(at, d)
+        _check_data(at, cfg)
         C.apply_overrides(cfg, ["--train.steps", str(steps)])  # as the launch gives it
         devices = int(_num(f"{at}.devices", d.get("devices", cfg.run.nproc), integer=True))
         if devices > biggest:
