@@ -27,6 +27,7 @@ FAMILIES = {
 }
 GREEDY = SamplingOptions(max_new_tokens=30, temperature=0)
 SAMPLED = SamplingOptions(max_new_tokens=30, temperature=1.0, top_k=40, top_p=0.9, seed=3)
+PENALIZED = SamplingOptions(max_new_tokens=30, temperature=0, repetition_penalty=1.3)
 
 
 def _model(family: str, seq: int = 32):
@@ -95,10 +96,11 @@ def test_decode_steps_append_in_place_without_host_syncs(padded):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("opts", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("opts", [GREEDY, SAMPLED, PENALIZED], ids=["greedy", "sampled", "penalized"])
 def test_cached_batch_equals_the_cache_free_path_one_by_one(family, opts):
     """Left-padded batches with a KV cache give each prompt the tokens the cache-free reference
-    gives it alone, also past max_seq_len (5 + 30 > 32: the window slides)."""
+    gives it alone, also past max_seq_len (5 + 30 > 32: the window slides); the repetition penalty
+    sees each prompt's own tokens, never its padding."""
     model = _model(family)
     prompts = _prompts(5, 9, 1, 9)
     ref = generate_uncached(model, prompts, opts)
@@ -198,27 +200,41 @@ def _save_hf(tmp: Path, family: str, vocab: int = 128) -> tuple[Path, torch.nn.M
 
 @pytest.mark.parametrize("family", list(HF))
 def test_greedy_tokens_from_an_hf_directory_equal_transformers_generate(tmp_path, family):
-    from loom.generate.source import hf_model
+    """Greedy tokens equal ``transformers``' ``generate(do_sample=False)``: without a repetition
+    penalty (1.0 given, as a flag wins), and with the one the directory's ``generation_config.json``
+    sets (1.3, with ``do_sample: false``), taken as ``loom generate`` takes the model's defaults."""
+    from loom.generate.source import generation_defaults, hf_model
 
     path, ref = _save_hf(tmp_path, family)
+    gen = path / "generation_config.json"
+    saved = json.loads(gen.read_text()) if gen.is_file() else {}
+    gen.write_text(json.dumps(saved | {"repetition_penalty": 1.3, "do_sample": False}))
     _, model = hf_model(path)  # what `loom generate --model.from_hf` runs
     model.eval()
     prompts = _prompts(6, 11)
-    opts = SamplingOptions(max_new_tokens=24, temperature=0)
-    ours = generate_cached(model, prompts, opts).tokens
-    for prompt, mine in zip(prompts, ours, strict=True):
-        x = torch.tensor([prompt])
-        theirs = ref.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            do_sample=False,
-            max_new_tokens=24,
-            min_new_tokens=24,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        assert mine == theirs[0, len(prompt) :].tolist()
-    assert len({t for row in ours for t in row}) > 8
+    defaults, warned = generation_defaults(path)
+    assert defaults == {"repetition_penalty": 1.3, "temperature": 0.0} and not warned
+    plain = SamplingOptions(max_new_tokens=24, repetition_penalty=1.0).with_defaults(defaults)
+    penalized = SamplingOptions(max_new_tokens=24).with_defaults(defaults)
+    got = {}
+    for opts, penalty in ((plain, 1.0), (penalized, 1.3)):
+        got[penalty] = ours = generate_cached(model, prompts, opts).tokens
+        assert generate_uncached(model, prompts, opts).tokens == ours
+        for prompt, mine in zip(prompts, ours, strict=True):
+            x = torch.tensor([prompt])
+            theirs = ref.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                repetition_penalty=penalty,
+                max_new_tokens=24,
+                min_new_tokens=24,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            assert mine == theirs[0, len(prompt) :].tolist(), penalty
+        assert len({t for row in ours for t in row}) > 8
+    assert got[1.0] != got[1.3]  # the penalty changes the tokens: the comparison sees it
 
 
 # ----------------------------------------------------------------------------- the command
@@ -817,6 +833,43 @@ def test_generation_config_eos_ids_end_a_prompt_at_any_of_them(hf_dir, tmp_path)
     assert done.tokens[0] == free[: free.index(stop) + 1]
     (d / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": stop}))
     assert load_hf(str(d)).eos == {stop}
+
+
+def test_the_models_sampling_defaults_apply_where_no_flag_is_given(hf_dir, tmp_path, capsys):
+    """``generation_config.json``'s temperature / top_k / repetition_penalty (do_sample: true, its
+    top_p left to transformers' 1.0) are the defaults of ``loom generate``; a flag given wins; fields
+    Loom does not implement are named in one warning line; a value out of range is one line naming
+    the file."""
+    import shutil
+
+    from loom.generate.run import complete
+    from loom.generate.source import load_hf
+
+    d = tmp_path / "hf"
+    shutil.copytree(hf_dir, d)
+    gen = d / "generation_config.json"
+    saved = json.loads(gen.read_text()) if gen.is_file() else {}
+    model_defaults = {"do_sample": True, "temperature": 0.7, "top_k": 20, "repetition_penalty": 1.3}
+    gen.write_text(json.dumps(saved | model_defaults | {"num_beams": 2, "no_repeat_ngram_size": 3}))
+    src = load_hf(str(d))
+    assert src.sampling == {"temperature": 0.7, "top_k": 20, "top_p": 1.0, "repetition_penalty": 1.3}
+    common = ["--model.from_hf", str(d), "--prompt", "the cat", "--max-new-tokens", "10"]
+    rc, out, err = _run(capsys, *common, "--temperature", "0")
+    greedy = SamplingOptions(max_new_tokens=10, temperature=0)
+    want = complete(src, ["the cat"], greedy).texts[0]  # complete takes the model's penalty too
+    explicit = SamplingOptions(max_new_tokens=10, temperature=0, repetition_penalty=1.3)
+    assert rc == 0 and out == "the cat" + want + "\n"
+    assert complete(load_hf(str(hf_dir)), ["the cat"], explicit).texts[0] == want
+    assert complete(load_hf(str(hf_dir)), ["the cat"], greedy).texts[0] != want  # the penalty shows
+    warned = [line for line in err.splitlines() if "warning" in line]
+    said = "loom generate does not implement num_beams, no_repeat_ngram_size; it generates without them"
+    assert warned == [f"loom: warning: {gen}: {said}"]
+    rc, out, _ = _run(capsys, *common, "--seed", "4")
+    sampled = SamplingOptions(max_new_tokens=10, temperature=0.7, top_k=20, repetition_penalty=1.3, seed=4)
+    assert rc == 0 and out == "the cat" + complete(load_hf(str(hf_dir)), ["the cat"], sampled).texts[0] + "\n"
+    gen.write_text(json.dumps(saved | {"top_p": 1.5}))
+    rc, _, err = _run(capsys, *common)
+    assert rc == 2 and err == f"loom: error: {gen}: top_p: must be in (0, 1] (1 = no nucleus cut), got 1.5\n"
 
 
 def test_a_config_toml_whose_model_differs_from_the_checkpoint_is_refused_naming_each_field(

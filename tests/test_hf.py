@@ -506,6 +506,114 @@ def test_an_export_of_a_chat_run_carries_the_template_it_was_trained_on(tmp_path
     assert tok.pad_token == tok.eos_token and len(set(map(len, batch["input_ids"]))) == 1
 
 
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory) -> Path:
+    """A chat run (ChatML records, 2 steps) trained from its directory with ``--data.tokenizer tok``:
+    a relative path to a ChatML tokenizer directory (template and eos <|im_end|> in its
+    tokenizer_config.json, no pad token), as tests/test_data.py builds it."""
+    from loom.data import prepare_data
+    from tests.test_data import _chat_tokenizer, _chats
+
+    root = tmp_path_factory.mktemp("chat")
+    os.environ.setdefault("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    _chat_tokenizer(root)
+    (root / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in _chats(40)))
+    cfg = _config("", root / "run")
+    cfg["data"] |= {"source": "chat.jsonl", "tokenizer": "tok", "format": "chat", "val_fraction": 0.1}
+    cfg["train"]["steps"] = 2
+    here = os.getcwd()
+    os.chdir(root)
+    try:
+        cfg["data"]["prepared_dir"] = str(prepare_data(C.from_dict(cfg).data, progress=False).dir)
+        _train(cfg)
+    finally:
+        os.chdir(here)
+    return root / "run"
+
+
+CHATML_PROMPT = "<|im_start|>user\nq1?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_chat_run_keeps_its_tokenizer_files_for_export_and_generate_from_anywhere(
+    chat_run, tmp_path, monkeypatch, capsys
+):
+    """From another directory, where ``tok`` names another template: the run's own copy of its
+    tokenizer's files gives export and generate the ChatML template and <|im_end|> it trained with
+    (the built-in ``<|user|>`` template, or the other one, was taken silently). A run that kept none
+    (an older Loom) whose ``data.tokenizer`` is not found is refused in one line; a kept file
+    replaced since is refused as a replaced tokenizer.json is."""
+    import shutil
+
+    from loom.checkpoint.hf_export import export_hf
+    from loom.cli import main as cli
+    from loom.generate.source import load_run
+
+    msgs = [{"role": "user", "content": "q1?"}]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tok").mkdir()
+    shutil.copyfile(chat_run / "tokenizer.json", tmp_path / "tok" / "tokenizer.json")
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 'other' }}"}))
+    src = load_run(str(chat_run))
+    assert src.render(msgs) == CHATML_PROMPT
+    assert src.encode(msgs, chat=True) == src.tokenizer.encode(CHATML_PROMPT, add_special_tokens=False).ids
+    export_hf(chat_run, tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == CHATML_PROMPT
+    assert tok.eos_token == "<|im_end|>"
+    shutil.rmtree(tmp_path / "tok")
+    old = tmp_path / "old"  # as an older Loom left it: no copies, data.json without their hashes
+    shutil.copytree(chat_run, old)
+    (old / "tokenizer_config.json").unlink()
+    record = json.loads((old / "data.json").read_text())
+    (old / "data.json").write_text(json.dumps({k: v for k, v in record.items() if "/" not in k}))
+    for argv in (["export", "hf", str(old), str(tmp_path / "hf2")], ["generate", "--run.dir", str(old)]):
+        assert cli(argv) == 2
+        err = capsys.readouterr().err
+        assert (
+            err.count("\n") == 1 and f"data.tokenizer: tok not found from {tmp_path}; the chat run" in err
+        ), err
+    edited = tmp_path / "edited"
+    shutil.copytree(chat_run, edited)
+    (edited / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 'other' }}"}))
+    for argv in (
+        ["export", "hf", str(edited), str(tmp_path / "hf3")],
+        ["generate", "--run.dir", str(edited)],
+    ):
+        assert cli(argv) == 2
+        err = capsys.readouterr().err
+        said = (
+            f"{edited / 'tokenizer_config.json'}: not the tokenizer's tokenizer_config.json this run trained"
+        )
+        assert err.count("\n") == 1 and said in err, err
+    assert not (tmp_path / "hf2").exists() and not (tmp_path / "hf3").exists()
+
+
+def test_the_export_of_a_chat_tokenizer_pads_batches_and_stops_at_either_end_token(chat_run, tmp_path):
+    """The ChatML tokenizer's config (eos <|im_end|>, no pad token) is exported with its fields plus a
+    pad token (config.json's pad id, Loom's <|endoftext|>) and model_max_length; generation_config
+    lists both end ids: batched padding works and transformers' generate (and loom generate) stop
+    at either."""
+    from loom.checkpoint.hf_export import export_hf
+    from loom.generate.source import load_run
+
+    out = tmp_path / "hf"
+    export_hf(chat_run, out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    ends = [tok.convert_tokens_to_ids("<|im_end|>"), config["eos_token_id"]]
+    assert tok.eos_token_id == ends[0] != ends[1] == tok.pad_token_id == config["pad_token_id"]
+    assert tok.pad_token == "<|endoftext|>" and tok.model_max_length == 64
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == ends
+    assert load_run(str(chat_run)).eos == set(ends)
+    tok.padding_side = "left"
+    batch = tok(["q1?", "thanks a lot, be brief"], padding=True, return_tensors="pt")
+    assert batch["attention_mask"][0, 0] == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    for end in ends:  # each end id, made the greedy choice, ends both rows at once
+        got = model.generate(**batch, do_sample=False, max_new_tokens=4, sequence_bias={(end,): 100.0})
+        assert got[:, batch["input_ids"].shape[1] :].tolist() == [[end], [end]], end
+
+
 # ----------------------------------------------------------------------------- parallel layouts
 
 TP_FAMILIES = [

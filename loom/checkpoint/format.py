@@ -401,20 +401,30 @@ DATA_IDENTITY = "data.json"  # run.dir: SHA-256 of the tokenizer and token files
 
 def check_run_tokenizer(run_dir: Path) -> None:
     """``run_dir/tokenizer.json`` is the tokenizer the run trained with: the SHA-256 that its
-    :data:`DATA_IDENTITY` recorded (a run without one is not checked). A replaced file would encode
-    prompts, and ship in exports, as another tokenizer's ids for the same weights."""
+    :data:`DATA_IDENTITY` recorded (a run without one is not checked); so is each side file the run
+    kept beside it (its ``run.dir/NAME`` entries: loom.checkpoint.hf_export.keep_tokenizer_files;
+    "" = it keeps none). A replaced, missing or added file would encode prompts, and ship in
+    exports, as another tokenizer's ids, chat template or end token for the same weights."""
     import hashlib
 
-    tok, ident = run_dir / "tokenizer.json", run_dir / DATA_IDENTITY
+    ident = run_dir / DATA_IDENTITY
     try:
-        want = json.loads(ident.read_text()).get("tokenizer") if ident.is_file() else None
-    except (OSError, ValueError, AttributeError):
+        record = json.loads(ident.read_text()) if ident.is_file() else {}
+    except (OSError, ValueError):
         return  # an unreadable record: the run's own checks report it
-    if not isinstance(want, str) or not want or not tok.is_file():
-        return
-    have = hashlib.sha256(tok.read_bytes()).hexdigest()
-    if have != want:
+    record = record if isinstance(record, dict) else {}
+    want = record.get("tokenizer")
+    files = {"tokenizer.json": want} if isinstance(want, str) and want else {}
+    files |= {k.removeprefix("run.dir/"): v for k, v in record.items() if k.startswith("run.dir/")}
+    for name, sha in files.items():
+        path = run_dir / name
+        have = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+        if not isinstance(sha, str) or "/" in name or have == sha:
+            continue
+        if not sha:
+            raise CheckpointError(f"{path}: added after the run started ({ident} records none); remove it")
+        what = "tokenizer" if name == "tokenizer.json" else f"tokenizer's {name}"
         raise CheckpointError(
-            f"{tok}: not the tokenizer this run trained with (sha256 {have[:12]}; {ident} records "
-            f"{want[:12]}); put the run's tokenizer back"
+            f"{path}: not the {what} this run trained with ({f'sha256 {have[:12]}' if have else 'missing'}; "
+            f"{ident} records {sha[:12]}); put the run's {'tokenizer' if name == 'tokenizer.json' else name} back"
         )

@@ -17,6 +17,16 @@ its tokenizer's ``tokenizer_config.json`` (pad and special tokens, ``model_max_l
 chat template), ``special_tokens_map.json`` and ``chat_template.jinja``. Weights are written in
 ``dtype`` (``bf16``, ``fp16``, ``fp32``; default: the source's dtype: the HF directory's
 ``dtype``/``torch_dtype``, else the checkpoint's).
+
+The tokenizer's side files (:data:`TOKENIZER_FILES`) are those the run kept beside its
+``tokenizer.json`` when it started (:func:`keep_tokenizer_files`; ``data.json`` records their
+SHA-256), whatever the working directory and wherever its tokenizer directory went since; a run
+from an older Loom kept none: ``data.tokenizer``'s directory then, and a chat run whose
+``data.tokenizer`` is not found is refused (its template would silently become the built-in one).
+A copied ``tokenizer_config.json`` keeps every field it has and gets a pad token (the
+``pad_token_id`` of ``config.json``) and ``model_max_length`` where it has none (batched
+tokenization needs one); a ``generation_config.json`` Loom writes lists as ``eos_token_id`` every
+id that ends a turn or a document (the tokenizer config's ``eos_token`` and the end-of-text id).
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from safetensors.torch import save_file
 
 from loom import config as C
 from loom.checkpoint.format import (
+    DATA_IDENTITY,
     CheckpointError,
     check_outside_checkpoints,
     check_run_tokenizer,
@@ -58,6 +69,8 @@ PREFIX = "model."
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TEMPLATES_DIR = "chat_templates"  # named chat templates, one .jinja file each (copied, not hashed)
+KEPT = "run.dir/"  # data.json: "run.dir/NAME" = the SHA-256 of the side file NAME a run keeps ("": none)
 # config.json fields that define the tensors: the source's are carried over only if all of these agree
 SHAPE_FIELDS = (
     "hidden_size",
@@ -161,10 +174,112 @@ def carried_config(ours: dict, src: Path | None) -> dict:
     return ours | kept | {"dtype": ours["dtype"]}
 
 
+def is_chat(cfg: C.LoomConfig) -> bool:
+    """The run trained on chat data (``data.format``, or a source's, is chat)."""
+    return cfg.data.format == "chat" or any(src.format == "chat" for src in cfg.data.sources)
+
+
+def _named_dir(cfg: C.LoomConfig) -> Path | None:
+    """The directory ``data.tokenizer`` names (itself, or the file's), as given; None: unset."""
+    if not cfg.data.tokenizer:
+        return None
+    p = Path(cfg.data.tokenizer).expanduser()
+    return p if p.is_dir() else p.parent
+
+
+def _side_dir(cfg: C.LoomConfig) -> Path | None:
+    """The first of ``data.tokenizer``'s directory and the Hugging Face directory the run started
+    from that holds a side file of the tokenizer; None: neither does."""
+    for d in (_named_dir(cfg), source_dir(cfg)):
+        if d is not None and any((d / f).is_file() for f in TOKENIZER_FILES):
+            return d
+    return None
+
+
+def keep_tokenizer_files(cfg: C.LoomConfig, run_dir: Path) -> dict[str, str]:
+    """Copy the tokenizer's side files (:func:`_side_dir`) beside ``run_dir/tokenizer.json`` when a
+    run starts; returns their SHA-256 for ``data.json`` (:data:`KEPT`; "" for a file it has none of,
+    which the run then holds none of either)."""
+    from loom.checkpoint.integrity import sha256_file
+
+    d = _side_dir(cfg)
+    kept = {}
+    for f in TOKENIZER_FILES:
+        if d is not None and (d / f).is_file():
+            shutil.copyfile(d / f, run_dir / f)
+            kept[KEPT + f] = sha256_file(run_dir / f)
+        else:
+            (run_dir / f).unlink(missing_ok=True)  # an earlier start's: not this tokenizer's
+            kept[KEPT + f] = ""
+    if d is not None and (d / TEMPLATES_DIR).is_dir():
+        shutil.copytree(d / TEMPLATES_DIR, run_dir / TEMPLATES_DIR, dirs_exist_ok=True)
+    return kept
+
+
+def kept_files(run_dir: Path) -> dict[str, str]:
+    """What ``run_dir/data.json`` records of the side files the run keeps (:data:`KEPT` entries);
+    {} for a run that recorded none (an older Loom's, or an unreadable record)."""
+    ident = run_dir / DATA_IDENTITY
+    try:
+        record = json.loads(ident.read_text(encoding="utf-8")) if ident.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return {k: v for k, v in record.items() if k.startswith(KEPT)} if isinstance(record, dict) else {}
+
+
+def run_tokenizer_dir(run_dir: Path, cfg: C.LoomConfig) -> Path | None:
+    """Where the side files describing a run's tokenizer are read (module doc): the run's own copies
+    (``run_dir``, for a run that keeps or recorded them), else :func:`_side_dir`; a chat run of neither
+    whose ``data.tokenizer`` is not found is refused in one line. None: there are none."""
+    if kept_files(run_dir) or any((run_dir / f).is_file() for f in TOKENIZER_FILES):
+        return run_dir
+    named = cfg.data.tokenizer
+    if named and is_chat(cfg) and not Path(named).expanduser().exists():
+        raise CheckpointError(
+            f"data.tokenizer: {named} not found from {Path.cwd()}; the chat run {run_dir} keeps no copy of "
+            "its tokenizer's chat template (an older run): run this from the directory it was trained in, "
+            f"or copy {' / '.join(TOKENIZER_FILES)} of its tokenizer directory into {run_dir}"
+        )
+    return _side_dir(cfg)
+
+
+def _token_name(value: Any) -> str:
+    """A special token of ``tokenizer_config.json``: a string, or an AddedToken object's ``content``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _eos_name(side: Path | None) -> str:
+    """The ``eos_token`` of ``side``'s ``tokenizer_config.json``, else of its ``special_tokens_map.json``."""
+    for f in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = side / f if side is not None else None
+        name = _token_name(_read_json(path).get("eos_token")) if path and path.is_file() else ""
+        if name:
+            return name
+    return ""
+
+
+def end_tokens(tok: Any, side: Path | None, eos: object = None) -> list[int]:
+    """Every id that ends a turn or a document, each once: the tokenizer config's ``eos_token``
+    (:func:`_eos_name` of the side files in ``side``) where the vocabulary has it, then ``eos`` (an id
+    or a list: a config's ``eos_token_id``), else the tokenizer's end-of-document token
+    (loom.data.tokenizer.EOT_CANDIDATES)."""
+    from loom.data.tokenizer import EOT_CANDIDATES
+
+    name = _eos_name(side)
+    named = [tok.token_to_id(name)] if name and tok.token_to_id(name) is not None else []
+    given = [eos] if isinstance(eos, int) else [int(i) for i in eos] if isinstance(eos, list) else []
+    found = (tok.token_to_id(n) for n in EOT_CANDIDATES)
+    rest = given or next(([i] for i in found if i is not None), [])
+    return list(dict.fromkeys([*named, *rest]))
+
+
 def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) -> dict[str, Any]:
-    """Copy the run's ``tokenizer.json`` and the files describing it for ``AutoTokenizer`` (its source
-    directory's, else a ``tokenizer_config.json`` of Loom's tokenizer); returns the special ids for
-    ``config.json`` (the source's where it gives them)."""
+    """Copy the run's ``tokenizer.json`` and the files describing it for ``AutoTokenizer`` (its side
+    files, :func:`run_tokenizer_dir`, completed by :func:`_complete_tokenizer_config`; else a
+    ``tokenizer_config.json`` of Loom's tokenizer); returns the special ids for ``config.json`` (the
+    source's where it gives them)."""
     from loom.data.tokenizer import eot_id, load_tokenizer
 
     src = next(
@@ -182,21 +297,24 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) 
     if src is None:
         return {}
     shutil.copyfile(src, tmp / "tokenizer.json")
-    tok_dir = Path(cfg.data.tokenizer).expanduser() if cfg.data.tokenizer else None
-    tok_dir = tok_dir if tok_dir is None or tok_dir.is_dir() else tok_dir.parent
-    copied = False
-    for d in (tok_dir, source_dir(cfg)):
-        if d is not None and any((d / f).is_file() for f in TOKENIZER_FILES):
-            for f in TOKENIZER_FILES:
-                if (d / f).is_file():
-                    shutil.copyfile(d / f, tmp / f)
-            if (d / "chat_templates").is_dir():
-                shutil.copytree(d / "chat_templates", tmp / "chat_templates")
-            copied = True
-            break
+    d = run_tokenizer_dir(run_dir, cfg)
+    copied = d is not None and any((d / f).is_file() for f in TOKENIZER_FILES)
+    if d is not None and copied:
+        for f in TOKENIZER_FILES:
+            if (d / f).is_file():
+                shutil.copyfile(d / f, tmp / f)
+        if (d / TEMPLATES_DIR).is_dir():
+            shutil.copytree(d / TEMPLATES_DIR, tmp / TEMPLATES_DIR)
     tok = load_tokenizer(src)
     eot = eot_id(tok)
-    if not copied:
+    special = {
+        k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None
+    } or {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}
+    if copied:
+        _complete_tokenizer_config(
+            tmp, tok.id_to_token(special.get("pad_token_id", eot)), cfg.model.max_seq_len
+        )
+    else:
         name = tok.id_to_token(eot)
         (tmp / "tokenizer_config.json").write_text(
             json.dumps(
@@ -211,17 +329,45 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) 
                 indent=2,
             )
         )
-    chat = cfg.data.format == "chat" or any(s.format == "chat" for s in cfg.data.sources)
     tcfg = tmp / "tokenizer_config.json"
     templated = (tmp / "chat_template.jinja").is_file() or (
         tcfg.is_file() and "chat_template" in _read_json(tcfg)
     )
-    if chat and not templated:  # trained on Loom's built-in rendering: apply_chat_template gives it
+    if is_chat(cfg) and not templated:  # trained on Loom's built-in rendering: apply_chat_template gives it
         (tmp / "chat_template.jinja").write_text(BUILTIN_CHAT_TEMPLATE)
-    special = {
-        k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None
-    }
-    return special or {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}
+    return special
+
+
+def _complete_tokenizer_config(tmp: Path, pad: str | None, max_len: int) -> None:
+    """The copied ``tokenizer_config.json`` (written if the source had only other side files) with a
+    ``pad_token`` (``pad``: ``config.json``'s pad id's token) where neither it nor
+    ``special_tokens_map.json`` names one, and ``model_max_length`` where it has none; every field
+    it has is kept."""
+    path, smap = tmp / "tokenizer_config.json", tmp / "special_tokens_map.json"
+    tcfg = _read_json(path) if path.is_file() else {"tokenizer_class": "PreTrainedTokenizerFast"}
+    added: dict[str, Any] = {}
+    if (
+        pad
+        and tcfg.get("pad_token") is None
+        and (not smap.is_file() or _read_json(smap).get("pad_token") is None)
+    ):
+        added["pad_token"] = pad
+    if "model_max_length" not in tcfg:
+        added["model_max_length"] = max_len
+    if added or not path.is_file():
+        path.write_text(json.dumps(tcfg | added, indent=2))
+
+
+def _generation_config(tmp: Path, special: dict[str, Any]) -> dict[str, Any]:
+    """``generation_config.json`` of an export whose source has none: the special ids, with
+    ``eos_token_id`` listing every id that ends a turn or a document (:func:`end_tokens` of the
+    exported tokenizer: an id, or a list when there are several)."""
+    from loom.data.tokenizer import load_tokenizer
+
+    if not special or not (tmp / "tokenizer.json").is_file():
+        return special
+    ends = end_tokens(load_tokenizer(tmp / "tokenizer.json"), tmp, special.get("eos_token_id"))
+    return special | ({"eos_token_id": ends if len(ends) > 1 else ends[0]} if ends else {})
 
 
 def _export_dtype(requested: str | None, src: Path | None, stored: torch.dtype) -> torch.dtype:
@@ -269,6 +415,7 @@ def export_hf(
             )
         reader = opened if wrap is None else wrap(opened)
         check_run_tokenizer(opened.dir.parent.parent)  # the tokenizer it ships: before anything is written
+        run_tokenizer_dir(opened.dir.parent.parent, cfg)  # and the files describing it
         architecture_of(
             cfg.model
         )  # a model no Hugging Face family holds fails here, before anything is written
@@ -305,7 +452,9 @@ def export_hf(
             if hf_src is not None and (hf_src / "generation_config.json").is_file():
                 shutil.copyfile(hf_src / "generation_config.json", tmp / "generation_config.json")
             else:
-                (tmp / "generation_config.json").write_text(json.dumps(special, indent=2))
+                (tmp / "generation_config.json").write_text(
+                    json.dumps(_generation_config(tmp, special), indent=2)
+                )
         return Exported(out, reader.dir, reader.step, len(shards), len(weight_map), total)
 
 

@@ -4,7 +4,8 @@ cache (batched, left-padded: loom.model.kv_cache) or by recomputing the whole co
 
 Both see at most ``model.max_seq_len`` tokens: a longer context keeps its last ``max_seq_len``
 (with the cache: once the window is full, each further step re-fills the cache from the last
-``max_seq_len`` tokens, as the reference does). ``eos`` ends a prompt's generation after that token;
+``max_seq_len`` tokens, as the reference does; the repetition penalty still sees every token of the
+sequence). ``eos`` ends a prompt's generation after that token;
 ``stop(row, tokens)`` is asked after every new token (stop strings).
 """
 
@@ -48,25 +49,52 @@ def generators(n: int, seed: int, device: torch.device | str = "cpu") -> list[to
     return [torch.Generator(device=device).manual_seed(seed) for _ in range(n)]
 
 
-def next_token(logits: torch.Tensor, opts: SamplingOptions, gens: Sequence[torch.Generator]) -> torch.Tensor:
-    """Next token (B,) from logits (B, V): greedy, or temperature / top-k / top-p sampling
+def next_token(
+    logits: torch.Tensor,
+    opts: SamplingOptions,
+    gens: Sequence[torch.Generator],
+    seen: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Next token (B,) from logits (B, V): the repetition penalty on the tokens ``seen`` (B, V) marks
+    (those already in each sequence), then greedy, or temperature / top-k / top-p sampling
     (loom.generate.options), row b drawing with ``gens[b]``."""
+    rule = opts.rule()
     logits = logits.float()
-    if opts.temperature == 0:
+    if seen is not None and rule.repetition_penalty != 1:
+        r = rule.repetition_penalty
+        logits = torch.where(seen, torch.where(logits < 0, logits * r, logits / r), logits)
+    if rule.temperature == 0:
         return logits.argmax(-1)
-    logits = logits / opts.temperature
-    if opts.top_k > 0:
-        kth = torch.topk(logits, min(opts.top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
+    logits = logits / rule.temperature
+    if rule.top_k > 0:
+        kth = torch.topk(logits, min(rule.top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if opts.top_p < 1:
+    if rule.top_p < 1:
         probs, order = torch.softmax(logits, -1).sort(-1, descending=True)
         before = probs.cumsum(-1) - probs  # mass of the tokens more likely than each
         drop = torch.zeros_like(before, dtype=torch.bool).scatter(
-            -1, order, before >= opts.top_p
+            -1, order, before >= rule.top_p
         )  # vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))  # the most likely token always stays (before = 0)
     probs = torch.softmax(logits, -1)
     return torch.cat([torch.multinomial(probs[b : b + 1], 1, generator=g)[0] for b, g in enumerate(gens)])
+
+
+def seen_tokens(prompts: list[list[int]], logits: torch.Tensor, opts: SamplingOptions) -> torch.Tensor | None:
+    """The tokens of each prompt as a mask (B, V) the width of ``logits``, for the repetition penalty;
+    None when there is none (its new tokens are added as they come: :func:`mark`)."""
+    if opts.rule().repetition_penalty == 1:
+        return None
+    seen = torch.zeros(len(prompts), logits.shape[-1], dtype=torch.bool, device=logits.device)
+    for b, p in enumerate(prompts):
+        seen[b, torch.tensor(p, dtype=torch.long, device=logits.device)] = True
+    return seen
+
+
+def mark(seen: torch.Tensor | None, tokens: torch.Tensor) -> None:
+    """Add each row's new token (B,) to ``seen`` (in place; nothing without a penalty)."""
+    if seen is not None:
+        seen.scatter_(1, tokens[:, None], True)
 
 
 def _finished(row: int, tok: int, out: list[int], eos: frozenset[int], stop: Stop | None) -> bool:
@@ -101,8 +129,10 @@ def generate_cached(
     cache, logits = _prefill(model, ids, pad, min(L, P + opts.max_new_tokens - 1))
     res.prefill_seconds = time.perf_counter() - t0
     res.cache_bytes = cache.nbytes
+    seen = seen_tokens(prompts, logits, opts)
     for step in range(opts.max_new_tokens):
-        nxt = next_token(logits, opts, gens)  # (B,)
+        nxt = next_token(logits, opts, gens, seen)  # (B,)
+        mark(seen, nxt)
         for b, tok in enumerate(nxt.tolist()):
             if alive[b]:
                 out[b].append(tok)
@@ -149,8 +179,13 @@ def generate_uncached(
         gen = generators(1, opts.seed, dev)
         ids = torch.tensor([prompt], dtype=torch.long, device=dev)
         new: list[int] = []
+        seen: torch.Tensor | None = None
         for _ in range(opts.max_new_tokens):
-            tok = int(next_token(model(ids[:, -L:])[:, -1], opts, gen)[0])
+            logits = model(ids[:, -L:])[:, -1]
+            seen = seen_tokens([prompt], logits, opts) if seen is None else seen
+            nxt = next_token(logits, opts, gen, seen)
+            mark(seen, nxt)
+            tok = int(nxt[0])
             new.append(tok)
             res.steps.append(time.perf_counter() - t0)
             if _finished(b, tok, new, eos, stop):

@@ -3,7 +3,8 @@
 Prompts run in batches of ``batch_size`` (left-padded, one KV cache per batch), or one by one
 recomputing the whole context per token (``cache=False``, the reference). A completion is the
 decoded new tokens, cut before the first stop string it contains; generation of a prompt ends at
-an end-of-text token, a stop string or ``max_new_tokens``.
+an end-of-text token, a stop string or ``max_new_tokens``. Sampling options the command line leaves
+unset are the model's (its ``generation_config.json``: loom.generate.source), else Loom's.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def complete(
     batch_size: int = 8,
     cache: bool = True,
 ) -> Completions:
-    """Completions of ``prompts`` (module doc)."""
+    """Completions of ``prompts`` (module doc); options left unset take the model's defaults
+    (loom.generate.options)."""
+    opts = opts.with_defaults(src.sampling)
     where = [f"--prompts (prompt {i + 1})" if len(prompts) > 1 else "--prompt" for i in range(len(prompts))]
     ids = [src.encode(p, chat, w) for p, w in zip(prompts, where, strict=True)]
     window = src.model.cfg.max_seq_len
@@ -107,6 +110,8 @@ def main(
     followed by its completion, or the completion alone for a chat prompt) and the speed on stderr."""
     import json
 
+    if src.unhonoured:
+        print(src.unhonoured, file=sys.stderr)
     done = complete(src, prompts, opts, chat, batch_size, cache)
     for prompt, text in zip(prompts, done.texts, strict=True):
         if as_records:

@@ -14,18 +14,28 @@ file whose checkpoint recorded no config (an older Loom) is built from config.to
 
 End-of-text ids: ``generation_config.json``'s ``eos_token_id`` (an id or a list: any of them ends a
 prompt), else ``config.json``'s, of the Hugging Face directory (a run's: its ``model.from_hf``), else
-the tokenizer's end-of-document token.
+(a run) its tokenizer config's ``eos_token`` (ChatML's ``<|im_end|>``) and the tokenizer's
+end-of-document token (:func:`loom.checkpoint.hf_export.end_tokens`, as its export lists them).
 
 Chat prompts are rendered as the chat data was (loom.data.chat): the tokenizer directory's template
 (``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``) with its generation
-prompt, or the built-in ``<|role|>\\ncontent\\n`` turns followed by ``<|assistant|>\\n``.
+prompt, or the built-in ``<|role|>\\ncontent\\n`` turns followed by ``<|assistant|>\\n``. A run's
+tokenizer directory is the copy it keeps in ``run.dir``, else (an older run) ``data.tokenizer``'s, as
+``loom export hf`` reads it (:func:`loom.checkpoint.hf_export.run_tokenizer_dir`).
+
+Sampling defaults: the ``temperature``, ``top_k``, ``top_p`` and ``repetition_penalty`` of the
+Hugging Face directory's (a run's: its base's) ``generation_config.json`` (``do_sample: false``:
+greedy; ``do_sample: true``: the fields it leaves out are ``transformers``' defaults, 1.0 / 50 /
+1.0) for each option the command line leaves unset (loom.generate.options); fields that change
+the tokens which Loom does not implement (beams, ``min_p``, ``no_repeat_ngram_size``, ...) are
+named in one warning line.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from tokenizers import Tokenizer
@@ -40,10 +50,11 @@ from loom.checkpoint.format import (
     check_run_tokenizer,
     read_json,
 )
+from loom.checkpoint.hf_export import end_tokens, run_tokenizer_dir
 from loom.checkpoint.recorded import adopt_model, model_changes, recorded_config
 from loom.data.chat import builtin_render, template_render
 from loom.data.tokenizer import EOT_CANDIDATES, load_tokenizer
-from loom.generate.options import Prompt
+from loom.generate.options import Prompt, SamplingOptions
 from loom.model.llama import Transformer
 from loom.train.export import load_model
 
@@ -51,6 +62,33 @@ if TYPE_CHECKING:
     from loom.model.hf import HFModel
 
 PREFIX = "model."  # names of the model's tensors in a checkpoint (loom.checkpoint.convert)
+SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty")  # generation_config.json's, taken
+HF_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # transformers' defaults under do_sample
+# generation_config.json fields that change the tokens, Loom does not implement: their no-op values
+UNHONOURED: dict[str, Any] = {
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "penalty_alpha": None,
+    "min_p": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_repetition_penalty": 1.0,
+    "encoder_no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "sequence_bias": None,
+    "guidance_scale": None,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "exponential_decay_length_penalty": None,
+    "dola_layers": None,
+    "diversity_penalty": 0.0,
+}
 
 
 @dataclass
@@ -62,6 +100,8 @@ class Source:
     eos: frozenset[int]
     template: str | None  # a tokenizer path whose directory may hold a chat template; None: built-in
     what: str  # for messages: "run DIR" or "Hugging Face model DIR"
+    sampling: dict[str, float] = field(default_factory=dict)  # the model's defaults (module doc)
+    unhonoured: str = ""  # the warning naming the fields of its generation_config.json Loom ignores
 
     def render(self, messages: list[dict[str, str]]) -> str:
         """The chat prompt: the conversation so far and the opening of the assistant's turn."""
@@ -122,6 +162,39 @@ def generation_eos(hf_dir: Path) -> object:
     return None
 
 
+def generation_defaults(hf_dir: Path | None) -> tuple[dict[str, float], str]:
+    """The sampling defaults of a Hugging Face directory's ``generation_config.json`` (module doc; a
+    field of null value is unset), checked as the options are, and the warning line naming its
+    fields Loom does not honour ("": none)."""
+    path = hf_dir / "generation_config.json" if hf_dir is not None else None
+    if path is None or not path.is_file():
+        return {}, ""
+    raw = {k: v for k, v in read_json(path).items() if v is not None}
+    given = {k: _number(raw, k, path) for k in SAMPLING if k in raw}
+    sample = raw.get("do_sample")
+    if sample is not None and not isinstance(sample, bool):
+        raise C.ConfigError(f"{path}: do_sample: expected true or false, got {sample!r}")
+    if sample is True:
+        given = HF_SAMPLING | given
+    elif sample is False:
+        given["temperature"] = 0.0  # greedy, as transformers' generate
+    SamplingOptions().with_defaults(given).check(where=str(path))
+    ignored = ", ".join(k for k, noop in UNHONOURED.items() if raw.get(k, noop) not in (noop, []))
+    said = f"loom: warning: {path}: loom generate does not implement {ignored}; it generates without them"
+    return given, said if ignored else ""
+
+
+def _number(raw: dict, key: str, path: Path) -> float:
+    """``raw[key]``: an integer for ``top_k``, else a number; anything else is one line naming it."""
+    value = raw[key]
+    want = (int,) if key == "top_k" else (int, float)
+    if isinstance(value, bool) or not isinstance(value, want):
+        raise C.ConfigError(
+            f"{path}: {key}: expected {'an integer' if key == 'top_k' else 'a number'}, got {value!r}"
+        )
+    return value
+
+
 def load_run(run_dir: str) -> Source:
     """The final model of a run written by ``loom train``, verified (module doc)."""
     if not run_dir.strip():
@@ -153,10 +226,14 @@ def load_run(run_dir: str) -> Source:
             load_model(model, weights)
         except ValueError as e:  # tensors missing or of another shape: config.toml and the weights disagree
             raise CheckpointError(f"{e} (does {d / 'config.toml'} belong to this run?)") from None
-    template = cfg.data.tokenizer or None  # the chat data's template came from there (loom.data.prepare)
+    tok_dir = run_tokenizer_dir(d, cfg)  # the chat data's template came from there (loom.data.prepare)
     base = cfg.train.init_from or cfg.model.from_hf
-    configured = generation_eos(Path(base)) if base and (Path(base) / "config.json").is_file() else None
-    return Source(model.eval(), tok, end_ids(tok, configured), template, f"run {d}")
+    hf_dir = Path(base) if base and (Path(base) / "config.json").is_file() else None
+    configured = generation_eos(hf_dir) if hf_dir is not None else None
+    eos = end_ids(tok, configured) if configured is not None else frozenset(end_tokens(tok, tok_dir))
+    sampling, unhonoured = generation_defaults(hf_dir)
+    template = str(tok_dir) if tok_dir is not None else None
+    return Source(model.eval(), tok, eos, template, f"run {d}", sampling, unhonoured)
 
 
 @torch.no_grad()
@@ -271,12 +348,15 @@ def load_hf(path: str) -> Source:
     if hf.tokenizer is None:
         raise C.ConfigError(f"model.from_hf: {hf.dir} has no tokenizer.json; generation needs its tokenizer")
     tok = load_tokenizer(hf.tokenizer)
+    sampling, unhonoured = generation_defaults(hf.dir)
     return Source(
         model.eval(),
         tok,
         end_ids(tok, generation_eos(hf.dir)),
         str(hf.dir),
         f"Hugging Face model {hf.dir}",
+        sampling,
+        unhonoured,
     )
 
 
