@@ -222,6 +222,10 @@ RUN_ENTRIES = {
     "tokenizer.json": False,
     "data.json": False,
     "trackers.json": False,
+    "tokenizer_config.json": False,  # the tokenizer's side files the run keeps (loom.checkpoint.hf_export)
+    "special_tokens_map.json": False,
+    "chat_template.jinja": False,
+    "chat_templates": True,
     "checkpoints": True,
     "heartbeat": True,
     "logs": True,
@@ -359,6 +363,7 @@ GENERATE_OPTIONS = {
     "temperature": float,
     "top_k": int,
     "top_p": float,
+    "repetition_penalty": float,
     "seed": int,
     "batch_size": int,
 }
@@ -411,7 +416,11 @@ def cmd_generate(argv: list[str]) -> int:
     from loom.generate.options import SamplingOptions, read_prompts
 
     sampling = SamplingOptions(
-        **{k: opts[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed") if k in opts},
+        **{
+            k: opts[k]
+            for k in ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
+            if k in opts
+        },
         stop=tuple(stop),
     ).check()
     batch_size = opts.get("batch_size", 8)

@@ -1073,6 +1073,25 @@ def test_chat_reads_whole_records_up_to_max_corpus_mb(tmp_path, cache, caplog):
     assert whole.meta()["n_train_docs"] + whole.meta()["n_val_docs"] == 12 and not whole.meta()["corpus_cut"]
 
 
+def test_an_edited_chat_template_prepares_anew(tmp_path, cache):
+    """The template renders the examples: editing it after a preparation reused the stale tokens."""
+    jl = tmp_path / "chat.jsonl"
+    jl.write_text("".join(json.dumps(c) + "\n" for c in _chats(4)))
+    tok_dir = _chat_tokenizer(tmp_path)
+    cfg = DataConfig(source=str(jl), tokenizer=str(tok_dir), format="chat", seq_len=64, val_fraction=0.25)
+    first = prepare_data(cfg, progress=False)
+    config = tok_dir / "tokenizer_config.json"
+    edited = json.loads(config.read_text()) | {
+        "chat_template": CHATML.replace("\n{{ m['content'] }}", ": {{ m['content'] }}")
+    }
+    config.write_text(json.dumps(edited))
+    second = prepare_data(cfg, progress=False)
+    assert second.dir != first.dir
+    assert "<|im_start|>system: be brief" in load_tokenizer(second.dir).decode(
+        np.fromfile(second.train_path, second.dtype).tolist(), skip_special_tokens=False
+    )
+
+
 def asdict_(cfg: DataConfig) -> dict:
     from dataclasses import asdict
 

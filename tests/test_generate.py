@@ -495,6 +495,7 @@ def test_run_directory_with_the_builtin_chat_template(tmp_path, capsys):
     [
         (["--top-p", "0"], r"--top-p: must be in \(0, 1\]"),
         (["--top-p", "1.5"], r"--top-p: must be in \(0, 1\]"),
+        (["--repetition-penalty", "0"], r"--repetition-penalty: must be a finite number > 0"),
         (["--temperature", "-1"], r"--temperature: must be a finite number >= 0"),
         (["--temperature", "nan"], r"--temperature: must be a finite number >= 0"),
         (["--top-k", "-2"], r"--top-k: must be >= 0, got -2"),

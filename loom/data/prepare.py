@@ -321,12 +321,28 @@ def cache_key(cfg: DataConfig) -> dict[str, Any]:
             else {  # examples: labels and lengths depend on these too
                 "data_format": cfg.format,
                 "labels": LABELS_VERSION,  # which tokens are trained: a cache of the old rule is stale
+                **(
+                    {"template": _template_digest(cfg.tokenizer)}
+                    if cfg.tokenizer and cfg.format == "chat"
+                    else {}
+                ),
                 "train_on_prompt": cfg.train_on_prompt,
                 "overlong": cfg.overlong,
                 "seq_len": cfg.seq_len,
             }
         ),
     }
+
+
+def _template_digest(tokenizer: str) -> str:
+    """The files beside the tokenizer that render chat examples (:func:`loom.data.chat.template_render`):
+    an edited template is another preparation."""
+    d = tokenizer_file(tokenizer).parent
+    h = hashlib.sha256()
+    for name in ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        f = d / name
+        h.update(name.encode() + b"\0" + (f.read_bytes() if f.is_file() else b"-") + b"\0")
+    return h.hexdigest()[:16]
 
 
 def cache_root() -> Path:
@@ -446,7 +462,14 @@ def _unwritable(e: OSError, final: Path, field: str) -> ConfigError:
 
 # cache_key entries that are data.* fields of another name; "format" (the file format's version) and
 # "corpus" (the source's fingerprint) are none
-_KEY_FIELDS = {"data_format": "format", "format": "", "corpus": "", "labels": "", "reading": ""}
+_KEY_FIELDS = {
+    "data_format": "format",
+    "format": "",
+    "corpus": "",
+    "labels": "",
+    "reading": "",
+    "template": "",
+}
 
 
 def _reuse(final: Path, cfg: DataConfig, explicit: frozenset[str] = frozenset()) -> PreparedData:
