@@ -139,6 +139,23 @@ def test_text_is_text_a_bom_and_a_special_tokens_spelling_are_no_document_marks(
     assert text.startswith("def f(): return '<|endoftext|>'") and "\ufeff" not in text
 
 
+@pytest.mark.parametrize("block", [7, 1 << 16], ids=["separators across blocks", "one block"])
+def test_a_separator_of_line_breaks_splits_a_windows_file(tmp_path, block):
+    """``doc_separator = "\\n\\n"`` left a file written with \\r\\n line breaks one document."""
+    from loom.data.corpus import _read_txt
+
+    f = tmp_path / "w.txt"
+    f.write_bytes(b"one\r\nline\r\n\r\ntwo\r\n\r\nthree\n\nfour")
+    pieces = list(_read_txt(f, "strict", None, "\n\n", block=block))
+    docs, cur = [], ""
+    for text, end in pieces:
+        cur += text
+        if end:
+            docs.append(cur)
+            cur = ""
+    assert docs == ["one\r\nline", "two", "three", "four"]
+
+
 def test_a_glob_names_the_files_it_does_not_read(tmp_path, cache, caplog):
     d = tmp_path / "g"
     d.mkdir()

@@ -28,7 +28,7 @@ import re
 import sys
 import sysconfig
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -296,7 +296,8 @@ def _read_txt(
     the byte offset in the file."""
     # utf-8-sig: a leading byte order mark (editors on Windows write one) is no text of the document
     decoder = codecs.getincrementaldecoder("utf-8-sig")("replace" if errors == "replace" else "strict")
-    keep = max(len(separator) - 1, 0)  # characters held back: they may begin a separator
+    split = _separator(separator)
+    keep = max(len(separator.replace("\r\n", "\n").replace("\n", "\r\n")) - 1, 0)  # may begin one
     carry, offset, replaced = "", 0, 0
     with path.open("rb") as f:
         while True:
@@ -318,8 +319,8 @@ def _read_txt(
                 if replaced:
                     stats.replaced[str(path)] = replaced
             buf = carry + text if carry else text
-            if separator:
-                *docs, buf = buf.split(separator)
+            if split is not None:
+                *docs, buf = split(buf)
                 for doc in docs:
                     yield doc, True
             if not raw:
@@ -330,6 +331,17 @@ def _read_txt(
             carry = buf[max(cut, 0) :]
             offset += len(raw)
     yield buf, True
+
+
+def _separator(separator: str) -> Callable[[str], list[str]] | None:
+    """How ``data.doc_separator`` splits text: a line break in it matches ``\n`` or ``\r\n`` (a file
+    written on Windows: ``"\n\n"`` splits its ``\r\n\r\n``), as Python's text mode reads lines."""
+    if not separator:
+        return None
+    if "\n" not in separator:
+        return lambda text: text.split(separator)
+    pattern = re.compile(re.escape(separator.replace("\r\n", "\n")).replace("\n", "\r?\n"))
+    return pattern.split
 
 
 def parse_json_line(raw: str | bytes, where: str) -> Any:

@@ -295,7 +295,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 # how text documents are read and encoded, in prepared text's cache key: 2 = a leading byte order mark
-# dropped, special tokens' spellings in the text encoded as text (tokenizer.ordinary)
+# dropped, special tokens' spellings in the text encoded as text (tokenizer.ordinary), a
+# doc_separator's line breaks matching \r\n too
 TEXT_READING = 2
 
 
