@@ -152,7 +152,7 @@ def test_export_is_streamed_and_identical(how, tmp_path, monkeypatch):
     ckpt = save_virtual(tmp_path / "run", layout(full, **kw))
     model = {n.removeprefix("model."): t for n, t in full.items() if n.startswith("model.")}
     ref = tmp_path / "whole.safetensors"  # the old export: every tensor in memory, one write
-    write_safetensors(ref, model, {"step": "3", "source": ckpt.name})
+    write_safetensors(ref, model, {"format": "pt", "step": "3", "source": ckpt.name})
 
     live, read, read_box = LiveBytes(), CheckpointReader.read, CheckpointReader._read_box
 
