@@ -149,7 +149,7 @@ def cmd_train(argv: list[str]) -> int:
 
         world = int(os.environ["WORLD_SIZE"]) if under_external_launcher() else opts.world(cfg)
         try:
-            print(describe(apply_auto(cfg, world)), flush=True)
+            print(describe(apply_auto(cfg, world), cfg), flush=True)
         except ValueError as e:  # PlanError / HardwareError: say it like any bad field
             raise C.ConfigError(
                 str(e) if str(e).startswith(("parallel.auto", "parallel.profile")) else f"parallel.auto: {e}"

@@ -421,6 +421,7 @@ def test_apply_auto_keeps_offload_disk():
     cfg = _cfg(2, "--parallel.auto", "true", "--parallel.zero", "1", "--parallel.offload", "disk")
     est = apply_auto(cfg, 2, PROFILE)
     assert est.layout.offload and cfg.parallel.offload == "disk"
+    assert " offload=disk: " in describe(est, cfg)  # the layout records "offloaded", not where
 
 
 def test_apply_auto_refuses_an_explicit_value_no_layout_has():

@@ -213,17 +213,20 @@ def apply_auto(cfg: LoomConfig, world: int | None = None, profile: Profile | Non
     est = choose(cfg, world, profile)
     _to_config(cfg, est.layout, frozenset(fixed_fields(cfg)))
     cfg.parallel.auto = False  # chosen: a relaunched rank must not search again
-    log.info("%s", describe(est))
+    log.info("%s", describe(est, cfg))
     return est
 
 
-def describe(est: Estimate) -> str:
-    """One line naming a chosen layout (every field of :data:`AUTO_FIELDS`) and its prediction."""
+def describe(est: Estimate, cfg: LoomConfig | None = None) -> str:
+    """One line naming a chosen layout (every field of :data:`AUTO_FIELDS`) and its prediction;
+    ``cfg``: the config it was written into, whose offload target (cpu or disk) the layout does not
+    record."""
     lay = est.layout
+    offload = cfg.parallel.offload if cfg is not None else _config_value(lay, "offload")
     return (
         f"parallel.auto chose {lay.short()} zero={lay.zero} sp={str(lay.sp).lower()} cp_mode={lay.cp_mode} "
         f"schedule={lay.schedule} virtual_stages={lay.v} micro_batch={lay.micro_batch} "
-        f"recompute={lay.recompute} offload={_config_value(lay, 'offload')}: predicted "
+        f"recompute={lay.recompute} offload={offload}: predicted "
         f"{est.step_time:.3g} s/step, {est.memory / 2**20:.1f} MiB per rank"
     )
 
