@@ -303,7 +303,8 @@ def _check_data(cfg: C.LoomConfig) -> None:
     prepared = every[0]  # the validation tokens of the first source; training windows of each
     for p in every:
         check_one_window(p.train_path, p.n_train_tokens, cfg.data.seq_len)
-    check_one_window(prepared.val_path, prepared.n_val_tokens, cfg.data.seq_len)
+    if cfg.train.eval_every:  # the held-out loss needs one window
+        check_one_window(prepared.val_path, prepared.n_val_tokens, cfg.data.seq_len)
     cfg.data.prepared_dir = str(prepared.dir)
     C.check_vocab(cfg, prepared.vocab_size)
     if cfg.train.init_from:  # each rank would find a tensor missing or of another shape only once started

@@ -1274,3 +1274,25 @@ def test_a_micro_batch_with_no_trained_token_has_loss_zero_not_nan():
         loss = fn(logits, none)
         (grad,) = torch.autograd.grad(loss, logits)
         assert loss.item() == 0.0 and not grad.any()
+
+
+def test_a_held_out_split_too_small_for_one_window_matters_only_with_eval(tmp_path, cache):
+    """With train.eval_every = 0 no held-out loss is taken, so a validation split shorter than one
+    window was refused for nothing; with evaluation the refusal names data.val_fraction."""
+    from loom import config as C
+    from loom.cli import _check_data
+
+    d = tmp_path / "c"
+    d.mkdir()
+    for i in range(40):
+        (d / f"{i:02d}.txt").write_text(f"document number {i} " * 30 + ("end" if i == 39 else ""))
+    (d / "zz.txt").write_text("tiny")  # the last document: the held-out split
+    cfg = C.load(None, ["--data.source", str(d), "--data.vocab_size", "300", "--data.seq_len", "64"])
+    cfg.train.eval_every = 0
+    _check_data(cfg)
+    cfg.train.eval_every = 10
+    cfg.data.prepared_dir = ""
+    with pytest.raises(
+        C.ConfigError, match=r"data.seq_len: .*val.bin has \d+ tokens.*raise data.val_fraction"
+    ):
+        _check_data(cfg)

@@ -153,10 +153,12 @@ class Trainer:
         )
         if cfg.data.sources:  # a weighted mixture (all sources prepared by rank 0 already: this only loads)
             self.sampler = mixture_sampler(cfg, dp_rank, dp, pack_eot)
-        val_set = TokenDataset(self.data.val_path, cfg.data.seq_len, pack_eot=pack_eot)
-        self.eval_set = self._my_tokens(
-            eval_batches(val_set, cfg.train.eval_batches, cfg.train.micro_batch, dp_rank, dp)
-        )
+        self.eval_set: list = []  # train.eval_every = 0: no held-out loss, and no held-out window needed
+        if cfg.train.eval_every:
+            val_set = TokenDataset(self.data.val_path, cfg.data.seq_len, pack_eot=pack_eot)
+            self.eval_set = self._my_tokens(
+                eval_batches(val_set, cfg.train.eval_batches, cfg.train.micro_batch, dp_rank, dp)
+            )
         self.loss_group = self.mesh.group(
             "dp_cp"
         )  # losses averaged over every rank of a different batch share
