@@ -30,6 +30,14 @@ def _train(cfg: dict, steps: int) -> None:
     assert main(["train", *args]) == 0
 
 
+def _offline_run(tmp_path: Path, monkeypatch) -> dict:
+    """The tiny run of :data:`OVERRIDES` in ``tmp_path/run``, W&B offline and MLflow's file store there."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return with_sections(prepared_config(OVERRIDES, tmp_path / "cache"), run={"dir": str(tmp_path / "run")})
+
+
 def _wandb_logs(run_dir: Path, run_id: str) -> list[bytes]:
     """The record log (``.wandb``) of each offline W&B run directory of ``run_id``, oldest first."""
     return [p.read_bytes() for p in sorted(run_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))]
@@ -38,10 +46,7 @@ def _wandb_logs(run_dir: Path, run_id: str) -> list[bytes]:
 def test_wandb_offline_and_mlflow_file_store_continue_the_same_run_after_a_resume(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    cfg = with_sections(prepared_config(OVERRIDES, tmp_path / "cache"), run={"dir": str(tmp_path / "run")})
+    cfg = _offline_run(tmp_path, monkeypatch)
     run_dir = tmp_path / "run"
     _train(cfg, 2)
     ids = json.loads((run_dir / "trackers.json").read_text())
@@ -87,10 +92,7 @@ def test_a_resume_below_the_steps_sent_gives_their_new_values_to_new_tracker_run
     ``metrics.jsonl`` now holds, in a new run beside the old one, and one line says so."""
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    cfg = with_sections(prepared_config(OVERRIDES, tmp_path / "cache"), run={"dir": str(tmp_path / "run")})
+    cfg = _offline_run(tmp_path, monkeypatch)
     run_dir = tmp_path / "run"
     _train(cfg, 4)
     old, old_rows = json.loads((run_dir / "trackers.json").read_text()), read_metrics(run_dir)

@@ -52,14 +52,12 @@ def recorded_config(ts: dict) -> C.LoomConfig | None:
     saved = ts.get("config") or {}
     if not isinstance(saved.get("model"), dict) or not saved["model"]:
         return None
-    cfg = C.LoomConfig()
+    tables = {}
     for section in ("model", "moe", "finetune"):
         known = {f.name for f in dataclasses.fields(C.SECTIONS[section])}
         table = saved.get(section)
-        for key, value in (table if isinstance(table, dict) else {}).items():
-            if key in known:
-                C._apply(cfg, section, key, value)
-    return cfg
+        tables[section] = {k: v for k, v in (table if isinstance(table, dict) else {}).items() if k in known}
+    return C.from_dict(tables)
 
 
 def _fields(saved: C.LoomConfig) -> Iterator[tuple[str, str]]:
