@@ -301,9 +301,17 @@ def _run_rank(cfg_dict: dict[str, Any], run) -> dict[str, float]:
     _fault_dumps_to_file(Path(cfg_dict["run"]["dir"]))
     restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     from loom.train.health import CollectiveFailure
+    from loom.train.trainer import StopRequest
 
     try:
-        return run(C.from_dict(cfg_dict), exit_on_signal=True, report_comm_failure=restarts not in ("", "0"))
+        result = run(
+            C.from_dict(cfg_dict), exit_on_signal=True, report_comm_failure=restarts not in ("", "0")
+        )
+        # the rank's work is done: it only waits for the agent to read its result, and a signal (the
+        # agent's own SIGTERM as it shuts down) ends it at once, not as a KeyboardInterrupt there
+        for sig in StopRequest.SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        return result
     except CollectiveFailure as e:
         from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
@@ -835,12 +843,13 @@ def stopped_record(run_dir: Path) -> dict | None:
 
 def stop_line(run_dir: Path, sig: signal.Signals | None = None, since: float | None = None) -> str:
     """The one line of a run stopped by a signal: the step its ranks saved, that the run had ended
-    (a final model written after ``since``, the launch's start: the signal came as the ranks were
-    leaving), or that none was saved."""
+    (the ranks recorded the signal as ``final``, or a final model was written after ``since``, the
+    launch's start: the signal came as the ranks were leaving), or that none was saved."""
     record = stopped_record(run_dir)
-    name = sig.name if sig is not None else "a signal"
+    name = sig.name if sig is not None else str((record or {}).get("signal", "a signal"))
     final = run_dir / "checkpoints" / "final" / "meta.json"
-    if record is None and since is not None and final.is_file() and final.stat().st_mtime >= since:
+    written = since is not None and final.is_file() and final.stat().st_mtime >= since
+    if (record is None and written) or (record is not None and record.get("final") is True):
         return (
             f"loom: interrupted by {name} as the run ended: its final model was saved "
             f"({final.parent}); nothing to resume"

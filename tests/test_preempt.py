@@ -9,6 +9,7 @@ as a terminal sends it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -180,6 +181,32 @@ def test_ctrl_c_prints_one_line(base_cfg, tmp_path, nproc):
     job.wait_for_step(3)
     os.killpg(job.proc.pid, signal.SIGINT)
     _check_stopped(job, job.finish(), signal.SIGINT)
+
+
+def test_ctrl_c_during_the_final_save_ends_at_once_and_says_the_model_was_saved(base_cfg, tmp_path):
+    """Ctrl-C as the ranks save the final model: they noted the signal (no step left to stop at),
+    absorbed the launcher's SIGTERM, returned, and waited for the shutting-down launcher to read
+    their result until its preempt_grace_s (60 s) ran out. They now agree on it after the save,
+    record it, and leave: the job ends in seconds with the one line naming the final model."""
+    job = Job(with_sections(base_cfg, run={"dir": str(tmp_path), "nproc": 2}))
+    beat = tmp_path / "heartbeat" / "rank-00000.json"
+    end = time.monotonic() + 60
+    while time.monotonic() < end and job.proc.poll() is None:
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(beat.read_text()).get("phase") == "final save":
+                break
+        time.sleep(0.002)
+    t0 = time.monotonic()
+    os.killpg(job.proc.pid, signal.SIGINT)
+    rc = job.finish()
+    assert time.monotonic() - t0 < 20, f"ended {time.monotonic() - t0:.1f} s after Ctrl-C:\n{job.output()}"
+    final = tmp_path / "checkpoints" / "final"
+    assert rc == 128 + signal.SIGINT, job.output()
+    assert "Traceback" not in job.output()
+    assert job.stop_lines()[-1] == (  # after the final save's own lines
+        f"loom: interrupted by SIGINT as the run ended: its final model was saved ({final}); nothing to resume"
+    ), job.output()
+    assert json.loads((final / "meta.json").read_text())["step"] == STEPS
 
 
 def agreement_with_a_late_peer(late_s: float, timeout_s: float) -> tuple[str, float]:

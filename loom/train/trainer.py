@@ -448,7 +448,31 @@ class Trainer:
         self.metrics.close()
         if self.sample_ids is not None:
             self.sample_ids.close()
+        self._stop_after_final(done)
         return last
+
+    def _stop_after_final(self, step: int) -> None:
+        """A signal that came during the final save (noted, as the loop had no step left to stop at):
+        the ranks agree on it once more and, if any rank got one, record it (``final``) and leave as a
+        stopped run does. The launcher that sent it is shutting down and waits for no result (a rank
+        that returned one would wait for the agent until ``run.preempt_grace_s`` ran out). From here
+        a signal interrupts at once: the run's files are written."""
+        if self.stop is None:
+            return
+        sig = self.stop.agreed(self.control, self.env.world, self.cfg.run.timeout_s)
+        self.stop.deferred = False
+        if sig:
+            self.stopped = (step, sig)
+            self._record_stop(step, sig, self.run_dir / "checkpoints" / "final", final=True)
+
+    def _record_stop(self, step: int, signum: int, checkpoint: Path | None, final: bool = False) -> None:
+        """Rank 0 writes ``run.dir/stopped.json`` (the launcher's one line reads it); every rank waits
+        for it before returning."""
+        if self.is_main:
+            record = {"step": step, "signal": signal.Signals(signum).name, "checkpoint": str(checkpoint)}
+            write_json_atomic(self.run_dir / STOPPED, record | ({"final": True} if final else {}))
+        if self.env.world > 1:
+            dist.barrier(group=self.control)  # the record exists before any rank returns
 
     def _save_stopped(self, step: int, signum: int, last: dict[str, float]) -> dict[str, float]:
         """Save ``step`` (no export: the run is not finished), record it for the launcher's one line
@@ -463,11 +487,7 @@ class Trainer:
         self.metrics.close()
         if self.sample_ids is not None:
             self.sample_ids.close()
-        if self.is_main:
-            record = {"step": step, "signal": signal.Signals(signum).name, "checkpoint": str(path)}
-            write_json_atomic(self.run_dir / STOPPED, record)
-        if self.env.world > 1:
-            dist.barrier(group=self.control)  # the record exists before any rank returns
+        self._record_stop(step, signum, path)
         return last
 
     def save_final(self, step: int, last: dict[str, float]) -> None:
