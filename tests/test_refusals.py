@@ -539,6 +539,16 @@ def _convert_disk_full(c: Ctx):
     return ["checkpoint", "convert", str(c.w.run), str(out)], [str(out), "No space left on device"]
 
 
+def _too_many_ranks(c: Ctx):
+    """Ranks that each fit but together not (the ~0.4 GiB each process's runtime takes): the count to
+    give is named, not the model's width."""
+    from loom.plan import auto
+
+    c.mp.setattr(auto, "host_memory_bytes", lambda: 4 * 2**30)
+    argv = c.train("--run.nproc", "16", "--train.global_batch", "16", "--train.micro_batch", "1")
+    return argv, ["run.nproc: 16 ranks", "4 GiB of host memory", "give --nproc"]
+
+
 def _export_into_running_run(c: Ctx):
     run = c.copy_run()
     c.hold_lock(run)
@@ -746,6 +756,7 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("run.timeout_s zero", _cfg("--run.timeout_s", "0"), 2),
     ("run.dir empty", _cfg("--run.dir", ""), 2),
     ("run.nproc zero", _cfg("--run.nproc", "0"), 2),
+    ("run.nproc more ranks than host memory holds", _too_many_ranks, 2),
     ("run.device unknown", _cfg("--run.device", "tpu"), 2),
     ("run.progress not a boolean", _cfg("--run.progress", "maybe"), 2),
     ("parallel.tp zero", _cfg("--parallel.tp", "0"), 2),

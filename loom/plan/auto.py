@@ -272,19 +272,20 @@ def host_memory_bytes() -> int:
         return 0
 
 
-def rank_memory(cfg: LoomConfig, local_ranks: int | None = None) -> tuple[float, str]:
-    """(bytes one rank may use, what they are): the device's memory when the run computes on CUDA
-    (``torch.cuda.mem_get_info``), else the host's memory shared by ``local_ranks`` (default ``run.nproc``)."""
+def rank_memory(cfg: LoomConfig, local_ranks: int | None = None) -> tuple[float, str, int]:
+    """(bytes one rank may use, what they are, how many ranks share them): the device's memory when
+    the run computes on CUDA (``torch.cuda.mem_get_info``), else the host's memory shared by
+    ``local_ranks`` (default ``run.nproc``)."""
     if cfg.run.device != "cpu":
         from loom.device import cuda_available
 
         if cuda_available():
             import torch
 
-            return float(torch.cuda.mem_get_info(0)[1]), "memory of one CUDA device"
+            return float(torch.cuda.mem_get_info(0)[1]), "memory of one CUDA device", 1
     host = host_memory_bytes()
     n = max(1, cfg.run.nproc if local_ranks is None else local_ranks)
-    return host / n, "host memory" + (f" shared by run.nproc = {n} ranks" if n > 1 else "")
+    return host / n, "host memory" + (f" shared by run.nproc = {n} ranks" if n > 1 else ""), n
 
 
 def _gib(n: float) -> str:
@@ -306,7 +307,7 @@ def fit_problem(
     """Why a validated config cannot fit this machine, before anything is allocated (one line naming
     the field and the bytes), or None. The oracle is the planner's estimate of the config's layout
     (:func:`prediction`, what ``parallel.auto`` ranks by) plus the position tables it does not count."""
-    cap, where = rank_memory(cfg, local_ranks)
+    cap, where, sharing = rank_memory(cfg, local_ranks)
     if cap <= 0:  # unknown machine: nothing to compare with
         return None
     tables = table_bytes(cfg)
@@ -326,6 +327,12 @@ def fit_problem(
         return None
     bd = est.memory_breakdown
     term = max(bd, key=bd.__getitem__) if bd else "weights"
+    if sharing > 1 and (fit := int(cap * sharing // need)) >= 1:  # one rank fits: too many of them here
+        return (
+            f"run.nproc: {sharing} ranks on this machine need about {_gib(need)} each (planner estimate of "
+            f"{layout_of(cfg).short()}; {term} {_gib(bd.get(term, 0.0))}), {_gib(need * sharing)} in all, "
+            f"more than its {_gib(cap * sharing)} of host memory; give --nproc {fit} or fewer"
+        )
     vocab_field = "model.vocab_size" if m.vocab_size else "data.vocab_size"
     if term == "logits":
         field, hint = vocab_field, "a smaller vocabulary, or lower train.micro_batch or data.seq_len"
