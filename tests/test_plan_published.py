@@ -14,6 +14,7 @@ from loom.plan.published import (
     MAX_TOLERANCE,
     compare_published,
     format_published,
+    load_file,
     load_runs,
     megatron_flops_per_token,
     summary,
@@ -89,6 +90,34 @@ def test_megatron_flop_count_and_tflops_rows():
     assert row.tokens_per_s_per_gpu == pytest.approx(148e12 / megatron_flops_per_token(row.model, 2048))
     mt = next(r for r in load_runs() if r.name == "MT-NLG 530B, 280 nodes")
     assert mt.tokens_per_s_per_gpu == pytest.approx(1920 * 2048 / 60.1 / 2240)
+
+
+def test_palm_and_6n_counts_are_the_trainers_mfu_rule_and_mfu_rows_use_the_bf16_peak(tmp_path):
+    """``palm`` = 6 N_a + 12 L a d T with N_a counted on a built model as the trainer counts it (the
+    head, not the input table; top_k of the routed experts; the norms' weights are no matmuls and the
+    planner leaves them out), ``6n`` without the attention term; an
+    ``mfu`` row is that share of the device's dense bf16 peak over the formula's FLOPs per token."""
+    from loom.model.llama import build_model, count_params, expert_params, flops_per_token
+    from loom.plan.published import counted_flops_per_token
+
+    for m in (
+        ModelConfig(dim=256, n_layers=3, n_heads=8, n_kv_heads=2, ffn_dim=640, vocab_size=1000),
+        ModelConfig(dim=128, n_layers=2, n_heads=4, vocab_size=500, tie_embeddings=True),
+        ModelConfig(dim=128, n_layers=2, n_heads=4, vocab_size=500, n_experts=8, top_k=2, ffn_dim=256),
+    ):
+        whole = build_model(m, 0, meta=True)
+        norms = sum(p.numel() for name, p in whole.named_parameters() if "norm" in name)  # not matmuls
+        n_a = count_params(whole, exclude_embedding=not m.tie_embeddings) - norms
+        trainer = flops_per_token(m, 512, n_a, expert_params(whole))
+        assert counted_flops_per_token(m, 512, "palm") == pytest.approx(trainer, rel=1e-12)
+        attention = 12 * m.n_layers * m.n_heads * m.head_dim * 512
+        assert counted_flops_per_token(m, 512, "6n") == pytest.approx(trainer - attention, rel=1e-12)
+    (tmp_path / "own.toml").write_text(
+        _OWN.replace("tokens_per_s_per_gpu = 2973", "mfu = 0.4\ntflops_formula = 'palm'")
+    )
+    (row,) = load_file(tmp_path / "own.toml")
+    per_token = counted_flops_per_token(row.model, 8192, "palm")
+    assert row.tokens_per_s_per_gpu == pytest.approx(0.4 * get_device("a100-80g").bf16_flops / per_token)
 
 
 def test_gemm_tile_and_wave_quantization_by_hand():
@@ -310,6 +339,23 @@ def test_cli_predicts_your_own_runs_as_the_shipped_ones(tmp_path, capsys):
             "tokens_per_s_per_gpu = 2973",
             "tokens_per_s_per_gpu = 1e308",
             "run 'mine': its measured throughput (1e+308 tokens/s per GPU) is beyond",
+        ),
+        # FLOP counts: one of the known formulas, with a measure that counts FLOPs, an MFU a share of 1
+        (
+            "tokens_per_s_per_gpu = 2973",
+            "tflops_per_gpu = 150\ntflops_formula = 'hardware'",
+            "run 'mine': tflops_per_gpu needs tflops_formula, one of 'megatron', 'palm', '6n'",
+        ),
+        ("tokens_per_s_per_gpu = 2973", "mfu = 0.4", "run 'mine': mfu needs tflops_formula"),
+        (
+            "tokens_per_s_per_gpu = 2973",
+            "mfu = 43\ntflops_formula = 'palm'",
+            "run 'mine': mfu is a share of the device's bf16 peak, at most 1, got 43",
+        ),
+        (
+            "tokens_per_s_per_gpu = 2973",
+            "tokens_per_s_per_gpu = 2973\ntflops_formula = 'palm'",
+            "run 'mine': tflops_formula applies to tflops_per_gpu or mfu, not tokens_per_s_per_gpu",
         ),
         ("[models.m]", "[modelz.m]", "own.toml: unknown table 'modelz'"),
         ("[[runs]]", "[runs]", "own.toml: runs must be an array of tables"),

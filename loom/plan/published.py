@@ -6,15 +6,19 @@ fields) and ``[[runs]]``: ``name``, ``model``, ``stack`` (the training software,
 ``inter_bandwidth_gbps`` per GPU, optional ``intra_bandwidth_gbps``), ``layout`` (a
 :meth:`Layout.parse` line), ``global_batch``, ``seq_len``, ``precision`` (bf16), ``flash_attention``
 (true), ``reduce_dtype`` (fp32), one measured throughput — ``tokens_per_s_per_gpu``,
-``step_time_s``, or ``tflops_per_gpu`` with the ``tflops_formula`` the publication counted it with —
-its ``source`` (paper, table, URL) and ``group``, the independent source it belongs to (default:
-the file's name; leave-one-source-out holds a group out at once). Every row cites where its
-numbers come from.
+``step_time_s``, ``tflops_per_gpu`` or ``mfu`` (a share of the device's dense bf16 peak, as Llama 3
+and torchtitan report it), the last two with the ``tflops_formula`` the publication counted FLOPs
+with (:data:`TFLOPS_FORMULAS`) — its ``source`` (paper, table, URL) and ``group``, the independent
+source it belongs to (default: the file's name; leave-one-source-out holds a group out at once).
+Every row cites where its numbers come from.
 
 The comparison is on tokens/s per GPU (equivalently TFLOP/s per GPU under any one FLOP count: the
 ratio is the same); the table prints TFLOP/s per GPU in Loom's count, hardware FLOPs with
 recomputation (:class:`Estimate`). ``megatron`` is Narayanan et al. 2021's
-``96 B s l h^2 (1 + s/6h + V/16lh)`` per step (full recomputation counted).
+``96 B s l h^2 (1 + s/6h + V/16lh)`` per step (full recomputation counted); ``palm`` is Chowdhery
+et al. 2022's model FLOPs, 6 N + 12 L H Q T per token (Loom's own MFU count and torchtitan's); ``6n``
+is its 6 N alone (Kaplan et al. 2020). N counts the matmul weights a token runs through (the head
+included, the input embedding not; top_k of an MoE's routed experts).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from loom.config import ConfigError, ModelConfig, _check_finite, _check_model, from_dict, read_text_file
+from loom.model.llama import flops_per_token
 from loom.plan.cost import CostModel, Estimate, Layout, PlanError, Workload
+from loom.plan.cost.params import ParamCounts
 from loom.plan.hardware import GB, ClusterSpec, HardwareError, get_device
 
 if sys.version_info >= (3, 11):
@@ -52,6 +58,7 @@ _RUN_KEYS: dict[str, type] = {
     "tokens_per_s_per_gpu": float,
     "step_time_s": float,
     "tflops_per_gpu": float,
+    "mfu": float,
     "tflops_formula": str,
     "source": str,
     "group": str,
@@ -63,7 +70,8 @@ _CLUSTER_KEYS: dict[str, type] = {
     "inter_bandwidth_gbps": float,
     "intra_bandwidth_gbps": float,
 }
-_MEASURES = ("tokens_per_s_per_gpu", "step_time_s", "tflops_per_gpu")
+_MEASURES = ("tokens_per_s_per_gpu", "step_time_s", "tflops_per_gpu", "mfu")
+TFLOPS_FORMULAS = ("megatron", "palm", "6n")  # how a tflops_per_gpu or mfu row counted its FLOPs
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,18 @@ def megatron_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Narayanan et al. 2021's FLOPs per token with full recomputation: 96 l h^2 (1 + s/6h + V/16lh)."""
     h, L = m.dim, m.n_layers
     return 96.0 * L * h * h * (1 + seq_len / (6 * h) + m.vocab_size / (16 * L * h))
+
+
+def counted_flops_per_token(m: ModelConfig, seq_len: int, formula: str, shared_experts: int = 0) -> float:
+    """FLOPs per token as ``formula`` (:data:`TFLOPS_FORMULAS`) counts them: ``megatron`` (above),
+    ``palm`` = 6 N_a + 12 L a d T (:func:`loom.model.llama.flops_per_token`, N_a the matmul weights a
+    token runs through), ``6n`` = 6 N_a."""
+    if formula == "megatron":
+        return megatron_flops_per_token(m, seq_len)
+    n_experts, top_k = (m.n_experts, m.top_k) if m.moe else (1, 1)
+    counts = ParamCounts.of(m, n_experts, top_k, shared_experts)
+    palm = flops_per_token(m, seq_len, counts.matmul, counts.experts, n_experts, top_k)
+    return palm if formula == "palm" else palm - 12.0 * m.n_layers * m.n_heads * m.head_dim * seq_len
 
 
 def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> PublishedRun:
@@ -135,9 +155,21 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
     elif "step_time_s" in row:
         tps = tokens / float(row["step_time_s"]) / lay.world_size
     else:
-        if row.get("tflops_formula") != "megatron":
-            raise PlanError(f'{at}: tflops_per_gpu needs tflops_formula = "megatron" (the only one known)')
-        tps = float(row["tflops_per_gpu"]) * 1e12 / megatron_flops_per_token(model, w.seq_len)
+        formula = row.get("tflops_formula")
+        if formula not in TFLOPS_FORMULAS:
+            raise PlanError(
+                f"{at}: {given[0]} needs tflops_formula, one of {', '.join(repr(f) for f in TFLOPS_FORMULAS)}"
+                f" (how the publication counted FLOPs), got {formula!r}"
+            )
+        per_token = counted_flops_per_token(model, w.seq_len, formula, w.moe_shared)
+        if "mfu" in row and not row["mfu"] <= 1:
+            raise PlanError(f"{at}: mfu is a share of the device's bf16 peak, at most 1, got {row['mfu']!r}")
+        flops = (
+            float(row["tflops_per_gpu"]) * 1e12 if "tflops_per_gpu" in row else row["mfu"] * dev.bf16_flops
+        )
+        tps = flops / per_token
+    if "tflops_formula" in row and given[0] not in ("tflops_per_gpu", "mfu"):
+        raise PlanError(f"{at}: tflops_formula applies to tflops_per_gpu or mfu, not {given[0]}")
     measure = given[0]
     if not (math.isfinite(tps) and tps > 0):  # a finite measure whose tokens/s is not (step_time_s = 1e-320)
         raise PlanError(
