@@ -7,6 +7,7 @@ starts: :func:`loom.plan.fit.leave_one_source_out`). Writes docs/results/planner
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -58,4 +59,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help: no run
     main()

@@ -23,11 +23,13 @@ commands:
   generate   sample text with a KV cache from a trained run (--run.dir DIR) or a Hugging Face model
              directory (--model.from_hf DIR): --prompt TEXT | --prompts FILE (lines, or .jsonl with
              prompt or messages) [--chat] [--max-new-tokens N] [--temperature T (0 = greedy)]
-             [--top-k K] [--top-p P] [--seed S] [--stop STR ...] [--batch-size N] [--no-cache]
+             [--top-k K] [--top-p P] [--repetition-penalty R] [--seed S] [--stop STR ...]
+             [--batch-size N] [--no-cache]
   schedule   draw a simulated pipeline schedule, no training: --pp 4 --microbatches 8
              --schedule 1f1b [--v 2] [--out file.png]; prints its bubble beside the formula
   config     print the resolved config as TOML (--reference: every field with its doc)
-  plan       predict memory and speed of layouts and pick the best (see loom plan --help)
+  plan       predict memory and speed of layouts and pick the best; plan calibrate | validate |
+             verify measure this machine, check predictions, build one rank (see loom plan --help)
   cluster    simulate scheduling policies for many jobs on a shared cluster: simulate --trace
              FILE|synthetic [--cluster FILE] [--policy NAME ...] [--json] [--plot OUT.png]; run real
              jobs on this machine's ranks: run --jobs FILE --devices N --policy NAME [--round-s S]

@@ -906,3 +906,19 @@ def test_a_config_toml_whose_model_differs_from_the_checkpoint_is_refused_naming
             assert rc == 0, err
         else:
             assert rc == 2 and err.count("\n") == 1 and said in err, err
+
+
+def test_every_generate_option_is_in_the_usage_and_every_plan_subcommand_in_its_help(capsys):
+    """``loom --help`` names each option ``loom generate`` takes (``--repetition-penalty`` was
+    accepted but not listed), and ``loom plan --help`` its subcommands."""
+    from loom.cli import GENERATE_FLAGS, GENERATE_OPTIONS, GENERATE_SOURCES, USAGE
+    from loom.plan.cli import main as plan
+
+    text = " ".join(USAGE.split())
+    for flag in [f"--{k.replace('_', '-')}" for k in GENERATE_OPTIONS] + [*GENERATE_FLAGS, *GENERATE_SOURCES]:
+        assert flag in text, flag
+    with pytest.raises(SystemExit):
+        plan(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for sub in ("calibrate", "validate", "verify"):
+        assert f"loom plan {sub}" in out, sub

@@ -247,7 +247,8 @@ def test_host_precheck_refuses_in_one_line_before_building(monkeypatch, capsys):
     monkeypatch.setattr(verify, "measure", lambda *a: pytest.fail("built despite the precheck"))
     assert _main(LAYOUT) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "rank 0 (pipeline stage 0): this rank needs about" in err
+    assert err.count("\n") == 1 and "rank 0 of dp1 tp8 pp4 " in err
+    assert "(pipeline stage 0): this rank needs about" in err
     assert "available host memory (MemAvailable) is 1.0 GiB" in err
 
 

@@ -52,7 +52,14 @@ MODELS: dict[str, ModelConfig] = _preset_models()
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = ArgParser(prog="loom plan", description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = ArgParser(
+        prog="loom plan",
+        description=__doc__.split("\n")[0],
+        epilog="subcommands (each with its own --help): loom plan calibrate (measure this machine into a "
+        "profile), loom plan validate (predictions against real runs here, or --published runs), loom plan "
+        "verify (build and step one rank of a large job; its real peak against the planner's)",
+        allow_abbrev=False,
+    )
     p.add_argument("--config", help="a Loom TOML config: check its layout, search its model/batch")
     p.add_argument("--model", help=f"a model preset: {', '.join(MODELS)} (without --config)")
     p.add_argument("--cluster", help=f"TOML file, one of {', '.join(known_clusters())}, or DEVICE:NODESxPER")

@@ -373,8 +373,9 @@ def main(argv: list[str], cluster_of) -> int:
         stage = ParallelDims.from_config(cfg.parallel).coords(args.rank)["pp"]
         predicted = predict(cfg, cluster, lay, stage, m)
         problem = host_problem(predicted, *available_bytes(args.on))  # the precheck: before building
+        where = f"{lay.spec()} (--layout best)" if args.layout == "best" else lay.spec()
         if problem is not None:
-            raise C.ConfigError(f"rank {args.rank} (pipeline stage {stage}): {problem}")
+            raise C.ConfigError(f"rank {args.rank} of {where} (pipeline stage {stage}): {problem}")
         from loom.plan.auto import fit_problem
 
         problem = fit_problem(cfg, args.world, local_ranks=1)  # one rank runs here: before building it
