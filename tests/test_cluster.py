@@ -346,6 +346,23 @@ def test_gns_from_metrics_and_log_gns_refusals(tmp_path):
     assert gns_from_metrics(tmp_path) == pytest.approx(15.0 / 3.0)
     with pytest.raises(ClusterError, match="no metrics.jsonl"):
         gns_from_metrics(tmp_path / "nothing")
+    # a torn last line is dropped (the run killed mid-write); other damage is one line naming file:line
+    path = tmp_path / "metrics.jsonl"
+    good = path.read_text()
+    path.write_text(good + '{"step": 4, "gns_g2": 1')
+    assert gns_from_metrics(tmp_path) == pytest.approx(15.0 / 3.0)
+    for damaged, says in (
+        ("garbage\n" + good, ":1: not a JSON row of metrics"),
+        (good + '{"step": 4, "gns_g2": "x", "gns_trace": 1}\n', ":4: gns_trace and gns_g2 must be finite"),
+        (good + '{"step": 4, "gns_g2": NaN, "gns_trace": 1}\n', ":4: gns_trace and gns_g2 must be finite"),
+    ):
+        path.write_text(damaged)
+        with pytest.raises(ClusterError, match=says):
+            gns_from_metrics(tmp_path)
+    path.write_bytes(b"\xff\n")
+    with pytest.raises(ClusterError, match="UTF-8"):
+        gns_from_metrics(tmp_path)
+    path.write_text(good)
     from loom import config as C
 
     cfg = C.load("debug", ["--train.log_gns", "true", "--parallel.tp", "2"])

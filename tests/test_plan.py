@@ -594,8 +594,20 @@ def test_cluster_files_load_and_bad_ones_name_the_field(tmp_path):
         ({**good, "infiniband": 400}, "cluster.infiniband: unknown key"),
         ({**good, "device": "tpu-v5"}, "unknown device 'tpu-v5'; known: a100-40g"),
         ({**good, "inter_bandwidth_gbps": -1}, "cluster.inter_bandwidth: must be > 0"),
-        ({**good, "inter_latency_us": "fast"}, "cluster.inter_latency_us: expected a number"),
-        ({**good, "memory_gib": 0}, "cluster.memory_gib: must be a positive number"),
+        ({**good, "inter_latency_us": "fast"}, "cluster.inter_latency_us: expected a finite number"),
+        ({**good, "memory_gib": 0}, "cluster.memory_gib: must be a positive finite number"),
+        # not finite: 1e400 read as inf planned "devices of inf GiB", nan as "short by nan GiB"
+        (
+            {**good, "memory_gib": float("inf")},
+            "cluster.memory_gib: must be a positive finite number, got inf",
+        ),
+        (
+            {**good, "memory_gib": float("nan")},
+            "cluster.memory_gib: must be a positive finite number, got nan",
+        ),
+        ({**good, "inter_latency_us": float("nan")}, "cluster.inter_latency_us: expected a finite number"),
+        # beyond any cluster: the search's divisor loop ran for hours on 10^19 devices
+        ({**good, "nodes": 10**11, "devices_per_node": 10**8}, "the planner takes at most 2,097,152"),
         ({**good, "comm_efficiency": 1.5}, "cluster.comm_efficiency: must be in"),
     ]
     for table, msg in bad:
@@ -632,6 +644,29 @@ def test_device_precisions_and_profile_round_trip(tmp_path):
     ):
         with pytest.raises(HardwareError, match=rf"profile\.{field}: must be"):
             Profile.from_json(json.dumps({"device": "cpu", **bad}))
+    # the shape and types of the file and of each measured collective: one line, no Python error
+    fit = {"op": "all_reduce", "scope": "intra", "group_size": 2, "bus_bandwidth": 3e9, "latency": 4e-5}
+    for text, says in (
+        (json.dumps(["device"]), "profile: must be a JSON object"),
+        (json.dumps({"device": 5}), "profile.device: must be a device name, got 5"),
+        (json.dumps({"device": "cpu", "collectives": {}}), "profile.collectives: must be a list"),
+        (json.dumps({"device": "cpu", "collectives": [3]}), r"profile.collectives\[0\]: must be an object"),
+        (
+            json.dumps({"device": "cpu", "collectives": [fit, {**fit, "group_size": "two"}]}),
+            r"profile.collectives\[1\].group_size: must be a whole number >= 1, got 'two'",
+        ),
+        (
+            json.dumps({"device": "cpu", "collectives": [{**fit, "bus_bandwidth": 0}]}),
+            r"profile.collectives\[0\].bus_bandwidth: must be a finite number > 0",
+        ),
+        (
+            json.dumps({"device": "cpu", "collectives": [{**fit, "colour": 1}]}),
+            r"profile.collectives\[0\].colour: unknown key",
+        ),
+        (json.dumps({"device": "cpu", "collectives": [{"op": "p2p"}]}), "missing scope, group_size"),
+    ):
+        with pytest.raises(HardwareError, match=says):
+            Profile.from_json(text)
 
 
 # ----------------------------------------------------------------------------- fit check and CLI

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from loom.config import ModelConfig
+from loom.config import ModelConfig, read_text_file
 from loom.plan import ClusterSpec, PlanError, Profile, Workload, get_device, search
 from loom.plan.hardware import contended
 
@@ -82,8 +82,23 @@ def gns_from_metrics(path: str | Path) -> float:
     p = p / "metrics.jsonl" if p.is_dir() else p
     if not p.is_file():
         raise ClusterError(f"{p}: no metrics.jsonl (a run trained with --train.log_gns true)")
-    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-    pairs = [(r["gns_trace"], r["gns_g2"]) for r in rows if "gns_g2" in r and "gns_trace" in r]
+    pairs = []
+    lines = read_text_file(p, str(p), ClusterError).splitlines()
+    for i, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except ValueError:
+            if i == len(lines):  # a torn last line (the run killed mid-write): dropped, as the trainer does
+                continue
+            raise ClusterError(f"{p}:{i}: not a JSON row of metrics") from None
+        if not isinstance(row, dict) or "gns_g2" not in row or "gns_trace" not in row:
+            continue
+        pair = (row["gns_trace"], row["gns_g2"])
+        if not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair
+        ):
+            raise ClusterError(f"{p}:{i}: gns_trace and gns_g2 must be finite numbers, got {pair!r}")
+        pairs.append(pair)
     if not pairs:
         raise ClusterError(f"{p}: no gns_g2/gns_trace rows (train with --train.log_gns true)")
     g2 = sum(g for _, g in pairs) / len(pairs)

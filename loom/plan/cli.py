@@ -31,7 +31,15 @@ from loom.config import (
     validate_shape,
 )
 from loom.plan.cost import Estimate, PlanError, Workload
-from loom.plan.hardware import DEVICES, ClusterSpec, HardwareError, Profile, known_clusters, resolve_cluster
+from loom.plan.hardware import (
+    DEVICES,
+    MAX_DEVICES,
+    ClusterSpec,
+    HardwareError,
+    Profile,
+    known_clusters,
+    resolve_cluster,
+)
 from loom.plan.report import (
     config_verdict,
     dropped_rows,
@@ -91,6 +99,8 @@ def cluster_of(args: argparse.Namespace, default: str) -> ClusterSpec:
         return resolve_cluster(args.cluster)
     if args.device:
         n = args.world or 8
+        if n > MAX_DEVICES:
+            raise HardwareError(f"--devices {n}: the planner takes at most {MAX_DEVICES:,} devices")
         per = min(8, n)
         if n % per:
             raise HardwareError(

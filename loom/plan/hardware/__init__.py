@@ -17,6 +17,7 @@ Inside this package modules import each other directly, never this ``__init__``.
 
 from loom.plan.hardware.clusters import (
     CLUSTER_DIR,
+    MAX_DEVICES,
     ClusterSpec,
     cluster_from_dict,
     known_clusters,
@@ -61,6 +62,7 @@ __all__ = [
     "GEMM_K0",
     "GiB",
     "HardwareError",
+    "MAX_DEVICES",
     "Machine",
     "PRECISIONS",
     "Profile",

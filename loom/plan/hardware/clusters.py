@@ -5,6 +5,7 @@ with an intra-node and an inter-node link, from TOML files (``loom/configs/clust
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,11 @@ class ClusterSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise HardwareError(f"cluster.{name}: must be a positive integer, got {v!r}")
+        if self.world_size > MAX_DEVICES:
+            raise HardwareError(
+                f"cluster: {self.nodes} nodes x {self.devices_per_node} devices = {self.world_size:,} devices; "
+                f"the planner takes at most {MAX_DEVICES:,}"
+            )
         for name in ("intra_bandwidth", "inter_bandwidth", "host_bandwidth"):
             if not getattr(self, name) > 0:
                 raise HardwareError(f"cluster.{name}: must be > 0, got {getattr(self, name)!r}")
@@ -77,6 +83,8 @@ class ClusterSpec:
         if not 0 < self.comm_efficiency <= 1:
             raise HardwareError(f"cluster.comm_efficiency: must be in (0, 1], got {self.comm_efficiency!r}")
 
+
+MAX_DEVICES = 2**21  # devices one plan may span: ten times the largest clusters built (2026)
 
 # TOML keys of [cluster] -> (unit multiplier, ClusterSpec field). Bandwidths are written in GB/s,
 # latencies in microseconds, memory in GiB: the units datasheets and nccl-tests print.
@@ -118,8 +126,8 @@ def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpe
     for key, unit in _DEVICE_OVERRIDES.items():
         if key in table:
             v = table[key]
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise HardwareError(f"cluster.{key}: must be a positive number, got {v!r}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < math.inf:
+                raise HardwareError(f"cluster.{key}: must be a positive finite number, got {v!r}")
             overrides["memory_bytes" if key == "memory_gib" else key] = float(v) * unit
     if overrides.get("achievable", 0.5) > 1:
         raise HardwareError(f"cluster.achievable: must be in (0, 1], got {table['achievable']!r}")
@@ -129,8 +137,8 @@ def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpe
     for key, (unit, fname) in _TOML_KEYS.items():
         if key in table:
             v = table[key]
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise HardwareError(f"cluster.{key}: expected a number, got {v!r}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise HardwareError(f"cluster.{key}: expected a finite number, got {v!r}")
             kw[fname] = float(v) * unit
     for key in ("nodes", "devices_per_node"):
         v = table[key]

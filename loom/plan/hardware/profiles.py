@@ -103,19 +103,27 @@ class Profile:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise HardwareError(f"profile: not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise HardwareError(
+                f"profile: must be a JSON object of measured fields, got {type(data).__name__}"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         for key in data:
             if key not in known:
                 raise HardwareError(f"profile.{key}: unknown key; allowed: {', '.join(sorted(known))}")
         if "device" not in data:
             raise HardwareError("profile.device: missing")
-        for prec in data.get("gemm_flops", {}):
+        if not isinstance(data["device"], str):
+            raise HardwareError(f"profile.device: must be a device name, got {data['device']!r}")
+        for prec in data.get("gemm_flops", {}) if isinstance(data.get("gemm_flops"), dict) else ():
             if prec not in PRECISIONS:
                 raise HardwareError(f"profile.gemm_flops.{prec}: unknown precision; allowed: {PRECISIONS}")
-        try:
-            fits = [CollectiveFit(**c) for c in data.get("collectives", [])]
-        except TypeError as e:
-            raise HardwareError(f"profile.collectives: {e}") from None
+        entries = data.get("collectives", [])
+        if not isinstance(entries, list):
+            raise HardwareError(
+                f"profile.collectives: must be a list of measured collectives, got {entries!r}"
+            )
+        fits = [_collective(c, i) for i, c in enumerate(entries)]
 
         def number(key: str) -> float:
             value = data.get(key, 0.0)
@@ -168,6 +176,44 @@ class Profile:
     def load(cls, path: str | Path) -> Profile:
         p = Path(path)
         return cls.from_json(read_text_file(p, f"profile file {str(p)!r}", HardwareError))
+
+
+# CollectiveFit fields -> (type, smallest value allowed, 0 excluded)
+_FIT_FIELDS: dict[str, tuple[type, float, bool]] = {
+    "op": (str, 0, False),
+    "scope": (str, 0, False),
+    "group_size": (int, 1, False),
+    "bus_bandwidth": (float, 0, True),
+    "latency": (float, 0, False),
+    "world": (int, 0, False),
+}
+
+
+def _collective(entry: object, i: int) -> CollectiveFit:
+    """``profile.collectives[i]`` as a :class:`CollectiveFit`, each field of its type (numbers finite,
+    not below their least value); a bad one is one :class:`HardwareError` line naming it."""
+    at = f"profile.collectives[{i}]"
+    if not isinstance(entry, dict):
+        raise HardwareError(f"{at}: must be an object with {', '.join(_FIT_FIELDS)}, got {entry!r}")
+    for key, value in entry.items():
+        if key not in _FIT_FIELDS:
+            raise HardwareError(f"{at}.{key}: unknown key; allowed: {', '.join(_FIT_FIELDS)}")
+        kind, least, strict = _FIT_FIELDS[key]
+        if kind is str:
+            if not isinstance(value, str):
+                raise HardwareError(f"{at}.{key}: must be a string, got {value!r}")
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        whole = isinstance(value, int) or kind is float
+        if not (number and whole and math.isfinite(value) and (value > least if strict else value >= least)):
+            what = "a whole number" if kind is int else "a finite number"
+            raise HardwareError(
+                f"{at}.{key}: must be {what} {'>' if strict else '>='} {least:g}, got {value!r}"
+            )
+    missing = [k for k in ("op", "scope", "group_size", "bus_bandwidth", "latency") if k not in entry]
+    if missing:
+        raise HardwareError(f"{at}: missing {', '.join(missing)}")
+    return CollectiveFit(**entry)
 
 
 def cores() -> int:
