@@ -18,6 +18,7 @@ UTF-8) of text, so a corpus is deterministic; where that cap stops reading is sa
 from __future__ import annotations
 
 import codecs
+import errno
 import glob
 import gzip
 import hashlib
@@ -25,6 +26,7 @@ import json
 import logging
 import os
 import re
+import stat
 import sys
 import sysconfig
 import zlib
@@ -219,12 +221,38 @@ def find_files(source: str) -> list[Path]:
             )
         files = [p]
     else:
-        raise ConfigError(
-            f"data.source: {source!r} does not exist (want 'stdlib', a file, a directory or a glob)"
-        )
+        raise ConfigError(f"data.source: {source!r} {_not_readable(src)}")
     if not files:
         raise ConfigError(f"data.source: no {', '.join(FORMATS)} files found in {source!r}")
     return files
+
+
+_SPECIAL = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _not_readable(src: str) -> str:
+    """Why ``src``, neither a directory nor a regular file, cannot be read (the end of a one-line
+    refusal): a FIFO, socket or device (never opened: a FIFO's reader waits for a writer forever),
+    a symbolic link loop, a link to nothing, a path it has no permission to look at, or nothing there.
+    Only ``stat`` and ``lstat`` look at it."""
+    want = "want 'stdlib', a file, a directory or a glob"
+    try:
+        mode = os.stat(src).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"is a symbolic link loop (its links never reach a file); {want}"
+        if isinstance(e, PermissionError):
+            return f"cannot be looked at (permission denied on a directory above it); {want}"
+        if os.path.islink(src):
+            return f"is a symbolic link to {os.readlink(src)!r}, which does not exist; {want}"
+        return f"does not exist ({want})"
+    kind = next((f"is {name}, not" for test, name in _SPECIAL if test(mode)), "is not")
+    return f"{kind} a regular file (Loom reads regular files only); {want}"
 
 
 def source_files(source: str) -> list[Path]:

@@ -54,7 +54,7 @@ import typing
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Final, cast
 
 import torch
@@ -164,17 +164,57 @@ def sliding_window(raw: dict, arch: str) -> int | None:
     if arch not in FAMILY_DEFAULTS or "sliding_window" not in FAMILY_DEFAULTS[arch]:
         return None
     window = hf_field(raw, "sliding_window")
-    if "use_sliding_window" in FAMILY_DEFAULTS[arch] and not hf_field(raw, "use_sliding_window"):
+    if "use_sliding_window" in FAMILY_DEFAULTS[arch] and not _bool(
+        "use_sliding_window", hf_field(raw, "use_sliding_window")
+    ):
         return None
     if window is not None and "max_window_layers" in FAMILY_DEFAULTS[arch]:
-        first = int(hf_field(raw, "max_window_layers"))
-        layers = int(raw["num_hidden_layers"])
+        first = _int("max_window_layers", hf_field(raw, "max_window_layers"), low=0)
+        layers = _int("num_hidden_layers", raw["num_hidden_layers"])
         types = raw.get("layer_types") or [
             "sliding_attention" if i >= first else "full" for i in range(layers)
         ]
         if "sliding_attention" not in types:
             return None
-    return None if window is None else int(window)
+    return _opt_int("sliding_window", window, null="no window")
+
+
+_WRONG = "a field has a value of the wrong type"
+
+
+def _int(field: str, value: object, low: int = 1, null: str = "") -> int:
+    """``config.json``'s ``field`` = ``value`` as an integer >= ``low``: a JSON integer (or a float of
+    an integral value, 4096.0), never a bool, a string or a fraction; else one line naming the field,
+    its value and what it allows (``null``: what a null means, where :func:`_opt_int` allows one)."""
+    want = f"an integer >= {low}" + (f", or null ({null})" if null else "")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HFError(f"{CONFIG}: {_WRONG}: {field} = {json.dumps(value)}, want {want}")
+    if value < low:
+        raise HFError(f"{CONFIG}: {field} = {value} is out of range: want {want}")
+    return value
+
+
+def _opt_int(field: str, value: object, low: int = 1, null: str = "") -> int | None:
+    """:func:`_int`, with a null (None) kept: ``null`` says what it means."""
+    return None if value is None else _int(field, value, low, null)
+
+
+def _float(field: str, value: object) -> float:
+    """``config.json``'s ``field`` = ``value`` as a float: a JSON number (not a bool or a string), else
+    one line naming the field (bounds and finiteness: :func:`loom.config.validate_shape`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise HFError(f"{CONFIG}: {_WRONG}: {field} = {json.dumps(value)}, want a number")
+    return float(value)
+
+
+def _bool(field: str, value: object) -> bool:
+    """``config.json``'s ``field`` = ``value``: true or false (null: false), never a string or a number
+    read by its truth (``"false"`` is true in Python)."""
+    if value is not None and not isinstance(value, bool):
+        raise HFError(f"{CONFIG}: {_WRONG}: {field} = {json.dumps(value)}, want true or false")
+    return bool(value)
 
 
 GELU = {
@@ -208,13 +248,20 @@ class HFModel:
 
 def _rope(raw: dict) -> dict:
     """Loom's RoPE fields for ``config.json``: the base, and Llama 3.1's scaling if present."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise HFError(f"{CONFIG}: {_WRONG}: {key} = {json.dumps(raw[key])}, want an object (or null)")
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or {}
     # transformers 5 reads rope_parameters, but a rope_scaling (the older key, and what model cards
     # tell users to add for long context) replaces it whole, its base the top-level rope_theta
     merged = scaling or params
+    key = "rope_scaling" if scaling else "rope_parameters"
     kind = merged.get("rope_type", merged.get("type", "default"))
-    out = {"rope_theta": float(merged.get("rope_theta", hf_field(raw, "rope_theta")))}
+    theta = ("rope_theta", hf_field(raw, "rope_theta"))
+    if "rope_theta" in merged:
+        theta = (f"{key}.rope_theta", merged["rope_theta"])
+    out = {"rope_theta": _float(*theta)}
     partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):  # Phi-4-mini: RoPE on the first 3/4 of each head
         raise HFError(
@@ -222,10 +269,12 @@ def _rope(raw: dict) -> dict:
         )
     if kind == "llama3":
         out |= {
-            "rope_scaling": float(merged["factor"]),
-            "rope_low_freq_factor": float(merged["low_freq_factor"]),
-            "rope_high_freq_factor": float(merged["high_freq_factor"]),
-            "rope_original_len": int(merged["original_max_position_embeddings"]),
+            "rope_scaling": _float(f"{key}.factor", merged["factor"]),
+            "rope_low_freq_factor": _float(f"{key}.low_freq_factor", merged["low_freq_factor"]),
+            "rope_high_freq_factor": _float(f"{key}.high_freq_factor", merged["high_freq_factor"]),
+            "rope_original_len": _int(
+                f"{key}.original_max_position_embeddings", merged["original_max_position_embeddings"]
+            ),
         }
     elif kind not in (None, "default"):
         raise HFError(f"{CONFIG}: rope type {kind!r} is not supported (Loom: default, llama3)")
@@ -255,9 +304,31 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
         )
     if arch == GPT2:
         return _gpt2_config(raw, max_seq_len)
-    dim, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    # every size is a checked integer (its field named) before any division by it
+    dim, heads = (
+        _int("hidden_size", raw["hidden_size"]),
+        _int("num_attention_heads", raw["num_attention_heads"]),
+    )
+    derived = "hidden_size // num_attention_heads"
+    head_dim = _opt_int("head_dim", hf_field(raw, "head_dim"), null=derived)
+    if head_dim is None:  # transformers: hidden_size // num_attention_heads (floored)
+        head_dim = dim // heads
+        if head_dim < 1:
+            raise HFError(
+                f"{CONFIG}: hidden_size = {dim} is narrower than num_attention_heads = {heads}: no head width "
+                f"({derived} = 0; give head_dim)"
+            )
+    if head_dim % 2:
+        said = "head_dim" if hf_field(raw, "head_dim") is not None else derived
+        raise HFError(f"{CONFIG}: {said} = {head_dim} is odd; RoPE rotates pairs: want an even head width")
+    kv = _opt_int("num_key_value_heads", hf_field(raw, "num_key_value_heads"), null="num_attention_heads")
+    kv = heads if kv is None else kv
+    if heads % kv:
+        raise HFError(
+            f"{CONFIG}: num_key_value_heads = {kv} does not divide num_attention_heads = {heads}; want a "
+            "divisor of it (each key/value head serves the same number of query heads)"
+        )
     qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch in ("Qwen3ForCausalLM", QWEN3MOE)
-    head_dim = int(hf_field(raw, "head_dim") or dim // heads)  # its own (Mistral-Nemo, Qwen3): a·d != h
     checks = [
         ("hidden_act", ("silu", "swish", None)),  # transformers: swish is SiLU; every family's default
         ("mlp_bias", (False, None)),
@@ -271,39 +342,40 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
     if arch == QWEN3MOE:  # no dense MLP: intermediate_size may be left out
         n_experts, ffn = _qwen3_moe_experts(raw)
     else:
-        n_experts, ffn = int(hf_field(raw, "num_local_experts")), int(raw["intermediate_size"])
+        n_experts = _int("num_local_experts", hf_field(raw, "num_local_experts"))
+        ffn = _int("intermediate_size", raw["intermediate_size"])
         if arch == "MixtralForCausalLM" and n_experts < 2:
             raise HFError(
                 f"{CONFIG}: num_local_experts = {n_experts} is not supported (Loom's Mixtral has 2 or more "
                 "experts; one expert is a dense MLP: a Llama)"
             )
-    seq = max_seq_len or int(hf_field(raw, "max_position_embeddings"))
+    seq = max_seq_len or _int("max_position_embeddings", hf_field(raw, "max_position_embeddings"))
     window = sliding_window(raw, arch)
-    if window is not None and seq > int(window) and fit_window:
-        seq = int(window)
-    elif window is not None and seq > int(window):
+    if window is not None and seq > window and fit_window:
+        seq = window
+    elif window is not None and seq > window:
         raise HFError(
             f"{CONFIG}: sliding_window = {window} is shorter than the sequences ({seq}); Loom "
             "attends to the whole sequence, so it matches only when sequences fit the window"
         )
     return ModelConfig(
         dim=dim,
-        n_layers=int(raw["num_hidden_layers"]),
+        n_layers=_int("num_hidden_layers", raw["num_hidden_layers"]),
         n_heads=heads,
-        n_kv_heads=int(hf_field(raw, "num_key_value_heads") or heads),
-        vocab_size=int(raw["vocab_size"]),
+        n_kv_heads=kv,
+        vocab_size=_int("vocab_size", raw["vocab_size"]),
         max_seq_len=seq,
         **_rope(raw),
-        norm_eps=float(hf_field(raw, "rms_norm_eps")),
-        tie_embeddings=bool(hf_field(raw, "tie_word_embeddings")),
+        norm_eps=_float("rms_norm_eps", hf_field(raw, "rms_norm_eps")),
+        tie_embeddings=_bool("tie_word_embeddings", hf_field(raw, "tie_word_embeddings")),
         qkv_bias=qwen2,
         qk_norm=qwen3 or arch == OLMO2,
         qk_norm_scope="all" if arch == OLMO2 else "head",
         norm_placement="post" if arch == OLMO2 else "pre",
-        attn_head_dim=head_dim if head_dim != dim // heads else 0,
+        attn_head_dim=head_dim if head_dim * heads != dim else 0,  # 0: Loom's h / a
         ffn_dim=ffn,
         n_experts=n_experts,
-        top_k=int(hf_field(raw, "num_experts_per_tok")),
+        top_k=_int("num_experts_per_tok", hf_field(raw, "num_experts_per_tok")),
         hf_architecture=arch,  # type: ignore[arg-type]  # one of SUPPORTED, checked above
     )
 
@@ -317,19 +389,24 @@ def _qwen3_moe_experts(raw: dict) -> tuple[int, int]:
                 f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r}: "
                 "every layer a mixture of experts)"
             )
-    n = int(
-        raw.get("num_experts") or raw.get("num_local_experts") or hf_field(raw, "num_experts") or 0
+    field = (
+        "num_local_experts"
+        if raw.get("num_experts") is None and raw.get("num_local_experts") is not None
+        else "num_experts"
     )  # 5 writes the latter
+    n = _int(field, hf_field(raw, field), low=0) if hf_field(raw, field) is not None else 0
     if n < 2:
-        raise HFError(f"{CONFIG}: num_experts = {n} is not supported (Loom: >= 2 for Qwen3MoeForCausalLM)")
-    return n, int(raw["moe_intermediate_size"])
+        raise HFError(f"{CONFIG}: {field} = {n} is not supported (Loom: >= 2 for Qwen3MoeForCausalLM)")
+    return n, _int("moe_intermediate_size", raw["moe_intermediate_size"])
 
 
 def moe_options(model: HFModel) -> dict[str, object]:
     """The ``[moe]`` settings the directory's routing fixes: Qwen3-MoE's ``norm_topk_prob`` (default
     false) as ``moe.norm_topk``; Mixtral always renormalizes (Loom's default)."""
     return (
-        {"norm_topk": bool(hf_field(model.raw, "norm_topk_prob"))} if model.architecture == QWEN3MOE else {}
+        {"norm_topk": _bool("norm_topk_prob", hf_field(model.raw, "norm_topk_prob"))}
+        if model.architecture == QWEN3MOE
+        else {}
     )
 
 
@@ -347,7 +424,12 @@ def _gpt2_config(raw: dict, max_seq_len: int) -> ModelConfig:
     ):
         if raw.get(field) not in allowed:
             raise HFError(f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r})")
-    dim, heads, n_pos = int(raw["n_embd"]), int(raw["n_head"]), int(raw.get("n_positions", 1024))
+    dim, heads = _int("n_embd", raw["n_embd"]), _int("n_head", raw["n_head"])
+    n_pos = _int("n_positions", raw.get("n_positions", 1024))
+    if dim % heads:
+        raise HFError(
+            f"{CONFIG}: n_embd = {dim} is not divisible by n_head = {heads}; GPT-2's heads split the width evenly"
+        )
     if max_seq_len > n_pos:
         raise HFError(
             f"{CONFIG}: n_positions = {n_pos} is shorter than the sequences ({max_seq_len}); the learned "
@@ -355,14 +437,14 @@ def _gpt2_config(raw: dict, max_seq_len: int) -> ModelConfig:
         )
     return ModelConfig(
         dim=dim,
-        n_layers=int(raw["n_layer"]),
+        n_layers=_int("n_layer", raw["n_layer"]),
         n_heads=heads,
         n_kv_heads=heads,
-        ffn_dim=int(raw.get("n_inner") or 4 * dim),
-        vocab_size=int(raw["vocab_size"]),
+        ffn_dim=_opt_int("n_inner", raw.get("n_inner"), null="4 * n_embd") or 4 * dim,
+        vocab_size=_int("vocab_size", raw["vocab_size"]),
         max_seq_len=n_pos,
-        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        norm_eps=_float("layer_norm_epsilon", raw.get("layer_norm_epsilon", 1e-5)),
+        tie_embeddings=_bool("tie_word_embeddings", raw.get("tie_word_embeddings", True)),
         norm="layernorm",
         mlp=GELU[act],  # type: ignore[arg-type]
         positions="learned",
@@ -396,7 +478,30 @@ def _weight_map(index: Path) -> dict[str, str]:
     wm = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) and v for v in wm.values()):
         raise HFError(f"{index}: needs a 'weight_map' object of tensor name -> shard file name")
+    for name, file in wm.items():
+        if not _inside(file):
+            raise HFError(
+                f"{index}: weight_map[{name!r}] = {file!r} is not a file inside the model directory; a "
+                "shard file name must be a relative path that stays inside it (e.g. 'model-00001-of-00002.safetensors'), "
+                "not an absolute path or one that climbs out with '..'"
+            )
     return dict(wm)
+
+
+def _inside(file: str) -> bool:
+    """Whether the shard file name ``file`` of a weight_map names a file inside the model directory:
+    a relative path (transformers joins it to the directory: a plain file name, or one in a
+    subdirectory) that, its '.' and '..' taken by the name alone, never climbs out of it. By the
+    name, not by following links: a Hugging Face cache snapshot's shards are links into ``../../blobs``."""
+    path = PurePosixPath(file)
+    if path.is_absolute():
+        return False
+    depth = 0
+    for part in path.parts:
+        depth += -1 if part == ".." else 0 if part == "." else 1
+        if depth < 0:
+            return False
+    return depth > 0
 
 
 def open_dir(path: str | Path, max_seq_len: int = 0, fit_window: bool = False) -> HFModel:
@@ -418,8 +523,8 @@ def open_dir(path: str | Path, max_seq_len: int = 0, fit_window: bool = False) -
         raise
     except KeyError as e:
         raise HFError(f"{d / CONFIG}: has no {e.args[0]!r} (a {architecture(raw)} config holds it)") from None
-    except (ValueError, TypeError) as e:  # a field of the wrong type: "hidden_size": "big"
-        raise HFError(f"{d / CONFIG}: a field has a value of the wrong type ({e})") from None
+    except (ValueError, TypeError, AttributeError) as e:  # a type no check above names (model_config's do)
+        raise HFError(f"{d / CONFIG}: {_WRONG} ({e})") from None
     if (d / INDEX).is_file():
         files = _weight_map(d / INDEX)
     else:
