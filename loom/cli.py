@@ -229,6 +229,7 @@ RUN_ENTRIES = {
     "chat_template.jinja": False,
     "chat_templates": True,
     "checkpoints": True,
+    "checkpoints/latest": False,  # the pointer to the newest checkpoint, rewritten by every save
     "heartbeat": True,
     "logs": True,
     "tensorboard": True,

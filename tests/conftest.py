@@ -5,6 +5,7 @@ directory for the whole session, removed at its end."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import shutil
 import tempfile
@@ -113,3 +114,13 @@ def user_run_dirs_untouched():
     yield
     changed = [str(d) for d in dirs if _files(d) != before[d]]
     assert not changed, f"the test suite wrote into {', '.join(changed)}: give every test its own run.dir"
+
+
+@pytest.fixture
+def clean_logging():
+    """The trainer reconfigures logging to the stream of the moment; put it back after each test."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -1128,16 +1127,6 @@ def _digest(*roots: Path) -> dict[str, str]:
                 continue
             out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
     return out
-
-
-@pytest.fixture
-def clean_logging():
-    """The trainer reconfigures logging to the stream of the moment; put it back after each row."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def test_table_has_enough_rows():

@@ -64,6 +64,7 @@ DTYPES: dict[torch.dtype, tuple[str, str]] = {  # torch dtype -> (index name, sa
 }
 DTYPE_BY_NAME = {name: dt for dt, (name, _) in DTYPES.items()}
 PIECE = 16 << 20  # bytes per write; the hashing thread follows piece by piece
+HEADER_LIMIT = 100 << 20  # bytes a safetensors header may have (the safetensors library's own bound)
 
 
 class CheckpointError(RuntimeError):
@@ -248,11 +249,35 @@ def _drain(pending: queue.Queue, hasher) -> None:
 def check_header(path: Path) -> None:
     """Refuse a file that is not safetensors before any parser touches it (e.g. a pickle)."""
     with open(path, "rb") as fh:
-        head = fh.read(9)
+        _check_head(path, fh.read(9))
+
+
+def _check_head(path: Path, head: bytes) -> None:
     if len(head) < 9 or head[8:9] != b"{":
         raise CheckpointError(
             f"{path}: not a safetensors file (only safetensors shards are read, never pickle)"
         )
+
+
+def read_header(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """``{key: (safetensors dtype code, shape)}`` of the tensors ``path`` stores, from its header
+    alone (no tensor read); a file that is not safetensors is refused first (:func:`check_header`)."""
+    with open(path, "rb") as fh:
+        head = fh.read(9)
+        _check_head(path, head)
+        length = int.from_bytes(head[:8], "little")
+        raw = head[8:] + fh.read(max(0, min(length, HEADER_LIMIT) - 1))
+    try:
+        if len(raw) != length:
+            raise ValueError(f"header length {length} is past the file's end or over {HEADER_LIMIT} bytes")
+        header = json.loads(raw)
+        return {
+            key: (str(entry["dtype"]), [int(n) for n in entry["shape"]])
+            for key, entry in header.items()
+            if key != "__metadata__"
+        }
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
 
 
 def check_index_header(index: dict, path: Path) -> set[str]:

@@ -32,6 +32,7 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 
@@ -120,10 +121,37 @@ def read_manifest(ckpt: Path, expect_sha256: str | None = None) -> tuple[dict[st
     files = m.get("files")
     if m.get("format") != FORMAT or not isinstance(files, dict):
         raise CheckpointError(f"{path}: not a {FORMAT} manifest")
-    for name in files:
+    chunk_bytes = m.get("chunk_bytes", CHUNK_BYTES)
+    if not _count(chunk_bytes) or chunk_bytes < 1:
+        raise CheckpointError(f"{path}: chunk_bytes is {chunk_bytes!r}; must be an integer >= 1 (damaged?)")
+    for name, entry in files.items():
         if "/" in name or "\\" in name or name.startswith("."):
             raise CheckpointError(f"{path}: file name {name!r} is not a plain file of the checkpoint")
-    return files, int(m.get("chunk_bytes", CHUNK_BYTES))
+        problem = _entry_problem(entry, chunk_bytes)
+        if problem:
+            raise CheckpointError(
+                f"{path}: entry {name!r} {problem} (damaged? resume from another checkpoint)"
+            )
+    return files, chunk_bytes
+
+
+def _count(value: object) -> TypeGuard[int]:
+    """``value`` is an integer >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_problem(entry: object, chunk_bytes: int) -> str | None:
+    """What is wrong with one file's manifest entry (None: nothing): ``{"sha256": [one hex string
+    per chunk_bytes piece, at least one], "bytes": integer >= 0}``."""
+    if not isinstance(entry, dict):
+        return f"is {entry!r:.40}; must be an object with 'sha256' and 'bytes'"
+    size, hashes = entry.get("bytes"), entry.get("sha256")
+    if not _count(size):
+        return f"has bytes {size!r:.40}; must be an integer >= 0"
+    chunks = max(1, -(-size // chunk_bytes))
+    if not isinstance(hashes, list) or len(hashes) != chunks or not all(isinstance(h, str) for h in hashes):
+        return f"has sha256 {hashes!r:.40}; must be a list of {chunks} SHA-256 strings for {size} bytes"
+    return None
 
 
 Task = tuple[str, int, int, str]  # (file, offset, length, SHA-256 of those bytes)

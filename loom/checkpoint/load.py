@@ -7,7 +7,8 @@ with a warning). :class:`CheckpointReader` verifies the whole checkpoint against
 *before* anything is read (the work split over the ranks, one verdict for all: see
 :mod:`~loom.checkpoint.integrity`), then serves regions: for each wanted region it opens only
 the files whose pieces overlap it and reads only the overlapping slices (safetensors slices are
-memory-mapped reads; no file is ever unpickled). Pieces replicated over a ``read_group`` are
+memory-mapped reads; no file is ever unpickled), each after its stored shape and dtype (from the
+file's header) matched the index's piece. Pieces replicated over a ``read_group`` are
 read 1/n per rank and all-gathered (:mod:`~loom.checkpoint.shared_read`).
 
 The index is parsed lazily: a tensor's entry is checked and its pieces' row spans computed the
@@ -141,6 +142,7 @@ class CheckpointReader:
         self.train_state = F.read_json(self.dir / F.TRAIN_STATE)
         self.step = int(self.train_state.get("step", index.get("step", 0)))
         self._handles: dict[str, object] = {}
+        self._stored: dict[str, dict[str, tuple[str, list[int]]]] = {}  # file -> key -> (dtype code, shape)
         self.opened: set[str] = set()
         self.bytes_read = 0
 
@@ -236,7 +238,7 @@ class CheckpointReader:
     def _open(self, file: str):
         if file not in self._handles:
             path = self.dir / file
-            F.check_header(path)
+            self._stored[file] = F.read_header(path)
             try:
                 self._handles[file] = safe_open(str(path), framework="pt", device="cpu")
             except Exception as e:  # safetensors raises its own error types
@@ -245,7 +247,7 @@ class CheckpointReader:
         return self._handles[file]
 
     def _fill_one(self, name: str, st: ShardedTensor) -> None:
-        shape, _, pieces = self._meta(name)
+        shape, dtype, pieces = self._meta(name)
         if tuple(shape) != tuple(st.global_shape):
             if not self.resized(name, st.global_shape):
                 raise F.CheckpointError(
@@ -258,6 +260,7 @@ class CheckpointReader:
         for plo, phi, file, key, region in pieces:
             if phi <= lo or hi <= plo:  # no common row
                 continue
+            self._check_stored(name, dtype, file, key, region)
             for soff, sbox in region_boxes(region, shape):
                 for doff, dbox in dst_boxes:
                     common = intersect(dbox, sbox) if shape else dbox
@@ -269,6 +272,24 @@ class CheckpointReader:
         if copied != st.region.numel:
             raise F.CheckpointError(
                 f"{self.dir}: {name} covers {copied} of the {st.region.numel} elements wanted ({st.region})"
+            )
+
+    def _check_stored(self, name: str, dtype: torch.dtype, file: str, key: str, region: Region) -> None:
+        """``file``'s tensor ``key`` has the shape and dtype of ``name``'s piece ``region`` in the index
+        (as the file's header, read once, says): an edited index must not load another tensor."""
+        self._open(file)
+        if key not in self._stored[file]:
+            raise F.CheckpointError(
+                f"{self.dir / file}: holds no tensor {key} ({self.dir / F.INDEX} names it there)"
+            )
+        code, shape = self._stored[file][key]
+        want = [region.length] if isinstance(region, Flat) else list(region.lengths)
+        if (shape, code) != (want, F.DTYPES[dtype][1]):
+            stored = next((n for n, c in F.DTYPES.values() if c == code), code)
+            raise F.CheckpointError(
+                f"{self.dir / file}: {key} is stored as {stored} {shape}, but {self.dir / F.INDEX} gives "
+                f"{name}'s piece there as {F.dtype_name(dtype)} {want} (edited or damaged index? resume "
+                "from another checkpoint)"
             )
 
     def _read_box(

@@ -82,25 +82,33 @@ def choose_source(cfg: C.LoomConfig, run_dir: Path) -> list[tuple[str, str | Non
 
 
 def truncate_metrics(run_dir: Path, step: int, name: str = "metrics.jsonl") -> None:
-    """Drop rows of ``run_dir/name`` past ``step`` (written by an attempt that died before its next
-    checkpoint)."""
+    """Drop the rows of ``run_dir/name`` past ``step`` (written by an attempt that died before its
+    next checkpoint) and a torn last line (killed mid-write: no newline ends it). Any other line that
+    is no row (not UTF-8, not a JSON object with an integer ``step``) is the user's: kept as it is."""
     path = run_dir / name
     if not path.is_file():
         return
-    lines = path.read_text().splitlines()
-    keep = [ln for ln in lines if _row_step(ln) <= step]
-    if len(keep) != len(lines):
-        write_bytes_atomic(path, "".join(ln + "\n" for ln in keep).encode())
+    data = path.read_bytes()
+    *lines, last = data.split(b"\n")  # last: b"" after a final newline, else a torn row
+    keep = [ln for ln in lines if (_row_step(ln) or 0) <= step]  # None: no row, kept
+    if (at := _row_step(last)) is not None and at <= step:  # a whole row, lacking only its newline
+        keep.append(last)
+    out = b"".join(ln + b"\n" for ln in keep)
+    if out != data:
+        write_bytes_atomic(path, out)
 
 
-def _row_step(line: str) -> float:
-    """The step of a metrics row; a torn last line (killed mid-write) counts as past every step."""
+def _row_step(line: bytes) -> int | None:
+    """The step of a metrics row; None for a line that is no row (not UTF-8, not a JSON object
+    with an integer ``step``)."""
     import json
 
     try:
-        return json.loads(line).get("step", 0)
-    except ValueError:
-        return float("inf")
+        row = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    value = row.get("step") if isinstance(row, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def check_base(

@@ -111,7 +111,8 @@ def _kept_step(run_dir: Path) -> int:
     """The last step ``metrics.jsonl`` holds. The trainer cuts it at the checkpoint it resumes from
     before the trackers open, so a tracker sent a later step holds values this attempt replaces."""
     path, step = run_dir / "metrics.jsonl", 0
-    for line in path.read_text().splitlines() if path.is_file() else []:
+    text = path.read_bytes().decode("utf-8", "replace") if path.is_file() else ""  # a line not UTF-8: no row
+    for line in text.splitlines():
         try:
             row = json.loads(line)
         except ValueError:  # a torn last line: the trainer drops it

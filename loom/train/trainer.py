@@ -533,7 +533,7 @@ def _logged_loss(run_dir: Path, step: int) -> float | None:
 
     loss = None
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        lines = (run_dir / "metrics.jsonl").read_bytes().decode("utf-8", "replace").splitlines()
     except OSError:
         return None
     for line in lines:
