@@ -769,7 +769,7 @@ def launch(
                 raise Stopped(line, 1) from None
             if (record := stopped_record(run_dir)) is not None:  # the ranks' exit after a signal
                 raise Stopped(stop_line(run_dir), _stop_code(record)) from None
-            raise SystemExit(failure_line(e.failures, run_dir)) from None
+            raise Stopped(failure_line(e.failures, run_dir), failure_code(e.failures)) from None
         except RendezvousError as e:  # node 0's store went with its launcher
             if nodes is None:
                 raise
@@ -897,6 +897,17 @@ OWN_ERRORS = (
     "PlanError",
     "StorePortTaken",
 )
+
+
+# Loom's errors that mean bad input (a field, a file): exit status 2, as the one-process run gives
+INPUT_ERRORS = ("ConfigError", "CheckpointError", "HFError", "HardwareError", "PlanError")
+
+
+def failure_code(failures: dict) -> int:
+    """The launcher's exit status for the failed ranks: 2 when each failed on bad input (every rank's
+    error one of :data:`INPUT_ERRORS`, as a damaged checkpoint found by the ranks), else 1."""
+    names = [_failure_message(f).partition(": ")[0].rsplit(".", 1)[-1] for f in failures.values()]
+    return 2 if names and all(name in INPUT_ERRORS for name in names) else 1
 
 
 def failure_line(failures: dict, run_dir: Path) -> str:

@@ -118,9 +118,12 @@ def user_run_dirs_untouched():
 
 @pytest.fixture
 def clean_logging():
-    """The trainer reconfigures logging to the stream of the moment; put it back after each test."""
+    """The trainer reconfigures logging to the stream of the moment; put it back after each test.
+    A handler an earlier test left on its own captured stream, closed since, is dropped first: a
+    warning logged before the trainer's set-up would otherwise print a logging error."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    root.handlers[:] = [h for h in handlers if not getattr(getattr(h, "stream", None), "closed", False)]
     yield
     root.handlers[:] = handlers
     root.setLevel(level)

@@ -17,6 +17,8 @@ import pytest
 from loom import config as C
 from tests.helpers import TINY_JOB, with_sections
 
+pytestmark = pytest.mark.usefixtures("clean_logging")  # the CLI runs in-process: its logging set-up
+
 TINY = with_sections(
     TINY_JOB, train={"warmup_steps": 1, "checkpoint_every": 1, "checkpoint_async": False}, run={"nproc": 1}
 )

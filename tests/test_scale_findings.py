@@ -530,3 +530,16 @@ def test_a_node_that_cannot_prepare_is_named_on_every_rank(pools, tmp_path):
     assert results[0]["error"].startswith(
         "data.prepared_dir: rank 1 failed to prepare or verify its node's copy"
     )
+
+
+def test_ranks_failing_on_bad_input_exit_2_as_one_process_does(tmp_path):
+    """A damaged checkpoint found by every rank is bad input: exit status 2, as the one-process run
+    gives for the same file; any other failure among them keeps 1."""
+    from loom.launch import failure_code
+
+    damaged = "loom.checkpoint.format.CheckpointError: runs/x/checkpoints/step-2: model-00000.safetensors is truncated"
+    config = "ConfigError: data.source: 'x' does not exist"
+    both = {**_failed(tmp_path, 0, damaged).failures, **_failed(tmp_path, 1, config).failures}
+    assert failure_code(both) == 2
+    mixed = {**_failed(tmp_path, 0, damaged).failures, **_failed(tmp_path, 1, "RuntimeError: boom").failures}
+    assert failure_code(mixed) == 1
