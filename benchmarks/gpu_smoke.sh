@@ -18,7 +18,7 @@ out=$(mktemp -d)
 status=0
 
 echo "== gpu tests ($n GPUs)"
-python -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_gpu.py | tee "$out/tests.txt"
+python -m pytest -q -p no:cacheprovider -o addopts= -m gpu -rs tests/test_gpu.py | tee "$out/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 export LOOM_BENCH_DEVICE=cuda

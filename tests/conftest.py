@@ -18,6 +18,13 @@ from tests.dist import WorkerPool
 _SCRATCH: str | None = None
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject's addopts): one worker per core this process may use, at most 4. Each
+    worker runs whole test files (``--dist loadfile``) with its own rank pools (a few GiB each), and a
+    multi-rank test's ranks already share the cores; ``-n 0`` runs everything in this process."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Every temporary file of the session (this process, its worker pools, the ``loom`` commands it
     starts: they inherit ``TMPDIR``) goes into one directory that :func:`pytest_unconfigure` removes,
