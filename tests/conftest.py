@@ -18,6 +18,7 @@ from tests.dist import WorkerPool
 _SCRATCH: str | None = None
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest without xdist (a GPU image) still loads this file
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (pyproject's addopts): one worker per core this process may use, at most 4. Each
     worker runs whole test files (``--dist loadfile``) with its own rank pools (a few GiB each), and a

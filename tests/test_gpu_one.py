@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,11 @@ def test_the_lease_wrapper_refuses_a_kit_without_data(tmp_path):
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no prepared data" in p.stderr
     p = subprocess.run(["bash", str(LEASE)], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 2 and "gpu_lease.sh prepare" in p.stdout
+
+
+def test_the_gpu_scripts_pytest_runs_without_xdist():
+    """gpu_lease.sh / gpu_smoke.sh run pytest with ``-o addopts=`` on images that may lack pytest-xdist:
+    the suite's conftest must load without the plugin (its xdist hook is optional)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:xdist", "tests/test_imports.py"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
