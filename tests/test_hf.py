@@ -35,6 +35,8 @@ FAMILIES = {
         },
     ),  # long-context RoPE: every band hit with d = 16
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
+    # Qwen2's attention in Llama's layout: q/k/v/o biases, o's zero (_save_hf zeroes it)
+    "llama-bias": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # q/k norms, head_dim != hidden / heads
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "gpt2": (
@@ -69,6 +71,8 @@ def _save_hf(tmp: Path, family: str, tie: bool, **kw) -> tuple[Path, torch.nn.Mo
                 and "bias" not in _name_of(model, p)
             )
             p.copy_(torch.randn_like(p) * 0.1 + (1.0 if norm else 0.0))
+            if _name_of(model, p).endswith("o_proj.bias"):  # Loom's q/k/v biases have no o bias
+                p.zero_()
     out = tmp / f"{family}-{'tied' if tie else 'untied'}"
     model.save_pretrained(out, max_shard_size="20KB")  # several shards and an index
     return out, model
@@ -164,7 +168,9 @@ def test_rope_row_order_round_trips():
             r"architectures = 'GPTNeoXForCausalLM' is not supported; supported: Llama",
         ),
         ("llama", {"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported"),
-        ("llama", {"attention_bias": True}, r"attention_bias = True is not supported"),
+        ("mistral", {"attention_bias": True}, r"attention_bias = True is not supported"),
+        # Llama's attention_bias is read (q/k/v biases, zero o biases): the biases must be there
+        ("llama", {"attention_bias": True}, r"tensor model.layers.0.self_attn.k_proj.bias is missing"),
         (
             "llama",
             {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None},
@@ -217,6 +223,55 @@ def test_bad_tensors_and_files_are_named(tmp_path):
         open_dir(path, 32)
     with pytest.raises(HFError, match="sliding_window = 16 is shorter than the sequences"):
         open_dir(_save_hf(tmp_path / "m", "mistral", False, sliding_window=16)[0], 32)
+
+
+@pytest.mark.parametrize(
+    "kw,says",
+    [
+        (
+            {"bias": True},
+            "holds bias = true, and it also needs positions = learned, norm = layernorm, mlp = "
+            "gelu or gelu_tanh; q/k/v biases alone: qkv_bias = true",
+        ),
+        (
+            {"norm": "layernorm", "mlp": "gelu", "positions": "learned", "bias": True, "n_kv_heads": 2},
+            "holds positions = learned and norm = layernorm and mlp = gelu or "
+            "gelu_tanh and bias = true, and it also needs n_kv_heads = n_heads",
+        ),
+        (
+            {"norm": "layernorm", "qk_norm": True},
+            "holds norm = layernorm, and it also needs positions = "
+            "learned, mlp = gelu or gelu_tanh, bias = true, qk_norm = false",
+        ),
+    ],
+    ids=["rope+bias", "gpt2+gqa", "layernorm+qk_norm"],
+)
+def test_a_model_only_gpt2_could_hold_names_what_it_lacks(kw, says):
+    """A GPT-2 field on a model GPT-2 cannot hold (a RoPE model with biases on every linear) is refused
+    at export naming the fields it has and those GPT-2 needs as well, not GPT-2's whole list."""
+    from loom.model.hf import HFError, architecture_of
+
+    with pytest.raises(HFError) as e:
+        architecture_of(C.ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, **kw))
+    assert str(e.value) == f"model: among the supported Hugging Face families only GPT2LMHeadModel {says}"
+
+
+def test_a_llama_with_a_nonzero_output_bias_is_refused_naming_it(tmp_path):
+    """Llama's attention_bias is read as Qwen2's q/k/v biases; an o_proj bias Loom has nowhere to put is
+    refused (from the shard, before any rank starts), naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from loom.model.hf import HFError, open_dir
+
+    path, _ = _save_hf(tmp_path, "llama-bias", False)
+    assert open_dir(path, 32).config.qkv_bias
+    name = "model.layers.1.self_attn.o_proj.bias"
+    shard = path / json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(str(shard))
+    tensors[name][3] = 0.5
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(HFError, match=rf"{shard}: {name} is not zero; Loom reads attention_bias = true only"):
+        open_dir(path, 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
@@ -371,8 +426,51 @@ def test_export_loads_in_transformers_with_equal_logits(pools, prepared, tmp_pat
     x = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert_close(hf(x).logits, _loom_logits(run, x))
-    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
-    assert tok("def f():")["input_ids"]
+    if layout.startswith("qwen2"):  # q/k/v biases go out as a Llama: a qwen2's tokenizer would be Qwen's
+        assert (hf.config.model_type, hf.config.attention_bias) == ("llama", True)
+    _assert_auto_tokenizer_is_the_runs(tmp_path / "hf", run)
+    assert done.tokenizer_problem is None
+
+
+def _assert_auto_tokenizer_is_the_runs(export: Path, run: Path) -> None:
+    """AutoTokenizer on the export encodes text to the ids of the run's own tokenizer.json."""
+    from loom.checkpoint.hf_export import PROBE
+    from loom.data.tokenizer import load_tokenizer
+
+    tok = transformers.AutoTokenizer.from_pretrained(export)
+    for text in (PROBE, "def f():\n    return 1_000  # don't"):
+        want = load_tokenizer(run / "tokenizer.json").encode(text, add_special_tokens=False).ids
+        assert tok(text, add_special_tokens=False)["input_ids"] == want, text
+
+
+def test_an_export_whose_tokenizer_transformers_replaces_is_named(prepared, tmp_path, caplog):
+    """transformers' AutoTokenizer gives every qwen2 model Qwen2Tokenizer (Qwen's pre-tokenizer),
+    whatever tokenizer.json says: an export named Qwen2 with another tokenizer (model.hf_architecture
+    given) is written, with a one-line warning that names the class and the way to load it; a Llama
+    export of the same tokenizer loads as it is."""
+    from loom.checkpoint.hf_export import check_auto_tokenizer, export_hf
+
+    run = tmp_path / "run"
+    cfg = _config(prepared, run)
+    cfg["model"] |= {"qkv_bias": True, "hf_architecture": "Qwen2ForCausalLM"}
+    cfg["train"]["steps"] = 1
+    _train(cfg)
+    with caplog.at_level("WARNING", logger="loom.checkpoint.hf_export"):
+        done = export_hf(run, tmp_path / "qwen2")
+    assert json.loads((tmp_path / "qwen2" / "config.json").read_text())["model_type"] == "qwen2"
+    line = done.tokenizer_problem
+    assert line and line.startswith("transformers' AutoTokenizer loads the tokenizer as Qwen2Tokenizer")
+    assert line.endswith("load it with transformers.PreTrainedTokenizerFast.from_pretrained")
+    assert [r.getMessage() for r in caplog.records] == [f"{tmp_path / 'qwen2'}: {line}"]
+    fast = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path / "qwen2")
+    from loom.checkpoint.hf_export import PROBE
+    from loom.data.tokenizer import load_tokenizer
+
+    want = load_tokenizer(run / "tokenizer.json").encode(PROBE, add_special_tokens=False).ids
+    assert fast(PROBE, add_special_tokens=False)["input_ids"] == want
+    raw = json.loads((tmp_path / "qwen2" / "config.json").read_text())
+    (tmp_path / "qwen2" / "config.json").write_text(json.dumps(raw | {"model_type": "llama"}))
+    assert check_auto_tokenizer(tmp_path / "qwen2") is None
 
 
 def test_export_never_overwrites(prepared, tmp_path):

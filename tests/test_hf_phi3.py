@@ -236,6 +236,10 @@ def test_a_family_that_cannot_hold_the_tensors_is_refused_in_one_line():
     with pytest.raises(HFError) as e:
         architecture_of(llama)
     assert str(e.value) == (
-        "model.hf_architecture: Phi3ForCausalLM cannot hold this model's tensors (Qwen2ForCausalLM "
+        "model.hf_architecture: Phi3ForCausalLM cannot hold this model's tensors (LlamaForCausalLM "
         "does); set it to auto or to that family"
     )
+    llama.hf_architecture = "Qwen2ForCausalLM"  # Qwen2 holds q/k/v biases, Llama with zero o biases
+    assert hf_config(llama)["model_type"] == "qwen2"
+    llama.hf_architecture = "auto"
+    assert (hf_config(llama)["model_type"], hf_config(llama)["attention_bias"]) == ("llama", True)

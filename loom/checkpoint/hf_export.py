@@ -32,6 +32,7 @@ id that ends a turn or a document (the tokenizer config's ``eos_token`` and the 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -104,6 +105,7 @@ class Exported:
     shards: int
     tensors: int
     total_bytes: int
+    tokenizer_problem: str | None = None  # check_auto_tokenizer's line: AutoTokenizer encodes otherwise
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
@@ -358,6 +360,46 @@ def _complete_tokenizer_config(tmp: Path, pad: str | None, max_len: int) -> None
         path.write_text(json.dumps(tcfg | added, indent=2))
 
 
+# text on which pre-tokenizers disagree: digit runs, contractions in capitals, punctuation before
+# letters, blank lines, tabs, a decomposed accent (NFC), CJK and an emoji
+PROBE = "Hello, world! DON'T stop: 12345 apples...\n\n\tx=y+1; // cafe\u0301 \u4e2d\u6587 \U0001f642 it's\r\n"
+
+
+def check_auto_tokenizer(d: Path) -> str | None:
+    """Whether ``transformers``' ``AutoTokenizer`` loads the directory ``d``'s tokenizer as the
+    ``tokenizer.json`` it ships: the ids of :data:`PROBE` compared (transformers forces its own class,
+    pre-tokenizer and all, on some model types). Returns the problem in one line, or None (the same
+    ids, no tokenizer, or transformers not installed)."""
+    import importlib.util
+
+    if not (d / "tokenizer.json").is_file() or importlib.util.find_spec("transformers") is None:
+        return None
+    from loom.data.tokenizer import load_tokenizer
+
+    enc = load_tokenizer(d / "tokenizer.json").encode(PROBE, add_special_tokens=False)
+    want = enc.ids
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its notes on the class it picks: the check says what matters
+    try:
+        auto = transformers.AutoTokenizer.from_pretrained(str(d))
+        got = auto(PROBE, add_special_tokens=False)["input_ids"]
+    except Exception as e:  # any failure to load is the finding itself
+        return f"transformers' AutoTokenizer cannot load the tokenizer ({type(e).__name__}: {e})"
+    finally:
+        transformers.logging.set_verbosity(level)
+    if got == want:
+        return None
+    i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    a, b = enc.offsets[min(i, len(want) - 1)] if want else (0, len(PROBE))
+    return (
+        f"transformers' AutoTokenizer loads the tokenizer as {type(auto).__name__}, which encodes text "
+        f"otherwise than the tokenizer.json it ships (from {PROBE[a:b]!r} on); load it with "
+        "transformers.PreTrainedTokenizerFast.from_pretrained"
+    )
+
+
 def _generation_config(tmp: Path, special: dict[str, Any]) -> dict[str, Any]:
     """``generation_config.json`` of an export whose source has none: the special ids, with
     ``eos_token_id`` listing every id that ends a turn or a document (:func:`end_tokens` of the
@@ -455,7 +497,10 @@ def export_hf(
                 (tmp / "generation_config.json").write_text(
                     json.dumps(_generation_config(tmp, special), indent=2)
                 )
-        return Exported(out, reader.dir, reader.step, len(shards), len(weight_map), total)
+            problem = check_auto_tokenizer(tmp)
+        if problem:
+            logging.getLogger(__name__).warning("%s: %s", out, problem)
+        return Exported(out, reader.dir, reader.step, len(shards), len(weight_map), total, problem)
 
 
 def _write_shards(

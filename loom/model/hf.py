@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out of Loom's model, without ``transformers`` (JSON + safetensors).
 
 Families: ``LlamaForCausalLM``, ``MistralForCausalLM`` (the same tensors; Mistral's sliding window
-only when every sequence fits in it), ``Qwen2ForCausalLM`` (q/k/v biases: ``model.qkv_bias``) and
+only when every sequence fits in it), ``Qwen2ForCausalLM`` (q/k/v biases: ``model.qkv_bias``; also a
+Llama with ``attention_bias`` whose o biases are zero, :func:`zero_tensors`, as auto exports it) and
 ``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``model.qk_norm``) and
 ``MixtralForCausalLM`` (into Loom's mixture of experts: the router, and each expert's w1/w3/w2
 stacked into the (E, ...) weights), ``Qwen3MoeForCausalLM`` (Qwen3's attention, Mixtral's
@@ -68,6 +69,7 @@ PHI3: Final = "Phi3ForCausalLM"
 QWEN3MOE: Final = "Qwen3MoeForCausalLM"
 OLMO2: Final = "Olmo2ForCausalLM"
 LLAMA: Final = "LlamaForCausalLM"
+QWEN2: Final = "Qwen2ForCausalLM"
 LLAMA_TENSORS = ("MistralForCausalLM", PHI3)  # Llama's tensors under other names or config fields
 VOCAB_TENSORS = ("tok_embeddings.weight", "output.weight")  # V rows; padded to model.pad_vocab_to in Loom
 MISSING = {  # families users ask for, and what Loom's model lacks to run them
@@ -328,13 +330,16 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
             f"{CONFIG}: num_key_value_heads = {kv} does not divide num_attention_heads = {heads}; want a "
             "divisor of it (each key/value head serves the same number of query heads)"
         )
-    qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch in ("Qwen3ForCausalLM", QWEN3MOE)
+    qwen2, qwen3 = arch == QWEN2, arch in ("Qwen3ForCausalLM", QWEN3MOE)
     checks = [
         ("hidden_act", ("silu", "swish", None)),  # transformers: swish is SiLU; every family's default
         ("mlp_bias", (False, None)),
         ("router_jitter_noise", (0.0, 0, None)),
     ]
-    if not qwen2:  # Qwen2 always has q/k/v biases (and no o bias); the others only without attention_bias
+    # Qwen2 always has q/k/v biases (and no o bias); Llama's attention_bias adds q/k/v and o biases, read
+    # when the o biases are all zero (a Qwen2 in Llama's layout; open_dir checks them); others: none
+    llama_bias = arch == LLAMA and raw.get("attention_bias") is True
+    if not qwen2 and not llama_bias:
         checks.append(("attention_bias", (False, None)))
     for field, allowed in checks:
         if raw.get(field) not in allowed:
@@ -368,7 +373,7 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
         **_rope(raw),
         norm_eps=_float("rms_norm_eps", hf_field(raw, "rms_norm_eps")),
         tie_embeddings=_bool("tie_word_embeddings", hf_field(raw, "tie_word_embeddings")),
-        qkv_bias=qwen2,
+        qkv_bias=qwen2 or llama_bias,
         qk_norm=qwen3 or arch == OLMO2,
         qk_norm_scope="all" if arch == OLMO2 else "head",
         norm_placement="post" if arch == OLMO2 else "pre",
@@ -551,7 +556,10 @@ def open_dir(path: str | Path, max_seq_len: int = 0, fit_window: bool = False) -
         cfg = dataclasses.replace(cfg, tie_embeddings=False)
     shapes = expected_shapes(cfg)
     wanted = {n: m.hf_shape(shapes[lm]) for lm, m in _mappings(cfg, prefix) for n in m.names()}
-    _check_headers(d, files, wanted)
+    zeros = dict(zero_tensors(cfg).values())
+    _check_headers(d, files, wanted | zeros)
+    _check_zero(d, files, sorted(zeros))
+    wanted |= zeros
     unused = sorted(n for n in files.keys() - wanted.keys() if not n.endswith(BUFFERS) and n != HEAD)
     if unused and d not in _UNUSED:  # transformers drops them too ("weights not used"), and says so
         _UNUSED.add(d)
@@ -572,6 +580,18 @@ _UNUSED: set[Path] = set()  # directories whose unused tensors were reported
 # buffers some checkpoints store that no model reads as weights: old Llama conversions' RoPE
 # frequencies, the original GPT-2's causal masks (h.i.attn.bias, h.i.attn.masked_bias)
 BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
+def _check_zero(d: Path, files: dict[str, str], names: list[str]) -> None:
+    """Each of ``names`` (:func:`zero_tensors`' HF names, one vector per layer) holds only zeros, else
+    an error naming it: Loom's model has no such tensor to put other values in."""
+    for name in names:
+        with open_shard(d / files[name]) as f:
+            if bool(f.get_slice(name)[:].float().count_nonzero()):
+                raise HFError(
+                    f"{d / files[name]}: {name} is not zero; Loom reads attention_bias = true only "
+                    "as q/k/v biases with zero o_proj biases (Qwen2's attention in Llama's layout)"
+                )
 
 
 def _differ(d: Path, files: dict[str, str], a: str, b: str) -> bool:
@@ -1029,13 +1049,27 @@ def load_into(module: torch.nn.Module, model: HFModel) -> None:
 
 def _is_gpt2(cfg: ModelConfig) -> bool:
     """GPT-2's tensors exactly: every GPT-2 field set, and nothing GPT-2 lacks."""
-    fields = (cfg.positions == "learned", cfg.norm == "layernorm", cfg.mlp != "swiglu", cfg.bias)
-    if not any(fields):
+    fields = {
+        "positions = learned": cfg.positions == "learned",
+        "norm = layernorm": cfg.norm == "layernorm",
+        "mlp = gelu or gelu_tanh": cfg.mlp != "swiglu",
+        "bias = true": cfg.bias,
+    }
+    if not any(fields.values()):
         return False
-    if not all(fields) or cfg.qkv_bias or cfg.qk_norm or cfg.moe or cfg.n_kv_heads != cfg.n_heads:
+    unmet = {  # what else GPT-2 needs -> whether the model breaks it
+        "n_kv_heads = n_heads": cfg.n_kv_heads != cfg.n_heads,
+        "qkv_bias = false": cfg.qkv_bias,
+        "qk_norm = false": cfg.qk_norm,
+        "no experts": cfg.moe,
+    }
+    if not all(fields.values()) or any(unmet.values()):
+        have = " and ".join(k for k, v in fields.items() if v)
+        lack = [k for k, v in fields.items() if not v] + [k for k, v in unmet.items() if v]
+        hint = "; q/k/v biases alone: qkv_bias = true" if cfg.bias and cfg.positions != "learned" else ""
         raise HFError(
-            "model: GPT2LMHeadModel needs positions = learned, norm = layernorm, mlp = gelu or gelu_tanh, "
-            "bias = true, n_kv_heads = n_heads, and no q/k/v biases, q/k norms or experts"
+            f"model: among the supported Hugging Face families only GPT2LMHeadModel holds {have}, and it also "
+            f"needs {', '.join(lack)}{hint}"
         )
     return True
 
@@ -1067,12 +1101,24 @@ def architecture_of(cfg: ModelConfig) -> str:
             f"model.hf_architecture: {PHI3} scales RoPE by longrope only, not Llama 3's rope_scaling; set it "
             "to auto or LlamaForCausalLM"
         )
-    if by_shape == LLAMA and named in LLAMA_TENSORS:
+    if by_shape == LLAMA and named in ((QWEN2,) if cfg.qkv_bias else LLAMA_TENSORS):
         return named
     raise HFError(
         f"model.hf_architecture: {named} cannot hold this model's tensors ({by_shape} does); "
         "set it to auto or to that family"
     )
+
+
+def zero_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Loom name -> (HF name, shape) of each tensor the family holds beside that Loom tensor and
+    Loom's model lacks, always zero: Llama's ``o_proj.bias`` when its ``attention_bias`` carries
+    Loom's q/k/v biases (Qwen2's, with no o bias). Export writes zeros; import requires zeros."""
+    if not cfg.qkv_bias or architecture_of(cfg) != LLAMA:
+        return {}
+    return {
+        f"layers.{i}.attention.wo.weight": (f"model.layers.{i}.self_attn.o_proj.bias", (cfg.dim,))
+        for i in range(cfg.n_layers)
+    }
 
 
 def _family_by_shape(cfg: ModelConfig) -> str:
@@ -1088,8 +1134,8 @@ def _family_by_shape(cfg: ModelConfig) -> str:
         return OLMO2
     if cfg.qk_norm and not cfg.qkv_bias:
         return QWEN3MOE if cfg.moe else "Qwen3ForCausalLM"
-    if cfg.qkv_bias and not cfg.qk_norm and not cfg.moe:
-        return "Qwen2ForCausalLM"
+    if cfg.qkv_bias and not cfg.qk_norm and not cfg.moe:  # attention_bias, zero o biases (zero_tensors)
+        return LLAMA  # not Qwen2: transformers' AutoTokenizer gives a qwen2 Qwen's pre-tokenizer whatever it ships
     if cfg.qkv_bias:
         raise HFError(
             "model: no supported Hugging Face family has this combination of q/k/v biases, q/k norms "
@@ -1208,7 +1254,7 @@ def hf_tensors(
     embedding and head keep their ``vocab_size`` real rows (a padded vocabulary's rows dropped). The
     parts of a fused tensor (GPT-2's c_attn, Phi-3's qkv_proj, gate_up_proj) are held until all its
     rows have arrived, then concatenated in row order."""
-    maps = dict(_mappings(cfg))
+    maps, zeros = dict(_mappings(cfg)), zero_tensors(cfg)
     pending: dict[str, dict[int, torch.Tensor]] = {}  # HF name -> row offset -> that part
     for name, t in state:
         if name not in maps:
@@ -1229,5 +1275,7 @@ def hf_tensors(
             del pending[m.hf]
             t = torch.cat([parts[o] for o in sorted(parts)])
         yield m.hf, (t.t() if m.conv1d else t).contiguous()
+        if name in zeros:
+            yield zeros[name][0], torch.zeros(zeros[name][1], dtype=t.dtype)
     if pending:
         raise HFError(f"{next(iter(pending))}: only some of its fused parts were given")
