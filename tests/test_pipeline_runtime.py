@@ -4,6 +4,7 @@ stashing, convergence of PipeDream, measured timelines, failures, bad configurat
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import pytest
@@ -768,11 +769,24 @@ def test_measured_bubble_equals_the_formula_on_timed_stages(pools):
     # beside this test) can delay wake-ups by several ms. A runtime that adds waiting misses in
     # every measurement; a burst of load misses in one. So a schedule passes when one of three
     # measurements holds.
+    # Under sustained load (the other test worker compiling for minutes) all three can miss: then
+    # the load is waited out (at most 2 minutes) and two more are taken.
     missed = misses(pools(2).run(_timed_bubbles)[0], {name for name, _ in SYNC})
-    for _ in range(2):
-        if missed:
-            missed = misses(pools(2).run(_timed_bubbles)[0], set(missed))
+    for attempt in range(4):
+        if not missed:
+            break
+        if attempt == 2:
+            _wait_for_idle_cores(120.0)
+        missed = misses(pools(2).run(_timed_bubbles)[0], set(missed))
     assert not missed, "\n".join(missed.values())
+
+
+def _wait_for_idle_cores(limit_s: float) -> None:
+    """Sleep until the 1-minute load average is below the core count plus one (other processes no
+    longer delay wake-ups), or ``limit_s`` has passed."""
+    end = time.monotonic() + limit_s
+    while os.getloadavg()[0] > (os.cpu_count() or 1) + 1 and time.monotonic() < end:
+        time.sleep(2.0)
 
 
 def test_profiled_partitioner_prints_cut_time_and_memory():
