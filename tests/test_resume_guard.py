@@ -128,6 +128,53 @@ def test_resuming_on_other_data_is_refused(trained, tmp_path):
     assert _start_step(cfg) == 4  # the run's own data resumes
 
 
+def _other_tokenizer(cfg: dict) -> Path:
+    """The tokenizer.json of another corpus with the same vocabulary size (other merges)."""
+    from loom.data import prepare_data
+
+    other = json.loads(json.dumps(cfg))
+    other["data"] |= {"max_corpus_mb": 0.12, "prepared_dir": ""}
+    return prepare_data(C.from_dict(other).data, progress=False).dir / "tokenizer.json"
+
+
+def test_a_checkpoint_is_used_only_with_the_tokenizer_it_was_trained_with(trained, tmp_path):
+    """Every checkpoint records its tokenizer's SHA-256: a resume (train.resume from another run) or an
+    export (a checkpoint copied into another run) with another tokenizer of the same size is refused
+    in one line naming both, before anything is written."""
+    import hashlib
+    import shutil
+
+    from loom.checkpoint.format import CheckpointError
+    from loom.checkpoint.hf_export import export_hf
+
+    cfg, run = trained
+    ckpt = run / "checkpoints" / "step-00000004"
+    recorded = json.loads((ckpt / "train_state.json").read_text())["tokenizer_sha256"]
+    assert recorded == hashlib.sha256((run / "tokenizer.json").read_bytes()).hexdigest()
+    other_tok = _other_tokenizer(cfg)
+    other_sha = hashlib.sha256(other_tok.read_bytes()).hexdigest()
+    assert other_sha != recorded
+    said = rf"{ckpt.name}: trained with another tokenizer \(sha256 {recorded[:12]}\) than .*\(sha256 {other_sha[:12]}\)"
+
+    other = json.loads(json.dumps(cfg))  # a new run on the other corpus, resuming this run's checkpoint
+    other["data"] |= {"max_corpus_mb": 0.12, "prepared_dir": str(other_tok.parent)}
+    other["run"]["dir"] = str(tmp_path / "new")
+    with pytest.raises(CheckpointError, match=said + r"; its token ids would mean other text"):
+        _start_step(other, resume=str(ckpt))
+    assert not (tmp_path / "new" / "checkpoints").exists() or not any(
+        (tmp_path / "new" / "checkpoints").iterdir()
+    )
+
+    _, copied = _copy_run(trained, tmp_path)  # a run of the other tokenizer, holding this checkpoint
+    shutil.copyfile(other_tok, copied / "tokenizer.json")
+    ident = json.loads((copied / "data.json").read_text()) | {"tokenizer": other_sha}
+    (copied / "data.json").write_text(json.dumps(ident))
+    with pytest.raises(CheckpointError, match=said):
+        export_hf(copied / "checkpoints" / "step-00000004", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    export_hf(ckpt, tmp_path / "hf")  # in its own run: fine
+
+
 def test_an_unreadable_latest_is_reported_once_however_often_it_is_looked_up(trained, tmp_path, caplog):
     from loom.checkpoint.load import find
 

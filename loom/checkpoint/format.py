@@ -424,6 +424,22 @@ def check_train_state(ts: dict, path: Path) -> None:
 DATA_IDENTITY = "data.json"  # run.dir: SHA-256 of the tokenizer and token files the run trained on
 
 
+TOKENIZER_SHA256 = "tokenizer_sha256"  # train_state.json: the SHA-256 of the tokenizer the run trained with
+
+
+def check_trained_tokenizer(ts: dict, sha: str, ckpt: Path, what: str) -> None:
+    """A checkpoint whose ``train_state.json`` ``ts`` records the tokenizer it was trained with is
+    used only with that tokenizer (``sha``: the SHA-256 of the one at hand, ``what`` names it; ""
+    or a checkpoint from before the record: not checked). Another's ids would be other text."""
+    saved = ts.get(TOKENIZER_SHA256)
+    if not isinstance(saved, str) or not saved or not sha or saved == sha:
+        return
+    raise CheckpointError(
+        f"{ckpt}: trained with another tokenizer (sha256 {saved[:12]}) than {what} (sha256 {sha[:12]}); "
+        "its token ids would mean other text: use it with the tokenizer it was trained with"
+    )
+
+
 def check_run_tokenizer(run_dir: Path) -> None:
     """``run_dir/tokenizer.json`` is the tokenizer the run trained with: the SHA-256 that its
     :data:`DATA_IDENTITY` recorded (a run without one is not checked); so is each side file the run

@@ -49,9 +49,11 @@ from loom.checkpoint.format import (
     CheckpointError,
     check_outside_checkpoints,
     check_run_tokenizer,
+    check_trained_tokenizer,
     staged,
     umask_mode,
 )
+from loom.checkpoint.integrity import sha256_file
 from loom.checkpoint.load import CheckpointReader
 from loom.model.hf import (
     INDEX,
@@ -277,6 +279,17 @@ def end_tokens(tok: Any, side: Path | None, eos: object = None) -> list[int]:
     return list(dict.fromkeys([*named, *rest]))
 
 
+def tokenizer_source(run_dir: Path, cfg: C.LoomConfig) -> Path | None:
+    """The ``tokenizer.json`` an export ships: the run's copy, else ``data.tokenizer``, else the
+    prepared data's (None: none of them is there)."""
+    candidates = (
+        run_dir / "tokenizer.json",
+        Path(cfg.data.tokenizer or "-"),
+        Path(cfg.data.prepared_dir or "-") / "tokenizer.json",
+    )
+    return next((p for p in candidates if p.is_file()), None)
+
+
 def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) -> dict[str, Any]:
     """Copy the run's ``tokenizer.json`` and the files describing it for ``AutoTokenizer`` (its side
     files, :func:`run_tokenizer_dir`, completed by :func:`_complete_tokenizer_config`; else a
@@ -284,18 +297,7 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) 
     source's where it gives them)."""
     from loom.data.tokenizer import eot_id, load_tokenizer
 
-    src = next(
-        (
-            p
-            for p in (
-                run_dir / "tokenizer.json",
-                Path(cfg.data.tokenizer or "-"),
-                Path(cfg.data.prepared_dir or "-") / "tokenizer.json",
-            )
-            if p.is_file()
-        ),
-        None,
-    )
+    src = tokenizer_source(run_dir, cfg)
     if src is None:
         return {}
     shutil.copyfile(src, tmp / "tokenizer.json")
@@ -456,8 +458,11 @@ def export_hf(
                 "export merged weights with --merge-lora, or the adapters with `loom export peft`"
             )
         reader = opened if wrap is None else wrap(opened)
-        check_run_tokenizer(opened.dir.parent.parent)  # the tokenizer it ships: before anything is written
-        run_tokenizer_dir(opened.dir.parent.parent, cfg)  # and the files describing it
+        run_dir = opened.dir.parent.parent
+        check_run_tokenizer(run_dir)  # the tokenizer it ships: before anything is written
+        if (shipped := tokenizer_source(run_dir, cfg)) is not None:  # the one this checkpoint trained with
+            check_trained_tokenizer(opened.train_state, sha256_file(shipped), opened.dir, str(shipped))
+        run_tokenizer_dir(run_dir, cfg)  # and the files describing it
         architecture_of(
             cfg.model
         )  # a model no Hugging Face family holds fails here, before anything is written
@@ -488,7 +493,7 @@ def export_hf(
             config = carried_config(
                 hf_config(cfg.model, str(want).removeprefix("torch."), moe=cfg.moe), hf_src
             )
-            special = _tokenizer_files(reader.dir.parent.parent, cfg, tmp, config)
+            special = _tokenizer_files(run_dir, cfg, tmp, config)
             config |= special
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
             if hf_src is not None and (hf_src / "generation_config.json").is_file():

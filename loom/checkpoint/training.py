@@ -37,7 +37,13 @@ from typing import Any, Protocol, cast
 
 from loom import config as C
 from loom.checkpoint.convert import convert
-from loom.checkpoint.format import MANIFEST, CheckpointError, write_bytes_atomic
+from loom.checkpoint.format import (
+    MANIFEST,
+    TOKENIZER_SHA256,
+    CheckpointError,
+    check_trained_tokenizer,
+    write_bytes_atomic,
+)
 from loom.checkpoint.load import CheckpointReader, find
 from loom.checkpoint.protocol import Shardable, ShardedTensor
 from loom.checkpoint.recorded import free_on_resume, model_changes, recorded_config
@@ -151,11 +157,14 @@ class TrainCheckpoints:
         loss_scaler=None,
         base: Callable[[], dict | None] | None = None,
         data: DataPosition | None = None,
+        tokenizer_sha256: str = "",
     ) -> None:
         """``base``: the identity (path, SHA-256) of the frozen base a LoRA run fine-tunes, computed by
         rank 0 (:func:`loom.finetune.base.base_identity`); its checkpoints are bound to it. ``data``:
-        the sampler whose position is saved and restored (None: the step and global sequences only)."""
-        self.data = data
+        the sampler whose position is saved and restored (None: the step and global sequences only).
+        ``tokenizer_sha256``: the run's tokenizer, recorded in every checkpoint; a checkpoint recording
+        another is not resumed ("": neither recorded nor checked)."""
+        self.data, self.tokenizer_sha256 = data, tokenizer_sha256
         self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world
         self.group = new_group(world, cfg.run.timeout_s)
         self.checkpointer = Checkpointer(
@@ -188,6 +197,7 @@ class TrainCheckpoints:
             ts = reader.train_state
             self._check_optimizer(ts, reader.dir)
             self._check_base(ts, reader.dir)
+            check_trained_tokenizer(ts, self.tokenizer_sha256, reader.dir, "this run's tokenizer")
             self._check_model(ts, reader.dir)
             self._check_position(ts, reader.dir)
             if self.data is not None:  # every rank: the same record, the same verdict
@@ -294,6 +304,7 @@ class TrainCheckpoints:
             "config": C.to_dict(self.cfg),
             "loss_scale": self._scaler_state(),
             "finetune_base": self.base,  # a LoRA run: the base its adapters apply to (path, sha256)
+            **({TOKENIZER_SHA256: self.tokenizer_sha256} if self.tokenizer_sha256 else {}),
             "saved_unix_s": time.time(),
         }
         state = dict(self.state.sharded_state())

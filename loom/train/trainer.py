@@ -23,6 +23,7 @@ import torch.distributed as dist
 from loom import comm
 from loom import config as C
 from loom.checkpoint.hf_export import keep_tokenizer_files
+from loom.checkpoint.load import find
 from loom.checkpoint.protocol import CombinedState
 from loom.checkpoint.save import broadcast_json
 from loom.checkpoint.training import TrainCheckpoints, truncate_metrics
@@ -185,13 +186,21 @@ class Trainer:
             from loom.finetune.base import base_identity
 
             base = partial(base_identity, cfg)
-        self.ckpts = TrainCheckpoints(
-            cfg, self.run_dir, env.rank, env.world, state, scaler, base, data=self.sampler
-        )  # the data position travels in every checkpoint and is restored with it
-        self.start_step = self.ckpts.restore()
         self.data_identity = data_identity(self.data)
-        if self.start_step > 0:  # every rank: the same files, the same verdict, before anything is written
-            check_same_data(self.run_dir, self.data_identity)
+        self.ckpts = TrainCheckpoints(
+            cfg,
+            self.run_dir,
+            env.rank,
+            env.world,
+            state,
+            scaler,
+            base,
+            data=self.sampler,
+            tokenizer_sha256=self.data_identity["tokenizer"],
+        )  # the data position and the tokenizer travel in every checkpoint, checked when restored
+        if cfg.train.resume or find(self.run_dir) is not None:  # a resume: first the data the run recorded
+            check_same_data(self.run_dir, self.data_identity)  # every rank: the same files, the same verdict
+        self.start_step = self.ckpts.restore()
         if self.is_main:  # rows an earlier attempt wrote past the checkpoint it resumes from
             truncate_metrics(self.run_dir, self.start_step)
             truncate_metrics(self.run_dir, self.start_step, SAMPLE_IDS)
