@@ -52,6 +52,7 @@ def test_unknown_devices_are_measured_in_the_run_dtype(monkeypatch):
     "name",
     [
         "NVIDIA H100 NVL",
+        "NVIDIA H200 NVL",
         "NVIDIA GH200 480GB",
         "NVIDIA GB200",
         "NVIDIA GeForce RTX 4090",
@@ -60,7 +61,8 @@ def test_unknown_devices_are_measured_in_the_run_dtype(monkeypatch):
     ],
 )
 def test_parts_with_other_datasheets_are_not_given_a_known_peak(name):
-    """A name containing a known part (H100 in H100 NVL, H200 in GH200, B200 in GB200) is not that part."""
+    """A name containing a known part (H100 in H100 NVL, H200 in H200 NVL and GH200, B200 in GB200) is
+    not that part."""
     from loom.plan.hardware import device_key
 
     assert device_key(name) is None

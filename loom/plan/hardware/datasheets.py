@@ -325,9 +325,11 @@ DEVICES: dict[str, DeviceSpec] = {
 
 # (substrings of torch.cuda.get_device_name, all required, lower case) -> DEVICES key, first match
 # wins; None: a part whose name contains a known one but whose datasheet differs (H100 NVL: 94 GB,
-# other clocks; GH200 / GB200: Grace superchips), so it is measured, not given another part's peak.
+# other clocks; H200 NVL: 600 W, 1671 TF bf16 with sparsity against the SXM's 1979; GH200 / GB200: Grace
+# superchips), so it is measured, not given another part's peak.
 _NAME_RULES: tuple[tuple[tuple[str, ...], str | None], ...] = (
     (("h100", "nvl"), None),
+    (("h200", "nvl"), None),
     (("gh200",), None),
     (("gb200",), None),
     (("h100", "pcie"), "h100-pcie"),
