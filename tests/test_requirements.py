@@ -9,6 +9,7 @@ the same packages.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from importlib.metadata import packages_distributions
 from pathlib import Path
@@ -46,9 +47,15 @@ def _imports(folder: str) -> dict[str, bool]:
     return found
 
 
+@functools.cache
+def _installed() -> dict[str, list[str]]:
+    """Top-level module -> the distributions providing it (one scan of the installed metadata)."""
+    return dict(packages_distributions())
+
+
 def _distributions(module: str) -> set[str]:
     """The distributions providing ``module`` (its own name when none is installed here, as tomli on 3.11)."""
-    return {canonicalize_name(d) for d in packages_distributions().get(module, [module])}
+    return {canonicalize_name(d) for d in _installed().get(module, [module])}
 
 
 def _names(lines: list[str]) -> set[str]:
