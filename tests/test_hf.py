@@ -473,6 +473,17 @@ def test_an_export_whose_tokenizer_transformers_replaces_is_named(prepared, tmp_
     assert check_auto_tokenizer(tmp_path / "qwen2") is None
 
 
+def test_the_tokenizer_check_needs_transformers_only_if_installed(prepared, tmp_path, monkeypatch):
+    """Without transformers there is nothing to check against: the export is written, unchecked."""
+    import sys
+
+    from loom.checkpoint.hf_export import check_auto_tokenizer
+
+    (tmp_path / "tokenizer.json").write_bytes((Path(prepared) / "tokenizer.json").read_bytes())
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers: ModuleNotFoundError
+    assert check_auto_tokenizer(tmp_path) is None
+
+
 def test_export_never_overwrites(prepared, tmp_path):
     from loom.checkpoint.format import CheckpointError
     from loom.checkpoint.hf_export import export_hf

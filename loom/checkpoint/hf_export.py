@@ -372,16 +372,18 @@ def check_auto_tokenizer(d: Path) -> str | None:
     ``tokenizer.json`` it ships: the ids of :data:`PROBE` compared (transformers forces its own class,
     pre-tokenizer and all, on some model types). Returns the problem in one line, or None (the same
     ids, no tokenizer, or transformers not installed)."""
-    import importlib.util
-
-    if not (d / "tokenizer.json").is_file() or importlib.util.find_spec("transformers") is None:
+    if not (d / "tokenizer.json").is_file():
         return None
     from loom.data.tokenizer import load_tokenizer
 
     enc = load_tokenizer(d / "tokenizer.json").encode(PROBE, add_special_tokens=False)
     want = enc.ids
-    import transformers
-
+    try:
+        import transformers
+    except ModuleNotFoundError:  # not installed: nothing loads it the way that library would
+        return None
+    except Exception as e:  # installed but broken: the export stands, unchecked
+        return f"transformers does not import ({type(e).__name__}: {e}); the tokenizer was not checked"
     level = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # its notes on the class it picks: the check says what matters
     try:
