@@ -37,6 +37,8 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
     # Qwen2's attention in Llama's layout: q/k/v/o biases, o's zero (_save_hf zeroes it)
     "llama-bias": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True}),
+    # biases on every linear but the head (model.bias), up_proj's zero (SwiGLU's w3 has none in Loom)
+    "llama-all-bias": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # q/k norms, head_dim != hidden / heads
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "gpt2": (
@@ -71,7 +73,10 @@ def _save_hf(tmp: Path, family: str, tie: bool, **kw) -> tuple[Path, torch.nn.Mo
                 and "bias" not in _name_of(model, p)
             )
             p.copy_(torch.randn_like(p) * 0.1 + (1.0 if norm else 0.0))
-            if _name_of(model, p).endswith("o_proj.bias"):  # Loom's q/k/v biases have no o bias
+            # the bias Loom has no tensor for: o's beside q/k/v biases alone, up's beside every other
+            if _name_of(model, p).endswith(
+                "up_proj.bias" if getattr(cfg, "mlp_bias", False) else "o_proj.bias"
+            ):
                 p.zero_()
     out = tmp / f"{family}-{'tied' if tie else 'untied'}"
     model.save_pretrained(out, max_shard_size="20KB")  # several shards and an index
@@ -169,6 +174,7 @@ def test_rope_row_order_round_trips():
         ),
         ("llama", {"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported"),
         ("mistral", {"attention_bias": True}, r"attention_bias = True is not supported"),
+        ("llama", {"mlp_bias": True}, r"mlp_bias = True is not supported"),  # Loom: with attention_bias only
         # Llama's attention_bias is read (q/k/v biases, zero o biases): the biases must be there
         ("llama", {"attention_bias": True}, r"tensor model.layers.0.self_attn.k_proj.bias is missing"),
         (
@@ -229,9 +235,9 @@ def test_bad_tensors_and_files_are_named(tmp_path):
     "kw,says",
     [
         (
-            {"bias": True},
-            "holds bias = true, and it also needs positions = learned, norm = layernorm, mlp = "
-            "gelu or gelu_tanh; q/k/v biases alone: qkv_bias = true",
+            {"mlp": "gelu_tanh", "bias": True},
+            "holds mlp = gelu or gelu_tanh and bias = true, and it also needs positions = learned, "
+            "norm = layernorm",
         ),
         (
             {"norm": "layernorm", "mlp": "gelu", "positions": "learned", "bias": True, "n_kv_heads": 2},
@@ -244,16 +250,37 @@ def test_bad_tensors_and_files_are_named(tmp_path):
             "learned, mlp = gelu or gelu_tanh, bias = true, qk_norm = false",
         ),
     ],
-    ids=["rope+bias", "gpt2+gqa", "layernorm+qk_norm"],
+    ids=["rope+gelu+bias", "gpt2+gqa", "layernorm+qk_norm"],
 )
 def test_a_model_only_gpt2_could_hold_names_what_it_lacks(kw, says):
-    """A GPT-2 field on a model GPT-2 cannot hold (a RoPE model with biases on every linear) is refused
-    at export naming the fields it has and those GPT-2 needs as well, not GPT-2's whole list."""
+    """A GPT-2 field on a model GPT-2 cannot hold (a RoPE model with a GELU MLP) is refused at export
+    naming the fields it has and those GPT-2 needs as well, not GPT-2's whole list."""
     from loom.model.hf import HFError, architecture_of
 
     with pytest.raises(HFError) as e:
         architecture_of(C.ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, **kw))
     assert str(e.value) == f"model: among the supported Hugging Face families only GPT2LMHeadModel {says}"
+
+
+def test_biases_on_a_rope_model_go_out_as_a_llama_with_attention_and_mlp_biases():
+    """model.bias on a RoPE SwiGLU model: Llama's attention_bias + mlp_bias (up_proj's bias zero);
+    no family with q/k norms or experts holds them, nor Mistral, Phi-3 or Qwen2."""
+    from loom.model.hf import HFError, architecture_of, hf_config, zero_tensors
+
+    cfg = C.ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, ffn_dim=48, bias=True)
+    raw = hf_config(cfg)
+    assert (raw["model_type"], raw["attention_bias"], raw["mlp_bias"]) == ("llama", True, True)
+    assert zero_tensors(cfg) == {
+        f"layers.{i}.feed_forward.w3.weight": (f"model.layers.{i}.mlp.up_proj.bias", (48,)) for i in range(2)
+    }
+    for kw in ({"qk_norm": True}, {"n_experts": 4}):
+        with pytest.raises(HFError, match="^model: bias = true on a RoPE model goes out as a Llama with"):
+            architecture_of(C.ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, bias=True, **kw))
+    for named in ("MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM"):
+        with pytest.raises(HFError, match=f"model.hf_architecture: {named} cannot hold this model's tensors"):
+            architecture_of(
+                C.ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, bias=True, hf_architecture=named)
+            )
 
 
 def test_a_llama_with_a_nonzero_output_bias_is_refused_naming_it(tmp_path):
@@ -402,7 +429,17 @@ def _loom_logits(run: Path, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "layout",
-    ["one process", "dp2 zero3", "tp2", "qwen2 tp2", "qwen3 dp2", "mixtral ep2", "mixtral tp2", "gpt2 tp2"],
+    [
+        "one process",
+        "dp2 zero3",
+        "tp2",
+        "qwen2 tp2",
+        "bias tp2",
+        "qwen3 dp2",
+        "mixtral ep2",
+        "mixtral tp2",
+        "gpt2 tp2",
+    ],
 )
 def test_export_loads_in_transformers_with_equal_logits(pools, prepared, tmp_path, layout):
     from loom.checkpoint.hf_export import export_hf
@@ -412,6 +449,7 @@ def test_export_loads_in_transformers_with_equal_logits(pools, prepared, tmp_pat
     cfg = _config(prepared, run, **par)
     cfg["model"] |= {
         "qwen2": {"qkv_bias": True},
+        "bias": {"bias": True},  # every linear but the head: a Llama with attention_bias and mlp_bias
         "qwen3": {"qk_norm": True, "attn_head_dim": 32},
         "mixtral": {"n_experts": 4, "top_k": 2},
         "gpt2": GPT2 | {"tie_embeddings": True},
@@ -426,8 +464,9 @@ def test_export_loads_in_transformers_with_equal_logits(pools, prepared, tmp_pat
     x = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert_close(hf(x).logits, _loom_logits(run, x))
-    if layout.startswith("qwen2"):  # q/k/v biases go out as a Llama: a qwen2's tokenizer would be Qwen's
+    if layout.startswith(("qwen2", "bias")):  # q/k/v biases go out as a Llama (a qwen2's tokenizer is Qwen's)
         assert (hf.config.model_type, hf.config.attention_bias) == ("llama", True)
+        assert hf.config.mlp_bias == layout.startswith("bias")
     _assert_auto_tokenizer_is_the_runs(tmp_path / "hf", run)
     assert done.tokenizer_problem is None
 

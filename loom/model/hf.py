@@ -2,7 +2,8 @@
 
 Families: ``LlamaForCausalLM``, ``MistralForCausalLM`` (the same tensors; Mistral's sliding window
 only when every sequence fits in it), ``Qwen2ForCausalLM`` (q/k/v biases: ``model.qkv_bias``; also a
-Llama with ``attention_bias`` whose o biases are zero, :func:`zero_tensors`, as auto exports it) and
+Llama with ``attention_bias`` whose o biases are zero, :func:`zero_tensors`, as auto exports it; a
+Llama with ``attention_bias`` and ``mlp_bias``, up's zero: ``model.bias`` on a RoPE model) and
 ``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``model.qk_norm``) and
 ``MixtralForCausalLM`` (into Loom's mixture of experts: the router, and each expert's w1/w3/w2
 stacked into the (E, ...) weights), ``Qwen3MoeForCausalLM`` (Qwen3's attention, Mixtral's
@@ -331,16 +332,19 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
             "divisor of it (each key/value head serves the same number of query heads)"
         )
     qwen2, qwen3 = arch == QWEN2, arch in ("Qwen3ForCausalLM", QWEN3MOE)
-    checks = [
+    checks: list[tuple[str, tuple[object, ...]]] = [
         ("hidden_act", ("silu", "swish", None)),  # transformers: swish is SiLU; every family's default
-        ("mlp_bias", (False, None)),
         ("router_jitter_noise", (0.0, 0, None)),
     ]
-    # Qwen2 always has q/k/v biases (and no o bias); Llama's attention_bias adds q/k/v and o biases, read
-    # when the o biases are all zero (a Qwen2 in Llama's layout; open_dir checks them); others: none
+    # Qwen2 always has q/k/v biases (and no o bias); Llama's attention_bias adds q/k/v and o biases:
+    # with mlp_bias (gate, up, down) too, Loom's model.bias (every linear but the head; up's zero),
+    # alone Qwen2's q/k/v biases (o's zero); open_dir checks the zeros (zero_tensors); others: none
     llama_bias = arch == LLAMA and raw.get("attention_bias") is True
+    every_bias = llama_bias and raw.get("mlp_bias") is True
     if not qwen2 and not llama_bias:
         checks.append(("attention_bias", (False, None)))
+    if not every_bias:
+        checks.append(("mlp_bias", (False, None)))
     for field, allowed in checks:
         if raw.get(field) not in allowed:
             raise HFError(f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r})")
@@ -373,7 +377,8 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
         **_rope(raw),
         norm_eps=_float("rms_norm_eps", hf_field(raw, "rms_norm_eps")),
         tie_embeddings=_bool("tie_word_embeddings", hf_field(raw, "tie_word_embeddings")),
-        qkv_bias=qwen2 or llama_bias,
+        qkv_bias=qwen2 or (llama_bias and not every_bias),
+        bias=every_bias,
         qk_norm=qwen3 or arch == OLMO2,
         qk_norm_scope="all" if arch == OLMO2 else "head",
         norm_placement="post" if arch == OLMO2 else "pre",
@@ -811,7 +816,7 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
         for x in "o" if phi3 else "qkvo":
             heads = {"q": cfg.n_heads, "k": cfg.n_kv_heads}.get(x)
             yield lm + f"attention.w{x}.weight", Mapping(hf + f"self_attn.{x}_proj.weight", heads)
-            if cfg.qkv_bias and x != "o":
+            if cfg.bias or (cfg.qkv_bias and x != "o"):
                 yield lm + f"attention.w{x}.bias", Mapping(hf + f"self_attn.{x}_proj.bias", heads)
         if cfg.qk_norm:  # one head's d weights (OLMo-2: every head's, a·d and k·d), applied before RoPE
             whole = cfg.qk_norm_scope == "all"
@@ -846,6 +851,8 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
             continue
         for w, proj in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
             yield lm + f"feed_forward.{w}.weight", Mapping(hf + f"mlp.{proj}_proj.weight")
+            if cfg.bias and w != "w3":  # Llama's mlp_bias; up_proj's is zero (zero_tensors)
+                yield lm + f"feed_forward.{w}.bias", Mapping(hf + f"mlp.{proj}_proj.bias")
     yield "norm.weight", Mapping("model.norm.weight")
     if not cfg.tie_embeddings:
         yield "output.weight", Mapping(HEAD)
@@ -1048,14 +1055,15 @@ def load_into(module: torch.nn.Module, model: HFModel) -> None:
 
 
 def _is_gpt2(cfg: ModelConfig) -> bool:
-    """GPT-2's tensors exactly: every GPT-2 field set, and nothing GPT-2 lacks."""
+    """GPT-2's tensors exactly: every GPT-2 field set, and nothing GPT-2 lacks (``bias`` alone on a
+    RoPE model is Llama's attention_bias + mlp_bias)."""
     fields = {
         "positions = learned": cfg.positions == "learned",
         "norm = layernorm": cfg.norm == "layernorm",
         "mlp = gelu or gelu_tanh": cfg.mlp != "swiglu",
         "bias = true": cfg.bias,
     }
-    if not any(fields.values()):
+    if not any(v for k, v in fields.items() if k != "bias = true"):
         return False
     unmet = {  # what else GPT-2 needs -> whether the model breaks it
         "n_kv_heads = n_heads": cfg.n_kv_heads != cfg.n_heads,
@@ -1066,10 +1074,9 @@ def _is_gpt2(cfg: ModelConfig) -> bool:
     if not all(fields.values()) or any(unmet.values()):
         have = " and ".join(k for k, v in fields.items() if v)
         lack = [k for k, v in fields.items() if not v] + [k for k, v in unmet.items() if v]
-        hint = "; q/k/v biases alone: qkv_bias = true" if cfg.bias and cfg.positions != "learned" else ""
         raise HFError(
             f"model: among the supported Hugging Face families only GPT2LMHeadModel holds {have}, and it also "
-            f"needs {', '.join(lack)}{hint}"
+            f"needs {', '.join(lack)}"
         )
     return True
 
@@ -1101,7 +1108,7 @@ def architecture_of(cfg: ModelConfig) -> str:
             f"model.hf_architecture: {PHI3} scales RoPE by longrope only, not Llama 3's rope_scaling; set it "
             "to auto or LlamaForCausalLM"
         )
-    if by_shape == LLAMA and named in ((QWEN2,) if cfg.qkv_bias else LLAMA_TENSORS):
+    if by_shape == LLAMA and named in (() if cfg.bias else (QWEN2,) if cfg.qkv_bias else LLAMA_TENSORS):
         return named
     raise HFError(
         f"model.hf_architecture: {named} cannot hold this model's tensors ({by_shape} does); "
@@ -1112,9 +1119,18 @@ def architecture_of(cfg: ModelConfig) -> str:
 def zero_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Loom name -> (HF name, shape) of each tensor the family holds beside that Loom tensor and
     Loom's model lacks, always zero: Llama's ``o_proj.bias`` when its ``attention_bias`` carries
-    Loom's q/k/v biases (Qwen2's, with no o bias). Export writes zeros; import requires zeros."""
-    if not cfg.qkv_bias or architecture_of(cfg) != LLAMA:
+    Loom's q/k/v biases (Qwen2's, with no o bias), its ``up_proj.bias`` when ``mlp_bias`` carries
+    ``model.bias``'s (SwiGLU's up projection w3 has none). Export writes zeros; import requires zeros."""
+    if not (cfg.qkv_bias or cfg.bias) or architecture_of(cfg) != LLAMA:
         return {}
+    if cfg.bias:
+        return {
+            f"layers.{i}.feed_forward.w3.weight": (
+                f"model.layers.{i}.mlp.up_proj.bias",
+                (cfg.resolved_ffn_dim(),),
+            )
+            for i in range(cfg.n_layers)
+        }
     return {
         f"layers.{i}.attention.wo.weight": (f"model.layers.{i}.self_attn.o_proj.bias", (cfg.dim,))
         for i in range(cfg.n_layers)
@@ -1126,12 +1142,19 @@ def _family_by_shape(cfg: ModelConfig) -> str:
         return GPT2
     olmo2 = (cfg.norm_placement == "post", cfg.qk_norm and cfg.qk_norm_scope == "all")
     if any(olmo2):
-        if not all(olmo2) or cfg.qkv_bias or cfg.moe:
+        if not all(olmo2) or cfg.qkv_bias or cfg.bias or cfg.moe:
             raise HFError(
                 "model: Olmo2ForCausalLM needs norm_placement = post with qk_norm = true, qk_norm_scope = all, "
                 "and no q/k/v biases or experts; no other Hugging Face family holds either"
             )
         return OLMO2
+    if cfg.bias:  # Llama with attention_bias and mlp_bias: every linear but the head (up_proj's zero)
+        if cfg.qk_norm or cfg.moe:
+            raise HFError(
+                "model: bias = true on a RoPE model goes out as a Llama with attention_bias and mlp_bias, "
+                "which has no q/k norms or experts; no other supported Hugging Face family holds it"
+            )
+        return LLAMA
     if cfg.qk_norm and not cfg.qkv_bias:
         return QWEN3MOE if cfg.moe else "Qwen3ForCausalLM"
     if cfg.qkv_bias and not cfg.qk_norm and not cfg.moe:  # attention_bias, zero o biases (zero_tensors)
@@ -1192,8 +1215,8 @@ def hf_config(
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": cfg.qkv_bias,
-        "mlp_bias": False,
+        "attention_bias": cfg.qkv_bias or cfg.bias,
+        "mlp_bias": cfg.bias,
         "initializer_range": cfg.init_std,
         "dtype": dtype,
     }
