@@ -43,7 +43,7 @@ from loom.parallel.ps.strategy import PSWorker
 from loom.rules import parse_ps_sync
 from loom.train.export import write_json_atomic
 from loom.train.health import Heartbeat, heartbeat_interval
-from loom.train.setup import control_group, ensure_data, init_process_group, initial_model
+from loom.train.setup import control_group, data_identity, ensure_data, init_process_group, initial_model
 
 log = logging.getLogger("loom")
 
@@ -120,7 +120,8 @@ def serve(cfg: C.LoomConfig, env) -> dict[str, float]:
             server_model(cfg, device), links, sync_bound(p.ps_sync), cfg.train, timeout_s=cfg.run.timeout_s
         )
         heartbeat.set(0, "checkpoint load")
-        ckpts = TrainCheckpoints(cfg, run_dir, env.rank, env.world, server)
+        tokenizer = data_identity(data)["tokenizer"]  # recorded in each checkpoint, checked on restore
+        ckpts = TrainCheckpoints(cfg, run_dir, env.rank, env.world, server, tokenizer_sha256=tokenizer)
         done = ckpts.restore()
         while done < cfg.train.steps:
             heartbeat.set(done + 1, "serve")
