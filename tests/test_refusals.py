@@ -1278,3 +1278,32 @@ def test_existing_picture_is_never_replaced(tmp_path, capsys, monkeypatch, argv)
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "--plot" in lines[0] and str(pic) in lines[0] and "exists" in lines[0], lines
     assert not captured.out and pic.read_bytes() == b"a picture of mine"
+
+
+def test_a_layer_count_no_planner_walk_could_finish_is_one_line_everywhere(world, tmp_path, capsys):
+    """model.n_layers = 10^12 made ``loom plan`` and ``plan validate --runs`` end in a MemoryError
+    traceback and ``cluster simulate`` spin for ever (per-layer walks): every entry point refuses it
+    in one line naming the field, before any walk."""
+    from loom.cli import main
+
+    said = "n_layers: at most 10,000 (the deepest transformers trained have about 1,000), got "
+    runs = tmp_path / "runs.toml"
+    runs.write_text(
+        "[models.m]\ndim = 64\nn_layers = 1000000000000\nn_heads = 4\nn_kv_heads = 4\nvocab_size = 256\n"
+        '[[runs]]\nname = "r"\nmodel = "m"\nstack = "pytorch-fsdp"\nlayout = "dp8 zero3 mb1"\n'
+        'cluster = { device = "a100-80g", devices_per_node = 8, inter_bandwidth_gbps = 25 }\n'
+        'global_batch = 8\nseq_len = 64\ntokens_per_s_per_gpu = 1000\nsource = "x"\n'
+    )
+    trace = tmp_path / "trace.toml"
+    trace.write_text(
+        '[[jobs]]\nname = "j"\narrival_s = 0\nsamples = 100\ndevices = 2\n'
+        "model = { dim = 64, n_layers = 1000000, n_heads = 4, n_kv_heads = 4 }\n"
+    )
+    for argv in (
+        ["plan", "--config", str(world.tiny), "--model.n_layers", "1000000000000"],
+        ["plan", "validate", "--published", "--runs", str(runs)],
+        ["cluster", "simulate", "--trace", str(trace), "--policy", "fifo"],
+    ):
+        assert main(argv) != 0, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0], (argv, lines)

@@ -285,10 +285,18 @@ def _check_precision(cfg: LoomConfig) -> None:
     )
 
 
+MAX_LAYERS = 10_000
+
+
 def _check_model(m: ModelConfig) -> None:
     """[model]: sizes >= 1, heads that divide the width (even for RoPE), experts that are SwiGLU."""
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "multiple_of"):
         _require(getattr(m, name) >= 1, f"model.{name}: must be >= 1, got {getattr(m, name)}")
+    _require(  # the planner walks the layers one by one: a typo of 1e12 would never return
+        m.n_layers <= MAX_LAYERS,
+        f"model.n_layers: at most {MAX_LAYERS:,} (the deepest transformers trained have about 1,000), "
+        f"got {m.n_layers:,}",
+    )
     _require(
         m.attn_head_dim > 0 or m.dim % m.n_heads == 0,
         f"model.dim: {m.dim} must be divisible by model.n_heads={m.n_heads} (or set model.attn_head_dim)",

@@ -163,6 +163,10 @@ def zero3_transient(
     c = {False: reduction_bytes(cm, n), True: reduction_bytes(cm, max(1, n // ep))}  # dense, experts
     worst = 0.0
     reduced: dict[bool, list[float]] = {False: [], True: []}  # per reducer (its own in-flight window)
+    # running sums of each reducer's units, all and all but the last two, added in the order a sum of
+    # the list would (the same floats; the walk stays linear in the layers)
+    total = {False: 0.0, True: 0.0}
+    older = {False: 0.0, True: 0.0}
     for i, (name, u, p, extra, done) in enumerate(order):
         nxt = order[i + 1] if i + 1 < len(order) else None
         prefetch = 0.0
@@ -175,9 +179,9 @@ def zero3_transient(
             if filling:
                 flight += c[k] * sum(r[-2:])
             elif cast:
-                flight += c[k] * sum(r[-2:]) - G * sum(r)
+                flight += c[k] * sum(r[-2:]) - G * total[k]
             else:
-                flight -= G * sum(r[:-2])
+                flight -= G * older[k]
         held = held_tied if tied and name == "block" else 0.0
         moment = W * (u + prefetch) + G * (p + extra + u * f) + flight
         worst = max(worst, moment + held)
@@ -185,7 +189,10 @@ def zero3_transient(
             own = sum(c[k] * e for e, k in done)
             worst = max(worst, W * prefetch + G * u * f + own + flight + held)
         for e, k in done:
+            if len(reduced[k]) >= 2:  # leaves the window of the last two
+                older[k] += reduced[k][-2]
             reduced[k].append(e)
+            total[k] += e
     return worst
 
 
