@@ -357,6 +357,15 @@ def test_cli_predicts_your_own_runs_as_the_shipped_ones(tmp_path, capsys):
             "tokens_per_s_per_gpu = 2973\ntflops_formula = 'palm'",
             "run 'mine': tflops_formula applies to tflops_per_gpu or mfu, not tokens_per_s_per_gpu",
         ),
+        # a second value of one layout field silently replaced the first; none at all was dp1 on 1 GPU
+        (
+            "zero3",
+            "zero3 dp2",
+            "run 'mine': layout: 'dp64' and 'dp2' in 'dp64 zero3 dp2 mb1 recompute:selective' both set dp",
+        ),
+        ('layout = "dp64 zero3 mb1 recompute:selective"', 'layout = " "', "run 'mine': layout: empty"),
+        ("dp64", "dp0", "run 'mine': layout: 'dp0' in 'dp0 zero3"),
+        ('name = "mine"', 'name = " "', "own.toml: run name: empty"),
         ("[models.m]", "[modelz.m]", "own.toml: unknown table 'modelz'"),
         ("[[runs]]", "[runs]", "own.toml: runs must be an array of tables"),
         ("tie_embeddings = false", "tie_embeddings = false\nfoo = 1", "own.toml: models.m.foo: unknown key"),
@@ -378,6 +387,22 @@ def _refused_in_one_line(path, says: str, capsys) -> None:
         captured = capsys.readouterr()
         assert captured.err.count("\n") == 1 and says in captured.err, captured.err
         assert captured.out == ""
+
+
+def test_a_run_name_given_twice_is_refused(tmp_path, capsys):
+    """Two runs of one name (in one file, two files, or one file given twice) would count twice in
+    the means and in --fit: refused naming the run and where it was first."""
+    from loom.plan.validate import main
+
+    (tmp_path / "own.toml").write_text(_OWN)
+    (tmp_path / "two.toml").write_text(_OWN + _OWN[_OWN.index("[[runs]]") :])
+    for files, says in (
+        (["own.toml", "own.toml"], "own.toml: run 'mine': the name of a run in own.toml too"),
+        (["two.toml"], "two.toml: run 'mine': the name of a run in two.toml too"),
+    ):
+        assert main(["--published", "--runs", *(str(tmp_path / f) for f in files)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
 
 
 def test_runs_files_that_cannot_be_read_are_one_line(tmp_path, capsys):

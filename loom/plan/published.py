@@ -119,6 +119,8 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
     for key in ("name", "model", "stack", "cluster", "layout", "global_batch", "seq_len", "source"):
         if key not in row:
             raise PlanError(f"{at}: missing {key!r}")
+    if not row["name"].strip():
+        raise PlanError(f"{where}: run name: empty; each run needs a name of its own")
     if row["model"] not in models:
         raise PlanError(f"{at}: model {row['model']!r} not among [models.*] ({', '.join(models)})")
     given = [k for k in _MEASURES if k in row]
@@ -132,7 +134,7 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
             raise PlanError(f"{at}: cluster: missing {key!r}")
     per = int(cl.get("devices_per_node", 8))
     try:
-        lay = Layout.parse(row["layout"])
+        lay = Layout.parse(row["layout"], "layout")
         dev = get_device(cl["device"])
         kw = {"inter_bandwidth": float(cl["inter_bandwidth_gbps"]) * GB}
         if "intra_bandwidth_gbps" in cl:
@@ -246,7 +248,24 @@ def load_file(path: Path) -> list[PublishedRun]:
 
 def load_runs(directory: Path = VALIDATION_DIR) -> list[PublishedRun]:
     """Every run of every ``*.toml`` in ``directory``, in file then row order."""
-    return [r for p in sorted(directory.glob("*.toml")) for r in load_file(p)]
+    return load_files(sorted(directory.glob("*.toml")))
+
+
+def load_files(paths: list[Path]) -> list[PublishedRun]:
+    """Every run of each file, in order; a run name given twice (in one file or two, or a file given
+    twice) is refused: its row would count twice in the means and in ``--fit``."""
+    runs: list[PublishedRun] = []
+    seen: dict[str, str] = {}
+    for path in paths:
+        for run in load_file(path):
+            if run.name in seen:
+                raise PlanError(
+                    f"{path.name}: run {run.name!r}: the name of a run in {seen[run.name]} too; give each run "
+                    "a name of its own (and each file once)"
+                )
+            seen[run.name] = path.name
+            runs.append(run)
+    return runs
 
 
 @dataclass

@@ -332,13 +332,13 @@ def main(argv: list[str]) -> int:
             MEAN_TOLERANCE,
             compare_published,
             format_published,
-            load_file,
+            load_files,
             sources,
             summary,
         )
 
         try:
-            given = [r for f in args.runs for r in load_file(Path(f))] if args.runs else None
+            given = load_files([Path(f) for f in args.runs]) if args.runs else None
             published = compare_published(given)
         except PlanError as e:
             print(f"loom plan validate: {e}", file=sys.stderr)

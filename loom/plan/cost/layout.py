@@ -83,17 +83,29 @@ class Layout:
         return " ".join(parts + ["offload"] * self.offload)
 
     @classmethod
-    def parse(cls, text: str) -> Layout:
-        """The layout of a :meth:`spec` line (``zeroK`` alone shards over all of dp; degrees not named are 1)."""
+    def parse(cls, text: str, field: str = "--layout") -> Layout:
+        """The layout of a :meth:`spec` line (``zeroK`` alone shards over all of dp; degrees not named
+        are 1); ``field`` names it in errors."""
         from typing import get_args
 
         from loom.rules import ScheduleName
 
         kw: dict = {}
+        if not text.split():
+            raise PlanError(
+                f"{field}: empty; expected e.g. 'dp16 tp8 pp8 cp1 ep1 zero1 sp interleaved:v5 mb1'"
+            )
+        seen: dict[str, str] = {}  # what a token sets -> the token that set it
         for tok in text.split():
             name, _, arg = tok.partition(":")
             head = name.rstrip("0123456789/")
             digits = name[len(head) :]
+            what = "schedule" if name in get_args(ScheduleName) else head or name
+            if what in seen:  # a second one would silently replace the first
+                raise PlanError(f"{field}: {seen[what]!r} and {tok!r} in {text!r} both set {what}; give one")
+            seen[what] = tok
+            if head in ("dp", "tp", "pp", "cp", "ep", "mb") and is_whole(digits) and int(digits) < 1:
+                raise PlanError(f"{field}: {tok!r} in {text!r}: a degree (and mb) is at least 1")
             try:
                 if head == "cp" and is_whole(digits) and arg in ("", *CP_MODES):
                     kw["cp"] = int(digits)
@@ -127,7 +139,7 @@ class Layout:
                     raise ValueError
             except ValueError:
                 raise PlanError(
-                    f"--layout: cannot read {tok!r} in {text!r}; expected e.g. "
+                    f"{field}: cannot read {tok!r} in {text!r}; expected e.g. "
                     "'dp16 tp8 pp8 cp1 ep1 zero1 sp interleaved:v5 mb1 recompute:none'"
                 ) from None
         if kw.get("zero") and "dp_shard" not in kw:
