@@ -496,8 +496,10 @@ def test_gavel_objectives_are_optimal_against_each_other():
     [
         ({"name": "a"}, "jobs[1].name: 'a' is already the name of another job"),
         ({"name": "b", "batch": 64, "max_batch": 32}, "jobs[1].max_batch: 32 is below its batch 64"),
+        # a table of a type no cluster can have was ignored (h100 for h100-sxm: never used)
+        ({"name": "b", "throughput": {"h100": {"1": 1.0}}}, "jobs[1].throughput.h100: unknown device type"),
     ],
-    ids=["duplicate name", "max_batch below batch"],
+    ids=["duplicate name", "max_batch below batch", "unknown device type"],
 )
 def test_a_trace_names_the_job_and_the_field_it_refuses(tmp_path, second, named):
     """A duplicate name said only "job names must be unique" (no file, no job); a max_batch below the
@@ -506,7 +508,7 @@ def test_a_trace_names_the_job_and_the_field_it_refuses(tmp_path, second, named)
 
     from loom.cluster.jobs import ClusterError
 
-    first = {"name": "a", "arrival_s": 0, "samples": 100, "throughput": {"h100": {"1": 1.0}}}
+    first = {"name": "a", "arrival_s": 0, "samples": 100, "throughput": {"h100-sxm": {"1": 1.0}}}
     path = tmp_path / "trace.toml"
     path.write_text(tomli_w.dumps({"jobs": [first, first | second]}))
     with pytest.raises(ClusterError, match=f"^{path}: " + named.replace("[", r"\[").replace("]", r"\]")):

@@ -210,6 +210,9 @@ def job_from_dict(d: Any, i: int, where: str) -> Job:
         table = d["throughput"]
         if not isinstance(table, dict) or not table:
             raise ClusterError(f"{at}.throughput: expected device type -> {{devices: sequences/s}}")
+        for dev in table:  # a trace may list types a cluster lacks, but not types that do not exist
+            if dev not in DEVICES:
+                raise ClusterError(f"{at}.throughput.{dev}: unknown device type; known: {', '.join(DEVICES)}")
         out: dict[str, dict[int, float]] = {}
         for dev, row in table.items():
             if not isinstance(row, dict):
