@@ -257,3 +257,31 @@ def test_which_model_fields_a_resume_compares():
     assert changes({}, multiple_of=32) == []  # the automatic width stays 704
     assert changes({}, multiple_of=256) == ["model.multiple_of"]  # 704 -> 768
     assert recorded_config({"config": {"train": {}}}) is None
+
+
+def test_a_run_whose_only_checkpoint_lost_its_manifest_is_one_line_naming_it(
+    trained, tmp_path, capsys, caplog
+):
+    """Convert and export of a run with no complete checkpoint said two lines: a warning that
+    ``latest`` names an incomplete one, then "holds no checkpoint"; now one line with the reason."""
+    import shutil
+
+    from loom.cli import main
+
+    _, run = _copy_run(trained, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "step-00000002")
+    (run / "checkpoints" / "step-00000004" / "manifest.json").unlink()
+    for argv in (
+        ["checkpoint", "convert", str(run), str(tmp_path / "m.safetensors")],
+        ["export", "hf", str(run), str(tmp_path / "hf")],
+    ):
+        with caplog.at_level(logging.WARNING):
+            assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"loom: error: {run}: holds no checkpoint (step-00000004, which latest names, has no "
+            "manifest.json: incomplete or deleted)"
+        ], err
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        caplog.clear()
+    assert not (tmp_path / "m.safetensors").exists() and not (tmp_path / "hf").exists()

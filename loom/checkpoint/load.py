@@ -80,15 +80,32 @@ def find(path: str | Path) -> tuple[Path, str | None] | None:
             ckpt = root / tag
             if _complete(ckpt) and latest.get("manifest_sha256"):
                 return ckpt, str(latest["manifest_sha256"])
-            _warn_once(
-                "%s names %s, missing or incomplete; using the newest complete checkpoint", pointer, ckpt
-            )
     for _, ckpt in reversed(list_checkpoints(root)):
         if _complete(ckpt):
+            if (named := dangling_latest(p)) is not None:  # said only when there is one to fall back to
+                _warn_once(
+                    "%s names %s, missing or incomplete; using the newest complete checkpoint", pointer, named
+                )
             if pointer.exists():
                 _warn_once("using %s instead of the checkpoint 'latest' names", ckpt)
             return ckpt, _recorded_sha(ckpt)
     return None
+
+
+def dangling_latest(path: str | Path) -> Path | None:
+    """The checkpoint ``latest`` under ``path`` names when it is missing or incomplete (no
+    manifest.json, or no recorded hash), else None."""
+    p = Path(path)
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    try:
+        latest = F.read_json(root / F.LATEST) if (root / F.LATEST).is_file() else {}
+    except F.CheckpointError:
+        return None
+    tag = latest.get("tag") if isinstance(latest, dict) else None
+    if not isinstance(tag, str) or not F.is_tag(tag):
+        return None
+    ckpt = root / tag
+    return None if _complete(ckpt) and latest.get("manifest_sha256") else ckpt
 
 
 def _recorded_sha(ckpt: Path) -> str | None:
@@ -125,7 +142,13 @@ class CheckpointReader:
         the checkpoint was chosen through it); a manifest with another hash is refused."""
         found = find(path)
         if found is None:
-            raise F.CheckpointError(f"{path}: holds no checkpoint")
+            named = dangling_latest(path)
+            why = (
+                f" ({named.name}, which {F.LATEST} names, has no {F.MANIFEST}: incomplete or deleted)"
+                if named is not None
+                else ""
+            )
+            raise F.CheckpointError(f"{path}: holds no checkpoint{why}")
         self.dir, found_sha = found
         manifest_sha = manifest_sha or found_sha
         files, chunk_bytes = read_manifest(self.dir, manifest_sha)
