@@ -513,3 +513,29 @@ def test_a_trace_names_the_job_and_the_field_it_refuses(tmp_path, second, named)
     path.write_text(tomli_w.dumps({"jobs": [first, first | second]}))
     with pytest.raises(ClusterError, match=f"^{path}: " + named.replace("[", r"\[").replace("]", r"\]")):
         load_trace(path)
+
+
+def test_a_trace_that_would_not_end_names_its_file_job_and_field(tmp_path, capsys, monkeypatch):
+    """arrival_s = 1e300 spun the simulator (a round no longer moved the clock) and samples = 1e300
+    or a round of 1e-9 s ended in "more than 1000000 events" naming nothing: the arrival is bounded,
+    and the events cap names the file, the clock, the rounds and the job that keeps it going."""
+    import importlib
+
+    sim = importlib.import_module("loom.cluster.simulate")  # the package's simulate is the function
+
+    job = "[[jobs]]\nname = 'a'\narrival_s = {arrival}\nsamples = {samples}\nthroughput = {{ v100 = {{ 1 = 4.0 }} }}\n"
+    far = _write(tmp_path, "far.toml", job.format(arrival="1e300", samples=100))
+    assert cluster_main(["simulate", "--trace", far, "--policy", "fifo"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"loom: error: {far}: jobs[0].arrival_s: at most 1e+09 s (about 30 years), got 1e+300"
+    )
+    monkeypatch.setattr(sim, "MAX_EVENTS", 50)
+    big = _write(tmp_path, "big.toml", job.format(arrival=0, samples="1e300"))
+    assert cluster_main(["simulate", "--trace", big, "--policy", "fifo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"loom: error: {big}: policy fifo: more than 50 events by t = "
+    )
+    assert (
+        "rounds of cluster.round_s = 360 s): job 'a' has done " in err[0] and "of samples = 1e+300" in err[0]
+    )

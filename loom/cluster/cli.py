@@ -96,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         jobs, where = load_trace(args.trace), args.trace
     check_runnable(jobs, cluster, where)
-    results = [simulate(jobs, cluster, p) for p in policies]
+    try:
+        results = [simulate(jobs, cluster, p) for p in policies]
+    except ClusterError as e:  # the events cap: which file's job keeps it going
+        raise ClusterError(f"{where}: {e}") from None
     if args.json:
         print(json.dumps([r.summary() for r in results], indent=1))
     else:

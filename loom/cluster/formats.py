@@ -172,6 +172,9 @@ def _model(where: str, v: Any, seq_len: int) -> ModelConfig:
     raise ClusterError(f"{where}: expected a preset name or a table of model fields, got {v!r}")
 
 
+MAX_ARRIVAL_S = 1e9
+
+
 def job_from_dict(d: Any, i: int, where: str) -> Job:
     """One ``jobs[i]`` entry (module doc)."""
     at = f"{where}: jobs[{i}]"
@@ -185,9 +188,12 @@ def job_from_dict(d: Any, i: int, where: str) -> Job:
             raise ClusterError(f"{at}.{key}: missing (required: arrival_s, samples, and model or throughput)")
     if "model" not in d and "throughput" not in d:
         raise ClusterError(f"{at}: give model (planner throughput) or throughput (a table)")
+    arrival = float(_num(f"{at}.arrival_s", d["arrival_s"], strict=False))
+    if arrival > MAX_ARRIVAL_S:  # beyond it a round's step no longer moves the clock (float spacing)
+        raise ClusterError(f"{at}.arrival_s: at most {MAX_ARRIVAL_S:.0e} s (about 30 years), got {arrival:g}")
     kw: dict[str, Any] = {
         "name": str(d.get("name", f"job{i}")),
-        "arrival": float(_num(f"{at}.arrival_s", d["arrival_s"], strict=False)),
+        "arrival": arrival,
         "samples": float(_num(f"{at}.samples", d["samples"])),
     }
     for key in ("devices", "batch", "max_batch", "seq_len"):

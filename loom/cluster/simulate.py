@@ -140,8 +140,17 @@ def simulate(jobs: list[Job], cluster: Cluster, policy: Policy) -> Result:
         now = nxt
         events += 1
         if events > MAX_EVENTS:
+            if i < len(pending):  # what keeps the simulation going: a job that has not arrived yet
+                j = pending[i]
+                held = f"job {j.name!r} arrives only at arrival_s = {j.arrival:g}"
+            else:  # or the one furthest from done
+                js = min(active, key=lambda s: s.fraction)
+                held = (
+                    f"job {js.job.name!r} has done {100 * js.fraction:.2g}% of samples = {js.job.samples:g}"
+                )
             raise ClusterError(
-                f"policy {policy.name}: more than {MAX_EVENTS} events (a job that never runs?)"
+                f"policy {policy.name}: more than {MAX_EVENTS:,} events by t = {now:.4g} s "
+                f"({now / cluster.round_s:.3g} rounds of cluster.round_s = {cluster.round_s:g} s): {held}"
             )
     first = min(j.arrival for j in jobs)
     makespan = max(js.finish for js in states.values()) - first
