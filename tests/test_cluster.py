@@ -539,3 +539,14 @@ def test_a_trace_that_would_not_end_names_its_file_job_and_field(tmp_path, capsy
     assert (
         "rounds of cluster.round_s = 360 s): job 'a' has done " in err[0] and "of samples = 1e+300" in err[0]
     )
+
+
+def test_a_trace_gns_run_without_metrics_names_the_job_field(tmp_path):
+    """A job's gns naming a run directory without metrics.jsonl named only the directory."""
+    path = _write(
+        tmp_path,
+        "t.toml",
+        "[[jobs]]\narrival_s = 0\nsamples = 10\ngns = 'nowhere'\nthroughput = { v100 = { 1 = 1.0 } }\n",
+    )
+    with pytest.raises(ClusterError, match=rf"^{path}: jobs\[0\]\.gns: nowhere: no metrics.jsonl"):
+        load_trace(path)

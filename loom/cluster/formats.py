@@ -200,7 +200,10 @@ def job_from_dict(d: Any, i: int, where: str) -> Job:
         if key in d:
             kw[key] = _num(f"{at}.{key}", d[key], integer=True, strict=key != "max_batch")
     if isinstance(d.get("gns"), str):  # a run logged with train.log_gns: its measured noise scale
-        d = {**d, "gns": gns_from_metrics(d["gns"])}
+        try:
+            d = {**d, "gns": gns_from_metrics(d["gns"])}
+        except ClusterError as e:
+            raise ClusterError(f"{at}.gns: {e}") from None
     for key in ("gns", "gns_final"):
         if key in d:
             kw[key] = float(_num(f"{at}.{key}", d[key], strict=False))
