@@ -366,6 +366,13 @@ def test_cli_predicts_your_own_runs_as_the_shipped_ones(tmp_path, capsys):
         ('layout = "dp64 zero3 mb1 recompute:selective"', 'layout = " "', "run 'mine': layout: empty"),
         ("dp64", "dp0", "run 'mine': layout: 'dp0' in 'dp0 zero3"),
         ('name = "mine"', 'name = " "', "own.toml: run name: empty"),
+        # the search enumerated a global batch's divisors: 4.6e18 ran for hours
+        (
+            "global_batch = 64",
+            "global_batch = 4611686018427387904",
+            "global_batch: at most 16,777,216 (2^24)",
+        ),
+        ("seq_len = 8192", "seq_len = 9223372036854775807", "run 'mine': seq_len: at most 16,777,216"),
         ("[models.m]", "[modelz.m]", "own.toml: unknown table 'modelz'"),
         ("[[runs]]", "[runs]", "own.toml: runs must be an array of tables"),
         ("tie_embeddings = false", "tie_embeddings = false\nfoo = 1", "own.toml: models.m.foo: unknown key"),

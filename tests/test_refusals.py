@@ -1301,9 +1301,53 @@ def test_a_layer_count_no_planner_walk_could_finish_is_one_line_everywhere(world
     )
     for argv in (
         ["plan", "--config", str(world.tiny), "--model.n_layers", "1000000000000"],
+        ["plan", "--config", str(world.tiny), "--model.n_layers", "20000"],
         ["plan", "validate", "--published", "--runs", str(runs)],
         ["cluster", "simulate", "--trace", str(trace), "--policy", "fifo"],
     ):
         assert main(argv) != 0, argv
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and said in lines[0], (argv, lines)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--device",
+            "h100-sxm",
+            "--world",
+            "64",
+            "--global-batch",
+            "4611686018427387904",
+        ],
+        [
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--device",
+            "h100-sxm",
+            "--world",
+            "64",
+            "--seq",
+            "4611686018427387904",
+        ],
+        ["plan", "--config", "debug", "--train.global_batch", "4611686018427387904"],
+        ["train", "--nproc", "1", "--data.seq_len", "99999999999"],
+    ],
+    ids=["plan --global-batch", "plan --seq", "plan train.global_batch", "train data.seq_len"],
+)
+def test_a_batch_or_sequence_beyond_2_24_is_one_line(capsys, argv):
+    """The search enumerates the divisors of the global batch: 4.6e18 sequences ran for hours."""
+    from loom.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # plan's own flags: argparse's error exit
+        code = e.code
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "at most 16,777,216 (2^24), got " in lines[0], lines

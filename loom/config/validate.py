@@ -123,6 +123,10 @@ def _check_bounds(cfg: LoomConfig) -> None:
     _require(
         cfg.run.master_port <= 65535, f"run.master_port: must be in [0, 65535], got {cfg.run.master_port}"
     )
+    for path in ("train.global_batch", "data.seq_len"):  # the planner enumerates their divisors
+        section, name = path.split(".")
+        v = getattr(getattr(cfg, section), name)
+        _require(v <= MAX_BATCH_OR_SEQ, f"{path}: at most {MAX_BATCH_OR_SEQ:,} (2^24), got {v:,}")
     _require(  # torch.manual_seed takes 64 bits, as `loom generate --seed`
         cfg.train.seed < 2**64, f"train.seed: must be below 2**64 = {2**64}, got {cfg.train.seed}"
     )
@@ -286,6 +290,8 @@ def _check_precision(cfg: LoomConfig) -> None:
 
 
 MAX_LAYERS = 10_000
+# sequences per step and tokens per sequence: 2^24, far beyond any run (16k sequences, 10M-token contexts)
+MAX_BATCH_OR_SEQ = 2**24
 
 
 def _check_model(m: ModelConfig) -> None:

@@ -20,6 +20,7 @@ import json
 import sys
 
 from loom.config import (
+    MAX_BATCH_OR_SEQ,
     ArgParser,
     ConfigError,
     ModelConfig,
@@ -148,6 +149,9 @@ def main(argv: list[str]) -> int:
     ):
         if value is not None and value < low:
             parser.error(f"{flag}: must be >= {low}, got {value}")
+    for flag, value in (("--seq", args.seq), ("--global-batch", args.global_batch)):
+        if value is not None and value > MAX_BATCH_OR_SEQ:  # the search enumerates their divisors
+            parser.error(f"{flag}: at most {MAX_BATCH_OR_SEQ:,} (2^24), got {value:,}")
     try:
         if args.plot:  # before the search: the picture is drawn last
             check_picture_path("--plot", args.plot)

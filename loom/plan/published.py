@@ -29,7 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loom.config import ConfigError, ModelConfig, _check_finite, _check_model, from_dict, read_text_file
+from loom.config import (
+    MAX_BATCH_OR_SEQ,
+    ConfigError,
+    ModelConfig,
+    _check_finite,
+    _check_model,
+    from_dict,
+    read_text_file,
+)
 from loom.model.llama import flops_per_token
 from loom.plan.cost import CostModel, Estimate, Layout, PlanError, Workload
 from loom.plan.cost.params import ParamCounts
@@ -151,6 +159,9 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
         )
     except (PlanError, HardwareError) as e:
         raise PlanError(f"{at}: {e}") from None
+    for key in ("global_batch", "seq_len"):  # as a config's train.global_batch and data.seq_len
+        if row[key] > MAX_BATCH_OR_SEQ:
+            raise PlanError(f"{at}: {key}: at most {MAX_BATCH_OR_SEQ:,} (2^24), got {row[key]:,}")
     tokens = w.global_batch * w.seq_len
     if "tokens_per_s_per_gpu" in row:
         tps = float(row["tokens_per_s_per_gpu"])
