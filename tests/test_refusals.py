@@ -1310,31 +1310,14 @@ def test_a_layer_count_no_planner_walk_could_finish_is_one_line_everywhere(world
         assert len(lines) == 1 and said in lines[0], (argv, lines)
 
 
+_PLAN_8B = ["plan", "--model", "llama3-8b", "--device", "h100-sxm", "--world", "64"]
+
+
 @pytest.mark.parametrize(
     "argv",
     [
-        [
-            "plan",
-            "--model",
-            "llama3-8b",
-            "--device",
-            "h100-sxm",
-            "--world",
-            "64",
-            "--global-batch",
-            "4611686018427387904",
-        ],
-        [
-            "plan",
-            "--model",
-            "llama3-8b",
-            "--device",
-            "h100-sxm",
-            "--world",
-            "64",
-            "--seq",
-            "4611686018427387904",
-        ],
+        [*_PLAN_8B, "--global-batch", "4611686018427387904"],
+        [*_PLAN_8B, "--seq", "4611686018427387904"],
         ["plan", "--config", "debug", "--train.global_batch", "4611686018427387904"],
         ["train", "--nproc", "1", "--data.seq_len", "99999999999"],
     ],
