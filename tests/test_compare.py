@@ -64,6 +64,23 @@ def test_steps_in_one_run_only_are_named_not_compared(tmp_path, capsys):
     assert "4 steps only in A (7-10)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("value", [float("nan"), None], ids=["NaN", "missing"])
+def test_a_step_flagged_for_a_nan_or_missing_value_is_not_max_diff_0(tmp_path, capsys, value):
+    """A loss NaN (or absent) on one side only differs; the summary said "max |diff|: loss 0"."""
+    rows = _rows()
+    if value is None:
+        del rows[4]["loss"]
+    else:
+        rows[4]["loss"] = value
+    a, b = _write(tmp_path / "a", _rows()), _write(tmp_path / "b", rows)
+    assert main(["compare", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "first difference beyond --tol 0: step 5 (loss)" in out
+        and "(max |diff|: loss inf, grad_norm 0)" in out
+    )
+
+
 def test_bad_inputs_are_refused_in_one_line(tmp_path, capsys):
     good = _write(tmp_path / "good", _rows())
     late = _write(tmp_path / "late", [dict(r, step=r["step"] + 100) for r in _rows()])
@@ -73,7 +90,12 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, capsys):
     binary = tmp_path / "binary"
     binary.mkdir()
     (binary / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 1.0}\n\xff\xfe\n')
+    texty = _write(tmp_path / "texty", [dict(r, loss="5.7") if r["step"] == 3 else r for r in _rows()])
     cases = {
+        "a loss as text": (
+            [str(good), str(texty)],
+            "texty/metrics.jsonl:3: loss must be a number or null, got '5.7'",
+        ),
         "missing": ([str(good), str(tmp_path / "nowhere")], "nowhere/metrics.jsonl does not exist"),
         "not UTF-8": ([str(good), str(binary)], "binary/metrics.jsonl is not UTF-8 text"),
         "plot not a picture": ([str(good), str(good), "--plot", str(tmp_path / "a.toml")], "--plot"),

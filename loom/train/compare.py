@@ -44,6 +44,10 @@ def read_rows(run: str) -> Rows:
             raise ConfigError(f"compare: {path}:{i}: not a JSON row of metrics") from None
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             raise ConfigError(f"compare: {path}:{i}: a metrics row needs an integer 'step'")
+        for f in FIELDS:  # a number, or null / absent (a step that logged none); "5.7" is neither
+            v = row.get(f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ConfigError(f"compare: {path}:{i}: {f} must be a number or null, got {v!r}")
         rows[row["step"]] = row
     return rows
 
@@ -81,13 +85,14 @@ class Comparison:
         return next((s for s in self.steps if self.differs_at(s)), None)
 
     def max_diff(self, field: str) -> float:
+        """The largest |A - B| over the common steps: inf where one side lacks the value or has NaN
+        and the other does not (:func:`differs`), never 0 beside a flagged step."""
         diffs = [
-            abs(x - y)
+            math.inf if differs(x, y, math.inf) else abs(x - y) if x is not None and y is not None else 0.0
             for s in self.steps
-            if (x := self.value(self.a, s, field)) is not None
-            and (y := self.value(self.b, s, field)) is not None
+            for x, y in [(self.value(self.a, s, field), self.value(self.b, s, field))]
         ]
-        return max(diffs, default=0.0)
+        return max((d for d in diffs if not math.isnan(d)), default=0.0)
 
 
 def compare(a: Rows, b: Rows, tol: float = 0.0) -> Comparison:
