@@ -280,6 +280,12 @@ def test_cli_predicts_your_own_runs_as_the_shipped_ones(tmp_path, capsys):
             "tokens_per_s_per_gpu must be a number",
         ),
         ("devices_per_node = 8", "devices_per_node = 0", "cluster: devices_per_node must be > 0"),
+        # 64 devices as 10 nodes of 7 were predicted for 70
+        (
+            "devices_per_node = 8",
+            "devices_per_node = 7",
+            "cluster: devices_per_node = 7 does not divide the layout's 64",
+        ),
         (
             "inter_bandwidth_gbps = 25",
             "inter_bandwidth_gbps = '25'",

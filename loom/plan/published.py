@@ -147,6 +147,11 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
         kw = {"inter_bandwidth": float(cl["inter_bandwidth_gbps"]) * GB}
         if "intra_bandwidth_gbps" in cl:
             kw["intra_bandwidth"] = float(cl["intra_bandwidth_gbps"]) * GB
+        if lay.world_size > per and lay.world_size % per:  # ceil would add devices the run did not have
+            raise PlanError(
+                f"cluster: devices_per_node = {per} does not divide the layout's {lay.world_size} devices "
+                "(whole nodes, or part of one)"
+            )
         nodes = -(-lay.world_size // per)
         cluster = ClusterSpec.single_node(dev, per, nodes, name=f"{dev.name}:{nodes}x{per}", **kw)
         w = Workload(
