@@ -498,8 +498,9 @@ def test_gavel_objectives_are_optimal_against_each_other():
         ({"name": "b", "batch": 64, "max_batch": 32}, "jobs[1].max_batch: 32 is below its batch 64"),
         # a table of a type no cluster can have was ignored (h100 for h100-sxm: never used)
         ({"name": "b", "throughput": {"h100": {"1": 1.0}}}, "jobs[1].throughput.h100: unknown device type"),
+        ({"name": 7}, "jobs[1].name: expected a non-empty string, got 7"),  # was taken as "7"
     ],
-    ids=["duplicate name", "max_batch below batch", "unknown device type"],
+    ids=["duplicate name", "max_batch below batch", "unknown device type", "a number as name"],
 )
 def test_a_trace_names_the_job_and_the_field_it_refuses(tmp_path, second, named):
     """A duplicate name said only "job names must be unique" (no file, no job); a max_batch below the

@@ -191,6 +191,8 @@ def job_from_dict(d: Any, i: int, where: str) -> Job:
     arrival = float(_num(f"{at}.arrival_s", d["arrival_s"], strict=False))
     if arrival > MAX_ARRIVAL_S:  # beyond it a round's step no longer moves the clock (float spacing)
         raise ClusterError(f"{at}.arrival_s: at most {MAX_ARRIVAL_S:.0e} s (about 30 years), got {arrival:g}")
+    if "name" in d and (not isinstance(d["name"], str) or not d["name"].strip()):
+        raise ClusterError(f"{at}.name: expected a non-empty string, got {d['name']!r}")
     kw: dict[str, Any] = {
         "name": str(d.get("name", f"job{i}")),
         "arrival": arrival,
