@@ -427,6 +427,8 @@ def cmd_generate(argv: list[str]) -> int:
         },
         stop=tuple(stop),
     ).check()
+    if problem := sampling.greedy_problem(set(opts), spelled.get("temperature", "--temperature")):
+        raise C.ConfigError(problem)  # an explicit temperature of 0 beside an explicit top-k: which is meant?
     batch_size = opts.get("batch_size", 8)
     if batch_size < 1:
         raise C.ConfigError(f"--batch-size: must be >= 1, got {batch_size}")
@@ -441,6 +443,10 @@ def cmd_generate(argv: list[str]) -> int:
     from loom.generate.source import load_hf, load_run
 
     src = load_run(where) if key == "--run.dir" else load_hf(where)
+    if problem := sampling.with_defaults(src.sampling).greedy_problem(
+        set(opts), f"the default temperature of {src.what} (generation_config.json)"
+    ):  # the model's own default is greedy: the explicit option is kept but does nothing, so say so
+        print(f"loom: warning: {problem}", file=sys.stderr)
     window = src.model.cfg.max_seq_len
     if "max_new_tokens" not in opts and sampling.max_new_tokens > window:  # the default: within the window
         sampling = dataclasses.replace(sampling, max_new_tokens=window)

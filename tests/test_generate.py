@@ -513,6 +513,18 @@ def test_run_directory_with_the_builtin_chat_template(tmp_path, capsys):
             ["--prompt", "a", "--prompts", "MSGS"],
             r"--prompts: give --prompt TEXT or --prompts FILE, not both",
         ),
+        (
+            ["--prompts", "ROLE", "--chat"],
+            r"--prompts: .*r.jsonl:1 has a message of unknown role 'usr' \(allowed: ",
+        ),
+        (
+            ["--temperature", "0", "--top-k", "5", "--seed", "3"],
+            r"--top-k, --seed: no effect under greedy decoding \(--temperature = 0: the likeliest token",
+        ),
+        (
+            ["--temperature=0.0", "--top-p", "0.9"],
+            r"--top-p: no effect under greedy decoding \(--temperature = 0",
+        ),
         (["--stop", ""], r"--stop: an empty stop string"),
         (["--stop"], r"--stop: missing value"),
         (["--tmperature", "1"], r"--tmperature: unknown option; allowed: --run.dir, --model.from_hf, "),
@@ -525,7 +537,14 @@ def test_run_directory_with_the_builtin_chat_template(tmp_path, capsys):
 def test_bad_options_are_one_line_before_any_model_loads(tmp_path, capsys, argv, match, hf_dir):
     import re
 
-    files = {"EMPTY": "e.txt", "MSGS": "m.jsonl", "BADJSON": "b.jsonl", "BOTH": "both.jsonl"}
+    files = {
+        "EMPTY": "e.txt",
+        "MSGS": "m.jsonl",
+        "BADJSON": "b.jsonl",
+        "BOTH": "both.jsonl",
+        "ROLE": "r.jsonl",
+    }
+    (tmp_path / "r.jsonl").write_text(json.dumps({"messages": [{"role": "usr", "content": "x"}]}) + "\n")
     (tmp_path / "e.txt").write_text("\n \n")
     msgs = {"messages": [{"role": "user", "content": "x"}]}
     (tmp_path / "m.jsonl").write_text(json.dumps(msgs) + "\n")
@@ -868,6 +887,17 @@ def test_the_models_sampling_defaults_apply_where_no_flag_is_given(hf_dir, tmp_p
     rc, out, _ = _run(capsys, *common, "--seed", "4")
     sampled = SamplingOptions(max_new_tokens=10, temperature=0.7, top_k=20, repetition_penalty=1.3, seed=4)
     assert rc == 0 and out == "the cat" + complete(load_hf(str(hf_dir)), ["the cat"], sampled).texts[0] + "\n"
+    gen.write_text(
+        json.dumps(saved | {"do_sample": False})
+    )  # the model's default is greedy: --top-k is kept,
+    rc, out, err = _run(capsys, *common, "--top-k", "3")  # does nothing, and is named in a warning
+    said = "loom: warning: --top-k: no effect under greedy decoding (the default temperature of Hugging Face"
+    assert (
+        rc == 0
+        and [line for line in err.splitlines() if "warning" in line]
+        == [line for line in err.splitlines() if line.startswith(said)]
+        != []
+    )
     gen.write_text(json.dumps(saved | {"top_p": 1.5}))
     rc, _, err = _run(capsys, *common)
     assert rc == 2 and err == f"loom: error: {gen}: top_p: must be in (0, 1] (1 = no nucleus cut), got 1.5\n"

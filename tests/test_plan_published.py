@@ -379,6 +379,13 @@ def test_cli_predicts_your_own_runs_as_the_shipped_ones(tmp_path, capsys):
             "global_batch: at most 16,777,216 (2^24)",
         ),
         ("seq_len = 8192", "seq_len = 9223372036854775807", "run 'mine': seq_len: at most 16,777,216"),
+        # widths of 4e12 printed tables of 1e20 TFLOP/s and -100% errors: each width has its bound
+        ("dim = 4096", "dim = 4096000000000", "own.toml: models.m.dim: at most 131,072"),
+        ("ffn_dim = 14336", "ffn_dim = 1000000000000", "own.toml: models.m.ffn_dim: at most 1,048,576"),
+        ("vocab_size = 128256", "vocab_size = 1000000000000", "models.m.vocab_size: at most"),
+        ("n_kv_heads = 8", "n_kv_heads = 8\nn_experts = 1000000000", "models.m.n_experts: at most 65,536"),
+        ("n_kv_heads = 8", "n_kv_heads = 8\nattn_head_dim = 100000000000", "models.m.attn_head_dim: at most"),
+        ("n_kv_heads = 8", "n_kv_heads = 8\nmax_seq_len = 100000000000", "models.m.max_seq_len: at most"),
         ("[models.m]", "[modelz.m]", "own.toml: unknown table 'modelz'"),
         ("[[runs]]", "[runs]", "own.toml: runs must be an array of tables"),
         ("tie_embeddings = false", "tie_embeddings = false\nfoo = 1", "own.toml: models.m.foo: unknown key"),

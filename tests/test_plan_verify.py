@@ -262,7 +262,10 @@ def test_on_cuda_is_refused_without_cuda_and_reaches_the_builder(monkeypatch, ca
     monkeypatch.setattr(loom.device, "cuda_available", lambda: False)
     assert _main([*LAYOUT, "--on", "cuda"]) == 2
     err = capsys.readouterr().err
-    assert err == "loom plan verify: --on cuda: no CUDA device here (torch.cuda.is_available() is False)\n"
+    assert (
+        err
+        == "loom plan verify: error: --on cuda: no CUDA device here (torch.cuda.is_available() is False)\n"
+    )
     seen = {}
 
     def measure(cfg, rank, world, on="cpu"):

@@ -515,6 +515,12 @@ def _convert_pickle(c: Ctx):
     ]
 
 
+def _convert_to_bin(c: Ctx):
+    """A safetensors file under a .bin name is read as a pickle by transformers: refused, nothing written."""
+    out = c.tmp / "pytorch_model.bin"
+    return ["checkpoint", "convert", str(c.w.run), str(out)], [str(out), "name it *.safetensors"]
+
+
 def _convert_into_running_run(c: Ctx):
     run = c.copy_run()
     c.hold_lock(run)
@@ -935,6 +941,7 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("convert: into its own checkpoint", _convert_into_source, 2),
     ("convert: truncated shard", _convert_truncated_shard, 2),
     ("convert: pickle file", _convert_pickle, 2),
+    ("convert: to a .bin name", _convert_to_bin, 2),
     ("convert: into a running run", _convert_into_running_run, 2),
     ("convert: disk full", _convert_disk_full, 2),
     ("convert: onto an existing file", lambda c: _convert_onto_existing(c, "file"), 2),
@@ -1012,11 +1019,15 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     # bounds before allocation (issue 37): the field and the bytes, nothing allocated
     (
         "model.max_seq_len of 2e9 positions",
-        _cfg("--model.max_seq_len", "2000000000", names=("model.max_seq_len", "GiB")),
+        _cfg("--model.max_seq_len", "2000000000", names=("model.max_seq_len", "at most 16,777,216")),
         2,
     ),
     ("model.dim 65536", _cfg("--model.dim", "65536", names=("model.dim", "GiB")), 2),
-    ("model.vocab_size 1e8", _cfg("--model.vocab_size", "100000000", names=("model.vocab_size", "GiB")), 2),
+    (
+        "model.vocab_size 1e8",
+        _cfg("--model.vocab_size", "100000000", names=("model.vocab_size", "at most")),
+        2,
+    ),
     (
         "finetune.lora_rank above every layer",
         _cfg("--finetune.method", "lora", "--finetune.lora_rank", "1000000", names=("finetune.lora_rank",)),
@@ -1228,7 +1239,7 @@ def test_plan_verify_names_its_own_flag(world, capsys, flag, value):
     lines = capsys.readouterr().err.strip().splitlines()
     assert (
         len(lines) == 1
-        and lines[0].startswith(f"loom plan verify: {flag}: must be >= ")
+        and lines[0].startswith(f"loom plan verify: error: {flag}: must be >= ")
         and f"got {value}" in lines[0]
     )
 

@@ -130,6 +130,10 @@ def main(argv: list[str]) -> int:
     """``loom checkpoint convert RUN_OR_CKPT OUT.safetensors``."""
     if len(argv) != 3 or argv[0] != "convert":
         raise CheckpointError("usage: loom checkpoint convert RUN_DIR_OR_CHECKPOINT OUT.safetensors")
+    if Path(argv[2]).suffix != ".safetensors":  # a .bin or .pt is read as a pickle by other tools
+        raise CheckpointError(
+            f"checkpoint convert: {argv[2]}: the output is a safetensors file; name it *.safetensors"
+        )
     ckpt, step, n = convert(argv[1], argv[2])
     print(f"wrote {argv[2]}: {n} tensors from {ckpt} (step {step})")
     return 0

@@ -292,6 +292,18 @@ def _check_precision(cfg: LoomConfig) -> None:
 MAX_LAYERS = 10_000
 # sequences per step and tokens per sequence: 2^24, far beyond any run (16k sequences, 10M-token contexts)
 MAX_BATCH_OR_SEQ = 2**24
+# Each width of [model], with the largest trained today beside it: a typo of 4e12 would otherwise
+# reach the planner (garbage tables) or an allocation. field: (bound, largest published).
+MODEL_SIZE_BOUNDS: dict[str, tuple[int, str]] = {
+    "dim": (2**17, "about 25,600"),
+    "n_heads": (2**14, "about 160"),
+    "attn_head_dim": (2**14, "256"),
+    "ffn_dim": (2**20, "about 100,000"),
+    "vocab_size": (2**23, "about 262,000"),
+    "pad_vocab_to": (2**23, "about 262,000"),
+    "n_experts": (2**16, "about 256 routed"),
+    "max_seq_len": (MAX_BATCH_OR_SEQ, "about 10M"),
+}
 
 
 def _check_model(m: ModelConfig) -> None:
@@ -303,6 +315,9 @@ def _check_model(m: ModelConfig) -> None:
         f"model.n_layers: at most {MAX_LAYERS:,} (the deepest transformers trained have about 1,000), "
         f"got {m.n_layers:,}",
     )
+    for name, (bound, largest) in MODEL_SIZE_BOUNDS.items():
+        v = getattr(m, name)
+        _require(v <= bound, f"model.{name}: at most {bound:,} (the largest trained: {largest}), got {v:,}")
     _require(
         m.attn_head_dim > 0 or m.dim % m.n_heads == 0,
         f"model.dim: {m.dim} must be divisible by model.n_heads={m.n_heads} (or set model.attn_head_dim)",

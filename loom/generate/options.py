@@ -70,6 +70,17 @@ class SamplingOptions:
             raise ConfigError("--stop: an empty stop string would end every completion at once")
         return self
 
+    def greedy_problem(self, given: set[str], where: str) -> str:
+        """The line naming an option of ``given`` that greedy decoding (temperature 0, set by
+        ``where``) ignores: ``top_k``, ``top_p`` and ``seed`` only shape a draw ("": none given)."""
+        ignored = [f"--{_flag(n)}" for n in ("top_k", "top_p", "seed") if n in given]
+        if not ignored or self.rule().temperature != 0:
+            return ""
+        return (
+            f"{', '.join(ignored)}: no effect under greedy decoding ({where} = 0: the likeliest token "
+            "every step); give --temperature T > 0 to sample"
+        )
+
     def with_defaults(self, model: Mapping[str, float]) -> SamplingOptions:
         """The options, each one left unset taking ``model``'s value (the model's defaults) if it has one."""
         filled: dict[str, Any] = {k: v for k, v in model.items() if k in BUILTIN and getattr(self, k) is None}
@@ -142,6 +153,13 @@ def _record(rec: Any, where: str, chat: bool) -> Prompt:
         if not chat:
             raise ConfigError(
                 f"--prompts: {where} holds chat messages; add --chat to render them with the chat template"
+            )
+        from loom.data.chat import ROLES  # the roles chat data may have: a template renders no other
+
+        unknown = next((m["role"] for m in msgs if m["role"] not in ROLES), None)
+        if unknown is not None:
+            raise ConfigError(
+                f"--prompts: {where} has a message of unknown role {unknown!r} (allowed: {', '.join(ROLES)})"
             )
         return [{"role": m["role"], "content": m["content"]} for m in msgs]
     raise ConfigError(

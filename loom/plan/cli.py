@@ -189,7 +189,7 @@ def main(argv: list[str]) -> int:
             model, train, cluster, args.world, profile=profile, n_experts=args.experts, top_k=args.top_k
         )
     except (ConfigError, PlanError, HardwareError) as e:
-        print(f"loom plan: {e}", file=sys.stderr)
+        print(f"loom plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         out = {
@@ -214,7 +214,10 @@ def main(argv: list[str]) -> int:
             print(format_search(result, args.top))
         if args.explain:
             if not 1 <= args.explain <= len(result.ranked):
-                print(f"loom plan: --explain {args.explain}: only {len(result.ranked)} rows", file=sys.stderr)
+                print(
+                    f"loom plan: error: --explain {args.explain}: only {len(result.ranked)} rows",
+                    file=sys.stderr,
+                )
                 return 2
             print(format_breakdown(result.ranked[args.explain - 1]))
     if args.plot and result.ranked:

@@ -341,7 +341,7 @@ def main(argv: list[str]) -> int:
             given = load_files([Path(f) for f in args.runs]) if args.runs else None
             published = compare_published(given)
         except PlanError as e:
-            print(f"loom plan validate: {e}", file=sys.stderr)
+            print(f"loom plan validate: error: {e}", file=sys.stderr)
             return 2
         if args.json:
             print(

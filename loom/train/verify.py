@@ -325,7 +325,7 @@ def main(argv: list[str], cluster_of) -> int:
 
         if not cuda_available():
             print(
-                "loom plan verify: --on cuda: no CUDA device here (torch.cuda.is_available() is False)",
+                "loom plan verify: error: --on cuda: no CUDA device here (torch.cuda.is_available() is False)",
                 file=sys.stderr,
             )
             return 2
@@ -382,7 +382,7 @@ def main(argv: list[str], cluster_of) -> int:
         if problem is not None:
             raise C.ConfigError(f"--seq {args.seq}: {problem}")
     except (C.ConfigError, PlanError, HardwareError) as e:
-        print(f"loom plan verify: {e}", file=sys.stderr)
+        print(f"loom plan verify: error: {e}", file=sys.stderr)
         return 2
     print(
         f"verifying rank {args.rank} of {args.world} ({cluster.device.name}, tensors on {args.on}): "
