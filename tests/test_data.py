@@ -1287,7 +1287,10 @@ def test_a_held_out_split_too_small_for_one_window_matters_only_with_eval(tmp_pa
     for i in range(40):
         (d / f"{i:02d}.txt").write_text(f"document number {i} " * 30 + ("end" if i == 39 else ""))
     (d / "zz.txt").write_text("tiny")  # the last document: the held-out split
-    cfg = C.load(None, ["--data.source", str(d), "--data.vocab_size", "300", "--data.seq_len", "64"])
+    # its own run.dir: the checkout's runs/default (the README's first command trains it) holds a run
+    # of other data, which _check_data rightly refuses to resume on this one
+    argv = ["--data.source", str(d), "--data.vocab_size", "300", "--data.seq_len", "64"]
+    cfg = C.load(None, [*argv, "--run.dir", str(tmp_path / "run")])
     cfg.train.eval_every = 0
     _check_data(cfg)
     cfg.train.eval_every = 10

@@ -68,7 +68,10 @@ def check(cm: CostBase, lay: Layout) -> str | None:
     if why:
         return why
     if lay.schedule == "interleaved" and (lay.v < 2 or lay.pp < 2):
-        return "interleaved needs pp >= 2 and v >= 2"
+        return (  # in a layout line the chunks per rank follow the schedule: interleaved:v4
+            f"interleaved needs pp >= 2 and v >= 2 virtual stages per rank (got pp={lay.pp}, v={lay.v}; "
+            "write interleaved:vN in a layout line)"
+        )
     if lay.split and (len(lay.split) != lay.pp or sum(lay.split) != m.n_layers or min(lay.split) < lay.v):
         return (
             f"split must give each of the pp={lay.pp} stages at least v={lay.v} blocks, {m.n_layers} in all"
