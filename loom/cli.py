@@ -15,7 +15,7 @@ from pathlib import Path
 
 from loom import config as C
 
-USAGE = """loom <command> [CONFIG.toml] [--section.key value ...]
+USAGE = """loom <command> [CONFIG.toml | PRESET | --config CONFIG] [--section.key value ...]
 
 commands:
   train      train a model (local ranks: --nproc N, same as --run.nproc N)
@@ -93,6 +93,11 @@ def _split(argv: list[str]) -> tuple[str | None, list[str], dict[str, str]]:
 
 def _load(argv: list[str], allowed_plain: tuple[str, ...]) -> tuple[C.LoomConfig, dict[str, str]]:
     path, overrides, plain = _split(argv)
+    if "config" in plain:  # `--config FILE`, as loom plan spells it, is the positional config
+        given = plain.pop("config")
+        if path is not None and path != given:
+            raise C.ConfigError(f"--config: {given!r} beside the config {path!r}; give one config")
+        path = given
     for k in plain:
         if k not in allowed_plain:
             opts = ", ".join("--" + p.replace("_", "-") for p in allowed_plain) or "none"

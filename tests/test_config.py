@@ -273,3 +273,17 @@ def test_reference_documents_every_field_with_its_default():
             if f.default is not dataclasses.MISSING:
                 assert ast.literal_eval(default) == f.default, f"{section}.{f.name}: {default!r}"
         assert all(f"  {section}.{f.name} " in reference for f in fields)
+
+
+def test_config_flag_is_the_positional_config_as_loom_plan_spells_it():
+    """``loom train --config debug`` (as ``loom plan --config``) was "--config: unknown option"."""
+    from loom.cli import _load
+
+    by_flag, _ = _load(["--config", "debug", "--train.steps", "3"], ())
+    by_position, _ = _load(["debug", "--train.steps", "3"], ())
+    assert C.to_dict(by_flag) == C.to_dict(by_position) and by_flag.train.steps == 3
+    assert C.to_dict(_load(["debug", "--config=debug"], ())[0]) == C.to_dict(_load(["debug"], ())[0])
+    with pytest.raises(
+        C.ConfigError, match="--config: 'llama-1b' beside the config 'debug'; give one config"
+    ):
+        _load(["debug", "--config", "llama-1b"], ())
