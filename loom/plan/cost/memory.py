@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from loom.config import target_shapes
 from loom.finetune.nf4 import nf4_bytes
+from loom.memory.precision import runs_8bit
 from loom.model.loss import CHUNK_ROWS
 from loom.plan.cost.base import CostBase
 from loom.plan.cost.layout import Layout
@@ -469,13 +470,18 @@ def layer_saved(
     :mod:`loom.plan.cost` states them. Each norm keeps its input in B_a and fp32 statistics, and its
     output x̂·w in B_a where a matmul takes it. A MoE layer: :func:`moe_activation` on the rank's
     tokens (T/t with sp: experts whole on every tp rank). The first is also one layer's working set
-    under full recomputation (:func:`stage_memory`), whatever the stack's selective policy."""
+    under full recomputation (:func:`stage_memory`), whatever the stack's selective policy. The input
+    a block Linear keeps for its weight gradient (the norms' outputs, the core's output, the MLP's
+    last product) takes :func:`saved_input_bytes` per element."""
     m, tr = cm.model, cm.train
     B, h = cm.act_bytes, m.dim
     T = mb * tr.seq_len / cp
     rep_div = t if sp else 1
-    rep = 2 * T * norm_activation(cm) / rep_div  # attention and MLP norms
     qd, kv = m.n_heads * m.head_dim / t, cm.kv_width(t)
+    ffn = cm.ffn / t
+    into_mlp = B if cm.moe else saved_input_bytes(cm, h, ffn)  # the MLP norm's output: w1's (and w3's) input
+    into_qkv = saved_input_bytes(cm, h, qd + 2 * kv)
+    rep = T * (2 * norm_activation(cm) - (B - into_qkv) * h - (B - into_mlp) * h) / rep_div  # two norms
     qkv = B * T * (qd + 2 * kv)
     if m.qk_norm:  # per head (or per rank, scope all); their outputs go to RoPE, which saves none
         heads = (1, 1) if m.qk_norm_scope == "all" else (qd / m.head_dim, kv / m.head_dim)
@@ -484,9 +490,9 @@ def layer_saved(
         qkv += T * (own * (qd + kv) + 4 * sum(heads))
     if cm.moe:  # experts whole on every tp rank, on its tokens (T/t with sp), the busiest's load
         mlp = moe_activation(cm, T / rep_div, ep)
-    else:
-        mlp = (4 if m.mlp == "swiglu" else 2) * B * T * cm.ffn / t  # w1 x, silu, w3 x, product | w1 x, gelu
-    out = B * T * qd  # the core's output, wo's input: kept under selective recomputation too
+    else:  # w1 x, silu, w3 x, product | w1 x, gelu: the last is w2's input
+        mlp = ((3 if m.mlp == "swiglu" else 1) * B + saved_input_bytes(cm, ffn, h)) * T * ffn
+    out = saved_input_bytes(cm, qd, h) * T * qd  # the core's output, wo's input: kept under selective too
     core = 4 * T * m.n_heads / t  # the fp32 log-sum-exp
     if cp > 1 and cp_mode == "allgather":  # the other ranks' keys and values, gathered
         core += 2 * B * T * (cp - 1) * kv
@@ -497,6 +503,16 @@ def layer_saved(
     if not tr.flash_attention:
         core += B * m.n_heads * T * tr.seq_len / t
     return rep + qkv + out + mlp, core, B * T * h / rep_div
+
+
+def saved_input_bytes(cm: CostBase, k: float, n: float) -> float:
+    """Bytes per element of the input a block Linear of k -> n features on a rank keeps for its
+    weight gradient: 1 where it runs in 8 bits on a stack that keeps the 8-bit cast
+    (``Stack.saves_8bit_inputs``: Transformer Engine), else B_a."""
+    tr = cm.train
+    if cm.stack.saves_8bit_inputs and runs_8bit(tr.precision, k, n, tr.fp8_recipe, tr.fp8_layers):
+        return 1.0
+    return cm.act_bytes
 
 
 def peak_states(cm: CostBase, lay: Layout) -> float:

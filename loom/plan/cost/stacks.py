@@ -53,6 +53,10 @@ class Stack:
     # an amax pass, then a cast writing both layouts), priced by compute.scale_cast_bytes; False: the
     # stack fuses them (Transformer Engine's casts are in its fitted 8-bit rate)
     scale_casts: bool = False
+    # an 8-bit Linear keeps its input for the weight gradient in 8 bits, 1 byte per element (Transformer
+    # Engine caches the fp8 cast it made); False: in B_a (torchao's Float8Linear saves the bf16 input
+    # and casts again in the backward): loom.plan.cost.memory.layer_saved
+    saves_8bit_inputs: bool = False
     note: str = ""
 
 
@@ -71,6 +75,7 @@ STACKS: dict[str, Stack] = {
         Stack(
             "megatron-core",
             other=1.21,
+            saves_8bit_inputs=True,
             note="Megatron-Core + Transformer Engine (fused norm-GEMM, bias-GeLU): fitted on two "
             "sources, NeMo 24.07 and Megatron-Bridge (FP8 on H100)",
         ),
