@@ -344,7 +344,7 @@ def format_published(rows: list[PublishedComparison]) -> str:
             f"{r.estimate.tflops_per_device:.1f}",
             f"{r.published_tflops:.1f}",
             f"{100 * r.error:+.1f}%",
-            f"{r.estimate.memory / 2**30:.0f}",
+            f"{r.estimate.memory / 2**30:.0f}" + ("" if r.estimate.fits else " *"),
         )
         for r in rows
     ]
@@ -359,6 +359,12 @@ def format_published(rows: list[PublishedComparison]) -> str:
         lines.append(
             f"{len(rows)} published runs: mean |error| {100 * mean:.1f}%, max {100 * worst:.1f}% "
             f"(goal {100 * MEAN_TOLERANCE:.0f}% / {100 * MAX_TOLERANCE:.0f}%)"
+        )
+    over = [r for r in rows if not r.estimate.fits]
+    if over:  # they ran, so the memory model over-counts there
+        lines.append(
+            f"* {len(over)} of {len(rows)}: predicted above its device's memory, though the run ran there "
+            "(the memory model over-counts it)"
         )
     return "\n".join(lines)
 
