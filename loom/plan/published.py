@@ -334,13 +334,19 @@ def summary(rows: list[PublishedComparison]) -> tuple[float, float]:
     return sum(errs) / len(errs), max(errs)
 
 
+def _layout_cell(lay: Layout) -> str:
+    """The degrees, sp, the pipeline schedule (pp > 1), micro-batch and recomputation."""
+    schedule = f" {lay.schedule}" + (f":v{lay.v}" if lay.v > 1 else "") if lay.pp > 1 else ""
+    return lay.short() + " sp" * lay.sp + schedule + f" mb{lay.micro_batch} {lay.recompute}"
+
+
 def format_published(rows: list[PublishedComparison]) -> str:
     head = ("run", "GPUs", "layout", "pred TFLOP/s", "publ TFLOP/s", "error", "mem GiB")
     cells = [head] + [
         (
             r.run.name,
             str(r.run.gpus),
-            r.run.layout.short() + f" mb{r.run.layout.micro_batch} {r.run.layout.recompute}",
+            _layout_cell(r.run.layout),
             f"{r.estimate.tflops_per_device:.1f}",
             f"{r.published_tflops:.1f}",
             f"{100 * r.error:+.1f}%",
