@@ -2,7 +2,8 @@
 
 Each ``loom/plan/validation/*.toml`` file holds ``[models.NAME]`` shapes (:class:`ModelConfig`
 fields) and ``[[runs]]``: ``name``, ``model``, ``stack`` (the training software, see
-:data:`loom.plan.cost.STACKS`), ``cluster`` (``device``, ``devices_per_node``,
+:data:`loom.plan.cost.STACKS`; a name of one in :data:`~loom.plan.cost.stacks.STACK_ALIASES`, any
+other is ``other``), ``cluster`` (``device``, ``devices_per_node``,
 ``inter_bandwidth_gbps`` per GPU, optional ``intra_bandwidth_gbps``), ``layout`` (a
 :meth:`Layout.parse` line), ``global_batch``, ``seq_len``, ``precision`` (bf16), ``flash_attention``
 (true), ``reduce_dtype`` (fp32), one measured throughput — ``tokens_per_s_per_gpu``,
@@ -41,6 +42,7 @@ from loom.config import (
 from loom.model.llama import flops_per_token
 from loom.plan.cost import CostModel, Estimate, Layout, PlanError, Workload
 from loom.plan.cost.params import ParamCounts
+from loom.plan.cost.stacks import STACK_ALIASES, STACKS, resolve_stack
 from loom.plan.hardware import GB, ClusterSpec, HardwareError, get_device
 
 if sys.version_info >= (3, 11):
@@ -194,9 +196,8 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
             f"{at}: {measure} = {row[measure]!r} gives {tps!r} tokens/s per GPU, not a finite number > 0"
         )
     group = str(row.get("group", Path(where).stem))
-    return PublishedRun(
-        str(name), model, str(row["stack"]), cluster, lay, w, tps, str(row["source"]), where, group
-    )
+    stack = resolve_stack(str(row["stack"]))[0]
+    return PublishedRun(str(name), model, stack, cluster, lay, w, tps, str(row["source"]), where, group)
 
 
 def _check_types(table: dict[str, Any], types: dict[str, type], at: str) -> None:
@@ -259,7 +260,16 @@ def load_file(path: Path) -> list[PublishedRun]:
     if not rows:
         raise PlanError(f"{path.name}: no [[runs]]")
     models = {key: _model(fields, f"{path.name}: models.{key}") for key, fields in tables.items()}
-    return [_run(row, models, path.name) for row in rows]
+    runs = [_run(row, models, path.name) for row in rows]
+    unknown = sorted({str(r["stack"]) for r in rows if not resolve_stack(str(r["stack"]))[1]})
+    if unknown:  # a run of any software is predicted, on the constants of none in particular
+        known = [repr(n) for n in STACKS if n != "other"] + [repr(a) for a in STACK_ALIASES]
+        print(
+            f"loom: note: {path.name}: stack {', '.join(map(repr, unknown))} is none the planner was fitted "
+            f"on; priced as 'other': {STACKS['other'].note} (fitted: {', '.join(known)})",
+            file=sys.stderr,
+        )
+    return runs
 
 
 def load_runs(directory: Path = VALIDATION_DIR) -> list[PublishedRun]:

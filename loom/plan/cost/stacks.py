@@ -104,5 +104,35 @@ STACKS: dict[str, Stack] = {
             logit_bytes=4.0,
             note="MosaicML Composer + FSDP1, Triton flash attention; one source: Loom's factor",
         ),
+        Stack(
+            "other",
+            other=1.8,
+            note="a stack none of the published sources used: Loom's memory-bound factor, Megatron's "
+            "selective recomputation, whole logits in B_a + 8 bytes",
+        ),
     )
 }
+
+# other names of the stacks above, as publications and users write them (lower case)
+STACK_ALIASES: dict[str, str] = {
+    "loom": "",
+    "nemo": "megatron-core",
+    "megatron-bridge": "megatron-core",
+    "megatron-lm": "megatron-core",
+    "megatron": "megatron-core",
+    "torchtitan": "pytorch-fsdp",
+    "fsdp2": "pytorch-fsdp",
+    "llm-foundry": "composer-fsdp",
+    "composer": "composer-fsdp",
+}
+
+
+def resolve_stack(name: str) -> tuple[str, bool]:
+    """(the :data:`STACKS` key of ``name``: itself, its :data:`STACK_ALIASES` entry, else ``"other"``;
+    whether it was known)."""
+    key = name.strip().lower()
+    if key in STACKS:
+        return key, True
+    if key in STACK_ALIASES:
+        return STACK_ALIASES[key], True
+    return "other", False
