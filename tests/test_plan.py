@@ -885,3 +885,25 @@ def test_config_layout_explained_in_one_line_and_dropped_grouped(tmp_path, capsy
     assert answer["check"]["fits"] is False and answer["check"]["message"] == line
     assert sum(d["count"] for d in answer["dropped"]) == total and answer["fitting"] > 0
     assert [d["count"] for d in answer["dropped"][:5]] == counts
+
+
+def test_a_device_is_found_by_the_names_vendors_and_torch_give_it():
+    """``--device H100`` and ``device = "NVIDIA A100-SXM4-40GB"`` in a published run were unknown: a
+    device is its key or a name :func:`device_key` reads; a part whose datasheet differs (H100 NVL)
+    is refused saying so."""
+    from loom.plan.hardware import HardwareError, get_device
+
+    for name, key in [
+        ("h100-sxm", "h100-sxm"),
+        ("H100", "h100-sxm"),
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("H100 PCIe", "h100-pcie"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40g"),
+        (" A100 ", "a100-80g"),
+        ("MI300X", "mi300x"),
+    ]:
+        assert get_device(name).name == key, name
+    with pytest.raises(HardwareError, match=r"unknown device 'H100 NVL' \(a part whose datasheet differs"):
+        get_device("H100 NVL")
+    with pytest.raises(HardwareError, match=r"^unknown device 'tpu-v5'; known: a100-40g"):
+        get_device("tpu-v5")
