@@ -376,10 +376,9 @@ of peak on A100, ~37% / 30% on H100) feed the per-kernel model of :meth:`Machine
 def get_device(name: str) -> DeviceSpec:
     """Look up a device by its key, or by a name as vendors and torch write it (``H100``, ``NVIDIA
     A100-SXM4-40GB``: :func:`device_key`); an unknown name lists the known ones."""
-    key = name.strip().lower()
-    key = key if key in DEVICES else device_key(key)
+    low = name.strip().lower()
+    key = low if low in DEVICES else device_key(low)
     if key is None:
-        low = name.lower()
         apart = any(k is None and all(p in low for p in parts) for parts, k in _NAME_RULES)
         why = " (a part whose datasheet differs from the table's: a calibration profile measures it)" * apart
         raise HardwareError(f"unknown device {name!r}{why}; known: {', '.join(DEVICES)}")
