@@ -4,7 +4,9 @@ Each ``loom/plan/validation/*.toml`` file holds ``[models.NAME]`` shapes (:class
 fields) and ``[[runs]]``: ``name``, ``model``, ``stack`` (the training software, see
 :data:`loom.plan.cost.STACKS`; a name of one in :data:`~loom.plan.cost.stacks.STACK_ALIASES`, any
 other is ``other``), ``cluster`` (``device``, ``devices_per_node``,
-``inter_bandwidth_gbps`` per GPU, optional ``intra_bandwidth_gbps``), ``layout`` (a
+optional ``inter_bandwidth_gbps``, GB/s per GPU, default the device's reference node's NIC share
+(``DeviceSpec.nic_bandwidth``: 25 per A100, 50 per Hopper or Blackwell GPU), optional
+``intra_bandwidth_gbps``), ``layout`` (a
 :meth:`Layout.parse` line), ``global_batch``, ``seq_len``, ``precision`` (bf16), ``flash_attention``
 (true), ``reduce_dtype`` (fp32), one measured throughput — ``tokens_per_s_per_gpu``,
 ``step_time_s``, ``tflops_per_gpu`` or ``mfu`` (a share of the device's dense bf16 peak, as Llama 3
@@ -139,14 +141,16 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
     model = models[row["model"]]
     cl = dict(row["cluster"])
     _check_types(cl, _CLUSTER_KEYS, f"{at}: cluster")
-    for key in ("device", "inter_bandwidth_gbps"):
+    for key in ("device",):
         if key not in cl:
             raise PlanError(f"{at}: cluster: missing {key!r}")
     per = int(cl.get("devices_per_node", 8))
     try:
         lay = Layout.parse(row["layout"], "layout")
         dev = get_device(cl["device"])
-        kw = {"inter_bandwidth": float(cl["inter_bandwidth_gbps"]) * GB}
+        kw = {}  # unstated: the device's reference node's NIC share (DeviceSpec.nic_bandwidth)
+        if "inter_bandwidth_gbps" in cl:
+            kw["inter_bandwidth"] = float(cl["inter_bandwidth_gbps"]) * GB
         if "intra_bandwidth_gbps" in cl:
             kw["intra_bandwidth"] = float(cl["intra_bandwidth_gbps"]) * GB
         if lay.world_size > per and lay.world_size % per:  # ceil would add devices the run did not have
