@@ -200,7 +200,7 @@ def test_cli_json_shape_and_bad_inputs(tmp_path, capsys):
     for o in out:
         assert {"policy", "avg_jct", "p99_jct", "makespan", "utilization"} <= set(o) and o["jobs"] == 2
     bad = {
-        "c1.toml": ("[cluster]\ndevices = { h800 = 4 }\n", "cluster.devices.h800: unknown device type"),
+        "c1.toml": ("[cluster]\ndevices = { tpu-v5 = 4 }\n", "cluster.devices.tpu-v5: unknown device type"),
         "c2.toml": ("[cluster]\ndevices = { v100 = 0 }\n", "cluster.devices.v100: expected an integer > 0"),
         "c3.toml": ("[cluster]\ndevices = { v100 = 2 }\nspeed = 3\n", "cluster.speed: unknown key"),
     }

@@ -23,6 +23,8 @@ from tests.helpers import TINY_JOB, with_sections
         ("NVIDIA A100-SXM4-40GB", "fp32", False, "a100-40g", 19.5e12),
         ("NVIDIA A100-SXM4-80GB", "bf16", False, "a100-80g", 312e12),
         ("AMD Instinct MI300X", "bf16", False, "mi300x", 1307.4e12),
+        ("NVIDIA H800", "bf16", False, "h800", 989.5e12),
+        ("AMD Instinct MI250X", "bf16", False, "mi250x", 191.5e12),  # one GCD: half the module
     ],
 )
 def test_mfu_peak_comes_from_the_hardware_table(name, precision, tf32, key, flops):
@@ -56,8 +58,8 @@ def test_unknown_devices_are_measured_in_the_run_dtype(monkeypatch):
         "NVIDIA GH200 480GB",
         "NVIDIA GB200",
         "NVIDIA GeForce RTX 4090",
-        "NVIDIA H800",
-        "AMD Instinct MI250X",
+        "NVIDIA H800 PCIe",
+        "AMD Instinct MI250",
     ],
 )
 def test_parts_with_other_datasheets_are_not_given_a_known_peak(name):

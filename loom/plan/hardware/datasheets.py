@@ -100,6 +100,8 @@ _NV_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM / H100 PCIe c
 _NV_H200 = "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM column"
 _NV_B200 = "NVIDIA DGX/HGX B200 datasheet (2024): 8-GPU totals divided by 8"
 _AMD_MI300X = "AMD Instinct MI300X accelerator datasheet (2023)"
+_AMD_MI250X = "AMD Instinct MI250X accelerator datasheet (2021), OAM module figures divided by its 2 GCDs"
+_NV_H800 = "NVIDIA H800 Tensor Core GPU datasheet (2023), H800 SXM5 column"
 _NV_V100 = "NVIDIA Tesla V100 GPU datasheet (2020), V100 SXM2 column"
 _NV_P100 = "NVIDIA Tesla P100 GPU datasheet (2016), P100 for NVLink-optimized servers column"
 _NV_K80 = "NVIDIA Tesla K80 GPU accelerator datasheet (2014): board totals divided by its 2 GPUs"
@@ -209,6 +211,27 @@ DEVICES: dict[str, DeviceSpec] = {
             grouped_mm=("bf16",),
             source=_NV_H200,
         ),
+        # H800 SXM (H100's export variant, the DeepSeek-V3 clusters): H100 SXM compute, 80 GB HBM3 at
+        # 3.35 TB/s, NVLink 400 GB/s total (200 per direction).
+        DeviceSpec(
+            "h800",
+            80 * GiB,
+            67e12,
+            494.5e12,
+            989.5e12,
+            989.5e12,
+            1979e12,
+            3350 * GB,
+            200 * GB,
+            0.58,
+            sms=132,
+            flash_fwd=0.37,
+            flash_bwd=0.30,
+            int8_flops=1979e12,
+            achievable_8bit=0.62,  # H100's (the same chip)
+            grouped_mm=("bf16",),
+            source=_NV_H800,
+        ),
         # B200 (HGX B200 / 8): 1440 GB -> 180 GB, 64 TB/s -> 8 TB/s, FP32 75 TF, TF32 1.1 PF,
         # BF16/FP16 2.25 PF, FP8 and INT8 4.5 PF dense; NVLink 5 1.8 TB/s total.
         DeviceSpec(
@@ -244,6 +267,26 @@ DEVICES: dict[str, DeviceSpec] = {
             int8_flops=2614.9e12,
             grouped_mm=("bf16",),
             source=_AMD_MI300X,
+        ),
+        # MI250X, one GCD (what torch sees as a device; the OAM module holds two): module figures / 2:
+        # 64 GB HBM2e at 1.6 TB/s, 47.9 TF FP32 (matrix), 191.5 TF BF16/FP16 and INT8, no TF32 or FP8;
+        # 110 CUs; Infinity Fabric to the other GCDs about 100 GB/s per direction; a Frontier node's
+        # four 25 GB/s Slingshot NICs over its 8 GCDs: 12.5 GB/s each.
+        DeviceSpec(
+            "mi250x",
+            64 * GiB,
+            47.9e12,
+            0.0,
+            191.5e12,
+            191.5e12,
+            0.0,
+            1600 * GB,
+            100 * GB,
+            0.55,
+            sms=110,
+            nic_bandwidth=12.5 * GB,
+            int8_flops=191.5e12,
+            source=_AMD_MI250X,
         ),
         # Older parts, for the cluster scheduler's mixed clusters (loom.cluster; Gavel's V100/P100/K80).
         # V100 SXM2 16GB: 15.7 TF FP32, 125 TF FP16 tensor, no BF16/TF32; HBM2 900 GB/s; NVLink 2 300 GB/s total.
@@ -335,10 +378,13 @@ _NAME_RULES: tuple[tuple[tuple[str, ...], str | None], ...] = (
     (("h100", "pcie"), "h100-pcie"),
     (("h100",), "h100-sxm"),
     (("h200",), "h200"),
+    (("h800", "pcie"), None),
+    (("h800",), "h800"),
     (("b200",), "b200"),
     (("a100", "40gb"), "a100-40g"),
     (("a100",), "a100-80g"),
     (("mi300x",), "mi300x"),
+    (("mi250x",), "mi250x"),
     (("v100",), "v100"),
     (("p100",), "p100"),
     (("k80",), "k80"),
