@@ -244,6 +244,27 @@ def test_an_unstated_network_is_the_devices_reference_node(tmp_path):
     assert predict(unstated).tokens_per_s == predict(stated).tokens_per_s
 
 
+def test_a_jobs_tokens_or_samples_per_second_are_the_same_measure(tmp_path):
+    """Publications give the whole job's tokens/s or sequences/s (Megatron's "samples per second"):
+    each is tokens/s per GPU times the GPUs (64 here), or that over the sequence (8192)."""
+    from loom.plan.published import load_file
+
+    def measure(text: str) -> float:
+        (tmp_path / "own.toml").write_text(_OWN.replace("tokens_per_s_per_gpu = 2973", text, 1))
+        return load_file(tmp_path / "own.toml")[0].tokens_per_s_per_gpu
+
+    assert (
+        measure("tokens_per_s = 190272") == measure(f"samples_per_s = {190272 / 8192}") == pytest.approx(2973)
+    )
+    (tmp_path / "own.toml").write_text(
+        _OWN.replace("tokens_per_s_per_gpu = 2973", "tokens_per_s = 1\nmfu = 0.5")
+    )
+    with pytest.raises(
+        PlanError, match="give exactly one of tokens_per_s_per_gpu, tokens_per_s, samples_per_s"
+    ):
+        load_file(tmp_path / "own.toml")
+
+
 def test_cli_published_table(capsys):
     from loom.plan.validate import main
 

@@ -8,8 +8,8 @@ optional ``inter_bandwidth_gbps``, GB/s per GPU, default the device's reference 
 (``DeviceSpec.nic_bandwidth``: 25 per A100, 50 per Hopper or Blackwell GPU), optional
 ``intra_bandwidth_gbps``), ``layout`` (a
 :meth:`Layout.parse` line), ``global_batch``, ``seq_len``, ``precision`` (bf16), ``flash_attention``
-(true), ``reduce_dtype`` (fp32), one measured throughput — ``tokens_per_s_per_gpu``,
-``step_time_s``, ``tflops_per_gpu`` or ``mfu`` (a share of the device's dense bf16 peak, as Llama 3
+(true), ``reduce_dtype`` (fp32), one measured throughput — ``tokens_per_s_per_gpu``, the whole job's
+``tokens_per_s`` or ``samples_per_s`` (sequences), ``step_time_s``, ``tflops_per_gpu`` or ``mfu`` (a share of the device's dense bf16 peak, as Llama 3
 and torchtitan report it), the last two with the ``tflops_formula`` the publication counted FLOPs
 with (:data:`TFLOPS_FORMULAS`) — its ``source`` (paper, table, URL) and ``group``, the independent
 source it belongs to (default: the file's name; leave-one-source-out holds a group out at once).
@@ -68,6 +68,8 @@ _RUN_KEYS: dict[str, type] = {
     "flash_attention": bool,
     "reduce_dtype": str,
     "tokens_per_s_per_gpu": float,
+    "tokens_per_s": float,
+    "samples_per_s": float,
     "step_time_s": float,
     "tflops_per_gpu": float,
     "mfu": float,
@@ -82,7 +84,8 @@ _CLUSTER_KEYS: dict[str, type] = {
     "inter_bandwidth_gbps": float,
     "intra_bandwidth_gbps": float,
 }
-_MEASURES = ("tokens_per_s_per_gpu", "step_time_s", "tflops_per_gpu", "mfu")
+# the whole job's tokens/s and sequences/s (Megatron's and DeepSpeed's "samples per second") too
+_MEASURES = ("tokens_per_s_per_gpu", "tokens_per_s", "samples_per_s", "step_time_s", "tflops_per_gpu", "mfu")
 TFLOPS_FORMULAS = ("megatron", "palm", "6n")  # how a tflops_per_gpu or mfu row counted its FLOPs
 
 
@@ -176,6 +179,10 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
     tokens = w.global_batch * w.seq_len
     if "tokens_per_s_per_gpu" in row:
         tps = float(row["tokens_per_s_per_gpu"])
+    elif "tokens_per_s" in row:
+        tps = float(row["tokens_per_s"]) / lay.world_size
+    elif "samples_per_s" in row:
+        tps = float(row["samples_per_s"]) * w.seq_len / lay.world_size
     elif "step_time_s" in row:
         tps = tokens / float(row["step_time_s"]) / lay.world_size
     else:
