@@ -588,15 +588,23 @@ def cmd_schedule(argv: list[str]) -> int:
             )
     if path is not None:
         raise C.ConfigError(f"schedule: takes no config file, got {path!r}")
-    pp, m, v = (
-        C._coerce(plain.get(k, d), int, f"--{k}") for k, d in (("pp", "4"), ("microbatches", "8"), ("v", "1"))
-    )
     name = plain.get("schedule", "1f1b")
+    chunks = "2" if name == "interleaved" else "1"  # interleaved runs >= 2 chunks per rank: 2 unless given
+    pp, m, v = (
+        C._coerce(plain.get(k, d), int, f"--{k}")
+        for k, d in (("pp", "4"), ("microbatches", "8"), ("v", chunks))
+    )
     if "out" in plain:  # before the simulation: the picture is drawn last
         C.check_picture_path("--out", plain["out"], ("png", "svg"))
     for opt, n in (("--pp", pp), ("--microbatches", m), ("--v", v)):
         if n < 1:
             raise C.ConfigError(f"{opt}: must be >= 1, got {n}")
+    from loom.rules import interleaved_chunks_problem
+
+    if interleaved_chunks_problem(name, pp, v):
+        raise C.ConfigError(
+            f"--v: the interleaved schedule runs >= 2 chunks per rank, got {v} (that is 1F1B)"
+        )
     actions = 3 * pp * m * v  # forward, backward (input and weight) per stage, micro-batch and chunk
     if actions > SCHEDULE_MAX_ACTIONS:
         raise C.ConfigError(

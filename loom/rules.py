@@ -265,6 +265,16 @@ def virtual_stages_problem(schedule: str, v: int) -> str | None:
     return None
 
 
+def interleaved_chunks_problem(schedule: str, pp: int, v: int) -> str | None:
+    """The interleaved schedule runs v >= 2 chunks per pipeline rank (v = 1 is 1F1B's order)."""
+    if schedule == "interleaved" and pp > 1 and v < 2:
+        return (
+            f"parallel.virtual_stages: the interleaved schedule runs >= 2 chunks per rank, got {v} (that is "
+            "1F1B); give parallel.virtual_stages 2 or more, or parallel.schedule = '1f1b'"
+        )
+    return None
+
+
 def pipeline_depth_problem(m: ModelFacts, pp: int, v: int) -> str | None:
     """Every one of the pp*v pipeline chunks holds at least one block."""
     n = pp * max(v, 1)
@@ -324,7 +334,11 @@ def _pipeline_problems(
     n = pp * max(v, 1)
     out += [
         why
-        for why in (pipeline_depth_problem(m, pp, v), interleaved_microbatches_problem(schedule, pp, micro))
+        for why in (
+            interleaved_chunks_problem(schedule, pp, v),
+            pipeline_depth_problem(m, pp, v),
+            interleaved_microbatches_problem(schedule, pp, micro),
+        )
         if why
     ]
     if schedule == "2bw" and (micro % 2 or micro // 2 < pp):

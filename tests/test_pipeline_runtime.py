@@ -840,6 +840,12 @@ def test_profiled_partitioner_prints_cut_time_and_memory():
         ),
         (["--parallel.schedule", "zerobubble"], "parallel.schedule: must be one of"),
         (["--parallel.pp", "2", "--parallel.virtual_stages", "2"], "needs parallel.schedule = 'interleaved'"),
+        # the docs' interleaved example gave no virtual_stages: it trained v = 1 (1F1B's order) as
+        # "interleaved", a layout the planner refused
+        (
+            ["--parallel.pp", "2", "--parallel.schedule", "interleaved"],
+            "parallel.virtual_stages: the interleaved schedule runs >= 2 chunks per rank, got 1",
+        ),
         (
             [
                 "--parallel.pp",
@@ -877,3 +883,8 @@ def test_loom_schedule_command(tmp_path, capsys):
         main(["schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved", "--v", "2"]) == 2
     )
     assert "divisible" in capsys.readouterr().err
+    # interleaved without --v simulates 2 chunks per rank; --v 1 is refused, as loom train refuses it
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved"]) == 0
+    assert "interleaved: pp=4 microbatches=8 v=2 | simulated bubble 15.8%" in capsys.readouterr().out
+    assert main(["schedule", "--pp", "4", "--schedule", "interleaved", "--v", "1"]) == 2
+    assert "--v: the interleaved schedule runs >= 2 chunks per rank, got 1" in capsys.readouterr().err

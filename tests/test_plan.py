@@ -456,7 +456,7 @@ def test_invalid_layouts_are_rejected_with_the_reason():
         (Layout(tp=3, dp=1), r"model\.n_heads: 32 must be divisible by parallel\.tp=3"),  # loom.rules
         (Layout(dp=3), "train.global_batch: 64 must be divisible by micro_batch\\*dp"),
         (Layout(dp=8, zero=2), "sharding group"),
-        (Layout(dp=2, pp=2, schedule="interleaved", v=1), "interleaved needs"),
+        (Layout(dp=2, pp=2, schedule="interleaved", v=1), "the interleaved schedule runs >= 2 chunks"),
         (Layout(dp=16), "more devices than the cluster"),
         (Layout(dp=1, schedule="looped"), "schedule must be one of"),
     ]

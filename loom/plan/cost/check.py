@@ -10,6 +10,7 @@ from loom.rules import (
     batch_problem,
     context_parallel_problem,
     expert_problem,
+    interleaved_chunks_problem,
     interleaved_microbatches_problem,
     layout_problems,
     param_server_problem,
@@ -67,11 +68,11 @@ def check(cm: CostBase, lay: Layout) -> str | None:
     why = virtual_stages_problem(lay.schedule, lay.v) or pipeline_depth_problem(cm.facts, lay.pp, lay.v)
     if why:
         return why
-    if lay.schedule == "interleaved" and (lay.v < 2 or lay.pp < 2):
-        return (  # in a layout line the chunks per rank follow the schedule: interleaved:v4
-            f"interleaved needs pp >= 2 and v >= 2 virtual stages per rank (got pp={lay.pp}, v={lay.v}; "
-            "write interleaved:vN in a layout line)"
-        )
+    if lay.schedule == "interleaved" and lay.pp < 2:
+        return "interleaved needs pp >= 2"
+    why = interleaved_chunks_problem(lay.schedule, lay.pp, lay.v)
+    if why:  # in a layout line the chunks per rank follow the schedule: interleaved:v4
+        return f"{why} (in a layout line: interleaved:vN)"
     if lay.split and (len(lay.split) != lay.pp or sum(lay.split) != m.n_layers or min(lay.split) < lay.v):
         return (
             f"split must give each of the pp={lay.pp} stages at least v={lay.v} blocks, {m.n_layers} in all"
