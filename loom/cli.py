@@ -335,6 +335,7 @@ def cmd_prepare(argv: list[str]) -> int:
     verify = "--verify" in argv
     cfg, _ = _load([a for a in argv if a != "--verify"], ())
     C.validate(cfg, 1)
+    C.check_intent(cfg)  # data.prepared_dir beside [[data.sources]], ...: as loom train refuses them
     from loom.data import prepare_data
     from loom.data.prepare import META, default_dir, verify_full
 

@@ -1299,3 +1299,18 @@ def test_a_held_out_split_too_small_for_one_window_matters_only_with_eval(tmp_pa
         C.ConfigError, match=r"data.seq_len: .*val.bin has \d+ tokens.*raise data.val_fraction"
     ):
         _check_data(cfg)
+
+
+def test_prepare_refuses_what_train_refuses_a_prepared_dir_beside_sources(tmp_path, capsys):
+    """``loom prepare MIX.toml --data.prepared_dir D`` prepared each source into the cache and ignored D
+    without a word (``loom train`` refuses it): prepare checks explicit settings as train does."""
+    from loom.cli import main
+
+    mix = tmp_path / "mix.toml"
+    mix.write_text(f'[data]\nvocab_size = 300\n[[data.sources]]\npath = "{tmp_path}"\n')
+    assert main(["prepare", str(mix), "--data.prepared_dir", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "loom: error: data.prepared_dir: has no effect with [[data.sources]]"
+    )
+    assert not (tmp_path / "p").exists()
