@@ -354,3 +354,24 @@ def test_the_docs_job_on_the_debug_preset_gets_the_planners_throughput(tmp_path)
     (job,) = load_jobs(jobs, Cluster({"cpu": 2}))
     assert job.cfg.model.vocab_size == 0 and set(job.throughput["cpu"]) == {1, 2}
     assert all(v > 0 for v in job.throughput["cpu"].values())
+
+
+def test_a_trace_given_as_jobs_and_jobs_given_as_a_trace_say_which_file_they_are(tmp_path):
+    """The docs named both files jobs.toml: each loader's unknown-key line now says what the file looks
+    like (a simulate trace has samples and a model; a --jobs file a config and steps)."""
+    from loom.cluster import Cluster, ClusterError
+    from loom.cluster.formats import load_trace
+    from loom.cluster.run import load_jobs
+
+    trace = tmp_path / "trace.toml"
+    trace.write_text('[[jobs]]\narrival_s = 0\nsamples = 100\nmodel = "debug"\n')
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text('[[jobs]]\nconfig = "debug"\nsteps = 10\n')
+    with pytest.raises(
+        ClusterError, match=r"jobs\[0\]\.samples: unknown key; .* \(a cluster simulate trace\?"
+    ):
+        load_jobs(trace, Cluster({"cpu": 2}))
+    with pytest.raises(
+        ClusterError, match=r"jobs\[0\]\.config: unknown key; .* \(a --jobs file of cluster run\?"
+    ):
+        load_trace(jobs)

@@ -182,7 +182,10 @@ def job_from_dict(d: Any, i: int, where: str) -> Job:
         raise ClusterError(f"{at}: expected a table, got {d!r}")
     for key in d:
         if key not in _JOB_KEYS:
-            raise ClusterError(f"{at}.{key}: unknown key; allowed: {', '.join(sorted(_JOB_KEYS))}")
+            jobs = " (a --jobs file of cluster run? a trace's jobs give samples and a model)" * (
+                key in ("config", "steps", "overrides")
+            )
+            raise ClusterError(f"{at}.{key}: unknown key; allowed: {', '.join(sorted(_JOB_KEYS))}{jobs}")
     for key in ("arrival_s", "samples"):
         if key not in d:
             raise ClusterError(f"{at}.{key}: missing (required: arrival_s, samples, and model or throughput)")

@@ -199,7 +199,10 @@ def load_jobs(path: str | Path, cluster: Cluster) -> list[RealJob]:
             raise ClusterError(f"{at}: expected a table, got {d!r}")
         for key in d:
             if key not in _KEYS:
-                raise ClusterError(f"{at}.{key}: unknown key; allowed: {', '.join(sorted(_KEYS))}")
+                trace = " (a cluster simulate trace? --jobs takes jobs of a config and steps)" * (
+                    key in ("samples", "model", "batch", "gns")
+                )
+                raise ClusterError(f"{at}.{key}: unknown key; allowed: {', '.join(sorted(_KEYS))}{trace}")
         name = d.get("name", f"job{i}")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
             raise ClusterError(f"{at}.name: expected letters, digits, '_', '.', '-', got {name!r}")
