@@ -74,7 +74,7 @@ STACKS: dict[str, Stack] = {
         ),
         Stack(
             "megatron-core",
-            other=1.21,
+            other=1.16,
             saves_8bit_inputs=True,
             note="Megatron-Core + Transformer Engine (fused norm-GEMM, bias-GeLU): fitted on two "
             "sources, NeMo 24.07 and Megatron-Bridge (FP8 on H100)",
