@@ -164,7 +164,7 @@ def test_backward_ratio_and_layer_work_run():
 
     m = _cfg(1).model
     m.vocab_size = 512
-    assert 0.5 <= measure_backward_ratio(m, 2, 64, repeats=3) < 10
+    assert 0.5 <= measure_backward_ratio(m, 2, 64, repeats=9) < 10  # median of 9: a burst of load skews 3
     assert 0 < work_rate(layer_work(64, 32), calls=5, blocks=2) < 1
 
 

@@ -152,9 +152,8 @@ class Layout:
     def short(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         parts += [f"cp{self.cp}{self._mode()}"] * (self.cp > 1) + [f"ep{self.ep}"] * (self.ep > 1)
-        if self.zero:
-            n = self.dp_shard * self.cp
-            parts.append(f"z{self.zero}" + (f"/{n}" if self.dp_shard != self.dp else ""))
+        if self.zero:  # zS/G as the table and the layout line write it: stage S over G of the dp ranks
+            parts.append(f"z{self.zero}" + (f"/{self.dp_shard}" if self.dp_shard != self.dp else ""))
         return " ".join(parts)
 
 
