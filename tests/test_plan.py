@@ -907,3 +907,5 @@ def test_a_device_is_found_by_the_names_vendors_and_torch_give_it():
         get_device("H100 NVL")
     with pytest.raises(HardwareError, match=r"^unknown device 'tpu-v5'; known: a100-40g"):
         get_device("tpu-v5")
+    with pytest.raises(HardwareError, match=r"^unknown device 'h100x'; known"):  # a typo is not an H100
+        get_device("h100x")

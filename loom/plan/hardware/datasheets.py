@@ -10,6 +10,7 @@ patches :data:`GEMM_K0` here (:meth:`~loom.plan.hardware.machine.Machine.gemm` r
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 GEMM_K0: float = 256  # reduction steps a GEMM tile's prologue + epilogue cost (pipeline fill and drain; fitted, see achievable)
@@ -391,11 +392,20 @@ _NAME_RULES: tuple[tuple[tuple[str, ...], str | None], ...] = (
 )
 
 
-def device_key(name: str) -> str | None:
+def device_key(name: str, whole_words: bool = False) -> str | None:
     """The :data:`DEVICES` key of an accelerator by its reported name (``NVIDIA H100 80GB HBM3``,
-    ``NVIDIA H100 PCIe``, ``NVIDIA A100-SXM4-40GB``, ...), or None for one not in the table."""
+    ``NVIDIA H100 PCIe``, ``NVIDIA A100-SXM4-40GB``, ...), or None for one not in the table;
+    ``whole_words``: each part a whole word of the name (a name typed by a user: ``h100x`` is none)."""
     low = name.lower()
-    return next((key for parts, key in _NAME_RULES if all(p in low for p in parts)), None)
+    words = set(re.split(r"[^a-z0-9]+", low))
+    return next(
+        (
+            key
+            for parts, key in _NAME_RULES
+            if all((p in words) if whole_words else (p in low) for p in parts)
+        ),
+        None,
+    )
 
 
 def mfu_peak(name: str, precision: str, tf32: bool) -> tuple[float, str] | None:
@@ -423,9 +433,10 @@ def get_device(name: str) -> DeviceSpec:
     """Look up a device by its key, or by a name as vendors and torch write it (``H100``, ``NVIDIA
     A100-SXM4-40GB``: :func:`device_key`); an unknown name lists the known ones."""
     low = name.strip().lower()
-    key = low if low in DEVICES else device_key(low)
+    key = low if low in DEVICES else device_key(low, whole_words=True)
     if key is None:
-        apart = any(k is None and all(p in low for p in parts) for parts, k in _NAME_RULES)
+        words = set(re.split(r"[^a-z0-9]+", low))
+        apart = any(k is None and all(p in words for p in parts) for parts, k in _NAME_RULES)
         why = " (a part whose datasheet differs from the table's: a calibration profile measures it)" * apart
         raise HardwareError(f"unknown device {name!r}{why}; known: {', '.join(DEVICES)}")
     return DEVICES[key]
