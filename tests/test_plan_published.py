@@ -779,3 +779,25 @@ def test_refit_restores_the_tables_and_never_worsens_the_objective():
     )
     start = dict(now, **{"other:megatron-deepspeed": 1.0})
     assert objective(errors(runs, fit(runs, start, sweeps=1))) <= objective(errors(runs, start))
+
+
+def test_transformer_engine_keeps_8bit_linear_inputs_in_one_byte():
+    """Under fp8 (every block Linear 8-bit) a stack with ``saves_8bit_inputs`` keeps the inputs of the
+    weight gradients in 1 byte instead of B_a = 2: one block saves (B_a - 1)·T·(2h/t_sp + q/t + f/t)
+    bytes less (both norms' outputs, sequence-sharded under sp; the core's output; the MLP product)."""
+    from loom.plan.cost.memory import layer_saved
+
+    m = ModelConfig(dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, ffn_dim=2816, vocab_size=32000)
+    cl = ClusterSpec.single_node("h100-sxm", 8)
+    w = Workload(8, 2048, precision="fp8", fp8_layers="all")
+    assert STACKS["megatron-core"].saves_8bit_inputs and not STACKS["pytorch-fsdp"].saves_8bit_inputs
+    for t, sp in ((1, False), (4, True)):
+        te = layer_saved(CostModel(m, w, cl, stack="megatron-core"), t, sp, 1, 2)
+        torchao = layer_saved(CostModel(m, w, cl, stack="pytorch-fsdp"), t, sp, 1, 2)
+        T = 2 * 2048
+        want = T * (2 * 1024 / (t if sp else 1) + 1024 / t + 2816 / t)
+        assert torchao[0] - te[0] == pytest.approx(want) and te[1:] == torchao[1:]
+    bf16 = Workload(8, 2048, precision="bf16")  # no 8-bit Linear: the same bytes on every stack
+    assert layer_saved(CostModel(m, bf16, cl, stack="megatron-core"), 1, False, 1, 2) == layer_saved(
+        CostModel(m, bf16, cl, stack="pytorch-fsdp"), 1, False, 1, 2
+    )

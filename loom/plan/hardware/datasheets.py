@@ -11,7 +11,7 @@ patches :data:`GEMM_K0` here (:meth:`~loom.plan.hardware.machine.Machine.gemm` r
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GEMM_K0: float = 256  # reduction steps a GEMM tile's prologue + epilogue cost (pipeline fill and drain; fitted, see achievable)
 GB = 1e9
@@ -212,27 +212,6 @@ DEVICES: dict[str, DeviceSpec] = {
             grouped_mm=("bf16",),
             source=_NV_H200,
         ),
-        # H800 SXM (H100's export variant, the DeepSeek-V3 clusters): H100 SXM compute, 80 GB HBM3 at
-        # 3.35 TB/s, NVLink 400 GB/s total (200 per direction).
-        DeviceSpec(
-            "h800",
-            80 * GiB,
-            67e12,
-            494.5e12,
-            989.5e12,
-            989.5e12,
-            1979e12,
-            3350 * GB,
-            200 * GB,
-            0.58,
-            sms=132,
-            flash_fwd=0.37,
-            flash_bwd=0.30,
-            int8_flops=1979e12,
-            achievable_8bit=0.62,  # H100's (the same chip)
-            grouped_mm=("bf16",),
-            source=_NV_H800,
-        ),
         # B200 (HGX B200 / 8): 1440 GB -> 180 GB, 64 TB/s -> 8 TB/s, FP32 75 TF, TF32 1.1 PF,
         # BF16/FP16 2.25 PF, FP8 and INT8 4.5 PF dense; NVLink 5 1.8 TB/s total.
         DeviceSpec(
@@ -365,6 +344,9 @@ DEVICES: dict[str, DeviceSpec] = {
         ),
     )
 }
+# H800 SXM (H100's export variant, the DeepSeek-V3 clusters): the H100 SXM chip, its 8-bit share
+# included, with NVLink cut to 400 GB/s total (200 per direction).
+DEVICES["h800"] = replace(DEVICES["h100-sxm"], name="h800", link_bandwidth=200 * GB, source=_NV_H800)
 
 
 # (substrings of torch.cuda.get_device_name, all required, lower case) -> DEVICES key, first match
