@@ -1,6 +1,7 @@
 """The planner against published runs, per independent source: in-sample error (the shipped
 constants) and leave-one-source-out error (constants refitted without that source, from neutral
-starts: :func:`loom.plan.fit.leave_one_source_out`). Writes docs/results/planner_sources.md.
+starts: :func:`loom.plan.fit.leave_one_source_out`), then the rows never fitted on
+(benchmarks/heldout/*.toml) predicted with the shipped constants. Writes docs/results/planner_sources.md.
 
     python benchmarks/bench_planner_sources.py
 """
@@ -17,7 +18,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import write_results  # noqa: E402
 
 from loom.plan.fit import leave_one_source_out, per_source  # noqa: E402
-from loom.plan.published import compare_published  # noqa: E402
+from loom.plan.published import compare_published, load_files  # noqa: E402
+
+HELD_OUT = Path(__file__).resolve().parent / "heldout"
+
+
+def held_out() -> str:
+    """Each file of benchmarks/heldout/ (published rows the constants never saw), row by row."""
+    out = [
+        "## Rows never fitted on\n\nPublished rows kept out of `loom/plan/validation/` (and so out of every fit), "
+        "predicted with the shipped constants; each file says where its rows and configurations come from.\n"
+    ]
+    for path in sorted(HELD_OUT.glob("*.toml")):
+        table = compare_published(load_files([path]))
+        a = [abs(c.error) for c in table]
+        out += [
+            f"### {path.name}\n",
+            "| run | layout | predicted TFLOP/s | published | error |",
+            "|---|---|---:|---:|---:|",
+        ]
+        out += [
+            f"| {c.run.name} | `{c.run.layout.short()} mb{c.run.layout.micro_batch}` | "
+            f"{c.estimate.tflops_per_device:.1f} | {c.published_tflops:.1f} | {100 * c.error:+.1f}% |"
+            for c in table
+        ]
+        out.append(f"\n{len(a)} rows: mean |error| {100 * sum(a) / len(a):.1f}%, max {100 * max(a):.1f}%\n")
+    return "\n".join(out)
 
 
 def main() -> None:
@@ -52,6 +78,8 @@ def main() -> None:
         + "\n".join(lines)
         + "\n\nLargest held-out misses:\n\n"
         + "\n".join(f"- {r.name} ({r.group}): {100 * e:+.1f}%" for r, e in worst)
+        + "\n\n"
+        + held_out()
     )
     path = write_results("planner_sources", "Planner error per published source", body)
     print(body)

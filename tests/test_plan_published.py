@@ -742,15 +742,57 @@ def test_leave_one_source_out_gate():
     assert sum(errs) / len(errs) <= LOSO_MEAN and max(errs) <= LOSO_MAX, table
 
 
+def test_megatron_core_buckets_grow_with_the_data_parallel_group():
+    """Megatron-Core's DDP buckets max(40M, 1M x dp cp) parameters (of the reduce dtype); Loom's and
+    PyTorch DDP's stay at parallel.bucket_mb. Fewer calls, so less ring latency in a large group."""
+    m = ModelConfig(dim=4096, n_layers=8, n_heads=32, vocab_size=32000)
+    cl = ClusterSpec.single_node("h100-sxm", 8, 16)
+    w = Workload(512, 2048, reduce_dtype="bf16")
+    core, loom = CostModel(m, w, cl, stack="megatron-core"), CostModel(m, w, cl)
+    assert core.bucket_bytes(8) == 40e6 * 2 and core.bucket_bytes(128) == 128e6 * 2
+    assert loom.bucket_bytes(128) == w.bucket_bytes == 25 * 2**20
+    assert core.buckets(1e9, 128) == math.ceil(1e9 / 256e6) and loom.buckets(1e9, 128) == math.ceil(
+        1e9 / 2**20 / 25
+    )
+    lay = Layout(dp=128, dp_shard=128, zero=1, micro_batch=4)
+    assert core.estimate(lay).time_breakdown["dp comm"] < loom.estimate(lay).time_breakdown["dp comm"]
+
+
+def test_rows_never_fitted_on_are_predicted_within_the_goal():
+    """benchmarks/heldout/: published rows outside loom/plan/validation (so outside every fit),
+    configured as their publication's scripts ran them, predicted with the shipped constants within the
+    goal (mean 8%, max 12%: today 5.8% / 10.3% on Narayanan et al. 2021's Table 1)."""
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "heldout").glob("*.toml"))
+    assert files
+    shipped = {r.name for r in load_runs()}
+    for path in files:
+        table = compare_published(load_file(path))
+        assert len(table) >= 9 and not {c.run.name for c in table} & shipped
+        mean, worst = summary(table)
+        assert mean <= 0.08 and worst <= 0.12, format_published(table)
+
+
 def test_stack_factor_needs_two_sources_and_8bit_share_is_its_own():
-    """A stack used by one source runs at Loom's factor; fp8 GEMMs read the 8-bit share of the fp8
-    peak, their attention the bf16 peak."""
-    from loom.plan.fit import current, stacks_with_sources
+    """A stack used by one source runs at Loom's factor, or borrows the factor of the stack whose
+    kernels it runs (its rows predicted with it, never fitted to); fp8 GEMMs read the 8-bit share of
+    the fp8 peak, their attention the bf16 peak."""
+    from loom.plan.fit import current, errors, informing, stacks_with_sources
 
     runs = load_runs()
     assert stacks_with_sources(runs) == {"megatron-core", "megatron-deepspeed"}
-    for name in ("composer-fsdp", "pytorch-fsdp", "megatron-lm-2021"):
-        assert STACKS[name].other == STACKS[""].other
+    for name in ("composer-fsdp", "pytorch-fsdp"):
+        assert STACKS[name].other == STACKS[""].other and not STACKS[name].other_of
+    row = next(r for r in runs if r.stack == "megatron-lm-2021")
+    assert STACKS["megatron-lm-2021"].other_of == "megatron-core" and row not in informing(runs)
+    core = CostModel(row.model, row.workload, row.cluster, stack="megatron-core")
+    assert CostModel(row.model, row.workload, row.cluster, stack=row.stack).other == core.other
+    assert core.other == STACKS["megatron-core"].other != STACKS[""].other
+    # the borrowed factor moves with the fitted one: a refit of Megatron-Core's moves this row
+    now = current(runs)
+    slower = dict(now, **{"other:megatron-core": 2 * now["other:megatron-core"]})
+    assert errors([row], slower)[0] < errors([row], now)[0]
     assert set(current(runs)) == {
         "achievable:a100-80g",
         "achievable:h100-sxm",

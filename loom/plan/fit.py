@@ -4,7 +4,8 @@ published runs, and score them on sources left out.
 The constants (everything else is a datasheet or a paper's number): the sustained share of peak
 of a large GEMM per device and dtype (:attr:`DeviceSpec.achievable`, ``achievable_8bit`` for
 fp8/int8), and one memory-bound factor (:attr:`Stack.other`) per software stack that two or more
-independent sources use; a stack with one source runs at Loom's factor. ``GEMM_K0`` (the tile's
+independent sources use; a stack with one source runs at Loom's factor, or at the factor of the stack
+whose kernels it runs (:attr:`Stack.other_of`: its rows are predicted with it, not fitted to). ``GEMM_K0`` (the tile's
 prologue and epilogue) stays fixed. The objective is ``mean |error| + max |error| / 2``; the search
 is coordinate descent, each constant in turn over a shrinking multiplicative grid (no external
 optimizer). Leave-one-source-out (:func:`leave_one_source_out`): refit without one source's rows
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from loom.plan import cost
+from loom.plan.cost.stacks import memory_bound_stack
 from loom.plan.hardware import datasheets as hw  # GEMM_K0 patched where Machine.gemm reads it
 from loom.plan.published import PublishedRun
 
@@ -57,7 +59,7 @@ def _keys(r: PublishedRun) -> tuple[str, ...]:
     """The constants a run's prediction reads."""
     dev = r.cluster.device.name
     share = f"achievable8:{dev}" if r.workload.precision in EIGHT_BIT else f"achievable:{dev}"
-    return (share, "k0", f"other:{r.stack}")
+    return (share, "k0", f"other:{memory_bound_stack(r.stack)}")
 
 
 def errors(runs: list[PublishedRun], params: Params, memo: dict | None = None) -> list[float]:
@@ -82,16 +84,23 @@ def objective(errs: list[float]) -> float:
     return sum(a) / len(a) + max(a) / 2
 
 
+def informing(runs: list[PublishedRun]) -> list[PublishedRun]:
+    """The rows the constants are fitted on: a row whose stack borrows another's memory-bound factor
+    (:attr:`Stack.other_of`) is predicted with the fitted constants, never fitted to."""
+    return [r for r in runs if not cost.STACKS[r.stack].other_of]
+
+
 def stacks_with_sources(runs: list[PublishedRun], least: int = 2) -> set[str]:
     """Stacks that ``least`` or more independent sources (groups) use: those get a factor of their own."""
     groups: dict[str, set[str]] = {}
-    for r in runs:
+    for r in informing(runs):
         groups.setdefault(r.stack, set()).add(r.group)
     return {s for s, g in groups.items() if len(g) >= least and s}
 
 
 def current(runs: list[PublishedRun]) -> Params:
     """The free constants as they stand, for the devices, dtypes and stacks ``runs`` inform."""
+    runs = informing(runs)
     wide = {r.cluster.device.name for r in runs if r.workload.precision not in EIGHT_BIT}
     p: Params = {f"achievable:{d}": hw.DEVICES[d].achievable for d in sorted(wide)}
     for d in sorted({r.cluster.device.name for r in runs if r.workload.precision in EIGHT_BIT}):
@@ -110,6 +119,7 @@ def fit(
     """Coordinate descent from ``start``: each free constant tried at x (1 + d) and x / (1 + d)
     for d = 0.2, 0.1, 0.05, 0.02 (and again while it improves), the best kept."""
     memo: dict = {}
+    runs = informing(runs)
     best, best_score = dict(start), score(errors(runs, start, memo))
     for _ in range(sweeps):
         for key in [k for k in best if k not in fixed]:
@@ -159,7 +169,7 @@ def leave_one_source_out(runs: list[PublishedRun], sweeps: int = 2) -> list[tupl
         params = fit(rest, neutral(current(rest)), sweeps)
         needed = {k: 0.0 for r in held for k in _keys(r) if k != "k0"}
         params = fallback(params, needed)
-        for s in {r.stack for r in held} - stacks_with_sources(rest):  # Loom's factor
+        for s in {memory_bound_stack(r.stack) for r in held} - stacks_with_sources(rest):  # Loom's factor
             params[f"other:{s}"] = cost.STACKS[""].other
         out += list(zip(held, errors(held, params)))
     return out

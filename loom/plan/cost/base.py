@@ -17,7 +17,7 @@ from loom.model.llama import flops_per_token
 from loom.plan.cost.layout import Layout, PlanError, Workload
 from loom.plan.cost.params import ParamCounts, qk_norm_held, qk_norm_params
 from loom.plan.cost.pipeline import default_split
-from loom.plan.cost.stacks import STACKS
+from loom.plan.cost.stacks import STACKS, memory_bound_stack
 from loom.plan.hardware import ClusterSpec, HardwareError, Machine, Profile
 from loom.plan.opcount import op_counts
 from loom.rules import ModelFacts
@@ -74,6 +74,7 @@ class CostBase:
             names = ", ".join(repr(n) for n in STACKS)
             raise PlanError(f"stack: must be one of {names} ('' is Loom), got {stack!r}")
         self.stack = STACKS[stack]
+        self.other = STACKS[memory_bound_stack(stack)].other  # its memory-bound factor (Stack.other_of)
         # per-kernel compute model: a GPU from its datasheet (a measured GEMM rate is used flat, as measured)
         self.kernels = cluster.device.sms > 0 and not self.machine.measured_gemm
         # per-operator framework cost (CPUs): ops counted on a tiny model of this structure (loom.plan.opcount)
@@ -157,6 +158,19 @@ class CostBase:
     def _stage_params(self, lay: Layout, first: bool, last: bool) -> tuple[float, float]:
         """(dense, expert) parameters one device of this stage holds, before ZeRO sharding."""
         return self._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
+
+    def bucket_bytes(self, ranks: int) -> float:
+        """Bytes of one data-parallel gradient bucket in a reduction over ``ranks`` (dp x cp): the
+        stack's rule, max(floor, per-rank x ranks) parameters of R bytes (Megatron-Core: 40M, 1M),
+        else the workload's ``bucket_bytes`` (``parallel.bucket_mb``)."""
+        floor, per_rank = self.stack.bucket_params
+        if floor <= 0 and per_rank <= 0:
+            return self.train.bucket_bytes
+        return max(floor, per_rank * ranks) * self.R
+
+    def buckets(self, nbytes: float, ranks: int) -> int:
+        """Reduce calls for ``nbytes`` of gradients over ``ranks``: ceil(nbytes / :meth:`bucket_bytes`), at least 1."""
+        return max(1, -(-int(nbytes) // int(self.bucket_bytes(ranks))))
 
     def _params_on(
         self, t: int, pp: int, ep: int, first: bool, last: bool, split: tuple[int, ...] = ()

@@ -177,12 +177,12 @@ def collective_calls(cm: CostBase, lay: Layout) -> dict[str, int]:
         dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1)
         if lay.ep == 1:  # experts, if any, share the dense buckets
             dense, expert = dense + expert, 0.0
-        buckets = max(1, -(-int(dense * cm.R) // int(cm.train.bucket_bytes)))
+        buckets = cm.buckets(dense * cm.R, lay.dp * lay.cp)
         if lay.zero == 0:  # expert shards: buckets of their own, summed over their edp group
             edp = lay.dp * lay.cp // lay.ep
             add(
                 "all_reduce",
-                buckets + (-(-int(expert * cm.R) // int(cm.train.bucket_bytes)) if edp > 1 else 0),
+                buckets + (cm.buckets(expert * cm.R, lay.dp * lay.cp) if edp > 1 and expert > 0 else 0),
             )
         elif lay.zero in (1, 2):
             add("reduce_scatter", buckets)

@@ -36,7 +36,7 @@ def attention_core(cm: CostBase, tp: int, cp: int, mb: int) -> tuple[float, floa
     heads = mb * mc.n_heads / tp
     d = mc.head_dim
     gemms = mach.gemm(s, d, s, B, batch=heads) + mach.gemm(s, s, d, B, batch=heads)
-    scores = (cm.stack.other if cm.kernels else 1.0) * 4 * B * heads * s * s / mach.hbm
+    scores = (cm.other if cm.kernels else 1.0) * 4 * B * heads * s * s / mach.hbm
     return gemms + scores + io, 2 * (gemms + scores + io)
 
 
@@ -126,7 +126,7 @@ def microbatch_times(
         else (3 if mc.mlp == "swiglu" else 2) * f / tp
     )
     elt_bytes = B * T * (10 * h / (tp if sp else 1) + 2 * (h / tp + cm.kv_width(tp)) + mlp_elt)
-    other = cm.stack.other if cm.kernels else 1.0  # a calibrated profile measured its own kernels
+    other = cm.other if cm.kernels else 1.0  # a calibrated profile measured its own kernels
     elt_f = other * elt_bytes / mach.hbm
     r = cm.bwd_ratio  # 2 when GEMM FLOPs set the time; measured (profile) when per-op cost does
     if cm.kernels:  # per-kernel model (a GPU from the datasheet): flash kernels, batched GEMMs

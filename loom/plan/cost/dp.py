@@ -130,7 +130,7 @@ def dp_time(cm: CostBase, lay: Layout, m: int, t_mb: float, t_compute: float) ->
         )  # a pipeline's gathers: zero3_stage_gathers
         return exposed(total, calls, t_compute, share)
     dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1)
-    buckets = max(1, -(-int((dense + expert) * cm.R) // int(cm.train.bucket_bytes)))
+    buckets = cm.buckets((dense + expert) * cm.R, lay.dp * lay.cp)
     gather = (
         total * cm.W / (cm.W + cm.R) if lay.zero else 0.0
     )  # the all-gather's share (Phi W of Phi (R + W))
@@ -202,7 +202,7 @@ def dp_comm(
     for phi, ep in ((max(dense, dense_l), 1), (max(expert, expert_l), ep_deg)):
         if phi <= 0:
             continue
-        buckets = max(1, -(-int(phi * R) // int(cm.train.bucket_bytes)))
+        buckets = cm.buckets(phi * R, dp * cp)
         if zero == 0:
             n, span = dp * cp // ep, tpcp * dp
             total += grad_all_reduce(cm, n, phi * R, span, wd, buckets)

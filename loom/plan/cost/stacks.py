@@ -21,6 +21,8 @@ class Stack:
     outputs (:func:`~loom.plan.cost.memory.selective_saved`). g = 0: Korthikanti et al.'s policy,
     Loom's and Megatron's (only the attention core recomputed; the block keeps all else); torchtitan's
     op-level policy saves every other matmul output and recomputes the rest (0.5).
+    ``bucket_params``: how the stack sizes its data-parallel gradient buckets (:meth:`~loom.plan.cost.
+    base.CostBase.bucket_bytes`): each bucket is one reduce call, whose ring latency grows with the group.
     ``microbatch_reduce``: Composer's FSDP reduce-scatters the gradients of every micro-batch (Loom
     and torchtitan keep them whole until the last: ``no_sync``). ``logit_bytes``: bytes per logit at
     the loss's peak, over the whole T x V / t logits (:func:`~loom.plan.cost.memory.logit_bytes`);
@@ -57,6 +59,13 @@ class Stack:
     # Engine caches the fp8 cast it made); False: in B_a (torchao's Float8Linear saves the bf16 input
     # and casts again in the backward): loom.plan.cost.memory.layer_saved
     saves_8bit_inputs: bool = False
+    # (floor, per data-parallel rank): a gradient bucket of max(floor, per x dp cp) parameters, as
+    # Megatron-Core's DDP sizes it (larger groups, larger buckets: a ring's per-rank message stays above
+    # its latency); (0, 0): the workload's own bucket_bytes (parallel.bucket_mb: Loom, PyTorch DDP's 25 MB)
+    bucket_params: tuple[float, float] = (0.0, 0.0)
+    # the stack whose memory-bound factor this one runs at (the same fused kernels), fitted there;
+    # "": its own ``other`` (memory_bound_stack)
+    other_of: str = ""
     note: str = ""
 
 
@@ -74,15 +83,17 @@ STACKS: dict[str, Stack] = {
         ),
         Stack(
             "megatron-core",
-            other=1.16,
+            other=1.24,
             saves_8bit_inputs=True,
+            bucket_params=(40e6, 1e6),
             note="Megatron-Core + Transformer Engine (fused norm-GEMM, bias-GeLU): fitted on two "
             "sources, NeMo 24.07 and Megatron-Bridge (FP8 on H100)",
         ),
         Stack(
             "megatron-lm-2021",
-            other=1.8,
-            note="Megatron-LM (2021): fused softmax/bias-GeLU kernels, no flash attention; one source: Loom's factor",
+            other_of="megatron-core",
+            note="Megatron-LM (2021): Megatron's fused kernels (apex LayerNorm, scale-mask-softmax, bias-GeLU, "
+            "bias-dropout-add) without flash attention: Megatron-Core's memory-bound factor",
         ),
         Stack(
             "megatron-deepspeed",
@@ -112,6 +123,12 @@ STACKS: dict[str, Stack] = {
         ),
     )
 }
+
+
+def memory_bound_stack(name: str) -> str:
+    """The :data:`STACKS` key whose ``other`` prices ``name``'s memory-bound work (``Stack.other_of``)."""
+    return STACKS[name].other_of or name
+
 
 # other names of the stacks above, as publications and users write them (lower case)
 STACK_ALIASES: dict[str, str] = {
