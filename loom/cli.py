@@ -242,6 +242,28 @@ RUN_ENTRIES = {
 }
 
 
+# files a run writes into run.dir, and those of a Hugging Face model directory
+_RUN_WRITES = (
+    "config.toml",
+    "metrics.jsonl",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def foreign_run_files(d: Path) -> list[str]:
+    """Files in an existing ``run.dir`` that a run would overwrite or append to but did not write: a
+    run writes its config together with its data identity (``data.json``), so a directory without that
+    or a checkpoint is not a run's (a project folder, a Hugging Face model directory)."""
+    from loom.checkpoint.format import DATA_IDENTITY
+
+    if not d.is_dir() or (d / DATA_IDENTITY).is_file() or (d / "checkpoints").is_dir():
+        return []
+    return [n for n in _RUN_WRITES + _MODEL_FILES if (d / n).exists()]
+
+
 def _check_run_dir(cfg: C.LoomConfig) -> None:
     """``run.dir`` is (or can become) a writable directory, and a checkpoint to resume exists."""
     d = cfg.run.dir
@@ -257,6 +279,12 @@ def _check_run_dir(cfg: C.LoomConfig) -> None:
     problem = C._unwritable(d)
     if problem is not None:
         raise C.ConfigError(f"run.dir: {problem}")
+    foreign = foreign_run_files(Path(d).expanduser())
+    if foreign:
+        raise C.ConfigError(
+            f"run.dir: {d!r} holds {', '.join(foreign)}, which no Loom run wrote (a run writes its own "
+            "config, metrics and tokenizer there); choose a new or empty run.dir, or move them"
+        )
     from loom.checkpoint.format import enclosing_checkpoint
 
     inside = enclosing_checkpoint(d)
@@ -277,8 +305,10 @@ def _check_run_dir(cfg: C.LoomConfig) -> None:
 
 
 def _check_resume_step(cfg: C.LoomConfig) -> None:
-    """A resumed run must have steps left: ``train.steps`` below the checkpoint's step would train
-    nothing and rewrite the final model's record (refused before anything is written)."""
+    """A resumed run continues the model, optimizer and data position its checkpoint was saved with
+    (:func:`~loom.checkpoint.training.check_resumable`) and has steps left: ``train.steps`` below the
+    checkpoint's step would train nothing and rewrite the final model's record (refused before
+    anything is written)."""
     from loom.checkpoint import format as F
     from loom.checkpoint.load import find
 
@@ -287,9 +317,17 @@ def _check_resume_step(cfg: C.LoomConfig) -> None:
         return
     try:
         found = find(where)
-        step = int(F.read_json(found[0] / F.TRAIN_STATE).get("step", 0)) if found else 0
-    except (F.CheckpointError, OSError, ValueError, TypeError):
+        ts = F.read_json(found[0] / F.TRAIN_STATE) if found else {}
+        step = int(ts.get("step", 0))
+    except (F.CheckpointError, OSError, ValueError, TypeError, AttributeError):
         return  # unreadable: the trainer's own checks name it
+    if found:  # the model, optimizer and data position it was saved with, before any rank starts
+        from loom.checkpoint.training import check_resumable
+
+        try:
+            check_resumable(ts, cfg, found[0])
+        except F.CheckpointError as e:
+            raise C.ConfigError(str(e)) from None
     if cfg.train.steps < step:
         raise C.ConfigError(
             f"train.steps: {cfg.train.steps} is below step {step} of the checkpoint {found[0] if found else where} "
@@ -303,6 +341,19 @@ def _check_data(cfg: C.LoomConfig) -> None:
     from loom.data import prepare_data, prepare_sources
     from loom.data.dataset import check_one_window
 
+    if cfg.data.tokenizer:  # the tokenizer given (or model.from_hf's) before the corpus is read: its
+        # end-of-document token, and ids the model's vocabulary holds
+        from loom.data.tokenizer import eot_id, load_tokenizer
+
+        path = cfg.data.tokenizer
+        from_hf = bool(cfg.model.from_hf) and Path(path).is_relative_to(cfg.model.from_hf)
+        try:
+            tok = load_tokenizer(path)
+            eot_id(tok, path)
+            C.check_vocab(cfg, tok.get_vocab_size())
+        except C.ConfigError as e:
+            said = str(e) if path in str(e) else f"{e} ({path})"
+            raise C.ConfigError(f"{said}{' (the tokenizer of model.from_hf)' if from_hf else ''}") from None
     every = (
         prepare_sources(cfg.data, cfg.run.progress)
         if cfg.data.sources

@@ -375,3 +375,18 @@ def test_a_trace_given_as_jobs_and_jobs_given_as_a_trace_say_which_file_they_are
         ClusterError, match=r"jobs\[0\]\.config: unknown key; .* \(a --jobs file of cluster run\?"
     ):
         load_trace(jobs)
+
+
+def test_a_failed_jobs_reason_is_its_logs_last_error_line(tmp_path):
+    """``loom cluster run`` prints a failed job's one-line reason (its log's last ``loom: error:``
+    line) beside its exit code, not only the log's path."""
+    from loom.cluster.run import _last_error
+
+    log = tmp_path / "a.log"
+    assert _last_error(log) == ""  # no log yet
+    log.write_text(
+        "[rank 0] step 1\nloom: error: data.source: gone\nnoise\nloom: error: train.init_from: bad\n"
+    )
+    assert _last_error(log) == "train.init_from: bad"
+    log.write_bytes(b"loom: error: early\n" + b"x" * 100 + b"\nloom: error: late \xff\n")
+    assert _last_error(log, tail=40) == "late \ufffd"

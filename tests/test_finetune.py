@@ -557,6 +557,11 @@ def test_merge_export_reads_the_recorded_base_and_checks_its_hash(
     assert msg.startswith("loom: error: finetune:") and msg.count("\n") == 1, msg
     assert "merge onto the base it was trained on" in msg
     assert before in msg and hf_dir_sha256(tmp_path / "base") in msg and not Path("again").exists()
+    shutil.move(tmp_path / "base", tmp_path / "moved")  # the base gone from where it was recorded
+    assert main(["export", "hf", str(tmp_path / "run"), "again", "--merge-lora"]) == 2
+    msg = capsys.readouterr().err
+    assert msg.startswith("loom: error: model.from_hf: ") and msg.count("\n") == 1, msg
+    assert str(tmp_path / "base") in msg and "LoRA base" in msg and not Path("again").exists()
 
 
 # ----------------------------------------------------------------------------- PEFT interop

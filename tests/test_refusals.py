@@ -451,6 +451,38 @@ def _run_dir_entry_of_another_kind(c: Ctx):
     return c.train(run=run), ["run.dir", str(run / "metrics.jsonl"), "is a directory"]
 
 
+def _run_dir_of_someone_elses_files(c: Ctx, what: str):
+    """A directory that is not a run's (no data identity, no checkpoints) whose files a run would
+    replace or append to: a project folder, or a Hugging Face model directory (its tokenizer)."""
+    run = c.tmp / what
+    run.mkdir()
+    names = ("config.toml", "metrics.jsonl") if what == "project" else ("tokenizer.json", "config.json")
+    for name in names:
+        (run / name).write_text("# mine\n")
+    return c.train(run=run), ["run.dir", str(run), *names, "no Loom run wrote"]
+
+
+def _resume_with_another_optimizer(c: Ctx):
+    argv = c.train("--train.resume", str(c.w.run), "--train.steps", "4", "--train.optimizer", "adafactor")
+    from loom.plan.auto import check_fits
+
+    check_fits(C.load(str(c.w.tiny), argv[4:]), 1, None)  # the planner's op-count cache, written before
+    return argv, ["train.optimizer", "was saved with adamw"]
+
+
+def _tokenizer_without_eot(c: Ctx):
+    """A tokenizer with none of the end-of-document tokens: named before the corpus is read."""
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.save(str(c.tmp / "tokenizer.json"))
+    return c.train("--data.tokenizer", str(c.tmp / "tokenizer.json")), [
+        "data.tokenizer",
+        str(c.tmp / "tokenizer.json"),
+        "end-of-document",
+    ]
+
+
 def _run_dir_under_a_file(c: Ctx):
     (c.tmp / "afile").write_text("x")
     return c.train(run=c.tmp / "afile" / "run"), ["run.dir", str(c.tmp / "afile")]
@@ -460,6 +492,24 @@ def _run_dir_in_use(c: Ctx):
     run = c.copy_run()
     c.hold_lock(run)
     return c.train("--train.steps", "3", run=run), ["run.dir", str(run), f"in use by pid {os.getpid()}"]
+
+
+def _convert_where_nothing_can_be_written(c: Ctx):
+    """Refused before the checkpoint is read and hashed, naming the output (a file stands where its
+    directory would be: root writes anywhere else)."""
+    (c.tmp / "afile").write_text("x")
+    out = c.tmp / "afile" / "out.safetensors"
+    return ["checkpoint", "convert", str(c.w.run), str(out)], [
+        str(out),
+        "cannot be written",
+        "not a directory",
+    ]
+
+
+def _export_where_nothing_can_be_written(c: Ctx):
+    (c.tmp / "afile").write_text("x")
+    out = c.tmp / "afile" / "hf"
+    return ["export", "hf", str(c.w.run), str(out)], [str(out), "cannot be written"]
 
 
 def _convert_onto_existing(c: Ctx, what: str):
@@ -893,6 +943,12 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("verify: nothing prepared", _verify_unprepared, 2),
     # run directory
     ("run.dir is a file", _run_dir_is_a_file, 2),
+    (
+        "run.dir holds a project's config and metrics",
+        lambda c: _run_dir_of_someone_elses_files(c, "project"),
+        2,
+    ),
+    ("run.dir is a Hugging Face model directory", lambda c: _run_dir_of_someone_elses_files(c, "hf"), 2),
     ("run.dir entry of another kind", _run_dir_entry_of_another_kind, 2),
     ("run.dir under a file", _run_dir_under_a_file, 2),
     ("run.dir in use", _run_dir_in_use, 2),
@@ -909,6 +965,24 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("train.resume a pickle file", _resume_a_file, 2),
     ("train.resume damaged checkpoint", _resume_damaged, 2),
     ("train.init_from missing", _cfg("--train.init_from", "/nonexistent/w", names=("train.init_from",)), 2),
+    (
+        "resume with another model width (before any rank starts)",
+        lambda c: (
+            c.train("--train.steps", "4", "--model.dim", "64", run=c.copy_run()),
+            ["model.dim", "was saved with 32, this run has 64"],
+        ),
+        2,
+    ),
+    ("train.resume with another optimizer (before any rank starts)", _resume_with_another_optimizer, 2),
+    ("data.tokenizer without an end-of-document token", _tokenizer_without_eot, 2),
+    (
+        "resume with another trained vocabulary (before the corpus is tokenized)",
+        lambda c: (
+            c.train("--train.steps", "4", "--data.vocab_size", "400", run=c.copy_run()),
+            ["data.vocab_size", "300-token tokenizer", "asks for 400"],
+        ),
+        2,
+    ),
     (
         "train.init_from of another model shape",
         lambda c: (
@@ -946,6 +1020,8 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("convert: disk full", _convert_disk_full, 2),
     ("convert: onto an existing file", lambda c: _convert_onto_existing(c, "file"), 2),
     ("convert: onto a directory", lambda c: _convert_onto_existing(c, "dir"), 2),
+    ("convert: into a directory that cannot be written", _convert_where_nothing_can_be_written, 2),
+    ("export hf: into a directory that cannot be written", _export_where_nothing_can_be_written, 2),
     (
         "convert: empty path",
         lambda c: (["checkpoint", "convert", "", str(c.tmp / "o.safetensors")], ["empty path"]),

@@ -144,6 +144,74 @@ def check_base(
         )
 
 
+def check_position(ts: dict, cfg: C.LoomConfig, ckpt: Path) -> None:
+    """The fields that place a resumed run in its data (:data:`POSITION_FIELDS`) are the checkpoint's
+    (``ts``: its ``train_state.json``)."""
+    saved = ts.get("config", {})
+    for section, key in POSITION_FIELDS:
+        old = saved.get(section, {}).get(key)
+        new = getattr(getattr(cfg, section), key)
+        if old is not None and old != new:
+            raise CheckpointError(
+                f"{section}.{key}: {ckpt} was saved with {old}, this run has {new}; the samples it "
+                "continues with would differ from the uninterrupted run's. Use the same value to resume."
+            )
+
+
+def check_optimizer(ts: dict, cfg: C.LoomConfig, ckpt: Path) -> None:
+    """The optimizer that wrote the checkpoint's state is this run's (its state is of no other)."""
+    old = (ts.get("config", {}).get("train") or {}).get("optimizer")
+    new = cfg.train.optimizer
+    if old is not None and old != new:
+        raise CheckpointError(
+            f"train.optimizer: {ckpt} was saved with {old}, this run has {new}; its optimizer state is "
+            f"{old}'s. Use train.optimizer = {old} to resume, or start a new run.dir (train.init_from = "
+            f"{ckpt} keeps the weights, with a fresh {new} state)"
+        )
+
+
+def check_model(ts: dict, cfg: C.LoomConfig, ckpt: Path) -> None:
+    """The model is the one the checkpoint recorded (:mod:`loom.checkpoint.recorded`); RoPE's
+    ``max_seq_len`` may change (context extension). A checkpoint without a config is not checked."""
+    saved = recorded_config(ts)
+    if saved is None:
+        return
+    changes = model_changes(saved, cfg, free_on_resume(saved))
+    if changes:
+        (name, old, new), *rest = changes
+        said = [f"{name}: {ckpt} was saved with {old}, this run has {new}"]
+        said += [f"{n}: saved with {o}, this run has {v}" for n, o, v in rest]
+        raise CheckpointError(
+            f"{'; '.join(said)}; its weights would compute another model than the one trained. "
+            "Use the saved values to resume, or start a new run.dir"
+        )
+
+
+def check_trained_vocab(ts: dict, cfg: C.LoomConfig, ckpt: Path) -> None:
+    """A run whose tokenizer was trained on its corpus (no ``data.tokenizer``) resumes with the same
+    ``data.vocab_size``: another would train another tokenizer (refused by its hash only once the
+    corpus is tokenized again)."""
+    data = ts.get("config", {}).get("data") or {}
+    old, new = data.get("vocab_size"), cfg.data.vocab_size
+    trained = not data.get("tokenizer") and not cfg.data.tokenizer and not cfg.data.prepared_dir
+    if trained and old is not None and old != new:
+        raise CheckpointError(
+            f"data.vocab_size: {ckpt} was trained with a {old}-token tokenizer trained on its corpus, this "
+            f"run asks for {new} (another tokenizer); use data.vocab_size = {old} to resume, or start a new "
+            f"run.dir with --train.init_from {ckpt}"
+        )
+
+
+def check_resumable(ts: dict, cfg: C.LoomConfig, ckpt: Path) -> None:
+    """What a run's config alone decides of a resume from ``ckpt``: its optimizer, model, data
+    position and trained vocabulary (the launcher's check before any rank starts and the corpus is
+    tokenized; the ranks check again, with the base and tokenizer they load)."""
+    check_optimizer(ts, cfg, ckpt)
+    check_model(ts, cfg, ckpt)
+    check_position(ts, cfg, ckpt)
+    check_trained_vocab(ts, cfg, ckpt)
+
+
 class TrainCheckpoints:
     """The trainer's checkpoint duties on one rank: resume, periodic saves, the final save."""
 
@@ -195,11 +263,11 @@ class TrainCheckpoints:
         t0 = time.perf_counter()
         with self._open(source["candidates"]) as reader:
             ts = reader.train_state
-            self._check_optimizer(ts, reader.dir)
+            check_optimizer(ts, self.cfg, reader.dir)
             self._check_base(ts, reader.dir)
             check_trained_tokenizer(ts, self.tokenizer_sha256, reader.dir, "this run's tokenizer")
-            self._check_model(ts, reader.dir)
-            self._check_position(ts, reader.dir)
+            check_model(ts, self.cfg, reader.dir)
+            check_position(ts, self.cfg, reader.dir)
             if self.data is not None:  # every rank: the same record, the same verdict
                 saved = dict(ts.get("data") or {})
                 saved.setdefault("global_batch", ts.get("config", {}).get("train", {}).get("global_batch"))
@@ -246,44 +314,6 @@ class TrainCheckpoints:
                         candidates[i + 1][0],
                     )
         raise CheckpointError("no checkpoint to resume from")  # pragma: no cover - candidates is never empty
-
-    def _check_position(self, ts: dict, ckpt: Path) -> None:
-        saved = ts.get("config", {})
-        for section, key in POSITION_FIELDS:
-            old = saved.get(section, {}).get(key)
-            new = getattr(getattr(self.cfg, section), key)
-            if old is not None and old != new:
-                raise CheckpointError(
-                    f"{section}.{key}: {ckpt} was saved with {old}, this run has {new}; the samples it "
-                    "continues with would differ from the uninterrupted run's. Use the same value to resume."
-                )
-
-    def _check_optimizer(self, ts: dict, ckpt: Path) -> None:
-        """The optimizer that wrote the checkpoint's state is this run's (its state is of no other)."""
-        old = (ts.get("config", {}).get("train") or {}).get("optimizer")
-        new = self.cfg.train.optimizer
-        if old is not None and old != new:
-            raise CheckpointError(
-                f"train.optimizer: {ckpt} was saved with {old}, this run has {new}; its optimizer state is "
-                f"{old}'s. Use train.optimizer = {old} to resume, or start a new run.dir (train.init_from = "
-                f"{ckpt} keeps the weights, with a fresh {new} state)"
-            )
-
-    def _check_model(self, ts: dict, ckpt: Path) -> None:
-        """The model is the one the checkpoint recorded (:mod:`loom.checkpoint.recorded`); RoPE's
-        ``max_seq_len`` may change (context extension). A checkpoint without a config is not checked."""
-        saved = recorded_config(ts)
-        if saved is None:
-            return
-        changes = model_changes(saved, self.cfg, free_on_resume(saved))
-        if changes:
-            (name, old, new), *rest = changes
-            said = [f"{name}: {ckpt} was saved with {old}, this run has {new}"]
-            said += [f"{n}: saved with {o}, this run has {v}" for n, o, v in rest]
-            raise CheckpointError(
-                f"{'; '.join(said)}; its weights would compute another model than the one trained. "
-                "Use the saved values to resume, or start a new run.dir"
-            )
 
     def _check_base(self, ts: dict, ckpt: Path) -> None:
         """A LoRA checkpoint resumes only on the base it was trained on (:func:`check_base`)."""

@@ -184,6 +184,19 @@ def _precision(cfg: C.LoomConfig, device: str) -> str:
     return p if p != "auto" else ("fp32" if device == "cpu" else "fp16")
 
 
+def _last_error(log_file: Path, tail: int = 1 << 16) -> str:
+    """The last ``loom: error:`` line a job wrote to its log (its one-line reason), without the prefix;
+    "" if none (read from the log's last ``tail`` bytes)."""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    said = [ln.strip() for ln in lines if ln.strip().startswith("loom: error: ")]
+    return said[-1].removeprefix("loom: error: ") if said else ""
+
+
 def load_jobs(path: str | Path, cluster: Cluster) -> list[RealJob]:
     """The jobs file (module doc), checked against ``cluster``: one line naming the file and field."""
     where = str(path)
@@ -365,8 +378,10 @@ class Driver:
         else:
             self.failed[name], st.finish = rc, self.now()
             self.log(name, "fail", r.ranks, _last_step(self.out / name))
+            log_file = self.out / "logs" / f"{name}.log"
+            why = _last_error(log_file)
             print(
-                f"loom: error: job {name} exited with code {rc}; see {self.out / 'logs' / f'{name}.log'}",
+                f"loom: error: job {name} exited with code {rc}{f': {why}' if why else ''}; see {log_file}",
                 file=sys.stderr,
             )
 

@@ -628,6 +628,10 @@ def check_new_output(out: Path, directory: bool, error: type[Exception] = Config
         raise error(
             f"{out}: {what}; choose a new path (nothing was written; an existing file is never replaced)"
         )
+    # where it will be written (the directory itself, or the file's), before any input is read
+    problem = _unwritable(str(out if directory and out.is_dir() else out.parent))
+    if problem is not None:
+        raise error(f"{out}: cannot be written: {problem} (nothing was written)")
 
 
 MAX_TRAINED_VOCAB = 1 << 24  # data.vocab_size: the tokenizer trainer's table then needs ~1.2 GB

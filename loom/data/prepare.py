@@ -559,7 +559,7 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
         raise OSError(None, str(e), str(out / "tokenizer.json")) from None
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
-    eot = eot_id(tok)
+    eot = eot_id(tok, cfg.tokenizer)
     writers: dict[Split, TokenWriter] = {}
     try:
         writers = {name: TokenWriter(out / f"{name}.bin") for name in ("train", "val")}
@@ -655,7 +655,7 @@ def _build_examples(cfg: DataConfig, key: dict[str, Any], out: Path, progress: b
             (text for i, (text, _) in enumerate(examples()) if i < k), cfg.vocab_size, progress, k
         )
     tok.save(str(out / "tokenizer.json"))
-    vocab, eot = tok.get_vocab_size(), eot_id(tok)
+    vocab, eot = tok.get_vocab_size(), eot_id(tok, cfg.tokenizer)
     dtype = token_dtype(vocab)
     enc = ExampleEncoder(tok, eot, dtype, cfg.seq_len + 1, cfg.overlong, cfg.train_on_prompt)
     names = ("train", "val", "train.mask", "val.mask")

@@ -106,13 +106,17 @@ def ordinary(tok: Tokenizer) -> Tokenizer:
     return tok
 
 
-def eot_id(tok: Tokenizer) -> int:
-    """Id of the end-of-document token (first of :data:`EOT_CANDIDATES` the tokenizer has)."""
+def eot_id(tok: Tokenizer, path: str | Path = "") -> int:
+    """Id of the end-of-document token (first of :data:`EOT_CANDIDATES` the tokenizer has); ``path``:
+    the file it was read from, named in the refusal."""
     for name in EOT_CANDIDATES:
         idx = tok.token_to_id(name)
         if idx is not None:
             return idx
-    raise ConfigError(f"data.tokenizer: has none of the end-of-document tokens {', '.join(EOT_CANDIDATES)}")
+    where = f" {str(path)!r}" if path else ""
+    raise ConfigError(
+        f"data.tokenizer:{where} has none of the end-of-document tokens {', '.join(EOT_CANDIDATES)}"
+    )
 
 
 def encode_documents(

@@ -85,4 +85,14 @@ def bind_base(cfg: LoomConfig, recorded: dict | None, ckpt: Path | str, todo: st
     given = getattr(section, field)
     if recorded.get("kind") in ("hf", "checkpoint") and given and not Path(given).expanduser().is_absolute():
         setattr(section, field, str(recorded.get("path", given)))
+    where = getattr(section, field)
+    if recorded.get("kind") in ("hf", "checkpoint") and where and not Path(where).expanduser().exists():
+        from loom.checkpoint.format import CheckpointError
+
+        prefix = "train" if field == "init_from" else "model"
+        raise CheckpointError(
+            f"{prefix}.{field}: {where}: no such directory: the LoRA base {ckpt} was trained on "
+            f"({recorded.get('kind')}, sha256 {str(recorded.get('sha256', '?'))[:12]}) is gone; "
+            f"give --{prefix}.{field} where it is now"
+        )
     check_base(recorded, base_identity(cfg), ckpt, cfg.finetune.method, todo)

@@ -34,28 +34,38 @@ def initial_source(model: nn.Module, path: str | Path, check: bool = True) -> tu
     checkpoint's files are not hashed (its manifest and index are still read)."""
     p = Path(path)
     if (p / "config.json").is_file():
-        from loom.model.hf import expected_shapes, open_dir, source
+        from loom.model.hf import HFError
 
-        cfg = cast(ModelConfig, model.cfg)  # a Transformer's
-        hf = open_dir(p, cfg.max_seq_len)
-        mine = expected_shapes(cfg)
-        theirs = expected_shapes(hf.config)
-        for name, shape in mine.items():
-            if theirs.get(name) != shape:
-                raise ConfigError(
-                    f"train.init_from: {p} holds {name} of shape {theirs.get(name)}, this model "
-                    f"has {shape} (give the same model fields, or use model.from_hf)"
-                )
-        extra = sorted(theirs.keys() - mine.keys())
-        if extra:  # weights this model would drop (biases, q/k norms, an untied head)
-            raise ConfigError(
-                f"train.init_from: {p} holds {extra[0]}{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}, "
-                "which this model lacks (give the same model fields, or use model.from_hf)"
-            )
-        _check_same_math(cfg, hf.config, p)
-        return source(hf), f"Hugging Face model {p}"
+        try:
+            return _hf_source(model, p)
+        except (HFError, KeyError) as e:  # a damaged directory, named as the field that gave it
+            raise ConfigError(str(e) if isinstance(e, ConfigError) else f"train.init_from: {e}") from None
     ckpt = CheckpointSource(p, model, check)
     return ckpt, f"checkpoint {ckpt.reader.dir} (step {ckpt.reader.step})"
+
+
+def _hf_source(model: nn.Module, p: Path) -> tuple[Source, str]:
+    """A Hugging Face directory's weights for ``model``: every tensor there, of this model's shape."""
+    from loom.model.hf import expected_shapes, open_dir, source
+
+    cfg = cast(ModelConfig, model.cfg)  # a Transformer's
+    hf = open_dir(p, cfg.max_seq_len)
+    mine = expected_shapes(cfg)
+    theirs = expected_shapes(hf.config)
+    for name, shape in mine.items():
+        if theirs.get(name) != shape:
+            raise ConfigError(
+                f"train.init_from: {p} holds {name} of shape {theirs.get(name)}, this model "
+                f"has {shape} (give the same model fields, or use model.from_hf)"
+            )
+    extra = sorted(theirs.keys() - mine.keys())
+    if extra:  # weights this model would drop (biases, q/k norms, an untied head)
+        raise ConfigError(
+            f"train.init_from: {p} holds {extra[0]}{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}, "
+            "which this model lacks (give the same model fields, or use model.from_hf)"
+        )
+    _check_same_math(cfg, hf.config, p)
+    return source(hf), f"Hugging Face model {p}"
 
 
 def _check_same_math(mine: ModelConfig, theirs: ModelConfig, path: Path) -> None:
