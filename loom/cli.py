@@ -261,7 +261,7 @@ def foreign_run_files(d: Path) -> list[str]:
 
     if not d.is_dir() or (d / DATA_IDENTITY).is_file() or (d / "checkpoints").is_dir():
         return []
-    return [n for n in _RUN_WRITES + _MODEL_FILES if (d / n).exists()]
+    return [n for n in _RUN_WRITES + _MODEL_FILES if (d / n).is_file()]
 
 
 def _check_run_dir(cfg: C.LoomConfig) -> None:

@@ -123,6 +123,10 @@ def _bad(tmp_path: Path, jobs: list[dict], *extra: str) -> str:
             "jobs[0]: data.source: '/no/such/corpus.jsonl' does not exist",
         ),
         (
+            [{"steps": 2, "overrides": {"train": {"init_from": "/no/such/run"}}}],
+            "jobs[0]: train.init_from: '/no/such/run' does not exist",
+        ),
+        (
             [{"steps": 2, "throughput": {"5": 1.0}}],
             "jobs[0].throughput.cpu.5: expected a device count in 1..2",
         ),

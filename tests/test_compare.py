@@ -86,7 +86,9 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, capsys):
     late = _write(tmp_path / "late", [dict(r, step=r["step"] + 100) for r in _rows()])
     torn = tmp_path / "torn"
     torn.mkdir()
-    (torn / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+    (torn / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 1.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n'
+    )
     binary = tmp_path / "binary"
     binary.mkdir()
     (binary / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 1.0}\n\xff\xfe\n')
@@ -101,7 +103,7 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, capsys):
         "plot not a picture": ([str(good), str(good), "--plot", str(tmp_path / "a.toml")], "--plot"),
         "plot a directory": ([str(good), str(good), "--plot", str(tmp_path)], "is a directory"),
         "no common step": ([str(good), str(late)], "have no step in common"),
-        "torn row": ([str(good), str(torn)], "torn/metrics.jsonl:2: not a JSON row"),
+        "a row in the middle not JSON": ([str(good), str(torn)], "torn/metrics.jsonl:2: not a JSON row"),
         "one run": ([str(good)], "give two runs"),
         "bad tol": ([str(good), str(good), "--tol", "-1"], "--tol: must be a number >= 0"),
         "unknown option": ([str(good), str(good), "--rtol", "1"], "--rtol: unknown option"),
@@ -115,6 +117,20 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, capsys):
             lines,
         )
         assert not captured.out, name
+
+
+def test_a_last_row_cut_short_by_a_kill_is_left_out_with_a_note(tmp_path, capsys):
+    """A run killed mid-write leaves its last row without its end (no newline): compared without it,
+    saying so in one line on stderr (a row cut anywhere else is refused, above)."""
+    good = _write(tmp_path / "good", _rows())
+    cut = _write(tmp_path / "cut", _rows(5))
+    with open(cut / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')
+    assert main(["compare", str(good), str(cut)]) == 0
+    captured = capsys.readouterr()
+    assert "same within --tol 0 over 5 common steps" in captured.out
+    note = captured.err.strip().splitlines()
+    assert len(note) == 1 and "cut/metrics.jsonl:6: the last row is cut short" in note[0], note
 
 
 def test_help_lists_compare(capsys):

@@ -229,6 +229,13 @@ def test_bad_tensors_and_files_are_named(tmp_path):
         open_dir(path, 32)
     with pytest.raises(HFError, match="sliding_window = 16 is shorter than the sequences"):
         open_dir(_save_hf(tmp_path / "m", "mistral", False, sliding_window=16)[0], 32)
+    for f in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
+        f.unlink()
+    (path / "pytorch_model.bin").write_bytes(b"a pickle")  # the weights as a pickle only
+    with pytest.raises(
+        HFError, match=r"no \*.safetensors files \(it holds pytorch_model.bin: .*never pickles"
+    ):
+        open_dir(path, 32)
 
 
 @pytest.mark.parametrize(

@@ -638,6 +638,19 @@ def _generate_final_of_other_weights(c: Ctx):
     return ["generate", "--run.dir", str(run), "--max_new_tokens", "2"], [str(weights), "differs"]
 
 
+def _generate_unfinished(c: Ctx):
+    """Checkpoints but no final model: what to do (finish it, or export a checkpoint), not "train first"."""
+    run = c.copy_run()
+    shutil.rmtree(run / "checkpoints" / "final")
+    return ["generate", "--run.dir", str(run)], ["has not finished", f"loom export hf {run}"]
+
+
+def _generate_lost_tokenizer(c: Ctx):
+    run = c.copy_run()
+    (run / "tokenizer.json").unlink()
+    return ["generate", "--run.dir", str(run)], [str(run / "tokenizer.json"), "restore it"]
+
+
 def _generate_bad_config(c: Ctx):
     run = c.copy_run()
     (run / "config.toml").write_text("[model\ndim = 3")
@@ -1034,6 +1047,8 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("generate: final model altered", _generate_tampered_final, 2),
     ("generate: final model of other weights", _generate_final_of_other_weights, 2),
     ("generate: config.toml broken", _generate_bad_config, 2),
+    ("generate: a run that has not finished", _generate_unfinished, 2),
+    ("generate: a run that lost its tokenizer", _generate_lost_tokenizer, 2),
     ("generate: tokenizer.json broken", _generate_bad_tokenizer, 2),
     ("generate: tokenizer.json of another run", lambda c: _another_tokenizer(c, "generate"), 2),
     (

@@ -125,9 +125,10 @@ def test_second_run_on_a_running_directory_is_refused(tmp_path, cache):
 
 
 def test_an_error_inside_the_ranks_reaches_the_user_as_one_line(tmp_path, cache):
-    """A Loom error raised inside the ranks (a resume whose data position would change) is one line
-    naming the field and the rank, with the traceback in a file, not the launcher's traceback. Neither
-    the run nor the failed one leaves anything in the temp dir (the elastic agent's directories)."""
+    """A Loom error raised inside the ranks (a resume from a checkpoint whose tensor file was altered:
+    its hash is checked by the ranks that read it) is one line naming the file and the rank, with the
+    traceback in a file, not the launcher's traceback. Neither the run nor the failed one leaves
+    anything in the temp dir (the elastic agent's directories)."""
     run, scratch = tmp_path / "run", tmp_path / "scratch"
     scratch.mkdir()
     env = dict(os.environ, PYTHONPATH=str(ROOT), LOOM_CACHE_DIR=str(cache), TMPDIR=str(scratch))
@@ -157,8 +158,13 @@ def test_an_error_inside_the_ranks_reaches_the_user_as_one_line(tmp_path, cache)
     )
     assert first.returncode == 0, first.stderr[-2000:]
     metrics = (run / "metrics.jsonl").read_text()
+    ckpt = run / "checkpoints" / "step-00000002"
+    shard = sorted(ckpt.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # one bit of a tensor: the manifest the launcher reads is intact
+    shard.write_bytes(bytes(data))
     p = subprocess.run(
-        [sys.executable, "-m", "loom", *common, "--train.steps", "4", "--data.seq_len", "32"],
+        [sys.executable, "-m", "loom", *common, "--train.steps", "4", "--train.resume", str(ckpt)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -169,7 +175,8 @@ def test_an_error_inside_the_ranks_reaches_the_user_as_one_line(tmp_path, cache)
     lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
     assert len(lines) == 1, lines
     # every rank raises it; the launcher names those that failed before it stopped the rest (0, 1 or both)
-    assert lines[0].startswith("loom: data.seq_len: ") and re.search(r"\(rank [01]; traceback in ", lines[0])
+    assert lines[0].startswith("loom: ") and not lines[0].startswith("loom: error: "), lines[0]
+    assert shard.name in lines[0] and re.search(r"\(rank [01]; traceback in ", lines[0]), lines[0]
     trace = Path(re.search(r"traceback in ([^;)]+)", lines[0]).group(1))
     assert "CheckpointError" in trace.read_text()
     assert (run / "metrics.jsonl").read_text() == metrics  # nothing already written was touched

@@ -131,10 +131,19 @@ def _config(at: str, d: dict[str, Any]) -> C.LoomConfig:
 
 
 def _check_data(at: str, cfg: C.LoomConfig) -> None:
-    """The job's data can be read here (``loom cluster run`` runs its jobs on this machine): a source
-    that does not exist is refused before any job starts, not by the job's own exit."""
+    """The job's data and paths can be read here (``loom cluster run`` runs its jobs on this machine): a
+    source, base model, checkpoint or tokenizer that does not exist is refused before any job starts,
+    not by the job's own exit."""
     from loom.data.corpus import STDLIB, source_files
 
+    for name, value in (
+        ("model.from_hf", cfg.model.from_hf),
+        ("train.init_from", cfg.train.init_from),
+        ("train.resume", cfg.train.resume),
+        ("data.tokenizer", cfg.data.tokenizer),
+    ):
+        if value and not Path(value).expanduser().exists():
+            raise ClusterError(f"{at}: {name}: {value!r} does not exist")
     d = cfg.data
     if d.prepared_dir:
         return

@@ -115,8 +115,8 @@ class PreparedData:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(
-                f"data.prepared_dir: {meta_path} is not a Loom {META} ({type(e).__name__}: {e}); "
-                f"delete {str(d)!r} and prepare again"
+                f"data.prepared_dir: {meta_path} is not a Loom {META} ({type(e).__name__}: {e}); give "
+                f"{_FOREIGN_TODO}"
             ) from None
         if data.dtype not in ("uint16", "uint32"):
             raise ConfigError(
@@ -207,6 +207,12 @@ def _table(meta: dict[str, Any], key: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+# what to do with a meta.json Loom did not write (the directory may be the user's: never "delete it")
+_FOREIGN_TODO = (
+    "a directory `loom prepare` wrote (it never writes over one it did not), or prepare into a new one"
+)
+
+
 def read_meta(d: Path) -> dict[str, Any]:
     """``d/meta.json`` as a dict; anything else is refused in one line naming the file."""
     path = d / META
@@ -219,11 +225,11 @@ def read_meta(d: Path) -> dict[str, Any]:
             f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
         )
         raise ConfigError(
-            f"data.prepared_dir: {path} is not valid JSON{where}; delete {str(d)!r} and prepare again"
+            f"data.prepared_dir: {path} is not valid JSON{where}: not a Loom {META}; give {_FOREIGN_TODO}"
         ) from None
     if not isinstance(meta, dict):
         raise ConfigError(
-            f"data.prepared_dir: {path} is not a JSON object; delete {str(d)!r} and prepare again"
+            f"data.prepared_dir: {path} is not a JSON object: not a Loom {META}; give {_FOREIGN_TODO}"
         )
     return meta
 

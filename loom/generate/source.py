@@ -207,7 +207,17 @@ def load_run(run_dir: str) -> Source:
     weights = d / "checkpoints" / "final" / "model.safetensors"
     for f in (d / "config.toml", d / "tokenizer.json", weights):
         if not f.exists():
-            raise C.ConfigError(f"run.dir: {f} not found; train first with loom train --run.dir {run_dir}")
+            began = (d / "checkpoints").is_dir() or (d / "metrics.jsonl").is_file()
+            if f == weights and began:  # trained, not finished: no final model yet
+                todo = (
+                    f"the run has not finished; finish it (loom train --run.dir {run_dir}), or export one of "
+                    f"its checkpoints (loom export hf {run_dir} DIR) and give --model.from_hf DIR"
+                )
+            elif began:  # a run that lost a file it wrote when it started
+                todo = "restore it (a run writes it when it starts), or give --run.dir a complete run"
+            else:
+                todo = f"train first with loom train --run.dir {run_dir}"
+            raise C.ConfigError(f"run.dir: {f} not found; {todo}")
     cfg = C.load_toml(d / "config.toml")
     if cfg.model.vocab_size < 1:
         raise C.ConfigError(

@@ -540,7 +540,16 @@ def open_dir(path: str | Path, max_seq_len: int = 0, fit_window: bool = False) -
     else:
         shards = sorted(p.name for p in d.glob("*.safetensors"))
         if not shards:
-            raise HFError(f"{d}: no *.safetensors files")
+            pickles = sorted(p.name for p in d.glob("pytorch_model*.bin"))
+            raise HFError(
+                f"{d}: no *.safetensors files"
+                + (
+                    f" (it holds {pickles[0]}: Loom reads safetensors only, never pickles; convert it with "
+                    "transformers' save_pretrained(safe_serialization=True))"
+                    if pickles
+                    else ""
+                )
+            )
         files = {}
         for name in shards:
             with open_shard(d / name) as f:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,12 +36,19 @@ def read_rows(run: str) -> Rows:
     except OSError as e:
         raise ConfigError(f"compare: {path}: {e.strerror or e}") from None
     rows: Rows = {}
-    for i, line in enumerate(text.splitlines(), 1):
+    lines = text.splitlines()
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except ValueError:
+            if i == len(lines) and not text.endswith("\n"):  # a row cut short: the run killed mid-write
+                print(
+                    f"compare: {path}:{i}: the last row is cut short (the run was killed while writing it); left out",
+                    file=sys.stderr,
+                )
+                continue
             raise ConfigError(f"compare: {path}:{i}: not a JSON row of metrics") from None
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             raise ConfigError(f"compare: {path}:{i}: a metrics row needs an integer 'step'")
