@@ -286,3 +286,33 @@ def test_lora_tp2_on_a_vocab_tp_does_not_divide_equals_one_process(pools, tmp_pa
         assert_close(torch.tensor(r["losses"]), torch.tensor(one["losses"]), rtol=1e-4, atol=1e-5)
         for k, v in one["adapters"].items():
             assert_close(r["adapters"][k], v, rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_a_tokenizer_the_model_cannot_hold_is_refused_before_the_corpus_is_read(
+    tmp_path, capsys, monkeypatch
+):
+    """model.from_hf whose tokenizer.json has more tokens than config.json's vocabulary (or no end of
+    document token): one line naming the tokenizer file, before the corpus is tokenized."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "c.txt").write_text("w1 w2 w3\n\n" * 200)
+    d = _save(tmp_path / "big", "llama")
+    words = {f"w{i}": i for i in range(100)} | {"<|endoftext|>": 100}
+    Tokenizer(WordLevel(words, unk_token="w0")).save(str(d / "tokenizer.json"))
+    for tok, says in [
+        ("big", "model.vocab_size: 64 is smaller than the tokenizer's 101"),
+        ("no end", "end-of-document tokens"),
+    ]:
+        if tok == "no end":
+            _save(d, "llama")  # its word-level tokenizer has no end-of-document token
+        capsys.readouterr()
+        argv = ["train", "--model.from_hf", str(d), "--data.source", str(tmp_path / "c.txt")]
+        assert main([*argv, "--run.dir", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("loom: error: ") and err.count("\n") == 1, err
+        assert says in err and str(d / "tokenizer.json") in err and "the tokenizer of model.from_hf" in err, (
+            err
+        )
+        assert not list(tmp_path.rglob("*.bin")) and not (tmp_path / "run").exists()  # no token file
