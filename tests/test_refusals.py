@@ -1048,6 +1048,14 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("generate: final model of other weights", _generate_final_of_other_weights, 2),
     ("generate: config.toml broken", _generate_bad_config, 2),
     ("generate: a run that has not finished", _generate_unfinished, 2),
+    (
+        "export hf of a run's final model directory",
+        lambda c: (
+            ["export", "hf", str(c.w.run / "checkpoints" / "final"), str(c.tmp / "out")],
+            ["holds no checkpoint", "final model", "give the run directory"],
+        ),
+        2,
+    ),
     ("generate: a run that lost its tokenizer", _generate_lost_tokenizer, 2),
     ("generate: tokenizer.json broken", _generate_bad_tokenizer, 2),
     ("generate: tokenizer.json of another run", lambda c: _another_tokenizer(c, "generate"), 2),

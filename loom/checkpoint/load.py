@@ -121,6 +121,20 @@ def _recorded_sha(ckpt: Path) -> str | None:
     return str(sha) if sha else None
 
 
+def _no_checkpoint_why(p: Path, named: Path | None) -> str:
+    """What a directory without a checkpoint is instead, and what to give (the reason of the refusal)."""
+    if named is not None:
+        return f" ({named.name}, which {F.LATEST} names, has no {F.MANIFEST}: incomplete or deleted)"
+    if (p / "model.safetensors").is_file() and (p / "meta.json").is_file():  # a run's checkpoints/final
+        return (
+            " (a run's final model, one consolidated file, not a checkpoint: give the run directory or one "
+            "of its step-N checkpoints)"
+        )
+    if (p / "config.json").is_file():
+        return " (a Hugging Face model directory, already in that format; give a Loom run or checkpoint)"
+    return " (give a run directory, its checkpoints/ folder or one step-N checkpoint)"
+
+
 class CheckpointReader:
     """Verified, read-only view of one checkpoint; implements :class:`~loom.checkpoint.protocol.ShardReader`.
 
@@ -143,12 +157,7 @@ class CheckpointReader:
         found = find(path)
         if found is None:
             named = dangling_latest(path)
-            why = (
-                f" ({named.name}, which {F.LATEST} names, has no {F.MANIFEST}: incomplete or deleted)"
-                if named is not None
-                else ""
-            )
-            raise F.CheckpointError(f"{path}: holds no checkpoint{why}")
+            raise F.CheckpointError(f"{path}: holds no checkpoint{_no_checkpoint_why(Path(path), named)}")
         self.dir, found_sha = found
         manifest_sha = manifest_sha or found_sha
         files, chunk_bytes = read_manifest(self.dir, manifest_sha)

@@ -114,14 +114,16 @@ class CheckpointSource:
         try:
             self.reader = CheckpointReader(path, check=check)
         except CheckpointError as e:
-            kind = ""
-            if "holds no checkpoint" in str(e):  # not a damaged checkpoint: another kind of directory
+            said = str(e)
+            if "holds no checkpoint" in said:  # not a damaged checkpoint: another kind of directory
                 kind = (
                     " (a PEFT adapter: merge it into its base first)"
                     if (path / "adapter_config.json").is_file()
                     else " (give a run directory, one of its checkpoints, or a Hugging Face model directory)"
                 )
-            raise ConfigError(f"train.init_from: {e}{kind}") from None
+                final = (path / "model.safetensors").is_file() and (path / "meta.json").is_file()
+                said = said if final else f"{path}: holds no checkpoint{kind}"  # a run's final model: as said
+            raise ConfigError(f"train.init_from: {said}") from None
         saved = int(((self.reader.train_state.get("config") or {}).get("model") or {}).get("vocab_size") or 0)
         vocab = int(getattr(getattr(model, "cfg", None), "vocab_size", 0) or 0)
         if saved and vocab and saved != vocab:  # padding may differ (resized), the token ids may not
