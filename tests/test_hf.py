@@ -580,6 +580,15 @@ def _umask() -> int:
     return mask
 
 
+def _write_config(d: Path, weights_from: Path, raw: dict) -> Path:
+    """A copy of the directory ``weights_from`` with ``raw`` as its config.json."""
+    import shutil
+
+    shutil.copytree(weights_from, d)
+    (d / "config.json").write_text(json.dumps(raw))
+    return d
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_import_then_export_round_trips(tmp_path, family):
     """HF -> Loom (load_into) -> HF tensors: bit for bit."""
@@ -597,6 +606,12 @@ def test_import_then_export_round_trips(tmp_path, family):
     assert out.keys() == on_disk.keys()
     for name, t in on_disk.items():
         assert torch.equal(out[name], t), name
+    if family == "gpt2":  # the hub's GPT-2 configs carry both lengths (llama.cpp's converter reads n_ctx)
+        from loom.model.hf import hf_config
+
+        raw = hf_config(hf.config)
+        assert raw["n_ctx"] == raw["n_positions"] == hf.config.max_seq_len
+        assert open_dir(_write_config(tmp_path / "again", path, raw), 32).config == hf.config
 
 
 def test_export_carries_the_source_config_when_a_field_is_left_to_its_default(tmp_path):
@@ -763,6 +778,8 @@ def test_the_export_of_a_chat_tokenizer_pads_batches_and_stops_at_either_end_tok
     tok.padding_side = "left"
     batch = tok(["q1?", "thanks a lot, be brief"], padding=True, return_tensors="pt")
     assert batch["attention_mask"][0, 0] == 0
+    # a causal LM's inputs only (transformers 4.x's generate refuses a token_type_ids it is handed)
+    assert set(batch) == {"input_ids", "attention_mask"}
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     for end in ends:  # each end id, made the greedy choice, ends both rows at once
         got = model.generate(**batch, do_sample=False, max_new_tokens=4, sequence_bias={(end,): 100.0})

@@ -329,6 +329,7 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) 
                     # and pads (masked by the attention mask): batched tokenizers and pipelines need one
                     "pad_token": name,
                     "model_max_length": cfg.model.max_seq_len,
+                    "model_input_names": list(MODEL_INPUT_NAMES),
                 },
                 indent=2,
             )
@@ -340,6 +341,11 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) 
     if is_chat(cfg) and not templated:  # trained on Loom's built-in rendering: apply_chat_template gives it
         (tmp / "chat_template.jinja").write_text(BUILTIN_CHAT_TEMPLATE)
     return special
+
+
+# what a causal LM's tokenizer returns: PreTrainedTokenizerFast adds token_type_ids otherwise, which
+# generate(**tokenizer(text)) refuses ("model_kwargs are not used") in transformers 4.x
+MODEL_INPUT_NAMES = ("input_ids", "attention_mask")
 
 
 def _complete_tokenizer_config(tmp: Path, pad: str | None, max_len: int) -> None:
@@ -358,6 +364,8 @@ def _complete_tokenizer_config(tmp: Path, pad: str | None, max_len: int) -> None
         added["pad_token"] = pad
     if "model_max_length" not in tcfg:
         added["model_max_length"] = max_len
+    if "model_input_names" not in tcfg:
+        added["model_input_names"] = list(MODEL_INPUT_NAMES)
     if added or not path.is_file():
         path.write_text(json.dumps(tcfg | added, indent=2))
 

@@ -1185,6 +1185,7 @@ def _gpt2_hf_config(cfg: ModelConfig, dtype: str) -> dict:
         "n_head": cfg.n_heads,
         "n_inner": cfg.resolved_ffn_dim(),
         "n_positions": cfg.max_seq_len,
+        "n_ctx": cfg.max_seq_len,  # the hub's GPT-2 configs carry both (llama.cpp's converter reads n_ctx)
         "vocab_size": cfg.vocab_size,
         "layer_norm_epsilon": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
