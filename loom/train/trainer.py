@@ -234,11 +234,13 @@ class Trainer:
         return trackers
 
     def _write_run_files(self) -> None:
-        (self.run_dir / "config.toml").write_text(C.dump_toml(self.cfg))
-        shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
+        # the data identity first: it marks the directory as a run's (loom.cli.foreign_run_files), so a
+        # start that dies while writing the others is resumed, not taken for someone else's files
         if not (self.run_dir / DATA_IDENTITY).is_file():  # a run is bound to the data it started on
             kept = keep_tokenizer_files(self.cfg, self.run_dir)  # and to its chat template, end token
             write_json_atomic(self.run_dir / DATA_IDENTITY, self.data_identity | kept)
+        (self.run_dir / "config.toml").write_text(C.dump_toml(self.cfg))
+        shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
         c = self.cfg
         log.info(
             "model %.2fM params | world %d: %s | global batch %d x %d tokens, micro %d, accum %d",
