@@ -754,7 +754,13 @@ def test_megatron_core_buckets_grow_with_the_data_parallel_group():
     assert core.buckets(1e9, 128) == math.ceil(1e9 / 256e6) and loom.buckets(1e9, 128) == math.ceil(
         1e9 / 2**20 / 25
     )
+    from loom.plan.cost.comm import collective_calls
+
     lay = Layout(dp=128, dp_shard=128, zero=1, micro_batch=4)
+    grads = core._params_on(1, 1, 1, True, True)[0] * 2  # bf16 gradients of the whole model (tp = pp = 1)
+    for cm, bucket in ((core, 128e6 * 2), (loom, 25 * 2**20)):  # one reduce-scatter and one gather per bucket
+        calls = collective_calls(cm, lay)
+        assert calls["reduce_scatter"] == calls["all_gather"] == math.ceil(grads / bucket)
     assert core.estimate(lay).time_breakdown["dp comm"] < loom.estimate(lay).time_breakdown["dp comm"]
 
 
