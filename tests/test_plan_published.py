@@ -4,6 +4,7 @@ that the comparison rests on, each against a hand computation."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -205,6 +206,47 @@ def test_stack_scales_only_memory_bound_work():
     assert mds - base == pytest.approx(d_other * (4 * 3 * elt + 16 * T * V / cl.device.hbm_bandwidth))
     with pytest.raises(PlanError, match="stack: must be one of"):
         CostModel(m, w, cl, stack="jax")
+
+
+def test_a_compiled_step_runs_memory_bound_work_in_one_pass(tmp_path):
+    """train.compile (a published run's ``compile``): Inductor fuses each block's pointwise chain, so the
+    elementwise and loss bytes run at COMPILED_OTHER (one pass) instead of the stack's eager factor; the
+    GEMMs and attention kernels are unchanged. A config's train.compile reaches the planner."""
+    import dataclasses
+
+    from loom.config import LoomConfig
+    from loom.plan.cost.stacks import COMPILED_OTHER
+    from loom.plan.report import workload_of
+
+    m = ModelConfig(dim=2048, n_layers=4, n_heads=16, n_kv_heads=16, vocab_size=32000)
+    cl = ClusterSpec.single_node("h100-sxm", 8)
+    w = Workload(8, 2048)
+    T, h, f, V, B = 2048, 2048, m.resolved_ffn_dim(), 32000, 2
+    elt = B * T * (10 * h + 2 * (h + h) + 3 * f) / cl.device.hbm_bandwidth
+    memory_bound = 4 * 3 * elt + 16 * T * V / cl.device.hbm_bandwidth  # 4 layers fwd + 2x bwd, the loss
+    for stack in ("", "pytorch-fsdp", "megatron-core"):
+        eager = CostModel(m, w, cl, stack=stack)
+        fused = CostModel(m, dataclasses.replace(w, compile=True), cl, stack=stack)
+        assert fused.other == COMPILED_OTHER == 1.0 < eager.other
+        t = [c._microbatch_times(1, False, 1, 1, 1, "none", 1)[0] for c in (eager, fused)]
+        assert t[0] - t[1] == pytest.approx((eager.other - COMPILED_OTHER) * memory_bound)
+    lay = Layout.parse("dp8 zero3 mb1")
+    assert CostModel(m, dataclasses.replace(w, compile=True), cl).estimate(lay).step_time < (
+        CostModel(m, w, cl).estimate(lay).step_time
+    )
+    cfg = LoomConfig()
+    assert not workload_of(cfg).compile
+    cfg.train.compile = "blocks"
+    assert workload_of(cfg).compile
+    # a published run says so with ``compile = true``, checked as a bool
+    src = (Path(__file__).resolve().parents[1] / "loom/plan/validation/torchtitan.toml").read_text()
+    own = tmp_path / "own.toml"
+    own.write_text(src.replace("seq_len = 8192", "seq_len = 8192\ncompile = true", 1))
+    row = load_file(own)[0]
+    assert row.workload.compile and not load_runs()[0].workload.compile
+    own.write_text(src.replace("seq_len = 8192", "seq_len = 8192\ncompile = 'yes'", 1))
+    with pytest.raises(PlanError, match="compile must be true or false"):
+        load_file(own)
 
 
 def test_a_run_of_any_stack_is_predicted_and_aliases_name_the_fitted_ones(tmp_path, capsys):

@@ -8,7 +8,7 @@ optional ``inter_bandwidth_gbps``, GB/s per GPU, default the device's reference 
 (``DeviceSpec.nic_bandwidth``: 25 per A100, 50 per Hopper or Blackwell GPU), optional
 ``intra_bandwidth_gbps``), ``layout`` (a
 :meth:`Layout.parse` line), ``global_batch``, ``seq_len``, ``precision`` (bf16), ``flash_attention``
-(true), ``reduce_dtype`` (fp32), one measured throughput — ``tokens_per_s_per_gpu``, the whole job's
+(true), ``compile`` (false: true for a step under ``torch.compile``), ``reduce_dtype`` (fp32), one measured throughput — ``tokens_per_s_per_gpu``, the whole job's
 ``tokens_per_s`` or ``samples_per_s`` (sequences), ``step_time_s``, ``tflops_per_gpu`` or ``mfu`` (a share of the device's dense bf16 peak, as Llama 3
 and torchtitan report it), the last two with the ``tflops_formula`` the publication counted FLOPs
 with (:data:`TFLOPS_FORMULAS`) — its ``source`` (paper, table, URL) and ``group``, the independent
@@ -66,6 +66,7 @@ _RUN_KEYS: dict[str, type] = {
     "seq_len": int,
     "precision": str,
     "flash_attention": bool,
+    "compile": bool,
     "reduce_dtype": str,
     "tokens_per_s_per_gpu": float,
     "tokens_per_s": float,
@@ -170,6 +171,7 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
             fp8_layers="all",  # Transformer Engine's FP8 runs every block Linear in float8
             reduce_dtype=row.get("reduce_dtype", "fp32"),
             flash_attention=row.get("flash_attention", True),
+            compile=row.get("compile", False),
         )
     except (PlanError, HardwareError) as e:
         raise PlanError(f"{at}: {e}") from None

@@ -174,6 +174,7 @@ def workload_of(cfg: LoomConfig) -> Workload:
         precision=cfg.train.precision,
         fp8_recipe=cfg.train.fp8_recipe,
         fp8_layers=cfg.train.fp8_layers,
+        compile=cfg.train.compile != "none",
         reduce_dtype=cfg.parallel.reduce_dtype,
         bucket_bytes=cfg.parallel.bucket_mb * 2**20,
         optimizer=cfg.train.optimizer,

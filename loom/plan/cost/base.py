@@ -17,7 +17,7 @@ from loom.model.llama import flops_per_token
 from loom.plan.cost.layout import Layout, PlanError, Workload
 from loom.plan.cost.params import ParamCounts, qk_norm_held, qk_norm_params
 from loom.plan.cost.pipeline import default_split
-from loom.plan.cost.stacks import STACKS, memory_bound_stack
+from loom.plan.cost.stacks import COMPILED_OTHER, STACKS, memory_bound_stack
 from loom.plan.hardware import ClusterSpec, HardwareError, Machine, Profile
 from loom.plan.opcount import op_counts
 from loom.rules import ModelFacts
@@ -74,7 +74,8 @@ class CostBase:
             names = ", ".join(repr(n) for n in STACKS)
             raise PlanError(f"stack: must be one of {names} ('' is Loom), got {stack!r}")
         self.stack = STACKS[stack]
-        self.other = STACKS[memory_bound_stack(stack)].other  # its memory-bound factor (Stack.other_of)
+        factor = STACKS[memory_bound_stack(stack)].other  # its memory-bound factor (Stack.other_of)
+        self.other = min(factor, COMPILED_OTHER) if train.compile else factor
         # per-kernel compute model: a GPU from its datasheet (a measured GEMM rate is used flat, as measured)
         self.kernels = cluster.device.sms > 0 and not self.machine.measured_gemm
         # per-operator framework cost (CPUs): ops counted on a tiny model of this structure (loom.plan.opcount)

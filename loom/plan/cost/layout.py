@@ -169,6 +169,9 @@ class Workload:
     fp8_layers: str = "auto"
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in (fp32 | bf16 | fp16)
     flash_attention: bool = True  # attention scores are not stored (flash / SDPA)
+    # train.compile != none: torch.compile (Inductor) emits each block's pointwise chain as one kernel, so
+    # memory-bound work runs at one pass per tensor (stacks.COMPILED_OTHER), not the stack's eager factor
+    compile: bool = False
     bucket_bytes: float = 25 * 2**20  # data-parallel gradient bucket (parallel.bucket_mb)
     optimizer: str = "adamw"  # adamw | adam8bit | adafactor (train.optimizer)
     moe_imbalance: float = 1.0  # MoE: max/mean tokens per expert (moe.imbalance; a run's moe_imbalance metric; 0 = the profile's)

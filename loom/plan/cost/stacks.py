@@ -125,6 +125,13 @@ STACKS: dict[str, Stack] = {
 }
 
 
+# the memory-bound factor of a compiled step (Workload.compile: train.compile, a published run's
+# ``compile``): Inductor fuses each block's pointwise chain (norm, residual add, RoPE, SwiGLU, the loss's
+# log-softmax) into one kernel, so each tensor is read and written once, the traffic the elementwise
+# count states; a stack already below it (none today) keeps its own
+COMPILED_OTHER = 1.0
+
+
 def memory_bound_stack(name: str) -> str:
     """The :data:`STACKS` key whose ``other`` prices ``name``'s memory-bound work (``Stack.other_of``)."""
     return STACKS[name].other_of or name
