@@ -20,7 +20,8 @@ Parts (budgets in BUDGETS; ``--budget KEY=VALUE`` overrides one, e.g. ``--budget
                    (less the runtime overhead the planner adds), reserved against allocated
     C precisions   tokens/s of fp32 / tf32 / bf16 eager and of bf16 / fp8 (train.fp8_layers = auto: only
                    the Linears where float8 pays) with train.compile blocks that ``loom config --reference``
-                   lists (one missing: SKIP, with the reason); and where fp8 pays: one SwiGLU MLP at llama3-8b's
+                   lists (one missing: SKIP, with the reason), the compiled bf16 step against the planner's
+                   plan_step_time_s (it prices compiled memory-bound work at one pass); and where fp8 pays: one SwiGLU MLP at llama3-8b's
                    shape (h 4096, f 14336, 16,384 tokens), forward + backward, eager, Loom's fp8 swap of
                    every Linear (tensorwise) against bf16 (the dry run: tiny shapes, the ratio SKIP)
     D CPU = GPU    the debug preset, 10 steps, fp32 with TF32 off, on CPU and on CUDA: losses within 1e-4
@@ -85,6 +86,8 @@ BUDGETS: dict[str, tuple[float, float, str]] = {
     "C.fp8_over_bf16_min": (0.95, 0.0, "tokens/s fp8 (auto) / bf16, both compile blocks"),
     "C.fp8_mlp_over_bf16_min": (1.2, 0.0, "speed fp8 / bf16, SwiGLU MLP fwd+bwd at llama3-8b shape (eager)"),
     "C.compile_over_eager_min": (1.05, 0.0, "tokens/s compile blocks / eager (bf16)"),
+    "C.compiled_step_ratio_min": (0.75, 0.0, "measured / planner step time, bf16 + compile blocks"),
+    "C.compiled_step_ratio_max": (1.33, 1e9, "measured / planner step time, bf16 + compile blocks"),
     "D.loss_atol": (1e-4, 1e-4, "max |loss CPU - loss device| over 10 steps"),
     "E.syncs_per_step_max": (2.0, 2.0, "host syncs per step (grad norm, loss)"),
     "F.mem_over_formula_max": (1.25, 4.0, "peak bytes / O(T·d) formula (the kernel's workspace in it)"),
@@ -396,20 +399,7 @@ def part_b(ctx: Ctx, part: Part) -> None:
     tps = _steady_tps(rows)
     mfu = _mean([x["mfu"] for x in rows[1:]])
     part.at_least("MFU", mfu, "B.mfu_min", note=f"{_fmt(tps)} tokens/s after step {first['step']}")
-    plan_t = last.get("plan_step_time_s")
-    if plan_t:
-        step_t = _mean([x["step_time_s"] for x in rows[1:]])
-        part.within(
-            "step time / planner",
-            step_t / plan_t if step_t else None,
-            "B.step_ratio_min",
-            "B.step_ratio_max",
-            note=f"{_fmt(step_t)} s measured, {_fmt(plan_t)} s predicted",
-        )
-    else:
-        part.add(
-            "step time / planner", "none", "plan_step_time_s", "FAIL", "no plan_* fields in metrics.jsonl"
-        )
+    planned_step(part, rows, "B.step_ratio_min", "B.step_ratio_max", "step time / planner")
     plan_peak = last.get("plan_peak_mem_bytes")
     alloc = max([x.get("peak_mem_bytes", 0) for x in rows] + [r.get("max_allocated", 0)])
     if plan_peak:
@@ -470,6 +460,7 @@ def part_c(ctx: Ctx, part: Part) -> None:
     runs = [(p, "none") for p in ("fp32", "tf32", "bf16")] + [("bf16", "blocks"), ("fp8", "blocks")]
     tps: dict[tuple[str, str], float] = {}
     skipped: dict[tuple[str, str], str] = {}
+    compiled_rows: list[dict] = []
     for precision, comp in runs:
         label = (
             precision
@@ -502,6 +493,8 @@ def part_c(ctx: Ctx, part: Part) -> None:
             continue
         finite = all(math.isfinite(x["loss"]) for x in rows)
         tps[(precision, comp)] = t = _steady_tps(rows) or 0.0
+        if (precision, comp) == ("bf16", "blocks"):
+            compiled_rows = rows
         part.add(
             f"{label} tokens/s",
             t,
@@ -527,7 +520,32 @@ def part_c(ctx: Ctx, part: Part) -> None:
             part.add(label, "n/a", f"≥ {_fmt(ctx.budget(key))}", "FAIL" if failed else "SKIP", why)
             continue
         part.at_least(label, tps[num] / tps[den], key)
+    planned_step(
+        part,
+        compiled_rows,
+        "C.compiled_step_ratio_min",
+        "C.compiled_step_ratio_max",
+        "bf16 + compile step / planner",
+    )
     fp8_mlp(ctx, part)
+
+
+def planned_step(part: Part, rows: list[dict], low: str, high: str, label: str) -> None:
+    """The measured step time (steps after the first log window) against the planner's
+    ``plan_step_time_s`` that the trainer logs beside it; a run without one, or none run, is a FAIL."""
+    plan_t = rows[-1].get("plan_step_time_s") if rows else None
+    if not plan_t:
+        why = "no plan_step_time_s in metrics.jsonl" if rows else "its run did not finish"
+        part.add(label, "none", "plan_step_time_s", "FAIL", why)
+        return
+    step_t = _mean([x["step_time_s"] for x in rows[1:]])
+    part.within(
+        label,
+        step_t / plan_t if step_t else None,
+        low,
+        high,
+        note=f"{_fmt(step_t)} s measured, {_fmt(plan_t)} s predicted",
+    )
 
 
 def fp8_mlp(ctx: Ctx, part: Part) -> None:

@@ -55,7 +55,14 @@ def test_dry_run_passes_every_part(tmp_path, data):
     assert "| part | check | measured | expected / budget | result |" in table
     assert table.count("\n| ") >= len(summary["rows"]) + 1
     checks = {r["check"] for r in summary["rows"]}
-    assert {"loss falls", "MFU", "tokens/s bf16 / fp32"} <= checks  # B and C compared what they ran
+    # B and C compared what they ran, each step time against the planner's
+    assert {
+        "loss falls",
+        "MFU",
+        "tokens/s bf16 / fp32",
+        "step time / planner",
+        "bf16 + compile step / planner",
+    } <= checks
 
 
 def test_an_impossible_budget_fails_and_exits_non_zero(tmp_path, data):
