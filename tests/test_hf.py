@@ -642,6 +642,77 @@ def test_export_carries_the_source_config_when_a_field_is_left_to_its_default(tm
     assert "task_specific_params" not in changed
 
 
+def test_an_export_carries_what_transformers_4x_clients_read(tmp_path, monkeypatch):
+    """What a 4.x client (transformers 4.44-4.51, tokenizers 0.19-0.21, vLLM on them) reads: config.json's
+    ``torch_dtype`` beside ``dtype``; Llama 3.1's ``rope_scaling`` without ``rope_theta`` (4.x checks its
+    keys per type; the base stays beside it); a tokenizer class 4.x has (transformers 5's
+    ``TokenizersBackend`` and a missing class become ``PreTrainedTokenizerFast``: 4.x would take the model
+    type's class, whose <s> and <unk> fall beyond the vocabulary); the chat template in
+    ``tokenizer_config.json`` too (4.x before 4.47 reads only that); BPE merges as "a b" strings (tokenizers
+    0.19 reads no pairs). Each leaves transformers 5's reading unchanged: the same ids, template, logits."""
+    from loom.checkpoint.hf_export import _tokenizer_files, carried_config, check_auto_tokenizer
+    from loom.data.tokenizer import load_tokenizer, train_tokenizer
+    from loom.model.hf import hf_config, open_dir
+
+    path, _ = _save_hf(tmp_path, "llama3.1", False)
+    hf = open_dir(path, 32)
+    raw = hf_config(hf.config, "bfloat16")
+    assert raw["dtype"] == raw["torch_dtype"] == "bfloat16"
+    assert (
+        "rope_theta" not in raw["rope_scaling"] and raw["rope_parameters"]["rope_theta"] == raw["rope_theta"]
+    )
+    assert raw["rope_scaling"]["rope_type"] == "llama3" and raw["rope_scaling"]["factor"] == 8.0
+    again = _write_config(tmp_path / "again", path, raw)
+    assert open_dir(again, 32).config == hf.config  # Loom reads its own export back
+    assert transformers.AutoConfig.from_pretrained(again).rope_parameters["rope_theta"] == raw["rope_theta"]
+    src = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(src | {"torch_dtype": "float32", "dtype": "float32"}))
+    carried = carried_config(raw, path)  # the export's dtype in both keys, not the source's
+    assert carried["dtype"] == carried["torch_dtype"] == "bfloat16"
+
+    tok = train_tokenizer(["hello there, how are you today? fine thanks"] * 8, 300)
+    run = tmp_path / "run"
+    run.mkdir()
+    tok.save(str(run / "tokenizer.json"))
+    assert isinstance(json.loads((run / "tokenizer.json").read_text())["model"]["merges"][0], list)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (run / "chat_template.jinja").write_text(template)
+    side = {"tokenizer_class": "TokenizersBackend", "backend": "tokenizers", "eos_token": "<|endoftext|>"}
+    for given in (side, {"eos_token": "<|endoftext|>"}):  # saved by transformers 5; no class at all
+        (run / "tokenizer_config.json").write_text(json.dumps(given))
+        out = tmp_path / f"out{len(given)}"
+        out.mkdir()
+        _tokenizer_files(run, C.LoomConfig(), out, {"eos_token_id": 0})
+        written = json.loads((out / "tokenizer_config.json").read_text())
+        assert written["tokenizer_class"] == "PreTrainedTokenizerFast" and "backend" not in written
+        assert written["chat_template"] == template == (out / "chat_template.jinja").read_text()
+        merges = json.loads((out / "tokenizer.json").read_text())["model"]["merges"]
+        assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
+        text = "hello there, how are you? " * 3
+        assert load_tokenizer(out / "tokenizer.json").encode(text).ids == tok.encode(text).ids
+        assert check_auto_tokenizer(out) is None
+        theirs = transformers.AutoTokenizer.from_pretrained(out)
+        assert theirs(text)["input_ids"] == tok.encode(text).ids  # no invented special ids
+        msgs = [{"role": "user", "content": "hi"}]
+        assert theirs.apply_chat_template(msgs, tokenize=False) == "<user>hi"
+    # a class that adds ids beyond the vocabulary (4.x's LlamaTokenizerFast prepended an <s> the
+    # tokenizer.json lacks: generate's embedding lookup failed) is named by the export's check
+    size, real = tok.get_vocab_size(), transformers.AutoTokenizer.from_pretrained
+
+    class LlamaTokenizerFast4x:
+        def __init__(self, d):
+            self.inner = real(d)
+
+        def __call__(self, text, add_special_tokens=True):
+            ids = self.inner(text, add_special_tokens=False)["input_ids"]
+            return {"input_ids": [size] * add_special_tokens + ids}
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", LlamaTokenizerFast4x)
+    problem = check_auto_tokenizer(out)
+    assert problem is not None and f"adds ids [{size}] beyond the {size}" in problem
+    assert "LlamaTokenizerFast4x" in problem and "PreTrainedTokenizerFast.from_pretrained" in problem
+
+
 def test_an_export_of_a_chat_run_carries_the_template_it_was_trained_on(tmp_path):
     """A run on chat data rendered by Loom's built-in template (its tokenizer has none) exports a
     ``chat_template.jinja`` with which transformers' ``apply_chat_template`` gives the same text, and

@@ -165,6 +165,10 @@ def _same_tensors(raw: dict, ours: dict) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in SHAPE)
 
 
+# config.json's weight dtype: transformers >= 4.56 reads dtype, older versions (and vLLM on them) torch_dtype
+DTYPE_KEYS = ("dtype", "torch_dtype")
+
+
 def carried_config(ours: dict, src: Path | None) -> dict:
     """``config.json``: Loom's description ``ours`` with every field of the source directory's
     ``config.json`` carried over when the source describes the same tensors (module doc)."""
@@ -174,8 +178,8 @@ def carried_config(ours: dict, src: Path | None) -> dict:
     arch, mine = architecture(raw), ours["architectures"][0]
     if SAME_TENSORS.get(arch, arch) != SAME_TENSORS.get(mine, mine) or not _same_tensors(raw, ours):
         return ours  # the model changed shape or family since: describe what was trained
-    kept = {k: v for k, v in raw.items() if k not in ("dtype", "torch_dtype", "transformers_version")}
-    return ours | kept | {"dtype": ours["dtype"]}
+    kept = {k: v for k, v in raw.items() if k not in DTYPE_KEYS + ("transformers_version",)}
+    return ours | kept | {k: ours[k] for k in DTYPE_KEYS if k in ours}
 
 
 def is_chat(cfg: C.LoomConfig) -> bool:
@@ -301,6 +305,7 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) 
     if src is None:
         return {}
     shutil.copyfile(src, tmp / "tokenizer.json")
+    _legacy_merges(tmp / "tokenizer.json")
     d = run_tokenizer_dir(run_dir, cfg)
     copied = d is not None and any((d / f).is_file() for f in TOKENIZER_FILES)
     if d is not None and copied:
@@ -323,7 +328,7 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) 
         (tmp / "tokenizer_config.json").write_text(
             json.dumps(
                 {
-                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "tokenizer_class": GENERIC_TOKENIZER,
                     "bos_token": name,  # Loom's tokenizer: <|endoftext|> opens and ends documents
                     "eos_token": name,
                     # and pads (masked by the attention mask): batched tokenizers and pipelines need one
@@ -340,9 +345,33 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) 
     )
     if is_chat(cfg) and not templated:  # trained on Loom's built-in rendering: apply_chat_template gives it
         (tmp / "chat_template.jinja").write_text(BUILTIN_CHAT_TEMPLATE)
+    jinja = tmp / "chat_template.jinja"
+    if jinja.is_file() and tcfg.is_file() and "chat_template" not in (fields := _read_json(tcfg)):
+        # transformers < 4.47 reads the template from tokenizer_config.json only
+        tcfg.write_text(json.dumps(fields | {"chat_template": jinja.read_text(encoding="utf-8")}, indent=2))
     return special
 
 
+def _legacy_merges(path: Path) -> None:
+    """``tokenizers`` >= 0.20 writes a BPE model's merges as pairs (``[["Ġ", "t"]]``), which 0.19 and
+    older (transformers <= 4.44) cannot read; where no part holds a space they are written as the
+    ``"Ġ t"`` strings every version reads: the same merges."""
+    data = _read_json(path)
+    model = data.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        return
+    merges = model.get("merges")
+    if not merges or not all(isinstance(m, list) and len(m) == 2 for m in merges):
+        return
+    if any(not isinstance(part, str) or " " in part for m in merges for part in m):
+        return
+    model["merges"] = [" ".join(m) for m in merges]
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+
+
+# the tokenizer class every transformers version loads a tokenizer.json with as shipped (5.x: the same
+# class as its TokenizersBackend)
+GENERIC_TOKENIZER = "PreTrainedTokenizerFast"
 # what a causal LM's tokenizer returns: PreTrainedTokenizerFast adds token_type_ids otherwise, which
 # generate(**tokenizer(text)) refuses ("model_kwargs are not used") in transformers 4.x
 MODEL_INPUT_NAMES = ("input_ids", "attention_mask")
@@ -354,8 +383,14 @@ def _complete_tokenizer_config(tmp: Path, pad: str | None, max_len: int) -> None
     ``special_tokens_map.json`` names one, and ``model_max_length`` where it has none; every field
     it has is kept."""
     path, smap = tmp / "tokenizer_config.json", tmp / "special_tokens_map.json"
-    tcfg = _read_json(path) if path.is_file() else {"tokenizer_class": "PreTrainedTokenizerFast"}
+    tcfg = _read_json(path) if path.is_file() else {"tokenizer_class": GENERIC_TOKENIZER}
     added: dict[str, Any] = {}
+    if tcfg.get("tokenizer_class") in (None, "TokenizersBackend"):
+        # transformers 5 names its generic class TokenizersBackend, which 4.x lacks; with no class 4.x
+        # takes the model type's (LlamaTokenizerFast adds <s> and <unk> beyond the vocabulary)
+        if tcfg.get("backend") == "tokenizers":
+            del tcfg["backend"]
+        added["tokenizer_class"] = GENERIC_TOKENIZER
     if (
         pad
         and tcfg.get("pad_token") is None
@@ -384,7 +419,11 @@ def check_auto_tokenizer(d: Path) -> str | None:
         return None
     from loom.data.tokenizer import load_tokenizer
 
-    enc = load_tokenizer(d / "tokenizer.json").encode(PROBE, add_special_tokens=False)
+    shipped = load_tokenizer(d / "tokenizer.json")
+    enc, size = (
+        shipped.encode(PROBE, add_special_tokens=False),
+        shipped.get_vocab_size(with_added_tokens=True),
+    )
     want = enc.ids
     try:
         import transformers
@@ -397,10 +436,19 @@ def check_auto_tokenizer(d: Path) -> str | None:
     try:
         auto = transformers.AutoTokenizer.from_pretrained(str(d))
         got = auto(PROBE, add_special_tokens=False)["input_ids"]
+        unknown = [
+            i for i in auto(PROBE)["input_ids"] if i >= size
+        ]  # as generate(**tokenizer(text)) sees them
     except Exception as e:  # any failure to load is the finding itself
         return f"transformers' AutoTokenizer cannot load the tokenizer ({type(e).__name__}: {e})"
     finally:
         transformers.logging.set_verbosity(level)
+    if unknown:
+        return (
+            f"transformers' AutoTokenizer loads the tokenizer as {type(auto).__name__}, which adds ids "
+            f"{sorted(set(unknown))[:3]} beyond the {size} of the tokenizer.json it ships (special tokens it "
+            "invents); load it with transformers.PreTrainedTokenizerFast.from_pretrained"
+        )
     if got == want:
         return None
     i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))

@@ -1198,6 +1198,7 @@ def _gpt2_hf_config(cfg: ModelConfig, dtype: str) -> dict:
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
         "dtype": dtype,
+        "torch_dtype": dtype,  # what transformers < 4.56 reads
     }
 
 
@@ -1229,6 +1230,7 @@ def hf_config(
         "mlp_bias": cfg.bias,
         "initializer_range": cfg.init_std,
         "dtype": dtype,
+        "torch_dtype": dtype,  # what transformers < 4.56 reads
     }
     if cfg.rope_scaling:
         rope = {
@@ -1239,7 +1241,8 @@ def hf_config(
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_len,
         }
-        out |= {"rope_parameters": rope, "rope_scaling": rope}
+        # transformers 4.x checks rope_scaling's keys per type: the base lives beside it, not in it
+        out |= {"rope_parameters": rope, "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}}
     if family in LLAMA_TENSORS:  # Loom attends to the whole sequence; Phi-3's RoPE: whole heads
         out |= {"sliding_window": None}
     if family == PHI3:
