@@ -28,14 +28,20 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def resolve_precision(precision: str, device: str) -> str:
-    """``train.precision = auto``: bf16 where ``device`` (run.device: auto | cpu | cuda) resolves to
-    CUDA, fp32 on the CPU; any other value is returned as set (an explicit choice is never overridden)."""
+def resolve_precision(precision: str, device: str, bf16: bool | None = None) -> str:
+    """``train.precision = auto``: bf16 where ``device`` (run.device: auto | cpu | cuda) resolves to a
+    GPU with bf16 tensor cores (``bf16``: whether it has them; None: this machine's GPU, compute
+    capability 8.0+), fp16 on an older GPU (V100, T4: bf16 only emulated), fp32 on the CPU; any other
+    value is returned as set (an explicit choice is never overridden)."""
     if precision != "auto":
         return precision
     if device == "auto":
         device = "cuda" if cuda_available() else "cpu"
-    return "bf16" if device == "cuda" else "fp32"
+    if device != "cuda":
+        return "fp32"
+    if bf16 is None:  # no CUDA here: run.device = cuda is refused later, naming it
+        bf16 = not cuda_available() or torch.cuda.is_bf16_supported(including_emulation=False)
+    return "bf16" if bf16 else "fp16"
 
 
 def set_fp32_matmul(device: torch.device, tf32: bool) -> None:

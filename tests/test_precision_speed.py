@@ -117,10 +117,40 @@ def test_tf32_is_fp32_on_the_cpu():
     assert tf32["dtype"] == torch.float32 and tf32["losses"] == fp32["losses"]
 
 
-def test_auto_precision_is_bf16_on_cuda_and_fp32_on_the_cpu():
+def test_auto_precision_is_bf16_on_cuda_and_fp32_on_the_cpu(monkeypatch, capsys):
+    """auto: bf16 on a GPU with bf16 tensor cores, fp16 on an older one (V100, T4), fp32 on the CPU; the
+    planner resolves it for the device it plans (a V100 plan in fp16, an H100 plan in bf16), not for the
+    machine it runs on."""
     from loom.device import resolve_precision
+    from loom.plan.cli import main as plan
+    from loom.plan.cost import CostModel, Workload
+    from loom.plan.hardware import ClusterSpec
 
     assert resolve_precision("auto", "cpu") == "fp32" and resolve_precision("auto", "cuda") == "bf16"
+    assert (
+        resolve_precision("auto", "cuda", bf16=False) == "fp16"
+        and resolve_precision("auto", "cuda", True) == "bf16"
+    )
+    assert resolve_precision("bf16", "cuda", bf16=False) == "bf16"  # explicit: kept (emulated there)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert resolve_precision("auto", "cuda") == "fp16"  # a GPU whose bf16 is only emulated
+    monkeypatch.undo()
+    m = load_toml(preset_path("gpt-125m")).model
+    for device, want in (("v100", "fp16"), ("h100-sxm", "bf16"), ("cpu", "fp32")):
+        assert (
+            CostModel(
+                m, Workload(8, 1024, precision="auto"), ClusterSpec.single_node(device, 8)
+            ).train.precision
+            == want
+        )
+    lines = {}
+    for flags in ([], ["--train.precision", "bf16"], ["--train.precision", "fp32"]):
+        assert (
+            plan(["--config", "gpt-125m", "--device", "h100-sxm", "--world", "8", "--top", "1", *flags]) == 0
+        )
+        lines[tuple(flags)] = capsys.readouterr().out.splitlines()[1]  # the config's own layout, priced
+    assert lines[()] == lines[("--train.precision", "bf16")] != lines[("--train.precision", "fp32")]
     assert resolve_precision("fp32", "cuda") == "fp32" and resolve_precision("fp16", "cpu") == "fp16"
     assert LoomConfig().train.precision == "auto"
     for preset in ("debug", "gpt-125m", "llama3-8b"):  # every preset leaves it to the device

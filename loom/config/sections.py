@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 
 
 # Closed sets of values: a field of one of these types is checked against it (``typing.get_args``).
-# train.precision: auto = bf16 on CUDA, fp32 on the CPU (resolved by validate); tf32 = fp32 with TF32 matmuls
+# train.precision: auto = bf16 on CUDA (fp16 below capability 8.0), fp32 on the CPU (resolved by validate); tf32 = fp32 with TF32 matmuls
 # on CUDA; fp8 / int8 = bf16 with the Linear layers' matmuls in float8 / int8 (torchao)
 Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16", "fp8", "int8"]
 
@@ -298,7 +298,7 @@ class TrainConfig:
     eval_every: int = 100  # steps between eval losses; 0 = off
     eval_batches: int = 4  # micro-batches per eval
     log_every: int = 10  # steps between step lines / metrics rows
-    # compute dtype; auto = bf16 on CUDA, fp32 on the CPU; bf16/fp16: half weights and activations, fp32
+    # compute dtype; auto = bf16 on CUDA (fp16 below capability 8.0), fp32 on the CPU; bf16/fp16: half weights and activations, fp32
     # master weights + optimizer state; tf32: fp32 with TF32 matmuls on CUDA (identical to fp32 on the CPU);
     # fp8/int8: bf16 with the blocks' Linear matmuls in float8 / int8 (torchao; emulated on the CPU)
     precision: Precision = "auto"

@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import cast
 
 from loom.config import (
     MAX_BATCH_OR_SEQ,
     ArgParser,
     ConfigError,
     ModelConfig,
+    Precision,
     check_picture_path,
     load,
     load_toml,
@@ -38,6 +40,7 @@ from loom.plan.hardware import (
     ClusterSpec,
     HardwareError,
     Profile,
+    auto_precision,
     known_clusters,
     resolve_cluster,
 )
@@ -171,10 +174,13 @@ def main(argv: list[str]) -> int:
                 from loom.model.hf import resolve_from_hf
 
                 resolve_from_hf(cfg, need_data=False)
+            cluster = cluster_of(args, "cpu-local")
+            automatic = cfg.train.precision == "auto"
             validate_shape(
                 cfg
             )  # bad values are refused, not priced (the layout is judged against the cluster)
-            cluster = cluster_of(args, "cpu-local")
+            if automatic:  # as the trainer resolves it on the planned device, not on this machine
+                cfg.train.precision = cast(Precision, auto_precision(cluster.device))
             check = config_verdict(cfg, cluster, profile)
             model, train = model_of(cfg), workload_of(cfg)
         else:

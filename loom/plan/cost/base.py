@@ -12,13 +12,12 @@ from functools import lru_cache, partial
 from typing import Any
 
 from loom.config import ModelConfig
-from loom.device import resolve_precision
 from loom.model.llama import flops_per_token
 from loom.plan.cost.layout import Layout, PlanError, Workload
 from loom.plan.cost.params import ParamCounts, qk_norm_held, qk_norm_params
 from loom.plan.cost.pipeline import default_split
 from loom.plan.cost.stacks import COMPILED_OTHER, STACKS, memory_bound_stack
-from loom.plan.hardware import ClusterSpec, HardwareError, Machine, Profile
+from loom.plan.hardware import ClusterSpec, HardwareError, Machine, Profile, auto_precision
 from loom.plan.opcount import op_counts
 from loom.rules import ModelFacts
 
@@ -60,9 +59,8 @@ class CostBase:
         if train.moe_imbalance <= 0:  # moe.imbalance unset: a calibration run's measurement, else balanced
             measured = profile.moe_imbalance if profile is not None else 0.0
             train = dataclasses.replace(train, moe_imbalance=measured if measured >= 1 else 1.0)
-        if train.precision == "auto":  # train.precision = auto: bf16 on an accelerator, fp32 on the CPU
-            kind = "cpu" if cluster.device.name == "cpu" else "cuda"
-            train = dataclasses.replace(train, precision=resolve_precision("auto", kind))
+        if train.precision == "auto":  # train.precision = auto, as the trainer resolves it on the device
+            train = dataclasses.replace(train, precision=auto_precision(cluster.device))
         self.model, self.train, self.cluster = model, train, cluster
         self.n_experts, self.top_k = n_experts, top_k
         self.moe = n_experts > 1

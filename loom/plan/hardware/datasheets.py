@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from loom.device import resolve_precision
+
 GEMM_K0: float = 256  # reduction steps a GEMM tile's prologue + epilogue cost (pipeline fill and drain; fitted, see achievable)
 GB = 1e9
 GiB = 2**30
@@ -409,6 +411,12 @@ assumptions, V100/P100/K80 0.55 unvalidated assumptions (the cluster scheduler's
 (datasheet SM / CU counts) and ``flash_fwd`` / ``flash_bwd`` (FlashAttention-2 paper: ~65% / 50%
 of peak on A100, ~37% / 30% on H100) feed the per-kernel model of :meth:`Machine.gemm` and
 :meth:`Machine.attention`."""
+
+
+def auto_precision(dev: DeviceSpec) -> str:
+    """``train.precision = auto`` on ``dev`` as the trainer resolves it there
+    (:func:`loom.device.resolve_precision`): bf16 with bf16 tensor cores, fp16 without, fp32 on the CPU."""
+    return resolve_precision("auto", "cpu" if dev.name == "cpu" else "cuda", bf16=dev.bf16_flops > 0)
 
 
 def get_device(name: str) -> DeviceSpec:
