@@ -904,8 +904,18 @@ def test_a_device_is_found_by_the_names_vendors_and_torch_give_it():
         ("NVIDIA A100-SXM4-40GB", "a100-40g"),
         (" A100 ", "a100-80g"),
         ("MI300X", "mi300x"),
+        ("NVIDIA L4", "l4"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA A10", "a10"),
+        ("Tesla T4", "t4"),
+        ("NVIDIA GeForce RTX 4090", "rtx4090"),
     ]:
         assert get_device(name).name == key, name
+    # names that hold a known one but are other parts: no datasheet of another part's peak (MFU: none)
+    from loom.plan.hardware import device_key
+
+    for other in ("NVIDIA L40", "NVIDIA A10G", "NVIDIA RTX A1000", "NVIDIA GeForce RTX 4090 D"):
+        assert device_key(other) is None, other
     with pytest.raises(HardwareError, match=r"unknown device 'H100 NVL' \(a part whose datasheet differs"):
         get_device("H100 NVL")
     with pytest.raises(HardwareError, match=r"^unknown device 'tpu-v5'; known: a100-40g"):

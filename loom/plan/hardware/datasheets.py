@@ -108,6 +108,11 @@ _NV_H800 = "NVIDIA H800 Tensor Core GPU datasheet (2023), H800 SXM5 column"
 _NV_V100 = "NVIDIA Tesla V100 GPU datasheet (2020), V100 SXM2 column"
 _NV_P100 = "NVIDIA Tesla P100 GPU datasheet (2016), P100 for NVLink-optimized servers column"
 _NV_K80 = "NVIDIA Tesla K80 GPU accelerator datasheet (2014): board totals divided by its 2 GPUs"
+_NV_L4 = "NVIDIA L4 Tensor Core GPU datasheet (2023)"
+_NV_L40S = "NVIDIA L40S GPU datasheet (2023)"
+_NV_A10 = "NVIDIA A10 Tensor Core GPU datasheet (2021)"
+_NV_T4 = "NVIDIA T4 Tensor Core GPU datasheet (2019)"
+_NV_4090 = "NVIDIA Ada GPU architecture whitepaper (v2.1, 2023), GeForce RTX 4090 column, FP32 accumulate"
 _CPU = (
     "this machine: Intel Xeon (Emerald Rapids, KVM), 2 cores, AVX-512 with 2 FMA units/core "
     "(Intel 64 and IA-32 Optimization Reference Manual): 2.3 GHz * 64 FP32 FLOP/cycle per core; "
@@ -270,6 +275,99 @@ DEVICES: dict[str, DeviceSpec] = {
             int8_flops=191.5e12,
             source=_AMD_MI250X,
         ),
+        # PCIe cards people fine-tune on (cloud instances, workstations): no NVLink, so GPUs of a node talk
+        # over PCIe (Gen4 x16: 32 GB/s per direction, Gen3: 16); the NIC share is an assumption (a cloud
+        # VM's 100 Gb/s over its 8 GPUs, 1.5625 GB/s each): these are rarely run across nodes.
+        # L4: 30.3 TF FP32, 60 TF32, 121 BF16/FP16, 242.5 FP8/INT8 (dense = half the sparse figures);
+        # 24 GB GDDR6 at 300 GB/s; 58 SMs.
+        DeviceSpec(
+            "l4",
+            24 * GiB,
+            30.3e12,
+            60e12,
+            121e12,
+            121e12,
+            242.5e12,
+            300 * GB,
+            32 * GB,
+            0.58,
+            sms=58,
+            nic_bandwidth=1.5625 * GB,
+            int8_flops=242.5e12,
+            source=_NV_L4,
+        ),
+        # L40S: 91.6 TF FP32, 183 TF32, 362 BF16/FP16, 733 FP8/INT8 (dense); 48 GB GDDR6 at 864 GB/s; 142 SMs.
+        DeviceSpec(
+            "l40s",
+            48 * GiB,
+            91.6e12,
+            183e12,
+            362e12,
+            362e12,
+            733e12,
+            864 * GB,
+            32 * GB,
+            0.58,
+            sms=142,
+            nic_bandwidth=1.5625 * GB,
+            int8_flops=733e12,
+            source=_NV_L40S,
+        ),
+        # A10: 31.2 TF FP32, 62.5 TF32, 125 BF16/FP16, 250 INT8 (dense), no FP8; 24 GB GDDR6 at 600 GB/s;
+        # 72 SMs. (AWS's A10G is another part: measured, not given this one's peak.)
+        DeviceSpec(
+            "a10",
+            24 * GiB,
+            31.2e12,
+            62.5e12,
+            125e12,
+            125e12,
+            0.0,
+            600 * GB,
+            32 * GB,
+            0.58,
+            sms=72,
+            nic_bandwidth=1.5625 * GB,
+            int8_flops=250e12,
+            source=_NV_A10,
+        ),
+        # T4: 8.1 TF FP32, 65 TF FP16 (mixed precision), 130 INT8; no BF16 or TF32 (auto precision: fp16);
+        # 16 GB GDDR6 at 320 GB/s; 40 SMs; PCIe Gen3 x16.
+        DeviceSpec(
+            "t4",
+            16 * GiB,
+            8.1e12,
+            0.0,
+            0.0,
+            65e12,
+            0.0,
+            320 * GB,
+            16 * GB,
+            0.55,
+            sms=40,
+            nic_bandwidth=1.5625 * GB,
+            int8_flops=130e12,
+            source=_NV_T4,
+        ),
+        # GeForce RTX 4090: 82.6 TF FP32 and TF32, 165.2 BF16/FP16 and 330.3 FP8 with FP32 accumulate (the
+        # GeForce rate, half the FP16-accumulate one; training accumulates in FP32), 660.6 INT8 (dense);
+        # 24 GB GDDR6X at 1008 GB/s; 128 SMs; no peer-to-peer between GeForce cards (PCIe through the host).
+        DeviceSpec(
+            "rtx4090",
+            24 * GiB,
+            82.6e12,
+            82.6e12,
+            165.2e12,
+            165.2e12,
+            330.3e12,
+            1008 * GB,
+            25 * GB,
+            0.58,
+            sms=128,
+            nic_bandwidth=1.25 * GB,
+            int8_flops=660.6e12,
+            source=_NV_4090,
+        ),
         # Older parts, for the cluster scheduler's mixed clusters (loom.cluster; Gavel's V100/P100/K80).
         # V100 SXM2 16GB: 15.7 TF FP32, 125 TF FP16 tensor, no BF16/TF32; HBM2 900 GB/s; NVLink 2 300 GB/s total.
         DeviceSpec(
@@ -356,6 +454,7 @@ DEVICES["h800"] = replace(DEVICES["h100-sxm"], name="h800", link_bandwidth=200 *
 # other clocks; H200 NVL: 600 W, 1671 TF bf16 with sparsity against the SXM's 1979; GH200 / GB200: Grace
 # superchips), so it is measured, not given another part's peak.
 _NAME_RULES: tuple[tuple[tuple[str, ...], str | None], ...] = (
+    (("a1000",), None),  # RTX A1000 (a laptop and workstation part), not an A100
     (("h100", "nvl"), None),
     (("h200", "nvl"), None),
     (("gh200",), None),
@@ -370,6 +469,15 @@ _NAME_RULES: tuple[tuple[tuple[str, ...], str | None], ...] = (
     (("a100",), "a100-80g"),
     (("mi300x",), "mi300x"),
     (("mi250x",), "mi250x"),
+    (("l40s",), "l40s"),
+    (("l40",), None),
+    (("l4",), "l4"),
+    (("a10g",), None),
+    (("a10",), "a10"),
+    (("tesla", "t4"), "t4"),
+    (("4090", "laptop"), None),
+    (("4090 d",), None),
+    (("4090",), "rtx4090"),
     (("v100",), "v100"),
     (("p100",), "p100"),
     (("k80",), "k80"),
