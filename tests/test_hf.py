@@ -685,6 +685,7 @@ def test_an_export_carries_what_transformers_4x_clients_read(tmp_path, monkeypat
         _tokenizer_files(run, C.LoomConfig(), out, {"eos_token_id": 0})
         written = json.loads((out / "tokenizer_config.json").read_text())
         assert written["tokenizer_class"] == "PreTrainedTokenizerFast" and "backend" not in written
+        assert written["clean_up_tokenization_spaces"] is False  # 4.x's default True alters decoded text
         assert written["chat_template"] == template == (out / "chat_template.jinja").read_text()
         merges = json.loads((out / "tokenizer.json").read_text())["model"]["merges"]
         assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)

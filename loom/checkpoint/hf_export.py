@@ -335,6 +335,7 @@ def _tokenizer_files(run_dir: Path, cfg: C.LoomConfig, tmp: Path, config: dict) 
                     "pad_token": name,
                     "model_max_length": cfg.model.max_seq_len,
                     "model_input_names": list(MODEL_INPUT_NAMES),
+                    "clean_up_tokenization_spaces": False,  # decode gives back the text encoded
                 },
                 indent=2,
             )
@@ -401,6 +402,8 @@ def _complete_tokenizer_config(tmp: Path, pad: str | None, max_len: int) -> None
         added["model_max_length"] = max_len
     if "model_input_names" not in tcfg:
         added["model_input_names"] = list(MODEL_INPUT_NAMES)
+    if "clean_up_tokenization_spaces" not in tcfg:  # 4.x defaults to True: decode("a , b") gives "a, b"
+        added["clean_up_tokenization_spaces"] = False
     if added or not path.is_file():
         path.write_text(json.dumps(tcfg | added, indent=2))
 
