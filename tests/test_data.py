@@ -1068,6 +1068,41 @@ def test_chat_labels_only_assistant_turns(tmp_path, cache):
     assert np.fromfile(every.dir / "train.mask.bin", np.uint8).all()
 
 
+def test_sharegpt_records_prepare_as_their_messages(tmp_path, cache):
+    """ShareGPT's ``conversations`` of from/value (human, gpt, system; a top-level system string) prepare
+    to the tokens and trained mask of the same chats as ``messages``; an unknown speaker and a per-turn
+    weight (which Loom would not honour) are refused naming the line."""
+    from loom.config import ConfigError
+
+    speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+    chats = _chats()
+    share = []
+    for i, c in enumerate(chats):
+        turns = [{"from": speaker[m["role"]], "value": m["content"]} for m in c["messages"]]
+        share.append(
+            {"system": turns[0]["value"], "conversations": turns[1:]} if i % 2 else {"conversations": turns}
+        )
+    tok_dir = _chat_tokenizer(tmp_path)
+    prepared = []
+    for name, records in (("messages", chats), ("sharegpt", share)):
+        jl = tmp_path / f"{name}.jsonl"
+        jl.write_text("".join(json.dumps(r) + "\n" for r in records))
+        cfg = DataConfig(source=str(jl), tokenizer=str(tok_dir), format="chat", seq_len=64, val_fraction=0.25)
+        prepared.append(prepare_data(cfg, progress=False))
+    for f in ("train.bin", "train.mask.bin", "val.bin", "val.mask.bin"):
+        assert (prepared[0].dir / f).read_bytes() == (prepared[1].dir / f).read_bytes(), f
+    for turn, says in (
+        ({"from": "wizard", "value": "hi"}, "ShareGPT turn from 'wizard' (allowed: system, human"),
+        ({"from": "gpt", "value": "hi", "weight": 0}, "a 'weight', which Loom does not read"),
+        ({"speaker": "gpt", "text": "hi"}, "ShareGPT turn that is not an object of from/value"),
+    ):
+        jl = tmp_path / "bad.jsonl"
+        jl.write_text(json.dumps(share[0]) + "\n" + json.dumps({"conversations": [turn]}) + "\n")
+        with pytest.raises(ConfigError) as e:
+            prepare_data(DataConfig(source=str(jl), tokenizer=str(tok_dir), format="chat"), progress=False)
+        assert f"{jl}:2" in str(e.value) and says in str(e.value) and "\n" not in str(e.value)
+
+
 def test_chat_reads_whole_records_up_to_max_corpus_mb(tmp_path, cache, caplog):
     """data.max_corpus_mb caps chat records as it caps text (it was ignored): whole records, up to the
     one whose rendered text reaches the cap, said in one line and kept in meta.json."""

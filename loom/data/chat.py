@@ -283,17 +283,55 @@ def segments(
     return prev, spans
 
 
+# ShareGPT's speakers (``conversations`` of ``{"from", "value"}``, as Axolotl and LLaMA-Factory read them)
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "assistant": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
+
+
+def sharegpt_messages(record: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """A ShareGPT record's ``conversations`` as ``messages`` (:data:`SHAREGPT_ROLES`; a top-level
+    ``system`` string first); a speaker it does not know, a turn that is not ``{"from", "value"}`` or one
+    with a per-turn ``weight`` (not read: it would train what the data says not to) is refused naming it."""
+    out = [{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str) else []
+    for turn in record["conversations"]:
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            raise ConfigError(f"data.source: {where} has a ShareGPT turn that is not an object of from/value")
+        if "weight" in turn:
+            raise ConfigError(
+                f"data.source: {where} has a ShareGPT turn with a 'weight', which Loom does not read "
+                "(every assistant turn trains): drop the turns not to train on, or the key"
+            )
+        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+        if role is None:
+            raise ConfigError(
+                f"data.source: {where} has a ShareGPT turn from {turn['from']!r} "
+                f"(allowed: {', '.join(SHAREGPT_ROLES)})"
+            )
+        out.append({"role": role, "content": turn["value"]})
+    return out
+
+
 def normalized_messages(record: dict[str, Any], where: str, builtin: bool) -> list[dict[str, Any]]:
-    """The record's ``messages`` as transformers hands them to a template: keys of null value dropped
-    (OpenAI's ``"content": null`` beside ``tool_calls``), the reasoning under every name of
-    :data:`REASONING_FIELDS` (and ``thinking``, which gpt-oss reads); checked: a known role, string
-    content (or, for a template, content blocks, or none), an assistant turn."""
+    """The record's ``messages`` (or ShareGPT's ``conversations``: :func:`sharegpt_messages`) as
+    transformers hands them to a template: keys of null value dropped (OpenAI's ``"content": null``
+    beside ``tool_calls``), the reasoning under every name of :data:`REASONING_FIELDS` (and
+    ``thinking``, which gpt-oss reads); checked: a known role, string content (or, for a template,
+    content blocks, or none), an assistant turn."""
     messages = record.get("messages")
+    if messages is None and isinstance(record.get("conversations"), list) and record["conversations"]:
+        messages = sharegpt_messages(record, where)
     if not isinstance(messages, list) or not messages:
-        sharegpt = isinstance(record.get("conversations"), list)
-        hint = " (ShareGPT's 'conversations' of from/value: rename them to messages of role/content)"
         raise ConfigError(
-            f"data.source: {where} has no list field 'messages' (data.format = chat){hint if sharegpt else ''}"
+            f"data.source: {where} has no list field 'messages' (data.format = chat; or ShareGPT's "
+            "'conversations' of from/value)"
         )
     out: list[dict[str, Any]] = []
     for m in messages:
