@@ -79,7 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world", "--devices", type=int, dest="world", help="devices to plan for (default: all)")
     p.add_argument("--seq", type=int, help="sequence length (with --model; default 8192)")
     p.add_argument("--global-batch", type=int, help="sequences per step (with --model; default 1024)")
-    p.add_argument("--precision", help="fp32 | tf32 | bf16 | fp16 | fp8 | int8 (with --model; default bf16)")
+    p.add_argument(
+        "--precision",
+        help="fp32 | tf32 | bf16 | fp16 | fp8 | int8 (with --model; default: as train.precision = auto on the "
+        "device: bf16, fp16 without bf16 tensor cores, fp32 on the CPU)",
+    )
     p.add_argument(
         "--experts", type=int, default=None, help="MoE experts per layer (1 = dense; default: the model's)"
     )
@@ -190,7 +194,8 @@ def main(argv: list[str]) -> int:
                 raise PlanError(f"unknown model {args.model!r}; known: {', '.join(MODELS)}")
             cluster = cluster_of(args, "h100-8x8")
             model = MODELS[args.model]
-            train = Workload(args.global_batch or 1024, args.seq or 8192, precision=args.precision or "bf16")
+            precision = args.precision or auto_precision(cluster.device)
+            train = Workload(args.global_batch or 1024, args.seq or 8192, precision=precision)
         result = search(
             model, train, cluster, args.world, profile=profile, n_experts=args.experts, top_k=args.top_k
         )
@@ -211,7 +216,10 @@ def main(argv: list[str]) -> int:
         }
         print(json.dumps(out, indent=2, default=str))
     else:
-        print(f"cluster {cluster.name}: {cluster.nodes} x {cluster.devices_per_node} {cluster.device.name}")
+        print(
+            f"cluster {cluster.name}: {cluster.nodes} x {cluster.devices_per_node} {cluster.device.name}, "
+            f"{train.precision}"
+        )
         if check is not None:
             print(check[1])
         if check is not None and not check[0] and not result.ranked:
