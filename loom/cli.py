@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -76,6 +77,10 @@ def _split(argv: list[str]) -> tuple[str | None, list[str], dict[str, str]]:
         value = a.split("=", 1)[1] if has_eq else (argv[i + 1] if i + 1 < len(argv) else None)
         if value is None:
             raise C.ConfigError(f"{a}: missing value")
+        if not has_eq and re.fullmatch(r"--[A-Za-z_][\w-]*(\.[A-Za-z_]\w*)?(=.*)?", value, re.S):
+            raise C.ConfigError(
+                f"{a}: missing value (the next argument, {value.split('=', 1)[0]}, is an option)"
+            )
         step = 1 if has_eq else 2
         if "." in key:
             overrides += [f"--{key}", value]

@@ -74,9 +74,24 @@ class StrictCommError(RuntimeError):
     """A collective that NCCL would reject or hang on (strict mode)."""
 
 
+# LOOM_STRICT_COMM's values, as shells and CI files write a switch (any other is refused at launch)
+STRICT_ON, STRICT_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def strict() -> bool:
-    """Whether ``LOOM_STRICT_COMM`` asks for NCCL's rules on every backend."""
-    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+    """Whether ``LOOM_STRICT_COMM`` asks for NCCL's rules on every backend (:data:`STRICT_ON`)."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in STRICT_ON
+
+
+def check_strict_env() -> None:
+    """``LOOM_STRICT_COMM`` set to a value that is neither on nor off is refused in one line (``maybe``
+    turned strict mode on, ``false`` too)."""
+    value = os.environ.get(STRICT_ENV, "")
+    if value.strip().lower() not in STRICT_ON + STRICT_OFF:
+        raise ValueError(
+            f"environment: {STRICT_ENV}={value!r} is neither on ({', '.join(STRICT_ON)}) nor off "
+            f"({', '.join(v for v in STRICT_OFF if v)} or unset)"
+        )
 
 
 def _device_type(group: Group) -> str | None:

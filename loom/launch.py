@@ -142,6 +142,12 @@ def check_launcher_env() -> None:
     a shell, they would make this process wait forever for peers that never come), and any of the
     rank variables set to something not a whole number (a one-rank run reads them too)."""
     paired = under_external_launcher()  # RANK and WORLD_SIZE together: checked as a pair below
+    from loom.comm import check_strict_env
+
+    try:
+        check_strict_env()
+    except ValueError as e:
+        raise C.ConfigError(str(e)) from None
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", *(() if paired else ("RANK", "WORLD_SIZE"))):
         value = os.environ.get(name)
         if value is not None and not is_whole(value):
@@ -149,6 +155,11 @@ def check_launcher_env() -> None:
                 f"environment: {name}={_shown(value)} is not a whole number >= 0 (a launcher sets it; "
                 f"unset {name} for a local run)"
             )
+    if is_whole(lws := os.environ.get("LOCAL_WORLD_SIZE", "")) and int(lws) == 0:
+        raise C.ConfigError(
+            "environment: LOCAL_WORLD_SIZE=0 counts no rank on this node (a launcher sets it >= 1; unset it "
+            "for a local run)"
+        )
     if not paired:
         return
     rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
@@ -380,6 +391,29 @@ def _unquiet_ranks() -> None:
 
         os.environ.pop(_CPP_LOG, None)
         _QUIETED.clear()
+
+
+def check_local_address(addr: str) -> None:
+    """``run.master_addr`` of a one-node run: an address of this machine, where the ranks' store is
+    hosted; a name that does not resolve, or another machine's address (the ranks would wait out
+    ``run.timeout_s`` for a store nobody hosts), is refused in one line."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise C.ConfigError(f"run.master_addr: {addr!r} does not resolve ({e}); use 127.0.0.1") from None
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((sockaddr[0], 0))
+                return
+            except OSError:
+                continue
+    raise C.ConfigError(
+        f"run.master_addr: {addr!r} is not an address of this machine; a one-node run hosts its ranks' store "
+        "here (127.0.0.1, or this host's name); for several machines give --nnodes and --rdzv-endpoint"
+    )
 
 
 def _set_launch_env(master_addr: str) -> None:
@@ -1006,6 +1040,12 @@ def main_train(cfg: C.LoomConfig, max_restarts: int = 0, nodes: Nodes | None = N
         except CollectiveFailure as e:  # its one line, then out (the run lock goes with the process)
             print(f"loom: error: {e}", file=sys.stderr)
             leave_now(2)
+    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp + C.ps_servers(
+        cfg
+    )  # validated by the CLI
+    check_local_gpus(cfg, cfg.run.nproc if nodes is not None else world)  # before run.dir is touched
+    if nodes is None and world > 1:  # a one-node job hosts its store at run.master_addr
+        check_local_address(cfg.run.master_addr)
     try:
         if nodes is not None and nodes.node_rank != 0:  # node 0 owns run.dir for the job
             return _train_locally(cfg, max_restarts, nodes)
@@ -1021,10 +1061,17 @@ def main_train(cfg: C.LoomConfig, max_restarts: int = 0, nodes: Nodes | None = N
 def check_local_gpus(cfg: C.LoomConfig, local_ranks: int) -> None:
     """On a CUDA run each local rank takes its own GPU: more local ranks than ``device_count()`` GPUs
     is refused before any rank starts (one line naming run.nproc)."""
+    import torch
+
     from loom.device import cuda_available, cuda_device_count
 
     if cfg.run.device == "cpu" or (cfg.run.device == "auto" and not cuda_available()):
         return
+    if not cuda_available():
+        raise C.ConfigError(
+            f"run.device: cuda, but this machine has no CUDA device torch {torch.__version__} can use; "
+            "give run.device = auto (CUDA where there is one) or cpu"
+        )
     n = cuda_device_count()
     if local_ranks > n:
         raise C.ConfigError(
@@ -1056,10 +1103,7 @@ def wait_for_rendezvous(nodes: Nodes, timeout_s: float) -> None:
 def _train_locally(cfg: C.LoomConfig, max_restarts: int, nodes: Nodes | None = None) -> int:
     if nodes is not None and nodes.node_rank != 0:
         wait_for_rendezvous(nodes, cfg.run.timeout_s)
-    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp + C.ps_servers(
-        cfg
-    )  # validated by the CLI
-    check_local_gpus(cfg, cfg.run.nproc if nodes is not None else world)
+    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp + C.ps_servers(cfg)
     from loom.data import prepare_data
 
     prepared = prepare_data(cfg.data, progress=cfg.run.progress)

@@ -287,3 +287,13 @@ def test_config_flag_is_the_positional_config_as_loom_plan_spells_it():
         C.ConfigError, match="--config: 'llama-1b' beside the config 'debug'; give one config"
     ):
         _load(["debug", "--config", "llama-1b"], ())
+
+
+def test_a_config_file_with_a_byte_order_mark_reads_as_without(tmp_path):
+    """Windows editors write a UTF-8 byte order mark: it was refused as "Invalid statement" at line 1."""
+    text = "[model]\ndim = 64\n[train]\nsteps = 3\n"
+    plain, marked = tmp_path / "plain.toml", tmp_path / "marked.toml"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_text(text, encoding="utf-8-sig")
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert C.to_dict(C.load(str(marked), [])) == C.to_dict(C.load(str(plain), []))

@@ -585,6 +585,26 @@ def test_load_reports_missing_files(tmp_path, cache):
 # ----------------------------------------------------------------------------- dataset and sampler
 
 
+def test_a_word_longer_than_the_trainer_takes_whole_reaches_it_in_pieces():
+    """The BPE trainer rescans a word per merge: one 400k-character word took over 200 s. A pre-token
+    over MAX_TRAIN_WORD characters reaches it cut every MAX_TRAIN_WORD characters (the text joined back
+    is the text), other texts pass as they are, and such a corpus trains in seconds."""
+    import time
+
+    from tokenizers import pre_tokenizers
+
+    from loom.data.tokenizer import MAX_TRAIN_WORD, bounded_words
+
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    text = "hello world " + "x" * (2 * MAX_TRAIN_WORD + 500) + " then" + " " * (MAX_TRAIN_WORD + 7) + "end"
+    parts = list(bounded_words([text, "short text"], pre))
+    assert "".join(parts[:-1]) == text and parts[-1] == "short text" and len(parts) > 4
+    assert max(b - a for part in parts for _, (a, b) in pre.pre_tokenize_str(part)) <= MAX_TRAIN_WORD
+    start = time.perf_counter()
+    train_tokenizer(DOCS + ["a" * 400_000, "Zm9v" * 100_000], 300)
+    assert time.perf_counter() - start < 30
+
+
 def test_token_dataset_windows(tmp_path):
     ds = TokenDataset(write_bin(tmp_path / "t.bin", 101), seq_len=10)
     assert len(ds) == ds.n_windows == 10

@@ -147,6 +147,8 @@ def test_top_k_top_p_keep_what_transformers_keeps(top_k, top_p):
         assert torch.equal(seen, allowed)
     greedy = SamplingOptions(temperature=0)
     assert torch.equal(next_token(logits, greedy, gens), logits.argmax(-1))
+    # a temperature near 0 samples the argmax (it sent the max to inf: NaN probabilities, a traceback)
+    assert torch.equal(next_token(logits, SamplingOptions(temperature=1e-300), gens), logits.argmax(-1))
 
 
 # ----------------------------------------------------------------------------- Hugging Face parity

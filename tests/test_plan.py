@@ -890,6 +890,25 @@ def test_config_layout_explained_in_one_line_and_dropped_grouped(tmp_path, capsy
     assert [d["count"] for d in answer["dropped"][:5]] == counts
 
 
+def test_bad_layout_tokens_and_plan_flags_are_one_line(capsys):
+    """v0 (a ZeroDivisionError in the stage split), a split with an empty stage, more experts than any
+    config may hold (MFU above 100% came out), an empty --device (the default cluster was planned)."""
+    from loom.plan.cli import main
+
+    for text in ("dp4 pp2 interleaved:v0", "dp4 pp2 interleaved:v-1", "dp4 pp2 split:0,4"):
+        with pytest.raises(PlanError, match=r"^--layout: cannot read"):
+            Layout.parse(text, "--layout")
+    for argv, says in (
+        (["--model", "debug", "--device", "cpu", "--experts", "100000"], "--experts: at most 65,536"),
+        (["--model", "debug", "--device", ""], "--device: empty"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            if main(argv) == 2:
+                raise SystemExit(2)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and err.count("\n") == 1, err
+
+
 def test_a_device_is_found_by_the_names_vendors_and_torch_give_it():
     """``--device H100`` and ``device = "NVIDIA A100-SXM4-40GB"`` in a published run were unknown: a
     device is its key or a name :func:`device_key` reads; a part whose datasheet differs (H100 NVL)

@@ -357,7 +357,7 @@ def test_cli_predicts_your_own_runs_as_the_shipped_ones(tmp_path, capsys):
     "old, new, says",
     [
         ("dim = 4096", "dim = ", "own.toml: not valid TOML"),
-        ("dim = 4096", 'dim = "big"', "own.toml: models.m.dim: expected an integer, got 'big'"),
+        ("dim = 4096", 'dim = "big"', "own.toml: models.m.dim: expected an integer, got the string 'big'"),
         ("dim = 4096", "dim = -4", "own.toml: models.m.dim: must be >= 1"),
         (
             "n_heads = 32",

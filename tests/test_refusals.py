@@ -1115,6 +1115,34 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("stale SLURM task variables", _env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "SLURM_PROCID"), 2),
     ("RANK not below WORLD_SIZE", _env({"RANK": "1", "WORLD_SIZE": "1"}, "RANK=1", "WORLD_SIZE=1"), 2),
     ("WORLD_SIZE zero", _env({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0"), 2),
+    ("LOCAL_WORLD_SIZE zero", _env({"LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE=0"), 2),
+    ("LOOM_STRICT_COMM neither on nor off", _env({"LOOM_STRICT_COMM": "maybe"}, "LOOM_STRICT_COMM"), 2),
+    # values past any use: a hang, an allocation or an overflow deep in a library (an audit, 2026-11-29)
+    ("data.workers 100000", _cfg("--data.workers", "100000", names=("data.workers", "at most 1024")), 2),
+    ("train.eval_batches 1e12", _cfg("--train.eval_batches", "1000000000000"), 2),
+    ("run.timeout_s 1e30", _cfg("--run.timeout_s", "1e30"), 2),
+    ("run.timeout_s below a second", _cfg("--run.timeout_s", "1e-9"), 2),
+    ("run.preempt_grace_s 1e30", _cfg("--run.preempt_grace_s", "1e30"), 2),
+    ("run.threads 1e9", _cfg("--run.threads", "1000000000"), 2),
+    ("moe.capacity_factor 1e300", _cfg("--moe.capacity_factor", "1e300"), 2),
+    ("parallel.bucket_mb 1e-300", _cfg("--parallel.bucket_mb", "1e-300"), 2),
+    ("train.compress a kind twice", _cfg("--train.compress", "mlp=fp8,mlp=bf16"), 2),
+    ("run.device cuda on a machine without CUDA", _cfg("--run.device", "cuda"), 2),
+    (
+        "run.master_addr that does not resolve",
+        _cfg("--run.master_addr", "not a host!", "--run.nproc", "2", "--train.global_batch", "4"),
+        2,
+    ),
+    (
+        "a TOML string where a number belongs",
+        _toml('[model]\ndim = "64"\n', "model.dim", "without quotes"),
+        2,
+    ),
+    (
+        "an option without its value",
+        lambda c: (c.train("--train.lr", "--model.dim", "64"), ["--train.lr"]),
+        2,
+    ),
     # bounds before allocation (issue 37): the field and the bytes, nothing allocated
     (
         "model.max_seq_len of 2e9 positions",
@@ -1237,6 +1265,21 @@ def _digest(*roots: Path) -> dict[str, str]:
                 continue
             out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
     return out
+
+
+def test_a_last_update_that_leaves_non_finite_weights_fails_the_run(world, tmp_path, capsys, clean_logging):
+    """train.lr 1e300: the step's own gradient is finite, the update is not; the final evaluation finds
+    a NaN loss, and the run ends with one line naming train.lr (exit 2), no final checkpoint written
+    (it exited 0 with a NaN eval loss and saved the broken weights). A run that never evaluates
+    (train.eval_every = 0) is not checked: its next step's non-finite gradient norm would be."""
+    from loom.cli import main
+
+    run = tmp_path / "run"
+    argv = ["train", str(world.tiny), "--run.dir", str(run), "--train.lr", "1e300", "--train.steps", "1"]
+    rc = main([*argv, "--train.eval_every", "1"])  # the default evaluates at the last step too
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith("loom: error: step 1: the final evaluation loss is nan"), last
+    assert "train.lr = 1e+300" in last and not (run / "checkpoints" / "final").exists()
 
 
 def test_table_has_enough_rows():

@@ -21,8 +21,13 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-def _coerce(value: Any, typ: Any, where: str) -> Any:
-    """Convert a TOML or CLI value to ``typ``; raise ConfigError naming ``where``."""
+def _coerce(value: Any, typ: Any, where: str, text: bool = True) -> Any:
+    """Convert a TOML or CLI value to ``typ``; raise ConfigError naming ``where``. ``text``: the value
+    may be a command line's string for a number or a switch; a TOML file's values carry their type
+    (``dim = "64"`` is a string, refused where a number belongs)."""
+    if not text and isinstance(value, str) and _base_type(typ) in (bool, int, float):
+        kind = {bool: "true or false", int: "an integer", float: "a number"}[_base_type(typ)]
+        raise ConfigError(f"{where}: expected {kind}, got the string {value!r} (write it without quotes)")
     origin = typing.get_origin(typ)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(typ) if a is not type(None)]
@@ -73,12 +78,21 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
             for k in table:
                 if k not in types_:
                     raise ConfigError(f"{where}[{i}].{k}: unknown key; allowed: {', '.join(types_)}")
-            out.append(item(**{k: _coerce(v, types_[k], f"{where}[{i}].{k}") for k, v in table.items()}))
+            out.append(
+                item(**{k: _coerce(v, types_[k], f"{where}[{i}].{k}", text) for k, v in table.items()})
+            )
         return out
     raise ConfigError(f"{where}: unsupported field type {typ!r}")  # pragma: no cover
 
 
-def _apply(cfg: LoomConfig, section: str, key: str, value: Any) -> None:
+def _base_type(typ: Any) -> Any:
+    """``typ`` without Optional, and a Literal's value type."""
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    return type(typing.get_args(typ)[0]) if typing.get_origin(typ) is Literal else typ
+
+
+def _apply(cfg: LoomConfig, section: str, key: str, value: Any, text: bool = True) -> None:
     if section not in SECTIONS:
         raise ConfigError(f"unknown section [{section}]; allowed: {', '.join(SECTIONS)}")
     sub = getattr(cfg, section)
@@ -86,7 +100,7 @@ def _apply(cfg: LoomConfig, section: str, key: str, value: Any) -> None:
     if key not in types_:
         allowed = ", ".join(types_)
         raise ConfigError(f"{section}.{key}: unknown key; allowed in [{section}]: {allowed}")
-    value = _coerce(value, types_[key], f"{section}.{key}")
+    value = _coerce(value, types_[key], f"{section}.{key}", text)
     if f"{section}.{key}" in PATH_FIELDS:  # a TOML file has no shell to expand ~ (it would be ./~)
         value = (
             [dataclasses.replace(s, path=_home(s.path)) for s in value] if key == "sources" else _home(value)
@@ -142,7 +156,7 @@ def from_dict(data: dict[str, Any], base: LoomConfig | None = None) -> LoomConfi
         if not isinstance(table, dict):
             raise ConfigError(f"[{section}] must be a table, got {table!r}")
         for key, value in table.items():
-            _apply(cfg, section, key, value)
+            _apply(cfg, section, key, value, text=False)
     return cfg
 
 
@@ -181,8 +195,8 @@ def read_text_file(
         raise error(f"{name} is a directory, not a file")
     if not p.is_file():
         raise error(f"{name} does not exist{missing}")
-    try:
-        return p.read_text(encoding="utf-8")
+    try:  # a leading byte order mark (Windows editors write one) is not part of the text
+        return p.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise error(f"{name} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 

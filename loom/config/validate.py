@@ -114,12 +114,29 @@ _LOWER_BOUNDS: tuple[tuple[str, float, bool], ...] = (
 )
 
 
+# (section.field, highest allowed, what it counts): beyond these a value is no setting but a hang, an
+# allocation the host cannot make or an overflow deep in a library
+_UPPER_BOUNDS: tuple[tuple[str, float, str], ...] = (
+    ("data.workers", 1024, "preparation processes"),
+    ("train.eval_batches", 2**20, "batches each evaluation builds and reads"),
+    ("run.timeout_s", 1e7, "seconds (116 days) a collective or the store may wait"),
+    ("run.preempt_grace_s", 86400, "seconds (a day) a preempted run may take to save"),
+    ("run.threads", 4096, "threads per rank"),
+    ("moe.capacity_factor", 1024, "x the mean tokens per expert; >= moe experts never drops a token"),
+    ("parallel.bucket_mb", 1e6, "MB per gradient bucket"),
+)
+
+
 def _check_bounds(cfg: LoomConfig) -> None:
     for path, low, inclusive in _LOWER_BOUNDS:
         section, name = path.split(".")
         v = getattr(getattr(cfg, section), name)
         ok = v >= low if inclusive else v > low
         _require(ok, f"{path}: must be {'>=' if inclusive else '>'} {low:g}, got {v}")
+    for path, high, unit in _UPPER_BOUNDS:
+        section, name = path.split(".")
+        v = getattr(getattr(cfg, section), name)
+        _require(v <= high, f"{path}: at most {high:g} ({unit}), got {v:g}")
     _require(
         cfg.run.master_port <= 65535, f"run.master_port: must be in [0, 65535], got {cfg.run.master_port}"
     )
@@ -182,7 +199,9 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
     validate_shape(cfg)
     _check_data(d, cfg.model.max_seq_len)
     _check_train_run(t, cfg.run)
-    _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be > 0, got {p.bucket_mb}")
+    _require(  # a bucket under 1 kB is a collective per handful of gradients
+        p.bucket_mb >= 1e-3, f"parallel.bucket_mb: must be >= 0.001 (1 kB), got {p.bucket_mb:g}"
+    )
     _require(
         not p.profile or Path(p.profile).is_file(),
         f"parallel.profile: {p.profile!r} is not a file (write one with `loom plan calibrate`)",
@@ -435,7 +454,9 @@ def _check_train_run(t: TrainConfig, r: RunConfig) -> None:
         not (r.device == "cpu" and r.backend == "nccl"),
         "run.backend: nccl needs run.device = cuda; use gloo on cpu",
     )
-    _require(r.timeout_s > 0, f"run.timeout_s: must be > 0, got {r.timeout_s}")
+    _require(  # the store and NCCL count whole seconds
+        r.timeout_s >= 1, f"run.timeout_s: must be >= 1 (seconds), got {r.timeout_s:g}"
+    )
     _require(r.dir.strip() != "", "run.dir: must name a directory (it holds checkpoints and metrics), got ''")
     _require(r.threads >= 0, f"run.threads: must be >= 0 (0 = automatic), got {r.threads}")
 
@@ -481,11 +502,14 @@ def parse_compress(spec: str) -> dict[str, str]:
         )
         return dict.fromkeys(COMPRESS_KINDS, spec)
     out = dict.fromkeys(COMPRESS_KINDS, "none")
+    named: set[str] = set()
     for item in spec.split(","):
         kind, _, fmt = item.strip().partition("=")
         _require(
             kind in COMPRESS_KINDS, f"train.compress: unknown tensor kind {kind!r}; kinds: {COMPRESS_KINDS}"
         )
+        _require(kind not in named, f"train.compress: {kind} is given twice in {spec!r}; give each kind once")
+        named.add(kind)
         _require(fmt in COMPRESS_FORMATS, f"train.compress: {kind}={fmt!r}; formats: {COMPRESS_FORMATS}")
         out[kind] = fmt
     return out

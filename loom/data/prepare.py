@@ -302,8 +302,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 # how text documents are read and encoded, in prepared text's cache key: 2 = a leading byte order mark
 # dropped, special tokens' spellings in the text encoded as text (tokenizer.ordinary), a
-# doc_separator's line breaks matching \r\n too
-TEXT_READING = 2
+# doc_separator's line breaks matching \r\n too; 3 = a trained tokenizer sees a word over
+# tokenizer.MAX_TRAIN_WORD characters in pieces
+TEXT_READING = 3
 
 
 def cache_key(cfg: DataConfig) -> dict[str, Any]:

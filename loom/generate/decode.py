@@ -65,7 +65,10 @@ def next_token(
         logits = torch.where(seen, torch.where(logits < 0, logits * r, logits / r), logits)
     if rule.temperature == 0:
         return logits.argmax(-1)
-    logits = logits / rule.temperature
+    # shifted to a max of 0 first (softmax is unchanged): a temperature near 0 sends the rest to -inf,
+    # not the max to inf (inf - inf: NaN probabilities), so it samples the argmax as 0 would
+    t = max(rule.temperature, torch.finfo(logits.dtype).tiny)  # below it the float is 0 (0 / 0: NaN)
+    logits = (logits - logits.amax(-1, keepdim=True)) / t
     if rule.top_k > 0:
         kth = torch.topk(logits, min(rule.top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -22,6 +22,7 @@ from typing import cast
 
 from loom.config import (
     MAX_BATCH_OR_SEQ,
+    MODEL_SIZE_BOUNDS,
     ArgParser,
     ConfigError,
     ModelConfig,
@@ -98,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def cluster_of(args: argparse.Namespace, default: str) -> ClusterSpec:
     """The cluster of ``--cluster`` or ``--device``/``--world`` (``default`` without either)."""
+    for flag, value in (("--device", args.device), ("--cluster", args.cluster)):
+        if value is not None and not value.strip():  # an empty value would plan the default cluster
+            raise HardwareError(f"{flag}: empty; give a device or cluster name (see loom plan --help)")
     if args.cluster and args.device:  # the cluster names its own device: --device would be ignored
         raise HardwareError(
             f"--device {args.device} and --cluster {args.cluster}: both given; give one (a cluster names its "
@@ -159,6 +163,10 @@ def main(argv: list[str]) -> int:
     for flag, value in (("--seq", args.seq), ("--global-batch", args.global_batch)):
         if value is not None and value > MAX_BATCH_OR_SEQ:  # the search enumerates their divisors
             parser.error(f"{flag}: at most {MAX_BATCH_OR_SEQ:,} (2^24), got {value:,}")
+    most, published = MODEL_SIZE_BOUNDS["n_experts"]  # as model.n_experts
+    for flag, value in (("--experts", args.experts), ("--top-k", args.top_k)):
+        if value is not None and value > most:
+            parser.error(f"{flag}: at most {most:,} (published models: {published}), got {value:,}")
     try:
         if args.plot:  # before the search: the picture is drawn last
             check_picture_path("--plot", args.plot)

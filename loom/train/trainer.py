@@ -453,6 +453,11 @@ class Trainer:
             return self._save_stopped(*self.stopped, last)
         if self.moe_report is not None and self.is_main:
             self.moe_report.heatmap(self.run_dir / "moe_load.png")
+        if not math.isfinite(last.get("eval_loss", 0.0)):  # the last update left weights no step checked
+            raise NonFiniteError(
+                f"step {done}: the final evaluation loss is {last['eval_loss']}: the last update made the "
+                f"weights non-finite (train.lr = {c.lr:g}); the final checkpoint is not written"
+            )
         self.heartbeat.set(done, "final save")
         self.ckpts.finish(done)
         self.save_final(done, last)

@@ -113,6 +113,8 @@ def microbatch_times(
     else:
         linears += [(float(ups), T, h, f / tp, False), (1.0, T, f / tp, h, False)]
     gemm_f = sum(c * lin(m, k, n, expert=e) for c, m, k, n, e in linears)
+    if cm.moe:  # the router's logits (T x h) @ (h x E), outside the 8-bit swap (model FLOPs count it)
+        gemm_f += mach.gemm(T_moe, h, cm.n_experts, B, bf16=True)
     cast_bytes = [scale_cast_bytes(cm, m, k, n, e) for _, m, k, n, e in linears]
     cast_f = sum(lin_[0] * fb[0] for lin_, fb in zip(linears, cast_bytes)) / mach.hbm
     cast_b = sum(lin_[0] * fb[1] for lin_, fb in zip(linears, cast_bytes)) / mach.hbm

@@ -126,14 +126,16 @@ class Layout:
                 elif tok == "dp-after-backward":
                     kw["dp_overlap"] = False
                 elif name == "split" and arg:
+                    if not all(is_whole(x.strip()) and int(x) >= 1 for x in arg.split(",")):
+                        raise ValueError  # a stage holds at least 1 block
                     kw["split"] = tuple(int(x) for x in arg.split(","))
                 elif name == "recompute" and arg in ("none", "selective", "full"):
                     kw["recompute"] = arg
                 elif name in get_args(ScheduleName):
                     kw["schedule"] = name
                     if arg:
-                        if not arg.startswith("v"):
-                            raise ValueError
+                        if not arg.startswith("v") or not is_whole(arg[1:]) or int(arg[1:]) < 1:
+                            raise ValueError  # v: at least 1 virtual stage per device
                         kw["v"] = int(arg[1:])
                 else:
                     raise ValueError
