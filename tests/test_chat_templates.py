@@ -227,5 +227,5 @@ def test_a_record_the_template_or_the_builtin_refuses_is_named_in_one_line(tmp_p
     tool_call = {"messages": OPENAI_CHAT[1:3]}
     with pytest.raises(ConfigError, match="assistant message whose content is missing .*built-in template"):
         segments(tool_call, "f.jsonl:4", "chat", builtin_render)
-    with pytest.raises(ConfigError, match="ShareGPT's 'conversations'"):
-        segments({"conversations": [{"from": "human", "value": "hi"}]}, "f.jsonl:5", "chat", render)
+    with pytest.raises(ConfigError, match="ShareGPT turn from 'robot'"):  # ShareGPT's own speakers read
+        segments({"conversations": [{"from": "robot", "value": "hi"}]}, "f.jsonl:5", "chat", render)

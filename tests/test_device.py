@@ -40,7 +40,7 @@ def test_unknown_devices_are_measured_in_the_run_dtype(monkeypatch):
     from loom.plan.hardware import mfu_peak as table
     from loom.train import mfu
 
-    assert table("NVIDIA GeForce RTX 4090", "bf16", False) is None
+    assert table("NVIDIA GeForce RTX 3060", "bf16", False) is None
     seen = []
     monkeypatch.setattr(mfu, "measure_gemm_flops", lambda device, dtype: seen.append(dtype) or 1e12)
     assert mfu.mfu_peak(torch.device("cpu"), "bf16") == (
@@ -57,7 +57,7 @@ def test_unknown_devices_are_measured_in_the_run_dtype(monkeypatch):
         "NVIDIA H200 NVL",
         "NVIDIA GH200 480GB",
         "NVIDIA GB200",
-        "NVIDIA GeForce RTX 4090",
+        "NVIDIA GeForce RTX 4090 D",
         "NVIDIA H800 PCIe",
         "AMD Instinct MI250",
     ],

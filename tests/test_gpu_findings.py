@@ -105,11 +105,11 @@ def test_nproc_above_device_count_refused_before_launch(fake_cuda, monkeypatch, 
     cfg.parallel.dp = 4
     fake_cuda(2)
     with pytest.raises(C.ConfigError, match=r"^run\.nproc: 4 ranks .*device_count\(\) = 2 .*--nproc 2") as e:
-        launch._train_locally(cfg, 0)
-    assert "\n" not in str(e.value) and started == []
+        launch.main_train(cfg, 0)
+    assert "\n" not in str(e.value) and started == [] and not any(tmp_path.iterdir())  # run.dir untouched
     cfg.run.device = "cpu"
     with pytest.raises(ZeroDivisionError):  # past the check: data preparation is next
-        launch._train_locally(cfg, 0)
+        launch.main_train(cfg, 0)
     assert started == ["prepare"]
 
 

@@ -255,6 +255,8 @@ def test_host_precheck_refuses_in_one_line_before_building(monkeypatch, capsys):
 def test_on_cuda_is_refused_without_cuda_and_reaches_the_builder(monkeypatch, capsys):
     """Without CUDA, --on cuda is one line (exit 2); with it, the device reaches measure (the builder)
     and train.precision auto resolves to the GPU's bf16."""
+    import torch
+
     import loom.device
     import loom.plan.auto
     from loom.train import verify
@@ -278,6 +280,7 @@ def test_on_cuda_is_refused_without_cuda_and_reaches_the_builder(monkeypatch, ca
         }
 
     monkeypatch.setattr(loom.device, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an H100's
     monkeypatch.setattr(loom.plan.auto, "fit_problem", lambda *a, **k: None)  # asks torch.cuda for its size
     monkeypatch.setattr(verify, "available_bytes", lambda on: (80 * 2**30, "free on the CUDA device"))
     monkeypatch.setattr(verify, "measure", measure)
