@@ -255,3 +255,48 @@ def test_a_tracker_server_that_refuses_is_one_line(tmp_path, monkeypatch, capsys
     assert len(err) == 1 and err[0].startswith(
         "loom: error: run.trackers: mlflow could not start: MlflowException: "
     ), err
+
+
+def test_metrics_rows_are_strict_json_and_files_follow_the_umask(tmp_path):
+    """An fp16 step's infinite gradient norm or a diverged loss was written as ``Infinity``/``NaN``
+    (JSON.parse and polars refuse them, jq reads 1.8e308): each becomes null with its value named in
+    ``KEY_nonfinite``, TensorBoard still getting the number; metrics.jsonl and the run lock take the
+    umask's mode as every other file does (a group's shared run.dir stays appendable)."""
+    import math
+    import os
+    import stat
+
+    from loom.train.metrics import MetricsWriter
+    from loom.train.run_lock import RunLock
+
+    old = os.umask(0o002)
+    try:
+        w = MetricsWriter(tmp_path, enabled=True, tensorboard=True)
+        w.write({"step": 1, "loss": 2.5, "grad_norm": math.inf, "eval_loss": math.nan, "x": -math.inf})
+        w.close()
+        with RunLock(str(tmp_path / "run")):
+            lock_mode = stat.S_IMODE((tmp_path / "run" / ".loom.lock").stat().st_mode)
+    finally:
+        os.umask(old)
+
+    def refuse(token):
+        raise ValueError(token)
+
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    row = json.loads(line, parse_constant=refuse)  # strict: no NaN / Infinity tokens
+    assert row == {
+        "step": 1,
+        "loss": 2.5,
+        "grad_norm": None,
+        "grad_norm_nonfinite": "inf",
+        "eval_loss": None,
+        "eval_loss_nonfinite": "nan",
+        "x": None,
+        "x_nonfinite": "-inf",
+    }
+    assert stat.S_IMODE((tmp_path / "metrics.jsonl").stat().st_mode) == lock_mode == 0o664
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "tensorboard"))
+    tb.Reload()
+    assert math.isinf(tb.Scalars("grad_norm")[0].value) and tb.Scalars("loss")[0].value == 2.5

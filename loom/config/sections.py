@@ -295,7 +295,7 @@ class TrainConfig:
     eps: float = 1e-8  # AdamW: added to the second moment's square root in the update's denominator
     grad_clip: float = 1.0  # clip global grad norm to this; 0 = off
     seed: int = 1234  # seeds init and data order (the same under every layout) and dropout (masks per rank)
-    eval_every: int = 100  # steps between eval losses; 0 = off
+    eval_every: int = 100  # steps between eval losses (an eval step is logged too); 0 = off
     eval_batches: int = 4  # micro-batches per eval
     log_every: int = 10  # steps between step lines / metrics rows
     # compute dtype; auto = bf16 on CUDA (fp16 below capability 8.0), fp32 on the CPU; bf16/fp16: half weights and activations, fp32

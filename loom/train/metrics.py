@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -102,6 +103,20 @@ def _quiet_tensorboard_threads() -> None:
     threading.excepthook = hook
 
 
+def strict_json_row(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` as strict JSON holds it: a non-finite number (an fp16 step's infinite gradient norm, a
+    diverged loss) becomes null, its value named beside it as ``KEY_nonfinite`` ("inf", "-inf",
+    "nan"); Python writes them as ``Infinity``/``NaN``, which JSON.parse, polars and strict parsers
+    refuse and jq reads as 1.8e308. TensorBoard and the trackers get the numbers themselves."""
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            out[k], out[f"{k}_nonfinite"] = None, repr(v)
+        else:
+            out[k] = v
+    return out
+
+
 class MetricsWriter:
     """Appends JSON rows to ``metrics.jsonl`` (flushed and fsynced per row) and TensorBoard scalars."""
 
@@ -118,7 +133,8 @@ class MetricsWriter:
         self.enabled = enabled
         self.trackers = list(trackers)  # wandb, mlflow (loom.train.trackers): the same rows
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if enabled else -1
+        # 0o666 less the umask, as every other file of the run (a group's shared run.dir stays appendable)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666) if enabled else -1
         self._tb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -134,7 +150,9 @@ class MetricsWriter:
         where = self.path
         try:
             # One write() per row, so a reader never sees half a row unless the writer is killed mid-call.
-            os.write(self._fd, (json.dumps(row, sort_keys=True) + "\n").encode())
+            os.write(
+                self._fd, (json.dumps(strict_json_row(row), sort_keys=True, allow_nan=False) + "\n").encode()
+            )
             os.fsync(self._fd)
             if self._tb is not None:
                 where = Path(self._tb.log_dir)

@@ -31,7 +31,7 @@ class RunLock:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / LOCK_NAME
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides, as for every file
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -45,7 +45,7 @@ class RunLock:
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),  # with its UTC offset: hosts differ
             "command": " ".join(sys.argv[:3]),
         }
         os.write(self.fd, json.dumps(info).encode())

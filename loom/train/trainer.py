@@ -369,7 +369,8 @@ class Trainer:
                     batches = self._to_device(self._my_tokens(self.sampler.micro_batches(step)))
                     if self.sample_ids is not None:
                         self._record_ids(step)
-                logged = (step + 1) % c.log_every == 0 or step + 1 == c.steps
+                evaluated = bool(c.eval_every) and (step + 1) % c.eval_every == 0  # its row carries the eval
+                logged = (step + 1) % c.log_every == 0 or step + 1 == c.steps or evaluated
                 try:
                     small = (  # train.log_gns: one more micro-batch's gradient, before the step
                         small_batch(
