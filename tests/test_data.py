@@ -1123,6 +1123,32 @@ def test_sharegpt_records_prepare_as_their_messages(tmp_path, cache):
         assert f"{jl}:2" in str(e.value) and says in str(e.value) and "\n" not in str(e.value)
 
 
+def test_chat_records_from_parquet_and_datasets_files_prepare_as_from_jsonl(tmp_path, cache):
+    """Chat records as `datasets` writes them (to_parquet, save_to_disk, a loose .arrow file) prepare to
+    the bytes of the same records in JSON Lines (save_to_disk was refused for chat data)."""
+    import shutil
+
+    import datasets
+
+    chats = _chats()
+    tok_dir = _chat_tokenizer(tmp_path)
+    jl = tmp_path / "chat.jsonl"
+    jl.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    ds = datasets.Dataset.from_list(chats)
+    ds.to_parquet(str(tmp_path / "chat.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+    shutil.copy(arrow, tmp_path / "loose.arrow")
+    dirs = []
+    for src in (jl, tmp_path / "chat.parquet", tmp_path / "saved", tmp_path / "loose.arrow"):
+        cfg = DataConfig(
+            source=str(src), tokenizer=str(tok_dir), format="chat", seq_len=64, val_fraction=0.25
+        )
+        dirs.append(prepare_data(cfg, progress=False).dir)
+    for f in ("train.bin", "train.mask.bin", "val.bin", "val.mask.bin"):
+        assert len({(d / f).read_bytes() for d in dirs}) == 1, f
+
+
 def test_chat_reads_whole_records_up_to_max_corpus_mb(tmp_path, cache, caplog):
     """data.max_corpus_mb caps chat records as it caps text (it was ignored): whole records, up to the
     one whose rendered text reaches the cap, said in one line and kept in meta.json."""

@@ -42,7 +42,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from loom.config import ConfigError
-from loom.data.corpus import JSON_FORMATS, json_records
+from loom.data.corpus import JSON_FORMATS, json_records, load_saved, saved_dataset
 
 # roles a message may have (OpenAI's "developer" and "function", Llama 3.1's "ipython"); only the
 # assistant's turns are trained
@@ -213,7 +213,8 @@ def _token_text(value: Any) -> str:
 
 def read_records(files: list[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, record) of every JSON record (:func:`~loom.data.corpus.json_records`: JSON Lines, or a
-    ``.json`` array) or ``.parquet`` row, in file order."""
+    ``.json`` array), ``.parquet`` row or row of a ``datasets`` save_to_disk directory (or loose
+    ``.arrow`` file), in file order."""
     for path in files:
         if path.name.endswith(JSON_FORMATS):
             for where, record in json_records(path):
@@ -230,9 +231,16 @@ def read_records(files: list[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
                 for record in batch.to_pylist():
                     yield f"{path} row {row}", record
                     row += 1
+        elif saved_dataset(path) or (path.suffix == ".arrow" and path.is_file()):
+            ds = load_saved(path)
+            for start in range(0, len(ds), 256):  # a slice: a dict of columns, memory-mapped underneath
+                columns = ds[start : start + 256]
+                for i, values in enumerate(zip(*columns.values())):
+                    yield f"{path} row {start + i}", dict(zip(columns, values))
         else:
             raise ConfigError(
-                f"data.format: chat and prompt_completion read .jsonl, .json or .parquet records, not {path}"
+                f"data.format: chat and prompt_completion read .jsonl, .json or .parquet records or a datasets "
+                f"save_to_disk directory, not {path}"
             )
 
 

@@ -59,7 +59,7 @@ def _refuse_dataset_dict(d: Path) -> None:
     (a test split included) is never what was meant: refused, naming the splits."""
     if not (d / "dataset_dict.json").is_file():
         return
-    splits = list(_load_saved(d).keys())
+    splits = list(load_saved(d).keys())
     pick = "train" if "train" in splits else splits[0] if splits else "SPLIT"
     raise ConfigError(
         f"data.source: {d} is a datasets DatasetDict with splits {', '.join(map(repr, splits))}; Loom "
@@ -67,20 +67,20 @@ def _refuse_dataset_dict(d: Path) -> None:
     )
 
 
-def _load_saved(d: Path) -> Any:
-    """``datasets.load_from_disk(d)`` (memory-mapped); a directory it cannot read is one line."""
+def load_saved(path: Path) -> Any:
+    """``datasets.load_from_disk`` of a save_to_disk directory, or ``Dataset.from_file`` of a loose
+    ``.arrow`` file (memory-mapped); one it cannot read is one line."""
     try:
-        from datasets import load_from_disk
+        from datasets import Dataset, load_from_disk
     except ImportError:
         raise ConfigError(
-            f"data.source: reading {d} needs the datasets package (pip install datasets)"
+            f"data.source: reading {path} needs the datasets package (pip install datasets)"
         ) from None
     try:
-        return load_from_disk(str(d))
+        return load_from_disk(str(path)) if path.is_dir() else Dataset.from_file(str(path))
     except Exception as e:  # datasets and pyarrow raise many kinds
-        raise ConfigError(
-            f"data.source: {d} is not a readable datasets save_to_disk directory ({_first_line(e)})"
-        ) from None
+        what = "datasets save_to_disk directory" if path.is_dir() else "Arrow file"
+        raise ConfigError(f"data.source: {path} is not a readable {what} ({_first_line(e)})") from None
 
 
 def _scan(root: Path) -> tuple[list[Path], list[Path]]:
@@ -519,21 +519,7 @@ def _read_arrow(path: Path, text_field: str, stats: DecodeStats | None = None) -
     """Rows of column ``text_field`` of a loose Arrow file, or of a ``save_to_disk`` directory (through
     ``datasets.load_from_disk``), memory-mapped by ``datasets``; null and empty rows are counted in
     ``stats`` and skipped."""
-    if path.is_dir():
-        ds = _load_saved(path)
-    else:
-        try:
-            from datasets import Dataset
-        except ImportError:
-            raise ConfigError(
-                f"data.source: reading {path} needs the datasets package (pip install datasets)"
-            ) from None
-        try:
-            ds = Dataset.from_file(str(path))
-        except Exception as e:  # pyarrow and datasets raise many kinds
-            raise ConfigError(
-                f"data.source: {path} is not a readable Arrow file ({_first_line(e)})"
-            ) from None
+    ds = load_saved(path)
     if text_field not in ds.column_names:
         raise ConfigError(
             f"data.source: {path} has no column {text_field!r} (columns: {', '.join(ds.column_names)}; "
