@@ -127,7 +127,7 @@ def test_a_rope_scaling_added_beside_rope_parameters_wins_as_in_transformers(tmp
     (path / "config.json").write_text(
         json.dumps(raw | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     )
-    with pytest.raises(HFError, match="rope type 'yarn' is not supported"):
+    with pytest.raises(HFError, match="rope_scaling.rope_type = 'yarn' is not supported"):
         open_dir(path, 32)
 
 
@@ -180,7 +180,7 @@ def test_rope_row_order_round_trips():
         (
             "llama",
             {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None},
-            r"rope type 'yarn' is not",
+            r"rope_scaling.rope_type = 'yarn' is not",
         ),
         (
             "gpt2",
@@ -1326,3 +1326,26 @@ def test_a_nan_in_a_weight_is_named_at_load(tmp_path):
     save_file(tensors, str(shard), metadata={"format": "pt"})
     with pytest.raises(HFError, match=f"{name} holds NaN or inf"):
         list(read_state(open_dir(path, 32)))
+
+
+def test_a_sources_dropout_is_named_when_loom_does_not_apply_it(tmp_path, caplog):
+    """config.json's attention_dropout (GPT-2's *_pdrop) is what transformers applies in train mode;
+    Loom fine-tunes with model.dropout: one warning names the source's rates unless model.dropout is set."""
+    from loom.data.tokenizer import train_tokenizer
+    from loom.model.hf import resolve_from_hf
+
+    path, _ = _save_hf(tmp_path, "llama", False, attention_dropout=0.1)
+    train_tokenizer(["some words to learn a few merges from"] * 4, 300).save(str(path / "tokenizer.json"))
+    for given in ((), ("--model.dropout", "0.05")):
+        cfg = C.load(None, ["--model.from_hf", str(path), "--data.source", str(tmp_path / "d.jsonl"), *given])
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="loom"):
+            resolve_from_hf(cfg)
+        said = [r.getMessage() for r in caplog.records if "dropout" in r.getMessage()]
+        if given:
+            assert said == []
+        else:
+            assert said == [
+                "loom: warning: model.from_hf: config.json's attention_dropout = 0.1 is not applied; Loom "
+                "trains with model.dropout = 0 (set it to train with dropout)"
+            ]

@@ -188,7 +188,7 @@ def test_peft_adapters_on_the_fused_tensors_load_with_equal_logits(tmp_path, tar
                     "long_factor": [2.0] * 8,
                 }
             },
-            "config.json: rope type 'longrope' is not supported (Loom: default, llama3)",
+            "config.json: rope_parameters.rope_type = 'longrope' is not supported (Loom: default, llama3)",
         ),
         (
             {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},

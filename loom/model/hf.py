@@ -280,7 +280,8 @@ def _rope(raw: dict) -> dict:
             ),
         }
     elif kind not in (None, "default"):
-        raise HFError(f"{CONFIG}: rope type {kind!r} is not supported (Loom: default, llama3)")
+        field = f"{key}.{'rope_type' if 'rope_type' in merged else 'type'}"
+        raise HFError(f"{CONFIG}: {field} = {kind!r} is not supported (Loom: default, llama3)")
     return out
 
 
@@ -737,7 +738,34 @@ def resolve_from_hf(cfg, need_data: bool = True) -> str | None:
         raise C.ConfigError(f"model.from_hf: {e}") from None
     if need_data:
         C.check_finetune_data(cfg)
+        _say_dropout_not_read(cfg)
     return C.finetune_defaults(cfg)
+
+
+# config.json's dropout rates, which transformers applies in train mode and Loom does not read
+HF_DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
+
+
+def _say_dropout_not_read(cfg) -> None:
+    """One warning when the directory's config.json asks for dropout and ``model.dropout`` is not set:
+    Loom fine-tunes with ``model.dropout`` (0 unless given), not the source's rates."""
+    from loom import config as C
+
+    if "model.dropout" in C.explicit(cfg):
+        return
+    try:
+        raw = json.loads((Path(cfg.model.from_hf) / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    rates = {k: raw[k] for k in HF_DROPOUT_FIELDS if isinstance(raw.get(k), (int, float)) and raw[k] > 0}
+    if rates:
+        named = ", ".join(f"{k} = {v:g}" for k, v in rates.items())
+        logging.getLogger("loom").warning(
+            "loom: warning: model.from_hf: config.json's %s is not applied; Loom trains with "
+            "model.dropout = %g (set it to train with dropout)",
+            named,
+            cfg.model.dropout,
+        )
 
 
 def _refuse_integer(file: Path, name: str, dtype: str) -> None:
