@@ -122,7 +122,7 @@ _UPPER_BOUNDS: tuple[tuple[str, float, str], ...] = (
     ("run.timeout_s", 1e7, "seconds (116 days) a collective or the store may wait"),
     ("run.preempt_grace_s", 86400, "seconds (a day) a preempted run may take to save"),
     ("run.threads", 4096, "threads per rank"),
-    ("moe.capacity_factor", 1024, "x the mean tokens per expert; >= moe experts never drops a token"),
+    ("moe.capacity_factor", 1024, "x the mean tokens per expert; one >= model.n_experts never drops a token"),
     ("parallel.bucket_mb", 1e6, "MB per gradient bucket"),
 )
 

@@ -455,6 +455,7 @@ class Trainer:
         if self.moe_report is not None and self.is_main:
             self.moe_report.heatmap(self.run_dir / "moe_load.png")
         if not math.isfinite(last.get("eval_loss", 0.0)):  # the last update left weights no step checked
+            self.ckpts.checkpointer.wait()  # the earlier steps' saves in flight complete; this step's is not made
             raise NonFiniteError(
                 f"step {done}: the final evaluation loss is {last['eval_loss']}: the last update made the "
                 f"weights non-finite (train.lr = {c.lr:g}); the final checkpoint is not written"
