@@ -891,3 +891,31 @@ def test_transformer_engine_keeps_8bit_linear_inputs_in_one_byte():
     assert layer_saved(CostModel(m, bf16, cl, stack="megatron-core"), 1, False, 1, 2) == layer_saved(
         CostModel(m, bf16, cl, stack="pytorch-fsdp"), 1, False, 1, 2
     )
+
+
+def test_an_moe_layer_times_its_routers_gemm():
+    """The router's logits (T x h) @ (h x E) run in bf16 outside the 8-bit swap and are in the model
+    FLOPs, so they are timed: per layer forward, Machine.gemm(T, h, E) once (65,536 experts gave an MFU
+    of 169% when they were counted but not timed)."""
+    import dataclasses
+
+    from loom.plan.hardware import Machine
+
+    m = dataclasses.replace(_small_llama(), n_experts=64, top_k=2)
+    cl = ClusterSpec.single_node("h100-sxm", 8)
+    cm = CostModel(m, Workload(8, 4096), cl)
+    calls = []
+    real = Machine.gemm
+
+    def gemm(self, mm, k, n, *a, **kw):
+        calls.append((mm, k, n))
+        return real(self, mm, k, n, *a, **kw)
+
+    Machine.gemm = gemm
+    try:
+        cm._microbatch_times(1, False, 1, 1, 1, "none", 1)
+    finally:
+        Machine.gemm = real
+    assert calls.count((4096, 4096, 64)) == 1
+    big = CostModel(dataclasses.replace(m, n_experts=65536), Workload(8, 4096), cl)
+    assert big.estimate(Layout.parse("dp8 mb1")).mfu < 1
