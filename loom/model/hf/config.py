@@ -1,0 +1,252 @@
+"""``config.json`` -> Loom's :class:`~loom.config.ModelConfig`: every field Loom cannot honour refused
+by name (RoPE types, quantization, biases, windows, experts); GPT-2's fields apart."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+from loom.config import ModelConfig
+from loom.model.hf.families import (
+    _WRONG,
+    CONFIG,
+    GPT2,
+    LLAMA,
+    MISSING,
+    OLMO2,
+    QWEN2,
+    QWEN3MOE,
+    SUPPORTED,
+    HFError,
+    _bool,
+    _float,
+    _int,
+    _opt_int,
+    architecture,
+    hf_field,
+    sliding_window,
+)
+
+if typing.TYPE_CHECKING:
+    from loom.model.hf.directory import HFModel
+
+GELU = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu": "gelu",
+}  # HF activation -> model.mlp
+
+
+def _rope(raw: dict) -> dict:
+    """Loom's RoPE fields for ``config.json``: the base, and Llama 3.1's scaling if present."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise HFError(f"{CONFIG}: {_WRONG}: {key} = {json.dumps(raw[key])}, want an object (or null)")
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    # transformers 5 reads rope_parameters, but a rope_scaling (the older key, and what model cards
+    # tell users to add for long context) replaces it whole, its base the top-level rope_theta
+    merged = scaling or params
+    key = "rope_scaling" if scaling else "rope_parameters"
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    theta = ("rope_theta", hf_field(raw, "rope_theta"))
+    if "rope_theta" in merged:
+        theta = (f"{key}.rope_theta", merged["rope_theta"])
+    out = {"rope_theta": _float(*theta)}
+    partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):  # Phi-4-mini: RoPE on the first 3/4 of each head
+        raise HFError(
+            f"{CONFIG}: partial_rotary_factor = {partial!r} is not supported (Loom rotates whole heads: 1.0)"
+        )
+    if kind == "llama3":
+        out |= {
+            "rope_scaling": _float(f"{key}.factor", merged["factor"]),
+            "rope_low_freq_factor": _float(f"{key}.low_freq_factor", merged["low_freq_factor"]),
+            "rope_high_freq_factor": _float(f"{key}.high_freq_factor", merged["high_freq_factor"]),
+            "rope_original_len": _int(
+                f"{key}.original_max_position_embeddings", merged["original_max_position_embeddings"]
+            ),
+        }
+    elif kind not in (None, "default"):
+        field = f"{key}.{'rope_type' if 'rope_type' in merged else 'type'}"
+        raise HFError(f"{CONFIG}: {field} = {kind!r} is not supported (Loom: default, llama3)")
+    return out
+
+
+def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> ModelConfig:
+    """Loom's :class:`ModelConfig` for a ``config.json``; a field Loom cannot honour raises naming it.
+    ``max_seq_len``: the longest sequence to prepare RoPE for (0 = ``max_position_embeddings``).
+    ``fit_window``: a sliding window shorter than that becomes ``max_seq_len`` (generation, whose
+    context Loom keeps within ``max_seq_len``) instead of a refusal."""
+    arch = architecture(raw)
+    if arch not in SUPPORTED:
+        lacks = f" (Loom's model lacks {MISSING[arch]})" if arch in MISSING else ""
+        what = (
+            f"architectures = {arch!r}"
+            if raw.get("architectures")
+            else f"model_type = {raw.get('model_type')!r} (no architectures)"
+        )
+        raise HFError(f"{CONFIG}: {what} is not supported{lacks}; supported: {', '.join(SUPPORTED)}")
+    quant = raw.get("quantization_config")
+    if quant:  # fp8 with scales, GPTQ, AWQ, bitsandbytes: codes, not values
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise HFError(
+            f"{CONFIG}: quantization_config (quant_method = {method!r}) is not supported: Loom loads "
+            "unquantized weights (dequantize the model first, e.g. save it in bfloat16)"
+        )
+    if arch == GPT2:
+        return _gpt2_config(raw, max_seq_len)
+    # every size is a checked integer (its field named) before any division by it
+    dim, heads = (
+        _int("hidden_size", raw["hidden_size"]),
+        _int("num_attention_heads", raw["num_attention_heads"]),
+    )
+    derived = "hidden_size // num_attention_heads"
+    head_dim = _opt_int("head_dim", hf_field(raw, "head_dim"), null=derived)
+    if head_dim is None:  # transformers: hidden_size // num_attention_heads (floored)
+        head_dim = dim // heads
+        if head_dim < 1:
+            raise HFError(
+                f"{CONFIG}: hidden_size = {dim} is narrower than num_attention_heads = {heads}: no head width "
+                f"({derived} = 0; give head_dim)"
+            )
+    if head_dim % 2:
+        said = "head_dim" if hf_field(raw, "head_dim") is not None else derived
+        raise HFError(f"{CONFIG}: {said} = {head_dim} is odd; RoPE rotates pairs: want an even head width")
+    kv = _opt_int("num_key_value_heads", hf_field(raw, "num_key_value_heads"), null="num_attention_heads")
+    kv = heads if kv is None else kv
+    if heads % kv:
+        raise HFError(
+            f"{CONFIG}: num_key_value_heads = {kv} does not divide num_attention_heads = {heads}; want a "
+            "divisor of it (each key/value head serves the same number of query heads)"
+        )
+    qwen2, qwen3 = arch == QWEN2, arch in ("Qwen3ForCausalLM", QWEN3MOE)
+    checks: list[tuple[str, tuple[object, ...]]] = [
+        ("hidden_act", ("silu", "swish", None)),  # transformers: swish is SiLU; every family's default
+        ("router_jitter_noise", (0.0, 0, None)),
+    ]
+    # Qwen2 always has q/k/v biases (and no o bias); Llama's attention_bias adds q/k/v and o biases:
+    # with mlp_bias (gate, up, down) too, Loom's model.bias (every linear but the head; up's zero),
+    # alone Qwen2's q/k/v biases (o's zero); open_dir checks the zeros (zero_tensors); others: none
+    llama_bias = arch == LLAMA and raw.get("attention_bias") is True
+    every_bias = llama_bias and raw.get("mlp_bias") is True
+    if not qwen2 and not llama_bias:
+        checks.append(("attention_bias", (False, None)))
+    if not every_bias:
+        checks.append(("mlp_bias", (False, None)))
+    for field, allowed in checks:
+        if raw.get(field) not in allowed:
+            raise HFError(f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r})")
+    if arch == QWEN3MOE:  # no dense MLP: intermediate_size may be left out
+        n_experts, ffn = _qwen3_moe_experts(raw)
+    else:
+        n_experts = _int("num_local_experts", hf_field(raw, "num_local_experts"))
+        ffn = _int("intermediate_size", raw["intermediate_size"])
+        if arch == "MixtralForCausalLM" and n_experts < 2:
+            raise HFError(
+                f"{CONFIG}: num_local_experts = {n_experts} is not supported (Loom's Mixtral has 2 or more "
+                "experts; one expert is a dense MLP: a Llama)"
+            )
+    seq = max_seq_len or _int("max_position_embeddings", hf_field(raw, "max_position_embeddings"))
+    window = sliding_window(raw, arch)
+    if window is not None and seq > window and fit_window:
+        seq = window
+    elif window is not None and seq > window:
+        raise HFError(
+            f"{CONFIG}: sliding_window = {window} is shorter than the sequences ({seq}); Loom "
+            "attends to the whole sequence, so it matches only when sequences fit the window"
+        )
+    return ModelConfig(
+        dim=dim,
+        n_layers=_int("num_hidden_layers", raw["num_hidden_layers"]),
+        n_heads=heads,
+        n_kv_heads=kv,
+        vocab_size=_int("vocab_size", raw["vocab_size"]),
+        max_seq_len=seq,
+        **_rope(raw),
+        norm_eps=_float("rms_norm_eps", hf_field(raw, "rms_norm_eps")),
+        tie_embeddings=_bool("tie_word_embeddings", hf_field(raw, "tie_word_embeddings")),
+        qkv_bias=qwen2 or (llama_bias and not every_bias),
+        bias=every_bias,
+        qk_norm=qwen3 or arch == OLMO2,
+        qk_norm_scope="all" if arch == OLMO2 else "head",
+        norm_placement="post" if arch == OLMO2 else "pre",
+        attn_head_dim=head_dim if head_dim * heads != dim else 0,  # 0: Loom's h / a
+        ffn_dim=ffn,
+        n_experts=n_experts,
+        top_k=_int("num_experts_per_tok", hf_field(raw, "num_experts_per_tok")),
+        hf_architecture=arch,  # type: ignore[arg-type]  # one of SUPPORTED, checked above
+    )
+
+
+def _qwen3_moe_experts(raw: dict) -> tuple[int, int]:
+    """Qwen3-MoE's experts: every layer sparse (``decoder_sparse_step`` 1, no ``mlp_only_layers``:
+    Loom's blocks are all MoE or all dense), E = ``num_experts`` of width ``moe_intermediate_size``."""
+    for field, allowed in (("decoder_sparse_step", (1, None)), ("mlp_only_layers", ([], None))):
+        if raw.get(field) not in allowed:
+            raise HFError(
+                f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r}: "
+                "every layer a mixture of experts)"
+            )
+    field = (
+        "num_local_experts"
+        if raw.get("num_experts") is None and raw.get("num_local_experts") is not None
+        else "num_experts"
+    )  # 5 writes the latter
+    n = _int(field, hf_field(raw, field), low=0) if hf_field(raw, field) is not None else 0
+    if n < 2:
+        raise HFError(f"{CONFIG}: {field} = {n} is not supported (Loom: >= 2 for Qwen3MoeForCausalLM)")
+    return n, _int("moe_intermediate_size", raw["moe_intermediate_size"])
+
+
+def moe_options(model: HFModel) -> dict[str, object]:
+    """The ``[moe]`` settings the directory's routing fixes: Qwen3-MoE's ``norm_topk_prob`` (default
+    false) as ``moe.norm_topk``; Mixtral always renormalizes (Loom's default)."""
+    return (
+        {"norm_topk": _bool("norm_topk_prob", hf_field(model.raw, "norm_topk_prob"))}
+        if model.architecture == QWEN3MOE
+        else {}
+    )
+
+
+def _gpt2_config(raw: dict, max_seq_len: int) -> ModelConfig:
+    """Loom's config for GPT-2: LayerNorm, GELU MLP, learned positions (the whole ``n_positions``
+    table), biases everywhere, one key/value head per query head."""
+    act = raw.get("activation_function", "gelu_new")
+    if act not in GELU:
+        raise HFError(f"{CONFIG}: activation_function = {act!r} is not supported (Loom: {', '.join(GELU)})")
+    for field, allowed in (
+        ("scale_attn_weights", (True, None)),
+        ("scale_attn_by_inverse_layer_idx", (False, None)),
+        ("reorder_and_upcast_attn", (False, None)),
+        ("add_cross_attention", (False, None)),
+    ):
+        if raw.get(field) not in allowed:
+            raise HFError(f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r})")
+    dim, heads = _int("n_embd", raw["n_embd"]), _int("n_head", raw["n_head"])
+    n_pos = _int("n_positions", raw.get("n_positions", 1024))
+    if dim % heads:
+        raise HFError(
+            f"{CONFIG}: n_embd = {dim} is not divisible by n_head = {heads}; GPT-2's heads split the width evenly"
+        )
+    if max_seq_len > n_pos:
+        raise HFError(
+            f"{CONFIG}: n_positions = {n_pos} is shorter than the sequences ({max_seq_len}); the learned "
+            "position table has no rows beyond it"
+        )
+    return ModelConfig(
+        dim=dim,
+        n_layers=_int("n_layer", raw["n_layer"]),
+        n_heads=heads,
+        n_kv_heads=heads,
+        ffn_dim=_opt_int("n_inner", raw.get("n_inner"), null="4 * n_embd") or 4 * dim,
+        vocab_size=_int("vocab_size", raw["vocab_size"]),
+        max_seq_len=n_pos,
+        norm_eps=_float("layer_norm_epsilon", raw.get("layer_norm_epsilon", 1e-5)),
+        tie_embeddings=_bool("tie_word_embeddings", raw.get("tie_word_embeddings", True)),
+        norm="layernorm",
+        mlp=GELU[act],  # type: ignore[arg-type]
+        positions="learned",
+        bias=True,
+        hf_architecture=GPT2,
+    )

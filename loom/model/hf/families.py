@@ -1,0 +1,288 @@
+"""The Hugging Face families Loom reads and writes: their names, ``config.json``'s defaults per family
+(transformers' own), checked reads of its fields (one line naming the field), and the family a Loom
+model's tensors make (:func:`architecture_of`)."""
+
+from __future__ import annotations
+
+import json
+import typing
+from typing import Final
+
+from loom.config import ModelConfig, MoEConfig
+from loom.config.sections import HFArchitecture
+
+SUPPORTED: tuple[str, ...] = typing.get_args(HFArchitecture)[1:]  # model.hf_architecture's values but auto
+GPT2: Final = "GPT2LMHeadModel"
+PHI3: Final = "Phi3ForCausalLM"
+QWEN3MOE: Final = "Qwen3MoeForCausalLM"
+OLMO2: Final = "Olmo2ForCausalLM"
+LLAMA: Final = "LlamaForCausalLM"
+QWEN2: Final = "Qwen2ForCausalLM"
+LLAMA_TENSORS = ("MistralForCausalLM", PHI3)  # Llama's tensors under other names or config fields
+
+
+MISSING = {  # families users ask for, and what Loom's model lacks to run them
+    "Gemma2ForCausalLM": "attention and final logit soft-capping, norms after attention and MLP as well as "
+    "before, alternating sliding-window layers, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
+    "Gemma3ForCausalLM": "norms after attention and MLP as well as before, alternating sliding-window layers "
+    "with their own RoPE base, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
+    "GemmaForCausalLM": "a gated GELU MLP, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
+}
+# transformers' own defaults (its config classes') for the config.json fields Loom reads, by family: a
+# field a config.json leaves out means these there, not one family's values for all
+# (tests/test_hf_families.py compares them with the installed transformers)
+_LLAMA_DEFAULTS: dict[str, object] = {
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "num_key_value_heads": None,  # None: one per query head
+    "head_dim": None,  # None: hidden_size / num_attention_heads
+    "tie_word_embeddings": False,
+    "num_local_experts": 1,
+    "num_experts_per_tok": 2,
+}
+_QWEN_DEFAULTS = _LLAMA_DEFAULTS | {
+    "max_position_embeddings": 32768,
+    "num_key_value_heads": 32,
+    "sliding_window": 4096,
+    "use_sliding_window": False,
+    "max_window_layers": 28,
+}
+FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
+    "LlamaForCausalLM": _LLAMA_DEFAULTS,
+    "MistralForCausalLM": _LLAMA_DEFAULTS
+    | {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
+    "Qwen2ForCausalLM": _QWEN_DEFAULTS,
+    "Qwen3ForCausalLM": _QWEN_DEFAULTS | {"head_dim": 128},
+    "MixtralForCausalLM": _LLAMA_DEFAULTS
+    | {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "sliding_window": None,
+    },
+    "Phi3ForCausalLM": _LLAMA_DEFAULTS
+    | {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None},
+    "Qwen3MoeForCausalLM": {k: v for k, v in _QWEN_DEFAULTS.items() if k != "max_window_layers"}
+    | {"num_key_value_heads": 4, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False},
+    "Olmo2ForCausalLM": _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5},
+}
+
+
+# config.json's model_type -> its family, for a config without ``architectures`` (AutoModel reads it)
+MODEL_TYPES: Final = {
+    "llama": LLAMA,
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": QWEN3MOE,
+    "phi3": PHI3,
+    "olmo2": OLMO2,
+    "gpt2": GPT2,
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
+
+def architecture(raw: dict) -> str:
+    """The family of a ``config.json``: its first ``architectures`` entry, else its ``model_type``'s
+    (:data:`MODEL_TYPES`), else ``"?"``."""
+    names = raw.get("architectures")
+    if isinstance(names, str):
+        return names
+    if isinstance(names, list) and names and isinstance(names[0], str):
+        return names[0]
+    return MODEL_TYPES.get(raw.get("model_type"), "?")  # type: ignore[arg-type]
+
+
+def hf_field(raw: dict, name: str) -> typing.Any:
+    """``config.json``'s ``name``, or the family's default (:data:`FAMILY_DEFAULTS`) where it is left out."""
+    if name in raw:
+        return raw[name]
+    return FAMILY_DEFAULTS.get(architecture(raw), _LLAMA_DEFAULTS).get(name)
+
+
+def sliding_window(raw: dict, arch: str) -> int | None:
+    """The attention window transformers applies to some layer of this family, or None: Mistral,
+    Mixtral and Phi-3 read ``sliding_window`` alone; Qwen's families only with ``use_sliding_window``,
+    Qwen2 and Qwen3 then on the layers ``layer_types`` names (by default those from
+    ``max_window_layers`` on); Llama and OLMo-2 have no window (a ``sliding_window`` in their
+    config.json is ignored, as transformers ignores it)."""
+    if arch not in FAMILY_DEFAULTS or "sliding_window" not in FAMILY_DEFAULTS[arch]:
+        return None
+    window = hf_field(raw, "sliding_window")
+    if "use_sliding_window" in FAMILY_DEFAULTS[arch] and not _bool(
+        "use_sliding_window", hf_field(raw, "use_sliding_window")
+    ):
+        return None
+    if window is not None and "max_window_layers" in FAMILY_DEFAULTS[arch]:
+        first = _int("max_window_layers", hf_field(raw, "max_window_layers"), low=0)
+        layers = _int("num_hidden_layers", raw["num_hidden_layers"])
+        types = raw.get("layer_types") or [
+            "sliding_attention" if i >= first else "full" for i in range(layers)
+        ]
+        if "sliding_attention" not in types:
+            return None
+    return _opt_int("sliding_window", window, null="no window")
+
+
+_WRONG = "a field has a value of the wrong type"
+
+
+def _int(field: str, value: object, low: int = 1, null: str = "") -> int:
+    """``config.json``'s ``field`` = ``value`` as an integer >= ``low``: a JSON integer (or a float of
+    an integral value, 4096.0), never a bool, a string or a fraction; else one line naming the field,
+    its value and what it allows (``null``: what a null means, where :func:`_opt_int` allows one)."""
+    want = f"an integer >= {low}" + (f", or null ({null})" if null else "")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HFError(f"{CONFIG}: {_WRONG}: {field} = {json.dumps(value)}, want {want}")
+    if value < low:
+        raise HFError(f"{CONFIG}: {field} = {value} is out of range: want {want}")
+    return value
+
+
+def _opt_int(field: str, value: object, low: int = 1, null: str = "") -> int | None:
+    """:func:`_int`, with a null (None) kept: ``null`` says what it means."""
+    return None if value is None else _int(field, value, low, null)
+
+
+def _float(field: str, value: object) -> float:
+    """``config.json``'s ``field`` = ``value`` as a float: a JSON number (not a bool or a string), else
+    one line naming the field (bounds and finiteness: :func:`loom.config.validate_shape`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise HFError(f"{CONFIG}: {_WRONG}: {field} = {json.dumps(value)}, want a number")
+    return float(value)
+
+
+def _bool(field: str, value: object) -> bool:
+    """``config.json``'s ``field`` = ``value``: true or false (null: false), never a string or a number
+    read by its truth (``"false"`` is true in Python)."""
+    if value is not None and not isinstance(value, bool):
+        raise HFError(f"{CONFIG}: {_WRONG}: {field} = {json.dumps(value)}, want true or false")
+    return bool(value)
+
+
+CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
+
+
+class HFError(ValueError):
+    """A Hugging Face directory Loom cannot read as given; the message names the file or field."""
+
+
+def _is_gpt2(cfg: ModelConfig) -> bool:
+    """GPT-2's tensors exactly: every GPT-2 field set, and nothing GPT-2 lacks (``bias`` alone on a
+    RoPE model is Llama's attention_bias + mlp_bias)."""
+    fields = {
+        "positions = learned": cfg.positions == "learned",
+        "norm = layernorm": cfg.norm == "layernorm",
+        "mlp = gelu or gelu_tanh": cfg.mlp != "swiglu",
+        "bias = true": cfg.bias,
+    }
+    if not any(v for k, v in fields.items() if k != "bias = true"):
+        return False
+    unmet = {  # what else GPT-2 needs -> whether the model breaks it
+        "n_kv_heads = n_heads": cfg.n_kv_heads != cfg.n_heads,
+        "qkv_bias = false": cfg.qkv_bias,
+        "qk_norm = false": cfg.qk_norm,
+        "no experts": cfg.moe,
+    }
+    if not all(fields.values()) or any(unmet.values()):
+        have = " and ".join(k for k, v in fields.items() if v)
+        lack = [k for k, v in fields.items() if not v] + [k for k, v in unmet.items() if v]
+        raise HFError(
+            f"model: among the supported Hugging Face families only GPT2LMHeadModel holds {have}, and it also "
+            f"needs {', '.join(lack)}"
+        )
+    return True
+
+
+def moe_export_problem(moe: MoEConfig, family: str = "MixtralForCausalLM") -> str | None:
+    """Why a MoE model trained with these routing options is not a ``family`` (softmax over the
+    experts, no shared experts, no selection bias; Mixtral: top-k renormalized, Qwen3-MoE: either,
+    its ``norm_topk_prob``), or None."""
+    if moe.score != "softmax":
+        return f"moe.score = {moe.score!r}: {family} routes by a softmax over the experts"
+    if not moe.norm_topk and family != QWEN3MOE:
+        return f"moe.norm_topk = false: {family} renormalizes the top-k routing weights"
+    if moe.n_shared_experts:
+        return f"moe.n_shared_experts = {moe.n_shared_experts}: {family} has no shared experts"
+    if moe.bias_update_rate > 0:
+        return f"moe.bias_update_rate > 0: {family} has no expert selection bias"
+    return None
+
+
+def architecture_of(cfg: ModelConfig) -> str:
+    """The Hugging Face family of ``cfg``: ``model.hf_architecture``, which must hold exactly its
+    tensors (Mistral and Phi-3 hold Llama's), or with ``auto`` the family that does."""
+    by_shape = _family_by_shape(cfg)
+    named = cfg.hf_architecture
+    if named == "auto" or named == by_shape:
+        return by_shape
+    if named == PHI3 and cfg.rope_scaling:
+        raise HFError(
+            f"model.hf_architecture: {PHI3} scales RoPE by longrope only, not Llama 3's rope_scaling; set it "
+            "to auto or LlamaForCausalLM"
+        )
+    if by_shape == LLAMA and named in (() if cfg.bias else (QWEN2,) if cfg.qkv_bias else LLAMA_TENSORS):
+        return named
+    raise HFError(
+        f"model.hf_architecture: {named} cannot hold this model's tensors ({by_shape} does); "
+        "set it to auto or to that family"
+    )
+
+
+def zero_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Loom name -> (HF name, shape) of each tensor the family holds beside that Loom tensor and
+    Loom's model lacks, always zero: Llama's ``o_proj.bias`` when its ``attention_bias`` carries
+    Loom's q/k/v biases (Qwen2's, with no o bias), its ``up_proj.bias`` when ``mlp_bias`` carries
+    ``model.bias``'s (SwiGLU's up projection w3 has none). Export writes zeros; import requires zeros."""
+    if not (cfg.qkv_bias or cfg.bias) or architecture_of(cfg) != LLAMA:
+        return {}
+    if cfg.bias:
+        return {
+            f"layers.{i}.feed_forward.w3.weight": (
+                f"model.layers.{i}.mlp.up_proj.bias",
+                (cfg.resolved_ffn_dim(),),
+            )
+            for i in range(cfg.n_layers)
+        }
+    return {
+        f"layers.{i}.attention.wo.weight": (f"model.layers.{i}.self_attn.o_proj.bias", (cfg.dim,))
+        for i in range(cfg.n_layers)
+    }
+
+
+def _family_by_shape(cfg: ModelConfig) -> str:
+    if _is_gpt2(cfg):
+        return GPT2
+    olmo2 = (cfg.norm_placement == "post", cfg.qk_norm and cfg.qk_norm_scope == "all")
+    if any(olmo2):
+        if not all(olmo2) or cfg.qkv_bias or cfg.bias or cfg.moe:
+            raise HFError(
+                "model: Olmo2ForCausalLM needs norm_placement = post with qk_norm = true, qk_norm_scope = all, "
+                "and no q/k/v biases or experts; no other Hugging Face family holds either"
+            )
+        return OLMO2
+    if cfg.bias:  # Llama with attention_bias and mlp_bias: every linear but the head (up_proj's zero)
+        if cfg.qk_norm or cfg.moe:
+            raise HFError(
+                "model: bias = true on a RoPE model goes out as a Llama with attention_bias and mlp_bias, "
+                "which has no q/k norms or experts; no other supported Hugging Face family holds it"
+            )
+        return LLAMA
+    if cfg.qk_norm and not cfg.qkv_bias:
+        return QWEN3MOE if cfg.moe else "Qwen3ForCausalLM"
+    if cfg.qkv_bias and not cfg.qk_norm and not cfg.moe:  # attention_bias, zero o biases (zero_tensors)
+        return LLAMA  # not Qwen2: transformers' AutoTokenizer gives a qwen2 Qwen's pre-tokenizer whatever it ships
+    if cfg.qkv_bias:
+        raise HFError(
+            "model: no supported Hugging Face family has this combination of q/k/v biases, q/k norms "
+            "and experts"
+        )
+    return "MixtralForCausalLM" if cfg.moe else LLAMA

@@ -1,0 +1,154 @@
+"""Loom's model -> a Hugging Face family: ``config.json`` (:func:`hf_config`) and the tensors under
+their names and layouts (:func:`hf_tensors`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import cast
+
+import torch
+
+from loom.config import ModelConfig, MoEConfig
+from loom.model.hf.families import GPT2, LLAMA_TENSORS, PHI3, QWEN3MOE, HFError, architecture_of, zero_tensors
+from loom.model.hf.names import VOCAB_TENSORS, _mappings, to_hf_rows
+
+
+def _gpt2_hf_config(cfg: ModelConfig, dtype: str) -> dict:
+    return {
+        "architectures": [GPT2],
+        "model_type": "gpt2",
+        "n_embd": cfg.dim,
+        "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads,
+        "n_inner": cfg.resolved_ffn_dim(),
+        "n_positions": cfg.max_seq_len,
+        "n_ctx": cfg.max_seq_len,  # the hub's GPT-2 configs carry both (llama.cpp's converter reads n_ctx)
+        "vocab_size": cfg.vocab_size,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "activation_function": "gelu_new" if cfg.mlp == "gelu_tanh" else "gelu",
+        "initializer_range": cfg.init_std,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": cfg.dropout,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "dtype": dtype,
+        "torch_dtype": dtype,  # what transformers < 4.56 reads
+    }
+
+
+def hf_config(
+    cfg: ModelConfig, dtype: str = "float32", extra: dict | None = None, moe: MoEConfig | None = None
+) -> dict:
+    """``config.json`` for Loom's ``cfg`` (``extra``: fields carried over, e.g. token ids; ``moe``:
+    the run's routing, Qwen3-MoE's ``norm_topk_prob``)."""
+    family = architecture_of(cfg)
+    if family == GPT2:
+        return _gpt2_hf_config(cfg, dtype) | (extra or {})
+    out = {
+        "architectures": [family],
+        "model_type": "qwen3_moe" if family == QWEN3MOE else family.removesuffix("ForCausalLM").lower(),
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.resolved_ffn_dim(),
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": cfg.qkv_bias or cfg.bias,
+        "mlp_bias": cfg.bias,
+        "initializer_range": cfg.init_std,
+        "dtype": dtype,
+        "torch_dtype": dtype,  # what transformers < 4.56 reads
+    }
+    if cfg.rope_scaling:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": cfg.rope_theta,
+            "factor": cfg.rope_scaling,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_len,
+        }
+        # transformers 4.x checks rope_scaling's keys per type: the base lives beside it, not in it
+        out |= {"rope_parameters": rope, "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}}
+    if family in LLAMA_TENSORS:  # Loom attends to the whole sequence; Phi-3's RoPE: whole heads
+        out |= {"sliding_window": None}
+    if family == PHI3:
+        del out["attention_bias"], out["mlp_bias"]
+        out["rope_parameters"] = cast(dict, out["rope_parameters"]) | {"partial_rotary_factor": 1.0}
+        out["original_max_position_embeddings"] = cfg.max_seq_len
+        out |= dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))  # not Phi3Config's 32000s
+    if family == QWEN3MOE:  # every layer sparse, no shared experts; no dense MLP: no intermediate_size
+        del out["intermediate_size"]
+        out |= {
+            "num_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.top_k,
+            "moe_intermediate_size": cfg.resolved_ffn_dim(),
+            "norm_topk_prob": (moe or MoEConfig()).norm_topk,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "output_router_logits": False,
+        }
+    elif cfg.moe:
+        out |= {
+            "num_local_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.top_k,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+        }
+    return out | (extra or {})
+
+
+def hf_units(cfg: ModelConfig, names: list[str]) -> list[list[str]]:
+    """``names`` grouped (in order) into the Loom tensors of one HF tensor each: GPT-2's q, k, v go
+    together into ``c_attn``; every other tensor alone."""
+    maps = dict(_mappings(cfg))
+    units: dict[str, list[str]] = {}
+    for name in names:
+        units.setdefault(maps[name].names()[0] if name in maps else name, []).append(name)
+    return list(units.values())
+
+
+def hf_tensors(
+    cfg: ModelConfig, state: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for a stream of Loom (name, tensor); names outside the mapping raise. The
+    embedding and head keep their ``vocab_size`` real rows (a padded vocabulary's rows dropped). The
+    parts of a fused tensor (GPT-2's c_attn, Phi-3's qkv_proj, gate_up_proj) are held until all its
+    rows have arrived, then concatenated in row order."""
+    maps, zeros = dict(_mappings(cfg)), zero_tensors(cfg)
+    pending: dict[str, dict[int, torch.Tensor]] = {}  # HF name -> row offset -> that part
+    for name, t in state:
+        if name not in maps:
+            if cfg.tie_embeddings and name == "output.weight":
+                continue  # the tied head is the embedding
+            raise HFError(f"{name}: no Hugging Face counterpart for this tensor")
+        m = maps[name]
+        t = to_hf_rows(t, m.heads) if m.heads else t
+        t = t[: cfg.vocab_size] if name in VOCAB_TENSORS else t  # a padded vocabulary: the real rows
+        if isinstance(m.hf, tuple):
+            yield from ((n, e.contiguous()) for n, e in zip(m.hf, t.unbind(0), strict=True))
+            continue
+        if m.part is not None:
+            parts = pending.setdefault(m.hf, {})
+            parts[m.part[0]] = t
+            if sum(p.shape[0] for p in parts.values()) < m.part[1]:
+                continue
+            del pending[m.hf]
+            t = torch.cat([parts[o] for o in sorted(parts)])
+        yield m.hf, (t.t() if m.conv1d else t).contiguous()
+        if name in zeros:
+            yield zeros[name][0], torch.zeros(zeros[name][1], dtype=t.dtype)
+    if pending:
+        raise HFError(f"{next(iter(pending))}: only some of its fused parts were given")
