@@ -683,6 +683,11 @@ def test_peft_export_and_merged_export_of_a_run(lora_run, hf_base, tmp_path):
     load_model(final, run / "checkpoints" / "final" / "model.safetensors")
     with torch.no_grad():
         assert_close(final.eval()(x), want)
+    from safetensors import safe_open
+
+    for file in (run / "checkpoints" / "final" / "model.safetensors", *tmp_path.rglob("*/*.safetensors")):
+        with safe_open(str(file), "pt") as f:  # transformers 4.x's load_state_dict refuses a file without it
+            assert f.metadata().get("format") == "pt", file
 
 
 def test_a_padded_lora_run_gives_a_final_model_generate_loads(prepared, hf_base, tmp_path):

@@ -24,7 +24,13 @@ from pathlib import Path
 
 import torch
 
-from loom.checkpoint.format import DTYPES, CheckpointError, check_outside_checkpoints, staged
+from loom.checkpoint.format import (
+    DTYPES,
+    MODEL_FILE_METADATA,
+    CheckpointError,
+    check_outside_checkpoints,
+    staged,
+)
 from loom.checkpoint.load import CheckpointReader
 from loom.checkpoint.protocol import Box
 from loom.config import check_new_output
@@ -113,11 +119,7 @@ def convert(
         if not names:
             raise CheckpointError(f"{reader.dir}: has no model.* tensors")
         with staged(out) as tmp, open(tmp, "wb") as fh:  # a new hidden name: no user file is touched
-            meta = {
-                "format": "pt",
-                "step": str(reader.step),
-                "source": reader.dir.name,
-            }  # as torch's save_file
+            meta = MODEL_FILE_METADATA | {"step": str(reader.step), "source": reader.dir.name}
             fh.write(_header(reader, names, meta))
             for n in names:
                 _write_tensor(fh, reader, PREFIX + n, buffer_bytes)

@@ -44,6 +44,9 @@ import torch
 from loom.checkpoint.protocol import Region, check_region, region_from_json
 
 FORMAT = "loom-checkpoint"
+# the header of every model file Loom writes (exports, final models, adapters), as torch's save_file
+# writes it: transformers 4.x refuses a safetensors file whose metadata lacks format = pt
+MODEL_FILE_METADATA: dict[str, str] = {"format": "pt"}
 VERSION = 1
 INDEX = "index.json"
 TRAIN_STATE = "train_state.json"

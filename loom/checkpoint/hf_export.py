@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 from loom import config as C
 from loom.checkpoint.format import (
     DATA_IDENTITY,
+    MODEL_FILE_METADATA,
     CheckpointError,
     check_outside_checkpoints,
     check_run_tokenizer,
@@ -579,7 +580,7 @@ def _write_shards(
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         stream = ((n, _cast(reader.read(PREFIX + n), want)) for n in group)
         tensors = dict(hf_tensors(m, stream))
-        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / file), metadata=MODEL_FILE_METADATA)
         umask_mode(tmp / file)
         _fsync(tmp / file)
         weight_map.update(dict.fromkeys(tensors, file))

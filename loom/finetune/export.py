@@ -30,7 +30,13 @@ from pathlib import Path
 import torch
 
 from loom import config as C
-from loom.checkpoint.format import CheckpointError, check_outside_checkpoints, staged, umask_mode
+from loom.checkpoint.format import (
+    MODEL_FILE_METADATA,
+    CheckpointError,
+    check_outside_checkpoints,
+    staged,
+    umask_mode,
+)
 from loom.checkpoint.hf_export import export_hf, pop_dtype, pop_shard_size
 from loom.checkpoint.load import CheckpointReader
 from loom.device import DTYPES, resolve_precision
@@ -159,7 +165,7 @@ def export_peft(source: str | Path, out: str | Path) -> Path:
         cfg = lora_config_of(reader, "export peft")
         tensors, config = peft_state(cfg, adapters(reader))
     with staged(out, directory=True) as tmp:  # a new hidden directory: nothing there is adopted
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata=MODEL_FILE_METADATA)
         umask_mode(tmp / ADAPTER_WEIGHTS)  # as `loom export hf` writes its shards
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     return out
@@ -297,7 +303,7 @@ def save_merged(source: str | Path, path: str | Path) -> None:
     with CheckpointReader(source) as reader:
         tag, step = reader.dir.name, reader.step
     _, state = merged_state(source)
-    meta = {"lora": "merged", "source": tag, "step": str(step)}
+    meta = MODEL_FILE_METADATA | {"lora": "merged", "source": tag, "step": str(step)}
     with staged(Path(path)) as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=meta)
         umask_mode(tmp)

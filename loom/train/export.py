@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from loom.checkpoint.format import MODEL_FILE_METADATA
+
 
 def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by name, each shared tensor once (first name wins)."""
@@ -31,7 +33,7 @@ def save_model(model: nn.Module, path: str | Path, metadata: dict[str, str] | No
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    save_file(unique_state(model), str(tmp), metadata=metadata or {})
+    save_file(unique_state(model), str(tmp), metadata=MODEL_FILE_METADATA | (metadata or {}))
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
