@@ -395,7 +395,7 @@ def test_cli_predicts_your_own_runs_as_the_shipped_ones(tmp_path, capsys):
         (
             "seq_len = 8192",
             "seq_len = 8192\nprecision = 'fp4'",
-            "run 'mine': train.precision: must be one of",
+            "run 'mine': precision: must be one of",
         ),
         ("zero3", "zero9", "run 'mine': layout"),
         # not finite: inf passed the > 0 test and --json printed Infinity (not JSON)
@@ -919,3 +919,11 @@ def test_an_moe_layer_times_its_routers_gemm():
     assert calls.count((4096, 4096, 64)) == 1
     big = CostModel(dataclasses.replace(m, n_experts=65536), Workload(8, 4096), cl)
     assert big.estimate(Layout.parse("dp8 mb1")).mfu < 1
+
+
+def test_the_table_tells_rows_apart_by_tp_overlap():
+    """Two rows that differ only in tp-overlap read differently in the table's layout column."""
+    from loom.plan.published import _layout_cell
+
+    plain, overlapped = (Layout.parse(f"dp1 tp8 pp1 sp mb1{extra}") for extra in ("", " tp-overlap"))
+    assert "tp-overlap" in _layout_cell(overlapped) and "tp-overlap" not in _layout_cell(plain)

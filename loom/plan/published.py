@@ -45,7 +45,7 @@ from loom.model.llama import flops_per_token
 from loom.plan.cost import CostModel, Estimate, Layout, PlanError, Workload
 from loom.plan.cost.params import ParamCounts
 from loom.plan.cost.stacks import STACK_ALIASES, STACKS, resolve_stack
-from loom.plan.hardware import GB, ClusterSpec, HardwareError, get_device
+from loom.plan.hardware import GB, PRECISIONS, ClusterSpec, HardwareError, get_device
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -173,6 +173,13 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
             flash_attention=row.get("flash_attention", True),
             compile=row.get("compile", False),
         )
+        if w.precision not in (
+            *PRECISIONS,
+            "auto",
+        ):  # the run's key, before the cost model names train.precision
+            raise PlanError(
+                f"precision: must be one of {', '.join(PRECISIONS)} (the Linears' GEMMs), got {w.precision!r}"
+            )
     except (PlanError, HardwareError) as e:
         raise PlanError(f"{at}: {e}") from None
     for key in ("global_batch", "seq_len"):  # as a config's train.global_batch and data.seq_len
@@ -358,9 +365,10 @@ def summary(rows: list[PublishedComparison]) -> tuple[float, float]:
 
 
 def _layout_cell(lay: Layout) -> str:
-    """The degrees, sp, the pipeline schedule (pp > 1), micro-batch and recomputation."""
+    """The degrees, sp, tp-overlap, the pipeline schedule (pp > 1), micro-batch and recomputation."""
     schedule = f" {lay.schedule}" + (f":v{lay.v}" if lay.v > 1 else "") if lay.pp > 1 else ""
-    return lay.short() + " sp" * lay.sp + schedule + f" mb{lay.micro_batch} {lay.recompute}"
+    overlap = " tp-overlap" * (lay.tp_overlap and lay.tp > 1)
+    return lay.short() + " sp" * lay.sp + overlap + schedule + f" mb{lay.micro_batch} {lay.recompute}"
 
 
 def format_published(rows: list[PublishedComparison]) -> str:
