@@ -941,3 +941,20 @@ def test_a_device_is_found_by_the_names_vendors_and_torch_give_it():
         get_device("tpu-v5")
     with pytest.raises(HardwareError, match=r"^unknown device 'h100x'; known"):  # a typo is not an H100
         get_device("h100x")
+
+
+def test_an_all_to_all_across_nodes_leaves_through_each_ranks_own_nic():
+    """16 ranks on two 8-GPU H100 nodes: each rank sends half its bytes to the other node through its
+    own NIC share (50 GB/s), the other half (less its own) over NVLink at once; an all-gather's rings
+    share the node's 8 NICs. Before, the all-to-all was priced as a ring: 4x too fast there."""
+    from loom.plan.hardware import ClusterSpec
+    from loom.plan.hardware.machine import Machine
+
+    cl = ClusterSpec.single_node("h100-sxm", 8, 2)
+    mach, S = Machine(cl, "bf16"), 1e9
+    nic, nvlink = (bw * cl.comm_efficiency for bw in (cl.inter_bandwidth, cl.intra_bandwidth))
+    want = 15 * cl.inter_latency + max(0.5 * S / nic, 7 / 16 * S / nvlink)
+    assert mach.collective("all_to_all", 16, S, 16) == pytest.approx(want)
+    assert mach.collective("all_gather", 16, S, 16) < want / 4
+    # inside one node nothing changes: the ring formula over the intra-node link
+    assert mach.collective("all_to_all", 8, S, 8) == pytest.approx(7 * cl.intra_latency + 7 / 8 * S / nvlink)

@@ -27,8 +27,13 @@ class Machine:
         p2p             S / B + l
 
     A group whose ranks span more than one node (``span > devices_per_node``) uses the
-    inter-node link; a measured fit replaces ``B`` by its bus bandwidth and the latency term by
-    its latency.
+    inter-node link (:meth:`inter_bandwidth`); an all-to-all there is no ring: each rank sends S/n
+    to every other rank, the k - 1 in its node over the intra-node link and the n - k beyond it
+    through its own NIC share, both at once::
+
+        all_to_all      max((n-k)/n * S / B_nic, (k-1)/n * S / B_intra) + (n-1) l_inter
+
+    A measured fit replaces ``B`` by its bus bandwidth and the latency term by its latency.
     """
 
     def __init__(self, cluster: ClusterSpec, precision: str, profile: Profile | None = None) -> None:
@@ -113,6 +118,8 @@ class Machine:
         if scope == "inter":
             bw = self.inter_bandwidth(n, span)
         fit = self._fit(op, scope, n, world, synced)
+        if op == "all_to_all" and scope == "inter" and fit is None:
+            return self._all_to_all_across_nodes(n, size, span)
         if op == "all_reduce":
             volume, hops = 2.0 * (n - 1) / n * size, 2 * (n - 1)
         elif op in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -124,6 +131,15 @@ class Machine:
         if fit is not None:
             return fit.latency + volume / fit.bus_bandwidth
         return hops * lat + volume / bw
+
+    def _all_to_all_across_nodes(self, n: int, size: float, span: int) -> float:
+        """An all-to-all of ``size`` bytes per rank over ``n`` ranks spread evenly over the nodes
+        ``span`` consecutive ranks cover (k per node): (n - k)/n of each rank's bytes leave its node
+        through its own NIC share, (k - 1)/n go over the intra-node link, concurrently."""
+        per = self.cluster.devices_per_node
+        k = max(1.0, min(per, n / max(1, -(-span // per))))
+        (intra, _), (nic, lat) = self._links["intra"], self._links["inter"]
+        return (n - 1) * lat + max((n - k) / n * size / nic, (k - 1) / n * size / intra)
 
     def _fit(self, op: str, scope: str, n: int, world: int | None, synced: bool) -> CollectiveFit | None:
         """The profile's fit; ``synced`` (ranks already in step) prefers a back-to-back measurement."""
