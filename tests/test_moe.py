@@ -328,15 +328,17 @@ def test_capacity_drops_like_a_reference_loop(policy):
 BALANCED = dict(aux_loss_coef=0.05, z_loss_coef=0.01, n_shared_experts=1)
 # Bias balancing, sigmoid scores and capacity: per rank's micro-batch (reference micro-batch = micro).
 BIASED = dict(score="sigmoid", bias_update_rate=0.01, capacity_factor=1.0, drop_policy="probability")
-BALANCE_LAYOUTS = {  # name: (world, layout, micro per rank, reference micro for BALANCED)
-    "dp2": (2, {"dp_replicate": 2}, 4, 8),
-    "cp2": (2, {"cp": 2}, 4, 4),
-    "ep2": (2, {"dp_replicate": 2, "ep": 2}, 4, 8),
-    "ep2 recompute": (2, {"dp_replicate": 2, "ep": 2, "recompute": "full"}, 4, 8),
-    "pp2": (2, {"pp": 2}, 4, 4),
-    "dp2 zero3": (2, {"dp_shard": 2, "zero": 3}, 4, 8),
-    "tp2": (2, {"tp": 2}, 4, 4),
-    "tp2 sp": (2, {"tp": 2, "sp": True}, 4, 4),
+BALANCE_LAYOUTS = {  # name: (world, layout, micro-batch per rank: BATCH / (dp x micro) accumulated)
+    "dp2": (2, {"dp_replicate": 2}, 4),
+    "dp2 accumulated": (2, {"dp_replicate": 2}, 2),
+    "cp2": (2, {"cp": 2}, 4),
+    "ep2": (2, {"dp_replicate": 2, "ep": 2}, 4),
+    "ep2 accumulated": (2, {"dp_replicate": 2, "ep": 2}, 2),
+    "ep2 recompute": (2, {"dp_replicate": 2, "ep": 2, "recompute": "full"}, 4),
+    "pp2": (2, {"pp": 2}, 4),
+    "dp2 zero3": (2, {"dp_shard": 2, "zero": 3}, 4),
+    "tp2": (2, {"tp": 2}, 4),
+    "tp2 sp": (2, {"tp": 2, "sp": True}, 4),
 }
 
 
@@ -344,7 +346,7 @@ BALANCE_LAYOUTS = {  # name: (world, layout, micro per rank, reference micro for
 def balance_references():
     refs = {}
     for options in ("BALANCED", "BIASED"):
-        for micro in (4, 8):
+        for micro in (2, 4):
             refs[options, micro] = train_layout({}, STEPS, BATCH, micro, MOE, moe_kw=globals()[options])
     return refs
 
@@ -352,12 +354,13 @@ def balance_references():
 @pytest.mark.parametrize("options", ["BALANCED", "BIASED"])
 @pytest.mark.parametrize("name", list(BALANCE_LAYOUTS))
 def test_balancing_equals_single_process(pools, balance_references, name, options):
-    world, layout, micro, ref_micro = BALANCE_LAYOUTS[name]
-    if options == "BIASED":
-        if "cp" in layout or "sp" in layout:
-            pytest.skip("capacity is per rank's tokens: under cp or sp a rank holds part of each sequence")
-        ref_micro = micro
-    ref = balance_references[options, ref_micro]
+    """The same micro-batch size in one process is the reference: each data-parallel rank balances its
+    own micro-batch (the aux loss's f_e summed over cp and sp's tp only), with accumulation too; the
+    selection bias's step loads are summed over every rank."""
+    world, layout, micro = BALANCE_LAYOUTS[name]
+    if options == "BIASED" and ("cp" in layout or "sp" in layout):
+        pytest.skip("capacity is per rank's tokens: under cp or sp a rank holds part of each sequence")
+    ref = balance_references[options, micro]
     for r in pools(world).run(train_layout, layout, STEPS, BATCH, micro, MOE, moe_kw=globals()[options]):
         assert_close(
             torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL, msg=lambda m: f"{name}: {m}"

@@ -286,7 +286,8 @@ class MoEFeedForward(nn.Module):
 
     def _init_state(self) -> None:
         self.layer_id = -1  # the block's index (metrics)
-        self.sum_stats: StatsSum = one_process  # f_e's counts and the loads over the ranks (configure_moe)
+        self.sum_stats: StatsSum = one_process  # f_e's counts over the ranks of a micro-batch (configure_moe)
+        self.sum_step: StatsSum = one_process  # a step's loads over every data-parallel rank (configure_moe)
         self.loss_share = 1.0  # this rank's share of the aux/z loss terms: 1/tp when sp splits tokens over tp
         self.grad_scale = 1.0  # the main loss's backward factor for this micro-batch (set by begin_step)
         self.step_load: torch.Tensor | None = None  # assignments per expert this step (bias update)
@@ -353,7 +354,7 @@ class MoEFeedForward(nn.Module):
             total = torch.zeros((), device=out.device)
             if opt.aux_loss_coef > 0:
                 counts = torch.cat([load, load.new_full((1,), n_tokens)])
-                self.sum_stats(counts)  # f_e over the ranks of this micro-step (dp x cp [x tp])
+                self.sum_stats(counts)  # f_e over the ranks of this micro-batch's sequences (cp [x tp])
                 f = counts[:-1] / (counts[-1] * self.top_k)
                 s = r.scores if opt.score == "softmax" else r.scores / r.scores.sum(-1, keepdim=True)
                 aux = self.n_experts * (f * s.mean(0)).sum()
@@ -378,13 +379,20 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
-def configure_moe(model: nn.Module, sum_stats: StatsSum, loss_share: float = 1.0) -> None:
-    """How the layers' counts are summed over the ranks holding the other tokens of a micro-step
-    (dp x cp; and tp when sequence parallelism splits the tokens: then each tp rank's aux and z terms
-    are 1/tp of the loss, ``loss_share``, as its tokens are). ``sum_stats`` comes from the parallel
-    layer (:func:`loom.parallel.expert.parallelize.stats_sum`): the model holds no process group."""
+def configure_moe(
+    model: nn.Module, sum_stats: StatsSum, loss_share: float = 1.0, sum_step: StatsSum | None = None
+) -> None:
+    """How the layers' counts are summed: ``sum_stats``, the aux loss's f_e counts over the ranks
+    holding the other tokens of a micro-batch's sequences (cp; and tp when sequence parallelism
+    splits the tokens: then each tp rank's aux and z terms are 1/tp of the loss, ``loss_share``, as
+    its tokens are), so each data-parallel rank's micro-batch is balanced as one process balances
+    the same micro-batch, with or without accumulation; ``sum_step`` (default ``sum_stats``), a step's
+    loads for the selection bias and hot experts, over every data-parallel rank too (dp x cp [x tp]).
+    Both come from the parallel layer (:func:`loom.parallel.expert.parallelize.stats_sum`): the
+    model holds no process group."""
     for m in moe_layers(model):
         m.sum_stats, m.loss_share = sum_stats, loss_share
+        m.sum_step = sum_stats if sum_step is None else sum_step
 
 
 def begin_step(model: nn.Module, grad_scale: float) -> None:
@@ -403,7 +411,7 @@ def end_step(model: nn.Module) -> None:
     if not layers:
         return
     loads = torch.stack([m.step_load for m in layers if m.step_load is not None])  # (L, E)
-    layers[0].sum_stats(loads)
+    layers[0].sum_step(loads)
     for m, load in zip(layers, loads):
         bias = m.expert_bias
         assert bias is not None

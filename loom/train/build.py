@@ -162,11 +162,13 @@ def parallelize(
 
         apply_expert_parallel(model, mesh, meter)
     split = mesh.size("tp") > 1 and cfg.parallel.sp  # sequence parallelism: tp ranks route different tokens
+    tokens = (mesh.group("tp"),) if split else ()
     configure_moe(
         model,
-        stats_sum((mesh.group("dp_cp"), mesh.group("tp")) if split else (mesh.group("dp_cp"),)),
+        stats_sum((mesh.group("cp"), *tokens)),  # the aux loss's f_e: over a micro-batch's sequences
         1.0 / mesh.size("tp") if split else 1.0,
-    )  # MoE balancing statistics: over a micro-step's ranks
+        stats_sum((mesh.group("dp_cp"), *tokens)),  # a step's loads: over every data-parallel rank
+    )
     pipe = None
     if mesh.size("pp") > 1:  # keep this rank's stages; the strategies below see only them
         from loom.parallel.pipeline.profile import choose_layout

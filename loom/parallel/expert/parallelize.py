@@ -145,6 +145,7 @@ class ExpertParallelMoE(MoEFeedForward):
         self.register_buffer("expert_bias", moe.expert_bias)
         self._init_state()
         self.layer_id, self.sum_stats, self.loss_share = moe.layer_id, moe.sum_stats, moe.loss_share
+        self.sum_step = moe.sum_step
         for name in ("w1", "w3", "w2"):
             full = getattr(moe, name).weight
             mine = ExpertWeights(
@@ -255,10 +256,10 @@ class ExpertParallelMoE(MoEFeedForward):
 
 
 def stats_sum(groups: Sequence[Group]) -> StatsSum:
-    """The sum of a MoE layer's balancing counts (f_e's, the loads) over the ranks holding the other
-    tokens of a micro-step, ``groups`` (dp x cp; and tp under sequence parallelism), in place: one
-    all-reduce per group of size > 1, unmetered (E + 1 numbers per layer and micro-batch). Given to
-    the plain layers by :func:`~loom.model.moe.configure_moe`, so the model holds no process group."""
+    """The sum of a MoE layer's balancing counts over ``groups`` in place (the f_e's over cp [x tp],
+    a step's loads over dp x cp [x tp]): one all-reduce per group of size > 1, unmetered (E + 1
+    numbers per layer and micro-batch). Given to the plain layers by
+    :func:`~loom.model.moe.configure_moe`, so the model holds no process group."""
     live = tuple(g for g in groups if comm.group_size(g) > 1)
 
     def sum_stats(counts: torch.Tensor) -> None:
@@ -296,7 +297,7 @@ def rebalance_experts(model: nn.Module) -> None:
         return
     zeros = torch.zeros(layers[0].n_experts, device=layers[0].router.weight.device)
     loads = torch.stack([m.window_load if m.window_load is not None else zeros for m in layers])
-    layers[0].sum_stats(loads)
+    layers[0].sum_step(loads)
     for m, load in zip(layers, loads):
         m.hot = choose_hot(load.tolist(), m.ep, m.options.hot_experts)
         m.window_load = None
