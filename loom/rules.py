@@ -556,6 +556,20 @@ def expert_rebalance_problem(
     return None
 
 
+def compress_layout_problem(formats: dict[str, str], tp: int, cp: int) -> str | None:
+    """fp8 and int8 compression scale each saved tensor by its max: under tp or cp a rank holds a
+    slice, whose max is not the whole tensor's, so training would differ from one process's."""
+    scaled = sorted({f for f in formats.values() if f in ("fp8", "int8")})
+    if scaled and (tp > 1 or cp > 1):
+        split = f"parallel.tp = {tp}" if tp > 1 else f"parallel.cp = {cp}"
+        return (
+            f"train.compress: {' and '.join(scaled)} scale each saved tensor by its max, and under {split} a "
+            "rank holds a slice whose max is not the tensor's (training would differ from one process); "
+            "use bf16 or none for those kinds, or tp = cp = 1"
+        )
+    return None
+
+
 def qlora_layout_problem(method: str, tp: int) -> str | None:
     """QLoRA quantizes whole base weights: each tensor-parallel rank would quantize its own slice."""
     if method == "qlora" and tp != 1:

@@ -346,3 +346,32 @@ def test_adam8bit_keeps_tp_replicas_equal(pools):
     codes, and its replicas drifted apart (1e-4 after 3 steps). Kept in fp32, they stay bitwise equal."""
     (a, _), (b, _) = pools(2).run(tp_replicated_shards, {"tp": 2, "sp": True, "optimizer": "adam8bit"}, 4)
     assert a.numel() > 0 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "spec, parallel, pattern",
+    [
+        (
+            "int8",
+            {"tp": 2},
+            r"^train\.compress: int8 scale each saved tensor by its max, and under parallel\.tp = 2",
+        ),
+        ("mlp=fp8", {"cp": 2}, r"^train\.compress: fp8 scale .* under parallel\.cp = 2"),
+    ],
+)
+def test_scaled_compression_under_tp_or_cp_is_refused(spec, parallel, pattern):
+    """fp8/int8 scale by the max of the rank's slice, which under tp or cp is not the tensor's: the
+    run would differ from one process's, so it is refused in one line; bf16 and dp stay allowed."""
+
+    def check(compress, **par):
+        c = LoomConfig(model=tiny_model(), train=tiny_train(compress=compress))
+        c.data.seq_len = SEQ
+        for k, v in par.items():
+            setattr(c.parallel, k, v)
+        validate(c, 2)
+
+    with pytest.raises(ConfigError, match=pattern) as e:
+        check(spec, **parallel)
+    assert "\n" not in str(e.value)
+    check("bf16", **parallel)
+    check(spec, dp=2)

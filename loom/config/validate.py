@@ -39,6 +39,7 @@ from loom.numbers import is_whole
 from loom.rules import (
     ModelFacts,
     batch_problem,
+    compress_layout_problem,
     expert_rebalance_problem,
     layout_problems,
     param_server_problem,
@@ -523,7 +524,7 @@ def check_memory(cfg: LoomConfig) -> None:
         policy != "every" or k <= cfg.model.n_layers,
         f"train.recompute: every:{k} checkpoints one block in {k}, but model.n_layers = {cfg.model.n_layers}",
     )
-    parse_compress(t.compress)
+    _require_none(compress_layout_problem(parse_compress(t.compress), cfg.parallel.tp, cfg.parallel.cp))
     _require(t.loss_scale >= 0, f"train.loss_scale: must be >= 0 (0 = dynamic), got {t.loss_scale}")
     _require(t.loss_scale_init >= 1, f"train.loss_scale_init: must be >= 1, got {t.loss_scale_init}")
     _require(t.loss_scale_window >= 1, f"train.loss_scale_window: must be >= 1, got {t.loss_scale_window}")
