@@ -168,6 +168,13 @@ def cmd_train(argv: list[str]) -> int:
             ) from None
     if under_external_launcher():  # every rank checks before any process group exists
         world = int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+        if "run.nproc" in C.overridden(cfg) and cfg.run.nproc != local:  # typed now: never silently dropped
+            raise C.ConfigError(
+                f"--nproc: {cfg.run.nproc} given, but a launcher started this process as rank "
+                f"{os.environ['RANK']} of WORLD_SIZE={world} ({local} on this node; RANK, WORLD_SIZE and "
+                "MASTER_ADDR are set); drop --nproc, or unset those variables for a local run"
+            )
         C.validate(cfg, world)
     else:
         world = opts.world(cfg)  # run.nproc per node times --nnodes, or the explicit degrees
@@ -209,9 +216,10 @@ def cmd_train(argv: list[str]) -> int:
     _check_run_dir(cfg)
     if not under_external_launcher():  # under torchrun/srun every rank checks its data itself
         _check_data(cfg)
+    from loom.checkpoint.format import naming_writes
     from loom.launch import main_train
 
-    with _naming(f"run.dir {cfg.run.dir}"):  # a failed write (disk full) in this process names where
+    with naming_writes(f"run.dir {cfg.run.dir}"):  # a failed write (disk full) in this process names where
         return main_train(cfg, opts.max_restarts, opts.nodes)
 
 
@@ -273,10 +281,21 @@ def foreign_run_files(d: Path) -> list[str]:
 def _check_run_dir(cfg: C.LoomConfig) -> None:
     """``run.dir`` is (or can become) a writable directory, and a checkpoint to resume exists."""
     d = cfg.run.dir
+    _check_path_length(d)
     if Path(d).expanduser().exists() and not Path(d).expanduser().is_dir():
         raise C.ConfigError(f"run.dir: {d!r} is a file, not a directory")
     for name, is_dir in RUN_ENTRIES.items():  # found by the ranks, after they started, before
         entry = Path(d).expanduser() / name
+        if entry.is_symlink() and not entry.exists():  # exists() follows the link: a loop or a missing target
+            raise C.ConfigError(
+                f"run.dir: {str(entry)!r} is a symbolic link that leads nowhere (a loop, or to the missing "
+                f"{os.readlink(entry)!r}); remove it, or choose another run.dir"
+            )
+        if entry.is_file() and (why := _unappendable(entry)) is not None:
+            raise C.ConfigError(
+                f"run.dir: {str(entry)!r} cannot be written ({why}; a run appends to it or rewrites it); "
+                "fix its permissions, or choose another run.dir"
+            )
         if entry.exists() and entry.is_dir() != is_dir:
             kind, want = ("a directory", "a file") if entry.is_dir() else ("a file", "a directory")
             raise C.ConfigError(
@@ -308,6 +327,46 @@ def _check_run_dir(cfg: C.LoomConfig) -> None:
             raise C.ConfigError(f"train.resume: {cfg.train.resume} holds no complete checkpoint")
         read_manifest(*found)  # the manifest has the hash latest recorded, before run.dir is touched
     _check_resume_step(cfg)
+
+
+def _unappendable(path: Path) -> str | None:
+    """Why ``path`` cannot be opened for appending (nothing is written), or None: the permission
+    bits, a read-only mount or an immutable file, as the run's first write would find them."""
+    try:
+        with open(path, "ab"):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+# the longest path a run writes under run.dir (a checkpoint's shard while it is being written)
+LONGEST_RUN_PATH = "checkpoints/.tmp-step-00000000/shard-00000-of-00000.safetensors"
+
+
+def _check_path_length(d: str) -> None:
+    """``run.dir`` leaves room for every path a run writes: each component within the file system's
+    NAME_MAX, run.dir plus :data:`LONGEST_RUN_PATH` within its PATH_MAX (found before any step is
+    trained, not at the first checkpoint)."""
+    path = Path(d).expanduser().absolute()
+    probe = path
+    while probe.parent != probe and not os.path.exists(probe):  # os.path: False for a name too long
+        probe = probe.parent
+    try:
+        name_max, path_max = os.pathconf(probe, "PC_NAME_MAX"), os.pathconf(probe, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return
+    longest = max(path.parts, key=len)
+    if len(os.fsencode(longest)) > name_max:
+        raise C.ConfigError(
+            f"run.dir: a component of {d!r} has {len(os.fsencode(longest))} bytes, more than the file "
+            f"system's {name_max}; choose a shorter run.dir"
+        )
+    need = len(os.fsencode(str(path / LONGEST_RUN_PATH)))
+    if need >= path_max:
+        raise C.ConfigError(
+            f"run.dir: {len(os.fsencode(str(path)))} bytes long: the checkpoints a run writes under it "
+            f"would need paths of {need} bytes, beyond the file system's {path_max}; choose a shorter run.dir"
+        )
 
 
 def _check_resume_step(cfg: C.LoomConfig) -> None:
@@ -528,7 +587,9 @@ def cmd_checkpoint(argv: list[str]) -> int:
 
     _no_empty_paths(argv)
     out = argv[-1] if len(argv) == 3 else None
-    with _output_lock(out), _naming(out or "the output"):
+    from loom.checkpoint.format import naming_writes
+
+    with _output_lock(out), naming_writes(out or "the output"):
         return convert_main(argv)
 
 
@@ -553,19 +614,10 @@ def cmd_export(argv: list[str]) -> int:
     values |= {i + 1 for i, a in enumerate(argv) if a == "--dtype"}
     positional = [a for i, a in enumerate(argv) if not a.startswith("--") and i not in values]
     out = positional[-1] if len(positional) == 3 else None
-    with _output_lock(out), _naming(out or "the output"):
+    from loom.checkpoint.format import naming_writes
+
+    with _output_lock(out), naming_writes(out or "the output"):
         return export_main(argv)
-
-
-@contextlib.contextmanager
-def _naming(where: str):
-    """An OS error without a file name (a failed ``write``: disk full, quota) says what was being written."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename:
-            raise
-        raise OSError(e.errno, f"{e.strerror or e} (while writing {where})") from None
 
 
 def _no_empty_paths(argv: list[str]) -> None:

@@ -13,6 +13,7 @@ import os
 import pickle
 import random
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -806,3 +807,52 @@ def test_metrics_past_the_checkpoint_are_dropped_on_restart(tmp_path):
     ]
     truncate_metrics(tmp_path, 0)  # a restart before the first checkpoint starts the file afresh
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_killed_writers_staged_output_is_removed_by_the_next(tmp_path, caplog):
+    """An export killed by SIGKILL leaves its hidden staged directory; the next staged output of that
+    name removes it (its writer's pid no longer runs) with one warning giving its size, and never one
+    a running process is writing."""
+    import logging
+    import signal
+    import subprocess
+    import sys
+
+    from loom.checkpoint.format import staged
+
+    out = tmp_path / "export"
+    code = (
+        "import sys, time; from pathlib import Path; from loom.checkpoint.format import staged\n"
+        f"with staged(Path({str(out)!r}), directory=True) as t:\n"
+        "    (t / 'shard').write_bytes(b'x' * 200_000); print('staged', flush=True); time.sleep(120)"
+    )
+    killed = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert killed.stdout is not None and killed.stdout.readline().strip() == "staged"
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    live = tmp_path / f".export.{socket.gethostname()[:32]}-{os.getpid()}.abc.partial"  # this process's
+    live.mkdir()
+    orphans = [p for p in tmp_path.iterdir() if p.name.endswith(".partial") and p != live]
+    assert len(orphans) == 1
+    with caplog.at_level(logging.WARNING, logger="loom"), staged(out, directory=True) as tmp:
+        (tmp / "shard").write_text("ok")
+    assert not orphans[0].exists() and live.exists() and (out / "shard").read_text() == "ok"
+    assert [r.getMessage() for r in caplog.records if "removed" in r.getMessage()] == [
+        f"loom: warning: removed {orphans[0]} (0.2 MB), left unfinished by process {killed.pid}, which no "
+        "longer runs"
+    ]
+
+
+def test_an_atomic_write_that_fails_names_its_file_and_leaves_no_tmp(tmp_path, monkeypatch):
+    """Disk full while run.dir's data.json is written: the error names the file, no data.json.tmp stays."""
+    import errno
+
+    from loom.checkpoint import format as F
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(F.os, "fsync", full)
+    with pytest.raises(OSError, match=r"No space left on device \(while writing .*data\.json\)"):
+        F.write_bytes_atomic(tmp_path / "data.json", b"{}")
+    assert list(tmp_path.iterdir()) == []

@@ -261,6 +261,17 @@ def _chat(where: str, *names: str) -> Callable[[Ctx], tuple[list[str], list[str]
     return setup
 
 
+def _train_bin_a_directory(c: Ctx):
+    d = c.copy_data()
+    (d / "train.bin").unlink()
+    (d / "train.bin").mkdir()  # said to be "missing" before
+    return c.train("--data.prepared_dir", str(d)), [
+        "data.prepared_dir",
+        str(d / "train.bin"),
+        "is a directory",
+    ]
+
+
 def _prepared(tamper: Callable[[Path], None], *names: str, verify: bool = False):
     def setup(c: Ctx):
         d = c.copy_data()
@@ -422,6 +433,22 @@ def _run_dir_dangling_link(c: Ctx):
     link = c.tmp / "link"
     link.symlink_to(c.tmp / "nowhere")
     return c.train(run=link), ["run.dir", "dangling link", str(c.tmp / "nowhere")]
+
+
+def _run_entry_link_loop(c: Ctx):
+    run = c.tmp / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to("checkpoints")  # found inside the ranks before: "File exists"
+    return c.train(run=run), ["run.dir", str(run / "checkpoints"), "leads nowhere"]
+
+
+def _run_dir_too_long(c: Ctx):
+    run = c.tmp.joinpath(*["e" * 250] * (4096 // 251))  # within PATH_MAX, the checkpoints' paths beyond it
+    return c.train(run=run), ["run.dir", "choose a shorter run.dir"]
+
+
+def _run_dir_name_too_long(c: Ctx):
+    return c.train(run=c.tmp / ("x" * 300)), ["run.dir", "more than the file system's"]
 
 
 def _resume_corrupt_data_record(c: Ctx):
@@ -934,6 +961,7 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
         2,
     ),
     ("val.bin missing", _prepared(lambda d: (d / "val.bin").unlink(), "val.bin"), 2),
+    ("train.bin a directory", _train_bin_a_directory, 2),
     ("meta.json not JSON", _prepared(lambda d: (d / "meta.json").write_text("{oops"), "meta.json"), 2),
     ("meta.json without fields", _prepared(lambda d: (d / "meta.json").write_text("{}"), "meta.json"), 2),
     ("tokenizer.json replaced", _prepared(_edit_tokenizer, "tokenizer.json"), 2),
@@ -1117,6 +1145,34 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("WORLD_SIZE zero", _env({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0"), 2),
     ("LOCAL_WORLD_SIZE zero", _env({"LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE=0"), 2),
     ("LOOM_STRICT_COMM neither on nor off", _env({"LOOM_STRICT_COMM": "maybe"}, "LOOM_STRICT_COMM"), 2),
+    ("OMP_NUM_THREADS not a count", _env({"OMP_NUM_THREADS": "lots"}, "OMP_NUM_THREADS=lots"), 2),
+    (
+        "MASTER_ADDR that does not resolve",
+        _env(
+            {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "no.such.host.invalid", "MASTER_PORT": "29558"},
+            "MASTER_ADDR=no.such.host.invalid",
+        ),
+        2,
+    ),
+    (
+        "--nproc beside a launcher's variables",
+        _env(
+            {
+                "RANK": "0",
+                "WORLD_SIZE": "1",
+                "LOCAL_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29558",
+            },
+            "--nproc",
+            "WORLD_SIZE=1",
+            args=("--nproc", "2"),
+        ),
+        2,
+    ),
+    ("run.dir entry a symlink loop", _run_entry_link_loop, 2),
+    ("run.dir too long for its checkpoints", _run_dir_too_long, 2),
+    ("run.dir name beyond NAME_MAX", _run_dir_name_too_long, 2),
     # values past any use: a hang, an allocation or an overflow deep in a library (an audit, 2026-11-29)
     ("data.workers 100000", _cfg("--data.workers", "100000", names=("data.workers", "at most 1024")), 2),
     ("train.eval_batches 1e12", _cfg("--train.eval_batches", "1000000000000"), 2),

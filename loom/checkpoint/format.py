@@ -27,10 +27,12 @@ which hands the bytes to the manifest's hasher as they go out (no second read).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import re
 import shutil
+import socket
 import struct
 import tempfile
 import threading
@@ -134,14 +136,30 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@contextmanager
+def naming_writes(where: str | Path) -> Iterator[None]:
+    """An OS error without a file name (a failed ``write``: disk full, quota) says what was being written."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, f"{e.strerror or e} (while writing {where})") from None
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """tmp file, fsync, rename, fsync the directory."""
+    """tmp file, fsync, rename, fsync the directory; a failed write (disk full) names ``path`` and
+    leaves no tmp file."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with naming_writes(path), open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
@@ -153,6 +171,48 @@ def umask_mode(path: Path, full: int = 0o666) -> None:
     os.chmod(path, full & ~mask)
 
 
+_WRITER = f"{socket.gethostname()[:32]}-{os.getpid()}"  # this process, in a staged output's hidden name
+
+
+def _remove_orphans(out: Path) -> None:
+    """Remove the hidden outputs a killed process (SIGKILL, the OOM killer) left staged for ``out``
+    (:func:`staged`): those named by this host and a process id no longer running; each removal is
+    one warning line with its size. Another host's, or a running process's, are left alone."""
+    host = socket.gethostname()[:32]
+    pattern = re.compile(re.escape(f".{out.name[:160]}.{host}-") + r"(\d+)\..*\.(partial|tmp)$")
+    try:
+        entries = list(out.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if m is None or _running(int(m.group(1))):
+            continue
+        size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file()) if entry.is_dir() else 0
+        size = size or (entry.stat().st_size if entry.is_file() else 0)
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        logging.getLogger("loom").warning(
+            "loom: warning: removed %s (%.1f MB), left unfinished by process %s, which no longer runs",
+            entry,
+            size / 1e6,
+            m.group(1),
+        )
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 @contextmanager
 def staged(out: Path, directory: bool = False) -> Iterator[Path]:
     """A new output (file, or ``directory``) built under a hidden temporary name beside ``out``, made
@@ -160,7 +220,10 @@ def staged(out: Path, directory: bool = False) -> Iterator[Path]:
     or adopted), with the umask's mode; renamed to ``out`` when the block completes (a directory only
     onto an empty one or none), removed if anything fails."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{out.name[:200]}."  # hidden; room for mkstemp's random part within NAME_MAX
+    # hidden, naming its writer (a killed one's is removed by the next: _remove_orphans); room for
+    # mkstemp's random part within NAME_MAX
+    prefix = f".{out.name[:160]}.{_WRITER}."
+    _remove_orphans(out)
     if directory:
         tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=".partial", dir=out.parent))
     else:

@@ -126,8 +126,17 @@ class PreparedData:
         itemsize = np.dtype(data.dtype).itemsize
         for path, n in ((data.train_path, data.n_train_tokens), (data.val_path, data.n_val_tokens)):
             if not path.is_file():
+                what = (
+                    "is a directory"
+                    if path.is_dir()
+                    else "is a symbolic link that leads nowhere"
+                    if path.is_symlink()
+                    else "is not a regular file"
+                    if os.path.lexists(path)
+                    else "is missing"
+                )
                 raise ConfigError(
-                    f"data.prepared_dir: {str(path)!r} is missing; delete {str(d)!r} and prepare again"
+                    f"data.prepared_dir: {str(path)!r} {what}; delete {str(d)!r} and prepare again"
                 )
             if path.stat().st_size != n * itemsize:
                 raise ConfigError(

@@ -106,6 +106,12 @@ def check_launcher_env() -> None:
                 f"environment: {name}={_shown(value)} is not a whole number >= 0 (a launcher sets it; "
                 f"unset {name} for a local run)"
             )
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads is not None and not all(is_whole(t) and int(t) >= 1 for t in threads.split(",")):
+        raise C.ConfigError(  # libgomp would warn in every process and ignore it
+            f"environment: OMP_NUM_THREADS={_shown(threads)} is not a positive whole number (or a comma "
+            "list of them); unset it (run.threads sets the threads a rank uses)"
+        )
     if is_whole(lws := os.environ.get("LOCAL_WORLD_SIZE", "")) and int(lws) == 0:
         raise C.ConfigError(
             "environment: LOCAL_WORLD_SIZE=0 counts no rank on this node (a launcher sets it >= 1; unset it "
@@ -129,6 +135,14 @@ def check_launcher_env() -> None:
     port = os.environ["MASTER_PORT"]
     if not (is_whole(port) and 1 <= int(port) <= 65535):
         raise C.ConfigError(f"environment: MASTER_PORT={port!r} is not a port in [1, 65535]")
+    addr = os.environ["MASTER_ADDR"]
+    try:  # c10d would retry an unresolvable name until run.timeout_s, then blame rank 0
+        socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise C.ConfigError(
+            f"environment: MASTER_ADDR={_shown(addr)} does not resolve ({e}); the launcher sets it to rank "
+            "0's host"
+        ) from None
 
 
 def expand_counts(spec: str) -> list[int]:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from loom.checkpoint.format import MODEL_FILE_METADATA
+from loom.checkpoint.format import MODEL_FILE_METADATA, write_bytes_atomic
 
 
 def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -57,10 +57,5 @@ def load_model(model: nn.Module, path: str | Path) -> None:
 
 
 def write_json_atomic(path: str | Path, obj: object) -> None:
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """``obj`` as indented JSON, atomically (:func:`~loom.checkpoint.format.write_bytes_atomic`)."""
+    write_bytes_atomic(Path(path), json.dumps(obj, indent=2, sort_keys=True).encode())

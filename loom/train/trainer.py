@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from loom import comm
 from loom import config as C
+from loom.checkpoint.format import naming_writes, write_bytes_atomic
 from loom.checkpoint.hf_export import keep_tokenizer_files
 from loom.checkpoint.load import find
 from loom.checkpoint.protocol import CombinedState
@@ -239,8 +240,9 @@ class Trainer:
         if not (self.run_dir / DATA_IDENTITY).is_file():  # a run is bound to the data it started on
             kept = keep_tokenizer_files(self.cfg, self.run_dir)  # and to its chat template, end token
             write_json_atomic(self.run_dir / DATA_IDENTITY, self.data_identity | kept)
-        (self.run_dir / "config.toml").write_text(C.dump_toml(self.cfg))
-        shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
+        write_bytes_atomic(self.run_dir / "config.toml", C.dump_toml(self.cfg).encode())
+        with naming_writes(self.run_dir / "tokenizer.json"):
+            shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
         c = self.cfg
         log.info(
             "model %.2fM params | world %d: %s | global batch %d x %d tokens, micro %d, accum %d",
