@@ -4,6 +4,7 @@ that the comparison rests on, each against a hand computation."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -935,3 +936,56 @@ def test_the_table_tells_rows_apart_by_tp_overlap():
 
     plain, overlapped = (Layout.parse(f"dp1 tp8 pp1 sp mb1{extra}") for extra in ("", " tp-overlap"))
     assert "tp-overlap" in _layout_cell(overlapped) and "tp-overlap" not in _layout_cell(plain)
+
+
+def test_expert_folding_takes_ep_from_tp_and_shards_the_experts_over_it():
+    """Megatron-Core's MoE parallel folding (a run's expert_tensor_parallel = 1): ep need only divide
+    tp x dp x cp (Qwen3-235B ran at tp2 dp16 ep32), each rank's experts are its own (no tp sum of
+    their gradients), and their ZeRO group is tp x dp x cp / ep; Loom's own layout refuses it."""
+    from loom.plan.cost.check import check, refused
+    from loom.plan.cost.comm import tp_partial_params
+    from loom.plan.cost.memory import state_terms
+
+    m = ModelConfig(dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, ffn_dim=512, vocab_size=32000)
+    cl = ClusterSpec.single_node("h100-sxm", 8)
+    plain, folded = (
+        CostModel(m, Workload(64, 1024, expert_folding=f), cl, n_experts=16, top_k=2, stack="megatron-core")
+        for f in (False, True)
+    )
+    wide = Layout(dp=2, dp_shard=2, tp=4, ep=8, zero=1, sp=True)  # ep8 > dp*cp = 2
+    assert check(plain, wide) == "parallel.ep: must divide dp*cp = 2, got 8"
+    assert check(folded, wide) is None and "Megatron-Core's" in (refused(folded, wide) or "")
+    lay = Layout(dp=2, dp_shard=2, tp=4, ep=2, zero=1, sp=True)  # valid both ways: the groups differ
+    expert = folded._params_on(4, 1, 2, True, True)[1]
+    optim = {
+        cm: dict(state_terms(cm, 4, 1, 1, 2, 1, 2, False, True, True))["optimizer"] for cm in (plain, folded)
+    }
+    assert optim[plain] - optim[folded] == pytest.approx(plain.O * expert * (1 - 1 / 4))  # shards 1 -> 4
+    assert tp_partial_params(plain, 4, True, 1, ep=2) - tp_partial_params(folded, 4, True, 1, ep=2) == (
+        pytest.approx(expert)
+    )
+    assert plain.estimate(lay).step_time != folded.estimate(lay).step_time
+
+
+def test_a_published_row_folds_experts_only_where_it_can(tmp_path):
+    """expert_tensor_parallel = 1 is accepted on an MoE row of a stack that folds; another value, a
+    dense model or Loom's own stack is one line naming the key."""
+    base = (
+        "[models.m]\ndim = 1024\nn_layers = 4\nn_heads = 16\nn_kv_heads = 4\nffn_dim = 512\n"
+        "vocab_size = 32000\nn_experts = 16\ntop_k = 2\n[models.d]\ndim = 1024\nn_layers = 4\nn_heads = 16\n"
+        "vocab_size = 32000\n[[runs]]\nname = 'r'\nmodel = '{model}'\nstack = '{stack}'\n"
+        "cluster = {{ device = 'h100-sxm' }}\nlayout = 'dp2 tp4 ep8 zero1 sp'\nglobal_batch = 64\nseq_len = 1024\n"
+        "expert_tensor_parallel = {etp}\ntokens_per_s_per_gpu = 1000\nsource = 'test'\n"
+    )
+    path = tmp_path / "runs.toml"
+    path.write_text(base.format(model="m", stack="nemo", etp=1))
+    (row,) = compare_published(load_file(path))
+    assert row.run.workload.expert_folding and row.estimate.step_time > 0
+    for model, stack, etp, want in (
+        ("m", "nemo", 4, "only 1 (Megatron-Core's MoE parallel folding)"),
+        ("d", "nemo", 1, "the model has no experts"),
+        ("m", "loom", 1, "Loom's stack replicates experts over tp"),
+    ):
+        path.write_text(base.format(model=model, stack=stack, etp=etp))
+        with pytest.raises(PlanError, match=r"run 'r': expert_tensor_parallel: .*" + re.escape(want)):
+            load_file(path)

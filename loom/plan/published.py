@@ -8,7 +8,9 @@ optional ``inter_bandwidth_gbps``, GB/s per GPU, default the device's reference 
 (``DeviceSpec.nic_bandwidth``: 25 per A100, 50 per Hopper or Blackwell GPU), optional
 ``intra_bandwidth_gbps``), ``layout`` (a
 :meth:`Layout.parse` line), ``global_batch``, ``seq_len``, ``precision`` (bf16), ``flash_attention``
-(true), ``compile`` (false: true for a step under ``torch.compile``), ``reduce_dtype`` (fp32), one measured throughput — ``tokens_per_s_per_gpu``, the whole job's
+(true), ``compile`` (false: true for a step under ``torch.compile``), ``reduce_dtype`` (fp32),
+``expert_tensor_parallel`` (an MoE run's: 1 is Megatron-Core's parallel folding, its ``ep`` drawn from
+tp x dp x cp, :attr:`Workload.expert_folding`; left out, experts are laid out as Loom's), one measured throughput — ``tokens_per_s_per_gpu``, the whole job's
 ``tokens_per_s`` or ``samples_per_s`` (sequences), ``step_time_s``, ``tflops_per_gpu`` or ``mfu`` (a share of the device's dense bf16 peak, as Llama 3
 and torchtitan report it), the last two with the ``tflops_formula`` the publication counted FLOPs
 with (:data:`TFLOPS_FORMULAS`) — its ``source`` (paper, table, URL) and ``group``, the independent
@@ -68,6 +70,7 @@ _RUN_KEYS: dict[str, type] = {
     "flash_attention": bool,
     "compile": bool,
     "reduce_dtype": str,
+    "expert_tensor_parallel": int,
     "tokens_per_s_per_gpu": float,
     "tokens_per_s": float,
     "samples_per_s": float,
@@ -172,7 +175,20 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
             reduce_dtype=row.get("reduce_dtype", "fp32"),
             flash_attention=row.get("flash_attention", True),
             compile=row.get("compile", False),
+            expert_folding=row.get("expert_tensor_parallel") == 1,
         )
+        if row.get("expert_tensor_parallel", 1) != 1:
+            raise PlanError(
+                f"expert_tensor_parallel: only 1 (Megatron-Core's MoE parallel folding) is priced, got "
+                f"{row['expert_tensor_parallel']}; leave it out for experts replicated over tp, as Loom's"
+            )
+        if w.expert_folding and (model.n_experts <= 1 or resolve_stack(str(row["stack"]))[0] == ""):
+            what = (
+                "Loom's stack replicates experts over tp"
+                if model.n_experts > 1
+                else "the model has no experts"
+            )
+            raise PlanError(f"expert_tensor_parallel: 1 folds an MoE's experts, but {what}")
         if w.precision not in (
             *PRECISIONS,
             "auto",

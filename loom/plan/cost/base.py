@@ -167,6 +167,12 @@ class CostBase:
             return self.train.bucket_bytes
         return max(floor, per_rank * ranks) * self.R
 
+    def expert_group(self, ranks: int, ep: int, tp: int) -> int:
+        """Ranks sharing each expert among ``ranks`` data-parallel ones (the experts' gradient and ZeRO
+        group): ranks / ep, or ranks x tp / ep under :attr:`Workload.expert_folding` (a tp group's ranks
+        hold different experts there, the same ones in Loom's layout, which sums them over tp)."""
+        return max(1, ranks * (tp if self.train.expert_folding else 1) // ep)
+
     def buckets(self, nbytes: float, ranks: int) -> int:
         """Reduce calls for ``nbytes`` of gradients over ``ranks``: ceil(nbytes / :meth:`bucket_bytes`), at least 1."""
         return max(1, -(-int(nbytes) // int(self.bucket_bytes(ranks))))

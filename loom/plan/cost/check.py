@@ -48,11 +48,14 @@ def check(cm: CostBase, lay: Layout) -> str | None:
         return "every degree must be >= 1"
     if lay.world_size > cm.cluster.world_size:
         return "more devices than the cluster has"
+    folded = t.expert_folding  # Megatron-Core's MoE parallel folding: ep drawn from tp x dp x cp
     why = zero_stage_problem(lay.zero) or sharding_problem(
-        dp=lay.dp, dp_shard=lay.dp_shard, cp=lay.cp, ep=lay.ep
+        dp=lay.dp, dp_shard=lay.dp_shard, cp=lay.cp, ep=1 if folded else lay.ep
     )
     if why:
         return why
+    if folded and (lay.tp * lay.dp * lay.cp) % lay.ep:
+        return f"ep must divide tp*dp*cp = {lay.tp * lay.dp * lay.cp} (expert folding), got {lay.ep}"
     if lay.zero > 0 and lay.dp_shard * lay.cp == 1:
         return "zero > 0 needs a sharding group dp_shard*cp > 1"
     if lay.schedule not in SCHEDULES:
@@ -112,6 +115,10 @@ def refused(cm: CostBase, lay: Layout) -> str | None:
     )
     if problems:
         return problems[0]
+    if t.expert_folding:
+        return (
+            "expert folding (expert tensor parallelism 1) is Megatron-Core's: Loom replicates experts over tp"
+        )
     why = qlora_layout_problem("qlora" if t.qlora else "lora", lay.tp) or zero3_options_problem(
         zero=lay.zero,
         offload_params="cpu" if lay.offload_params else "none",

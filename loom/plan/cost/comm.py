@@ -137,7 +137,8 @@ def tp_partial_params(cm: CostBase, tp: int, sp: bool, pp: int, last: bool = Tru
     )
     seq += pc.positions if first else 0
     kv = 2 * layers * cm.kd * (h + (1 if m.qkv_bias or m.bias else 0)) if m.n_kv_heads % tp else 0.0
-    moe = layers * (pc.router + pc.shared + pc.mlp / ep) if cm.moe else 0.0
+    folded = cm.train.expert_folding  # the experts are this rank's own: nothing to sum over tp
+    moe = layers * (pc.router + pc.shared + (0.0 if folded else pc.mlp / ep)) if cm.moe else 0.0
     return (seq + moe if sp else 0.0) + kv + layers * qk_norms
 
 
@@ -179,7 +180,7 @@ def collective_calls(cm: CostBase, lay: Layout) -> dict[str, int]:
             dense, expert = dense + expert, 0.0
         buckets = cm.buckets(dense * cm.R, lay.dp * lay.cp)
         if lay.zero == 0:  # expert shards: buckets of their own, summed over their edp group
-            edp = lay.dp * lay.cp // lay.ep
+            edp = cm.expert_group(lay.dp * lay.cp, lay.ep, lay.tp)
             add(
                 "all_reduce",
                 buckets + (cm.buckets(expert * cm.R, lay.dp * lay.cp) if edp > 1 and expert > 0 else 0),

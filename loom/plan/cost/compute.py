@@ -179,11 +179,12 @@ def microbatch_times(
     ep_layer = 0.0
     if cm.moe and ep > 1:
         # rows of this rank's tokens (T_moe·k, at most the capacity's), the busiest rank receiving ``moe_load`` x
+        span = ep if tr.expert_folding else tp * ep  # folded: ep consecutive ranks, tp's among them
         ep_layer = n_tp * mach.collective(
-            "all_to_all", ep, T_moe * cm.top_k * h * B * tr.moe_load, tp * ep, world or None
+            "all_to_all", ep, T_moe * cm.top_k * h * B * tr.moe_load, span, world or None
         )
         ep_layer += (
-            (n_tp - 2) // 2 * mach.latency("all_to_all", ep, tp * ep, world or None)
+            (n_tp - 2) // 2 * mach.latency("all_to_all", ep, span, world or None)
         )  # the per-expert counts
         ep_layer += (n_tp + (n_tp - 2) // 2) * mach.call_overhead.get(
             "ep", 0.0

@@ -199,15 +199,15 @@ def dp_comm(
         # W' Φ b / K per phase (W' = W, or W - 1 when server k lives in worker k), b = 4 (fp32)
         k, through = cm.train.ps_shards, dp - (1 if cm.train.ps_colocate else 0)
         return 2 * mach.collective("p2p", 2, through * dense * 4 / k, tpcp * dp, wd) if through > 0 else 0.0
-    for phi, ep in ((max(dense, dense_l), 1), (max(expert, expert_l), ep_deg)):
+    for phi, ep, experts in ((max(dense, dense_l), 1, False), (max(expert, expert_l), ep_deg, True)):
         if phi <= 0:
             continue
         buckets = cm.buckets(phi * R, dp * cp)
         if zero == 0:
-            n, span = dp * cp // ep, tpcp * dp
+            n, span = cm.expert_group(dp * cp, ep, tp) if experts else dp * cp, tpcp * dp
             total += grad_all_reduce(cm, n, phi * R, span, wd, buckets)
             continue
-        ns = max(1, ds * cp // ep)
+        ns = cm.expert_group(ds * cp, ep, tp) if experts else max(1, ds * cp)
         span = tpcp * ds
         lat_rs, lat_ag = (
             mach.latency("reduce_scatter", ns, span, wd),
@@ -263,9 +263,9 @@ def zero3_stage_gathers(cm: CostBase, lay: Layout) -> tuple[float, int]:
     for first, last in ((True, False), (False, True)):
         dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
         t = 0.0
-        for phi, ep in ((dense, 1), (expert, lay.ep)):
+        for phi, ep, experts in ((dense, 1, False), (expert, lay.ep, True)):
             if phi > 0:
-                ns = max(1, ns_dense // ep)
+                ns = cm.expert_group(ns_dense, ep, lay.tp) if experts else ns_dense
                 t += zero3_gathers(
                     cm, phi, ep, ns, lay.tp * lay.cp * lay.dp_shard, wd, lay.tp, lay.pp, last, lay.split
                 )

@@ -184,6 +184,10 @@ class Workload:
     moe_score: str = "softmax"  # MoE: moe.score (sigmoid: the aux loss normalizes each token's scores)
     moe_shared: int = 0  # MoE: moe.n_shared_experts (one SwiGLU of S·f that every token runs)
     moe_compute: str = "grouped"  # MoE: moe.compute, grouped | loop (per expert: no group offsets)
+    # MoE parallel folding (Megatron-Core, expert tensor parallelism 1; a published run's
+    # expert_tensor_parallel = 1): the expert-parallel group is drawn from tp x dp x cp, so ep need only
+    # divide that, and each rank's E/ep experts are its own, not replicated over tp (Loom's layout)
+    expert_folding: bool = False
     # parallel.allreduce: the gradient all-reduce's algorithm (butterfly needs 2^k ranks)
     allreduce: str = "native"
     # parallel.dp_mode = "ps": K parameter-server shards instead of the all-reduce (0 = none)

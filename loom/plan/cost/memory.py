@@ -88,7 +88,7 @@ def state_terms(
     W, G, O = cm.W, cm.G, cm.O  # noqa: E741 (the module doc's names)
     dense, expert = cm._params_on(tp, pp, ep, first, last, split)
     n = dp_shard * cp if zero else 1
-    n_e = max(1, n // ep)
+    n_e = cm.expert_group(n, ep, tp) if zero else 1
     shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[zero]
     shard_e = {0: (1, 1, 1), 1: (1, 1, n_e), 2: (1, n_e, n_e), 3: (n_e, n_e, n_e)}[zero]
     weights = W * (dense / shard[0] + expert / shard_e[0])
@@ -161,7 +161,10 @@ def zero3_transient(
         order.append(("embedding", table, table, 0.0, [(table, False)]))
     held_tied = W * ends[0][0] + G * table + G * ends[0][0] * f if tied else 0.0
     cast = cm.R != G
-    c = {False: reduction_bytes(cm, n), True: reduction_bytes(cm, max(1, n // ep))}  # dense, experts
+    c = {
+        False: reduction_bytes(cm, n),
+        True: reduction_bytes(cm, cm.expert_group(n, ep, tp)),
+    }  # dense, experts
     worst = 0.0
     reduced: dict[bool, list[float]] = {False: [], True: []}  # per reducer (its own in-flight window)
     # running sums of each reducer's units, all and all but the last two, added in the order a sum of
@@ -265,7 +268,7 @@ def reduction_moment(
     if first:
         end = own + c * (table + embedding_companions(cm, lay, first, last))
         if cm.moe and lay.ep > 1:  # the experts' reducer (their group): its last two stacked weights
-            n_e = max(1, sharding(lay) // lay.ep)
+            n_e = cm.expert_group(sharding(lay), lay.ep, lay.tp)
             end += reduction_bytes(cm, n_e) * 2 * cm.n_experts / lay.ep * cm.ffn * cm.model.dim
         moment = max(moment, end)
     return moment
@@ -341,7 +344,7 @@ def step_workspace(cm: CostBase, lay: Layout, first: bool = True, last: bool = T
         return 0.0
     dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
     n = sharding(lay)
-    elements = dense / n + expert / max(1, n // lay.ep)
+    elements = dense / n + expert / (cm.expert_group(n, lay.ep, lay.tp) if lay.zero else 1)
     grads32 = 4.0 * elements if cm.train.mixed else 0.0
     if cm.train.optimizer == "adamw":
         return grads32

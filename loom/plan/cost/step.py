@@ -74,7 +74,7 @@ def timed(cm: CostBase, lay: Layout, mem: float, breakdown: dict[str, float], st
     time["dp comm"] = dp_time(cm, lay, m, terms["compute"], m * t_mb) + m * gathers
     dense, expert = cm._stage_params(lay, True, p == 1)
     n = lay.dp_shard * lay.cp if lay.zero else 1
-    local = dense / n + expert / max(1, n // lay.ep)
+    local = dense / n + expert / (cm.expert_group(n, lay.ep, lay.tp) if lay.zero else 1)
     if tr.ps_shards:  # each server steps its shard; the workers wait for it (bsp)
         local = dense / tr.ps_shards
     if lay.offload:
