@@ -183,6 +183,25 @@ def test_ctrl_c_prints_one_line(base_cfg, tmp_path, nproc):
     _check_stopped(job, job.finish(), signal.SIGINT)
 
 
+def test_ctrl_c_while_the_ranks_start_ends_at_once_in_one_line(base_cfg, tmp_path):
+    """Ctrl-C as the ranks start (importing torch, meeting at the rendezvous store): a Python handler
+    cannot interrupt the store's C++ connect, which retries for a minute printing c10d's stacks (60 s
+    and up to 60 lines before); until its process group exists a rank takes the signal's default
+    action, and the job ends in seconds with the one line."""
+    job = Job(with_sections(base_cfg, run={"dir": str(tmp_path), "nproc": 2}, train={"steps": 100_000}))
+    end = time.monotonic() + 60
+    while time.monotonic() < end and job.proc.poll() is None and not (tmp_path / "logs").is_dir():
+        time.sleep(0.01)  # a rank made its fault-dump directory: the ranks are starting
+    t0 = time.monotonic()
+    os.killpg(job.proc.pid, signal.SIGINT)
+    rc = job.finish()
+    assert time.monotonic() - t0 < 20, f"ended {time.monotonic() - t0:.1f} s after Ctrl-C:\n{job.output()}"
+    assert rc == 128 + signal.SIGINT, job.output()
+    assert job.stop_lines() == [
+        "loom: interrupted by SIGINT before a step could be saved; all ranks stopped"
+    ], job.output()
+
+
 def test_ctrl_c_during_the_final_save_ends_at_once_and_says_the_model_was_saved(base_cfg, tmp_path):
     """Ctrl-C as the ranks save the final model: they noted the signal (no step left to stop at),
     absorbed the launcher's SIGTERM, returned, and waited for the shutting-down launcher to read

@@ -94,7 +94,17 @@ class StopRequest:
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():  # Python handles signals there only
             for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                previous = signal.signal(sig, self._handle)
+                self._previous.setdefault(sig, previous)  # hold_off's record is the one to restore
+
+    def hold_off(self) -> None:
+        """Until :meth:`install`: the signals' default action, so a rank stopped while it starts ends
+        at once. Python runs a handler only between bytecodes, and a rank still connecting to the
+        rendezvous store sits in one C++ call that retries on EINTR for a minute, printing c10d's
+        stacks, before a ``KeyboardInterrupt`` could end it."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, signal.SIG_DFL)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -126,6 +136,8 @@ class Trainer:
         self.stop = stop  # None: signals keep their default action (dedicated parameter servers)
         self.stopped: tuple[int, int] | None = None  # (step, signal) once a signal stopped the loop
         self.device = init_process_group(cfg, env)
+        if stop is not None:  # the process group exists: a signal now interrupts, or stops after a step
+            stop.install()
         C.validate(cfg, env.world)
         # The default generators (dropout's stream; every device's) start from train.seed on every
         # rank, as Megatron's do over data parallelism: torch starts them from a random seed, so two
@@ -599,7 +611,9 @@ def run(
     Heartbeat.current = None  # this run's, once the Trainer starts it
     # dedicated parameter servers do not take part in the trainer's steps: no agreed stop (yet)
     stop = StopRequest() if not C.ps_servers(cfg) else None
-    if stop is not None:
+    if stop is not None and exit_on_signal and env.world > 1 and not dist.is_initialized():
+        stop.hold_off()  # a rank of a launcher: ended at once until its process group exists (Trainer)
+    elif stop is not None:
         stop.install()
     try:
         if env.rank >= env.world - C.ps_servers(cfg):  # a dedicated parameter-server rank: the last ps_shards
