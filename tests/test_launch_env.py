@@ -217,3 +217,24 @@ def test_a_rank_killed_by_a_signal_leaves_its_stacks_in_a_file_not_on_the_termin
     assert out.returncode < 0 and 'File "' not in out.stderr and "Segmentation" not in out.stderr
     dump = (tmp_path / "logs" / "rank-3-fault.txt").read_text()
     assert "Segmentation fault" in dump and 'File "<string>"' in dump
+
+
+def test_a_rank_of_loom_s_launcher_leaves_out_what_the_launcher_said(monkeypatch, capsys, clean_logging):
+    """The launcher reads the prepared data and the checkpoint to resume before the ranks do, and
+    warns once; its ranks drop those warnings (they were printed 3 to 6 times), a rank under torchrun
+    prints them, and every other warning still reaches stderr."""
+    import logging
+
+    from loom.notes import LAUNCHER_SAYS, UNDER_LOOM_LAUNCHER
+    from loom.train.metrics import setup_logging
+
+    log = logging.getLogger("loom")
+    for launcher, want in (("1", ["[rank 1] other"]), (None, ["[rank 1] said", "[rank 1] other"])):
+        if launcher is None:
+            monkeypatch.delenv(UNDER_LOOM_LAUNCHER, raising=False)
+        else:
+            monkeypatch.setenv(UNDER_LOOM_LAUNCHER, launcher)
+        setup_logging(1)
+        log.warning("said", extra=LAUNCHER_SAYS)
+        log.warning("other")
+        assert capsys.readouterr().err.splitlines() == want

@@ -30,6 +30,7 @@ from loom.checkpoint.protocol import Box, Flat, Region, ShardedTensor, full_box
 from loom.checkpoint.regions import intersect, local_slices, region_boxes, row_span, view_box
 from loom.checkpoint.save import list_checkpoints
 from loom.checkpoint.shared_read import fill_shared, group_order
+from loom.notes import LAUNCHER_SAYS
 
 log = logging.getLogger("loom")
 # a padded vocabulary's tensors (model.pad_vocab_to): V' rows, those >= V zeros; their optimizer state too
@@ -43,7 +44,7 @@ def _warn_once(fmt: str, *args: object) -> None:
     line = fmt % args
     if line not in _WARNED:
         _WARNED.add(line)
-        log.warning("%s", line)
+        log.warning("%s", line, extra=LAUNCHER_SAYS)  # the launcher found it first (loom.notes)
 
 
 def _complete(ckpt: Path) -> bool:

@@ -65,9 +65,11 @@ from loom.data.stream import (
     split_stream,
 )
 from loom.data.tokenizer import eot_id, load_tokenizer, tokenizer_file, train_pieces, train_tokenizer
+from loom.notes import LAUNCHER_SAYS
 from loom.numbers import is_whole
 
 log = logging.getLogger("loom")
+_SAID: set[str] = set()  # warnings this process printed (once each)
 
 FORMAT_VERSION = 1
 META = "meta.json"
@@ -509,10 +511,12 @@ def _reuse(final: Path, cfg: DataConfig, explicit: frozenset[str] = frozenset())
                 f"data.{name}: {key[k]!r} was given, but data.prepared_dir {str(final)!r} was prepared with "
                 f"{old.get(k)!r}; give a new data.prepared_dir to prepare it, or leave data.{name} out"
             )
-    if changed:
-        log.warning(
-            "data.prepared_dir: reusing %r, prepared with different %s", str(final), ", ".join(changed)
-        )
+    line = f"data.prepared_dir: reusing {str(final)!r}, prepared with different {', '.join(changed)}"
+    if (
+        changed and line not in _SAID
+    ):  # once per process; a rank of Loom's launcher leaves it out (loom.notes)
+        _SAID.add(line)
+        log.warning("%s", line, extra=LAUNCHER_SAYS)
     return data
 
 

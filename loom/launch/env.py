@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from loom import config as C
+from loom.notes import UNDER_LOOM_LAUNCHER
 from loom.numbers import is_whole
 
 
@@ -274,6 +275,7 @@ def check_local_address(addr: str) -> None:
 
 
 def _set_launch_env(master_addr: str) -> None:
+    os.environ[UNDER_LOOM_LAUNCHER] = "1"  # its ranks leave out the warnings it printed (loom.notes)
     # A shared rendezvous TCP store made restarts fail on this machine (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if is_loopback(master_addr):

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from loom.notes import drop_launcher_notes
+
 if TYPE_CHECKING:
     from loom.train.trackers import Tracker
 
@@ -25,6 +27,8 @@ def setup_logging(rank: int) -> None:
     """Rank-aware log format; only rank 0 logs INFO, others only warnings and errors."""
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank {rank}] %(message)s", force=True)
+    for handler in logging.getLogger().handlers:  # what Loom's launcher said already (loom.notes)
+        drop_launcher_notes(handler)
 
 
 def human_bytes(n: float) -> str:
