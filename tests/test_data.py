@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 
 import numpy as np
@@ -1395,3 +1396,30 @@ def test_prepare_refuses_what_train_refuses_a_prepared_dir_beside_sources(tmp_pa
         "loom: error: data.prepared_dir: has no effect with [[data.sources]]"
     )
     assert not (tmp_path / "p").exists()
+
+
+def test_a_token_file_truncated_under_the_run_is_one_line_not_sigbus(tmp_path):
+    """train.bin truncated in place while it is mapped: the next batch is a one-line error naming it
+    (reading past the new end killed a one-rank run with SIGBUS and no line); a file deleted or
+    replaced by another leaves the mapping its old data, and training goes on."""
+    import os
+
+    import numpy as np
+
+    from loom.config import ConfigError
+    from loom.data.dataset import TokenDataset
+
+    path = tmp_path / "train.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    ds = TokenDataset(path, seq_len=8, dtype="uint16", vocab_size=1000)
+    before = ds.batch([0, 100])
+    path.unlink()  # the mapping keeps its inode
+    assert torch.equal(ds.batch([0, 100])[0], before[0])
+    np.arange(1000, dtype=np.uint16).tofile(path)  # a new file at the path: not what is mapped
+    assert torch.equal(ds.batch([0, 100])[0], before[0])
+    mapped = TokenDataset(path, seq_len=8, dtype="uint16", vocab_size=1000)
+    os.truncate(path, 1000)
+    with pytest.raises(
+        ConfigError, match=rf"^data\.prepared_dir: {re.escape(str(path))} shrank to 1000 bytes"
+    ):
+        mapped.batch([100])

@@ -124,6 +124,11 @@ class TokenDataset:
             )
         check_one_window(self.path, self.n_tokens, seq_len)
         self.n_windows = (self.n_tokens - 1) // seq_len
+        self._mapped = [  # (path, its mapping, the (device, inode) mapped): _check_size
+            (p, a, (os.stat(p).st_dev, os.stat(p).st_ino))
+            for p, a in ((self.path, self.tokens), (mask_path, self.mask))
+            if a is not None
+        ]
 
     def __len__(self) -> int:
         return self.n_windows
@@ -137,8 +142,22 @@ class TokenDataset:
 
     __getitem__ = window
 
+    def _check_size(self) -> None:
+        """The mapped files still hold every token: one truncated in place under the run would end this
+        process with SIGBUS at the first read past its new end, with no line naming it (a file deleted or
+        replaced by another leaves the mapping its old one: nothing to say)."""
+        for path, mapped, inode in self._mapped:
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                if (st.st_dev, st.st_ino) == inode and st.st_size < mapped.nbytes:
+                    raise ConfigError(
+                        f"data.prepared_dir: {path} shrank to {st.st_size} bytes under the run (it held "
+                        f"{mapped.nbytes}); it was truncated in place: prepare the data again"
+                    )
+
     def batch(self, indices: list[int]) -> Batch:
         """Stack windows into (x, y), each of shape (len(indices), seq_len)."""
+        self._check_size()
         tokens = torch.stack([self.window(i) for i in indices])  # (b, T+1)
         if self.vocab_size is not None and tokens.numel() and int(tokens.max()) >= self.vocab_size:
             row, col = torch.nonzero(tokens >= self.vocab_size)[0].tolist()
