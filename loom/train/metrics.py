@@ -143,8 +143,8 @@ class MetricsWriter:
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            _quiet_tensorboard_threads()  # first: the writer thread writes (and may fail) as it starts
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
-            _quiet_tensorboard_threads()
 
     def write(self, row: dict[str, Any]) -> None:
         """A failed write (disk full, quota) raises one ``OSError`` naming the file, TensorBoard's too:
