@@ -693,7 +693,20 @@ def test_eval_batches_fixed_and_layout_independent(tmp_path):
         union = sorted(tuple(x[:, 0].tolist()) for p in parts for x, _ in p)
         assert union == sorted(tuple(s) for s in starts)
     three = [eval_batches(ds, 4, 2, dp_rank=r, dp_size=3) for r in range(3)]
-    assert {len(p) for p in three} == {2}  # rounded up: every rank runs the same count
+    assert {len(p) for p in three} == {2}  # every rank runs the same count: the last 2 are pads
+    trained = sorted(tuple(x[:, 0].tolist()) for p in three for x, y in p if (y != -100).any())
+    assert trained == sorted(tuple(s) for s in starts)  # the pads train nothing: dp=1's set
+    assert sum(bool((y == -100).all()) for p in three for _, y in p) == 2
+
+
+def test_eval_loss_is_the_one_process_loss_on_any_dp():
+    """The token mean weighs a pad (every target -100, its mean NaN) by zero: an eval over 3 ranks of
+    4 batches is the mean of the 4."""
+    from loom.parallel.base import token_mean
+
+    losses = [torch.tensor(v) for v in (2.0, 4.0, 6.0, float("nan"))]
+    targets = [torch.zeros(2, 3, dtype=torch.long)] * 3 + [torch.full((2, 3), -100)]
+    assert float(token_mean(losses, targets, None)) == pytest.approx(4.0)
 
 
 def test_prepared_data_feeds_sampler(tmp_path, cache):

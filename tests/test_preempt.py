@@ -190,8 +190,10 @@ def test_ctrl_c_while_the_ranks_start_ends_at_once_in_one_line(base_cfg, tmp_pat
     action, and the job ends in seconds with the one line."""
     job = Job(with_sections(base_cfg, run={"dir": str(tmp_path), "nproc": 2}, train={"steps": 100_000}))
     end = time.monotonic() + 60
-    while time.monotonic() < end and job.proc.poll() is None and not (tmp_path / "logs").is_dir():
-        time.sleep(0.01)  # a rank made its fault-dump directory: the ranks are starting
+    dumps = [tmp_path / "logs" / f"rank-{r}-fault.txt" for r in (0, 1)]  # made as each rank's code starts
+    while time.monotonic() < end and job.proc.poll() is None and not all(d.exists() for d in dumps):
+        time.sleep(0.01)  # both ranks run Loom's code and meet at the rendezvous (a rank still in
+        # Python's spawn bootstrap, importing torch, prints its KeyboardInterrupt: not Loom's to catch)
     t0 = time.monotonic()
     os.killpg(job.proc.pid, signal.SIGINT)
     rc = job.finish()

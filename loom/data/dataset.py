@@ -405,10 +405,12 @@ def eval_batches(
 ) -> list[Batch]:
     """Fixed eval micro-batches of this rank: the first windows of ``dataset``, dealt round-robin.
 
-    ``n_batches`` is the global count; it is rounded up to a multiple of ``dp_size`` so every
-    rank runs the same number of forwards (collectives stay matched). Global micro-batch k holds
-    windows ``(k*micro_batch + i) mod n_windows`` (wrapping on a small set) and goes to rank
-    ``k mod dp_size``; whenever dp_size divides n_batches the union over ranks is the dp=1 set.
+    ``n_batches`` is the global count. Global micro-batch k holds windows ``(k*micro_batch + i) mod
+    n_windows`` (wrapping on a small set) and goes to rank ``k mod dp_size``; so every rank runs the
+    same number of forwards (collectives stay matched) the last ones are padded up to a multiple of
+    ``dp_size`` with batches whose targets are all -100, which the token mean weighs by zero: the
+    union over ranks is the dp=1 set on any dp (rounded up, dp4 evaluated 4 batches where one process
+    evaluated 2, and the eval loss moved by 2e-3).
     """
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"parallel.dp: rank {dp_rank} is not in [0, dp_size={dp_size})")
@@ -419,5 +421,6 @@ def eval_batches(
     out = []
     for i in range(per_rank):
         k = i * dp_size + dp_rank
-        out.append(dataset.batch([(k * micro_batch + r) % n for r in range(micro_batch)]))
+        x, y, *rest = dataset.batch([(k * micro_batch + r) % n for r in range(micro_batch)])
+        out.append((x, y if k < n_batches else torch.full_like(y, -100), *rest))
     return out

@@ -161,13 +161,24 @@ class SyncSwitch:
             self.sync_enabled = prev
 
 
+# elements per fp32 partial norm (at most NORM_PIECES pieces of a tensor): the CPU's fp32 norm of one
+# 8M-element tensor is 4e-4 off, so how a layout cut the gradients (whole parameters, flat ZeRO shards,
+# tp slices) moved the norm and the clip; 16k-element pieces summed in fp64 hold it within 1e-7
+NORM_PIECE, NORM_PIECES = 16384, 4096
+
+
 def sum_sq(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """Σ x² in fp32 over ``tensors`` (fp32 accumulation for half ones too), on their device
-    (``device`` when there are none: a rank without any still joins the collective that sums it)."""
+    """Σ x² as fp32 over ``tensors`` (half ones too), on their device (``device`` when there are none: a
+    rank without any still joins the collective that sums it): fp32 norms of pieces of at most
+    max(NORM_PIECE, n / NORM_PIECES) elements, their squares summed in fp64."""
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).pow(2).sum()
+    pieces = [
+        piece for t in tensors for piece in t.reshape(-1).split(max(NORM_PIECE, -(-t.numel() // NORM_PIECES)))
+    ]
+    norms = torch.stack(torch._foreach_norm(pieces, 2.0, dtype=torch.float32))
+    return norms.double().pow(2).sum().float()
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -241,7 +252,8 @@ def token_mean(losses: list[torch.Tensor], targets: list[torch.Tensor], group: G
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for loss, y in zip(losses, targets):
         c = (y != -100).sum().to(device=device, dtype=torch.float64)
-        sums += torch.stack([loss.double() * c, c])
+        # a batch with no trained target (an eval pad, eval_batches) weighs 0 even if its mean is NaN
+        sums += torch.stack([torch.where(c > 0, loss.double() * c, 0.0), c])
     if comm.group_size(group) > 1:
         comm.all_reduce(sums, group)
     return (sums[0] / sums[1].clamp(min=1)).float()

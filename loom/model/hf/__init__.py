@@ -6,8 +6,8 @@ config; ``names``: Loom's tensors under their Hugging Face names and layouts (th
 ``run_config``: a run's ``model.from_hf``; ``to_hf``: a Loom model's ``config.json`` and tensors.
 """
 
-from loom.model.hf.config import GELU, model_config, moe_options
-from loom.model.hf.directory import HFModel, open_dir, open_shard
+from loom.model.hf.config import GELU, model_config
+from loom.model.hf.directory import HFModel, moe_options, open_dir, open_shard
 from loom.model.hf.families import (
     CONFIG,
     FAMILY_DEFAULTS,

@@ -4,7 +4,6 @@ by name (RoPE types, quantization, biases, windows, experts); GPT-2's fields apa
 from __future__ import annotations
 
 import json
-import typing
 
 from loom.config import ModelConfig
 from loom.model.hf.families import (
@@ -26,9 +25,6 @@ from loom.model.hf.families import (
     hf_field,
     sliding_window,
 )
-
-if typing.TYPE_CHECKING:
-    from loom.model.hf.directory import HFModel
 
 GELU = {
     "gelu_new": "gelu_tanh",
@@ -197,16 +193,6 @@ def _qwen3_moe_experts(raw: dict) -> tuple[int, int]:
     if n < 2:
         raise HFError(f"{CONFIG}: {field} = {n} is not supported (Loom: >= 2 for Qwen3MoeForCausalLM)")
     return n, _int("moe_intermediate_size", raw["moe_intermediate_size"])
-
-
-def moe_options(model: HFModel) -> dict[str, object]:
-    """The ``[moe]`` settings the directory's routing fixes: Qwen3-MoE's ``norm_topk_prob`` (default
-    false) as ``moe.norm_topk``; Mixtral always renormalizes (Loom's default)."""
-    return (
-        {"norm_topk": _bool("norm_topk_prob", hf_field(model.raw, "norm_topk_prob"))}
-        if model.architecture == QWEN3MOE
-        else {}
-    )
 
 
 def _gpt2_config(raw: dict, max_seq_len: int) -> ModelConfig:

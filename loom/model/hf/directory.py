@@ -16,7 +16,17 @@ import torch
 
 from loom.config import ModelConfig
 from loom.model.hf.config import model_config
-from loom.model.hf.families import _WRONG, CONFIG, INDEX, HFError, architecture, zero_tensors
+from loom.model.hf.families import (
+    _WRONG,
+    CONFIG,
+    INDEX,
+    QWEN3MOE,
+    HFError,
+    _bool,
+    architecture,
+    hf_field,
+    zero_tensors,
+)
 from loom.model.hf.names import HEAD, _mappings, expected_shapes
 
 
@@ -35,6 +45,16 @@ class HFModel:
     def tokenizer(self) -> Path | None:
         path = self.dir / "tokenizer.json"
         return path if path.is_file() else None
+
+
+def moe_options(model: HFModel) -> dict[str, object]:
+    """The ``[moe]`` settings the directory's routing fixes: Qwen3-MoE's ``norm_topk_prob`` (default
+    false) as ``moe.norm_topk``; Mixtral always renormalizes (Loom's default)."""
+    return (
+        {"norm_topk": _bool("norm_topk_prob", hf_field(model.raw, "norm_topk_prob"))}
+        if model.architecture == QWEN3MOE
+        else {}
+    )
 
 
 @contextmanager

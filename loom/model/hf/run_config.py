@@ -8,8 +8,7 @@ import logging
 from pathlib import Path
 
 from loom.config import ModelConfig
-from loom.model.hf.config import moe_options
-from loom.model.hf.directory import HFModel, open_dir
+from loom.model.hf.directory import HFModel, moe_options, open_dir
 from loom.model.hf.families import CONFIG, HFError
 
 # The model fields a config.json decides (Loom's names), set by apply_to.
