@@ -121,6 +121,11 @@ def strict_json_row(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _metrics_error(e: OSError, where: Path) -> OSError:
+    """A failed metrics write as one ``OSError`` naming the file (``where`` when the error names none)."""
+    return OSError(e.errno, f"{e.strerror or e} (while writing the run's metrics)", str(e.filename or where))
+
+
 class MetricsWriter:
     """Appends JSON rows to ``metrics.jsonl`` (flushed and fsynced per row) and TensorBoard scalars."""
 
@@ -168,9 +173,7 @@ class MetricsWriter:
             for t in self.trackers:
                 t.log(row)
         except OSError as e:
-            raise OSError(
-                e.errno, f"{e.strerror or e} (while writing the run's metrics)", str(e.filename or where)
-            ) from None
+            raise _metrics_error(e, where) from None
 
     def close(self) -> None:
         for t in self.trackers:
@@ -180,4 +183,8 @@ class MetricsWriter:
             os.close(self._fd)
             self._fd = -1
         if self._tb is not None:
-            self._tb.close()
+            tb, self._tb = self._tb, None
+            try:  # its last flush raises what its writer thread could not write (disk full)
+                tb.close()
+            except OSError as e:
+                raise _metrics_error(e, Path(tb.log_dir)) from None
