@@ -127,3 +127,40 @@ def test_the_gradient_norm_does_not_depend_on_how_a_layout_cuts_the_gradients():
     exact = float((g.double() ** 2).sum())
     for parts in ([g], list(g.chunk(2)), list(g.view(64, -1).unbind(0))):
         assert float(sum_sq(parts)) == pytest.approx(exact, rel=1e-7)
+
+
+def _eval_on_ranks(tmp: str, world: int, n_batches: int) -> float:
+    """The eval loss of one seeded model over ``n_batches`` eval micro-batches dealt to ``world`` ranks."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from loom.data.dataset import TokenDataset, eval_batches
+    from loom.model.llama import Transformer
+    from loom.train.step import evaluate
+
+    path = Path(tmp) / "val.bin"
+    if not path.exists():
+        np.random.default_rng(0).integers(0, tiny_model().vocab_size, 4000, dtype=np.uint16).tofile(path)
+    ds = TokenDataset(path, seq_len=8, dtype="uint16", vocab_size=tiny_model().vocab_size)
+    torch.manual_seed(0)
+    model = Transformer(tiny_model())
+    rank = torch.distributed.get_rank() if world > 1 else 0
+    batches = eval_batches(ds, n_batches, micro_batch=2, dp_rank=rank, dp_size=world)
+    group = get_mesh(dp_replicate=world).group("dp") if world > 1 else None
+    return evaluate(
+        model,
+        batches,
+        lambda logits, y: torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), y.flatten(), ignore_index=-100
+        ),
+        group,
+    )
+
+
+def test_eval_loss_equals_one_process_when_dp_does_not_divide_eval_batches(pools, tmp_path):
+    """3 eval batches over dp2: the second rank's pad (all targets ignored) weighs nothing, so every rank
+    reports the one-process loss of those 3 batches (rounded up to 4 before, 2e-3 apart at dp4)."""
+    want = _eval_on_ranks(str(tmp_path), 1, 3)
+    for got in pools(2).run(_eval_on_ranks, str(tmp_path), 2, 3):
+        assert got == pytest.approx(want, rel=1e-6)

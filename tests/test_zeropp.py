@@ -226,30 +226,28 @@ def test_planner_models_each_option():
     model = ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, vocab_size=32000, max_seq_len=2048)
     cm = CostModel(model, Workload(32, 2048), ClusterSpec.single_node("h100-sxm", 8, nodes=4))  # m = 1
     base = Layout(dp=32, dp_shard=32, zero=3, dp_overlap=False)
-    t = {
-        k: cm._dp_time(replace(base, **kw), 2, 0.0, 0.0)
-        for k, kw in {
+
+    def times(cm, lay, options):  # the data-parallel seconds of each option set on ``lay``
+        return {k: cm._dp_time(replace(lay, **kw), 2, 0.0, 0.0) for k, kw in options.items()}
+
+    qwz, qgz = {"qwz": True}, {"qgz": 8}
+    t = times(
+        cm,
+        base,
+        {
             "z3": {},
-            "qwz": {"qwz": True},
+            "qwz": qwz,
             "hpz": {"hpz": 8},
-            "qgz": {"qgz": 8},
+            "qgz": qgz,
             "qgz4": {"qgz": 4},
-            "all": {"qwz": True, "hpz": 8, "qgz": 8},
-        }.items()
-    }
+            "all": qwz | qgz | {"hpz": 8},
+        },
+    )
     assert max(t["qwz"], t["hpz"]) < t["z3"] < t["qgz"]
     assert t["all"] < t["z3"] and t["qgz4"] < t["qgz"]
     one = CostModel(model, Workload(8, 2048), ClusterSpec.single_node("h100-sxm", 8))
     inside = Layout(dp=8, dp_shard=8, zero=3, dp_overlap=False)
-    t1 = {
-        k: one._dp_time(replace(inside, **kw), 2, 0.0, 0.0)
-        for k, kw in {
-            "z3": {},
-            "qwz": {"qwz": True},
-            "qgz": {"qgz": 8},
-            "all": {"qwz": True, "qgz": 8},
-        }.items()
-    }
+    t1 = times(one, inside, {"z3": {}, "qwz": qwz, "qgz": qgz, "all": qwz | qgz})
     assert max(t1["qwz"], t1["qgz"]) < t1["z3"] and t1["all"] < min(t1["qwz"], t1["qgz"])
     z3 = cm.stage_memory(base, 0)
     off = cm.stage_memory(replace(base, offload_params=True), 0)
