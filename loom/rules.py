@@ -24,6 +24,10 @@ CpModeName = Literal[
     "allgather", "ring", "alltoall"
 ]  # how attention spans the cp ranks (loom.parallel.context)
 CP_MODES: tuple[str, ...] = get_args(CpModeName)
+ExpertTpName = Literal[
+    "replicate", "split"
+]  # an MoE's experts under tp: whole on every tp rank, or split like the dense MLP (loom.parallel.tensor.experts)
+EXPERT_TP_MODES: tuple[str, ...] = get_args(ExpertTpName)
 ASYNC_SCHEDULES: tuple[str, ...] = get_args(AsyncScheduleName)
 AllReduceName = Literal[
     "native", "ring", "tree", "butterfly"
@@ -166,6 +170,7 @@ def layout_problems(
     dp: int = 1,
     dp_shard: int = 1,
     recompute: str = "none",
+    expert_tp: str = "replicate",
 ) -> list[str]:
     """Why this layout cannot train this model (first problem first), or []. Degrees are assumed
     to multiply to the world size with ep | dp*cp (``config.resolve_layout`` checks that), and
@@ -175,7 +180,10 @@ def layout_problems(
         out.append(
             "train.optimizer: adafactor factors 2-D weights; the experts' (E, f, h) weights need adamw or adam8bit"
         )
-    if m.n_experts > 1 and m.moe_capacity and (cp > 1 or (tp > 1 and sp)):
+    if (why := expert_tp_problem(m, expert_tp)) is not None:
+        out.append(why)
+    # split experts route the tp group's whole sequences (gathered under sp): capacity as one process's
+    if m.n_experts > 1 and m.moe_capacity and (cp > 1 or (tp > 1 and sp and expert_tp != "split")):
         split = f"parallel.cp = {cp}" if cp > 1 else f"sequence parallelism over parallel.tp = {tp}"
         out.append(
             f"moe.capacity_factor: capacity is counted over a rank's tokens, and {split} splits every sequence; "
@@ -242,6 +250,15 @@ def expert_problem(m: ModelFacts, ep: int) -> str | None:
         return f"parallel.ep: expert parallelism needs experts (model.n_experts > 1), got ep={ep}"
     if ep > 1 and m.n_experts % ep:
         return f"parallel.ep: {ep} must divide model.n_experts={m.n_experts}"
+    return None
+
+
+def expert_tp_problem(m: ModelFacts, expert_tp: str) -> str | None:
+    """``parallel.expert_tp`` is one of :data:`EXPERT_TP_MODES`; ``split`` cuts experts, so it needs them."""
+    if expert_tp not in EXPERT_TP_MODES:
+        return f"parallel.expert_tp: must be one of {EXPERT_TP_MODES}, got {expert_tp!r}"
+    if expert_tp == "split" and m.n_experts <= 1:
+        return "parallel.expert_tp: 'split' cuts an MoE's experts over tp, but the model has none (model.n_experts = 1)"
     return None
 
 
@@ -576,6 +593,17 @@ def qlora_layout_problem(method: str, tp: int) -> str | None:
         return (
             f"finetune.method: qlora with parallel.tp = {tp} is not supported (each rank would "
             "quantize its own slice); use method = lora, or tp = 1"
+        )
+    return None
+
+
+def adapters_expert_tp_problem(method: str, tp: int, expert_tp: str) -> str | None:
+    """LoRA adapters are cut over tp with the dense Linears only: split experts would leave a shared
+    expert's adapters whole beside its sliced base weight."""
+    if method != "full" and tp > 1 and expert_tp == "split":
+        return (
+            f"parallel.expert_tp: 'split' does not cut LoRA adapters (finetune.method = {method}); "
+            "use expert_tp = replicate for fine-tuning"
         )
     return None
 

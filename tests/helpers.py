@@ -198,6 +198,7 @@ def train_layout(
     cfg.parallel.cp_mode = layout.get("cp_mode", cfg.parallel.cp_mode)
     cfg.parallel.dp_shard = layout.get("dp_shard", 1)
     cfg.parallel.zero, cfg.parallel.sp = layout.get("zero", 0), layout.get("sp", False)
+    cfg.parallel.expert_tp = layout.get("expert_tp", "replicate")
     cfg.train.global_batch, cfg.train.micro_batch = batch, micro
     cfg.parallel.schedule = layout.get("schedule", cfg.parallel.schedule)
     cfg.parallel.virtual_stages = layout.get("virtual_stages", 1)
@@ -236,7 +237,7 @@ def train_layout(
     with placed:
         run = build_run(cfg, mesh, model, meter)
     dp_rank, dp = mesh.local_rank("dp"), mesh.size("dp")
-    losses, moved, calls, expert_rows = [], [], [], []
+    losses, moved, calls, expert_rows, norms = [], [], [], [], []
     for step in range(steps):
         meter.reset()
         batches = shard_sequence(
@@ -248,6 +249,7 @@ def train_layout(
         with placed:
             res = train_step(run, batches, cfg.train.grad_clip, lr_at(step, cfg.train), mesh.group("dp_cp"))
         losses.append(res.loss)
+        norms.append(float(res.grad_norm))
         expert_rows.append(
             sum(_take_rows(m) for m in run.model.modules())
         )  # rows this rank's experts computed
@@ -271,6 +273,7 @@ def train_layout(
     state = None if state is None else {k: v.cpu() for k, v in state.items()}
     return {
         "losses": losses,
+        "grad_norms": norms,
         "state": state,
         "moved": moved,
         "calls": calls,

@@ -3,6 +3,8 @@ MoE training under data parallelism, ZeRO-3, pipeline and context parallelism eq
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,11 @@ from tests.helpers import SEQ, one_thread, tiny_model, tiny_train, train_dp, tra
 BATCH, MICRO, STEPS = 8, 4, 6
 MOE = dict(n_experts=4, top_k=2)
 TOL = dict(rtol=1e-4, atol=5e-5)
+# Aux/z losses: their statistics are per micro-step over dp x cp, as one process running the dp ranks'
+# micro-batches as one sees them (reference micro-batch = micro x dp); the shared expert rides along.
+BALANCED = dict(aux_loss_coef=0.05, z_loss_coef=0.01, n_shared_experts=1)
+# Bias balancing, sigmoid scores and capacity: per rank's micro-batch (reference micro-batch = micro).
+BIASED = dict(score="sigmoid", bias_update_rate=0.01, capacity_factor=1.0, drop_policy="probability")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -103,6 +110,64 @@ def test_moe_training_equals_single_process(pools, reference, name):
         if r["state"] is not None:
             for k, v in reference["state"].items():
                 assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{name} {k}: {m}")
+
+
+SPLIT = {"expert_tp": "split"}  # parallel.expert_tp: experts cut over tp like the dense MLP
+SPLIT_LAYOUTS = {  # name: (world, layout, [moe] options)
+    "tp2": (2, {"tp": 2}, {}),
+    "tp2 shared": (2, {"tp": 2}, {"n_shared_experts": 1}),
+    "tp2 sp": (2, {"tp": 2, "sp": True}, {}),
+    "tp2 sp capacity": (2, {"tp": 2, "sp": True}, BIASED),
+    "tp2 sp balanced": (2, {"tp": 2, "sp": True}, BALANCED),
+    "tp2 ep2": (4, {"tp": 2, "dp_replicate": 2, "ep": 2}, {}),
+    "tp2 sp ep2 shared": (4, {"tp": 2, "sp": True, "dp_replicate": 2, "ep": 2}, {"n_shared_experts": 1}),
+    "tp2 ep2 zero1": (4, {"tp": 2, "dp_shard": 2, "ep": 2, "zero": 1}, {}),
+    "tp2 sp ep2 zero3": (4, {"tp": 2, "sp": True, "dp_shard": 2, "ep": 2, "zero": 3}, {}),
+    "tp2 pp2 recompute": (4, {"tp": 2, "pp": 2, "recompute": "full"}, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def split_references():
+    options = {json.dumps(kw, sort_keys=True): kw for *_, kw in SPLIT_LAYOUTS.values()}
+    return {key: train_layout({}, STEPS, BATCH, MICRO, MOE, moe_kw=kw) for key, kw in options.items()}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_LAYOUTS))
+def test_split_experts_equal_single_process(pools, split_references, name):
+    """parallel.expert_tp = split (each tp rank a 1/tp slice of every expert, the router whole): losses,
+    gradient norms (the experts' squares summed over tp and ep) and weights equal one process's; under
+    sp every rank routes the whole sequence, so a capacity factor drops what one process drops."""
+    world, layout, moe_kw = SPLIT_LAYOUTS[name]
+    ref = split_references[json.dumps(moe_kw, sort_keys=True)]
+    for r in pools(world).run(train_layout, layout | SPLIT, STEPS, BATCH, MICRO, MOE, moe_kw=moe_kw):
+        for key in ("losses", "grad_norms"):
+            assert_close(
+                torch.tensor(r[key]),
+                torch.tensor(ref[key]),
+                **TOL,
+                msg=lambda m, key=key: f"{name} {key}: {m}",
+            )
+        if r["state"] is not None:
+            for k, v in ref["state"].items():
+                assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{name} {k}: {m}")
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_split_experts_move_the_stated_bytes(pools, sp):
+    """Per MoE layer and micro-batch, split experts move over tp (ρ = (n-1)/n, S = b·s·h·4 fp32 bytes):
+    4ρS (without sp two all-reduces, with sp an all-gather and a reduce-scatter each way) plus 2ρ·4·b·s·k
+    for the routing weights' gradient; under sp the replicated layout's once-a-step sum of the MoE
+    layer's partial gradients (router, experts) is gone. Measured as split minus replicate."""
+    cfg = tiny_model(**MOE)
+    layout = {"tp": 2, "sp": sp}
+    runs = [pools(2).run(train_layout, layout | kw, 1, BATCH, MICRO, MOE)[0] for kw in ({}, SPLIT)]
+    replicate, split = (sum(r["moved"][0].values()) for r in runs)
+    rho, b, s, h, k = 0.5, MICRO, SEQ, cfg.dim, cfg.top_k
+    f = cfg.resolved_ffn_dim()
+    per_layer = 4 * rho * b * s * h * 4 + 2 * rho * 4 * b * s * k
+    partial = 2 * rho * 4 * (cfg.n_experts * h + 3 * cfg.n_experts * f * h) if sp else 0
+    assert split - replicate == cfg.n_layers * (BATCH // MICRO) * per_layer - cfg.n_layers * partial
 
 
 def test_expert_parallel_bf16_equals_single_process_bf16(pools):
@@ -323,11 +388,6 @@ def test_capacity_drops_like_a_reference_loop(policy):
     )
 
 
-# Aux/z losses: their statistics are per micro-step over dp x cp, as one process running the dp ranks'
-# micro-batches as one sees them (reference micro-batch = micro x dp); the shared expert rides along.
-BALANCED = dict(aux_loss_coef=0.05, z_loss_coef=0.01, n_shared_experts=1)
-# Bias balancing, sigmoid scores and capacity: per rank's micro-batch (reference micro-batch = micro).
-BIASED = dict(score="sigmoid", bias_update_rate=0.01, capacity_factor=1.0, drop_policy="probability")
 BALANCE_LAYOUTS = {  # name: (world, layout, micro-batch per rank: BATCH / (dp x micro) accumulated)
     "dp2": (2, {"dp_replicate": 2}, 4),
     "dp2 accumulated": (2, {"dp_replicate": 2}, 2),
@@ -625,15 +685,27 @@ def test_bad_rebalance_configs_fail_in_one_line():
         assert message in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2 ep2", "ep2 zero2", "hybrid dp2x2 ep2 zero1", "dp4 ep2 zero3"])
+CHECKPOINT_LAYOUTS = {  # name: (world, layout, [moe] options)
+    name: (*LAYOUTS[name], {})
+    for name in ("tp2", "tp2 ep2", "ep2 zero2", "hybrid dp2x2 ep2 zero1", "dp4 ep2 zero3")
+} | {
+    f"{name} split": (world, layout | SPLIT, moe_kw)
+    for name, (world, layout, moe_kw) in SPLIT_LAYOUTS.items()
+    if name in ("tp2 shared", "tp2 ep2", "tp2 ep2 zero1", "tp2 sp ep2 zero3")
+}
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINT_LAYOUTS))
 def test_moe_checkpoint_reads_back_whole(pools, tmp_path, name):
-    """Saved under tp (experts whole on each tp rank; under ep, E/ep per rank) or ZeRO x ep (expert
-    shards spread over their edp group): every tensor of the checkpoint reads back as the
+    """Saved under tp (experts whole on each tp rank, or split there; under ep, E/ep per rank) or ZeRO x
+    ep (expert shards spread over their edp group): every tensor of the checkpoint reads back as the
     single-device state the ranks gather."""
     from loom.checkpoint import CheckpointReader
 
-    world, layout = LAYOUTS[name]
-    results = pools(world).run(train_layout, layout, 1, BATCH, MICRO, MOE, checkpoint_dir=str(tmp_path))
+    world, layout, moe_kw = CHECKPOINT_LAYOUTS[name]
+    results = pools(world).run(
+        train_layout, layout, 1, BATCH, MICRO, MOE, moe_kw=moe_kw, checkpoint_dir=str(tmp_path)
+    )
     state = next(r["state"] for r in results if r["state"] is not None)
     with CheckpointReader(tmp_path) as reader:
         for k, v in state.items():

@@ -133,18 +133,26 @@ def test_pp2_dp2_zero3_checkpoint_reshards_into_one_process(pools, base_cfg, tmp
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_moe_ep2_checkpoint_reshards_into_one_process(pools, base_cfg, tmp_path, precision):
+MOE_SAVED_UNDER = {  # name: (precision, ranks, layout)
+    "ep2 fp32": ("fp32", 2, {"ep": 2}),
+    "ep2 bf16": ("bf16", 2, {"ep": 2}),
+    "tp2 sp ep2 zero1 split": ("fp32", 4, {"tp": 2, "sp": True, "ep": 2, "zero": 1, "expert_tp": "split"}),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_SAVED_UNDER))
+def test_moe_checkpoint_reshards_into_one_process(pools, base_cfg, tmp_path, name):
     """A mixture-of-experts model trained with expert parallelism (each of 2 ranks holds 2 of 4
-    experts; bf16: flat fp32 masters) saves at step 6; one process, holding all 4, resumes it and
-    follows the uninterrupted run."""
+    experts; bf16: flat fp32 masters; split: each tp rank half of every expert's hidden size too)
+    saves at step 6; one process, holding all 4 whole, resumes it and follows the uninterrupted run."""
+    precision, ranks, layout = MOE_SAVED_UNDER[name]
     moe = with_sections(
         base_cfg, model={"n_experts": 4, "top_k": 2}, run={"nproc": 1}, train={"precision": precision}
     )
     straight = _trainer(with_sections(moe, run={"dir": str(tmp_path / "straight")}), stop_at=9)
     saved = tmp_path / "saved"
-    rows = pools(2).run(
-        _trainer, with_sections(moe, run={"dir": str(saved), "nproc": 2}, parallel={"ep": 2}), 6
+    rows = pools(ranks).run(
+        _trainer, with_sections(moe, run={"dir": str(saved), "nproc": ranks}, parallel=layout), 6
     )[0]
     rows += _trainer(
         with_sections(moe, run={"dir": str(tmp_path / "one")}, train={"resume": str(saved)}), stop_at=9

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loom.config.sections import LORA_TARGETS, NF4_BLOCK, LoomConfig, ModelConfig, _require, _require_none
-from loom.rules import qlora_layout_problem
+from loom.rules import adapters_expert_tp_problem, qlora_layout_problem
 
 # capacity under cp/sp and router losses under asynchronous pipelines: rules.layout_problems
 
@@ -74,6 +74,7 @@ def check_finetune(cfg: LoomConfig) -> None:
     _require(f.lora_rank >= 1, f"finetune.lora_rank: must be >= 1, got {f.lora_rank}")
     _require(f.lora_alpha > 0, f"finetune.lora_alpha: must be > 0, got {f.lora_alpha}")
     _require(0.0 <= f.lora_dropout < 1.0, f"finetune.lora_dropout: must be in [0, 1), got {f.lora_dropout}")
+    _require_none(adapters_expert_tp_problem(f.method, p.tp, p.expert_tp))
     targets = lora_targets(cfg)
     shapes = target_shapes(cfg.model)
     t = min(targets, key=lambda t: min(shapes[t]))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from loom.rules import AllReduceName, CpModeName, DpModeName, ScheduleName
+from loom.rules import AllReduceName, CpModeName, DpModeName, ExpertTpName, ScheduleName
 
 
 class ConfigError(ValueError):
@@ -59,6 +59,9 @@ Overlong = Literal["truncate", "drop"]
 
 
 CpMode = CpModeName  # parallel.cp_mode (loom.rules)
+
+
+ExpertTp = ExpertTpName  # parallel.expert_tp (loom.rules)
 
 
 AllReduce = AllReduceName  # parallel.allreduce (loom.rules); butterfly refuses non-power-of-two groups
@@ -243,6 +246,9 @@ class ParallelConfig:
     cp: int = 1  # context-parallel degree
     cp_mode: CpMode = "allgather"  # attention under cp: all-gathered K/V, K/V ring (O(T/cp) memory), or all-to-all over heads (Ulysses)
     ep: int = 1  # expert-parallel degree (borrows from dp*cp)
+    # an MoE's experts under tp: whole on every tp rank, or split like the dense MLP (w1/w3 columns, w2
+    # rows: 1/tp of their memory; Megatron-Core's expert tensor parallelism = tp)
+    expert_tp: ExpertTp = "replicate"
     zero: int = 0  # ZeRO stage 0 (plain data parallel), 1, 2 or 3
     bucket_mb: float = 25.0  # gradient bucket size for the all-reduce, in MB
     reduce_dtype: ReduceDtype = "fp32"  # dtype gradients are reduced in

@@ -252,6 +252,7 @@ def validate(cfg: LoomConfig, world_size: int) -> LoomConfig:
         dp=p.dp,
         dp_shard=p.dp_shard,
         recompute=t.recompute,
+        expert_tp=p.expert_tp,
     )
     _require_none(problems[0] if problems else None)
     if p.offload == "disk":

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -261,6 +261,23 @@ class SharedExperts(nn.Module):
 N_STATS = 4  # after the E loads: dropped assignments, aux sum, z sum, forwards
 
 
+class TokenSplit(Protocol):
+    """How a layer's tokens reach experts cut over a tensor-parallel group (each rank computes a slice
+    of every expert: :mod:`loom.parallel.tensor.experts`), so the model holds no process group."""
+
+    def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the router's input, the experts'): every token of the group, the same on every rank."""
+        ...
+
+    def weights(self, w: torch.Tensor) -> torch.Tensor:
+        """The routing weights ``w``, their gradient (from partial expert outputs) summed over the group."""
+        ...
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the layer's output, from its partial sums ``out`` over every token."""
+        ...
+
+
 class MoEFeedForward(nn.Module):
     """Mixture of SwiGLU experts (module doc): y = Σ_{e kept} w_e · w2_e( silu(w1_e x) * w3_e x )
     (+ shared experts). Dropless by default (every routed token is computed)."""
@@ -292,6 +309,7 @@ class MoEFeedForward(nn.Module):
         self.grad_scale = 1.0  # the main loss's backward factor for this micro-batch (set by begin_step)
         self.step_load: torch.Tensor | None = None  # assignments per expert this step (bias update)
         self.stats: torch.Tensor | None = None  # (E + N_STATS,) since the last metrics row
+        self.split: TokenSplit | None = None  # experts cut over a tp group: how tokens reach them (forward)
 
     def expert_outputs(
         self,
@@ -322,24 +340,28 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         opt, k = self.options, self.top_k
-        flat = x.reshape(-1, x.shape[-1])  # (N = B·T, h)
+        x_route, x_experts = (x, x) if self.split is None else self.split.inputs(x)
+        flat = x_route.reshape(-1, x_route.shape[-1])  # (N = B·T, h)
         r = route(flat, self.router.weight, k, opt.score, opt.norm_topk, self.expert_bias)
         keep, bound = None, flat.shape[0]  # k distinct experts per token: at most N rows per expert
         if opt.capacity_factor > 0 and self.training:
             cap = capacity(flat.shape[0], k, self.n_experts, opt.capacity_factor)
             keep = keep_mask(r.scores.gather(-1, r.experts), r.experts, self.n_experts, cap, opt.drop_policy)
         order = torch.argsort(r.experts.reshape(-1), stable=True)  # assignments sorted by expert
+        to_experts = flat if self.split is None else x_experts.reshape(flat.shape)
+        weight = r.weights.reshape(-1)[order]
         out = self.expert_outputs(
-            flat,
+            to_experts,
             order // k,
             r.experts.reshape(-1)[order],
-            r.weights.reshape(-1)[order],
+            weight if self.split is None else self.split.weights(weight),
             None if keep is None else keep.reshape(-1)[order],
             bound,
         )
         if self.shared is not None:
-            out = out + self.shared(flat)
-        return self._balance(out, r, keep).view_as(x)
+            out = out + self.shared(to_experts)
+        out = self._balance(out, r, keep).view_as(x_route)
+        return out if self.split is None else self.split.output(out)
 
     def _balance(self, out: torch.Tensor, r: Routing, keep: torch.Tensor | None) -> torch.Tensor:
         """Attach the aux and z losses to ``out`` (training with gradients) and count the statistics.

@@ -144,7 +144,13 @@ def tp_geometry(p: torch.Tensor, tp_rank: int, tp: int) -> tuple[tuple[int, ...]
     return tuple(shape), tuple(offsets)
 
 
-def expert_geometry(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global shape, offsets) of an expert shard: rows [rank·E/ep, (rank+1)·E/ep) of all E experts."""
+def expert_geometry(
+    p: torch.Tensor, tp_rank: int = 0, tp: int = 1
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global shape, offsets) of an expert shard: rows [rank·E/ep, (rank+1)·E/ep) of all E experts,
+    and of a split expert (``tp_dim``, parallel.expert_tp = split) this tp rank's slice of each."""
     e = expert_shard(p)
-    return (p.shape[0] * e.ep, *p.shape[1:]), (e.rank * p.shape[0],) + (0,) * (p.dim() - 1)
+    shape, tp_offsets = tp_geometry(p, tp_rank, tp)
+    offsets = list(tp_offsets or (0,) * p.dim())
+    offsets[0] = e.rank * p.shape[0]
+    return (p.shape[0] * e.ep, *shape[1:]), tuple(offsets)

@@ -55,8 +55,8 @@ def gather_experts(
         shard = placement_of(p).expert
         if shard is None or name not in state:
             continue
-        parts = [torch.empty_like(p) for _ in range(shard.ep)]
-        mine = p.detach().contiguous()
+        mine = state[name].contiguous()  # gathered over tp already when split there (expert_tp = split)
+        parts = [torch.empty_like(mine) for _ in range(shard.ep)]
         comm.check_tensors("all_gather", shard.group, mine, *parts)
         dist.all_gather(parts, mine, group=shard.group)
         state[name] = torch.cat(parts)
@@ -67,6 +67,6 @@ def gather_module_state(module: nn.Module, tp_group: Group = None) -> dict[str, 
     """``module.state_dict()`` with tensor-parallel shards gathered over ``tp_group`` and expert
     shards over their ep group (a collective over those groups), cloned; names as in ``module``."""
     state = gather_full_state(module, tp_group) if comm.group_size(tp_group) > 1 else None
-    if any(is_expert(p) for p in module.parameters()):  # experts are whole over tp: gathered over ep
+    if any(is_expert(p) for p in module.parameters()):  # experts: then gathered over ep
         return gather_experts(module, state)
     return state if state is not None else {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -142,7 +142,9 @@ def parallelize(
         from loom.parallel.tensor.parallelize import apply_tensor_parallel
 
         check_tensor_parallel(cfg)
-        loss_fn = apply_tensor_parallel(model, mesh, sp=cfg.parallel.sp, meter=meter)
+        loss_fn = apply_tensor_parallel(
+            model, mesh, sp=cfg.parallel.sp, meter=meter, expert_tp=cfg.parallel.expert_tp
+        )
     elif mesh.size("pp") == 1:  # the head inside the loss, in chunks of rows: no B·T·V logits
         rows = cfg.train.micro_batch * cfg.data.seq_len // mesh.size("cp")
         loss_fn = fused_head_loss(model, rows) or plain_loss_fn
@@ -161,7 +163,8 @@ def parallelize(
         from loom.parallel.expert.parallelize import apply_expert_parallel
 
         apply_expert_parallel(model, mesh, meter)
-    split = mesh.size("tp") > 1 and cfg.parallel.sp  # sequence parallelism: tp ranks route different tokens
+    # sequence parallelism with whole experts: tp ranks route different tokens (split experts: the same)
+    split = mesh.size("tp") > 1 and cfg.parallel.sp and cfg.parallel.expert_tp == "replicate"
     tokens = (mesh.group("tp"),) if split else ()
     configure_moe(
         model,

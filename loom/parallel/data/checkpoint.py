@@ -42,16 +42,15 @@ class ReplicatedState:
             if isinstance(t, nn.Parameter) and not t.requires_grad:
                 continue  # frozen (LoRA's base): rebuilt from the base the run references, not saved
             expert = placement_of(t).expert
-            if (
-                expert is not None
-            ):  # this rank's experts (rows along dim 0), repeated over its edp group (x tp)
-                shape, offsets = expert_geometry(t)
+            if expert is not None:  # this rank's experts (rows along dim 0), repeated over its edp group
+                shape, offsets = expert_geometry(t, self.tp_rank, self.tp)
                 e_rank, e_size = _rank_size(expert.edp)
+                whole = placement_of(t).tp_dim is None  # replicated over tp (else split: tp peers differ)
                 out[name] = Placement(
                     t,
                     shape,
                     Box(offsets, tuple(t.shape)),
-                    (self.tp_rank * e_size + e_rank, self.tp * e_size),
+                    (self.tp_rank * e_size + e_rank, self.tp * e_size) if whole else (e_rank, e_size),
                     read_group(expert.edp, self.device),
                 )
                 continue

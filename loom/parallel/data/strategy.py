@@ -184,7 +184,8 @@ class DataParallel(SyncSwitch, StrategyBase):
 
     def grad_sq(self) -> torch.Tensor:
         """Gradients are replicated over dp after the all-reduce: tensor-parallel shards add their
-        squares over tp, replicated parameters (norms) count once, expert shards add theirs over ep."""
+        squares over tp, replicated parameters (norms) count once, expert shards add theirs over ep
+        (and over tp when split there)."""
         dense = [p for p in self.params if not is_expert(p)]
         experts = [p for p in self.params if is_expert(p)]
         device = self.params[0].device if self.params else None
@@ -194,8 +195,10 @@ class DataParallel(SyncSwitch, StrategyBase):
             sq = sq + grad_norm_sq([p for p in dense if not placement_of(p).tp_sharded], device)
         else:
             sq = grad_norm_sq(dense, device)
-        if experts:
+        if experts:  # their squares over ep, and over tp too where split there (parallel.expert_tp)
             ep_sq = grad_norm_sq(experts, device)
+            if placement_of(experts[0]).tp_sharded:
+                comm.all_reduce(ep_sq, self.tp_group)
             comm.all_reduce(ep_sq, expert_shard(experts[0]).group)
             sq = ep_sq + sq
         return sq

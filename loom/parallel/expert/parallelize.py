@@ -145,7 +145,7 @@ class ExpertParallelMoE(MoEFeedForward):
         self.register_buffer("expert_bias", moe.expert_bias)
         self._init_state()
         self.layer_id, self.sum_stats, self.loss_share = moe.layer_id, moe.sum_stats, moe.loss_share
-        self.sum_step = moe.sum_step
+        self.sum_step, self.split = moe.sum_step, moe.split  # split: experts also cut over tp
         for name in ("w1", "w3", "w2"):
             full = getattr(moe, name).weight
             mine = ExpertWeights(

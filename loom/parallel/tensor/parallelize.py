@@ -12,7 +12,8 @@ Layout over the tp group of n ranks (h = dim, a heads, k kv-heads, f = ffn, V = 
     attention   wq, wk, wv column (a/n, k/n heads), wo row       (k < n, n % k == 0: kv replicated)
     mlp         w1 (, w3) column (f/n), w2 row                   (biases: column's sharded, row's whole)
     moe         router and experts replicated: without sp every rank computes every token (the same
-                gradients); with sp each routes its sequence shard (gradients partial, summed over tp)
+                gradients); with sp each routes its sequence shard (gradients partial, summed over tp);
+                ``expert_tp = split``: experts cut like the MLP (:mod:`loom.parallel.tensor.experts`)
     head        column over the vocabulary: local logits (B, T, V/n), never gathered
     loss        vocab-parallel cross-entropy on the local logits
     padding     a padded vocabulary V' (``model.pad_vocab_to``) is cut V'/n rows per rank; the
@@ -57,6 +58,7 @@ from loom.model.loss import CHUNK_ROWS
 from loom.model.moe import MoEFeedForward
 from loom.parallel.partial import mark_partial
 from loom.parallel.rng import private_rng
+from loom.parallel.tensor.experts import split_experts
 from loom.parallel.tensor.layers import (
     ColumnParallelLinear,
     ParallelAttention,
@@ -71,9 +73,10 @@ IGNORE_INDEX = -100
 
 
 def apply_tensor_parallel(
-    model: nn.Module, mesh, *, sp: bool = False, meter: CommMeter | None = None
+    model: nn.Module, mesh, *, sp: bool = False, meter: CommMeter | None = None, expert_tp: str = "replicate"
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Shard ``model`` over ``mesh.group("tp")`` in place (``sp``: with sequence parallelism); return
+    """Shard ``model`` over ``mesh.group("tp")`` in place (``sp``: with sequence parallelism; ``expert_tp``:
+    an MoE's experts whole on every rank, or split, :mod:`loom.parallel.tensor.experts`); return
     (and set ``model.loss_fn`` to) the loss that takes the local logits shard. The shapes must divide
     by tp: the caller checks them (:func:`loom.config.check_tensor_parallel`)."""
     n = mesh.size("tp")
@@ -85,7 +88,7 @@ def apply_tensor_parallel(
     model.tok_embeddings = emb
     model.output = ColumnParallelLinear(head_weight, ctx)
     for layer in full.layers:
-        parallelize_block(layer, ctx)
+        parallelize_block(layer, ctx, expert_tp)
     if ctx.sp:
         model.norm = sequence_parallel_norm(full.norm, ctx)
         if full.pos_embeddings is not None:  # learned positions: this rank's sequence shard's rows
@@ -95,14 +98,16 @@ def apply_tensor_parallel(
     return loss
 
 
-def parallelize_block(block: nn.Module, ctx: TPContext) -> nn.Module:
+def parallelize_block(block: nn.Module, ctx: TPContext, expert_tp: str = "replicate") -> nn.Module:
     """Swap one transformer Block's attention and MLP (and, with sp, its norms) in place.
 
     Input and output of the block: (B, T, h) replicated, or (B, T/n, h) sequence shards with sp.
     """
     full = cast(Block, block)  # the single-device block, before its modules are swapped
     block.attention = ParallelAttention.from_full(full.attention, ctx)
-    if isinstance(
+    if isinstance(full.feed_forward, MoEFeedForward) and expert_tp == "split":
+        split_experts(full.feed_forward, ctx)  # cut like the MLP; every rank routes the group's tokens
+    elif isinstance(
         full.feed_forward, MoEFeedForward
     ):  # experts replicated over tp, each rank routes its tokens
         if ctx.sp:  # this rank's sequence shard: its part of every MoE gradient, summed over tp once a step

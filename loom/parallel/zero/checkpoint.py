@@ -72,16 +72,15 @@ class ZeroState:
                 readers = read_group(self.s.replicate_group, lay.device)
                 expert = placement_of(p).expert
                 if expert is not None:  # this rank's experts, repeated over their edp group
-                    shape, offsets = expert_geometry(p)
+                    shape, offsets = expert_geometry(p, self.tp_rank, self.tp)
                     within = Box(offsets, tuple(p.shape))
+                    # whole over tp (tp peers hold copies), or split there (parallel.expert_tp: distinct)
+                    tp_rank, tp = (self.tp_rank, self.tp) if tp_offsets is None else (0, 1)
                     if lay.world > 1:  # sharded over the edp group: every piece distinct but for tp peers
-                        replica, readers = (self.tp_rank, self.tp), None
+                        replica, readers = (tp_rank, tp), None
                     else:
                         e_rank, e_size = _rank_size(expert.edp)
-                        replica = (
-                            self.tp_rank * e_size + e_rank,
-                            self.tp * e_size,
-                        )  # experts are whole over tp
+                        replica = (tp_rank * e_size + e_rank, tp * e_size)
                         readers = read_group(expert.edp, lay.device)
                 elif within is None:
                     replica = (self.tp_rank * self.rep + self.rep_rank, self.tp * self.rep)

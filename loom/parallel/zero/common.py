@@ -110,14 +110,16 @@ class ShardedStrategy(SyncSwitch, StrategyBase):
 
     def grad_sq(self) -> torch.Tensor:
         """Σ of squares of this rank's gradient shards (tp shards summed over tp), summed over the
-        sharding group; expert shards summed over their edp group (when sharded there) and ep."""
+        sharding group; expert shards summed over their edp group (when sharded there), tp (when split
+        there) and ep."""
         device = self.comm_device or (self.grad_shards[0].device if self.grad_shards else torch.device("cpu"))
-        tp_views, rep_views, ep_views, expert = [], [], [], None
+        tp_views, rep_views, ep_views, expert, ep_split = [], [], [], None, False
         for lay, g in zip(self.layouts, self.grad_shards):
             pl = placement_of(lay.params[0]).expert if lay.params else None
             if pl is not None:  # experts: other ranks hold the rest (their edp peers other shards)
                 ep_views.append(g)
                 expert, ep_sharded = pl, lay.world > 1
+                ep_split = placement_of(lay.params[0]).tp_sharded  # parallel.expert_tp = split
             elif comm.group_size(self.tp_group) > 1:
                 tp_views += [g[lo:hi] for lo, hi in lay.local_ranges(lambda s: s.tp_sharded)]
                 rep_views += [g[lo:hi] for lo, hi in lay.local_ranges(lambda s: not s.tp_sharded)]
@@ -133,6 +135,8 @@ class ShardedStrategy(SyncSwitch, StrategyBase):
             ep_sq = to_device(sum_sq(ep_views, device), device)
             if ep_sharded:
                 comm.all_reduce(ep_sq, expert.edp)
+            if ep_split:
+                comm.all_reduce(ep_sq, self.tp_group)
             comm.all_reduce(ep_sq, expert.group)
             sq = sq + ep_sq
         return sq
