@@ -237,7 +237,7 @@ def train_layout(
     with placed:
         run = build_run(cfg, mesh, model, meter)
     dp_rank, dp = mesh.local_rank("dp"), mesh.size("dp")
-    losses, moved, calls, expert_rows, norms = [], [], [], [], []
+    losses, moved, calls, expert_rows, norms, payload = [], [], [], [], [], []
     for step in range(steps):
         meter.reset()
         batches = shard_sequence(
@@ -255,6 +255,7 @@ def train_layout(
         )  # rows this rank's experts computed
         moved.append(dict(meter.moved))
         calls.append(dict(meter.calls))
+        payload.append(dict(meter.payload))
     if checkpoint_dir:
         import torch.distributed as dist
 
@@ -277,6 +278,7 @@ def train_layout(
         "state": state,
         "moved": moved,
         "calls": calls,
+        "payload": payload,
         "state_bytes": run.strategy.state_bytes(),
         "expert_rows": expert_rows,
         "events": events,

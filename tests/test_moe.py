@@ -269,6 +269,46 @@ def test_expert_parallel_calls_equal_the_planners(pools, name):
             )
 
 
+TP_CALL_LAYOUTS = {
+    "tp2": {"tp": 2},
+    "tp2 sp": {"tp": 2, "sp": True},
+    "tp2 split": {"tp": 2} | SPLIT,
+    "tp2 sp split": {"tp": 2, "sp": True} | SPLIT,
+    "tp2 sp split recompute": {"tp": 2, "sp": True, "recompute": "full"} | SPLIT,
+    "tp2 split recompute": {"tp": 2, "recompute": "full"} | SPLIT,
+    "tp2 sp recompute": {"tp": 2, "sp": True, "recompute": "full"},
+}
+
+
+@pytest.mark.parametrize("name", list(TP_CALL_LAYOUTS))
+def test_tensor_parallel_moe_calls_and_bytes_equal_the_planners(pools, name):
+    """Under tp an MoE layer with whole experts issues only its attention's collectives; split experts
+    add the MLP's (2 all-reduces, or under sp an all-gather and a reduce-scatter each way, the
+    forward's again under full recomputation) and the routing weights' gradient all-reduce: calls and
+    bytes per step equal the planner's."""
+    from loom.plan.cost import CostModel, Layout, Workload
+    from loom.plan.cost.comm import tp_partial_params, tp_payload
+    from loom.plan.hardware import ClusterSpec
+
+    layout = TP_CALL_LAYOUTS[name]
+    cfg = tiny_model(**MOE)
+    planner = CostModel(cfg, Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", 2))
+    lay = Layout(
+        dp=1,
+        tp=2,
+        sp=layout.get("sp", False),
+        micro_batch=MICRO,
+        recompute=layout.get("recompute", "none"),
+        expert_tp=layout.get("expert_tp", "replicate"),
+    )
+    calls, payload = planner.collective_calls(lay), tp_payload(planner, lay)
+    # + the once-a-step sum of the gradients held in part (fp32), which tp_payload leaves out
+    payload["all_reduce"] += 4 * tp_partial_params(planner, 2, lay.sp, 1, ep=1, expert_tp=lay.expert_tp)
+    for r in pools(2).run(train_layout, layout, 1, BATCH, MICRO, MOE):
+        assert r["calls"][0] == calls
+        assert r["payload"][0] == pytest.approx(payload)
+
+
 # ---- issue 14: grouped compute, balancing, capacity ------------------------------------------------------
 
 
@@ -521,18 +561,23 @@ def test_trainer_reports_expert_load_and_draws_the_heatmap(tmp_path):
         ("dp4 ep2 zero2", 0),
         ("dp4 ep2 zero3", 0),
         ("tp2 sp ep2", 1),
+        ("tp2 split", 1),
+        ("tp2 sp ep2 split", 1),
+        ("tp2 ep2 zero1 split", 0),
+        ("tp2 sp ep2 zero3 split", 1),
     ],
 )
 def test_planner_state_bytes_of_moe_equal_the_measured(pools, name, shared):
-    """Experts whole on every tp rank (E/ep of them), attention and embeddings split over tp; under
-    ZeRO 1-2 the experts' optimizer state (and stage 2 gradients) sharded over their edp group
+    """Experts whole on every tp rank (E/ep of them; split: 1/tp of each), attention and embeddings
+    split over tp; under ZeRO 1-2 the experts' optimizer state (and stage 2 gradients) sharded over their edp group
     (dp·cp/ep ranks), the dense ones over dp·cp; shared experts (moe.n_shared_experts) whole on
     every tp and ep rank: the planner's weights + gradients + Adam states (4 + 4 + 8 bytes each,
     fp32) equal a rank's."""
     from loom.plan.cost import CostModel, Layout, Workload
     from loom.plan.hardware import ClusterSpec
 
-    world, layout = LAYOUTS[name]
+    world, layout = LAYOUTS.get(name) or (SPLIT_LAYOUTS | LAYOUTS)[name.removesuffix(" split")][:2]
+    layout = layout | (SPLIT if name.endswith(" split") else {})
     cfg = tiny_model(**MOE)
     work = Workload(BATCH, SEQ, precision="fp32", moe_shared=shared)
     planner = CostModel(cfg, work, ClusterSpec.single_node("cpu", world))
@@ -545,6 +590,7 @@ def test_planner_state_bytes_of_moe_equal_the_measured(pools, name, shared):
         micro_batch=MICRO // 2,
         zero=zero,
         dp_shard=world // tp if zero else 1,
+        expert_tp=layout.get("expert_tp", "replicate"),
     )
     predicted = sum(planner.state_memory(lay)[k] for k in ("weights", "gradients", "optimizer"))
     moe_kw = {"n_shared_experts": shared}
@@ -554,8 +600,8 @@ def test_planner_state_bytes_of_moe_equal_the_measured(pools, name, shared):
 
 
 def test_planner_ranks_moe_under_tp_and_only_layouts_training_runs():
-    """tp x MoE (experts whole on every tp rank) is ranked; with a capacity factor no layout splits
-    sequences (cp, sp), as training refuses those; a hotter expert load (moe.imbalance) and the
+    """tp x MoE (experts whole on every tp rank, or split there) is ranked; with a capacity factor no
+    layout splits sequences (cp, sp with whole experts), as training refuses those; a hotter expert load (moe.imbalance) and the
     capacity that caps it change the expert time and the all-to-all volume as stated."""
     from loom.plan.cost import CostModel, Layout, Workload
     from loom.plan.hardware import ClusterSpec
@@ -566,8 +612,10 @@ def test_planner_ranks_moe_under_tp_and_only_layouts_training_runs():
     free = search(cfg, Workload(16, 64, precision="fp32"), cluster, 8)
     assert any(e.layout.tp > 1 for e in free.ranked) and any(e.layout.cp > 1 for e in free.ranked)
     capped = search(cfg, Workload(16, 64, precision="fp32", capacity_factor=1.25), cluster, 8)
+    assert any(e.layout.expert_tp == "split" and e.layout.sp for e in capped.ranked)  # whole sequences routed
     assert capped.ranked and all(
-        e.layout.cp == 1 and not (e.layout.tp > 1 and e.layout.sp) for e in capped.ranked
+        e.layout.cp == 1 and not (e.layout.tp > 1 and e.layout.sp and e.layout.expert_tp != "split")
+        for e in capped.ranked
     )
     lay = Layout(dp=8, ep=4, micro_batch=2)
 

@@ -968,8 +968,8 @@ def test_expert_folding_takes_ep_from_tp_and_shards_the_experts_over_it():
 
 
 def test_a_published_row_folds_experts_only_where_it_can(tmp_path):
-    """expert_tensor_parallel = 1 is accepted on an MoE row of a stack that folds; another value, a
-    dense model or Loom's own stack is one line naming the key."""
+    """expert_tensor_parallel = 1 is accepted on an MoE row of a stack that folds; a value neither 1
+    nor the layout's tp, a dense model or Loom's own stack (which does not fold) is one line naming the key."""
     base = (
         "[models.m]\ndim = 1024\nn_layers = 4\nn_heads = 16\nn_kv_heads = 4\nffn_dim = 512\n"
         "vocab_size = 32000\nn_experts = 16\ntop_k = 2\n[models.d]\ndim = 1024\nn_layers = 4\nn_heads = 16\n"
@@ -982,9 +982,9 @@ def test_a_published_row_folds_experts_only_where_it_can(tmp_path):
     (row,) = compare_published(load_file(path))
     assert row.run.workload.expert_folding and row.estimate.step_time > 0
     for model, stack, etp, want in (
-        ("m", "nemo", 4, "only 1 (Megatron-Core's MoE parallel folding)"),
+        ("m", "nemo", 2, "must be 1 (Megatron-Core's MoE parallel folding) or the layout's tp = 4"),
         ("d", "nemo", 1, "the model has no experts"),
-        ("m", "loom", 1, "Loom's stack replicates experts over tp"),
+        ("m", "loom", 1, "Loom's stack keeps them on every tp rank, whole or split"),
     ):
         path.write_text(base.format(model=model, stack=stack, etp=etp))
         with pytest.raises(PlanError, match=r"run 'r': expert_tensor_parallel: .*" + re.escape(want)):

@@ -89,6 +89,7 @@ AUTO_FIELDS = {
     "zero": "parallel.zero",
     "sp": "parallel.sp",
     "cp_mode": "parallel.cp_mode",
+    "expert_tp": "parallel.expert_tp",
     "schedule": "parallel.schedule",
     "v": "parallel.virtual_stages",
     "offload": "parallel.offload",

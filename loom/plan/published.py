@@ -9,13 +9,24 @@ optional ``inter_bandwidth_gbps``, GB/s per GPU, default the device's reference 
 ``intra_bandwidth_gbps``), ``layout`` (a
 :meth:`Layout.parse` line), ``global_batch``, ``seq_len``, ``precision`` (bf16), ``flash_attention``
 (true), ``compile`` (false: true for a step under ``torch.compile``), ``reduce_dtype`` (fp32),
-``expert_tensor_parallel`` (an MoE run's: 1 is Megatron-Core's parallel folding, its ``ep`` drawn from
-tp x dp x cp, :attr:`Workload.expert_folding`; left out, experts are laid out as Loom's), one measured throughput — ``tokens_per_s_per_gpu``, the whole job's
+``expert_tensor_parallel`` (an MoE run's, see below), one measured throughput — ``tokens_per_s_per_gpu``, the whole job's
 ``tokens_per_s`` or ``samples_per_s`` (sequences), ``step_time_s``, ``tflops_per_gpu`` or ``mfu`` (a share of the device's dense bf16 peak, as Llama 3
 and torchtitan report it), the last two with the ``tflops_formula`` the publication counted FLOPs
 with (:data:`TFLOPS_FORMULAS`) — its ``source`` (paper, table, URL) and ``group``, the independent
 source it belongs to (default: the file's name; leave-one-source-out holds a group out at once).
 Every row cites where its numbers come from.
+
+``expert_tensor_parallel``, the ranks an MoE's experts are cut over (Megatron-Core's
+``expert_tensor_parallel_size``): 1 is Megatron-Core's MoE parallel folding, its ``ep`` drawn from
+tp x dp x cp and each rank's experts its own (:attr:`Workload.expert_folding`); the layout's tp (> 1)
+splits every expert over tp as the dense MLP (``Layout.expert_tp = "split"``, the layout line's
+``etp``); any other value is refused. Left out, a Megatron-Core row (stack ``megatron-core`` or an
+alias: NeMo, Megatron-Bridge, Megatron-LM) of an MoE under tp > 1 is priced split: Megatron-Core
+sets ``expert_tensor_parallel_size`` to the tensor-parallel size when it is not given (and split
+experts over tp before it had the option), so its published MoE runs that do not name it ran split
+(the DGX Cloud Grok-1 rows: with experts whole on each of the tp4 ranks they were predicted at
+about 100 GiB per 80 GiB GPU). Rows of other stacks left out keep the layout line's experts
+(whole on every tp rank, Loom's default, unless it says ``etp``).
 
 The comparison is on tokens/s per GPU (equivalently TFLOP/s per GPU under any one FLOP count: the
 ratio is the same); the table prints TFLOP/s per GPU in Loom's count, hardware FLOPs with
@@ -28,6 +39,7 @@ included, the input embedding not; top_k of an MoE's routed experts).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
@@ -177,18 +189,7 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
             compile=row.get("compile", False),
             expert_folding=row.get("expert_tensor_parallel") == 1,
         )
-        if row.get("expert_tensor_parallel", 1) != 1:
-            raise PlanError(
-                f"expert_tensor_parallel: only 1 (Megatron-Core's MoE parallel folding) is priced, got "
-                f"{row['expert_tensor_parallel']}; leave it out for experts replicated over tp, as Loom's"
-            )
-        if w.expert_folding and (model.n_experts <= 1 or resolve_stack(str(row["stack"]))[0] == ""):
-            what = (
-                "Loom's stack replicates experts over tp"
-                if model.n_experts > 1
-                else "the model has no experts"
-            )
-            raise PlanError(f"expert_tensor_parallel: 1 folds an MoE's experts, but {what}")
+        lay = _expert_layout(row, model, lay)
         if w.precision not in (
             *PRECISIONS,
             "auto",
@@ -234,6 +235,38 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
     group = str(row.get("group", Path(where).stem))
     stack = resolve_stack(str(row["stack"]))[0]
     return PublishedRun(str(name), model, stack, cluster, lay, w, tps, str(row["source"]), where, group)
+
+
+def _expert_layout(row: dict[str, Any], model: ModelConfig, lay: Layout) -> Layout:
+    """``lay`` with the experts of the row's ``expert_tensor_parallel`` (module doc): 1 folds them
+    (the workload's), tp > 1 splits them, left out a Megatron-Core MoE row under tp > 1 splits them;
+    a value that is neither, or one the model or stack cannot take, is one :class:`PlanError` line."""
+    etp, stack = row.get("expert_tensor_parallel"), resolve_stack(str(row["stack"]))[0]
+    moe = model.n_experts > 1
+    if etp is None:
+        split = moe and lay.tp > 1 and stack == "megatron-core"  # Megatron-Core's default: tp
+        return dataclasses.replace(lay, expert_tp="split") if split else lay
+    if etp not in (1, lay.tp):
+        raise PlanError(
+            f"expert_tensor_parallel: must be 1 (Megatron-Core's MoE parallel folding) or the layout's "
+            f"tp = {lay.tp} (experts split over tp), got {etp}"
+        )
+    if not moe:
+        raise PlanError(
+            f"expert_tensor_parallel: {etp} lays out an MoE's experts, but the model has no experts"
+        )
+    if etp == 1:
+        if stack == "":
+            raise PlanError(
+                "expert_tensor_parallel: 1 folds an MoE's experts, but Loom's stack keeps them on every tp "
+                "rank, whole or split (give the layout's tp, or leave it out)"
+            )
+        if lay.expert_tp == "split" and lay.tp > 1:
+            raise PlanError(
+                "expert_tensor_parallel: 1 folds an MoE's experts, but the layout splits them (etp)"
+            )
+        return lay
+    return dataclasses.replace(lay, expert_tp="split")
 
 
 def _check_types(table: dict[str, Any], types: dict[str, type], at: str) -> None:

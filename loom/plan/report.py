@@ -52,7 +52,7 @@ def _row(i: int, e: Estimate) -> list[str]:
         str(lay.tp),
         str(lay.pp),
         str(lay.cp) + (f" {lay.cp_mode}" if lay.cp > 1 else ""),  # allgather | ring | alltoall
-        str(lay.ep),
+        str(lay.ep) + " etp" * (lay.expert_tp == "split"),  # experts split over tp
         zero,
         "y" if lay.sp else "-",
         sched,
@@ -213,6 +213,7 @@ def layout_of(cfg: LoomConfig) -> Layout:
         cp=p.cp,
         cp_mode=str(getattr(p, "cp_mode", "allgather")),
         ep=p.ep,
+        expert_tp=str(getattr(p, "expert_tp", "replicate")),
         zero=p.zero,
         sp=bool(getattr(p, "sp", False)),
         schedule=p.schedule,

@@ -4,7 +4,8 @@ Enumeration, outermost first: tp (:func:`~loom.plan.cost.tp_reason`: divides n_h
 vocab and the node; divides n_kv_heads or is a multiple of it), pp (at most n_layers; an uneven split puts the spare blocks on middle stages, and an even one is
 also tried with lighter first and last stages, :func:`lighter_ends`), cp (seq_len divisible by 2 cp) with each of its modes
 (``allgather``, ``ring``, ``alltoall`` when the query heads per tp rank divide by cp), dp = world / (tp pp cp) (divides the
-global batch), ep (MoE only), ZeRO stage with its sharding group, micro-batch, schedule with
+global batch), ep (MoE only), the experts under tp (MoE with tp > 1: whole on every tp rank or split
+over it, ``expert_tp``), ZeRO stage with its sharding group, micro-batch, schedule with
 its virtual stages, recomputation, offload. ``sp`` is always on when tp > 1.
 
 Explicit values (``fixed``, what ``parallel.auto`` keeps of the config): only layouts with them are
@@ -45,6 +46,7 @@ from loom.plan.cost import RECOMPUTE, CostModel, Estimate, Layout, PlanError, Wo
 from loom.plan.hardware import ClusterSpec, Profile
 from loom.rules import (
     CP_MODES,
+    EXPERT_TP_MODES,
     ScheduleName,
     context_mode_problem,
     context_parallel_problem,
@@ -173,8 +175,11 @@ def search(
                 )
                 modes = _only(fixed, "cp_mode", modes)
                 sp = _only(fixed, "sp", [tp > 1])[0]
-                for ep, (zero, ds) in itertools.product(eps, zeros):
-                    base = Layout(dp=dp, dp_shard=ds, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp)
+                etps = _only(fixed, "expert_tp", EXPERT_TP_MODES if cm.moe and tp > 1 else ["replicate"])
+                for ep, etp, (zero, ds) in itertools.product(eps, etps, zeros):
+                    base = Layout(
+                        dp=dp, dp_shard=ds, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, expert_tp=etp
+                    )
                     base = dataclasses.replace(base, cp_mode=modes[0])
                     if len(modes) > 1:
                         base = _pick_cp_mode(cm, base, modes)

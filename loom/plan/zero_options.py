@@ -74,12 +74,14 @@ def zero3_memory(cm: Any, lay: Any, bd: dict[str, float], first: bool, last: boo
         bd["weights"] = bd["gradients"] = bd["optimizer"] = bd["optimizer step"] = (
             0.0  # the step runs on the host
         )
-        largest = max(u for u, _, _ in cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last))
+        largest = max(
+            u for u, _, _ in cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last, lay.expert_tp)
+        )
         bd["zero3 buffer"] += (
             2 * cm.W * largest / max(1, lay.dp_shard * lay.cp)
         )  # staging: one gathering, one read ahead
     if getattr(lay, "hpz", 0):
-        dense, _ = cm._params_on(lay.tp, lay.pp, lay.ep, first, last)
+        dense, _ = cm._params_on(lay.tp, lay.pp, lay.ep, first, last, (), lay.expert_tp)
         kept = cm.zero3_units(lay.pp, lay.tp)[1] if last else 0.0  # the unit kept gathered: no secondary
         bd["zero3 buffer"] += cm.W * (dense - kept) / lay.hpz
     return bd
@@ -91,7 +93,7 @@ def zeropp_time(cm: Any, lay: Any, m: int) -> float:
     ``lay.hpz`` ranks; qgZ's gradient all-to-all moves the quantized full gradient; plus the
     replicas' all-reduce of the shard (hybrid sharding)."""
     mach, W, R, wd = cm.machine, cm.W, cm.R, lay.world_size
-    dense, _ = cm._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1)
+    dense, _ = cm._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1, (), lay.expert_tp)
     ns, span = max(1, lay.dp_shard * lay.cp), lay.tp * lay.cp * lay.dp_shard
     units, kept = cm.zero3_units(lay.pp, lay.tp)
     q = (BLOCK + SCALE_BYTES) / BLOCK

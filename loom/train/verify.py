@@ -129,6 +129,7 @@ def job_config(cfg: C.LoomConfig, lay: Layout, seq: int, m: int) -> C.LoomConfig
     p = cfg.parallel
     p.dp, p.dp_shard, p.tp, p.pp, p.cp, p.ep = lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep
     p.cp_mode = lay.cp_mode  # type: ignore[assignment]  # one of CP_MODES (the search enumerates only those)
+    p.expert_tp = lay.expert_tp  # type: ignore[assignment]  # one of EXPERT_TP_MODES (likewise)
     p.zero, p.sp, p.schedule, p.virtual_stages = lay.zero, lay.sp, lay.schedule, lay.v
     p.offload = "cpu" if lay.offload else "none"
     cfg.train.micro_batch, cfg.train.global_batch = lay.micro_batch, lay.micro_batch * lay.dp * m

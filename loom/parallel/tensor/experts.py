@@ -21,8 +21,9 @@ micro-batch (one collective each, ring volumes per rank):
             backward reduce-scatter of the input gradient, all-gather  ρS + ρS
 
 plus, in backward, an all-reduce of the routing weights' gradient (4·b·s·k bytes, fp32: 2ρ of that):
-each rank's is <output gradient, its slice's partial row>, so they sum to the whole expert's (full
-recomputation repeats the forward's collectives). The router's input gradient is the same on every rank
+each rank's is <output gradient, its slice's partial row>, so they sum to the whole expert's. Full
+recomputation repeats the entry's gather under sp, not the exit's sum (nothing saved needs it: PyTorch's
+checkpoint stops before it). The router's input gradient is the same on every rank
 (it saw the same tokens), so it is counted once: without sp it is added after f's all-reduce;
 with sp each rank keeps its own sequence rows of it (:class:`_OwnRows`) before the gather's
 reduce-scatter sums the experts' parts. No MoE gradient is partial: the router's is whole on each

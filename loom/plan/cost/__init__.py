@@ -26,7 +26,8 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
   (``reduction_bytes``): ZeRO-3's units, ZeRO-1/2's table buckets (``reduction_moment``). Stages 2/3 with gradient accumulation (m > 1) hold full-size gradients
   between micro-batches beside their 1/N shard (reduced once, after the last, as FSDP's ``no_sync``; the
   pipeline's synchronous schedules too, not PipeDream/2BW, which reduce every micro-batch). ``offload`` moves O to host memory. Layer weights divide by t, experts
-  by ep only (whole on every tp rank); the vocabulary-parallel embedding and head by t; norms are replicated.
+  by ep only (whole on every tp rank), or by ep·t and shared experts by t under ``Layout.expert_tp =
+  "split"`` (the router whole); the vocabulary-parallel embedding and head by t; norms are replicated.
 - activations of one layer for one micro-batch, the tensors its block saves for backward
   (pre-norm, RoPE, GQA, SwiGLU, no dropout; measured with saved-tensor hooks, storages counted
   once: tests/test_plan_activations.py)::
@@ -46,6 +47,8 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
         (T k moe_load) its input and output 2 B_a h and SwiGLU 4 B_a f; 4 E offsets per layer;
         ep > 1: 8 k ids, the returned rows B_a k h, 8 per row received, 4 E / ep offsets
                                                                          -> / t only with sp
+        split experts (:func:`~loom.plan.cost.memory.moe_saved`): f/t, the rows of the tp group's
+        T tokens on every rank (under sp the gathered input B_a T h too)
 
   With B_a = 2, d = h/a, cp = 1 and RMSNorm this is s b h (c1 + c2 a s / h) with
   c1 = 12 + 4 k/a + 8 f/h + (4a + 8)/h and c2 = 2 without flash, 0 with flash/SDPA (the form of
@@ -104,6 +107,10 @@ Time of one step:
   of that size; plus embedding, head and vocab-parallel loss calls, and once per step one
   all-reduce of the gradients held in part (sp norms, replicated kv heads). Each call costs
   latency + volume / bandwidth, on the intra-node link, + the profile's ``call_overhead["tp"]``
+  (split experts, ``Layout.expert_tp``: no sp 4 all-reduces as above, no MoE gradient summed; sp the
+  attention's 3 all-gathers + 2 reduce-scatters and the experts' 2 + 2 of S, plus the routing weights'
+  gradient all-reduced, T k B_a; or, where the stack gathers the routed rows,
+  ``Stack.etp_gathers_rows``, the experts' 2 + 2 of k·S: :func:`~loom.plan.cost.comm.tp_calls`)
   (what a call costs in Loom's layers beyond the collective; on a CPU the twin below charges
   ``call_overhead_cpu["tp"]``); not overlapped, or with
   ``Layout.tp_overlap`` cut in t chunks pipelined with the layer's GEMMs, what hides still costing
@@ -118,7 +125,8 @@ Time of one step:
   the local ones; alltoall exchanges q, k, v and the output over cp, not overlapped, and saves its
   repeated kv heads (f = cp / gcd(k, cp)) and its own output (B T h / t) more.
 - expert parallel: 4 all-to-alls per MoE layer (dispatch + combine, fwd and bwd; 6 with full
-  recomputation) of T top_k h B_a bytes, (ep-1)/ep of it leaving the device, and the small
+  recomputation) of T_r top_k h B_a bytes (T_r the tokens a rank routes: T/t with sp, T without;
+  split experts T, the tp group's, unless the stack gathers the routed rows), (ep-1)/ep of it leaving the device, and the small
   all-to-all of per-expert counts before each dispatch (latency only); each of these calls also
   ``call_overhead["ep"]`` (measured through Loom's expert-parallel layer: the counts' host round
   trip, the splits, the waits of synchronous all-to-alls), its CPU ``call_overhead_cpu["ep"]``.

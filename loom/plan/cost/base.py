@@ -156,7 +156,30 @@ class CostBase:
 
     def _stage_params(self, lay: Layout, first: bool, last: bool) -> tuple[float, float]:
         """(dense, expert) parameters one device of this stage holds, before ZeRO sharding."""
-        return self._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
+        return self._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split, lay.expert_tp)
+
+    def expert_cut(self, tp: int, expert_tp: str = "replicate") -> int:
+        """The tp ranks one expert's weights are cut over: tp under ``expert_tp = "split"`` (an MoE's
+        w1/w3 by columns, w2 by rows, shared experts alike; the router whole), else 1 (whole on every
+        tp rank)."""
+        return tp if expert_tp == "split" and self.moe else 1
+
+    def expert_rows_gathered(self, tp: int, sp: bool, expert_tp: str) -> bool:
+        """Split experts under sp on a stack that gathers the routed rows over tp after the ep
+        all-to-all (``Stack.etp_gathers_rows``: Megatron-Core's alltoall dispatcher, each rank routing
+        its own sequence shard), not the sequence before the router (Loom's)."""
+        return self.expert_cut(tp, expert_tp) > 1 and sp and self.stack.etp_gathers_rows
+
+    def moe_tokens(self, T: float, tp: int, sp: bool, expert_tp: str) -> tuple[float, float]:
+        """(tokens a rank routes and dispatches, tokens whose expert rows it computes) of a micro-batch
+        of T = b·s/cp tokens per tp group: experts whole on every tp rank, both T/t with sp (its
+        sequence shard), else T; split experts compute the tp group's T tokens' rows (at f/t), routed
+        after the sequence is gathered (T), or, gathering the routed rows
+        (:meth:`expert_rows_gathered`), from each rank's own shard (T/t)."""
+        shard = T / tp if sp else T
+        if self.expert_cut(tp, expert_tp) == 1:
+            return shard, shard
+        return (shard if self.expert_rows_gathered(tp, sp, expert_tp) else T), T
 
     def bucket_bytes(self, ranks: int) -> float:
         """Bytes of one data-parallel gradient bucket in a reduction over ``ranks`` (dp x cp): the
@@ -170,7 +193,8 @@ class CostBase:
     def expert_group(self, ranks: int, ep: int, tp: int) -> int:
         """Ranks sharing each expert among ``ranks`` data-parallel ones (the experts' gradient and ZeRO
         group): ranks / ep, or ranks x tp / ep under :attr:`Workload.expert_folding` (a tp group's ranks
-        hold different experts there, the same ones in Loom's layout, which sums them over tp)."""
+        hold different experts there; in Loom's layouts the same ones, whole, or split over tp, each
+        slice reduced over the same ranks / ep)."""
         return max(1, ranks * (tp if self.train.expert_folding else 1) // ep)
 
     def buckets(self, nbytes: float, ranks: int) -> int:
@@ -178,18 +202,28 @@ class CostBase:
         return max(1, -(-int(nbytes) // int(self.bucket_bytes(ranks))))
 
     def _params_on(
-        self, t: int, pp: int, ep: int, first: bool, last: bool, split: tuple[int, ...] = ()
+        self,
+        t: int,
+        pp: int,
+        ep: int,
+        first: bool,
+        last: bool,
+        split: tuple[int, ...] = (),
+        expert_tp: str = "replicate",
     ) -> tuple[float, float]:
+        """(dense, expert) parameters one device of a stage holds: routed experts E/ep per rank, whole
+        on every tp rank or split over it (:meth:`expert_cut`), shared experts alike; the router whole."""
         pc = self.params
         layers = self.stage_layers(pp, first, last, split)
+        cut = self.expert_cut(t, expert_tp)
         dense = layers * (
             self._attn_params(t)
             + self.norms_on(t)
             + pc.router
-            + pc.shared
+            + pc.shared / cut
             + (0 if self.moe else pc.mlp_on(t))
         )
-        expert = layers * pc.mlp / ep if self.moe else 0.0  # experts are replicated over tp
+        expert = layers * pc.mlp / (ep * cut) if self.moe else 0.0
         if first:
             dense += pc.embed / t + pc.positions
         if last:
@@ -227,7 +261,7 @@ class CostBase:
         return units, pc.final_norm + self.model.vocab_size * self.model.dim / tp
 
     def zero3_unit_sizes(
-        self, tp: int, pp: int, ep: int, first: bool, last: bool
+        self, tp: int, pp: int, ep: int, first: bool, last: bool, expert_tp: str = "replicate"
     ) -> list[tuple[float, float, float]]:
         """ZeRO-3's units on a stage, a block's first: (elements, gradients autograd forms at once,
         gradients held beyond them). A block forms its widest matrix's gradient alone (wq/wo, w1/w2/w3,
@@ -236,20 +270,22 @@ class CostBase:
         A tied embedding and head without a pipeline hold beyond the embedding's gradient the head's
         and, at tp 1, their sum (the linear's weight gradient is a transposed view, which autograd
         cannot add into: a third table); under tp > 1 the head's column-parallel function forms its
-        gradient contiguous and autograd adds the embedding's into it (measured: two tables)."""
+        gradient contiguous and autograd adds the embedding's into it (measured: two tables). Split
+        experts (:meth:`expert_cut`): each stacked weight, shared ones too, 1/t of its size."""
         pc, m, t = self.params, self.model, tp
+        cut = self.expert_cut(tp, expert_tp)
         layer = (
             self._attn_params(t)
             + self.norms_on(t)
             + pc.router
-            + pc.shared
-            + (pc.mlp / ep if self.moe else pc.mlp_on(t))
+            + pc.shared / cut
+            + (pc.mlp / (ep * cut) if self.moe else pc.mlp_on(t))
         )
         experts = self.n_experts / ep if self.moe else 1
         qd = m.n_heads * m.head_dim
         attn = (qd / t + 2 * self.kv_width(t)) * m.dim if t > 1 else qd * m.dim  # q, k, v | wq, wo
         fused = 2 if t > 1 and m.mlp == "swiglu" and not self.moe else 1  # w1, w3 together
-        widest = max(attn, self.ffn * m.dim * (experts if self.moe else fused / t), pc.shared / 3)
+        widest = max(attn, self.ffn * m.dim * (experts / cut if self.moe else fused / t), pc.shared / 3 / cut)
         table = m.vocab_size * m.dim / t
         units = [(layer, widest, 0.0)]
         if pp == 1 and not pc.head:

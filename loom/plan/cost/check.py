@@ -56,6 +56,8 @@ def check(cm: CostBase, lay: Layout) -> str | None:
         return why
     if folded and (lay.tp * lay.dp * lay.cp) % lay.ep:
         return f"ep must divide tp*dp*cp = {lay.tp * lay.dp * lay.cp} (expert folding), got {lay.ep}"
+    if folded and cm.expert_cut(lay.tp, lay.expert_tp) > 1:
+        return "expert_tp: split experts (expert tensor parallelism = tp) and expert folding (1) exclude each other"
     if lay.zero > 0 and lay.dp_shard * lay.cp == 1:
         return "zero > 0 needs a sharding group dp_shard*cp > 1"
     if lay.schedule not in SCHEDULES:
@@ -112,12 +114,14 @@ def refused(cm: CostBase, lay: Layout) -> str | None:
         dp=lay.dp,
         dp_shard=lay.dp_shard,
         recompute=lay.recompute,
+        expert_tp=lay.expert_tp,
     )
     if problems:
         return problems[0]
     if t.expert_folding:
         return (
-            "expert folding (expert tensor parallelism 1) is Megatron-Core's: Loom replicates experts over tp"
+            "expert folding (expert tensor parallelism 1) is Megatron-Core's: Loom keeps a rank's experts "
+            "on every tp rank, whole or split (parallel.expert_tp)"
         )
     why = qlora_layout_problem("qlora" if t.qlora else "lora", lay.tp) or zero3_options_problem(
         zero=lay.zero,

@@ -10,7 +10,14 @@ from loom.plan.cost.params import qk_norm_params, qk_norm_partial
 
 
 def tp_calls(
-    cm: CostBase, tp: int, sp: bool, recompute: str, mb: int, part: str, cp: int = 1
+    cm: CostBase,
+    tp: int,
+    sp: bool,
+    recompute: str,
+    mb: int,
+    part: str,
+    cp: int = 1,
+    expert_tp: str = "replicate",
 ) -> dict[tuple[str, float], float]:
     """Tensor-parallel collectives of one micro-batch, fwd + bwd, as Loom issues them:
     ``{(op, message bytes): calls}`` for one ``layer``, the ``first`` stage's extras (the
@@ -30,6 +37,22 @@ def tp_calls(
     fp32 sums of squares, 4T bytes (q and k, forward and backward; the forward's 2 again under
     full recomputation). fp8 / int8 add the amax MAX all-reduces of the 8-bit GEMMs on shards
     (:func:`amax_calls`).
+
+    An MoE layer with experts whole on every tp rank (``replicate``) issues only its attention's calls
+    (the experts run on the tokens each rank holds: every token without sp, its shard with sp).
+    Split experts (``expert_tp = "split"``, :meth:`~loom.plan.cost.base.CostBase.expert_cut`): the
+    attention's calls and the MoE's own, per layer. Without sp the MoE's are the dense MLP's (its input
+    replicated; its output summed in an all-reduce of S forward, its input gradient backward): 4
+    all-reduces of S in all, as above. With sp, Loom's (the sequence all-gathered before the router,
+    the partial outputs reduce-scattered; backward a reduce-scatter of the input gradient and an
+    all-gather of the output's, no re-gather: the gathered input is saved): the attention's 3
+    all-gathers + 2 reduce-scatters and the MoE's 2 + 2 of S, 5 + 4; full recomputation repeats each
+    sublayer's forward but the MoE's exit (its sum feeds nothing saved, and PyTorch's checkpoint stops
+    before it): 2 + 1 more, 1 more all-reduce without sp. Loom's also all-reduces, in backward, the routing weights' gradient (each rank's
+    from its partial rows): one call of 4 T k bytes (fp32) (:mod:`loom.parallel.tensor.experts`). A stack
+    gathering the routed rows instead (``Stack.etp_gathers_rows``, Megatron-Core: A2A(EP) -> AG(TP)
+    ... RS(TP) -> A2A(EP), the weights applied to the reduced rows) moves R = k·load·S, the rows the
+    tp group computes, in the MoE's 2 + 2, and its shared experts (if any) run the dense MLP's 3 + 2 of S.
     """
     if tp <= 1:
         return {}
@@ -37,12 +60,31 @@ def tp_calls(
     S = T * cm.model.dim * cm.act_bytes
     again = 2 if recompute == "full" else 0
     calls: list[tuple[str, float, int]]
-    if part == "layer":
+    if part == "layer" and cm.expert_cut(tp, expert_tp) > 1 and sp:  # split experts: attention + MoE
+        a = again // 2  # each sublayer's forward again under full recomputation
+        calls = [("all_gather", S, 3 + a), ("reduce_scatter", S, 2 + a)]  # attention
+        gathers_rows = cm.expert_rows_gathered(tp, sp, expert_tp)
+        rows = S * cm.top_k * cm.train.moe_load if gathers_rows else S  # the busiest rank's rows
+        # the experts; recomputation stops before the exit's reduce-scatter (nothing saved needs it)
+        calls += [("all_gather", rows, 2 + a), ("reduce_scatter", rows, 2 + a * gathers_rows)]
+        if gathers_rows and cm.train.moe_shared:  # the stack's shared experts: a dense MLP of their own
+            calls += [("all_gather", S, 3 + a), ("reduce_scatter", S, 2 + a)]
+    elif part == "layer" and cm.expert_cut(tp, expert_tp) > 1:  # split, no sp: attention's 2 + the MoE's 2
+        calls = [("all_reduce", S, 4 + again // 2)]  # the MoE's forward sum is not recomputed (not saved)
+    elif part == "layer" and cm.moe and cm.expert_cut(tp, expert_tp) == 1:  # whole experts: attention's
+        a = again // 2
+        calls = (
+            [("all_reduce", S, 2 + a)] if not sp else [("all_gather", S, 3 + a), ("reduce_scatter", S, 2 + a)]
+        )
+    elif part == "layer":
         calls = (
             [("all_reduce", S, 4 + again)]
             if not sp
             else [("all_gather", S, 6 + again), ("reduce_scatter", S, 4 + again)]
         )
+    if part == "layer":
+        if cm.expert_cut(tp, expert_tp) > 1 and not cm.expert_rows_gathered(tp, sp, expert_tp):
+            calls.append(("all_reduce", 4.0 * T * cm.top_k, 1))  # the routing weights' gradient (fp32)
         if cm.model.qk_norm and cm.model.qk_norm_scope == "all":  # the norms' sums over tp
             calls.append(("all_reduce", 4.0 * T, 4 + again))
         calls += amax_calls(cm, tp, T, recompute)
@@ -110,19 +152,30 @@ def tp_payload(cm: CostBase, lay: Layout) -> dict[str, float]:
     parts = [("layer", cm.model.n_layers // lay.pp), ("first", 1)] + [("last", 1)] * (lay.pp == 1)
     for part, times in parts:
         for (op, size), k in tp_calls(
-            cm, lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp
+            cm, lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp, lay.expert_tp
         ).items():
             out[op] = out.get(op, 0.0) + m * times * k * size
     return out
 
 
-def tp_partial_params(cm: CostBase, tp: int, sp: bool, pp: int, last: bool = True, ep: int = 1) -> float:
+def tp_partial_params(
+    cm: CostBase,
+    tp: int,
+    sp: bool,
+    pp: int,
+    last: bool = True,
+    ep: int = 1,
+    expert_tp: str = "replicate",
+) -> float:
     """Parameters whose gradient each tp rank holds in part, summed over tp in one all-reduce
     per step (``loom.parallel.partial.sum_partial_grads``, ``tensor.parallelize.partial_numel``): with sp the norms'
     weights and LayerNorm biases (2 per layer + the final norm on the last stage), the
     row-parallel biases and the position table (on the first stage); replicated key/value
     weights and biases (k < t); q/k norm weights; with sp, the router, the shared experts and this
-    rank's E/ep experts (replicated over tp, each rank routing its sequence shard)."""
+    rank's E/ep experts (replicated over tp, each rank routing its sequence shard). Split experts
+    (``expert_tp = "split"``): none of the MoE's (the router routes the tp group's gathered tokens,
+    the experts' slices are each rank's own), but the router's where the stack routes each rank's
+    shard (``Stack.etp_gathers_rows``, Megatron-Core: its router weight is sequence-parallel)."""
     if tp <= 1:
         return 0.0
     m, pc = cm.model, cm.params
@@ -139,6 +192,8 @@ def tp_partial_params(cm: CostBase, tp: int, sp: bool, pp: int, last: bool = Tru
     kv = 2 * layers * cm.kd * (h + (1 if m.qkv_bias or m.bias else 0)) if m.n_kv_heads % tp else 0.0
     folded = cm.train.expert_folding  # the experts are this rank's own: nothing to sum over tp
     moe = layers * (pc.router + pc.shared + (0.0 if folded else pc.mlp / ep)) if cm.moe else 0.0
+    if cm.expert_cut(tp, expert_tp) > 1:  # split: the router alone, where each rank routes its shard
+        moe = layers * pc.router if cm.expert_rows_gathered(tp, sp, expert_tp) else 0.0
     return (seq + moe if sp else 0.0) + kv + layers * qk_norms
 
 
@@ -156,7 +211,9 @@ def collective_calls(cm: CostBase, lay: Layout) -> dict[str, int]:
 
     parts = [("layer", cm.model.n_layers // lay.pp), ("first", 1)] + [("last", 1)] * (lay.pp == 1)
     for part, times in parts:
-        for (op, _), k in tp_calls(cm, lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp).items():
+        for (op, _), k in tp_calls(
+            cm, lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp, lay.expert_tp
+        ).items():
             add(op, m * times * k)
     if (
         lay.ep > 1 and cm.moe
@@ -171,11 +228,11 @@ def collective_calls(cm: CostBase, lay: Layout) -> dict[str, int]:
         else:  # K and V all-gathered, dK and dV reduce-scattered
             add("all_gather", m * layers * 2 * passes)
             add("reduce_scatter", m * layers * 2)
-    if tp_partial_params(cm, lay.tp, lay.sp, lay.pp, lay.pp == 1, lay.ep):
+    if tp_partial_params(cm, lay.tp, lay.sp, lay.pp, lay.pp == 1, lay.ep, lay.expert_tp):
         add("all_reduce", 1)
     n = lay.dp_shard * lay.cp if lay.zero else lay.dp * lay.cp
     if n > 1:
-        dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1)
+        dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1, (), lay.expert_tp)
         if lay.ep == 1:  # experts, if any, share the dense buckets
             dense, expert = dense + expert, 0.0
         buckets = cm.buckets(dense * cm.R, lay.dp * lay.cp)

@@ -90,31 +90,41 @@ def microbatch_times(
     cp_mode: str = "allgather",
     tp_overlap: bool = False,
     split: tuple[int, ...] = (),
+    expert_tp: str = "replicate",
 ) -> tuple[float, float, dict[str, float]]:
-    """(t_mb of the slowest stage, its weight-grad time t_W, per-term times) for one micro-batch."""
+    """(t_mb of the slowest stage, its weight-grad time t_W, per-term times) for one micro-batch.
+
+    An MoE layer on a tp rank (:meth:`~loom.plan.cost.base.CostBase.moe_tokens`): experts whole on
+    every tp rank route and compute the rank's tokens (T/t with sp, else T: every rank all of them)
+    at f; split experts compute the tp group's T tokens' rows at f/t (with sp the FLOPs of whole
+    experts on T/t, without sp 1/t of them), shared experts too, and route T (Loom's: the sequence
+    gathered) or the rank's shard (a stack gathering the routed rows); the ep all-to-all carries the
+    rows of the tokens the rank routes."""
     mc, tr, mach = cm.model, cm.train, cm.machine
     B, h, f, s = cm.act_bytes, mc.dim, cm.ffn, tr.seq_len
     T = mb * s / cp
     head_8bit = tr.precision in ("fp8", "int8") and cm.stack.lowp_head  # the head's GEMM in 8 bits
     lin = partial(linear_gemm, cm)  # a block Linear's GEMM: 8-bit where it runs in 8 bits (m, in, out)
-    # tokens per expert GEMM: T_r*top_k routed tokens (T_r = T/tp with sp, else T: experts are whole on
-    # every tp rank) spread over this device's experts, the busiest ``moe_load`` times the mean
-    T_moe = T / tp if sp else T
+    # tokens per expert GEMM: T_r*top_k routed rows (T_r = T/tp with sp, else T, for experts whole on
+    # every tp rank; the tp group's T for split ones, at f/t) spread over this device's experts, the
+    # busiest ``moe_load`` times the mean; the router and the ep all-to-all on the tokens it routes
+    T_route, T_moe = cm.moe_tokens(T, tp, sp, expert_tp)
+    cut = cm.expert_cut(tp, expert_tp)
     ups = 2 if mc.mlp == "swiglu" else 1  # SwiGLU's w1 and w3, or GELU's w1
     # the block's Linears on this rank: (how many, m, in, out, a routed expert's)
     linears = [(1.0, T, h, h / tp, False), (2.0, T, h, cm.kv_width(tp), False), (1.0, T, h / tp, h, False)]
     if cm.moe:
         experts_here = cm.n_experts / ep
         Te = T_moe * cm.top_k / experts_here * tr.moe_load
-        linears += [(experts_here * ups, Te, h, f, True), (experts_here, Te, f, h, True)]
-        if tr.moe_shared:  # shared experts: one SwiGLU of S·f on every token of the rank
-            fs = tr.moe_shared * f
+        linears += [(experts_here * ups, Te, h, f / cut, True), (experts_here, Te, f / cut, h, True)]
+        if tr.moe_shared:  # shared experts: one SwiGLU of S·f (S·f/t split) on every token of the rank
+            fs = tr.moe_shared * f / cut
             linears += [(2.0, T_moe, h, fs, False), (1.0, T_moe, fs, h, False)]
     else:
         linears += [(float(ups), T, h, f / tp, False), (1.0, T, f / tp, h, False)]
     gemm_f = sum(c * lin(m, k, n, expert=e) for c, m, k, n, e in linears)
     if cm.moe:  # the router's logits (T x h) @ (h x E), outside the 8-bit swap (model FLOPs count it)
-        gemm_f += mach.gemm(T_moe, h, cm.n_experts, B, bf16=True)
+        gemm_f += mach.gemm(T_route, h, cm.n_experts, B, bf16=True)
     cast_bytes = [scale_cast_bytes(cm, m, k, n, e) for _, m, k, n, e in linears]
     cast_f = sum(lin_[0] * fb[0] for lin_, fb in zip(linears, cast_bytes)) / mach.hbm
     cast_b = sum(lin_[0] * fb[1] for lin_, fb in zip(linears, cast_bytes)) / mach.hbm
@@ -123,7 +133,7 @@ def microbatch_times(
     if not tr.flash_attention:
         core_bytes += 4 * B * a_t * T * s  # scores written, softmax read+write, read by AV
     mlp_elt = (
-        3 * f * (cm.top_k * tr.moe_load + tr.moe_shared) / (tp if sp else 1)
+        3 * f * (cm.top_k * tr.moe_load + tr.moe_shared) / (tp if sp or cut > 1 else 1)  # f/t split
         if cm.moe
         else (3 if mc.mlp == "swiglu" else 2) * f / tp
     )
@@ -170,7 +180,7 @@ def microbatch_times(
             k * (mach.collective(op, tp, size, tp, world or None) + extra) for (op, size), k in calls.items()
         )
 
-    tp_layer = tp_time(tp_calls(cm, tp, sp, recompute, mb, "layer", cp))
+    tp_layer = tp_time(tp_calls(cm, tp, sp, recompute, mb, "layer", cp, expert_tp))
     if tp_overlap and tp > 1:  # each collective cut in tp chunks, pipelined with its GEMM: the first
         # chunk shows, the rest hides behind the layer's GEMMs at the cost of what runs beside compute
         gemms = gemm_f * (1 + r) + (gemm_f if recompute == "full" else 0.0)
@@ -178,10 +188,10 @@ def microbatch_times(
     cp_layer = cp_layer_time(cm, tp, cp, T, recompute, cp_mode, core_f, world) if cp > 1 else 0.0
     ep_layer = 0.0
     if cm.moe and ep > 1:
-        # rows of this rank's tokens (T_moe·k, at most the capacity's), the busiest rank receiving ``moe_load`` x
+        # rows of the tokens this rank routes (T_route·k, at most the capacity's), the busiest rank receiving ``moe_load`` x
         span = ep if tr.expert_folding else tp * ep  # folded: ep consecutive ranks, tp's among them
         ep_layer = n_tp * mach.collective(
-            "all_to_all", ep, T_moe * cm.top_k * h * B * tr.moe_load, span, world or None
+            "all_to_all", ep, T_route * cm.top_k * h * B * tr.moe_load, span, world or None
         )
         ep_layer += (
             (n_tp - 2) // 2 * mach.latency("all_to_all", ep, span, world or None)

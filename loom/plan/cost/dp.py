@@ -114,7 +114,17 @@ def dp_time(cm: CostBase, lay: Layout, m: int, t_mb: float, t_compute: float) ->
         exposed = last + max(0, rest - window) + (1 - comm_overlap) min(rest, window)
     """
     total = cm.memo(dp_comm)(
-        lay.dp, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m, lay.world_size, lay.split
+        lay.dp,
+        lay.dp_shard,
+        lay.tp,
+        lay.pp,
+        lay.cp,
+        lay.ep,
+        lay.zero,
+        m,
+        lay.world_size,
+        lay.split,
+        lay.expert_tp,
     )
     if lay.zero == 3 and (lay.qwz or lay.hpz or lay.qgz):
         total = zeropp_time(cm, lay, m)
@@ -129,7 +139,7 @@ def dp_time(cm: CostBase, lay: Layout, m: int, t_mb: float, t_compute: float) ->
             m * (2 * units - 1) if lay.pp == 1 else 0
         )  # a pipeline's gathers: zero3_stage_gathers
         return exposed(total, calls, t_compute, share)
-    dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1)
+    dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1, (), lay.expert_tp)
     buckets = cm.buckets((dense + expert) * cm.R, lay.dp * lay.cp)
     gather = (
         total * cm.W / (cm.W + cm.R) if lay.zero else 0.0
@@ -175,6 +185,7 @@ def dp_comm(
     m: int,
     world: int = 0,
     split: tuple[int, ...] = (),
+    expert_tp: str = "replicate",
 ) -> float:
     """Seconds of data-parallel / ZeRO collectives per step, as Loom issues them (with gradient
     accumulation, reductions happen once, after the last micro-batch):
@@ -191,8 +202,8 @@ def dp_comm(
     """
     mach, W, R = cm.machine, cm.W, cm.R
     wd = world or None
-    dense, expert = cm._params_on(tp, pp, ep_deg, True, pp == 1)
-    dense_l, expert_l = cm._params_on(tp, pp, ep_deg, False, True)
+    dense, expert = cm._params_on(tp, pp, ep_deg, True, pp == 1, (), expert_tp)
+    dense_l, expert_l = cm._params_on(tp, pp, ep_deg, False, True, (), expert_tp)
     total = 0.0
     tpcp = tp * cp
     if cm.train.ps_shards:  # push then pull, each one message per (worker, server): the server's link carries
@@ -261,7 +272,7 @@ def zero3_stage_gathers(cm: CostBase, lay: Layout) -> tuple[float, int]:
     wd, out = lay.world_size, (0.0, 0)
     ns_dense = max(1, lay.dp_shard * lay.cp)
     for first, last in ((True, False), (False, True)):
-        dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
+        dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split, lay.expert_tp)
         t = 0.0
         for phi, ep, experts in ((dense, 1, False), (expert, lay.ep, True)):
             if phi > 0:

@@ -40,6 +40,9 @@ class Layout:
     recompute: str = "none"  # none | selective | full
     offload: bool = False  # optimizer state (fp32 master, momentum, variance) on the host
     cp_mode: str = "allgather"  # how attention spans cp: allgather | ring | alltoall (loom.rules.CP_MODES)
+    # an MoE's experts under tp (parallel.expert_tp, loom.rules.EXPERT_TP_MODES): replicate (whole on every
+    # tp rank) | split (w1/w3 columns, w2 rows, as the dense MLP: Megatron-Core's expert tensor parallelism)
+    expert_tp: str = "replicate"
     # ZeRO-3 parameter + gradient shards (and the state) on the host: ZeRO-Infinity
     offload_params: bool = False
     qwz: bool = False  # ZeRO++ int8 weight gathers (zero 3; loom.plan.zero_options)
@@ -70,14 +73,12 @@ class Layout:
 
     def spec(self) -> str:
         """The whole layout in one line, as ``loom plan verify --layout`` takes it (:meth:`parse`):
-        ``dp16 tp8 pp8 cp1 ep1 zero1/16 sp interleaved:v5 mb1 recompute:none [offload]``."""
+        ``dp16 tp8 pp8 cp1 ep1 zero1/16 sp [etp] interleaved:v5 mb1 recompute:none [offload]``
+        (``etp``: ``expert_tp = "split"``)."""
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}{self._mode()}", f"ep{self.ep}"]
         parts.append(f"zero{self.zero}/{self.dp_shard}" if self.zero else "zero0")
-        parts += ["sp"] * self.sp + [
-            f"{self.schedule}:v{self.v}",
-            f"mb{self.micro_batch}",
-            f"recompute:{self.recompute}",
-        ]
+        parts += ["sp"] * self.sp + ["etp"] * (self.expert_tp == "split")
+        parts += [f"{self.schedule}:v{self.v}", f"mb{self.micro_batch}", f"recompute:{self.recompute}"]
         parts += ["tp-overlap"] * self.tp_overlap + ["dp-after-backward"] * (not self.dp_overlap)
         parts += [f"split:{','.join(map(str, self.split))}"] * bool(self.split)
         return " ".join(parts + ["offload"] * self.offload)
@@ -119,6 +120,8 @@ class Layout:
                         kw["dp_shard"] = int(shard)
                 elif tok == "sp":
                     kw["sp"] = True
+                elif tok == "etp":
+                    kw["expert_tp"] = "split"
                 elif tok == "offload":
                     kw["offload"] = True
                 elif tok == "tp-overlap":
@@ -156,7 +159,7 @@ class Layout:
         parts += [f"cp{self.cp}{self._mode()}"] * (self.cp > 1) + [f"ep{self.ep}"] * (self.ep > 1)
         if self.zero:  # zS/G as the table and the layout line write it: stage S over G of the dp ranks
             parts.append(f"z{self.zero}" + (f"/{self.dp_shard}" if self.dp_shard != self.dp else ""))
-        return " ".join(parts)
+        return " ".join(parts + ["etp"] * (self.expert_tp == "split"))
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,8 @@ class Workload:
     moe_compute: str = "grouped"  # MoE: moe.compute, grouped | loop (per expert: no group offsets)
     # MoE parallel folding (Megatron-Core, expert tensor parallelism 1; a published run's
     # expert_tensor_parallel = 1): the expert-parallel group is drawn from tp x dp x cp, so ep need only
-    # divide that, and each rank's E/ep experts are its own, not replicated over tp (Loom's layout)
+    # divide that, and each rank's E/ep experts are its own, not shared by the tp group (Loom's layouts:
+    # whole on every tp rank, or split over it, Layout.expert_tp)
     expert_folding: bool = False
     # parallel.allreduce: the gradient all-reduce's algorithm (butterfly needs 2^k ranks)
     allreduce: str = "native"

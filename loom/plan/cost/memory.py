@@ -21,7 +21,17 @@ def state_memory(cm: CostBase, lay: Layout, first: bool = True, last: bool = Tru
     """Weights, gradients, optimizer state and ZeRO-3 gather buffer on one device (bytes)."""
     return dict(
         cm.memo(state_terms)(
-            lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last, lay.split
+            lay.tp,
+            lay.pp,
+            lay.cp,
+            lay.ep,
+            lay.zero,
+            lay.dp_shard,
+            lay.offload,
+            first,
+            last,
+            lay.split,
+            lay.expert_tp,
         )
     )
 
@@ -84,9 +94,10 @@ def state_terms(
     first: bool,
     last: bool,
     split: tuple[int, ...] = (),
+    expert_tp: str = "replicate",
 ) -> tuple[tuple[str, float], ...]:
     W, G, O = cm.W, cm.G, cm.O  # noqa: E741 (the module doc's names)
-    dense, expert = cm._params_on(tp, pp, ep, first, last, split)
+    dense, expert = cm._params_on(tp, pp, ep, first, last, split, expert_tp)
     n = dp_shard * cp if zero else 1
     n_e = cm.expert_group(n, ep, tp) if zero else 1
     shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[zero]
@@ -94,7 +105,7 @@ def state_terms(
     weights = W * (dense / shard[0] + expert / shard_e[0])
     buffer = 0.0
     if zero == 3:
-        buffer = zero3_transient(cm, tp, pp, ep, first, last, n)
+        buffer = zero3_transient(cm, tp, pp, ep, first, last, n, expert_tp=expert_tp)
     optim = O * (dense / shard[2] + expert / shard_e[2])
     if cm.train.ps_shards:  # the moments live on the servers: worker 0 holds server 0's shard if co-located
         optim = O * dense / cm.train.ps_shards if cm.train.ps_colocate else 0.0
@@ -113,7 +124,15 @@ def state_terms(
 
 
 def zero3_transient(
-    cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool, n: int, filling: bool = True
+    cm: CostBase,
+    tp: int,
+    pp: int,
+    ep: int,
+    first: bool,
+    last: bool,
+    n: int,
+    filling: bool = True,
+    expert_tp: str = "replicate",
 ) -> float:
     """ZeRO-3's gathered units and gradients at the step's peak (bytes), as Loom runs them: the
     largest, over the units u of the stage in backward order, of
@@ -142,10 +161,13 @@ def zero3_transient(
     moment of its own: W·next + G·u·filling + c·(u + last two reduced), its weights resharded."""
     W, G, f = cm.W, cm.G, float(filling)
     pc = cm.params
-    (block, p_block, _), *ends = cm.zero3_unit_sizes(tp, pp, ep, first, last)
+    (block, p_block, _), *ends = cm.zero3_unit_sizes(tp, pp, ep, first, last, expert_tp)
     table = cm.model.vocab_size * cm.model.dim / tp
     tied = first and last and pp == 1 and not pc.head  # one unit: embedding + head (+ final norm)
-    experts = pc.mlp / ep if cm.moe and ep > 1 else 0.0  # a unit of its own (loom.parallel.zero.stage3)
+    cut = cm.expert_cut(tp, expert_tp)
+    experts = (
+        pc.mlp / (ep * cut) if cm.moe and ep > 1 else 0.0
+    )  # a unit of its own (loom.parallel.zero.stage3)
     # a block's units as its reducers see them: (elements, reduced over the experts' group)
     reduced_block = [(block - experts, False), (experts, True)] if experts else [(block, False)]
     # (name, elements, largest parameter, extra gradients, reduced units), in backward order
@@ -209,7 +231,9 @@ def reduction_bytes(cm: CostBase, n: int) -> float:
     return cm.G if cm.R == cm.G else cm.R * (1 + 1 / n if n > 1 else 1)
 
 
-def gradient_in_flight(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
+def gradient_in_flight(
+    cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool, expert_tp: str = "replicate"
+) -> float:
     """G·(p + x)_max: the gradients autograd forms at once for the stage's largest parameter (the
     embedding or head table V·h/t, else a block's widest matrix or column-parallel group) before
     they are added into the flat gradient buffer or bucket of ZeRO-1/2; a tied embedding and head
@@ -220,7 +244,7 @@ def gradient_in_flight(cm: CostBase, tp: int, pp: int, ep: int, first: bool, las
     adapters only."""
     if cm.train.lora_rank:
         return 0.0
-    return cm.G * max(p + extra for _, p, extra in cm.zero3_unit_sizes(tp, pp, ep, first, last))
+    return cm.G * max(p + extra for _, p, extra in cm.zero3_unit_sizes(tp, pp, ep, first, last, expert_tp))
 
 
 def sharding(lay: Layout) -> int:
@@ -269,7 +293,8 @@ def reduction_moment(
         end = own + c * (table + embedding_companions(cm, lay, first, last))
         if cm.moe and lay.ep > 1:  # the experts' reducer (their group): its last two stacked weights
             n_e = cm.expert_group(sharding(lay), lay.ep, lay.tp)
-            end += reduction_bytes(cm, n_e) * 2 * cm.n_experts / lay.ep * cm.ffn * cm.model.dim
+            stacked = cm.n_experts / lay.ep * cm.ffn * cm.model.dim / cm.expert_cut(lay.tp, lay.expert_tp)
+            end += reduction_bytes(cm, n_e) * 2 * stacked
         moment = max(moment, end)
     return moment
 
@@ -281,7 +306,7 @@ def embedding_companions(cm: CostBase, lay: Layout, first: bool, last: bool) -> 
     cap = cm.train.bucket_bytes / cm.G
     q = cm.model.n_heads * cm.model.head_dim * cm.model.dim / lay.tp
     k = cm.kv_width(lay.tp) * cm.model.dim
-    blocks = cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last)[0][0]
+    blocks = cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last, lay.expert_tp)[0][0]
     return min(max(q, cap) + k, blocks * cm.stage_layers(lay.pp, first, last, lay.split))
 
 
@@ -302,13 +327,20 @@ def keeps_full_gradients(cm: CostBase, lay: Layout, m: int) -> bool:
 
 
 def accumulated_gradients(
-    cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: bool, split: tuple[int, ...] = ()
+    cm: CostBase,
+    tp: int,
+    pp: int,
+    ep: int,
+    first: bool,
+    last: bool,
+    split: tuple[int, ...] = (),
+    expert_tp: str = "replicate",
 ) -> float:
     """Full-size gradient buffers held between micro-batches (bytes), beside the persistent 1/N
     shard: G·Φ_stage, the stage's trained parameters (LoRA: the adapters only)."""
     if cm.train.lora_rank:
         return cm.G * adapters_on(cm, tp, pp, first, last, split)[0]
-    dense, expert = cm._params_on(tp, pp, ep, first, last, split)
+    dense, expert = cm._params_on(tp, pp, ep, first, last, split, expert_tp)
     return cm.G * (dense + expert)
 
 
@@ -342,19 +374,21 @@ def step_workspace(cm: CostBase, lay: Layout, first: bool = True, last: bool = T
     8-bit Adam works in chunks: not counted."""
     if cm.train.optimizer not in ("adamw", "adafactor") or lay.offload:
         return 0.0
-    dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split)
+    dense, expert = cm._params_on(lay.tp, lay.pp, lay.ep, first, last, lay.split, lay.expert_tp)
     n = sharding(lay)
     elements = dense / n + expert / (cm.expert_group(n, lay.ep, lay.tp) if lay.zero else 1)
     grads32 = 4.0 * elements if cm.train.mixed else 0.0
     if cm.train.optimizer == "adamw":
         return grads32
-    widest = max(p for _, p, _ in cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last))
+    widest = max(p for _, p, _ in cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last, lay.expert_tp))
     return grads32 + 4.0 * min(widest, elements)
 
 
 def layer_activation(cm: CostBase, lay: Layout) -> tuple[float, float, float]:
     """Bytes of one layer, one micro-batch: (no recomputation, selective, block input)."""
-    return cm.memo(activation_terms)(lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode, lay.ep)
+    return cm.memo(activation_terms)(
+        lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode, lay.ep, lay.expert_tp
+    )
 
 
 def norm_activation(cm: CostBase) -> float:
@@ -371,7 +405,23 @@ def final_norm_activation(cm: CostBase, t: int, sp: bool, cp: int, mb: int) -> f
     return mb * cm.train.seq_len / cp * norm_activation(cm) / (t if sp else 1)
 
 
-def moe_activation(cm: CostBase, T: float, ep: int) -> float:
+def moe_saved(cm: CostBase, t: int, sp: bool, T: float, ep: int, expert_tp: str = "replicate") -> float:
+    """Bytes a MoE layer saves on one tp rank, T = b·s/cp tokens of its tp group:
+    :func:`moe_activation` on the tokens the rank routes and the rows it computes
+    (:meth:`~loom.plan.cost.base.CostBase.moe_tokens`). Experts whole on every tp rank: its tokens,
+    T/t with sp, else T. Split experts (f/t per rank, ``expert_tp = "split"``): the tp group's T tokens'
+    rows at f/t; routed on T, the sequence all-gathered under sp (Loom: the gathered input B_a T h is
+    saved, the router's and the rows' source, where the norm's output shard B_a T h / t was), or on the
+    rank's own shard where the stack gathers the routed rows (``Stack.etp_gathers_rows``)."""
+    routed, rows = cm.moe_tokens(T, t, sp, expert_tp)
+    cut = cm.expert_cut(t, expert_tp)
+    out = moe_activation(cm, routed, ep, cut, rows if cut > 1 else None)
+    if cut > 1 and sp and not cm.expert_rows_gathered(t, sp, expert_tp):
+        out += cm.act_bytes * T * cm.model.dim * (1 - 1 / t)
+    return out
+
+
+def moe_activation(cm: CostBase, T: float, ep: int, cut: int = 1, rows: float | None = None) -> float:
     """Bytes a MoE layer (:mod:`loom.model.moe`; ep > 1 :mod:`loom.parallel.expert.parallelize`)
     saves for backward on T tokens, k = top_k, E experts, beside its norm's output (the router's
     input, counted with the norms); measured with balanced routing (tests/test_plan_activations.py):
@@ -386,6 +436,7 @@ def moe_activation(cm: CostBase, T: float, ep: int) -> float:
         offsets    4 E / ep bytes per layer (the grouped matmul's int32 group ends; none with
                    ``moe.compute = loop``, which runs each expert on its slice)
         shared     S shared experts (``moe.n_shared_experts``): their SwiGLU 4 B_a S f per token
+                   (of the ``rows`` tokens)
         z-loss     the fp32 logits and their log-sum-exp 4 E + 4 per token (``moe.z_loss_coef``)
         aux loss   f_e 4 E per layer (``moe.aux_loss_coef``); sigmoid scores add their per-token
                    sum 4 (the loss normalizes them)
@@ -395,8 +446,13 @@ def moe_activation(cm: CostBase, T: float, ep: int) -> float:
     matmul over an (E/ep, W, h) batch, W = T at ep 1 (every expert padded to the tokens) and
     ep T k ``moe_load`` / E at ep > 1 (the busiest expert's rows): per row its output B_a h and
     its (expert, slot) index 16 (not the sorted input, no offsets), per layer the batch and its
-    SwiGLU (E/ep) W (B_a h + 4 B_a f). Not counted: hot experts."""
-    B, k, E, f = cm.act_bytes, cm.top_k, cm.n_experts, cm.ffn
+    SwiGLU (E/ep) W (B_a h + 4 B_a f). Not counted: hot experts.
+
+    Split experts (``cut`` = t, :func:`moe_saved`): f is f/t, and the rows a rank computes are those of
+    ``rows`` tokens (their input, SwiGLU, place; the shared experts' tokens), the per-token terms and
+    the rows' weighted output (B_a h, as they return) of the T tokens it routes."""
+    B, k, E, f = cm.act_bytes, cm.top_k, cm.n_experts, cm.ffn / cut
+    R = T if rows is None else rows
     router = 4 * E + 8 * k + 4 * k + 4
     sort = (24 if ep > 1 else 16) * k + B * k
     if ep == 1 and cm.train.capacity_factor > 0:
@@ -404,29 +460,48 @@ def moe_activation(cm: CostBase, T: float, ep: int) -> float:
     combine = (2 if ep > 1 else 1) * B * k * cm.model.dim
     tr, h = cm.train, cm.model.dim
     place = 8 if ep > 1 else 0
-    rows = k * tr.moe_load * (2 * B * h + 4 * B * f + place)
+    per_row = k * tr.moe_load * (2 * B * h + 4 * B * f + place)
     per_layer = (4 * E / ep) * (tr.moe_compute != "loop") + 4 * E * tr.moe_aux_loss
     dtype = {"fp32": "fp32", "tf32": "fp32", "fp16": "fp16"}.get(tr.precision, "bf16")
     if tr.moe_compute == "grouped" and dtype not in cm.cluster.device.grouped_mm:  # the padded batch
-        width = T if ep == 1 else ep * T * k * tr.moe_load / E
-        rows = k * tr.moe_load * (B * h + 16 + place)
+        width = R if ep == 1 else ep * R * k * tr.moe_load / E
+        per_row = k * tr.moe_load * (B * h + 16 + place)
         per_layer += E / ep * width * (B * h + 4 * B * f) - 4 * E / ep
     shared = 4 * B * tr.moe_shared * f
     losses = (4 * E + 4) * tr.moe_z_loss + 4 * (tr.moe_aux_loss and tr.moe_score == "sigmoid")
-    return T * (router + sort + combine + rows + shared + losses) + per_layer
+    if rows is None:  # every term on the rank's T tokens
+        return T * (router + sort + combine + per_row + shared + losses) + per_layer
+    out = k * tr.moe_load * B * h  # a row's output, weighted where it returns
+    return T * (router + sort + combine + losses + out) + R * (per_row - out + shared) + per_layer
 
 
 def activation_terms(
-    cm: CostBase, t: int, sp: bool, cp: int, mb: int, cp_mode: str = "allgather", ep: int = 1
+    cm: CostBase,
+    t: int,
+    sp: bool,
+    cp: int,
+    mb: int,
+    cp_mode: str = "allgather",
+    ep: int = 1,
+    expert_tp: str = "replicate",
 ) -> tuple[float, float, float]:
     """Bytes one block saves for backward, one micro-batch of T = b·s/cp tokens: (no recomputation,
     selective, block input). No recomputation: :func:`layer_saved`'s kept set and the attention
     core's own; selective: the stack's policy, :func:`selective_saved`."""
-    kept, core, block_in = layer_saved(cm, t, sp, cp, mb, cp_mode, ep)
-    return kept + core, selective_saved(cm, t, sp, cp, mb, ep, kept), block_in
+    kept, core, block_in = layer_saved(cm, t, sp, cp, mb, cp_mode, ep, expert_tp)
+    return kept + core, selective_saved(cm, t, sp, cp, mb, ep, kept, expert_tp), block_in
 
 
-def selective_saved(cm: CostBase, t: int, sp: bool, cp: int, mb: int, ep: int, kept: float) -> float:
+def selective_saved(
+    cm: CostBase,
+    t: int,
+    sp: bool,
+    cp: int,
+    mb: int,
+    ep: int,
+    kept: float,
+    expert_tp: str = "replicate",
+) -> float:
     """Bytes one block saves under "selective" recomputation, as the stack defines it by g =
     ``Stack.selective_gemms``, the share of the block's GEMMs (and of their outputs) the policy
     recomputes; the same g prices the recomputation's time (g of the GEMMs' forward, beside the
@@ -445,7 +520,7 @@ def selective_saved(cm: CostBase, t: int, sp: bool, cp: int, mb: int, ep: int, k
                                                           (wo's and w2's on each tp rank: T x h)
 
     (torchtitan keeps wq, wv, w1, w2 of a Llama block, g = 0.5: the share's count differs from its by
-    B_a T a d / 2t at h = a d). An MoE layer keeps its experts' set whole (:func:`moe_activation`),
+    B_a T a d / 2t at h = a d). An MoE layer keeps its experts' set whole (:func:`moe_saved`),
     (1 - g) of the attention GEMMs' outputs and of wo's."""
     g = cm.stack.selective_gemms
     if g <= 0:
@@ -458,7 +533,7 @@ def selective_saved(cm: CostBase, t: int, sp: bool, cp: int, mb: int, ep: int, k
     gemm_out = qd + 2 * kv + h  # q, k, v and wo
     mlp = 0.0
     if cm.moe:
-        mlp = moe_activation(cm, T / rep_div, ep)
+        mlp = moe_saved(cm, t, sp, T, ep, expert_tp)
     else:
         gemm_out += ups * cm.ffn / t + h  # w1 (w3) and w2
     core = B * T * qd + 4 * T * m.n_heads / t
@@ -466,13 +541,20 @@ def selective_saved(cm: CostBase, t: int, sp: bool, cp: int, mb: int, ep: int, k
 
 
 def layer_saved(
-    cm: CostBase, t: int, sp: bool, cp: int, mb: int, cp_mode: str = "allgather", ep: int = 1
+    cm: CostBase,
+    t: int,
+    sp: bool,
+    cp: int,
+    mb: int,
+    cp_mode: str = "allgather",
+    ep: int = 1,
+    expert_tp: str = "replicate",
 ) -> tuple[float, float, float]:
     """Bytes one block saves for backward without recomputation, one micro-batch of T = b·s/cp
     tokens: (all but the attention core's own, the core's own, block input), term by term as
     :mod:`loom.plan.cost` states them. Each norm keeps its input in B_a and fp32 statistics, and its
-    output x̂·w in B_a where a matmul takes it. A MoE layer: :func:`moe_activation` on the rank's
-    tokens (T/t with sp: experts whole on every tp rank). The first is also one layer's working set
+    output x̂·w in B_a where a matmul takes it. A MoE layer: :func:`moe_saved` (experts whole on every
+    tp rank: the rank's tokens, T/t with sp; split: the tp group's rows at f/t). The first is also one layer's working set
     under full recomputation (:func:`stage_memory`), whatever the stack's selective policy. The input
     a block Linear keeps for its weight gradient (the norms' outputs, the core's output, the MLP's
     last product) takes :func:`saved_input_bytes` per element."""
@@ -491,8 +573,8 @@ def layer_saved(
         # their inputs (B_a; over a width cut by tp, ShardedRMSNorm: in fp32 and x̂, 4 + B_a)
         own = 4 + B if m.qk_norm_scope == "all" and t > 1 else B
         qkv += T * (own * (qd + kv) + 4 * sum(heads))
-    if cm.moe:  # experts whole on every tp rank, on its tokens (T/t with sp), the busiest's load
-        mlp = moe_activation(cm, T / rep_div, ep)
+    if cm.moe:  # the rank's tokens (T/t with sp) through whole experts, or the group's rows at f/t
+        mlp = moe_saved(cm, t, sp, T, ep, expert_tp)
     else:  # w1 x, silu, w3 x, product | w1 x, gelu: the last is w2's input
         mlp = ((3 if m.mlp == "swiglu" else 1) * B + saved_input_bytes(cm, ffn, h)) * T * ffn
     out = saved_input_bytes(cm, qd, h) * T * qd  # the core's output, wo's input: kept under selective too
@@ -524,7 +606,17 @@ def peak_states(cm: CostBase, lay: Layout) -> float:
         sum(
             v
             for _, v in cm.memo(state_terms)(
-                lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, f, la, lay.split
+                lay.tp,
+                lay.pp,
+                lay.cp,
+                lay.ep,
+                lay.zero,
+                lay.dp_shard,
+                lay.offload,
+                f,
+                la,
+                lay.split,
+                lay.expert_tp,
             )
         )
         for _, f, la, _ in cm._stages(lay.pp)
@@ -578,15 +670,12 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
     gradients kept across micro-batches, overhead; ``microbatches`` default: the workload's."""
     m = microbatches or cm.train.global_batch // (lay.dp * lay.micro_batch)
     first, last = stage == 0, stage == lay.pp - 1
+    etp = lay.expert_tp
     full_act, sel_act, block_in = cm.memo(activation_terms)(
-        lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode, lay.ep
+        lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode, lay.ep, etp
     )
-    working = cm.memo(layer_saved)(lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode, lay.ep)[0]
-    bd = dict(
-        cm.memo(state_terms)(
-            lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.dp_shard, lay.offload, first, last, lay.split
-        )
-    )
+    working = cm.memo(layer_saved)(lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode, lay.ep, etp)[0]
+    bd = state_memory(cm, lay, first, last)
     n = inflight_layers(lay.schedule, lay.pp, stage, m, lay.v, cm.model.n_layers)
     held = 1.0 if lay.schedule == "interleaved" and lay.v > 1 else n * lay.pp / cm.model.n_layers
     if lay.pp > 1 and (cm.model.n_layers % lay.pp or lay.split):  # uneven: this stage's blocks, not L / pp
@@ -604,14 +693,16 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
     bd["logits"] = logits
     bd["accumulation"] = 0.0
     if keeps_full_gradients(cm, lay, m):  # full-size gradients kept between micro-batches (no_sync)
-        bd["accumulation"] = cm.memo(accumulated_gradients)(lay.tp, lay.pp, lay.ep, first, last, lay.split)
+        bd["accumulation"] = cm.memo(accumulated_gradients)(
+            lay.tp, lay.pp, lay.ep, first, last, lay.split, etp
+        )
         if lay.zero == 3:  # the unit in backward fills its buffer inside the accumulation
             n = lay.dp_shard * lay.cp
-            bd["zero3 buffer"] = cm.memo(zero3_transient)(lay.tp, lay.pp, lay.ep, first, last, n, False)
+            bd["zero3 buffer"] = cm.memo(zero3_transient)(lay.tp, lay.pp, lay.ep, first, last, n, False, etp)
     stage = flat_stage(cm, lay)
     if stage:  # autograd's gradient of the largest parameter, before it joins its bucket
-        gif = cm.memo(gradient_in_flight)(lay.tp, lay.pp, lay.ep, first, last)
-        block = cm.G * cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last)[0][1]
+        gif = cm.memo(gradient_in_flight)(lay.tp, lay.pp, lay.ep, first, last, etp)
+        block = cm.G * cm.zero3_unit_sizes(lay.tp, lay.pp, lay.ep, first, last, etp)[0][1]
         if lay.pp == 1 and gif > block:  # the table's, formed at the embedding's backward, the last of
             # a micro-batch's: its activations and logits are freed, and (a tied table) the accumulated
             # buffers of the buckets reduced before it (at launch when cast, else but the last two)

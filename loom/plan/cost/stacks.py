@@ -63,6 +63,12 @@ class Stack:
     # Megatron-Core's DDP sizes it (larger groups, larger buckets: a ring's per-rank message stays above
     # its latency); (0, 0): the workload's own bucket_bytes (parallel.bucket_mb: Loom, PyTorch DDP's 25 MB)
     bucket_params: tuple[float, float] = (0.0, 0.0)
+    # split experts (expert tensor parallelism = tp) under sp: each rank routes its own sequence shard and
+    # dispatches its T/t·k rows over ep, then the tp group all-gathers the rows it received (k·load·S)
+    # and reduce-scatters the experts' outputs (Megatron-Core's alltoall dispatcher: A2A(EP) -> AG(TP),
+    # RS(TP) -> A2A(EP)); False: Loom's, the sequence all-gathered before the router (S), every tp rank
+    # routing the tp group's tokens (loom.plan.cost.comm.tp_calls)
+    etp_gathers_rows: bool = False
     # the stack whose memory-bound factor this one runs at (the same fused kernels), fitted there;
     # "": its own ``other`` (memory_bound_stack)
     other_of: str = ""
@@ -86,6 +92,7 @@ STACKS: dict[str, Stack] = {
             other=1.24,
             saves_8bit_inputs=True,
             bucket_params=(40e6, 1e6),
+            etp_gathers_rows=True,
             note="Megatron-Core + Transformer Engine (fused norm-GEMM, bias-GeLU): fitted on two "
             "sources, NeMo 24.07 and Megatron-Bridge (FP8 on H100)",
         ),

@@ -44,6 +44,7 @@ def timed(cm: CostBase, lay: Layout, mem: float, breakdown: dict[str, float], st
         lay.cp_mode,
         lay.tp_overlap,
         lay.split,
+        lay.expert_tp,
     )
     w_share = t_w / t_mb
     if p == 1:
@@ -68,7 +69,7 @@ def timed(cm: CostBase, lay: Layout, mem: float, breakdown: dict[str, float], st
         time["pp p2p"] = (
             2 * m * lay.v * mach.collective("p2p", 2, msg, span, synced=True)
         )  # the receiver waits
-    partial = tp_partial_params(cm, lay.tp, lay.sp, p, p == 1, lay.ep) * cm.R
+    partial = tp_partial_params(cm, lay.tp, lay.sp, p, p == 1, lay.ep, lay.expert_tp) * cm.R
     time["tp comm"] += mach.collective("all_reduce", lay.tp, partial, lay.tp, world)
     time["step sync"] = sync_time(cm, lay)
     time["dp comm"] = dp_time(cm, lay, m, terms["compute"], m * t_mb) + m * gathers
