@@ -270,6 +270,9 @@ def test_expert_parallel_calls_equal_the_planners(pools, name):
 
 
 TP_CALL_LAYOUTS = {
+    "tp2 ep2 split": {"tp": 2, "dp_replicate": 2, "ep": 2} | SPLIT,
+    "tp2 sp ep2 split recompute": {"tp": 2, "sp": True, "dp_replicate": 2, "ep": 2, "recompute": "full"}
+    | SPLIT,
     "tp2": {"tp": 2},
     "tp2 sp": {"tp": 2, "sp": True},
     "tp2 split": {"tp": 2} | SPLIT,
@@ -284,29 +287,50 @@ TP_CALL_LAYOUTS = {
 def test_tensor_parallel_moe_calls_and_bytes_equal_the_planners(pools, name):
     """Under tp an MoE layer with whole experts issues only its attention's collectives; split experts
     add the MLP's (2 all-reduces, or under sp an all-gather and a reduce-scatter each way, the
-    forward's again under full recomputation) and the routing weights' gradient all-reduce: calls and
-    bytes per step equal the planner's."""
+    forward's again under full recomputation) and the routing weights' gradient all-reduce, and under
+    ep the rows pooled over tp (an all-gather and a reduce-scatter each way, the counts' all-gather):
+    calls per step equal the planner's, and bytes where no routing decides them (ep 1)."""
     from loom.plan.cost import CostModel, Layout, Workload
     from loom.plan.cost.comm import tp_partial_params, tp_payload
     from loom.plan.hardware import ClusterSpec
 
     layout = TP_CALL_LAYOUTS[name]
-    cfg = tiny_model(**MOE)
-    planner = CostModel(cfg, Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", 2))
+    dp, ep = layout.get("dp_replicate", 1), layout.get("ep", 1)
+    cfg, micro = tiny_model(**MOE), min(MICRO, BATCH // dp)
+    planner = CostModel(cfg, Workload(BATCH, SEQ, precision="fp32"), ClusterSpec.single_node("cpu", 2 * dp))
     lay = Layout(
-        dp=1,
+        dp=dp,
+        ep=ep,
         tp=2,
         sp=layout.get("sp", False),
-        micro_batch=MICRO,
+        micro_batch=micro,
         recompute=layout.get("recompute", "none"),
         expert_tp=layout.get("expert_tp", "replicate"),
     )
     calls, payload = planner.collective_calls(lay), tp_payload(planner, lay)
     # + the once-a-step sum of the gradients held in part (fp32), which tp_payload leaves out
     payload["all_reduce"] += 4 * tp_partial_params(planner, 2, lay.sp, 1, ep=1, expert_tp=lay.expert_tp)
-    for r in pools(2).run(train_layout, layout, 1, BATCH, MICRO, MOE):
+    for r in pools(2 * dp).run(train_layout, layout, 1, BATCH, micro, MOE):
         assert r["calls"][0] == calls
-        assert r["payload"][0] == pytest.approx(payload)
+        if ep == 1:
+            assert r["payload"][0] == pytest.approx(payload)
+
+
+def test_split_experts_send_their_share_of_the_rows_through_the_all_to_all(pools):
+    """tp2 x ep2: each tp rank of split experts sends its half of the tokens' rows, so the rows leaving
+    all ranks are half those of whole experts (without sp every tp rank of those sends every row);
+    the per-expert counts (8·E/ep·(ep-1) bytes per layer and micro-batch) are exchanged by every rank
+    in both."""
+    layout, cfg = {"tp": 2, "dp_replicate": 2, "ep": 2}, tiny_model(**MOE)
+    counts = 4 * cfg.n_layers * (BATCH // (2 * MICRO)) * 8 * cfg.n_experts // 2  # 4 ranks, 1 other ep rank
+    whole, split = (
+        sum(
+            r["moved"][0]["all_to_all"] for r in pools(4).run(train_layout, layout | kw, 1, BATCH, MICRO, MOE)
+        )
+        - counts
+        for kw in ({}, SPLIT)
+    )
+    assert split == whole / 2
 
 
 # ---- issue 14: grouped compute, balancing, capacity ------------------------------------------------------

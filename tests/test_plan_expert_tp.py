@@ -149,12 +149,17 @@ def test_split_experts_tensor_parallel_calls_are_the_formulas():
     m = cm.train.global_batch // (lay.dp * lay.micro_batch)
     S2 = 2 * S  # micro-batch 2
     payload = cm.tp_payload(_split(lay))
-    assert payload["all_gather"] == m * (5 * L + 1 + 2) * S2  # layers, embedding, head input
-    assert payload["reduce_scatter"] == m * (4 * L + 1 + 1) * S2
-    assert payload["all_gather"] - cm.tp_payload(lay)["all_gather"] == m * L * 2 * S2
+    # under ep the received rows are pooled over tp: R = k·S each way, and the peers' counts (8 E t)
+    R2, counts = cm.top_k * S2, 8.0 * cm.n_experts * t
+    pooled = m * L * (2 * R2 + counts)
+    assert payload["all_gather"] == m * (5 * L + 1 + 2) * S2 + pooled  # layers, embedding, head input
+    assert payload["reduce_scatter"] == m * (4 * L + 1 + 1) * S2 + m * L * 2 * R2
+    assert payload["all_gather"] - cm.tp_payload(lay)["all_gather"] == m * L * 2 * S2 + pooled
     assert payload["all_reduce"] - cm.tp_payload(lay)["all_reduce"] == m * L * 2 * w
     calls = cm.collective_calls(_split(lay))
-    assert calls["all_gather"] == m * (5 * L + 3) and calls["reduce_scatter"] == m * (4 * L + 2)
+    assert calls["all_gather"] == m * (5 * L + 3 + 3 * L) and calls["reduce_scatter"] == m * (
+        4 * L + 2 + 2 * L
+    )
     assert calls["all_reduce"] - cm.collective_calls(lay)["all_reduce"] == m * L
     assert calls["all_to_all"] == cm.collective_calls(lay)["all_to_all"] == m * L * 5
 
@@ -163,7 +168,7 @@ def test_a_stack_gathering_the_routed_rows_moves_them_over_tp_and_only_its_shard
     """Megatron-Core (``Stack.etp_gathers_rows``): each rank routes its own sequence shard (its router
     gradient summed over tp) and dispatches its T/t·k rows over ep, as with experts whole; the tp group
     then all-gathers the rows it received and reduce-scatters the outputs, 2 + 2 of R = k·S per layer
-    (shared experts: the dense MLP's 3 + 2 of S). Loom's split dispatches the tp group's T·k rows."""
+    (shared experts: the dense MLP's 3 + 2 of S). Loom's split sends its 1/t of the tp group's rows too."""
     cm, t, ep = _cm("megatron-core", moe_shared=0), 2, 2
     S = SEQ * cm.model.dim * cm.act_bytes
     R = cm.top_k * S
@@ -195,7 +200,7 @@ def test_a_stack_gathering_the_routed_rows_moves_them_over_tp_and_only_its_shard
     for model, etp, tokens in (
         (cm, "replicate", SEQ / t),
         (cm, "split", SEQ / t),
-        (_cm(moe_shared=0), "split", SEQ),
+        (_cm(moe_shared=0), "split", SEQ / t),
     ):
         sizes.clear()
         model._microbatch_times(t, True, 1, ep, 1, "none", 1, 0, "allgather", False, (), etp)

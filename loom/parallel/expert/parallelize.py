@@ -24,6 +24,11 @@ Backward runs the two all-to-alls in reverse. Calls per layer and micro-batch: 5
 repeats the forward's 3. Bytes sent: the rows for other ranks, A_off·h·b, in each row all-to-all,
 with A_off ≈ A·(ep-1)/ep under uniform routing, plus 8·E·(ep-1)/ep for the counts.
 
+Split experts (``parallel.expert_tp = split``, :mod:`loom.parallel.tensor.experts`): every tp rank
+holds the group's tokens, sends only its 1/tp of them, and pools the rows it receives with its tp
+peers' (:mod:`loom.parallel.expert.tp_rows`) before computing its slice of its experts on all of
+them; the partial rows are summed back over tp before the combine's all-to-all.
+
 Gradients. An expert's gradient on its rank already sums the tokens of the whole ep group. The
 data-parallel reduction sums it over the edp group and divides by dp·cp, like every other
 gradient, so all of them are the gradient of the global mean loss
@@ -55,6 +60,7 @@ from torch.autograd import Function
 from loom import comm
 from loom.comm import CommMeter, Group
 from loom.model.moe import ExpertWeights, MoEFeedForward, StatsSum, grouped_swiglu, recomputing
+from loom.parallel.expert.tp_rows import TpRows, gather_rows, my_tokens, scatter_rows
 from loom.parallel.placement import ExpertShard, place, setattr_placement, slice_of
 
 __all__ = ["ExpertParallelMoE", "apply_expert_parallel", "choose_hot", "rebalance_experts", "stats_sum"]
@@ -128,6 +134,7 @@ class ExpertParallelMoE(MoEFeedForward):
         group: Group,
         edp_group: Group,
         meter: CommMeter | None = None,
+        tp_rows: TpRows | None = None,
     ) -> None:
         nn.Module.__init__(self)
         n_experts = moe.router.weight.shape[0]
@@ -146,6 +153,7 @@ class ExpertParallelMoE(MoEFeedForward):
         self._init_state()
         self.layer_id, self.sum_stats, self.loss_share = moe.layer_id, moe.sum_stats, moe.loss_share
         self.sum_step, self.split = moe.sum_step, moe.split  # split: experts also cut over tp
+        self.tp_rows = tp_rows  # split experts: the routed rows pooled over tp (tp_rows module doc)
         for name in ("w1", "w3", "w2"):
             full = getattr(moe, name).weight
             mine = ExpertWeights(
@@ -186,6 +194,10 @@ class ExpertParallelMoE(MoEFeedForward):
             cls = cls + torch.isin(expert, hot).long()
         if keep is not None:
             cls = torch.where(keep, cls, 2)
+        tp = self.tp_rows
+        if tp is not None:  # split experts: this tp rank sends its 1/tp of the tokens (hot rows: all)
+            lo, hi = my_tokens(flat.shape[0], tp)
+            cls = torch.where((cls == 0) & ((token < lo) | (token >= hi)), 2, cls)
         part = torch.argsort(cls, stable=True)
         token, expert, weight, cls = token[part], expert[part], weight[part], cls[part]
         sent = cls == 0
@@ -196,22 +208,28 @@ class ExpertParallelMoE(MoEFeedForward):
         got = _all_to_all(
             per_expert, [self.local] * self.ep, [self.local] * self.ep, self.group, self.meter, self.rank
         )
-        sizes = torch.cat([per_expert, got, (cls == 1).sum().view(1)]).tolist()  # the one host sync
+        tables = got if tp is None else _gather_counts(got, tp)  # what each tp peer received, too
+        sizes = torch.cat([per_expert, tables, (cls == 1).sum().view(1)]).tolist()  # the one host sync
         E, L = self.n_experts, self.local
+        sources = tables.numel() // L  # (tp peer,) ep rank: the blocks of received rows, in order
         send = [sum(sizes[r * L : (r + 1) * L]) for r in range(self.ep)]
-        recv = [sum(sizes[E + r * L : E + (r + 1) * L]) for r in range(self.ep)]
-        widest = max(sum(sizes[E + r * L + j] for r in range(self.ep)) for j in range(L))  # rows of an expert
+        mine = E * (1 + (tp.rank if tp is not None else 0))  # this rank's received counts in ``tables``
+        recv = [sum(sizes[mine + r * L : mine + (r + 1) * L]) for r in range(self.ep)]
+        widest = max(sum(sizes[E + r * L + j] for r in range(sources)) for j in range(L))  # rows of an expert
         n_out, n_hot = sum(send), sizes[-1]
         if hot is not None:
             at = slice(n_out, n_out + n_hot)
             out = self._hot_outputs(out, flat, token[at], expert[at], weight[at], hot)
         token, weight = token[:n_out], weight[:n_out]
         rows = _AllToAll.apply(flat.index_select(0, token), recv, send, self.group, self.meter, self.rank)
-        # received rows: by source rank, within it by expert; regroup them by local expert
-        recv_table = got.view(self.ep, self.local)
+        pooled = [sum(sizes[E + q * E : E + (q + 1) * E]) for q in range(sources // self.ep)]  # per tp peer
+        if tp is not None:
+            rows = gather_rows(rows, pooled, tp)
+        # received rows: by (tp peer,) source rank, within it by expert; regroup them by local expert
+        recv_table = tables.view(sources, self.local)
         expert_of_row = (
             torch.arange(self.local, device=flat.device)
-            .repeat(self.ep)
+            .repeat(sources)
             .repeat_interleave(recv_table.reshape(-1), output_size=rows.shape[0])
         )
         by_expert = torch.argsort(expert_of_row, stable=True)
@@ -226,6 +244,8 @@ class ExpertParallelMoE(MoEFeedForward):
             widest,
         )
         out_rows = torch.empty_like(y).index_copy(0, by_expert, y)  # back to the received order
+        if tp is not None:  # the slices' partial rows summed; this rank's received ones kept
+            out_rows = scatter_rows(out_rows, pooled, tp)
         back = _AllToAll.apply(out_rows, send, recv, self.group, self.meter, self.rank)  # sorted order again
         if not recomputing():
             self.rows_computed += rows.shape[0]
@@ -255,6 +275,13 @@ class ExpertParallelMoE(MoEFeedForward):
         return out.index_add(0, h_token, y * h_weight[:, None])
 
 
+def _gather_counts(got: torch.Tensor, tp: TpRows) -> torch.Tensor:
+    """The rows per (source rank, local expert) every tp peer received, stacked in tp order (flat)."""
+    out = got.new_empty(tp.size * got.numel())
+    comm.all_gather(out, got, tp.group, tp.meter)
+    return out
+
+
 def stats_sum(groups: Sequence[Group]) -> StatsSum:
     """The sum of a MoE layer's balancing counts over ``groups`` in place (the f_e's over cp [x tp],
     a step's loads over dp x cp [x tp]): one all-reduce per group of size > 1, unmetered (E + 1
@@ -275,10 +302,16 @@ def apply_expert_parallel(model: nn.Module, mesh, meter: CommMeter | None = None
     if ep == 1:
         return
     rank, group, edp = mesh.local_rank("ep"), mesh.group("ep"), mesh.group("edp")
+    tp = (
+        TpRows(mesh.group("tp"), mesh.local_rank("tp"), mesh.size("tp"), meter)
+        if mesh.size("tp") > 1
+        else None
+    )
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, MoEFeedForward) and not isinstance(child, ExpertParallelMoE):
-                setattr(module, name, ExpertParallelMoE(child, rank, ep, group, edp, meter))
+                rows = tp if child.split is not None else None  # experts split over tp: pool the rows
+                setattr(module, name, ExpertParallelMoE(child, rank, ep, group, edp, meter, rows))
 
 
 @torch.no_grad()

@@ -28,8 +28,10 @@ checkpoint stops before it). The router's input gradient is the same on every ra
 with sp each rank keeps its own sequence rows of it (:class:`_OwnRows`) before the gather's
 reduce-scatter sums the experts' parts. No MoE gradient is partial: the router's is whole on each
 rank, the experts' are their slices'. Under expert parallelism (:mod:`loom.parallel.expert`) each
-tp rank dispatches the group's tokens to the same tp rank of the other ep ranks and computes there
-its slice of their experts: the all-to-all carries b·s·k rows per rank (n times ``replicate`` + sp's).
+tp rank sends its 1/n of the group's tokens' rows to the same tp rank of the other ep ranks, and the
+tp ranks there pool what they received before computing their slices
+(:mod:`loom.parallel.expert.tp_rows`, Megatron-Core's order): the all-to-all carries b·s·k/n rows
+per rank, as many as ``replicate`` + sp's.
 """
 
 from __future__ import annotations

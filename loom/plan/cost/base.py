@@ -170,6 +170,11 @@ class CostBase:
         its own sequence shard), not the sequence before the router (Loom's)."""
         return self.expert_cut(tp, expert_tp) > 1 and sp and self.stack.etp_gathers_rows
 
+    def rows_pooled(self, tp: int, expert_tp: str, ep: int) -> bool:
+        """Loom's split experts under ep > 1 (:mod:`loom.parallel.expert.tp_rows`): each tp rank sends
+        1/tp of the group's tokens through the all-to-all and the received rows are pooled over tp."""
+        return self.expert_cut(tp, expert_tp) > 1 and ep > 1 and not self.stack.etp_gathers_rows
+
     def moe_tokens(self, T: float, tp: int, sp: bool, expert_tp: str) -> tuple[float, float]:
         """(tokens a rank routes and dispatches, tokens whose expert rows it computes) of a micro-batch
         of T = b·s/cp tokens per tp group: experts whole on every tp rank, both T/t with sp (its

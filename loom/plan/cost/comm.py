@@ -18,6 +18,7 @@ def tp_calls(
     part: str,
     cp: int = 1,
     expert_tp: str = "replicate",
+    ep: int = 1,
 ) -> dict[tuple[str, float], float]:
     """Tensor-parallel collectives of one micro-batch, fwd + bwd, as Loom issues them:
     ``{(op, message bytes): calls}`` for one ``layer``, the ``first`` stage's extras (the
@@ -53,6 +54,10 @@ def tp_calls(
     gathering the routed rows instead (``Stack.etp_gathers_rows``, Megatron-Core: A2A(EP) -> AG(TP)
     ... RS(TP) -> A2A(EP), the weights applied to the reduced rows) moves R = k·load·S, the rows the
     tp group computes, in the MoE's 2 + 2, and its shared experts (if any) run the dense MLP's 3 + 2 of S.
+    Loom's split experts under ep > 1 (:meth:`~loom.plan.cost.base.CostBase.rows_pooled`,
+    :mod:`loom.parallel.expert.tp_rows`) pool the received rows over tp besides: an all-gather and a
+    reduce-scatter of R = k·load·S each way (the forward's again under full recomputation) and an
+    all-gather of the peers' counts (8 E tp bytes).
     """
     if tp <= 1:
         return {}
@@ -87,6 +92,11 @@ def tp_calls(
             calls.append(("all_reduce", 4.0 * T * cm.top_k, 1))  # the routing weights' gradient (fp32)
         if cm.model.qk_norm and cm.model.qk_norm_scope == "all":  # the norms' sums over tp
             calls.append(("all_reduce", 4.0 * T, 4 + again))
+        if cm.rows_pooled(tp, expert_tp, ep):  # Loom's split experts under ep: rows pooled over tp
+            a = again // 2  # forward again under full recomputation (the rows' sums are saved)
+            R = S * cm.top_k * cm.train.moe_load  # the tp group's rows, each message padded to the busiest's
+            calls += [("all_gather", R, 2 + a), ("reduce_scatter", R, 2 + a)]
+            calls.append(("all_gather", 8.0 * cm.n_experts * tp, 1 + a))  # the peers' received counts
         calls += amax_calls(cm, tp, T, recompute)
     elif part == "first":
         calls = [("all_reduce", S, 1)] if not sp else [("reduce_scatter", S, 1), ("all_gather", S, 1)]
@@ -152,7 +162,7 @@ def tp_payload(cm: CostBase, lay: Layout) -> dict[str, float]:
     parts = [("layer", cm.model.n_layers // lay.pp), ("first", 1)] + [("last", 1)] * (lay.pp == 1)
     for part, times in parts:
         for (op, size), k in tp_calls(
-            cm, lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp, lay.expert_tp
+            cm, lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp, lay.expert_tp, lay.ep
         ).items():
             out[op] = out.get(op, 0.0) + m * times * k * size
     return out
@@ -212,7 +222,7 @@ def collective_calls(cm: CostBase, lay: Layout) -> dict[str, int]:
     parts = [("layer", cm.model.n_layers // lay.pp), ("first", 1)] + [("last", 1)] * (lay.pp == 1)
     for part, times in parts:
         for (op, _), k in tp_calls(
-            cm, lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp, lay.expert_tp
+            cm, lay.tp, lay.sp, lay.recompute, lay.micro_batch, part, lay.cp, lay.expert_tp, lay.ep
         ).items():
             add(op, m * times * k)
     if (

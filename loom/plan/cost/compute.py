@@ -180,7 +180,7 @@ def microbatch_times(
             k * (mach.collective(op, tp, size, tp, world or None) + extra) for (op, size), k in calls.items()
         )
 
-    tp_layer = tp_time(tp_calls(cm, tp, sp, recompute, mb, "layer", cp, expert_tp))
+    tp_layer = tp_time(tp_calls(cm, tp, sp, recompute, mb, "layer", cp, expert_tp, ep))
     if tp_overlap and tp > 1:  # each collective cut in tp chunks, pipelined with its GEMM: the first
         # chunk shows, the rest hides behind the layer's GEMMs at the cost of what runs beside compute
         gemms = gemm_f * (1 + r) + (gemm_f if recompute == "full" else 0.0)
@@ -188,10 +188,11 @@ def microbatch_times(
     cp_layer = cp_layer_time(cm, tp, cp, T, recompute, cp_mode, core_f, world) if cp > 1 else 0.0
     ep_layer = 0.0
     if cm.moe and ep > 1:
-        # rows of the tokens this rank routes (T_route·k, at most the capacity's), the busiest rank receiving ``moe_load`` x
+        # rows of the tokens this rank sends (T_sent·k, at most the capacity's), the busiest rank receiving ``moe_load`` x
+        T_sent = T_route / tp if cm.rows_pooled(tp, expert_tp, ep) else T_route  # Loom's split: 1/tp each
         span = ep if tr.expert_folding else tp * ep  # folded: ep consecutive ranks, tp's among them
         ep_layer = n_tp * mach.collective(
-            "all_to_all", ep, T_route * cm.top_k * h * B * tr.moe_load, span, world or None
+            "all_to_all", ep, T_sent * cm.top_k * h * B * tr.moe_load, span, world or None
         )
         ep_layer += (
             (n_tp - 2) // 2 * mach.latency("all_to_all", ep, span, world or None)
