@@ -690,7 +690,12 @@ SKEWED = dict(MOE, n_experts=4, top_k=1)  # top-1 of 4: routing of a fresh route
 
 
 @pytest.mark.parametrize(
-    "world, layout", [(2, {"dp_replicate": 2, "ep": 2}), (4, {"dp_shard": 4, "ep": 2, "zero": 3})]
+    "world, layout",
+    [
+        (2, {"dp_replicate": 2, "ep": 2}),
+        (4, {"dp_shard": 4, "ep": 2, "zero": 3}),
+        (4, {"tp": 2, "sp": True, "dp_replicate": 2, "ep": 2} | SPLIT),
+    ],
 )
 def test_hot_expert_replication_equals_single_process_and_cuts_the_busiest_rank(pools, world, layout):
     """moe.rebalance_every = 1: after each step the most loaded expert of each layer is replicated on
