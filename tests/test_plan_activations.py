@@ -90,22 +90,25 @@ def _moe_held(
     sp: bool = False,
     ep: int = 1,
     padded: bool = False,
+    expert_tp: str = "replicate",
 ) -> int:
     """Bytes MoE block 0 holds for backward after its forward of BATCH x SEQ tokens, routed as
     ``plan verify`` routes (balanced); ``padded``: the experts' padded batched matmul, as where
-    ``torch._grouped_mm`` is missing."""
+    ``torch._grouped_mm`` is missing; ``expert_tp``: experts whole on every tp rank, or split."""
     import loom.model.moe
 
     real = loom.model.moe.grouped_mm_available
     if padded:
         loom.model.moe.grouped_mm_available = lambda x: False
     try:
-        return _moe_held_here(precision, model_kw, moe_kw, tp, sp, ep)
+        return _moe_held_here(precision, model_kw, moe_kw, tp, sp, ep, expert_tp)
     finally:
         loom.model.moe.grouped_mm_available = real
 
 
-def _moe_held_here(precision: str, model_kw: dict, moe_kw: dict, tp: int, sp: bool, ep: int) -> int:
+def _moe_held_here(
+    precision: str, model_kw: dict, moe_kw: dict, tp: int, sp: bool, ep: int, expert_tp: str
+) -> int:
     from loom.config import MoEConfig
     from loom.memory.compress import SavedActivations
     from loom.model.llama import build_model
@@ -116,7 +119,7 @@ def _moe_held_here(precision: str, model_kw: dict, moe_kw: dict, tp: int, sp: bo
     if tp > 1:
         from loom.parallel.tensor.parallelize import apply_tensor_parallel
 
-        apply_tensor_parallel(model, get_mesh(tp=tp), sp=sp)
+        apply_tensor_parallel(model, get_mesh(tp=tp), sp=sp, expert_tp=expert_tp)
     if ep > 1:
         from loom.parallel.expert.parallelize import apply_expert_parallel
 
@@ -140,6 +143,7 @@ def _moe_predicted(
     sp: bool = False,
     ep: int = 1,
     device: str = "cpu",
+    expert_tp: str = "replicate",
 ) -> float:
     """The planner's bytes for the block on ``device`` (the CPU: torch._grouped_mm in fp32 and bf16)."""
     import dataclasses
@@ -150,7 +154,7 @@ def _moe_predicted(
     cfg = LoomConfig(model=tiny_model(max_seq_len=SEQ, **model_kw), moe=MoEConfig(**moe_kw))
     work = dataclasses.replace(workload_of(cfg), global_batch=8, seq_len=SEQ, precision=precision)
     cm = CostModel(cfg.model, work, ClusterSpec.single_node(device, 8, 1))
-    return cm.layer_activation(Layout(tp=tp, sp=sp, ep=ep, micro_batch=BATCH))[0]
+    return cm.layer_activation(Layout(tp=tp, sp=sp, ep=ep, micro_batch=BATCH, expert_tp=expert_tp))[0]
 
 
 MIXTRAL = dict(n_experts=8, top_k=2)  # Mixtral's routing: softmax over 8, top-2, renormalized
@@ -198,15 +202,20 @@ def test_a_moe_block_on_a_device_without_grouped_mm_saves_the_padded_batch(preci
         (1, 2, "bf16", MIXTRAL, "cpu"),
         (2, 1, "bf16", MIXTRAL, "cpu"),
         (1, 2, "bf16", MIXTRAL, "a100-80g"),  # padded: each local expert's batch as wide as its rows
+        (2, 1, "bf16", MIXTRAL | {"expert_tp": "split"}, "cpu"),
+        (2, 1, "fp32", dict(n_experts=4, top_k=2, expert_tp="split", sp=False), "cpu"),
     ],
 )
 def test_a_moe_block_saves_the_planners_bytes_across_ranks(pools, tp, ep, precision, model_kw, device):
     """ep2 (the partition's order and ids, the returned rows, each received row's place and its
-    expert output; E/ep group offsets), tp2 with sp (experts whole, on T/t tokens), and ep2 on a
-    device without torch._grouped_mm (the padded batch of E/ep experts x the widest one's rows)."""
-    args = (precision, model_kw, {}, tp, tp > 1, ep)
-    predicted = _moe_predicted(*args, device=device)
-    assert pools(2).run(_moe_held, *args, device != "cpu") == [predicted] * 2
+    expert output; E/ep group offsets), tp2 with sp (experts whole, on T/t tokens; split: the gathered
+    sequence's T tokens at f/t, with and without sp), and ep2 on a device without torch._grouped_mm
+    (the padded batch of E/ep experts x the widest one's rows)."""
+    model_kw = dict(model_kw)
+    expert_tp, sp = model_kw.pop("expert_tp", "replicate"), model_kw.pop("sp", tp > 1)
+    args = (precision, model_kw, {}, tp, sp, ep)
+    predicted = _moe_predicted(*args, device=device, expert_tp=expert_tp)
+    assert pools(2).run(_moe_held, *args, device != "cpu", expert_tp) == [predicted] * 2
 
 
 def _final_norm_held(precision: str, model_kw: dict) -> int:
