@@ -80,6 +80,7 @@ LAYOUTS = {
     "cp2 ring": ({"cp": 2, "cp_mode": "ring"}, {}),  # NCCL p2p batches in issue order
     "cp2 alltoall": ({"cp": 2, "cp_mode": "alltoall"}, {}),
     "ep2": ({"dp_replicate": 2, "ep": 2}, {"n_experts": 4, "top_k": 2}),
+    "tp2 sp split experts": ({"tp": 2, "sp": True, "expert_tp": "split"}, {"n_experts": 4, "top_k": 2}),
 }
 
 
@@ -103,6 +104,20 @@ def test_hybrid_tp_pp_on_four_gpus_equals_one_gpu(nccl):
     for layout in ({"dp_replicate": 2, "dp_shard": 2, "zero": 3}, {"tp": 2, "pp": 2, "sp": True}):
         for r in nccl(4).run(train_layout, layout, STEPS, BATCH, MICRO):
             assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), **TOL)
+
+
+@four_gpus
+def test_split_experts_pooling_rows_on_four_gpus_equal_one_gpu(nccl):
+    """tp2+sp x ep2 with experts split over tp: the routed rows pooled over tp with NCCL (int64 counts,
+    padded row gathers) give one GPU's losses and weights."""
+    moe = {"n_experts": 4, "top_k": 2}
+    reference = train_layout({}, STEPS, BATCH, MICRO, moe, device=torch.device("cuda", 0))
+    layout = {"tp": 2, "sp": True, "dp_replicate": 2, "ep": 2, "expert_tp": "split"}
+    for r in nccl(4).run(train_layout, layout, STEPS, BATCH, MICRO, moe):
+        assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), **TOL)
+        if r["state"] is not None:
+            for k, v in reference["state"].items():
+                assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
 # ----------------------------------------------------------------------------- overlap
