@@ -224,10 +224,11 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def _check_hpz_nodes(cfg: C.LoomConfig, local_world: int) -> None:
-    """hpZ without ``parallel.hpz_group`` takes one node's ranks as its group: they must divide the
-    sharding group (``local_world``: torchrun's ``LOCAL_WORLD_SIZE``; 0: ``run.nproc`` per node)."""
+    """hpZ and qgZ without ``parallel.hpz_group`` take one node's ranks as their group (hpZ's partition,
+    qgZ's first hop): they must divide the sharding group (``local_world``: torchrun's
+    ``LOCAL_WORLD_SIZE``; 0: ``run.nproc`` per node)."""
     p = cfg.parallel
-    if not (p.zero == 3 and p.zeropp_hpz) or p.hpz_group:
+    if not (p.zero == 3 and (p.zeropp_hpz or p.zeropp_qgz)) or p.hpz_group:
         return
     from loom.rules import hpz_partition
 

@@ -635,7 +635,7 @@ def zero3_options_problem(
     if qgz_bits not in (4, 8):
         return f"parallel.zeropp_qgz_bits: must be 4 or 8, got {qgz_bits}"
     n = dp_shard * cp
-    if hpz and hpz_group > 0 and n > 0 and n % hpz_group != 0:
+    if (hpz or qgz) and hpz_group > 0 and n > 0 and n % hpz_group != 0:
         return f"parallel.hpz_group: {hpz_group} must divide the sharding group (dp_shard*cp = {n})"
     return None
 

@@ -216,15 +216,16 @@ def test_the_hpz_partition_is_a_divisor_of_the_sharding_group(
         assert g == size and (dp_shard * cp) % g == 0
 
 
-def test_hpz_over_nodes_that_split_its_groups_is_refused_before_any_rank_starts(tmp_path, capsys):
-    """hpZ without hpz_group over 3 nodes of 4 ranks with pp 2: sharding groups of 6 would straddle
-    nodes; it used to fail inside every rank with a ValueError."""
+@pytest.mark.parametrize("option", ["zeropp_hpz", "zeropp_qgz"])
+def test_hpz_over_nodes_that_split_its_groups_is_refused_before_any_rank_starts(tmp_path, capsys, option):
+    """hpZ (or qgZ's first hop) without hpz_group over 3 nodes of 4 ranks with pp 2: sharding groups of
+    6 would straddle nodes; it used to fail inside every rank with a ValueError."""
     from loom.cli import main
 
     argv = ["train", "debug", "--nproc", "4", "--nnodes", "3", "--node-rank", "0"]
     argv += ["--rdzv-endpoint", "127.0.0.1:29999", "--run.dir", str(tmp_path / "run")]
     argv += ["--parallel.pp", "2", "--parallel.dp_shard", "6", "--parallel.zero", "3"]
-    argv += ["--parallel.zeropp_hpz", "true", "--train.global_batch", "24"]
+    argv += [f"--parallel.{option}", "true", "--train.global_batch", "24"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("loom: error: parallel.hpz_group: 4 (unset: 4 ranks per node") and "\n" not in err

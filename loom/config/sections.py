@@ -274,10 +274,12 @@ class ParallelConfig:
     zeropp_qwz: bool = False  # ZeRO++ qwZ (ZeRO-3): weights all-gathered as block-wise int8 + absmax scales
     # ZeRO++ hpZ (ZeRO-3): a secondary weight partition per node group; backward gathers inside it
     zeropp_hpz: bool = False
-    # ZeRO++ qgZ (ZeRO-3): gradients reduce-scattered as block-wise int8 through an all-to-all
+    # ZeRO++ qgZ (ZeRO-3): gradients reduce-scattered as block-wise int8 through an all-to-all, in two hops
+    # (inside each node, then across nodes) when the sharding group spans nodes (of hpz_group ranks)
     zeropp_qgz: bool = False
     zeropp_qgz_bits: int = 8  # ZeRO++ qgZ: 8 (int8) or 4 (int4, two codes a byte) bits per gradient element
-    # ZeRO++ hpZ: ranks per secondary partition (one node); 0 = the launcher's LOCAL_WORLD_SIZE / tp
+    # ZeRO++ hpZ and qgZ: the sharding group's ranks on one node (hpZ's secondary partition, qgZ's first
+    # hop); 0 = the launcher's LOCAL_WORLD_SIZE / tp
     hpz_group: int = 0
     auto: bool = False  # let the planner (loom.plan) choose the layout and micro-batch for the world size
     # the planner's calibration profile (loom plan calibrate) for parallel.auto and the plan_* metrics;

@@ -786,12 +786,12 @@ def _without_effect(cfg: LoomConfig) -> list[tuple[str, str, str]]:
                 "give parallel.zeropp_qgz = true (with parallel.zero = 3), or leave it out",
             )
         )
-    if not (p.zero == 3 and p.zeropp_hpz):
+    if not (p.zero == 3 and (p.zeropp_hpz or p.zeropp_qgz)):
         out.append(
             (
                 "parallel.hpz_group",
-                "parallel.zeropp_hpz off (the ranks of ZeRO++ hpZ's partition)",
-                "give parallel.zeropp_hpz = true (with parallel.zero = 3), or leave it out",
+                "parallel.zeropp_hpz and zeropp_qgz off (the ranks of one node, for ZeRO++ hpZ and qgZ)",
+                "give parallel.zeropp_hpz or zeropp_qgz = true (with parallel.zero = 3), or leave it out",
             )
         )
     if "disk" not in (p.offload, p.offload_params):

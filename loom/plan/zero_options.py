@@ -37,9 +37,11 @@ def zero3_bytes(
     hpz_group: int = 0,
     qgz: bool = False,
     qgz_bits: int = 8,
+    qgz_node: int = 0,
 ) -> dict[str, float]:
     """Bytes per collective kind one rank sends per step (module formula); ``units`` in forward
-    order, the last one kept gathered for backward."""
+    order, the last one kept gathered for backward. ``qgz_node`` = G < n: qgZ in two hops, q(Φ_u')·(G-1)/G
+    inside the node and q(Φ_u')/G·(M-1)/M across (M = n/G, :mod:`loom.parallel.zero.quantized`)."""
     frac, resharded = (n - 1) / n, units[:-1]
     gather = (lambda x: quantized(x, n)) if qwz else (lambda x: b * x)
     out = {"all_gather": k * frac * sum(gather(u) for u in units)}
@@ -47,7 +49,11 @@ def zero3_bytes(
         out["all_gather_hpz"] = k * b * sum(resharded) * (hpz_group - 1) / hpz_group
     else:
         out["all_gather"] += k * frac * sum(gather(u) for u in resharded)
-    if qgz:
+    if qgz and 0 < qgz_node < n:
+        g, m = qgz_node, n // qgz_node
+        q = sum(quantized(u, n, qgz_bits) for u in units)
+        out["all_to_all"] = q * (g - 1) / g + q / g * (m - 1) / m
+    elif qgz:
         out["all_to_all"] = frac * sum(quantized(u, n, qgz_bits) for u in units)
     else:
         out["reduce_scatter"] = frac * b * sum(units)
@@ -90,8 +96,9 @@ def zero3_memory(cm: Any, lay: Any, bd: dict[str, float], first: bool, last: boo
 def zeropp_time(cm: Any, lay: Any, m: int) -> float:
     """Seconds of ZeRO-3's collectives per step under the ZeRO++ options (dense parameters, one
     stage): qwZ gathers (B + 4)/B bytes per element; hpZ's backward gathers span a node group of
-    ``lay.hpz`` ranks; qgZ's gradient all-to-all moves the quantized full gradient; plus the
-    replicas' all-reduce of the shard (hybrid sharding)."""
+    ``lay.hpz`` ranks; qgZ's gradient all-to-all moves the quantized full gradient (across nodes in
+    two hops: all of it inside the node, 1/G of it between nodes); plus the replicas' all-reduce of the
+    shard (hybrid sharding)."""
     mach, W, R, wd = cm.machine, cm.W, cm.R, lay.world_size
     dense, _ = cm._params_on(lay.tp, lay.pp, lay.ep, True, lay.pp == 1, (), lay.expert_tp)
     ns, span = max(1, lay.dp_shard * lay.cp), lay.tp * lay.cp * lay.dp_shard
@@ -106,9 +113,14 @@ def zeropp_time(cm: Any, lay: Any, m: int) -> float:
         bwd = mach.collective("all_gather", ns, (dense - kept) * w, span, wd)
     bwd += (units - 2) * lat
     qg = (BLOCK * lay.qgz / 8 + SCALE_BYTES) / BLOCK  # bytes per gradient element, quantized
-    grads = mach.collective(
-        "all_to_all" if lay.qgz else "reduce_scatter", ns, dense * (qg if lay.qgz else R), span, wd
-    )
+    node = max(1, cm.cluster.devices_per_node // lay.tp)  # the sharding group's ranks on one node
+    if lay.qgz and node < ns and ns % node == 0:  # two hops: inside the node, then 1/G of it across
+        grads = mach.collective("all_to_all", node, dense * qg, lay.tp * node, wd)
+        grads += mach.collective("all_to_all", ns // node, dense * qg / node, span, wd)
+    else:
+        grads = mach.collective(
+            "all_to_all" if lay.qgz else "reduce_scatter", ns, dense * (qg if lay.qgz else R), span, wd
+        )
     rep = lay.dp // max(1, lay.dp_shard)
     replicas = (
         mach.collective("all_reduce", rep, dense * R / ns, lay.tp * lay.cp * lay.dp, wd) if rep > 1 else 0.0

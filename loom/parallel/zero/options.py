@@ -43,6 +43,7 @@ def stage3_strategy(
             hpz_group=hpz_size(p) if p.zeropp_hpz else 0,
             qgz=p.zeropp_qgz,
             qgz_bits=p.zeropp_qgz_bits,
+            qgz_node=hpz_size(p) if p.zeropp_qgz else 0,  # the sharding group's ranks on one node
             **kwargs,
         )
     return FullyShardedZero(module, **kwargs)

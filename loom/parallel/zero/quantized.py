@@ -14,8 +14,17 @@ it receives in fp32, in rank order. Bytes sent per rank for a unit of Φ_u' elem
 
     all_to_all  N·ceil(Φ_u'/(N·B))·(B·bits/8 + 4)·(N-1)/N   (reduce-scatter: Φ_u'·b·(N-1)/N)
 
-(ZeRO++ runs it hierarchically, intra-node then inter-node, in int4; here one hop, int8 or int4.) The
-replicas' all-reduce of the shard (hybrid sharding) is unchanged, in fp32.
+Hierarchical (ZeRO++'s, when the sharding group spans nodes of G ranks, N = M·G: ``intra`` and
+``inter`` groups): rank (m, g) first sends its local peer g' the M chunks destined for ranks
+(m', g') of every node, quantized (an all-to-all inside the node); each rank sums the G dequantized
+contributions for its M chunks in fp32, quantizes those partial sums again and sends chunk m' to
+rank (m', g) (an all-to-all across nodes, one rank per node), then sums the M it receives. Bytes
+sent per rank, q = N·ceil(Φ_u'/(N·B))·(B·bits/8 + 4):
+
+    inside a node   q·(G-1)/G          across nodes   (q/G)·(M-1)/M
+
+so 1/G of the one-hop bytes cross nodes, at the cost of a second quantization of the partial sums.
+The replicas' all-reduce of the shard (hybrid sharding) is unchanged, in fp32.
 """
 
 from __future__ import annotations
@@ -100,6 +109,16 @@ class QuantizedReducer(GradReducer):
     """:class:`GradReducer` whose reduce-scatter is int8 (or int4, ``bits``) codes through an all-to-all (qgZ)."""
 
     bits = 8
+    intra: Group = None  # hierarchical: this rank's node (G consecutive ranks of the sharding group)
+    inter: Group = None  # ... and the ranks of the other nodes at its place in theirs (M ranks)
+
+    def _exchange(self, x: torch.Tensor, group: Group) -> tuple[Then, torch.Tensor, torch.Tensor]:
+        """Quantize flat ``x`` and start its equal-split all-to-all over ``group``: (the collectives, with
+        the codes and scales sent kept alive until done; the codes and scales received)."""
+        q, scale = quantize(x, self.bits)
+        q_in, s_in = torch.empty_like(q), torch.empty_like(scale)
+        works = [all_to_all(q_in, q, group, self.meter), all_to_all(s_in, scale, group, self.meter)]
+        return Then(works, [], (q, scale)), q_in, s_in
 
     def launch(self, full: torch.Tensor, dest: torch.Tensor, owned: bool = True) -> None:
         n = comm.group_size(self.shard_group)
@@ -108,28 +127,38 @@ class QuantizedReducer(GradReducer):
             return
         per = full.numel() // n
         send = padded(full, n).div_(self.dp)
-        q, scale = quantize(send, self.bits)
-        q_in, s_in = torch.empty_like(q), torch.empty_like(scale)
-        works = [
-            all_to_all(q_in, q, self.shard_group, self.meter),
-            all_to_all(s_in, scale, self.shard_group, self.meter),
-        ]
         out = torch.empty(per, dtype=torch.float32, device=full.device)
+        g = comm.group_size(self.intra) if self.intra is not None else n
+        m, rows = n // g, send.numel() // n
+        if g < n:  # hop 1 inside the node: to local peer g' the chunks of ranks (m', g'), every m'
+            send = send.view(m, g, rows).transpose(0, 1).contiguous().view(-1)
+        hop1, q_in, s_in = self._exchange(send, self.intra if g < n else self.shard_group)
 
         def finish() -> None:  # Σ over the N senders of their dequantized chunk for this rank, fp32
-            out.copy_(dequantize(q_in, s_in, self.bits).view(n, -1)[:, :per].sum(dim=0))
+            if g == n:
+                out.copy_(dequantize(q_in, s_in, self.bits).view(n, -1)[:, :per].sum(dim=0))
+                return
+            node = dequantize(q_in, s_in, self.bits).view(g, -1).sum(dim=0)  # (m·rows): the node's sums
+            hop2, q2, s2 = self._exchange(node, self.inter)  # hop 2 across nodes: chunk m' to (m', g)
+            hop2.wait()
+            out.copy_(dequantize(q2, s2, self.bits).view(m, rows)[:, :per].sum(dim=0))
 
-        transient = sum(comm.nbytes(t) for t in (send, q, scale, q_in, s_in, out))
+        codes = comm.nbytes(q_in) + comm.nbytes(s_in)  # as many sent as received
+        transient = comm.nbytes(send) + 2 * codes + comm.nbytes(out)
         for p in self.inflight:  # the earlier shards go on to their replicas now
             self._replicate(p, during_backward=True)
-        self.inflight.append(_Pending(Then(works, [finish], (q, scale)), send, out, dest, transient))
+        hop1.finish.append(finish)
+        self.inflight.append(_Pending(hop1, send, out, dest, transient))
         while len(self.inflight) > self.max_inflight:
             self._complete(self.inflight.popleft())
 
     @classmethod
-    def like(cls, r: GradReducer, bits: int = 8) -> QuantizedReducer:
+    def like(
+        cls, r: GradReducer, bits: int = 8, intra: Group = None, inter: Group = None
+    ) -> QuantizedReducer:
+        """A qgZ reducer over ``r``'s groups in ``bits`` bits; hierarchical with ``intra`` and ``inter``."""
         out = cls(
             r.shard_group, r.replicate_group, r.dp, r.meter, r.reduce_dtype, r.max_inflight, r.all_reduce
         )
-        out.bits = bits
+        out.bits, out.intra, out.inter = bits, intra, inter
         return out

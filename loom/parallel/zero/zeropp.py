@@ -62,11 +62,8 @@ class TaggedMeter(CommMeter):
         self.inner.moved[key] += comm.ring_bytes(op, tensor_bytes, n)
 
 
-def node_groups(shard_group: Group, size: int) -> Group:
-    """This rank's group of ``size`` consecutive ranks of its sharding group. A collective over the
-    default group: every rank learns every sharding group and creates every subgroup (one colouring)."""
-    if comm.group_size(shard_group) <= size:
-        return shard_group
+def _sharding_groups(shard_group: Group) -> list[list[int]]:
+    """Every rank's sharding group (its ranks, in order). A collective over the default group."""
     mine = (
         dist.get_process_group_ranks(shard_group)
         if shard_group is not None
@@ -74,8 +71,25 @@ def node_groups(shard_group: Group, size: int) -> Group:
     )
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
+    return every
+
+
+def node_groups(shard_group: Group, size: int) -> Group:
+    """This rank's group of ``size`` consecutive ranks of its sharding group. A collective over the
+    default group: every rank learns every sharding group and creates every subgroup (one colouring)."""
+    if comm.group_size(shard_group) <= size:
+        return shard_group
+    every = _sharding_groups(shard_group)
     lists = sorted({tuple(r[i : i + size]) for r in every for i in range(0, len(r), size)})
     return split_groups(lists, dist.get_rank())  # disjoint: one colouring, one split where NCCL splits
+
+
+def stride_groups(shard_group: Group, size: int) -> Group:
+    """This rank's group of the ranks at its place in every run of ``size`` consecutive ranks of its
+    sharding group (one per node: qgZ's second hop). A collective over the default group."""
+    every = _sharding_groups(shard_group)
+    lists = sorted({tuple(r[i::size]) for r in every for i in range(size)})
+    return split_groups(lists, dist.get_rank())
 
 
 class ZeroPlusPlus(FullyShardedZero):
@@ -90,6 +104,7 @@ class ZeroPlusPlus(FullyShardedZero):
         hpz_group: int = 0,
         qgz: bool = False,
         qgz_bits: int = 8,
+        qgz_node: int = 0,
         **kwargs: Any,
     ) -> None:
         self.qwz, self.qgz, self.qgz_bits = qwz, qgz, qgz_bits
@@ -102,13 +117,17 @@ class ZeroPlusPlus(FullyShardedZero):
         if hpz_group:
             self.hpz = node_groups(shard_group, hpz_group)
             self.hpz_size = min(hpz_group, comm.group_size(shard_group))
+        self._qgz_hops: tuple[Group, Group] = (None, None)  # qgZ's node and cross-node groups (hierarchical)
+        if qgz and 0 < qgz_node < comm.group_size(shard_group):
+            intra = self.hpz if self.hpz_size == qgz_node else node_groups(shard_group, qgz_node)
+            self._qgz_hops = (intra, stride_groups(shard_group, qgz_node))
         meter = kwargs.get("meter")
         self._hpz_meter = TaggedMeter(meter, "hpz") if meter is not None else None
         super().__init__(module, **kwargs)
 
     def _reducer_for(self, p: torch.Tensor) -> GradReducer:
         if self.qgz and not isinstance(self.reducer, QuantizedReducer):
-            self.reducer = QuantizedReducer.like(self.reducer, self.qgz_bits)
+            self.reducer = QuantizedReducer.like(self.reducer, self.qgz_bits, *self._qgz_hops)
         return super()._reducer_for(p)
 
     # ------------------------------------------------------------------ gathers
