@@ -116,14 +116,15 @@ def _moe_held_here(
 
     cfg = tiny_model(max_seq_len=SEQ, **model_kw)
     model = build_model(cfg, 0, moe=MoEConfig(**moe_kw)).to(DTYPES[precision])
+    mesh = get_mesh(tp=tp, dp_replicate=ep, ep=ep)
     if tp > 1:
         from loom.parallel.tensor.parallelize import apply_tensor_parallel
 
-        apply_tensor_parallel(model, get_mesh(tp=tp), sp=sp, expert_tp=expert_tp)
+        apply_tensor_parallel(model, mesh, sp=sp, expert_tp=expert_tp)
     if ep > 1:
         from loom.parallel.expert.parallelize import apply_expert_parallel
 
-        apply_expert_parallel(model, get_mesh(dp_replicate=ep, ep=ep))
+        apply_expert_parallel(model, mesh)
     saved, live = SavedActivations(model), []
     block = model.layers[0]
     block.register_forward_pre_hook(lambda *_: live.append(saved.live))
@@ -204,18 +205,20 @@ def test_a_moe_block_on_a_device_without_grouped_mm_saves_the_padded_batch(preci
         (1, 2, "bf16", MIXTRAL, "a100-80g"),  # padded: each local expert's batch as wide as its rows
         (2, 1, "bf16", MIXTRAL | {"expert_tp": "split"}, "cpu"),
         (2, 1, "fp32", dict(n_experts=4, top_k=2, expert_tp="split", sp=False), "cpu"),
+        (2, 2, "bf16", MIXTRAL | {"expert_tp": "split"}, "cpu"),
+        (2, 2, "fp32", dict(n_experts=4, top_k=2, expert_tp="split", sp=False), "cpu"),
     ],
 )
 def test_a_moe_block_saves_the_planners_bytes_across_ranks(pools, tp, ep, precision, model_kw, device):
     """ep2 (the partition's order and ids, the returned rows, each received row's place and its
     expert output; E/ep group offsets), tp2 with sp (experts whole, on T/t tokens; split: the gathered
-    sequence's T tokens at f/t, with and without sp), and ep2 on a device without torch._grouped_mm
-    (the padded batch of E/ep experts x the widest one's rows)."""
+    sequence's T tokens at f/t, with and without sp; with ep2 the rows returned for 1/t of them), and
+    ep2 on a device without torch._grouped_mm (the padded batch of E/ep experts x the widest one's rows)."""
     model_kw = dict(model_kw)
     expert_tp, sp = model_kw.pop("expert_tp", "replicate"), model_kw.pop("sp", tp > 1)
     args = (precision, model_kw, {}, tp, sp, ep)
     predicted = _moe_predicted(*args, device=device, expert_tp=expert_tp)
-    assert pools(2).run(_moe_held, *args, device != "cpu", expert_tp) == [predicted] * 2
+    assert pools(tp * ep).run(_moe_held, *args, device != "cpu", expert_tp) == [predicted] * (tp * ep)
 
 
 def _final_norm_held(precision: str, model_kw: dict) -> int:

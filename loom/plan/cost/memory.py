@@ -412,12 +412,16 @@ def moe_saved(cm: CostBase, t: int, sp: bool, T: float, ep: int, expert_tp: str 
     T/t with sp, else T. Split experts (f/t per rank, ``expert_tp = "split"``): the tp group's T tokens'
     rows at f/t; routed on T, the sequence all-gathered under sp (Loom: the gathered input B_a T h is
     saved, the router's and the rows' source, where the norm's output shard B_a T h / t was), or on the
-    rank's own shard where the stack gathers the routed rows (``Stack.etp_gathers_rows``)."""
+    rank's own shard where the stack gathers the routed rows (``Stack.etp_gathers_rows``). Loom's split
+    experts under ep (:meth:`~loom.plan.cost.base.CostBase.rows_pooled`) get back, and weight, the rows of
+    their 1/t of the tokens only: 2 B_a k h per token on T/t."""
     routed, rows = cm.moe_tokens(T, t, sp, expert_tp)
     cut = cm.expert_cut(t, expert_tp)
     out = moe_activation(cm, routed, ep, cut, rows if cut > 1 else None)
     if cut > 1 and sp and not cm.expert_rows_gathered(t, sp, expert_tp):
         out += cm.act_bytes * T * cm.model.dim * (1 - 1 / t)
+    if cm.rows_pooled(t, expert_tp, ep):  # the returned rows, weighted: only this rank's 1/t of the tokens'
+        out -= 2 * cm.act_bytes * cm.top_k * cm.model.dim * routed * (1 - 1 / t)
     return out
 
 
