@@ -58,14 +58,16 @@ def test_split_experts_hold_a_tp_th_of_the_expert_states(zero, dp_shard):
 
 def test_split_experts_save_the_groups_rows_at_a_tp_th_of_the_width():
     """Per MoE layer: without sp those of experts whole on every rank with f -> f/t (every rank routes
-    all T tokens); with sp the same plus the gathered input B_a T h in place of the norm's output shard
-    B_a T h / t (experts whole: the rank's T/t tokens at f)."""
+    all T tokens), the rows returned and weighted (2 B_a k h each) for its 1/t of them under ep; with
+    sp the same plus the gathered input B_a T h in place of the norm's output shard B_a T h / t
+    (experts whole: the rank's T/t tokens at f)."""
     from loom.plan.cost.memory import layer_saved, moe_activation, moe_saved
 
     cm, t, ep = _cm(), 2, 2
     T, B, h, f, k = SEQ, cm.act_bytes, cm.model.dim, cm.ffn, cm.top_k
     whole = moe_activation(cm, T, ep)
     narrow = T * k * 4 * B * (f - f / t) + T * 4 * B * cm.train.moe_shared * (f - f / t)  # SwiGLU, shared
+    narrow += 2 * B * k * h * T * (1 - 1 / t)  # the other tp ranks' tokens' rows return there
     assert moe_saved(cm, t, False, T, ep, "split") == pytest.approx(whole - narrow)
     assert moe_saved(cm, t, True, T, ep, "split") == pytest.approx(whole - narrow + B * T * h * (1 - 1 / t))
     assert moe_saved(cm, t, True, T, ep) == moe_activation(cm, T / t, ep)  # replicate: unchanged
