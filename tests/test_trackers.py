@@ -51,6 +51,10 @@ def test_wandb_offline_and_mlflow_file_store_continue_the_same_run_after_a_resum
     _train(cfg, 2)
     ids = json.loads((run_dir / "trackers.json").read_text())
     assert ids["wandb_step"] == ids["mlflow_step"] == 2  # the last step each was sent
+    # W&B names an offline run's directory by the second it started in (offline-run-YYYYMMDD_HHMMSS-id):
+    # two processes of one run starting within a second (only here: a real resume follows training)
+    # would share it, so the resume starts in the next second
+    time.sleep(1.1)
     _train(cfg, 4)  # resumes from the step-2 checkpoint
     again = json.loads((run_dir / "trackers.json").read_text())
     assert again == ids | {"wandb_step": 4, "mlflow_step": 4}, "a resume keeps the tracker runs"
