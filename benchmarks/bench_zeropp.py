@@ -3,7 +3,8 @@
 One run per contender over the same 4 gloo ranks (hpZ groups of 2 ranks stand for nodes), same
 model, seed and data: sequences of a fixed random bigram chain (each token has 4 successors, so the
 loss can fall from ln V to about ln 4). Prints per contender the bytes one rank sends per step by
-collective (the meter), the bytes that cross the hpZ group ("inter-node"), the loss averaged over
+collective (the meter), the bytes that cross the hpZ group ("inter-node"; qgZ runs in two hops over
+those groups, its first inside them), the loss averaged over
 the last 10 steps and its largest gap to ZeRO-3's along the run, and the median step time.
 
     python benchmarks/bench_zeropp.py [--steps 200] [--world 4] [--hpz-group 2]
@@ -114,18 +115,18 @@ def main() -> None:
             f"ZeRO-3 over {args.world} ranks, hpZ groups of {args.hpz_group}; {args.steps} steps; bytes one rank sends per step\n"
         )
         print(
-            "| | all-gather | all-gather in group (hpZ) | reduce-scatter | all-to-all | crossing groups | vs ZeRO-3 "
-            "| loss (last 10) | max abs loss gap | step (ms) |"
+            "| | all-gather | all-gather in group (hpZ) | reduce-scatter | all-to-all | all-to-all in group (qgZ) "
+            "| crossing groups | vs ZeRO-3 | loss (last 10) | max abs loss gap | step (ms) |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name, r in res.items():
             m = r["moved"]
-            cross = sum(v for k, v in m.items() if k != "all_gather_hpz")
+            cross = sum(v for k, v in m.items() if not k.endswith("_hpz"))  # _hpz: inside a group (node)
             last = statistics.mean(r["losses"][-10:])
             gap = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
             cells = [
                 f"{m.get(k, 0):,.0f}"
-                for k in ("all_gather", "all_gather_hpz", "reduce_scatter", "all_to_all")
+                for k in ("all_gather", "all_gather_hpz", "reduce_scatter", "all_to_all", "all_to_all_hpz")
             ]
             print(
                 f"| {name} | "

@@ -41,7 +41,8 @@ def zero3_bytes(
 ) -> dict[str, float]:
     """Bytes per collective kind one rank sends per step (module formula); ``units`` in forward
     order, the last one kept gathered for backward. ``qgz_node`` = G < n: qgZ in two hops, q(Φ_u')·(G-1)/G
-    inside the node and q(Φ_u')/G·(M-1)/M across (M = n/G, :mod:`loom.parallel.zero.quantized`)."""
+    inside the node (``all_to_all_hpz``) and q(Φ_u')/G·(M-1)/M across (M = n/G,
+    :mod:`loom.parallel.zero.quantized`)."""
     frac, resharded = (n - 1) / n, units[:-1]
     gather = (lambda x: quantized(x, n)) if qwz else (lambda x: b * x)
     out = {"all_gather": k * frac * sum(gather(u) for u in units)}
@@ -52,7 +53,8 @@ def zero3_bytes(
     if qgz and 0 < qgz_node < n:
         g, m = qgz_node, n // qgz_node
         q = sum(quantized(u, n, qgz_bits) for u in units)
-        out["all_to_all"] = q * (g - 1) / g + q / g * (m - 1) / m
+        out["all_to_all_hpz"] = q * (g - 1) / g  # inside the node (metered apart, as hpZ's gathers)
+        out["all_to_all"] = q / g * (m - 1) / m
     elif qgz:
         out["all_to_all"] = frac * sum(quantized(u, n, qgz_bits) for u in units)
     else:

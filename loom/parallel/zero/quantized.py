@@ -111,13 +111,17 @@ class QuantizedReducer(GradReducer):
     bits = 8
     intra: Group = None  # hierarchical: this rank's node (G consecutive ranks of the sharding group)
     inter: Group = None  # ... and the ranks of the other nodes at its place in theirs (M ranks)
+    node_meter: CommMeter | None = None  # meters the first hop (inside the node), if given
 
-    def _exchange(self, x: torch.Tensor, group: Group) -> tuple[Then, torch.Tensor, torch.Tensor]:
+    def _exchange(
+        self, x: torch.Tensor, group: Group, inside: bool = False
+    ) -> tuple[Then, torch.Tensor, torch.Tensor]:
         """Quantize flat ``x`` and start its equal-split all-to-all over ``group``: (the collectives, with
         the codes and scales sent kept alive until done; the codes and scales received)."""
         q, scale = quantize(x, self.bits)
         q_in, s_in = torch.empty_like(q), torch.empty_like(scale)
-        works = [all_to_all(q_in, q, group, self.meter), all_to_all(s_in, scale, group, self.meter)]
+        meter = self.node_meter if inside and self.node_meter is not None else self.meter
+        works = [all_to_all(q_in, q, group, meter), all_to_all(s_in, scale, group, meter)]
         return Then(works, [], (q, scale)), q_in, s_in
 
     def launch(self, full: torch.Tensor, dest: torch.Tensor, owned: bool = True) -> None:
@@ -132,7 +136,7 @@ class QuantizedReducer(GradReducer):
         m, rows = n // g, send.numel() // n
         if g < n:  # hop 1 inside the node: to local peer g' the chunks of ranks (m', g'), every m'
             send = send.view(m, g, rows).transpose(0, 1).contiguous().view(-1)
-        hop1, q_in, s_in = self._exchange(send, self.intra if g < n else self.shard_group)
+        hop1, q_in, s_in = self._exchange(send, self.intra if g < n else self.shard_group, inside=g < n)
 
         def finish() -> None:  # Σ over the N senders of their dequantized chunk for this rank, fp32
             if g == n:

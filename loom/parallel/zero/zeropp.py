@@ -49,17 +49,20 @@ from loom.parallel.zero.stage3 import GATHERING, FullyShardedZero, Unit, _in_bac
 
 
 class TaggedMeter(CommMeter):
-    """Records into ``inner`` under ``<op>_<tag>`` (the hpZ gathers: intra-node traffic apart)."""
+    """Records into ``inner`` under ``<op>_<tag>`` (hpZ's gathers, qgZ's first hop: intra-node traffic apart)."""
 
     def __init__(self, inner: CommMeter, tag: str) -> None:
         super().__init__()
         self.inner, self.tag = inner, tag
 
     def record(self, op: str, tensor_bytes: int, n: int) -> None:
+        self.record_sent(op, tensor_bytes, comm.ring_bytes(op, tensor_bytes, n))
+
+    def record_sent(self, op: str, tensor_bytes: int, sent_bytes: float) -> None:  # ring volumes: fractional
         key = f"{op}_{self.tag}"
         self.inner.calls[key] += 1
         self.inner.payload[key] += tensor_bytes
-        self.inner.moved[key] += comm.ring_bytes(op, tensor_bytes, n)
+        self.inner.moved[key] += sent_bytes
 
 
 def _sharding_groups(shard_group: Group) -> list[list[int]]:
@@ -128,6 +131,7 @@ class ZeroPlusPlus(FullyShardedZero):
     def _reducer_for(self, p: torch.Tensor) -> GradReducer:
         if self.qgz and not isinstance(self.reducer, QuantizedReducer):
             self.reducer = QuantizedReducer.like(self.reducer, self.qgz_bits, *self._qgz_hops)
+            self.reducer.node_meter = self._hpz_meter  # the first hop's bytes stay inside the node: apart
         return super()._reducer_for(p)
 
     # ------------------------------------------------------------------ gathers
