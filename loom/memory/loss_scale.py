@@ -8,18 +8,28 @@ folded into the fp32 conversion, never done in fp16).
 One step (the scaler is an argument of :func:`loom.train.step.optimizer_step`, not a wrapper):
 
 1. backward of S·loss (:func:`training_loss_fn`: an identity on the loss value whose backward
-   multiplies by S, so the logged loss stays unscaled), gradient reduction as usual;
-2. overflow check: is any element of this rank's reduced gradients inf/NaN? The flag is
-   all-reduced (MAX) over the WORLD group (:func:`loom.parallel.base.any_nonfinite`) — every
-   rank of every mesh dimension: dp, tp, pp each hold different gradient shards, and a step
-   skipped on some ranks only would desynchronise the replicas or hang the next collective;
+   multiplies by S, S/n under n averaging ranks: below), gradient reduction as usual;
+2. overflow check: is any element of this rank's reduced gradients inf/NaN (or past the bound
+   below)? The flag is all-reduced (MAX) over the WORLD group
+   (:func:`loom.parallel.base.any_nonfinite`) — every rank of every mesh dimension: dp, tp, pp
+   each hold different gradient shards, and a step skipped on some ranks only would
+   desynchronise the replicas or hang the next collective;
 3. no overflow: clip with the norm of the *unscaled* gradients (the strategy computes the
    norm of the scaled ones, S·‖g‖, in fp32, and clips to S·max_norm: the same coefficient), then
-   the update reads g/S in fp32;
+   the update reads g/S in fp32 (g·n/S: below);
    overflow: skip the update on every rank (weights and optimizer state untouched), count it;
 4. scale update, with hysteresis h (Megatron's rule): an overflow decrements a tracker and
    halves S once it reaches 0 (S ≥ ``min_scale``); ``window`` consecutive clean steps double S
    and reset the tracker to h. A static scale (``train.loss_scale`` > 0) never changes.
+
+Under n = dp·cp ranks whose gradients are averaged, the backward runs at S/n (``backward_scale``):
+each rank's fp16 activation and weight gradients then hold exactly the terms one process's hold for
+the same samples (S·∇l_i / N over the global batch's N micro-batches), not n times them. The
+average over ranks leaves G/n of one process's fp16 gradient G, so the update reads g·n/S
+(``unscale``) and an overflow is an inf/NaN or |g| > 65504/n (``overflow_bound``: the sum one
+process would have held in fp16 is past fp16's largest value). The steps skipped are then one
+process's wherever its overflow is a micro-batch's or the step's sum (not an intermediate partial
+sum of its accumulation that later cancels).
 """
 
 from __future__ import annotations
@@ -52,7 +62,9 @@ class DynamicLossScaler:
         min_scale: float = 1.0,
         static: float = 0.0,
         max_skipped: int = 0,
+        ranks: int = 1,
     ) -> None:
+        self.ranks = ranks  # n: the ranks whose gradients are averaged (dp·cp)
         self.static = static > 0
         self.scale = static if self.static else init
         self.window, self.hysteresis, self.min_scale = window, hysteresis, min_scale
@@ -62,7 +74,7 @@ class DynamicLossScaler:
         self.max_skipped, self.in_a_row = max_skipped, 0
 
     @classmethod
-    def from_config(cls, t) -> DynamicLossScaler:
+    def from_config(cls, t, ranks: int = 1) -> DynamicLossScaler:
         return cls(
             t.loss_scale_init,
             t.loss_scale_window,
@@ -70,7 +82,23 @@ class DynamicLossScaler:
             t.loss_scale_min,
             t.loss_scale,
             t.max_skipped_steps,
+            ranks,
         )
+
+    @property
+    def backward_scale(self) -> float:
+        """S/n: the factor of each rank's backward (module docstring)."""
+        return self.scale / self.ranks
+
+    @property
+    def unscale(self) -> float:
+        """n/S: the factor turning the averaged fp16 gradients into the true gradient."""
+        return self.ranks / self.scale
+
+    @property
+    def overflow_bound(self) -> float:
+        """65504/n: an averaged gradient above it is one process's fp16 sum overflowing."""
+        return float(torch.finfo(torch.float16).max) / self.ranks
 
     # ------------------------------------------------------------------ checkpoints (Shardable)
     def sharded_state(self) -> dict[str, ShardedTensor]:
@@ -146,11 +174,11 @@ def training_loss_fn(scaler: DynamicLossScaler | None, loss_fn: Callable) -> Cal
 
     def scaled(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(logits, targets)
-        return _ScaleGrad.apply(loss, scaler.scale) if loss.requires_grad else loss
+        return _ScaleGrad.apply(loss, scaler.backward_scale) if loss.requires_grad else loss
 
     return scaled
 
 
-def scaler_for(train_cfg) -> DynamicLossScaler | None:
-    """The loss scaler of an fp16 run (None for fp32 and bf16)."""
-    return DynamicLossScaler.from_config(train_cfg) if train_cfg.precision == "fp16" else None
+def scaler_for(train_cfg, ranks: int = 1) -> DynamicLossScaler | None:
+    """The loss scaler of an fp16 run (None for fp32 and bf16); ``ranks``: dp·cp."""
+    return DynamicLossScaler.from_config(train_cfg, ranks) if train_cfg.precision == "fp16" else None

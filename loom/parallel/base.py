@@ -15,6 +15,7 @@ held gradients: M / u when they hold the loss-scaled 1/u · g), and scale_grads(
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -219,16 +220,21 @@ def scale_all(grads: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
 
 
-def any_nonfinite(grads: Sequence[torch.Tensor], device: torch.device | None = None) -> bool:
-    """True on every rank if any rank's ``grads`` hold an inf or NaN: one MAX all-reduce over WORLD,
-    as every dimension (dp, tp, pp, ep) holds different gradient shards and all must agree.
-    ``device``: where the flag crosses ranks (default: the gradients'; host shards under offload)."""
+def any_nonfinite(
+    grads: Sequence[torch.Tensor], device: torch.device | None = None, bound: float = math.inf
+) -> bool:
+    """True on every rank if any rank's ``grads`` hold an inf or NaN, or an element above ``bound`` in
+    magnitude: one MAX all-reduce over WORLD, as every dimension (dp, tp, pp, ep) holds different
+    gradient shards and all must agree. ``device``: where the flag crosses ranks (default: the
+    gradients'; host shards under offload)."""
     device = device or (grads[0].device if grads else torch.device("cpu"))
     grads = [g for g in grads if g.numel()]
     flag = torch.zeros(1, device=device)
     if grads:
-        amax = torch._foreach_norm(grads, float("inf"))  # exact in the gradient's dtype; NaN propagates
-        flag += to_device((~torch.isfinite(torch.stack(amax))).any().float(), device)
+        amax = torch.stack(
+            torch._foreach_norm(grads, float("inf"))
+        )  # exact in the gradient's dtype; NaN propagates
+        flag += to_device((~(amax <= bound)).any().float(), device)  # inf, NaN (never <=) or past the bound
     if dist.is_available() and dist.is_initialized():
         comm.all_reduce_max(flag, dist.group.WORLD)
     return bool(flag.item())

@@ -199,7 +199,7 @@ def parallelize(
     check_materialized(model)
     zb = cfg.parallel.pp > 1 and cfg.parallel.schedule == "zb-h1"  # last: sees every module and hook above
     loss_fn, _ = apply_compile(model, cfg.train.compile, loss_fn, compress=cfg.train.compress, zero_bubble=zb)
-    scaler = scaler_for(cfg.train)
+    scaler = scaler_for(cfg.train, mesh.size("dp_cp"))  # the backward at S/(dp·cp): one process's fp16 terms
     if pipe is None:
         run = plain_run(model, strategy, loss_fn, scaler)
     else:

@@ -58,6 +58,15 @@ class LossScaler(Protocol):
     scale: float
     skipped: int
 
+    @property
+    def backward_scale(self) -> float: ...
+
+    @property
+    def unscale(self) -> float: ...
+
+    @property
+    def overflow_bound(self) -> float: ...
+
     def update(self, overflow: bool) -> None: ...
 
     def sharded_state(self) -> dict[str, ShardedTensor]: ...
@@ -111,10 +120,10 @@ def optimizer_step(strategy: Strategy, lr: float, max_norm: float, scaler: LossS
     with phase("optimizer"):
         unscale = 1.0
         if scaler is not None:
-            if any_nonfinite(strategy.grads(), strategy.comm_device):
+            if any_nonfinite(strategy.grads(), strategy.comm_device, scaler.overflow_bound):
                 scaler.update(True)
                 return math.inf
-            unscale = 1.0 / scaler.scale
+            unscale = scaler.unscale
         norm = clip_grad_norm(strategy, max_norm, unscale)
         if not math.isfinite(norm):
             raise NonFiniteError(
@@ -195,7 +204,7 @@ def train_step(
     run.strategy.zero_grad()
     # MoE aux losses get each micro-batch loss's backward factor; bias balancing updates after the step
     moe.begin_step(
-        run.model, (run.scaler.scale if run.scaler is not None else 1.0) / max(1, len(micro_batches))
+        run.model, (run.scaler.backward_scale if run.scaler is not None else 1.0) / max(1, len(micro_batches))
     )
     asynchronous = bool(
         getattr(run.strategy, "asynchronous", False)
