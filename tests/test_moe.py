@@ -370,6 +370,25 @@ def test_grouped_expert_compute_equals_the_loop(compute, monkeypatch):
         assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_experts_whose_rows_are_not_16_byte_multiples_run_the_padded_matmul():
+    """torch._grouped_mm refuses row strides that are not multiples of 16 bytes (an expert of width
+    25 in fp32: f = 100 split over tp 4 raised "strides should be multiple of 16 bytes" in every rank):
+    such experts take the padded batched matmul, equal to the per-expert loop (the planner prices that
+    batch: tests/test_plan_expert_tp.py)."""
+    from loom.model.moe import grouped_mm_aligned, grouped_swiglu
+
+    assert grouped_mm_aligned(32, 100, 4) and not grouped_mm_aligned(32, 25, 4)
+    assert grouped_mm_aligned(32, 24, 2) and not grouped_mm_aligned(32, 25, 2)
+    g = torch.Generator().manual_seed(0)
+    x, counts = torch.randn(10, 32, generator=g), torch.tensor([4, 0, 6])
+    w1, w3, w2 = (
+        torch.randn(3, 25, 32, generator=g),
+        torch.randn(3, 25, 32, generator=g),
+        torch.randn(3, 32, 25, generator=g),
+    )
+    assert_close(grouped_swiglu(x, counts, w1, w3, w2), grouped_swiglu(x, counts, w1, w3, w2, "loop"))
+
+
 def test_aux_and_z_losses_equal_their_formulas_on_a_hand_built_routing():
     """Router = 3·identity on 4 experts plus offsets (0.3, 0.2, 0.1, 0) from a constant feature and
     one-hot tokens: token i's logits are 3 on its hot expert plus the offsets, so its top-2 is known:

@@ -318,3 +318,19 @@ def test_the_dgx_cloud_grok_rows_are_priced_split_and_fit_where_they_ran():
         assert c.run.layout.expert_tp == "split" and c.estimate.fits, c.run.name
         whole = CostModel(c.run.model, c.run.workload, c.run.cluster, stack=c.run.stack)
         assert whole.memory(dataclasses.replace(c.run.layout, expert_tp="replicate"))[0] > c.estimate.memory
+
+
+def test_experts_whose_rows_are_not_16_byte_multiples_are_priced_as_the_padded_batch():
+    """An expert slice whose width is not a 16-byte multiple (ffn 96 in bf16 cut over tp 4: 24 x 2 = 48
+    bytes is one; ffn 100 over 4: 25 x 2 = 50 bytes is not) runs the padded batched
+    matmul (loom.model.moe.grouped_mm_aligned), so its activations are the padded batch's, as on a
+    device without torch._grouped_mm."""
+    from loom.plan.cost.memory import moe_activation
+
+    def saved(ffn: int, grouped_mm: tuple[str, ...]) -> float:
+        cluster = dataclasses.replace(H100, device=dataclasses.replace(H100.device, grouped_mm=grouped_mm))
+        cm = CostModel(tiny_model(**MOE, ffn_dim=ffn), Workload(8, SEQ, precision="bf16"), cluster)
+        return moe_activation(cm, SEQ, 1, cut=4)
+
+    assert saved(96, ("bf16",)) != saved(96, ())  # aligned: the grouped matmul
+    assert saved(100, ("bf16",)) == saved(100, ())  # 25 bf16 = 50 bytes: padded as without it

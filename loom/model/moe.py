@@ -187,6 +187,13 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
     return False
 
 
+def grouped_mm_aligned(h: int, f: int, itemsize: int) -> bool:
+    """Whether ``torch._grouped_mm`` takes an expert of width f on rows of h features: every row
+    stride (h and f elements of ``itemsize`` bytes) a multiple of 16 bytes, else it refuses and the
+    experts run the padded batched matmul (e.g. f = 100 split over tp 4: 25 fp32 = 100 bytes)."""
+    return (h * itemsize) % 16 == 0 and (f * itemsize) % 16 == 0
+
+
 def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows x[offs[e-1]:offs[e]] times w[e]ᵀ for every e: x (A, in), w (E, out, in) -> (A, out)."""
     return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
@@ -211,7 +218,11 @@ def grouped_swiglu(
             out.append(swiglu(x[start : start + n], w1[e], w3[e], w2[e]))
             start += n
         return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
-    if grouped_mm_available(x) and x.shape[0] > 0:
+    if (
+        grouped_mm_available(x)
+        and x.shape[0] > 0
+        and grouped_mm_aligned(x.shape[1], w1.shape[1], x.element_size())
+    ):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return _gmm(F.silu(_gmm(x, w1, offs)) * _gmm(x, w3, offs), w2, offs)
     # padded: expert e's rows at (e, 0 .. n_e - 1) of an (E, max n_e, h) batch

@@ -8,6 +8,7 @@ from loom.config import target_shapes
 from loom.finetune.nf4 import nf4_bytes
 from loom.memory.precision import runs_8bit
 from loom.model.loss import CHUNK_ROWS
+from loom.model.moe import grouped_mm_aligned
 from loom.plan.cost.base import CostBase
 from loom.plan.cost.layout import Layout
 from loom.plan.cost.pipeline import inflight_layers
@@ -446,7 +447,8 @@ def moe_activation(cm: CostBase, T: float, ep: int, cut: int = 1, rows: float | 
                    sum 4 (the loss normalizes them)
 
     Where the device has no ``torch._grouped_mm`` for the activations' dtype (``DeviceSpec.grouped_mm``:
-    CUDA below sm90, fp32 or fp16 on CUDA, fp16 on the CPU) the experts run a zero-padded batched
+    CUDA below sm90, fp32 or fp16 on CUDA, fp16 on the CPU), or h or f rows are not 16-byte
+    multiples (:func:`loom.model.moe.grouped_mm_aligned`), the experts run a zero-padded batched
     matmul over an (E/ep, W, h) batch, W = T at ep 1 (every expert padded to the tokens) and
     ep T k ``moe_load`` / E at ep > 1 (the busiest expert's rows): per row its output B_a h and
     its (expert, slot) index 16 (not the sorted input, no offsets), per layer the batch and its
@@ -467,7 +469,8 @@ def moe_activation(cm: CostBase, T: float, ep: int, cut: int = 1, rows: float | 
     per_row = k * tr.moe_load * (2 * B * h + 4 * B * f + place)
     per_layer = (4 * E / ep) * (tr.moe_compute != "loop") + 4 * E * tr.moe_aux_loss
     dtype = {"fp32": "fp32", "tf32": "fp32", "fp16": "fp16"}.get(tr.precision, "bf16")
-    if tr.moe_compute == "grouped" and dtype not in cm.cluster.device.grouped_mm:  # the padded batch
+    grouped = dtype in cm.cluster.device.grouped_mm and grouped_mm_aligned(h, round(f), B)
+    if tr.moe_compute == "grouped" and not grouped:  # the padded batch
         width = R if ep == 1 else ep * R * k * tr.moe_load / E
         per_row = k * tr.moe_load * (B * h + 16 + place)
         per_layer += E / ep * width * (B * h + 4 * B * f) - 4 * E / ep
