@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -42,13 +43,13 @@ def _losses(rows: list[dict]) -> list[tuple[int, float, float]]:
 
 
 class Job:
-    """``python -m loom train`` in its own session; stdout and stderr collected apart."""
+    """``python -m loom train`` (or ``command`` train) in its own session; stdout and stderr collected apart."""
 
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: dict, command: list[str] | None = None) -> None:
         args = [f"--{s}.{k}={v}" for s, table in cfg.items() for k, v in table.items()]
         self.run_dir = Path(cfg["run"]["dir"])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "loom", "train", *args],
+            [*(command or [sys.executable, "-m", "loom"]), "train", *args],
             cwd=ROOT,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
             stdout=subprocess.PIPE,
@@ -202,6 +203,60 @@ def test_ctrl_c_while_the_ranks_start_ends_at_once_in_one_line(base_cfg, tmp_pat
     assert job.stop_lines() == [
         "loom: interrupted by SIGINT before a step could be saved; all ranks stopped"
     ], job.output()
+
+
+def test_ctrl_c_while_the_ranks_import_torch_prints_no_traceback(base_cfg, tmp_path):
+    """Ctrl-C as soon as the ranks exist, while Python's spawn bootstrap imports torch before any of
+    Loom's code runs: each rank printed a KeyboardInterrupt traceback (up to 79 lines) before the
+    launcher's one line. The `loom` script (the README's command) is the launcher's main module, which
+    the bootstrap imports first, and importing loom there makes a Ctrl-C end the rank quietly
+    (``python -m loom``'s bootstrap imports no main module: its ranks still print theirs)."""
+    from loom.launch.watch import _children
+
+    script = Path(sys.executable).parent / "loom"
+    if not script.exists():
+        pytest.skip("no `loom` script beside this Python (pip install -e . makes it)")
+    job = Job(
+        with_sections(base_cfg, run={"dir": str(tmp_path), "nproc": 2}, train={"steps": 100_000}),
+        [str(script)],
+    )
+    end = time.monotonic() + 60
+
+    def bootstrapping() -> int:  # ranks in spawn_main that have loaded torch's library (then import it ~1 s)
+        n = 0
+        for pid in _children(job.proc.pid):
+            with contextlib.suppress(OSError):
+                spawned = b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                n += spawned and "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+        return n
+
+    while time.monotonic() < end and job.proc.poll() is None and bootstrapping() < 2:
+        time.sleep(0.005)
+    assert not (tmp_path / "logs" / "rank-0-fault.txt").exists()  # still in the bootstrap: no Loom code ran
+    os.killpg(job.proc.pid, signal.SIGINT)
+    rc = job.finish()
+    assert rc == 128 + signal.SIGINT, job.output()
+    assert "Traceback" not in job.output() and "KeyboardInterrupt" not in job.output(), job.output()
+    assert len(job.stop_lines()) == 1 and job.stop_lines()[0].startswith("loom: interrupted by SIGINT"), (
+        job.output()
+    )
+
+
+def test_a_spawned_process_importing_loom_ends_quietly_on_ctrl_c():
+    """The rule itself: inside multiprocessing's spawn bootstrap (``_inheriting``) importing loom turns
+    SIGINT into a silent exit with 130; anywhere else SIGINT stays Python's KeyboardInterrupt."""
+    code = (
+        "import multiprocessing.process as p, os, signal, time\n"
+        "p.current_process()._inheriting = {flag}\n"
+        "import loom\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(10)\n"
+    )
+    run = partial(subprocess.run, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    quiet = run([sys.executable, "-c", code.format(flag=True)])
+    assert quiet.returncode == 128 + signal.SIGINT and quiet.stderr == "", quiet.stderr
+    loud = run([sys.executable, "-c", code.format(flag=False)])
+    assert loud.returncode != 0 and "KeyboardInterrupt" in loud.stderr
 
 
 def test_ctrl_c_during_the_final_save_ends_at_once_and_says_the_model_was_saved(base_cfg, tmp_path):

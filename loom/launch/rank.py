@@ -26,6 +26,9 @@ def _worker(cfg_dict: dict[str, Any]) -> dict[str, float] | None:
 
     from loom.train.trainer import run
 
+    signal.signal(
+        signal.SIGINT, signal.default_int_handler
+    )  # the spawn bootstrap's quiet exit ends (loom/__init__)
     _host_rank_store()
     run_cfg = cfg_dict["run"]
     watch_launcher(Path(run_cfg["dir"]), float(run_cfg["preempt_grace_s"]))
