@@ -810,8 +810,15 @@ def test_megatron_core_buckets_grow_with_the_data_parallel_group():
 # (mean, max) |error| per file of benchmarks/heldout/: Narayanan et al. 2021's Table 1 within the goal
 # (today 5.8% / 10.3%); NVIDIA's DGX Cloud recipes (NeMo 24.09-25.02, H100) at today's figures, a
 # regression bound, not the goal (11.9% / 25.4%: their bf16 rows run about 18% faster than the H100
-# bf16 share fitted on llm-foundry's rows predicts; docs/planner.md, "Rows never fitted on")
-HELD_OUT_BOUNDS = {"narayanan2021_table1.toml": (0.08, 0.12), "dgxc_h100.toml": (0.125, 0.26)}
+# bf16 share fitted on llm-foundry's rows predicts; docs/planner.md, "Rows never fitted on");
+# Megatron-Bridge's fine-grained MoE rows (Qwen3-30B-A3B, 235B-A22B, GPT-OSS-120B on H100) at today's
+# 38.4% / 201.4%, a regression bound: the Qwen3-30B rows at ep 8 inside a node run 3x slower than
+# predicted (test_fine_grained_moe_rows_by_group)
+HELD_OUT_BOUNDS = {
+    "narayanan2021_table1.toml": (0.08, 0.12),
+    "dgxc_h100.toml": (0.125, 0.26),
+    "megatron_bridge_moe_h100.toml": (0.39, 2.03),
+}
 
 
 def test_rows_never_fitted_on_are_predicted_within_their_bounds():
@@ -829,6 +836,141 @@ def test_rows_never_fitted_on_are_predicted_within_their_bounds():
         mean, worst = summary(table)
         bound = HELD_OUT_BOUNDS[path.name]
         assert mean <= bound[0] and worst <= bound[1], format_published(table)
+
+
+# |error| bound per row group of benchmarks/heldout/megatron_bridge_moe_h100.toml (today's figures; before
+# the MoE routing bytes, the experts' backward at their shapes and ep-overlap: +178/+198%, -8/-9%,
+# -18/-24%, +25/+28%)
+MOE_GROUP_BOUNDS = {
+    "Qwen3-30B-A3B FP8, 16 H100, ep8 pp2": 2.03,  # +199%, +201%: not priced (docs/planner.md)
+    "Qwen3-30B-A3B FP8, 16 H100, ep16": 0.19,  # -16% to -18%
+    "Qwen3-235B-A22B": 0.06,  # -5.4% to +1.7%
+    "GPT-OSS-120B": 0.21,  # +16.5% to +20.1%
+}
+
+
+def test_fine_grained_moe_rows_by_group():
+    """Each row group of the fine-grained MoE file within its bound (:data:`MOE_GROUP_BOUNDS`), every
+    row in one group; the 235B's all-to-alls beside another micro-batch's compute (ep-overlap, as its
+    recipe runs them) took it from -18..-24% to -5..+2%."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "heldout" / "megatron_bridge_moe_h100.toml"
+    table = compare_published(load_file(path))
+    for c in table:
+        groups = [g for g in MOE_GROUP_BOUNDS if g in c.run.name]
+        assert len(groups) == 1, c.run.name
+        assert abs(c.error) <= MOE_GROUP_BOUNDS[groups[0]], format_published(table)
+    assert {g for c in table for g in MOE_GROUP_BOUNDS if g in c.run.name} == set(MOE_GROUP_BOUNDS)
+
+
+def _tiny_moe(n_layers: int = 1, n_experts: int = 4) -> ModelConfig:
+    return ModelConfig(
+        dim=8,
+        n_layers=n_layers,
+        n_heads=2,
+        n_kv_heads=1,
+        ffn_dim=16,
+        n_experts=n_experts,
+        top_k=2,
+        vocab_size=32,
+    )
+
+
+def test_moe_routing_bytes_by_hand():
+    """E = 4, k = 2, h = 8, B_a = 2, T_r = T_p = 3 tokens, n_s = 6 copies, n_e = 6 rows: router fwd
+    (12·4 + 12·2)·3 = 216, bwd 16·4·3 = 192; permute + combine fwd (3·6 + 3)·16 = 336, bwd
+    (3·6 + 2·3)·16 = 384; the regroup 4·6·16 = 384 each way only under ep > 1 with several experts here."""
+    from loom.plan.cost.compute import moe_routing_bytes
+
+    cm = CostModel(_tiny_moe(), Workload(1, 16), ClusterSpec.single_node("h100-sxm", 8))
+    assert moe_routing_bytes(cm, 3, 3, 6, 2, 2) == (216 + 336 + 384, 192 + 384 + 384)
+    assert moe_routing_bytes(cm, 3, 3, 6, 1, 4) == (216 + 336, 192 + 384)
+    assert moe_routing_bytes(cm, 3, 3, 6, 4, 1) == (216 + 336, 192 + 384)  # one expert here: no regroup
+    # fp32 activations: 4 bytes per element of the rows, the router's bytes as they were
+    cm32 = CostModel(_tiny_moe(), Workload(1, 16, precision="fp32"), ClusterSpec.single_node("h100-sxm", 8))
+    assert moe_routing_bytes(cm32, 3, 3, 6, 1, 4) == (216 + 2 * 336, 192 + 2 * 384)
+
+
+def test_moe_routing_is_priced_in_moe_layers_only():
+    """A micro-batch's compute holds L x other x (fwd + bwd) / HBM of :func:`moe_routing_bytes` for an
+    MoE layer (T_r = T, n_s = k T, n_e = k T at ep 2, 2 experts here), and nothing for a dense one."""
+    import loom.plan.cost.compute as compute
+
+    cl = ClusterSpec.single_node("h100-sxm", 8)
+    L, T = 3, 1024
+    moe = CostModel(_tiny_moe(L), Workload(8, T), cl, stack="megatron-core")
+    dense = CostModel(_tiny_moe(L, n_experts=1), Workload(8, T), cl, stack="megatron-core")
+    args = (1, False, 1, 2, 1, "none", 1)
+
+    def priced(cm: CostModel) -> float:
+        return compute.microbatch_times(cm, *args)[2]["compute"]
+
+    with_bytes = priced(moe), priced(dense)
+    real = compute.moe_routing_bytes
+    try:
+        compute.moe_routing_bytes = lambda *a: (0.0, 0.0)
+        without = priced(moe), priced(dense)
+    finally:
+        compute.moe_routing_bytes = real
+    fwd, bwd = real(moe, T, T, 2 * T, 2, 2)
+    assert with_bytes[0] - without[0] == pytest.approx(L * moe.other * (fwd + bwd) / moe.machine.hbm)
+    assert with_bytes[1] == without[1]
+
+
+def test_expert_backward_gemms_at_their_own_shapes():
+    """A routed expert's GEMM (64 x 128) @ (128 x 256) on an H100 in bf16: its input gradient
+    (64 x 256) @ (256 x 128) is one 64 x 128 tile (tiles shrink to cover m and n), its weight gradient
+    (128 x 64) @ (64 x 256) one 128 x 256 tile, each one wave of (k + K0) steps at the per-SM rate
+    (above its bytes); on a CPU (no wave model) r and r/2 times the forward, as a dense Linear's."""
+    from loom.plan.cost.compute import expert_backward, linear_gemm
+
+    cm = CostModel(_tiny_moe(), Workload(8, 1024), ClusterSpec.single_node("h100-sxm", 8))
+    dev = get_device("h100-sxm")
+    per_sm = dev.bf16_flops * dev.achievable / dev.sms
+    dgrad = 2 * 64 * 128 * (256 + GEMM_K0) / per_sm
+    wgrad = 2 * 128 * 256 * (64 + GEMM_K0) / per_sm
+    assert dgrad > 2 * (64 * 256 + 256 * 128 + 64 * 128) / dev.hbm_bandwidth  # compute-bound
+    assert expert_backward(cm, 64, 128, 256) == pytest.approx((dgrad + wgrad, wgrad))
+    # Transformer Engine's experts in fp8: the same shapes at the 8-bit rate, 1-byte operands
+    fp8 = CostModel(
+        _tiny_moe(), Workload(8, 1024, precision="fp8", fp8_layers="all"), cm.cluster, stack="megatron-core"
+    )
+    per_sm8 = dev.fp8_flops * dev.achievable_8bit / dev.sms
+    w8 = 2 * 128 * 256 * (64 + GEMM_K0) / per_sm8
+    assert expert_backward(fp8, 64, 128, 256) == pytest.approx(
+        (2 * 64 * 128 * (256 + GEMM_K0) / per_sm8 + w8, w8)
+    )
+    cpu = CostModel(_tiny_moe(), Workload(8, 1024, precision="fp32"), ClusterSpec.single_node("cpu", 2))
+    fwd = linear_gemm(cpu, 64, 128, 256, expert=True)
+    assert expert_backward(cpu, 64, 128, 256) == pytest.approx((cpu.bwd_ratio * fwd, cpu.bwd_ratio / 2 * fwd))
+
+
+def test_ep_overlap_hides_all_to_alls_behind_the_layers_compute():
+    """ep-overlap (Megatron-Core's --overlap-moe-expert-parallel-comm): a layer's all-to-alls A beside
+    another micro-batch's compute of the layer C cost max(0, A - C) + (1 - comm_overlap) min(A, C)
+    (dp.contended); C from two models one layer apart (the head cancels). Read and written as a
+    layout token, shown in the table."""
+    from loom.plan.cost.compute import microbatch_times
+    from loom.plan.cost.dp import contended
+    from loom.plan.published import _layout_cell
+
+    cl = ClusterSpec.single_node("h100-sxm", 8, 2)
+    work = Workload(64, 4096, precision="fp8", fp8_layers="all", expert_folding=True)
+    big = dict(dim=2048, n_heads=16, n_kv_heads=4, ffn_dim=768, n_experts=128, top_k=8, vocab_size=32000)
+    one, two = (CostModel(ModelConfig(n_layers=n, **big), work, cl, stack="megatron-core") for n in (1, 2))
+
+    def terms(cm: CostModel, overlap: bool) -> dict[str, float]:
+        return microbatch_times(
+            cm, 1, False, 1, 16, 1, "none", 1, 16, "allgather", False, (), "replicate", overlap
+        )[2]
+
+    A, C = terms(one, False)["ep comm"], terms(two, False)["compute"] - terms(one, False)["compute"]
+    share = one.machine.comm_overlap(16)
+    assert A > C > 0 and share == 0.8  # across 2 nodes the all-to-alls outlast the layer's compute
+    assert terms(one, True)["ep comm"] == pytest.approx(contended(A - C, C, share))
+    assert terms(one, True)["compute"] == terms(one, False)["compute"]
+    lay = Layout.parse("dp16 ep16 zero1 ep-overlap mb1")
+    assert lay.ep_overlap and Layout.parse(lay.spec()) == lay and "ep-overlap" in _layout_cell(lay)
+    assert "ep-overlap" not in _layout_cell(Layout.parse("dp16 ep16 zero1 mb1"))
 
 
 def test_stack_factor_needs_two_sources_and_8bit_share_is_its_own():

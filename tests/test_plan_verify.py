@@ -111,6 +111,7 @@ _RUNS: dict[str, tuple[str, ...]] = {
     },
     "bad layout word": ("--config", "llama3-8b", "--devices", "32", "--layout", "dp1 tp8 pp4 warp9"),
     "layout of another size": ("--config", "llama3-8b", "--devices", "64", "--layout", "dp1 tp8 pp4"),
+    "megatron overlap": ("--config", "llama3-8b", "--devices", "32", "--layout", "dp1 tp8 pp4 tp-overlap"),
 }
 
 
@@ -202,6 +203,8 @@ def test_layout_lines_round_trip_and_bad_ones_are_one_line(verified):
     assert rc == 2 and err.count("\n") == 1 and "'warp9'" in err
     rc, _, err = verified["layout of another size"]
     assert rc == 2 and "uses 32 devices" in err
+    rc, _, err = verified["megatron overlap"]  # priced for published runs, not run by loom train
+    assert rc == 2 and err.count("\n") == 1 and "loom train does not run them" in err
 
 
 # ----------------------------------------------------------------------------- matrix, precheck, --on

@@ -414,9 +414,11 @@ def summary(rows: list[PublishedComparison]) -> tuple[float, float]:
 
 
 def _layout_cell(lay: Layout) -> str:
-    """The degrees, sp, tp-overlap, the pipeline schedule (pp > 1), micro-batch and recomputation."""
+    """The degrees, sp, tp-/ep-overlap, the pipeline schedule (pp > 1), micro-batch and recomputation."""
     schedule = f" {lay.schedule}" + (f":v{lay.v}" if lay.v > 1 else "") if lay.pp > 1 else ""
-    overlap = " tp-overlap" * (lay.tp_overlap and lay.tp > 1)
+    overlap = " tp-overlap" * (lay.tp_overlap and lay.tp > 1) + " ep-overlap" * (
+        lay.ep_overlap and lay.ep > 1
+    )
     return lay.short() + " sp" * lay.sp + overlap + schedule + f" mb{lay.micro_batch} {lay.recompute}"
 
 

@@ -359,6 +359,10 @@ def main(argv: list[str], cluster_of) -> int:
             lay = result.ranked[0].layout
         else:
             lay = Layout.parse(args.layout)
+            if lay.tp_overlap or lay.ep_overlap:
+                from loom.plan.cost.check import OVERLAP_REFUSED
+
+                raise PlanError(f"--layout {args.layout!r}: {OVERLAP_REFUSED}")
         if lay.world_size != args.world:
             raise PlanError(
                 f"--layout {lay.spec()!r} uses {lay.world_size} devices, --devices is {args.world}"

@@ -86,7 +86,11 @@ Time of one step:
   experts and the output head run 8-bit only on a stack that runs them so (``Stack.lowp_experts``,
   ``Stack.lowp_head``: Loom keeps both in bf16). Backward is r = 2x
   forward (the FLOP ratio; a calibration profile may measure r nearer 1 for small layers where
-  per-op cost sets the time). Attention core per kernel (:meth:`CostModel._attention_core`): a
+  per-op cost sets the time); a routed expert's input- and weight-gradient GEMMs on a datasheet GPU
+  at their own shapes (:func:`~loom.plan.cost.compute.expert_backward`). An MoE layer's routing adds
+  its memory-bound bytes at the stack's ``other``: the router's softmax and top-k, each routed copy's
+  row permuted, the received rows regrouped by expert under ep, the probability-weighted combine,
+  forward and backward (:func:`~loom.plan.cost.compute.moe_routing_bytes`). Attention core per kernel (:meth:`CostModel._attention_core`): a
   causal flash kernel runs half of the 4 T s h / t FLOPs (the PaLM/Megatron convention 12 L h s
   per token that the FLOP counts keep) at the device's flash share of peak, backward 2.5x those
   FLOPs; unfused (no flash) two batched GEMMs per head and 4 B a s^2 bytes of scores. Elementwise
@@ -130,6 +134,8 @@ Time of one step:
   all-to-all of per-expert counts before each dispatch (latency only); each of these calls also
   ``call_overhead["ep"]`` (measured through Loom's expert-parallel layer: the counts' host round
   trip, the splits, the waits of synchronous all-to-alls), its CPU ``call_overhead_cpu["ep"]``.
+  ``Layout.ep_overlap`` (Megatron-Core's --overlap-moe-expert-parallel-comm): the layer's all-to-alls
+  A beside another micro-batch's compute of the layer C, max(0, A - C) + (1 - comm_overlap) min(A, C).
 - pipeline: per micro-batch stage time t_mb (slowest stage); bubble (p-1) t_mb for GPipe/1F1B
   (fraction (p-1)/(m+p-1)), (p-1)/v t_mb interleaved, (p-1)(t_mb - 2 t_W) for ZB-H1 (t_W the
   weight-gradient half of backward); P2P of T h B_a / t bytes per chunk boundary, 2 m v

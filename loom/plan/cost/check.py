@@ -89,6 +89,12 @@ def check(cm: CostBase, lay: Layout) -> str | None:
     return why or expert_problem(cm.facts, lay.ep)
 
 
+OVERLAP_REFUSED = (
+    "tp-overlap and ep-overlap are Megatron-Core's communication overlaps (priced for its published runs); "
+    "loom train does not run them"
+)
+
+
 def refused(cm: CostBase, lay: Layout) -> str | None:
     """Why ``loom train`` refuses ``lay`` for this model and workload, or None: the rules of
     :mod:`loom.rules` that ``config.validate`` applies to a layout (degrees, QLoRA, ZeRO-3's options,
@@ -118,6 +124,8 @@ def refused(cm: CostBase, lay: Layout) -> str | None:
     )
     if problems:
         return problems[0]
+    if lay.tp_overlap or lay.ep_overlap:
+        return OVERLAP_REFUSED
     if t.expert_folding:
         return (
             "expert folding (expert tensor parallelism 1) is Megatron-Core's: Loom keeps a rank's experts "

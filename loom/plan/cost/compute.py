@@ -9,7 +9,7 @@ from functools import partial
 from loom.memory.precision import runs_8bit
 from loom.plan.cost.base import CostBase
 from loom.plan.cost.comm import cp_layer_time, tp_calls
-from loom.plan.cost.dp import exposed
+from loom.plan.cost.dp import contended, exposed
 
 FLASH_BWD = 2.5  # flash attention backward / forward time (it recomputes the scores; Dao 2023)
 
@@ -77,6 +77,51 @@ def scale_cast_bytes(cm: CostBase, m: float, k: float, n: float, expert: bool = 
     return b_x * m * k + b_w * k * n, b_wb * k * n + b_g * m * n
 
 
+def moe_routing_bytes(
+    cm: CostBase, T_route: float, T_perm: float, rows: float, ep: int, experts_here: float
+) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of an MoE layer's routing on a rank in one micro-batch, beyond its
+    GEMMs and its SwiGLU: with B_a bytes per element, h hidden, E experts, k = top_k, T_r the tokens the
+    rank routes (``T_route``), T_p those whose rows it permutes (``T_perm``: T_r, or Loom's split experts
+    under ep its 1/t of them), n_s = k T_p the routed copies it sends and n_e the rows its experts
+    compute (``rows``: k T load over its experts)::
+
+        router    fwd 12 E T_r + 12 k T_r  fp32 logits read, scores written and read by top-k; k fp32
+                                           weights and int64 ids written
+                  bwd 16 E T_r             the weights' gradient scattered into E, the softmax's backward
+                                           (scores and their gradient read, the logits' written)
+        permute   fwd 2 n_s B_a h          each copy's row gathered (read and written)
+                  bwd (n_s + T_p) B_a h    the copies' gradients summed into their tokens
+        combine   fwd (n_s + T_p) B_a h    the copies read, weighted by their probabilities and summed
+                  bwd (2 n_s + T_p) B_a h  the token's gradient read, each copy's written; each copy's
+                                           output read again for its weight's gradient
+        regroup   fwd = bwd 4 n_e B_a h    under ep > 1 with several experts here: the received rows
+                                           sorted by expert before the experts and back after them
+    """
+    B, h, E, k = cm.act_bytes, cm.model.dim, cm.n_experts, cm.top_k
+    n_s = k * T_perm
+    regroup = 4.0 * rows * B * h if ep > 1 and experts_here > 1 else 0.0
+    fwd = (12 * E + 12 * k) * T_route + (3 * n_s + T_perm) * B * h + regroup
+    bwd = 16 * E * T_route + (3 * n_s + 2 * T_perm) * B * h + regroup
+    return fwd, bwd
+
+
+def expert_backward(cm: CostBase, m: float, k: float, n: float) -> tuple[float, float]:
+    """(backward, weight-gradient) seconds of a routed expert's GEMM (m x k) @ (k x n) on a datasheet GPU
+    (``CostBase.kernels``): its input gradient (m x n) @ (n x k) and its weight gradient (k x m) @ (m x n)
+    each through :meth:`Machine.gemm` at its own tile and wave quantization (an expert's few rows make a
+    small weight-shaped output of few tiles), at the forward's precision; elsewhere r and r/2 times the
+    forward (as a dense Linear's)."""
+    fwd = linear_gemm(cm, m, k, n, expert=True)
+    if not cm.kernels:
+        return cm.bwd_ratio * fwd, cm.bwd_ratio / 2 * fwd
+    tr = cm.train
+    eight = cm.stack.lowp_experts and runs_8bit(tr.precision, k, n, tr.fp8_recipe, tr.fp8_layers)
+    elem, bf16 = (1, False) if eight else (cm.act_bytes, True)
+    wgrad = cm.machine.gemm(k, m, n, elem, bf16=bf16)
+    return cm.machine.gemm(m, n, k, elem, bf16=bf16) + wgrad, wgrad
+
+
 def microbatch_times(
     cm: CostBase,
     tp: int,
@@ -91,6 +136,7 @@ def microbatch_times(
     tp_overlap: bool = False,
     split: tuple[int, ...] = (),
     expert_tp: str = "replicate",
+    ep_overlap: bool = False,
 ) -> tuple[float, float, dict[str, float]]:
     """(t_mb of the slowest stage, its weight-grad time t_W, per-term times) for one micro-batch.
 
@@ -99,7 +145,10 @@ def microbatch_times(
     at f; split experts compute the tp group's T tokens' rows at f/t (with sp the FLOPs of whole
     experts on T/t, without sp 1/t of them), shared experts too, and route T (Loom's: the sequence
     gathered) or the rank's shard (a stack gathering the routed rows); the ep all-to-all carries the
-    rows of the tokens the rank routes."""
+    rows of the tokens the rank routes. With ``ep_overlap`` the layer's all-to-alls (A: dispatch and
+    combine, forward and backward) run beside another micro-batch's compute of the layer (C: forward,
+    backward and recomputation): ``max(0, A - C) + (1 - comm_overlap) min(A, C)``
+    (:func:`~loom.plan.cost.dp.contended`)."""
     mc, tr, mach = cm.model, cm.train, cm.machine
     B, h, f, s = cm.act_bytes, mc.dim, cm.ffn, tr.seq_len
     T = mb * s / cp
@@ -123,8 +172,20 @@ def microbatch_times(
     else:
         linears += [(float(ups), T, h, f / tp, False), (1.0, T, f / tp, h, False)]
     gemm_f = sum(c * lin(m, k, n, expert=e) for c, m, k, n, e in linears)
+    r = cm.bwd_ratio  # 2 when GEMM FLOPs set the time; measured (profile) when per-op cost does
+    # backward GEMMs r x forward, a routed expert's at its own shapes; weight gradients half of that
+    expert_f = sum(c * lin(m, k, n, expert=True) for c, m, k, n, e in linears if e)
+    expert_bw = [(c, expert_backward(cm, m, k, n)) for c, m, k, n, e in linears if e]
+    gemm_b = r * (gemm_f - expert_f) + sum(c * bw for c, (bw, _) in expert_bw)
+    gemm_w = r / 2 * (gemm_f - expert_f) + sum(c * w for c, (_, w) in expert_bw)
+    other = cm.other if cm.kernels else 1.0  # a calibrated profile measured its own kernels
+    route_f = route_b = 0.0
     if cm.moe:  # the router's logits (T x h) @ (h x E), outside the 8-bit swap (model FLOPs count it)
-        gemm_f += mach.gemm(T_route, h, cm.n_experts, B, bf16=True)
+        router = mach.gemm(T_route, h, cm.n_experts, B, bf16=True)
+        gemm_f, gemm_b, gemm_w = gemm_f + router, gemm_b + r * router, gemm_w + r / 2 * router
+        T_perm = T_route / tp if cm.rows_pooled(tp, expert_tp, ep) else T_route  # Loom's split: 1/tp each
+        fwd, bwd = moe_routing_bytes(cm, T_route, T_perm, Te * experts_here, ep, experts_here)
+        route_f, route_b = other * fwd / mach.hbm, other * bwd / mach.hbm
     cast_bytes = [scale_cast_bytes(cm, m, k, n, e) for _, m, k, n, e in linears]
     cast_f = sum(lin_[0] * fb[0] for lin_, fb in zip(linears, cast_bytes)) / mach.hbm
     cast_b = sum(lin_[0] * fb[1] for lin_, fb in zip(linears, cast_bytes)) / mach.hbm
@@ -138,15 +199,14 @@ def microbatch_times(
         else (3 if mc.mlp == "swiglu" else 2) * f / tp
     )
     elt_bytes = B * T * (10 * h / (tp if sp else 1) + 2 * (h / tp + cm.kv_width(tp)) + mlp_elt)
-    other = cm.other if cm.kernels else 1.0  # a calibrated profile measured its own kernels
     elt_f = other * elt_bytes / mach.hbm
-    r = cm.bwd_ratio  # 2 when GEMM FLOPs set the time; measured (profile) when per-op cost does
     if cm.kernels:  # per-kernel model (a GPU from the datasheet): flash kernels, batched GEMMs
         core_f, core_b = attention_core(cm, tp, cp, mb)
     else:
         core_f = max(4.0 * T * s * h / tp / mach.flops, core_bytes / mach.hbm)
         core_b = (FLASH_BWD if tr.flash_attention else 2.0) * r / 2 * core_f
-    layer_f = gemm_f + core_f + elt_f + cast_f  # fp8's scaling casts (torchao), redone when recomputed
+    # fp8's scaling casts (torchao) and an MoE's routing bytes are redone when recomputed
+    layer_f = gemm_f + core_f + elt_f + cast_f + route_f
     # LoRA: a frozen target computes no weight gradient (its adapters' rank-r GEMMs are left out)
     lora_wgrad = 0.0
     if tr.lora_rank:
@@ -160,8 +220,8 @@ def microbatch_times(
             "w2": (f / tp, h),
         }
         lora_wgrad = r / 2 * sum(lin(T, *target_gemm[n]) for n in tr.lora_targets)
-    # backward: GEMMs and elementwise 2x forward; a flash kernel recomputes the scores (2.5x)
-    layer_b = r * (gemm_f + elt_f) + core_b - lora_wgrad + cast_b
+    # backward: GEMMs (experts' at their shapes) and elementwise 2x forward; flash recomputes the scores (2.5x)
+    layer_b = gemm_b + r * elt_f + core_b - lora_wgrad + cast_b + route_b
     recomp = {"none": 0.0, "selective": core_f + cm.stack.selective_gemms * gemm_f, "full": layer_f}[
         recompute
     ]
@@ -183,7 +243,7 @@ def microbatch_times(
     tp_layer = tp_time(tp_calls(cm, tp, sp, recompute, mb, "layer", cp, expert_tp, ep))
     if tp_overlap and tp > 1:  # each collective cut in tp chunks, pipelined with its GEMM: the first
         # chunk shows, the rest hides behind the layer's GEMMs at the cost of what runs beside compute
-        gemms = gemm_f * (1 + r) + (gemm_f if recompute == "full" else 0.0)
+        gemms = gemm_f + gemm_b + (gemm_f if recompute == "full" else 0.0)
         tp_layer = exposed(tp_layer, tp, gemms, mach.comm_overlap(world or tp))
     cp_layer = cp_layer_time(cm, tp, cp, T, recompute, cp_mode, core_f, world) if cp > 1 else 0.0
     ep_layer = 0.0
@@ -200,6 +260,10 @@ def microbatch_times(
         ep_layer += (n_tp + (n_tp - 2) // 2) * mach.call_overhead.get(
             "ep", 0.0
         )  # each call's cost in the layer
+        if ep_overlap:  # beside another micro-batch's layer: what hides still costs 1 - comm_overlap
+            window = layer_f + layer_b + recomp
+            share = mach.comm_overlap(world or ep)
+            ep_layer = contended(max(0.0, ep_layer - window), min(ep_layer, window), share)
     head = (1 + r) * (
         mach.gemm(T, h, mc.vocab_size / tp, 1)
         if head_8bit
@@ -236,7 +300,5 @@ def microbatch_times(
         ),
         key=lambda st: sum(st[1].values()),
     )
-    t_w = Ls * (
-        gemm_f * r / 2 - lora_wgrad
-    )  # weight-gradient GEMMs: half of the backward GEMMs (trained ones)
+    t_w = Ls * (gemm_w - lora_wgrad)  # weight-gradient GEMMs (trained ones)
     return sum(terms.values()), t_w, terms

@@ -50,6 +50,9 @@ class Layout:
     qgz: int = 0  # ZeRO++ gradient all-to-all in this many bits (8 or 4; 0 = off)
     # tensor-parallel collectives pipelined with their GEMMs (Megatron-Core --tp-comm-overlap)
     tp_overlap: bool = False
+    # an MoE's all-to-alls run beside another micro-batch's layer compute (Megatron-Core
+    # --overlap-moe-expert-parallel-comm, Megatron-Bridge's moe_a2a_overlap)
+    ep_overlap: bool = False
     # data-parallel / ZeRO traffic overlapped bucket by bucket (False: after backward)
     dp_overlap: bool = True
     split: tuple[
@@ -79,7 +82,8 @@ class Layout:
         parts.append(f"zero{self.zero}/{self.dp_shard}" if self.zero else "zero0")
         parts += ["sp"] * self.sp + ["etp"] * (self.expert_tp == "split")
         parts += [f"{self.schedule}:v{self.v}", f"mb{self.micro_batch}", f"recompute:{self.recompute}"]
-        parts += ["tp-overlap"] * self.tp_overlap + ["dp-after-backward"] * (not self.dp_overlap)
+        parts += ["tp-overlap"] * self.tp_overlap + ["ep-overlap"] * self.ep_overlap
+        parts += ["dp-after-backward"] * (not self.dp_overlap)
         parts += [f"split:{','.join(map(str, self.split))}"] * bool(self.split)
         return " ".join(parts + ["offload"] * self.offload)
 
@@ -126,6 +130,8 @@ class Layout:
                     kw["offload"] = True
                 elif tok == "tp-overlap":
                     kw["tp_overlap"] = True
+                elif tok == "ep-overlap":
+                    kw["ep_overlap"] = True
                 elif tok == "dp-after-backward":
                     kw["dp_overlap"] = False
                 elif name == "split" and arg:

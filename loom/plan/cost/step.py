@@ -45,6 +45,7 @@ def timed(cm: CostBase, lay: Layout, mem: float, breakdown: dict[str, float], st
         lay.tp_overlap,
         lay.split,
         lay.expert_tp,
+        lay.ep_overlap,
     )
     w_share = t_w / t_mb
     if p == 1:
