@@ -213,7 +213,13 @@ def launch(
     try:
         try:
             lc = launch_config(cfg, nproc, max_restarts, nodes, port, agent_dir)
-            start = lambda: elastic_launch(lc, _worker)(C.to_dict(cfg))  # noqa: E731
+
+            def start() -> dict[int, Any]:
+                try:
+                    return elastic_launch(lc, _worker)(C.to_dict(cfg))
+                finally:
+                    ignore_late_signals()
+
             return relaunch_on_taken_port(start, STORE_ATTEMPTS if nodes is None else 1)  # one node: its own
         except ChildFailedError as e:
             if (line := _lost_line(nodes, run_dir)) is not None:  # another node's launcher died
@@ -252,6 +258,20 @@ def _lost_line(nodes: Nodes | None, run_dir: Path) -> str | None:
 
 
 STORE_ATTEMPTS = 3  # launches when rank 0's store port (chosen by the agent) was taken meanwhile
+
+
+LATE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # those torch's agent handles
+
+
+def ignore_late_signals() -> None:
+    """The agent is done (the ranks ended, its line is decided): a signal from here to the launcher's
+    exit is ignored. The agent's handler stays installed and raised its ``SignalException`` from
+    wherever the launcher was (its clean-up, a finalizer at exit: a traceback, or exit code 1 after
+    the run's own line), and once Python restores the default action during finalization a Ctrl-C
+    killed it silently (-2) after a run that had ended well. A launch again (a taken port) installs
+    the agent's handler anew."""
+    for sig in LATE_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def relaunch_on_taken_port(start, attempts: int = STORE_ATTEMPTS):
