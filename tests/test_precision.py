@@ -4,6 +4,8 @@ every rank, the memory held per rank is the mixed-precision formula, bad combina
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from dataclasses import replace
 
 import pytest
@@ -292,6 +294,7 @@ SKIP_LAYOUTS = {  # name: (mesh dims, micro-batch, zero, experts)
     "cp2": ({"cp": 2}, 4, 0, 1),
     "dp2 x cp2": ({"dp_replicate": 2, "cp": 2}, 2, 0, 1),
     "moe dp2 ep2": ({"dp_replicate": 2, "ep": 2}, 4, 0, 4),
+    "pp2 x dp2": ({"pp": 2, "dp_replicate": 2}, 2, 0, 1),
 }
 
 
@@ -300,7 +303,12 @@ def skip_run(dims: dict, micro: int, zero: int, experts: int = 1) -> dict:
     cfg = make_cfg(steps=SKIP_STEPS, **SKIP_TRAIN)
     cfg.model = replace(cfg.model, n_experts=experts)
     cfg.train.micro_batch = micro
-    cfg.parallel = replace(cfg.parallel, dp=dp, cp=dims.get("cp", 1), ep=dims.get("ep", 1), zero=zero)
+    cfg.run.dir = os.path.join(
+        tempfile.gettempdir(), "loom-test-fp16-skips"
+    )  # pipelines draw a timeline there
+    cfg.parallel = replace(
+        cfg.parallel, dp=dp, cp=dims.get("cp", 1), ep=dims.get("ep", 1), pp=dims.get("pp", 1), zero=zero
+    )
     out = train_loop(cfg, get_mesh(**dims) if dims else single_mesh(), SKIP_STEPS)
     return {k: out[k] for k in ("losses", "norms", "scales", "unchanged")}
 
@@ -320,7 +328,7 @@ def test_fp16_under_dp_skips_one_process_steps(pools, fp16_skips, name):
     skipped = [i for i, same in enumerate(ref["unchanged"]) if same]
     assert skipped[:4] == [0, 1, 2, 3] and len(skipped) >= 6  # the case overflows, early and again
     assert skipped == [i for i, norm in enumerate(ref["norms"]) if norm == math.inf]
-    n = dims.get("dp_replicate", 1) * dims.get("dp_shard", 1) * dims.get("cp", 1)
+    n = dims.get("dp_replicate", 1) * dims.get("dp_shard", 1) * dims.get("cp", 1) * dims.get("pp", 1)
     for r in pools(n).run(skip_run, dims, micro, zero, experts):
         assert [i for i, norm in enumerate(r["norms"]) if norm == math.inf] == skipped
         assert r["scales"] == ref["scales"]
