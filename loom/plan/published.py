@@ -9,7 +9,8 @@ optional ``inter_bandwidth_gbps``, GB/s per GPU, default the device's reference 
 ``intra_bandwidth_gbps``), ``layout`` (a
 :meth:`Layout.parse` line), ``global_batch``, ``seq_len``, ``precision`` (bf16), ``flash_attention``
 (true), ``compile`` (false: true for a step under ``torch.compile``), ``reduce_dtype`` (fp32),
-``expert_tensor_parallel`` (an MoE run's, see below), one measured throughput — ``tokens_per_s_per_gpu``, the whole job's
+``expert_tensor_parallel`` and ``moe_weighting`` (an MoE run's, see below), ``fused_cross_entropy``
+(false) and ``recompute_modules`` (none; see below), one measured throughput — ``tokens_per_s_per_gpu``, the whole job's
 ``tokens_per_s`` or ``samples_per_s`` (sequences), ``step_time_s``, ``tflops_per_gpu`` or ``mfu`` (a share of the device's dense bf16 peak, as Llama 3
 and torchtitan report it), the last two with the ``tflops_formula`` the publication counted FLOPs
 with (:data:`TFLOPS_FORMULAS`) — its ``source`` (paper, table, URL) and ``group``, the independent
@@ -28,6 +29,21 @@ experts over tp before it had the option), so its published MoE runs that do not
 about 100 GiB per 80 GiB GPU). Rows of other stacks left out keep the layout line's experts
 (whole on every tp rank, Loom's default, unless it says ``etp``).
 
+``moe_weighting``, where an MoE's routing weights multiply the expert rows (:attr:`Workload.moe_weighting`):
+``output`` (the default: each row's output as it returns, kept for the weight's gradient, as Loom and
+Megatron-Core before 0.13 do) or ``activation`` (Megatron-Core 0.13+, April 2025: inside the fused
+weighted GLU, which keeps its input and a 4-byte weight per row; only on a stack whose MoE layer is
+Megatron-Core's, :attr:`~loom.plan.cost.stacks.Stack.moe_saves`). A row cites the Megatron-Core version it ran.
+
+``fused_cross_entropy`` (false): the run's loss is a fused in-place cross entropy that keeps only the
+logits, their gradient written over them (Transformer Engine's ``parallel_cross_entropy``, Megatron-Core's
+``cross_entropy_fusion_impl = "te"``: :attr:`Workload.fused_cross_entropy`); not on Loom's stack.
+``recompute_modules`` (none): single modules whose outputs the run discards in forward and recomputes
+in backward beside the layout's policy (Megatron-Core's ``recompute_modules`` under selective
+granularity: ``moe_act``, ``layernorm``; :attr:`Workload.recompute_modules`), among those its stack
+offers (:attr:`~loom.plan.cost.stacks.Stack.recompute_modules`); the layout's ``recompute:none`` then
+means no attention core recomputed (Megatron-Bridge replaces the default ``core_attn`` with the list).
+
 The comparison is on tokens/s per GPU (equivalently TFLOP/s per GPU under any one FLOP count: the
 ratio is the same); the table prints TFLOP/s per GPU in Loom's count, hardware FLOPs with
 recomputation (:class:`Estimate`). ``megatron`` is Narayanan et al. 2021's
@@ -44,7 +60,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from loom.config import (
     MAX_BATCH_OR_SEQ,
@@ -57,6 +73,7 @@ from loom.config import (
 )
 from loom.model.llama import flops_per_token
 from loom.plan.cost import CostModel, Estimate, Layout, PlanError, Workload
+from loom.plan.cost.layout import MOE_WEIGHTINGS, MoeWeighting
 from loom.plan.cost.params import ParamCounts
 from loom.plan.cost.stacks import STACK_ALIASES, STACKS, resolve_stack
 from loom.plan.hardware import GB, PRECISIONS, ClusterSpec, HardwareError, get_device
@@ -83,6 +100,9 @@ _RUN_KEYS: dict[str, type] = {
     "compile": bool,
     "reduce_dtype": str,
     "expert_tensor_parallel": int,
+    "moe_weighting": str,
+    "fused_cross_entropy": bool,
+    "recompute_modules": list,
     "tokens_per_s_per_gpu": float,
     "tokens_per_s": float,
     "samples_per_s": float,
@@ -188,6 +208,9 @@ def _run(row: dict[str, Any], models: dict[str, ModelConfig], where: str) -> Pub
             flash_attention=row.get("flash_attention", True),
             compile=row.get("compile", False),
             expert_folding=row.get("expert_tensor_parallel") == 1,
+            moe_weighting=_moe_weighting(row, model),
+            fused_cross_entropy=_fused_cross_entropy(row),
+            recompute_modules=_recompute_modules(row),
         )
         lay = _expert_layout(row, model, lay)
         if w.precision not in (
@@ -269,6 +292,55 @@ def _expert_layout(row: dict[str, Any], model: ModelConfig, lay: Layout) -> Layo
     return dataclasses.replace(lay, expert_tp="split")
 
 
+def _moe_weighting(row: dict[str, Any], model: ModelConfig) -> MoeWeighting:
+    """The row's ``moe_weighting`` (module doc; :attr:`Workload.moe_weighting`), ``output`` when left
+    out; one :class:`PlanError` line for a value not in :data:`MOE_WEIGHTINGS`, a dense model, or a
+    stack whose MoE layer weights each row's output (all but Megatron-Core's)."""
+    value = row.get("moe_weighting", "output")
+    if value not in MOE_WEIGHTINGS:
+        raise PlanError(f"moe_weighting: must be one of {', '.join(MOE_WEIGHTINGS)}, got {value!r}")
+    if value == "output":
+        return "output"
+    if model.n_experts <= 1:
+        raise PlanError(
+            f"moe_weighting: {value} places an MoE's routing weights, but the model has no experts"
+        )
+    stack = resolve_stack(str(row["stack"]))[0]
+    if STACKS[stack].moe_saves != "megatron":
+        raise PlanError(
+            f"moe_weighting: {value} is Megatron-Core's weighted GLU (0.13+); stack {row['stack']!r} weights "
+            "each expert row's output (leave it out)"
+        )
+    return cast(MoeWeighting, value)
+
+
+def _fused_cross_entropy(row: dict[str, Any]) -> bool:
+    """The row's ``fused_cross_entropy`` (module doc; :attr:`Workload.fused_cross_entropy`), false when
+    left out; refused on Loom's own stack, whose loss is its own (one :class:`PlanError` line)."""
+    value = bool(row.get("fused_cross_entropy", False))
+    if value and resolve_stack(str(row["stack"]))[0] == "":
+        raise PlanError(
+            "fused_cross_entropy: Loom's stack runs its own loss (a chunked head and loss where it can); "
+            "leave it out"
+        )
+    return value
+
+
+def _recompute_modules(row: dict[str, Any]) -> tuple[str, ...]:
+    """The row's ``recompute_modules`` (module doc; :attr:`Workload.recompute_modules`), none when left
+    out; one :class:`PlanError` line for a name its stack does not offer (``Stack.recompute_modules``)."""
+    names = row.get("recompute_modules", [])
+    stack = resolve_stack(str(row["stack"]))[0]
+    offered = STACKS[stack].recompute_modules
+    for name in names:
+        if not isinstance(name, str) or name not in offered:
+            raise PlanError(
+                f"recompute_modules: {name!r} is not a module stack {row['stack']!r} recomputes alone "
+                f"(it offers: {', '.join(offered) or 'none'})"
+            )
+    return tuple(names)
+
+
 def _check_types(table: dict[str, Any], types: dict[str, type], at: str) -> None:
     """Every key of ``table`` known, of its TOML type in ``types`` (float: any number), numbers finite
     and > 0 (TOML's ``inf`` and ``nan`` are refused: a ``> 0`` test alone lets ``inf`` through)."""
@@ -283,9 +355,13 @@ def _check_types(table: dict[str, Any], types: dict[str, type], at: str) -> None
             else isinstance(value, want)
         )
         if not ok:
-            kind = {int: "a whole number", float: "a number", bool: "true or false", dict: "a table"}.get(
-                want, "a string"
-            )
+            kind = {
+                int: "a whole number",
+                float: "a number",
+                bool: "true or false",
+                dict: "a table",
+                list: "a list",
+            }.get(want, "a string")
             raise PlanError(f"{at}: {key} must be {kind}, got {value!r}")
         if number and not (math.isfinite(value) and value > 0):  # inf passes a bare > 0, NaN does not
             raise PlanError(f"{at}: {key} must be > 0 and finite, got {value!r}")

@@ -49,6 +49,14 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
                                                                          -> / t only with sp
         split experts (:func:`~loom.plan.cost.memory.moe_saved`): f/t, the rows of the tp group's
         T tokens on every rank (under sp the gathered input B_a T h too)
+      Megatron-Core's MoE layer instead (``Stack.moe_saves``,
+        :func:`~loom.plan.cost.memory.megatron_moe_activation`): per token the router's scores 4 E and
+        the permutation's row map 4 (2 E + 1); per row the first grouped GEMM's input s1 h, the fused
+        GLU's input B_a u f, its weight 4 and the second GEMM's input s2 f (s1, s2: 1 byte under
+        Transformer Engine's fp8, else B_a); no row's output, unless weighted at the combine
+        (``Workload.moe_weighting = "output"``, Megatron-Core before 0.13: B_a k h per token)
+      modules recomputed alone (``Workload.recompute_modules``): moe_act drops the second GEMM's
+        input, layernorm the pre-MLP norm's output (:func:`~loom.plan.cost.memory.module_recompute_saved`)
 
   With B_a = 2, d = h/a, cp = 1 and RMSNorm this is s b h (c1 + c2 a s / h) with
   c1 = 12 + 4 k/a + 8 f/h + (4a + 8)/h and c2 = 2 without flash, 0 with flash/SDPA (the form of
@@ -64,10 +72,12 @@ Memory, per device, of the largest stage (first holds the embedding, last the he
 - times the layers of activations held at peak on stage i (in micro-batches x layers):
   GPipe m*L/p; 1F1B min(m, p-i)*L/p; ZB-H1 min(m, p)*L/p (deferred W keeps inputs alive on
   every stage); interleaved (Megatron's warm-up count)
-  min(m v, 2(p-i-1) + (v-1)p + 1) * L/(p v), which for stage 0 is L (1 + (p-1)/(p v)); the
+  min(m v, 2(p-i-1) + (v-1)p + 1) * L/(p v), which for stage 0 is L (1 + (p-1)/(p v)), one
+  chunk more under ``ep-overlap`` (Megatron-Core's combined 1F1B); the
   last stage adds its final norm, as a block's norm 2 B_a T h + 4 T, per micro-batch it holds.
 - logits on the last stage: T V / t (B_a + 8) bytes (logits, fp32 copy, fp32 log-softmax), or the
-  stack's ``logit_bytes`` per logit; Loom's own stack without tp or a pipeline runs the head inside
+  stack's ``logit_bytes`` per logit, or B_a under a fused in-place cross entropy
+  (``Workload.fused_cross_entropy``); Loom's own stack without tp or a pipeline runs the head inside
   a chunked loss: one chunk of logits and the head's fp32 gradient sum
   (:func:`~loom.plan.cost.memory.logit_bytes`).
 - optimizer step: its temporaries (the fp32 gradient copy under mixed precision) beyond what

@@ -13,7 +13,7 @@ from typing import Any
 
 from loom.config import ModelConfig
 from loom.model.llama import flops_per_token
-from loom.plan.cost.layout import Layout, PlanError, Workload
+from loom.plan.cost.layout import MOE_WEIGHTINGS, Layout, PlanError, Workload
 from loom.plan.cost.params import ParamCounts, qk_norm_held, qk_norm_params
 from loom.plan.cost.pipeline import default_split
 from loom.plan.cost.stacks import COMPILED_OTHER, STACKS, memory_bound_stack
@@ -56,6 +56,10 @@ class CostBase:
             raise PlanError(f"train.reduce_dtype: must be fp32, bf16 or fp16, got {train.reduce_dtype!r}")
         if n_experts < 1 or not 1 <= top_k <= n_experts:
             raise PlanError(f"n_experts/top_k: need 1 <= top_k <= n_experts, got {top_k}/{n_experts}")
+        if train.moe_weighting not in MOE_WEIGHTINGS:
+            raise PlanError(
+                f"train.moe_weighting: must be one of {', '.join(MOE_WEIGHTINGS)}, got {train.moe_weighting!r}"
+            )
         if train.moe_imbalance <= 0:  # moe.imbalance unset: a calibration run's measurement, else balanced
             measured = profile.moe_imbalance if profile is not None else 0.0
             train = dataclasses.replace(train, moe_imbalance=measured if measured >= 1 else 1.0)
@@ -72,6 +76,23 @@ class CostBase:
             names = ", ".join(repr(n) for n in STACKS)
             raise PlanError(f"stack: must be one of {names} ('' is Loom), got {stack!r}")
         self.stack = STACKS[stack]
+        if train.moe_weighting != "output" and self.stack.moe_saves != "megatron":
+            raise PlanError(  # Loom's MoE (and the stacks counted as it) weights each row's output
+                f"train.moe_weighting: {train.moe_weighting} is Megatron-Core's weighted GLU; stack {stack!r} "
+                "weights each expert row's output (output)"
+            )
+        unknown = [m for m in train.recompute_modules if m not in self.stack.recompute_modules]
+        if unknown:
+            offered = ", ".join(self.stack.recompute_modules) or "none"
+            raise PlanError(
+                f"train.recompute_modules: {', '.join(map(repr, unknown))} not among stack {stack!r}'s "
+                f"(it offers: {offered})"
+            )
+        if train.fused_cross_entropy and stack == "":
+            raise PlanError(
+                "train.fused_cross_entropy: Loom's loss is its own (a chunked head and loss where it can: "
+                "memory.logit_bytes); the in-place fused cross entropy is another stack's"
+            )
         factor = STACKS[memory_bound_stack(stack)].other  # its memory-bound factor (Stack.other_of)
         self.other = min(factor, COMPILED_OTHER) if train.compile else factor
         # per-kernel compute model: a GPU from its datasheet (a measured GEMM rate is used flat, as measured)

@@ -106,6 +106,22 @@ def moe_routing_bytes(
     return fwd, bwd
 
 
+def module_recompute_bytes(cm: CostBase, T_route: float, rows: float, f: float) -> float:
+    """HBM bytes of recomputing, in one micro-batch's backward, the modules of
+    ``Workload.recompute_modules`` of an MoE layer on a rank (:func:`~loom.plan.cost.memory.
+    module_recompute_saved`), with B_a bytes per element, u = 2 GLU matrices (1 without a gate) and
+    the ``rows`` its experts compute (k T load) at width f::
+
+        moe_act    rows ((u + 1) B_a f + 4)   the GLU's input and the row's weight read, its output written
+        layernorm  T_route (2 B_a h + 4)      the norm's input read, its output and 1/rms written
+    """
+    mods, B, h = cm.train.recompute_modules, cm.act_bytes, cm.model.dim
+    u = 2 if cm.model.mlp == "swiglu" else 1
+    act = rows * ((u + 1) * B * f + 4) if "moe_act" in mods else 0.0
+    norm = T_route * (2 * B * h + 4) if "layernorm" in mods else 0.0
+    return act + norm
+
+
 def expert_backward(cm: CostBase, m: float, k: float, n: float) -> tuple[float, float]:
     """(backward, weight-gradient) seconds of a routed expert's GEMM (m x k) @ (k x n) on a datasheet GPU
     (``CostBase.kernels``): its input gradient (m x n) @ (n x k) and its weight gradient (k x m) @ (m x n)
@@ -225,6 +241,8 @@ def microbatch_times(
     recomp = {"none": 0.0, "selective": core_f + cm.stack.selective_gemms * gemm_f, "full": layer_f}[
         recompute
     ]
+    if cm.moe and recompute != "full":  # single modules recomputed beside the policy (memory-bound)
+        recomp += other * module_recompute_bytes(cm, T_route, Te * experts_here, f / cut) / mach.hbm
     ops, c_op = cm.ops, mach.op_time
     if ops is not None:  # the framework's per-operator cost: tp/cp/pp split FLOPs, not the op count; the
         # trainer's per-block hooks fire again in the recomputed forward (in proportion to its operators)

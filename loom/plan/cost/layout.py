@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from loom.config import OPTIMIZERS
 from loom.mesh import ParallelDims
@@ -16,6 +17,8 @@ SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1") 
 
 
 RECOMPUTE = ("none", "selective", "full")  # the policies of config.RecomputePolicy, cheapest first
+MoeWeighting = Literal["output", "activation"]  # Workload.moe_weighting: where an MoE's routing weights apply
+MOE_WEIGHTINGS: tuple[MoeWeighting, ...] = get_args(MoeWeighting)
 
 
 class PlanError(ValueError):
@@ -198,6 +201,18 @@ class Workload:
     # divide that, and each rank's E/ep experts are its own, not shared by the tp group (Loom's layouts:
     # whole on every tp rank, or split over it, Layout.expert_tp)
     expert_folding: bool = False
+    # MoE: where the routing weights multiply an expert row (a published run's moe_weighting; MOE_WEIGHTINGS):
+    # "output", the row's output as it returns, kept for the weight's gradient (Loom; Megatron-Core before
+    # 0.13); "activation", inside the fused weighted GLU (Megatron-Core 0.13+: its input and the weight only)
+    moe_weighting: MoeWeighting = "output"
+    # the loss writes the logits' gradient over the logits in its forward and keeps only them (a published
+    # run's fused_cross_entropy: Transformer Engine's parallel cross entropy, Megatron-Core's
+    # cross_entropy_fusion_impl = "te"): B_a per logit at the loss's peak (memory.logit_bytes)
+    fused_cross_entropy: bool = False
+    # single modules whose outputs the stack discards in forward and recomputes in backward, beside the
+    # layout's recompute policy (a published run's recompute_modules; Stack.recompute_modules names those
+    # a stack offers: Megatron-Core's "moe_act", "layernorm"); ignored under full recomputation
+    recompute_modules: tuple[str, ...] = ()
     # parallel.allreduce: the gradient all-reduce's algorithm (butterfly needs 2^k ranks)
     allreduce: str = "native"
     # parallel.dp_mode = "ps": K parameter-server shards instead of the all-reduce (0 = none)

@@ -456,7 +456,12 @@ def moe_activation(cm: CostBase, T: float, ep: int, cut: int = 1, rows: float | 
 
     Split experts (``cut`` = t, :func:`moe_saved`): f is f/t, and the rows a rank computes are those of
     ``rows`` tokens (their input, SwiGLU, place; the shared experts' tokens), the per-token terms and
-    the rows' weighted output (B_a h, as they return) of the T tokens it routes."""
+    the rows' weighted output (B_a h, as they return) of the T tokens it routes.
+
+    A stack whose MoE layer is Megatron-Core's (``Stack.moe_saves = "megatron"``) keeps another set:
+    :func:`megatron_moe_activation`."""
+    if cm.stack.moe_saves == "megatron":
+        return megatron_moe_activation(cm, T, cut, rows)
     B, k, E, f = cm.act_bytes, cm.top_k, cm.n_experts, cm.ffn / cut
     R = T if rows is None else rows
     router = 4 * E + 8 * k + 4 * k + 4
@@ -482,6 +487,49 @@ def moe_activation(cm: CostBase, T: float, ep: int, cut: int = 1, rows: float | 
     return T * (router + sort + combine + losses + out) + R * (per_row - out + shared) + per_layer
 
 
+def megatron_moe_activation(cm: CostBase, T: float, cut: int = 1, rows: float | None = None) -> float:
+    """Bytes Megatron-Core's MoE layer (``MoELayer``: ``TopKRouter``, the alltoall or flex dispatcher,
+    ``TEGroupedMLP`` under ``moe_grouped_gemm`` and ``bias_activation_fusion``) saves for backward on
+    the T tokens a rank routes, the R = ``rows`` tokens' rows it computes (R = T unless split),
+    k = top_k, ``moe_load`` l, E experts, f = f/``cut``, u = 2 GLU matrices (SwiGLU, GPT-OSS's
+    gated QuickGELU) or 1::
+
+        per token (T)   4 E         the router's fp32 logits, kept by its fused softmax and top-k
+                        4 (2 E + 1)  the fused permutation's int32 row map (Transformer Engine's
+                                    ``moe_permute``; its backward and the unpermutation's need only it)
+                        + the z / aux losses' terms (:func:`moe_activation`)
+                        + B_a k l h  ``moe_weighting = "output"`` only: each row's output, kept by the
+                                    unpermutation that weights it (Megatron-Core before 0.13)
+        per row (R k l) s1 h        the first grouped GEMM's input
+                        B_a u f     the fused weighted bias-GLU's input, all it keeps beside
+                        4           the row's routing weight (fp32)
+                        s2 f        the second grouped GEMM's input (the GLU's output)
+        shared experts  S (B_a u f + s2 f) + s1 h per token (R), one MLP of width S f
+
+    with s1, s2 = :func:`saved_input_bytes` of the two GEMMs where the stack runs experts 8-bit
+    (``Stack.lowp_experts``: Transformer Engine keeps the fp8 cast it made, 1 byte), else B_a. The
+    all-to-alls and the permutations keep no rows (their backward is the reverse exchange and an
+    index gather), and the weighting of Megatron-Core 0.13+ (``weighted_bias_swiglu``, its April
+    2025 "memory efficient token permutation") happens inside the GLU, so no row's output is kept
+    (``moe_weighting = "activation"``). The router's input, the pre-MLP norm's output, is counted with
+    the norms (:func:`layer_saved`). Split experts: per-token terms on T, per-row terms on R at f/t."""
+    B, k, E, f, h = cm.act_bytes, cm.top_k, cm.n_experts, cm.ffn / cut, cm.model.dim
+    tr = cm.train
+    R = T if rows is None else rows
+    u = 2 if cm.model.mlp == "swiglu" else 1
+    s1 = saved_input_bytes(cm, h, u * f) if cm.stack.lowp_experts else B
+    s2 = saved_input_bytes(cm, f, h) if cm.stack.lowp_experts else B
+    losses = (4 * E + 4) * tr.moe_z_loss + 4 * (tr.moe_aux_loss and tr.moe_score == "sigmoid")
+    per_token: float = 4 * E + 4 * (2 * E + 1) + losses
+    if tr.moe_weighting == "output":
+        per_token += B * k * tr.moe_load * h
+    per_row = k * tr.moe_load * (s1 * h + B * u * f + 4 + s2 * f)
+    S = tr.moe_shared
+    shared = S * (B * u * f + s2 * f) + s1 * h if S else 0.0
+    per_layer = 4 * E * tr.moe_aux_loss
+    return T * per_token + R * (per_row + shared) + per_layer
+
+
 def activation_terms(
     cm: CostBase,
     t: int,
@@ -494,9 +542,43 @@ def activation_terms(
 ) -> tuple[float, float, float]:
     """Bytes one block saves for backward, one micro-batch of T = b·s/cp tokens: (no recomputation,
     selective, block input). No recomputation: :func:`layer_saved`'s kept set and the attention
-    core's own; selective: the stack's policy, :func:`selective_saved`."""
+    core's own; selective: the stack's policy, :func:`selective_saved`; both less the outputs of the
+    modules the workload recomputes alone (:func:`module_recompute_saved`)."""
     kept, core, block_in = layer_saved(cm, t, sp, cp, mb, cp_mode, ep, expert_tp)
-    return kept + core, selective_saved(cm, t, sp, cp, mb, ep, kept, expert_tp), block_in
+    modules = module_recompute_saved(cm, t, sp, cp, mb, expert_tp)
+    sel = selective_saved(cm, t, sp, cp, mb, ep, kept, expert_tp)
+    return kept + core - modules, sel - modules, block_in
+
+
+def module_recompute_saved(
+    cm: CostBase, t: int, sp: bool, cp: int, mb: int, expert_tp: str = "replicate"
+) -> float:
+    """Bytes one block does not keep, one micro-batch of T = b·s/cp tokens, for the modules of
+    ``Workload.recompute_modules`` (Megatron-Core's output-discarding checkpoints: the module's output
+    is freed once its consumers ran and recomputed from its kept input before their backward)::
+
+        moe_act    k l R s2 f   an MoE layer's second grouped GEMM input, the GLU's output (s2 =
+                                :func:`saved_input_bytes`, 1 under Transformer Engine's fp8), on the
+                                R rows' tokens (:meth:`~loom.plan.cost.base.CostBase.moe_tokens`);
+                                the GLU's input stays (the checkpoint's)
+        layernorm  B_a T_r h    an MoE layer's pre-MLP norm output (the router's input), on the
+                                T_r tokens it routes (T/t with sp); a dense layer's norms and the
+                                attention's are fused into their Linear (Transformer Engine's
+                                LayerNormLinear: ``IdentityOp`` norms, nothing to discard)
+
+    Dense models: 0."""
+    mods = cm.train.recompute_modules
+    if not mods or not cm.moe:
+        return 0.0
+    routed, rows = cm.moe_tokens(mb * cm.train.seq_len / cp, t, sp, expert_tp)
+    f, h = cm.ffn / cm.expert_cut(t, expert_tp), cm.model.dim
+    out = 0.0
+    if "moe_act" in mods:
+        s2 = saved_input_bytes(cm, f, h) if cm.stack.lowp_experts else cm.act_bytes
+        out += cm.top_k * cm.train.moe_load * rows * s2 * f
+    if "layernorm" in mods:
+        out += cm.act_bytes * routed * h
+    return out
 
 
 def selective_saved(
@@ -661,12 +743,18 @@ def logit_bytes(cm: CostBase, lay: Layout) -> float:
     moves the head into the loss where it can (:func:`head_in_loss`: no tp, no pipeline, T > c rows,
     :func:`~loom.model.llama.fused_head_loss`): one chunk of c = ``CHUNK_ROWS`` rows, c·V·(B_a + 4)
     (c·V·4 in fp32: the chunk is its own softmax), and the head's fp32 gradient sum V·h·4 (V·h·8 in a
-    low-precision dtype: a chunk's fp32 product joins it; :func:`~loom.model.loss.linear_cross_entropy`)."""
+    low-precision dtype: a chunk's fp32 product joins it; :func:`~loom.model.loss.linear_cross_entropy`).
+    A run whose loss is a fused in-place cross entropy (``Workload.fused_cross_entropy``: Transformer
+    Engine's ``parallel_cross_entropy``, Megatron-Core's ``cross_entropy_fusion_impl = "te"``, which
+    reduces each row in fp32 registers, writes the gradient over the logits and keeps that tensor and
+    a few fp32 statistics per row): T·V/t·B_a."""
     T = lay.micro_batch * cm.train.seq_len / lay.cp
     V = cm.model.vocab_size
     if head_in_loss(cm, lay):
         low = cm.act_bytes < 4
         return CHUNK_ROWS * V * (cm.act_bytes + 4 if low else 4.0) + V * cm.model.dim * (8 if low else 4)
+    if cm.train.fused_cross_entropy:
+        return T * V / lay.tp * cm.act_bytes
     return T * V / lay.tp * (cm.stack.logit_bytes or cm.act_bytes + 8)
 
 
@@ -683,7 +771,8 @@ def stage_memory(cm: CostBase, lay: Layout, stage: int, microbatches: int | None
     )
     working = cm.memo(layer_saved)(lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.cp_mode, lay.ep, etp)[0]
     bd = state_memory(cm, lay, first, last)
-    n = inflight_layers(lay.schedule, lay.pp, stage, m, lay.v, cm.model.n_layers)
+    ep_overlap = lay.ep_overlap and lay.ep > 1 and cm.moe
+    n = inflight_layers(lay.schedule, lay.pp, stage, m, lay.v, cm.model.n_layers, ep_overlap)
     held = 1.0 if lay.schedule == "interleaved" and lay.v > 1 else n * lay.pp / cm.model.n_layers
     if lay.pp > 1 and (cm.model.n_layers % lay.pp or lay.split):  # uneven: this stage's blocks, not L / pp
         n *= cm.stage_layers(lay.pp, first, last, lay.split) * lay.pp / cm.model.n_layers

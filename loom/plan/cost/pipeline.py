@@ -56,13 +56,21 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, w_share: float = 
     return idle / (m + idle)
 
 
-def inflight_layers(schedule: str, p: int, stage: int, m: int, v: int, n_layers: int) -> float:
-    """Layer activations (micro-batches x layers) stage ``stage`` holds at its peak (module doc)."""
+def inflight_layers(
+    schedule: str, p: int, stage: int, m: int, v: int, n_layers: int, ep_overlap: bool = False
+) -> float:
+    """Layer activations (micro-batches x layers) stage ``stage`` holds at its peak (module doc).
+    ``ep_overlap`` (Megatron-Core's ``--overlap-moe-expert-parallel-comm``) runs one more warm-up
+    forward before the interleaved schedule's steady state, each of whose steps then runs a chunk's
+    forward beside another's backward: one more chunk in flight, 2(p-i-1) + (v-1)p + 2 (its
+    ``get_pp_rank_microbatches``); without a pipeline the combined schedule's forward of micro-batch
+    i+1 runs layer by layer beside micro-batch i's backward, which frees a layer per layer formed:
+    no more than L."""
     per_stage = n_layers / p
     if schedule == "gpipe":
         return m * per_stage
     if schedule == "interleaved" and v > 1:
-        chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+        chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1 + int(ep_overlap))
         return chunks * per_stage / v
     if schedule == "zb-h1":  # deferred weight-gradient passes keep p micro-batches alive on every stage
         return min(m, p) * per_stage

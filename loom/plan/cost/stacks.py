@@ -69,6 +69,15 @@ class Stack:
     # RS(TP) -> A2A(EP)); False: Loom's, the sequence all-gathered before the router (S), every tp rank
     # routing the tp group's tokens (loom.plan.cost.comm.tp_calls)
     etp_gathers_rows: bool = False
+    # what an MoE layer keeps for backward: "loom", Loom's own MoE (loom.model.moe, measured:
+    # memory.moe_activation); "megatron", Megatron-Core's (Transformer Engine's grouped experts, the fused
+    # bias-GLU keeping its input alone, permutations and all-to-alls keeping index maps, not rows:
+    # memory.megatron_moe_activation)
+    moe_saves: str = "loom"
+    # output-discarding checkpoints of single modules the stack offers beside its recompute policy
+    # (Workload.recompute_modules; memory.module_recompute_saved, compute.module_recompute_bytes):
+    # Megatron-Core's recompute_modules "moe_act" (the experts' GLU) and "layernorm" (the pre-MLP norm)
+    recompute_modules: tuple[str, ...] = ()
     # the stack whose memory-bound factor this one runs at (the same fused kernels), fitted there;
     # "": its own ``other`` (memory_bound_stack)
     other_of: str = ""
@@ -93,6 +102,8 @@ STACKS: dict[str, Stack] = {
             saves_8bit_inputs=True,
             bucket_params=(40e6, 1e6),
             etp_gathers_rows=True,
+            moe_saves="megatron",
+            recompute_modules=("moe_act", "layernorm"),
             note="Megatron-Core + Transformer Engine (fused norm-GEMM, bias-GeLU): fitted on two "
             "sources, NeMo 24.07 and Megatron-Bridge (FP8 on H100)",
         ),
