@@ -4,9 +4,17 @@ import multiprocessing.process as _process
 import os as _os
 import signal as _signal
 
+
+def _quiet_while_bootstrapping(signum: int, frame: object) -> None:
+    """SIGINT in a process multiprocessing's spawn is starting: 128 + SIGINT, quietly, while it still
+    unpickles its target (``_inheriting``); Python's KeyboardInterrupt once it runs."""
+    if getattr(_process.current_process(), "_inheriting", False):
+        _os._exit(128 + signum)
+    _signal.default_int_handler(signum, frame)  # type: ignore[arg-type]
+
+
 if getattr(_process.current_process(), "_inheriting", False):
-    # a rank that `loom train --nproc N` starts through multiprocessing's spawn imports the launcher's
-    # main module (the `loom` script: this package) before torch and any of Loom's code: a Ctrl-C there
-    # ends it quietly with 128 + SIGINT, not a KeyboardInterrupt traceback per rank (the launcher prints
-    # the one line); the rank restores Python's handler as its code starts (loom.launch.rank)
-    _signal.signal(_signal.SIGINT, lambda *_: _os._exit(128 + _signal.SIGINT))
+    # a rank of `loom train --nproc N` imports the launcher's main module (the `loom` script: this
+    # package) before unpickling its target, which imports torch: a Ctrl-C there printed a
+    # KeyboardInterrupt traceback per rank before the launcher's one line
+    _signal.signal(_signal.SIGINT, _quiet_while_bootstrapping)

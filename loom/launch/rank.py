@@ -26,9 +26,6 @@ def _worker(cfg_dict: dict[str, Any]) -> dict[str, float] | None:
 
     from loom.train.trainer import run
 
-    signal.signal(
-        signal.SIGINT, signal.default_int_handler
-    )  # the spawn bootstrap's quiet exit ends (loom/__init__)
     _host_rank_store()
     run_cfg = cfg_dict["run"]
     watch_launcher(Path(run_cfg["dir"]), float(run_cfg["preempt_grace_s"]))
@@ -52,14 +49,17 @@ def _run_rank(cfg_dict: dict[str, Any], run) -> dict[str, float]:
     from loom.train.trainer import StopRequest
 
     try:
-        result = run(
-            C.from_dict(cfg_dict), exit_on_signal=True, report_comm_failure=restarts not in ("", "0")
-        )
-        # the rank's work is done: it only waits for the agent to read its result, and a signal (the
-        # agent's own SIGTERM as it shuts down) ends it at once, not as a KeyboardInterrupt there
-        for sig in StopRequest.SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
-        return result
+        try:
+            return run(
+                C.from_dict(cfg_dict), exit_on_signal=True, report_comm_failure=restarts not in ("", "0")
+            )
+        finally:
+            # the rank's work is done (its result, or its exit for a signal, is decided): it only waits for
+            # the agent to read it, or exits, and a signal now (the agent's own SIGTERM as it shuts down,
+            # the launcher's forwarded Ctrl-C after the terminal's) ends it at once, not as a
+            # KeyboardInterrupt traceback from an exit handler
+            for sig in StopRequest.SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)
     except CollectiveFailure as e:
         from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
