@@ -43,6 +43,7 @@ def lora_cfg(
     p.schedule = layout.get("schedule", "1f1b")
     cfg.train.recompute = layout.get("recompute", "none")
     cfg.train.precision = layout.get("precision", "fp32")
+    cfg.train.optimizer = layout.get("optimizer", "adamw")
     cfg.run.dir = os.path.join(tempfile.gettempdir(), "loom-test-finetune")
     return cfg
 

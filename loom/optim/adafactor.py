@@ -28,6 +28,11 @@ parameter for RMS(U), in float64 (so that one rank's sums equal torch's fp32 nor
                             [+ 4·(shard elements) of fp32 masters for half parameters]
 
 Matrices only (ndim <= 2): torch factors the last two dims of higher-rank tensors; the model has none.
+
+A padded vocabulary (``model.pad_vocab_to``, or tp padding it to a multiple of 128·tp): the embedding
+and head hold V' > V rows, the V' - V padded ones zeros that no gradient reaches. The statistics count
+the V real rows only (the layout's ``Slot.rows``): c = Σ_i G²ᵢⱼ / V, mean(r) = Σ_i rᵢ / V, RMS over V·C
+elements, so a padded matrix steps as the unpadded one (its padded rows stay zero: U = 0 there).
 """
 
 from __future__ import annotations
@@ -109,11 +114,13 @@ class FlatAdafactor:
         self._tp_dims: list[int | None] = []
         self._stat_len = 0
         self._tp_mask: list[tuple[int, int]] = []
+        self._real_rows: dict[tuple[int, int], int | None] = {}  # a padded vocabulary's V (Slot.rows)
         for i, j in every:
             p = layouts[i].params[j]
             self._stat_at[(i, j)] = self._stat_len
             R, C = (p.shape[0], p.shape[1]) if _factored(p) else (0, 0)
             dim = layouts[i].slots[j].tp_dim
+            self._real_rows[(i, j)] = layouts[i].slots[j].rows
             if dim is not None:  # entries tp must sum: the unsplit axis' sums, and Σ P²
                 if R:
                     self._tp_mask.append(
@@ -197,12 +204,11 @@ class FlatAdafactor:
             R, C = pc.param.shape
             at = self._stat_at[(pc.shard, pc.slot)]
             c_global = self._global(pc, C) if pc.tp_dim == 1 else C
-            r_global = self._global(pc, R) if pc.tp_dim == 0 else R
             self.row_var[n].copy_(stats[at : at + R] / c_global)
-            self.col_var[n].copy_(stats[at + R : at + R + C] / r_global)
-            self._means[n] = (
-                self.col_var[n] if pc.tp_dim == 0 else self.row_var[n]
-            ).mean()  # = global mean(r)
+            self.col_var[n].copy_(stats[at + R : at + R + C] / self._rows(pc, R))
+            self._means[n] = (  # = global mean(r) over the real rows
+                self.col_var[n].mean() if pc.tp_dim == 0 else self._mean_r(n, pc)
+            )
         self._ckpt.clear()
 
     # ------------------------------------------------------------------ collectives
@@ -218,6 +224,16 @@ class FlatAdafactor:
     def _global(self, pc: Piece, n: int) -> int:
         """The parameter's extent along a tp-split dim ``n`` elements long (n·tp when split)."""
         return n * comm.group_size(self.tp_group) if pc.tp_dim is not None else n
+
+    def _rows(self, pc: Piece, R: int) -> int:
+        """The global rows a matrix's statistics count: a padded vocabulary's V real ones, else all."""
+        real = self._real_rows[(pc.shard, pc.slot)]
+        return real if real is not None else self._global(pc, R) if pc.tp_dim == 0 else R
+
+    def _mean_r(self, n: int, pc: Piece) -> torch.Tensor:
+        """mean(r) over the real rows of a matrix whose rows this rank holds whole (not split over tp)."""
+        real = self._real_rows[(pc.shard, pc.slot)]
+        return self.row_var[n].mean() if real is None else self.row_var[n].sum() / real
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -279,9 +295,7 @@ class FlatAdafactor:
             if rows is not None:
                 R, C = pc.param.shape
                 row_mean = stats[at : at + R].float().div_(self._global(pc, C) if pc.tp_dim == 1 else C)
-                col_mean = (
-                    stats[at + R : at + R + C].float().div_(self._global(pc, R) if pc.tp_dim == 0 else R)
-                )
+                col_mean = stats[at + R : at + R + C].float().div_(self._rows(pc, R))
                 self.row_var[n].lerp_(row_mean, beta)
                 self.col_var[n].lerp_(col_mean, beta)
             else:
@@ -293,17 +307,16 @@ class FlatAdafactor:
             at = self._stat_at[(pc.shard, pc.slot)]
             if rows is not None:
                 R, C = pc.param.shape
-                numel = R * C
+                numel = self._rows(pc, R) * (self._global(pc, C) if pc.tp_dim == 1 else C)  # counted elements
                 if n in split_means:
-                    mean = (split_means[n] / self._global(pc, R)).float()
+                    mean = (split_means[n] / self._rows(pc, R)).float()
                 else:
-                    mean = self.row_var[n].mean()
+                    mean = self._mean_r(n, pc)
                 self._means[n] = mean
                 psq = stats[at + R + C]
             else:
-                numel = pc.param.numel()
+                numel = self._global(pc, pc.param.numel())
                 psq = stats[at]
-            numel = numel * (comm.group_size(self.tp_group) if pc.tp_dim is not None else 1)
             alpha = (psq.sqrt() / numel**0.5).clamp_(min=EPS2).mul_(rho)  # fp64, on the device
             if self.weight_decay != 0 and pc.decay:
                 w.mul_(1 - lr * self.weight_decay)

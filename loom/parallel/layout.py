@@ -77,6 +77,7 @@ class Slot:
     numel: int
     decay: bool  # AdamW weight decay applies (ndim >= 2)
     tp_dim: int | None  # the tensor-parallel shard dim of the parameter (None: replicated over tp)
+    rows: int | None = None  # real rows of the global parameter (a padded vocabulary's V; None: all)
 
     @property
     def tp_sharded(self) -> bool:
@@ -106,7 +107,9 @@ class FlatLayout:
         for p in self.params:
             if p.dtype != self.dtype or (p.device != self.device and not p.is_meta):
                 raise ValueError("a flat buffer holds parameters of one dtype and device")
-            self.slots.append(Slot(off, p.numel(), id(p) in decayed, placement_of(p).tp_dim))
+            pl = placement_of(p)
+            rows = pl.origin.rows if pl.origin is not None else None
+            self.slots.append(Slot(off, p.numel(), id(p) in decayed, pl.tp_dim, rows))
             off += p.numel()
         self.numel = off  # Φ_g
         self.padded = padded_numel(off, world, params[0].element_size())  # Φ_g'

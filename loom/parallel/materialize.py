@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from loom.config import ModelConfig
+from loom.model.hf.names import VOCAB_TENSORS
 from loom.model.llama import init_value
 from loom.parallel.placement import Origin, place, placement_of
 
@@ -35,11 +36,14 @@ Fill = Callable[
 ]  # (meta parameter, its rows [r0, r1)) -> their values
 
 
-def tag_origins(model: nn.Module) -> None:
-    """Record each parameter's reference name and global shape (tied parameters under their first name)."""
+def tag_origins(model: nn.Module, vocab: int | None = None) -> None:
+    """Record each parameter's reference name and global shape (tied parameters under their first name);
+    of the embedding and head of more rows than the ``vocab`` real ones (``model.pad_vocab_to``), also
+    that count (:attr:`Origin.rows`)."""
     for name, p in model.named_parameters():
         if placement_of(p).origin is None:
-            place(p, origin=Origin(name, tuple(p.shape)))
+            rows = vocab if vocab is not None and name in VOCAB_TENSORS and p.shape[0] > vocab else None
+            place(p, origin=Origin(name, tuple(p.shape), rows=rows))
 
 
 def init_source(cfg: ModelConfig, seed: int) -> Source:

@@ -12,7 +12,9 @@ parameter, as a frozen :class:`Placement`, and read only through :func:`placemen
                 ``edp`` group (the ranks holding the same experts), its norm over ``ep``
     origin      the reference model's parameter this tensor is (a box of): its name, global shape
                 and this tensor's [start, stop) per dim, from which a rank materializes only what
-                it holds (:mod:`loom.parallel.materialize`)
+                it holds (:mod:`loom.parallel.materialize`); of a padded vocabulary's embedding and
+                head also the real rows V of the V' (the rest zeros that no gradient reaches, which
+                a statistic over the matrix, as Adafactor's RMS, must not count)
 """
 
 from __future__ import annotations
@@ -49,18 +51,20 @@ class ExpertShard:
 @dataclass(frozen=True)
 class Origin:
     """``name`` of the reference model, of global ``shape``; this tensor holds ``box`` of it
-    ([start, stop) per dim; None: the whole)."""
+    ([start, stop) per dim; None: the whole); ``rows``: the global rows that are real (a padded
+    vocabulary's V of shape[0] = V'; None: all)."""
 
     name: str
     shape: tuple[int, ...]
     box: tuple[tuple[int, int], ...] | None = None
+    rows: int | None = None
 
     def narrowed(self, dim: int, start: int, stop: int) -> Origin:
         """The origin of the [start, stop) slice along ``dim`` of a tensor with this origin."""
         box = list(self.box or ((0, n) for n in self.shape))
         lo = box[dim][0]
         box[dim] = (lo + start, lo + stop)
-        return Origin(self.name, self.shape, tuple(box))
+        return replace(self, box=tuple(box))
 
     def index(self) -> tuple[slice, ...]:
         """Index of this tensor's values in the global one."""

@@ -129,13 +129,13 @@ def parallelize(
     # auto, in a config that skipped validate: bf16 on CUDA, fp32 on the CPU
     cfg.train.precision = cast(Precision, resolve_precision(cfg.train.precision, device.type))
     set_fp32_matmul(device, tf32=cfg.train.precision == "tf32")
-    tag_origins(model)
+    tag_origins(model, cfg.model.vocab_size)
     finetune = cfg.finetune.method != "full"
     if finetune:  # LoRA adapters on the frozen base, before any dimension cuts it (tp splits them with W)
         from loom.finetune.lora import apply_lora
 
         apply_lora(model, targets=lora_targets(cfg), finetune=cfg.finetune)
-        tag_origins(model)
+        tag_origins(model, cfg.model.vocab_size)
     low_precision(model, cfg, mesh.size("tp"), device)
     loss_fn: LossFn = plain_loss_fn
     if mesh.size("tp") > 1:  # the loss on vocabulary-sharded logits

@@ -97,7 +97,7 @@ def ps_worker(
 def server_model(cfg: C.LoomConfig, device: torch.device) -> nn.Module:
     """The whole model with the values the workers start from (a server takes its shard from it)."""
     model, source = initial_model(cfg, device)
-    tag_origins(model)
+    tag_origins(model, cfg.model.vocab_size)
     materialize(model, device, source or init_source(cfg.model, cfg.train.seed))
     return model
 
