@@ -76,9 +76,11 @@ def vocab_padding_problem(m: ModelFacts, tp: int) -> str | None:
     return None
 
 
-def tensor_parallel_problem(m: ModelFacts, tp: int) -> str | None:
+def tensor_parallel_problem(m: ModelFacts, tp: int, expert_tp: str = "split") -> str | None:
     """Shapes tp splits must divide by tp; kv heads may instead be replicated (n_kv_heads < tp, tp % n_kv_heads == 0).
-    A vocabulary tp does not divide is padded (``model.pad_vocab_to``), not refused."""
+    A vocabulary tp does not divide is padded (``model.pad_vocab_to``), not refused. The MLP's hidden size
+    divides where tp cuts it: a dense MLP, or experts split over tp (``expert_tp = "split"``; the default,
+    for a caller that does not know the layout's); replicated experts are whole on every tp rank."""
     if problem := vocab_padding_problem(m, tp):
         return problem
     if tp == 1:
@@ -88,8 +90,15 @@ def tensor_parallel_problem(m: ModelFacts, tp: int) -> str | None:
     if m.n_kv_heads % tp and tp % m.n_kv_heads:
         return f"model.n_kv_heads: {m.n_kv_heads} must be divisible by parallel.tp={tp}, or divide it (kv heads replicated)"
     # model.dim = n_heads * head_dim, so it is divisible by tp once n_heads is.
-    if m.ffn_dim % tp:
-        return f"model.ffn_dim: the SwiGLU hidden size {m.ffn_dim} must be divisible by parallel.tp={tp}"
+    if m.ffn_dim % tp and (m.n_experts <= 1 or expert_tp == "split"):
+        split = (
+            " (experts split: parallel.expert_tp = split; replicate keeps them whole)"
+            if m.n_experts > 1
+            else ""
+        )
+        return (
+            f"model.ffn_dim: the SwiGLU hidden size {m.ffn_dim} must be divisible by parallel.tp={tp}{split}"
+        )
     return None
 
 
@@ -207,7 +216,11 @@ def layout_problems(
     sp_problem = sequence_parallel_problem(tp, cp, seq_len) if sp else None
     out += [
         why
-        for why in (tensor_parallel_problem(m, tp), sp_problem, context_parallel_problem(cp, seq_len))
+        for why in (
+            tensor_parallel_problem(m, tp, expert_tp),
+            sp_problem,
+            context_parallel_problem(cp, seq_len),
+        )
         if why
     ]
     if (why := context_mode_problem(m, cp, cp_mode, tp)) is not None:

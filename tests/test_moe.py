@@ -153,6 +153,34 @@ def test_split_experts_equal_single_process(pools, split_references, name):
                 assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{name} {k}: {m}")
 
 
+ODD_FFN = MOE | {"ffn_dim": 33}  # an expert width tp = 2 cannot cut
+
+
+@pytest.fixture(scope="module")
+def odd_ffn_reference():
+    return train_layout({}, STEPS, BATCH, MICRO, ODD_FFN)
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 2, "sp": True}], ids=["tp2", "tp2 sp"])
+def test_replicated_experts_need_no_width_tp_divides(pools, odd_ffn_reference, layout):
+    """Replicated experts (parallel.expert_tp = replicate) are whole on every tp rank, so their width
+    f = 33 need not divide by tp = 2 (it was refused as if tp cut them: ``--model.ffn_dim 99 --parallel.tp
+    2``); split ones are refused in one line naming the option. Losses and weights equal one process's."""
+    from loom.rules import ModelFacts, tensor_parallel_problem
+
+    facts = ModelFacts.of(tiny_model(**ODD_FFN))
+    assert tensor_parallel_problem(facts, 2, "replicate") is None
+    assert tensor_parallel_problem(facts, 2, "split") == (
+        "model.ffn_dim: the SwiGLU hidden size 33 must be divisible by parallel.tp=2 (experts split: "
+        "parallel.expert_tp = split; replicate keeps them whole)"
+    )
+    ref = odd_ffn_reference
+    for r in pools(2).run(train_layout, layout, STEPS, BATCH, MICRO, ODD_FFN):
+        assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL)
+        for k, v in ref["state"].items():
+            assert_close(r["state"][k], v, **TOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
 @pytest.mark.parametrize("sp", [False, True])
 def test_split_experts_move_the_stated_bytes(pools, sp):
     """Per MoE layer and micro-batch, split experts move over tp (ρ = (n-1)/n, S = b·s·h·4 fp32 bytes):

@@ -810,6 +810,15 @@ ROWS: list[tuple[str, Callable[[Ctx], tuple[list[str], list[str]]], int]] = [
     ("parallel.expert_tp unknown", _cfg("--parallel.expert_tp", "column"), 2),
     ("parallel.expert_tp split without experts", _cfg("--parallel.expert_tp", "split"), 2),
     (
+        "model.ffn_dim split experts tp does not divide",
+        _cfg(
+            *("--model.n_experts", "4", "--model.ffn_dim", "99", "--parallel.expert_tp", "split"),
+            *("--parallel.tp", "2", "--run.nproc", "2"),
+            names=("model.ffn_dim", "99", "parallel.tp=2", "parallel.expert_tp = split"),
+        ),
+        2,
+    ),
+    (
         "parallel.expert_tp split under LoRA",
         _cfg(
             "--parallel.expert_tp",

@@ -609,7 +609,7 @@ def _check_ps_ranks(cfg: LoomConfig, world_size: int) -> int:
 def check_tensor_parallel(cfg: LoomConfig) -> None:
     """The shapes tensor parallelism splits (and, with sp, the sequence) divide by tp (:mod:`loom.rules`)."""
     p = cfg.parallel
-    _require_none(tensor_parallel_problem(model_facts(cfg), p.tp))
+    _require_none(tensor_parallel_problem(model_facts(cfg), p.tp, p.expert_tp))
     _require_none(sequence_parallel_problem(p.tp, p.cp, cfg.data.seq_len) if p.sp else None)
 
 
