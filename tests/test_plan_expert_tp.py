@@ -231,6 +231,18 @@ def test_the_search_ranks_split_experts_only_for_moe_under_tp():
     assert best.rejected["model states alone exceed device memory"] > 0
 
 
+def test_the_search_plans_whole_experts_under_a_tp_that_does_not_divide_their_width():
+    """Experts whole on every tp rank need no width tp divides (loom.rules): an MoE of hidden size 99
+    is planned at tp 2 with its experts whole, never split; a dense model of that width is not."""
+    from loom.plan.search import search
+
+    odd = search(tiny_model(**MOE, ffn_dim=99, multiple_of=1, max_seq_len=64), Workload(16, 64), H100, 4)
+    tp2 = {e.layout.expert_tp for e in odd.ranked if e.layout.tp == 2}
+    assert tp2 == {"replicate"}
+    dense = search(tiny_model(ffn_dim=99, multiple_of=1, max_seq_len=64), Workload(16, 64), H100, 4)
+    assert dense.ranked and all(e.layout.tp == 1 for e in dense.ranked)
+
+
 def test_the_layout_rules_see_the_expert_layout():
     """refused() passes expert_tp to loom.rules: split needs experts; a capacity factor under sp is
     refused for experts whole (each rank routes a shard), not split; folding and split exclude each other."""

@@ -131,7 +131,7 @@ def search(
 
     for tp in _keep(fixed, "tp", divisors(W)):
         rejected.current = f"tp{tp}"
-        why = tp_reason(cm.facts, tp, per_node)
+        why = tp_reason(cm.facts, tp, per_node, "replicate")  # split experts: checked per layout
         if why:
             rejected[why] += 1
             continue

@@ -25,10 +25,11 @@ from loom.rules import (
 )
 
 
-def tp_reason(model: ModelFacts, tp: int, per_node: int) -> str | None:
+def tp_reason(model: ModelFacts, tp: int, per_node: int, expert_tp: str = "split") -> str | None:
     """Why tensor-parallel degree ``tp`` cannot split ``model`` (:mod:`loom.rules`) on nodes of
-    ``per_node`` devices, or None."""
-    why = tensor_parallel_problem(model, tp)
+    ``per_node`` devices, or None; ``expert_tp``: whether tp cuts an MoE's experts (replicate: their
+    width need not divide)."""
+    why = tensor_parallel_problem(model, tp, expert_tp)
     if why is None and (tp > per_node or per_node % tp):
         why = "tp must divide devices_per_node (stay inside a node)"
     return why
@@ -65,7 +66,7 @@ def check(cm: CostBase, lay: Layout) -> str | None:
     if lay.recompute not in RECOMPUTE:
         return f"recompute must be one of {', '.join(RECOMPUTE)}"
     # the model's shapes over tp, sp and cp: loom.rules (tp inside a node: the planner's cluster)
-    why = tp_reason(cm.facts, lay.tp, cm.cluster.devices_per_node)
+    why = tp_reason(cm.facts, lay.tp, cm.cluster.devices_per_node, lay.expert_tp)
     why = why or (sequence_parallel_problem(lay.tp, lay.cp, t.seq_len) if lay.sp else None)
     why = why or context_parallel_problem(lay.cp, t.seq_len)
     if why:
