@@ -243,6 +243,16 @@ def test_the_search_plans_whole_experts_under_a_tp_that_does_not_divide_their_wi
     assert dense.ranked and all(e.layout.tp == 1 for e in dense.ranked)
 
 
+def test_megatron_overlaps_are_refused_for_loom_s_own_layouts():
+    """tp-overlap / ep-overlap are priced for published Megatron-Core runs; loom train runs neither."""
+    from loom.plan.cost.check import OVERLAP_REFUSED
+
+    cm = _cm()
+    assert cm.refused(Layout(dp=2, tp=2, ep=2, sp=True)) is None
+    assert cm.refused(Layout(dp=2, tp=2, ep=2, sp=True, tp_overlap=True)) == OVERLAP_REFUSED
+    assert cm.refused(Layout(dp=2, tp=2, ep=2, sp=True, ep_overlap=True)) == OVERLAP_REFUSED
+
+
 def test_the_layout_rules_see_the_expert_layout():
     """refused() passes expert_tp to loom.rules: split needs experts; a capacity factor under sp is
     refused for experts whole (each rank routes a shard), not split; folding and split exclude each other."""
