@@ -83,8 +83,25 @@ def test_family_defaults_are_those_of_transformers():
             {"num_experts": 8, "moe_intermediate_size": 48, "head_dim": 16},
             ("num_experts_per_tok",),
         ),
+        (
+            "Gemma2Config",
+            {"head_dim": 16},
+            (
+                "query_pre_attn_scalar",
+                "attn_logit_softcapping",
+                "final_logit_softcapping",
+                "hidden_activation",
+            ),
+        ),
     ],
-    ids=["mixtral rope base", "mixtral norm eps", "olmo2 norm eps", "phi3 norm eps", "qwen3-moe top-k"],
+    ids=[
+        "mixtral rope base",
+        "mixtral norm eps",
+        "olmo2 norm eps",
+        "phi3 norm eps",
+        "qwen3-moe top-k",
+        "gemma2 scale, caps, activation",
+    ],
 )
 def test_a_field_left_out_takes_the_family_default(tmp_path, config_class, kw, drop):
     ref = _save(tmp_path, config_class, drop, **kw)
@@ -95,6 +112,8 @@ def test_a_field_left_out_takes_the_family_default(tmp_path, config_class, kw, d
     assert cfg.norm_eps == want.rms_norm_eps and cfg.rope_theta == want.rope_parameters["rope_theta"]
     if cfg.moe:
         assert cfg.top_k == want.num_experts_per_tok
+    if cfg.norm_placement == "sandwich":  # Gemma 2: 256^-1/2, caps 50 and 30
+        assert (cfg.attn_scale, cfg.attn_softcap, cfg.logit_softcap) == (1 / 16, 50.0, 30.0)
 
 
 @pytest.mark.parametrize("same", [False, True], ids=["another head", "a copy of the embedding"])

@@ -20,7 +20,7 @@ from tests.test_finetune import _loom_lora_model, hf_lora_config, prepared, trai
 
 SUPPORTED = (
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
-    "GPT2LMHeadModel, Phi3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM"
+    "GPT2LMHeadModel, Phi3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM"
 )
 FIELDS = dict(
     hidden_size=64,
@@ -200,17 +200,16 @@ def test_peft_adapters_on_the_fused_tensors_load_with_equal_logits(tmp_path, tar
             "sequence, so it matches only when sequences fit the window",
         ),
         (
-            {"architectures": ["Gemma2ForCausalLM"]},
-            "config.json: architectures = 'Gemma2ForCausalLM' is not supported (Loom's model lacks attention "
-            "and final logit soft-capping, norms after attention and MLP as well as before, alternating "
-            "sliding-window layers, (1 + w) RMSNorm, sqrt(h)-scaled embeddings); supported: " + SUPPORTED,
+            {"architectures": ["Gemma3ForCausalLM"]},
+            "config.json: architectures = 'Gemma3ForCausalLM' is not supported (Loom's model lacks a RoPE base "
+            "per layer (sliding-window layers: rope_local_base_freq)); supported: " + SUPPORTED,
         ),
         (
             {"architectures": ["GPTNeoXForCausalLM"]},
             "config.json: architectures = 'GPTNeoXForCausalLM' is not supported; supported: " + SUPPORTED,
         ),
     ],
-    ids=["longrope", "partial rotary", "sliding window", "gemma2", "unknown"],
+    ids=["longrope", "partial rotary", "sliding window", "gemma3", "unknown"],
 )
 def test_what_loom_cannot_run_is_one_line_naming_the_field(tmp_path, edit, says):
     from loom.model.hf import HFError, open_dir

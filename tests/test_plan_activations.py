@@ -65,6 +65,18 @@ def _predicted(precision: str, tp: int, sp: bool, cp: int, recompute: str, model
         ("none", dict(norm="layernorm", mlp="gelu", bias=True, n_kv_heads=4)),  # GPT-2's block
         ("none", dict(qk_norm=True)),  # Qwen3's per-head q/k norms
         ("none", dict(qk_norm=True, qk_norm_scope="all", attn_head_dim=16)),  # OLMo-2's; a·d != h
+        # Gemma 2's: four norms scaling by 1 + w, the gated GELU, a·d != h (its soft-capped attention
+        # core runs flex on a GPU, a matrix path here: the planner prices the GPU's)
+        (
+            "none",
+            dict(
+                norm_offset=True,
+                embed_scale=True,
+                mlp="geglu_tanh",
+                norm_placement="sandwich",
+                attn_head_dim=16,
+            ),
+        ),
     ],
 )
 def test_one_block_saves_the_planners_bytes(precision, recompute, model_kw):
@@ -72,12 +84,23 @@ def test_one_block_saves_the_planners_bytes(precision, recompute, model_kw):
     assert _measured(*args) == _predicted(*args)
 
 
+GEMMA2_BLOCK = dict(norm_offset=True, mlp="geglu_tanh", norm_placement="sandwich")
+
+
 @pytest.mark.parametrize(
-    "tp,sp,cp,precision", [(2, True, 1, "bf16"), (2, False, 1, "fp32"), (1, False, 2, "bf16")]
+    "tp,sp,cp,precision,model_kw",
+    [
+        (2, True, 1, "bf16", {}),
+        (2, False, 1, "fp32", {}),
+        (1, False, 2, "bf16", {}),
+        (2, True, 1, "bf16", GEMMA2_BLOCK),
+    ],
+    ids=["tp2 sp", "tp2", "cp2", "tp2 sp gemma2"],
 )
-def test_one_block_saves_the_planners_bytes_across_ranks(pools, tp, sp, cp, precision):
-    """tp2 with sp (norms on T/t tokens), tp2 without (norms replicated), cp2 ring (local k, v)."""
-    args = (precision, tp, sp, cp, "none", {})
+def test_one_block_saves_the_planners_bytes_across_ranks(pools, tp, sp, cp, precision, model_kw):
+    """tp2 with sp (norms on T/t tokens; Gemma 2's four), tp2 without (norms replicated), cp2 ring
+    (local k, v)."""
+    args = (precision, tp, sp, cp, "none", model_kw)
     predicted = _predicted(*args)
     assert pools(max(tp, cp)).run(_measured, *args) == [predicted] * max(tp, cp)
 

@@ -11,7 +11,7 @@ from loom.rules import adapters_expert_tp_problem, qlora_layout_problem
 def model_linears(m: ModelConfig) -> tuple[str, ...]:
     """The LoRA targets this model has: q, k, v, o, and the dense MLP's w1, w2 (and SwiGLU's w3);
     a mixture of experts' MLP weights are not linear layers LoRA wraps."""
-    mlp = () if m.moe else ("w1", "w2", "w3") if m.mlp == "swiglu" else ("w1", "w2")
+    mlp = () if m.moe else ("w1", "w2", "w3") if m.gated_mlp else ("w1", "w2")
     return ("q", "k", "v", "o", *mlp)
 
 

@@ -83,7 +83,10 @@ TensorKind = Literal["attention", "mlp", "norm", "other"]  # what a module's ``a
 NormKind = Literal["rmsnorm", "layernorm"]  # model.norm
 
 
-MlpKind = Literal["swiglu", "gelu", "gelu_tanh"]  # model.mlp
+MlpKind = Literal["swiglu", "gelu", "gelu_tanh", "geglu_tanh"]  # model.mlp
+
+
+GATED_MLPS: tuple[MlpKind, ...] = ("swiglu", "geglu_tanh")  # the MLPs with a gate's partner w3
 
 
 PositionKind = Literal["rope", "learned"]  # model.positions
@@ -92,11 +95,12 @@ PositionKind = Literal["rope", "learned"]  # model.positions
 QKNormScope = Literal["head", "all"]  # model.qk_norm_scope
 
 
-NormPlacement = Literal["pre", "post"]  # model.norm_placement
+NormPlacement = Literal["pre", "post", "sandwich"]  # model.norm_placement
 
 
 # model.hf_architecture: the Hugging Face family whose tensor names import and export use; auto = the one
-# holding the model's tensors (Llama, Qwen2/3, Mixtral, Qwen3-MoE, GPT-2). Phi-3 fuses q/k/v and gate/up.
+# holding the model's tensors (Llama, Qwen2/3, Mixtral, Qwen3-MoE, OLMo-2, Gemma 1/2, GPT-2). Phi-3 fuses q/k/v
+# and gate/up.
 HFArchitecture = Literal[
     "auto",
     "LlamaForCausalLM",
@@ -108,6 +112,8 @@ HFArchitecture = Literal[
     "Phi3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Olmo2ForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
 ]
 
 
@@ -154,10 +160,18 @@ class ModelConfig:
     # with qk_norm: head = over each head's d (Qwen3); all = over the whole projection, a·d and k·d wide (OLMo-2)
     qk_norm_scope: QKNormScope = "head"
     # pre: x + attn(norm(x)), then the same with the MLP (Llama); post: x + norm(attn(x)), ... (OLMo-2)
+    # sandwich: both, x + norm(attn(norm(x))), then the same with the MLP (Gemma 2 and 3)
     norm_placement: NormPlacement = "pre"
     attn_head_dim: int = 0  # size of one attention head; 0 = dim / n_heads
     norm: NormKind = "rmsnorm"  # layernorm: (x - mean) / std * w + b (GPT-2)
     mlp: MlpKind = "swiglu"  # gelu / gelu_tanh: w2(gelu(w1 x)), exact or tanh-approximated (GPT-2's gelu_new)
+    # (geglu_tanh: w2(gelu_tanh(w1 x) * w3 x), Gemma's gated GELU)
+    norm_offset: bool = False  # RMSNorm scales by 1 + w, w starting at 0 (Gemma)
+    embed_scale: bool = False  # token embeddings times sqrt(dim), rounded to the activation dtype (Gemma)
+    # scale of q·k before the softmax; 0 = 1/sqrt(head_dim) (Gemma 2: query_pre_attn_scalar^-1/2)
+    attn_scale: float = 0.0
+    attn_softcap: float = 0.0  # > 0: scores s -> c·tanh(s/c) before the softmax (Gemma 2: 50); 0 = off
+    logit_softcap: float = 0.0  # > 0: logits z -> c·tanh(z/c) (Gemma 2: 30); 0 = off
     # learned: a (max_seq_len, dim) table added to the token embeddings (GPT-2)
     positions: PositionKind = "rope"
     bias: bool = False  # biases on every linear layer but the output head and the router (GPT-2)
@@ -175,6 +189,11 @@ class ModelConfig:
             return self.ffn_dim
         hidden = int(8 * self.dim / 3)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def gated_mlp(self) -> bool:
+        """The MLP has a gate's partner w3 (SwiGLU, GeGLU): three matrices, else two (GELU)."""
+        return self.mlp in GATED_MLPS
 
     @property
     def head_dim(self) -> int:

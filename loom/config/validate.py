@@ -359,6 +359,13 @@ def _check_model(m: ModelConfig) -> None:
     _require(
         not m.moe or m.mlp == "swiglu", f"model.mlp: experts are SwiGLU; {m.mlp!r} needs model.n_experts = 1"
     )
+    _require(
+        not m.norm_offset or m.norm == "rmsnorm",
+        "model.norm_offset: scales an RMSNorm by 1 + w; model.norm = layernorm has its own bias",
+    )
+    for name in ("attn_scale", "attn_softcap", "logit_softcap"):
+        v = getattr(m, name)
+        _require(0 <= v < float("inf"), f"model.{name}: must be a finite number >= 0 (0 = off), got {v}")
     if m.moe:
         _require(
             1 <= m.top_k <= m.n_experts,

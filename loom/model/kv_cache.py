@@ -31,7 +31,7 @@ from typing import cast
 
 import torch
 
-from loom.model.llama import Attention, Block, Transformer, apply_rope, sdpa
+from loom.model.llama import Attention, Block, Transformer, apply_rope, attention, embed
 
 
 @dataclass
@@ -111,7 +111,8 @@ def _attend(
     cache.values[layer][:, :, s : s + T] = v
     k, v = cache.keys[layer][:, :, : s + T], cache.values[layer][:, :, : s + T]  # (B, k, s+T, d) views
     causal = mask is None and T > 1  # a prefill of unpadded rows: the training forward's attention
-    y = sdpa(q, k, v, mask, causal=causal)  # (B, a, T, d)
+    core = attn.core  # its scale and soft-cap (model.attn_scale, model.attn_softcap)
+    y = attention(q, k, v, mask, causal=causal, scale=core.scale, softcap=core.softcap)  # (B, a, T, d)
     return attn.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, h)
 
 
@@ -125,19 +126,11 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     pos = (
         torch.arange(cache.length, cache.length + T, device=tokens.device)[None] - cache.pad[:, None]
     ).clamp(min=0)
-    h = model.tok_embeddings(tokens)  # (B, T, h)
-    if model.pos_embeddings is not None:
-        h = h + model.pos_embeddings(pos)
+    h = embed(model.tok_embeddings, model.pos_embeddings, None, tokens, pos, model.embed_scale)  # (B, T, h)
     cos, sin = cast(torch.Tensor, model.rope_cos)[pos], cast(torch.Tensor, model.rope_sin)[pos]  # (B, T, d/2)
     mask = _mask(cache, T)
     for i, layer in enumerate(model.layers):
-        block = cast(Block, layer)
-        attn = cast(Attention, block.attention)
-        if block.post_norm:  # OLMo-2: the norms close the branches
-            h = h + block.attention_norm(_attend(attn, h, cos, sin, cache, i, mask))
-            h = h + block.ffn_norm(block.feed_forward(h))
-            continue
-        h = h + _attend(attn, block.attention_norm(h), cos, sin, cache, i, mask)
-        h = h + block.feed_forward(block.ffn_norm(h))
+        block, attn = cast(Block, layer), cast(Attention, cast(Block, layer).attention)
+        h = block.around(h, lambda x: _attend(attn, x, cos, sin, cache, i, mask))  # noqa: B023 (called here)
     cache.length += T
-    return model.output(model.norm(h))  # (B, T, V)
+    return model.logits(h)  # (B, T, V): norm, head and the logit cap, as the full forward

@@ -2,7 +2,8 @@
 
 RMSNorm, rotary position embeddings, grouped-query attention through
 ``F.scaled_dot_product_attention`` (packed documents on CUDA: compiled ``flex_attention`` under one
-document block mask per micro-batch, :func:`document_block_mask`) (optional q/k/v biases and per-head q/k RMSNorm), SwiGLU MLP or a top-k routed mixture of SwiGLU experts
+document block mask per micro-batch, :func:`document_block_mask`; scores scaled by ``attn_scale`` and
+soft-capped by ``attn_softcap``, :class:`CoreAttention`) (optional q/k/v biases and per-head q/k RMSNorm), SwiGLU MLP or a top-k routed mixture of SwiGLU experts
 (``model.n_experts > 1``), optional tied embeddings. The GPT-2 variants are fields of the config,
 not other classes: ``norm`` (LayerNorm with a bias), ``mlp`` (GELU, non-gated), ``positions``
 (a learned table instead of RoPE), ``bias`` (biases on every linear but the head). No parallel code
@@ -17,6 +18,7 @@ and the head V' rows, the padded ones zeros; the head's logits are those of the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 from collections.abc import Callable, Iterable
@@ -25,13 +27,15 @@ from typing import Literal, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from loom.config import ModelConfig, MoEConfig
+from loom.config.sections import GATED_MLPS
 from loom.model import moe
 from loom.model.loss import CHUNK_ROWS, IGNORE_INDEX, chunked_cross_entropy, linear_cross_entropy
 from loom.model.moe import ExpertWeights, MoEFeedForward, experts_forward, real_buffers, route, swiglu  # noqa: F401 (re-exported)
 from loom.model.norms import LayerNorm, RMSNorm, make_norm  # noqa: F401 (re-exported)
+from loom.model.softcap import softcap as cap_logits  # (attention's ``softcap`` is its float c)
 
 
 def rope_tables(
@@ -93,17 +97,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CoreAttention(nn.Module):
-    """The attention core: softmax(q kᵀ / sqrt(d) + causal mask) v, with attention dropout p while
-    training. Query head i reads key/value head i // (a/k) through SDPA's (or flex's) ``enable_gqa``:
+    """The attention core: softmax(cap(σ q kᵀ) + causal mask) v, with attention dropout p while
+    training. σ = ``model.attn_scale`` (0: 1/sqrt(d)); cap(s) = c·tanh(s/c) with c =
+    ``model.attn_softcap`` > 0 (Gemma 2's attention logit soft-capping), cap(s) = s when c = 0. Query
+    head i reads key/value head i // (a/k) (SDPA's or flex's ``enable_gqa``, or a broadcast product):
     the keys and values are never repeated to a heads, so backward saves them at width k·d, not a·d.
+
+    Kernels (:func:`attention`): without a cap SDPA (flash), σ passed as its ``scale``; packed
+    documents on CUDA compiled flex (:func:`flex`, the cap as its ``score_mod``). With a cap and no
+    block mask: :func:`capped_attention`'s explicit products (O(T²) scores), or on CUDA without
+    dropout compiled flex under a causal block mask.
 
     (B, a, T, d), (B, k, T, d), (B, k, T, d) -> (B, a, T, d). No parameters: recomputation
     policies wrap this module alone (``train.recompute = selective``).
     """
 
-    def __init__(self, dropout: float = 0.0) -> None:
+    def __init__(self, dropout: float = 0.0, scale: float = 0.0, softcap: float = 0.0) -> None:
         super().__init__()
         self.dropout = dropout
+        self.scale = scale  # σ; 0 = 1/sqrt(d)
+        self.softcap = softcap  # c; 0 = no cap
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | BlockMask | None = None
@@ -115,22 +128,128 @@ class CoreAttention(nn.Module):
         if isinstance(docs, BlockMask):
             if p > 0:
                 raise ValueError("flex attention has no dropout: packed documents with dropout take SDPA")
-            return flex(q, k, v, docs)  # (B, a, T, d)
+            return flex(q, k, v, docs, self.scale, self.softcap)  # (B, a, T, d)
         mask = None if docs is None else document_mask(docs, docs)[:, None]  # (B, 1, T, T)
-        return sdpa(q, k, v, mask, p)  # (B, a, T, d)
+        return attention(q, k, v, mask, p, scale=self.scale, softcap=self.softcap)  # (B, a, T, d)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    causal: bool | None = None,
+    scale: float = 0.0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """softmax(cap(σ q kᵀ) + mask) v of q (B, a, Tq, d) over grouped k, v (B, k, Tk, d) (σ = ``scale``,
+    0: 1/sqrt(d); cap as :class:`CoreAttention`'s, none when ``softcap`` = 0); ``mask`` boolean
+    (True: visible) or additive, and ``causal`` as :func:`sdpa`'s.
+
+    No cap: :func:`sdpa` (flash kernels, σ as its ``scale``). A cap, which SDPA cannot apply: on CUDA,
+    causal self-attention without dropout runs compiled flex under :func:`causal_block_mask` with the
+    cap as its ``score_mod`` (:func:`flex`); anything else :func:`capped_attention` (O(Tq·Tk) scores).
+    """
+    if softcap <= 0:
+        return sdpa(q, k, v, mask, dropout, causal, scale)
+    causal = mask is None if causal is None else causal
+    if q.is_cuda and mask is None and causal and dropout == 0 and q.shape[2] == k.shape[2]:
+        return flex(q, k, v, causal_block_mask(q.shape[2], q.device), scale, softcap)
+    return capped_attention(q, k, v, mask, dropout, causal, scale, softcap)
+
+
+def capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout: float,
+    causal: bool,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """The explicit soft-capped attention, as transformers' Gemma 2 ``eager_attention_forward``:
+    s = c·tanh(σ q kᵀ / c) in fp32 (or wider), −∞ where ``causal`` hides (key j > query i, aligned at
+    the start) and where ``mask`` does, P = softmax(s) in fp32 cast to q's dtype, dropout p, P v.
+    GQA by broadcasting: q viewed (B, k, a/k, Tq, d) against k (B, k, 1, d, Tk), no repeated keys.
+    Memory: the (B, a, Tq, Tk) scores, tanh and probabilities, saved for backward (the reference and
+    the CPU path; CUDA takes :func:`flex` wherever it can)."""
+    B, a, Tq, d = q.shape
+    kv, Tk = k.shape[1], k.shape[2]
+    sigma = scale or 1.0 / math.sqrt(d)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qg = q.to(acc).unflatten(1, (kv, a // kv))  # (B, k, a/k, Tq, d): query head i -> kv head i // (a/k)
+    s = (qg @ k.to(acc).transpose(-1, -2)[:, :, None]).flatten(1, 2) * sigma  # (B, a, Tq, Tk)
+    s = softcap * torch.tanh(s / softcap)
+    if causal:
+        s = s.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(acc)
+    p = torch.softmax(s, dim=-1).to(q.dtype)  # (B, a, Tq, Tk)
+    if dropout > 0:
+        p = F.dropout(p, dropout, training=True)
+    return (p.unflatten(1, (kv, a // kv)) @ v[:, :, None]).flatten(1, 2)  # (B, a, Tq, d)
 
 
 _compiled_flex: Callable[..., torch.Tensor] | None = None
 
 
-def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+def flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: BlockMask,
+    scale: float = 0.0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
     """``flex_attention`` of q (B, a, T, d) over grouped k, v (B, k, T, d) under ``block_mask``, through
     ``torch.compile`` (one fused kernel; eager flex would materialize the (B, a, T, T) scores). Memory:
-    q, k, v, the output and an fp32 log-sum-exp (B, a, T), plus the block mask's O(B·(T/128)²) ints."""
+    q, k, v, the output and an fp32 log-sum-exp (B, a, T), plus the block mask's O(B·(T/128)²) ints.
+
+    Scores σ q kᵀ (flex's ``scale``; 0: 1/sqrt(d)), then with ``softcap`` c > 0 the ``score_mod``
+    s -> c·tanh(s/c) (:func:`softcap_score_mod`; flex differentiates it: dS·(1 − tanh²)), then the
+    block mask. Not run by the CPU tests' backward (torch 2.13's flex has none on the CPU): its forward
+    is checked there against :func:`capped_attention`, its gradients on CUDA only."""
     global _compiled_flex
     if _compiled_flex is None:  # compiled on first use: importing the model compiles nothing
         _compiled_flex = cast(Callable[..., torch.Tensor], torch.compile(flex_attention))
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return _compiled_flex(
+        q,
+        k,
+        v,
+        score_mod=softcap_score_mod(softcap) if softcap > 0 else None,
+        block_mask=block_mask,
+        scale=scale or None,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
+@functools.cache
+def softcap_score_mod(softcap: float) -> Callable[..., torch.Tensor]:
+    """flex's ``score_mod`` of the soft-cap c: s -> c·tanh(s/c); one function per c, so the compiled
+    flex is not traced again at every call."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
+
+
+_causal_masks: dict[tuple[int, str], BlockMask] = {}
+
+
+def causal_block_mask(T: int, device: torch.device) -> BlockMask:
+    """The causal :class:`BlockMask` of T queries and keys (key j visible to query i iff j <= i),
+    broadcast over batch and heads; built once per (T, device): O((T/128)²) ints."""
+    key = (T, str(device))
+    if key not in _causal_masks:
+        _causal_masks[key] = create_block_mask(_causal, None, None, T, T, device=device)
+    return _causal_masks[key]
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
 
 
 def packed_attention(device: torch.device) -> Literal["flex", "dense"]:
@@ -147,8 +266,10 @@ def sdpa(
     mask: torch.Tensor | None = None,
     dropout: float = 0.0,
     causal: bool | None = None,
+    scale: float = 0.0,
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` of q (B, a, Tq, d) over grouped k, v (B, k, Tk, d), a % k == 0.
+    """``F.scaled_dot_product_attention`` of q (B, a, Tq, d) over grouped k, v (B, k, Tk, d), a % k == 0,
+    scores scaled by ``scale`` (0: SDPA's default 1/sqrt(d)).
 
     Causal (aligned at the start) when ``mask`` is None, unless ``causal`` says otherwise. GQA goes
     through ``enable_gqa`` on every backend that takes it (CPU flash and math; CUDA flash,
@@ -164,7 +285,7 @@ def sdpa(
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, a, Tk, d)
         gqa = False
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, enable_gqa=gqa
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale or None, enable_gqa=gqa
     )  # (B, a, Tq, d)
 
 
@@ -239,9 +360,10 @@ class Attention(nn.Module):
         self.rope = cfg.positions == "rope"  # learned positions are added to the embeddings instead
         self.qk_norm_all = cfg.qk_norm_scope == "all"  # over a·d (k·d) at once, else per head over d
         q_width, k_width = (cfg.n_heads, cfg.n_kv_heads) if self.qk_norm_all else (1, 1)
-        self.q_norm = RMSNorm(q_width * cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_width * cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.core = CoreAttention(cfg.dropout)
+        norm_args = (cfg.norm_eps, cfg.norm_offset)
+        self.q_norm = RMSNorm(q_width * cfg.head_dim, *norm_args) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width * cfg.head_dim, *norm_args) if cfg.qk_norm else None
+        self.core = CoreAttention(cfg.dropout, cfg.attn_scale, cfg.attn_softcap)
 
     def forward(
         self,
@@ -269,17 +391,19 @@ class Attention(nn.Module):
 
 
 def mlp_activation(kind: str, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """The MLP's hidden activation: silu(a) * b (SwiGLU), gelu(a) exact, or gelu(a) with the tanh
-    approximation 0.5 a (1 + tanh(sqrt(2/π) (a + 0.044715 a³))) (GPT-2's gelu_new)."""
-    if kind == "swiglu":
+    """The MLP's hidden activation: silu(a) * b (SwiGLU), gelu_tanh(a) * b (GeGLU, Gemma), gelu(a)
+    exact, or gelu(a) with the tanh approximation 0.5 a (1 + tanh(sqrt(2/π) (a + 0.044715 a³)))
+    (GPT-2's gelu_new)."""
+    if kind in GATED_MLPS:
         assert b is not None  # the gate's partner w3 x
-        return F.silu(a) * b
+        gate = F.silu(a) if kind == "swiglu" else F.gelu(a, approximate="tanh")
+        return gate * b
     return F.gelu(a, approximate="tanh" if kind == "gelu_tanh" else "none")
 
 
 class FeedForward(nn.Module):
-    """SwiGLU w2( silu(w1 x) * w3 x ), or (``kind`` gelu, gelu_tanh) w2( gelu(w1 x) ) without w3;
-    hidden size f, biases on w1 and w2 with ``bias``."""
+    """Gated w2( act(w1 x) * w3 x ) (``kind`` swiglu: SiLU; geglu_tanh: GELU-tanh), or (gelu,
+    gelu_tanh) w2( gelu(w1 x) ) without w3; hidden size f, biases on w1 and w2 with ``bias``."""
 
     activation_kind = "mlp"  # what its saved tensors count as for train.compress
 
@@ -287,7 +411,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.kind = kind
         self.w1 = nn.Linear(dim, hidden, bias=bias)
-        self.w3 = nn.Linear(dim, hidden, bias=False) if kind == "swiglu" else None
+        self.w3 = nn.Linear(dim, hidden, bias=False) if kind in GATED_MLPS else None
         self.w2 = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -299,7 +423,8 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))); with
     ``norm_placement = post`` (OLMo-2) the norms close the branches: x + drop(norm(attn(x))), then
-    + drop(norm(mlp(x))).
+    + drop(norm(mlp(x))); with ``sandwich`` (Gemma 2 and 3) both: x + drop(norm'(attn(norm(x)))),
+    then the same with the MLP (its own two norms: ``post_attention_norm``, ``post_ffn_norm``).
 
     Dropout (``cfg.dropout``, training only) on both residual branches and inside the attention
     core; with p = 0 (the default) no dropout op runs at all.
@@ -315,6 +440,9 @@ class Block(nn.Module):
             self.feed_forward = MoEFeedForward(cfg.dim, cfg.resolved_ffn_dim(), cfg.n_experts, cfg.top_k, moe)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.resolved_ffn_dim(), cfg.mlp, cfg.bias)
+        sandwich = cfg.norm_placement == "sandwich"
+        self.post_attention_norm = make_norm(cfg, cfg.dim) if sandwich else None
+        self.post_ffn_norm = make_norm(cfg, cfg.dim) if sandwich else None
         self.dropout = cfg.dropout
         self.post_norm = cfg.norm_placement == "post"
 
@@ -331,12 +459,22 @@ class Block(nn.Module):
         """``docs``: packed data's document ids (B, T) or block mask, passed to the attention (see
         CoreAttention)."""
         extra = () if docs is None else (docs,)
+        return self.around(x, lambda y: self.attention(y, cos, sin, *extra))
+
+    def around(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The block's norms, residuals and MLP around ``attend`` (its attention on (B, T, h); the
+        KV-cached decoder passes its own)."""
         if self.post_norm:  # (B, T, h) throughout
-            x = x + self._drop(self.attention_norm(self.attention(x, cos, sin, *extra)))
+            x = x + self._drop(self.attention_norm(attend(x)))
             return x + self._drop(self.ffn_norm(self.feed_forward(x)))
-        attn = self.attention(self.attention_norm(x), cos, sin, *extra)
+        attn = attend(self.attention_norm(x))
+        if self.post_attention_norm is not None:
+            attn = self.post_attention_norm(attn)
         x = x + self._drop(attn)
-        return x + self._drop(self.feed_forward(self.ffn_norm(x)))
+        mlp = self.feed_forward(self.ffn_norm(x))
+        if self.post_ffn_norm is not None:
+            mlp = self.post_ffn_norm(mlp)
+        return x + self._drop(mlp)
 
 
 class VocabHead(nn.Linear):
@@ -358,10 +496,14 @@ def embed(
     pos_ids: torch.Tensor | None,
     tokens: torch.Tensor,
     positions: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Token embeddings (B, T, h), plus with learned positions the table's rows at each token's
+    """Token embeddings (B, T, h), times ``scale`` rounded to their dtype (Gemma's sqrt(h):
+    ``model.embed_scale``) when given, plus with learned positions the table's rows at each token's
     position: ``positions`` (B, T) when given, else the first T of ``pos_ids``."""
     h = tok(tokens)
+    if scale is not None:
+        h = h * torch.tensor(scale, dtype=h.dtype)
     if pos is None:
         return h
     return h + pos(positions if positions is not None else cast(torch.Tensor, pos_ids)[: tokens.shape[1]])
@@ -382,6 +524,7 @@ class Transformer(nn.Module):
         learned = cfg.positions == "learned"
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim) if learned else None
         self.register_buffer("pos_ids", torch.arange(cfg.max_seq_len) if learned else None, persistent=False)
+        self.embed_scale = cfg.dim**0.5 if cfg.embed_scale else None  # embeddings times sqrt(h) (Gemma)
         self.layers = nn.ModuleList(Block(cfg, moe) for _ in range(cfg.n_layers))
         for i, block in enumerate(self.layers):  # MoE metrics name their layer
             if isinstance(block.feed_forward, MoEFeedForward):
@@ -420,6 +563,7 @@ class Transformer(nn.Module):
             cast(torch.Tensor | None, self.pos_ids),
             tokens,
             positions,
+            self.embed_scale,
         )  # (B, T, h)
         cos, sin = cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin)
         args = layer_args(cos, sin, positions, self.layers)  # the document mask: once per micro-batch
@@ -427,7 +571,12 @@ class Transformer(nn.Module):
             h = layer(h, *args)
         if self.head_in_loss and torch.is_grad_enabled():
             return self.norm(h)  # (B, T, h): the loss applies the head chunk by chunk (fused_head_loss)
-        return self.output(self.norm(h))  # (B, T, V)
+        return self.logits(h)  # (B, T, V)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head on the last block's output h (B, T, h): the final norm, the output projection, then
+        ``model.logit_softcap``'s cap (:func:`~loom.model.softcap.softcap`) -> logits (B, T, V)."""
+        return cap_logits(self.output(self.norm(h)), self.cfg.logit_softcap)
 
 
 def layer_args(
@@ -470,7 +619,8 @@ def init_value(cfg: ModelConfig, seed: int, name: str, shape: tuple[int, ...]) -
 
     Each parameter draws from its own generator keyed by ``seed`` and its name, so the values do not
     depend on how the model is later sharded or placed. Linear/embedding ~ N(0, std); output
-    projections (wo, w2) ~ N(0, std / sqrt(2L)); norms = 1; biases = 0. The padded rows of the
+    projections (wo, w2) ~ N(0, std / sqrt(2L)); norms = 1 (0 with ``model.norm_offset``: a scale of
+    1 + w); biases = 0. The padded rows of the
     embedding and head (rows >= V of V' = ``model.pad_vocab_to``) are zeros; the real rows are those of
     the unpadded model (the same draws, in order).
     """
@@ -482,7 +632,7 @@ def init_value(cfg: ModelConfig, seed: int, name: str, shape: tuple[int, ...]) -
             )
         )
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.zeros(shape) if cfg.norm_offset and cfg.norm == "rmsnorm" else torch.ones(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)
     g = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
@@ -600,12 +750,13 @@ def fused_head_loss(
     model.head_in_loss = True
     head = model.output  # its weight is read at every call: casts and ZeRO-3 keep the module
     vocab = model.cfg.vocab_size  # a padded head's real rows (VocabHead): the padded ones in no logit
+    cap = model.cfg.logit_softcap  # > 0: each chunk's logits capped (loom.model.softcap), as the model's
 
     def head_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """(B, T, h) normed hidden states with grad enabled, else (B, T, V) logits -> mean loss."""
         if not torch.is_grad_enabled():
             return loss_fn(out, targets)
-        total = linear_cross_entropy(out, head.weight[:vocab], targets, chunk_rows)  # () fp32 sum
+        total = linear_cross_entropy(out, head.weight[:vocab], targets, chunk_rows, cap=cap)  # () fp32 sum
         return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
     return head_loss
@@ -615,8 +766,11 @@ def keep_eager_under_compile() -> None:
     """What runs eagerly under ``torch.compile``, wrapped in ``torch.compiler.disable`` once, when
     :mod:`loom.train.compile` begins (not at import: it imports ``torch._dynamo``, about 1 s in every
     process that never compiles): :func:`document_block_mask`, built once per micro-batch outside
-    any compiled region and passed to every layer, and MoE's balance losses."""
-    global document_block_mask
+    any compiled region and passed to every layer, :func:`causal_block_mask` (built once per length),
+    and MoE's balance losses."""
+    global document_block_mask, causal_block_mask
     if not hasattr(document_block_mask, "_torchdynamo_disable"):
         document_block_mask = torch.compiler.disable(document_block_mask)
+    if not hasattr(causal_block_mask, "_torchdynamo_disable"):
+        causal_block_mask = torch.compiler.disable(causal_block_mask)
     moe.keep_eager_under_compile()

@@ -19,12 +19,17 @@ vocabulary, h = dim, c rows per chunk, e bytes per element of the working dtype:
   low-precision dtype each chunk's fp32 product joins the sum, on CUDA from tensor cores). Peak extra
   memory: one chunk's logits, c·V·max(e, 4) bytes (c·V·(e + 4) in a low-precision dtype: z and its
   fp32 softmax), besides dh (N·h·e), dW (V·h·4; V·h·8 with a low-precision chunk's product) and a
-  few fp32 vectors of N.
+  few fp32 vectors of N. With a logit cap k (``model.logit_softcap``, :mod:`loom.model.softcap`)
+  each chunk's z is capped in place, y = k·tanh(z/k), before its log_softmax, and backward scales
+  g by the slope 1 - (y/k)², formed in y's buffer: both directions hold c·V·(e + 4) bytes at most
+  (in fp32 too, where backward's softmax then needs a buffer beside y).
 
 Kernels over a chunk's c·V elements (memory-bound), bf16 on CUDA: forward a cast and an in-place
 log_softmax; backward a cast, an in-place softmax and one multiply that scales and casts back: 5,
 where the max / subtract / exp / sum chain and its backward (subtract, exp, multiply, cast) ran 10
 (an H100 profile of gpt-125m: exp and subtract alone took 40 of ~390 ms of a step's device time).
+A logit cap adds 3 in-place kernels to each direction (divide, tanh, multiply) and 5 to backward
+(the slope's 4 and its multiply into g).
 
 Rows whose target is ``ignore_index`` add 0 to the loss and get a zero gradient. No host sync:
 chunks are cut by shape only, masks multiply rather than index.
@@ -35,6 +40,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from loom.model.softcap import cap_slope, cap_values
 
 IGNORE_INDEX = -100
 CHUNK_ROWS = 1024  # rows per chunk: 1024·V·4 bytes in fp32 (512 MiB at V = 128k)
@@ -57,6 +64,12 @@ def _softmax32(z: torch.Tensor, own: bool = False) -> torch.Tensor:
     if zf is z and not own:
         return torch.softmax(z, dim=-1)
     return torch._softmax(zf, -1, False, out=zf)
+
+
+def _capped(z: torch.Tensor, cap: float) -> torch.Tensor:
+    """A chunk's logits z (c, V), ours, capped in place: cap·tanh(z/cap) (:mod:`loom.model.softcap`),
+    or as they are when ``cap`` is 0."""
+    return cap_values(z, cap, out=z) if cap else z
 
 
 def _minus_onehot(p: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -106,28 +119,39 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, ignore_index: int
+        ctx: Any,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk: int,
+        ignore_index: int,
+        cap: float,
     ):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for i in range(0, h.shape[0], chunk):
             t = targets[i : i + chunk]
             valid = t != ignore_index
-            lsm = _log_softmax32(h[i : i + chunk] @ weight.t(), own=True)  # (c, V) fp32, the logits' buffer
+            z = _capped(h[i : i + chunk] @ weight.t(), cap)  # (c, V) logits, capped in place
+            lsm = _log_softmax32(z, own=True)  # (c, V) fp32, the logits' buffer
             total -= (lsm.gather(1, torch.where(valid, t, 0)[:, None])[:, 0] * valid).sum()
-            del lsm
+            del z, lsm
         ctx.save_for_backward(h, weight, targets)
-        ctx.chunk, ctx.ignore_index = chunk, ignore_index
+        ctx.chunk, ctx.ignore_index, ctx.cap = chunk, ignore_index, cap
         return total
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         h, weight, targets = ctx.saved_tensors
-        c = ctx.chunk
+        c, cap = ctx.chunk, ctx.cap
         dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None  # (N, h)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, h) fp32 sum
         for i in range(0, h.shape[0], c):
             hc, t = h[i : i + c], targets[i : i + c]  # (c, h), (c,)
-            g32 = _minus_onehot(_softmax32(hc @ weight.t(), own=True), t, ctx.ignore_index)  # (c, V) fp32
+            y = _capped(hc @ weight.t(), cap)  # (c, V) logits, capped in place
+            g32 = _minus_onehot(_softmax32(y, own=not cap), t, ctx.ignore_index)  # (c, V) fp32
+            if cap:  # dz = dy · (1 - (y/cap)²), the slope formed in y's buffer, which then goes
+                g32.mul_(cap_slope(y, cap, out=y))
+            del y
             scale = _row_scale(t, grad, ctx.ignore_index)
             if h.dtype == torch.float32:
                 g = g32.mul_(scale)
@@ -145,7 +169,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dw.add_(product)
                 del product
             del g, g32  # before the next chunk's logits: one chunk alive at a time
-        return dh, dw.to(weight.dtype), None, None, None
+        return dh, dw.to(weight.dtype), None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -164,7 +188,11 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     chunk_rows: int = CHUNK_ROWS,
     ignore_index: int = IGNORE_INDEX,
+    cap: float = 0.0,
 ) -> torch.Tensor:
     """Summed cross-entropy of the logits h Wᵀ (h (..., h), W (V, h)) against targets (...),
-    never holding more than ``chunk_rows`` rows of logits."""
-    return _LinearCrossEntropy.apply(h.flatten(0, -2), weight, targets.flatten(), chunk_rows, ignore_index)
+    never holding more than ``chunk_rows`` rows of logits; ``cap`` > 0: of the capped logits
+    cap·tanh(h Wᵀ / cap) (:mod:`loom.model.softcap`), chunk by chunk."""
+    return _LinearCrossEntropy.apply(
+        h.flatten(0, -2), weight, targets.flatten(), chunk_rows, ignore_index, cap
+    )

@@ -2,7 +2,8 @@
 row statistics only (B_a h + 4 per row for RMSNorm, + 8 for LayerNorm): the planner's
 ``norm_activation``, measured in tests/test_plan_activations.py.
 
-RMSNorm: y = x · r · w, r = (mean(x²) + eps)^(-1/2), in fp32, rounded to x's dtype once.
+RMSNorm: y = x · r · w, r = (mean(x²) + eps)^(-1/2), in fp32, rounded to x's dtype once. With
+    ``model.norm_offset`` (Gemma) the scale is 1 + w, w starting at 0, formed in fp32.
     Backward, x̂ = x·r, ĝ = g·w: dx = r · (ĝ - x̂ · mean(ĝ · x̂)), dw = Σ_rows g · x̂.
     On CUDA forward and backward are torch's fused kernels (``aten::_fused_rms_norm`` and its
     backward: one kernel each, where the fp32 chain makes 5 passes over x forward and 12
@@ -61,40 +62,52 @@ def rms_backward(
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm saving x and r only (the autograd of the plain chain saves x in fp32, x̂ and x̂·w)."""
+    """RMSNorm saving x and r only (the autograd of the plain chain saves x in fp32, x̂ and x̂·w); with
+    ``offset`` the scale 1 + w is formed again in backward, never saved (dw is the scale's gradient)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
-        y, r = rms_forward(x, weight, eps)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:  # type: ignore[override]
+        y, r = rms_forward(x, norm_scale(weight, offset), eps)
         ctx.save_for_backward(x, r, weight)
+        ctx.offset = offset
         return y
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:  # type: ignore[override]
         x, r, weight = ctx.saved_tensors
         dx, dw = rms_backward(
-            g.contiguous(), x, r, weight, (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            g.contiguous(),
+            x,
+            r,
+            norm_scale(weight, ctx.offset),
+            (ctx.needs_input_grad[0], ctx.needs_input_grad[1]),
         )
-        return dx, dw, None
+        return dx, None if dw is None else dw.to(weight.dtype), None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over x's last dim (see the module's formulas)."""
-    return _RMSNormFunction.apply(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """RMSNorm over x's last dim (see the module's formulas); ``offset``: the scale is 1 + w."""
+    return _RMSNormFunction.apply(x, weight, eps, offset)
+
+
+def norm_scale(weight: torch.Tensor, offset: bool) -> torch.Tensor:
+    """An RMSNorm's scale: w, or with ``offset`` (Gemma's norms) 1 + w in fp32."""
+    return weight.float() + 1.0 if offset else weight
 
 
 class RMSNorm(nn.Module):
-    """y = x · r · w, r = (mean(x²) + eps)^(-1/2), in fp32, rounded once; saves x and r."""
+    """y = x · r · w, r = (mean(x²) + eps)^(-1/2), in fp32, rounded once; saves x and r. ``offset``:
+    the scale is 1 + w (:func:`norm_scale`), the weight starting at 0."""
 
     activation_kind = "norm"  # what its saved tensors count as for train.compress
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
 class _LayerNormFunction(torch.autograd.Function):
@@ -148,4 +161,6 @@ class LayerNorm(nn.Module):
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     """The norm ``cfg.norm`` names, over ``dim`` features."""
-    return LayerNorm(dim, cfg.norm_eps) if cfg.norm == "layernorm" else RMSNorm(dim, cfg.norm_eps)
+    if cfg.norm == "layernorm":
+        return LayerNorm(dim, cfg.norm_eps)
+    return RMSNorm(dim, cfg.norm_eps, cfg.norm_offset)

@@ -9,6 +9,8 @@ from loom.config import ModelConfig
 from loom.model.hf.families import (
     _WRONG,
     CONFIG,
+    GEMMA,
+    GEMMA2,
     GPT2,
     LLAMA,
     MISSING,
@@ -117,10 +119,10 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
             "divisor of it (each key/value head serves the same number of query heads)"
         )
     qwen2, qwen3 = arch == QWEN2, arch in ("Qwen3ForCausalLM", QWEN3MOE)
-    checks: list[tuple[str, tuple[object, ...]]] = [
-        ("hidden_act", ("silu", "swish", None)),  # transformers: swish is SiLU; every family's default
-        ("router_jitter_noise", (0.0, 0, None)),
-    ]
+    gemma = _gemma_fields(raw, arch, head_dim)
+    checks: list[tuple[str, tuple[object, ...]]] = [("router_jitter_noise", (0.0, 0, None))]
+    if not gemma:  # transformers: swish is SiLU; every family's default
+        checks.append(("hidden_act", ("silu", "swish", None)))
     # Qwen2 always has q/k/v biases (and no o bias); Llama's attention_bias adds q/k/v and o biases:
     # with mlp_bias (gate, up, down) too, Loom's model.bias (every linear but the head; up's zero),
     # alone Qwen2's q/k/v biases (o's zero); open_dir checks the zeros (zero_tensors); others: none
@@ -166,13 +168,54 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
         bias=every_bias,
         qk_norm=qwen3 or arch == OLMO2,
         qk_norm_scope="all" if arch == OLMO2 else "head",
-        norm_placement="post" if arch == OLMO2 else "pre",
+        norm_placement=gemma.pop("norm_placement", "post" if arch == OLMO2 else "pre"),
         attn_head_dim=head_dim if head_dim * heads != dim else 0,  # 0: Loom's h / a
         ffn_dim=ffn,
         n_experts=n_experts,
         top_k=_int("num_experts_per_tok", hf_field(raw, "num_experts_per_tok")),
         hf_architecture=arch,  # type: ignore[arg-type]  # one of SUPPORTED, checked above
+        **gemma,
     )
+
+
+GEMMA_GELU = ("gelu_pytorch_tanh", "gelu_new")  # the gated GELU-tanh Loom's geglu_tanh computes
+
+
+def _gemma_fields(raw: dict, arch: str, head_dim: int) -> dict:
+    """Loom's fields for a Gemma (1 + w RMSNorm, sqrt(h)-scaled embeddings, the gated GELU-tanh MLP)
+    and a Gemma 2 (also sandwich norms, the attention scale ``query_pre_attn_scalar``^-1/2 and the
+    attention and final-logit soft-caps); {} for other families. Gemma reads ``hidden_act`` (its
+    legacy ``gelu`` meaning the tanh form, as transformers reads it), Gemma 2 ``hidden_activation``."""
+    if arch not in (GEMMA, GEMMA2):
+        return {}
+    field = "hidden_act" if arch == GEMMA else "hidden_activation"
+    allowed = GEMMA_GELU + (("gelu",) if arch == GEMMA else ())
+    act = hf_field(raw, field)
+    if act not in allowed:
+        raise HFError(
+            f"{CONFIG}: {field} = {act!r} is not supported (Loom's gated GELU: {', '.join(allowed)})"
+        )
+    if raw.get("use_bidirectional_attention"):
+        raise HFError(
+            f"{CONFIG}: use_bidirectional_attention = true is not supported (Loom's attention is causal)"
+        )
+    out = {"norm_offset": True, "embed_scale": True, "mlp": "geglu_tanh"}
+    if arch == GEMMA:
+        return out
+    scalar = _float("query_pre_attn_scalar", hf_field(raw, "query_pre_attn_scalar"))
+    if scalar <= 0:
+        raise HFError(f"{CONFIG}: query_pre_attn_scalar = {scalar} is out of range: want a number > 0")
+    caps = {}
+    for name, loom in (
+        ("attn_logit_softcapping", "attn_softcap"),
+        ("final_logit_softcapping", "logit_softcap"),
+    ):
+        cap = hf_field(raw, name)
+        caps[loom] = 0.0 if cap is None else _float(name, cap)
+        if caps[loom] < 0:
+            raise HFError(f"{CONFIG}: {name} = {cap} is out of range: want a number > 0, or null (none)")
+    scale = 0.0 if scalar == head_dim else scalar**-0.5  # 0: Loom's own 1/sqrt(head_dim)
+    return out | {"norm_placement": "sandwich", "attn_scale": scale} | caps
 
 
 def _qwen3_moe_experts(raw: dict) -> tuple[int, int]:

@@ -18,15 +18,13 @@ QWEN3MOE: Final = "Qwen3MoeForCausalLM"
 OLMO2: Final = "Olmo2ForCausalLM"
 LLAMA: Final = "LlamaForCausalLM"
 QWEN2: Final = "Qwen2ForCausalLM"
+GEMMA: Final = "GemmaForCausalLM"
+GEMMA2: Final = "Gemma2ForCausalLM"
 LLAMA_TENSORS = ("MistralForCausalLM", PHI3)  # Llama's tensors under other names or config fields
 
 
 MISSING = {  # families users ask for, and what Loom's model lacks to run them
-    "Gemma2ForCausalLM": "attention and final logit soft-capping, norms after attention and MLP as well as "
-    "before, alternating sliding-window layers, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
-    "Gemma3ForCausalLM": "norms after attention and MLP as well as before, alternating sliding-window layers "
-    "with their own RoPE base, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
-    "GemmaForCausalLM": "a gated GELU MLP, (1 + w) RMSNorm, sqrt(h)-scaled embeddings",
+    "Gemma3ForCausalLM": "a RoPE base per layer (sliding-window layers: rope_local_base_freq)",
 }
 # transformers' own defaults (its config classes') for the config.json fields Loom reads, by family: a
 # field a config.json leaves out means these there, not one family's values for all
@@ -48,6 +46,13 @@ _QWEN_DEFAULTS = _LLAMA_DEFAULTS | {
     "use_sliding_window": False,
     "max_window_layers": 28,
 }
+_GEMMA_DEFAULTS = _LLAMA_DEFAULTS | {
+    "max_position_embeddings": 8192,
+    "num_key_value_heads": 16,
+    "head_dim": 256,
+    "tie_word_embeddings": True,
+    "hidden_act": "gelu_pytorch_tanh",
+}
 FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
     "LlamaForCausalLM": _LLAMA_DEFAULTS,
     "MistralForCausalLM": _LLAMA_DEFAULTS
@@ -68,6 +73,16 @@ FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
     "Qwen3MoeForCausalLM": {k: v for k, v in _QWEN_DEFAULTS.items() if k != "max_window_layers"}
     | {"num_key_value_heads": 4, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False},
     "Olmo2ForCausalLM": _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5},
+    GEMMA: _GEMMA_DEFAULTS,
+    GEMMA2: _GEMMA_DEFAULTS
+    | {
+        "num_key_value_heads": 4,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+    },
 }
 
 
@@ -82,8 +97,8 @@ MODEL_TYPES: Final = {
     "phi3": PHI3,
     "olmo2": OLMO2,
     "gpt2": GPT2,
-    "gemma": "GemmaForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
+    "gemma": GEMMA,
+    "gemma2": GEMMA2,
     "gemma3_text": "Gemma3ForCausalLM",
 }
 
@@ -108,7 +123,8 @@ def hf_field(raw: dict, name: str) -> typing.Any:
 
 def sliding_window(raw: dict, arch: str) -> int | None:
     """The attention window transformers applies to some layer of this family, or None: Mistral,
-    Mixtral and Phi-3 read ``sliding_window`` alone; Qwen's families only with ``use_sliding_window``,
+    Mixtral and Phi-3 read ``sliding_window`` alone, Gemma 2 on the layers ``layer_types`` names (by
+    default every other one); Qwen's families only with ``use_sliding_window``,
     Qwen2 and Qwen3 then on the layers ``layer_types`` names (by default those from
     ``max_window_layers`` on); Llama and OLMo-2 have no window (a ``sliding_window`` in their
     config.json is ignored, as transformers ignores it)."""
@@ -119,6 +135,12 @@ def sliding_window(raw: dict, arch: str) -> int | None:
         "use_sliding_window", hf_field(raw, "use_sliding_window")
     ):
         return None
+    if (
+        arch == GEMMA2
+        and isinstance(raw.get("layer_types"), list)
+        and "sliding_attention" not in raw["layer_types"]
+    ):
+        return None  # every layer full (the default alternates sliding and full layers)
     if window is not None and "max_window_layers" in FAMILY_DEFAULTS[arch]:
         first = _int("max_window_layers", hf_field(raw, "max_window_layers"), low=0)
         layers = _int("num_hidden_layers", raw["num_hidden_layers"])
@@ -181,7 +203,7 @@ def _is_gpt2(cfg: ModelConfig) -> bool:
     fields = {
         "positions = learned": cfg.positions == "learned",
         "norm = layernorm": cfg.norm == "layernorm",
-        "mlp = gelu or gelu_tanh": cfg.mlp != "swiglu",
+        "mlp = gelu or gelu_tanh": not cfg.gated_mlp,
         "bias = true": cfg.bias,
     }
     if not any(v for k, v in fields.items() if k != "bias = true"):
@@ -258,9 +280,48 @@ def zero_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     }
 
 
+def _gemma_family(cfg: ModelConfig) -> str | None:
+    """Gemma's fields (a (1 + w) RMSNorm, sqrt(h)-scaled embeddings, the gated GELU-tanh MLP) make a
+    Gemma, with sandwich norms a Gemma 2 (which alone has the scale and soft-caps); None: neither.
+    A model with some of them, or with what neither holds, is refused naming them."""
+    gemma = {
+        "norm_offset = true": cfg.norm_offset,
+        "embed_scale = true": cfg.embed_scale,
+        "mlp = geglu_tanh": cfg.mlp == "geglu_tanh",
+    }
+    gemma2 = {
+        "norm_placement = sandwich": cfg.norm_placement == "sandwich",
+        "attn_scale": cfg.attn_scale > 0,
+        "attn_softcap": cfg.attn_softcap > 0,
+        "logit_softcap": cfg.logit_softcap > 0,
+    }
+    if not any(gemma.values()) and not any(gemma2.values()):
+        return None
+    family = GEMMA2 if gemma2["norm_placement = sandwich"] else GEMMA
+    unmet = {
+        "norm = rmsnorm": cfg.norm != "rmsnorm",
+        "positions = rope": cfg.positions != "rope",
+        "no biases": cfg.bias or cfg.qkv_bias,
+        "qk_norm = false": cfg.qk_norm,
+        "no experts": cfg.moe,
+    }
+    if not all(gemma.values()) or any(unmet.values()) or (family == GEMMA and any(gemma2.values())):
+        have = " and ".join(k for k, v in (gemma | gemma2).items() if v)
+        lack = [k for k, v in gemma.items() if not v] + [k for k, v in unmet.items() if v]
+        if family == GEMMA and any(gemma2.values()):
+            lack.append("norm_placement = sandwich (Gemma 2)")
+        raise HFError(
+            f"model: among the supported Hugging Face families only {family} holds {have}, and it also "
+            f"needs {', '.join(lack)}"
+        )
+    return family
+
+
 def _family_by_shape(cfg: ModelConfig) -> str:
     if _is_gpt2(cfg):
         return GPT2
+    if (gemma := _gemma_family(cfg)) is not None:
+        return gemma
     olmo2 = (cfg.norm_placement == "post", cfg.qk_norm and cfg.qk_norm_scope == "all")
     if any(olmo2):
         if not all(olmo2) or cfg.qkv_bias or cfg.bias or cfg.moe:

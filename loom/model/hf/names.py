@@ -11,7 +11,10 @@ experts under ``mlp.`` as ``gate_proj``/``up_proj``/``down_proj``, of width ``mo
 top-k renormalized or not: ``norm_topk_prob`` -> ``moe.norm_topk``), ``Olmo2ForCausalLM`` (norms
 after attention and MLP: ``model.norm_placement = post``, its ``post_attention_layernorm`` and
 ``post_feedforward_layernorm`` in ``attention_norm`` and ``ffn_norm``; q/k RMSNorm over all heads at
-once, a·d and k·d wide: ``model.qk_norm_scope = all``), ``Phi3ForCausalLM`` (Llama's
+once, a·d and k·d wide: ``model.qk_norm_scope = all``), ``GemmaForCausalLM`` (Llama's names;
+``model.norm_offset``, ``embed_scale``, ``mlp = geglu_tanh``) and ``Gemma2ForCausalLM`` (also a norm
+after attention and after the MLP: ``norm_placement = sandwich``; the scale and soft-caps are
+config fields), ``Phi3ForCausalLM`` (Llama's
 tensors, q/k/v and gate/up fused: ``model.hf_architecture`` records the family, which export writes) and ``GPT2LMHeadModel`` (``norm =
 layernorm``, ``mlp = gelu_tanh``, ``positions = learned``, ``bias``). Every family but GPT-2 may give a ``head_dim`` d
 with a·d != h (Mistral-Nemo: h = 5120, a = 32 heads, d = 128): ``model.attn_head_dim``, the width
@@ -22,6 +25,8 @@ of the q/k/v/o projections (a·d and k·d) and of RoPE (d). Names map one to one
     model.layers.i.self_attn.{q,k,v,o}_proj   layers.i.attention.w{q,k,v,o}   (weight, bias)
     model.layers.i.self_attn.{q,k}_norm       layers.i.attention.{q,k}_norm
     model.layers.i.post_attention_layernorm   layers.i.ffn_norm
+                                              (Gemma 2: layers.i.post_attention_norm; its
+                                              pre/post_feedforward_layernorm: ffn_norm, post_ffn_norm)
     model.layers.i.mlp.{gate,up,down}_proj    layers.i.feed_forward.w{1,3,2}
     model.norm.weight, lm_head.weight         norm.weight, output.weight
 
@@ -122,10 +127,15 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
                 lm + "attention.k_norm.weight",
                 Mapping(hf + "self_attn.k_norm.weight", cfg.n_kv_heads if whole else 1),
             )
-        yield (
-            lm + "ffn_norm.weight",
-            Mapping(hf + ("post_feedforward" if olmo2 else "post_attention") + "_layernorm.weight"),
-        )
+        if cfg.norm_placement == "sandwich":  # Gemma 2: a norm before and after attention and MLP each
+            yield lm + "post_attention_norm.weight", Mapping(hf + "post_attention_layernorm.weight")
+            yield lm + "ffn_norm.weight", Mapping(hf + "pre_feedforward_layernorm.weight")
+            yield lm + "post_ffn_norm.weight", Mapping(hf + "post_feedforward_layernorm.weight")
+        else:
+            yield (
+                lm + "ffn_norm.weight",
+                Mapping(hf + ("post_feedforward" if olmo2 else "post_attention") + "_layernorm.weight"),
+            )
         if cfg.moe:  # a router, and each expert's w1/w3/w2 stacked into Loom's (E, ...) weights
             # Qwen3-MoE (q/k norms): mlp.experts.e.{gate,up,down}_proj; Mixtral: block_sparse_moe.experts.e.w*
             qwen = cfg.qk_norm

@@ -38,6 +38,11 @@ HF_FIELDS = (
     "mlp",
     "positions",
     "bias",
+    "norm_offset",
+    "embed_scale",
+    "attn_scale",
+    "attn_softcap",
+    "logit_softcap",
     "hf_architecture",
 )
 DERIVED = ("vocab_size", "ffn_dim", "attn_head_dim")  # 0 = derived (tokenizer, 8h/3 rule, h/a): not a value

@@ -9,7 +9,17 @@ from typing import cast
 import torch
 
 from loom.config import ModelConfig, MoEConfig
-from loom.model.hf.families import GPT2, LLAMA_TENSORS, PHI3, QWEN3MOE, HFError, architecture_of, zero_tensors
+from loom.model.hf.families import (
+    GEMMA,
+    GEMMA2,
+    GPT2,
+    LLAMA_TENSORS,
+    PHI3,
+    QWEN3MOE,
+    HFError,
+    architecture_of,
+    zero_tensors,
+)
 from loom.model.hf.names import VOCAB_TENSORS, _mappings, to_hf_rows
 
 
@@ -87,6 +97,8 @@ def hf_config(
         out["rope_parameters"] = cast(dict, out["rope_parameters"]) | {"partial_rotary_factor": 1.0}
         out["original_max_position_embeddings"] = cfg.max_seq_len
         out |= dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))  # not Phi3Config's 32000s
+    if family in (GEMMA, GEMMA2):
+        out |= _gemma_hf_fields(cfg, family)
     if family == QWEN3MOE:  # every layer sparse, no shared experts; no dense MLP: no intermediate_size
         del out["intermediate_size"]
         out |= {
@@ -108,6 +120,25 @@ def hf_config(
             "output_router_logits": False,
         }
     return out | (extra or {})
+
+
+def _gemma_hf_fields(cfg: ModelConfig, family: str) -> dict:
+    """Gemma's activation field (Gemma reads ``hidden_act``, Gemma 2 ``hidden_activation``) and Gemma
+    2's attention scale, soft-caps (0: null) and layers: every one full, as Loom attends, the window
+    set to cover the sequences though no layer reads it (a source
+    directory's own ``sliding_window`` and ``layer_types`` are carried over by the export)."""
+    out: dict = {"hidden_act": "gelu_pytorch_tanh"}
+    if family == GEMMA:
+        return out
+    scalar = cfg.head_dim if not cfg.attn_scale else cfg.attn_scale**-2
+    return out | {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar,
+        "attn_logit_softcapping": cfg.attn_softcap or None,
+        "final_logit_softcapping": cfg.logit_softcap or None,
+        "sliding_window": cfg.max_seq_len,  # transformers builds a window mask whatever the layers
+        "layer_types": ["full_attention"] * cfg.n_layers,
+    }
 
 
 def hf_units(cfg: ModelConfig, names: list[str]) -> list[list[str]]:

@@ -50,7 +50,7 @@ class _GatheredAttention(Function):
     """Local queries against the gathered keys, block by block (module doc)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, docs, kdocs, rank, cp, drop_p, base):  # type: ignore[override]
+    def forward(ctx, q, k, v, docs, kdocs, rank, cp, drop_p, base, scale, softcap):  # type: ignore[override]
         B, a, T, d = q.shape
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         # (B, T, a, d) in memory, as the flash kernel lays its output out, so the projection's input
@@ -59,17 +59,19 @@ class _GatheredAttention(Function):
         lse = torch.full((B, a, T), float("-inf"), dtype=acc.dtype, device=q.device)
         for qs, ks, causal, drop in _blocks(rank, cp, T // 2, drop_p, base):
             mask = None if docs is None else doc_mask(docs[:, qs], kdocs[:, ks], causal, q.dtype)
-            o, m = attend(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal and mask is None, mask, drop)
+            o, m = attend(
+                q[:, :, qs], k[:, :, ks], v[:, :, ks], causal and mask is None, mask, drop, scale, softcap
+            )
             merge(acc[:, :, qs], lse[:, :, qs], o, m)
         out = acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, docs, kdocs)
-        ctx.where = (rank, cp, drop_p, base)
+        ctx.where = (rank, cp, drop_p, base, scale, softcap)
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, docs, kdocs = ctx.saved_tensors
-        rank, cp, drop_p, base = ctx.where
+        rank, cp, drop_p, base, scale, softcap = ctx.where
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         dk = torch.zeros(k.shape, dtype=dq.dtype, device=k.device)
@@ -86,11 +88,13 @@ class _GatheredAttention(Function):
                 causal and mask is None,
                 mask,
                 drop,
+                scale,
+                softcap,
             )
             dq[:, :, qs] += gq
             dk[:, :, ks] += gk
             dv[:, :, ks] += gv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *(None,) * 8
 
 
 class AllGatherCore(CpCore):
@@ -112,5 +116,15 @@ class AllGatherCore(CpCore):
             kdocs = kdocs.transpose(0, 1).reshape(docs.shape[0], -1)  # (B, T) rank-major like the keys
         base = draw_seed() if self.training and self.dropout > 0 else None
         return _GatheredAttention.apply(
-            q.contiguous(), k, v, docs, kdocs, self.rank, self.cp, self.dropout, base
+            q.contiguous(),
+            k,
+            v,
+            docs,
+            kdocs,
+            self.rank,
+            self.cp,
+            self.dropout,
+            base,
+            self.scale,
+            self.softcap,
         )

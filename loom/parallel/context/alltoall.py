@@ -2,7 +2,8 @@
 
 Around the attention core, q, k and v are exchanged from sequence-sharded (B, heads, T/cp, d) to
 head-sharded (B, heads/cp, T, d) by one all-to-all each; every rank then runs ordinary causal
-attention over the whole sequence for its heads (one flash call, no mask), and one all-to-all
+attention over the whole sequence for its heads (:func:`loom.model.llama.attention`, the one
+process's own, with its scale and soft-cap: one flash call, no mask, when uncapped), and one all-to-all
 takes the output back to sequence-sharded. The gathered sequence arrives rank-major (rank j's two
 chunks at rows 2cj .. 2c(j+1)); it is permuted into position order before the core and back after.
 
@@ -29,11 +30,11 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.autograd import Function
 
 from loom import comm
 from loom.comm import CommMeter, Group
+from loom.model.llama import attention
 from loom.parallel.context.blocks import CpCore, doc_mask, global_docs, local_positions
 
 
@@ -116,9 +117,16 @@ class AllToAllCore(CpCore):
     (B, T/cp) -> (B, a, T/cp, d). Needs a % cp == 0 (config validation)."""
 
     def __init__(
-        self, group: Group, rank: int, cp: int, meter: CommMeter | None = None, dropout: float = 0.0
+        self,
+        group: Group,
+        rank: int,
+        cp: int,
+        meter: CommMeter | None = None,
+        dropout: float = 0.0,
+        scale: float = 0.0,
+        softcap: float = 0.0,
     ) -> None:
-        super().__init__(group, rank, cp, meter, dropout)
+        super().__init__(group, rank, cp, meter, dropout, scale, softcap)
         self._orders: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _order(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +155,5 @@ class AllToAllCore(CpCore):
             )  # (B, T) by position
             mask = doc_mask(every, every, True, q.dtype)
         p = self.dropout if self.training else 0.0  # this rank's heads: masks from the cp-private stream
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p, enable_gqa=True
-        )
+        y = attention(q, k, v, mask, p, scale=self.scale, softcap=self.softcap)  # (B, a/cp, T, d)
         return _HeadsToSeq.apply(y, cp, order, rows, group, meter)  # (B, a, T/cp, d)

@@ -1,7 +1,8 @@
 """Attention by blocks: one block's output with its log-sum-exp, its backward, and the merge.
 
 For queries q (B, a, Tq, d) and one block of keys and values (B, k, Tk, d) (GQA: a % k == 0),
-with scores s = q kᵀ/√d (−∞ where masked):
+with scores s = σ q kᵀ (σ = ``model.attn_scale``, 0: 1/√d), soft-capped to s = c·tanh(σ q kᵀ / c)
+when c = ``model.attn_softcap`` > 0 (−∞ where masked):
 
     lse_i = log Σ_j exp(s_ij)           o_i = Σ_j exp(s_ij − lse_i) v_j
 
@@ -12,9 +13,10 @@ Two blocks of the same queries merge exactly (the online softmax of flash attent
 in fp32. The backward of one block takes the *final* o and lse of the whole row: with
 P_ij = exp(s_ij − lse_i) and D_i = Σ_c dO_ic O_ic,
 
-    dV = Pᵀ dO    dS = P ∘ (dO Vᵀ − D)    dQ = dS K/√d    dK = dSᵀ Q/√d
+    dV = Pᵀ dO    dS = P ∘ (dO Vᵀ − D)    dQ = σ dS' K    dK = σ dS'ᵀ Q
 
-so each block's gradients are its exact share and are summed over blocks.
+with dS' = dS, or under the cap dS' = dS ∘ (1 − tanh²(σ q kᵀ / c)) = dS ∘ (1 − (s/c)²), so each
+block's gradients are its exact share and are summed over blocks.
 
 Every device runs a block through a kernel that returns the log-sum-exp (:func:`attend`):
 
@@ -34,7 +36,9 @@ bytes per element (what tests/test_flash_blocks.py measures):
 against (B, a, Tq, Tk) fp32 scores, probabilities and their gradient in the matrix products.
 Packed documents take the path with a mask: the block's additive mask (B, 1, Tq, Tk) in the compute
 dtype is then the one O(Tq·Tk) tensor (made by :func:`doc_mask`, beside the kernel). The fp32 matrix
-products (``_fused`` false) stay as the reference of the tests and as the path of attention dropout.
+products (``_fused`` false) stay as the reference of the tests and as the path of attention dropout
+and of the soft-cap (no kernel applies it; O(Tq·Tk) fp32 scores per block). σ goes to every kernel
+as its ``scale``.
 A block is either causal (square, query i sees key j <= i), full, or masked by document.
 """
 
@@ -55,12 +59,23 @@ BLOCK_SEED = 0x9E3779B97F4A7C15  # odd 64-bit constant: block seeds far apart
 
 class CpCore(nn.Module):
     """What every context-parallel attention core holds: the cp group, this rank's place in it, the
-    meter of its traffic and the attention dropout p. Subclasses take local queries (B, a, T/cp, d),
-    keys and values (B, k, T/cp, d) and optional local document ids (B, T/cp) -> (B, a, T/cp, d)."""
+    meter of its traffic, the attention dropout p, the scale σ and the soft-cap c. Subclasses take
+    local queries (B, a, T/cp, d), keys and values (B, k, T/cp, d) and optional local document ids
+    (B, T/cp) -> (B, a, T/cp, d)."""
 
-    def __init__(self, group, rank: int, cp: int, meter=None, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        group,
+        rank: int,
+        cp: int,
+        meter=None,
+        dropout: float = 0.0,
+        scale: float = 0.0,
+        softcap: float = 0.0,
+    ) -> None:
         super().__init__()
         self.group, self.rank, self.cp, self.meter, self.dropout = group, rank, cp, meter, dropout
+        self.scale, self.softcap = scale, softcap  # σ (0: 1/√d) and the soft-cap c (0: none), module doc
 
 
 def draw_seed() -> int:
@@ -151,22 +166,27 @@ def attend(
     causal: bool,
     mask: torch.Tensor | None = None,
     drop: Dropout | None = None,
+    scale: float = 0.0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: output (B, a, Tq, d) in q's dtype and log-sum-exp (B, a, Tq) in fp32, −∞ on rows
-    the mask hides entirely (their output is 0). ``drop`` = (p, seed): attention dropout (module doc)."""
-    if not _fused(q) or drop is not None:
-        s = _scores(q, k, causal, mask)
+    the mask hides entirely (their output is 0). ``drop`` = (p, seed): attention dropout; ``scale``
+    σ, ``softcap`` c (module doc)."""
+    if not _fused(q) or drop is not None or softcap > 0:
+        s, _ = _scores(q, k, causal, mask, scale, softcap)
         lse = s.logsumexp(-1)
         p = torch.exp(s - _finite(lse).unsqueeze(-1)) * _kept(s.shape, s.device, drop)
         return (p @ _acc(_repeat(v, q))).to(q.dtype), lse
     kernel = _kernel(q, mask)
     if kernel == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale or None
+        )
     elif kernel == "flash":
-        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale or None)[:2]
     else:
         out, lse = aten._scaled_dot_product_efficient_attention(
-            q, _repeat(k, q), _repeat(v, q), _bias(mask, q), True, 0.0, causal
+            q, _repeat(k, q), _repeat(v, q), _bias(mask, q), True, 0.0, causal, scale=scale or None
         )[:2]
         lse = lse[..., : q.shape[2]]  # the kernel pads the rows to a multiple of 32
     if mask is not None:  # a fully masked row: lse −∞ (the CPU kernel reports 0), output 0
@@ -187,22 +207,25 @@ def attend_backward(
     causal: bool,
     mask: torch.Tensor | None = None,
     drop: Dropout | None = None,
+    scale: float = 0.0,
+    softcap: float = 0.0,
 ):
     """dQ, dK, dV of one block given the rows' final ``out`` and ``lse`` (module formulas; ``drop``:
-    the forward's dropout, its mask drawn again from the same seed)."""
-    if not _fused(q) or drop is not None:
-        return _math_backward(dout, q, k, v, out, lse, causal, mask, drop)
+    the forward's dropout, its mask drawn again from the same seed; ``scale``, ``softcap``: the
+    forward's σ and c)."""
+    if not _fused(q) or drop is not None or softcap > 0:
+        return _math_backward(dout, q, k, v, out, lse, causal, mask, drop, scale, softcap)
     kernel = _kernel(q, mask)
     if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale or None
         )
     lse = lse.float().contiguous()
     if kernel == "flash":
         Tq, Tk = q.shape[2], k.shape[2]
         seed, offset = _no_rng(q)
         return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, Tq, Tk, 0.0, causal, seed, offset
+            dout, q, k, v, out, lse, None, None, Tq, Tk, 0.0, causal, seed, offset, scale=scale or None
         )[:3]
     pad = 0 if torch.version.hip else -q.shape[2] % 32  # the padded rows the forward returns
     seed = offset = torch.empty((), dtype=torch.long, device=q.device)
@@ -219,20 +242,25 @@ def attend_backward(
         0.0,
         [True, True, True, False],
         causal,
+        scale=scale or None,
     )
     return gq, _unrepeat(gk, k), _unrepeat(gv, v)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, mask, drop):
-    """:func:`attend_backward` in fp32 matrix products (the reference; the path of dropout)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
+def _math_backward(dout, q, k, v, out, lse, causal, mask, drop, scale=0.0, softcap=0.0):
+    """:func:`attend_backward` in fp32 matrix products (the reference; the path of dropout and of
+    the soft-cap)."""
     kr, vr = _acc(_repeat(k, q)), _acc(_repeat(v, q))
-    p = torch.exp(_scores(q, k, causal, mask) - _finite(lse).unsqueeze(-1))
+    s, t = _scores(q, k, causal, mask, scale, softcap)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
     kept = _kept(p.shape, p.device, drop)
     do = _acc(dout)
     dv = (p * kept).transpose(-1, -2) @ do
     ds = p * ((do @ vr.transpose(-1, -2)) * kept - (do * _acc(out)).sum(-1, keepdim=True))
-    dq, dk = (ds @ kr) * scale, (ds.transpose(-1, -2) @ _acc(q)) * scale
+    if t is not None:  # through the cap: d(c·tanh(x/c))/dx = 1 − tanh²(x/c)
+        ds = ds * (1 - t * t)
+    sigma = _sigma(q, scale)
+    dq, dk = (ds @ kr) * sigma, (ds.transpose(-1, -2) @ _acc(q)) * sigma
     return dq.to(q.dtype), _unrepeat(dk, k).to(k.dtype), _unrepeat(dv, v).to(v.dtype)
 
 
@@ -298,10 +326,28 @@ def _unrepeat(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return g.unflatten(1, (x.shape[1], rep)).sum(2) if rep > 1 else g
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
-    s = (_acc(q) @ _acc(_repeat(k, q)).transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, a, Tq, Tk)
+def _sigma(q: torch.Tensor, scale: float) -> float:
+    """The scale σ of the scores: ``scale``, or 1/√d when it is 0."""
+    return scale or 1.0 / math.sqrt(q.shape[-1])
+
+
+def _scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    mask: torch.Tensor | None,
+    scale: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The block's masked scores s (B, a, Tq, Tk) in fp32 (module doc) and, with a soft-cap c > 0,
+    tanh(σ q kᵀ / c) unmasked (for the backward), else None."""
+    s = (_acc(q) @ _acc(_repeat(k, q)).transpose(-1, -2)) * _sigma(q, scale)  # (B, a, Tq, Tk)
+    t = None
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     if mask is not None:
         s = s + _acc(mask)
-    return s
+    return s, t

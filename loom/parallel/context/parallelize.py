@@ -75,10 +75,18 @@ CORES: dict[str, type[nn.Module]] = {"allgather": AllGatherCore, "ring": RingCor
 
 
 def context_core(
-    mode: str, group: Group, rank: int, cp: int, meter: CommMeter | None = None, dropout: float = 0.0
+    mode: str,
+    group: Group,
+    rank: int,
+    cp: int,
+    meter: CommMeter | None = None,
+    dropout: float = 0.0,
+    scale: float = 0.0,
+    softcap: float = 0.0,
 ) -> nn.Module:
-    """The attention core of ``mode`` for cp rank ``rank`` of ``group`` (attention dropout ``dropout``)."""
-    return CORES[mode](group, rank, cp, meter, dropout)
+    """The attention core of ``mode`` for cp rank ``rank`` of ``group`` (attention dropout ``dropout``,
+    scores scaled by ``scale`` and soft-capped by ``softcap`` as :class:`CoreAttention`'s)."""
+    return CORES[mode](group, rank, cp, meter, dropout, scale, softcap)
 
 
 class CpPrivateRng:
@@ -125,7 +133,8 @@ def apply_context_parallel(
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, CoreAttention):
-                setattr(module, name, context_core(mode, group, rank, cp, meter, child.dropout))
+                core = context_core(mode, group, rank, cp, meter, child.dropout, child.scale, child.softcap)
+                setattr(module, name, core)
     if dropout > 0:  # each cp rank's tokens (and heads) draw their own masks, replayable
         private = CpPrivateRng(rank, rope_cos.device)
         for block in cast(nn.ModuleList, model.layers):

@@ -55,7 +55,7 @@ class _RingAttention(Function):
     """Attention of the local queries over the whole sequence, K/V circulating (module doc)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, docs, group, meter, rank, cp, drop_p, base):  # type: ignore[override]
+    def forward(ctx, q, k, v, docs, group, meter, rank, cp, drop_p, base, scale, softcap):  # type: ignore[override]
         B, a, T, d = q.shape
         c, nxt, prev = T // 2, (rank + 1) % cp, (rank - 1) % cp
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -81,20 +81,27 @@ class _RingAttention(Function):
             for qs, ks, causal in chunk_blocks(rank, src, c):
                 mask = None if docs is None else doc_mask(docs[:, qs], kdocs[:, ks], causal, q.dtype)
                 o, m = attend(
-                    q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal and mask is None, mask, drop
+                    q[:, :, qs],
+                    kv[0][:, :, ks],
+                    kv[1][:, :, ks],
+                    causal and mask is None,
+                    mask,
+                    drop,
+                    scale,
+                    softcap,
                 )
                 merge(acc[:, :, qs], lse[:, :, qs], o, m)
             _finish(works)
             kv, kdocs = nkv, ndocs
         out = acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.ring = (group, meter, rank, cp, drop_p, base)
+        ctx.ring = (group, meter, rank, cp, drop_p, base, scale, softcap)
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, docs = ctx.saved_tensors
-        group, meter, rank, cp, drop_p, base = ctx.ring
+        group, meter, rank, cp, drop_p, base, scale, softcap = ctx.ring
         dout = dout.contiguous()
         c, nxt, prev = q.shape[2] // 2, (rank + 1) % cp, (rank - 1) % cp
         acc_dtype = torch.promote_types(k.dtype, torch.float32)
@@ -126,6 +133,8 @@ class _RingAttention(Function):
                     causal and mask is None,
                     mask,
                     drop,
+                    scale,
+                    softcap,
                 )
                 dq[:, :, qs] += gq
                 local[0][:, :, ks] += gk
@@ -136,18 +145,7 @@ class _RingAttention(Function):
         assert dkv is not None  # cp >= 1 blocks ran
         home = torch.empty_like(dkv)  # the last hop: every accumulator back to its owner
         _finish(_exchange([dkv], [home], group, meter, nxt, prev))
-        return (
-            dq.to(q.dtype),
-            home[0].to(k.dtype),
-            home[1].to(v.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), *(None,) * 9
 
 
 class RingCore(CpCore):
@@ -166,5 +164,16 @@ class RingCore(CpCore):
         )
         base = draw_seed() if self.training and self.dropout > 0 else None
         return _RingAttention.apply(
-            q, k, v, docs, self.group, self.meter, self.rank, self.cp, self.dropout, base
+            q,
+            k,
+            v,
+            docs,
+            self.group,
+            self.meter,
+            self.rank,
+            self.cp,
+            self.dropout,
+            base,
+            self.scale,
+            self.softcap,
         )

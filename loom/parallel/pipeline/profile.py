@@ -150,7 +150,7 @@ def profile_model(
         )
     head = list(tf.norm.parameters()) + list(tf.output.parameters())
     x = h.detach().requires_grad_()
-    add("head+loss", head, lambda: (loss_fn(tf.output(tf.norm(x)), tokens), None))
+    add("head+loss", head, lambda: (loss_fn(tf.logits(x), tokens), None))
     model.zero_grad(set_to_none=True)
     return prof
 

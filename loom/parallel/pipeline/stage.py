@@ -49,6 +49,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from loom import comm
 from loom.comm import Group
 from loom.model.llama import Transformer, embed, layer_args
+from loom.model.softcap import softcap
 from loom.parallel.state import gather_module_state
 
 __all__ = [
@@ -77,11 +78,13 @@ class StageModule(nn.Module):
         if self.is_first:
             self.tok_embeddings = model.tok_embeddings
             self.pos_embeddings = model.pos_embeddings  # learned positions (None with RoPE)
+            self.embed_scale = model.embed_scale  # Gemma's sqrt(h), or None
             self.register_buffer("pos_ids", cast(torch.Tensor | None, model.pos_ids), persistent=False)
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(lo, hi)})
         if self.is_last:
             self.norm = model.norm
             self.output = model.output
+            self.logit_softcap = model.cfg.logit_softcap  # the head's cap, as Transformer.logits
         self.register_buffer("rope_cos", cast(torch.Tensor, model.rope_cos), persistent=False)  # buffers
         self.register_buffer("rope_sin", cast(torch.Tensor, model.rope_sin), persistent=False)
 
@@ -92,6 +95,7 @@ class StageModule(nn.Module):
             cast(torch.Tensor | None, self.pos_ids),
             tokens,
             positions,
+            self.embed_scale,
         )  # (B, T, h)
 
     def body(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,7 +110,7 @@ class StageModule(nn.Module):
         )
         for layer in self.layers.values():
             h = layer(h, *args)
-        return self.output(self.norm(h)) if self.is_last else h
+        return softcap(self.output(self.norm(h)), self.logit_softcap) if self.is_last else h
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.body(self.embed(x, positions) if self.is_first else x, positions)

@@ -54,6 +54,7 @@ from loom.model.llama import (
     apply_rope,
     mlp_activation,
 )
+from loom.model.norms import norm_scale
 from loom.parallel.partial import mark_partial
 from loom.parallel.placement import copy_placement
 from loom.parallel.rng import private_rng
@@ -322,7 +323,7 @@ class SequenceParallelRMSNorm(RMSNorm):
     """RMSNorm on a sequence shard: its weight gradient is a partial sum, so f sums it over tp."""
 
     def __init__(self, norm: RMSNorm, ctx: TPContext) -> None:
-        super().__init__(norm.weight.shape[0], norm.eps)
+        super().__init__(norm.weight.shape[0], norm.eps, norm.offset)
         mark_partial(norm.weight, ctx.group, ctx.meter)  # summed over tp once per step
         self.weight = norm.weight
         self.ctx = ctx
@@ -331,7 +332,7 @@ class SequenceParallelRMSNorm(RMSNorm):
 class ShardedRMSNorm(nn.Module):
     """One RMSNorm over a width D cut into head shards over tp (OLMo-2's q/k norm, ``qk_norm_scope =
     all``): s = Σ_tp Σ_local x² (:func:`sum_over_tp`: an all-reduce of (B, T, 1) fp32 in forward and
-    in backward), y = x · rsqrt(s / (c·D) + eps) · w_local, w_local this rank's slice of the weight
+    in backward), y = x · rsqrt(s / (c·D) + eps) · w_local (1 + w_local with ``offset``), w_local this rank's slice of the weight
     (the rows of its wq/wk shard). c = ranks holding each head (1; n/k for replicated kv heads, whose
     weight is then held whole, ``rows`` used, and its gradient summed over tp)."""
 
@@ -339,7 +340,7 @@ class ShardedRMSNorm(nn.Module):
 
     def __init__(self, norm: RMSNorm, ctx: TPContext, rows: slice | None = None, copies: int = 1) -> None:
         super().__init__()
-        self.eps, self.ctx, self.rows, self.copies = norm.eps, ctx, rows, copies
+        self.eps, self.ctx, self.rows, self.copies, self.offset = norm.eps, ctx, rows, copies, norm.offset
         self.width = norm.weight.shape[0]  # D, the whole projection's
         if rows is None:
             self.weight = sharded_param(norm.weight, 0, ctx)
@@ -355,6 +356,8 @@ class ShardedRMSNorm(nn.Module):
         s = sum_over_tp(xf.pow(2).sum(-1, keepdim=True), self.ctx.group, self.ctx.meter)  # (B, T, 1)
         y = xf * torch.rsqrt(s / (self.copies * self.width) + self.eps)
         w = self.weight if self.rows is None else self.weight[self.rows]
+        if self.offset:  # Gemma's 1 + w, applied in fp32 before the one rounding
+            return (y * norm_scale(w, True)).type_as(x)
         return y.type_as(x) * w
 
 

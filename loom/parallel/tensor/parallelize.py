@@ -118,6 +118,9 @@ def parallelize_block(block: nn.Module, ctx: TPContext, expert_tp: str = "replic
     if ctx.sp:
         block.attention_norm = sequence_parallel_norm(full.attention_norm, ctx)
         block.ffn_norm = sequence_parallel_norm(full.ffn_norm, ctx)
+        for name in ("post_attention_norm", "post_ffn_norm"):  # sandwich norms (Gemma 2 and 3)
+            if getattr(full, name, None) is not None:
+                setattr(block, name, sequence_parallel_norm(getattr(full, name), ctx))
         if getattr(block, "dropout", 0.0) > 0:  # residual dropout on this rank's sequence shard
             block._drop = partial(_shard_dropout, block, ctx.rank)  # type: ignore[assignment]  # Module.__setattr__ is typed for Tensor | Module; this overrides a method
     return block

@@ -310,7 +310,7 @@ class CostBase:
         experts = self.n_experts / ep if self.moe else 1
         qd = m.n_heads * m.head_dim
         attn = (qd / t + 2 * self.kv_width(t)) * m.dim if t > 1 else qd * m.dim  # q, k, v | wq, wo
-        fused = 2 if t > 1 and m.mlp == "swiglu" and not self.moe else 1  # w1, w3 together
+        fused = 2 if t > 1 and m.gated_mlp and not self.moe else 1  # w1, w3 together
         widest = max(attn, self.ffn * m.dim * (experts / cut if self.moe else fused / t), pc.shared / 3 / cut)
         table = m.vocab_size * m.dim / t
         units = [(layer, widest, 0.0)]

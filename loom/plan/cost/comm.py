@@ -125,7 +125,7 @@ def lowp_linears(cm: CostBase, tp: int) -> tuple[int, int]:
     col = ok(h, q, h, q / tp) + 2 * ok(h, kv, h, cm.kv_width(tp))
     row = ok(q, h, q / tp, h)
     if not cm.moe:
-        col += ok(h, f, h, f / tp) * (2 if m.mlp == "swiglu" else 1)
+        col += ok(h, f, h, f / tp) * (2 if m.gated_mlp else 1)
         row += ok(f, h, f / tp, h)
     return col, row
 

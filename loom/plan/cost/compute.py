@@ -116,7 +116,7 @@ def module_recompute_bytes(cm: CostBase, T_route: float, rows: float, f: float) 
         layernorm  T_route (2 B_a h + 4)      the norm's input read, its output and 1/rms written
     """
     mods, B, h = cm.train.recompute_modules, cm.act_bytes, cm.model.dim
-    u = 2 if cm.model.mlp == "swiglu" else 1
+    u = 2 if cm.model.gated_mlp else 1
     act = rows * ((u + 1) * B * f + 4) if "moe_act" in mods else 0.0
     norm = T_route * (2 * B * h + 4) if "layernorm" in mods else 0.0
     return act + norm
@@ -175,7 +175,7 @@ def microbatch_times(
     # busiest ``moe_load`` times the mean; the router and the ep all-to-all on the tokens it routes
     T_route, T_moe = cm.moe_tokens(T, tp, sp, expert_tp)
     cut = cm.expert_cut(tp, expert_tp)
-    ups = 2 if mc.mlp == "swiglu" else 1  # SwiGLU's w1 and w3, or GELU's w1
+    ups = 2 if mc.gated_mlp else 1  # SwiGLU's w1 and w3, or GELU's w1
     # the block's Linears on this rank: (how many, m, in, out, a routed expert's)
     linears = [(1.0, T, h, h / tp, False), (2.0, T, h, cm.kv_width(tp), False), (1.0, T, h / tp, h, False)]
     if cm.moe:
@@ -212,7 +212,7 @@ def microbatch_times(
     mlp_elt = (
         3 * f * (cm.top_k * tr.moe_load + tr.moe_shared) / (tp if sp or cut > 1 else 1)  # f/t split
         if cm.moe
-        else (3 if mc.mlp == "swiglu" else 2) * f / tp
+        else (3 if mc.gated_mlp else 2) * f / tp
     )
     elt_bytes = B * T * (10 * h / (tp if sp else 1) + 2 * (h / tp + cm.kv_width(tp)) + mlp_elt)
     elt_f = other * elt_bytes / mach.hbm
@@ -287,7 +287,8 @@ def microbatch_times(
         if head_8bit
         else mach.gemm(T, h, mc.vocab_size / tp, B, bf16=True)
     )
-    head += other * 16 * T * mc.vocab_size / tp / mach.hbm
+    cap = 5 * B if mc.logit_softcap > 0 else 0  # logit cap: z read, y written; y, dy read, dz written
+    head += other * (16 + cap) * T * mc.vocab_size / tp / mach.hbm  # the loss's passes over the logits
     per_layer = {
         "compute": layer_f + layer_b,
         "recompute": recomp,

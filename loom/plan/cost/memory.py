@@ -351,7 +351,7 @@ def factored_bytes(cm: CostBase, tp: int, pp: int, ep: int, first: bool, last: b
     m, h, f, kd, V, pc = cm.model, cm.model.dim, cm.ffn, cm.kd, cm.model.vocab_size, cm.params
     experts = cm.n_experts / ep if cm.moe else 1
     kv_rows = kd / tp if m.n_kv_heads % tp == 0 else kd
-    qd, mats = m.n_heads * m.head_dim, (3 if m.mlp == "swiglu" else 2)
+    qd, mats = m.n_heads * m.head_dim, (3 if m.gated_mlp else 2)
     biases = (qd / tp + 2 * kv_rows if m.qkv_bias or m.bias else 0) + pc.attn_whole
     biases += (f / tp if pc.mlp_whole else 0) + pc.mlp_whole  # w1's rows, w2's whole bias
     layer = 4 * ((qd / tp + h) * 2 + (kv_rows + h) * 2 + experts * mats * (f / tp + h)) + 4 * (
@@ -516,7 +516,7 @@ def megatron_moe_activation(cm: CostBase, T: float, cut: int = 1, rows: float | 
     B, k, E, f, h = cm.act_bytes, cm.top_k, cm.n_experts, cm.ffn / cut, cm.model.dim
     tr = cm.train
     R = T if rows is None else rows
-    u = 2 if cm.model.mlp == "swiglu" else 1
+    u = 2 if cm.model.gated_mlp else 1
     s1 = saved_input_bytes(cm, h, u * f) if cm.stack.lowp_experts else B
     s2 = saved_input_bytes(cm, f, h) if cm.stack.lowp_experts else B
     losses = (4 * E + 4) * tr.moe_z_loss + 4 * (tr.moe_aux_loss and tr.moe_score == "sigmoid")
@@ -618,7 +618,7 @@ def selective_saved(
     T = mb * cm.train.seq_len / cp
     rep_div = t if sp else 1
     qd, kv = m.n_heads * m.head_dim / t, cm.kv_width(t)
-    ups = 2 if m.mlp == "swiglu" else 1
+    ups = 2 if m.gated_mlp else 1
     gemm_out = qd + 2 * kv + h  # q, k, v and wo
     mlp = 0.0
     if cm.moe:
@@ -656,6 +656,8 @@ def layer_saved(
     into_mlp = B if cm.moe else saved_input_bytes(cm, h, ffn)  # the MLP norm's output: w1's (and w3's) input
     into_qkv = saved_input_bytes(cm, h, qd + 2 * kv)
     rep = T * (2 * norm_activation(cm) - (B - into_qkv) * h - (B - into_mlp) * h) / rep_div  # two norms
+    if m.norm_placement == "sandwich":  # Gemma 2: norms after attention and MLP (input and statistics;
+        rep += 2 * T * (norm_activation(cm) - B * h) / rep_div  # their outputs go to the residual)
     qkv = B * T * (qd + 2 * kv)
     if m.qk_norm:  # per head (or per rank, scope all); their outputs go to RoPE, which saves none
         heads = (1, 1) if m.qk_norm_scope == "all" else (qd / m.head_dim, kv / m.head_dim)
@@ -665,7 +667,7 @@ def layer_saved(
     if cm.moe:  # the rank's tokens (T/t with sp) through whole experts, or the group's rows at f/t
         mlp = moe_saved(cm, t, sp, T, ep, expert_tp)
     else:  # w1 x, silu, w3 x, product | w1 x, gelu: the last is w2's input
-        mlp = ((3 if m.mlp == "swiglu" else 1) * B + saved_input_bytes(cm, ffn, h)) * T * ffn
+        mlp = ((3 if m.gated_mlp else 1) * B + saved_input_bytes(cm, ffn, h)) * T * ffn
     out = saved_input_bytes(cm, qd, h) * T * qd  # the core's output, wo's input: kept under selective too
     core = 4 * T * m.n_heads / t  # the fp32 log-sum-exp
     if cp > 1 and cp_mode == "allgather":  # the other ranks' keys and values, gathered
@@ -742,7 +744,8 @@ def logit_bytes(cm: CostBase, lay: Layout) -> float:
     llm-foundry's fused cross entropy 4 bytes), and for Loom under tp or a pipeline. Loom's own stack
     moves the head into the loss where it can (:func:`head_in_loss`: no tp, no pipeline, T > c rows,
     :func:`~loom.model.llama.fused_head_loss`): one chunk of c = ``CHUNK_ROWS`` rows, c·V·(B_a + 4)
-    (c·V·4 in fp32: the chunk is its own softmax), and the head's fp32 gradient sum V·h·4 (V·h·8 in a
+    (c·V·4 in fp32: the chunk is its own softmax, unless ``model.logit_softcap`` caps the logits:
+    backward's softmax beside the capped chunk), and the head's fp32 gradient sum V·h·4 (V·h·8 in a
     low-precision dtype: a chunk's fp32 product joins it; :func:`~loom.model.loss.linear_cross_entropy`).
     A run whose loss is a fused in-place cross entropy (``Workload.fused_cross_entropy``: Transformer
     Engine's ``parallel_cross_entropy``, Megatron-Core's ``cross_entropy_fusion_impl = "te"``, which
@@ -752,7 +755,8 @@ def logit_bytes(cm: CostBase, lay: Layout) -> float:
     V = cm.model.vocab_size
     if head_in_loss(cm, lay):
         low = cm.act_bytes < 4
-        return CHUNK_ROWS * V * (cm.act_bytes + 4 if low else 4.0) + V * cm.model.dim * (8 if low else 4)
+        own = not low and cm.model.logit_softcap <= 0  # the fp32 chunk is its own softmax
+        return CHUNK_ROWS * V * (4.0 if own else cm.act_bytes + 4) + V * cm.model.dim * (8 if low else 4)
     if cm.train.fused_cross_entropy:
         return T * V / lay.tp * cm.act_bytes
     return T * V / lay.tp * (cm.stack.logit_bytes or cm.act_bytes + 8)

@@ -59,7 +59,7 @@ class ParamCounts:
         h, f, kd, qd = m.dim, m.resolved_ffn_dim(), m.n_kv_heads * m.head_dim, m.n_heads * m.head_dim
         moe = n_experts > 1
         shared = 3 * h * shared_experts * f if moe else 0
-        mats = 3 if m.mlp == "swiglu" else 2  # SwiGLU's w1, w3, w2, or GELU's w1, w2
+        mats = 3 if m.gated_mlp else 2  # SwiGLU's w1, w3, w2, or GELU's w1, w2
         mlp_bias = (f + h) if m.bias and not moe else 0  # experts have no biases
         norm = 2 if m.norm == "layernorm" else 1  # LayerNorm: weight and bias
         return cls(

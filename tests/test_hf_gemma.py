@@ -1,0 +1,317 @@
+"""Gemma (``GemmaForCausalLM``) and Gemma 2 (``Gemma2ForCausalLM``) in and out. Gemma is Llama's
+tensors with an RMSNorm scaling by 1 + w (``model.norm_offset``), embeddings times sqrt(h) rounded to
+the activation dtype (``model.embed_scale``) and a gated GELU-tanh MLP (``mlp = geglu_tanh``); Gemma 2
+adds a norm after attention and after the MLP (``norm_placement = sandwich``), the attention scale
+``query_pre_attn_scalar``^-1/2 (``attn_scale``) and the attention and final-logit soft-caps
+(``attn_softcap``, ``logit_softcap``). A tiny random model built by ``transformers`` (nothing
+downloaded; Gemma 2 in its eager attention, the one that soft-caps) imports with its logits under 1
+process, tp2 + sp, ZeRO-3 and pp2 (loss); Loom's export loads in ``transformers`` with the same
+weights and logits; what Loom cannot hold is refused in one line naming the field; the fields train
+equal to one process under tp2 + sp, pp2 and ZeRO-3."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from torch.testing import assert_close
+
+from tests.test_finetune import prepared  # noqa: F401
+
+FIELDS = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,  # a·d = 128 != h, as Gemma 7B's 16 x 256 against 3072
+    max_position_embeddings=64,
+    rope_theta=5e5,
+)
+# soft-caps small enough to bite on a tiny random model (Gemma 2 ships 50 and 30)
+GEMMA2 = dict(attn_logit_softcapping=1.0, final_logit_softcapping=0.5, query_pre_attn_scalar=24)
+FAMILIES = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", GEMMA2),
+}
+
+
+def save_gemma(path: Path, family: str, **kw) -> torch.nn.Module:
+    """A random model of ``family`` saved at ``path`` in several shards (norm weights around 0: a
+    scale around 1, which an importer ignoring the offset would turn into one around 0)."""
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, cfg_cls)(**(FIELDS | extra | kw))
+    config._attn_implementation = "eager"  # Gemma 2's soft-cap lives in its eager attention only
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    model.eval().save_pretrained(path, max_shard_size="20KB")
+    return model
+
+
+def _loom(path: Path):
+    from loom.model.hf import load_into, open_dir
+    from loom.model.llama import Transformer
+
+    hf = open_dir(path, 32)
+    model = Transformer(hf.config)
+    load_into(model, hf)
+    return hf, model.eval()
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2"])
+def test_import_gives_the_logits_of_transformers_and_export_round_trips(tmp_path, family):
+    """Logits equal transformers' (and differ from them without the soft-caps or the offset: each
+    field is doing something); Loom's export (hf_config, hf_tensors) equals the checkpoint bit for bit
+    and loads in transformers as the same family with the same logits; generation's cached forward
+    gives the model's logits."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file, save_file
+
+    from loom.model.hf import hf_config, hf_tensors
+    from loom.model.kv_cache import forward_cached, new_cache
+    from loom.model.llama import Transformer
+
+    ref = save_gemma(tmp_path / "src", family)
+    hf, model = _loom(tmp_path / "src")
+    cfg = hf.config
+    assert cfg.hf_architecture == FAMILIES[family][1]
+    assert (cfg.norm_offset, cfg.embed_scale, cfg.mlp) == (True, True, "geglu_tanh")
+    if family == "gemma2":
+        assert (cfg.norm_placement, cfg.attn_softcap, cfg.logit_softcap) == ("sandwich", 1.0, 0.5)
+        assert cfg.attn_scale == pytest.approx(24**-0.5)
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(x)
+        assert_close(logits, ref(x).logits)
+        changed = {"norm_offset": False} | (
+            {"attn_softcap": 0.0, "logit_softcap": 0.0} if family == "gemma2" else {}
+        )
+        for field, value in changed.items():
+            other = Transformer(replace(cfg, **{field: value}))
+            other.load_state_dict(model.state_dict())
+            assert (other.eval()(x) - logits).abs().max() > 1e-2, field
+    out = dict(hf_tensors(cfg, ((k, v.detach()) for k, v in model.state_dict().items())))
+    on_disk = {
+        k: v for f in sorted((tmp_path / "src").glob("*.safetensors")) for k, v in load_file(f).items()
+    }
+    assert out.keys() == on_disk.keys()
+    for name, t in on_disk.items():
+        assert torch.equal(out[name], t), name
+    dst = tmp_path / "out"
+    dst.mkdir()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(hf_config(cfg)))
+    back = transformers.AutoModelForCausalLM.from_pretrained(dst, attn_implementation="eager").eval()
+    assert type(back) is type(ref)
+    for name, t in back.state_dict().items():
+        assert torch.equal(t, ref.state_dict()[name]), name
+    with torch.no_grad():
+        assert_close(back(x).logits, logits)
+        cache = new_cache(model, 2, 32)
+        cached = torch.cat(
+            (forward_cached(model, x[:, :31], cache), forward_cached(model, x[:, 31:], cache)), 1
+        )
+    assert_close(cached, logits)
+
+
+def test_import_under_tp2_zero3_and_pp2_gives_the_logits_of_transformers(pools, tmp_path):
+    """Built on the meta device and read box by box: under tp2 + sp each rank reads exactly its
+    parameters' bytes (the sandwich norms' whole, replicated) and the gathered logits are
+    transformers'; under ZeRO-3 the logits, under pp2 the loss through the pipeline."""
+    from loom.model.llama import loss_fn
+    from tests.test_hf import _layout_outputs
+
+    paths = [str(tmp_path / f) for f in FAMILIES]
+    x = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = [save_gemma(Path(p), f)(x[:, :-1]).logits for p, f in zip(paths, FAMILIES)]
+    for rank in pools(2).run(_layout_outputs, paths, x, "tp2"):
+        for (logits, read, held, whole), want in zip(rank, expected):
+            assert_close(logits, want)
+            assert read == held < whole
+    for rank in pools(2).run(_layout_outputs, paths, x, "zero3"):
+        for (logits, share), want in zip(rank, expected):
+            assert_close(logits, want)
+            assert share < 1
+    for loss in pools(2).run(_layout_outputs, paths, x, "pp2"):
+        for got, want in zip(loss, expected):
+            assert got == pytest.approx(float(loss_fn(want, x[:, 1:])), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "family,edit,says",
+    [
+        (
+            "gemma2",
+            {"hidden_activation": "gelu"},
+            "config.json: hidden_activation = 'gelu' is not supported (Loom's gated GELU: gelu_pytorch_tanh, "
+            "gelu_new)",
+        ),
+        (
+            "gemma",
+            {"hidden_act": "silu"},
+            "config.json: hidden_act = 'silu' is not supported (Loom's gated GELU: gelu_pytorch_tanh, "
+            "gelu_new, gelu)",
+        ),
+        (
+            "gemma",
+            {"use_bidirectional_attention": True},
+            "config.json: use_bidirectional_attention = true is not supported (Loom's attention is causal)",
+        ),
+        (
+            "gemma2",
+            {"sliding_window": 16},
+            "config.json: sliding_window = 16 is shorter than the sequences (32); Loom attends to the whole "
+            "sequence, so it matches only when sequences fit the window",
+        ),
+        (
+            "gemma2",
+            {"query_pre_attn_scalar": 0},
+            "config.json: query_pre_attn_scalar = 0.0 is out of range: want a number > 0",
+        ),
+    ],
+    ids=["gemma2 exact gelu", "gemma silu", "bidirectional", "window", "scalar 0"],
+)
+def test_what_loom_cannot_hold_is_one_line_naming_the_field(tmp_path, family, edit, says):
+    from loom.model.hf import HFError, open_dir
+
+    save_gemma(tmp_path, family)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw | edit))
+    with pytest.raises(HFError) as e:
+        open_dir(tmp_path, 32)
+    assert str(e.value) == says
+
+
+def test_a_gemma_window_covering_the_sequences_or_full_layers_imports(tmp_path):
+    """Gemma 2's window applies on its sliding layers only (by default every other one): a window
+    shorter than the sequences is fine when ``layer_types`` names none."""
+    from loom.model.hf import open_dir
+
+    save_gemma(tmp_path, "gemma2", sliding_window=16, layer_types=["full_attention"] * 2)
+    assert open_dir(tmp_path, 32).config.norm_placement == "sandwich"
+
+
+@pytest.mark.parametrize(
+    "fields,says",
+    [
+        (
+            {"embed_scale": True},
+            "model: among the supported Hugging Face families only GemmaForCausalLM holds embed_scale = true, "
+            "and it also needs norm_offset = true, mlp = geglu_tanh",
+        ),
+        (
+            {"logit_softcap": 30.0},
+            "model: among the supported Hugging Face families only GemmaForCausalLM holds logit_softcap, and it "
+            "also needs norm_offset = true, embed_scale = true, mlp = geglu_tanh, norm_placement = sandwich "
+            "(Gemma 2)",
+        ),
+    ],
+    ids=["embed scale alone", "soft-cap on a llama"],
+)
+def test_a_model_with_some_of_gemmas_fields_is_refused_at_export(fields, says):
+    from loom.model.hf import HFError, architecture_of
+    from tests.helpers import tiny_model
+
+    with pytest.raises(HFError) as e:
+        architecture_of(tiny_model(**fields))
+    assert str(e.value) == says
+
+
+GEMMA2_NATIVE = {
+    "norm_offset": True,
+    "embed_scale": True,
+    "mlp": "geglu_tanh",
+    "norm_placement": "sandwich",
+    "attn_scale": 0.3,
+    "attn_softcap": 2.0,
+    "logit_softcap": 3.0,
+}
+LAYOUTS = {"tp2 sp": {"tp": 2, "sp": True}, "pp2": {"pp": 2}, "zero3": {"dp_shard": 2, "zero": 3}}
+
+
+def _gemma2_layouts(names: list[str]) -> list[dict]:
+    from tests.helpers import train_layout
+
+    return [train_layout(LAYOUTS[n], 3, 4, 2, GEMMA2_NATIVE, meta=True) for n in names]
+
+
+def test_gemma2_fields_train_equal_to_one_process(pools):
+    """A Gemma-2-shaped model (every field above) trains 3 steps of 2 micro-batches under tp2 + sp
+    (the sandwich norms on sequence shards, their weights' gradients summed over tp), pp2 and ZeRO-3
+    with the losses and every parameter of one process; its norm weights start at 0."""
+    from tests.helpers import ADAM_STATE_TOL, train_layout
+
+    ref = train_layout({}, 3, 4, 2, GEMMA2_NATIVE)
+    assert {k for k in ref["state"] if "post_ffn_norm" in k} == {
+        f"layers.{i}.post_ffn_norm.weight" for i in (0, 1)
+    }
+    names = list(LAYOUTS)
+    compared = set()
+    for rank in pools(2).run(_gemma2_layouts, names):
+        for name, r in zip(names, rank):
+            assert_close(
+                torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6, msg=name
+            )
+            if r["state"] is None:  # only the ranks that gather the whole state hold it
+                continue
+            compared.add(name)
+            assert r["state"].keys() == ref["state"].keys(), name
+            for k, v in ref["state"].items():
+                assert_close(r["state"][k], v, **ADAM_STATE_TOL, msg=lambda m, k=k, n=name: f"{n} {k}: {m}")
+    assert compared == set(names)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_a_run_from_gemma2_exports_it_with_its_weights(prepared, tmp_path, method):  # noqa: F811
+    """2 fine-tuning steps from a Gemma 2 directory (full, or LoRA merged at export); ``export hf``
+    writes a Gemma 2 whose tensors are the checkpoint's (merged), its source's config fields carried
+    over (window, layer types), that transformers loads with Loom's logits; LoRA's ``export peft``
+    adapters on transformers' base give the same logits through PEFT."""
+    from loom import config as C
+    from loom.checkpoint.hf_export import export_hf
+    from loom.data.tokenizer import load_tokenizer
+    from tests.test_finetune import hf_lora_config, trainer_fit
+
+    base = tmp_path / "base"
+    save_gemma(base, "gemma2", vocab_size=384)
+    load_tokenizer(prepared).save(str(base / "tokenizer.json"))
+    run = tmp_path / "run"
+    cfg = hf_lora_config(prepared, base, run, finetune={"method": method}, train={"steps": 2})
+    trainer_fit(cfg)
+    from loom.finetune.export import MergedReader
+
+    export_hf(run, tmp_path / "out", dtype="fp32", wrap=MergedReader if method == "lora" else None)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    source = json.loads((base / "config.json").read_text())
+    assert written["architectures"] == ["Gemma2ForCausalLM"]
+    assert (written["sliding_window"], written["layer_types"]) == (
+        source["sliding_window"],
+        source["layer_types"],
+    )
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    hf, model = _loom(tmp_path / "out")
+    assert hf.config.norm_placement == "sandwich" and isinstance(cfg, C.LoomConfig)
+    x = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(0))
+    before = save_gemma(tmp_path / "again", "gemma2", vocab_size=384)
+    with torch.no_grad():
+        assert_close(theirs.eval()(x).logits, model(x))
+        assert (theirs(x).logits - before(x).logits).abs().max() > 1e-4  # the steps changed the weights
+    if method == "lora":  # the adapters under PEFT's names, on transformers' Gemma 2: the merged logits
+        import peft
+
+        from loom.finetune.export import export_peft
+
+        export_peft(run, tmp_path / "adapter")
+        hf_base = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager")
+        adapted = peft.PeftModel.from_pretrained(hf_base, str(tmp_path / "adapter")).eval()
+        with torch.no_grad():
+            assert_close(adapted(x).logits, model(x), rtol=1e-4, atol=1e-5)
