@@ -45,12 +45,14 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _repeat_sdpa(q, k, v, mask=None, dropout=0.0, causal=None):
+def _repeat_sdpa(q, k, v, mask=None, dropout=0.0, causal=None, scale=0.0):
     """The former path: k, v repeated to the query heads, then plain SDPA."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     causal = mask is None if causal is None else causal
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale or None
+    )
 
 
 def _logits_and_grads(model, x, y, positions):

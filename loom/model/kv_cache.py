@@ -131,6 +131,6 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     mask = _mask(cache, T)
     for i, layer in enumerate(model.layers):
         block, attn = cast(Block, layer), cast(Attention, cast(Block, layer).attention)
-        h = block.around(h, lambda x: _attend(attn, x, cos, sin, cache, i, mask))  # noqa: B023 (called here)
+        h = block(h, cos, sin, attend=lambda x: _attend(attn, x, cos, sin, cache, i, mask))  # noqa: B023 (called here)
     cache.length += T
     return model.logits(h)  # (B, T, V): norm, head and the logit cap, as the full forward

@@ -455,26 +455,26 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         docs: torch.Tensor | BlockMask | None = None,
+        attend: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``docs``: packed data's document ids (B, T) or block mask, passed to the attention (see
-        CoreAttention)."""
+        CoreAttention). ``attend``: another attention on (B, T, h) (the KV-cached decoder's). The
+        attention is called in this frame, not in a nested function: under ``torch.compile`` a
+        communicating module run eagerly breaks the graph here, and the rest of the block compiles."""
         extra = () if docs is None else (docs,)
-        return self.around(x, lambda y: self.attention(y, cos, sin, *extra))
-
-    def around(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The block's norms, residuals and MLP around ``attend`` (its attention on (B, T, h); the
-        KV-cached decoder passes its own)."""
         if self.post_norm:  # (B, T, h) throughout
-            x = x + self._drop(self.attention_norm(attend(x)))
+            a = self.attention(x, cos, sin, *extra) if attend is None else attend(x)
+            x = x + self._drop(self.attention_norm(a))
             return x + self._drop(self.ffn_norm(self.feed_forward(x)))
-        attn = attend(self.attention_norm(x))
+        h = self.attention_norm(x)
+        a = self.attention(h, cos, sin, *extra) if attend is None else attend(h)
         if self.post_attention_norm is not None:
-            attn = self.post_attention_norm(attn)
-        x = x + self._drop(attn)
-        mlp = self.feed_forward(self.ffn_norm(x))
+            a = self.post_attention_norm(a)
+        x = x + self._drop(a)
+        m = self.feed_forward(self.ffn_norm(x))
         if self.post_ffn_norm is not None:
-            mlp = self.post_ffn_norm(mlp)
-        return x + self._drop(mlp)
+            m = self.post_ffn_norm(m)
+        return x + self._drop(m)
 
 
 class VocabHead(nn.Linear):
