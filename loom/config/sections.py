@@ -58,6 +58,11 @@ DataFormat = Literal["text", "chat", "prompt_completion"]
 Overlong = Literal["truncate", "drop"]
 
 
+# data.bos: auto = the tokenizer's own start tokens before each document (what its post-processor puts
+# before one sequence: Llama 3's <|begin_of_text|>, Gemma's <bos>); none = a document starts with its text
+DocStart = Literal["auto", "none"]
+
+
 CpMode = CpModeName  # parallel.cp_mode (loom.rules)
 
 
@@ -245,6 +250,9 @@ class DataConfig:
     sources: list[SourceConfig] = field(
         default_factory=list
     )  # [[data.sources]] mixture (replaces data.source)
+    # the tokenizer's start token before each document and example (auto: where its post-processor puts one,
+    # as transformers' tokenizer(text) does: Llama 3, Gemma, Mistral; none for GPT-2, Qwen, Loom's own)
+    bos: DocStart = "auto"
     # debug: rank 0 writes each step's [source, window] sample ids to run.dir/sample_ids.jsonl
     record_ids: bool = False
 

@@ -32,7 +32,7 @@ as dropped).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -54,7 +54,8 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # 3 = tokens overlapping the spans, after the generation prompt's header or inside the template's
 # {% generation %} blocks (1 searched the content from the turn's start, 2 trained tokens starting in
 # the spans)
-LABELS_VERSION = 4
+# 5 = the tokenizer's start tokens before each example (data.bos), never trained
+LABELS_VERSION = 5
 Render = Callable[..., str]  # (messages, generation_prompt=...) -> text
 ASSISTANT = "<|assistant|>\n"  # the built-in template's opening of an assistant turn
 # private-use characters (plane 15, which no text of ours uses) bracketing what a template's
@@ -432,25 +433,40 @@ def _answer_start(render: Render, before: list[dict[str, str]], prev: str, cur: 
 
 
 def encode_example(
-    tok: Tokenizer, text: str, spans: list[tuple[int, int]], eot: int, train_on_prompt: bool
+    tok: Tokenizer,
+    text: str,
+    spans: list[tuple[int, int]],
+    eot: int,
+    train_on_prompt: bool,
+    bos: Sequence[int] = (),
 ) -> tuple[list[int], list[int]]:
-    """Token ids of ``text`` + the end token, and the mask (1 = trained: a token overlapping a span, as
-    transformers' assistant mask counts it: Mistral's " fine" starts on the space before the answer)."""
+    """Token ids of ``bos`` + ``text`` + the end token (``bos`` left out where the text's own tokens
+    begin with it: a chat template writing ``{{ bos_token }}``), and the mask (1 = trained: a token
+    overlapping a span, as transformers' assistant mask counts it: Mistral's " fine" starts on the
+    space before the answer; ``bos`` never, unless ``train_on_prompt``)."""
     enc = tok.encode(text, add_special_tokens=False)
-    ids = [*enc.ids, eot]
+    head = [] if list(enc.ids[: len(bos)]) == list(bos) else list(bos)
+    ids = [*head, *enc.ids, eot]
     if train_on_prompt:
         return ids, [1] * len(ids)
     mask = [int(any(start < b and end > a for a, b in spans)) for start, end in enc.offsets]
-    return ids, [*mask, 1 if spans else 0]
+    return ids, [0] * len(head) + [*mask, 1 if spans else 0]
 
 
 class ExampleEncoder:
     """Encodes examples into (ids, mask) chunks, counting those cut or dropped for length."""
 
     def __init__(
-        self, tok: Tokenizer, eot: int, dtype: np.dtype, max_tokens: int, overlong: str, train_on_prompt: bool
+        self,
+        tok: Tokenizer,
+        eot: int,
+        dtype: np.dtype,
+        max_tokens: int,
+        overlong: str,
+        train_on_prompt: bool,
+        bos: Sequence[int] = (),
     ) -> None:
-        self.tok, self.eot, self.dtype = tok, eot, dtype
+        self.tok, self.eot, self.dtype, self.bos = tok, eot, dtype, tuple(bos)
         self.max_tokens, self.overlong, self.train_on_prompt = max_tokens, overlong, train_on_prompt
         self.truncated = self.dropped = 0
 
@@ -462,7 +478,7 @@ class ExampleEncoder:
         mask: list[int] = []
         kept = 0
         for text, spans in examples:
-            one, m = encode_example(self.tok, text, spans, self.eot, self.train_on_prompt)
+            one, m = encode_example(self.tok, text, spans, self.eot, self.train_on_prompt, self.bos)
             if len(one) > self.max_tokens:
                 if self.overlong == "drop":
                     self.dropped += 1

@@ -64,7 +64,14 @@ from loom.data.stream import (
     split_plan,
     split_stream,
 )
-from loom.data.tokenizer import eot_id, load_tokenizer, tokenizer_file, train_pieces, train_tokenizer
+from loom.data.tokenizer import (
+    eot_id,
+    load_tokenizer,
+    start_ids,
+    tokenizer_file,
+    train_pieces,
+    train_tokenizer,
+)
 from loom.notes import LAUNCHER_SAYS
 from loom.numbers import is_whole
 
@@ -315,7 +322,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # dropped, special tokens' spellings in the text encoded as text (tokenizer.ordinary), a
 # doc_separator's line breaks matching \r\n too; 3 = a trained tokenizer sees a word over
 # tokenizer.MAX_TRAIN_WORD characters in pieces
-TEXT_READING = 3
+# 4 = the tokenizer's start tokens before each document (data.bos)
+TEXT_READING = 4
 
 
 def cache_key(cfg: DataConfig) -> dict[str, Any]:
@@ -334,6 +342,7 @@ def cache_key(cfg: DataConfig) -> dict[str, Any]:
         "text_field": cfg.text_field,
         "val_fraction": cfg.val_fraction,
         **({"doc_separator": cfg.doc_separator} if cfg.doc_separator else {}),
+        **({"bos": cfg.bos} if cfg.bos != "auto" else {}),
         **(
             {"reading": TEXT_READING}  # a cache of the old rule is stale
             if cfg.format == "text"
@@ -580,6 +589,7 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
     eot = eot_id(tok, cfg.tokenizer)
+    bos = start_ids(tok, eot) if cfg.bos == "auto" else ()
     writers: dict[Split, TokenWriter] = {}
     try:
         writers = {name: TokenWriter(out / f"{name}.bin") for name in ("train", "val")}
@@ -592,6 +602,7 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
             cfg.workers or default_workers(),
             total_bytes=n_bytes,
             progress=progress,
+            bos=bos,
         )
         digests = {name: w.close() for name, w in writers.items()}
     except BaseException:
@@ -603,6 +614,7 @@ def _build(cfg: DataConfig, key: dict[str, Any], out: Path, progress: bool) -> N
         "skipped_records": skipped,
         "corpus_cut": cut,
         "unread_files": unread,
+        "bos_ids": list(bos),
     }
     _write_meta(out, cfg, key, t0, (vocab, dtype, eot), writers, digests, extra)
 
@@ -677,7 +689,8 @@ def _build_examples(cfg: DataConfig, key: dict[str, Any], out: Path, progress: b
     tok.save(str(out / "tokenizer.json"))
     vocab, eot = tok.get_vocab_size(), eot_id(tok, cfg.tokenizer)
     dtype = token_dtype(vocab)
-    enc = ExampleEncoder(tok, eot, dtype, cfg.seq_len + 1, cfg.overlong, cfg.train_on_prompt)
+    bos = start_ids(tok, eot) if cfg.bos == "auto" else ()
+    enc = ExampleEncoder(tok, eot, dtype, cfg.seq_len + 1, cfg.overlong, cfg.train_on_prompt, bos)
     names = ("train", "val", "train.mask", "val.mask")
     writers: dict[str, TokenWriter] = {}
     try:
@@ -723,6 +736,7 @@ def _build_examples(cfg: DataConfig, key: dict[str, Any], out: Path, progress: b
         digests,
         {
             "data_format": cfg.format,
+            "bos_ids": list(bos),
             "corpus_cut": cut,
             "unread_files": unread,
             "overlong": {"mode": cfg.overlong, "truncated": enc.truncated, "dropped": enc.dropped},

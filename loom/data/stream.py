@@ -4,8 +4,8 @@ Documents arrive as ``(text, ends_document)`` pieces (:func:`loom.data.corpus.it
 document is cut again into pieces of about :data:`~loom.data.tokenizer.PIECE_CHARS` characters at
 points where encoding the pieces gives exactly the tokens of the whole document
 (:func:`~loom.data.tokenizer.recut`); pieces are grouped into chunks of about ``chunk_chars``
-characters, encoded by ``workers`` processes, and the token ids (an end-of-document token after a
-document's last piece) are appended to the ``.bin`` file in order, whatever order the workers
+characters, encoded by ``workers`` processes, and the token ids (the tokenizer's start tokens before a
+document's first piece, ``data.bos``; an end-of-document token after its last) are appended to the ``.bin`` file in order, whatever order the workers
 finish in; so the bytes do not depend on the worker count. At most ``2 * workers`` chunks are in
 flight, so the text held is at most ``(2 * workers + 1) * chunk_chars`` characters plus one block
 being read, independent of the corpus size and of the largest document. One worker encodes in this
@@ -185,62 +185,75 @@ _WORKER: dict[str, object] = {}
 
 
 def encode_chunk(
-    tok: Tokenizer, docs: list[str], eot: int, dtype: np.dtype, ends: list[bool] | None = None
+    tok: Tokenizer,
+    docs: list[str],
+    eot: int,
+    dtype: np.dtype,
+    ends: list[bool] | None = None,
+    starts: list[bool] | None = None,
+    bos: Sequence[int] = (),
 ) -> np.ndarray:
-    """Token ids of ``docs`` (pieces of documents: ``eot`` after those whose ``ends`` is true, after
-    every one by default), as one array of ``dtype``."""
+    """Token ids of ``docs`` (pieces of documents: ``bos`` before those whose ``starts`` is true,
+    ``eot`` after those whose ``ends`` is true, each by default around every one), as one array of
+    ``dtype``."""
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     pieces: list[np.ndarray] = []
-    tail = np.array([eot], dtype=dtype)
+    tail, head = np.array([eot], dtype=dtype), np.array(bos, dtype=dtype)
     for j, enc in enumerate(encode(docs, add_special_tokens=False)):
+        if len(head) and (starts is None or starts[j]):
+            pieces.append(head)
         pieces.append(np.asarray(enc.ids, dtype=dtype))
         if ends is None or ends[j]:
             pieces.append(tail)
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
 
 
-def _init_worker(tok_json: str, eot: int, dtype: str) -> None:
-    _WORKER.update(tok=ordinary(Tokenizer.from_str(tok_json)), eot=eot, dtype=np.dtype(dtype))
+def _init_worker(tok_json: str, eot: int, dtype: str, bos: tuple[int, ...] = ()) -> None:
+    _WORKER.update(tok=ordinary(Tokenizer.from_str(tok_json)), eot=eot, dtype=np.dtype(dtype), bos=bos)
 
 
-def _worker_encode(docs: list[str], ends: list[bool]) -> np.ndarray:
+def _worker_encode(docs: list[str], ends: list[bool], starts: list[bool]) -> np.ndarray:
     tok = _WORKER["tok"]
     assert isinstance(tok, Tokenizer)
-    return encode_chunk(tok, docs, int(_WORKER["eot"]), _WORKER["dtype"], ends)  # type: ignore[call-overload, arg-type]
+    return encode_chunk(tok, docs, int(_WORKER["eot"]), _WORKER["dtype"], ends, starts, _WORKER["bos"])  # type: ignore[call-overload, arg-type]
 
 
 def _chunks(
     pieces: Iterable[tuple[Split, str, bool]], chunk_chars: int
-) -> Iterator[tuple[Split, list[str], list[bool], int]]:
-    """(split, pieces, ends_document, UTF-8 bytes) groups of about ``chunk_chars`` characters, never
-    mixing splits."""
+) -> Iterator[tuple[Split, list[str], list[bool], list[bool], int]]:
+    """(split, pieces, ends_document, starts_document, UTF-8 bytes) groups of about ``chunk_chars``
+    characters, never mixing splits (a piece starts a document when the one before it ended one)."""
     split: Split | None = None
     group: list[str] = []
     ends: list[bool] = []
+    starts: list[bool] = []
     size = nbytes = 0
+    first = True  # the next piece starts a document
     for s, text, end in pieces:
         if group and (s != split or size + len(text) > chunk_chars):
             assert split is not None
-            yield split, group, ends, nbytes
-            group, ends, size, nbytes = [], [], 0, 0
+            yield split, group, ends, starts, nbytes
+            group, ends, starts, size, nbytes = [], [], [], 0, 0
         split = s
         group.append(text)
         ends.append(end)
+        starts.append(first)
+        first = end
         size += len(text)
         nbytes += len(text.encode("utf-8"))
     if group:
         assert split is not None
-        yield split, group, ends, nbytes
+        yield split, group, ends, starts, nbytes
 
 
-def _pool(tok: Tokenizer, eot: int, dtype: np.dtype, workers: int) -> Pool:
+def _pool(tok: Tokenizer, eot: int, dtype: np.dtype, workers: int, bos: tuple[int, ...] = ()) -> Pool:
     """``workers`` processes holding the tokenizer, each encoding on one thread (no Rust thread pool
     per worker; a forked child of a process that used it would also warn)."""
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # inherited by the workers only
     try:
-        return ctx.Pool(workers, _init_worker, (tok.to_str(), eot, dtype.name))
+        return ctx.Pool(workers, _init_worker, (tok.to_str(), eot, dtype.name, bos))
     finally:
         if before is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
@@ -259,9 +272,10 @@ def encode_stream(
     total_bytes: int | None = None,
     progress: bool = False,
     piece_chars: int = PIECE_CHARS,
+    bos: Sequence[int] = (),
 ) -> None:
     """Encode ``(split, text, ends_document)`` pieces into ``writers[split]`` in order (see the module
-    doc), in chunks of ``chunk_chars`` (default :data:`CHUNK_CHARS`) of pieces of about ``piece_chars``;
+    doc; ``bos`` before each document), in chunks of ``chunk_chars`` (default :data:`CHUNK_CHARS`) of pieces of about ``piece_chars``;
     a progress bar counts UTF-8 bytes, with their rate and the time left."""
     bar = tqdm(
         total=total_bytes, desc="tokenize", unit="B", unit_scale=True, disable=not progress, leave=False
@@ -270,17 +284,18 @@ def encode_stream(
     chunks = _chunks(recut(docs, encode_cut_check(tok), piece_chars), chunk_chars or CHUNK_CHARS)
     try:
         if workers <= 1:
-            for split, group, ends, nbytes in chunks:
-                writers[split].write(encode_chunk(tok, group, eot, dtype, ends), sum(ends))
+            for split, group, ends, starts, nbytes in chunks:
+                writers[split].write(encode_chunk(tok, group, eot, dtype, ends, starts, bos), sum(ends))
                 bar.update(nbytes)
             return
-        pool = _pool(tok, eot, dtype, workers)
+        pool = _pool(tok, eot, dtype, workers, tuple(bos))
         try:
             pending: deque[tuple[Split, int, int, AsyncResult[np.ndarray]]] = deque()
-            for split, group, ends, nbytes in chunks:
+            for split, group, ends, starts, nbytes in chunks:
                 if len(pending) >= 2 * workers:
                     _drain_one(pending, writers, bar)
-                pending.append((split, sum(ends), nbytes, pool.apply_async(_worker_encode, (group, ends))))
+                task = pool.apply_async(_worker_encode, (group, ends, starts))
+                pending.append((split, sum(ends), nbytes, task))
                 del group
             while pending:
                 _drain_one(pending, writers, bar)

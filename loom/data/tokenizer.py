@@ -148,6 +148,20 @@ def eot_id(tok: Tokenizer, path: str | Path = "") -> int:
     )
 
 
+def start_ids(tok: Tokenizer, eot: int) -> tuple[int, ...]:
+    """The special tokens ``tok``'s post-processor puts before one sequence, as ``transformers``'
+    ``tokenizer(text)`` starts with them (Llama 3's ``<|begin_of_text|>``, Gemma's ``<bos>``, Llama 2's
+    and Mistral's ``<s>``); () for none (GPT-2, Qwen, Loom's own tokenizers), and () where they hold
+    the end-of-document token ``eot`` (a document would then seem to end before it starts)."""
+    enc = tok.encode("a", add_special_tokens=True)
+    ids = []
+    for i, special in zip(enc.ids, enc.special_tokens_mask, strict=True):
+        if not special:
+            break
+        ids.append(i)
+    return () if eot in ids else tuple(ids)
+
+
 def encode_documents(
     tok: Tokenizer,
     docs: Sequence[str],
