@@ -954,3 +954,31 @@ def test_every_generate_option_is_in_the_usage_and_every_plan_subcommand_in_its_
     out = " ".join(capsys.readouterr().out.split())
     for sub in ("calibrate", "validate", "verify"):
         assert f"loom plan {sub}" in out, sub
+
+
+def test_a_chat_prompt_starts_with_the_tokenizers_start_token_as_chat_data_does(hf_dir):
+    """A tokenizer whose post-processor starts sequences with a start token (Gemma's <bos>, Llama 3's
+    <|begin_of_text|>; here the vocabulary's last token): a chat prompt gets it before the rendered
+    conversation, as ``data.bos`` prepares chat examples (once: a template that writes it keeps its
+    one); a text prompt has it from the tokenizer itself."""
+    import dataclasses
+
+    from tokenizers import Tokenizer, processors
+
+    from loom.generate.source import load_hf
+
+    src = load_hf(str(hf_dir))
+    tok = Tokenizer.from_str(src.tokenizer.to_str())
+    bos = src.model.cfg.vocab_size - 1
+    name = tok.id_to_token(bos)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{name} $A", pair=f"{name} $A {name} $B", special_tokens=[(name, bos)]
+    )
+    src = dataclasses.replace(src, tokenizer=tok)
+    rendered = src.render([{"role": "user", "content": "the dog"}])
+    body = tok.encode(rendered, add_special_tokens=False).ids
+    assert bos not in body
+    assert src.encode("the dog", chat=True) == [bos, *body]
+    assert src.encode("the dog", chat=False)[0] == bos
+    src.render = lambda m: tok.decode([bos], skip_special_tokens=False) + rendered  # type: ignore[method-assign]
+    assert src.encode("the dog", chat=True) == [bos, *body]  # the template's own, not a second

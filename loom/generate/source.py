@@ -53,7 +53,7 @@ from loom.checkpoint.format import (
 from loom.checkpoint.hf_export import end_tokens, run_tokenizer_dir
 from loom.checkpoint.recorded import adopt_model, model_changes, recorded_config
 from loom.data.chat import builtin_render, template_render
-from loom.data.tokenizer import EOT_CANDIDATES, load_tokenizer
+from loom.data.tokenizer import EOT_CANDIDATES, load_tokenizer, start_ids
 from loom.generate.options import Prompt, SamplingOptions
 from loom.model.llama import Transformer
 from loom.train.export import load_model
@@ -110,10 +110,15 @@ class Source:
 
     def encode(self, prompt: Prompt, chat: bool, where: str = "--prompt") -> list[int]:
         """Token ids of a prompt: chat messages (or a text as one user turn, with ``chat``) rendered
-        and encoded as chat data is (no added special tokens), or a text as the tokenizer encodes it."""
+        and encoded as chat data is (the tokenizer's start tokens before it unless the template wrote
+        them, :func:`~loom.data.tokenizer.start_ids`), or a text as the tokenizer encodes it (its
+        post-processor's start tokens included)."""
         if chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             ids = self.tokenizer.encode(_utf8(self.render(messages), where), add_special_tokens=False).ids
+            start = [i for i in start_ids(self.tokenizer, -1) if i not in self.eos]
+            if ids[: len(start)] != start:  # as chat data is prepared (data.bos): a template may write it
+                ids = [*start, *ids]
         else:
             assert isinstance(prompt, str)  # read_prompts refuses messages without --chat
             ids = self.tokenizer.encode(_utf8(prompt, where)).ids
