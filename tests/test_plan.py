@@ -67,11 +67,22 @@ def _cluster(device: str = "h100-sxm", per_node: int = 8, nodes: int = 1, **kw) 
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_param_count_matches_the_reference_model(tied):
+@pytest.mark.parametrize("gemma2", [False, True], ids=["llama", "gemma2"])
+def test_param_count_matches_the_reference_model(tied, gemma2):
     from loom.model.llama import Transformer, count_params
 
+    gemma = dict(
+        norm_offset=True, embed_scale=True, mlp="geglu_tanh", norm_placement="sandwich", attn_head_dim=32
+    )
     cfg = ModelConfig(
-        dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=300, tie_embeddings=tied, max_seq_len=32
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=300,
+        tie_embeddings=tied,
+        max_seq_len=32,
+        **(gemma if gemma2 else {}),
     )
     assert param_count(cfg) == count_params(Transformer(cfg))
 

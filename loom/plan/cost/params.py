@@ -70,7 +70,8 @@ class ParamCounts:
             mlp=mats * h * f * (n_experts if moe else 1) + mlp_bias,
             mlp_active=mats * h * f * (top_k if moe else 1) + mlp_bias + shared,
             router=h * n_experts if moe else 0,
-            norms=2 * h * norm + qk_norm_params(m),
+            norms=(4 if m.norm_placement == "sandwich" else 2) * h * norm
+            + qk_norm_params(m),  # Gemma 2: four
             embed=m.padded_vocab * h,  # model.pad_vocab_to rows when padded
             head=0 if m.tie_embeddings else m.padded_vocab * h,
             final_norm=h * norm,
