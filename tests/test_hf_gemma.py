@@ -245,7 +245,8 @@ def _gemma2_layouts(names: list[str]) -> list[dict]:
 
 
 def test_gemma2_fields_train_equal_to_one_process(pools):
-    """A Gemma-2-shaped model (every field above) trains 3 steps of 2 micro-batches under tp2 + sp
+    """A Gemma-2-shaped model (every field above; test_strict_comm.py steps it with torch's default
+    device meta) trains 3 steps of 2 micro-batches under tp2 + sp
     (the sandwich norms on sequence shards, their weights' gradients summed over tp), pp2 and ZeRO-3
     with the losses and every parameter of one process; its norm weights start at 0."""
     from tests.helpers import ADAM_STATE_TOL, train_layout

@@ -222,6 +222,18 @@ SENTINEL_LAYOUTS = {
         ),
         "zero1-adam8bit": ({"dp_shard": 2, "zero": 1, "optimizer": "adam8bit"}, {}),
         "tp2-sp": ({"tp": 2, "sp": True}, {}),
+        "tp2-sp-gemma2-bf16": (  # the embedding scale, offset norms, soft-caps and scale of Gemma 2
+            {"tp": 2, "sp": True, "precision": "bf16"},
+            {
+                "norm_offset": True,
+                "embed_scale": True,
+                "mlp": "geglu_tanh",
+                "norm_placement": "sandwich",
+                "attn_scale": 0.3,
+                "attn_softcap": 2.0,
+                "logit_softcap": 3.0,
+            },
+        ),
         "pp2-zb": ({"pp": 2, "schedule": "zb-h1"}, {}),
         "pp2-interleaved": ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2}, {"n_layers": 4}),
         "pp2-2bw-bf16": ({"pp": 2, "schedule": "2bw", "precision": "bf16"}, {}),

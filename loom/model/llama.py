@@ -502,8 +502,8 @@ def embed(
     ``model.embed_scale``) when given, plus with learned positions the table's rows at each token's
     position: ``positions`` (B, T) when given, else the first T of ``pos_ids``."""
     h = tok(tokens)
-    if scale is not None:
-        h = h * torch.tensor(scale, dtype=h.dtype)
+    if scale is not None:  # the scale rounded to h's dtype as Gemma rounds it; a Python number: no device
+        h = h * torch.tensor(scale, dtype=h.dtype, device="cpu").item()
     if pos is None:
         return h
     return h + pos(positions if positions is not None else cast(torch.Tensor, pos_ids)[: tokens.shape[1]])
