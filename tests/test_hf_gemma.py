@@ -122,10 +122,11 @@ def test_import_gives_the_logits_of_transformers_and_export_round_trips(tmp_path
     assert_close(cached, logits)
 
 
-def test_import_under_tp2_zero3_and_pp2_gives_the_logits_of_transformers(pools, tmp_path):
+def test_import_under_tp2_zero3_cp2_and_pp2_gives_the_logits_of_transformers(pools, tmp_path):
     """Built on the meta device and read box by box: under tp2 + sp each rank reads exactly its
     parameters' bytes (the sandwich norms' whole, replicated) and the gathered logits are
-    transformers'; under ZeRO-3 the logits, under pp2 the loss through the pipeline."""
+    transformers'; under ZeRO-3 the logits, under cp2 (all-gather) each rank's positions' logits,
+    under pp2 the loss through the pipeline."""
     from loom.model.llama import loss_fn
     from tests.test_hf import _layout_outputs
 
@@ -141,6 +142,9 @@ def test_import_under_tp2_zero3_and_pp2_gives_the_logits_of_transformers(pools, 
         for (logits, share), want in zip(rank, expected):
             assert_close(logits, want)
             assert share < 1
+    for rank in pools(2).run(_layout_outputs, paths, x, "cp2"):  # Gemma 2's capped blocks: fp32 products
+        for (pos, logits), want in zip(rank, expected):
+            assert_close(logits, want[:, pos])
     for loss in pools(2).run(_layout_outputs, paths, x, "pp2"):
         for got, want in zip(loss, expected):
             assert got == pytest.approx(float(loss_fn(want, x[:, 1:])), rel=1e-5)
