@@ -169,9 +169,22 @@ LAYOUTS = {
 BREAKS = {"tp2 sp": 4, "cp2": 2}
 
 
-@pytest.mark.parametrize("mode", ["blocks", "full"])
-def test_one_process_compiled_equals_eager(mode):
-    compiled, eager = _compiled_and_eager({}, mode)
+GEMMA2 = {  # Gemma 2's fields: offset norms, sqrt(h) embeddings, GeGLU, sandwich norms, scale, soft-caps
+    "norm_offset": True,
+    "embed_scale": True,
+    "mlp": "geglu_tanh",
+    "norm_placement": "sandwich",
+    "attn_scale": 0.3,
+    "attn_softcap": 2.0,
+    "logit_softcap": 3.0,
+}
+
+
+@pytest.mark.parametrize(
+    "mode,model", [("blocks", {}), ("full", {}), ("blocks", GEMMA2)], ids=["blocks", "full", "gemma2"]
+)
+def test_one_process_compiled_equals_eager(mode, model):
+    compiled, eager = _compiled_and_eager({"model": model}, mode)
     _assert_equal([(compiled, eager)], mode)
     graphs, breaks, _ = compiled["report"]
     assert graphs >= 1 and breaks == {}, (graphs, breaks)  # the plain model compiles whole
