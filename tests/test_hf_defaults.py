@@ -171,6 +171,8 @@ def _edit(path: Path, **fields) -> None:
         ("LlamaConfig", {}, {"sliding_window": 16}),  # Llama has no window: transformers ignores it
         ("Olmo2Config", {}, {"sliding_window": 16}),
         ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}, {}),
+        # its windowed layers from max_window_layers on: layer 1 of 2 sees 16 keys of 48
+        ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, {}),
         ("LlamaConfig", {}, {"hidden_act": "swish"}),  # SiLU by another name
         ("LlamaConfig", {}, {"hidden_act": None}),  # left out: the family's SiLU
         ("LlamaConfig", {}, {"architectures": None}),  # AutoModel goes by model_type
@@ -180,6 +182,7 @@ def _edit(path: Path, **fields) -> None:
         "llama window",
         "olmo2 window",
         "qwen2 no window layer",
+        "qwen2 windowed layer",
         "swish",
         "no hidden_act",
         "no architectures",
@@ -199,15 +202,15 @@ def test_configs_transformers_reads_are_read_as_it_reads_them(tmp_path, config_c
 @pytest.mark.parametrize("config_class", ["MistralConfig", "MixtralConfig", "Phi3Config"])
 def test_a_window_transformers_applies_is_never_dropped(tmp_path, config_class):
     """Mistral, Mixtral and Phi-3 read sliding_window alone: a stray ``use_sliding_window: false`` left
-    Loom attending to the whole sequence (logits off by up to 2.9); now the window shorter than the
-    sequences is refused, as any window Loom cannot honour."""
-    from loom.model.hf import HFError, open_dir
-
+    Loom attending to the whole sequence (logits off by up to 2.9); the window of 16 on sequences of
+    48 is applied on every layer, the logits transformers'."""
     extra = {"MixtralConfig": {"num_local_experts": 4}, "Phi3Config": {"pad_token_id": 0}}
-    _save(tmp_path, config_class, sliding_window=16, **extra.get(config_class, {}))
+    ref = _save(tmp_path, config_class, sliding_window=16, **extra.get(config_class, {}))
     _edit(tmp_path, use_sliding_window=False)
-    with pytest.raises(HFError, match=r"sliding_window = 16 is shorter than the sequences \(48\)"):
-        open_dir(tmp_path, 48)
+    x = torch.randint(0, BASE["vocab_size"], (1, 48), generator=torch.Generator().manual_seed(0))
+    cfg, logits = _loom_logits(tmp_path, x)
+    assert (cfg.sliding_window, cfg.window_layers) == (16, "all")
+    assert_close(logits, ref(x).logits.detach(), atol=2e-5, rtol=1e-5)
 
 
 def test_exports_loom_reads_back_and_families_that_cannot_hold_the_model(tmp_path):

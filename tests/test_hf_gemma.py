@@ -172,17 +172,11 @@ def test_import_under_tp2_zero3_cp2_and_pp2_gives_the_logits_of_transformers(poo
         ),
         (
             "gemma2",
-            {"sliding_window": 16},
-            "config.json: sliding_window = 16 is shorter than the sequences (32); Loom attends to the whole "
-            "sequence, so it matches only when sequences fit the window",
-        ),
-        (
-            "gemma2",
             {"query_pre_attn_scalar": 0},
             "config.json: query_pre_attn_scalar = 0.0 is out of range: want a number > 0",
         ),
     ],
-    ids=["gemma2 exact gelu", "gemma silu", "bidirectional", "window", "scalar 0"],
+    ids=["gemma2 exact gelu", "gemma silu", "bidirectional", "scalar 0"],
 )
 def test_what_loom_cannot_hold_is_one_line_naming_the_field(tmp_path, family, edit, says):
     from loom.model.hf import HFError, open_dir
@@ -195,13 +189,21 @@ def test_what_loom_cannot_hold_is_one_line_naming_the_field(tmp_path, family, ed
     assert str(e.value) == says
 
 
-def test_a_gemma_window_covering_the_sequences_or_full_layers_imports(tmp_path):
-    """Gemma 2's window applies on its sliding layers only (by default every other one): a window
-    shorter than the sequences is fine when ``layer_types`` names none."""
-    from loom.model.hf import open_dir
-
-    save_gemma(tmp_path, "gemma2", sliding_window=16, layer_types=["full_attention"] * 2)
-    assert open_dir(tmp_path, 32).config.norm_placement == "sandwich"
+@pytest.mark.parametrize(
+    "kw,window,layers",
+    [({}, 16, "0"), ({"layer_types": ["full_attention"] * 2}, 0, "all"), ({"sliding_window": 64}, 0, "all")],
+    ids=["every other layer", "no windowed layer", "window covering the sequences"],
+)
+def test_gemma2s_window_applies_on_its_sliding_layers(tmp_path, kw, window, layers):
+    """Gemma 2's window applies on its sliding layers only (by default every other one, from layer 0):
+    a window of 16 on sequences of 32 there, none where ``layer_types`` names none or where the
+    sequences fit it; the logits transformers' (its eager attention)."""
+    ref = save_gemma(tmp_path / "src", "gemma2", **({"sliding_window": 16} | kw))
+    hf, model = _loom(tmp_path / "src")
+    assert (hf.config.sliding_window, hf.config.window_layers) == (window, layers)
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_close(model(x), ref(x).logits)
 
 
 @pytest.mark.parametrize(

@@ -195,11 +195,6 @@ def test_peft_adapters_on_the_fused_tensors_load_with_equal_logits(tmp_path, tar
             "config.json: partial_rotary_factor = 0.75 is not supported (Loom rotates whole heads: 1.0)",
         ),
         (
-            {"sliding_window": 16},
-            "config.json: sliding_window = 16 is shorter than the sequences (32); Loom attends to the whole "
-            "sequence, so it matches only when sequences fit the window",
-        ),
-        (
             {"architectures": ["Gemma3ForCausalLM"]},
             "config.json: architectures = 'Gemma3ForCausalLM' is not supported (Loom's model lacks a RoPE base "
             "per layer (sliding-window layers: rope_local_base_freq)); supported: " + SUPPORTED,
@@ -209,7 +204,7 @@ def test_peft_adapters_on_the_fused_tensors_load_with_equal_logits(tmp_path, tar
             "config.json: architectures = 'GPTNeoXForCausalLM' is not supported; supported: " + SUPPORTED,
         ),
     ],
-    ids=["longrope", "partial rotary", "sliding window", "gemma3", "unknown"],
+    ids=["longrope", "partial rotary", "gemma3", "unknown"],
 )
 def test_what_loom_cannot_run_is_one_line_naming_the_field(tmp_path, edit, says):
     from loom.model.hf import HFError, open_dir

@@ -817,7 +817,7 @@ def test_megatron_core_buckets_grow_with_the_data_parallel_group():
 HELD_OUT_BOUNDS = {
     "narayanan2021_table1.toml": (0.08, 0.12),
     "dgxc_h100.toml": (0.125, 0.26),
-    "megatron_bridge_moe_h100.toml": (0.39, 2.03),
+    "megatron_bridge_moe_h100.toml": (0.35, 1.65),
 }
 
 
@@ -840,12 +840,13 @@ def test_rows_never_fitted_on_are_predicted_within_their_bounds():
 
 # |error| bound per row group of benchmarks/heldout/megatron_bridge_moe_h100.toml (today's figures; before
 # the MoE routing bytes, the experts' backward at their shapes and ep-overlap: +178/+198%, -8/-9%,
-# -18/-24%, +25/+28%)
+# -18/-24%, +25/+28%; before the attention core counted a·d, not h, and GPT-OSS's sliding window:
+# +199/+201%, -16/-18%, -5.4/+1.7%, +15.6/+19.2%)
 MOE_GROUP_BOUNDS = {
-    "Qwen3-30B-A3B FP8, 16 H100, ep8 pp2": 2.03,  # +199%, +201%: not priced (docs/planner.md)
-    "Qwen3-30B-A3B FP8, 16 H100, ep16": 0.19,  # -16% to -18%
-    "Qwen3-235B-A22B": 0.06,  # -5.4% to +1.7%
-    "GPT-OSS-120B": 0.21,  # +15.6% to +19.2% (+16.5..+20.1% before its recompute_modules were priced)
+    "Qwen3-30B-A3B FP8, 16 H100, ep8 pp2": 1.65,  # +161%, +164%: not priced (docs/planner.md)
+    "Qwen3-30B-A3B FP8, 16 H100, ep16": 0.23,  # -21.8% to -22.9%
+    "Qwen3-235B-A22B": 0.07,  # -6.5% to +0.5%
+    "GPT-OSS-120B": 0.22,  # +17.4% to +21.1%
 }
 
 

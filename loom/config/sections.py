@@ -177,6 +177,11 @@ class ModelConfig:
     attn_scale: float = 0.0
     attn_softcap: float = 0.0  # > 0: scores s -> c·tanh(s/c) before the softmax (Gemma 2: 50); 0 = off
     logit_softcap: float = 0.0  # > 0: logits z -> c·tanh(z/c) (Gemma 2: 30); 0 = off
+    # > 0: on the windowed layers query i sees keys j with i - w < j <= i (Mistral, Gemma 2/3, Phi-3); 0 = all
+    sliding_window: int = 0
+    window_layers: str = (
+        "all"  # the windowed layers: all, or their indices "0,2,4" (Gemma 2: every other one)
+    )
     # learned: a (max_seq_len, dim) table added to the token embeddings (GPT-2)
     positions: PositionKind = "rope"
     bias: bool = False  # biases on every linear layer but the output head and the router (GPT-2)
@@ -194,6 +199,31 @@ class ModelConfig:
             return self.ffn_dim
         hidden = int(8 * self.dim / 3)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def windowed_layers(self) -> frozenset[int]:
+        """The layers whose attention is windowed (``sliding_window`` > 0): every one for ``window_layers =
+        all``, else the comma-separated indices it lists; a bad list raises naming the field."""
+        if self.sliding_window <= 0:
+            return frozenset()
+        if self.window_layers.strip() == "all":
+            return frozenset(range(self.n_layers))
+        parts = [p.strip() for p in self.window_layers.split(",") if p.strip()]
+        _require(
+            all(p.isdigit() and int(p) < self.n_layers for p in parts),
+            f"model.window_layers: 'all' or comma-separated layer indices in [0, {self.n_layers}), "
+            f"got {self.window_layers!r}",
+        )
+        return frozenset(int(p) for p in parts)
+
+    def attention_share(self, seq_len: int) -> float:
+        """The share of causal attention's T(T+1)/2 (query, key) pairs the layers compute, on average over
+        them: a layer windowed by w < T sees w·T − w(w−1)/2; every other layer all (1 without a window)."""
+        T, w = seq_len, self.sliding_window
+        windowed = len(self.windowed_layers())
+        if not windowed or w >= T:
+            return 1.0
+        seen = (w * T - w * (w - 1) / 2) / (T * (T + 1) / 2)
+        return 1.0 - windowed / self.n_layers * (1.0 - seen)
 
     @property
     def gated_mlp(self) -> bool:

@@ -344,7 +344,7 @@ def hf_model(path: str | Path) -> tuple[HFModel, Transformer]:
     from loom.model.hf import HFError, load_into, moe_options, open_dir
 
     try:
-        hf = open_dir(path, fit_window=True)
+        hf = open_dir(path)
         moe = C.MoEConfig(**moe_options(hf))  # type: ignore[arg-type]
         C.validate_shape(C.LoomConfig(model=hf.config, moe=moe))  # what loom train checks: eps > 0, ...
     except (HFError, C.ConfigError) as e:

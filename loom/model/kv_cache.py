@@ -21,7 +21,10 @@ Batches of prompts of different lengths are left-padded: row b starts with ``pad
 tokens that no query attends to, and its real tokens take positions 0, 1, ... as if alone (RoPE
 angles and learned position rows), so each row computes what it would compute alone. Without
 padding a prompt's prefill is the training forward's causal attention (``is_causal``) and a
-one-token step attends to every cached key with no mask.
+one-token step attends to every cached key with no mask. A windowed layer (``model.sliding_window``
+w, ``model.window_layers``) hides the keys w or more positions back: the query at position p sees the
+cached keys in (p - w, p], prefill included (one mask per window, made once per step; the cache still
+keeps every slot).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import cast
 
 import torch
 
-from loom.model.llama import Attention, Block, Transformer, apply_rope, attention, embed
+from loom.model.llama import Attention, Block, Transformer, apply_rope, attention, embed, window_mask
 
 
 @dataclass
@@ -70,18 +73,20 @@ def new_cache(model: Transformer, batch: int, slots: int, pad: torch.Tensor | No
     return KVCache(keys, values, pad.to(ref.device), padded=padded)
 
 
-def _mask(cache: KVCache, T: int) -> torch.Tensor | None:
+def _mask(cache: KVCache, T: int, window: int = 0) -> torch.Tensor | None:
     """Boolean (B, 1, T, s+T) mask, True where query i (slot s + i) sees key j: pad[b] <= j <= s + i,
-    and a filler query sees itself (so its row is finite; no real query sees it); None when no row
-    is padded and no query needs hiding (one new token, or a prefill, which uses the causal flag)."""
+    with a ``window`` w > 0 also s + i - w < j (a row's real tokens fill consecutive slots, so slots
+    are as far apart as positions: :func:`~loom.model.llama.window_mask`), and a filler query sees
+    itself (so its row is finite; no real query sees it); None when no row is padded and no query
+    needs hiding (one new token, or a prefill, which uses the causal flag, within the window)."""
     s = cache.length
-    if not cache.padded and (T == 1 or s == 0):
+    if not cache.padded and (T == 1 or s == 0) and (window <= 0 or s + T <= window):
         return None
     j = torch.arange(s + T, device=cache.pad.device)
     i = torch.arange(T, device=cache.pad.device)[:, None] + s
     real = (j[None, None, :] >= cache.pad[:, None, None]) | (j[None, :] == i)[None]  # (B, T, s+T)
-    visible = (j[None, :] <= i)[None] & real
-    return visible[:, None]
+    near = window_mask(T, s + T, window, cache.pad.device, offset=s) if window > 0 else j[None, :] <= i
+    return (near[None] & real)[:, None]
 
 
 def _attend(
@@ -128,9 +133,10 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     ).clamp(min=0)
     h = embed(model.tok_embeddings, model.pos_embeddings, None, tokens, pos, model.embed_scale)  # (B, T, h)
     cos, sin = cast(torch.Tensor, model.rope_cos)[pos], cast(torch.Tensor, model.rope_sin)[pos]  # (B, T, d/2)
-    mask = _mask(cache, T)
-    for i, layer in enumerate(model.layers):
-        block, attn = cast(Block, layer), cast(Attention, cast(Block, layer).attention)
-        h = block(h, cos, sin, attend=lambda x: _attend(attn, x, cos, sin, cache, i, mask))  # noqa: B023 (called here)
+    attns = [cast(Attention, cast(Block, layer).attention) for layer in model.layers]
+    masks = {w: _mask(cache, T, w) for w in {attn.core.window for attn in attns}}  # one per window
+    for i, (layer, attn) in enumerate(zip(model.layers, attns, strict=True)):
+        mask = masks[attn.core.window]
+        h = layer(h, cos, sin, attend=lambda x: _attend(attn, x, cos, sin, cache, i, mask))  # noqa: B023 (called here)
     cache.length += T
     return model.logits(h)  # (B, T, V): norm, head and the logit cap, as the full forward

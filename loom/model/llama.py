@@ -37,6 +37,10 @@ from loom.model.moe import ExpertWeights, MoEFeedForward, experts_forward, real_
 from loom.model.norms import LayerNorm, RMSNorm, make_norm  # noqa: F401 (re-exported)
 from loom.model.softcap import softcap as cap_logits  # (attention's ``softcap`` is its float c)
 
+# Packed documents as a block takes them: ids (B, T), one flex block mask, or the pair (unwindowed,
+# windowed) of block masks when only some layers attend within ``model.sliding_window`` (layer_args)
+Documents = torch.Tensor | BlockMask | tuple[BlockMask, BlockMask]
+
 
 def rope_tables(
     head_dim: int, max_seq_len: int, theta: float, scaling: tuple[float, float, float, int] | None = None
@@ -106,31 +110,41 @@ class CoreAttention(nn.Module):
     Kernels (:func:`attention`): without a cap SDPA (flash), σ passed as its ``scale``; packed
     documents on CUDA compiled flex (:func:`flex`, the cap as its ``score_mod``). With a cap and no
     block mask: :func:`capped_attention`'s explicit products (O(T²) scores), or on CUDA without
-    dropout compiled flex under a causal block mask.
+    dropout compiled flex under a causal block mask. A sliding window w (``model.sliding_window`` on
+    the layers ``model.window_layers`` names): query i sees keys i - w < j <= i (:func:`window_mask`),
+    on CUDA through flex under a windowed block mask that skips the blocks outside it (O(T·w)),
+    elsewhere SDPA or the capped products over the dense (T, T) window mask.
 
     (B, a, T, d), (B, k, T, d), (B, k, T, d) -> (B, a, T, d). No parameters: recomputation
     policies wrap this module alone (``train.recompute = selective``).
     """
 
-    def __init__(self, dropout: float = 0.0, scale: float = 0.0, softcap: float = 0.0) -> None:
+    def __init__(
+        self, dropout: float = 0.0, scale: float = 0.0, softcap: float = 0.0, window: int = 0
+    ) -> None:
         super().__init__()
         self.dropout = dropout
         self.scale = scale  # σ; 0 = 1/sqrt(d)
         self.softcap = softcap  # c; 0 = no cap
+        self.window = window  # w: query i sees keys i - w < j <= i; 0 = every earlier key
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | BlockMask | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents | None = None
     ) -> torch.Tensor:
-        """``docs``, packed data: key j is visible to query i iff j <= i and docs[j] == docs[i]. Either
-        the document ids (B, T) int64 (SDPA over the dense mask of :func:`document_mask`) or the
-        micro-batch's :func:`document_block_mask` (compiled ``flex_attention``: no (T, T) tensor)."""
+        """``docs``, packed data: key j is visible to query i iff j <= i and docs[j] == docs[i] (and,
+        with a window w, i - w < j). Either the document ids (B, T) int64 (SDPA over the dense mask of
+        :func:`document_mask`) or the micro-batch's :func:`document_block_mask` built with this core's
+        window (compiled ``flex_attention``: no (T, T) tensor), or the pair (unwindowed, windowed) of
+        them when the model's layers differ (:func:`layer_args`): this core takes its own."""
         p = self.dropout if self.training else 0.0
+        if isinstance(docs, tuple):  # (window 0, window w): layers of both kinds share the micro-batch's
+            docs = docs[1] if self.window else docs[0]
         if isinstance(docs, BlockMask):
             if p > 0:
                 raise ValueError("flex attention has no dropout: packed documents with dropout take SDPA")
             return flex(q, k, v, docs, self.scale, self.softcap)  # (B, a, T, d)
         mask = None if docs is None else document_mask(docs, docs)[:, None]  # (B, 1, T, T)
-        return attention(q, k, v, mask, p, scale=self.scale, softcap=self.softcap)  # (B, a, T, d)
+        return attention(q, k, v, mask, p, scale=self.scale, softcap=self.softcap, window=self.window)
 
 
 def attention(
@@ -142,21 +156,48 @@ def attention(
     causal: bool | None = None,
     scale: float = 0.0,
     softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """softmax(cap(σ q kᵀ) + mask) v of q (B, a, Tq, d) over grouped k, v (B, k, Tk, d) (σ = ``scale``,
     0: 1/sqrt(d); cap as :class:`CoreAttention`'s, none when ``softcap`` = 0); ``mask`` boolean
-    (True: visible) or additive, and ``causal`` as :func:`sdpa`'s.
+    (True: visible) or additive, and ``causal`` as :func:`sdpa`'s. ``window`` w > 0: besides ``mask``,
+    query i sees key j iff i - w < j <= i (:func:`window_mask`, aligned at the start; causal with it).
 
     No cap: :func:`sdpa` (flash kernels, σ as its ``scale``). A cap, which SDPA cannot apply: on CUDA,
     causal self-attention without dropout runs compiled flex under :func:`causal_block_mask` with the
     cap as its ``score_mod`` (:func:`flex`); anything else :func:`capped_attention` (O(Tq·Tk) scores).
+    A window: on CUDA, causal self-attention without ``mask`` or dropout runs compiled flex under the
+    windowed :func:`causal_block_mask` (blocks outside the window skipped: O(T·w)); anything else
+    takes the paths above with the (Tq, Tk) window mask folded into ``mask`` (O(Tq·Tk)).
     """
+    if window > 0:
+        causal = mask is None if causal is None else causal
+        Tq, Tk = q.shape[2], k.shape[2]
+        if q.is_cuda and mask is None and causal and dropout == 0 and Tq == Tk:
+            return flex(q, k, v, causal_block_mask(Tq, q.device, window), scale, softcap)
+        seen = window_mask(Tq, Tk, window, q.device)  # (Tq, Tk): i - w < j <= i
+        if mask is None:
+            mask = seen
+        else:
+            mask = mask & seen if mask.dtype == torch.bool else mask.masked_fill(~seen, float("-inf"))
+        causal = False  # the window mask is causal
     if softcap <= 0:
         return sdpa(q, k, v, mask, dropout, causal, scale)
     causal = mask is None if causal is None else causal
     if q.is_cuda and mask is None and causal and dropout == 0 and q.shape[2] == k.shape[2]:
         return flex(q, k, v, causal_block_mask(q.shape[2], q.device), scale, softcap)
     return capped_attention(q, k, v, mask, dropout, causal, scale, softcap)
+
+
+def window_mask(
+    Tq: int, Tk: int, window: int, device: torch.device | str = "cpu", offset: int = 0
+) -> torch.Tensor:
+    """Boolean (Tq, Tk) sliding-window mask, True where query i (at position ``offset`` + i) sees key j:
+    offset + i - w < j <= offset + i (transformers' ``sliding_window_causal_mask_function``: causal and
+    ``kv_idx > q_idx - sliding_window``), so each query sees itself and its w - 1 predecessors."""
+    i = torch.arange(Tq, device=device)[:, None] + offset
+    j = torch.arange(Tk, device=device)[None, :]
+    return (j <= i) & (j > i - window)
 
 
 def capped_attention(
@@ -236,20 +277,37 @@ def softcap_score_mod(softcap: float) -> Callable[..., torch.Tensor]:
     return score_mod
 
 
-_causal_masks: dict[tuple[int, str], BlockMask] = {}
+_causal_masks: dict[tuple[int, int, str], BlockMask] = {}
 
 
-def causal_block_mask(T: int, device: torch.device) -> BlockMask:
-    """The causal :class:`BlockMask` of T queries and keys (key j visible to query i iff j <= i),
-    broadcast over batch and heads; built once per (T, device): O((T/128)²) ints."""
-    key = (T, str(device))
+def causal_block_mask(T: int, device: torch.device, window: int = 0) -> BlockMask:
+    """The causal :class:`BlockMask` of T queries and keys (key j visible to query i iff j <= i, and
+    with a ``window`` w > 0 also i - w < j: :func:`window_mask`), broadcast over batch and heads;
+    built once per (T, w, device): O((T/128)²) ints. Windowed, its tables skip every block wholly
+    outside the window (:func:`document_block_mask`'s rule over one document), so flex reads
+    O(T·w) scores, not O(T²)."""
+    key = (T, window, str(device))
     if key not in _causal_masks:
-        _causal_masks[key] = create_block_mask(_causal, None, None, T, T, device=device)
+        if window > 0:
+            one = torch.zeros(1, T, dtype=torch.long, device=device)  # one document: the causal band
+            _causal_masks[key] = _banded_block_mask(one, FLEX_BLOCK, window, _causal_window(window))
+        else:
+            _causal_masks[key] = create_block_mask(_causal, None, None, T, T, device=device)
     return _causal_masks[key]
 
 
 def _causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
+
+
+@functools.cache
+def _causal_window(window: int) -> Callable[..., torch.Tensor]:
+    """flex's ``mask_mod`` of the causal window w: i - w < j <= i."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    return mask_mod
 
 
 def packed_attention(device: torch.device) -> Literal["flex", "dense"]:
@@ -311,21 +369,41 @@ def _sorted_blocks(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sel.sum(-1, dtype=torch.int32)[:, None], idx.to(torch.int32)[:, None]
 
 
-def document_block_mask(docs: torch.Tensor, block: int = FLEX_BLOCK) -> BlockMask:
+def document_block_mask(docs: torch.Tensor, block: int = FLEX_BLOCK, window: int = 0) -> BlockMask:
     """The document-causal :class:`BlockMask` of packed ``docs`` (B, T): key j visible to query i iff
-    j <= i and docs[j] == docs[i], as :func:`document_mask`, without any (T, T) tensor.
+    j <= i and docs[j] == docs[i], as :func:`document_mask`, without any (T, T) tensor; with a
+    ``window`` w > 0 also i - w < j (:func:`window_mask`).
 
     ``docs`` is non-decreasing along T (:func:`document_ids`), so a block of tokens holds every id in
     [first, last]. With n = ceil(T / block) blocks, query block i and key block j are: skipped when
     j > i or last_j < first_i (no shared document); full (no mask evaluated) when j < i and both blocks
     lie whole inside one document; partial otherwise (the mask_mod decides per element). Memory:
-    O(B·n²) int32 block tables, no host sync."""
+    O(B·n²) int32 block tables, no host sync. A window w also skips the blocks whose nearest pair is
+    w or more apart, (i - j)·block - (block - 1) >= w, and keeps full only those whose farthest pair
+    is within it, (i - j)·block + block - 1 < w: about w/block + 1 blocks per row remain."""
+    padded = _padded_docs(docs, block)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        seen = (kv_idx <= q_idx) & (padded[b, q_idx] == padded[b, kv_idx])
+        return seen & (q_idx - kv_idx < window) if window > 0 else seen
+
+    return _banded_block_mask(docs, block, window, mask_mod)
+
+
+def _padded_docs(docs: torch.Tensor, block: int) -> torch.Tensor:
+    """``docs`` (B, T) padded to whole blocks with document -1: never visible to a real query."""
+    pad = -docs.shape[1] % block
+    return F.pad(docs, (0, pad), value=-1) if pad else docs  # (B, n·block)
+
+
+def _banded_block_mask(
+    docs: torch.Tensor, block: int, window: int, mask_mod: Callable[..., torch.Tensor]
+) -> BlockMask:
+    """:func:`document_block_mask`'s tables of ``docs`` (B, T) and ``window`` (0: none), under
+    ``mask_mod``."""
     B, T = docs.shape
     n = -(-T // block)
-    pad = n * block - T
-    # padded keys/queries get document -1: never visible to a real query (ids are >= 0)
-    padded = F.pad(docs, (0, pad), value=-1) if pad else docs  # (B, n·block)
-    blocks = padded.view(B, n, block)
+    blocks = _padded_docs(docs, block).view(B, n, block)
     first = blocks[:, :, 0]  # (B, n)
     last = docs[:, torch.clamp(torch.arange(1, n + 1, device=docs.device) * block, max=T) - 1]  # (B, n)
     i = torch.arange(n, device=docs.device)
@@ -334,13 +412,13 @@ def document_block_mask(docs: torch.Tensor, block: int = FLEX_BLOCK) -> BlockMas
     whole = (first == last) & (i < T // block)[None]  # (B, n): a complete block inside one document
     same = first[:, :, None] == first[:, None, :]  # (B, n, n)
     full = (i[None, :] < i[:, None])[None] & whole[:, :, None] & whole[:, None, :] & same
+    if window > 0:  # query block i against key block j: pairs (i - j)·block ± (block - 1) apart
+        gap = (i[:, None] - i[None, :]) * block  # (n, n)
+        lower = lower & (gap - (block - 1) < window)[None]  # the nearest pair inside the window
+        full = full & (gap + block - 1 < window)[None]  # the farthest too
     partial = lower & shared & ~full
     kv_num, kv_idx = _sorted_blocks(partial)
     full_num, full_idx = _sorted_blocks(full)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (padded[b, q_idx] == padded[b, kv_idx])
-
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, block, mask_mod, seq_lengths=(T, T))
 
 
@@ -349,7 +427,7 @@ class Attention(nn.Module):
 
     activation_kind = "attention"  # what its saved tensors count as for train.compress
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv_bias = cfg.qkv_bias or cfg.bias
@@ -363,14 +441,14 @@ class Attention(nn.Module):
         norm_args = (cfg.norm_eps, cfg.norm_offset)
         self.q_norm = RMSNorm(q_width * cfg.head_dim, *norm_args) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_width * cfg.head_dim, *norm_args) if cfg.qk_norm else None
-        self.core = CoreAttention(cfg.dropout, cfg.attn_scale, cfg.attn_softcap)
+        self.core = CoreAttention(cfg.dropout, cfg.attn_scale, cfg.attn_softcap, window)
 
     def forward(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        docs: torch.Tensor | BlockMask | None = None,
+        docs: Documents | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts come from the weights so a tensor-parallel shard (fewer heads) runs unchanged.
@@ -430,10 +508,11 @@ class Block(nn.Module):
     core; with p = 0 (the default) no dropout op runs at all.
     """
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = make_norm(cfg, cfg.dim)
-        self.attention = Attention(cfg)
+        # layer ``layer`` attends within ``model.sliding_window`` where ``model.window_layers`` names it
+        self.attention = Attention(cfg, cfg.sliding_window if layer in cfg.windowed_layers() else 0)
         self.ffn_norm = make_norm(cfg, cfg.dim)
         self.feed_forward: nn.Module  # replaced by tensor/expert-parallel modules from outside
         if cfg.moe:
@@ -454,7 +533,7 @@ class Block(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        docs: torch.Tensor | BlockMask | None = None,
+        docs: Documents | None = None,
         attend: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``docs``: packed data's document ids (B, T) or block mask, passed to the attention (see
@@ -525,7 +604,7 @@ class Transformer(nn.Module):
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim) if learned else None
         self.register_buffer("pos_ids", torch.arange(cfg.max_seq_len) if learned else None, persistent=False)
         self.embed_scale = cfg.dim**0.5 if cfg.embed_scale else None  # embeddings times sqrt(h) (Gemma)
-        self.layers = nn.ModuleList(Block(cfg, moe) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, moe, i) for i in range(cfg.n_layers))
         for i, block in enumerate(self.layers):  # MoE metrics name their layer
             if isinstance(block.feed_forward, MoEFeedForward):
                 block.feed_forward.layer_id = i
@@ -584,17 +663,29 @@ def layer_args(
     sin: torch.Tensor,
     positions: torch.Tensor | None = None,
     layers: Iterable[nn.Module] = (),
-) -> tuple[torch.Tensor | BlockMask, ...]:
+) -> tuple[torch.Tensor | Documents, ...]:
     """What every block takes after h: the RoPE tables (cos, sin), or with packed ``positions`` each
     token's rows (B, T, d/2) and the documents: their ids (B, T) (:func:`document_ids`), or, where
     every one of ``layers`` attends through a :class:`CoreAttention` able to take it
-    (:func:`flex_documents`), the micro-batch's one :func:`document_block_mask`."""
+    (:func:`flex_documents`), the micro-batch's one :func:`document_block_mask`, built with the
+    layers' window; layers of two windows (0 and ``model.sliding_window``, Gemma 2's alternation)
+    get the pair (unwindowed, windowed), each core taking its own."""
     if positions is None:
         return cos, sin
     docs = document_ids(positions)
+    layers = list(layers)
     if flex_documents(layers, positions.device):
-        return cos[positions], sin[positions], document_block_mask(docs)
+        masks = [
+            document_block_mask(docs, FLEX_BLOCK, w) if w else document_block_mask(docs)
+            for w in sorted({_core(layer).window for layer in layers})  # (0 and) w
+        ]
+        return cos[positions], sin[positions], masks[0] if len(masks) == 1 else (masks[0], masks[1])
     return cos[positions], sin[positions], docs
+
+
+def _core(layer: nn.Module) -> CoreAttention:
+    """The attention core of a block (a :class:`CoreAttention` where :func:`flex_documents` says so)."""
+    return cast(CoreAttention, getattr(getattr(layer, "attention", None), "core", None))
 
 
 def flex_documents(layers: Iterable[nn.Module], device: torch.device) -> bool:
@@ -704,8 +795,9 @@ def flops_per_token(
     n_experts: int | None = None,
     top_k: int | None = None,
 ) -> float:
-    """Training FLOPs per token: 6 N_a (matmuls fwd+bwd) + 12 L a d T (attention scores and values,
-    over a query heads of width d: a·d = h unless ``attn_head_dim`` sets d apart, Mistral-Nemo's shape).
+    """Training FLOPs per token: 6 N_a (matmuls fwd+bwd) + 12 L a d T ρ (attention scores and values,
+    over a query heads of width d: a·d = h unless ``attn_head_dim`` sets d apart, Mistral-Nemo's shape;
+    ρ = :meth:`~loom.config.ModelConfig.attention_share`, below 1 where sliding windows hide keys).
 
     N_a = the matmul weights a token runs through = ``n_params`` − ``experts`` · (1 − k/E): of the
     routed experts' weights (``experts``, all E of them, counted in ``n_params``) only the top_k run,
@@ -714,7 +806,8 @@ def flops_per_token(
     e = cfg.n_experts if n_experts is None else n_experts
     k = cfg.top_k if top_k is None else top_k
     active = n_params - experts * (1.0 - k / e) if e > 1 else n_params
-    return 6.0 * active + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    attention = 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len * cfg.attention_share(seq_len)
+    return 6.0 * active + attention
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -71,11 +71,10 @@ def _rope(raw: dict) -> dict:
     return out
 
 
-def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> ModelConfig:
+def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     """Loom's :class:`ModelConfig` for a ``config.json``; a field Loom cannot honour raises naming it.
-    ``max_seq_len``: the longest sequence to prepare RoPE for (0 = ``max_position_embeddings``).
-    ``fit_window``: a sliding window shorter than that becomes ``max_seq_len`` (generation, whose
-    context Loom keeps within ``max_seq_len``) instead of a refusal."""
+    ``max_seq_len``: the longest sequence to prepare RoPE for (0 = ``max_position_embeddings``); a
+    sliding window the sequences fit in is left out (it hides no key)."""
     arch = architecture(raw)
     if arch not in SUPPORTED:
         lacks = f" (Loom's model lacks {MISSING[arch]})" if arch in MISSING else ""
@@ -147,13 +146,8 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
             )
     seq = max_seq_len or _int("max_position_embeddings", hf_field(raw, "max_position_embeddings"))
     window = sliding_window(raw, arch)
-    if window is not None and seq > window and fit_window:
-        seq = window
-    elif window is not None and seq > window:
-        raise HFError(
-            f"{CONFIG}: sliding_window = {window} is shorter than the sequences ({seq}); Loom "
-            "attends to the whole sequence, so it matches only when sequences fit the window"
-        )
+    if window is not None and seq <= window[0]:
+        window = None  # every sequence fits it: no key falls outside, attention is whole (the fast kernels)
     return ModelConfig(
         dim=dim,
         n_layers=_int("num_hidden_layers", raw["num_hidden_layers"]),
@@ -174,6 +168,8 @@ def model_config(raw: dict, max_seq_len: int = 0, fit_window: bool = False) -> M
         n_experts=n_experts,
         top_k=_int("num_experts_per_tok", hf_field(raw, "num_experts_per_tok")),
         hf_architecture=arch,  # type: ignore[arg-type]  # one of SUPPORTED, checked above
+        sliding_window=window[0] if window else 0,
+        window_layers=window[1] if window else "all",
         **gemma,
     )
 

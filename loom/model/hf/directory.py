@@ -108,10 +108,10 @@ def _inside(file: str) -> bool:
     return depth > 0
 
 
-def open_dir(path: str | Path, max_seq_len: int = 0, fit_window: bool = False) -> HFModel:
+def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
     """Read ``config.json`` and locate every tensor's shard (``model.safetensors.index.json``, else
-    the ``*.safetensors`` files' headers, each checked); nothing is loaded. ``max_seq_len`` and
-    ``fit_window``: as :func:`model_config`'s."""
+    the ``*.safetensors`` files' headers, each checked); nothing is loaded. ``max_seq_len``: as
+    :func:`model_config`'s."""
     d = Path(path)
     if not (d / CONFIG).is_file():
         raise HFError(f"{d}: no {CONFIG} (expected a local Hugging Face model directory)")
@@ -122,7 +122,7 @@ def open_dir(path: str | Path, max_seq_len: int = 0, fit_window: bool = False) -
     if not isinstance(raw, dict):
         raise HFError(f"{d / CONFIG}: not a JSON object (a Hugging Face config.json holds one)")
     try:
-        cfg = model_config(raw, max_seq_len, fit_window)
+        cfg = model_config(raw, max_seq_len)
     except HFError:
         raise
     except KeyError as e:

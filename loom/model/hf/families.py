@@ -121,35 +121,41 @@ def hf_field(raw: dict, name: str) -> typing.Any:
     return FAMILY_DEFAULTS.get(architecture(raw), _LLAMA_DEFAULTS).get(name)
 
 
-def sliding_window(raw: dict, arch: str) -> int | None:
-    """The attention window transformers applies to some layer of this family, or None: Mistral,
-    Mixtral and Phi-3 read ``sliding_window`` alone, Gemma 2 on the layers ``layer_types`` names (by
-    default every other one); Qwen's families only with ``use_sliding_window``,
-    Qwen2 and Qwen3 then on the layers ``layer_types`` names (by default those from
-    ``max_window_layers`` on); Llama and OLMo-2 have no window (a ``sliding_window`` in their
-    config.json is ignored, as transformers ignores it)."""
+def sliding_window(raw: dict, arch: str) -> tuple[int, str] | None:
+    """(w, the windowed layers: ``all`` or their indices) as transformers applies the family's attention
+    window, or None: Mistral, Mixtral and Phi-3 read ``sliding_window`` alone (every layer), Gemma 2
+    on the layers ``layer_types`` names (by default every other one, from layer 0); Qwen's families
+    only with ``use_sliding_window``, Qwen2 and Qwen3 then on the layers ``layer_types`` names (by
+    default those from ``max_window_layers`` on); Llama and OLMo-2 have no window (a
+    ``sliding_window`` in their config.json is ignored, as transformers ignores it)."""
     if arch not in FAMILY_DEFAULTS or "sliding_window" not in FAMILY_DEFAULTS[arch]:
         return None
-    window = hf_field(raw, "sliding_window")
+    window = _opt_int("sliding_window", hf_field(raw, "sliding_window"), null="no window")
     if "use_sliding_window" in FAMILY_DEFAULTS[arch] and not _bool(
         "use_sliding_window", hf_field(raw, "use_sliding_window")
     ):
         return None
-    if (
-        arch == GEMMA2
-        and isinstance(raw.get("layer_types"), list)
-        and "sliding_attention" not in raw["layer_types"]
+    if window is None:
+        return None
+    n = _int("num_hidden_layers", raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if types is not None and (
+        not isinstance(types, list) or len(types) != n or not all(isinstance(t, str) for t in types)
     ):
-        return None  # every layer full (the default alternates sliding and full layers)
-    if window is not None and "max_window_layers" in FAMILY_DEFAULTS[arch]:
+        raise HFError(f"{CONFIG}: {_WRONG}: layer_types, want one string per layer ({n})")
+    if types is None and arch == GEMMA2:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    elif types is None and "max_window_layers" in FAMILY_DEFAULTS[arch]:
         first = _int("max_window_layers", hf_field(raw, "max_window_layers"), low=0)
-        layers = _int("num_hidden_layers", raw["num_hidden_layers"])
-        types = raw.get("layer_types") or [
-            "sliding_attention" if i >= first else "full" for i in range(layers)
-        ]
-        if "sliding_attention" not in types:
-            return None
-    return _opt_int("sliding_window", window, null="no window")
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    elif arch not in (GEMMA2,) and "max_window_layers" not in FAMILY_DEFAULTS[arch]:
+        types = None  # Mistral, Mixtral, Phi-3, Qwen3-MoE: every layer, whatever layer_types says
+    if types is None:
+        return window, "all"
+    layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if not layers:
+        return None
+    return window, "all" if len(layers) == n else ",".join(map(str, layers))
 
 
 _WRONG = "a field has a value of the wrong type"
@@ -253,6 +259,8 @@ def architecture_of(cfg: ModelConfig) -> str:
         )
     if by_shape == LLAMA and named in (() if cfg.bias else (QWEN2,) if cfg.qkv_bias else LLAMA_TENSORS):
         return named
+    if by_shape == "MistralForCausalLM" and named == PHI3:  # Llama's tensors windowed: Phi-3's too
+        return named
     raise HFError(
         f"model.hf_architecture: {named} cannot hold this model's tensors ({by_shape} does); "
         "set it to auto or to that family"
@@ -346,4 +354,6 @@ def _family_by_shape(cfg: ModelConfig) -> str:
             "model: no supported Hugging Face family has this combination of q/k/v biases, q/k norms "
             "and experts"
         )
+    if cfg.sliding_window and not cfg.moe:  # Llama's tensors with a window on every layer: a Mistral
+        return "MistralForCausalLM"
     return "MixtralForCausalLM" if cfg.moe else LLAMA

@@ -43,6 +43,8 @@ HF_FIELDS = (
     "attn_scale",
     "attn_softcap",
     "logit_softcap",
+    "sliding_window",
+    "window_layers",
     "hf_architecture",
 )
 DERIVED = ("vocab_size", "ffn_dim", "attn_head_dim")  # 0 = derived (tokenizer, 8h/3 rule, h/a): not a value

@@ -13,7 +13,6 @@ from loom.model.hf.families import (
     GEMMA,
     GEMMA2,
     GPT2,
-    LLAMA_TENSORS,
     PHI3,
     QWEN3MOE,
     HFError,
@@ -90,8 +89,7 @@ def hf_config(
         }
         # transformers 4.x checks rope_scaling's keys per type: the base lives beside it, not in it
         out |= {"rope_parameters": rope, "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}}
-    if family in LLAMA_TENSORS:  # Loom attends to the whole sequence; Phi-3's RoPE: whole heads
-        out |= {"sliding_window": None}
+    out |= window_fields(cfg, family)
     if family == PHI3:
         del out["attention_bias"], out["mlp_bias"]
         out["rope_parameters"] = cast(dict, out["rope_parameters"]) | {"partial_rotary_factor": 1.0}
@@ -136,9 +134,39 @@ def _gemma_hf_fields(cfg: ModelConfig, family: str) -> dict:
         "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar,
         "attn_logit_softcapping": cfg.attn_softcap or None,
         "final_logit_softcapping": cfg.logit_softcap or None,
-        "sliding_window": cfg.max_seq_len,  # transformers builds a window mask whatever the layers
-        "layer_types": ["full_attention"] * cfg.n_layers,
     }
+
+
+WINDOW_ALL = ("MistralForCausalLM", PHI3, "MixtralForCausalLM", QWEN3MOE)  # a window on every layer or none
+WINDOW_PER_LAYER = (GEMMA2, "Qwen2ForCausalLM", "Qwen3ForCausalLM")  # layer_types
+
+
+def window_fields(cfg: ModelConfig, family: str) -> dict:
+    """``config.json``'s window fields for ``model.sliding_window`` and ``window_layers``: Mistral,
+    Mixtral, Phi-3 and Qwen3-MoE window every layer (``sliding_window``, and Qwen's
+    ``use_sliding_window``), Gemma 2, Qwen2 and Qwen3 the layers ``layer_types`` names; a window no
+    layer of the family can hold is refused naming the fields. No window: none (Gemma 2's window
+    covering the sequences, as transformers builds its mask whatever the layers)."""
+    windowed = cfg.windowed_layers()
+    qwen = family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", QWEN3MOE)
+    if not windowed:
+        if family == GEMMA2:
+            return {"sliding_window": cfg.max_seq_len, "layer_types": ["full_attention"] * cfg.n_layers}
+        if family in WINDOW_ALL or qwen:
+            return {"sliding_window": None} | ({"use_sliding_window": False} if qwen else {})
+        return {}
+    every = len(windowed) == cfg.n_layers
+    if family in WINDOW_ALL and every:
+        return {"sliding_window": cfg.sliding_window} | ({"use_sliding_window": True} if qwen else {})
+    if family in WINDOW_PER_LAYER:
+        types = ["sliding_attention" if i in windowed else "full_attention" for i in range(cfg.n_layers)]
+        out = {"sliding_window": cfg.sliding_window, "layer_types": types}
+        return out | ({"use_sliding_window": True, "max_window_layers": min(windowed)} if qwen else {})
+    raise HFError(
+        f"model.sliding_window: {family} holds "
+        + ("no attention window" if family not in WINDOW_ALL else "a window on every layer only")
+        + f" (window_layers = {cfg.window_layers!r}); families with one per layer: {', '.join(WINDOW_PER_LAYER)}"
+    )
 
 
 def hf_units(cfg: ModelConfig, names: list[str]) -> list[list[str]]:

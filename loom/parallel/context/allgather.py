@@ -27,57 +27,58 @@ from loom.parallel.context.blocks import (
     CpCore,
     attend,
     attend_backward,
+    block_mask,
     block_seed,
-    chunk_blocks,
-    doc_mask,
     draw_seed,
     global_docs,
     merge,
+    window_blocks,
 )
 from loom.parallel.sequence import gather_seq
 
 
-def _blocks(rank: int, cp: int, c: int, drop_p: float, base: int | None):
-    """(query rows, gathered key rows, causal, dropout) of every block, rank's own (causal) first;
-    the dropout seeds are the ring's (:func:`~loom.parallel.context.blocks.block_seed`)."""
+def _blocks(rank: int, cp: int, c: int, drop_p: float, base: int | None, window: int = 0):
+    """(query rows, gathered key rows, causal, band offset, dropout) of every block, rank's own
+    first (:func:`~loom.parallel.context.blocks.window_blocks`); the dropout seeds are the ring's
+    (:func:`~loom.parallel.context.blocks.block_seed`)."""
     for src in [rank] + [j for j in range(cp) if j != rank]:
-        drop = None if base is None else (drop_p, block_seed(base, rank, src))
-        for qs, ks, causal in chunk_blocks(rank, src, c):
-            yield qs, slice(2 * c * src + ks.start, 2 * c * src + ks.stop), causal, drop
+        for n, (qs, ks, causal, gap) in enumerate(window_blocks(rank, src, c, cp, window)):
+            drop = None if base is None else (drop_p, block_seed(base, rank, src, n))
+            yield qs, slice(2 * c * src + ks.start, 2 * c * src + ks.stop), causal, gap, drop
 
 
 class _GatheredAttention(Function):
     """Local queries against the gathered keys, block by block (module doc)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, docs, kdocs, rank, cp, drop_p, base, scale, softcap):  # type: ignore[override]
+    def forward(ctx, q, k, v, docs, kdocs, rank, cp, drop_p, base, scale, softcap, window):  # type: ignore[override]
         B, a, T, d = q.shape
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         # (B, T, a, d) in memory, as the flash kernel lays its output out, so the projection's input
         # y.transpose(1, 2).reshape(B, T, a·d) is a view of the saved output, not a copy
         acc = torch.zeros(B, T, a, d, dtype=acc_dtype, device=q.device).transpose(1, 2)
         lse = torch.full((B, a, T), float("-inf"), dtype=acc.dtype, device=q.device)
-        for qs, ks, causal, drop in _blocks(rank, cp, T // 2, drop_p, base):
-            mask = None if docs is None else doc_mask(docs[:, qs], kdocs[:, ks], causal, q.dtype)
+        for qs, ks, causal, gap, drop in _blocks(rank, cp, T // 2, drop_p, base, window):
+            mask = block_mask(docs, kdocs, qs, ks, causal, gap, window, q.dtype, q.device)
             o, m = attend(
                 q[:, :, qs], k[:, :, ks], v[:, :, ks], causal and mask is None, mask, drop, scale, softcap
             )
             merge(acc[:, :, qs], lse[:, :, qs], o, m)
         out = acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, docs, kdocs)
-        ctx.where = (rank, cp, drop_p, base, scale, softcap)
+        ctx.where = (rank, cp, drop_p, base, scale, softcap, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, docs, kdocs = ctx.saved_tensors
-        rank, cp, drop_p, base, scale, softcap = ctx.where
+        rank, cp, drop_p, base, scale, softcap, window = ctx.where
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         dk = torch.zeros(k.shape, dtype=dq.dtype, device=k.device)
         dv = torch.zeros(v.shape, dtype=dq.dtype, device=v.device)
-        for qs, ks, causal, drop in _blocks(rank, cp, q.shape[2] // 2, drop_p, base):
-            mask = None if docs is None else doc_mask(docs[:, qs], kdocs[:, ks], causal, q.dtype)
+        for qs, ks, causal, gap, drop in _blocks(rank, cp, q.shape[2] // 2, drop_p, base, window):
+            mask = block_mask(docs, kdocs, qs, ks, causal, gap, window, q.dtype, q.device)
             gq, gk, gv = attend_backward(
                 dout[:, :, qs],
                 q[:, :, qs],
@@ -94,7 +95,7 @@ class _GatheredAttention(Function):
             dq[:, :, qs] += gq
             dk[:, :, ks] += gk
             dv[:, :, ks] += gv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *(None,) * 8
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *(None,) * 9
 
 
 class AllGatherCore(CpCore):
@@ -127,4 +128,5 @@ class AllGatherCore(CpCore):
             base,
             self.scale,
             self.softcap,
+            self.window,
         )

@@ -3,7 +3,8 @@
 Around the attention core, q, k and v are exchanged from sequence-sharded (B, heads, T/cp, d) to
 head-sharded (B, heads/cp, T, d) by one all-to-all each; every rank then runs ordinary causal
 attention over the whole sequence for its heads (:func:`loom.model.llama.attention`, the one
-process's own, with its scale and soft-cap: one flash call, no mask, when uncapped), and one all-to-all
+process's own, with its scale, soft-cap and sliding window: one flash call, no mask, when uncapped and
+unwindowed), and one all-to-all
 takes the output back to sequence-sharded. The gathered sequence arrives rank-major (rank j's two
 chunks at rows 2cj .. 2c(j+1)); it is permuted into position order before the core and back after.
 
@@ -125,8 +126,9 @@ class AllToAllCore(CpCore):
         dropout: float = 0.0,
         scale: float = 0.0,
         softcap: float = 0.0,
+        window: int = 0,
     ) -> None:
-        super().__init__(group, rank, cp, meter, dropout, scale, softcap)
+        super().__init__(group, rank, cp, meter, dropout, scale, softcap, window)
         self._orders: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _order(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,5 +157,5 @@ class AllToAllCore(CpCore):
             )  # (B, T) by position
             mask = doc_mask(every, every, True, q.dtype)
         p = self.dropout if self.training else 0.0  # this rank's heads: masks from the cp-private stream
-        y = attention(q, k, v, mask, p, scale=self.scale, softcap=self.softcap)  # (B, a/cp, T, d)
+        y = attention(q, k, v, mask, p, scale=self.scale, softcap=self.softcap, window=self.window)
         return _HeadsToSeq.apply(y, cp, order, rows, group, meter)  # (B, a, T/cp, d)

@@ -40,6 +40,14 @@ products (``_fused`` false) stay as the reference of the tests and as the path o
 and of the soft-cap (no kernel applies it; O(Tq·Tk) fp32 scores per block). σ goes to every kernel
 as its ``scale``.
 A block is either causal (square, query i sees key j <= i), full, or masked by document.
+
+A sliding window w (``model.sliding_window``: query at position p sees keys at p - w < p' <= p)
+cuts the blocks chunk by chunk instead (:func:`window_blocks`): query chunk g against key chunk g'
+(c tokens each, positions g·c .. g·c + c - 1) lies (g - g')·c ± (c - 1) apart, so it is skipped when
+g' > g or its nearest pair is w or more apart, (g - g')·c - (c - 1) >= w; plain causal (g = g') or
+full when its farthest pair is within the window, (g - g')·c + c - 1 < w; else masked by the band
+0 <= (g - g')·c + i - j < w (:func:`window_mask`, beside any document mask). Attention work per rank
+is then O((T/cp)·w), not O(T²/cp); the bytes moved do not change.
 """
 
 from __future__ import annotations
@@ -59,7 +67,8 @@ BLOCK_SEED = 0x9E3779B97F4A7C15  # odd 64-bit constant: block seeds far apart
 
 class CpCore(nn.Module):
     """What every context-parallel attention core holds: the cp group, this rank's place in it, the
-    meter of its traffic, the attention dropout p, the scale σ and the soft-cap c. Subclasses take
+    meter of its traffic, the attention dropout p, the scale σ, the soft-cap c and the sliding window
+    w (:class:`~loom.model.llama.CoreAttention`'s). Subclasses take
     local queries (B, a, T/cp, d), keys and values (B, k, T/cp, d) and optional local document ids
     (B, T/cp) -> (B, a, T/cp, d)."""
 
@@ -72,10 +81,12 @@ class CpCore(nn.Module):
         dropout: float = 0.0,
         scale: float = 0.0,
         softcap: float = 0.0,
+        window: int = 0,
     ) -> None:
         super().__init__()
         self.group, self.rank, self.cp, self.meter, self.dropout = group, rank, cp, meter, dropout
         self.scale, self.softcap = scale, softcap  # σ (0: 1/√d) and the soft-cap c (0: none), module doc
+        self.window = window  # w: the query at p sees keys p - w < p' <= p by global positions; 0: all
 
 
 def draw_seed() -> int:
@@ -84,9 +95,10 @@ def draw_seed() -> int:
     return int(torch.randint(0, 2**62, (1,), device="cpu").item())
 
 
-def block_seed(base: int, rank: int, src: int) -> int:
-    """The dropout seed of the block of ``rank``'s queries against ``src``'s keys (base drawn per call)."""
-    return (base + (1 + rank * 4099 + src) * BLOCK_SEED) % 2**63
+def block_seed(base: int, rank: int, src: int, part: int = 0) -> int:
+    """The dropout seed of the block of ``rank``'s queries against ``src``'s keys (base drawn per call;
+    ``part``: the block's index among those of the pair, :func:`window_blocks`)."""
+    return (base + (1 + rank * 4099 + src) * BLOCK_SEED + part) % 2**63
 
 
 def local_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -105,6 +117,59 @@ def chunk_blocks(rank: int, src: int, c: int) -> list[Block]:
     if src < rank:
         return [(slice(0, 2 * c), slice(0, c), False)]
     return [(slice(c, 2 * c), slice(0, 2 * c), False)]
+
+
+WindowBlock = tuple[slice, slice, bool, int | None]  # query rows, key rows, causal, band offset (or None)
+
+
+def window_blocks(rank: int, src: int, c: int, cp: int, window: int = 0) -> list[WindowBlock]:
+    """The blocks rank ``rank``'s 2c local queries compute against rank ``src``'s 2c keys under a
+    sliding ``window`` (module doc), each with the offset g·c - g'·c of its band mask, or None where
+    it needs none; without a window (0) :func:`chunk_blocks`'s, none banded. Positions are known on
+    the host: a skipped block costs nothing, and no block waits on the device."""
+    if window <= 0:
+        return [(qs, ks, causal, None) for qs, ks, causal in chunk_blocks(rank, src, c)]
+    out: list[WindowBlock] = []
+    for qi, g in enumerate((rank, 2 * cp - 1 - rank)):  # the local query chunks, in order
+        for ki, h in enumerate((src, 2 * cp - 1 - src)):  # the source's key chunks
+            gap = (g - h) * c  # query position minus key position at the chunks' first rows
+            if gap < 0 or gap - (c - 1) >= window:
+                continue  # every key later, or every pair w or more apart
+            qs, ks = slice(qi * c, qi * c + c), slice(ki * c, ki * c + c)
+            if gap + c - 1 < window:  # the farthest pair inside the window: causal (g = h) or full
+                out.append((qs, ks, gap == 0, None))
+            else:
+                out.append((qs, ks, False, gap))
+    return out
+
+
+def window_mask(tq: int, tk: int, gap: int, window: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive band mask (1, 1, tq, tk): 0 where 0 <= gap + i - j < ``window`` (query row i and key
+    row j at positions gap + i - j apart), −∞ elsewhere."""
+    d = torch.arange(tq, device=device)[:, None] - torch.arange(tk, device=device)[None, :] + gap
+    seen = (d >= 0) & (d < window)
+    return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen, float("-inf"))[None, None]
+
+
+def block_mask(
+    docs_q: torch.Tensor | None,
+    docs_k: torch.Tensor | None,
+    qs: slice,
+    ks: slice,
+    causal: bool,
+    gap: int | None,
+    window: int,
+    dtype: torch.dtype,
+    device,
+) -> torch.Tensor | None:
+    """The additive mask of one block (query rows ``qs`` of ``docs_q``, key rows ``ks`` of ``docs_k``):
+    the documents' (:func:`doc_mask`, causal when ``causal``) plus, where ``gap`` is set, the window's
+    band (:func:`window_mask`); None when neither applies."""
+    mask = None if docs_q is None or docs_k is None else doc_mask(docs_q[:, qs], docs_k[:, ks], causal, dtype)
+    if gap is None:
+        return mask
+    band = window_mask(qs.stop - qs.start, ks.stop - ks.start, gap, window, dtype, device)
+    return band if mask is None else mask + band
 
 
 def global_docs(docs: torch.Tensor, group, rank: int, cp: int, meter=None) -> torch.Tensor:

@@ -20,6 +20,10 @@ Attention (``parallel.cp_mode``), each core in :mod:`loom.parallel.context`:
 
 No mode builds a dense mask: causal attention of the load-balanced chunks is one causal block and
 cp − 1 unmasked half blocks (:mod:`~loom.parallel.context.blocks`), merged by log-sum-exp.
+A sliding window (``model.sliding_window`` on ``model.window_layers``) holds in every mode: ring and
+allgather cut the blocks by chunk and skip those beyond the window, banding the rest by global
+positions (:func:`~loom.parallel.context.blocks.window_blocks`); alltoall runs the one process's
+windowed attention on its heads.
 Bytes sent per rank per step: :func:`cp_comm_bytes`; saved activations per layer:
 :func:`loom.memory.activations.activation_bytes_per_layer` with ``cp`` and ``cp_mode``.
 
@@ -83,10 +87,12 @@ def context_core(
     dropout: float = 0.0,
     scale: float = 0.0,
     softcap: float = 0.0,
+    window: int = 0,
 ) -> nn.Module:
     """The attention core of ``mode`` for cp rank ``rank`` of ``group`` (attention dropout ``dropout``,
-    scores scaled by ``scale`` and soft-capped by ``softcap`` as :class:`CoreAttention`'s)."""
-    return CORES[mode](group, rank, cp, meter, dropout, scale, softcap)
+    scores scaled by ``scale``, soft-capped by ``softcap`` and windowed by ``window`` as
+    :class:`CoreAttention`'s)."""
+    return CORES[mode](group, rank, cp, meter, dropout, scale, softcap, window)
 
 
 class CpPrivateRng:
@@ -133,7 +139,9 @@ def apply_context_parallel(
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, CoreAttention):
-                core = context_core(mode, group, rank, cp, meter, child.dropout, child.scale, child.softcap)
+                core = context_core(
+                    mode, group, rank, cp, meter, child.dropout, child.scale, child.softcap, child.window
+                )
                 setattr(module, name, core)
     if dropout > 0:  # each cp rank's tokens (and heads) draw their own masks, replayable
         private = CpPrivateRng(rank, rope_cos.device)

@@ -32,12 +32,12 @@ from loom.parallel.context.blocks import (
     CpCore,
     attend,
     attend_backward,
+    block_mask,
     block_seed,
-    chunk_blocks,
-    doc_mask,
     draw_seed,
     global_docs,
     merge,
+    window_blocks,
 )
 
 
@@ -55,7 +55,7 @@ class _RingAttention(Function):
     """Attention of the local queries over the whole sequence, K/V circulating (module doc)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, docs, group, meter, rank, cp, drop_p, base, scale, softcap):  # type: ignore[override]
+    def forward(ctx, q, k, v, docs, group, meter, rank, cp, drop_p, base, scale, softcap, window):  # type: ignore[override]
         B, a, T, d = q.shape
         c, nxt, prev = T // 2, (rank + 1) % cp, (rank - 1) % cp
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -77,9 +77,9 @@ class _RingAttention(Function):
                     prev,
                 )
             src = (rank - s) % cp
-            drop = None if base is None else (drop_p, block_seed(base, rank, src))
-            for qs, ks, causal in chunk_blocks(rank, src, c):
-                mask = None if docs is None else doc_mask(docs[:, qs], kdocs[:, ks], causal, q.dtype)
+            for n, (qs, ks, causal, gap) in enumerate(window_blocks(rank, src, c, cp, window)):
+                mask = block_mask(docs, kdocs, qs, ks, causal, gap, window, q.dtype, q.device)
+                drop = None if base is None else (drop_p, block_seed(base, rank, src, n))
                 o, m = attend(
                     q[:, :, qs],
                     kv[0][:, :, ks],
@@ -95,13 +95,13 @@ class _RingAttention(Function):
             kv, kdocs = nkv, ndocs
         out = acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.ring = (group, meter, rank, cp, drop_p, base, scale, softcap)
+        ctx.ring = (group, meter, rank, cp, drop_p, base, scale, softcap, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, docs = ctx.saved_tensors
-        group, meter, rank, cp, drop_p, base, scale, softcap = ctx.ring
+        group, meter, rank, cp, drop_p, base, scale, softcap, window = ctx.ring
         dout = dout.contiguous()
         c, nxt, prev = q.shape[2] // 2, (rank + 1) % cp, (rank - 1) % cp
         acc_dtype = torch.promote_types(k.dtype, torch.float32)
@@ -120,9 +120,9 @@ class _RingAttention(Function):
             works = _exchange(sends, recvs, group, meter, nxt, prev)
             local = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
             src = (rank - s) % cp
-            drop = None if base is None else (drop_p, block_seed(base, rank, src))
-            for qs, ks, causal in chunk_blocks(rank, src, c):
-                mask = None if docs is None else doc_mask(docs[:, qs], kdocs[:, ks], causal, q.dtype)
+            for n, (qs, ks, causal, gap) in enumerate(window_blocks(rank, src, c, cp, window)):
+                mask = block_mask(docs, kdocs, qs, ks, causal, gap, window, q.dtype, q.device)
+                drop = None if base is None else (drop_p, block_seed(base, rank, src, n))
                 gq, gk, gv = attend_backward(
                     dout[:, :, qs],
                     q[:, :, qs],
@@ -145,7 +145,7 @@ class _RingAttention(Function):
         assert dkv is not None  # cp >= 1 blocks ran
         home = torch.empty_like(dkv)  # the last hop: every accumulator back to its owner
         _finish(_exchange([dkv], [home], group, meter, nxt, prev))
-        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), *(None,) * 9
+        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), *(None,) * 10
 
 
 class RingCore(CpCore):
@@ -176,4 +176,5 @@ class RingCore(CpCore):
             base,
             self.scale,
             self.softcap,
+            self.window,
         )

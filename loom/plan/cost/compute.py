@@ -17,8 +17,9 @@ FLASH_BWD = 2.5  # flash attention backward / forward time (it recomputes the sc
 def attention_core(cm: CostBase, tp: int, cp: int, mb: int) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core of one layer and micro-batch, per kernel:
 
-    - flash (``Workload.flash_attention``): a causal kernel computes half the 4 T s h / t FLOPs
-      of the square score matrix (masked blocks skipped): forward ``2 T s h / t`` at the
+    - flash (``Workload.flash_attention``): a causal kernel computes half the 4 T s a·d / t FLOPs
+      of the square score matrix (masked blocks skipped; a sliding window's too, times
+      ``ModelConfig.attention_share``): forward ``2 T s a·d / t`` at the
       device's ``flash_fwd`` share of peak, backward 2.5x those FLOPs (it recomputes the scores)
       at ``flash_bwd``;
     - unfused (Megatron 2021): per (sequence, head) two batched GEMMs, Q K^T (s x d x s) and
@@ -27,11 +28,11 @@ def attention_core(cm: CostBase, tp: int, cp: int, mb: int) -> tuple[float, floa
       4 B a s^2 bytes; backward twice the GEMMs and the traffic again.
     """
     mc, tr, mach, B = cm.model, cm.train, cm.machine, cm.act_bytes
-    s, h = tr.seq_len, mc.dim
+    s, qd = tr.seq_len, mc.n_heads * mc.head_dim  # a·d: h unless attn_head_dim sets d apart
     T = mb * s / cp
-    io = B * T * (2 * h / tp + 2 * cm.kv_width(tp)) / mach.hbm  # q, k, v in; o out
-    if tr.flash_attention:
-        flops = 2.0 * T * s * h / tp
+    io = B * T * (2 * qd / tp + 2 * cm.kv_width(tp)) / mach.hbm  # q, k, v in; o out
+    if tr.flash_attention:  # the blocks a sliding window hides skipped too (attention_share)
+        flops = 2.0 * T * s * qd / tp * mc.attention_share(s)
         return max(mach.attention(flops, False), io), mach.attention(2.5 * flops, True) + 2 * io
     heads = mb * mc.n_heads / tp
     d = mc.head_dim
@@ -206,7 +207,8 @@ def microbatch_times(
     cast_f = sum(lin_[0] * fb[0] for lin_, fb in zip(linears, cast_bytes)) / mach.hbm
     cast_b = sum(lin_[0] * fb[1] for lin_, fb in zip(linears, cast_bytes)) / mach.hbm
     a_t = mc.n_heads / tp
-    core_bytes = B * T * (2 * h / tp + 2 * cm.kv_width(tp))
+    qd = mc.n_heads * mc.head_dim
+    core_bytes = B * T * (2 * qd / tp + 2 * cm.kv_width(tp))
     if not tr.flash_attention:
         core_bytes += 4 * B * a_t * T * s  # scores written, softmax read+write, read by AV
     mlp_elt = (
@@ -219,7 +221,7 @@ def microbatch_times(
     if cm.kernels:  # per-kernel model (a GPU from the datasheet): flash kernels, batched GEMMs
         core_f, core_b = attention_core(cm, tp, cp, mb)
     else:
-        core_f = max(4.0 * T * s * h / tp / mach.flops, core_bytes / mach.hbm)
+        core_f = max(4.0 * T * s * qd / tp * mc.attention_share(s) / mach.flops, core_bytes / mach.hbm)
         core_b = (FLASH_BWD if tr.flash_attention else 2.0) * r / 2 * core_f
     # fp8's scaling casts (torchao) and an MoE's routing bytes are redone when recomputed
     layer_f = gemm_f + core_f + elt_f + cast_f + route_f
