@@ -63,6 +63,12 @@ def test_family_defaults_are_those_of_transformers():
         cls = getattr(transformers, arch).config_class
         params = inspect.signature(cls.__init__).parameters
         theta = getattr(cls, "default_theta", None) or params["rope_theta"].default
+        if isinstance(theta, dict):  # Gemma 3: the full layers' base and the sliding (local) ones'
+            assert (defaults["rope_theta"], defaults["rope_local_base_freq"]) == (
+                theta["global"],
+                theta["local"],
+            )
+            theta = theta["global"]
         assert defaults["rope_theta"] == theta, arch
         shared = [k for k in defaults if k in params and k != "rope_theta"]
         assert {"rms_norm_eps", "max_position_embeddings", "tie_word_embeddings"} <= set(shared), arch

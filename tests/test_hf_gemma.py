@@ -34,9 +34,12 @@ FIELDS = dict(
 )
 # soft-caps small enough to bite on a tiny random model (Gemma 2 ships 50 and 30)
 GEMMA2 = dict(attn_logit_softcapping=1.0, final_logit_softcapping=0.5, query_pre_attn_scalar=24)
+# Gemma 3: a window of 8 on its sliding layer (the sequences are 32), whose RoPE base is the local one
+GEMMA3 = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24)
 FAMILIES = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", GEMMA2),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3),
 }
 
 
@@ -65,7 +68,7 @@ def _loom(path: Path):
     return hf, model.eval()
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma2"])
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
 def test_import_gives_the_logits_of_transformers_and_export_round_trips(tmp_path, family):
     """Logits equal transformers' (and differ from them without the soft-caps or the offset: each
     field is doing something); Loom's export (hf_config, hf_tensors) equals the checkpoint bit for bit
@@ -87,13 +90,23 @@ def test_import_gives_the_logits_of_transformers_and_export_round_trips(tmp_path
     if family == "gemma2":
         assert (cfg.norm_placement, cfg.attn_softcap, cfg.logit_softcap) == ("sandwich", 1.0, 0.5)
         assert cfg.attn_scale == pytest.approx(24**-0.5)
+    if family == "gemma3":  # q/k norms, its window on layer 0, which turns at the local RoPE base
+        assert (cfg.norm_placement, cfg.qk_norm, cfg.attn_softcap) == ("sandwich", True, 0.0)
+        assert (cfg.sliding_window, cfg.window_layers, cfg.rope_theta, cfg.rope_local_theta) == (
+            8,
+            "0",
+            5e5,
+            1e4,
+        )
     x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(x)
         assert_close(logits, ref(x).logits)
-        changed = {"norm_offset": False} | (
-            {"attn_softcap": 0.0, "logit_softcap": 0.0} if family == "gemma2" else {}
-        )
+        changed = {"norm_offset": False} | {
+            "gemma": {},
+            "gemma2": {"attn_softcap": 0.0, "logit_softcap": 0.0},
+            "gemma3": {"rope_local_theta": 0.0, "sliding_window": 0},
+        }[family]
         for field, value in changed.items():
             other = Transformer(replace(cfg, **{field: value}))
             other.load_state_dict(model.state_dict())
@@ -191,7 +204,7 @@ def test_what_loom_cannot_hold_is_one_line_naming_the_field(tmp_path, family, ed
 
 @pytest.mark.parametrize(
     "kw,window,layers",
-    [({}, 16, "0"), ({"layer_types": ["full_attention"] * 2}, 0, "all"), ({"sliding_window": 64}, 0, "all")],
+    [({}, 16, "0"), ({"layer_types": ["full_attention"] * 2}, 0, "all"), ({"sliding_window": 64}, 0, "0")],
     ids=["every other layer", "no windowed layer", "window covering the sequences"],
 )
 def test_gemma2s_window_applies_on_its_sliding_layers(tmp_path, kw, window, layers):
@@ -201,6 +214,17 @@ def test_gemma2s_window_applies_on_its_sliding_layers(tmp_path, kw, window, laye
     ref = save_gemma(tmp_path / "src", "gemma2", **({"sliding_window": 16} | kw))
     hf, model = _loom(tmp_path / "src")
     assert (hf.config.sliding_window, hf.config.window_layers) == (window, layers)
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_close(model(x), ref(x).logits)
+
+
+def test_gemma3_without_sliding_layers_turns_every_layer_at_the_full_base(tmp_path):
+    """A Gemma 3 whose ``layer_types`` names no sliding layer: no window and no layer at the local RoPE
+    base (rope_local_base_freq applies to the sliding layers only); the logits transformers'."""
+    ref = save_gemma(tmp_path / "src", "gemma3", layer_types=["full_attention"] * 2)
+    hf, model = _loom(tmp_path / "src")
+    assert (hf.config.sliding_window, hf.config.local_layers()) == (0, frozenset())
     x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert_close(model(x), ref(x).logits)
@@ -241,29 +265,44 @@ GEMMA2_NATIVE = {
     "attn_softcap": 2.0,
     "logit_softcap": 3.0,
 }
-LAYOUTS = {"tp2 sp": {"tp": 2, "sp": True}, "pp2": {"pp": 2}, "zero3": {"dp_shard": 2, "zero": 3}}
+# Gemma 3's: no caps, per-head q/k norms, layer 0 windowed (5 of the tiny model's 16 tokens) at the local
+# RoPE base
+GEMMA3_NATIVE = {k: v for k, v in GEMMA2_NATIVE.items() if "softcap" not in k} | {
+    "qk_norm": True,
+    "sliding_window": 5,
+    "window_layers": "0",
+    "rope_local_theta": 100.0,
+}
+LAYOUTS = {
+    "tp2 sp": {"tp": 2, "sp": True},
+    "pp2": {"pp": 2},
+    "zero3": {"dp_shard": 2, "zero": 3},
+    "cp2 ring": {"cp": 2, "cp_mode": "ring"},
+}
 
 
-def _gemma2_layouts(names: list[str]) -> list[dict]:
+def _gemma_layouts(model: dict, names: list[str]) -> list[dict]:
     from tests.helpers import train_layout
 
-    return [train_layout(LAYOUTS[n], 3, 4, 2, GEMMA2_NATIVE, meta=True) for n in names]
+    return [train_layout(LAYOUTS[n], 3, 4, 2, model, meta=True) for n in names]
 
 
-def test_gemma2_fields_train_equal_to_one_process(pools):
+@pytest.mark.parametrize("model", [GEMMA2_NATIVE, GEMMA3_NATIVE], ids=["gemma2", "gemma3"])
+def test_gemma_fields_train_equal_to_one_process(pools, model):
     """A Gemma-2-shaped model (every field above; test_strict_comm.py steps it with torch's default
-    device meta) trains 3 steps of 2 micro-batches under tp2 + sp
-    (the sandwich norms on sequence shards, their weights' gradients summed over tp), pp2 and ZeRO-3
-    with the losses and every parameter of one process; its norm weights start at 0."""
+    device meta), and a Gemma-3-shaped one (its two RoPE bases, the window), train 3 steps of 2
+    micro-batches under tp2 + sp (the sandwich norms on sequence shards, their weights' gradients
+    summed over tp), pp2, ZeRO-3 and cp2 ring (each rank's rows of both RoPE tables) with the losses
+    and every parameter of one process; the norm weights start at 0."""
     from tests.helpers import ADAM_STATE_TOL, train_layout
 
-    ref = train_layout({}, 3, 4, 2, GEMMA2_NATIVE)
+    ref = train_layout({}, 3, 4, 2, model)
     assert {k for k in ref["state"] if "post_ffn_norm" in k} == {
         f"layers.{i}.post_ffn_norm.weight" for i in (0, 1)
     }
     names = list(LAYOUTS)
     compared = set()
-    for rank in pools(2).run(_gemma2_layouts, names):
+    for rank in pools(2).run(_gemma_layouts, model, names):
         for name, r in zip(names, rank):
             assert_close(
                 torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6, msg=name

@@ -20,7 +20,8 @@ from tests.test_finetune import _loom_lora_model, hf_lora_config, prepared, trai
 
 SUPPORTED = (
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
-    "GPT2LMHeadModel, Phi3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM"
+    "GPT2LMHeadModel, Phi3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, "
+    "Gemma3ForCausalLM"
 )
 FIELDS = dict(
     hidden_size=64,
@@ -195,16 +196,16 @@ def test_peft_adapters_on_the_fused_tensors_load_with_equal_logits(tmp_path, tar
             "config.json: partial_rotary_factor = 0.75 is not supported (Loom rotates whole heads: 1.0)",
         ),
         (
-            {"architectures": ["Gemma3ForCausalLM"]},
-            "config.json: architectures = 'Gemma3ForCausalLM' is not supported (Loom's model lacks a RoPE base "
-            "per layer (sliding-window layers: rope_local_base_freq)); supported: " + SUPPORTED,
+            {"architectures": ["Gemma3ForConditionalGeneration"]},
+            "config.json: architectures = 'Gemma3ForConditionalGeneration' is not supported; supported: "
+            + SUPPORTED,
         ),
         (
             {"architectures": ["GPTNeoXForCausalLM"]},
             "config.json: architectures = 'GPTNeoXForCausalLM' is not supported; supported: " + SUPPORTED,
         ),
     ],
-    ids=["longrope", "partial rotary", "gemma3", "unknown"],
+    ids=["longrope", "partial rotary", "gemma3 with vision", "unknown"],
 )
 def test_what_loom_cannot_run_is_one_line_naming_the_field(tmp_path, edit, says):
     from loom.model.hf import HFError, open_dir

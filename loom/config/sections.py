@@ -119,6 +119,7 @@ HFArchitecture = Literal[
     "Olmo2ForCausalLM",
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 ]
 
 
@@ -179,9 +180,11 @@ class ModelConfig:
     logit_softcap: float = 0.0  # > 0: logits z -> c·tanh(z/c) (Gemma 2: 30); 0 = off
     # > 0: on the windowed layers query i sees keys j with i - w < j <= i (Mistral, Gemma 2/3, Phi-3); 0 = all
     sliding_window: int = 0
-    window_layers: str = (
-        "all"  # the windowed layers: all, or their indices "0,2,4" (Gemma 2: every other one)
-    )
+    # the windowed layers: all, or their indices "0,2,4" (Gemma 2: every other one)
+    window_layers: str = "all"
+    # > 0: the RoPE base of the layers window_layers lists (Gemma 3's rope_local_base_freq), the others'
+    # rope_theta; 0 = one base for all
+    rope_local_theta: float = 0.0
     # learned: a (max_seq_len, dim) table added to the token embeddings (GPT-2)
     positions: PositionKind = "rope"
     bias: bool = False  # biases on every linear layer but the output head and the router (GPT-2)
@@ -201,10 +204,13 @@ class ModelConfig:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     def windowed_layers(self) -> frozenset[int]:
-        """The layers whose attention is windowed (``sliding_window`` > 0): every one for ``window_layers =
-        all``, else the comma-separated indices it lists; a bad list raises naming the field."""
-        if self.sliding_window <= 0:
-            return frozenset()
+        """The layers whose attention is windowed (``sliding_window`` > 0): :meth:`local_layers`."""
+        return self.local_layers() if self.sliding_window > 0 else frozenset()
+
+    def local_layers(self) -> frozenset[int]:
+        """The layers ``window_layers`` lists (windowed with ``sliding_window``, and at
+        ``rope_local_theta`` when set): every one for ``all``, else the comma-separated indices; a bad
+        list raises naming the field."""
         if self.window_layers.strip() == "all":
             return frozenset(range(self.n_layers))
         parts = [p.strip() for p in self.window_layers.split(",") if p.strip()]

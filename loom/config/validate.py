@@ -364,7 +364,11 @@ def _check_model(m: ModelConfig) -> None:
         "model.norm_offset: scales an RMSNorm by 1 + w; model.norm = layernorm has its own bias",
     )
     _require(m.sliding_window >= 0, f"model.sliding_window: must be >= 0 (0 = none), got {m.sliding_window}")
-    m.windowed_layers()  # a bad window_layers list raises naming it
+    m.local_layers()  # a bad window_layers list raises naming it
+    _require(
+        0 <= m.rope_local_theta < float("inf"),
+        f"model.rope_local_theta: must be a finite number >= 0 (0 = rope_theta on every layer), got {m.rope_local_theta}",
+    )
     for name in ("attn_scale", "attn_softcap", "logit_softcap"):
         v = getattr(m, name)
         _require(0 <= v < float("inf"), f"model.{name}: must be a finite number >= 0 (0 = off), got {v}")

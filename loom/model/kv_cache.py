@@ -137,6 +137,6 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     masks = {w: _mask(cache, T, w) for w in {attn.core.window for attn in attns}}  # one per window
     for i, (layer, attn) in enumerate(zip(model.layers, attns, strict=True)):
         mask = masks[attn.core.window]
-        h = layer(h, cos, sin, attend=lambda x: _attend(attn, x, cos, sin, cache, i, mask))  # noqa: B023 (called here)
+        h = layer(h, cos, sin, attend=lambda x, c, s: _attend(attn, x, c, s, cache, i, mask))  # noqa: B023 (called here)
     cache.length += T
     return model.logits(h)  # (B, T, V): norm, head and the logit cap, as the full forward

@@ -524,6 +524,8 @@ class Block(nn.Module):
         self.post_ffn_norm = make_norm(cfg, cfg.dim) if sandwich else None
         self.dropout = cfg.dropout
         self.post_norm = cfg.norm_placement == "post"
+        # with two RoPE bases (Gemma 3): which of the stacked tables this layer rotates by (1: local)
+        self.rope_table = int(layer in cfg.local_layers()) if cfg.rope_local_theta else None
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.dropout, training=True) if self.dropout > 0 and self.training else x
@@ -534,19 +536,22 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         docs: Documents | None = None,
-        attend: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``docs``: packed data's document ids (B, T) or block mask, passed to the attention (see
-        CoreAttention). ``attend``: another attention on (B, T, h) (the KV-cached decoder's). The
+        CoreAttention). ``attend``: another attention on (B, T, h) and this layer's RoPE rows (the KV-cached
+        decoder's). The
         attention is called in this frame, not in a nested function: under ``torch.compile`` a
         communicating module run eagerly breaks the graph here, and the rest of the block compiles."""
         extra = () if docs is None else (docs,)
+        if self.rope_table is not None:  # (…, 2, d/2): this layer's base
+            cos, sin = cos[..., self.rope_table, :], sin[..., self.rope_table, :]
         if self.post_norm:  # (B, T, h) throughout
-            a = self.attention(x, cos, sin, *extra) if attend is None else attend(x)
+            a = self.attention(x, cos, sin, *extra) if attend is None else attend(x, cos, sin)
             x = x + self._drop(self.attention_norm(a))
             return x + self._drop(self.ffn_norm(self.feed_forward(x)))
         h = self.attention_norm(x)
-        a = self.attention(h, cos, sin, *extra) if attend is None else attend(h)
+        a = self.attention(h, cos, sin, *extra) if attend is None else attend(h, cos, sin)
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a)
         x = x + self._drop(a)
@@ -620,7 +625,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def rope_buffers(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary (cos, sin) tables of every position up to ``max_seq_len``."""
+        """The rotary (cos, sin) tables of every position up to ``max_seq_len``, (S, d/2) each; with
+        ``model.rope_local_theta`` two, (S, 2, d/2): rope_theta's and the local layers' base, every
+        position's rows side by side, so whatever picks positions (packed data, cp, the KV cache)
+        picks both and each block takes its own (:attr:`Block.rope_table`)."""
         cfg = self.cfg
         scaling = (
             cfg.rope_scaling,
@@ -629,9 +637,13 @@ class Transformer(nn.Module):
             cfg.rope_original_len,
         )
         with torch.device(device) if device is not None else contextlib.nullcontext():
-            return rope_tables(
+            cos, sin = rope_tables(
                 cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling if cfg.rope_scaling else None
             )
+            if not cfg.rope_local_theta:
+                return cos, sin  # (S, d/2) each
+            local = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta)
+            return torch.stack((cos, local[0]), -2), torch.stack((sin, local[1]), -2)  # (S, 2, d/2)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``positions`` (B, T) int64, packed data: each token's position in its own document (0 at

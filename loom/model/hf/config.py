@@ -11,6 +11,7 @@ from loom.model.hf.families import (
     CONFIG,
     GEMMA,
     GEMMA2,
+    GEMMA3,
     GPT2,
     LLAMA,
     MISSING,
@@ -146,6 +147,9 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
             )
     seq = max_seq_len or _int("max_position_embeddings", hf_field(raw, "max_position_embeddings"))
     window = sliding_window(raw, arch)
+    # the windowed layers, windowed or not: Gemma 3's local RoPE base applies there (none of its layers
+    # sliding: none at the local base)
+    layers = window[1] if window else ("" if arch == GEMMA3 else "all")
     if window is not None and seq <= window[0]:
         window = None  # every sequence fits it: no key falls outside, attention is whole (the fast kernels)
     return ModelConfig(
@@ -155,12 +159,12 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         n_kv_heads=kv,
         vocab_size=_int("vocab_size", raw["vocab_size"]),
         max_seq_len=seq,
-        **_rope(raw),
+        **(_gemma3_rope(raw) if arch == GEMMA3 else _rope(raw)),
         norm_eps=_float("rms_norm_eps", hf_field(raw, "rms_norm_eps")),
         tie_embeddings=_bool("tie_word_embeddings", hf_field(raw, "tie_word_embeddings")),
         qkv_bias=qwen2 or (llama_bias and not every_bias),
         bias=every_bias,
-        qk_norm=qwen3 or arch == OLMO2,
+        qk_norm=gemma.pop("qk_norm", qwen3 or arch == OLMO2),
         qk_norm_scope="all" if arch == OLMO2 else "head",
         norm_placement=gemma.pop("norm_placement", "post" if arch == OLMO2 else "pre"),
         attn_head_dim=head_dim if head_dim * heads != dim else 0,  # 0: Loom's h / a
@@ -169,7 +173,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         top_k=_int("num_experts_per_tok", hf_field(raw, "num_experts_per_tok")),
         hf_architecture=arch,  # type: ignore[arg-type]  # one of SUPPORTED, checked above
         sliding_window=window[0] if window else 0,
-        window_layers=window[1] if window else "all",
+        window_layers=layers,
         **gemma,
     )
 
@@ -182,7 +186,7 @@ def _gemma_fields(raw: dict, arch: str, head_dim: int) -> dict:
     and a Gemma 2 (also sandwich norms, the attention scale ``query_pre_attn_scalar``^-1/2 and the
     attention and final-logit soft-caps); {} for other families. Gemma reads ``hidden_act`` (its
     legacy ``gelu`` meaning the tanh form, as transformers reads it), Gemma 2 ``hidden_activation``."""
-    if arch not in (GEMMA, GEMMA2):
+    if arch not in (GEMMA, GEMMA2, GEMMA3):
         return {}
     field = "hidden_act" if arch == GEMMA else "hidden_activation"
     allowed = GEMMA_GELU + (("gelu",) if arch == GEMMA else ())
@@ -211,7 +215,42 @@ def _gemma_fields(raw: dict, arch: str, head_dim: int) -> dict:
         if caps[loom] < 0:
             raise HFError(f"{CONFIG}: {name} = {cap} is out of range: want a number > 0, or null (none)")
     scale = 0.0 if scalar == head_dim else scalar**-0.5  # 0: Loom's own 1/sqrt(head_dim)
-    return out | {"norm_placement": "sandwich", "attn_scale": scale} | caps
+    qk = {"qk_norm": True} if arch == GEMMA3 else {}  # Gemma 3: per-head q/k norms, (1 + w) too
+    return out | {"norm_placement": "sandwich", "attn_scale": scale} | caps | qk
+
+
+def _gemma3_rope(raw: dict) -> dict:
+    """Gemma 3's two RoPE bases: the full-attention layers' (``rope_theta``, or transformers 5's
+    ``rope_parameters.full_attention.rope_theta``) and the sliding layers' (``rope_local_base_freq``,
+    or ``rope_parameters.sliding_attention.rope_theta``), both of the default type (the larger models'
+    linear scaling of the full layers is refused naming the field)."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        out = {}
+        for kind, loom, fallback in (
+            ("full_attention", "rope_theta", "rope_theta"),
+            ("sliding_attention", "rope_local_theta", "rope_local_base_freq"),
+        ):
+            p = params.get(kind) or {}
+            if not isinstance(p, dict):
+                raise HFError(f"{CONFIG}: {_WRONG}: rope_parameters.{kind}, want an object")
+            if p.get("rope_type", "default") != "default":
+                raise HFError(
+                    f"{CONFIG}: rope_parameters.{kind}.rope_type = {p['rope_type']!r} is not supported "
+                    "(Loom: default on Gemma 3's layers)"
+                )
+            key = f"rope_parameters.{kind}.rope_theta" if "rope_theta" in p else fallback
+            out[loom] = _float(key, p.get("rope_theta", hf_field(raw, fallback)))
+        return out
+    if raw.get("rope_scaling") is not None:
+        raise HFError(
+            f"{CONFIG}: rope_scaling = {json.dumps(raw['rope_scaling'])} is not supported (Loom: none on Gemma "
+            "3's full-attention layers)"
+        )
+    return {
+        "rope_theta": _float("rope_theta", hf_field(raw, "rope_theta")),
+        "rope_local_theta": _float("rope_local_base_freq", hf_field(raw, "rope_local_base_freq")),
+    }
 
 
 def _qwen3_moe_experts(raw: dict) -> tuple[int, int]:

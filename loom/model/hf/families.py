@@ -20,12 +20,11 @@ LLAMA: Final = "LlamaForCausalLM"
 QWEN2: Final = "Qwen2ForCausalLM"
 GEMMA: Final = "GemmaForCausalLM"
 GEMMA2: Final = "Gemma2ForCausalLM"
+GEMMA3: Final = "Gemma3ForCausalLM"
 LLAMA_TENSORS = ("MistralForCausalLM", PHI3)  # Llama's tensors under other names or config fields
 
 
-MISSING = {  # families users ask for, and what Loom's model lacks to run them
-    "Gemma3ForCausalLM": "a RoPE base per layer (sliding-window layers: rope_local_base_freq)",
-}
+MISSING: dict[str, str] = {}  # families users ask for, and what Loom's model lacks to run them
 # transformers' own defaults (its config classes') for the config.json fields Loom reads, by family: a
 # field a config.json leaves out means these there, not one family's values for all
 # (tests/test_hf_families.py compares them with the installed transformers)
@@ -83,6 +82,19 @@ FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
         "final_logit_softcapping": 30.0,
         "attn_logit_softcapping": 50.0,
     },
+    GEMMA3: _GEMMA_DEFAULTS
+    | {
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 4,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "rope_theta": 1e6,  # full-attention layers; the sliding ones: rope_local_base_freq
+        "rope_local_base_freq": 10000.0,
+        "sliding_window_pattern": 6,
+    },
 }
 
 
@@ -99,7 +111,7 @@ MODEL_TYPES: Final = {
     "gpt2": GPT2,
     "gemma": GEMMA,
     "gemma2": GEMMA2,
-    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3_text": GEMMA3,
 }
 
 
@@ -124,7 +136,8 @@ def hf_field(raw: dict, name: str) -> typing.Any:
 def sliding_window(raw: dict, arch: str) -> tuple[int, str] | None:
     """(w, the windowed layers: ``all`` or their indices) as transformers applies the family's attention
     window, or None: Mistral, Mixtral and Phi-3 read ``sliding_window`` alone (every layer), Gemma 2
-    on the layers ``layer_types`` names (by default every other one, from layer 0); Qwen's families
+    on the layers ``layer_types`` names (by default every other one, from layer 0), Gemma 3 too (by
+    default all but every ``sliding_window_pattern``-th); Qwen's families
     only with ``use_sliding_window``, Qwen2 and Qwen3 then on the layers ``layer_types`` names (by
     default those from ``max_window_layers`` on); Llama and OLMo-2 have no window (a
     ``sliding_window`` in their config.json is ignored, as transformers ignores it)."""
@@ -145,10 +158,13 @@ def sliding_window(raw: dict, arch: str) -> tuple[int, str] | None:
         raise HFError(f"{CONFIG}: {_WRONG}: layer_types, want one string per layer ({n})")
     if types is None and arch == GEMMA2:
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    elif types is None and arch == GEMMA3:  # every sliding_window_pattern-th layer full
+        pattern = _int("sliding_window_pattern", hf_field(raw, "sliding_window_pattern"))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     elif types is None and "max_window_layers" in FAMILY_DEFAULTS[arch]:
         first = _int("max_window_layers", hf_field(raw, "max_window_layers"), low=0)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-    elif arch not in (GEMMA2,) and "max_window_layers" not in FAMILY_DEFAULTS[arch]:
+    elif arch not in (GEMMA2, GEMMA3) and "max_window_layers" not in FAMILY_DEFAULTS[arch]:
         types = None  # Mistral, Mixtral, Phi-3, Qwen3-MoE: every layer, whatever layer_types says
     if types is None:
         return window, "all"
@@ -290,7 +306,8 @@ def zero_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def _gemma_family(cfg: ModelConfig) -> str | None:
     """Gemma's fields (a (1 + w) RMSNorm, sqrt(h)-scaled embeddings, the gated GELU-tanh MLP) make a
-    Gemma, with sandwich norms a Gemma 2 (which alone has the scale and soft-caps); None: neither.
+    Gemma, with sandwich norms a Gemma 2 (which alone has the scale and soft-caps), with per-head q/k
+    norms as well a Gemma 3; None: none of them.
     A model with some of them, or with what neither holds, is refused naming them."""
     gemma = {
         "norm_offset = true": cfg.norm_offset,
@@ -299,6 +316,7 @@ def _gemma_family(cfg: ModelConfig) -> str | None:
     }
     gemma2 = {
         "norm_placement = sandwich": cfg.norm_placement == "sandwich",
+        "rope_local_theta": cfg.rope_local_theta > 0,
         "attn_scale": cfg.attn_scale > 0,
         "attn_softcap": cfg.attn_softcap > 0,
         "logit_softcap": cfg.logit_softcap > 0,
@@ -306,11 +324,15 @@ def _gemma_family(cfg: ModelConfig) -> str | None:
     if not any(gemma.values()) and not any(gemma2.values()):
         return None
     family = GEMMA2 if gemma2["norm_placement = sandwich"] else GEMMA
+    if family == GEMMA2 and cfg.qk_norm:  # Gemma 3: Gemma 2's block with per-head q/k norms
+        family = GEMMA3
     unmet = {
         "norm = rmsnorm": cfg.norm != "rmsnorm",
         "positions = rope": cfg.positions != "rope",
         "no biases": cfg.bias or cfg.qkv_bias,
-        "qk_norm = false": cfg.qk_norm,
+        "qk_norm = false": cfg.qk_norm and family != GEMMA3,
+        "qk_norm_scope = head": cfg.qk_norm and cfg.qk_norm_scope != "head",
+        "rope_local_theta = 0 (Gemma 3's alone)": cfg.rope_local_theta > 0 and family != GEMMA3,
         "no experts": cfg.moe,
     }
     if not all(gemma.values()) or any(unmet.values()) or (family == GEMMA and any(gemma2.values())):

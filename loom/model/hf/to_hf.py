@@ -12,6 +12,7 @@ from loom.config import ModelConfig, MoEConfig
 from loom.model.hf.families import (
     GEMMA,
     GEMMA2,
+    GEMMA3,
     GPT2,
     PHI3,
     QWEN3MOE,
@@ -58,7 +59,9 @@ def hf_config(
         return _gpt2_hf_config(cfg, dtype) | (extra or {})
     out = {
         "architectures": [family],
-        "model_type": "qwen3_moe" if family == QWEN3MOE else family.removesuffix("ForCausalLM").lower(),
+        "model_type": {QWEN3MOE: "qwen3_moe", GEMMA3: "gemma3_text"}.get(
+            family, family.removesuffix("ForCausalLM").lower()
+        ),
         "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
@@ -95,7 +98,7 @@ def hf_config(
         out["rope_parameters"] = cast(dict, out["rope_parameters"]) | {"partial_rotary_factor": 1.0}
         out["original_max_position_embeddings"] = cfg.max_seq_len
         out |= dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))  # not Phi3Config's 32000s
-    if family in (GEMMA, GEMMA2):
+    if family in (GEMMA, GEMMA2, GEMMA3):
         out |= _gemma_hf_fields(cfg, family)
     if family == QWEN3MOE:  # every layer sparse, no shared experts; no dense MLP: no intermediate_size
         del out["intermediate_size"]
@@ -129,16 +132,34 @@ def _gemma_hf_fields(cfg: ModelConfig, family: str) -> dict:
     if family == GEMMA:
         return out
     scalar = cfg.head_dim if not cfg.attn_scale else cfg.attn_scale**-2
-    return out | {
-        "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar,
-        "attn_logit_softcapping": cfg.attn_softcap or None,
-        "final_logit_softcapping": cfg.logit_softcap or None,
+    return (
+        out
+        | {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar,
+            "attn_logit_softcapping": cfg.attn_softcap or None,
+            "final_logit_softcapping": cfg.logit_softcap or None,
+        }
+        | (_gemma3_rope_fields(cfg) if family == GEMMA3 else {})
+    )
+
+
+def _gemma3_rope_fields(cfg: ModelConfig) -> dict:
+    """Gemma 3's RoPE per layer type (transformers 5's form): the full layers' base and the local
+    (sliding) layers' ``rope_local_theta``."""
+    local = cfg.rope_local_theta or cfg.rope_theta
+    return {
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        },
+        "rope_theta": cfg.rope_theta,
+        "rope_local_base_freq": local,
     }
 
 
 WINDOW_ALL = ("MistralForCausalLM", PHI3, "MixtralForCausalLM", QWEN3MOE)  # a window on every layer or none
-WINDOW_PER_LAYER = (GEMMA2, "Qwen2ForCausalLM", "Qwen3ForCausalLM")  # layer_types
+WINDOW_PER_LAYER = (GEMMA2, GEMMA3, "Qwen2ForCausalLM", "Qwen3ForCausalLM")  # layer_types
 
 
 def window_fields(cfg: ModelConfig, family: str) -> dict:
@@ -150,8 +171,10 @@ def window_fields(cfg: ModelConfig, family: str) -> dict:
     windowed = cfg.windowed_layers()
     qwen = family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", QWEN3MOE)
     if not windowed:
-        if family == GEMMA2:
-            return {"sliding_window": cfg.max_seq_len, "layer_types": ["full_attention"] * cfg.n_layers}
+        if family in (GEMMA2, GEMMA3):  # Gemma 3's local layers (their RoPE base) stay sliding ones
+            local = cfg.local_layers() if family == GEMMA3 and cfg.rope_local_theta else frozenset()
+            types = ["sliding_attention" if i in local else "full_attention" for i in range(cfg.n_layers)]
+            return {"sliding_window": cfg.max_seq_len, "layer_types": types}
         if family in WINDOW_ALL or qwen:
             return {"sliding_window": None} | ({"use_sliding_window": False} if qwen else {})
         return {}

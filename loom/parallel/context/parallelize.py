@@ -151,11 +151,13 @@ def apply_context_parallel(
     model.register_buffer("cp_rope_cos", local[0], persistent=False)  # buffers: constants, not activations
     model.register_buffer("cp_rope_sin", local[1], persistent=False)
 
+    whole = rope_cos.dim()  # (T_max, d/2), or (T_max, 2, d/2) with two RoPE bases (Gemma 3)
+
     def local_rows(_block: nn.Module, args: tuple) -> tuple | None:
-        """A block gets the whole rotary tables (T_max, d/2) and reads their first T/cp rows: give it
-        this rank's positions' rows instead. Packed documents pass each token's rows (B, T/cp, d/2),
-        gathered by its position in its document: left as they are."""
-        if len(args) >= 3 and args[1].dim() == 2:  # read from the model: buffers follow .to(device)
+        """A block gets the whole rotary tables (T_max, [2,] d/2) and reads their first T/cp rows: give
+        it this rank's positions' rows instead. Packed documents pass each token's rows (B, T/cp, [2,]
+        d/2), gathered by its position in its document: left as they are."""
+        if len(args) >= 3 and args[1].dim() == whole:  # read from the model: buffers follow .to(device)
             return (args[0], model.cp_rope_cos, model.cp_rope_sin, *args[3:])
         return None
 
