@@ -69,7 +69,7 @@ run)
     if [ -n "$selected" ] && [ "$left" -gt 30 ]; then
         echo "== gpu tests (-k '$selected'), ${left}s left" | tee -a "$out/lease.log"
         prc=0
-        timeout -k 5 "$left" "$py" -m pytest -q -o addopts= -m gpu -rs -k "$selected" tests/test_gpu.py >"$out/pytest.log" 2>&1 || prc=$?
+        timeout -k 5 "$left" "$py" -m pytest -q -o addopts= -m gpu -rs -k "$selected" tests/test_gpu.py tests/test_sliding_window.py >"$out/pytest.log" 2>&1 || prc=$?
         tail -5 "$out/pytest.log" | tee -a "$out/lease.log"
         [ "$rc" -eq 0 ] && rc=$prc
     fi
