@@ -361,3 +361,37 @@ def test_a_run_from_gemma2_exports_it_with_its_weights(prepared, tmp_path, metho
         adapted = peft.PeftModel.from_pretrained(hf_base, str(tmp_path / "adapter")).eval()
         with torch.no_grad():
             assert_close(adapted(x).logits, model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_every_model_field_is_taken_from_the_directory_or_named_the_runs_own():
+    """A run from a Hugging Face directory takes every model field its config.json decides
+    (``HF_FIELDS``): a field added to ModelConfig must be listed there or among the run's own
+    (``RUN_FIELDS``), else a from_hf run would train another model than the directory's (Gemma 3's
+    ``rope_local_theta`` was left out at first: its runs turned every layer at the full base)."""
+    import dataclasses
+
+    from loom.config import ModelConfig
+    from loom.model.hf.run_config import HF_FIELDS, RUN_FIELDS
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(HF_FIELDS) | set(RUN_FIELDS) == fields
+    assert not set(HF_FIELDS) & set(RUN_FIELDS)
+
+
+def test_a_run_from_gemma3_trains_the_directorys_model(prepared, tmp_path):  # noqa: F811
+    """The run's recorded model is the directory's: both RoPE bases and the window (the config a
+    from_hf run records, read back as ``loom generate`` reads it)."""
+    from loom import config as C
+    from loom.checkpoint.load import CheckpointReader
+    from loom.data.tokenizer import load_tokenizer
+    from tests.test_finetune import hf_lora_config, trainer_fit
+
+    base = tmp_path / "base"
+    save_gemma(base, "gemma3", vocab_size=384)
+    load_tokenizer(prepared).save(str(base / "tokenizer.json"))
+    run = tmp_path / "run"
+    cfg = hf_lora_config(prepared, base, run, finetune={"method": "full"}, train={"steps": 1})
+    trainer_fit(cfg)
+    with CheckpointReader(run) as reader:
+        saved = C.from_dict(reader.train_state["config"]).model
+    assert (saved.rope_theta, saved.rope_local_theta, saved.window_layers) == (5e5, 1e4, "0")

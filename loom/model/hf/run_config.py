@@ -45,8 +45,12 @@ HF_FIELDS = (
     "logit_softcap",
     "sliding_window",
     "window_layers",
+    "rope_local_theta",
     "hf_architecture",
 )
+# the model fields a config.json does not decide (the run's own); every other field is in HF_FIELDS
+# (tests/test_hf_gemma.py holds the two lists to every ModelConfig field)
+RUN_FIELDS = ("multiple_of", "pad_vocab_to", "init_std", "dropout", "from_hf")
 DERIVED = ("vocab_size", "ffn_dim", "attn_head_dim")  # 0 = derived (tokenizer, 8h/3 rule, h/a): not a value
 LLAMA31_FACTORS = (
     "rope_low_freq_factor",
