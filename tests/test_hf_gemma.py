@@ -395,3 +395,118 @@ def test_a_run_from_gemma3_trains_the_directorys_model(prepared, tmp_path):  # n
     with CheckpointReader(run) as reader:
         saved = C.from_dict(reader.train_state["config"]).model
     assert (saved.rope_theta, saved.rope_local_theta, saved.window_layers) == (5e5, 1e4, "0")
+
+
+def _edited(tmp_path, family: str, edit: dict, drop: tuple[str, ...] = (), **kw) -> Path:
+    save_gemma(tmp_path, family, **kw)
+    raw = json.loads((tmp_path / "config.json").read_text()) | edit
+    for key in drop:
+        raw.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "family,edit,drop,says",
+    [
+        (
+            "gemma3",
+            {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+            (),
+            'config.json: rope_scaling = {"rope_type": "linear", "factor": 8.0} is not supported (Loom: none on '
+            "Gemma 3's full-attention layers)",
+        ),
+        (
+            "gemma3",
+            {"rope_parameters": [1, 2]},
+            (),
+            "config.json: a field has a value of the wrong type: rope_parameters = [1, 2], want an object (or null)",
+        ),
+        (
+            "gemma3",
+            {"rope_theta": 1e6, "rope_local_base_freq": 0},
+            ("rope_parameters",),
+            "config.json: rope_local_base_freq = 0 is out of range: want a number > 0",
+        ),
+        (
+            "gemma2",
+            {"layer_types": ["sliding", "full_attention"]},
+            (),
+            "config.json: layer_types holds 'sliding'; Loom: full_attention, sliding_attention",
+        ),
+    ],
+    ids=[
+        "gemma3 legacy rope_scaling",
+        "gemma3 rope_parameters list",
+        "gemma3 local base 0",
+        "unknown layer type",
+    ],
+)
+def test_configs_transformers_refuses_or_reads_otherwise_are_one_line(tmp_path, family, edit, drop, says):
+    from loom.model.hf import HFError, open_dir
+
+    with pytest.raises(HFError) as e:
+        open_dir(_edited(tmp_path, family, edit, drop), 32)
+    assert str(e.value) == says
+
+
+def test_gemma3s_attention_cap_is_ignored_as_transformers_ignores_it(tmp_path):
+    """transformers' Gemma 3 keeps ``attn_logit_softcapping`` in its config but applies none: imported
+    as no cap (the logits transformers'); exporting a Gemma-3-shaped model with a cap is refused."""
+    from dataclasses import replace
+
+    from loom.model.hf import HFError, hf_config
+
+    ref = save_gemma(tmp_path, "gemma3", attn_logit_softcapping=0.5)
+    hf, model = _loom(tmp_path)
+    assert hf.config.attn_softcap == 0.0
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_close(model(x), ref(x).logits)
+    with pytest.raises(HFError, match=r"Gemma3ForCausalLM holds .*attn_softcap = 0 \(Gemma 3 applies none\)"):
+        hf_config(replace(hf.config, attn_softcap=5.0))
+
+
+def test_a_mistral_with_layer_types_is_windowed_on_those_layers_as_transformers_reads_it(tmp_path):
+    """transformers reads a Mistral config with ``layer_types`` as a Ministral: the window on the
+    sliding layers only; Loom's import and export do the same."""
+    from loom.model.hf import hf_config, load_into, open_dir
+    from loom.model.llama import Transformer
+
+    torch.manual_seed(0)
+    fields = {k: v for k, v in FIELDS.items() if k != "head_dim"} | {"sliding_window": 8}
+    config = transformers.MistralConfig(**fields)
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["layer_types"] = ["sliding_attention", "full_attention"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    hf = open_dir(tmp_path, 32)
+    assert (hf.config.sliding_window, hf.config.window_layers) == (8, "0")
+    model = Transformer(hf.config)
+    load_into(model, hf)
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_close(model.eval()(x), ref(x).logits)
+    assert hf_config(hf.config)["layer_types"] == ["sliding_attention", "full_attention"]
+
+
+def test_window_layers_are_read_as_a_set_of_ascii_indices():
+    """An equal list in another order is the same model on resume; a non-ASCII digit or a list naming no
+    layer beside a window is one line."""
+    from dataclasses import replace
+
+    from loom.checkpoint.recorded import RESOLVED
+    from loom.config import ConfigError, LoomConfig, validate
+    from loom.plan.opcount import tiny_config
+    from tests.helpers import tiny_model
+
+    a, b = tiny_model(n_layers=3, sliding_window=4, window_layers="0,2"), None
+    b = replace(a, window_layers="2, 0")
+    assert RESOLVED["window_layers"](a) == RESOLVED["window_layers"](b)
+    for bad, says in (("²", "comma-separated layer indices"), ("", "names no layer")):
+        cfg = LoomConfig(model=replace(a, window_layers=bad))
+        with pytest.raises(ConfigError, match=f"model.window_layers: .*{says}"):
+            validate(cfg, 1)
+    tiny = tiny_config(replace(a, n_layers=30, window_layers="0,2,29"), 2)  # the planner's counting model
+    assert (tiny.local_layers(), tiny.sliding_window) == (frozenset({0}), 4)

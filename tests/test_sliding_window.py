@@ -515,8 +515,13 @@ def test_a_family_without_the_window_is_refused_at_export():
     from tests.helpers import tiny_model
 
     with pytest.raises(
-        HFError, match="model.sliding_window: MistralForCausalLM holds a window on every layer only"
+        HFError, match="model.sliding_window: Phi3ForCausalLM holds a window on every layer only"
     ):
-        hf_config(tiny_model(n_layers=3, sliding_window=5, window_layers="0"))
+        hf_config(
+            tiny_model(n_layers=3, sliding_window=5, window_layers="0", hf_architecture="Phi3ForCausalLM")
+        )
+    # a Mistral's layer_types (transformers reads it as a Ministral): windowed on those layers
+    out = hf_config(tiny_model(n_layers=3, sliding_window=5, window_layers="0"))
+    assert out["layer_types"] == ["sliding_attention", "full_attention", "full_attention"]
     with pytest.raises(HFError, match="cannot hold this model's tensors"):
         hf_config(tiny_model(n_layers=3, sliding_window=5, hf_architecture="LlamaForCausalLM"))

@@ -40,6 +40,7 @@ RESOLVED: dict[str, Callable[[C.ModelConfig], object]] = {
     "ffn_dim": C.ModelConfig.resolved_ffn_dim,
     "multiple_of": C.ModelConfig.resolved_ffn_dim,
     "attn_head_dim": lambda m: m.head_dim,
+    "window_layers": lambda m: m.local_layers(),  # "0,2" and "2,0" list the same layers
 }
 
 Change = tuple[str, object, object]  # (section.key, the recorded value, the value at hand)

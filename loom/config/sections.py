@@ -215,7 +215,7 @@ class ModelConfig:
             return frozenset(range(self.n_layers))
         parts = [p.strip() for p in self.window_layers.split(",") if p.strip()]
         _require(
-            all(p.isdigit() and int(p) < self.n_layers for p in parts),
+            all(p.isascii() and p.isdigit() and int(p) < self.n_layers for p in parts),
             f"model.window_layers: 'all' or comma-separated layer indices in [0, {self.n_layers}), "
             f"got {self.window_layers!r}",
         )

@@ -364,7 +364,10 @@ def _check_model(m: ModelConfig) -> None:
         "model.norm_offset: scales an RMSNorm by 1 + w; model.norm = layernorm has its own bias",
     )
     _require(m.sliding_window >= 0, f"model.sliding_window: must be >= 0 (0 = none), got {m.sliding_window}")
-    m.local_layers()  # a bad window_layers list raises naming it
+    _require(  # a window on no layer would be an explicit setting silently without effect
+        m.sliding_window == 0 or bool(m.local_layers()),
+        f"model.window_layers: names no layer for model.sliding_window = {m.sliding_window}; give 'all' or indices",
+    )
     _require(
         0 <= m.rope_local_theta < float("inf"),
         f"model.rope_local_theta: must be a finite number >= 0 (0 = rope_theta on every layer), got {m.rope_local_theta}",

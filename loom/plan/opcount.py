@@ -59,8 +59,12 @@ def tiny_config(model: ModelConfig, n_layers: int) -> ModelConfig:
     """``model``'s structure at counting size: same heads, norms, MLP, positions and biases; its
     experts up to :data:`COUNT_EXPERTS`."""
     experts = min(model.n_experts, COUNT_EXPERTS)
+    local = sorted(i for i in model.local_layers() if i < n_layers)  # its windowed layers among the first
     return dataclasses.replace(
         model,
+        window_layers=",".join(map(str, local)),
+        sliding_window=model.sliding_window if local else 0,
+        rope_local_theta=model.rope_local_theta if local else 0.0,
         n_experts=experts,
         top_k=min(model.top_k, experts),
         n_layers=n_layers,

@@ -205,11 +205,11 @@ def _gemma_fields(raw: dict, arch: str, head_dim: int) -> dict:
     scalar = _float("query_pre_attn_scalar", hf_field(raw, "query_pre_attn_scalar"))
     if scalar <= 0:
         raise HFError(f"{CONFIG}: query_pre_attn_scalar = {scalar} is out of range: want a number > 0")
-    caps = {}
+    caps = {"attn_softcap": 0.0}  # Gemma 3 keeps attn_logit_softcapping but applies none, as transformers
     for name, loom in (
         ("attn_logit_softcapping", "attn_softcap"),
         ("final_logit_softcapping", "logit_softcap"),
-    ):
+    )[1 if arch == GEMMA3 else 0 :]:
         cap = hf_field(raw, name)
         caps[loom] = 0.0 if cap is None else _float(name, cap)
         if caps[loom] < 0:
@@ -225,6 +225,13 @@ def _gemma3_rope(raw: dict) -> dict:
     or ``rope_parameters.sliding_attention.rope_theta``), both of the default type (the larger models'
     linear scaling of the full layers is refused naming the field)."""
     params = raw.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise HFError(f"{CONFIG}: {_WRONG}: rope_parameters = {json.dumps(params)}, want an object (or null)")
+    if raw.get("rope_scaling") is not None:  # transformers merges it into the full layers' RoPE
+        raise HFError(
+            f"{CONFIG}: rope_scaling = {json.dumps(raw['rope_scaling'])} is not supported (Loom: none on Gemma "
+            "3's full-attention layers)"
+        )
     if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
         out = {}
         for kind, loom, fallback in (
@@ -240,17 +247,20 @@ def _gemma3_rope(raw: dict) -> dict:
                     "(Loom: default on Gemma 3's layers)"
                 )
             key = f"rope_parameters.{kind}.rope_theta" if "rope_theta" in p else fallback
-            out[loom] = _float(key, p.get("rope_theta", hf_field(raw, fallback)))
+            out[loom] = _positive(key, p.get("rope_theta", hf_field(raw, fallback)))
         return out
-    if raw.get("rope_scaling") is not None:
-        raise HFError(
-            f"{CONFIG}: rope_scaling = {json.dumps(raw['rope_scaling'])} is not supported (Loom: none on Gemma "
-            "3's full-attention layers)"
-        )
     return {
-        "rope_theta": _float("rope_theta", hf_field(raw, "rope_theta")),
-        "rope_local_theta": _float("rope_local_base_freq", hf_field(raw, "rope_local_base_freq")),
+        "rope_theta": _positive("rope_theta", hf_field(raw, "rope_theta")),
+        "rope_local_theta": _positive("rope_local_base_freq", hf_field(raw, "rope_local_base_freq")),
     }
+
+
+def _positive(field: str, value: object) -> float:
+    """:func:`_float`, above 0 (a RoPE base), else one line naming the field."""
+    out = _float(field, value)
+    if not out > 0:
+        raise HFError(f"{CONFIG}: {field} = {value} is out of range: want a number > 0")
+    return out
 
 
 def _qwen3_moe_experts(raw: dict) -> tuple[int, int]:

@@ -21,6 +21,8 @@ QWEN2: Final = "Qwen2ForCausalLM"
 GEMMA: Final = "GemmaForCausalLM"
 GEMMA2: Final = "Gemma2ForCausalLM"
 GEMMA3: Final = "Gemma3ForCausalLM"
+MISTRAL: Final = "MistralForCausalLM"
+LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json's layer_types Loom reads
 LLAMA_TENSORS = ("MistralForCausalLM", PHI3)  # Llama's tensors under other names or config fields
 
 
@@ -135,7 +137,8 @@ def hf_field(raw: dict, name: str) -> typing.Any:
 
 def sliding_window(raw: dict, arch: str) -> tuple[int, str] | None:
     """(w, the windowed layers: ``all`` or their indices) as transformers applies the family's attention
-    window, or None: Mistral, Mixtral and Phi-3 read ``sliding_window`` alone (every layer), Gemma 2
+    window, or None: Mixtral and Phi-3 read ``sliding_window`` alone (every layer), Mistral too unless
+    it has ``layer_types`` (transformers then reads it as a Ministral: those layers), Gemma 2
     on the layers ``layer_types`` names (by default every other one, from layer 0), Gemma 3 too (by
     default all but every ``sliding_window_pattern``-th); Qwen's families
     only with ``use_sliding_window``, Qwen2 and Qwen3 then on the layers ``layer_types`` names (by
@@ -156,6 +159,11 @@ def sliding_window(raw: dict, arch: str) -> tuple[int, str] | None:
         not isinstance(types, list) or len(types) != n or not all(isinstance(t, str) for t in types)
     ):
         raise HFError(f"{CONFIG}: {_WRONG}: layer_types, want one string per layer ({n})")
+    odd = sorted({t for t in types or () if t not in LAYER_TYPES})
+    if odd:
+        raise HFError(
+            f"{CONFIG}: layer_types holds {', '.join(map(repr, odd))}; Loom: {', '.join(LAYER_TYPES)}"
+        )
     if types is None and arch == GEMMA2:
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     elif types is None and arch == GEMMA3:  # every sliding_window_pattern-th layer full
@@ -164,8 +172,8 @@ def sliding_window(raw: dict, arch: str) -> tuple[int, str] | None:
     elif types is None and "max_window_layers" in FAMILY_DEFAULTS[arch]:
         first = _int("max_window_layers", hf_field(raw, "max_window_layers"), low=0)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-    elif arch not in (GEMMA2, GEMMA3) and "max_window_layers" not in FAMILY_DEFAULTS[arch]:
-        types = None  # Mistral, Mixtral, Phi-3, Qwen3-MoE: every layer, whatever layer_types says
+    elif arch not in (GEMMA2, GEMMA3, MISTRAL) and "max_window_layers" not in FAMILY_DEFAULTS[arch]:
+        types = None  # Mixtral, Phi-3, Qwen3-MoE: every layer, whatever layer_types says
     if types is None:
         return window, "all"
     layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
@@ -333,6 +341,7 @@ def _gemma_family(cfg: ModelConfig) -> str | None:
         "qk_norm = false": cfg.qk_norm and family != GEMMA3,
         "qk_norm_scope = head": cfg.qk_norm and cfg.qk_norm_scope != "head",
         "rope_local_theta = 0 (Gemma 3's alone)": cfg.rope_local_theta > 0 and family != GEMMA3,
+        "attn_softcap = 0 (Gemma 3 applies none)": cfg.attn_softcap > 0 and family == GEMMA3,
         "no experts": cfg.moe,
     }
     if not all(gemma.values()) or any(unmet.values()) or (family == GEMMA and any(gemma2.values())):

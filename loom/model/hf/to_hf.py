@@ -159,7 +159,8 @@ def _gemma3_rope_fields(cfg: ModelConfig) -> dict:
 
 
 WINDOW_ALL = ("MistralForCausalLM", PHI3, "MixtralForCausalLM", QWEN3MOE)  # a window on every layer or none
-WINDOW_PER_LAYER = (GEMMA2, GEMMA3, "Qwen2ForCausalLM", "Qwen3ForCausalLM")  # layer_types
+# layer_types (a Mistral's: transformers reads it as a Ministral, windowed on those layers)
+WINDOW_PER_LAYER = (GEMMA2, GEMMA3, "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
 def window_fields(cfg: ModelConfig, family: str) -> dict:
