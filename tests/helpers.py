@@ -27,6 +27,19 @@ def tiny_model(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
+# Gemma 2's fields on the tiny model: offset norms, sqrt(h) embeddings, GeGLU, sandwich norms, the
+# attention scale and soft-caps (small enough to bite at the tiny model's scale)
+GEMMA2_FIELDS = {
+    "norm_offset": True,
+    "embed_scale": True,
+    "mlp": "geglu_tanh",
+    "norm_placement": "sandwich",
+    "attn_scale": 0.3,
+    "attn_softcap": 2.0,
+    "logit_softcap": 3.0,
+}
+
+
 # Weights after AdamW steps against the one-process reference. Adam's m / sqrt(v) turns a gradient's
 # float32 rounding, which differs with the GEMM kernel the CPU picks for each batch shape (AVX2 on the
 # AMD EPYC machines, AVX-512/AMX on the Intel Xeon ones), into up to ~1% of one step's update where
@@ -149,6 +162,14 @@ def metered_steps(model, strategy, meter, mesh, cfg, loss_fn, steps: int, batch:
         moved.append(dict(meter.moved))
         calls.append(dict(meter.calls))
     return losses, moved, calls
+
+
+def grads_of(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+    """[fn(q, k, v), dq, dk, dv] of an attention for the output gradient ``grad`` (inputs cloned)."""
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*ins)
+    out.backward(grad)
+    return [out.detach(), *(t.grad for t in ins)]
 
 
 def train_layout(

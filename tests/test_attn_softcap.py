@@ -20,7 +20,7 @@ from torch.testing import assert_close
 
 import loom.model.llama as llama
 from loom.model.llama import CoreAttention, build_model, causal_block_mask, document_block_mask
-from tests.helpers import SEQ, one_thread, tiny_model, tiny_train, train_dp, train_layout  # noqa: F401 (fixture)
+from tests.helpers import SEQ, grads_of, one_thread, tiny_model, tiny_train, train_dp, train_layout  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SCALE, CAP = 0.3, 2.0
@@ -55,13 +55,6 @@ def inputs(dtype=torch.float64, seed: int = 0):
     # scores σ q·k of order 1 to 3: the cap c = 2 bends them
     q, k, v = (torch.randn(B, h, T, D, generator=g, dtype=dtype) * 1.5 for h in (A, K, K))
     return q, k, v, torch.randn(B, A, T, D, generator=g, dtype=dtype)
-
-
-def grads_of(fn, q, k, v, grad):
-    ins = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = fn(*ins)
-    out.backward(grad)
-    return [out.detach(), *(t.grad for t in ins)]
 
 
 SCORES = [(SCALE, CAP), (SCALE, 0.0), (0.0, CAP)]

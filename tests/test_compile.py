@@ -17,7 +17,7 @@ import torch
 from torch.testing import assert_close
 
 from loom.config import ConfigError, LoomConfig, validate
-from tests.helpers import SEQ, rank_micro_batches, tiny_model, tiny_train
+from tests.helpers import GEMMA2_FIELDS, SEQ, rank_micro_batches, tiny_model, tiny_train
 
 STEPS, BATCH, MICRO = 6, 8, 2
 # Adam moves a weight by up to lr whatever its gradient's size, so inductor's fp32 rounding (other fusions,
@@ -169,15 +169,7 @@ LAYOUTS = {
 BREAKS = {"tp2 sp": 4, "cp2": 2}
 
 
-GEMMA2 = {  # Gemma 2's fields: offset norms, sqrt(h) embeddings, GeGLU, sandwich norms, scale, soft-caps
-    "norm_offset": True,
-    "embed_scale": True,
-    "mlp": "geglu_tanh",
-    "norm_placement": "sandwich",
-    "attn_scale": 0.3,
-    "attn_softcap": 2.0,
-    "logit_softcap": 3.0,
-}
+GEMMA2 = GEMMA2_FIELDS
 
 
 @pytest.mark.parametrize(

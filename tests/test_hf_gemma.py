@@ -19,6 +19,7 @@ import torch
 import transformers
 from torch.testing import assert_close
 
+from tests.helpers import GEMMA2_FIELDS
 from tests.test_finetune import prepared  # noqa: F401
 
 FIELDS = dict(
@@ -256,15 +257,7 @@ def test_a_model_with_some_of_gemmas_fields_is_refused_at_export(fields, says):
     assert str(e.value) == says
 
 
-GEMMA2_NATIVE = {
-    "norm_offset": True,
-    "embed_scale": True,
-    "mlp": "geglu_tanh",
-    "norm_placement": "sandwich",
-    "attn_scale": 0.3,
-    "attn_softcap": 2.0,
-    "logit_softcap": 3.0,
-}
+GEMMA2_NATIVE = GEMMA2_FIELDS
 # Gemma 3's: no caps, per-head q/k norms, layer 0 windowed (5 of the tiny model's 16 tokens) at the local
 # RoPE base
 GEMMA3_NATIVE = {k: v for k, v in GEMMA2_NATIVE.items() if "softcap" not in k} | {

@@ -1570,3 +1570,45 @@ def test_a_batch_or_sequence_beyond_2_24_is_one_line(capsys, argv):
     assert code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "at most 16,777,216 (2^24), got " in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--model.rope_local_theta", "-1"], "model.rope_local_theta: must be a finite number >= 0"),
+        (["--model.sliding_window", "-3"], "model.sliding_window: must be >= 0 (0 = none), got -3"),
+        (["--model.attn_softcap", "nan"], "model.attn_softcap: must be a finite number"),
+        (["--model.logit_softcap", "inf"], "model.logit_softcap: must be a finite number"),
+        (["--model.attn_scale", "-0.5"], "model.attn_scale: must be a finite number >= 0"),
+        (
+            ["--model.norm_offset", "true", "--model.norm", "layernorm"],
+            "model.norm_offset: scales an RMSNorm",
+        ),
+        (["--model.mlp", "geglu"], "model.mlp: must be one of swiglu | gelu | gelu_tanh | geglu_tanh"),
+        (["--model.sliding_window", "4", "--model.window_layers", "0,x"], "model.window_layers: 'all' or"),
+        (["--model.data_bos", "x"], "model.data_bos"),
+        (["--data.bos", "yes"], "data.bos: must be one of auto | none"),
+    ],
+    ids=[
+        "rope_local_theta",
+        "sliding_window",
+        "attn_softcap",
+        "logit_softcap",
+        "attn_scale",
+        "norm_offset",
+        "mlp",
+        "window_layers",
+        "unknown field",
+        "data.bos",
+    ],
+)
+def test_the_gemma_and_window_fields_refuse_bad_values_in_one_line(capsys, tmp_path, args, says):
+    """Each new model field's bad value: exit 2 with one line naming the field, before any rank starts
+    and before the run directory is made."""
+    from loom.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "debug", "--nproc", "1", "--run.dir", str(run), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], lines
+    assert not run.exists()

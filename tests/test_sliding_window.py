@@ -31,7 +31,7 @@ from loom.model.llama import (
     window_mask,
 )
 from loom.parallel.context import blocks
-from tests.helpers import SEQ, one_thread, tiny_model, tiny_train, train_dp, train_layout  # noqa: F401 (fixture)
+from tests.helpers import SEQ, grads_of, one_thread, tiny_model, tiny_train, train_dp, train_layout  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SCALE, CAP = 0.3, 2.0
@@ -66,13 +66,6 @@ def inputs(dtype=torch.float64, seed: int = 0, n: int = T):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, h, n, D, generator=g, dtype=dtype) * 1.5 for h in (A, K, K))
     return q, k, v, torch.randn(B, A, n, D, generator=g, dtype=dtype)
-
-
-def grads_of(fn, q, k, v, grad):
-    ins = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = fn(*ins)
-    out.backward(grad)
-    return [out.detach(), *(t.grad for t in ins)]
 
 
 @pytest.mark.parametrize("window", [1, 3, 12, 20])

@@ -11,6 +11,7 @@ from loom.parallel.pipeline.posting import nccl_check, posting_plan
 from loom.parallel.pipeline.runtime import step_schedule
 from loom.parallel.pipeline.simulate import ScheduleError, check
 from tests.dist import CollectiveOrderError, WorkerPool
+from tests.helpers import GEMMA2_FIELDS
 
 
 def _cases() -> list[tuple[str, int, int, int]]:
@@ -224,15 +225,7 @@ SENTINEL_LAYOUTS = {
         "tp2-sp": ({"tp": 2, "sp": True}, {}),
         "tp2-sp-gemma2-bf16": (  # the embedding scale, offset norms, soft-caps and scale of Gemma 2
             {"tp": 2, "sp": True, "precision": "bf16"},
-            {
-                "norm_offset": True,
-                "embed_scale": True,
-                "mlp": "geglu_tanh",
-                "norm_placement": "sandwich",
-                "attn_scale": 0.3,
-                "attn_softcap": 2.0,
-                "logit_softcap": 3.0,
-            },
+            GEMMA2_FIELDS,
         ),
         "pp2-zb": ({"pp": 2, "schedule": "zb-h1"}, {}),
         "pp2-interleaved": ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2}, {"n_layers": 4}),
