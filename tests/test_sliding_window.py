@@ -518,3 +518,23 @@ def test_a_family_without_the_window_is_refused_at_export():
     assert out["layer_types"] == ["sliding_attention", "full_attention", "full_attention"]
     with pytest.raises(HFError, match="cannot hold this model's tensors"):
         hf_config(tiny_model(n_layers=3, sliding_window=5, hf_architecture="LlamaForCausalLM"))
+
+
+def test_the_planners_attention_share_counts_the_pairs_the_window_leaves():
+    """``ModelConfig.attention_share``: the causal (query, key) pairs the layers compute, averaged over
+    them, equals the count of the visible pairs of the window mask (w·T − w(w−1)/2 of T(T+1)/2 on a
+    windowed layer); the training FLOPs per token scale their attention term by it."""
+    from loom.model.llama import flops_per_token
+
+    T, w = 16, 5
+    cfg = tiny_model(n_layers=3, sliding_window=w, window_layers="0,2", max_seq_len=T)
+    seen = int(window_mask(T, T, w, "cpu").sum())
+    assert seen == w * T - w * (w - 1) // 2
+    causal = T * (T + 1) // 2
+    assert cfg.attention_share(T) == pytest.approx((2 * seen + causal) / (3 * causal))
+    assert tiny_model(n_layers=3, sliding_window=T, window_layers="0,2").attention_share(T) == 1.0
+    whole = tiny_model(n_layers=3, max_seq_len=T)
+    attention = 12.0 * 3 * cfg.n_heads * cfg.head_dim * T
+    assert flops_per_token(whole, T, 0) - flops_per_token(cfg, T, 0) == pytest.approx(
+        attention * (1 - cfg.attention_share(T))
+    )
