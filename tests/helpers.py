@@ -27,6 +27,39 @@ def tiny_model(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
+# a tiny transformers config (head_dim 16, two kv heads of four): the Hugging Face tests' models
+HF_TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def assert_layouts_equal(ref: dict, ranks, names: list[str]) -> None:
+    """Every layout's losses (each rank's) and whole final state (the ranks that gather it) equal the
+    one-process ``ref`` of :func:`train_layout`; ``ranks``: per rank, one result per name. Every
+    layout is compared on some rank."""
+    from torch.testing import assert_close
+
+    compared = set()
+    for rank in ranks:
+        for name, r in zip(names, rank, strict=True):
+            assert_close(
+                torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6, msg=name
+            )
+            if r["state"] is None:  # only the ranks that gather the whole state hold it
+                continue
+            compared.add(name)
+            assert r["state"].keys() == ref["state"].keys(), name
+            for k, v in ref["state"].items():
+                assert_close(r["state"][k], v, **ADAM_STATE_TOL, msg=lambda m, k=k, n=name: f"{n} {k}: {m}")
+    assert compared == set(names)
+
+
 # Gemma 2's fields on the tiny model: offset norms, sqrt(h) embeddings, GeGLU, sandwich norms, the
 # attention scale and soft-caps (small enough to bite at the tiny model's scale)
 GEMMA2_FIELDS = {

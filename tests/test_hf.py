@@ -15,6 +15,7 @@ import transformers
 from torch.testing import assert_close
 
 from loom import config as C
+from tests.helpers import HF_TINY
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -52,17 +53,7 @@ FAMILIES = {
 def _save_hf(tmp: Path, family: str, tie: bool, **kw) -> tuple[Path, torch.nn.Module]:
     cfg_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
-    fields = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-        rope_theta=5e5,
-    )
+    fields = HF_TINY | dict(tie_word_embeddings=tie, rope_theta=5e5)
     cfg = getattr(transformers, cfg_cls)(**(fields | extra | kw))
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # every tensor random (biases and norm weights start as constants)
@@ -125,9 +116,9 @@ def test_a_rope_scaling_added_beside_rope_parameters_wins_as_in_transformers(tmp
     with torch.no_grad():
         assert_close(model(x), ref(x).logits)
     (path / "config.json").write_text(
-        json.dumps(raw | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        json.dumps(raw | {"rope_scaling": {"rope_type": "proportional", "factor": 4.0}})
     )
-    with pytest.raises(HFError, match="rope_scaling.rope_type = 'yarn' is not supported"):
+    with pytest.raises(HFError, match="rope_scaling.rope_type = 'proportional' is not supported"):
         open_dir(path, 32)
 
 
@@ -179,8 +170,8 @@ def test_rope_row_order_round_trips():
         ("llama", {"attention_bias": True}, r"tensor model.layers.0.self_attn.k_proj.bias is missing"),
         (
             "llama",
-            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None},
-            r"rope_scaling.rope_type = 'yarn' is not",
+            {"rope_scaling": {"rope_type": "proportional", "factor": 4.0}, "rope_parameters": None},
+            r"rope_scaling.rope_type = 'proportional' is not",
         ),
         (
             "gpt2",

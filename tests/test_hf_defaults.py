@@ -17,16 +17,9 @@ import transformers
 from torch.testing import assert_close
 
 from loom import config as C
+from tests.helpers import HF_TINY
 
-BASE = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+BASE = HF_TINY
 
 
 def _save(path: Path, config_class: str, drop: tuple[str, ...] = (), **kw) -> torch.nn.Module:

@@ -19,20 +19,10 @@ import torch
 import transformers
 from torch.testing import assert_close
 
-from tests.helpers import GEMMA2_FIELDS
+from tests.helpers import GEMMA2_FIELDS, HF_TINY
 from tests.test_finetune import prepared  # noqa: F401
 
-FIELDS = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,  # a·d = 128 != h, as Gemma 7B's 16 x 256 against 3072
-    max_position_embeddings=64,
-    rope_theta=5e5,
-)
+FIELDS = HF_TINY | dict(head_dim=32, rope_theta=5e5)  # a·d = 128 != h, as Gemma 7B's 16 x 256 against 3072
 # soft-caps small enough to bite on a tiny random model (Gemma 2 ships 50 and 30)
 GEMMA2 = dict(attn_logit_softcapping=1.0, final_logit_softcapping=0.5, query_pre_attn_scalar=24)
 # Gemma 3: a window of 8 on its sliding layer (the sequences are 32), whose RoPE base is the local one
@@ -287,26 +277,14 @@ def test_gemma_fields_train_equal_to_one_process(pools, model):
     micro-batches under tp2 + sp (the sandwich norms on sequence shards, their weights' gradients
     summed over tp), pp2, ZeRO-3 and cp2 ring (each rank's rows of both RoPE tables) with the losses
     and every parameter of one process; the norm weights start at 0."""
-    from tests.helpers import ADAM_STATE_TOL, train_layout
+    from tests.helpers import assert_layouts_equal, train_layout
 
     ref = train_layout({}, 3, 4, 2, model)
     assert {k for k in ref["state"] if "post_ffn_norm" in k} == {
         f"layers.{i}.post_ffn_norm.weight" for i in (0, 1)
     }
     names = list(LAYOUTS)
-    compared = set()
-    for rank in pools(2).run(_gemma_layouts, model, names):
-        for name, r in zip(names, rank):
-            assert_close(
-                torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6, msg=name
-            )
-            if r["state"] is None:  # only the ranks that gather the whole state hold it
-                continue
-            compared.add(name)
-            assert r["state"].keys() == ref["state"].keys(), name
-            for k, v in ref["state"].items():
-                assert_close(r["state"][k], v, **ADAM_STATE_TOL, msg=lambda m, k=k, n=name: f"{n} {k}: {m}")
-    assert compared == set(names)
+    assert_layouts_equal(ref, pools(2).run(_gemma_layouts, model, names), names)
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
@@ -404,10 +382,15 @@ def _edited(tmp_path, family: str, edit: dict, drop: tuple[str, ...] = (), **kw)
     [
         (
             "gemma3",
-            {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e4},
+                }
+            },
             (),
-            'config.json: rope_scaling = {"rope_type": "linear", "factor": 8.0} is not supported (Loom: none on '
-            "Gemma 3's full-attention layers)",
+            "config.json: rope_parameters.sliding_attention.rope_type = 'linear' is not supported (Loom: default "
+            "on Gemma 3's sliding layers)",
         ),
         (
             "gemma3",
@@ -429,7 +412,7 @@ def _edited(tmp_path, family: str, edit: dict, drop: tuple[str, ...] = (), **kw)
         ),
     ],
     ids=[
-        "gemma3 legacy rope_scaling",
+        "gemma3 scaled sliding layers",
         "gemma3 rope_parameters list",
         "gemma3 local base 0",
         "unknown layer type",

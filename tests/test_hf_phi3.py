@@ -2,8 +2,8 @@
 into ``qkv_proj`` and gate/up into ``gate_up_proj``. A tiny random Phi-3 built by ``transformers`` from a
 config (nothing downloaded) imports with its logits (1 process, tp2), exports bit for bit, and a run
 from it exports a directory ``transformers`` loads as Phi-3 with the run's weights; LoRA adapters on the
-fused tensors load in PEFT; what Loom cannot run (LongRoPE, partial rotary, a short sliding window) is
-refused in one line naming the field."""
+fused tensors load in PEFT; what Loom cannot run (a RoPE rule Phi-3 does not read, a short sliding
+window) is refused in one line naming the field. (LongRoPE and partial rotation: tests/test_hf_rope.py.)"""
 
 from __future__ import annotations
 
@@ -182,18 +182,9 @@ def test_peft_adapters_on_the_fused_tensors_load_with_equal_logits(tmp_path, tar
     "edit,says",
     [
         (
-            {
-                "rope_parameters": {
-                    "rope_type": "longrope",
-                    "short_factor": [1.0] * 8,
-                    "long_factor": [2.0] * 8,
-                }
-            },
-            "config.json: rope_parameters.rope_type = 'longrope' is not supported (Loom: default, llama3)",
-        ),
-        (
-            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
-            "config.json: partial_rotary_factor = 0.75 is not supported (Loom rotates whole heads: 1.0)",
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+            "config.json: rope_parameters.rope_type = 'linear' is not supported for Phi3ForCausalLM (Loom: "
+            "default, longrope)",
         ),
         (
             {"architectures": ["Gemma3ForConditionalGeneration"]},
@@ -205,7 +196,7 @@ def test_peft_adapters_on_the_fused_tensors_load_with_equal_logits(tmp_path, tar
             "config.json: architectures = 'GPTNeoXForCausalLM' is not supported; supported: " + SUPPORTED,
         ),
     ],
-    ids=["longrope", "partial rotary", "gemma3 with vision", "unknown"],
+    ids=["linear rope", "gemma3 with vision", "unknown"],
 )
 def test_what_loom_cannot_run_is_one_line_naming_the_field(tmp_path, edit, says):
     from loom.model.hf import HFError, open_dir

@@ -10,11 +10,13 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from loom.config import ModelConfig
 from loom.model.llama import apply_rope, rope_tables
 from loom.model.norms import RMSNorm, layer_norm, rms_norm
 
 B, T, H, D = 2, 48, 4, 32
 WIDTH = H * D
+TABLES = ModelConfig(dim=WIDTH, n_heads=H, n_kv_heads=H, max_seq_len=64)  # RoPE base 10,000
 
 
 class PassCounter(TorchDispatchMode):
@@ -91,7 +93,7 @@ def test_layernorm_equals_torch_in_fp64():
 def test_rope_equals_the_real_rotation(dtype):
     """The complex product equals the pairwise rotation in fp32 (exactly, as the same products and
     sums), and its backward is the inverse rotation of the gradient."""
-    cos, sin = rope_tables(D, 64, 10000.0)
+    cos, sin = rope_tables(TABLES)
     x = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(2)).to(dtype)
     y, (gx,) = _fwd_bwd(lambda x: apply_rope(x, cos, sin), x)
     y64, (gx64,) = _fwd_bwd(lambda x: _real_rope64(x, cos, sin), x.double())
@@ -104,7 +106,7 @@ def test_rope_and_norm_passes_and_saved_bytes_in_bf16():
     """Eager cost over a (B, T, heads, d) bf16 input: RoPE makes 3 passes forward (upcast, complex
     product, round) and 3 backward where the real form made 9 and 12, and saves only its tables;
     RMSNorm saves x (B_a per element) and 1/rms (4 per row), not x in fp32 nor x̂."""
-    cos, sin = rope_tables(D, 64, 10000.0)
+    cos, sin = rope_tables(TABLES)
     x = torch.randn(B, T, H, D).bfloat16().requires_grad_()
     with PassCounter(x.numel() // 2) as fwd:  # the complex product: d/2 complex per head
         y = apply_rope(x, cos, sin)
@@ -132,7 +134,7 @@ def test_rope_and_norm_passes_and_saved_bytes_in_bf16():
 def test_rope_under_compile_takes_the_real_form_with_the_same_values(monkeypatch):
     """Inductor generates no code for complex operators, so under ``torch.compile`` the rotation is
     the real form (fused by inductor); it equals the complex product, forward and backward."""
-    cos, sin = rope_tables(D, 64, 10000.0)
+    cos, sin = rope_tables(TABLES)
     x = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(3))
     y, (gx,) = _fwd_bwd(lambda x: apply_rope(x, cos, sin), x)
     seen, complex_view = [], torch.view_as_complex

@@ -14,7 +14,8 @@ recorded model, :func:`adopt_model`, within its trained ``max_seq_len``). Never 
   regularization (none at generation);
 - ``model.pad_vocab_to``: rows that are zeros and take no part in any logit (the reader reshapes them);
 - a field that has no effect on the recorded model: ``top_k`` and ``[moe]`` of a dense model, RoPE's
-  of learned positions, the Llama 3.1 factors without ``rope_scaling``, ``qk_norm_scope`` without
+  of learned positions, a RoPE rule's numbers the recorded rule does not read
+  (:meth:`~loom.config.ModelConfig.rope_idle_fields`), ``qk_norm_scope`` without
   ``qk_norm``, the LoRA fields of a full fine-tune; ``ffn_dim``, ``multiple_of`` or ``attn_head_dim``
   changed where the resolved MLP width and head size stay the same;
 - a field the checkpoint did not record (written by an older Loom), and a ``model.vocab_size`` of 0
@@ -33,7 +34,6 @@ FREE = frozenset(
 )
 MOE_FIELDS = ("score", "norm_topk", "n_shared_experts")  # the routing; the rest trains or places experts
 LORA_FIELDS = ("method", "lora_rank", "lora_alpha", "lora_targets")  # lora_dropout trains only
-ROPE_LLAMA31 = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_len")
 
 # fields whose raw values may differ where the model they resolve to does not
 RESOLVED: dict[str, Callable[[C.ModelConfig], object]] = {
@@ -41,7 +41,14 @@ RESOLVED: dict[str, Callable[[C.ModelConfig], object]] = {
     "multiple_of": C.ModelConfig.resolved_ffn_dim,
     "attn_head_dim": lambda m: m.head_dim,
     "window_layers": lambda m: m.local_layers(),  # "0,2" and "2,0" list the same layers
+    "max_seq_len": lambda m: m.rope_long if _longrope(m) else m.max_seq_len,  # LongRoPE: which factors
 }
+
+
+def _longrope(m: C.ModelConfig) -> bool:
+    """LongRoPE, whose factors (short or long) ``max_seq_len`` selects."""
+    return m.positions == "rope" and bool(m.rope_scaling) and m.rope_kind == "longrope"
+
 
 Change = tuple[str, object, object]  # (section.key, the recorded value, the value at hand)
 
@@ -68,8 +75,7 @@ def _fields(saved: C.LoomConfig) -> Iterator[tuple[str, str]]:
         key = f.name
         idle = (
             (key == "top_k" and not m.moe)
-            or (key in ("rope_theta", "rope_scaling") and m.positions != "rope")
-            or (key in ROPE_LLAMA31 and (m.positions != "rope" or not m.rope_scaling))
+            or key in m.rope_idle_fields()
             or (key == "qk_norm_scope" and not m.qk_norm)
         )
         if not idle:
@@ -82,8 +88,10 @@ def _fields(saved: C.LoomConfig) -> Iterator[tuple[str, str]]:
 
 def free_on_resume(saved: C.LoomConfig) -> frozenset[str]:
     """What a resume may change besides :data:`FREE`: ``model.max_seq_len`` of a RoPE model (context
-    extension: a position's angles do not depend on it); a learned position table keeps its rows."""
-    return FREE | ({"model.max_seq_len"} if saved.model.positions == "rope" else set())
+    extension: a position's angles do not depend on it; LongRoPE's do where it crosses
+    ``rope_original_len``: compared by :data:`RESOLVED`); a learned position table keeps its rows."""
+    m = saved.model
+    return FREE | ({"model.max_seq_len"} if m.positions == "rope" and not _longrope(m) else set())
 
 
 def model_changes(saved: C.LoomConfig, now: C.LoomConfig, free: frozenset[str] = FREE) -> list[Change]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 import types
@@ -66,6 +67,16 @@ def _coerce(value: Any, typ: Any, where: str, text: bool = True) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if typing.get_origin(typ) is list and typing.get_args(typ) == (float,):  # [1.0, 1.5] or "1.0,1.5"
+        items = value.split(",") if isinstance(value, str) and text else value
+        if isinstance(items, list) and all(not isinstance(v, bool) for v in items):
+            try:
+                return [float(v) for v in items if not isinstance(v, str) or v.strip()]
+            except (TypeError, ValueError):
+                pass
+        raise ConfigError(
+            f"{where}: expected a list of numbers ([1.0, 1.5], or 1.0,1.5 on a command line), got {value!r}"
+        )
     if typing.get_origin(typ) is list:  # a list of tables: [[section.key]] in TOML
         (item,) = typing.get_args(typ)
         if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
@@ -305,7 +316,10 @@ def reference() -> str:
     for section, cls in SECTIONS.items():
         lines.append(f"[{section}]  {(inspect.getdoc(cls) or '').partition(chr(10))[0]}")
         types_ = _field_types(cls)
+        made = cls()
         for name, (typ, default, doc) in field_docs(cls).items():
+            if default.startswith("field("):  # a default_factory: the value it makes
+                default = json.dumps(getattr(made, name))  # a list: [] (the sections' only factories)
             allowed = choices(types_[name])
             if allowed:
                 typ, doc = (

@@ -97,6 +97,9 @@ GATED_MLPS: tuple[MlpKind, ...] = ("swiglu", "geglu_tanh")  # the MLPs with a ga
 PositionKind = Literal["rope", "learned"]  # model.positions
 
 
+RopeKind = Literal["llama3", "linear", "yarn", "longrope"]  # model.rope_kind: the rule rope_scaling applies
+
+
 QKNormScope = Literal["head", "all"]  # model.qk_norm_scope
 
 
@@ -151,10 +154,25 @@ class ModelConfig:
     pad_vocab_to: int = 0
     max_seq_len: int = 256  # longest sequence RoPE is prepared for
     rope_theta: float = 10000.0  # RoPE base frequency
-    rope_scaling: float = 0.0  # Llama 3.1 long-context RoPE: divide low frequencies by this factor (0 = off)
+    rope_scaling: float = 0.0  # long-context RoPE: the factor s the rule rope_kind applies (0 = off)
+    # with rope_scaling: llama3 (Llama 3.1: the low frequencies / s, the high kept, a ramp between), linear
+    # (every frequency / s), yarn (NTK-by-parts: dims ramped from kept to / s by rope_beta_fast and
+    # rope_beta_slow, cos and sin times rope_attn_factor), longrope (frequency i / rope_short_factor[i], or
+    # rope_long_factor[i] when max_seq_len > rope_original_len; cos and sin times rope_attn_factor)
+    rope_kind: RopeKind = "llama3"
     rope_low_freq_factor: float = 1.0  # Llama 3.1 RoPE: wavelengths above original_len / this are scaled
     rope_high_freq_factor: float = 4.0  # Llama 3.1 RoPE: wavelengths below original_len / this are kept
-    rope_original_len: int = 8192  # Llama 3.1 RoPE: the context length pretraining used
+    rope_original_len: int = 8192  # llama3, yarn, longrope: the context length pretraining used
+    rope_beta_fast: float = 32.0  # YaRN: dims turning more than this many times over original_len are kept
+    rope_beta_slow: float = 1.0  # YaRN: dims turning fewer than this many times are divided by s
+    rope_truncate: bool = True  # YaRN: round the ramp's ends outward to whole dims
+    # YaRN, LongRoPE: cos and sin times this; 0 = the rule's (yarn: 0.1 ln s + 1; longrope:
+    # sqrt(1 + ln s / ln original_len); 1 when s <= 1)
+    rope_attn_factor: float = 0.0
+    rope_short_factor: list[float] = field(default_factory=list)  # LongRoPE: r/2 divisors, one per frequency
+    rope_long_factor: list[float] = field(default_factory=list)  # LongRoPE: used beyond rope_original_len
+    # the share of each head's dims RoPE rotates: the first r = d·f (even); the rest pass unrotated (Phi-4-mini: 0.75)
+    rope_fraction: float = 1.0
     norm_eps: float = 1e-5  # epsilon of the norms (RMSNorm or LayerNorm)
     tie_embeddings: bool = True  # share the embedding matrix with the output head
     init_std: float = 0.02  # std of the normal init; output projections use std/sqrt(2L)
@@ -230,6 +248,40 @@ class ModelConfig:
             return 1.0
         seen = (w * T - w * (w - 1) / 2) / (T * (T + 1) / 2)
         return 1.0 - windowed / self.n_layers * (1.0 - seen)
+
+    @property
+    def rope_dims(self) -> int:
+        """r: the dims of each head RoPE rotates, int(head_dim · rope_fraction)."""
+        return int(self.head_dim * self.rope_fraction)
+
+    @property
+    def rope_long(self) -> bool:
+        """LongRoPE divides by ``rope_long_factor`` (the tables reach beyond ``rope_original_len``), else
+        by ``rope_short_factor``."""
+        return self.max_seq_len > self.rope_original_len
+
+    def rope_idle_fields(self) -> frozenset[str]:
+        """The RoPE fields with no effect on this model (one rule for every place that asks): all of
+        them with learned positions; those of the long-context rules ``rope_scaling`` and ``rope_kind``
+        do not select."""
+        rules = {
+            "llama3": ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_len"),
+            "linear": (),
+            "yarn": (
+                "rope_original_len",
+                "rope_beta_fast",
+                "rope_beta_slow",
+                "rope_truncate",
+                "rope_attn_factor",
+            ),
+            "longrope": ("rope_original_len", "rope_short_factor", "rope_long_factor", "rope_attn_factor"),
+        }
+        scaling = {f for used in rules.values() for f in used} | {"rope_kind"}
+        if self.positions != "rope":
+            return frozenset(scaling | {"rope_theta", "rope_scaling", "rope_fraction", "rope_local_theta"})
+        if not self.rope_scaling:
+            return frozenset(scaling)
+        return frozenset(scaling - set(rules[self.rope_kind]) - {"rope_kind"})
 
     @property
     def gated_mlp(self) -> bool:

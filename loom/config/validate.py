@@ -148,16 +148,46 @@ def _check_bounds(cfg: LoomConfig) -> None:
     _require(  # torch.manual_seed takes 64 bits, as `loom generate --seed`
         cfg.train.seed < 2**64, f"train.seed: must be below 2**64 = {2**64}, got {cfg.train.seed}"
     )
-    m = cfg.model
-    if m.rope_scaling:
-        _require(
-            m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
-            f"model.rope_high_freq_factor: must exceed model.rope_low_freq_factor > 0, got "
-            f"{m.rope_high_freq_factor} and {m.rope_low_freq_factor}",
-        )
+
+
+def _check_rope(m: ModelConfig) -> None:
+    """The RoPE rule's numbers (those of the rule ``rope_kind`` selects, :meth:`ModelConfig.rope_idle_fields`)
+    and the rotated share: r = d·rope_fraction even, at least one pair."""
+    if m.positions != "rope":
+        return
+    _require(
+        0 < m.rope_fraction <= 1 and m.rope_dims % 2 == 0 and m.rope_dims >= 2,
+        f"model.rope_fraction: must be in (0, 1] with r = int(head_dim * it) even and >= 2 (head_dim "
+        f"{m.head_dim}), got {m.rope_fraction} (r = {m.rope_dims})",
+    )
+    used = {f.name for f in dataclasses.fields(m)} - m.rope_idle_fields()
+    for high, low in (
+        ("rope_high_freq_factor", "rope_low_freq_factor"),
+        ("rope_beta_fast", "rope_beta_slow"),
+    ):
+        if high in used:  # a ramp's ends: llama3's wavelength factors, YaRN's turn counts
+            _require(
+                getattr(m, high) > getattr(m, low) > 0,
+                f"model.{high}: must exceed model.{low} > 0, got {getattr(m, high)} and {getattr(m, low)}",
+            )
+    if "rope_original_len" in used:
         _require(
             m.rope_original_len >= 1, f"model.rope_original_len: must be >= 1, got {m.rope_original_len}"
         )
+    if "rope_attn_factor" in used:
+        _require(
+            m.rope_attn_factor >= 0,
+            f"model.rope_attn_factor: must be >= 0 (0 = the rule's), got {m.rope_attn_factor}",
+        )
+    if "rope_short_factor" in used:
+        for name in ("rope_short_factor", "rope_long_factor"):
+            v = getattr(m, name)
+            _require(
+                len(v) == m.rope_dims // 2 and all(0 < x < float("inf") for x in v),
+                f"model.{name}: LongRoPE needs {m.rope_dims // 2} finite numbers > 0 (one per frequency of "
+                f"the {m.rope_dims} rotated dims), got {len(v)}"
+                + ("" if all(0 < x < float("inf") for x in v) else f": {v}"),
+            )
 
 
 def _check_moe(cfg: LoomConfig) -> None:
@@ -347,6 +377,7 @@ def _check_model(m: ModelConfig) -> None:
         m.positions != "rope" or m.head_dim % 2 == 0,
         f"model.dim: head_dim {m.head_dim} must be even for RoPE",
     )
+    _check_rope(m)
     _require(
         m.n_heads % m.n_kv_heads == 0,
         f"model.n_kv_heads: must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}",
@@ -777,6 +808,16 @@ def _without_effect(cfg: LoomConfig) -> list[tuple[str, str, str]]:
                     "give finetune.method = lora or qlora, or leave it out",
                 )
             )
+    m = cfg.model
+    rule = (
+        "model.positions = learned (no RoPE)"
+        if m.positions != "rope"
+        else "model.rope_scaling = 0 (no long-context rule)"
+        if not m.rope_scaling
+        else f"model.rope_kind = {m.rope_kind} (another rule's number)"
+    )
+    for key in sorted(m.rope_idle_fields()):
+        out.append((f"model.{key}", rule, "leave it out, or give the rule that reads it"))
     if p.dp_mode != "ps":
         for key in ("ps_shards", "ps_colocate", "ps_sync"):
             out.append(

@@ -93,7 +93,7 @@ def peft_state(cfg: C.LoomConfig, pairs: dict[str, tuple[torch.Tensor, torch.Ten
         module = str(m.hf).removesuffix(".weight")
         targets.add(_suffix(module))
         if m.heads:
-            b = to_hf_rows(b, m.heads)
+            b = to_hf_rows(b, m.heads, m.rotary)
         if m.part is not None:  # one part of a fused tensor: its adapter joins the others'
             fused.setdefault(module, {})[m.part[0]] = (a, b)
             continue

@@ -35,30 +35,12 @@ from loom.model import moe
 from loom.model.loss import CHUNK_ROWS, IGNORE_INDEX, chunked_cross_entropy, linear_cross_entropy
 from loom.model.moe import ExpertWeights, MoEFeedForward, experts_forward, real_buffers, route, swiglu  # noqa: F401 (re-exported)
 from loom.model.norms import LayerNorm, RMSNorm, make_norm  # noqa: F401 (re-exported)
+from loom.model.rope import rope_tables  # noqa: F401 (re-exported)
 from loom.model.softcap import softcap as cap_logits  # (attention's ``softcap`` is its float c)
 
 # Packed documents as a block takes them: ids (B, T), one flex block mask, or the pair (unwindowed,
 # windowed) of block masks when only some layers attend within ``model.sliding_window`` (layer_args)
 Documents = torch.Tensor | BlockMask | tuple[BlockMask, BlockMask]
-
-
-def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, scaling: tuple[float, float, float, int] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (max_seq_len, head_dim/2): angle(t, i) = t * ω_i, ω_i = theta^(-2i/d).
-
-    ``scaling`` = (factor s, low α, high β, original length L) is Llama 3.1's long-context rule on
-    the wavelength λ_i = 2π/ω_i: kept if λ < L/β, divided by s if λ > L/α, and in between
-    ω ← (1-γ) ω/s + γ ω with γ = (L/λ - α) / (β - α).
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling is not None:
-        s, low, high, length = scaling
-        wavelen = 2 * math.pi / inv_freq
-        gamma = ((length / wavelen - low) / (high - low)).clamp(0.0, 1.0)  # 0 above L/α, 1 below L/β
-        inv_freq = (1 - gamma) * inv_freq / s + gamma * inv_freq
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -74,8 +56,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class _Rope(torch.autograd.Function):
-    """x ↦ x·e^{iθ}, backward g ↦ g·e^{-iθ} (a rotation's transpose is its inverse): saves only the
-    tables, where autograd of the product would also keep the complex table it builds."""
+    """x ↦ x·m·e^{iθ}, backward g ↦ g·m·e^{-iθ} (the product's transpose is by the conjugate; m: the
+    RoPE rule's factor, 1 but for YaRN and LongRoPE): saves only the tables, where autograd of the
+    product would also keep the complex table it builds."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -630,19 +613,11 @@ class Transformer(nn.Module):
         position's rows side by side, so whatever picks positions (packed data, cp, the KV cache)
         picks both and each block takes its own (:attr:`Block.rope_table`)."""
         cfg = self.cfg
-        scaling = (
-            cfg.rope_scaling,
-            cfg.rope_low_freq_factor,
-            cfg.rope_high_freq_factor,
-            cfg.rope_original_len,
-        )
         with torch.device(device) if device is not None else contextlib.nullcontext():
-            cos, sin = rope_tables(
-                cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling if cfg.rope_scaling else None
-            )
+            cos, sin = rope_tables(cfg)  # the long-context rule on rope_theta's layers only
             if not cfg.rope_local_theta:
                 return cos, sin  # (S, d/2) each
-            local = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta)
+            local = rope_tables(cfg, cfg.rope_local_theta, scaled=False)
             return torch.stack((cos, local[0]), -2), torch.stack((sin, local[1]), -2)  # (S, 2, d/2)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

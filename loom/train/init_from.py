@@ -72,15 +72,13 @@ def _check_same_math(mine: ModelConfig, theirs: ModelConfig, path: Path) -> None
     """The fields of a Hugging Face ``config.json`` that change what its weights compute without
     changing their shapes (RoPE base and scaling, norm epsilon and kind, norm placement, routing's
     top-k) equal this model's: otherwise the run silently trains another model from them."""
-    from loom.model.hf import DERIVED, HF_FIELDS, LLAMA31_FACTORS
+    from loom.model.hf import DERIVED, HF_FIELDS
 
     for field in HF_FIELDS:
         if field in ("max_seq_len", "hf_architecture", "vocab_size", *DERIVED):  # reach, naming, shapes
             continue
         a, b = getattr(mine, field), getattr(theirs, field)
-        unused = (field == "top_k" and not theirs.moe) or (
-            field in LLAMA31_FACTORS and not theirs.rope_scaling
-        )
+        unused = (field == "top_k" and not theirs.moe) or field in theirs.rope_idle_fields()
         if a != b and not unused:
             raise ConfigError(
                 f"train.init_from: {path / 'config.json'} gives {field} = {b!r}, this model has "

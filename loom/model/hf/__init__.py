@@ -43,7 +43,6 @@ from loom.model.hf.reader import HFSource, Reader, load_into, read_state, source
 from loom.model.hf.run_config import (
     DERIVED,
     HF_FIELDS,
-    LLAMA31_FACTORS,
     apply_to,
     explicit_model_field,
     resolve_from_hf,
@@ -60,7 +59,6 @@ __all__ = [
     "HF_FIELDS",
     "INDEX",
     "LLAMA",
-    "LLAMA31_FACTORS",
     "MISSING",
     "MODEL_TYPES",
     "OLMO2",

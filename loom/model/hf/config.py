@@ -4,6 +4,7 @@ by name (RoPE types, quantization, biases, windows, experts); GPT-2's fields apa
 from __future__ import annotations
 
 import json
+import math
 
 from loom.config import ModelConfig
 from loom.model.hf.families import (
@@ -16,6 +17,7 @@ from loom.model.hf.families import (
     LLAMA,
     MISSING,
     OLMO2,
+    PHI3,
     QWEN2,
     QWEN3MOE,
     SUPPORTED,
@@ -36,8 +38,10 @@ GELU = {
 }  # HF activation -> model.mlp
 
 
-def _rope(raw: dict) -> dict:
-    """Loom's RoPE fields for ``config.json``: the base, and Llama 3.1's scaling if present."""
+def _rope(raw: dict, arch: str, seq: int) -> dict:
+    """Loom's RoPE fields for ``config.json``: the base, the rotated share (Phi-3's
+    ``partial_rotary_factor``) and the long-context rule (:func:`_scaling`); ``seq``: the longest
+    sequence the run prepares RoPE for."""
     for key in ("rope_parameters", "rope_scaling"):
         if raw.get(key) is not None and not isinstance(raw[key], dict):
             raise HFError(f"{CONFIG}: {_WRONG}: {key} = {json.dumps(raw[key])}, want an object (or null)")
@@ -47,29 +51,100 @@ def _rope(raw: dict) -> dict:
     # tell users to add for long context) replaces it whole, its base the top-level rope_theta
     merged = scaling or params
     key = "rope_scaling" if scaling else "rope_parameters"
-    kind = merged.get("rope_type", merged.get("type", "default"))
     theta = ("rope_theta", hf_field(raw, "rope_theta"))
     if "rope_theta" in merged:
         theta = (f"{key}.rope_theta", merged["rope_theta"])
-    out = {"rope_theta": _float(*theta)}
+    out: dict = {"rope_theta": _float(*theta)}
+    said = f"{key}.partial_rotary_factor" if "partial_rotary_factor" in merged else "partial_rotary_factor"
     partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):  # Phi-4-mini: RoPE on the first 3/4 of each head
-        raise HFError(
-            f"{CONFIG}: partial_rotary_factor = {partial!r} is not supported (Loom rotates whole heads: 1.0)"
-        )
+        if arch != PHI3:
+            raise HFError(
+                f"{CONFIG}: {said} = {partial!r} is not supported for {arch} (transformers rotates part of a "
+                f"head in {PHI3} alone; Loom: 1.0)"
+            )
+        out["rope_fraction"] = _float(said, partial)
+    return out | _scaling(raw, merged, key, arch, seq)
+
+
+ROPE_RULES = ("llama3", "linear", "yarn", "longrope")  # model.rope_kind
+
+
+def _scaling(raw: dict, p: dict, key: str, arch: str, seq: int) -> dict:
+    """Loom's long-context RoPE fields for the RoPE parameters ``p`` (read from ``key``) as
+    transformers applies them: ``rope_scaling`` = the factor (YaRN's and LongRoPE's default
+    max_position_embeddings / original), ``rope_kind`` and the rule's own numbers; the pretraining
+    length from a top-level ``original_max_position_embeddings`` first (transformers' order; Phi-3's
+    default 4096), else ``p``'s, else max_position_embeddings; YaRN's DeepSeek ``mscale`` pair folded
+    into ``rope_attn_factor``. ``dynamic`` is the default rule within max_position_embeddings (it
+    rescales only beyond: refused for longer sequences)."""
+    kind = p.get("rope_type", p.get("type", "default"))
+    field = f"{key}.{'rope_type' if 'rope_type' in p else 'type'}"
+    if arch == PHI3 and kind in ("su", "yarn"):
+        kind = "longrope"  # transformers' Phi-3 reads both as LongRoPE
+    if kind in (None, "default"):
+        return {}
+    longest = _int("max_position_embeddings", hf_field(raw, "max_position_embeddings"))
+    if kind == "dynamic":
+        if seq > longest:
+            raise HFError(
+                f"{CONFIG}: {field} = 'dynamic' rescales RoPE for sequences beyond max_position_embeddings = "
+                f"{longest} by their length; Loom prepares fixed tables: keep the sequences within it (got {seq})"
+            )
+        return {}
+    if kind not in ROPE_RULES or (arch == PHI3 and kind != "longrope"):
+        allowed = "default, longrope" if arch == PHI3 else f"default, dynamic, {', '.join(ROPE_RULES)}"
+        raise HFError(f"{CONFIG}: {field} = {kind!r} is not supported for {arch} (Loom: {allowed})")
+    top = hf_field(raw, "original_max_position_embeddings")
+    original = (
+        ("original_max_position_embeddings", top)
+        if top is not None
+        else (f"{key}.original_max_position_embeddings", p.get("original_max_position_embeddings", longest))
+    )
+    length = _int(*original)
+    factor = p.get("factor")
+    if factor is None and kind in ("yarn", "longrope"):
+        factor = longest / length  # transformers: the ratio of the two lengths
+    s = _float(f"{key}.factor", factor)
+    if not s > 0:
+        raise HFError(f"{CONFIG}: {key}.factor = {factor} is out of range: want a number > 0")
+    out: dict = {"rope_kind": kind, "rope_scaling": s}
     if kind == "llama3":
-        out |= {
-            "rope_scaling": _float(f"{key}.factor", merged["factor"]),
-            "rope_low_freq_factor": _float(f"{key}.low_freq_factor", merged["low_freq_factor"]),
-            "rope_high_freq_factor": _float(f"{key}.high_freq_factor", merged["high_freq_factor"]),
-            "rope_original_len": _int(
-                f"{key}.original_max_position_embeddings", merged["original_max_position_embeddings"]
-            ),
+        return out | {
+            "rope_low_freq_factor": _float(f"{key}.low_freq_factor", p["low_freq_factor"]),
+            "rope_high_freq_factor": _float(f"{key}.high_freq_factor", p["high_freq_factor"]),
+            "rope_original_len": length,
         }
-    elif kind not in (None, "default"):
-        field = f"{key}.{'rope_type' if 'rope_type' in merged else 'type'}"
-        raise HFError(f"{CONFIG}: {field} = {kind!r} is not supported (Loom: default, llama3)")
-    return out
+    if kind == "linear":
+        return out
+    out["rope_original_len"] = length
+    if p.get("attention_factor") is not None:
+        out["rope_attn_factor"] = _float(f"{key}.attention_factor", p["attention_factor"])
+    if kind == "longrope":
+        for name in ("short_factor", "long_factor"):
+            v = p.get(name)
+            if not isinstance(v, list) or not all(
+                isinstance(x, int | float) and not isinstance(x, bool) for x in v
+            ):
+                raise HFError(f"{CONFIG}: {key}.{name} = {json.dumps(v)[:80]}: want a list of numbers")
+            out[f"rope_{name}"] = [float(x) for x in v]
+        return out
+    mscale, all_dims = p.get("mscale"), p.get("mscale_all_dim")
+    if "rope_attn_factor" not in out and mscale and all_dims:  # DeepSeek's ratio of two YaRN scales
+        out["rope_attn_factor"] = (
+            (0.1 * _float(f"{key}.mscale", mscale) * math.log(s) + 1)
+            / (0.1 * _float(f"{key}.mscale_all_dim", all_dims) * math.log(s) + 1)
+            if s > 1
+            else 1.0
+        )
+    truncate = p.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise HFError(f"{CONFIG}: {key}.truncate = {json.dumps(truncate)}: want true or false")
+    return out | {
+        "rope_beta_fast": _float(f"{key}.beta_fast", p.get("beta_fast") or 32),
+        "rope_beta_slow": _float(f"{key}.beta_slow", p.get("beta_slow") or 1),
+        "rope_truncate": truncate,
+    }
 
 
 def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
@@ -159,7 +234,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         n_kv_heads=kv,
         vocab_size=_int("vocab_size", raw["vocab_size"]),
         max_seq_len=seq,
-        **(_gemma3_rope(raw) if arch == GEMMA3 else _rope(raw)),
+        **(_gemma3_rope(raw, seq) if arch == GEMMA3 else _rope(raw, arch, seq)),
         norm_eps=_float("rms_norm_eps", hf_field(raw, "rms_norm_eps")),
         tie_embeddings=_bool("tie_word_embeddings", hf_field(raw, "tie_word_embeddings")),
         qkv_bias=qwen2 or (llama_bias and not every_bias),
@@ -219,21 +294,19 @@ def _gemma_fields(raw: dict, arch: str, head_dim: int) -> dict:
     return out | {"norm_placement": "sandwich", "attn_scale": scale} | caps | qk
 
 
-def _gemma3_rope(raw: dict) -> dict:
+def _gemma3_rope(raw: dict, seq: int) -> dict:
     """Gemma 3's two RoPE bases: the full-attention layers' (``rope_theta``, or transformers 5's
     ``rope_parameters.full_attention.rope_theta``) and the sliding layers' (``rope_local_base_freq``,
-    or ``rope_parameters.sliding_attention.rope_theta``), both of the default type (the larger models'
-    linear scaling of the full layers is refused naming the field)."""
+    or ``rope_parameters.sliding_attention.rope_theta``); a long-context rule (:func:`_scaling`: the
+    larger models' linear factor 8) on the full layers alone, the sliding ones of the default type."""
     params = raw.get("rope_parameters")
     if params is not None and not isinstance(params, dict):
         raise HFError(f"{CONFIG}: {_WRONG}: rope_parameters = {json.dumps(params)}, want an object (or null)")
-    if raw.get("rope_scaling") is not None:  # transformers merges it into the full layers' RoPE
-        raise HFError(
-            f"{CONFIG}: rope_scaling = {json.dumps(raw['rope_scaling'])} is not supported (Loom: none on Gemma "
-            "3's full-attention layers)"
-        )
+    legacy = raw.get("rope_scaling")
+    if legacy is not None and not isinstance(legacy, dict):
+        raise HFError(f"{CONFIG}: {_WRONG}: rope_scaling = {json.dumps(legacy)}, want an object (or null)")
     if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
-        out = {}
+        out: dict = {}
         for kind, loom, fallback in (
             ("full_attention", "rope_theta", "rope_theta"),
             ("sliding_attention", "rope_local_theta", "rope_local_base_freq"),
@@ -241,18 +314,22 @@ def _gemma3_rope(raw: dict) -> dict:
             p = params.get(kind) or {}
             if not isinstance(p, dict):
                 raise HFError(f"{CONFIG}: {_WRONG}: rope_parameters.{kind}, want an object")
-            if p.get("rope_type", "default") != "default":
+            if kind == "sliding_attention" and p.get("rope_type", "default") != "default":
                 raise HFError(
                     f"{CONFIG}: rope_parameters.{kind}.rope_type = {p['rope_type']!r} is not supported "
-                    "(Loom: default on Gemma 3's layers)"
+                    "(Loom: default on Gemma 3's sliding layers)"
                 )
             key = f"rope_parameters.{kind}.rope_theta" if "rope_theta" in p else fallback
             out[loom] = _positive(key, p.get("rope_theta", hf_field(raw, fallback)))
+            if kind == "full_attention":
+                # a rope_scaling updates the full layers' parameters (transformers' Gemma 3)
+                key = "rope_scaling" if legacy else f"rope_parameters.{kind}"
+                out |= _scaling(raw, p | (legacy or {}), key, GEMMA3, seq)
         return out
     return {
         "rope_theta": _positive("rope_theta", hf_field(raw, "rope_theta")),
         "rope_local_theta": _positive("rope_local_base_freq", hf_field(raw, "rope_local_base_freq")),
-    }
+    } | _scaling(raw, legacy or {}, "rope_scaling", GEMMA3, seq)
 
 
 def _positive(field: str, value: object) -> float:

@@ -70,7 +70,12 @@ FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
         "sliding_window": None,
     },
     "Phi3ForCausalLM": _LLAMA_DEFAULTS
-    | {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None},
+    | {
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "sliding_window": None,
+    },
     "Qwen3MoeForCausalLM": {k: v for k, v in _QWEN_DEFAULTS.items() if k != "max_window_layers"}
     | {"num_key_value_heads": 4, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False},
     "Olmo2ForCausalLM": _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5},
@@ -274,13 +279,20 @@ def architecture_of(cfg: ModelConfig) -> str:
     tensors (Mistral and Phi-3 hold Llama's), or with ``auto`` the family that does."""
     by_shape = _family_by_shape(cfg)
     named = cfg.hf_architecture
+    if named == PHI3 and cfg.rope_scaling and cfg.rope_kind != "longrope":
+        raise HFError(
+            f"model.hf_architecture: {PHI3} scales RoPE by longrope only, not rope_kind = {cfg.rope_kind}; set "
+            "it to auto or LlamaForCausalLM"
+        )
+    if cfg.positions == "rope" and cfg.rope_fraction != 1:  # only Phi-3 rotates part of a head
+        if named in ("auto", PHI3) and by_shape in (LLAMA, "MistralForCausalLM"):
+            return _phi3_rope(cfg)
+        raise HFError(
+            f"model.rope_fraction = {cfg.rope_fraction}: among the supported Hugging Face families only {PHI3} "
+            f"rotates part of a head, and it holds Llama's tensors (this model's are {by_shape}'s)"
+        )
     if named == "auto" or named == by_shape:
         return by_shape
-    if named == PHI3 and cfg.rope_scaling:
-        raise HFError(
-            f"model.hf_architecture: {PHI3} scales RoPE by longrope only, not Llama 3's rope_scaling; set it "
-            "to auto or LlamaForCausalLM"
-        )
     if by_shape == LLAMA and named in (() if cfg.bias else (QWEN2,) if cfg.qkv_bias else LLAMA_TENSORS):
         return named
     if by_shape == "MistralForCausalLM" and named == PHI3:  # Llama's tensors windowed: Phi-3's too
@@ -289,6 +301,16 @@ def architecture_of(cfg: ModelConfig) -> str:
         f"model.hf_architecture: {named} cannot hold this model's tensors ({by_shape} does); "
         "set it to auto or to that family"
     )
+
+
+def _phi3_rope(cfg: ModelConfig) -> str:
+    """Phi-3, for a model rotating part of each head: its RoPE scaled by longrope alone."""
+    if cfg.rope_scaling and cfg.rope_kind != "longrope":
+        raise HFError(
+            f"model.rope_fraction = {cfg.rope_fraction}: only {PHI3} rotates part of a head, and it scales RoPE "
+            f"by longrope only, not rope_kind = {cfg.rope_kind}"
+        )
+    return PHI3
 
 
 def zero_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:

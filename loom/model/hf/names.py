@@ -34,10 +34,12 @@ Phi-3 fuses rows: ``self_attn.qkv_proj`` ((a+2k)·d, h) holds w{q,k,v} in rows [
 [(a+k)·d, (a+2k)·d); ``mlp.gate_up_proj`` (2f, h) holds w1 in [0, f) and w3 in [f, 2f) (a
 :class:`Mapping`'s ``part``: import reads that row range, export concatenates the parts).
 
-Rotary layout: Hugging Face rotates the halves (x_j, x_{j+d/2}) of each head, Loom the pairs
-(x_{2i}, x_{2i+1}), with the same frequencies theta^(-2i/d). The q and k projections are the same
-function once each head's output rows (and biases, and the q/k norm weights) are reordered:
-Loom row 2i+c = HF row i + c·d/2 (:func:`to_loom_rows`; :func:`to_hf_rows` is its inverse).
+Rotary layout: Hugging Face rotates the halves (x_j, x_{j+r/2}) of the first r dims of each head
+(r = d but for Phi-3's ``partial_rotary_factor``: ``model.rope_dims``), Loom the pairs (x_{2i},
+x_{2i+1}), with the same frequencies theta^(-2i/r). The q and k projections are the same function
+once each head's output rows (and biases, and the q/k norm weights) are reordered: Loom row 2i+c =
+HF row i + c·r/2 for i < r/2, rows r.. d-1 kept (:func:`to_loom_rows`; :func:`to_hf_rows` is its
+inverse).
 
 GPT-2 (names under ``transformer.``, or none in the original checkpoints)::
 
@@ -72,7 +74,8 @@ HEAD: Final = "lm_head.weight"
 @dataclass(frozen=True)
 class Mapping:
     """Where one Loom tensor lives in the checkpoint: ``hf`` (an expert stack: one name per expert,
-    stacked along dim 0), with ``heads`` whose rows :func:`to_loom_rows` reorders, ``conv1d``: stored
+    stacked along dim 0), with ``heads`` whose first ``rotary`` rows (0: all) :func:`to_loom_rows`
+    reorders, ``conv1d``: stored
     transposed (in, out), and ``part`` = (offset, rows): the Loom tensor's o rows are rows
     [offset, offset + o) of an HF tensor of ``rows`` rows fusing several (GPT-2's c_attn, Phi-3's
     qkv_proj and gate_up_proj); None: the whole HF tensor."""
@@ -81,6 +84,7 @@ class Mapping:
     heads: int | None = None
     conv1d: bool = False
     part: tuple[int, int] | None = None
+    rotary: int = 0  # with heads: the rows of a head RoPE rotates (0: all)
 
     def names(self) -> tuple[str, ...]:
         return self.hf if isinstance(self.hf, tuple) else (self.hf,)
@@ -99,6 +103,7 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
         yield from _gpt2_mappings(cfg, prefix)
         return
     phi3 = architecture_of(cfg) == PHI3
+    rot = cfg.rope_dims if cfg.rope_dims < cfg.head_dim else 0  # the q/k rows of a head RoPE turns (0: all)
     yield "tok_embeddings.weight", Mapping("model.embed_tokens.weight")
     for i in range(cfg.n_layers):
         hf, lm = f"model.layers.{i}.", f"layers.{i}."
@@ -110,22 +115,22 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
         if phi3:  # q, k, v fused into qkv_proj, rows [0, a·d), [a·d, (a+k)·d), [(a+k)·d, (a+2k)·d)
             qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
             for x, heads, off in (("q", cfg.n_heads, 0), ("k", cfg.n_kv_heads, qd), ("v", None, qd + kd)):
-                qkv = Mapping(hf + "self_attn.qkv_proj.weight", heads, part=(off, qd + 2 * kd))
+                qkv = Mapping(hf + "self_attn.qkv_proj.weight", heads, part=(off, qd + 2 * kd), rotary=rot)
                 yield lm + f"attention.w{x}.weight", qkv
         for x in "o" if phi3 else "qkvo":
             heads = {"q": cfg.n_heads, "k": cfg.n_kv_heads}.get(x)
-            yield lm + f"attention.w{x}.weight", Mapping(hf + f"self_attn.{x}_proj.weight", heads)
+            yield lm + f"attention.w{x}.weight", Mapping(hf + f"self_attn.{x}_proj.weight", heads, rotary=rot)
             if cfg.bias or (cfg.qkv_bias and x != "o"):
-                yield lm + f"attention.w{x}.bias", Mapping(hf + f"self_attn.{x}_proj.bias", heads)
+                yield lm + f"attention.w{x}.bias", Mapping(hf + f"self_attn.{x}_proj.bias", heads, rotary=rot)
         if cfg.qk_norm:  # one head's d weights (OLMo-2: every head's, a·d and k·d), applied before RoPE
             whole = cfg.qk_norm_scope == "all"
             yield (
                 lm + "attention.q_norm.weight",
-                Mapping(hf + "self_attn.q_norm.weight", cfg.n_heads if whole else 1),
+                Mapping(hf + "self_attn.q_norm.weight", cfg.n_heads if whole else 1, rotary=rot),
             )
             yield (
                 lm + "attention.k_norm.weight",
-                Mapping(hf + "self_attn.k_norm.weight", cfg.n_kv_heads if whole else 1),
+                Mapping(hf + "self_attn.k_norm.weight", cfg.n_kv_heads if whole else 1, rotary=rot),
             )
         if cfg.norm_placement == "sandwich":  # Gemma 2: a norm before and after attention and MLP each
             yield lm + "post_attention_norm.weight", Mapping(hf + "post_attention_layernorm.weight")
@@ -185,16 +190,24 @@ def _gpt2_mappings(cfg: ModelConfig, p: str) -> Iterator[tuple[str, Mapping]]:
         yield "output.weight", Mapping(HEAD)
 
 
-def to_loom_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """HF q/k rows -> Loom's: per head, row 2i+c <- row i + c·d/2."""
-    d = w.shape[0] // heads
-    return w.reshape(heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def to_loom_rows(w: torch.Tensor, heads: int, rotary: int = 0) -> torch.Tensor:
+    """HF q/k rows -> Loom's: per head, row 2i+c <- row i + c·r/2 for the r = ``rotary`` rotated rows
+    (0: all d), the rest kept."""
+    return _reorder(w, heads, rotary, (2, -1))
 
 
-def to_hf_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+def to_hf_rows(w: torch.Tensor, heads: int, rotary: int = 0) -> torch.Tensor:
     """Loom q/k rows -> HF's (inverse of :func:`to_loom_rows`)."""
+    return _reorder(w, heads, rotary, (-1, 2))
+
+
+def _reorder(w: torch.Tensor, heads: int, rotary: int, split: tuple[int, int]) -> torch.Tensor:
+    """Each head's first r rows viewed as ``split`` (2, r/2) or (r/2, 2), transposed; rows r.. kept."""
     d = w.shape[0] // heads
-    return w.reshape(heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    r, rest = rotary or d, w.shape[1:]
+    per_head = w.reshape(heads, d, *rest)
+    turned = per_head[:, :r].reshape(heads, *split, *rest).transpose(1, 2).reshape(heads, r, *rest)
+    return torch.cat((turned, per_head[:, r:]), 1).reshape(w.shape)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

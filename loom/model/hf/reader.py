@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from typing import cast
@@ -72,15 +73,13 @@ class Reader:
     def _box(self, m: Mapping, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor:
         if isinstance(m.hf, tuple):  # an expert stack: only the experts in the box, each its own box
             (e0, e1), rest = box[0], box[1:]
-            parts = [
-                self._box(Mapping(m.hf[e], m.heads, m.conv1d, m.part), shape[1:], rest) for e in range(e0, e1)
-            ]
+            parts = [self._box(dataclasses.replace(m, hf=m.hf[e]), shape[1:], rest) for e in range(e0, e1)]
             return torch.stack(parts) if parts else torch.empty(0, *(b - a for a, b in rest))
         if m.heads is None:
             return self._plain(m, shape, box)
         (r0, r1), d = box[0], shape[0] // m.heads  # whole heads are reordered: widen to them, then cut
         lo, hi = r0 // d * d, -(-r1 // d) * d
-        t = to_loom_rows(self._plain(m, shape, ((lo, hi), *box[1:])), (hi - lo) // d)
+        t = to_loom_rows(self._plain(m, shape, ((lo, hi), *box[1:])), (hi - lo) // d, m.rotary)
         return t[r0 - lo : r1 - lo]
 
     def _plain(self, m: Mapping, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor:

@@ -31,9 +31,17 @@ HF_FIELDS = (
     "n_experts",
     "top_k",
     "rope_scaling",
+    "rope_kind",
     "rope_low_freq_factor",
     "rope_high_freq_factor",
     "rope_original_len",
+    "rope_beta_fast",
+    "rope_beta_slow",
+    "rope_truncate",
+    "rope_attn_factor",
+    "rope_short_factor",
+    "rope_long_factor",
+    "rope_fraction",
     "norm",
     "mlp",
     "positions",
@@ -52,19 +60,14 @@ HF_FIELDS = (
 # (tests/test_hf_gemma.py holds the two lists to every ModelConfig field)
 RUN_FIELDS = ("multiple_of", "pad_vocab_to", "init_std", "dropout", "from_hf")
 DERIVED = ("vocab_size", "ffn_dim", "attn_head_dim")  # 0 = derived (tokenizer, 8h/3 rule, h/a): not a value
-LLAMA31_FACTORS = (
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_len",
-)  # used with rope_scaling
 
 
 def explicit_model_field(field: str, given: object, model: ModelConfig) -> bool:
     """The one rule for an explicit ``model.<field>`` = ``given`` beside a Hugging Face directory whose
     config gives ``model``: True = honoured (``max_seq_len`` with RoPE: only how far the rotary tables
     reach, no tensor's shape), False = the directory's value stands (the same value; 0 of a
-    :data:`DERIVED` field; a field the model does not use: top_k without experts, the Llama 3.1
-    factors without rope_scaling); anything else contradicts the weights and raises one line naming
+    :data:`DERIVED` field; a field the model does not use: top_k without experts, a RoPE rule's
+    numbers the model's rule does not read, :meth:`~loom.config.ModelConfig.rope_idle_fields`); anything else contradicts the weights and raises one line naming
     the field, both values and the directory."""
     theirs = getattr(model, field)
     if (
@@ -73,7 +76,7 @@ def explicit_model_field(field: str, given: object, model: ModelConfig) -> bool:
         or (field == "hf_architecture" and given == "auto")
     ):
         return False
-    unused = (field == "top_k" and not model.moe) or (field in LLAMA31_FACTORS and not model.rope_scaling)
+    unused = (field == "top_k" and not model.moe) or field in model.rope_idle_fields()
     if unused:
         return False
     if field == "max_seq_len" and model.positions == "rope":

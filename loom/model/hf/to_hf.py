@@ -82,21 +82,20 @@ def hf_config(
         "torch_dtype": dtype,  # what transformers < 4.56 reads
     }
     if cfg.rope_scaling:
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": cfg.rope_theta,
-            "factor": cfg.rope_scaling,
-            "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_len,
-        }
+        rope = rope_parameters(cfg)
         # transformers 4.x checks rope_scaling's keys per type: the base lives beside it, not in it
         out |= {"rope_parameters": rope, "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}}
     out |= window_fields(cfg, family)
     if family == PHI3:
         del out["attention_bias"], out["mlp_bias"]
-        out["rope_parameters"] = cast(dict, out["rope_parameters"]) | {"partial_rotary_factor": 1.0}
-        out["original_max_position_embeddings"] = cfg.max_seq_len
+        out["partial_rotary_factor"] = cfg.rope_fraction  # what Phi-3 reads beside a rope_scaling
+        out["rope_parameters"] = cast(dict, out["rope_parameters"]) | {
+            "partial_rotary_factor": cfg.rope_fraction
+        }
+        # read before rope_parameters' own (transformers' order): LongRoPE's pretraining length
+        out["original_max_position_embeddings"] = (
+            cfg.rope_original_len if cfg.rope_scaling else cfg.max_seq_len
+        )
         out |= dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))  # not Phi3Config's 32000s
     if family in (GEMMA, GEMMA2, GEMMA3):
         out |= _gemma_hf_fields(cfg, family)
@@ -121,6 +120,31 @@ def hf_config(
             "output_router_logits": False,
         }
     return out | (extra or {})
+
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """transformers' ``rope_parameters`` for the base and the long-context rule ``model.rope_kind``
+    (:mod:`loom.model.rope`): its factor and its own numbers (a YaRN or LongRoPE attention factor only
+    when set: 0 is transformers' own default)."""
+    rope: dict = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if not cfg.rope_scaling:
+        return rope
+    rope |= {"rope_type": cfg.rope_kind, "factor": cfg.rope_scaling}
+    if cfg.rope_kind == "llama3":
+        rope |= {"low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor}
+    if cfg.rope_kind != "linear":
+        rope["original_max_position_embeddings"] = cfg.rope_original_len
+    if cfg.rope_kind == "yarn":
+        rope |= {
+            "beta_fast": cfg.rope_beta_fast,
+            "beta_slow": cfg.rope_beta_slow,
+            "truncate": cfg.rope_truncate,
+        }
+    if cfg.rope_kind == "longrope":
+        rope |= {"short_factor": list(cfg.rope_short_factor), "long_factor": list(cfg.rope_long_factor)}
+    if cfg.rope_kind in ("yarn", "longrope") and cfg.rope_attn_factor:
+        rope["attention_factor"] = cfg.rope_attn_factor
+    return rope
 
 
 def _gemma_hf_fields(cfg: ModelConfig, family: str) -> dict:
@@ -150,7 +174,7 @@ def _gemma3_rope_fields(cfg: ModelConfig) -> dict:
     local = cfg.rope_local_theta or cfg.rope_theta
     return {
         "rope_parameters": {
-            "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "full_attention": rope_parameters(cfg),
             "sliding_attention": {"rope_type": "default", "rope_theta": local},
         },
         "rope_theta": cfg.rope_theta,
@@ -218,7 +242,7 @@ def hf_tensors(
                 continue  # the tied head is the embedding
             raise HFError(f"{name}: no Hugging Face counterpart for this tensor")
         m = maps[name]
-        t = to_hf_rows(t, m.heads) if m.heads else t
+        t = to_hf_rows(t, m.heads, m.rotary) if m.heads else t
         t = t[: cfg.vocab_size] if name in VOCAB_TENSORS else t  # a padded vocabulary: the real rows
         if isinstance(m.hf, tuple):
             yield from ((n, e.contiguous()) for n, e in zip(m.hf, t.unbind(0), strict=True))
