@@ -429,6 +429,61 @@ def test_windowed_model_trains_equal_to_one_process(pools, references, name):
                 assert_close(r["state"][key], value, **TOL, msg=lambda m, key=key: f"{name} {key}: {m}")
 
 
+def _halo_bytes(micro: int, batch: int, kv_width: int, layers: int, neighbours: int = 1) -> int:
+    """loom.parallel.context.halo's formula: per windowed layer and micro-batch, n·2·B·H·kh·d·4 bytes
+    forward (fp32 here) and n·2·B·H·kh·d·4 backward, H = w − 1."""
+    h = MODEL_KW["sliding_window"] - 1
+    return micro * layers * 2 * (neighbours * 2 * batch * h * kv_width * 4)
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+def test_windowed_layers_under_cp_exchange_only_their_halo(pools, references, mode):
+    """cp2 with chunks of c = 4 tokens and w = 5 (w − 1 <= c): the two windowed layers send each
+    neighbour its H = 4 last rows of K and V and get their gradients back, the formula's bytes; the
+    unwindowed layer keeps the ring's (cp − 1)·2·kv forward, the same plus cp·2·kv fp32 accumulators
+    backward (kv = B·(T/cp)·k·d), or all-gathers: half the ring's bytes or less in all."""
+    layout = {"cp": 2, "cp_mode": mode}
+    micro, b = BATCH // MICRO, MICRO  # micro-batches per step, sequences in each (dp 1)
+    cfg = tiny_model(**MODEL_KW)
+    kv_width = cfg.n_kv_heads * cfg.head_dim
+    kv = b * (SEQ // 2) * kv_width
+    ring = micro * (2 * kv * 4 + 2 * kv * 4 + 2 * 2 * kv * 4)  # the unwindowed layer, fp32
+    for r in pools(2).run(train_layout, layout, 1, BATCH, MICRO, model_kw=MODEL_KW):
+        assert_close(torch.tensor(r["losses"]), torch.tensor(references[False]["losses"][:1]), **TOL)
+        sent = r["moved"][0]["send"]
+        assert sent == _halo_bytes(micro, b, kv_width, 2) + (ring if mode == "ring" else 0)
+        assert sent <= (3 * ring if mode == "ring" else ring) / 2
+
+
+def test_a_window_longer_than_a_chunk_keeps_the_rings_blocks(pools):
+    """w − 1 > c (w = 7 over chunks of 4): the ring circulates every block, windowed blocks banded or
+    skipped, and trains equal to one process."""
+    model = MODEL_KW | {"sliding_window": 7}
+    ref = train_dp(None, tiny_model(**model), tiny_train(steps=2), BATCH, MICRO)
+    for r in pools(2).run(train_layout, {"cp": 2, "cp_mode": "ring"}, 2, BATCH, MICRO, model_kw=model):
+        assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL)
+        kv = MICRO * (SEQ // 2) * 16  # B·(T/cp)·k·d: 2 key heads of 8
+        assert r["moved"][0]["send"] == 3 * (BATCH // MICRO) * (2 + 2 + 4) * kv * 4  # every layer the ring's
+
+
+def test_four_cp_ranks_exchange_halos_both_ways(pools):
+    """cp4 (chunks of 2, w = 3): the middle ranks swap halos with both neighbours, the ends with one;
+    packed documents cross the chunks; every step equals one process."""
+    model = MODEL_KW | {"sliding_window": 3}
+    for packed in (False, True):
+        ref = train_dp(None, tiny_model(**model), tiny_train(steps=2), BATCH, MICRO, packed=packed)
+        runs = pools(4).run(
+            train_layout, {"cp": 4, "cp_mode": "ring"}, 2, BATCH, MICRO, model_kw=model, packed=packed
+        )
+        for r in runs:
+            assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL)
+            if r["state"] is not None:
+                for key, value in ref["state"].items():
+                    assert_close(
+                        r["state"][key], value, **TOL, msg=lambda m, key=key, p=packed: f"{p} {key}: {m}"
+                    )
+
+
 def _seeded_train(layout: dict) -> dict:
     """:func:`train_layout` of the windowed model with dropout (p = 0.1), the default generator seeded
     first (the pool's processes are reused, and dropout draws from it)."""
@@ -538,3 +593,35 @@ def test_the_planners_attention_share_counts_the_pairs_the_window_leaves():
     assert flops_per_token(whole, T, 0) - flops_per_token(cfg, T, 0) == pytest.approx(
         attention * (1 - cfg.attention_share(T))
     )
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+def test_the_planner_prices_the_halo_exchange(mode):
+    """The planner counts a windowed layer's halo sends (one per neighbour, forward and the gradients
+    back) in place of its mode's exchange, prices them below the whole layer's, and keeps for an
+    all-gather's windowed layer the halo rows, not the gathered sequence: the debug model (seq 64,
+    cp 2: chunks of 16) windowed on layer 0 of 2 by w = 17 (a halo) and w = 18 (beyond one chunk)."""
+    from loom import config as C
+    from loom.plan.auto import _cost_model, layout_of
+    from loom.plan.cost.comm import halo_share
+    from tests.test_plan_runtime import DEBUG_CONFIG, PROFILE
+
+    est, calls = {}, {}
+    for w in (17, 18):
+        cfg = C.load(
+            DEBUG_CONFIG,
+            ["--run.nproc", "2", "--parallel.cp", "2", "--parallel.dp", "1", "--parallel.cp_mode", mode]
+            + ["--model.sliding_window", str(w), "--model.window_layers", "0"],
+        )
+        cm, lay = _cost_model(cfg, 2, PROFILE), layout_of(cfg)
+        assert halo_share(cm, 2, mode) == (0.5 if w == 17 else 0.0)
+        est[w], calls[w] = cm.estimate(lay), cm.collective_calls(lay)
+    m = 8 // 2  # micro-batches per step (global batch 8, micro 2, dp 1)
+    if mode == "ring":  # the ring's layer: 1 K/V hop forward and backward, 2 dK/dV hops; the halo's 2
+        assert calls[18]["send"] - calls[17]["send"] == m * ((1 * 2 + 2) - 1 * 2)
+    else:  # the halo's sends replace the windowed layer's two all-gathers and two reduce-scatters
+        assert calls[17]["send"] == m * 2 and calls[18].get("send", 0) == 0
+        assert calls[18]["all_gather"] - calls[17]["all_gather"] == m * 2
+    assert est[17].time_breakdown["cp comm"] < est[18].time_breakdown["cp comm"]
+    if mode == "allgather":
+        assert est[17].memory < est[18].memory

@@ -14,7 +14,9 @@ rank, per layer and micro-batch, kv = B·(T/cp)·k·d:
     forward    all-gather of K and V        2·kv·e·(cp − 1)
     backward   reduce-scatter of dK and dV  2·kv·e·(cp − 1)
 
-plus, with packed documents, the all-gather of the document ids, B·(T/cp)·8·(cp − 1).
+plus, with packed documents, the all-gather of the document ids, B·(T/cp)·8·(cp − 1). A layer whose
+sliding window reaches at most one chunk back gathers nothing: it exchanges its halo rows
+(:mod:`loom.parallel.context.halo`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from loom.parallel.context.blocks import (
     merge,
     window_blocks,
 )
+from loom.parallel.context.halo import halo_attention
 from loom.parallel.sequence import gather_seq
 
 
@@ -106,6 +109,13 @@ class AllGatherCore(CpCore):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if self.by_halo(q):  # a window within one chunk: the neighbours' last rows, not the whole sequence
+            docs = (
+                None
+                if docs is None
+                else global_docs(docs.contiguous(), self.group, self.rank, self.cp, self.meter)
+            )
+            return halo_attention(self, q, k, v, docs)
         # (B, k, T/cp, d) -> (B, k, T, d): gather along the sequence (dim 2, via the batch-first helper)
         k = gather_seq(k.transpose(1, 2), self.group, self.meter).transpose(1, 2).contiguous()
         v = gather_seq(v.transpose(1, 2), self.group, self.meter).transpose(1, 2).contiguous()

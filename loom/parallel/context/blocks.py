@@ -47,7 +47,9 @@ cuts the blocks chunk by chunk instead (:func:`window_blocks`): query chunk g ag
 g' > g or its nearest pair is w or more apart, (g - g')·c - (c - 1) >= w; plain causal (g = g') or
 full when its farthest pair is within the window, (g - g')·c + c - 1 < w; else masked by the band
 0 <= (g - g')·c + i - j < w (:func:`window_mask`, beside any document mask). Attention work per rank
-is then O((T/cp)·w), not O(T²/cp); the bytes moved do not change.
+is then O((T/cp)·w), not O(T²/cp). A window reaching at most one chunk back (w − 1 <= c) needs no
+block of the other ranks but their last H = w − 1 rows: ring and all-gather then exchange those
+halos instead (:mod:`loom.parallel.context.halo`, :meth:`CpCore.by_halo`).
 """
 
 from __future__ import annotations
@@ -87,6 +89,17 @@ class CpCore(nn.Module):
         self.group, self.rank, self.cp, self.meter, self.dropout = group, rank, cp, meter, dropout
         self.scale, self.softcap = scale, softcap  # σ (0: 1/√d) and the soft-cap c (0: none), module doc
         self.window = window  # w: the query at p sees keys p - w < p' <= p by global positions; 0: all
+
+    def by_halo(self, q: torch.Tensor) -> bool:
+        """Whether this call's window reaches at most one chunk back, w − 1 <= c = T/(2·cp) for the
+        local queries q (B, a, 2c, d), so that ring and all-gather exchange only the halo rows
+        (:mod:`loom.parallel.context.halo`); not under attention dropout (its blocks' seeds are the
+        ring's)."""
+        return (
+            self.window > 0
+            and self.window - 1 <= q.shape[2] // 2
+            and not (self.training and self.dropout > 0)
+        )
 
 
 def draw_seed() -> int:

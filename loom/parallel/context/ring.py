@@ -18,7 +18,9 @@ with kv = B·(T/cp)·k·d (the local keys, per tp rank) and e bytes per element:
     forward    (cp − 1) · 2·kv·e        (K and V, one message per step)
     backward   (cp − 1) · 2·kv·e  +  cp · 2·kv·4   (K/V again, the fp32 dK/dV accumulators)
 
-plus, with packed documents, B·(T/cp)·8 bytes of key document ids with every K/V message.
+plus, with packed documents, B·(T/cp)·8 bytes of key document ids with every K/V message. A layer
+whose sliding window reaches at most one chunk back exchanges only its halo rows instead
+(:mod:`loom.parallel.context.halo`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from loom.parallel.context.blocks import (
     merge,
     window_blocks,
 )
+from loom.parallel.context.halo import halo_attention
 
 
 def _exchange(sends: list, recvs: list, group: Group, meter: CommMeter | None, nxt: int, prev: int) -> list:
@@ -162,6 +165,8 @@ class RingCore(CpCore):
             if docs is None
             else global_docs(docs.contiguous(), self.group, self.rank, self.cp, self.meter)
         )
+        if self.by_halo(q):  # a window within one chunk: the neighbours' last rows, not the ring
+            return halo_attention(self, q, k, v, docs)
         base = draw_seed() if self.training and self.dropout > 0 else None
         return _RingAttention.apply(
             q,

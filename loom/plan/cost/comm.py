@@ -231,6 +231,10 @@ def collective_calls(cm: CostBase, lay: Layout) -> dict[str, int]:
         add("all_to_all", m * (cm.model.n_layers // lay.pp) * (5 + 3 * (lay.recompute == "full")))
     if lay.cp > 1:  # per layer and micro-batch, forward again when recomputed (_cp_layer_time)
         layers, passes = cm.model.n_layers // lay.pp, 1 + (lay.recompute == "full")
+        halo = round(layers * halo_share(cm, lay.cp, lay.cp_mode))
+        if halo:  # a halo to each neighbour, dK/dV back
+            add("send", m * halo * min(2, lay.cp - 1) * (passes + 1))
+        layers -= halo
         if lay.cp_mode == "ring":  # one send per K/V hop (cp - 1 a pass), cp dK/dV hops
             add("send", m * layers * ((lay.cp - 1) * (passes + 1) + lay.cp))
         elif lay.cp_mode == "alltoall":  # q, k, v, output; their gradients
@@ -264,11 +268,23 @@ def collective_calls(cm: CostBase, lay: Layout) -> dict[str, int]:
     return out
 
 
+def halo_share(cm: CostBase, cp: int, mode: str) -> float:
+    """The share of the layers whose window reaches at most one chunk back (w − 1 <= s/(2·cp)): under
+    ring and all-gather they exchange only their halo rows (:mod:`loom.parallel.context.halo`)."""
+    w, s = cm.model.sliding_window, cm.train.seq_len
+    if cp < 2 or mode == "alltoall" or w <= 0 or w - 1 > s // (2 * cp):
+        return 0.0
+    return len(cm.model.windowed_layers()) / cm.model.n_layers
+
+
 def cp_layer_time(
     cm: CostBase, tp: int, cp: int, T: float, recompute: str, mode: str, core_f: float, world: int
 ) -> float:
     """Exposed context-parallel communication of one layer and micro-batch (forward, backward and,
-    under full recomputation, the forward again), T = tokens per device:
+    under full recomputation, the forward again), T = tokens per device, averaged over the layers:
+    a windowed layer within one chunk (:func:`halo_share`) sends each neighbour its H = w − 1 last
+    rows of K and V per sequence, 2·H·kd·B_a, and gets their fp32 gradients back, 2·H·kd·4, the two
+    directions at once and not overlapped; every other layer as its mode:
 
     - allgather: all-gathers of K and V before the core, reduce-scatters of dK, dV; not overlapped.
     - ring: cp − 1 K/V messages of 2 T kd B_a forward and again backward, plus cp fp32 dK/dV
@@ -277,6 +293,21 @@ def cp_layer_time(
     - alltoall: q, k, v and the output exchanged forward (their gradients backward), not
       overlapped; kv heads repeated by cp / gcd(k, cp).
     """
+    mach, B, kv = cm.machine, cm.act_bytes, cm.kv_width(tp)
+    span, w = tp * cp, world or None
+    passes = 2 if recompute == "full" else 1  # forwards per step
+    share = halo_share(cm, cp, mode)
+    rows = (cm.model.sliding_window - 1) * T * cp / cm.train.seq_len  # H per sequence, the micro-batch's
+    halo = passes * mach.collective("p2p", 2, 2 * rows * kv * B, span, w)
+    halo += mach.collective("p2p", 2, 2 * rows * kv * 4, span, w)
+    whole = _cp_whole_layer(cm, tp, cp, T, recompute, mode, core_f, world) if share < 1 else 0.0
+    return share * halo + (1 - share) * whole
+
+
+def _cp_whole_layer(
+    cm: CostBase, tp: int, cp: int, T: float, recompute: str, mode: str, core_f: float, world: int
+) -> float:
+    """:func:`cp_layer_time` of a layer attending over the whole sequence (its mode's exchange)."""
     mach, B, kv, h = cm.machine, cm.act_bytes, cm.kv_width(tp), cm.model.dim
     span, w = tp * cp, world or None
     passes = 2 if recompute == "full" else 1  # forwards per step

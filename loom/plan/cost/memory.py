@@ -10,6 +10,7 @@ from loom.memory.precision import runs_8bit
 from loom.model.loss import CHUNK_ROWS
 from loom.model.moe import grouped_mm_aligned
 from loom.plan.cost.base import CostBase
+from loom.plan.cost.comm import halo_share
 from loom.plan.cost.layout import Layout
 from loom.plan.cost.pipeline import inflight_layers
 from loom.plan.zero_options import zero3_memory
@@ -670,8 +671,10 @@ def layer_saved(
         mlp = ((3 if m.gated_mlp else 1) * B + saved_input_bytes(cm, ffn, h)) * T * ffn
     out = saved_input_bytes(cm, qd, h) * T * qd  # the core's output, wo's input: kept under selective too
     core = 4 * T * m.n_heads / t  # the fp32 log-sum-exp
-    if cp > 1 and cp_mode == "allgather":  # the other ranks' keys and values, gathered
-        core += 2 * B * T * (cp - 1) * kv
+    halo = halo_share(cm, cp, cp_mode)  # windowed layers within a chunk keep the halo rows they received
+    core += halo * min(2, cp - 1) * 2 * B * mb * (m.sliding_window - 1) * kv
+    if cp > 1 and cp_mode == "allgather":  # the other ranks' keys and values, gathered (the other layers)
+        core += (1 - halo) * 2 * B * T * (cp - 1) * kv
     elif (
         cp > 1 and cp_mode == "alltoall"
     ):  # kv heads repeated to whole groups per rank; the core's own output
