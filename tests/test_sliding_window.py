@@ -286,6 +286,34 @@ def test_cached_decode_equals_the_full_forward_past_the_window():
         assert (unwindowed(ids) - full).abs().max() > 1e-2
 
 
+def test_windowed_layers_cache_a_ring_of_w_slots():
+    """The windowed layers keep w = 5 slots of the 16 (a ring), the cache 2·B·k·d·4·(16 + 5 + 5)
+    bytes; steps of every length (3, 4, then 7 > w, then one token at a time) over padded and
+    unpadded rows give the full forward's logits."""
+    from loom.model.kv_cache import forward_cached, new_cache
+
+    cfg = tiny_model(**MODEL_KW)
+    model = build_model(cfg, 0).eval()
+    ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    pad = 3
+    batch = torch.cat([ids[:1], torch.cat([torch.zeros(1, pad, dtype=torch.long), ids[1:, : SEQ - pad]], 1)])
+    with torch.no_grad():
+        full, alone = model(ids), model(ids[1:, : SEQ - pad])
+        for rows, padding in ((ids, None), (batch, torch.tensor([0, pad]))):
+            cache = new_cache(model, 2, SEQ, padding)
+            assert [t.shape[2] for t in cache.keys] == [5, SEQ, 5]
+            assert cache.nbytes == 2 * 2 * cfg.n_kv_heads * cfg.head_dim * 4 * (SEQ + 5 + 5)
+            cuts = [0, 3, 7, 14, 15, 16]
+            logits = torch.cat(
+                [forward_cached(model, rows[:, a:b], cache) for a, b in zip(cuts, cuts[1:])], 1
+            )
+            assert_close(logits[0], full[0])
+            if padding is None:
+                assert_close(logits[1], full[1])
+            else:
+                assert_close(logits[1, pad:], alone[0])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_windowed_flex_on_cuda_equals_fp64():

@@ -23,8 +23,14 @@ angles and learned position rows), so each row computes what it would compute al
 padding a prompt's prefill is the training forward's causal attention (``is_causal``) and a
 one-token step attends to every cached key with no mask. A windowed layer (``model.sliding_window``
 w, ``model.window_layers``) hides the keys w or more positions back: the query at position p sees the
-cached keys in (p - w, p], prefill included (one mask per window, made once per step; the cache still
-keeps every slot).
+cached keys in (p - w, p], prefill included (one mask per window, made once per step). Such a layer keeps
+only min(S, w) slots, a ring: slot j of the sequence lives at ring index j mod w, and a query never
+needs a key w or more slots back, so the cache holds 2 · B · k_heads · d · element size ·
+Σ_layers min(S, w_layer) bytes (Gemma 3's five local layers of six at w = 1024: a sixth of the
+whole cache at long contexts, plus 5/6 · 1024 slots). A one-token step writes its key first (over
+the one w slots back) and attends over the ring; a longer step attends over the ring's filled slots
+followed by its own keys, then keeps its last w in the ring. Keys are cached after RoPE, so their
+order in the ring does not matter: the mask is made from each ring index's slot.
 """
 
 from __future__ import annotations
@@ -39,38 +45,42 @@ from loom.model.llama import Attention, Block, Transformer, apply_rope, attentio
 
 @dataclass
 class KVCache:
-    """Keys and values of every layer, (B, k_heads, S, d) each; ``length`` slots filled; ``pad`` (B,)
-    the left padding of each row (its first real token's slot); ``padded``: whether any pad > 0."""
+    """Keys and values of every layer, (B, k_heads, S, d) each, or (B, k_heads, w, d) for a layer
+    windowed by w < S (a ring, module doc); ``capacity`` S slots, ``length`` of them filled; ``pad``
+    (B,) the left padding of each row (its first real token's slot); ``padded``: whether any pad > 0."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     pad: torch.Tensor
+    capacity: int = 0
     length: int = 0
     padded: bool = False
 
     @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
-
-    @property
     def nbytes(self) -> int:
-        """2 · L · B · k_heads · S · d · element size."""
+        """2 · B · k_heads · d · element size · Σ_layers min(S, w_layer)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def ring(self, layer: int) -> bool:
+        """Whether ``layer`` keeps a ring of fewer slots than the capacity (a windowed layer)."""
+        return self.keys[layer].shape[2] < self.capacity
 
 
 def new_cache(model: Transformer, batch: int, slots: int, pad: torch.Tensor | None = None) -> KVCache:
-    """An empty cache of ``slots`` positions for ``batch`` rows of ``model`` (its dtype and device)."""
+    """An empty cache of ``slots`` positions for ``batch`` rows of ``model`` (its dtype and device): a
+    layer windowed by w < ``slots`` gets w of them, a ring (module doc)."""
     ref = model.tok_embeddings.weight
     keys, values = [], []
     for block in model.layers:
         attn = cast(Attention, block.attention)
-        shape = (batch, attn.n_kv_heads, slots, attn.head_dim)
+        w = attn.core.window
+        shape = (batch, attn.n_kv_heads, min(slots, w) if w > 0 else slots, attn.head_dim)
         keys.append(torch.zeros(shape, dtype=ref.dtype, device=ref.device))
         values.append(torch.zeros(shape, dtype=ref.dtype, device=ref.device))
     if pad is None:
-        return KVCache(keys, values, torch.zeros(batch, dtype=torch.long, device=ref.device))
+        return KVCache(keys, values, torch.zeros(batch, dtype=torch.long, device=ref.device), slots)
     padded = bool((pad > 0).any())  # the cache's one host read, here rather than in every step
-    return KVCache(keys, values, pad.to(ref.device), padded=padded)
+    return KVCache(keys, values, pad.to(ref.device), slots, padded=padded)
 
 
 def _mask(cache: KVCache, T: int, window: int = 0) -> torch.Tensor | None:
@@ -86,6 +96,29 @@ def _mask(cache: KVCache, T: int, window: int = 0) -> torch.Tensor | None:
     i = torch.arange(T, device=cache.pad.device)[:, None] + s
     real = (j[None, None, :] >= cache.pad[:, None, None]) | (j[None, :] == i)[None]  # (B, T, s+T)
     near = window_mask(T, s + T, window, cache.pad.device, offset=s) if window > 0 else j[None, :] <= i
+    return (near[None] & real)[:, None]
+
+
+def _ring_slots(length: int, size: int, device) -> torch.Tensor:
+    """(size,) the slot each ring index holds after ``length`` slots were written (index i: the last
+    slot ≡ i mod size), −1 where none yet."""
+    i = torch.arange(size, device=device)
+    return torch.where(i < length, i + (length - 1 - i).div(size, rounding_mode="floor") * size, -1)
+
+
+def _ring_mask(cache: KVCache, T: int, window: int, size: int) -> torch.Tensor | None:
+    """Boolean (B, 1, T, K) mask of a ring layer's step of T tokens over its K keys: the ring after
+    the step's write (T = 1, K = size) or before it followed by the step's own keys (K = size + T):
+    query slot q sees a key of slot j iff q − w < j <= q and j >= pad[b] (a filler query: itself);
+    None when every key is seen (one token, no padding, the ring full)."""
+    s, dev = cache.length, cache.pad.device
+    if T == 1 and not cache.padded and s + 1 >= size:
+        return None
+    ring = _ring_slots(s + 1 if T == 1 else s, size, dev)
+    keys = ring if T == 1 else torch.cat([ring, torch.arange(s, s + T, device=dev)])  # (K,)
+    q = torch.arange(s, s + T, device=dev)[:, None]  # (T, 1)
+    near = (keys >= 0) & (keys > q - window) & (keys <= q)  # (T, K)
+    real = (keys[None, None, :] >= cache.pad[:, None, None]) | (keys == q)[None]  # (B, T, K)
     return (near[None] & real)[:, None]
 
 
@@ -111,10 +144,20 @@ def _attend(
     if attn.rope:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
-    s = cache.length
-    cache.keys[layer][:, :, s : s + T] = k
-    cache.values[layer][:, :, s : s + T] = v
-    k, v = cache.keys[layer][:, :, : s + T], cache.values[layer][:, :, : s + T]  # (B, k, s+T, d) views
+    s, K, V = cache.length, cache.keys[layer], cache.values[layer]
+    if not cache.ring(layer):
+        K[:, :, s : s + T], V[:, :, s : s + T] = k, v
+        k, v = K[:, :, : s + T], V[:, :, : s + T]  # (B, k, s+T, d) views
+    elif T == 1:  # over the slot one window back, then the ring whole
+        K[:, :, s % K.shape[2]], V[:, :, s % K.shape[2]] = k[:, :, 0], v[:, :, 0]
+        k, v = K, V
+    else:  # the ring's filled slots and the step's own keys; its last w kept
+        k, v = torch.cat([K, k], 2), torch.cat([V, v], 2)
+        kept = torch.arange(max(s, s + T - K.shape[2]), s + T, device=k.device)
+        K[:, :, kept % K.shape[2]], V[:, :, kept % K.shape[2]] = (
+            k[:, :, K.shape[2] + kept - s],
+            v[:, :, K.shape[2] + kept - s],
+        )
     causal = mask is None and T > 1  # a prefill of unpadded rows: the training forward's attention
     core = attn.core  # its scale and soft-cap (model.attn_scale, model.attn_softcap)
     y = attention(q, k, v, mask, causal=causal, scale=core.scale, softcap=core.softcap)  # (B, a, T, d)
@@ -134,9 +177,12 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     h = embed(model.tok_embeddings, model.pos_embeddings, None, tokens, pos, model.embed_scale)  # (B, T, h)
     cos, sin = cast(torch.Tensor, model.rope_cos)[pos], cast(torch.Tensor, model.rope_sin)[pos]  # (B, T, d/2)
     attns = [cast(Attention, cast(Block, layer).attention) for layer in model.layers]
-    masks = {w: _mask(cache, T, w) for w in {attn.core.window for attn in attns}}  # one per window
+    kinds = {(a.core.window, cache.keys[i].shape[2], cache.ring(i)) for i, a in enumerate(attns)}
+    masks = {  # one per window and layout (whole or ring), made once per step
+        (w, n, ring): _ring_mask(cache, T, w, n) if ring else _mask(cache, T, w) for w, n, ring in kinds
+    }
     for i, (layer, attn) in enumerate(zip(model.layers, attns, strict=True)):
-        mask = masks[attn.core.window]
+        mask = masks[(attn.core.window, cache.keys[i].shape[2], cache.ring(i))]
         h = layer(h, cos, sin, attend=lambda x, c, s: _attend(attn, x, c, s, cache, i, mask))  # noqa: B023 (called here)
     cache.length += T
     return model.logits(h)  # (B, T, V): norm, head and the logit cap, as the full forward
