@@ -185,6 +185,38 @@ def test_flex_forward_applies_the_window(monkeypatch, packed, window):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("softcap", [0.0, CAP], ids=["window", "window + cap"])
+def test_unpacked_flex_layers_take_their_causal_masks_from_layer_args(monkeypatch, softcap):
+    """CUDA's path, on the CPU with eager flex: unpacked sequences through a model windowed on layers 0
+    and 2 get from ``layer_args`` the windowed causal block mask, and for layer 1 the plain causal one
+    when the model is capped (flex applies the cap) or None (SDPA's causal flag); the masks are built
+    there once per forward, never inside a block (under ``torch.compile`` a block would break its
+    graph to build one), the blocks compile with no graph break, and the logits equal the dense path's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = build_model(tiny_model(**MODEL_KW, attn_softcap=softcap), 0).eval()
+    ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    built = []
+    with torch.no_grad():
+        dense = model(ids)
+        monkeypatch.setattr(llama, "packed_attention", lambda device: "flex")
+        monkeypatch.setattr(llama, "_compiled_flex", flex_attention)
+        whole = llama.causal_block_mask
+        monkeypatch.setattr(llama, "causal_block_mask", lambda *a: built.append(a) or whole(*a))
+        first, windowed = llama.layer_args(model.rope_cos, model.rope_sin, None, model.layers, SEQ)[2]
+        assert (first is None) == (softcap == 0) and isinstance(windowed, llama.BlockMask)
+        built.clear()
+        assert_close(model(ids), dense)
+        assert sorted(built) == sorted([(SEQ, ids.device, 5)] + [(SEQ, ids.device, 0)] * (softcap > 0))
+        torch._dynamo.reset()  # another test's compiles of these blocks (another cap) would make the cap a SymFloat
+        counter = CompileCounterWithBackend("eager")
+        for layer in model.layers:
+            layer.compile(backend=counter, fullgraph=True)  # a graph break would raise
+        assert_close(model(ids), dense)
+        assert counter.frame_count >= 1
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_layers_of_two_windows_each_get_their_document_mask(monkeypatch):
     """Packed documents through flex (CUDA's path, eager here): a model with windowed and unwindowed
     layers gets the pair of block masks from ``layer_args``, and its logits equal the dense path's

@@ -39,8 +39,9 @@ from loom.model.rope import rope_tables  # noqa: F401 (re-exported)
 from loom.model.softcap import softcap as cap_logits  # (attention's ``softcap`` is its float c)
 
 # Packed documents as a block takes them: ids (B, T), one flex block mask, or the pair (unwindowed,
-# windowed) of block masks when only some layers attend within ``model.sliding_window`` (layer_args)
-Documents = torch.Tensor | BlockMask | tuple[BlockMask, BlockMask]
+# windowed) of block masks when only some layers attend within ``model.sliding_window`` (layer_args;
+# unpacked, the unwindowed layers' may be None: SDPA's causal flag serves them)
+Documents = torch.Tensor | BlockMask | tuple[BlockMask | None, BlockMask]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -632,7 +633,8 @@ class Transformer(nn.Module):
             self.embed_scale,
         )  # (B, T, h)
         cos, sin = cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin)
-        args = layer_args(cos, sin, positions, self.layers)  # the document mask: once per micro-batch
+        # the document mask (or flex's causal one): once per micro-batch, outside the compiled blocks
+        args = layer_args(cos, sin, positions, self.layers, tokens.shape[1])
         for layer in self.layers:
             h = layer(h, *args)
         if self.head_in_loss and torch.is_grad_enabled():
@@ -650,17 +652,22 @@ def layer_args(
     sin: torch.Tensor,
     positions: torch.Tensor | None = None,
     layers: Iterable[nn.Module] = (),
+    length: int = 0,
 ) -> tuple[torch.Tensor | Documents, ...]:
     """What every block takes after h: the RoPE tables (cos, sin), or with packed ``positions`` each
     token's rows (B, T, d/2) and the documents: their ids (B, T) (:func:`document_ids`), or, where
     every one of ``layers`` attends through a :class:`CoreAttention` able to take it
     (:func:`flex_documents`), the micro-batch's one :func:`document_block_mask`, built with the
     layers' window; layers of two windows (0 and ``model.sliding_window``, Gemma 2's alternation)
-    get the pair (unwindowed, windowed), each core taking its own."""
-    if positions is None:
-        return cos, sin
-    docs = document_ids(positions)
+    get the pair (unwindowed, windowed), each core taking its own. Without packing, sequences of
+    ``length`` T whose windowed or soft-capped layers run flex (:func:`flex_documents`' device and
+    cores) get their :func:`causal_block_mask` here too, outside any compiled block (None for a
+    layer SDPA serves: no window, no cap), so no compiled block breaks its graph to build it."""
     layers = list(layers)
+    if positions is None:
+        causal = _causal_flex_masks(layers, cos.device, length)
+        return (cos, sin) if causal is None else (cos, sin, causal)
+    docs = document_ids(positions)
     if flex_documents(layers, positions.device):
         masks = [
             document_block_mask(docs, FLEX_BLOCK, w) if w else document_block_mask(docs)
@@ -668,6 +675,20 @@ def layer_args(
         ]
         return cos[positions], sin[positions], masks[0] if len(masks) == 1 else (masks[0], masks[1])
     return cos[positions], sin[positions], docs
+
+
+def _causal_flex_masks(layers: list[nn.Module], device: torch.device, length: int) -> Documents | None:
+    """The causal block masks of unpacked sequences of ``length`` for ``layers`` whose cores run flex
+    (a window or a soft-cap on a device where :func:`flex_documents` holds), by window as
+    :func:`layer_args` pairs them; None when no layer needs one."""
+    if not length or not flex_documents(layers, device):
+        return None
+    windows = sorted({_core(layer).window for layer in layers})
+    capped = any(_core(layer).softcap > 0 for layer in layers)
+    masks = [causal_block_mask(length, device, w) if (w or capped) else None for w in windows]
+    if len(masks) == 1:
+        return masks[0]
+    return (masks[0], cast(BlockMask, masks[1]))
 
 
 def _core(layer: nn.Module) -> CoreAttention:

@@ -107,6 +107,7 @@ class StageModule(nn.Module):
             cast(torch.Tensor, self.rope_sin),
             positions,
             self.layers.values(),
+            h.shape[1],
         )
         for layer in self.layers.values():
             h = layer(h, *args)
