@@ -301,8 +301,9 @@ def test_a_llama_with_a_nonzero_output_bias_is_refused_naming_it(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
 def test_quantized_weights_are_refused_in_one_line(tmp_path, dtype):
-    """An fp8 (scales in other tensors) or int8 checkpoint holds codes, not values: refused from the
-    headers, naming the tensor, and from ``quantization_config`` before any tensor is looked at."""
+    """An fp8 (without its scales) or int8 checkpoint holds codes, not values: refused from the
+    headers, naming the tensor, and a method Loom cannot dequantize from ``quantization_config``
+    before any tensor is looked at."""
     from safetensors.torch import load_file, save_file
 
     from loom.model.hf import HFError, open_dir
@@ -317,9 +318,13 @@ def test_quantized_weights_are_refused_in_one_line(tmp_path, dtype):
         open_dir(path, 32)
     assert "\n" not in str(e.value)
     raw = json.loads((path / "config.json").read_text())
-    quant = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    quant = {"quant_method": "awq", "bits": 4}
     (path / "config.json").write_text(json.dumps(raw | {"quantization_config": quant}))
-    with pytest.raises(HFError, match=r"quantization_config \(quant_method = 'fp8'\) is not supported"):
+    with pytest.raises(HFError, match=r"quantization_config \(quant_method = 'awq'\) is not supported"):
+        open_dir(path, 32)
+    quant = {"quant_method": "fp8", "weight_block_size": [128, 128]}  # fp8 codes without their scale
+    (path / "config.json").write_text(json.dumps(raw | {"quantization_config": quant}))
+    with pytest.raises(HFError, match=f"tensor {name} is stored as [FI]8.*likely quantized"):
         open_dir(path, 32)
 
 

@@ -179,7 +179,10 @@ def carried_config(ours: dict, src: Path | None) -> dict:
     arch, mine = architecture(raw), ours["architectures"][0]
     if SAME_TENSORS.get(arch, arch) != SAME_TENSORS.get(mine, mine) or not _same_tensors(raw, ours):
         return ours  # the model changed shape or family since: describe what was trained
-    kept = {k: v for k, v in raw.items() if k not in DTYPE_KEYS + ("transformers_version",)}
+    # not the source's quantization: Loom writes the weights in its own precision (dequantized)
+    kept = {
+        k: v for k, v in raw.items() if k not in DTYPE_KEYS + ("transformers_version", "quantization_config")
+    }
     return ours | kept | {k: ours[k] for k in DTYPE_KEYS if k in ours}
 
 

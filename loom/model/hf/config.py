@@ -30,6 +30,7 @@ from loom.model.hf.families import (
     hf_field,
     sliding_window,
 )
+from loom.model.hf.quantized import scale_suffix
 
 GELU = {
     "gelu_new": "gelu_tanh",
@@ -160,13 +161,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
             else f"model_type = {raw.get('model_type')!r} (no architectures)"
         )
         raise HFError(f"{CONFIG}: {what} is not supported{lacks}; supported: {', '.join(SUPPORTED)}")
-    quant = raw.get("quantization_config")
-    if quant:  # fp8 with scales, GPTQ, AWQ, bitsandbytes: codes, not values
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise HFError(
-            f"{CONFIG}: quantization_config (quant_method = {method!r}) is not supported: Loom loads "
-            "unquantized weights (dequantize the model first, e.g. save it in bfloat16)"
-        )
+    scale_suffix(raw)  # fp8 with scales is dequantized as read; GPTQ, AWQ, bitsandbytes, MXFP4 refused
     if arch == GPT2:
         return _gpt2_config(raw, max_seq_len)
     # every size is a checked integer (its field named) before any division by it

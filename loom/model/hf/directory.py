@@ -28,6 +28,7 @@ from loom.model.hf.families import (
     zero_tensors,
 )
 from loom.model.hf.names import HEAD, _mappings, expected_shapes
+from loom.model.hf.quantized import FP8_DTYPES, METADATA, check_scale, scale_suffix, weight_block
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,14 @@ class HFModel:
     raw: dict  # config.json as read
     files: dict[str, str]  # HF tensor name -> shard file name
     prefix: str = ""  # GPT-2: "transformer." before every name but lm_head's, or "" (original checkpoints)
+    scale_suffix: str = ""  # an fp8 checkpoint: the scale beside each 8-bit weight is its name + this
+    block: tuple[int, int] | None = None  # an fp8 checkpoint's stated block of one scale (rows, cols)
+
+    def scale_of(self, name: str, dtype: str) -> str | None:
+        """The scale tensor of weight ``name`` stored as ``dtype``: its name where the checkpoint
+        dequantizes it (:mod:`loom.model.hf.quantized`), else None."""
+        scale = name + self.scale_suffix
+        return scale if self.scale_suffix and dtype.upper() in FP8_DTYPES and scale in self.files else None
 
     @property
     def tokenizer(self) -> Path | None:
@@ -165,10 +174,12 @@ def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
     shapes = expected_shapes(cfg)
     wanted = {n: m.hf_shape(shapes[lm]) for lm, m in _mappings(cfg, prefix) for n in m.names()}
     zeros = dict(zero_tensors(cfg).values())
-    _check_headers(d, files, wanted | zeros)
+    model = HFModel(d, architecture(raw), cfg, raw, files, prefix, scale_suffix(raw), weight_block(raw))
+    _check_headers(model, wanted | zeros)
     _check_zero(d, files, sorted(zeros))
     wanted |= zeros
-    unused = sorted(n for n in files.keys() - wanted.keys() if not n.endswith(BUFFERS) and n != HEAD)
+    skipped = BUFFERS + (METADATA if model.scale_suffix else ())
+    unused = sorted(n for n in files.keys() - wanted.keys() if not n.endswith(skipped) and n != HEAD)
     if unused and d not in _UNUSED:  # transformers drops them too ("weights not used"), and says so
         _UNUSED.add(d)
         logging.getLogger(__name__).warning(
@@ -179,7 +190,7 @@ def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
             ", ".join(unused[:3]),
             " ..." if len(unused) > 3 else "",
         )
-    return HFModel(d, architecture(raw), cfg, raw, files, prefix)
+    return model
 
 
 _UNTIED: set[Path] = set()  # directories whose untied head was reported (once per process)
@@ -218,8 +229,8 @@ def _differ(d: Path, files: dict[str, str], a: str, b: str) -> bool:
 
 def _refuse_integer(file: Path, name: str, dtype: str) -> None:
     """A weight stored as an integer type (quantized: int8, uint8, packed int4) or an 8- or 4-bit float
-    (fp8 codes whose scales sit in other tensors) would be cast to floats and trained as if its codes
-    were values: refused, naming the file and tensor."""
+    without the scale a supported ``quantization_config`` puts beside it would be cast to floats and
+    trained as if its codes were values: refused, naming the file and tensor."""
     if dtype.upper().startswith(("I", "U", "BOOL", "F8", "F4", "F6")):
         kind = "integer" if not dtype.upper().startswith("F") else "an 8-bit or smaller float"
         raise HFError(
@@ -228,10 +239,12 @@ def _refuse_integer(file: Path, name: str, dtype: str) -> None:
         )
 
 
-def _check_headers(d: Path, files: dict[str, str], shapes: dict[str, tuple[int, ...]]) -> None:
+def _check_headers(model: HFModel, shapes: dict[str, tuple[int, ...]]) -> None:
     """Every shard's header is readable (a truncated download fails here), and every tensor Loom
-    reads (``shapes``: HF name -> stored shape) is in its shard, floating point and of that shape:
+    reads (``shapes``: HF name -> stored shape) is in its shard, of that shape and floating point
+    (an 8-bit float only beside a scale that tiles it, :func:`~loom.model.hf.quantized.check_scale`):
     headers only, nothing loaded, so a bad directory is refused before any rank starts."""
+    d, files = model.dir, model.files
     missing = sorted(shapes.keys() - files.keys())
     if missing:
         raise HFError(f"{d}: tensor {missing[0]} is missing from the checkpoint ({len(missing)} missing)")
@@ -248,8 +261,15 @@ def _check_headers(d: Path, files: dict[str, str], shapes: dict[str, tuple[int, 
                 if name not in held:
                     raise HFError(f"{d / shard}: holds no tensor {name} ({INDEX} names it there)")
                 sl = f.get_slice(name)
-                _refuse_integer(d / shard, name, sl.get_dtype())
                 if tuple(sl.get_shape()) != shapes[name]:
                     raise HFError(
                         f"{d / shard}: {name} has shape {tuple(sl.get_shape())}, {CONFIG} implies {shapes[name]}"
                     )
+                scale = model.scale_of(name, sl.get_dtype())
+                if scale is None:
+                    _refuse_integer(d / shard, name, sl.get_dtype())
+                    continue
+                with open_shard(d / files[scale]) as g:
+                    s = g.get_slice(scale)
+                    _refuse_integer(d / files[scale], scale, s.get_dtype())
+                    check_scale(d / shard, name, shapes[name], tuple(s.get_shape()), model.block)

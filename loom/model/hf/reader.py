@@ -13,6 +13,7 @@ import torch
 from loom.model.hf.directory import HFModel, _refuse_integer, open_shard
 from loom.model.hf.families import CONFIG, HFError
 from loom.model.hf.names import VOCAB_TENSORS, Mapping, _mappings, expected_shapes, to_loom_rows
+from loom.model.hf.quantized import dequantize
 
 
 class Reader:
@@ -40,12 +41,18 @@ class Reader:
                 if name not in self.model.files:
                     raise HFError(f"{self.model.dir}: tensor {name} is missing from the checkpoint")
 
-    def _slice(self, name: str, shape: tuple[int, ...]):
+    def _open(self, name: str):
+        """The safetensors slice of HF tensor ``name`` (its shard opened once)."""
         file = self.model.files[name]
         if file not in self.opened:
             self.opened[file] = self.files.enter_context(open_shard(self.model.dir / file))
-        sl = self.opened[file].get_slice(name)  # type: ignore[attr-defined]
-        _refuse_integer(self.model.dir / file, name, sl.get_dtype())
+        return self.opened[file].get_slice(name)  # type: ignore[attr-defined]
+
+    def _slice(self, name: str, shape: tuple[int, ...]):
+        file = self.model.files[name]
+        sl = self._open(name)
+        if self.model.scale_of(name, sl.get_dtype()) is None:
+            _refuse_integer(self.model.dir / file, name, sl.get_dtype())
         if tuple(sl.get_shape()) != shape:
             raise HFError(
                 f"{self.model.dir / file}: {name} has shape {tuple(sl.get_shape())}, {CONFIG} implies {shape}"
@@ -91,6 +98,11 @@ class Reader:
         else:
             t = sl[(rows, *(slice(a, b) for a, b in box[1:]))]
         self.bytes_read += t.numel() * t.element_size()
+        scale = self.model.scale_of(cast(str, m.hf), sl.get_dtype())
+        if scale is not None:  # 8-bit codes: times the scales of the blocks over the box
+            t = dequantize(
+                t, self._open(scale), tuple(sl.get_shape()), rows, slice(*box[1]), self.model.block
+            )
         return t
 
 
