@@ -60,6 +60,35 @@ def assert_layouts_equal(ref: dict, ranks, names: list[str]) -> None:
     assert compared == set(names)
 
 
+def assert_export_round_trips(model, x: torch.Tensor, dst, family: type) -> None:
+    """Loom's export of ``model`` (hf_config, hf_tensors) into ``dst`` loads in ``transformers`` as
+    ``family`` with the model's logits on ``x`` (B, T), and the KV-cached forward (a prefill of 20
+    tokens, then the rest) gives them too."""
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+    from torch.testing import assert_close
+
+    from loom.model.hf import hf_config, hf_tensors
+    from loom.model.kv_cache import forward_cached, new_cache
+
+    dst.mkdir()
+    state = ((k, v.detach()) for k, v in model.state_dict().items())
+    save_file(dict(hf_tensors(model.cfg, state)), str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(hf_config(model.cfg)))
+    back = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert type(back) is family
+    with torch.no_grad():
+        logits = model(x)
+        assert_close(back(x).logits, logits)
+        cache = new_cache(model, x.shape[0], x.shape[1])
+        cached = torch.cat(
+            [forward_cached(model, x[:, :20], cache), forward_cached(model, x[:, 20:], cache)], 1
+        )
+    assert_close(cached, logits)
+
+
 # Gemma 2's fields on the tiny model: offset norms, sqrt(h) embeddings, GeGLU, sandwich norms, the
 # attention scale and soft-caps (small enough to bite at the tiny model's scale)
 GEMMA2_FIELDS = {

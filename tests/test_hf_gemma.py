@@ -390,7 +390,7 @@ def _edited(tmp_path, family: str, edit: dict, drop: tuple[str, ...] = (), **kw)
             },
             (),
             "config.json: rope_parameters.sliding_attention.rope_type = 'linear' is not supported (Loom: default "
-            "on Gemma 3's sliding layers)",
+            "on Gemma3ForCausalLM's sliding layers)",
         ),
         (
             "gemma3",

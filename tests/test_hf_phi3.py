@@ -20,7 +20,8 @@ from tests.test_finetune import _loom_lora_model, hf_lora_config, prepared, trai
 
 SUPPORTED = (
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
-    "GPT2LMHeadModel, Phi3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, "
+    "GPT2LMHeadModel, Phi3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, GemmaForCausalLM, "
+    "Gemma2ForCausalLM, "
     "Gemma3ForCausalLM"
 )
 FIELDS = dict(

@@ -17,7 +17,7 @@ import torch
 import transformers
 from torch.testing import assert_close
 
-from tests.helpers import HF_TINY
+from tests.helpers import HF_TINY, assert_export_round_trips
 
 BASE = HF_TINY | {
     "rope_theta": 1e4
@@ -91,10 +91,7 @@ def test_import_gives_the_logits_of_transformers_and_export_round_trips(tmp_path
     dynamic NTK, within max_position_embeddings, is the default); the export loads back in
     transformers with the same logits, its rule re-read as the same fields; the cached forward gives
     the model's logits."""
-    from safetensors.torch import save_file
-
-    from loom.model.hf import hf_config, hf_tensors, load_into, open_dir
-    from loom.model.kv_cache import forward_cached, new_cache
+    from loom.model.hf import load_into, open_dir
     from loom.model.llama import Transformer
 
     ref = save_hf(tmp_path / "src", case)
@@ -115,23 +112,8 @@ def test_import_gives_the_logits_of_transformers_and_export_round_trips(tmp_path
             assert (other(x) - logits).abs().max() > 1e-3
     if "longrope" in case:
         assert cfg.rope_kind == "longrope" and cfg.rope_long == (not case.endswith("short"))
-    dst = tmp_path / "out"
-    dst.mkdir()
-    save_file(
-        dict(hf_tensors(cfg, ((k, v.detach()) for k, v in model.state_dict().items()))),
-        str(dst / "model.safetensors"),
-    )
-    (dst / "config.json").write_text(json.dumps(hf_config(cfg)))
-    back = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
-    assert type(back) is type(ref)
-    assert open_dir(dst, 32).config == replace(cfg, max_seq_len=32)
-    with torch.no_grad():
-        assert_close(back(x).logits, logits)
-        cache = new_cache(model, 2, 32)
-        cached = torch.cat(
-            (forward_cached(model, x[:, :20], cache), forward_cached(model, x[:, 20:], cache)), 1
-        )
-    assert_close(cached, logits)
+    assert_export_round_trips(model, x, tmp_path / "out", type(ref))
+    assert open_dir(tmp_path / "out", 32).config == replace(cfg, max_seq_len=32)
 
 
 def test_the_rules_equal_transformers_frequencies():

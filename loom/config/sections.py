@@ -120,6 +120,7 @@ HFArchitecture = Literal[
     "Phi3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Olmo2ForCausalLM",
+    "Olmo3ForCausalLM",
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",

@@ -16,7 +16,8 @@ from loom.model.hf.families import (
     GPT2,
     LLAMA,
     MISSING,
-    OLMO2,
+    OLMO3,
+    OLMOS,
     PHI3,
     QWEN2,
     QWEN3MOE,
@@ -219,7 +220,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     window = sliding_window(raw, arch)
     # the windowed layers, windowed or not: Gemma 3's local RoPE base applies there (none of its layers
     # sliding: none at the local base)
-    layers = window[1] if window else ("" if arch == GEMMA3 else "all")
+    layers = window[1] if window else ("" if arch in (GEMMA3, OLMO3) else "all")
     if window is not None and seq <= window[0]:
         window = None  # every sequence fits it: no key falls outside, attention is whole (the fast kernels)
     return ModelConfig(
@@ -229,14 +230,14 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         n_kv_heads=kv,
         vocab_size=_int("vocab_size", raw["vocab_size"]),
         max_seq_len=seq,
-        **(_gemma3_rope(raw, seq) if arch == GEMMA3 else _rope(raw, arch, seq)),
+        **(_layer_type_rope(raw, seq, arch) if arch in (GEMMA3, OLMO3) else _rope(raw, arch, seq)),
         norm_eps=_float("rms_norm_eps", hf_field(raw, "rms_norm_eps")),
         tie_embeddings=_bool("tie_word_embeddings", hf_field(raw, "tie_word_embeddings")),
         qkv_bias=qwen2 or (llama_bias and not every_bias),
         bias=every_bias,
-        qk_norm=gemma.pop("qk_norm", qwen3 or arch == OLMO2),
-        qk_norm_scope="all" if arch == OLMO2 else "head",
-        norm_placement=gemma.pop("norm_placement", "post" if arch == OLMO2 else "pre"),
+        qk_norm=gemma.pop("qk_norm", qwen3 or arch in OLMOS),
+        qk_norm_scope="all" if arch in OLMOS else "head",
+        norm_placement=gemma.pop("norm_placement", "post" if arch in OLMOS else "pre"),
         attn_head_dim=head_dim if head_dim * heads != dim else 0,  # 0: Loom's h / a
         ffn_dim=ffn,
         n_experts=n_experts,
@@ -289,22 +290,25 @@ def _gemma_fields(raw: dict, arch: str, head_dim: int) -> dict:
     return out | {"norm_placement": "sandwich", "attn_scale": scale} | caps | qk
 
 
-def _gemma3_rope(raw: dict, seq: int) -> dict:
-    """Gemma 3's two RoPE bases: the full-attention layers' (``rope_theta``, or transformers 5's
-    ``rope_parameters.full_attention.rope_theta``) and the sliding layers' (``rope_local_base_freq``,
-    or ``rope_parameters.sliding_attention.rope_theta``); a long-context rule (:func:`_scaling`: the
-    larger models' linear factor 8) on the full layers alone, the sliding ones of the default type."""
+def _layer_type_rope(raw: dict, seq: int, arch: str) -> dict:
+    """Gemma 3's and OLMo 3's RoPE per layer type: the full-attention layers' base (``rope_theta``, or
+    transformers 5's ``rope_parameters.full_attention.rope_theta``) with a long-context rule on them
+    alone (:func:`_scaling`: Gemma 3's larger models' linear factor 8, OLMo 3's YaRN), and the
+    sliding layers' (``rope_parameters.sliding_attention.rope_theta``, else Gemma 3's
+    ``rope_local_base_freq``, OLMo 3's ``rope_theta``), of the default type: ``model.rope_local_theta``
+    (OLMo 3 with one base and no rule: none, one table for all)."""
     params = raw.get("rope_parameters")
     if params is not None and not isinstance(params, dict):
         raise HFError(f"{CONFIG}: {_WRONG}: rope_parameters = {json.dumps(params)}, want an object (or null)")
     legacy = raw.get("rope_scaling")
     if legacy is not None and not isinstance(legacy, dict):
         raise HFError(f"{CONFIG}: {_WRONG}: rope_scaling = {json.dumps(legacy)}, want an object (or null)")
+    local_field = "rope_local_base_freq" if arch == GEMMA3 else "rope_theta"
     if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
         out: dict = {}
         for kind, loom, fallback in (
             ("full_attention", "rope_theta", "rope_theta"),
-            ("sliding_attention", "rope_local_theta", "rope_local_base_freq"),
+            ("sliding_attention", "rope_local_theta", local_field),
         ):
             p = params.get(kind) or {}
             if not isinstance(p, dict):
@@ -312,19 +316,22 @@ def _gemma3_rope(raw: dict, seq: int) -> dict:
             if kind == "sliding_attention" and p.get("rope_type", "default") != "default":
                 raise HFError(
                     f"{CONFIG}: rope_parameters.{kind}.rope_type = {p['rope_type']!r} is not supported "
-                    "(Loom: default on Gemma 3's sliding layers)"
+                    f"(Loom: default on {arch}'s sliding layers)"
                 )
             key = f"rope_parameters.{kind}.rope_theta" if "rope_theta" in p else fallback
             out[loom] = _positive(key, p.get("rope_theta", hf_field(raw, fallback)))
             if kind == "full_attention":
-                # a rope_scaling updates the full layers' parameters (transformers' Gemma 3)
+                # a rope_scaling updates the full layers' parameters (transformers' Gemma 3, OLMo 3)
                 key = "rope_scaling" if legacy else f"rope_parameters.{kind}"
-                out |= _scaling(raw, p | (legacy or {}), key, GEMMA3, seq)
-        return out
-    return {
-        "rope_theta": _positive("rope_theta", hf_field(raw, "rope_theta")),
-        "rope_local_theta": _positive("rope_local_base_freq", hf_field(raw, "rope_local_base_freq")),
-    } | _scaling(raw, legacy or {}, "rope_scaling", GEMMA3, seq)
+                out |= _scaling(raw, p | (legacy or {}), key, arch, seq)
+    else:
+        out = {
+            "rope_theta": _positive("rope_theta", hf_field(raw, "rope_theta")),
+            "rope_local_theta": _positive(local_field, hf_field(raw, local_field)),
+        } | _scaling(raw, legacy or {}, "rope_scaling", arch, seq)
+    if arch != GEMMA3 and out["rope_local_theta"] == out["rope_theta"] and not out.get("rope_scaling"):
+        out["rope_local_theta"] = 0.0  # one table serves every layer
+    return out
 
 
 def _positive(field: str, value: object) -> float:

@@ -16,6 +16,8 @@ GPT2: Final = "GPT2LMHeadModel"
 PHI3: Final = "Phi3ForCausalLM"
 QWEN3MOE: Final = "Qwen3MoeForCausalLM"
 OLMO2: Final = "Olmo2ForCausalLM"
+OLMO3: Final = "Olmo3ForCausalLM"
+OLMOS = (OLMO2, OLMO3)  # norms after attention and MLP, q/k norms over all heads; OLMo 3: windows too
 LLAMA: Final = "LlamaForCausalLM"
 QWEN2: Final = "Qwen2ForCausalLM"
 GEMMA: Final = "GemmaForCausalLM"
@@ -79,6 +81,7 @@ FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
     "Qwen3MoeForCausalLM": {k: v for k, v in _QWEN_DEFAULTS.items() if k != "max_window_layers"}
     | {"num_key_value_heads": 4, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False},
     "Olmo2ForCausalLM": _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5},
+    OLMO3: _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "sliding_window": 4096},
     GEMMA: _GEMMA_DEFAULTS,
     GEMMA2: _GEMMA_DEFAULTS
     | {
@@ -115,6 +118,7 @@ MODEL_TYPES: Final = {
     "qwen3_moe": QWEN3MOE,
     "phi3": PHI3,
     "olmo2": OLMO2,
+    "olmo3": OLMO3,
     "gpt2": GPT2,
     "gemma": GEMMA,
     "gemma2": GEMMA2,
@@ -174,10 +178,12 @@ def sliding_window(raw: dict, arch: str) -> tuple[int, str] | None:
     elif types is None and arch == GEMMA3:  # every sliding_window_pattern-th layer full
         pattern = _int("sliding_window_pattern", hf_field(raw, "sliding_window_pattern"))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    elif types is None and arch == OLMO3:  # every fourth layer full
+        types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
     elif types is None and "max_window_layers" in FAMILY_DEFAULTS[arch]:
         first = _int("max_window_layers", hf_field(raw, "max_window_layers"), low=0)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-    elif arch not in (GEMMA2, GEMMA3, MISTRAL) and "max_window_layers" not in FAMILY_DEFAULTS[arch]:
+    elif arch not in (GEMMA2, GEMMA3, MISTRAL, OLMO3) and "max_window_layers" not in FAMILY_DEFAULTS[arch]:
         types = None  # Mixtral, Phi-3, Qwen3-MoE: every layer, whatever layer_types says
     if types is None:
         return window, "all"
@@ -297,6 +303,8 @@ def architecture_of(cfg: ModelConfig) -> str:
         return named
     if by_shape == "MistralForCausalLM" and named == PHI3:  # Llama's tensors windowed: Phi-3's too
         return named
+    if by_shape == OLMO2 and named == OLMO3:  # OLMo 2's block: an OLMo 3 whose windows hide nothing
+        return named
     raise HFError(
         f"model.hf_architecture: {named} cannot hold this model's tensors ({by_shape} does); "
         "set it to auto or to that family"
@@ -378,19 +386,37 @@ def _gemma_family(cfg: ModelConfig) -> str | None:
     return family
 
 
+def _olmo_family(cfg: ModelConfig) -> str | None:
+    """OLMo's block (norms after attention and MLP, q/k norms over all heads) makes an OLMo 2, with a
+    sliding window or a second RoPE table for its sliding layers an OLMo 3; None: not OLMo's block.
+    Part of it, or what neither holds, is refused naming the fields."""
+    olmo = (cfg.norm_placement == "post", cfg.qk_norm and cfg.qk_norm_scope == "all")
+    if not any(olmo):
+        return None
+    other = {
+        "q/k/v biases": cfg.qkv_bias or cfg.bias,
+        "experts": cfg.moe,
+        "Gemma's fields": cfg.norm_offset or cfg.embed_scale or cfg.attn_scale > 0 or cfg.attn_softcap > 0,
+        "a logit cap": cfg.logit_softcap > 0,
+        f"mlp = {cfg.mlp}": cfg.mlp != "swiglu",
+    }
+    if not all(olmo) or any(other.values()):
+        has = ", ".join(k for k, v in other.items() if v) or "part of it"
+        raise HFError(
+            f"model: {OLMO2} and {OLMO3} need norm_placement = post with qk_norm = true, qk_norm_scope = all, "
+            f"a SwiGLU MLP and none of q/k/v biases, experts, Gemma's fields or a logit cap (this model has "
+            f"{has}); no other Hugging Face family holds OLMo's block"
+        )
+    return OLMO3 if cfg.sliding_window or cfg.rope_local_theta else OLMO2
+
+
 def _family_by_shape(cfg: ModelConfig) -> str:
     if _is_gpt2(cfg):
         return GPT2
+    if (olmo := _olmo_family(cfg)) is not None:
+        return olmo
     if (gemma := _gemma_family(cfg)) is not None:
         return gemma
-    olmo2 = (cfg.norm_placement == "post", cfg.qk_norm and cfg.qk_norm_scope == "all")
-    if any(olmo2):
-        if not all(olmo2) or cfg.qkv_bias or cfg.bias or cfg.moe:
-            raise HFError(
-                "model: Olmo2ForCausalLM needs norm_placement = post with qk_norm = true, qk_norm_scope = all, "
-                "and no q/k/v biases or experts; no other Hugging Face family holds either"
-            )
-        return OLMO2
     if cfg.bias:  # Llama with attention_bias and mlp_bias: every linear but the head (up_proj's zero)
         if cfg.qk_norm or cfg.moe:
             raise HFError(

@@ -14,6 +14,7 @@ from loom.model.hf.families import (
     GEMMA2,
     GEMMA3,
     GPT2,
+    OLMO3,
     PHI3,
     QWEN3MOE,
     HFError,
@@ -99,6 +100,8 @@ def hf_config(
         out |= dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))  # not Phi3Config's 32000s
     if family in (GEMMA, GEMMA2, GEMMA3):
         out |= _gemma_hf_fields(cfg, family)
+    if family == OLMO3:
+        out |= layer_type_rope_fields(cfg, family)
     if family == QWEN3MOE:  # every layer sparse, no shared experts; no dense MLP: no intermediate_size
         del out["intermediate_size"]
         out |= {
@@ -164,13 +167,14 @@ def _gemma_hf_fields(cfg: ModelConfig, family: str) -> dict:
             "attn_logit_softcapping": cfg.attn_softcap or None,
             "final_logit_softcapping": cfg.logit_softcap or None,
         }
-        | (_gemma3_rope_fields(cfg) if family == GEMMA3 else {})
+        | (layer_type_rope_fields(cfg, family) if family == GEMMA3 else {})
     )
 
 
-def _gemma3_rope_fields(cfg: ModelConfig) -> dict:
-    """Gemma 3's RoPE per layer type (transformers 5's form): the full layers' base and the local
-    (sliding) layers' ``rope_local_theta``."""
+def layer_type_rope_fields(cfg: ModelConfig, family: str) -> dict:
+    """Gemma 3's and OLMo 3's RoPE per layer type (transformers 5's form): the full layers' base and
+    rule, the local (sliding) layers' ``rope_local_theta`` (Gemma 3 also names it
+    ``rope_local_base_freq``)."""
     local = cfg.rope_local_theta or cfg.rope_theta
     return {
         "rope_parameters": {
@@ -178,13 +182,12 @@ def _gemma3_rope_fields(cfg: ModelConfig) -> dict:
             "sliding_attention": {"rope_type": "default", "rope_theta": local},
         },
         "rope_theta": cfg.rope_theta,
-        "rope_local_base_freq": local,
-    }
+    } | ({"rope_local_base_freq": local} if family == GEMMA3 else {})
 
 
 WINDOW_ALL = ("MistralForCausalLM", PHI3, "MixtralForCausalLM", QWEN3MOE)  # a window on every layer or none
 # layer_types (a Mistral's: transformers reads it as a Ministral, windowed on those layers)
-WINDOW_PER_LAYER = (GEMMA2, GEMMA3, "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+WINDOW_PER_LAYER = (GEMMA2, GEMMA3, OLMO3, "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
 def window_fields(cfg: ModelConfig, family: str) -> dict:
@@ -196,8 +199,8 @@ def window_fields(cfg: ModelConfig, family: str) -> dict:
     windowed = cfg.windowed_layers()
     qwen = family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", QWEN3MOE)
     if not windowed:
-        if family in (GEMMA2, GEMMA3):  # Gemma 3's local layers (their RoPE base) stay sliding ones
-            local = cfg.local_layers() if family == GEMMA3 and cfg.rope_local_theta else frozenset()
+        if family in (GEMMA2, GEMMA3, OLMO3):  # Gemma 3's, OLMo 3's local layers (their RoPE) stay sliding
+            local = cfg.local_layers() if family in (GEMMA3, OLMO3) and cfg.rope_local_theta else frozenset()
             types = ["sliding_attention" if i in local else "full_attention" for i in range(cfg.n_layers)]
             return {"sliding_window": cfg.max_seq_len, "layer_types": types}
         if family in WINDOW_ALL or qwen:
