@@ -41,6 +41,7 @@ RESOLVED: dict[str, Callable[[C.ModelConfig], object]] = {
     "multiple_of": C.ModelConfig.resolved_ffn_dim,
     "attn_head_dim": lambda m: m.head_dim,
     "window_layers": lambda m: m.local_layers(),  # "0,2" and "2,0" list the same layers
+    "nope_layers": lambda m: m.nope_layer_set(),
     "max_seq_len": lambda m: m.rope_long if _longrope(m) else m.max_seq_len,  # LongRoPE: which factors
 }
 

@@ -124,6 +124,7 @@ HFArchitecture = Literal[
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "SmolLM3ForCausalLM",
 ]
 
 
@@ -201,6 +202,8 @@ class ModelConfig:
     sliding_window: int = 0
     # the windowed layers: all, or their indices "0,2,4" (Gemma 2: every other one)
     window_layers: str = "all"
+    # the layers that rotate no position into q and k (NoPE: SmolLM3's every fourth): indices "3,7"; "" = none
+    nope_layers: str = ""
     # > 0: the RoPE base of the layers window_layers lists (Gemma 3's rope_local_base_freq), the others'
     # rope_theta; 0 = one base for all
     rope_local_theta: float = 0.0
@@ -230,13 +233,22 @@ class ModelConfig:
         """The layers ``window_layers`` lists (windowed with ``sliding_window``, and at
         ``rope_local_theta`` when set): every one for ``all``, else the comma-separated indices; a bad
         list raises naming the field."""
-        if self.window_layers.strip() == "all":
+        return self._layer_list("window_layers")
+
+    def nope_layer_set(self) -> frozenset[int]:
+        """The layers ``nope_layers`` lists (no RoPE on their q and k)."""
+        return self._layer_list("nope_layers") if self.positions == "rope" else frozenset()
+
+    def _layer_list(self, field: str) -> frozenset[int]:
+        """``field``'s layers: every one for ``all``, else its comma-separated ASCII indices in
+        [0, n_layers); a bad list raises naming the field."""
+        text = getattr(self, field)
+        if text.strip() == "all":
             return frozenset(range(self.n_layers))
-        parts = [p.strip() for p in self.window_layers.split(",") if p.strip()]
+        parts = [p.strip() for p in text.split(",") if p.strip()]
         _require(
             all(p.isascii() and p.isdigit() and int(p) < self.n_layers for p in parts),
-            f"model.window_layers: 'all' or comma-separated layer indices in [0, {self.n_layers}), "
-            f"got {self.window_layers!r}",
+            f"model.{field}: 'all' or comma-separated layer indices in [0, {self.n_layers}), got {text!r}",
         )
         return frozenset(int(p) for p in parts)
 
@@ -279,7 +291,9 @@ class ModelConfig:
         }
         scaling = {f for used in rules.values() for f in used} | {"rope_kind"}
         if self.positions != "rope":
-            return frozenset(scaling | {"rope_theta", "rope_scaling", "rope_fraction", "rope_local_theta"})
+            return frozenset(
+                scaling | {"rope_theta", "rope_scaling", "rope_fraction", "rope_local_theta", "nope_layers"}
+            )
         if not self.rope_scaling:
             return frozenset(scaling)
         return frozenset(scaling - set(rules[self.rope_kind]) - {"rope_kind"})

@@ -399,6 +399,7 @@ def _check_model(m: ModelConfig) -> None:
         m.sliding_window == 0 or bool(m.local_layers()),
         f"model.window_layers: names no layer for model.sliding_window = {m.sliding_window}; give 'all' or indices",
     )
+    m.nope_layer_set()  # its indices checked, naming the field
     _require(
         0 <= m.rope_local_theta < float("inf"),
         f"model.rope_local_theta: must be a finite number >= 0 (0 = rope_theta on every layer), got {m.rope_local_theta}",

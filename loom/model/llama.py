@@ -411,7 +411,7 @@ class Attention(nn.Module):
 
     activation_kind = "attention"  # what its saved tensors count as for train.compress
 
-    def __init__(self, cfg: ModelConfig, window: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, window: int = 0, rope: bool = True) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv_bias = cfg.qkv_bias or cfg.bias
@@ -419,7 +419,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.bias)
-        self.rope = cfg.positions == "rope"  # learned positions are added to the embeddings instead
+        # learned positions are added to the embeddings instead; a NoPE layer (model.nope_layers) has none
+        self.rope = cfg.positions == "rope" and rope
         self.qk_norm_all = cfg.qk_norm_scope == "all"  # over a·d (k·d) at once, else per head over d
         q_width, k_width = (cfg.n_heads, cfg.n_kv_heads) if self.qk_norm_all else (1, 1)
         norm_args = (cfg.norm_eps, cfg.norm_offset)
@@ -496,7 +497,11 @@ class Block(nn.Module):
         super().__init__()
         self.attention_norm = make_norm(cfg, cfg.dim)
         # layer ``layer`` attends within ``model.sliding_window`` where ``model.window_layers`` names it
-        self.attention = Attention(cfg, cfg.sliding_window if layer in cfg.windowed_layers() else 0)
+        self.attention = Attention(
+            cfg,
+            cfg.sliding_window if layer in cfg.windowed_layers() else 0,
+            layer not in cfg.nope_layer_set(),
+        )
         self.ffn_norm = make_norm(cfg, cfg.dim)
         self.feed_forward: nn.Module  # replaced by tensor/expert-parallel modules from outside
         if cfg.moe:

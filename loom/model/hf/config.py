@@ -21,6 +21,7 @@ from loom.model.hf.families import (
     PHI3,
     QWEN2,
     QWEN3MOE,
+    SMOLLM3,
     SUPPORTED,
     HFError,
     _bool,
@@ -29,6 +30,7 @@ from loom.model.hf.families import (
     _opt_int,
     architecture,
     hf_field,
+    nope_layers,
     sliding_window,
 )
 from loom.model.hf.quantized import scale_suffix
@@ -245,6 +247,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         hf_architecture=arch,  # type: ignore[arg-type]  # one of SUPPORTED, checked above
         sliding_window=window[0] if window else 0,
         window_layers=layers,
+        nope_layers=",".join(map(str, nope_layers(raw))) if arch == SMOLLM3 else "",
         **gemma,
     )
 

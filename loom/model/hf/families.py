@@ -24,8 +24,9 @@ GEMMA: Final = "GemmaForCausalLM"
 GEMMA2: Final = "Gemma2ForCausalLM"
 GEMMA3: Final = "Gemma3ForCausalLM"
 MISTRAL: Final = "MistralForCausalLM"
+SMOLLM3: Final = "SmolLM3ForCausalLM"
 LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json's layer_types Loom reads
-LLAMA_TENSORS = ("MistralForCausalLM", PHI3)  # Llama's tensors under other names or config fields
+LLAMA_TENSORS = ("MistralForCausalLM", PHI3, SMOLLM3)  # Llama's tensors under other names or config fields
 
 
 MISSING: dict[str, str] = {}  # families users ask for, and what Loom's model lacks to run them
@@ -82,6 +83,16 @@ FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
     | {"num_key_value_heads": 4, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False},
     "Olmo2ForCausalLM": _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5},
     OLMO3: _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "sliding_window": 4096},
+    SMOLLM3: _LLAMA_DEFAULTS
+    | {
+        "rope_theta": 2000000.0,
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": True,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "no_rope_layer_interval": 4,
+    },
     GEMMA: _GEMMA_DEFAULTS,
     GEMMA2: _GEMMA_DEFAULTS
     | {
@@ -119,6 +130,7 @@ MODEL_TYPES: Final = {
     "phi3": PHI3,
     "olmo2": OLMO2,
     "olmo3": OLMO3,
+    "smollm3": SMOLLM3,
     "gpt2": GPT2,
     "gemma": GEMMA,
     "gemma2": GEMMA2,
@@ -180,10 +192,16 @@ def sliding_window(raw: dict, arch: str) -> tuple[int, str] | None:
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     elif types is None and arch == OLMO3:  # every fourth layer full
         types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    elif types is None and arch == SMOLLM3:  # its NoPE layers
+        nope = nope_layers(raw)
+        types = ["sliding_attention" if i in nope else "full_attention" for i in range(n)]
     elif types is None and "max_window_layers" in FAMILY_DEFAULTS[arch]:
         first = _int("max_window_layers", hf_field(raw, "max_window_layers"), low=0)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-    elif arch not in (GEMMA2, GEMMA3, MISTRAL, OLMO3) and "max_window_layers" not in FAMILY_DEFAULTS[arch]:
+    elif (
+        arch not in (GEMMA2, GEMMA3, MISTRAL, OLMO3, SMOLLM3)
+        and "max_window_layers" not in FAMILY_DEFAULTS[arch]
+    ):
         types = None  # Mixtral, Phi-3, Qwen3-MoE: every layer, whatever layer_types says
     if types is None:
         return window, "all"
@@ -194,6 +212,25 @@ def sliding_window(raw: dict, arch: str) -> tuple[int, str] | None:
 
 
 _WRONG = "a field has a value of the wrong type"
+
+
+def nope_layers(raw: dict) -> list[int]:
+    """SmolLM3's layers without RoPE: those ``no_rope_layers`` marks 0 (1: RoPE), by default every
+    ``no_rope_layer_interval``-th."""
+    n = _int("num_hidden_layers", raw["num_hidden_layers"])
+    marks = raw.get("no_rope_layers")
+    if marks is None:
+        every = _int("no_rope_layer_interval", hf_field(raw, "no_rope_layer_interval"))
+        return [i for i in range(n) if (i + 1) % every == 0]
+    if (
+        not isinstance(marks, list)
+        or len(marks) != n
+        or any(m not in (0, 1) or isinstance(m, float) for m in marks)
+    ):
+        raise HFError(
+            f"{CONFIG}: {_WRONG}: no_rope_layers = {json.dumps(marks)[:80]}, want one 0 or 1 per layer ({n})"
+        )
+    return [i for i, m in enumerate(marks) if not m]
 
 
 def _int(field: str, value: object, low: int = 1, null: str = "") -> int:
@@ -297,8 +334,18 @@ def architecture_of(cfg: ModelConfig) -> str:
             f"model.rope_fraction = {cfg.rope_fraction}: among the supported Hugging Face families only {PHI3} "
             f"rotates part of a head, and it holds Llama's tensors (this model's are {by_shape}'s)"
         )
+    if cfg.nope_layer_set():  # only SmolLM3 has layers without RoPE
+        plain = by_shape in (LLAMA, "MistralForCausalLM") and not (cfg.bias or cfg.qkv_bias)
+        if named in ("auto", SMOLLM3) and plain:
+            return SMOLLM3
+        raise HFError(
+            f"model.nope_layers: among the supported Hugging Face families only {SMOLLM3} has layers "
+            f"without RoPE, and it holds Llama's tensors without biases (this model's are {by_shape}'s)"
+        )
     if named == "auto" or named == by_shape:
         return by_shape
+    if by_shape == "MistralForCausalLM" and named == SMOLLM3:  # Llama's tensors windowed
+        return named
     if by_shape == LLAMA and named in (() if cfg.bias else (QWEN2,) if cfg.qkv_bias else LLAMA_TENSORS):
         return named
     if by_shape == "MistralForCausalLM" and named == PHI3:  # Llama's tensors windowed: Phi-3's too

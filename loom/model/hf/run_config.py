@@ -53,6 +53,7 @@ HF_FIELDS = (
     "logit_softcap",
     "sliding_window",
     "window_layers",
+    "nope_layers",
     "rope_local_theta",
     "hf_architecture",
 )

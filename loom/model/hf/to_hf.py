@@ -17,6 +17,7 @@ from loom.model.hf.families import (
     OLMO3,
     PHI3,
     QWEN3MOE,
+    SMOLLM3,
     HFError,
     architecture_of,
     zero_tensors,
@@ -48,6 +49,11 @@ def _gpt2_hf_config(cfg: ModelConfig, dtype: str) -> dict:
         "dtype": dtype,
         "torch_dtype": dtype,  # what transformers < 4.56 reads
     }
+
+
+# token ids left unset, where the family's config class would default them to ids of its own vocabulary
+# (the export's tokenizer files and generation_config.json carry the run's)
+NO_TOKEN_IDS: dict = dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))
 
 
 def hf_config(
@@ -97,11 +103,15 @@ def hf_config(
         out["original_max_position_embeddings"] = (
             cfg.rope_original_len if cfg.rope_scaling else cfg.max_seq_len
         )
-        out |= dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))  # not Phi3Config's 32000s
+        out |= NO_TOKEN_IDS  # not Phi3Config's 32000s
     if family in (GEMMA, GEMMA2, GEMMA3):
         out |= _gemma_hf_fields(cfg, family)
     if family == OLMO3:
         out |= layer_type_rope_fields(cfg, family)
+    if family == SMOLLM3:  # 1: the layer rotates q and k, 0: NoPE
+        nope = cfg.nope_layer_set()
+        out["no_rope_layers"] = [int(i not in nope) for i in range(cfg.n_layers)]
+        out |= NO_TOKEN_IDS  # not SmolLM3Config's 128000s
     if family == QWEN3MOE:  # every layer sparse, no shared experts; no dense MLP: no intermediate_size
         del out["intermediate_size"]
         out |= {
@@ -187,7 +197,15 @@ def layer_type_rope_fields(cfg: ModelConfig, family: str) -> dict:
 
 WINDOW_ALL = ("MistralForCausalLM", PHI3, "MixtralForCausalLM", QWEN3MOE)  # a window on every layer or none
 # layer_types (a Mistral's: transformers reads it as a Ministral, windowed on those layers)
-WINDOW_PER_LAYER = (GEMMA2, GEMMA3, OLMO3, "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+WINDOW_PER_LAYER = (
+    GEMMA2,
+    GEMMA3,
+    OLMO3,
+    SMOLLM3,
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
 
 
 def window_fields(cfg: ModelConfig, family: str) -> dict:
@@ -198,21 +216,24 @@ def window_fields(cfg: ModelConfig, family: str) -> dict:
     covering the sequences, as transformers builds its mask whatever the layers)."""
     windowed = cfg.windowed_layers()
     qwen = family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", QWEN3MOE)
+    switch = (
+        {"use_sliding_window": bool(windowed)} if qwen or family == SMOLLM3 else {}
+    )  # their window's switch
     if not windowed:
         if family in (GEMMA2, GEMMA3, OLMO3):  # Gemma 3's, OLMo 3's local layers (their RoPE) stay sliding
             local = cfg.local_layers() if family in (GEMMA3, OLMO3) and cfg.rope_local_theta else frozenset()
             types = ["sliding_attention" if i in local else "full_attention" for i in range(cfg.n_layers)]
             return {"sliding_window": cfg.max_seq_len, "layer_types": types}
-        if family in WINDOW_ALL or qwen:
-            return {"sliding_window": None} | ({"use_sliding_window": False} if qwen else {})
+        if family in WINDOW_ALL or switch:
+            return {"sliding_window": None} | switch
         return {}
     every = len(windowed) == cfg.n_layers
     if family in WINDOW_ALL and every:
-        return {"sliding_window": cfg.sliding_window} | ({"use_sliding_window": True} if qwen else {})
+        return {"sliding_window": cfg.sliding_window} | switch
     if family in WINDOW_PER_LAYER:
         types = ["sliding_attention" if i in windowed else "full_attention" for i in range(cfg.n_layers)]
         out = {"sliding_window": cfg.sliding_window, "layer_types": types}
-        return out | ({"use_sliding_window": True, "max_window_layers": min(windowed)} if qwen else {})
+        return out | switch | ({"max_window_layers": min(windowed)} if qwen else {})
     raise HFError(
         f"model.sliding_window: {family} holds "
         + ("no attention window" if family not in WINDOW_ALL else "a window on every layer only")
