@@ -60,6 +60,36 @@ def assert_layouts_equal(ref: dict, ranks, names: list[str]) -> None:
     assert compared == set(names)
 
 
+def imported_with_their_logits(hf, ref) -> tuple:
+    """Loom's model of the opened Hugging Face directory ``hf``, loaded from it, with tokens x (2, 32)
+    and its logits, which equal ``ref``'s (the ``transformers`` model saved there): (model, x, logits)."""
+    from torch.testing import assert_close
+
+    from loom.model.hf import load_into
+    from loom.model.llama import Transformer
+
+    model = Transformer(hf.config).eval()
+    load_into(model, hf)
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(x)
+        assert_close(logits, ref(x).logits)
+    return model, x, logits
+
+
+def assert_field_bites(model, x: torch.Tensor, logits: torch.Tensor, **change) -> None:
+    """The same weights under ``model``'s config with ``change`` give logits more than 1e-3 away: the
+    changed fields do something at the tiny model's scale."""
+    from dataclasses import replace
+
+    from loom.model.llama import Transformer
+
+    other = Transformer(replace(model.cfg, **change)).eval()
+    other.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (other(x) - logits).abs().max() > 1e-3, change
+
+
 def assert_export_round_trips(model, x: torch.Tensor, dst, family: type) -> None:
     """Loom's export of ``model`` (hf_config, hf_tensors) into ``dst`` loads in ``transformers`` as
     ``family`` with the model's logits on ``x`` (B, T), and the KV-cached forward (a prefill of 20

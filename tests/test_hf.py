@@ -234,30 +234,31 @@ def test_bad_tensors_and_files_are_named(tmp_path):
     [
         (
             {"mlp": "gelu_tanh", "bias": True},
-            "holds mlp = gelu or gelu_tanh and bias = true, and it also needs positions = learned, "
-            "norm = layernorm",
+            "model: a RoPE model with LayerNorm or a GELU MLP is a Starcoder2ForCausalLM among the supported "
+            "Hugging Face families, which also needs norm = layernorm",
         ),
         (
             {"norm": "layernorm", "mlp": "gelu", "positions": "learned", "bias": True, "n_kv_heads": 2},
-            "holds positions = learned and norm = layernorm and mlp = gelu or "
-            "gelu_tanh and bias = true, and it also needs n_kv_heads = n_heads",
+            "model: among the supported Hugging Face families only GPT2LMHeadModel holds positions = learned and "
+            "norm = layernorm and mlp = gelu or gelu_tanh and bias = true, and it also needs n_kv_heads = n_heads",
         ),
         (
             {"norm": "layernorm", "qk_norm": True},
-            "holds norm = layernorm, and it also needs positions = "
-            "learned, mlp = gelu or gelu_tanh, bias = true, qk_norm = false",
+            "model: a RoPE model with LayerNorm or a GELU MLP is a Starcoder2ForCausalLM among the supported "
+            "Hugging Face families, which also needs mlp = gelu_tanh or gelu, qk_norm = false",
         ),
     ],
     ids=["rope+gelu+bias", "gpt2+gqa", "layernorm+qk_norm"],
 )
-def test_a_model_only_gpt2_could_hold_names_what_it_lacks(kw, says):
-    """A GPT-2 field on a model GPT-2 cannot hold (a RoPE model with a GELU MLP) is refused at export
-    naming the fields it has and those GPT-2 needs as well, not GPT-2's whole list."""
+def test_a_model_only_gpt2_or_starcoder2_could_hold_names_what_it_lacks(kw, says):
+    """GPT-2's fields (LayerNorm, a GELU MLP) on a model neither GPT-2 (learned positions) nor StarCoder 2
+    (RoPE) can hold are refused at export naming the fields it has or those the family needs as well,
+    not a whole list."""
     from loom.model.hf import HFError, architecture_of
 
     with pytest.raises(HFError) as e:
         architecture_of(C.ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, **kw))
-    assert str(e.value) == f"model: among the supported Hugging Face families only GPT2LMHeadModel {says}"
+    assert str(e.value) == says
 
 
 def test_biases_on_a_rope_model_go_out_as_a_llama_with_attention_and_mlp_biases():

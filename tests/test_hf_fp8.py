@@ -17,7 +17,7 @@ import transformers
 from safetensors.torch import save_file
 from torch.testing import assert_close
 
-from tests.helpers import HF_TINY
+from tests.helpers import HF_TINY, imported_with_their_logits
 
 FP8 = torch.float8_e4m3fn
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -109,20 +109,15 @@ def test_fp8_checkpoints_import_dequantized_with_transformers_logits(tmp_path, f
     loads in transformers itself (it dequantizes on a machine without a GPU; whole blocks only: an
     MLP width of 88 over blocks of 32 it refuses) with the same logits; every weight equals the
     formula's, and a tp2 half reads half the codes."""
-    from loom.model.hf import Reader, load_into, open_dir
-    from loom.model.llama import Transformer
+    from loom.model.hf import Reader, open_dir
 
     partial = scheme == "fp8 partial blocks"
     meant_model, meant = save_fp8(tmp_path, family, "fp8" if partial else scheme, 88 if partial else 96)
     hf = open_dir(tmp_path, 32)
-    model = Transformer(hf.config).eval()
-    load_into(model, hf)
-    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(x)
-        assert_close(logits, meant_model(x).logits)
-        if scheme == "fp8":
-            theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    _, x, logits = imported_with_their_logits(hf, meant_model)
+    if scheme == "fp8":
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        with torch.no_grad():
             assert_close(logits, theirs(x).logits)
     with Reader(hf) as reader:
         for lm, hf_name in (("layers.1.feed_forward.w2.weight", "model.layers.1.mlp.down_proj.weight"),

@@ -11,9 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 import transformers
-from torch.testing import assert_close
 
-from tests.helpers import HF_TINY, assert_export_round_trips
+from tests.helpers import HF_TINY, assert_export_round_trips, assert_field_bites, imported_with_their_logits
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 1.2}
 CASES = {
@@ -25,8 +24,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_olmo3_imports_with_transformers_logits_and_exports_as_olmo3(tmp_path, case):
-    from loom.model.hf import load_into, open_dir
-    from loom.model.llama import Transformer
+    from loom.model.hf import open_dir
 
     torch.manual_seed(0)
     config = transformers.Olmo3Config(**(HF_TINY | {"num_hidden_layers": 4} | CASES[case]))  # RoPE base 5e5
@@ -41,19 +39,11 @@ def test_olmo3_imports_with_transformers_logits_and_exports_as_olmo3(tmp_path, c
     windowed = "beyond" not in case
     assert (cfg.sliding_window, cfg.window_layers) == ((8, "0,1,2") if windowed else (0, "0,1,2"))
     assert (cfg.rope_kind, cfg.rope_local_theta) == (("yarn", 5e5) if "yarn" in case else ("llama3", 0.0))
-    model = Transformer(cfg).eval()
-    load_into(model, hf)
-    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(x)
-        assert_close(logits, ref(x).logits)
-        if windowed:  # the window and the full layers' rule each bite
-            for change in (
-                ({"sliding_window": 0}, {"rope_scaling": 0.0}) if "yarn" in case else ({"sliding_window": 0},)
-            ):
-                other = Transformer(replace(cfg, **change)).eval()
-                other.load_state_dict(model.state_dict())
-                assert (other(x) - logits).abs().max() > 1e-3, change
+    model, x, logits = imported_with_their_logits(hf, ref)
+    if windowed:  # the window and the full layers' rule each bite
+        assert_field_bites(model, x, logits, sliding_window=0)
+        if "yarn" in case:
+            assert_field_bites(model, x, logits, rope_scaling=0.0)
     assert_export_round_trips(model, x, tmp_path / "out", transformers.Olmo3ForCausalLM)
 
 

@@ -12,9 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 import transformers
-from torch.testing import assert_close
 
-from tests.helpers import HF_TINY, assert_export_round_trips
+from tests.helpers import HF_TINY, assert_export_round_trips, assert_field_bites, imported_with_their_logits
 
 CASES = {
     "every fourth layer NoPE": {},
@@ -25,8 +24,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_smollm3_imports_with_transformers_logits_and_exports_as_smollm3(tmp_path, case):
-    from loom.model.hf import load_into, open_dir
-    from loom.model.llama import Transformer
+    from loom.model.hf import open_dir
 
     torch.manual_seed(0)
     fields = HF_TINY | {"num_hidden_layers": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
@@ -39,15 +37,8 @@ def test_smollm3_imports_with_transformers_logits_and_exports_as_smollm3(tmp_pat
     nope = "0,3" if "listed" in case else "3"
     assert (cfg.hf_architecture, cfg.nope_layers) == ("SmolLM3ForCausalLM", nope)
     assert (cfg.sliding_window, cfg.window_layers) == ((8, "3") if "windowed" in case else (0, "all"))
-    model = Transformer(cfg).eval()
-    load_into(model, open_dir(tmp_path / "src", 32))
-    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(x)
-        assert_close(logits, ref(x).logits)
-        other = Transformer(replace(cfg, nope_layers="")).eval()
-        other.load_state_dict(model.state_dict())
-        assert (other(x) - logits).abs().max() > 1e-3  # NoPE bites
+    model, x, logits = imported_with_their_logits(open_dir(tmp_path / "src", 32), ref)
+    assert_field_bites(model, x, logits, nope_layers="")  # NoPE bites
     assert_export_round_trips(model, x, tmp_path / "out", transformers.SmolLM3ForCausalLM)
 
 

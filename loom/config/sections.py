@@ -125,6 +125,7 @@ HFArchitecture = Literal[
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "SmolLM3ForCausalLM",
+    "Starcoder2ForCausalLM",
 ]
 
 

@@ -22,6 +22,7 @@ from loom.model.hf.families import (
     QWEN2,
     QWEN3MOE,
     SMOLLM3,
+    STARCODER2,
     SUPPORTED,
     HFError,
     _bool,
@@ -192,7 +193,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
             "divisor of it (each key/value head serves the same number of query heads)"
         )
     qwen2, qwen3 = arch == QWEN2, arch in ("Qwen3ForCausalLM", QWEN3MOE)
-    gemma = _gemma_fields(raw, arch, head_dim)
+    gemma = _gemma_fields(raw, arch, head_dim) | _starcoder2_fields(raw, arch)
     checks: list[tuple[str, tuple[object, ...]]] = [("router_jitter_noise", (0.0, 0, None))]
     if not gemma:  # transformers: swish is SiLU; every family's default
         checks.append(("hidden_act", ("silu", "swish", None)))
@@ -233,10 +234,10 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         vocab_size=_int("vocab_size", raw["vocab_size"]),
         max_seq_len=seq,
         **(_layer_type_rope(raw, seq, arch) if arch in (GEMMA3, OLMO3) else _rope(raw, arch, seq)),
-        norm_eps=_float("rms_norm_eps", hf_field(raw, "rms_norm_eps")),
+        norm_eps=gemma.pop("norm_eps", None) or _float("rms_norm_eps", hf_field(raw, "rms_norm_eps")),
         tie_embeddings=_bool("tie_word_embeddings", hf_field(raw, "tie_word_embeddings")),
         qkv_bias=qwen2 or (llama_bias and not every_bias),
-        bias=every_bias,
+        bias=gemma.pop("bias", every_bias),
         qk_norm=gemma.pop("qk_norm", qwen3 or arch in OLMOS),
         qk_norm_scope="all" if arch in OLMOS else "head",
         norm_placement=gemma.pop("norm_placement", "post" if arch in OLMOS else "pre"),
@@ -250,6 +251,22 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         nope_layers=",".join(map(str, nope_layers(raw))) if arch == SMOLLM3 else "",
         **gemma,
     )
+
+
+def _starcoder2_fields(raw: dict, arch: str) -> dict:
+    """StarCoder 2's fields: LayerNorm (``norm_epsilon``), a GELU MLP (``hidden_act``: the tanh form or
+    the exact), biases on every linear but the head (``use_bias``); {} for other families."""
+    if arch != STARCODER2:
+        return {}
+    act = hf_field(raw, "hidden_act")
+    if act not in GELU:
+        raise HFError(f"{CONFIG}: hidden_act = {act!r} is not supported (Loom: {', '.join(GELU)})")
+    return {
+        "norm": "layernorm",
+        "mlp": GELU[act],
+        "bias": _bool("use_bias", hf_field(raw, "use_bias")),
+        "norm_eps": _float("norm_epsilon", hf_field(raw, "norm_epsilon")),
+    }
 
 
 GEMMA_GELU = ("gelu_pytorch_tanh", "gelu_new")  # the gated GELU-tanh Loom's geglu_tanh computes

@@ -25,6 +25,7 @@ GEMMA2: Final = "Gemma2ForCausalLM"
 GEMMA3: Final = "Gemma3ForCausalLM"
 MISTRAL: Final = "MistralForCausalLM"
 SMOLLM3: Final = "SmolLM3ForCausalLM"
+STARCODER2: Final = "Starcoder2ForCausalLM"
 LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json's layer_types Loom reads
 LLAMA_TENSORS = ("MistralForCausalLM", PHI3, SMOLLM3)  # Llama's tensors under other names or config fields
 
@@ -83,6 +84,16 @@ FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
     | {"num_key_value_heads": 4, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False},
     "Olmo2ForCausalLM": _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5},
     OLMO3: _LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "sliding_window": 4096},
+    STARCODER2: {k: v for k, v in _LLAMA_DEFAULTS.items() if k != "rms_norm_eps"}
+    | {
+        "norm_epsilon": 1e-5,
+        "max_position_embeddings": 4096,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+        "use_bias": True,
+        "hidden_act": "gelu_pytorch_tanh",
+        "sliding_window": None,
+    },
     SMOLLM3: _LLAMA_DEFAULTS
     | {
         "rope_theta": 2000000.0,
@@ -131,6 +142,7 @@ MODEL_TYPES: Final = {
     "olmo2": OLMO2,
     "olmo3": OLMO3,
     "smollm3": SMOLLM3,
+    "starcoder2": STARCODER2,
     "gpt2": GPT2,
     "gemma": GEMMA,
     "gemma2": GEMMA2,
@@ -433,6 +445,29 @@ def _gemma_family(cfg: ModelConfig) -> str | None:
     return family
 
 
+def _starcoder2_family(cfg: ModelConfig) -> str | None:
+    """StarCoder 2's block: RoPE with LayerNorm and a GELU MLP (biases on every linear but the head, or
+    none); None: a RoPE model with neither, or no RoPE (GPT-2's). What else it has is refused."""
+    if cfg.positions != "rope" or (cfg.norm != "layernorm" and cfg.gated_mlp):
+        return None
+    unmet = {
+        "norm = layernorm": cfg.norm != "layernorm",
+        "mlp = gelu_tanh or gelu": cfg.gated_mlp,
+        "q/k/v biases only with bias = true": cfg.qkv_bias and not cfg.bias,
+        "qk_norm = false": cfg.qk_norm,
+        "no experts": cfg.moe,
+        "norm_placement = pre": cfg.norm_placement != "pre",
+        "none of Gemma's fields": cfg.norm_offset or cfg.embed_scale or cfg.attn_scale > 0 or cfg.attn_softcap > 0
+        or cfg.logit_softcap > 0,
+    }  # fmt: skip
+    if any(unmet.values()):
+        raise HFError(
+            f"model: a RoPE model with LayerNorm or a GELU MLP is a {STARCODER2} among the supported Hugging Face "
+            f"families, which also needs {', '.join(k for k, v in unmet.items() if v)}"
+        )
+    return STARCODER2
+
+
 def _olmo_family(cfg: ModelConfig) -> str | None:
     """OLMo's block (norms after attention and MLP, q/k norms over all heads) makes an OLMo 2, with a
     sliding window or a second RoPE table for its sliding layers an OLMo 3; None: not OLMo's block.
@@ -458,6 +493,8 @@ def _olmo_family(cfg: ModelConfig) -> str | None:
 
 
 def _family_by_shape(cfg: ModelConfig) -> str:
+    if (starcoder := _starcoder2_family(cfg)) is not None:
+        return starcoder
     if _is_gpt2(cfg):
         return GPT2
     if (olmo := _olmo_family(cfg)) is not None:

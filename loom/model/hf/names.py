@@ -30,6 +30,10 @@ of the q/k/v/o projections (a·d and k·d) and of RoPE (d). Names map one to one
     model.layers.i.mlp.{gate,up,down}_proj    layers.i.feed_forward.w{1,3,2}
     model.norm.weight, lm_head.weight         norm.weight, output.weight
 
+StarCoder 2 (``Starcoder2ForCausalLM``: RoPE, LayerNorm, a GELU MLP): Llama's attention names, its
+norms' weights and biases under Llama's norm names, ``mlp.c_fc`` and ``mlp.c_proj`` as ``w1`` and ``w2``
+(weights, and biases with ``use_bias``). OLMo 3 and SmolLM3 hold OLMo 2's and Llama's tensors.
+
 Phi-3 fuses rows: ``self_attn.qkv_proj`` ((a+2k)·d, h) holds w{q,k,v} in rows [0, a·d), [a·d, (a+k)·d),
 [(a+k)·d, (a+2k)·d); ``mlp.gate_up_proj`` (2f, h) holds w1 in [0, f) and w3 in [f, 2f) (a
 :class:`Mapping`'s ``part``: import reads that row range, export concatenates the parts).
@@ -103,15 +107,17 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
         yield from _gpt2_mappings(cfg, prefix)
         return
     phi3 = architecture_of(cfg) == PHI3
+    norm_tensors = ("weight", "bias") if cfg.norm == "layernorm" else ("weight",)  # StarCoder 2's LayerNorm
     rot = cfg.rope_dims if cfg.rope_dims < cfg.head_dim else 0  # the q/k rows of a head RoPE turns (0: all)
     yield "tok_embeddings.weight", Mapping("model.embed_tokens.weight")
     for i in range(cfg.n_layers):
         hf, lm = f"model.layers.{i}.", f"layers.{i}."
         olmo2 = cfg.norm_placement == "post"  # OLMo-2: the norms after attention and MLP
-        yield (
-            lm + "attention_norm.weight",
-            Mapping(hf + ("post_attention" if olmo2 else "input") + "_layernorm.weight"),
-        )
+        for kind in norm_tensors:
+            yield (
+                lm + f"attention_norm.{kind}",
+                Mapping(hf + ("post_attention" if olmo2 else "input") + f"_layernorm.{kind}"),
+            )
         if phi3:  # q, k, v fused into qkv_proj, rows [0, a·d), [a·d, (a+k)·d), [(a+k)·d, (a+2k)·d)
             qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
             for x, heads, off in (("q", cfg.n_heads, 0), ("k", cfg.n_kv_heads, qd), ("v", None, qd + kd)):
@@ -137,10 +143,11 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
             yield lm + "ffn_norm.weight", Mapping(hf + "pre_feedforward_layernorm.weight")
             yield lm + "post_ffn_norm.weight", Mapping(hf + "post_feedforward_layernorm.weight")
         else:
-            yield (
-                lm + "ffn_norm.weight",
-                Mapping(hf + ("post_feedforward" if olmo2 else "post_attention") + "_layernorm.weight"),
-            )
+            for kind in norm_tensors:
+                yield (
+                    lm + f"ffn_norm.{kind}",
+                    Mapping(hf + ("post_feedforward" if olmo2 else "post_attention") + f"_layernorm.{kind}"),
+                )
         if cfg.moe:  # a router, and each expert's w1/w3/w2 stacked into Loom's (E, ...) weights
             # Qwen3-MoE (q/k norms): mlp.experts.e.{gate,up,down}_proj; Mixtral: block_sparse_moe.experts.e.w*
             qwen = cfg.qk_norm
@@ -152,6 +159,11 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
                 )
                 yield lm + f"feed_forward.{w}.weight", Mapping(experts)
             continue
+        if not cfg.gated_mlp:  # StarCoder 2: c_fc, the GELU, c_proj
+            for w, proj in (("w1", "c_fc"), ("w2", "c_proj")):
+                for kind in ("weight", "bias") if cfg.bias else ("weight",):
+                    yield lm + f"feed_forward.{w}.{kind}", Mapping(hf + f"mlp.{proj}.{kind}")
+            continue
         if phi3:  # gate and up fused into gate_up_proj: rows [0, f) and [f, 2f)
             f = cfg.resolved_ffn_dim()
             yield lm + "feed_forward.w1.weight", Mapping(hf + "mlp.gate_up_proj.weight", part=(0, 2 * f))
@@ -162,7 +174,8 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
             yield lm + f"feed_forward.{w}.weight", Mapping(hf + f"mlp.{proj}_proj.weight")
             if cfg.bias and w != "w3":  # Llama's mlp_bias; up_proj's is zero (zero_tensors)
                 yield lm + f"feed_forward.{w}.bias", Mapping(hf + f"mlp.{proj}_proj.bias")
-    yield "norm.weight", Mapping("model.norm.weight")
+    for kind in norm_tensors:
+        yield f"norm.{kind}", Mapping(f"model.norm.{kind}")
     if not cfg.tie_embeddings:
         yield "output.weight", Mapping(HEAD)
 

@@ -18,6 +18,7 @@ from loom.model.hf.families import (
     PHI3,
     QWEN3MOE,
     SMOLLM3,
+    STARCODER2,
     HFError,
     architecture_of,
     zero_tensors,
@@ -108,6 +109,10 @@ def hf_config(
         out |= _gemma_hf_fields(cfg, family)
     if family == OLMO3:
         out |= layer_type_rope_fields(cfg, family)
+    if family == STARCODER2:  # LayerNorm's epsilon, one bias switch, the GELU
+        del out["rms_norm_eps"], out["attention_bias"], out["mlp_bias"]
+        act = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[cfg.mlp]
+        out |= {"norm_epsilon": cfg.norm_eps, "use_bias": cfg.bias, "hidden_act": act} | NO_TOKEN_IDS
     if family == SMOLLM3:  # 1: the layer rotates q and k, 0: NoPE
         nope = cfg.nope_layer_set()
         out["no_rope_layers"] = [int(i not in nope) for i in range(cfg.n_layers)]
@@ -195,7 +200,13 @@ def layer_type_rope_fields(cfg: ModelConfig, family: str) -> dict:
     } | ({"rope_local_base_freq": local} if family == GEMMA3 else {})
 
 
-WINDOW_ALL = ("MistralForCausalLM", PHI3, "MixtralForCausalLM", QWEN3MOE)  # a window on every layer or none
+WINDOW_ALL = (
+    "MistralForCausalLM",
+    PHI3,
+    "MixtralForCausalLM",
+    QWEN3MOE,
+    STARCODER2,
+)  # a window on every layer or none
 # layer_types (a Mistral's: transformers reads it as a Ministral, windowed on those layers)
 WINDOW_PER_LAYER = (
     GEMMA2,
