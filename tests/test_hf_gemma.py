@@ -486,3 +486,27 @@ def test_window_layers_are_read_as_a_set_of_ascii_indices():
             validate(cfg, 1)
     tiny = tiny_config(replace(a, n_layers=30, window_layers="0,2,29"), 2)  # the planner's counting model
     assert (tiny.local_layers(), tiny.sliding_window) == (frozenset({0}), 4)
+
+
+@pytest.mark.parametrize(
+    "layer_types", [None, ["sliding_attention", "full_attention"]], ids=["every layer", "alternate"]
+)
+def test_a_ministral_imports_with_its_window_and_exports_as_ministral(tmp_path, layer_types):
+    """``MinistralForCausalLM`` (Ministral-8B): Mistral's tensors, windowed on every layer or on those
+    ``layer_types`` names: transformers' logits, and the export loads back as a Ministral with them."""
+    from loom.model.hf import open_dir
+    from tests.helpers import assert_export_round_trips, imported_with_their_logits
+
+    torch.manual_seed(0)
+    # head_dim given: transformers' Ministral reads a null one as None (h / a = 16 here)
+    fields = FIELDS | {"head_dim": 16, "sliding_window": 8, "layer_types": layer_types}
+    ref = transformers.MinistralForCausalLM(transformers.MinistralConfig(**fields)).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    ref.save_pretrained(tmp_path / "src")
+    hf = open_dir(tmp_path / "src", 32)
+    assert (hf.config.hf_architecture, hf.config.sliding_window) == ("MinistralForCausalLM", 8)
+    assert hf.config.window_layers == ("all" if layer_types is None else "0")
+    model, x, _ = imported_with_their_logits(hf, ref)
+    assert_export_round_trips(model, x, tmp_path / "out", transformers.MinistralForCausalLM)

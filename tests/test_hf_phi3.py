@@ -19,7 +19,7 @@ from loom import config as C
 from tests.test_finetune import _loom_lora_model, hf_lora_config, prepared, trainer_fit  # noqa: F401
 
 SUPPORTED = (
-    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
+    "LlamaForCausalLM, MistralForCausalLM, MinistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
     "GPT2LMHeadModel, Phi3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, GemmaForCausalLM, "
     "Gemma2ForCausalLM, "
     "Gemma3ForCausalLM, SmolLM3ForCausalLM, Starcoder2ForCausalLM"

@@ -113,6 +113,7 @@ HFArchitecture = Literal[
     "auto",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MinistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",

@@ -24,10 +24,16 @@ GEMMA: Final = "GemmaForCausalLM"
 GEMMA2: Final = "Gemma2ForCausalLM"
 GEMMA3: Final = "Gemma3ForCausalLM"
 MISTRAL: Final = "MistralForCausalLM"
+MINISTRAL: Final = "MinistralForCausalLM"  # Mistral's tensors, windowed on the layers layer_types names
 SMOLLM3: Final = "SmolLM3ForCausalLM"
 STARCODER2: Final = "Starcoder2ForCausalLM"
 LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json's layer_types Loom reads
-LLAMA_TENSORS = ("MistralForCausalLM", PHI3, SMOLLM3)  # Llama's tensors under other names or config fields
+LLAMA_TENSORS = (
+    "MistralForCausalLM",
+    MINISTRAL,
+    PHI3,
+    SMOLLM3,
+)  # Llama's tensors under other names or config fields
 
 
 MISSING: dict[str, str] = {}  # families users ask for, and what Loom's model lacks to run them
@@ -128,12 +134,14 @@ FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
         "sliding_window_pattern": 6,
     },
 }
+FAMILY_DEFAULTS[MINISTRAL] = FAMILY_DEFAULTS["MistralForCausalLM"]  # MinistralConfig's are Mistral's
 
 
 # config.json's model_type -> its family, for a config without ``architectures`` (AutoModel reads it)
 MODEL_TYPES: Final = {
     "llama": LLAMA,
     "mistral": "MistralForCausalLM",
+    "ministral": MINISTRAL,
     "mixtral": "MixtralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
@@ -211,7 +219,7 @@ def sliding_window(raw: dict, arch: str) -> tuple[int, str] | None:
         first = _int("max_window_layers", hf_field(raw, "max_window_layers"), low=0)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
     elif (
-        arch not in (GEMMA2, GEMMA3, MISTRAL, OLMO3, SMOLLM3)
+        arch not in (GEMMA2, GEMMA3, MISTRAL, MINISTRAL, OLMO3, SMOLLM3)
         and "max_window_layers" not in FAMILY_DEFAULTS[arch]
     ):
         types = None  # Mixtral, Phi-3, Qwen3-MoE: every layer, whatever layer_types says
@@ -360,7 +368,7 @@ def architecture_of(cfg: ModelConfig) -> str:
         return named
     if by_shape == LLAMA and named in (() if cfg.bias else (QWEN2,) if cfg.qkv_bias else LLAMA_TENSORS):
         return named
-    if by_shape == "MistralForCausalLM" and named == PHI3:  # Llama's tensors windowed: Phi-3's too
+    if by_shape == "MistralForCausalLM" and named in (PHI3, MINISTRAL):  # Llama's tensors windowed
         return named
     if by_shape == OLMO2 and named == OLMO3:  # OLMo 2's block: an OLMo 3 whose windows hide nothing
         return named

@@ -14,6 +14,7 @@ from loom.model.hf.families import (
     GEMMA2,
     GEMMA3,
     GPT2,
+    MINISTRAL,
     OLMO3,
     PHI3,
     QWEN3MOE,
@@ -202,6 +203,7 @@ def layer_type_rope_fields(cfg: ModelConfig, family: str) -> dict:
 
 WINDOW_ALL = (
     "MistralForCausalLM",
+    MINISTRAL,
     PHI3,
     "MixtralForCausalLM",
     QWEN3MOE,
@@ -213,6 +215,7 @@ WINDOW_PER_LAYER = (
     GEMMA3,
     OLMO3,
     SMOLLM3,
+    MINISTRAL,
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
