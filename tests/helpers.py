@@ -60,6 +60,15 @@ def assert_layouts_equal(ref: dict, ranks, names: list[str]) -> None:
     assert compared == set(names)
 
 
+def saved_random(ref, path) -> None:
+    """Every tensor of the ``transformers`` model ``ref`` random (norm weights around 1, so an importer
+    dropping one shows), saved at ``path`` in several shards."""
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
+    ref.save_pretrained(path, max_shard_size="20KB")
+
+
 def imported_with_their_logits(hf, ref) -> tuple:
     """Loom's model of the opened Hugging Face directory ``hf``, loaded from it, with tokens x (2, 32)
     and its logits, which equal ``ref``'s (the ``transformers`` model saved there): (model, x, logits)."""

@@ -12,7 +12,13 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers import HF_TINY, assert_export_round_trips, assert_field_bites, imported_with_their_logits
+from tests.helpers import (
+    HF_TINY,
+    assert_export_round_trips,
+    assert_field_bites,
+    imported_with_their_logits,
+    saved_random,
+)
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 1.2}
 CASES = {
@@ -29,10 +35,7 @@ def test_olmo3_imports_with_transformers_logits_and_exports_as_olmo3(tmp_path, c
     torch.manual_seed(0)
     config = transformers.Olmo3Config(**(HF_TINY | {"num_hidden_layers": 4} | CASES[case]))  # RoPE base 5e5
     ref = transformers.Olmo3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-    ref.save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    saved_random(ref, tmp_path / "src")
     hf = open_dir(tmp_path / "src", 32)
     cfg = hf.config
     assert (cfg.hf_architecture, cfg.norm_placement, cfg.qk_norm_scope) == ("Olmo3ForCausalLM", "post", "all")

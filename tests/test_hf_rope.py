@@ -207,7 +207,7 @@ def _layouts(model: dict, layouts: list[dict]) -> list[dict]:
             "Llama",
             {"partial_rotary_factor": 0.5},
             "config.json: partial_rotary_factor = 0.5 is not supported for LlamaForCausalLM (transformers "
-            "rotates part of a head in Phi3ForCausalLM alone; Loom: 1.0)",
+            "rotates part of a head in Phi3ForCausalLM and Glm4ForCausalLM alone; Loom: 1.0)",
         ),
         (
             "Phi3",

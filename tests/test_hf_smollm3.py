@@ -13,7 +13,13 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers import HF_TINY, assert_export_round_trips, assert_field_bites, imported_with_their_logits
+from tests.helpers import (
+    HF_TINY,
+    assert_export_round_trips,
+    assert_field_bites,
+    imported_with_their_logits,
+    saved_random,
+)
 
 CASES = {
     "every fourth layer NoPE": {},
@@ -29,10 +35,7 @@ def test_smollm3_imports_with_transformers_logits_and_exports_as_smollm3(tmp_pat
     torch.manual_seed(0)
     fields = HF_TINY | {"num_hidden_layers": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     ref = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**(fields | CASES[case]))).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-    ref.save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    saved_random(ref, tmp_path / "src")
     cfg = open_dir(tmp_path / "src", 32).config
     nope = "0,3" if "listed" in case else "3"
     assert (cfg.hf_architecture, cfg.nope_layers) == ("SmolLM3ForCausalLM", nope)

@@ -12,7 +12,13 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers import HF_TINY, assert_export_round_trips, assert_field_bites, imported_with_their_logits
+from tests.helpers import (
+    HF_TINY,
+    assert_export_round_trips,
+    assert_field_bites,
+    imported_with_their_logits,
+    saved_random,
+)
 
 CASES = {
     "biases, tied": {},
@@ -28,10 +34,7 @@ def test_starcoder2_imports_with_transformers_logits_and_exports_as_starcoder2(t
     torch.manual_seed(0)
     fields = HF_TINY | {"bos_token_id": 1, "eos_token_id": 2, "norm_epsilon": 1e-5}
     ref = transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(**(fields | CASES[case]))).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
-    ref.save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    saved_random(ref, tmp_path / "src")
     hf = open_dir(tmp_path / "src", 32)
     cfg = hf.config
     assert (cfg.hf_architecture, cfg.norm, cfg.bias) == (

@@ -127,6 +127,7 @@ HFArchitecture = Literal[
     "Gemma3ForCausalLM",
     "SmolLM3ForCausalLM",
     "Starcoder2ForCausalLM",
+    "Glm4ForCausalLM",
 ]
 
 

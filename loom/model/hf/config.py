@@ -13,6 +13,7 @@ from loom.model.hf.families import (
     GEMMA,
     GEMMA2,
     GEMMA3,
+    GLM4,
     GPT2,
     LLAMA,
     MISSING,
@@ -61,12 +62,12 @@ def _rope(raw: dict, arch: str, seq: int) -> dict:
         theta = (f"{key}.rope_theta", merged["rope_theta"])
     out: dict = {"rope_theta": _float(*theta)}
     said = f"{key}.partial_rotary_factor" if "partial_rotary_factor" in merged else "partial_rotary_factor"
-    partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):  # Phi-4-mini: RoPE on the first 3/4 of each head
-        if arch != PHI3:
+    partial = merged.get("partial_rotary_factor", hf_field(raw, "partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):  # Phi-4-mini: RoPE on the first 3/4 of each head; GLM-4: half
+        if arch not in (PHI3, GLM4):
             raise HFError(
                 f"{CONFIG}: {said} = {partial!r} is not supported for {arch} (transformers rotates part of a "
-                f"head in {PHI3} alone; Loom: 1.0)"
+                f"head in {PHI3} and {GLM4} alone; Loom: 1.0)"
             )
         out["rope_fraction"] = _float(said, partial)
     return out | _scaling(raw, merged, key, arch, seq)
@@ -194,6 +195,8 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         )
     qwen2, qwen3 = arch == QWEN2, arch in ("Qwen3ForCausalLM", QWEN3MOE)
     gemma = _gemma_fields(raw, arch, head_dim) | _starcoder2_fields(raw, arch)
+    if arch == GLM4:  # a norm before and after attention and MLP (its post_self_attn, post_mlp)
+        gemma["norm_placement"] = "sandwich"
     checks: list[tuple[str, tuple[object, ...]]] = [("router_jitter_noise", (0.0, 0, None))]
     if not gemma:  # transformers: swish is SiLU; every family's default
         checks.append(("hidden_act", ("silu", "swish", None)))
@@ -202,7 +205,8 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     # alone Qwen2's q/k/v biases (o's zero); open_dir checks the zeros (zero_tensors); others: none
     llama_bias = arch == LLAMA and raw.get("attention_bias") is True
     every_bias = llama_bias and raw.get("mlp_bias") is True
-    if not qwen2 and not llama_bias:
+    glm_bias = arch == GLM4 and _bool("attention_bias", hf_field(raw, "attention_bias"))  # q/k/v's, not o's
+    if not qwen2 and not llama_bias and arch != GLM4:
         checks.append(("attention_bias", (False, None)))
     if not every_bias:
         checks.append(("mlp_bias", (False, None)))
@@ -236,7 +240,7 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         **(_layer_type_rope(raw, seq, arch) if arch in (GEMMA3, OLMO3) else _rope(raw, arch, seq)),
         norm_eps=gemma.pop("norm_eps", None) or _float("rms_norm_eps", hf_field(raw, "rms_norm_eps")),
         tie_embeddings=_bool("tie_word_embeddings", hf_field(raw, "tie_word_embeddings")),
-        qkv_bias=qwen2 or (llama_bias and not every_bias),
+        qkv_bias=qwen2 or glm_bias or (llama_bias and not every_bias),
         bias=gemma.pop("bias", every_bias),
         qk_norm=gemma.pop("qk_norm", qwen3 or arch in OLMOS),
         qk_norm_scope="all" if arch in OLMOS else "head",

@@ -27,6 +27,7 @@ MISTRAL: Final = "MistralForCausalLM"
 MINISTRAL: Final = "MinistralForCausalLM"  # Mistral's tensors, windowed on the layers layer_types names
 SMOLLM3: Final = "SmolLM3ForCausalLM"
 STARCODER2: Final = "Starcoder2ForCausalLM"
+GLM4: Final = "Glm4ForCausalLM"  # q/k pairs interleaved as Loom's: no rows reordered; sandwich norms
 LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json's layer_types Loom reads
 LLAMA_TENSORS = (
     "MistralForCausalLM",
@@ -100,6 +101,15 @@ FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
         "hidden_act": "gelu_pytorch_tanh",
         "sliding_window": None,
     },
+    GLM4: _LLAMA_DEFAULTS
+    | {
+        "rms_norm_eps": 1.5625e-07,
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
+    },
     SMOLLM3: _LLAMA_DEFAULTS
     | {
         "rope_theta": 2000000.0,
@@ -151,6 +161,7 @@ MODEL_TYPES: Final = {
     "olmo3": OLMO3,
     "smollm3": SMOLLM3,
     "starcoder2": STARCODER2,
+    "glm4": GLM4,
     "gpt2": GPT2,
     "gemma": GEMMA,
     "gemma2": GEMMA2,
@@ -347,12 +358,15 @@ def architecture_of(cfg: ModelConfig) -> str:
             f"model.hf_architecture: {PHI3} scales RoPE by longrope only, not rope_kind = {cfg.rope_kind}; set "
             "it to auto or LlamaForCausalLM"
         )
-    if cfg.positions == "rope" and cfg.rope_fraction != 1:  # only Phi-3 rotates part of a head
+    if cfg.positions == "rope" and cfg.rope_fraction != 1:  # only Phi-3 and GLM-4 rotate part of a head
         if named in ("auto", PHI3) and by_shape in (LLAMA, "MistralForCausalLM"):
             return _phi3_rope(cfg)
+        if named in ("auto", GLM4) and by_shape == GLM4:
+            return GLM4
         raise HFError(
             f"model.rope_fraction = {cfg.rope_fraction}: among the supported Hugging Face families only {PHI3} "
-            f"rotates part of a head, and it holds Llama's tensors (this model's are {by_shape}'s)"
+            f"(Llama's tensors) and {GLM4} (sandwich norms) rotate part of a head (this model's tensors are "
+            f"{by_shape}'s)"
         )
     if cfg.nope_layer_set():  # only SmolLM3 has layers without RoPE
         plain = by_shape in (LLAMA, "MistralForCausalLM") and not (cfg.bias or cfg.qkv_bias)
@@ -476,6 +490,24 @@ def _starcoder2_family(cfg: ModelConfig) -> str | None:
     return STARCODER2
 
 
+def _glm4_family(cfg: ModelConfig) -> str | None:
+    """GLM-4's block: a norm before and after attention and MLP (sandwich) without Gemma's fields (the
+    (1 + w) norm, scaled embeddings, GeGLU, the scale, caps, a local base, q/k norms); None: not it.
+    Its q/k/v biases (without o's) and part of a head rotated are its own; experts or every bias refused."""
+    gemma = (
+        cfg.norm_offset or cfg.embed_scale or cfg.mlp != "swiglu" or cfg.attn_scale > 0 or cfg.attn_softcap > 0
+        or cfg.logit_softcap > 0 or cfg.rope_local_theta > 0 or cfg.qk_norm
+    )  # fmt: skip
+    if cfg.norm_placement != "sandwich" or gemma:
+        return None
+    if cfg.moe or cfg.bias or cfg.norm != "rmsnorm":
+        raise HFError(
+            f"model: norm_placement = sandwich without Gemma's fields is a {GLM4}, which has no experts, no "
+            "biases but q/k/v's and an RMSNorm"
+        )
+    return GLM4
+
+
 def _olmo_family(cfg: ModelConfig) -> str | None:
     """OLMo's block (norms after attention and MLP, q/k norms over all heads) makes an OLMo 2, with a
     sliding window or a second RoPE table for its sliding layers an OLMo 3; None: not OLMo's block.
@@ -503,6 +535,8 @@ def _olmo_family(cfg: ModelConfig) -> str | None:
 def _family_by_shape(cfg: ModelConfig) -> str:
     if (starcoder := _starcoder2_family(cfg)) is not None:
         return starcoder
+    if (glm := _glm4_family(cfg)) is not None:
+        return glm
     if _is_gpt2(cfg):
         return GPT2
     if (olmo := _olmo_family(cfg)) is not None:

@@ -67,7 +67,7 @@ from typing import Final
 import torch
 
 from loom.config import ModelConfig
-from loom.model.hf.families import PHI3, architecture_of
+from loom.model.hf.families import GLM4, PHI3, architecture_of
 
 VOCAB_TENSORS = ("tok_embeddings.weight", "output.weight")  # V rows; padded to model.pad_vocab_to in Loom
 
@@ -106,7 +106,8 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
     if cfg.positions == "learned":
         yield from _gpt2_mappings(cfg, prefix)
         return
-    phi3 = architecture_of(cfg) == PHI3
+    family = architecture_of(cfg)
+    phi3, glm4 = family == PHI3, family == GLM4
     norm_tensors = ("weight", "bias") if cfg.norm == "layernorm" else ("weight",)  # StarCoder 2's LayerNorm
     rot = cfg.rope_dims if cfg.rope_dims < cfg.head_dim else 0  # the q/k rows of a head RoPE turns (0: all)
     yield "tok_embeddings.weight", Mapping("model.embed_tokens.weight")
@@ -124,7 +125,8 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
                 qkv = Mapping(hf + "self_attn.qkv_proj.weight", heads, part=(off, qd + 2 * kd), rotary=rot)
                 yield lm + f"attention.w{x}.weight", qkv
         for x in "o" if phi3 else "qkvo":
-            heads = {"q": cfg.n_heads, "k": cfg.n_kv_heads}.get(x)
+            # GLM-4 pairs q/k dims as Loom does (interleaved): its rows are not reordered
+            heads = None if glm4 else {"q": cfg.n_heads, "k": cfg.n_kv_heads}.get(x)
             yield lm + f"attention.w{x}.weight", Mapping(hf + f"self_attn.{x}_proj.weight", heads, rotary=rot)
             if cfg.bias or (cfg.qkv_bias and x != "o"):
                 yield lm + f"attention.w{x}.bias", Mapping(hf + f"self_attn.{x}_proj.bias", heads, rotary=rot)
@@ -138,10 +140,15 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
                 lm + "attention.k_norm.weight",
                 Mapping(hf + "self_attn.k_norm.weight", cfg.n_kv_heads if whole else 1, rotary=rot),
             )
-        if cfg.norm_placement == "sandwich":  # Gemma 2: a norm before and after attention and MLP each
-            yield lm + "post_attention_norm.weight", Mapping(hf + "post_attention_layernorm.weight")
-            yield lm + "ffn_norm.weight", Mapping(hf + "pre_feedforward_layernorm.weight")
-            yield lm + "post_ffn_norm.weight", Mapping(hf + "post_feedforward_layernorm.weight")
+        if cfg.norm_placement == "sandwich":  # Gemma 2, GLM-4: a norm before and after attention and MLP each
+            after_attn, before_mlp, after_mlp = (
+                ("post_self_attn", "post_attention", "post_mlp")
+                if glm4
+                else ("post_attention", "pre_feedforward", "post_feedforward")
+            )
+            yield lm + "post_attention_norm.weight", Mapping(hf + f"{after_attn}_layernorm.weight")
+            yield lm + "ffn_norm.weight", Mapping(hf + f"{before_mlp}_layernorm.weight")
+            yield lm + "post_ffn_norm.weight", Mapping(hf + f"{after_mlp}_layernorm.weight")
         else:
             for kind in norm_tensors:
                 yield (
@@ -164,7 +171,7 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
                 for kind in ("weight", "bias") if cfg.bias else ("weight",):
                     yield lm + f"feed_forward.{w}.{kind}", Mapping(hf + f"mlp.{proj}.{kind}")
             continue
-        if phi3:  # gate and up fused into gate_up_proj: rows [0, f) and [f, 2f)
+        if phi3 or glm4:  # gate and up fused into gate_up_proj: rows [0, f) and [f, 2f)
             f = cfg.resolved_ffn_dim()
             yield lm + "feed_forward.w1.weight", Mapping(hf + "mlp.gate_up_proj.weight", part=(0, 2 * f))
             yield lm + "feed_forward.w3.weight", Mapping(hf + "mlp.gate_up_proj.weight", part=(f, 2 * f))

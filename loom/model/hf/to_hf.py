@@ -13,6 +13,7 @@ from loom.model.hf.families import (
     GEMMA,
     GEMMA2,
     GEMMA3,
+    GLM4,
     GPT2,
     MINISTRAL,
     OLMO3,
@@ -110,6 +111,13 @@ def hf_config(
         out |= _gemma_hf_fields(cfg, family)
     if family == OLMO3:
         out |= layer_type_rope_fields(cfg, family)
+    if family == GLM4:  # q/k/v biases (attention_bias), half of each head rotated by default
+        del out["mlp_bias"]
+        out["partial_rotary_factor"] = cfg.rope_fraction
+        out["rope_parameters"] = cast(dict, out["rope_parameters"]) | {
+            "partial_rotary_factor": cfg.rope_fraction
+        }
+        out |= NO_TOKEN_IDS
     if family == STARCODER2:  # LayerNorm's epsilon, one bias switch, the GELU
         del out["rms_norm_eps"], out["attention_bias"], out["mlp_bias"]
         act = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[cfg.mlp]
