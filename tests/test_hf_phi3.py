@@ -22,7 +22,8 @@ SUPPORTED = (
     "LlamaForCausalLM, MistralForCausalLM, MinistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
     "GPT2LMHeadModel, Phi3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, GemmaForCausalLM, "
     "Gemma2ForCausalLM, "
-    "Gemma3ForCausalLM, SmolLM3ForCausalLM, Starcoder2ForCausalLM, Glm4ForCausalLM"
+    "Gemma3ForCausalLM, SmolLM3ForCausalLM, Starcoder2ForCausalLM, Glm4ForCausalLM, SeedOssForCausalLM, "
+    "HeliumForCausalLM, Ernie4_5ForCausalLM"
 )
 FIELDS = dict(
     hidden_size=64,

@@ -128,6 +128,9 @@ HFArchitecture = Literal[
     "SmolLM3ForCausalLM",
     "Starcoder2ForCausalLM",
     "Glm4ForCausalLM",
+    "SeedOssForCausalLM",
+    "HeliumForCausalLM",
+    "Ernie4_5ForCausalLM",
 ]
 
 

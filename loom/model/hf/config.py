@@ -10,6 +10,7 @@ from loom.config import ModelConfig
 from loom.model.hf.families import (
     _WRONG,
     CONFIG,
+    ERNIE45,
     GEMMA,
     GEMMA2,
     GEMMA3,
@@ -22,6 +23,7 @@ from loom.model.hf.families import (
     PHI3,
     QWEN2,
     QWEN3MOE,
+    SEED_OSS,
     SMOLLM3,
     STARCODER2,
     SUPPORTED,
@@ -205,8 +207,13 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     # alone Qwen2's q/k/v biases (o's zero); open_dir checks the zeros (zero_tensors); others: none
     llama_bias = arch == LLAMA and raw.get("attention_bias") is True
     every_bias = llama_bias and raw.get("mlp_bias") is True
-    glm_bias = arch == GLM4 and _bool("attention_bias", hf_field(raw, "attention_bias"))  # q/k/v's, not o's
-    if not qwen2 and not llama_bias and arch != GLM4:
+    # q/k/v biases without o's: GLM-4's attention_bias, Seed-OSS's (its o's attention_out_bias: none)
+    glm_bias = arch in (GLM4, SEED_OSS) and _bool("attention_bias", hf_field(raw, "attention_bias"))
+    if arch == SEED_OSS:
+        checks.append(("attention_out_bias", (False, None)))
+    if arch == ERNIE45:
+        checks.append(("use_bias", (False, None)))
+    if not qwen2 and not llama_bias and arch not in (GLM4, SEED_OSS):
         checks.append(("attention_bias", (False, None)))
     if not every_bias:
         checks.append(("mlp_bias", (False, None)))

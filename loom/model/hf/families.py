@@ -28,12 +28,18 @@ MINISTRAL: Final = "MinistralForCausalLM"  # Mistral's tensors, windowed on the 
 SMOLLM3: Final = "SmolLM3ForCausalLM"
 STARCODER2: Final = "Starcoder2ForCausalLM"
 GLM4: Final = "Glm4ForCausalLM"  # q/k pairs interleaved as Loom's: no rows reordered; sandwich norms
+SEED_OSS: Final = "SeedOssForCausalLM"  # Llama's tensors, q/k/v biases (attention_bias), none on o
+HELIUM: Final = "HeliumForCausalLM"  # Llama's tensors, q/k pairs interleaved
+ERNIE45: Final = "Ernie4_5ForCausalLM"  # Llama's tensors, q/k pairs interleaved
+INTERLEAVED = (GLM4, HELIUM, ERNIE45)  # families rotating pairs (x_2i, x_2i+1), as Loom: q/k rows kept
 LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json's layer_types Loom reads
 LLAMA_TENSORS = (
     "MistralForCausalLM",
     MINISTRAL,
     PHI3,
     SMOLLM3,
+    HELIUM,
+    ERNIE45,
 )  # Llama's tensors under other names or config fields
 
 
@@ -110,6 +116,32 @@ FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
         "partial_rotary_factor": 0.5,
         "attention_bias": True,
     },
+    SEED_OSS: _LLAMA_DEFAULTS
+    | {
+        "max_position_embeddings": 524288,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "attention_bias": True,
+        "attention_out_bias": False,
+    },
+    HELIUM: _LLAMA_DEFAULTS
+    | {
+        "rms_norm_eps": 1e-8,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 4096,
+        "num_key_value_heads": 20,
+        "head_dim": 128,
+    },
+    ERNIE45: _LLAMA_DEFAULTS
+    | {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+        "use_bias": False,
+    },
     SMOLLM3: _LLAMA_DEFAULTS
     | {
         "rope_theta": 2000000.0,
@@ -162,6 +194,9 @@ MODEL_TYPES: Final = {
     "smollm3": SMOLLM3,
     "starcoder2": STARCODER2,
     "glm4": GLM4,
+    "seed_oss": SEED_OSS,
+    "helium": HELIUM,
+    "ernie4_5": ERNIE45,
     "gpt2": GPT2,
     "gemma": GEMMA,
     "gemma2": GEMMA2,
@@ -380,7 +415,9 @@ def architecture_of(cfg: ModelConfig) -> str:
         return by_shape
     if by_shape == "MistralForCausalLM" and named == SMOLLM3:  # Llama's tensors windowed
         return named
-    if by_shape == LLAMA and named in (() if cfg.bias else (QWEN2,) if cfg.qkv_bias else LLAMA_TENSORS):
+    if by_shape == LLAMA and named in (
+        () if cfg.bias else (QWEN2, SEED_OSS) if cfg.qkv_bias else LLAMA_TENSORS
+    ):
         return named
     if by_shape == "MistralForCausalLM" and named in (PHI3, MINISTRAL):  # Llama's tensors windowed
         return named

@@ -67,7 +67,7 @@ from typing import Final
 import torch
 
 from loom.config import ModelConfig
-from loom.model.hf.families import GLM4, PHI3, architecture_of
+from loom.model.hf.families import GLM4, INTERLEAVED, PHI3, architecture_of
 
 VOCAB_TENSORS = ("tok_embeddings.weight", "output.weight")  # V rows; padded to model.pad_vocab_to in Loom
 
@@ -108,6 +108,7 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
         return
     family = architecture_of(cfg)
     phi3, glm4 = family == PHI3, family == GLM4
+    interleaved = family in INTERLEAVED  # q/k pairs (x_2i, x_2i+1) as Loom's: rows kept
     norm_tensors = ("weight", "bias") if cfg.norm == "layernorm" else ("weight",)  # StarCoder 2's LayerNorm
     rot = cfg.rope_dims if cfg.rope_dims < cfg.head_dim else 0  # the q/k rows of a head RoPE turns (0: all)
     yield "tok_embeddings.weight", Mapping("model.embed_tokens.weight")
@@ -126,7 +127,7 @@ def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[
                 yield lm + f"attention.w{x}.weight", qkv
         for x in "o" if phi3 else "qkvo":
             # GLM-4 pairs q/k dims as Loom does (interleaved): its rows are not reordered
-            heads = None if glm4 else {"q": cfg.n_heads, "k": cfg.n_kv_heads}.get(x)
+            heads = None if interleaved else {"q": cfg.n_heads, "k": cfg.n_kv_heads}.get(x)
             yield lm + f"attention.w{x}.weight", Mapping(hf + f"self_attn.{x}_proj.weight", heads, rotary=rot)
             if cfg.bias or (cfg.qkv_bias and x != "o"):
                 yield lm + f"attention.w{x}.bias", Mapping(hf + f"self_attn.{x}_proj.bias", heads, rotary=rot)

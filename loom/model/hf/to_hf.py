@@ -10,6 +10,7 @@ import torch
 
 from loom.config import ModelConfig, MoEConfig
 from loom.model.hf.families import (
+    ERNIE45,
     GEMMA,
     GEMMA2,
     GEMMA3,
@@ -19,6 +20,7 @@ from loom.model.hf.families import (
     OLMO3,
     PHI3,
     QWEN3MOE,
+    SEED_OSS,
     SMOLLM3,
     STARCODER2,
     HFError,
@@ -69,7 +71,7 @@ def hf_config(
         return _gpt2_hf_config(cfg, dtype) | (extra or {})
     out = {
         "architectures": [family],
-        "model_type": {QWEN3MOE: "qwen3_moe", GEMMA3: "gemma3_text"}.get(
+        "model_type": {QWEN3MOE: "qwen3_moe", GEMMA3: "gemma3_text", SEED_OSS: "seed_oss"}.get(
             family, family.removesuffix("ForCausalLM").lower()
         ),
         "hidden_size": cfg.dim,
@@ -118,6 +120,11 @@ def hf_config(
             "partial_rotary_factor": cfg.rope_fraction
         }
         out |= NO_TOKEN_IDS
+    if family == SEED_OSS:  # q/k/v biases; none on o
+        out |= {"attention_out_bias": False, "mlp_bias": False}
+    if family == ERNIE45:  # one bias switch (off)
+        del out["attention_bias"], out["mlp_bias"]
+        out["use_bias"] = False
     if family == STARCODER2:  # LayerNorm's epsilon, one bias switch, the GELU
         del out["rms_norm_eps"], out["attention_bias"], out["mlp_bias"]
         act = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[cfg.mlp]
