@@ -131,6 +131,7 @@ HFArchitecture = Literal[
     "SeedOssForCausalLM",
     "HeliumForCausalLM",
     "Ernie4_5ForCausalLM",
+    "GraniteForCausalLM",
 ]
 
 
@@ -204,6 +205,11 @@ class ModelConfig:
     attn_scale: float = 0.0
     attn_softcap: float = 0.0  # > 0: scores s -> c·tanh(s/c) before the softmax (Gemma 2: 50); 0 = off
     logit_softcap: float = 0.0  # > 0: logits z -> c·tanh(z/c) (Gemma 2: 30); 0 = off
+    embed_multiplier: float = 1.0  # token embeddings times this (Granite's embedding_multiplier)
+    residual_multiplier: float = (
+        1.0  # each attention and MLP output times this before its residual add (Granite)
+    )
+    logit_divisor: float = 1.0  # logits divided by this (Granite's logits_scaling), before any cap
     # > 0: on the windowed layers query i sees keys j with i - w < j <= i (Mistral, Gemma 2/3, Phi-3); 0 = all
     sliding_window: int = 0
     # the windowed layers: all, or their indices "0,2,4" (Gemma 2: every other one)

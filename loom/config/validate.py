@@ -404,6 +404,9 @@ def _check_model(m: ModelConfig) -> None:
         0 <= m.rope_local_theta < float("inf"),
         f"model.rope_local_theta: must be a finite number >= 0 (0 = rope_theta on every layer), got {m.rope_local_theta}",
     )
+    for name in ("embed_multiplier", "residual_multiplier", "logit_divisor"):
+        v = getattr(m, name)
+        _require(0 < v < float("inf"), f"model.{name}: must be a finite number > 0 (1 = none), got {v}")
     for name in ("attn_scale", "attn_softcap", "logit_softcap"):
         v = getattr(m, name)
         _require(0 <= v < float("inf"), f"model.{name}: must be a finite number >= 0 (0 = off), got {v}")

@@ -174,7 +174,15 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     pos = (
         torch.arange(cache.length, cache.length + T, device=tokens.device)[None] - cache.pad[:, None]
     ).clamp(min=0)
-    h = embed(model.tok_embeddings, model.pos_embeddings, None, tokens, pos, model.embed_scale)  # (B, T, h)
+    h = embed(
+        model.tok_embeddings,
+        model.pos_embeddings,
+        None,
+        tokens,
+        pos,
+        model.embed_scale,
+        model.embed_multiplier,
+    )  # (B, T, h)
     cos, sin = cast(torch.Tensor, model.rope_cos)[pos], cast(torch.Tensor, model.rope_sin)[pos]  # (B, T, d/2)
     attns = [cast(Attention, cast(Block, layer).attention) for layer in model.layers]
     kinds = {(a.core.window, cache.keys[i].shape[2], cache.ring(i)) for i, a in enumerate(attns)}

@@ -512,12 +512,10 @@ class Block(nn.Module):
         self.post_attention_norm = make_norm(cfg, cfg.dim) if sandwich else None
         self.post_ffn_norm = make_norm(cfg, cfg.dim) if sandwich else None
         self.dropout = cfg.dropout
+        self.residual = cfg.residual_multiplier
         self.post_norm = cfg.norm_placement == "post"
         # with two RoPE bases (Gemma 3): which of the stacked tables this layer rotates by (1: local)
         self.rope_table = int(layer in cfg.local_layers()) if cfg.rope_local_theta else None
-
-    def _drop(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(x, self.dropout, training=True) if self.dropout > 0 and self.training else x
 
     def forward(
         self,
@@ -549,6 +547,13 @@ class Block(nn.Module):
             m = self.post_ffn_norm(m)
         return x + self._drop(m)
 
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        """A branch's output into the residual: times ``model.residual_multiplier`` (Granite), and its
+        dropout while training."""
+        if self.residual != 1:
+            x = x * self.residual
+        return F.dropout(x, self.dropout, training=True) if self.dropout > 0 and self.training else x
+
 
 class VocabHead(nn.Linear):
     """The output head over a padded vocabulary (``model.pad_vocab_to``): a weight of V' >= V rows,
@@ -563,6 +568,12 @@ class VocabHead(nn.Linear):
         return F.linear(x, self.weight[: self.vocab])  # (B, T, V)
 
 
+def final_norm(norm: nn.Module, h: torch.Tensor, divisor: float = 1.0) -> torch.Tensor:
+    """norm(h), divided by the logits' ``divisor`` (``model.logit_divisor``) when it is not 1."""
+    out = norm(h)
+    return out if divisor == 1 else out / divisor
+
+
 def embed(
     tok: nn.Module,
     pos: nn.Module | None,
@@ -570,13 +581,17 @@ def embed(
     tokens: torch.Tensor,
     positions: torch.Tensor | None = None,
     scale: float | None = None,
+    multiplier: float = 1.0,
 ) -> torch.Tensor:
     """Token embeddings (B, T, h), times ``scale`` rounded to their dtype (Gemma's sqrt(h):
-    ``model.embed_scale``) when given, plus with learned positions the table's rows at each token's
-    position: ``positions`` (B, T) when given, else the first T of ``pos_ids``."""
+    ``model.embed_scale``) when given and times ``multiplier`` (``model.embed_multiplier``, Granite's,
+    unrounded), plus with learned positions the table's rows at each token's position: ``positions``
+    (B, T) when given, else the first T of ``pos_ids``."""
     h = tok(tokens)
     if scale is not None:  # the scale rounded to h's dtype as Gemma rounds it; a Python number: no device
         h = h * torch.tensor(scale, dtype=h.dtype, device="cpu").item()
+    if multiplier != 1:
+        h = h * multiplier
     if pos is None:
         return h
     return h + pos(positions if positions is not None else cast(torch.Tensor, pos_ids)[: tokens.shape[1]])
@@ -598,6 +613,7 @@ class Transformer(nn.Module):
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim) if learned else None
         self.register_buffer("pos_ids", torch.arange(cfg.max_seq_len) if learned else None, persistent=False)
         self.embed_scale = cfg.dim**0.5 if cfg.embed_scale else None  # embeddings times sqrt(h) (Gemma)
+        self.embed_multiplier = cfg.embed_multiplier  # and times this (Granite)
         self.layers = nn.ModuleList(Block(cfg, moe, i) for i in range(cfg.n_layers))
         for i, block in enumerate(self.layers):  # MoE metrics name their layer
             if isinstance(block.feed_forward, MoEFeedForward):
@@ -636,6 +652,7 @@ class Transformer(nn.Module):
             tokens,
             positions,
             self.embed_scale,
+            self.embed_multiplier,
         )  # (B, T, h)
         cos, sin = cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin)
         # the document mask (or flex's causal one): once per micro-batch, outside the compiled blocks
@@ -643,13 +660,19 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, *args)
         if self.head_in_loss and torch.is_grad_enabled():
-            return self.norm(h)  # (B, T, h): the loss applies the head chunk by chunk (fused_head_loss)
+            return self.head_input(h)  # (B, T, h): the loss applies the head chunk by chunk (fused_head_loss)
         return self.logits(h)  # (B, T, V)
 
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """The output projection's input: the final norm of h, divided by ``model.logit_divisor``
+        (Granite's logits_scaling: W (h/s) = (W h)/s, so every head, fused loss and stage takes it)."""
+        return final_norm(self.norm, h, self.cfg.logit_divisor)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The head on the last block's output h (B, T, h): the final norm, the output projection, then
-        ``model.logit_softcap``'s cap (:func:`~loom.model.softcap.softcap`) -> logits (B, T, V)."""
-        return cap_logits(self.output(self.norm(h)), self.cfg.logit_softcap)
+        """The head on the last block's output h (B, T, h): the final norm (:meth:`head_input`), the
+        output projection, then ``model.logit_softcap``'s cap (:func:`~loom.model.softcap.softcap`) ->
+        logits (B, T, V)."""
+        return cap_logits(self.output(self.head_input(h)), self.cfg.logit_softcap)
 
 
 def layer_args(

@@ -16,6 +16,7 @@ from loom.model.hf.families import (
     GEMMA3,
     GLM4,
     GPT2,
+    GRANITE,
     LLAMA,
     MISSING,
     OLMO3,
@@ -196,11 +197,15 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
             "divisor of it (each key/value head serves the same number of query heads)"
         )
     qwen2, qwen3 = arch == QWEN2, arch in ("Qwen3ForCausalLM", QWEN3MOE)
-    gemma = _gemma_fields(raw, arch, head_dim) | _starcoder2_fields(raw, arch)
+    gemma = (
+        _gemma_fields(raw, arch, head_dim)
+        | _starcoder2_fields(raw, arch)
+        | _granite_fields(raw, arch, head_dim)
+    )
     if arch == GLM4:  # a norm before and after attention and MLP (its post_self_attn, post_mlp)
         gemma["norm_placement"] = "sandwich"
     checks: list[tuple[str, tuple[object, ...]]] = [("router_jitter_noise", (0.0, 0, None))]
-    if not gemma:  # transformers: swish is SiLU; every family's default
+    if arch not in (GEMMA, GEMMA2, GEMMA3, STARCODER2):  # theirs checked above; swish is SiLU, the default
         checks.append(("hidden_act", ("silu", "swish", None)))
     # Qwen2 always has q/k/v biases (and no o bias); Llama's attention_bias adds q/k/v and o biases:
     # with mlp_bias (gate, up, down) too, Loom's model.bias (every linear but the head; up's zero),
@@ -262,6 +267,28 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         nope_layers=",".join(map(str, nope_layers(raw))) if arch == SMOLLM3 else "",
         **gemma,
     )
+
+
+def _granite_fields(raw: dict, arch: str, head_dim: int) -> dict:
+    """Granite's scales: ``embedding_multiplier``, ``residual_multiplier``, ``logits_scaling`` (a divisor)
+    and ``attention_multiplier`` (the scores' scale, not 1/sqrt(d): ``model.attn_scale``, 0 when it is
+    1/sqrt(d)); {} for other families."""
+    if arch != GRANITE:
+        return {}
+    out = {}
+    for field, loom in (
+        ("embedding_multiplier", "embed_multiplier"),
+        ("residual_multiplier", "residual_multiplier"),
+        ("logits_scaling", "logit_divisor"),
+        ("attention_multiplier", "attn_scale"),
+    ):
+        v = _float(field, hf_field(raw, field))
+        if not 0 < v < float("inf"):
+            raise HFError(f"{CONFIG}: {field} = {v} is out of range: want a finite number > 0")
+        out[loom] = v
+    if abs(out["attn_scale"] - head_dim**-0.5) <= 1e-12 * out["attn_scale"]:
+        out["attn_scale"] = 0.0  # Loom's own 1/sqrt(d)
+    return out
 
 
 def _starcoder2_fields(raw: dict, arch: str) -> dict:

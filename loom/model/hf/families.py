@@ -31,6 +31,7 @@ GLM4: Final = "Glm4ForCausalLM"  # q/k pairs interleaved as Loom's: no rows reor
 SEED_OSS: Final = "SeedOssForCausalLM"  # Llama's tensors, q/k/v biases (attention_bias), none on o
 HELIUM: Final = "HeliumForCausalLM"  # Llama's tensors, q/k pairs interleaved
 ERNIE45: Final = "Ernie4_5ForCausalLM"  # Llama's tensors, q/k pairs interleaved
+GRANITE: Final = "GraniteForCausalLM"  # Llama's tensors; embedding, residual, attention and logit scales
 INTERLEAVED = (GLM4, HELIUM, ERNIE45)  # families rotating pairs (x_2i, x_2i+1), as Loom: q/k rows kept
 LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json's layer_types Loom reads
 LLAMA_TENSORS = (
@@ -116,6 +117,13 @@ FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
         "partial_rotary_factor": 0.5,
         "attention_bias": True,
     },
+    GRANITE: _LLAMA_DEFAULTS
+    | {
+        "embedding_multiplier": 1.0,
+        "residual_multiplier": 1.0,
+        "logits_scaling": 1.0,
+        "attention_multiplier": 1.0,
+    },
     SEED_OSS: _LLAMA_DEFAULTS
     | {
         "max_position_embeddings": 524288,
@@ -194,6 +202,7 @@ MODEL_TYPES: Final = {
     "smollm3": SMOLLM3,
     "starcoder2": STARCODER2,
     "glm4": GLM4,
+    "granite": GRANITE,
     "seed_oss": SEED_OSS,
     "helium": HELIUM,
     "ernie4_5": ERNIE45,
@@ -545,6 +554,32 @@ def _glm4_family(cfg: ModelConfig) -> str | None:
     return GLM4
 
 
+def _granite_family(cfg: ModelConfig) -> str | None:
+    """Granite's scales (``embed_multiplier``, ``residual_multiplier``, ``logit_divisor``, or an
+    ``attn_scale`` without Gemma's other fields) on Llama's block make a Granite; None: none of them.
+    What Granite lacks beside them is refused naming it."""
+    scales = cfg.embed_multiplier != 1 or cfg.residual_multiplier != 1 or cfg.logit_divisor != 1
+    gemma = cfg.norm_offset or cfg.embed_scale or cfg.mlp != "swiglu" or cfg.norm_placement != "pre"
+    if not scales and not (
+        cfg.attn_scale > 0 and not gemma and not cfg.attn_softcap and not cfg.logit_softcap
+    ):
+        return None
+    unmet = {
+        "a Llama block (rmsnorm, SwiGLU, pre norms, no Gemma fields)": gemma or cfg.norm != "rmsnorm",
+        "no biases": cfg.bias or cfg.qkv_bias,
+        "no q/k norms": cfg.qk_norm,
+        "no experts": cfg.moe,
+        "no soft-caps": cfg.attn_softcap > 0 or cfg.logit_softcap > 0,
+        "no window": cfg.sliding_window > 0,
+    }
+    if any(unmet.values()):
+        raise HFError(
+            f"model: embed_multiplier, residual_multiplier, logit_divisor and attn_scale make a {GRANITE} among "
+            f"the supported Hugging Face families, which also needs {', '.join(k for k, v in unmet.items() if v)}"
+        )
+    return GRANITE
+
+
 def _olmo_family(cfg: ModelConfig) -> str | None:
     """OLMo's block (norms after attention and MLP, q/k norms over all heads) makes an OLMo 2, with a
     sliding window or a second RoPE table for its sliding layers an OLMo 3; None: not OLMo's block.
@@ -574,6 +609,8 @@ def _family_by_shape(cfg: ModelConfig) -> str:
         return starcoder
     if (glm := _glm4_family(cfg)) is not None:
         return glm
+    if (granite := _granite_family(cfg)) is not None:
+        return granite
     if _is_gpt2(cfg):
         return GPT2
     if (olmo := _olmo_family(cfg)) is not None:

@@ -16,6 +16,7 @@ from loom.model.hf.families import (
     GEMMA3,
     GLM4,
     GPT2,
+    GRANITE,
     MINISTRAL,
     OLMO3,
     PHI3,
@@ -120,6 +121,13 @@ def hf_config(
             "partial_rotary_factor": cfg.rope_fraction
         }
         out |= NO_TOKEN_IDS
+    if family == GRANITE:  # its four scales
+        out |= {
+            "embedding_multiplier": cfg.embed_multiplier,
+            "residual_multiplier": cfg.residual_multiplier,
+            "logits_scaling": cfg.logit_divisor,
+            "attention_multiplier": cfg.attn_scale or cfg.head_dim**-0.5,
+        }
     if family == SEED_OSS:  # q/k/v biases; none on o
         out |= {"attention_out_bias": False, "mlp_bias": False}
     if family == ERNIE45:  # one bias switch (off)

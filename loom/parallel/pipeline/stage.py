@@ -48,7 +48,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from loom import comm
 from loom.comm import Group
-from loom.model.llama import Transformer, embed, layer_args
+from loom.model.llama import Transformer, embed, final_norm, layer_args
 from loom.model.softcap import softcap
 from loom.parallel.state import gather_module_state
 
@@ -79,12 +79,16 @@ class StageModule(nn.Module):
             self.tok_embeddings = model.tok_embeddings
             self.pos_embeddings = model.pos_embeddings  # learned positions (None with RoPE)
             self.embed_scale = model.embed_scale  # Gemma's sqrt(h), or None
+            self.embed_multiplier = model.embed_multiplier  # Granite's
             self.register_buffer("pos_ids", cast(torch.Tensor | None, model.pos_ids), persistent=False)
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(lo, hi)})
         if self.is_last:
             self.norm = model.norm
             self.output = model.output
             self.logit_softcap = model.cfg.logit_softcap  # the head's cap, as Transformer.logits
+            self.logit_divisor = (
+                model.cfg.logit_divisor
+            )  # the head's input divided by it, as Transformer.head_input
         self.register_buffer("rope_cos", cast(torch.Tensor, model.rope_cos), persistent=False)  # buffers
         self.register_buffer("rope_sin", cast(torch.Tensor, model.rope_sin), persistent=False)
 
@@ -96,6 +100,7 @@ class StageModule(nn.Module):
             tokens,
             positions,
             self.embed_scale,
+            self.embed_multiplier,
         )  # (B, T, h)
 
     def body(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,7 +116,9 @@ class StageModule(nn.Module):
         )
         for layer in self.layers.values():
             h = layer(h, *args)
-        return softcap(self.output(self.norm(h)), self.logit_softcap) if self.is_last else h
+        if not self.is_last:
+            return h
+        return softcap(self.output(final_norm(self.norm, h, self.logit_divisor)), self.logit_softcap)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.body(self.embed(x, positions) if self.is_first else x, positions)
