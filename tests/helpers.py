@@ -70,14 +70,16 @@ def saved_random(ref, path) -> None:
 
 
 def imported_with_their_logits(hf, ref) -> tuple:
-    """Loom's model of the opened Hugging Face directory ``hf``, loaded from it, with tokens x (2, 32)
-    and its logits, which equal ``ref``'s (the ``transformers`` model saved there): (model, x, logits)."""
+    """Loom's model of the opened Hugging Face directory ``hf`` (with the routing it fixes,
+    :func:`~loom.model.hf.moe_options`), loaded from it, with tokens x (2, 32) and its logits, which
+    equal ``ref``'s (the ``transformers`` model saved there): (model, x, logits)."""
     from torch.testing import assert_close
 
-    from loom.model.hf import load_into
+    from loom.config import MoEConfig
+    from loom.model.hf import load_into, moe_options
     from loom.model.llama import Transformer
 
-    model = Transformer(hf.config).eval()
+    model = Transformer(hf.config, MoEConfig(**moe_options(hf))).eval()
     load_into(model, hf)
     x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -115,7 +117,10 @@ def assert_export_round_trips(model, x: torch.Tensor, dst, family: type) -> None
     dst.mkdir()
     state = ((k, v.detach()) for k, v in model.state_dict().items())
     save_file(dict(hf_tensors(model.cfg, state)), str(dst / "model.safetensors"))
-    (dst / "config.json").write_text(json.dumps(hf_config(model.cfg)))
+    moe = next(
+        (layer.feed_forward.options for layer in model.layers if hasattr(layer.feed_forward, "options")), None
+    )
+    (dst / "config.json").write_text(json.dumps(hf_config(model.cfg, moe=moe)))
     back = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
     assert type(back) is family
     with torch.no_grad():

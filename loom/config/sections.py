@@ -132,6 +132,7 @@ HFArchitecture = Literal[
     "HeliumForCausalLM",
     "Ernie4_5ForCausalLM",
     "GraniteForCausalLM",
+    "OlmoeForCausalLM",
 ]
 
 

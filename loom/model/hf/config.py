@@ -20,6 +20,7 @@ from loom.model.hf.families import (
     LLAMA,
     MISSING,
     OLMO3,
+    OLMOE,
     OLMOS,
     PHI3,
     QWEN2,
@@ -216,6 +217,8 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     glm_bias = arch in (GLM4, SEED_OSS) and _bool("attention_bias", hf_field(raw, "attention_bias"))
     if arch == SEED_OSS:
         checks.append(("attention_out_bias", (False, None)))
+    if arch == OLMOE:  # OLMoE's clamp of q, k and v: none
+        checks.append(("clip_qkv", (None,)))
     if arch == ERNIE45:
         checks.append(("use_bias", (False, None)))
     if not qwen2 and not llama_bias and arch not in (GLM4, SEED_OSS):
@@ -227,6 +230,11 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
             raise HFError(f"{CONFIG}: {field} = {raw.get(field)!r} is not supported (Loom: {allowed[0]!r})")
     if arch == QWEN3MOE:  # no dense MLP: intermediate_size may be left out
         n_experts, ffn = _qwen3_moe_experts(raw)
+    elif arch == OLMOE:  # every layer sparse: num_experts of width intermediate_size
+        n_experts, ffn = (
+            _int("num_experts", hf_field(raw, "num_experts"), low=2),
+            _int("intermediate_size", raw["intermediate_size"]),
+        )
     else:
         n_experts = _int("num_local_experts", hf_field(raw, "num_local_experts"))
         ffn = _int("intermediate_size", raw["intermediate_size"])
@@ -254,8 +262,8 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         tie_embeddings=_bool("tie_word_embeddings", hf_field(raw, "tie_word_embeddings")),
         qkv_bias=qwen2 or glm_bias or (llama_bias and not every_bias),
         bias=gemma.pop("bias", every_bias),
-        qk_norm=gemma.pop("qk_norm", qwen3 or arch in OLMOS),
-        qk_norm_scope="all" if arch in OLMOS else "head",
+        qk_norm=gemma.pop("qk_norm", qwen3 or arch in (*OLMOS, OLMOE)),
+        qk_norm_scope="all" if arch in (*OLMOS, OLMOE) else "head",
         norm_placement=gemma.pop("norm_placement", "post" if arch in OLMOS else "pre"),
         attn_head_dim=head_dim if head_dim * heads != dim else 0,  # 0: Loom's h / a
         ffn_dim=ffn,

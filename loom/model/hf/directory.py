@@ -20,6 +20,7 @@ from loom.model.hf.families import (
     _WRONG,
     CONFIG,
     INDEX,
+    OLMOE,
     QWEN3MOE,
     HFError,
     _bool,
@@ -61,7 +62,7 @@ def moe_options(model: HFModel) -> dict[str, object]:
     false) as ``moe.norm_topk``; Mixtral always renormalizes (Loom's default)."""
     return (
         {"norm_topk": _bool("norm_topk_prob", hf_field(model.raw, "norm_topk_prob"))}
-        if model.architecture == QWEN3MOE
+        if model.architecture in (QWEN3MOE, OLMOE)
         else {}
     )
 

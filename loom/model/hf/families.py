@@ -17,6 +17,7 @@ PHI3: Final = "Phi3ForCausalLM"
 QWEN3MOE: Final = "Qwen3MoeForCausalLM"
 OLMO2: Final = "Olmo2ForCausalLM"
 OLMO3: Final = "Olmo3ForCausalLM"
+OLMOE: Final = "OlmoeForCausalLM"  # Llama's block, q/k norms over all heads, Qwen3-MoE's expert names
 OLMOS = (OLMO2, OLMO3)  # norms after attention and MLP, q/k norms over all heads; OLMo 3: windows too
 LLAMA: Final = "LlamaForCausalLM"
 QWEN2: Final = "Qwen2ForCausalLM"
@@ -117,6 +118,15 @@ FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
         "partial_rotary_factor": 0.5,
         "attention_bias": True,
     },
+    OLMOE: _LLAMA_DEFAULTS
+    | {
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "clip_qkv": None,
+    },
     GRANITE: _LLAMA_DEFAULTS
     | {
         "embedding_multiplier": 1.0,
@@ -203,6 +213,7 @@ MODEL_TYPES: Final = {
     "starcoder2": STARCODER2,
     "glm4": GLM4,
     "granite": GRANITE,
+    "olmoe": OLMOE,
     "seed_oss": SEED_OSS,
     "helium": HELIUM,
     "ernie4_5": ERNIE45,
@@ -383,7 +394,7 @@ def moe_export_problem(moe: MoEConfig, family: str = "MixtralForCausalLM") -> st
     its ``norm_topk_prob``), or None."""
     if moe.score != "softmax":
         return f"moe.score = {moe.score!r}: {family} routes by a softmax over the experts"
-    if not moe.norm_topk and family != QWEN3MOE:
+    if not moe.norm_topk and family not in (QWEN3MOE, OLMOE):
         return f"moe.norm_topk = false: {family} renormalizes the top-k routing weights"
     if moe.n_shared_experts:
         return f"moe.n_shared_experts = {moe.n_shared_experts}: {family} has no shared experts"
@@ -587,6 +598,12 @@ def _olmo_family(cfg: ModelConfig) -> str | None:
     olmo = (cfg.norm_placement == "post", cfg.qk_norm and cfg.qk_norm_scope == "all")
     if not any(olmo):
         return None
+    if cfg.moe and cfg.norm_placement == "pre" and olmo[1]:  # OLMoE: Llama's block, OLMo's q/k norms
+        if cfg.qkv_bias or cfg.bias or cfg.mlp != "swiglu" or cfg.sliding_window or cfg.norm_offset:
+            raise HFError(
+                f"model: {OLMOE} (experts, q/k norms over all heads) has no biases, window or Gemma fields"
+            )
+        return OLMOE
     other = {
         "q/k/v biases": cfg.qkv_bias or cfg.bias,
         "experts": cfg.moe,

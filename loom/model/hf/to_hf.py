@@ -19,6 +19,7 @@ from loom.model.hf.families import (
     GRANITE,
     MINISTRAL,
     OLMO3,
+    OLMOE,
     PHI3,
     QWEN3MOE,
     SEED_OSS,
@@ -152,6 +153,14 @@ def hf_config(
             "mlp_only_layers": [],
             "use_sliding_window": False,
             "sliding_window": None,
+            "output_router_logits": False,
+        }
+    elif family == OLMOE:  # every layer sparse, of width intermediate_size
+        out |= {
+            "num_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.top_k,
+            "norm_topk_prob": (moe or MoEConfig()).norm_topk,
+            "clip_qkv": None,
             "output_router_logits": False,
         }
     elif cfg.moe:
