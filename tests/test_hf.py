@@ -161,7 +161,8 @@ def test_rope_row_order_round_trips():
         (
             "llama",
             {"architectures": ["GPTNeoXForCausalLM"]},
-            r"architectures = 'GPTNeoXForCausalLM' is not supported; supported: Llama",
+            r"architectures = 'GPTNeoXForCausalLM' is not supported \(Loom's model lacks attention and MLP in "
+            r"parallel\); supported: Llama",
         ),
         ("llama", {"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported"),
         ("mistral", {"attention_bias": True}, r"attention_bias = True is not supported"),

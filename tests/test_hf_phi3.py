@@ -190,12 +190,13 @@ def test_peft_adapters_on_the_fused_tensors_load_with_equal_logits(tmp_path, tar
         ),
         (
             {"architectures": ["Gemma3ForConditionalGeneration"]},
-            "config.json: architectures = 'Gemma3ForConditionalGeneration' is not supported; supported: "
-            + SUPPORTED,
+            "config.json: architectures = 'Gemma3ForConditionalGeneration' is not supported (Loom's model "
+            "lacks a vision encoder); supported: " + SUPPORTED,
         ),
         (
             {"architectures": ["GPTNeoXForCausalLM"]},
-            "config.json: architectures = 'GPTNeoXForCausalLM' is not supported; supported: " + SUPPORTED,
+            "config.json: architectures = 'GPTNeoXForCausalLM' is not supported (Loom's model lacks attention "
+            "and MLP in parallel); supported: " + SUPPORTED,
         ),
     ],
     ids=["linear rope", "gemma3 with vision", "unknown"],

@@ -45,7 +45,29 @@ LLAMA_TENSORS = (
 )  # Llama's tensors under other names or config fields
 
 
-MISSING: dict[str, str] = {}  # families users ask for, and what Loom's model lacks to run them
+# families users ask for, and what Loom's model lacks to run them (named in the refusal)
+MISSING: dict[str, str] = {
+    "GptOssForCausalLM": "attention sinks and biased, clamped SwiGLU experts",
+    "DeepseekV3ForCausalLM": "multi-head latent attention",
+    "DeepseekV2ForCausalLM": "multi-head latent attention",
+    "Qwen2MoeForCausalLM": "a gated shared expert",
+    "Qwen3NextForCausalLM": "linear-attention layers",
+    "Llama4ForCausalLM": "chunked attention and a shared expert",
+    "Llama4ForConditionalGeneration": "a vision encoder",
+    "Gemma3ForConditionalGeneration": "a vision encoder",
+    "Mistral3ForConditionalGeneration": "a vision encoder",
+    "CohereForCausalLM": "attention and MLP in parallel",
+    "Cohere2ForCausalLM": "attention and MLP in parallel",
+    "PhiForCausalLM": "attention and MLP in parallel",
+    "GPTNeoXForCausalLM": "attention and MLP in parallel",
+    "FalconForCausalLM": "attention and MLP in parallel",
+    "Exaone4ForCausalLM": "its family mapping (norms after attention and MLP with per-head q/k norms)",
+    "MambaForCausalLM": "state-space layers",
+    "Mamba2ForCausalLM": "state-space layers",
+    "FalconH1ForCausalLM": "state-space layers",
+    "Lfm2ForCausalLM": "convolution layers",
+    "GraniteMoeHybridForCausalLM": "state-space layers",
+}
 # transformers' own defaults (its config classes') for the config.json fields Loom reads, by family: a
 # field a config.json leaves out means these there, not one family's values for all
 # (tests/test_hf_families.py compares them with the installed transformers)
