@@ -61,4 +61,5 @@ def test_olmo_blocks_with_what_no_olmo_holds_are_refused_at_export():
     with pytest.raises(HFError, match=r"this model has Gemma's fields, a logit cap\); no other"):
         architecture_of(replace(olmo, attn_softcap=5.0, logit_softcap=3.0))
     with pytest.raises(HFError, match=r"this model has part of it\)"):
-        architecture_of(replace(olmo, qk_norm_scope="head"))
+        architecture_of(replace(olmo, qk_norm=False))
+    assert architecture_of(replace(olmo, qk_norm_scope="head")) == "Exaone4ForCausalLM"  # per-head norms

@@ -23,7 +23,7 @@ SUPPORTED = (
     "GPT2LMHeadModel, Phi3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, GemmaForCausalLM, "
     "Gemma2ForCausalLM, "
     "Gemma3ForCausalLM, SmolLM3ForCausalLM, Starcoder2ForCausalLM, Glm4ForCausalLM, SeedOssForCausalLM, "
-    "HeliumForCausalLM, Ernie4_5ForCausalLM, GraniteForCausalLM, OlmoeForCausalLM"
+    "HeliumForCausalLM, Ernie4_5ForCausalLM, GraniteForCausalLM, OlmoeForCausalLM, Exaone4ForCausalLM"
 )
 FIELDS = dict(
     hidden_size=64,

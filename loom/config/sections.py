@@ -133,6 +133,7 @@ HFArchitecture = Literal[
     "Ernie4_5ForCausalLM",
     "GraniteForCausalLM",
     "OlmoeForCausalLM",
+    "Exaone4ForCausalLM",
 ]
 
 

@@ -11,6 +11,7 @@ from loom.model.hf.families import (
     _WRONG,
     CONFIG,
     ERNIE45,
+    EXAONE4,
     GEMMA,
     GEMMA2,
     GEMMA3,
@@ -262,9 +263,9 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         tie_embeddings=_bool("tie_word_embeddings", hf_field(raw, "tie_word_embeddings")),
         qkv_bias=qwen2 or glm_bias or (llama_bias and not every_bias),
         bias=gemma.pop("bias", every_bias),
-        qk_norm=gemma.pop("qk_norm", qwen3 or arch in (*OLMOS, OLMOE)),
+        qk_norm=gemma.pop("qk_norm", qwen3 or arch in (*OLMOS, OLMOE, EXAONE4)),
         qk_norm_scope="all" if arch in (*OLMOS, OLMOE) else "head",
-        norm_placement=gemma.pop("norm_placement", "post" if arch in OLMOS else "pre"),
+        norm_placement=gemma.pop("norm_placement", "post" if arch in (*OLMOS, EXAONE4) else "pre"),
         attn_head_dim=head_dim if head_dim * heads != dim else 0,  # 0: Loom's h / a
         ffn_dim=ffn,
         n_experts=n_experts,
@@ -272,9 +273,21 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
         hf_architecture=arch,  # type: ignore[arg-type]  # one of SUPPORTED, checked above
         sliding_window=window[0] if window else 0,
         window_layers=layers,
-        nope_layers=",".join(map(str, nope_layers(raw))) if arch == SMOLLM3 else "",
+        nope_layers=_nope(raw, arch, layers),
         **gemma,
     )
+
+
+def _nope(raw: dict, arch: str, local: str) -> str:
+    """``model.nope_layers``: SmolLM3's ``no_rope_layers`` zeros; EXAONE 4's layers without a window
+    when it has one (``local``: the windowed layers, ``all`` or indices); "" for other families."""
+    if arch == SMOLLM3:
+        return ",".join(map(str, nope_layers(raw)))
+    if arch != EXAONE4 or hf_field(raw, "sliding_window") is None or local == "all":
+        return ""
+    windowed = {int(i) for i in local.split(",") if i}
+    n = _int("num_hidden_layers", raw["num_hidden_layers"])
+    return ",".join(str(i) for i in range(n) if i not in windowed)
 
 
 def _granite_fields(raw: dict, arch: str, head_dim: int) -> dict:

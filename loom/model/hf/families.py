@@ -18,6 +18,9 @@ QWEN3MOE: Final = "Qwen3MoeForCausalLM"
 OLMO2: Final = "Olmo2ForCausalLM"
 OLMO3: Final = "Olmo3ForCausalLM"
 OLMOE: Final = "OlmoeForCausalLM"  # Llama's block, q/k norms over all heads, Qwen3-MoE's expert names
+# EXAONE 4: OLMo 2's norms after attention and MLP with per-head q/k norms; windows on 3 layers of 4, the
+# others without RoPE
+EXAONE4: Final = "Exaone4ForCausalLM"
 OLMOS = (OLMO2, OLMO3)  # norms after attention and MLP, q/k norms over all heads; OLMo 3: windows too
 LLAMA: Final = "LlamaForCausalLM"
 QWEN2: Final = "Qwen2ForCausalLM"
@@ -61,7 +64,6 @@ MISSING: dict[str, str] = {
     "PhiForCausalLM": "attention and MLP in parallel",
     "GPTNeoXForCausalLM": "attention and MLP in parallel",
     "FalconForCausalLM": "attention and MLP in parallel",
-    "Exaone4ForCausalLM": "its family mapping (norms after attention and MLP with per-head q/k norms)",
     "MambaForCausalLM": "state-space layers",
     "Mamba2ForCausalLM": "state-space layers",
     "FalconH1ForCausalLM": "state-space layers",
@@ -139,6 +141,13 @@ FAMILY_DEFAULTS: Final[dict[str, dict[str, object]]] = {
         "head_dim": 128,
         "partial_rotary_factor": 0.5,
         "attention_bias": True,
+    },
+    EXAONE4: _LLAMA_DEFAULTS
+    | {
+        "rms_norm_eps": 1e-5,
+        "num_key_value_heads": 32,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 4,
     },
     OLMOE: _LLAMA_DEFAULTS
     | {
@@ -236,6 +245,7 @@ MODEL_TYPES: Final = {
     "glm4": GLM4,
     "granite": GRANITE,
     "olmoe": OLMOE,
+    "exaone4": EXAONE4,
     "seed_oss": SEED_OSS,
     "helium": HELIUM,
     "ernie4_5": ERNIE45,
@@ -298,6 +308,9 @@ def sliding_window(raw: dict, arch: str) -> tuple[int, str] | None:
     elif types is None and arch == GEMMA3:  # every sliding_window_pattern-th layer full
         pattern = _int("sliding_window_pattern", hf_field(raw, "sliding_window_pattern"))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    elif types is None and arch == EXAONE4:  # every sliding_window_pattern-th layer full
+        every = _int("sliding_window_pattern", hf_field(raw, "sliding_window_pattern"))
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
     elif types is None and arch == OLMO3:  # every fourth layer full
         types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
     elif types is None and arch == SMOLLM3:  # its NoPE layers
@@ -307,7 +320,7 @@ def sliding_window(raw: dict, arch: str) -> tuple[int, str] | None:
         first = _int("max_window_layers", hf_field(raw, "max_window_layers"), low=0)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
     elif (
-        arch not in (GEMMA2, GEMMA3, MISTRAL, MINISTRAL, OLMO3, SMOLLM3)
+        arch not in (GEMMA2, GEMMA3, MISTRAL, MINISTRAL, OLMO3, SMOLLM3, EXAONE4)
         and "max_window_layers" not in FAMILY_DEFAULTS[arch]
     ):
         types = None  # Mixtral, Phi-3, Qwen3-MoE: every layer, whatever layer_types says
@@ -445,14 +458,18 @@ def architecture_of(cfg: ModelConfig) -> str:
             f"(Llama's tensors) and {GLM4} (sandwich norms) rotate part of a head (this model's tensors are "
             f"{by_shape}'s)"
         )
-    if cfg.nope_layer_set():  # only SmolLM3 has layers without RoPE
+    if cfg.nope_layer_set():  # only SmolLM3 and EXAONE 4 have layers without RoPE
         plain = by_shape in (LLAMA, "MistralForCausalLM") and not (cfg.bias or cfg.qkv_bias)
         if named in ("auto", SMOLLM3) and plain:
             return SMOLLM3
+        if by_shape == EXAONE4 and named in ("auto", EXAONE4):
+            return _exaone4_nope(cfg)
         raise HFError(
             f"model.nope_layers: among the supported Hugging Face families only {SMOLLM3} has layers "
             f"without RoPE, and it holds Llama's tensors without biases (this model's are {by_shape}'s)"
         )
+    if by_shape == EXAONE4 and named in ("auto", EXAONE4):
+        return _exaone4_nope(cfg)
     if named == "auto" or named == by_shape:
         return by_shape
     if by_shape == "MistralForCausalLM" and named == SMOLLM3:  # Llama's tensors windowed
@@ -613,6 +630,18 @@ def _granite_family(cfg: ModelConfig) -> str | None:
     return GRANITE
 
 
+def _exaone4_nope(cfg: ModelConfig) -> str:
+    """EXAONE 4, whose layers without RoPE are exactly those ``window_layers`` leaves out (its
+    full-attention ones; with no window, none)."""
+    full = frozenset(range(cfg.n_layers)) - cfg.local_layers() if cfg.nope_layer_set() else frozenset()
+    if cfg.nope_layer_set() != full or (cfg.sliding_window and not full):
+        raise HFError(
+            f"model.nope_layers: {EXAONE4} turns no RoPE on exactly its layers without a window (here "
+            f"{','.join(map(str, sorted(full))) or 'none'}), got {cfg.nope_layers!r}"
+        )
+    return EXAONE4
+
+
 def _olmo_family(cfg: ModelConfig) -> str | None:
     """OLMo's block (norms after attention and MLP, q/k norms over all heads) makes an OLMo 2, with a
     sliding window or a second RoPE table for its sliding layers an OLMo 3; None: not OLMo's block.
@@ -620,6 +649,19 @@ def _olmo_family(cfg: ModelConfig) -> str | None:
     olmo = (cfg.norm_placement == "post", cfg.qk_norm and cfg.qk_norm_scope == "all")
     if not any(olmo):
         return None
+    if olmo[0] and cfg.qk_norm and cfg.qk_norm_scope == "head" and not cfg.moe:  # EXAONE 4's per-head norms
+        if (
+            cfg.qkv_bias
+            or cfg.bias
+            or cfg.mlp != "swiglu"
+            or cfg.norm_offset
+            or cfg.attn_softcap
+            or cfg.logit_softcap
+        ):
+            raise HFError(
+                f"model: {EXAONE4} (norms after attention and MLP, per-head q/k norms) has no biases or Gemma fields"
+            )
+        return EXAONE4
     if cfg.moe and cfg.norm_placement == "pre" and olmo[1]:  # OLMoE: Llama's block, OLMo's q/k norms
         if cfg.qkv_bias or cfg.bias or cfg.mlp != "swiglu" or cfg.sliding_window or cfg.norm_offset:
             raise HFError(

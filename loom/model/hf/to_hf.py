@@ -11,6 +11,7 @@ import torch
 from loom.config import ModelConfig, MoEConfig
 from loom.model.hf.families import (
     ERNIE45,
+    EXAONE4,
     GEMMA,
     GEMMA2,
     GEMMA3,
@@ -248,6 +249,7 @@ WINDOW_PER_LAYER = (
     OLMO3,
     SMOLLM3,
     MINISTRAL,
+    EXAONE4,
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
@@ -266,10 +268,17 @@ def window_fields(cfg: ModelConfig, family: str) -> dict:
         {"use_sliding_window": bool(windowed)} if qwen or family == SMOLLM3 else {}
     )  # their window's switch
     if not windowed:
-        if family in (GEMMA2, GEMMA3, OLMO3):  # Gemma 3's, OLMo 3's local layers (their RoPE) stay sliding
-            local = cfg.local_layers() if family in (GEMMA3, OLMO3) and cfg.rope_local_theta else frozenset()
+        if family in (GEMMA2, GEMMA3, OLMO3) or (family == EXAONE4 and cfg.nope_layer_set()):
+            # Gemma 3's, OLMo 3's local layers (their RoPE) stay sliding, EXAONE 4's (the others: NoPE)
+            local = (
+                cfg.local_layers()
+                if (family in (GEMMA3, OLMO3) and cfg.rope_local_theta) or family == EXAONE4
+                else frozenset()
+            )
             types = ["sliding_attention" if i in local else "full_attention" for i in range(cfg.n_layers)]
             return {"sliding_window": cfg.max_seq_len, "layer_types": types}
+        if family == EXAONE4:  # no window, RoPE on every layer (its default: windows, NoPE between)
+            return {"sliding_window": None, "layer_types": ["full_attention"] * cfg.n_layers}
         if family in WINDOW_ALL or switch:
             return {"sliding_window": None} | switch
         return {}
