@@ -65,7 +65,7 @@ run)
     rc=${PIPESTATUS[0]}
     set -e
     left=$((budget - (SECONDS - start)))
-    selected="${LEASE_PYTEST-cuda_equals_fp64 or fused_kernels or flash_backend or bf16_is_faster}"
+    selected="${LEASE_PYTEST-cuda_equals_fp64 or fused_kernels or flash_backend or bf16_is_faster or compile_whole_on_cuda}"
     if [ -n "$selected" ] && [ "$left" -gt 30 ]; then
         echo "== gpu tests (-k '$selected'), ${left}s left" | tee -a "$out/lease.log"
         prc=0
