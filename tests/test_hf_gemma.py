@@ -510,3 +510,46 @@ def test_a_ministral_imports_with_its_window_and_exports_as_ministral(tmp_path, 
     assert hf.config.window_layers == ("all" if layer_types is None else "0")
     model, x, _ = imported_with_their_logits(hf, ref)
     assert_export_round_trips(model, x, tmp_path / "out", transformers.MinistralForCausalLM)
+
+
+def test_gemma3s_multimodal_checkpoint_imports_its_text_model(tmp_path):
+    """``Gemma3ForConditionalGeneration`` (Gemma 3 4B and up): Loom reads ``text_config`` and the
+    ``language_model.`` tensors (linear RoPE scaling on the full layers, as the 4B+ configs have), the
+    vision tower left out without a warning; logits equal the multimodal model's on text alone, and the
+    export is the text model, a ``Gemma3ForCausalLM`` with them."""
+    import logging
+
+    from loom.model.hf import open_dir
+    from tests.helpers import assert_export_round_trips, imported_with_their_logits, saved_random
+
+    torch.manual_seed(0)
+    text = FIELDS | GEMMA3 | {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    vision = dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28
+    )
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision | {"patch_size": 14},
+        mm_tokens_per_image=4,
+        image_token_index=127,
+    )
+    ref = transformers.Gemma3ForConditionalGeneration(config).eval()
+    saved_random(ref, tmp_path / "src")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("loom.model.hf.directory").addHandler(handler)
+    try:
+        hf = open_dir(tmp_path / "src", 32)
+    finally:
+        logging.getLogger("loom.model.hf.directory").removeHandler(handler)
+    assert not records  # the vision tower is not "unused"
+    cfg = hf.config
+    assert (hf.architecture, cfg.hf_architecture, hf.prefix) == (
+        "Gemma3ForConditionalGeneration",
+        "Gemma3ForCausalLM",
+        "language_model.",
+    )
+    assert (cfg.rope_kind, cfg.rope_scaling, cfg.rope_local_theta) == ("linear", 8.0, 1e4)
+    model, x, _ = imported_with_their_logits(hf, ref)
+    assert_export_round_trips(model, x, tmp_path / "out", transformers.Gemma3ForCausalLM)

@@ -189,8 +189,13 @@ def test_peft_adapters_on_the_fused_tensors_load_with_equal_logits(tmp_path, tar
             "default, longrope)",
         ),
         (
-            {"architectures": ["Gemma3ForConditionalGeneration"]},
-            "config.json: architectures = 'Gemma3ForConditionalGeneration' is not supported (Loom's model "
+            {"architectures": ["Gemma3ForConditionalGeneration"]},  # its text model is read from text_config
+            "config.json: a field has a value of the wrong type: text_config = null, want an object "
+            "(Gemma3ForConditionalGeneration's text model)",
+        ),
+        (
+            {"architectures": ["Llama4ForConditionalGeneration"]},
+            "config.json: architectures = 'Llama4ForConditionalGeneration' is not supported (Loom's model "
             "lacks a vision encoder); supported: " + SUPPORTED,
         ),
         (
@@ -199,7 +204,7 @@ def test_peft_adapters_on_the_fused_tensors_load_with_equal_logits(tmp_path, tar
             "and MLP in parallel); supported: " + SUPPORTED,
         ),
     ],
-    ids=["linear rope", "gemma3 with vision", "unknown"],
+    ids=["linear rope", "gemma3 with vision, no text_config", "llama4 with vision", "unknown"],
 )
 def test_what_loom_cannot_run_is_one_line_naming_the_field(tmp_path, edit, says):
     from loom.model.hf import HFError, open_dir

@@ -22,6 +22,7 @@ from loom.model.hf.families import (
     INDEX,
     OLMOE,
     QWEN3MOE,
+    TEXT_TOWERS,
     HFError,
     _bool,
     architecture,
@@ -159,6 +160,9 @@ def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
             with open_shard(d / name) as f:
                 files.update(dict.fromkeys(f.keys(), name))
     prefix = "transformer." if cfg.positions == "learned" and "transformer.wte.weight" in files else ""
+    arch = architecture(raw)
+    if arch in TEXT_TOWERS:  # the text model's tensors, under their prefix; the rest (vision) left out
+        prefix = TEXT_TOWERS[arch][1]
     embedding = prefix + ("wte.weight" if cfg.positions == "learned" else "model.embed_tokens.weight")
     if cfg.tie_embeddings and HEAD in files and embedding in files and _differ(d, files, embedding, HEAD):
         # transformers then loads the stored head untied ("different values, so we will NOT tie them")
@@ -175,12 +179,16 @@ def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
     shapes = expected_shapes(cfg)
     wanted = {n: m.hf_shape(shapes[lm]) for lm, m in _mappings(cfg, prefix) for n in m.names()}
     zeros = dict(zero_tensors(cfg).values())
-    model = HFModel(d, architecture(raw), cfg, raw, files, prefix, scale_suffix(raw), weight_block(raw))
+    model = HFModel(d, arch, cfg, raw, files, prefix, scale_suffix(raw), weight_block(raw))
     _check_headers(model, wanted | zeros)
     _check_zero(d, files, sorted(zeros))
     wanted |= zeros
     skipped = BUFFERS + (METADATA if model.scale_suffix else ())
-    unused = sorted(n for n in files.keys() - wanted.keys() if not n.endswith(skipped) and n != HEAD)
+    unused = sorted(
+        n
+        for n in files.keys() - wanted.keys()
+        if not n.endswith(skipped) and n != HEAD and n.startswith(prefix)
+    )  # a multimodal checkpoint's other towers are left out by design
     if unused and d not in _UNUSED:  # transformers drops them too ("weights not used"), and says so
         _UNUSED.add(d)
         logging.getLogger(__name__).warning(

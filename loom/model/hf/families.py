@@ -27,6 +27,10 @@ QWEN2: Final = "Qwen2ForCausalLM"
 GEMMA: Final = "GemmaForCausalLM"
 GEMMA2: Final = "Gemma2ForCausalLM"
 GEMMA3: Final = "Gemma3ForCausalLM"
+# Gemma 3's multimodal checkpoints (4B and up): Loom reads their text model (text_config, the
+# language_model. tensors) as a Gemma3ForCausalLM, the vision tower left out
+GEMMA3_MM: Final = "Gemma3ForConditionalGeneration"
+TEXT_TOWERS: Final = {GEMMA3_MM: (GEMMA3, "language_model.")}  # family -> (its text family, tensor prefix)
 MISTRAL: Final = "MistralForCausalLM"
 MINISTRAL: Final = "MinistralForCausalLM"  # Mistral's tensors, windowed on the layers layer_types names
 SMOLLM3: Final = "SmolLM3ForCausalLM"
@@ -57,7 +61,6 @@ MISSING: dict[str, str] = {
     "Qwen3NextForCausalLM": "linear-attention layers",
     "Llama4ForCausalLM": "chunked attention and a shared expert",
     "Llama4ForConditionalGeneration": "a vision encoder",
-    "Gemma3ForConditionalGeneration": "a vision encoder",
     "Mistral3ForConditionalGeneration": "a vision encoder",
     "CohereForCausalLM": "attention and MLP in parallel",
     "Cohere2ForCausalLM": "attention and MLP in parallel",

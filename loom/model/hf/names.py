@@ -60,6 +60,7 @@ the rows and columns (and experts) its parameters hold, never a whole tensor it 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
@@ -101,11 +102,19 @@ class Mapping:
         return (shape[1], rows) if self.conv1d else (rows, *shape[1:])
 
 
-def _mappings(cfg: ModelConfig, prefix: str = "transformer.") -> Iterator[tuple[str, Mapping]]:
-    """(Loom name, :class:`Mapping`) of every tensor; ``prefix``: GPT-2's name prefix."""
+def _mappings(cfg: ModelConfig, prefix: str | None = None) -> Iterator[tuple[str, Mapping]]:
+    """(Loom name, :class:`Mapping`) of every tensor; ``prefix``: before every name (GPT-2's
+    ``transformer.``, the default there; a multimodal checkpoint's text tower ``language_model.``)."""
     if cfg.positions == "learned":
-        yield from _gpt2_mappings(cfg, prefix)
+        yield from _gpt2_mappings(cfg, "transformer." if prefix is None else prefix)
         return
+    for lm, m in _llama_mappings(cfg):
+        names = tuple((prefix or "") + n for n in m.names())
+        yield lm, dataclasses.replace(m, hf=names if isinstance(m.hf, tuple) else names[0])
+
+
+def _llama_mappings(cfg: ModelConfig) -> Iterator[tuple[str, Mapping]]:
+    """:func:`_mappings` of a RoPE model, unprefixed."""
     family = architecture_of(cfg)
     phi3, glm4 = family == PHI3, family == GLM4
     interleaved = family in INTERLEAVED  # q/k pairs (x_2i, x_2i+1) as Loom's: rows kept
