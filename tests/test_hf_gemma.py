@@ -553,3 +553,32 @@ def test_gemma3s_multimodal_checkpoint_imports_its_text_model(tmp_path):
     assert (cfg.rope_kind, cfg.rope_scaling, cfg.rope_local_theta) == ("linear", 8.0, 1e4)
     model, x, _ = imported_with_their_logits(hf, ref)
     assert_export_round_trips(model, x, tmp_path / "out", transformers.Gemma3ForCausalLM)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_mistral3s_multimodal_checkpoint_imports_its_text_model(tmp_path, tie):
+    """``Mistral3ForConditionalGeneration`` (Mistral Small 3.1/3.2): its ``text_config`` (a Mistral) and
+    the ``language_model.`` tensors, the head under that prefix too (or tied, as the top level says);
+    logits equal the multimodal model's on text; exported as a ``MistralForCausalLM``."""
+    from loom.model.hf import open_dir
+    from tests.helpers import assert_export_round_trips, imported_with_their_logits, saved_random
+
+    torch.manual_seed(0)
+    text = {k: v for k, v in FIELDS.items()} | {
+        "model_type": "mistral",
+        "head_dim": 16,
+        "sliding_window": None,
+    }
+    vision = dict(
+        model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2
+    )
+    config = transformers.Mistral3Config(
+        text_config=text, vision_config=vision | {"image_size": 28, "patch_size": 14, "head_dim": 16},
+        image_token_index=127, tie_word_embeddings=tie,
+    )  # fmt: skip
+    ref = transformers.Mistral3ForConditionalGeneration(config).eval()
+    saved_random(ref, tmp_path / "src")
+    hf = open_dir(tmp_path / "src", 32)
+    assert (hf.config.hf_architecture, hf.config.tie_embeddings) == ("MistralForCausalLM", tie)
+    model, x, _ = imported_with_their_logits(hf, ref)
+    assert_export_round_trips(model, x, tmp_path / "out", transformers.MistralForCausalLM)

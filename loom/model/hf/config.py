@@ -164,13 +164,14 @@ def model_config(raw: dict, max_seq_len: int = 0) -> ModelConfig:
     ``max_seq_len``: the longest sequence to prepare RoPE for (0 = ``max_position_embeddings``); a
     sliding window the sequences fit in is left out (it hides no key)."""
     arch = architecture(raw)
-    if arch in TEXT_TOWERS:  # a multimodal checkpoint: its text model
+    if arch in TEXT_TOWERS:  # a multimodal checkpoint: its text model (the top level's tying, if given)
         text = raw.get("text_config")
         if not isinstance(text, dict):
             raise HFError(
                 f"{CONFIG}: {_WRONG}: text_config = {json.dumps(text)[:60]}, want an object ({arch}'s text model)"
             )
-        return model_config(text | {"architectures": [TEXT_TOWERS[arch][0]]}, max_seq_len)
+        tie = {"tie_word_embeddings": raw["tie_word_embeddings"]} if "tie_word_embeddings" in raw else {}
+        return model_config(text | tie | {"architectures": [architecture(text)]}, max_seq_len)
     if arch not in SUPPORTED:
         lacks = f" (Loom's model lacks {MISSING[arch]})" if arch in MISSING else ""
         what = (

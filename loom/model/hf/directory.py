@@ -162,9 +162,10 @@ def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
     prefix = "transformer." if cfg.positions == "learned" and "transformer.wte.weight" in files else ""
     arch = architecture(raw)
     if arch in TEXT_TOWERS:  # the text model's tensors, under their prefix; the rest (vision) left out
-        prefix = TEXT_TOWERS[arch][1]
+        prefix = TEXT_TOWERS[arch]
     embedding = prefix + ("wte.weight" if cfg.positions == "learned" else "model.embed_tokens.weight")
-    if cfg.tie_embeddings and HEAD in files and embedding in files and _differ(d, files, embedding, HEAD):
+    head = prefix + HEAD if prefix != "transformer." else HEAD  # GPT-2's head has no prefix
+    if cfg.tie_embeddings and head in files and embedding in files and _differ(d, files, embedding, head):
         # transformers then loads the stored head untied ("different values, so we will NOT tie them")
         if d not in _UNTIED:
             _UNTIED.add(d)
@@ -172,7 +173,7 @@ def open_dir(path: str | Path, max_seq_len: int = 0) -> HFModel:
                 "%s: %s differs from %s although tie_word_embeddings = true; untied, as transformers "
                 "loads it (the stored head is the model's)",
                 d,
-                HEAD,
+                head,
                 embedding,
             )
         cfg = dataclasses.replace(cfg, tie_embeddings=False)

@@ -27,10 +27,10 @@ QWEN2: Final = "Qwen2ForCausalLM"
 GEMMA: Final = "GemmaForCausalLM"
 GEMMA2: Final = "Gemma2ForCausalLM"
 GEMMA3: Final = "Gemma3ForCausalLM"
-# Gemma 3's multimodal checkpoints (4B and up): Loom reads their text model (text_config, the
-# language_model. tensors) as a Gemma3ForCausalLM, the vision tower left out
+# multimodal checkpoints whose text model Loom reads (text_config, the language_model. tensors), the
+# vision tower left out: Gemma 3's (4B and up), Mistral 3's (Mistral Small 3.1/3.2)
 GEMMA3_MM: Final = "Gemma3ForConditionalGeneration"
-TEXT_TOWERS: Final = {GEMMA3_MM: (GEMMA3, "language_model.")}  # family -> (its text family, tensor prefix)
+TEXT_TOWERS: Final = {GEMMA3_MM: "language_model.", "Mistral3ForConditionalGeneration": "language_model."}
 MISTRAL: Final = "MistralForCausalLM"
 MINISTRAL: Final = "MinistralForCausalLM"  # Mistral's tensors, windowed on the layers layer_types names
 SMOLLM3: Final = "SmolLM3ForCausalLM"
