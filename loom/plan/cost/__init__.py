@@ -137,7 +137,10 @@ Time of one step:
   values (2 B T (cp-1) kd / t more activation bytes per layer); ring sends K/V blocks (and fp32
   dK/dV backward) point to point, each hop overlapped with one block's attention, and saves only
   the local ones; alltoall exchanges q, k, v and the output over cp, not overlapped, and saves its
-  repeated kv heads (f = cp / gcd(k, cp)) and its own output (B T h / t) more.
+  repeated kv heads (f = cp / gcd(k, cp)) and its own output (B T h / t) more. Under ring and
+  allgather a windowed layer within one chunk (w - 1 <= s / 2cp, :func:`~loom.plan.cost.comm.halo_share`)
+  exchanges only its halo rows with its neighbours instead, 2 H kd B_a and 2 H kd 4 per sequence,
+  not overlapped, and keeps them.
 - expert parallel: 4 all-to-alls per MoE layer (dispatch + combine, fwd and bwd; 6 with full
   recomputation) of T_r top_k h B_a bytes (T_r the tokens a rank routes: T/t with sp, T without;
   split experts T, the tp group's, unless the stack gathers the routed rows), (ep-1)/ep of it leaving the device, and the small
