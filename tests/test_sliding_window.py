@@ -544,6 +544,43 @@ def test_four_cp_ranks_exchange_halos_both_ways(pools):
                     )
 
 
+def _halo_layouts(layouts: list[dict]) -> list[dict]:
+    return [train_layout(layout, 2, BATCH, MICRO, model_kw=MODEL_KW) for layout in layouts]
+
+
+@pytest.mark.parametrize(
+    "world,layouts",
+    [
+        (
+            2,
+            [
+                {"cp": 2, "cp_mode": "ring", "recompute": "full"},
+                {"cp": 2, "cp_mode": "allgather", "recompute": "full"},
+            ],
+        ),
+        (
+            4,
+            [
+                {"cp": 2, "tp": 2, "sp": True, "cp_mode": "ring"},
+                {"cp": 2, "dp_shard": 2, "zero": 3, "cp_mode": "allgather"},
+            ],
+        ),
+    ],
+    ids=["recompute full", "with tp2 + sp and ZeRO-3"],
+)
+def test_halo_exchanges_with_recomputation_tp_and_zero3_equal_one_process(pools, references, world, layouts):
+    """The halo exchange run again in full recomputation's backward (every rank, the same order), and
+    beside tp2 + sp (each rank's kv heads) and ZeRO-3 over a dp2 x cp2 group: 2 steps as one process."""
+    for rank in pools(world).run(_halo_layouts, layouts):
+        for layout, r in zip(layouts, rank, strict=True):
+            assert_close(
+                torch.tensor(r["losses"]),
+                torch.tensor(references[False]["losses"][:2]),
+                **TOL,
+                msg=str(layout),
+            )
+
+
 def _seeded_train(layout: dict) -> dict:
     """:func:`train_layout` of the windowed model with dropout (p = 0.1), the default generator seeded
     first (the pool's processes are reused, and dropout draws from it)."""
