@@ -250,25 +250,62 @@ def test_what_transformers_reads_otherwise_is_one_line_naming_the_field(tmp_path
     assert str(e.value) == says
 
 
+YARN_ON = ["--model.rope_scaling=4", "--model.rope_kind=yarn"]
+
+
 @pytest.mark.parametrize(
-    "override,says",
+    "overrides,says",
     [
         (
-            "--model.rope_fraction=0.4",
+            ["--model.rope_fraction=0.4"],
             "model.rope_fraction: must be in (0, 1] with r = int(head_dim * it) even",
         ),
-        ("--model.rope_kind=ntk", "model.rope_kind"),
-        ("--model.rope_short_factor=1,x", "model.rope_short_factor: expected a list of numbers"),
+        (["--model.rope_kind=ntk"], "model.rope_kind"),
+        (["--model.rope_short_factor=1,x"], "model.rope_short_factor: expected a list of numbers"),
+        (
+            [*YARN_ON, "--model.rope_beta_fast=1"],
+            "model.rope_beta_fast: must exceed model.rope_beta_slow > 0",
+        ),
+        ([*YARN_ON, "--model.rope_attn_factor=-1"], "model.rope_attn_factor: must be >= 0"),
+        (
+            ["--model.rope_scaling=4", "--model.rope_kind=longrope"],
+            "model.rope_short_factor: LongRoPE needs 4",
+        ),
+        (["--model.nope_layers=1,9"], "model.nope_layers: 'all' or comma-separated layer indices in [0, 2)"),
+        (["--model.logit_divisor=0"], "model.logit_divisor: must be a finite number > 0 (1 = none), got 0.0"),
+        (["--model.embed_multiplier=inf"], "model.embed_multiplier: must be a finite number"),
+        (["--model.residual_multiplier=-1"], "model.residual_multiplier: must be a finite number > 0"),
     ],
+    ids=lambda v: v if isinstance(v, str) else " ".join(v),
 )
-def test_bad_rope_settings_are_one_line(override, says):
+def test_bad_model_settings_of_the_new_fields_are_one_line(overrides, says):
+    """Each new model field's bad value fails validation (before any rank starts) in one line naming it."""
     import re
 
     from loom.config import ConfigError, LoomConfig, apply_overrides, validate_shape
     from tests.helpers import tiny_model
 
-    with pytest.raises(ConfigError, match=re.escape(says)):
-        validate_shape(apply_overrides(LoomConfig(model=tiny_model()), [override]))
+    with pytest.raises(ConfigError, match=re.escape(says)) as e:
+        validate_shape(apply_overrides(LoomConfig(model=tiny_model()), overrides))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["--model.rope_kind=yarn"], "model.rope_kind"),
+        (["--model.rope_scaling=4", "--model.rope_beta_fast=8"], "model.rope_beta_fast"),
+        (["--model.positions=learned", "--model.nope_layers=1"], "model.nope_layers"),
+    ],
+)
+def test_a_rope_field_the_rule_does_not_read_is_refused_on_the_command_line(overrides, field):
+    """A RoPE setting with no effect under the others (``ModelConfig.rope_idle_fields``) given as an
+    override is refused naming it, never silently unused."""
+    from loom.config import ConfigError, LoomConfig, apply_overrides, check_intent
+    from tests.helpers import tiny_model
+
+    with pytest.raises(ConfigError, match=f"^{field}: has no effect with "):
+        check_intent(apply_overrides(LoomConfig(model=tiny_model()), overrides))
 
 
 def test_longrope_factors_bind_a_resume_where_max_seq_len_crosses_the_original_length():
